@@ -1,0 +1,100 @@
+//! `SnnOps` for `Autodiff<B>`: forward through `B`, backward through `B`'s backward methods.
+
+use crate::ops::{PlifGrads, PlifOutput, SnnOps};
+use burn::backend::autodiff::{
+    Autodiff, NodeId,
+    checkpoint::{base::Checkpointer, strategy::CheckpointStrategy},
+    grads::Gradients,
+    ops::{Backward, Ops, OpsKind},
+};
+use burn::tensor::ops::FloatTensor;
+
+/// Which scan variant a backward node belongs to.
+#[derive(Debug, Clone, Copy)]
+enum Variant {
+    Elem,
+    Row,
+}
+
+/// Saved for backward: `beta` and `v0` as graph checkpoints, `V_post` and the spikes as outputs.
+#[derive(Debug, Clone)]
+struct ScanState<B: SnnOps> {
+    beta: NodeId,
+    v0: NodeId,
+    vpost: FloatTensor<B>,
+    spike: FloatTensor<B>,
+}
+
+#[derive(Debug)]
+struct PlifBackward(Variant);
+
+impl<B: SnnOps> Backward<B, 4> for PlifBackward {
+    type State = ScanState<B>;
+
+    fn backward(self, ops: Ops<Self::State, 4>, grads: &mut Gradients, checkpointer: &mut Checkpointer) {
+        let [node_beta, node_u, node_vth, node_v0] = ops.parents;
+        let grad_vpost = grads.consume::<B>(&ops.node);
+        let state = ops.state;
+        let beta: FloatTensor<B> = checkpointer.retrieve_node_output(state.beta);
+        let v0: FloatTensor<B> = checkpointer.retrieve_node_output(state.v0);
+        let g: PlifGrads<B> = match self.0 {
+            Variant::Elem => B::plif_elem_backward(beta, v0, state.vpost, state.spike, grad_vpost),
+            Variant::Row => B::plif_row_backward(beta, v0, state.vpost, state.spike, grad_vpost),
+        };
+        for (node, grad) in [(node_beta, g.beta), (node_u, g.u), (node_vth, g.vth), (node_v0, g.v0)] {
+            if let Some(node) = node {
+                grads.register::<B>(node.id, grad);
+            }
+        }
+    }
+}
+
+fn forward<B: SnnOps, C: CheckpointStrategy>(
+    variant: Variant,
+    beta: FloatTensor<Autodiff<B, C>>,
+    u: FloatTensor<Autodiff<B, C>>,
+    vth: FloatTensor<Autodiff<B, C>>,
+    v0: FloatTensor<Autodiff<B, C>>,
+) -> PlifOutput<Autodiff<B, C>> {
+    let run = |b, u, t, v| match variant {
+        Variant::Elem => B::plif_elem_forward(b, u, t, v),
+        Variant::Row => B::plif_row_forward(b, u, t, v),
+    };
+    let prep = PlifBackward(variant)
+        .prepare::<C>([beta.node.clone(), u.node.clone(), vth.node.clone(), v0.node.clone()])
+        .compute_bound()
+        .stateful();
+    match prep {
+        OpsKind::Tracked(mut prep) => {
+            let beta_id = prep.checkpoint(&beta);
+            let v0_id = prep.checkpoint(&v0);
+            let out = run(beta.primitive, u.primitive, vth.primitive, v0.primitive);
+            let state = ScanState { beta: beta_id, v0: v0_id, vpost: out.vpost.clone(), spike: out.spike.clone() };
+            PlifOutput { spike: <FloatTensor<Autodiff<B, C>>>::new(out.spike), vpost: prep.finish(state, out.vpost) }
+        }
+        OpsKind::UnTracked(prep) => {
+            let out = run(beta.primitive, u.primitive, vth.primitive, v0.primitive);
+            PlifOutput { spike: <FloatTensor<Autodiff<B, C>>>::new(out.spike), vpost: prep.finish(out.vpost) }
+        }
+    }
+}
+
+impl<B: SnnOps, C: CheckpointStrategy> SnnOps for Autodiff<B, C> {
+    fn plif_elem_forward(
+        beta: FloatTensor<Self>,
+        u: FloatTensor<Self>,
+        vth: FloatTensor<Self>,
+        v0: FloatTensor<Self>,
+    ) -> PlifOutput<Self> {
+        forward::<B, C>(Variant::Elem, beta, u, vth, v0)
+    }
+
+    fn plif_row_forward(
+        beta: FloatTensor<Self>,
+        u: FloatTensor<Self>,
+        vth: FloatTensor<Self>,
+        v0: FloatTensor<Self>,
+    ) -> PlifOutput<Self> {
+        forward::<B, C>(Variant::Row, beta, u, vth, v0)
+    }
+}

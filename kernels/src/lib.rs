@@ -1,0 +1,30 @@
+//! PLIF scan kernels for NeuronSpark (SPEC §6).
+//!
+//! This crate owns the one operation that makes the model a spiking network: the sequential
+//! PLIF membrane scan `V_pre = β·V + u; s = (V_pre ≥ V_th); V = V_pre − V_th·s` over the whole
+//! `T·K` frame sequence, in its two shapes:
+//!
+//! * **per-element** (selective): `β, u, V_th` all `(TK, B, dim)` — the SNNBlock hidden neurons;
+//! * **row-parameter**: `β, V_th` are `(B, dim)` held for every step — input, FFN and output neurons.
+//!
+//! Both are *exact* sequential recurrences (never the reference's approximate 3-iteration fixed
+//! point), computed with a fused multiply-add like the reference kernels so the fixture matches bit
+//! for bit. The backward pass treats the reset spike as a constant (SPEC §6.1: the spike output is
+//! never used, so no surrogate term reaches any gradient).
+//!
+//! Layers:
+//! * [`reference`] — the scans on host slices, forward and backward; the ground truth.
+//! * [`SnnOps`] — the burn backend extension trait the model calls. Its default methods run the
+//!   reference on the host, so every backend is correct out of the box; GPU backends override
+//!   them with fused kernels and are tested against these defaults.
+//! * `Autodiff<B>` implements [`SnnOps`] with its own backward node calling `B`'s backward
+//!   methods, so the scans are differentiable on any backend.
+//! * [`plif_elem`] / [`plif_row`] — the tensor-level API used by `model`.
+//!
+//! Depends only on burn (no plugin, runtime or CUDA code).
+
+mod autodiff;
+mod ops;
+pub mod reference;
+
+pub use ops::{PlifGrads, PlifOutput, SnnOps, plif_elem, plif_row};

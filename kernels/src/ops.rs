@@ -1,0 +1,200 @@
+//! The `SnnOps` backend extension trait and the tensor-level scan API.
+
+use crate::reference::{self, ScanGrads, ScanOut};
+use burn::tensor::{
+    Shape, Tensor, TensorData, TensorPrimitive, backend::Backend, ops::FloatTensor,
+};
+
+/// Forward outputs of a PLIF scan, both `[TK, B, dim]`: spikes (0/1) and `V_post`.
+#[derive(Debug, Clone)]
+pub struct PlifOutput<B: Backend> {
+    pub spike: FloatTensor<B>,
+    pub vpost: FloatTensor<B>,
+}
+
+/// Gradients of a PLIF scan with respect to `(beta, u, vth, v0)`, shaped like those inputs.
+#[derive(Debug, Clone)]
+pub struct PlifGrads<B: Backend> {
+    pub beta: FloatTensor<B>,
+    pub u: FloatTensor<B>,
+    pub vth: FloatTensor<B>,
+    pub v0: FloatTensor<B>,
+}
+
+/// Backend extension with the PLIF scans (DESIGN "The seams", point 1).
+///
+/// ## Design
+///
+/// Every method has a default: the exact sequential scan of [`crate::reference`], run on the host
+/// after reading the inputs back. That makes any burn backend correct with no extra code, and it
+/// is the reference every fused kernel is tested against. A backend overrides a method only with
+/// a kernel that computes the same recurrence (same `≥` test, same fused multiply-add, `f32`
+/// state). The backward methods receive the saved forward outputs, never `u` or `V_pre`, which
+/// lets a kernel skip storing them (SPEC §6.1).
+///
+/// Shapes: `u` is `[TK, B, dim]`; `v0` is `[B, dim]`; per-element `beta, vth` are `[TK, B, dim]`,
+/// row-parameter `beta, vth` are `[B, dim]` (held for all `TK` steps).
+pub trait SnnOps: Backend {
+    /// Per-element (selective) scan forward.
+    fn plif_elem_forward(
+        beta: FloatTensor<Self>,
+        u: FloatTensor<Self>,
+        vth: FloatTensor<Self>,
+        v0: FloatTensor<Self>,
+    ) -> PlifOutput<Self> {
+        let (shape, cols) = scan_shape::<Self>(&u, &v0);
+        let out = reference::elem_forward(
+            &host::<Self>(beta),
+            &host::<Self>(u.clone()),
+            &host::<Self>(vth),
+            &host::<Self>(v0),
+            cols,
+        );
+        scan_out::<Self>(out, shape, &u)
+    }
+
+    /// Per-element scan backward: gradients of `Σ V_post·grad_vpost`.
+    fn plif_elem_backward(
+        beta: FloatTensor<Self>,
+        v0: FloatTensor<Self>,
+        vpost: FloatTensor<Self>,
+        spike: FloatTensor<Self>,
+        grad_vpost: FloatTensor<Self>,
+    ) -> PlifGrads<Self> {
+        let (shape, cols) = scan_shape::<Self>(&grad_vpost, &v0);
+        let g = reference::elem_backward(
+            &host::<Self>(beta),
+            &host::<Self>(v0),
+            &host::<Self>(vpost),
+            &host::<Self>(spike),
+            &host::<Self>(grad_vpost.clone()),
+            cols,
+        );
+        scan_grads::<Self>(g, shape.clone(), shape, &grad_vpost)
+    }
+
+    /// Row-parameter scan forward.
+    fn plif_row_forward(
+        beta: FloatTensor<Self>,
+        u: FloatTensor<Self>,
+        vth: FloatTensor<Self>,
+        v0: FloatTensor<Self>,
+    ) -> PlifOutput<Self> {
+        let (shape, cols) = scan_shape::<Self>(&u, &v0);
+        let out = reference::row_forward(
+            &host::<Self>(beta),
+            &host::<Self>(u.clone()),
+            &host::<Self>(vth),
+            &host::<Self>(v0),
+            cols,
+        );
+        scan_out::<Self>(out, shape, &u)
+    }
+
+    /// Row-parameter scan backward; `beta`/`vth` gradients are `[B, dim]` sums over time.
+    fn plif_row_backward(
+        beta: FloatTensor<Self>,
+        v0: FloatTensor<Self>,
+        vpost: FloatTensor<Self>,
+        spike: FloatTensor<Self>,
+        grad_vpost: FloatTensor<Self>,
+    ) -> PlifGrads<Self> {
+        let (shape, cols) = scan_shape::<Self>(&grad_vpost, &v0);
+        let row_shape = Shape::new([shape[1], shape[2]]);
+        let g = reference::row_backward(
+            &host::<Self>(beta),
+            &host::<Self>(v0),
+            &host::<Self>(vpost),
+            &host::<Self>(spike),
+            &host::<Self>(grad_vpost.clone()),
+            cols,
+        );
+        scan_grads::<Self>(g, row_shape, shape, &grad_vpost)
+    }
+}
+
+/// Per-element PLIF scan. `beta, u, vth`: `[TK, B, dim]`; `v0`: `[B, dim]`.
+/// Returns `(spike, V_post)`, both `[TK, B, dim]`; only `V_post` carries gradient.
+pub fn plif_elem<B: SnnOps>(
+    beta: Tensor<B, 3>,
+    u: Tensor<B, 3>,
+    vth: Tensor<B, 3>,
+    v0: Tensor<B, 2>,
+) -> (Tensor<B, 3>, Tensor<B, 3>) {
+    let out = B::plif_elem_forward(prim(beta), prim(u), prim(vth), prim(v0));
+    (wrap(out.spike), wrap(out.vpost))
+}
+
+/// Row-parameter PLIF scan. `beta, vth`: `[B, dim]`; `u`: `[TK, B, dim]`; `v0`: `[B, dim]`.
+/// Returns `(spike, V_post)`, both `[TK, B, dim]`; only `V_post` carries gradient.
+pub fn plif_row<B: SnnOps>(
+    beta: Tensor<B, 2>,
+    u: Tensor<B, 3>,
+    vth: Tensor<B, 2>,
+    v0: Tensor<B, 2>,
+) -> (Tensor<B, 3>, Tensor<B, 3>) {
+    let out = B::plif_row_forward(prim(beta), prim(u), prim(vth), prim(v0));
+    (wrap(out.spike), wrap(out.vpost))
+}
+
+fn prim<B: Backend, const D: usize>(t: Tensor<B, D>) -> FloatTensor<B> {
+    t.into_primitive().tensor()
+}
+
+fn wrap<B: Backend, const D: usize>(p: FloatTensor<B>) -> Tensor<B, D> {
+    Tensor::from_primitive(TensorPrimitive::Float(p))
+}
+
+/// `[TK, B, dim]` shape of the sequence tensor and the column count `B·dim`.
+fn scan_shape<B: Backend>(seq: &FloatTensor<B>, v0: &FloatTensor<B>) -> (Shape, usize) {
+    use burn::tensor::TensorMetadata;
+    let shape = seq.shape();
+    assert_eq!(shape.num_dims(), 3, "PLIF scan: sequence tensors must be [TK, B, dim], got {shape:?}");
+    let v0_shape = v0.shape();
+    assert_eq!(
+        v0_shape.as_slice(),
+        &shape[1..],
+        "PLIF scan: v0 must be [B, dim] = {:?}, got {v0_shape:?}",
+        &shape[1..]
+    );
+    let cols = shape[1] * shape[2];
+    (shape, cols)
+}
+
+fn host<B: Backend>(t: FloatTensor<B>) -> Vec<f32> {
+    use burn::tensor::TensorMetadata;
+    let data = match t.shape().num_dims() {
+        2 => wrap::<B, 2>(t).into_data(),
+        3 => wrap::<B, 3>(t).into_data(),
+        n => panic!("PLIF scan: unexpected rank {n}"),
+    };
+    data.convert::<f32>()
+        .into_vec::<f32>()
+        .expect("f32 data converts to Vec<f32>")
+}
+
+fn device_tensor<B: Backend>(values: Vec<f32>, shape: Shape, like: &FloatTensor<B>) -> FloatTensor<B> {
+    let device = B::float_device(like);
+    let data = TensorData::new(values, shape);
+    B::float_from_data(data, &device)
+}
+
+fn scan_out<B: Backend>(out: ScanOut, shape: Shape, like: &FloatTensor<B>) -> PlifOutput<B> {
+    PlifOutput {
+        spike: device_tensor::<B>(out.spike, shape.clone(), like),
+        vpost: device_tensor::<B>(out.vpost, shape, like),
+    }
+}
+
+fn scan_grads<B: Backend>(g: ScanGrads, param_shape: Shape, seq_shape: Shape, like: &FloatTensor<B>) -> PlifGrads<B> {
+    let state_shape = Shape::new([seq_shape[1], seq_shape[2]]);
+    PlifGrads {
+        beta: device_tensor::<B>(g.beta, param_shape.clone(), like),
+        u: device_tensor::<B>(g.u, seq_shape, like),
+        vth: device_tensor::<B>(g.vth, param_shape, like),
+        v0: device_tensor::<B>(g.v0, state_shape, like),
+    }
+}
+
+#[cfg(feature = "ndarray")]
+impl SnnOps for burn_ndarray::NdArray<f32> {}

@@ -174,8 +174,9 @@ fn host<B: Backend>(t: FloatTensor<B>) -> Vec<f32> {
 }
 
 fn device_tensor<B: Backend>(values: Vec<f32>, shape: Shape, like: &FloatTensor<B>) -> FloatTensor<B> {
+    use burn::tensor::TensorMetadata;
     let device = B::float_device(like);
-    let data = TensorData::new(values, shape);
+    let data = TensorData::new(values, shape).convert_dtype(like.dtype());
     B::float_from_data(data, &device)
 }
 

@@ -1,0 +1,159 @@
+//! SNNDecoderLayer: two Pre-LN sublayers, each PLIF input → SNN core → PonderAgg → centred
+//! out-projection added to the residual stream (SPEC §2.3).
+
+use crate::config::{ModelConfig, consts};
+use crate::init::{Rng, xavier};
+use crate::neurons::{PlifNode, RmsNorm, param};
+use crate::params::{Linear, impl_params};
+use crate::snn_block::SnnBlock;
+use crate::snn_ffn::SnnFfn;
+use burn::tensor::{Tensor, TensorData, activation::sigmoid, backend::Backend};
+use nsactor_kernels::SnnOps;
+
+/// Input-neuron threshold base `v0 = 0.5` (τ₀ = 2).
+const INPUT_V_THRESHOLD: f64 = 0.5;
+const HALT_BIAS: f32 = -3.5;
+
+#[derive(Debug, Clone)]
+pub struct SnnDecoderLayer<B: Backend> {
+    pub snn_block: SnnBlock<B>,
+    pub snn_ffn: SnnFfn<B>,
+    pub block_norm: RmsNorm<B>,
+    pub ffn_norm: RmsNorm<B>,
+    pub input_neuron1: PlifNode<B>,
+    pub input_neuron2: PlifNode<B>,
+    pub block_out_proj: Linear<B>,
+    pub ffn_out_proj: Linear<B>,
+    pub block_halt: Linear<B>,
+    pub ffn_halt: Linear<B>,
+}
+impl_params!(SnnDecoderLayer {
+    tensors: [],
+    modules: [snn_block, snn_ffn, block_norm, ffn_norm, input_neuron1, input_neuron2, block_out_proj, ffn_out_proj, block_halt, ffn_halt]
+});
+
+/// The membrane states one layer carries between calls (the "KV cache" of an SNN):
+/// `input1`, `input2` `[B, D]`, `hidden` `[B, D·N]`, `ffn` `[B, 2·D_ff]` (gate then up).
+#[derive(Debug, Clone)]
+pub struct LayerState<B: Backend> {
+    pub input1: Tensor<B, 2>,
+    pub hidden: Tensor<B, 2>,
+    pub input2: Tensor<B, 2>,
+    pub ffn: Tensor<B, 2>,
+}
+
+impl<B: Backend> LayerState<B> {
+    /// All membranes at rest (the state at the start of every training sequence).
+    pub fn zeros(cfg: &ModelConfig, batch: usize, device: &B::Device) -> Self {
+        LayerState {
+            input1: Tensor::zeros([batch, cfg.d], device),
+            hidden: Tensor::zeros([batch, cfg.dn()], device),
+            input2: Tensor::zeros([batch, cfg.d], device),
+            ffn: Tensor::zeros([batch, 2 * cfg.d_ff], device),
+        }
+    }
+}
+
+/// What a layer returns for a sequence.
+#[derive(Debug, Clone)]
+pub struct LayerOutput<B: Backend> {
+    /// Residual stream after the layer, per token `[T, B, D]`.
+    pub h: Tensor<B, 3>,
+    /// `(pc₁ + pc₂)/2`, each the mean E[K] over `(T, B)` (a scalar `[1]`).
+    pub ponder_cost: Tensor<B, 1>,
+    /// E[K] per token of the two sublayers, `[T, B]` each.
+    pub expected_k: [Tensor<B, 2>; 2],
+    pub state: LayerState<B>,
+}
+
+impl<B: SnnOps> SnnDecoderLayer<B> {
+    pub fn init(cfg: &ModelConfig, rng: &mut Rng, device: &B::Device) -> Self {
+        let d = cfg.d;
+        let out_std = 0.02 / ((2 * cfg.num_layers) as f64).sqrt();
+        let lin = |w, out, inp, bias: Option<Vec<f32>>| Linear {
+            weight: param(w, [out, inp], device),
+            bias: bias.map(|b| param(b, [out], device)),
+        };
+        let snn_block = SnnBlock::init(cfg, rng, device);
+        let snn_ffn = SnnFfn::init(cfg, rng, device);
+        let input_neuron1 = PlifNode::init(d, INPUT_V_THRESHOLD, rng, device);
+        let input_neuron2 = PlifNode::init(d, INPUT_V_THRESHOLD, rng, device);
+        let block_out_proj = lin(rng.normal_vec(d * d, 0.0, out_std), d, d, None);
+        let ffn_out_proj = lin(rng.normal_vec(d * d, 0.0, out_std), d, d, None);
+        let halt = |rng: &mut Rng| {
+            let w = xavier(rng, 1, d).into_iter().map(|x| x * 0.01).collect();
+            lin(w, 1, d, Some(vec![HALT_BIAS]))
+        };
+        let block_halt = halt(rng);
+        let ffn_halt = halt(rng);
+        SnnDecoderLayer {
+            snn_block,
+            snn_ffn,
+            block_norm: RmsNorm::init(d, device),
+            ffn_norm: RmsNorm::init(d, device),
+            input_neuron1,
+            input_neuron2,
+            block_out_proj,
+            ffn_out_proj,
+            block_halt,
+            ffn_halt,
+        }
+    }
+
+    /// Runs the layer over `h` `[T, B, D]` (one vector per token: the residual stream is the same
+    /// in all K frames, SPEC §3) from `state`. Training starts from [`LayerState::zeros`]; decoding
+    /// passes the state returned by the previous call, so T calls with one token each equal one
+    /// call with T tokens.
+    pub fn forward(&self, h: Tensor<B, 3>, state: LayerState<B>, cfg: &ModelConfig) -> LayerOutput<B> {
+        let k = cfg.k;
+        let out = cfg.plif_out;
+        // Sublayer 1: SNNBlock.
+        let (a1, input1) = self.input_neuron1.forward_tokens(self.block_norm.forward(h.clone()), k, state.input1, out);
+        let (c1, hidden) = self.snn_block.forward(a1, state.hidden, cfg.v_th_min);
+        let (agg1, ek1) = ponder_agg(c1, &self.block_halt, k);
+        let h = h + centred(&self.block_out_proj, agg1);
+        // Sublayer 2: SNNFFN.
+        let (a2, input2) = self.input_neuron2.forward_tokens(self.ffn_norm.forward(h.clone()), k, state.input2, out);
+        let (c2, ffn) = self.snn_ffn.forward(a2, state.ffn, out);
+        let (agg2, ek2) = ponder_agg(c2, &self.ffn_halt, k);
+        let h = h + centred(&self.ffn_out_proj, agg2);
+        let ponder_cost = (ek1.clone().mean() + ek2.clone().mean()) / 2.0;
+        LayerOutput { h, ponder_cost, expected_k: [ek1, ek2], state: LayerState { input1, hidden, input2, ffn } }
+    }
+
+    /// Alias of [`forward`](Self::forward) for one token `[1, B, D]`, named for the streaming path.
+    pub fn step(&self, h: Tensor<B, 3>, state: LayerState<B>, cfg: &ModelConfig) -> LayerOutput<B> {
+        assert_eq!(h.dims()[0], 1, "step takes one token, got {}", h.dims()[0]);
+        self.forward(h, state, cfg)
+    }
+}
+
+/// Out-projection with residual centering: `r − mean_D(r)` per token.
+fn centred<B: Backend>(proj: &Linear<B>, agg: Tensor<B, 3>) -> Tensor<B, 3> {
+    let [t, b, d] = agg.dims();
+    let r = proj.forward(agg.reshape([t * b, d])).reshape([t, b, d]);
+    r.clone() - r.mean_dim(2)
+}
+
+/// PonderNet aggregation over the K frames of each token (SPEC §2.3): geometric halting
+/// `λ_k = p_k·Π_{j<k}(1 − p_j)`, normalised by `Σλ` (not PonderNet's remainder-to-last-step).
+/// `frames` `[T·K, B, D]` → aggregate `[T, B, D]` and E[K] `[T, B]`.
+pub fn ponder_agg<B: Backend>(frames: Tensor<B, 3>, halt: &Linear<B>, k: usize) -> (Tensor<B, 3>, Tensor<B, 2>) {
+    let [tk, b, d] = frames.dims();
+    let t = tk / k;
+    let logit = halt.forward(frames.clone().reshape([tk * b, d])).reshape([t, k, b]);
+    let p = sigmoid(logit).clamp(consts::HALT_CLAMP, 1.0 - consts::HALT_CLAMP);
+    let log_stay = p.clone().neg().log1p(); // log(1 − p_j)
+    // Exclusive cumsum over k: logS_0 = 0, logS_k = Σ_{j<k} log(1 − p_j).
+    let log_survive = Tensor::cat(
+        vec![Tensor::zeros([t, 1, b], &log_stay.device()), log_stay.slice([0..t, 0..k - 1]).cumsum(1)],
+        1,
+    );
+    let lambda = p * log_survive.exp();
+    let lambda_hat = lambda.clone() / (lambda.sum_dim(1) + consts::HALT_NORM_EPS); // [T, K, B]
+    let agg = (frames.reshape([t, k, b, d]) * lambda_hat.clone().unsqueeze_dim::<4>(3)).sum_dim(1);
+    let steps: Vec<f32> = (1..=k).map(|i| i as f32).collect();
+    let steps = Tensor::<B, 1>::from_data(TensorData::new(steps, [k]), &lambda_hat.device()).reshape([1, k, 1]);
+    let ek = (lambda_hat * steps).sum_dim(1).reshape([t, b]);
+    (agg.reshape([t, b, d]), ek)
+}

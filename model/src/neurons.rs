@@ -1,0 +1,104 @@
+//! Row-parameter PLIF neurons and the two RMS normalisations.
+
+use crate::config::{PlifOut, consts};
+use crate::init::Rng;
+use crate::params::impl_params;
+use burn::tensor::{Tensor, TensorData, activation::sigmoid, backend::Backend};
+use nsactor_kernels::{SnnOps, plif_row};
+
+/// Builds a parameter tensor from host values (marked for gradients on autodiff backends).
+pub(crate) fn param<B: Backend, const D: usize>(values: Vec<f32>, shape: [usize; D], device: &B::Device) -> Tensor<B, D> {
+    Tensor::from_data(TensorData::new(values, shape), device).require_grad()
+}
+
+/// Repeats a per-token tensor `[T, B, C]` over the K frames of each token → `[T·K, B, C]`
+/// (token-major, frame-minor; SPEC §3).
+pub(crate) fn repeat_frames<B: Backend>(x: Tensor<B, 3>, k: usize) -> Tensor<B, 3> {
+    let [t, b, c] = x.dims();
+    x.unsqueeze_dim::<4>(1).expand([t, k, b, c]).reshape([t * k, b, c])
+}
+
+/// PLIFNode with a learnable decay `β = σ(w)` and threshold `v_th` per channel.
+#[derive(Debug, Clone)]
+pub struct PlifNode<B: Backend> {
+    pub w: Tensor<B, 1>,
+    pub v_th: Tensor<B, 1>,
+}
+impl_params!(PlifNode { tensors: [w, v_th], modules: [] });
+
+impl<B: SnnOps> PlifNode<B> {
+    /// `w ~ N(0, 0.5)` (τ₀ = 2), `v_th ~ U(v0/2, 3·v0/2)`.
+    pub fn init(dim: usize, v0: f64, rng: &mut Rng, device: &B::Device) -> Self {
+        PlifNode {
+            w: param(rng.normal_vec(dim, 0.0, 0.5), [dim], device),
+            v_th: param(rng.uniform_vec(dim, 0.5 * v0, 1.5 * v0), [dim], device),
+        }
+    }
+
+    /// Runs the neuron over K frames of a per-token input `x` `[T, B, dim]` with input current
+    /// `u = (1 − β)·x` (SPEC §2.3). Returns the output `[T·K, B, dim]` (leak or raw `V_post`) and
+    /// the final membrane state `[B, dim]` (detached, as the reference carries it).
+    pub fn forward_tokens(&self, x: Tensor<B, 3>, k: usize, v0: Tensor<B, 2>, out: PlifOut) -> (Tensor<B, 3>, Tensor<B, 2>) {
+        let [_, b, dim] = x.dims();
+        let beta = sigmoid(self.w.clone()); // [dim]
+        let one_minus = beta.clone().neg() + 1.0;
+        let u = repeat_frames(x * one_minus.clone().unsqueeze::<3>(), k);
+        let (_, vpost) = plif_row(
+            beta.unsqueeze::<2>().expand([b, dim]),
+            u,
+            self.v_th.clone().unsqueeze::<2>().expand([b, dim]),
+            v0,
+        );
+        let last = last_frame(&vpost);
+        let y = match out {
+            PlifOut::Leak => vpost * one_minus.unsqueeze::<3>(),
+            PlifOut::VPost => vpost,
+        };
+        (y, last)
+    }
+}
+
+/// The last frame `[B, C]` of a `[TK, B, C]` sequence, detached.
+pub(crate) fn last_frame<B: Backend>(x: &Tensor<B, 3>) -> Tensor<B, 2> {
+    let [tk, b, c] = x.dims();
+    x.clone().slice([tk - 1..tk]).reshape([b, c]).detach()
+}
+
+/// RMSNorm, `y = w · x / √(mean(x²) + 1e-6)` over the last dimension.
+#[derive(Debug, Clone)]
+pub struct RmsNorm<B: Backend> {
+    pub weight: Tensor<B, 1>,
+}
+impl_params!(RmsNorm { tensors: [weight], modules: [] });
+
+impl<B: Backend> RmsNorm<B> {
+    pub fn init(dim: usize, device: &B::Device) -> Self {
+        RmsNorm { weight: param(vec![1.0; dim], [dim], device) }
+    }
+
+    pub fn forward(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
+        rms_scale(x, consts::RMS_EPS) * self.weight.clone().unsqueeze::<3>()
+    }
+}
+
+/// LateralInhibition: divisive normalisation with a learnable gain (RMSNorm-equivalent, SPEC §2.4).
+#[derive(Debug, Clone)]
+pub struct LateralInhibition<B: Backend> {
+    pub gain: Tensor<B, 1>,
+}
+impl_params!(LateralInhibition { tensors: [gain], modules: [] });
+
+impl<B: Backend> LateralInhibition<B> {
+    pub fn init(dim: usize, device: &B::Device) -> Self {
+        LateralInhibition { gain: param(vec![1.0; dim], [dim], device) }
+    }
+
+    pub fn forward(&self, y: Tensor<B, 3>) -> Tensor<B, 3> {
+        rms_scale(y, consts::LATERAL_EPS) * self.gain.clone().unsqueeze::<3>()
+    }
+}
+
+fn rms_scale<B: Backend>(x: Tensor<B, 3>, eps: f64) -> Tensor<B, 3> {
+    let ms = x.clone().square().mean_dim(2);
+    x * (ms + eps).sqrt().recip()
+}

@@ -1,0 +1,108 @@
+//! Named parameters: every module lists its tensors under the reference `state_dict` keys, so
+//! import/export, optimizer state and parameter groups all work by name in one fixed order.
+
+use burn::tensor::{Tensor, backend::Backend};
+
+/// Reads parameters in declaration order.
+pub trait ParamVisitor<B: Backend> {
+    fn visit<const D: usize>(&mut self, name: &str, param: &Tensor<B, D>);
+}
+
+/// Replaces parameters in declaration order.
+pub trait ParamMapper<B: Backend> {
+    fn map<const D: usize>(&mut self, name: &str, param: Tensor<B, D>) -> Tensor<B, D>;
+}
+
+/// A module with named parameters.
+pub trait Params<B: Backend> {
+    fn visit_params<V: ParamVisitor<B>>(&self, prefix: &str, v: &mut V);
+    fn map_params<M: ParamMapper<B>>(&mut self, prefix: &str, m: &mut M);
+}
+
+/// Implements [`Params`] for a struct from its tensor fields and sub-module fields; the names are
+/// the field names, so fields must equal checkpoint keys.
+macro_rules! impl_params {
+    ($ty:ident { tensors: [$($t:ident),* $(,)?], modules: [$($m:ident),* $(,)?] }) => {
+        impl<B: burn::tensor::backend::Backend> $crate::params::Params<B> for $ty<B> {
+            fn visit_params<V: $crate::params::ParamVisitor<B>>(&self, prefix: &str, v: &mut V) {
+                $( v.visit(&format!("{prefix}{}", stringify!($t)), &self.$t); )*
+                $( self.$m.visit_params(&format!("{prefix}{}.", stringify!($m)), v); )*
+            }
+            fn map_params<M: $crate::params::ParamMapper<B>>(&mut self, prefix: &str, m: &mut M) {
+                $( self.$t = m.map(&format!("{prefix}{}", stringify!($t)), self.$t.clone()); )*
+                $( self.$m.map_params(&format!("{prefix}{}.", stringify!($m)), m); )*
+            }
+        }
+    };
+}
+pub(crate) use impl_params;
+
+/// Bias-free or biased linear map with PyTorch's `(out, in)` weight layout.
+#[derive(Debug, Clone)]
+pub struct Linear<B: Backend> {
+    pub weight: Tensor<B, 2>,
+    pub bias: Option<Tensor<B, 1>>,
+}
+
+impl<B: Backend> Linear<B> {
+    /// `x @ Wᵀ (+ b)` over the rows of `x` `[rows, in]`.
+    pub fn forward(&self, x: Tensor<B, 2>) -> Tensor<B, 2> {
+        let y = x.matmul(self.weight.clone().transpose());
+        match &self.bias {
+            Some(b) => y + b.clone().unsqueeze::<2>(),
+            None => y,
+        }
+    }
+}
+
+impl<B: Backend> Params<B> for Linear<B> {
+    fn visit_params<V: ParamVisitor<B>>(&self, prefix: &str, v: &mut V) {
+        v.visit(&format!("{prefix}weight"), &self.weight);
+        if let Some(b) = &self.bias {
+            v.visit(&format!("{prefix}bias"), b);
+        }
+    }
+    fn map_params<M: ParamMapper<B>>(&mut self, prefix: &str, m: &mut M) {
+        self.weight = m.map(&format!("{prefix}weight"), self.weight.clone());
+        if let Some(b) = self.bias.take() {
+            self.bias = Some(m.map(&format!("{prefix}bias"), b));
+        }
+    }
+}
+
+impl<B: Backend, T: Params<B>> Params<B> for Vec<T> {
+    fn visit_params<V: ParamVisitor<B>>(&self, prefix: &str, v: &mut V) {
+        for (i, item) in self.iter().enumerate() {
+            item.visit_params(&format!("{prefix}{i}."), v);
+        }
+    }
+    fn map_params<M: ParamMapper<B>>(&mut self, prefix: &str, m: &mut M) {
+        for (i, item) in self.iter_mut().enumerate() {
+            item.map_params(&format!("{prefix}{i}."), m);
+        }
+    }
+}
+
+/// Parameter names and shapes of any module, in order.
+pub fn param_shapes<B: Backend, P: Params<B>>(module: &P) -> Vec<(String, Vec<usize>)> {
+    struct Shapes(Vec<(String, Vec<usize>)>);
+    impl<B: Backend> ParamVisitor<B> for Shapes {
+        fn visit<const D: usize>(&mut self, name: &str, p: &Tensor<B, D>) {
+            self.0.push((name.to_string(), p.dims().to_vec()));
+        }
+    }
+    let mut s = Shapes(Vec::new());
+    module.visit_params("", &mut s);
+    s.0
+}
+
+/// Whether a parameter belongs to the neuron group trained at `neuron_lr_mult ×` the base LR
+/// (SPEC §7.1): PLIF `w`/`v_th` of the input, FFN and output neurons, and the SNNBlock
+/// modulation biases. Everything else — halts, norms, decode_proj bias, embedding — is base LR.
+pub fn is_neuron_param(name: &str) -> bool {
+    const NEURONS: [&str; 4] = ["input_neuron1.", "input_neuron2.", "gate_neuron.", "up_neuron."];
+    const BIASES: [&str; 3] = ["snn_block.b_beta", "snn_block.b_alpha", "snn_block.b_th"];
+    name.starts_with("output_neuron.")
+        || NEURONS.iter().any(|n| name.contains(n))
+        || BIASES.iter().any(|b| name.ends_with(b))
+}

@@ -1,0 +1,109 @@
+//! SNNBlock: seven projections, fused modulation and the selective hidden PLIF scan (SPEC §2.3).
+
+use crate::config::ModelConfig;
+use crate::init::{BlockInitTable, Rng, kaiming};
+use crate::neurons::{last_frame, param};
+use crate::params::{Linear, impl_params};
+use burn::tensor::{Tensor, activation::sigmoid, backend::Backend};
+use nsactor_kernels::{SnnOps, plif_elem};
+
+/// Field names are the reference `state_dict` keys (`snn_block.W_in.weight`, …).
+#[allow(non_snake_case)]
+#[derive(Debug, Clone)]
+pub struct SnnBlock<B: Backend> {
+    pub b_beta: Tensor<B, 1>,
+    pub b_alpha: Tensor<B, 1>,
+    pub b_th: Tensor<B, 1>,
+    pub W_in: Linear<B>,
+    pub W_beta_x: Linear<B>,
+    pub W_alpha_x: Linear<B>,
+    pub W_th_x: Linear<B>,
+    pub W_gate: Linear<B>,
+    pub W_skip: Linear<B>,
+    pub W_out: Linear<B>,
+}
+impl_params!(SnnBlock {
+    tensors: [b_beta, b_alpha, b_th],
+    modules: [W_in, W_beta_x, W_alpha_x, W_th_x, W_gate, W_skip, W_out]
+});
+
+/// `softplus⁻¹(1) = ln(e − 1)`: the `b_alpha` init mean, so `α ≈ 1` at init.
+const B_ALPHA_MEAN: f64 = 0.541_324_854_612_918;
+
+fn linear<B: Backend>(w: Vec<f32>, out: usize, inp: usize, device: &B::Device) -> Linear<B> {
+    Linear { weight: param(w, [out, inp], device), bias: None }
+}
+
+impl<B: SnnOps> SnnBlock<B> {
+    /// Structured init of SPEC §5 (hidden neuron index `d·N + n`).
+    pub fn init(cfg: &ModelConfig, rng: &mut Rng, device: &B::Device) -> Self {
+        let (d, n, dn) = (cfg.d, cfg.n, cfg.dn());
+        let table = BlockInitTable::new(n, cfg.v_th_min);
+        let b_beta = (0..dn)
+            .map(|r| {
+                let b = table.beta[r % n];
+                ((b / (1.0 - b)).ln() + 0.1 * rng.normal()) as f32
+            })
+            .collect();
+        let b_alpha = rng.normal_vec(dn, B_ALPHA_MEAN, 0.1);
+        let b_th = (0..dn).map(|r| (table.b_th[r % n] + 0.02 * rng.normal()) as f32).collect();
+        let mut w_in = kaiming(rng, dn, d);
+        for (r, row) in w_in.chunks_exact_mut(d).enumerate() {
+            let s = table.w_in_scale[r % n] as f32;
+            row.iter_mut().for_each(|x| *x *= s);
+        }
+        let small = |rng: &mut Rng| kaiming(rng, dn, d).into_iter().map(|x| x * 0.1).collect::<Vec<_>>();
+        let w_beta_x = small(rng);
+        let w_alpha_x = small(rng);
+        let w_th_x = small(rng);
+        let w_gate = kaiming(rng, d, d);
+        let w_skip = kaiming(rng, d, d);
+        let mut w_out = kaiming(rng, d, dn);
+        for row in w_out.chunks_exact_mut(dn) {
+            for (r, x) in row.iter_mut().enumerate() {
+                *x *= table.w_out_scale[r % n] as f32;
+            }
+        }
+        SnnBlock {
+            b_beta: param(b_beta, [dn], device),
+            b_alpha: param(b_alpha, [dn], device),
+            b_th: param(b_th, [dn], device),
+            W_in: linear(w_in, dn, d, device),
+            W_beta_x: linear(w_beta_x, dn, d, device),
+            W_alpha_x: linear(w_alpha_x, dn, d, device),
+            W_th_x: linear(w_th_x, dn, d, device),
+            W_gate: linear(w_gate, d, d, device),
+            W_skip: linear(w_skip, d, d, device),
+            W_out: linear(w_out, d, dn, device),
+        }
+    }
+
+    /// `a` `[TK, B, D]`, hidden state `v0` `[B, DN]` → output `[TK, B, D]` and final state.
+    pub fn forward(&self, a: Tensor<B, 3>, v0: Tensor<B, 2>, v_th_min: f64) -> (Tensor<B, 3>, Tensor<B, 2>) {
+        let [tk, b, d] = a.dims();
+        let dn = self.b_beta.dims()[0];
+        let flat = a.reshape([tk * b, d]);
+        let i = self.W_in.forward(flat.clone()); // [TK·B, DN]
+        let rb = self.W_beta_x.forward(flat.clone());
+        let ra = self.W_alpha_x.forward(flat.clone());
+        let rt = self.W_th_x.forward(flat.clone());
+        let gate = sigmoid(self.W_gate.forward(flat.clone())); // [TK·B, D]
+        let skip = self.W_skip.forward(flat);
+        // Fused modulation (Eq. 5-7): β = σ(·+b_β), α = softplus(·+b_α), V_th = V_min + |·+b_th|.
+        let beta = sigmoid(rb + self.b_beta.clone().unsqueeze::<2>());
+        let alpha = softplus(ra + self.b_alpha.clone().unsqueeze::<2>());
+        let vth = (rt + self.b_th.clone().unsqueeze::<2>()).abs() + v_th_min;
+        let u = alpha * i;
+        let seq = |x: Tensor<B, 2>| x.reshape([tk, b, dn]);
+        let (_, vpost) = plif_elem(seq(beta), seq(u), seq(vth), v0);
+        let last = last_frame(&vpost);
+        let out = self.W_out.forward(vpost.reshape([tk * b, dn])) * gate + skip;
+        (out.reshape([tk, b, d]), last)
+    }
+}
+
+/// PyTorch's softplus (β = 1) in the overflow-free form `max(x, 0) + log1p(e^{−|x|})`; its
+/// gradient is `σ(x)` like the reference's.
+pub(crate) fn softplus<B: Backend, const D: usize>(x: Tensor<B, D>) -> Tensor<B, D> {
+    x.clone().clamp_min(0.0) + x.abs().neg().exp().log1p()
+}

@@ -1,0 +1,72 @@
+//! SNNFFN: merged gate/up projection, one merged row-parameter scan, leak × leak gating (SPEC §2.3).
+
+use crate::config::{ModelConfig, PlifOut};
+use crate::init::{Rng, kaiming};
+use crate::neurons::{PlifNode, last_frame, param};
+use crate::params::{Linear, impl_params};
+use burn::tensor::{Tensor, activation::sigmoid, backend::Backend};
+use nsactor_kernels::{SnnOps, plif_row};
+
+#[derive(Debug, Clone)]
+pub struct SnnFfn<B: Backend> {
+    pub gate_proj: Linear<B>,
+    pub up_proj: Linear<B>,
+    pub down_proj: Linear<B>,
+    pub skip_proj: Linear<B>,
+    pub gate_neuron: PlifNode<B>,
+    pub up_neuron: PlifNode<B>,
+}
+impl_params!(SnnFfn { tensors: [], modules: [gate_proj, up_proj, down_proj, skip_proj, gate_neuron, up_neuron] });
+
+/// FFN neuron threshold base `v0 = 0.15` (the decoder layer overrides SNNFFN's own 0.3).
+const FFN_V_THRESHOLD: f64 = 0.15;
+
+impl<B: SnnOps> SnnFfn<B> {
+    pub fn init(cfg: &ModelConfig, rng: &mut Rng, device: &B::Device) -> Self {
+        let (d, f) = (cfg.d, cfg.d_ff);
+        let lin = |w, out, inp| Linear { weight: param(w, [out, inp], device), bias: None };
+        let gate = kaiming(rng, f, d);
+        let up = kaiming(rng, f, d);
+        let down_scale = 1.0 / (cfg.num_layers as f32).sqrt();
+        let down: Vec<f32> = kaiming(rng, d, f).into_iter().map(|x| x * down_scale).collect();
+        let skip = kaiming(rng, d, d);
+        SnnFfn {
+            gate_proj: lin(gate, f, d),
+            up_proj: lin(up, f, d),
+            down_proj: lin(down, d, f),
+            skip_proj: lin(skip, d, d),
+            gate_neuron: PlifNode::init(f, FFN_V_THRESHOLD, rng, device),
+            up_neuron: PlifNode::init(f, FFN_V_THRESHOLD, rng, device),
+        }
+    }
+
+    /// `a` `[TK, B, D]`, merged gate/up state `v0` `[B, 2·D_ff]` (gate first) → `[TK, B, D]` and
+    /// the final state.
+    pub fn forward(&self, a: Tensor<B, 3>, v0: Tensor<B, 2>, out: PlifOut) -> (Tensor<B, 3>, Tensor<B, 2>) {
+        let [tk, b, d] = a.dims();
+        let f = self.gate_proj.weight.dims()[0];
+        let flat = a.reshape([tk * b, d]);
+        let w_gu = Tensor::cat(vec![self.gate_proj.weight.clone(), self.up_proj.weight.clone()], 0);
+        let i_gu = flat.clone().matmul(w_gu.transpose()); // [TK·B, 2·D_ff]
+        let skip = self.skip_proj.forward(flat);
+        let beta = Tensor::cat(vec![sigmoid(self.gate_neuron.w.clone()), sigmoid(self.up_neuron.w.clone())], 0);
+        let one_minus = beta.clone().neg() + 1.0; // [2·D_ff]
+        let vth = Tensor::cat(vec![self.gate_neuron.v_th.clone(), self.up_neuron.v_th.clone()], 0);
+        let u = (i_gu * one_minus.clone().unsqueeze::<2>()).reshape([tk, b, 2 * f]);
+        let (_, vpost) = plif_row(
+            beta.unsqueeze::<2>().expand([b, 2 * f]),
+            u,
+            vth.unsqueeze::<2>().expand([b, 2 * f]),
+            v0,
+        );
+        let last = last_frame(&vpost);
+        let act = match out {
+            PlifOut::Leak => vpost * one_minus.unsqueeze::<3>(),
+            PlifOut::VPost => vpost,
+        };
+        let g = act.clone().slice([0..tk, 0..b, 0..f]);
+        let v = act.slice([0..tk, 0..b, f..2 * f]);
+        let y = self.down_proj.forward((g * v).reshape([tk * b, f])) + skip;
+        (y.reshape([tk, b, d]), last)
+    }
+}

@@ -1,0 +1,256 @@
+//! One optimizer step's machinery (SPEC §7): gradients by name, natural-gradient compensation,
+//! global-norm clipping, and Adam/AdamW with the neuron parameter group at a higher LR.
+//!
+//! Everything works on named flat gradients ([`GradSet`]) so the same code serves a single
+//! process and the layer actors, which each own a slice of the parameters.
+
+use crate::model::NeuronSpark;
+use crate::params::{ParamMapper, ParamVisitor, Params, is_neuron_param};
+use burn::tensor::{Tensor, activation::sigmoid, backend::AutodiffBackend, backend::Backend};
+use std::collections::BTreeMap;
+
+/// Gradients by parameter name, flattened to 1-D, in the model's parameter order.
+#[derive(Debug, Clone)]
+pub struct GradSet<B: Backend> {
+    pub entries: Vec<(String, Tensor<B, 1>)>,
+}
+
+impl<B: Backend> GradSet<B> {
+    /// Collects the gradient of every parameter of `module` that received one.
+    pub fn collect<AB, P>(module: &P, prefix: &str, grads: &AB::Gradients) -> Self
+    where
+        AB: AutodiffBackend<InnerBackend = B>,
+        P: Params<AB>,
+    {
+        struct Collect<'a, AB: AutodiffBackend> {
+            grads: &'a AB::Gradients,
+            out: Vec<(String, Tensor<AB::InnerBackend, 1>)>,
+        }
+        impl<AB: AutodiffBackend> ParamVisitor<AB> for Collect<'_, AB> {
+            fn visit<const D: usize>(&mut self, name: &str, p: &Tensor<AB, D>) {
+                if let Some(g) = p.grad(self.grads) {
+                    let n = g.shape().num_elements();
+                    self.out.push((name.to_string(), g.reshape([n])));
+                }
+            }
+        }
+        let mut c = Collect::<AB> { grads, out: Vec::new() };
+        module.visit_params(prefix, &mut c);
+        GradSet { entries: c.out }
+    }
+
+    pub fn get(&self, name: &str) -> Option<&Tensor<B, 1>> {
+        self.entries.iter().find(|(n, _)| n == name).map(|(_, g)| g)
+    }
+
+    pub fn get_mut(&mut self, name: &str) -> Option<&mut Tensor<B, 1>> {
+        self.entries.iter_mut().find(|(n, _)| n == name).map(|(_, g)| g)
+    }
+
+    /// Sum of squares of every gradient (for the global norm).
+    pub fn sum_squares(&self) -> f64 {
+        self.entries.iter().map(|(_, g)| g.clone().square().sum().into_scalar().elem::<f64>()).sum()
+    }
+
+    pub fn scale(&mut self, factor: f64) {
+        for (_, g) in &mut self.entries {
+            *g = g.clone() * factor;
+        }
+    }
+}
+
+use burn::tensor::ElementConversion;
+
+/// `max_comp` of the reference: phase-2 scales are clamped to `[1/100, 100]`, phase 1 divides by
+/// at least `1/100`.
+const MAX_COMP: f64 = 100.0;
+/// Layers whose gradient norm is at most this are left out of phase 2.
+const NORM_FLOOR: f64 = 1e-12;
+
+/// The three modulation-bias names phase 2 equalises across layers.
+pub const MODULATION_BIASES: [&str; 3] = ["b_beta", "b_alpha", "b_th"];
+
+/// Natural-gradient compensation, phase 1 (SPEC §7.4), for one layer's SNNBlock biases:
+/// `g_β /= max(σ(b_β)(1−σ(b_β)), 1/100)` and `g_α /= max(σ(b_α), 0.1)` — bias-only β, not β(t).
+pub fn compensate_phase1<B: Backend>(
+    b_beta: Tensor<B, 1>,
+    b_alpha: Tensor<B, 1>,
+    g_beta: Option<&mut Tensor<B, 1>>,
+    g_alpha: Option<&mut Tensor<B, 1>>,
+) {
+    if let Some(g) = g_beta {
+        let s = sigmoid(b_beta);
+        let d = (s.clone() * (s.neg() + 1.0)).clamp_min(1.0 / MAX_COMP);
+        *g = g.clone() / d;
+    }
+    if let Some(g) = g_alpha {
+        *g = g.clone() / sigmoid(b_alpha).clamp_min(0.1);
+    }
+}
+
+/// Natural-gradient compensation, phase 2: given one bias's gradient norm per layer, the factor
+/// each layer's gradient is multiplied by. Layers with norm ≤ 1e-12 (or no gradient) keep 1;
+/// with fewer than two such layers nothing changes; otherwise
+/// `scale_i = clamp(exp(mean ln n) / n_i, 1/100, 100)`.
+pub fn phase2_scales(norms: &[Option<f64>]) -> Vec<f64> {
+    let valid: Vec<f64> = norms.iter().flatten().copied().filter(|&n| n > NORM_FLOOR).collect();
+    if valid.len() < 2 {
+        return vec![1.0; norms.len()];
+    }
+    let geo = (valid.iter().map(|n| n.ln()).sum::<f64>() / valid.len() as f64).exp();
+    norms
+        .iter()
+        .map(|n| match n {
+            Some(n) if *n > NORM_FLOOR => (geo / n).clamp(1.0 / MAX_COMP, MAX_COMP),
+            _ => 1.0,
+        })
+        .collect()
+}
+
+/// Applies phases 1 and 2 to the gradients of a whole model (single process).
+pub fn natural_gradient<AB: AutodiffBackend>(model: &NeuronSpark<AB>, grads: &mut GradSet<AB::InnerBackend>) {
+    let layers = model.layers.len();
+    for (i, layer) in model.layers.iter().enumerate() {
+        let name = |b: &str| format!("layers.{i}.snn_block.{b}");
+        let g_beta = grads.get(&name("b_beta")).cloned();
+        let g_alpha = grads.get(&name("b_alpha")).cloned();
+        let (mut gb, mut ga) = (g_beta, g_alpha);
+        compensate_phase1(
+            layer.snn_block.b_beta.clone().inner(),
+            layer.snn_block.b_alpha.clone().inner(),
+            gb.as_mut(),
+            ga.as_mut(),
+        );
+        if let Some(g) = gb {
+            *grads.get_mut(&name("b_beta")).expect("present") = g;
+        }
+        if let Some(g) = ga {
+            *grads.get_mut(&name("b_alpha")).expect("present") = g;
+        }
+    }
+    for bias in MODULATION_BIASES {
+        let names: Vec<String> = (0..layers).map(|i| format!("layers.{i}.snn_block.{bias}")).collect();
+        let norms: Vec<Option<f64>> = names
+            .iter()
+            .map(|n| grads.get(n).map(|g| g.clone().square().sum().sqrt().into_scalar().elem::<f64>()))
+            .collect();
+        for (name, s) in names.iter().zip(phase2_scales(&norms)) {
+            if s != 1.0 {
+                let g = grads.get_mut(name).expect("a scaled layer has a gradient");
+                *g = g.clone() * s;
+            }
+        }
+    }
+}
+
+/// Global-norm clipping factor as `torch.nn.utils.clip_grad_norm_`:
+/// `min(1, max_norm / (total_norm + 1e-6))`.
+pub fn clip_factor(total_norm: f64, max_norm: f64) -> f64 {
+    (max_norm / (total_norm + 1e-6)).min(1.0)
+}
+
+/// Adam / AdamW hyperparameters (PyTorch semantics; eps 1e-8, not burn's 1e-5).
+#[derive(Debug, Clone, PartialEq)]
+pub struct AdamConfig {
+    pub beta1: f64,
+    pub beta2: f64,
+    pub eps: f64,
+    /// Weight decay of the base group.
+    pub weight_decay: f64,
+    /// Weight decay of the neuron group.
+    pub neuron_weight_decay: f64,
+    /// `true`: AdamW (decoupled decay); `false`: Adam (L2 added to the gradient).
+    pub decoupled: bool,
+}
+
+impl AdamConfig {
+    /// Pretraining: `torch.optim.Adam` defaults.
+    pub fn adam() -> Self {
+        AdamConfig { beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.0, neuron_weight_decay: 0.0, decoupled: false }
+    }
+
+    /// SFT: AdamW with wd 0.01 on the base group, 0 on neuron parameters.
+    pub fn adamw_sft() -> Self {
+        AdamConfig { weight_decay: 0.01, decoupled: true, ..Self::adam() }
+    }
+}
+
+/// Per-parameter Adam moments and step count, keyed by name.
+#[derive(Debug, Clone)]
+pub struct AdamState<B: Backend> {
+    pub exp_avg: Tensor<B, 1>,
+    pub exp_avg_sq: Tensor<B, 1>,
+    pub step: u64,
+}
+
+#[derive(Debug, Clone)]
+pub struct Adam<B: Backend> {
+    pub config: AdamConfig,
+    pub state: BTreeMap<String, AdamState<B>>,
+}
+
+impl<B: Backend> Adam<B> {
+    pub fn new(config: AdamConfig) -> Self {
+        Adam { config, state: BTreeMap::new() }
+    }
+
+    /// Updates every parameter of `module` that has a gradient in `grads`: base LR `lr`, neuron
+    /// parameters (see [`is_neuron_param`]) at `neuron_lr`.
+    pub fn step<AB, P>(&mut self, module: &mut P, prefix: &str, grads: &GradSet<B>, lr: f64, neuron_lr: f64)
+    where
+        AB: AutodiffBackend<InnerBackend = B>,
+        P: Params<AB>,
+    {
+        struct Update<'a, B: Backend> {
+            opt: &'a mut Adam<B>,
+            grads: BTreeMap<&'a str, &'a Tensor<B, 1>>,
+            lr: f64,
+            neuron_lr: f64,
+        }
+        impl<AB: AutodiffBackend> ParamMapper<AB> for Update<'_, AB::InnerBackend> {
+            fn map<const D: usize>(&mut self, name: &str, p: Tensor<AB, D>) -> Tensor<AB, D> {
+                let Some(g) = self.grads.get(name) else { return p };
+                let neuron = is_neuron_param(name);
+                let (lr, wd) = if neuron {
+                    (self.neuron_lr, self.opt.config.neuron_weight_decay)
+                } else {
+                    (self.lr, self.opt.config.weight_decay)
+                };
+                let dims = p.dims();
+                let n = p.shape().num_elements();
+                let flat = p.inner().reshape([n]);
+                let updated = self.opt.update(name, flat, (*g).clone(), lr, wd);
+                Tensor::from_inner(updated.reshape(dims)).require_grad()
+            }
+        }
+        let grads_map = grads.entries.iter().map(|(n, g)| (n.as_str(), g)).collect();
+        let mut u = Update { opt: self, grads: grads_map, lr, neuron_lr };
+        module.map_params(prefix, &mut u);
+    }
+
+    /// One Adam update of a flat parameter, as `torch.optim.Adam(W)` (single-tensor path).
+    fn update(&mut self, name: &str, p: Tensor<B, 1>, g: Tensor<B, 1>, lr: f64, wd: f64) -> Tensor<B, 1> {
+        let c = self.config.clone();
+        let (mut p, mut g) = (p, g);
+        if wd != 0.0 {
+            if c.decoupled {
+                p = p * (1.0 - lr * wd);
+            } else {
+                g = g + p.clone() * wd;
+            }
+        }
+        let st = self.state.entry(name.to_string()).or_insert_with(|| AdamState {
+            exp_avg: g.zeros_like(),
+            exp_avg_sq: g.zeros_like(),
+            step: 0,
+        });
+        st.step += 1;
+        st.exp_avg = st.exp_avg.clone() * c.beta1 + g.clone() * (1.0 - c.beta1);
+        st.exp_avg_sq = st.exp_avg_sq.clone() * c.beta2 + g.square() * (1.0 - c.beta2);
+        let t = st.step as i32;
+        let bc1 = 1.0 - c.beta1.powi(t);
+        let bc2 = 1.0 - c.beta2.powi(t);
+        let denom = st.exp_avg_sq.clone().sqrt() / bc2.sqrt() + c.eps;
+        p - st.exp_avg.clone() / denom * (lr / bc1)
+    }
+}

@@ -128,6 +128,30 @@ impl<B: SnnOps> SnnDecoderLayer<B> {
     }
 }
 
+impl<B: SnnOps> SnnDecoderLayer<B> {
+    /// The layer computed the way the reference lays it out: on all `T·K` frames of the residual
+    /// stream `[T·K, B, D]`, norms and input currents per frame, residual increments broadcast
+    /// back over each token's K frames (SPEC §2.3). It exists to check SPEC §3 — that the frames
+    /// of a token stay identical, so [`forward`](Self::forward) may work per token.
+    pub fn forward_frames(&self, h: Tensor<B, 3>, cfg: &ModelConfig) -> Tensor<B, 3> {
+        let [tk, b, d] = h.dims();
+        let (k, out) = (cfg.k, cfg.plif_out);
+        let device = h.device();
+        let zeros = |w| Tensor::<B, 2>::zeros([b, w], &device);
+        let frames = |x: Tensor<B, 3>| crate::neurons::repeat_frames(x, k);
+        let (a1, _) = self.input_neuron1.forward_frames(self.block_norm.forward(h.clone()), zeros(d), out);
+        let (c1, _) = self.snn_block.forward(a1, zeros(cfg.dn()), cfg.v_th_min);
+        let (agg1, _) = ponder_agg(c1, &self.block_halt, k);
+        let h = h + frames(centred(&self.block_out_proj, agg1));
+        let (a2, _) = self.input_neuron2.forward_frames(self.ffn_norm.forward(h.clone()), zeros(d), out);
+        let (c2, _) = self.snn_ffn.forward(a2, zeros(2 * cfg.d_ff), out);
+        let (agg2, _) = ponder_agg(c2, &self.ffn_halt, k);
+        let h = h + frames(centred(&self.ffn_out_proj, agg2));
+        debug_assert_eq!(h.dims(), [tk, b, d]);
+        h
+    }
+}
+
 /// Out-projection with residual centering: `r − mean_D(r)` per token.
 fn centred<B: Backend>(proj: &Linear<B>, agg: Tensor<B, 3>) -> Tensor<B, 3> {
     let [t, b, d] = agg.dims();

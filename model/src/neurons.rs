@@ -39,10 +39,22 @@ impl<B: SnnOps> PlifNode<B> {
     /// `u = (1 − β)·x` (SPEC §2.3). Returns the output `[T·K, B, dim]` (leak or raw `V_post`) and
     /// the final membrane state `[B, dim]` (detached, as the reference carries it).
     pub fn forward_tokens(&self, x: Tensor<B, 3>, k: usize, v0: Tensor<B, 2>, out: PlifOut) -> (Tensor<B, 3>, Tensor<B, 2>) {
-        let [_, b, dim] = x.dims();
+        let one_minus = sigmoid(self.w.clone()).neg() + 1.0;
+        let u = repeat_frames(x * one_minus.unsqueeze::<3>(), k);
+        self.scan(u, v0, out)
+    }
+
+    /// The same on a per-frame input `x` `[T·K, B, dim]` (the reference's layout).
+    pub fn forward_frames(&self, x: Tensor<B, 3>, v0: Tensor<B, 2>, out: PlifOut) -> (Tensor<B, 3>, Tensor<B, 2>) {
+        let one_minus = sigmoid(self.w.clone()).neg() + 1.0;
+        self.scan(x * one_minus.unsqueeze::<3>(), v0, out)
+    }
+
+    /// Row-parameter scan of the input current `u` `[T·K, B, dim]`.
+    fn scan(&self, u: Tensor<B, 3>, v0: Tensor<B, 2>, out: PlifOut) -> (Tensor<B, 3>, Tensor<B, 2>) {
+        let [_, b, dim] = u.dims();
         let beta = sigmoid(self.w.clone()); // [dim]
         let one_minus = beta.clone().neg() + 1.0;
-        let u = repeat_frames(x * one_minus.clone().unsqueeze::<3>(), k);
         let (_, vpost) = plif_row(
             beta.unsqueeze::<2>().expand([b, dim]),
             u,

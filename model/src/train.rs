@@ -52,6 +52,15 @@ impl<B: Backend> GradSet<B> {
         self.entries.iter().map(|(_, g)| g.clone().square().sum().into_scalar().elem::<f64>()).sum()
     }
 
+    /// Adds `other`'s gradients (same parameters, same order) — gradient accumulation.
+    pub fn accumulate(&mut self, other: GradSet<B>) {
+        assert_eq!(self.entries.len(), other.entries.len(), "accumulating gradients of different parameter sets");
+        for ((name, g), (other_name, o)) in self.entries.iter_mut().zip(other.entries) {
+            assert_eq!(*name, other_name, "accumulating gradients in a different order");
+            *g = g.clone() + o;
+        }
+    }
+
     pub fn scale(&mut self, factor: f64) {
         for (_, g) in &mut self.entries {
             *g = g.clone() * factor;

@@ -1,0 +1,117 @@
+//! Run configuration: a TOML file with a `[model]` table (validated by the engine) and a
+//! `[train]` table (validated here). Unknown tables and keys are errors.
+
+use serde::{Deserialize, Serialize};
+use std::path::{Path, PathBuf};
+
+/// The embedded default: `configs/tiny.toml`.
+pub const DEFAULT_CONFIG: &str = include_str!("../../configs/tiny.toml");
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RunConfig {
+    pub model: toml::Table,
+    pub train: TrainConfig,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TrainConfig {
+    /// Optimizer steps.
+    pub steps: u64,
+    /// Sequences per micro-batch.
+    pub batch_size: usize,
+    /// Tokens per sequence the model sees (T).
+    pub seq_len: usize,
+    /// Micro-batches per optimizer step.
+    pub accumulation: usize,
+    /// Peak base learning rate.
+    pub lr: f64,
+    /// Neuron parameters train at `lr × neuron_lr_mult` (SPEC §7.1).
+    pub neuron_lr_mult: f64,
+    /// Linear warmup length in micro-steps (SPEC §7.2).
+    pub warmup_iters: u64,
+    /// The cosine decays to `lr × min_lr_ratio`.
+    pub min_lr_ratio: f64,
+    /// λ of the ponder cost (the released run used 0).
+    pub ponder_weight: f64,
+    pub max_grad_norm: f64,
+    pub seed: u64,
+    pub log_interval: u64,
+    pub out_dir: PathBuf,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("cannot read config {0}: {1}")]
+    Read(PathBuf, std::io::Error),
+    #[error("config {0}: {1}")]
+    Parse(String, String),
+    #[error("config {0}: [train] {1}")]
+    Invalid(String, String),
+}
+
+impl RunConfig {
+    pub fn from_str(text: &str, origin: &str) -> Result<Self, ConfigError> {
+        let cfg: RunConfig = toml::from_str(text).map_err(|e| ConfigError::Parse(origin.into(), e.to_string()))?;
+        cfg.train.validate().map_err(|m| ConfigError::Invalid(origin.into(), m))?;
+        Ok(cfg)
+    }
+
+    pub fn load(path: Option<&Path>) -> Result<Self, ConfigError> {
+        match path {
+            None => Self::from_str(DEFAULT_CONFIG, "embedded configs/tiny.toml"),
+            Some(p) => {
+                let text = std::fs::read_to_string(p).map_err(|e| ConfigError::Read(p.into(), e))?;
+                Self::from_str(&text, &p.display().to_string())
+            }
+        }
+    }
+
+    /// The `[model]` table as TOML text for the engine.
+    pub fn model_toml(&self) -> String {
+        let mut doc = toml::Table::new();
+        doc.insert("model".into(), toml::Value::Table(self.model.clone()));
+        toml::to_string(&doc).expect("a TOML table serialises")
+    }
+
+    /// `vocab_size` of the model table, if present and a positive integer.
+    pub fn vocab_size(&self) -> Option<usize> {
+        self.model.get("vocab_size")?.as_integer().and_then(|v| usize::try_from(v).ok())
+    }
+}
+
+impl TrainConfig {
+    fn validate(&self) -> Result<(), String> {
+        let positive = [
+            ("steps", self.steps as usize),
+            ("batch_size", self.batch_size),
+            ("seq_len", self.seq_len),
+            ("accumulation", self.accumulation),
+            ("log_interval", self.log_interval as usize),
+        ];
+        if let Some((name, _)) = positive.iter().find(|(_, v)| *v == 0) {
+            return Err(format!("`{name}` must be positive"));
+        }
+        let finite = [("lr", self.lr), ("neuron_lr_mult", self.neuron_lr_mult), ("min_lr_ratio", self.min_lr_ratio), ("ponder_weight", self.ponder_weight), ("max_grad_norm", self.max_grad_norm)];
+        if let Some((name, v)) = finite.iter().find(|(_, v)| !v.is_finite() || *v < 0.0) {
+            return Err(format!("`{name}` must be finite and ≥ 0, got {v}"));
+        }
+        Ok(())
+    }
+
+    /// Learning rate at micro-step `it` (SPEC §7.2): linear warmup, then cosine from `lr` to
+    /// `lr × min_lr_ratio` at `total` micro-steps, constant after.
+    pub fn lr_at(&self, it: u64, total: u64) -> f64 {
+        let base = self.lr;
+        let floor = base * self.min_lr_ratio;
+        if it < self.warmup_iters {
+            return base * it as f64 / self.warmup_iters as f64;
+        }
+        if it > total || total <= self.warmup_iters {
+            return floor;
+        }
+        let progress = (it - self.warmup_iters) as f64 / (total - self.warmup_iters) as f64;
+        floor + 0.5 * (1.0 + (std::f64::consts::PI * progress).cos()) * (base - floor)
+    }
+}

@@ -1,0 +1,94 @@
+//! The training loop behind `nsactor train`: LR schedule, micro-batches, logging, weights.
+
+use crate::config::RunConfig;
+use crate::data::{self, WindowSampler};
+use nsactor_plugin_api::{StepParams, TrainEngine};
+use std::io::Write;
+use std::path::PathBuf;
+use std::time::Instant;
+
+/// Bundled public-domain corpus: Jane Austen, *Emma* (1816), Project Gutenberg text.
+pub const EMBEDDED_CORPUS: &str = include_str!("../corpus/emma-austen-1816.txt");
+
+#[derive(Debug, thiserror::Error)]
+pub enum TrainError {
+    #[error("{0}")]
+    Engine(#[from] nsactor_plugin_api::EngineError),
+    #[error("data: {0}")]
+    Data(String),
+    #[error("{0}: {1}")]
+    Io(PathBuf, std::io::Error),
+}
+
+/// What a finished run reports.
+#[derive(Debug, Clone)]
+pub struct RunSummary {
+    pub losses: Vec<f64>,
+    pub tokens_per_s: f64,
+    pub weights: PathBuf,
+}
+
+/// Runs `cfg.train.steps` optimizer steps on `engine` over `corpus`, logging every
+/// `log_interval` steps to stderr and every step to `out_dir/metrics.jsonl`, then writes
+/// `out_dir/model.safetensors` and `out_dir/config.toml`.
+pub fn run(cfg: &RunConfig, engine: &mut dyn TrainEngine, corpus: &str) -> Result<RunSummary, TrainError> {
+    let t = &cfg.train;
+    if let Some(v) = cfg.vocab_size()
+        && v < data::BYTE_VOCAB
+    {
+        return Err(TrainError::Data(format!("the byte-level tokenizer needs vocab_size ≥ {}, the config has {v}", data::BYTE_VOCAB)));
+    }
+    let mut sampler = WindowSampler::new(data::encode(corpus), t.seed);
+    let out_dir = t.out_dir.clone();
+    std::fs::create_dir_all(&out_dir).map_err(|e| TrainError::Io(out_dir.clone(), e))?;
+    let metrics_path = out_dir.join("metrics.jsonl");
+    let mut metrics = std::fs::File::create(&metrics_path).map_err(|e| TrainError::Io(metrics_path.clone(), e))?;
+    eprintln!(
+        "nsactor train: {} parameters on {}; {} steps × {} micro-batches × {}×{} tokens",
+        engine.param_count(),
+        engine.describe(),
+        t.steps,
+        t.accumulation,
+        t.batch_size,
+        t.seq_len
+    );
+    let total_micro = t.steps * t.accumulation as u64;
+    let start = Instant::now();
+    let mut tokens = 0u64;
+    let mut losses = Vec::with_capacity(t.steps as usize);
+    for step in 0..t.steps {
+        let micro = (0..t.accumulation).map(|_| sampler.batch(t.batch_size, t.seq_len)).collect::<Result<Vec<_>, _>>().map_err(TrainError::Data)?;
+        // The step uses the LR of the last micro-step of its window (SPEC §7.2).
+        let lr = t.lr_at((step + 1) * t.accumulation as u64 - 1, total_micro);
+        let params = StepParams { lr, neuron_lr: lr * t.neuron_lr_mult, ponder_weight: t.ponder_weight, max_grad_norm: t.max_grad_norm };
+        let stats = engine.train_step(&micro, &params)?;
+        tokens += stats.tokens;
+        losses.push(stats.loss);
+        let elapsed = start.elapsed().as_secs_f64();
+        let line = serde_json::json!({
+            "step": step + 1, "loss": stats.loss, "ce": stats.ce, "ppl": stats.ce.exp(), "lr": lr,
+            "expected_k": stats.expected_k, "grad_norm": stats.grad_norm, "tokens": tokens,
+            "tokens_per_s": tokens as f64 / elapsed,
+        });
+        writeln!(metrics, "{line}").map_err(|e| TrainError::Io(metrics_path.clone(), e))?;
+        if (step + 1) % t.log_interval == 0 || step == 0 || step + 1 == t.steps {
+            eprintln!(
+                "step {:>6}/{} loss {:.4} ppl {:>8.2} lr {:.2e} E[K] {:.3} |g| {:.3} {:.0} tok/s",
+                step + 1,
+                t.steps,
+                stats.loss,
+                stats.ce.exp(),
+                lr,
+                stats.expected_k,
+                stats.grad_norm,
+                tokens as f64 / elapsed
+            );
+        }
+    }
+    let weights = out_dir.join("model.safetensors");
+    engine.save_weights(&weights)?;
+    let config_path = out_dir.join("config.toml");
+    let text = toml::to_string(cfg).expect("a RunConfig serialises");
+    std::fs::write(&config_path, text).map_err(|e| TrainError::Io(config_path, e))?;
+    Ok(RunSummary { losses, tokens_per_s: tokens as f64 / start.elapsed().as_secs_f64(), weights })
+}

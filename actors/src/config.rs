@@ -53,8 +53,11 @@ pub enum ConfigError {
 
 impl RunConfig {
     pub fn from_str(text: &str, origin: &str) -> Result<Self, ConfigError> {
-        let cfg: RunConfig = toml::from_str(text).map_err(|e| ConfigError::Parse(origin.into(), e.to_string()))?;
-        cfg.train.validate().map_err(|m| ConfigError::Invalid(origin.into(), m))?;
+        let cfg: RunConfig =
+            toml::from_str(text).map_err(|e| ConfigError::Parse(origin.into(), e.to_string()))?;
+        cfg.train
+            .validate()
+            .map_err(|m| ConfigError::Invalid(origin.into(), m))?;
         Ok(cfg)
     }
 
@@ -62,7 +65,8 @@ impl RunConfig {
         match path {
             None => Self::from_str(DEFAULT_CONFIG, "embedded configs/tiny.toml"),
             Some(p) => {
-                let text = std::fs::read_to_string(p).map_err(|e| ConfigError::Read(p.into(), e))?;
+                let text =
+                    std::fs::read_to_string(p).map_err(|e| ConfigError::Read(p.into(), e))?;
                 Self::from_str(&text, &p.display().to_string())
             }
         }
@@ -77,7 +81,10 @@ impl RunConfig {
 
     /// `vocab_size` of the model table, if present and a positive integer.
     pub fn vocab_size(&self) -> Option<usize> {
-        self.model.get("vocab_size")?.as_integer().and_then(|v| usize::try_from(v).ok())
+        self.model
+            .get("vocab_size")?
+            .as_integer()
+            .and_then(|v| usize::try_from(v).ok())
     }
 }
 
@@ -93,7 +100,13 @@ impl TrainConfig {
         if let Some((name, _)) = positive.iter().find(|(_, v)| *v == 0) {
             return Err(format!("`{name}` must be positive"));
         }
-        let finite = [("lr", self.lr), ("neuron_lr_mult", self.neuron_lr_mult), ("min_lr_ratio", self.min_lr_ratio), ("ponder_weight", self.ponder_weight), ("max_grad_norm", self.max_grad_norm)];
+        let finite = [
+            ("lr", self.lr),
+            ("neuron_lr_mult", self.neuron_lr_mult),
+            ("min_lr_ratio", self.min_lr_ratio),
+            ("ponder_weight", self.ponder_weight),
+            ("max_grad_norm", self.max_grad_norm),
+        ];
         if let Some((name, v)) = finite.iter().find(|(_, v)| !v.is_finite() || *v < 0.0) {
             return Err(format!("`{name}` must be finite and ≥ 0, got {v}"));
         }

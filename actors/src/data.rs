@@ -18,7 +18,11 @@ pub fn encode(text: &str) -> Vec<i64> {
 
 /// Decodes byte ids, skipping specials; invalid UTF-8 is replaced.
 pub fn decode(ids: &[i64]) -> String {
-    let bytes: Vec<u8> = ids.iter().filter(|&&i| (BYTE_OFFSET..BYTE_OFFSET + 256).contains(&i)).map(|&i| (i - BYTE_OFFSET) as u8).collect();
+    let bytes: Vec<u8> = ids
+        .iter()
+        .filter(|&&i| (BYTE_OFFSET..BYTE_OFFSET + 256).contains(&i))
+        .map(|&i| (i - BYTE_OFFSET) as u8)
+        .collect();
     String::from_utf8_lossy(&bytes).into_owned()
 }
 
@@ -31,7 +35,10 @@ pub struct WindowSampler {
 
 impl WindowSampler {
     pub fn new(tokens: Vec<i64>, seed: u64) -> Self {
-        WindowSampler { tokens, rng: seed ^ 0x5eed_0f_da7a }
+        WindowSampler {
+            tokens,
+            rng: seed ^ 0x005e_ed0f_da7a,
+        }
     }
 
     fn next_u64(&mut self) -> u64 {
@@ -46,10 +53,17 @@ impl WindowSampler {
     /// One micro-batch: each row is `BOS` + `seq_len` corpus tokens, shifted to inputs/targets.
     pub fn batch(&mut self, batch: usize, seq_len: usize) -> Result<Batch, String> {
         if self.tokens.len() < seq_len + 1 {
-            return Err(format!("the corpus has {} tokens; a row needs {}", self.tokens.len(), seq_len + 1));
+            return Err(format!(
+                "the corpus has {} tokens; a row needs {}",
+                self.tokens.len(),
+                seq_len + 1
+            ));
         }
         let span = self.tokens.len() - seq_len;
-        let (mut inputs, mut targets) = (Vec::with_capacity(batch * seq_len), Vec::with_capacity(batch * seq_len));
+        let (mut inputs, mut targets) = (
+            Vec::with_capacity(batch * seq_len),
+            Vec::with_capacity(batch * seq_len),
+        );
         for _ in 0..batch {
             let start = (self.next_u64() % span as u64) as usize;
             let mut row = Vec::with_capacity(seq_len + 1);
@@ -58,7 +72,16 @@ impl WindowSampler {
             inputs.extend_from_slice(&row[..seq_len]);
             targets.extend_from_slice(&row[1..]);
         }
-        let loss_mask = targets.iter().map(|&t| if t == PAD { 0.0 } else { 1.0 }).collect();
-        Ok(Batch { batch, seq_len, inputs, targets, loss_mask })
+        let loss_mask = targets
+            .iter()
+            .map(|&t| if t == PAD { 0.0 } else { 1.0 })
+            .collect();
+        Ok(Batch {
+            batch,
+            seq_len,
+            inputs,
+            targets,
+            loss_mask,
+        })
     }
 }

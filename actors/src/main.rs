@@ -7,7 +7,11 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 #[derive(Parser)]
-#[command(name = "nsactor", version, about = "Train and serve NeuronSpark spiking language models")]
+#[command(
+    name = "nsactor",
+    version,
+    about = "Train and serve NeuronSpark spiking language models"
+)]
 struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -67,14 +71,19 @@ fn train_cmd(args: TrainArgs) -> Result<(), Box<dyn std::error::Error>> {
         cfg.train.seed = s;
     }
     let corpus = match &args.corpus {
-        Some(p) => std::fs::read_to_string(p).map_err(|e| format!("cannot read corpus {}: {e}", p.display()))?,
+        Some(p) => std::fs::read_to_string(p)
+            .map_err(|e| format!("cannot read corpus {}: {e}", p.display()))?,
         None => train::EMBEDDED_CORPUS.to_string(),
     };
     let mut engine = make_engine(&cfg, args.sft)?;
     let summary = train::run(&cfg, engine.as_mut(), &corpus)?;
     let first = summary.losses.first().copied().unwrap_or(f64::NAN);
     let last = summary.losses.last().copied().unwrap_or(f64::NAN);
-    eprintln!("loss {first:.4} → {last:.4}; {:.0} tokens/s; weights in {}", summary.tokens_per_s, summary.weights.display());
+    eprintln!(
+        "loss {first:.4} → {last:.4}; {:.0} tokens/s; weights in {}",
+        summary.tokens_per_s,
+        summary.weights.display()
+    );
     let prompt = nsactor::data::encode("Emma was");
     let mut ids = vec![nsactor::data::BOS];
     ids.extend(prompt);
@@ -84,13 +93,27 @@ fn train_cmd(args: TrainArgs) -> Result<(), Box<dyn std::error::Error>> {
 }
 
 #[cfg(feature = "embedded-cpu")]
-fn make_engine(cfg: &RunConfig, sft: bool) -> Result<Box<dyn nsactor_plugin_api::TrainEngine>, Box<dyn std::error::Error>> {
+fn make_engine(
+    cfg: &RunConfig,
+    sft: bool,
+) -> Result<Box<dyn nsactor_plugin_api::TrainEngine>, Box<dyn std::error::Error>> {
     use nsactor_backend_ndarray::{CpuEngine, Optimizer};
-    let opt = if sft { Optimizer::AdamW } else { Optimizer::Adam };
-    Ok(Box::new(CpuEngine::new(&cfg.model_toml(), cfg.train.seed, opt)?))
+    let opt = if sft {
+        Optimizer::AdamW
+    } else {
+        Optimizer::Adam
+    };
+    Ok(Box::new(CpuEngine::new(
+        &cfg.model_toml(),
+        cfg.train.seed,
+        opt,
+    )?))
 }
 
 #[cfg(not(feature = "embedded-cpu"))]
-fn make_engine(_: &RunConfig, _: bool) -> Result<Box<dyn nsactor_plugin_api::TrainEngine>, Box<dyn std::error::Error>> {
+fn make_engine(
+    _: &RunConfig,
+    _: bool,
+) -> Result<Box<dyn nsactor_plugin_api::TrainEngine>, Box<dyn std::error::Error>> {
     Err("this build has no embedded backend (feature `embedded-cpu` is off) and backend plugins are not supported yet".into())
 }

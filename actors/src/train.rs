@@ -31,18 +31,26 @@ pub struct RunSummary {
 /// Runs `cfg.train.steps` optimizer steps on `engine` over `corpus`, logging every
 /// `log_interval` steps to stderr and every step to `out_dir/metrics.jsonl`, then writes
 /// `out_dir/model.safetensors` and `out_dir/config.toml`.
-pub fn run(cfg: &RunConfig, engine: &mut dyn TrainEngine, corpus: &str) -> Result<RunSummary, TrainError> {
+pub fn run(
+    cfg: &RunConfig,
+    engine: &mut dyn TrainEngine,
+    corpus: &str,
+) -> Result<RunSummary, TrainError> {
     let t = &cfg.train;
     if let Some(v) = cfg.vocab_size()
         && v < data::BYTE_VOCAB
     {
-        return Err(TrainError::Data(format!("the byte-level tokenizer needs vocab_size ≥ {}, the config has {v}", data::BYTE_VOCAB)));
+        return Err(TrainError::Data(format!(
+            "the byte-level tokenizer needs vocab_size ≥ {}, the config has {v}",
+            data::BYTE_VOCAB
+        )));
     }
     let mut sampler = WindowSampler::new(data::encode(corpus), t.seed);
     let out_dir = t.out_dir.clone();
     std::fs::create_dir_all(&out_dir).map_err(|e| TrainError::Io(out_dir.clone(), e))?;
     let metrics_path = out_dir.join("metrics.jsonl");
-    let mut metrics = std::fs::File::create(&metrics_path).map_err(|e| TrainError::Io(metrics_path.clone(), e))?;
+    let mut metrics = std::fs::File::create(&metrics_path)
+        .map_err(|e| TrainError::Io(metrics_path.clone(), e))?;
     eprintln!(
         "nsactor train: {} parameters on {}; {} steps × {} micro-batches × {}×{} tokens",
         engine.param_count(),
@@ -57,10 +65,18 @@ pub fn run(cfg: &RunConfig, engine: &mut dyn TrainEngine, corpus: &str) -> Resul
     let mut tokens = 0u64;
     let mut losses = Vec::with_capacity(t.steps as usize);
     for step in 0..t.steps {
-        let micro = (0..t.accumulation).map(|_| sampler.batch(t.batch_size, t.seq_len)).collect::<Result<Vec<_>, _>>().map_err(TrainError::Data)?;
+        let micro = (0..t.accumulation)
+            .map(|_| sampler.batch(t.batch_size, t.seq_len))
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(TrainError::Data)?;
         // The step uses the LR of the last micro-step of its window (SPEC §7.2).
         let lr = t.lr_at((step + 1) * t.accumulation as u64 - 1, total_micro);
-        let params = StepParams { lr, neuron_lr: lr * t.neuron_lr_mult, ponder_weight: t.ponder_weight, max_grad_norm: t.max_grad_norm };
+        let params = StepParams {
+            lr,
+            neuron_lr: lr * t.neuron_lr_mult,
+            ponder_weight: t.ponder_weight,
+            max_grad_norm: t.max_grad_norm,
+        };
         let stats = engine.train_step(&micro, &params)?;
         tokens += stats.tokens;
         losses.push(stats.loss);
@@ -90,5 +106,9 @@ pub fn run(cfg: &RunConfig, engine: &mut dyn TrainEngine, corpus: &str) -> Resul
     let config_path = out_dir.join("config.toml");
     let text = toml::to_string(cfg).expect("a RunConfig serialises");
     std::fs::write(&config_path, text).map_err(|e| TrainError::Io(config_path, e))?;
-    Ok(RunSummary { losses, tokens_per_s: tokens as f64 / start.elapsed().as_secs_f64(), weights })
+    Ok(RunSummary {
+        losses,
+        tokens_per_s: tokens as f64 / start.elapsed().as_secs_f64(),
+        weights,
+    })
 }

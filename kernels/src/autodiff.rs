@@ -31,7 +31,12 @@ struct PlifBackward(Variant);
 impl<B: SnnOps> Backward<B, 4> for PlifBackward {
     type State = ScanState<B>;
 
-    fn backward(self, ops: Ops<Self::State, 4>, grads: &mut Gradients, checkpointer: &mut Checkpointer) {
+    fn backward(
+        self,
+        ops: Ops<Self::State, 4>,
+        grads: &mut Gradients,
+        checkpointer: &mut Checkpointer,
+    ) {
         let [node_beta, node_u, node_vth, node_v0] = ops.parents;
         let grad_vpost = grads.consume::<B>(&ops.node);
         let state = ops.state;
@@ -41,7 +46,12 @@ impl<B: SnnOps> Backward<B, 4> for PlifBackward {
             Variant::Elem => B::plif_elem_backward(beta, v0, state.vpost, state.spike, grad_vpost),
             Variant::Row => B::plif_row_backward(beta, v0, state.vpost, state.spike, grad_vpost),
         };
-        for (node, grad) in [(node_beta, g.beta), (node_u, g.u), (node_vth, g.vth), (node_v0, g.v0)] {
+        for (node, grad) in [
+            (node_beta, g.beta),
+            (node_u, g.u),
+            (node_vth, g.vth),
+            (node_v0, g.v0),
+        ] {
             if let Some(node) = node {
                 grads.register::<B>(node.id, grad);
             }
@@ -61,7 +71,12 @@ fn forward<B: SnnOps, C: CheckpointStrategy>(
         Variant::Row => B::plif_row_forward(b, u, t, v),
     };
     let prep = PlifBackward(variant)
-        .prepare::<C>([beta.node.clone(), u.node.clone(), vth.node.clone(), v0.node.clone()])
+        .prepare::<C>([
+            beta.node.clone(),
+            u.node.clone(),
+            vth.node.clone(),
+            v0.node.clone(),
+        ])
         .compute_bound()
         .stateful();
     match prep {
@@ -69,12 +84,23 @@ fn forward<B: SnnOps, C: CheckpointStrategy>(
             let beta_id = prep.checkpoint(&beta);
             let v0_id = prep.checkpoint(&v0);
             let out = run(beta.primitive, u.primitive, vth.primitive, v0.primitive);
-            let state = ScanState { beta: beta_id, v0: v0_id, vpost: out.vpost.clone(), spike: out.spike.clone() };
-            PlifOutput { spike: <FloatTensor<Autodiff<B, C>>>::new(out.spike), vpost: prep.finish(state, out.vpost) }
+            let state = ScanState {
+                beta: beta_id,
+                v0: v0_id,
+                vpost: out.vpost.clone(),
+                spike: out.spike.clone(),
+            };
+            PlifOutput {
+                spike: <FloatTensor<Autodiff<B, C>>>::new(out.spike),
+                vpost: prep.finish(state, out.vpost),
+            }
         }
         OpsKind::UnTracked(prep) => {
             let out = run(beta.primitive, u.primitive, vth.primitive, v0.primitive);
-            PlifOutput { spike: <FloatTensor<Autodiff<B, C>>>::new(out.spike), vpost: prep.finish(out.vpost) }
+            PlifOutput {
+                spike: <FloatTensor<Autodiff<B, C>>>::new(out.spike),
+                vpost: prep.finish(out.vpost),
+            }
         }
     }
 }

@@ -149,7 +149,11 @@ fn wrap<B: Backend, const D: usize>(p: FloatTensor<B>) -> Tensor<B, D> {
 fn scan_shape<B: Backend>(seq: &FloatTensor<B>, v0: &FloatTensor<B>) -> (Shape, usize) {
     use burn::tensor::TensorMetadata;
     let shape = seq.shape();
-    assert_eq!(shape.num_dims(), 3, "PLIF scan: sequence tensors must be [TK, B, dim], got {shape:?}");
+    assert_eq!(
+        shape.num_dims(),
+        3,
+        "PLIF scan: sequence tensors must be [TK, B, dim], got {shape:?}"
+    );
     let v0_shape = v0.shape();
     assert_eq!(
         v0_shape.as_slice(),
@@ -173,7 +177,11 @@ fn host<B: Backend>(t: FloatTensor<B>) -> Vec<f32> {
         .expect("f32 data converts to Vec<f32>")
 }
 
-fn device_tensor<B: Backend>(values: Vec<f32>, shape: Shape, like: &FloatTensor<B>) -> FloatTensor<B> {
+fn device_tensor<B: Backend>(
+    values: Vec<f32>,
+    shape: Shape,
+    like: &FloatTensor<B>,
+) -> FloatTensor<B> {
     use burn::tensor::TensorMetadata;
     let device = B::float_device(like);
     let data = TensorData::new(values, shape).convert_dtype(like.dtype());
@@ -187,7 +195,12 @@ fn scan_out<B: Backend>(out: ScanOut, shape: Shape, like: &FloatTensor<B>) -> Pl
     }
 }
 
-fn scan_grads<B: Backend>(g: ScanGrads, param_shape: Shape, seq_shape: Shape, like: &FloatTensor<B>) -> PlifGrads<B> {
+fn scan_grads<B: Backend>(
+    g: ScanGrads,
+    param_shape: Shape,
+    seq_shape: Shape,
+    like: &FloatTensor<B>,
+) -> PlifGrads<B> {
     let state_shape = Shape::new([seq_shape[1], seq_shape[2]]);
     PlifGrads {
         beta: device_tensor::<B>(g.beta, param_shape.clone(), like),

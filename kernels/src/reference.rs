@@ -22,7 +22,10 @@ pub struct ScanGrads {
 }
 
 fn check_len(name: &str, got: usize, want: usize) {
-    assert_eq!(got, want, "PLIF scan: `{name}` has {got} elements, expected {want}");
+    assert_eq!(
+        got, want,
+        "PLIF scan: `{name}` has {got} elements, expected {want}"
+    );
 }
 
 /// Per-element forward: `beta, u, vth` are `[TK, cols]`, `v0` is `[cols]`.
@@ -46,7 +49,11 @@ fn scan_forward(
     params: impl Fn(usize, usize) -> (f32, f32),
 ) -> ScanOut {
     check_len("v0", v0.len(), cols);
-    assert!(cols > 0 && u.len() % cols == 0, "PLIF scan: u length {} is not a multiple of {cols}", u.len());
+    assert!(
+        cols > 0 && u.len().is_multiple_of(cols),
+        "PLIF scan: u length {} is not a multiple of {cols}",
+        u.len()
+    );
     let steps = u.len() / cols;
     let mut v = v0.to_vec();
     let mut spike = vec![0.0f32; u.len()];
@@ -81,11 +88,24 @@ pub fn elem_backward(
     check_len("beta", beta.len(), n);
     let mut g_beta = vec![0.0f32; n];
     let mut g_vth = vec![0.0f32; n];
-    let (g_u, g_v0) = scan_backward(v0, vpost, spike, grad_vpost, cols, |k, c| beta[k * cols + c], |i, gpre, v_prev, gv_spike| {
-        g_beta[i] = gpre * v_prev;
-        g_vth[i] = gv_spike;
-    });
-    ScanGrads { beta: g_beta, u: g_u, vth: g_vth, v0: g_v0 }
+    let (g_u, g_v0) = scan_backward(
+        v0,
+        vpost,
+        spike,
+        grad_vpost,
+        cols,
+        |k, c| beta[k * cols + c],
+        |i, gpre, v_prev, gv_spike| {
+            g_beta[i] = gpre * v_prev;
+            g_vth[i] = gv_spike;
+        },
+    );
+    ScanGrads {
+        beta: g_beta,
+        u: g_u,
+        vth: g_vth,
+        v0: g_v0,
+    }
 }
 
 /// Row-parameter backward (detached reset): `beta`/`vth` gradients are accumulated over time into
@@ -101,12 +121,25 @@ pub fn row_backward(
     check_len("beta", beta.len(), cols);
     let mut g_beta = vec![0.0f32; cols];
     let mut g_vth = vec![0.0f32; cols];
-    let (g_u, g_v0) = scan_backward(v0, vpost, spike, grad_vpost, cols, |_, c| beta[c], |i, gpre, v_prev, gv_spike| {
-        let c = i % cols;
-        g_beta[c] += gpre * v_prev;
-        g_vth[c] += gv_spike;
-    });
-    ScanGrads { beta: g_beta, u: g_u, vth: g_vth, v0: g_v0 }
+    let (g_u, g_v0) = scan_backward(
+        v0,
+        vpost,
+        spike,
+        grad_vpost,
+        cols,
+        |_, c| beta[c],
+        |i, gpre, v_prev, gv_spike| {
+            let c = i % cols;
+            g_beta[c] += gpre * v_prev;
+            g_vth[c] += gv_spike;
+        },
+    );
+    ScanGrads {
+        beta: g_beta,
+        u: g_u,
+        vth: g_vth,
+        v0: g_v0,
+    }
 }
 
 /// The shared reverse loop of SPEC §6.1 with `gSpike ≡ 0`:
@@ -125,7 +158,10 @@ fn scan_backward(
     check_len("v0", v0.len(), cols);
     check_len("vpost", vpost.len(), n);
     check_len("spike", spike.len(), n);
-    assert!(cols > 0 && n % cols == 0, "PLIF scan: gradient length {n} is not a multiple of {cols}");
+    assert!(
+        cols > 0 && n.is_multiple_of(cols),
+        "PLIF scan: gradient length {n} is not a multiple of {cols}"
+    );
     let steps = n / cols;
     let mut acc = vec![0.0f32; cols];
     let mut g_u = vec![0.0f32; n];

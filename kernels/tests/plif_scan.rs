@@ -23,15 +23,21 @@ impl Fixture {
     fn load(name: &str) -> Self {
         let path = fixture_path(name);
         let bytes = std::fs::read(&path).unwrap_or_else(|e| {
-            panic!("golden fixture {} is required and could not be read: {e}", path.display())
+            panic!(
+                "golden fixture {} is required and could not be read: {e}",
+                path.display()
+            )
         });
         Fixture(bytes)
     }
 
     /// The tensor's values (row-major) and shape.
     fn raw(&self, key: &str) -> (Vec<f32>, Vec<usize>) {
-        let st = safetensors::SafeTensors::deserialize(&self.0).expect("fixture is valid safetensors");
-        let view = st.tensor(key).unwrap_or_else(|e| panic!("fixture key {key}: {e}"));
+        let st =
+            safetensors::SafeTensors::deserialize(&self.0).expect("fixture is valid safetensors");
+        let view = st
+            .tensor(key)
+            .unwrap_or_else(|e| panic!("fixture key {key}: {e}"));
         assert_eq!(view.dtype(), safetensors::Dtype::F32, "{key} is not f32");
         let values = view
             .data()
@@ -57,7 +63,10 @@ fn values<B: Backend, const D: usize>(t: Tensor<B, D>) -> Vec<f32> {
 
 fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
     assert_eq!(a.len(), b.len());
-    a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max)
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0, f32::max)
 }
 
 /// `‖a − b‖ / ‖b‖`, the fixture README's gradient tolerance measure.
@@ -94,9 +103,18 @@ fn check_fixture(prefix: &str) {
     };
     let want_spike = fx.flat(&key("spike"));
     let got_spike = values(spike);
-    let flips = got_spike.iter().zip(&want_spike).filter(|(a, b)| a != b).count();
-    assert_eq!(flips, 0, "{prefix}: {flips} of {} spikes differ", want_spike.len());
-    assert!(want_spike.iter().any(|&s| s == 1.0), "{prefix}: fixture has spikes");
+    let flips = got_spike
+        .iter()
+        .zip(&want_spike)
+        .filter(|(a, b)| a != b)
+        .count();
+    assert_eq!(
+        flips,
+        0,
+        "{prefix}: {flips} of {} spikes differ",
+        want_spike.len()
+    );
+    assert!(want_spike.contains(&1.0), "{prefix}: fixture has spikes");
     let dv = max_abs_diff(&values(vpost), &fx.flat(&key("vpost")));
     assert!(dv <= 1e-5, "{prefix}: V_post max |diff| {dv}");
     let checks = [
@@ -123,12 +141,17 @@ fn row_scan_matches_reference_fixture() {
 
 /// The scan written as plain burn ops, one step at a time, differentiated by burn's autodiff.
 /// The spike enters the reset as a constant (`detach`), as in SPEC §6.1.
-fn naive_scan(beta: Tensor<Ad, 3>, u: Tensor<Ad, 3>, vth: Tensor<Ad, 3>, v0: Tensor<Ad, 2>) -> Tensor<Ad, 3> {
+fn naive_scan(
+    beta: Tensor<Ad, 3>,
+    u: Tensor<Ad, 3>,
+    vth: Tensor<Ad, 3>,
+    v0: Tensor<Ad, 2>,
+) -> Tensor<Ad, 3> {
     let [tk, b, d] = u.dims();
     let mut v = v0;
     let mut out = Vec::with_capacity(tk);
     for k in 0..tk {
-        let step = |t: &Tensor<Ad, 3>| t.clone().slice([k..k + 1]).reshape([b, d]);
+        let step = |t: &Tensor<Ad, 3>| t.clone().narrow(0, k, 1).reshape([b, d]);
         let v_pre = step(&beta) * v + step(&u);
         let th = step(&vth);
         let s = v_pre.clone().greater_equal(th.clone()).float().detach();
@@ -155,27 +178,55 @@ fn elem_scan_gradients_match_naive_autodiff() {
     let [beta, u, vth, g] = random_case(tk, b, d);
     let v0 = Tensor::<Ad, 2>::random([b, d], Distribution::Normal(0.0, 0.3), &Default::default());
     let leaves = |t: &Tensor<Ad, 3>| t.clone().detach().require_grad();
-    let (b1, u1, t1, v1) = (leaves(&beta), leaves(&u), leaves(&vth), v0.clone().detach().require_grad());
-    let (b2, u2, t2, v2) = (leaves(&beta), leaves(&u), leaves(&vth), v0.detach().require_grad());
+    let (b1, u1, t1, v1) = (
+        leaves(&beta),
+        leaves(&u),
+        leaves(&vth),
+        v0.clone().detach().require_grad(),
+    );
+    let (b2, u2, t2, v2) = (
+        leaves(&beta),
+        leaves(&u),
+        leaves(&vth),
+        v0.detach().require_grad(),
+    );
 
     let (spike, fast) = plif_elem(b1.clone(), u1.clone(), t1.clone(), v1.clone());
     let slow = naive_scan(b2.clone(), u2.clone(), t2.clone(), v2.clone());
     let n_spikes = values(spike).iter().filter(|&&s| s == 1.0).count();
-    assert!(n_spikes > tk * b * d / 10, "test case should spike often, got {n_spikes}");
+    assert!(
+        n_spikes > tk * b * d / 10,
+        "test case should spike often, got {n_spikes}"
+    );
     assert!(max_abs_diff(&values(fast.clone()), &values(slow.clone())) <= 1e-5);
 
     let gf = (fast * g.clone()).sum().backward();
     let gs = (slow * g).sum().backward();
     let pairs = [
-        (values(b1.grad(&gf).unwrap()), values(b2.grad(&gs).unwrap()), "beta"),
-        (values(u1.grad(&gf).unwrap()), values(u2.grad(&gs).unwrap()), "u"),
-        (values(t1.grad(&gf).unwrap()), values(t2.grad(&gs).unwrap()), "vth"),
+        (
+            values(b1.grad(&gf).unwrap()),
+            values(b2.grad(&gs).unwrap()),
+            "beta",
+        ),
+        (
+            values(u1.grad(&gf).unwrap()),
+            values(u2.grad(&gs).unwrap()),
+            "u",
+        ),
+        (
+            values(t1.grad(&gf).unwrap()),
+            values(t2.grad(&gs).unwrap()),
+            "vth",
+        ),
     ];
     for (a, b, name) in pairs {
         let err = rel_norm_err(&a, &b);
         assert!(err <= 1e-5, "{name}: relative error {err}");
     }
-    let err = rel_norm_err(&values(v1.grad(&gf).unwrap()), &values(v2.grad(&gs).unwrap()));
+    let err = rel_norm_err(
+        &values(v1.grad(&gf).unwrap()),
+        &values(v2.grad(&gs).unwrap()),
+    );
     assert!(err <= 1e-5, "v0: relative error {err}");
 }
 
@@ -184,8 +235,10 @@ fn row_scan_equals_elem_scan_with_broadcast_parameters() {
     // SPEC §14.1: row-parameter gradients equal per-element gradients summed over time.
     let (tk, b, d) = (29, 2, 7);
     let dev = Default::default();
-    let beta_row = Tensor::<Ad, 2>::random([b, d], Distribution::Uniform(0.5, 0.99), &dev).require_grad();
-    let vth_row = Tensor::<Ad, 2>::random([b, d], Distribution::Uniform(0.1, 0.6), &dev).require_grad();
+    let beta_row =
+        Tensor::<Ad, 2>::random([b, d], Distribution::Uniform(0.5, 0.99), &dev).require_grad();
+    let vth_row =
+        Tensor::<Ad, 2>::random([b, d], Distribution::Uniform(0.1, 0.6), &dev).require_grad();
     let u = Tensor::<Ad, 3>::random([tk, b, d], Distribution::Normal(0.1, 0.4), &dev);
     let g = Tensor::<Ad, 3>::random([tk, b, d], Distribution::Normal(0.0, 1.0), &dev);
     let v0 = Tensor::<Ad, 2>::zeros([b, d], &dev);
@@ -193,15 +246,33 @@ fn row_scan_equals_elem_scan_with_broadcast_parameters() {
     let (s_row, row) = plif_row(beta_row.clone(), u.clone(), vth_row.clone(), v0.clone());
     let gr = (row.clone() * g.clone()).sum().backward();
 
-    let beta_e = beta_row.clone().detach().unsqueeze_dim::<3>(0).expand([tk, b, d]).detach().require_grad();
-    let vth_e = vth_row.clone().detach().unsqueeze_dim::<3>(0).expand([tk, b, d]).detach().require_grad();
+    let beta_e = beta_row
+        .clone()
+        .detach()
+        .unsqueeze_dim::<3>(0)
+        .expand([tk, b, d])
+        .detach()
+        .require_grad();
+    let vth_e = vth_row
+        .clone()
+        .detach()
+        .unsqueeze_dim::<3>(0)
+        .expand([tk, b, d])
+        .detach()
+        .require_grad();
     let (s_elem, elem) = plif_elem(beta_e.clone(), u, vth_e.clone(), v0);
     let ge = (elem.clone() * g).sum().backward();
 
     assert_eq!(values(s_row), values(s_elem));
     assert_eq!(values(row), values(elem));
     let sum_t = |t: Tensor<Inner, 3>| values(t.sum_dim(0).reshape([b, d]));
-    let err_b = rel_norm_err(&values(beta_row.grad(&gr).unwrap()), &sum_t(beta_e.grad(&ge).unwrap()));
-    let err_t = rel_norm_err(&values(vth_row.grad(&gr).unwrap()), &sum_t(vth_e.grad(&ge).unwrap()));
+    let err_b = rel_norm_err(
+        &values(beta_row.grad(&gr).unwrap()),
+        &sum_t(beta_e.grad(&ge).unwrap()),
+    );
+    let err_t = rel_norm_err(
+        &values(vth_row.grad(&gr).unwrap()),
+        &sum_t(vth_e.grad(&ge).unwrap()),
+    );
     assert!(err_b <= 1e-5 && err_t <= 1e-5, "beta {err_b}, vth {err_t}");
 }

@@ -55,7 +55,16 @@ pub mod consts {
 impl ModelConfig {
     /// The released 0.9B configuration.
     pub fn neuronspark_0_9b() -> Self {
-        ModelConfig { vocab_size: 6144, d: 896, n: 8, k: 16, num_layers: 20, d_ff: 2688, v_th_min: 0.1, plif_out: PlifOut::Leak }
+        ModelConfig {
+            vocab_size: 6144,
+            d: 896,
+            n: 8,
+            k: 16,
+            num_layers: 20,
+            d_ff: 2688,
+            v_th_min: 0.1,
+            plif_out: PlifOut::Leak,
+        }
     }
 
     /// Hidden width `D·N` of the SNNBlock.
@@ -79,7 +88,10 @@ impl ModelConfig {
             }
         }
         if !(self.v_th_min.is_finite() && self.v_th_min >= 0.0) {
-            return Err(ModelError::Config(format!("`v_th_min` must be finite and ≥ 0, got {}", self.v_th_min)));
+            return Err(ModelError::Config(format!(
+                "`v_th_min` must be finite and ≥ 0, got {}",
+                self.v_th_min
+            )));
         }
         if self.vocab_size > u32::MAX as usize {
             return Err(ModelError::Config("`vocab_size` exceeds u32".into()));
@@ -93,7 +105,8 @@ impl ModelConfig {
         struct Doc {
             model: toml::Value,
         }
-        let doc: Doc = toml::from_str(text).map_err(|e| ModelError::Config(format!("TOML: {e}")))?;
+        let doc: Doc =
+            toml::from_str(text).map_err(|e| ModelError::Config(format!("TOML: {e}")))?;
         let cfg: ModelConfig = doc
             .model
             .try_into()
@@ -104,7 +117,8 @@ impl ModelConfig {
 
     /// Reads a TOML file's `[model]` table.
     pub fn from_toml_file(path: &std::path::Path) -> Result<Self, ModelError> {
-        let text = std::fs::read_to_string(path).map_err(|e| ModelError::Io(path.display().to_string(), e))?;
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| ModelError::Io(path.display().to_string(), e))?;
         Self::from_toml_str(&text).map_err(|e| e.context(&path.display().to_string()))
     }
 }

@@ -14,7 +14,10 @@ const OUTPUT_V_THRESHOLD: f64 = 0.3;
 pub struct Embedding<B: Backend> {
     pub weight: Tensor<B, 2>,
 }
-impl_params!(Embedding { tensors: [weight], modules: [] });
+impl_params!(Embedding {
+    tensors: [weight],
+    modules: []
+});
 
 /// Embedding, decode path and tied head; the top-level reference parameters except the layers.
 #[derive(Debug, Clone)]
@@ -25,7 +28,10 @@ pub struct Edge<B: Backend> {
     pub output_norm: RmsNorm<B>,
     pub output_neuron: PlifNode<B>,
 }
-impl_params!(Edge { tensors: [], modules: [embed_tokens, norm, decode_proj, output_norm, output_neuron] });
+impl_params!(Edge {
+    tensors: [],
+    modules: [embed_tokens, norm, decode_proj, output_norm, output_neuron]
+});
 
 impl<B: SnnOps> Edge<B> {
     pub fn init(cfg: &ModelConfig, rng: &mut Rng, device: &B::Device) -> Self {
@@ -33,9 +39,14 @@ impl<B: SnnOps> Edge<B> {
         let embed = rng.normal_vec(v * d, 0.0, 0.02);
         let decode_w = xavier(rng, d, d);
         Edge {
-            embed_tokens: Embedding { weight: param(embed, [v, d], device) },
+            embed_tokens: Embedding {
+                weight: param(embed, [v, d], device),
+            },
             norm: LateralInhibition::init(d, device),
-            decode_proj: Linear { weight: param(decode_w, [d, d], device), bias: Some(param(vec![0.0; d], [d], device)) },
+            decode_proj: Linear {
+                weight: param(decode_w, [d, d], device),
+                bias: Some(param(vec![0.0; d], [d], device)),
+            },
             output_norm: RmsNorm::init(d, device),
             output_neuron: PlifNode::init(d, OUTPUT_V_THRESHOLD, rng, device),
         }
@@ -46,21 +57,41 @@ impl<B: SnnOps> Edge<B> {
     pub fn embed(&self, ids: Tensor<B, 2, Int>) -> Tensor<B, 3> {
         let [b, t] = ids.dims();
         let d = self.embed_tokens.weight.dims()[1];
-        let e = self.embed_tokens.weight.clone().select(0, ids.reshape([b * t]));
+        let e = self
+            .embed_tokens
+            .weight
+            .clone()
+            .select(0, ids.reshape([b * t]));
         e.reshape([b, t, d]).swap_dims(0, 1)
     }
 
     /// Decode path: `h` `[T, B, D]` → logits `[B, T, V]`, carrying the output neuron's membrane
     /// `v0` `[B, D]` and returning its final value.
-    pub fn decode(&self, h: Tensor<B, 3>, v0: Tensor<B, 2>, cfg: &ModelConfig) -> (Tensor<B, 3>, Tensor<B, 2>) {
+    pub fn decode(
+        &self,
+        h: Tensor<B, 3>,
+        v0: Tensor<B, 2>,
+        cfg: &ModelConfig,
+    ) -> (Tensor<B, 3>, Tensor<B, 2>) {
         let [t, b, d] = h.dims();
         let k = cfg.k;
-        let (a, state) = self.output_neuron.forward_tokens(self.output_norm.forward(h), k, v0, cfg.plif_out);
+        let (a, state) =
+            self.output_neuron
+                .forward_tokens(self.output_norm.forward(h), k, v0, cfg.plif_out);
         // Uniform K-frame mean per token, then batch-major.
-        let m = a.reshape([t, k, b, d]).mean_dim(1).reshape([t, b, d]).swap_dims(0, 1); // [B, T, D]
-        let y = self.decode_proj.forward(m.reshape([b * t, d])).reshape([b, t, d]);
+        let m = a
+            .reshape([t, k, b, d])
+            .mean_dim(1)
+            .reshape([t, b, d])
+            .swap_dims(0, 1); // [B, T, D]
+        let y = self
+            .decode_proj
+            .forward(m.reshape([b * t, d]))
+            .reshape([b, t, d]);
         let y = self.norm.forward(y);
-        let logits = y.reshape([b * t, d]).matmul(self.embed_tokens.weight.clone().transpose());
+        let logits = y
+            .reshape([b * t, d])
+            .matmul(self.embed_tokens.weight.clone().transpose());
         let vocab = self.embed_tokens.weight.dims()[0];
         (logits.reshape([b, t, vocab]), state)
     }

@@ -33,17 +33,34 @@ impl Layout {
 pub fn view_to_f32(name: &str, view: &TensorView<'_>) -> Result<Vec<f32>, ModelError> {
     let bytes = view.data();
     let out = match view.dtype() {
-        Dtype::F32 => bytes.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect(),
-        Dtype::F16 => bytes.chunks_exact(2).map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32()).collect(),
-        Dtype::BF16 => bytes.chunks_exact(2).map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32()).collect(),
-        other => return Err(ModelError::Weights(format!("`{name}` has dtype {other:?}; expected F32, F16 or BF16"))),
+        Dtype::F32 => bytes
+            .chunks_exact(4)
+            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+            .collect(),
+        Dtype::F16 => bytes
+            .chunks_exact(2)
+            .map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32())
+            .collect(),
+        Dtype::BF16 => bytes
+            .chunks_exact(2)
+            .map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32())
+            .collect(),
+        other => {
+            return Err(ModelError::Weights(format!(
+                "`{name}` has dtype {other:?}; expected F32, F16 or BF16"
+            )));
+        }
     };
     Ok(out)
 }
 
 /// Loads every parameter of `module` from `st`, named `{prefix}{name}`. Every parameter must be
 /// present with its exact shape; extra keys are ignored here (see [`load_file`] for strictness).
-pub fn load_params<B: Backend, P: Params<B>>(module: &mut P, st: &SafeTensors<'_>, prefix: &str) -> Result<(), ModelError> {
+pub fn load_params<B: Backend, P: Params<B>>(
+    module: &mut P,
+    st: &SafeTensors<'_>,
+    prefix: &str,
+) -> Result<(), ModelError> {
     struct Load<'a, 'b> {
         st: &'a SafeTensors<'b>,
         prefix: &'a str,
@@ -72,7 +89,8 @@ pub fn load_params<B: Backend, P: Params<B>>(module: &mut P, st: &SafeTensors<'_
             match result {
                 Ok(values) => {
                     let device = p.device();
-                    Tensor::<B, D>::from_data(TensorData::new(values, p.dims()), &device).require_grad()
+                    Tensor::<B, D>::from_data(TensorData::new(values, p.dims()), &device)
+                        .require_grad()
                 }
                 Err(e) => {
                     self.error = Some(e);
@@ -81,23 +99,47 @@ pub fn load_params<B: Backend, P: Params<B>>(module: &mut P, st: &SafeTensors<'_
             }
         }
     }
-    let mut l = Load { st, prefix, error: None };
+    let mut l = Load {
+        st,
+        prefix,
+        error: None,
+    };
     module.map_params("", &mut l);
     l.error.map_or(Ok(()), Err)
 }
 
 /// Loads a model file, detecting the plain or HF layout, and rejects files with tensors the model
 /// does not have (a different architecture or config).
-pub fn load_file<B: Backend, P: Params<B>>(module: &mut P, path: &Path) -> Result<Layout, ModelError> {
+pub fn load_file<B: Backend, P: Params<B>>(
+    module: &mut P,
+    path: &Path,
+) -> Result<Layout, ModelError> {
     let ctx = path.display().to_string();
     let bytes = std::fs::read(path).map_err(|e| ModelError::Io(ctx.clone(), e))?;
-    let st = SafeTensors::deserialize(&bytes).map_err(|e| ModelError::Weights(format!("{ctx}: not a safetensors file: {e}")))?;
+    let st = SafeTensors::deserialize(&bytes)
+        .map_err(|e| ModelError::Weights(format!("{ctx}: not a safetensors file: {e}")))?;
     let names = crate::params::param_shapes(module);
-    let layout = if st.tensor(&format!("{HF_PREFIX}{}", names[0].0)).is_ok() { Layout::HuggingFace } else { Layout::Plain };
-    let expected: BTreeSet<String> = names.iter().map(|(n, _)| format!("{}{n}", layout.prefix())).collect();
-    let extra: Vec<String> = st.names().into_iter().filter(|n| !expected.contains(*n)).map(String::from).collect();
+    let layout = if st.tensor(&format!("{HF_PREFIX}{}", names[0].0)).is_ok() {
+        Layout::HuggingFace
+    } else {
+        Layout::Plain
+    };
+    let expected: BTreeSet<String> = names
+        .iter()
+        .map(|(n, _)| format!("{}{n}", layout.prefix()))
+        .collect();
+    let extra: Vec<String> = st
+        .names()
+        .into_iter()
+        .filter(|n| !expected.contains(*n))
+        .map(String::from)
+        .collect();
     if !extra.is_empty() {
-        return Err(ModelError::Weights(format!("{ctx}: {} tensors the model does not have, e.g. `{}`", extra.len(), extra[0])));
+        return Err(ModelError::Weights(format!(
+            "{ctx}: {} tensors the model does not have, e.g. `{}`",
+            extra.len(),
+            extra[0]
+        )));
     }
     load_params(module, &st, layout.prefix()).map_err(|e| e.context(&ctx))?;
     Ok(layout)
@@ -108,7 +150,11 @@ pub fn param_values<B: Backend, P: Params<B>>(module: &P) -> Vec<(String, Vec<us
     struct Dump(Vec<(String, Vec<usize>, Vec<f32>)>);
     impl<B: Backend> ParamVisitor<B> for Dump {
         fn visit<const D: usize>(&mut self, name: &str, p: &Tensor<B, D>) {
-            let values = p.to_data().convert::<f32>().into_vec::<f32>().expect("f32 parameter");
+            let values = p
+                .to_data()
+                .convert::<f32>()
+                .into_vec::<f32>()
+                .expect("f32 parameter");
             self.0.push((name.to_string(), p.dims().to_vec(), values));
         }
     }
@@ -119,22 +165,42 @@ pub fn param_values<B: Backend, P: Params<B>>(module: &P) -> Vec<(String, Vec<us
 
 /// Serialises parameters to safetensors bytes (fp32) under `layout`'s names, with optional
 /// string metadata.
-pub fn to_bytes<B: Backend, P: Params<B>>(module: &P, layout: Layout, metadata: Option<BTreeMap<String, String>>) -> Result<Vec<u8>, ModelError> {
+pub fn to_bytes<B: Backend, P: Params<B>>(
+    module: &P,
+    layout: Layout,
+    metadata: Option<BTreeMap<String, String>>,
+) -> Result<Vec<u8>, ModelError> {
     let params = param_values(module);
     let raw: Vec<(String, Vec<usize>, Vec<u8>)> = params
         .into_iter()
-        .map(|(n, s, v)| (format!("{}{n}", layout.prefix()), s, v.iter().flat_map(|x| x.to_le_bytes()).collect()))
+        .map(|(n, s, v)| {
+            (
+                format!("{}{n}", layout.prefix()),
+                s,
+                v.iter().flat_map(|x| x.to_le_bytes()).collect(),
+            )
+        })
         .collect();
     let views: Vec<(String, TensorView<'_>)> = raw
         .iter()
-        .map(|(n, s, b)| Ok((n.clone(), TensorView::new(Dtype::F32, s.clone(), b).map_err(|e| ModelError::Weights(format!("{n}: {e}")))?)))
+        .map(|(n, s, b)| {
+            Ok((
+                n.clone(),
+                TensorView::new(Dtype::F32, s.clone(), b)
+                    .map_err(|e| ModelError::Weights(format!("{n}: {e}")))?,
+            ))
+        })
         .collect::<Result<_, ModelError>>()?;
     let meta = metadata.map(|m| m.into_iter().collect());
     safetensors::serialize(views, meta).map_err(|e| ModelError::Weights(format!("serialise: {e}")))
 }
 
 /// Writes a model file atomically (temporary file in the same directory, fsync, rename).
-pub fn save_file<B: Backend, P: Params<B>>(module: &P, path: &Path, layout: Layout) -> Result<(), ModelError> {
+pub fn save_file<B: Backend, P: Params<B>>(
+    module: &P,
+    path: &Path,
+    layout: Layout,
+) -> Result<(), ModelError> {
     let bytes = to_bytes(module, layout, None)?;
     write_atomic(path, &bytes)
 }
@@ -144,9 +210,18 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), ModelError> {
     use std::io::Write;
     let ctx = path.display().to_string();
     let io = |e| ModelError::Io(ctx.clone(), e);
-    let dir = path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
-    let name = path.file_name().ok_or_else(|| ModelError::Io(ctx.clone(), std::io::Error::other("no file name")))?;
-    let tmp = dir.join(format!(".{}.tmp-{}", name.to_string_lossy(), std::process::id()));
+    let dir = path
+        .parent()
+        .filter(|p| !p.as_os_str().is_empty())
+        .unwrap_or(Path::new("."));
+    let name = path
+        .file_name()
+        .ok_or_else(|| ModelError::Io(ctx.clone(), std::io::Error::other("no file name")))?;
+    let tmp = dir.join(format!(
+        ".{}.tmp-{}",
+        name.to_string_lossy(),
+        std::process::id()
+    ));
     let result = (|| {
         let mut f = std::fs::File::create(&tmp)?;
         f.write_all(bytes)?;

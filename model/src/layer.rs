@@ -29,7 +29,18 @@ pub struct SnnDecoderLayer<B: Backend> {
 }
 impl_params!(SnnDecoderLayer {
     tensors: [],
-    modules: [snn_block, snn_ffn, block_norm, ffn_norm, input_neuron1, input_neuron2, block_out_proj, ffn_out_proj, block_halt, ffn_halt]
+    modules: [
+        snn_block,
+        snn_ffn,
+        block_norm,
+        ffn_norm,
+        input_neuron1,
+        input_neuron2,
+        block_out_proj,
+        ffn_out_proj,
+        block_halt,
+        ffn_halt
+    ]
 });
 
 /// The membrane states one layer carries between calls (the "KV cache" of an SNN):
@@ -104,21 +115,46 @@ impl<B: SnnOps> SnnDecoderLayer<B> {
     /// in all K frames, SPEC §3) from `state`. Training starts from [`LayerState::zeros`]; decoding
     /// passes the state returned by the previous call, so T calls with one token each equal one
     /// call with T tokens.
-    pub fn forward(&self, h: Tensor<B, 3>, state: LayerState<B>, cfg: &ModelConfig) -> LayerOutput<B> {
+    pub fn forward(
+        &self,
+        h: Tensor<B, 3>,
+        state: LayerState<B>,
+        cfg: &ModelConfig,
+    ) -> LayerOutput<B> {
         let k = cfg.k;
         let out = cfg.plif_out;
         // Sublayer 1: SNNBlock.
-        let (a1, input1) = self.input_neuron1.forward_tokens(self.block_norm.forward(h.clone()), k, state.input1, out);
+        let (a1, input1) = self.input_neuron1.forward_tokens(
+            self.block_norm.forward(h.clone()),
+            k,
+            state.input1,
+            out,
+        );
         let (c1, hidden) = self.snn_block.forward(a1, state.hidden, cfg.v_th_min);
         let (agg1, ek1) = ponder_agg(c1, &self.block_halt, k);
         let h = h + centred(&self.block_out_proj, agg1);
         // Sublayer 2: SNNFFN.
-        let (a2, input2) = self.input_neuron2.forward_tokens(self.ffn_norm.forward(h.clone()), k, state.input2, out);
+        let (a2, input2) = self.input_neuron2.forward_tokens(
+            self.ffn_norm.forward(h.clone()),
+            k,
+            state.input2,
+            out,
+        );
         let (c2, ffn) = self.snn_ffn.forward(a2, state.ffn, out);
         let (agg2, ek2) = ponder_agg(c2, &self.ffn_halt, k);
         let h = h + centred(&self.ffn_out_proj, agg2);
         let ponder_cost = (ek1.clone().mean() + ek2.clone().mean()) / 2.0;
-        LayerOutput { h, ponder_cost, expected_k: [ek1, ek2], state: LayerState { input1, hidden, input2, ffn } }
+        LayerOutput {
+            h,
+            ponder_cost,
+            expected_k: [ek1, ek2],
+            state: LayerState {
+                input1,
+                hidden,
+                input2,
+                ffn,
+            },
+        }
     }
 
     /// Alias of [`forward`](Self::forward) for one token `[1, B, D]`, named for the streaming path.
@@ -139,11 +175,15 @@ impl<B: SnnOps> SnnDecoderLayer<B> {
         let device = h.device();
         let zeros = |w| Tensor::<B, 2>::zeros([b, w], &device);
         let frames = |x: Tensor<B, 3>| crate::neurons::repeat_frames(x, k);
-        let (a1, _) = self.input_neuron1.forward_frames(self.block_norm.forward(h.clone()), zeros(d), out);
+        let (a1, _) =
+            self.input_neuron1
+                .forward_frames(self.block_norm.forward(h.clone()), zeros(d), out);
         let (c1, _) = self.snn_block.forward(a1, zeros(cfg.dn()), cfg.v_th_min);
         let (agg1, _) = ponder_agg(c1, &self.block_halt, k);
         let h = h + frames(centred(&self.block_out_proj, agg1));
-        let (a2, _) = self.input_neuron2.forward_frames(self.ffn_norm.forward(h.clone()), zeros(d), out);
+        let (a2, _) =
+            self.input_neuron2
+                .forward_frames(self.ffn_norm.forward(h.clone()), zeros(d), out);
         let (c2, _) = self.snn_ffn.forward(a2, zeros(2 * cfg.d_ff), out);
         let (agg2, _) = ponder_agg(c2, &self.ffn_halt, k);
         let h = h + frames(centred(&self.ffn_out_proj, agg2));
@@ -162,22 +202,32 @@ fn centred<B: Backend>(proj: &Linear<B>, agg: Tensor<B, 3>) -> Tensor<B, 3> {
 /// PonderNet aggregation over the K frames of each token (SPEC §2.3): geometric halting
 /// `λ_k = p_k·Π_{j<k}(1 − p_j)`, normalised by `Σλ` (not PonderNet's remainder-to-last-step).
 /// `frames` `[T·K, B, D]` → aggregate `[T, B, D]` and E[K] `[T, B]`.
-pub fn ponder_agg<B: Backend>(frames: Tensor<B, 3>, halt: &Linear<B>, k: usize) -> (Tensor<B, 3>, Tensor<B, 2>) {
+pub fn ponder_agg<B: Backend>(
+    frames: Tensor<B, 3>,
+    halt: &Linear<B>,
+    k: usize,
+) -> (Tensor<B, 3>, Tensor<B, 2>) {
     let [tk, b, d] = frames.dims();
     let t = tk / k;
-    let logit = halt.forward(frames.clone().reshape([tk * b, d])).reshape([t, k, b]);
+    let logit = halt
+        .forward(frames.clone().reshape([tk * b, d]))
+        .reshape([t, k, b]);
     let p = sigmoid(logit).clamp(consts::HALT_CLAMP, 1.0 - consts::HALT_CLAMP);
     let log_stay = p.clone().neg().log1p(); // log(1 − p_j)
     // Exclusive cumsum over k: logS_0 = 0, logS_k = Σ_{j<k} log(1 − p_j).
     let log_survive = Tensor::cat(
-        vec![Tensor::zeros([t, 1, b], &log_stay.device()), log_stay.slice([0..t, 0..k - 1]).cumsum(1)],
+        vec![
+            Tensor::zeros([t, 1, b], &log_stay.device()),
+            log_stay.slice([0..t, 0..k - 1]).cumsum(1),
+        ],
         1,
     );
     let lambda = p * log_survive.exp();
     let lambda_hat = lambda.clone() / (lambda.sum_dim(1) + consts::HALT_NORM_EPS); // [T, K, B]
     let agg = (frames.reshape([t, k, b, d]) * lambda_hat.clone().unsqueeze_dim::<4>(3)).sum_dim(1);
     let steps: Vec<f32> = (1..=k).map(|i| i as f32).collect();
-    let steps = Tensor::<B, 1>::from_data(TensorData::new(steps, [k]), &lambda_hat.device()).reshape([1, k, 1]);
+    let steps = Tensor::<B, 1>::from_data(TensorData::new(steps, [k]), &lambda_hat.device())
+        .reshape([1, k, 1]);
     let ek = (lambda_hat * steps).sum_dim(1).reshape([t, b]);
     (agg.reshape([t, b, d]), ek)
 }

@@ -36,7 +36,9 @@ pub struct ModelState<B: Backend> {
 impl<B: Backend> ModelState<B> {
     pub fn zeros(cfg: &ModelConfig, batch: usize, device: &B::Device) -> Self {
         ModelState {
-            layers: (0..cfg.num_layers).map(|_| LayerState::zeros(cfg, batch, device)).collect(),
+            layers: (0..cfg.num_layers)
+                .map(|_| LayerState::zeros(cfg, batch, device))
+                .collect(),
             output: Tensor::zeros([batch, cfg.d], device),
         }
     }
@@ -68,8 +70,14 @@ impl<B: SnnOps> NeuronSpark<B> {
     pub fn init(config: &ModelConfig, seed: u64, device: &B::Device) -> Self {
         let mut rng = Rng::new(seed);
         let edge = Edge::init(config, &mut rng, device);
-        let layers = (0..config.num_layers).map(|_| SnnDecoderLayer::init(config, &mut rng, device)).collect();
-        NeuronSpark { config: config.clone(), edge, layers }
+        let layers = (0..config.num_layers)
+            .map(|_| SnnDecoderLayer::init(config, &mut rng, device))
+            .collect();
+        NeuronSpark {
+            config: config.clone(),
+            edge,
+            layers,
+        }
     }
 
     /// Forward over `ids` `[B, T]` from `state` (all zeros for training).
@@ -86,7 +94,14 @@ impl<B: SnnOps> NeuronSpark<B> {
         }
         let (logits, output) = self.edge.decode(h, state.output, cfg);
         let ponder_cost = Tensor::cat(ponder, 0).mean();
-        ForwardOutput { logits, ponder_cost, state: ModelState { layers: states, output } }
+        ForwardOutput {
+            logits,
+            ponder_cost,
+            state: ModelState {
+                layers: states,
+                output,
+            },
+        }
     }
 
     /// Training forward: all membranes start at rest.
@@ -99,21 +114,37 @@ impl<B: SnnOps> NeuronSpark<B> {
     /// Loss of SPEC §2.5: masked mean cross entropy (ignore id 0) plus `ponder_weight · E[K]`.
     /// `targets` `[B, T]`, `mask` `[B, T]` (1 where the target counts). An all-zero mask gives a
     /// zero CE term instead of the reference's NaN.
-    pub fn loss(&self, ids: Tensor<B, 2, Int>, targets: Tensor<B, 2, Int>, mask: Tensor<B, 2>, ponder_weight: f64) -> LossOutput<B> {
+    pub fn loss(
+        &self,
+        ids: Tensor<B, 2, Int>,
+        targets: Tensor<B, 2, Int>,
+        mask: Tensor<B, 2>,
+        ponder_weight: f64,
+    ) -> LossOutput<B> {
         let out = self.forward(ids);
         let per_token_ce = cross_entropy_ignore_pad(out.logits, targets);
         let denom = mask.clone().sum().clamp_min(1.0);
         let ce_masked_mean = (per_token_ce.clone() * mask).sum() / denom;
         let loss = ce_masked_mean.clone() + out.ponder_cost.clone() * ponder_weight;
-        LossOutput { loss, per_token_ce, ce_masked_mean, ponder_cost: out.ponder_cost }
+        LossOutput {
+            loss,
+            per_token_ce,
+            ce_masked_mean,
+            ponder_cost: out.ponder_cost,
+        }
     }
 }
 
 /// Per-target cross entropy `[B, T]` with `ignore_index = 0`.
-pub fn cross_entropy_ignore_pad<B: Backend>(logits: Tensor<B, 3>, targets: Tensor<B, 2, Int>) -> Tensor<B, 2> {
+pub fn cross_entropy_ignore_pad<B: Backend>(
+    logits: Tensor<B, 3>,
+    targets: Tensor<B, 2, Int>,
+) -> Tensor<B, 2> {
     let [b, t, _] = logits.dims();
     let logp = log_softmax(logits, 2);
-    let picked = logp.gather(2, targets.clone().reshape([b, t, 1])).reshape([b, t]);
+    let picked = logp
+        .gather(2, targets.clone().reshape([b, t, 1]))
+        .reshape([b, t]);
     let keep = targets.not_equal_elem(0).float();
     picked.neg() * keep
 }

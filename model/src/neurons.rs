@@ -7,7 +7,11 @@ use burn::tensor::{Tensor, TensorData, activation::sigmoid, backend::Backend};
 use nsactor_kernels::{SnnOps, plif_row};
 
 /// Builds a parameter tensor from host values (marked for gradients on autodiff backends).
-pub(crate) fn param<B: Backend, const D: usize>(values: Vec<f32>, shape: [usize; D], device: &B::Device) -> Tensor<B, D> {
+pub(crate) fn param<B: Backend, const D: usize>(
+    values: Vec<f32>,
+    shape: [usize; D],
+    device: &B::Device,
+) -> Tensor<B, D> {
     Tensor::from_data(TensorData::new(values, shape), device).require_grad()
 }
 
@@ -15,7 +19,9 @@ pub(crate) fn param<B: Backend, const D: usize>(values: Vec<f32>, shape: [usize;
 /// (token-major, frame-minor; SPEC §3).
 pub(crate) fn repeat_frames<B: Backend>(x: Tensor<B, 3>, k: usize) -> Tensor<B, 3> {
     let [t, b, c] = x.dims();
-    x.unsqueeze_dim::<4>(1).expand([t, k, b, c]).reshape([t * k, b, c])
+    x.unsqueeze_dim::<4>(1)
+        .expand([t, k, b, c])
+        .reshape([t * k, b, c])
 }
 
 /// PLIFNode with a learnable decay `β = σ(w)` and threshold `v_th` per channel.
@@ -24,7 +30,10 @@ pub struct PlifNode<B: Backend> {
     pub w: Tensor<B, 1>,
     pub v_th: Tensor<B, 1>,
 }
-impl_params!(PlifNode { tensors: [w, v_th], modules: [] });
+impl_params!(PlifNode {
+    tensors: [w, v_th],
+    modules: []
+});
 
 impl<B: SnnOps> PlifNode<B> {
     /// `w ~ N(0, 0.5)` (τ₀ = 2), `v_th ~ U(v0/2, 3·v0/2)`.
@@ -38,20 +47,36 @@ impl<B: SnnOps> PlifNode<B> {
     /// Runs the neuron over K frames of a per-token input `x` `[T, B, dim]` with input current
     /// `u = (1 − β)·x` (SPEC §2.3). Returns the output `[T·K, B, dim]` (leak or raw `V_post`) and
     /// the final membrane state `[B, dim]` (detached, as the reference carries it).
-    pub fn forward_tokens(&self, x: Tensor<B, 3>, k: usize, v0: Tensor<B, 2>, out: PlifOut) -> (Tensor<B, 3>, Tensor<B, 2>) {
+    pub fn forward_tokens(
+        &self,
+        x: Tensor<B, 3>,
+        k: usize,
+        v0: Tensor<B, 2>,
+        out: PlifOut,
+    ) -> (Tensor<B, 3>, Tensor<B, 2>) {
         let one_minus = sigmoid(self.w.clone()).neg() + 1.0;
         let u = repeat_frames(x * one_minus.unsqueeze::<3>(), k);
         self.scan(u, v0, out)
     }
 
     /// The same on a per-frame input `x` `[T·K, B, dim]` (the reference's layout).
-    pub fn forward_frames(&self, x: Tensor<B, 3>, v0: Tensor<B, 2>, out: PlifOut) -> (Tensor<B, 3>, Tensor<B, 2>) {
+    pub fn forward_frames(
+        &self,
+        x: Tensor<B, 3>,
+        v0: Tensor<B, 2>,
+        out: PlifOut,
+    ) -> (Tensor<B, 3>, Tensor<B, 2>) {
         let one_minus = sigmoid(self.w.clone()).neg() + 1.0;
         self.scan(x * one_minus.unsqueeze::<3>(), v0, out)
     }
 
     /// Row-parameter scan of the input current `u` `[T·K, B, dim]`.
-    fn scan(&self, u: Tensor<B, 3>, v0: Tensor<B, 2>, out: PlifOut) -> (Tensor<B, 3>, Tensor<B, 2>) {
+    fn scan(
+        &self,
+        u: Tensor<B, 3>,
+        v0: Tensor<B, 2>,
+        out: PlifOut,
+    ) -> (Tensor<B, 3>, Tensor<B, 2>) {
         let [_, b, dim] = u.dims();
         let beta = sigmoid(self.w.clone()); // [dim]
         let one_minus = beta.clone().neg() + 1.0;
@@ -73,7 +98,7 @@ impl<B: SnnOps> PlifNode<B> {
 /// The last frame `[B, C]` of a `[TK, B, C]` sequence, detached.
 pub(crate) fn last_frame<B: Backend>(x: &Tensor<B, 3>) -> Tensor<B, 2> {
     let [tk, b, c] = x.dims();
-    x.clone().slice([tk - 1..tk]).reshape([b, c]).detach()
+    x.clone().narrow(0, tk - 1, 1).reshape([b, c]).detach()
 }
 
 /// RMSNorm, `y = w · x / √(mean(x²) + 1e-6)` over the last dimension.
@@ -81,11 +106,16 @@ pub(crate) fn last_frame<B: Backend>(x: &Tensor<B, 3>) -> Tensor<B, 2> {
 pub struct RmsNorm<B: Backend> {
     pub weight: Tensor<B, 1>,
 }
-impl_params!(RmsNorm { tensors: [weight], modules: [] });
+impl_params!(RmsNorm {
+    tensors: [weight],
+    modules: []
+});
 
 impl<B: Backend> RmsNorm<B> {
     pub fn init(dim: usize, device: &B::Device) -> Self {
-        RmsNorm { weight: param(vec![1.0; dim], [dim], device) }
+        RmsNorm {
+            weight: param(vec![1.0; dim], [dim], device),
+        }
     }
 
     pub fn forward(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
@@ -98,11 +128,16 @@ impl<B: Backend> RmsNorm<B> {
 pub struct LateralInhibition<B: Backend> {
     pub gain: Tensor<B, 1>,
 }
-impl_params!(LateralInhibition { tensors: [gain], modules: [] });
+impl_params!(LateralInhibition {
+    tensors: [gain],
+    modules: []
+});
 
 impl<B: Backend> LateralInhibition<B> {
     pub fn init(dim: usize, device: &B::Device) -> Self {
-        LateralInhibition { gain: param(vec![1.0; dim], [dim], device) }
+        LateralInhibition {
+            gain: param(vec![1.0; dim], [dim], device),
+        }
     }
 
     pub fn forward(&self, y: Tensor<B, 3>) -> Tensor<B, 3> {

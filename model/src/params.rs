@@ -100,7 +100,12 @@ pub fn param_shapes<B: Backend, P: Params<B>>(module: &P) -> Vec<(String, Vec<us
 /// (SPEC §7.1): PLIF `w`/`v_th` of the input, FFN and output neurons, and the SNNBlock
 /// modulation biases. Everything else — halts, norms, decode_proj bias, embedding — is base LR.
 pub fn is_neuron_param(name: &str) -> bool {
-    const NEURONS: [&str; 4] = ["input_neuron1.", "input_neuron2.", "gate_neuron.", "up_neuron."];
+    const NEURONS: [&str; 4] = [
+        "input_neuron1.",
+        "input_neuron2.",
+        "gate_neuron.",
+        "up_neuron.",
+    ];
     const BIASES: [&str; 3] = ["snn_block.b_beta", "snn_block.b_alpha", "snn_block.b_th"];
     name.starts_with("output_neuron.")
         || NEURONS.iter().any(|n| name.contains(n))

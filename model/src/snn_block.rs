@@ -31,7 +31,10 @@ impl_params!(SnnBlock {
 const B_ALPHA_MEAN: f64 = 0.541_324_854_612_918;
 
 fn linear<B: Backend>(w: Vec<f32>, out: usize, inp: usize, device: &B::Device) -> Linear<B> {
-    Linear { weight: param(w, [out, inp], device), bias: None }
+    Linear {
+        weight: param(w, [out, inp], device),
+        bias: None,
+    }
 }
 
 impl<B: SnnOps> SnnBlock<B> {
@@ -46,13 +49,20 @@ impl<B: SnnOps> SnnBlock<B> {
             })
             .collect();
         let b_alpha = rng.normal_vec(dn, B_ALPHA_MEAN, 0.1);
-        let b_th = (0..dn).map(|r| (table.b_th[r % n] + 0.02 * rng.normal()) as f32).collect();
+        let b_th = (0..dn)
+            .map(|r| (table.b_th[r % n] + 0.02 * rng.normal()) as f32)
+            .collect();
         let mut w_in = kaiming(rng, dn, d);
         for (r, row) in w_in.chunks_exact_mut(d).enumerate() {
             let s = table.w_in_scale[r % n] as f32;
             row.iter_mut().for_each(|x| *x *= s);
         }
-        let small = |rng: &mut Rng| kaiming(rng, dn, d).into_iter().map(|x| x * 0.1).collect::<Vec<_>>();
+        let small = |rng: &mut Rng| {
+            kaiming(rng, dn, d)
+                .into_iter()
+                .map(|x| x * 0.1)
+                .collect::<Vec<_>>()
+        };
         let w_beta_x = small(rng);
         let w_alpha_x = small(rng);
         let w_th_x = small(rng);
@@ -79,7 +89,12 @@ impl<B: SnnOps> SnnBlock<B> {
     }
 
     /// `a` `[TK, B, D]`, hidden state `v0` `[B, DN]` → output `[TK, B, D]` and final state.
-    pub fn forward(&self, a: Tensor<B, 3>, v0: Tensor<B, 2>, v_th_min: f64) -> (Tensor<B, 3>, Tensor<B, 2>) {
+    pub fn forward(
+        &self,
+        a: Tensor<B, 3>,
+        v0: Tensor<B, 2>,
+        v_th_min: f64,
+    ) -> (Tensor<B, 3>, Tensor<B, 2>) {
         let [tk, b, d] = a.dims();
         let dn = self.b_beta.dims()[0];
         let flat = a.reshape([tk * b, d]);

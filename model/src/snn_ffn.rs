@@ -16,7 +16,17 @@ pub struct SnnFfn<B: Backend> {
     pub gate_neuron: PlifNode<B>,
     pub up_neuron: PlifNode<B>,
 }
-impl_params!(SnnFfn { tensors: [], modules: [gate_proj, up_proj, down_proj, skip_proj, gate_neuron, up_neuron] });
+impl_params!(SnnFfn {
+    tensors: [],
+    modules: [
+        gate_proj,
+        up_proj,
+        down_proj,
+        skip_proj,
+        gate_neuron,
+        up_neuron
+    ]
+});
 
 /// FFN neuron threshold base `v0 = 0.15` (the decoder layer overrides SNNFFN's own 0.3).
 const FFN_V_THRESHOLD: f64 = 0.15;
@@ -24,11 +34,17 @@ const FFN_V_THRESHOLD: f64 = 0.15;
 impl<B: SnnOps> SnnFfn<B> {
     pub fn init(cfg: &ModelConfig, rng: &mut Rng, device: &B::Device) -> Self {
         let (d, f) = (cfg.d, cfg.d_ff);
-        let lin = |w, out, inp| Linear { weight: param(w, [out, inp], device), bias: None };
+        let lin = |w, out, inp| Linear {
+            weight: param(w, [out, inp], device),
+            bias: None,
+        };
         let gate = kaiming(rng, f, d);
         let up = kaiming(rng, f, d);
         let down_scale = 1.0 / (cfg.num_layers as f32).sqrt();
-        let down: Vec<f32> = kaiming(rng, d, f).into_iter().map(|x| x * down_scale).collect();
+        let down: Vec<f32> = kaiming(rng, d, f)
+            .into_iter()
+            .map(|x| x * down_scale)
+            .collect();
         let skip = kaiming(rng, d, d);
         SnnFfn {
             gate_proj: lin(gate, f, d),
@@ -42,16 +58,33 @@ impl<B: SnnOps> SnnFfn<B> {
 
     /// `a` `[TK, B, D]`, merged gate/up state `v0` `[B, 2·D_ff]` (gate first) → `[TK, B, D]` and
     /// the final state.
-    pub fn forward(&self, a: Tensor<B, 3>, v0: Tensor<B, 2>, out: PlifOut) -> (Tensor<B, 3>, Tensor<B, 2>) {
+    pub fn forward(
+        &self,
+        a: Tensor<B, 3>,
+        v0: Tensor<B, 2>,
+        out: PlifOut,
+    ) -> (Tensor<B, 3>, Tensor<B, 2>) {
         let [tk, b, d] = a.dims();
         let f = self.gate_proj.weight.dims()[0];
         let flat = a.reshape([tk * b, d]);
-        let w_gu = Tensor::cat(vec![self.gate_proj.weight.clone(), self.up_proj.weight.clone()], 0);
+        let w_gu = Tensor::cat(
+            vec![self.gate_proj.weight.clone(), self.up_proj.weight.clone()],
+            0,
+        );
         let i_gu = flat.clone().matmul(w_gu.transpose()); // [TK·B, 2·D_ff]
         let skip = self.skip_proj.forward(flat);
-        let beta = Tensor::cat(vec![sigmoid(self.gate_neuron.w.clone()), sigmoid(self.up_neuron.w.clone())], 0);
+        let beta = Tensor::cat(
+            vec![
+                sigmoid(self.gate_neuron.w.clone()),
+                sigmoid(self.up_neuron.w.clone()),
+            ],
+            0,
+        );
         let one_minus = beta.clone().neg() + 1.0; // [2·D_ff]
-        let vth = Tensor::cat(vec![self.gate_neuron.v_th.clone(), self.up_neuron.v_th.clone()], 0);
+        let vth = Tensor::cat(
+            vec![self.gate_neuron.v_th.clone(), self.up_neuron.v_th.clone()],
+            0,
+        );
         let u = (i_gu * one_minus.clone().unsqueeze::<2>()).reshape([tk, b, 2 * f]);
         let (_, vpost) = plif_row(
             beta.unsqueeze::<2>().expand([b, 2 * f]),

@@ -34,7 +34,10 @@ impl<B: Backend> GradSet<B> {
                 }
             }
         }
-        let mut c = Collect::<AB> { grads, out: Vec::new() };
+        let mut c = Collect::<AB> {
+            grads,
+            out: Vec::new(),
+        };
         module.visit_params(prefix, &mut c);
         GradSet { entries: c.out }
     }
@@ -44,19 +47,32 @@ impl<B: Backend> GradSet<B> {
     }
 
     pub fn get_mut(&mut self, name: &str) -> Option<&mut Tensor<B, 1>> {
-        self.entries.iter_mut().find(|(n, _)| n == name).map(|(_, g)| g)
+        self.entries
+            .iter_mut()
+            .find(|(n, _)| n == name)
+            .map(|(_, g)| g)
     }
 
     /// Sum of squares of every gradient (for the global norm).
     pub fn sum_squares(&self) -> f64 {
-        self.entries.iter().map(|(_, g)| g.clone().square().sum().into_scalar().elem::<f64>()).sum()
+        self.entries
+            .iter()
+            .map(|(_, g)| g.clone().square().sum().into_scalar().elem::<f64>())
+            .sum()
     }
 
     /// Adds `other`'s gradients (same parameters, same order) — gradient accumulation.
     pub fn accumulate(&mut self, other: GradSet<B>) {
-        assert_eq!(self.entries.len(), other.entries.len(), "accumulating gradients of different parameter sets");
+        assert_eq!(
+            self.entries.len(),
+            other.entries.len(),
+            "accumulating gradients of different parameter sets"
+        );
         for ((name, g), (other_name, o)) in self.entries.iter_mut().zip(other.entries) {
-            assert_eq!(*name, other_name, "accumulating gradients in a different order");
+            assert_eq!(
+                *name, other_name,
+                "accumulating gradients in a different order"
+            );
             *g = g.clone() + o;
         }
     }
@@ -102,7 +118,12 @@ pub fn compensate_phase1<B: Backend>(
 /// with fewer than two such layers nothing changes; otherwise
 /// `scale_i = clamp(exp(mean ln n) / n_i, 1/100, 100)`.
 pub fn phase2_scales(norms: &[Option<f64>]) -> Vec<f64> {
-    let valid: Vec<f64> = norms.iter().flatten().copied().filter(|&n| n > NORM_FLOOR).collect();
+    let valid: Vec<f64> = norms
+        .iter()
+        .flatten()
+        .copied()
+        .filter(|&n| n > NORM_FLOOR)
+        .collect();
     if valid.len() < 2 {
         return vec![1.0; norms.len()];
     }
@@ -117,7 +138,10 @@ pub fn phase2_scales(norms: &[Option<f64>]) -> Vec<f64> {
 }
 
 /// Applies phases 1 and 2 to the gradients of a whole model (single process).
-pub fn natural_gradient<AB: AutodiffBackend>(model: &NeuronSpark<AB>, grads: &mut GradSet<AB::InnerBackend>) {
+pub fn natural_gradient<AB: AutodiffBackend>(
+    model: &NeuronSpark<AB>,
+    grads: &mut GradSet<AB::InnerBackend>,
+) {
     let layers = model.layers.len();
     for (i, layer) in model.layers.iter().enumerate() {
         let name = |b: &str| format!("layers.{i}.snn_block.{b}");
@@ -138,10 +162,16 @@ pub fn natural_gradient<AB: AutodiffBackend>(model: &NeuronSpark<AB>, grads: &mu
         }
     }
     for bias in MODULATION_BIASES {
-        let names: Vec<String> = (0..layers).map(|i| format!("layers.{i}.snn_block.{bias}")).collect();
+        let names: Vec<String> = (0..layers)
+            .map(|i| format!("layers.{i}.snn_block.{bias}"))
+            .collect();
         let norms: Vec<Option<f64>> = names
             .iter()
-            .map(|n| grads.get(n).map(|g| g.clone().square().sum().sqrt().into_scalar().elem::<f64>()))
+            .map(|n| {
+                grads
+                    .get(n)
+                    .map(|g| g.clone().square().sum().sqrt().into_scalar().elem::<f64>())
+            })
             .collect();
         for (name, s) in names.iter().zip(phase2_scales(&norms)) {
             if s != 1.0 {
@@ -175,12 +205,23 @@ pub struct AdamConfig {
 impl AdamConfig {
     /// Pretraining: `torch.optim.Adam` defaults.
     pub fn adam() -> Self {
-        AdamConfig { beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.0, neuron_weight_decay: 0.0, decoupled: false }
+        AdamConfig {
+            beta1: 0.9,
+            beta2: 0.999,
+            eps: 1e-8,
+            weight_decay: 0.0,
+            neuron_weight_decay: 0.0,
+            decoupled: false,
+        }
     }
 
     /// SFT: AdamW with wd 0.01 on the base group, 0 on neuron parameters.
     pub fn adamw_sft() -> Self {
-        AdamConfig { weight_decay: 0.01, decoupled: true, ..Self::adam() }
+        AdamConfig {
+            weight_decay: 0.01,
+            decoupled: true,
+            ..Self::adam()
+        }
     }
 }
 
@@ -200,13 +241,22 @@ pub struct Adam<B: Backend> {
 
 impl<B: Backend> Adam<B> {
     pub fn new(config: AdamConfig) -> Self {
-        Adam { config, state: BTreeMap::new() }
+        Adam {
+            config,
+            state: BTreeMap::new(),
+        }
     }
 
     /// Updates every parameter of `module` that has a gradient in `grads`: base LR `lr`, neuron
     /// parameters (see [`is_neuron_param`]) at `neuron_lr`.
-    pub fn step<AB, P>(&mut self, module: &mut P, prefix: &str, grads: &GradSet<B>, lr: f64, neuron_lr: f64)
-    where
+    pub fn step<AB, P>(
+        &mut self,
+        module: &mut P,
+        prefix: &str,
+        grads: &GradSet<B>,
+        lr: f64,
+        neuron_lr: f64,
+    ) where
         AB: AutodiffBackend<InnerBackend = B>,
         P: Params<AB>,
     {
@@ -218,7 +268,9 @@ impl<B: Backend> Adam<B> {
         }
         impl<AB: AutodiffBackend> ParamMapper<AB> for Update<'_, AB::InnerBackend> {
             fn map<const D: usize>(&mut self, name: &str, p: Tensor<AB, D>) -> Tensor<AB, D> {
-                let Some(g) = self.grads.get(name) else { return p };
+                let Some(g) = self.grads.get(name) else {
+                    return p;
+                };
                 let neuron = is_neuron_param(name);
                 let (lr, wd) = if neuron {
                     (self.neuron_lr, self.opt.config.neuron_weight_decay)
@@ -233,12 +285,24 @@ impl<B: Backend> Adam<B> {
             }
         }
         let grads_map = grads.entries.iter().map(|(n, g)| (n.as_str(), g)).collect();
-        let mut u = Update { opt: self, grads: grads_map, lr, neuron_lr };
+        let mut u = Update {
+            opt: self,
+            grads: grads_map,
+            lr,
+            neuron_lr,
+        };
         module.map_params(prefix, &mut u);
     }
 
     /// One Adam update of a flat parameter, as `torch.optim.Adam(W)` (single-tensor path).
-    fn update(&mut self, name: &str, p: Tensor<B, 1>, g: Tensor<B, 1>, lr: f64, wd: f64) -> Tensor<B, 1> {
+    fn update(
+        &mut self,
+        name: &str,
+        p: Tensor<B, 1>,
+        g: Tensor<B, 1>,
+        lr: f64,
+        wd: f64,
+    ) -> Tensor<B, 1> {
         let c = self.config.clone();
         let (mut p, mut g) = (p, g);
         if wd != 0.0 {
@@ -248,11 +312,14 @@ impl<B: Backend> Adam<B> {
                 g = g + p.clone() * wd;
             }
         }
-        let st = self.state.entry(name.to_string()).or_insert_with(|| AdamState {
-            exp_avg: g.zeros_like(),
-            exp_avg_sq: g.zeros_like(),
-            step: 0,
-        });
+        let st = self
+            .state
+            .entry(name.to_string())
+            .or_insert_with(|| AdamState {
+                exp_avg: g.zeros_like(),
+                exp_avg_sq: g.zeros_like(),
+                step: 0,
+            });
         st.step += 1;
         st.exp_avg = st.exp_avg.clone() * c.beta1 + g.clone() * (1.0 - c.beta1);
         st.exp_avg_sq = st.exp_avg_sq.clone() * c.beta2 + g.square() * (1.0 - c.beta2);

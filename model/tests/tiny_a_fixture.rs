@@ -13,7 +13,9 @@ fn scalar(t: Tensor<Ad, 1>) -> f64 {
 }
 
 fn meta_f64(fx: &Fixture, key: &str) -> f64 {
-    fx.meta()[key].as_f64().unwrap_or_else(|| panic!("meta {key}"))
+    fx.meta()[key]
+        .as_f64()
+        .unwrap_or_else(|| panic!("meta {key}"))
 }
 
 /// The halt biases are single numbers whose gradient is a sum over all `(T, K, B)` positions of
@@ -51,7 +53,10 @@ fn training_step_matches_reference() {
     assert!(dl <= 1e-4, "logits max |diff| {dl}");
 
     let out = model.loss(x, y, mask, 0.01);
-    let dce = max_abs_diff(&values(out.per_token_ce.clone()), &fx.f32s("out.per_token_ce").0);
+    let dce = max_abs_diff(
+        &values(out.per_token_ce.clone()),
+        &fx.f32s("out.per_token_ce").0,
+    );
     assert!(dce <= 1e-4, "per-token CE max |diff| {dce}");
     for (got, key) in [
         (scalar(out.ce_masked_mean.clone()), "ce_masked_mean"),
@@ -65,7 +70,11 @@ fn training_step_matches_reference() {
     // Backward: every parameter gradient.
     let grads = out.loss.backward();
     let mut gs = GradSet::<Inner>::collect::<Ad, _>(&model, "", &grads);
-    assert_eq!(gs.entries.len(), names.len(), "every parameter receives a gradient");
+    assert_eq!(
+        gs.entries.len(),
+        names.len(),
+        "every parameter receives a gradient"
+    );
     let worst = |gs: &GradSet<Inner>, prefix: &str| {
         let mut worst = (0.0f64, String::new());
         for (name, g) in gs.entries.iter().filter(|(n, _)| !is_halt_bias(n)) {
@@ -83,13 +92,19 @@ fn training_step_matches_reference() {
     // Natural-gradient compensation, phases 1 and 2.
     natural_gradient(&model, &mut gs);
     let (e, name) = worst(&gs, "cgrad.");
-    assert!(e <= 1e-4, "compensated gradient of {name}: relative error {e}");
+    assert!(
+        e <= 1e-4,
+        "compensated gradient of {name}: relative error {e}"
+    );
     check_halt_biases(&fx, &gs, "cgrad.");
 
     // Global norm and clip.
     let norm = gs.sum_squares().sqrt();
     let want = meta_f64(&fx, "grad_total_norm_before_clip");
-    assert!((norm - want).abs() / want <= 1e-5, "global norm {norm} vs {want}");
+    assert!(
+        (norm - want).abs() / want <= 1e-5,
+        "global norm {norm} vs {want}"
+    );
     gs.scale(clip_factor(norm, 1.0));
 
     // One Adam step: lr 1e-3, neuron params ×10.
@@ -103,7 +118,12 @@ fn training_step_matches_reference() {
             worst = (e, name.clone());
         }
     }
-    assert!(worst.0 <= 1e-4, "parameter {} after the step: relative error {}", worst.1, worst.0);
+    assert!(
+        worst.0 <= 1e-4,
+        "parameter {} after the step: relative error {}",
+        worst.1,
+        worst.0
+    );
 }
 
 /// Greedy stateful decoding with the stepped (`after.*`) parameters reproduces the reference's
@@ -116,14 +136,17 @@ fn greedy_generation_matches_reference() {
     let (greedy, gshape) = fx.i64s("gen.greedy");
     assert_eq!(pshape[0], 1);
     let new_tokens = gshape[1] - pshape[1];
-    let got = model.generate_greedy(&[prompt.clone()], new_tokens, None);
+    let got = model.generate_greedy(std::slice::from_ref(&prompt), new_tokens, None);
     assert_eq!(got[0], greedy, "greedy tokens");
 
     // Full forward over greedy[:-1] equals the reference's logits.
     let (full_want, fshape) = fx.f32s("gen.full_logits");
     let vocab = fshape[2];
     let ids: Vec<i64> = greedy[..greedy.len() - 1].to_vec();
-    let ids_t = Tensor::<Inner, 2, burn::tensor::Int>::from_data(burn::tensor::TensorData::new(ids.clone(), [1, ids.len()]), &Default::default());
+    let ids_t = Tensor::<Inner, 2, burn::tensor::Int>::from_data(
+        burn::tensor::TensorData::new(ids.clone(), [1, ids.len()]),
+        &Default::default(),
+    );
     let full = values(model.forward(ids_t.clone()).logits);
     let d = max_abs_diff(&full, &full_want);
     assert!(d <= 1e-4, "full logits max |diff| {d}");
@@ -140,7 +163,9 @@ fn greedy_generation_matches_reference() {
         let pos = p - 1 + i;
         let want = &full_want[pos * vocab..(pos + 1) * vocab];
         let d = max_abs_diff(row, want);
-        assert!(d <= 1e-4, "incremental logits at position {pos}: max |diff| {d}");
+        assert!(
+            d <= 1e-4,
+            "incremental logits at position {pos}: max |diff| {d}"
+        );
     }
 }
-

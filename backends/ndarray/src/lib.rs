@@ -18,6 +18,13 @@ use std::path::Path;
 pub type Cpu = NdArray<f32>;
 pub type CpuAutodiff = Autodiff<Cpu>;
 
+/// Inputs, targets and loss mask of a micro-batch on the device.
+type BatchTensors = (
+    Tensor<CpuAutodiff, 2, Int>,
+    Tensor<CpuAutodiff, 2, Int>,
+    Tensor<CpuAutodiff, 2>,
+);
+
 /// Which optimizer the engine runs (SPEC §7.1).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Optimizer {
@@ -36,24 +43,35 @@ pub struct CpuEngine {
 impl CpuEngine {
     /// A freshly initialised model from the `[model]` table of a TOML config.
     pub fn new(config_toml: &str, seed: u64, optimizer: Optimizer) -> Result<Self, EngineError> {
-        let cfg = ModelConfig::from_toml_str(config_toml).map_err(|e| EngineError::InvalidInput(e.to_string()))?;
+        let cfg = ModelConfig::from_toml_str(config_toml)
+            .map_err(|e| EngineError::InvalidInput(e.to_string()))?;
         let model = NeuronSpark::init(&cfg, seed, &Default::default());
         let adam_cfg = match optimizer {
             Optimizer::Adam => AdamConfig::adam(),
             Optimizer::AdamW => AdamConfig::adamw_sft(),
         };
-        Ok(CpuEngine { model, adam: Adam::new(adam_cfg) })
+        Ok(CpuEngine {
+            model,
+            adam: Adam::new(adam_cfg),
+        })
     }
 
     pub fn config(&self) -> &ModelConfig {
         &self.model.config
     }
 
-    fn tensors(&self, b: &Batch) -> Result<(Tensor<CpuAutodiff, 2, Int>, Tensor<CpuAutodiff, 2, Int>, Tensor<CpuAutodiff, 2>), EngineError> {
+    fn tensors(&self, b: &Batch) -> Result<BatchTensors, EngineError> {
         b.validate()?;
         let vocab = self.model.config.vocab_size as i64;
-        if let Some(bad) = b.inputs.iter().chain(&b.targets).find(|&&id| id < 0 || id >= vocab) {
-            return Err(EngineError::InvalidInput(format!("token id {bad} is outside the vocabulary (0..{vocab})")));
+        if let Some(bad) = b
+            .inputs
+            .iter()
+            .chain(&b.targets)
+            .find(|&&id| id < 0 || id >= vocab)
+        {
+            return Err(EngineError::InvalidInput(format!(
+                "token id {bad} is outside the vocabulary (0..{vocab})"
+            )));
         }
         let dev = Default::default();
         let shape = [b.batch, b.seq_len];
@@ -75,12 +93,21 @@ impl TrainEngine for CpuEngine {
     }
 
     fn param_count(&self) -> usize {
-        param_shapes(&self.model).iter().map(|(_, s)| s.iter().product::<usize>()).sum()
+        param_shapes(&self.model)
+            .iter()
+            .map(|(_, s)| s.iter().product::<usize>())
+            .sum()
     }
 
-    fn train_step(&mut self, micro_batches: &[Batch], p: &StepParams) -> Result<StepStats, EngineError> {
+    fn train_step(
+        &mut self,
+        micro_batches: &[Batch],
+        p: &StepParams,
+    ) -> Result<StepStats, EngineError> {
         if micro_batches.is_empty() {
-            return Err(EngineError::InvalidInput("a step needs at least one micro-batch".into()));
+            return Err(EngineError::InvalidInput(
+                "a step needs at least one micro-batch".into(),
+            ));
         }
         let m = micro_batches.len() as f64;
         let mut acc: Option<GradSet<Cpu>> = None;
@@ -104,23 +131,40 @@ impl TrainEngine for CpuEngine {
         natural_gradient(&self.model, &mut grads);
         let grad_norm = grads.sum_squares().sqrt();
         if !grad_norm.is_finite() {
-            return Err(EngineError::Backend(format!("non-finite gradient norm {grad_norm}; the step was skipped")));
+            return Err(EngineError::Backend(format!(
+                "non-finite gradient norm {grad_norm}; the step was skipped"
+            )));
         }
         grads.scale(clip_factor(grad_norm, p.max_grad_norm));
-        self.adam.step::<CpuAutodiff, _>(&mut self.model, "", &grads, p.lr, p.neuron_lr);
-        Ok(StepStats { loss, ce, expected_k: ek, grad_norm, tokens })
+        self.adam
+            .step::<CpuAutodiff, _>(&mut self.model, "", &grads, p.lr, p.neuron_lr);
+        Ok(StepStats {
+            loss,
+            ce,
+            expected_k: ek,
+            grad_norm,
+            tokens,
+        })
     }
 
     fn eval_loss(&mut self, batch: &Batch, ponder_weight: f64) -> Result<f64, EngineError> {
         let (x, y, mask) = self.tensors(batch)?;
-        Ok(scalar(self.model.loss(x, y, mask, ponder_weight).loss.detach()))
+        Ok(scalar(
+            self.model.loss(x, y, mask, ponder_weight).loss.detach(),
+        ))
     }
 
-    fn generate_greedy(&mut self, prompt: &[i64], max_new_tokens: usize) -> Result<Vec<i64>, EngineError> {
+    fn generate_greedy(
+        &mut self,
+        prompt: &[i64],
+        max_new_tokens: usize,
+    ) -> Result<Vec<i64>, EngineError> {
         if prompt.is_empty() {
             return Err(EngineError::InvalidInput("the prompt is empty".into()));
         }
-        let out = self.model.generate_greedy(&[prompt.to_vec()], max_new_tokens, None);
+        let out = self
+            .model
+            .generate_greedy(&[prompt.to_vec()], max_new_tokens, None);
         Ok(out.into_iter().next().expect("one row"))
     }
 
@@ -129,6 +173,8 @@ impl TrainEngine for CpuEngine {
     }
 
     fn load_weights(&mut self, path: &Path) -> Result<(), EngineError> {
-        load_file(&mut self.model, path).map(|_| ()).map_err(|e| EngineError::Io(e.to_string()))
+        load_file(&mut self.model, path)
+            .map(|_| ())
+            .map_err(|e| EngineError::Io(e.to_string()))
     }
 }

@@ -18,7 +18,12 @@ pub fn fixture_bytes(name: &str) -> Vec<u8> {
         .map(PathBuf::from)
         .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../shared/fixtures"));
     let path = dir.join(name);
-    std::fs::read(&path).unwrap_or_else(|e| panic!("golden fixture {} is required and could not be read: {e}", path.display()))
+    std::fs::read(&path).unwrap_or_else(|e| {
+        panic!(
+            "golden fixture {} is required and could not be read: {e}",
+            path.display()
+        )
+    })
 }
 
 pub struct Fixture {
@@ -27,7 +32,9 @@ pub struct Fixture {
 
 impl Fixture {
     pub fn load(name: &str) -> Self {
-        Fixture { bytes: fixture_bytes(name) }
+        Fixture {
+            bytes: fixture_bytes(name),
+        }
     }
 
     pub fn st(&self) -> SafeTensors<'_> {
@@ -36,7 +43,12 @@ impl Fixture {
 
     pub fn meta(&self) -> serde_json::Value {
         let (_, meta) = SafeTensors::read_metadata(&self.bytes).expect("header");
-        let text = meta.metadata().as_ref().and_then(|m| m.get("meta")).expect("meta entry").clone();
+        let text = meta
+            .metadata()
+            .as_ref()
+            .and_then(|m| m.get("meta"))
+            .expect("meta entry")
+            .clone();
         serde_json::from_str(&text).expect("meta is JSON")
     }
 
@@ -46,15 +58,26 @@ impl Fixture {
 
     pub fn f32s(&self, key: &str) -> (Vec<f32>, Vec<usize>) {
         let st = self.st();
-        let v = st.tensor(key).unwrap_or_else(|e| panic!("fixture key {key}: {e}"));
-        (nsactor_model::io::view_to_f32(key, &v).unwrap(), v.shape().to_vec())
+        let v = st
+            .tensor(key)
+            .unwrap_or_else(|e| panic!("fixture key {key}: {e}"));
+        (
+            nsactor_model::io::view_to_f32(key, &v).unwrap(),
+            v.shape().to_vec(),
+        )
     }
 
     pub fn i64s(&self, key: &str) -> (Vec<i64>, Vec<usize>) {
         let st = self.st();
-        let v = st.tensor(key).unwrap_or_else(|e| panic!("fixture key {key}: {e}"));
+        let v = st
+            .tensor(key)
+            .unwrap_or_else(|e| panic!("fixture key {key}: {e}"));
         assert_eq!(v.dtype(), safetensors::Dtype::I64, "{key}");
-        let vals = v.data().chunks_exact(8).map(|b| i64::from_le_bytes(b.try_into().unwrap())).collect();
+        let vals = v
+            .data()
+            .chunks_exact(8)
+            .map(|b| i64::from_le_bytes(b.try_into().unwrap()))
+            .collect();
         (vals, v.shape().to_vec())
     }
 
@@ -87,7 +110,8 @@ impl Fixture {
     /// A model with the fixture's parameters under `prefix` (`param.` or `after.`).
     pub fn model<B: nsactor_kernels::SnnOps>(&self, prefix: &str) -> NeuronSpark<B> {
         let mut m = NeuronSpark::<B>::init(&self.config(), 0, &Default::default());
-        nsactor_model::io::load_params(&mut m, &self.st(), prefix).expect("fixture parameters load");
+        nsactor_model::io::load_params(&mut m, &self.st(), prefix)
+            .expect("fixture parameters load");
         m
     }
 }
@@ -98,7 +122,10 @@ pub fn values<B: Backend, const D: usize>(t: Tensor<B, D>) -> Vec<f32> {
 
 pub fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
     assert_eq!(a.len(), b.len(), "length mismatch");
-    a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max)
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0, f32::max)
 }
 
 /// `‖a − b‖ / ‖b‖`.

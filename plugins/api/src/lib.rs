@@ -31,7 +31,8 @@ impl Batch {
     /// Checks the three arrays agree with `batch × seq_len`.
     pub fn validate(&self) -> Result<(), EngineError> {
         let n = self.batch * self.seq_len;
-        if n == 0 || self.inputs.len() != n || self.targets.len() != n || self.loss_mask.len() != n {
+        if n == 0 || self.inputs.len() != n || self.targets.len() != n || self.loss_mask.len() != n
+        {
             return Err(EngineError::InvalidInput(format!(
                 "batch {}×{} needs {n} inputs, targets and mask values; got {}, {}, {}",
                 self.batch,
@@ -101,11 +102,19 @@ pub trait TrainEngine: Send {
     fn param_count(&self) -> usize;
     /// Forward + backward over every micro-batch (gradients accumulated as a mean), then
     /// natural-gradient compensation, global clipping and one optimizer step.
-    fn train_step(&mut self, micro_batches: &[Batch], params: &StepParams) -> Result<StepStats, EngineError>;
+    fn train_step(
+        &mut self,
+        micro_batches: &[Batch],
+        params: &StepParams,
+    ) -> Result<StepStats, EngineError>;
     /// Loss on a batch without updating anything.
     fn eval_loss(&mut self, batch: &Batch, ponder_weight: f64) -> Result<f64, EngineError>;
     /// Greedy continuation of `prompt` by `max_new_tokens`.
-    fn generate_greedy(&mut self, prompt: &[i64], max_new_tokens: usize) -> Result<Vec<i64>, EngineError>;
+    fn generate_greedy(
+        &mut self,
+        prompt: &[i64],
+        max_new_tokens: usize,
+    ) -> Result<Vec<i64>, EngineError>;
     /// Writes the parameters as safetensors under the reference names.
     fn save_weights(&self, path: &Path) -> Result<(), EngineError>;
     /// Reads parameters written by [`save_weights`](Self::save_weights) (or an HF export).

@@ -7,17 +7,26 @@ fn nsactor() -> Command {
     let exe = std::env::var_os("NSACTOR_BIN")
         .map(PathBuf::from)
         .unwrap_or_else(|| {
+            // Build the binary with this test's own profile, into this test's own target directory.
+            let profile_dir = std::env::current_exe()
+                .unwrap()
+                .parent()
+                .and_then(|d| d.parent())
+                .unwrap()
+                .to_path_buf();
+            let release = profile_dir.file_name().is_some_and(|n| n == "release");
             let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..");
-            let status = Command::new(env!("CARGO"))
+            let mut build = Command::new(env!("CARGO"));
+            build
                 .args(["build", "--quiet", "-p", "nsactor"])
-                .current_dir(&root)
-                .status()
-                .expect("cargo build runs");
+                .current_dir(&root);
+            build.env("CARGO_TARGET_DIR", profile_dir.parent().unwrap());
+            if release {
+                build.arg("--release");
+            }
+            let status = build.status().expect("cargo build runs");
             assert!(status.success(), "building nsactor failed");
-            let target = std::env::var_os("CARGO_TARGET_DIR")
-                .map(PathBuf::from)
-                .unwrap_or_else(|| root.join("target"));
-            target.join("debug/nsactor")
+            profile_dir.join("nsactor")
         });
     Command::new(exe)
 }

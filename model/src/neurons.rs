@@ -54,9 +54,7 @@ impl<B: SnnOps> PlifNode<B> {
         v0: Tensor<B, 2>,
         out: PlifOut,
     ) -> (Tensor<B, 3>, Tensor<B, 2>) {
-        let one_minus = sigmoid(self.w.clone()).neg() + 1.0;
-        let u = repeat_frames(x * one_minus.unsqueeze::<3>(), k);
-        self.scan(u, v0, out)
+        self.scan(x, Some(k), v0, out)
     }
 
     /// The same on a per-frame input `x` `[T·K, B, dim]` (the reference's layout).
@@ -66,20 +64,26 @@ impl<B: SnnOps> PlifNode<B> {
         v0: Tensor<B, 2>,
         out: PlifOut,
     ) -> (Tensor<B, 3>, Tensor<B, 2>) {
-        let one_minus = sigmoid(self.w.clone()).neg() + 1.0;
-        self.scan(x * one_minus.unsqueeze::<3>(), v0, out)
+        self.scan(x, None, v0, out)
     }
 
-    /// Row-parameter scan of the input current `u` `[T·K, B, dim]`.
+    /// Row-parameter scan of the input current `u = (1 − β)·x`; `x` is per token (repeated over
+    /// `repeat = Some(K)` frames after scaling) or already per frame (`None`).
     fn scan(
         &self,
-        u: Tensor<B, 3>,
+        x: Tensor<B, 3>,
+        repeat: Option<usize>,
         v0: Tensor<B, 2>,
         out: PlifOut,
     ) -> (Tensor<B, 3>, Tensor<B, 2>) {
-        let [_, b, dim] = u.dims();
+        let [_, b, dim] = x.dims();
         let beta = sigmoid(self.w.clone()); // [dim]
         let one_minus = beta.clone().neg() + 1.0;
+        let u = x * one_minus.clone().unsqueeze::<3>();
+        let u = match repeat {
+            Some(k) => repeat_frames(u, k),
+            None => u,
+        };
         let (_, vpost) = plif_row(
             beta.unsqueeze::<2>().expand([b, dim]),
             u,

@@ -12,6 +12,20 @@ pub const DEFAULT_CONFIG: &str = include_str!("../../configs/tiny.toml");
 pub struct RunConfig {
     pub model: toml::Table,
     pub train: TrainConfig,
+    #[serde(default)]
+    pub backend: BackendConfig,
+}
+
+/// `[backend]`: which compute backend runs the model (overridden by `--backend`).
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct BackendConfig {
+    /// `embedded`, a plugin name (`ndarray`, `cuda`) or a plugin library path; default:
+    /// `embedded` when the binary has it, else `ndarray`.
+    pub name: Option<String>,
+    /// Extra directories to search for plugins, after `$NSACTOR_PLUGIN_PATH`.
+    #[serde(default)]
+    pub plugin_path: Vec<PathBuf>,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

@@ -1,13 +1,20 @@
 //! The nsactor runtime and its command-line program.
 //!
-//! Today this is the single-process training loop (`nsactor train`) driving a [`TrainEngine`];
-//! the ractor supervisor, layer actors and server grow here. This crate depends on the burn-free
-//! engine contract (`nsactor-plugin-api`) only — never on burn or a backend — except through the
-//! optional default feature `embedded-cpu`, which links the ndarray backend in as the embedded
-//! default so `cargo run --release -- train` works on a fresh checkout.
+//! The runtime sees a model only as [`Stage`]s of a [`ComputeBackend`]: the backend linked into
+//! the binary or a plugin loaded through the C ABI ([`backend`]). [`engine`] drives the stages
+//! in order — the reference schedule — and [`train`] runs the training loop on it; the ractor
+//! supervisor, layer actors and server grow here. This crate never depends on burn or a backend,
+//! except through the optional default feature `embedded-cpu`, which links the ndarray backend
+//! in as the embedded default so `cargo run --release -- train` works on a fresh checkout.
 //!
-//! [`TrainEngine`]: nsactor_plugin_api::TrainEngine
+//! [`Stage`]: nsactor_plugin_api::Stage
+//! [`ComputeBackend`]: nsactor_plugin_api::ComputeBackend
 
+pub mod backend;
+pub mod bench;
 pub mod config;
 pub mod data;
+pub mod engine;
 pub mod train;
+pub mod verify;
+pub mod weights;

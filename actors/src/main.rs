@@ -1,8 +1,11 @@
 //! `nsactor`: train and (soon) serve NeuronSpark spiking language models.
 
 use clap::{Parser, Subcommand};
+use nsactor::backend;
 use nsactor::config::RunConfig;
+use nsactor::engine::StagedModel;
 use nsactor::train;
+use nsactor_plugin_api::OptimizerKind;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
@@ -21,6 +24,57 @@ struct Cli {
 enum Command {
     /// Train a model (default: the tiny config on the bundled corpus, on CPU).
     Train(TrainArgs),
+    /// List the backend plugins on the search path: name, version, ABI version, devices.
+    Plugins(PluginsArgs),
+    /// Benchmarks that print a figure, the device and the comparison.
+    #[command(subcommand)]
+    Bench(BenchCommand),
+    /// Replay the reference's golden runs on a backend and check the tolerances.
+    #[command(subcommand)]
+    Verify(VerifyCommand),
+}
+
+#[derive(Subcommand)]
+enum VerifyCommand {
+    /// `tiny_a`: forward, one training step (natural gradient, clip, Adam) and greedy decoding.
+    TinyA(VerifyArgs),
+}
+
+#[derive(clap::Args)]
+struct VerifyArgs {
+    /// The fixture file (`shared/fixtures/tiny_a.safetensors`).
+    #[arg(long)]
+    fixture: PathBuf,
+    /// Backend: `embedded`, a plugin name or a plugin path.
+    #[arg(long, default_value = backend::EMBEDDED)]
+    backend: String,
+}
+
+#[derive(Subcommand)]
+enum BenchCommand {
+    /// Per-call cost of the plugin boundary: the same calls through a loaded plugin and through
+    /// the embedded engine.
+    PluginOverhead(OverheadArgs),
+}
+
+#[derive(clap::Args)]
+struct OverheadArgs {
+    /// Plugin to measure (name or path).
+    #[arg(long, default_value = "ndarray")]
+    backend: String,
+    /// Calls per timed repetition.
+    #[arg(long, default_value_t = 20_000)]
+    iters: usize,
+    /// Timed repetitions (the median is reported).
+    #[arg(long, default_value_t = 15)]
+    reps: usize,
+}
+
+#[derive(clap::Args)]
+struct PluginsArgs {
+    /// Extra directory to search (repeatable), after $NSACTOR_PLUGIN_PATH.
+    #[arg(long = "plugin-dir")]
+    plugin_dirs: Vec<PathBuf>,
 }
 
 #[derive(clap::Args)]
@@ -43,12 +97,19 @@ struct TrainArgs {
     /// Fine-tune with AdamW (weight decay 0.01 on the base group) instead of Adam.
     #[arg(long)]
     sft: bool,
+    /// Compute backend: `embedded` (linked in; the default), a plugin name (`ndarray`,
+    /// `cuda`) or the path of a plugin library. Overrides [backend].name.
+    #[arg(long)]
+    backend: Option<String>,
 }
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Train(args) => train_cmd(args),
+        Command::Plugins(args) => plugins_cmd(args),
+        Command::Bench(BenchCommand::PluginOverhead(args)) => overhead_cmd(args),
+        Command::Verify(VerifyCommand::TinyA(args)) => verify_cmd(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -75,8 +136,20 @@ fn train_cmd(args: TrainArgs) -> Result<(), Box<dyn std::error::Error>> {
             .map_err(|e| format!("cannot read corpus {}: {e}", p.display()))?,
         None => train::EMBEDDED_CORPUS.to_string(),
     };
-    let mut engine = make_engine(&cfg, args.sft)?;
-    let summary = train::run(&cfg, engine.as_mut(), &corpus)?;
+    let backend_name = args
+        .backend
+        .clone()
+        .or_else(|| cfg.backend.name.clone())
+        .unwrap_or_else(|| backend::default_name().to_string());
+    let compute = backend::open(&backend_name, &cfg.backend.plugin_path)?;
+    let optimizer = if args.sft {
+        OptimizerKind::AdamW
+    } else {
+        OptimizerKind::Adam
+    };
+    let mut engine =
+        StagedModel::open(compute, &cfg.model_toml(), cfg.train.seed, optimizer, None)?;
+    let summary = train::run(&cfg, &mut engine, &corpus)?;
     let first = summary.losses.first().copied().unwrap_or(f64::NAN);
     let last = summary.losses.last().copied().unwrap_or(f64::NAN);
     eprintln!(
@@ -87,33 +160,150 @@ fn train_cmd(args: TrainArgs) -> Result<(), Box<dyn std::error::Error>> {
     let prompt = nsactor::data::encode("Emma was");
     let mut ids = vec![nsactor::data::BOS];
     ids.extend(prompt);
-    let out = engine.generate_greedy(&ids, 60)?;
+    let out = engine.generate_greedy(&ids, 60, None)?;
     println!("{}", nsactor::data::decode(&out).replace('\n', " "));
     Ok(())
 }
 
-#[cfg(feature = "embedded-cpu")]
-fn make_engine(
-    cfg: &RunConfig,
-    sft: bool,
-) -> Result<Box<dyn nsactor_plugin_api::TrainEngine>, Box<dyn std::error::Error>> {
-    use nsactor_backend_ndarray::{CpuEngine, Optimizer};
-    let opt = if sft {
-        Optimizer::AdamW
+fn verify_cmd(args: VerifyArgs) -> Result<(), Box<dyn std::error::Error>> {
+    let bytes = std::fs::read(&args.fixture)
+        .map_err(|e| format!("cannot read fixture {}: {e}", args.fixture.display()))?;
+    let compute = backend::open(&args.backend, &[])?;
+    let info = compute.info();
+    let started = std::time::Instant::now();
+    let r = nsactor::verify::tiny_a(compute, &bytes)?;
+    println!(
+        "tiny_a on {} {} ({}) in {:.2} s",
+        info.name,
+        info.version,
+        info.devices.join(", "),
+        started.elapsed().as_secs_f64()
+    );
+    println!(
+        "CE {:.7} (ref {:.7}); loss {:.7} (ref {:.7}); |g| {:.6} (ref {:.6}); worst param {} {:.2e}",
+        r.ce_before,
+        r.ce_want,
+        r.loss,
+        r.loss_want,
+        r.grad_norm,
+        r.grad_norm_want,
+        r.worst_param.0,
+        r.worst_param.1
+    );
+    println!("greedy {:?}\nref    {:?}", r.greedy, r.greedy_want);
+    for (name, value, bound, ok) in r.checks() {
+        println!(
+            "{:<32} {value:>10.3e} ≤ {bound:.0e}  {}",
+            name,
+            if ok { "ok" } else { "FAIL" }
+        );
+    }
+    if r.passed() {
+        println!("PASS");
+        Ok(())
     } else {
-        Optimizer::Adam
-    };
-    Ok(Box::new(CpuEngine::new(
-        &cfg.model_toml(),
-        cfg.train.seed,
-        opt,
-    )?))
+        Err("tiny_a: outside the fixture tolerances".into())
+    }
 }
 
-#[cfg(not(feature = "embedded-cpu"))]
-fn make_engine(
-    _: &RunConfig,
-    _: bool,
-) -> Result<Box<dyn nsactor_plugin_api::TrainEngine>, Box<dyn std::error::Error>> {
-    Err("this build has no embedded backend (feature `embedded-cpu` is off) and backend plugins are not supported yet".into())
+fn overhead_cmd(args: OverheadArgs) -> Result<(), Box<dyn std::error::Error>> {
+    use nsactor::bench::{Timing, boundary};
+    let plugin = backend::open(&args.backend, &[])?;
+    let info = plugin.info();
+    let p = boundary(&plugin, args.iters, args.reps)?;
+    let e = if backend::has_embedded() {
+        Some(boundary(
+            &backend::open(backend::EMBEDDED, &[])?,
+            args.iters,
+            args.reps,
+        )?)
+    } else {
+        None
+    };
+    println!(
+        "plugin boundary: {} {} on {} ({} × {} calls, median ns/call [p10–p90])",
+        info.name,
+        info.version,
+        info.devices.join(", "),
+        args.reps,
+        args.iters
+    );
+    let cell = |t: &Timing| format!("{:>9.0} [{:.0}–{:.0}]", t.median_ns, t.p10_ns, t.p90_ns);
+    println!(
+        "{:<34} {:>24} {:>24} {:>12}",
+        "call", "embedded", "plugin", "overhead"
+    );
+    let rows = [
+        ("no-op stage call", p.noop_call, e.map(|e| e.noop_call)),
+        (
+            "from_host + free [1,1,64]",
+            p.transfer,
+            e.map(|e| e.transfer),
+        ),
+        (
+            "tiny layer decode step",
+            p.layer_step,
+            e.map(|e| e.layer_step),
+        ),
+    ];
+    for (name, pt, et) in rows {
+        match et {
+            Some(et) => println!(
+                "{name:<34} {:>24} {:>24} {:>9.0} ns",
+                cell(&et),
+                cell(&pt),
+                pt.median_ns - et.median_ns
+            ),
+            None => println!("{name:<34} {:>24} {:>24}", "-", cell(&pt)),
+        }
+    }
+    Ok(())
+}
+
+fn plugins_cmd(args: PluginsArgs) -> Result<(), Box<dyn std::error::Error>> {
+    let (dirs, found) = backend::list(&args.plugin_dirs);
+    println!(
+        "ABI version of this nsactor: {}",
+        nsactor_plugin_abi::ABI_VERSION
+    );
+    if backend::has_embedded() {
+        let b = backend::open(backend::EMBEDDED, &[])?.info();
+        println!(
+            "embedded    {} {}  ABI {}  devices: {}",
+            b.name,
+            b.version,
+            b.abi_version,
+            b.devices.join("; ")
+        );
+    }
+    for l in &found {
+        match (&l.plugin, &l.info) {
+            (Ok(p), Some(Ok(info))) => println!(
+                "{:<11} {}  ABI {}  devices: {}  ({})",
+                p.name,
+                p.version,
+                p.abi_version,
+                info.devices.join("; "),
+                l.path.display()
+            ),
+            (Ok(p), Some(Err(e))) => println!(
+                "{:<11} {}  ABI {}  unusable here: {e}  ({})",
+                p.name,
+                p.version,
+                p.abi_version,
+                l.path.display()
+            ),
+            (Err(e), _) => println!("refused     {e}"),
+            (Ok(p), None) => println!("{:<11} {}  ({})", p.name, p.version, l.path.display()),
+        }
+    }
+    if found.is_empty() {
+        println!("no plugins found; searched:");
+    } else {
+        println!("searched:");
+    }
+    for d in dirs {
+        println!("  {}", d.display());
+    }
+    Ok(())
 }

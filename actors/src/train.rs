@@ -2,7 +2,7 @@
 
 use crate::config::RunConfig;
 use crate::data::{self, WindowSampler};
-use nsactor_plugin_api::{StepParams, TrainEngine};
+use crate::engine::{StagedModel, StepParams};
 use std::io::Write;
 use std::path::PathBuf;
 use std::time::Instant;
@@ -14,6 +14,8 @@ pub const EMBEDDED_CORPUS: &str = include_str!("../corpus/emma-austen-1816.txt")
 pub enum TrainError {
     #[error("{0}")]
     Engine(#[from] nsactor_plugin_api::EngineError),
+    #[error("weights: {0}")]
+    Weights(String),
     #[error("data: {0}")]
     Data(String),
     #[error("{0}: {1}")]
@@ -33,7 +35,7 @@ pub struct RunSummary {
 /// `out_dir/model.safetensors` and `out_dir/config.toml`.
 pub fn run(
     cfg: &RunConfig,
-    engine: &mut dyn TrainEngine,
+    engine: &mut StagedModel,
     corpus: &str,
 ) -> Result<RunSummary, TrainError> {
     let t = &cfg.train;
@@ -54,7 +56,7 @@ pub fn run(
     eprintln!(
         "nsactor train: {} parameters on {}; {} steps × {} micro-batches × {}×{} tokens",
         engine.param_count(),
-        engine.describe(),
+        describe(engine),
         t.steps,
         t.accumulation,
         t.batch_size,
@@ -83,8 +85,9 @@ pub fn run(
         let elapsed = start.elapsed().as_secs_f64();
         let line = serde_json::json!({
             "step": step + 1, "loss": stats.loss, "ce": stats.ce, "ppl": stats.ce.exp(), "lr": lr,
-            "expected_k": stats.expected_k, "grad_norm": stats.grad_norm, "tokens": tokens,
-            "tokens_per_s": tokens as f64 / elapsed,
+            "expected_k": stats.expected_k, "expected_k_min": stats.expected_k_min,
+            "expected_k_max": stats.expected_k_max, "grad_norm": stats.grad_norm,
+            "tokens": tokens, "tokens_per_s": tokens as f64 / elapsed,
         });
         writeln!(metrics, "{line}").map_err(|e| TrainError::Io(metrics_path.clone(), e))?;
         if (step + 1) % t.log_interval == 0 || step == 0 || step + 1 == t.steps {
@@ -102,7 +105,10 @@ pub fn run(
         }
     }
     let weights = out_dir.join("model.safetensors");
-    engine.save_weights(&weights)?;
+    let merged =
+        crate::weights::merge_params(&engine.save_stages()?).map_err(TrainError::Weights)?;
+    crate::weights::write_atomic(&weights, &merged)
+        .map_err(|e| TrainError::Io(weights.clone(), e))?;
     let config_path = out_dir.join("config.toml");
     let text = toml::to_string(cfg).expect("a RunConfig serialises");
     std::fs::write(&config_path, text).map_err(|e| TrainError::Io(config_path, e))?;
@@ -111,4 +117,15 @@ pub fn run(
         tokens_per_s: tokens as f64 / start.elapsed().as_secs_f64(),
         weights,
     })
+}
+
+/// `ndarray 0.1.0 (cpu (2 threads, f32))`.
+pub fn describe(engine: &StagedModel) -> String {
+    let info = engine.backend().info();
+    format!(
+        "{} {} ({})",
+        info.name,
+        info.version,
+        info.devices.join(", ")
+    )
 }

@@ -212,3 +212,7 @@ fn scan_grads<B: Backend>(
 
 #[cfg(feature = "ndarray")]
 impl SnnOps for burn_ndarray::NdArray<f32> {}
+
+/// The CUDA backend runs the host reference until the fused CubeCL kernels override these.
+#[cfg(feature = "cuda")]
+impl SnnOps for burn_cuda::Cuda<f32, i32> {}

@@ -4,6 +4,13 @@
 //! weights; what must match here are the distributions and the per-neuron structure (index
 //! `d·N + n`, n fastest).
 
+/// The seed of one part of the model — `0` the edge, `i + 1` decoder layer `i` — derived from the
+/// run's seed, so every part initialises the same whether it is built alone (a stage) or with the
+/// whole model.
+pub fn part_seed(seed: u64, part: u64) -> u64 {
+    Rng::new(seed ^ part.wrapping_mul(0xa076_1d64_78bd_642f)).next_u64()
+}
+
 /// SplitMix64-seeded xoshiro256** generator: small, fast and stable across platforms.
 #[derive(Debug, Clone)]
 pub struct Rng {

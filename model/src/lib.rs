@@ -10,7 +10,8 @@
 //! same call with an explicit [`LayerState`] for streaming. [`train`] has the optimizer step:
 //! natural-gradient compensation, clipping and Adam/AdamW with parameter groups.
 //!
-//! Depends on burn and `nsactor-kernels` only; knows nothing of actors, plugins or devices.
+//! Depends on burn, `nsactor-kernels` and the step arithmetic of `nsactor-plugin-api::optim`;
+//! knows nothing of actors, plugin loading or devices.
 
 pub mod config;
 pub mod edge;

@@ -2,7 +2,7 @@
 
 use crate::config::ModelConfig;
 use crate::edge::Edge;
-use crate::init::Rng;
+use crate::init::{Rng, part_seed};
 use crate::layer::{LayerState, SnnDecoderLayer};
 use crate::params::{ParamMapper, ParamVisitor, Params};
 use burn::tensor::{Int, Tensor, activation::log_softmax, backend::Backend};
@@ -68,10 +68,12 @@ pub struct LossOutput<B: Backend> {
 impl<B: SnnOps> NeuronSpark<B> {
     /// A freshly initialised model (SPEC §5) from `seed`.
     pub fn init(config: &ModelConfig, seed: u64, device: &B::Device) -> Self {
-        let mut rng = Rng::new(seed);
-        let edge = Edge::init(config, &mut rng, device);
+        let edge = Edge::init(config, &mut Rng::new(part_seed(seed, 0)), device);
         let layers = (0..config.num_layers)
-            .map(|_| SnnDecoderLayer::init(config, &mut rng, device))
+            .map(|i| {
+                let mut rng = Rng::new(part_seed(seed, i as u64 + 1));
+                SnnDecoderLayer::init(config, &mut rng, device)
+            })
             .collect();
         NeuronSpark {
             config: config.clone(),

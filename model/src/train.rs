@@ -86,14 +86,7 @@ impl<B: Backend> GradSet<B> {
 
 use burn::tensor::ElementConversion;
 
-/// `max_comp` of the reference: phase-2 scales are clamped to `[1/100, 100]`, phase 1 divides by
-/// at least `1/100`.
-const MAX_COMP: f64 = 100.0;
-/// Layers whose gradient norm is at most this are left out of phase 2.
-const NORM_FLOOR: f64 = 1e-12;
-
-/// The three modulation-bias names phase 2 equalises across layers.
-pub const MODULATION_BIASES: [&str; 3] = ["b_beta", "b_alpha", "b_th"];
+pub use nsactor_plugin_api::optim::{MAX_COMP, MODULATION_BIASES, clip_factor, phase2_scales};
 
 /// Natural-gradient compensation, phase 1 (SPEC §7.4), for one layer's SNNBlock biases:
 /// `g_β /= max(σ(b_β)(1−σ(b_β)), 1/100)` and `g_α /= max(σ(b_α), 0.1)` — bias-only β, not β(t).
@@ -111,30 +104,6 @@ pub fn compensate_phase1<B: Backend>(
     if let Some(g) = g_alpha {
         *g = g.clone() / sigmoid(b_alpha).clamp_min(0.1);
     }
-}
-
-/// Natural-gradient compensation, phase 2: given one bias's gradient norm per layer, the factor
-/// each layer's gradient is multiplied by. Layers with norm ≤ 1e-12 (or no gradient) keep 1;
-/// with fewer than two such layers nothing changes; otherwise
-/// `scale_i = clamp(exp(mean ln n) / n_i, 1/100, 100)`.
-pub fn phase2_scales(norms: &[Option<f64>]) -> Vec<f64> {
-    let valid: Vec<f64> = norms
-        .iter()
-        .flatten()
-        .copied()
-        .filter(|&n| n > NORM_FLOOR)
-        .collect();
-    if valid.len() < 2 {
-        return vec![1.0; norms.len()];
-    }
-    let geo = (valid.iter().map(|n| n.ln()).sum::<f64>() / valid.len() as f64).exp();
-    norms
-        .iter()
-        .map(|n| match n {
-            Some(n) if *n > NORM_FLOOR => (geo / n).clamp(1.0 / MAX_COMP, MAX_COMP),
-            _ => 1.0,
-        })
-        .collect()
 }
 
 /// Applies phases 1 and 2 to the gradients of a whole model (single process).
@@ -180,12 +149,6 @@ pub fn natural_gradient<AB: AutodiffBackend>(
             }
         }
     }
-}
-
-/// Global-norm clipping factor as `torch.nn.utils.clip_grad_norm_`:
-/// `min(1, max_norm / (total_norm + 1e-6))`.
-pub fn clip_factor(total_norm: f64, max_norm: f64) -> f64 {
-    (max_norm / (total_norm + 1e-6)).min(1.0)
 }
 
 /// Adam / AdamW hyperparameters (PyTorch semantics; eps 1e-8, not burn's 1e-5).

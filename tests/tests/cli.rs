@@ -7,7 +7,8 @@ fn nsactor() -> Command {
     let exe = std::env::var_os("NSACTOR_BIN")
         .map(PathBuf::from)
         .unwrap_or_else(|| {
-            // Build the binary with this test's own profile, into this test's own target directory.
+            // Build the binary and the ndarray plugin with this test's own profile, into this
+            // test's own target directory: the plugin lands next to the binary.
             let profile_dir = std::env::current_exe()
                 .unwrap()
                 .parent()
@@ -18,7 +19,14 @@ fn nsactor() -> Command {
             let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..");
             let mut build = Command::new(env!("CARGO"));
             build
-                .args(["build", "--quiet", "-p", "nsactor"])
+                .args([
+                    "build",
+                    "--quiet",
+                    "-p",
+                    "nsactor",
+                    "-p",
+                    "nsactor-backend-ndarray",
+                ])
                 .current_dir(&root);
             build.env("CARGO_TARGET_DIR", profile_dir.parent().unwrap());
             if release {
@@ -129,6 +137,58 @@ fn bad_configs_get_clear_errors() {
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(
         !out.status.success() && stderr.contains("/nonexistent/x.toml"),
+        "{stderr}"
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn plugins_lists_the_ndarray_plugin_and_the_search_path() {
+    let out = nsactor().arg("plugins").output().unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let line = stdout
+        .lines()
+        .find(|l| l.starts_with("ndarray "))
+        .unwrap_or_else(|| panic!("no ndarray plugin listed:\n{stdout}"));
+    assert!(line.contains("ABI ") && line.contains("cpu ("), "{line}");
+    assert!(
+        stdout.contains("embedded ") && stdout.contains("searched:"),
+        "{stdout}"
+    );
+}
+
+#[test]
+fn train_runs_through_the_ndarray_plugin_and_unknown_backends_fail_clearly() {
+    let dir = temp_dir("plugin-train");
+    let out = nsactor()
+        .args(["train", "--backend", "ndarray", "--steps", "3", "--out"])
+        .arg(&dir)
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "train via plugin failed: {stderr}");
+    assert!(stderr.contains("on ndarray "), "{stderr}");
+    assert_eq!(
+        std::fs::read_to_string(dir.join("metrics.jsonl"))
+            .unwrap()
+            .lines()
+            .count(),
+        3
+    );
+    let out = nsactor()
+        .args(["train", "--backend", "tpu", "--steps", "1", "--out"])
+        .arg(&dir)
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(
+        stderr.contains("no plugin for backend `tpu`") && stderr.contains("NSACTOR_PLUGIN_PATH"),
         "{stderr}"
     );
     std::fs::remove_dir_all(&dir).unwrap();

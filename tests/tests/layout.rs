@@ -1,6 +1,6 @@
 //! The dependency direction of DESIGN.md, checked over `cargo metadata`:
-//! `plugins/api` ← `kernels` ← `model` ← `backends/*`; `actors` reaches burn only through the
-//! optional embedded-CPU backend.
+//! `plugins/api` ← `kernels` ← `model` ← `backends/*`; `plugins/abi` (the C boundary) stays
+//! burn-free; `actors` reaches burn only through the optional embedded-CPU backend.
 
 use serde_json::Value;
 use std::collections::{BTreeMap, BTreeSet};
@@ -63,7 +63,10 @@ fn dependency_direction_follows_the_design() {
         "nsactor-plugin-api",
         "nsactor-kernels",
         "nsactor-model",
+        "nsactor-backend-core",
         "nsactor-backend-ndarray",
+        "nsactor-backend-cuda",
+        "nsactor-plugin-abi",
         "nsactor",
         "nsactor-tests",
     ] {
@@ -87,9 +90,31 @@ fn dependency_direction_follows_the_design() {
     assert!(
         !model.iter().any(|d| d.starts_with("nsactor-backend")
             || *d == "nsactor"
-            || d.starts_with("nsactor-plugin")),
+            || *d == "nsactor-plugin-abi"),
         "model depends on the runtime side: {model:?}"
     );
+
+    // The C ABI crate is burn-free: it carries the api types across, nothing else.
+    let abi = names(&ws["nsactor-plugin-abi"]);
+    assert!(
+        !abi.iter().any(|d| d.starts_with("burn")
+            || d.starts_with("cubecl")
+            || d.starts_with("nsactor-backend")
+            || *d == "nsactor-model"),
+        "plugins/abi must stay burn-free: {abi:?}"
+    );
+
+    // Backends sit on the model and never on the runtime.
+    for b in [
+        "nsactor-backend-core",
+        "nsactor-backend-ndarray",
+        "nsactor-backend-cuda",
+    ] {
+        assert!(
+            !ws[b].iter().any(|(d, _)| d == "nsactor"),
+            "{b} depends on the runtime"
+        );
+    }
 
     // actors: burn, cubecl and backends only through the optional embedded CPU backend.
     for (dep, optional) in &ws["nsactor"] {

@@ -1,18 +1,30 @@
 //! The burn-free contract between the nsactor runtime and its compute backends.
 //!
-//! Both sides depend on this crate and nothing else of each other: the runtime (`actors`) drives
-//! an engine through [`TrainEngine`]; a backend (`backends/*`) implements it. Only plain Rust
-//! values cross — token ids, scalars, hyperparameters, paths — never tensors, so the same trait
-//! can later be carried across the versioned C ABI of a loaded plugin (DESIGN "The seams",
-//! points 2 and 3). [`ABI_VERSION`] names the revision of this contract.
+//! Both sides depend on this crate and nothing else of each other. A backend — linked in, or a
+//! plugin loaded at run time through the C ABI of `nsactor-plugin-abi` — implements
+//! [`ComputeBackend`]: it moves tensors between host and devices and opens [`Stage`]s, one per
+//! decoder layer and one for the edge (embedding + decode path + tied head). The runtime drives
+//! stages with [`StageCall`]s and sees tensors only as opaque [`DeviceTensor`] handles; only token
+//! ids, scalars and (on request) host copies of tensors cross as plain values (DESIGN "The
+//! seams", points 2 and 3). [`optim`] has the pure arithmetic the supervisor applies between
+//! stages (natural-gradient phase 2, clipping). [`ABI_VERSION`] names the revision of the
+//! contract.
 //!
 //! Depends on nothing but `std`.
 
-use std::fmt;
-use std::path::Path;
+pub mod optim;
+pub mod stage;
 
-/// Revision of the engine contract; bumped on any incompatible change.
-pub const ABI_VERSION: u32 = 1;
+pub use stage::{
+    BackendInfo, ComputeBackend, DeviceTensor, HostTensor, OptimizerKind, Reply, Stage, StageCall,
+    StageKind, StageSpec, TensorObject, Tokens,
+};
+
+use std::fmt;
+
+/// Revision of the backend contract (the [`StageCall`] set and the C function table); bumped on
+/// any incompatible change. A host refuses a plugin built against another revision.
+pub const ABI_VERSION: u32 = 2;
 
 /// One micro-batch of token ids, row-major `[batch, seq_len]`.
 #[derive(Debug, Clone, PartialEq)]
@@ -46,40 +58,19 @@ impl Batch {
     }
 }
 
-/// Hyperparameters of one optimizer step.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct StepParams {
-    /// Base learning rate at this step.
-    pub lr: f64,
-    /// Learning rate of the neuron parameter group.
-    pub neuron_lr: f64,
-    /// λ of the ponder cost.
-    pub ponder_weight: f64,
-    /// Global gradient-norm clip.
-    pub max_grad_norm: f64,
-}
-
-/// What one optimizer step measured.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct StepStats {
-    /// Total loss (masked CE + λ·ponder), averaged over the accumulated micro-batches.
-    pub loss: f64,
-    /// Masked mean cross entropy, averaged over the micro-batches.
-    pub ce: f64,
-    /// Mean E[K] over layers and tokens (the ponder cost), averaged over the micro-batches.
-    pub expected_k: f64,
-    /// Global gradient norm after natural-gradient compensation, before clipping.
-    pub grad_norm: f64,
-    /// Loss-mask tokens in the step.
-    pub tokens: u64,
-}
-
-/// Errors an engine reports; each carries a message that says what to do.
+/// Errors a backend reports; each carries a message that says what to do.
 #[derive(Debug, Clone, PartialEq)]
 pub enum EngineError {
+    /// The caller passed something wrong (shapes, ids, an unknown micro-batch).
     InvalidInput(String),
+    /// Reading or writing bytes failed (weights, checkpoints).
     Io(String),
+    /// The device or the backend failed (no GPU, out of memory, a kernel error).
     Backend(String),
+    /// The backend panicked; the call was abandoned and the stage should be considered lost.
+    Panic(String),
+    /// The plugin boundary itself: not found, wrong ABI, missing symbol.
+    Plugin(String),
 }
 
 impl fmt::Display for EngineError {
@@ -88,35 +79,10 @@ impl fmt::Display for EngineError {
             EngineError::InvalidInput(m) => write!(f, "invalid input: {m}"),
             EngineError::Io(m) => write!(f, "I/O: {m}"),
             EngineError::Backend(m) => write!(f, "backend: {m}"),
+            EngineError::Panic(m) => write!(f, "backend panicked: {m}"),
+            EngineError::Plugin(m) => write!(f, "plugin: {m}"),
         }
     }
 }
 
 impl std::error::Error for EngineError {}
-
-/// A whole-model training engine: owns parameters and optimizer state on its device.
-pub trait TrainEngine: Send {
-    /// Backend name and device, for logs (e.g. `ndarray (cpu)`).
-    fn describe(&self) -> String;
-    /// Number of trainable parameters.
-    fn param_count(&self) -> usize;
-    /// Forward + backward over every micro-batch (gradients accumulated as a mean), then
-    /// natural-gradient compensation, global clipping and one optimizer step.
-    fn train_step(
-        &mut self,
-        micro_batches: &[Batch],
-        params: &StepParams,
-    ) -> Result<StepStats, EngineError>;
-    /// Loss on a batch without updating anything.
-    fn eval_loss(&mut self, batch: &Batch, ponder_weight: f64) -> Result<f64, EngineError>;
-    /// Greedy continuation of `prompt` by `max_new_tokens`.
-    fn generate_greedy(
-        &mut self,
-        prompt: &[i64],
-        max_new_tokens: usize,
-    ) -> Result<Vec<i64>, EngineError>;
-    /// Writes the parameters as safetensors under the reference names.
-    fn save_weights(&self, path: &Path) -> Result<(), EngineError>;
-    /// Reads parameters written by [`save_weights`](Self::save_weights) (or an HF export).
-    fn load_weights(&mut self, path: &Path) -> Result<(), EngineError>;
-}

@@ -1,0 +1,233 @@
+//! `nsactor verify tiny-a`: the reference's golden `tiny_a` run replayed on any backend —
+//! forward CE, one training step (loss, compensated gradient norm, every parameter after
+//! clip + Adam) and greedy decoding — checked against the fixture's tolerances.
+
+use crate::engine::{StagedModel, StepParams};
+use crate::weights::merge_params;
+use nsactor_plugin_api::{Batch, ComputeBackend, EngineError, OptimizerKind};
+use safetensors::SafeTensors;
+use std::sync::Arc;
+
+/// Tolerances of `shared/fixtures/README.md` (fp32).
+pub const CE_ABS: f64 = 1e-4;
+pub const NORM_REL: f64 = 1e-5;
+pub const PARAM_REL: f64 = 1e-4;
+
+/// The golden run's inputs and expectations.
+pub struct TinyAFixture<'a> {
+    st: SafeTensors<'a>,
+    meta: serde_json::Value,
+}
+
+fn bad(m: impl Into<String>) -> EngineError {
+    EngineError::InvalidInput(format!("tiny_a fixture: {}", m.into()))
+}
+
+impl<'a> TinyAFixture<'a> {
+    pub fn parse(bytes: &'a [u8]) -> Result<Self, EngineError> {
+        let st = SafeTensors::deserialize(bytes).map_err(|e| bad(e.to_string()))?;
+        let (_, m) = SafeTensors::read_metadata(bytes).map_err(|e| bad(e.to_string()))?;
+        let text = m
+            .metadata()
+            .as_ref()
+            .and_then(|m| m.get("meta"))
+            .ok_or_else(|| bad("no `meta` metadata"))?;
+        let meta = serde_json::from_str(text).map_err(|e| bad(e.to_string()))?;
+        Ok(TinyAFixture { st, meta })
+    }
+
+    fn num(&self, key: &str) -> Result<f64, EngineError> {
+        self.meta[key]
+            .as_f64()
+            .ok_or_else(|| bad(format!("meta `{key}` missing")))
+    }
+
+    /// The config as a `[model]` TOML table (the fixture uses the leak output).
+    pub fn model_toml(&self) -> String {
+        let c = &self.meta["config"];
+        format!(
+            "[model]\nvocab_size = {}\nD = {}\nN = {}\nK = {}\nnum_layers = {}\nD_ff = {}\n\
+             v_th_min = {}\nplif_out = \"leak\"\n",
+            c["vocab_size"], c["D"], c["N"], c["K"], c["num_layers"], c["D_ff"], c["v_th_min"]
+        )
+    }
+
+    pub fn f32s(&self, key: &str) -> Result<Vec<f32>, EngineError> {
+        let v = self
+            .st
+            .tensor(key)
+            .map_err(|e| bad(format!("{key}: {e}")))?;
+        Ok(v.data()
+            .chunks_exact(4)
+            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+            .collect())
+    }
+
+    pub fn i64s(&self, key: &str) -> Result<Vec<i64>, EngineError> {
+        let v = self
+            .st
+            .tensor(key)
+            .map_err(|e| bad(format!("{key}: {e}")))?;
+        Ok(v.data()
+            .chunks_exact(8)
+            .map(|b| i64::from_le_bytes(b.try_into().expect("8 bytes")))
+            .collect())
+    }
+
+    /// The tensors under `prefix` (`param.`, `after.`), renamed to plain names, as a model file.
+    pub fn weights(&self, prefix: &str) -> Result<Vec<u8>, EngineError> {
+        let views: Vec<_> = self
+            .st
+            .tensors()
+            .into_iter()
+            .filter_map(|(n, v)| n.strip_prefix(prefix).map(|s| (s.to_string(), v)))
+            .collect();
+        safetensors::serialize(views, None).map_err(|e| bad(e.to_string()))
+    }
+
+    pub fn param_names(&self) -> Vec<String> {
+        let mut n: Vec<String> = self
+            .st
+            .names()
+            .into_iter()
+            .filter_map(|n| n.strip_prefix("param.").map(String::from))
+            .collect();
+        n.sort();
+        n
+    }
+
+    pub fn batch(&self) -> Result<Batch, EngineError> {
+        let dim = |k: &str| {
+            self.meta[k]
+                .as_u64()
+                .map(|v| v as usize)
+                .ok_or_else(|| bad(format!("meta `{k}` missing")))
+        };
+        Ok(Batch {
+            batch: dim("batch")?,
+            seq_len: dim("seq_len")?,
+            inputs: self.i64s("input.x")?,
+            targets: self.i64s("input.y")?,
+            loss_mask: self.f32s("input.mask")?,
+        })
+    }
+}
+
+/// `‖a − b‖ / ‖b‖`.
+pub fn rel_norm_err(a: &[f32], b: &[f32]) -> f64 {
+    if a.len() != b.len() {
+        return f64::INFINITY;
+    }
+    let (mut num, mut den) = (0.0f64, 0.0f64);
+    for (&x, &y) in a.iter().zip(b) {
+        num += (x as f64 - y as f64).powi(2);
+        den += (y as f64).powi(2);
+    }
+    (num / den.max(1e-30)).sqrt()
+}
+
+/// What one replay produced and how far it is from the fixture.
+#[derive(Debug, Clone)]
+pub struct TinyAReport {
+    pub ce_before: f64,
+    pub ce_want: f64,
+    pub loss: f64,
+    pub loss_want: f64,
+    pub grad_norm: f64,
+    pub grad_norm_want: f64,
+    /// The parameter farthest from `after.*` and its relative error.
+    pub worst_param: (String, f64),
+    pub greedy: Vec<i64>,
+    pub greedy_want: Vec<i64>,
+    /// Every stage's bytes after the step (parameters and optimizer state).
+    pub shards: Vec<Vec<u8>>,
+}
+
+impl TinyAReport {
+    /// Each check as `(name, value, bound, passed)`.
+    pub fn checks(&self) -> Vec<(&'static str, f64, f64, bool)> {
+        let ce = (self.ce_before - self.ce_want).abs();
+        let loss = (self.loss - self.loss_want).abs();
+        let norm = (self.grad_norm - self.grad_norm_want).abs() / self.grad_norm_want;
+        let greedy = (self.greedy == self.greedy_want) as u8 as f64;
+        vec![
+            ("forward CE |diff|", ce, CE_ABS, ce <= CE_ABS),
+            ("step loss |diff|", loss, CE_ABS, loss <= CE_ABS),
+            (
+                "compensated grad norm rel",
+                norm,
+                NORM_REL,
+                norm <= NORM_REL,
+            ),
+            (
+                "worst parameter after step rel",
+                self.worst_param.1,
+                PARAM_REL,
+                self.worst_param.1 <= PARAM_REL,
+            ),
+            ("greedy tokens equal", greedy, 1.0, greedy == 1.0),
+        ]
+    }
+
+    pub fn passed(&self) -> bool {
+        self.checks().iter().all(|c| c.3)
+    }
+}
+
+/// Replays `tiny_a` on `backend`.
+pub fn tiny_a(
+    backend: Arc<dyn ComputeBackend>,
+    fixture: &[u8],
+) -> Result<TinyAReport, EngineError> {
+    let fx = TinyAFixture::parse(fixture)?;
+    let adam = &fx.meta["adam"];
+    let lr = adam["lr"].as_f64().unwrap_or(1e-3);
+    let mut m = StagedModel::open(backend, &fx.model_toml(), 0, OptimizerKind::Adam, None)?;
+    m.load_model_bytes(&fx.weights("param.")?)?;
+    let batch = fx.batch()?;
+    let ce_before = m.eval_ce(&batch)?;
+    let stats = m.train_step(
+        &[batch],
+        &StepParams {
+            lr,
+            neuron_lr: adam["neuron_lr"].as_f64().unwrap_or(lr * 10.0),
+            ponder_weight: 0.01,
+            max_grad_norm: adam["clip"].as_f64().unwrap_or(1.0),
+        },
+    )?;
+    let shards = m.save_stages()?;
+    let merged = merge_params(&shards).map_err(EngineError::Backend)?;
+    let st = SafeTensors::deserialize(&merged).map_err(|e| EngineError::Backend(e.to_string()))?;
+    let mut worst = (String::new(), 0.0f64);
+    for name in fx.param_names() {
+        let got: Vec<f32> = match st.tensor(&name) {
+            Ok(v) => v
+                .data()
+                .chunks_exact(4)
+                .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                .collect(),
+            Err(_) => {
+                return Err(EngineError::Backend(format!(
+                    "the model has no parameter `{name}`"
+                )));
+            }
+        };
+        let e = rel_norm_err(&got, &fx.f32s(&format!("after.{name}"))?);
+        if e > worst.1 || !e.is_finite() {
+            worst = (name, e);
+        }
+    }
+    let greedy = m.generate_greedy(&fx.i64s("gen.prompt")?, 8, None)?;
+    Ok(TinyAReport {
+        ce_before,
+        ce_want: fx.num("ce_masked_mean")?,
+        loss: stats.loss,
+        loss_want: fx.num("loss")?,
+        grad_norm: stats.grad_norm,
+        grad_norm_want: fx.num("grad_total_norm_before_clip")?,
+        worst_param: worst,
+        greedy,
+        greedy_want: fx.i64s("gen.greedy")?,
+        shards,
+    })
+}

@@ -1,0 +1,269 @@
+//! The edge as a stage: embedding, decode path and the tied head (one matrix, one owner).
+
+use crate::state::{Trainer, count, load_stage, save_stage, sync};
+use crate::{Ad, act, wrap};
+use burn::tensor::{ElementConversion, Int, Tensor, TensorData};
+use nsactor_kernels::SnnOps;
+use nsactor_model::init::{Rng, part_seed};
+use nsactor_model::model::cross_entropy_ignore_pad;
+use nsactor_model::train::GradSet;
+use nsactor_model::{Edge, ModelConfig};
+use nsactor_plugin_api::{EngineError, Reply, Stage, StageCall, StageSpec, Tokens};
+use std::collections::{BTreeMap, HashMap};
+
+pub struct EdgeStage<B: SnnOps> {
+    cfg: ModelConfig,
+    device: B::Device,
+    ad: Edge<Ad<B>>,
+    inner: Edge<B>,
+    trainer: Trainer<B>,
+    /// Token ids of training micro-batches awaiting `EmbedBackward`.
+    kept: BTreeMap<u64, Tensor<B, 2, Int>>,
+    /// Output-neuron membranes of decoding sessions.
+    sessions: HashMap<u64, Tensor<B, 2>>,
+}
+
+impl<B: SnnOps> EdgeStage<B> {
+    pub fn new(cfg: ModelConfig, spec: &StageSpec, device: B::Device) -> Self {
+        let seed = part_seed(spec.seed, 0);
+        let ad = Edge::<Ad<B>>::init(&cfg, &mut Rng::new(seed), &device);
+        let mut inner = Edge::<B>::init(&cfg, &mut Rng::new(seed), &device);
+        sync::<B, _, _>(&ad, &mut inner);
+        EdgeStage {
+            cfg,
+            device,
+            ad,
+            inner,
+            trainer: Trainer::new(spec.optimizer),
+            kept: BTreeMap::new(),
+            sessions: HashMap::new(),
+        }
+    }
+
+    fn ids(&self, tokens: Tokens<'_>) -> Result<Tensor<B, 2, Int>, EngineError> {
+        tokens.validate()?;
+        let vocab = self.cfg.vocab_size as i64;
+        if let Some(bad) = tokens.ids.iter().find(|&&id| id < 0 || id >= vocab) {
+            return Err(EngineError::InvalidInput(format!(
+                "token id {bad} is outside the vocabulary (0..{vocab})"
+            )));
+        }
+        Ok(Tensor::from_data(
+            TensorData::new(tokens.ids.to_vec(), [tokens.batch, tokens.seq_len]),
+            &self.device,
+        ))
+    }
+
+    /// Checks `h` `[T, B, D]` against `n` targets and mask values (row-major `[B, T]`).
+    fn check_head(
+        &self,
+        h: &Tensor<B, 3>,
+        targets: &[i64],
+        mask: &[f32],
+    ) -> Result<(), EngineError> {
+        let [t, b, d] = h.dims();
+        let n = t * b;
+        if d != self.cfg.d || n == 0 || targets.len() != n || mask.len() != n {
+            return Err(EngineError::InvalidInput(format!(
+                "Head: h [{t}, {b}, {d}] needs D = {} and {n} targets and mask values, got {} and {}",
+                self.cfg.d,
+                targets.len(),
+                mask.len()
+            )));
+        }
+        let vocab = self.cfg.vocab_size as i64;
+        if let Some(bad) = targets.iter().find(|&&id| id < 0 || id >= vocab) {
+            return Err(EngineError::InvalidInput(format!(
+                "target id {bad} is outside the vocabulary (0..{vocab})"
+            )));
+        }
+        Ok(())
+    }
+
+    /// Masked mean CE of `h` (any backend: `Ad<B>` for training, `B` for evaluation).
+    fn ce<C: SnnOps<Device = B::Device>>(
+        edge: &Edge<C>,
+        cfg: &ModelConfig,
+        device: &B::Device,
+        h: Tensor<C, 3>,
+        targets: &[i64],
+        mask: &[f32],
+    ) -> (Tensor<C, 1>, Tensor<C, 1>) {
+        let [t, b, d] = h.dims();
+        let (logits, _) = edge.decode(h, Tensor::zeros([b, d], device), cfg);
+        let targets =
+            Tensor::<C, 2, Int>::from_data(TensorData::new(targets.to_vec(), [b, t]), device);
+        let mask = Tensor::<C, 2>::from_data(TensorData::new(mask.to_vec(), [b, t]), device);
+        let per_token = cross_entropy_ignore_pad(logits, targets);
+        let mask_sum = mask.clone().sum();
+        let ce = (per_token * mask).sum() / mask_sum.clone().clamp_min(1.0);
+        (ce, mask_sum)
+    }
+
+    fn head(
+        &mut self,
+        h: Tensor<B, 3>,
+        targets: &[i64],
+        mask: &[f32],
+        loss_scale: f64,
+    ) -> Result<Reply, EngineError> {
+        self.check_head(&h, targets, mask)?;
+        let h = Tensor::<Ad<B>, 3>::from_inner(h).require_grad();
+        let (ce, mask_sum) = Self::ce(&self.ad, &self.cfg, &self.device, h.clone(), targets, mask);
+        let scalars = vec![
+            ce.clone().inner().into_scalar().elem::<f64>(),
+            mask_sum.inner().into_scalar().elem::<f64>(),
+        ];
+        let grads = (ce * loss_scale).backward();
+        let dh = h
+            .grad(&grads)
+            .ok_or_else(|| EngineError::Backend("no gradient reached the head input".into()))?;
+        let g = GradSet::collect::<Ad<B>, _>(&self.ad, "", &grads);
+        self.trainer.accumulate(g);
+        Ok(Reply {
+            tensors: vec![wrap(dh)],
+            scalars,
+        })
+    }
+
+    fn embed_backward(&mut self, micro: u64, grad: Tensor<B, 3>) -> Result<Reply, EngineError> {
+        let ids = self.kept.remove(&micro).ok_or_else(|| {
+            EngineError::InvalidInput(format!(
+                "EmbedBackward for micro-batch {micro}, which has no Embed in flight"
+            ))
+        })?;
+        let [b, t] = ids.dims();
+        if grad.dims() != [t, b, self.cfg.d] {
+            return Err(EngineError::InvalidInput(format!(
+                "EmbedBackward gradient {:?} does not match the embedding [{t}, {b}, {}]",
+                grad.dims(),
+                self.cfg.d
+            )));
+        }
+        let e = self.ad.embed(Tensor::from_inner(ids));
+        let grads = (e * Tensor::from_inner(grad)).sum().backward();
+        let g = GradSet::collect::<Ad<B>, _>(&self.ad, "", &grads);
+        self.trainer.accumulate(g);
+        Ok(Reply::none())
+    }
+
+    fn session_decode(&mut self, session: u64, h: Tensor<B, 3>) -> Result<Reply, EngineError> {
+        let [t, b, d] = h.dims();
+        if d != self.cfg.d || t == 0 || b == 0 {
+            return Err(EngineError::InvalidInput(format!(
+                "SessionDecode: expected [T, B, {}], got [{t}, {b}, {d}]",
+                self.cfg.d
+            )));
+        }
+        let v0 = match self.sessions.remove(&session) {
+            Some(v) if v.dims()[0] == b => v,
+            Some(v) => {
+                let had = v.dims()[0];
+                self.sessions.insert(session, v);
+                return Err(EngineError::InvalidInput(format!(
+                    "session {session} has batch {had}, the call {b}"
+                )));
+            }
+            None => Tensor::zeros([b, d], &self.device),
+        };
+        let (logits, v) = self.inner.decode(h, v0, &self.cfg);
+        self.sessions.insert(session, v);
+        let vocab = self.cfg.vocab_size;
+        let last = logits.narrow(1, t - 1, 1).reshape([1, b, vocab]);
+        Ok(Reply::tensor(wrap(last)))
+    }
+}
+
+impl<B: SnnOps> Stage for EdgeStage<B> {
+    fn call(&mut self, call: StageCall<'_>) -> Result<Reply, EngineError> {
+        let name = call.name();
+        match call {
+            StageCall::Embed { micro, tokens } => {
+                if self.kept.contains_key(&micro) {
+                    return Err(EngineError::InvalidInput(format!(
+                        "micro-batch {micro} is already in flight"
+                    )));
+                }
+                let ids = self.ids(tokens)?;
+                let h = self.inner.embed(ids.clone());
+                self.kept.insert(micro, ids);
+                Ok(Reply::tensor(wrap(h)))
+            }
+            StageCall::Head {
+                h,
+                targets,
+                mask,
+                loss_scale,
+            } => self.head(act(h, name)?, targets, mask, loss_scale),
+            StageCall::HeadEval { h, targets, mask } => {
+                let h = act::<B>(h, name)?;
+                self.check_head(&h, targets, mask)?;
+                let (ce, n) = Self::ce(&self.inner, &self.cfg, &self.device, h, targets, mask);
+                Ok(Reply {
+                    tensors: Vec::new(),
+                    scalars: vec![
+                        ce.into_scalar().elem::<f64>(),
+                        n.into_scalar().elem::<f64>(),
+                    ],
+                })
+            }
+            StageCall::EmbedBackward { micro, grad } => {
+                self.embed_backward(micro, act(grad, name)?)
+            }
+            StageCall::GradStats => Ok(Reply::none()),
+            StageCall::ScaleGrads { .. } => Ok(Reply {
+                tensors: Vec::new(),
+                scalars: vec![self.trainer.sum_squares()],
+            }),
+            StageCall::Step {
+                lr,
+                neuron_lr,
+                clip,
+            } => {
+                self.trainer.step(&mut self.ad, "", lr, neuron_lr, clip)?;
+                sync::<B, _, _>(&self.ad, &mut self.inner);
+                Ok(Reply::none())
+            }
+            StageCall::ZeroGrad => {
+                self.trainer.grads = None;
+                self.kept.clear();
+                Ok(Reply::none())
+            }
+            StageCall::SessionEmbed { tokens } => {
+                let ids = self.ids(tokens)?;
+                Ok(Reply::tensor(wrap(self.inner.embed(ids))))
+            }
+            StageCall::SessionDecode { session, h } => self.session_decode(session, act(h, name)?),
+            StageCall::SessionClose { session } => {
+                self.sessions.remove(&session);
+                Ok(Reply::none())
+            }
+            other => Err(EngineError::InvalidInput(format!(
+                "{} is a layer call; the edge cannot serve it",
+                other.name()
+            ))),
+        }
+    }
+
+    fn save(&self) -> Result<Vec<u8>, EngineError> {
+        save_stage(&self.inner, "", &self.trainer.adam, "edge")
+    }
+
+    fn load(&mut self, bytes: &[u8]) -> Result<(), EngineError> {
+        load_stage::<B, _>(&mut self.ad, "", &mut self.trainer.adam, bytes).map_err(
+            |e| match e {
+                EngineError::Io(m) => EngineError::Io(format!("edge: {m}")),
+                other => other,
+            },
+        )?;
+        sync::<B, _, _>(&self.ad, &mut self.inner);
+        self.trainer.grads = None;
+        self.kept.clear();
+        self.sessions.clear();
+        Ok(())
+    }
+
+    fn param_count(&self) -> u64 {
+        count(&self.inner)
+    }
+}

@@ -1,0 +1,273 @@
+//! One decoder layer as a stage.
+
+use crate::state::{Trainer, count, load_stage, norm, save_stage, sync};
+use crate::{Ad, act, wrap};
+use burn::tensor::{ElementConversion, Tensor};
+use nsactor_kernels::SnnOps;
+use nsactor_model::init::{Rng, part_seed};
+use nsactor_model::train::{GradSet, MODULATION_BIASES, compensate_phase1};
+use nsactor_model::{LayerState, ModelConfig, SnnDecoderLayer};
+use nsactor_plugin_api::{EngineError, Reply, Stage, StageCall, StageSpec};
+use std::collections::{BTreeMap, HashMap};
+
+/// Decoder layer `index`: parameters `layers.{index}.*`.
+pub struct LayerStage<B: SnnOps> {
+    index: usize,
+    prefix: String,
+    cfg: ModelConfig,
+    device: B::Device,
+    ad: SnnDecoderLayer<Ad<B>>,
+    inner: SnnDecoderLayer<B>,
+    trainer: Trainer<B>,
+    /// Inputs of training micro-batches awaiting their backward.
+    kept: BTreeMap<u64, Tensor<B, 3>>,
+    sessions: HashMap<u64, LayerState<B>>,
+}
+
+impl<B: SnnOps> LayerStage<B> {
+    pub fn new(cfg: ModelConfig, index: usize, spec: &StageSpec, device: B::Device) -> Self {
+        let seed = part_seed(spec.seed, index as u64 + 1);
+        let ad = SnnDecoderLayer::<Ad<B>>::init(&cfg, &mut Rng::new(seed), &device);
+        let mut inner = SnnDecoderLayer::<B>::init(&cfg, &mut Rng::new(seed), &device);
+        sync::<B, _, _>(&ad, &mut inner);
+        LayerStage {
+            index,
+            prefix: format!("layers.{index}."),
+            cfg,
+            device,
+            ad,
+            inner,
+            trainer: Trainer::new(spec.optimizer),
+            kept: BTreeMap::new(),
+            sessions: HashMap::new(),
+        }
+    }
+
+    fn check_h(&self, h: &Tensor<B, 3>, what: &str) -> Result<(), EngineError> {
+        let [t, b, d] = h.dims();
+        if d != self.cfg.d || t == 0 || b == 0 {
+            return Err(EngineError::InvalidInput(format!(
+                "layer {} {what}: expected [T, B, {}], got [{t}, {b}, {d}]",
+                self.index, self.cfg.d
+            )));
+        }
+        Ok(())
+    }
+
+    fn forward(&mut self, micro: u64, h: Tensor<B, 3>) -> Result<Reply, EngineError> {
+        self.check_h(&h, "Forward")?;
+        if self.kept.contains_key(&micro) {
+            return Err(EngineError::InvalidInput(format!(
+                "layer {}: micro-batch {micro} is already in flight",
+                self.index
+            )));
+        }
+        let b = h.dims()[1];
+        let state = LayerState::zeros(&self.cfg, b, &self.device);
+        let out = self.inner.forward(h.clone(), state, &self.cfg);
+        self.kept.insert(micro, h);
+        let ek = Tensor::cat(
+            out.expected_k
+                .iter()
+                .map(|e| {
+                    let n = e.shape().num_elements();
+                    e.clone().reshape([n])
+                })
+                .collect(),
+            0,
+        );
+        let scalars = vec![
+            out.ponder_cost.into_scalar().elem::<f64>(),
+            ek.clone().mean().into_scalar().elem::<f64>(),
+            ek.clone().min().into_scalar().elem::<f64>(),
+            ek.max().into_scalar().elem::<f64>(),
+        ];
+        Ok(Reply {
+            tensors: vec![wrap(out.h)],
+            scalars,
+        })
+    }
+
+    fn backward(
+        &mut self,
+        micro: u64,
+        grad: Tensor<B, 3>,
+        ponder_grad: f64,
+    ) -> Result<Reply, EngineError> {
+        let h = self.kept.remove(&micro).ok_or_else(|| {
+            EngineError::InvalidInput(format!(
+                "layer {}: Backward for micro-batch {micro}, which has no Forward in flight",
+                self.index
+            ))
+        })?;
+        if grad.dims() != h.dims() {
+            return Err(EngineError::InvalidInput(format!(
+                "layer {}: Backward gradient {:?} does not match the input {:?}",
+                self.index,
+                grad.dims(),
+                h.dims()
+            )));
+        }
+        let b = h.dims()[1];
+        let h = Tensor::<Ad<B>, 3>::from_inner(h).require_grad();
+        let state = LayerState::zeros(&self.cfg, b, &self.device);
+        let out = self.ad.forward(h.clone(), state, &self.cfg);
+        let mut objective = (out.h * Tensor::from_inner(grad)).sum();
+        if ponder_grad != 0.0 {
+            objective = objective + out.ponder_cost * ponder_grad;
+        }
+        let grads = objective.backward();
+        let dh = h
+            .grad(&grads)
+            .ok_or_else(|| EngineError::Backend("no gradient reached the layer input".into()))?;
+        let g = GradSet::collect::<Ad<B>, _>(&self.ad, &self.prefix, &grads);
+        self.trainer.accumulate(g);
+        Ok(Reply::tensor(wrap(dh)))
+    }
+
+    fn bias_name(&self, bias: &str) -> String {
+        format!("{}snn_block.{bias}", self.prefix)
+    }
+
+    /// Phase 1, then the norms phase 2 needs.
+    fn grad_stats(&mut self) -> Result<Reply, EngineError> {
+        let names = [self.bias_name("b_beta"), self.bias_name("b_alpha")];
+        let all: Vec<String> = MODULATION_BIASES
+            .iter()
+            .map(|b| self.bias_name(b))
+            .collect();
+        let grads = self.trainer.grads.as_mut().ok_or_else(|| {
+            EngineError::InvalidInput(format!("layer {}: GradStats without gradients", self.index))
+        })?;
+        let mut gb = grads.get(&names[0]).cloned();
+        let mut ga = grads.get(&names[1]).cloned();
+        compensate_phase1(
+            self.inner.snn_block.b_beta.clone(),
+            self.inner.snn_block.b_alpha.clone(),
+            gb.as_mut(),
+            ga.as_mut(),
+        );
+        for (name, g) in names.iter().zip([gb, ga]) {
+            if let Some(g) = g {
+                *grads.get_mut(name).expect("present") = g;
+            }
+        }
+        let scalars = all
+            .iter()
+            .map(|n| grads.get(n).map_or(f64::NAN, norm))
+            .collect();
+        Ok(Reply {
+            tensors: Vec::new(),
+            scalars,
+        })
+    }
+
+    fn scale_grads(&mut self, scales: [f64; 3]) -> Result<Reply, EngineError> {
+        let names: Vec<String> = MODULATION_BIASES
+            .iter()
+            .map(|b| self.bias_name(b))
+            .collect();
+        if let Some(grads) = self.trainer.grads.as_mut() {
+            for (name, s) in names.iter().zip(scales) {
+                if s != 1.0
+                    && let Some(g) = grads.get_mut(name)
+                {
+                    *g = g.clone() * s;
+                }
+            }
+        }
+        Ok(Reply {
+            tensors: Vec::new(),
+            scalars: vec![self.trainer.sum_squares()],
+        })
+    }
+
+    fn session_forward(&mut self, session: u64, h: Tensor<B, 3>) -> Result<Reply, EngineError> {
+        self.check_h(&h, "SessionForward")?;
+        let b = h.dims()[1];
+        let state = match self.sessions.remove(&session) {
+            Some(s) if s.input1.dims()[0] == b => s,
+            Some(s) => {
+                let had = s.input1.dims()[0];
+                self.sessions.insert(session, s);
+                return Err(EngineError::InvalidInput(format!(
+                    "session {session} has batch {had}, the call {b}"
+                )));
+            }
+            None => LayerState::zeros(&self.cfg, b, &self.device),
+        };
+        let out = self.inner.forward(h, state, &self.cfg);
+        self.sessions.insert(session, out.state);
+        Ok(Reply::tensor(wrap(out.h)))
+    }
+}
+
+impl<B: SnnOps> Stage for LayerStage<B> {
+    fn call(&mut self, call: StageCall<'_>) -> Result<Reply, EngineError> {
+        let name = call.name();
+        match call {
+            StageCall::Forward { micro, h } => self.forward(micro, act(h, name)?),
+            StageCall::Backward {
+                micro,
+                grad,
+                ponder_grad,
+            } => self.backward(micro, act(grad, name)?, ponder_grad),
+            StageCall::GradStats => self.grad_stats(),
+            StageCall::ScaleGrads { scales } => self.scale_grads(scales),
+            StageCall::Step {
+                lr,
+                neuron_lr,
+                clip,
+            } => {
+                self.trainer
+                    .step(&mut self.ad, &self.prefix, lr, neuron_lr, clip)?;
+                sync::<B, _, _>(&self.ad, &mut self.inner);
+                Ok(Reply::none())
+            }
+            StageCall::ZeroGrad => {
+                self.trainer.grads = None;
+                self.kept.clear();
+                Ok(Reply::none())
+            }
+            StageCall::SessionForward { session, h } => {
+                self.session_forward(session, act(h, name)?)
+            }
+            StageCall::SessionClose { session } => {
+                self.sessions.remove(&session);
+                Ok(Reply::none())
+            }
+            other => Err(EngineError::InvalidInput(format!(
+                "{} is an edge call; layer {} cannot serve it",
+                other.name(),
+                self.index
+            ))),
+        }
+    }
+
+    fn save(&self) -> Result<Vec<u8>, EngineError> {
+        save_stage(
+            &self.inner,
+            &self.prefix,
+            &self.trainer.adam,
+            &format!("layer {}", self.index),
+        )
+    }
+
+    fn load(&mut self, bytes: &[u8]) -> Result<(), EngineError> {
+        load_stage::<B, _>(&mut self.ad, &self.prefix, &mut self.trainer.adam, bytes).map_err(
+            |e| match e {
+                EngineError::Io(m) => EngineError::Io(format!("layer {}: {m}", self.index)),
+                other => other,
+            },
+        )?;
+        sync::<B, _, _>(&self.ad, &mut self.inner);
+        self.trainer.grads = None;
+        self.kept.clear();
+        self.sessions.clear();
+        Ok(())
+    }
+
+    fn param_count(&self) -> u64 {
+        count(&self.inner)
+    }
+}

@@ -1,0 +1,155 @@
+//! The stage implementation shared by every burn backend: [`BurnBackend<B>`] implements the
+//! burn-free [`ComputeBackend`] contract for any `B: SnnOps`, with one [`LayerStage`] per decoder
+//! layer and one [`EdgeStage`] for embedding + decode path + tied head.
+//!
+//! A stage owns its parameters (an autodiff copy, the master, and an inner copy for forward-only
+//! work), its accumulated gradients, Adam state, the inputs it keeps for per-layer recompute, and
+//! the membrane states of decoding sessions. `backends/ndarray` and `backends/cuda` only pick `B`
+//! and the device list; both run exactly this code, so the same checkpoint and the same calls
+//! behave the same on either.
+//!
+//! Depends on burn, `nsactor-kernels`, `nsactor-model` and `nsactor-plugin-api`.
+
+mod edge;
+mod layer;
+mod state;
+
+pub use edge::EdgeStage;
+pub use layer::LayerStage;
+
+use burn::backend::Autodiff;
+use burn::tensor::{Tensor, TensorData, backend::Backend};
+use nsactor_kernels::SnnOps;
+use nsactor_model::ModelConfig;
+use nsactor_plugin_api::{
+    BackendInfo, ComputeBackend, DeviceTensor, EngineError, HostTensor, Stage, StageKind,
+    StageSpec, TensorObject,
+};
+use std::any::Any;
+
+/// The autodiff backend stages train with.
+pub type Ad<B> = Autodiff<B>;
+
+/// A residual-stream (or logits) tensor on a device: the object behind a [`DeviceTensor`].
+pub struct Act<B: Backend>(pub Tensor<B, 3>);
+
+impl<B: Backend> TensorObject for Act<B> {
+    fn shape(&self) -> Vec<usize> {
+        self.0.dims().to_vec()
+    }
+    fn as_any(&self) -> &dyn Any {
+        self
+    }
+    fn into_any(self: Box<Self>) -> Box<dyn Any + Send> {
+        self
+    }
+}
+
+/// Unwraps a handle made by this backend.
+pub(crate) fn act<B: Backend>(t: DeviceTensor, what: &str) -> Result<Tensor<B, 3>, EngineError> {
+    t.downcast::<Act<B>>().map(|a| a.0).map_err(|t| {
+        EngineError::InvalidInput(format!(
+            "{what}: tensor {:?} belongs to another backend",
+            t.shape()
+        ))
+    })
+}
+
+pub(crate) fn wrap<B: Backend>(t: Tensor<B, 3>) -> DeviceTensor {
+    DeviceTensor::new(Act(t))
+}
+
+/// A burn backend behind the stage contract.
+pub struct BurnBackend<B: SnnOps> {
+    name: String,
+    version: String,
+    devices: Vec<(B::Device, String)>,
+}
+
+impl<B: SnnOps> BurnBackend<B> {
+    /// `devices`: every usable device with a human description, indexed by device number.
+    pub fn new(name: &str, version: &str, devices: Vec<(B::Device, String)>) -> Self {
+        BurnBackend {
+            name: name.into(),
+            version: version.into(),
+            devices,
+        }
+    }
+
+    fn device(&self, i: usize) -> Result<&B::Device, EngineError> {
+        self.devices.get(i).map(|(d, _)| d).ok_or_else(|| {
+            EngineError::InvalidInput(format!(
+                "device {i} does not exist; the {} backend has {} device(s)",
+                self.name,
+                self.devices.len()
+            ))
+        })
+    }
+}
+
+impl<B: SnnOps> ComputeBackend for BurnBackend<B> {
+    fn info(&self) -> BackendInfo {
+        BackendInfo {
+            name: self.name.clone(),
+            version: self.version.clone(),
+            abi_version: nsactor_plugin_api::ABI_VERSION,
+            devices: self.devices.iter().map(|(_, d)| d.clone()).collect(),
+        }
+    }
+
+    fn from_host(&self, device: usize, t: &HostTensor) -> Result<DeviceTensor, EngineError> {
+        let dev = self.device(device)?;
+        let [a, b, c] = <[usize; 3]>::try_from(t.shape.as_slice()).map_err(|_| {
+            EngineError::InvalidInput(format!("tensors are 3-D, got shape {:?}", t.shape))
+        })?;
+        if a * b * c != t.data.len() {
+            return Err(EngineError::InvalidInput(format!(
+                "shape {:?} needs {} values, got {}",
+                t.shape,
+                a * b * c,
+                t.data.len()
+            )));
+        }
+        let data = TensorData::new(t.data.clone(), [a, b, c]);
+        Ok(wrap::<B>(Tensor::from_data(data, dev)))
+    }
+
+    fn to_host(&self, t: &DeviceTensor) -> Result<HostTensor, EngineError> {
+        let a = t.downcast_ref::<Act<B>>().ok_or_else(|| {
+            EngineError::InvalidInput("to_host: the tensor belongs to another backend".into())
+        })?;
+        let data =
+            a.0.to_data()
+                .convert::<f32>()
+                .into_vec::<f32>()
+                .map_err(|e| EngineError::Backend(format!("to_host: {e:?}")))?;
+        Ok(HostTensor {
+            data,
+            shape: a.0.dims().to_vec(),
+        })
+    }
+
+    fn to_device(&self, t: DeviceTensor, device: usize) -> Result<DeviceTensor, EngineError> {
+        let dev = self.device(device)?.clone();
+        let x = act::<B>(t, "to_device")?;
+        Ok(wrap(x.to_device(&dev)))
+    }
+
+    fn open_stage(&self, spec: &StageSpec) -> Result<Box<dyn Stage>, EngineError> {
+        let dev = self.device(spec.device)?.clone();
+        let cfg = ModelConfig::from_toml_str(&spec.model_toml)
+            .map_err(|e| EngineError::InvalidInput(e.to_string()))?;
+        Ok(match spec.kind {
+            StageKind::Edge => Box::new(EdgeStage::<B>::new(cfg, spec, dev)),
+            StageKind::Layer(i) => {
+                if i >= cfg.num_layers {
+                    return Err(EngineError::InvalidInput(format!(
+                        "layer {i} does not exist; the model has {} layers",
+                        cfg.num_layers
+                    )));
+                }
+                Box::new(LayerStage::<B>::new(cfg, i, spec, dev))
+            }
+        })
+    }
+}

@@ -1,0 +1,270 @@
+//! What every stage shares: the autodiff master and its inner copy, gradient accumulation, the
+//! optimizer step and save/load of parameters with optimizer state.
+
+use crate::Ad;
+use burn::tensor::{ElementConversion, Tensor, TensorData, backend::Backend};
+use nsactor_kernels::SnnOps;
+use nsactor_model::io::{HF_PREFIX, load_params, view_to_f32};
+use nsactor_model::params::{ParamMapper, ParamVisitor, Params};
+use nsactor_model::train::{Adam, AdamConfig, AdamState, GradSet};
+use nsactor_plugin_api::{EngineError, OptimizerKind};
+use safetensors::{Dtype, SafeTensors, tensor::TensorView};
+use std::collections::BTreeMap;
+
+/// The metadata entry of a stage shard: `{"stage": …, "adam_steps": {name: step}}`.
+pub const META_KEY: &str = "nsactor";
+
+/// Flattens every parameter of `m` (declaration order).
+pub(crate) fn flat_params<B: Backend, P: Params<B>>(m: &P) -> Vec<Tensor<B, 1>> {
+    struct Flat<B: Backend>(Vec<Tensor<B, 1>>);
+    impl<B: Backend> ParamVisitor<B> for Flat<B> {
+        fn visit<const D: usize>(&mut self, _: &str, p: &Tensor<B, D>) {
+            let n = p.shape().num_elements();
+            self.0.push(p.clone().reshape([n]));
+        }
+    }
+    let mut f = Flat(Vec::new());
+    m.visit_params("", &mut f);
+    f.0
+}
+
+/// Replaces every parameter of `m` by the next of `values` (declaration order), reshaped.
+pub(crate) fn set_params<B: Backend, P: Params<B>>(m: &mut P, values: Vec<Tensor<B, 1>>) {
+    struct Set<B: Backend>(std::vec::IntoIter<Tensor<B, 1>>);
+    impl<B: Backend> ParamMapper<B> for Set<B> {
+        fn map<const D: usize>(&mut self, _: &str, p: Tensor<B, D>) -> Tensor<B, D> {
+            let v = self.0.next().expect("as many values as parameters");
+            v.reshape(p.dims())
+        }
+    }
+    m.map_params("", &mut Set(values.into_iter()));
+}
+
+/// Copies the autodiff master's parameter values into the inner copy used for forward-only work.
+pub(crate) fn sync<B: SnnOps, A: Params<Ad<B>>, I: Params<B>>(ad: &A, inner: &mut I) {
+    let values = flat_params(ad).into_iter().map(|t| t.inner()).collect();
+    set_params(inner, values);
+}
+
+/// Number of parameter values of `m`.
+pub(crate) fn count<B: Backend, P: Params<B>>(m: &P) -> u64 {
+    flat_params(m)
+        .iter()
+        .map(|t| t.shape().num_elements() as u64)
+        .sum()
+}
+
+/// Gradients accumulated over micro-batches, plus the optimizer.
+pub(crate) struct Trainer<B: SnnOps> {
+    pub grads: Option<GradSet<B>>,
+    pub adam: Adam<B>,
+}
+
+impl<B: SnnOps> Trainer<B> {
+    pub fn new(kind: OptimizerKind) -> Self {
+        let cfg = match kind {
+            OptimizerKind::Adam => AdamConfig::adam(),
+            OptimizerKind::AdamW => AdamConfig::adamw_sft(),
+        };
+        Trainer {
+            grads: None,
+            adam: Adam::new(cfg),
+        }
+    }
+
+    /// Adds `g` by name (parameters without a gradient yet are appended).
+    pub fn accumulate(&mut self, g: GradSet<B>) {
+        let Some(acc) = self.grads.as_mut() else {
+            self.grads = Some(g);
+            return;
+        };
+        for (name, t) in g.entries {
+            match acc.get_mut(&name) {
+                Some(a) => *a = a.clone() + t,
+                None => acc.entries.push((name, t)),
+            }
+        }
+    }
+
+    pub fn sum_squares(&self) -> f64 {
+        self.grads.as_ref().map_or(0.0, |g| g.sum_squares())
+    }
+
+    /// Clip, Adam, clear.
+    pub fn step<M: Params<Ad<B>>>(
+        &mut self,
+        module: &mut M,
+        prefix: &str,
+        lr: f64,
+        neuron_lr: f64,
+        clip: f64,
+    ) -> Result<(), EngineError> {
+        let mut grads = self.grads.take().ok_or_else(|| {
+            EngineError::InvalidInput("Step without gradients: run a backward pass first".into())
+        })?;
+        if !clip.is_finite() || !lr.is_finite() || !neuron_lr.is_finite() {
+            return Err(EngineError::InvalidInput(format!(
+                "Step needs finite factors, got lr {lr}, neuron_lr {neuron_lr}, clip {clip}"
+            )));
+        }
+        grads.scale(clip);
+        self.adam
+            .step::<Ad<B>, M>(module, prefix, &grads, lr, neuron_lr);
+        Ok(())
+    }
+}
+
+/// L2 norm of a flat gradient.
+pub(crate) fn norm<B: Backend>(g: &Tensor<B, 1>) -> f64 {
+    g.clone().square().sum().sqrt().into_scalar().elem::<f64>()
+}
+
+fn to_f32<B: Backend>(t: &Tensor<B, 1>) -> Vec<f32> {
+    t.to_data()
+        .convert::<f32>()
+        .into_vec::<f32>()
+        .expect("f32 tensor")
+}
+
+/// Serialises `module`'s parameters (named `{prefix}{name}`) and the Adam state of those names.
+pub(crate) fn save_stage<B: SnnOps, M: Params<B>>(
+    module: &M,
+    prefix: &str,
+    adam: &Adam<B>,
+    stage: &str,
+) -> Result<Vec<u8>, EngineError> {
+    struct Dump(Vec<(String, Vec<usize>, Vec<f32>)>);
+    impl<B: Backend> ParamVisitor<B> for Dump {
+        fn visit<const D: usize>(&mut self, name: &str, p: &Tensor<B, D>) {
+            let n = p.shape().num_elements();
+            self.0.push((
+                name.to_string(),
+                p.dims().to_vec(),
+                to_f32(&p.clone().reshape([n])),
+            ));
+        }
+    }
+    let mut d = Dump(Vec::new());
+    module.visit_params(prefix, &mut d);
+    let mut steps = BTreeMap::new();
+    let mut raw = Vec::new();
+    for (name, shape, values) in d.0 {
+        if let Some(st) = adam.state.get(&name) {
+            steps.insert(name.clone(), st.step);
+            raw.push((
+                format!("adam.exp_avg.{name}"),
+                shape.clone(),
+                to_f32(&st.exp_avg),
+            ));
+            raw.push((
+                format!("adam.exp_avg_sq.{name}"),
+                shape.clone(),
+                to_f32(&st.exp_avg_sq),
+            ));
+        }
+        raw.push((name, shape, values));
+    }
+    let bytes: Vec<(String, Vec<usize>, Vec<u8>)> = raw
+        .into_iter()
+        .map(|(n, s, v)| (n, s, v.iter().flat_map(|x| x.to_le_bytes()).collect()))
+        .collect();
+    let views = bytes
+        .iter()
+        .map(|(n, s, b)| {
+            TensorView::new(Dtype::F32, s.clone(), b)
+                .map(|v| (n.clone(), v))
+                .map_err(|e| EngineError::Backend(format!("serialise {n}: {e}")))
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    // One metadata entry: safetensors keeps metadata in a HashMap, whose order would make the
+    // bytes of identical states differ.
+    let mut meta = std::collections::HashMap::new();
+    meta.insert(
+        META_KEY.to_string(),
+        serde_json::json!({ "stage": stage, "adam_steps": steps }).to_string(),
+    );
+    safetensors::serialize(views, Some(meta))
+        .map_err(|e| EngineError::Backend(format!("serialise {stage}: {e}")))
+}
+
+/// Loads `module`'s parameters from `bytes` (plain names or the HF `model.` layout) and the Adam
+/// state when the file has it for every parameter; otherwise the optimizer starts fresh.
+pub(crate) fn load_stage<B: SnnOps, M: Params<Ad<B>>>(
+    module: &mut M,
+    prefix: &str,
+    adam: &mut Adam<B>,
+    bytes: &[u8],
+) -> Result<(), EngineError> {
+    let st = SafeTensors::deserialize(bytes)
+        .map_err(|e| EngineError::Io(format!("not a safetensors file: {e}")))?;
+    let names: Vec<(String, Vec<usize>)> = {
+        struct Names(Vec<(String, Vec<usize>)>);
+        impl<B: Backend> ParamVisitor<B> for Names {
+            fn visit<const D: usize>(&mut self, name: &str, p: &Tensor<B, D>) {
+                self.0.push((name.to_string(), p.dims().to_vec()));
+            }
+        }
+        let mut n = Names(Vec::new());
+        module.visit_params(prefix, &mut n);
+        n.0
+    };
+    let hf =
+        st.tensor(&names[0].0).is_err() && st.tensor(&format!("{HF_PREFIX}{}", names[0].0)).is_ok();
+    let file_prefix = if hf {
+        format!("{HF_PREFIX}{prefix}")
+    } else {
+        prefix.to_string()
+    };
+    load_params(module, &st, &file_prefix).map_err(|e| EngineError::Io(e.to_string()))?;
+
+    let (_, meta) = SafeTensors::read_metadata(bytes)
+        .map_err(|e| EngineError::Io(format!("safetensors header: {e}")))?;
+    let steps: BTreeMap<String, u64> = match meta.metadata().as_ref().and_then(|m| m.get(META_KEY))
+    {
+        Some(text) => {
+            let v: serde_json::Value = serde_json::from_str(text)
+                .map_err(|e| EngineError::Io(format!("`{META_KEY}` metadata: {e}")))?;
+            serde_json::from_value(v["adam_steps"].clone())
+                .map_err(|e| EngineError::Io(format!("`{META_KEY}` adam_steps: {e}")))?
+        }
+        None => BTreeMap::new(),
+    };
+    adam.state.clear();
+    let complete = names.iter().all(|(n, _)| {
+        steps.contains_key(n)
+            && st.tensor(&format!("adam.exp_avg.{n}")).is_ok()
+            && st.tensor(&format!("adam.exp_avg_sq.{n}")).is_ok()
+    });
+    if !complete {
+        return Ok(());
+    }
+    let device = flat_params(module)[0].device();
+    for (name, shape) in &names {
+        let n: usize = shape.iter().product();
+        let read = |key: String| -> Result<Tensor<B, 1>, EngineError> {
+            let view = st
+                .tensor(&key)
+                .map_err(|e| EngineError::Io(format!("{key}: {e}")))?;
+            let values = view_to_f32(&key, &view).map_err(|e| EngineError::Io(e.to_string()))?;
+            if values.len() != n {
+                return Err(EngineError::Io(format!(
+                    "{key} has {} values, the parameter {n}",
+                    values.len()
+                )));
+            }
+            Ok(Tensor::from_data(
+                TensorData::new(values, [n]),
+                &device.clone(),
+            ))
+        };
+        adam.state.insert(
+            name.clone(),
+            AdamState {
+                exp_avg: read(format!("adam.exp_avg.{name}"))?,
+                exp_avg_sq: read(format!("adam.exp_avg_sq.{name}"))?,
+                step: steps[name],
+            },
+        );
+    }
+    Ok(())
+}

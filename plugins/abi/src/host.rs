@@ -1,0 +1,626 @@
+//! The host side: finding, loading and checking plugins, and [`ForeignBackend`], which wraps a
+//! loaded table as a [`ComputeBackend`].
+
+use crate::*;
+use nsactor_plugin_api::{
+    BackendInfo, ComputeBackend, DeviceTensor, EngineError, HostTensor, OptimizerKind, Reply,
+    Stage, StageCall, StageKind, StageSpec, TensorObject,
+};
+use std::any::Any;
+use std::ffi::CStr;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+/// Environment variable with extra plugin directories (`:`-separated, like `PATH`).
+pub const PLUGIN_PATH_ENV: &str = "NSACTOR_PLUGIN_PATH";
+
+/// The file name of backend `name`'s plugin on this platform (`libnsactor_backend_cuda.so`).
+pub fn library_file_name(name: &str) -> String {
+    format!(
+        "{}nsactor_backend_{name}{}",
+        std::env::consts::DLL_PREFIX,
+        std::env::consts::DLL_SUFFIX
+    )
+}
+
+/// Where plugins are looked for, in order: `$NSACTOR_PLUGIN_PATH`, `extra` (from the config),
+/// the directory of the running binary.
+pub fn search_dirs(extra: &[PathBuf]) -> Vec<PathBuf> {
+    let mut dirs = Vec::new();
+    if let Some(p) = std::env::var_os(PLUGIN_PATH_ENV) {
+        dirs.extend(std::env::split_paths(&p).filter(|d| !d.as_os_str().is_empty()));
+    }
+    dirs.extend(extra.iter().cloned());
+    if let Some(dir) = std::env::current_exe()
+        .ok()
+        .and_then(|e| e.parent().map(Path::to_path_buf))
+    {
+        dirs.push(dir);
+    }
+    dirs
+}
+
+/// Resolves `--backend` to a library path: a path (contains a `/` or ends in the platform's
+/// library suffix) is taken as is; a name is searched for in `dirs`.
+pub fn resolve(backend: &str, dirs: &[PathBuf]) -> Result<PathBuf, EngineError> {
+    let looks_like_path = backend.contains('/') || backend.ends_with(std::env::consts::DLL_SUFFIX);
+    if looks_like_path {
+        let p = PathBuf::from(backend);
+        return if p.is_file() {
+            Ok(p)
+        } else {
+            Err(EngineError::Plugin(format!(
+                "plugin file {} does not exist",
+                p.display()
+            )))
+        };
+    }
+    let file = library_file_name(backend);
+    for d in dirs {
+        let p = d.join(&file);
+        if p.is_file() {
+            return Ok(p);
+        }
+    }
+    let searched: Vec<String> = dirs.iter().map(|d| format!("  {}", d.display())).collect();
+    Err(EngineError::Plugin(format!(
+        "no plugin for backend `{backend}`: looked for {file} in\n{}\nbuild it \
+         (`cargo build --release -p nsactor-backend-{backend}`), put its directory in \
+         ${PLUGIN_PATH_ENV}, or pass --backend with the library's path",
+        if searched.is_empty() {
+            "  (no directories)".to_string()
+        } else {
+            searched.join("\n")
+        }
+    )))
+}
+
+/// Every plugin library file in `dirs` (by name pattern; not yet loaded).
+pub fn discover(dirs: &[PathBuf]) -> Vec<PathBuf> {
+    let prefix = format!("{}nsactor_backend_", std::env::consts::DLL_PREFIX);
+    let mut found = Vec::new();
+    for d in dirs {
+        let Ok(entries) = std::fs::read_dir(d) else {
+            continue;
+        };
+        let mut here: Vec<PathBuf> = entries
+            .flatten()
+            .map(|e| e.path())
+            .filter(|p| {
+                p.file_name().and_then(|n| n.to_str()).is_some_and(|n| {
+                    n.starts_with(&prefix) && n.ends_with(std::env::consts::DLL_SUFFIX)
+                })
+            })
+            .collect();
+        here.sort();
+        for p in here {
+            if !found.contains(&p) {
+                found.push(p);
+            }
+        }
+    }
+    found
+}
+
+/// A loaded, version-checked plugin library. Never unloaded.
+#[derive(Clone)]
+pub struct Plugin {
+    pub path: PathBuf,
+    pub name: String,
+    pub version: String,
+    pub abi_version: u32,
+    table: &'static NsPluginTable,
+}
+
+impl std::fmt::Debug for Plugin {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Plugin")
+            .field("path", &self.path)
+            .field("name", &self.name)
+            .field("version", &self.version)
+            .field("abi_version", &self.abi_version)
+            .finish()
+    }
+}
+
+fn cstr(p: *const c_char) -> String {
+    if p.is_null() {
+        return String::new();
+    }
+    // SAFETY: the table's strings are static and NUL-terminated.
+    unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned()
+}
+
+impl Plugin {
+    /// Loads `path`, finds its table and checks the ABI version and table size before touching
+    /// anything else.
+    pub fn load(path: &Path) -> Result<Plugin, EngineError> {
+        let shown = path.display();
+        // SAFETY: loading runs the library's initialisers; plugins are trusted code chosen by
+        // the deployer.
+        let lib = unsafe { libloading::Library::new(path) }
+            .map_err(|e| EngineError::Plugin(format!("cannot load {shown}: {e}")))?;
+        // Never unloaded: handles and the table must outlive every user.
+        let lib: &'static libloading::Library = Box::leak(Box::new(lib));
+        // SAFETY: the symbol's type is fixed by the ABI; a library that exports the name with
+        // another type is not a plugin of ours.
+        let entry: libloading::Symbol<'static, unsafe extern "C" fn() -> *const NsPluginTable> =
+            unsafe { lib.get(ENTRY_SYMBOL) }.map_err(|e| {
+                EngineError::Plugin(format!(
+                    "{shown} is not an nsactor backend plugin: missing symbol `{}` ({e})",
+                    String::from_utf8_lossy(ENTRY_SYMBOL)
+                ))
+            })?;
+        // SAFETY: calling the entry point of a plugin.
+        let ptr = unsafe { entry() };
+        if ptr.is_null() {
+            return Err(EngineError::Plugin(format!(
+                "{shown}: `nsactor_plugin_table` returned no table"
+            )));
+        }
+        // Only the two leading u32 fields are read until the version is known to match.
+        // SAFETY: every ABI revision starts with `abi_version: u32, size: u32`.
+        let (abi_version, size) = unsafe {
+            let head = ptr as *const u32;
+            (head.read(), head.add(1).read())
+        };
+        if abi_version != ABI_VERSION {
+            return Err(EngineError::Plugin(format!(
+                "{shown} was built for plugin ABI version {abi_version}, but this nsactor speaks \
+                 ABI version {ABI_VERSION}; rebuild the plugin from the same nsactor release"
+            )));
+        }
+        let need = std::mem::size_of::<NsPluginTable>();
+        if (size as usize) < need {
+            return Err(EngineError::Plugin(format!(
+                "{shown}: its function table has {size} bytes, ABI {ABI_VERSION} needs {need}"
+            )));
+        }
+        // SAFETY: version and size checked; the table is static in the never-unloaded library.
+        let table: &'static NsPluginTable = unsafe { &*ptr };
+        Ok(Plugin {
+            path: path.to_path_buf(),
+            name: cstr(table.name),
+            version: cstr(table.version),
+            abi_version,
+            table,
+        })
+    }
+
+    /// Creates a backend context: the plugin initialises its devices here.
+    pub fn open(&self, options: &str) -> Result<Arc<ForeignBackend>, EngineError> {
+        let mut ctx = std::ptr::null_mut();
+        let mut err = std::ptr::null_mut();
+        // SAFETY: a checked table; the options buffer lives for the call.
+        let code =
+            unsafe { (self.table.open)(options.as_ptr(), options.len(), &mut ctx, &mut err) };
+        if code != NS_OK {
+            let e = take_error(self.table, code, err);
+            return Err(EngineError::Plugin(format!(
+                "the `{}` plugin ({}) could not initialise: {e}",
+                self.name,
+                self.path.display()
+            )));
+        }
+        Ok(Arc::new(ForeignBackend {
+            ctx: Arc::new(Context {
+                table: self.table,
+                ctx,
+                name: self.name.clone(),
+                version: self.version.clone(),
+            }),
+        }))
+    }
+}
+
+/// Copies and frees the plugin's error message, mapping the status to an [`EngineError`].
+fn take_error(table: &NsPluginTable, code: i32, err: *mut c_char) -> EngineError {
+    let msg = if err.is_null() {
+        format!("status {code} without a message")
+    } else {
+        let m = cstr(err);
+        // SAFETY: the plugin allocated it; we give it back once.
+        unsafe { (table.error_free)(err) };
+        m
+    };
+    match code {
+        NS_INVALID_INPUT => EngineError::InvalidInput(msg),
+        NS_IO => EngineError::Io(msg),
+        NS_BACKEND => EngineError::Backend(msg),
+        NS_PANIC => EngineError::Panic(msg),
+        _ => EngineError::Plugin(msg),
+    }
+}
+
+/// An open plugin context; closed when the last backend, stage and tensor of it are gone.
+struct Context {
+    table: &'static NsPluginTable,
+    ctx: *mut c_void,
+    name: String,
+    version: String,
+}
+
+// SAFETY: the ABI requires contexts to be usable from any thread, concurrently.
+unsafe impl Send for Context {}
+// SAFETY: as above.
+unsafe impl Sync for Context {}
+
+impl Drop for Context {
+    fn drop(&mut self) {
+        // SAFETY: every stage and tensor holds an Arc of this context, so none is left.
+        unsafe { (self.table.close)(self.ctx) };
+    }
+}
+
+impl Context {
+    fn check(&self, code: i32, err: *mut c_char) -> Result<(), EngineError> {
+        if code == NS_OK {
+            Ok(())
+        } else {
+            Err(take_error(self.table, code, err))
+        }
+    }
+
+    fn take_buf(&self, b: NsBuf) -> Vec<u8> {
+        if b.ptr.is_null() {
+            return Vec::new();
+        }
+        // SAFETY: `len` initialised bytes from the plugin, valid until `buf_free`.
+        let v = unsafe { std::slice::from_raw_parts(b.ptr, b.len) }.to_vec();
+        // SAFETY: handed back once.
+        unsafe { (self.table.buf_free)(b) };
+        v
+    }
+}
+
+/// A tensor owned by a plugin.
+pub struct ForeignTensor {
+    ptr: *mut c_void,
+    ctx: Arc<Context>,
+}
+
+// SAFETY: plugin tensors may be used and freed from any thread (ABI threading rule).
+unsafe impl Send for ForeignTensor {}
+
+impl ForeignTensor {
+    /// Gives the handle up (to a consuming call).
+    fn into_raw(mut self) -> *mut c_void {
+        std::mem::replace(&mut self.ptr, std::ptr::null_mut())
+    }
+}
+
+impl Drop for ForeignTensor {
+    fn drop(&mut self) {
+        if !self.ptr.is_null() {
+            // SAFETY: a live handle of this context, freed once.
+            unsafe { (self.ctx.table.tensor_free)(self.ctx.ctx, self.ptr) };
+        }
+    }
+}
+
+impl TensorObject for ForeignTensor {
+    fn shape(&self) -> Vec<usize> {
+        let mut shape = [0usize; MAX_DIMS];
+        let mut ndim = 0usize;
+        // SAFETY: a live handle; room for MAX_DIMS values.
+        unsafe {
+            (self.ctx.table.tensor_shape)(self.ctx.ctx, self.ptr, shape.as_mut_ptr(), &mut ndim)
+        };
+        shape[..ndim.min(MAX_DIMS)].to_vec()
+    }
+    fn as_any(&self) -> &dyn Any {
+        self
+    }
+    fn into_any(self: Box<Self>) -> Box<dyn Any + Send> {
+        self
+    }
+}
+
+/// A plugin backend as a [`ComputeBackend`].
+pub struct ForeignBackend {
+    ctx: Arc<Context>,
+}
+
+impl ForeignBackend {
+    fn own(&self, t: DeviceTensor, what: &str) -> Result<ForeignTensor, EngineError> {
+        let t = t.downcast::<ForeignTensor>().map_err(|t| {
+            EngineError::InvalidInput(format!(
+                "{what}: tensor {:?} belongs to another backend",
+                t.shape()
+            ))
+        })?;
+        if !Arc::ptr_eq(&t.ctx, &self.ctx) {
+            return Err(EngineError::InvalidInput(format!(
+                "{what}: tensor belongs to another context of the `{}` plugin",
+                self.ctx.name
+            )));
+        }
+        Ok(t)
+    }
+
+    fn wrap(&self, ptr: *mut c_void) -> DeviceTensor {
+        DeviceTensor::new(ForeignTensor {
+            ptr,
+            ctx: self.ctx.clone(),
+        })
+    }
+}
+
+impl ComputeBackend for ForeignBackend {
+    fn info(&self) -> BackendInfo {
+        let c = &self.ctx;
+        let mut buf = NsBuf::EMPTY;
+        let mut err = std::ptr::null_mut();
+        // SAFETY: live context, writable out-pointers.
+        let code = unsafe { (c.table.devices)(c.ctx, &mut buf, &mut err) };
+        let devices = match c.check(code, err) {
+            Ok(()) => String::from_utf8_lossy(&c.take_buf(buf))
+                .lines()
+                .map(String::from)
+                .collect(),
+            Err(e) => vec![format!("(device query failed: {e})")],
+        };
+        BackendInfo {
+            name: c.name.clone(),
+            version: c.version.clone(),
+            abi_version: ABI_VERSION,
+            devices,
+        }
+    }
+
+    fn from_host(&self, device: usize, t: &HostTensor) -> Result<DeviceTensor, EngineError> {
+        let c = &self.ctx;
+        let mut out = std::ptr::null_mut();
+        let mut err = std::ptr::null_mut();
+        // SAFETY: live context; the host buffers live for the call.
+        let code = unsafe {
+            (c.table.tensor_from_host)(
+                c.ctx,
+                device as u64,
+                t.data.as_ptr(),
+                t.data.len(),
+                t.shape.as_ptr(),
+                t.shape.len(),
+                &mut out,
+                &mut err,
+            )
+        };
+        c.check(code, err)?;
+        Ok(self.wrap(out))
+    }
+
+    fn to_host(&self, t: &DeviceTensor) -> Result<HostTensor, EngineError> {
+        let c = &self.ctx;
+        let ft = t.downcast_ref::<ForeignTensor>().ok_or_else(|| {
+            EngineError::InvalidInput("to_host: the tensor belongs to another backend".into())
+        })?;
+        let mut buf = NsBuf::EMPTY;
+        let mut shape = [0usize; MAX_DIMS];
+        let mut ndim = 0usize;
+        let mut err = std::ptr::null_mut();
+        // SAFETY: live handles, writable out-pointers with room for MAX_DIMS.
+        let code = unsafe {
+            (c.table.tensor_to_host)(
+                c.ctx,
+                ft.ptr,
+                &mut buf,
+                shape.as_mut_ptr(),
+                &mut ndim,
+                &mut err,
+            )
+        };
+        c.check(code, err)?;
+        let bytes = c.take_buf(buf);
+        let data = bytes
+            .chunks_exact(4)
+            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+            .collect();
+        Ok(HostTensor {
+            data,
+            shape: shape[..ndim.min(MAX_DIMS)].to_vec(),
+        })
+    }
+
+    fn to_device(&self, t: DeviceTensor, device: usize) -> Result<DeviceTensor, EngineError> {
+        let c = &self.ctx;
+        let ptr = self.own(t, "to_device")?.into_raw();
+        let mut out = std::ptr::null_mut();
+        let mut err = std::ptr::null_mut();
+        // SAFETY: a live handle we give up (consumed by the plugin), writable out-pointers.
+        let code =
+            unsafe { (c.table.tensor_to_device)(c.ctx, ptr, device as u64, &mut out, &mut err) };
+        c.check(code, err)?;
+        Ok(self.wrap(out))
+    }
+
+    fn open_stage(&self, spec: &StageSpec) -> Result<Box<dyn Stage>, EngineError> {
+        let c = &self.ctx;
+        let (kind, layer) = match spec.kind {
+            StageKind::Edge => (0, 0),
+            StageKind::Layer(i) => (1, i as u64),
+        };
+        let ns = NsStageSpec {
+            kind,
+            optimizer: match spec.optimizer {
+                OptimizerKind::Adam => 0,
+                OptimizerKind::AdamW => 1,
+            },
+            layer,
+            device: spec.device as u64,
+            seed: spec.seed,
+            model_toml: spec.model_toml.as_ptr(),
+            model_toml_len: spec.model_toml.len(),
+        };
+        let mut out = std::ptr::null_mut();
+        let mut err = std::ptr::null_mut();
+        // SAFETY: live context; the spec and its text live for the call.
+        let code = unsafe { (c.table.stage_open)(c.ctx, &ns, &mut out, &mut err) };
+        c.check(code, err)?;
+        Ok(Box::new(ForeignStage {
+            ptr: out,
+            backend: ForeignBackend { ctx: c.clone() },
+        }))
+    }
+}
+
+/// A plugin stage.
+pub struct ForeignStage {
+    ptr: *mut c_void,
+    backend: ForeignBackend,
+}
+
+// SAFETY: a stage may move between threads; the host uses it from one thread at a time
+// (`&mut self` on every call).
+unsafe impl Send for ForeignStage {}
+
+impl Drop for ForeignStage {
+    fn drop(&mut self) {
+        let c = &self.backend.ctx;
+        // SAFETY: a live handle, freed once.
+        unsafe { (c.table.stage_free)(c.ctx, self.ptr) };
+    }
+}
+
+fn zero_args() -> NsArgs {
+    NsArgs {
+        micro: 0,
+        session: 0,
+        batch: 0,
+        seq_len: 0,
+        ids: std::ptr::null(),
+        ids_len: 0,
+        targets: std::ptr::null(),
+        targets_len: 0,
+        mask: std::ptr::null(),
+        mask_len: 0,
+        f: [0.0; 4],
+    }
+}
+
+impl Stage for ForeignStage {
+    fn call(&mut self, call: StageCall<'_>) -> Result<Reply, EngineError> {
+        let op = call.opcode();
+        let name = call.name();
+        let mut a = zero_args();
+        let mut input: Option<DeviceTensor> = None;
+        let tokens = |a: &mut NsArgs, t: nsactor_plugin_api::Tokens<'_>| {
+            a.batch = t.batch as u64;
+            a.seq_len = t.seq_len as u64;
+            a.ids = t.ids.as_ptr();
+            a.ids_len = t.ids.len();
+        };
+        let head = |a: &mut NsArgs, targets: &[i64], mask: &[f32]| {
+            a.targets = targets.as_ptr();
+            a.targets_len = targets.len();
+            a.mask = mask.as_ptr();
+            a.mask_len = mask.len();
+        };
+        match call {
+            StageCall::Forward { micro, h } => {
+                a.micro = micro;
+                input = Some(h);
+            }
+            StageCall::Backward {
+                micro,
+                grad,
+                ponder_grad,
+            } => {
+                a.micro = micro;
+                a.f[0] = ponder_grad;
+                input = Some(grad);
+            }
+            StageCall::Embed { micro, tokens: t } => {
+                a.micro = micro;
+                tokens(&mut a, t);
+            }
+            StageCall::Head {
+                h,
+                targets,
+                mask,
+                loss_scale,
+            } => {
+                head(&mut a, targets, mask);
+                a.f[0] = loss_scale;
+                input = Some(h);
+            }
+            StageCall::HeadEval { h, targets, mask } => {
+                head(&mut a, targets, mask);
+                input = Some(h);
+            }
+            StageCall::EmbedBackward { micro, grad } => {
+                a.micro = micro;
+                input = Some(grad);
+            }
+            StageCall::GradStats | StageCall::ZeroGrad => {}
+            StageCall::ScaleGrads { scales } => a.f[..3].copy_from_slice(&scales),
+            StageCall::Step {
+                lr,
+                neuron_lr,
+                clip,
+            } => a.f[..3].copy_from_slice(&[lr, neuron_lr, clip]),
+            StageCall::SessionEmbed { tokens: t } => tokens(&mut a, t),
+            StageCall::SessionForward { session, h } | StageCall::SessionDecode { session, h } => {
+                a.session = session;
+                input = Some(h);
+            }
+            StageCall::SessionClose { session } => a.session = session,
+        }
+        // Ownership of the input moves to the plugin from here on.
+        let raw: Vec<*mut c_void> = match input {
+            Some(t) => vec![self.backend.own(t, name)?.into_raw()],
+            None => Vec::new(),
+        };
+        let c = &self.backend.ctx;
+        let mut reply = NsReply::empty();
+        let mut err = std::ptr::null_mut();
+        // SAFETY: live handles; the argument buffers borrowed from `call` outlive this call;
+        // the inputs are given up; `reply` is writable.
+        let code = unsafe {
+            (c.table.stage_call)(
+                c.ctx,
+                self.ptr,
+                op,
+                &a,
+                raw.as_ptr(),
+                raw.len(),
+                &mut reply,
+                &mut err,
+            )
+        };
+        c.check(code, err)?;
+        let nt = (reply.n_tensors as usize).min(MAX_REPLY_TENSORS);
+        let ns = (reply.n_scalars as usize).min(MAX_REPLY_SCALARS);
+        Ok(Reply {
+            tensors: reply.tensors[..nt]
+                .iter()
+                .map(|&p| self.backend.wrap(p))
+                .collect(),
+            scalars: reply.scalars[..ns].to_vec(),
+        })
+    }
+
+    fn save(&self) -> Result<Vec<u8>, EngineError> {
+        let c = &self.backend.ctx;
+        let mut buf = NsBuf::EMPTY;
+        let mut err = std::ptr::null_mut();
+        // SAFETY: live handles, writable out-pointers.
+        let code = unsafe { (c.table.stage_save)(c.ctx, self.ptr, &mut buf, &mut err) };
+        c.check(code, err)?;
+        Ok(c.take_buf(buf))
+    }
+
+    fn load(&mut self, bytes: &[u8]) -> Result<(), EngineError> {
+        let c = &self.backend.ctx;
+        let mut err = std::ptr::null_mut();
+        // SAFETY: live handles; `bytes` lives for the call.
+        let code =
+            unsafe { (c.table.stage_load)(c.ctx, self.ptr, bytes.as_ptr(), bytes.len(), &mut err) };
+        c.check(code, err)
+    }
+
+    fn param_count(&self) -> u64 {
+        let c = &self.backend.ctx;
+        // SAFETY: a live handle.
+        unsafe { (c.table.stage_param_count)(c.ctx, self.ptr) }
+    }
+}

@@ -1,0 +1,303 @@
+//! Stages, device tensors and the calls that drive them.
+//!
+//! A [`ComputeBackend`] opens one [`Stage`] per decoder layer ([`StageKind::Layer`]) and one for
+//! the edge ([`StageKind::Edge`]: embedding, decode path and the tied head, which share one
+//! matrix). A stage owns its parameters, gradient accumulators, optimizer state, the inputs it
+//! keeps for recompute, and the membrane states of decoding sessions. The host drives it with
+//! [`StageCall`]s; each call returns a [`Reply`] whose tensors and scalars are documented on the
+//! call. Tensors are opaque [`DeviceTensor`]s owned by whoever holds them; dropping one frees it
+//! on its device. Passing a tensor into a call moves it there.
+//!
+//! One training micro-batch `m` flows: `Embed{m}` (edge) → `Forward{m}` on every layer in order →
+//! `Head{m}` (edge: loss and its gradient) → `Backward{m}` on every layer in reverse (each
+//! recomputes its forward from the input it kept) → `EmbedBackward{m}` (edge). After all
+//! micro-batches: `GradStats` on every layer → the host computes phase-2 factors
+//! ([`crate::optim::phase2_scales`]) → `ScaleGrads` on every stage (each replies its gradient
+//! sum of squares) → one global clip factor → `Step` on every stage.
+
+use crate::EngineError;
+use std::any::Any;
+use std::fmt;
+
+/// What a backend says about itself.
+#[derive(Debug, Clone, PartialEq)]
+pub struct BackendInfo {
+    /// Short name used for selection (`ndarray`, `cuda`).
+    pub name: String,
+    /// The backend crate's version.
+    pub version: String,
+    /// The [`crate::ABI_VERSION`] it was built against.
+    pub abi_version: u32,
+    /// One description per usable device, indexed by device number.
+    pub devices: Vec<String>,
+}
+
+/// A backend-side tensor object behind a [`DeviceTensor`].
+pub trait TensorObject: Any + Send {
+    /// Dimensions, outermost first.
+    fn shape(&self) -> Vec<usize>;
+    fn as_any(&self) -> &dyn Any;
+    fn into_any(self: Box<Self>) -> Box<dyn Any + Send>;
+}
+
+/// An opaque tensor resident on a backend device. Dropping it frees the device memory.
+pub struct DeviceTensor(Box<dyn TensorObject>);
+
+impl DeviceTensor {
+    pub fn new<T: TensorObject>(t: T) -> Self {
+        DeviceTensor(Box::new(t))
+    }
+
+    pub fn shape(&self) -> Vec<usize> {
+        self.0.shape()
+    }
+
+    /// The backend's own object, if it is a `T`; otherwise the handle back.
+    pub fn downcast<T: TensorObject>(self) -> Result<T, DeviceTensor> {
+        if self.0.as_any().is::<T>() {
+            Ok(*self.0.into_any().downcast::<T>().expect("type checked"))
+        } else {
+            Err(self)
+        }
+    }
+
+    pub fn downcast_ref<T: TensorObject>(&self) -> Option<&T> {
+        self.0.as_any().downcast_ref::<T>()
+    }
+}
+
+impl fmt::Debug for DeviceTensor {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "DeviceTensor{:?}", self.shape())
+    }
+}
+
+/// A host copy of a tensor: f32 values, row-major.
+#[derive(Debug, Clone, PartialEq)]
+pub struct HostTensor {
+    pub data: Vec<f32>,
+    pub shape: Vec<usize>,
+}
+
+/// Which part of the model a stage holds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum StageKind {
+    /// Embedding, decode path and tied head (parameters without a `layers.` prefix).
+    Edge,
+    /// Decoder layer `i` (parameters `layers.{i}.*`).
+    Layer(usize),
+}
+
+/// Pretraining uses Adam; SFT uses AdamW with weight decay 0.01 on the base group (SPEC §7.1).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum OptimizerKind {
+    Adam,
+    AdamW,
+}
+
+/// Everything a backend needs to open a stage.
+#[derive(Debug, Clone, PartialEq)]
+pub struct StageSpec {
+    pub kind: StageKind,
+    /// Device number on the backend (see [`BackendInfo::devices`]).
+    pub device: usize,
+    /// The model config as TOML text with a `[model]` table.
+    pub model_toml: String,
+    /// Initialisation seed of the whole model; each stage derives its own stream from it, so
+    /// a stage's initial parameters do not depend on how layers are grouped.
+    pub seed: u64,
+    pub optimizer: OptimizerKind,
+}
+
+/// Token ids `[batch, seq_len]`, row-major.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Tokens<'a> {
+    pub ids: &'a [i64],
+    pub batch: usize,
+    pub seq_len: usize,
+}
+
+impl Tokens<'_> {
+    pub fn validate(&self) -> Result<(), EngineError> {
+        if self.batch == 0 || self.seq_len == 0 || self.ids.len() != self.batch * self.seq_len {
+            return Err(EngineError::InvalidInput(format!(
+                "tokens [{}×{}] need {} ids, got {}",
+                self.batch,
+                self.seq_len,
+                self.batch * self.seq_len,
+                self.ids.len()
+            )));
+        }
+        Ok(())
+    }
+}
+
+/// One request to a stage. `micro` numbers a training micro-batch (any `u64`, unique among
+/// those in flight); `session` numbers a decoding session. Residual-stream tensors are
+/// `[T, B, D]`.
+#[derive(Debug)]
+pub enum StageCall<'a> {
+    /// Layer: training forward from membranes at rest; keeps `h` for `Backward{micro}`.
+    /// Reply: `[h_out]`, scalars `[ponder_cost, E[K] mean, E[K] min, E[K] max]`.
+    Forward { micro: u64, h: DeviceTensor },
+    /// Layer: recomputes the forward of `micro` under autodiff and back-propagates `grad`
+    /// (∂loss/∂h_out) plus `ponder_grad` (∂loss/∂ponder_cost); accumulates parameter gradients.
+    /// Reply: `[∂loss/∂h_in]`.
+    Backward {
+        micro: u64,
+        grad: DeviceTensor,
+        ponder_grad: f64,
+    },
+    /// Edge: embeds `tokens`, keeping them for `EmbedBackward{micro}`. Reply: `[h]` `[T, B, D]`.
+    Embed { micro: u64, tokens: Tokens<'a> },
+    /// Edge: decode path, masked mean cross entropy (ignore id 0) of `h` against `targets`, and
+    /// its backward with the loss scaled by `loss_scale`; accumulates head gradients.
+    /// Reply: `[∂(loss_scale·ce)/∂h]`, scalars `[ce, mask sum]`.
+    Head {
+        h: DeviceTensor,
+        targets: &'a [i64],
+        mask: &'a [f32],
+        loss_scale: f64,
+    },
+    /// Edge: the cross entropy only. Reply: scalars `[ce, mask sum]`.
+    HeadEval {
+        h: DeviceTensor,
+        targets: &'a [i64],
+        mask: &'a [f32],
+    },
+    /// Edge: back-propagates `grad` (∂loss/∂h of `Embed{micro}`) into the embedding. Reply: none.
+    EmbedBackward { micro: u64, grad: DeviceTensor },
+    /// Layer: natural-gradient phase 1 on the accumulated gradients, then the L2 norms of the
+    /// `b_beta`, `b_alpha`, `b_th` gradients (NaN where a bias has none). Edge: no scalars.
+    GradStats,
+    /// Multiplies the `b_beta`, `b_alpha`, `b_th` gradients by the phase-2 factors (layers; the
+    /// edge ignores them). Reply: scalars `[Σ g² over every gradient of the stage]`.
+    ScaleGrads { scales: [f64; 3] },
+    /// Multiplies every gradient by `clip`, then one optimizer step at `lr` (base group) and
+    /// `neuron_lr` (neuron group); clears the gradients. Reply: none.
+    Step { lr: f64, neuron_lr: f64, clip: f64 },
+    /// Drops accumulated gradients and kept inputs (an abandoned step). Reply: none.
+    ZeroGrad,
+    /// Edge: embeds `tokens` for decoding; nothing is kept. Reply: `[h]`.
+    SessionEmbed { tokens: Tokens<'a> },
+    /// Layer: forward from `session`'s membrane states (at rest for a new session), keeping
+    /// the new states. Reply: `[h_out]`.
+    SessionForward { session: u64, h: DeviceTensor },
+    /// Edge: decode path from `session`'s output-neuron state. Reply: `[logits]` `[1, B, V]` of
+    /// the last position.
+    SessionDecode { session: u64, h: DeviceTensor },
+    /// Layer or edge: forgets `session`'s states. Reply: none.
+    SessionClose { session: u64 },
+}
+
+impl StageCall<'_> {
+    /// Stable numeric code of the call (its C ABI opcode).
+    pub fn opcode(&self) -> u32 {
+        match self {
+            StageCall::Forward { .. } => 1,
+            StageCall::Backward { .. } => 2,
+            StageCall::Embed { .. } => 3,
+            StageCall::Head { .. } => 4,
+            StageCall::HeadEval { .. } => 5,
+            StageCall::EmbedBackward { .. } => 6,
+            StageCall::GradStats => 7,
+            StageCall::ScaleGrads { .. } => 8,
+            StageCall::Step { .. } => 9,
+            StageCall::ZeroGrad => 10,
+            StageCall::SessionEmbed { .. } => 11,
+            StageCall::SessionForward { .. } => 12,
+            StageCall::SessionDecode { .. } => 13,
+            StageCall::SessionClose { .. } => 14,
+        }
+    }
+
+    pub fn name(&self) -> &'static str {
+        match self {
+            StageCall::Forward { .. } => "Forward",
+            StageCall::Backward { .. } => "Backward",
+            StageCall::Embed { .. } => "Embed",
+            StageCall::Head { .. } => "Head",
+            StageCall::HeadEval { .. } => "HeadEval",
+            StageCall::EmbedBackward { .. } => "EmbedBackward",
+            StageCall::GradStats => "GradStats",
+            StageCall::ScaleGrads { .. } => "ScaleGrads",
+            StageCall::Step { .. } => "Step",
+            StageCall::ZeroGrad => "ZeroGrad",
+            StageCall::SessionEmbed { .. } => "SessionEmbed",
+            StageCall::SessionForward { .. } => "SessionForward",
+            StageCall::SessionDecode { .. } => "SessionDecode",
+            StageCall::SessionClose { .. } => "SessionClose",
+        }
+    }
+}
+
+/// What a call returns: tensors and scalars as documented on each [`StageCall`].
+#[derive(Debug, Default)]
+pub struct Reply {
+    pub tensors: Vec<DeviceTensor>,
+    pub scalars: Vec<f64>,
+}
+
+impl Reply {
+    pub fn none() -> Self {
+        Reply::default()
+    }
+
+    pub fn tensor(t: DeviceTensor) -> Self {
+        Reply {
+            tensors: vec![t],
+            scalars: Vec::new(),
+        }
+    }
+
+    /// The one tensor of a reply that has exactly one.
+    pub fn into_tensor(mut self, call: &str) -> Result<DeviceTensor, EngineError> {
+        if self.tensors.len() != 1 {
+            return Err(EngineError::Backend(format!(
+                "{call} replied {} tensors, expected 1",
+                self.tensors.len()
+            )));
+        }
+        Ok(self.tensors.pop().expect("one"))
+    }
+
+    /// Scalar `i`, or an error naming the call.
+    pub fn scalar(&self, i: usize, call: &str) -> Result<f64, EngineError> {
+        self.scalars.get(i).copied().ok_or_else(|| {
+            EngineError::Backend(format!(
+                "{call} replied {} scalars, expected at least {}",
+                self.scalars.len(),
+                i + 1
+            ))
+        })
+    }
+}
+
+/// A model part on a device, driven by [`StageCall`]s. Stages are used from one thread at a
+/// time but may move between threads.
+pub trait Stage: Send {
+    fn call(&mut self, call: StageCall<'_>) -> Result<Reply, EngineError>;
+    /// Parameters and optimizer state as safetensors bytes: parameters under their reference
+    /// names (`layers.3.snn_block.W_in.weight`), optimizer moments as `adam.exp_avg.<name>` and
+    /// `adam.exp_avg_sq.<name>`, step counts in the `nsactor` metadata entry. Equal states give equal bytes.
+    fn save(&self) -> Result<Vec<u8>, EngineError>;
+    /// Restores from safetensors bytes. Every parameter of the stage must be present; tensors of
+    /// other stages are ignored, so one whole-model file can feed every stage. Optimizer state
+    /// is restored when present and reset otherwise.
+    fn load(&mut self, bytes: &[u8]) -> Result<(), EngineError>;
+    /// Trainable parameters held.
+    fn param_count(&self) -> u64;
+}
+
+/// A compute backend: devices, tensor transfer and stages.
+pub trait ComputeBackend: Send + Sync {
+    fn info(&self) -> BackendInfo;
+    /// Copies host values to `device`. Tensors are 3-D.
+    // The transfer names of DESIGN.md (`from_host`/`to_host`/`to_device`) win over the lint.
+    #[allow(clippy::wrong_self_convention)]
+    fn from_host(&self, device: usize, t: &HostTensor) -> Result<DeviceTensor, EngineError>;
+    fn to_host(&self, t: &DeviceTensor) -> Result<HostTensor, EngineError>;
+    /// Moves a tensor to another device of the same backend (a no-op when already there).
+    fn to_device(&self, t: DeviceTensor, device: usize) -> Result<DeviceTensor, EngineError>;
+    fn open_stage(&self, spec: &StageSpec) -> Result<Box<dyn Stage>, EngineError>;
+}

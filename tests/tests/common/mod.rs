@@ -1,0 +1,60 @@
+//! Shared helpers: building artifacts with the test's own profile, and the golden fixtures.
+
+#![allow(dead_code)]
+
+use std::path::PathBuf;
+use std::process::Command;
+
+/// The profile directory this test binary was built into (`target/release`).
+pub fn profile_dir() -> PathBuf {
+    std::env::current_exe()
+        .unwrap()
+        .parent()
+        .and_then(|d| d.parent())
+        .unwrap()
+        .to_path_buf()
+}
+
+/// Builds `packages` with this test's profile into this test's target directory, so their
+/// binaries and plugin libraries land in [`profile_dir`].
+pub fn cargo_build(packages: &[&str]) -> PathBuf {
+    let profile = profile_dir();
+    let release = profile.file_name().is_some_and(|n| n == "release");
+    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..");
+    let mut build = Command::new(env!("CARGO"));
+    build.args(["build", "--quiet"]).current_dir(&root);
+    for p in packages {
+        build.args(["-p", p]);
+    }
+    build.env("CARGO_TARGET_DIR", profile.parent().unwrap());
+    if release {
+        build.arg("--release");
+    }
+    let status = build.status().expect("cargo build runs");
+    assert!(status.success(), "building {packages:?} failed");
+    profile
+}
+
+/// `lib<name>.so` (platform naming) in `dir`.
+pub fn library(dir: &std::path::Path, name: &str) -> PathBuf {
+    dir.join(format!(
+        "{}{name}{}",
+        std::env::consts::DLL_PREFIX,
+        std::env::consts::DLL_SUFFIX
+    ))
+}
+
+/// `shared/fixtures/<name>` beside the checkout, or under `$NSACTOR_FIXTURES`. A missing
+/// fixture fails the test.
+pub fn fixture_bytes(name: &str) -> Vec<u8> {
+    let dir = std::env::var_os("NSACTOR_FIXTURES")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../shared/fixtures"));
+    let path = dir.join(name);
+    std::fs::read(&path).unwrap_or_else(|e| {
+        panic!(
+            "golden fixture {} is required and could not be read: {e}",
+            path.display()
+        )
+    })
+}

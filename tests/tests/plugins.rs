@@ -1,0 +1,209 @@
+//! The plugin boundary: the ndarray plugin loaded through libloading equals the embedded engine
+//! bit for bit and reproduces the reference's `tiny_a` step; every failure of the boundary gives
+//! an error that says what happened and what to do, and the host survives plugin panics.
+
+mod common;
+
+use common::*;
+use nsactor::verify;
+use nsactor::weights::merge_params;
+use nsactor_plugin_abi::host::{Plugin, library_file_name, resolve};
+use nsactor_plugin_api::{
+    ABI_VERSION, ComputeBackend, EngineError, HostTensor, OptimizerKind, StageCall, StageKind,
+    StageSpec,
+};
+use safetensors::SafeTensors;
+use std::path::PathBuf;
+use std::sync::{Arc, OnceLock};
+
+/// The ndarray plugin and the faulty test plugins, built once per test binary.
+fn plugins() -> &'static PathBuf {
+    static DIR: OnceLock<PathBuf> = OnceLock::new();
+    DIR.get_or_init(|| {
+        cargo_build(&[
+            "nsactor-backend-ndarray",
+            "nsactor-testplugin-bad-abi",
+            "nsactor-testplugin-no-symbol",
+            "nsactor-testplugin-panicky",
+        ])
+    })
+}
+
+fn ndarray_plugin() -> Arc<dyn ComputeBackend> {
+    let p = Plugin::load(&library(plugins(), "nsactor_backend_ndarray")).expect("loads");
+    assert_eq!(p.name, "ndarray");
+    assert_eq!(p.abi_version, ABI_VERSION);
+    p.open("").expect("opens")
+}
+
+#[test]
+fn ndarray_plugin_equals_the_embedded_engine_bitwise_and_matches_the_reference() {
+    let fx = fixture_bytes("tiny_a.safetensors");
+    let plugin = verify::tiny_a(ndarray_plugin(), &fx).unwrap();
+    let embedded = verify::tiny_a(Arc::new(nsactor_backend_ndarray::backend()), &fx).unwrap();
+
+    // Bitwise: the same code on both sides of the boundary.
+    assert_eq!(plugin.ce_before.to_bits(), embedded.ce_before.to_bits());
+    assert_eq!(plugin.loss.to_bits(), embedded.loss.to_bits());
+    assert_eq!(plugin.grad_norm.to_bits(), embedded.grad_norm.to_bits());
+    assert!(
+        plugin.shards == embedded.shards,
+        "parameters or optimizer state differ between plugin and embedded engine"
+    );
+    assert_eq!(plugin.greedy, embedded.greedy);
+
+    // The reference, within the fixture's tolerances.
+    for (name, value, bound, ok) in plugin.checks() {
+        assert!(
+            ok,
+            "{name}: {value:e} exceeds {bound:e}; worst parameter {:?}, greedy {:?} vs {:?}",
+            plugin.worst_param, plugin.greedy, plugin.greedy_want
+        );
+    }
+    let merged = merge_params(&plugin.shards).unwrap();
+    let st = SafeTensors::deserialize(&merged).unwrap();
+    let (_, header) = SafeTensors::read_metadata(&fx).unwrap();
+    let params = header
+        .tensors()
+        .keys()
+        .filter(|k| k.starts_with("param."))
+        .count();
+    assert_eq!(st.names().len(), params, "every parameter, once");
+}
+
+#[test]
+fn a_missing_plugin_lists_the_places_searched() {
+    let dirs = vec![
+        PathBuf::from("/nonexistent/a"),
+        PathBuf::from("/nonexistent/b"),
+    ];
+    let e = resolve("nosuch", &dirs).unwrap_err().to_string();
+    assert!(e.contains(&library_file_name("nosuch")), "{e}");
+    assert!(
+        e.contains("/nonexistent/a") && e.contains("/nonexistent/b"),
+        "{e}"
+    );
+    assert!(e.contains("NSACTOR_PLUGIN_PATH"), "{e}");
+    let e = nsactor::backend::open("/nonexistent/libx.so", &[])
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(
+        e.contains("/nonexistent/libx.so") && e.contains("does not exist"),
+        "{e}"
+    );
+}
+
+#[test]
+fn a_plugin_for_another_abi_version_is_refused_naming_both_versions() {
+    let e = Plugin::load(&library(plugins(), "nsactor_testplugin_bad_abi")).unwrap_err();
+    let m = e.to_string();
+    assert!(matches!(e, EngineError::Plugin(_)), "{e:?}");
+    assert!(
+        m.contains("ABI version 999") && m.contains(&format!("ABI version {ABI_VERSION}")),
+        "{m}"
+    );
+}
+
+#[test]
+fn a_library_without_the_entry_symbol_is_refused() {
+    let e = Plugin::load(&library(plugins(), "nsactor_testplugin_no_symbol"))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("not an nsactor backend plugin") && e.contains("nsactor_plugin_table"),
+        "{e}"
+    );
+}
+
+#[test]
+fn a_device_that_fails_to_initialise_is_reported_and_the_host_continues() {
+    let p = Plugin::load(&library(plugins(), "nsactor_testplugin_panicky")).unwrap();
+    let e = p.open("fail").err().unwrap().to_string();
+    assert!(
+        e.contains("could not initialise") && e.contains("injected failure"),
+        "{e}"
+    );
+    let e = p.open("panic").err().unwrap().to_string();
+    assert!(e.contains("injected panic while opening"), "{e}");
+    // The same library still opens normally afterwards.
+    assert_eq!(p.open("").unwrap().info().devices, vec!["nothing"]);
+}
+
+#[test]
+fn a_panic_inside_a_plugin_call_is_reported_and_the_host_keeps_running() {
+    let p = Plugin::load(&library(plugins(), "nsactor_testplugin_panicky")).unwrap();
+    let backend = p.open("").unwrap();
+    let mut stage = backend
+        .open_stage(&StageSpec {
+            kind: StageKind::Layer(0),
+            device: 0,
+            model_toml: String::new(),
+            seed: 0,
+            optimizer: OptimizerKind::Adam,
+        })
+        .unwrap();
+    let host = HostTensor {
+        data: vec![1.0, 2.0, 3.0, 4.0, 5.0, 6.0],
+        shape: vec![1, 2, 3],
+    };
+    let t = backend.from_host(0, &host).unwrap();
+    let e = stage
+        .call(StageCall::Forward { micro: 0, h: t })
+        .unwrap_err();
+    assert!(
+        matches!(&e, EngineError::Panic(m) if m.contains("injected panic in Forward")),
+        "{e:?}"
+    );
+    // The plugin, the stage and tensor transfer keep working.
+    let t = backend.from_host(0, &host).unwrap();
+    let out = stage
+        .call(StageCall::SessionForward { session: 1, h: t })
+        .unwrap()
+        .into_tensor("SessionForward")
+        .unwrap();
+    assert_eq!(out.shape(), vec![1, 2, 3]);
+    assert_eq!(backend.to_host(&out).unwrap(), host);
+    let e = stage.call(StageCall::GradStats).unwrap_err().to_string();
+    assert!(e.contains("not supported by the panicky plugin"), "{e}");
+}
+
+#[test]
+fn tensors_of_one_backend_are_refused_by_another() {
+    let plugin = ndarray_plugin();
+    let embedded = nsactor_backend_ndarray::backend();
+    let host = HostTensor {
+        data: vec![0.0; 64],
+        shape: vec![1, 1, 64],
+    };
+    let t = plugin.from_host(0, &host).unwrap();
+    let e = embedded.to_host(&t).unwrap_err().to_string();
+    assert!(e.contains("another backend"), "{e}");
+    let e = plugin.from_host(3, &host).unwrap_err().to_string();
+    assert!(e.contains("device 3 does not exist"), "{e}");
+}
+
+/// The CUDA plugin is built everywhere (it needs no toolkit) and must fail cleanly where there
+/// is no GPU; where there is one it must list it.
+#[test]
+fn the_cuda_plugin_loads_and_opens_or_says_why_not() {
+    let dir = cargo_build(&["nsactor-backend-cuda"]);
+    let p = Plugin::load(&library(&dir, "nsactor_backend_cuda")).expect("the cuda plugin loads");
+    assert_eq!(p.name, "cuda");
+    match p.open("") {
+        Ok(b) => {
+            let info = b.info();
+            assert!(
+                !info.devices.is_empty() && info.devices[0].starts_with("cuda:0"),
+                "{info:?}"
+            );
+        }
+        Err(e) => {
+            let m = e.to_string();
+            assert!(
+                m.contains("cannot use CUDA") && m.contains("--backend ndarray"),
+                "{m}"
+            );
+        }
+    }
+}

@@ -101,7 +101,7 @@ fn bad_configs_get_clear_errors() {
         ),
         (
             "small-vocab",
-            tiny.replace("vocab_size = 512", "vocab_size = 100"),
+            tiny.replace("vocab_size = 2048", "vocab_size = 1000"),
             "vocab_size",
         ),
     ];

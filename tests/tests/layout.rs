@@ -1,6 +1,6 @@
 //! The dependency direction of DESIGN.md, checked over `cargo metadata`:
 //! `plugins/api` ← `kernels` ← `model` ← `backends/*`; `actors` reaches burn only through the
-//! optional embedded-CPU backend.
+//! optional embedded-CPU backend; `actors/data` is burn-free.
 
 use serde_json::Value;
 use std::collections::{BTreeMap, BTreeSet};
@@ -65,6 +65,7 @@ fn dependency_direction_follows_the_design() {
         "nsactor-model",
         "nsactor-backend-ndarray",
         "nsactor",
+        "nsactor-data",
         "nsactor-tests",
     ] {
         assert!(ws.contains_key(krate), "workspace crate {krate} is missing");
@@ -90,6 +91,18 @@ fn dependency_direction_follows_the_design() {
             || d.starts_with("nsactor-plugin")),
         "model depends on the runtime side: {model:?}"
     );
+
+    // The data pipeline is burn-free: of the workspace it may use the engine contract only.
+    for (dep, _) in &ws["nsactor-data"] {
+        assert!(
+            !dep.starts_with("burn") && !dep.starts_with("cubecl"),
+            "nsactor-data depends on {dep}"
+        );
+        assert!(
+            !dep.starts_with("nsactor") || dep == "nsactor-plugin-api",
+            "nsactor-data depends on the workspace crate {dep}"
+        );
+    }
 
     // actors: burn, cubecl and backends only through the optional embedded CPU backend.
     for (dep, optional) in &ws["nsactor"] {

@@ -1,6 +1,8 @@
 //! The byte-level BPE tokenizer (HF `tokenizers`, `tokenizer.json` format): loading, training,
 //! a content hash, and the ChatML template (SPEC §9).
 
+mod ascii;
+
 use crate::error::{DataError, Result};
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
@@ -33,10 +35,8 @@ pub struct Tokenizer {
     hash: String,
     bos: u32,
     eos: u32,
-    /// The same tokenizer without its normalizer, for ASCII input when the normalizer is a
-    /// Unicode normal form (every normal form maps ASCII to itself). NFKC with offset tracking is
-    /// the costliest step of encoding English text; skipping it gives the same ids.
-    ascii: Option<tokenizers::Tokenizer>,
+    /// The ASCII fast path, when this tokenizer qualifies (see [`ascii`]).
+    ascii: Option<ascii::AsciiBpe>,
 }
 
 impl std::fmt::Debug for Tokenizer {
@@ -90,19 +90,7 @@ impl Tokenizer {
             msg: format!("cannot serialise: {e}"),
         })?;
         let hash = hex(&Sha256::digest(canonical.as_bytes()));
-        let ascii = match inner.get_normalizer() {
-            Some(
-                NormalizerWrapper::NFC(_)
-                | NormalizerWrapper::NFD(_)
-                | NormalizerWrapper::NFKC(_)
-                | NormalizerWrapper::NFKD(_),
-            ) => {
-                let mut plain = inner.clone();
-                plain.with_normalizer(None::<NormalizerWrapper>);
-                Some(plain)
-            }
-            _ => None,
-        };
+        let ascii = ascii::AsciiBpe::new(&inner);
         Ok(Tokenizer {
             inner,
             origin: origin.into(),
@@ -143,13 +131,19 @@ impl Tokenizer {
     /// `encode(text, add_special_tokens=false)` ids; special tokens written in `text` are
     /// recognised (the ChatML template relies on it).
     pub fn encode(&self, text: &str) -> Result<Vec<u32>> {
-        let tk = match &self.ascii {
-            Some(plain) if text.is_ascii() => plain,
-            _ => &self.inner,
-        };
-        tk.encode_fast(text, false)
-            .map(|e| e.get_ids().to_vec())
-            .map_err(|e| self.err(format!("cannot encode: {e}")))
+        if let Some(fast) = &self.ascii {
+            let mut ids = Vec::with_capacity(text.len() / 3);
+            if let Some(r) = fast.encode(self.inner.get_model(), text, &mut ids) {
+                r.map_err(|e| self.err(format!("cannot encode: {e}")))?;
+                return Ok(ids);
+            }
+        }
+        self.encode_unoptimised(text)
+    }
+
+    /// Whether [`encode`](Self::encode) has the ASCII fast path for this tokenizer.
+    pub fn has_fast_path(&self) -> bool {
+        self.ascii.is_some()
     }
 
     /// Text of `ids`; with `skip_special_tokens` the specials are dropped.

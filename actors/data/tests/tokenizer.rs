@@ -43,20 +43,73 @@ fn reference_tokenizer_reproduces_the_fixture_cases() {
     }
 }
 
+/// Random strings over the characters where the GPT-2 split has edge cases.
+fn tricky_strings(n: usize) -> Vec<String> {
+    let parts = [
+        " ",
+        "  ",
+        "\n",
+        "\t",
+        "\r\n",
+        "a",
+        "Zq",
+        "s",
+        "t",
+        "'",
+        "'s",
+        "'ll",
+        "re",
+        "1",
+        "42",
+        "!",
+        ".",
+        "?!",
+        "-",
+        "_",
+        "~",
+        "é",
+        "ﬁ",
+        "<|im_end|>",
+        "<",
+        "|",
+    ];
+    let mut state = 0x1234_5678_9abc_def0u64;
+    let mut next = move || {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        state
+    };
+    (0..n)
+        .map(|_| {
+            let len = (next() % 12) as usize;
+            (0..len)
+                .map(|_| parts[(next() % parts.len() as u64) as usize])
+                .collect()
+        })
+        .collect()
+}
+
 #[test]
 fn the_ascii_fast_path_gives_the_full_pipelines_ids() {
     let corpus = nsactor_data::bundled_corpus();
-    let mut texts: Vec<&str> = nsactor_data::corpus::paragraphs(&corpus)
-        .take(400)
+    let mut texts: Vec<String> = nsactor_data::corpus::paragraphs(&corpus)
+        .map(str::to_owned)
         .collect();
-    texts.extend([
-        "  leading spaces and trailing  ",
-        "tabs\tand\r\nCRLF",
-        "<|im_start|>user\nhi<|im_end|>\n",
-        "ﬁve ﬁ ligatures (NFKC folds them) and ①",
-        "",
-    ]);
+    texts.extend(tricky_strings(3000));
+    texts.extend(
+        [
+            "  leading spaces and trailing  ",
+            "tabs\tand\r\nCRLF",
+            "<|im_start|>user\nhi<|im_end|>\n",
+            "ﬁve ﬁ ligatures (NFKC folds them) and ①",
+            "",
+            "control \u{1} and \u{b} and \u{7f}",
+        ]
+        .map(str::to_owned),
+    );
     for tok in [reference(), Tokenizer::bundled()] {
+        assert!(tok.has_fast_path());
         for t in &texts {
             assert_eq!(
                 tok.encode(t).unwrap(),

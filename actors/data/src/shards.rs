@@ -264,7 +264,7 @@ pub fn prepare(
         bar.set_message(format!("encoding {}", path.display()));
         let docs = corpus::documents(path, &text, &opts.text_field)?;
         // Encode ~4 MB of text at a time: parallel within a chunk, written in order.
-        let mut i = 0;
+        let (mut i, mut done) = (0, 0u64);
         while i < docs.len() {
             let (mut j, mut bytes) = (i, 0usize);
             while j < docs.len() && bytes < 4 << 20 {
@@ -276,8 +276,11 @@ pub fn prepare(
                 w.push(all, ids.len() + 2, opts.shard_tokens)?;
             }
             bar.inc(bytes as u64);
+            done += bytes as u64;
             i = j;
         }
+        // Blank lines and JSON syntax are not in any document.
+        bar.inc((text.len() as u64).saturating_sub(done));
         sources.push(SourceInfo {
             path: path.display().to_string(),
             text_bytes: text.len() as u64,

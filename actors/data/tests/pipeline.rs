@@ -307,7 +307,7 @@ fn bad_inputs_get_clear_errors() {
     let missing = d.join("nope.txt");
     let e = err(shards::prepare(
         &tok,
-        &[missing.clone()],
+        std::slice::from_ref(&missing),
         &d.join("o1"),
         &opts,
     ));
@@ -326,7 +326,7 @@ fn bad_inputs_get_clear_errors() {
     let blank = write(&d.join("blank.txt"), b"\n   \n\t\n");
     let e = err(shards::prepare(
         &tok,
-        &[blank.clone()],
+        std::slice::from_ref(&blank),
         &d.join("o2"),
         &opts,
     ));
@@ -360,7 +360,7 @@ fn bad_inputs_get_clear_errors() {
 
     // Shards made with another tokenizer.
     let good = write(&d.join("good.txt"), bundled_text(30).as_bytes());
-    shards::prepare(&tok, &[good.clone()], &d.join("o4"), &opts).unwrap();
+    shards::prepare(&tok, std::slice::from_ref(&good), &d.join("o4"), &opts).unwrap();
     let c = nsactor_data::bundled_corpus();
     let docs: Vec<&str> = nsactor_data::corpus::paragraphs(&c).take(100).collect();
     let other = nsactor_data::tokenizer::train(docs.iter(), 300).unwrap();
@@ -406,7 +406,7 @@ fn bad_inputs_get_clear_errors() {
     };
     let e = err(shards::prepare(
         &big,
-        &[good.clone()],
+        std::slice::from_ref(&good),
         &d.join("o5"),
         &u16_opts,
     ));

@@ -1,5 +1,5 @@
-//! Run configuration: a TOML file with a `[model]` table (validated by the engine) and a
-//! `[train]` table (validated here). Unknown tables and keys are errors.
+//! Run configuration: a TOML file with a `[model]` table (validated by the engine), a `[train]`
+//! table (validated here) and an optional `[data]` table. Unknown tables and keys are errors.
 
 use serde::{Deserialize, Serialize};
 use std::path::{Path, PathBuf};
@@ -14,6 +14,8 @@ pub struct RunConfig {
     pub train: TrainConfig,
     #[serde(default)]
     pub backend: BackendConfig,
+    #[serde(default)]
+    pub data: DataConfig,
 }
 
 /// `[backend]`: which compute backend runs the model (overridden by `--backend`).
@@ -26,6 +28,29 @@ pub struct BackendConfig {
     /// Extra directories to search for plugins, after `$NSACTOR_PLUGIN_PATH`.
     #[serde(default)]
     pub plugin_path: Vec<PathBuf>,
+}
+
+/// `[data]`: how training rows are made.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct DataConfig {
+    /// Pack documents (separated by `<|im_end|>`) into full windows; `false` is the reference's
+    /// one padded document per row (SPEC §8).
+    pub packing: bool,
+    /// tokenizer.json of the run; default: the bundled 2048-token tokenizer.
+    pub tokenizer: Option<PathBuf>,
+    /// JSON field holding the text of `.jsonl`/`.json` corpora.
+    pub text_field: String,
+}
+
+impl Default for DataConfig {
+    fn default() -> Self {
+        DataConfig {
+            packing: true,
+            tokenizer: None,
+            text_field: "text".into(),
+        }
+    }
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

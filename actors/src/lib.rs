@@ -6,6 +6,7 @@
 //! supervisor, layer actors and server grow here. This crate never depends on burn or a backend,
 //! except through the optional default feature `embedded-cpu`, which links the ndarray backend
 //! in as the embedded default so `cargo run --release -- train` works on a fresh checkout.
+//! Tokenizer, corpora and batches come from `nsactor-data`.
 //!
 //! [`Stage`]: nsactor_plugin_api::Stage
 //! [`ComputeBackend`]: nsactor_plugin_api::ComputeBackend
@@ -13,7 +14,6 @@
 pub mod backend;
 pub mod bench;
 pub mod config;
-pub mod data;
 pub mod engine;
 pub mod train;
 pub mod verify;

@@ -5,9 +5,12 @@ use nsactor::backend;
 use nsactor::config::RunConfig;
 use nsactor::engine::StagedModel;
 use nsactor::train;
+use nsactor_data::cli::{DataPrepareArgs, TokenizerTrainArgs};
+use nsactor_data::{Mode, Sampler, ShardSet};
 use nsactor_plugin_api::OptimizerKind;
 use std::path::PathBuf;
 use std::process::ExitCode;
+use std::sync::Arc;
 
 #[derive(Parser)]
 #[command(
@@ -32,6 +35,24 @@ enum Command {
     /// Replay the reference's golden runs on a backend and check the tolerances.
     #[command(subcommand)]
     Verify(VerifyCommand),
+    /// Tokenizers.
+    #[command(subcommand)]
+    Tokenizer(TokenizerCommand),
+    /// Datasets.
+    #[command(subcommand)]
+    Data(DataCommand),
+}
+
+#[derive(Subcommand)]
+enum TokenizerCommand {
+    /// Train a byte-level BPE (NFKC, ChatML specials as ids 0–4) on corpus files.
+    Train(TokenizerTrainArgs),
+}
+
+#[derive(Subcommand)]
+enum DataCommand {
+    /// Tokenize corpus files into binary shards with a manifest.
+    Prepare(DataPrepareArgs),
 }
 
 #[derive(Subcommand)]
@@ -82,9 +103,16 @@ struct TrainArgs {
     /// Run config (TOML with [model] and [train]); default: the embedded configs/tiny.toml.
     #[arg(long)]
     config: Option<PathBuf>,
-    /// Plain-text corpus; default: the bundled public-domain book.
+    /// Corpus files (text, .jsonl, .json; .xz/.gz); with --sft, conversation files (alpaca,
+    /// ShareGPT `conversations` or `messages`). Default: the bundled public-domain books.
+    #[arg(long, num_args = 1.., conflicts_with = "data")]
+    corpus: Vec<PathBuf>,
+    /// Prepared shards (`nsactor data prepare`); their tokenizer must be the run's.
     #[arg(long)]
-    corpus: Option<PathBuf>,
+    data: Option<PathBuf>,
+    /// tokenizer.json; overrides [data].tokenizer (default: the bundled tokenizer).
+    #[arg(long)]
+    tokenizer: Option<PathBuf>,
     /// Override [train].steps.
     #[arg(long)]
     steps: Option<u64>,
@@ -110,6 +138,12 @@ fn main() -> ExitCode {
         Command::Plugins(args) => plugins_cmd(args),
         Command::Bench(BenchCommand::PluginOverhead(args)) => overhead_cmd(args),
         Command::Verify(VerifyCommand::TinyA(args)) => verify_cmd(args),
+        Command::Tokenizer(TokenizerCommand::Train(a)) => {
+            nsactor_data::cli::tokenizer_train(&a).map_err(Into::into)
+        }
+        Command::Data(DataCommand::Prepare(a)) => {
+            nsactor_data::cli::data_prepare(&a).map_err(Into::into)
+        }
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -131,11 +165,12 @@ fn train_cmd(args: TrainArgs) -> Result<(), Box<dyn std::error::Error>> {
     if let Some(s) = args.seed {
         cfg.train.seed = s;
     }
-    let corpus = match &args.corpus {
-        Some(p) => std::fs::read_to_string(p)
-            .map_err(|e| format!("cannot read corpus {}: {e}", p.display()))?,
-        None => train::EMBEDDED_CORPUS.to_string(),
-    };
+    if let Some(t) = args.tokenizer.clone() {
+        cfg.data.tokenizer = Some(t);
+    }
+    let tok = nsactor_data::cli::load_tokenizer(cfg.data.tokenizer.as_deref())?;
+    train::check_tokenizer(&cfg, &tok)?;
+    let mut sampler = make_sampler(&cfg, &tok, &args.corpus, args.data.as_deref(), args.sft)?;
     let backend_name = args
         .backend
         .clone()
@@ -149,7 +184,7 @@ fn train_cmd(args: TrainArgs) -> Result<(), Box<dyn std::error::Error>> {
     };
     let mut engine =
         StagedModel::open(compute, &cfg.model_toml(), cfg.train.seed, optimizer, None)?;
-    let summary = train::run(&cfg, &mut engine, &corpus)?;
+    let summary = train::run(&cfg, &mut engine, &mut sampler)?;
     let first = summary.losses.first().copied().unwrap_or(f64::NAN);
     let last = summary.losses.last().copied().unwrap_or(f64::NAN);
     eprintln!(
@@ -157,12 +192,46 @@ fn train_cmd(args: TrainArgs) -> Result<(), Box<dyn std::error::Error>> {
         summary.tokens_per_s,
         summary.weights.display()
     );
-    let prompt = nsactor::data::encode("Emma was");
-    let mut ids = vec![nsactor::data::BOS];
-    ids.extend(prompt);
-    let out = engine.generate_greedy(&ids, 60, None)?;
-    println!("{}", nsactor::data::decode(&out).replace('\n', " "));
+    let mut ids = vec![i64::from(tok.bos_id())];
+    ids.extend(tok.encode("Emma was")?.into_iter().map(i64::from));
+    let out = engine.generate_greedy(&ids, 60, Some(i64::from(tok.eos_id())))?;
+    let out: Vec<u32> = out.iter().map(|&t| t as u32).collect();
+    println!("{}", tok.decode(&out, false)?.replace('\n', " "));
     Ok(())
+}
+
+/// The batch source of a run: prepared shards, corpus files, or the bundled corpus; SFT rows
+/// from conversation files with `--sft --corpus`.
+fn make_sampler(
+    cfg: &RunConfig,
+    tok: &nsactor_data::Tokenizer,
+    corpus: &[PathBuf],
+    data: Option<&std::path::Path>,
+    sft: bool,
+) -> Result<Sampler, nsactor_data::DataError> {
+    let (seq_len, seed) = (cfg.train.seq_len, cfg.train.seed);
+    let mode = if cfg.data.packing {
+        Mode::Packed
+    } else {
+        Mode::Padded
+    };
+    if let Some(dir) = data {
+        let shards = ShardSet::open(dir, tok, true)?;
+        return Sampler::pretrain(Arc::new(shards), mode, seq_len, seed);
+    }
+    if sft && !corpus.is_empty() {
+        return nsactor_data::sample::sft_sampler(tok, corpus, None, seq_len, seed);
+    }
+    let tokens = if corpus.is_empty() {
+        let mut m = nsactor_data::MemTokens::default();
+        let text = nsactor_data::bundled_corpus();
+        let name = std::path::Path::new("bundled-gutenberg-en.txt");
+        nsactor_data::shards::tokenize_text(tok, name, &text, &cfg.data.text_field, &mut m)?;
+        m
+    } else {
+        nsactor_data::shards::tokenize_files(tok, corpus, &cfg.data.text_field)?
+    };
+    Sampler::pretrain(Arc::new(tokens), mode, seq_len, seed)
 }
 
 fn verify_cmd(args: VerifyArgs) -> Result<(), Box<dyn std::error::Error>> {

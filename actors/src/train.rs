@@ -1,14 +1,11 @@
 //! The training loop behind `nsactor train`: LR schedule, micro-batches, logging, weights.
 
 use crate::config::RunConfig;
-use crate::data::{self, WindowSampler};
 use crate::engine::{StagedModel, StepParams};
+use nsactor_data::{Sampler, Tokenizer};
 use std::io::Write;
 use std::path::PathBuf;
 use std::time::Instant;
-
-/// Bundled public-domain corpus: Jane Austen, *Emma* (1816), Project Gutenberg text.
-pub const EMBEDDED_CORPUS: &str = include_str!("../corpus/emma-austen-1816.txt");
 
 #[derive(Debug, thiserror::Error)]
 pub enum TrainError {
@@ -17,7 +14,9 @@ pub enum TrainError {
     #[error("weights: {0}")]
     Weights(String),
     #[error("data: {0}")]
-    Data(String),
+    Data(#[from] nsactor_data::DataError),
+    #[error("{0}")]
+    Config(String),
     #[error("{0}: {1}")]
     Io(PathBuf, std::io::Error),
 }
@@ -30,24 +29,31 @@ pub struct RunSummary {
     pub weights: PathBuf,
 }
 
-/// Runs `cfg.train.steps` optimizer steps on `engine` over `corpus`, logging every
+/// Fails when `tok` has ids the model's embedding cannot hold.
+pub fn check_tokenizer(cfg: &RunConfig, tok: &Tokenizer) -> Result<(), TrainError> {
+    match cfg.vocab_size() {
+        Some(v) if tok.vocab_size() <= v => Ok(()),
+        v => Err(TrainError::Config(format!(
+            "tokenizer {} has {} tokens but [model] vocab_size is {}; set vocab_size ≥ {} or use \
+             a smaller tokenizer",
+            tok.origin(),
+            tok.vocab_size(),
+            v.map_or("missing".into(), |v| v.to_string()),
+            tok.vocab_size()
+        ))),
+    }
+}
+
+/// Runs `cfg.train.steps` optimizer steps on `engine` with batches from `sampler`, logging every
 /// `log_interval` steps to stderr and every step to `out_dir/metrics.jsonl`, then writes
-/// `out_dir/model.safetensors` and `out_dir/config.toml`.
+/// `out_dir/model.safetensors`, `out_dir/config.toml` and the sampler's cursor
+/// `out_dir/data_cursor.json`.
 pub fn run(
     cfg: &RunConfig,
     engine: &mut StagedModel,
-    corpus: &str,
+    sampler: &mut Sampler,
 ) -> Result<RunSummary, TrainError> {
     let t = &cfg.train;
-    if let Some(v) = cfg.vocab_size()
-        && v < data::BYTE_VOCAB
-    {
-        return Err(TrainError::Data(format!(
-            "the byte-level tokenizer needs vocab_size ≥ {}, the config has {v}",
-            data::BYTE_VOCAB
-        )));
-    }
-    let mut sampler = WindowSampler::new(data::encode(corpus), t.seed);
     let out_dir = t.out_dir.clone();
     std::fs::create_dir_all(&out_dir).map_err(|e| TrainError::Io(out_dir.clone(), e))?;
     let metrics_path = out_dir.join("metrics.jsonl");
@@ -68,9 +74,8 @@ pub fn run(
     let mut losses = Vec::with_capacity(t.steps as usize);
     for step in 0..t.steps {
         let micro = (0..t.accumulation)
-            .map(|_| sampler.batch(t.batch_size, t.seq_len))
-            .collect::<Result<Vec<_>, _>>()
-            .map_err(TrainError::Data)?;
+            .map(|_| sampler.next_batch(t.batch_size, t.seq_len))
+            .collect::<Result<Vec<_>, _>>()?;
         // The step uses the LR of the last micro-step of its window (SPEC §7.2).
         let lr = t.lr_at((step + 1) * t.accumulation as u64 - 1, total_micro);
         let params = StepParams {
@@ -112,6 +117,9 @@ pub fn run(
     let config_path = out_dir.join("config.toml");
     let text = toml::to_string(cfg).expect("a RunConfig serialises");
     std::fs::write(&config_path, text).map_err(|e| TrainError::Io(config_path, e))?;
+    let cursor_path = out_dir.join("data_cursor.json");
+    let cursor = serde_json::to_string(&sampler.cursor()).expect("a cursor serialises");
+    std::fs::write(&cursor_path, cursor).map_err(|e| TrainError::Io(cursor_path, e))?;
     Ok(RunSummary {
         losses,
         tokens_per_s: tokens as f64 / start.elapsed().as_secs_f64(),

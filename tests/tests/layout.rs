@@ -1,6 +1,7 @@
 //! The dependency direction of DESIGN.md, checked over `cargo metadata`:
 //! `plugins/api` ← `kernels` ← `model` ← `backends/*`; `plugins/abi` (the C boundary) stays
-//! burn-free; `actors` reaches burn only through the optional embedded-CPU backend.
+//! burn-free; `actors` reaches burn only through the optional embedded-CPU backend; `actors/data`
+//! is burn-free.
 
 use serde_json::Value;
 use std::collections::{BTreeMap, BTreeSet};
@@ -68,6 +69,7 @@ fn dependency_direction_follows_the_design() {
         "nsactor-backend-cuda",
         "nsactor-plugin-abi",
         "nsactor",
+        "nsactor-data",
         "nsactor-tests",
     ] {
         assert!(ws.contains_key(krate), "workspace crate {krate} is missing");
@@ -113,6 +115,18 @@ fn dependency_direction_follows_the_design() {
         assert!(
             !ws[b].iter().any(|(d, _)| d == "nsactor"),
             "{b} depends on the runtime"
+        );
+    }
+
+    // The data pipeline is burn-free: of the workspace it may use the engine contract only.
+    for (dep, _) in &ws["nsactor-data"] {
+        assert!(
+            !dep.starts_with("burn") && !dep.starts_with("cubecl"),
+            "nsactor-data depends on {dep}"
+        );
+        assert!(
+            !dep.starts_with("nsactor") || dep == "nsactor-plugin-api",
+            "nsactor-data depends on the workspace crate {dep}"
         );
     }
 

@@ -1,0 +1,71 @@
+//! The crate's one error type; every variant names the file or directory it is about.
+
+use std::path::PathBuf;
+
+/// Errors of the tokenizer and data pipeline.
+#[derive(Debug, thiserror::Error)]
+pub enum DataError {
+    #[error("cannot read {path}: {source}")]
+    Read {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("cannot write {path}: {source}")]
+    Write {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("{path}: invalid UTF-8 at byte offset {offset}{note}")]
+    Utf8 {
+        path: PathBuf,
+        offset: usize,
+        /// Says the offset counts decompressed bytes, for `.xz`/`.gz` inputs.
+        note: &'static str,
+    },
+    #[error("{path}: {what}: {msg}")]
+    Json {
+        path: PathBuf,
+        what: String,
+        msg: String,
+    },
+    #[error("empty corpus: no non-empty document in {0}")]
+    EmptyCorpus(String),
+    #[error("tokenizer {origin}: {msg}")]
+    Tokenizer { origin: String, msg: String },
+    #[error(
+        "the shards in {dir} were made with tokenizer sha256 {shards}, but this run's tokenizer \
+         ({origin}) has sha256 {run}; prepare the data again with this tokenizer"
+    )]
+    TokenizerMismatch {
+        dir: PathBuf,
+        shards: String,
+        run: String,
+        origin: String,
+    },
+    #[error(
+        "tokenizer {origin} has {vocab} tokens; u16 shards hold ids below 65536 (use --dtype u32 or auto)"
+    )]
+    VocabTooLargeForU16 { origin: String, vocab: usize },
+    #[error("shard {path}: {msg}")]
+    Shard { path: PathBuf, msg: String },
+    #[error("{0}")]
+    Invalid(String),
+}
+
+pub type Result<T, E = DataError> = std::result::Result<T, E>;
+
+impl DataError {
+    pub(crate) fn read(path: impl Into<PathBuf>, source: std::io::Error) -> Self {
+        DataError::Read {
+            path: path.into(),
+            source,
+        }
+    }
+
+    pub(crate) fn write(path: impl Into<PathBuf>, source: std::io::Error) -> Self {
+        DataError::Write {
+            path: path.into(),
+            source,
+        }
+    }
+}

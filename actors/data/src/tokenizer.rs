@@ -1,0 +1,275 @@
+//! The byte-level BPE tokenizer (HF `tokenizers`, `tokenizer.json` format): loading, training,
+//! a content hash, and the ChatML template (SPEC §9).
+
+mod ascii;
+
+use crate::error::{DataError, Result};
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+use std::path::Path;
+use tokenizers::models::TrainerWrapper;
+use tokenizers::models::bpe::{BPE, BpeTrainer};
+use tokenizers::normalizers::unicode::NFKC;
+use tokenizers::pre_tokenizers::byte_level::ByteLevel;
+use tokenizers::{AddedToken, DecoderWrapper, NormalizerWrapper, PreTokenizerWrapper};
+
+/// The reference's special tokens, ids 0–4 in this order (SPEC §9).
+pub const SPECIALS: [&str; 5] = ["<unk>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"];
+/// Pretraining BOS and ChatML turn opener (id 3 in the reference).
+pub const BOS_TOKEN: &str = "<|im_start|>";
+/// End of a turn or document (id 4 in the reference).
+pub const EOS_TOKEN: &str = "<|im_end|>";
+/// Datasets pad with id 0 (`<unk>`), which the loss never scores (SPEC §8).
+pub const PAD_ID: u32 = 0;
+/// Default vocabulary of `nsactor tokenizer train`: the reference's size.
+pub const DEFAULT_VOCAB_SIZE: usize = 6144;
+
+/// The tokenizer bundled with the repository: 2048 tokens trained on the bundled corpus.
+pub const BUNDLED_TOKENIZER_JSON: &str = include_str!("../assets/tokenizer.json");
+
+/// A loaded tokenizer with its content hash and special ids.
+#[derive(Clone)]
+pub struct Tokenizer {
+    inner: tokenizers::Tokenizer,
+    origin: String,
+    hash: String,
+    bos: u32,
+    eos: u32,
+    /// The ASCII fast path, when this tokenizer qualifies (see [`ascii`]).
+    ascii: Option<ascii::AsciiBpe>,
+}
+
+impl std::fmt::Debug for Tokenizer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Tokenizer")
+            .field("origin", &self.origin)
+            .field("vocab_size", &self.vocab_size())
+            .field("hash", &self.hash)
+            .finish()
+    }
+}
+
+impl Tokenizer {
+    /// Loads a `tokenizer.json`.
+    pub fn load(path: &Path) -> Result<Self> {
+        let json = std::fs::read_to_string(path).map_err(|e| DataError::read(path, e))?;
+        Self::from_json(&json, &path.display().to_string())
+    }
+
+    /// Parses `tokenizer.json` text; `origin` names it in messages.
+    pub fn from_json(json: &str, origin: &str) -> Result<Self> {
+        let inner: tokenizers::Tokenizer =
+            json.parse()
+                .map_err(
+                    |e: Box<dyn std::error::Error + Send + Sync>| DataError::Tokenizer {
+                        origin: origin.into(),
+                        msg: format!("not a valid tokenizer.json: {e}"),
+                    },
+                )?;
+        Self::wrap(inner, origin)
+    }
+
+    /// The bundled 2048-token tokenizer.
+    pub fn bundled() -> Self {
+        Self::from_json(BUNDLED_TOKENIZER_JSON, "bundled tokenizer.json")
+            .expect("the bundled tokenizer.json is valid and has the ChatML specials")
+    }
+
+    fn wrap(inner: tokenizers::Tokenizer, origin: &str) -> Result<Self> {
+        let id = |t: &str| {
+            inner.token_to_id(t).ok_or_else(|| DataError::Tokenizer {
+                origin: origin.into(),
+                msg: format!("has no `{t}` token (needed as BOS/EOS)"),
+            })
+        };
+        let (bos, eos) = (id(BOS_TOKEN)?, id(EOS_TOKEN)?);
+        // The library's own serialisation is canonical (ordered vocab, merges, added tokens), so
+        // equal tokenizers hash equal however their files were formatted.
+        let canonical = inner.to_string(false).map_err(|e| DataError::Tokenizer {
+            origin: origin.into(),
+            msg: format!("cannot serialise: {e}"),
+        })?;
+        let hash = hex(&Sha256::digest(canonical.as_bytes()));
+        let ascii = ascii::AsciiBpe::new(&inner);
+        Ok(Tokenizer {
+            inner,
+            origin: origin.into(),
+            hash,
+            bos,
+            eos,
+            ascii,
+        })
+    }
+
+    /// Where this tokenizer came from (a path or "bundled …").
+    pub fn origin(&self) -> &str {
+        &self.origin
+    }
+
+    /// sha256 (hex) of the canonical JSON; recorded in shard manifests.
+    pub fn hash(&self) -> &str {
+        &self.hash
+    }
+
+    /// Number of ids, added tokens included (6144 for the reference).
+    pub fn vocab_size(&self) -> usize {
+        self.inner.get_vocab_size(true)
+    }
+
+    pub fn bos_id(&self) -> u32 {
+        self.bos
+    }
+
+    pub fn eos_id(&self) -> u32 {
+        self.eos
+    }
+
+    pub fn token_to_id(&self, token: &str) -> Option<u32> {
+        self.inner.token_to_id(token)
+    }
+
+    /// `encode(text, add_special_tokens=false)` ids; special tokens written in `text` are
+    /// recognised (the ChatML template relies on it).
+    pub fn encode(&self, text: &str) -> Result<Vec<u32>> {
+        if let Some(fast) = &self.ascii {
+            let mut ids = Vec::with_capacity(text.len() / 3);
+            if let Some(r) = fast.encode(self.inner.get_model(), text, &mut ids) {
+                r.map_err(|e| self.err(format!("cannot encode: {e}")))?;
+                return Ok(ids);
+            }
+        }
+        self.encode_unoptimised(text)
+    }
+
+    /// Whether [`encode`](Self::encode) has the ASCII fast path for this tokenizer.
+    pub fn has_fast_path(&self) -> bool {
+        self.ascii.is_some()
+    }
+
+    /// Text of `ids`; with `skip_special_tokens` the specials are dropped.
+    pub fn decode(&self, ids: &[u32], skip_special_tokens: bool) -> Result<String> {
+        self.inner
+            .decode(ids, skip_special_tokens)
+            .map_err(|e| self.err(format!("cannot decode: {e}")))
+    }
+
+    /// The `tokenizer.json` text.
+    pub fn to_json(&self, pretty: bool) -> Result<String> {
+        self.inner
+            .to_string(pretty)
+            .map_err(|e| self.err(format!("cannot serialise: {e}")))
+    }
+
+    /// Writes the `tokenizer.json` (pretty-printed, as the reference file is).
+    pub fn save(&self, path: &Path) -> Result<()> {
+        std::fs::write(path, self.to_json(true)?).map_err(|e| DataError::write(path, e))
+    }
+
+    /// Encoding through the full pipeline, normalizer included (the reference path; tests
+    /// compare it with [`encode`](Self::encode)).
+    pub fn encode_unoptimised(&self, text: &str) -> Result<Vec<u32>> {
+        self.inner
+            .encode_fast(text, false)
+            .map(|e| e.get_ids().to_vec())
+            .map_err(|e| self.err(format!("cannot encode: {e}")))
+    }
+
+    fn err(&self, msg: String) -> DataError {
+        DataError::Tokenizer {
+            origin: self.origin.clone(),
+            msg,
+        }
+    }
+}
+
+pub(crate) fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// Trains a byte-level BPE the way the reference's was (SPEC §9): NFKC, GPT-2 byte-level
+/// pre-tokenizer (no prefix space), byte-level decoder, no post-processor, `min_frequency` 2, the
+/// full 256-byte alphabet, and [`SPECIALS`] as ids 0–4.
+pub fn train<I, S>(documents: I, vocab_size: usize) -> Result<Tokenizer>
+where
+    I: Iterator<Item = S> + Send,
+    S: AsRef<str> + Send,
+{
+    let alphabet = 256 + SPECIALS.len();
+    if vocab_size < alphabet {
+        return Err(DataError::Invalid(format!(
+            "--vocab-size {vocab_size} is below the {alphabet} ids of the byte alphabet and specials"
+        )));
+    }
+    let err = |e: Box<dyn std::error::Error + Send + Sync>| DataError::Tokenizer {
+        origin: "training".into(),
+        msg: e.to_string(),
+    };
+    let model = BPE::builder()
+        .unk_token(SPECIALS[0].into())
+        .build()
+        .map_err(err)?;
+    let mut tk = tokenizers::Tokenizer::new(model);
+    tk.with_normalizer(Some(NormalizerWrapper::from(NFKC)));
+    tk.with_pre_tokenizer(Some(PreTokenizerWrapper::from(ByteLevel::new(
+        false, true, true,
+    ))));
+    tk.with_decoder(Some(DecoderWrapper::from(ByteLevel::default())));
+    let trainer = BpeTrainer::builder()
+        .vocab_size(vocab_size)
+        .min_frequency(2)
+        .show_progress(false)
+        .special_tokens(
+            SPECIALS
+                .iter()
+                .map(|s| AddedToken::from(*s, true))
+                .collect(),
+        )
+        .initial_alphabet(ByteLevel::alphabet().into_iter().collect())
+        .build();
+    let mut trainer = TrainerWrapper::from(trainer);
+    tk.train(&mut trainer, documents).map_err(err)?;
+    for (id, s) in SPECIALS.iter().enumerate() {
+        if tk.token_to_id(s) != Some(id as u32) {
+            return Err(DataError::Invalid(format!(
+                "trained tokenizer put {s} at {:?}, expected {id}",
+                tk.token_to_id(s)
+            )));
+        }
+    }
+    Tokenizer::wrap(tk, "trained tokenizer")
+}
+
+/// One chat message; `role` is `system`, `user` or `assistant`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Message {
+    pub role: String,
+    pub content: String,
+}
+
+impl Message {
+    pub fn new(role: &str, content: &str) -> Self {
+        Message {
+            role: role.into(),
+            content: content.into(),
+        }
+    }
+}
+
+/// The reference's ChatML template (SPEC §9): `<|im_start|>{role}\n{content}<|im_end|>\n` per
+/// message, then `<|im_start|>assistant\n` if `add_generation_prompt`.
+pub fn chat_template(messages: &[Message], add_generation_prompt: bool) -> String {
+    let mut s = String::new();
+    for m in messages {
+        s.push_str(BOS_TOKEN);
+        s.push_str(&m.role);
+        s.push('\n');
+        s.push_str(&m.content);
+        s.push_str(EOS_TOKEN);
+        s.push('\n');
+    }
+    if add_generation_prompt {
+        s.push_str(BOS_TOKEN);
+        s.push_str("assistant\n");
+    }
+    s
+}

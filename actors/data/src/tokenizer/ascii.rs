@@ -1,0 +1,228 @@
+//! A fast path for encoding ASCII text with a GPT-2-style byte-level BPE.
+//!
+//! The general pipeline (`tokenizers::Tokenizer::encode`) allocates per token (token strings,
+//! offsets, alignments), which dominates the cost of `nsactor data prepare` on English text.
+//! For text that is plain printable ASCII (plus `\t`, `\n`, `\r`) and contains no added token,
+//! every Unicode normal form is the identity, the GPT-2 split regex reduces to the byte classes
+//! below, and the result is the concatenation of the BPE of each piece. This module computes
+//! exactly that with a per-thread word cache, and declines (returns `None`) for anything else.
+//! Tests compare it with the full pipeline on the bundled corpus and on random tricky strings.
+
+use std::cell::RefCell;
+use std::collections::HashMap;
+use std::hash::{BuildHasherDefault, Hasher};
+use std::sync::atomic::{AtomicU64, Ordering};
+use tokenizers::{
+    Model, ModelWrapper, NormalizerWrapper, PostProcessorWrapper, PreTokenizerWrapper,
+};
+
+/// Whether a tokenizer qualifies, and what to watch for in the text.
+#[derive(Debug, Clone)]
+pub(crate) struct AsciiBpe {
+    /// Contents of the added tokens; text containing one goes the general way.
+    added: Vec<String>,
+    /// Identifies the tokenizer's word cache (clones share it: same content).
+    id: u64,
+}
+
+static NEXT_ID: AtomicU64 = AtomicU64::new(1);
+/// Words cached per thread before the cache is cleared.
+const CACHE_CAP: usize = 1 << 19;
+
+type Cache = HashMap<Box<[u8]>, Box<[u32]>, BuildHasherDefault<FxHasher>>;
+
+thread_local! {
+    static CACHE: RefCell<(u64, Cache)> = RefCell::new((0, Cache::default()));
+}
+
+impl AsciiBpe {
+    /// `Some` when `tk` is a byte-level BPE this path reproduces: normalizer absent or a Unicode
+    /// normal form, `ByteLevel` pre-tokenizer with the GPT-2 regex and no prefix space, a BPE
+    /// without dropout, and no post-processor (or a `ByteLevel` one, which only trims offsets).
+    pub(crate) fn new(tk: &tokenizers::Tokenizer) -> Option<Self> {
+        let norm_ok = matches!(
+            tk.get_normalizer(),
+            None | Some(
+                NormalizerWrapper::NFC(_)
+                    | NormalizerWrapper::NFD(_)
+                    | NormalizerWrapper::NFKC(_)
+                    | NormalizerWrapper::NFKD(_)
+            )
+        );
+        let pre_ok = matches!(tk.get_pre_tokenizer(),
+            Some(PreTokenizerWrapper::ByteLevel(b)) if !b.add_prefix_space && b.use_regex);
+        let model_ok = matches!(tk.get_model(), ModelWrapper::BPE(b) if b.dropout.is_none());
+        let post_ok = matches!(
+            tk.get_post_processor(),
+            None | Some(PostProcessorWrapper::ByteLevel(_))
+        );
+        let added: Vec<String> = tk
+            .get_added_tokens_decoder()
+            .into_values()
+            .map(|t| t.content)
+            .collect();
+        (norm_ok && pre_ok && model_ok && post_ok && added.len() <= 64).then(|| AsciiBpe {
+            added,
+            id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
+        })
+    }
+
+    /// Appends the ids of `text` to `out`, or returns `None` (leaving `out` as it was) when the
+    /// text needs the general pipeline.
+    pub(crate) fn encode(
+        &self,
+        model: &ModelWrapper,
+        text: &str,
+        out: &mut Vec<u32>,
+    ) -> Option<tokenizers::Result<()>> {
+        let bytes = text.as_bytes();
+        if !bytes
+            .iter()
+            .all(|&b| (0x20..0x7f).contains(&b) || matches!(b, b'\t' | b'\n' | b'\r'))
+            || self.added.iter().any(|a| text.contains(a.as_str()))
+        {
+            return None;
+        }
+        CACHE.with(|c| {
+            let mut c = c.borrow_mut();
+            let (owner, cache) = &mut *c;
+            if *owner != self.id || cache.len() > CACHE_CAP {
+                cache.clear();
+                *owner = self.id;
+            }
+            let mut mapped = String::new();
+            for piece in (Pieces { b: bytes, i: 0 }) {
+                if let Some(ids) = cache.get(piece) {
+                    out.extend_from_slice(ids);
+                    continue;
+                }
+                mapped.clear();
+                mapped.extend(piece.iter().map(|&b| byte_char(b)));
+                let ids: Box<[u32]> = match model.tokenize(&mapped) {
+                    Ok(toks) => toks.iter().map(|t| t.id).collect(),
+                    Err(e) => return Some(Err(e)),
+                };
+                out.extend_from_slice(&ids);
+                cache.insert(piece.into(), ids);
+            }
+            Some(Ok(()))
+        })
+    }
+}
+
+/// GPT-2's byte → printable char map, for the ASCII bytes this path admits.
+fn byte_char(b: u8) -> char {
+    match b {
+        b'!'..=b'~' => b as char,
+        // Bytes 0..=32 are the first unprintables, numbered from U+0100 in order.
+        0..=32 => char::from_u32(0x100 + u32::from(b)).expect("a valid char"),
+        _ => unreachable!("only printable ASCII, \\t, \\n and \\r reach the fast path"),
+    }
+}
+
+fn is_letter(b: u8) -> bool {
+    b.is_ascii_alphabetic()
+}
+fn is_digit(b: u8) -> bool {
+    b.is_ascii_digit()
+}
+fn is_space(b: u8) -> bool {
+    matches!(b, b' ' | b'\t' | b'\n' | b'\r')
+}
+fn is_other(b: u8) -> bool {
+    !is_letter(b) && !is_digit(b) && !is_space(b)
+}
+
+/// The pieces of the GPT-2 regex
+/// `'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+`
+/// on ASCII, where `\p{L}` is `[A-Za-z]`, `\p{N}` is `[0-9]` and `\s` is `[ \t\n\r]`;
+/// alternatives are tried in order at each position, as the regex engine does.
+struct Pieces<'a> {
+    b: &'a [u8],
+    i: usize,
+}
+
+impl<'a> Iterator for Pieces<'a> {
+    type Item = &'a [u8];
+
+    fn next(&mut self) -> Option<&'a [u8]> {
+        let (b, i, n) = (self.b, self.i, self.b.len());
+        if i >= n {
+            return None;
+        }
+        let run = |from: usize, class: fn(u8) -> bool| {
+            let mut k = from;
+            while k < n && class(b[k]) {
+                k += 1;
+            }
+            k
+        };
+        let end = 'end: {
+            if b[i] == b'\'' {
+                for suf in [&b"s"[..], b"t", b"re", b"ve", b"m", b"ll", b"d"] {
+                    if b[i + 1..].starts_with(suf) {
+                        break 'end i + 1 + suf.len();
+                    }
+                }
+            }
+            let j = if b[i] == b' ' { i + 1 } else { i };
+            if j < n {
+                for class in [is_letter as fn(u8) -> bool, is_digit, is_other] {
+                    if class(b[j]) {
+                        break 'end run(j, class);
+                    }
+                }
+            }
+            // Whitespace: `\s+(?!\S)` keeps the last space for the next word when a non-space
+            // follows; a lone space before a non-space falls to `\s+`.
+            let k = run(i, is_space);
+            if k == n || k - i == 1 { k } else { k - 1 }
+        };
+        self.i = end;
+        Some(&b[i..end])
+    }
+}
+
+/// The Fx hash (rustc's): fast for short keys, and the cache holds no adversarial input.
+#[derive(Default)]
+pub(crate) struct FxHasher(u64);
+
+impl Hasher for FxHasher {
+    fn write(&mut self, bytes: &[u8]) {
+        for chunk in bytes.chunks(8) {
+            let mut w = [0u8; 8];
+            w[..chunk.len()].copy_from_slice(chunk);
+            self.0 =
+                (self.0.rotate_left(5) ^ u64::from_le_bytes(w)).wrapping_mul(0x517c_c1b7_2722_0a95);
+        }
+    }
+    fn finish(&self) -> u64 {
+        self.0
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn split(s: &str) -> Vec<&str> {
+        Pieces {
+            b: s.as_bytes(),
+            i: 0,
+        }
+        .map(|p| std::str::from_utf8(p).unwrap())
+        .collect()
+    }
+
+    #[test]
+    fn pieces_follow_the_gpt2_regex() {
+        assert_eq!(split("Hello, world!"), ["Hello", ",", " world", "!"]);
+        assert_eq!(split("don't 'Tis"), ["don", "'t", " '", "Tis"]);
+        assert_eq!(split("a  b"), ["a", " ", " b"]);
+        assert_eq!(split("a\n\nB"), ["a", "\n", "\n", "B"]);
+        assert_eq!(split("x  \n"), ["x", "  \n"]);
+        assert_eq!(split(" 12ab ?!"), [" 12", "ab", " ?!"]);
+        assert_eq!(split("'ll'"), ["'ll", "'"]);
+        assert_eq!(split(""), Vec::<&str>::new());
+    }
+}

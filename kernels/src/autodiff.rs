@@ -105,7 +105,48 @@ fn forward<B: SnnOps, C: CheckpointStrategy>(
     }
 }
 
+/// Backward of `lhs · rhs`: `∂lhs = g · rhsᵀ`, `∂rhs = lhsᵀ · g`, through `B::matmul_fp32`.
+#[derive(Debug)]
+struct MatmulBackward;
+
+impl<B: SnnOps> Backward<B, 2> for MatmulBackward {
+    type State = (FloatTensor<B>, FloatTensor<B>);
+
+    fn backward(
+        self,
+        ops: Ops<Self::State, 2>,
+        grads: &mut Gradients,
+        _checkpointer: &mut Checkpointer,
+    ) {
+        let [node_lhs, node_rhs] = ops.parents;
+        let g = grads.consume::<B>(&ops.node);
+        let (lhs, rhs) = ops.state;
+        if let Some(node) = node_lhs {
+            let d = B::matmul_fp32(g.clone(), B::float_transpose(rhs));
+            grads.register::<B>(node.id, d);
+        }
+        if let Some(node) = node_rhs {
+            let d = B::matmul_fp32(B::float_transpose(lhs), g);
+            grads.register::<B>(node.id, d);
+        }
+    }
+}
+
 impl<B: SnnOps, C: CheckpointStrategy> SnnOps for Autodiff<B, C> {
+    fn matmul_fp32(lhs: FloatTensor<Self>, rhs: FloatTensor<Self>) -> FloatTensor<Self> {
+        let prep = MatmulBackward
+            .prepare::<C>([lhs.node.clone(), rhs.node.clone()])
+            .compute_bound()
+            .stateful();
+        match prep {
+            OpsKind::Tracked(prep) => {
+                let out = B::matmul_fp32(lhs.primitive.clone(), rhs.primitive.clone());
+                prep.finish((lhs.primitive, rhs.primitive), out)
+            }
+            OpsKind::UnTracked(prep) => prep.finish(B::matmul_fp32(lhs.primitive, rhs.primitive)),
+        }
+    }
+
     fn plif_elem_forward(
         beta: FloatTensor<Self>,
         u: FloatTensor<Self>,

@@ -21,10 +21,15 @@
 //!   methods, so the scans are differentiable on any backend.
 //! * [`plif_elem`] / [`plif_row`] — the tensor-level API used by `model`.
 //!
-//! Depends only on burn (no plugin, runtime or CUDA code).
+//! It also carries the exact-fp32 GEMM hook ([`SnnOps::matmul_fp32`], [`matmul`]) every
+//! projection goes through, overridden on CUDA with a kernel that never uses TF32.
+//!
+//! Depends on burn; with the `cuda` feature also on burn-cuda, burn-cubecl and cubek.
 
 mod autodiff;
+#[cfg(feature = "cuda")]
+mod cuda;
 mod ops;
 pub mod reference;
 
-pub use ops::{PlifGrads, PlifOutput, SnnOps, plif_elem, plif_row};
+pub use ops::{PlifGrads, PlifOutput, SnnOps, matmul, plif_elem, plif_row};

@@ -89,9 +89,10 @@ impl<B: SnnOps> Edge<B> {
             .forward(m.reshape([b * t, d]))
             .reshape([b, t, d]);
         let y = self.norm.forward(y);
-        let logits = y
-            .reshape([b * t, d])
-            .matmul(self.embed_tokens.weight.clone().transpose());
+        let logits = nsactor_kernels::matmul(
+            y.reshape([b * t, d]),
+            self.embed_tokens.weight.clone().transpose(),
+        );
         let vocab = self.embed_tokens.weight.dims()[0];
         (logits.reshape([b, t, vocab]), state)
     }

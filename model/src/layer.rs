@@ -193,7 +193,7 @@ impl<B: SnnOps> SnnDecoderLayer<B> {
 }
 
 /// Out-projection with residual centering: `r − mean_D(r)` per token.
-fn centred<B: Backend>(proj: &Linear<B>, agg: Tensor<B, 3>) -> Tensor<B, 3> {
+fn centred<B: SnnOps>(proj: &Linear<B>, agg: Tensor<B, 3>) -> Tensor<B, 3> {
     let [t, b, d] = agg.dims();
     let r = proj.forward(agg.reshape([t * b, d])).reshape([t, b, d]);
     r.clone() - r.mean_dim(2)
@@ -202,7 +202,7 @@ fn centred<B: Backend>(proj: &Linear<B>, agg: Tensor<B, 3>) -> Tensor<B, 3> {
 /// PonderNet aggregation over the K frames of each token (SPEC §2.3): geometric halting
 /// `λ_k = p_k·Π_{j<k}(1 − p_j)`, normalised by `Σλ` (not PonderNet's remainder-to-last-step).
 /// `frames` `[T·K, B, D]` → aggregate `[T, B, D]` and E[K] `[T, B]`.
-pub fn ponder_agg<B: Backend>(
+pub fn ponder_agg<B: SnnOps>(
     frames: Tensor<B, 3>,
     halt: &Linear<B>,
     k: usize,

@@ -2,6 +2,7 @@
 //! import/export, optimizer state and parameter groups all work by name in one fixed order.
 
 use burn::tensor::{Tensor, backend::Backend};
+use nsactor_kernels::SnnOps;
 
 /// Reads parameters in declaration order.
 pub trait ParamVisitor<B: Backend> {
@@ -44,10 +45,10 @@ pub struct Linear<B: Backend> {
     pub bias: Option<Tensor<B, 1>>,
 }
 
-impl<B: Backend> Linear<B> {
-    /// `x @ Wᵀ (+ b)` over the rows of `x` `[rows, in]`.
+impl<B: SnnOps> Linear<B> {
+    /// `x @ Wᵀ (+ b)` over the rows of `x` `[rows, in]`, as an exact-fp32 GEMM.
     pub fn forward(&self, x: Tensor<B, 2>) -> Tensor<B, 2> {
-        let y = x.matmul(self.weight.clone().transpose());
+        let y = nsactor_kernels::matmul(x, self.weight.clone().transpose());
         match &self.bias {
             Some(b) => y + b.clone().unsqueeze::<2>(),
             None => y,

@@ -71,7 +71,7 @@ impl<B: SnnOps> SnnFfn<B> {
             vec![self.gate_proj.weight.clone(), self.up_proj.weight.clone()],
             0,
         );
-        let i_gu = flat.clone().matmul(w_gu.transpose()); // [TK·B, 2·D_ff]
+        let i_gu = nsactor_kernels::matmul(flat.clone(), w_gu.transpose()); // [TK·B, 2·D_ff]
         let skip = self.skip_proj.forward(flat);
         let beta = Tensor::cat(
             vec![

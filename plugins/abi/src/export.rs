@@ -106,6 +106,8 @@ fn guard(err: ErrOut, f: impl FnOnce() -> Result<(), EngineError>) -> i32 {
         }
         Err(payload) => {
             set_err(err, &panic_message(payload.as_ref()));
+            // A payload whose own Drop panicked would unwind out of this extern "C" fn.
+            std::mem::forget(payload);
             NS_PANIC
         }
     }
@@ -366,6 +368,13 @@ pub unsafe extern "C" fn stage_free(_c: *mut c_void, s: *mut c_void) {
 }
 
 /// # Safety
+/// A live stage handle.
+unsafe fn stage_ref<'a>(s: *mut c_void) -> &'a dyn Stage {
+    // SAFETY: guaranteed by the caller.
+    unsafe { &**(s as *const Box<dyn Stage>) }
+}
+
+/// # Safety
 /// A live stage handle used by one thread at a time.
 unsafe fn stage<'a>(s: *mut c_void) -> &'a mut Box<dyn Stage> {
     // SAFETY: guaranteed by the caller.
@@ -509,7 +518,7 @@ pub unsafe extern "C" fn stage_save(
 ) -> i32 {
     guard(err, || {
         // SAFETY: live stage handle.
-        let bytes = unsafe { stage(s) }.save()?;
+        let bytes = unsafe { stage_ref(s) }.save()?;
         bytes_out(out, bytes);
         Ok(())
     })
@@ -534,5 +543,11 @@ pub unsafe extern "C" fn stage_load(
 /// A live stage handle.
 pub unsafe extern "C" fn stage_param_count(_c: *mut c_void, s: *mut c_void) -> u64 {
     // SAFETY: live stage handle.
-    catch_unwind(AssertUnwindSafe(|| unsafe { stage(s) }.param_count())).unwrap_or(0)
+    match catch_unwind(AssertUnwindSafe(|| unsafe { stage_ref(s) }.param_count())) {
+        Ok(n) => n,
+        Err(payload) => {
+            std::mem::forget(payload);
+            0
+        }
+    }
 }

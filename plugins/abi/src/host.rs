@@ -394,6 +394,12 @@ impl ComputeBackend for ForeignBackend {
         let ft = t.downcast_ref::<ForeignTensor>().ok_or_else(|| {
             EngineError::InvalidInput("to_host: the tensor belongs to another backend".into())
         })?;
+        if !Arc::ptr_eq(&ft.ctx, &self.ctx) {
+            return Err(EngineError::InvalidInput(format!(
+                "to_host: tensor belongs to another context of the `{}` plugin",
+                c.name
+            )));
+        }
         let mut buf = NsBuf::EMPTY;
         let mut shape = [0usize; MAX_DIMS];
         let mut ndim = 0usize;

@@ -17,6 +17,9 @@
 //!   `stage_call` or `tensor_to_device` are consumed by the plugin whatever the status; tensors
 //!   in a reply belong to the host. Host memory passed in (token ids, model config, weight
 //!   bytes) is only borrowed for the duration of the call.
+//! * **Out-parameters.** On a non-OK status the plugin writes nothing but `err`: no reply
+//!   tensors, buffers or handles. `stage_param_count` has no error channel and reports 0 if the
+//!   stage panicked.
 //! * **Errors.** Every fallible entry returns a status ([`NS_OK`] … [`NS_PLUGIN`]) and, on
 //!   failure, an owned NUL-terminated message. Panics are caught inside the plugin and reported
 //!   as [`NS_PANIC`]; nothing unwinds across the boundary.
@@ -187,6 +190,17 @@ pub struct NsPluginTable {
     pub stage_load: unsafe extern "C" fn(*mut c_void, *mut c_void, *const u8, usize, ErrOut) -> i32,
     pub stage_param_count: unsafe extern "C" fn(*mut c_void, *mut c_void) -> u64,
 }
+
+// Layouts the ABI version stands for (64-bit targets): a change here must bump `ABI_VERSION`
+// (and these sizes).
+#[cfg(target_pointer_width = "64")]
+const _: () = assert!(std::mem::size_of::<NsArgs>() == 112);
+#[cfg(target_pointer_width = "64")]
+const _: () = assert!(std::mem::size_of::<NsReply>() == 104);
+#[cfg(target_pointer_width = "64")]
+const _: () = assert!(std::mem::size_of::<NsStageSpec>() == 48);
+#[cfg(target_pointer_width = "64")]
+const _: () = assert!(std::mem::size_of::<NsBuf>() == 24);
 
 /// The table as a `static`: raw pointers to static strings and functions only.
 #[repr(transparent)]

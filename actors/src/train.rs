@@ -69,6 +69,12 @@ pub fn run(
         t.seq_len
     );
     let total_micro = t.steps * t.accumulation as u64;
+    // Drawn only on a terminal; otherwise the log lines below are the progress.
+    let bar = indicatif::ProgressBar::new(t.steps);
+    bar.set_style(
+        indicatif::ProgressStyle::with_template("{bar:30} {pos}/{len} {msg} [{elapsed} < {eta}]")
+            .expect("a valid template"),
+    );
     let start = Instant::now();
     let mut tokens = 0u64;
     let mut losses = Vec::with_capacity(t.steps as usize);
@@ -95,20 +101,38 @@ pub fn run(
             "tokens": tokens, "tokens_per_s": tokens as f64 / elapsed,
         });
         writeln!(metrics, "{line}").map_err(|e| TrainError::Io(metrics_path.clone(), e))?;
+        bar.set_position(step + 1);
+        bar.set_message(format!(
+            "loss {:.4} | {:.0} tok/s | E[K] {:.2}",
+            stats.loss,
+            tokens as f64 / elapsed,
+            stats.expected_k
+        ));
         if (step + 1) % t.log_interval == 0 || step == 0 || step + 1 == t.steps {
-            eprintln!(
-                "step {:>6}/{} loss {:.4} ppl {:>8.2} lr {:.2e} E[K] {:.3} |g| {:.3} {:.0} tok/s",
+            let line = format!(
+                "step {:>6}/{} loss {:.4} ppl {:>8.2} lr {:.2e} E[K] {:.3} [{:.2}, {:.2}] |g| {:.3} {:.0} tok/s",
                 step + 1,
                 t.steps,
                 stats.loss,
                 stats.ce.exp(),
                 lr,
                 stats.expected_k,
+                stats.expected_k_min,
+                stats.expected_k_max,
                 stats.grad_norm,
                 tokens as f64 / elapsed
             );
+            if bar.is_hidden() {
+                eprintln!("{line}");
+            } else {
+                bar.println(line);
+            }
         }
     }
+    bar.finish_and_clear();
+    let plot_path = out_dir.join("loss.png");
+    let png = crate::plot::loss_curve(&losses, 640, 360).to_png();
+    crate::weights::write_atomic(&plot_path, &png).map_err(|e| TrainError::Io(plot_path, e))?;
     let weights = out_dir.join("model.safetensors");
     let merged =
         crate::weights::merge_params(&engine.save_stages()?).map_err(TrainError::Weights)?;

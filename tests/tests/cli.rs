@@ -76,6 +76,8 @@ fn train_on_the_embedded_default_lowers_the_loss_and_writes_weights() {
         weights.len()
     );
     assert!(dir.join("config.toml").exists());
+    let png = std::fs::read(dir.join("loss.png")).unwrap();
+    assert_eq!(&png[..8], b"\x89PNG\r\n\x1a\n", "loss.png is a PNG");
     std::fs::remove_dir_all(&dir).unwrap();
 }
 

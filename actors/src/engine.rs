@@ -331,13 +331,15 @@ impl StagedModel {
     }
 
     /// Greedy (temperature 0) continuation of `prompt` by up to `max_new_tokens`, stopping after
-    /// `eos`. Returns prompt + generated ids. Stateful: the prompt is prefilled once, then each
-    /// token is one step through every layer.
+    /// `eos`; ids in `suppress` are never picked (HF's `suppress_tokens`). Returns prompt +
+    /// generated ids. Stateful: the prompt is prefilled once, then each token is one step
+    /// through every layer.
     pub fn generate_greedy(
         &mut self,
         prompt: &[i64],
         max_new_tokens: usize,
         eos: Option<i64>,
+        suppress: &[i64],
     ) -> Result<Vec<i64>, EngineError> {
         if prompt.is_empty() {
             return Err(EngineError::InvalidInput("the prompt is empty".into()));
@@ -351,6 +353,11 @@ impl StagedModel {
         let mut out = prompt.to_vec();
         let result = (|| {
             for i in 0..max_new_tokens {
+                for &id in suppress {
+                    if let Some(l) = usize::try_from(id).ok().and_then(|i| logits.get_mut(i)) {
+                        *l = f32::NEG_INFINITY;
+                    }
+                }
                 let next = argmax(&logits) as i64;
                 out.push(next);
                 if Some(next) == eos || i + 1 == max_new_tokens {
@@ -456,4 +463,42 @@ pub fn argmax(v: &[f32]) -> usize {
         }
     }
     best
+}
+
+#[cfg(all(test, feature = "embedded-cpu"))]
+mod tests {
+    use super::*;
+
+    fn tiny() -> StagedModel {
+        let backend = crate::backend::open(crate::backend::EMBEDDED, &[]).unwrap();
+        StagedModel::open(
+            backend,
+            crate::bench::TINY_MODEL,
+            3,
+            OptimizerKind::Adam,
+            None,
+        )
+        .unwrap()
+    }
+
+    #[test]
+    fn suppressed_tokens_are_never_generated_and_eos_stops() {
+        let mut m = tiny();
+        let prompt = [3, 17, 42];
+        let free = m.generate_greedy(&prompt, 6, None, &[]).unwrap();
+        assert_eq!(free.len(), prompt.len() + 6);
+        let generated: Vec<i64> = free[prompt.len()..].to_vec();
+        let banned = vec![generated[0]];
+        let out = m.generate_greedy(&prompt, 6, None, &banned).unwrap();
+        assert!(
+            out[prompt.len()..].iter().all(|t| !banned.contains(t)),
+            "{out:?} contains {banned:?}"
+        );
+        assert_ne!(out[prompt.len()], generated[0]);
+        // Stopping: with the first free token as eos, generation ends right after it.
+        let stopped = m
+            .generate_greedy(&prompt, 6, Some(generated[0]), &[])
+            .unwrap();
+        assert_eq!(stopped, [&prompt[..], &generated[..1]].concat());
+    }
 }

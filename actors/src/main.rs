@@ -194,9 +194,12 @@ fn train_cmd(args: TrainArgs) -> Result<(), Box<dyn std::error::Error>> {
     );
     let mut ids = vec![i64::from(tok.bos_id())];
     ids.extend(tok.encode("Emma was")?.into_iter().map(i64::from));
-    let out = engine.generate_greedy(&ids, 60, Some(i64::from(tok.eos_id())))?;
+    // The sample: greedy, stopping at the end token, never emitting the other specials.
+    let eos = i64::from(tok.eos_id());
+    let specials: Vec<i64> = (0..5).filter(|&id| id != eos).collect();
+    let out = engine.generate_greedy(&ids, 60, Some(eos), &specials)?;
     let out: Vec<u32> = out.iter().map(|&t| t as u32).collect();
-    println!("{}", tok.decode(&out, false)?.replace('\n', " "));
+    println!("{}", tok.decode(&out, true)?.replace('\n', " "));
     Ok(())
 }
 

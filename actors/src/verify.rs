@@ -217,7 +217,7 @@ pub fn tiny_a(
             worst = (name, e);
         }
     }
-    let greedy = m.generate_greedy(&fx.i64s("gen.prompt")?, 8, None)?;
+    let greedy = m.generate_greedy(&fx.i64s("gen.prompt")?, 8, None, &[])?;
     Ok(TinyAReport {
         ce_before,
         ce_want: fx.num("ce_masked_mean")?,

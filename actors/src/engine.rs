@@ -297,15 +297,20 @@ impl StagedModel {
     fn session_start(&mut self, tokens: Tokens<'_>) -> Result<(u64, Vec<f32>), EngineError> {
         let s = self.next_session;
         self.next_session += 1;
-        let h = self
-            .edge
-            .call(StageCall::SessionEmbed { tokens })?
-            .into_tensor("SessionEmbed")?;
+        let h = self.session_embed(tokens)?;
         let logits = self.session_run(s, h)?;
         Ok((s, logits))
     }
 
-    fn session_run(&mut self, s: u64, mut h: DeviceTensor) -> Result<Vec<f32>, EngineError> {
+    /// Embeds `tokens` for decoding (nothing kept).
+    fn session_embed(&mut self, tokens: Tokens<'_>) -> Result<DeviceTensor, EngineError> {
+        self.edge
+            .call(StageCall::SessionEmbed { tokens })?
+            .into_tensor("SessionEmbed")
+    }
+
+    /// `h` through every layer of session `s`, returned on the edge's device.
+    fn session_layers(&mut self, s: u64, mut h: DeviceTensor) -> Result<DeviceTensor, EngineError> {
         for i in 0..self.layers.len() {
             let h_in = self.to(h, self.placement.layers[i])?;
             h = self.layers[i]
@@ -315,7 +320,12 @@ impl StagedModel {
                 })?
                 .into_tensor("SessionForward")?;
         }
-        let h = self.to(h, self.placement.edge)?;
+        self.to(h, self.placement.edge)
+    }
+
+    /// `h` through every layer and the decode path of session `s`: last-position logits.
+    fn session_run(&mut self, s: u64, h: DeviceTensor) -> Result<Vec<f32>, EngineError> {
+        let h = self.session_layers(s, h)?;
         let logits = self
             .edge
             .call(StageCall::SessionDecode { session: s, h })?
@@ -363,16 +373,11 @@ impl StagedModel {
                 if Some(next) == eos || i + 1 == max_new_tokens {
                     break;
                 }
-                let h = self
-                    .edge
-                    .call(StageCall::SessionEmbed {
-                        tokens: Tokens {
-                            ids: &[next],
-                            batch: 1,
-                            seq_len: 1,
-                        },
-                    })?
-                    .into_tensor("SessionEmbed")?;
+                let h = self.session_embed(Tokens {
+                    ids: &[next],
+                    batch: 1,
+                    seq_len: 1,
+                })?;
                 logits = self.session_run(s, h)?;
             }
             Ok(())
@@ -387,26 +392,12 @@ impl StagedModel {
         let s = self.next_session;
         self.next_session += 1;
         let result = (|| {
-            let mut h = self
-                .edge
-                .call(StageCall::SessionEmbed {
-                    tokens: Tokens {
-                        ids: &b.inputs,
-                        batch: b.batch,
-                        seq_len: b.seq_len,
-                    },
-                })?
-                .into_tensor("SessionEmbed")?;
-            for i in 0..self.layers.len() {
-                let h_in = self.to(h, self.placement.layers[i])?;
-                h = self.layers[i]
-                    .call(StageCall::SessionForward {
-                        session: s,
-                        h: h_in,
-                    })?
-                    .into_tensor("SessionForward")?;
-            }
-            let h = self.to(h, self.placement.edge)?;
+            let h = self.session_embed(Tokens {
+                ids: &b.inputs,
+                batch: b.batch,
+                seq_len: b.seq_len,
+            })?;
+            let h = self.session_layers(s, h)?;
             self.edge
                 .call(StageCall::HeadEval {
                     h,

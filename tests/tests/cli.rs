@@ -1,5 +1,8 @@
 //! The `nsactor` command line, run as a user runs it.
 
+mod common;
+
+use common::cargo_build;
 use std::path::PathBuf;
 use std::process::Command;
 
@@ -7,34 +10,9 @@ fn nsactor() -> Command {
     let exe = std::env::var_os("NSACTOR_BIN")
         .map(PathBuf::from)
         .unwrap_or_else(|| {
-            // Build the binary and the ndarray plugin with this test's own profile, into this
+            // The binary and the ndarray plugin, built with this test's own profile into this
             // test's own target directory: the plugin lands next to the binary.
-            let profile_dir = std::env::current_exe()
-                .unwrap()
-                .parent()
-                .and_then(|d| d.parent())
-                .unwrap()
-                .to_path_buf();
-            let release = profile_dir.file_name().is_some_and(|n| n == "release");
-            let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..");
-            let mut build = Command::new(env!("CARGO"));
-            build
-                .args([
-                    "build",
-                    "--quiet",
-                    "-p",
-                    "nsactor",
-                    "-p",
-                    "nsactor-backend-ndarray",
-                ])
-                .current_dir(&root);
-            build.env("CARGO_TARGET_DIR", profile_dir.parent().unwrap());
-            if release {
-                build.arg("--release");
-            }
-            let status = build.status().expect("cargo build runs");
-            assert!(status.success(), "building nsactor failed");
-            profile_dir.join("nsactor")
+            cargo_build(&["nsactor", "nsactor-backend-ndarray"]).join("nsactor")
         });
     Command::new(exe)
 }

@@ -250,12 +250,7 @@ impl<B: SnnOps> Stage for EdgeStage<B> {
     }
 
     fn load(&mut self, bytes: &[u8]) -> Result<(), EngineError> {
-        load_stage::<B, _>(&mut self.ad, "", &mut self.trainer.adam, bytes).map_err(
-            |e| match e {
-                EngineError::Io(m) => EngineError::Io(format!("edge: {m}")),
-                other => other,
-            },
-        )?;
+        load_stage::<B, _>(&mut self.ad, "", &mut self.trainer.adam, bytes, "edge")?;
         sync::<B, _, _>(&self.ad, &mut self.inner);
         self.trainer.grads = None;
         self.kept.clear();

@@ -254,11 +254,13 @@ impl<B: SnnOps> Stage for LayerStage<B> {
     }
 
     fn load(&mut self, bytes: &[u8]) -> Result<(), EngineError> {
-        load_stage::<B, _>(&mut self.ad, &self.prefix, &mut self.trainer.adam, bytes).map_err(
-            |e| match e {
-                EngineError::Io(m) => EngineError::Io(format!("layer {}: {m}", self.index)),
-                other => other,
-            },
+        let label = format!("layer {}", self.index);
+        load_stage::<B, _>(
+            &mut self.ad,
+            &self.prefix,
+            &mut self.trainer.adam,
+            bytes,
+            &label,
         )?;
         sync::<B, _, _>(&self.ad, &mut self.inner);
         self.trainer.grads = None;

@@ -194,6 +194,19 @@ pub(crate) fn load_stage<B: SnnOps, M: Params<Ad<B>>>(
     prefix: &str,
     adam: &mut Adam<B>,
     bytes: &[u8],
+    stage: &str,
+) -> Result<(), EngineError> {
+    read_stage(module, prefix, adam, bytes).map_err(|e| match e {
+        EngineError::Io(m) => EngineError::Io(format!("{stage}: {m}")),
+        other => other,
+    })
+}
+
+fn read_stage<B: SnnOps, M: Params<Ad<B>>>(
+    module: &mut M,
+    prefix: &str,
+    adam: &mut Adam<B>,
+    bytes: &[u8],
 ) -> Result<(), EngineError> {
     let st = SafeTensors::deserialize(bytes)
         .map_err(|e| EngineError::Io(format!("not a safetensors file: {e}")))?;

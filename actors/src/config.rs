@@ -78,6 +78,27 @@ pub struct TrainConfig {
     pub seed: u64,
     pub log_interval: u64,
     pub out_dir: PathBuf,
+    /// Pipeline stages P (`--pipeline`): the layers split into P groups, each with its own
+    /// worker thread on its device; up to P micro-batches are in flight (1F1B).
+    #[serde(default = "one")]
+    pub pipeline: usize,
+    /// Devices the stages are spread over (`--devices 0,1`); default: device 0.
+    #[serde(default)]
+    pub devices: Option<Vec<usize>>,
+    /// Write a checkpoint every this many steps (0: only at the end of the run).
+    #[serde(default)]
+    pub checkpoint_every: u64,
+    /// Checkpoints kept (the newest by step number; 0 keeps all).
+    #[serde(default = "three")]
+    pub keep_checkpoints: usize,
+}
+
+fn one() -> usize {
+    1
+}
+
+fn three() -> usize {
+    3
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -135,6 +156,7 @@ impl TrainConfig {
             ("seq_len", self.seq_len),
             ("accumulation", self.accumulation),
             ("log_interval", self.log_interval as usize),
+            ("pipeline", self.pipeline),
         ];
         if let Some((name, _)) = positive.iter().find(|(_, v)| *v == 0) {
             return Err(format!("`{name}` must be positive"));

@@ -59,6 +59,13 @@ impl Placement {
     }
 }
 
+/// A model's stages taken apart (see [`StagedModel::into_parts`]).
+pub struct StageParts {
+    pub backend: Arc<dyn ComputeBackend>,
+    pub edge: Box<dyn Stage>,
+    pub layers: Vec<Box<dyn Stage>>,
+}
+
 /// Every stage of one model on one backend.
 pub struct StagedModel {
     backend: Arc<dyn ComputeBackend>,
@@ -340,10 +347,7 @@ impl StagedModel {
         }
     }
 
-    /// Greedy (temperature 0) continuation of `prompt` by up to `max_new_tokens`, stopping after
-    /// `eos`; ids in `suppress` are never picked (HF's `suppress_tokens`). Returns prompt +
-    /// generated ids. Stateful: the prompt is prefilled once, then each token is one step
-    /// through every layer.
+    /// Greedy continuation of `prompt` (see [`greedy`]).
     pub fn generate_greedy(
         &mut self,
         prompt: &[i64],
@@ -351,39 +355,11 @@ impl StagedModel {
         eos: Option<i64>,
         suppress: &[i64],
     ) -> Result<Vec<i64>, EngineError> {
-        if prompt.is_empty() {
-            return Err(EngineError::InvalidInput("the prompt is empty".into()));
-        }
-        let tokens = Tokens {
-            ids: prompt,
-            batch: 1,
-            seq_len: prompt.len(),
+        let mut d = StagedSession {
+            model: self,
+            session: None,
         };
-        let (s, mut logits) = self.session_start(tokens)?;
-        let mut out = prompt.to_vec();
-        let result = (|| {
-            for i in 0..max_new_tokens {
-                for &id in suppress {
-                    if let Some(l) = usize::try_from(id).ok().and_then(|i| logits.get_mut(i)) {
-                        *l = f32::NEG_INFINITY;
-                    }
-                }
-                let next = argmax(&logits) as i64;
-                out.push(next);
-                if Some(next) == eos || i + 1 == max_new_tokens {
-                    break;
-                }
-                let h = self.session_embed(Tokens {
-                    ids: &[next],
-                    batch: 1,
-                    seq_len: 1,
-                })?;
-                logits = self.session_run(s, h)?;
-            }
-            Ok(())
-        })();
-        self.session_close(s);
-        result.map(|()| out)
+        greedy(&mut d, prompt, max_new_tokens, eos, suppress)
     }
 
     /// Masked mean cross entropy of `b` without touching gradients.
@@ -435,6 +411,15 @@ impl StagedModel {
         Ok(())
     }
 
+    /// The backend, the edge stage and the layer stages, for the actor runtime to own.
+    pub fn into_parts(self) -> StageParts {
+        StageParts {
+            backend: self.backend,
+            edge: self.edge,
+            layers: self.layers,
+        }
+    }
+
     /// Loads one whole-model file's bytes (plain or HF names) into every stage.
     pub fn load_model_bytes(&mut self, bytes: &[u8]) -> Result<(), EngineError> {
         self.edge.load(bytes)?;
@@ -442,6 +427,85 @@ impl StagedModel {
             l.load(bytes)?;
         }
         Ok(())
+    }
+}
+
+/// A decoding session: prompt prefill, then one token at a time.
+pub trait Decoder {
+    /// Runs `prompt` through a new session; the last position's logits.
+    fn prefill(&mut self, prompt: &[i64]) -> Result<Vec<f32>, EngineError>;
+    /// Feeds one token to the session; its logits.
+    fn next(&mut self, token: i64) -> Result<Vec<f32>, EngineError>;
+    /// Frees the session's state.
+    fn close(&mut self);
+}
+
+/// Greedy (temperature 0) continuation of `prompt` by up to `max_new_tokens`, stopping after
+/// `eos`; ids in `suppress` are never picked (HF's `suppress_tokens`). Returns prompt +
+/// generated ids. Stateful: the prompt is prefilled once, then each token is one step through
+/// every layer. The session is closed whatever happens.
+pub fn greedy(
+    d: &mut impl Decoder,
+    prompt: &[i64],
+    max_new_tokens: usize,
+    eos: Option<i64>,
+    suppress: &[i64],
+) -> Result<Vec<i64>, EngineError> {
+    if prompt.is_empty() {
+        return Err(EngineError::InvalidInput("the prompt is empty".into()));
+    }
+    let mut out = prompt.to_vec();
+    let result = (|| {
+        let mut logits = d.prefill(prompt)?;
+        for i in 0..max_new_tokens {
+            for &id in suppress {
+                if let Some(l) = usize::try_from(id).ok().and_then(|i| logits.get_mut(i)) {
+                    *l = f32::NEG_INFINITY;
+                }
+            }
+            let next = argmax(&logits) as i64;
+            out.push(next);
+            if Some(next) == eos || i + 1 == max_new_tokens {
+                break;
+            }
+            logits = d.next(next)?;
+        }
+        Ok(())
+    })();
+    d.close();
+    result.map(|()| out)
+}
+
+struct StagedSession<'a> {
+    model: &'a mut StagedModel,
+    session: Option<u64>,
+}
+
+impl Decoder for StagedSession<'_> {
+    fn prefill(&mut self, prompt: &[i64]) -> Result<Vec<f32>, EngineError> {
+        let (s, logits) = self.model.session_start(Tokens {
+            ids: prompt,
+            batch: 1,
+            seq_len: prompt.len(),
+        })?;
+        self.session = Some(s);
+        Ok(logits)
+    }
+
+    fn next(&mut self, token: i64) -> Result<Vec<f32>, EngineError> {
+        let s = self.session.expect("prefill first");
+        let h = self.model.session_embed(Tokens {
+            ids: &[token],
+            batch: 1,
+            seq_len: 1,
+        })?;
+        self.model.session_run(s, h)
+    }
+
+    fn close(&mut self) {
+        if let Some(s) = self.session.take() {
+            self.model.session_close(s);
+        }
     }
 }
 

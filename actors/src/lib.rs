@@ -15,6 +15,7 @@ pub mod backend;
 pub mod bench;
 pub mod config;
 pub mod engine;
+pub mod pipeline;
 pub mod plot;
 pub mod train;
 pub mod verify;

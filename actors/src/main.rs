@@ -3,7 +3,8 @@
 use clap::{Parser, Subcommand};
 use nsactor::backend;
 use nsactor::config::RunConfig;
-use nsactor::engine::StagedModel;
+use nsactor::engine::{Placement, StagedModel};
+use nsactor::pipeline::{Pipeline, PipelinePlan, checkpoint};
 use nsactor::train;
 use nsactor_data::cli::{DataPrepareArgs, TokenizerTrainArgs};
 use nsactor_data::{Mode, Sampler, ShardSet};
@@ -19,6 +20,10 @@ use std::sync::Arc;
     about = "Train and serve NeuronSpark spiking language models"
 )]
 struct Cli {
+    /// Log format on stderr: `human` or `json` (one object per line). Levels and targets come
+    /// from $NSACTOR_LOG (tracing filter syntax, e.g. `debug` or `nsactor=debug`).
+    #[arg(long, global = true, default_value = "human", value_parser = ["human", "json"])]
+    log_format: String,
     #[command(subcommand)]
     command: Command,
 }
@@ -69,6 +74,9 @@ struct VerifyArgs {
     /// Backend: `embedded`, a plugin name or a plugin path.
     #[arg(long, default_value = backend::EMBEDDED)]
     backend: String,
+    /// Pipeline stages of the actor pipeline that runs the replay.
+    #[arg(long, default_value_t = 1)]
+    pipeline: usize,
 }
 
 #[derive(Subcommand)]
@@ -129,10 +137,40 @@ struct TrainArgs {
     /// `cuda`) or the path of a plugin library. Overrides [backend].name.
     #[arg(long)]
     backend: Option<String>,
+    /// Pipeline stages P: layers split into P groups on their own worker threads (devices),
+    /// up to P micro-batches in flight. Overrides [train].pipeline.
+    #[arg(long)]
+    pipeline: Option<usize>,
+    /// Devices to spread the stages over, e.g. `0,1`. Overrides [train].devices.
+    #[arg(long, value_delimiter = ',')]
+    devices: Option<Vec<usize>>,
+    /// Continue from the newest valid checkpoint in `<out_dir>/checkpoints` (a fresh start
+    /// when there is none).
+    #[arg(long)]
+    resume: bool,
+    /// Override [train].checkpoint_every.
+    #[arg(long)]
+    checkpoint_every: Option<u64>,
+}
+
+fn init_logging(format: &str) {
+    let filter = tracing_subscriber::EnvFilter::try_from_env("NSACTOR_LOG")
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let b = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_target(false)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()));
+    if format == "json" {
+        b.json().init();
+    } else {
+        b.init();
+    }
 }
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
+    init_logging(&cli.log_format);
     let result = match cli.command {
         Command::Train(args) => train_cmd(args),
         Command::Plugins(args) => plugins_cmd(args),
@@ -165,12 +203,21 @@ fn train_cmd(args: TrainArgs) -> Result<(), Box<dyn std::error::Error>> {
     if let Some(s) = args.seed {
         cfg.train.seed = s;
     }
+    if let Some(p) = args.pipeline {
+        cfg.train.pipeline = p;
+    }
+    if let Some(d) = args.devices.clone() {
+        cfg.train.devices = Some(d);
+    }
+    if let Some(c) = args.checkpoint_every {
+        cfg.train.checkpoint_every = c;
+    }
     if let Some(t) = args.tokenizer.clone() {
         cfg.data.tokenizer = Some(t);
     }
     let tok = nsactor_data::cli::load_tokenizer(cfg.data.tokenizer.as_deref())?;
     train::check_tokenizer(&cfg, &tok)?;
-    let mut sampler = make_sampler(&cfg, &tok, &args.corpus, args.data.as_deref(), args.sft)?;
+    let sampler = make_sampler(&cfg, &tok, &args.corpus, args.data.as_deref(), args.sft)?;
     let backend_name = args
         .backend
         .clone()
@@ -182,12 +229,49 @@ fn train_cmd(args: TrainArgs) -> Result<(), Box<dyn std::error::Error>> {
     } else {
         OptimizerKind::Adam
     };
-    let mut engine =
-        StagedModel::open(compute, &cfg.model_toml(), cfg.train.seed, optimizer, None)?;
-    let summary = train::run(&cfg, &mut engine, &mut sampler)?;
+    let model = StagedModel::open(
+        compute.clone(),
+        &cfg.model_toml(),
+        cfg.train.seed,
+        optimizer,
+        None,
+    )?;
+    let devices = cfg.train.devices.clone().unwrap_or_else(|| vec![0]);
+    let available = compute.info().devices.len();
+    if let Some(&bad) = devices.iter().find(|&&d| d >= available) {
+        return Err(format!(
+            "device {bad} does not exist: {} has {available} device(s)",
+            backend_name
+        )
+        .into());
+    }
+    let plan = PipelinePlan::balanced(model.num_layers(), cfg.train.pipeline, &devices)?;
+    // Re-open with the plan's placement when it spreads over several devices.
+    let model = if plan.placement() == Placement::single(model.num_layers()) {
+        model
+    } else {
+        StagedModel::open(
+            compute,
+            &cfg.model_toml(),
+            cfg.train.seed,
+            optimizer,
+            Some(plan.placement()),
+        )?
+    };
+    let mut pipeline = Pipeline::start(model, plan, cfg.train.clone(), Some(sampler))?;
+    let mut first_step = 0;
+    if args.resume {
+        first_step = resume(&cfg, &tok, &mut pipeline)?;
+    }
+    let summary = train::run(
+        &cfg,
+        &mut pipeline,
+        first_step,
+        Some(tok.hash().to_string()),
+    )?;
     let first = summary.losses.first().copied().unwrap_or(f64::NAN);
     let last = summary.losses.last().copied().unwrap_or(f64::NAN);
-    eprintln!(
+    tracing::info!(
         "loss {first:.4} → {last:.4}; {:.0} tokens/s; weights in {}",
         summary.tokens_per_s,
         summary.weights.display()
@@ -197,10 +281,51 @@ fn train_cmd(args: TrainArgs) -> Result<(), Box<dyn std::error::Error>> {
     // The sample: greedy, stopping at the end token, never emitting the other specials.
     let eos = i64::from(tok.eos_id());
     let specials: Vec<i64> = (0..5).filter(|&id| id != eos).collect();
-    let out = engine.generate_greedy(&ids, 60, Some(eos), &specials)?;
+    let out = pipeline.generate_greedy(&ids, 60, Some(eos), &specials)?;
     let out: Vec<u32> = out.iter().map(|&t| t as u32).collect();
     println!("{}", tok.decode(&out, true)?.replace('\n', " "));
     Ok(())
+}
+
+/// Loads the newest valid checkpoint of the run into `pipeline`; returns its step (0 when
+/// there is none).
+fn resume(
+    cfg: &RunConfig,
+    tok: &nsactor_data::Tokenizer,
+    pipeline: &mut Pipeline,
+) -> Result<u64, Box<dyn std::error::Error>> {
+    let root = train::checkpoint_root(cfg);
+    let (found, skipped) = checkpoint::latest_valid(&root);
+    for s in &skipped {
+        tracing::warn!("{s}");
+    }
+    let Some(checkpoint::Loaded {
+        dir,
+        manifest,
+        shards,
+    }) = found
+    else {
+        tracing::warn!(
+            "--resume: no valid checkpoint in {}; starting from step 0",
+            root.display()
+        );
+        return Ok(0);
+    };
+    if let Some(h) = &manifest.tokenizer_sha256
+        && h != tok.hash()
+    {
+        return Err(format!(
+            "checkpoint {} was trained with tokenizer {h}, this run uses {} ({})",
+            dir.display(),
+            tok.hash(),
+            tok.origin()
+        )
+        .into());
+    }
+    pipeline.load_stages(shards)?;
+    pipeline.set_position(manifest.step, manifest.data_cursor)?;
+    tracing::info!("resuming from {} (step {})", dir.display(), manifest.step);
+    Ok(manifest.step)
 }
 
 /// The batch source of a run: prepared shards, corpus files, or the bundled corpus; SFT rows
@@ -243,7 +368,7 @@ fn verify_cmd(args: VerifyArgs) -> Result<(), Box<dyn std::error::Error>> {
     let compute = backend::open(&args.backend, &[])?;
     let info = compute.info();
     let started = std::time::Instant::now();
-    let r = nsactor::verify::tiny_a(compute, &bytes)?;
+    let r = nsactor::verify::tiny_a(compute, &bytes, args.pipeline)?;
     println!(
         "tiny_a on {} {} ({}) in {:.2} s",
         info.name,

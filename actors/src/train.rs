@@ -1,8 +1,9 @@
-//! The training loop behind `nsactor train`: LR schedule, micro-batches, logging, weights.
+//! The training loop behind `nsactor train`: steps on the actor pipeline, logging, metrics,
+//! checkpoints, weights.
 
 use crate::config::RunConfig;
-use crate::engine::{StagedModel, StepParams};
-use nsactor_data::{Sampler, Tokenizer};
+use crate::pipeline::{Pipeline, PipelineError};
+use nsactor_data::Tokenizer;
 use std::io::Write;
 use std::path::PathBuf;
 use std::time::Instant;
@@ -11,6 +12,8 @@ use std::time::Instant;
 pub enum TrainError {
     #[error("{0}")]
     Engine(#[from] nsactor_plugin_api::EngineError),
+    #[error("{0}")]
+    Pipeline(#[from] PipelineError),
     #[error("weights: {0}")]
     Weights(String),
     #[error("data: {0}")]
@@ -44,106 +47,153 @@ pub fn check_tokenizer(cfg: &RunConfig, tok: &Tokenizer) -> Result<(), TrainErro
     }
 }
 
-/// Runs `cfg.train.steps` optimizer steps on `engine` with batches from `sampler`, logging every
-/// `log_interval` steps to stderr and every step to `out_dir/metrics.jsonl`, then writes
-/// `out_dir/model.safetensors`, `out_dir/config.toml` and the sampler's cursor
-/// `out_dir/data_cursor.json`.
+/// Resident memory of this process: (now, peak) in bytes, where the OS reports it.
+pub fn memory() -> Option<(u64, u64)> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let field = |name: &str| {
+        status
+            .lines()
+            .find_map(|l| l.strip_prefix(name))
+            .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+            .map(|kb| kb * 1024)
+    };
+    Some((field("VmRSS:")?, field("VmHWM:")?))
+}
+
+/// Where a run's checkpoints live.
+pub fn checkpoint_root(cfg: &RunConfig) -> PathBuf {
+    cfg.train.out_dir.join("checkpoints")
+}
+
+/// Runs the steps after `first_step` completed ones up to `cfg.train.steps` on `pipeline`
+/// (whose data actor feeds them), logging every `log_interval` steps and every step to
+/// `out_dir/metrics.jsonl` (appended to when resuming), checkpointing every
+/// `checkpoint_every` steps and at the end, then writes `out_dir/model.safetensors`,
+/// `out_dir/config.toml`, `out_dir/data_cursor.json` and `out_dir/loss.png`.
 pub fn run(
     cfg: &RunConfig,
-    engine: &mut StagedModel,
-    sampler: &mut Sampler,
+    pipeline: &mut Pipeline,
+    first_step: u64,
+    tokenizer_sha256: Option<String>,
 ) -> Result<RunSummary, TrainError> {
     let t = &cfg.train;
     let out_dir = t.out_dir.clone();
     std::fs::create_dir_all(&out_dir).map_err(|e| TrainError::Io(out_dir.clone(), e))?;
     let metrics_path = out_dir.join("metrics.jsonl");
-    let mut metrics = std::fs::File::create(&metrics_path)
+    let mut metrics = std::fs::OpenOptions::new()
+        .create(true)
+        .write(true)
+        .append(first_step > 0)
+        .truncate(first_step == 0)
+        .open(&metrics_path)
         .map_err(|e| TrainError::Io(metrics_path.clone(), e))?;
-    eprintln!(
-        "nsactor train: {} parameters on {}; {} steps × {} micro-batches × {}×{} tokens",
-        engine.param_count(),
-        describe(engine),
+    let mut losses = if first_step > 0 {
+        previous_losses(&metrics_path, first_step)
+    } else {
+        Vec::new()
+    };
+    tracing::info!(
+        "{} parameters on {}; {} steps × {} micro-batches × {}×{} tokens; pipeline {} [{}], imbalance {:.2}",
+        pipeline.param_count(),
+        describe(pipeline.backend().as_ref()),
         t.steps,
         t.accumulation,
         t.batch_size,
-        t.seq_len
+        t.seq_len,
+        pipeline.plan().num_stages(),
+        pipeline.plan().describe(),
+        pipeline.plan().imbalance()
     );
-    let total_micro = t.steps * t.accumulation as u64;
     // Drawn only on a terminal; otherwise the log lines below are the progress.
     let bar = indicatif::ProgressBar::new(t.steps);
     bar.set_style(
         indicatif::ProgressStyle::with_template("{bar:30} {pos}/{len} {msg} [{elapsed} < {eta}]")
             .expect("a valid template"),
     );
+    bar.set_position(first_step);
     let start = Instant::now();
     let mut tokens = 0u64;
-    let mut losses = Vec::with_capacity(t.steps as usize);
-    for step in 0..t.steps {
-        let micro = (0..t.accumulation)
-            .map(|_| sampler.next_batch(t.batch_size, t.seq_len))
-            .collect::<Result<Vec<_>, _>>()?;
-        // The step uses the LR of the last micro-step of its window (SPEC §7.2).
-        let lr = t.lr_at((step + 1) * t.accumulation as u64 - 1, total_micro);
-        let params = StepParams {
-            lr,
-            neuron_lr: lr * t.neuron_lr_mult,
-            ponder_weight: t.ponder_weight,
-            max_grad_norm: t.max_grad_norm,
-        };
-        let stats = engine.train_step(&micro, &params)?;
+    let config_text = toml::to_string(cfg).expect("a RunConfig serialises");
+    let ckpt_root = checkpoint_root(cfg);
+    let mut last_saved = first_step;
+    let mut cursor = None;
+    for _ in first_step..t.steps {
+        let r = pipeline.step()?;
+        let stats = r.stats;
+        cursor = r.cursor;
         tokens += stats.tokens;
         losses.push(stats.loss);
         let elapsed = start.elapsed().as_secs_f64();
+        let mem = memory();
         let line = serde_json::json!({
-            "step": step + 1, "loss": stats.loss, "ce": stats.ce, "ppl": stats.ce.exp(), "lr": lr,
+            "step": r.step, "loss": stats.loss, "ce": stats.ce, "ppl": stats.ce.exp(), "lr": r.lr,
             "expected_k": stats.expected_k, "expected_k_min": stats.expected_k_min,
             "expected_k_max": stats.expected_k_max, "grad_norm": stats.grad_norm,
             "tokens": tokens, "tokens_per_s": tokens as f64 / elapsed,
+            "rss_bytes": mem.map(|m| m.0), "peak_rss_bytes": mem.map(|m| m.1),
         });
         writeln!(metrics, "{line}").map_err(|e| TrainError::Io(metrics_path.clone(), e))?;
-        bar.set_position(step + 1);
+        bar.set_position(r.step);
         bar.set_message(format!(
             "loss {:.4} | {:.0} tok/s | E[K] {:.2}",
             stats.loss,
             tokens as f64 / elapsed,
             stats.expected_k
         ));
-        if (step + 1) % t.log_interval == 0 || step == 0 || step + 1 == t.steps {
+        if r.step % t.log_interval == 0 || r.step == first_step + 1 || r.step == t.steps {
             let line = format!(
                 "step {:>6}/{} loss {:.4} ppl {:>8.2} lr {:.2e} E[K] {:.3} [{:.2}, {:.2}] |g| {:.3} {:.0} tok/s",
-                step + 1,
+                r.step,
                 t.steps,
                 stats.loss,
                 stats.ce.exp(),
-                lr,
+                r.lr,
                 stats.expected_k,
                 stats.expected_k_min,
                 stats.expected_k_max,
                 stats.grad_norm,
                 tokens as f64 / elapsed
             );
-            if bar.is_hidden() {
-                eprintln!("{line}");
-            } else {
-                bar.println(line);
-            }
+            bar.suspend(|| tracing::info!("{line}"));
+        }
+        if t.checkpoint_every > 0 && r.step % t.checkpoint_every == 0 && r.step < t.steps {
+            let dir = pipeline.checkpoint(
+                &ckpt_root,
+                t.keep_checkpoints,
+                config_text.clone(),
+                tokenizer_sha256.clone(),
+            )?;
+            last_saved = r.step;
+            bar.suspend(|| tracing::info!("checkpoint {}", dir.display()));
         }
     }
     bar.finish_and_clear();
+    if last_saved < t.steps || first_step == t.steps {
+        let dir = pipeline.checkpoint(
+            &ckpt_root,
+            t.keep_checkpoints,
+            config_text.clone(),
+            tokenizer_sha256,
+        )?;
+        tracing::info!("checkpoint {}", dir.display());
+    }
     let plot_path = out_dir.join("loss.png");
     let png = crate::plot::loss_curve(&losses, 640, 360).to_png();
     crate::weights::write_atomic(&plot_path, &png).map_err(|e| TrainError::Io(plot_path, e))?;
     let weights = out_dir.join("model.safetensors");
     let merged =
-        crate::weights::merge_params(&engine.save_stages()?).map_err(TrainError::Weights)?;
+        crate::weights::merge_params(&pipeline.save_stages()?).map_err(TrainError::Weights)?;
     crate::weights::write_atomic(&weights, &merged)
         .map_err(|e| TrainError::Io(weights.clone(), e))?;
     let config_path = out_dir.join("config.toml");
-    let text = toml::to_string(cfg).expect("a RunConfig serialises");
-    std::fs::write(&config_path, text).map_err(|e| TrainError::Io(config_path, e))?;
-    let cursor_path = out_dir.join("data_cursor.json");
-    let cursor = serde_json::to_string(&sampler.cursor()).expect("a cursor serialises");
-    std::fs::write(&cursor_path, cursor).map_err(|e| TrainError::Io(cursor_path, e))?;
+    crate::weights::write_atomic(&config_path, config_text.as_bytes())
+        .map_err(|e| TrainError::Io(config_path, e))?;
+    if let Some(c) = cursor {
+        let cursor_path = out_dir.join("data_cursor.json");
+        let text = serde_json::to_string(&c).expect("a cursor serialises");
+        crate::weights::write_atomic(&cursor_path, text.as_bytes())
+            .map_err(|e| TrainError::Io(cursor_path, e))?;
+    }
     Ok(RunSummary {
         losses,
         tokens_per_s: tokens as f64 / start.elapsed().as_secs_f64(),
@@ -151,9 +201,26 @@ pub fn run(
     })
 }
 
+/// Losses of steps 1..=`upto` from an earlier part of the run, for the loss curve.
+fn previous_losses(metrics: &std::path::Path, upto: u64) -> Vec<f64> {
+    let text = std::fs::read_to_string(metrics).unwrap_or_default();
+    let mut by_step = std::collections::BTreeMap::new();
+    for line in text.lines() {
+        if let Ok(v) = serde_json::from_str::<serde_json::Value>(line)
+            && let (Some(step), Some(loss)) = (v["step"].as_u64(), v["loss"].as_f64())
+            && step <= upto
+        {
+            // A step logged twice (a crash after logging, before the checkpoint) keeps its
+            // last value.
+            by_step.insert(step, loss);
+        }
+    }
+    by_step.into_values().collect()
+}
+
 /// `ndarray 0.1.0 (cpu (2 threads, f32))`.
-pub fn describe(engine: &StagedModel) -> String {
-    let info = engine.backend().info();
+pub fn describe(backend: &dyn nsactor_plugin_api::ComputeBackend) -> String {
+    let info = backend.info();
     format!(
         "{} {} ({})",
         info.name,

@@ -1,8 +1,10 @@
 //! `nsactor verify tiny-a`: the reference's golden `tiny_a` run replayed on any backend —
 //! forward CE, one training step (loss, compensated gradient norm, every parameter after
-//! clip + Adam) and greedy decoding — checked against the fixture's tolerances.
+//! clip + Adam) and greedy decoding — checked against the fixture's tolerances. It runs through
+//! the actor pipeline: supervisor, edge and layer actors on their worker threads.
 
 use crate::engine::{StagedModel, StepParams};
+use crate::pipeline::{Pipeline, PipelineError, PipelinePlan};
 use crate::weights::merge_params;
 use nsactor_plugin_api::{Batch, ComputeBackend, EngineError, OptimizerKind};
 use safetensors::SafeTensors;
@@ -113,6 +115,13 @@ impl<'a> TinyAFixture<'a> {
     }
 }
 
+fn engine_error(e: PipelineError) -> EngineError {
+    match e {
+        PipelineError::Engine(e) | PipelineError::Stage { error: e, .. } => e,
+        other => EngineError::Backend(other.to_string()),
+    }
+}
+
 /// `‖a − b‖ / ‖b‖`.
 pub fn rel_norm_err(a: &[f32], b: &[f32]) -> f64 {
     if a.len() != b.len() {
@@ -174,28 +183,37 @@ impl TinyAReport {
     }
 }
 
-/// Replays `tiny_a` on `backend`.
+/// Replays `tiny_a` on `backend` through the actor pipeline with `stages` pipeline stages.
 pub fn tiny_a(
     backend: Arc<dyn ComputeBackend>,
     fixture: &[u8],
+    stages: usize,
 ) -> Result<TinyAReport, EngineError> {
     let fx = TinyAFixture::parse(fixture)?;
     let adam = &fx.meta["adam"];
     let lr = adam["lr"].as_f64().unwrap_or(1e-3);
-    let mut m = StagedModel::open(backend, &fx.model_toml(), 0, OptimizerKind::Adam, None)?;
-    m.load_model_bytes(&fx.weights("param.")?)?;
+    let mut staged = StagedModel::open(backend, &fx.model_toml(), 0, OptimizerKind::Adam, None)?;
+    staged.load_model_bytes(&fx.weights("param.")?)?;
+    let plan = PipelinePlan::balanced(staged.num_layers(), stages, &[0])
+        .map_err(EngineError::InvalidInput)?;
+    let train = crate::config::RunConfig::load(None)
+        .expect("the embedded config parses")
+        .train;
+    let mut m = Pipeline::start(staged, plan, train, None).map_err(engine_error)?;
     let batch = fx.batch()?;
     let ce_before = m.eval_ce(&batch)?;
-    let stats = m.train_step(
-        &[batch],
-        &StepParams {
-            lr,
-            neuron_lr: adam["neuron_lr"].as_f64().unwrap_or(lr * 10.0),
-            ponder_weight: 0.01,
-            max_grad_norm: adam["clip"].as_f64().unwrap_or(1.0),
-        },
-    )?;
-    let shards = m.save_stages()?;
+    let stats = m
+        .train_step(
+            &[batch],
+            &StepParams {
+                lr,
+                neuron_lr: adam["neuron_lr"].as_f64().unwrap_or(lr * 10.0),
+                ponder_weight: 0.01,
+                max_grad_norm: adam["clip"].as_f64().unwrap_or(1.0),
+            },
+        )
+        .map_err(engine_error)?;
+    let shards = m.save_stages().map_err(engine_error)?;
     let merged = merge_params(&shards).map_err(EngineError::Backend)?;
     let st = SafeTensors::deserialize(&merged).map_err(|e| EngineError::Backend(e.to_string()))?;
     let mut worst = (String::new(), 0.0f64);

@@ -1,6 +1,6 @@
 //! The edge as a stage: embedding, decode path and the tied head (one matrix, one owner).
 
-use crate::state::{Trainer, count, load_stage, save_stage, sync};
+use crate::state::{Trainer, add_into, count, load_stage, save_stage, sync};
 use crate::{Ad, act, wrap};
 use burn::tensor::{ElementConversion, Int, Tensor, TensorData};
 use nsactor_kernels::SnnOps;
@@ -17,6 +17,10 @@ pub struct EdgeStage<B: SnnOps> {
     ad: Edge<Ad<B>>,
     inner: Edge<B>,
     trainer: Trainer<B>,
+    /// The embedding's gradients, summed apart from the head's until the optimizer phase: a
+    /// pipeline may run micro-batch m + 1's head before m's embedding backward, and keeping
+    /// the two sums apart makes the result independent of that interleaving.
+    embed_grads: Option<GradSet<B>>,
     /// Token ids of training micro-batches awaiting `EmbedBackward`.
     kept: BTreeMap<u64, Tensor<B, 2, Int>>,
     /// Output-neuron membranes of decoding sessions.
@@ -35,6 +39,7 @@ impl<B: SnnOps> EdgeStage<B> {
             ad,
             inner,
             trainer: Trainer::new(spec.optimizer),
+            embed_grads: None,
             kept: BTreeMap::new(),
             sessions: HashMap::new(),
         }
@@ -143,8 +148,15 @@ impl<B: SnnOps> EdgeStage<B> {
         let e = self.ad.embed(Tensor::from_inner(ids));
         let grads = (e * Tensor::from_inner(grad)).sum().backward();
         let g = GradSet::collect::<Ad<B>, _>(&self.ad, "", &grads);
-        self.trainer.accumulate(g);
+        add_into(&mut self.embed_grads, g);
         Ok(Reply::none())
+    }
+
+    /// Head and embedding gradients as one set, for the optimizer phase.
+    fn fold_grads(&mut self) {
+        if let Some(g) = self.embed_grads.take() {
+            self.trainer.accumulate(g);
+        }
     }
 
     fn session_decode(&mut self, session: u64, h: Tensor<B, 3>) -> Result<Reply, EngineError> {
@@ -211,21 +223,26 @@ impl<B: SnnOps> Stage for EdgeStage<B> {
                 self.embed_backward(micro, act(grad, name)?)
             }
             StageCall::GradStats => Ok(Reply::none()),
-            StageCall::ScaleGrads { .. } => Ok(Reply {
-                tensors: Vec::new(),
-                scalars: vec![self.trainer.sum_squares()],
-            }),
+            StageCall::ScaleGrads { .. } => {
+                self.fold_grads();
+                Ok(Reply {
+                    tensors: Vec::new(),
+                    scalars: vec![self.trainer.sum_squares()],
+                })
+            }
             StageCall::Step {
                 lr,
                 neuron_lr,
                 clip,
             } => {
+                self.fold_grads();
                 self.trainer.step(&mut self.ad, "", lr, neuron_lr, clip)?;
                 sync::<B, _, _>(&self.ad, &mut self.inner);
                 Ok(Reply::none())
             }
             StageCall::ZeroGrad => {
                 self.trainer.grads = None;
+                self.embed_grads = None;
                 self.kept.clear();
                 Ok(Reply::none())
             }
@@ -253,6 +270,7 @@ impl<B: SnnOps> Stage for EdgeStage<B> {
         load_stage::<B, _>(&mut self.ad, "", &mut self.trainer.adam, bytes, "edge")?;
         sync::<B, _, _>(&self.ad, &mut self.inner);
         self.trainer.grads = None;
+        self.embed_grads = None;
         self.kept.clear();
         self.sessions.clear();
         Ok(())

@@ -1,0 +1,360 @@
+//! `EdgeActor`: embedding, head and loss, the owner of the tied matrix. It starts each
+//! micro-batch (embed → layer 0), turns the last layer's output into the loss and the first
+//! gradient (head → last layer), and finishes it (the embedding's backward), reporting the
+//! micro-batch's loss to the step.
+
+use super::layer::{answer, fail};
+use super::worker::{Priority, Worker};
+use super::{Event, Hop, Ponder, StageHolder, StepCtx};
+use nsactor_plugin_api::{
+    Batch, ComputeBackend, DeviceTensor, EngineError, Reply, StageCall, Tokens,
+};
+use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
+use std::collections::HashMap;
+use std::sync::Arc;
+
+/// Optimizer-phase and decoding calls, answered by reply.
+pub enum EdgeControl {
+    ScaleGrads,
+    Step { lr: f64, neuron_lr: f64, clip: f64 },
+    ZeroGrad,
+    SessionClose { session: u64 },
+}
+
+pub enum EdgeMsg {
+    Wire {
+        first: Hop,
+        last: Hop,
+    },
+    /// Starts micro-batch `micro`; its loss counts `loss_scale` of the step's, its ponder cost
+    /// `ponder_weight`.
+    Embed {
+        micro: u64,
+        batch: Arc<Batch>,
+        loss_scale: f64,
+        ponder_weight: f64,
+        ctx: StepCtx,
+    },
+    /// The last layer's output of `micro`.
+    Head {
+        micro: u64,
+        h: DeviceTensor,
+        ponder: Ponder,
+        ctx: StepCtx,
+    },
+    /// Layer 0's input gradient of `micro`.
+    EmbedBackward {
+        micro: u64,
+        grad: DeviceTensor,
+        ctx: StepCtx,
+    },
+    Control {
+        call: EdgeControl,
+        reply: RpcReplyPort<Result<Reply, EngineError>>,
+    },
+    /// Embeds tokens for decoding or evaluation (row-major `[batch, seq_len]`).
+    SessionEmbed {
+        ids: Vec<i64>,
+        batch: usize,
+        seq_len: usize,
+        reply: RpcReplyPort<Result<DeviceTensor, EngineError>>,
+    },
+    /// Last-position logits `[1, B, V]` of session `session`, copied to the host.
+    SessionDecode {
+        session: u64,
+        h: DeviceTensor,
+        reply: RpcReplyPort<Result<Vec<f32>, EngineError>>,
+    },
+    /// Masked mean CE of `h` against `batch` (no gradients).
+    HeadEval {
+        h: DeviceTensor,
+        batch: Arc<Batch>,
+        reply: RpcReplyPort<Result<f64, EngineError>>,
+    },
+    Save {
+        reply: RpcReplyPort<Result<Vec<u8>, EngineError>>,
+    },
+    Load {
+        bytes: Arc<Vec<u8>>,
+        reply: RpcReplyPort<Result<(), EngineError>>,
+    },
+}
+
+pub struct EdgeActor;
+
+pub struct EdgeArgs {
+    pub device: usize,
+    pub num_layers: usize,
+    pub stage: StageHolder,
+    pub worker: Arc<Worker>,
+    pub backend: Arc<dyn ComputeBackend>,
+}
+
+/// A micro-batch between its embedding and the end of its backward pass.
+struct InFlight {
+    batch: Arc<Batch>,
+    loss_scale: f64,
+    ponder_weight: f64,
+    /// Set by the head: the micro-batch's CE and the layers' ponder statistics.
+    result: Option<(f64, Ponder)>,
+}
+
+pub struct EdgeState {
+    device: usize,
+    num_layers: usize,
+    stage: StageHolder,
+    worker: Arc<Worker>,
+    backend: Arc<dyn ComputeBackend>,
+    first: Option<Hop>,
+    last: Option<Hop>,
+    in_flight: HashMap<u64, InFlight>,
+}
+
+impl EdgeState {
+    async fn compute<R: Send + 'static>(
+        &mut self,
+        priority: Priority,
+        h: Option<DeviceTensor>,
+        f: impl FnOnce(
+            &mut dyn nsactor_plugin_api::Stage,
+            Option<DeviceTensor>,
+        ) -> Result<R, EngineError>
+        + Send
+        + 'static,
+    ) -> Result<R, EngineError> {
+        let (backend, device) = (self.backend.clone(), self.device);
+        self.stage
+            .run(&self.worker, priority, move |stage| {
+                let h = h.map(|h| backend.to_device(h, device)).transpose()?;
+                f(stage, h)
+            })
+            .await
+    }
+}
+
+const WHO: &str = "edge";
+
+impl Actor for EdgeActor {
+    type Msg = EdgeMsg;
+    type State = EdgeState;
+    type Arguments = EdgeArgs;
+
+    async fn pre_start(
+        &self,
+        _myself: ActorRef<EdgeMsg>,
+        a: EdgeArgs,
+    ) -> Result<EdgeState, ActorProcessingErr> {
+        Ok(EdgeState {
+            device: a.device,
+            num_layers: a.num_layers,
+            stage: a.stage,
+            worker: a.worker,
+            backend: a.backend,
+            first: None,
+            last: None,
+            in_flight: HashMap::new(),
+        })
+    }
+
+    async fn handle(
+        &self,
+        _myself: ActorRef<EdgeMsg>,
+        msg: EdgeMsg,
+        s: &mut EdgeState,
+    ) -> Result<(), ActorProcessingErr> {
+        match msg {
+            EdgeMsg::Wire { first, last } => {
+                s.first = Some(first);
+                s.last = Some(last);
+            }
+            EdgeMsg::Embed {
+                micro,
+                batch,
+                loss_scale,
+                ponder_weight,
+                ctx,
+            } => {
+                let b = batch.clone();
+                let r = s
+                    .compute(Priority::Forward, None, move |st, _| {
+                        b.validate()?;
+                        let tokens = Tokens {
+                            ids: &b.inputs,
+                            batch: b.batch,
+                            seq_len: b.seq_len,
+                        };
+                        st.call(StageCall::Embed { micro, tokens })?
+                            .into_tensor("Embed")
+                    })
+                    .await;
+                match r {
+                    Ok(h) => {
+                        s.in_flight.insert(
+                            micro,
+                            InFlight {
+                                batch,
+                                loss_scale,
+                                ponder_weight,
+                                result: None,
+                            },
+                        );
+                        let first = s.first.as_ref().ok_or("edge actor not wired")?;
+                        first.forward(micro, h, Ponder::default(), ctx)?;
+                    }
+                    Err(e) => return fail(WHO.into(), micro, e, &ctx).await,
+                }
+            }
+            EdgeMsg::Head {
+                micro,
+                h,
+                ponder,
+                ctx,
+            } => {
+                let Some(f) = s.in_flight.get(&micro) else {
+                    let e = EngineError::InvalidInput(format!(
+                        "Head for micro-batch {micro}, which has no Embed in flight"
+                    ));
+                    return fail(WHO.into(), micro, e, &ctx).await;
+                };
+                let (b, loss_scale) = (f.batch.clone(), f.loss_scale);
+                // loss = ce + λ·Σ_l pc_l / L, scaled by `loss_scale`.
+                let ponder_grad = f.ponder_weight * loss_scale / s.num_layers as f64;
+                let r = s
+                    .compute(Priority::Backward, Some(h), move |st, h| {
+                        let r = st.call(StageCall::Head {
+                            h: h.expect("moved"),
+                            targets: &b.targets,
+                            mask: &b.loss_mask,
+                            loss_scale,
+                        })?;
+                        let ce = r.scalar(0, "Head")?;
+                        Ok((ce, r.into_tensor("Head")?))
+                    })
+                    .await;
+                match r {
+                    Ok((ce, grad)) => {
+                        if let Some(f) = s.in_flight.get_mut(&micro) {
+                            f.result = Some((ce, ponder));
+                        }
+                        let last = s.last.as_ref().ok_or("edge actor not wired")?;
+                        last.backward(micro, grad, ponder_grad, ctx)?;
+                    }
+                    Err(e) => return fail(WHO.into(), micro, e, &ctx).await,
+                }
+            }
+            EdgeMsg::EmbedBackward { micro, grad, ctx } => {
+                let r = s
+                    .compute(Priority::Backward, Some(grad), move |st, g| {
+                        st.call(StageCall::EmbedBackward {
+                            micro,
+                            grad: g.expect("moved"),
+                        })
+                        .map(drop)
+                    })
+                    .await;
+                match (r, s.in_flight.remove(&micro)) {
+                    (
+                        Ok(()),
+                        Some(InFlight {
+                            result: Some((ce, ponder)),
+                            ..
+                        }),
+                    ) => ctx.send(Event::Done { micro, ce, ponder }).await,
+                    (Ok(()), _) => {
+                        let e = EngineError::InvalidInput(format!(
+                            "EmbedBackward for micro-batch {micro}, which has no Head result"
+                        ));
+                        return fail(WHO.into(), micro, e, &ctx).await;
+                    }
+                    (Err(e), _) => return fail(WHO.into(), micro, e, &ctx).await,
+                }
+            }
+            EdgeMsg::Control { call, reply } => {
+                if matches!(call, EdgeControl::ZeroGrad) {
+                    s.in_flight.clear();
+                }
+                let r = s
+                    .compute(Priority::Control, None, move |st, _| {
+                        st.call(match call {
+                            EdgeControl::ScaleGrads => StageCall::ScaleGrads { scales: [1.0; 3] },
+                            EdgeControl::Step {
+                                lr,
+                                neuron_lr,
+                                clip,
+                            } => StageCall::Step {
+                                lr,
+                                neuron_lr,
+                                clip,
+                            },
+                            EdgeControl::ZeroGrad => StageCall::ZeroGrad,
+                            EdgeControl::SessionClose { session } => {
+                                StageCall::SessionClose { session }
+                            }
+                        })
+                    })
+                    .await;
+                return answer(WHO.into(), reply, r);
+            }
+            EdgeMsg::SessionEmbed {
+                ids,
+                batch,
+                seq_len,
+                reply,
+            } => {
+                let r = s
+                    .compute(Priority::Forward, None, move |st, _| {
+                        st.call(StageCall::SessionEmbed {
+                            tokens: Tokens {
+                                ids: &ids,
+                                batch,
+                                seq_len,
+                            },
+                        })?
+                        .into_tensor("SessionEmbed")
+                    })
+                    .await;
+                return answer(WHO.into(), reply, r);
+            }
+            EdgeMsg::SessionDecode { session, h, reply } => {
+                let backend = s.backend.clone();
+                let r = s
+                    .compute(Priority::Forward, Some(h), move |st, h| {
+                        let logits = st
+                            .call(StageCall::SessionDecode {
+                                session,
+                                h: h.expect("moved"),
+                            })?
+                            .into_tensor("SessionDecode")?;
+                        Ok(backend.to_host(&logits)?.data)
+                    })
+                    .await;
+                return answer(WHO.into(), reply, r);
+            }
+            EdgeMsg::HeadEval { h, batch, reply } => {
+                let r = s
+                    .compute(Priority::Forward, Some(h), move |st, h| {
+                        st.call(StageCall::HeadEval {
+                            h: h.expect("moved"),
+                            targets: &batch.targets,
+                            mask: &batch.loss_mask,
+                        })?
+                        .scalar(0, "HeadEval")
+                    })
+                    .await;
+                return answer(WHO.into(), reply, r);
+            }
+            EdgeMsg::Save { reply } => {
+                let r = s.compute(Priority::Control, None, |st, _| st.save()).await;
+                return answer(WHO.into(), reply, r);
+            }
+            EdgeMsg::Load { bytes, reply } => {
+                s.in_flight.clear();
+                let r = s
+                    .compute(Priority::Control, None, move |st, _| st.load(&bytes))
+                    .await;
+                return answer(WHO.into(), reply, r);
+            }
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,274 @@
+//! `LayerActor`: one decoder layer. It owns the layer's stage (parameters, optimizer state,
+//! kept inputs, session membranes) and runs its compute on its pipeline stage's worker thread;
+//! activations arrive in its mailbox and leave for the next hop when the worker is done.
+
+use super::worker::{Priority, Worker};
+use super::{Event, Hop, Ponder, StageHolder, StepCtx};
+use nsactor_plugin_api::{ComputeBackend, DeviceTensor, EngineError, Reply, StageCall};
+use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
+use std::sync::Arc;
+
+/// Optimizer-phase and decoding calls, answered by reply.
+pub enum LayerControl {
+    GradStats,
+    ScaleGrads([f64; 3]),
+    Step { lr: f64, neuron_lr: f64, clip: f64 },
+    ZeroGrad,
+    SessionClose { session: u64 },
+}
+
+pub enum LayerMsg {
+    /// Where activations go next and gradients go back.
+    Wire { prev: Hop, next: Hop },
+    /// Training forward of micro-batch `micro`; `ponder` accumulates over the layers so far.
+    Forward {
+        micro: u64,
+        h: DeviceTensor,
+        ponder: Ponder,
+        ctx: StepCtx,
+    },
+    /// Training backward: recomputes the layer from its kept input, accumulates parameter
+    /// gradients, sends the input gradient back.
+    Backward {
+        micro: u64,
+        grad: DeviceTensor,
+        ponder_grad: f64,
+        ctx: StepCtx,
+    },
+    Control {
+        call: LayerControl,
+        reply: RpcReplyPort<Result<Reply, EngineError>>,
+    },
+    /// `h` through the layer for decoding session `session`, whose neuron states it keeps.
+    SessionForward {
+        session: u64,
+        h: DeviceTensor,
+        reply: RpcReplyPort<Result<DeviceTensor, EngineError>>,
+    },
+    Save {
+        reply: RpcReplyPort<Result<Vec<u8>, EngineError>>,
+    },
+    Load {
+        bytes: Arc<Vec<u8>>,
+        reply: RpcReplyPort<Result<(), EngineError>>,
+    },
+}
+
+pub struct LayerActor;
+
+pub struct LayerArgs {
+    pub index: usize,
+    pub device: usize,
+    pub stage: StageHolder,
+    pub worker: Arc<Worker>,
+    pub backend: Arc<dyn ComputeBackend>,
+}
+
+pub struct LayerState {
+    index: usize,
+    device: usize,
+    stage: StageHolder,
+    worker: Arc<Worker>,
+    backend: Arc<dyn ComputeBackend>,
+    prev: Option<Hop>,
+    next: Option<Hop>,
+}
+
+impl LayerState {
+    fn who(&self) -> String {
+        format!("layer {}", self.index)
+    }
+
+    /// Runs `f` on the stage, on the worker, after moving `h` to this layer's device.
+    async fn compute<R: Send + 'static>(
+        &mut self,
+        priority: Priority,
+        h: Option<DeviceTensor>,
+        f: impl FnOnce(
+            &mut dyn nsactor_plugin_api::Stage,
+            Option<DeviceTensor>,
+        ) -> Result<R, EngineError>
+        + Send
+        + 'static,
+    ) -> Result<R, EngineError> {
+        let (backend, device) = (self.backend.clone(), self.device);
+        self.stage
+            .run(&self.worker, priority, move |stage| {
+                let h = h.map(|h| backend.to_device(h, device)).transpose()?;
+                f(stage, h)
+            })
+            .await
+    }
+}
+
+impl Actor for LayerActor {
+    type Msg = LayerMsg;
+    type State = LayerState;
+    type Arguments = LayerArgs;
+
+    async fn pre_start(
+        &self,
+        _myself: ActorRef<LayerMsg>,
+        a: LayerArgs,
+    ) -> Result<LayerState, ActorProcessingErr> {
+        Ok(LayerState {
+            index: a.index,
+            device: a.device,
+            stage: a.stage,
+            worker: a.worker,
+            backend: a.backend,
+            prev: None,
+            next: None,
+        })
+    }
+
+    async fn handle(
+        &self,
+        _myself: ActorRef<LayerMsg>,
+        msg: LayerMsg,
+        s: &mut LayerState,
+    ) -> Result<(), ActorProcessingErr> {
+        match msg {
+            LayerMsg::Wire { prev, next } => {
+                s.prev = Some(prev);
+                s.next = Some(next);
+            }
+            LayerMsg::Forward {
+                micro,
+                h,
+                mut ponder,
+                ctx,
+            } => {
+                let r = s
+                    .compute(Priority::Forward, Some(h), move |st, h| {
+                        let r = st.call(StageCall::Forward {
+                            micro,
+                            h: h.expect("moved"),
+                        })?;
+                        let p = (
+                            r.scalar(0, "Forward")?,
+                            r.scalar(2, "Forward")?,
+                            r.scalar(3, "Forward")?,
+                        );
+                        Ok((r.into_tensor("Forward")?, p))
+                    })
+                    .await;
+                match r {
+                    Ok((h, (pc, lo, hi))) => {
+                        ponder.add(pc, lo, hi);
+                        let next = s.next.as_ref().ok_or("layer actor not wired")?;
+                        next.forward(micro, h, ponder, ctx)?;
+                    }
+                    Err(e) => return fail(s.who(), micro, e, &ctx).await,
+                }
+            }
+            LayerMsg::Backward {
+                micro,
+                grad,
+                ponder_grad,
+                ctx,
+            } => {
+                let r = s
+                    .compute(Priority::Backward, Some(grad), move |st, g| {
+                        st.call(StageCall::Backward {
+                            micro,
+                            grad: g.expect("moved"),
+                            ponder_grad,
+                        })?
+                        .into_tensor("Backward")
+                    })
+                    .await;
+                match r {
+                    Ok(g) => {
+                        let prev = s.prev.as_ref().ok_or("layer actor not wired")?;
+                        prev.backward(micro, g, ponder_grad, ctx)?;
+                    }
+                    Err(e) => return fail(s.who(), micro, e, &ctx).await,
+                }
+            }
+            LayerMsg::Control { call, reply } => {
+                let r = s
+                    .compute(Priority::Control, None, move |st, _| {
+                        st.call(match call {
+                            LayerControl::GradStats => StageCall::GradStats,
+                            LayerControl::ScaleGrads(scales) => StageCall::ScaleGrads { scales },
+                            LayerControl::Step {
+                                lr,
+                                neuron_lr,
+                                clip,
+                            } => StageCall::Step {
+                                lr,
+                                neuron_lr,
+                                clip,
+                            },
+                            LayerControl::ZeroGrad => StageCall::ZeroGrad,
+                            LayerControl::SessionClose { session } => {
+                                StageCall::SessionClose { session }
+                            }
+                        })
+                    })
+                    .await;
+                return answer(s.who(), reply, r);
+            }
+            LayerMsg::SessionForward { session, h, reply } => {
+                let r = s
+                    .compute(Priority::Forward, Some(h), move |st, h| {
+                        st.call(StageCall::SessionForward {
+                            session,
+                            h: h.expect("moved"),
+                        })?
+                        .into_tensor("SessionForward")
+                    })
+                    .await;
+                return answer(s.who(), reply, r);
+            }
+            LayerMsg::Save { reply } => {
+                let r = s.compute(Priority::Control, None, |st, _| st.save()).await;
+                return answer(s.who(), reply, r);
+            }
+            LayerMsg::Load { bytes, reply } => {
+                let r = s
+                    .compute(Priority::Control, None, move |st, _| st.load(&bytes))
+                    .await;
+                return answer(s.who(), reply, r);
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Replies; a panic also stops the actor (its stage is gone).
+pub(super) fn answer<T: Send + 'static>(
+    who: String,
+    reply: RpcReplyPort<Result<T, EngineError>>,
+    r: Result<T, EngineError>,
+) -> Result<(), ActorProcessingErr> {
+    let lost = matches!(r, Err(EngineError::Panic(_)));
+    let _ = reply.send(r);
+    if lost {
+        Err(format!("{who} lost its state to a panic").into())
+    } else {
+        Ok(())
+    }
+}
+
+/// Reports a failed micro-batch to the step; a panic also stops the actor (its stage is gone).
+pub(super) async fn fail(
+    who: String,
+    micro: u64,
+    error: EngineError,
+    ctx: &StepCtx,
+) -> Result<(), ActorProcessingErr> {
+    let lost = matches!(error, EngineError::Panic(_));
+    ctx.send(Event::Failed {
+        who: who.clone(),
+        micro,
+        error,
+    })
+    .await;
+    if lost {
+        Err(format!("{who} lost its state to a panic").into())
+    } else {
+        Ok(())
+    }
+}

@@ -1,0 +1,625 @@
+//! The actor runtime: the model's stages as ractor actors in a pipeline, driven by a
+//! supervisor (DESIGN.md, "Actors").
+//!
+//! ```text
+//! Supervisor ─┬─ DataActor   (sampler; prefetches the next step's micro-batches)
+//!             ├─ EdgeActor   (embedding + head + loss; owns the tied matrix)
+//!             └─ LayerActor 0..L-1, grouped into P pipeline stages
+//! ```
+//!
+//! Compute runs only on [`worker`] threads (one per pipeline stage, one for the edge); actors
+//! hand their stage to the worker with the job and get it back with the result, so a layer's
+//! parameters, optimizer state and neuron states stay owned by its actor. A micro-batch flows
+//! edge → layer 0 → … → layer L−1 → edge (loss) → layer L−1 → … → layer 0 → edge, each hop a
+//! message. The supervisor admits at most P micro-batches at once, which bounds every mailbox
+//! and every worker queue (at most P + 1 messages each), and keeps activation memory to
+//! P kept inputs per layer.
+//!
+//! [`Pipeline`] is the synchronous handle the CLI and tests use.
+
+pub mod checkpoint;
+pub mod data;
+pub mod edge;
+pub mod layer;
+pub mod plan;
+pub mod supervisor;
+pub mod worker;
+
+use crate::config::TrainConfig;
+use crate::engine::{Decoder, StagedModel, StepParams, StepStats};
+use data::{DataActor, DataMsg};
+use edge::{EdgeActor, EdgeArgs, EdgeControl, EdgeMsg};
+use layer::{LayerActor, LayerArgs, LayerControl, LayerMsg};
+use nsactor_data::{Cursor, Sampler};
+use nsactor_plugin_api::{Batch, ComputeBackend, DeviceTensor, EngineError, Stage};
+pub use plan::PipelinePlan;
+use ractor::{Actor, ActorCell, ActorProcessingErr, ActorRef, RpcReplyPort};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+pub use supervisor::StepReport;
+use supervisor::{SupArgs, SupMsg, Supervisor};
+use worker::{JobPanicked, Priority, Worker};
+
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum PipelineError {
+    #[error("{0}")]
+    Engine(#[from] EngineError),
+    #[error("{who}: {error}")]
+    Stage { who: String, error: EngineError },
+    #[error("data: {0}")]
+    Data(String),
+    #[error("checkpoint: {0}")]
+    Checkpoint(String),
+    #[error("the pipeline cannot continue: {0}")]
+    Broken(String),
+    #[error("actor runtime: {0}")]
+    Runtime(String),
+}
+
+/// Ponder statistics accumulated over the layers a micro-batch has passed.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Ponder {
+    /// Σ over layers of the layer's mean E[K].
+    pub sum: f64,
+    pub min: f64,
+    pub max: f64,
+}
+
+impl Default for Ponder {
+    fn default() -> Self {
+        Ponder {
+            sum: 0.0,
+            min: f64::INFINITY,
+            max: f64::NEG_INFINITY,
+        }
+    }
+}
+
+impl Ponder {
+    fn add(&mut self, mean: f64, min: f64, max: f64) {
+        self.sum += mean;
+        self.min = self.min.min(min);
+        self.max = self.max.max(max);
+    }
+}
+
+/// How a micro-batch ended.
+pub enum Event {
+    Done {
+        micro: u64,
+        ce: f64,
+        ponder: Ponder,
+    },
+    Failed {
+        who: String,
+        micro: u64,
+        error: EngineError,
+    },
+}
+
+/// Travels with a micro-batch's messages: where its end is reported.
+#[derive(Clone)]
+pub struct StepCtx {
+    events: tokio::sync::mpsc::Sender<Event>,
+}
+
+impl StepCtx {
+    async fn send(&self, e: Event) {
+        // The supervisor only stops listening once it has given up on the step.
+        let _ = self.events.send(e).await;
+    }
+}
+
+/// The neighbour an activation or gradient goes to.
+#[derive(Clone)]
+pub enum Hop {
+    Layer(ActorRef<LayerMsg>),
+    Edge(ActorRef<EdgeMsg>),
+}
+
+impl Hop {
+    fn forward(
+        &self,
+        micro: u64,
+        h: DeviceTensor,
+        ponder: Ponder,
+        ctx: StepCtx,
+    ) -> Result<(), ActorProcessingErr> {
+        let sent = match self {
+            Hop::Layer(a) => a
+                .cast(LayerMsg::Forward {
+                    micro,
+                    h,
+                    ponder,
+                    ctx,
+                })
+                .is_ok(),
+            Hop::Edge(a) => a
+                .cast(EdgeMsg::Head {
+                    micro,
+                    h,
+                    ponder,
+                    ctx,
+                })
+                .is_ok(),
+        };
+        // A stopped neighbour is the supervisor's to notice; the micro-batch is lost with it.
+        if !sent {
+            tracing::warn!("micro-batch {micro}: the next actor has stopped");
+        }
+        Ok(())
+    }
+
+    fn backward(
+        &self,
+        micro: u64,
+        grad: DeviceTensor,
+        ponder_grad: f64,
+        ctx: StepCtx,
+    ) -> Result<(), ActorProcessingErr> {
+        let sent = match self {
+            Hop::Layer(a) => a
+                .cast(LayerMsg::Backward {
+                    micro,
+                    grad,
+                    ponder_grad,
+                    ctx,
+                })
+                .is_ok(),
+            Hop::Edge(a) => a.cast(EdgeMsg::EmbedBackward { micro, grad, ctx }).is_ok(),
+        };
+        if !sent {
+            tracing::warn!("micro-batch {micro}: the previous actor has stopped");
+        }
+        Ok(())
+    }
+}
+
+/// An actor's stage, lent to the worker for each job. After a panic inside a job the stage is
+/// gone and every later call fails until the actor is rebuilt.
+pub struct StageHolder {
+    who: String,
+    stage: Option<Box<dyn Stage>>,
+}
+
+impl StageHolder {
+    pub fn new(who: impl Into<String>, stage: Box<dyn Stage>) -> Self {
+        StageHolder {
+            who: who.into(),
+            stage: Some(stage),
+        }
+    }
+
+    async fn run<R: Send + 'static>(
+        &mut self,
+        worker: &Worker,
+        priority: Priority,
+        f: impl FnOnce(&mut dyn Stage) -> Result<R, EngineError> + Send + 'static,
+    ) -> Result<R, EngineError> {
+        let mut stage = self.stage.take().ok_or_else(|| {
+            EngineError::Panic(format!(
+                "{} lost its state in an earlier panic; restart it from a checkpoint",
+                self.who
+            ))
+        })?;
+        match worker
+            .run(priority, move || {
+                let r = f(&mut *stage);
+                (stage, r)
+            })
+            .await
+        {
+            Ok((stage, r)) => {
+                self.stage = Some(stage);
+                r
+            }
+            Err(JobPanicked(m)) => Err(EngineError::Panic(format!("{}: {m}", self.who))),
+        }
+    }
+}
+
+/// Calls `actor` and unwraps both the messaging and the engine result.
+pub(crate) async fn ask<M: ractor::Message, T: Send + 'static>(
+    actor: &ActorRef<M>,
+    who: impl Into<String>,
+    build: impl FnOnce(RpcReplyPort<Result<T, EngineError>>) -> M,
+) -> Result<T, PipelineError> {
+    match actor.call(build, None).await {
+        Ok(ractor::rpc::CallResult::Success(r)) => r.map_err(|error| PipelineError::Stage {
+            who: who.into(),
+            error,
+        }),
+        _ => Err(PipelineError::Broken(format!("{} stopped", who.into()))),
+    }
+}
+
+/// Distinguishes the actor names of pipelines living in one process (ractor names are global).
+static PIPELINES: AtomicU64 = AtomicU64::new(0);
+
+/// A running actor pipeline: supervisor, data, edge and layer actors, and their workers.
+pub struct Pipeline {
+    rt: tokio::runtime::Runtime,
+    sup: ActorRef<SupMsg>,
+    edge: ActorRef<EdgeMsg>,
+    layers: Vec<ActorRef<LayerMsg>>,
+    data: Option<ActorRef<DataMsg>>,
+    /// The edge's worker, then one per pipeline stage.
+    workers: Vec<Arc<Worker>>,
+    plan: PipelinePlan,
+    backend: Arc<dyn ComputeBackend>,
+    param_count: u64,
+    next_session: u64,
+}
+
+impl Pipeline {
+    /// Starts the actors over `model`'s stages, grouped and placed as `plan` says (open
+    /// `model` with `plan.placement()`). `train` gives the LR schedule and step shape of
+    /// [`step`](Self::step); `sampler` feeds it.
+    pub fn start(
+        model: StagedModel,
+        plan: PipelinePlan,
+        train: TrainConfig,
+        sampler: Option<Sampler>,
+    ) -> Result<Self, PipelineError> {
+        if plan.num_layers() != model.num_layers() {
+            return Err(PipelineError::Runtime(format!(
+                "the plan places {} layers, the model has {}",
+                plan.num_layers(),
+                model.num_layers()
+            )));
+        }
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .thread_name("nsactor-rt")
+            .enable_all()
+            .build()
+            .map_err(|e| PipelineError::Runtime(e.to_string()))?;
+        let param_count = model.param_count();
+        let crate::engine::StageParts {
+            backend,
+            edge: edge_stage,
+            layers: layer_stages,
+        } = model.into_parts();
+        let spawn = |name: String| {
+            Worker::spawn(name)
+                .map(Arc::new)
+                .map_err(|e| PipelineError::Runtime(format!("worker thread: {e}")))
+        };
+        let mut workers = vec![spawn("nsactor-edge".into())?];
+        for s in 0..plan.num_stages() {
+            workers.push(spawn(format!("nsactor-stage{s}"))?);
+        }
+        let id = PIPELINES.fetch_add(1, Ordering::Relaxed);
+        let name = |n: &str| format!("pipeline{id}/{n}");
+        let devices = plan.layer_devices();
+        let (sup, edge, layers, data) = rt.block_on(async {
+            let rt_err = |e: ractor::SpawnErr| PipelineError::Runtime(e.to_string());
+            let (edge, _) = Actor::spawn(
+                Some(name("edge")),
+                EdgeActor,
+                EdgeArgs {
+                    device: plan.edge_device(),
+                    num_layers: layer_stages.len(),
+                    stage: StageHolder::new("edge", edge_stage),
+                    worker: workers[0].clone(),
+                    backend: backend.clone(),
+                },
+            )
+            .await
+            .map_err(rt_err)?;
+            let mut layers = Vec::with_capacity(layer_stages.len());
+            for (i, stage) in layer_stages.into_iter().enumerate() {
+                let (l, _) = Actor::spawn(
+                    Some(name(&format!("layer-{i}"))),
+                    LayerActor,
+                    LayerArgs {
+                        index: i,
+                        device: devices[i],
+                        stage: StageHolder::new(format!("layer {i}"), stage),
+                        worker: workers[1 + plan.stage_of(i)].clone(),
+                        backend: backend.clone(),
+                    },
+                )
+                .await
+                .map_err(rt_err)?;
+                layers.push(l);
+            }
+            let data = match sampler {
+                Some(sampler) => Some(
+                    Actor::spawn(Some(name("data")), DataActor, sampler)
+                        .await
+                        .map_err(rt_err)?
+                        .0,
+                ),
+                None => None,
+            };
+            // Wire the chain: edge → 0 → … → L−1 → edge.
+            let n = layers.len();
+            let wire_err = |_| PipelineError::Runtime("an actor stopped while starting".into());
+            for (i, l) in layers.iter().enumerate() {
+                let prev = if i == 0 {
+                    Hop::Edge(edge.clone())
+                } else {
+                    Hop::Layer(layers[i - 1].clone())
+                };
+                let next = if i + 1 == n {
+                    Hop::Edge(edge.clone())
+                } else {
+                    Hop::Layer(layers[i + 1].clone())
+                };
+                l.cast(LayerMsg::Wire { prev, next }).map_err(wire_err)?;
+            }
+            edge.cast(EdgeMsg::Wire {
+                first: Hop::Layer(layers[0].clone()),
+                last: Hop::Layer(layers[n - 1].clone()),
+            })
+            .map_err(|_| PipelineError::Runtime("the edge stopped while starting".into()))?;
+            let (sup, _) = Actor::spawn(
+                Some(name("supervisor")),
+                Supervisor,
+                SupArgs {
+                    edge: edge.clone(),
+                    layers: layers.clone(),
+                    data: data.clone(),
+                    stages: plan.num_stages(),
+                    train,
+                },
+            )
+            .await
+            .map_err(rt_err)?;
+            // The supervisor hears of every child's failure.
+            edge.get_cell().link(sup.get_cell());
+            for l in &layers {
+                l.get_cell().link(sup.get_cell());
+            }
+            if let Some(d) = &data {
+                d.get_cell().link(sup.get_cell());
+            }
+            Ok::<_, PipelineError>((sup, edge, layers, data))
+        })?;
+        Ok(Pipeline {
+            rt,
+            sup,
+            edge,
+            layers,
+            data,
+            workers,
+            plan,
+            backend,
+            param_count,
+            next_session: 0,
+        })
+    }
+
+    fn call_sup<T: Send + 'static>(
+        &self,
+        build: impl FnOnce(RpcReplyPort<Result<T, PipelineError>>) -> SupMsg,
+    ) -> Result<T, PipelineError> {
+        match self.rt.block_on(self.sup.call(build, None)) {
+            Ok(ractor::rpc::CallResult::Success(r)) => r,
+            _ => Err(PipelineError::Broken("the supervisor stopped".into())),
+        }
+    }
+
+    /// The run's next step (data from the sampler, LR from the schedule).
+    pub fn step(&mut self) -> Result<StepReport, PipelineError> {
+        self.call_sup(|reply| SupMsg::Step { reply })
+    }
+
+    /// One step on `batches` with `params`.
+    pub fn train_step(
+        &mut self,
+        batches: &[Batch],
+        params: &StepParams,
+    ) -> Result<StepStats, PipelineError> {
+        let (batches, params) = (batches.to_vec(), *params);
+        self.call_sup(|reply| SupMsg::StepWith {
+            batches,
+            params,
+            reply,
+        })
+    }
+
+    pub fn save_stages(&mut self) -> Result<Vec<Vec<u8>>, PipelineError> {
+        self.call_sup(|reply| SupMsg::SaveStages { reply })
+    }
+
+    pub fn load_stages(&mut self, shards: Vec<Vec<u8>>) -> Result<(), PipelineError> {
+        self.call_sup(|reply| SupMsg::LoadStages { shards, reply })
+    }
+
+    /// Writes a checkpoint of the current step under `root`; keeps the newest `keep`.
+    pub fn checkpoint(
+        &mut self,
+        root: &Path,
+        keep: usize,
+        config: String,
+        tokenizer_sha256: Option<String>,
+    ) -> Result<PathBuf, PipelineError> {
+        let root = root.to_path_buf();
+        self.call_sup(|reply| SupMsg::Checkpoint {
+            root,
+            keep,
+            config,
+            tokenizer_sha256,
+            reply,
+        })
+    }
+
+    /// Continues after `step` completed steps with the data at `cursor`.
+    pub fn set_position(&mut self, step: u64, cursor: Option<Cursor>) -> Result<(), PipelineError> {
+        self.call_sup(|reply| SupMsg::SetPosition {
+            step,
+            cursor,
+            reply,
+        })
+    }
+
+    pub fn plan(&self) -> &PipelinePlan {
+        &self.plan
+    }
+
+    pub fn backend(&self) -> &Arc<dyn ComputeBackend> {
+        &self.backend
+    }
+
+    pub fn param_count(&self) -> u64 {
+        self.param_count
+    }
+
+    pub fn num_layers(&self) -> usize {
+        self.layers.len()
+    }
+
+    /// Seconds each worker has spent computing (edge first, then stages), and its job count.
+    pub fn busy(&self) -> Vec<(String, f64, u64)> {
+        self.workers
+            .iter()
+            .map(|w| {
+                let (s, n) = w.busy();
+                (w.name().to_string(), s, n)
+            })
+            .collect()
+    }
+
+    fn block<T>(
+        &self,
+        f: impl Future<Output = Result<T, PipelineError>>,
+    ) -> Result<T, EngineError> {
+        self.rt.block_on(f).map_err(|e| match e {
+            PipelineError::Engine(e) | PipelineError::Stage { error: e, .. } => e,
+            other => EngineError::Backend(other.to_string()),
+        })
+    }
+
+    fn session_embed(
+        &self,
+        ids: Vec<i64>,
+        batch: usize,
+        seq_len: usize,
+    ) -> Result<DeviceTensor, EngineError> {
+        self.block(ask(&self.edge, "edge", |reply| EdgeMsg::SessionEmbed {
+            ids,
+            batch,
+            seq_len,
+            reply,
+        }))
+    }
+
+    fn session_layers(
+        &self,
+        session: u64,
+        mut h: DeviceTensor,
+    ) -> Result<DeviceTensor, EngineError> {
+        for (i, l) in self.layers.iter().enumerate() {
+            h = self.block(ask(l, format!("layer {i}"), |reply| {
+                LayerMsg::SessionForward { session, h, reply }
+            }))?;
+        }
+        Ok(h)
+    }
+
+    fn session_logits(&self, session: u64, h: DeviceTensor) -> Result<Vec<f32>, EngineError> {
+        let h = self.session_layers(session, h)?;
+        self.block(ask(&self.edge, "edge", |reply| EdgeMsg::SessionDecode {
+            session,
+            h,
+            reply,
+        }))
+    }
+
+    fn session_close(&self, session: u64) {
+        let _ = self.block(ask(&self.edge, "edge", |reply| EdgeMsg::Control {
+            call: EdgeControl::SessionClose { session },
+            reply,
+        }));
+        for (i, l) in self.layers.iter().enumerate() {
+            let _ = self.block(ask(l, format!("layer {i}"), |reply| LayerMsg::Control {
+                call: LayerControl::SessionClose { session },
+                reply,
+            }));
+        }
+    }
+
+    /// Greedy continuation of `prompt` through the layer actors (see
+    /// [`crate::engine::greedy`]).
+    pub fn generate_greedy(
+        &mut self,
+        prompt: &[i64],
+        max_new_tokens: usize,
+        eos: Option<i64>,
+        suppress: &[i64],
+    ) -> Result<Vec<i64>, EngineError> {
+        let session = self.next_session;
+        self.next_session += 1;
+        let mut d = PipelineSession {
+            p: self,
+            session,
+            open: false,
+        };
+        crate::engine::greedy(&mut d, prompt, max_new_tokens, eos, suppress)
+    }
+
+    /// Masked mean cross entropy of `b` (no gradients).
+    pub fn eval_ce(&mut self, b: &Batch) -> Result<f64, EngineError> {
+        b.validate()?;
+        let session = self.next_session;
+        self.next_session += 1;
+        let r = (|| {
+            let h = self.session_embed(b.inputs.clone(), b.batch, b.seq_len)?;
+            let h = self.session_layers(session, h)?;
+            let batch = Arc::new(b.clone());
+            self.block(ask(&self.edge, "edge", |reply| EdgeMsg::HeadEval {
+                h,
+                batch,
+                reply,
+            }))
+        })();
+        self.session_close(session);
+        r
+    }
+}
+
+struct PipelineSession<'a> {
+    p: &'a Pipeline,
+    session: u64,
+    open: bool,
+}
+
+impl Decoder for PipelineSession<'_> {
+    fn prefill(&mut self, prompt: &[i64]) -> Result<Vec<f32>, EngineError> {
+        self.open = true;
+        let h = self.p.session_embed(prompt.to_vec(), 1, prompt.len())?;
+        self.p.session_logits(self.session, h)
+    }
+
+    fn next(&mut self, token: i64) -> Result<Vec<f32>, EngineError> {
+        let h = self.p.session_embed(vec![token], 1, 1)?;
+        self.p.session_logits(self.session, h)
+    }
+
+    fn close(&mut self) {
+        if self.open {
+            self.p.session_close(self.session);
+        }
+    }
+}
+
+impl Drop for Pipeline {
+    /// Stops every actor, then joins the worker threads.
+    fn drop(&mut self) {
+        let cells: Vec<ActorCell> = std::iter::once(self.edge.get_cell())
+            .chain(self.layers.iter().map(|l| l.get_cell()))
+            .chain(self.data.iter().map(|d| d.get_cell()))
+            .chain(std::iter::once(self.sup.get_cell()))
+            .collect();
+        self.rt.block_on(async {
+            // Children first, so the supervisor sees orderly exits.
+            for c in &cells {
+                let _ = c.stop_and_wait(None, None).await;
+            }
+        });
+        self.workers.clear();
+    }
+}

@@ -1,0 +1,219 @@
+//! Device worker threads: the only threads that run stage compute. Actors hand them jobs and
+//! await the reply, so no tokio worker ever blocks on a kernel or a GEMM, and each device's
+//! work is issued from threads of its own (one CUDA stream per thread on the CUDA backend).
+//!
+//! A worker runs one job at a time, backward jobs before forward jobs before control jobs
+//! (the 1F1B preference: finishing a micro-batch frees its kept input), first come first
+//! served within a priority. A panic inside a job is caught and returned as an error.
+
+use std::collections::BinaryHeap;
+use std::panic::{AssertUnwindSafe, catch_unwind};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
+use std::thread::JoinHandle;
+use std::time::Instant;
+
+/// Which queued job runs first: lower values win.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Priority {
+    Backward = 0,
+    Forward = 1,
+    Control = 2,
+}
+
+type Job = Box<dyn FnOnce() + Send>;
+
+struct Queued {
+    priority: Priority,
+    seq: u64,
+    job: Job,
+}
+
+impl PartialEq for Queued {
+    fn eq(&self, o: &Self) -> bool {
+        (self.priority, self.seq) == (o.priority, o.seq)
+    }
+}
+impl Eq for Queued {}
+impl PartialOrd for Queued {
+    fn partial_cmp(&self, o: &Self) -> Option<std::cmp::Ordering> {
+        Some(self.cmp(o))
+    }
+}
+impl Ord for Queued {
+    // BinaryHeap pops the greatest: invert so the lowest (priority, seq) comes first.
+    fn cmp(&self, o: &Self) -> std::cmp::Ordering {
+        (o.priority, o.seq).cmp(&(self.priority, self.seq))
+    }
+}
+
+#[derive(Default)]
+struct Queue {
+    heap: BinaryHeap<Queued>,
+    next_seq: u64,
+    closed: bool,
+}
+
+struct Shared {
+    queue: Mutex<Queue>,
+    ready: Condvar,
+    /// Nanoseconds spent running jobs.
+    busy_ns: AtomicU64,
+    jobs: AtomicU64,
+}
+
+/// A thread that runs compute jobs for one pipeline stage.
+pub struct Worker {
+    name: String,
+    shared: Arc<Shared>,
+    thread: Option<JoinHandle<()>>,
+}
+
+/// A job that panicked: the panic message.
+#[derive(Debug, Clone)]
+pub struct JobPanicked(pub String);
+
+fn panic_message(p: &(dyn std::any::Any + Send)) -> String {
+    if let Some(s) = p.downcast_ref::<&str>() {
+        (*s).to_string()
+    } else if let Some(s) = p.downcast_ref::<String>() {
+        s.clone()
+    } else {
+        "a panic without a message".into()
+    }
+}
+
+impl Worker {
+    pub fn spawn(name: impl Into<String>) -> std::io::Result<Self> {
+        let name = name.into();
+        let shared = Arc::new(Shared {
+            queue: Mutex::new(Queue::default()),
+            ready: Condvar::new(),
+            busy_ns: AtomicU64::new(0),
+            jobs: AtomicU64::new(0),
+        });
+        let s = shared.clone();
+        let thread = std::thread::Builder::new()
+            .name(name.clone())
+            .spawn(move || {
+                loop {
+                    let job = {
+                        let mut q = s.queue.lock().unwrap_or_else(|e| e.into_inner());
+                        loop {
+                            if let Some(j) = q.heap.pop() {
+                                break j.job;
+                            }
+                            if q.closed {
+                                return;
+                            }
+                            q = s.ready.wait(q).unwrap_or_else(|e| e.into_inner());
+                        }
+                    };
+                    let t = Instant::now();
+                    job();
+                    s.busy_ns
+                        .fetch_add(t.elapsed().as_nanos() as u64, Ordering::Relaxed);
+                    s.jobs.fetch_add(1, Ordering::Relaxed);
+                }
+            })?;
+        Ok(Worker {
+            name,
+            shared,
+            thread: Some(thread),
+        })
+    }
+
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// Runs `f` on the worker thread; resolves to its result, or to the panic it raised.
+    pub fn run<R, F>(
+        &self,
+        priority: Priority,
+        f: F,
+    ) -> impl Future<Output = Result<R, JobPanicked>> + Send + use<R, F>
+    where
+        R: Send + 'static,
+        F: FnOnce() -> R + Send + 'static,
+    {
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        let job: Job = Box::new(move || {
+            let r = catch_unwind(AssertUnwindSafe(f)).map_err(|p| JobPanicked(panic_message(&*p)));
+            let _ = tx.send(r);
+        });
+        {
+            let mut q = self.shared.queue.lock().unwrap_or_else(|e| e.into_inner());
+            let seq = q.next_seq;
+            q.next_seq += 1;
+            q.heap.push(Queued { priority, seq, job });
+        }
+        self.shared.ready.notify_one();
+        async move {
+            rx.await
+                .unwrap_or_else(|_| Err(JobPanicked("the worker thread stopped".into())))
+        }
+    }
+
+    /// Seconds spent running jobs so far, and how many jobs ran.
+    pub fn busy(&self) -> (f64, u64) {
+        (
+            self.shared.busy_ns.load(Ordering::Relaxed) as f64 * 1e-9,
+            self.shared.jobs.load(Ordering::Relaxed),
+        )
+    }
+}
+
+impl Drop for Worker {
+    /// Lets queued jobs finish, then joins the thread.
+    fn drop(&mut self) {
+        self.shared
+            .queue
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .closed = true;
+        self.shared.ready.notify_all();
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn backward_jobs_overtake_queued_forward_jobs_and_panics_come_back_as_errors() {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .build()
+            .unwrap();
+        let w = Worker::spawn("test-worker").unwrap();
+        let order = Arc::new(Mutex::new(Vec::new()));
+        // Hold the worker busy so the next jobs queue up behind the gate.
+        let (gate_tx, gate_rx) = std::sync::mpsc::channel::<()>();
+        let gate = w.run(Priority::Control, move || gate_rx.recv().unwrap());
+        let push = |p, tag: &'static str| {
+            let o = order.clone();
+            w.run(p, move || o.lock().unwrap().push(tag))
+        };
+        let f1 = push(Priority::Forward, "f1");
+        let c1 = push(Priority::Control, "c1");
+        let b1 = push(Priority::Backward, "b1");
+        let f2 = push(Priority::Forward, "f2");
+        let b2 = push(Priority::Backward, "b2");
+        gate_tx.send(()).unwrap();
+        rt.block_on(async {
+            gate.await.unwrap();
+            for f in [f1, c1, b1, f2, b2] {
+                f.await.unwrap();
+            }
+        });
+        assert_eq!(*order.lock().unwrap(), ["b1", "b2", "f1", "f2", "c1"]);
+        let r = rt.block_on(w.run(Priority::Forward, || -> u32 { panic!("boom {}", 7) }));
+        assert_eq!(r.unwrap_err().0, "boom 7");
+        // The worker survives a panicking job.
+        assert_eq!(rt.block_on(w.run(Priority::Forward, || 5)).unwrap(), 5);
+        assert_eq!(w.busy().1, 8);
+    }
+}

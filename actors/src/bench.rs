@@ -91,3 +91,170 @@ pub fn boundary(
         layer_step,
     })
 }
+
+/// A tensor that is only a shape: what the no-compute stages pass around.
+struct Shape(Vec<usize>);
+
+impl nsactor_plugin_api::TensorObject for Shape {
+    fn shape(&self) -> Vec<usize> {
+        self.0.clone()
+    }
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
+    }
+    fn into_any(self: Box<Self>) -> Box<dyn std::any::Any + Send> {
+        self
+    }
+}
+
+/// A stage that answers every call at once: activations and gradients pass straight through.
+struct EchoStage;
+
+impl nsactor_plugin_api::Stage for EchoStage {
+    fn call(&mut self, call: StageCall<'_>) -> Result<nsactor_plugin_api::Reply, EngineError> {
+        use nsactor_plugin_api::{DeviceTensor, Reply};
+        let t = |shape: Vec<usize>| DeviceTensor::new(Shape(shape));
+        Ok(match call {
+            StageCall::Embed { tokens, .. } => Reply::tensor(t(vec![tokens.seq_len, tokens.batch, 1])),
+            StageCall::Forward { h, .. } => Reply {
+                tensors: vec![h],
+                scalars: vec![1.0, 1.0, 1.0, 1.0],
+            },
+            StageCall::Backward { grad, .. } => Reply::tensor(grad),
+            StageCall::Head { h, .. } => Reply {
+                tensors: vec![h],
+                scalars: vec![0.0, 1.0],
+            },
+            StageCall::GradStats => Reply {
+                tensors: Vec::new(),
+                scalars: vec![f64::NAN; 3],
+            },
+            StageCall::ScaleGrads { .. } => Reply {
+                tensors: Vec::new(),
+                scalars: vec![0.0],
+            },
+            _ => Reply::none(),
+        })
+    }
+    fn save(&self) -> Result<Vec<u8>, EngineError> {
+        Ok(Vec::new())
+    }
+    fn load(&mut self, _: &[u8]) -> Result<(), EngineError> {
+        Ok(())
+    }
+    fn param_count(&self) -> u64 {
+        0
+    }
+}
+
+/// A backend of [`EchoStage`]s on one device.
+struct EchoBackend;
+
+impl ComputeBackend for EchoBackend {
+    fn info(&self) -> nsactor_plugin_api::BackendInfo {
+        nsactor_plugin_api::BackendInfo {
+            name: "echo".into(),
+            version: "0".into(),
+            abi_version: nsactor_plugin_api::ABI_VERSION,
+            devices: vec!["no compute".into()],
+        }
+    }
+    fn from_host(
+        &self,
+        _: usize,
+        t: &HostTensor,
+    ) -> Result<nsactor_plugin_api::DeviceTensor, EngineError> {
+        Ok(nsactor_plugin_api::DeviceTensor::new(Shape(t.shape.clone())))
+    }
+    fn to_host(&self, t: &nsactor_plugin_api::DeviceTensor) -> Result<HostTensor, EngineError> {
+        let shape = t.shape();
+        Ok(HostTensor {
+            data: vec![0.0; shape.iter().product()],
+            shape,
+        })
+    }
+    fn to_device(
+        &self,
+        t: nsactor_plugin_api::DeviceTensor,
+        _: usize,
+    ) -> Result<nsactor_plugin_api::DeviceTensor, EngineError> {
+        Ok(t)
+    }
+    fn open_stage(
+        &self,
+        _: &StageSpec,
+    ) -> Result<Box<dyn nsactor_plugin_api::Stage>, EngineError> {
+        Ok(Box::new(EchoStage))
+    }
+}
+
+/// What `nsactor bench pipeline-hop` measured.
+#[derive(Debug, Clone)]
+pub struct HopTimings {
+    pub layers: usize,
+    pub stages: usize,
+    pub micro_batches: usize,
+    /// Median seconds of one training step (all micro-batches plus the optimizer phase).
+    pub step_s: f64,
+    /// Hops per step: per micro-batch, embed → L forwards → head → L backwards → embedding
+    /// backward (2L + 3 messages, each with a worker handoff), plus the optimizer phase's
+    /// 3·(L + 1) calls.
+    pub hops: usize,
+}
+
+impl HopTimings {
+    pub fn per_hop_s(&self) -> f64 {
+        self.step_s / self.hops as f64
+    }
+}
+
+/// Times training steps through a pipeline of `layers` no-compute layer actors in `stages`
+/// stages, `micro_batches` per step; the median of `steps` steps.
+pub fn pipeline_hops(
+    layers: usize,
+    stages: usize,
+    micro_batches: usize,
+    steps: usize,
+) -> Result<HopTimings, String> {
+    use crate::engine::{StagedModel, StepParams};
+    use crate::pipeline::{Pipeline, PipelinePlan};
+    let model = format!("[model]\nnum_layers = {layers}\n");
+    let backend: Arc<dyn ComputeBackend> = Arc::new(EchoBackend);
+    let staged = StagedModel::open(backend, &model, 0, OptimizerKind::Adam, None)
+        .map_err(|e| e.to_string())?;
+    let plan = PipelinePlan::balanced(layers, stages, &[0])?;
+    let train = crate::config::RunConfig::load(None)
+        .map_err(|e| e.to_string())?
+        .train;
+    let mut p = Pipeline::start(staged, plan, train, None).map_err(|e| e.to_string())?;
+    let batch = nsactor_plugin_api::Batch {
+        batch: 1,
+        seq_len: 1,
+        inputs: vec![1],
+        targets: vec![1],
+        loss_mask: vec![1.0],
+    };
+    let batches = vec![batch; micro_batches];
+    let params = StepParams {
+        lr: 1e-3,
+        neuron_lr: 1e-2,
+        ponder_weight: 0.0,
+        max_grad_norm: 1.0,
+    };
+    let mut times = Vec::with_capacity(steps);
+    for i in 0..steps + 2 {
+        let t = Instant::now();
+        p.train_step(&batches, &params).map_err(|e| e.to_string())?;
+        if i >= 2 {
+            times.push(t.elapsed().as_secs_f64());
+        }
+    }
+    times.sort_by(f64::total_cmp);
+    Ok(HopTimings {
+        layers,
+        stages,
+        micro_batches,
+        step_s: times[times.len() / 2],
+        hops: micro_batches * (2 * layers + 3) + 3 * (layers + 1),
+    })
+}

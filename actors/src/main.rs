@@ -84,6 +84,25 @@ enum BenchCommand {
     /// Per-call cost of the plugin boundary: the same calls through a loaded plugin and through
     /// the embedded engine.
     PluginOverhead(OverheadArgs),
+    /// Cost of one actor-pipeline hop (message + worker handoff, no compute) and its share of a
+    /// 0.9B layer's compute per micro-batch.
+    PipelineHop(HopArgs),
+}
+
+#[derive(clap::Args)]
+struct HopArgs {
+    /// Layer actors in the pipeline.
+    #[arg(long, default_value_t = 20)]
+    layers: usize,
+    /// Pipeline stages to measure (comma-separated).
+    #[arg(long, value_delimiter = ',', default_value = "1,4,8")]
+    pipeline: Vec<usize>,
+    /// Micro-batches per step.
+    #[arg(long, default_value_t = 64)]
+    micro: usize,
+    /// Timed steps (the median is reported).
+    #[arg(long, default_value_t = 9)]
+    steps: usize,
 }
 
 #[derive(clap::Args)]
@@ -175,6 +194,7 @@ fn main() -> ExitCode {
         Command::Train(args) => train_cmd(args),
         Command::Plugins(args) => plugins_cmd(args),
         Command::Bench(BenchCommand::PluginOverhead(args)) => overhead_cmd(args),
+        Command::Bench(BenchCommand::PipelineHop(args)) => hop_cmd(args),
         Command::Verify(VerifyCommand::TinyA(args)) => verify_cmd(args),
         Command::Tokenizer(TokenizerCommand::Train(a)) => {
             nsactor_data::cli::tokenizer_train(&a).map_err(Into::into)
@@ -401,6 +421,44 @@ fn verify_cmd(args: VerifyArgs) -> Result<(), Box<dyn std::error::Error>> {
     } else {
         Err("tiny_a: outside the fixture tolerances".into())
     }
+}
+
+fn hop_cmd(args: HopArgs) -> Result<(), Box<dyn std::error::Error>> {
+    // 0.9B, one layer, one micro-batch of 4 × 511 tokens: ≈107 GFLOP per trained token with
+    // per-layer recompute over 20 layers (DESIGN.md performance model).
+    let layer_flop = 107e9 / 20.0 * 4.0 * 511.0;
+    let at = |tflops: f64| layer_flop / (tflops * 1e12);
+    println!(
+        "actor pipeline hop: {} no-compute layer actors, {} micro-batches per step, median of {} steps; {} CPU threads",
+        args.layers,
+        args.micro,
+        args.steps,
+        std::thread::available_parallelism().map_or(0, |n| n.get())
+    );
+    println!(
+        "0.9B layer compute per micro-batch (4×511 tokens, fwd + recompute + bwd, {:.1} TFLOP): {:.1} ms at 600 TFLOP/s (cuBLAS bf16), {:.0} ms at 88 TFLOP/s (burn's matmul)",
+        layer_flop * 1e-12,
+        at(600.0) * 1e3,
+        at(88.0) * 1e3
+    );
+    println!(
+        "{:>9} {:>12} {:>8} {:>12} {:>22}",
+        "pipeline", "step (ms)", "hops", "per hop (µs)", "share of a 0.9B layer"
+    );
+    for &p in &args.pipeline {
+        let t = nsactor::bench::pipeline_hops(args.layers, p, args.micro, args.steps)?;
+        // A layer sees two hops per micro-batch: its forward input and its backward input.
+        let share = 2.0 * t.per_hop_s() / at(600.0);
+        println!(
+            "{:>9} {:>12.3} {:>8} {:>12.2} {:>21.4}%",
+            p,
+            t.step_s * 1e3,
+            t.hops,
+            t.per_hop_s() * 1e6,
+            share * 100.0
+        );
+    }
+    Ok(())
 }
 
 fn overhead_cmd(args: OverheadArgs) -> Result<(), Box<dyn std::error::Error>> {

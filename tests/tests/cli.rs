@@ -59,6 +59,88 @@ fn train_on_the_embedded_default_lowers_the_loss_and_writes_weights() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
+fn losses(dir: &std::path::Path) -> Vec<(u64, f64)> {
+    std::fs::read_to_string(dir.join("metrics.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| {
+            let v: serde_json::Value = serde_json::from_str(l).unwrap();
+            (v["step"].as_u64().unwrap(), v["loss"].as_f64().unwrap())
+        })
+        .collect()
+}
+
+#[test]
+fn pipelined_training_checkpoints_and_resumes_exactly() {
+    let dir = temp_dir("pipeline");
+    let full = dir.join("full");
+    let out = nsactor()
+        .args([
+            "--log-format",
+            "json",
+            "train",
+            "--steps",
+            "6",
+            "--pipeline",
+            "2",
+            "--checkpoint-every",
+            "3",
+            "--out",
+        ])
+        .arg(&full)
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "train failed: {stderr}");
+    // JSON logs: every stderr line is an object with a message.
+    for line in stderr.lines() {
+        let v: serde_json::Value = serde_json::from_str(line)
+            .unwrap_or_else(|e| panic!("not a JSON log line ({e}): {line}"));
+        assert!(v["fields"]["message"].is_string(), "{line}");
+    }
+    assert!(stderr.contains("pipeline 2 [0-0@0 1-1@0]"), "{stderr}");
+    let want = losses(&full);
+    assert_eq!(want.len(), 6);
+    let ckpts = full.join("checkpoints");
+    assert!(ckpts.join("step-00000003/manifest.json").exists());
+    assert!(ckpts.join("step-00000006/layer-001.safetensors").exists());
+
+    // A run that stopped after step 3: its checkpoint and the metrics it had written.
+    let cut = dir.join("cut");
+    std::fs::create_dir_all(cut.join("checkpoints")).unwrap();
+    let src = ckpts.join("step-00000003");
+    let dst = cut.join("checkpoints/step-00000003");
+    std::fs::create_dir_all(&dst).unwrap();
+    for f in std::fs::read_dir(&src).unwrap() {
+        let f = f.unwrap();
+        std::fs::copy(f.path(), dst.join(f.file_name())).unwrap();
+    }
+    let metrics = std::fs::read_to_string(full.join("metrics.jsonl")).unwrap();
+    let head: Vec<&str> = metrics.lines().take(3).collect();
+    std::fs::write(cut.join("metrics.jsonl"), head.join("\n") + "\n").unwrap();
+    // Resumed with a different P: the schedule does not change the numbers.
+    let out = nsactor()
+        .args(["train", "--steps", "6", "--pipeline", "1", "--resume", "--out"])
+        .arg(&cut)
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "resume failed: {stderr}");
+    assert!(stderr.contains("resuming from"), "{stderr}");
+    assert_eq!(losses(&cut), want, "the resumed run differs from the uninterrupted one");
+    assert_eq!(
+        std::fs::read(cut.join("model.safetensors")).unwrap(),
+        std::fs::read(full.join("model.safetensors")).unwrap()
+    );
+
+    // Impossible layouts are refused up front.
+    let err = run_err(&["train", "--steps", "1", "--pipeline", "3", "--out", "/tmp/x"]);
+    assert!(err.contains("--pipeline 3 needs at least 3 layers"), "{err}");
+    let err = run_err(&["train", "--steps", "1", "--devices", "4", "--out", "/tmp/x"]);
+    assert!(err.contains("device 4 does not exist"), "{err}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
 #[test]
 fn bad_configs_get_clear_errors() {
     let dir = temp_dir("badcfg");

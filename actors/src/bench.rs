@@ -115,7 +115,9 @@ impl nsactor_plugin_api::Stage for EchoStage {
         use nsactor_plugin_api::{DeviceTensor, Reply};
         let t = |shape: Vec<usize>| DeviceTensor::new(Shape(shape));
         Ok(match call {
-            StageCall::Embed { tokens, .. } => Reply::tensor(t(vec![tokens.seq_len, tokens.batch, 1])),
+            StageCall::Embed { tokens, .. } => {
+                Reply::tensor(t(vec![tokens.seq_len, tokens.batch, 1]))
+            }
             StageCall::Forward { h, .. } => Reply {
                 tensors: vec![h],
                 scalars: vec![1.0, 1.0, 1.0, 1.0],
@@ -164,7 +166,9 @@ impl ComputeBackend for EchoBackend {
         _: usize,
         t: &HostTensor,
     ) -> Result<nsactor_plugin_api::DeviceTensor, EngineError> {
-        Ok(nsactor_plugin_api::DeviceTensor::new(Shape(t.shape.clone())))
+        Ok(nsactor_plugin_api::DeviceTensor::new(Shape(
+            t.shape.clone(),
+        )))
     }
     fn to_host(&self, t: &nsactor_plugin_api::DeviceTensor) -> Result<HostTensor, EngineError> {
         let shape = t.shape();
@@ -180,10 +184,7 @@ impl ComputeBackend for EchoBackend {
     ) -> Result<nsactor_plugin_api::DeviceTensor, EngineError> {
         Ok(t)
     }
-    fn open_stage(
-        &self,
-        _: &StageSpec,
-    ) -> Result<Box<dyn nsactor_plugin_api::Stage>, EngineError> {
+    fn open_stage(&self, _: &StageSpec) -> Result<Box<dyn nsactor_plugin_api::Stage>, EngineError> {
         Ok(Box::new(EchoStage))
     }
 }

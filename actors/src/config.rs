@@ -149,7 +149,8 @@ impl RunConfig {
 }
 
 impl TrainConfig {
-    fn validate(&self) -> Result<(), String> {
+    /// Checks the values (run again after command-line overrides).
+    pub fn validate(&self) -> Result<(), String> {
         let positive = [
             ("steps", self.steps as usize),
             ("batch_size", self.batch_size),

@@ -2,6 +2,7 @@
 //! reference schedule the actor pipeline must reproduce (one micro-batch at a time through the
 //! edge and every layer, then the cross-stage optimizer step).
 
+use crate::decode::{SamplingParams, TokenPicker};
 use nsactor_plugin_api::optim::{clip_factor, phase2_scales};
 use nsactor_plugin_api::{
     Batch, ComputeBackend, DeviceTensor, EngineError, OptimizerKind, Reply, Stage, StageCall,
@@ -451,9 +452,30 @@ pub fn greedy(
     eos: Option<i64>,
     suppress: &[i64],
 ) -> Result<Vec<i64>, EngineError> {
+    generate(
+        d,
+        prompt,
+        max_new_tokens,
+        eos,
+        suppress,
+        SamplingParams::greedy(),
+    )
+}
+
+/// [`greedy`] with any [`SamplingParams`].
+pub fn generate(
+    d: &mut impl Decoder,
+    prompt: &[i64],
+    max_new_tokens: usize,
+    eos: Option<i64>,
+    suppress: &[i64],
+    sampling: SamplingParams,
+) -> Result<Vec<i64>, EngineError> {
     if prompt.is_empty() {
         return Err(EngineError::InvalidInput("the prompt is empty".into()));
     }
+    sampling.validate().map_err(EngineError::InvalidInput)?;
+    let mut picker = TokenPicker::new(sampling);
     let mut out = prompt.to_vec();
     let result = (|| {
         let mut logits = d.prefill(prompt)?;
@@ -463,7 +485,7 @@ pub fn greedy(
                     *l = f32::NEG_INFINITY;
                 }
             }
-            let next = argmax(&logits) as i64;
+            let next = picker.pick(&mut logits, &out);
             out.push(next);
             if Some(next) == eos || i + 1 == max_new_tokens {
                 break;

@@ -14,6 +14,7 @@
 pub mod backend;
 pub mod bench;
 pub mod config;
+pub mod decode;
 pub mod engine;
 pub mod pipeline;
 pub mod plot;

@@ -235,6 +235,9 @@ fn train_cmd(args: TrainArgs) -> Result<(), Box<dyn std::error::Error>> {
     if let Some(t) = args.tokenizer.clone() {
         cfg.data.tokenizer = Some(t);
     }
+    cfg.train
+        .validate()
+        .map_err(|m| format!("after the command-line options: [train] {m}"))?;
     let tok = nsactor_data::cli::load_tokenizer(cfg.data.tokenizer.as_deref())?;
     train::check_tokenizer(&cfg, &tok)?;
     let sampler = make_sampler(&cfg, &tok, &args.corpus, args.data.as_deref(), args.sft)?;
@@ -298,10 +301,18 @@ fn train_cmd(args: TrainArgs) -> Result<(), Box<dyn std::error::Error>> {
     );
     let mut ids = vec![i64::from(tok.bos_id())];
     ids.extend(tok.encode("Emma was")?.into_iter().map(i64::from));
-    // The sample: greedy, stopping at the end token, never emitting the other specials.
+    // The sample: seeded nucleus sampling with a repetition penalty (a small model's greedy
+    // text loops), stopping at the end token, never emitting the other specials.
     let eos = i64::from(tok.eos_id());
     let specials: Vec<i64> = (0..5).filter(|&id| id != eos).collect();
-    let out = pipeline.generate_greedy(&ids, 60, Some(eos), &specials)?;
+    let sampling = nsactor::decode::SamplingParams {
+        temperature: 0.8,
+        top_k: 50,
+        top_p: 0.95,
+        repetition_penalty: 1.2,
+        seed: cfg.train.seed,
+    };
+    let out = pipeline.generate(&ids, 60, Some(eos), &specials, sampling)?;
     let out: Vec<u32> = out.iter().map(|&t| t as u32).collect();
     println!("{}", tok.decode(&out, true)?.replace('\n', " "));
     Ok(())

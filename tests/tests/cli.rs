@@ -120,22 +120,45 @@ fn pipelined_training_checkpoints_and_resumes_exactly() {
     std::fs::write(cut.join("metrics.jsonl"), head.join("\n") + "\n").unwrap();
     // Resumed with a different P: the schedule does not change the numbers.
     let out = nsactor()
-        .args(["train", "--steps", "6", "--pipeline", "1", "--resume", "--out"])
+        .args([
+            "train",
+            "--steps",
+            "6",
+            "--pipeline",
+            "1",
+            "--resume",
+            "--out",
+        ])
         .arg(&cut)
         .output()
         .unwrap();
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "resume failed: {stderr}");
     assert!(stderr.contains("resuming from"), "{stderr}");
-    assert_eq!(losses(&cut), want, "the resumed run differs from the uninterrupted one");
+    assert_eq!(
+        losses(&cut),
+        want,
+        "the resumed run differs from the uninterrupted one"
+    );
     assert_eq!(
         std::fs::read(cut.join("model.safetensors")).unwrap(),
         std::fs::read(full.join("model.safetensors")).unwrap()
     );
 
     // Impossible layouts are refused up front.
-    let err = run_err(&["train", "--steps", "1", "--pipeline", "3", "--out", "/tmp/x"]);
-    assert!(err.contains("--pipeline 3 needs at least 3 layers"), "{err}");
+    let err = run_err(&[
+        "train",
+        "--steps",
+        "1",
+        "--pipeline",
+        "3",
+        "--out",
+        "/tmp/x",
+    ]);
+    assert!(
+        err.contains("--pipeline 3 needs at least 3 layers"),
+        "{err}"
+    );
     let err = run_err(&["train", "--steps", "1", "--devices", "4", "--out", "/tmp/x"]);
     assert!(err.contains("device 4 does not exist"), "{err}");
     std::fs::remove_dir_all(&dir).unwrap();

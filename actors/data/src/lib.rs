@@ -24,7 +24,7 @@ pub mod shards;
 pub mod tokenizer;
 
 pub use error::{DataError, Result};
-pub use sampler::{Cursor, MemTokens, Mode, Sampler, TokenSource};
+pub use sampler::{Cursor, MemTokens, Mode, Sampler, SplitMix64, TokenSource};
 pub use shards::ShardSet;
 pub use tokenizer::{Message, Tokenizer, chat_template};
 

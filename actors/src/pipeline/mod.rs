@@ -551,6 +551,25 @@ impl Pipeline {
         eos: Option<i64>,
         suppress: &[i64],
     ) -> Result<Vec<i64>, EngineError> {
+        self.generate(
+            prompt,
+            max_new_tokens,
+            eos,
+            suppress,
+            crate::decode::SamplingParams::greedy(),
+        )
+    }
+
+    /// Continuation of `prompt` through the layer actors, tokens chosen by `sampling` (see
+    /// [`crate::engine::generate`]).
+    pub fn generate(
+        &mut self,
+        prompt: &[i64],
+        max_new_tokens: usize,
+        eos: Option<i64>,
+        suppress: &[i64],
+        sampling: crate::decode::SamplingParams,
+    ) -> Result<Vec<i64>, EngineError> {
         let session = self.next_session;
         self.next_session += 1;
         let mut d = PipelineSession {
@@ -558,7 +577,7 @@ impl Pipeline {
             session,
             open: false,
         };
-        crate::engine::greedy(&mut d, prompt, max_new_tokens, eos, suppress)
+        crate::engine::generate(&mut d, prompt, max_new_tokens, eos, suppress, sampling)
     }
 
     /// Masked mean cross entropy of `b` (no gradients).

@@ -114,7 +114,7 @@ impl TokenPicker {
             probs.truncate(keep);
         }
         let total: f64 = probs.iter().sum();
-        let u = (self.rng.next() >> 11) as f64 / (1u64 << 53) as f64 * total;
+        let u = (self.rng.next_u64() >> 11) as f64 / (1u64 << 53) as f64 * total;
         let mut acc = 0.0;
         for (&i, &q) in order.iter().zip(&probs) {
             acc += q;

@@ -277,7 +277,7 @@ impl Sampler {
 pub struct SplitMix64(pub u64);
 
 impl SplitMix64 {
-    pub fn next(&mut self) -> u64 {
+    pub fn next_u64(&mut self) -> u64 {
         self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
         let mut z = self.0;
         z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
@@ -287,14 +287,14 @@ impl SplitMix64 {
 
     /// Uniform in `0..n` (Lemire's multiply-shift; the bias is < n/2⁶⁴, irrelevant here).
     fn below(&mut self, n: u64) -> u64 {
-        ((u128::from(self.next()) * u128::from(n)) >> 64) as u64
+        ((u128::from(self.next_u64()) * u128::from(n)) >> 64) as u64
     }
 }
 
 /// The shuffled row order of `epoch`.
 pub fn permutation(n: u64, seed: u64, epoch: u64) -> Vec<u64> {
     let mut rng = SplitMix64(seed ^ 0xda7a_5a3b_1e00_0000);
-    let mix = rng.next() ^ epoch.wrapping_mul(0xa076_1d64_78bd_642f);
+    let mix = rng.next_u64() ^ epoch.wrapping_mul(0xa076_1d64_78bd_642f);
     let mut rng = SplitMix64(mix);
     let mut order: Vec<u64> = (0..n).collect();
     for i in (1..n as usize).rev() {

@@ -91,6 +91,17 @@ pub struct TrainConfig {
     /// Checkpoints kept (the newest by step number; 0 keeps all).
     #[serde(default = "three")]
     pub keep_checkpoints: usize,
+    /// Recoveries from actor failures a run may make before it gives up.
+    #[serde(default = "three_u32")]
+    pub max_restarts: u32,
+    /// A failure to inject once, to exercise recovery: `layer-panic:LAYER:STEP` or
+    /// `crash-in-checkpoint:STEP` (`--inject-fault`).
+    #[serde(default)]
+    pub inject_fault: Option<String>,
+}
+
+fn three_u32() -> u32 {
+    3
 }
 
 fn one() -> usize {
@@ -171,6 +182,10 @@ impl TrainConfig {
         ];
         if let Some((name, v)) = finite.iter().find(|(_, v)| !v.is_finite() || *v < 0.0) {
             return Err(format!("`{name}` must be finite and ≥ 0, got {v}"));
+        }
+        if let Some(f) = &self.inject_fault {
+            f.parse::<crate::pipeline::topology::Fault>()
+                .map_err(|e| format!("`inject_fault`: {e}"))?;
         }
         Ok(())
     }

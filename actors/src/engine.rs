@@ -63,6 +63,8 @@ impl Placement {
 /// A model's stages taken apart (see [`StagedModel::into_parts`]).
 pub struct StageParts {
     pub backend: Arc<dyn ComputeBackend>,
+    /// The edge's spec; a layer's differs only in kind and device.
+    pub spec: StageSpec,
     pub edge: Box<dyn Stage>,
     pub layers: Vec<Box<dyn Stage>>,
 }
@@ -70,6 +72,8 @@ pub struct StageParts {
 /// Every stage of one model on one backend.
 pub struct StagedModel {
     backend: Arc<dyn ComputeBackend>,
+    /// How every stage was opened (the stage kind and device aside).
+    spec: StageSpec,
     placement: Placement,
     edge: Box<dyn Stage>,
     layers: Vec<Box<dyn Stage>>,
@@ -119,6 +123,7 @@ impl StagedModel {
             .collect::<Result<_, _>>()?;
         Ok(StagedModel {
             backend,
+            spec: spec(StageKind::Edge, placement.edge),
             placement,
             edge,
             layers,
@@ -416,6 +421,7 @@ impl StagedModel {
     pub fn into_parts(self) -> StageParts {
         StageParts {
             backend: self.backend,
+            spec: self.spec,
             edge: self.edge,
             layers: self.layers,
         }

@@ -170,6 +170,12 @@ struct TrainArgs {
     /// Override [train].checkpoint_every.
     #[arg(long)]
     checkpoint_every: Option<u64>,
+    /// Inject one failure to exercise recovery: `layer-panic:LAYER:STEP` (the layer actor
+    /// panics; the supervisor rebuilds the actors and rolls back to the newest checkpoint) or
+    /// `crash-in-checkpoint:STEP` (the process aborts mid-checkpoint). Overrides
+    /// [train].inject_fault.
+    #[arg(long)]
+    inject_fault: Option<String>,
 }
 
 fn init_logging(format: &str) {
@@ -231,6 +237,9 @@ fn train_cmd(args: TrainArgs) -> Result<(), Box<dyn std::error::Error>> {
     }
     if let Some(c) = args.checkpoint_every {
         cfg.train.checkpoint_every = c;
+    }
+    if let Some(f) = args.inject_fault.clone() {
+        cfg.train.inject_fault = Some(f);
     }
     if let Some(t) = args.tokenizer.clone() {
         cfg.data.tokenizer = Some(t);

@@ -30,6 +30,8 @@ pub struct RunSummary {
     pub losses: Vec<f64>,
     pub tokens_per_s: f64,
     pub weights: PathBuf,
+    /// Seconds each in-process recovery took (failure noticed → actors rebuilt and rolled back).
+    pub recoveries: Vec<f64>,
 }
 
 /// Fails when `tok` has ids the model's embedding cannot hold.
@@ -80,6 +82,14 @@ pub fn run(
     let out_dir = t.out_dir.clone();
     std::fs::create_dir_all(&out_dir).map_err(|e| TrainError::Io(out_dir.clone(), e))?;
     let metrics_path = out_dir.join("metrics.jsonl");
+    // Resuming: keep the metrics of the steps the checkpoint holds, drop any logged after it.
+    let mut losses = Vec::new();
+    if first_step > 0 {
+        let (kept, text) = previous_metrics(&metrics_path, first_step);
+        losses = kept;
+        crate::weights::write_atomic(&metrics_path, text.as_bytes())
+            .map_err(|e| TrainError::Io(metrics_path.clone(), e))?;
+    }
     let mut metrics = std::fs::OpenOptions::new()
         .create(true)
         .write(true)
@@ -87,11 +97,6 @@ pub fn run(
         .truncate(first_step == 0)
         .open(&metrics_path)
         .map_err(|e| TrainError::Io(metrics_path.clone(), e))?;
-    let mut losses = if first_step > 0 {
-        previous_losses(&metrics_path, first_step)
-    } else {
-        Vec::new()
-    };
     tracing::info!(
         "{} parameters on {}; {} steps × {} micro-batches × {}×{} tokens; pipeline {} [{}], imbalance {:.2}",
         pipeline.param_count(),
@@ -117,8 +122,35 @@ pub fn run(
     let ckpt_root = checkpoint_root(cfg);
     let mut last_saved = first_step;
     let mut cursor = None;
-    for _ in first_step..t.steps {
-        let r = pipeline.step()?;
+    let mut recoveries = Vec::new();
+    let mut step = first_step;
+    while step < t.steps {
+        let r = match pipeline.step() {
+            Ok(r) => r,
+            Err(PipelineError::Recovered {
+                cause,
+                to_step,
+                seconds,
+            }) => {
+                bar.suspend(|| {
+                    tracing::warn!(
+                        "{cause}; actors rebuilt and rolled back to step {to_step} in {seconds:.2} s"
+                    )
+                });
+                let line = serde_json::json!({
+                    "event": "recovered", "failed_step": step + 1, "to_step": to_step,
+                    "seconds": seconds, "cause": cause,
+                });
+                writeln!(metrics, "{line}").map_err(|e| TrainError::Io(metrics_path.clone(), e))?;
+                recoveries.push(seconds);
+                losses.truncate(to_step as usize);
+                step = to_step;
+                bar.set_position(step);
+                continue;
+            }
+            Err(e) => return Err(e.into()),
+        };
+        step = r.step;
         let stats = r.stats;
         cursor = r.cursor;
         tokens += stats.tokens;
@@ -198,11 +230,13 @@ pub fn run(
         losses,
         tokens_per_s: tokens as f64 / start.elapsed().as_secs_f64(),
         weights,
+        recoveries,
     })
 }
 
-/// Losses of steps 1..=`upto` from an earlier part of the run, for the loss curve.
-fn previous_losses(metrics: &std::path::Path, upto: u64) -> Vec<f64> {
+/// The metrics of steps 1..=`upto` from an earlier part of the run: their losses (for the loss
+/// curve) and their lines (the last line of each step, in step order).
+fn previous_metrics(metrics: &std::path::Path, upto: u64) -> (Vec<f64>, String) {
     let text = std::fs::read_to_string(metrics).unwrap_or_default();
     let mut by_step = std::collections::BTreeMap::new();
     for line in text.lines() {
@@ -210,12 +244,13 @@ fn previous_losses(metrics: &std::path::Path, upto: u64) -> Vec<f64> {
             && let (Some(step), Some(loss)) = (v["step"].as_u64(), v["loss"].as_f64())
             && step <= upto
         {
-            // A step logged twice (a crash after logging, before the checkpoint) keeps its
-            // last value.
-            by_step.insert(step, loss);
+            // A step logged twice (redone after a rollback) keeps its last value.
+            by_step.insert(step, (loss, line.to_string()));
         }
     }
-    by_step.into_values().collect()
+    let losses = by_step.values().map(|(l, _)| *l).collect();
+    let lines: String = by_step.into_values().map(|(_, l)| l + "\n").collect();
+    (losses, lines)
 }
 
 /// `ndarray 0.1.0 (cpu (2 threads, f32))`.

@@ -88,6 +88,17 @@ pub fn write(
     shards: &[Vec<u8>],
     keep: usize,
 ) -> Result<PathBuf, CheckpointError> {
+    write_with(root, meta, shards, keep, &|| {})
+}
+
+/// [`write`], calling `before_manifest` between the shards and the manifest (fault injection).
+pub fn write_with(
+    root: &Path,
+    meta: &CheckpointMeta,
+    shards: &[Vec<u8>],
+    keep: usize,
+    before_manifest: &dyn Fn(),
+) -> Result<PathBuf, CheckpointError> {
     let dir = step_dir(root, meta.step);
     std::fs::create_dir_all(&dir).map_err(|e| CheckpointError::Io(dir.clone(), e))?;
     // A manifest from an earlier attempt at this step must not vouch for new shards.
@@ -129,6 +140,7 @@ pub fn write(
         tokenizer_sha256: meta.tokenizer_sha256.clone(),
         shards: entries,
     };
+    before_manifest();
     let text = serde_json::to_vec_pretty(&manifest).expect("a manifest serialises");
     let path = dir.join(MANIFEST);
     crate::weights::write_atomic(&path, &text).map_err(|e| CheckpointError::Io(path, e))?;

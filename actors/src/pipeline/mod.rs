@@ -23,22 +23,24 @@ pub mod edge;
 pub mod layer;
 pub mod plan;
 pub mod supervisor;
+pub mod topology;
 pub mod worker;
 
 use crate::config::TrainConfig;
 use crate::engine::{Decoder, StagedModel, StepParams, StepStats};
 use data::{DataActor, DataMsg};
-use edge::{EdgeActor, EdgeArgs, EdgeControl, EdgeMsg};
-use layer::{LayerActor, LayerArgs, LayerControl, LayerMsg};
+use edge::{EdgeControl, EdgeMsg};
+use layer::{LayerControl, LayerMsg};
 use nsactor_data::{Cursor, Sampler};
 use nsactor_plugin_api::{Batch, ComputeBackend, DeviceTensor, EngineError, Stage};
 pub use plan::PipelinePlan;
 use ractor::{Actor, ActorCell, ActorProcessingErr, ActorRef, RpcReplyPort};
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, RwLock};
 pub use supervisor::StepReport;
 use supervisor::{SupArgs, SupMsg, Supervisor};
+use topology::Children;
 use worker::{JobPanicked, Priority, Worker};
 
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
@@ -55,6 +57,14 @@ pub enum PipelineError {
     Broken(String),
     #[error("actor runtime: {0}")]
     Runtime(String),
+    /// The step failed, the supervisor rebuilt the actors and rolled the run back to the
+    /// newest checkpoint (step `to_step`); the run continues from there.
+    #[error("{cause}; recovered in {seconds:.2} s, continuing after step {to_step}")]
+    Recovered {
+        cause: String,
+        to_step: u64,
+        seconds: f64,
+    },
 }
 
 /// Ponder statistics accumulated over the layers a micro-batch has passed.
@@ -234,6 +244,11 @@ pub(crate) async fn ask<M: ractor::Message, T: Send + 'static>(
     }
 }
 
+/// Every actor cell of `c`: the edge, then the layers.
+pub(crate) fn children_cells(c: &Children) -> impl Iterator<Item = ActorCell> + '_ {
+    std::iter::once(c.edge.get_cell()).chain(c.layers.iter().map(|l| l.get_cell()))
+}
+
 /// Distinguishes the actor names of pipelines living in one process (ractor names are global).
 static PIPELINES: AtomicU64 = AtomicU64::new(0);
 
@@ -241,8 +256,9 @@ static PIPELINES: AtomicU64 = AtomicU64::new(0);
 pub struct Pipeline {
     rt: tokio::runtime::Runtime,
     sup: ActorRef<SupMsg>,
-    edge: ActorRef<EdgeMsg>,
-    layers: Vec<ActorRef<LayerMsg>>,
+    /// The current edge and layer actors, shared with the supervisor, which replaces them
+    /// when it recovers from a failure.
+    children: Arc<RwLock<Children>>,
     data: Option<ActorRef<DataMsg>>,
     /// The edge's worker, then one per pipeline stage.
     workers: Vec<Arc<Worker>>,
@@ -278,6 +294,7 @@ impl Pipeline {
         let param_count = model.param_count();
         let crate::engine::StageParts {
             backend,
+            spec,
             edge: edge_stage,
             layers: layer_stages,
         } = model.into_parts();
@@ -290,99 +307,57 @@ impl Pipeline {
         for s in 0..plan.num_stages() {
             workers.push(spawn(format!("nsactor-stage{s}"))?);
         }
+        let fault = train
+            .inject_fault
+            .as_deref()
+            .map(|f| f.parse::<topology::Fault>())
+            .transpose()
+            .map_err(PipelineError::Runtime)?
+            .map(|f| Arc::new(topology::FaultPlan::new(f)));
         let id = PIPELINES.fetch_add(1, Ordering::Relaxed);
-        let name = |n: &str| format!("pipeline{id}/{n}");
-        let devices = plan.layer_devices();
-        let (sup, edge, layers, data) = rt.block_on(async {
+        let topo = topology::Topology {
+            backend: backend.clone(),
+            spec,
+            plan: plan.clone(),
+            workers: workers.clone(),
+            prefix: format!("pipeline{id}"),
+            fault,
+        };
+        let (sup, children, data) = rt.block_on(async {
             let rt_err = |e: ractor::SpawnErr| PipelineError::Runtime(e.to_string());
-            let (edge, _) = Actor::spawn(
-                Some(name("edge")),
-                EdgeActor,
-                EdgeArgs {
-                    device: plan.edge_device(),
-                    num_layers: layer_stages.len(),
-                    stage: StageHolder::new("edge", edge_stage),
-                    worker: workers[0].clone(),
-                    backend: backend.clone(),
-                },
-            )
-            .await
-            .map_err(rt_err)?;
-            let mut layers = Vec::with_capacity(layer_stages.len());
-            for (i, stage) in layer_stages.into_iter().enumerate() {
-                let (l, _) = Actor::spawn(
-                    Some(name(&format!("layer-{i}"))),
-                    LayerActor,
-                    LayerArgs {
-                        index: i,
-                        device: devices[i],
-                        stage: StageHolder::new(format!("layer {i}"), stage),
-                        worker: workers[1 + plan.stage_of(i)].clone(),
-                        backend: backend.clone(),
-                    },
-                )
-                .await
-                .map_err(rt_err)?;
-                layers.push(l);
-            }
+            let children = topo.spawn(edge_stage, layer_stages, 0).await?;
             let data = match sampler {
                 Some(sampler) => Some(
-                    Actor::spawn(Some(name("data")), DataActor, sampler)
+                    Actor::spawn(Some(format!("pipeline{id}/data")), DataActor, sampler)
                         .await
                         .map_err(rt_err)?
                         .0,
                 ),
                 None => None,
             };
-            // Wire the chain: edge → 0 → … → L−1 → edge.
-            let n = layers.len();
-            let wire_err = |_| PipelineError::Runtime("an actor stopped while starting".into());
-            for (i, l) in layers.iter().enumerate() {
-                let prev = if i == 0 {
-                    Hop::Edge(edge.clone())
-                } else {
-                    Hop::Layer(layers[i - 1].clone())
-                };
-                let next = if i + 1 == n {
-                    Hop::Edge(edge.clone())
-                } else {
-                    Hop::Layer(layers[i + 1].clone())
-                };
-                l.cast(LayerMsg::Wire { prev, next }).map_err(wire_err)?;
-            }
-            edge.cast(EdgeMsg::Wire {
-                first: Hop::Layer(layers[0].clone()),
-                last: Hop::Layer(layers[n - 1].clone()),
-            })
-            .map_err(|_| PipelineError::Runtime("the edge stopped while starting".into()))?;
+            let shared = Arc::new(RwLock::new(children.clone()));
             let (sup, _) = Actor::spawn(
-                Some(name("supervisor")),
+                Some(format!("pipeline{id}/supervisor")),
                 Supervisor,
                 SupArgs {
-                    edge: edge.clone(),
-                    layers: layers.clone(),
+                    topo,
+                    children: shared.clone(),
                     data: data.clone(),
-                    stages: plan.num_stages(),
                     train,
                 },
             )
             .await
             .map_err(rt_err)?;
             // The supervisor hears of every child's failure.
-            edge.get_cell().link(sup.get_cell());
-            for l in &layers {
-                l.get_cell().link(sup.get_cell());
+            for c in children_cells(&children).chain(data.iter().map(|d| d.get_cell())) {
+                c.link(sup.get_cell());
             }
-            if let Some(d) = &data {
-                d.get_cell().link(sup.get_cell());
-            }
-            Ok::<_, PipelineError>((sup, edge, layers, data))
+            Ok::<_, PipelineError>((sup, shared, data))
         })?;
         Ok(Pipeline {
             rt,
             sup,
-            edge,
-            layers,
+            children,
             data,
             workers,
             plan,
@@ -469,7 +444,14 @@ impl Pipeline {
     }
 
     pub fn num_layers(&self) -> usize {
-        self.layers.len()
+        self.plan.num_layers()
+    }
+
+    fn children(&self) -> Children {
+        self.children
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
     }
 
     /// Seconds each worker has spent computing (edge first, then stages), and its job count.
@@ -499,11 +481,13 @@ impl Pipeline {
         batch: usize,
         seq_len: usize,
     ) -> Result<DeviceTensor, EngineError> {
-        self.block(ask(&self.edge, "edge", |reply| EdgeMsg::SessionEmbed {
-            ids,
-            batch,
-            seq_len,
-            reply,
+        self.block(ask(&self.children().edge, "edge", |reply| {
+            EdgeMsg::SessionEmbed {
+                ids,
+                batch,
+                seq_len,
+                reply,
+            }
         }))
     }
 
@@ -512,7 +496,7 @@ impl Pipeline {
         session: u64,
         mut h: DeviceTensor,
     ) -> Result<DeviceTensor, EngineError> {
-        for (i, l) in self.layers.iter().enumerate() {
+        for (i, l) in self.children().layers.iter().enumerate() {
             h = self.block(ask(l, format!("layer {i}"), |reply| {
                 LayerMsg::SessionForward { session, h, reply }
             }))?;
@@ -522,19 +506,18 @@ impl Pipeline {
 
     fn session_logits(&self, session: u64, h: DeviceTensor) -> Result<Vec<f32>, EngineError> {
         let h = self.session_layers(session, h)?;
-        self.block(ask(&self.edge, "edge", |reply| EdgeMsg::SessionDecode {
-            session,
-            h,
-            reply,
+        self.block(ask(&self.children().edge, "edge", |reply| {
+            EdgeMsg::SessionDecode { session, h, reply }
         }))
     }
 
     fn session_close(&self, session: u64) {
-        let _ = self.block(ask(&self.edge, "edge", |reply| EdgeMsg::Control {
+        let c = self.children();
+        let _ = self.block(ask(&c.edge, "edge", |reply| EdgeMsg::Control {
             call: EdgeControl::SessionClose { session },
             reply,
         }));
-        for (i, l) in self.layers.iter().enumerate() {
+        for (i, l) in c.layers.iter().enumerate() {
             let _ = self.block(ask(l, format!("layer {i}"), |reply| LayerMsg::Control {
                 call: LayerControl::SessionClose { session },
                 reply,
@@ -589,10 +572,8 @@ impl Pipeline {
             let h = self.session_embed(b.inputs.clone(), b.batch, b.seq_len)?;
             let h = self.session_layers(session, h)?;
             let batch = Arc::new(b.clone());
-            self.block(ask(&self.edge, "edge", |reply| EdgeMsg::HeadEval {
-                h,
-                batch,
-                reply,
+            self.block(ask(&self.children().edge, "edge", |reply| {
+                EdgeMsg::HeadEval { h, batch, reply }
             }))
         })();
         self.session_close(session);
@@ -628,13 +609,16 @@ impl Decoder for PipelineSession<'_> {
 impl Drop for Pipeline {
     /// Stops every actor, then joins the worker threads.
     fn drop(&mut self) {
-        let cells: Vec<ActorCell> = std::iter::once(self.edge.get_cell())
-            .chain(self.layers.iter().map(|l| l.get_cell()))
+        // The supervisor first, so no recovery starts while the children stop.
+        let _ = self
+            .rt
+            .block_on(self.sup.get_cell().stop_and_wait(None, None));
+        let children = self.children();
+        let cells: Vec<ActorCell> = children_cells(&children)
             .chain(self.data.iter().map(|d| d.get_cell()))
             .chain(std::iter::once(self.sup.get_cell()))
             .collect();
         self.rt.block_on(async {
-            // Children first, so the supervisor sees orderly exits.
             for c in &cells {
                 let _ = c.stop_and_wait(None, None).await;
             }

@@ -12,6 +12,7 @@ use super::checkpoint::{self, CheckpointMeta};
 use super::data::{DataMsg, Shape};
 use super::edge::{EdgeControl, EdgeMsg};
 use super::layer::{LayerControl, LayerMsg};
+use super::topology::{Children, Topology};
 use super::{Event, PipelineError, StepCtx, ask};
 use crate::config::TrainConfig;
 use crate::engine::{StepParams, StepStats};
@@ -21,7 +22,7 @@ use nsactor_plugin_api::optim::{clip_factor, phase2_scales};
 use nsactor_plugin_api::{Batch, EngineError};
 use ractor::{Actor, ActorCell, ActorProcessingErr, ActorRef, RpcReplyPort, SupervisionEvent};
 use std::path::PathBuf;
-use std::sync::Arc;
+use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
 /// What one step of the run reported.
@@ -72,17 +73,20 @@ pub enum SupMsg {
 
 pub struct Supervisor;
 
+/// What the supervisor starts from: the graph it can rebuild, the actors now in it, the data.
 pub struct SupArgs {
-    pub edge: ActorRef<EdgeMsg>,
-    pub layers: Vec<ActorRef<LayerMsg>>,
+    pub topo: Topology,
+    pub children: Arc<RwLock<Children>>,
     pub data: Option<ActorRef<DataMsg>>,
-    pub stages: usize,
     pub train: TrainConfig,
 }
 
 pub struct SupState {
+    topo: Topology,
     edge: ActorRef<EdgeMsg>,
     layers: Vec<ActorRef<LayerMsg>>,
+    /// The same actors, for the [`Pipeline`](super::Pipeline) handle.
+    shared: Arc<RwLock<Children>>,
     data: Option<ActorRef<DataMsg>>,
     /// P: micro-batches admitted into the pipeline at once.
     stages: usize,
@@ -93,6 +97,10 @@ pub struct SupState {
     next_micro: u64,
     /// Why the pipeline can no longer run, once a child has died.
     broken: Option<String>,
+    /// Where the data stood before the first step (the rollback target without a checkpoint).
+    initial_cursor: Option<Cursor>,
+    /// Recoveries so far, and actor generations spawned.
+    restarts: u32,
 }
 
 fn name_of(cell: &ActorCell) -> String {
@@ -208,7 +216,7 @@ impl SupState {
                     if let Some(who) = self.dead_child() {
                         let why = format!("{who} stopped during a step");
                         self.broken = Some(why.clone());
-                        return Err(PipelineError::Broken(why));
+                        return Err(failure.take().unwrap_or(PipelineError::Broken(why)));
                     }
                     continue;
                 }
@@ -222,6 +230,11 @@ impl SupState {
                 }
                 Event::Failed { who, micro, error } => {
                     tracing::error!("micro-batch {micro} failed in {who}: {error}");
+                    if matches!(error, EngineError::Panic(_)) {
+                        // The actor is gone with its stage: nothing left to drain for.
+                        self.broken = Some(format!("{who} panicked"));
+                        return Err(PipelineError::Stage { who, error });
+                    }
                     failure.get_or_insert(PipelineError::Stage { who, error });
                 }
             }
@@ -325,7 +338,7 @@ impl SupState {
         Ok(norm)
     }
 
-    async fn next_step(&mut self) -> Result<StepReport, PipelineError> {
+    async fn next_step(&mut self, myself: &ActorRef<SupMsg>) -> Result<StepReport, PipelineError> {
         self.check()?;
         let data = self
             .data
@@ -354,6 +367,10 @@ impl SupState {
             max_grad_norm: t.max_grad_norm,
         };
         let data = data.clone();
+        self.initial_cursor.get_or_insert(rows.before);
+        if let Some(f) = &self.topo.fault {
+            f.set_step(self.step + 1);
+        }
         let r = self.train_step(rows.batches, &params).await;
         match r {
             Ok(stats) => {
@@ -366,6 +383,26 @@ impl SupState {
                     cursor: self.cursor,
                 })
             }
+            Err(e) if self.broken.is_some() || self.dead_child().is_some() => {
+                let cause = format!("step {} failed: {e}", self.step + 1);
+                tracing::error!("{cause}");
+                if self.restarts >= self.train.max_restarts {
+                    return Err(PipelineError::Broken(format!(
+                        "{cause}; giving up after {} restart(s) (max_restarts)",
+                        self.restarts
+                    )));
+                }
+                let t = std::time::Instant::now();
+                let to_step = self
+                    .recover(myself)
+                    .await
+                    .map_err(|r| PipelineError::Broken(format!("{cause}; recovery failed: {r}")))?;
+                Err(PipelineError::Recovered {
+                    cause,
+                    to_step,
+                    seconds: t.elapsed().as_secs_f64(),
+                })
+            }
             Err(e) => {
                 // The batches were not used: put the data back where the step began.
                 let c = rows.before;
@@ -375,6 +412,62 @@ impl SupState {
                 Err(e)
             }
         }
+    }
+
+    /// Rebuilds every edge and layer actor from freshly opened stages, loads the newest valid
+    /// checkpoint into them (none: the fresh stages are the step-0 state), rewinds the data
+    /// and the step counter. Returns the step the run continues after.
+    async fn recover(&mut self, myself: &ActorRef<SupMsg>) -> Result<u64, PipelineError> {
+        self.restarts += 1;
+        let me = myself.get_cell();
+        let old = Children {
+            edge: self.edge.clone(),
+            layers: self.layers.clone(),
+        };
+        for c in super::children_cells(&old) {
+            c.unlink(me.clone());
+            // A live actor finishes the job it is in; a dead one returns at once.
+            let _ = c.stop_and_wait(None, Some(Duration::from_secs(600))).await;
+        }
+        let (edge, layers) = self.topo.open_fresh().await?;
+        let children = self.topo.spawn(edge, layers, self.restarts as u64).await?;
+        for c in super::children_cells(&children) {
+            c.link(me.clone());
+        }
+        self.edge = children.edge.clone();
+        self.layers = children.layers.clone();
+        *self.shared.write().unwrap_or_else(|e| e.into_inner()) = children;
+        self.broken = None;
+        let root = self.train.out_dir.join("checkpoints");
+        let (found, skipped) = tokio::task::spawn_blocking(move || checkpoint::latest_valid(&root))
+            .await
+            .map_err(|e| PipelineError::Checkpoint(e.to_string()))?;
+        for s in skipped {
+            tracing::warn!("{s}");
+        }
+        let (step, cursor) = match found {
+            Some(l) => {
+                tracing::warn!("rolling back to {}", l.dir.display());
+                self.load_stages(l.shards).await?;
+                (l.manifest.step, l.manifest.data_cursor)
+            }
+            None => {
+                tracing::warn!("no checkpoint yet: restarting from the initial weights");
+                (0, self.initial_cursor)
+            }
+        };
+        if let (Some(c), Some(d)) = (cursor, &self.data) {
+            match d
+                .call(|reply| DataMsg::Seek { cursor: c, reply }, None)
+                .await
+            {
+                Ok(ractor::rpc::CallResult::Success(r)) => r.map_err(PipelineError::Data)?,
+                _ => return Err(PipelineError::Broken("the data actor stopped".into())),
+            }
+        }
+        self.step = step;
+        self.cursor = cursor;
+        Ok(step)
     }
 
     async fn save_stages(&self) -> Result<Vec<Vec<u8>>, PipelineError> {
@@ -439,28 +532,33 @@ impl Actor for Supervisor {
         _myself: ActorRef<SupMsg>,
         a: SupArgs,
     ) -> Result<SupState, ActorProcessingErr> {
+        let c = a.children.read().unwrap_or_else(|e| e.into_inner()).clone();
         Ok(SupState {
-            edge: a.edge,
-            layers: a.layers,
+            stages: a.topo.plan.num_stages(),
+            topo: a.topo,
+            edge: c.edge,
+            layers: c.layers,
+            shared: a.children,
             data: a.data,
-            stages: a.stages.max(1),
             train: a.train,
             step: 0,
             cursor: None,
             next_micro: 0,
             broken: None,
+            initial_cursor: None,
+            restarts: 0,
         })
     }
 
     async fn handle(
         &self,
-        _myself: ActorRef<SupMsg>,
+        myself: ActorRef<SupMsg>,
         msg: SupMsg,
         s: &mut SupState,
     ) -> Result<(), ActorProcessingErr> {
         match msg {
             SupMsg::Step { reply } => {
-                let _ = reply.send(s.next_step().await);
+                let _ = reply.send(s.next_step(&myself).await);
             }
             SupMsg::StepWith {
                 batches,
@@ -491,9 +589,19 @@ impl Actor for Supervisor {
                         config,
                         tokenizer_sha256,
                     };
+                    let crash = s
+                        .topo
+                        .fault
+                        .as_ref()
+                        .is_some_and(|f| f.crash_in_checkpoint(meta.step));
                     // File I/O and hashing off the async workers.
                     tokio::task::spawn_blocking(move || {
-                        checkpoint::write(&root, &meta, &shards, keep)
+                        checkpoint::write_with(&root, &meta, &shards, keep, &|| {
+                            if crash {
+                                eprintln!("injected fault: crashing before the manifest");
+                                std::process::abort();
+                            }
+                        })
                     })
                     .await
                     .map_err(|e| PipelineError::Checkpoint(e.to_string()))?
@@ -538,7 +646,12 @@ impl Actor for Supervisor {
         evt: SupervisionEvent,
         s: &mut SupState,
     ) -> Result<(), ActorProcessingErr> {
+        // Events of actors a recovery has already replaced are history.
+        let current = |c: &ActorCell| s.children().any(|k| k.get_id() == c.get_id());
         match evt {
+            SupervisionEvent::ActorFailed(cell, _)
+            | SupervisionEvent::ActorTerminated(cell, ..)
+                if !current(&cell) => {}
             SupervisionEvent::ActorFailed(cell, err) => {
                 let why = format!("{} failed: {err}", name_of(&cell));
                 tracing::error!("{why}");

@@ -16,6 +16,7 @@ pub mod bench;
 pub mod config;
 pub mod decode;
 pub mod engine;
+pub mod export;
 pub mod pipeline;
 pub mod plot;
 pub mod train;

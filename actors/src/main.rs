@@ -46,6 +46,43 @@ enum Command {
     /// Datasets.
     #[command(subcommand)]
     Data(DataCommand),
+    /// Write a checkpoint as a Hugging Face directory (config.json, model.safetensors with
+    /// `model.` names, tokenizer.json).
+    Export(ExportArgs),
+    /// Make a run directory (config.toml, tokenizer.json, a step-0 checkpoint) from a Hugging
+    /// Face directory; `nsactor train --config DIR/config.toml --resume` trains on from it.
+    Import(ImportArgs),
+}
+
+#[derive(clap::Args)]
+struct ExportArgs {
+    /// A checkpoint directory, a checkpoints root or a run directory (its newest valid
+    /// checkpoint is used).
+    #[arg(long)]
+    checkpoint: PathBuf,
+    #[arg(long, default_value = "hf", value_parser = ["hf"])]
+    format: String,
+    /// Output directory.
+    #[arg(long)]
+    out: PathBuf,
+    /// The run's tokenizer.json (default: the one in the checkpoint's config).
+    #[arg(long)]
+    tokenizer: Option<PathBuf>,
+}
+
+#[derive(clap::Args)]
+struct ImportArgs {
+    /// A Hugging Face NeuronSpark directory.
+    #[arg(long)]
+    from: PathBuf,
+    #[arg(long, default_value = "hf", value_parser = ["hf"])]
+    format: String,
+    /// The run directory to create.
+    #[arg(long)]
+    out: PathBuf,
+    /// Backend that opens the stages to write the checkpoint.
+    #[arg(long, default_value = backend::EMBEDDED)]
+    backend: String,
 }
 
 #[derive(Subcommand)]
@@ -208,6 +245,22 @@ fn main() -> ExitCode {
         Command::Data(DataCommand::Prepare(a)) => {
             nsactor_data::cli::data_prepare(&a).map_err(Into::into)
         }
+        Command::Export(a) => {
+            nsactor::export::export_hf(&a.checkpoint, &a.out, a.tokenizer.as_deref()).map(|dir| {
+                println!("exported {} to {}", dir.display(), a.out.display());
+            })
+        }
+        Command::Import(a) => backend::open(&a.backend, &[])
+            .map_err(Into::into)
+            .and_then(|b| nsactor::export::import_hf(&a.from, &a.out, b))
+            .map(|dir| {
+                println!(
+                    "imported {} as {}; continue with: nsactor train --config {} --resume",
+                    a.from.display(),
+                    dir.display(),
+                    a.out.join("config.toml").display()
+                );
+            }),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -59,15 +59,200 @@ fn train_on_the_embedded_default_lowers_the_loss_and_writes_weights() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
+/// `(step, loss)` of every step line of a run's metrics (event lines skipped), the last line of
+/// each step winning, in step order.
 fn losses(dir: &std::path::Path) -> Vec<(u64, f64)> {
-    std::fs::read_to_string(dir.join("metrics.jsonl"))
+    let mut by_step = std::collections::BTreeMap::new();
+    for l in std::fs::read_to_string(dir.join("metrics.jsonl"))
         .unwrap()
         .lines()
-        .map(|l| {
-            let v: serde_json::Value = serde_json::from_str(l).unwrap();
-            (v["step"].as_u64().unwrap(), v["loss"].as_f64().unwrap())
-        })
-        .collect()
+    {
+        let v: serde_json::Value = serde_json::from_str(l).unwrap();
+        if let (Some(step), Some(loss)) = (v["step"].as_u64(), v["loss"].as_f64()) {
+            by_step.insert(step, loss);
+        }
+    }
+    by_step.into_iter().collect()
+}
+
+fn train_args(out: &std::path::Path, extra: &[&str]) -> Command {
+    let mut c = nsactor();
+    c.args(["train", "--steps", "8", "--checkpoint-every", "2", "--out"])
+        .arg(out)
+        .args(extra);
+    c
+}
+
+fn run_train(out: &std::path::Path, extra: &[&str]) -> String {
+    let o = train_args(out, extra).output().unwrap();
+    let stderr = String::from_utf8_lossy(&o.stderr).into_owned();
+    assert!(o.status.success(), "train {extra:?} failed: {stderr}");
+    stderr
+}
+
+#[test]
+fn killed_crashed_and_failing_runs_end_exactly_like_an_uninterrupted_one() {
+    let dir = temp_dir("faults");
+    let full = dir.join("full");
+    run_train(&full, &[]);
+    let want = losses(&full);
+    assert_eq!(want.len(), 8);
+    let weights = |d: &std::path::Path| std::fs::read(d.join("model.safetensors")).unwrap();
+
+    // kill -9 mid-run (between or during checkpoint writes, wherever it lands), then --resume.
+    let killed = dir.join("killed");
+    let mut child = train_args(&killed, &[])
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let t = std::time::Instant::now();
+    while std::fs::read_to_string(killed.join("metrics.jsonl")).map_or(0, |m| m.lines().count()) < 5
+    {
+        assert!(t.elapsed().as_secs() < 120, "the run never reached step 5");
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
+    child.kill().unwrap(); // SIGKILL
+    assert!(!child.wait().unwrap().success());
+    let err = run_train(&killed, &["--resume"]);
+    assert!(err.contains("resuming from"), "{err}");
+    assert_eq!(losses(&killed), want, "resumed after kill -9");
+    assert_eq!(weights(&killed), weights(&full));
+
+    // A crash while writing checkpoint 4: its shards are there, its manifest is not; the
+    // resume skips it, naming it, and continues from step 2.
+    let crashed = dir.join("crashed");
+    let o = train_args(&crashed, &["--inject-fault", "crash-in-checkpoint:4"])
+        .output()
+        .unwrap();
+    assert!(!o.status.success(), "the injected crash did not happen");
+    let torn = crashed.join("checkpoints/step-00000004");
+    assert!(torn.join("edge.safetensors").exists() && !torn.join("manifest.json").exists());
+    let err = run_train(&crashed, &["--resume"]);
+    assert!(
+        err.contains("skipping")
+            && err.contains("step-00000004")
+            && err.contains("step-00000002 (step 2)"),
+        "{err}"
+    );
+    assert_eq!(
+        losses(&crashed),
+        want,
+        "resumed after a crash mid-checkpoint"
+    );
+    assert_eq!(weights(&crashed), weights(&full));
+
+    // A layer actor panics in step 5: rebuilt, rolled back to step 4, same end.
+    let panicked = dir.join("panicked");
+    let err = run_train(
+        &panicked,
+        &["--inject-fault", "layer-panic:1:5", "--pipeline", "2"],
+    );
+    assert!(err.contains("rolled back to step 4"), "{err}");
+    assert_eq!(losses(&panicked), want, "after an in-process recovery");
+    assert_eq!(weights(&panicked), weights(&full));
+    let recovered = std::fs::read_to_string(panicked.join("metrics.jsonl")).unwrap();
+    assert_eq!(
+        recovered.matches("\"event\":\"recovered\"").count(),
+        1,
+        "{recovered}"
+    );
+
+    // An unwritable checkpoint (a file where step 4's directory must go): training stops
+    // with the path named; checkpoint 2 stays valid and the run resumes from it.
+    let blocked = dir.join("blocked");
+    std::fs::create_dir_all(blocked.join("checkpoints")).unwrap();
+    std::fs::write(blocked.join("checkpoints/step-00000004"), b"in the way").unwrap();
+    let o = train_args(&blocked, &[]).output().unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success());
+    assert!(
+        err.contains("error:") && err.contains("step-00000004"),
+        "{err}"
+    );
+    assert!(
+        blocked
+            .join("checkpoints/step-00000002/manifest.json")
+            .exists()
+    );
+    std::fs::remove_file(blocked.join("checkpoints/step-00000004")).unwrap();
+    run_train(&blocked, &["--resume"]);
+    assert_eq!(
+        losses(&blocked),
+        want,
+        "resumed after a failed checkpoint write"
+    );
+
+    // Export to the Hugging Face layout and back.
+    let hf = dir.join("hf");
+    run_ok(&[
+        "export",
+        "--checkpoint",
+        full.to_str().unwrap(),
+        "--out",
+        hf.to_str().unwrap(),
+    ]);
+    let config: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(hf.join("config.json")).unwrap()).unwrap();
+    assert_eq!(
+        (config["model_type"].as_str(), config["D"].as_i64()),
+        (Some("neuronspark"), Some(64))
+    );
+    let st = std::fs::read(hf.join("model.safetensors")).unwrap();
+    let names = safetensors::SafeTensors::deserialize(&st)
+        .unwrap()
+        .names()
+        .len();
+    let header = String::from_utf8_lossy(&st[8..200]).into_owned();
+    assert!(header.contains("\"model."), "{header}");
+    let imported = dir.join("imported");
+    run_ok(&[
+        "import",
+        "--from",
+        hf.to_str().unwrap(),
+        "--out",
+        imported.to_str().unwrap(),
+    ]);
+    let again = dir.join("hf-again");
+    run_ok(&[
+        "export",
+        "--checkpoint",
+        imported.to_str().unwrap(),
+        "--out",
+        again.to_str().unwrap(),
+    ]);
+    assert_eq!(
+        std::fs::read(again.join("model.safetensors")).unwrap(),
+        st,
+        "{names} tensors"
+    );
+    // The imported run trains on.
+    let out = nsactor()
+        .args(["train", "--steps", "2", "--resume", "--config"])
+        .arg(imported.join("config.toml"))
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    // A damaged export source is refused with the file named.
+    let shard = full.join("checkpoints/step-00000008/layer-001.safetensors");
+    let mut b = std::fs::read(&shard).unwrap();
+    b.truncate(b.len() / 2);
+    std::fs::write(&shard, b).unwrap();
+    let err = run_err(&[
+        "export",
+        "--checkpoint",
+        shard.parent().unwrap().to_str().unwrap(),
+        "--out",
+        "/tmp/x",
+    ]);
+    assert!(
+        err.contains("layer-001.safetensors") && err.contains("truncated"),
+        "{err}"
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
 }
 
 #[test]

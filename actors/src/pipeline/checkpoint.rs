@@ -187,28 +187,39 @@ pub fn read(dir: &Path) -> Result<(Manifest, Vec<Vec<u8>>), CheckpointError> {
             format!("format `{}`, this nsactor reads `{FORMAT}`", m.format),
         ));
     }
-    let mut shards = Vec::with_capacity(m.shards.len());
-    for s in &m.shards {
-        let p = dir.join(&s.file);
-        let bytes = std::fs::read(&p).map_err(|e| CheckpointError::Io(p.clone(), e))?;
-        if bytes.len() as u64 != s.bytes {
-            return Err(CheckpointError::Invalid(
-                p,
-                format!(
-                    "{} bytes, the manifest says {} (truncated?)",
-                    bytes.len(),
-                    s.bytes
-                ),
-            ));
-        }
-        if sha256(&bytes) != s.sha256 {
-            return Err(CheckpointError::Invalid(
-                p,
-                "checksum mismatch: the shard is corrupt".into(),
-            ));
-        }
-        shards.push(bytes);
-    }
+    // Shards are read and hashed in parallel.
+    let shards = std::thread::scope(|scope| {
+        let jobs: Vec<_> = m
+            .shards
+            .iter()
+            .map(|s| {
+                scope.spawn(move || {
+                    let p = dir.join(&s.file);
+                    let bytes = std::fs::read(&p).map_err(|e| CheckpointError::Io(p.clone(), e))?;
+                    if bytes.len() as u64 != s.bytes {
+                        return Err(CheckpointError::Invalid(
+                            p,
+                            format!(
+                                "{} bytes, the manifest says {} (truncated?)",
+                                bytes.len(),
+                                s.bytes
+                            ),
+                        ));
+                    }
+                    if sha256(&bytes) != s.sha256 {
+                        return Err(CheckpointError::Invalid(
+                            p,
+                            "checksum mismatch: the shard is corrupt".into(),
+                        ));
+                    }
+                    Ok(bytes)
+                })
+            })
+            .collect();
+        jobs.into_iter()
+            .map(|j| j.join().expect("a shard reader does not panic"))
+            .collect::<Result<Vec<_>, _>>()
+    })?;
     Ok((m, shards))
 }
 

@@ -454,6 +454,21 @@ impl Pipeline {
             .clone()
     }
 
+    /// An asynchronous decoder over this pipeline's actors; `vocab` is the model's vocabulary.
+    pub fn decoder(&self, vocab: usize) -> AsyncDecoder {
+        AsyncDecoder {
+            children: self.children.clone(),
+            // Apart from the ids of `generate`/`eval_ce` sessions.
+            next_session: Arc::new(AtomicU64::new(1 << 62)),
+            vocab,
+        }
+    }
+
+    /// Runs `f` on the pipeline's runtime (where its actors live).
+    pub fn block_on<F: Future>(&self, f: F) -> F::Output {
+        self.rt.block_on(f)
+    }
+
     /// Seconds each worker has spent computing (edge first, then stages), and its job count.
     pub fn busy(&self) -> Vec<(String, f64, u64)> {
         self.workers
@@ -578,6 +593,79 @@ impl Pipeline {
         })();
         self.session_close(session);
         r
+    }
+}
+
+/// Asynchronous decoding through the layer actors, for servers running on the pipeline's
+/// runtime ([`Pipeline::decoder`]). Cheap to clone; every method is a chain of actor calls, so
+/// many sessions decode concurrently, each at its own layer.
+#[derive(Clone)]
+pub struct AsyncDecoder {
+    children: Arc<RwLock<Children>>,
+    next_session: Arc<AtomicU64>,
+    vocab: usize,
+}
+
+impl AsyncDecoder {
+    fn children(&self) -> Children {
+        self.children
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+
+    /// Vocabulary size of the model (length of a logits vector).
+    pub fn vocab(&self) -> usize {
+        self.vocab
+    }
+
+    /// A new session id.
+    pub fn session(&self) -> u64 {
+        self.next_session.fetch_add(1, Ordering::Relaxed)
+    }
+
+    /// Runs `ids` through `session` (a prompt, or one token); the last position's logits.
+    pub async fn feed(&self, session: u64, ids: Vec<i64>) -> Result<Vec<f32>, PipelineError> {
+        let c = self.children();
+        let n = ids.len();
+        let mut h = ask(&c.edge, "edge", |reply| EdgeMsg::SessionEmbed {
+            ids,
+            batch: 1,
+            seq_len: n,
+            reply,
+        })
+        .await?;
+        for (i, l) in c.layers.iter().enumerate() {
+            h = ask(l, format!("layer {i}"), |reply| LayerMsg::SessionForward {
+                session,
+                h,
+                reply,
+            })
+            .await?;
+        }
+        ask(&c.edge, "edge", |reply| EdgeMsg::SessionDecode {
+            session,
+            h,
+            reply,
+        })
+        .await
+    }
+
+    /// Frees `session`'s neuron states in every actor.
+    pub async fn close(&self, session: u64) {
+        let c = self.children();
+        let _ = ask(&c.edge, "edge", |reply| EdgeMsg::Control {
+            call: EdgeControl::SessionClose { session },
+            reply,
+        })
+        .await;
+        for (i, l) in c.layers.iter().enumerate() {
+            let _ = ask(l, format!("layer {i}"), |reply| LayerMsg::Control {
+                call: LayerControl::SessionClose { session },
+                reply,
+            })
+            .await;
+        }
     }
 }
 

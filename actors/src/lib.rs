@@ -19,6 +19,7 @@ pub mod engine;
 pub mod export;
 pub mod pipeline;
 pub mod plot;
+pub mod server;
 pub mod train;
 pub mod verify;
 pub mod weights;

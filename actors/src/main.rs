@@ -46,12 +46,77 @@ enum Command {
     /// Datasets.
     #[command(subcommand)]
     Data(DataCommand),
+    /// Serve a checkpoint: streaming generation over WebSocket (`/ws`) and OpenAI-style HTTP
+    /// (`/v1/completions`, `/v1/chat/completions`), a chat page at `/`.
+    Serve(ServeArgs),
+    /// Generate from a checkpoint, streaming to stdout; `--chat` for an interactive loop.
+    Generate(GenerateArgs),
     /// Write a checkpoint as a Hugging Face directory (config.json, model.safetensors with
     /// `model.` names, tokenizer.json).
     Export(ExportArgs),
     /// Make a run directory (config.toml, tokenizer.json, a step-0 checkpoint) from a Hugging
     /// Face directory; `nsactor train --config DIR/config.toml --resume` trains on from it.
     Import(ImportArgs),
+}
+
+#[derive(clap::Args)]
+struct ModelArgs {
+    /// A checkpoint directory, a checkpoints root or a run directory (newest valid checkpoint).
+    #[arg(long)]
+    checkpoint: PathBuf,
+    /// Backend: `embedded`, a plugin name or a plugin path (default: the run's).
+    #[arg(long)]
+    backend: Option<String>,
+    /// Pipeline stages the layers are spread over.
+    #[arg(long, default_value_t = 1)]
+    pipeline: usize,
+    /// Devices for the stages, e.g. `0,1`.
+    #[arg(long, value_delimiter = ',')]
+    devices: Option<Vec<usize>>,
+    /// tokenizer.json (default: the run's).
+    #[arg(long)]
+    tokenizer: Option<PathBuf>,
+}
+
+#[derive(clap::Args)]
+struct ServeArgs {
+    #[command(flatten)]
+    model: ModelArgs,
+    /// Address to listen on (loopback by default).
+    #[arg(long, default_value = "127.0.0.1:8080")]
+    addr: String,
+    /// Sessions decoding at once; more wait in the queue.
+    #[arg(long, default_value_t = 64)]
+    max_sessions: usize,
+    /// Requests that may wait for a session; past it the answer is "busy".
+    #[arg(long, default_value_t = 256)]
+    max_queue: usize,
+    /// Name reported by /v1/models (default: the checkpoint directory's name).
+    #[arg(long)]
+    model_name: Option<String>,
+}
+
+#[derive(clap::Args)]
+struct GenerateArgs {
+    #[command(flatten)]
+    model: ModelArgs,
+    /// The prompt (ignored with --chat).
+    prompt: Option<String>,
+    /// Interactive chat: each line you type is a user turn (ChatML).
+    #[arg(long)]
+    chat: bool,
+    #[arg(long, default_value_t = 128)]
+    max_tokens: usize,
+    #[arg(long, default_value_t = 0.8)]
+    temperature: f32,
+    #[arg(long, default_value_t = 50)]
+    top_k: usize,
+    #[arg(long, default_value_t = 0.95)]
+    top_p: f32,
+    #[arg(long, default_value_t = 1.1)]
+    repetition_penalty: f32,
+    #[arg(long)]
+    seed: Option<u64>,
 }
 
 #[derive(clap::Args)]
@@ -259,6 +324,8 @@ fn main() -> ExitCode {
         Command::Data(DataCommand::Prepare(a)) => {
             nsactor_data::cli::data_prepare(&a).map_err(Into::into)
         }
+        Command::Serve(a) => serve_cmd(a),
+        Command::Generate(a) => generate_cmd(a),
         Command::Export(a) => {
             nsactor::export::export_hf(&a.checkpoint, &a.out, a.tokenizer.as_deref()).map(|dir| {
                 println!("exported {} to {}", dir.display(), a.out.display());
@@ -391,6 +458,206 @@ fn train_cmd(args: TrainArgs) -> Result<(), Box<dyn std::error::Error>> {
     let out = pipeline.generate(&ids, 60, Some(eos), &specials, sampling)?;
     let out: Vec<u32> = out.iter().map(|&t| t as u32).collect();
     println!("{}", tok.decode(&out, true)?.replace('\n', " "));
+    Ok(())
+}
+
+/// A checkpoint's model on the actor pipeline, ready to serve, with its tokenizer.
+struct Loaded {
+    pipeline: Pipeline,
+    tokenizer: Arc<nsactor_data::Tokenizer>,
+    vocab: usize,
+    name: String,
+}
+
+fn load_model(a: &ModelArgs) -> Result<Loaded, Box<dyn std::error::Error>> {
+    let ck = nsactor::export::find_checkpoint(&a.checkpoint)?;
+    let cfg = RunConfig::from_str(&ck.manifest.config, &ck.dir.display().to_string())?;
+    let tok_path = a.tokenizer.clone().or(cfg.data.tokenizer.clone());
+    let tok = nsactor_data::cli::load_tokenizer(tok_path.as_deref())?;
+    if let Some(h) = &ck.manifest.tokenizer_sha256
+        && h != tok.hash()
+    {
+        return Err(format!(
+            "{} was trained with tokenizer {h}, but {} is {}; pass the run's with --tokenizer",
+            ck.dir.display(),
+            tok.origin(),
+            tok.hash()
+        )
+        .into());
+    }
+    let backend_name = a
+        .backend
+        .clone()
+        .or(cfg.backend.name.clone())
+        .unwrap_or_else(|| backend::default_name().to_string());
+    let compute = backend::open(&backend_name, &cfg.backend.plugin_path)?;
+    let n = StagedModel::open(
+        compute.clone(),
+        &cfg.model_toml(),
+        cfg.train.seed,
+        OptimizerKind::Adam,
+        None,
+    )?
+    .num_layers();
+    let devices = a.devices.clone().unwrap_or_else(|| vec![0]);
+    let plan = PipelinePlan::balanced(n, a.pipeline, &devices)?;
+    let model = StagedModel::open(
+        compute,
+        &cfg.model_toml(),
+        cfg.train.seed,
+        OptimizerKind::Adam,
+        Some(plan.placement()),
+    )?;
+    let mut train = cfg.train.clone();
+    train.inject_fault = None;
+    let mut pipeline = Pipeline::start(model, plan, train, None)?;
+    pipeline.load_stages(ck.shards)?;
+    let vocab = cfg
+        .vocab_size()
+        .ok_or("the checkpoint's config has no vocab_size")?;
+    let name = ck
+        .dir
+        .parent()
+        .and_then(|p| p.parent())
+        .and_then(|p| p.file_name())
+        .map_or("nsactor".into(), |n| n.to_string_lossy().into_owned());
+    tracing::info!(
+        "loaded {} ({} parameters, step {})",
+        ck.dir.display(),
+        pipeline.param_count(),
+        ck.manifest.step
+    );
+    Ok(Loaded {
+        pipeline,
+        tokenizer: Arc::new(tok),
+        vocab,
+        name,
+    })
+}
+
+fn server_state(
+    l: &Loaded,
+    max_sessions: usize,
+    max_queue: usize,
+    name: String,
+) -> Arc<nsactor::server::ServerState> {
+    use nsactor::server::generate::{Admission, Generator};
+    let limits = nsactor::server::protocol::Limits::default();
+    Arc::new(nsactor::server::ServerState {
+        generator: Generator {
+            decoder: l.pipeline.decoder(l.vocab),
+            tokenizer: l.tokenizer.clone(),
+            admission: Admission::new(max_sessions.max(1), max_queue),
+            metrics: Arc::default(),
+            max_prompt_tokens: limits.max_prompt_tokens,
+        },
+        model_name: name,
+        limits,
+    })
+}
+
+fn serve_cmd(a: ServeArgs) -> Result<(), Box<dyn std::error::Error>> {
+    let l = load_model(&a.model)?;
+    let state = server_state(
+        &l,
+        a.max_sessions,
+        a.max_queue,
+        a.model_name.clone().unwrap_or_else(|| l.name.clone()),
+    );
+    l.pipeline.block_on(async {
+        let listener = tokio::net::TcpListener::bind(&a.addr)
+            .await
+            .map_err(|e| format!("cannot listen on {}: {e}", a.addr))?;
+        tracing::info!(
+            "serving on http://{} (WebSocket /ws, OpenAI /v1/completions and /v1/chat/completions, chat page /)",
+            listener.local_addr()?
+        );
+        let shutdown = async {
+            let _ = tokio::signal::ctrl_c().await;
+            tracing::info!("shutting down");
+        };
+        nsactor::server::serve(listener, state, shutdown).await?;
+        Ok::<_, Box<dyn std::error::Error>>(())
+    })
+}
+
+fn generate_cmd(a: GenerateArgs) -> Result<(), Box<dyn std::error::Error>> {
+    use nsactor::server::generate::GenEvent;
+    use nsactor::server::protocol::{ChatMessage, Options, PromptSpec};
+    use std::io::{BufRead, Write};
+    let l = load_model(&a.model)?;
+    let state = server_state(&l, 1, 0, l.name.clone());
+    let options = || Options {
+        max_tokens: Some(a.max_tokens),
+        temperature: Some(a.temperature),
+        top_k: Some(a.top_k),
+        top_p: Some(a.top_p),
+        repetition_penalty: Some(a.repetition_penalty),
+        seed: a.seed,
+        stop: None,
+        ignore_eos: false,
+    };
+    // Streams one answer to stdout; returns its text.
+    let run = |prompt: PromptSpec| -> Result<String, Box<dyn std::error::Error>> {
+        let spec = options().validate(prompt, false, &state.limits)?;
+        let (tx, mut rx) = tokio::sync::mpsc::channel(64);
+        let g = state.clone();
+        l.pipeline.block_on(async move {
+            let job = tokio::spawn(async move {
+                g.generator
+                    .run(
+                        spec,
+                        tx,
+                        Arc::new(std::sync::atomic::AtomicBool::new(false)),
+                    )
+                    .await
+            });
+            let mut text = String::new();
+            let mut out = std::io::stdout();
+            while let Some(e) = rx.recv().await {
+                if let GenEvent::Delta { text: t, .. } = e {
+                    print!("{t}");
+                    let _ = out.flush();
+                    text.push_str(&t);
+                }
+            }
+            println!();
+            let f = job.await.map_err(|e| e.to_string())??;
+            tracing::info!(
+                "{} tokens, {:.0} ms to the first, {:.1} tokens/s ({})",
+                f.usage.completion_tokens,
+                f.timing.time_to_first_token_ms,
+                f.timing.tokens_per_s,
+                f.finish_reason
+            );
+            Ok(text)
+        })
+    };
+    if !a.chat {
+        let prompt = a.prompt.clone().ok_or("give a prompt, or --chat")?;
+        run(PromptSpec::Text(prompt))?;
+        return Ok(());
+    }
+    let mut messages: Vec<ChatMessage> = Vec::new();
+    let stdin = std::io::stdin();
+    eprint!("> ");
+    for line in stdin.lock().lines() {
+        let line = line?;
+        if line.trim().is_empty() {
+            eprint!("> ");
+            continue;
+        }
+        messages.push(ChatMessage {
+            role: "user".into(),
+            content: line,
+        });
+        let answer = run(PromptSpec::Chat(messages.clone()))?;
+        messages.push(ChatMessage {
+            role: "assistant".into(),
+            content: answer,
+        });
+        eprint!("> ");
+    }
     Ok(())
 }
 

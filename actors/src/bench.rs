@@ -363,3 +363,91 @@ pub fn recovery(dir: &std::path::Path, synthetic_mb: usize) -> Result<RecoveryTi
         checkpoint_bytes: bytes,
     })
 }
+
+/// One concurrency level of `nsactor bench serve`.
+#[derive(Debug, Clone)]
+pub struct ServeTimings {
+    pub sessions: usize,
+    pub ttft_p50_ms: f64,
+    pub ttft_p99_ms: f64,
+    pub itl_p50_ms: f64,
+    pub itl_p99_ms: f64,
+    /// Generated tokens over the wall time of the whole batch of requests.
+    pub tokens_per_s: f64,
+}
+
+fn pct(v: &mut [f64], q: f64) -> f64 {
+    if v.is_empty() {
+        return f64::NAN;
+    }
+    v.sort_by(f64::total_cmp);
+    v[((v.len() - 1) as f64 * q).round() as usize]
+}
+
+/// `sessions` WebSocket clients on loopback, each generating `tokens` tokens (sampling at
+/// temperature 0.8, end tokens ignored) from the server at `addr`; run on the server's runtime.
+pub async fn serve_load(
+    addr: std::net::SocketAddr,
+    sessions: usize,
+    tokens: usize,
+) -> Result<ServeTimings, String> {
+    use futures_util::{SinkExt, StreamExt};
+    use tokio_tungstenite::tungstenite::Message;
+    let start = Instant::now();
+    let clients: Vec<_> = (0..sessions)
+        .map(|i| {
+            tokio::spawn(async move {
+                let (mut ws, _) = tokio_tungstenite::connect_async(format!("ws://{addr}/ws"))
+                    .await
+                    .map_err(|e| e.to_string())?;
+                let req = serde_json::json!({"type": "generate", "id": "b", "prompt": "Emma was",
+                    "max_tokens": tokens, "temperature": 0.8, "seed": i, "ignore_eos": true,
+                    "token_ids": true});
+                let sent = Instant::now();
+                ws.send(Message::Text(req.to_string().into()))
+                    .await
+                    .map_err(|e| e.to_string())?;
+                let (mut ttft, mut gaps, mut n) = (None, Vec::new(), 0usize);
+                let mut last = sent;
+                while let Some(m) = ws.next().await {
+                    let Ok(Message::Text(t)) = m else { continue };
+                    let v: serde_json::Value =
+                        serde_json::from_str(&t).map_err(|e| e.to_string())?;
+                    match v["type"].as_str() {
+                        Some("delta") => {
+                            let now = Instant::now();
+                            let k = v["token_ids"].as_array().map_or(1, |a| a.len().max(1));
+                            if ttft.is_none() {
+                                ttft = Some((now - sent).as_secs_f64());
+                            } else {
+                                let gap = (now - last).as_secs_f64() / k as f64;
+                                gaps.extend(std::iter::repeat_n(gap, k));
+                            }
+                            n += k;
+                            last = now;
+                        }
+                        Some("done") => break,
+                        _ => return Err(format!("server: {v}")),
+                    }
+                }
+                Ok::<_, String>((ttft.unwrap_or(f64::NAN), gaps, n))
+            })
+        })
+        .collect();
+    let (mut ttfts, mut gaps, mut total) = (Vec::new(), Vec::new(), 0usize);
+    for c in clients {
+        let (t, g, n) = c.await.map_err(|e| e.to_string())??;
+        ttfts.push(t);
+        gaps.extend(g);
+        total += n;
+    }
+    let wall = start.elapsed().as_secs_f64();
+    Ok(ServeTimings {
+        sessions,
+        ttft_p50_ms: pct(&mut ttfts, 0.5) * 1e3,
+        ttft_p99_ms: pct(&mut ttfts, 0.99) * 1e3,
+        itl_p50_ms: pct(&mut gaps, 0.5) * 1e3,
+        itl_p99_ms: pct(&mut gaps, 0.99) * 1e3,
+        tokens_per_s: total as f64 / wall,
+    })
+}

@@ -192,6 +192,28 @@ enum BenchCommand {
     /// In-process recovery time on the tiny model, checkpoint write/read bandwidth of this
     /// disk, and what they project for the 0.9B model.
     Recovery(RecoveryArgs),
+    /// Streaming server under load: time to first token, inter-token latency p50/p99 and
+    /// aggregate tokens/s at several numbers of concurrent WebSocket sessions.
+    Serve(ServeBenchArgs),
+}
+
+#[derive(clap::Args)]
+struct ServeBenchArgs {
+    /// Checkpoint to serve (default: the embedded tiny config, freshly initialised).
+    #[arg(long)]
+    checkpoint: Option<PathBuf>,
+    /// Backend (with --checkpoint: default the run's).
+    #[arg(long)]
+    backend: Option<String>,
+    /// Concurrent sessions to measure (comma-separated).
+    #[arg(long, value_delimiter = ',', default_value = "1,8,32")]
+    sessions: Vec<usize>,
+    /// Tokens each session generates.
+    #[arg(long, default_value_t = 64)]
+    tokens: usize,
+    /// Pipeline stages.
+    #[arg(long, default_value_t = 1)]
+    pipeline: usize,
 }
 
 #[derive(clap::Args)]
@@ -317,6 +339,7 @@ fn main() -> ExitCode {
         Command::Bench(BenchCommand::PluginOverhead(args)) => overhead_cmd(args),
         Command::Bench(BenchCommand::PipelineHop(args)) => hop_cmd(args),
         Command::Bench(BenchCommand::Recovery(args)) => recovery_cmd(args),
+        Command::Bench(BenchCommand::Serve(args)) => serve_bench_cmd(args),
         Command::Verify(VerifyCommand::TinyA(args)) => verify_cmd(args),
         Command::Tokenizer(TokenizerCommand::Train(a)) => {
             nsactor_data::cli::tokenizer_train(&a).map_err(Into::into)
@@ -775,6 +798,71 @@ fn verify_cmd(args: VerifyArgs) -> Result<(), Box<dyn std::error::Error>> {
     } else {
         Err("tiny_a: outside the fixture tolerances".into())
     }
+}
+
+fn serve_bench_cmd(a: ServeBenchArgs) -> Result<(), Box<dyn std::error::Error>> {
+    let l = match &a.checkpoint {
+        Some(c) => load_model(&ModelArgs {
+            checkpoint: c.clone(),
+            backend: a.backend.clone(),
+            pipeline: a.pipeline,
+            devices: None,
+            tokenizer: None,
+        })?,
+        None => {
+            let cfg = RunConfig::load(None)?;
+            let compute = backend::open(
+                a.backend.as_deref().unwrap_or(backend::default_name()),
+                &[],
+            )?;
+            let model = StagedModel::open(
+                compute,
+                &cfg.model_toml(),
+                cfg.train.seed,
+                OptimizerKind::Adam,
+                None,
+            )?;
+            let plan = PipelinePlan::balanced(model.num_layers(), a.pipeline, &[0])?;
+            Loaded {
+                pipeline: Pipeline::start(model, plan, cfg.train.clone(), None)?,
+                tokenizer: Arc::new(nsactor_data::Tokenizer::bundled()),
+                vocab: cfg.vocab_size().ok_or("no vocab_size")?,
+                name: "tiny".into(),
+            }
+        }
+    };
+    let max = a.sessions.iter().copied().max().unwrap_or(1);
+    let state = server_state(&l, max, max, l.name.clone());
+    let info = l.pipeline.backend().info();
+    println!(
+        "serve: {} ({} parameters) on {} {} ({}), pipeline {}; {} tokens per session, WebSocket on loopback",
+        l.name,
+        l.pipeline.param_count(),
+        info.name,
+        info.version,
+        info.devices.join(", "),
+        a.pipeline,
+        a.tokens
+    );
+    println!(
+        "{:>9} {:>14} {:>14} {:>13} {:>13} {:>16}",
+        "sessions", "TTFT p50 (ms)", "TTFT p99 (ms)", "ITL p50 (ms)", "ITL p99 (ms)", "tokens/s (all)"
+    );
+    l.pipeline.block_on(async {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+        let addr = listener.local_addr()?;
+        tokio::spawn(nsactor::server::serve(listener, state, std::future::pending()));
+        // Warm-up.
+        nsactor::bench::serve_load(addr, 1, 8).await?;
+        for &n in &a.sessions {
+            let t = nsactor::bench::serve_load(addr, n, a.tokens).await?;
+            println!(
+                "{:>9} {:>14.1} {:>14.1} {:>13.2} {:>13.2} {:>16.0}",
+                t.sessions, t.ttft_p50_ms, t.ttft_p99_ms, t.itl_p50_ms, t.itl_p99_ms, t.tokens_per_s
+            );
+        }
+        Ok::<_, Box<dyn std::error::Error>>(())
+    })
 }
 
 fn recovery_cmd(args: RecoveryArgs) -> Result<(), Box<dyn std::error::Error>> {

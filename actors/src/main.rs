@@ -811,10 +811,8 @@ fn serve_bench_cmd(a: ServeBenchArgs) -> Result<(), Box<dyn std::error::Error>> 
         })?,
         None => {
             let cfg = RunConfig::load(None)?;
-            let compute = backend::open(
-                a.backend.as_deref().unwrap_or(backend::default_name()),
-                &[],
-            )?;
+            let compute =
+                backend::open(a.backend.as_deref().unwrap_or(backend::default_name()), &[])?;
             let model = StagedModel::open(
                 compute,
                 &cfg.model_toml(),
@@ -846,19 +844,33 @@ fn serve_bench_cmd(a: ServeBenchArgs) -> Result<(), Box<dyn std::error::Error>> 
     );
     println!(
         "{:>9} {:>14} {:>14} {:>13} {:>13} {:>16}",
-        "sessions", "TTFT p50 (ms)", "TTFT p99 (ms)", "ITL p50 (ms)", "ITL p99 (ms)", "tokens/s (all)"
+        "sessions",
+        "TTFT p50 (ms)",
+        "TTFT p99 (ms)",
+        "ITL p50 (ms)",
+        "ITL p99 (ms)",
+        "tokens/s (all)"
     );
     l.pipeline.block_on(async {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
         let addr = listener.local_addr()?;
-        tokio::spawn(nsactor::server::serve(listener, state, std::future::pending()));
+        tokio::spawn(nsactor::server::serve(
+            listener,
+            state,
+            std::future::pending(),
+        ));
         // Warm-up.
         nsactor::bench::serve_load(addr, 1, 8).await?;
         for &n in &a.sessions {
             let t = nsactor::bench::serve_load(addr, n, a.tokens).await?;
             println!(
                 "{:>9} {:>14.1} {:>14.1} {:>13.2} {:>13.2} {:>16.0}",
-                t.sessions, t.ttft_p50_ms, t.ttft_p99_ms, t.itl_p50_ms, t.itl_p99_ms, t.tokens_per_s
+                t.sessions,
+                t.ttft_p50_ms,
+                t.ttft_p99_ms,
+                t.itl_p50_ms,
+                t.itl_p99_ms,
+                t.tokens_per_s
             );
         }
         Ok::<_, Box<dyn std::error::Error>>(())

@@ -109,11 +109,7 @@ impl Worker {
                             q = s.ready.wait(q).unwrap_or_else(|e| e.into_inner());
                         }
                     };
-                    let t = Instant::now();
                     job();
-                    s.busy_ns
-                        .fetch_add(t.elapsed().as_nanos() as u64, Ordering::Relaxed);
-                    s.jobs.fetch_add(1, Ordering::Relaxed);
                 }
             })?;
         Ok(Worker {
@@ -138,8 +134,15 @@ impl Worker {
         F: FnOnce() -> R + Send + 'static,
     {
         let (tx, rx) = tokio::sync::oneshot::channel();
+        let shared = self.shared.clone();
         let job: Job = Box::new(move || {
+            let t = Instant::now();
             let r = catch_unwind(AssertUnwindSafe(f)).map_err(|p| JobPanicked(panic_message(&*p)));
+            // Counted before the reply, so a caller that has its result sees its job counted.
+            shared
+                .busy_ns
+                .fetch_add(t.elapsed().as_nanos() as u64, Ordering::Relaxed);
+            shared.jobs.fetch_add(1, Ordering::Relaxed);
             let _ = tx.send(r);
         });
         {

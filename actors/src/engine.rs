@@ -81,7 +81,8 @@ pub struct StagedModel {
     next_session: u64,
 }
 
-fn model_layers(model_toml: &str) -> Result<usize, EngineError> {
+/// `num_layers` of a `[model]` TOML document.
+pub fn model_layers(model_toml: &str) -> Result<usize, EngineError> {
     let doc: toml::Table = toml::from_str(model_toml)
         .map_err(|e| EngineError::InvalidInput(format!("model config: {e}")))?;
     doc.get("model")

@@ -3,7 +3,7 @@
 use clap::{Parser, Subcommand};
 use nsactor::backend;
 use nsactor::config::RunConfig;
-use nsactor::engine::{Placement, StagedModel};
+use nsactor::engine::{StagedModel, model_layers};
 use nsactor::pipeline::{Pipeline, PipelinePlan, checkpoint};
 use nsactor::train;
 use nsactor_data::cli::{DataPrepareArgs, TokenizerTrainArgs};
@@ -418,13 +418,6 @@ fn train_cmd(args: TrainArgs) -> Result<(), Box<dyn std::error::Error>> {
     } else {
         OptimizerKind::Adam
     };
-    let model = StagedModel::open(
-        compute.clone(),
-        &cfg.model_toml(),
-        cfg.train.seed,
-        optimizer,
-        None,
-    )?;
     let devices = cfg.train.devices.clone().unwrap_or_else(|| vec![0]);
     let available = compute.info().devices.len();
     if let Some(&bad) = devices.iter().find(|&&d| d >= available) {
@@ -434,19 +427,15 @@ fn train_cmd(args: TrainArgs) -> Result<(), Box<dyn std::error::Error>> {
         )
         .into());
     }
-    let plan = PipelinePlan::balanced(model.num_layers(), cfg.train.pipeline, &devices)?;
-    // Re-open with the plan's placement when it spreads over several devices.
-    let model = if plan.placement() == Placement::single(model.num_layers()) {
-        model
-    } else {
-        StagedModel::open(
-            compute,
-            &cfg.model_toml(),
-            cfg.train.seed,
-            optimizer,
-            Some(plan.placement()),
-        )?
-    };
+    let model_toml = cfg.model_toml();
+    let plan = PipelinePlan::balanced(model_layers(&model_toml)?, cfg.train.pipeline, &devices)?;
+    let model = StagedModel::open(
+        compute,
+        &model_toml,
+        cfg.train.seed,
+        optimizer,
+        Some(plan.placement()),
+    )?;
     let mut pipeline = Pipeline::start(model, plan, cfg.train.clone(), Some(sampler))?;
     let mut first_step = 0;
     if args.resume {
@@ -514,14 +503,7 @@ fn load_model(a: &ModelArgs) -> Result<Loaded, Box<dyn std::error::Error>> {
         .or(cfg.backend.name.clone())
         .unwrap_or_else(|| backend::default_name().to_string());
     let compute = backend::open(&backend_name, &cfg.backend.plugin_path)?;
-    let n = StagedModel::open(
-        compute.clone(),
-        &cfg.model_toml(),
-        cfg.train.seed,
-        OptimizerKind::Adam,
-        None,
-    )?
-    .num_layers();
+    let n = model_layers(&cfg.model_toml())?;
     let devices = a.devices.clone().unwrap_or_else(|| vec![0]);
     let plan = PipelinePlan::balanced(n, a.pipeline, &devices)?;
     let model = StagedModel::open(

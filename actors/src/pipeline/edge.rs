@@ -4,11 +4,9 @@
 //! micro-batch's loss to the step.
 
 use super::layer::{answer, fail};
-use super::worker::{Priority, Worker};
+use super::worker::Priority;
 use super::{Event, Hop, Ponder, StageHolder, StepCtx};
-use nsactor_plugin_api::{
-    Batch, ComputeBackend, DeviceTensor, EngineError, Reply, StageCall, Tokens,
-};
+use nsactor_plugin_api::{Batch, DeviceTensor, EngineError, Reply, StageCall, Tokens};
 use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -83,11 +81,8 @@ pub enum EdgeMsg {
 pub struct EdgeActor;
 
 pub struct EdgeArgs {
-    pub device: usize,
     pub num_layers: usize,
     pub stage: StageHolder,
-    pub worker: Arc<Worker>,
-    pub backend: Arc<dyn ComputeBackend>,
 }
 
 /// A micro-batch between its embedding and the end of its backward pass.
@@ -100,37 +95,14 @@ struct InFlight {
 }
 
 pub struct EdgeState {
-    device: usize,
     num_layers: usize,
     stage: StageHolder,
-    worker: Arc<Worker>,
-    backend: Arc<dyn ComputeBackend>,
     first: Option<Hop>,
     last: Option<Hop>,
     in_flight: HashMap<u64, InFlight>,
 }
 
-impl EdgeState {
-    async fn compute<R: Send + 'static>(
-        &mut self,
-        priority: Priority,
-        h: Option<DeviceTensor>,
-        f: impl FnOnce(
-            &mut dyn nsactor_plugin_api::Stage,
-            Option<DeviceTensor>,
-        ) -> Result<R, EngineError>
-        + Send
-        + 'static,
-    ) -> Result<R, EngineError> {
-        let (backend, device) = (self.backend.clone(), self.device);
-        self.stage
-            .run(&self.worker, priority, move |stage| {
-                let h = h.map(|h| backend.to_device(h, device)).transpose()?;
-                f(stage, h)
-            })
-            .await
-    }
-}
+impl EdgeState {}
 
 const WHO: &str = "edge";
 
@@ -145,11 +117,8 @@ impl Actor for EdgeActor {
         a: EdgeArgs,
     ) -> Result<EdgeState, ActorProcessingErr> {
         Ok(EdgeState {
-            device: a.device,
             num_layers: a.num_layers,
             stage: a.stage,
-            worker: a.worker,
-            backend: a.backend,
             first: None,
             last: None,
             in_flight: HashMap::new(),
@@ -176,6 +145,7 @@ impl Actor for EdgeActor {
             } => {
                 let b = batch.clone();
                 let r = s
+                    .stage
                     .compute(Priority::Forward, None, move |st, _| {
                         b.validate()?;
                         let tokens = Tokens {
@@ -220,6 +190,7 @@ impl Actor for EdgeActor {
                 // loss = ce + λ·Σ_l pc_l / L, scaled by `loss_scale`.
                 let ponder_grad = f.ponder_weight * loss_scale / s.num_layers as f64;
                 let r = s
+                    .stage
                     .compute(Priority::Backward, Some(h), move |st, h| {
                         let r = st.call(StageCall::Head {
                             h: h.expect("moved"),
@@ -244,6 +215,7 @@ impl Actor for EdgeActor {
             }
             EdgeMsg::EmbedBackward { micro, grad, ctx } => {
                 let r = s
+                    .stage
                     .compute(Priority::Backward, Some(grad), move |st, g| {
                         st.call(StageCall::EmbedBackward {
                             micro,
@@ -274,6 +246,7 @@ impl Actor for EdgeActor {
                     s.in_flight.clear();
                 }
                 let r = s
+                    .stage
                     .compute(Priority::Control, None, move |st, _| {
                         st.call(match call {
                             EdgeControl::ScaleGrads => StageCall::ScaleGrads { scales: [1.0; 3] },
@@ -302,6 +275,7 @@ impl Actor for EdgeActor {
                 reply,
             } => {
                 let r = s
+                    .stage
                     .compute(Priority::Forward, None, move |st, _| {
                         st.call(StageCall::SessionEmbed {
                             tokens: Tokens {
@@ -316,8 +290,9 @@ impl Actor for EdgeActor {
                 return answer(WHO.into(), reply, r);
             }
             EdgeMsg::SessionDecode { session, h, reply } => {
-                let backend = s.backend.clone();
+                let backend = s.stage.backend().clone();
                 let r = s
+                    .stage
                     .compute(Priority::Forward, Some(h), move |st, h| {
                         let logits = st
                             .call(StageCall::SessionDecode {
@@ -332,6 +307,7 @@ impl Actor for EdgeActor {
             }
             EdgeMsg::HeadEval { h, batch, reply } => {
                 let r = s
+                    .stage
                     .compute(Priority::Forward, Some(h), move |st, h| {
                         st.call(StageCall::HeadEval {
                             h: h.expect("moved"),
@@ -344,12 +320,16 @@ impl Actor for EdgeActor {
                 return answer(WHO.into(), reply, r);
             }
             EdgeMsg::Save { reply } => {
-                let r = s.compute(Priority::Control, None, |st, _| st.save()).await;
+                let r = s
+                    .stage
+                    .compute(Priority::Control, None, |st, _| st.save())
+                    .await;
                 return answer(WHO.into(), reply, r);
             }
             EdgeMsg::Load { bytes, reply } => {
                 s.in_flight.clear();
                 let r = s
+                    .stage
                     .compute(Priority::Control, None, move |st, _| st.load(&bytes))
                     .await;
                 return answer(WHO.into(), reply, r);

@@ -2,9 +2,9 @@
 //! kept inputs, session membranes) and runs its compute on its pipeline stage's worker thread;
 //! activations arrive in its mailbox and leave for the next hop when the worker is done.
 
-use super::worker::{Priority, Worker};
+use super::worker::Priority;
 use super::{Event, Hop, Ponder, StageHolder, StepCtx};
-use nsactor_plugin_api::{ComputeBackend, DeviceTensor, EngineError, Reply, StageCall};
+use nsactor_plugin_api::{DeviceTensor, EngineError, Reply, StageCall};
 use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
 use std::sync::Arc;
 
@@ -58,18 +58,12 @@ pub struct LayerActor;
 
 pub struct LayerArgs {
     pub index: usize,
-    pub device: usize,
     pub stage: StageHolder,
-    pub worker: Arc<Worker>,
-    pub backend: Arc<dyn ComputeBackend>,
 }
 
 pub struct LayerState {
     index: usize,
-    device: usize,
     stage: StageHolder,
-    worker: Arc<Worker>,
-    backend: Arc<dyn ComputeBackend>,
     prev: Option<Hop>,
     next: Option<Hop>,
 }
@@ -77,27 +71,6 @@ pub struct LayerState {
 impl LayerState {
     fn who(&self) -> String {
         format!("layer {}", self.index)
-    }
-
-    /// Runs `f` on the stage, on the worker, after moving `h` to this layer's device.
-    async fn compute<R: Send + 'static>(
-        &mut self,
-        priority: Priority,
-        h: Option<DeviceTensor>,
-        f: impl FnOnce(
-            &mut dyn nsactor_plugin_api::Stage,
-            Option<DeviceTensor>,
-        ) -> Result<R, EngineError>
-        + Send
-        + 'static,
-    ) -> Result<R, EngineError> {
-        let (backend, device) = (self.backend.clone(), self.device);
-        self.stage
-            .run(&self.worker, priority, move |stage| {
-                let h = h.map(|h| backend.to_device(h, device)).transpose()?;
-                f(stage, h)
-            })
-            .await
     }
 }
 
@@ -113,10 +86,7 @@ impl Actor for LayerActor {
     ) -> Result<LayerState, ActorProcessingErr> {
         Ok(LayerState {
             index: a.index,
-            device: a.device,
             stage: a.stage,
-            worker: a.worker,
-            backend: a.backend,
             prev: None,
             next: None,
         })
@@ -140,6 +110,7 @@ impl Actor for LayerActor {
                 ctx,
             } => {
                 let r = s
+                    .stage
                     .compute(Priority::Forward, Some(h), move |st, h| {
                         let r = st.call(StageCall::Forward {
                             micro,
@@ -169,6 +140,7 @@ impl Actor for LayerActor {
                 ctx,
             } => {
                 let r = s
+                    .stage
                     .compute(Priority::Backward, Some(grad), move |st, g| {
                         st.call(StageCall::Backward {
                             micro,
@@ -188,6 +160,7 @@ impl Actor for LayerActor {
             }
             LayerMsg::Control { call, reply } => {
                 let r = s
+                    .stage
                     .compute(Priority::Control, None, move |st, _| {
                         st.call(match call {
                             LayerControl::GradStats => StageCall::GradStats,
@@ -212,6 +185,7 @@ impl Actor for LayerActor {
             }
             LayerMsg::SessionForward { session, h, reply } => {
                 let r = s
+                    .stage
                     .compute(Priority::Forward, Some(h), move |st, h| {
                         st.call(StageCall::SessionForward {
                             session,
@@ -223,11 +197,15 @@ impl Actor for LayerActor {
                 return answer(s.who(), reply, r);
             }
             LayerMsg::Save { reply } => {
-                let r = s.compute(Priority::Control, None, |st, _| st.save()).await;
+                let r = s
+                    .stage
+                    .compute(Priority::Control, None, |st, _| st.save())
+                    .await;
                 return answer(s.who(), reply, r);
             }
             LayerMsg::Load { bytes, reply } => {
                 let r = s
+                    .stage
                     .compute(Priority::Control, None, move |st, _| st.load(&bytes))
                     .await;
                 return answer(s.who(), reply, r);

@@ -186,26 +186,43 @@ impl Hop {
     }
 }
 
-/// An actor's stage, lent to the worker for each job. After a panic inside a job the stage is
-/// gone and every later call fails until the actor is rebuilt.
+/// An actor's stage and where it runs: lent to its worker for each job. After a panic inside a
+/// job the stage is gone and every later call fails until the actor is rebuilt.
 pub struct StageHolder {
     who: String,
     stage: Option<Box<dyn Stage>>,
+    worker: Arc<Worker>,
+    backend: Arc<dyn ComputeBackend>,
+    device: usize,
 }
 
 impl StageHolder {
-    pub fn new(who: impl Into<String>, stage: Box<dyn Stage>) -> Self {
+    pub fn new(
+        who: impl Into<String>,
+        stage: Box<dyn Stage>,
+        worker: Arc<Worker>,
+        backend: Arc<dyn ComputeBackend>,
+        device: usize,
+    ) -> Self {
         StageHolder {
             who: who.into(),
             stage: Some(stage),
+            worker,
+            backend,
+            device,
         }
     }
 
-    async fn run<R: Send + 'static>(
+    pub fn backend(&self) -> &Arc<dyn ComputeBackend> {
+        &self.backend
+    }
+
+    /// Runs `f` on the stage, on the worker, after moving `h` (if any) to the stage's device.
+    async fn compute<R: Send + 'static>(
         &mut self,
-        worker: &Worker,
         priority: Priority,
-        f: impl FnOnce(&mut dyn Stage) -> Result<R, EngineError> + Send + 'static,
+        h: Option<DeviceTensor>,
+        f: impl FnOnce(&mut dyn Stage, Option<DeviceTensor>) -> Result<R, EngineError> + Send + 'static,
     ) -> Result<R, EngineError> {
         let mut stage = self.stage.take().ok_or_else(|| {
             EngineError::Panic(format!(
@@ -213,9 +230,14 @@ impl StageHolder {
                 self.who
             ))
         })?;
-        match worker
+        let (backend, device) = (self.backend.clone(), self.device);
+        match self
+            .worker
             .run(priority, move || {
-                let r = f(&mut *stage);
+                let r = h
+                    .map(|h| backend.to_device(h, device))
+                    .transpose()
+                    .and_then(|h| f(&mut *stage, h));
                 (stage, r)
             })
             .await

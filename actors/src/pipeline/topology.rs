@@ -182,11 +182,14 @@ impl Topology {
             Some(name("edge")),
             EdgeActor,
             EdgeArgs {
-                device: self.plan.edge_device(),
                 num_layers: layer_stages.len(),
-                stage: StageHolder::new("edge", edge_stage),
-                worker: self.workers[0].clone(),
-                backend: self.backend.clone(),
+                stage: StageHolder::new(
+                    "edge",
+                    edge_stage,
+                    self.workers[0].clone(),
+                    self.backend.clone(),
+                    self.plan.edge_device(),
+                ),
             },
         )
         .await
@@ -209,10 +212,13 @@ impl Topology {
                 LayerActor,
                 LayerArgs {
                     index: i,
-                    device: devices[i],
-                    stage: StageHolder::new(format!("layer {i}"), stage),
-                    worker: self.workers[1 + self.plan.stage_of(i)].clone(),
-                    backend: self.backend.clone(),
+                    stage: StageHolder::new(
+                        format!("layer {i}"),
+                        stage,
+                        self.workers[1 + self.plan.stage_of(i)].clone(),
+                        self.backend.clone(),
+                        devices[i],
+                    ),
                 },
             )
             .await

@@ -4,7 +4,7 @@
 //! the actor pipeline: supervisor, edge and layer actors on their worker threads.
 
 use crate::engine::{StagedModel, StepParams};
-use crate::pipeline::{Pipeline, PipelineError, PipelinePlan};
+use crate::pipeline::{Pipeline, PipelinePlan};
 use crate::weights::merge_params;
 use nsactor_plugin_api::{Batch, ComputeBackend, EngineError, OptimizerKind};
 use safetensors::SafeTensors;
@@ -115,13 +115,6 @@ impl<'a> TinyAFixture<'a> {
     }
 }
 
-fn engine_error(e: PipelineError) -> EngineError {
-    match e {
-        PipelineError::Engine(e) | PipelineError::Stage { error: e, .. } => e,
-        other => EngineError::Backend(other.to_string()),
-    }
-}
-
 /// `‖a − b‖ / ‖b‖`.
 pub fn rel_norm_err(a: &[f32], b: &[f32]) -> f64 {
     if a.len() != b.len() {
@@ -199,7 +192,7 @@ pub fn tiny_a(
     let train = crate::config::RunConfig::load(None)
         .expect("the embedded config parses")
         .train;
-    let mut m = Pipeline::start(staged, plan, train, None).map_err(engine_error)?;
+    let mut m = Pipeline::start(staged, plan, train, None).map_err(EngineError::from)?;
     let batch = fx.batch()?;
     let ce_before = m.eval_ce(&batch)?;
     let stats = m
@@ -212,8 +205,8 @@ pub fn tiny_a(
                 max_grad_norm: adam["clip"].as_f64().unwrap_or(1.0),
             },
         )
-        .map_err(engine_error)?;
-    let shards = m.save_stages().map_err(engine_error)?;
+        .map_err(EngineError::from)?;
+    let shards = m.save_stages().map_err(EngineError::from)?;
     let merged = merge_params(&shards).map_err(EngineError::Backend)?;
     let st = SafeTensors::deserialize(&merged).map_err(|e| EngineError::Backend(e.to_string()))?;
     let mut worst = (String::new(), 0.0f64);

@@ -67,6 +67,16 @@ pub enum PipelineError {
     },
 }
 
+impl From<PipelineError> for EngineError {
+    /// The engine error inside, or the pipeline's reason as a backend error.
+    fn from(e: PipelineError) -> Self {
+        match e {
+            PipelineError::Engine(e) | PipelineError::Stage { error: e, .. } => e,
+            other => EngineError::Backend(other.to_string()),
+        }
+    }
+}
+
 /// Ponder statistics accumulated over the layers a micro-batch has passed.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Ponder {
@@ -287,7 +297,9 @@ pub struct Pipeline {
     plan: PipelinePlan,
     backend: Arc<dyn ComputeBackend>,
     param_count: u64,
-    next_session: u64,
+    /// Decoding sessions of `generate`/`eval_ce` (and, through [`decoder`](Self::decoder),
+    /// of servers), sharing one session counter.
+    sessions: AsyncDecoder,
 }
 
 impl Pipeline {
@@ -376,6 +388,11 @@ impl Pipeline {
             }
             Ok::<_, PipelineError>((sup, shared, data))
         })?;
+        let sessions = AsyncDecoder {
+            children: children.clone(),
+            next_session: Arc::new(AtomicU64::new(0)),
+            vocab: 0,
+        };
         Ok(Pipeline {
             rt,
             sup,
@@ -385,7 +402,7 @@ impl Pipeline {
             plan,
             backend,
             param_count,
-            next_session: 0,
+            sessions,
         })
     }
 
@@ -479,10 +496,8 @@ impl Pipeline {
     /// An asynchronous decoder over this pipeline's actors; `vocab` is the model's vocabulary.
     pub fn decoder(&self, vocab: usize) -> AsyncDecoder {
         AsyncDecoder {
-            children: self.children.clone(),
-            // Apart from the ids of `generate`/`eval_ce` sessions.
-            next_session: Arc::new(AtomicU64::new(1 << 62)),
             vocab,
+            ..self.sessions.clone()
         }
     }
 
@@ -506,60 +521,7 @@ impl Pipeline {
         &self,
         f: impl Future<Output = Result<T, PipelineError>>,
     ) -> Result<T, EngineError> {
-        self.rt.block_on(f).map_err(|e| match e {
-            PipelineError::Engine(e) | PipelineError::Stage { error: e, .. } => e,
-            other => EngineError::Backend(other.to_string()),
-        })
-    }
-
-    fn session_embed(
-        &self,
-        ids: Vec<i64>,
-        batch: usize,
-        seq_len: usize,
-    ) -> Result<DeviceTensor, EngineError> {
-        self.block(ask(&self.children().edge, "edge", |reply| {
-            EdgeMsg::SessionEmbed {
-                ids,
-                batch,
-                seq_len,
-                reply,
-            }
-        }))
-    }
-
-    fn session_layers(
-        &self,
-        session: u64,
-        mut h: DeviceTensor,
-    ) -> Result<DeviceTensor, EngineError> {
-        for (i, l) in self.children().layers.iter().enumerate() {
-            h = self.block(ask(l, format!("layer {i}"), |reply| {
-                LayerMsg::SessionForward { session, h, reply }
-            }))?;
-        }
-        Ok(h)
-    }
-
-    fn session_logits(&self, session: u64, h: DeviceTensor) -> Result<Vec<f32>, EngineError> {
-        let h = self.session_layers(session, h)?;
-        self.block(ask(&self.children().edge, "edge", |reply| {
-            EdgeMsg::SessionDecode { session, h, reply }
-        }))
-    }
-
-    fn session_close(&self, session: u64) {
-        let c = self.children();
-        let _ = self.block(ask(&c.edge, "edge", |reply| EdgeMsg::Control {
-            call: EdgeControl::SessionClose { session },
-            reply,
-        }));
-        for (i, l) in c.layers.iter().enumerate() {
-            let _ = self.block(ask(l, format!("layer {i}"), |reply| LayerMsg::Control {
-                call: LayerControl::SessionClose { session },
-                reply,
-            }));
-        }
+        self.rt.block_on(f).map_err(EngineError::from)
     }
 
     /// Greedy continuation of `prompt` through the layer actors (see
@@ -590,11 +552,9 @@ impl Pipeline {
         suppress: &[i64],
         sampling: crate::decode::SamplingParams,
     ) -> Result<Vec<i64>, EngineError> {
-        let session = self.next_session;
-        self.next_session += 1;
         let mut d = PipelineSession {
             p: self,
-            session,
+            session: self.sessions.session(),
             open: false,
         };
         crate::engine::generate(&mut d, prompt, max_new_tokens, eos, suppress, sampling)
@@ -603,17 +563,20 @@ impl Pipeline {
     /// Masked mean cross entropy of `b` (no gradients).
     pub fn eval_ce(&mut self, b: &Batch) -> Result<f64, EngineError> {
         b.validate()?;
-        let session = self.next_session;
-        self.next_session += 1;
-        let r = (|| {
-            let h = self.session_embed(b.inputs.clone(), b.batch, b.seq_len)?;
-            let h = self.session_layers(session, h)?;
+        let d = &self.sessions;
+        let session = d.session();
+        let r = self.block(async {
+            let h = d.embed(b.inputs.clone(), b.batch, b.seq_len).await?;
+            let h = d.layers(session, h).await?;
             let batch = Arc::new(b.clone());
-            self.block(ask(&self.children().edge, "edge", |reply| {
-                EdgeMsg::HeadEval { h, batch, reply }
-            }))
-        })();
-        self.session_close(session);
+            ask(&d.children().edge, "edge", |reply| EdgeMsg::HeadEval {
+                h,
+                batch,
+                reply,
+            })
+            .await
+        });
+        self.rt.block_on(d.close(session));
         r
     }
 }
@@ -646,18 +609,31 @@ impl AsyncDecoder {
         self.next_session.fetch_add(1, Ordering::Relaxed)
     }
 
-    /// Runs `ids` through `session` (a prompt, or one token); the last position's logits.
-    pub async fn feed(&self, session: u64, ids: Vec<i64>) -> Result<Vec<f32>, PipelineError> {
-        let c = self.children();
-        let n = ids.len();
-        let mut h = ask(&c.edge, "edge", |reply| EdgeMsg::SessionEmbed {
-            ids,
-            batch: 1,
-            seq_len: n,
-            reply,
+    /// Embeds `ids` (row-major `[batch, seq_len]`) for decoding or evaluation.
+    async fn embed(
+        &self,
+        ids: Vec<i64>,
+        batch: usize,
+        seq_len: usize,
+    ) -> Result<DeviceTensor, PipelineError> {
+        ask(&self.children().edge, "edge", |reply| {
+            EdgeMsg::SessionEmbed {
+                ids,
+                batch,
+                seq_len,
+                reply,
+            }
         })
-        .await?;
-        for (i, l) in c.layers.iter().enumerate() {
+        .await
+    }
+
+    /// `h` through every layer of `session`.
+    async fn layers(
+        &self,
+        session: u64,
+        mut h: DeviceTensor,
+    ) -> Result<DeviceTensor, PipelineError> {
+        for (i, l) in self.children().layers.iter().enumerate() {
             h = ask(l, format!("layer {i}"), |reply| LayerMsg::SessionForward {
                 session,
                 h,
@@ -665,10 +641,16 @@ impl AsyncDecoder {
             })
             .await?;
         }
-        ask(&c.edge, "edge", |reply| EdgeMsg::SessionDecode {
-            session,
-            h,
-            reply,
+        Ok(h)
+    }
+
+    /// Runs `ids` through `session` (a prompt, or one token); the last position's logits.
+    pub async fn feed(&self, session: u64, ids: Vec<i64>) -> Result<Vec<f32>, PipelineError> {
+        let n = ids.len();
+        let h = self.embed(ids, 1, n).await?;
+        let h = self.layers(session, h).await?;
+        ask(&self.children().edge, "edge", |reply| {
+            EdgeMsg::SessionDecode { session, h, reply }
         })
         .await
     }
@@ -700,18 +682,18 @@ struct PipelineSession<'a> {
 impl Decoder for PipelineSession<'_> {
     fn prefill(&mut self, prompt: &[i64]) -> Result<Vec<f32>, EngineError> {
         self.open = true;
-        let h = self.p.session_embed(prompt.to_vec(), 1, prompt.len())?;
-        self.p.session_logits(self.session, h)
+        self.p
+            .block(self.p.sessions.feed(self.session, prompt.to_vec()))
     }
 
     fn next(&mut self, token: i64) -> Result<Vec<f32>, EngineError> {
-        let h = self.p.session_embed(vec![token], 1, 1)?;
-        self.p.session_logits(self.session, h)
+        self.p
+            .block(self.p.sessions.feed(self.session, vec![token]))
     }
 
     fn close(&mut self) {
         if self.open {
-            self.p.session_close(self.session);
+            self.p.rt.block_on(self.p.sessions.close(self.session));
         }
     }
 }

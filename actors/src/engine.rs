@@ -41,6 +41,44 @@ pub struct StepStats {
     pub tokens: u64,
 }
 
+impl StepStats {
+    /// Nothing accumulated yet.
+    pub fn empty() -> Self {
+        StepStats {
+            loss: 0.0,
+            ce: 0.0,
+            expected_k: 0.0,
+            expected_k_min: f64::INFINITY,
+            expected_k_max: f64::NEG_INFINITY,
+            grad_norm: 0.0,
+            tokens: 0,
+        }
+    }
+
+    /// Adds one of `m` micro-batches: its CE, mean ponder cost and E[K] range. Callers add in
+    /// micro-batch order, so every schedule sums the same way.
+    pub fn add_micro(
+        &mut self,
+        ce: f64,
+        ponder: f64,
+        lo: f64,
+        hi: f64,
+        m: f64,
+        ponder_weight: f64,
+    ) {
+        self.ce += ce / m;
+        self.expected_k += ponder / m;
+        self.loss += (ce + ponder_weight * ponder) / m;
+        self.expected_k_min = self.expected_k_min.min(lo);
+        self.expected_k_max = self.expected_k_max.max(hi);
+    }
+}
+
+/// Tokens of `b` that count toward the loss.
+pub fn scored_tokens(b: &Batch) -> u64 {
+    b.loss_mask.iter().filter(|&&v| v > 0.0).count() as u64
+}
+
 /// Where each stage lives.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Placement {
@@ -242,23 +280,11 @@ impl StagedModel {
             ));
         }
         let m = micro_batches.len() as f64;
-        let mut s = StepStats {
-            loss: 0.0,
-            ce: 0.0,
-            expected_k: 0.0,
-            expected_k_min: f64::INFINITY,
-            expected_k_max: f64::NEG_INFINITY,
-            grad_norm: 0.0,
-            tokens: 0,
-        };
+        let mut s = StepStats::empty();
         for b in micro_batches {
             let (ce, ponder, lo, hi) = self.micro_batch(b, 1.0 / m, p.ponder_weight)?;
-            s.ce += ce / m;
-            s.expected_k += ponder / m;
-            s.loss += (ce + p.ponder_weight * ponder) / m;
-            s.expected_k_min = s.expected_k_min.min(lo);
-            s.expected_k_max = s.expected_k_max.max(hi);
-            s.tokens += b.loss_mask.iter().filter(|&&v| v > 0.0).count() as u64;
+            s.add_micro(ce, ponder, lo, hi, m, p.ponder_weight);
+            s.tokens += scored_tokens(b);
         }
         s.grad_norm = self.apply_step(p)?;
         Ok(s)

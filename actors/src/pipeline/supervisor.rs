@@ -178,10 +178,7 @@ impl SupState {
         let m = batches.len();
         let base = self.next_micro;
         self.next_micro += m as u64;
-        let tokens: u64 = batches
-            .iter()
-            .map(|b| b.loss_mask.iter().filter(|&&v| v > 0.0).count() as u64)
-            .sum();
+        let tokens: u64 = batches.iter().map(crate::engine::scored_tokens).sum();
         // At most one event per micro-batch is in the channel at a time.
         let (tx, mut rx) = tokio::sync::mpsc::channel(m + 1);
         let mut pending = batches.into_iter().map(Arc::new).enumerate();
@@ -249,22 +246,12 @@ impl SupState {
         let l = self.layers.len() as f64;
         let mf = m as f64;
         let mut s = StepStats {
-            loss: 0.0,
-            ce: 0.0,
-            expected_k: 0.0,
-            expected_k_min: f64::INFINITY,
-            expected_k_max: f64::NEG_INFINITY,
-            grad_norm: 0.0,
             tokens,
+            ..StepStats::empty()
         };
         for r in &results {
             let (ce, pd) = r.expect("every micro-batch finished");
-            let ponder = pd.sum / l;
-            s.ce += ce / mf;
-            s.expected_k += ponder / mf;
-            s.loss += (ce + p.ponder_weight * ponder) / mf;
-            s.expected_k_min = s.expected_k_min.min(pd.min);
-            s.expected_k_max = s.expected_k_max.max(pd.max);
+            s.add_micro(ce, pd.sum / l, pd.min, pd.max, mf, p.ponder_weight);
         }
         s.grad_norm = self.apply_step(p).await?;
         Ok(s)

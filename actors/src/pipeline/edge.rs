@@ -169,7 +169,7 @@ impl Actor for EdgeActor {
                             },
                         );
                         let first = s.first.as_ref().ok_or("edge actor not wired")?;
-                        first.forward(micro, h, Ponder::default(), ctx)?;
+                        first.forward(micro, h, Ponder::default(), ctx);
                     }
                     Err(e) => return fail(WHO.into(), micro, e, &ctx).await,
                 }
@@ -208,7 +208,7 @@ impl Actor for EdgeActor {
                             f.result = Some((ce, ponder));
                         }
                         let last = s.last.as_ref().ok_or("edge actor not wired")?;
-                        last.backward(micro, grad, ponder_grad, ctx)?;
+                        last.backward(micro, grad, ponder_grad, ctx);
                     }
                     Err(e) => return fail(WHO.into(), micro, e, &ctx).await,
                 }

@@ -128,7 +128,7 @@ impl Actor for LayerActor {
                     Ok((h, (pc, lo, hi))) => {
                         ponder.add(pc, lo, hi);
                         let next = s.next.as_ref().ok_or("layer actor not wired")?;
-                        next.forward(micro, h, ponder, ctx)?;
+                        next.forward(micro, h, ponder, ctx);
                     }
                     Err(e) => return fail(s.who(), micro, e, &ctx).await,
                 }
@@ -153,7 +153,7 @@ impl Actor for LayerActor {
                 match r {
                     Ok(g) => {
                         let prev = s.prev.as_ref().ok_or("layer actor not wired")?;
-                        prev.backward(micro, g, ponder_grad, ctx)?;
+                        prev.backward(micro, g, ponder_grad, ctx);
                     }
                     Err(e) => return fail(s.who(), micro, e, &ctx).await,
                 }

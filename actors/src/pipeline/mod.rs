@@ -34,7 +34,7 @@ use layer::{LayerControl, LayerMsg};
 use nsactor_data::{Cursor, Sampler};
 use nsactor_plugin_api::{Batch, ComputeBackend, DeviceTensor, EngineError, Stage};
 pub use plan::PipelinePlan;
-use ractor::{Actor, ActorCell, ActorProcessingErr, ActorRef, RpcReplyPort};
+use ractor::{Actor, ActorCell, ActorRef, RpcReplyPort};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, RwLock};
@@ -139,13 +139,7 @@ pub enum Hop {
 }
 
 impl Hop {
-    fn forward(
-        &self,
-        micro: u64,
-        h: DeviceTensor,
-        ponder: Ponder,
-        ctx: StepCtx,
-    ) -> Result<(), ActorProcessingErr> {
+    fn forward(&self, micro: u64, h: DeviceTensor, ponder: Ponder, ctx: StepCtx) {
         let sent = match self {
             Hop::Layer(a) => a
                 .cast(LayerMsg::Forward {
@@ -168,16 +162,9 @@ impl Hop {
         if !sent {
             tracing::warn!("micro-batch {micro}: the next actor has stopped");
         }
-        Ok(())
     }
 
-    fn backward(
-        &self,
-        micro: u64,
-        grad: DeviceTensor,
-        ponder_grad: f64,
-        ctx: StepCtx,
-    ) -> Result<(), ActorProcessingErr> {
+    fn backward(&self, micro: u64, grad: DeviceTensor, ponder_grad: f64, ctx: StepCtx) {
         let sent = match self {
             Hop::Layer(a) => a
                 .cast(LayerMsg::Backward {
@@ -192,7 +179,6 @@ impl Hop {
         if !sent {
             tracing::warn!("micro-batch {micro}: the previous actor has stopped");
         }
-        Ok(())
     }
 }
 

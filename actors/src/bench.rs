@@ -82,7 +82,7 @@ pub fn boundary(
     let layer_step = time(layer_iters, reps, || {
         let h = backend.from_host(0, &host)?;
         stage
-            .call(StageCall::SessionForward { session: 7, h })
+            .call(StageCall::SessionForward { sessions: &[7], h })
             .map(drop)
     })?;
     Ok(BoundaryTimings {
@@ -397,7 +397,11 @@ pub async fn serve_load(
     let clients: Vec<_> = (0..sessions)
         .map(|i| {
             tokio::spawn(async move {
-                let (mut ws, _) = tokio_tungstenite::connect_async(format!("ws://{addr}/ws"))
+                let tcp = tokio::net::TcpStream::connect(addr)
+                    .await
+                    .map_err(|e| e.to_string())?;
+                tcp.set_nodelay(true).map_err(|e| e.to_string())?;
+                let (mut ws, _) = tokio_tungstenite::client_async(format!("ws://{addr}/ws"), tcp)
                     .await
                     .map_err(|e| e.to_string())?;
                 let req = serde_json::json!({"type": "generate", "id": "b", "prompt": "Emma was",

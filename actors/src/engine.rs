@@ -355,7 +355,7 @@ impl StagedModel {
             let h_in = self.to(h, self.placement.layers[i])?;
             h = self.layers[i]
                 .call(StageCall::SessionForward {
-                    session: s,
+                    sessions: &[s],
                     h: h_in,
                 })?
                 .into_tensor("SessionForward")?;
@@ -368,7 +368,7 @@ impl StagedModel {
         let h = self.session_layers(s, h)?;
         let logits = self
             .edge
-            .call(StageCall::SessionDecode { session: s, h })?
+            .call(StageCall::SessionDecode { sessions: &[s], h })?
             .into_tensor("SessionDecode")?;
         Ok(self.backend.to_host(&logits)?.data)
     }

@@ -195,6 +195,21 @@ enum BenchCommand {
     /// Streaming server under load: time to first token, inter-token latency p50/p99 and
     /// aggregate tokens/s at several numbers of concurrent WebSocket sessions.
     Serve(ServeBenchArgs),
+    /// The backend's PLIF scan kernels: each checked against the host reference (a wrong kernel
+    /// is not timed), then its GB/s at the 0.9B shapes against the device's elementwise-copy
+    /// bandwidth.
+    Kernels(KernelsArgs),
+}
+
+#[derive(clap::Args)]
+struct KernelsArgs {
+    /// Backend plugin (or `embedded`).
+    #[arg(long, default_value = "cuda")]
+    backend: String,
+    /// Shapes and repetitions as key=value pairs: steps (T·K), batch, elem_dim (D·N),
+    /// row_dim (2·D_ff), check_steps, reps. Default: the 0.9B shapes, 10 reps.
+    #[arg(long, default_value = "")]
+    options: String,
 }
 
 #[derive(clap::Args)]
@@ -340,6 +355,7 @@ fn main() -> ExitCode {
         Command::Bench(BenchCommand::PipelineHop(args)) => hop_cmd(args),
         Command::Bench(BenchCommand::Recovery(args)) => recovery_cmd(args),
         Command::Bench(BenchCommand::Serve(args)) => serve_bench_cmd(args),
+        Command::Bench(BenchCommand::Kernels(args)) => kernels_cmd(args),
         Command::Verify(VerifyCommand::TinyA(args)) => verify_cmd(args),
         Command::Tokenizer(TokenizerCommand::Train(a)) => {
             nsactor_data::cli::tokenizer_train(&a).map_err(Into::into)
@@ -825,14 +841,16 @@ fn serve_bench_cmd(a: ServeBenchArgs) -> Result<(), Box<dyn std::error::Error>> 
         a.tokens
     );
     println!(
-        "{:>9} {:>14} {:>14} {:>13} {:>13} {:>16}",
+        "{:>9} {:>14} {:>14} {:>13} {:>13} {:>16} {:>12}",
         "sessions",
         "TTFT p50 (ms)",
         "TTFT p99 (ms)",
         "ITL p50 (ms)",
         "ITL p99 (ms)",
-        "tokens/s (all)"
+        "tokens/s (all)",
+        "mean cohort"
     );
+    let decoder = l.pipeline.decoder(l.vocab);
     l.pipeline.block_on(async {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
         let addr = listener.local_addr()?;
@@ -844,15 +862,18 @@ fn serve_bench_cmd(a: ServeBenchArgs) -> Result<(), Box<dyn std::error::Error>> 
         // Warm-up.
         nsactor::bench::serve_load(addr, 1, 8).await?;
         for &n in &a.sessions {
+            let (c0, n0) = decoder.batch_counts();
             let t = nsactor::bench::serve_load(addr, n, a.tokens).await?;
+            let (c1, n1) = decoder.batch_counts();
             println!(
-                "{:>9} {:>14.1} {:>14.1} {:>13.2} {:>13.2} {:>16.0}",
+                "{:>9} {:>14.1} {:>14.1} {:>13.2} {:>13.2} {:>16.0} {:>12.1}",
                 t.sessions,
                 t.ttft_p50_ms,
                 t.ttft_p99_ms,
                 t.itl_p50_ms,
                 t.itl_p99_ms,
-                t.tokens_per_s
+                t.tokens_per_s,
+                (n1 - n0) as f64 / (c1 - c0).max(1) as f64
             );
         }
         Ok::<_, Box<dyn std::error::Error>>(())
@@ -936,6 +957,19 @@ fn hop_cmd(args: HopArgs) -> Result<(), Box<dyn std::error::Error>> {
             share * 100.0
         );
     }
+    Ok(())
+}
+
+fn kernels_cmd(args: KernelsArgs) -> Result<(), Box<dyn std::error::Error>> {
+    let b = backend::open(&args.backend, &[])?;
+    let info = b.info();
+    println!(
+        "PLIF scan kernels: {} {} on {}",
+        info.name,
+        info.version,
+        info.devices.first().map_or("?", |d| d.as_str())
+    );
+    print!("{}", b.bench("kernels", &args.options)?);
     Ok(())
 }
 

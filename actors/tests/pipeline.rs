@@ -281,3 +281,81 @@ fn a_panicking_layer_actor_is_rebuilt_and_the_run_ends_as_if_nothing_happened() 
     assert_eq!(got, want);
     assert!(p.save_stages().unwrap() == want_shards);
 }
+
+/// Teacher-forced decoding of `prompt` then `tokens` through one session: the logits of the
+/// prompt and of every token.
+async fn forced(
+    d: &nsactor::pipeline::AsyncDecoder,
+    prompt: Vec<i64>,
+    tokens: Vec<i64>,
+) -> Vec<Vec<f32>> {
+    let s = d.session();
+    let mut out = vec![d.feed(s, prompt).await.unwrap()];
+    for t in tokens {
+        out.push(d.feed(s, vec![t]).await.unwrap());
+    }
+    d.close(s).await;
+    out
+}
+
+#[test]
+fn concurrent_sessions_are_batched_at_each_layer_and_decode_as_they_would_alone() {
+    let p = pipeline(2, None);
+    let d = p.decoder(256);
+    // Prompts of several lengths (two share one, so their prefill batches too) and
+    // continuations of several lengths, so sessions join and leave running cohorts.
+    let work: Vec<(Vec<i64>, Vec<i64>)> = (0..7u64)
+        .map(|i| {
+            let prompt =
+                batches(100 + i, 1)[0].inputs[..[3, 5, 5, 1, 8, 2, 6][i as usize]].to_vec();
+            let tokens = batches(200 + i, 1)[0].inputs[..(6 + 3 * i as usize)].to_vec();
+            (prompt, tokens)
+        })
+        .collect();
+    let alone: Vec<Vec<Vec<f32>>> = work
+        .iter()
+        .map(|(pr, t)| p.block_on(forced(&d, pr.clone(), t.clone())))
+        .collect();
+    let (c0, n0) = d.batch_counts();
+    assert_eq!(c0, n0, "one session at a time is never batched");
+    let together: Vec<Vec<Vec<f32>>> = p.block_on(async {
+        let tasks: Vec<_> = work
+            .iter()
+            .enumerate()
+            .map(|(i, (pr, t))| {
+                let (d, pr, t) = (d.clone(), pr.clone(), t.clone());
+                tokio::spawn(async move {
+                    // Staggered starts: later sessions join cohorts already running.
+                    tokio::time::sleep(std::time::Duration::from_micros(300 * i as u64)).await;
+                    forced(&d, pr, t).await
+                })
+            })
+            .collect();
+        let mut out = Vec::new();
+        for t in tasks {
+            out.push(t.await.unwrap());
+        }
+        out
+    });
+    let mut worst = 0f32;
+    for (a, b) in alone.iter().zip(&together) {
+        assert_eq!(a.len(), b.len());
+        for (x, y) in a.iter().zip(b) {
+            assert_eq!(x.len(), 256);
+            for (u, v) in x.iter().zip(y) {
+                worst = worst.max((u - v).abs());
+            }
+        }
+    }
+    let (c1, n1) = d.batch_counts();
+    let mean = (n1 - n0) as f64 / (c1 - c0) as f64;
+    eprintln!("mean cohort {mean:.2}, worst |Δlogit| {worst:e}");
+    assert!(
+        worst <= 1e-5,
+        "batched logits differ from single-session ones by {worst}"
+    );
+    assert!(
+        mean > 2.0,
+        "sessions were not batched: mean cohort {mean:.2}"
+    );
+}

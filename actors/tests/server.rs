@@ -82,6 +82,7 @@ fn thirty_two_concurrent_clients_get_complete_correct_streams_and_disconnects_fr
         };
         let mut ws = connect(addr).await;
         let (alone, _, _) = generate(&mut ws, req(0)).await;
+        let (c0, n0) = state.generator.decoder.batch_counts();
         let clients: Vec<_> = (0..32)
             .map(|i| {
                 tokio::spawn(async move {
@@ -95,6 +96,15 @@ fn thirty_two_concurrent_clients_get_complete_correct_streams_and_disconnects_fr
             assert_eq!(text, alone);
             assert_eq!(done["usage"]["completion_tokens"], 12);
         }
+        // Each session fed its prompt and 11 of its 12 tokens (the last is never fed back).
+        let (c1, n1) = state.generator.decoder.batch_counts();
+        assert_eq!(n1 - n0, 32 * 12, "one input per prompt and per fed token");
+        assert!(
+            (n1 - n0) as f64 / (c1 - c0) as f64 > 2.0,
+            "32 concurrent sessions were not batched: {} inputs in {} passes",
+            n1 - n0,
+            c1 - c0
+        );
         // Disconnect mid-stream: the session is closed and its states freed.
         let mut ws = connect(addr).await;
         ws.send(Message::Text(
@@ -127,8 +137,11 @@ fn thirty_two_concurrent_clients_get_complete_correct_streams_and_disconnects_fr
             assert!(t.elapsed().as_secs() < 10, "the session was not freed");
             tokio::time::sleep(std::time::Duration::from_millis(5)).await;
         }
+        // Every actor has dropped the session's neuron states.
+        assert_eq!(state.generator.decoder.open_sessions(), 0);
         let (_, metrics) = http(addr, "GET", "/metrics", b"").await;
         assert!(metrics.contains("nsactor_active_sessions 0"), "{metrics}");
+        assert!(metrics.contains("nsactor_decode_open_sessions 0"), "{metrics}");
         assert!(metrics.contains("nsactor_requests_total 34"), "{metrics}");
     });
 }

@@ -29,7 +29,10 @@
 mod autodiff;
 #[cfg(feature = "cuda")]
 mod cuda;
+#[cfg(feature = "cuda")]
+pub mod cuda_scan;
 mod ops;
+pub mod bench;
 pub mod reference;
 
 pub use ops::{PlifGrads, PlifOutput, SnnOps, matmul, plif_elem, plif_row};

@@ -225,10 +225,59 @@ fn scan_grads<B: Backend>(
 #[cfg(feature = "ndarray")]
 impl SnnOps for burn_ndarray::NdArray<f32> {}
 
-/// The CUDA backend runs the host reference until the fused CubeCL kernels override these.
+/// The CUDA backend: the scans as CubeCL kernels ([`crate::cuda_scan`]), tested against the
+/// host reference these defaults run.
 #[cfg(feature = "cuda")]
 impl SnnOps for burn_cuda::Cuda<f32, i32> {
     fn matmul_fp32(lhs: FloatTensor<Self>, rhs: FloatTensor<Self>) -> FloatTensor<Self> {
         crate::cuda::matmul_fp32(lhs, rhs)
+    }
+
+    fn plif_elem_forward(
+        beta: FloatTensor<Self>,
+        u: FloatTensor<Self>,
+        vth: FloatTensor<Self>,
+        v0: FloatTensor<Self>,
+    ) -> PlifOutput<Self> {
+        let _ = scan_shape::<Self>(&u, &v0);
+        let (spike, vpost) = crate::cuda_scan::elem_forward(beta, u, vth, v0);
+        PlifOutput { spike, vpost }
+    }
+
+    fn plif_elem_backward(
+        beta: FloatTensor<Self>,
+        v0: FloatTensor<Self>,
+        vpost: FloatTensor<Self>,
+        spike: FloatTensor<Self>,
+        grad_vpost: FloatTensor<Self>,
+    ) -> PlifGrads<Self> {
+        let _ = scan_shape::<Self>(&grad_vpost, &v0);
+        let [beta, u, vth, v0] =
+            crate::cuda_scan::backward(false, beta, v0, vpost, spike, grad_vpost);
+        PlifGrads { beta, u, vth, v0 }
+    }
+
+    fn plif_row_forward(
+        beta: FloatTensor<Self>,
+        u: FloatTensor<Self>,
+        vth: FloatTensor<Self>,
+        v0: FloatTensor<Self>,
+    ) -> PlifOutput<Self> {
+        let _ = scan_shape::<Self>(&u, &v0);
+        let (spike, vpost) = crate::cuda_scan::row_forward(beta, u, vth, v0);
+        PlifOutput { spike, vpost }
+    }
+
+    fn plif_row_backward(
+        beta: FloatTensor<Self>,
+        v0: FloatTensor<Self>,
+        vpost: FloatTensor<Self>,
+        spike: FloatTensor<Self>,
+        grad_vpost: FloatTensor<Self>,
+    ) -> PlifGrads<Self> {
+        let _ = scan_shape::<Self>(&grad_vpost, &v0);
+        let [beta, u, vth, v0] =
+            crate::cuda_scan::backward(true, beta, v0, vpost, spike, grad_vpost);
+        PlifGrads { beta, u, vth, v0 }
     }
 }

@@ -158,7 +158,10 @@ fn a_panic_inside_a_plugin_call_is_reported_and_the_host_keeps_running() {
     // The plugin, the stage and tensor transfer keep working.
     let t = backend.from_host(0, &host).unwrap();
     let out = stage
-        .call(StageCall::SessionForward { session: 1, h: t })
+        .call(StageCall::SessionForward {
+            sessions: &[1],
+            h: t,
+        })
         .unwrap()
         .into_tensor("SessionForward")
         .unwrap();

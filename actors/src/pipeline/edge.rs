@@ -57,9 +57,10 @@ pub enum EdgeMsg {
         seq_len: usize,
         reply: RpcReplyPort<Result<DeviceTensor, EngineError>>,
     },
-    /// Last-position logits `[1, B, V]` of session `session`, copied to the host.
+    /// Last-position logits `[1, B, V]` of `sessions` (batch rows split evenly among them, in
+    /// order), copied to the host.
     SessionDecode {
-        session: u64,
+        sessions: Vec<u64>,
         h: DeviceTensor,
         reply: RpcReplyPort<Result<Vec<f32>, EngineError>>,
     },
@@ -289,14 +290,14 @@ impl Actor for EdgeActor {
                     .await;
                 return answer(WHO.into(), reply, r);
             }
-            EdgeMsg::SessionDecode { session, h, reply } => {
+            EdgeMsg::SessionDecode { sessions, h, reply } => {
                 let backend = s.stage.backend().clone();
                 let r = s
                     .stage
                     .compute(Priority::Forward, Some(h), move |st, h| {
                         let logits = st
                             .call(StageCall::SessionDecode {
-                                session,
+                                sessions: &sessions,
                                 h: h.expect("moved"),
                             })?
                             .into_tensor("SessionDecode")?;

@@ -39,9 +39,10 @@ pub enum LayerMsg {
         call: LayerControl,
         reply: RpcReplyPort<Result<Reply, EngineError>>,
     },
-    /// `h` through the layer for decoding session `session`, whose neuron states it keeps.
+    /// `h` through the layer for decoding `sessions` (batch rows split evenly among them, in
+    /// order), whose neuron states it keeps.
     SessionForward {
-        session: u64,
+        sessions: Vec<u64>,
         h: DeviceTensor,
         reply: RpcReplyPort<Result<DeviceTensor, EngineError>>,
     },
@@ -183,12 +184,12 @@ impl Actor for LayerActor {
                     .await;
                 return answer(s.who(), reply, r);
             }
-            LayerMsg::SessionForward { session, h, reply } => {
+            LayerMsg::SessionForward { sessions, h, reply } => {
                 let r = s
                     .stage
                     .compute(Priority::Forward, Some(h), move |st, h| {
                         st.call(StageCall::SessionForward {
-                            session,
+                            sessions: &sessions,
                             h: h.expect("moved"),
                         })?
                         .into_tensor("SessionForward")

@@ -5,6 +5,7 @@
 //! Supervisor ─┬─ DataActor   (sampler; prefetches the next step's micro-batches)
 //!             ├─ EdgeActor   (embedding + head + loss; owns the tied matrix)
 //!             └─ LayerActor 0..L-1, grouped into P pipeline stages
+//! BatcherActor    (decoding: batches concurrent sessions into cohorts through the same actors)
 //! ```
 //!
 //! Compute runs only on [`worker`] threads (one per pipeline stage, one for the edge); actors
@@ -17,6 +18,7 @@
 //!
 //! [`Pipeline`] is the synchronous handle the CLI and tests use.
 
+pub mod batcher;
 pub mod checkpoint;
 pub mod data;
 pub mod edge;
@@ -28,9 +30,10 @@ pub mod worker;
 
 use crate::config::TrainConfig;
 use crate::engine::{Decoder, StagedModel, StepParams, StepStats};
+use batcher::{BatchStats, BatcherActor, BatcherArgs, BatcherMsg, Batching};
 use data::{DataActor, DataMsg};
-use edge::{EdgeControl, EdgeMsg};
-use layer::{LayerControl, LayerMsg};
+use edge::EdgeMsg;
+use layer::LayerMsg;
 use nsactor_data::{Cursor, Sampler};
 use nsactor_plugin_api::{Batch, ComputeBackend, DeviceTensor, EngineError, Stage};
 pub use plan::PipelinePlan;
@@ -374,8 +377,26 @@ impl Pipeline {
             }
             Ok::<_, PipelineError>((sup, shared, data))
         })?;
+        let stats = Arc::new(BatchStats::default());
+        let batcher = rt
+            .block_on(Actor::spawn(
+                Some(format!("pipeline{id}/batcher")),
+                BatcherActor,
+                BatcherArgs {
+                    children: children.clone(),
+                    batching: Batching {
+                        max_in_flight: plan.num_stages(),
+                        ..Batching::default()
+                    },
+                    stats: stats.clone(),
+                },
+            ))
+            .map_err(|e| PipelineError::Runtime(e.to_string()))?
+            .0;
         let sessions = AsyncDecoder {
             children: children.clone(),
+            batcher,
+            stats,
             next_session: Arc::new(AtomicU64::new(0)),
             vocab: 0,
         };
@@ -573,6 +594,8 @@ impl Pipeline {
 #[derive(Clone)]
 pub struct AsyncDecoder {
     children: Arc<RwLock<Children>>,
+    batcher: ActorRef<BatcherMsg>,
+    stats: Arc<BatchStats>,
     next_session: Arc<AtomicU64>,
     vocab: usize,
 }
@@ -613,7 +636,7 @@ impl AsyncDecoder {
         .await
     }
 
-    /// `h` through every layer of `session`.
+    /// `h` through every layer of `session` (all of `h`'s rows), outside any cohort.
     async fn layers(
         &self,
         session: u64,
@@ -621,7 +644,7 @@ impl AsyncDecoder {
     ) -> Result<DeviceTensor, PipelineError> {
         for (i, l) in self.children().layers.iter().enumerate() {
             h = ask(l, format!("layer {i}"), |reply| LayerMsg::SessionForward {
-                session,
+                sessions: vec![session],
                 h,
                 reply,
             })
@@ -631,31 +654,44 @@ impl AsyncDecoder {
     }
 
     /// Runs `ids` through `session` (a prompt, or one token); the last position's logits.
+    /// Concurrent sessions are batched together at every layer (see [`batcher`]).
     pub async fn feed(&self, session: u64, ids: Vec<i64>) -> Result<Vec<f32>, PipelineError> {
-        let n = ids.len();
-        let h = self.embed(ids, 1, n).await?;
-        let h = self.layers(session, h).await?;
-        ask(&self.children().edge, "edge", |reply| {
-            EdgeMsg::SessionDecode { session, h, reply }
-        })
-        .await
+        match self
+            .batcher
+            .call(
+                |reply| BatcherMsg::Feed {
+                    session,
+                    ids,
+                    reply,
+                },
+                None,
+            )
+            .await
+        {
+            Ok(ractor::rpc::CallResult::Success(r)) => r,
+            _ => Err(PipelineError::Broken("the decode batcher stopped".into())),
+        }
     }
 
-    /// Frees `session`'s neuron states in every actor.
+    /// Sessions whose neuron states the actors hold (fed, and not closed yet).
+    pub fn open_sessions(&self) -> u64 {
+        self.stats.open.load(Ordering::Relaxed)
+    }
+
+    /// Cohorts run so far and the session inputs they carried (their ratio is the mean batch).
+    pub fn batch_counts(&self) -> (u64, u64) {
+        (
+            self.stats.cohorts.load(Ordering::Relaxed),
+            self.stats.inputs.load(Ordering::Relaxed),
+        )
+    }
+
+    /// Frees `session`'s neuron states in every actor (after its input in flight, if any).
     pub async fn close(&self, session: u64) {
-        let c = self.children();
-        let _ = ask(&c.edge, "edge", |reply| EdgeMsg::Control {
-            call: EdgeControl::SessionClose { session },
-            reply,
-        })
-        .await;
-        for (i, l) in c.layers.iter().enumerate() {
-            let _ = ask(l, format!("layer {i}"), |reply| LayerMsg::Control {
-                call: LayerControl::SessionClose { session },
-                reply,
-            })
+        let _ = self
+            .batcher
+            .call(|reply| BatcherMsg::Close { session, reply }, None)
             .await;
-        }
     }
 }
 
@@ -692,7 +728,8 @@ impl Drop for Pipeline {
             .rt
             .block_on(self.sup.get_cell().stop_and_wait(None, None));
         let children = self.children();
-        let cells: Vec<ActorCell> = children_cells(&children)
+        let cells: Vec<ActorCell> = std::iter::once(self.sessions.batcher.get_cell())
+            .chain(children_cells(&children))
             .chain(self.data.iter().map(|d| d.get_cell()))
             .chain(std::iter::once(self.sup.get_cell()))
             .collect();

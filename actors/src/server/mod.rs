@@ -138,7 +138,8 @@ impl Metrics {
     }
 
     /// Prometheus text exposition.
-    pub fn render(&self, queued: usize) -> String {
+    /// `batches` is the decoder's (cohorts, session inputs) so far, `open` its open sessions.
+    pub fn render(&self, queued: usize, batches: (u64, u64), open: u64) -> String {
         let mut out = String::new();
         let mut counter = |name: &str, help: &str, kind: &str, v: String| {
             out.push_str(&format!(
@@ -188,6 +189,24 @@ impl Metrics {
             "gauge",
             queued.to_string(),
         );
+        counter(
+            "nsactor_decode_open_sessions",
+            "Sessions whose neuron states the layer actors hold.",
+            "gauge",
+            open.to_string(),
+        );
+        counter(
+            "nsactor_decode_batches_total",
+            "Batched passes through the layers (prompts and tokens of several sessions each).",
+            "counter",
+            batches.0.to_string(),
+        );
+        counter(
+            "nsactor_decode_batch_inputs_total",
+            "Session inputs carried by those passes (divided by the batches: the mean batch).",
+            "counter",
+            batches.1.to_string(),
+        );
         if let Ok(h) = self.ttft.lock() {
             h.render(
                 "nsactor_time_to_first_token_seconds",
@@ -236,6 +255,14 @@ pub async fn serve(
     state: Shared,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
+    use axum::serve::ListenerExt;
+    // Tokens go out one small frame at a time: without TCP_NODELAY, Nagle's algorithm holds a
+    // frame back until the client's delayed ACK (~40 ms on Linux).
+    let listener = listener.tap_io(|tcp| {
+        if let Err(e) = tcp.set_nodelay(true) {
+            tracing::warn!("TCP_NODELAY: {e}");
+        }
+    });
     axum::serve(listener, router(state))
         .with_graceful_shutdown(shutdown)
         .await
@@ -252,7 +279,11 @@ async fn health() -> impl IntoResponse {
 async fn metrics(State(s): State<Shared>) -> impl IntoResponse {
     (
         [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
-        s.generator.metrics.render(s.generator.admission.queued()),
+        s.generator.metrics.render(
+            s.generator.admission.queued(),
+            s.generator.decoder.batch_counts(),
+            s.generator.decoder.open_sessions(),
+        ),
     )
 }
 

@@ -1,5 +1,7 @@
 //! The edge as a stage: embedding, decode path and the tied head (one matrix, one owner).
 
+use crate::layer::session_rows;
+use crate::sessions::SessionTable;
 use crate::state::{Trainer, add_into, count, load_stage, save_stage, sync};
 use crate::{Ad, act, wrap};
 use burn::tensor::{ElementConversion, Int, Tensor, TensorData};
@@ -9,7 +11,7 @@ use nsactor_model::model::cross_entropy_ignore_pad;
 use nsactor_model::train::GradSet;
 use nsactor_model::{Edge, ModelConfig};
 use nsactor_plugin_api::{EngineError, Reply, Stage, StageCall, StageSpec, Tokens};
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
 
 pub struct EdgeStage<B: SnnOps> {
     cfg: ModelConfig,
@@ -24,7 +26,7 @@ pub struct EdgeStage<B: SnnOps> {
     /// Token ids of training micro-batches awaiting `EmbedBackward`.
     kept: BTreeMap<u64, Tensor<B, 2, Int>>,
     /// Output-neuron membranes of decoding sessions.
-    sessions: HashMap<u64, Tensor<B, 2>>,
+    sessions: SessionTable<B>,
 }
 
 impl<B: SnnOps> EdgeStage<B> {
@@ -41,7 +43,7 @@ impl<B: SnnOps> EdgeStage<B> {
             trainer: Trainer::new(spec.optimizer),
             embed_grads: None,
             kept: BTreeMap::new(),
-            sessions: HashMap::new(),
+            sessions: SessionTable::default(),
         }
     }
 
@@ -159,7 +161,7 @@ impl<B: SnnOps> EdgeStage<B> {
         }
     }
 
-    fn session_decode(&mut self, session: u64, h: Tensor<B, 3>) -> Result<Reply, EngineError> {
+    fn session_decode(&mut self, sessions: &[u64], h: Tensor<B, 3>) -> Result<Reply, EngineError> {
         let [t, b, d] = h.dims();
         if d != self.cfg.d || t == 0 || b == 0 {
             return Err(EngineError::InvalidInput(format!(
@@ -167,19 +169,15 @@ impl<B: SnnOps> EdgeStage<B> {
                 self.cfg.d
             )));
         }
-        let v0 = match self.sessions.remove(&session) {
-            Some(v) if v.dims()[0] == b => v,
-            Some(v) => {
-                let had = v.dims()[0];
-                self.sessions.insert(session, v);
-                return Err(EngineError::InvalidInput(format!(
-                    "session {session} has batch {had}, the call {b}"
-                )));
-            }
-            None => Tensor::zeros([b, d], &self.device),
-        };
+        let rows = session_rows(sessions, b, "SessionDecode")?;
+        let device = &self.device;
+        let v0 = self
+            .sessions
+            .take(sessions, rows, |k| vec![Tensor::zeros([k, d], device)])?
+            .pop()
+            .expect("one field");
         let (logits, v) = self.inner.decode(h, v0, &self.cfg);
-        self.sessions.insert(session, v);
+        self.sessions.put(sessions, rows, vec![v]);
         let vocab = self.cfg.vocab_size;
         let last = logits.narrow(1, t - 1, 1).reshape([1, b, vocab]);
         Ok(Reply::tensor(wrap(last)))
@@ -250,9 +248,11 @@ impl<B: SnnOps> Stage for EdgeStage<B> {
                 let ids = self.ids(tokens)?;
                 Ok(Reply::tensor(wrap(self.inner.embed(ids))))
             }
-            StageCall::SessionDecode { session, h } => self.session_decode(session, act(h, name)?),
+            StageCall::SessionDecode { sessions, h } => {
+                self.session_decode(sessions, act(h, name)?)
+            }
             StageCall::SessionClose { session } => {
-                self.sessions.remove(&session);
+                self.sessions.close(session);
                 Ok(Reply::none())
             }
             other => Err(EngineError::InvalidInput(format!(

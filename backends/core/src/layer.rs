@@ -1,5 +1,6 @@
 //! One decoder layer as a stage.
 
+use crate::sessions::SessionTable;
 use crate::state::{Trainer, count, load_stage, norm, save_stage, sync};
 use crate::{Ad, act, wrap};
 use burn::tensor::{ElementConversion, Tensor};
@@ -8,7 +9,7 @@ use nsactor_model::init::{Rng, part_seed};
 use nsactor_model::train::{GradSet, MODULATION_BIASES, compensate_phase1};
 use nsactor_model::{LayerState, ModelConfig, SnnDecoderLayer};
 use nsactor_plugin_api::{EngineError, Reply, Stage, StageCall, StageSpec};
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
 
 /// Decoder layer `index`: parameters `layers.{index}.*`.
 pub struct LayerStage<B: SnnOps> {
@@ -21,7 +22,7 @@ pub struct LayerStage<B: SnnOps> {
     trainer: Trainer<B>,
     /// Inputs of training micro-batches awaiting their backward.
     kept: BTreeMap<u64, Tensor<B, 3>>,
-    sessions: HashMap<u64, LayerState<B>>,
+    sessions: SessionTable<B>,
 }
 
 impl<B: SnnOps> LayerStage<B> {
@@ -39,7 +40,7 @@ impl<B: SnnOps> LayerStage<B> {
             inner,
             trainer: Trainer::new(spec.optimizer),
             kept: BTreeMap::new(),
-            sessions: HashMap::new(),
+            sessions: SessionTable::default(),
         }
     }
 
@@ -182,24 +183,44 @@ impl<B: SnnOps> LayerStage<B> {
         })
     }
 
-    fn session_forward(&mut self, session: u64, h: Tensor<B, 3>) -> Result<Reply, EngineError> {
+    fn session_forward(&mut self, sessions: &[u64], h: Tensor<B, 3>) -> Result<Reply, EngineError> {
         self.check_h(&h, "SessionForward")?;
-        let b = h.dims()[1];
-        let state = match self.sessions.remove(&session) {
-            Some(s) if s.input1.dims()[0] == b => s,
-            Some(s) => {
-                let had = s.input1.dims()[0];
-                self.sessions.insert(session, s);
-                return Err(EngineError::InvalidInput(format!(
-                    "session {session} has batch {had}, the call {b}"
-                )));
-            }
-            None => LayerState::zeros(&self.cfg, b, &self.device),
+        let rows = session_rows(sessions, h.dims()[1], "SessionForward")?;
+        let (cfg, device) = (&self.cfg, &self.device);
+        let state = self.sessions.take(sessions, rows, |k| {
+            state_fields(LayerState::zeros(cfg, k, device))
+        })?;
+        let [input1, hidden, input2, ffn]: [Tensor<B, 2>; 4] =
+            state.try_into().expect("layer states have four fields");
+        let state = LayerState {
+            input1,
+            hidden,
+            input2,
+            ffn,
         };
         let out = self.inner.forward(h, state, &self.cfg);
-        self.sessions.insert(session, out.state);
+        self.sessions.put(sessions, rows, state_fields(out.state));
         Ok(Reply::tensor(wrap(out.h)))
     }
+}
+
+fn state_fields<B: SnnOps>(s: LayerState<B>) -> Vec<Tensor<B, 2>> {
+    vec![s.input1, s.hidden, s.input2, s.ffn]
+}
+
+/// Batch rows per session of a call batching `sessions` over `batch` rows.
+pub(crate) fn session_rows(
+    sessions: &[u64],
+    batch: usize,
+    call: &str,
+) -> Result<usize, EngineError> {
+    if sessions.is_empty() || !batch.is_multiple_of(sessions.len()) {
+        return Err(EngineError::InvalidInput(format!(
+            "{call}: {} sessions cannot share a batch of {batch} rows",
+            sessions.len()
+        )));
+    }
+    Ok(batch / sessions.len())
 }
 
 impl<B: SnnOps> Stage for LayerStage<B> {
@@ -229,11 +250,11 @@ impl<B: SnnOps> Stage for LayerStage<B> {
                 self.kept.clear();
                 Ok(Reply::none())
             }
-            StageCall::SessionForward { session, h } => {
-                self.session_forward(session, act(h, name)?)
+            StageCall::SessionForward { sessions, h } => {
+                self.session_forward(sessions, act(h, name)?)
             }
             StageCall::SessionClose { session } => {
-                self.sessions.remove(&session);
+                self.sessions.close(session);
                 Ok(Reply::none())
             }
             other => Err(EngineError::InvalidInput(format!(

@@ -12,10 +12,12 @@
 
 mod edge;
 mod layer;
+mod sessions;
 mod state;
 
 pub use edge::EdgeStage;
 pub use layer::LayerStage;
+pub use sessions::SessionTable;
 
 use burn::backend::Autodiff;
 use burn::tensor::{Tensor, TensorData, backend::Backend};
@@ -133,6 +135,20 @@ impl<B: SnnOps> ComputeBackend for BurnBackend<B> {
         let dev = self.device(device)?.clone();
         let x = act::<B>(t, "to_device")?;
         Ok(wrap(x.to_device(&dev)))
+    }
+
+    fn bench(&self, what: &str, options: &str) -> Result<String, EngineError> {
+        match what {
+            "kernels" => {
+                let cfg = nsactor_kernels::bench::ScanBench::model_0_9b()
+                    .with_options(options)
+                    .map_err(EngineError::InvalidInput)?;
+                nsactor_kernels::bench::run::<B>(self.device(0)?, &cfg).map_err(EngineError::Backend)
+            }
+            other => Err(EngineError::InvalidInput(format!(
+                "unknown benchmark `{other}` (kernels)"
+            ))),
+        }
     }
 
     fn open_stage(&self, spec: &StageSpec) -> Result<Box<dyn Stage>, EngineError> {

@@ -56,6 +56,7 @@ macro_rules! export_plugin {
             stage_save: $crate::export::stage_save,
             stage_load: $crate::export::stage_load,
             stage_param_count: $crate::export::stage_param_count,
+            bench: $crate::export::bench,
         });
 
         /// The plugin's entry point.
@@ -203,6 +204,27 @@ pub unsafe extern "C" fn devices(c: *mut c_void, out: *mut NsBuf, err: ErrOut) -
         // SAFETY: live context.
         let info = unsafe { ctx(c) }.backend.info();
         bytes_out(out, info.devices.join("\n").into_bytes());
+        Ok(())
+    })
+}
+
+/// # Safety
+/// Live context; `request`/`len` readable; `out` and `err` writable.
+pub unsafe extern "C" fn bench(
+    c: *mut c_void,
+    request: *const u8,
+    len: usize,
+    out: *mut NsBuf,
+    err: ErrOut,
+) -> i32 {
+    guard(err, || {
+        // SAFETY: the caller guarantees the buffer.
+        let req = std::str::from_utf8(unsafe { slice(request, len) })
+            .map_err(|_| EngineError::InvalidInput("the bench request is not UTF-8".into()))?;
+        let (what, options) = req.split_once('\n').unwrap_or((req, ""));
+        // SAFETY: live context.
+        let report = unsafe { ctx(c) }.backend.bench(what, options)?;
+        bytes_out(out, report.into_bytes());
         Ok(())
     })
 }
@@ -391,6 +413,7 @@ fn decode_call<'a>(
     let ids = unsafe { slice(a.ids, a.ids_len) };
     let targets = unsafe { slice(a.targets, a.targets_len) };
     let mask = unsafe { slice(a.mask, a.mask_len) };
+    let sessions = unsafe { slice(a.sessions, a.sessions_len) };
     let tokens = Tokens {
         ids,
         batch: a.batch as usize,
@@ -447,14 +470,22 @@ fn decode_call<'a>(
         10 => StageCall::ZeroGrad,
         11 => StageCall::SessionEmbed { tokens },
         12 => StageCall::SessionForward {
-            session: a.session,
+            sessions,
             h: tensor("SessionForward")?,
         },
         13 => StageCall::SessionDecode {
-            session: a.session,
+            sessions,
             h: tensor("SessionDecode")?,
         },
-        14 => StageCall::SessionClose { session: a.session },
+        14 => match sessions {
+            [session] => StageCall::SessionClose { session: *session },
+            _ => {
+                return Err(EngineError::InvalidInput(format!(
+                    "SessionClose takes one session, got {}",
+                    sessions.len()
+                )));
+            }
+        },
         other => {
             return Err(EngineError::InvalidInput(format!(
                 "unknown stage opcode {other} (this plugin speaks ABI {ABI_VERSION})"

@@ -368,6 +368,18 @@ impl ComputeBackend for ForeignBackend {
         }
     }
 
+    fn bench(&self, what: &str, options: &str) -> Result<String, EngineError> {
+        let c = &self.ctx;
+        let req = format!("{what}\n{options}");
+        let mut buf = NsBuf::EMPTY;
+        let mut err = std::ptr::null_mut();
+        // SAFETY: live context; the request lives for the call; writable out-pointers.
+        let code = unsafe { (c.table.bench)(c.ctx, req.as_ptr(), req.len(), &mut buf, &mut err) };
+        c.check(code, err)?;
+        String::from_utf8(c.take_buf(buf))
+            .map_err(|_| EngineError::Plugin("the bench report is not UTF-8".into()))
+    }
+
     fn from_host(&self, device: usize, t: &HostTensor) -> Result<DeviceTensor, EngineError> {
         let c = &self.ctx;
         let mut out = std::ptr::null_mut();
@@ -490,7 +502,8 @@ impl Drop for ForeignStage {
 fn zero_args() -> NsArgs {
     NsArgs {
         micro: 0,
-        session: 0,
+        sessions: std::ptr::null(),
+        sessions_len: 0,
         batch: 0,
         seq_len: 0,
         ids: std::ptr::null(),
@@ -508,6 +521,8 @@ impl Stage for ForeignStage {
         let op = call.opcode();
         let name = call.name();
         let mut a = zero_args();
+        // Backs `a.sessions` for `SessionClose`; lives across the foreign call.
+        let mut closing = [0u64; 1];
         let mut input: Option<DeviceTensor> = None;
         let tokens = |a: &mut NsArgs, t: nsactor_plugin_api::Tokens<'_>| {
             a.batch = t.batch as u64;
@@ -565,11 +580,17 @@ impl Stage for ForeignStage {
                 clip,
             } => a.f[..3].copy_from_slice(&[lr, neuron_lr, clip]),
             StageCall::SessionEmbed { tokens: t } => tokens(&mut a, t),
-            StageCall::SessionForward { session, h } | StageCall::SessionDecode { session, h } => {
-                a.session = session;
+            StageCall::SessionForward { sessions, h }
+            | StageCall::SessionDecode { sessions, h } => {
+                a.sessions = sessions.as_ptr();
+                a.sessions_len = sessions.len();
                 input = Some(h);
             }
-            StageCall::SessionClose { session } => a.session = session,
+            StageCall::SessionClose { session } => {
+                closing[0] = session;
+                a.sessions = closing.as_ptr();
+                a.sessions_len = 1;
+            }
         }
         // Ownership of the input moves to the plugin from here on.
         let raw: Vec<*mut c_void> = match input {

@@ -91,7 +91,9 @@ pub struct NsStageSpec {
 #[repr(C)]
 pub struct NsArgs {
     pub micro: u64,
-    pub session: u64,
+    /// Session ids: `SessionForward`/`SessionDecode` batch them, `SessionClose` has one.
+    pub sessions: *const u64,
+    pub sessions_len: usize,
     pub batch: u64,
     pub seq_len: u64,
     pub ids: *const i64,
@@ -189,12 +191,15 @@ pub struct NsPluginTable {
     pub stage_save: unsafe extern "C" fn(*mut c_void, *mut c_void, *mut NsBuf, ErrOut) -> i32,
     pub stage_load: unsafe extern "C" fn(*mut c_void, *mut c_void, *const u8, usize, ErrOut) -> i32,
     pub stage_param_count: unsafe extern "C" fn(*mut c_void, *mut c_void) -> u64,
+    /// `(ctx, request, len, out report, err)`: the request is UTF-8 `what` then a newline and
+    /// the options ([`ComputeBackend::bench`](nsactor_plugin_api::ComputeBackend::bench)).
+    pub bench: unsafe extern "C" fn(*mut c_void, *const u8, usize, *mut NsBuf, ErrOut) -> i32,
 }
 
 // Layouts the ABI version stands for (64-bit targets): a change here must bump `ABI_VERSION`
 // (and these sizes).
 #[cfg(target_pointer_width = "64")]
-const _: () = assert!(std::mem::size_of::<NsArgs>() == 112);
+const _: () = assert!(std::mem::size_of::<NsArgs>() == 120);
 #[cfg(target_pointer_width = "64")]
 const _: () = assert!(std::mem::size_of::<NsReply>() == 104);
 #[cfg(target_pointer_width = "64")]

@@ -180,12 +180,21 @@ pub enum StageCall<'a> {
     ZeroGrad,
     /// Edge: embeds `tokens` for decoding; nothing is kept. Reply: `[h]`.
     SessionEmbed { tokens: Tokens<'a> },
-    /// Layer: forward from `session`'s membrane states (at rest for a new session), keeping
-    /// the new states. Reply: `[h_out]`.
-    SessionForward { session: u64, h: DeviceTensor },
-    /// Edge: decode path from `session`'s output-neuron state. Reply: `[logits]` `[1, B, V]` of
-    /// the last position.
-    SessionDecode { session: u64, h: DeviceTensor },
+    /// Layer: forward of several decoding sessions batched together, from each session's
+    /// membrane states (at rest for a new session), keeping the new states. `h` is
+    /// `[T, B, D]` with `B` a multiple of `sessions.len()`: session `i` owns batch rows
+    /// `i·B/n .. (i+1)·B/n`. Sessions must be distinct, and a session keeps the row count it
+    /// started with. Reply: `[h_out]`.
+    SessionForward {
+        sessions: &'a [u64],
+        h: DeviceTensor,
+    },
+    /// Edge: decode path from each session's output-neuron state, rows split among `sessions`
+    /// as in `SessionForward`. Reply: `[logits]` `[1, B, V]` of the last position.
+    SessionDecode {
+        sessions: &'a [u64],
+        h: DeviceTensor,
+    },
     /// Layer or edge: forgets `session`'s states. Reply: none.
     SessionClose { session: u64 },
 }
@@ -300,4 +309,14 @@ pub trait ComputeBackend: Send + Sync {
     /// Moves a tensor to another device of the same backend (a no-op when already there).
     fn to_device(&self, t: DeviceTensor, device: usize) -> Result<DeviceTensor, EngineError>;
     fn open_stage(&self, spec: &StageSpec) -> Result<Box<dyn Stage>, EngineError>;
+    /// Runs the backend's own benchmark `what` (`kernels`: the PLIF scan kernels checked
+    /// against the reference, then timed) on device 0 with `options` (`key=value` pairs);
+    /// returns a plain-text report. Default: the backend has none.
+    fn bench(&self, what: &str, options: &str) -> Result<String, EngineError> {
+        let _ = options;
+        Err(EngineError::InvalidInput(format!(
+            "backend {} has no benchmark `{what}`",
+            self.info().name
+        )))
+    }
 }

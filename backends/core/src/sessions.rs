@@ -1,0 +1,295 @@
+//! Decoding sessions' neuron states, kept the way they were last computed: as groups of
+//! sessions whose states sit side by side in one batch tensor per state field.
+//!
+//! A decoding server runs the same set of sessions through a layer token after token. When a
+//! call names exactly the sessions of a stored group, in the same order, the group's tensors
+//! are the call's state as they are — no copy. Only when the set changes (a session joins,
+//! leaves or is batched with others for the first time) are rows gathered from their groups
+//! with one `narrow` per contiguous run and one `cat` per field.
+
+use burn::tensor::{Tensor, backend::Backend};
+use nsactor_plugin_api::EngineError;
+use std::collections::HashSet;
+
+struct Group<B: Backend> {
+    ids: Vec<u64>,
+    /// Batch rows per session.
+    rows: usize,
+    /// One tensor per state field, `[ids.len() · rows, width]`.
+    state: Vec<Tensor<B, 2>>,
+}
+
+/// Where a session's rows are.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Source {
+    /// Position `pos` of group `group`.
+    Held {
+        group: usize,
+        pos: usize,
+    },
+    New,
+}
+
+/// The states of every open session of one stage.
+pub struct SessionTable<B: Backend> {
+    groups: Vec<Group<B>>,
+}
+
+impl<B: Backend> Default for SessionTable<B> {
+    fn default() -> Self {
+        SessionTable { groups: Vec::new() }
+    }
+}
+
+/// Contiguous runs of `(source, count)`: consecutive positions of one group, or new sessions.
+fn runs(sources: &[Source]) -> Vec<(Source, usize)> {
+    let mut out: Vec<(Source, usize)> = Vec::new();
+    for &s in sources {
+        if let Some((first, n)) = out.last_mut() {
+            let extends = match (*first, s) {
+                (Source::New, Source::New) => true,
+                (Source::Held { group: g0, pos: p0 }, Source::Held { group, pos }) => {
+                    g0 == group && pos == p0 + *n
+                }
+                _ => false,
+            };
+            if extends {
+                *n += 1;
+                continue;
+            }
+        }
+        out.push((s, 1));
+    }
+    out
+}
+
+fn cat<B: Backend>(mut pieces: Vec<Tensor<B, 2>>) -> Tensor<B, 2> {
+    if pieces.len() == 1 {
+        pieces.pop().expect("one")
+    } else {
+        Tensor::cat(pieces, 0)
+    }
+}
+
+impl<B: Backend> SessionTable<B> {
+    /// Open sessions.
+    pub fn len(&self) -> usize {
+        self.groups.iter().map(|g| g.ids.len()).sum()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.groups.is_empty()
+    }
+
+    pub fn clear(&mut self) {
+        self.groups.clear();
+    }
+
+    fn find(&self, session: u64) -> Option<(usize, usize)> {
+        self.groups.iter().enumerate().find_map(|(g, grp)| {
+            grp.ids
+                .iter()
+                .position(|&id| id == session)
+                .map(|pos| (g, pos))
+        })
+    }
+
+    /// Takes the states of `sessions`, `rows` batch rows each, stacked in that order; sessions
+    /// not held start from `zeros(k)` (`k` rows). Nothing changes when it fails.
+    pub fn take(
+        &mut self,
+        sessions: &[u64],
+        rows: usize,
+        zeros: impl Fn(usize) -> Vec<Tensor<B, 2>>,
+    ) -> Result<Vec<Tensor<B, 2>>, EngineError> {
+        let mut seen = HashSet::with_capacity(sessions.len());
+        if let Some(dup) = sessions.iter().find(|s| !seen.insert(**s)) {
+            return Err(EngineError::InvalidInput(format!(
+                "session {dup} appears twice in one call"
+            )));
+        }
+        if let Some(g) = self
+            .groups
+            .iter()
+            .position(|g| g.ids == sessions && g.rows == rows)
+        {
+            return Ok(self.groups.swap_remove(g).state);
+        }
+        let sources: Vec<Source> = sessions
+            .iter()
+            .map(|&s| match self.find(s) {
+                Some((group, pos)) => Source::Held { group, pos },
+                None => Source::New,
+            })
+            .collect();
+        for (s, src) in sessions.iter().zip(&sources) {
+            if let Source::Held { group, .. } = *src
+                && self.groups[group].rows != rows
+            {
+                return Err(EngineError::InvalidInput(format!(
+                    "session {s} has batch {}, the call {rows}",
+                    self.groups[group].rows
+                )));
+            }
+        }
+        let fields = self
+            .groups
+            .first()
+            .map_or_else(|| zeros(0).len(), |g| g.state.len());
+        let mut pieces: Vec<Vec<Tensor<B, 2>>> = vec![Vec::new(); fields];
+        for (src, n) in runs(&sources) {
+            let part = match src {
+                Source::New => zeros(n * rows),
+                Source::Held { group, pos } => self.groups[group]
+                    .state
+                    .iter()
+                    .map(|t| t.clone().narrow(0, pos * rows, n * rows))
+                    .collect(),
+            };
+            for (f, t) in part.into_iter().enumerate() {
+                pieces[f].push(t);
+            }
+        }
+        let state = pieces.into_iter().map(cat).collect();
+        let mut taken: Vec<Vec<usize>> = vec![Vec::new(); self.groups.len()];
+        for src in &sources {
+            if let Source::Held { group, pos } = *src {
+                taken[group].push(pos);
+            }
+        }
+        self.remove_positions(taken);
+        Ok(state)
+    }
+
+    /// Stores the states of `sessions` (as returned by a call that took them).
+    pub fn put(&mut self, sessions: &[u64], rows: usize, state: Vec<Tensor<B, 2>>) {
+        for &s in sessions {
+            self.close(s);
+        }
+        self.groups.push(Group {
+            ids: sessions.to_vec(),
+            rows,
+            state,
+        });
+    }
+
+    /// Forgets `session` (nothing happens for an unknown one).
+    pub fn close(&mut self, session: u64) {
+        if let Some((group, pos)) = self.find(session) {
+            let mut taken = vec![Vec::new(); self.groups.len()];
+            taken[group].push(pos);
+            self.remove_positions(taken);
+        }
+    }
+
+    /// Drops positions `taken[g]` from each group `g`, keeping the rest in order.
+    fn remove_positions(&mut self, mut taken: Vec<Vec<usize>>) {
+        let groups = std::mem::take(&mut self.groups);
+        for (g, grp) in groups.into_iter().enumerate() {
+            let gone = &mut taken[g];
+            if gone.is_empty() {
+                self.groups.push(grp);
+                continue;
+            }
+            gone.sort_unstable();
+            let keep: Vec<usize> = (0..grp.ids.len())
+                .filter(|p| gone.binary_search(p).is_err())
+                .collect();
+            if keep.is_empty() {
+                continue;
+            }
+            let sources: Vec<Source> = keep
+                .iter()
+                .map(|&pos| Source::Held { group: 0, pos })
+                .collect();
+            let spans = runs(&sources);
+            let state = grp
+                .state
+                .iter()
+                .map(|t| {
+                    cat(spans
+                        .iter()
+                        .map(|&(src, n)| match src {
+                            Source::Held { pos, .. } => {
+                                t.clone().narrow(0, pos * grp.rows, n * grp.rows)
+                            }
+                            Source::New => unreachable!("only held rows are kept"),
+                        })
+                        .collect())
+                })
+                .collect();
+            self.groups.push(Group {
+                ids: keep.iter().map(|&p| grp.ids[p]).collect(),
+                rows: grp.rows,
+                state,
+            });
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use burn::tensor::TensorData;
+    use burn_ndarray::NdArray;
+
+    type B = NdArray<f32>;
+
+    /// A state whose rows carry their session id, so every move can be checked.
+    fn rows_of(ids: &[u64], rows: usize) -> Vec<Tensor<B, 2>> {
+        let v: Vec<f32> = ids
+            .iter()
+            .flat_map(|&id| std::iter::repeat_n([id as f32, -(id as f32)], rows))
+            .flatten()
+            .collect();
+        vec![Tensor::from_data(
+            TensorData::new(v, [ids.len() * rows, 2]),
+            &Default::default(),
+        )]
+    }
+
+    fn zeros(k: usize) -> Vec<Tensor<B, 2>> {
+        vec![Tensor::zeros([k, 2], &Default::default())]
+    }
+
+    fn ids_in(state: &[Tensor<B, 2>], rows: usize) -> Vec<u64> {
+        let v = state[0].to_data().to_vec::<f32>().unwrap();
+        v.chunks(2 * rows).map(|c| c[0] as u64).collect()
+    }
+
+    #[test]
+    fn regrouping_moves_each_session_with_its_rows() {
+        let mut t = SessionTable::<B>::default();
+        t.put(&[1, 2, 3, 4], 2, rows_of(&[1, 2, 3, 4], 2));
+        t.put(&[7], 2, rows_of(&[7], 2));
+        assert_eq!(t.len(), 5);
+        // Same set, same order: the stored tensor itself.
+        let s = t.take(&[7], 2, zeros).unwrap();
+        assert_eq!(ids_in(&s, 2), [7]);
+        t.put(&[7], 2, s);
+        // 3 leaves, 7 and a new session 9 join, 1 moves to the back.
+        let s = t.take(&[2, 7, 9, 4, 1], 2, zeros).unwrap();
+        assert_eq!(ids_in(&s, 2), [2, 7, 0, 4, 1]);
+        assert_eq!(t.len(), 1, "session 3 stays behind");
+        let rest = t.take(&[3], 2, zeros).unwrap();
+        assert_eq!(ids_in(&rest, 2), [3]);
+        t.put(&[2, 7, 9, 4, 1], 2, s);
+        t.close(7);
+        t.close(12345);
+        let s = t.take(&[2, 9, 4, 1], 2, zeros).unwrap();
+        assert_eq!(ids_in(&s, 2), [2, 0, 4, 1]);
+        assert!(t.is_empty());
+    }
+
+    #[test]
+    fn bad_calls_change_nothing() {
+        let mut t = SessionTable::<B>::default();
+        t.put(&[1, 2], 1, rows_of(&[1, 2], 1));
+        let e = t.take(&[2, 2], 1, zeros).unwrap_err().to_string();
+        assert!(e.contains("session 2 appears twice"), "{e}");
+        let e = t.take(&[5, 1], 3, zeros).unwrap_err().to_string();
+        assert!(e.contains("session 1 has batch 1, the call 3"), "{e}");
+        assert_eq!(t.len(), 2);
+        assert_eq!(ids_in(&t.take(&[1, 2], 1, zeros).unwrap(), 1), [1, 2]);
+    }
+}

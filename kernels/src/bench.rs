@@ -1,0 +1,330 @@
+//! `nsactor bench kernels`, generic over the backend: every PLIF scan of [`SnnOps`] checked
+//! against the host reference, then timed at the 0.9B shapes and set against the device's
+//! measured elementwise-copy bandwidth. A kernel whose results differ is reported as wrong and
+//! not timed.
+
+use crate::SnnOps;
+use crate::reference;
+use burn::tensor::{Distribution, Tensor, TensorPrimitive, backend::Backend, ops::FloatTensor};
+use std::fmt::Write;
+use std::time::Instant;
+
+/// Shapes and repetitions of a run.
+#[derive(Debug, Clone)]
+pub struct ScanBench {
+    /// `T·K` frames.
+    pub steps: usize,
+    pub batch: usize,
+    /// Columns per batch row of the per-element scan (`D·N`) and of the row scan (`2·D_ff`).
+    pub elem_dim: usize,
+    pub row_dim: usize,
+    /// Frames of the parity check (the reference runs on the host).
+    pub check_steps: usize,
+    pub reps: usize,
+}
+
+impl ScanBench {
+    /// The 0.9B model: T·K = 511·16 = 8176, B = 4, D·N = 7168, 2·D_ff = 5376.
+    pub fn model_0_9b() -> Self {
+        ScanBench {
+            steps: 8176,
+            batch: 4,
+            elem_dim: 7168,
+            row_dim: 5376,
+            check_steps: 64,
+            reps: 10,
+        }
+    }
+
+    /// Parses `key=value` pairs separated by commas or whitespace (keys as the fields).
+    pub fn with_options(mut self, options: &str) -> Result<Self, String> {
+        for kv in options
+            .split(|c: char| c == ',' || c.is_whitespace())
+            .filter(|s| !s.is_empty())
+        {
+            let (k, v) = kv
+                .split_once('=')
+                .ok_or_else(|| format!("option `{kv}` is not key=value"))?;
+            let v: usize = v
+                .parse()
+                .map_err(|_| format!("option {k}: `{v}` is not a whole number"))?;
+            if v == 0 {
+                return Err(format!("option {k} must be at least 1"));
+            }
+            match k {
+                "steps" => self.steps = v,
+                "batch" => self.batch = v,
+                "elem_dim" => self.elem_dim = v,
+                "row_dim" => self.row_dim = v,
+                "check_steps" => self.check_steps = v,
+                "reps" => self.reps = v,
+                other => {
+                    return Err(format!(
+                        "unknown option `{other}` (steps, batch, elem_dim, row_dim, check_steps, reps)"
+                    ));
+                }
+            }
+        }
+        Ok(self)
+    }
+}
+
+fn prim<B: Backend, const D: usize>(t: Tensor<B, D>) -> FloatTensor<B> {
+    t.into_primitive().tensor()
+}
+
+fn host<B: Backend>(t: &FloatTensor<B>) -> Vec<f32> {
+    use burn::tensor::TensorMetadata;
+    let t = t.clone();
+    let data = match t.shape().num_dims() {
+        2 => Tensor::<B, 2>::from_primitive(TensorPrimitive::Float(t)).into_data(),
+        _ => Tensor::<B, 3>::from_primitive(TensorPrimitive::Float(t)).into_data(),
+    };
+    data.convert::<f32>().into_vec::<f32>().expect("f32")
+}
+
+/// Largest `|a − b| / (1 + |b|)`.
+fn worst(a: &[f32], b: &[f32]) -> f32 {
+    if a.len() != b.len() {
+        return f32::INFINITY;
+    }
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs() / (1.0 + y.abs()))
+        .fold(0.0, f32::max)
+}
+
+/// Scan inputs for `steps` frames of `cols` columns: β in (0.5, 1), u around the threshold so
+/// neurons spike often, V_th in (0.3, 1).
+struct Inputs<B: Backend> {
+    beta: Tensor<B, 3>,
+    u: Tensor<B, 3>,
+    vth: Tensor<B, 3>,
+    v0: Tensor<B, 2>,
+    grad: Tensor<B, 3>,
+    beta_row: Tensor<B, 2>,
+    vth_row: Tensor<B, 2>,
+}
+
+impl<B: Backend> Inputs<B> {
+    fn new(steps: usize, batch: usize, dim: usize, device: &B::Device) -> Self {
+        let u = |lo, hi| Distribution::Uniform(lo, hi);
+        let seq = [steps, batch, dim];
+        Inputs {
+            beta: Tensor::random(seq, u(0.5, 1.0), device),
+            u: Tensor::random(seq, u(-0.2, 0.6), device),
+            vth: Tensor::random(seq, u(0.3, 1.0), device),
+            v0: Tensor::random([batch, dim], u(-0.5, 0.5), device),
+            grad: Tensor::random(seq, u(-1.0, 1.0), device),
+            beta_row: Tensor::random([batch, dim], u(0.5, 1.0), device),
+            vth_row: Tensor::random([batch, dim], u(0.3, 1.0), device),
+        }
+    }
+}
+
+/// The four scans: name, bytes moved per call for `n` sequence elements and `c` columns, and
+/// the call (returning every output, so all of them are awaited).
+type Run<B> = fn(&Inputs<B>) -> Vec<FloatTensor<B>>;
+/// Name, row-parameter variant, bytes per call for `n` elements and `c` columns, the call.
+type Scan<B> = (&'static str, bool, fn(usize, usize) -> usize, Run<B>);
+
+fn scans<B: SnnOps>() -> [Scan<B>; 4] {
+    [
+        (
+            "per-element forward",
+            false,
+            |n, c| 4 * (5 * n + c),
+            |i| {
+                let o = B::plif_elem_forward(
+                    prim(i.beta.clone()),
+                    prim(i.u.clone()),
+                    prim(i.vth.clone()),
+                    prim(i.v0.clone()),
+                );
+                vec![o.spike, o.vpost]
+            },
+        ),
+        (
+            "per-element backward",
+            false,
+            |n, c| 4 * (7 * n + 2 * c),
+            |i| {
+                // Spikes and V_post of the forward feed the backward; the check and the timing
+                // both use the kernel's own forward outputs.
+                let o = B::plif_elem_forward(
+                    prim(i.beta.clone()),
+                    prim(i.u.clone()),
+                    prim(i.vth.clone()),
+                    prim(i.v0.clone()),
+                );
+                let g = B::plif_elem_backward(
+                    prim(i.beta.clone()),
+                    prim(i.v0.clone()),
+                    o.vpost,
+                    o.spike,
+                    prim(i.grad.clone()),
+                );
+                vec![g.beta, g.u, g.vth, g.v0]
+            },
+        ),
+        (
+            "row-parameter forward",
+            true,
+            |n, c| 4 * (3 * n + 3 * c),
+            |i| {
+                let o = B::plif_row_forward(
+                    prim(i.beta_row.clone()),
+                    prim(i.u.clone()),
+                    prim(i.vth_row.clone()),
+                    prim(i.v0.clone()),
+                );
+                vec![o.spike, o.vpost]
+            },
+        ),
+        (
+            "row-parameter backward",
+            true,
+            |n, c| 4 * (4 * n + 5 * c),
+            |i| {
+                let o = B::plif_row_forward(
+                    prim(i.beta_row.clone()),
+                    prim(i.u.clone()),
+                    prim(i.vth_row.clone()),
+                    prim(i.v0.clone()),
+                );
+                let g = B::plif_row_backward(
+                    prim(i.beta_row.clone()),
+                    prim(i.v0.clone()),
+                    o.vpost,
+                    o.spike,
+                    prim(i.grad.clone()),
+                );
+                vec![g.beta, g.u, g.vth, g.v0]
+            },
+        ),
+    ]
+}
+
+/// The same outputs from the host reference.
+fn reference_outputs<B: Backend>(name: &str, i: &Inputs<B>, cols: usize) -> Vec<Vec<f32>> {
+    let h3 = |t: &Tensor<B, 3>| host::<B>(&prim(t.clone()));
+    let h2 = |t: &Tensor<B, 2>| host::<B>(&prim(t.clone()));
+    let (u, v0, grad) = (h3(&i.u), h2(&i.v0), h3(&i.grad));
+    match name {
+        "per-element forward" | "per-element backward" => {
+            let (beta, vth) = (h3(&i.beta), h3(&i.vth));
+            let o = reference::elem_forward(&beta, &u, &vth, &v0, cols);
+            if name.ends_with("forward") {
+                return vec![o.spike, o.vpost];
+            }
+            let g = reference::elem_backward(&beta, &v0, &o.vpost, &o.spike, &grad, cols);
+            vec![g.beta, g.u, g.vth, g.v0]
+        }
+        _ => {
+            let (beta, vth) = (h2(&i.beta_row), h2(&i.vth_row));
+            let o = reference::row_forward(&beta, &u, &vth, &v0, cols);
+            if name.ends_with("forward") {
+                return vec![o.spike, o.vpost];
+            }
+            let g = reference::row_backward(&beta, &v0, &o.vpost, &o.spike, &grad, cols);
+            vec![g.beta, g.u, g.vth, g.v0]
+        }
+    }
+}
+
+/// Seconds per call of `f`, after one warm-up call, over `reps` calls.
+fn time<B: Backend>(device: &B::Device, reps: usize, mut f: impl FnMut()) -> f64 {
+    f();
+    B::sync(device).expect("device sync");
+    let t = Instant::now();
+    for _ in 0..reps {
+        f();
+    }
+    B::sync(device).expect("device sync");
+    t.elapsed().as_secs_f64() / reps as f64
+}
+
+/// Runs the check and the timings; the report is plain text, one line per kernel. Fails when
+/// a kernel disagrees with the reference.
+pub fn run<B: SnnOps>(device: &B::Device, cfg: &ScanBench) -> Result<String, String> {
+    let mut out = String::new();
+    // Copy bandwidth: an elementwise pass over the largest sequence tensor (read once, write once).
+    let n_big = cfg.steps * cfg.batch * cfg.elem_dim;
+    let x: Tensor<B, 1> = Tensor::random([n_big], Distribution::Default, device);
+    let copy_s = time::<B>(device, cfg.reps, || {
+        let _ = x.clone().mul_scalar(1.000_001);
+    });
+    let copy_bw = 8.0 * n_big as f64 / copy_s;
+    drop(x);
+    let _ = writeln!(
+        out,
+        "elementwise copy (x·c, {n_big} f32): {:.0} GB/s",
+        copy_bw / 1e9
+    );
+    let _ = writeln!(
+        out,
+        "{:<24} {:>11} {:>10} {:>9} {:>10} {:>12}",
+        "kernel", "max rel err", "time (ms)", "GB/s", "of copy", "spike agree"
+    );
+    let mut failed = Vec::new();
+    for (name, row, bytes, run) in scans::<B>() {
+        let dim = if row { cfg.row_dim } else { cfg.elem_dim };
+        let cols = cfg.batch * dim;
+        // Parity on a short sequence of the full width.
+        let small = Inputs::<B>::new(cfg.check_steps, cfg.batch, dim, device);
+        let got: Vec<Vec<f32>> = run(&small).iter().map(host::<B>).collect();
+        let want = reference_outputs(name, &small, cols);
+        let err = got
+            .iter()
+            .zip(&want)
+            .map(|(g, w)| worst(g, w))
+            .fold(0.0f32, f32::max);
+        let agree = if name.ends_with("forward") {
+            let same = got[0].iter().zip(&want[0]).filter(|(a, b)| a == b).count();
+            format!("{:.6}", same as f64 / want[0].len().max(1) as f64)
+        } else {
+            "-".into()
+        };
+        drop(small);
+        if err.is_nan() || err > 1e-5 {
+            let _ = writeln!(
+                out,
+                "{name:<24} {err:>11.2e}  WRONG: differs from the reference; not timed"
+            );
+            failed.push(name);
+            continue;
+        }
+        let full = Inputs::<B>::new(cfg.steps, cfg.batch, dim, device);
+        let n = cfg.steps * cols;
+        let s = time::<B>(device, cfg.reps, || {
+            let _ = run(&full);
+        });
+        // The backward rows time the forward too (it makes their inputs): subtract it.
+        let s = if name.ends_with("backward") {
+            let fwd = scans::<B>()
+                .into_iter()
+                .find(|(f, r, _, _)| *r == row && f.ends_with("forward"))
+                .expect("forward")
+                .3;
+            let f = time::<B>(device, cfg.reps, || {
+                let _ = fwd(&full);
+            });
+            (s - f).max(1e-9)
+        } else {
+            s
+        };
+        let bw = bytes(n, cols) as f64 / s;
+        let _ = writeln!(
+            out,
+            "{name:<24} {err:>11.2e} {:>10.3} {:>9.1} {:>9.0}% {agree:>12}",
+            s * 1e3,
+            bw / 1e9,
+            100.0 * bw / copy_bw
+        );
+    }
+    if failed.is_empty() {
+        Ok(out)
+    } else {
+        Err(format!("{out}wrong kernels: {}", failed.join(", ")))
+    }
+}

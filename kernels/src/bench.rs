@@ -244,6 +244,12 @@ fn time<B: Backend>(device: &B::Device, reps: usize, mut f: impl FnMut()) -> f64
     t.elapsed().as_secs_f64() / reps as f64
 }
 
+/// Largest accepted `|kernel − reference| / (1 + |reference|)`. The scans themselves match the
+/// reference bit for bit; the row variant's β and V_th gradients are sums over every step,
+/// where the GPU compiler's contraction of `sum += a·b` into one fused multiply-add moves the
+/// last bits (observed 2e-5 over 64 steps).
+const TOLERANCE: f32 = 1e-4;
+
 /// Runs the check and the timings; the report is plain text, one line per kernel. Fails when
 /// a kernel disagrees with the reference.
 pub fn run<B: SnnOps>(device: &B::Device, cfg: &ScanBench) -> Result<String, String> {
@@ -251,9 +257,14 @@ pub fn run<B: SnnOps>(device: &B::Device, cfg: &ScanBench) -> Result<String, Str
     // Copy bandwidth: an elementwise pass over the largest sequence tensor (read once, write once).
     let n_big = cfg.steps * cfg.batch * cfg.elem_dim;
     let x: Tensor<B, 1> = Tensor::random([n_big], Distribution::Default, device);
-    let copy_s = time::<B>(device, cfg.reps, || {
-        let _ = x.clone().mul_scalar(1.000_001);
-    });
+    // The best of three rounds: the figure is a ceiling.
+    let copy_s = (0..3)
+        .map(|_| {
+            time::<B>(device, cfg.reps, || {
+                let _ = x.clone().mul_scalar(1.000_001);
+            })
+        })
+        .fold(f64::INFINITY, f64::min);
     let copy_bw = 8.0 * n_big as f64 / copy_s;
     drop(x);
     let _ = writeln!(
@@ -286,7 +297,7 @@ pub fn run<B: SnnOps>(device: &B::Device, cfg: &ScanBench) -> Result<String, Str
             "-".into()
         };
         drop(small);
-        if err.is_nan() || err > 1e-5 {
+        if err.is_nan() || err > TOLERANCE {
             let _ = writeln!(
                 out,
                 "{name:<24} {err:>11.2e}  WRONG: differs from the reference; not timed"

@@ -132,11 +132,8 @@ impl<B: Backend> SessionTable<B> {
                 )));
             }
         }
-        let fields = self
-            .groups
-            .first()
-            .map_or_else(|| zeros(0).len(), |g| g.state.len());
-        let mut pieces: Vec<Vec<Tensor<B, 2>>> = vec![Vec::new(); fields];
+        // (Never a zero-row tensor: some devices cannot launch an empty fill.)
+        let mut pieces: Vec<Vec<Tensor<B, 2>>> = Vec::new();
         for (src, n) in runs(&sources) {
             let part = match src {
                 Source::New => zeros(n * rows),
@@ -146,6 +143,9 @@ impl<B: Backend> SessionTable<B> {
                     .map(|t| t.clone().narrow(0, pos * rows, n * rows))
                     .collect(),
             };
+            if pieces.is_empty() {
+                pieces.resize(part.len(), Vec::new());
+            }
             for (f, t) in part.into_iter().enumerate() {
                 pieces[f].push(t);
             }

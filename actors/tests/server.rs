@@ -141,7 +141,10 @@ fn thirty_two_concurrent_clients_get_complete_correct_streams_and_disconnects_fr
         assert_eq!(state.generator.decoder.open_sessions(), 0);
         let (_, metrics) = http(addr, "GET", "/metrics", b"").await;
         assert!(metrics.contains("nsactor_active_sessions 0"), "{metrics}");
-        assert!(metrics.contains("nsactor_decode_open_sessions 0"), "{metrics}");
+        assert!(
+            metrics.contains("nsactor_decode_open_sessions 0"),
+            "{metrics}"
+        );
         assert!(metrics.contains("nsactor_requests_total 34"), "{metrics}");
     });
 }

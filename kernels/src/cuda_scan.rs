@@ -7,11 +7,11 @@
 //! test, `v = v_pre − V_th·s` (exact, `s` is 0 or 1), `f32` state; the backward pass keeps
 //! `acc = gV·β` as its own rounded product like the reference.
 
+use burn::tensor::Shape;
 use burn_cubecl::CubeRuntime;
 use burn_cubecl::kernel::into_contiguous;
 use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
 use burn_cubecl::tensor::CubeTensor;
-use burn::tensor::Shape;
 use cubecl::prelude::*;
 
 /// Units per cube. Small cubes spread the few thousand columns over every SM evenly (at the
@@ -205,7 +205,11 @@ fn out_like<R: CubeRuntime>(like: &CubeTensor<R>, shape: Shape) -> CubeTensor<R>
 /// `(steps, cols)` of a `[TK, B, dim]` sequence, as kernel arguments.
 fn geometry<R: CubeRuntime>(seq: &CubeTensor<R>) -> (Shape, u32, u32, CubeCount, CubeDim) {
     let shape = seq.meta.shape().clone();
-    assert_eq!(shape.num_dims(), 3, "PLIF scan: [TK, B, dim] expected, got {shape:?}");
+    assert_eq!(
+        shape.num_dims(),
+        3,
+        "PLIF scan: [TK, B, dim] expected, got {shape:?}"
+    );
     let cols = shape[1] * shape[2];
     let steps = shape[0];
     assert!(

@@ -24,15 +24,18 @@
 //! It also carries the exact-fp32 GEMM hook ([`SnnOps::matmul_fp32`], [`matmul`]) every
 //! projection goes through, overridden on CUDA with a kernel that never uses TF32.
 //!
-//! Depends on burn; with the `cuda` feature also on burn-cuda, burn-cubecl and cubek.
+//! On CUDA the four scans are CubeCL kernels ([`cuda_scan`]); [`bench`] checks any backend's
+//! scans against the reference and times them (`nsactor bench kernels`).
+//!
+//! Depends on burn; with the `cuda` feature also on burn-cuda, burn-cubecl, cubecl and cubek.
 
 mod autodiff;
+pub mod bench;
 #[cfg(feature = "cuda")]
 mod cuda;
 #[cfg(feature = "cuda")]
 pub mod cuda_scan;
 mod ops;
-pub mod bench;
 pub mod reference;
 
 pub use ops::{PlifGrads, PlifOutput, SnnOps, matmul, plif_elem, plif_row};

@@ -143,7 +143,8 @@ impl<B: SnnOps> ComputeBackend for BurnBackend<B> {
                 let cfg = nsactor_kernels::bench::ScanBench::model_0_9b()
                     .with_options(options)
                     .map_err(EngineError::InvalidInput)?;
-                nsactor_kernels::bench::run::<B>(self.device(0)?, &cfg).map_err(EngineError::Backend)
+                nsactor_kernels::bench::run::<B>(self.device(0)?, &cfg)
+                    .map_err(EngineError::Backend)
             }
             other => Err(EngineError::InvalidInput(format!(
                 "unknown benchmark `{other}` (kernels)"

@@ -237,8 +237,10 @@ fn check_f32<R: CubeRuntime>(tensors: &[&CubeTensor<R>]) {
     }
 }
 
-/// Per-element forward: `(spike, vpost)`.
-pub fn elem_forward<R: CubeRuntime>(
+/// Forward of either scan: `(spike, vpost)`; `row` picks the row-parameter variant, whose β
+/// and V_th are `[B, dim]`.
+pub fn forward<R: CubeRuntime>(
+    row: bool,
     beta: CubeTensor<R>,
     u: CubeTensor<R>,
     vth: CubeTensor<R>,
@@ -262,38 +264,7 @@ pub fn elem_forward<R: CubeRuntime>(
         vpost.clone().into_tensor_arg(),
         cols,
         steps,
-        false,
-        unroll(UNROLL_FORWARD),
-    );
-    (spike, vpost)
-}
-
-/// Row-parameter forward: `(spike, vpost)`.
-pub fn row_forward<R: CubeRuntime>(
-    beta: CubeTensor<R>,
-    u: CubeTensor<R>,
-    vth: CubeTensor<R>,
-    v0: CubeTensor<R>,
-) -> (CubeTensor<R>, CubeTensor<R>) {
-    check_f32(&[&beta, &u, &vth, &v0]);
-    let (shape, steps, cols, count, dim) = geometry(&u);
-    let [beta, u, vth, v0] = [beta, u, vth, v0].map(into_contiguous);
-    let spike = out_like(&u, shape.clone());
-    let vpost = out_like(&u, shape);
-    let client = u.client.clone();
-    forward_kernel::launch::<R>(
-        &client,
-        count,
-        dim,
-        beta.into_tensor_arg(),
-        u.into_tensor_arg(),
-        vth.into_tensor_arg(),
-        v0.into_tensor_arg(),
-        spike.clone().into_tensor_arg(),
-        vpost.clone().into_tensor_arg(),
-        cols,
-        steps,
-        true,
+        row,
         unroll(UNROLL_FORWARD),
     );
     (spike, vpost)

@@ -240,7 +240,7 @@ impl SnnOps for burn_cuda::Cuda<f32, i32> {
         v0: FloatTensor<Self>,
     ) -> PlifOutput<Self> {
         let _ = scan_shape::<Self>(&u, &v0);
-        let (spike, vpost) = crate::cuda_scan::elem_forward(beta, u, vth, v0);
+        let (spike, vpost) = crate::cuda_scan::forward(false, beta, u, vth, v0);
         PlifOutput { spike, vpost }
     }
 
@@ -264,7 +264,7 @@ impl SnnOps for burn_cuda::Cuda<f32, i32> {
         v0: FloatTensor<Self>,
     ) -> PlifOutput<Self> {
         let _ = scan_shape::<Self>(&u, &v0);
-        let (spike, vpost) = crate::cuda_scan::row_forward(beta, u, vth, v0);
+        let (spike, vpost) = crate::cuda_scan::forward(true, beta, u, vth, v0);
         PlifOutput { spike, vpost }
     }
 

@@ -36,12 +36,28 @@ fn embedded() -> Result<Arc<dyn ComputeBackend>, EngineError> {
 /// Opens backend `name`: `embedded`, a plugin name (`ndarray`, `cuda`) searched for in
 /// `$NSACTOR_PLUGIN_PATH`, `extra_dirs` and the binary's directory, or a library path.
 pub fn open(name: &str, extra_dirs: &[PathBuf]) -> Result<Arc<dyn ComputeBackend>, EngineError> {
+    open_with(name, extra_dirs, "")
+}
+
+/// [`open`] with the plugin's option string (`key=value,…`, e.g. `precision=bf16`); each
+/// plugin rejects options it does not know.
+pub fn open_with(
+    name: &str,
+    extra_dirs: &[PathBuf],
+    options: &str,
+) -> Result<Arc<dyn ComputeBackend>, EngineError> {
     if name == EMBEDDED {
+        if !options.trim().is_empty() {
+            return Err(EngineError::InvalidInput(format!(
+                "the embedded CPU backend takes no options, got `{options}` (bf16 GEMMs need \
+                 --backend cuda)"
+            )));
+        }
         return embedded();
     }
     let path = host::resolve(name, &host::search_dirs(extra_dirs))?;
     let plugin = Plugin::load(&path)?;
-    let backend: Arc<dyn ComputeBackend> = plugin.open("")?;
+    let backend: Arc<dyn ComputeBackend> = plugin.open(options)?;
     Ok(backend)
 }
 

@@ -455,3 +455,205 @@ pub async fn serve_load(
         tokens_per_s: total as f64 / wall,
     })
 }
+
+/// Projection multiply-adds of one layer for one frame, from the `[model]` table: the SNNBlock's
+/// four `D → D·N` input projections (W_in, W_β, W_α, W_th), W_gate and W_skip (`D → D`) and
+/// W_out (`D·N → D`), the FFN's merged gate+up (`D → 2·D_ff`) and down (`D_ff → D`).
+pub fn layer_macs_per_frame(model: &toml::Table) -> Result<f64, String> {
+    let get = |k: &str| {
+        model
+            .get(k)
+            .and_then(|v| v.as_integer())
+            .map(|v| v as f64)
+            .ok_or_else(|| format!("[model] has no integer `{k}`"))
+    };
+    let (d, n, dff) = (get("D")?, get("N")?, get("D_ff")?);
+    let dn = d * n;
+    Ok(4.0 * d * dn + 2.0 * d * d + dn * d + d * 2.0 * dff + dff * d)
+}
+
+/// Training FLOPs per token: every layer's projections run forward, again in the recompute,
+/// and twice in the backward (`∂x`, `∂W`) for each of the `K` frames, plus the tied head's
+/// forward and backward.
+pub fn train_flops_per_token(model: &toml::Table) -> Result<f64, String> {
+    let get = |k: &str| {
+        model
+            .get(k)
+            .and_then(|v| v.as_integer())
+            .map(|v| v as f64)
+            .ok_or_else(|| format!("[model] has no integer `{k}`"))
+    };
+    let (k, l, d, v) = (get("K")?, get("num_layers")?, get("D")?, get("vocab_size")?);
+    Ok(8.0 * k * l * layer_macs_per_frame(model)? + 6.0 * d * v)
+}
+
+/// One timed training step of `nsactor bench train`.
+#[derive(Debug, Clone)]
+pub struct TrainStepTiming {
+    pub seconds: f64,
+    pub loss: f64,
+    /// Per worker (edge, then stages): seconds spent in stage calls during this step.
+    pub busy: Vec<f64>,
+}
+
+/// What `nsactor bench train` measured.
+#[derive(Debug, Clone)]
+pub struct TrainBench {
+    pub tokens_per_step: usize,
+    pub warmup: Vec<TrainStepTiming>,
+    pub steps: Vec<TrainStepTiming>,
+    /// Worker names, in the order of [`TrainStepTiming::busy`].
+    pub workers: Vec<String>,
+}
+
+impl TrainBench {
+    /// Median step time of the timed steps.
+    pub fn median_step_s(&self) -> f64 {
+        let mut t: Vec<f64> = self.steps.iter().map(|s| s.seconds).collect();
+        t.sort_by(f64::total_cmp);
+        t[t.len() / 2]
+    }
+
+    pub fn tokens_per_s(&self) -> f64 {
+        self.tokens_per_step as f64 / self.median_step_s()
+    }
+
+    /// Mean busy seconds per timed step of each worker.
+    pub fn mean_busy(&self) -> Vec<f64> {
+        (0..self.workers.len())
+            .map(|w| self.steps.iter().map(|s| s.busy[w]).sum::<f64>() / self.steps.len() as f64)
+            .collect()
+    }
+}
+
+/// Synthetic training batches: seeded uniform token ids over the non-special vocabulary, every
+/// target scored. Throughput does not depend on the token values.
+pub fn synthetic_batches(
+    batch: usize,
+    seq_len: usize,
+    micro_batches: usize,
+    vocab: usize,
+    seed: u64,
+) -> Vec<nsactor_plugin_api::Batch> {
+    let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    let mut next = move || {
+        s ^= s << 13;
+        s ^= s >> 7;
+        s ^= s << 17;
+        5 + (s % (vocab.max(6) as u64 - 5)) as i64
+    };
+    (0..micro_batches)
+        .map(|_| {
+            let ids: Vec<i64> = (0..batch * (seq_len + 1)).map(|_| next()).collect();
+            let mut inputs = Vec::with_capacity(batch * seq_len);
+            let mut targets = Vec::with_capacity(batch * seq_len);
+            for row in ids.chunks(seq_len + 1) {
+                inputs.extend_from_slice(&row[..seq_len]);
+                targets.extend_from_slice(&row[1..]);
+            }
+            nsactor_plugin_api::Batch {
+                batch,
+                seq_len,
+                inputs,
+                targets,
+                loss_mask: vec![1.0; batch * seq_len],
+            }
+        })
+        .collect()
+}
+
+/// Runs `warmup` then `steps` optimizer steps of `train`'s shape (batch, T, accumulation) on
+/// synthetic batches through `pipeline`, timing each step end to end (the step returns once
+/// every stage has finished and the loss is on the host).
+pub fn train_throughput(
+    pipeline: &mut crate::pipeline::Pipeline,
+    train: &crate::config::TrainConfig,
+    vocab: usize,
+    warmup: usize,
+    steps: usize,
+) -> Result<TrainBench, String> {
+    use crate::engine::StepParams;
+    let params = StepParams {
+        lr: train.lr,
+        neuron_lr: train.lr * train.neuron_lr_mult,
+        ponder_weight: train.ponder_weight,
+        max_grad_norm: train.max_grad_norm,
+    };
+    let workers = pipeline.busy().into_iter().map(|(n, _, _)| n).collect();
+    let mut out = TrainBench {
+        tokens_per_step: train.batch_size * train.seq_len * train.accumulation,
+        warmup: Vec::new(),
+        steps: Vec::new(),
+        workers,
+    };
+    for i in 0..warmup + steps {
+        let batches = synthetic_batches(
+            train.batch_size,
+            train.seq_len,
+            train.accumulation,
+            vocab,
+            train.seed + i as u64,
+        );
+        let before: Vec<f64> = pipeline.busy().into_iter().map(|(_, s, _)| s).collect();
+        let t = Instant::now();
+        let stats = pipeline
+            .train_step(&batches, &params)
+            .map_err(|e| format!("step {i}: {e}"))?;
+        let seconds = t.elapsed().as_secs_f64();
+        let busy = pipeline
+            .busy()
+            .into_iter()
+            .zip(before)
+            .map(|((_, s, _), b)| s - b)
+            .collect();
+        let timing = TrainStepTiming {
+            seconds,
+            loss: stats.loss,
+            busy,
+        };
+        if i < warmup {
+            out.warmup.push(timing);
+        } else {
+            out.steps.push(timing);
+        }
+    }
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn flops_per_token_of_the_0_9b_config() {
+        let cfg = crate::config::RunConfig::from_str(
+            include_str!("../../configs/neuronspark-0.9b.toml"),
+            "0.9b",
+        )
+        .unwrap();
+        // 4·896·7168 + 2·896² + 7168·896 + 896·5376 + 2688·896 multiply-adds per frame and layer.
+        assert_eq!(layer_macs_per_frame(&cfg.model).unwrap(), 40_943_616.0);
+        // × 8 (fwd, recompute, 2 × bwd) × 16 frames × 20 layers, + 6 · 896 · 6144 for the head.
+        assert_eq!(
+            train_flops_per_token(&cfg.model).unwrap(),
+            8.0 * 16.0 * 20.0 * 40_943_616.0 + 6.0 * 896.0 * 6144.0
+        );
+    }
+
+    #[test]
+    fn synthetic_batches_are_shifted_windows_of_ordinary_tokens() {
+        let b = synthetic_batches(3, 10, 2, 100, 7);
+        assert_eq!(b.len(), 2);
+        for m in &b {
+            m.validate().unwrap();
+            assert!(m.inputs.iter().all(|&t| (5..100).contains(&t)));
+            for r in 0..3 {
+                assert_eq!(
+                    m.inputs[r * 10 + 1..r * 10 + 10],
+                    m.targets[r * 10..r * 10 + 9]
+                );
+            }
+        }
+        assert_ne!(b[0].inputs, b[1].inputs);
+    }
+}

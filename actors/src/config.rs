@@ -28,6 +28,20 @@ pub struct BackendConfig {
     /// Extra directories to search for plugins, after `$NSACTOR_PLUGIN_PATH`.
     #[serde(default)]
     pub plugin_path: Vec<PathBuf>,
+    /// Arithmetic of the projection GEMMs: `fp32` (exact, the default; parity with the
+    /// reference) or `bf16` (bf16 inputs, fp32 accumulation; CUDA only). Master weights,
+    /// optimizer state, membrane states and elementwise work stay fp32 either way.
+    pub precision: Option<String>,
+}
+
+impl BackendConfig {
+    /// The option string handed to the plugin when it is opened (`precision=…`).
+    pub fn plugin_options(&self) -> String {
+        match &self.precision {
+            Some(p) => format!("precision={p}"),
+            None => String::new(),
+        }
+    }
 }
 
 /// `[data]`: how training rows are made.
@@ -129,6 +143,15 @@ impl RunConfig {
         cfg.train
             .validate()
             .map_err(|m| ConfigError::Invalid(origin.into(), m))?;
+        if let Some(p) = &cfg.backend.precision
+            && p != "fp32"
+            && p != "bf16"
+        {
+            return Err(ConfigError::Parse(
+                origin.into(),
+                format!("[backend] precision = `{p}`: expected `fp32` or `bf16`"),
+            ));
+        }
         Ok(cfg)
     }
 

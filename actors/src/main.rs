@@ -199,6 +199,47 @@ enum BenchCommand {
     /// is not timed), then its GB/s at the 0.9B shapes against the device's elementwise-copy
     /// bandwidth.
     Kernels(KernelsArgs),
+    /// Training throughput of a config on a backend: synthetic batches of the config's shape
+    /// through the actor pipeline; tokens/s, step time, model TFLOP/s and MFU, per-stage busy
+    /// time, device memory.
+    Train(TrainBenchArgs),
+}
+
+#[derive(clap::Args)]
+struct TrainBenchArgs {
+    /// Run config (default: the embedded configs/tiny.toml).
+    #[arg(long)]
+    config: Option<PathBuf>,
+    /// Backend (default: the config's, else the embedded CPU one).
+    #[arg(long)]
+    backend: Option<String>,
+    /// Projection GEMM arithmetic: fp32 or bf16 (CUDA). Overrides [backend].precision.
+    #[arg(long, value_parser = ["fp32", "bf16"])]
+    precision: Option<String>,
+    /// Pipeline stages. Overrides [train].pipeline.
+    #[arg(long)]
+    pipeline: Option<usize>,
+    /// Devices for the stages, e.g. `0,1`. Overrides [train].devices.
+    #[arg(long, value_delimiter = ',')]
+    devices: Option<Vec<usize>>,
+    /// Override [train].batch_size (sequences per micro-batch).
+    #[arg(long)]
+    batch_size: Option<usize>,
+    /// Override [train].seq_len.
+    #[arg(long)]
+    seq_len: Option<usize>,
+    /// Override [train].accumulation (micro-batches per step).
+    #[arg(long)]
+    accumulation: Option<usize>,
+    /// Untimed steps first (kernel compilation, autotuning, pool growth).
+    #[arg(long, default_value_t = 2)]
+    warmup: usize,
+    /// Timed steps (the median is reported).
+    #[arg(long, default_value_t = 5)]
+    steps: usize,
+    /// The device's peak dense TFLOP/s for the MFU (default: H100 SXM bf16 989, fp32 67).
+    #[arg(long)]
+    peak_tflops: Option<f64>,
 }
 
 #[derive(clap::Args)]
@@ -322,6 +363,10 @@ struct TrainArgs {
     /// Override [train].checkpoint_every.
     #[arg(long)]
     checkpoint_every: Option<u64>,
+    /// Projection GEMM arithmetic: `fp32` (exact) or `bf16` (fp32 accumulation; CUDA only).
+    /// Overrides [backend].precision.
+    #[arg(long, value_parser = ["fp32", "bf16"])]
+    precision: Option<String>,
     /// Inject one failure to exercise recovery: `layer-panic:LAYER:STEP` (the layer actor
     /// panics; the supervisor rebuilds the actors and rolls back to the newest checkpoint) or
     /// `crash-in-checkpoint:STEP` (the process aborts mid-checkpoint). Overrides
@@ -356,6 +401,7 @@ fn main() -> ExitCode {
         Command::Bench(BenchCommand::Recovery(args)) => recovery_cmd(args),
         Command::Bench(BenchCommand::Serve(args)) => serve_bench_cmd(args),
         Command::Bench(BenchCommand::Kernels(args)) => kernels_cmd(args),
+        Command::Bench(BenchCommand::Train(args)) => train_bench_cmd(args),
         Command::Verify(VerifyCommand::TinyA(args)) => verify_cmd(args),
         Command::Tokenizer(TokenizerCommand::Train(a)) => {
             nsactor_data::cli::tokenizer_train(&a).map_err(Into::into)
@@ -414,6 +460,9 @@ fn train_cmd(args: TrainArgs) -> Result<(), Box<dyn std::error::Error>> {
     if let Some(f) = args.inject_fault.clone() {
         cfg.train.inject_fault = Some(f);
     }
+    if let Some(p) = args.precision.clone() {
+        cfg.backend.precision = Some(p);
+    }
     if let Some(t) = args.tokenizer.clone() {
         cfg.data.tokenizer = Some(t);
     }
@@ -428,7 +477,11 @@ fn train_cmd(args: TrainArgs) -> Result<(), Box<dyn std::error::Error>> {
         .clone()
         .or_else(|| cfg.backend.name.clone())
         .unwrap_or_else(|| backend::default_name().to_string());
-    let compute = backend::open(&backend_name, &cfg.backend.plugin_path)?;
+    let compute = backend::open_with(
+        &backend_name,
+        &cfg.backend.plugin_path,
+        &cfg.backend.plugin_options(),
+    )?;
     let optimizer = if args.sft {
         OptimizerKind::AdamW
     } else {
@@ -956,6 +1009,133 @@ fn hop_cmd(args: HopArgs) -> Result<(), Box<dyn std::error::Error>> {
             t.per_hop_s() * 1e6,
             share * 100.0
         );
+    }
+    Ok(())
+}
+
+fn train_bench_cmd(a: TrainBenchArgs) -> Result<(), Box<dyn std::error::Error>> {
+    let mut cfg = RunConfig::load(a.config.as_deref())?;
+    if let Some(p) = a.pipeline {
+        cfg.train.pipeline = p;
+    }
+    if let Some(d) = a.devices.clone() {
+        cfg.train.devices = Some(d);
+    }
+    if let Some(b) = a.batch_size {
+        cfg.train.batch_size = b;
+    }
+    if let Some(t) = a.seq_len {
+        cfg.train.seq_len = t;
+    }
+    if let Some(m) = a.accumulation {
+        cfg.train.accumulation = m;
+    }
+    if let Some(p) = a.precision.clone() {
+        cfg.backend.precision = Some(p);
+    }
+    if a.steps == 0 {
+        return Err("--steps must be at least 1".into());
+    }
+    cfg.train
+        .validate()
+        .map_err(|m| format!("after the command-line options: [train] {m}"))?;
+    let backend_name = a
+        .backend
+        .clone()
+        .or_else(|| cfg.backend.name.clone())
+        .unwrap_or_else(|| backend::default_name().to_string());
+    let compute = backend::open_with(
+        &backend_name,
+        &cfg.backend.plugin_path,
+        &cfg.backend.plugin_options(),
+    )?;
+    let info = compute.info();
+    let devices = cfg.train.devices.clone().unwrap_or_else(|| vec![0]);
+    if let Some(&bad) = devices.iter().find(|&&d| d >= info.devices.len()) {
+        return Err(format!(
+            "device {bad} does not exist: {backend_name} has {} device(s)",
+            info.devices.len()
+        )
+        .into());
+    }
+    let model_toml = cfg.model_toml();
+    let vocab = cfg.vocab_size().ok_or("[model] has no vocab_size")?;
+    let flops_per_token = nsactor::bench::train_flops_per_token(&cfg.model)?;
+    let plan = PipelinePlan::balanced(model_layers(&model_toml)?, cfg.train.pipeline, &devices)?;
+    let t_open = std::time::Instant::now();
+    let model = StagedModel::open(
+        compute.clone(),
+        &model_toml,
+        cfg.train.seed,
+        OptimizerKind::Adam,
+        Some(plan.placement()),
+    )?;
+    let params = model.param_count();
+    let mut pipeline = Pipeline::start(model, plan.clone(), cfg.train.clone(), None)?;
+    let open_s = t_open.elapsed().as_secs_f64();
+    let precision = cfg.backend.precision.as_deref().unwrap_or("fp32");
+    let used: Vec<&str> = devices.iter().map(|&d| info.devices[d].as_str()).collect();
+    println!(
+        "train bench: {} ({params} parameters) on {} {}, GEMMs {precision}; {}",
+        a.config
+            .as_ref()
+            .map_or("embedded configs/tiny.toml".into(), |p| p
+                .display()
+                .to_string()),
+        info.name,
+        info.version,
+        used.join(" | ")
+    );
+    println!(
+        "pipeline {} stage(s) [{}] (layers@device); batch {} × T {} × accumulation {} = {} tokens/step; model opened in {open_s:.1} s",
+        plan.num_stages(),
+        plan.describe(),
+        cfg.train.batch_size,
+        cfg.train.seq_len,
+        cfg.train.accumulation,
+        cfg.train.batch_size * cfg.train.seq_len * cfg.train.accumulation
+    );
+    let r = nsactor::bench::train_throughput(&mut pipeline, &cfg.train, vocab, a.warmup, a.steps)?;
+    println!(
+        "{:>6} {:>10} {:>10} {:>9}",
+        "step", "time (s)", "tokens/s", "loss"
+    );
+    for (i, s) in r.warmup.iter().chain(&r.steps).enumerate() {
+        println!(
+            "{:>6} {:>10.3} {:>10.0} {:>9.4}{}",
+            i,
+            s.seconds,
+            r.tokens_per_step as f64 / s.seconds,
+            s.loss,
+            if i < r.warmup.len() {
+                "  (warm-up)"
+            } else {
+                ""
+            }
+        );
+    }
+    let step = r.median_step_s();
+    let tflops = r.tokens_per_s() * flops_per_token / 1e12;
+    let peak = a
+        .peak_tflops
+        .unwrap_or(if precision == "bf16" { 989.0 } else { 67.0 });
+    println!(
+        "median step {:.3} s: {:.0} tokens/s; {:.1} GFLOP/token (projections, fwd + recompute + bwd) → {tflops:.1} TFLOP/s, MFU {:.1}% of {peak} TFLOP/s",
+        step,
+        r.tokens_per_s(),
+        flops_per_token / 1e9,
+        100.0 * tflops / peak
+    );
+    println!("per-worker busy time per step (host time inside stage calls):");
+    for (name, busy) in r.workers.iter().zip(r.mean_busy()) {
+        println!(
+            "  {name:<16} {busy:>8.3} s  {:>5.1}% of the step",
+            100.0 * busy / step
+        );
+    }
+    match compute.bench("memory", "") {
+        Ok(m) => print!("{m}"),
+        Err(e) => println!("device memory: not reported by this backend ({e})"),
     }
     Ok(())
 }

@@ -105,7 +105,7 @@ fn forward<B: SnnOps, C: CheckpointStrategy>(
     }
 }
 
-/// Backward of `lhs · rhs`: `∂lhs = g · rhsᵀ`, `∂rhs = lhsᵀ · g`, through `B::matmul_fp32`.
+/// Backward of `lhs · rhs`: `∂lhs = g · rhsᵀ`, `∂rhs = lhsᵀ · g`, through `B::gemm`.
 #[derive(Debug)]
 struct MatmulBackward;
 
@@ -122,28 +122,28 @@ impl<B: SnnOps> Backward<B, 2> for MatmulBackward {
         let g = grads.consume::<B>(&ops.node);
         let (lhs, rhs) = ops.state;
         if let Some(node) = node_lhs {
-            let d = B::matmul_fp32(g.clone(), B::float_transpose(rhs));
+            let d = B::gemm(g.clone(), B::float_transpose(rhs));
             grads.register::<B>(node.id, d);
         }
         if let Some(node) = node_rhs {
-            let d = B::matmul_fp32(B::float_transpose(lhs), g);
+            let d = B::gemm(B::float_transpose(lhs), g);
             grads.register::<B>(node.id, d);
         }
     }
 }
 
 impl<B: SnnOps, C: CheckpointStrategy> SnnOps for Autodiff<B, C> {
-    fn matmul_fp32(lhs: FloatTensor<Self>, rhs: FloatTensor<Self>) -> FloatTensor<Self> {
+    fn gemm(lhs: FloatTensor<Self>, rhs: FloatTensor<Self>) -> FloatTensor<Self> {
         let prep = MatmulBackward
             .prepare::<C>([lhs.node.clone(), rhs.node.clone()])
             .compute_bound()
             .stateful();
         match prep {
             OpsKind::Tracked(prep) => {
-                let out = B::matmul_fp32(lhs.primitive.clone(), rhs.primitive.clone());
+                let out = B::gemm(lhs.primitive.clone(), rhs.primitive.clone());
                 prep.finish((lhs.primitive, rhs.primitive), out)
             }
-            OpsKind::UnTracked(prep) => prep.finish(B::matmul_fp32(lhs.primitive, rhs.primitive)),
+            OpsKind::UnTracked(prep) => prep.finish(B::gemm(lhs.primitive, rhs.primitive)),
         }
     }
 

@@ -1,4 +1,4 @@
-//! CUDA overrides of [`SnnOps`](crate::SnnOps) methods.
+//! cubek's naive fp32 GEMM: the on-device reference the cuBLASLt GEMMs are checked against.
 
 use burn_cubecl::CubeRuntime;
 use burn_cubecl::kernel::matmul::init_matmul_output;
@@ -10,7 +10,7 @@ use cubek::std::InputBinding;
 /// `lhs · rhs` with cubek's naive kernel: one fp32 fused multiply-add chain per output, never the
 /// TF32 tensor-core path that cubek's tiled kernels take for f32 inputs on sm_80+ (10-bit
 /// mantissa inputs, ~1e-3 relative error per product), which the reference ran with disabled.
-pub fn matmul_fp32<R: CubeRuntime>(lhs: CubeTensor<R>, rhs: CubeTensor<R>) -> CubeTensor<R> {
+pub fn matmul_naive<R: CubeRuntime>(lhs: CubeTensor<R>, rhs: CubeTensor<R>) -> CubeTensor<R> {
     let dtype = lhs.dtype;
     let out = init_matmul_output(&lhs, &rhs, dtype);
     let client = out.client.clone();

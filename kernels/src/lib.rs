@@ -21,18 +21,22 @@
 //!   methods, so the scans are differentiable on any backend.
 //! * [`plif_elem`] / [`plif_row`] — the tensor-level API used by `model`.
 //!
-//! It also carries the exact-fp32 GEMM hook ([`SnnOps::matmul_fp32`], [`matmul`]) every
-//! projection goes through, overridden on CUDA with a kernel that never uses TF32.
+//! It also carries the GEMM hook ([`SnnOps::gemm`], [`matmul`]) every projection goes through;
+//! on CUDA it is cuBLASLt ([`cuda_gemm`]) in exact fp32 (never TF32) or bf16 with fp32
+//! accumulation, checked against cubek's naive fp32 kernel.
 //!
 //! On CUDA the four scans are CubeCL kernels ([`cuda_scan`]); [`bench`] checks any backend's
 //! scans against the reference and times them (`nsactor bench kernels`).
 //!
-//! Depends on burn; with the `cuda` feature also on burn-cuda, burn-cubecl, cubecl and cubek.
+//! Depends on burn; with the `cuda` feature also on burn-cuda, burn-cubecl, cubecl, cubek and
+//! cudarc (cuBLASLt, loaded at run time).
 
 mod autodiff;
 pub mod bench;
 #[cfg(feature = "cuda")]
-mod cuda;
+pub mod cuda;
+#[cfg(feature = "cuda")]
+pub mod cuda_gemm;
 #[cfg(feature = "cuda")]
 pub mod cuda_scan;
 mod ops;

@@ -35,10 +35,11 @@ pub struct PlifGrads<B: Backend> {
 /// Shapes: `u` is `[TK, B, dim]`; `v0` is `[B, dim]`; per-element `beta, vth` are `[TK, B, dim]`,
 /// row-parameter `beta, vth` are `[B, dim]` (held for all `TK` steps).
 pub trait SnnOps: Backend {
-    /// `lhs [M, K] · rhs [K, N]` in true fp32 (no reduced-precision inputs such as TF32): the
-    /// GEMM of every projection, so parity with the reference (TF32 disabled) holds on GPUs.
-    /// Default: the backend's own matmul, which is exact fp32 on the CPU.
-    fn matmul_fp32(lhs: FloatTensor<Self>, rhs: FloatTensor<Self>) -> FloatTensor<Self> {
+    /// `lhs [M, K] · rhs [K, N]`: the GEMM of every projection. Default: the backend's own
+    /// matmul, exact fp32 on the CPU. The CUDA backend runs cuBLASLt in the process's GEMM
+    /// precision: exact fp32 (no TF32, so parity with the reference holds) or bf16 inputs with
+    /// fp32 accumulation (`crate::cuda_gemm`).
+    fn gemm(lhs: FloatTensor<Self>, rhs: FloatTensor<Self>) -> FloatTensor<Self> {
         Self::float_matmul(lhs, rhs)
     }
 
@@ -144,9 +145,9 @@ pub fn plif_row<B: SnnOps>(
     (wrap(out.spike), wrap(out.vpost))
 }
 
-/// `lhs [M, K] · rhs [K, N]` in true fp32 (see [`SnnOps::matmul_fp32`]), differentiable.
+/// `lhs [M, K] · rhs [K, N]` through [`SnnOps::gemm`], differentiable.
 pub fn matmul<B: SnnOps>(lhs: Tensor<B, 2>, rhs: Tensor<B, 2>) -> Tensor<B, 2> {
-    wrap(B::matmul_fp32(prim(lhs), prim(rhs)))
+    wrap(B::gemm(prim(lhs), prim(rhs)))
 }
 
 fn prim<B: Backend, const D: usize>(t: Tensor<B, D>) -> FloatTensor<B> {
@@ -229,8 +230,8 @@ impl SnnOps for burn_ndarray::NdArray<f32> {}
 /// host reference these defaults run.
 #[cfg(feature = "cuda")]
 impl SnnOps for burn_cuda::Cuda<f32, i32> {
-    fn matmul_fp32(lhs: FloatTensor<Self>, rhs: FloatTensor<Self>) -> FloatTensor<Self> {
-        crate::cuda::matmul_fp32(lhs, rhs)
+    fn gemm(lhs: FloatTensor<Self>, rhs: FloatTensor<Self>) -> FloatTensor<Self> {
+        crate::cuda_gemm::gemm(lhs, rhs)
     }
 
     fn plif_elem_forward(

@@ -1,4 +1,4 @@
-//! The exact-fp32 GEMM hook (`SnnOps::matmul_fp32`) and its autodiff backward, against burn's
+//! The projection GEMM hook (`SnnOps::gemm`) and its autodiff backward, against burn's
 //! own matmul and its built-in backward on the CPU.
 
 use burn::backend::Autodiff;

@@ -382,6 +382,16 @@ fn bad_configs_get_clear_errors() {
             tiny.replace("vocab_size = 2048", "vocab_size = 1000"),
             "vocab_size",
         ),
+        (
+            "bad-precision",
+            format!("{tiny}\n[backend]\nprecision = \"fp16\"\n"),
+            "precision = `fp16`",
+        ),
+        (
+            "bf16-on-cpu",
+            format!("{tiny}\n[backend]\nprecision = \"bf16\"\n"),
+            "bf16 GEMMs need",
+        ),
     ];
     for (name, text, needle) in cases {
         let path = dir.join(format!("{name}.toml"));
@@ -459,6 +469,28 @@ fn train_runs_through_the_ndarray_plugin_and_unknown_backends_fail_clearly() {
     assert!(!out.status.success());
     assert!(
         stderr.contains("no plugin for backend `tpu`") && stderr.contains("NSACTOR_PLUGIN_PATH"),
+        "{stderr}"
+    );
+    // Options a plugin does not take are refused by the plugin itself.
+    let out = nsactor()
+        .args([
+            "train",
+            "--backend",
+            "ndarray",
+            "--precision",
+            "bf16",
+            "--steps",
+            "1",
+        ])
+        .arg("--out")
+        .arg(&dir)
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(
+        stderr.contains("the ndarray backend takes no options")
+            && stderr.contains("precision=bf16"),
         "{stderr}"
     );
     std::fs::remove_dir_all(&dir).unwrap();
@@ -586,4 +618,62 @@ fn tokenizer_train_data_prepare_and_train_on_shards() {
         &p("run3"),
     ]);
     std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn bench_train_reports_throughput_busy_time_and_flops() {
+    let out = nsactor()
+        .args([
+            "bench",
+            "train",
+            "--steps",
+            "2",
+            "--warmup",
+            "1",
+            "--seq-len",
+            "16",
+            "--batch-size",
+            "2",
+            "--accumulation",
+            "2",
+            "--pipeline",
+            "2",
+        ])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        stdout.contains("2 × T 16 × accumulation 2 = 64 tokens/step"),
+        "{stdout}"
+    );
+    // Three rows: one warm-up and two timed steps, each with a finite loss.
+    let rows: Vec<&str> = stdout
+        .lines()
+        .filter(|l| {
+            l.split_whitespace()
+                .next()
+                .is_some_and(|w| w.parse::<u32>().is_ok())
+        })
+        .collect();
+    assert_eq!(rows.len(), 3, "{stdout}");
+    for r in rows {
+        let loss: f64 = r.split_whitespace().nth(3).unwrap().parse().unwrap();
+        assert!(loss.is_finite() && loss > 0.0, "{r}");
+    }
+    for needle in [
+        "median step",
+        "MFU",
+        "nsactor-edge",
+        "nsactor-stage0",
+        "nsactor-stage1",
+    ] {
+        assert!(stdout.contains(needle), "no `{needle}` in:\n{stdout}");
+    }
+    let err = run_err(&["bench", "train", "--steps", "0"]);
+    assert!(err.contains("--steps"), "{err}");
 }

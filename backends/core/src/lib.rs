@@ -61,11 +61,24 @@ pub(crate) fn wrap<B: Backend>(t: Tensor<B, 3>) -> DeviceTensor {
     DeviceTensor::new(Act(t))
 }
 
+/// A backend's own kernel benchmark, run by `bench("kernels")` after the PLIF scans: it gets the
+/// device and the options whose keys carry its prefix (prefix stripped), and returns its report
+/// or, when a kernel is wrong, the report with the failure.
+pub type KernelBench<B> =
+    fn(&<B as burn::tensor::backend::BackendTypes>::Device, &str) -> Result<String, String>;
+
+/// A backend's own named benchmark or report (`ComputeBackend::bench(name, options)`), given
+/// every device of the backend.
+pub type NamedBench<B> =
+    fn(&[<B as burn::tensor::backend::BackendTypes>::Device], &str) -> Result<String, String>;
+
 /// A burn backend behind the stage contract.
 pub struct BurnBackend<B: SnnOps> {
     name: String,
     version: String,
     devices: Vec<(B::Device, String)>,
+    kernel_benches: Vec<(&'static str, KernelBench<B>)>,
+    benches: Vec<(&'static str, NamedBench<B>)>,
 }
 
 impl<B: SnnOps> BurnBackend<B> {
@@ -75,7 +88,22 @@ impl<B: SnnOps> BurnBackend<B> {
             name: name.into(),
             version: version.into(),
             devices,
+            kernel_benches: Vec::new(),
+            benches: Vec::new(),
         }
+    }
+
+    /// Adds a named benchmark (e.g. `memory`) that `bench(name, options)` runs.
+    pub fn with_bench(mut self, name: &'static str, bench: NamedBench<B>) -> Self {
+        self.benches.push((name, bench));
+        self
+    }
+
+    /// Adds a backend-specific benchmark to `bench kernels`; its options are the ones named
+    /// `{prefix}_key=value`.
+    pub fn with_kernel_bench(mut self, prefix: &'static str, bench: KernelBench<B>) -> Self {
+        self.kernel_benches.push((prefix, bench));
+        self
     }
 
     fn device(&self, i: usize) -> Result<&B::Device, EngineError> {
@@ -140,15 +168,55 @@ impl<B: SnnOps> ComputeBackend for BurnBackend<B> {
     fn bench(&self, what: &str, options: &str) -> Result<String, EngineError> {
         match what {
             "kernels" => {
+                // Options go to the benchmark whose prefix their key carries; the rest to the scans.
+                let keys: Vec<&str> = options
+                    .split(|c: char| c == ',' || c.is_whitespace())
+                    .filter(|s| !s.is_empty())
+                    .collect();
+                let mine = |prefix: &str| {
+                    keys.iter()
+                        .filter_map(|kv| kv.strip_prefix(prefix)?.strip_prefix('_'))
+                        .collect::<Vec<_>>()
+                        .join(",")
+                };
+                let scan_options =
+                    keys.iter()
+                        .filter(|kv| {
+                            !self.kernel_benches.iter().any(|(p, _)| {
+                                kv.strip_prefix(p).is_some_and(|r| r.starts_with('_'))
+                            })
+                        })
+                        .copied()
+                        .collect::<Vec<_>>()
+                        .join(",");
                 let cfg = nsactor_kernels::bench::ScanBench::model_0_9b()
-                    .with_options(options)
+                    .with_options(&scan_options)
                     .map_err(EngineError::InvalidInput)?;
-                nsactor_kernels::bench::run::<B>(self.device(0)?, &cfg)
-                    .map_err(EngineError::Backend)
+                let device = self.device(0)?;
+                let mut report = nsactor_kernels::bench::run::<B>(device, &cfg);
+                for (prefix, bench) in &self.kernel_benches {
+                    let r = bench(device, &mine(prefix));
+                    report = match (report, r) {
+                        (Ok(a), Ok(b)) => Ok(format!("{a}\n{b}")),
+                        (Ok(a) | Err(a), Ok(b) | Err(b)) => Err(format!("{a}\n{b}")),
+                    };
+                }
+                report.map_err(EngineError::Backend)
             }
-            other => Err(EngineError::InvalidInput(format!(
-                "unknown benchmark `{other}` (kernels)"
-            ))),
+            other => match self.benches.iter().find(|(n, _)| *n == other) {
+                Some((_, bench)) => {
+                    let devices: Vec<B::Device> =
+                        self.devices.iter().map(|(d, _)| d.clone()).collect();
+                    bench(&devices, options).map_err(EngineError::Backend)
+                }
+                None => Err(EngineError::InvalidInput(format!(
+                    "unknown benchmark `{other}` (kernels{})",
+                    self.benches
+                        .iter()
+                        .map(|(n, _)| format!(", {n}"))
+                        .collect::<String>()
+                ))),
+            },
         }
     }
 

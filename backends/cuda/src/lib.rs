@@ -1,16 +1,20 @@
 //! The CUDA backend: NeuronSpark stages on burn-cuda (CubeCL), built as the cdylib plugin
 //! `libnsactor_backend_cuda.so` and loaded with `--backend cuda`.
 //!
-//! It compiles without a CUDA toolkit: the driver (`libcuda`) and NVRTC are loaded at run time,
-//! so opening the backend on a machine without an NVIDIA driver fails with a clear error instead
-//! of at link time. Until the fused CubeCL PLIF kernels land, the scans run the exact host
-//! reference of `nsactor-kernels` (correct, not fast).
+//! It compiles without a CUDA toolkit: the driver (`libcuda`), NVRTC and cuBLASLt are loaded at
+//! run time, so opening the backend on a machine without an NVIDIA driver fails with a clear
+//! error instead of at link time. The PLIF scans are the CubeCL kernels of `nsactor-kernels`;
+//! the projection GEMMs go through cuBLASLt in the precision the `precision` option picks
+//! (`fp32`, exact and the default, or `bf16` with fp32 accumulation).
 //!
 //! Depends on burn-cuda, cudarc (device discovery), `nsactor-backend-core`, `nsactor-kernels`
 //! and the plugin crates.
+//!
+//! Options (`[backend] precision` in the run config, or `--precision`): `precision=fp32|bf16`.
 
 use burn_cuda::{Cuda, CudaDevice};
 use nsactor_backend_core::BurnBackend;
+use nsactor_kernels::cuda_gemm::{self, GemmBench, GemmPrecision};
 use nsactor_plugin_api::{ComputeBackend, EngineError};
 use std::panic::{AssertUnwindSafe, catch_unwind};
 
@@ -24,7 +28,7 @@ fn panic_text(p: &(dyn std::any::Any + Send)) -> String {
 }
 
 /// Lists the GPUs the driver reports, or says why there are none.
-fn probe() -> Result<Vec<(CudaDevice, String)>, EngineError> {
+fn probe(precision: GemmPrecision) -> Result<Vec<(CudaDevice, String)>, EngineError> {
     let no_driver = |why: String| {
         EngineError::Backend(format!(
             "cannot use CUDA: {why}. The cuda backend needs an NVIDIA GPU with its driver \
@@ -44,28 +48,104 @@ fn probe() -> Result<Vec<(CudaDevice, String)>, EngineError> {
             }))
             .map_err(|p| no_driver(panic_text(p.as_ref())))?
             .map_err(|e| no_driver(format!("device {i}: {e:?}")))?;
-            Ok((CudaDevice::new(i), format!("cuda:{i} {name} (f32)")))
+            let gemm = match precision {
+                GemmPrecision::Fp32 => "f32",
+                GemmPrecision::Bf16 => "f32, bf16 GEMMs",
+            };
+            Ok((CudaDevice::new(i), format!("cuda:{i} {name} ({gemm})")))
         })
         .collect()
 }
 
-/// The CUDA backend over every GPU the driver reports.
-pub fn backend() -> Result<BurnBackend<Gpu>, EngineError> {
-    Ok(BurnBackend::new(
-        "cuda",
-        env!("CARGO_PKG_VERSION"),
-        probe()?,
-    ))
+/// The CUDA backend over every GPU the driver reports, with its projection GEMMs in `precision`
+/// (a process-wide setting).
+pub fn backend(precision: GemmPrecision) -> Result<BurnBackend<Gpu>, EngineError> {
+    let devices = probe(precision)?;
+    cuda_gemm::set_precision(precision);
+    Ok(BurnBackend::new("cuda", env!("CARGO_PKG_VERSION"), devices)
+        .with_kernel_bench("gemm", gemm_bench)
+        .with_bench("memory", memory_report))
 }
 
-/// Plugin constructor; the cuda backend takes no options yet.
-fn open(options: &str) -> Result<Box<dyn ComputeBackend>, EngineError> {
-    if !options.trim().is_empty() {
-        return Err(EngineError::InvalidInput(format!(
-            "the cuda backend takes no options, got `{options}`"
-        )));
+/// `bench kernels`' GEMM part: the 0.9B projection GEMMs checked and timed in both precisions.
+fn gemm_bench(device: &CudaDevice, options: &str) -> Result<String, String> {
+    let cfg = GemmBench::model_0_9b().with_options(options)?;
+    cuda_gemm::bench(device, &cfg)
+}
+
+/// `bench memory`: each GPU's memory in use (driver view: total − free, which includes CubeCL's
+/// pools, so it is the high-water mark of what the run reserved; pools are not returned).
+fn memory_report(devices: &[CudaDevice], _options: &str) -> Result<String, String> {
+    use cudarc::driver::result as drv;
+    let mut out = String::new();
+    for d in devices {
+        let dev =
+            drv::device::get(d.index as i32).map_err(|e| format!("cuda:{}: {e:?}", d.index))?;
+        // SAFETY: `dev` is a valid device; the retained primary context is the one CubeCL uses
+        // and stays alive for the process.
+        let (free, total) = unsafe {
+            let ctx = drv::primary_ctx::retain(dev).map_err(|e| format!("{e:?}"))?;
+            drv::ctx::set_current(ctx).map_err(|e| format!("{e:?}"))?;
+            drv::mem_get_info().map_err(|e| format!("{e:?}"))?
+        };
+        let gib = |b: usize| b as f64 / (1u64 << 30) as f64;
+        out.push_str(&format!(
+            "device memory cuda:{}: {:.2} GiB in use of {:.2} GiB (driver: total − free; CubeCL pools keep their peak)\n",
+            d.index,
+            gib(total - free),
+            gib(total)
+        ));
     }
-    Ok(Box::new(backend()?))
+    Ok(out)
+}
+
+/// Parses the plugin options: `precision=fp32|bf16` (default fp32).
+fn parse_options(options: &str) -> Result<GemmPrecision, EngineError> {
+    let mut precision = GemmPrecision::Fp32;
+    for kv in options
+        .split(|c: char| c == ',' || c.is_whitespace())
+        .filter(|s| !s.is_empty())
+    {
+        match kv.split_once('=') {
+            Some(("precision", v)) => {
+                precision = GemmPrecision::parse(v)
+                    .map_err(|e| EngineError::InvalidInput(format!("cuda backend: {e}")))?
+            }
+            _ => {
+                return Err(EngineError::InvalidInput(format!(
+                    "the cuda backend does not take the option `{kv}` (it takes precision=fp32|bf16)"
+                )));
+            }
+        }
+    }
+    Ok(precision)
+}
+
+/// Plugin constructor.
+fn open(options: &str) -> Result<Box<dyn ComputeBackend>, EngineError> {
+    Ok(Box::new(backend(parse_options(options)?)?))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn options_pick_the_precision_and_unknown_options_are_refused() {
+        assert_eq!(parse_options("").unwrap(), GemmPrecision::Fp32);
+        assert_eq!(
+            parse_options("precision=bf16").unwrap(),
+            GemmPrecision::Bf16
+        );
+        assert_eq!(
+            parse_options(" precision=fp32 ").unwrap(),
+            GemmPrecision::Fp32
+        );
+        let e = parse_options("precision=fp8").unwrap_err().to_string();
+        assert!(e.contains("fp8"), "{e}");
+        let e = parse_options("threads=4").unwrap_err().to_string();
+        assert!(e.contains("threads=4") && e.contains("precision"), "{e}");
+    }
 }
 
 nsactor_plugin_abi::export_plugin!("cuda", env!("CARGO_PKG_VERSION"), open);

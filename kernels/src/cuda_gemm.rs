@@ -1,0 +1,647 @@
+//! Projection GEMMs through cuBLASLt, enqueued on the stream CubeCL uses.
+//!
+//! `lhs [M, K] · rhs [K, N]` for the CUDA backend's f32 tensors, in one of two precisions
+//! ([`GemmPrecision`], chosen per process by the plugin's `precision` option):
+//!
+//! * **fp32** — `CUBLAS_COMPUTE_32F`: fp32 inputs and accumulation, never TF32 (the reference ran
+//!   with TF32 disabled, and parity with its fixtures needs full fp32 products);
+//! * **bf16** — the inputs are rounded to bf16 (one cast kernel each, read in their logical
+//!   order), multiplied on the tensor cores with fp32 accumulation, and written as f32. Master
+//!   weights, optimizer state, scans and every elementwise op stay fp32, like PyTorch autocast
+//!   around a matmul.
+//!
+//! Strided operands are passed as they are when one of their strides is 1 (transposed views,
+//! row slices): cuBLASLt's column-major view of a row-major matrix is its transpose, so the
+//! product is computed as `Dᵀ = op(rhs)ᵀ · op(lhs)ᵀ` with the right transpose flag per operand.
+//!
+//! Ordering: the patched cubecl-cuda (`kernels/vendor/`) reports the stream of the command that
+//! hands out a buffer's device pointer, after that stream was made to wait for the buffer's
+//! producer; the GEMM is enqueued on it, so it runs after the kernels that wrote its inputs and
+//! before any kernel submitted later from the same thread, with no host synchronisation. The
+//! output and the workspace are allocated from that stream's pool, so their memory cannot be
+//! reused before the GEMM has run.
+//!
+//! Plans (descriptors, layouts, the heuristic's algorithm) are cached per thread and shape.
+
+use burn_cubecl::kernel::{cast, into_contiguous};
+use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
+use burn_cubecl::tensor::CubeTensor;
+use burn_cuda::CudaDevice;
+use cubecl::cuda::CudaRuntime;
+use cudarc::cublaslt::{result as lt, sys};
+use std::cell::RefCell;
+use std::collections::HashMap;
+use std::ffi::c_void;
+use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::{Mutex, OnceLock};
+
+type CudaTensor = CubeTensor<CudaRuntime>;
+
+/// cuBLASLt workspace per call (NVIDIA's recommendation for Hopper).
+const WORKSPACE_BYTES: usize = 32 << 20;
+
+/// Arithmetic of the projection GEMMs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum GemmPrecision {
+    /// fp32 inputs, fp32 accumulation (no TF32): parity with the reference's fixtures.
+    Fp32,
+    /// bf16 inputs, fp32 accumulation and output: the tensor cores' full rate.
+    Bf16,
+}
+
+impl GemmPrecision {
+    pub fn name(self) -> &'static str {
+        match self {
+            GemmPrecision::Fp32 => "fp32",
+            GemmPrecision::Bf16 => "bf16",
+        }
+    }
+
+    pub fn parse(s: &str) -> Result<Self, String> {
+        match s {
+            "fp32" | "f32" => Ok(GemmPrecision::Fp32),
+            "bf16" => Ok(GemmPrecision::Bf16),
+            other => Err(format!(
+                "unknown GEMM precision `{other}` (expected `fp32` or `bf16`)"
+            )),
+        }
+    }
+}
+
+static PRECISION: AtomicU8 = AtomicU8::new(0);
+
+/// Sets the precision of every later projection GEMM in this process.
+pub fn set_precision(p: GemmPrecision) {
+    PRECISION.store(p as u8, Ordering::SeqCst);
+}
+
+/// The precision projection GEMMs use now (fp32 until [`set_precision`]).
+pub fn precision() -> GemmPrecision {
+    match PRECISION.load(Ordering::SeqCst) {
+        0 => GemmPrecision::Fp32,
+        _ => GemmPrecision::Bf16,
+    }
+}
+
+/// `lhs · rhs` in the process's [`precision`].
+pub fn gemm(lhs: CudaTensor, rhs: CudaTensor) -> CudaTensor {
+    gemm_with(precision(), lhs, rhs)
+}
+
+/// How cuBLASLt sees one operand: a column-major matrix `rows × cols` with leading dimension
+/// `ld`, to be used transposed or not.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+struct Operand {
+    rows: u64,
+    cols: u64,
+    ld: i64,
+    trans: bool,
+}
+
+/// A row-major `[r, c]` logical matrix with strides `(s0, s1)`, seen column-major so that the
+/// op applied gives its transpose `[c, r]` (what `Dᵀ = rhsᵀ·lhsᵀ` needs). `None` when neither
+/// stride is 1 (the caller makes it contiguous).
+fn operand(shape: [usize; 2], strides: [usize; 2]) -> Option<Operand> {
+    let [r, c] = shape;
+    let (r64, c64) = (r as u64, c as u64);
+    if strides[1] == 1 && (r <= 1 || strides[0] >= c.max(1)) {
+        // Row-major: column-major `c × r` with ld = s0, used as is.
+        Some(Operand {
+            rows: c64,
+            cols: r64,
+            ld: strides[0].max(c.max(1)) as i64,
+            trans: false,
+        })
+    } else if strides[0] == 1 && (c <= 1 || strides[1] >= r.max(1)) {
+        // Column-major (a transposed view): `r × c` with ld = s1, used transposed.
+        Some(Operand {
+            rows: r64,
+            cols: c64,
+            ld: strides[1].max(r.max(1)) as i64,
+            trans: true,
+        })
+    } else {
+        None
+    }
+}
+
+fn dims(t: &CudaTensor) -> ([usize; 2], [usize; 2]) {
+    let shape = t.meta.shape();
+    let strides = t.meta.strides();
+    assert_eq!(shape.num_dims(), 2, "gemm takes 2-d tensors, got {shape:?}");
+    ([shape[0], shape[1]], [strides[0], strides[1]])
+}
+
+/// Prepares an operand: rounded to bf16 when asked (the cast writes it contiguous), made
+/// contiguous when cuBLASLt cannot read its strides.
+fn prepare(t: CudaTensor, p: GemmPrecision) -> (CudaTensor, Operand) {
+    let t = match p {
+        GemmPrecision::Bf16 => {
+            let (shape, strides) = dims(&t);
+            if matches!(operand(shape, strides), Some(Operand { trans: true, .. })) {
+                // A transposed view: round its row-major storage (a contiguous read) and keep
+                // the view, instead of a strided transposing copy.
+                transpose(cast(transpose(t), burn::tensor::DType::BF16))
+            } else {
+                cast(t, burn::tensor::DType::BF16)
+            }
+        }
+        GemmPrecision::Fp32 => t,
+    };
+    let (shape, strides) = dims(&t);
+    match operand(shape, strides) {
+        Some(op) => (t, op),
+        None => {
+            let t = into_contiguous(t);
+            let (shape, strides) = dims(&t);
+            let op = operand(shape, strides).expect("a contiguous matrix is row-major");
+            (t, op)
+        }
+    }
+}
+
+/// The transposed view (no copy).
+fn transpose(t: CudaTensor) -> CudaTensor {
+    use burn::tensor::ops::FloatTensorOps;
+    <burn_cuda::Cuda<f32, i32> as FloatTensorOps<_>>::float_transpose(t)
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+struct PlanKey {
+    device: usize,
+    precision: GemmPrecision,
+    a: Operand,
+    b: Operand,
+    m: u64,
+    n: u64,
+}
+
+/// Descriptors and the chosen algorithm for one problem; destroyed with the thread.
+struct Plan {
+    desc: sys::cublasLtMatmulDesc_t,
+    a: sys::cublasLtMatrixLayout_t,
+    b: sys::cublasLtMatrixLayout_t,
+    d: sys::cublasLtMatrixLayout_t,
+    algo: sys::cublasLtMatmulAlgo_t,
+}
+
+impl Drop for Plan {
+    fn drop(&mut self) {
+        // SAFETY: each descriptor was created once by `Plan::new` and is destroyed once here.
+        unsafe {
+            let _ = lt::destroy_matrix_layout(self.a);
+            let _ = lt::destroy_matrix_layout(self.b);
+            let _ = lt::destroy_matrix_layout(self.d);
+            let _ = lt::destroy_matmul_desc(self.desc);
+        }
+    }
+}
+
+fn check(what: &str, r: Result<(), lt::CublasError>) {
+    if let Err(e) = r {
+        panic!("cuBLASLt {what}: {e:?}");
+    }
+}
+
+impl Plan {
+    fn new(handle: sys::cublasLtHandle_t, key: &PlanKey) -> Plan {
+        let input = match key.precision {
+            GemmPrecision::Fp32 => sys::cudaDataType_t::CUDA_R_32F,
+            GemmPrecision::Bf16 => sys::cudaDataType_t::CUDA_R_16BF,
+        };
+        let f32t = sys::cudaDataType_t::CUDA_R_32F;
+        let layout = |t, o: &Operand| {
+            lt::create_matrix_layout(t, o.rows, o.cols, o.ld)
+                .unwrap_or_else(|e| panic!("cuBLASLt layout {o:?}: {e:?}"))
+        };
+        let desc = lt::create_matmul_desc(sys::cublasComputeType_t::CUBLAS_COMPUTE_32F, f32t)
+            .unwrap_or_else(|e| panic!("cuBLASLt matmul descriptor: {e:?}"));
+        // cublasOperation_t as a 32-bit integer: 0 = N, 1 = T.
+        let (ta, tb) = (key.a.trans as i32, key.b.trans as i32);
+        // SAFETY: `desc` is a live descriptor; the buffers are 32-bit operation values that
+        // outlive the calls, with their exact sizes.
+        unsafe {
+            check(
+                "TRANSA",
+                lt::set_matmul_desc_attribute(
+                    desc,
+                    sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_TRANSA,
+                    &ta as *const _ as *const c_void,
+                    std::mem::size_of_val(&ta),
+                ),
+            );
+            check(
+                "TRANSB",
+                lt::set_matmul_desc_attribute(
+                    desc,
+                    sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_TRANSB,
+                    &tb as *const _ as *const c_void,
+                    std::mem::size_of_val(&tb),
+                ),
+            );
+        }
+        let a = layout(input, &key.a);
+        let b = layout(input, &key.b);
+        let d = lt::create_matrix_layout(f32t, key.n, key.m, key.n as i64)
+            .unwrap_or_else(|e| panic!("cuBLASLt output layout: {e:?}"));
+        let pref =
+            lt::create_matmul_pref().unwrap_or_else(|e| panic!("cuBLASLt preference: {e:?}"));
+        let ws = WORKSPACE_BYTES as u64;
+        // SAFETY: live handles and descriptors; `ws` outlives the call.
+        let heuristic = unsafe {
+            check(
+                "workspace preference",
+                lt::set_matmul_pref_attribute(
+                    pref,
+                    sys::cublasLtMatmulPreferenceAttributes_t::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+                    &ws as *const _ as *const c_void,
+                    std::mem::size_of_val(&ws),
+                ),
+            );
+            let h = lt::get_matmul_algo_heuristic(handle, desc, a, b, d, d, pref);
+            let _ = lt::destroy_matmul_pref(pref);
+            h.unwrap_or_else(|e| panic!("cuBLASLt has no algorithm for {key:?}: {e:?}"))
+        };
+        Plan {
+            desc,
+            a,
+            b,
+            d,
+            algo: heuristic.algo,
+        }
+    }
+}
+
+struct ThreadState {
+    handle: sys::cublasLtHandle_t,
+    plans: HashMap<PlanKey, Plan>,
+}
+
+impl Drop for ThreadState {
+    fn drop(&mut self) {
+        self.plans.clear();
+        // SAFETY: created once by `lt::create_handle` for this thread.
+        unsafe {
+            let _ = lt::destroy_handle(self.handle);
+        }
+    }
+}
+
+thread_local! {
+    static STATE: RefCell<Option<ThreadState>> = const { RefCell::new(None) };
+}
+
+/// Makes the device's primary context (the one CubeCL runs on) current on this thread, so that
+/// cuBLASLt launches into it.
+fn make_current(device: usize) {
+    static CONTEXTS: OnceLock<Mutex<HashMap<usize, usize>>> = OnceLock::new();
+    let map = CONTEXTS.get_or_init(Default::default);
+    let ctx = {
+        let mut map = map.lock().unwrap_or_else(|e| e.into_inner());
+        *map.entry(device).or_insert_with(|| {
+            let dev = cudarc::driver::result::device::get(device as i32)
+                .unwrap_or_else(|e| panic!("cuda:{device}: {e:?}"));
+            // SAFETY: `dev` is a valid device; the retained primary context lives as long as
+            // the process (never released).
+            let ctx = unsafe { cudarc::driver::result::primary_ctx::retain(dev) }
+                .unwrap_or_else(|e| panic!("cuda:{device} primary context: {e:?}"));
+            ctx as usize
+        })
+    };
+    // SAFETY: `ctx` is the retained primary context of `device`.
+    unsafe { cudarc::driver::result::ctx::set_current(ctx as cudarc::driver::sys::CUcontext) }
+        .unwrap_or_else(|e| panic!("cuda:{device} set context: {e:?}"));
+}
+
+/// Operands ready for cuBLASLt: rounded to the GEMM's input type and in a layout it reads.
+pub struct Prepared {
+    precision: GemmPrecision,
+    lhs: CudaTensor,
+    rhs: CudaTensor,
+    a: Operand,
+    b: Operand,
+    m: usize,
+    n: usize,
+}
+
+/// Checks the shapes and prepares both operands of a non-empty `lhs [M, K] · rhs [K, N]`.
+pub fn prepare_operands(p: GemmPrecision, lhs: CudaTensor, rhs: CudaTensor) -> Prepared {
+    let ([m, k], _) = dims(&lhs);
+    let ([k2, n], _) = dims(&rhs);
+    assert_eq!(
+        k, k2,
+        "gemm: inner dimensions differ ([{m}, {k}] · [{k2}, {n}])"
+    );
+    assert_eq!(
+        lhs.dtype,
+        burn::tensor::DType::F32,
+        "gemm takes f32 tensors"
+    );
+    assert_eq!(
+        rhs.dtype,
+        burn::tensor::DType::F32,
+        "gemm takes f32 tensors"
+    );
+    // cuBLASLt computes Dᵀ [N, M] = A · B with A = rhsᵀ [N, K], B = lhsᵀ [K, M].
+    let (rhs, a) = prepare(rhs, p);
+    let (lhs, b) = prepare(lhs, p);
+    Prepared {
+        precision: p,
+        lhs,
+        rhs,
+        a,
+        b,
+        m,
+        n,
+    }
+}
+
+/// `lhs [M, K] · rhs [K, N]` with the given precision; the output is a contiguous f32 `[M, N]`.
+pub fn gemm_with(p: GemmPrecision, lhs: CudaTensor, rhs: CudaTensor) -> CudaTensor {
+    let k = dims(&lhs).0[1];
+    if k == 0 || dims(&lhs).0[0] == 0 || dims(&rhs).0[1] == 0 {
+        let (m, n) = (dims(&lhs).0[0], dims(&rhs).0[1]);
+        return burn_cubecl::ops::numeric::zeros_client(
+            lhs.client.clone(),
+            lhs.device.clone(),
+            [m, n].into(),
+            burn::tensor::DType::F32,
+        );
+    }
+    run(&prepare_operands(p, lhs, rhs))
+}
+
+/// The cuBLASLt call on prepared operands.
+pub fn run(op: &Prepared) -> CudaTensor {
+    let (m, n) = (op.m, op.n);
+    let client = op.lhs.client.clone();
+    let device: CudaDevice = op.lhs.device.clone();
+    let out = empty_device_contiguous_dtype(
+        client.clone(),
+        device.clone(),
+        [m, n].into(),
+        burn::tensor::DType::F32,
+    );
+    let key = PlanKey {
+        device: device.index,
+        precision: op.precision,
+        a: op.a,
+        b: op.b,
+        m: m as u64,
+        n: n as u64,
+    };
+    let workspace = client.empty(WORKSPACE_BYTES);
+    let resource = |h: &cubecl::server::Handle| {
+        client
+            .get_resource(h.clone())
+            .unwrap_or_else(|e| panic!("gemm: device buffer unavailable: {e:?}"))
+    };
+    let (ra, rb, rd, rw) = (
+        resource(&op.rhs.handle),
+        resource(&op.lhs.handle),
+        resource(&out.handle),
+        resource(&workspace),
+    );
+    let (ra, rb, rd, rw) = (ra.resource(), rb.resource(), rd.resource(), rw.resource());
+    let stream = rd.stream;
+    assert!(
+        !stream.is_null(),
+        "the patched cubecl-cuda reports no stream"
+    );
+    make_current(device.index);
+    let (alpha, beta) = (1.0f32, 0.0f32);
+    STATE.with(|state| {
+        let mut state = state.borrow_mut();
+        let state = state.get_or_insert_with(|| ThreadState {
+            handle: lt::create_handle().unwrap_or_else(|e| panic!("cuBLASLt handle: {e:?}")),
+            plans: HashMap::new(),
+        });
+        let handle = state.handle;
+        let plan = state
+            .plans
+            .entry(key)
+            .or_insert_with(|| Plan::new(handle, &key));
+        // SAFETY: the pointers are live device buffers of the sizes the layouts describe (the
+        // resources and tensors are held until after the call, and their memory is recycled
+        // only in order on `stream`); `stream` is CubeCL's current stream of this thread on the
+        // device whose context is current.
+        let r = unsafe {
+            lt::matmul(
+                handle,
+                plan.desc,
+                &alpha as *const f32 as *const c_void,
+                &beta as *const f32 as *const c_void,
+                ra.ptr as *const c_void,
+                plan.a,
+                rb.ptr as *const c_void,
+                plan.b,
+                rd.ptr as *const c_void,
+                plan.d,
+                rd.ptr as *mut c_void,
+                plan.d,
+                &plan.algo,
+                rw.ptr as *mut c_void,
+                WORKSPACE_BYTES,
+                stream as sys::cudaStream_t,
+            )
+        };
+        check("matmul", r);
+    });
+    drop(workspace);
+    out
+}
+
+/// The projection GEMMs of one 0.9B layer (`y = x · Wᵀ`, weight `[out, in]`), by name, `in`
+/// and `out` features.
+const PROJECTIONS: [(&str, usize, usize); 5] = [
+    ("block in (W_in, W_β, W_α, W_th)", 896, 7168),
+    ("block out (W_out)", 7168, 896),
+    ("block gate/skip", 896, 896),
+    ("ffn gate+up", 896, 5376),
+    ("ffn down", 2688, 896),
+];
+
+/// Options of the GEMM benchmark (`gemm_rows`, `gemm_reps`, `gemm_precision` in
+/// `nsactor bench kernels --options`).
+#[derive(Debug, Clone)]
+pub struct GemmBench {
+    /// Rows of the activations: `T·K·B` (0.9B: 511·16·4 = 32704).
+    pub rows: usize,
+    pub reps: usize,
+    pub precisions: Vec<GemmPrecision>,
+}
+
+impl GemmBench {
+    pub fn model_0_9b() -> Self {
+        GemmBench {
+            rows: 32704,
+            reps: 10,
+            precisions: vec![GemmPrecision::Bf16, GemmPrecision::Fp32],
+        }
+    }
+
+    /// `rows=`, `reps=`, `precision=bf16|fp32|both` (the `gemm_` prefix already stripped).
+    pub fn with_options(mut self, options: &str) -> Result<Self, String> {
+        for kv in options
+            .split(|c: char| c == ',' || c.is_whitespace())
+            .filter(|s| !s.is_empty())
+        {
+            let (k, v) = kv
+                .split_once('=')
+                .ok_or_else(|| format!("option `gemm_{kv}` is not key=value"))?;
+            let num = || -> Result<usize, String> {
+                v.parse::<usize>()
+                    .ok()
+                    .filter(|&n| n > 0)
+                    .ok_or_else(|| format!("option gemm_{k}: `{v}` is not a positive whole number"))
+            };
+            match k {
+                "rows" => self.rows = num()?,
+                "reps" => self.reps = num()?,
+                "precision" => {
+                    self.precisions = match v {
+                        "both" => vec![GemmPrecision::Bf16, GemmPrecision::Fp32],
+                        p => vec![GemmPrecision::parse(p)?],
+                    }
+                }
+                other => {
+                    return Err(format!(
+                        "unknown option `gemm_{other}` (gemm_rows, gemm_reps, gemm_precision)"
+                    ));
+                }
+            }
+        }
+        Ok(self)
+    }
+}
+
+/// Largest accepted `max|gemm − naive fp32| / max|naive fp32|`: fp32 differs only in summation
+/// order; bf16 rounds each input to 8 mantissa bits (relative 2⁻⁹ per input).
+fn tolerance(p: GemmPrecision) -> f32 {
+    match p {
+        GemmPrecision::Fp32 => 1e-5,
+        GemmPrecision::Bf16 => 2e-2,
+    }
+}
+
+/// Checks each projection GEMM of the 0.9B layer (forward `x·Wᵀ`, `∂x = g·W`, `∂W = xᵀ·g`, in
+/// the layouts autodiff hands them over) against cubek's naive fp32 kernel on the device, then
+/// times the ones that agree. A GEMM that disagrees is reported and not timed.
+pub fn bench(device: &CudaDevice, cfg: &GemmBench) -> Result<String, String> {
+    use burn::tensor::{Distribution, Tensor, TensorPrimitive};
+    use std::fmt::Write;
+    type B = burn_cuda::Cuda<f32, i32>;
+    let prim = |t: &Tensor<B, 2>| t.clone().into_primitive().tensor();
+    let wrap = |t: CudaTensor| Tensor::<B, 2>::from_primitive(TensorPrimitive::Float(t));
+    let sync = || <B as burn::tensor::backend::Backend>::sync(device).expect("device sync");
+    let mut out = String::new();
+    let _ = writeln!(
+        out,
+        "{:<32} {:<9} {:>4} {:>22} {:>11} {:>10} {:>9} {:>10}",
+        "GEMM (0.9B layer, M = rows)",
+        "product",
+        "prec",
+        "M×K×N",
+        "max rel err",
+        "time (ms)",
+        "TFLOP/s",
+        "GEMM only"
+    );
+    let mut failed = Vec::new();
+    let m = cfg.rows;
+    for (name, inf, outf) in PROJECTIONS {
+        let x = Tensor::<B, 2>::random([m, inf], Distribution::Normal(0.0, 1.0), device);
+        let w = Tensor::<B, 2>::random([outf, inf], Distribution::Normal(0.0, 1.0), device)
+            .div_scalar((inf as f32).sqrt());
+        let g = Tensor::<B, 2>::random([m, outf], Distribution::Normal(0.0, 1.0), device);
+        // (label, lhs, rhs, M, K, N) in the layouts the model and its backward use.
+        let products = [
+            ("x·Wᵀ", x.clone(), w.clone().transpose(), m, inf, outf),
+            ("∂x=g·W", g.clone(), w.clone(), m, outf, inf),
+            ("∂W=xᵀ·g", x.clone().transpose(), g.clone(), inf, m, outf),
+        ];
+        for (label, lhs, rhs, pm, pk, pn) in products {
+            let want = wrap(crate::cuda::matmul_naive(prim(&lhs), prim(&rhs)));
+            let scale = want.clone().abs().max().into_scalar();
+            for &p in &cfg.precisions {
+                let got = wrap(gemm_with(p, prim(&lhs), prim(&rhs)));
+                let err = (got - want.clone()).abs().max().into_scalar() / scale.max(1e-30);
+                let dims = format!("{pm}×{pk}×{pn}");
+                if err.is_nan() || err > tolerance(p) {
+                    let _ = writeln!(
+                        out,
+                        "{name:<32} {label:<9} {:>4} {dims:>22} {err:>11.2e}  WRONG: differs from the naive fp32 GEMM; not timed",
+                        p.name()
+                    );
+                    failed.push(format!("{name} {label} {}", p.name()));
+                    continue;
+                }
+                let time = |f: &dyn Fn()| {
+                    f();
+                    sync();
+                    let t = std::time::Instant::now();
+                    for _ in 0..cfg.reps {
+                        f();
+                    }
+                    sync();
+                    t.elapsed().as_secs_f64() / cfg.reps as f64
+                };
+                let s = time(&|| {
+                    let _ = gemm_with(p, prim(&lhs), prim(&rhs));
+                });
+                let ready = prepare_operands(p, prim(&lhs), prim(&rhs));
+                let s_gemm = time(&|| {
+                    let _ = run(&ready);
+                });
+                drop(ready);
+                let flops = 2.0 * pm as f64 * pk as f64 * pn as f64;
+                let _ = writeln!(
+                    out,
+                    "{name:<32} {label:<9} {:>4} {dims:>22} {err:>11.2e} {:>10.3} {:>9.1} {:>10.1}",
+                    p.name(),
+                    s * 1e3,
+                    flops / s / 1e12,
+                    flops / s_gemm / 1e12
+                );
+            }
+        }
+    }
+    let _ = writeln!(
+        out,
+        "(time and TFLOP/s include rounding both f32 operands to bf16; `GEMM only` times the cuBLASLt call on operands already in its input type; fp32 never uses TF32)"
+    );
+    if failed.is_empty() {
+        Ok(out)
+    } else {
+        Err(format!("{out}wrong GEMMs: {}", failed.join("; ")))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn row_major_and_transposed_views_map_to_column_major_operands() {
+        // Contiguous [3, 5]: column-major 5 × 3, ld 5, not transposed.
+        let o = operand([3, 5], [5, 1]).unwrap();
+        assert_eq!((o.rows, o.cols, o.ld, o.trans), (5, 3, 5, false));
+        // Transpose view of a contiguous [5, 3] → logical [3, 5] with strides [1, 3].
+        let o = operand([3, 5], [1, 3]).unwrap();
+        assert_eq!((o.rows, o.cols, o.ld, o.trans), (3, 5, 3, true));
+        // Column slice of a [3, 8] row-major matrix: ld stays 8.
+        let o = operand([3, 5], [8, 1]).unwrap();
+        assert_eq!((o.rows, o.cols, o.ld, o.trans), (5, 3, 8, false));
+        // A single row broadcast or any other stride pattern is refused (made contiguous).
+        assert!(operand([3, 5], [10, 2]).is_none());
+        assert!(operand([3, 5], [1, 1]).is_none());
+    }
+
+    #[test]
+    fn precision_names_round_trip_and_unknown_names_are_errors() {
+        for p in [GemmPrecision::Fp32, GemmPrecision::Bf16] {
+            assert_eq!(GemmPrecision::parse(p.name()), Ok(p));
+        }
+        assert!(GemmPrecision::parse("fp16").unwrap_err().contains("fp16"));
+    }
+}

@@ -107,8 +107,12 @@ impl nsactor_plugin_api::TensorObject for Shape {
     }
 }
 
-/// A stage that answers every call at once: activations and gradients pass straight through.
-struct EchoStage;
+/// A stage that answers every call at once, or after `busy_us` (forward) / `3 × busy_us`
+/// (backward: recompute + backward) of simulated device time in which it holds its worker
+/// without using the CPU: activations and gradients pass straight through.
+struct EchoStage {
+    busy_us: u64,
+}
 
 impl nsactor_plugin_api::Stage for EchoStage {
     fn call(&mut self, call: StageCall<'_>) -> Result<nsactor_plugin_api::Reply, EngineError> {
@@ -118,11 +122,17 @@ impl nsactor_plugin_api::Stage for EchoStage {
             StageCall::Embed { tokens, .. } => {
                 Reply::tensor(t(vec![tokens.seq_len, tokens.batch, 1]))
             }
-            StageCall::Forward { h, .. } => Reply {
-                tensors: vec![h],
-                scalars: vec![1.0, 1.0, 1.0, 1.0],
-            },
-            StageCall::Backward { grad, .. } => Reply::tensor(grad),
+            StageCall::Forward { h, .. } => {
+                std::thread::sleep(std::time::Duration::from_micros(self.busy_us));
+                Reply {
+                    tensors: vec![h],
+                    scalars: vec![1.0, 1.0, 1.0, 1.0],
+                }
+            }
+            StageCall::Backward { grad, .. } => {
+                std::thread::sleep(std::time::Duration::from_micros(3 * self.busy_us));
+                Reply::tensor(grad)
+            }
             StageCall::Head { h, .. } => Reply {
                 tensors: vec![h],
                 scalars: vec![0.0, 1.0],
@@ -150,7 +160,9 @@ impl nsactor_plugin_api::Stage for EchoStage {
 }
 
 /// A backend of [`EchoStage`]s on one device.
-struct EchoBackend;
+struct EchoBackend {
+    layer_busy_us: u64,
+}
 
 impl ComputeBackend for EchoBackend {
     fn info(&self) -> nsactor_plugin_api::BackendInfo {
@@ -185,7 +197,9 @@ impl ComputeBackend for EchoBackend {
         Ok(t)
     }
     fn open_stage(&self, _: &StageSpec) -> Result<Box<dyn nsactor_plugin_api::Stage>, EngineError> {
-        Ok(Box::new(EchoStage))
+        Ok(Box::new(EchoStage {
+            busy_us: self.layer_busy_us,
+        }))
     }
 }
 
@@ -210,23 +224,28 @@ impl HopTimings {
 }
 
 /// Times training steps through a pipeline of `layers` no-compute layer actors in `stages`
-/// stages, `micro_batches` per step; the median of `steps` steps.
+/// stages, `micro_batches` per step; the median of `steps` steps. With `layer_busy_us > 0` each
+/// layer's forward holds its stage for that long (and its backward three times as long), as a
+/// device would, so the schedule's overlap and bubble can be measured without a GPU.
 pub fn pipeline_hops(
     layers: usize,
     stages: usize,
     micro_batches: usize,
     steps: usize,
+    layer_busy_us: u64,
+    schedule: crate::config::Schedule,
 ) -> Result<HopTimings, String> {
     use crate::engine::{StagedModel, StepParams};
     use crate::pipeline::{Pipeline, PipelinePlan};
     let model = format!("[model]\nnum_layers = {layers}\n");
-    let backend: Arc<dyn ComputeBackend> = Arc::new(EchoBackend);
+    let backend: Arc<dyn ComputeBackend> = Arc::new(EchoBackend { layer_busy_us });
     let staged = StagedModel::open(backend, &model, 0, OptimizerKind::Adam, None)
         .map_err(|e| e.to_string())?;
     let plan = PipelinePlan::balanced(layers, stages, &[0])?;
-    let train = crate::config::RunConfig::load(None)
+    let mut train = crate::config::RunConfig::load(None)
         .map_err(|e| e.to_string())?
         .train;
+    train.schedule = schedule;
     let mut p = Pipeline::start(staged, plan, train, None).map_err(|e| e.to_string())?;
     let batch = nsactor_plugin_api::Batch {
         batch: 1,
@@ -494,6 +513,8 @@ pub struct TrainStepTiming {
     pub loss: f64,
     /// Per worker (edge, then stages): seconds spent in stage calls during this step.
     pub busy: Vec<f64>,
+    /// Per worker: of `busy`, seconds spent issuing the moves of its inputs from another device.
+    pub transfer: Vec<f64>,
 }
 
 /// What `nsactor bench train` measured.
@@ -522,6 +543,15 @@ impl TrainBench {
     pub fn mean_busy(&self) -> Vec<f64> {
         (0..self.workers.len())
             .map(|w| self.steps.iter().map(|s| s.busy[w]).sum::<f64>() / self.steps.len() as f64)
+            .collect()
+    }
+
+    /// Mean transfer seconds per timed step of each worker.
+    pub fn mean_transfer(&self) -> Vec<f64> {
+        (0..self.workers.len())
+            .map(|w| {
+                self.steps.iter().map(|s| s.transfer[w]).sum::<f64>() / self.steps.len() as f64
+            })
             .collect()
     }
 }
@@ -595,6 +625,7 @@ pub fn train_throughput(
             train.seed + i as u64,
         );
         let before: Vec<f64> = pipeline.busy().into_iter().map(|(_, s, _)| s).collect();
+        let before_t = pipeline.transfers();
         let t = Instant::now();
         let stats = pipeline
             .train_step(&batches, &params)
@@ -606,10 +637,17 @@ pub fn train_throughput(
             .zip(before)
             .map(|((_, s, _), b)| s - b)
             .collect();
+        let transfer = pipeline
+            .transfers()
+            .into_iter()
+            .zip(before_t)
+            .map(|(s, b)| s - b)
+            .collect();
         let timing = TrainStepTiming {
             seconds,
             loss: stats.loss,
             busy,
+            transfer,
         };
         if i < warmup {
             out.warmup.push(timing);

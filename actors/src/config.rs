@@ -67,6 +67,15 @@ impl Default for DataConfig {
     }
 }
 
+/// `[train] schedule`: see [`TrainConfig::schedule`].
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Schedule {
+    #[default]
+    Fifo,
+    DepthFirst,
+}
+
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct TrainConfig {
@@ -96,6 +105,13 @@ pub struct TrainConfig {
     /// worker thread on its device; up to P micro-batches are in flight (1F1B).
     #[serde(default = "one")]
     pub pipeline: usize,
+    /// Micro-batch order on the stage workers: `fifo` (the default: jobs of a class run as they
+    /// arrive, at most P micro-batches in flight; bit-for-bit reproducible on the CPU backend) or
+    /// `depth-first` (the oldest micro-batch first, at most 2P in flight: stages of several
+    /// layers overlap instead of taking turns; on multi-threaded CPU kernels the last bits of a
+    /// run may vary, as concurrent reductions do).
+    #[serde(default)]
+    pub schedule: Schedule,
     /// Devices the stages are spread over (`--devices 0,1`); default: device 0.
     #[serde(default)]
     pub devices: Option<Vec<usize>>,

@@ -179,6 +179,9 @@ struct VerifyArgs {
     /// Pipeline stages of the actor pipeline that runs the replay.
     #[arg(long, default_value_t = 1)]
     pipeline: usize,
+    /// Devices the stages are spread over, e.g. `0,1` (default: device 0).
+    #[arg(long, value_delimiter = ',')]
+    devices: Option<Vec<usize>>,
 }
 
 #[derive(Subcommand)]
@@ -240,6 +243,10 @@ struct TrainBenchArgs {
     /// The device's peak dense TFLOP/s for the MFU (default: H100 SXM bf16 989, fp32 67).
     #[arg(long)]
     peak_tflops: Option<f64>,
+    /// Micro-batch order on the stage workers: `fifo` or `depth-first` (overlaps stages of
+    /// several layers; see [train].schedule). Overrides [train].schedule.
+    #[arg(long, value_parser = ["fifo", "depth-first"])]
+    schedule: Option<String>,
 }
 
 #[derive(clap::Args)]
@@ -296,6 +303,14 @@ struct HopArgs {
     /// Timed steps (the median is reported).
     #[arg(long, default_value_t = 9)]
     steps: usize,
+    /// Simulated device time per layer forward in µs (backward: 3×), held without using the
+    /// CPU: measures the schedule's overlap and bubble instead of the hop cost.
+    #[arg(long, default_value_t = 0)]
+    layer_busy_us: u64,
+    /// Micro-batch order on the stage workers: `fifo` or `depth-first` (overlaps stages of
+    /// several layers; see [train].schedule). Overrides [train].schedule.
+    #[arg(long, value_parser = ["fifo", "depth-first"])]
+    schedule: Option<String>,
 }
 
 #[derive(clap::Args)]
@@ -367,6 +382,10 @@ struct TrainArgs {
     /// Overrides [backend].precision.
     #[arg(long, value_parser = ["fp32", "bf16"])]
     precision: Option<String>,
+    /// Micro-batch order on the stage workers: `fifo` or `depth-first` (overlaps stages of
+    /// several layers; see [train].schedule). Overrides [train].schedule.
+    #[arg(long, value_parser = ["fifo", "depth-first"])]
+    schedule: Option<String>,
     /// Inject one failure to exercise recovery: `layer-panic:LAYER:STEP` (the layer actor
     /// panics; the supervisor rebuilds the actors and rolls back to the newest checkpoint) or
     /// `crash-in-checkpoint:STEP` (the process aborts mid-checkpoint). Overrides
@@ -462,6 +481,9 @@ fn train_cmd(args: TrainArgs) -> Result<(), Box<dyn std::error::Error>> {
     }
     if let Some(p) = args.precision.clone() {
         cfg.backend.precision = Some(p);
+    }
+    if let Some(s) = args.schedule.as_deref() {
+        cfg.train.schedule = parse_schedule(s);
     }
     if let Some(t) = args.tokenizer.clone() {
         cfg.data.tokenizer = Some(t);
@@ -816,7 +838,16 @@ fn verify_cmd(args: VerifyArgs) -> Result<(), Box<dyn std::error::Error>> {
     let compute = backend::open(&args.backend, &[])?;
     let info = compute.info();
     let started = std::time::Instant::now();
-    let r = nsactor::verify::tiny_a(compute, &bytes, args.pipeline)?;
+    let devices = args.devices.clone().unwrap_or_else(|| vec![0]);
+    if let Some(&bad) = devices.iter().find(|&&d| d >= info.devices.len()) {
+        return Err(format!(
+            "device {bad} does not exist: {} has {} device(s)",
+            info.name,
+            info.devices.len()
+        )
+        .into());
+    }
+    let r = nsactor::verify::tiny_a(compute, &bytes, args.pipeline, &devices)?;
     println!(
         "tiny_a on {} {} ({}) in {:.2} s",
         info.name,
@@ -998,7 +1029,14 @@ fn hop_cmd(args: HopArgs) -> Result<(), Box<dyn std::error::Error>> {
         "pipeline", "step (ms)", "hops", "per hop (µs)", "share of a 0.9B layer"
     );
     for &p in &args.pipeline {
-        let t = nsactor::bench::pipeline_hops(args.layers, p, args.micro, args.steps)?;
+        let t = nsactor::bench::pipeline_hops(
+            args.layers,
+            p,
+            args.micro,
+            args.steps,
+            args.layer_busy_us,
+            parse_schedule(args.schedule.as_deref().unwrap_or("fifo")),
+        )?;
         // A layer sees two hops per micro-batch: its forward input and its backward input.
         let share = 2.0 * t.per_hop_s() / at(600.0);
         println!(
@@ -1011,6 +1049,14 @@ fn hop_cmd(args: HopArgs) -> Result<(), Box<dyn std::error::Error>> {
         );
     }
     Ok(())
+}
+
+/// `--schedule` (clap already checked the value).
+fn parse_schedule(s: &str) -> nsactor::config::Schedule {
+    match s {
+        "depth-first" => nsactor::config::Schedule::DepthFirst,
+        _ => nsactor::config::Schedule::Fifo,
+    }
 }
 
 fn train_bench_cmd(a: TrainBenchArgs) -> Result<(), Box<dyn std::error::Error>> {
@@ -1032,6 +1078,9 @@ fn train_bench_cmd(a: TrainBenchArgs) -> Result<(), Box<dyn std::error::Error>> 
     }
     if let Some(p) = a.precision.clone() {
         cfg.backend.precision = Some(p);
+    }
+    if let Some(s) = a.schedule.as_deref() {
+        cfg.train.schedule = parse_schedule(s);
     }
     if a.steps == 0 {
         return Err("--steps must be at least 1".into());
@@ -1120,19 +1169,32 @@ fn train_bench_cmd(a: TrainBenchArgs) -> Result<(), Box<dyn std::error::Error>> 
         .peak_tflops
         .unwrap_or(if precision == "bf16" { 989.0 } else { 67.0 });
     println!(
-        "median step {:.3} s: {:.0} tokens/s; {:.1} GFLOP/token (projections, fwd + recompute + bwd) → {tflops:.1} TFLOP/s, MFU {:.1}% of {peak} TFLOP/s",
+        "median step {:.3} s: {:.0} tokens/s; {:.4} GFLOP/token (projections, fwd + recompute + bwd) → {tflops:.3} TFLOP/s, MFU {:.2}% of {peak} TFLOP/s",
         step,
         r.tokens_per_s(),
         flops_per_token / 1e9,
         100.0 * tflops / peak
     );
-    println!("per-worker busy time per step (host time inside stage calls):");
-    for (name, busy) in r.workers.iter().zip(r.mean_busy()) {
+    println!(
+        "per-worker time per step (host time inside stage calls; of it, issuing input moves from another device):"
+    );
+    let busy = r.mean_busy();
+    for ((name, b), t) in r.workers.iter().zip(&busy).zip(r.mean_transfer()) {
         println!(
-            "  {name:<16} {busy:>8.3} s  {:>5.1}% of the step",
-            100.0 * busy / step
+            "  {name:<16} busy {b:>8.3} s  {:>5.1}% of the step   transfer {:>8.4} s",
+            100.0 * b / step,
+            t
         );
     }
+    // The edge's worker is not a stage; stages are the rest.
+    let stages = &busy[1..];
+    let p = stages.len() as f64;
+    let m = cfg.train.accumulation as f64;
+    println!(
+        "bubble: measured {:.1}% (1 − Σ stage busy / (P · step)), 1F1B theory (P−1)/(M+P−1) = {:.1}% for P = {p}, M = {m}",
+        100.0 * (1.0 - stages.iter().sum::<f64>() / (p * step)),
+        100.0 * (p - 1.0) / (m + p - 1.0)
+    );
     match compute.bench("memory", "") {
         Ok(m) => print!("{m}"),
         Err(e) => println!("device memory: not reported by this backend ({e})"),

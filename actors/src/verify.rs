@@ -176,19 +176,31 @@ impl TinyAReport {
     }
 }
 
-/// Replays `tiny_a` on `backend` through the actor pipeline with `stages` pipeline stages.
+/// Replays `tiny_a` on `backend` through the actor pipeline with `stages` pipeline stages
+/// spread over `devices` (stage `s` on `devices[s % len]`, the edge on the first).
 pub fn tiny_a(
     backend: Arc<dyn ComputeBackend>,
     fixture: &[u8],
     stages: usize,
+    devices: &[usize],
 ) -> Result<TinyAReport, EngineError> {
     let fx = TinyAFixture::parse(fixture)?;
     let adam = &fx.meta["adam"];
     let lr = adam["lr"].as_f64().unwrap_or(1e-3);
-    let mut staged = StagedModel::open(backend, &fx.model_toml(), 0, OptimizerKind::Adam, None)?;
+    let plan = PipelinePlan::balanced(
+        crate::engine::model_layers(&fx.model_toml())?,
+        stages,
+        devices,
+    )
+    .map_err(EngineError::InvalidInput)?;
+    let mut staged = StagedModel::open(
+        backend,
+        &fx.model_toml(),
+        0,
+        OptimizerKind::Adam,
+        Some(plan.placement()),
+    )?;
     staged.load_model_bytes(&fx.weights("param.")?)?;
-    let plan = PipelinePlan::balanced(staged.num_layers(), stages, &[0])
-        .map_err(EngineError::InvalidInput)?;
     let train = crate::config::RunConfig::load(None)
         .expect("the embedded config parses")
         .train;

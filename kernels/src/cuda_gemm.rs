@@ -33,7 +33,6 @@ use std::cell::RefCell;
 use std::collections::HashMap;
 use std::ffi::c_void;
 use std::sync::atomic::{AtomicU8, Ordering};
-use std::sync::{Mutex, OnceLock};
 
 type CudaTensor = CubeTensor<CudaRuntime>;
 
@@ -291,28 +290,6 @@ thread_local! {
     static STATE: RefCell<Option<ThreadState>> = const { RefCell::new(None) };
 }
 
-/// Makes the device's primary context (the one CubeCL runs on) current on this thread, so that
-/// cuBLASLt launches into it.
-fn make_current(device: usize) {
-    static CONTEXTS: OnceLock<Mutex<HashMap<usize, usize>>> = OnceLock::new();
-    let map = CONTEXTS.get_or_init(Default::default);
-    let ctx = {
-        let mut map = map.lock().unwrap_or_else(|e| e.into_inner());
-        *map.entry(device).or_insert_with(|| {
-            let dev = cudarc::driver::result::device::get(device as i32)
-                .unwrap_or_else(|e| panic!("cuda:{device}: {e:?}"));
-            // SAFETY: `dev` is a valid device; the retained primary context lives as long as
-            // the process (never released).
-            let ctx = unsafe { cudarc::driver::result::primary_ctx::retain(dev) }
-                .unwrap_or_else(|e| panic!("cuda:{device} primary context: {e:?}"));
-            ctx as usize
-        })
-    };
-    // SAFETY: `ctx` is the retained primary context of `device`.
-    unsafe { cudarc::driver::result::ctx::set_current(ctx as cudarc::driver::sys::CUcontext) }
-        .unwrap_or_else(|e| panic!("cuda:{device} set context: {e:?}"));
-}
-
 /// Operands ready for cuBLASLt: rounded to the GEMM's input type and in a layout it reads.
 pub struct Prepared {
     precision: GemmPrecision,
@@ -408,7 +385,7 @@ pub fn run(op: &Prepared) -> CudaTensor {
         !stream.is_null(),
         "the patched cubecl-cuda reports no stream"
     );
-    make_current(device.index);
+    crate::cuda_device::make_current(device.index);
     let (alpha, beta) = (1.0f32, 0.0f32);
     STATE.with(|state| {
         let mut state = state.borrow_mut();

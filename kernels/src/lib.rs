@@ -36,6 +36,8 @@ pub mod bench;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 #[cfg(feature = "cuda")]
+pub mod cuda_device;
+#[cfg(feature = "cuda")]
 pub mod cuda_gemm;
 #[cfg(feature = "cuda")]
 pub mod cuda_scan;

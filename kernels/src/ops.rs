@@ -43,6 +43,13 @@ pub trait SnnOps: Backend {
         Self::float_matmul(lhs, rhs)
     }
 
+    /// Moves a tensor to another device (pipeline stages hand activations and gradients over
+    /// with it). Default: the backend's own `to_device`. CUDA overrides it with a peer copy
+    /// ordered on both devices' streams (`crate::cuda_device::to_device`).
+    fn move_to_device(t: FloatTensor<Self>, device: &Self::Device) -> FloatTensor<Self> {
+        Self::float_to_device(t, device)
+    }
+
     /// Per-element (selective) scan forward.
     fn plif_elem_forward(
         beta: FloatTensor<Self>,
@@ -232,6 +239,10 @@ impl SnnOps for burn_ndarray::NdArray<f32> {}
 impl SnnOps for burn_cuda::Cuda<f32, i32> {
     fn gemm(lhs: FloatTensor<Self>, rhs: FloatTensor<Self>) -> FloatTensor<Self> {
         crate::cuda_gemm::gemm(lhs, rhs)
+    }
+
+    fn move_to_device(t: FloatTensor<Self>, device: &Self::Device) -> FloatTensor<Self> {
+        crate::cuda_device::to_device(t, device)
     }
 
     fn plif_elem_forward(

@@ -14,7 +14,11 @@ fn nsactor() -> Command {
             // test's own target directory: the plugin lands next to the binary.
             cargo_build(&["nsactor", "nsactor-backend-ndarray"]).join("nsactor")
         });
-    Command::new(exe)
+    let mut c = Command::new(exe);
+    // Runs are compared bit for bit (crash and resume against an uninterrupted run): one rayon
+    // thread keeps burn-ndarray's reductions deterministic while pipeline stages overlap.
+    c.env("RAYON_NUM_THREADS", "1");
+    c
 }
 
 fn temp_dir(name: &str) -> PathBuf {

@@ -39,8 +39,9 @@ fn ndarray_plugin() -> Arc<dyn ComputeBackend> {
 #[test]
 fn ndarray_plugin_equals_the_embedded_engine_bitwise_and_matches_the_reference() {
     let fx = fixture_bytes("tiny_a.safetensors");
-    let plugin = verify::tiny_a(ndarray_plugin(), &fx, 1).unwrap();
-    let embedded = verify::tiny_a(Arc::new(nsactor_backend_ndarray::backend()), &fx, 2).unwrap();
+    let plugin = verify::tiny_a(ndarray_plugin(), &fx, 1, &[0]).unwrap();
+    let embedded =
+        verify::tiny_a(Arc::new(nsactor_backend_ndarray::backend()), &fx, 2, &[0]).unwrap();
 
     // Bitwise: the same code on both sides of the boundary.
     assert_eq!(plugin.ce_before.to_bits(), embedded.ce_before.to_bits());

@@ -147,7 +147,7 @@ impl Actor for EdgeActor {
                 let b = batch.clone();
                 let r = s
                     .stage
-                    .compute(Priority::Forward, None, move |st, _| {
+                    .compute(Priority::Forward(ctx.key(micro)), None, move |st, _| {
                         b.validate()?;
                         let tokens = Tokens {
                             ids: &b.inputs,
@@ -192,7 +192,7 @@ impl Actor for EdgeActor {
                 let ponder_grad = f.ponder_weight * loss_scale / s.num_layers as f64;
                 let r = s
                     .stage
-                    .compute(Priority::Backward, Some(h), move |st, h| {
+                    .compute(Priority::Backward(ctx.key(micro)), Some(h), move |st, h| {
                         let r = st.call(StageCall::Head {
                             h: h.expect("moved"),
                             targets: &b.targets,
@@ -217,13 +217,17 @@ impl Actor for EdgeActor {
             EdgeMsg::EmbedBackward { micro, grad, ctx } => {
                 let r = s
                     .stage
-                    .compute(Priority::Backward, Some(grad), move |st, g| {
-                        st.call(StageCall::EmbedBackward {
-                            micro,
-                            grad: g.expect("moved"),
-                        })
-                        .map(drop)
-                    })
+                    .compute(
+                        Priority::Backward(ctx.key(micro)),
+                        Some(grad),
+                        move |st, g| {
+                            st.call(StageCall::EmbedBackward {
+                                micro,
+                                grad: g.expect("moved"),
+                            })
+                            .map(drop)
+                        },
+                    )
                     .await;
                 match (r, s.in_flight.remove(&micro)) {
                     (
@@ -277,7 +281,7 @@ impl Actor for EdgeActor {
             } => {
                 let r = s
                     .stage
-                    .compute(Priority::Forward, None, move |st, _| {
+                    .compute(Priority::FORWARD_UNTRAINED, None, move |st, _| {
                         st.call(StageCall::SessionEmbed {
                             tokens: Tokens {
                                 ids: &ids,
@@ -294,7 +298,7 @@ impl Actor for EdgeActor {
                 let backend = s.stage.backend().clone();
                 let r = s
                     .stage
-                    .compute(Priority::Forward, Some(h), move |st, h| {
+                    .compute(Priority::FORWARD_UNTRAINED, Some(h), move |st, h| {
                         let logits = st
                             .call(StageCall::SessionDecode {
                                 sessions: &sessions,
@@ -309,7 +313,7 @@ impl Actor for EdgeActor {
             EdgeMsg::HeadEval { h, batch, reply } => {
                 let r = s
                     .stage
-                    .compute(Priority::Forward, Some(h), move |st, h| {
+                    .compute(Priority::FORWARD_UNTRAINED, Some(h), move |st, h| {
                         st.call(StageCall::HeadEval {
                             h: h.expect("moved"),
                             targets: &batch.targets,

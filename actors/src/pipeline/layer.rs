@@ -112,7 +112,7 @@ impl Actor for LayerActor {
             } => {
                 let r = s
                     .stage
-                    .compute(Priority::Forward, Some(h), move |st, h| {
+                    .compute(Priority::Forward(ctx.key(micro)), Some(h), move |st, h| {
                         let r = st.call(StageCall::Forward {
                             micro,
                             h: h.expect("moved"),
@@ -142,14 +142,18 @@ impl Actor for LayerActor {
             } => {
                 let r = s
                     .stage
-                    .compute(Priority::Backward, Some(grad), move |st, g| {
-                        st.call(StageCall::Backward {
-                            micro,
-                            grad: g.expect("moved"),
-                            ponder_grad,
-                        })?
-                        .into_tensor("Backward")
-                    })
+                    .compute(
+                        Priority::Backward(ctx.key(micro)),
+                        Some(grad),
+                        move |st, g| {
+                            st.call(StageCall::Backward {
+                                micro,
+                                grad: g.expect("moved"),
+                                ponder_grad,
+                            })?
+                            .into_tensor("Backward")
+                        },
+                    )
                     .await;
                 match r {
                     Ok(g) => {
@@ -187,7 +191,7 @@ impl Actor for LayerActor {
             LayerMsg::SessionForward { sessions, h, reply } => {
                 let r = s
                     .stage
-                    .compute(Priority::Forward, Some(h), move |st, h| {
+                    .compute(Priority::FORWARD_UNTRAINED, Some(h), move |st, h| {
                         st.call(StageCall::SessionForward {
                             sessions: &sessions,
                             h: h.expect("moved"),

@@ -125,9 +125,16 @@ pub enum Event {
 #[derive(Clone)]
 pub struct StepCtx {
     events: tokio::sync::mpsc::Sender<Event>,
+    /// `depth-first` schedule: workers order jobs by micro-batch within a class.
+    depth_first: bool,
 }
 
 impl StepCtx {
+    /// The worker priority of `class` work on `micro` under this step's schedule.
+    fn key(&self, micro: u64) -> u64 {
+        if self.depth_first { micro } else { 0 }
+    }
+
     async fn send(&self, e: Event) {
         // The supervisor only stops listening once it has given up on the step.
         let _ = self.events.send(e).await;
@@ -234,7 +241,12 @@ impl StageHolder {
             .worker
             .run(priority, move || {
                 let r = h
-                    .map(|h| backend.to_device(h, device))
+                    .map(|h| {
+                        let t = std::time::Instant::now();
+                        let r = backend.to_device(h, device);
+                        worker::add_transfer(t.elapsed());
+                        r
+                    })
                     .transpose()
                     .and_then(|h| f(&mut *stage, h));
                 (stage, r)
@@ -511,6 +523,11 @@ impl Pipeline {
     /// Runs `f` on the pipeline's runtime (where its actors live).
     pub fn block_on<F: Future>(&self, f: F) -> F::Output {
         self.rt.block_on(f)
+    }
+
+    /// Seconds each worker has spent in `to_device` of its inputs (edge first, then stages).
+    pub fn transfers(&self) -> Vec<f64> {
+        self.workers.iter().map(|w| w.transfer_s()).collect()
     }
 
     /// Seconds each worker has spent computing (edge first, then stages), and its job count.

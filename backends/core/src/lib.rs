@@ -162,7 +162,10 @@ impl<B: SnnOps> ComputeBackend for BurnBackend<B> {
     fn to_device(&self, t: DeviceTensor, device: usize) -> Result<DeviceTensor, EngineError> {
         let dev = self.device(device)?.clone();
         let x = act::<B>(t, "to_device")?;
-        Ok(wrap(x.to_device(&dev)))
+        let moved = B::move_to_device(x.into_primitive().tensor(), &dev);
+        Ok(wrap(Tensor::<B, 3>::from_primitive(
+            burn::tensor::TensorPrimitive::Float(moved),
+        )))
     }
 
     fn bench(&self, what: &str, options: &str) -> Result<String, EngineError> {

@@ -475,17 +475,20 @@ pub async fn serve_load(
     })
 }
 
+/// An integer of the `[model]` table, as f64.
+fn model_int(model: &toml::Table, k: &str) -> Result<f64, String> {
+    model
+        .get(k)
+        .and_then(|v| v.as_integer())
+        .map(|v| v as f64)
+        .ok_or_else(|| format!("[model] has no integer `{k}`"))
+}
+
 /// Projection multiply-adds of one layer for one frame, from the `[model]` table: the SNNBlock's
 /// four `D → D·N` input projections (W_in, W_β, W_α, W_th), W_gate and W_skip (`D → D`) and
 /// W_out (`D·N → D`), the FFN's merged gate+up (`D → 2·D_ff`) and down (`D_ff → D`).
 pub fn layer_macs_per_frame(model: &toml::Table) -> Result<f64, String> {
-    let get = |k: &str| {
-        model
-            .get(k)
-            .and_then(|v| v.as_integer())
-            .map(|v| v as f64)
-            .ok_or_else(|| format!("[model] has no integer `{k}`"))
-    };
+    let get = |k| model_int(model, k);
     let (d, n, dff) = (get("D")?, get("N")?, get("D_ff")?);
     let dn = d * n;
     Ok(4.0 * d * dn + 2.0 * d * d + dn * d + d * 2.0 * dff + dff * d)
@@ -495,13 +498,7 @@ pub fn layer_macs_per_frame(model: &toml::Table) -> Result<f64, String> {
 /// and twice in the backward (`∂x`, `∂W`) for each of the `K` frames, plus the tied head's
 /// forward and backward.
 pub fn train_flops_per_token(model: &toml::Table) -> Result<f64, String> {
-    let get = |k: &str| {
-        model
-            .get(k)
-            .and_then(|v| v.as_integer())
-            .map(|v| v as f64)
-            .ok_or_else(|| format!("[model] has no integer `{k}`"))
-    };
+    let get = |k| model_int(model, k);
     let (k, l, d, v) = (get("K")?, get("num_layers")?, get("D")?, get("vocab_size")?);
     Ok(8.0 * k * l * layer_macs_per_frame(model)? + 6.0 * d * v)
 }
@@ -541,17 +538,17 @@ impl TrainBench {
 
     /// Mean busy seconds per timed step of each worker.
     pub fn mean_busy(&self) -> Vec<f64> {
-        (0..self.workers.len())
-            .map(|w| self.steps.iter().map(|s| s.busy[w]).sum::<f64>() / self.steps.len() as f64)
-            .collect()
+        self.mean_per_worker(|s| &s.busy)
     }
 
     /// Mean transfer seconds per timed step of each worker.
     pub fn mean_transfer(&self) -> Vec<f64> {
+        self.mean_per_worker(|s| &s.transfer)
+    }
+
+    fn mean_per_worker(&self, field: impl Fn(&TrainStepTiming) -> &Vec<f64>) -> Vec<f64> {
         (0..self.workers.len())
-            .map(|w| {
-                self.steps.iter().map(|s| s.transfer[w]).sum::<f64>() / self.steps.len() as f64
-            })
+            .map(|w| self.steps.iter().map(|s| field(s)[w]).sum::<f64>() / self.steps.len() as f64)
             .collect()
     }
 }
@@ -624,25 +621,20 @@ pub fn train_throughput(
             vocab,
             train.seed + i as u64,
         );
-        let before: Vec<f64> = pipeline.busy().into_iter().map(|(_, s, _)| s).collect();
-        let before_t = pipeline.transfers();
+        let busy_now = |p: &crate::pipeline::Pipeline| -> Vec<f64> {
+            p.busy().into_iter().map(|(_, s, _)| s).collect()
+        };
+        let delta = |now: Vec<f64>, before: Vec<f64>| -> Vec<f64> {
+            now.into_iter().zip(before).map(|(n, b)| n - b).collect()
+        };
+        let (before, before_t) = (busy_now(pipeline), pipeline.transfers());
         let t = Instant::now();
         let stats = pipeline
             .train_step(&batches, &params)
             .map_err(|e| format!("step {i}: {e}"))?;
         let seconds = t.elapsed().as_secs_f64();
-        let busy = pipeline
-            .busy()
-            .into_iter()
-            .zip(before)
-            .map(|((_, s, _), b)| s - b)
-            .collect();
-        let transfer = pipeline
-            .transfers()
-            .into_iter()
-            .zip(before_t)
-            .map(|(s, b)| s - b)
-            .collect();
+        let busy = delta(busy_now(pipeline), before);
+        let transfer = delta(pipeline.transfers(), before_t);
         let timing = TrainStepTiming {
             seconds,
             loss: stats.loss,

@@ -494,30 +494,14 @@ fn train_cmd(args: TrainArgs) -> Result<(), Box<dyn std::error::Error>> {
     let tok = nsactor_data::cli::load_tokenizer(cfg.data.tokenizer.as_deref())?;
     train::check_tokenizer(&cfg, &tok)?;
     let sampler = make_sampler(&cfg, &tok, &args.corpus, args.data.as_deref(), args.sft)?;
-    let backend_name = args
-        .backend
-        .clone()
-        .or_else(|| cfg.backend.name.clone())
-        .unwrap_or_else(|| backend::default_name().to_string());
-    let compute = backend::open_with(
-        &backend_name,
-        &cfg.backend.plugin_path,
-        &cfg.backend.plugin_options(),
-    )?;
+    let compute = open_run_backend(&cfg, args.backend.as_deref())?;
     let optimizer = if args.sft {
         OptimizerKind::AdamW
     } else {
         OptimizerKind::Adam
     };
     let devices = cfg.train.devices.clone().unwrap_or_else(|| vec![0]);
-    let available = compute.info().devices.len();
-    if let Some(&bad) = devices.iter().find(|&&d| d >= available) {
-        return Err(format!(
-            "device {bad} does not exist: {} has {available} device(s)",
-            backend_name
-        )
-        .into());
-    }
+    check_devices(compute.as_ref(), &devices)?;
     let model_toml = cfg.model_toml();
     let plan = PipelinePlan::balanced(model_layers(&model_toml)?, cfg.train.pipeline, &devices)?;
     let model = StagedModel::open(
@@ -839,14 +823,7 @@ fn verify_cmd(args: VerifyArgs) -> Result<(), Box<dyn std::error::Error>> {
     let info = compute.info();
     let started = std::time::Instant::now();
     let devices = args.devices.clone().unwrap_or_else(|| vec![0]);
-    if let Some(&bad) = devices.iter().find(|&&d| d >= info.devices.len()) {
-        return Err(format!(
-            "device {bad} does not exist: {} has {} device(s)",
-            info.name,
-            info.devices.len()
-        )
-        .into());
-    }
+    check_devices(compute.as_ref(), &devices)?;
     let r = nsactor::verify::tiny_a(compute, &bytes, args.pipeline, &devices)?;
     println!(
         "tiny_a on {} {} ({}) in {:.2} s",
@@ -1051,6 +1028,39 @@ fn hop_cmd(args: HopArgs) -> Result<(), Box<dyn std::error::Error>> {
     Ok(())
 }
 
+/// The run's backend — `--backend`, else `[backend] name`, else the default — opened with the
+/// config's plugin options.
+fn open_run_backend(
+    cfg: &RunConfig,
+    arg: Option<&str>,
+) -> Result<Arc<dyn nsactor_plugin_api::ComputeBackend>, Box<dyn std::error::Error>> {
+    let name = arg
+        .map(str::to_string)
+        .or_else(|| cfg.backend.name.clone())
+        .unwrap_or_else(|| backend::default_name().to_string());
+    Ok(backend::open_with(
+        &name,
+        &cfg.backend.plugin_path,
+        &cfg.backend.plugin_options(),
+    )?)
+}
+
+/// Every one of `devices` exists on `compute`.
+fn check_devices(
+    compute: &dyn nsactor_plugin_api::ComputeBackend,
+    devices: &[usize],
+) -> Result<(), String> {
+    let info = compute.info();
+    match devices.iter().find(|&&d| d >= info.devices.len()) {
+        Some(bad) => Err(format!(
+            "device {bad} does not exist: {} has {} device(s)",
+            info.name,
+            info.devices.len()
+        )),
+        None => Ok(()),
+    }
+}
+
 /// `--schedule` (clap already checked the value).
 fn parse_schedule(s: &str) -> nsactor::config::Schedule {
     match s {
@@ -1088,25 +1098,10 @@ fn train_bench_cmd(a: TrainBenchArgs) -> Result<(), Box<dyn std::error::Error>> 
     cfg.train
         .validate()
         .map_err(|m| format!("after the command-line options: [train] {m}"))?;
-    let backend_name = a
-        .backend
-        .clone()
-        .or_else(|| cfg.backend.name.clone())
-        .unwrap_or_else(|| backend::default_name().to_string());
-    let compute = backend::open_with(
-        &backend_name,
-        &cfg.backend.plugin_path,
-        &cfg.backend.plugin_options(),
-    )?;
+    let compute = open_run_backend(&cfg, a.backend.as_deref())?;
     let info = compute.info();
     let devices = cfg.train.devices.clone().unwrap_or_else(|| vec![0]);
-    if let Some(&bad) = devices.iter().find(|&&d| d >= info.devices.len()) {
-        return Err(format!(
-            "device {bad} does not exist: {backend_name} has {} device(s)",
-            info.devices.len()
-        )
-        .into());
-    }
+    check_devices(compute.as_ref(), &devices)?;
     let model_toml = cfg.model_toml();
     let vocab = cfg.vocab_size().ok_or("[model] has no vocab_size")?;
     let flops_per_token = nsactor::bench::train_flops_per_token(&cfg.model)?;

@@ -38,10 +38,7 @@ impl ScanBench {
 
     /// Parses `key=value` pairs separated by commas or whitespace (keys as the fields).
     pub fn with_options(mut self, options: &str) -> Result<Self, String> {
-        for kv in options
-            .split(|c: char| c == ',' || c.is_whitespace())
-            .filter(|s| !s.is_empty())
-        {
+        for kv in option_items(options) {
             let (k, v) = kv
                 .split_once('=')
                 .ok_or_else(|| format!("option `{kv}` is not key=value"))?;
@@ -67,6 +64,13 @@ impl ScanBench {
         }
         Ok(self)
     }
+}
+
+/// The `key=value` items of an option string, separated by commas or whitespace.
+pub fn option_items(options: &str) -> impl Iterator<Item = &str> {
+    options
+        .split(|c: char| c == ',' || c.is_whitespace())
+        .filter(|s| !s.is_empty())
 }
 
 fn prim<B: Backend, const D: usize>(t: Tensor<B, D>) -> FloatTensor<B> {

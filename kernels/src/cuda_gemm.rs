@@ -216,28 +216,26 @@ impl Plan {
         let desc = lt::create_matmul_desc(sys::cublasComputeType_t::CUBLAS_COMPUTE_32F, f32t)
             .unwrap_or_else(|e| panic!("cuBLASLt matmul descriptor: {e:?}"));
         // cublasOperation_t as a 32-bit integer: 0 = N, 1 = T.
-        let (ta, tb) = (key.a.trans as i32, key.b.trans as i32);
-        // SAFETY: `desc` is a live descriptor; the buffers are 32-bit operation values that
-        // outlive the calls, with their exact sizes.
-        unsafe {
-            check(
-                "TRANSA",
+        for (attr, trans) in [
+            (
+                sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_TRANSA,
+                key.a.trans,
+            ),
+            (
+                sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_TRANSB,
+                key.b.trans,
+            ),
+        ] {
+            let op = trans as i32;
+            // SAFETY: `desc` is a live descriptor; `op` outlives the call and has its exact size.
+            check("transpose attribute", unsafe {
                 lt::set_matmul_desc_attribute(
                     desc,
-                    sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_TRANSA,
-                    &ta as *const _ as *const c_void,
-                    std::mem::size_of_val(&ta),
-                ),
-            );
-            check(
-                "TRANSB",
-                lt::set_matmul_desc_attribute(
-                    desc,
-                    sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_TRANSB,
-                    &tb as *const _ as *const c_void,
-                    std::mem::size_of_val(&tb),
-                ),
-            );
+                    attr,
+                    &op as *const i32 as *const c_void,
+                    std::mem::size_of_val(&op),
+                )
+            });
         }
         let a = layout(input, &key.a);
         let b = layout(input, &key.b);
@@ -459,10 +457,7 @@ impl GemmBench {
 
     /// `rows=`, `reps=`, `precision=bf16|fp32|both` (the `gemm_` prefix already stripped).
     pub fn with_options(mut self, options: &str) -> Result<Self, String> {
-        for kv in options
-            .split(|c: char| c == ',' || c.is_whitespace())
-            .filter(|s| !s.is_empty())
-        {
+        for kv in crate::bench::option_items(options) {
             let (k, v) = kv
                 .split_once('=')
                 .ok_or_else(|| format!("option `gemm_{kv}` is not key=value"))?;

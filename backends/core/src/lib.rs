@@ -172,10 +172,7 @@ impl<B: SnnOps> ComputeBackend for BurnBackend<B> {
         match what {
             "kernels" => {
                 // Options go to the benchmark whose prefix their key carries; the rest to the scans.
-                let keys: Vec<&str> = options
-                    .split(|c: char| c == ',' || c.is_whitespace())
-                    .filter(|s| !s.is_empty())
-                    .collect();
+                let keys: Vec<&str> = nsactor_kernels::bench::option_items(options).collect();
                 let mine = |prefix: &str| {
                     keys.iter()
                         .filter_map(|kv| kv.strip_prefix(prefix)?.strip_prefix('_'))

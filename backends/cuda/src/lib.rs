@@ -79,15 +79,8 @@ fn memory_report(devices: &[CudaDevice], _options: &str) -> Result<String, Strin
     use cudarc::driver::result as drv;
     let mut out = String::new();
     for d in devices {
-        let dev =
-            drv::device::get(d.index as i32).map_err(|e| format!("cuda:{}: {e:?}", d.index))?;
-        // SAFETY: `dev` is a valid device; the retained primary context is the one CubeCL uses
-        // and stays alive for the process.
-        let (free, total) = unsafe {
-            let ctx = drv::primary_ctx::retain(dev).map_err(|e| format!("{e:?}"))?;
-            drv::ctx::set_current(ctx).map_err(|e| format!("{e:?}"))?;
-            drv::mem_get_info().map_err(|e| format!("{e:?}"))?
-        };
+        nsactor_kernels::cuda_device::make_current(d.index);
+        let (free, total) = drv::mem_get_info().map_err(|e| format!("{e:?}"))?;
         let gib = |b: usize| b as f64 / (1u64 << 30) as f64;
         out.push_str(&format!(
             "device memory cuda:{}: {:.2} GiB in use of {:.2} GiB (driver: total − free; CubeCL pools keep their peak)\n",
@@ -102,20 +95,18 @@ fn memory_report(devices: &[CudaDevice], _options: &str) -> Result<String, Strin
 /// Parses the plugin options: `precision=fp32|bf16` (default fp32).
 fn parse_options(options: &str) -> Result<GemmPrecision, EngineError> {
     let mut precision = GemmPrecision::Fp32;
-    for kv in options
-        .split(|c: char| c == ',' || c.is_whitespace())
-        .filter(|s| !s.is_empty())
-    {
+    let unknown = |kv: &str| {
+        EngineError::InvalidInput(format!(
+            "the cuda backend does not take the option `{kv}` (it takes precision=fp32|bf16)"
+        ))
+    };
+    for kv in nsactor_kernels::bench::option_items(options) {
         match kv.split_once('=') {
             Some(("precision", v)) => {
                 precision = GemmPrecision::parse(v)
                     .map_err(|e| EngineError::InvalidInput(format!("cuda backend: {e}")))?
             }
-            _ => {
-                return Err(EngineError::InvalidInput(format!(
-                    "the cuda backend does not take the option `{kv}` (it takes precision=fp32|bf16)"
-                )));
-            }
+            _ => return Err(unknown(kv)),
         }
     }
     Ok(precision)

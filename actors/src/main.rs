@@ -243,9 +243,9 @@ struct TrainBenchArgs {
     /// The device's peak dense TFLOP/s for the MFU (default: H100 SXM bf16 989, fp32 67).
     #[arg(long)]
     peak_tflops: Option<f64>,
-    /// Micro-batch order on the stage workers: `fifo` or `depth-first` (overlaps stages of
-    /// several layers; see [train].schedule). Overrides [train].schedule.
-    #[arg(long, value_parser = ["fifo", "depth-first"])]
+    /// Micro-batch order on the stage workers: `auto`, `fifo` or `depth-first` (overlaps
+    /// stages of several layers; see [train].schedule). Overrides [train].schedule.
+    #[arg(long, value_parser = ["auto", "fifo", "depth-first"])]
     schedule: Option<String>,
 }
 
@@ -307,9 +307,9 @@ struct HopArgs {
     /// CPU: measures the schedule's overlap and bubble instead of the hop cost.
     #[arg(long, default_value_t = 0)]
     layer_busy_us: u64,
-    /// Micro-batch order on the stage workers: `fifo` or `depth-first` (overlaps stages of
-    /// several layers; see [train].schedule). Overrides [train].schedule.
-    #[arg(long, value_parser = ["fifo", "depth-first"])]
+    /// Micro-batch order on the stage workers: `auto`, `fifo` or `depth-first` (overlaps
+    /// stages of several layers; see [train].schedule). Overrides [train].schedule.
+    #[arg(long, value_parser = ["auto", "fifo", "depth-first"])]
     schedule: Option<String>,
 }
 
@@ -382,9 +382,9 @@ struct TrainArgs {
     /// Overrides [backend].precision.
     #[arg(long, value_parser = ["fp32", "bf16"])]
     precision: Option<String>,
-    /// Micro-batch order on the stage workers: `fifo` or `depth-first` (overlaps stages of
-    /// several layers; see [train].schedule). Overrides [train].schedule.
-    #[arg(long, value_parser = ["fifo", "depth-first"])]
+    /// Micro-batch order on the stage workers: `auto`, `fifo` or `depth-first` (overlaps
+    /// stages of several layers; see [train].schedule). Overrides [train].schedule.
+    #[arg(long, value_parser = ["auto", "fifo", "depth-first"])]
     schedule: Option<String>,
     /// Inject one failure to exercise recovery: `layer-panic:LAYER:STEP` (the layer actor
     /// panics; the supervisor rebuilds the actors and rolls back to the newest checkpoint) or
@@ -1065,7 +1065,8 @@ fn check_devices(
 fn parse_schedule(s: &str) -> nsactor::config::Schedule {
     match s {
         "depth-first" => nsactor::config::Schedule::DepthFirst,
-        _ => nsactor::config::Schedule::Fifo,
+        "fifo" => nsactor::config::Schedule::Fifo,
+        _ => nsactor::config::Schedule::Auto,
     }
 }
 
@@ -1131,9 +1132,10 @@ fn train_bench_cmd(a: TrainBenchArgs) -> Result<(), Box<dyn std::error::Error>> 
         used.join(" | ")
     );
     println!(
-        "pipeline {} stage(s) [{}] (layers@device); batch {} × T {} × accumulation {} = {} tokens/step; model opened in {open_s:.1} s",
+        "pipeline {} stage(s) [{}] (layers@device), {:?} schedule; batch {} × T {} × accumulation {} = {} tokens/step; model opened in {open_s:.1} s",
         plan.num_stages(),
         plan.describe(),
+        cfg.train.schedule.resolve(&info.name),
         cfg.train.batch_size,
         cfg.train.seq_len,
         cfg.train.accumulation,

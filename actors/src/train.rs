@@ -98,7 +98,7 @@ pub fn run(
         .open(&metrics_path)
         .map_err(|e| TrainError::Io(metrics_path.clone(), e))?;
     tracing::info!(
-        "{} parameters on {}; {} steps × {} micro-batches × {}×{} tokens; pipeline {} [{}], imbalance {:.2}",
+        "{} parameters on {}; {} steps × {} micro-batches × {}×{} tokens; pipeline {} [{}], imbalance {:.2} (devices {:.2})",
         pipeline.param_count(),
         describe(pipeline.backend().as_ref()),
         t.steps,
@@ -107,7 +107,8 @@ pub fn run(
         t.seq_len,
         pipeline.plan().num_stages(),
         pipeline.plan().describe(),
-        pipeline.plan().imbalance()
+        pipeline.plan().imbalance(),
+        pipeline.plan().device_imbalance()
     );
     // Drawn only on a terminal; otherwise the log lines below are the progress.
     let bar = indicatif::ProgressBar::new(t.steps);

@@ -183,9 +183,15 @@ fn tensors_of_one_backend_are_refused_by_another() {
     let t = plugin.from_host(0, &host).unwrap();
     let e = embedded.to_host(&t).unwrap_err().to_string();
     assert!(e.contains("another backend"), "{e}");
+    // `ready` crosses the ABI (ABI 4): a CPU tensor is always computed; a foreign one is refused.
+    plugin.ready(&t).unwrap();
+    let e = embedded.ready(&t).unwrap_err().to_string();
+    assert!(e.contains("ready") && e.contains("another backend"), "{e}");
     // Two contexts of the same plugin do not share tensors either.
     let other = ndarray_plugin();
     let e = other.to_host(&t).unwrap_err().to_string();
+    assert!(e.contains("another context"), "{e}");
+    let e = other.ready(&t).unwrap_err().to_string();
     assert!(e.contains("another context"), "{e}");
     let e = other.to_device(t, 0).unwrap_err().to_string();
     assert!(e.contains("another context"), "{e}");

@@ -145,6 +145,7 @@ impl Actor for EdgeActor {
                 ctx,
             } => {
                 let b = batch.clone();
+                let handoff = s.stage.handoff(true);
                 let r = s
                     .stage
                     .compute(Priority::Forward(ctx.key(micro)), None, move |st, _| {
@@ -154,8 +155,11 @@ impl Actor for EdgeActor {
                             batch: b.batch,
                             seq_len: b.seq_len,
                         };
-                        st.call(StageCall::Embed { micro, tokens })?
-                            .into_tensor("Embed")
+                        let h = st
+                            .call(StageCall::Embed { micro, tokens })?
+                            .into_tensor("Embed")?;
+                        handoff.wait(&h)?;
+                        Ok(h)
                     })
                     .await;
                 match r {
@@ -190,6 +194,7 @@ impl Actor for EdgeActor {
                 let (b, loss_scale) = (f.batch.clone(), f.loss_scale);
                 // loss = ce + λ·Σ_l pc_l / L, scaled by `loss_scale`.
                 let ponder_grad = f.ponder_weight * loss_scale / s.num_layers as f64;
+                let handoff = s.stage.handoff(false);
                 let r = s
                     .stage
                     .compute(Priority::Backward(ctx.key(micro)), Some(h), move |st, h| {
@@ -200,7 +205,9 @@ impl Actor for EdgeActor {
                             loss_scale,
                         })?;
                         let ce = r.scalar(0, "Head")?;
-                        Ok((ce, r.into_tensor("Head")?))
+                        let grad = r.into_tensor("Head")?;
+                        handoff.wait(&grad)?;
+                        Ok((ce, grad))
                     })
                     .await;
                 match r {

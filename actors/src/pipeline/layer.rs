@@ -95,7 +95,7 @@ impl Actor for LayerActor {
 
     async fn handle(
         &self,
-        _myself: ActorRef<LayerMsg>,
+        myself: ActorRef<LayerMsg>,
         msg: LayerMsg,
         s: &mut LayerState,
     ) -> Result<(), ActorProcessingErr> {
@@ -110,29 +110,35 @@ impl Actor for LayerActor {
                 mut ponder,
                 ctx,
             } => {
-                let r = s
-                    .stage
-                    .compute(Priority::Forward(ctx.key(micro)), Some(h), move |st, h| {
-                        let r = st.call(StageCall::Forward {
-                            micro,
-                            h: h.expect("moved"),
-                        })?;
-                        let p = (
-                            r.scalar(0, "Forward")?,
-                            r.scalar(2, "Forward")?,
-                            r.scalar(3, "Forward")?,
-                        );
-                        Ok((r.into_tensor("Forward")?, p))
-                    })
-                    .await;
-                match r {
-                    Ok((h, (pc, lo, hi))) => {
-                        ponder.add(pc, lo, hi);
-                        let next = s.next.as_ref().ok_or("layer actor not wired")?;
-                        next.forward(micro, h, ponder, ctx);
+                let next = s.next.clone().ok_or("layer actor not wired")?;
+                let handoff = s.stage.handoff(true);
+                let priority = Priority::Forward(ctx.key(micro));
+                let successor = s.stage.successor(true, priority, &ctx);
+                let job = s.stage.submit(priority, successor, Some(h), move |st, h| {
+                    let r = st.call(StageCall::Forward {
+                        micro,
+                        h: h.expect("moved"),
+                    })?;
+                    let p = (
+                        r.scalar(0, "Forward")?,
+                        r.scalar(2, "Forward")?,
+                        r.scalar(3, "Forward")?,
+                    );
+                    let h = r.into_tensor("Forward")?;
+                    handoff.wait(&h)?;
+                    Ok((h, p))
+                });
+                let who = s.who();
+                // Answered from a task: the actor takes its next message at once (`submit`).
+                tokio::spawn(async move {
+                    match job.await {
+                        Ok((h, (pc, lo, hi))) => {
+                            ponder.add(pc, lo, hi);
+                            next.forward(micro, h, ponder, ctx);
+                        }
+                        Err(e) => fail_detached(who, micro, e, &ctx, &myself).await,
                     }
-                    Err(e) => return fail(s.who(), micro, e, &ctx).await,
-                }
+                });
             }
             LayerMsg::Backward {
                 micro,
@@ -140,28 +146,30 @@ impl Actor for LayerActor {
                 ponder_grad,
                 ctx,
             } => {
-                let r = s
+                let prev = s.prev.clone().ok_or("layer actor not wired")?;
+                let handoff = s.stage.handoff(false);
+                let priority = Priority::Backward(ctx.key(micro));
+                let successor = s.stage.successor(false, priority, &ctx);
+                let job = s
                     .stage
-                    .compute(
-                        Priority::Backward(ctx.key(micro)),
-                        Some(grad),
-                        move |st, g| {
-                            st.call(StageCall::Backward {
+                    .submit(priority, successor, Some(grad), move |st, g| {
+                        let g = st
+                            .call(StageCall::Backward {
                                 micro,
                                 grad: g.expect("moved"),
                                 ponder_grad,
                             })?
-                            .into_tensor("Backward")
-                        },
-                    )
-                    .await;
-                match r {
-                    Ok(g) => {
-                        let prev = s.prev.as_ref().ok_or("layer actor not wired")?;
-                        prev.backward(micro, g, ponder_grad, ctx);
+                            .into_tensor("Backward")?;
+                        handoff.wait(&g)?;
+                        Ok(g)
+                    });
+                let who = s.who();
+                tokio::spawn(async move {
+                    match job.await {
+                        Ok(g) => prev.backward(micro, g, ponder_grad, ctx),
+                        Err(e) => fail_detached(who, micro, e, &ctx, &myself).await,
                     }
-                    Err(e) => return fail(s.who(), micro, e, &ctx).await,
-                }
+                });
             }
             LayerMsg::Control { call, reply } => {
                 let r = s
@@ -236,22 +244,46 @@ pub(super) fn answer<T: Send + 'static>(
 }
 
 /// Reports a failed micro-batch to the step; a panic also stops the actor (its stage is gone).
+/// Reports a failed training job of `micro` to the step; true when a panic lost the stage.
+pub(super) async fn report_failure(
+    who: &str,
+    micro: u64,
+    error: EngineError,
+    ctx: &StepCtx,
+) -> bool {
+    let lost = matches!(error, EngineError::Panic(_));
+    ctx.send(Event::Failed {
+        who: who.to_string(),
+        micro,
+        error,
+    })
+    .await;
+    lost
+}
+
+/// [`report_failure`] from inside an actor's handler: a lost stage stops the actor.
 pub(super) async fn fail(
     who: String,
     micro: u64,
     error: EngineError,
     ctx: &StepCtx,
 ) -> Result<(), ActorProcessingErr> {
-    let lost = matches!(error, EngineError::Panic(_));
-    ctx.send(Event::Failed {
-        who: who.clone(),
-        micro,
-        error,
-    })
-    .await;
-    if lost {
+    if report_failure(&who, micro, error, ctx).await {
         Err(format!("{who} lost its state to a panic").into())
     } else {
         Ok(())
+    }
+}
+
+/// [`report_failure`] from a task answering a training message: a lost stage stops the actor.
+async fn fail_detached(
+    who: String,
+    micro: u64,
+    error: EngineError,
+    ctx: &StepCtx,
+    actor: &ActorRef<LayerMsg>,
+) {
+    if report_failure(&who, micro, error, ctx).await {
+        actor.stop(Some(format!("{who} lost its state to a panic")));
     }
 }

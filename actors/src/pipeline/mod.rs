@@ -196,10 +196,29 @@ impl Hop {
 /// job the stage is gone and every later call fails until the actor is rebuilt.
 pub struct StageHolder {
     who: String,
-    stage: Option<Box<dyn Stage>>,
+    /// Locked only by the worker's jobs, one at a time.
+    stage: Arc<std::sync::Mutex<Option<Box<dyn Stage>>>>,
     worker: Arc<Worker>,
     backend: Arc<dyn ComputeBackend>,
     device: usize,
+    /// Devices of the stages it hands tensors to: `[backward, forward]` (gradients go back to
+    /// the previous hop, activations forward to the next).
+    neighbours: [usize; 2],
+    /// Whether those neighbours run on this stage's worker (layers of one pipeline stage).
+    same_worker: [bool; 2],
+}
+
+/// What a stage does before handing a tensor to its neighbour: on another device, wait until
+/// the tensor is computed ([`ComputeBackend::ready`]), so that the receiver, whose device runs
+/// its queue in order, never enqueues work that would idle it until ours finishes; on the same
+/// device, nothing (the queue orders it).
+#[derive(Clone)]
+pub struct Handoff(Option<Arc<dyn ComputeBackend>>);
+
+impl Handoff {
+    pub fn wait(&self, t: &DeviceTensor) -> Result<(), EngineError> {
+        self.0.as_ref().map_or(Ok(()), |b| b.ready(t))
+    }
 }
 
 impl StageHolder {
@@ -212,11 +231,34 @@ impl StageHolder {
     ) -> Self {
         StageHolder {
             who: who.into(),
-            stage: Some(stage),
+            stage: Arc::new(std::sync::Mutex::new(Some(stage))),
             worker,
             backend,
             device,
+            neighbours: [device, device],
+            same_worker: [false, false],
         }
+    }
+
+    /// Places the neighbours: `back` receives this stage's gradients, `forward` its activations
+    /// (their devices, and whether they share this stage's worker).
+    pub fn with_neighbours(mut self, back: (usize, bool), forward: (usize, bool)) -> Self {
+        self.neighbours = [back.0, forward.0];
+        self.same_worker = [back.1, forward.1];
+        self
+    }
+
+    /// The job a training job at `priority` hands on to in direction `forward`, when the
+    /// receiving layer shares this worker and the schedule is depth-first: the worker then
+    /// waits for it rather than slip other work in between ([`Worker::run_then`]).
+    pub fn successor(&self, forward: bool, priority: Priority, ctx: &StepCtx) -> Option<Priority> {
+        (ctx.depth_first && self.same_worker[usize::from(forward)]).then_some(priority)
+    }
+
+    /// The hand-off to the forward (`true`) or backward neighbour.
+    pub fn handoff(&self, forward: bool) -> Handoff {
+        let to = self.neighbours[usize::from(forward)];
+        Handoff((to != self.device).then(|| self.backend.clone()))
     }
 
     pub fn backend(&self) -> &Arc<dyn ComputeBackend> {
@@ -230,34 +272,50 @@ impl StageHolder {
         h: Option<DeviceTensor>,
         f: impl FnOnce(&mut dyn Stage, Option<DeviceTensor>) -> Result<R, EngineError> + Send + 'static,
     ) -> Result<R, EngineError> {
-        let mut stage = self.stage.take().ok_or_else(|| {
+        self.submit(priority, None, h, f).await
+    }
+
+    /// Queues `f` on the worker now and returns its result as a future that does not borrow
+    /// the holder, naming the job's `successor` on this worker ([`Worker::run_then`]). Training
+    /// messages are answered from a task awaiting it, so the actor takes its next message at
+    /// once: an actor that awaited a queued forward could not even queue the backward of an
+    /// older micro-batch behind it, and that backward would wait for the forward whatever the
+    /// priorities say. Jobs of one stage run in the order the worker picks; a job that panics
+    /// loses the stage, and every later job reports that.
+    fn submit<R: Send + 'static>(
+        &self,
+        priority: Priority,
+        successor: Option<Priority>,
+        h: Option<DeviceTensor>,
+        f: impl FnOnce(&mut dyn Stage, Option<DeviceTensor>) -> Result<R, EngineError> + Send + 'static,
+    ) -> impl Future<Output = Result<R, EngineError>> + Send + 'static {
+        let stage = self.stage.clone();
+        let (backend, device, who) = (self.backend.clone(), self.device, self.who.clone());
+        let lost = move |who: &str| {
             EngineError::Panic(format!(
-                "{} lost its state in an earlier panic; restart it from a checkpoint",
-                self.who
+                "{who} lost its state in an earlier panic; restart it from a checkpoint"
             ))
-        })?;
-        let (backend, device) = (self.backend.clone(), self.device);
-        match self
-            .worker
-            .run(priority, move || {
-                let r = h
-                    .map(|h| {
-                        let t = std::time::Instant::now();
-                        let r = backend.to_device(h, device);
-                        worker::add_transfer(t.elapsed());
-                        r
-                    })
-                    .transpose()
-                    .and_then(|h| f(&mut *stage, h));
-                (stage, r)
-            })
-            .await
-        {
-            Ok((stage, r)) => {
-                self.stage = Some(stage);
-                r
+        };
+        let job = self.worker.run_then(priority, successor, move || {
+            // Poisoned by a panic inside an earlier job: the stage is gone.
+            let mut slot = stage.lock().map_err(|_| lost(&who))?;
+            let st = slot.as_mut().ok_or_else(|| lost(&who))?;
+            let h = h
+                .map(|h| {
+                    let t = std::time::Instant::now();
+                    let r = backend.to_device(h, device);
+                    worker::add_transfer(t.elapsed());
+                    r
+                })
+                .transpose()?;
+            f(&mut **st, h)
+        });
+        let who = self.who.clone();
+        async move {
+            match job.await {
+                Ok(r) => r,
+                Err(JobPanicked(m)) => Err(EngineError::Panic(format!("{who}: {m}"))),
             }
-            Err(JobPanicked(m)) => Err(EngineError::Panic(format!("{}: {m}", self.who))),
         }
     }
 }
@@ -327,6 +385,8 @@ impl Pipeline {
             .build()
             .map_err(|e| PipelineError::Runtime(e.to_string()))?;
         let param_count = model.param_count();
+        let mut train = train;
+        train.schedule = train.schedule.resolve(&model.backend().info().name);
         let crate::engine::StageParts {
             backend,
             spec,

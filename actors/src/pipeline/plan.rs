@@ -1,11 +1,13 @@
 //! How layers are grouped into pipeline stages and stages placed on devices.
 //!
-//! Every decoder layer costs the same, so a balanced split gives each stage ⌊L/P⌋ or ⌈L/P⌉
-//! contiguous layers. The smaller stages come first: stage 0 also hosts the edge (embedding,
-//! head and loss) on its device and, under 1F1B, keeps the most micro-batches in flight
-//! (P of them), so it gets the lighter compute and memory share. Stages fill devices in
-//! contiguous blocks (8 stages on 2 GPUs: stages 0–3 on the first, 4–7 on the second) so only
-//! one hop per direction crosses devices.
+//! Every decoder layer costs the same. Stages fill devices in contiguous blocks (8 stages on 2
+//! GPUs: stages 0–3 on the first, 4–7 on the second) so only one hop per direction crosses
+//! devices. A device runs one stage's work at a time, so the device is the resource to balance:
+//! the layers are first split as evenly as possible over the devices (20 layers on 2 GPUs: 10
+//! and 10, whatever P is), then each device's layers over its stages, ⌊n/c⌋ or ⌈n/c⌉ each.
+//! Within either split the smaller shares come first: stage 0 also hosts the edge (embedding,
+//! head and loss) on its device and, under 1F1B, keeps the most micro-batches in flight, so it
+//! gets the lighter compute and memory share.
 
 use std::ops::Range;
 
@@ -24,7 +26,7 @@ pub struct PipelinePlan {
 
 impl PipelinePlan {
     /// `num_layers` layers in `p` stages over `devices` (stage `s` on
-    /// `devices[s · |devices| / p]`).
+    /// `devices[s · |devices| / p]`), devices balanced first (module docs).
     pub fn balanced(num_layers: usize, p: usize, devices: &[usize]) -> Result<Self, String> {
         if p == 0 {
             return Err("--pipeline must be at least 1".into());
@@ -44,17 +46,36 @@ impl PipelinePlan {
                 devices.len()
             ));
         }
-        let (base, extra) = (num_layers / p, num_layers % p);
+        // Stages per device (stage s on device block s·g/p) and layers per device: an even split
+        // when every device gets at least one layer per stage, else proportional to the stage
+        // count (which always does, since p ≤ num_layers).
+        let g = devices.len();
+        let mut stage_count = vec![0usize; g];
+        for s in 0..p {
+            stage_count[s * g / p] += 1;
+        }
+        let mut device_layers = even_split(num_layers, g);
+        if device_layers.iter().zip(&stage_count).any(|(l, c)| l < c) {
+            let mut before = 0;
+            device_layers = stage_count
+                .iter()
+                .map(|c| {
+                    let (a, b) = (num_layers * before / p, num_layers * (before + c) / p);
+                    before += c;
+                    b - a
+                })
+                .collect();
+        }
         let mut stages = Vec::with_capacity(p);
         let mut start = 0;
-        for s in 0..p {
-            // The last `extra` stages take one layer more.
-            let n = base + usize::from(s >= p - extra);
-            stages.push(StagePlan {
-                layers: start..start + n,
-                device: devices[s * devices.len() / p],
-            });
-            start += n;
+        for (j, (&layers, &count)) in device_layers.iter().zip(&stage_count).enumerate() {
+            for n in even_split(layers, count) {
+                stages.push(StagePlan {
+                    layers: start..start + n,
+                    device: devices[j],
+                });
+                start += n;
+            }
         }
         Ok(PipelinePlan { stages })
     }
@@ -108,6 +129,16 @@ impl PipelinePlan {
         max as f64 * self.num_stages() as f64 / self.num_layers() as f64
     }
 
+    /// Busiest device's layer count over the mean per device (1.0 = every device even).
+    pub fn device_imbalance(&self) -> f64 {
+        let mut per: std::collections::BTreeMap<usize, usize> = Default::default();
+        for s in &self.stages {
+            *per.entry(s.device).or_default() += s.layers.len();
+        }
+        let max = per.values().copied().max().unwrap_or(0);
+        max as f64 * per.len() as f64 / self.num_layers() as f64
+    }
+
     /// `0-1@0 2-3@0 …`: each stage's layers and device.
     pub fn describe(&self) -> String {
         self.stages
@@ -118,23 +149,48 @@ impl PipelinePlan {
     }
 }
 
+/// `n` split into `parts` shares of ⌊n/parts⌋ or ⌈n/parts⌉, the larger ones last.
+fn even_split(n: usize, parts: usize) -> Vec<usize> {
+    let (base, extra) = (n / parts, n % parts);
+    (0..parts)
+        .map(|i| base + usize::from(i >= parts - extra))
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
     #[test]
-    fn twenty_layers_over_eight_stages_put_the_short_stages_first() {
+    fn twenty_layers_over_eight_stages_on_two_devices_split_ten_and_ten() {
         let p = PipelinePlan::balanced(20, 8, &[0, 1]).unwrap();
         let sizes: Vec<usize> = p.stages.iter().map(|s| s.layers.len()).collect();
-        assert_eq!(sizes, [2, 2, 2, 2, 3, 3, 3, 3]);
+        assert_eq!(sizes, [2, 2, 3, 3, 2, 2, 3, 3]);
         let devices: Vec<usize> = p.stages.iter().map(|s| s.device).collect();
         assert_eq!(devices, [0, 0, 0, 0, 1, 1, 1, 1]);
         assert_eq!(p.num_layers(), 20);
         assert!((p.imbalance() - 1.2).abs() < 1e-12);
-        assert_eq!(p.stage_of(7), 3);
-        assert_eq!(p.stage_of(8), 4);
-        assert_eq!(p.layer_devices().iter().filter(|&&d| d == 1).count(), 12);
+        assert_eq!(p.device_imbalance(), 1.0);
+        assert_eq!(p.stage_of(9), 3);
+        assert_eq!(p.stage_of(10), 4);
+        assert_eq!(p.layer_devices().iter().filter(|&&d| d == 1).count(), 10);
         assert_eq!(p.describe().split(' ').next(), Some("0-1@0"));
+        // One device: the plain split, short stages first.
+        let one = PipelinePlan::balanced(20, 8, &[0]).unwrap();
+        let sizes: Vec<usize> = one.stages.iter().map(|s| s.layers.len()).collect();
+        assert_eq!(sizes, [2, 2, 2, 2, 3, 3, 3, 3]);
+        // Three stages on two devices: 10 layers per device, device 0's split over two stages.
+        let three = PipelinePlan::balanced(20, 3, &[0, 1]).unwrap();
+        assert_eq!(three.describe(), "0-4@0 5-9@0 10-19@1");
+        // An even device split that would leave a stage empty falls back to one proportional
+        // to the stage counts: 5 layers, 5 stages, 3 of them on device 0.
+        let tight = PipelinePlan::balanced(5, 5, &[0, 1]).unwrap();
+        assert!(tight.stages.iter().all(|s| s.layers.len() == 1));
+        assert_eq!(tight.describe(), "0-0@0 1-1@0 2-2@0 3-3@1 4-4@1");
+        assert_eq!(
+            PipelinePlan::balanced(7, 2, &[3, 5]).unwrap().describe(),
+            "0-2@3 3-6@5"
+        );
     }
 
     #[test]

@@ -178,6 +178,9 @@ impl Topology {
                 format!("{}/{n}.{generation}", self.prefix)
             }
         };
+        let devices = self.plan.layer_devices();
+        let edge_device = self.plan.edge_device();
+        let stage_of = |i| self.plan.stage_of(i);
         let (edge, _) = Actor::spawn(
             Some(name("edge")),
             EdgeActor,
@@ -189,12 +192,15 @@ impl Topology {
                     self.workers[0].clone(),
                     self.backend.clone(),
                     self.plan.edge_device(),
+                )
+                .with_neighbours(
+                    (*devices.last().expect("a pipeline has layers"), false),
+                    (devices[0], false),
                 ),
             },
         )
         .await
         .map_err(rt)?;
-        let devices = self.plan.layer_devices();
         let mut layers = Vec::with_capacity(layer_stages.len());
         for (i, stage) in layer_stages.into_iter().enumerate() {
             let stage = match &self.fault {
@@ -218,6 +224,16 @@ impl Topology {
                         self.workers[1 + self.plan.stage_of(i)].clone(),
                         self.backend.clone(),
                         devices[i],
+                    )
+                    .with_neighbours(
+                        match i {
+                            0 => (edge_device, false),
+                            _ => (devices[i - 1], stage_of(i - 1) == stage_of(i)),
+                        },
+                        match devices.get(i + 1) {
+                            Some(&d) => (d, stage_of(i + 1) == stage_of(i)),
+                            None => (edge_device, false),
+                        },
                     ),
                 },
             )

@@ -9,6 +9,14 @@
 //! through the stage and reach the next stage together, so the stages take turns instead of
 //! overlapping (measured: no speed-up at all from 2 stages of 10 layers). A panic inside a job
 //! is caught and returned as an error.
+//!
+//! Priorities alone only order jobs that are queued at the same time, and the next layer's job
+//! of a micro-batch is not queued yet when this layer's job ends: its actor first gets the
+//! reply and sends the activation on. So a job may name its *successor* ([`Worker::run_then`]):
+//! until a job at least that urgent arrives (or [`LINGER`] passes), the worker starts nothing
+//! less urgent. Without it the worker slips a queued forward of a younger micro-batch between
+//! two layers of an older one, and the stage's backward reaches the previous stage late
+//! (measured with `bench pipeline-hop --layer-busy-us`).
 
 use std::collections::BinaryHeap;
 use std::panic::{AssertUnwindSafe, catch_unwind};
@@ -33,6 +41,10 @@ impl Priority {
 }
 
 type Job = Box<dyn FnOnce() + Send>;
+
+/// How long a worker holds back less urgent jobs for a named successor: far longer than a hop
+/// between two actors (tens of µs), far shorter than a layer's compute.
+pub const LINGER: std::time::Duration = std::time::Duration::from_millis(5);
 
 struct Queued {
     priority: Priority,
@@ -63,6 +75,23 @@ struct Queue {
     heap: BinaryHeap<Queued>,
     next_seq: u64,
     closed: bool,
+    /// The successor the last job named, and until when to hold back for it.
+    expect: Option<(Priority, Instant)>,
+}
+
+impl Queue {
+    /// The next job to run now, or how long to wait for one: `Err(None)` = until a job comes.
+    fn next(&mut self) -> Result<Job, Option<std::time::Duration>> {
+        if let Some((p, until)) = self.expect {
+            let now = Instant::now();
+            let top_ok = self.heap.peek().is_some_and(|j| j.priority <= p);
+            if !top_ok && now < until {
+                return Err(Some(until - now));
+            }
+            self.expect = None;
+        }
+        self.heap.pop().map(|j| j.job).ok_or(None)
+    }
 }
 
 struct Shared {
@@ -124,13 +153,18 @@ impl Worker {
                     let job = {
                         let mut q = s.queue.lock().unwrap_or_else(|e| e.into_inner());
                         loop {
-                            if let Some(j) = q.heap.pop() {
-                                break j.job;
+                            match q.next() {
+                                Ok(job) => break job,
+                                Err(_) if q.closed && q.heap.is_empty() => return,
+                                Err(Some(d)) => {
+                                    q = s
+                                        .ready
+                                        .wait_timeout(q, d)
+                                        .unwrap_or_else(|e| e.into_inner())
+                                        .0
+                                }
+                                Err(None) => q = s.ready.wait(q).unwrap_or_else(|e| e.into_inner()),
                             }
-                            if q.closed {
-                                return;
-                            }
-                            q = s.ready.wait(q).unwrap_or_else(|e| e.into_inner());
                         }
                     };
                     job();
@@ -157,11 +191,32 @@ impl Worker {
         R: Send + 'static,
         F: FnOnce() -> R + Send + 'static,
     {
+        self.run_then(priority, None, f)
+    }
+
+    /// [`run`](Self::run), then, when `successor` names one, hold back jobs less urgent than
+    /// it for up to [`LINGER`] (module docs).
+    pub fn run_then<R, F>(
+        &self,
+        priority: Priority,
+        successor: Option<Priority>,
+        f: F,
+    ) -> impl Future<Output = Result<R, JobPanicked>> + Send + use<R, F>
+    where
+        R: Send + 'static,
+        F: FnOnce() -> R + Send + 'static,
+    {
         let (tx, rx) = tokio::sync::oneshot::channel();
         let shared = self.shared.clone();
         let job: Job = Box::new(move || {
             let t = Instant::now();
             let r = catch_unwind(AssertUnwindSafe(f)).map_err(|p| JobPanicked(panic_message(&*p)));
+            if let (Some(p), Ok(_)) = (successor, &r) {
+                // Set on the worker thread before the reply goes out, so before the successor
+                // can be queued and before the worker picks its next job.
+                let mut q = shared.queue.lock().unwrap_or_else(|e| e.into_inner());
+                q.expect = Some((p, Instant::now() + LINGER));
+            }
             // Counted before the reply, so a caller that has its result sees its job counted.
             shared
                 .busy_ns
@@ -257,5 +312,51 @@ mod tests {
         // The worker survives a panicking job.
         assert_eq!(rt.block_on(w.run(Priority::Forward(0), || 5)).unwrap(), 5);
         assert_eq!(w.busy().1, 10);
+    }
+
+    #[test]
+    fn a_named_successor_runs_before_less_urgent_queued_work_and_is_not_waited_for_forever() {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_time()
+            .build()
+            .unwrap();
+        let w = Arc::new(Worker::spawn("test-successor").unwrap());
+        let order = Arc::new(Mutex::new(Vec::new()));
+        let push = |p, successor, tag: &'static str| {
+            let o = order.clone();
+            w.run_then(p, successor, move || o.lock().unwrap().push(tag))
+        };
+        // Layer 0 of micro-batch 1 names its successor (layer 1 of the same micro-batch); a
+        // younger micro-batch's forward is already queued behind it and must wait for it.
+        let (gate_tx, gate_rx) = std::sync::mpsc::channel::<()>();
+        let gate = w.run_then(
+            Priority::Forward(1),
+            Some(Priority::Forward(1)),
+            move || gate_rx.recv().unwrap(),
+        );
+        let young = push(Priority::Forward(2), None, "f2 layer 0");
+        gate_tx.send(()).unwrap();
+        rt.block_on(async {
+            gate.await.unwrap();
+            // The successor is queued only after the reply, as an actor would queue it.
+            tokio::time::sleep(std::time::Duration::from_micros(200)).await;
+            push(Priority::Forward(1), None, "f1 layer 1")
+                .await
+                .unwrap();
+            young.await.unwrap();
+        });
+        assert_eq!(*order.lock().unwrap(), ["f1 layer 1", "f2 layer 0"]);
+        // A successor that never comes holds the worker back for LINGER at most.
+        let t = Instant::now();
+        rt.block_on(async {
+            push(Priority::Backward(7), Some(Priority::Backward(7)), "b7")
+                .await
+                .unwrap();
+            push(Priority::Forward(8), None, "f8").await.unwrap();
+        });
+        let waited = t.elapsed();
+        assert!(waited >= LINGER, "{waited:?}");
+        assert!(waited < LINGER * 20, "{waited:?}");
+        assert_eq!(order.lock().unwrap()[2..], ["b7", "f8"]);
     }
 }

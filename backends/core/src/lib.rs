@@ -159,6 +159,16 @@ impl<B: SnnOps> ComputeBackend for BurnBackend<B> {
         })
     }
 
+    fn ready(&self, t: &DeviceTensor) -> Result<(), EngineError> {
+        let x = t.downcast_ref::<Act<B>>().ok_or_else(|| {
+            EngineError::InvalidInput(format!(
+                "ready: tensor {:?} belongs to another backend",
+                t.shape()
+            ))
+        })?;
+        B::sync(&x.0.device()).map_err(|e| EngineError::Backend(format!("device sync: {e}")))
+    }
+
     fn to_device(&self, t: DeviceTensor, device: usize) -> Result<DeviceTensor, EngineError> {
         let dev = self.device(device)?.clone();
         let x = act::<B>(t, "to_device")?;

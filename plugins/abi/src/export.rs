@@ -57,6 +57,7 @@ macro_rules! export_plugin {
             stage_load: $crate::export::stage_load,
             stage_param_count: $crate::export::stage_param_count,
             bench: $crate::export::bench,
+            tensor_ready: $crate::export::tensor_ready,
         });
 
         /// The plugin's entry point.
@@ -307,6 +308,17 @@ pub unsafe extern "C" fn tensor_shape(
         let t = unsafe { &*(t as *const DeviceTensor) };
         let _ = write_shape(&t.shape(), shape, ndim);
     }));
+}
+
+/// # Safety
+/// A live context and tensor handle (borrowed).
+pub unsafe extern "C" fn tensor_ready(c: *mut c_void, t: *mut c_void, err: ErrOut) -> i32 {
+    guard(err, || {
+        // SAFETY: live tensor handle, borrowed for the call.
+        let t = unsafe { &*(t as *const DeviceTensor) };
+        // SAFETY: live context.
+        unsafe { ctx(c) }.backend.ready(t)
+    })
 }
 
 /// # Safety

@@ -338,6 +338,24 @@ impl ForeignBackend {
         Ok(t)
     }
 
+    /// `t` as this context's tensor, borrowed.
+    fn borrow<'t>(
+        &self,
+        t: &'t DeviceTensor,
+        what: &str,
+    ) -> Result<&'t ForeignTensor, EngineError> {
+        let ft = t.downcast_ref::<ForeignTensor>().ok_or_else(|| {
+            EngineError::InvalidInput(format!("{what}: the tensor belongs to another backend"))
+        })?;
+        if !Arc::ptr_eq(&ft.ctx, &self.ctx) {
+            return Err(EngineError::InvalidInput(format!(
+                "{what}: tensor belongs to another context of the `{}` plugin",
+                self.ctx.name
+            )));
+        }
+        Ok(ft)
+    }
+
     fn wrap(&self, ptr: *mut c_void) -> DeviceTensor {
         DeviceTensor::new(ForeignTensor {
             ptr,
@@ -403,15 +421,7 @@ impl ComputeBackend for ForeignBackend {
 
     fn to_host(&self, t: &DeviceTensor) -> Result<HostTensor, EngineError> {
         let c = &self.ctx;
-        let ft = t.downcast_ref::<ForeignTensor>().ok_or_else(|| {
-            EngineError::InvalidInput("to_host: the tensor belongs to another backend".into())
-        })?;
-        if !Arc::ptr_eq(&ft.ctx, &self.ctx) {
-            return Err(EngineError::InvalidInput(format!(
-                "to_host: tensor belongs to another context of the `{}` plugin",
-                c.name
-            )));
-        }
+        let ft = self.borrow(t, "to_host")?;
         let mut buf = NsBuf::EMPTY;
         let mut shape = [0usize; MAX_DIMS];
         let mut ndim = 0usize;
@@ -437,6 +447,15 @@ impl ComputeBackend for ForeignBackend {
             data,
             shape: shape[..ndim.min(MAX_DIMS)].to_vec(),
         })
+    }
+
+    fn ready(&self, t: &DeviceTensor) -> Result<(), EngineError> {
+        let c = &self.ctx;
+        let ft = self.borrow(t, "ready")?;
+        let mut err = std::ptr::null_mut();
+        // SAFETY: a live handle, borrowed for the call; a writable error out-pointer.
+        let code = unsafe { (c.table.tensor_ready)(c.ctx, ft.ptr, &mut err) };
+        c.check(code, err)
     }
 
     fn to_device(&self, t: DeviceTensor, device: usize) -> Result<DeviceTensor, EngineError> {

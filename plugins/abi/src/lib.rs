@@ -194,6 +194,9 @@ pub struct NsPluginTable {
     /// `(ctx, request, len, out report, err)`: the request is UTF-8 `what` then a newline and
     /// the options ([`ComputeBackend::bench`](nsactor_plugin_api::ComputeBackend::bench)).
     pub bench: unsafe extern "C" fn(*mut c_void, *const u8, usize, *mut NsBuf, ErrOut) -> i32,
+    /// `(ctx, tensor (borrowed), err)`: returns once the work producing the tensor has finished
+    /// ([`ComputeBackend::ready`](nsactor_plugin_api::ComputeBackend::ready)). ABI 4.
+    pub tensor_ready: unsafe extern "C" fn(*mut c_void, *mut c_void, ErrOut) -> i32,
 }
 
 // Layouts the ABI version stands for (64-bit targets): a change here must bump `ABI_VERSION`

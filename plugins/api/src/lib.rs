@@ -24,7 +24,8 @@ use std::fmt;
 
 /// Revision of the backend contract (the [`StageCall`] set and the C function table); bumped on
 /// any incompatible change. A host refuses a plugin built against another revision.
-pub const ABI_VERSION: u32 = 3;
+/// Revision 4 added `tensor_ready` ([`ComputeBackend::ready`]).
+pub const ABI_VERSION: u32 = 4;
 
 /// One micro-batch of token ids, row-major `[batch, seq_len]`.
 #[derive(Debug, Clone, PartialEq)]

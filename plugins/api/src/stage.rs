@@ -309,6 +309,16 @@ pub trait ComputeBackend: Send + Sync {
     /// Moves a tensor to another device of the same backend (a no-op when already there).
     fn to_device(&self, t: DeviceTensor, device: usize) -> Result<DeviceTensor, EngineError>;
     fn open_stage(&self, spec: &StageSpec) -> Result<Box<dyn Stage>, EngineError>;
+    /// Returns once the work that produces `t` has finished on its device (the calling
+    /// thread's queue there). A stage calls it before handing a tensor to a stage on another
+    /// device: an accelerator runs its queue in order, so a receiver that enqueued work on a
+    /// tensor still being computed elsewhere would hold its own device idle until then, while
+    /// it could have run other ready work. Default: nothing to wait for (backends that compute
+    /// synchronously).
+    fn ready(&self, t: &DeviceTensor) -> Result<(), EngineError> {
+        let _ = t;
+        Ok(())
+    }
     /// Runs the backend's own benchmark `what` (`kernels`: the PLIF scan kernels checked
     /// against the reference, then timed) on device 0 with `options` (`key=value` pairs);
     /// returns a plain-text report. Default: the backend has none.

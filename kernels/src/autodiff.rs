@@ -1,6 +1,6 @@
 //! `SnnOps` for `Autodiff<B>`: forward through `B`, backward through `B`'s backward methods.
 
-use crate::ops::{PlifGrads, PlifOutput, SnnOps};
+use crate::ops::{PlifGrads, PlifOutput, SelectiveGrads, SelectiveInputs, SnnOps};
 use burn::backend::autodiff::{
     Autodiff, NodeId,
     checkpoint::{base::Checkpointer, strategy::CheckpointStrategy},
@@ -132,7 +132,96 @@ impl<B: SnnOps> Backward<B, 2> for MatmulBackward {
     }
 }
 
+/// Backward of the fused selective scan: every input is saved (the four projections are alive
+/// anyway as the GEMMs' outputs), with the forward's `V_post` and spikes.
+#[derive(Debug)]
+struct SelectiveBackward;
+
+#[derive(Debug, Clone)]
+struct SelectiveState<B: SnnOps> {
+    inputs: SelectiveInputs<B>,
+    vpost: FloatTensor<B>,
+    spike: FloatTensor<B>,
+}
+
+impl<B: SnnOps> Backward<B, 8> for SelectiveBackward {
+    type State = SelectiveState<B>;
+
+    fn backward(
+        self,
+        ops: Ops<Self::State, 8>,
+        grads: &mut Gradients,
+        _checkpointer: &mut Checkpointer,
+    ) {
+        let grad_vpost = grads.consume::<B>(&ops.node);
+        let s = ops.state;
+        let g: SelectiveGrads<B> =
+            B::plif_selective_backward(s.inputs, s.vpost, s.spike, grad_vpost);
+        let all = [
+            g.i, g.r_beta, g.r_alpha, g.r_th, g.b_beta, g.b_alpha, g.b_th, g.v0,
+        ];
+        for (node, grad) in ops.parents.into_iter().zip(all) {
+            if let Some(node) = node {
+                grads.register::<B>(node.id, grad);
+            }
+        }
+    }
+}
+
 impl<B: SnnOps, C: CheckpointStrategy> SnnOps for Autodiff<B, C> {
+    fn fuses_modulation() -> bool {
+        B::fuses_modulation()
+    }
+
+    fn plif_selective_forward(inp: SelectiveInputs<Self>) -> PlifOutput<Self> {
+        let parents = [
+            inp.i.node.clone(),
+            inp.r_beta.node.clone(),
+            inp.r_alpha.node.clone(),
+            inp.r_th.node.clone(),
+            inp.b_beta.node.clone(),
+            inp.b_alpha.node.clone(),
+            inp.b_th.node.clone(),
+            inp.v0.node.clone(),
+        ];
+        let inner = SelectiveInputs::<B> {
+            i: inp.i.primitive,
+            r_beta: inp.r_beta.primitive,
+            r_alpha: inp.r_alpha.primitive,
+            r_th: inp.r_th.primitive,
+            b_beta: inp.b_beta.primitive,
+            b_alpha: inp.b_alpha.primitive,
+            b_th: inp.b_th.primitive,
+            v_th_min: inp.v_th_min,
+            v0: inp.v0.primitive,
+        };
+        match SelectiveBackward
+            .prepare::<C>(parents)
+            .compute_bound()
+            .stateful()
+        {
+            OpsKind::Tracked(prep) => {
+                let out = B::plif_selective_forward(inner.clone());
+                let state = SelectiveState {
+                    inputs: inner,
+                    vpost: out.vpost.clone(),
+                    spike: out.spike.clone(),
+                };
+                PlifOutput {
+                    spike: <FloatTensor<Self>>::new(out.spike),
+                    vpost: prep.finish(state, out.vpost),
+                }
+            }
+            OpsKind::UnTracked(prep) => {
+                let out = B::plif_selective_forward(inner);
+                PlifOutput {
+                    spike: <FloatTensor<Self>>::new(out.spike),
+                    vpost: prep.finish(out.vpost),
+                }
+            }
+        }
+    }
+
     fn gemm(lhs: FloatTensor<Self>, rhs: FloatTensor<Self>) -> FloatTensor<Self> {
         let prep = MatmulBackward
             .prepare::<C>([lhs.node.clone(), rhs.node.clone()])

@@ -4,6 +4,9 @@
 //! not timed.
 
 use crate::SnnOps;
+use crate::ops::{
+    SelectiveGrads, SelectiveInputs, selective_backward_reference, selective_forward_reference,
+};
 use crate::reference;
 use burn::tensor::{Distribution, Tensor, TensorPrimitive, backend::Backend, ops::FloatTensor};
 use std::fmt::Write;
@@ -337,9 +340,159 @@ pub fn run<B: SnnOps>(device: &B::Device, cfg: &ScanBench) -> Result<String, Str
             100.0 * bw / copy_bw
         );
     }
+    if let Err(name) = selective::<B>(device, cfg, copy_bw, &mut out) {
+        failed.push(name);
+    }
     if failed.is_empty() {
         Ok(out)
     } else {
         Err(format!("{out}wrong kernels: {}", failed.join(", ")))
     }
+}
+
+/// Inputs of the fused selective scan at `steps` frames: projections around the model's
+/// operating point (β ≈ σ(1), α ≈ 1, thresholds near the inputs so neurons spike often).
+fn selective_inputs<B: Backend>(
+    steps: usize,
+    cfg: &ScanBench,
+    device: &B::Device,
+) -> (SelectiveInputs<B>, FloatTensor<B>) {
+    let n = |mean, std| Distribution::Normal(mean, std);
+    let seq = |d| {
+        prim(Tensor::<B, 3>::random(
+            [steps, cfg.batch, cfg.elem_dim],
+            d,
+            device,
+        ))
+    };
+    let vec = |d| prim(Tensor::<B, 1>::random([cfg.elem_dim], d, device));
+    let inputs = SelectiveInputs {
+        i: seq(n(0.3, 0.5)),
+        r_beta: seq(n(0.0, 0.5)),
+        r_alpha: seq(n(0.0, 0.5)),
+        r_th: seq(n(0.0, 0.3)),
+        b_beta: vec(n(1.0, 0.5)),
+        b_alpha: vec(n(0.54, 0.1)),
+        b_th: vec(n(0.3, 0.1)),
+        v_th_min: 0.1,
+        v0: prim(Tensor::<B, 2>::random(
+            [cfg.batch, cfg.elem_dim],
+            n(0.0, 0.2),
+            device,
+        )),
+    };
+    (inputs, seq(n(0.0, 1.0)))
+}
+
+/// The fused selective scan (modulation inside the kernel) against the same computation
+/// composed from tensor ops ([`selective_forward_reference`]) on the same device: outputs and
+/// every gradient checked, then both timed at the 0.9B shape. Reports into `out`; the name of
+/// the failing kernel on a mismatch.
+fn selective<B: SnnOps>(
+    device: &B::Device,
+    cfg: &ScanBench,
+    copy_bw: f64,
+    out: &mut String,
+) -> Result<(), &'static str> {
+    let grads = |g: SelectiveGrads<B>| {
+        vec![
+            g.i, g.r_beta, g.r_alpha, g.r_th, g.b_beta, g.b_alpha, g.b_th, g.v0,
+        ]
+    };
+    let fused_fwd = |inp: &SelectiveInputs<B>| B::plif_selective_forward(inp.clone());
+    let fused_bwd = |inp: &SelectiveInputs<B>, grad: &FloatTensor<B>| {
+        let o = B::plif_selective_forward(inp.clone());
+        grads(B::plif_selective_backward(
+            inp.clone(),
+            o.vpost,
+            o.spike,
+            grad.clone(),
+        ))
+    };
+    let ref_fwd = |inp: &SelectiveInputs<B>| selective_forward_reference(inp.clone());
+    let ref_bwd = |inp: &SelectiveInputs<B>, grad: &FloatTensor<B>| {
+        let o = selective_forward_reference(inp.clone());
+        grads(selective_backward_reference(
+            inp.clone(),
+            o.vpost,
+            o.spike,
+            grad.clone(),
+        ))
+    };
+    let (small, grad) = selective_inputs::<B>(cfg.check_steps, cfg, device);
+    let (f, r) = (fused_fwd(&small), ref_fwd(&small));
+    let (fs, rs) = (host::<B>(&f.spike), host::<B>(&r.spike));
+    let agree = fs.iter().zip(&rs).filter(|(a, b)| a == b).count() as f64 / rs.len() as f64;
+    let fired = rs.iter().filter(|&&s| s == 1.0).count() as f64 / rs.len() as f64;
+    let err_fwd = worst(&host::<B>(&f.vpost), &host::<B>(&r.vpost));
+    let err_bwd = fused_bwd(&small, &grad)
+        .iter()
+        .zip(&ref_bwd(&small, &grad))
+        .map(|(a, b)| worst(&host::<B>(a), &host::<B>(b)))
+        .fold(0.0f32, f32::max);
+    drop((small, grad));
+    let (full, grad) = selective_inputs::<B>(cfg.steps, cfg, device);
+    let (n, c) = (
+        cfg.steps * cfg.batch * cfg.elem_dim,
+        cfg.batch * cfg.elem_dim,
+    );
+    let t_fwd = time::<B>(device, cfg.reps, || {
+        let _ = fused_fwd(&full);
+    });
+    let t_ref_fwd = time::<B>(device, cfg.reps, || {
+        let _ = ref_fwd(&full);
+    });
+    let t_bwd = time::<B>(device, cfg.reps, || {
+        let _ = fused_bwd(&full, &grad);
+    }) - t_fwd;
+    let t_ref_bwd = time::<B>(device, cfg.reps, || {
+        let _ = ref_bwd(&full, &grad);
+    }) - t_ref_fwd;
+    let mut failed = Ok(());
+    for (name, err, s, s_ref, bytes) in [
+        (
+            "selective fused fwd",
+            err_fwd,
+            t_fwd,
+            t_ref_fwd,
+            4 * (6 * n + 4 * c),
+        ),
+        (
+            "selective fused bwd",
+            err_bwd,
+            t_bwd,
+            t_ref_bwd,
+            4 * (11 * n + 8 * c),
+        ),
+    ] {
+        if err.is_nan() || err > TOLERANCE {
+            let _ = writeln!(
+                out,
+                "{name:<24} {err:>11.2e}  WRONG: differs from the composed reference; not timed"
+            );
+            failed = Err(name);
+            continue;
+        }
+        let bw = bytes as f64 / s.max(1e-9);
+        let _ = writeln!(
+            out,
+            "{name:<24} {err:>11.2e} {:>10.3} {:>9.1} {:>9.0}% {:>12}  composed from tensor ops: {:.3} ms ({:.1}× slower)",
+            s * 1e3,
+            bw / 1e9,
+            100.0 * bw / copy_bw,
+            if name.ends_with("fwd") {
+                format!("{agree:.6}")
+            } else {
+                "-".into()
+            },
+            s_ref * 1e3,
+            s_ref / s.max(1e-9)
+        );
+    }
+    let _ = writeln!(
+        out,
+        "  (selective check: {:.1}% of the reference's spikes fire)",
+        100.0 * fired
+    );
+    failed
 }

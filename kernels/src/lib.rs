@@ -44,4 +44,8 @@ pub mod cuda_scan;
 mod ops;
 pub mod reference;
 
-pub use ops::{PlifGrads, PlifOutput, SnnOps, matmul, plif_elem, plif_row};
+pub use ops::{
+    PlifGrads, PlifOutput, SelectiveGrads, SelectiveInputs, SnnOps, matmul, plif_elem, plif_row,
+    plif_selective, selective_backward_reference, selective_forward_reference,
+    selective_modulation,
+};

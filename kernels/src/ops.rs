@@ -2,7 +2,8 @@
 
 use crate::reference::{self, ScanGrads, ScanOut};
 use burn::tensor::{
-    Shape, Tensor, TensorData, TensorPrimitive, backend::Backend, ops::FloatTensor,
+    Shape, Tensor, TensorData, TensorPrimitive, activation::sigmoid, backend::Backend,
+    ops::FloatTensor,
 };
 
 /// Forward outputs of a PLIF scan, both `[TK, B, dim]`: spikes (0/1) and `V_post`.
@@ -18,6 +19,35 @@ pub struct PlifGrads<B: Backend> {
     pub beta: FloatTensor<B>,
     pub u: FloatTensor<B>,
     pub vth: FloatTensor<B>,
+    pub v0: FloatTensor<B>,
+}
+
+/// Gradients of the selective scan with its modulation fused in ([`plif_selective`]), with
+/// respect to `(i, r_beta, r_alpha, r_th, b_beta, b_alpha, b_th, v0)`, shaped like those inputs.
+#[derive(Debug, Clone)]
+pub struct SelectiveGrads<B: Backend> {
+    pub i: FloatTensor<B>,
+    pub r_beta: FloatTensor<B>,
+    pub r_alpha: FloatTensor<B>,
+    pub r_th: FloatTensor<B>,
+    pub b_beta: FloatTensor<B>,
+    pub b_alpha: FloatTensor<B>,
+    pub b_th: FloatTensor<B>,
+    pub v0: FloatTensor<B>,
+}
+
+/// The inputs of the fused selective scan: the four projections `[TK, B, DN]`, the three
+/// biases `[DN]`, `V_min` and the state `v0` `[B, DN]`.
+#[derive(Debug, Clone)]
+pub struct SelectiveInputs<B: Backend> {
+    pub i: FloatTensor<B>,
+    pub r_beta: FloatTensor<B>,
+    pub r_alpha: FloatTensor<B>,
+    pub r_th: FloatTensor<B>,
+    pub b_beta: FloatTensor<B>,
+    pub b_alpha: FloatTensor<B>,
+    pub b_th: FloatTensor<B>,
+    pub v_th_min: f32,
     pub v0: FloatTensor<B>,
 }
 
@@ -48,6 +78,31 @@ pub trait SnnOps: Backend {
     /// ordered on both devices' streams (`crate::cuda_device::to_device`).
     fn move_to_device(t: FloatTensor<Self>, device: &Self::Device) -> FloatTensor<Self> {
         Self::float_to_device(t, device)
+    }
+
+    /// Whether [`plif_selective`] is worth calling here: true where the backend fuses the
+    /// modulation into its scan kernels (the model then calls it instead of composing the
+    /// modulation from tensor ops, which the defaults below do anyway).
+    fn fuses_modulation() -> bool {
+        false
+    }
+
+    /// The selective scan with the SNNBlock modulation fused in (SPEC §2.3, Eq. 5–7):
+    /// `β = σ(r_β + b_β)`, `α = softplus(r_α + b_α)`, `V_th = V_min + |r_th + b_th|`,
+    /// `u = α·i`, then the per-element scan. Default: [`selective_forward_reference`].
+    fn plif_selective_forward(inp: SelectiveInputs<Self>) -> PlifOutput<Self> {
+        selective_forward_reference(inp)
+    }
+
+    /// Its backward: gradients of `Σ V_post·grad_vpost` for every input. Default:
+    /// [`selective_backward_reference`].
+    fn plif_selective_backward(
+        inp: SelectiveInputs<Self>,
+        vpost: FloatTensor<Self>,
+        spike: FloatTensor<Self>,
+        grad_vpost: FloatTensor<Self>,
+    ) -> SelectiveGrads<Self> {
+        selective_backward_reference(inp, vpost, spike, grad_vpost)
     }
 
     /// Per-element (selective) scan forward.
@@ -152,6 +207,87 @@ pub fn plif_row<B: SnnOps>(
     (wrap(out.spike), wrap(out.vpost))
 }
 
+/// `β, α, V_th, u` of the fused selective scan from its inputs, with the tensor ops the model
+/// composes them from (burn's `sigmoid`, the overflow-free softplus, `abs`): the reference the
+/// fused kernels repeat op for op.
+pub fn selective_modulation<B: Backend>(inp: &SelectiveInputs<B>) -> [Tensor<B, 3>; 4] {
+    let bias = |b: &FloatTensor<B>| wrap::<B, 1>(b.clone()).unsqueeze::<3>();
+    let beta = sigmoid(wrap::<B, 3>(inp.r_beta.clone()) + bias(&inp.b_beta));
+    let x = wrap::<B, 3>(inp.r_alpha.clone()) + bias(&inp.b_alpha);
+    let alpha = x.clone().clamp_min(0.0) + x.abs().neg().exp().log1p();
+    let vth = (wrap::<B, 3>(inp.r_th.clone()) + bias(&inp.b_th)).abs() + inp.v_th_min as f64;
+    let u = alpha.clone() * wrap::<B, 3>(inp.i.clone());
+    [beta, alpha, vth, u]
+}
+
+/// The fused selective scan composed from tensor ops and [`SnnOps::plif_elem_forward`].
+pub fn selective_forward_reference<B: SnnOps>(inp: SelectiveInputs<B>) -> PlifOutput<B> {
+    let [beta, _, vth, u] = selective_modulation(&inp);
+    B::plif_elem_forward(prim(beta), prim(u), prim(vth), inp.v0)
+}
+
+/// Its backward composed from tensor ops and [`SnnOps::plif_elem_backward`]: `∂r_β = ∂β·β(1−β)`,
+/// `∂r_α = ∂u·i·σ(r_α + b_α)` (softplus′ = σ), `∂i = ∂u·α`, `∂r_th = ∂V_th·sign(r_th + b_th)`;
+/// each bias gradient sums its projection's over `TK` and `B`.
+pub fn selective_backward_reference<B: SnnOps>(
+    inp: SelectiveInputs<B>,
+    vpost: FloatTensor<B>,
+    spike: FloatTensor<B>,
+    grad_vpost: FloatTensor<B>,
+) -> SelectiveGrads<B> {
+    let [beta, alpha, _, _] = selective_modulation(&inp);
+    let g = B::plif_elem_backward(prim(beta.clone()), inp.v0, vpost, spike, grad_vpost);
+    let dn = beta.dims()[2];
+    let x_alpha =
+        wrap::<B, 3>(inp.r_alpha.clone()) + wrap::<B, 1>(inp.b_alpha.clone()).unsqueeze::<3>();
+    let x_th = wrap::<B, 3>(inp.r_th.clone()) + wrap::<B, 1>(inp.b_th.clone()).unsqueeze::<3>();
+    let g_u = wrap::<B, 3>(g.u);
+    let r_beta = (beta.clone() * (beta.neg() + 1.0)) * wrap::<B, 3>(g.beta);
+    let r_alpha = g_u.clone() * wrap::<B, 3>(inp.i) * sigmoid(x_alpha);
+    let i = g_u * alpha;
+    let r_th = wrap::<B, 3>(g.vth) * x_th.sign();
+    let sum = |t: &Tensor<B, 3>| prim(t.clone().sum_dim(0).sum_dim(1).reshape([dn]));
+    SelectiveGrads {
+        b_beta: sum(&r_beta),
+        b_alpha: sum(&r_alpha),
+        b_th: sum(&r_th),
+        i: prim(i),
+        r_beta: prim(r_beta),
+        r_alpha: prim(r_alpha),
+        r_th: prim(r_th),
+        v0: g.v0,
+    }
+}
+
+/// The selective scan with its modulation fused ([`SnnOps::plif_selective_forward`]),
+/// differentiable in every input. `i, r_beta, r_alpha, r_th`: `[TK, B, DN]`; the biases `[DN]`;
+/// `v0`: `[B, DN]`. Returns `(spike, V_post)`; only `V_post` carries gradient.
+#[allow(clippy::too_many_arguments)]
+pub fn plif_selective<B: SnnOps>(
+    i: Tensor<B, 3>,
+    r_beta: Tensor<B, 3>,
+    r_alpha: Tensor<B, 3>,
+    r_th: Tensor<B, 3>,
+    b_beta: Tensor<B, 1>,
+    b_alpha: Tensor<B, 1>,
+    b_th: Tensor<B, 1>,
+    v_th_min: f64,
+    v0: Tensor<B, 2>,
+) -> (Tensor<B, 3>, Tensor<B, 3>) {
+    let out = B::plif_selective_forward(SelectiveInputs {
+        i: prim(i),
+        r_beta: prim(r_beta),
+        r_alpha: prim(r_alpha),
+        r_th: prim(r_th),
+        b_beta: prim(b_beta),
+        b_alpha: prim(b_alpha),
+        b_th: prim(b_th),
+        v_th_min: v_th_min as f32,
+        v0: prim(v0),
+    });
+    (wrap(out.spike), wrap(out.vpost))
+}
+
 /// `lhs [M, K] · rhs [K, N]` through [`SnnOps::gemm`], differentiable.
 pub fn matmul<B: SnnOps>(lhs: Tensor<B, 2>, rhs: Tensor<B, 2>) -> Tensor<B, 2> {
     wrap(B::gemm(prim(lhs), prim(rhs)))
@@ -233,6 +369,21 @@ fn scan_grads<B: Backend>(
 #[cfg(feature = "ndarray")]
 impl SnnOps for burn_ndarray::NdArray<f32> {}
 
+/// The fused selective scan's tensors in kernel argument order.
+#[cfg(feature = "cuda")]
+fn selective_args<B: Backend>(inp: SelectiveInputs<B>) -> [FloatTensor<B>; 8] {
+    [
+        inp.i,
+        inp.r_beta,
+        inp.r_alpha,
+        inp.r_th,
+        inp.b_beta,
+        inp.b_alpha,
+        inp.b_th,
+        inp.v0,
+    ]
+}
+
 /// The CUDA backend: the scans as CubeCL kernels ([`crate::cuda_scan`]), tested against the
 /// host reference these defaults run.
 #[cfg(feature = "cuda")]
@@ -243,6 +394,42 @@ impl SnnOps for burn_cuda::Cuda<f32, i32> {
 
     fn move_to_device(t: FloatTensor<Self>, device: &Self::Device) -> FloatTensor<Self> {
         crate::cuda_device::to_device(t, device)
+    }
+
+    fn fuses_modulation() -> bool {
+        true
+    }
+
+    fn plif_selective_forward(inp: SelectiveInputs<Self>) -> PlifOutput<Self> {
+        let _ = scan_shape::<Self>(&inp.i, &inp.v0);
+        let v_th_min = inp.v_th_min;
+        let (spike, vpost) = crate::cuda_scan::selective_forward(selective_args(inp), v_th_min);
+        PlifOutput { spike, vpost }
+    }
+
+    fn plif_selective_backward(
+        inp: SelectiveInputs<Self>,
+        vpost: FloatTensor<Self>,
+        spike: FloatTensor<Self>,
+        grad_vpost: FloatTensor<Self>,
+    ) -> SelectiveGrads<Self> {
+        let (shape, _) = scan_shape::<Self>(&grad_vpost, &inp.v0);
+        let [i, r_beta, r_alpha, r_th, v0, bias] =
+            crate::cuda_scan::selective_backward(selective_args(inp), vpost, spike, grad_vpost);
+        // [3, B, DN] per-column sums over time → [3, DN] over the batch.
+        let dn = shape[2];
+        let bias = wrap::<Self, 3>(bias).sum_dim(1).reshape([3, dn]);
+        let row = |k: usize| prim(bias.clone().narrow(0, k, 1).reshape([dn]));
+        SelectiveGrads {
+            i,
+            r_beta,
+            r_alpha,
+            r_th,
+            b_beta: row(0),
+            b_alpha: row(1),
+            b_th: row(2),
+            v0,
+        }
     }
 
     fn plif_elem_forward(

@@ -5,7 +5,7 @@ use crate::init::{BlockInitTable, Rng, kaiming};
 use crate::neurons::{last_frame, param};
 use crate::params::{Linear, impl_params};
 use burn::tensor::{Tensor, activation::sigmoid, backend::Backend};
-use nsactor_kernels::{SnnOps, plif_elem};
+use nsactor_kernels::{SnnOps, plif_elem, plif_selective};
 
 /// Field names are the reference `state_dict` keys (`snn_block.W_in.weight`, …).
 #[allow(non_snake_case)]
@@ -104,13 +104,28 @@ impl<B: SnnOps> SnnBlock<B> {
         let rt = self.W_th_x.forward(flat.clone());
         let gate = sigmoid(self.W_gate.forward(flat.clone())); // [TK·B, D]
         let skip = self.W_skip.forward(flat);
-        // Fused modulation (Eq. 5-7): β = σ(·+b_β), α = softplus(·+b_α), V_th = V_min + |·+b_th|.
-        let beta = sigmoid(rb + self.b_beta.clone().unsqueeze::<2>());
-        let alpha = softplus(ra + self.b_alpha.clone().unsqueeze::<2>());
-        let vth = (rt + self.b_th.clone().unsqueeze::<2>()).abs() + v_th_min;
-        let u = alpha * i;
         let seq = |x: Tensor<B, 2>| x.reshape([tk, b, dn]);
-        let (_, vpost) = plif_elem(seq(beta), seq(u), seq(vth), v0);
+        // Modulation (Eq. 5-7): β = σ(·+b_β), α = softplus(·+b_α), V_th = V_min + |·+b_th|,
+        // u = α·i: inside the scan kernel where the backend fuses it, else from tensor ops.
+        let (_, vpost) = if B::fuses_modulation() {
+            plif_selective(
+                seq(i),
+                seq(rb),
+                seq(ra),
+                seq(rt),
+                self.b_beta.clone(),
+                self.b_alpha.clone(),
+                self.b_th.clone(),
+                v_th_min,
+                v0,
+            )
+        } else {
+            let beta = sigmoid(rb + self.b_beta.clone().unsqueeze::<2>());
+            let alpha = softplus(ra + self.b_alpha.clone().unsqueeze::<2>());
+            let vth = (rt + self.b_th.clone().unsqueeze::<2>()).abs() + v_th_min;
+            let u = alpha * i;
+            plif_elem(seq(beta), seq(u), seq(vth), v0)
+        };
         let last = last_frame(&vpost);
         let out = self.W_out.forward(vpost.reshape([tk * b, dn])) * gate + skip;
         (out.reshape([tk, b, d]), last)

@@ -51,6 +51,9 @@ enum Command {
     Serve(ServeArgs),
     /// Generate from a checkpoint, streaming to stdout; `--chat` for an interactive loop.
     Generate(GenerateArgs),
+    /// Held-out loss of a checkpoint: mean cross entropy and perplexity over batches of
+    /// prepared shards or corpus files (e.g. the same weights with `--precision fp32` and `bf16`).
+    Eval(EvalArgs),
     /// Write a checkpoint as a Hugging Face directory (config.json, model.safetensors with
     /// `model.` names, tokenizer.json).
     Export(ExportArgs),
@@ -76,6 +79,31 @@ struct ModelArgs {
     /// tokenizer.json (default: the run's).
     #[arg(long)]
     tokenizer: Option<PathBuf>,
+    /// Projection GEMM arithmetic: `fp32` or `bf16` (CUDA only). Default: the run's
+    /// [backend].precision.
+    #[arg(long, value_parser = ["fp32", "bf16"])]
+    precision: Option<String>,
+}
+
+#[derive(clap::Args)]
+struct EvalArgs {
+    #[command(flatten)]
+    model: ModelArgs,
+    /// Prepared shards (`nsactor data prepare`) to draw the batches from.
+    #[arg(long)]
+    data: Option<PathBuf>,
+    /// Corpus files instead (text, .jsonl, .json; .xz/.gz). Default: the bundled corpus.
+    #[arg(long, num_args = 1..)]
+    corpus: Vec<PathBuf>,
+    /// Batches to average over (drawn in the run's seeded order, the same every time).
+    #[arg(long, default_value_t = 8)]
+    batches: usize,
+    /// Sequences per batch (default: the run's batch_size).
+    #[arg(long)]
+    batch_size: Option<usize>,
+    /// Tokens per sequence (default: the run's seq_len).
+    #[arg(long)]
+    seq_len: Option<usize>,
 }
 
 #[derive(clap::Args)]
@@ -430,6 +458,7 @@ fn main() -> ExitCode {
         }
         Command::Serve(a) => serve_cmd(a),
         Command::Generate(a) => generate_cmd(a),
+        Command::Eval(a) => eval_cmd(a),
         Command::Export(a) => {
             nsactor::export::export_hf(&a.checkpoint, &a.out, a.tokenizer.as_deref()).map(|dir| {
                 println!("exported {} to {}", dir.display(), a.out.display());
@@ -554,6 +583,8 @@ struct Loaded {
     tokenizer: Arc<nsactor_data::Tokenizer>,
     vocab: usize,
     name: String,
+    /// The run's configuration, from the checkpoint's manifest.
+    config: RunConfig,
 }
 
 fn load_model(a: &ModelArgs) -> Result<Loaded, Box<dyn std::error::Error>> {
@@ -577,7 +608,15 @@ fn load_model(a: &ModelArgs) -> Result<Loaded, Box<dyn std::error::Error>> {
         .clone()
         .or(cfg.backend.name.clone())
         .unwrap_or_else(|| backend::default_name().to_string());
-    let compute = backend::open(&backend_name, &cfg.backend.plugin_path)?;
+    let mut backend_cfg = cfg.backend.clone();
+    if let Some(p) = &a.precision {
+        backend_cfg.precision = Some(p.clone());
+    }
+    let compute = backend::open_with(
+        &backend_name,
+        &backend_cfg.plugin_path,
+        &backend_cfg.plugin_options(),
+    )?;
     let n = model_layers(&cfg.model_toml())?;
     let devices = a.devices.clone().unwrap_or_else(|| vec![0]);
     let plan = PipelinePlan::balanced(n, a.pipeline, &devices)?;
@@ -612,7 +651,55 @@ fn load_model(a: &ModelArgs) -> Result<Loaded, Box<dyn std::error::Error>> {
         tokenizer: Arc::new(tok),
         vocab,
         name,
+        config: cfg,
     })
+}
+
+fn eval_cmd(a: EvalArgs) -> Result<(), Box<dyn std::error::Error>> {
+    if a.batches == 0 {
+        return Err("--batches must be at least 1".into());
+    }
+    let mut l = load_model(&a.model)?;
+    let mut cfg = l.config.clone();
+    if let Some(t) = a.seq_len {
+        cfg.train.seq_len = t;
+    }
+    let batch = a.batch_size.unwrap_or(cfg.train.batch_size);
+    if batch == 0 || cfg.train.seq_len == 0 {
+        return Err("--batch-size and --seq-len must be at least 1".into());
+    }
+    let mut sampler = make_sampler(&cfg, &l.tokenizer, &a.corpus, a.data.as_deref(), false)?;
+    let t0 = std::time::Instant::now();
+    let (mut weighted, mut scored) = (0.0f64, 0u64);
+    for i in 0..a.batches {
+        let b = sampler.next_batch(batch, cfg.train.seq_len)?;
+        let n = nsactor::engine::scored_tokens(&b);
+        let ce = l.pipeline.eval_ce(&b)?;
+        tracing::debug!("batch {i}: CE {ce:.5} over {n} tokens");
+        weighted += ce * n as f64;
+        scored += n;
+    }
+    if scored == 0 {
+        return Err("the batches hold no scored tokens".into());
+    }
+    let ce = weighted / scored as f64;
+    let info = l.pipeline.backend().info();
+    println!(
+        "held-out CE {ce:.5} (perplexity {:.3}) over {scored} tokens in {} batches of {batch} × {}; {} {} [{}], GEMMs {}; {:.1} s",
+        ce.exp(),
+        a.batches,
+        cfg.train.seq_len,
+        info.name,
+        info.version,
+        info.devices.first().map_or("", String::as_str),
+        a.model
+            .precision
+            .as_deref()
+            .or(cfg.backend.precision.as_deref())
+            .unwrap_or("fp32"),
+        t0.elapsed().as_secs_f64()
+    );
+    Ok(())
 }
 
 fn server_state(
@@ -867,6 +954,7 @@ fn serve_bench_cmd(a: ServeBenchArgs) -> Result<(), Box<dyn std::error::Error>> 
             pipeline: a.pipeline,
             devices: None,
             tokenizer: None,
+            precision: None,
         })?,
         None => {
             let cfg = RunConfig::load(None)?;
@@ -885,6 +973,7 @@ fn serve_bench_cmd(a: ServeBenchArgs) -> Result<(), Box<dyn std::error::Error>> 
                 tokenizer: Arc::new(nsactor_data::Tokenizer::bundled()),
                 vocab: cfg.vocab_size().ok_or("no vocab_size")?,
                 name: "tiny".into(),
+                config: cfg,
             }
         }
     };

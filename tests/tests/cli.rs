@@ -60,6 +60,41 @@ fn train_on_the_embedded_default_lowers_the_loss_and_writes_weights() {
     assert!(dir.join("config.toml").exists());
     let png = std::fs::read(dir.join("loss.png")).unwrap();
     assert_eq!(&png[..8], b"\x89PNG\r\n\x1a\n", "loss.png is a PNG");
+    // The held-out loss of the trained run: below its first training loss, the same twice.
+    let eval = |extra: &[&str]| {
+        let out = nsactor()
+            .args(["eval", "--checkpoint"])
+            .arg(&dir)
+            .args(["--batches", "2"])
+            .args(extra)
+            .output()
+            .unwrap();
+        let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+        let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+        (out.status.success(), stdout, stderr)
+    };
+    let (ok, stdout, stderr) = eval(&[]);
+    assert!(ok, "eval failed: {stderr}");
+    let ce: f64 = stdout
+        .split("held-out CE ")
+        .nth(1)
+        .and_then(|s| s.split_whitespace().next())
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| panic!("no CE in {stdout}"));
+    assert!(
+        ce.is_finite() && ce < losses[0] - 0.3,
+        "CE {ce} vs first loss {}",
+        losses[0]
+    );
+    let again = eval(&[]).1;
+    assert!(
+        again.starts_with(&format!("held-out CE {ce:.5} ")),
+        "eval is deterministic: {stdout} then {again}"
+    );
+    let (ok, _, stderr) = eval(&["--precision", "bf16"]);
+    assert!(!ok && stderr.contains("bf16"), "{stderr}");
+    let (ok, _, stderr) = eval(&["--batches", "0"]);
+    assert!(!ok && stderr.contains("--batches"), "{stderr}");
     std::fs::remove_dir_all(&dir).unwrap();
 }
 

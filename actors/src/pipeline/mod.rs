@@ -192,8 +192,9 @@ impl Hop {
     }
 }
 
-/// An actor's stage and where it runs: lent to its worker for each job. After a panic inside a
-/// job the stage is gone and every later call fails until the actor is rebuilt.
+/// An actor's stage and where it runs: the stage is locked by its worker's jobs, one at a time.
+/// After a panic inside a job the stage is gone and every later call fails until the actor is
+/// rebuilt.
 pub struct StageHolder {
     who: String,
     /// Locked only by the worker's jobs, one at a time.

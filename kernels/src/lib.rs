@@ -47,5 +47,5 @@ pub mod reference;
 pub use ops::{
     PlifGrads, PlifOutput, SelectiveGrads, SelectiveInputs, SnnOps, matmul, plif_elem, plif_row,
     plif_selective, selective_backward_reference, selective_forward_reference,
-    selective_modulation,
+    selective_modulation, softplus,
 };

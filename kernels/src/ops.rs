@@ -80,9 +80,9 @@ pub trait SnnOps: Backend {
         Self::float_to_device(t, device)
     }
 
-    /// Whether [`plif_selective`] is worth calling here: true where the backend fuses the
-    /// modulation into its scan kernels (the model then calls it instead of composing the
-    /// modulation from tensor ops, which the defaults below do anyway).
+    /// Whether the backend fuses the selective modulation into its scan kernels: then
+    /// [`plif_selective`] calls the two methods below; otherwise it composes the modulation
+    /// from tensor ops (as their defaults do) and leaves the gradients to autodiff.
     fn fuses_modulation() -> bool {
         false
     }
@@ -207,17 +207,32 @@ pub fn plif_row<B: SnnOps>(
     (wrap(out.spike), wrap(out.vpost))
 }
 
+/// PyTorch's softplus (β = 1) in the overflow-free form `max(x, 0) + log1p(e^{−|x|})`; its
+/// gradient is `σ(x)` like the reference's.
+pub fn softplus<B: Backend, const D: usize>(x: Tensor<B, D>) -> Tensor<B, D> {
+    x.clone().clamp_min(0.0) + x.abs().neg().exp().log1p()
+}
+
+/// The three pre-activations `r_β + b_β`, `r_α + b_α`, `r_th + b_th`.
+fn preactivations<B: Backend>(inp: &SelectiveInputs<B>) -> [Tensor<B, 3>; 3] {
+    let add = |r: &FloatTensor<B>, b: &FloatTensor<B>| {
+        wrap::<B, 3>(r.clone()) + wrap::<B, 1>(b.clone()).unsqueeze::<3>()
+    };
+    [
+        add(&inp.r_beta, &inp.b_beta),
+        add(&inp.r_alpha, &inp.b_alpha),
+        add(&inp.r_th, &inp.b_th),
+    ]
+}
+
 /// `β, α, V_th, u` of the fused selective scan from its inputs, with the tensor ops the model
-/// composes them from (burn's `sigmoid`, the overflow-free softplus, `abs`): the reference the
-/// fused kernels repeat op for op.
+/// composes them from (burn's `sigmoid`, [`softplus`], `abs`): the reference the fused kernels
+/// repeat op for op.
 pub fn selective_modulation<B: Backend>(inp: &SelectiveInputs<B>) -> [Tensor<B, 3>; 4] {
-    let bias = |b: &FloatTensor<B>| wrap::<B, 1>(b.clone()).unsqueeze::<3>();
-    let beta = sigmoid(wrap::<B, 3>(inp.r_beta.clone()) + bias(&inp.b_beta));
-    let x = wrap::<B, 3>(inp.r_alpha.clone()) + bias(&inp.b_alpha);
-    let alpha = x.clone().clamp_min(0.0) + x.abs().neg().exp().log1p();
-    let vth = (wrap::<B, 3>(inp.r_th.clone()) + bias(&inp.b_th)).abs() + inp.v_th_min as f64;
+    let [x_beta, x_alpha, x_th] = preactivations(inp);
+    let alpha = softplus(x_alpha);
     let u = alpha.clone() * wrap::<B, 3>(inp.i.clone());
-    [beta, alpha, vth, u]
+    [sigmoid(x_beta), alpha, x_th.abs() + inp.v_th_min as f64, u]
 }
 
 /// The fused selective scan composed from tensor ops and [`SnnOps::plif_elem_forward`].
@@ -235,12 +250,11 @@ pub fn selective_backward_reference<B: SnnOps>(
     spike: FloatTensor<B>,
     grad_vpost: FloatTensor<B>,
 ) -> SelectiveGrads<B> {
-    let [beta, alpha, _, _] = selective_modulation(&inp);
+    let [x_beta, x_alpha, x_th] = preactivations(&inp);
+    let beta = sigmoid(x_beta);
+    let alpha = softplus(x_alpha.clone());
     let g = B::plif_elem_backward(prim(beta.clone()), inp.v0, vpost, spike, grad_vpost);
     let dn = beta.dims()[2];
-    let x_alpha =
-        wrap::<B, 3>(inp.r_alpha.clone()) + wrap::<B, 1>(inp.b_alpha.clone()).unsqueeze::<3>();
-    let x_th = wrap::<B, 3>(inp.r_th.clone()) + wrap::<B, 1>(inp.b_th.clone()).unsqueeze::<3>();
     let g_u = wrap::<B, 3>(g.u);
     let r_beta = (beta.clone() * (beta.neg() + 1.0)) * wrap::<B, 3>(g.beta);
     let r_alpha = g_u.clone() * wrap::<B, 3>(inp.i) * sigmoid(x_alpha);
@@ -259,8 +273,10 @@ pub fn selective_backward_reference<B: SnnOps>(
     }
 }
 
-/// The selective scan with its modulation fused ([`SnnOps::plif_selective_forward`]),
-/// differentiable in every input. `i, r_beta, r_alpha, r_th`: `[TK, B, DN]`; the biases `[DN]`;
+/// The selective scan with its modulation (SPEC §2.3, Eq. 5–7), differentiable in every input:
+/// fused into the scan kernels where the backend has them ([`SnnOps::fuses_modulation`],
+/// [`SnnOps::plif_selective_forward`]), else composed from tensor ops
+/// ([`selective_modulation`]) and [`plif_elem`], whose gradients autodiff derives. `i, r_beta, r_alpha, r_th`: `[TK, B, DN]`; the biases `[DN]`;
 /// `v0`: `[B, DN]`. Returns `(spike, V_post)`; only `V_post` carries gradient.
 #[allow(clippy::too_many_arguments)]
 pub fn plif_selective<B: SnnOps>(
@@ -274,7 +290,7 @@ pub fn plif_selective<B: SnnOps>(
     v_th_min: f64,
     v0: Tensor<B, 2>,
 ) -> (Tensor<B, 3>, Tensor<B, 3>) {
-    let out = B::plif_selective_forward(SelectiveInputs {
+    let inp = SelectiveInputs {
         i: prim(i),
         r_beta: prim(r_beta),
         r_alpha: prim(r_alpha),
@@ -284,7 +300,12 @@ pub fn plif_selective<B: SnnOps>(
         b_th: prim(b_th),
         v_th_min: v_th_min as f32,
         v0: prim(v0),
-    });
+    };
+    if !B::fuses_modulation() {
+        let [beta, _, vth, u] = selective_modulation(&inp);
+        return plif_elem(beta, u, vth, wrap(inp.v0));
+    }
+    let out = B::plif_selective_forward(inp);
     (wrap(out.spike), wrap(out.vpost))
 }
 

@@ -1,10 +1,12 @@
-//! The selective scan with its modulation fused (`plif_selective`) against the same model
-//! composed from tensor ops and `plif_elem` under burn's autodiff: outputs and every gradient.
+//! The selective scan's fused op (`SnnOps::plif_selective_forward` and its autodiff node)
+//! against the same model composed from tensor ops and `plif_elem` under burn's autodiff:
+//! outputs and every gradient.
 
 use burn::backend::Autodiff;
+use burn::tensor::TensorPrimitive;
 use burn::tensor::{Distribution, Tensor, activation::sigmoid, backend::Backend};
 use burn_ndarray::NdArray;
-use nsactor_kernels::{plif_elem, plif_selective};
+use nsactor_kernels::{SelectiveInputs, SnnOps, plif_elem};
 
 type Ad = Autodiff<NdArray<f32>>;
 
@@ -47,17 +49,24 @@ fn fused_selective_scan_matches_the_composed_model_in_outputs_and_all_gradients(
     let (s_ref, v_ref) = plif_elem(beta, alpha * i.clone(), vth, v0.clone());
     let g_ref = (v_ref.clone() * weight.clone()).sum().backward();
 
-    let (s, v) = plif_selective(
-        i.clone(),
-        rb.clone(),
-        ra.clone(),
-        rt.clone(),
-        bb.clone(),
-        ba.clone(),
-        bt.clone(),
-        v_min,
-        v0.clone(),
-    );
+    // The fused op's autodiff node with the reference forward and backward (what a fusing
+    // backend's kernels are checked against), called directly: `plif_selective` composes on
+    // backends that do not fuse.
+    let p = |t: Tensor<Ad, 3>| t.into_primitive().tensor();
+    let p1 = |t: Tensor<Ad, 1>| t.into_primitive().tensor();
+    let out = <Ad as SnnOps>::plif_selective_forward(SelectiveInputs {
+        i: p(i.clone()),
+        r_beta: p(rb.clone()),
+        r_alpha: p(ra.clone()),
+        r_th: p(rt.clone()),
+        b_beta: p1(bb.clone()),
+        b_alpha: p1(ba.clone()),
+        b_th: p1(bt.clone()),
+        v_th_min: v_min as f32,
+        v0: v0.clone().into_primitive().tensor(),
+    });
+    let wrap = |t| Tensor::<Ad, 3>::from_primitive(TensorPrimitive::Float(t));
+    let (s, v) = (wrap(out.spike), wrap(out.vpost));
     let g = (v.clone() * weight).sum().backward();
 
     // Same ops in the same order: the forward is bit for bit the composed one.

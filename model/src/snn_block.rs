@@ -5,7 +5,7 @@ use crate::init::{BlockInitTable, Rng, kaiming};
 use crate::neurons::{last_frame, param};
 use crate::params::{Linear, impl_params};
 use burn::tensor::{Tensor, activation::sigmoid, backend::Backend};
-use nsactor_kernels::{SnnOps, plif_elem, plif_selective};
+use nsactor_kernels::{SnnOps, plif_selective};
 
 /// Field names are the reference `state_dict` keys (`snn_block.W_in.weight`, …).
 #[allow(non_snake_case)]
@@ -106,34 +106,20 @@ impl<B: SnnOps> SnnBlock<B> {
         let skip = self.W_skip.forward(flat);
         let seq = |x: Tensor<B, 2>| x.reshape([tk, b, dn]);
         // Modulation (Eq. 5-7): β = σ(·+b_β), α = softplus(·+b_α), V_th = V_min + |·+b_th|,
-        // u = α·i: inside the scan kernel where the backend fuses it, else from tensor ops.
-        let (_, vpost) = if B::fuses_modulation() {
-            plif_selective(
-                seq(i),
-                seq(rb),
-                seq(ra),
-                seq(rt),
-                self.b_beta.clone(),
-                self.b_alpha.clone(),
-                self.b_th.clone(),
-                v_th_min,
-                v0,
-            )
-        } else {
-            let beta = sigmoid(rb + self.b_beta.clone().unsqueeze::<2>());
-            let alpha = softplus(ra + self.b_alpha.clone().unsqueeze::<2>());
-            let vth = (rt + self.b_th.clone().unsqueeze::<2>()).abs() + v_th_min;
-            let u = alpha * i;
-            plif_elem(seq(beta), seq(u), seq(vth), v0)
-        };
+        // u = α·i, inside the scan kernel where the backend fuses it.
+        let (_, vpost) = plif_selective(
+            seq(i),
+            seq(rb),
+            seq(ra),
+            seq(rt),
+            self.b_beta.clone(),
+            self.b_alpha.clone(),
+            self.b_th.clone(),
+            v_th_min,
+            v0,
+        );
         let last = last_frame(&vpost);
         let out = self.W_out.forward(vpost.reshape([tk * b, dn])) * gate + skip;
         (out.reshape([tk, b, d]), last)
     }
-}
-
-/// PyTorch's softplus (β = 1) in the overflow-free form `max(x, 0) + log1p(e^{−|x|})`; its
-/// gradient is `σ(x)` like the reference's.
-pub(crate) fn softplus<B: Backend, const D: usize>(x: Tensor<B, D>) -> Tensor<B, D> {
-    x.clone().clamp_min(0.0) + x.abs().neg().exp().log1p()
 }

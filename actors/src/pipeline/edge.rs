@@ -145,25 +145,21 @@ impl Actor for EdgeActor {
                 ctx,
             } => {
                 let b = batch.clone();
-                let handoff = s.stage.handoff(true);
                 let r = s
                     .stage
-                    .compute(Priority::Forward(ctx.key(micro)), None, move |st, _| {
+                    .train_job(true, micro, &ctx, None, move |st, _| {
                         b.validate()?;
                         let tokens = Tokens {
                             ids: &b.inputs,
                             batch: b.batch,
                             seq_len: b.seq_len,
                         };
-                        let h = st
-                            .call(StageCall::Embed { micro, tokens })?
-                            .into_tensor("Embed")?;
-                        handoff.wait(&h)?;
-                        Ok(h)
+                        let r = st.call(StageCall::Embed { micro, tokens })?;
+                        Ok((r.into_tensor("Embed")?, ()))
                     })
                     .await;
                 match r {
-                    Ok(h) => {
+                    Ok((h, ())) => {
                         s.in_flight.insert(
                             micro,
                             InFlight {
@@ -194,10 +190,9 @@ impl Actor for EdgeActor {
                 let (b, loss_scale) = (f.batch.clone(), f.loss_scale);
                 // loss = ce + λ·Σ_l pc_l / L, scaled by `loss_scale`.
                 let ponder_grad = f.ponder_weight * loss_scale / s.num_layers as f64;
-                let handoff = s.stage.handoff(false);
                 let r = s
                     .stage
-                    .compute(Priority::Backward(ctx.key(micro)), Some(h), move |st, h| {
+                    .train_job(false, micro, &ctx, Some(h), move |st, h| {
                         let r = st.call(StageCall::Head {
                             h: h.expect("moved"),
                             targets: &b.targets,
@@ -205,13 +200,11 @@ impl Actor for EdgeActor {
                             loss_scale,
                         })?;
                         let ce = r.scalar(0, "Head")?;
-                        let grad = r.into_tensor("Head")?;
-                        handoff.wait(&grad)?;
-                        Ok((ce, grad))
+                        Ok((r.into_tensor("Head")?, ce))
                     })
                     .await;
                 match r {
-                    Ok((ce, grad)) => {
+                    Ok((grad, ce)) => {
                         if let Some(f) = s.in_flight.get_mut(&micro) {
                             f.result = Some((ce, ponder));
                         }

@@ -111,10 +111,7 @@ impl Actor for LayerActor {
                 ctx,
             } => {
                 let next = s.next.clone().ok_or("layer actor not wired")?;
-                let handoff = s.stage.handoff(true);
-                let priority = Priority::Forward(ctx.key(micro));
-                let successor = s.stage.successor(true, priority, &ctx);
-                let job = s.stage.submit(priority, successor, Some(h), move |st, h| {
+                let job = s.stage.train_job(true, micro, &ctx, Some(h), move |st, h| {
                     let r = st.call(StageCall::Forward {
                         micro,
                         h: h.expect("moved"),
@@ -124,9 +121,7 @@ impl Actor for LayerActor {
                         r.scalar(2, "Forward")?,
                         r.scalar(3, "Forward")?,
                     );
-                    let h = r.into_tensor("Forward")?;
-                    handoff.wait(&h)?;
-                    Ok((h, p))
+                    Ok((r.into_tensor("Forward")?, p))
                 });
                 let who = s.who();
                 // Answered from a task: the actor takes its next message at once (`submit`).
@@ -147,26 +142,20 @@ impl Actor for LayerActor {
                 ctx,
             } => {
                 let prev = s.prev.clone().ok_or("layer actor not wired")?;
-                let handoff = s.stage.handoff(false);
-                let priority = Priority::Backward(ctx.key(micro));
-                let successor = s.stage.successor(false, priority, &ctx);
                 let job = s
                     .stage
-                    .submit(priority, successor, Some(grad), move |st, g| {
-                        let g = st
-                            .call(StageCall::Backward {
-                                micro,
-                                grad: g.expect("moved"),
-                                ponder_grad,
-                            })?
-                            .into_tensor("Backward")?;
-                        handoff.wait(&g)?;
-                        Ok(g)
+                    .train_job(false, micro, &ctx, Some(grad), move |st, g| {
+                        let r = st.call(StageCall::Backward {
+                            micro,
+                            grad: g.expect("moved"),
+                            ponder_grad,
+                        })?;
+                        Ok((r.into_tensor("Backward")?, ()))
                     });
                 let who = s.who();
                 tokio::spawn(async move {
                     match job.await {
-                        Ok(g) => prev.backward(micro, g, ponder_grad, ctx),
+                        Ok((g, ())) => prev.backward(micro, g, ponder_grad, ctx),
                         Err(e) => fail_detached(who, micro, e, &ctx, &myself).await,
                     }
                 });
@@ -243,7 +232,6 @@ pub(super) fn answer<T: Send + 'static>(
     }
 }
 
-/// Reports a failed micro-batch to the step; a panic also stops the actor (its stage is gone).
 /// Reports a failed training job of `micro` to the step; true when a panic lost the stage.
 pub(super) async fn report_failure(
     who: &str,

@@ -209,19 +209,6 @@ pub struct StageHolder {
     same_worker: [bool; 2],
 }
 
-/// What a stage does before handing a tensor to its neighbour: on another device, wait until
-/// the tensor is computed ([`ComputeBackend::ready`]), so that the receiver, whose device runs
-/// its queue in order, never enqueues work that would idle it until ours finishes; on the same
-/// device, nothing (the queue orders it).
-#[derive(Clone)]
-pub struct Handoff(Option<Arc<dyn ComputeBackend>>);
-
-impl Handoff {
-    pub fn wait(&self, t: &DeviceTensor) -> Result<(), EngineError> {
-        self.0.as_ref().map_or(Ok(()), |b| b.ready(t))
-    }
-}
-
 impl StageHolder {
     pub fn new(
         who: impl Into<String>,
@@ -249,17 +236,39 @@ impl StageHolder {
         self
     }
 
-    /// The job a training job at `priority` hands on to in direction `forward`, when the
-    /// receiving layer shares this worker and the schedule is depth-first: the worker then
-    /// waits for it rather than slip other work in between ([`Worker::run_then`]).
-    pub fn successor(&self, forward: bool, priority: Priority, ctx: &StepCtx) -> Option<Priority> {
-        (ctx.depth_first && self.same_worker[usize::from(forward)]).then_some(priority)
-    }
-
-    /// The hand-off to the forward (`true`) or backward neighbour.
-    pub fn handoff(&self, forward: bool) -> Handoff {
-        let to = self.neighbours[usize::from(forward)];
-        Handoff((to != self.device).then(|| self.backend.clone()))
+    /// Queues a training job of `micro` whose output tensor goes on in direction `forward`
+    /// (activations to the next hop, gradients back to the previous one). The job runs at the
+    /// schedule's priority; under depth-first it names its successor when the receiving layer
+    /// shares this worker ([`Worker::run_then`]); and when the receiver is on another device it
+    /// returns only once the tensor is computed ([`ComputeBackend::ready`]), so the receiver,
+    /// whose device runs its queue in order, never enqueues work that would idle it until ours
+    /// finishes (on one device the queue orders it).
+    fn train_job<X: Send + 'static>(
+        &self,
+        forward: bool,
+        micro: u64,
+        ctx: &StepCtx,
+        h: Option<DeviceTensor>,
+        f: impl FnOnce(&mut dyn Stage, Option<DeviceTensor>) -> Result<(DeviceTensor, X), EngineError>
+        + Send
+        + 'static,
+    ) -> impl Future<Output = Result<(DeviceTensor, X), EngineError>> + Send + 'static {
+        let key = ctx.key(micro);
+        let priority = if forward {
+            Priority::Forward(key)
+        } else {
+            Priority::Backward(key)
+        };
+        let side = usize::from(forward);
+        let successor = (ctx.depth_first && self.same_worker[side]).then_some(priority);
+        let ready = (self.neighbours[side] != self.device).then(|| self.backend.clone());
+        self.submit(priority, successor, h, move |st, h| {
+            let (t, x) = f(st, h)?;
+            if let Some(backend) = &ready {
+                backend.ready(&t)?;
+            }
+            Ok((t, x))
+        })
     }
 
     pub fn backend(&self) -> &Arc<dyn ComputeBackend> {

@@ -221,7 +221,7 @@ impl Topology {
                     stage: StageHolder::new(
                         format!("layer {i}"),
                         stage,
-                        self.workers[1 + self.plan.stage_of(i)].clone(),
+                        self.workers[1 + stage_of(i)].clone(),
                         self.backend.clone(),
                         devices[i],
                     )

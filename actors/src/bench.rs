@@ -475,6 +475,86 @@ pub async fn serve_load(
     })
 }
 
+/// What [`generate_load`] measured.
+#[derive(Debug, Clone)]
+pub struct GenerateTimings {
+    pub sessions: usize,
+    /// Prompt through the model to the first token's logits.
+    pub prefill_p50_ms: f64,
+    /// One decoding step of one session (its token in, the next token's logits out).
+    pub step_p50_ms: f64,
+    pub step_p99_ms: f64,
+    /// Generated tokens over the wall time of the whole batch of sessions (prefill included).
+    pub tokens_per_s: f64,
+    /// Decoded tokens (after each session's first) over the time from the last prefill's end to
+    /// the last session's end: the steady-state rate.
+    pub decode_tokens_per_s: f64,
+    /// Mean sessions per batched pass while decoding.
+    pub mean_cohort: f64,
+}
+
+/// `sessions` concurrent greedy decoding sessions straight on the pipeline's decoder (no
+/// network), each feeding `prompt` and then generating `tokens` tokens, end tokens ignored.
+/// Run on the pipeline's runtime.
+pub async fn generate_load(
+    decoder: &crate::pipeline::AsyncDecoder,
+    sessions: usize,
+    prompt: &[i64],
+    tokens: usize,
+) -> Result<GenerateTimings, String> {
+    if sessions == 0 || tokens < 2 || prompt.is_empty() {
+        return Err("generate_load needs ≥ 1 session, ≥ 2 tokens and a prompt".into());
+    }
+    let (c0, n0) = decoder.batch_counts();
+    let start = Instant::now();
+    let runs: Vec<_> = (0..sessions)
+        .map(|_| {
+            let d = decoder.clone();
+            let prompt = prompt.to_vec();
+            tokio::spawn(async move {
+                let s = d.session();
+                let t0 = Instant::now();
+                let r = async {
+                    let mut logits = d.feed(s, prompt).await.map_err(|e| e.to_string())?;
+                    let prefilled = Instant::now();
+                    let mut steps = Vec::with_capacity(tokens);
+                    for _ in 1..tokens {
+                        let next = crate::engine::argmax(&logits) as i64;
+                        let t = Instant::now();
+                        logits = d.feed(s, vec![next]).await.map_err(|e| e.to_string())?;
+                        steps.push(t.elapsed().as_secs_f64());
+                    }
+                    Ok::<_, String>(((prefilled - t0).as_secs_f64(), prefilled, steps))
+                }
+                .await;
+                d.close(s).await;
+                r.map(|(p, at, steps)| (p, at, steps, Instant::now()))
+            })
+        })
+        .collect();
+    let (mut prefills, mut steps) = (Vec::new(), Vec::new());
+    let (mut last_prefill, mut end) = (start, start);
+    for r in runs {
+        let (p, at, s, done) = r.await.map_err(|e| e.to_string())??;
+        prefills.push(p);
+        steps.extend(s);
+        last_prefill = last_prefill.max(at);
+        end = end.max(done);
+    }
+    let wall = (end - start).as_secs_f64();
+    let (c1, n1) = decoder.batch_counts();
+    Ok(GenerateTimings {
+        sessions,
+        prefill_p50_ms: pct(&mut prefills, 0.5) * 1e3,
+        step_p50_ms: pct(&mut steps, 0.5) * 1e3,
+        step_p99_ms: pct(&mut steps, 0.99) * 1e3,
+        tokens_per_s: (sessions * tokens) as f64 / wall,
+        decode_tokens_per_s: (sessions * (tokens - 1)) as f64
+            / (end - last_prefill).as_secs_f64().max(1e-9),
+        mean_cohort: (n1 - n0) as f64 / (c1 - c0).max(1) as f64,
+    })
+}
+
 /// An integer of the `[model]` table, as f64.
 fn model_int(model: &toml::Table, k: &str) -> Result<f64, String> {
     model

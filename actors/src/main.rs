@@ -234,6 +234,61 @@ enum BenchCommand {
     /// through the actor pipeline; tokens/s, step time, model TFLOP/s and MFU, per-stage busy
     /// time, device memory.
     Train(TrainBenchArgs),
+    /// Greedy decoding throughput: concurrent sessions straight on the pipeline's batched
+    /// decoder (no network); prefill time, per-step latency p50/p99, aggregate tokens/s and the
+    /// weight-streaming ceiling.
+    Generate(GenerateBenchArgs),
+    /// One decoder layer's decoding step on the backend's device without actors: the whole
+    /// step, its parts, and the launch-overhead and GEMM probes that bound it.
+    DecodeProfile(DecodeProfileArgs),
+}
+
+#[derive(clap::Args)]
+struct DecodeProfileArgs {
+    /// Backend plugin (or `embedded`).
+    #[arg(long, default_value = "cuda")]
+    backend: String,
+    /// Projection GEMM arithmetic: fp32 or bf16 (CUDA).
+    #[arg(long, value_parser = ["fp32", "bf16"], default_value = "fp32")]
+    precision: String,
+    /// `batch=` (sessions), `reps=`, `config=tiny`.
+    #[arg(long, default_value = "")]
+    options: String,
+}
+
+#[derive(clap::Args)]
+struct GenerateBenchArgs {
+    /// Run config whose model is freshly initialised (default: the embedded configs/tiny.toml).
+    #[arg(long, conflicts_with = "checkpoint")]
+    config: Option<PathBuf>,
+    /// A checkpoint to decode with instead of a fresh model.
+    #[arg(long)]
+    checkpoint: Option<PathBuf>,
+    /// Backend (default: the config's or the run's, else the embedded CPU one).
+    #[arg(long)]
+    backend: Option<String>,
+    /// Projection GEMM arithmetic: fp32 or bf16 (CUDA).
+    #[arg(long, value_parser = ["fp32", "bf16"])]
+    precision: Option<String>,
+    /// Concurrent sessions to measure (comma-separated).
+    #[arg(long, value_delimiter = ',', default_value = "1,8,64")]
+    sessions: Vec<usize>,
+    /// Tokens each session generates (the first comes from the prefill).
+    #[arg(long, default_value_t = 64)]
+    tokens: usize,
+    /// Prompt length in tokens (a fixed synthetic prompt).
+    #[arg(long, default_value_t = 16)]
+    prompt_len: usize,
+    /// Pipeline stages.
+    #[arg(long, default_value_t = 1)]
+    pipeline: usize,
+    /// Devices for the stages, e.g. `0,1`.
+    #[arg(long, value_delimiter = ',')]
+    devices: Option<Vec<usize>>,
+    /// The device's memory bandwidth in GB/s for the weight-streaming ceiling (default: H100
+    /// SXM's measured copy bandwidth, 2,852).
+    #[arg(long, default_value_t = 2852.0)]
+    bandwidth_gbs: f64,
 }
 
 #[derive(clap::Args)]
@@ -449,6 +504,8 @@ fn main() -> ExitCode {
         Command::Bench(BenchCommand::Serve(args)) => serve_bench_cmd(args),
         Command::Bench(BenchCommand::Kernels(args)) => kernels_cmd(args),
         Command::Bench(BenchCommand::Train(args)) => train_bench_cmd(args),
+        Command::Bench(BenchCommand::Generate(args)) => generate_bench_cmd(args),
+        Command::Bench(BenchCommand::DecodeProfile(a)) => decode_profile_cmd(a),
         Command::Verify(VerifyCommand::TinyA(args)) => verify_cmd(args),
         Command::Tokenizer(TokenizerCommand::Train(a)) => {
             nsactor_data::cli::tokenizer_train(&a).map_err(Into::into)
@@ -1028,6 +1085,125 @@ fn serve_bench_cmd(a: ServeBenchArgs) -> Result<(), Box<dyn std::error::Error>> 
         }
         Ok::<_, Box<dyn std::error::Error>>(())
     })
+}
+
+fn decode_profile_cmd(a: DecodeProfileArgs) -> Result<(), Box<dyn std::error::Error>> {
+    // The CPU backend has one precision and takes no options.
+    let options = if a.backend == "cuda" {
+        format!("precision={}", a.precision)
+    } else {
+        String::new()
+    };
+    let b = backend::open_with(&a.backend, &[], &options)?;
+    print!("{}", b.bench("decode-profile", &a.options)?);
+    Ok(())
+}
+
+fn generate_bench_cmd(a: GenerateBenchArgs) -> Result<(), Box<dyn std::error::Error>> {
+    if a.tokens < 2 || a.prompt_len == 0 || a.sessions.contains(&0) {
+        return Err("--tokens must be ≥ 2, --prompt-len ≥ 1 and every --sessions ≥ 1".into());
+    }
+    let l = match &a.checkpoint {
+        Some(c) => load_model(&ModelArgs {
+            checkpoint: c.clone(),
+            backend: a.backend.clone(),
+            pipeline: a.pipeline,
+            devices: a.devices.clone(),
+            tokenizer: None,
+            precision: a.precision.clone(),
+        })?,
+        None => {
+            let mut cfg = RunConfig::load(a.config.as_deref())?;
+            if let Some(p) = a.precision.clone() {
+                cfg.backend.precision = Some(p);
+            }
+            let compute = open_run_backend(&cfg, a.backend.as_deref())?;
+            let devices = a.devices.clone().unwrap_or_else(|| vec![0]);
+            check_devices(compute.as_ref(), &devices)?;
+            let model_toml = cfg.model_toml();
+            let plan = PipelinePlan::balanced(model_layers(&model_toml)?, a.pipeline, &devices)?;
+            let model = StagedModel::open(
+                compute,
+                &model_toml,
+                cfg.train.seed,
+                OptimizerKind::Adam,
+                Some(plan.placement()),
+            )?;
+            Loaded {
+                pipeline: Pipeline::start(model, plan, cfg.train.clone(), None)?,
+                tokenizer: Arc::new(nsactor_data::Tokenizer::bundled()),
+                vocab: cfg.vocab_size().ok_or("[model] has no vocab_size")?,
+                name: a
+                    .config
+                    .as_ref()
+                    .map_or("embedded configs/tiny.toml".into(), |p| {
+                        p.display().to_string()
+                    }),
+                config: cfg,
+            }
+        }
+    };
+    let info = l.pipeline.backend().info();
+    let params = l.pipeline.param_count();
+    let precision = l.config.backend.precision.clone().unwrap_or("fp32".into());
+    let bytes = if precision == "bf16" { 2.0 } else { 4.0 };
+    // Batch-1 decoding reads every weight once per token.
+    let ceiling = a.bandwidth_gbs * 1e9 / (params as f64 * bytes);
+    println!(
+        "generate bench: {} ({params} parameters) on {} {} ({}), GEMMs {precision}, pipeline {}; prompt {} tokens, {} tokens per session, greedy",
+        l.name,
+        info.name,
+        info.version,
+        info.devices.join(", "),
+        a.pipeline,
+        a.prompt_len,
+        a.tokens
+    );
+    println!(
+        "batch-1 ceiling: {:.2} GB of {precision} weights per token at {} GB/s = {ceiling:.0} tokens/s",
+        params as f64 * bytes / 1e9,
+        a.bandwidth_gbs
+    );
+    println!(
+        "{:>9} {:>16} {:>14} {:>14} {:>16} {:>18} {:>12}",
+        "sessions",
+        "prefill p50 (ms)",
+        "step p50 (ms)",
+        "step p99 (ms)",
+        "tokens/s (all)",
+        "tokens/s (decode)",
+        "mean cohort"
+    );
+    let vocab = l.vocab;
+    let prompt: Vec<i64> = (0..a.prompt_len)
+        .map(|i| ((i * 7919 + 101) % vocab.max(1)) as i64)
+        .collect();
+    let decoder = l.pipeline.decoder(vocab);
+    l.pipeline.block_on(async {
+        // Warm-up at every batch size measured (kernel compilation, autotuning, pool growth).
+        for &n in &a.sessions {
+            nsactor::bench::generate_load(&decoder, n, &prompt, 4).await?;
+        }
+        for &n in &a.sessions {
+            let t = nsactor::bench::generate_load(&decoder, n, &prompt, a.tokens).await?;
+            println!(
+                "{:>9} {:>16.1} {:>14.2} {:>14.2} {:>16.0} {:>18.0} {:>12.1}",
+                t.sessions,
+                t.prefill_p50_ms,
+                t.step_p50_ms,
+                t.step_p99_ms,
+                t.tokens_per_s,
+                t.decode_tokens_per_s,
+                t.mean_cohort
+            );
+        }
+        Ok::<_, Box<dyn std::error::Error>>(())
+    })?;
+    match l.pipeline.backend().bench("memory", "") {
+        Ok(m) => print!("{m}"),
+        Err(e) => println!("device memory: not reported by this backend ({e})"),
+    }
+    Ok(())
 }
 
 fn recovery_cmd(args: RecoveryArgs) -> Result<(), Box<dyn std::error::Error>> {

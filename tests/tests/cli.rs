@@ -716,3 +716,91 @@ fn bench_train_reports_throughput_busy_time_and_flops() {
     let err = run_err(&["bench", "train", "--steps", "0"]);
     assert!(err.contains("--steps"), "{err}");
 }
+
+#[test]
+fn bench_generate_batches_concurrent_sessions_and_decode_profile_splits_a_layer() {
+    let stdout = run_stdout(&[
+        "bench",
+        "generate",
+        "--sessions",
+        "1,3",
+        "--tokens",
+        "5",
+        "--prompt-len",
+        "4",
+    ]);
+    // One row per session count: sessions, prefill, step p50/p99, tokens/s ×2, mean cohort.
+    let rows: Vec<Vec<f64>> = stdout
+        .lines()
+        .filter_map(|l| {
+            let v: Vec<f64> = l
+                .split_whitespace()
+                .map(|w| w.parse::<f64>())
+                .collect::<Result<_, _>>()
+                .ok()?;
+            (v.len() == 7).then_some(v)
+        })
+        .collect();
+    assert_eq!(rows.len(), 2, "{stdout}");
+    for (r, n) in rows.iter().zip([1.0, 3.0]) {
+        assert_eq!(r[0], n, "{stdout}");
+        assert!(r[1..6].iter().all(|x| x.is_finite() && *x > 0.0), "{r:?}");
+        assert!(r[2] <= r[3], "p50 above p99: {r:?}");
+        // The three sessions decode in shared passes (the batcher), one session alone.
+        assert!(r[6] >= 1.0 && r[6] <= n, "{r:?}");
+    }
+    assert!(rows[1][6] > 1.5, "3 sessions were not batched: {stdout}");
+    assert!(stdout.contains("batch-1 ceiling"), "{stdout}");
+    let err = run_err(&["bench", "generate", "--tokens", "1"]);
+    assert!(err.contains("--tokens"), "{err}");
+
+    let stdout = run_stdout(&[
+        "bench",
+        "decode-profile",
+        "--backend",
+        "embedded",
+        "--options",
+        "config=tiny,reps=3",
+    ]);
+    let micros = |name: &str| -> f64 {
+        let l = stdout
+            .lines()
+            .find(|l| l.trim_start().starts_with(name))
+            .unwrap_or_else(|| panic!("no `{name}` row in:\n{stdout}"));
+        l.split_whitespace().rev().nth(1).unwrap().parse().unwrap()
+    };
+    let whole = micros("whole layer");
+    let parts: f64 = [
+        "RMSNorm",
+        "input PLIF",
+        "SNNBlock",
+        "PonderAgg",
+        "out projection",
+        "SNNFFN",
+    ]
+    .iter()
+    .map(|p| micros(p))
+    .sum();
+    assert!(whole > 0.0 && parts > 0.0, "{stdout}");
+    // The parts are most of the layer (the second sublayer repeats the first's norm and PLIF).
+    assert!(parts > 0.3 * whole && parts < 3.0 * whole, "{stdout}");
+    let err = run_err(&[
+        "bench",
+        "decode-profile",
+        "--backend",
+        "embedded",
+        "--options",
+        "batch=0",
+    ]);
+    assert!(err.contains("batch"), "{err}");
+}
+
+fn run_stdout(args: &[&str]) -> String {
+    let out = nsactor().args(args).output().unwrap();
+    assert!(
+        out.status.success(),
+        "{args:?} failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}

@@ -12,6 +12,7 @@
 
 mod edge;
 mod layer;
+pub mod profile;
 mod sessions;
 mod state;
 
@@ -213,6 +214,9 @@ impl<B: SnnOps> ComputeBackend for BurnBackend<B> {
                 }
                 report.map_err(EngineError::Backend)
             }
+            "decode-profile" => {
+                profile::decode_profile::<B>(self.device(0)?, options).map_err(EngineError::Backend)
+            }
             other => match self.benches.iter().find(|(n, _)| *n == other) {
                 Some((_, bench)) => {
                     let devices: Vec<B::Device> =
@@ -220,7 +224,7 @@ impl<B: SnnOps> ComputeBackend for BurnBackend<B> {
                     bench(&devices, options).map_err(EngineError::Backend)
                 }
                 None => Err(EngineError::InvalidInput(format!(
-                    "unknown benchmark `{other}` (kernels{})",
+                    "unknown benchmark `{other}` (kernels, decode-profile{})",
                     self.benches
                         .iter()
                         .map(|(n, _)| format!(", {n}"))

@@ -32,15 +32,24 @@ pub struct BackendConfig {
     /// reference) or `bf16` (bf16 inputs, fp32 accumulation; CUDA only). Master weights,
     /// optimizer state, membrane states and elementwise work stay fp32 either way.
     pub precision: Option<String>,
+    /// How the CUDA plugin maps worker threads to streams: `shared` (its default: one stream
+    /// and one memory pool per GPU) or `per-thread` (CubeCL's own: a stream and a pool per
+    /// thread, so stages on one GPU may overlap, at the memory of one pool each).
+    #[serde(default)]
+    pub streams: Option<String>,
 }
 
 impl BackendConfig {
-    /// The option string handed to the plugin when it is opened (`precision=…`).
+    /// The option string handed to the plugin when it is opened (`precision=…,streams=…`).
     pub fn plugin_options(&self) -> String {
-        match &self.precision {
-            Some(p) => format!("precision={p}"),
-            None => String::new(),
-        }
+        [
+            self.precision.as_ref().map(|p| format!("precision={p}")),
+            self.streams.as_ref().map(|s| format!("streams={s}")),
+        ]
+        .into_iter()
+        .flatten()
+        .collect::<Vec<_>>()
+        .join(",")
     }
 }
 
@@ -183,6 +192,15 @@ impl RunConfig {
                 format!("[backend] precision = `{p}`: expected `fp32` or `bf16`"),
             ));
         }
+        if let Some(s) = &cfg.backend.streams
+            && s != "shared"
+            && s != "per-thread"
+        {
+            return Err(ConfigError::Parse(
+                origin.into(),
+                format!("[backend] streams = `{s}`: expected `shared` or `per-thread`"),
+            ));
+        }
         Ok(cfg)
     }
 
@@ -279,5 +297,28 @@ mod schedule_tests {
             .try_into()
             .unwrap();
         assert_eq!(parsed, Schedule::Auto);
+    }
+}
+
+#[cfg(test)]
+mod backend_tests {
+    use super::{DEFAULT_CONFIG, RunConfig};
+
+    fn with(backend: &str) -> Result<RunConfig, super::ConfigError> {
+        RunConfig::from_str(&format!("{DEFAULT_CONFIG}\n[backend]\n{backend}"), "test")
+    }
+
+    #[test]
+    fn backend_options_reach_the_plugin_and_bad_values_are_refused() {
+        let cfg = with("precision = \"bf16\"\nstreams = \"per-thread\"\n").unwrap();
+        assert_eq!(
+            cfg.backend.plugin_options(),
+            "precision=bf16,streams=per-thread"
+        );
+        let cfg = with("streams = \"shared\"\n").unwrap();
+        assert_eq!(cfg.backend.plugin_options(), "streams=shared");
+        assert_eq!(with("").unwrap().backend.plugin_options(), "");
+        let e = with("streams = \"two\"\n").unwrap_err().to_string();
+        assert!(e.contains("streams") && e.contains("per-thread"), "{e}");
     }
 }

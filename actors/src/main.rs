@@ -1184,8 +1184,22 @@ fn generate_bench_cmd(a: GenerateBenchArgs) -> Result<(), Box<dyn std::error::Er
         for &n in &a.sessions {
             nsactor::bench::generate_load(&decoder, n, &prompt, 4).await?;
         }
+        let mut host = Vec::new();
         for &n in &a.sessions {
+            let (c0, _) = decoder.batch_counts();
+            let b0 = l.pipeline.busy();
             let t = nsactor::bench::generate_load(&decoder, n, &prompt, a.tokens).await?;
+            let (c1, _) = decoder.batch_counts();
+            let per_pass: Vec<String> = l
+                .pipeline
+                .busy()
+                .iter()
+                .zip(&b0)
+                .map(|((name, s1, _), (_, s0, _))| {
+                    format!("{name} {:.2} ms", (s1 - s0) * 1e3 / (c1 - c0).max(1) as f64)
+                })
+                .collect();
+            host.push((n, per_pass.join(", ")));
             println!(
                 "{:>9} {:>16.1} {:>14.2} {:>14.2} {:>16.0} {:>18.0} {:>12.1}",
                 t.sessions,
@@ -1196,6 +1210,12 @@ fn generate_bench_cmd(a: GenerateBenchArgs) -> Result<(), Box<dyn std::error::Er
                 t.decode_tokens_per_s,
                 t.mean_cohort
             );
+        }
+        println!(
+            "host time inside stage calls per batched pass (prefill and decode passes alike):"
+        );
+        for (n, line) in host {
+            println!("  {n:>4} sessions: {line}");
         }
         Ok::<_, Box<dyn std::error::Error>>(())
     })?;

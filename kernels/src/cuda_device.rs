@@ -152,3 +152,15 @@ pub fn to_device(t: CudaTensor, device: &CudaDevice) -> CudaTensor {
     drop(t);
     out
 }
+
+/// Puts the calling thread's CubeCL work on stream 0 of each device, the stream every thread
+/// that calls this shares (CubeCL otherwise gives each thread its own stream and memory pool).
+pub fn share_stream() {
+    use cubecl::stream_id::StreamId;
+    // SAFETY: only sets this thread's stream id. CubeCL's device server runs each stream's work
+    // in submission order, so threads sharing a stream stay ordered among themselves, and a
+    // tensor made by one of them is used by another without a cross-stream event.
+    unsafe {
+        StreamId::swap(StreamId { value: 0 });
+    }
+}

@@ -206,7 +206,7 @@ fn backward_kernel(
     g_v0[c] = acc;
 }
 
-fn out_like<R: CubeRuntime>(like: &CubeTensor<R>, shape: Shape) -> CubeTensor<R> {
+pub(crate) fn out_like<R: CubeRuntime>(like: &CubeTensor<R>, shape: Shape) -> CubeTensor<R> {
     empty_device_contiguous_dtype(like.client.clone(), like.device.clone(), shape, like.dtype)
 }
 
@@ -326,7 +326,7 @@ pub fn backward<R: CubeRuntime>(
 /// `σ(x)` exactly as burn composes it from tensor ops (`exp(−ln(e^{−x} + 1))`), so the fused
 /// kernels and the composed model agree bit for bit on β.
 #[cube]
-fn sigmoid_burn(x: f32) -> f32 {
+pub(crate) fn sigmoid_burn(x: f32) -> f32 {
     let e = (-x).exp();
     (-((e + 1.0f32).ln())).exp()
 }

@@ -40,12 +40,14 @@ pub mod cuda_device;
 #[cfg(feature = "cuda")]
 pub mod cuda_gemm;
 #[cfg(feature = "cuda")]
+pub mod cuda_ponder;
+#[cfg(feature = "cuda")]
 pub mod cuda_scan;
 mod ops;
 pub mod reference;
 
 pub use ops::{
     PlifGrads, PlifOutput, SelectiveGrads, SelectiveInputs, SnnOps, matmul, plif_elem, plif_row,
-    plif_selective, selective_backward_reference, selective_forward_reference,
+    plif_selective, ponder_agg_fused, selective_backward_reference, selective_forward_reference,
     selective_modulation, softplus,
 };

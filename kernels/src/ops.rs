@@ -87,6 +87,23 @@ pub trait SnnOps: Backend {
         false
     }
 
+    /// PonderNet halting and aggregation in one kernel, for inference only (no backward):
+    /// `frames` `[T·K, B, D]`, the halt projection's weight `[D]` and bias `[1]` → the aggregate
+    /// `[T, B, D]` and E[K] `[T, B]`, with `p = clamp(σ(logit), c, 1 − c)` and λ normalised by
+    /// `Σλ + eps` (SPEC §2.3). `None` (the default, and always on autodiff backends): the model
+    /// composes it from tensor ops.
+    fn ponder_agg_fused(
+        frames: FloatTensor<Self>,
+        halt_w: FloatTensor<Self>,
+        halt_b: FloatTensor<Self>,
+        k: usize,
+        clamp: f64,
+        eps: f64,
+    ) -> Option<(FloatTensor<Self>, FloatTensor<Self>)> {
+        let _ = (frames, halt_w, halt_b, k, clamp, eps);
+        None
+    }
+
     /// The selective scan with the SNNBlock modulation fused in (SPEC §2.3, Eq. 5–7):
     /// `β = σ(r_β + b_β)`, `α = softplus(r_α + b_α)`, `V_th = V_min + |r_th + b_th|`,
     /// `u = α·i`, then the per-element scan. Default: [`selective_forward_reference`].
@@ -309,6 +326,20 @@ pub fn plif_selective<B: SnnOps>(
     (wrap(out.spike), wrap(out.vpost))
 }
 
+/// [`SnnOps::ponder_agg_fused`] on tensors: `Some((aggregate [T, B, D], E[K] [T, B]))` where the
+/// backend fuses it, else `None`. `halt_w` `[D]`, `halt_b` `[1]`.
+pub fn ponder_agg_fused<B: SnnOps>(
+    frames: Tensor<B, 3>,
+    halt_w: Tensor<B, 1>,
+    halt_b: Tensor<B, 1>,
+    k: usize,
+    clamp: f64,
+    eps: f64,
+) -> Option<(Tensor<B, 3>, Tensor<B, 2>)> {
+    B::ponder_agg_fused(prim(frames), prim(halt_w), prim(halt_b), k, clamp, eps)
+        .map(|(agg, ek)| (wrap(agg), wrap(ek)))
+}
+
 /// `lhs [M, K] · rhs [K, N]` through [`SnnOps::gemm`], differentiable.
 pub fn matmul<B: SnnOps>(lhs: Tensor<B, 2>, rhs: Tensor<B, 2>) -> Tensor<B, 2> {
     wrap(B::gemm(prim(lhs), prim(rhs)))
@@ -419,6 +450,24 @@ impl SnnOps for burn_cuda::Cuda<f32, i32> {
 
     fn fuses_modulation() -> bool {
         true
+    }
+
+    fn ponder_agg_fused(
+        frames: FloatTensor<Self>,
+        halt_w: FloatTensor<Self>,
+        halt_b: FloatTensor<Self>,
+        k: usize,
+        clamp: f64,
+        eps: f64,
+    ) -> Option<(FloatTensor<Self>, FloatTensor<Self>)> {
+        Some(crate::cuda_ponder::ponder_agg(
+            frames,
+            halt_w,
+            halt_b,
+            k,
+            clamp as f32,
+            eps as f32,
+        ))
     }
 
     fn plif_selective_forward(inp: SelectiveInputs<Self>) -> PlifOutput<Self> {

@@ -201,8 +201,32 @@ fn centred<B: SnnOps>(proj: &Linear<B>, agg: Tensor<B, 3>) -> Tensor<B, 3> {
 
 /// PonderNet aggregation over the K frames of each token (SPEC §2.3): geometric halting
 /// `λ_k = p_k·Π_{j<k}(1 − p_j)`, normalised by `Σλ` (not PonderNet's remainder-to-last-step).
-/// `frames` `[T·K, B, D]` → aggregate `[T, B, D]` and E[K] `[T, B]`.
+/// `frames` `[T·K, B, D]` → aggregate `[T, B, D]` and E[K] `[T, B]`. One kernel where the
+/// backend fuses it for inference ([`nsactor_kernels::SnnOps::ponder_agg_fused`]), else composed.
 pub fn ponder_agg<B: SnnOps>(
+    frames: Tensor<B, 3>,
+    halt: &Linear<B>,
+    k: usize,
+) -> (Tensor<B, 3>, Tensor<B, 2>) {
+    let d = frames.dims()[2];
+    if let Some(bias) = &halt.bias
+        && let Some(fused) = nsactor_kernels::ponder_agg_fused(
+            frames.clone(),
+            halt.weight.clone().reshape([d]),
+            bias.clone(),
+            k,
+            consts::HALT_CLAMP,
+            consts::HALT_NORM_EPS,
+        )
+    {
+        return fused;
+    }
+    ponder_agg_composed(frames, halt, k)
+}
+
+/// [`ponder_agg`] composed from tensor ops (what autodiff differentiates, and the reference the
+/// fused kernel is checked against).
+pub fn ponder_agg_composed<B: SnnOps>(
     frames: Tensor<B, 3>,
     halt: &Linear<B>,
     k: usize,

@@ -25,8 +25,8 @@ use burn::tensor::{Tensor, TensorData, backend::Backend};
 use nsactor_kernels::SnnOps;
 use nsactor_model::ModelConfig;
 use nsactor_plugin_api::{
-    BackendInfo, ComputeBackend, DeviceTensor, EngineError, HostTensor, Stage, StageKind,
-    StageSpec, TensorObject,
+    BackendInfo, ComputeBackend, DeviceTensor, EngineError, HostTensor, Reply, Stage, StageCall,
+    StageKind, StageSpec, TensorObject,
 };
 use std::any::Any;
 
@@ -80,6 +80,31 @@ pub struct BurnBackend<B: SnnOps> {
     devices: Vec<(B::Device, String)>,
     kernel_benches: Vec<(&'static str, KernelBench<B>)>,
     benches: Vec<(&'static str, NamedBench<B>)>,
+    enter: fn(),
+}
+
+/// A stage whose every call first runs the backend's per-thread setup ([`BurnBackend::with_enter`]).
+struct Entered {
+    stage: Box<dyn Stage>,
+    enter: fn(),
+}
+
+impl Stage for Entered {
+    fn call(&mut self, call: StageCall<'_>) -> Result<Reply, EngineError> {
+        (self.enter)();
+        self.stage.call(call)
+    }
+    fn save(&self) -> Result<Vec<u8>, EngineError> {
+        (self.enter)();
+        self.stage.save()
+    }
+    fn load(&mut self, bytes: &[u8]) -> Result<(), EngineError> {
+        (self.enter)();
+        self.stage.load(bytes)
+    }
+    fn param_count(&self) -> u64 {
+        self.stage.param_count()
+    }
 }
 
 impl<B: SnnOps> BurnBackend<B> {
@@ -91,7 +116,15 @@ impl<B: SnnOps> BurnBackend<B> {
             devices,
             kernel_benches: Vec::new(),
             benches: Vec::new(),
+            enter: || {},
         }
+    }
+
+    /// Runs `enter` on the calling thread before every call into the backend and its stages
+    /// (e.g. to put every worker thread's work on one device stream).
+    pub fn with_enter(mut self, enter: fn()) -> Self {
+        self.enter = enter;
+        self
     }
 
     /// Adds a named benchmark (e.g. `memory`) that `bench(name, options)` runs.
@@ -129,6 +162,7 @@ impl<B: SnnOps> ComputeBackend for BurnBackend<B> {
     }
 
     fn from_host(&self, device: usize, t: &HostTensor) -> Result<DeviceTensor, EngineError> {
+        (self.enter)();
         let dev = self.device(device)?;
         let [a, b, c] = <[usize; 3]>::try_from(t.shape.as_slice()).map_err(|_| {
             EngineError::InvalidInput(format!("tensors are 3-D, got shape {:?}", t.shape))
@@ -146,6 +180,7 @@ impl<B: SnnOps> ComputeBackend for BurnBackend<B> {
     }
 
     fn to_host(&self, t: &DeviceTensor) -> Result<HostTensor, EngineError> {
+        (self.enter)();
         let a = t.downcast_ref::<Act<B>>().ok_or_else(|| {
             EngineError::InvalidInput("to_host: the tensor belongs to another backend".into())
         })?;
@@ -161,6 +196,7 @@ impl<B: SnnOps> ComputeBackend for BurnBackend<B> {
     }
 
     fn ready(&self, t: &DeviceTensor) -> Result<(), EngineError> {
+        (self.enter)();
         let x = t.downcast_ref::<Act<B>>().ok_or_else(|| {
             EngineError::InvalidInput(format!(
                 "ready: tensor {:?} belongs to another backend",
@@ -171,6 +207,7 @@ impl<B: SnnOps> ComputeBackend for BurnBackend<B> {
     }
 
     fn to_device(&self, t: DeviceTensor, device: usize) -> Result<DeviceTensor, EngineError> {
+        (self.enter)();
         let dev = self.device(device)?.clone();
         let x = act::<B>(t, "to_device")?;
         let moved = B::move_to_device(x.into_primitive().tensor(), &dev);
@@ -180,6 +217,7 @@ impl<B: SnnOps> ComputeBackend for BurnBackend<B> {
     }
 
     fn bench(&self, what: &str, options: &str) -> Result<String, EngineError> {
+        (self.enter)();
         match what {
             "kernels" => {
                 // Options go to the benchmark whose prefix their key carries; the rest to the scans.
@@ -235,10 +273,11 @@ impl<B: SnnOps> ComputeBackend for BurnBackend<B> {
     }
 
     fn open_stage(&self, spec: &StageSpec) -> Result<Box<dyn Stage>, EngineError> {
+        (self.enter)();
         let dev = self.device(spec.device)?.clone();
         let cfg = ModelConfig::from_toml_str(&spec.model_toml)
             .map_err(|e| EngineError::InvalidInput(e.to_string()))?;
-        Ok(match spec.kind {
+        let stage: Box<dyn Stage> = match spec.kind {
             StageKind::Edge => Box::new(EdgeStage::<B>::new(cfg, spec, dev)),
             StageKind::Layer(i) => {
                 if i >= cfg.num_layers {
@@ -249,6 +288,10 @@ impl<B: SnnOps> ComputeBackend for BurnBackend<B> {
                 }
                 Box::new(LayerStage::<B>::new(cfg, i, spec, dev))
             }
-        })
+        };
+        Ok(Box::new(Entered {
+            stage,
+            enter: self.enter,
+        }))
     }
 }

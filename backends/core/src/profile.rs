@@ -3,10 +3,10 @@
 //! bound it from below — the host cost of one tiny elementwise op (launch overhead) and one
 //! decode-shaped projection GEMM.
 
-use burn::tensor::{Distribution, Tensor};
+use burn::tensor::{Distribution, ElementConversion, Tensor};
 use nsactor_kernels::SnnOps;
 use nsactor_model::init::Rng;
-use nsactor_model::layer::ponder_agg;
+use nsactor_model::layer::{ponder_agg, ponder_agg_composed};
 use nsactor_model::{LayerState, ModelConfig, SnnDecoderLayer};
 use std::time::Instant;
 
@@ -53,21 +53,23 @@ pub fn decode_profile<B: SnnOps>(device: &B::Device, options: &str) -> Result<St
         "decode step of one layer (D = {d}, N = {}, K = {k}, D_ff = {}), batch {batch}, {reps} reps:\n",
         cfg.n, cfg.d_ff
     );
-    let mut row = |name: &str, s: f64| {
+    let row = |out: &mut String, name: &str, s: f64| {
         out.push_str(&format!("  {name:<44} {:>9.1} µs\n", s * 1e6));
     };
     let whole = time(reps, &mut || {
         let _ = layer.forward(h.clone(), state.clone(), &cfg);
     })?;
-    row("whole layer (forward of one token)", whole);
+    row(&mut out, "whole layer (forward of one token)", whole);
     let x = layer.block_norm.forward(h.clone());
     row(
+        &mut out,
         "RMSNorm",
         time(reps, &mut || {
             let _ = layer.block_norm.forward(h.clone());
         })?,
     );
     row(
+        &mut out,
         "input PLIF (K frames)",
         time(reps, &mut || {
             let _ = layer.input_neuron1.forward_tokens(
@@ -83,6 +85,7 @@ pub fn decode_profile<B: SnnOps>(device: &B::Device, options: &str) -> Result<St
             .input_neuron1
             .forward_tokens(x.clone(), k, state.input1.clone(), cfg.plif_out);
     row(
+        &mut out,
         "SNNBlock (7 projections + selective scan)",
         time(reps, &mut || {
             let _ = layer
@@ -94,13 +97,38 @@ pub fn decode_profile<B: SnnOps>(device: &B::Device, options: &str) -> Result<St
         .snn_block
         .forward(a1.clone(), state.hidden.clone(), cfg.v_th_min);
     row(
+        &mut out,
         "PonderAgg (halt + weighted sum)",
         time(reps, &mut || {
             let _ = ponder_agg(c1.clone(), &layer.block_halt, k);
         })?,
     );
-    let (agg, _) = ponder_agg(c1.clone(), &layer.block_halt, k);
     row(
+        &mut out,
+        "PonderAgg composed from tensor ops",
+        time(reps, &mut || {
+            let _ = ponder_agg_composed(c1.clone(), &layer.block_halt, k);
+        })?,
+    );
+    let (agg, ek) = ponder_agg(c1.clone(), &layer.block_halt, k);
+    // The fused kernel (where the backend has one) against the composition: refuse a wrong one.
+    let (agg_ref, ek_ref) = ponder_agg_composed(c1.clone(), &layer.block_halt, k);
+    let rel = |a: Tensor<B, 3>, b: Tensor<B, 3>| -> f32 {
+        let scale = b.clone().abs().max().into_scalar().elem::<f32>().max(1e-30);
+        (a - b).abs().max().into_scalar().elem::<f32>() / scale
+    };
+    let err_agg = rel(agg.clone(), agg_ref);
+    let err_ek = rel(ek.unsqueeze::<3>(), ek_ref.unsqueeze::<3>());
+    out.push_str(&format!(
+        "  PonderAgg as run vs composed: aggregate {err_agg:.2e}, E[K] {err_ek:.2e} (max error / max |value|)\n"
+    ));
+    if !(err_agg <= 1e-4 && err_ek <= 1e-4) {
+        return Err(format!(
+            "{out}PonderAgg disagrees with its composition: refusing to go on"
+        ));
+    }
+    row(
+        &mut out,
         "out projection + centring",
         time(reps, &mut || {
             let r = layer
@@ -110,6 +138,7 @@ pub fn decode_profile<B: SnnOps>(device: &B::Device, options: &str) -> Result<St
         })?,
     );
     row(
+        &mut out,
         "SNNFFN (gate/up + row scan + down)",
         time(reps, &mut || {
             let _ = layer
@@ -126,11 +155,13 @@ pub fn decode_profile<B: SnnOps>(device: &B::Device, options: &str) -> Result<St
         }
     })? / launches as f64;
     row(
+        &mut out,
         &format!("probe: one elementwise op on [{}, {d}]", k * batch),
         add,
     );
     let w = Tensor::<B, 2>::random([d, cfg.dn()], Distribution::Normal(0.0, 0.02), device);
     row(
+        &mut out,
         &format!("probe: GEMM [{}, {d}] × [{d}, {}]", k * batch, cfg.dn()),
         time(reps, &mut || {
             let _ = nsactor_kernels::matmul(small.clone(), w.clone());

@@ -10,7 +10,13 @@
 //! Depends on burn-cuda, cudarc (device discovery), `nsactor-backend-core`, `nsactor-kernels`
 //! and the plugin crates.
 //!
-//! Options (`[backend] precision` in the run config, or `--precision`): `precision=fp32|bf16`.
+//! Options (`[backend]` in the run config; `--precision` on the command line):
+//! `precision=fp32|bf16`, and `streams=shared|per-thread`. With `shared` (the default) every
+//! worker thread's kernels go to one CUDA stream per device, in submission order: one memory
+//! pool per device instead of one per thread (CubeCL keeps a pool per stream and grows each to
+//! its own peak), and no cross-stream events when a tensor passes between the actors of one
+//! device. `per-thread` is CubeCL's own default: a stream per thread, so two stages on one GPU
+//! may overlap their kernels.
 
 use burn_cuda::{Cuda, CudaDevice};
 use nsactor_backend_core::BurnBackend;
@@ -57,14 +63,41 @@ fn probe(precision: GemmPrecision) -> Result<Vec<(CudaDevice, String)>, EngineEr
         .collect()
 }
 
+/// How worker threads map to CUDA streams (module docs).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Streams {
+    Shared,
+    PerThread,
+}
+
+/// The options the plugin takes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Options {
+    pub precision: GemmPrecision,
+    pub streams: Streams,
+}
+
+impl Default for Options {
+    fn default() -> Self {
+        Options {
+            precision: GemmPrecision::Fp32,
+            streams: Streams::Shared,
+        }
+    }
+}
+
 /// The CUDA backend over every GPU the driver reports, with its projection GEMMs in `precision`
-/// (a process-wide setting).
-pub fn backend(precision: GemmPrecision) -> Result<BurnBackend<Gpu>, EngineError> {
-    let devices = probe(precision)?;
-    cuda_gemm::set_precision(precision);
-    Ok(BurnBackend::new("cuda", env!("CARGO_PKG_VERSION"), devices)
+/// (a process-wide setting) and its threads' streams as `options.streams` says.
+pub fn backend(options: Options) -> Result<BurnBackend<Gpu>, EngineError> {
+    let devices = probe(options.precision)?;
+    cuda_gemm::set_precision(options.precision);
+    let b = BurnBackend::new("cuda", env!("CARGO_PKG_VERSION"), devices)
         .with_kernel_bench("gemm", gemm_bench)
-        .with_bench("memory", memory_report))
+        .with_bench("memory", memory_report);
+    Ok(match options.streams {
+        Streams::Shared => b.with_enter(nsactor_kernels::cuda_device::share_stream),
+        Streams::PerThread => b,
+    })
 }
 
 /// `bench kernels`' GEMM part: the 0.9B projection GEMMs checked and timed in both precisions.
@@ -92,24 +125,28 @@ fn memory_report(devices: &[CudaDevice], _options: &str) -> Result<String, Strin
     Ok(out)
 }
 
-/// Parses the plugin options: `precision=fp32|bf16` (default fp32).
-fn parse_options(options: &str) -> Result<GemmPrecision, EngineError> {
-    let mut precision = GemmPrecision::Fp32;
+/// Parses the plugin options: `precision=fp32|bf16` (default fp32), `streams=shared|per-thread`
+/// (default shared).
+fn parse_options(options: &str) -> Result<Options, EngineError> {
+    let mut o = Options::default();
     let unknown = |kv: &str| {
         EngineError::InvalidInput(format!(
-            "the cuda backend does not take the option `{kv}` (it takes precision=fp32|bf16)"
+            "the cuda backend does not take the option `{kv}` (it takes precision=fp32|bf16, \
+             streams=shared|per-thread)"
         ))
     };
     for kv in nsactor_kernels::bench::option_items(options) {
         match kv.split_once('=') {
             Some(("precision", v)) => {
-                precision = GemmPrecision::parse(v)
+                o.precision = GemmPrecision::parse(v)
                     .map_err(|e| EngineError::InvalidInput(format!("cuda backend: {e}")))?
             }
+            Some(("streams", "shared")) => o.streams = Streams::Shared,
+            Some(("streams", "per-thread")) => o.streams = Streams::PerThread,
             _ => return Err(unknown(kv)),
         }
     }
-    Ok(precision)
+    Ok(o)
 }
 
 /// Plugin constructor.
@@ -123,15 +160,25 @@ mod tests {
 
     #[test]
     fn options_pick_the_precision_and_unknown_options_are_refused() {
-        assert_eq!(parse_options("").unwrap(), GemmPrecision::Fp32);
+        assert_eq!(parse_options("").unwrap(), Options::default());
+        assert_eq!(parse_options("").unwrap().streams, Streams::Shared);
         assert_eq!(
-            parse_options("precision=bf16").unwrap(),
+            parse_options("precision=bf16").unwrap().precision,
             GemmPrecision::Bf16
         );
         assert_eq!(
-            parse_options(" precision=fp32 ").unwrap(),
+            parse_options(" precision=fp32 ").unwrap().precision,
             GemmPrecision::Fp32
         );
+        assert_eq!(
+            parse_options("precision=bf16,streams=per-thread").unwrap(),
+            Options {
+                precision: GemmPrecision::Bf16,
+                streams: Streams::PerThread
+            }
+        );
+        let e = parse_options("streams=2").unwrap_err().to_string();
+        assert!(e.contains("streams=2") && e.contains("per-thread"), "{e}");
         let e = parse_options("precision=fp8").unwrap_err().to_string();
         assert!(e.contains("fp8"), "{e}");
         let e = parse_options("threads=4").unwrap_err().to_string();

@@ -19,7 +19,7 @@ use cubecl_core::{
     ir::{ElemType, FloatKind, IntKind, MemoryDeviceProperties, StorageType, UIntKind},
     prelude::*,
     server::{
-        Binding, CommunicationId, CopyDescriptor, Handle, KernelArguments, LaunchError,
+        Binding, CommunicationId, CopyDescriptor, Handle, IoError, KernelArguments, LaunchError,
         ProfileError, ProfilingToken, ReduceOperation, ServerCommunication, ServerError,
         ServerUtilities, StreamErrorMode, TensorMapBinding, TensorMapMeta,
     },
@@ -55,7 +55,16 @@ pub struct CudaServer {
     utilities: Arc<ServerUtilities<Self>>,
     comm_stream: *mut CUstream_st,
     communicators: HashMap<CommunicationId, *mut cudarc::nccl::sys::ncclComm>,
+    /// nsactor patch: device copies of kernels' dynamic metadata (shapes and strides), by
+    /// stream and content, so a launch whose metadata was uploaded before on its stream reuses
+    /// that buffer instead of staging, copying and fencing a new one (the per-launch cost that
+    /// dominates small kernels). The buffers are read-only once written; the cache is cleared
+    /// when full, and a cleared buffer is recycled in stream order like any freed tensor.
+    metadata_cache: HashMap<(u64, Vec<u8>), Handle>,
 }
+
+/// nsactor patch: most distinct metadata buffers kept per server (each a few hundred bytes).
+const METADATA_CACHE_ENTRIES: usize = 16_384;
 
 // SAFETY: `CudaServer` is only accessed from one thread at a time via the `DeviceHandle`,
 // which serializes all server access. The CUDA context, streams, and NCCL communicators
@@ -569,6 +578,7 @@ impl CudaServer {
             utilities: Arc::new(utilities),
             comm_stream,
             communicators: HashMap::default(),
+            metadata_cache: HashMap::default(),
         }
     }
 
@@ -639,6 +649,11 @@ impl CudaServer {
     ) -> Result<(), ServerError> {
         let mut kernel_id = kernel.id();
         let logger = self.streams.logger.clone();
+        // nsactor patch: taken out of `self` while `command` borrows it; put back below.
+        let mut metadata_cache = core::mem::take(&mut self.metadata_cache);
+        if metadata_cache.len() >= METADATA_CACHE_ENTRIES {
+            metadata_cache.clear();
+        }
         kernel_id.mode(mode);
         let grid_constants = self
             .ctx
@@ -680,15 +695,26 @@ impl CudaServer {
 
             let mut handle = Option::None;
             if info.dynamic_metadata_offset < info.data.len() {
-                let dyn_meta = &bytemuck::cast_slice(&info.data[info.dynamic_metadata_offset..]);
-                handle = Some(command.create_with_data(dyn_meta)?);
+                let dyn_meta: &[u8] =
+                    bytemuck::cast_slice(&info.data[info.dynamic_metadata_offset..]);
+                handle = Some(cached_metadata(
+                    &mut metadata_cache,
+                    &mut command,
+                    stream_id,
+                    dyn_meta,
+                )?);
             }
 
             (Some(info.data.as_ptr() as *mut c_void), handle)
         } else {
             let mut handle = Option::None;
             if !bindings.info.data.is_empty() {
-                handle = Some(command.create_with_data(bytemuck::cast_slice(&bindings.info.data))?);
+                handle = Some(cached_metadata(
+                    &mut metadata_cache,
+                    &mut command,
+                    stream_id,
+                    bytemuck::cast_slice(&bindings.info.data),
+                )?);
             }
             (None, handle)
         };
@@ -867,7 +893,7 @@ impl CudaServer {
                 .map(|s| command.resource(s.binding()).expect("Resource to exist")),
         );
 
-        command.kernel(
+        let launched = command.kernel(
             kernel_id,
             kernel,
             mode,
@@ -876,7 +902,10 @@ impl CudaServer {
             &resources,
             info_const,
             logger,
-        )?;
+        );
+        core::mem::drop(command);
+        self.metadata_cache = metadata_cache;
+        launched?;
 
         Ok(())
     }
@@ -884,6 +913,22 @@ impl CudaServer {
     pub(crate) fn utilities(&self) -> Arc<ServerUtilities<Self>> {
         self.utilities.clone()
     }
+}
+
+/// nsactor patch: the device buffer holding `data` on `stream_id`, uploaded on first use.
+fn cached_metadata(
+    cache: &mut HashMap<(u64, Vec<u8>), Handle>,
+    command: &mut Command<'_>,
+    stream_id: StreamId,
+    data: &[u8],
+) -> Result<Handle, IoError> {
+    let key = (stream_id.value, data.to_vec());
+    if let Some(h) = cache.get(&key) {
+        return Ok(h.clone());
+    }
+    let h = command.create_with_data(data)?;
+    cache.insert(key, h.clone());
+    Ok(h)
 }
 
 fn elem_to_tensor_map_type(ty: StorageType) -> CUtensorMapDataType {

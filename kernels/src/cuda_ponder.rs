@@ -33,7 +33,7 @@ fn ponder_agg_kernel(
 ) {
     let batch = batch as usize;
     let dim = dim as usize;
-    let row = CUBE_POS as usize;
+    let row = CUBE_POS;
     let t = row / batch;
     let b = row % batch;
     let lane = UNIT_POS as usize;

@@ -32,9 +32,10 @@ pub struct BackendConfig {
     /// reference) or `bf16` (bf16 inputs, fp32 accumulation; CUDA only). Master weights,
     /// optimizer state, membrane states and elementwise work stay fp32 either way.
     pub precision: Option<String>,
-    /// How the CUDA plugin maps worker threads to streams: `shared` (its default: one stream
-    /// and one memory pool per GPU) or `per-thread` (CubeCL's own: a stream and a pool per
-    /// thread, so stages on one GPU may overlap, at the memory of one pool each).
+    /// How the CUDA plugin maps worker threads to streams: `per-thread` (its default, CubeCL's
+    /// own: a stream and a memory pool per thread, so the stages and the edge on one GPU
+    /// overlap) or `shared` (one stream and one pool per GPU: half the memory when several
+    /// stages share a GPU, without that overlap).
     #[serde(default)]
     pub streams: Option<String>,
 }

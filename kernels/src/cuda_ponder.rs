@@ -135,3 +135,233 @@ pub fn ponder_agg<R: CubeRuntime>(
     );
     (agg, ek)
 }
+
+/// `1/√(mean_D(x²) + eps)` of every `(token, batch row)`: one plane per row.
+#[cube(launch)]
+fn rms_inv_kernel(x: &Tensor<f32>, r: &mut Tensor<f32>, dim: u32, eps: f32) {
+    let dim = dim as usize;
+    let row = CUBE_POS;
+    let lane = UNIT_POS as usize;
+    let mut ss = 0.0f32;
+    let mut d = lane;
+    while d < dim {
+        let v = x[row * dim + d];
+        ss += v * v;
+        d += 32usize;
+    }
+    let total = plane_sum(ss);
+    if lane == 0 {
+        r[row] = 1.0f32 / (total / f32::cast_from(dim) + eps).sqrt();
+    }
+}
+
+/// RMSNorm then the row-parameter input PLIF over K frames of each token: one unit per
+/// `(batch row, channel)` walks the tokens and their frames in order. `u = (1 − β)·x̂` is the
+/// same in a token's K frames (SPEC §3); the output is `(1 − β)·V_post` (`leak`) or `V_post`.
+#[allow(clippy::too_many_arguments)]
+#[cube(launch)]
+fn norm_plif_kernel(
+    x: &Tensor<f32>,
+    r: &Tensor<f32>,
+    norm_w: &Tensor<f32>,
+    w: &Tensor<f32>,
+    v_th: &Tensor<f32>,
+    v0: &Tensor<f32>,
+    y: &mut Tensor<f32>,
+    last: &mut Tensor<f32>,
+    cols: u32,
+    dim: u32,
+    tokens: u32,
+    #[comptime] k: usize,
+    #[comptime] leak: bool,
+) {
+    let cols = cols as usize;
+    let dim = dim as usize;
+    let c = ABSOLUTE_POS;
+    if c >= cols {
+        terminate!();
+    }
+    let b = c / dim;
+    let d = c % dim;
+    let beta = sigmoid_burn(w[d]);
+    let one_minus = -beta + 1.0f32;
+    let th = v_th[d];
+    let nw = norm_w[d];
+    let mut v = v0[c];
+    for t in 0..tokens as usize {
+        let u = x[t * cols + c] * r[t * (cols / dim) + b] * nw * one_minus;
+        #[unroll]
+        for j in 0..k {
+            let v_pre = fma(beta, v, u);
+            let s = select(v_pre >= th, 1.0f32, 0.0f32);
+            v = v_pre - th * s;
+            if comptime![leak] {
+                y[(t * k + j) * cols + c] = v * one_minus;
+            } else {
+                y[(t * k + j) * cols + c] = v;
+            }
+        }
+    }
+    last[c] = v;
+}
+
+/// `x` `[T, B, D]` → RMSNorm (`norm_w`, `eps`) → input PLIF (`w` = the β logits, `v_th`, state
+/// `v0` `[B, D]`) over K frames per token: output `[T·K, B, D]` and the final state `[B, D]`.
+#[allow(clippy::too_many_arguments)]
+pub fn norm_plif<R: CubeRuntime>(
+    x: CubeTensor<R>,
+    norm_w: CubeTensor<R>,
+    eps: f32,
+    w: CubeTensor<R>,
+    v_th: CubeTensor<R>,
+    v0: CubeTensor<R>,
+    k: usize,
+    leak: bool,
+) -> (CubeTensor<R>, CubeTensor<R>) {
+    for t in [&x, &norm_w, &w, &v_th, &v0] {
+        assert_eq!(t.dtype, burn::tensor::DType::F32, "norm_plif takes f32");
+    }
+    let shape = x.meta.shape().clone();
+    assert_eq!(shape.num_dims(), 3, "norm_plif: x [T, B, D]");
+    let (t, batch, dim) = (shape[0], shape[1], shape[2]);
+    assert!(
+        k > 0 && t * k * batch * dim <= u32::MAX as usize,
+        "norm_plif: 32-bit indexing"
+    );
+    let [x, norm_w, w, v_th, v0] = [x, norm_w, w, v_th, v0].map(into_contiguous);
+    let r = out_like(&x, Shape::new([t, batch]));
+    let client = x.client.clone();
+    rms_inv_kernel::launch::<R>(
+        &client,
+        CubeCount::Static((t * batch) as u32, 1, 1),
+        CubeDim::new_1d(PLANE),
+        x.clone().into_tensor_arg(),
+        r.clone().into_tensor_arg(),
+        dim as u32,
+        eps,
+    );
+    let y = out_like(&x, Shape::new([t * k, batch, dim]));
+    let last = out_like(&x, Shape::new([batch, dim]));
+    let cols = batch * dim;
+    let cube = 128u32;
+    norm_plif_kernel::launch::<R>(
+        &client,
+        CubeCount::Static(cols.div_ceil(cube as usize) as u32, 1, 1),
+        CubeDim::new_1d(cube),
+        x.into_tensor_arg(),
+        r.into_tensor_arg(),
+        norm_w.into_tensor_arg(),
+        w.into_tensor_arg(),
+        v_th.into_tensor_arg(),
+        v0.into_tensor_arg(),
+        y.clone().into_tensor_arg(),
+        last.clone().into_tensor_arg(),
+        cols as u32,
+        dim as u32,
+        t as u32,
+        k,
+        leak,
+    );
+    (y, last)
+}
+
+/// The SNNFFN's neurons after its merged gate/up projection: per `(batch row, channel f)` one
+/// unit scans the gate channel `f` and the up channel `D_ff + f` over the steps, with input
+/// currents `(1 − β)·i`, and writes the product of their outputs (`(1 − β)·V_post` each if
+/// `leak`, else `V_post`) — the input of the down projection.
+#[allow(clippy::too_many_arguments)]
+#[cube(launch)]
+fn ffn_plif_kernel(
+    i_gu: &Tensor<f32>,
+    w_g: &Tensor<f32>,
+    w_u: &Tensor<f32>,
+    th_g: &Tensor<f32>,
+    th_u: &Tensor<f32>,
+    v0: &Tensor<f32>,
+    gv: &mut Tensor<f32>,
+    last: &mut Tensor<f32>,
+    batch: u32,
+    ff: u32,
+    steps: u32,
+    #[comptime] leak: bool,
+) {
+    let batch = batch as usize;
+    let ff = ff as usize;
+    let c = ABSOLUTE_POS;
+    if c >= batch * ff {
+        terminate!();
+    }
+    let b = c / ff;
+    let j = c % ff;
+    let beta_g = sigmoid_burn(w_g[j]);
+    let beta_u = sigmoid_burn(w_u[j]);
+    let om_g = -beta_g + 1.0f32;
+    let om_u = -beta_u + 1.0f32;
+    let tg = th_g[j];
+    let tu = th_u[j];
+    let mut vg = v0[b * 2 * ff + j];
+    let mut vu = v0[b * 2 * ff + ff + j];
+    for s in 0..steps as usize {
+        let base = (s * batch + b) * 2 * ff;
+        let pg = fma(beta_g, vg, i_gu[base + j] * om_g);
+        vg = pg - tg * select(pg >= tg, 1.0f32, 0.0f32);
+        let pu = fma(beta_u, vu, i_gu[base + ff + j] * om_u);
+        vu = pu - tu * select(pu >= tu, 1.0f32, 0.0f32);
+        if comptime![leak] {
+            gv[(s * batch + b) * ff + j] = (vg * om_g) * (vu * om_u);
+        } else {
+            gv[(s * batch + b) * ff + j] = vg * vu;
+        }
+    }
+    last[b * 2 * ff + j] = vg;
+    last[b * 2 * ff + ff + j] = vu;
+}
+
+/// `i_gu` `[TK, B, 2·D_ff]` (gate then up) → the gated activation `[TK, B, D_ff]` and the final
+/// state `[B, 2·D_ff]`; `w_*` are the neurons' β logits, `th_*` their thresholds (`[D_ff]`).
+#[allow(clippy::too_many_arguments)]
+pub fn ffn_plif<R: CubeRuntime>(
+    i_gu: CubeTensor<R>,
+    w_g: CubeTensor<R>,
+    w_u: CubeTensor<R>,
+    th_g: CubeTensor<R>,
+    th_u: CubeTensor<R>,
+    v0: CubeTensor<R>,
+    leak: bool,
+) -> (CubeTensor<R>, CubeTensor<R>) {
+    for t in [&i_gu, &w_g, &w_u, &th_g, &th_u, &v0] {
+        assert_eq!(t.dtype, burn::tensor::DType::F32, "ffn_plif takes f32");
+    }
+    let shape = i_gu.meta.shape().clone();
+    assert_eq!(shape.num_dims(), 3, "ffn_plif: i_gu [TK, B, 2·D_ff]");
+    let (steps, batch, two_f) = (shape[0], shape[1], shape[2]);
+    assert!(two_f % 2 == 0, "ffn_plif: odd gate/up width {two_f}");
+    assert!(
+        steps * batch * two_f <= u32::MAX as usize,
+        "ffn_plif: 32-bit indexing"
+    );
+    let ff = two_f / 2;
+    let [i_gu, w_g, w_u, th_g, th_u, v0] = [i_gu, w_g, w_u, th_g, th_u, v0].map(into_contiguous);
+    let gv = out_like(&i_gu, Shape::new([steps, batch, ff]));
+    let last = out_like(&i_gu, Shape::new([batch, two_f]));
+    let client = i_gu.client.clone();
+    let cube = 64u32;
+    ffn_plif_kernel::launch::<R>(
+        &client,
+        CubeCount::Static((batch * ff).div_ceil(cube as usize) as u32, 1, 1),
+        CubeDim::new_1d(cube),
+        i_gu.into_tensor_arg(),
+        w_g.into_tensor_arg(),
+        w_u.into_tensor_arg(),
+        th_g.into_tensor_arg(),
+        th_u.into_tensor_arg(),
+        v0.into_tensor_arg(),
+        gv.clone().into_tensor_arg(),
+        last.clone().into_tensor_arg(),
+        batch as u32,
+        ff as u32,
+        steps as u32,
+        leak,
+    );
+    (gv, last)
+}

@@ -47,7 +47,7 @@ mod ops;
 pub mod reference;
 
 pub use ops::{
-    PlifGrads, PlifOutput, SelectiveGrads, SelectiveInputs, SnnOps, matmul, plif_elem, plif_row,
-    plif_selective, ponder_agg_fused, selective_backward_reference, selective_forward_reference,
-    selective_modulation, softplus,
+    PlifGrads, PlifOutput, SelectiveGrads, SelectiveInputs, SnnOps, ffn_plif_fused, matmul,
+    norm_plif_fused, plif_elem, plif_row, plif_selective, ponder_agg_fused,
+    selective_backward_reference, selective_forward_reference, selective_modulation, softplus,
 };

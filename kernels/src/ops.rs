@@ -104,6 +104,44 @@ pub trait SnnOps: Backend {
         None
     }
 
+    /// RMSNorm then a row-parameter input PLIF over the K frames of each token, for inference
+    /// only: `x` `[T, B, D]`, the norm weight `[D]` and `eps`, the neuron's β logits `w` `[D]`
+    /// (β = σ(w), input current `(1 − β)·x̂`), `v_th` `[D]`, state `v0` `[B, D]` → the output
+    /// `[T·K, B, D]` (`(1 − β)·V_post` if `leak`, else `V_post`) and the final state. `None`
+    /// (the default, and on autodiff backends): the model composes it.
+    #[allow(clippy::too_many_arguments)]
+    fn norm_plif_fused(
+        x: FloatTensor<Self>,
+        norm_w: FloatTensor<Self>,
+        eps: f64,
+        w: FloatTensor<Self>,
+        v_th: FloatTensor<Self>,
+        v0: FloatTensor<Self>,
+        k: usize,
+        leak: bool,
+    ) -> Option<(FloatTensor<Self>, FloatTensor<Self>)> {
+        let _ = (x, norm_w, eps, w, v_th, v0, k, leak);
+        None
+    }
+
+    /// The SNNFFN's gate and up neurons after its merged projection, for inference only:
+    /// `i_gu` `[TK, B, 2·D_ff]` (gate then up), each neuron's β logits and thresholds `[D_ff]`,
+    /// state `v0` `[B, 2·D_ff]` → `g·v` `[TK, B, D_ff]` (each `(1 − β)·V_post` if `leak`, else
+    /// `V_post`) and the final state. `None` (the default, and on autodiff backends): composed.
+    #[allow(clippy::too_many_arguments)]
+    fn ffn_plif_fused(
+        i_gu: FloatTensor<Self>,
+        w_gate: FloatTensor<Self>,
+        w_up: FloatTensor<Self>,
+        th_gate: FloatTensor<Self>,
+        th_up: FloatTensor<Self>,
+        v0: FloatTensor<Self>,
+        leak: bool,
+    ) -> Option<(FloatTensor<Self>, FloatTensor<Self>)> {
+        let _ = (i_gu, w_gate, w_up, th_gate, th_up, v0, leak);
+        None
+    }
+
     /// The selective scan with the SNNBlock modulation fused in (SPEC §2.3, Eq. 5–7):
     /// `β = σ(r_β + b_β)`, `α = softplus(r_α + b_α)`, `V_th = V_min + |r_th + b_th|`,
     /// `u = α·i`, then the per-element scan. Default: [`selective_forward_reference`].
@@ -340,6 +378,56 @@ pub fn ponder_agg_fused<B: SnnOps>(
         .map(|(agg, ek)| (wrap(agg), wrap(ek)))
 }
 
+/// [`SnnOps::norm_plif_fused`] on tensors: `Some((output [T·K, B, D], final state [B, D]))`
+/// where the backend fuses it, else `None`.
+#[allow(clippy::too_many_arguments)]
+pub fn norm_plif_fused<B: SnnOps>(
+    x: Tensor<B, 3>,
+    norm_w: Tensor<B, 1>,
+    eps: f64,
+    w: Tensor<B, 1>,
+    v_th: Tensor<B, 1>,
+    v0: Tensor<B, 2>,
+    k: usize,
+    leak: bool,
+) -> Option<(Tensor<B, 3>, Tensor<B, 2>)> {
+    B::norm_plif_fused(
+        prim(x),
+        prim(norm_w),
+        eps,
+        prim(w),
+        prim(v_th),
+        prim(v0),
+        k,
+        leak,
+    )
+    .map(|(y, last)| (wrap(y), wrap(last)))
+}
+
+/// [`SnnOps::ffn_plif_fused`] on tensors: `Some((g·v [TK, B, D_ff], final state [B, 2·D_ff]))`
+/// where the backend fuses it, else `None`.
+#[allow(clippy::too_many_arguments)]
+pub fn ffn_plif_fused<B: SnnOps>(
+    i_gu: Tensor<B, 3>,
+    w_gate: Tensor<B, 1>,
+    w_up: Tensor<B, 1>,
+    th_gate: Tensor<B, 1>,
+    th_up: Tensor<B, 1>,
+    v0: Tensor<B, 2>,
+    leak: bool,
+) -> Option<(Tensor<B, 3>, Tensor<B, 2>)> {
+    B::ffn_plif_fused(
+        prim(i_gu),
+        prim(w_gate),
+        prim(w_up),
+        prim(th_gate),
+        prim(th_up),
+        prim(v0),
+        leak,
+    )
+    .map(|(gv, last)| (wrap(gv), wrap(last)))
+}
+
 /// `lhs [M, K] · rhs [K, N]` through [`SnnOps::gemm`], differentiable.
 pub fn matmul<B: SnnOps>(lhs: Tensor<B, 2>, rhs: Tensor<B, 2>) -> Tensor<B, 2> {
     wrap(B::gemm(prim(lhs), prim(rhs)))
@@ -467,6 +555,35 @@ impl SnnOps for burn_cuda::Cuda<f32, i32> {
             k,
             clamp as f32,
             eps as f32,
+        ))
+    }
+
+    fn norm_plif_fused(
+        x: FloatTensor<Self>,
+        norm_w: FloatTensor<Self>,
+        eps: f64,
+        w: FloatTensor<Self>,
+        v_th: FloatTensor<Self>,
+        v0: FloatTensor<Self>,
+        k: usize,
+        leak: bool,
+    ) -> Option<(FloatTensor<Self>, FloatTensor<Self>)> {
+        Some(crate::cuda_ponder::norm_plif(
+            x, norm_w, eps as f32, w, v_th, v0, k, leak,
+        ))
+    }
+
+    fn ffn_plif_fused(
+        i_gu: FloatTensor<Self>,
+        w_gate: FloatTensor<Self>,
+        w_up: FloatTensor<Self>,
+        th_gate: FloatTensor<Self>,
+        th_up: FloatTensor<Self>,
+        v0: FloatTensor<Self>,
+        leak: bool,
+    ) -> Option<(FloatTensor<Self>, FloatTensor<Self>)> {
+        Some(crate::cuda_ponder::ffn_plif(
+            i_gu, w_gate, w_up, th_gate, th_up, v0, leak,
         ))
     }
 

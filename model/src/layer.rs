@@ -1,7 +1,7 @@
 //! SNNDecoderLayer: two Pre-LN sublayers, each PLIF input → SNN core → PonderAgg → centred
 //! out-projection added to the residual stream (SPEC §2.3).
 
-use crate::config::{ModelConfig, consts};
+use crate::config::{ModelConfig, PlifOut, consts};
 use crate::init::{Rng, xavier};
 use crate::neurons::{PlifNode, RmsNorm, param};
 use crate::params::{Linear, impl_params};
@@ -124,8 +124,10 @@ impl<B: SnnOps> SnnDecoderLayer<B> {
         let k = cfg.k;
         let out = cfg.plif_out;
         // Sublayer 1: SNNBlock.
-        let (a1, input1) = self.input_neuron1.forward_tokens(
-            self.block_norm.forward(h.clone()),
+        let (a1, input1) = norm_plif(
+            &self.block_norm,
+            &self.input_neuron1,
+            h.clone(),
             k,
             state.input1,
             out,
@@ -134,8 +136,10 @@ impl<B: SnnOps> SnnDecoderLayer<B> {
         let (agg1, ek1) = ponder_agg(c1, &self.block_halt, k);
         let h = h + centred(&self.block_out_proj, agg1);
         // Sublayer 2: SNNFFN.
-        let (a2, input2) = self.input_neuron2.forward_tokens(
-            self.ffn_norm.forward(h.clone()),
+        let (a2, input2) = norm_plif(
+            &self.ffn_norm,
+            &self.input_neuron2,
+            h.clone(),
             k,
             state.input2,
             out,
@@ -190,6 +194,44 @@ impl<B: SnnOps> SnnDecoderLayer<B> {
         debug_assert_eq!(h.dims(), [tk, b, d]);
         h
     }
+}
+
+/// The start of each sublayer: RMSNorm, then the input PLIF over the K frames of each token
+/// (`[T, B, D]` → `[T·K, B, D]` and the final state). Two kernels where the backend fuses them
+/// for inference ([`nsactor_kernels::SnnOps::norm_plif_fused`]), else composed.
+pub fn norm_plif<B: SnnOps>(
+    norm: &RmsNorm<B>,
+    neuron: &PlifNode<B>,
+    h: Tensor<B, 3>,
+    k: usize,
+    v0: Tensor<B, 2>,
+    out: PlifOut,
+) -> (Tensor<B, 3>, Tensor<B, 2>) {
+    if let Some(fused) = nsactor_kernels::norm_plif_fused(
+        h.clone(),
+        norm.weight.clone(),
+        consts::RMS_EPS,
+        neuron.w.clone(),
+        neuron.v_th.clone(),
+        v0.clone(),
+        k,
+        out == PlifOut::Leak,
+    ) {
+        return fused;
+    }
+    norm_plif_composed(norm, neuron, h, k, v0, out)
+}
+
+/// [`norm_plif`] composed from tensor ops (autodiff's path and the fused kernels' reference).
+pub fn norm_plif_composed<B: SnnOps>(
+    norm: &RmsNorm<B>,
+    neuron: &PlifNode<B>,
+    h: Tensor<B, 3>,
+    k: usize,
+    v0: Tensor<B, 2>,
+    out: PlifOut,
+) -> (Tensor<B, 3>, Tensor<B, 2>) {
+    neuron.forward_tokens(norm.forward(h), k, v0, out)
 }
 
 /// Out-projection with residual centering: `r − mean_D(r)` per token.

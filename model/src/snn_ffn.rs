@@ -73,6 +73,44 @@ impl<B: SnnOps> SnnFfn<B> {
         );
         let i_gu = nsactor_kernels::matmul(flat.clone(), w_gu.transpose()); // [TK·B, 2·D_ff]
         let skip = self.skip_proj.forward(flat);
+        let (gv, last) = self.gate_up(i_gu.reshape([tk, b, 2 * f]), v0, out);
+        let y = self.down_proj.forward(gv.reshape([tk * b, f])) + skip;
+        (y.reshape([tk, b, d]), last)
+    }
+
+    /// The gate and up neurons on the merged projection `i_gu` `[TK, B, 2·D_ff]` and their
+    /// product `[TK, B, D_ff]`, with the final state: one kernel where the backend fuses it for
+    /// inference ([`nsactor_kernels::SnnOps::ffn_plif_fused`]), else composed.
+    pub fn gate_up(
+        &self,
+        i_gu: Tensor<B, 3>,
+        v0: Tensor<B, 2>,
+        out: PlifOut,
+    ) -> (Tensor<B, 3>, Tensor<B, 2>) {
+        if let Some(fused) = nsactor_kernels::ffn_plif_fused(
+            i_gu.clone(),
+            self.gate_neuron.w.clone(),
+            self.up_neuron.w.clone(),
+            self.gate_neuron.v_th.clone(),
+            self.up_neuron.v_th.clone(),
+            v0.clone(),
+            out == PlifOut::Leak,
+        ) {
+            return fused;
+        }
+        self.gate_up_composed(i_gu, v0, out)
+    }
+
+    /// [`gate_up`](Self::gate_up) composed from tensor ops: `u = (1 − β)·i`, one merged
+    /// row-parameter scan, leak × leak gating.
+    pub fn gate_up_composed(
+        &self,
+        i_gu: Tensor<B, 3>,
+        v0: Tensor<B, 2>,
+        out: PlifOut,
+    ) -> (Tensor<B, 3>, Tensor<B, 2>) {
+        let [tk, b, two_f] = i_gu.dims();
+        let f = two_f / 2;
         let beta = Tensor::cat(
             vec![
                 sigmoid(self.gate_neuron.w.clone()),
@@ -85,7 +123,7 @@ impl<B: SnnOps> SnnFfn<B> {
             vec![self.gate_neuron.v_th.clone(), self.up_neuron.v_th.clone()],
             0,
         );
-        let u = (i_gu * one_minus.clone().unsqueeze::<2>()).reshape([tk, b, 2 * f]);
+        let u = i_gu * one_minus.clone().unsqueeze::<3>();
         let (_, vpost) = plif_row(
             beta.unsqueeze::<2>().expand([b, 2 * f]),
             u,
@@ -99,7 +137,6 @@ impl<B: SnnOps> SnnFfn<B> {
         };
         let g = act.clone().slice([0..tk, 0..b, 0..f]);
         let v = act.slice([0..tk, 0..b, f..2 * f]);
-        let y = self.down_proj.forward((g * v).reshape([tk * b, f])) + skip;
-        (y.reshape([tk, b, d]), last)
+        (g * v, last)
     }
 }

@@ -771,8 +771,7 @@ fn bench_generate_batches_concurrent_sessions_and_decode_profile_splits_a_layer(
     };
     let whole = micros("whole layer");
     let parts: f64 = [
-        "RMSNorm",
-        "input PLIF",
+        "RMSNorm + input PLIF",
         "SNNBlock",
         "PonderAgg",
         "out projection",
@@ -784,6 +783,18 @@ fn bench_generate_batches_concurrent_sessions_and_decode_profile_splits_a_layer(
     assert!(whole > 0.0 && parts > 0.0, "{stdout}");
     // The parts are most of the layer (the second sublayer repeats the first's norm and PLIF).
     assert!(parts > 0.3 * whole && parts < 3.0 * whole, "{stdout}");
+    // Each fused part is checked against its composition (on the CPU they are the same ops).
+    for name in [
+        "RMSNorm + input PLIF as run",
+        "PonderAgg as run",
+        "FFN neurons and gating as run",
+    ] {
+        let l = stdout
+            .lines()
+            .find(|l| l.trim_start().starts_with(name))
+            .unwrap_or_else(|| panic!("no `{name}` check in:\n{stdout}"));
+        assert!(l.contains("max error 0.00e0"), "{l}");
+    }
     let err = run_err(&[
         "bench",
         "decode-profile",

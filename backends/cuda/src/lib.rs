@@ -11,12 +11,12 @@
 //! and the plugin crates.
 //!
 //! Options (`[backend]` in the run config; `--precision` on the command line):
-//! `precision=fp32|bf16`, and `streams=shared|per-thread`. With `shared` (the default) every
-//! worker thread's kernels go to one CUDA stream per device, in submission order: one memory
-//! pool per device instead of one per thread (CubeCL keeps a pool per stream and grows each to
-//! its own peak), and no cross-stream events when a tensor passes between the actors of one
-//! device. `per-thread` is CubeCL's own default: a stream per thread, so two stages on one GPU
-//! may overlap their kernels.
+//! `precision=fp32|bf16`, and `streams=per-thread|shared`. `per-thread` (the default, CubeCL's
+//! own) gives each worker thread its own CUDA stream and memory pool, so the stages and the edge
+//! on one GPU overlap their kernels. `shared` puts every worker thread of a GPU on one stream and
+//! one pool: the memory of one pool instead of one per thread, which matters when several stages
+//! share a GPU (P = 4 on one H100: 32.6 GiB instead of 65.8 GiB), at the cost of that overlap
+//! (1,053 instead of 1,267 tokens/s there; BENCHMARKS.md).
 
 use burn_cuda::{Cuda, CudaDevice};
 use nsactor_backend_core::BurnBackend;
@@ -81,7 +81,7 @@ impl Default for Options {
     fn default() -> Self {
         Options {
             precision: GemmPrecision::Fp32,
-            streams: Streams::Shared,
+            streams: Streams::PerThread,
         }
     }
 }
@@ -125,8 +125,8 @@ fn memory_report(devices: &[CudaDevice], _options: &str) -> Result<String, Strin
     Ok(out)
 }
 
-/// Parses the plugin options: `precision=fp32|bf16` (default fp32), `streams=shared|per-thread`
-/// (default shared).
+/// Parses the plugin options: `precision=fp32|bf16` (default fp32), `streams=per-thread|shared`
+/// (default per-thread).
 fn parse_options(options: &str) -> Result<Options, EngineError> {
     let mut o = Options::default();
     let unknown = |kv: &str| {
@@ -161,7 +161,7 @@ mod tests {
     #[test]
     fn options_pick_the_precision_and_unknown_options_are_refused() {
         assert_eq!(parse_options("").unwrap(), Options::default());
-        assert_eq!(parse_options("").unwrap().streams, Streams::Shared);
+        assert_eq!(parse_options("").unwrap().streams, Streams::PerThread);
         assert_eq!(
             parse_options("precision=bf16").unwrap().precision,
             GemmPrecision::Bf16
@@ -171,10 +171,10 @@ mod tests {
             GemmPrecision::Fp32
         );
         assert_eq!(
-            parse_options("precision=bf16,streams=per-thread").unwrap(),
+            parse_options("precision=bf16,streams=shared").unwrap(),
             Options {
                 precision: GemmPrecision::Bf16,
-                streams: Streams::PerThread
+                streams: Streams::Shared
             }
         );
         let e = parse_options("streams=2").unwrap_err().to_string();

@@ -87,6 +87,14 @@ pub trait SnnOps: Backend {
         false
     }
 
+    /// Whether the model should compute projections that share an input as one GEMM on
+    /// concatenated weights when the call is small and not differentiated (decoding): the
+    /// CUDA backend pays ≈ 100 µs of host time per GEMM call, far more than the GPU time of a
+    /// decoding step's projections. Default `false` (autodiff backends and the CPU).
+    fn merges_small_gemms() -> bool {
+        false
+    }
+
     /// PonderNet halting and aggregation in one kernel, for inference only (no backward):
     /// `frames` `[T·K, B, D]`, the halt projection's weight `[D]` and bias `[1]` → the aggregate
     /// `[T, B, D]` and E[K] `[T, B]`, with `p = clamp(σ(logit), c, 1 − c)` and λ normalised by
@@ -537,6 +545,10 @@ impl SnnOps for burn_cuda::Cuda<f32, i32> {
     }
 
     fn fuses_modulation() -> bool {
+        true
+    }
+
+    fn merges_small_gemms() -> bool {
         true
     }
 

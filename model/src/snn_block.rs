@@ -27,6 +27,11 @@ impl_params!(SnnBlock {
     modules: [W_in, W_beta_x, W_alpha_x, W_th_x, W_gate, W_skip, W_out]
 });
 
+/// Largest `TK·B` for which [`SnnBlock::projections`] merges its GEMMs (a decoding step of up
+/// to 256 sessions at K = 16); above it the slices' copies into the scan would cost more than
+/// the calls saved.
+const MERGED_GEMM_ROWS: usize = 4096;
+
 /// `softplus⁻¹(1) = ln(e − 1)`: the `b_alpha` init mean, so `α ≈ 1` at init.
 const B_ALPHA_MEAN: f64 = 0.541_324_854_612_918;
 
@@ -88,6 +93,34 @@ impl<B: SnnOps> SnnBlock<B> {
         }
     }
 
+    /// The six projections of the input `[TK·B, D]`: `W_in, W_β, W_α, W_th` (`[TK·B, DN]` each),
+    /// `W_gate, W_skip` (`[TK·B, D]`). Six GEMMs; one on the concatenated weights where the
+    /// backend prefers it ([`SnnOps::merges_small_gemms`]) for a small call without autodiff
+    /// (a decoding step), whose outputs are column slices of one product.
+    pub fn projections(&self, flat: Tensor<B, 2>, dn: usize) -> [Tensor<B, 2>; 6] {
+        let [rows, d] = flat.dims();
+        let lins = [
+            &self.W_in,
+            &self.W_beta_x,
+            &self.W_alpha_x,
+            &self.W_th_x,
+            &self.W_gate,
+            &self.W_skip,
+        ];
+        if B::merges_small_gemms() && !B::ad_enabled(&flat.device()) && rows <= MERGED_GEMM_ROWS {
+            let w = Tensor::cat(lins.iter().map(|l| l.weight.clone()).collect(), 0);
+            let y = nsactor_kernels::matmul(flat, w.transpose()); // [rows, 4·DN + 2·D]
+            let widths = [dn, dn, dn, dn, d, d];
+            let mut start = 0;
+            return widths.map(|w| {
+                let part = y.clone().narrow(1, start, w);
+                start += w;
+                part
+            });
+        }
+        lins.map(|l| l.forward(flat.clone()))
+    }
+
     /// `a` `[TK, B, D]`, hidden state `v0` `[B, DN]` → output `[TK, B, D]` and final state.
     pub fn forward(
         &self,
@@ -98,12 +131,8 @@ impl<B: SnnOps> SnnBlock<B> {
         let [tk, b, d] = a.dims();
         let dn = self.b_beta.dims()[0];
         let flat = a.reshape([tk * b, d]);
-        let i = self.W_in.forward(flat.clone()); // [TK·B, DN]
-        let rb = self.W_beta_x.forward(flat.clone());
-        let ra = self.W_alpha_x.forward(flat.clone());
-        let rt = self.W_th_x.forward(flat.clone());
-        let gate = sigmoid(self.W_gate.forward(flat.clone())); // [TK·B, D]
-        let skip = self.W_skip.forward(flat);
+        let [i, rb, ra, rt, gate, skip] = self.projections(flat, dn);
+        let gate = sigmoid(gate); // [TK·B, D]
         let seq = |x: Tensor<B, 2>| x.reshape([tk, b, dn]);
         // Modulation (Eq. 5-7): β = σ(·+b_β), α = softplus(·+b_α), V_th = V_min + |·+b_th|,
         // u = α·i, inside the scan kernel where the backend fuses it.

@@ -134,6 +134,26 @@ pub fn decode_profile<B: SnnOps>(device: &B::Device, options: &str) -> Result<St
                 .forward(a1.clone(), state.hidden.clone(), cfg.v_th_min);
         })?,
     );
+    // The projections as run (one GEMM on concatenated weights where the backend merges them)
+    // against six separate GEMMs.
+    let flat = a1.clone().reshape([k * batch, d]);
+    let blk = &layer.snn_block;
+    let merged = blk.projections(flat.clone(), cfg.dn());
+    let separate = [
+        &blk.W_in,
+        &blk.W_beta_x,
+        &blk.W_alpha_x,
+        &blk.W_th_x,
+        &blk.W_gate,
+        &blk.W_skip,
+    ]
+    .map(|l| l.forward(flat.clone()));
+    let pairs: Vec<_> = merged
+        .into_iter()
+        .zip(separate)
+        .map(|(m, s)| (m.unsqueeze::<3>(), s.unsqueeze::<3>()))
+        .collect();
+    check(&mut out, "SNNBlock projections", &pairs)?;
     let (c1, _) = layer
         .snn_block
         .forward(a1.clone(), state.hidden.clone(), cfg.v_th_min);

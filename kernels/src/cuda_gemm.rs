@@ -18,8 +18,9 @@
 //! hands out a buffer's device pointer, after that stream was made to wait for the buffer's
 //! producer; the GEMM is enqueued on it, so it runs after the kernels that wrote its inputs and
 //! before any kernel submitted later from the same thread, with no host synchronisation. The
-//! output and the workspace are allocated from that stream's pool, so their memory cannot be
-//! reused before the GEMM has run.
+//! output is allocated from that stream's pool, so its memory cannot be reused before the GEMM
+//! has run; the workspace is the thread's own, held for the thread's life and used by its GEMMs
+//! one after another on its stream.
 //!
 //! Plans (descriptors, layouts, the heuristic's algorithm) are cached per thread and shape.
 
@@ -36,7 +37,7 @@ use std::sync::atomic::{AtomicU8, Ordering};
 
 type CudaTensor = CubeTensor<CudaRuntime>;
 
-/// cuBLASLt workspace per call (NVIDIA's recommendation for Hopper).
+/// cuBLASLt workspace per thread and device (NVIDIA's recommendation for Hopper).
 const WORKSPACE_BYTES: usize = 32 << 20;
 
 /// Arithmetic of the projection GEMMs.
@@ -274,6 +275,14 @@ struct ThreadState {
     plans: HashMap<PlanKey, Plan>,
 }
 
+thread_local! {
+    /// This thread's cuBLASLt workspace per device: the buffer (held, so never recycled) and
+    /// its device address. Its GEMMs run in order on this thread's stream, so one workspace
+    /// serves them all, and a GEMM needs no allocation or address lookup for it.
+    static WORKSPACES: RefCell<HashMap<usize, (cubecl::server::Handle, u64)>> =
+        RefCell::new(HashMap::new());
+}
+
 impl Drop for ThreadState {
     fn drop(&mut self) {
         self.plans.clear();
@@ -365,19 +374,27 @@ pub fn run(op: &Prepared) -> CudaTensor {
         m: m as u64,
         n: n as u64,
     };
-    let workspace = client.empty(WORKSPACE_BYTES);
     let resource = |h: &cubecl::server::Handle| {
         client
             .get_resource(h.clone())
             .unwrap_or_else(|e| panic!("gemm: device buffer unavailable: {e:?}"))
     };
-    let (ra, rb, rd, rw) = (
+    let workspace_ptr = WORKSPACES.with(|w| {
+        w.borrow_mut()
+            .entry(device.index)
+            .or_insert_with(|| {
+                let h = client.empty(WORKSPACE_BYTES);
+                let ptr = resource(&h).resource().ptr;
+                (h, ptr)
+            })
+            .1
+    });
+    let (ra, rb, rd) = (
         resource(&op.rhs.handle),
         resource(&op.lhs.handle),
         resource(&out.handle),
-        resource(&workspace),
     );
-    let (ra, rb, rd, rw) = (ra.resource(), rb.resource(), rd.resource(), rw.resource());
+    let (ra, rb, rd) = (ra.resource(), rb.resource(), rd.resource());
     let stream = rd.stream;
     assert!(
         !stream.is_null(),
@@ -415,14 +432,13 @@ pub fn run(op: &Prepared) -> CudaTensor {
                 rd.ptr as *mut c_void,
                 plan.d,
                 &plan.algo,
-                rw.ptr as *mut c_void,
+                workspace_ptr as *mut c_void,
                 WORKSPACE_BYTES,
                 stream as sys::cudaStream_t,
             )
         };
         check("matmul", r);
     });
-    drop(workspace);
     out
 }
 

@@ -123,7 +123,10 @@ impl<B: SnnOps> SnnFfn<B> {
             vec![self.gate_neuron.v_th.clone(), self.up_neuron.v_th.clone()],
             0,
         );
-        let u = i_gu * one_minus.clone().unsqueeze::<3>();
+        // On the flattened rows, as the reference writes it: the β gradient is then one sum
+        // over rows (a 3-D broadcast would sum over two dimensions, in another order).
+        let rows = i_gu.reshape([tk * b, 2 * f]) * one_minus.clone().unsqueeze::<2>();
+        let u = rows.reshape([tk, b, 2 * f]);
         let (_, vpost) = plif_row(
             beta.unsqueeze::<2>().expand([b, 2 * f]),
             u,

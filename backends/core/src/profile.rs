@@ -60,71 +60,37 @@ pub fn decode_profile<B: SnnOps>(device: &B::Device, options: &str) -> Result<St
         let _ = layer.forward(h.clone(), state.clone(), &cfg);
     })?;
     row(&mut out, "whole layer (forward of one token)", whole);
-    row(
-        &mut out,
-        "RMSNorm + input PLIF (K frames)",
-        time(reps, &mut || {
-            let _ = norm_plif(
-                &layer.block_norm,
-                &layer.input_neuron1,
-                h.clone(),
-                k,
-                state.input1.clone(),
-                cfg.plif_out,
-            );
-        })?,
-    );
-    row(
-        &mut out,
-        "RMSNorm + input PLIF composed from tensor ops",
-        time(reps, &mut || {
-            let _ = norm_plif_composed(
-                &layer.block_norm,
-                &layer.input_neuron1,
-                h.clone(),
-                k,
-                state.input1.clone(),
-                cfg.plif_out,
-            );
-        })?,
-    );
+    // The sublayer's start as run (fused where the backend fuses it) or composed.
+    let np = |h: &Tensor<B, 3>, v0: &Tensor<B, 2>, fused: bool| {
+        let f = if fused { norm_plif } else { norm_plif_composed };
+        f(
+            &layer.block_norm,
+            &layer.input_neuron1,
+            h.clone(),
+            k,
+            v0.clone(),
+            cfg.plif_out,
+        )
+    };
+    for (name, fused) in [
+        ("RMSNorm + input PLIF (K frames)", true),
+        ("RMSNorm + input PLIF composed from tensor ops", false),
+    ] {
+        let s = time(reps, &mut || {
+            let _ = np(&h, &state.input1, fused);
+        })?;
+        row(&mut out, name, s);
+    }
     // As run against the composition, over 3 tokens from a non-resting state.
     let h3 = Tensor::<B, 3>::random([3, batch, d], Distribution::Normal(0.0, 1.0), device);
     let v0 = Tensor::<B, 2>::random([batch, d], Distribution::Normal(0.0, 0.2), device);
-    let run = |f: &dyn Fn() -> (Tensor<B, 3>, Tensor<B, 2>)| f();
-    let (y, last) = run(&|| {
-        norm_plif(
-            &layer.block_norm,
-            &layer.input_neuron1,
-            h3.clone(),
-            k,
-            v0.clone(),
-            cfg.plif_out,
-        )
-    });
-    let (y_ref, last_ref) = run(&|| {
-        norm_plif_composed(
-            &layer.block_norm,
-            &layer.input_neuron1,
-            h3.clone(),
-            k,
-            v0.clone(),
-            cfg.plif_out,
-        )
-    });
+    let ((y, last), (y_ref, last_ref)) = (np(&h3, &v0, true), np(&h3, &v0, false));
     check(
         &mut out,
         "RMSNorm + input PLIF",
         &[(y, y_ref), (last.unsqueeze(), last_ref.unsqueeze())],
     )?;
-    let (a1, _) = norm_plif(
-        &layer.block_norm,
-        &layer.input_neuron1,
-        h.clone(),
-        k,
-        state.input1.clone(),
-        cfg.plif_out,
-    );
+    let (a1, _) = np(&h, &state.input1, true);
     row(
         &mut out,
         "SNNBlock (7 projections + selective scan)",
@@ -157,22 +123,24 @@ pub fn decode_profile<B: SnnOps>(device: &B::Device, options: &str) -> Result<St
     let (c1, _) = layer
         .snn_block
         .forward(a1.clone(), state.hidden.clone(), cfg.v_th_min);
-    row(
-        &mut out,
-        "PonderAgg (halt + weighted sum)",
-        time(reps, &mut || {
-            let _ = ponder_agg(c1.clone(), &layer.block_halt, k);
-        })?,
-    );
-    row(
-        &mut out,
-        "PonderAgg composed from tensor ops",
-        time(reps, &mut || {
-            let _ = ponder_agg_composed(c1.clone(), &layer.block_halt, k);
-        })?,
-    );
-    let (agg, ek) = ponder_agg(c1.clone(), &layer.block_halt, k);
-    let (agg_ref, ek_ref) = ponder_agg_composed(c1.clone(), &layer.block_halt, k);
+    let pa = |fused: bool| {
+        let f = if fused {
+            ponder_agg
+        } else {
+            ponder_agg_composed
+        };
+        f(c1.clone(), &layer.block_halt, k)
+    };
+    for (name, fused) in [
+        ("PonderAgg (halt + weighted sum)", true),
+        ("PonderAgg composed from tensor ops", false),
+    ] {
+        let s = time(reps, &mut || {
+            let _ = pa(fused);
+        })?;
+        row(&mut out, name, s);
+    }
+    let ((agg, ek), (agg_ref, ek_ref)) = (pa(true), pa(false));
     check(
         &mut out,
         "PonderAgg",
@@ -200,30 +168,25 @@ pub fn decode_profile<B: SnnOps>(device: &B::Device, options: &str) -> Result<St
     let f2 = 2 * cfg.d_ff;
     let i_gu = Tensor::<B, 3>::random([3 * k, batch, f2], Distribution::Normal(0.0, 1.0), device);
     let v0 = Tensor::<B, 2>::random([batch, f2], Distribution::Normal(0.0, 0.1), device);
-    row(
-        &mut out,
-        "  of it: FFN neurons and gating, as run",
-        time(reps, &mut || {
-            let _ = layer
-                .snn_ffn
-                .gate_up(i_gu.clone(), v0.clone(), cfg.plif_out);
-        })?,
-    );
-    row(
-        &mut out,
-        "  of it: FFN neurons and gating, composed",
-        time(reps, &mut || {
-            let _ = layer
-                .snn_ffn
-                .gate_up_composed(i_gu.clone(), v0.clone(), cfg.plif_out);
-        })?,
-    );
-    let (gv, last) = layer
-        .snn_ffn
-        .gate_up(i_gu.clone(), v0.clone(), cfg.plif_out);
-    let (gv_ref, last_ref) = layer
-        .snn_ffn
-        .gate_up_composed(i_gu.clone(), v0.clone(), cfg.plif_out);
+    let gu = |fused: bool| {
+        let ffn = &layer.snn_ffn;
+        let (i, v) = (i_gu.clone(), v0.clone());
+        if fused {
+            ffn.gate_up(i, v, cfg.plif_out)
+        } else {
+            ffn.gate_up_composed(i, v, cfg.plif_out)
+        }
+    };
+    for (name, fused) in [
+        ("  of it: FFN neurons and gating, as run", true),
+        ("  of it: FFN neurons and gating, composed", false),
+    ] {
+        let s = time(reps, &mut || {
+            let _ = gu(fused);
+        })?;
+        row(&mut out, name, s);
+    }
+    let ((gv, last), (gv_ref, last_ref)) = (gu(true), gu(false));
     check(
         &mut out,
         "FFN neurons and gating",

@@ -1003,6 +1003,42 @@ fn verify_cmd(args: VerifyArgs) -> Result<(), Box<dyn std::error::Error>> {
     }
 }
 
+/// A freshly initialised model of `config` (default: the embedded tiny one) behind a started
+/// pipeline, for the benchmarks that need no checkpoint.
+fn fresh_model(
+    config: Option<&std::path::Path>,
+    backend: Option<&str>,
+    precision: Option<String>,
+    pipeline: usize,
+    devices: Option<&[usize]>,
+) -> Result<Loaded, Box<dyn std::error::Error>> {
+    let mut cfg = RunConfig::load(config)?;
+    if precision.is_some() {
+        cfg.backend.precision = precision;
+    }
+    let compute = open_run_backend(&cfg, backend)?;
+    let devices = devices.map_or_else(|| vec![0], <[usize]>::to_vec);
+    check_devices(compute.as_ref(), &devices)?;
+    let model_toml = cfg.model_toml();
+    let plan = PipelinePlan::balanced(model_layers(&model_toml)?, pipeline, &devices)?;
+    let model = StagedModel::open(
+        compute,
+        &model_toml,
+        cfg.train.seed,
+        OptimizerKind::Adam,
+        Some(plan.placement()),
+    )?;
+    Ok(Loaded {
+        pipeline: Pipeline::start(model, plan, cfg.train.clone(), None)?,
+        tokenizer: Arc::new(nsactor_data::Tokenizer::bundled()),
+        vocab: cfg.vocab_size().ok_or("[model] has no vocab_size")?,
+        name: config.map_or("embedded configs/tiny.toml".into(), |p| {
+            p.display().to_string()
+        }),
+        config: cfg,
+    })
+}
+
 fn serve_bench_cmd(a: ServeBenchArgs) -> Result<(), Box<dyn std::error::Error>> {
     let l = match &a.checkpoint {
         Some(c) => load_model(&ModelArgs {
@@ -1013,26 +1049,7 @@ fn serve_bench_cmd(a: ServeBenchArgs) -> Result<(), Box<dyn std::error::Error>> 
             tokenizer: None,
             precision: None,
         })?,
-        None => {
-            let cfg = RunConfig::load(None)?;
-            let compute =
-                backend::open(a.backend.as_deref().unwrap_or(backend::default_name()), &[])?;
-            let model = StagedModel::open(
-                compute,
-                &cfg.model_toml(),
-                cfg.train.seed,
-                OptimizerKind::Adam,
-                None,
-            )?;
-            let plan = PipelinePlan::balanced(model.num_layers(), a.pipeline, &[0])?;
-            Loaded {
-                pipeline: Pipeline::start(model, plan, cfg.train.clone(), None)?,
-                tokenizer: Arc::new(nsactor_data::Tokenizer::bundled()),
-                vocab: cfg.vocab_size().ok_or("no vocab_size")?,
-                name: "tiny".into(),
-                config: cfg,
-            }
-        }
+        None => fresh_model(None, a.backend.as_deref(), None, a.pipeline, None)?,
     };
     let max = a.sessions.iter().copied().max().unwrap_or(1);
     let state = server_state(&l, max, max, l.name.clone());
@@ -1112,36 +1129,13 @@ fn generate_bench_cmd(a: GenerateBenchArgs) -> Result<(), Box<dyn std::error::Er
             tokenizer: None,
             precision: a.precision.clone(),
         })?,
-        None => {
-            let mut cfg = RunConfig::load(a.config.as_deref())?;
-            if let Some(p) = a.precision.clone() {
-                cfg.backend.precision = Some(p);
-            }
-            let compute = open_run_backend(&cfg, a.backend.as_deref())?;
-            let devices = a.devices.clone().unwrap_or_else(|| vec![0]);
-            check_devices(compute.as_ref(), &devices)?;
-            let model_toml = cfg.model_toml();
-            let plan = PipelinePlan::balanced(model_layers(&model_toml)?, a.pipeline, &devices)?;
-            let model = StagedModel::open(
-                compute,
-                &model_toml,
-                cfg.train.seed,
-                OptimizerKind::Adam,
-                Some(plan.placement()),
-            )?;
-            Loaded {
-                pipeline: Pipeline::start(model, plan, cfg.train.clone(), None)?,
-                tokenizer: Arc::new(nsactor_data::Tokenizer::bundled()),
-                vocab: cfg.vocab_size().ok_or("[model] has no vocab_size")?,
-                name: a
-                    .config
-                    .as_ref()
-                    .map_or("embedded configs/tiny.toml".into(), |p| {
-                        p.display().to_string()
-                    }),
-                config: cfg,
-            }
-        }
+        None => fresh_model(
+            a.config.as_deref(),
+            a.backend.as_deref(),
+            a.precision.clone(),
+            a.pipeline,
+            a.devices.as_deref(),
+        )?,
     };
     let info = l.pipeline.backend().info();
     let params = l.pipeline.param_count();

@@ -40,7 +40,7 @@ pub mod cuda_device;
 #[cfg(feature = "cuda")]
 pub mod cuda_gemm;
 #[cfg(feature = "cuda")]
-pub mod cuda_ponder;
+pub mod cuda_infer;
 #[cfg(feature = "cuda")]
 pub mod cuda_scan;
 mod ops;

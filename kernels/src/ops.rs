@@ -96,7 +96,7 @@ pub trait SnnOps: Backend {
     }
 
     /// PonderNet halting and aggregation in one kernel, for inference only (no backward):
-    /// `frames` `[T·K, B, D]`, the halt projection's weight `[D]` and bias `[1]` → the aggregate
+    /// `frames` `[T·K, B, D]`, the halt projection's weight `[1, D]` and bias `[1]` → the aggregate
     /// `[T, B, D]` and E[K] `[T, B]`, with `p = clamp(σ(logit), c, 1 − c)` and λ normalised by
     /// `Σλ + eps` (SPEC §2.3). `None` (the default, and always on autodiff backends): the model
     /// composes it from tensor ops.
@@ -373,10 +373,10 @@ pub fn plif_selective<B: SnnOps>(
 }
 
 /// [`SnnOps::ponder_agg_fused`] on tensors: `Some((aggregate [T, B, D], E[K] [T, B]))` where the
-/// backend fuses it, else `None`. `halt_w` `[D]`, `halt_b` `[1]`.
+/// backend fuses it, else `None`. `halt_w` `[1, D]`, `halt_b` `[1]`.
 pub fn ponder_agg_fused<B: SnnOps>(
     frames: Tensor<B, 3>,
-    halt_w: Tensor<B, 1>,
+    halt_w: Tensor<B, 2>,
     halt_b: Tensor<B, 1>,
     k: usize,
     clamp: f64,
@@ -560,7 +560,7 @@ impl SnnOps for burn_cuda::Cuda<f32, i32> {
         clamp: f64,
         eps: f64,
     ) -> Option<(FloatTensor<Self>, FloatTensor<Self>)> {
-        Some(crate::cuda_ponder::ponder_agg(
+        Some(crate::cuda_infer::ponder_agg(
             frames,
             halt_w,
             halt_b,
@@ -580,7 +580,7 @@ impl SnnOps for burn_cuda::Cuda<f32, i32> {
         k: usize,
         leak: bool,
     ) -> Option<(FloatTensor<Self>, FloatTensor<Self>)> {
-        Some(crate::cuda_ponder::norm_plif(
+        Some(crate::cuda_infer::norm_plif(
             x, norm_w, eps as f32, w, v_th, v0, k, leak,
         ))
     }
@@ -594,7 +594,7 @@ impl SnnOps for burn_cuda::Cuda<f32, i32> {
         v0: FloatTensor<Self>,
         leak: bool,
     ) -> Option<(FloatTensor<Self>, FloatTensor<Self>)> {
-        Some(crate::cuda_ponder::ffn_plif(
+        Some(crate::cuda_infer::ffn_plif(
             i_gu, w_gate, w_up, th_gate, th_up, v0, leak,
         ))
     }

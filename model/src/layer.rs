@@ -250,11 +250,10 @@ pub fn ponder_agg<B: SnnOps>(
     halt: &Linear<B>,
     k: usize,
 ) -> (Tensor<B, 3>, Tensor<B, 2>) {
-    let d = frames.dims()[2];
     if let Some(bias) = &halt.bias
         && let Some(fused) = nsactor_kernels::ponder_agg_fused(
             frames.clone(),
-            halt.weight.clone().reshape([d]),
+            halt.weight.clone(),
             bias.clone(),
             k,
             consts::HALT_CLAMP,

@@ -60,7 +60,7 @@ pub struct CudaServer {
     /// that buffer instead of staging, copying and fencing a new one (the per-launch cost that
     /// dominates small kernels). The buffers are read-only once written; the cache is cleared
     /// when full, and a cleared buffer is recycled in stream order like any freed tensor.
-    metadata_cache: HashMap<(u64, Vec<u8>), Handle>,
+    metadata_cache: HashMap<u64, HashMap<Vec<u8>, Handle>>,
 }
 
 /// nsactor patch: most distinct metadata buffers kept per server (each a few hundred bytes).
@@ -651,7 +651,7 @@ impl CudaServer {
         let logger = self.streams.logger.clone();
         // nsactor patch: taken out of `self` while `command` borrows it; put back below.
         let mut metadata_cache = core::mem::take(&mut self.metadata_cache);
-        if metadata_cache.len() >= METADATA_CACHE_ENTRIES {
+        if metadata_cache.values().map(HashMap::len).sum::<usize>() >= METADATA_CACHE_ENTRIES {
             metadata_cache.clear();
         }
         kernel_id.mode(mode);
@@ -915,19 +915,20 @@ impl CudaServer {
     }
 }
 
-/// nsactor patch: the device buffer holding `data` on `stream_id`, uploaded on first use.
+/// nsactor patch: the device buffer holding `data` on `stream_id`, uploaded on first use (the
+/// lookup borrows `data`: no allocation on a hit).
 fn cached_metadata(
-    cache: &mut HashMap<(u64, Vec<u8>), Handle>,
+    cache: &mut HashMap<u64, HashMap<Vec<u8>, Handle>>,
     command: &mut Command<'_>,
     stream_id: StreamId,
     data: &[u8],
 ) -> Result<Handle, IoError> {
-    let key = (stream_id.value, data.to_vec());
-    if let Some(h) = cache.get(&key) {
+    let stream = cache.entry(stream_id.value).or_default();
+    if let Some(h) = stream.get(data) {
         return Ok(h.clone());
     }
     let h = command.create_with_data(data)?;
-    cache.insert(key, h.clone());
+    stream.insert(data.to_vec(), h.clone());
     Ok(h)
 }
 

@@ -1,9 +1,15 @@
-//! PonderNet halting and aggregation as one CubeCL kernel, for inference (no backward): one
-//! plane of 32 units per `(token, batch row)` computes the K halting logits (dot products with
-//! the halt weight, reduced across the plane), the geometric halting distribution and E[K], and
-//! the weighted sum of the K frames. The composed version ([`SnnOps::ponder_agg_fused`]'s
-//! callers fall back to it) is ≈ 50 tensor ops; on a decoding step every op costs ≈ 11 µs of
-//! host time, so this one launch replaces ≈ 0.5 ms per sublayer.
+//! Fused CubeCL kernels for inference (forward only, no backward), each replacing tens of
+//! tensor ops whose ≈ 11 µs of host time apiece set the speed of a decoding step:
+//!
+//! * [`ponder_agg`]: PonderNet halting and aggregation. One plane of 32 units per
+//!   `(token, batch row)` computes the K halting logits (dot products with the halt weight,
+//!   reduced across the plane), the geometric halting distribution and E[K], and the weighted
+//!   sum of the K frames (≈ 50 ops composed).
+//! * [`norm_plif`]: RMSNorm, then the input PLIF over the K frames of each token.
+//! * [`ffn_plif`]: the SNNFFN's gate and up neurons and their product.
+//!
+//! The model falls back to the compositions where a backend does not fuse
+//! ([`SnnOps::ponder_agg_fused`] and its siblings return `None`).
 //!
 //! [`SnnOps::ponder_agg_fused`]: crate::SnnOps::ponder_agg_fused
 
@@ -89,7 +95,7 @@ fn ponder_agg_kernel(
     }
 }
 
-/// `frames` `[T·K, B, D]`, halt weight `w` `[D]`, bias `[1]` → aggregate `[T, B, D]` and E[K]
+/// `frames` `[T·K, B, D]`, halt weight `w` `[1, D]` (read flat), bias `[1]` → aggregate `[T, B, D]` and E[K]
 /// `[T, B]` (SPEC §2.3: σ, clamp to `[c, 1 − c]`, λ normalised by `Σλ + eps`).
 pub fn ponder_agg<R: CubeRuntime>(
     frames: CubeTensor<R>,

@@ -135,19 +135,7 @@ fn dims(t: &CudaTensor) -> ([usize; 2], [usize; 2]) {
 /// Prepares an operand: rounded to bf16 when asked (the cast writes it contiguous), made
 /// contiguous when cuBLASLt cannot read its strides.
 fn prepare(t: CudaTensor, p: GemmPrecision) -> (CudaTensor, Operand) {
-    let t = match p {
-        GemmPrecision::Bf16 => {
-            let (shape, strides) = dims(&t);
-            if matches!(operand(shape, strides), Some(Operand { trans: true, .. })) {
-                // A transposed view: round its row-major storage (a contiguous read) and keep
-                // the view, instead of a strided transposing copy.
-                transpose(cast(transpose(t), burn::tensor::DType::BF16))
-            } else {
-                cast(t, burn::tensor::DType::BF16)
-            }
-        }
-        GemmPrecision::Fp32 => t,
-    };
+    let t = round_operand(t, p);
     let (shape, strides) = dims(&t);
     match operand(shape, strides) {
         Some(op) => (t, op),
@@ -157,6 +145,24 @@ fn prepare(t: CudaTensor, p: GemmPrecision) -> (CudaTensor, Operand) {
             let op = operand(shape, strides).expect("a contiguous matrix is row-major");
             (t, op)
         }
+    }
+}
+
+/// `t` rounded to the GEMM's input type: bf16 in bf16 precision (already-rounded operands pass
+/// through, so a tensor used by several products is rounded once), unchanged in fp32.
+pub fn round_operand(t: CudaTensor, p: GemmPrecision) -> CudaTensor {
+    match p {
+        GemmPrecision::Bf16 if t.dtype != burn::tensor::DType::BF16 => {
+            let (shape, strides) = dims(&t);
+            if matches!(operand(shape, strides), Some(Operand { trans: true, .. })) {
+                // A transposed view: round its row-major storage (a contiguous read) and keep
+                // the view, instead of a strided transposing copy.
+                transpose(cast(transpose(t), burn::tensor::DType::BF16))
+            } else {
+                cast(t, burn::tensor::DType::BF16)
+            }
+        }
+        _ => t,
     }
 }
 
@@ -316,16 +322,16 @@ pub fn prepare_operands(p: GemmPrecision, lhs: CudaTensor, rhs: CudaTensor) -> P
         k, k2,
         "gemm: inner dimensions differ ([{m}, {k}] · [{k2}, {n}])"
     );
-    assert_eq!(
-        lhs.dtype,
-        burn::tensor::DType::F32,
-        "gemm takes f32 tensors"
-    );
-    assert_eq!(
-        rhs.dtype,
-        burn::tensor::DType::F32,
-        "gemm takes f32 tensors"
-    );
+    for t in [&lhs, &rhs] {
+        let ok = t.dtype == burn::tensor::DType::F32
+            || (p == GemmPrecision::Bf16 && t.dtype == burn::tensor::DType::BF16);
+        assert!(
+            ok,
+            "gemm takes f32 tensors (or bf16 ones rounded for a bf16 GEMM), got {:?} in {}",
+            t.dtype,
+            p.name()
+        );
+    }
     // cuBLASLt computes Dᵀ [N, M] = A · B with A = rhsᵀ [N, K], B = lhsᵀ [K, M].
     let (rhs, a) = prepare(rhs, p);
     let (lhs, b) = prepare(lhs, p);

@@ -3,6 +3,13 @@
 //! do not depend on the state, so the hardware keeps them in flight while the recurrence runs;
 //! consecutive units read consecutive columns, so every load and store is coalesced.
 //!
+//! The 0.9B model has too few columns for that alone (21,504–28,672, a few planes per SM), and
+//! the selective scan adds four transcendentals per step to each unit's chain. The staged
+//! kernels split the work instead: in a cube of 32 columns, producer planes load (and modulate)
+//! the next chunk of steps into shared memory while one plane runs the recurrence over the
+//! current chunk from it; one barrier per chunk swaps the two buffers. They compute the same
+//! values as the per-unit kernels, bit for bit in the forward.
+//!
 //! Same recurrence as [`crate::reference`], term for term: `v_pre = fma(β, v, u)`, the `≥`
 //! test, `v = v_pre − V_th·s` (exact, `s` is 0 or 1), `f32` state; the backward pass keeps
 //! `acc = gV·β` as its own rounded product like the reference.
@@ -206,6 +213,175 @@ fn backward_kernel(
     g_v0[c] = acc;
 }
 
+/// The staged row-parameter forward: plane 0 of a cube runs the recurrence of 32 columns over
+/// shared memory while planes `1..=producers` load the next chunk's input currents (every
+/// `producers`-th step each, all loads issued together). With few columns (3,584 for the
+/// 0.9B's input neurons) one unit per column keeps too few loads in flight; here a cube keeps
+/// `chunk` steps of them. Same arithmetic as [`forward_kernel`] with `row`, bit for bit.
+#[allow(clippy::too_many_arguments)]
+#[cube(launch)]
+fn row_forward_staged_kernel(
+    beta: &Tensor<f32>,
+    u: &Tensor<f32>,
+    vth: &Tensor<f32>,
+    v0: &Tensor<f32>,
+    spike: &mut Tensor<f32>,
+    vpost: &mut Tensor<f32>,
+    cols: u32,
+    steps: u32,
+    chunks: u32,
+    #[comptime] chunk: usize,
+    #[comptime] producers: usize,
+) {
+    let cols = cols as usize;
+    let steps = steps as usize;
+    let x = UNIT_POS_X as usize;
+    let y = UNIT_POS_Y as usize;
+    let c = CUBE_POS_X as usize * 32 + x;
+    let valid = c < cols;
+    let cc = select(valid, c, 0);
+    let b = beta[cc];
+    let th = vth[cc];
+    let mut s_u = SharedMemory::<f32>::new(comptime!(2 * chunk * 32));
+    let chunks = chunks as usize;
+    let per = comptime!(chunk / producers);
+    let mut xu = Array::<f32>::new(per);
+    let mut v = v0[cc];
+    let mut ch = 0usize;
+    while ch <= chunks {
+        if y == 0 {
+            if ch > 0 {
+                let k0 = (ch - 1) * chunk;
+                let buf = ((ch - 1) % 2) * chunk * 32;
+                #[unroll]
+                for q in 0..chunk {
+                    let k = k0 + q;
+                    if k < steps {
+                        let v_pre = fma(b, v, s_u[buf + q * 32 + x]);
+                        let s = select(v_pre >= th, 1.0f32, 0.0f32);
+                        v = v_pre - th * s;
+                        if valid {
+                            let idx = k * cols + c;
+                            spike[idx] = s;
+                            vpost[idx] = v;
+                        }
+                    }
+                }
+            }
+        } else if ch < chunks {
+            let k0 = ch * chunk;
+            let buf = (ch % 2) * chunk * 32;
+            #[unroll]
+            for r in 0..per {
+                let k = k0 + (y - 1) + r * producers;
+                if k < steps && valid {
+                    xu[r] = u[k * cols + c];
+                }
+            }
+            #[unroll]
+            for r in 0..per {
+                s_u[buf + ((y - 1) + r * producers) * 32 + x] = xu[r];
+            }
+        }
+        sync_cube();
+        ch += 1;
+    }
+}
+
+/// The staged row-parameter backward: producers load `grad`, the spike and `V_{k−1}` of the
+/// chunk before the current one (reverse order); plane 0 runs the reverse recurrence and sums
+/// the β and V_th gradients in registers. Same arithmetic as [`backward_kernel`] with `row`.
+#[allow(clippy::too_many_arguments)]
+#[cube(launch)]
+fn row_backward_staged_kernel(
+    beta: &Tensor<f32>,
+    v0: &Tensor<f32>,
+    vpost: &Tensor<f32>,
+    spike: &Tensor<f32>,
+    grad: &Tensor<f32>,
+    g_beta: &mut Tensor<f32>,
+    g_u: &mut Tensor<f32>,
+    g_vth: &mut Tensor<f32>,
+    g_v0: &mut Tensor<f32>,
+    cols: u32,
+    steps: u32,
+    chunks: u32,
+    #[comptime] chunk: usize,
+    #[comptime] producers: usize,
+) {
+    let cols = cols as usize;
+    let steps = steps as usize;
+    let x = UNIT_POS_X as usize;
+    let y = UNIT_POS_Y as usize;
+    let c = CUBE_POS_X as usize * 32 + x;
+    let valid = c < cols;
+    let cc = select(valid, c, 0);
+    let b_row = beta[cc];
+    let v_first = v0[cc];
+    let mut s_g = SharedMemory::<f32>::new(comptime!(2 * chunk * 32));
+    let mut s_s = SharedMemory::<f32>::new(comptime!(2 * chunk * 32));
+    let mut s_v = SharedMemory::<f32>::new(comptime!(2 * chunk * 32));
+    let chunks = chunks as usize;
+    let per = comptime!(chunk / producers);
+    let mut xg = Array::<f32>::new(per);
+    let mut xs = Array::<f32>::new(per);
+    let mut xv = Array::<f32>::new(per);
+    let mut acc = 0.0f32;
+    let mut sum_beta = 0.0f32;
+    let mut sum_vth = 0.0f32;
+    let mut ch = 0usize;
+    while ch <= chunks {
+        if y == 0 {
+            if ch > 0 {
+                let top = steps - (ch - 1) * chunk;
+                let buf = ((ch - 1) % 2) * chunk * 32;
+                #[unroll]
+                for q in 0..chunk {
+                    if q < top {
+                        let k = top - 1 - q;
+                        let s_idx = buf + q * 32 + x;
+                        let gv = s_g[s_idx] + acc;
+                        if valid {
+                            g_u[k * cols + c] = gv;
+                        }
+                        sum_beta += gv * s_v[s_idx];
+                        sum_vth += -gv * s_s[s_idx];
+                        acc = gv * b_row;
+                    }
+                }
+            }
+        } else if ch < chunks {
+            let top = steps - ch * chunk;
+            let buf = (ch % 2) * chunk * 32;
+            #[unroll]
+            for r in 0..per {
+                let q = (y - 1) + r * producers;
+                if q < top && valid {
+                    let k = top - 1 - q;
+                    let idx = k * cols + c;
+                    xg[r] = grad[idx];
+                    xs[r] = spike[idx];
+                    xv[r] = select(k > 0, vpost[select(k > 0, idx - cols, c)], v_first);
+                }
+            }
+            #[unroll]
+            for r in 0..per {
+                let s_idx = buf + ((y - 1) + r * producers) * 32 + x;
+                s_g[s_idx] = xg[r];
+                s_s[s_idx] = xs[r];
+                s_v[s_idx] = xv[r];
+            }
+        }
+        sync_cube();
+        ch += 1;
+    }
+    if y == 0 && valid {
+        g_beta[c] = sum_beta;
+        g_vth[c] = sum_vth;
+        g_v0[c] = acc;
+    }
+}
+
 pub(crate) fn out_like<R: CubeRuntime>(like: &CubeTensor<R>, shape: Shape) -> CubeTensor<R> {
     empty_device_contiguous_dtype(like.client.clone(), like.device.clone(), shape, like.dtype)
 }
@@ -260,6 +436,26 @@ pub fn forward<R: CubeRuntime>(
     let spike = out_like(&u, shape.clone());
     let vpost = out_like(&u, shape);
     let client = u.client.clone();
+    if row && staged_rows() && cols >= STAGE_ROW_FORWARD_MIN_COLS {
+        let (producers, chunk) = stage_shape("NSACTOR_STAGE_ROW_FORWARD", STAGE_ROW_FORWARD);
+        row_forward_staged_kernel::launch::<R>(
+            &client,
+            CubeCount::Static(cols.div_ceil(STAGE_COLS), 1, 1),
+            CubeDim::new_2d(STAGE_COLS, 1 + producers as u32),
+            beta.into_tensor_arg(),
+            u.into_tensor_arg(),
+            vth.into_tensor_arg(),
+            v0.into_tensor_arg(),
+            spike.clone().into_tensor_arg(),
+            vpost.clone().into_tensor_arg(),
+            cols,
+            steps,
+            steps.div_ceil(chunk as u32),
+            chunk,
+            producers,
+        );
+        return (spike, vpost);
+    }
     forward_kernel::launch::<R>(
         &client,
         count,
@@ -298,6 +494,29 @@ pub fn backward<R: CubeRuntime>(
     let g_vth = out_like(&grad, param);
     let g_v0 = out_like(&grad, state);
     let client = grad.client.clone();
+    if row && staged_rows() {
+        let (producers, chunk) = stage_shape("NSACTOR_STAGE_ROW_BACKWARD", STAGE_ROW_BACKWARD);
+        row_backward_staged_kernel::launch::<R>(
+            &client,
+            CubeCount::Static(cols.div_ceil(STAGE_COLS), 1, 1),
+            CubeDim::new_2d(STAGE_COLS, 1 + producers as u32),
+            beta.into_tensor_arg(),
+            v0.into_tensor_arg(),
+            vpost.into_tensor_arg(),
+            spike.into_tensor_arg(),
+            grad.into_tensor_arg(),
+            g_beta.clone().into_tensor_arg(),
+            g_u.clone().into_tensor_arg(),
+            g_vth.clone().into_tensor_arg(),
+            g_v0.clone().into_tensor_arg(),
+            cols,
+            steps,
+            steps.div_ceil(chunk as u32),
+            chunk,
+            producers,
+        );
+        return [g_beta, g_u, g_vth, g_v0];
+    }
     backward_kernel::launch::<R>(
         &client,
         count,
@@ -508,6 +727,288 @@ fn selective_backward_kernel(
     g_bias[2 * cols + c] = sum_t;
 }
 
+/// Columns per cube of the staged selective kernels: one plane wide, so each step's loads and
+/// stores are one coalesced 128-byte line.
+const STAGE_COLS: u32 = 32;
+/// `(producer planes, steps per chunk)` of the staged selective kernels. Measured on the H100
+/// at the 0.9B shape (forward / backward ms): 2×32 5.89 / 8.69, 4×64 3.64 / 9.07, 8×32 2.65 /
+/// 4.36. `$NSACTOR_STAGE_FORWARD` and `$NSACTOR_STAGE_BACKWARD` (`PxC`) override them.
+const STAGE_FORWARD: (usize, usize) = (8, 32);
+const STAGE_BACKWARD: (usize, usize) = (8, 16);
+
+/// `(producer planes, steps per chunk)` of the staged row-parameter kernels.
+/// `$NSACTOR_STAGE_ROW_FORWARD` / `$NSACTOR_STAGE_ROW_BACKWARD` override them. Measured on the
+/// H100 at T·K = 8176 and 21,504 columns (forward / backward ms): 8×64 / 8×32 0.89 / 1.89,
+/// 4×32 / 4×64 0.97 / 1.50, 16×64 / 16×64 1.50 / 1.61, 8×128 / 8×16 1.60 / 1.21; one unit per
+/// column 0.97 / 1.54.
+const STAGE_ROW_FORWARD: (usize, usize) = (8, 64);
+const STAGE_ROW_BACKWARD: (usize, usize) = (8, 16);
+/// Below this many columns the row forward keeps one unit per column: at the input neurons'
+/// 3,584 columns it took 0.50 ms against 0.63 staged (112 cubes leave a fifth of the SMs idle
+/// and the rest with one scanning plane), while the backward still gained (1.11 → 0.76 ms).
+const STAGE_ROW_FORWARD_MIN_COLS: u32 = 8192;
+
+/// Whether the row-parameter scans run staged; `$NSACTOR_ROW_SCAN=per-unit` selects one unit per
+/// column, for comparison.
+fn staged_rows() -> bool {
+    std::env::var("NSACTOR_ROW_SCAN").map_or(true, |v| v != "per-unit")
+}
+
+/// Whether the selective scans run staged (producer planes compute the modulation of the next
+/// chunk into shared memory while one plane runs the recurrence over the current chunk) or one
+/// unit per column (each unit computes its own modulation, the first version).
+/// `$NSACTOR_SELECTIVE=per-unit` selects the latter, for comparison.
+fn staged() -> bool {
+    std::env::var("NSACTOR_SELECTIVE").map_or(true, |v| v != "per-unit")
+}
+
+/// `(producers, chunk)` of a staged kernel from `$var` (`PxC`) or the default; `chunk` is
+/// rounded up to a multiple of `producers`.
+fn stage_shape(var: &str, default: (usize, usize)) -> (usize, usize) {
+    let (p, c) = std::env::var(var)
+        .ok()
+        .and_then(|v| {
+            let (p, c) = v.split_once('x')?;
+            Some((p.parse().ok()?, c.parse().ok()?))
+        })
+        .filter(|&(p, c): &(usize, usize)| (1..=31).contains(&p) && (1..=128).contains(&c))
+        .unwrap_or(default);
+    (p, c.div_ceil(p) * p)
+}
+
+/// The staged forward: plane 0 of a cube scans 32 columns; planes `1..=producers` compute
+/// `β, u, V_th` of the next chunk (`chunk` steps) into shared memory meanwhile, each taking
+/// every `producers`-th step with all its loads issued together. One barrier per chunk swaps
+/// the two buffers. Same arithmetic as [`selective_forward_kernel`], bit for bit.
+#[allow(clippy::too_many_arguments)]
+#[cube(launch)]
+fn selective_forward_staged_kernel(
+    i: &Tensor<f32>,
+    r_beta: &Tensor<f32>,
+    r_alpha: &Tensor<f32>,
+    r_th: &Tensor<f32>,
+    b_beta: &Tensor<f32>,
+    b_alpha: &Tensor<f32>,
+    b_th: &Tensor<f32>,
+    v0: &Tensor<f32>,
+    spike: &mut Tensor<f32>,
+    vpost: &mut Tensor<f32>,
+    cols: u32,
+    steps: u32,
+    chunks: u32,
+    dim: u32,
+    v_th_min: f32,
+    #[comptime] chunk: usize,
+    #[comptime] producers: usize,
+) {
+    let cols = cols as usize;
+    let steps = steps as usize;
+    let x = UNIT_POS_X as usize;
+    let y = UNIT_POS_Y as usize;
+    let c = CUBE_POS_X as usize * 32 + x;
+    let valid = c < cols;
+    let cc = select(valid, c, 0);
+    let j = cc % (dim as usize);
+    let bb = b_beta[j];
+    let ba = b_alpha[j];
+    let bt = b_th[j];
+    let mut s_beta = SharedMemory::<f32>::new(comptime!(2 * chunk * 32));
+    let mut s_u = SharedMemory::<f32>::new(comptime!(2 * chunk * 32));
+    let mut s_th = SharedMemory::<f32>::new(comptime!(2 * chunk * 32));
+    let chunks = chunks as usize;
+    let per = comptime!(chunk / producers);
+    let mut xb = Array::<f32>::new(per);
+    let mut xa = Array::<f32>::new(per);
+    let mut xt = Array::<f32>::new(per);
+    let mut xi = Array::<f32>::new(per);
+    // Chunk `ch` lives in buffer `ch % 2`; producers fill chunk 0 before the loop.
+    let mut ch = 0usize;
+    let mut v = v0[cc];
+    while ch <= chunks {
+        if y == 0 {
+            if ch > 0 {
+                let k0 = (ch - 1) * chunk;
+                let buf = ((ch - 1) % 2) * chunk * 32;
+                #[unroll]
+                for q in 0..chunk {
+                    let k = k0 + q;
+                    if k < steps {
+                        let s_idx = buf + q * 32 + x;
+                        let th = s_th[s_idx];
+                        let v_pre = fma(s_beta[s_idx], v, s_u[s_idx]);
+                        let s = select(v_pre >= th, 1.0f32, 0.0f32);
+                        v = v_pre - th * s;
+                        if valid {
+                            let idx = k * cols + c;
+                            spike[idx] = s;
+                            vpost[idx] = v;
+                        }
+                    }
+                }
+            }
+        } else if ch < chunks {
+            let k0 = ch * chunk;
+            let buf = (ch % 2) * chunk * 32;
+            #[unroll]
+            for r in 0..per {
+                let k = k0 + (y - 1) + r * producers;
+                if k < steps && valid {
+                    let idx = k * cols + c;
+                    xb[r] = r_beta[idx];
+                    xa[r] = r_alpha[idx];
+                    xt[r] = r_th[idx];
+                    xi[r] = i[idx];
+                }
+            }
+            #[unroll]
+            for r in 0..per {
+                let q = (y - 1) + r * producers;
+                let s_idx = buf + q * 32 + x;
+                s_beta[s_idx] = sigmoid_burn(xb[r] + bb);
+                s_u[s_idx] = softplus(xa[r] + ba) * xi[r];
+                s_th[s_idx] = (xt[r] + bt).abs() + v_th_min;
+            }
+        }
+        sync_cube();
+        ch += 1;
+    }
+}
+
+/// The staged backward: producer planes compute everything of a step but the carried
+/// gradient for the chunk before the current one (the reverse order), plane 0 runs the
+/// reverse recurrence over shared memory. Same arithmetic as [`selective_backward_kernel`].
+#[allow(clippy::too_many_arguments)]
+#[cube(launch)]
+fn selective_backward_staged_kernel(
+    i: &Tensor<f32>,
+    r_beta: &Tensor<f32>,
+    r_alpha: &Tensor<f32>,
+    r_th: &Tensor<f32>,
+    b_beta: &Tensor<f32>,
+    b_alpha: &Tensor<f32>,
+    b_th: &Tensor<f32>,
+    v0: &Tensor<f32>,
+    vpost: &Tensor<f32>,
+    spike: &Tensor<f32>,
+    grad: &Tensor<f32>,
+    g_i: &mut Tensor<f32>,
+    g_rb: &mut Tensor<f32>,
+    g_ra: &mut Tensor<f32>,
+    g_rt: &mut Tensor<f32>,
+    g_v0: &mut Tensor<f32>,
+    g_bias: &mut Tensor<f32>,
+    cols: u32,
+    steps: u32,
+    chunks: u32,
+    dim: u32,
+    #[comptime] chunk: usize,
+    #[comptime] producers: usize,
+) {
+    let cols = cols as usize;
+    let steps = steps as usize;
+    let x = UNIT_POS_X as usize;
+    let y = UNIT_POS_Y as usize;
+    let c = CUBE_POS_X as usize * 32 + x;
+    let valid = c < cols;
+    let cc = select(valid, c, 0);
+    let j = cc % (dim as usize);
+    let bb = b_beta[j];
+    let ba = b_alpha[j];
+    let bt = b_th[j];
+    let v_first = v0[cc];
+    let mut s_be = SharedMemory::<f32>::new(comptime!(2 * chunk * 32));
+    let mut s_gg = SharedMemory::<f32>::new(comptime!(2 * chunk * 32));
+    let mut s_vp = SharedMemory::<f32>::new(comptime!(2 * chunk * 32));
+    let mut s_fa = SharedMemory::<f32>::new(comptime!(2 * chunk * 32));
+    let mut s_al = SharedMemory::<f32>::new(comptime!(2 * chunk * 32));
+    let mut s_ts = SharedMemory::<f32>::new(comptime!(2 * chunk * 32));
+    let chunks = chunks as usize;
+    let per = comptime!(chunk / producers);
+    let mut xb = Array::<f32>::new(per);
+    let mut xa = Array::<f32>::new(per);
+    let mut xt = Array::<f32>::new(per);
+    let mut xi = Array::<f32>::new(per);
+    let mut xg = Array::<f32>::new(per);
+    let mut xv = Array::<f32>::new(per);
+    let mut xs = Array::<f32>::new(per);
+    let mut acc = 0.0f32;
+    let mut sum_b = 0.0f32;
+    let mut sum_a = 0.0f32;
+    let mut sum_t = 0.0f32;
+    // Chunks are numbered from the end: chunk `n` holds steps `[steps − (n+1)·chunk, steps − n·chunk)`
+    // (clipped at 0), slot `q` its step `steps − n·chunk − 1 − q`.
+    let mut ch = 0usize;
+    while ch <= chunks {
+        if y == 0 {
+            if ch > 0 {
+                let top = steps - (ch - 1) * chunk;
+                let buf = ((ch - 1) % 2) * chunk * 32;
+                #[unroll]
+                for q in 0..chunk {
+                    if q < top {
+                        let k = top - 1 - q;
+                        let s_idx = buf + q * 32 + x;
+                        let beta = s_be[s_idx];
+                        let gv = s_gg[s_idx] + acc;
+                        let d_rb = (beta * (1.0f32 - beta)) * (gv * s_vp[s_idx]);
+                        let d_ra = gv * s_fa[s_idx];
+                        let d_rt = -gv * s_ts[s_idx];
+                        if valid {
+                            let idx = k * cols + c;
+                            g_i[idx] = gv * s_al[s_idx];
+                            g_rb[idx] = d_rb;
+                            g_ra[idx] = d_ra;
+                            g_rt[idx] = d_rt;
+                        }
+                        sum_b += d_rb;
+                        sum_a += d_ra;
+                        sum_t += d_rt;
+                        acc = gv * beta;
+                    }
+                }
+            }
+        } else if ch < chunks {
+            let top = steps - ch * chunk;
+            let buf = (ch % 2) * chunk * 32;
+            #[unroll]
+            for r in 0..per {
+                let q = (y - 1) + r * producers;
+                if q < top && valid {
+                    let k = top - 1 - q;
+                    let idx = k * cols + c;
+                    xb[r] = r_beta[idx];
+                    xa[r] = r_alpha[idx];
+                    xt[r] = r_th[idx];
+                    xi[r] = i[idx];
+                    xg[r] = grad[idx];
+                    xs[r] = spike[idx];
+                    xv[r] = select(k > 0, vpost[select(k > 0, idx - cols, c)], v_first);
+                }
+            }
+            #[unroll]
+            for r in 0..per {
+                let q = (y - 1) + r * producers;
+                let s_idx = buf + q * 32 + x;
+                let a = xa[r] + ba;
+                s_be[s_idx] = sigmoid_burn(xb[r] + bb);
+                s_gg[s_idx] = xg[r];
+                s_vp[s_idx] = xv[r];
+                s_fa[s_idx] = xi[r] * sigmoid_burn(a);
+                s_al[s_idx] = softplus(a);
+                s_ts[s_idx] = xs[r] * sign(xt[r] + bt);
+            }
+        }
+        sync_cube();
+        ch += 1;
+    }
+    if y == 0 && valid {
+        g_v0[c] = acc;
+        g_bias[c] = sum_b;
+        g_bias[cols + c] = sum_a;
+        g_bias[2 * cols + c] = sum_t;
+    }
+}
+
 /// Forward of the fused selective scan: `(spike, vpost)`. `inputs`: the projections `i, r_β,
 /// r_α, r_th` `[TK, B, DN]`, the biases `b_β, b_α, b_th` `[DN]`, and `v0` `[B, DN]`.
 pub fn selective_forward<R: CubeRuntime>(
@@ -521,6 +1022,32 @@ pub fn selective_forward<R: CubeRuntime>(
     let spike = out_like(&i, shape.clone());
     let vpost = out_like(&i, shape);
     let client = i.client.clone();
+    if staged() {
+        let (producers, chunk) = stage_shape("NSACTOR_STAGE_FORWARD", STAGE_FORWARD);
+        selective_forward_staged_kernel::launch::<R>(
+            &client,
+            CubeCount::Static(cols.div_ceil(STAGE_COLS), 1, 1),
+            CubeDim::new_2d(STAGE_COLS, 1 + producers as u32),
+            i.into_tensor_arg(),
+            rb.into_tensor_arg(),
+            ra.into_tensor_arg(),
+            rt.into_tensor_arg(),
+            bb.into_tensor_arg(),
+            ba.into_tensor_arg(),
+            bt.into_tensor_arg(),
+            v0.into_tensor_arg(),
+            spike.clone().into_tensor_arg(),
+            vpost.clone().into_tensor_arg(),
+            cols,
+            steps,
+            steps.div_ceil(chunk as u32),
+            dn,
+            v_th_min,
+            chunk,
+            producers,
+        );
+        return (spike, vpost);
+    }
     selective_forward_kernel::launch::<R>(
         &client,
         count,
@@ -566,6 +1093,38 @@ pub fn selective_backward<R: CubeRuntime>(
     let g_v0 = out_like(&grad, state.clone());
     let g_bias = out_like(&grad, Shape::new([3, state[0], state[1]]));
     let client = grad.client.clone();
+    if staged() {
+        let (producers, chunk) = stage_shape("NSACTOR_STAGE_BACKWARD", STAGE_BACKWARD);
+        selective_backward_staged_kernel::launch::<R>(
+            &client,
+            CubeCount::Static(cols.div_ceil(STAGE_COLS), 1, 1),
+            CubeDim::new_2d(STAGE_COLS, 1 + producers as u32),
+            i.into_tensor_arg(),
+            rb.into_tensor_arg(),
+            ra.into_tensor_arg(),
+            rt.into_tensor_arg(),
+            bb.into_tensor_arg(),
+            ba.into_tensor_arg(),
+            bt.into_tensor_arg(),
+            v0.into_tensor_arg(),
+            vpost.into_tensor_arg(),
+            spike.into_tensor_arg(),
+            grad.into_tensor_arg(),
+            g_i.clone().into_tensor_arg(),
+            g_rb.clone().into_tensor_arg(),
+            g_ra.clone().into_tensor_arg(),
+            g_rt.clone().into_tensor_arg(),
+            g_v0.clone().into_tensor_arg(),
+            g_bias.clone().into_tensor_arg(),
+            cols,
+            steps,
+            steps.div_ceil(chunk as u32),
+            dn,
+            chunk,
+            producers,
+        );
+        return [g_i, g_rb, g_ra, g_rt, g_v0, g_bias];
+    }
     selective_backward_kernel::launch::<R>(
         &client,
         count,

@@ -73,6 +73,14 @@ pub trait SnnOps: Backend {
         Self::float_matmul(lhs, rhs)
     }
 
+    /// Rounds a GEMM operand to the type [`gemm`](Self::gemm) reads, so that an operand used by
+    /// several products is rounded once: the autodiff node keeps its operands rounded for the
+    /// backward products and rounds the incoming gradient once for both. Default: unchanged
+    /// (the GEMM reads f32). CUDA in bf16 precision: the bf16 copy.
+    fn gemm_operand(t: FloatTensor<Self>) -> FloatTensor<Self> {
+        t
+    }
+
     /// Moves a tensor to another device (pipeline stages hand activations and gradients over
     /// with it). Default: the backend's own `to_device`. CUDA overrides it with a peer copy
     /// ordered on both devices' streams (`crate::cuda_device::to_device`).
@@ -538,6 +546,10 @@ fn selective_args<B: Backend>(inp: SelectiveInputs<B>) -> [FloatTensor<B>; 8] {
 impl SnnOps for burn_cuda::Cuda<f32, i32> {
     fn gemm(lhs: FloatTensor<Self>, rhs: FloatTensor<Self>) -> FloatTensor<Self> {
         crate::cuda_gemm::gemm(lhs, rhs)
+    }
+
+    fn gemm_operand(t: FloatTensor<Self>) -> FloatTensor<Self> {
+        crate::cuda_gemm::round_operand(t, crate::cuda_gemm::precision())
     }
 
     fn move_to_device(t: FloatTensor<Self>, device: &Self::Device) -> FloatTensor<Self> {

@@ -1,6 +1,8 @@
 //! `SnnOps` for `Autodiff<B>`: forward through `B`, backward through `B`'s backward methods.
 
-use crate::ops::{PlifGrads, PlifOutput, SelectiveGrads, SelectiveInputs, SnnOps};
+use crate::ops::{
+    FfnGrads, FfnInputs, PlifGrads, PlifOutput, SelectiveGrads, SelectiveInputs, SnnOps,
+};
 use burn::backend::autodiff::{
     Autodiff, NodeId,
     checkpoint::{base::Checkpointer, strategy::CheckpointStrategy},
@@ -171,9 +173,79 @@ impl<B: SnnOps> Backward<B, 8> for SelectiveBackward {
     }
 }
 
+/// Backward of the FFN neurons: the inputs and the forward's `V_post` are saved (the spikes are
+/// recomputed from them).
+#[derive(Debug)]
+struct FfnBackward;
+
+#[derive(Debug, Clone)]
+struct FfnState<B: SnnOps> {
+    inputs: FfnInputs<B>,
+    vpost: FloatTensor<B>,
+}
+
+impl<B: SnnOps> Backward<B, 6> for FfnBackward {
+    type State = FfnState<B>;
+
+    fn backward(
+        self,
+        ops: Ops<Self::State, 6>,
+        grads: &mut Gradients,
+        _checkpointer: &mut Checkpointer,
+    ) {
+        let grad_gv = grads.consume::<B>(&ops.node);
+        let s = ops.state;
+        let g: FfnGrads<B> = B::ffn_neurons_backward(s.inputs, s.vpost, grad_gv);
+        let all = [g.i_gu, g.w_gate, g.w_up, g.th_gate, g.th_up, g.v0];
+        for (node, grad) in ops.parents.into_iter().zip(all) {
+            if let Some(node) = node {
+                grads.register::<B>(node.id, grad);
+            }
+        }
+    }
+}
+
 impl<B: SnnOps, C: CheckpointStrategy> SnnOps for Autodiff<B, C> {
     fn fuses_modulation() -> bool {
         B::fuses_modulation()
+    }
+
+    fn fuses_ffn_neurons() -> bool {
+        B::fuses_ffn_neurons()
+    }
+
+    fn ffn_neurons_forward(inp: FfnInputs<Self>) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        let parents = [
+            inp.i_gu.node.clone(),
+            inp.w_gate.node.clone(),
+            inp.w_up.node.clone(),
+            inp.th_gate.node.clone(),
+            inp.th_up.node.clone(),
+            inp.v0.node.clone(),
+        ];
+        let inner = FfnInputs::<B> {
+            i_gu: inp.i_gu.primitive,
+            w_gate: inp.w_gate.primitive,
+            w_up: inp.w_up.primitive,
+            th_gate: inp.th_gate.primitive,
+            th_up: inp.th_up.primitive,
+            v0: inp.v0.primitive,
+            leak: inp.leak,
+        };
+        match FfnBackward.prepare::<C>(parents).compute_bound().stateful() {
+            OpsKind::Tracked(prep) => {
+                let (gv, vpost) = B::ffn_neurons_forward(inner.clone());
+                let state = FfnState {
+                    inputs: inner,
+                    vpost: vpost.clone(),
+                };
+                (prep.finish(state, gv), <FloatTensor<Self>>::new(vpost))
+            }
+            OpsKind::UnTracked(prep) => {
+                let (gv, vpost) = B::ffn_neurons_forward(inner);
+                (prep.finish(gv), <FloatTensor<Self>>::new(vpost))
+            }
+        }
     }
 
     fn plif_selective_forward(inp: SelectiveInputs<Self>) -> PlifOutput<Self> {

@@ -5,7 +5,8 @@
 
 use crate::SnnOps;
 use crate::ops::{
-    SelectiveGrads, SelectiveInputs, selective_backward_reference, selective_forward_reference,
+    FfnGrads, FfnInputs, SelectiveGrads, SelectiveInputs, ffn_backward_reference,
+    ffn_forward_reference, selective_backward_reference, selective_forward_reference,
 };
 use crate::reference;
 use burn::tensor::{Distribution, Tensor, TensorPrimitive, backend::Backend, ops::FloatTensor};
@@ -343,6 +344,9 @@ pub fn run<B: SnnOps>(device: &B::Device, cfg: &ScanBench) -> Result<String, Str
     if let Err(name) = selective::<B>(device, cfg, copy_bw, &mut out) {
         failed.push(name);
     }
+    if let Err(name) = ffn_neurons::<B>(device, cfg, copy_bw, &mut out) {
+        failed.push(name);
+    }
     if failed.is_empty() {
         Ok(out)
     } else {
@@ -494,5 +498,130 @@ fn selective<B: SnnOps>(
         "  (selective check: {:.1}% of the reference's spikes fire)",
         100.0 * fired
     );
+    failed
+}
+
+/// Inputs of the FFN neurons at `steps` frames (`row_dim` = 2·D_ff channels) and an upstream
+/// gradient of `g·v`: currents and thresholds near the model's operating point.
+fn ffn_inputs<B: Backend>(
+    steps: usize,
+    cfg: &ScanBench,
+    leak: bool,
+    device: &B::Device,
+) -> (FfnInputs<B>, FloatTensor<B>) {
+    let n = |mean, std| Distribution::Normal(mean, std);
+    let f = cfg.row_dim / 2;
+    let vec = |d| prim(Tensor::<B, 1>::random([f], d, device));
+    let inputs = FfnInputs {
+        i_gu: prim(Tensor::<B, 3>::random(
+            [steps, cfg.batch, 2 * f],
+            n(0.2, 0.6),
+            device,
+        )),
+        w_gate: vec(n(0.0, 0.5)),
+        w_up: vec(n(0.0, 0.5)),
+        th_gate: vec(n(0.15, 0.05)),
+        th_up: vec(n(0.15, 0.05)),
+        v0: prim(Tensor::<B, 2>::random(
+            [cfg.batch, 2 * f],
+            n(0.0, 0.1),
+            device,
+        )),
+        leak,
+    };
+    let grad = prim(Tensor::<B, 3>::random(
+        [steps, cfg.batch, f],
+        n(0.0, 1.0),
+        device,
+    ));
+    (inputs, grad)
+}
+
+/// The FFN neurons' training op ([`SnnOps::ffn_neurons_forward`] / `_backward`) against the
+/// composition ([`ffn_forward_reference`] / [`ffn_backward_reference`]) on the same device:
+/// `g·v` and `V_post` bit for bit, every gradient within the tolerance, in both output modes;
+/// then both timed at the 0.9B shape (`row_dim` = 2·D_ff, leak).
+fn ffn_neurons<B: SnnOps>(
+    device: &B::Device,
+    cfg: &ScanBench,
+    copy_bw: f64,
+    out: &mut String,
+) -> Result<(), &'static str> {
+    let grads = |g: FfnGrads<B>| vec![g.i_gu, g.w_gate, g.w_up, g.th_gate, g.th_up, g.v0];
+    let fused_bwd = |inp: &FfnInputs<B>, grad: &FloatTensor<B>| {
+        let (_, vpost) = B::ffn_neurons_forward(inp.clone());
+        grads(B::ffn_neurons_backward(inp.clone(), vpost, grad.clone()))
+    };
+    let ref_bwd = |inp: &FfnInputs<B>, grad: &FloatTensor<B>| {
+        let (_, vpost) = ffn_forward_reference(inp);
+        grads(ffn_backward_reference(inp.clone(), vpost, grad.clone()))
+    };
+    // The forward's error is 0 when bit for bit, NaN otherwise.
+    let (mut err_fwd, mut err_bwd) = (0.0f32, 0.0f32);
+    for leak in [true, false] {
+        let (small, grad) = ffn_inputs::<B>(cfg.check_steps, cfg, leak, device);
+        let (gv, vp) = B::ffn_neurons_forward(small.clone());
+        let (gv_ref, vp_ref) = ffn_forward_reference(&small);
+        // Bit for bit: any difference (NaN included) fails the check.
+        for (a, b) in [(gv, gv_ref), (vp, vp_ref)] {
+            let (a, b) = (host::<B>(&a), host::<B>(&b));
+            let same =
+                a.len() == b.len() && a.iter().zip(&b).all(|(x, y)| x.to_bits() == y.to_bits());
+            if !same {
+                err_fwd = f32::NAN;
+            }
+        }
+        err_bwd = fused_bwd(&small, &grad)
+            .iter()
+            .zip(&ref_bwd(&small, &grad))
+            .map(|(a, b)| worst(&host::<B>(a), &host::<B>(b)))
+            .fold(err_bwd, f32::max);
+    }
+    let (full, grad) = ffn_inputs::<B>(cfg.steps, cfg, true, device);
+    let n = cfg.steps * cfg.batch * cfg.row_dim / 2;
+    let t_fwd = time::<B>(device, cfg.reps, || {
+        let _ = B::ffn_neurons_forward(full.clone());
+    });
+    let t_ref_fwd = time::<B>(device, cfg.reps, || {
+        let _ = ffn_forward_reference(&full);
+    });
+    let t_bwd = time::<B>(device, cfg.reps, || {
+        let _ = fused_bwd(&full, &grad);
+    }) - t_fwd;
+    let t_ref_bwd = time::<B>(device, cfg.reps, || {
+        let _ = ref_bwd(&full, &grad);
+    }) - t_ref_fwd;
+    let mut failed = Ok(());
+    for (name, err, tol, s, s_ref, bytes) in [
+        ("ffn neurons fwd", err_fwd, 0.0, t_fwd, t_ref_fwd, 4 * 5 * n),
+        (
+            "ffn neurons bwd",
+            err_bwd,
+            TOLERANCE,
+            t_bwd,
+            t_ref_bwd,
+            4 * 7 * n,
+        ),
+    ] {
+        if err.is_nan() || err > tol {
+            let _ = writeln!(
+                out,
+                "{name:<24} {err:>11.2e}  WRONG: differs from the composed reference; not timed"
+            );
+            failed = Err(name);
+            continue;
+        }
+        let bw = bytes as f64 / s.max(1e-9);
+        let _ = writeln!(
+            out,
+            "{name:<24} {err:>11.2e} {:>10.3} {:>9.1} {:>9.0}% {:>12}  composed from tensor ops: {:.3} ms ({:.1}× slower)",
+            s * 1e3,
+            bw / 1e9,
+            100.0 * bw / copy_bw,
+            "-",
+            s_ref * 1e3,
+            s_ref / s.max(1e-9)
+        );
+    }
     failed
 }

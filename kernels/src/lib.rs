@@ -47,7 +47,8 @@ mod ops;
 pub mod reference;
 
 pub use ops::{
-    PlifGrads, PlifOutput, SelectiveGrads, SelectiveInputs, SnnOps, ffn_plif_fused, matmul,
-    norm_plif_fused, plif_elem, plif_row, plif_selective, ponder_agg_fused,
+    FfnGrads, FfnInputs, PlifGrads, PlifOutput, SelectiveGrads, SelectiveInputs, SnnOps,
+    ffn_backward_reference, ffn_forward_reference, ffn_neurons, ffn_param_grads, ffn_plif_fused,
+    matmul, norm_plif_fused, plif_elem, plif_row, plif_selective, ponder_agg_fused,
     selective_backward_reference, selective_forward_reference, selective_modulation, softplus,
 };

@@ -51,6 +51,32 @@ pub struct SelectiveInputs<B: Backend> {
     pub v0: FloatTensor<B>,
 }
 
+/// The inputs of the SNNFFN's gate and up neurons after the merged projection: `i_gu`
+/// `[TK, B, 2·D_ff]` (gate channels first), each neuron's β logits `w_*` and thresholds `th_*`
+/// `[D_ff]`, the state `v0` `[B, 2·D_ff]`, and whether each neuron outputs `(1 − β)·V_post`
+/// (`leak`) or `V_post`.
+#[derive(Debug, Clone)]
+pub struct FfnInputs<B: Backend> {
+    pub i_gu: FloatTensor<B>,
+    pub w_gate: FloatTensor<B>,
+    pub w_up: FloatTensor<B>,
+    pub th_gate: FloatTensor<B>,
+    pub th_up: FloatTensor<B>,
+    pub v0: FloatTensor<B>,
+    pub leak: bool,
+}
+
+/// Gradients of the FFN neurons ([`ffn_neurons`]) with respect to [`FfnInputs`]' tensors.
+#[derive(Debug, Clone)]
+pub struct FfnGrads<B: Backend> {
+    pub i_gu: FloatTensor<B>,
+    pub w_gate: FloatTensor<B>,
+    pub w_up: FloatTensor<B>,
+    pub th_gate: FloatTensor<B>,
+    pub th_up: FloatTensor<B>,
+    pub v0: FloatTensor<B>,
+}
+
 /// Backend extension with the PLIF scans (DESIGN "The seams", point 1).
 ///
 /// ## Design
@@ -174,6 +200,28 @@ pub trait SnnOps: Backend {
         grad_vpost: FloatTensor<Self>,
     ) -> SelectiveGrads<Self> {
         selective_backward_reference(inp, vpost, spike, grad_vpost)
+    }
+
+    /// Whether the backend runs the SNNFFN's neurons in training as one differentiable op
+    /// ([`ffn_neurons`]: the two methods below) instead of the composition autodiff derives.
+    fn fuses_ffn_neurons() -> bool {
+        false
+    }
+
+    /// The FFN neurons' forward for training: `(g·v [TK, B, D_ff], V_post [TK, B, 2·D_ff])`.
+    /// Default: [`ffn_forward_reference`].
+    fn ffn_neurons_forward(inp: FfnInputs<Self>) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        ffn_forward_reference(&inp)
+    }
+
+    /// Their backward from the saved `V_post` and the gradient of `g·v`. Default:
+    /// [`ffn_backward_reference`].
+    fn ffn_neurons_backward(
+        inp: FfnInputs<Self>,
+        vpost: FloatTensor<Self>,
+        grad_gv: FloatTensor<Self>,
+    ) -> FfnGrads<Self> {
+        ffn_backward_reference(inp, vpost, grad_gv)
     }
 
     /// Per-element (selective) scan forward.
@@ -380,6 +428,168 @@ pub fn plif_selective<B: SnnOps>(
     (wrap(out.spike), wrap(out.vpost))
 }
 
+/// `β = σ(w)` of both neurons `[2·D_ff]`, `1 − β`, and the thresholds `[2·D_ff]` (gate first),
+/// with the tensor ops the model composes them from.
+fn ffn_params<B: Backend>(inp: &FfnInputs<B>) -> [Tensor<B, 1>; 3] {
+    let beta = Tensor::cat(
+        vec![
+            sigmoid(wrap::<B, 1>(inp.w_gate.clone())),
+            sigmoid(wrap::<B, 1>(inp.w_up.clone())),
+        ],
+        0,
+    );
+    let one_minus = beta.clone().neg() + 1.0;
+    let vth = Tensor::cat(
+        vec![
+            wrap::<B, 1>(inp.th_gate.clone()),
+            wrap::<B, 1>(inp.th_up.clone()),
+        ],
+        0,
+    );
+    [beta, one_minus, vth]
+}
+
+/// The input current `u = (1 − β)·i` on the flattened rows, and the scan's row parameters
+/// expanded to `[B, 2·D_ff]`, as the model composes them.
+fn ffn_scan_inputs<B: SnnOps>(
+    inp: &FfnInputs<B>,
+    beta: &Tensor<B, 1>,
+    one_minus: &Tensor<B, 1>,
+    vth: &Tensor<B, 1>,
+) -> [FloatTensor<B>; 3] {
+    let i_gu = wrap::<B, 3>(inp.i_gu.clone());
+    let [tk, b, two_f] = i_gu.dims();
+    let u = (i_gu.reshape([tk * b, two_f]) * one_minus.clone().unsqueeze::<2>())
+        .reshape([tk, b, two_f]);
+    [
+        prim(beta.clone().unsqueeze::<2>().expand([b, two_f])),
+        prim(u),
+        prim(vth.clone().unsqueeze::<2>().expand([b, two_f])),
+    ]
+}
+
+/// The FFN neurons composed from tensor ops and [`SnnOps::plif_row_forward`], op for op as the
+/// model's composition: `(g·v, V_post)`.
+pub fn ffn_forward_reference<B: SnnOps>(inp: &FfnInputs<B>) -> (FloatTensor<B>, FloatTensor<B>) {
+    let [beta, one_minus, vth] = ffn_params(inp);
+    let [beta_e, u, vth_e] = ffn_scan_inputs(inp, &beta, &one_minus, &vth);
+    let vpost = wrap::<B, 3>(B::plif_row_forward(beta_e, u, vth_e, inp.v0.clone()).vpost);
+    let [tk, b, two_f] = vpost.dims();
+    let f = two_f / 2;
+    let act = if inp.leak {
+        vpost.clone() * one_minus.unsqueeze::<3>()
+    } else {
+        vpost.clone()
+    };
+    let gv = act.clone().slice([0..tk, 0..b, 0..f]) * act.slice([0..tk, 0..b, f..two_f]);
+    (prim(gv), prim(vpost))
+}
+
+/// The parameter gradients of the FFN neurons from per-batch-row sums `[B, 2·D_ff]`: `∂β` (the
+/// scan's `Σ gv·V_{k−1}` minus the `(1 − β)` terms' `Σ ∂(1−β)`) and `∂V_th`; `∂w = ∂β·β(1 − β)`.
+/// Returns `(∂w_gate, ∂w_up, ∂th_gate, ∂th_up)`.
+pub fn ffn_param_grads<B: Backend>(
+    inp: &FfnInputs<B>,
+    d_beta_rows: FloatTensor<B>,
+    d_th_rows: FloatTensor<B>,
+) -> [FloatTensor<B>; 4] {
+    let [beta, _, _] = ffn_params(inp);
+    let two_f = beta.dims()[0];
+    let f = two_f / 2;
+    let d_beta = wrap::<B, 2>(d_beta_rows).sum_dim(0).reshape([two_f]);
+    let d_w = d_beta * (beta.clone() * (beta.neg() + 1.0));
+    let d_th = wrap::<B, 2>(d_th_rows).sum_dim(0).reshape([two_f]);
+    [
+        prim(d_w.clone().narrow(0, 0, f)),
+        prim(d_w.narrow(0, f, f)),
+        prim(d_th.clone().narrow(0, 0, f)),
+        prim(d_th.narrow(0, f, f)),
+    ]
+}
+
+/// Their backward composed from tensor ops and [`SnnOps::plif_row_backward`] (the spikes are
+/// recomputed by the forward scan): `∂act` from the gating, `∂V_post = ∂act·(1 − β)` with
+/// leak, the scan's backward, `∂i = ∂u·(1 − β)`, and `∂β` collecting the scan's term and both
+/// `(1 − β)` factors' (`−Σ ∂act·V_post`, `−Σ ∂u·i`).
+pub fn ffn_backward_reference<B: SnnOps>(
+    inp: FfnInputs<B>,
+    vpost: FloatTensor<B>,
+    grad_gv: FloatTensor<B>,
+) -> FfnGrads<B> {
+    let [beta, one_minus, vth] = ffn_params(&inp);
+    let [beta_e, u, vth_e] = ffn_scan_inputs(&inp, &beta, &one_minus, &vth);
+    let spike = B::plif_row_forward(beta_e.clone(), u, vth_e, inp.v0.clone()).spike;
+    let vpost = wrap::<B, 3>(vpost);
+    let [tk, b, two_f] = vpost.dims();
+    let f = two_f / 2;
+    let om3 = one_minus.clone().unsqueeze::<3>();
+    let act = if inp.leak {
+        vpost.clone() * om3.clone()
+    } else {
+        vpost.clone()
+    };
+    let grad = wrap::<B, 3>(grad_gv);
+    let d_act = Tensor::cat(
+        vec![
+            grad.clone() * act.clone().slice([0..tk, 0..b, f..two_f]),
+            grad * act.slice([0..tk, 0..b, 0..f]),
+        ],
+        2,
+    );
+    let rows = |t: Tensor<B, 3>| t.sum_dim(0).reshape([b, two_f]);
+    let (d_vpost, d_om_leak) = if inp.leak {
+        (d_act.clone() * om3, rows(d_act * vpost.clone()))
+    } else {
+        (d_act, Tensor::zeros([b, two_f], &vpost.device()))
+    };
+    let g = B::plif_row_backward(beta_e, inp.v0.clone(), prim(vpost), spike, prim(d_vpost));
+    let g_u = wrap::<B, 3>(g.u);
+    let i_gu = wrap::<B, 3>(inp.i_gu.clone());
+    let d_i =
+        (g_u.clone().reshape([tk * b, two_f]) * one_minus.unsqueeze::<2>()).reshape([tk, b, two_f]);
+    let d_om_in = rows(g_u * i_gu);
+    let d_beta_rows = wrap::<B, 2>(g.beta) - d_om_leak - d_om_in;
+    let [w_gate, w_up, th_gate, th_up] = ffn_param_grads(&inp, prim(d_beta_rows), g.vth);
+    FfnGrads {
+        i_gu: prim(d_i),
+        w_gate,
+        w_up,
+        th_gate,
+        th_up,
+        v0: g.v0,
+    }
+}
+
+/// The SNNFFN's gate and up neurons as one differentiable op (SPEC §2.3): input currents
+/// `(1 − β)·i` from the merged projection `i_gu` `[TK, B, 2·D_ff]`, one merged row-parameter
+/// scan, `(1 − β)·V_post` (or `V_post`) of each, and their product → `(g·v [TK, B, D_ff], final
+/// state [B, 2·D_ff])`, the state detached. Through [`SnnOps::ffn_neurons_forward`] and
+/// [`SnnOps::ffn_neurons_backward`]; the model calls it where [`SnnOps::fuses_ffn_neurons`].
+#[allow(clippy::too_many_arguments)]
+pub fn ffn_neurons<B: SnnOps>(
+    i_gu: Tensor<B, 3>,
+    w_gate: Tensor<B, 1>,
+    w_up: Tensor<B, 1>,
+    th_gate: Tensor<B, 1>,
+    th_up: Tensor<B, 1>,
+    v0: Tensor<B, 2>,
+    leak: bool,
+) -> (Tensor<B, 3>, Tensor<B, 2>) {
+    let (gv, vpost) = B::ffn_neurons_forward(FfnInputs {
+        i_gu: prim(i_gu),
+        w_gate: prim(w_gate),
+        w_up: prim(w_up),
+        th_gate: prim(th_gate),
+        th_up: prim(th_up),
+        v0: prim(v0),
+        leak,
+    });
+    let vpost = wrap::<B, 3>(vpost);
+    let [tk, b, two_f] = vpost.dims();
+    let last = vpost.narrow(0, tk - 1, 1).reshape([b, two_f]).detach();
+    (wrap(gv), last)
+}
+
 /// [`SnnOps::ponder_agg_fused`] on tensors: `Some((aggregate [T, B, D], E[K] [T, B]))` where the
 /// backend fuses it, else `None`. `halt_w` `[1, D]`, `halt_b` `[1]`.
 pub fn ponder_agg_fused<B: SnnOps>(
@@ -562,6 +772,49 @@ impl SnnOps for burn_cuda::Cuda<f32, i32> {
 
     fn merges_small_gemms() -> bool {
         true
+    }
+
+    /// `$NSACTOR_FFN_NEURONS=composed` keeps the composition, for comparison.
+    fn fuses_ffn_neurons() -> bool {
+        std::env::var("NSACTOR_FFN_NEURONS").map_or(true, |v| v != "composed")
+    }
+
+    fn ffn_neurons_forward(inp: FfnInputs<Self>) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        crate::cuda_scan::ffn_forward(
+            inp.i_gu,
+            [inp.w_gate, inp.w_up, inp.th_gate, inp.th_up],
+            inp.v0,
+            inp.leak,
+        )
+    }
+
+    fn ffn_neurons_backward(
+        inp: FfnInputs<Self>,
+        vpost: FloatTensor<Self>,
+        grad_gv: FloatTensor<Self>,
+    ) -> FfnGrads<Self> {
+        let [d_i, d_beta, d_th, d_v0] = crate::cuda_scan::ffn_backward(
+            inp.i_gu.clone(),
+            [
+                inp.w_gate.clone(),
+                inp.w_up.clone(),
+                inp.th_gate.clone(),
+                inp.th_up.clone(),
+            ],
+            inp.v0.clone(),
+            vpost,
+            grad_gv,
+            inp.leak,
+        );
+        let [w_gate, w_up, th_gate, th_up] = ffn_param_grads(&inp, d_beta, d_th);
+        FfnGrads {
+            i_gu: d_i,
+            w_gate,
+            w_up,
+            th_gate,
+            th_up,
+            v0: d_v0,
+        }
     }
 
     fn ponder_agg_fused(

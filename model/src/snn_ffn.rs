@@ -80,7 +80,8 @@ impl<B: SnnOps> SnnFfn<B> {
 
     /// The gate and up neurons on the merged projection `i_gu` `[TK, B, 2·D_ff]` and their
     /// product `[TK, B, D_ff]`, with the final state: one kernel where the backend fuses it for
-    /// inference ([`nsactor_kernels::SnnOps::ffn_plif_fused`]), else composed.
+    /// inference ([`nsactor_kernels::SnnOps::ffn_plif_fused`]), one differentiable op where it
+    /// fuses them for training ([`nsactor_kernels::ffn_neurons`]), else composed.
     pub fn gate_up(
         &self,
         i_gu: Tensor<B, 3>,
@@ -97,6 +98,17 @@ impl<B: SnnOps> SnnFfn<B> {
             out == PlifOut::Leak,
         ) {
             return fused;
+        }
+        if B::fuses_ffn_neurons() {
+            return nsactor_kernels::ffn_neurons(
+                i_gu,
+                self.gate_neuron.w.clone(),
+                self.up_neuron.w.clone(),
+                self.gate_neuron.v_th.clone(),
+                self.up_neuron.v_th.clone(),
+                v0,
+                out == PlifOut::Leak,
+            );
         }
         self.gate_up_composed(i_gu, v0, out)
     }

@@ -1,0 +1,104 @@
+//! The FFN neurons' fused op (`nsactor_kernels::ffn_neurons`: `SnnOps::ffn_neurons_forward` and
+//! its autodiff node, with the reference forward and backward a fusing backend's kernels are
+//! checked against) against the model's composition under burn's autodiff
+//! (`SnnFfn::gate_up_composed`): outputs bit for bit, every gradient.
+
+mod common;
+
+use burn::tensor::{Distribution, Tensor, backend::Backend};
+use common::*;
+use nsactor_model::init::Rng;
+use nsactor_model::{ModelConfig, PlifOut, SnnFfn};
+
+fn values<B: Backend, const D: usize>(t: Tensor<B, D>) -> Vec<f32> {
+    t.into_data().convert::<f32>().into_vec::<f32>().unwrap()
+}
+
+/// Largest |a − b| / (1 + |b|).
+fn worst(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs() / (1.0 + y.abs()))
+        .fold(0.0, f32::max)
+}
+
+#[test]
+fn fused_ffn_neurons_match_the_composed_model_in_outputs_and_all_gradients() {
+    for out in [PlifOut::Leak, PlifOut::VPost] {
+        let cfg = ModelConfig {
+            vocab_size: 11,
+            d: 6,
+            n: 2,
+            k: 3,
+            num_layers: 2,
+            d_ff: 9,
+            v_th_min: 0.1,
+            plif_out: out,
+        };
+        let (tk, b, f) = (21, 3, cfg.d_ff);
+        let dev = Default::default();
+        let ffn = SnnFfn::<Ad>::init(&cfg, &mut Rng::new(5), &dev);
+        Ad::seed(&dev, 11);
+        // Currents large enough that about half the steps fire.
+        let i_gu = Tensor::<Ad, 3>::random([tk, b, 2 * f], Distribution::Normal(0.2, 0.6), &dev)
+            .require_grad();
+        let v0 = Tensor::<Ad, 2>::random([b, 2 * f], Distribution::Normal(0.0, 0.1), &dev)
+            .require_grad();
+        let weight = Tensor::<Ad, 3>::random([tk, b, f], Distribution::Normal(0.0, 1.0), &dev);
+
+        let (gv_ref, last_ref) = ffn.gate_up_composed(i_gu.clone(), v0.clone(), out);
+        let g_ref = (gv_ref.clone() * weight.clone()).sum().backward();
+        let (gv, last) = nsactor_kernels::ffn_neurons(
+            i_gu.clone(),
+            ffn.gate_neuron.w.clone(),
+            ffn.up_neuron.w.clone(),
+            ffn.gate_neuron.v_th.clone(),
+            ffn.up_neuron.v_th.clone(),
+            v0.clone(),
+            out == PlifOut::Leak,
+        );
+        let g = (gv.clone() * weight).sum().backward();
+
+        assert_eq!(values(gv), values(gv_ref), "{out:?}: g·v bit for bit");
+        assert_eq!(values(last), values(last_ref), "{out:?}: final state");
+        let grads: [(&str, Vec<f32>, Vec<f32>); 6] = [
+            (
+                "i_gu",
+                values(i_gu.grad(&g).unwrap()),
+                values(i_gu.grad(&g_ref).unwrap()),
+            ),
+            (
+                "v0",
+                values(v0.grad(&g).unwrap()),
+                values(v0.grad(&g_ref).unwrap()),
+            ),
+            (
+                "w_gate",
+                values(ffn.gate_neuron.w.grad(&g).unwrap()),
+                values(ffn.gate_neuron.w.grad(&g_ref).unwrap()),
+            ),
+            (
+                "w_up",
+                values(ffn.up_neuron.w.grad(&g).unwrap()),
+                values(ffn.up_neuron.w.grad(&g_ref).unwrap()),
+            ),
+            (
+                "th_gate",
+                values(ffn.gate_neuron.v_th.grad(&g).unwrap()),
+                values(ffn.gate_neuron.v_th.grad(&g_ref).unwrap()),
+            ),
+            (
+                "th_up",
+                values(ffn.up_neuron.v_th.grad(&g).unwrap()),
+                values(ffn.up_neuron.v_th.grad(&g_ref).unwrap()),
+            ),
+        ];
+        for (name, got, want) in grads {
+            let scale = want.iter().fold(0.0f32, |m, x| m.max(x.abs()));
+            assert!(scale > 1e-3, "{out:?}: ∂{name} is all but zero ({scale})");
+            let err = worst(&got, &want);
+            assert!(err < 1e-5, "{out:?}: ∂{name} off by {err} (scale {scale})");
+        }
+    }
+}

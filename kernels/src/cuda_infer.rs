@@ -6,7 +6,8 @@
 //!   reduced across the plane), the geometric halting distribution and E[K], and the weighted
 //!   sum of the K frames (≈ 50 ops composed).
 //! * [`norm_plif`]: RMSNorm, then the input PLIF over the K frames of each token.
-//! * [`ffn_plif`]: the SNNFFN's gate and up neurons and their product.
+//! * the SNNFFN's gate and up neurons and their product: [`crate::cuda_scan::ffn_infer`], the
+//!   training kernel without its saved `V_post`.
 //!
 //! The model falls back to the compositions where a backend does not fuse
 //! ([`SnnOps::ponder_agg_fused`] and its siblings return `None`).
@@ -269,105 +270,4 @@ pub fn norm_plif<R: CubeRuntime>(
         leak,
     );
     (y, last)
-}
-
-/// The SNNFFN's neurons after its merged gate/up projection: per `(batch row, channel f)` one
-/// unit scans the gate channel `f` and the up channel `D_ff + f` over the steps, with input
-/// currents `(1 − β)·i`, and writes the product of their outputs (`(1 − β)·V_post` each if
-/// `leak`, else `V_post`) — the input of the down projection.
-#[allow(clippy::too_many_arguments)]
-#[cube(launch)]
-fn ffn_plif_kernel(
-    i_gu: &Tensor<f32>,
-    w_g: &Tensor<f32>,
-    w_u: &Tensor<f32>,
-    th_g: &Tensor<f32>,
-    th_u: &Tensor<f32>,
-    v0: &Tensor<f32>,
-    gv: &mut Tensor<f32>,
-    last: &mut Tensor<f32>,
-    batch: u32,
-    ff: u32,
-    steps: u32,
-    #[comptime] leak: bool,
-) {
-    let batch = batch as usize;
-    let ff = ff as usize;
-    let c = ABSOLUTE_POS;
-    if c >= batch * ff {
-        terminate!();
-    }
-    let b = c / ff;
-    let j = c % ff;
-    let beta_g = sigmoid_burn(w_g[j]);
-    let beta_u = sigmoid_burn(w_u[j]);
-    let om_g = -beta_g + 1.0f32;
-    let om_u = -beta_u + 1.0f32;
-    let tg = th_g[j];
-    let tu = th_u[j];
-    let mut vg = v0[b * 2 * ff + j];
-    let mut vu = v0[b * 2 * ff + ff + j];
-    for s in 0..steps as usize {
-        let base = (s * batch + b) * 2 * ff;
-        let pg = fma(beta_g, vg, i_gu[base + j] * om_g);
-        vg = pg - tg * select(pg >= tg, 1.0f32, 0.0f32);
-        let pu = fma(beta_u, vu, i_gu[base + ff + j] * om_u);
-        vu = pu - tu * select(pu >= tu, 1.0f32, 0.0f32);
-        if comptime![leak] {
-            gv[(s * batch + b) * ff + j] = (vg * om_g) * (vu * om_u);
-        } else {
-            gv[(s * batch + b) * ff + j] = vg * vu;
-        }
-    }
-    last[b * 2 * ff + j] = vg;
-    last[b * 2 * ff + ff + j] = vu;
-}
-
-/// `i_gu` `[TK, B, 2·D_ff]` (gate then up) → the gated activation `[TK, B, D_ff]` and the final
-/// state `[B, 2·D_ff]`; `w_*` are the neurons' β logits, `th_*` their thresholds (`[D_ff]`).
-#[allow(clippy::too_many_arguments)]
-pub fn ffn_plif<R: CubeRuntime>(
-    i_gu: CubeTensor<R>,
-    w_g: CubeTensor<R>,
-    w_u: CubeTensor<R>,
-    th_g: CubeTensor<R>,
-    th_u: CubeTensor<R>,
-    v0: CubeTensor<R>,
-    leak: bool,
-) -> (CubeTensor<R>, CubeTensor<R>) {
-    for t in [&i_gu, &w_g, &w_u, &th_g, &th_u, &v0] {
-        assert_eq!(t.dtype, burn::tensor::DType::F32, "ffn_plif takes f32");
-    }
-    let shape = i_gu.meta.shape().clone();
-    assert_eq!(shape.num_dims(), 3, "ffn_plif: i_gu [TK, B, 2·D_ff]");
-    let (steps, batch, two_f) = (shape[0], shape[1], shape[2]);
-    assert!(two_f % 2 == 0, "ffn_plif: odd gate/up width {two_f}");
-    assert!(
-        steps * batch * two_f <= u32::MAX as usize,
-        "ffn_plif: 32-bit indexing"
-    );
-    let ff = two_f / 2;
-    let [i_gu, w_g, w_u, th_g, th_u, v0] = [i_gu, w_g, w_u, th_g, th_u, v0].map(into_contiguous);
-    let gv = out_like(&i_gu, Shape::new([steps, batch, ff]));
-    let last = out_like(&i_gu, Shape::new([batch, two_f]));
-    let client = i_gu.client.clone();
-    let cube = 64u32;
-    ffn_plif_kernel::launch::<R>(
-        &client,
-        CubeCount::Static((batch * ff).div_ceil(cube as usize) as u32, 1, 1),
-        CubeDim::new_1d(cube),
-        i_gu.into_tensor_arg(),
-        w_g.into_tensor_arg(),
-        w_u.into_tensor_arg(),
-        th_g.into_tensor_arg(),
-        th_u.into_tensor_arg(),
-        v0.into_tensor_arg(),
-        gv.clone().into_tensor_arg(),
-        last.clone().into_tensor_arg(),
-        batch as u32,
-        ff as u32,
-        steps as u32,
-        leak,
-    );
-    (gv, last)
 }

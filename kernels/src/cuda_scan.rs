@@ -1176,11 +1176,13 @@ fn ffn_forward_staged_kernel(
     v0: &Tensor<f32>,
     gv: &mut Tensor<f32>,
     vpost: &mut Tensor<f32>,
+    last: &mut Tensor<f32>,
     batch: u32,
     ff: u32,
     steps: u32,
     chunks: u32,
     #[comptime] leak: bool,
+    #[comptime] save_vpost: bool,
     #[comptime] chunk: usize,
     #[comptime] producers: usize,
 ) {
@@ -1224,9 +1226,11 @@ fn ffn_forward_staged_kernel(
                         let pu = fma(beta_u, vu, s_u[s_idx] * om_u);
                         vu = pu - tu * select(pu >= tu, 1.0f32, 0.0f32);
                         if valid {
-                            let row = (k * batch + b) * 2 * ff;
-                            vpost[row + j] = vg;
-                            vpost[row + ff + j] = vu;
+                            if comptime![save_vpost] {
+                                let row = (k * batch + b) * 2 * ff;
+                                vpost[row + j] = vg;
+                                vpost[row + ff + j] = vu;
+                            }
                             let o = (k * batch + b) * ff + j;
                             if comptime![leak] {
                                 gv[o] = (vg * om_g) * (vu * om_u);
@@ -1258,6 +1262,10 @@ fn ffn_forward_staged_kernel(
         }
         sync_cube();
         ch += 1;
+    }
+    if y == 0 && valid {
+        last[b * 2 * ff + j] = vg;
+        last[b * 2 * ff + ff + j] = vu;
     }
 }
 
@@ -1456,12 +1464,43 @@ pub fn ffn_forward<R: CubeRuntime>(
     v0: CubeTensor<R>,
     leak: bool,
 ) -> (CubeTensor<R>, CubeTensor<R>) {
+    let [gv, vpost, _] = ffn_forward_with(i_gu, params, v0, leak, true);
+    (gv, vpost)
+}
+
+/// The same for inference: `(g·v, final state [B, 2·D_ff])`, `V_post` not written.
+pub fn ffn_infer<R: CubeRuntime>(
+    i_gu: CubeTensor<R>,
+    params: [CubeTensor<R>; 4],
+    v0: CubeTensor<R>,
+    leak: bool,
+) -> (CubeTensor<R>, CubeTensor<R>) {
+    let [gv, _, last] = ffn_forward_with(i_gu, params, v0, leak, false);
+    (gv, last)
+}
+
+/// `[g·v, V_post (empty unless save_vpost), final state]`.
+fn ffn_forward_with<R: CubeRuntime>(
+    i_gu: CubeTensor<R>,
+    params: [CubeTensor<R>; 4],
+    v0: CubeTensor<R>,
+    leak: bool,
+    save_vpost: bool,
+) -> [CubeTensor<R>; 3] {
     let [w_g, w_u, th_g, th_u] = params;
     check_f32(&[&i_gu, &w_g, &w_u, &th_g, &th_u, &v0]);
     let (batch, ff, steps) = ffn_geometry(&i_gu);
     let [i_gu, w_g, w_u, th_g, th_u, v0] = [i_gu, w_g, w_u, th_g, th_u, v0].map(into_contiguous);
     let gv = out_like(&i_gu, Shape::new([steps, batch, ff]));
-    let vpost = out_like(&i_gu, Shape::new([steps, batch, 2 * ff]));
+    let vpost = out_like(
+        &i_gu,
+        Shape::new(if save_vpost {
+            [steps, batch, 2 * ff]
+        } else {
+            [1, 1, 1]
+        }),
+    );
+    let last = out_like(&i_gu, Shape::new([batch, 2 * ff]));
     let (producers, chunk) = stage_shape("NSACTOR_STAGE_FFN_FORWARD", STAGE_FFN_FORWARD);
     let client = i_gu.client.clone();
     ffn_forward_staged_kernel::launch::<R>(
@@ -1476,15 +1515,17 @@ pub fn ffn_forward<R: CubeRuntime>(
         v0.into_tensor_arg(),
         gv.clone().into_tensor_arg(),
         vpost.clone().into_tensor_arg(),
+        last.clone().into_tensor_arg(),
         batch as u32,
         ff as u32,
         steps as u32,
         steps.div_ceil(chunk) as u32,
         leak,
+        save_vpost,
         chunk,
         producers,
     );
-    (gv, vpost)
+    [gv, vpost, last]
 }
 
 /// Backward of the FFN neurons: `[∂i_gu [TK, B, 2·D_ff], ∂β, ∂V_th, ∂v0]`, the last three

@@ -859,8 +859,11 @@ impl SnnOps for burn_cuda::Cuda<f32, i32> {
         v0: FloatTensor<Self>,
         leak: bool,
     ) -> Option<(FloatTensor<Self>, FloatTensor<Self>)> {
-        Some(crate::cuda_infer::ffn_plif(
-            i_gu, w_gate, w_up, th_gate, th_up, v0, leak,
+        Some(crate::cuda_scan::ffn_infer(
+            i_gu,
+            [w_gate, w_up, th_gate, th_up],
+            v0,
+            leak,
         ))
     }
 

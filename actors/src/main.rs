@@ -338,7 +338,7 @@ struct KernelsArgs {
     #[arg(long, default_value = "cuda")]
     backend: String,
     /// Shapes and repetitions as key=value pairs: steps (T·K), batch, elem_dim (D·N),
-    /// row_dim (2·D_ff), check_steps, reps. Default: the 0.9B shapes, 10 reps.
+    /// row_dim (2·D_ff), check_steps, reps, dim (D), k (K). Default: the 0.9B shapes, 10 reps.
     #[arg(long, default_value = "")]
     options: String,
 }

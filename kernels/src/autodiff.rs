@@ -1,7 +1,8 @@
 //! `SnnOps` for `Autodiff<B>`: forward through `B`, backward through `B`'s backward methods.
 
 use crate::ops::{
-    FfnGrads, FfnInputs, PlifGrads, PlifOutput, SelectiveGrads, SelectiveInputs, SnnOps,
+    FfnGrads, FfnInputs, PlifGrads, PlifOutput, PonderInputs, SelectiveGrads, SelectiveInputs,
+    SnnOps,
 };
 use burn::backend::autodiff::{
     Autodiff, NodeId,
@@ -173,6 +174,29 @@ impl<B: SnnOps> Backward<B, 8> for SelectiveBackward {
     }
 }
 
+/// Backward of PonderAgg: the inputs are saved (the halting distribution is recomputed).
+#[derive(Debug)]
+struct PonderBackward;
+
+impl<B: SnnOps> Backward<B, 3> for PonderBackward {
+    type State = PonderInputs<B>;
+
+    fn backward(
+        self,
+        ops: Ops<Self::State, 3>,
+        grads: &mut Gradients,
+        _checkpointer: &mut Checkpointer,
+    ) {
+        let grad = grads.consume::<B>(&ops.node);
+        let g = B::ponder_backward(ops.state, grad);
+        for (node, grad) in ops.parents.into_iter().zip(g) {
+            if let Some(node) = node {
+                grads.register::<B>(node.id, grad);
+            }
+        }
+    }
+}
+
 /// Backward of the FFN neurons: the inputs and the forward's `V_post` are saved (the spikes are
 /// recomputed from them).
 #[derive(Debug)]
@@ -212,6 +236,37 @@ impl<B: SnnOps, C: CheckpointStrategy> SnnOps for Autodiff<B, C> {
 
     fn fuses_ffn_neurons() -> bool {
         B::fuses_ffn_neurons()
+    }
+
+    fn fuses_ponder() -> bool {
+        B::fuses_ponder()
+    }
+
+    fn ponder_forward(inp: PonderInputs<Self>) -> FloatTensor<Self> {
+        let parents = [
+            inp.frames.node.clone(),
+            inp.halt_w.node.clone(),
+            inp.halt_b.node.clone(),
+        ];
+        let inner = PonderInputs::<B> {
+            frames: inp.frames.primitive,
+            halt_w: inp.halt_w.primitive,
+            halt_b: inp.halt_b.primitive,
+            k: inp.k,
+            clamp: inp.clamp,
+            eps: inp.eps,
+        };
+        match PonderBackward
+            .prepare::<C>(parents)
+            .compute_bound()
+            .stateful()
+        {
+            OpsKind::Tracked(prep) => {
+                let out = B::ponder_forward(inner.clone());
+                prep.finish(inner, out)
+            }
+            OpsKind::UnTracked(prep) => prep.finish(B::ponder_forward(inner)),
+        }
     }
 
     fn ffn_neurons_forward(inp: FfnInputs<Self>) -> (FloatTensor<Self>, FloatTensor<Self>) {

@@ -5,8 +5,9 @@
 
 use crate::SnnOps;
 use crate::ops::{
-    FfnGrads, FfnInputs, SelectiveGrads, SelectiveInputs, ffn_backward_reference,
-    ffn_forward_reference, selective_backward_reference, selective_forward_reference,
+    FfnGrads, FfnInputs, PonderInputs, SelectiveGrads, SelectiveInputs, ffn_backward_reference,
+    ffn_forward_reference, ponder_backward_reference, ponder_forward_reference,
+    selective_backward_reference, selective_forward_reference,
 };
 use crate::reference;
 use burn::tensor::{Distribution, Tensor, TensorPrimitive, backend::Backend, ops::FloatTensor};
@@ -25,6 +26,9 @@ pub struct ScanBench {
     /// Frames of the parity check (the reference runs on the host).
     pub check_steps: usize,
     pub reps: usize,
+    /// The model width `D` and frames per token `K` of the PonderAgg check.
+    pub dim: usize,
+    pub k: usize,
 }
 
 impl ScanBench {
@@ -37,6 +41,8 @@ impl ScanBench {
             row_dim: 5376,
             check_steps: 64,
             reps: 10,
+            dim: 896,
+            k: 16,
         }
     }
 
@@ -59,9 +65,11 @@ impl ScanBench {
                 "row_dim" => self.row_dim = v,
                 "check_steps" => self.check_steps = v,
                 "reps" => self.reps = v,
+                "dim" => self.dim = v,
+                "k" => self.k = v,
                 other => {
                     return Err(format!(
-                        "unknown option `{other}` (steps, batch, elem_dim, row_dim, check_steps, reps)"
+                        "unknown option `{other}` (steps, batch, elem_dim, row_dim, check_steps, reps, dim, k)"
                     ));
                 }
             }
@@ -347,6 +355,9 @@ pub fn run<B: SnnOps>(device: &B::Device, cfg: &ScanBench) -> Result<String, Str
     if let Err(name) = ffn_neurons::<B>(device, cfg, copy_bw, &mut out) {
         failed.push(name);
     }
+    if let Err(name) = ponder::<B>(device, cfg, copy_bw, &mut out) {
+        failed.push(name);
+    }
     if failed.is_empty() {
         Ok(out)
     } else {
@@ -604,6 +615,91 @@ fn ffn_neurons<B: SnnOps>(
         ),
     ] {
         if err.is_nan() || err > tol {
+            let _ = writeln!(
+                out,
+                "{name:<24} {err:>11.2e}  WRONG: differs from the composed reference; not timed"
+            );
+            failed = Err(name);
+            continue;
+        }
+        let bw = bytes as f64 / s.max(1e-9);
+        let _ = writeln!(
+            out,
+            "{name:<24} {err:>11.2e} {:>10.3} {:>9.1} {:>9.0}% {:>12}  composed from tensor ops: {:.3} ms ({:.1}× slower)",
+            s * 1e3,
+            bw / 1e9,
+            100.0 * bw / copy_bw,
+            "-",
+            s_ref * 1e3,
+            s_ref / s.max(1e-9)
+        );
+    }
+    failed
+}
+
+/// PonderAgg's training op ([`SnnOps::ponder_forward`] / `_backward`) against the composition
+/// ([`ponder_forward_reference`] / [`ponder_backward_reference`]) on the same device, outputs
+/// and gradients within the tolerance (the logits' dot products sum in another order), then both
+/// timed at `steps` frames of `K` (`dim` = D).
+fn ponder<B: SnnOps>(
+    device: &B::Device,
+    cfg: &ScanBench,
+    copy_bw: f64,
+    out: &mut String,
+) -> Result<(), &'static str> {
+    let n = |mean, std| Distribution::Normal(mean, std);
+    let inputs = |steps: usize| {
+        let frames = steps.div_ceil(cfg.k) * cfg.k;
+        let inp = PonderInputs {
+            frames: prim(Tensor::<B, 3>::random(
+                [frames, cfg.batch, cfg.dim],
+                n(0.0, 1.0),
+                device,
+            )),
+            halt_w: prim(Tensor::<B, 2>::random([1, cfg.dim], n(0.0, 0.05), device)),
+            halt_b: prim(Tensor::<B, 1>::random([1], n(-1.0, 0.1), device)),
+            k: cfg.k,
+            clamp: 1e-7,
+            eps: 1e-8,
+        };
+        let grad = prim(Tensor::<B, 3>::random(
+            [frames / cfg.k, cfg.batch, cfg.dim + 1],
+            n(0.0, 1.0),
+            device,
+        ));
+        (inp, grad)
+    };
+    let (small, grad) = inputs(cfg.check_steps.max(cfg.k));
+    let err_fwd = worst(
+        &host::<B>(&B::ponder_forward(small.clone())),
+        &host::<B>(&ponder_forward_reference(&small)),
+    );
+    let err_bwd = B::ponder_backward(small.clone(), grad.clone())
+        .iter()
+        .zip(&ponder_backward_reference(small, grad))
+        .map(|(a, b)| worst(&host::<B>(a), &host::<B>(b)))
+        .fold(0.0f32, f32::max);
+    let (full, grad) = inputs(cfg.steps);
+    let frames = cfg.steps.div_ceil(cfg.k) * cfg.k * cfg.batch * cfg.dim;
+    let t_fwd = time::<B>(device, cfg.reps, || {
+        let _ = B::ponder_forward(full.clone());
+    });
+    let t_ref_fwd = time::<B>(device, cfg.reps, || {
+        let _ = ponder_forward_reference(&full);
+    });
+    let t_bwd = time::<B>(device, cfg.reps, || {
+        let _ = B::ponder_backward(full.clone(), grad.clone());
+    });
+    let t_ref_bwd = time::<B>(device, cfg.reps, || {
+        let _ = ponder_backward_reference(full.clone(), grad.clone());
+    });
+    let mut failed = Ok(());
+    // Bytes: the frames read once (forward), twice plus ∂frames written (backward).
+    for (name, err, s, s_ref, bytes) in [
+        ("ponder agg fwd", err_fwd, t_fwd, t_ref_fwd, 4 * frames),
+        ("ponder agg bwd", err_bwd, t_bwd, t_ref_bwd, 4 * 3 * frames),
+    ] {
+        if err.is_nan() || err > TOLERANCE {
             let _ = writeln!(
                 out,
                 "{name:<24} {err:>11.2e}  WRONG: differs from the composed reference; not timed"

@@ -47,8 +47,9 @@ mod ops;
 pub mod reference;
 
 pub use ops::{
-    FfnGrads, FfnInputs, PlifGrads, PlifOutput, SelectiveGrads, SelectiveInputs, SnnOps,
-    ffn_backward_reference, ffn_forward_reference, ffn_neurons, ffn_param_grads, ffn_plif_fused,
-    matmul, norm_plif_fused, plif_elem, plif_row, plif_selective, ponder_agg_fused,
+    FfnGrads, FfnInputs, PlifGrads, PlifOutput, PonderInputs, SelectiveGrads, SelectiveInputs,
+    SnnOps, ffn_backward_reference, ffn_forward_reference, ffn_neurons, ffn_param_grads,
+    ffn_plif_fused, matmul, norm_plif_fused, plif_elem, plif_row, plif_selective, ponder_agg_fused,
+    ponder_agg_train, ponder_backward_reference, ponder_forward_reference,
     selective_backward_reference, selective_forward_reference, selective_modulation, softplus,
 };

@@ -77,6 +77,19 @@ pub struct FfnGrads<B: Backend> {
     pub v0: FloatTensor<B>,
 }
 
+/// The inputs of PonderNet's halting and aggregation: the frames `[T·K, B, D]`, the halt
+/// projection's weight `[1, D]` and bias `[1]`, K, the clamp `c` of `p` to `[c, 1 − c]` and the
+/// normalisation's `eps` (SPEC §2.3).
+#[derive(Debug, Clone)]
+pub struct PonderInputs<B: Backend> {
+    pub frames: FloatTensor<B>,
+    pub halt_w: FloatTensor<B>,
+    pub halt_b: FloatTensor<B>,
+    pub k: usize,
+    pub clamp: f64,
+    pub eps: f64,
+}
+
 /// Backend extension with the PLIF scans (DESIGN "The seams", point 1).
 ///
 /// ## Design
@@ -200,6 +213,24 @@ pub trait SnnOps: Backend {
         grad_vpost: FloatTensor<Self>,
     ) -> SelectiveGrads<Self> {
         selective_backward_reference(inp, vpost, spike, grad_vpost)
+    }
+
+    /// Whether the backend runs PonderNet's halting and aggregation in training as one
+    /// differentiable op ([`ponder_agg_train`]: the two methods below).
+    fn fuses_ponder() -> bool {
+        false
+    }
+
+    /// PonderAgg's forward: the aggregate `[T, B, D]` and E[K] packed as `[T, B, D + 1]`.
+    /// Default: [`ponder_forward_reference`].
+    fn ponder_forward(inp: PonderInputs<Self>) -> FloatTensor<Self> {
+        ponder_forward_reference(&inp)
+    }
+
+    /// Its backward from the packed gradient: `[∂frames, ∂halt_w [1, D], ∂halt_b [1]]`.
+    /// Default: [`ponder_backward_reference`].
+    fn ponder_backward(inp: PonderInputs<Self>, grad: FloatTensor<Self>) -> [FloatTensor<Self>; 3] {
+        ponder_backward_reference(inp, grad)
     }
 
     /// Whether the backend runs the SNNFFN's neurons in training as one differentiable op
@@ -426,6 +457,119 @@ pub fn plif_selective<B: SnnOps>(
     }
     let out = B::plif_selective_forward(inp);
     (wrap(out.spike), wrap(out.vpost))
+}
+
+/// The halting distribution of [`PonderInputs`] from tensor ops: `σ(logit)`, `p`, the survival
+/// `S_k = Π_{j<k}(1 − p_j)`, `λ = p·S` and `Σλ + eps`, all `[T, K, B]` (the last `[T, 1, B]`).
+/// The logits are exact f32 dot products (`Σ_D x·w`), as the fused kernels compute them.
+fn ponder_halting<B: Backend>(inp: &PonderInputs<B>) -> [Tensor<B, 3>; 5] {
+    let frames = wrap::<B, 3>(inp.frames.clone());
+    let [tk, b, d] = frames.dims();
+    let (k, t) = (inp.k, tk / inp.k);
+    let w = wrap::<B, 2>(inp.halt_w.clone()).reshape([1, 1, d]);
+    let bias = wrap::<B, 1>(inp.halt_b.clone()).reshape([1, 1, 1]);
+    let logit = ((frames * w).sum_dim(2) + bias).reshape([t, k, b]);
+    let sig = sigmoid(logit);
+    let p = sig.clone().clamp(inp.clamp, 1.0 - inp.clamp);
+    let log_stay = p.clone().neg().log1p();
+    let survive = Tensor::cat(
+        vec![
+            Tensor::zeros([t, 1, b], &log_stay.device()),
+            log_stay.slice([0..t, 0..k - 1]).cumsum(1),
+        ],
+        1,
+    )
+    .exp();
+    let lambda = p.clone() * survive.clone();
+    let norm = lambda.clone().sum_dim(1) + inp.eps;
+    [sig, p, survive, lambda, norm]
+}
+
+/// `1, 2, …, K` shaped `[1, K, 1]`.
+fn ponder_steps<B: Backend>(k: usize, device: &B::Device) -> Tensor<B, 3> {
+    let steps: Vec<f32> = (1..=k).map(|i| i as f32).collect();
+    Tensor::<B, 1>::from_data(TensorData::new(steps, [k]), device).reshape([1, k, 1])
+}
+
+/// PonderAgg composed from tensor ops: `Σ_k λ̂_k·x_k` and `E[K] = Σ_k k·λ̂_k`, packed `[T, B, D + 1]`.
+pub fn ponder_forward_reference<B: Backend>(inp: &PonderInputs<B>) -> FloatTensor<B> {
+    let frames = wrap::<B, 3>(inp.frames.clone());
+    let [tk, b, d] = frames.dims();
+    let (k, t) = (inp.k, tk / inp.k);
+    let [_, _, _, lambda, norm] = ponder_halting(inp);
+    let lh = lambda / norm;
+    let agg = (frames.reshape([t, k, b, d]) * lh.clone().unsqueeze_dim::<4>(3))
+        .sum_dim(1)
+        .reshape([t, b, d]);
+    let ek = (lh * ponder_steps::<B>(k, &agg.device()))
+        .sum_dim(1)
+        .reshape([t, b, 1]);
+    prim(Tensor::cat(vec![agg, ek], 2))
+}
+
+/// Its backward composed from tensor ops: `∂λ̂_k = ∂agg·x_k + k·∂E[K]`; `∂λ_k = (∂λ̂_k −
+/// Σ_j ∂λ̂_j·λ̂_j)/(Σλ + eps)`; `∂p_k = ∂λ_k·S_k − (Σ_{m>k} ∂λ_m·λ_m)/(1 − p_k)`; the clamp
+/// passes it where `c ≤ σ ≤ 1 − c`; `∂logit = ∂σ·σ(1 − σ)`; `∂x_k = λ̂_k·∂agg + ∂logit_k·w`,
+/// `∂w = Σ ∂logit·x`, `∂b = Σ ∂logit`.
+pub fn ponder_backward_reference<B: Backend>(
+    inp: PonderInputs<B>,
+    grad: FloatTensor<B>,
+) -> [FloatTensor<B>; 3] {
+    let frames = wrap::<B, 3>(inp.frames.clone());
+    let [tk, b, d] = frames.dims();
+    let (k, t) = (inp.k, tk / inp.k);
+    let [sig, p, survive, lambda, norm] = ponder_halting(&inp);
+    let lh = lambda.clone() / norm.clone();
+    let grad = wrap::<B, 3>(grad);
+    let g_agg = grad.clone().slice([0..t, 0..b, 0..d]).unsqueeze_dim::<4>(1); // [T, 1, B, D]
+    let g_ek = grad.slice([0..t, 0..b, d..d + 1]).reshape([t, 1, b]);
+    let x4 = frames.reshape([t, k, b, d]);
+    let dlh = (x4.clone() * g_agg.clone()).sum_dim(3).reshape([t, k, b])
+        + ponder_steps::<B>(k, &g_ek.device()) * g_ek;
+    let dot = (dlh.clone() * lh.clone()).sum_dim(1);
+    let dlam = (dlh - dot) / norm;
+    let dlog_s = dlam.clone() * lambda;
+    // Σ_{m>k} ∂log S_m: the total less the inclusive running sum.
+    let suffix = dlog_s.clone().sum_dim(1) - dlog_s.cumsum(1);
+    let dp = dlam * survive + suffix * (p - 1.0).recip();
+    let inside = sig
+        .clone()
+        .greater_equal_elem(inp.clamp)
+        .bool_and(sig.clone().lower_equal_elem(1.0 - inp.clamp));
+    let dsig = dp.mask_fill(inside.bool_not(), 0.0);
+    let dlogit = dsig * sig.clone() * (sig.neg() + 1.0); // [T, K, B]
+    let w = wrap::<B, 2>(inp.halt_w.clone()).reshape([1, 1, 1, d]);
+    let dl4 = dlogit.clone().unsqueeze_dim::<4>(3);
+    let dx = lh.unsqueeze_dim::<4>(3) * g_agg + dl4.clone() * w;
+    let dw = (x4 * dl4).sum_dim(0).sum_dim(1).sum_dim(2).reshape([1, d]);
+    let db = dlogit.sum().reshape([1]);
+    [prim(dx.reshape([tk, b, d])), prim(dw), prim(db)]
+}
+
+/// PonderNet's halting and aggregation (SPEC §2.3) as one differentiable op: `frames`
+/// `[T·K, B, D]` → aggregate `[T, B, D]` and E[K] `[T, B]`, through [`SnnOps::ponder_forward`]
+/// and [`SnnOps::ponder_backward`]; the model calls it where [`SnnOps::fuses_ponder`].
+pub fn ponder_agg_train<B: SnnOps>(
+    frames: Tensor<B, 3>,
+    halt_w: Tensor<B, 2>,
+    halt_b: Tensor<B, 1>,
+    k: usize,
+    clamp: f64,
+    eps: f64,
+) -> (Tensor<B, 3>, Tensor<B, 2>) {
+    let [tk, b, d] = frames.dims();
+    let t = tk / k;
+    let packed = wrap::<B, 3>(B::ponder_forward(PonderInputs {
+        frames: prim(frames),
+        halt_w: prim(halt_w),
+        halt_b: prim(halt_b),
+        k,
+        clamp,
+        eps,
+    }));
+    let agg = packed.clone().slice([0..t, 0..b, 0..d]);
+    let ek = packed.slice([0..t, 0..b, d..d + 1]).reshape([t, b]);
+    (agg, ek)
 }
 
 /// `β = σ(w)` of both neurons `[2·D_ff]`, `1 − β`, and the thresholds `[2·D_ff]` (gate first),
@@ -772,6 +916,38 @@ impl SnnOps for burn_cuda::Cuda<f32, i32> {
 
     fn merges_small_gemms() -> bool {
         true
+    }
+
+    /// `$NSACTOR_PONDER=composed` keeps the composition, for comparison.
+    fn fuses_ponder() -> bool {
+        std::env::var("NSACTOR_PONDER").map_or(true, |v| v != "composed")
+    }
+
+    fn ponder_forward(inp: PonderInputs<Self>) -> FloatTensor<Self> {
+        crate::cuda_infer::ponder_agg_packed(
+            inp.frames,
+            inp.halt_w,
+            inp.halt_b,
+            inp.k,
+            inp.clamp as f32,
+            inp.eps as f32,
+        )
+    }
+
+    fn ponder_backward(inp: PonderInputs<Self>, grad: FloatTensor<Self>) -> [FloatTensor<Self>; 3] {
+        let d = inp.halt_w.meta.shape()[1];
+        let [dx, dw_rows, db_rows] = crate::cuda_infer::ponder_backward(
+            inp.frames,
+            inp.halt_w,
+            inp.halt_b,
+            grad,
+            inp.k,
+            inp.clamp as f32,
+            inp.eps as f32,
+        );
+        let dw = wrap::<Self, 2>(dw_rows).sum_dim(0).reshape([1, d]);
+        let db = wrap::<Self, 1>(db_rows).sum();
+        [dx, prim(dw), prim(db)]
     }
 
     /// `$NSACTOR_FFN_NEURONS=composed` keeps the composition, for comparison.

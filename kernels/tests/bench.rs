@@ -7,15 +7,22 @@ use nsactor_kernels::bench::{ScanBench, run};
 #[test]
 fn the_cpu_scans_pass_the_check_and_are_timed() {
     let cfg = ScanBench::model_0_9b()
-        .with_options("steps=40,batch=2,elem_dim=24,row_dim=16,check_steps=13,reps=1")
+        .with_options("steps=40,batch=2,elem_dim=24,row_dim=16,check_steps=13,reps=1,dim=12,k=4")
         .unwrap();
     assert_eq!((cfg.steps, cfg.check_steps, cfg.reps), (40, 13, 1));
+    assert_eq!((cfg.dim, cfg.k), (12, 4));
     let report = run::<NdArray<f32>>(&Default::default(), &cfg).unwrap();
     for name in [
         "per-element forward",
         "per-element backward",
         "row-parameter forward",
         "row-parameter backward",
+        "selective fused fwd",
+        "selective fused bwd",
+        "ffn neurons fwd",
+        "ffn neurons bwd",
+        "ponder agg fwd",
+        "ponder agg bwd",
     ] {
         let line = report
             .lines()

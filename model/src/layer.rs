@@ -244,7 +244,9 @@ fn centred<B: SnnOps>(proj: &Linear<B>, agg: Tensor<B, 3>) -> Tensor<B, 3> {
 /// PonderNet aggregation over the K frames of each token (SPEC §2.3): geometric halting
 /// `λ_k = p_k·Π_{j<k}(1 − p_j)`, normalised by `Σλ` (not PonderNet's remainder-to-last-step).
 /// `frames` `[T·K, B, D]` → aggregate `[T, B, D]` and E[K] `[T, B]`. One kernel where the
-/// backend fuses it for inference ([`nsactor_kernels::SnnOps::ponder_agg_fused`]), else composed.
+/// backend fuses it for inference ([`nsactor_kernels::SnnOps::ponder_agg_fused`]), one
+/// differentiable op where it fuses it for training ([`nsactor_kernels::ponder_agg_train`]),
+/// else composed.
 pub fn ponder_agg<B: SnnOps>(
     frames: Tensor<B, 3>,
     halt: &Linear<B>,
@@ -261,6 +263,18 @@ pub fn ponder_agg<B: SnnOps>(
         )
     {
         return fused;
+    }
+    if B::fuses_ponder()
+        && let Some(bias) = &halt.bias
+    {
+        return nsactor_kernels::ponder_agg_train(
+            frames,
+            halt.weight.clone(),
+            bias.clone(),
+            k,
+            consts::HALT_CLAMP,
+            consts::HALT_NORM_EPS,
+        );
     }
     ponder_agg_composed(frames, halt, k)
 }

@@ -1,8 +1,8 @@
 //! `SnnOps` for `Autodiff<B>`: forward through `B`, backward through `B`'s backward methods.
 
 use crate::ops::{
-    FfnGrads, FfnInputs, PlifGrads, PlifOutput, PonderInputs, SelectiveGrads, SelectiveInputs,
-    SnnOps,
+    FfnGrads, FfnInputs, NormPlifInputs, PlifGrads, PlifOutput, PonderInputs, SelectiveGrads,
+    SelectiveInputs, SnnOps,
 };
 use burn::backend::autodiff::{
     Autodiff, NodeId,
@@ -174,6 +174,36 @@ impl<B: SnnOps> Backward<B, 8> for SelectiveBackward {
     }
 }
 
+/// Backward of RMSNorm + the input PLIF: the inputs and the forward's `V_post` are saved.
+#[derive(Debug)]
+struct NormPlifBackward;
+
+#[derive(Debug, Clone)]
+struct NormPlifState<B: SnnOps> {
+    inputs: NormPlifInputs<B>,
+    vpost: FloatTensor<B>,
+}
+
+impl<B: SnnOps> Backward<B, 5> for NormPlifBackward {
+    type State = NormPlifState<B>;
+
+    fn backward(
+        self,
+        ops: Ops<Self::State, 5>,
+        grads: &mut Gradients,
+        _checkpointer: &mut Checkpointer,
+    ) {
+        let grad = grads.consume::<B>(&ops.node);
+        let s = ops.state;
+        let g = B::norm_plif_backward(s.inputs, s.vpost, grad);
+        for (node, grad) in ops.parents.into_iter().zip(g) {
+            if let Some(node) = node {
+                grads.register::<B>(node.id, grad);
+            }
+        }
+    }
+}
+
 /// Backward of PonderAgg: the inputs are saved (the halting distribution is recomputed).
 #[derive(Debug)]
 struct PonderBackward;
@@ -240,6 +270,48 @@ impl<B: SnnOps, C: CheckpointStrategy> SnnOps for Autodiff<B, C> {
 
     fn fuses_ponder() -> bool {
         B::fuses_ponder()
+    }
+
+    fn fuses_norm_plif() -> bool {
+        B::fuses_norm_plif()
+    }
+
+    fn norm_plif_forward(inp: NormPlifInputs<Self>) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        let parents = [
+            inp.x.node.clone(),
+            inp.norm_w.node.clone(),
+            inp.w.node.clone(),
+            inp.v_th.node.clone(),
+            inp.v0.node.clone(),
+        ];
+        let inner = NormPlifInputs::<B> {
+            x: inp.x.primitive,
+            norm_w: inp.norm_w.primitive,
+            eps: inp.eps,
+            w: inp.w.primitive,
+            v_th: inp.v_th.primitive,
+            v0: inp.v0.primitive,
+            k: inp.k,
+            leak: inp.leak,
+        };
+        match NormPlifBackward
+            .prepare::<C>(parents)
+            .compute_bound()
+            .stateful()
+        {
+            OpsKind::Tracked(prep) => {
+                let (y, vpost) = B::norm_plif_forward(inner.clone());
+                let state = NormPlifState {
+                    inputs: inner,
+                    vpost: vpost.clone(),
+                };
+                (prep.finish(state, y), <FloatTensor<Self>>::new(vpost))
+            }
+            OpsKind::UnTracked(prep) => {
+                let (y, vpost) = B::norm_plif_forward(inner);
+                (prep.finish(y), <FloatTensor<Self>>::new(vpost))
+            }
+        }
     }
 
     fn ponder_forward(inp: PonderInputs<Self>) -> FloatTensor<Self> {

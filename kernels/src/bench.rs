@@ -5,8 +5,9 @@
 
 use crate::SnnOps;
 use crate::ops::{
-    FfnGrads, FfnInputs, PonderInputs, SelectiveGrads, SelectiveInputs, ffn_backward_reference,
-    ffn_forward_reference, ponder_backward_reference, ponder_forward_reference,
+    FfnGrads, FfnInputs, NormPlifInputs, PonderInputs, SelectiveGrads, SelectiveInputs,
+    ffn_backward_reference, ffn_forward_reference, norm_plif_backward_reference,
+    norm_plif_forward_reference, ponder_backward_reference, ponder_forward_reference,
     selective_backward_reference, selective_forward_reference,
 };
 use crate::reference;
@@ -358,6 +359,9 @@ pub fn run<B: SnnOps>(device: &B::Device, cfg: &ScanBench) -> Result<String, Str
     if let Err(name) = ponder::<B>(device, cfg, copy_bw, &mut out) {
         failed.push(name);
     }
+    if let Err(name) = norm_plif::<B>(device, cfg, copy_bw, &mut out) {
+        failed.push(name);
+    }
     if failed.is_empty() {
         Ok(out)
     } else {
@@ -698,6 +702,117 @@ fn ponder<B: SnnOps>(
     for (name, err, s, s_ref, bytes) in [
         ("ponder agg fwd", err_fwd, t_fwd, t_ref_fwd, 4 * frames),
         ("ponder agg bwd", err_bwd, t_bwd, t_ref_bwd, 4 * 3 * frames),
+    ] {
+        if err.is_nan() || err > TOLERANCE {
+            let _ = writeln!(
+                out,
+                "{name:<24} {err:>11.2e}  WRONG: differs from the composed reference; not timed"
+            );
+            failed = Err(name);
+            continue;
+        }
+        let bw = bytes as f64 / s.max(1e-9);
+        let _ = writeln!(
+            out,
+            "{name:<24} {err:>11.2e} {:>10.3} {:>9.1} {:>9.0}% {:>12}  composed from tensor ops: {:.3} ms ({:.1}× slower)",
+            s * 1e3,
+            bw / 1e9,
+            100.0 * bw / copy_bw,
+            "-",
+            s_ref * 1e3,
+            s_ref / s.max(1e-9)
+        );
+    }
+    failed
+}
+
+/// RMSNorm + the input PLIF's training op ([`SnnOps::norm_plif_forward`] / `_backward`)
+/// against the composition ([`norm_plif_forward_reference`] / [`norm_plif_backward_reference`])
+/// on the same device, in both output modes: outputs and gradients within the tolerance (the
+/// kernels reduce `mean(x²)` in another order), then both timed at `steps` frames of `K`
+/// (`dim` = D, leak).
+fn norm_plif<B: SnnOps>(
+    device: &B::Device,
+    cfg: &ScanBench,
+    copy_bw: f64,
+    out: &mut String,
+) -> Result<(), &'static str> {
+    let n = |mean, std| Distribution::Normal(mean, std);
+    let inputs = |steps: usize, leak: bool| {
+        let t = steps.div_ceil(cfg.k);
+        let vec = |d| prim(Tensor::<B, 1>::random([cfg.dim], d, device));
+        let inp = NormPlifInputs {
+            x: prim(Tensor::<B, 3>::random(
+                [t, cfg.batch, cfg.dim],
+                n(0.1, 1.0),
+                device,
+            )),
+            norm_w: vec(n(1.0, 0.2)),
+            eps: 1e-6,
+            w: vec(n(0.0, 0.5)),
+            v_th: vec(n(0.5, 0.15)),
+            v0: prim(Tensor::<B, 2>::random(
+                [cfg.batch, cfg.dim],
+                n(0.0, 0.2),
+                device,
+            )),
+            k: cfg.k,
+            leak,
+        };
+        let grad = prim(Tensor::<B, 3>::random(
+            [t * cfg.k, cfg.batch, cfg.dim],
+            n(0.0, 1.0),
+            device,
+        ));
+        (inp, grad)
+    };
+    let (mut err_fwd, mut err_bwd) = (0.0f32, 0.0f32);
+    for leak in [true, false] {
+        let (small, grad) = inputs(cfg.check_steps.max(cfg.k), leak);
+        let (y, vp) = B::norm_plif_forward(small.clone());
+        let (y_ref, vp_ref) = norm_plif_forward_reference(&small);
+        err_fwd = err_fwd
+            .max(worst(&host::<B>(&y), &host::<B>(&y_ref)))
+            .max(worst(&host::<B>(&vp), &host::<B>(&vp_ref)));
+        err_bwd = B::norm_plif_backward(small.clone(), vp, grad.clone())
+            .iter()
+            .zip(&norm_plif_backward_reference(small, vp_ref, grad))
+            .map(|(a, b)| worst(&host::<B>(a), &host::<B>(b)))
+            .fold(err_bwd, f32::max);
+    }
+    let (full, grad) = inputs(cfg.steps, true);
+    let frames = cfg.steps.div_ceil(cfg.k) * cfg.k * cfg.batch * cfg.dim;
+    let (_, vpost) = B::norm_plif_forward(full.clone());
+    let (_, vpost_ref) = norm_plif_forward_reference(&full);
+    let t_fwd = time::<B>(device, cfg.reps, || {
+        let _ = B::norm_plif_forward(full.clone());
+    });
+    let t_ref_fwd = time::<B>(device, cfg.reps, || {
+        let _ = norm_plif_forward_reference(&full);
+    });
+    let t_bwd = time::<B>(device, cfg.reps, || {
+        let _ = B::norm_plif_backward(full.clone(), vpost.clone(), grad.clone());
+    });
+    let t_ref_bwd = time::<B>(device, cfg.reps, || {
+        let _ = norm_plif_backward_reference(full.clone(), vpost_ref.clone(), grad.clone());
+    });
+    let mut failed = Ok(());
+    // Bytes: the frames' output and V_post written (forward); ∂y and V_post read (backward).
+    for (name, err, s, s_ref, bytes) in [
+        (
+            "norm + input plif fwd",
+            err_fwd,
+            t_fwd,
+            t_ref_fwd,
+            4 * 2 * frames,
+        ),
+        (
+            "norm + input plif bwd",
+            err_bwd,
+            t_bwd,
+            t_ref_bwd,
+            4 * 2 * frames,
+        ),
     ] {
         if err.is_nan() || err > TOLERANCE {
             let _ = writeln!(

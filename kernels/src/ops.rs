@@ -90,6 +90,21 @@ pub struct PonderInputs<B: Backend> {
     pub eps: f64,
 }
 
+/// The inputs of a sublayer's start: RMSNorm of `x` `[T, B, D]` (weight `norm_w` `[D]`, `eps`),
+/// then the input PLIF (β logits `w`, thresholds `v_th` `[D]`, state `v0` `[B, D]`) over the K
+/// frames of each token with input current `(1 − β)·x̂`, output `(1 − β)·V_post` if `leak`.
+#[derive(Debug, Clone)]
+pub struct NormPlifInputs<B: Backend> {
+    pub x: FloatTensor<B>,
+    pub norm_w: FloatTensor<B>,
+    pub eps: f64,
+    pub w: FloatTensor<B>,
+    pub v_th: FloatTensor<B>,
+    pub v0: FloatTensor<B>,
+    pub k: usize,
+    pub leak: bool,
+}
+
 /// Backend extension with the PLIF scans (DESIGN "The seams", point 1).
 ///
 /// ## Design
@@ -213,6 +228,28 @@ pub trait SnnOps: Backend {
         grad_vpost: FloatTensor<Self>,
     ) -> SelectiveGrads<Self> {
         selective_backward_reference(inp, vpost, spike, grad_vpost)
+    }
+
+    /// Whether the backend runs RMSNorm and the input PLIF in training as one differentiable op
+    /// ([`norm_plif_train`]: the two methods below).
+    fn fuses_norm_plif() -> bool {
+        false
+    }
+
+    /// Their forward: `(output [T·K, B, D], V_post [T·K, B, D])`. Default:
+    /// [`norm_plif_forward_reference`].
+    fn norm_plif_forward(inp: NormPlifInputs<Self>) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        norm_plif_forward_reference(&inp)
+    }
+
+    /// Their backward: `[∂x, ∂norm_w, ∂w, ∂v_th, ∂v0]`. Default:
+    /// [`norm_plif_backward_reference`].
+    fn norm_plif_backward(
+        inp: NormPlifInputs<Self>,
+        vpost: FloatTensor<Self>,
+        grad: FloatTensor<Self>,
+    ) -> [FloatTensor<Self>; 5] {
+        norm_plif_backward_reference(inp, vpost, grad)
     }
 
     /// Whether the backend runs PonderNet's halting and aggregation in training as one
@@ -457,6 +494,146 @@ pub fn plif_selective<B: SnnOps>(
     }
     let out = B::plif_selective_forward(inp);
     (wrap(out.spike), wrap(out.vpost))
+}
+
+/// What the input neuron's reference computes from its inputs: `r = 1/√(mean_D(x²) + eps)`
+/// `[T, B, 1]` and `x̂ = x·r·w_norm`; `β = σ(w)` and `1 − β` `[D]`; the scan's inputs `β`,
+/// `u = (1 − β)·x̂` repeated over the K frames, and `V_th`, as the model composes them.
+struct NormPlifParts<B: Backend> {
+    r: Tensor<B, 3>,
+    xh: Tensor<B, 3>,
+    beta: Tensor<B, 1>,
+    one_minus: Tensor<B, 1>,
+    scan: [FloatTensor<B>; 3],
+}
+
+fn norm_plif_parts<B: SnnOps>(inp: &NormPlifInputs<B>) -> NormPlifParts<B> {
+    let x = wrap::<B, 3>(inp.x.clone());
+    let [t, b, d] = x.dims();
+    let r = (x.clone().square().mean_dim(2) + inp.eps).sqrt().recip();
+    let xh = x * r.clone() * wrap::<B, 1>(inp.norm_w.clone()).unsqueeze::<3>();
+    let beta = sigmoid(wrap::<B, 1>(inp.w.clone()));
+    let one_minus = beta.clone().neg() + 1.0;
+    let u = (xh.clone() * one_minus.clone().unsqueeze::<3>())
+        .unsqueeze_dim::<4>(1)
+        .expand([t, inp.k, b, d])
+        .reshape([t * inp.k, b, d]);
+    let scan = [
+        prim(beta.clone().unsqueeze::<2>().expand([b, d])),
+        prim(u),
+        prim(
+            wrap::<B, 1>(inp.v_th.clone())
+                .unsqueeze::<2>()
+                .expand([b, d]),
+        ),
+    ];
+    NormPlifParts {
+        r,
+        xh,
+        beta,
+        one_minus,
+        scan,
+    }
+}
+
+/// RMSNorm and the input PLIF composed from tensor ops and [`SnnOps::plif_row_forward`]:
+/// `(output, V_post)`.
+pub fn norm_plif_forward_reference<B: SnnOps>(
+    inp: &NormPlifInputs<B>,
+) -> (FloatTensor<B>, FloatTensor<B>) {
+    let NormPlifParts {
+        one_minus,
+        scan: [beta, u, vth],
+        ..
+    } = norm_plif_parts(inp);
+    let vpost = wrap::<B, 3>(B::plif_row_forward(beta, u, vth, inp.v0.clone()).vpost);
+    let y = if inp.leak {
+        vpost.clone() * one_minus.unsqueeze::<3>()
+    } else {
+        vpost.clone()
+    };
+    (prim(y), prim(vpost))
+}
+
+/// Their backward composed from tensor ops and [`SnnOps::plif_row_backward`] (spikes
+/// recomputed): `∂V_post = ∂y·(1 − β)` with leak; the scan's backward; `∂x̂ = (1 − β)·Σ_k ∂u`;
+/// `∂β` = the scan's term less `Σ ∂y·V_post` (leak) and `Σ ∂u·x̂`, `∂w = ∂β·β(1 − β)`; the
+/// norm's backward `∂x = r·g − x·r³·mean_D(g·x)` with `g = ∂x̂·w_norm`, `∂w_norm = Σ ∂x̂·x·r`.
+pub fn norm_plif_backward_reference<B: SnnOps>(
+    inp: NormPlifInputs<B>,
+    vpost: FloatTensor<B>,
+    grad: FloatTensor<B>,
+) -> [FloatTensor<B>; 5] {
+    let NormPlifParts {
+        r,
+        xh,
+        beta,
+        one_minus,
+        scan: [beta_e, u, vth_e],
+    } = norm_plif_parts(&inp);
+    let x = wrap::<B, 3>(inp.x.clone());
+    let [t, b, d] = x.dims();
+    let k = inp.k;
+    let spike = B::plif_row_forward(beta_e.clone(), u, vth_e, inp.v0.clone()).spike;
+    let vpost = wrap::<B, 3>(vpost);
+    let g = wrap::<B, 3>(grad);
+    let om3 = one_minus.clone().unsqueeze::<3>();
+    let cols = |t: Tensor<B, 3>| t.sum_dim(0).reshape([b, d]);
+    let (g_v, om_leak) = if inp.leak {
+        (g.clone() * om3.clone(), cols(g * vpost.clone()))
+    } else {
+        (g, Tensor::zeros([b, d], &x.device()))
+    };
+    let sg = B::plif_row_backward(beta_e, inp.v0.clone(), prim(vpost), spike, prim(g_v));
+    let du = wrap::<B, 3>(sg.u)
+        .reshape([t, k, b, d])
+        .sum_dim(1)
+        .reshape([t, b, d]);
+    let dxh = du.clone() * om3;
+    let om_in = cols(du * xh);
+    let d_beta = (wrap::<B, 2>(sg.beta) - om_leak - om_in)
+        .sum_dim(0)
+        .reshape([d]);
+    let d_w = d_beta * (beta.clone() * (beta.neg() + 1.0));
+    let d_th = wrap::<B, 2>(sg.vth).sum_dim(0).reshape([d]);
+    let nw = wrap::<B, 1>(inp.norm_w.clone()).unsqueeze::<3>();
+    let gx = dxh.clone() * nw;
+    let m = (gx.clone() * x.clone()).mean_dim(2);
+    let r3 = r.clone() * r.clone() * r.clone();
+    let dx = gx * r.clone() - x.clone() * r3 * m;
+    let d_nw = (dxh * x * r).sum_dim(0).sum_dim(1).reshape([d]);
+    [prim(dx), prim(d_nw), prim(d_w), prim(d_th), sg.v0]
+}
+
+/// RMSNorm then the input PLIF over the K frames of each token (SPEC §2.3) as one
+/// differentiable op: `x` `[T, B, D]` → `(output [T·K, B, D], final state [B, D])`, the state
+/// detached. Through [`SnnOps::norm_plif_forward`] / [`SnnOps::norm_plif_backward`]; the model
+/// calls it where [`SnnOps::fuses_norm_plif`].
+#[allow(clippy::too_many_arguments)]
+pub fn norm_plif_train<B: SnnOps>(
+    x: Tensor<B, 3>,
+    norm_w: Tensor<B, 1>,
+    eps: f64,
+    w: Tensor<B, 1>,
+    v_th: Tensor<B, 1>,
+    v0: Tensor<B, 2>,
+    k: usize,
+    leak: bool,
+) -> (Tensor<B, 3>, Tensor<B, 2>) {
+    let (y, vpost) = B::norm_plif_forward(NormPlifInputs {
+        x: prim(x),
+        norm_w: prim(norm_w),
+        eps,
+        w: prim(w),
+        v_th: prim(v_th),
+        v0: prim(v0),
+        k,
+        leak,
+    });
+    let vpost = wrap::<B, 3>(vpost);
+    let [tk, b, d] = vpost.dims();
+    let last = vpost.narrow(0, tk - 1, 1).reshape([b, d]).detach();
+    (wrap(y), last)
 }
 
 /// The halting distribution of [`PonderInputs`] from tensor ops: `σ(logit)`, `p`, the survival
@@ -916,6 +1093,42 @@ impl SnnOps for burn_cuda::Cuda<f32, i32> {
 
     fn merges_small_gemms() -> bool {
         true
+    }
+
+    /// `$NSACTOR_NORM_PLIF=composed` keeps the composition, for comparison.
+    fn fuses_norm_plif() -> bool {
+        std::env::var("NSACTOR_NORM_PLIF").map_or(true, |v| v != "composed")
+    }
+
+    fn norm_plif_forward(inp: NormPlifInputs<Self>) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        crate::cuda_infer::norm_plif_train(
+            [inp.x, inp.norm_w, inp.w, inp.v_th, inp.v0],
+            inp.eps as f32,
+            inp.k,
+            inp.leak,
+        )
+    }
+
+    fn norm_plif_backward(
+        inp: NormPlifInputs<Self>,
+        vpost: FloatTensor<Self>,
+        grad: FloatTensor<Self>,
+    ) -> [FloatTensor<Self>; 5] {
+        let d = inp.w.meta.shape()[0];
+        let beta = sigmoid(wrap::<Self, 1>(inp.w.clone()));
+        let [dx, dnw_rows, d_beta, d_th, d_v0] = crate::cuda_infer::norm_plif_backward(
+            [inp.x, inp.norm_w, inp.w, inp.v_th, inp.v0],
+            inp.eps as f32,
+            inp.k,
+            inp.leak,
+            vpost,
+            grad,
+        );
+        let d_nw = wrap::<Self, 2>(dnw_rows).sum_dim(0).reshape([d]);
+        let d_beta = wrap::<Self, 2>(d_beta).sum_dim(0).reshape([d]);
+        let d_w = d_beta * (beta.clone() * (beta.neg() + 1.0));
+        let d_th = wrap::<Self, 2>(d_th).sum_dim(0).reshape([d]);
+        [dx, prim(d_nw), prim(d_w), prim(d_th), d_v0]
     }
 
     /// `$NSACTOR_PONDER=composed` keeps the composition, for comparison.

@@ -23,6 +23,8 @@ fn the_cpu_scans_pass_the_check_and_are_timed() {
         "ffn neurons bwd",
         "ponder agg fwd",
         "ponder agg bwd",
+        "norm + input plif fwd",
+        "norm + input plif bwd",
     ] {
         let line = report
             .lines()

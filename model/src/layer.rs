@@ -198,7 +198,8 @@ impl<B: SnnOps> SnnDecoderLayer<B> {
 
 /// The start of each sublayer: RMSNorm, then the input PLIF over the K frames of each token
 /// (`[T, B, D]` → `[T·K, B, D]` and the final state). Two kernels where the backend fuses them
-/// for inference ([`nsactor_kernels::SnnOps::norm_plif_fused`]), else composed.
+/// for inference ([`nsactor_kernels::SnnOps::norm_plif_fused`]), one differentiable op where it
+/// fuses them for training ([`nsactor_kernels::norm_plif_train`]), else composed.
 pub fn norm_plif<B: SnnOps>(
     norm: &RmsNorm<B>,
     neuron: &PlifNode<B>,
@@ -218,6 +219,18 @@ pub fn norm_plif<B: SnnOps>(
         out == PlifOut::Leak,
     ) {
         return fused;
+    }
+    if B::fuses_norm_plif() {
+        return nsactor_kernels::norm_plif_train(
+            h,
+            norm.weight.clone(),
+            consts::RMS_EPS,
+            neuron.w.clone(),
+            neuron.v_th.clone(),
+            v0,
+            k,
+            out == PlifOut::Leak,
+        );
     }
     norm_plif_composed(norm, neuron, h, k, v0, out)
 }

@@ -1,0 +1,94 @@
+//! RMSNorm + the input PLIF as one differentiable op (`nsactor_kernels::norm_plif_train`:
+//! `SnnOps::norm_plif_forward` and its autodiff node, with the reference forward and backward a
+//! fusing backend's kernels are checked against) against the model's composition under burn's
+//! autodiff (`layer::norm_plif_composed`): the output bit for bit, every gradient.
+
+mod common;
+
+use burn::tensor::{Distribution, Tensor, backend::Backend};
+use common::*;
+use nsactor_model::config::consts;
+use nsactor_model::init::Rng;
+use nsactor_model::layer::norm_plif_composed;
+use nsactor_model::{PlifNode, PlifOut, RmsNorm};
+
+fn values<B: Backend, const D: usize>(t: Tensor<B, D>) -> Vec<f32> {
+    t.into_data().convert::<f32>().into_vec::<f32>().unwrap()
+}
+
+/// Largest |a − b| / (1 + |b|).
+fn worst(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs() / (1.0 + y.abs()))
+        .fold(0.0, f32::max)
+}
+
+#[test]
+fn norm_plif_op_matches_the_composed_model_in_outputs_and_all_gradients() {
+    for out in [PlifOut::Leak, PlifOut::VPost] {
+        let (t, k, b, d) = (7, 3, 2, 10);
+        let dev = Default::default();
+        Ad::seed(&dev, 9);
+        let x =
+            Tensor::<Ad, 3>::random([t, b, d], Distribution::Normal(0.1, 1.0), &dev).require_grad();
+        let norm = RmsNorm {
+            weight: Tensor::<Ad, 1>::random([d], Distribution::Normal(1.0, 0.3), &dev)
+                .require_grad(),
+        };
+        let neuron = PlifNode::<Ad>::init(d, 0.5, &mut Rng::new(4), &dev);
+        let v0 =
+            Tensor::<Ad, 2>::random([b, d], Distribution::Normal(0.0, 0.2), &dev).require_grad();
+        let weight = Tensor::<Ad, 3>::random([t * k, b, d], Distribution::Normal(0.0, 1.0), &dev);
+
+        let (y_ref, last_ref) = norm_plif_composed(&norm, &neuron, x.clone(), k, v0.clone(), out);
+        let g_ref = (y_ref.clone() * weight.clone()).sum().backward();
+        let (y, last) = nsactor_kernels::norm_plif_train(
+            x.clone(),
+            norm.weight.clone(),
+            consts::RMS_EPS,
+            neuron.w.clone(),
+            neuron.v_th.clone(),
+            v0.clone(),
+            k,
+            out == PlifOut::Leak,
+        );
+        let g = (y.clone() * weight).sum().backward();
+        assert_eq!(values(y), values(y_ref), "{out:?}: output bit for bit");
+        assert_eq!(values(last), values(last_ref), "{out:?}: final state");
+        let checks: [(&str, Vec<f32>, Vec<f32>); 5] = [
+            (
+                "∂x",
+                values(x.grad(&g).unwrap()),
+                values(x.grad(&g_ref).unwrap()),
+            ),
+            (
+                "∂norm_w",
+                values(norm.weight.grad(&g).unwrap()),
+                values(norm.weight.grad(&g_ref).unwrap()),
+            ),
+            (
+                "∂w",
+                values(neuron.w.grad(&g).unwrap()),
+                values(neuron.w.grad(&g_ref).unwrap()),
+            ),
+            (
+                "∂v_th",
+                values(neuron.v_th.grad(&g).unwrap()),
+                values(neuron.v_th.grad(&g_ref).unwrap()),
+            ),
+            (
+                "∂v0",
+                values(v0.grad(&g).unwrap()),
+                values(v0.grad(&g_ref).unwrap()),
+            ),
+        ];
+        for (name, got, want) in checks {
+            let scale = want.iter().fold(0.0f32, |m, x| m.max(x.abs()));
+            assert!(scale > 1e-3, "{out:?}: {name} is all but zero ({scale})");
+            let err = worst(&got, &want);
+            assert!(err < 2e-5, "{out:?}: {name} off by {err} (scale {scale})");
+        }
+    }
+}

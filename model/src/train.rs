@@ -15,6 +15,21 @@ pub struct GradSet<B: Backend> {
     pub entries: Vec<(String, Tensor<B, 1>)>,
 }
 
+/// `Σ g²` of a flat gradient as a `[1]` tensor. A long gradient is summed as rows of 1,024
+/// first (a reduction with many outputs) and then over the rows: a single full reduction of
+/// millions of values is left to the backend's autotuner, which on CUDA has picked a one-cube
+/// kernel taking 1.3 ms for a 6.4 M-value gradient (measured on the H100).
+pub fn square_sum<B: Backend>(g: &Tensor<B, 1>) -> Tensor<B, 1> {
+    const ROW: usize = 1024;
+    let n = g.dims()[0];
+    let sq = g.clone().square();
+    if n >= 64 * ROW && n % ROW == 0 {
+        sq.reshape([n / ROW, ROW]).sum_dim(1).sum()
+    } else {
+        sq.sum()
+    }
+}
+
 impl<B: Backend> GradSet<B> {
     /// Collects the gradient of every parameter of `module` that received one.
     pub fn collect<AB, P>(module: &P, prefix: &str, grads: &AB::Gradients) -> Self
@@ -53,11 +68,19 @@ impl<B: Backend> GradSet<B> {
             .map(|(_, g)| g)
     }
 
-    /// Sum of squares of every gradient (for the global norm).
+    /// Sum of squares of every gradient (for the global norm): every gradient's sum on the
+    /// device ([`square_sum`]), read back in one transfer, added in f64.
     pub fn sum_squares(&self) -> f64 {
-        self.entries
-            .iter()
-            .map(|(_, g)| g.clone().square().sum().into_scalar().elem::<f64>())
+        if self.entries.is_empty() {
+            return 0.0;
+        }
+        let sums = self.entries.iter().map(|(_, g)| square_sum(g)).collect();
+        Tensor::cat(sums, 0)
+            .into_data()
+            .convert::<f64>()
+            .into_vec::<f64>()
+            .expect("f64 values")
+            .into_iter()
             .sum()
     }
 
@@ -139,7 +162,7 @@ pub fn natural_gradient<AB: AutodiffBackend>(
             .map(|n| {
                 grads
                     .get(n)
-                    .map(|g| g.clone().square().sum().sqrt().into_scalar().elem::<f64>())
+                    .map(|g| square_sum(g).sqrt().into_scalar().elem::<f64>())
             })
             .collect();
         for (name, s) in names.iter().zip(phase2_scales(&norms)) {

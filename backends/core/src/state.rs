@@ -121,7 +121,10 @@ impl<B: SnnOps> Trainer<B> {
 
 /// L2 norm of a flat gradient.
 pub(crate) fn norm<B: Backend>(g: &Tensor<B, 1>) -> f64 {
-    g.clone().square().sum().sqrt().into_scalar().elem::<f64>()
+    nsactor_model::train::square_sum(g)
+        .sqrt()
+        .into_scalar()
+        .elem::<f64>()
 }
 
 fn to_f32<B: Backend>(t: &Tensor<B, 1>) -> Vec<f32> {

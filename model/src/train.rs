@@ -23,7 +23,7 @@ pub fn square_sum<B: Backend>(g: &Tensor<B, 1>) -> Tensor<B, 1> {
     const ROW: usize = 1024;
     let n = g.dims()[0];
     let sq = g.clone().square();
-    if n >= 64 * ROW && n % ROW == 0 {
+    if n >= 64 * ROW && n.is_multiple_of(ROW) {
         sq.reshape([n / ROW, ROW]).sum_dim(1).sum()
     } else {
         sq.sum()

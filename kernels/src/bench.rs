@@ -606,39 +606,30 @@ fn ffn_neurons<B: SnnOps>(
     let t_ref_bwd = time::<B>(device, cfg.reps, || {
         let _ = ref_bwd(&full, &grad);
     }) - t_ref_fwd;
-    let mut failed = Ok(());
-    for (name, err, tol, s, s_ref, bytes) in [
-        ("ffn neurons fwd", err_fwd, 0.0, t_fwd, t_ref_fwd, 4 * 5 * n),
-        (
-            "ffn neurons bwd",
-            err_bwd,
-            TOLERANCE,
-            t_bwd,
-            t_ref_bwd,
-            4 * 7 * n,
-        ),
-    ] {
-        if err.is_nan() || err > tol {
-            let _ = writeln!(
-                out,
-                "{name:<24} {err:>11.2e}  WRONG: differs from the composed reference; not timed"
-            );
-            failed = Err(name);
-            continue;
-        }
-        let bw = bytes as f64 / s.max(1e-9);
-        let _ = writeln!(
-            out,
-            "{name:<24} {err:>11.2e} {:>10.3} {:>9.1} {:>9.0}% {:>12}  composed from tensor ops: {:.3} ms ({:.1}× slower)",
-            s * 1e3,
-            bw / 1e9,
-            100.0 * bw / copy_bw,
-            "-",
-            s_ref * 1e3,
-            s_ref / s.max(1e-9)
-        );
-    }
-    failed
+    // Bytes: i_gu read, g·v and V_post written (forward); ∂(g·v), i_gu, V_post read and ∂i_gu
+    // written (backward). The forward must be bit for bit (tolerance 0).
+    report_pairs(
+        out,
+        copy_bw,
+        [
+            Pair {
+                name: "ffn neurons fwd",
+                err: err_fwd,
+                tol: 0.0,
+                s: t_fwd,
+                s_ref: t_ref_fwd,
+                bytes: 4 * 5 * n,
+            },
+            Pair {
+                name: "ffn neurons bwd",
+                err: err_bwd,
+                tol: TOLERANCE,
+                s: t_bwd,
+                s_ref: t_ref_bwd,
+                bytes: 4 * 7 * n,
+            },
+        ],
+    )
 }
 
 /// PonderAgg's training op ([`SnnOps::ponder_forward`] / `_backward`) against the composition
@@ -697,33 +688,29 @@ fn ponder<B: SnnOps>(
     let t_ref_bwd = time::<B>(device, cfg.reps, || {
         let _ = ponder_backward_reference(full.clone(), grad.clone());
     });
-    let mut failed = Ok(());
-    // Bytes: the frames read once (forward), twice plus ∂frames written (backward).
-    for (name, err, s, s_ref, bytes) in [
-        ("ponder agg fwd", err_fwd, t_fwd, t_ref_fwd, 4 * frames),
-        ("ponder agg bwd", err_bwd, t_bwd, t_ref_bwd, 4 * 3 * frames),
-    ] {
-        if err.is_nan() || err > TOLERANCE {
-            let _ = writeln!(
-                out,
-                "{name:<24} {err:>11.2e}  WRONG: differs from the composed reference; not timed"
-            );
-            failed = Err(name);
-            continue;
-        }
-        let bw = bytes as f64 / s.max(1e-9);
-        let _ = writeln!(
-            out,
-            "{name:<24} {err:>11.2e} {:>10.3} {:>9.1} {:>9.0}% {:>12}  composed from tensor ops: {:.3} ms ({:.1}× slower)",
-            s * 1e3,
-            bw / 1e9,
-            100.0 * bw / copy_bw,
-            "-",
-            s_ref * 1e3,
-            s_ref / s.max(1e-9)
-        );
-    }
-    failed
+    // Bytes: the frames read once (forward); read twice and ∂frames written (backward).
+    report_pairs(
+        out,
+        copy_bw,
+        [
+            Pair {
+                name: "ponder agg fwd",
+                err: err_fwd,
+                tol: TOLERANCE,
+                s: t_fwd,
+                s_ref: t_ref_fwd,
+                bytes: 4 * frames,
+            },
+            Pair {
+                name: "ponder agg bwd",
+                err: err_bwd,
+                tol: TOLERANCE,
+                s: t_bwd,
+                s_ref: t_ref_bwd,
+                bytes: 4 * 3 * frames,
+            },
+        ],
+    )
 }
 
 /// RMSNorm + the input PLIF's training op ([`SnnOps::norm_plif_forward`] / `_backward`)
@@ -796,25 +783,55 @@ fn norm_plif<B: SnnOps>(
     let t_ref_bwd = time::<B>(device, cfg.reps, || {
         let _ = norm_plif_backward_reference(full.clone(), vpost_ref.clone(), grad.clone());
     });
+    // Bytes: the output and V_post written (forward); ∂y and V_post read (backward).
+    report_pairs(
+        out,
+        copy_bw,
+        [
+            Pair {
+                name: "norm + input plif fwd",
+                err: err_fwd,
+                tol: TOLERANCE,
+                s: t_fwd,
+                s_ref: t_ref_fwd,
+                bytes: 4 * 2 * frames,
+            },
+            Pair {
+                name: "norm + input plif bwd",
+                err: err_bwd,
+                tol: TOLERANCE,
+                s: t_bwd,
+                s_ref: t_ref_bwd,
+                bytes: 4 * 2 * frames,
+            },
+        ],
+    )
+}
+
+/// One fused kernel's check and timing against its composition.
+struct Pair {
+    name: &'static str,
+    /// Worst relative error against the composition (NaN where bit-for-bit was required and
+    /// not met).
+    err: f32,
+    tol: f32,
+    s: f64,
+    s_ref: f64,
+    /// Bytes read and written once each, for the bandwidth column.
+    bytes: usize,
+}
+
+/// Reports each pair's line (or WRONG and untimed past its tolerance); the name of the last
+/// wrong one.
+fn report_pairs<const N: usize>(
+    out: &mut String,
+    copy_bw: f64,
+    pairs: [Pair; N],
+) -> Result<(), &'static str> {
     let mut failed = Ok(());
-    // Bytes: the frames' output and V_post written (forward); ∂y and V_post read (backward).
-    for (name, err, s, s_ref, bytes) in [
-        (
-            "norm + input plif fwd",
-            err_fwd,
-            t_fwd,
-            t_ref_fwd,
-            4 * 2 * frames,
-        ),
-        (
-            "norm + input plif bwd",
-            err_bwd,
-            t_bwd,
-            t_ref_bwd,
-            4 * 2 * frames,
-        ),
-    ] {
-        if err.is_nan() || err > TOLERANCE {
+    for p in pairs {
+        let (name, err) = (p.name, p.err);
+        if err.is_nan() || err > p.tol {
             let _ = writeln!(
                 out,
                 "{name:<24} {err:>11.2e}  WRONG: differs from the composed reference; not timed"
@@ -822,16 +839,16 @@ fn norm_plif<B: SnnOps>(
             failed = Err(name);
             continue;
         }
-        let bw = bytes as f64 / s.max(1e-9);
+        let bw = p.bytes as f64 / p.s.max(1e-9);
         let _ = writeln!(
             out,
             "{name:<24} {err:>11.2e} {:>10.3} {:>9.1} {:>9.0}% {:>12}  composed from tensor ops: {:.3} ms ({:.1}× slower)",
-            s * 1e3,
+            p.s * 1e3,
             bw / 1e9,
             100.0 * bw / copy_bw,
             "-",
-            s_ref * 1e3,
-            s_ref / s.max(1e-9)
+            p.s_ref * 1e3,
+            p.s_ref / p.s.max(1e-9)
         );
     }
     failed

@@ -12,19 +12,6 @@ use nsactor_model::init::Rng;
 use nsactor_model::layer::norm_plif_composed;
 use nsactor_model::{PlifNode, PlifOut, RmsNorm};
 
-fn values<B: Backend, const D: usize>(t: Tensor<B, D>) -> Vec<f32> {
-    t.into_data().convert::<f32>().into_vec::<f32>().unwrap()
-}
-
-/// Largest |a − b| / (1 + |b|).
-fn worst(a: &[f32], b: &[f32]) -> f32 {
-    assert_eq!(a.len(), b.len());
-    a.iter()
-        .zip(b)
-        .map(|(x, y)| (x - y).abs() / (1.0 + y.abs()))
-        .fold(0.0, f32::max)
-}
-
 #[test]
 fn norm_plif_op_matches_the_composed_model_in_outputs_and_all_gradients() {
     for out in [PlifOut::Leak, PlifOut::VPost] {
@@ -85,10 +72,7 @@ fn norm_plif_op_matches_the_composed_model_in_outputs_and_all_gradients() {
             ),
         ];
         for (name, got, want) in checks {
-            let scale = want.iter().fold(0.0f32, |m, x| m.max(x.abs()));
-            assert!(scale > 1e-3, "{out:?}: {name} is all but zero ({scale})");
-            let err = worst(&got, &want);
-            assert!(err < 2e-5, "{out:?}: {name} off by {err} (scale {scale})");
+            assert_close(&format!("{out:?}: {name}"), &got, &want, 2e-5);
         }
     }
 }

@@ -135,3 +135,17 @@ pub fn rel_norm_err(a: &[f32], b: &[f32]) -> f64 {
     let den: f64 = b.iter().map(|y| (*y as f64).powi(2)).sum();
     num.sqrt() / den.sqrt().max(1e-30)
 }
+
+/// Asserts that `got` matches `want` within `tol` in the largest `|a − b| / (1 + |b|)`, and
+/// that `want` is not all but zero (a gradient that vanished would pass any comparison).
+pub fn assert_close(what: &str, got: &[f32], want: &[f32], tol: f32) {
+    assert_eq!(got.len(), want.len(), "{what}: length mismatch");
+    let scale = want.iter().fold(0.0f32, |m, x| m.max(x.abs()));
+    assert!(scale > 1e-3, "{what} is all but zero ({scale})");
+    let err = got
+        .iter()
+        .zip(want)
+        .map(|(x, y)| (x - y).abs() / (1.0 + y.abs()))
+        .fold(0.0, f32::max);
+    assert!(err < tol, "{what} off by {err} (scale {scale})");
+}

@@ -231,24 +231,46 @@ pub fn ponder_agg<R: CubeRuntime>(
     halt_clamp: f32,
     norm_eps: f32,
 ) -> (CubeTensor<R>, CubeTensor<R>) {
-    for x in [&frames, &w, &bias] {
-        assert_eq!(x.dtype, burn::tensor::DType::F32, "ponder_agg takes f32");
-    }
-    let shape = frames.meta.shape().clone();
-    assert_eq!(shape.num_dims(), 3, "ponder_agg: frames [T·K, B, D]");
-    let (tk, batch, dim) = (shape[0], shape[1], shape[2]);
-    assert!(
-        k > 0 && tk % k == 0,
-        "ponder_agg: {tk} frames are not whole tokens of K = {k}"
-    );
-    assert!(
-        tk * batch * dim <= u32::MAX as usize,
-        "ponder_agg: 32-bit indexing"
-    );
-    let t = tk / k;
+    let [agg, ek] = ponder_agg_with(frames, w, bias, k, halt_clamp, norm_eps, false);
+    (agg, ek)
+}
+
+/// [`ponder_agg`] for training: the aggregate and E[K] packed in one `[T, B, D + 1]` tensor
+/// (one differentiable output).
+pub fn ponder_agg_packed<R: CubeRuntime>(
+    frames: CubeTensor<R>,
+    w: CubeTensor<R>,
+    bias: CubeTensor<R>,
+    k: usize,
+    halt_clamp: f32,
+    norm_eps: f32,
+) -> CubeTensor<R> {
+    let [packed, _] = ponder_agg_with(frames, w, bias, k, halt_clamp, norm_eps, true);
+    packed
+}
+
+/// `[aggregate, E[K]]`, or with `packed` `[both in one [T, B, D + 1] tensor, the same tensor]`.
+#[allow(clippy::too_many_arguments)]
+fn ponder_agg_with<R: CubeRuntime>(
+    frames: CubeTensor<R>,
+    w: CubeTensor<R>,
+    bias: CubeTensor<R>,
+    k: usize,
+    halt_clamp: f32,
+    norm_eps: f32,
+    packed: bool,
+) -> [CubeTensor<R>; 2] {
+    let (t, batch, dim) = ponder_geometry(&[&frames, &w, &bias], k);
     let [frames, w, bias] = [frames, w, bias].map(into_contiguous);
-    let agg = out_like(&frames, Shape::new([t, batch, dim]));
-    let ek = out_like(&frames, Shape::new([t, batch]));
+    let (agg, ek) = if packed {
+        let p = out_like(&frames, Shape::new([t, batch, dim + 1]));
+        (p.clone(), p)
+    } else {
+        (
+            out_like(&frames, Shape::new([t, batch, dim])),
+            out_like(&frames, Shape::new([t, batch])),
+        )
+    };
     let client = frames.client.clone();
     ponder_agg_kernel::launch::<R>(
         &client,
@@ -264,42 +286,9 @@ pub fn ponder_agg<R: CubeRuntime>(
         halt_clamp,
         norm_eps,
         k,
-        false,
+        packed,
     );
-    (agg, ek)
-}
-
-/// [`ponder_agg`] for training: the aggregate and E[K] packed in one `[T, B, D + 1]` tensor
-/// (one differentiable output).
-pub fn ponder_agg_packed<R: CubeRuntime>(
-    frames: CubeTensor<R>,
-    w: CubeTensor<R>,
-    bias: CubeTensor<R>,
-    k: usize,
-    halt_clamp: f32,
-    norm_eps: f32,
-) -> CubeTensor<R> {
-    let (t, batch, dim) = ponder_geometry(&[&frames, &w, &bias], k);
-    let [frames, w, bias] = [frames, w, bias].map(into_contiguous);
-    let packed = out_like(&frames, Shape::new([t, batch, dim + 1]));
-    let client = frames.client.clone();
-    ponder_agg_kernel::launch::<R>(
-        &client,
-        CubeCount::Static((t * batch) as u32, 1, 1),
-        CubeDim::new_1d(PLANE),
-        frames.into_tensor_arg(),
-        w.into_tensor_arg(),
-        bias.into_tensor_arg(),
-        packed.clone().into_tensor_arg(),
-        packed.clone().into_tensor_arg(),
-        batch as u32,
-        dim as u32,
-        halt_clamp,
-        norm_eps,
-        k,
-        true,
-    );
-    packed
+    [agg, ek]
 }
 
 /// Its backward from the packed gradient `[T, B, D + 1]`: `[∂frames [T·K, B, D], per-row ∂w

@@ -422,6 +422,14 @@ pub fn selective_modulation<B: Backend>(inp: &SelectiveInputs<B>) -> [Tensor<B, 
     [sigmoid(x_beta), alpha, x_th.abs() + inp.v_th_min as f64, u]
 }
 
+/// A gradient with respect to `β = σ(x)` taken back to `x`: `∂x = ∂β·β(1 − β)`.
+fn through_sigmoid<B: Backend, const D: usize>(
+    d_beta: Tensor<B, D>,
+    beta: Tensor<B, D>,
+) -> Tensor<B, D> {
+    d_beta * (beta.clone() * (beta.neg() + 1.0))
+}
+
 /// The fused selective scan composed from tensor ops and [`SnnOps::plif_elem_forward`].
 pub fn selective_forward_reference<B: SnnOps>(inp: SelectiveInputs<B>) -> PlifOutput<B> {
     let [beta, _, vth, u] = selective_modulation(&inp);
@@ -443,7 +451,7 @@ pub fn selective_backward_reference<B: SnnOps>(
     let g = B::plif_elem_backward(prim(beta.clone()), inp.v0, vpost, spike, grad_vpost);
     let dn = beta.dims()[2];
     let g_u = wrap::<B, 3>(g.u);
-    let r_beta = (beta.clone() * (beta.neg() + 1.0)) * wrap::<B, 3>(g.beta);
+    let r_beta = through_sigmoid(wrap::<B, 3>(g.beta), beta);
     let r_alpha = g_u.clone() * wrap::<B, 3>(inp.i) * sigmoid(x_alpha);
     let i = g_u * alpha;
     let r_th = wrap::<B, 3>(g.vth) * x_th.sign();
@@ -594,7 +602,7 @@ pub fn norm_plif_backward_reference<B: SnnOps>(
     let d_beta = (wrap::<B, 2>(sg.beta) - om_leak - om_in)
         .sum_dim(0)
         .reshape([d]);
-    let d_w = d_beta * (beta.clone() * (beta.neg() + 1.0));
+    let d_w = through_sigmoid(d_beta, beta);
     let d_th = wrap::<B, 2>(sg.vth).sum_dim(0).reshape([d]);
     let nw = wrap::<B, 1>(inp.norm_w.clone()).unsqueeze::<3>();
     let gx = dxh.clone() * nw;
@@ -818,7 +826,7 @@ pub fn ffn_param_grads<B: Backend>(
     let two_f = beta.dims()[0];
     let f = two_f / 2;
     let d_beta = wrap::<B, 2>(d_beta_rows).sum_dim(0).reshape([two_f]);
-    let d_w = d_beta * (beta.clone() * (beta.neg() + 1.0));
+    let d_w = through_sigmoid(d_beta, beta);
     let d_th = wrap::<B, 2>(d_th_rows).sum_dim(0).reshape([two_f]);
     [
         prim(d_w.clone().narrow(0, 0, f)),
@@ -1126,7 +1134,7 @@ impl SnnOps for burn_cuda::Cuda<f32, i32> {
         );
         let d_nw = wrap::<Self, 2>(dnw_rows).sum_dim(0).reshape([d]);
         let d_beta = wrap::<Self, 2>(d_beta).sum_dim(0).reshape([d]);
-        let d_w = d_beta * (beta.clone() * (beta.neg() + 1.0));
+        let d_w = through_sigmoid(d_beta, beta);
         let d_th = wrap::<Self, 2>(d_th).sum_dim(0).reshape([d]);
         [dx, prim(d_nw), prim(d_w), prim(d_th), d_v0]
     }

@@ -38,6 +38,7 @@ use nsactor_data::{Cursor, Sampler};
 use nsactor_plugin_api::{Batch, ComputeBackend, DeviceTensor, EngineError, Stage};
 pub use plan::PipelinePlan;
 use ractor::{Actor, ActorCell, ActorRef, RpcReplyPort};
+use std::panic::{AssertUnwindSafe, catch_unwind, resume_unwind};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, RwLock};
@@ -193,12 +194,13 @@ impl Hop {
 }
 
 /// An actor's stage and where it runs: the stage is locked by its worker's jobs, one at a time.
-/// After a panic inside a job the stage is gone and every later call fails until the actor is
-/// rebuilt.
+/// After a panic inside a job the stage is gone and every later call fails, naming that panic,
+/// until the actor is rebuilt.
 pub struct StageHolder {
     who: String,
-    /// Locked only by the worker's jobs, one at a time.
-    stage: Arc<std::sync::Mutex<Option<Box<dyn Stage>>>>,
+    /// Locked only by the worker's jobs, one at a time; `Err` holds the message of the panic
+    /// that lost the stage.
+    stage: Arc<std::sync::Mutex<Result<Box<dyn Stage>, String>>>,
     worker: Arc<Worker>,
     backend: Arc<dyn ComputeBackend>,
     device: usize,
@@ -219,7 +221,7 @@ impl StageHolder {
     ) -> Self {
         StageHolder {
             who: who.into(),
-            stage: Arc::new(std::sync::Mutex::new(Some(stage))),
+            stage: Arc::new(std::sync::Mutex::new(Ok(stage))),
             worker,
             backend,
             device,
@@ -301,24 +303,41 @@ impl StageHolder {
     ) -> impl Future<Output = Result<R, EngineError>> + Send + 'static {
         let stage = self.stage.clone();
         let (backend, device, who) = (self.backend.clone(), self.device, self.who.clone());
-        let lost = move |who: &str| {
+        let lost = move |who: &str, cause: &str| {
             EngineError::Panic(format!(
-                "{who} lost its state in an earlier panic; restart it from a checkpoint"
+                "{who} lost its state in an earlier panic ({cause}); restart it from a checkpoint"
             ))
         };
         let job = self.worker.run_then(priority, successor, move || {
-            // Poisoned by a panic inside an earlier job: the stage is gone.
-            let mut slot = stage.lock().map_err(|_| lost(&who))?;
-            let st = slot.as_mut().ok_or_else(|| lost(&who))?;
-            let h = h
-                .map(|h| {
-                    let t = std::time::Instant::now();
-                    let r = backend.to_device(h, device);
-                    worker::add_transfer(t.elapsed());
-                    r
-                })
-                .transpose()?;
-            f(&mut **st, h)
+            // A panic is caught here, under the lock, so that the jobs queued behind it report
+            // what lost the stage (they may reach the supervisor before the panic itself does).
+            let mut slot = stage
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
+            let st = match &mut *slot {
+                Ok(st) => st,
+                Err(cause) => return Err(lost(&who, cause)),
+            };
+            let run = catch_unwind(AssertUnwindSafe(|| {
+                let h = h
+                    .map(|h| {
+                        let t = std::time::Instant::now();
+                        let r = backend.to_device(h, device);
+                        worker::add_transfer(t.elapsed());
+                        r
+                    })
+                    .transpose()?;
+                f(&mut **st, h)
+            }));
+            match run {
+                Ok(r) => r,
+                Err(p) => {
+                    *slot = Err(worker::panic_message(&*p));
+                    drop(slot);
+                    // The worker reports it as the job's panic.
+                    resume_unwind(p)
+                }
+            }
         });
         let who = self.who.clone();
         async move {

@@ -125,7 +125,7 @@ pub struct Worker {
 #[derive(Debug, Clone)]
 pub struct JobPanicked(pub String);
 
-fn panic_message(p: &(dyn std::any::Any + Send)) -> String {
+pub(crate) fn panic_message(p: &(dyn std::any::Any + Send)) -> String {
     if let Some(s) = p.downcast_ref::<&str>() {
         (*s).to_string()
     } else if let Some(s) = p.downcast_ref::<String>() {

@@ -22,6 +22,11 @@
 //! has run; the workspace is the thread's own, held for the thread's life and used by its GEMMs
 //! one after another on its stream.
 //!
+//! The lookup of the device pointers and the cuBLASLt call run as one task queued on CubeCL's
+//! server thread, behind the launches submitted before it and under the submitting thread's
+//! stream id ([`Submit::Queued`]), so the calling thread never waits for the server to catch up;
+//! `NSACTOR_GEMM_SUBMIT=blocking` makes the lookups from the calling thread instead.
+//!
 //! Plans (descriptors, layouts, the heuristic's algorithm) are cached per thread and shape.
 
 use burn_cubecl::kernel::{cast, into_contiguous};
@@ -361,8 +366,49 @@ pub fn gemm_with(p: GemmPrecision, lhs: CudaTensor, rhs: CudaTensor) -> CudaTens
     run(&prepare_operands(p, lhs, rhs))
 }
 
-/// The cuBLASLt call on prepared operands.
+/// How [`run`] hands the cuBLASLt call to the device.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Submit {
+    /// As a task queued on CubeCL's server thread, in order with the kernel launches, which
+    /// looks the buffers' device pointers up and enqueues the GEMM there: the calling thread
+    /// never waits (the default).
+    Queued,
+    /// From the calling thread, after three blocking `get_resource` round trips to the server
+    /// thread (each waits for every launch queued before it): `NSACTOR_GEMM_SUBMIT=blocking`.
+    Blocking,
+}
+
+/// The process's [`Submit`] mode, read once from `NSACTOR_GEMM_SUBMIT` (`queued`, `blocking`).
+pub fn submit_mode() -> Submit {
+    static MODE: std::sync::OnceLock<Submit> = std::sync::OnceLock::new();
+    *MODE.get_or_init(|| match std::env::var("NSACTOR_GEMM_SUBMIT").as_deref() {
+        Ok("blocking") => Submit::Blocking,
+        _ => Submit::Queued,
+    })
+}
+
+/// The first failure of a queued GEMM: it happened on the server thread, where a panic would
+/// only be logged, so the next GEMM of any thread raises it.
+static QUEUED_FAILURE: std::sync::Mutex<Option<String>> = std::sync::Mutex::new(None);
+
+type Server = <CudaRuntime as cubecl::Runtime>::Server;
+
+thread_local! {
+    /// CubeCL's handle of each device's server (the same one the tensors' clients use).
+    static SERVERS: RefCell<HashMap<usize, cubecl::device_handle::DeviceHandle<Server>>> =
+        RefCell::new(HashMap::new());
+}
+
+/// The cuBLASLt call on prepared operands, enqueued on the stream of the calling thread's
+/// CubeCL work (see [`Submit`] for how).
 pub fn run(op: &Prepared) -> CudaTensor {
+    if let Some(e) = QUEUED_FAILURE
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+        .as_ref()
+    {
+        panic!("gemm: an earlier GEMM failed on CubeCL's server thread: {e}");
+    }
     let (m, n) = (op.m, op.n);
     let client = op.lhs.client.clone();
     let device: CudaDevice = op.lhs.device.clone();
@@ -385,6 +431,7 @@ pub fn run(op: &Prepared) -> CudaTensor {
             .get_resource(h.clone())
             .unwrap_or_else(|e| panic!("gemm: device buffer unavailable: {e:?}"))
     };
+    // Looked up once per thread and device (the only blocking round trip of queued GEMMs).
     let workspace_ptr = WORKSPACES.with(|w| {
         w.borrow_mut()
             .entry(device.index)
@@ -395,18 +442,76 @@ pub fn run(op: &Prepared) -> CudaTensor {
             })
             .1
     });
-    let (ra, rb, rd) = (
-        resource(&op.rhs.handle),
-        resource(&op.lhs.handle),
-        resource(&out.handle),
-    );
-    let (ra, rb, rd) = (ra.resource(), rb.resource(), rd.resource());
-    let stream = rd.stream;
-    assert!(
-        !stream.is_null(),
-        "the patched cubecl-cuda reports no stream"
-    );
-    crate::cuda_device::make_current(device.index);
+    if submit_mode() == Submit::Blocking {
+        let (ra, rb, rd) = (
+            resource(&op.rhs.handle),
+            resource(&op.lhs.handle),
+            resource(&out.handle),
+        );
+        let (ra, rb, rd) = (ra.resource(), rb.resource(), rd.resource());
+        enqueue(&key, [ra.ptr, rb.ptr, rd.ptr], workspace_ptr, rd.stream)
+            .unwrap_or_else(|e| panic!("{e}"));
+        return out;
+    }
+    // The bindings hold the three buffers until the task has run: memory is recycled only
+    // when no binding is left, and then in stream order after the GEMM.
+    let bindings = [
+        op.rhs.handle.clone().binding(),
+        op.lhs.handle.clone().binding(),
+        out.handle.clone().binding(),
+    ];
+    let server = SERVERS.with(|s| {
+        s.borrow_mut()
+            .entry(device.index)
+            .or_insert_with(|| {
+                cubecl::device_handle::DeviceHandle::new(cubecl::device::Device::to_id(&device))
+            })
+            .clone()
+    });
+    server.submit(move |server: &mut Server| {
+        use cubecl::server::ComputeServer;
+        // The task runs under the submitting thread's stream id.
+        let stream_id = cubecl::stream_id::StreamId::current();
+        let task = || -> Result<(), String> {
+            // Held until the GEMM is enqueued, like the blocking path's resources.
+            let held = bindings
+                .into_iter()
+                .map(|b| server.get_resource(b, stream_id))
+                .collect::<Result<Vec<_>, _>>()
+                .map_err(|e| format!("gemm: device buffer unavailable: {e:?}"))?;
+            let [a, b, d] = [0, 1, 2].map(|i| held[i].resource());
+            enqueue(&key, [a.ptr, b.ptr, d.ptr], workspace_ptr, d.stream)
+        };
+        // A panic (a plan cuBLASLt refuses) is recorded too, not only logged by the server.
+        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(task)).unwrap_or_else(|p| {
+            Err(p
+                .downcast_ref::<String>()
+                .cloned()
+                .or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()))
+                .unwrap_or_else(|| "a panic without a message".into()))
+        });
+        if let Err(e) = r {
+            QUEUED_FAILURE
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .get_or_insert(e);
+        }
+    });
+    out
+}
+
+/// Enqueues `D = A · B` of `key` on `stream` (pointers `[A, B, D]`), with this thread's
+/// cuBLASLt handle and plan cache.
+fn enqueue(
+    key: &PlanKey,
+    [a, b, d]: [u64; 3],
+    workspace_ptr: u64,
+    stream: cudarc::driver::sys::CUstream,
+) -> Result<(), String> {
+    if stream.is_null() {
+        return Err("gemm: the patched cubecl-cuda reports no stream".into());
+    }
+    crate::cuda_device::make_current(key.device);
     let (alpha, beta) = (1.0f32, 0.0f32);
     STATE.with(|state| {
         let mut state = state.borrow_mut();
@@ -417,25 +522,25 @@ pub fn run(op: &Prepared) -> CudaTensor {
         let handle = state.handle;
         let plan = state
             .plans
-            .entry(key)
-            .or_insert_with(|| Plan::new(handle, &key));
+            .entry(*key)
+            .or_insert_with(|| Plan::new(handle, key));
         // SAFETY: the pointers are live device buffers of the sizes the layouts describe (the
-        // resources and tensors are held until after the call, and their memory is recycled
-        // only in order on `stream`); `stream` is CubeCL's current stream of this thread on the
-        // device whose context is current.
+        // caller holds their resources or bindings until after the call, and their memory is
+        // recycled only in order on `stream`); `stream` is CubeCL's stream of the submitting
+        // thread on the device whose context is current.
         let r = unsafe {
             lt::matmul(
                 handle,
                 plan.desc,
                 &alpha as *const f32 as *const c_void,
                 &beta as *const f32 as *const c_void,
-                ra.ptr as *const c_void,
+                a as *const c_void,
                 plan.a,
-                rb.ptr as *const c_void,
+                b as *const c_void,
                 plan.b,
-                rd.ptr as *const c_void,
+                d as *const c_void,
                 plan.d,
-                rd.ptr as *mut c_void,
+                d as *mut c_void,
                 plan.d,
                 &plan.algo,
                 workspace_ptr as *mut c_void,
@@ -443,9 +548,8 @@ pub fn run(op: &Prepared) -> CudaTensor {
                 stream as sys::cudaStream_t,
             )
         };
-        check("matmul", r);
-    });
-    out
+        r.map_err(|e| format!("cuBLASLt matmul {key:?}: {e:?}"))
+    })
 }
 
 /// The projection GEMMs of one 0.9B layer (`y = x · Wᵀ`, weight `[out, in]`), by name, `in`
@@ -604,6 +708,7 @@ pub fn bench(device: &CudaDevice, cfg: &GemmBench) -> Result<String, String> {
         out,
         "(time and TFLOP/s include rounding both f32 operands to bf16; `GEMM only` times the cuBLASLt call on operands already in its input type; fp32 never uses TF32)"
     );
+
     if failed.is_empty() {
         Ok(out)
     } else {

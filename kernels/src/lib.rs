@@ -44,6 +44,7 @@ pub mod cuda_infer;
 #[cfg(feature = "cuda")]
 pub mod cuda_scan;
 mod ops;
+pub mod parity;
 pub mod reference;
 
 pub use ops::{

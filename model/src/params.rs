@@ -24,6 +24,13 @@ pub trait Params<B: Backend> {
 /// the field names, so fields must equal checkpoint keys.
 macro_rules! impl_params {
     ($ty:ident { tensors: [$($t:ident),* $(,)?], modules: [$($m:ident),* $(,)?] }) => {
+        impl_params!($ty { tensors: [$($t),*], modules: [$($m),*], derived: [] });
+    };
+    ($ty:ident {
+        tensors: [$($t:ident),* $(,)?],
+        modules: [$($m:ident),* $(,)?],
+        derived: [$($d:ident),* $(,)?]
+    }) => {
         impl<B: burn::tensor::backend::Backend> $crate::params::Params<B> for $ty<B> {
             fn visit_params<V: $crate::params::ParamVisitor<B>>(&self, prefix: &str, v: &mut V) {
                 $( v.visit(&format!("{prefix}{}", stringify!($t)), &self.$t); )*
@@ -32,11 +39,42 @@ macro_rules! impl_params {
             fn map_params<M: $crate::params::ParamMapper<B>>(&mut self, prefix: &str, m: &mut M) {
                 $( self.$t = m.map(&format!("{prefix}{}", stringify!($t)), self.$t.clone()); )*
                 $( self.$m.map_params(&format!("{prefix}{}.", stringify!($m)), m); )*
+                // Tensors derived from the old parameters are stale now.
+                $( self.$d = $crate::params::Derived::default(); )*
             }
         }
     };
 }
 pub(crate) use impl_params;
+
+/// A tensor derived from a module's parameters (weights concatenated for one GEMM), computed on
+/// first use and dropped when [`Params::map_params`] replaces the parameters; a clone starts
+/// empty. Only untracked passes use it: autodiff must see the parameters themselves.
+#[derive(Debug)]
+pub struct Derived<B: Backend>(std::sync::OnceLock<Tensor<B, 2>>);
+
+impl<B: Backend> Default for Derived<B> {
+    fn default() -> Self {
+        Derived(std::sync::OnceLock::new())
+    }
+}
+
+impl<B: Backend> Clone for Derived<B> {
+    fn clone(&self) -> Self {
+        Derived::default()
+    }
+}
+
+impl<B: Backend> Derived<B> {
+    /// The derived tensor, computed by `f` the first time.
+    pub fn get_or_init(&self, f: impl FnOnce() -> Tensor<B, 2>) -> Tensor<B, 2> {
+        self.0.get_or_init(f).clone()
+    }
+
+    pub fn is_computed(&self) -> bool {
+        self.0.get().is_some()
+    }
+}
 
 /// Bias-free or biased linear map with PyTorch's `(out, in)` weight layout.
 #[derive(Debug, Clone)]

@@ -3,7 +3,7 @@
 use crate::config::ModelConfig;
 use crate::init::{BlockInitTable, Rng, kaiming};
 use crate::neurons::{last_frame, param};
-use crate::params::{Linear, impl_params};
+use crate::params::{Derived, Linear, impl_params};
 use burn::tensor::{Tensor, activation::sigmoid, backend::Backend};
 use nsactor_kernels::{SnnOps, plif_selective};
 
@@ -21,10 +21,14 @@ pub struct SnnBlock<B: Backend> {
     pub W_gate: Linear<B>,
     pub W_skip: Linear<B>,
     pub W_out: Linear<B>,
+    /// The six input weights concatenated and transposed, `[D, 4·DN + 2·D]`, for the merged
+    /// GEMM of [`projections`](Self::projections).
+    pub merged_in: Derived<B>,
 }
 impl_params!(SnnBlock {
     tensors: [b_beta, b_alpha, b_th],
-    modules: [W_in, W_beta_x, W_alpha_x, W_th_x, W_gate, W_skip, W_out]
+    modules: [W_in, W_beta_x, W_alpha_x, W_th_x, W_gate, W_skip, W_out],
+    derived: [merged_in]
 });
 
 /// Largest `TK·B` for which [`SnnBlock::projections`] merges its GEMMs (a decoding step of up
@@ -90,6 +94,7 @@ impl<B: SnnOps> SnnBlock<B> {
             W_gate: linear(w_gate, d, d, device),
             W_skip: linear(w_skip, d, d, device),
             W_out: linear(w_out, d, dn, device),
+            merged_in: Derived::default(),
         }
     }
 
@@ -108,8 +113,10 @@ impl<B: SnnOps> SnnBlock<B> {
             &self.W_skip,
         ];
         if B::merges_small_gemms() && !B::ad_enabled(&flat.device()) && rows <= MERGED_GEMM_ROWS {
-            let w = Tensor::cat(lins.iter().map(|l| l.weight.clone()).collect(), 0);
-            let y = nsactor_kernels::matmul(flat, w.transpose()); // [rows, 4·DN + 2·D]
+            let w = self.merged_in.get_or_init(|| {
+                Tensor::cat(lins.iter().map(|l| l.weight.clone()).collect(), 0).transpose()
+            });
+            let y = nsactor_kernels::matmul(flat, w); // [rows, 4·DN + 2·D]
             let widths = [dn, dn, dn, dn, d, d];
             let mut start = 0;
             return widths.map(|w| {

@@ -3,7 +3,7 @@
 use crate::config::{ModelConfig, PlifOut};
 use crate::init::{Rng, kaiming};
 use crate::neurons::{PlifNode, last_frame, param};
-use crate::params::{Linear, impl_params};
+use crate::params::{Derived, Linear, impl_params};
 use burn::tensor::{Tensor, activation::sigmoid, backend::Backend};
 use nsactor_kernels::{SnnOps, plif_row};
 
@@ -15,6 +15,8 @@ pub struct SnnFfn<B: Backend> {
     pub skip_proj: Linear<B>,
     pub gate_neuron: PlifNode<B>,
     pub up_neuron: PlifNode<B>,
+    /// `[W_gate; W_up]` transposed, `[D, 2·D_ff]`, for untracked passes.
+    pub merged_gate_up: Derived<B>,
 }
 impl_params!(SnnFfn {
     tensors: [],
@@ -25,7 +27,8 @@ impl_params!(SnnFfn {
         skip_proj,
         gate_neuron,
         up_neuron
-    ]
+    ],
+    derived: [merged_gate_up]
 });
 
 /// FFN neuron threshold base `v0 = 0.15` (the decoder layer overrides SNNFFN's own 0.3).
@@ -53,6 +56,7 @@ impl<B: SnnOps> SnnFfn<B> {
             skip_proj: lin(skip, d, d),
             gate_neuron: PlifNode::init(f, FFN_V_THRESHOLD, rng, device),
             up_neuron: PlifNode::init(f, FFN_V_THRESHOLD, rng, device),
+            merged_gate_up: Derived::default(),
         }
     }
 
@@ -67,11 +71,20 @@ impl<B: SnnOps> SnnFfn<B> {
         let [tk, b, d] = a.dims();
         let f = self.gate_proj.weight.dims()[0];
         let flat = a.reshape([tk * b, d]);
-        let w_gu = Tensor::cat(
-            vec![self.gate_proj.weight.clone(), self.up_proj.weight.clone()],
-            0,
-        );
-        let i_gu = nsactor_kernels::matmul(flat.clone(), w_gu.transpose()); // [TK·B, 2·D_ff]
+        let cat = || {
+            Tensor::cat(
+                vec![self.gate_proj.weight.clone(), self.up_proj.weight.clone()],
+                0,
+            )
+            .transpose()
+        };
+        // Autodiff must see the weights; an untracked pass reuses the concatenation.
+        let w_gu = if B::ad_enabled(&flat.device()) {
+            cat()
+        } else {
+            self.merged_gate_up.get_or_init(cat)
+        };
+        let i_gu = nsactor_kernels::matmul(flat.clone(), w_gu); // [TK·B, 2·D_ff]
         let skip = self.skip_proj.forward(flat);
         let (gv, last) = self.gate_up(i_gu.reshape([tk, b, 2 * f]), v0, out);
         let y = self.down_proj.forward(gv.reshape([tk * b, f])) + skip;

@@ -86,3 +86,58 @@ fn fused_ffn_neurons_match_the_composed_model_in_outputs_and_all_gradients() {
         }
     }
 }
+
+/// Doubles every parameter it maps.
+struct Doubler;
+
+impl<B: Backend> nsactor_model::params::ParamMapper<B> for Doubler {
+    fn map<const D: usize>(&mut self, _name: &str, p: Tensor<B, D>) -> Tensor<B, D> {
+        p * 2.0
+    }
+}
+
+/// An untracked pass reuses `[W_gate; W_up]` concatenated once; replacing the parameters drops
+/// it, so the next pass sees the new weights, exactly as a module built with them would.
+#[test]
+fn the_cached_gate_up_weights_follow_the_parameters() {
+    let cfg = ModelConfig {
+        vocab_size: 11,
+        d: 6,
+        n: 2,
+        k: 3,
+        num_layers: 2,
+        d_ff: 9,
+        v_th_min: 0.1,
+        plif_out: PlifOut::Leak,
+    };
+    let dev = Default::default();
+    let mut ffn = SnnFfn::<Inner>::init(&cfg, &mut Rng::new(5), &dev);
+    let a = Tensor::<Inner, 3>::random([4, 2, cfg.d], Distribution::Normal(0.3, 1.0), &dev);
+    let v0 = Tensor::<Inner, 2>::zeros([2, 2 * cfg.d_ff], &dev);
+    assert!(!ffn.merged_gate_up.is_computed());
+    let (y1, _) = ffn.forward(a.clone(), v0.clone(), PlifOut::Leak);
+    assert!(ffn.merged_gate_up.is_computed());
+    // The cached pass equals the first one (and a fresh module's) bit for bit.
+    let fresh = SnnFfn::<Inner>::init(&cfg, &mut Rng::new(5), &dev);
+    let (y0, _) = fresh.forward(a.clone(), v0.clone(), PlifOut::Leak);
+    let (y2, _) = ffn.forward(a.clone(), v0.clone(), PlifOut::Leak);
+    assert_eq!(y1.to_data(), y0.to_data());
+    assert_eq!(y2.to_data(), y0.to_data());
+
+    use nsactor_model::Params;
+    ffn.map_params("", &mut Doubler);
+    assert!(
+        !ffn.merged_gate_up.is_computed(),
+        "new parameters drop the cache"
+    );
+    let mut doubled = SnnFfn::<Inner>::init(&cfg, &mut Rng::new(5), &dev);
+    doubled.map_params("", &mut Doubler);
+    let (y3, _) = ffn.forward(a.clone(), v0.clone(), PlifOut::Leak);
+    let (want, _) = doubled.forward(a, v0, PlifOut::Leak);
+    assert_eq!(y3.to_data(), want.to_data());
+    assert_ne!(
+        y3.to_data(),
+        y0.to_data(),
+        "doubling the weights changed the output"
+    );
+}

@@ -815,3 +815,51 @@ fn run_stdout(args: &[&str]) -> String {
     );
     String::from_utf8_lossy(&out.stdout).into_owned()
 }
+
+#[test]
+fn verify_plif_scan_reports_both_precisions_and_rejects_a_missing_fixture() {
+    let fixture = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../../shared/fixtures/plif_scan.safetensors");
+    let out = nsactor()
+        .args(["verify", "plif-scan", "--fixture"])
+        .arg(&fixture)
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    for line in [
+        "elem scan, fp32:",
+        "row scan, fp32:",
+        "elem scan, bf16 storage:",
+        "row scan, bf16 storage:",
+        "grad_v0",
+    ] {
+        assert!(stdout.contains(line), "no `{line}` in\n{stdout}");
+    }
+    // Both fp32 runs agree on every spike (the bf16 ones report their flips).
+    assert!(
+        stdout.matches("agreement 100.0000% (0 flipped").count() >= 2,
+        "{stdout}"
+    );
+    assert!(
+        !stdout.contains("FAIL") && stdout.ends_with("PASS\n"),
+        "{stdout}"
+    );
+
+    let out = nsactor()
+        .args([
+            "verify",
+            "plif-scan",
+            "--fixture",
+            "/no/such/plif_scan.safetensors",
+        ])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("cannot read fixture /no/such"), "{stderr}");
+}

@@ -255,6 +255,7 @@ impl<B: SnnOps> ComputeBackend for BurnBackend<B> {
             "decode-profile" => {
                 profile::decode_profile::<B>(self.device(0)?, options).map_err(EngineError::Backend)
             }
+            "verify-plif-scan" => verify_plif_scan::<B>(self.device(0)?, options),
             other => match self.benches.iter().find(|(n, _)| *n == other) {
                 Some((_, bench)) => {
                     let devices: Vec<B::Device> =
@@ -262,7 +263,7 @@ impl<B: SnnOps> ComputeBackend for BurnBackend<B> {
                     bench(&devices, options).map_err(EngineError::Backend)
                 }
                 None => Err(EngineError::InvalidInput(format!(
-                    "unknown benchmark `{other}` (kernels, decode-profile{})",
+                    "unknown benchmark `{other}` (kernels, decode-profile, verify-plif-scan{})",
                     self.benches
                         .iter()
                         .map(|(n, _)| format!(", {n}"))
@@ -293,5 +294,38 @@ impl<B: SnnOps> ComputeBackend for BurnBackend<B> {
             stage,
             enter: self.enter,
         }))
+    }
+}
+
+/// `nsactor verify plif-scan` inside the plugin: the `plif_scan` fixture (read from
+/// `fixture=PATH`) through this backend's scans in `precision=fp32|bf16|both` (default both).
+/// The report when every check passes; the report as the error when one fails.
+fn verify_plif_scan<B: SnnOps>(device: &B::Device, options: &str) -> Result<String, EngineError> {
+    use nsactor_kernels::parity::{ScanPrecision, plif_fixture_all};
+    let (mut path, mut precisions) = (None, vec![ScanPrecision::F32, ScanPrecision::Bf16]);
+    for kv in options.split(',').filter(|kv| !kv.is_empty()) {
+        match kv.split_once('=') {
+            Some(("fixture", p)) => path = Some(p.to_string()),
+            Some(("precision", "fp32")) => precisions = vec![ScanPrecision::F32],
+            Some(("precision", "bf16")) => precisions = vec![ScanPrecision::Bf16],
+            Some(("precision", "both")) => {}
+            _ => {
+                return Err(EngineError::InvalidInput(format!(
+                    "verify-plif-scan takes fixture=PATH and precision=fp32|bf16|both, got `{kv}`"
+                )));
+            }
+        }
+    }
+    let path = path
+        .ok_or_else(|| EngineError::InvalidInput("verify-plif-scan needs fixture=PATH".into()))?;
+    let bytes = std::fs::read(&path)
+        .map_err(|e| EngineError::InvalidInput(format!("cannot read fixture {path}: {e}")))?;
+    let reports =
+        plif_fixture_all::<B>(device, &bytes, &precisions).map_err(EngineError::InvalidInput)?;
+    let text: String = reports.iter().map(|r| r.render()).collect();
+    if reports.iter().all(|r| r.passed()) {
+        Ok(text)
+    } else {
+        Err(EngineError::Backend(format!("{text}some checks FAILED")))
     }
 }

@@ -1021,13 +1021,19 @@ fn verify_cmd(args: VerifyArgs) -> Result<(), Box<dyn std::error::Error>> {
     } else {
         nsactor::verify::PARAM_REL
     };
-    let over: Vec<_> = r.grad_errors.iter().filter(|(_, e)| *e > bound).collect();
+    let mut over: Vec<_> = r.grad_errors.iter().filter(|(_, e)| *e > bound).collect();
+    over.sort_by(|a, b| b.1.total_cmp(&a.1));
     println!(
-        "parameter gradients within {bound:.0e} of the reference's: {} of {}",
+        "parameter gradients within {bound:.0e} of the reference's: {} of {}{}",
         r.grad_errors.len() - over.len(),
-        r.grad_errors.len()
+        r.grad_errors.len(),
+        if over.is_empty() {
+            ""
+        } else {
+            "; the farthest:"
+        }
     );
-    for (name, e) in over {
+    for (name, e) in over.iter().take(6) {
         println!("  {name:<44} {e:.2e}");
     }
     let checks = r.checks_at(bf16);

@@ -161,10 +161,13 @@ pub struct TinyAReport {
 }
 
 /// The bounds of a bf16 run (bf16 GEMM inputs, fp32 accumulation): 1e-2 relative on the
-/// outputs (CE, loss) and the gradients (their norm, each parameter's). Greedy tokens and the
-/// parameters after the Adam step are reported, not bounded: Adam's first step moves every
-/// element by ≈ lr·sign(g), so an element whose gradient is near zero (the halting heads start
-/// at zero) flips its whole step on rounding noise far below 1e-2 of the gradient.
+/// outputs (CE, loss) and on the compensated gradient's norm. Each parameter's gradient, the
+/// greedy tokens and the parameters after the Adam step are reported, not bounded: tiny_a's
+/// gradients are not continuous at bf16's resolution — rounding only its weights to bf16 and
+/// computing the rest in exact f32 moves every one of its 67 gradients by more than 1e-2 (up
+/// to 0.49) while the loss moves by 1e-4 (the model crate's test
+/// `bf16_rounded_weights_move_the_gradients_beyond_1e_2_but_not_the_loss`): spikes are step
+/// functions, and a membrane pushed across its threshold changes the gradients upstream of it.
 pub const BF16_REL: f64 = 1e-2;
 
 impl TinyAReport {
@@ -188,18 +191,6 @@ impl TinyAReport {
                     norm,
                     BF16_REL,
                     norm <= BF16_REL,
-                ),
-                (
-                    "worst parameter gradient rel",
-                    self.worst_grad.1,
-                    BF16_REL,
-                    self.worst_grad.1 <= BF16_REL,
-                ),
-                (
-                    "worst halting-bias gradient rel",
-                    self.worst_halt_grad.1,
-                    BF16_REL,
-                    self.worst_halt_grad.1 <= BF16_REL,
                 ),
             ];
         }

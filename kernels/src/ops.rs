@@ -988,6 +988,13 @@ pub fn matmul<B: SnnOps>(lhs: Tensor<B, 2>, rhs: Tensor<B, 2>) -> Tensor<B, 2> {
     wrap(B::gemm(prim(lhs), prim(rhs)))
 }
 
+/// `t` as [`matmul`] reads it ([`SnnOps::gemm_operand`]): for an operand used many times
+/// (a weight while decoding), rounded once. Untracked tensors only: the rounded copy carries
+/// no gradient back to `t`.
+pub fn gemm_operand<B: SnnOps>(t: Tensor<B, 2>) -> Tensor<B, 2> {
+    wrap(B::gemm_operand(prim(t)))
+}
+
 fn prim<B: Backend, const D: usize>(t: Tensor<B, D>) -> FloatTensor<B> {
     t.into_primitive().tensor()
 }

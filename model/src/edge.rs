@@ -43,10 +43,10 @@ impl<B: SnnOps> Edge<B> {
                 weight: param(embed, [v, d], device),
             },
             norm: LateralInhibition::init(d, device),
-            decode_proj: Linear {
-                weight: param(decode_w, [d, d], device),
-                bias: Some(param(vec![0.0; d], [d], device)),
-            },
+            decode_proj: Linear::new(
+                param(decode_w, [d, d], device),
+                Some(param(vec![0.0; d], [d], device)),
+            ),
             output_norm: RmsNorm::init(d, device),
             output_neuron: PlifNode::init(d, OUTPUT_V_THRESHOLD, rng, device),
         }

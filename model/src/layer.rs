@@ -81,9 +81,11 @@ impl<B: SnnOps> SnnDecoderLayer<B> {
     pub fn init(cfg: &ModelConfig, rng: &mut Rng, device: &B::Device) -> Self {
         let d = cfg.d;
         let out_std = 0.02 / ((2 * cfg.num_layers) as f64).sqrt();
-        let lin = |w, out, inp, bias: Option<Vec<f32>>| Linear {
-            weight: param(w, [out, inp], device),
-            bias: bias.map(|b| param(b, [out], device)),
+        let lin = |w, out, inp, bias: Option<Vec<f32>>| {
+            Linear::new(
+                param(w, [out, inp], device),
+                bias.map(|b| param(b, [out], device)),
+            )
         };
         let snn_block = SnnBlock::init(cfg, rng, device);
         let snn_ffn = SnnFfn::init(cfg, rng, device);

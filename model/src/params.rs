@@ -81,12 +81,32 @@ impl<B: Backend> Derived<B> {
 pub struct Linear<B: Backend> {
     pub weight: Tensor<B, 2>,
     pub bias: Option<Tensor<B, 1>>,
+    /// `Wᵀ` as the GEMM reads it ([`nsactor_kernels::gemm_operand`]: the bf16 copy on CUDA in
+    /// bf16 precision), for untracked passes: decoding rounds each weight once per parameter
+    /// update instead of once per token.
+    pub operand: Derived<B>,
+}
+
+impl<B: Backend> Linear<B> {
+    pub fn new(weight: Tensor<B, 2>, bias: Option<Tensor<B, 1>>) -> Self {
+        Linear {
+            weight,
+            bias,
+            operand: Derived::default(),
+        }
+    }
 }
 
 impl<B: SnnOps> Linear<B> {
-    /// `x @ Wᵀ (+ b)` over the rows of `x` `[rows, in]`, as an exact-fp32 GEMM.
+    /// `x @ Wᵀ (+ b)` over the rows of `x` `[rows, in]`, in the backend's GEMM precision.
     pub fn forward(&self, x: Tensor<B, 2>) -> Tensor<B, 2> {
-        let y = nsactor_kernels::matmul(x, self.weight.clone().transpose());
+        let w = if B::ad_enabled(&x.device()) {
+            self.weight.clone().transpose()
+        } else {
+            self.operand
+                .get_or_init(|| nsactor_kernels::gemm_operand(self.weight.clone().transpose()))
+        };
+        let y = nsactor_kernels::matmul(x, w);
         match &self.bias {
             Some(b) => y + b.clone().unsqueeze::<2>(),
             None => y,
@@ -106,6 +126,7 @@ impl<B: Backend> Params<B> for Linear<B> {
         if let Some(b) = self.bias.take() {
             self.bias = Some(m.map(&format!("{prefix}bias"), b));
         }
+        self.operand = Derived::default();
     }
 }
 

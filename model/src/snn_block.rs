@@ -21,8 +21,8 @@ pub struct SnnBlock<B: Backend> {
     pub W_gate: Linear<B>,
     pub W_skip: Linear<B>,
     pub W_out: Linear<B>,
-    /// The six input weights concatenated and transposed, `[D, 4·DN + 2·D]`, for the merged
-    /// GEMM of [`projections`](Self::projections).
+    /// The six input weights concatenated and transposed, `[D, 4·DN + 2·D]`, as the merged
+    /// GEMM of [`projections`](Self::projections) reads it.
     pub merged_in: Derived<B>,
 }
 impl_params!(SnnBlock {
@@ -40,10 +40,7 @@ const MERGED_GEMM_ROWS: usize = 4096;
 const B_ALPHA_MEAN: f64 = 0.541_324_854_612_918;
 
 fn linear<B: Backend>(w: Vec<f32>, out: usize, inp: usize, device: &B::Device) -> Linear<B> {
-    Linear {
-        weight: param(w, [out, inp], device),
-        bias: None,
-    }
+    Linear::new(param(w, [out, inp], device), None)
 }
 
 impl<B: SnnOps> SnnBlock<B> {
@@ -114,7 +111,8 @@ impl<B: SnnOps> SnnBlock<B> {
         ];
         if B::merges_small_gemms() && !B::ad_enabled(&flat.device()) && rows <= MERGED_GEMM_ROWS {
             let w = self.merged_in.get_or_init(|| {
-                Tensor::cat(lins.iter().map(|l| l.weight.clone()).collect(), 0).transpose()
+                let w = Tensor::cat(lins.iter().map(|l| l.weight.clone()).collect(), 0);
+                nsactor_kernels::gemm_operand(w.transpose())
             });
             let y = nsactor_kernels::matmul(flat, w); // [rows, 4·DN + 2·D]
             let widths = [dn, dn, dn, dn, d, d];

@@ -15,7 +15,7 @@ pub struct SnnFfn<B: Backend> {
     pub skip_proj: Linear<B>,
     pub gate_neuron: PlifNode<B>,
     pub up_neuron: PlifNode<B>,
-    /// `[W_gate; W_up]` transposed, `[D, 2·D_ff]`, for untracked passes.
+    /// `[W_gate; W_up]` transposed, `[D, 2·D_ff]`, as the GEMM reads it, for untracked passes.
     pub merged_gate_up: Derived<B>,
 }
 impl_params!(SnnFfn {
@@ -37,10 +37,7 @@ const FFN_V_THRESHOLD: f64 = 0.15;
 impl<B: SnnOps> SnnFfn<B> {
     pub fn init(cfg: &ModelConfig, rng: &mut Rng, device: &B::Device) -> Self {
         let (d, f) = (cfg.d, cfg.d_ff);
-        let lin = |w, out, inp| Linear {
-            weight: param(w, [out, inp], device),
-            bias: None,
-        };
+        let lin = |w, out, inp| Linear::new(param(w, [out, inp], device), None);
         let gate = kaiming(rng, f, d);
         let up = kaiming(rng, f, d);
         let down_scale = 1.0 / (cfg.num_layers as f32).sqrt();
@@ -82,7 +79,8 @@ impl<B: SnnOps> SnnFfn<B> {
         let w_gu = if B::ad_enabled(&flat.device()) {
             cat()
         } else {
-            self.merged_gate_up.get_or_init(cat)
+            self.merged_gate_up
+                .get_or_init(|| nsactor_kernels::gemm_operand(cat()))
         };
         let i_gu = nsactor_kernels::matmul(flat.clone(), w_gu); // [TK·B, 2·D_ff]
         let skip = self.skip_proj.forward(flat);

@@ -182,10 +182,10 @@ fn ponder_at_init_has_the_spec_expected_k() {
     // SPEC §14.3: with p = σ(−3.5) everywhere, E[K] = 7.8702 and λ̂₁/λ̂₁₆ = 1.5625.
     let (t, k, b, d) = (3, 16, 2, 4);
     let dev = Default::default();
-    let halt = Linear::<Inner> {
-        weight: Tensor::zeros([1, d], &dev),
-        bias: Some(Tensor::from_data([-3.5f32], &dev)),
-    };
+    let halt = Linear::<Inner>::new(
+        Tensor::zeros([1, d], &dev),
+        Some(Tensor::from_data([-3.5f32], &dev)),
+    );
     let frames = Tensor::<Inner, 3>::random([t * k, b, d], Distribution::Normal(0.0, 1.0), &dev);
     let (agg, ek) = ponder_agg(frames.clone(), &halt, k);
     for e in values(ek) {

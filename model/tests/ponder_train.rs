@@ -20,11 +20,10 @@ fn ponder_op_matches_the_composed_model_in_outputs_and_all_gradients() {
         Tensor::<Ad, 3>::random([t * k, b, d], Distribution::Normal(0.0, 1.0), &dev).require_grad();
     // A halt projection that spreads p over (0, 1), so that some p hit the clamp and the
     // survival products matter.
-    let halt = Linear {
-        weight: Tensor::<Ad, 2>::random([1, d], Distribution::Normal(0.0, 1.5), &dev)
-            .require_grad(),
-        bias: Some(Tensor::<Ad, 1>::from_floats([-0.5], &dev).require_grad()),
-    };
+    let halt = Linear::new(
+        Tensor::<Ad, 2>::random([1, d], Distribution::Normal(0.0, 1.5), &dev).require_grad(),
+        Some(Tensor::<Ad, 1>::from_floats([-0.5], &dev).require_grad()),
+    );
     let w_agg = Tensor::<Ad, 3>::random([t, b, d], Distribution::Normal(0.0, 1.0), &dev);
     let w_ek = Tensor::<Ad, 2>::random([t, b], Distribution::Normal(0.0, 1.0), &dev);
     let objective = |agg: Tensor<Ad, 3>, ek: Tensor<Ad, 2>| {

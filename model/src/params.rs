@@ -87,6 +87,23 @@ pub struct Linear<B: Backend> {
     pub operand: Derived<B>,
 }
 
+/// Whether untracked passes keep each weight as the GEMM reads it ([`Linear::operand`]):
+/// `NSACTOR_WEIGHT_OPERANDS=per-call` makes them round it on every call instead (A/B runs).
+pub fn reuse_operands() -> bool {
+    static REUSE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *REUSE.get_or_init(|| std::env::var("NSACTOR_WEIGHT_OPERANDS").as_deref() != Ok("per-call"))
+}
+
+/// `w` as the GEMM reads it, or `w` itself when [`reuse_operands`] is off (then every call
+/// rounds it).
+pub(crate) fn as_operand<B: SnnOps>(w: Tensor<B, 2>) -> Tensor<B, 2> {
+    if reuse_operands() {
+        nsactor_kernels::gemm_operand(w)
+    } else {
+        w
+    }
+}
+
 impl<B: Backend> Linear<B> {
     pub fn new(weight: Tensor<B, 2>, bias: Option<Tensor<B, 1>>) -> Self {
         Linear {
@@ -100,7 +117,7 @@ impl<B: Backend> Linear<B> {
 impl<B: SnnOps> Linear<B> {
     /// `x @ Wᵀ (+ b)` over the rows of `x` `[rows, in]`, in the backend's GEMM precision.
     pub fn forward(&self, x: Tensor<B, 2>) -> Tensor<B, 2> {
-        let w = if B::ad_enabled(&x.device()) {
+        let w = if B::ad_enabled(&x.device()) || !reuse_operands() {
             self.weight.clone().transpose()
         } else {
             self.operand

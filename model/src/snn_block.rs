@@ -112,7 +112,7 @@ impl<B: SnnOps> SnnBlock<B> {
         if B::merges_small_gemms() && !B::ad_enabled(&flat.device()) && rows <= MERGED_GEMM_ROWS {
             let w = self.merged_in.get_or_init(|| {
                 let w = Tensor::cat(lins.iter().map(|l| l.weight.clone()).collect(), 0);
-                nsactor_kernels::gemm_operand(w.transpose())
+                crate::params::as_operand(w.transpose())
             });
             let y = nsactor_kernels::matmul(flat, w); // [rows, 4·DN + 2·D]
             let widths = [dn, dn, dn, dn, d, d];

@@ -80,7 +80,7 @@ impl<B: SnnOps> SnnFfn<B> {
             cat()
         } else {
             self.merged_gate_up
-                .get_or_init(|| nsactor_kernels::gemm_operand(cat()))
+                .get_or_init(|| crate::params::as_operand(cat()))
         };
         let i_gu = nsactor_kernels::matmul(flat.clone(), w_gu); // [TK·B, 2·D_ff]
         let skip = self.skip_proj.forward(flat);

@@ -10,19 +10,24 @@ use common::*;
 use nsactor_model::init::Rng;
 use nsactor_model::{ModelConfig, PlifOut, SnnFfn};
 
+/// A config small enough for the CPU, with the PLIF output activation `out`.
+fn small_config(out: PlifOut) -> ModelConfig {
+    ModelConfig {
+        vocab_size: 11,
+        d: 6,
+        n: 2,
+        k: 3,
+        num_layers: 2,
+        d_ff: 9,
+        v_th_min: 0.1,
+        plif_out: out,
+    }
+}
+
 #[test]
 fn fused_ffn_neurons_match_the_composed_model_in_outputs_and_all_gradients() {
     for out in [PlifOut::Leak, PlifOut::VPost] {
-        let cfg = ModelConfig {
-            vocab_size: 11,
-            d: 6,
-            n: 2,
-            k: 3,
-            num_layers: 2,
-            d_ff: 9,
-            v_th_min: 0.1,
-            plif_out: out,
-        };
+        let cfg = small_config(out);
         let (tk, b, f) = (21, 3, cfg.d_ff);
         let dev = Default::default();
         let ffn = SnnFfn::<Ad>::init(&cfg, &mut Rng::new(5), &dev);
@@ -100,16 +105,7 @@ impl<B: Backend> nsactor_model::params::ParamMapper<B> for Doubler {
 /// it, so the next pass sees the new weights, exactly as a module built with them would.
 #[test]
 fn the_cached_gate_up_weights_follow_the_parameters() {
-    let cfg = ModelConfig {
-        vocab_size: 11,
-        d: 6,
-        n: 2,
-        k: 3,
-        num_layers: 2,
-        d_ff: 9,
-        v_th_min: 0.1,
-        plif_out: PlifOut::Leak,
-    };
+    let cfg = small_config(PlifOut::Leak);
     let dev = Default::default();
     let mut ffn = SnnFfn::<Inner>::init(&cfg, &mut Rng::new(5), &dev);
     let a = Tensor::<Inner, 3>::random([4, 2, cfg.d], Distribution::Normal(0.3, 1.0), &dev);

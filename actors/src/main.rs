@@ -1008,8 +1008,8 @@ fn verify_cmd(args: VerifyArgs) -> Result<(), Box<dyn std::error::Error>> {
         r.loss_want,
         r.grad_norm,
         r.grad_norm_want,
-        r.worst_grad.0,
-        r.worst_grad.1,
+        r.worst_grad().0,
+        r.worst_grad().1,
         r.worst_param.0,
         r.worst_param.1
     );

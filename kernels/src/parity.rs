@@ -236,15 +236,16 @@ pub fn plif_fixture<B: SnnOps>(
     // below `V_post` and `∂u`). β and V_th stay fp32 (row parameters are fp32 master weights;
     // per-element ones are computed in the kernel from the projections, never stored), and so
     // do the state `v0` and the gradients that go to fp32 parameters or state.
-    let stored_in_bf16 = |k: &str| matches!(k, "u" | "grad_vpost" | "vpost" | "grad_u");
-    let input = |k: &str| -> Result<TensorData, String> {
-        let (v, shape) = fx.raw(&key(k))?;
-        let v: Vec<f32> = if stored_in_bf16(k) {
+    let stored = |k: &str, v: Vec<f32>| -> Vec<f32> {
+        if matches!(k, "u" | "grad_vpost" | "vpost" | "grad_u") {
             v.into_iter().map(|x| precision.store(x)).collect()
         } else {
             v
-        };
-        Ok(TensorData::new(v, shape))
+        }
+    };
+    let input = |k: &str| -> Result<TensorData, String> {
+        let (v, shape) = fx.raw(&key(k))?;
+        Ok(TensorData::new(stored(k, v), shape))
     };
     let leaf3 = |k: &str| -> Result<Tensor<Ad<B>, 3>, String> {
         Ok(Tensor::from_data(input(k)?, device).require_grad())
@@ -275,13 +276,6 @@ pub fn plif_fixture<B: SnnOps>(
         other => return Err(format!("unknown scan variant `{other}` (elem, row)")),
     };
     let missing = |n: &str| format!("{variant}: no gradient reached {n}");
-    let stored = |k: &str, v: Vec<f32>| -> Vec<f32> {
-        if stored_in_bf16(k) {
-            v.into_iter().map(|x| precision.store(x)).collect()
-        } else {
-            v
-        }
-    };
     let want_spike = fx.raw(&key("spike"))?.0;
     let got_spike = values(spike);
     if got_spike.len() != want_spike.len() {

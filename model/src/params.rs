@@ -94,8 +94,8 @@ pub fn reuse_operands() -> bool {
     *REUSE.get_or_init(|| std::env::var("NSACTOR_WEIGHT_OPERANDS").as_deref() != Ok("per-call"))
 }
 
-/// `w` as the GEMM reads it, or `w` itself when [`reuse_operands`] is off (then every call
-/// rounds it).
+/// What untracked passes keep of a weight `w` (transposed, concatenated): `w` as the GEMM
+/// reads it, or `w` itself when [`reuse_operands`] is off (then every call rounds it).
 pub(crate) fn as_operand<B: SnnOps>(w: Tensor<B, 2>) -> Tensor<B, 2> {
     if reuse_operands() {
         nsactor_kernels::gemm_operand(w)
@@ -117,11 +117,11 @@ impl<B: Backend> Linear<B> {
 impl<B: SnnOps> Linear<B> {
     /// `x @ Wᵀ (+ b)` over the rows of `x` `[rows, in]`, in the backend's GEMM precision.
     pub fn forward(&self, x: Tensor<B, 2>) -> Tensor<B, 2> {
-        let w = if B::ad_enabled(&x.device()) || !reuse_operands() {
+        let w = if B::ad_enabled(&x.device()) {
             self.weight.clone().transpose()
         } else {
             self.operand
-                .get_or_init(|| nsactor_kernels::gemm_operand(self.weight.clone().transpose()))
+                .get_or_init(|| as_operand(self.weight.clone().transpose()))
         };
         let y = nsactor_kernels::matmul(x, w);
         match &self.bias {

@@ -239,7 +239,7 @@ impl<B: SnnOps> Stage for EdgeStage<B> {
                 Ok(Reply::none())
             }
             StageCall::ZeroGrad => {
-                self.trainer.grads = None;
+                self.trainer.clear();
                 self.embed_grads = None;
                 self.kept.clear();
                 Ok(Reply::none())
@@ -269,7 +269,7 @@ impl<B: SnnOps> Stage for EdgeStage<B> {
     fn load(&mut self, bytes: &[u8]) -> Result<(), EngineError> {
         load_stage::<B, _>(&mut self.ad, "", &mut self.trainer.adam, bytes, "edge")?;
         sync::<B, _, _>(&self.ad, &mut self.inner);
-        self.trainer.grads = None;
+        self.trainer.clear();
         self.embed_grads = None;
         self.kept.clear();
         self.sessions.clear();

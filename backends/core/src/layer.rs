@@ -122,7 +122,8 @@ impl<B: SnnOps> LayerStage<B> {
             .grad(&grads)
             .ok_or_else(|| EngineError::Backend("no gradient reached the layer input".into()))?;
         let g = GradSet::collect::<Ad<B>, _>(&self.ad, &self.prefix, &grads);
-        self.trainer.accumulate(g);
+        self.trainer
+            .accumulate_in_order(micro, g, self.kept.keys().copied());
         Ok(Reply::tensor(wrap(dh)))
     }
 
@@ -137,6 +138,7 @@ impl<B: SnnOps> LayerStage<B> {
             .iter()
             .map(|b| self.bias_name(b))
             .collect();
+        self.trainer.flush();
         let grads = self.trainer.grads.as_mut().ok_or_else(|| {
             EngineError::InvalidInput(format!("layer {}: GradStats without gradients", self.index))
         })?;
@@ -246,7 +248,7 @@ impl<B: SnnOps> Stage for LayerStage<B> {
                 Ok(Reply::none())
             }
             StageCall::ZeroGrad => {
-                self.trainer.grads = None;
+                self.trainer.clear();
                 self.kept.clear();
                 Ok(Reply::none())
             }
@@ -284,7 +286,7 @@ impl<B: SnnOps> Stage for LayerStage<B> {
             &label,
         )?;
         sync::<B, _, _>(&self.ad, &mut self.inner);
-        self.trainer.grads = None;
+        self.trainer.clear();
         self.kept.clear();
         self.sessions.clear();
         Ok(())

@@ -71,6 +71,9 @@ pub(crate) fn add_into<B: SnnOps>(slot: &mut Option<GradSet<B>>, g: GradSet<B>) 
 /// Gradients accumulated over micro-batches, plus the optimizer.
 pub(crate) struct Trainer<B: SnnOps> {
     pub grads: Option<GradSet<B>>,
+    /// Micro-batches' gradients that arrived before a smaller micro-batch's (see
+    /// [`accumulate_in_order`](Self::accumulate_in_order)).
+    pending: BTreeMap<u64, GradSet<B>>,
     pub adam: Adam<B>,
 }
 
@@ -82,6 +85,7 @@ impl<B: SnnOps> Trainer<B> {
         };
         Trainer {
             grads: None,
+            pending: BTreeMap::new(),
             adam: Adam::new(cfg),
         }
     }
@@ -89,6 +93,40 @@ impl<B: SnnOps> Trainer<B> {
     /// Adds `g` by name (parameters without a gradient yet are appended).
     pub fn accumulate(&mut self, g: GradSet<B>) {
         add_into(&mut self.grads, g);
+    }
+
+    /// Adds micro-batch `micro`'s gradients in ascending micro-batch order, whatever order
+    /// the backwards arrive in: the pipeline's runtime threads can deliver micro-batch m + 1's
+    /// gradient before m's, and float sums in another order differ in their last bits. A set
+    /// waits while a smaller micro-batch is still `in_flight` (its forward seen, its backward
+    /// not yet); [`flush`](Self::flush) adds whatever is left.
+    pub fn accumulate_in_order(
+        &mut self,
+        micro: u64,
+        g: GradSet<B>,
+        mut in_flight: impl Iterator<Item = u64>,
+    ) {
+        self.pending.insert(micro, g);
+        let first_waiting = in_flight.next();
+        while let Some(entry) = self.pending.first_entry() {
+            if first_waiting.is_some_and(|w| w < *entry.key()) {
+                break;
+            }
+            add_into(&mut self.grads, entry.remove());
+        }
+    }
+
+    /// Adds the gradients still waiting, in micro-batch order.
+    pub fn flush(&mut self) {
+        while let Some((_, g)) = self.pending.pop_first() {
+            add_into(&mut self.grads, g);
+        }
+    }
+
+    /// Drops every gradient, waiting or added.
+    pub fn clear(&mut self) {
+        self.grads = None;
+        self.pending.clear();
     }
 
     pub fn sum_squares(&self) -> f64 {
@@ -104,6 +142,7 @@ impl<B: SnnOps> Trainer<B> {
         neuron_lr: f64,
         clip: f64,
     ) -> Result<(), EngineError> {
+        self.flush();
         let mut grads = self.grads.take().ok_or_else(|| {
             EngineError::InvalidInput("Step without gradients: run a backward pass first".into())
         })?;

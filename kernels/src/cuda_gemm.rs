@@ -27,7 +27,12 @@
 //! stream id ([`Submit::Queued`]), so the calling thread never waits for the server to catch up;
 //! `NSACTOR_GEMM_SUBMIT=blocking` makes the lookups from the calling thread instead.
 //!
-//! Plans (descriptors, layouts, the heuristic's algorithm) are cached per thread and shape.
+//! Plans (descriptors, layouts, the algorithm) are cached per thread and shape. A problem of a
+//! training projection's size is tuned on its first call: each of cuBLASLt's first sixteen
+//! heuristic candidates is timed on the real operands and the fastest kept (if 2 % faster
+//! than the first)
+//! (`NSACTOR_GEMM_TUNE=off` keeps the heuristic's first pick). The pick can differ between
+//! runs, so two runs' results may differ in their last bits; within a run it is fixed.
 
 use burn_cubecl::kernel::{cast, into_contiguous};
 use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
@@ -38,7 +43,7 @@ use cudarc::cublaslt::{result as lt, sys};
 use std::cell::RefCell;
 use std::collections::HashMap;
 use std::ffi::c_void;
-use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::atomic::{AtomicU8, AtomicU64, Ordering};
 
 type CudaTensor = CubeTensor<CudaRuntime>;
 
@@ -81,6 +86,15 @@ pub fn set_precision(p: GemmPrecision) {
 }
 
 /// The precision projection GEMMs use now (fp32 until [`set_precision`]).
+/// The element type a GEMM in the process's precision reads: kernels whose output only feeds a
+/// GEMM write it directly.
+pub fn input_dtype() -> burn::tensor::DType {
+    match precision() {
+        GemmPrecision::Bf16 => burn::tensor::DType::BF16,
+        GemmPrecision::Fp32 => burn::tensor::DType::F32,
+    }
+}
+
 pub fn precision() -> GemmPrecision {
     match PRECISION.load(Ordering::SeqCst) {
         0 => GemmPrecision::Fp32,
@@ -187,6 +201,18 @@ struct PlanKey {
     n: u64,
 }
 
+impl PlanKey {
+    /// `M·N·K`: `A = rhsᵀ` is `[N, K]` after its op.
+    fn macs(&self) -> u64 {
+        let k = if self.a.trans {
+            self.a.rows
+        } else {
+            self.a.cols
+        };
+        self.m * self.n * k
+    }
+}
+
 /// Descriptors and the chosen algorithm for one problem; destroyed with the thread.
 struct Plan {
     desc: sys::cublasLtMatmulDesc_t,
@@ -194,6 +220,10 @@ struct Plan {
     b: sys::cublasLtMatrixLayout_t,
     d: sys::cublasLtMatrixLayout_t,
     algo: sys::cublasLtMatmulAlgo_t,
+    /// The heuristic's candidates, best guess first.
+    candidates: Vec<sys::cublasLtMatmulAlgo_t>,
+    /// Whether [`Plan::tune`] has run (or was not wanted).
+    tuned: bool,
 }
 
 impl Drop for Plan {
@@ -267,18 +297,156 @@ impl Plan {
                     std::mem::size_of_val(&ws),
                 ),
             );
-            let h = lt::get_matmul_algo_heuristic(handle, desc, a, b, d, d, pref);
+            let mut found =
+                vec![std::mem::zeroed::<sys::cublasLtMatmulHeuristicResult_t>(); TUNE_CANDIDATES];
+            let mut count = 0i32;
+            let status = sys::cublasLtMatmulAlgoGetHeuristic(
+                handle,
+                desc,
+                a,
+                b,
+                d,
+                d,
+                pref,
+                TUNE_CANDIDATES as i32,
+                found.as_mut_ptr(),
+                &mut count,
+            );
             let _ = lt::destroy_matmul_pref(pref);
-            h.unwrap_or_else(|e| panic!("cuBLASLt has no algorithm for {key:?}: {e:?}"))
+            if status != sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS || count <= 0 {
+                panic!("cuBLASLt has no algorithm for {key:?}: {status:?}");
+            }
+            found.truncate(count as usize);
+            found
         };
         Plan {
             desc,
             a,
             b,
             d,
-            algo: heuristic.algo,
+            algo: heuristic[0].algo,
+            candidates: heuristic.into_iter().map(|h| h.algo).collect(),
+            tuned: false,
         }
     }
+
+    /// Runs `D = A · B` with `algo` on `stream`.
+    ///
+    /// # Safety
+    /// As [`enqueue`]: live buffers of the layouts' sizes, a stream of the current context.
+    unsafe fn matmul(
+        &self,
+        handle: sys::cublasLtHandle_t,
+        algo: &sys::cublasLtMatmulAlgo_t,
+        [a, b, d]: [u64; 3],
+        workspace_ptr: u64,
+        stream: cudarc::driver::sys::CUstream,
+    ) -> Result<(), lt::CublasError> {
+        let (alpha, beta) = (1.0f32, 0.0f32);
+        // SAFETY: upheld by the caller.
+        unsafe {
+            lt::matmul(
+                handle,
+                self.desc,
+                &alpha as *const f32 as *const c_void,
+                &beta as *const f32 as *const c_void,
+                a as *const c_void,
+                self.a,
+                b as *const c_void,
+                self.b,
+                d as *const c_void,
+                self.d,
+                d as *mut c_void,
+                self.d,
+                algo,
+                workspace_ptr as *mut c_void,
+                WORKSPACE_BYTES,
+                stream as sys::cudaStream_t,
+            )
+        }
+    }
+
+    /// Times each of the heuristic's candidates on the real operands (`D` is overwritten, and
+    /// written again by the caller's call with the pick) and keeps the fastest: what PyTorch's
+    /// TunableOp does for its GEMMs. Blocks the calling thread (CubeCL's server thread for
+    /// queued GEMMs) once per problem, for a few times the GEMM's duration per candidate.
+    ///
+    /// # Safety
+    /// As [`matmul`](Self::matmul).
+    unsafe fn tune(
+        &mut self,
+        handle: sys::cublasLtHandle_t,
+        ptrs: [u64; 3],
+        workspace_ptr: u64,
+        stream: cudarc::driver::sys::CUstream,
+    ) -> Result<(), String> {
+        use cudarc::driver::result::event;
+        self.tuned = true;
+        let flags = cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT;
+        let err = |e: cudarc::driver::DriverError| format!("gemm tuning: {e:?}");
+        let (start, end) = (
+            event::create(flags).map_err(err)?,
+            event::create(flags).map_err(err)?,
+        );
+        let mut times = Vec::new();
+        // SAFETY: the events are live until destroyed below; the matmuls as the caller's.
+        let r = (|| unsafe {
+            for (i, algo) in self.candidates.iter().enumerate() {
+                // One untimed call (cuBLASLt's first use of a kernel loads it), then the timed ones.
+                if self
+                    .matmul(handle, algo, ptrs, workspace_ptr, stream)
+                    .is_err()
+                {
+                    continue;
+                }
+                event::record(start, stream).map_err(err)?;
+                for _ in 0..TUNE_REPS {
+                    self.matmul(handle, algo, ptrs, workspace_ptr, stream)
+                        .map_err(|e| format!("gemm tuning: {e:?}"))?;
+                }
+                event::record(end, stream).map_err(err)?;
+                event::synchronize(end).map_err(err)?;
+                times.push((
+                    i,
+                    event::elapsed(start, end).map_err(err)? / TUNE_REPS as f32,
+                ));
+            }
+            Ok::<(), String>(())
+        })();
+        // SAFETY: created above, destroyed once; the stream has passed both.
+        unsafe {
+            let _ = event::destroy(start);
+            let _ = event::destroy(end);
+        }
+        r?;
+        // The heuristic's first pick stays unless another is clearly faster (timing noise is
+        // a percent or so).
+        let first = times.iter().find(|t| t.0 == 0).map(|t| t.1);
+        if let Some(&(best, t)) = times.iter().min_by(|x, y| x.1.total_cmp(&y.1))
+            && first.is_none_or(|f| t < f * (1.0 - TUNE_MARGIN))
+        {
+            self.algo = self.candidates[best];
+        }
+        Ok(())
+    }
+}
+
+/// How many of cuBLASLt's heuristic candidates [`Plan::tune`] times.
+const TUNE_CANDIDATES: usize = 16;
+/// Timed calls per candidate.
+const TUNE_REPS: usize = 5;
+/// How much faster than the heuristic's first pick a candidate must be to replace it.
+const TUNE_MARGIN: f32 = 0.02;
+/// Problems of at least this many multiply-adds are tuned (a training projection is
+/// 2.6·10¹⁰ or more; a decoding step's, at most ≈ 10⁹ per 32 sessions): below it the
+/// heuristic's first pick is used, and the tuning would cost more than it could save.
+const TUNE_MIN_MACS: u64 = 1 << 32;
+
+/// Whether GEMMs are tuned ([`Plan::tune`]), read once from `NSACTOR_GEMM_TUNE` (`on`, the
+/// default; `off`: the heuristic's first pick everywhere, as before).
+pub fn tuning() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("NSACTOR_GEMM_TUNE").as_deref() != Ok("off"))
 }
 
 struct ThreadState {
@@ -387,6 +555,21 @@ pub fn submit_mode() -> Submit {
     })
 }
 
+/// Queued GEMM tasks run on CubeCL's server thread, and their time there (the whole task, and
+/// of it the cuBLASLt call), for profiles ([`queued_stats`]).
+static QUEUED_TASKS: AtomicU64 = AtomicU64::new(0);
+static QUEUED_TASK_NS: AtomicU64 = AtomicU64::new(0);
+static QUEUED_LT_NS: AtomicU64 = AtomicU64::new(0);
+
+/// `(queued GEMM tasks, their nanoseconds on the server thread, of it in cuBLASLt)` so far.
+pub fn queued_stats() -> (u64, u64, u64) {
+    (
+        QUEUED_TASKS.load(Ordering::Relaxed),
+        QUEUED_TASK_NS.load(Ordering::Relaxed),
+        QUEUED_LT_NS.load(Ordering::Relaxed),
+    )
+}
+
 /// The first failure of a queued GEMM: it happened on the server thread, where a panic would
 /// only be logged, so the next GEMM of any thread raises it.
 static QUEUED_FAILURE: std::sync::Mutex<Option<String>> = std::sync::Mutex::new(None);
@@ -472,6 +655,7 @@ pub fn run(op: &Prepared) -> CudaTensor {
         use cubecl::server::ComputeServer;
         // The task runs under the submitting thread's stream id.
         let stream_id = cubecl::stream_id::StreamId::current();
+        let started = std::time::Instant::now();
         let task = || -> Result<(), String> {
             // Held until the GEMM is enqueued, like the blocking path's resources.
             let held = bindings
@@ -480,7 +664,10 @@ pub fn run(op: &Prepared) -> CudaTensor {
                 .collect::<Result<Vec<_>, _>>()
                 .map_err(|e| format!("gemm: device buffer unavailable: {e:?}"))?;
             let [a, b, d] = [0, 1, 2].map(|i| held[i].resource());
-            enqueue(&key, [a.ptr, b.ptr, d.ptr], workspace_ptr, d.stream)
+            let lt = std::time::Instant::now();
+            let r = enqueue(&key, [a.ptr, b.ptr, d.ptr], workspace_ptr, d.stream);
+            QUEUED_LT_NS.fetch_add(lt.elapsed().as_nanos() as u64, Ordering::Relaxed);
+            r
         };
         // A panic (a plan cuBLASLt refuses) is recorded too, not only logged by the server.
         let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(task)).unwrap_or_else(|p| {
@@ -490,6 +677,8 @@ pub fn run(op: &Prepared) -> CudaTensor {
                 .or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()))
                 .unwrap_or_else(|| "a panic without a message".into()))
         });
+        QUEUED_TASKS.fetch_add(1, Ordering::Relaxed);
+        QUEUED_TASK_NS.fetch_add(started.elapsed().as_nanos() as u64, Ordering::Relaxed);
         if let Err(e) = r {
             QUEUED_FAILURE
                 .lock()
@@ -512,7 +701,6 @@ fn enqueue(
         return Err("gemm: the patched cubecl-cuda reports no stream".into());
     }
     crate::cuda_device::make_current(key.device);
-    let (alpha, beta) = (1.0f32, 0.0f32);
     STATE.with(|state| {
         let mut state = state.borrow_mut();
         let state = state.get_or_insert_with(|| ThreadState {
@@ -524,31 +712,20 @@ fn enqueue(
             .plans
             .entry(*key)
             .or_insert_with(|| Plan::new(handle, key));
-        // SAFETY: the pointers are live device buffers of the sizes the layouts describe (the
-        // caller holds their resources or bindings until after the call, and their memory is
-        // recycled only in order on `stream`); `stream` is CubeCL's stream of the submitting
-        // thread on the device whose context is current.
-        let r = unsafe {
-            lt::matmul(
-                handle,
-                plan.desc,
-                &alpha as *const f32 as *const c_void,
-                &beta as *const f32 as *const c_void,
-                a as *const c_void,
-                plan.a,
-                b as *const c_void,
-                plan.b,
-                d as *const c_void,
-                plan.d,
-                d as *mut c_void,
-                plan.d,
-                &plan.algo,
-                workspace_ptr as *mut c_void,
-                WORKSPACE_BYTES,
-                stream as sys::cudaStream_t,
-            )
-        };
-        r.map_err(|e| format!("cuBLASLt matmul {key:?}: {e:?}"))
+        let ptrs = [a, b, d];
+        // SAFETY (both calls): the pointers are live device buffers of the sizes the layouts
+        // describe (the caller holds their resources or bindings until after the call, and
+        // their memory is recycled only in order on `stream`); `stream` is CubeCL's stream of
+        // the submitting thread on the device whose context is current.
+        if !plan.tuned {
+            if tuning() && key.macs() >= TUNE_MIN_MACS && plan.candidates.len() > 1 {
+                unsafe { plan.tune(handle, ptrs, workspace_ptr, stream) }?;
+            }
+            plan.tuned = true;
+        }
+        let algo = plan.algo;
+        unsafe { plan.matmul(handle, &algo, ptrs, workspace_ptr, stream) }
+            .map_err(|e| format!("cuBLASLt matmul {key:?}: {e:?}"))
     })
 }
 

@@ -14,7 +14,8 @@
 //!
 //! [`SnnOps::ponder_agg_fused`]: crate::SnnOps::ponder_agg_fused
 
-use crate::cuda_scan::{out_like, sigmoid_burn};
+use crate::cuda_scan::{out_like, out_typed, sigmoid_burn, softplus};
+use burn::tensor::DType;
 use burn::tensor::Shape;
 use burn_cubecl::CubeRuntime;
 use burn_cubecl::kernel::into_contiguous;
@@ -23,6 +24,9 @@ use cubecl::prelude::*;
 
 /// Units per cube: one plane.
 const PLANE: u32 = 32;
+
+/// Below this many rows a row-per-cube kernel gives each row a cube of several planes.
+const FEW_ROWS: usize = 1024;
 
 #[allow(clippy::too_many_arguments)]
 #[cube(launch)]
@@ -38,6 +42,7 @@ fn ponder_agg_kernel(
     norm_eps: f32,
     #[comptime] k: usize,
     #[comptime] packed: bool,
+    #[comptime] planes: usize,
 ) {
     let batch = batch as usize;
     let dim = dim as usize;
@@ -45,6 +50,7 @@ fn ponder_agg_kernel(
     let t = row / batch;
     let b = row % batch;
     let lane = UNIT_POS as usize;
+    let width = comptime![planes * 32];
     let mut part = Array::<f32>::new(k);
     #[unroll]
     for j in 0..k {
@@ -57,7 +63,34 @@ fn ponder_agg_kernel(
         for j in 0..k {
             part[j] += frames[((t * k + j) * batch + b) * dim + d] * wd;
         }
-        d += 32usize;
+        d += width;
+    }
+    // The K logits' dot products: summed across the plane, then across the cube's planes.
+    if comptime![planes > 1] {
+        let mut shared = SharedMemory::<f32>::new(comptime![planes * k]);
+        let plane = lane / 32;
+        #[unroll]
+        for j in 0..k {
+            let s = plane_sum(part[j]);
+            if lane % 32 == 0 {
+                shared[plane * k + j] = s;
+            }
+        }
+        sync_cube();
+        #[unroll]
+        for j in 0..k {
+            let mut total = 0.0f32;
+            #[unroll]
+            for p in 0..planes {
+                total += shared[p * k + j];
+            }
+            part[j] = total;
+        }
+    } else {
+        #[unroll]
+        for j in 0..k {
+            part[j] = plane_sum(part[j]);
+        }
     }
     let bb = bias[0];
     let mut lam = Array::<f32>::new(k);
@@ -66,7 +99,7 @@ fn ponder_agg_kernel(
     let mut total = 0.0f32;
     #[unroll]
     for j in 0..k {
-        let logit = plane_sum(part[j]) + bb;
+        let logit = part[j] + bb;
         let p = clamp(sigmoid_burn(logit), halt_clamp, 1.0f32 - halt_clamp);
         let l = p * log_survive.exp();
         lam[j] = l;
@@ -99,7 +132,7 @@ fn ponder_agg_kernel(
             acc += frames[((t * k + j) * batch + b) * dim + d] * lam[j];
         }
         agg[row * stride + d] = acc;
-        d += 32usize;
+        d += width;
     }
 }
 
@@ -272,10 +305,14 @@ fn ponder_agg_with<R: CubeRuntime>(
         )
     };
     let client = frames.client.clone();
+    // One plane per row when the rows fill the GPU (training); a cube of eight planes per row
+    // when they are few (a decoding step's one to a few hundred rows), whose single plane
+    // would otherwise walk all K·D values alone.
+    let planes = if t * batch < FEW_ROWS { 8 } else { 1 };
     ponder_agg_kernel::launch::<R>(
         &client,
         CubeCount::Static((t * batch) as u32, 1, 1),
-        CubeDim::new_1d(PLANE),
+        CubeDim::new_1d(PLANE * planes as u32),
         frames.into_tensor_arg(),
         w.into_tensor_arg(),
         bias.into_tensor_arg(),
@@ -287,6 +324,7 @@ fn ponder_agg_with<R: CubeRuntime>(
         norm_eps,
         k,
         packed,
+        planes,
     );
     [agg, ek]
 }
@@ -372,14 +410,14 @@ fn rms_inv_kernel(x: &Tensor<f32>, r: &mut Tensor<f32>, dim: u32, eps: f32) {
 /// same in a token's K frames (SPEC §3); the output is `(1 − β)·V_post` (`leak`) or `V_post`.
 #[allow(clippy::too_many_arguments)]
 #[cube(launch)]
-fn norm_plif_kernel(
+fn norm_plif_kernel<O: Float>(
     x: &Tensor<f32>,
     r: &Tensor<f32>,
     norm_w: &Tensor<f32>,
     w: &Tensor<f32>,
     v_th: &Tensor<f32>,
     v0: &Tensor<f32>,
-    y: &mut Tensor<f32>,
+    y: &mut Tensor<O>,
     last: &mut Tensor<f32>,
     vpost: &mut Tensor<f32>,
     cols: u32,
@@ -388,6 +426,7 @@ fn norm_plif_kernel(
     #[comptime] k: usize,
     #[comptime] leak: bool,
     #[comptime] save_vpost: bool,
+    #[define(O)] _out: StorageType,
 ) {
     let cols = cols as usize;
     let dim = dim as usize;
@@ -410,9 +449,9 @@ fn norm_plif_kernel(
             let s = select(v_pre >= th, 1.0f32, 0.0f32);
             v = v_pre - th * s;
             if comptime![leak] {
-                y[(t * k + j) * cols + c] = v * one_minus;
+                y[(t * k + j) * cols + c] = O::cast_from(v * one_minus);
             } else {
-                y[(t * k + j) * cols + c] = v;
+                y[(t * k + j) * cols + c] = O::cast_from(v);
             }
             if comptime![save_vpost] {
                 vpost[(t * k + j) * cols + c] = v;
@@ -566,6 +605,12 @@ pub fn norm_plif<R: CubeRuntime>(
     (y, last)
 }
 
+/// The type the GEMM after an inference kernel reads (bf16 in bf16 precision, else f32): the
+/// kernel writes it, so the GEMM needs no cast of its input (the same round to nearest even).
+fn gemm_input() -> DType {
+    crate::cuda_gemm::input_dtype()
+}
+
 /// The same for training: `(output, V_post [T·K, B, D])`, `V_post` saved for the backward.
 pub fn norm_plif_train<R: CubeRuntime>(
     inputs: [CubeTensor<R>; 5],
@@ -631,7 +676,10 @@ fn norm_plif_with<R: CubeRuntime>(
     let (t, batch, dim) = norm_plif_geometry(&inputs.each_ref(), k);
     let [x, norm_w, w, v_th, v0] = inputs.map(into_contiguous);
     let r = rms_inv(&x, t, batch, dim, eps);
-    let y = out_like(&x, Shape::new([t * k, batch, dim]));
+    // Inference writes the output in the type the projections' GEMM reads; training keeps f32
+    // (autodiff's GEMM node rounds its saved operand itself).
+    let y_dtype = if save_vpost { DType::F32 } else { gemm_input() };
+    let y = out_typed(&x, Shape::new([t * k, batch, dim]), y_dtype);
     let last = out_like(&x, Shape::new([batch, dim]));
     let vpost = out_like(
         &x,
@@ -661,6 +709,7 @@ fn norm_plif_with<R: CubeRuntime>(
         k,
         leak,
         save_vpost,
+        y_dtype.into(),
     );
     [y, last, vpost]
 }
@@ -723,4 +772,286 @@ pub fn norm_plif_backward<R: CubeRuntime>(
         dim as u32,
     );
     [d_x, d_w_rows, d_beta, d_th, d_v0]
+}
+
+/// The SNNBlock's selective scan for a decoding step, read straight from the merged projection
+/// `y` `[TK·B, W]` (row stride `row_stride`; columns `[0, DN)` the input current `i`, then
+/// `r_β, r_α, r_th`): the modulation and recurrence of `selective_forward_kernel` op for op,
+/// writing `V_post` `[TK·B, DN]` and the final state, no spikes. It replaces the four column
+/// slices' copies, the scan and the final state's copy of the composed path.
+#[allow(clippy::too_many_arguments)]
+#[cube(launch)]
+fn block_scan_kernel<O: Float>(
+    y: &Tensor<f32>,
+    b_beta: &Tensor<f32>,
+    b_alpha: &Tensor<f32>,
+    b_th: &Tensor<f32>,
+    v0: &Tensor<f32>,
+    vpost: &mut Tensor<O>,
+    last: &mut Tensor<f32>,
+    cols: u32,
+    steps: u32,
+    dn: u32,
+    row_stride: u32,
+    v_th_min: f32,
+    #[comptime] unroll: usize,
+    #[define(O)] _out: StorageType,
+) {
+    let cols = cols as usize;
+    let steps = steps as usize;
+    let dn = dn as usize;
+    let row_stride = row_stride as usize;
+    let c = ABSOLUTE_POS;
+    if c >= cols {
+        terminate!();
+    }
+    let batch = cols / dn;
+    let b = c / dn;
+    let j = c % dn;
+    let bb = b_beta[j];
+    let ba = b_alpha[j];
+    let bt = b_th[j];
+    let mut v = v0[c];
+    let mut bb_ = Array::<f32>::new(unroll);
+    let mut uu = Array::<f32>::new(unroll);
+    let mut tt = Array::<f32>::new(unroll);
+    let mut k0 = 0usize;
+    while k0 < steps {
+        let n = select(k0 + unroll <= steps, unroll, steps - k0);
+        #[unroll]
+        for q in 0..unroll {
+            if q < n {
+                let base = ((k0 + q) * batch + b) * row_stride + j;
+                bb_[q] = sigmoid_burn(y[base + dn] + bb);
+                uu[q] = softplus(y[base + 2 * dn] + ba) * y[base];
+                tt[q] = (y[base + 3 * dn] + bt).abs() + v_th_min;
+            }
+        }
+        #[unroll]
+        for q in 0..unroll {
+            if q < n {
+                let v_pre = fma(bb_[q], v, uu[q]);
+                let s = select(v_pre >= tt[q], 1.0f32, 0.0f32);
+                v = v_pre - tt[q] * s;
+                vpost[(k0 + q) * cols + c] = O::cast_from(v);
+            }
+        }
+        k0 += unroll;
+    }
+    last[c] = v;
+}
+
+/// `out·σ(gate) + skip` with `gate`, `skip` the columns `[gate_col, gate_col + D)` and
+/// `[skip_col, skip_col + D)` of `y` (row stride `row_stride`): the SNNBlock's output in one
+/// launch instead of three.
+#[allow(clippy::too_many_arguments)]
+#[cube(launch)]
+fn gate_skip_kernel(
+    out: &Tensor<f32>,
+    y: &Tensor<f32>,
+    res: &mut Tensor<f32>,
+    n: u32,
+    dim: u32,
+    row_stride: u32,
+    gate_col: u32,
+    skip_col: u32,
+) {
+    let i = ABSOLUTE_POS;
+    if i >= n as usize {
+        terminate!();
+    }
+    let dim = dim as usize;
+    let base = (i / dim) * (row_stride as usize) + i % dim;
+    let g = sigmoid_burn(y[base + gate_col as usize]);
+    let prod = out[i] * g;
+    res[i] = prod + y[base + skip_col as usize];
+}
+
+/// `h + (r − mean_D(r))` per row, one cube of `planes` planes per row: the residual update with the centred
+/// out-projection in one launch instead of three.
+#[cube(launch)]
+fn centred_residual_kernel(
+    h: &Tensor<f32>,
+    r: &Tensor<f32>,
+    out: &mut Tensor<f32>,
+    dim: u32,
+    dim_f: f32,
+    #[comptime] planes: usize,
+) {
+    let dim = dim as usize;
+    let row = CUBE_POS;
+    let lane = UNIT_POS as usize;
+    let width = comptime![planes * 32];
+    let mut part = 0.0f32;
+    let mut d = lane;
+    while d < dim {
+        part += r[row * dim + d];
+        d += width;
+    }
+    let mut shared = SharedMemory::<f32>::new(planes);
+    let s = plane_sum(part);
+    if lane % 32 == 0 {
+        shared[lane / 32] = s;
+    }
+    sync_cube();
+    let mut total = 0.0f32;
+    #[unroll]
+    for p in 0..planes {
+        total += shared[p];
+    }
+    let mean = total / dim_f;
+    let mut d = lane;
+    while d < dim {
+        let i = row * dim + d;
+        let centred = r[i] - mean;
+        out[i] = h[i] + centred;
+        d += width;
+    }
+}
+
+/// Planes per row of [`centred_residual`] (a decoding step has few rows).
+const CENTRED_PLANES: usize = 8;
+
+/// Unrolled steps per load batch of [`block_scan`] (as the selective forward kernel's).
+const UNROLL_BLOCK_SCAN: usize = 4;
+
+/// `(stride of a row, columns)` of a 2-D f32 tensor whose columns are contiguous, else `None`.
+fn rows_view<R: CubeRuntime>(t: &CubeTensor<R>) -> Option<(usize, usize)> {
+    let (shape, strides) = (t.meta.shape(), t.meta.strides());
+    (t.dtype == burn::tensor::DType::F32
+        && shape.num_dims() == 2
+        && (strides[1] == 1 || shape[1] <= 1))
+        .then(|| (strides[0].max(shape[1]), shape[1]))
+}
+
+/// The SNNBlock's scan on its merged projection `y` `[TK·B, W ≥ 4·DN]` (see
+/// [`block_scan_kernel`]): `(V_post [TK·B, DN], final state [B, DN])`. Biases `[DN]`, `v0`
+/// `[B, DN]`.
+pub fn block_scan<R: CubeRuntime>(
+    y: CubeTensor<R>,
+    biases: [CubeTensor<R>; 3],
+    v0: CubeTensor<R>,
+    v_th_min: f32,
+) -> (CubeTensor<R>, CubeTensor<R>) {
+    let y = match rows_view(&y) {
+        Some(_) => y,
+        None => into_contiguous(y),
+    };
+    let (row_stride, width) = rows_view(&y).expect("block scan: y is f32 [TK·B, W]");
+    let rows = y.meta.shape()[0];
+    let [bb, ba, bt] = biases.map(into_contiguous);
+    let v0 = into_contiguous(v0);
+    let (batch, dn) = (v0.meta.shape()[0], v0.meta.shape()[1]);
+    assert!(
+        width >= 4 * dn && batch > 0 && rows.is_multiple_of(batch),
+        "block scan: y [{rows}, {width}] does not hold four [·, {dn}] projections of {batch} rows"
+    );
+    assert!(
+        rows * row_stride <= u32::MAX as usize,
+        "block scan: 32-bit indexing"
+    );
+    for t in [&bb, &ba, &bt, &v0] {
+        assert_eq!(t.dtype, burn::tensor::DType::F32, "block scan takes f32");
+    }
+    let cols = batch * dn;
+    let vpost = out_typed(&y, Shape::new([rows, dn]), gemm_input());
+    let vpost_dtype = vpost.dtype;
+    let last = out_like(&y, Shape::new([batch, dn]));
+    block_scan_kernel::launch::<R>(
+        &y.client.clone(),
+        CubeCount::Static(cols.div_ceil(PLANE as usize) as u32, 1, 1),
+        CubeDim::new_1d(PLANE),
+        y.into_tensor_arg(),
+        bb.into_tensor_arg(),
+        ba.into_tensor_arg(),
+        bt.into_tensor_arg(),
+        v0.into_tensor_arg(),
+        vpost.clone().into_tensor_arg(),
+        last.clone().into_tensor_arg(),
+        cols as u32,
+        (rows / batch) as u32,
+        dn as u32,
+        row_stride as u32,
+        v_th_min,
+        UNROLL_BLOCK_SCAN,
+        vpost_dtype.into(),
+    );
+    (vpost, last)
+}
+
+/// `out·σ(y[:, gate_col..]) + y[:, skip_col..]` (see [`gate_skip_kernel`]); `out` `[rows, D]`.
+pub fn gate_skip<R: CubeRuntime>(
+    out: CubeTensor<R>,
+    y: CubeTensor<R>,
+    gate_col: usize,
+    skip_col: usize,
+) -> CubeTensor<R> {
+    let out = into_contiguous(out);
+    let y = match rows_view(&y) {
+        Some(_) => y,
+        None => into_contiguous(y),
+    };
+    let (row_stride, width) = rows_view(&y).expect("gate/skip: y is f32 [rows, W]");
+    let shape = out.meta.shape().clone();
+    assert_eq!(out.dtype, burn::tensor::DType::F32, "gate/skip takes f32");
+    assert_eq!(shape.num_dims(), 2, "gate/skip: out [rows, D]");
+    let (rows, dim) = (shape[0], shape[1]);
+    assert!(
+        y.meta.shape()[0] == rows && gate_col.max(skip_col) + dim <= width,
+        "gate/skip: columns {gate_col}, {skip_col} (+{dim}) outside y [{}, {width}]",
+        y.meta.shape()[0]
+    );
+    assert!(
+        rows * row_stride <= u32::MAX as usize,
+        "gate/skip: 32-bit indexing"
+    );
+    let res = out_like(&out, shape);
+    let n = rows * dim;
+    gate_skip_kernel::launch::<R>(
+        &out.client.clone(),
+        CubeCount::Static(n.div_ceil(256) as u32, 1, 1),
+        CubeDim::new_1d(256),
+        out.into_tensor_arg(),
+        y.into_tensor_arg(),
+        res.clone().into_tensor_arg(),
+        n as u32,
+        dim as u32,
+        row_stride as u32,
+        gate_col as u32,
+        skip_col as u32,
+    );
+    res
+}
+
+/// `h + (r − mean_D(r))` for `h`, `r` `[rows, D]` (see [`centred_residual_kernel`]).
+pub fn centred_residual<R: CubeRuntime>(h: CubeTensor<R>, r: CubeTensor<R>) -> CubeTensor<R> {
+    let [h, r] = [h, r].map(into_contiguous);
+    let shape = h.meta.shape().clone();
+    assert_eq!(shape.num_dims(), 2, "centred residual: h [rows, D]");
+    assert_eq!(
+        &shape,
+        r.meta.shape(),
+        "centred residual: h and r differ in shape"
+    );
+    for t in [&h, &r] {
+        assert_eq!(
+            t.dtype,
+            burn::tensor::DType::F32,
+            "centred residual takes f32"
+        );
+    }
+    let (rows, dim) = (shape[0], shape[1]);
+    let out = out_like(&h, shape);
+    centred_residual_kernel::launch::<R>(
+        &h.client.clone(),
+        CubeCount::Static(rows as u32, 1, 1),
+        CubeDim::new_1d(PLANE * CENTRED_PLANES as u32),
+        h.into_tensor_arg(),
+        r.into_tensor_arg(),
+        out.clone().into_tensor_arg(),
+        dim as u32,
+        dim as f32,
+        CENTRED_PLANES,
+    );
+    out
 }

@@ -383,7 +383,16 @@ fn row_backward_staged_kernel(
 }
 
 pub(crate) fn out_like<R: CubeRuntime>(like: &CubeTensor<R>, shape: Shape) -> CubeTensor<R> {
-    empty_device_contiguous_dtype(like.client.clone(), like.device.clone(), shape, like.dtype)
+    out_typed(like, shape, like.dtype)
+}
+
+/// An uninitialised contiguous tensor of `dtype` on `like`'s device.
+pub(crate) fn out_typed<R: CubeRuntime>(
+    like: &CubeTensor<R>,
+    shape: Shape,
+    dtype: burn::tensor::DType,
+) -> CubeTensor<R> {
+    empty_device_contiguous_dtype(like.client.clone(), like.device.clone(), shape, dtype)
 }
 
 /// `(steps, cols)` of a `[TK, B, dim]` sequence, as kernel arguments.
@@ -552,7 +561,7 @@ pub(crate) fn sigmoid_burn(x: f32) -> f32 {
 
 /// The model's overflow-free softplus, `max(x, 0) + log1p(e^{−|x|})`.
 #[cube]
-fn softplus(x: f32) -> f32 {
+pub(crate) fn softplus(x: f32) -> f32 {
     max(x, 0.0f32) + (-(x.abs())).exp().log1p()
 }
 
@@ -1167,30 +1176,33 @@ const STAGE_FFN_BACKWARD: (usize, usize) = (8, 16);
 /// test, `(1 − β)·V_post` per neuron with `leak`.
 #[allow(clippy::too_many_arguments)]
 #[cube(launch)]
-fn ffn_forward_staged_kernel(
+fn ffn_forward_staged_kernel<O: Float>(
     i_gu: &Tensor<f32>,
     w_g: &Tensor<f32>,
     w_u: &Tensor<f32>,
     th_g: &Tensor<f32>,
     th_u: &Tensor<f32>,
     v0: &Tensor<f32>,
-    gv: &mut Tensor<f32>,
+    gv: &mut Tensor<O>,
     vpost: &mut Tensor<f32>,
     last: &mut Tensor<f32>,
     batch: u32,
     ff: u32,
     steps: u32,
     chunks: u32,
+    row_stride: u32,
     #[comptime] leak: bool,
     #[comptime] save_vpost: bool,
     #[comptime] chunk: usize,
     #[comptime] producers: usize,
+    #[define(O)] _out: StorageType,
 ) {
     let batch = batch as usize;
     let ff = ff as usize;
     let steps = steps as usize;
     let chunks = chunks as usize;
     let x = UNIT_POS_X as usize;
+    let row_stride = row_stride as usize;
     let y = UNIT_POS_Y as usize;
     let c = CUBE_POS_X as usize * 32 + x;
     let valid = c < batch * ff;
@@ -1233,9 +1245,9 @@ fn ffn_forward_staged_kernel(
                             }
                             let o = (k * batch + b) * ff + j;
                             if comptime![leak] {
-                                gv[o] = (vg * om_g) * (vu * om_u);
+                                gv[o] = O::cast_from((vg * om_g) * (vu * om_u));
                             } else {
-                                gv[o] = vg * vu;
+                                gv[o] = O::cast_from(vg * vu);
                             }
                         }
                     }
@@ -1248,7 +1260,7 @@ fn ffn_forward_staged_kernel(
             for r in 0..per {
                 let k = k0 + (y - 1) + r * producers;
                 if k < steps && valid {
-                    let row = (k * batch + b) * 2 * ff;
+                    let row = (k * batch + b) * row_stride;
                     xg[r] = i_gu[row + j];
                     xu[r] = i_gu[row + ff + j];
                 }
@@ -1464,34 +1476,73 @@ pub fn ffn_forward<R: CubeRuntime>(
     v0: CubeTensor<R>,
     leak: bool,
 ) -> (CubeTensor<R>, CubeTensor<R>) {
-    let [gv, vpost, _] = ffn_forward_with(i_gu, params, v0, leak, true);
+    let (batch, ff, steps) = ffn_geometry(&i_gu);
+    let i_gu = into_contiguous(i_gu);
+    let geometry = (steps, batch, ff, 2 * ff);
+    let (gv, vpost, _) = ffn_forward_with(i_gu, params, v0, leak, true, geometry);
     (gv, vpost)
 }
 
-/// The same for inference: `(g·v, final state [B, 2·D_ff])`, `V_post` not written.
+/// The same for inference: `(g·v, final state [B, 2·D_ff])`, `V_post` not written. `i_gu` is
+/// `[TK, B, 2·D_ff]`, or a 2-D `[TK·B, W ≥ 2·D_ff]` with contiguous columns whose first
+/// 2·D_ff columns are the currents (a column slice of a wider projection, read in place).
 pub fn ffn_infer<R: CubeRuntime>(
     i_gu: CubeTensor<R>,
     params: [CubeTensor<R>; 4],
     v0: CubeTensor<R>,
     leak: bool,
 ) -> (CubeTensor<R>, CubeTensor<R>) {
-    let [gv, _, last] = ffn_forward_with(i_gu, params, v0, leak, false);
+    let shape = i_gu.meta.shape().clone();
+    if shape.num_dims() == 2 {
+        let batch = v0.meta.shape()[0];
+        let ff = params[0].meta.shape()[0];
+        assert!(
+            batch > 0 && shape[0].is_multiple_of(batch) && shape[1] >= 2 * ff,
+            "ffn neurons: i_gu {shape:?} is not [TK·{batch}, ≥ {}]",
+            2 * ff
+        );
+        let i_gu = if i_gu.meta.strides()[1] == 1 {
+            i_gu
+        } else {
+            into_contiguous(i_gu)
+        };
+        let row_stride = i_gu.meta.strides()[0].max(shape[1]);
+        let geometry = (shape[0] / batch, batch, ff, row_stride);
+        let (gv, _, last) = ffn_forward_with(i_gu, params, v0, leak, false, geometry);
+        return (gv, last);
+    }
+    let (batch, ff, steps) = ffn_geometry(&i_gu);
+    let i_gu = into_contiguous(i_gu);
+    let geometry = (steps, batch, ff, 2 * ff);
+    let (gv, _, last) = ffn_forward_with(i_gu, params, v0, leak, false, geometry);
     (gv, last)
 }
 
-/// `[g·v, V_post (empty unless save_vpost), final state]`.
+/// `(g·v, V_post (empty unless save_vpost), final state)` for an `i_gu` of `steps·batch` rows
+/// of `row_stride` values each, the first `2·ff` of them the currents (`geometry`: steps,
+/// batch, ff, row_stride).
 fn ffn_forward_with<R: CubeRuntime>(
     i_gu: CubeTensor<R>,
     params: [CubeTensor<R>; 4],
     v0: CubeTensor<R>,
     leak: bool,
     save_vpost: bool,
-) -> [CubeTensor<R>; 3] {
+    (steps, batch, ff, row_stride): (usize, usize, usize, usize),
+) -> (CubeTensor<R>, CubeTensor<R>, CubeTensor<R>) {
     let [w_g, w_u, th_g, th_u] = params;
     check_f32(&[&i_gu, &w_g, &w_u, &th_g, &th_u, &v0]);
-    let (batch, ff, steps) = ffn_geometry(&i_gu);
-    let [i_gu, w_g, w_u, th_g, th_u, v0] = [i_gu, w_g, w_u, th_g, th_u, v0].map(into_contiguous);
-    let gv = out_like(&i_gu, Shape::new([steps, batch, ff]));
+    assert!(
+        steps * batch * row_stride <= u32::MAX as usize,
+        "ffn neurons: {steps}×{batch}×{row_stride} elements exceed 32-bit indexing"
+    );
+    let [w_g, w_u, th_g, th_u, v0] = [w_g, w_u, th_g, th_u, v0].map(into_contiguous);
+    // Inference writes g·v in the type the down projection's GEMM reads; training keeps f32.
+    let gv_dtype = if save_vpost {
+        burn::tensor::DType::F32
+    } else {
+        crate::cuda_gemm::input_dtype()
+    };
+    let gv = out_typed(&i_gu, Shape::new([steps, batch, ff]), gv_dtype);
     let vpost = out_like(
         &i_gu,
         Shape::new(if save_vpost {
@@ -1520,12 +1571,14 @@ fn ffn_forward_with<R: CubeRuntime>(
         ff as u32,
         steps as u32,
         steps.div_ceil(chunk) as u32,
+        row_stride as u32,
         leak,
         save_vpost,
         chunk,
         producers,
+        gv_dtype.into(),
     );
-    [gv, vpost, last]
+    (gv, vpost, last)
 }
 
 /// Backward of the FFN neurons: `[∂i_gu [TK, B, 2·D_ff], ∂β, ∂V_th, ∂v0]`, the last three

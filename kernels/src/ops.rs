@@ -142,6 +142,13 @@ pub trait SnnOps: Backend {
         Self::float_to_device(t, device)
     }
 
+    /// Counters of the backend's submission thread, for profiles: `[kernel launches, their
+    /// nanoseconds, GEMM tasks, their nanoseconds, of it in the GEMM library]` since the
+    /// process started. `None` (the default): the backend keeps none.
+    fn submission_stats() -> Option<[u64; 5]> {
+        None
+    }
+
     /// Whether the backend fuses the selective modulation into its scan kernels: then
     /// [`plif_selective`] calls the two methods below; otherwise it composes the modulation
     /// from tensor ops (as their defaults do) and leaves the gradients to autodiff.
@@ -195,7 +202,9 @@ pub trait SnnOps: Backend {
     }
 
     /// The SNNFFN's gate and up neurons after its merged projection, for inference only:
-    /// `i_gu` `[TK, B, 2·D_ff]` (gate then up), each neuron's β logits and thresholds `[D_ff]`,
+    /// `i_gu` `[TK, B, 2·D_ff]` (gate then up), or a 2-D `[TK·B, W ≥ 2·D_ff]` whose first
+    /// 2·D_ff columns are the currents (read in place from a wider product), each neuron's β
+    /// logits and thresholds `[D_ff]`,
     /// state `v0` `[B, 2·D_ff]` → `g·v` `[TK, B, D_ff]` (each `(1 − β)·V_post` if `leak`, else
     /// `V_post`) and the final state. `None` (the default, and on autodiff backends): composed.
     #[allow(clippy::too_many_arguments)]
@@ -209,6 +218,46 @@ pub trait SnnOps: Backend {
         leak: bool,
     ) -> Option<(FloatTensor<Self>, FloatTensor<Self>)> {
         let _ = (i_gu, w_gate, w_up, th_gate, th_up, v0, leak);
+        None
+    }
+
+    /// The SNNBlock's selective scan for inference on its merged projection `y` `[TK·B, W]`
+    /// (columns `[0, DN)` the input current, then `r_β, r_α, r_th`; the modulation of
+    /// [`plif_selective_forward`](Self::plif_selective_forward)), read in place: `(V_post
+    /// [TK·B, DN], final state [B, DN])`, no spikes. Biases `[DN]`, `v0` `[B, DN]`. `None` (the
+    /// default, and on autodiff backends): the model slices `y` and calls the scan.
+    fn block_scan_fused(
+        y: FloatTensor<Self>,
+        b_beta: FloatTensor<Self>,
+        b_alpha: FloatTensor<Self>,
+        b_th: FloatTensor<Self>,
+        v0: FloatTensor<Self>,
+        v_th_min: f64,
+    ) -> Option<(FloatTensor<Self>, FloatTensor<Self>)> {
+        let _ = (y, b_beta, b_alpha, b_th, v0, v_th_min);
+        None
+    }
+
+    /// `out·σ(y[:, gate_col..gate_col + D]) + y[:, skip_col..skip_col + D]` for `out`
+    /// `[rows, D]`, for inference: the SNNBlock's gated output with its skip path, read from
+    /// the merged projection. `None` (the default): composed.
+    fn gate_skip_fused(
+        out: FloatTensor<Self>,
+        y: FloatTensor<Self>,
+        gate_col: usize,
+        skip_col: usize,
+    ) -> Option<FloatTensor<Self>> {
+        let _ = (out, y, gate_col, skip_col);
+        None
+    }
+
+    /// `h + (r − mean_D(r))` for `h`, `r` `[rows, D]`, for inference: a sublayer's residual
+    /// update with its centred out-projection. `None` (the default): composed.
+    fn centred_residual_fused(
+        h: FloatTensor<Self>,
+        r: FloatTensor<Self>,
+    ) -> Option<FloatTensor<Self>> {
+        let _ = (h, r);
         None
     }
 
@@ -960,7 +1009,8 @@ pub fn norm_plif_fused<B: SnnOps>(
 }
 
 /// [`SnnOps::ffn_plif_fused`] on tensors: `Some((g·v [TK, B, D_ff], final state [B, 2·D_ff]))`
-/// where the backend fuses it, else `None`.
+/// where the backend fuses it, else `None`. `i_gu` `[TK, B, 2·D_ff]`; see
+/// [`ffn_plif_fused_rows`] for a column slice of a wider product.
 #[allow(clippy::too_many_arguments)]
 pub fn ffn_plif_fused<B: SnnOps>(
     i_gu: Tensor<B, 3>,
@@ -981,6 +1031,99 @@ pub fn ffn_plif_fused<B: SnnOps>(
         leak,
     )
     .map(|(gv, last)| (wrap(gv), wrap(last)))
+}
+
+/// [`ffn_plif_fused`] on the first `2·D_ff` columns of a 2-D `i_gu` `[TK·B, W]` read in place
+/// (the merged gate/up/skip product of a decoding step), where the backend fuses it and
+/// [`decode_fusion`] is on: `g·v` `[TK, B, D_ff]` and the final state.
+#[allow(clippy::too_many_arguments)]
+pub fn ffn_plif_fused_rows<B: SnnOps>(
+    i_gu: Tensor<B, 2>,
+    w_gate: Tensor<B, 1>,
+    w_up: Tensor<B, 1>,
+    th_gate: Tensor<B, 1>,
+    th_up: Tensor<B, 1>,
+    v0: Tensor<B, 2>,
+    leak: bool,
+) -> Option<(Tensor<B, 3>, Tensor<B, 2>)> {
+    if !decode_fusion() {
+        return None;
+    }
+    B::ffn_plif_fused(
+        prim(i_gu),
+        prim(w_gate),
+        prim(w_up),
+        prim(th_gate),
+        prim(th_up),
+        prim(v0),
+        leak,
+    )
+    .map(|(gv, last)| (wrap(gv), wrap(last)))
+}
+
+/// Whether the decoding fusions ([`block_scan_fused`], [`gate_skip_fused`],
+/// [`centred_residual_fused`]) run where the backend has them: on by default,
+/// `NSACTOR_DECODE_FUSION=off` at start or [`set_decode_fusion`] turns them off (the composed
+/// path, for A/B runs and to check them against it).
+pub fn decode_fusion() -> bool {
+    DECODE_FUSION.load(std::sync::atomic::Ordering::Relaxed)
+        && *DECODE_FUSION_ENV
+            .get_or_init(|| std::env::var("NSACTOR_DECODE_FUSION").as_deref() != Ok("off"))
+}
+
+/// Turns the decoding fusions on or off for the process (see [`decode_fusion`]).
+pub fn set_decode_fusion(on: bool) {
+    DECODE_FUSION.store(on, std::sync::atomic::Ordering::Relaxed);
+}
+
+static DECODE_FUSION: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(true);
+static DECODE_FUSION_ENV: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+
+/// [`SnnOps::block_scan_fused`] on tensors, where the backend fuses it and
+/// [`decode_fusion`] is on.
+pub fn block_scan_fused<B: SnnOps>(
+    y: Tensor<B, 2>,
+    b_beta: Tensor<B, 1>,
+    b_alpha: Tensor<B, 1>,
+    b_th: Tensor<B, 1>,
+    v0: Tensor<B, 2>,
+    v_th_min: f64,
+) -> Option<(Tensor<B, 2>, Tensor<B, 2>)> {
+    if !decode_fusion() {
+        return None;
+    }
+    B::block_scan_fused(
+        prim(y),
+        prim(b_beta),
+        prim(b_alpha),
+        prim(b_th),
+        prim(v0),
+        v_th_min,
+    )
+    .map(|(vpost, last)| (wrap(vpost), wrap(last)))
+}
+
+/// [`SnnOps::gate_skip_fused`] on tensors, where the backend fuses it and [`decode_fusion`]
+/// is on.
+pub fn gate_skip_fused<B: SnnOps>(
+    out: Tensor<B, 2>,
+    y: Tensor<B, 2>,
+    gate_col: usize,
+    skip_col: usize,
+) -> Option<Tensor<B, 2>> {
+    if !decode_fusion() {
+        return None;
+    }
+    B::gate_skip_fused(prim(out), prim(y), gate_col, skip_col).map(wrap)
+}
+
+/// [`SnnOps::centred_residual_fused`] on tensors, where the backend fuses it and
+/// [`decode_fusion`] is on.
+pub fn centred_residual_fused<B: SnnOps>(h: Tensor<B, 2>, r: Tensor<B, 2>) -> Option<Tensor<B, 2>> {
+    if !decode_fusion() {
+        return None;
+    }
+    B::centred_residual_fused(prim(h), prim(r)).map(wrap)
 }
 
 /// `lhs [M, K] · rhs [K, N]` through [`SnnOps::gemm`], differentiable.
@@ -1269,6 +1412,44 @@ impl SnnOps for burn_cuda::Cuda<f32, i32> {
             v0,
             leak,
         ))
+    }
+
+    fn submission_stats() -> Option<[u64; 5]> {
+        let (launches, launch_ns) = cubecl::cuda::nsactor_stats::launches();
+        let (gemms, gemm_ns, lt_ns) = crate::cuda_gemm::queued_stats();
+        Some([launches, launch_ns, gemms, gemm_ns, lt_ns])
+    }
+
+    fn block_scan_fused(
+        y: FloatTensor<Self>,
+        b_beta: FloatTensor<Self>,
+        b_alpha: FloatTensor<Self>,
+        b_th: FloatTensor<Self>,
+        v0: FloatTensor<Self>,
+        v_th_min: f64,
+    ) -> Option<(FloatTensor<Self>, FloatTensor<Self>)> {
+        Some(crate::cuda_infer::block_scan(
+            y,
+            [b_beta, b_alpha, b_th],
+            v0,
+            v_th_min as f32,
+        ))
+    }
+
+    fn gate_skip_fused(
+        out: FloatTensor<Self>,
+        y: FloatTensor<Self>,
+        gate_col: usize,
+        skip_col: usize,
+    ) -> Option<FloatTensor<Self>> {
+        Some(crate::cuda_infer::gate_skip(out, y, gate_col, skip_col))
+    }
+
+    fn centred_residual_fused(
+        h: FloatTensor<Self>,
+        r: FloatTensor<Self>,
+    ) -> Option<FloatTensor<Self>> {
+        Some(crate::cuda_infer::centred_residual(h, r))
     }
 
     fn plif_selective_forward(inp: SelectiveInputs<Self>) -> PlifOutput<Self> {

@@ -70,11 +70,18 @@ impl<B: Backend> LayerState<B> {
 pub struct LayerOutput<B: Backend> {
     /// Residual stream after the layer, per token `[T, B, D]`.
     pub h: Tensor<B, 3>,
-    /// `(pc₁ + pc₂)/2`, each the mean E[K] over `(T, B)` (a scalar `[1]`).
-    pub ponder_cost: Tensor<B, 1>,
     /// E[K] per token of the two sublayers, `[T, B]` each.
     pub expected_k: [Tensor<B, 2>; 2],
     pub state: LayerState<B>,
+}
+
+impl<B: Backend> LayerOutput<B> {
+    /// `(pc₁ + pc₂)/2`, each the mean E[K] over `(T, B)` (a scalar `[1]`). Computed on request:
+    /// decoding never asks, and its six reductions were a fifth of a decoding step's launches.
+    pub fn ponder_cost(&self) -> Tensor<B, 1> {
+        let [ek1, ek2] = &self.expected_k;
+        (ek1.clone().mean() + ek2.clone().mean()) / 2.0
+    }
 }
 
 impl<B: SnnOps> SnnDecoderLayer<B> {
@@ -136,7 +143,7 @@ impl<B: SnnOps> SnnDecoderLayer<B> {
         );
         let (c1, hidden) = self.snn_block.forward(a1, state.hidden, cfg.v_th_min);
         let (agg1, ek1) = ponder_agg(c1, &self.block_halt, k);
-        let h = h + centred(&self.block_out_proj, agg1);
+        let h = add_centred(h, &self.block_out_proj, agg1);
         // Sublayer 2: SNNFFN.
         let (a2, input2) = norm_plif(
             &self.ffn_norm,
@@ -148,11 +155,9 @@ impl<B: SnnOps> SnnDecoderLayer<B> {
         );
         let (c2, ffn) = self.snn_ffn.forward(a2, state.ffn, out);
         let (agg2, ek2) = ponder_agg(c2, &self.ffn_halt, k);
-        let h = h + centred(&self.ffn_out_proj, agg2);
-        let ponder_cost = (ek1.clone().mean() + ek2.clone().mean()) / 2.0;
+        let h = add_centred(h, &self.ffn_out_proj, agg2);
         LayerOutput {
             h,
-            ponder_cost,
             expected_k: [ek1, ek2],
             state: LayerState {
                 input1,
@@ -247,6 +252,21 @@ pub fn norm_plif_composed<B: SnnOps>(
     out: PlifOut,
 ) -> (Tensor<B, 3>, Tensor<B, 2>) {
     neuron.forward_tokens(norm.forward(h), k, v0, out)
+}
+
+/// The residual update `h + centred(proj, agg)`: one kernel after the GEMM in a decoding pass
+/// where the backend fuses it ([`nsactor_kernels::SnnOps::centred_residual_fused`]).
+fn add_centred<B: SnnOps>(h: Tensor<B, 3>, proj: &Linear<B>, agg: Tensor<B, 3>) -> Tensor<B, 3> {
+    let [t, b, d] = agg.dims();
+    let r = proj.forward(agg.reshape([t * b, d]));
+    if crate::params::decoding_pass::<B>(t * b, &r.device())
+        && let Some(x) =
+            nsactor_kernels::centred_residual_fused(h.clone().reshape([t * b, d]), r.clone())
+    {
+        return x.reshape([t, b, d]);
+    }
+    let r = r.reshape([t, b, d]);
+    h + (r.clone() - r.mean_dim(2))
 }
 
 /// Out-projection with residual centering: `r − mean_D(r)` per token.

@@ -90,8 +90,8 @@ impl<B: SnnOps> NeuronSpark<B> {
         let mut states = Vec::with_capacity(self.layers.len());
         for (layer, st) in self.layers.iter().zip(state.layers) {
             let out = layer.forward(h, st, cfg);
+            ponder.push(out.ponder_cost());
             h = out.h;
-            ponder.push(out.ponder_cost);
             states.push(out.state);
         }
         let (logits, output) = self.edge.decode(h, state.output, cfg);

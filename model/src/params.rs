@@ -47,6 +47,20 @@ macro_rules! impl_params {
 }
 pub(crate) use impl_params;
 
+/// Largest `TK·B` of a decoding pass: a step of up to 256 sessions at K = 16 (or a prompt of
+/// up to 4096 frames). Passes this small and untracked merge the projections that share an
+/// input into one GEMM and read its column slices in place ([`decoding_pass`]); above it (the
+/// pipeline's untracked forward in training) each projection is its own GEMM.
+pub const MERGED_GEMM_ROWS: usize = 4096;
+
+/// Whether a pass over `rows = TK·B` rows on `device` is a decoding pass: untracked, at most
+/// [`MERGED_GEMM_ROWS`] rows, on a backend that merges small GEMMs
+/// ([`SnnOps::merges_small_gemms`]: the CUDA backend, where host time per call sets a
+/// decoding step's speed).
+pub fn decoding_pass<B: SnnOps>(rows: usize, device: &B::Device) -> bool {
+    B::merges_small_gemms() && !B::ad_enabled(device) && rows <= MERGED_GEMM_ROWS
+}
+
 /// A tensor derived from a module's parameters (weights concatenated for one GEMM), computed on
 /// first use and dropped when [`Params::map_params`] replaces the parameters; a clone starts
 /// empty. Only untracked passes use it: autodiff must see the parameters themselves.

@@ -3,7 +3,7 @@
 use crate::config::ModelConfig;
 use crate::init::{BlockInitTable, Rng, kaiming};
 use crate::neurons::{last_frame, param};
-use crate::params::{Derived, Linear, impl_params};
+use crate::params::{Derived, Linear, decoding_pass, impl_params};
 use burn::tensor::{Tensor, activation::sigmoid, backend::Backend};
 use nsactor_kernels::{SnnOps, plif_selective};
 
@@ -30,11 +30,6 @@ impl_params!(SnnBlock {
     modules: [W_in, W_beta_x, W_alpha_x, W_th_x, W_gate, W_skip, W_out],
     derived: [merged_in]
 });
-
-/// Largest `TK·B` for which [`SnnBlock::projections`] merges its GEMMs (a decoding step of up
-/// to 256 sessions at K = 16); above it the slices' copies into the scan would cost more than
-/// the calls saved.
-const MERGED_GEMM_ROWS: usize = 4096;
 
 /// `softplus⁻¹(1) = ln(e − 1)`: the `b_alpha` init mean, so `α ≈ 1` at init.
 const B_ALPHA_MEAN: f64 = 0.541_324_854_612_918;
@@ -109,12 +104,8 @@ impl<B: SnnOps> SnnBlock<B> {
             &self.W_gate,
             &self.W_skip,
         ];
-        if B::merges_small_gemms() && !B::ad_enabled(&flat.device()) && rows <= MERGED_GEMM_ROWS {
-            let w = self.merged_in.get_or_init(|| {
-                let w = Tensor::cat(lins.iter().map(|l| l.weight.clone()).collect(), 0);
-                crate::params::as_operand(w.transpose())
-            });
-            let y = nsactor_kernels::matmul(flat, w); // [rows, 4·DN + 2·D]
+        if decoding_pass::<B>(rows, &flat.device()) {
+            let y = self.merged_projection(flat); // [rows, 4·DN + 2·D]
             let widths = [dn, dn, dn, dn, d, d];
             let mut start = 0;
             return widths.map(|w| {
@@ -124,6 +115,25 @@ impl<B: SnnOps> SnnBlock<B> {
             });
         }
         lins.map(|l| l.forward(flat.clone()))
+    }
+
+    /// The six projections of a decoding pass's input `[TK·B, D]` as one GEMM on the
+    /// concatenated weights: `[TK·B, 4·DN + 2·D]`, columns in [`projections`](Self::projections)'
+    /// order.
+    pub fn merged_projection(&self, flat: Tensor<B, 2>) -> Tensor<B, 2> {
+        let w = self.merged_in.get_or_init(|| {
+            let lins = [
+                &self.W_in,
+                &self.W_beta_x,
+                &self.W_alpha_x,
+                &self.W_th_x,
+                &self.W_gate,
+                &self.W_skip,
+            ];
+            let w = Tensor::cat(lins.iter().map(|l| l.weight.clone()).collect(), 0);
+            crate::params::as_operand(w.transpose())
+        });
+        nsactor_kernels::matmul(flat, w)
     }
 
     /// `a` `[TK, B, D]`, hidden state `v0` `[B, DN]` → output `[TK, B, D]` and final state.
@@ -136,6 +146,33 @@ impl<B: SnnOps> SnnBlock<B> {
         let [tk, b, d] = a.dims();
         let dn = self.b_beta.dims()[0];
         let flat = a.reshape([tk * b, d]);
+        if decoding_pass::<B>(tk * b, &flat.device()) {
+            // A decoding step: the scan and the gated output read the merged product in place
+            // where the backend fuses them (five launches instead of ≈ 14).
+            let y = self.merged_projection(flat.clone());
+            if let Some((vpost, last)) = nsactor_kernels::block_scan_fused(
+                y.clone(),
+                self.b_beta.clone(),
+                self.b_alpha.clone(),
+                self.b_th.clone(),
+                v0.clone(),
+                v_th_min,
+            ) {
+                let out = self.W_out.forward(vpost);
+                let out = match nsactor_kernels::gate_skip_fused(
+                    out.clone(),
+                    y.clone(),
+                    4 * dn,
+                    4 * dn + d,
+                ) {
+                    Some(o) => o,
+                    None => {
+                        out * sigmoid(y.clone().narrow(1, 4 * dn, d)) + y.narrow(1, 4 * dn + d, d)
+                    }
+                };
+                return (out.reshape([tk, b, d]), last);
+            }
+        }
         let [i, rb, ra, rt, gate, skip] = self.projections(flat, dn);
         let gate = sigmoid(gate); // [TK·B, D]
         let seq = |x: Tensor<B, 2>| x.reshape([tk, b, dn]);

@@ -3,7 +3,7 @@
 use crate::config::{ModelConfig, PlifOut};
 use crate::init::{Rng, kaiming};
 use crate::neurons::{PlifNode, last_frame, param};
-use crate::params::{Derived, Linear, impl_params};
+use crate::params::{Derived, Linear, decoding_pass, impl_params};
 use burn::tensor::{Tensor, activation::sigmoid, backend::Backend};
 use nsactor_kernels::{SnnOps, plif_row};
 
@@ -17,6 +17,8 @@ pub struct SnnFfn<B: Backend> {
     pub up_neuron: PlifNode<B>,
     /// `[W_gate; W_up]` transposed, `[D, 2·D_ff]`, as the GEMM reads it, for untracked passes.
     pub merged_gate_up: Derived<B>,
+    /// `[W_gate; W_up; W_skip]` transposed, `[D, 2·D_ff + D]`, for decoding passes.
+    pub merged_gate_up_skip: Derived<B>,
 }
 impl_params!(SnnFfn {
     tensors: [],
@@ -28,7 +30,7 @@ impl_params!(SnnFfn {
         gate_neuron,
         up_neuron
     ],
-    derived: [merged_gate_up]
+    derived: [merged_gate_up, merged_gate_up_skip]
 });
 
 /// FFN neuron threshold base `v0 = 0.15` (the decoder layer overrides SNNFFN's own 0.3).
@@ -54,6 +56,7 @@ impl<B: SnnOps> SnnFfn<B> {
             gate_neuron: PlifNode::init(f, FFN_V_THRESHOLD, rng, device),
             up_neuron: PlifNode::init(f, FFN_V_THRESHOLD, rng, device),
             merged_gate_up: Derived::default(),
+            merged_gate_up_skip: Derived::default(),
         }
     }
 
@@ -68,6 +71,35 @@ impl<B: SnnOps> SnnFfn<B> {
         let [tk, b, d] = a.dims();
         let f = self.gate_proj.weight.dims()[0];
         let flat = a.reshape([tk * b, d]);
+        if decoding_pass::<B>(tk * b, &flat.device()) {
+            // A decoding step: one GEMM for gate, up and skip, the neurons reading its first
+            // 2·D_ff columns in place where the backend fuses them.
+            let w = self.merged_gate_up_skip.get_or_init(|| {
+                let w = Tensor::cat(
+                    vec![
+                        self.gate_proj.weight.clone(),
+                        self.up_proj.weight.clone(),
+                        self.skip_proj.weight.clone(),
+                    ],
+                    0,
+                );
+                crate::params::as_operand(w.transpose())
+            });
+            let y = nsactor_kernels::matmul(flat.clone(), w); // [TK·B, 2·D_ff + D]
+            if let Some((gv, last)) = nsactor_kernels::ffn_plif_fused_rows(
+                y.clone(),
+                self.gate_neuron.w.clone(),
+                self.up_neuron.w.clone(),
+                self.gate_neuron.v_th.clone(),
+                self.up_neuron.v_th.clone(),
+                v0.clone(),
+                out == PlifOut::Leak,
+            ) {
+                let skip = y.narrow(1, 2 * f, d);
+                let y = self.down_proj.forward(gv.reshape([tk * b, f])) + skip;
+                return (y.reshape([tk, b, d]), last);
+            }
+        }
         let cat = || {
             Tensor::cat(
                 vec![self.gate_proj.weight.clone(), self.up_proj.weight.clone()],

@@ -78,7 +78,7 @@ impl<B: SnnOps> LayerStage<B> {
             0,
         );
         let scalars = vec![
-            out.ponder_cost.into_scalar().elem::<f64>(),
+            out.ponder_cost().into_scalar().elem::<f64>(),
             ek.clone().mean().into_scalar().elem::<f64>(),
             ek.clone().min().into_scalar().elem::<f64>(),
             ek.max().into_scalar().elem::<f64>(),
@@ -113,9 +113,12 @@ impl<B: SnnOps> LayerStage<B> {
         let h = Tensor::<Ad<B>, 3>::from_inner(h).require_grad();
         let state = LayerState::zeros(&self.cfg, b, &self.device);
         let out = self.ad.forward(h.clone(), state, &self.cfg);
+        // Built right after the forward, as the layer built it before it became a method:
+        // the same graph order, so the same gradients bit for bit.
+        let ponder_cost = out.ponder_cost();
         let mut objective = (out.h * Tensor::from_inner(grad)).sum();
         if ponder_grad != 0.0 {
-            objective = objective + out.ponder_cost * ponder_grad;
+            objective = objective + ponder_cost * ponder_grad;
         }
         let grads = objective.backward();
         let dh = h

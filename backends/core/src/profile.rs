@@ -3,7 +3,7 @@
 //! bound it from below — the host cost of one tiny elementwise op (launch overhead) and one
 //! decode-shaped projection GEMM.
 
-use burn::tensor::{Distribution, ElementConversion, Tensor};
+use burn::tensor::{DType, Distribution, ElementConversion, Tensor};
 use nsactor_kernels::SnnOps;
 use nsactor_model::init::Rng;
 use nsactor_model::layer::{norm_plif, norm_plif_composed, ponder_agg, ponder_agg_composed};
@@ -60,6 +60,92 @@ pub fn decode_profile<B: SnnOps>(device: &B::Device, options: &str) -> Result<St
         let _ = layer.forward(h.clone(), state.clone(), &cfg);
     })?;
     row(&mut out, "whole layer (forward of one token)", whole);
+    // The decoding fusions (the block's scan and gated output read from the merged product, the
+    // FFN's gate/up/skip as one GEMM, the centred residual updates) against the same layer
+    // without them: timed, then checked over 3 tokens from a non-resting state.
+    nsactor_kernels::set_decode_fusion(false);
+    let unfused = time(reps, &mut || {
+        let _ = layer.forward(h.clone(), state.clone(), &cfg);
+    });
+    let busy = LayerState {
+        input1: Tensor::random([batch, d], Distribution::Normal(0.0, 0.2), device),
+        hidden: Tensor::random([batch, cfg.dn()], Distribution::Normal(0.0, 0.05), device),
+        input2: Tensor::random([batch, d], Distribution::Normal(0.0, 0.2), device),
+        ffn: Tensor::random(
+            [batch, 2 * cfg.d_ff],
+            Distribution::Normal(0.0, 0.05),
+            device,
+        ),
+    };
+    let tokens = Tensor::<B, 3>::random([3, batch, d], Distribution::Normal(0.0, 1.0), device);
+    let reference = layer.forward(tokens.clone(), busy.clone(), &cfg);
+    nsactor_kernels::set_decode_fusion(true);
+    row(
+        &mut out,
+        "  the same without the decoding fusions",
+        unfused?,
+    );
+    let fused = layer.forward(tokens, busy, &cfg);
+    let pairs = [
+        (fused.h, reference.h),
+        (
+            fused.state.input1.unsqueeze(),
+            reference.state.input1.unsqueeze(),
+        ),
+        (
+            fused.state.hidden.unsqueeze(),
+            reference.state.hidden.unsqueeze(),
+        ),
+        (
+            fused.state.input2.unsqueeze(),
+            reference.state.input2.unsqueeze(),
+        ),
+        (fused.state.ffn.unsqueeze(), reference.state.ffn.unsqueeze()),
+    ];
+    check(
+        &mut out,
+        "decoding fusions (3 tokens, output and states)",
+        &pairs,
+    )?;
+    // A decoding pass's stage without actors: the layer applied num_layers times in a row,
+    // with the host time to submit it and the submission thread's counters where kept.
+    let before = B::submission_stats();
+    let mut submitted = 0.0;
+    let chain = time(reps, &mut || {
+        let t = Instant::now();
+        let mut x = h.clone();
+        for _ in 0..cfg.num_layers {
+            x = layer.forward(x, state.clone(), &cfg).h;
+        }
+        submitted += t.elapsed().as_secs_f64();
+    })?;
+    let after = B::submission_stats();
+    row(
+        &mut out,
+        &format!(
+            "{} layers in a row (a stage's pass, no actors)",
+            cfg.num_layers
+        ),
+        chain,
+    );
+    row(
+        &mut out,
+        "  of it the calling thread's time to submit",
+        submitted / (reps + 1) as f64,
+    );
+    if let (Some(a), Some(b)) = (before, after) {
+        // (The untimed first call counts too: reps + 1 passes.)
+        let layers = ((reps + 1) * cfg.num_layers) as f64;
+        let per = |i: usize| (b[i] - a[i]) as f64 / layers;
+        out.push_str(&format!(
+            "  submission thread per layer: {:.1} launches, {:.1} µs in them; {:.1} GEMMs, {:.1} µs in them ({:.1} µs in the GEMM library)\n",
+            per(0),
+            per(1) / 1e3,
+            per(2),
+            per(3) / 1e3,
+            per(4) / 1e3
+        ));
+    }
     // The sublayer's start as run (fused where the backend fuses it) or composed.
     let np = |h: &Tensor<B, 3>, v0: &Tensor<B, 2>, fused: bool| {
         let f = if fused { norm_plif } else { norm_plif_composed };
@@ -205,14 +291,28 @@ pub fn decode_profile<B: SnnOps>(device: &B::Device, options: &str) -> Result<St
         &format!("probe: one elementwise op on [{}, {d}]", k * batch),
         add,
     );
-    let w = Tensor::<B, 2>::random([d, cfg.dn()], Distribution::Normal(0.0, 0.02), device);
-    row(
-        &mut out,
-        &format!("probe: GEMM [{}, {d}] × [{d}, {}]", k * batch, cfg.dn()),
-        time(reps, &mut || {
-            let _ = nsactor_kernels::matmul(small.clone(), w.clone());
-        })?,
-    );
+    // The weight as decoding keeps it (rounded once, as the GEMM reads it); the input f32
+    // (rounded by the call, as a layer's inputs are where no kernel writes them rounded) or
+    // already rounded.
+    let w = nsactor_kernels::gemm_operand(Tensor::<B, 2>::random(
+        [d, cfg.dn()],
+        Distribution::Normal(0.0, 0.02),
+        device,
+    ));
+    let small_op = nsactor_kernels::gemm_operand(small.clone());
+    for (name, x) in [("f32 input", &small), ("input already rounded", &small_op)] {
+        row(
+            &mut out,
+            &format!(
+                "probe: GEMM [{}, {d}] × [{d}, {}], {name}",
+                k * batch,
+                cfg.dn()
+            ),
+            time(reps, &mut || {
+                let _ = nsactor_kernels::matmul(x.clone(), w.clone());
+            })?,
+        );
+    }
     out.push_str(&format!(
         "  whole layer ≈ {:.0} elementwise-op launches\n",
         whole / add
@@ -220,7 +320,8 @@ pub fn decode_profile<B: SnnOps>(device: &B::Device, options: &str) -> Result<St
     Ok(out)
 }
 
-/// What the backend ran against the composition from tensor ops, output by output: the largest
+/// What the backend ran against the composition from tensor ops (rounded to the type the run's
+/// output has), output by output: the largest
 /// error over the largest magnitude, and the share of elements off by more than 1e-4 of it (a
 /// spike that flips on a last-bit difference at the threshold changes its element by a whole
 /// threshold; a handful is expected, a wrong kernel changes most). Refuses a wrong kernel.
@@ -232,6 +333,13 @@ fn check<B: SnnOps>(
     let mut worst = 0.0f32;
     let mut off = 0.0f64;
     for (a, b) in pairs {
+        // A kernel that feeds a GEMM writes the GEMM's input type (bf16 in bf16 precision):
+        // the composition is rounded the same way before the comparison.
+        let dtype = a.dtype();
+        let (a, b) = (
+            a.clone().cast(DType::F32),
+            b.clone().cast(dtype).cast(DType::F32),
+        );
         let scale = b.clone().abs().max().into_scalar().elem::<f32>().max(1e-30);
         let diff = (a.clone() - b.clone()).abs();
         worst = worst.max(diff.clone().max().into_scalar().elem::<f32>() / scale);

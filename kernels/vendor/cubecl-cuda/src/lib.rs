@@ -7,6 +7,25 @@ mod device;
 mod runtime;
 
 pub use device::*;
+
+/// nsactor patch: how much of the server thread's time kernel launches take (count and total
+/// nanoseconds since the process started), for `nsactor bench decode-profile`.
+pub mod nsactor_stats {
+    use core::sync::atomic::{AtomicU64, Ordering};
+
+    static LAUNCHES: AtomicU64 = AtomicU64::new(0);
+    static LAUNCH_NS: AtomicU64 = AtomicU64::new(0);
+
+    pub(crate) fn record_launch(took: std::time::Duration) {
+        LAUNCHES.fetch_add(1, Ordering::Relaxed);
+        LAUNCH_NS.fetch_add(took.as_nanos() as u64, Ordering::Relaxed);
+    }
+
+    /// `(launches, nanoseconds)` so far.
+    pub fn launches() -> (u64, u64) {
+        (LAUNCHES.load(Ordering::Relaxed), LAUNCH_NS.load(Ordering::Relaxed))
+    }
+}
 pub use runtime::*;
 
 #[cfg(feature = "ptx-wmma")]

@@ -163,7 +163,11 @@ impl ComputeServer for CudaServer {
         mode: ExecutionMode,
         stream_id: StreamId,
     ) {
-        if let Err(err) = self.launch_checked(kernel, count, bindings, mode, stream_id) {
+        // nsactor patch: the server thread's time in launches (`crate::nsactor_stats`).
+        let started = std::time::Instant::now();
+        let launched = self.launch_checked(kernel, count, bindings, mode, stream_id);
+        crate::nsactor_stats::record_launch(started.elapsed());
+        if let Err(err) = launched {
             let mut stream = match self.streams.resolve(stream_id, [].into_iter(), false) {
                 Ok(stream) => stream,
                 Err(err) => unreachable!("{err:?}"),

@@ -423,9 +423,11 @@ fn norm_plif_kernel<O: Float>(
     cols: u32,
     dim: u32,
     tokens: u32,
+    eps: f32,
     #[comptime] k: usize,
     #[comptime] leak: bool,
     #[comptime] save_vpost: bool,
+    #[comptime] fused_rms: bool,
     #[define(O)] _out: StorageType,
 ) {
     let cols = cols as usize;
@@ -442,7 +444,25 @@ fn norm_plif_kernel<O: Float>(
     let nw = norm_w[d];
     let mut v = v0[c];
     for t in 0..tokens as usize {
-        let u = x[t * cols + c] * r[t * (cols / dim) + b] * nw * one_minus;
+        // 1/RMS of the token's row: read from `r`, or (`r` is then a stand-in, its read
+        // unused) summed here by the plane exactly as
+        // `rms_inv_kernel` sums it (lane l takes channels l, l + 32, …; then the plane sum).
+        // With `fused_rms` every plane holds 32 channels of one batch row (D a multiple of
+        // 32), so no unit left before the plane's sums.
+        let mut rr = r[t * (cols / dim) + b];
+        if comptime![fused_rms] {
+            let base = t * cols + b * dim;
+            let mut ss = 0.0f32;
+            let mut dd = d % 32;
+            while dd < dim {
+                let xv = x[base + dd];
+                ss += xv * xv;
+                dd += 32usize;
+            }
+            let total = plane_sum(ss);
+            rr = 1.0f32 / (total / f32::cast_from(dim) + eps).sqrt();
+        }
+        let u = x[t * cols + c] * rr * nw * one_minus;
         #[unroll]
         for j in 0..k {
             let v_pre = fma(beta, v, u);
@@ -675,7 +695,14 @@ fn norm_plif_with<R: CubeRuntime>(
 ) -> [CubeTensor<R>; 3] {
     let (t, batch, dim) = norm_plif_geometry(&inputs.each_ref(), k);
     let [x, norm_w, w, v_th, v0] = inputs.map(into_contiguous);
-    let r = rms_inv(&x, t, batch, dim, eps);
+    // Inference sums each row's RMS inside the scan kernel where a plane holds one row's
+    // channels (one launch instead of two); training keeps the separate kernel.
+    let fused_rms = !save_vpost && dim.is_multiple_of(NORM_PLIF_CUBE as usize);
+    let r = if fused_rms {
+        x.clone()
+    } else {
+        rms_inv(&x, t, batch, dim, eps)
+    };
     // Inference writes the output in the type the projections' GEMM reads; training keeps f32
     // (autodiff's GEMM node rounds its saved operand itself).
     let y_dtype = if save_vpost { DType::F32 } else { gemm_input() };
@@ -706,9 +733,11 @@ fn norm_plif_with<R: CubeRuntime>(
         cols as u32,
         dim as u32,
         t as u32,
+        eps,
         k,
         leak,
         save_vpost,
+        fused_rms,
         y_dtype.into(),
     );
     [y, last, vpost]

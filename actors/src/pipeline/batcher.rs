@@ -239,14 +239,7 @@ async fn run_cohort(children: &Children, sessions: &[u64], ids: Vec<i64>, len: u
         reply,
     })
     .await?;
-    for (i, l) in children.layers.iter().enumerate() {
-        h = ask(l, format!("layer {i}"), |reply| LayerMsg::SessionForward {
-            sessions: sessions.to_vec(),
-            h,
-            reply,
-        })
-        .await?;
-    }
+    h = super::session_layers(&children.layers, sessions, h).await?;
     ask(&children.edge, "edge", |reply| EdgeMsg::SessionDecode {
         sessions: sessions.to_vec(),
         h,

@@ -49,6 +49,11 @@ pub enum LayerMsg {
     Save {
         reply: RpcReplyPort<Result<Vec<u8>, EngineError>>,
     },
+    /// Lends the layer's stage (a handle on it and its worker) for a decoding pass that runs
+    /// several layers in one worker job ([`super::session_layers`]).
+    Share {
+        reply: RpcReplyPort<Result<StageHolder, EngineError>>,
+    },
     Load {
         bytes: Arc<Vec<u8>>,
         reply: RpcReplyPort<Result<(), EngineError>>,
@@ -197,6 +202,9 @@ impl Actor for LayerActor {
                     })
                     .await;
                 return answer(s.who(), reply, r);
+            }
+            LayerMsg::Share { reply } => {
+                let _ = reply.send(Ok(s.stage.clone()));
             }
             LayerMsg::Save { reply } => {
                 let r = s

@@ -196,6 +196,7 @@ impl Hop {
 /// An actor's stage and where it runs: the stage is locked by its worker's jobs, one at a time.
 /// After a panic inside a job the stage is gone and every later call fails, naming that panic,
 /// until the actor is rebuilt.
+#[derive(Clone)]
 pub struct StageHolder {
     who: String,
     /// Locked only by the worker's jobs, one at a time; `Err` holds the message of the panic
@@ -277,6 +278,50 @@ impl StageHolder {
         &self.backend
     }
 
+    /// Runs `f` on the stage, on the calling thread (the worker's, inside a job), after moving
+    /// `h` (if any) to the stage's device. A panic is caught here, under the lock, and kept in
+    /// the slot, so that the jobs queued behind it report what lost the stage (they may reach
+    /// the supervisor before the panic itself does); then it goes on to the worker, which
+    /// reports it as the job's panic.
+    fn run<R>(
+        &self,
+        h: Option<DeviceTensor>,
+        f: impl FnOnce(&mut dyn Stage, Option<DeviceTensor>) -> Result<R, EngineError>,
+    ) -> Result<R, EngineError> {
+        let mut slot = self
+            .stage
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let st = match &mut *slot {
+            Ok(st) => st,
+            Err(cause) => {
+                return Err(EngineError::Panic(format!(
+                    "{} lost its state in an earlier panic ({cause}); restart it from a checkpoint",
+                    self.who
+                )));
+            }
+        };
+        let run = catch_unwind(AssertUnwindSafe(|| {
+            let h = h
+                .map(|h| {
+                    let t = std::time::Instant::now();
+                    let r = self.backend.to_device(h, self.device);
+                    worker::add_transfer(t.elapsed());
+                    r
+                })
+                .transpose()?;
+            f(&mut **st, h)
+        }));
+        match run {
+            Ok(r) => r,
+            Err(p) => {
+                *slot = Err(worker::panic_message(&*p));
+                drop(slot);
+                resume_unwind(p)
+            }
+        }
+    }
+
     /// Runs `f` on the stage, on the worker, after moving `h` (if any) to the stage's device.
     async fn compute<R: Send + 'static>(
         &mut self,
@@ -301,44 +346,10 @@ impl StageHolder {
         h: Option<DeviceTensor>,
         f: impl FnOnce(&mut dyn Stage, Option<DeviceTensor>) -> Result<R, EngineError> + Send + 'static,
     ) -> impl Future<Output = Result<R, EngineError>> + Send + 'static {
-        let stage = self.stage.clone();
-        let (backend, device, who) = (self.backend.clone(), self.device, self.who.clone());
-        let lost = move |who: &str, cause: &str| {
-            EngineError::Panic(format!(
-                "{who} lost its state in an earlier panic ({cause}); restart it from a checkpoint"
-            ))
-        };
-        let job = self.worker.run_then(priority, successor, move || {
-            // A panic is caught here, under the lock, so that the jobs queued behind it report
-            // what lost the stage (they may reach the supervisor before the panic itself does).
-            let mut slot = stage
-                .lock()
-                .unwrap_or_else(std::sync::PoisonError::into_inner);
-            let st = match &mut *slot {
-                Ok(st) => st,
-                Err(cause) => return Err(lost(&who, cause)),
-            };
-            let run = catch_unwind(AssertUnwindSafe(|| {
-                let h = h
-                    .map(|h| {
-                        let t = std::time::Instant::now();
-                        let r = backend.to_device(h, device);
-                        worker::add_transfer(t.elapsed());
-                        r
-                    })
-                    .transpose()?;
-                f(&mut **st, h)
-            }));
-            match run {
-                Ok(r) => r,
-                Err(p) => {
-                    *slot = Err(worker::panic_message(&*p));
-                    drop(slot);
-                    // The worker reports it as the job's panic.
-                    resume_unwind(p)
-                }
-            }
-        });
+        let holder = self.clone();
+        let job = self
+            .worker
+            .run_then(priority, successor, move || holder.run(h, f));
         let who = self.who.clone();
         async move {
             match job.await {
@@ -347,6 +358,64 @@ impl StageHolder {
             }
         }
     }
+}
+
+/// `h` through `layers` for decoding `sessions` (batch rows split evenly among them, in order).
+/// Each layer actor lends its stage ([`LayerMsg::Share`], all asked at once), and the layers
+/// that share a worker (one pipeline stage's) run as one job there, one after another: a
+/// decoding pass makes one round trip per worker instead of two thread hops per layer, which
+/// at one token per pass took longer than the layers' own work. The layers' states stay in
+/// their stages; an error names the layer it came from.
+pub(crate) async fn session_layers(
+    layers: &[ActorRef<LayerMsg>],
+    sessions: &[u64],
+    mut h: DeviceTensor,
+) -> Result<DeviceTensor, PipelineError> {
+    let holders = futures_util::future::try_join_all(
+        layers
+            .iter()
+            .enumerate()
+            .map(|(i, l)| ask(l, format!("layer {i}"), |reply| LayerMsg::Share { reply })),
+    )
+    .await?;
+    let mut start = 0;
+    while start < holders.len() {
+        let worker = &holders[start].worker;
+        let end = (start..holders.len())
+            .find(|&j| !Arc::ptr_eq(&holders[j].worker, worker))
+            .unwrap_or(holders.len());
+        let group = holders[start..end].to_vec();
+        let sessions = sessions.to_vec();
+        let job = worker.run_then(Priority::FORWARD_UNTRAINED, None, move || {
+            let mut h = h;
+            for holder in &group {
+                h = holder
+                    .run(Some(h), |st, h| {
+                        st.call(nsactor_plugin_api::StageCall::SessionForward {
+                            sessions: &sessions,
+                            h: h.expect("moved"),
+                        })?
+                        .into_tensor("SessionForward")
+                    })
+                    .map_err(|error| PipelineError::Stage {
+                        who: holder.who.clone(),
+                        error,
+                    })?;
+            }
+            Ok::<_, PipelineError>(h)
+        });
+        h = match job.await {
+            Ok(r) => r?,
+            Err(JobPanicked(m)) => {
+                return Err(PipelineError::Stage {
+                    who: format!("layers {start}..{end}"),
+                    error: EngineError::Panic(m),
+                });
+            }
+        };
+        start = end;
+    }
+    Ok(h)
 }
 
 /// Calls `actor` and unwraps both the messaging and the engine result.
@@ -743,20 +812,9 @@ impl AsyncDecoder {
     }
 
     /// `h` through every layer of `session` (all of `h`'s rows), outside any cohort.
-    async fn layers(
-        &self,
-        session: u64,
-        mut h: DeviceTensor,
-    ) -> Result<DeviceTensor, PipelineError> {
-        for (i, l) in self.children().layers.iter().enumerate() {
-            h = ask(l, format!("layer {i}"), |reply| LayerMsg::SessionForward {
-                sessions: vec![session],
-                h,
-                reply,
-            })
-            .await?;
-        }
-        Ok(h)
+    async fn layers(&self, session: u64, h: DeviceTensor) -> Result<DeviceTensor, PipelineError> {
+        let layers = self.children().layers.clone();
+        session_layers(&layers, &[session], h).await
     }
 
     /// Runs `ids` through `session` (a prompt, or one token); the last position's logits.

@@ -27,12 +27,12 @@
 //! stream id ([`Submit::Queued`]), so the calling thread never waits for the server to catch up;
 //! `NSACTOR_GEMM_SUBMIT=blocking` makes the lookups from the calling thread instead.
 //!
-//! Plans (descriptors, layouts, the algorithm) are cached per thread and shape. A problem of a
-//! training projection's size is tuned on its first call: each of cuBLASLt's first sixteen
-//! heuristic candidates is timed on the real operands and the fastest kept (if 2 % faster
-//! than the first)
-//! (`NSACTOR_GEMM_TUNE=off` keeps the heuristic's first pick). The pick can differ between
-//! runs, so two runs' results may differ in their last bits; within a run it is fixed.
+//! Plans (descriptors, layouts, the algorithm) are cached per thread and shape. A training
+//! projection (a large product over a long token axis) is tuned on its first call: each of
+//! cuBLASLt's first sixteen heuristic candidates is timed on the real operands and the fastest
+//! kept if it beats the first pick by 2 % (`NSACTOR_GEMM_TUNE=off` keeps the first pick). The
+//! pick can differ between runs, so two runs' results may differ in their last bits; within a
+//! run it is fixed. Decoding steps are not tuned.
 
 use burn_cubecl::kernel::{cast, into_contiguous};
 use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
@@ -202,14 +202,26 @@ struct PlanKey {
 }
 
 impl PlanKey {
-    /// `M·N·K`: `A = rhsᵀ` is `[N, K]` after its op.
-    fn macs(&self) -> u64 {
-        let k = if self.a.trans {
+    /// `K`: `A = rhsᵀ` is `[N, K]` after its op.
+    fn k(&self) -> u64 {
+        if self.a.trans {
             self.a.rows
         } else {
             self.a.cols
-        };
-        self.m * self.n * k
+        }
+    }
+
+    /// `M·N·K`.
+    fn macs(&self) -> u64 {
+        self.m * self.n * self.k()
+    }
+
+    /// Whether [`Plan::tune`] times this problem's candidates: a large product over a long
+    /// token axis (`M` for `x·Wᵀ` and `∂x`, `K` for `∂W`): every projection of a training
+    /// micro-batch. Decoding steps (at most 4,096 rows) keep the heuristic's pick, so a new
+    /// cohort size never waits for tuning.
+    fn tuned(&self) -> bool {
+        self.macs() >= TUNE_MIN_MACS && self.m.max(self.k()) >= TUNE_MIN_ROWS
     }
 }
 
@@ -437,10 +449,12 @@ const TUNE_CANDIDATES: usize = 16;
 const TUNE_REPS: usize = 5;
 /// How much faster than the heuristic's first pick a candidate must be to replace it.
 const TUNE_MARGIN: f32 = 0.02;
-/// Problems of at least this many multiply-adds are tuned (a training projection is
-/// 2.6·10¹⁰ or more; a decoding step's, at most ≈ 10⁹ per 32 sessions): below it the
-/// heuristic's first pick is used, and the tuning would cost more than it could save.
+/// Problems of at least this many multiply-adds may be tuned (a training projection is
+/// 2.6·10¹⁰ or more): below it the tuning would cost more than it could save.
 const TUNE_MIN_MACS: u64 = 1 << 32;
+/// ... and only over a token axis at least this long (a training micro-batch's `T·K·B` is
+/// 32,704 at the 0.9B shape; a decoding step has at most 4,096 rows).
+const TUNE_MIN_ROWS: u64 = 8192;
 
 /// Whether GEMMs are tuned ([`Plan::tune`]), read once from `NSACTOR_GEMM_TUNE` (`on`, the
 /// default; `off`: the heuristic's first pick everywhere, as before).
@@ -718,7 +732,7 @@ fn enqueue(
         // their memory is recycled only in order on `stream`); `stream` is CubeCL's stream of
         // the submitting thread on the device whose context is current.
         if !plan.tuned {
-            if tuning() && key.macs() >= TUNE_MIN_MACS && plan.candidates.len() > 1 {
+            if tuning() && key.tuned() && plan.candidates.len() > 1 {
                 unsafe { plan.tune(handle, ptrs, workspace_ptr, stream) }?;
             }
             plan.tuned = true;
@@ -911,6 +925,50 @@ mod tests {
         // A single row broadcast or any other stride pattern is refused (made contiguous).
         assert!(operand([3, 5], [10, 2]).is_none());
         assert!(operand([3, 5], [1, 1]).is_none());
+    }
+
+    /// The key of `lhs [m, k] · rhs [k, n]` with `rhs` a transposed weight view (`x·Wᵀ`).
+    fn projection_key(m: usize, k: usize, n: usize) -> PlanKey {
+        PlanKey {
+            device: 0,
+            precision: GemmPrecision::Bf16,
+            a: operand([k, n], [1, k]).unwrap(),
+            b: operand([m, k], [k, 1]).unwrap(),
+            m: m as u64,
+            n: n as u64,
+        }
+    }
+
+    #[test]
+    fn training_projections_are_tuned_and_decoding_steps_are_not() {
+        // The inner dimension is read from either layout of A = rhsᵀ.
+        assert_eq!(projection_key(32704, 896, 7168).macs(), 32704 * 896 * 7168);
+        let contiguous_rhs = PlanKey {
+            a: operand([896, 7168], [7168, 1]).unwrap(),
+            ..projection_key(16, 896, 7168)
+        };
+        assert_eq!(contiguous_rhs.macs(), 16 * 896 * 7168);
+        // Every product of a training micro-batch (T·K·B = 32,704 rows) is tuned, the
+        // smallest (D × D) too; no decoding step is, however many sessions.
+        for (k, n) in [
+            (896, 7168),
+            (7168, 896),
+            (896, 896),
+            (896, 5376),
+            (2688, 896),
+        ] {
+            assert!(projection_key(32704, k, n).tuned(), "x·Wᵀ {k}×{n}");
+            // ∂W = xᵀ·g: the token axis is K.
+            assert!(projection_key(k, 32704, n).tuned(), "∂W {k}×{n}");
+        }
+        // Decoding: up to 4,096 rows, through the widest merged projection (4·DN + 2·D).
+        for rows in [16, 256, 1024, 4096] {
+            assert!(
+                !projection_key(rows, 896, 4 * 7168 + 2 * 896).tuned(),
+                "{rows} rows"
+            );
+            assert!(!projection_key(rows, 7168, 896).tuned(), "{rows} rows");
+        }
     }
 
     #[test]

@@ -184,8 +184,10 @@ pub trait SnnOps: Backend {
     /// RMSNorm then a row-parameter input PLIF over the K frames of each token, for inference
     /// only: `x` `[T, B, D]`, the norm weight `[D]` and `eps`, the neuron's β logits `w` `[D]`
     /// (β = σ(w), input current `(1 − β)·x̂`), `v_th` `[D]`, state `v0` `[B, D]` → the output
-    /// `[T·K, B, D]` (`(1 − β)·V_post` if `leak`, else `V_post`) and the final state. `None`
-    /// (the default, and on autodiff backends): the model composes it.
+    /// `[T·K, B, D]` (`(1 − β)·V_post` if `leak`, else `V_post`) and the final state. The
+    /// output may come in the element type the backend's [`gemm`](Self::gemm) reads (bf16 on
+    /// CUDA in bf16 precision, rounded as the GEMM would round it): its consumers are
+    /// projections. `None` (the default, and on autodiff backends): the model composes it.
     #[allow(clippy::too_many_arguments)]
     fn norm_plif_fused(
         x: FloatTensor<Self>,
@@ -206,7 +208,9 @@ pub trait SnnOps: Backend {
     /// 2·D_ff columns are the currents (read in place from a wider product), each neuron's β
     /// logits and thresholds `[D_ff]`,
     /// state `v0` `[B, 2·D_ff]` → `g·v` `[TK, B, D_ff]` (each `(1 − β)·V_post` if `leak`, else
-    /// `V_post`) and the final state. `None` (the default, and on autodiff backends): composed.
+    /// `V_post`; like [`norm_plif_fused`](Self::norm_plif_fused)'s output, possibly in the
+    /// GEMM's input type: the down projection reads it) and the final state. `None` (the
+    /// default, and on autodiff backends): composed.
     #[allow(clippy::too_many_arguments)]
     fn ffn_plif_fused(
         i_gu: FloatTensor<Self>,
@@ -224,8 +228,9 @@ pub trait SnnOps: Backend {
     /// The SNNBlock's selective scan for inference on its merged projection `y` `[TK·B, W]`
     /// (columns `[0, DN)` the input current, then `r_β, r_α, r_th`; the modulation of
     /// [`plif_selective_forward`](Self::plif_selective_forward)), read in place: `(V_post
-    /// [TK·B, DN], final state [B, DN])`, no spikes. Biases `[DN]`, `v0` `[B, DN]`. `None` (the
-    /// default, and on autodiff backends): the model slices `y` and calls the scan.
+    /// [TK·B, DN], final state [B, DN])`, no spikes, `V_post` possibly in the GEMM's input type
+    /// (the out-projection reads it). Biases `[DN]`, `v0` `[B, DN]`. `None` (the default, and
+    /// on autodiff backends): the model slices `y` and calls the scan.
     fn block_scan_fused(
         y: FloatTensor<Self>,
         b_beta: FloatTensor<Self>,

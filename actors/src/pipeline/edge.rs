@@ -8,7 +8,7 @@ use super::worker::Priority;
 use super::{Event, Hop, Ponder, StageHolder, StepCtx};
 use nsactor_plugin_api::{Batch, DeviceTensor, EngineError, Reply, StageCall, Tokens};
 use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 
 /// Optimizer-phase and decoding calls, answered by reply.
@@ -101,6 +101,10 @@ pub struct EdgeState {
     first: Option<Hop>,
     last: Option<Hop>,
     in_flight: HashMap<u64, InFlight>,
+    /// Last-layer outputs waiting for a smaller micro-batch's: heads run in micro-batch order,
+    /// so the head's gradients add up in one order however the layers deliver them (the two
+    /// runtime threads can deliver m + 1 first), and a step is reproducible bit for bit.
+    pending_heads: BTreeMap<u64, (DeviceTensor, Ponder, StepCtx)>,
 }
 
 impl EdgeState {}
@@ -123,6 +127,7 @@ impl Actor for EdgeActor {
             first: None,
             last: None,
             in_flight: HashMap::new(),
+            pending_heads: BTreeMap::new(),
         })
     }
 
@@ -181,37 +186,52 @@ impl Actor for EdgeActor {
                 ponder,
                 ctx,
             } => {
-                let Some(f) = s.in_flight.get(&micro) else {
+                if !s.in_flight.contains_key(&micro) {
                     let e = EngineError::InvalidInput(format!(
                         "Head for micro-batch {micro}, which has no Embed in flight"
                     ));
                     return fail(WHO.into(), micro, e, &ctx).await;
-                };
-                let (b, loss_scale) = (f.batch.clone(), f.loss_scale);
-                // loss = ce + λ·Σ_l pc_l / L, scaled by `loss_scale`.
-                let ponder_grad = f.ponder_weight * loss_scale / s.num_layers as f64;
-                let r = s
-                    .stage
-                    .train_job(false, micro, &ctx, Some(h), move |st, h| {
-                        let r = st.call(StageCall::Head {
-                            h: h.expect("moved"),
-                            targets: &b.targets,
-                            mask: &b.loss_mask,
-                            loss_scale,
-                        })?;
-                        let ce = r.scalar(0, "Head")?;
-                        Ok((r.into_tensor("Head")?, ce))
-                    })
-                    .await;
-                match r {
-                    Ok((grad, ce)) => {
-                        if let Some(f) = s.in_flight.get_mut(&micro) {
-                            f.result = Some((ce, ponder));
+                }
+                s.pending_heads.insert(micro, (h, ponder, ctx));
+                // The smallest micro-batch in flight without a head result goes next, once
+                // its last-layer output is here.
+                while let Some(micro) = s
+                    .in_flight
+                    .iter()
+                    .filter(|(_, f)| f.result.is_none())
+                    .map(|(m, _)| *m)
+                    .min()
+                {
+                    let Some((h, ponder, ctx)) = s.pending_heads.remove(&micro) else {
+                        break;
+                    };
+                    let f = &s.in_flight[&micro];
+                    let (b, loss_scale) = (f.batch.clone(), f.loss_scale);
+                    // loss = ce + λ·Σ_l pc_l / L, scaled by `loss_scale`.
+                    let ponder_grad = f.ponder_weight * loss_scale / s.num_layers as f64;
+                    let r = s
+                        .stage
+                        .train_job(false, micro, &ctx, Some(h), move |st, h| {
+                            let r = st.call(StageCall::Head {
+                                h: h.expect("moved"),
+                                targets: &b.targets,
+                                mask: &b.loss_mask,
+                                loss_scale,
+                            })?;
+                            let ce = r.scalar(0, "Head")?;
+                            Ok((r.into_tensor("Head")?, ce))
+                        })
+                        .await;
+                    match r {
+                        Ok((grad, ce)) => {
+                            if let Some(f) = s.in_flight.get_mut(&micro) {
+                                f.result = Some((ce, ponder));
+                            }
+                            let last = s.last.as_ref().ok_or("edge actor not wired")?;
+                            last.backward(micro, grad, ponder_grad, ctx);
                         }
-                        let last = s.last.as_ref().ok_or("edge actor not wired")?;
-                        last.backward(micro, grad, ponder_grad, ctx);
+                        Err(e) => return fail(WHO.into(), micro, e, &ctx).await,
                     }
-                    Err(e) => return fail(WHO.into(), micro, e, &ctx).await,
                 }
             }
             EdgeMsg::EmbedBackward { micro, grad, ctx } => {
@@ -249,6 +269,7 @@ impl Actor for EdgeActor {
             EdgeMsg::Control { call, reply } => {
                 if matches!(call, EdgeControl::ZeroGrad) {
                     s.in_flight.clear();
+                    s.pending_heads.clear();
                 }
                 let r = s
                     .stage
@@ -333,6 +354,7 @@ impl Actor for EdgeActor {
             }
             EdgeMsg::Load { bytes, reply } => {
                 s.in_flight.clear();
+                s.pending_heads.clear();
                 let r = s
                     .stage
                     .compute(Priority::Control, None, move |st, _| st.load(&bytes))

@@ -72,7 +72,7 @@ fn ponder_agg_kernel(
         #[unroll]
         for j in 0..k {
             let s = plane_sum(part[j]);
-            if lane % 32 == 0 {
+            if UNIT_POS_PLANE == 0 {
                 shared[plane * k + j] = s;
             }
         }
@@ -695,9 +695,12 @@ fn norm_plif_with<R: CubeRuntime>(
 ) -> [CubeTensor<R>; 3] {
     let (t, batch, dim) = norm_plif_geometry(&inputs.each_ref(), k);
     let [x, norm_w, w, v_th, v0] = inputs.map(into_contiguous);
-    // Inference sums each row's RMS inside the scan kernel where a plane holds one row's
-    // channels (one launch instead of two); training keeps the separate kernel.
-    let fused_rms = !save_vpost && dim.is_multiple_of(NORM_PLIF_CUBE as usize);
+    // A decoding step (few token rows) sums each row's RMS inside the scan kernel where a
+    // plane holds one row's channels: one launch instead of two. With many token rows (a
+    // training micro-batch, even untracked) every plane would walk all its tokens' rows alone,
+    // so the separate kernel, one plane per row, stays.
+    let fused_rms =
+        !save_vpost && t * batch < FEW_ROWS && dim.is_multiple_of(NORM_PLIF_CUBE as usize);
     let r = if fused_rms {
         x.clone()
     } else {
@@ -919,7 +922,7 @@ fn centred_residual_kernel(
     }
     let mut shared = SharedMemory::<f32>::new(planes);
     let s = plane_sum(part);
-    if lane % 32 == 0 {
+    if UNIT_POS_PLANE == 0 {
         shared[lane / 32] = s;
     }
     sync_cube();

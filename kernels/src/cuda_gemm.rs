@@ -199,6 +199,9 @@ struct PlanKey {
     b: Operand,
     m: u64,
     n: u64,
+    /// The leading dimension of an added `C` (`D = A·B + C`, `C` row-major `[M, N]` with
+    /// unit column stride), or `None` for `D = A·B`.
+    c_ld: Option<u64>,
 }
 
 impl PlanKey {
@@ -231,6 +234,8 @@ struct Plan {
     a: sys::cublasLtMatrixLayout_t,
     b: sys::cublasLtMatrixLayout_t,
     d: sys::cublasLtMatrixLayout_t,
+    /// `C`'s layout where the key adds one.
+    c: Option<sys::cublasLtMatrixLayout_t>,
     algo: sys::cublasLtMatmulAlgo_t,
     /// The heuristic's candidates, best guess first.
     candidates: Vec<sys::cublasLtMatmulAlgo_t>,
@@ -245,6 +250,9 @@ impl Drop for Plan {
             let _ = lt::destroy_matrix_layout(self.a);
             let _ = lt::destroy_matrix_layout(self.b);
             let _ = lt::destroy_matrix_layout(self.d);
+            if let Some(c) = self.c {
+                let _ = lt::destroy_matrix_layout(c);
+            }
             let _ = lt::destroy_matmul_desc(self.desc);
         }
     }
@@ -295,6 +303,10 @@ impl Plan {
         let b = layout(input, &key.b);
         let d = lt::create_matrix_layout(f32t, key.n, key.m, key.n as i64)
             .unwrap_or_else(|e| panic!("cuBLASLt output layout: {e:?}"));
+        let c = key.c_ld.map(|ld| {
+            lt::create_matrix_layout(f32t, key.n, key.m, ld as i64)
+                .unwrap_or_else(|e| panic!("cuBLASLt addend layout: {e:?}"))
+        });
         let pref =
             lt::create_matmul_pref().unwrap_or_else(|e| panic!("cuBLASLt preference: {e:?}"));
         let ws = WORKSPACE_BYTES as u64;
@@ -317,7 +329,7 @@ impl Plan {
                 desc,
                 a,
                 b,
-                d,
+                c.unwrap_or(d),
                 d,
                 pref,
                 TUNE_CANDIDATES as i32,
@@ -336,13 +348,14 @@ impl Plan {
             a,
             b,
             d,
+            c,
             algo: heuristic[0].algo,
             candidates: heuristic.into_iter().map(|h| h.algo).collect(),
             tuned: false,
         }
     }
 
-    /// Runs `D = A · B` with `algo` on `stream`.
+    /// Runs `D = A · B` (`+ C` where the plan adds one) with `algo` on `stream`.
     ///
     /// # Safety
     /// As [`enqueue`]: live buffers of the layouts' sizes, a stream of the current context.
@@ -350,11 +363,15 @@ impl Plan {
         &self,
         handle: sys::cublasLtHandle_t,
         algo: &sys::cublasLtMatmulAlgo_t,
-        [a, b, d]: [u64; 3],
+        [a, b, c, d]: [u64; 4],
         workspace_ptr: u64,
         stream: cudarc::driver::sys::CUstream,
     ) -> Result<(), lt::CublasError> {
-        let (alpha, beta) = (1.0f32, 0.0f32);
+        let (alpha, beta) = (1.0f32, if self.c.is_some() { 1.0f32 } else { 0.0 });
+        let (c, c_layout) = match self.c {
+            Some(layout) => (c, layout),
+            None => (d, self.d),
+        };
         // SAFETY: upheld by the caller.
         unsafe {
             lt::matmul(
@@ -366,8 +383,8 @@ impl Plan {
                 self.a,
                 b as *const c_void,
                 self.b,
-                d as *const c_void,
-                self.d,
+                c as *const c_void,
+                c_layout,
                 d as *mut c_void,
                 self.d,
                 algo,
@@ -388,7 +405,7 @@ impl Plan {
     unsafe fn tune(
         &mut self,
         handle: sys::cublasLtHandle_t,
-        ptrs: [u64; 3],
+        ptrs: [u64; 4],
         workspace_ptr: u64,
         stream: cudarc::driver::sys::CUstream,
     ) -> Result<(), String> {
@@ -499,6 +516,8 @@ pub struct Prepared {
     b: Operand,
     m: usize,
     n: usize,
+    /// An f32 `[M, N]` with unit column stride added to the product ([`gemm_add`]).
+    add: Option<CudaTensor>,
 }
 
 /// Checks the shapes and prepares both operands of a non-empty `lhs [M, K] · rhs [K, N]`.
@@ -530,6 +549,7 @@ pub fn prepare_operands(p: GemmPrecision, lhs: CudaTensor, rhs: CudaTensor) -> P
         b,
         m,
         n,
+        add: None,
     }
 }
 
@@ -546,6 +566,35 @@ pub fn gemm_with(p: GemmPrecision, lhs: CudaTensor, rhs: CudaTensor) -> CudaTens
         );
     }
     run(&prepare_operands(p, lhs, rhs))
+}
+
+/// `lhs [M, K] · rhs [K, N] + c` with the given precision, the addition in cuBLASLt's epilogue
+/// (`β = 1`): one call instead of a GEMM and an elementwise add. `c` is an f32 `[M, N]`, read
+/// in place where its columns are contiguous (a column slice of a wider product).
+pub fn gemm_add(p: GemmPrecision, lhs: CudaTensor, rhs: CudaTensor, c: CudaTensor) -> CudaTensor {
+    let (m, n) = (dims(&lhs).0[0], dims(&rhs).0[1]);
+    let ([cm, cn], [_, cs1]) = dims(&c);
+    assert_eq!(
+        (cm, cn),
+        (m, n),
+        "gemm_add: the addend is [{cm}, {cn}], the product [{m}, {n}]"
+    );
+    assert_eq!(
+        c.dtype,
+        burn::tensor::DType::F32,
+        "gemm_add: the addend is f32"
+    );
+    if dims(&lhs).0[1] == 0 || m == 0 || n == 0 {
+        return into_contiguous(c);
+    }
+    let c = if cs1 == 1 || n <= 1 {
+        c
+    } else {
+        into_contiguous(c)
+    };
+    let mut op = prepare_operands(p, lhs, rhs);
+    op.add = Some(c);
+    run(&op)
 }
 
 /// How [`run`] hands the cuBLASLt call to the device.
@@ -622,7 +671,10 @@ pub fn run(op: &Prepared) -> CudaTensor {
         b: op.b,
         m: m as u64,
         n: n as u64,
+        c_ld: op.add.as_ref().map(|c| dims(c).1[0].max(n) as u64),
     };
+    // The addend's buffer, or the output's where there is none (then unused).
+    let addend = op.add.as_ref().unwrap_or(&out);
     let resource = |h: &cubecl::server::Handle| {
         client
             .get_resource(h.clone())
@@ -640,21 +692,28 @@ pub fn run(op: &Prepared) -> CudaTensor {
             .1
     });
     if submit_mode() == Submit::Blocking {
-        let (ra, rb, rd) = (
+        let (ra, rb, rc, rd) = (
             resource(&op.rhs.handle),
             resource(&op.lhs.handle),
+            resource(&addend.handle),
             resource(&out.handle),
         );
-        let (ra, rb, rd) = (ra.resource(), rb.resource(), rd.resource());
-        enqueue(&key, [ra.ptr, rb.ptr, rd.ptr], workspace_ptr, rd.stream)
-            .unwrap_or_else(|e| panic!("{e}"));
+        let (ra, rb, rc, rd) = (ra.resource(), rb.resource(), rc.resource(), rd.resource());
+        enqueue(
+            &key,
+            [ra.ptr, rb.ptr, rc.ptr, rd.ptr],
+            workspace_ptr,
+            rd.stream,
+        )
+        .unwrap_or_else(|e| panic!("{e}"));
         return out;
     }
-    // The bindings hold the three buffers until the task has run: memory is recycled only
-    // when no binding is left, and then in stream order after the GEMM.
+    // The bindings hold the buffers until the task has run: memory is recycled only when no
+    // binding is left, and then in stream order after the GEMM.
     let bindings = [
         op.rhs.handle.clone().binding(),
         op.lhs.handle.clone().binding(),
+        addend.handle.clone().binding(),
         out.handle.clone().binding(),
     ];
     let server = SERVERS.with(|s| {
@@ -677,9 +736,9 @@ pub fn run(op: &Prepared) -> CudaTensor {
                 .map(|b| server.get_resource(b, stream_id))
                 .collect::<Result<Vec<_>, _>>()
                 .map_err(|e| format!("gemm: device buffer unavailable: {e:?}"))?;
-            let [a, b, d] = [0, 1, 2].map(|i| held[i].resource());
+            let [a, b, c, d] = [0, 1, 2, 3].map(|i| held[i].resource());
             let lt = std::time::Instant::now();
-            let r = enqueue(&key, [a.ptr, b.ptr, d.ptr], workspace_ptr, d.stream);
+            let r = enqueue(&key, [a.ptr, b.ptr, c.ptr, d.ptr], workspace_ptr, d.stream);
             QUEUED_LT_NS.fetch_add(lt.elapsed().as_nanos() as u64, Ordering::Relaxed);
             r
         };
@@ -703,11 +762,11 @@ pub fn run(op: &Prepared) -> CudaTensor {
     out
 }
 
-/// Enqueues `D = A · B` of `key` on `stream` (pointers `[A, B, D]`), with this thread's
-/// cuBLASLt handle and plan cache.
+/// Enqueues `D = A · B (+ C)` of `key` on `stream` (pointers `[A, B, C, D]`; `C` unused where
+/// the key adds none), with this thread's cuBLASLt handle and plan cache.
 fn enqueue(
     key: &PlanKey,
-    [a, b, d]: [u64; 3],
+    [a, b, c, d]: [u64; 4],
     workspace_ptr: u64,
     stream: cudarc::driver::sys::CUstream,
 ) -> Result<(), String> {
@@ -726,7 +785,7 @@ fn enqueue(
             .plans
             .entry(*key)
             .or_insert_with(|| Plan::new(handle, key));
-        let ptrs = [a, b, d];
+        let ptrs = [a, b, c, d];
         // SAFETY (both calls): the pointers are live device buffers of the sizes the layouts
         // describe (the caller holds their resources or bindings until after the call, and
         // their memory is recycled only in order on `stream`); `stream` is CubeCL's stream of
@@ -936,6 +995,7 @@ mod tests {
             b: operand([m, k], [k, 1]).unwrap(),
             m: m as u64,
             n: n as u64,
+            c_ld: None,
         }
     }
 

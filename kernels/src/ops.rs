@@ -127,6 +127,17 @@ pub trait SnnOps: Backend {
         Self::float_matmul(lhs, rhs)
     }
 
+    /// `lhs · rhs + c` (`c` `[M, N]`, possibly a column slice of a wider tensor), for untracked
+    /// passes. Default: [`gemm`](Self::gemm) then an add. CUDA adds `c` in cuBLASLt's
+    /// epilogue (one call instead of two).
+    fn gemm_add(
+        lhs: FloatTensor<Self>,
+        rhs: FloatTensor<Self>,
+        c: FloatTensor<Self>,
+    ) -> FloatTensor<Self> {
+        Self::float_add(Self::gemm(lhs, rhs), c)
+    }
+
     /// Rounds a GEMM operand to the type [`gemm`](Self::gemm) reads, so that an operand used by
     /// several products is rounded once: the autodiff node keeps its operands rounded for the
     /// backward products and rounds the incoming gradient once for both. Default: unchanged
@@ -1014,56 +1025,42 @@ pub fn norm_plif_fused<B: SnnOps>(
 }
 
 /// [`SnnOps::ffn_plif_fused`] on tensors: `Some((g·v [TK, B, D_ff], final state [B, 2·D_ff]))`
-/// where the backend fuses it, else `None`. `i_gu` `[TK, B, 2·D_ff]`; see
-/// [`ffn_plif_fused_rows`] for a column slice of a wider product.
-#[allow(clippy::too_many_arguments)]
+/// where the backend fuses it, else `None`. `i_gu` `[TK, B, 2·D_ff]`; `params` the gate and up
+/// neurons' β logits, then their thresholds (`[D_ff]` each); see [`ffn_plif_fused_rows`] for a
+/// column slice of a wider product.
 pub fn ffn_plif_fused<B: SnnOps>(
     i_gu: Tensor<B, 3>,
-    w_gate: Tensor<B, 1>,
-    w_up: Tensor<B, 1>,
-    th_gate: Tensor<B, 1>,
-    th_up: Tensor<B, 1>,
+    params: [Tensor<B, 1>; 4],
     v0: Tensor<B, 2>,
     leak: bool,
 ) -> Option<(Tensor<B, 3>, Tensor<B, 2>)> {
-    B::ffn_plif_fused(
-        prim(i_gu),
-        prim(w_gate),
-        prim(w_up),
-        prim(th_gate),
-        prim(th_up),
-        prim(v0),
-        leak,
-    )
-    .map(|(gv, last)| (wrap(gv), wrap(last)))
+    ffn_plif_call(prim(i_gu), params, v0, leak)
 }
 
 /// [`ffn_plif_fused`] on the first `2·D_ff` columns of a 2-D `i_gu` `[TK·B, W]` read in place
 /// (the merged gate/up/skip product of a decoding step), where the backend fuses it and
 /// [`decode_fusion`] is on: `g·v` `[TK, B, D_ff]` and the final state.
-#[allow(clippy::too_many_arguments)]
 pub fn ffn_plif_fused_rows<B: SnnOps>(
     i_gu: Tensor<B, 2>,
-    w_gate: Tensor<B, 1>,
-    w_up: Tensor<B, 1>,
-    th_gate: Tensor<B, 1>,
-    th_up: Tensor<B, 1>,
+    params: [Tensor<B, 1>; 4],
     v0: Tensor<B, 2>,
     leak: bool,
 ) -> Option<(Tensor<B, 3>, Tensor<B, 2>)> {
     if !decode_fusion() {
         return None;
     }
-    B::ffn_plif_fused(
-        prim(i_gu),
-        prim(w_gate),
-        prim(w_up),
-        prim(th_gate),
-        prim(th_up),
-        prim(v0),
-        leak,
-    )
-    .map(|(gv, last)| (wrap(gv), wrap(last)))
+    ffn_plif_call(prim(i_gu), params, v0, leak)
+}
+
+fn ffn_plif_call<B: SnnOps>(
+    i_gu: FloatTensor<B>,
+    params: [Tensor<B, 1>; 4],
+    v0: Tensor<B, 2>,
+    leak: bool,
+) -> Option<(Tensor<B, 3>, Tensor<B, 2>)> {
+    let [w_gate, w_up, th_gate, th_up] = params.map(prim);
+    B::ffn_plif_fused(i_gu, w_gate, w_up, th_gate, th_up, prim(v0), leak)
+        .map(|(gv, last)| (wrap(gv), wrap(last)))
 }
 
 /// Whether the decoding fusions ([`block_scan_fused`], [`gate_skip_fused`],
@@ -1134,6 +1131,16 @@ pub fn centred_residual_fused<B: SnnOps>(h: Tensor<B, 2>, r: Tensor<B, 2>) -> Op
 /// `lhs [M, K] · rhs [K, N]` through [`SnnOps::gemm`], differentiable.
 pub fn matmul<B: SnnOps>(lhs: Tensor<B, 2>, rhs: Tensor<B, 2>) -> Tensor<B, 2> {
     wrap(B::gemm(prim(lhs), prim(rhs)))
+}
+
+/// `lhs [M, K] · rhs [K, N] + c [M, N]` through [`SnnOps::gemm_add`]: for untracked passes
+/// (on an autodiff backend it is the differentiable GEMM and add).
+pub fn matmul_add<B: SnnOps>(
+    lhs: Tensor<B, 2>,
+    rhs: Tensor<B, 2>,
+    c: Tensor<B, 2>,
+) -> Tensor<B, 2> {
+    wrap(B::gemm_add(prim(lhs), prim(rhs), prim(c)))
 }
 
 /// `t` as [`matmul`] reads it ([`SnnOps::gemm_operand`]): for an operand used many times
@@ -1240,6 +1247,14 @@ fn selective_args<B: Backend>(inp: SelectiveInputs<B>) -> [FloatTensor<B>; 8] {
 impl SnnOps for burn_cuda::Cuda<f32, i32> {
     fn gemm(lhs: FloatTensor<Self>, rhs: FloatTensor<Self>) -> FloatTensor<Self> {
         crate::cuda_gemm::gemm(lhs, rhs)
+    }
+
+    fn gemm_add(
+        lhs: FloatTensor<Self>,
+        rhs: FloatTensor<Self>,
+        c: FloatTensor<Self>,
+    ) -> FloatTensor<Self> {
+        crate::cuda_gemm::gemm_add(crate::cuda_gemm::precision(), lhs, rhs, c)
     }
 
     fn gemm_operand(t: FloatTensor<Self>) -> FloatTensor<Self> {

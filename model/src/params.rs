@@ -130,12 +130,30 @@ impl<B: Backend> Linear<B> {
 
 impl<B: SnnOps> Linear<B> {
     /// `x @ Wᵀ (+ b)` over the rows of `x` `[rows, in]`, in the backend's GEMM precision.
+    /// `Wᵀ` as an untracked pass's GEMM reads it, made once per parameter update.
+    fn untracked_operand(&self) -> Tensor<B, 2> {
+        self.operand
+            .get_or_init(|| as_operand(self.weight.clone().transpose()))
+    }
+
+    /// `forward(x) + c`: in an untracked pass one GEMM that adds `c` itself
+    /// ([`nsactor_kernels::matmul_add`]; `c` may be a column slice of a wider product).
+    pub fn forward_add(&self, x: Tensor<B, 2>, c: Tensor<B, 2>) -> Tensor<B, 2> {
+        if B::ad_enabled(&x.device()) {
+            return self.forward(x) + c;
+        }
+        let y = nsactor_kernels::matmul_add(x, self.untracked_operand(), c);
+        match &self.bias {
+            Some(b) => y + b.clone().unsqueeze::<2>(),
+            None => y,
+        }
+    }
+
     pub fn forward(&self, x: Tensor<B, 2>) -> Tensor<B, 2> {
         let w = if B::ad_enabled(&x.device()) {
             self.weight.clone().transpose()
         } else {
-            self.operand
-                .get_or_init(|| as_operand(self.weight.clone().transpose()))
+            self.untracked_operand()
         };
         let y = nsactor_kernels::matmul(x, w);
         match &self.bias {

@@ -96,14 +96,6 @@ impl<B: SnnOps> SnnBlock<B> {
     /// (a decoding step), whose outputs are column slices of one product.
     pub fn projections(&self, flat: Tensor<B, 2>, dn: usize) -> [Tensor<B, 2>; 6] {
         let [rows, d] = flat.dims();
-        let lins = [
-            &self.W_in,
-            &self.W_beta_x,
-            &self.W_alpha_x,
-            &self.W_th_x,
-            &self.W_gate,
-            &self.W_skip,
-        ];
         if decoding_pass::<B>(rows, &flat.device()) {
             let y = self.merged_projection(flat); // [rows, 4·DN + 2·D]
             let widths = [dn, dn, dn, dn, d, d];
@@ -114,7 +106,19 @@ impl<B: SnnOps> SnnBlock<B> {
                 part
             });
         }
-        lins.map(|l| l.forward(flat.clone()))
+        self.input_linears().map(|l| l.forward(flat.clone()))
+    }
+
+    /// The six projections of the block's input, in [`projections`](Self::projections)' order.
+    fn input_linears(&self) -> [&Linear<B>; 6] {
+        [
+            &self.W_in,
+            &self.W_beta_x,
+            &self.W_alpha_x,
+            &self.W_th_x,
+            &self.W_gate,
+            &self.W_skip,
+        ]
     }
 
     /// The six projections of a decoding pass's input `[TK·B, D]` as one GEMM on the
@@ -122,14 +126,7 @@ impl<B: SnnOps> SnnBlock<B> {
     /// order.
     pub fn merged_projection(&self, flat: Tensor<B, 2>) -> Tensor<B, 2> {
         let w = self.merged_in.get_or_init(|| {
-            let lins = [
-                &self.W_in,
-                &self.W_beta_x,
-                &self.W_alpha_x,
-                &self.W_th_x,
-                &self.W_gate,
-                &self.W_skip,
-            ];
+            let lins = self.input_linears();
             let w = Tensor::cat(lins.iter().map(|l| l.weight.clone()).collect(), 0);
             crate::params::as_operand(w.transpose())
         });

@@ -60,6 +60,16 @@ impl<B: SnnOps> SnnFfn<B> {
         }
     }
 
+    /// The gate and up neurons' β logits, then their thresholds, as the fused kernels take them.
+    fn neuron_params(&self) -> [Tensor<B, 1>; 4] {
+        [
+            self.gate_neuron.w.clone(),
+            self.up_neuron.w.clone(),
+            self.gate_neuron.v_th.clone(),
+            self.up_neuron.v_th.clone(),
+        ]
+    }
+
     /// `a` `[TK, B, D]`, merged gate/up state `v0` `[B, 2·D_ff]` (gate first) → `[TK, B, D]` and
     /// the final state.
     pub fn forward(
@@ -88,15 +98,13 @@ impl<B: SnnOps> SnnFfn<B> {
             let y = nsactor_kernels::matmul(flat.clone(), w); // [TK·B, 2·D_ff + D]
             if let Some((gv, last)) = nsactor_kernels::ffn_plif_fused_rows(
                 y.clone(),
-                self.gate_neuron.w.clone(),
-                self.up_neuron.w.clone(),
-                self.gate_neuron.v_th.clone(),
-                self.up_neuron.v_th.clone(),
+                self.neuron_params(),
                 v0.clone(),
                 out == PlifOut::Leak,
             ) {
+                // The skip path added in the down projection's GEMM.
                 let skip = y.narrow(1, 2 * f, d);
-                let y = self.down_proj.forward(gv.reshape([tk * b, f])) + skip;
+                let y = self.down_proj.forward_add(gv.reshape([tk * b, f]), skip);
                 return (y.reshape([tk, b, d]), last);
             }
         }
@@ -133,10 +141,7 @@ impl<B: SnnOps> SnnFfn<B> {
     ) -> (Tensor<B, 3>, Tensor<B, 2>) {
         if let Some(fused) = nsactor_kernels::ffn_plif_fused(
             i_gu.clone(),
-            self.gate_neuron.w.clone(),
-            self.up_neuron.w.clone(),
-            self.gate_neuron.v_th.clone(),
-            self.up_neuron.v_th.clone(),
+            self.neuron_params(),
             v0.clone(),
             out == PlifOut::Leak,
         ) {

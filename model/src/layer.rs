@@ -265,14 +265,17 @@ fn add_centred<B: SnnOps>(h: Tensor<B, 3>, proj: &Linear<B>, agg: Tensor<B, 3>) 
     {
         return x.reshape([t, b, d]);
     }
-    let r = r.reshape([t, b, d]);
-    h + (r.clone() - r.mean_dim(2))
+    h + centre(r.reshape([t, b, d]))
 }
 
 /// Out-projection with residual centering: `r − mean_D(r)` per token.
 fn centred<B: SnnOps>(proj: &Linear<B>, agg: Tensor<B, 3>) -> Tensor<B, 3> {
     let [t, b, d] = agg.dims();
-    let r = proj.forward(agg.reshape([t * b, d])).reshape([t, b, d]);
+    centre(proj.forward(agg.reshape([t * b, d])).reshape([t, b, d]))
+}
+
+/// `r − mean_D(r)` per token.
+fn centre<B: Backend>(r: Tensor<B, 3>) -> Tensor<B, 3> {
     r.clone() - r.mean_dim(2)
 }
 

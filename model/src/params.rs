@@ -129,7 +129,6 @@ impl<B: Backend> Linear<B> {
 }
 
 impl<B: SnnOps> Linear<B> {
-    /// `x @ Wᵀ (+ b)` over the rows of `x` `[rows, in]`, in the backend's GEMM precision.
     /// `Wᵀ` as an untracked pass's GEMM reads it, made once per parameter update.
     fn untracked_operand(&self) -> Tensor<B, 2> {
         self.operand
@@ -149,6 +148,7 @@ impl<B: SnnOps> Linear<B> {
         }
     }
 
+    /// `x @ Wᵀ (+ b)` over the rows of `x` `[rows, in]`, in the backend's GEMM precision.
     pub fn forward(&self, x: Tensor<B, 2>) -> Tensor<B, 2> {
         let w = if B::ad_enabled(&x.device()) {
             self.weight.clone().transpose()

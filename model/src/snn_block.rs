@@ -31,6 +31,16 @@ impl_params!(SnnBlock {
     derived: [merged_in]
 });
 
+/// The merged projection `y` `[rows, 4·DN + 2·D]` as the six projections' column slices.
+fn merged_slices<B: Backend>(y: Tensor<B, 2>, dn: usize, d: usize) -> [Tensor<B, 2>; 6] {
+    let mut start = 0;
+    [dn, dn, dn, dn, d, d].map(|w| {
+        let part = y.clone().narrow(1, start, w);
+        start += w;
+        part
+    })
+}
+
 /// `softplus⁻¹(1) = ln(e − 1)`: the `b_alpha` init mean, so `α ≈ 1` at init.
 const B_ALPHA_MEAN: f64 = 0.541_324_854_612_918;
 
@@ -97,14 +107,7 @@ impl<B: SnnOps> SnnBlock<B> {
     pub fn projections(&self, flat: Tensor<B, 2>, dn: usize) -> [Tensor<B, 2>; 6] {
         let [rows, d] = flat.dims();
         if decoding_pass::<B>(rows, &flat.device()) {
-            let y = self.merged_projection(flat); // [rows, 4·DN + 2·D]
-            let widths = [dn, dn, dn, dn, d, d];
-            let mut start = 0;
-            return widths.map(|w| {
-                let part = y.clone().narrow(1, start, w);
-                start += w;
-                part
-            });
+            return merged_slices(self.merged_projection(flat), dn, d);
         }
         self.input_linears().map(|l| l.forward(flat.clone()))
     }
@@ -143,10 +146,10 @@ impl<B: SnnOps> SnnBlock<B> {
         let [tk, b, d] = a.dims();
         let dn = self.b_beta.dims()[0];
         let flat = a.reshape([tk * b, d]);
-        if decoding_pass::<B>(tk * b, &flat.device()) {
+        let projected = if decoding_pass::<B>(tk * b, &flat.device()) {
             // A decoding step: the scan and the gated output read the merged product in place
             // where the backend fuses them (five launches instead of ≈ 14).
-            let y = self.merged_projection(flat.clone());
+            let y = self.merged_projection(flat);
             if let Some((vpost, last)) = nsactor_kernels::block_scan_fused(
                 y.clone(),
                 self.b_beta.clone(),
@@ -169,8 +172,11 @@ impl<B: SnnOps> SnnBlock<B> {
                 };
                 return (out.reshape([tk, b, d]), last);
             }
-        }
-        let [i, rb, ra, rt, gate, skip] = self.projections(flat, dn);
+            merged_slices(y, dn, d)
+        } else {
+            self.projections(flat, dn)
+        };
+        let [i, rb, ra, rt, gate, skip] = projected;
         let gate = sigmoid(gate); // [TK·B, D]
         let seq = |x: Tensor<B, 2>| x.reshape([tk, b, dn]);
         // Modulation (Eq. 5-7): β = σ(·+b_β), α = softplus(·+b_α), V_th = V_min + |·+b_th|,

@@ -81,6 +81,11 @@ impl<B: SnnOps> SnnFfn<B> {
         let [tk, b, d] = a.dims();
         let f = self.gate_proj.weight.dims()[0];
         let flat = a.reshape([tk * b, d]);
+        let finish = |i_gu: Tensor<B, 3>, skip: Tensor<B, 2>| {
+            let (gv, last) = self.gate_up(i_gu, v0.clone(), out);
+            let y = self.down_proj.forward(gv.reshape([tk * b, f])) + skip;
+            (y.reshape([tk, b, d]), last)
+        };
         if decoding_pass::<B>(tk * b, &flat.device()) {
             // A decoding step: one GEMM for gate, up and skip, the neurons reading its first
             // 2·D_ff columns in place where the backend fuses them.
@@ -107,6 +112,9 @@ impl<B: SnnOps> SnnFfn<B> {
                 let y = self.down_proj.forward_add(gv.reshape([tk * b, f]), skip);
                 return (y.reshape([tk, b, d]), last);
             }
+            // Unfused: the same product's slices.
+            let i_gu = y.clone().narrow(1, 0, 2 * f).reshape([tk, b, 2 * f]);
+            return finish(i_gu, y.narrow(1, 2 * f, d));
         }
         let cat = || {
             Tensor::cat(
@@ -124,9 +132,7 @@ impl<B: SnnOps> SnnFfn<B> {
         };
         let i_gu = nsactor_kernels::matmul(flat.clone(), w_gu); // [TK·B, 2·D_ff]
         let skip = self.skip_proj.forward(flat);
-        let (gv, last) = self.gate_up(i_gu.reshape([tk, b, 2 * f]), v0, out);
-        let y = self.down_proj.forward(gv.reshape([tk * b, f])) + skip;
-        (y.reshape([tk, b, d]), last)
+        finish(i_gu.reshape([tk, b, 2 * f]), skip)
     }
 
     /// The gate and up neurons on the merged projection `i_gu` `[TK, B, 2·D_ff]` and their

@@ -357,6 +357,10 @@ struct KernelsArgs {
     /// Backend plugin (or `embedded`).
     #[arg(long, default_value = "cuda")]
     backend: String,
+    /// Projection GEMM arithmetic of the process (CUDA): with bf16 the bf16-storage variants
+    /// of the scans are checked and timed too.
+    #[arg(long, value_parser = ["fp32", "bf16"], default_value = "fp32")]
+    precision: String,
     /// Shapes and repetitions as key=value pairs: steps (T·K), batch, elem_dim (D·N),
     /// row_dim (2·D_ff), check_steps, reps, dim (D), k (K). Default: the 0.9B shapes, 10 reps.
     #[arg(long, default_value = "")]
@@ -1190,14 +1194,18 @@ fn serve_bench_cmd(a: ServeBenchArgs) -> Result<(), Box<dyn std::error::Error>> 
     })
 }
 
-fn decode_profile_cmd(a: DecodeProfileArgs) -> Result<(), Box<dyn std::error::Error>> {
-    // The CPU backend has one precision and takes no options.
-    let options = if a.backend == "cuda" {
-        format!("precision={}", a.precision)
+/// The plugin option string that sets `precision` on `backend`: the CPU backend has one
+/// precision and takes no options.
+fn precision_option(backend: &str, precision: &str) -> String {
+    if backend == "cuda" {
+        format!("precision={precision}")
     } else {
         String::new()
-    };
-    let b = backend::open_with(&a.backend, &[], &options)?;
+    }
+}
+
+fn decode_profile_cmd(a: DecodeProfileArgs) -> Result<(), Box<dyn std::error::Error>> {
+    let b = backend::open_with(&a.backend, &[], &precision_option(&a.backend, &a.precision))?;
     print!("{}", b.bench("decode-profile", &a.options)?);
     Ok(())
 }
@@ -1565,7 +1573,11 @@ fn train_bench_cmd(a: TrainBenchArgs) -> Result<(), Box<dyn std::error::Error>> 
 }
 
 fn kernels_cmd(args: KernelsArgs) -> Result<(), Box<dyn std::error::Error>> {
-    let b = backend::open(&args.backend, &[])?;
+    let b = backend::open_with(
+        &args.backend,
+        &[],
+        &precision_option(&args.backend, &args.precision),
+    )?;
     let info = b.info();
     println!(
         "PLIF scan kernels: {} {} on {}",

@@ -10,7 +10,7 @@ use burn::backend::autodiff::{
     grads::Gradients,
     ops::{Backward, Ops, OpsKind},
 };
-use burn::tensor::ops::FloatTensor;
+use burn::tensor::{DType, TensorMetadata, ops::FloatTensor};
 
 /// Which scan variant a backward node belongs to.
 #[derive(Debug, Clone, Copy)]
@@ -96,6 +96,7 @@ fn forward<B: SnnOps, C: CheckpointStrategy>(
             PlifOutput {
                 spike: <FloatTensor<Autodiff<B, C>>>::new(out.spike),
                 vpost: prep.finish(state, out.vpost),
+                last: out.last.map(<FloatTensor<Autodiff<B, C>>>::new),
             }
         }
         OpsKind::UnTracked(prep) => {
@@ -103,20 +104,22 @@ fn forward<B: SnnOps, C: CheckpointStrategy>(
             PlifOutput {
                 spike: <FloatTensor<Autodiff<B, C>>>::new(out.spike),
                 vpost: prep.finish(out.vpost),
+                last: out.last.map(<FloatTensor<Autodiff<B, C>>>::new),
             }
         }
     }
 }
 
-/// Backward of `lhs · rhs`: `∂lhs = g · rhsᵀ`, `∂rhs = lhsᵀ · g`, through `B::gemm`. The state
-/// holds the operands as the forward's GEMM read them ([`SnnOps::gemm_operand`]: bf16 copies
-/// on CUDA in bf16, half the memory of the f32 tensors and no second rounding), and `g` is
-/// rounded once for both products.
+/// Backward of `lhs · rhs`: `∂lhs = g · rhsᵀ`, `∂rhs = lhsᵀ · g`, through `B::gemm_out`. The
+/// state holds the operands as the forward's GEMM read them ([`SnnOps::gemm_operand`]: bf16
+/// copies on CUDA in bf16, half the memory of the f32 tensors and no second rounding), and `g`
+/// is rounded once for both products. Each gradient is written in its tensor's type (a bf16
+/// activation gets a bf16 gradient: the scan kernel that made it reads that).
 #[derive(Debug)]
 struct MatmulBackward;
 
 impl<B: SnnOps> Backward<B, 2> for MatmulBackward {
-    type State = (FloatTensor<B>, FloatTensor<B>);
+    type State = (FloatTensor<B>, FloatTensor<B>, [DType; 2]);
 
     fn backward(
         self,
@@ -126,13 +129,13 @@ impl<B: SnnOps> Backward<B, 2> for MatmulBackward {
     ) {
         let [node_lhs, node_rhs] = ops.parents;
         let g = B::gemm_operand(grads.consume::<B>(&ops.node));
-        let (lhs, rhs) = ops.state;
+        let (lhs, rhs, [lhs_dtype, rhs_dtype]) = ops.state;
         if let Some(node) = node_lhs {
-            let d = B::gemm(g.clone(), B::float_transpose(rhs));
+            let d = B::gemm_out(g.clone(), B::float_transpose(rhs), lhs_dtype);
             grads.register::<B>(node.id, d);
         }
         if let Some(node) = node_rhs {
-            let d = B::gemm(B::float_transpose(lhs), g);
+            let d = B::gemm_out(B::float_transpose(lhs), g, rhs_dtype);
             grads.register::<B>(node.id, d);
         }
     }
@@ -412,6 +415,7 @@ impl<B: SnnOps, C: CheckpointStrategy> SnnOps for Autodiff<B, C> {
                 PlifOutput {
                     spike: <FloatTensor<Self>>::new(out.spike),
                     vpost: prep.finish(state, out.vpost),
+                    last: out.last.map(<FloatTensor<Self>>::new),
                 }
             }
             OpsKind::UnTracked(prep) => {
@@ -419,25 +423,35 @@ impl<B: SnnOps, C: CheckpointStrategy> SnnOps for Autodiff<B, C> {
                 PlifOutput {
                     spike: <FloatTensor<Self>>::new(out.spike),
                     vpost: prep.finish(out.vpost),
+                    last: out.last.map(<FloatTensor<Self>>::new),
                 }
             }
         }
     }
 
     fn gemm(lhs: FloatTensor<Self>, rhs: FloatTensor<Self>) -> FloatTensor<Self> {
+        Self::gemm_out(lhs, rhs, DType::F32)
+    }
+
+    fn gemm_out(lhs: FloatTensor<Self>, rhs: FloatTensor<Self>, out: DType) -> FloatTensor<Self> {
         let prep = MatmulBackward
             .prepare::<C>([lhs.node.clone(), rhs.node.clone()])
             .compute_bound()
             .stateful();
         match prep {
             OpsKind::Tracked(prep) => {
+                let dtypes = [lhs.primitive.dtype(), rhs.primitive.dtype()];
                 let lhs = B::gemm_operand(lhs.primitive);
                 let rhs = B::gemm_operand(rhs.primitive);
-                let out = B::gemm(lhs.clone(), rhs.clone());
-                prep.finish((lhs, rhs), out)
+                let out = B::gemm_out(lhs.clone(), rhs.clone(), out);
+                prep.finish((lhs, rhs, dtypes), out)
             }
-            OpsKind::UnTracked(prep) => prep.finish(B::gemm(lhs.primitive, rhs.primitive)),
+            OpsKind::UnTracked(prep) => prep.finish(B::gemm_out(lhs.primitive, rhs.primitive, out)),
         }
+    }
+
+    fn storage_dtype() -> DType {
+        B::storage_dtype()
     }
 
     fn plif_elem_forward(

@@ -353,7 +353,13 @@ pub fn run<B: SnnOps>(device: &B::Device, cfg: &ScanBench) -> Result<String, Str
     if let Err(name) = selective::<B>(device, cfg, copy_bw, &mut out) {
         failed.push(name);
     }
+    if let Err(name) = selective_stored::<B>(device, cfg, copy_bw, &mut out) {
+        failed.push(name);
+    }
     if let Err(name) = ffn_neurons::<B>(device, cfg, copy_bw, &mut out) {
+        failed.push(name);
+    }
+    if let Err(name) = ffn_stored::<B>(device, cfg, copy_bw, &mut out) {
         failed.push(name);
     }
     if let Err(name) = ponder::<B>(device, cfg, copy_bw, &mut out) {
@@ -514,6 +520,216 @@ fn selective<B: SnnOps>(
         100.0 * fired
     );
     failed
+}
+
+/// Largest accepted error of a kernel that stores bf16 ([`SnnOps::storage_dtype`]) against
+/// the f32 reference on the same (rounded) inputs, per tensor as `‖kernel − reference‖ /
+/// ‖reference‖` (the issue's 1e-2 for bf16 runs, the measure `verify plif-scan` holds bf16
+/// storage to). Elementwise it cannot hold: a bias gradient summed over thousands of steps
+/// cancels, and a rounding of 2⁻⁹ in one term becomes a larger share of the small sum.
+const TOLERANCE_BF16: f32 = 1e-2;
+
+/// `‖a − b‖ / ‖b‖` (0 when both are 0; infinite when the lengths differ).
+fn rel_norm(a: &[f32], b: &[f32]) -> f32 {
+    if a.len() != b.len() {
+        return f32::INFINITY;
+    }
+    let (mut d, mut r) = (0.0f64, 0.0f64);
+    for (x, y) in a.iter().zip(b) {
+        d += ((x - y) as f64).powi(2);
+        r += (*y as f64).powi(2);
+    }
+    if d == 0.0 { 0.0 } else { (d / r).sqrt() as f32 }
+}
+
+/// The worst `‖a − b‖ / ‖b‖` over pairs of tensors.
+fn worst_rel_norm<B: Backend>(a: &[FloatTensor<B>], b: &[FloatTensor<B>]) -> f32 {
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| rel_norm(&host::<B>(x), &host::<B>(y)))
+        .fold(0.0f32, f32::max)
+}
+
+/// `t` `[·, ·, ·]` cast to `dtype`.
+fn cast3<B: Backend>(t: &FloatTensor<B>, dtype: burn::tensor::DType) -> FloatTensor<B> {
+    prim(Tensor::<B, 3>::from_primitive(TensorPrimitive::Float(t.clone())).cast(dtype))
+}
+
+/// `t` rounded to bf16 storage, and the exact f32 values of the rounded tensor.
+fn rounded<B: Backend>(t: &FloatTensor<B>) -> (FloatTensor<B>, FloatTensor<B>) {
+    let low = cast3::<B>(t, burn::tensor::DType::BF16);
+    let wide = cast3::<B>(&low, burn::tensor::DType::F32);
+    (low, wide)
+}
+
+/// One line of a bf16-storage kernel: its error and, where it passes, time and bandwidth.
+fn report_stored(
+    out: &mut String,
+    copy_bw: f64,
+    (name, err, s, bytes): (&'static str, f32, f64, usize),
+    agree: &str,
+) -> Result<(), &'static str> {
+    if err.is_nan() || err > TOLERANCE_BF16 {
+        let _ = writeln!(
+            out,
+            "{name:<24} {err:>11.2e}  WRONG: differs from the f32 reference on the same rounded \
+             inputs (‖Δ‖/‖ref‖; {agree}); not timed"
+        );
+        return Err(name);
+    }
+    let bw = bytes as f64 / s.max(1e-9);
+    let _ = writeln!(
+        out,
+        "{name:<24} {err:>11.2e} {:>10.3} {:>9.1} {:>9.0}% {agree:>12}",
+        s * 1e3,
+        bw / 1e9,
+        100.0 * bw / copy_bw,
+    );
+    Ok(())
+}
+
+/// The selective scan with bf16 storage, where the backend stores it: the four projections
+/// and the upstream gradient rounded to bf16 go in, spikes, `V_post` and the projections'
+/// gradients come out in bf16. Checked against the composed f32 reference on the same rounded
+/// values (spikes and the final state must agree exactly: the arithmetic is f32; `V_post` and
+/// the gradients within [`TOLERANCE_BF16`]), then timed at the 0.9B shape, bytes counted at
+/// their stored width.
+fn selective_stored<B: SnnOps>(
+    device: &B::Device,
+    cfg: &ScanBench,
+    copy_bw: f64,
+    out: &mut String,
+) -> Result<(), &'static str> {
+    if B::storage_dtype() == burn::tensor::DType::F32 {
+        return Ok(());
+    }
+    // (bf16 inputs, their exact f32 values, bf16 gradient, its f32 values)
+    let prepare = |steps: usize| {
+        let (inp, grad) = selective_inputs::<B>(steps, cfg, device);
+        let (mut low, mut wide) = (inp.clone(), inp.clone());
+        (low.i, wide.i) = rounded::<B>(&inp.i);
+        (low.r_beta, wide.r_beta) = rounded::<B>(&inp.r_beta);
+        (low.r_alpha, wide.r_alpha) = rounded::<B>(&inp.r_alpha);
+        (low.r_th, wide.r_th) = rounded::<B>(&inp.r_th);
+        let (grad_low, grad_wide) = rounded::<B>(&grad);
+        (low, wide, grad_low, grad_wide)
+    };
+    let grads = |g: SelectiveGrads<B>| {
+        vec![
+            g.i, g.r_beta, g.r_alpha, g.r_th, g.b_beta, g.b_alpha, g.b_th, g.v0,
+        ]
+    };
+    let fused_bwd = |inp: &SelectiveInputs<B>, grad: &FloatTensor<B>| {
+        let o = B::plif_selective_forward(inp.clone());
+        grads(B::plif_selective_backward(
+            inp.clone(),
+            o.vpost,
+            o.spike,
+            grad.clone(),
+        ))
+    };
+    let (low, wide, grad_low, grad_wide) = prepare(cfg.check_steps);
+    let f = B::plif_selective_forward(low.clone());
+    let r = selective_forward_reference(wide.clone());
+    let (fs, rs) = (host::<B>(&f.spike), host::<B>(&r.spike));
+    let agree = fs.iter().zip(&rs).filter(|(a, b)| a == b).count() as f64 / rs.len() as f64;
+    let last_exact = f.last.as_ref().is_none_or(|last| {
+        let rv = host::<B>(&r.vpost);
+        host::<B>(last) == rv[rv.len() - cfg.batch * cfg.elem_dim..]
+    });
+    let err_fwd = if agree == 1.0 && last_exact {
+        rel_norm(&host::<B>(&f.vpost), &host::<B>(&r.vpost))
+    } else {
+        f32::INFINITY
+    };
+    let reference = selective_backward_reference(wide, r.vpost, r.spike, grad_wide);
+    let err_bwd = worst_rel_norm::<B>(&fused_bwd(&low, &grad_low), &grads(reference));
+    drop((low, grad_low, f));
+    let (full, _, grad, _) = prepare(cfg.steps);
+    let (n, c) = (
+        cfg.steps * cfg.batch * cfg.elem_dim,
+        cfg.batch * cfg.elem_dim,
+    );
+    let t_fwd = time::<B>(device, cfg.reps, || {
+        let _ = B::plif_selective_forward(full.clone());
+    });
+    let t_bwd = time::<B>(device, cfg.reps, || {
+        let _ = fused_bwd(&full, &grad);
+    }) - t_fwd;
+    let agree = format!("{agree:.6}");
+    let exact = format!("spikes agree {agree}, final state exact: {last_exact}");
+    // Stored values 2 bytes; biases, v0, the final state and the per-column sums 4.
+    let fwd = ("selective fwd, bf16", err_fwd, t_fwd, 2 * 6 * n + 4 * 3 * c);
+    let bwd = (
+        "selective bwd, bf16",
+        err_bwd,
+        t_bwd,
+        2 * 11 * n + 4 * 5 * c,
+    );
+    let a = report_stored(
+        out,
+        copy_bw,
+        fwd,
+        if err_fwd.is_finite() { &agree } else { &exact },
+    );
+    let b = report_stored(out, copy_bw, bwd, "-");
+    a.and(b)
+}
+
+/// The FFN neurons with bf16 storage: the currents `i_gu` and the upstream gradient rounded
+/// to bf16 go in, `g·v` and `∂i_gu` come out in bf16, `V_post` (which the backward's spike
+/// recomputation reads) in f32. Against the composition in f32 on the same rounded values:
+/// `V_post` bit for bit, `g·v` and every gradient within [`TOLERANCE_BF16`], both output
+/// modes; timed at the 0.9B shape.
+fn ffn_stored<B: SnnOps>(
+    device: &B::Device,
+    cfg: &ScanBench,
+    copy_bw: f64,
+    out: &mut String,
+) -> Result<(), &'static str> {
+    if B::storage_dtype() == burn::tensor::DType::F32 {
+        return Ok(());
+    }
+    let prepare = |steps: usize, leak: bool| {
+        let (inp, grad) = ffn_inputs::<B>(steps, cfg, leak, device);
+        let (mut low, mut wide) = (inp.clone(), inp.clone());
+        (low.i_gu, wide.i_gu) = rounded::<B>(&inp.i_gu);
+        let (grad_low, grad_wide) = rounded::<B>(&grad);
+        (low, wide, grad_low, grad_wide)
+    };
+    let grads = |g: FfnGrads<B>| vec![g.i_gu, g.w_gate, g.w_up, g.th_gate, g.th_up, g.v0];
+    let fused_bwd = |inp: &FfnInputs<B>, grad: &FloatTensor<B>| {
+        let (_, vpost) = B::ffn_neurons_forward(inp.clone());
+        grads(B::ffn_neurons_backward(inp.clone(), vpost, grad.clone()))
+    };
+    let (mut err_fwd, mut err_bwd) = (0.0f32, 0.0f32);
+    for leak in [true, false] {
+        let (low, wide, grad_low, grad_wide) = prepare(cfg.check_steps, leak);
+        let (gv, vp) = B::ffn_neurons_forward(low.clone());
+        let (gv_ref, vp_ref) = ffn_forward_reference(&wide);
+        err_fwd = if host::<B>(&vp) == host::<B>(&vp_ref) {
+            err_fwd.max(rel_norm(&host::<B>(&gv), &host::<B>(&gv_ref)))
+        } else {
+            f32::INFINITY
+        };
+        let reference = grads(ffn_backward_reference(wide, vp_ref, grad_wide));
+        err_bwd = err_bwd.max(worst_rel_norm::<B>(&fused_bwd(&low, &grad_low), &reference));
+    }
+    let (full, _, grad, _) = prepare(cfg.steps, true);
+    let n = cfg.steps * cfg.batch * cfg.row_dim / 2;
+    let t_fwd = time::<B>(device, cfg.reps, || {
+        let _ = B::ffn_neurons_forward(full.clone());
+    });
+    let t_bwd = time::<B>(device, cfg.reps, || {
+        let _ = fused_bwd(&full, &grad);
+    }) - t_fwd;
+    // Forward: i_gu read (2n bf16), g·v (n bf16) and V_post (2n f32) written; backward:
+    // ∂(g·v), i_gu and V_post read, ∂i_gu (2n bf16) written.
+    let fwd = ("ffn neurons fwd, bf16", err_fwd, t_fwd, 14 * n);
+    let bwd = ("ffn neurons bwd, bf16", err_bwd, t_bwd, 18 * n);
+    let a = report_stored(out, copy_bw, fwd, "-");
+    let b = report_stored(out, copy_bw, bwd, "-");
+    a.and(b)
 }
 
 /// Inputs of the FFN neurons at `steps` frames (`row_dim` = 2·D_ff channels) and an upstream

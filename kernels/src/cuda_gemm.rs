@@ -85,7 +85,6 @@ pub fn set_precision(p: GemmPrecision) {
     PRECISION.store(p as u8, Ordering::SeqCst);
 }
 
-/// The precision projection GEMMs use now (fp32 until [`set_precision`]).
 /// The element type a GEMM in the process's precision reads: kernels whose output only feeds a
 /// GEMM write it directly.
 pub fn input_dtype() -> burn::tensor::DType {
@@ -95,6 +94,18 @@ pub fn input_dtype() -> burn::tensor::DType {
     }
 }
 
+/// The type the scans' large activations are stored in ([`crate::SnnOps::storage_dtype`]):
+/// the GEMMs' input type, unless `$NSACTOR_BF16_STORAGE=off` (read once) keeps f32.
+pub fn storage_dtype() -> burn::tensor::DType {
+    static OFF: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    if *OFF.get_or_init(|| std::env::var("NSACTOR_BF16_STORAGE").as_deref() == Ok("off")) {
+        burn::tensor::DType::F32
+    } else {
+        input_dtype()
+    }
+}
+
+/// The precision projection GEMMs use now (fp32 until [`set_precision`]).
 pub fn precision() -> GemmPrecision {
     match PRECISION.load(Ordering::SeqCst) {
         0 => GemmPrecision::Fp32,
@@ -195,6 +206,8 @@ fn transpose(t: CudaTensor) -> CudaTensor {
 struct PlanKey {
     device: usize,
     precision: GemmPrecision,
+    /// `D` in bf16 (else f32); never with an addend.
+    out_bf16: bool,
     a: Operand,
     b: Operand,
     m: u64,
@@ -301,7 +314,12 @@ impl Plan {
         }
         let a = layout(input, &key.a);
         let b = layout(input, &key.b);
-        let d = lt::create_matrix_layout(f32t, key.n, key.m, key.n as i64)
+        let out = if key.out_bf16 {
+            sys::cudaDataType_t::CUDA_R_16BF
+        } else {
+            f32t
+        };
+        let d = lt::create_matrix_layout(out, key.n, key.m, key.n as i64)
             .unwrap_or_else(|e| panic!("cuBLASLt output layout: {e:?}"));
         let c = key.c_ld.map(|ld| {
             lt::create_matrix_layout(f32t, key.n, key.m, ld as i64)
@@ -518,6 +536,8 @@ pub struct Prepared {
     n: usize,
     /// An f32 `[M, N]` with unit column stride added to the product ([`gemm_add`]).
     add: Option<CudaTensor>,
+    /// Whether the product is written in bf16 ([`gemm_out`]) instead of f32.
+    out_bf16: bool,
 }
 
 /// Checks the shapes and prepares both operands of a non-empty `lhs [M, K] · rhs [K, N]`.
@@ -550,11 +570,26 @@ pub fn prepare_operands(p: GemmPrecision, lhs: CudaTensor, rhs: CudaTensor) -> P
         m,
         n,
         add: None,
+        out_bf16: false,
     }
 }
 
 /// `lhs [M, K] · rhs [K, N]` with the given precision; the output is a contiguous f32 `[M, N]`.
 pub fn gemm_with(p: GemmPrecision, lhs: CudaTensor, rhs: CudaTensor) -> CudaTensor {
+    gemm_out(p, lhs, rhs, burn::tensor::DType::F32)
+}
+
+/// `lhs [M, K] · rhs [K, N]` with the given precision, written contiguous in `out`: bf16 (the
+/// fp32 accumulators rounded once, in cuBLASLt's epilogue) only in bf16 precision, where a
+/// product that only feeds a bf16 reader (a scan kernel storing bf16, another GEMM) saves
+/// half its write and the reader's cast; f32 otherwise.
+pub fn gemm_out(
+    p: GemmPrecision,
+    lhs: CudaTensor,
+    rhs: CudaTensor,
+    out: burn::tensor::DType,
+) -> CudaTensor {
+    let out_bf16 = p == GemmPrecision::Bf16 && out == burn::tensor::DType::BF16;
     let k = dims(&lhs).0[1];
     if k == 0 || dims(&lhs).0[0] == 0 || dims(&rhs).0[1] == 0 {
         let (m, n) = (dims(&lhs).0[0], dims(&rhs).0[1]);
@@ -562,10 +597,16 @@ pub fn gemm_with(p: GemmPrecision, lhs: CudaTensor, rhs: CudaTensor) -> CudaTens
             lhs.client.clone(),
             lhs.device.clone(),
             [m, n].into(),
-            burn::tensor::DType::F32,
+            if out_bf16 {
+                burn::tensor::DType::BF16
+            } else {
+                burn::tensor::DType::F32
+            },
         );
     }
-    run(&prepare_operands(p, lhs, rhs))
+    let mut op = prepare_operands(p, lhs, rhs);
+    op.out_bf16 = out_bf16;
+    run(&op)
 }
 
 /// `lhs [M, K] · rhs [K, N] + c` with the given precision, the addition in cuBLASLt's epilogue
@@ -662,11 +703,16 @@ pub fn run(op: &Prepared) -> CudaTensor {
         client.clone(),
         device.clone(),
         [m, n].into(),
-        burn::tensor::DType::F32,
+        if op.out_bf16 {
+            burn::tensor::DType::BF16
+        } else {
+            burn::tensor::DType::F32
+        },
     );
     let key = PlanKey {
         device: device.index,
         precision: op.precision,
+        out_bf16: op.out_bf16,
         a: op.a,
         b: op.b,
         m: m as u64,
@@ -991,6 +1037,7 @@ mod tests {
         PlanKey {
             device: 0,
             precision: GemmPrecision::Bf16,
+            out_bf16: false,
             a: operand([k, n], [1, k]).unwrap(),
             b: operand([m, k], [k, 1]).unwrap(),
             m: m as u64,

@@ -14,7 +14,7 @@
 //! test, `v = v_pre − V_th·s` (exact, `s` is 0 or 1), `f32` state; the backward pass keeps
 //! `acc = gV·β` as its own rounded product like the reference.
 
-use burn::tensor::Shape;
+use burn::tensor::{DType, Shape};
 use burn_cubecl::CubeRuntime;
 use burn_cubecl::kernel::into_contiguous;
 use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
@@ -791,17 +791,18 @@ fn stage_shape(var: &str, default: (usize, usize)) -> (usize, usize) {
 /// the two buffers. Same arithmetic as [`selective_forward_kernel`], bit for bit.
 #[allow(clippy::too_many_arguments)]
 #[cube(launch)]
-fn selective_forward_staged_kernel(
-    i: &Tensor<f32>,
-    r_beta: &Tensor<f32>,
-    r_alpha: &Tensor<f32>,
-    r_th: &Tensor<f32>,
+fn selective_forward_staged_kernel<I: Float, S: Float>(
+    i: &Tensor<I>,
+    r_beta: &Tensor<I>,
+    r_alpha: &Tensor<I>,
+    r_th: &Tensor<I>,
     b_beta: &Tensor<f32>,
     b_alpha: &Tensor<f32>,
     b_th: &Tensor<f32>,
     v0: &Tensor<f32>,
-    spike: &mut Tensor<f32>,
-    vpost: &mut Tensor<f32>,
+    spike: &mut Tensor<S>,
+    vpost: &mut Tensor<S>,
+    last: &mut Tensor<f32>,
     cols: u32,
     steps: u32,
     chunks: u32,
@@ -809,6 +810,7 @@ fn selective_forward_staged_kernel(
     v_th_min: f32,
     #[comptime] chunk: usize,
     #[comptime] producers: usize,
+    #[define(I, S)] _types: [StorageType; 2],
 ) {
     let cols = cols as usize;
     let steps = steps as usize;
@@ -849,8 +851,8 @@ fn selective_forward_staged_kernel(
                         v = v_pre - th * s;
                         if valid {
                             let idx = k * cols + c;
-                            spike[idx] = s;
-                            vpost[idx] = v;
+                            spike[idx] = S::cast_from(s);
+                            vpost[idx] = S::cast_from(v);
                         }
                     }
                 }
@@ -863,10 +865,10 @@ fn selective_forward_staged_kernel(
                 let k = k0 + (y - 1) + r * producers;
                 if k < steps && valid {
                     let idx = k * cols + c;
-                    xb[r] = r_beta[idx];
-                    xa[r] = r_alpha[idx];
-                    xt[r] = r_th[idx];
-                    xi[r] = i[idx];
+                    xb[r] = f32::cast_from(r_beta[idx]);
+                    xa[r] = f32::cast_from(r_alpha[idx]);
+                    xt[r] = f32::cast_from(r_th[idx]);
+                    xi[r] = f32::cast_from(i[idx]);
                 }
             }
             #[unroll]
@@ -881,6 +883,9 @@ fn selective_forward_staged_kernel(
         sync_cube();
         ch += 1;
     }
+    if y == 0 && valid {
+        last[c] = v;
+    }
 }
 
 /// The staged backward: producer planes compute everything of a step but the carried
@@ -888,22 +893,22 @@ fn selective_forward_staged_kernel(
 /// reverse recurrence over shared memory. Same arithmetic as [`selective_backward_kernel`].
 #[allow(clippy::too_many_arguments)]
 #[cube(launch)]
-fn selective_backward_staged_kernel(
-    i: &Tensor<f32>,
-    r_beta: &Tensor<f32>,
-    r_alpha: &Tensor<f32>,
-    r_th: &Tensor<f32>,
+fn selective_backward_staged_kernel<I: Float, S: Float, G: Float>(
+    i: &Tensor<I>,
+    r_beta: &Tensor<I>,
+    r_alpha: &Tensor<I>,
+    r_th: &Tensor<I>,
     b_beta: &Tensor<f32>,
     b_alpha: &Tensor<f32>,
     b_th: &Tensor<f32>,
     v0: &Tensor<f32>,
-    vpost: &Tensor<f32>,
-    spike: &Tensor<f32>,
-    grad: &Tensor<f32>,
-    g_i: &mut Tensor<f32>,
-    g_rb: &mut Tensor<f32>,
-    g_ra: &mut Tensor<f32>,
-    g_rt: &mut Tensor<f32>,
+    vpost: &Tensor<S>,
+    spike: &Tensor<S>,
+    grad: &Tensor<G>,
+    g_i: &mut Tensor<I>,
+    g_rb: &mut Tensor<I>,
+    g_ra: &mut Tensor<I>,
+    g_rt: &mut Tensor<I>,
     g_v0: &mut Tensor<f32>,
     g_bias: &mut Tensor<f32>,
     cols: u32,
@@ -912,6 +917,7 @@ fn selective_backward_staged_kernel(
     dim: u32,
     #[comptime] chunk: usize,
     #[comptime] producers: usize,
+    #[define(I, S, G)] _types: [StorageType; 3],
 ) {
     let cols = cols as usize;
     let steps = steps as usize;
@@ -964,10 +970,10 @@ fn selective_backward_staged_kernel(
                         let d_rt = -gv * s_ts[s_idx];
                         if valid {
                             let idx = k * cols + c;
-                            g_i[idx] = gv * s_al[s_idx];
-                            g_rb[idx] = d_rb;
-                            g_ra[idx] = d_ra;
-                            g_rt[idx] = d_rt;
+                            g_i[idx] = I::cast_from(gv * s_al[s_idx]);
+                            g_rb[idx] = I::cast_from(d_rb);
+                            g_ra[idx] = I::cast_from(d_ra);
+                            g_rt[idx] = I::cast_from(d_rt);
                         }
                         sum_b += d_rb;
                         sum_a += d_ra;
@@ -985,13 +991,14 @@ fn selective_backward_staged_kernel(
                 if q < top && valid {
                     let k = top - 1 - q;
                     let idx = k * cols + c;
-                    xb[r] = r_beta[idx];
-                    xa[r] = r_alpha[idx];
-                    xt[r] = r_th[idx];
-                    xi[r] = i[idx];
-                    xg[r] = grad[idx];
-                    xs[r] = spike[idx];
-                    xv[r] = select(k > 0, vpost[select(k > 0, idx - cols, c)], v_first);
+                    xb[r] = f32::cast_from(r_beta[idx]);
+                    xa[r] = f32::cast_from(r_alpha[idx]);
+                    xt[r] = f32::cast_from(r_th[idx]);
+                    xi[r] = f32::cast_from(i[idx]);
+                    xg[r] = f32::cast_from(grad[idx]);
+                    xs[r] = f32::cast_from(spike[idx]);
+                    let prev = f32::cast_from(vpost[select(k > 0, idx - cols, c)]);
+                    xv[r] = select(k > 0, prev, v_first);
                 }
             }
             #[unroll]
@@ -1018,20 +1025,57 @@ fn selective_backward_staged_kernel(
     }
 }
 
-/// Forward of the fused selective scan: `(spike, vpost)`. `inputs`: the projections `i, r_β,
-/// r_α, r_th` `[TK, B, DN]`, the biases `b_β, b_α, b_th` `[DN]`, and `v0` `[B, DN]`.
+/// The dtype shared by the four projections of the selective scan: f32, or bf16 storage
+/// (what the scans' outputs and the projections' gradients are then stored in too).
+fn projection_dtype<R: CubeRuntime>(inputs: &[CubeTensor<R>; 8]) -> DType {
+    let dtype = stored_dtype(&inputs[0]);
+    assert!(
+        inputs[1..4].iter().all(|t| t.dtype == dtype),
+        "selective scan: the four projections are all f32 or all bf16, got {:?}",
+        inputs[..4].iter().map(|t| t.dtype).collect::<Vec<_>>()
+    );
+    check_f32(&inputs[4..].iter().collect::<Vec<_>>());
+    dtype
+}
+
+/// The dtype of a stored activation a scan kernel reads: f32 or bf16.
+fn stored_dtype<R: CubeRuntime>(t: &CubeTensor<R>) -> DType {
+    assert!(
+        matches!(t.dtype, DType::F32 | DType::BF16),
+        "PLIF scan kernels read f32 or bf16 activations, got {:?}",
+        t.dtype
+    );
+    t.dtype
+}
+
+/// `t` in `dtype` (unchanged when it is already).
+fn as_dtype<R: CubeRuntime>(t: CubeTensor<R>, dtype: DType) -> CubeTensor<R> {
+    if t.dtype == dtype {
+        t
+    } else {
+        burn_cubecl::kernel::cast(t, dtype)
+    }
+}
+
+/// Forward of the fused selective scan: `(spike, vpost, last)`. `inputs`: the projections `i,
+/// r_β, r_α, r_th` `[TK, B, DN]`, the biases `b_β, b_α, b_th` `[DN]`, and `v0` `[B, DN]`.
+/// Spikes and `V_post` are stored in the projections' type (f32, or bf16 storage: the kernel
+/// reads bf16, computes in f32 and rounds what it writes); `last`, the final membrane state
+/// `[B, DN]`, is always the f32 state itself.
 pub fn selective_forward<R: CubeRuntime>(
     inputs: [CubeTensor<R>; 8],
     v_th_min: f32,
-) -> (CubeTensor<R>, CubeTensor<R>) {
-    check_f32(&inputs.each_ref());
+) -> (CubeTensor<R>, CubeTensor<R>, CubeTensor<R>) {
+    let stored = projection_dtype(&inputs);
     let (shape, steps, cols, count, dim) = geometry(&inputs[0]);
     let dn = shape[2] as u32;
+    let state = Shape::new([shape[1], shape[2]]);
     let [i, rb, ra, rt, bb, ba, bt, v0] = inputs.map(into_contiguous);
-    let spike = out_like(&i, shape.clone());
-    let vpost = out_like(&i, shape);
-    let client = i.client.clone();
     if staged() {
+        let spike = out_like(&i, shape.clone());
+        let vpost = out_like(&i, shape);
+        let last = out_typed(&i, state, DType::F32);
+        let client = i.client.clone();
         let (producers, chunk) = stage_shape("NSACTOR_STAGE_FORWARD", STAGE_FORWARD);
         selective_forward_staged_kernel::launch::<R>(
             &client,
@@ -1047,6 +1091,7 @@ pub fn selective_forward<R: CubeRuntime>(
             v0.into_tensor_arg(),
             spike.clone().into_tensor_arg(),
             vpost.clone().into_tensor_arg(),
+            last.clone().into_tensor_arg(),
             cols,
             steps,
             steps.div_ceil(chunk as u32),
@@ -1054,9 +1099,15 @@ pub fn selective_forward<R: CubeRuntime>(
             v_th_min,
             chunk,
             producers,
+            [stored.into(), stored.into()],
         );
-        return (spike, vpost);
+        return (spike, vpost, last);
     }
+    // One unit per column (f32 only): bf16 storage is cast around it.
+    let [i, rb, ra, rt] = [i, rb, ra, rt].map(|t| as_dtype(t, DType::F32));
+    let spike = out_like(&i, shape.clone());
+    let vpost = out_like(&i, shape.clone());
+    let client = i.client.clone();
     selective_forward_kernel::launch::<R>(
         &client,
         count,
@@ -1077,32 +1128,48 @@ pub fn selective_forward<R: CubeRuntime>(
         v_th_min,
         unroll(UNROLL_SELECTIVE_FORWARD),
     );
-    (spike, vpost)
+    let last = last_frame(&vpost, &shape);
+    (as_dtype(spike, stored), as_dtype(vpost, stored), last)
+}
+
+/// The last step `[B, DN]` of a `[TK, B, DN]` sequence, as a contiguous copy.
+fn last_frame<R: CubeRuntime>(seq: &CubeTensor<R>, shape: &Shape) -> CubeTensor<R> {
+    let [tk, b, dn] = [shape[0], shape[1], shape[2]];
+    let rows = burn_cubecl::kernel::slice(seq.clone(), &[tk - 1..tk, 0..b, 0..dn]);
+    burn_cubecl::ops::reshape(into_contiguous(rows), Shape::new([b, dn]))
 }
 
 /// Backward of the fused selective scan: `[∂i, ∂r_β, ∂r_α, ∂r_th, ∂v0, bias sums]`, the last
-/// `[3, B, DN]` (`∂b_β, ∂b_α, ∂b_th` summed over time per column; sum it over `B`).
+/// `[3, B, DN]` (`∂b_β, ∂b_α, ∂b_th` summed over time per column; sum it over `B`). The four
+/// projections' gradients come in the projections' type; `vpost`, `spike` and `grad` may each
+/// be f32 or bf16.
 pub fn selective_backward<R: CubeRuntime>(
     inputs: [CubeTensor<R>; 8],
     vpost: CubeTensor<R>,
     spike: CubeTensor<R>,
     grad: CubeTensor<R>,
 ) -> [CubeTensor<R>; 6] {
-    check_f32(&inputs.each_ref());
-    check_f32(&[&vpost, &spike, &grad]);
+    let stored = projection_dtype(&inputs);
+    assert_eq!(
+        vpost.dtype, spike.dtype,
+        "selective scan: V_post and spikes are stored alike"
+    );
+    let types = [
+        stored.into(),
+        stored_dtype(&vpost).into(),
+        stored_dtype(&grad).into(),
+    ];
     let (shape, steps, cols, count, dim) = geometry(&grad);
     let dn = shape[2] as u32;
     let [i, rb, ra, rt, bb, ba, bt, v0] = inputs.map(into_contiguous);
     let [vpost, spike, grad] = [vpost, spike, grad].map(into_contiguous);
     let state = Shape::new([shape[1], shape[2]]);
-    let g_i = out_like(&grad, shape.clone());
-    let g_rb = out_like(&grad, shape.clone());
-    let g_ra = out_like(&grad, shape.clone());
-    let g_rt = out_like(&grad, shape);
-    let g_v0 = out_like(&grad, state.clone());
-    let g_bias = out_like(&grad, Shape::new([3, state[0], state[1]]));
     let client = grad.client.clone();
+    let g_v0 = out_typed(&grad, state.clone(), DType::F32);
+    let g_bias = out_typed(&grad, Shape::new([3, state[0], state[1]]), DType::F32);
     if staged() {
+        let g = || out_typed(&grad, shape.clone(), stored);
+        let [g_i, g_rb, g_ra, g_rt] = [g(), g(), g(), g()];
         let (producers, chunk) = stage_shape("NSACTOR_STAGE_BACKWARD", STAGE_BACKWARD);
         selective_backward_staged_kernel::launch::<R>(
             &client,
@@ -1131,9 +1198,15 @@ pub fn selective_backward<R: CubeRuntime>(
             dn,
             chunk,
             producers,
+            types,
         );
         return [g_i, g_rb, g_ra, g_rt, g_v0, g_bias];
     }
+    // One unit per column (f32 only): bf16 storage is cast around it.
+    let [i, rb, ra, rt, vpost, spike, grad] =
+        [i, rb, ra, rt, vpost, spike, grad].map(|t| as_dtype(t, DType::F32));
+    let g = || out_typed(&grad, shape.clone(), DType::F32);
+    let [g_i, g_rb, g_ra, g_rt] = [g(), g(), g(), g()];
     selective_backward_kernel::launch::<R>(
         &client,
         count,
@@ -1160,6 +1233,7 @@ pub fn selective_backward<R: CubeRuntime>(
         dn,
         unroll(UNROLL_SELECTIVE_BACKWARD),
     );
+    let [g_i, g_rb, g_ra, g_rt] = [g_i, g_rb, g_ra, g_rt].map(|t| as_dtype(t, stored));
     [g_i, g_rb, g_ra, g_rt, g_v0, g_bias]
 }
 
@@ -1176,8 +1250,8 @@ const STAGE_FFN_BACKWARD: (usize, usize) = (8, 16);
 /// test, `(1 − β)·V_post` per neuron with `leak`.
 #[allow(clippy::too_many_arguments)]
 #[cube(launch)]
-fn ffn_forward_staged_kernel<O: Float>(
-    i_gu: &Tensor<f32>,
+fn ffn_forward_staged_kernel<I: Float, O: Float>(
+    i_gu: &Tensor<I>,
     w_g: &Tensor<f32>,
     w_u: &Tensor<f32>,
     th_g: &Tensor<f32>,
@@ -1195,7 +1269,7 @@ fn ffn_forward_staged_kernel<O: Float>(
     #[comptime] save_vpost: bool,
     #[comptime] chunk: usize,
     #[comptime] producers: usize,
-    #[define(O)] _out: StorageType,
+    #[define(I, O)] _types: [StorageType; 2],
 ) {
     let batch = batch as usize;
     let ff = ff as usize;
@@ -1261,8 +1335,8 @@ fn ffn_forward_staged_kernel<O: Float>(
                 let k = k0 + (y - 1) + r * producers;
                 if k < steps && valid {
                     let row = (k * batch + b) * row_stride;
-                    xg[r] = i_gu[row + j];
-                    xu[r] = i_gu[row + ff + j];
+                    xg[r] = f32::cast_from(i_gu[row + j]);
+                    xu[r] = f32::cast_from(i_gu[row + ff + j]);
                 }
             }
             #[unroll]
@@ -1288,16 +1362,16 @@ fn ffn_forward_staged_kernel<O: Float>(
 /// `Σ gv·V_{k−1}` minus `Σ ∂act·V_post` and `Σ ∂u·i`), `∂V_th`, and the carried `∂v0`.
 #[allow(clippy::too_many_arguments)]
 #[cube(launch)]
-fn ffn_backward_staged_kernel(
-    i_gu: &Tensor<f32>,
+fn ffn_backward_staged_kernel<I: Float, G: Float>(
+    i_gu: &Tensor<I>,
     w_g: &Tensor<f32>,
     w_u: &Tensor<f32>,
     th_g: &Tensor<f32>,
     th_u: &Tensor<f32>,
     v0: &Tensor<f32>,
     vpost: &Tensor<f32>,
-    grad: &Tensor<f32>,
-    d_i: &mut Tensor<f32>,
+    grad: &Tensor<G>,
+    d_i: &mut Tensor<I>,
     d_beta: &mut Tensor<f32>,
     d_th: &mut Tensor<f32>,
     d_v0: &mut Tensor<f32>,
@@ -1308,6 +1382,7 @@ fn ffn_backward_staged_kernel(
     #[comptime] leak: bool,
     #[comptime] chunk: usize,
     #[comptime] producers: usize,
+    #[define(I, G)] _types: [StorageType; 2],
 ) {
     let batch = batch as usize;
     let ff = ff as usize;
@@ -1372,8 +1447,8 @@ fn ffn_backward_staged_kernel(
                         let gu = s_dvu[s_idx] + acc_u;
                         if valid {
                             let row = (k * batch + b) * 2 * ff;
-                            d_i[row + j] = gg * om_g;
-                            d_i[row + ff + j] = gu * om_u;
+                            d_i[row + j] = I::cast_from(gg * om_g);
+                            d_i[row + ff + j] = I::cast_from(gu * om_u);
                         }
                         sb_g += gg * s_pvg[s_idx];
                         sb_u += gu * s_pvu[s_idx];
@@ -1397,9 +1472,9 @@ fn ffn_backward_staged_kernel(
                 if q < top && valid {
                     let k = top - 1 - q;
                     let row = (k * batch + b) * 2 * ff;
-                    xg[r] = grad[(k * batch + b) * ff + j];
-                    xig[r] = i_gu[row + j];
-                    xiu[r] = i_gu[row + ff + j];
+                    xg[r] = f32::cast_from(grad[(k * batch + b) * ff + j]);
+                    xig[r] = f32::cast_from(i_gu[row + j]);
+                    xiu[r] = f32::cast_from(i_gu[row + ff + j]);
                     xvg[r] = vpost[row + j];
                     xvu[r] = vpost[row + ff + j];
                     let prev = select(k > 0, row - batch * 2 * ff, 0);
@@ -1530,28 +1605,32 @@ fn ffn_forward_with<R: CubeRuntime>(
     (steps, batch, ff, row_stride): (usize, usize, usize, usize),
 ) -> (CubeTensor<R>, CubeTensor<R>, CubeTensor<R>) {
     let [w_g, w_u, th_g, th_u] = params;
-    check_f32(&[&i_gu, &w_g, &w_u, &th_g, &th_u, &v0]);
+    check_f32(&[&w_g, &w_u, &th_g, &th_u, &v0]);
+    let stored = stored_dtype(&i_gu);
     assert!(
         steps * batch * row_stride <= u32::MAX as usize,
         "ffn neurons: {steps}×{batch}×{row_stride} elements exceed 32-bit indexing"
     );
     let [w_g, w_u, th_g, th_u, v0] = [w_g, w_u, th_g, th_u, v0].map(into_contiguous);
-    // Inference writes g·v in the type the down projection's GEMM reads; training keeps f32.
+    // Inference writes g·v in the type the down projection's GEMM reads; training stores it
+    // like the currents (bf16 storage: bf16), `V_post` (which the backward's exact spike
+    // recomputation reads) and the state always f32.
     let gv_dtype = if save_vpost {
-        burn::tensor::DType::F32
+        stored
     } else {
         crate::cuda_gemm::input_dtype()
     };
     let gv = out_typed(&i_gu, Shape::new([steps, batch, ff]), gv_dtype);
-    let vpost = out_like(
+    let vpost = out_typed(
         &i_gu,
         Shape::new(if save_vpost {
             [steps, batch, 2 * ff]
         } else {
             [1, 1, 1]
         }),
+        DType::F32,
     );
-    let last = out_like(&i_gu, Shape::new([batch, 2 * ff]));
+    let last = out_typed(&i_gu, Shape::new([batch, 2 * ff]), DType::F32);
     let (producers, chunk) = stage_shape("NSACTOR_STAGE_FFN_FORWARD", STAGE_FFN_FORWARD);
     let client = i_gu.client.clone();
     ffn_forward_staged_kernel::launch::<R>(
@@ -1576,7 +1655,7 @@ fn ffn_forward_with<R: CubeRuntime>(
         save_vpost,
         chunk,
         producers,
-        gv_dtype.into(),
+        [stored.into(), gv_dtype.into()],
     );
     (gv, vpost, last)
 }
@@ -1592,15 +1671,17 @@ pub fn ffn_backward<R: CubeRuntime>(
     leak: bool,
 ) -> [CubeTensor<R>; 4] {
     let [w_g, w_u, th_g, th_u] = params;
-    check_f32(&[&i_gu, &w_g, &w_u, &th_g, &th_u, &v0, &vpost, &grad]);
+    check_f32(&[&w_g, &w_u, &th_g, &th_u, &v0, &vpost]);
+    let types = [stored_dtype(&i_gu).into(), stored_dtype(&grad).into()];
     let (batch, ff, steps) = ffn_geometry(&i_gu);
     let [i_gu, w_g, w_u, th_g, th_u, v0, vpost, grad] =
         [i_gu, w_g, w_u, th_g, th_u, v0, vpost, grad].map(into_contiguous);
     let state = Shape::new([batch, 2 * ff]);
+    // ∂i_gu in i_gu's type; the parameter and state gradients f32.
     let d_i = out_like(&i_gu, Shape::new([steps, batch, 2 * ff]));
-    let d_beta = out_like(&i_gu, state.clone());
-    let d_th = out_like(&i_gu, state.clone());
-    let d_v0 = out_like(&i_gu, state);
+    let d_beta = out_typed(&i_gu, state.clone(), DType::F32);
+    let d_th = out_typed(&i_gu, state.clone(), DType::F32);
+    let d_v0 = out_typed(&i_gu, state, DType::F32);
     let (producers, chunk) = stage_shape("NSACTOR_STAGE_FFN_BACKWARD", STAGE_FFN_BACKWARD);
     let client = i_gu.client.clone();
     ffn_backward_staged_kernel::launch::<R>(
@@ -1626,6 +1707,7 @@ pub fn ffn_backward<R: CubeRuntime>(
         leak,
         chunk,
         producers,
+        types,
     );
     [d_i, d_beta, d_th, d_v0]
 }

@@ -2,15 +2,18 @@
 
 use crate::reference::{self, ScanGrads, ScanOut};
 use burn::tensor::{
-    Shape, Tensor, TensorData, TensorPrimitive, activation::sigmoid, backend::Backend,
+    DType, Shape, Tensor, TensorData, TensorPrimitive, activation::sigmoid, backend::Backend,
     ops::FloatTensor,
 };
 
-/// Forward outputs of a PLIF scan, both `[TK, B, dim]`: spikes (0/1) and `V_post`.
+/// Forward outputs of a PLIF scan, both `[TK, B, dim]`: spikes (0/1) and `V_post`, and the
+/// final membrane state `[B, dim]` in f32 where the kernel writes it apart (its `V_post` may
+/// be stored in bf16); `None`: it is `V_post`'s last step.
 #[derive(Debug, Clone)]
 pub struct PlifOutput<B: Backend> {
     pub spike: FloatTensor<B>,
     pub vpost: FloatTensor<B>,
+    pub last: Option<FloatTensor<B>>,
 }
 
 /// Gradients of a PLIF scan with respect to `(beta, u, vth, v0)`, shaped like those inputs.
@@ -136,6 +139,23 @@ pub trait SnnOps: Backend {
         c: FloatTensor<Self>,
     ) -> FloatTensor<Self> {
         Self::float_add(Self::gemm(lhs, rhs), c)
+    }
+
+    /// `lhs · rhs` written in `out` where the backend stores that type: a product read only by
+    /// a kernel that takes [`storage_dtype`](Self::storage_dtype) inputs (the selective scan's
+    /// four projections) is asked for in it, and a gradient in its tensor's type. Default:
+    /// [`gemm`](Self::gemm), f32 whatever is asked (the backend stores f32 only).
+    fn gemm_out(lhs: FloatTensor<Self>, rhs: FloatTensor<Self>, out: DType) -> FloatTensor<Self> {
+        let _ = out;
+        Self::gemm(lhs, rhs)
+    }
+
+    /// The type the scans' large activations are stored in: the selective scan's four input
+    /// projections, its `V_post` and spikes, and the gradients of those projections. The
+    /// arithmetic and the membrane state stay f32 whatever it is. Default f32; CUDA in bf16
+    /// precision: bf16 (`$NSACTOR_BF16_STORAGE=off` keeps f32 for comparison).
+    fn storage_dtype() -> DType {
+        DType::F32
     }
 
     /// Rounds a GEMM operand to the type [`gemm`](Self::gemm) reads, so that an operand used by
@@ -536,8 +556,11 @@ pub fn selective_backward_reference<B: SnnOps>(
 /// The selective scan with its modulation (SPEC §2.3, Eq. 5–7), differentiable in every input:
 /// fused into the scan kernels where the backend has them ([`SnnOps::fuses_modulation`],
 /// [`SnnOps::plif_selective_forward`]), else composed from tensor ops
-/// ([`selective_modulation`]) and [`plif_elem`], whose gradients autodiff derives. `i, r_beta, r_alpha, r_th`: `[TK, B, DN]`; the biases `[DN]`;
-/// `v0`: `[B, DN]`. Returns `(spike, V_post)`; only `V_post` carries gradient.
+/// ([`selective_modulation`]) and [`plif_elem`], whose gradients autodiff derives.
+/// `i, r_beta, r_alpha, r_th`: `[TK, B, DN]`; the biases `[DN]`; `v0`: `[B, DN]`. Returns
+/// `(spike, V_post, last)`; only `V_post` carries gradient. With bf16 inputs
+/// ([`SnnOps::storage_dtype`]) spikes and `V_post` come in bf16 too, while `last`, the final
+/// membrane state `[B, DN]` (detached), is always f32.
 #[allow(clippy::too_many_arguments)]
 pub fn plif_selective<B: SnnOps>(
     i: Tensor<B, 3>,
@@ -549,7 +572,7 @@ pub fn plif_selective<B: SnnOps>(
     b_th: Tensor<B, 1>,
     v_th_min: f64,
     v0: Tensor<B, 2>,
-) -> (Tensor<B, 3>, Tensor<B, 3>) {
+) -> (Tensor<B, 3>, Tensor<B, 3>, Tensor<B, 2>) {
     let inp = SelectiveInputs {
         i: prim(i),
         r_beta: prim(r_beta),
@@ -563,10 +586,23 @@ pub fn plif_selective<B: SnnOps>(
     };
     if !B::fuses_modulation() {
         let [beta, _, vth, u] = selective_modulation(&inp);
-        return plif_elem(beta, u, vth, wrap(inp.v0));
+        let (spike, vpost) = plif_elem(beta, u, vth, wrap(inp.v0));
+        let last = last_step(&vpost);
+        return (spike, vpost, last);
     }
     let out = B::plif_selective_forward(inp);
-    (wrap(out.spike), wrap(out.vpost))
+    let vpost = wrap::<B, 3>(out.vpost);
+    let last = match out.last {
+        Some(last) => wrap::<B, 2>(last).detach(),
+        None => last_step(&vpost),
+    };
+    (wrap(out.spike), vpost, last)
+}
+
+/// The last step `[B, C]` of a `[TK, B, C]` sequence, detached.
+fn last_step<B: Backend>(x: &Tensor<B, 3>) -> Tensor<B, 2> {
+    let [tk, b, c] = x.dims();
+    x.clone().narrow(0, tk - 1, 1).reshape([b, c]).detach()
 }
 
 /// What the input neuron's reference computes from its inputs: `r = 1/√(mean_D(x²) + eps)`
@@ -1133,6 +1169,12 @@ pub fn matmul<B: SnnOps>(lhs: Tensor<B, 2>, rhs: Tensor<B, 2>) -> Tensor<B, 2> {
     wrap(B::gemm(prim(lhs), prim(rhs)))
 }
 
+/// `lhs [M, K] · rhs [K, N]` stored in [`SnnOps::storage_dtype`] ([`SnnOps::gemm_out`]),
+/// differentiable: for a product read only by the selective scan.
+pub fn matmul_stored<B: SnnOps>(lhs: Tensor<B, 2>, rhs: Tensor<B, 2>) -> Tensor<B, 2> {
+    wrap(B::gemm_out(prim(lhs), prim(rhs), B::storage_dtype()))
+}
+
 /// `lhs [M, K] · rhs [K, N] + c [M, N]` through [`SnnOps::gemm_add`]: for untracked passes
 /// (on an autodiff backend it is the differentiable GEMM and add).
 pub fn matmul_add<B: SnnOps>(
@@ -1205,6 +1247,7 @@ fn scan_out<B: Backend>(out: ScanOut, shape: Shape, like: &FloatTensor<B>) -> Pl
     PlifOutput {
         spike: device_tensor::<B>(out.spike, shape.clone(), like),
         vpost: device_tensor::<B>(out.vpost, shape, like),
+        last: None,
     }
 }
 
@@ -1259,6 +1302,14 @@ impl SnnOps for burn_cuda::Cuda<f32, i32> {
 
     fn gemm_operand(t: FloatTensor<Self>) -> FloatTensor<Self> {
         crate::cuda_gemm::round_operand(t, crate::cuda_gemm::precision())
+    }
+
+    fn gemm_out(lhs: FloatTensor<Self>, rhs: FloatTensor<Self>, out: DType) -> FloatTensor<Self> {
+        crate::cuda_gemm::gemm_out(crate::cuda_gemm::precision(), lhs, rhs, out)
+    }
+
+    fn storage_dtype() -> DType {
+        crate::cuda_gemm::storage_dtype()
     }
 
     fn move_to_device(t: FloatTensor<Self>, device: &Self::Device) -> FloatTensor<Self> {
@@ -1475,8 +1526,13 @@ impl SnnOps for burn_cuda::Cuda<f32, i32> {
     fn plif_selective_forward(inp: SelectiveInputs<Self>) -> PlifOutput<Self> {
         let _ = scan_shape::<Self>(&inp.i, &inp.v0);
         let v_th_min = inp.v_th_min;
-        let (spike, vpost) = crate::cuda_scan::selective_forward(selective_args(inp), v_th_min);
-        PlifOutput { spike, vpost }
+        let (spike, vpost, last) =
+            crate::cuda_scan::selective_forward(selective_args(inp), v_th_min);
+        PlifOutput {
+            spike,
+            vpost,
+            last: Some(last),
+        }
     }
 
     fn plif_selective_backward(
@@ -1512,7 +1568,11 @@ impl SnnOps for burn_cuda::Cuda<f32, i32> {
     ) -> PlifOutput<Self> {
         let _ = scan_shape::<Self>(&u, &v0);
         let (spike, vpost) = crate::cuda_scan::forward(false, beta, u, vth, v0);
-        PlifOutput { spike, vpost }
+        PlifOutput {
+            spike,
+            vpost,
+            last: None,
+        }
     }
 
     fn plif_elem_backward(
@@ -1536,7 +1596,11 @@ impl SnnOps for burn_cuda::Cuda<f32, i32> {
     ) -> PlifOutput<Self> {
         let _ = scan_shape::<Self>(&u, &v0);
         let (spike, vpost) = crate::cuda_scan::forward(true, beta, u, vth, v0);
-        PlifOutput { spike, vpost }
+        PlifOutput {
+            spike,
+            vpost,
+            last: None,
+        }
     }
 
     fn plif_row_backward(

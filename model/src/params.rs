@@ -142,20 +142,35 @@ impl<B: SnnOps> Linear<B> {
             return self.forward(x) + c;
         }
         let y = nsactor_kernels::matmul_add(x, self.untracked_operand(), c);
-        match &self.bias {
-            Some(b) => y + b.clone().unsqueeze::<2>(),
-            None => y,
-        }
+        self.add_bias(y)
     }
 
     /// `x @ Wᵀ (+ b)` over the rows of `x` `[rows, in]`, in the backend's GEMM precision.
     pub fn forward(&self, x: Tensor<B, 2>) -> Tensor<B, 2> {
-        let w = if B::ad_enabled(&x.device()) {
+        let y = nsactor_kernels::matmul(x.clone(), self.weight_operand(&x));
+        self.add_bias(y)
+    }
+
+    /// [`forward`](Self::forward) with the product stored in the backend's storage type
+    /// ([`nsactor_kernels::matmul_stored`]): for an output read only by a scan kernel.
+    pub fn forward_stored(&self, x: Tensor<B, 2>) -> Tensor<B, 2> {
+        if self.bias.is_some() {
+            return self.forward(x);
+        }
+        nsactor_kernels::matmul_stored(x.clone(), self.weight_operand(&x))
+    }
+
+    /// `Wᵀ` as the GEMM reads it: the weight's transposed view under autodiff (so gradients
+    /// reach it), the cached rounded operand otherwise.
+    fn weight_operand(&self, x: &Tensor<B, 2>) -> Tensor<B, 2> {
+        if B::ad_enabled(&x.device()) {
             self.weight.clone().transpose()
         } else {
             self.untracked_operand()
-        };
-        let y = nsactor_kernels::matmul(x, w);
+        }
+    }
+
+    fn add_bias(&self, y: Tensor<B, 2>) -> Tensor<B, 2> {
         match &self.bias {
             Some(b) => y + b.clone().unsqueeze::<2>(),
             None => y,

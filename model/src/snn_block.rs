@@ -2,7 +2,7 @@
 
 use crate::config::ModelConfig;
 use crate::init::{BlockInitTable, Rng, kaiming};
-use crate::neurons::{last_frame, param};
+use crate::neurons::param;
 use crate::params::{Derived, Linear, decoding_pass, impl_params};
 use burn::tensor::{Tensor, activation::sigmoid, backend::Backend};
 use nsactor_kernels::{SnnOps, plif_selective};
@@ -103,13 +103,23 @@ impl<B: SnnOps> SnnBlock<B> {
     /// The six projections of the input `[TK·B, D]`: `W_in, W_β, W_α, W_th` (`[TK·B, DN]` each),
     /// `W_gate, W_skip` (`[TK·B, D]`). Six GEMMs; one on the concatenated weights where the
     /// backend prefers it ([`SnnOps::merges_small_gemms`]) for a small call without autodiff
-    /// (a decoding step), whose outputs are column slices of one product.
+    /// (a decoding step), whose outputs are column slices of one product. Otherwise the first
+    /// four, read only by the selective scan, come in the backend's storage type
+    /// ([`SnnOps::storage_dtype`]: bf16 on CUDA in bf16 precision).
     pub fn projections(&self, flat: Tensor<B, 2>, dn: usize) -> [Tensor<B, 2>; 6] {
         let [rows, d] = flat.dims();
         if decoding_pass::<B>(rows, &flat.device()) {
             return merged_slices(self.merged_projection(flat), dn, d);
         }
-        self.input_linears().map(|l| l.forward(flat.clone()))
+        let [w_in, w_beta, w_alpha, w_th, w_gate, w_skip] = self.input_linears();
+        [
+            w_in.forward_stored(flat.clone()),
+            w_beta.forward_stored(flat.clone()),
+            w_alpha.forward_stored(flat.clone()),
+            w_th.forward_stored(flat.clone()),
+            w_gate.forward(flat.clone()),
+            w_skip.forward(flat),
+        ]
     }
 
     /// The six projections of the block's input, in [`projections`](Self::projections)' order.
@@ -181,7 +191,7 @@ impl<B: SnnOps> SnnBlock<B> {
         let seq = |x: Tensor<B, 2>| x.reshape([tk, b, dn]);
         // Modulation (Eq. 5-7): β = σ(·+b_β), α = softplus(·+b_α), V_th = V_min + |·+b_th|,
         // u = α·i, inside the scan kernel where the backend fuses it.
-        let (_, vpost) = plif_selective(
+        let (_, vpost, last) = plif_selective(
             seq(i),
             seq(rb),
             seq(ra),
@@ -192,7 +202,6 @@ impl<B: SnnOps> SnnBlock<B> {
             v_th_min,
             v0,
         );
-        let last = last_frame(&vpost);
         let out = self.W_out.forward(vpost.reshape([tk * b, dn])) * gate + skip;
         (out.reshape([tk, b, d]), last)
     }

@@ -130,7 +130,13 @@ impl<B: SnnOps> SnnFfn<B> {
             self.merged_gate_up
                 .get_or_init(|| crate::params::as_operand(cat()))
         };
-        let i_gu = nsactor_kernels::matmul(flat.clone(), w_gu); // [TK·B, 2·D_ff]
+        // [TK·B, 2·D_ff]; in the storage type where the fused neurons read it (bf16 on CUDA
+        // in bf16 precision), f32 for the composition.
+        let i_gu = if B::fuses_ffn_neurons() {
+            nsactor_kernels::matmul_stored(flat.clone(), w_gu)
+        } else {
+            nsactor_kernels::matmul(flat.clone(), w_gu)
+        };
         let skip = self.skip_proj.forward(flat);
         finish(i_gu.reshape([tk, b, 2 * f]), skip)
     }

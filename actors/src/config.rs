@@ -137,6 +137,13 @@ pub struct TrainConfig {
     /// or `auto` (the default: `fifo` on the CPU backend, `depth-first` elsewhere).
     #[serde(default)]
     pub schedule: Schedule,
+    /// Layers per pipeline stage, counted from its last, that keep their forward's autodiff
+    /// graph until their backward instead of recomputing the forward there (`0`, the default:
+    /// every layer recomputes, i.e. activation checkpointing per layer). Each kept layer saves
+    /// one forward pass per micro-batch and holds its activations meanwhile: at the 0.9B shape
+    /// with batch 4 in bf16, a few GB per layer and micro-batch in flight.
+    #[serde(default)]
+    pub keep_activations: usize,
     /// Devices the stages are spread over (`--devices 0,1`); default: device 0.
     #[serde(default)]
     pub devices: Option<Vec<usize>>,

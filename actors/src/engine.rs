@@ -210,7 +210,11 @@ impl StagedModel {
         let (mut ponder, mut ek_min, mut ek_max) = (0.0, f64::INFINITY, f64::NEG_INFINITY);
         for i in 0..self.layers.len() {
             let h_in = self.to(h, self.placement.layers[i])?;
-            let r = self.layers[i].call(StageCall::Forward { micro: m, h: h_in })?;
+            let r = self.layers[i].call(StageCall::Forward {
+                micro: m,
+                h: h_in,
+                keep_graph: false,
+            })?;
             ponder += r.scalar(0, "Forward")?;
             ek_min = ek_min.min(r.scalar(2, "Forward")?);
             ek_max = ek_max.max(r.scalar(3, "Forward")?);

@@ -337,6 +337,11 @@ struct TrainBenchArgs {
     /// Override [train].accumulation (micro-batches per step).
     #[arg(long)]
     accumulation: Option<usize>,
+    /// Layers per pipeline stage (from its last) that keep their forward's autodiff graph
+    /// instead of recomputing it in the backward: faster, more memory. Overrides
+    /// [train].keep_activations.
+    #[arg(long)]
+    keep_activations: Option<usize>,
     /// Untimed steps first (kernel compilation, autotuning, pool growth).
     #[arg(long, default_value_t = 2)]
     warmup: usize,
@@ -485,6 +490,11 @@ struct TrainArgs {
     /// Override [train].checkpoint_every.
     #[arg(long)]
     checkpoint_every: Option<u64>,
+    /// Layers per pipeline stage (from its last) that keep their forward's autodiff graph
+    /// instead of recomputing it in the backward: faster, more memory. Overrides
+    /// [train].keep_activations.
+    #[arg(long)]
+    keep_activations: Option<usize>,
     /// Projection GEMM arithmetic: `fp32` (exact) or `bf16` (fp32 accumulation; CUDA only).
     /// Overrides [backend].precision.
     #[arg(long, value_parser = ["fp32", "bf16"])]
@@ -586,6 +596,9 @@ fn train_cmd(args: TrainArgs) -> Result<(), Box<dyn std::error::Error>> {
     }
     if let Some(c) = args.checkpoint_every {
         cfg.train.checkpoint_every = c;
+    }
+    if let Some(k) = args.keep_activations {
+        cfg.train.keep_activations = k;
     }
     if let Some(f) = args.inject_fault.clone() {
         cfg.train.inject_fault = Some(f);
@@ -1459,6 +1472,9 @@ fn train_bench_cmd(a: TrainBenchArgs) -> Result<(), Box<dyn std::error::Error>> 
     }
     if let Some(m) = a.accumulation {
         cfg.train.accumulation = m;
+    }
+    if let Some(k) = a.keep_activations {
+        cfg.train.keep_activations = k;
     }
     if let Some(p) = a.precision.clone() {
         cfg.backend.precision = Some(p);

@@ -124,6 +124,36 @@ fn any_number_of_stages_and_micro_batches_reproduces_the_sequential_schedule_bit
 }
 
 #[test]
+fn layers_that_keep_their_graphs_train_exactly_as_layers_that_recompute() {
+    // The sequential engine recomputes every layer's forward in its backward; a pipeline
+    // whose layers keep their forward's autodiff graph instead must give the same losses,
+    // gradient norms, parameters and optimizer state, bit for bit.
+    let steps: Vec<Vec<Batch>> = (0..2).map(|s| batches(500 + s, 3)).collect();
+    let mut reference = staged();
+    let want: Vec<[u64; 6]> = steps
+        .iter()
+        .enumerate()
+        .map(|(i, b)| bits(&reference.train_step(b, &params(i)).unwrap()))
+        .collect();
+    let want_shards = reference.save_stages().unwrap();
+    // P = 2 stages of 2 layers: the last layer of each keeps (1), or all of them (2, 9).
+    for keep in [1, 2, 9] {
+        let plan = PipelinePlan::balanced(4, 2, &[0]).unwrap();
+        let mut train = train_cfg();
+        train.keep_activations = keep;
+        let mut pl = Pipeline::start(staged(), plan, train, None).unwrap();
+        for (i, b) in steps.iter().enumerate() {
+            let got = pl.train_step(b, &params(i)).unwrap();
+            assert_eq!(bits(&got), want[i], "keep {keep}, step {i}: {got:?}");
+        }
+        assert!(
+            pl.save_stages().unwrap() == want_shards,
+            "keep {keep}: parameters or optimizer state differ from recomputing"
+        );
+    }
+}
+
+#[test]
 fn a_failing_micro_batch_skips_the_step_and_leaves_no_gradients_behind() {
     let good = batches(7, 3);
     let mut bad = good.clone();

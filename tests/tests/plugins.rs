@@ -150,7 +150,11 @@ fn a_panic_inside_a_plugin_call_is_reported_and_the_host_keeps_running() {
     };
     let t = backend.from_host(0, &host).unwrap();
     let e = stage
-        .call(StageCall::Forward { micro: 0, h: t })
+        .call(StageCall::Forward {
+            micro: 0,
+            h: t,
+            keep_graph: false,
+        })
         .unwrap_err();
     assert!(
         matches!(&e, EngineError::Panic(m) if m.contains("injected panic in Forward")),

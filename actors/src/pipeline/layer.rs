@@ -65,11 +65,15 @@ pub struct LayerActor;
 pub struct LayerArgs {
     pub index: usize,
     pub stage: StageHolder,
+    /// Whether training forwards keep their autodiff graph for the backward
+    /// (`[train] keep_activations`) instead of recomputing it.
+    pub keep_graph: bool,
 }
 
 pub struct LayerState {
     index: usize,
     stage: StageHolder,
+    keep_graph: bool,
     prev: Option<Hop>,
     next: Option<Hop>,
 }
@@ -93,6 +97,7 @@ impl Actor for LayerActor {
         Ok(LayerState {
             index: a.index,
             stage: a.stage,
+            keep_graph: a.keep_graph,
             prev: None,
             next: None,
         })
@@ -116,10 +121,12 @@ impl Actor for LayerActor {
                 ctx,
             } => {
                 let next = s.next.clone().ok_or("layer actor not wired")?;
+                let keep_graph = s.keep_graph;
                 let job = s.stage.train_job(true, micro, &ctx, Some(h), move |st, h| {
                     let r = st.call(StageCall::Forward {
                         micro,
                         h: h.expect("moved"),
+                        keep_graph,
                     })?;
                     let p = (
                         r.scalar(0, "Forward")?,

@@ -515,6 +515,7 @@ impl Pipeline {
             workers: workers.clone(),
             prefix: format!("pipeline{id}"),
             fault,
+            keep_activations: train.keep_activations,
         };
         let (sup, children, data) = rt.block_on(async {
             let rt_err = |e: ractor::SpawnErr| PipelineError::Runtime(e.to_string());

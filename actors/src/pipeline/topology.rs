@@ -126,6 +126,9 @@ pub struct Topology {
     /// Actor-name prefix unique to this pipeline.
     pub prefix: String,
     pub fault: Option<Arc<FaultPlan>>,
+    /// Layers per stage, counted from its last, whose training forwards keep their autodiff
+    /// graph (`[train] keep_activations`).
+    pub keep_activations: usize,
 }
 
 fn rt(e: impl std::fmt::Display) -> PipelineError {
@@ -218,6 +221,8 @@ impl Topology {
                 LayerActor,
                 LayerArgs {
                     index: i,
+                    keep_graph: self.plan.stages[stage_of(i)].layers.end - i
+                        <= self.keep_activations,
                     stage: StageHolder::new(
                         format!("layer {i}"),
                         stage,

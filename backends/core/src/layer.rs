@@ -11,6 +11,30 @@ use nsactor_model::{LayerState, ModelConfig, SnnDecoderLayer};
 use nsactor_plugin_api::{EngineError, Reply, Stage, StageCall, StageSpec};
 use std::collections::BTreeMap;
 
+/// What a training forward keeps for its backward.
+enum Kept<B: SnnOps> {
+    /// The input: the backward recomputes the forward under autodiff (activation
+    /// checkpointing, the default).
+    Input(Tensor<B, 3>),
+    /// The forward's autodiff graph (`StageCall::Forward { keep_graph: true }`): the input as
+    /// the graph's leaf, the output and the ponder cost, built in the order the recompute
+    /// builds them, so the gradients are the same.
+    Graph {
+        h: Tensor<Ad<B>, 3>,
+        out: Tensor<Ad<B>, 3>,
+        ponder_cost: Tensor<Ad<B>, 1>,
+    },
+}
+
+impl<B: SnnOps> Kept<B> {
+    fn dims(&self) -> [usize; 3] {
+        match self {
+            Kept::Input(h) => h.dims(),
+            Kept::Graph { h, .. } => h.dims(),
+        }
+    }
+}
+
 /// Decoder layer `index`: parameters `layers.{index}.*`.
 pub struct LayerStage<B: SnnOps> {
     index: usize,
@@ -20,8 +44,8 @@ pub struct LayerStage<B: SnnOps> {
     ad: SnnDecoderLayer<Ad<B>>,
     inner: SnnDecoderLayer<B>,
     trainer: Trainer<B>,
-    /// Inputs of training micro-batches awaiting their backward.
-    kept: BTreeMap<u64, Tensor<B, 3>>,
+    /// Training micro-batches awaiting their backward.
+    kept: BTreeMap<u64, Kept<B>>,
     sessions: SessionTable<B>,
 }
 
@@ -55,7 +79,12 @@ impl<B: SnnOps> LayerStage<B> {
         Ok(())
     }
 
-    fn forward(&mut self, micro: u64, h: Tensor<B, 3>) -> Result<Reply, EngineError> {
+    fn forward(
+        &mut self,
+        micro: u64,
+        h: Tensor<B, 3>,
+        keep_graph: bool,
+    ) -> Result<Reply, EngineError> {
         self.check_h(&h, "Forward")?;
         if self.kept.contains_key(&micro) {
             return Err(EngineError::InvalidInput(format!(
@@ -63,12 +92,49 @@ impl<B: SnnOps> LayerStage<B> {
                 self.index
             )));
         }
+        if keep_graph {
+            return self.forward_kept(micro, h);
+        }
         let b = h.dims()[1];
         let state = LayerState::zeros(&self.cfg, b, &self.device);
         let out = self.inner.forward(h.clone(), state, &self.cfg);
-        self.kept.insert(micro, h);
+        self.kept.insert(micro, Kept::Input(h));
+        Self::forward_reply(out.ponder_cost(), &out.expected_k, out.h)
+    }
+
+    /// [`forward`](Self::forward) under autodiff, keeping the graph for the backward.
+    fn forward_kept(&mut self, micro: u64, h: Tensor<B, 3>) -> Result<Reply, EngineError> {
+        let b = h.dims()[1];
+        let h = Tensor::<Ad<B>, 3>::from_inner(h).require_grad();
+        let state = LayerState::zeros(&self.cfg, b, &self.device);
+        let out = self.ad.forward(h.clone(), state, &self.cfg);
+        // Right after the forward, as the recompute builds it (the same graph).
+        let ponder_cost = out.ponder_cost();
+        let expected_k: Vec<_> = out.expected_k.iter().map(|e| e.clone().inner()).collect();
+        let reply = Self::forward_reply(
+            ponder_cost.clone().inner(),
+            &expected_k,
+            out.h.clone().inner(),
+        );
+        self.kept.insert(
+            micro,
+            Kept::Graph {
+                h,
+                out: out.h,
+                ponder_cost,
+            },
+        );
+        reply
+    }
+
+    /// A training forward's reply: the output and `[ponder_cost, E[K] mean, min, max]`.
+    fn forward_reply(
+        ponder_cost: Tensor<B, 1>,
+        expected_k: &[Tensor<B, 2>],
+        out: Tensor<B, 3>,
+    ) -> Result<Reply, EngineError> {
         let ek = Tensor::cat(
-            out.expected_k
+            expected_k
                 .iter()
                 .map(|e| {
                     let n = e.shape().num_elements();
@@ -78,13 +144,13 @@ impl<B: SnnOps> LayerStage<B> {
             0,
         );
         let scalars = vec![
-            out.ponder_cost().into_scalar().elem::<f64>(),
+            ponder_cost.into_scalar().elem::<f64>(),
             ek.clone().mean().into_scalar().elem::<f64>(),
             ek.clone().min().into_scalar().elem::<f64>(),
             ek.max().into_scalar().elem::<f64>(),
         ];
         Ok(Reply {
-            tensors: vec![wrap(out.h)],
+            tensors: vec![wrap(out)],
             scalars,
         })
     }
@@ -95,28 +161,38 @@ impl<B: SnnOps> LayerStage<B> {
         grad: Tensor<B, 3>,
         ponder_grad: f64,
     ) -> Result<Reply, EngineError> {
-        let h = self.kept.remove(&micro).ok_or_else(|| {
+        let kept = self.kept.remove(&micro).ok_or_else(|| {
             EngineError::InvalidInput(format!(
                 "layer {}: Backward for micro-batch {micro}, which has no Forward in flight",
                 self.index
             ))
         })?;
-        if grad.dims() != h.dims() {
+        if grad.dims() != kept.dims() {
             return Err(EngineError::InvalidInput(format!(
                 "layer {}: Backward gradient {:?} does not match the input {:?}",
                 self.index,
                 grad.dims(),
-                h.dims()
+                kept.dims()
             )));
         }
-        let b = h.dims()[1];
-        let h = Tensor::<Ad<B>, 3>::from_inner(h).require_grad();
-        let state = LayerState::zeros(&self.cfg, b, &self.device);
-        let out = self.ad.forward(h.clone(), state, &self.cfg);
-        // Built right after the forward, as the layer built it before it became a method:
-        // the same graph order, so the same gradients bit for bit.
-        let ponder_cost = out.ponder_cost();
-        let mut objective = (out.h * Tensor::from_inner(grad)).sum();
+        let (h, out, ponder_cost) = match kept {
+            Kept::Graph {
+                h,
+                out,
+                ponder_cost,
+            } => (h, out, ponder_cost),
+            Kept::Input(h) => {
+                let b = h.dims()[1];
+                let h = Tensor::<Ad<B>, 3>::from_inner(h).require_grad();
+                let state = LayerState::zeros(&self.cfg, b, &self.device);
+                let out = self.ad.forward(h.clone(), state, &self.cfg);
+                // Built right after the forward, as the layer built it before it became a
+                // method: the same graph order, so the same gradients bit for bit.
+                let ponder_cost = out.ponder_cost();
+                (h, out.h, ponder_cost)
+            }
+        };
+        let mut objective = (out * Tensor::from_inner(grad)).sum();
         if ponder_grad != 0.0 {
             objective = objective + ponder_cost * ponder_grad;
         }
@@ -232,7 +308,11 @@ impl<B: SnnOps> Stage for LayerStage<B> {
     fn call(&mut self, call: StageCall<'_>) -> Result<Reply, EngineError> {
         let name = call.name();
         match call {
-            StageCall::Forward { micro, h } => self.forward(micro, act(h, name)?),
+            StageCall::Forward {
+                micro,
+                h,
+                keep_graph,
+            } => self.forward(micro, act(h, name)?, keep_graph),
             StageCall::Backward {
                 micro,
                 grad,

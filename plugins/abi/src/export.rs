@@ -445,6 +445,7 @@ fn decode_call<'a>(
         1 => StageCall::Forward {
             micro: a.micro,
             h: tensor("Forward")?,
+            keep_graph: a.f[0] != 0.0,
         },
         2 => StageCall::Backward {
             micro: a.micro,

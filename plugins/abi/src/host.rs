@@ -556,8 +556,13 @@ impl Stage for ForeignStage {
             a.mask_len = mask.len();
         };
         match call {
-            StageCall::Forward { micro, h } => {
+            StageCall::Forward {
+                micro,
+                h,
+                keep_graph,
+            } => {
                 a.micro = micro;
+                a.f[0] = if keep_graph { 1.0 } else { 0.0 };
                 input = Some(h);
             }
             StageCall::Backward {

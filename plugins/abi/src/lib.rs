@@ -102,8 +102,8 @@ pub struct NsArgs {
     pub targets_len: usize,
     pub mask: *const f32,
     pub mask_len: usize,
-    /// Call-specific numbers: `Backward` `[ponder_grad]`, `Head` `[loss_scale]`, `ScaleGrads`
-    /// the three factors, `Step` `[lr, neuron_lr, clip]`.
+    /// Call-specific numbers: `Forward` `[keep_graph as 0 or 1]`, `Backward` `[ponder_grad]`,
+    /// `Head` `[loss_scale]`, `ScaleGrads` the three factors, `Step` `[lr, neuron_lr, clip]`.
     pub f: [f64; 4],
 }
 

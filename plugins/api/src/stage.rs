@@ -137,12 +137,18 @@ impl Tokens<'_> {
 /// `[T, B, D]`.
 #[derive(Debug)]
 pub enum StageCall<'a> {
-    /// Layer: training forward from membranes at rest; keeps `h` for `Backward{micro}`.
+    /// Layer: training forward from membranes at rest; keeps `h` for `Backward{micro}`, or
+    /// with `keep_graph` the forward's whole autodiff graph (no recompute in the backward: one
+    /// forward pass less, the layer's activations held until then).
     /// Reply: `[h_out]`, scalars `[ponder_cost, E[K] mean, E[K] min, E[K] max]`.
-    Forward { micro: u64, h: DeviceTensor },
-    /// Layer: recomputes the forward of `micro` under autodiff and back-propagates `grad`
-    /// (∂loss/∂h_out) plus `ponder_grad` (∂loss/∂ponder_cost); accumulates parameter gradients.
-    /// Reply: `[∂loss/∂h_in]`.
+    Forward {
+        micro: u64,
+        h: DeviceTensor,
+        keep_graph: bool,
+    },
+    /// Layer: recomputes the forward of `micro` under autodiff (unless its graph was kept) and
+    /// back-propagates `grad` (∂loss/∂h_out) plus `ponder_grad` (∂loss/∂ponder_cost);
+    /// accumulates parameter gradients. Reply: `[∂loss/∂h_in]`.
     Backward {
         micro: u64,
         grad: DeviceTensor,

@@ -55,5 +55,5 @@ pub use ops::{
     norm_plif_backward_reference, norm_plif_forward_reference, norm_plif_fused, norm_plif_train,
     plif_elem, plif_row, plif_selective, ponder_agg_fused, ponder_agg_train,
     ponder_backward_reference, ponder_forward_reference, selective_backward_reference,
-    selective_forward_reference, selective_modulation, set_decode_fusion, softplus,
+    selective_forward_reference, selective_modulation, set_decode_fusion, softplus, stored,
 };

@@ -1175,6 +1175,16 @@ pub fn matmul_stored<B: SnnOps>(lhs: Tensor<B, 2>, rhs: Tensor<B, 2>) -> Tensor<
     wrap(B::gemm_out(prim(lhs), prim(rhs), B::storage_dtype()))
 }
 
+/// `t` in [`SnnOps::storage_dtype`] (unchanged when it is already), differentiable (burn's
+/// cast: the gradient comes back in `t`'s type). An input that several GEMMs read is rounded
+/// once this way instead of once per GEMM: their autodiff nodes then share one bf16 copy, and
+/// their input gradients, bf16 too, add up before the cast's backward widens the sum, as
+/// PyTorch's autocast does.
+pub fn stored<B: SnnOps, const D: usize>(t: Tensor<B, D>) -> Tensor<B, D> {
+    let dtype = B::storage_dtype();
+    if t.dtype() == dtype { t } else { t.cast(dtype) }
+}
+
 /// `lhs [M, K] · rhs [K, N] + c [M, N]` through [`SnnOps::gemm_add`]: for untracked passes
 /// (on an autodiff backend it is the differentiable GEMM and add).
 pub fn matmul_add<B: SnnOps>(

@@ -112,6 +112,8 @@ impl<B: SnnOps> SnnBlock<B> {
             return merged_slices(self.merged_projection(flat), dn, d);
         }
         let [w_in, w_beta, w_alpha, w_th, w_gate, w_skip] = self.input_linears();
+        // Rounded once for the six GEMMs (bf16 storage), not once per GEMM.
+        let flat = nsactor_kernels::stored(flat);
         [
             w_in.forward_stored(flat.clone()),
             w_beta.forward_stored(flat.clone()),

@@ -130,6 +130,8 @@ impl<B: SnnOps> SnnFfn<B> {
             self.merged_gate_up
                 .get_or_init(|| crate::params::as_operand(cat()))
         };
+        // Rounded once for both GEMMs (bf16 storage).
+        let flat = nsactor_kernels::stored(flat);
         // [TK·B, 2·D_ff]; in the storage type where the fused neurons read it (bf16 on CUDA
         // in bf16 precision), f32 for the composition.
         let i_gu = if B::fuses_ffn_neurons() {

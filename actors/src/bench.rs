@@ -574,13 +574,15 @@ pub fn layer_macs_per_frame(model: &toml::Table) -> Result<f64, String> {
     Ok(4.0 * d * dn + 2.0 * d * d + dn * d + d * 2.0 * dff + dff * d)
 }
 
-/// Training FLOPs per token: every layer's projections run forward, again in the recompute,
-/// and twice in the backward (`∂x`, `∂W`) for each of the `K` frames, plus the tied head's
-/// forward and backward.
-pub fn train_flops_per_token(model: &toml::Table) -> Result<f64, String> {
+/// Training FLOPs per token: every layer's projections run forward and twice in the backward
+/// (`∂x`, `∂W`) for each of the `K` frames, plus the tied head's forward and backward (the
+/// model's FLOPs, what MFU counts); with `recomputed` of the layers running their forward again
+/// in the backward (activation checkpointing), what the device executes.
+pub fn train_flops_per_token(model: &toml::Table, recomputed: usize) -> Result<f64, String> {
     let get = |k| model_int(model, k);
     let (k, l, d, v) = (get("K")?, get("num_layers")?, get("D")?, get("vocab_size")?);
-    Ok(8.0 * k * l * layer_macs_per_frame(model)? + 6.0 * d * v)
+    let passes = 6.0 * l + 2.0 * recomputed as f64;
+    Ok(passes * k * layer_macs_per_frame(model)? + 6.0 * d * v)
 }
 
 /// One timed training step of `nsactor bench train`.
@@ -745,8 +747,17 @@ mod tests {
         assert_eq!(layer_macs_per_frame(&cfg.model).unwrap(), 40_943_616.0);
         // × 8 (fwd, recompute, 2 × bwd) × 16 frames × 20 layers, + 6 · 896 · 6144 for the head.
         assert_eq!(
-            train_flops_per_token(&cfg.model).unwrap(),
+            train_flops_per_token(&cfg.model, 20).unwrap(),
             8.0 * 16.0 * 20.0 * 40_943_616.0 + 6.0 * 896.0 * 6144.0
+        );
+        // The model's FLOPs (no recompute), and 6 layers keeping their graphs.
+        assert_eq!(
+            train_flops_per_token(&cfg.model, 0).unwrap(),
+            6.0 * 16.0 * 20.0 * 40_943_616.0 + 6.0 * 896.0 * 6144.0
+        );
+        assert_eq!(
+            train_flops_per_token(&cfg.model, 14).unwrap(),
+            (6.0 * 20.0 + 2.0 * 14.0) * 16.0 * 40_943_616.0 + 6.0 * 896.0 * 6144.0
         );
     }
 

@@ -1494,8 +1494,16 @@ fn train_bench_cmd(a: TrainBenchArgs) -> Result<(), Box<dyn std::error::Error>> 
     check_devices(compute.as_ref(), &devices)?;
     let model_toml = cfg.model_toml();
     let vocab = cfg.vocab_size().ok_or("[model] has no vocab_size")?;
-    let flops_per_token = nsactor::bench::train_flops_per_token(&cfg.model)?;
     let plan = PipelinePlan::balanced(model_layers(&model_toml)?, cfg.train.pipeline, &devices)?;
+    // Layers that recompute their forward in the backward: all but the last `keep_activations`
+    // of each stage.
+    let recomputed: usize = plan
+        .stages
+        .iter()
+        .map(|s| s.layers.len().saturating_sub(cfg.train.keep_activations))
+        .sum();
+    let model_flops = nsactor::bench::train_flops_per_token(&cfg.model, 0)?;
+    let executed_flops = nsactor::bench::train_flops_per_token(&cfg.model, recomputed)?;
     let t_open = std::time::Instant::now();
     let model = StagedModel::open(
         compute.clone(),
@@ -1550,16 +1558,20 @@ fn train_bench_cmd(a: TrainBenchArgs) -> Result<(), Box<dyn std::error::Error>> 
         );
     }
     let step = r.median_step_s();
-    let tflops = r.tokens_per_s() * flops_per_token / 1e12;
+    let tflops = r.tokens_per_s() * model_flops / 1e12;
+    let executed = r.tokens_per_s() * executed_flops / 1e12;
     let peak = a
         .peak_tflops
         .unwrap_or(if precision == "bf16" { 989.0 } else { 67.0 });
     println!(
-        "median step {:.3} s: {:.0} tokens/s; {:.4} GFLOP/token (projections, fwd + recompute + bwd) → {tflops:.3} TFLOP/s, MFU {:.2}% of {peak} TFLOP/s",
+        "median step {:.3} s: {:.0} tokens/s; {:.4} GFLOP/token (projections, fwd + bwd) → {tflops:.3} TFLOP/s, MFU {:.2}% of {peak} TFLOP/s; executed with the recompute of {recomputed} of {} layers {:.4} GFLOP/token, {executed:.3} TFLOP/s ({:.2}%)",
         step,
         r.tokens_per_s(),
-        flops_per_token / 1e9,
-        100.0 * tflops / peak
+        model_flops / 1e9,
+        100.0 * tflops / peak,
+        plan.num_layers(),
+        executed_flops / 1e9,
+        100.0 * executed / peak
     );
     println!(
         "per-worker time per step (host time inside stage calls; of it, issuing input moves from another device):"

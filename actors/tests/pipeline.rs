@@ -94,17 +94,23 @@ fn bits(s: &StepStats) -> [u64; 6] {
     ]
 }
 
+/// The sequential engine's run of `steps`: each step's statistics as bits, and the stages'
+/// saved shards at the end.
+fn sequential(steps: &[Vec<Batch>]) -> (Vec<[u64; 6]>, Vec<Vec<u8>>) {
+    let mut reference = staged();
+    let want = steps
+        .iter()
+        .enumerate()
+        .map(|(i, b)| bits(&reference.train_step(b, &params(i)).unwrap()))
+        .collect();
+    (want, reference.save_stages().unwrap())
+}
+
 #[test]
 fn any_number_of_stages_and_micro_batches_reproduces_the_sequential_schedule_bitwise() {
     for m in [1, 3, 5] {
         let steps: Vec<Vec<Batch>> = (0..3).map(|s| batches(100 * m as u64 + s, m)).collect();
-        let mut reference = staged();
-        let want: Vec<[u64; 6]> = steps
-            .iter()
-            .enumerate()
-            .map(|(i, b)| bits(&reference.train_step(b, &params(i)).unwrap()))
-            .collect();
-        let want_shards = reference.save_stages().unwrap();
+        let (want, want_shards) = sequential(&steps);
         for p in [1, 2, 4] {
             let mut pl = pipeline(p, None);
             for (i, b) in steps.iter().enumerate() {
@@ -129,13 +135,7 @@ fn layers_that_keep_their_graphs_train_exactly_as_layers_that_recompute() {
     // whose layers keep their forward's autodiff graph instead must give the same losses,
     // gradient norms, parameters and optimizer state, bit for bit.
     let steps: Vec<Vec<Batch>> = (0..2).map(|s| batches(500 + s, 3)).collect();
-    let mut reference = staged();
-    let want: Vec<[u64; 6]> = steps
-        .iter()
-        .enumerate()
-        .map(|(i, b)| bits(&reference.train_step(b, &params(i)).unwrap()))
-        .collect();
-    let want_shards = reference.save_stages().unwrap();
+    let (want, want_shards) = sequential(&steps);
     // P = 2 stages of 2 layers: the last layer of each keeps (1), or all of them (2, 9).
     for keep in [1, 2, 9] {
         let plan = PipelinePlan::balanced(4, 2, &[0]).unwrap();

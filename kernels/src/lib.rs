@@ -51,9 +51,9 @@ pub use ops::{
     FfnGrads, FfnInputs, NormPlifInputs, PlifGrads, PlifOutput, PonderInputs, SelectiveGrads,
     SelectiveInputs, SnnOps, block_scan_fused, centred_residual_fused, decode_fusion,
     ffn_backward_reference, ffn_forward_reference, ffn_neurons, ffn_param_grads, ffn_plif_fused,
-    ffn_plif_fused_rows, gate_skip_fused, gemm_operand, matmul, matmul_add, matmul_stored,
-    norm_plif_backward_reference, norm_plif_forward_reference, norm_plif_fused, norm_plif_train,
-    plif_elem, plif_row, plif_selective, ponder_agg_fused, ponder_agg_train,
+    ffn_plif_fused_rows, gate_skip_fused, gemm_operand, last_frame, matmul, matmul_add,
+    matmul_stored, norm_plif_backward_reference, norm_plif_forward_reference, norm_plif_fused,
+    norm_plif_train, plif_elem, plif_row, plif_selective, ponder_agg_fused, ponder_agg_train,
     ponder_backward_reference, ponder_forward_reference, selective_backward_reference,
     selective_forward_reference, selective_modulation, set_decode_fusion, softplus, stored,
 };

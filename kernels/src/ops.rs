@@ -587,20 +587,20 @@ pub fn plif_selective<B: SnnOps>(
     if !B::fuses_modulation() {
         let [beta, _, vth, u] = selective_modulation(&inp);
         let (spike, vpost) = plif_elem(beta, u, vth, wrap(inp.v0));
-        let last = last_step(&vpost);
+        let last = last_frame(&vpost);
         return (spike, vpost, last);
     }
     let out = B::plif_selective_forward(inp);
     let vpost = wrap::<B, 3>(out.vpost);
     let last = match out.last {
         Some(last) => wrap::<B, 2>(last).detach(),
-        None => last_step(&vpost),
+        None => last_frame(&vpost),
     };
     (wrap(out.spike), vpost, last)
 }
 
-/// The last step `[B, C]` of a `[TK, B, C]` sequence, detached.
-fn last_step<B: Backend>(x: &Tensor<B, 3>) -> Tensor<B, 2> {
+/// The last frame `[B, C]` of a `[TK, B, C]` sequence, detached (the state a scan carries on).
+pub fn last_frame<B: Backend>(x: &Tensor<B, 3>) -> Tensor<B, 2> {
     let [tk, b, c] = x.dims();
     x.clone().narrow(0, tk - 1, 1).reshape([b, c]).detach()
 }

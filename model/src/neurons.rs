@@ -4,7 +4,7 @@ use crate::config::{PlifOut, consts};
 use crate::init::Rng;
 use crate::params::impl_params;
 use burn::tensor::{Tensor, TensorData, activation::sigmoid, backend::Backend};
-use nsactor_kernels::{SnnOps, plif_row};
+use nsactor_kernels::{SnnOps, last_frame, plif_row};
 
 /// Builds a parameter tensor from host values (marked for gradients on autodiff backends).
 pub(crate) fn param<B: Backend, const D: usize>(
@@ -97,12 +97,6 @@ impl<B: SnnOps> PlifNode<B> {
         };
         (y, last)
     }
-}
-
-/// The last frame `[B, C]` of a `[TK, B, C]` sequence, detached.
-pub(crate) fn last_frame<B: Backend>(x: &Tensor<B, 3>) -> Tensor<B, 2> {
-    let [tk, b, c] = x.dims();
-    x.clone().narrow(0, tk - 1, 1).reshape([b, c]).detach()
 }
 
 /// RMSNorm, `y = w · x / √(mean(x²) + 1e-6)` over the last dimension.

@@ -2,9 +2,10 @@
 
 use crate::config::{ModelConfig, PlifOut};
 use crate::init::{Rng, kaiming};
-use crate::neurons::{PlifNode, last_frame, param};
+use crate::neurons::{PlifNode, param};
 use crate::params::{Derived, Linear, decoding_pass, impl_params};
 use burn::tensor::{Tensor, activation::sigmoid, backend::Backend};
+use nsactor_kernels::last_frame;
 use nsactor_kernels::{SnnOps, plif_row};
 
 #[derive(Debug, Clone)]

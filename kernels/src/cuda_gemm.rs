@@ -678,12 +678,32 @@ pub fn queued_stats() -> (u64, u64, u64) {
 /// only be logged, so the next GEMM of any thread raises it.
 static QUEUED_FAILURE: std::sync::Mutex<Option<String>> = std::sync::Mutex::new(None);
 
-type Server = <CudaRuntime as cubecl::Runtime>::Server;
+pub(crate) type Server = <CudaRuntime as cubecl::Runtime>::Server;
 
 thread_local! {
     /// CubeCL's handle of each device's server (the same one the tensors' clients use).
     static SERVERS: RefCell<HashMap<usize, cubecl::device_handle::DeviceHandle<Server>>> =
         RefCell::new(HashMap::new());
+}
+
+/// CubeCL's handle of `device`'s server, to queue tasks on its thread.
+pub(crate) fn device_server(device: &CudaDevice) -> cubecl::device_handle::DeviceHandle<Server> {
+    SERVERS.with(|s| {
+        s.borrow_mut()
+            .entry(device.index)
+            .or_insert_with(|| {
+                cubecl::device_handle::DeviceHandle::new(cubecl::device::Device::to_id(device))
+            })
+            .clone()
+    })
+}
+
+/// Records the first failure of a task queued on a server thread; the next GEMM raises it.
+pub(crate) fn record_queued_failure(e: String) {
+    QUEUED_FAILURE
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+        .get_or_insert(e);
 }
 
 /// The cuBLASLt call on prepared operands, enqueued on the stream of the calling thread's
@@ -762,14 +782,7 @@ pub fn run(op: &Prepared) -> CudaTensor {
         addend.handle.clone().binding(),
         out.handle.clone().binding(),
     ];
-    let server = SERVERS.with(|s| {
-        s.borrow_mut()
-            .entry(device.index)
-            .or_insert_with(|| {
-                cubecl::device_handle::DeviceHandle::new(cubecl::device::Device::to_id(&device))
-            })
-            .clone()
-    });
+    let server = device_server(&device);
     server.submit(move |server: &mut Server| {
         use cubecl::server::ComputeServer;
         // The task runs under the submitting thread's stream id.
@@ -798,11 +811,11 @@ pub fn run(op: &Prepared) -> CudaTensor {
         });
         QUEUED_TASKS.fetch_add(1, Ordering::Relaxed);
         QUEUED_TASK_NS.fetch_add(started.elapsed().as_nanos() as u64, Ordering::Relaxed);
-        if let Err(e) = r {
-            QUEUED_FAILURE
-                .lock()
-                .unwrap_or_else(std::sync::PoisonError::into_inner)
-                .get_or_insert(e);
+        // A GEMM that failed while its stream was captured only fails the capture.
+        if let Err(e) = r
+            && !server.nsactor_capture_taint(stream_id, &e)
+        {
+            record_queued_failure(e);
         }
     });
     out

@@ -40,6 +40,8 @@ pub mod cuda_device;
 #[cfg(feature = "cuda")]
 pub mod cuda_gemm;
 #[cfg(feature = "cuda")]
+pub mod cuda_graph;
+#[cfg(feature = "cuda")]
 pub mod cuda_infer;
 #[cfg(feature = "cuda")]
 pub mod cuda_scan;
@@ -49,7 +51,7 @@ pub mod reference;
 
 pub use ops::{
     FfnGrads, FfnInputs, NormPlifInputs, PlifGrads, PlifOutput, PonderInputs, SelectiveGrads,
-    SelectiveInputs, SnnOps, block_scan_fused, centred_residual_fused, decode_fusion,
+    SelectiveInputs, SnnOps, StepGraph, block_scan_fused, centred_residual_fused, decode_fusion,
     ffn_backward_reference, ffn_forward_reference, ffn_neurons, ffn_param_grads, ffn_plif_fused,
     ffn_plif_fused_rows, gate_skip_fused, gemm_operand, last_frame, matmul, matmul_add,
     matmul_stored, norm_plif_backward_reference, norm_plif_forward_reference, norm_plif_fused,

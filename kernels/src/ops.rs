@@ -108,6 +108,22 @@ pub struct NormPlifInputs<B: Backend> {
     pub leak: bool,
 }
 
+/// Work recorded once and replayed with one launch ([`SnnOps::capture`]; CUDA graphs on the CUDA
+/// backend). Dropping it releases what it holds.
+pub struct StepGraph(Box<dyn std::any::Any + Send>);
+
+impl StepGraph {
+    /// Wraps a backend's captured work.
+    pub fn new<G: std::any::Any + Send>(graph: G) -> Self {
+        StepGraph(Box::new(graph))
+    }
+
+    /// The backend's captured work, if it is a `G`.
+    pub fn get<G: std::any::Any>(&self) -> Option<&G> {
+        self.0.downcast_ref()
+    }
+}
+
 /// Backend extension with the PLIF scans (DESIGN "The seams", point 1).
 ///
 /// ## Design
@@ -178,6 +194,49 @@ pub trait SnnOps: Backend {
     /// process started. `None` (the default): the backend keeps none.
     fn submission_stats() -> Option<[u64; 5]> {
         None
+    }
+
+    /// Whether [`capture`](Self::capture) records work on this backend. Default `false`.
+    fn captures_steps() -> bool {
+        false
+    }
+
+    /// Runs `f` with the calling thread's work on `device` recorded instead of run, for
+    /// [`replay`](Self::replay); `f`'s result is computed by the first replay. `inputs` are the
+    /// tensors made outside `f` that it reads. `Err` (the default: nothing is recorded) says
+    /// why the work cannot be replayed; nothing of it ran.
+    fn capture<R>(
+        device: &Self::Device,
+        inputs: &[FloatTensor<Self>],
+        f: impl FnOnce() -> R,
+    ) -> Result<(R, StepGraph), String> {
+        let _ = (device, inputs, f);
+        Err("this backend does not capture work".into())
+    }
+
+    /// `t` laid out contiguously (itself where it is): captured work's input buffers are
+    /// copied into whole. Default: `t`.
+    fn contiguous(t: FloatTensor<Self>) -> FloatTensor<Self> {
+        t
+    }
+
+    /// Copies `src` into `dst` in place (same shape and type), in order with the calling
+    /// thread's work: the one way captured work writes back into its input buffers.
+    fn capture_copy(src: FloatTensor<Self>, dst: &FloatTensor<Self>) -> Result<(), String> {
+        let _ = (src, dst);
+        Err("this backend does not capture work".into())
+    }
+
+    /// Copies each `(src, dst)` whose buffers differ (`dst` a buffer `graph` was captured
+    /// with), then reruns `graph`; `written` are its buffers the rerun rewrites that other
+    /// work may read next.
+    fn replay(
+        graph: &StepGraph,
+        inputs: Vec<(FloatTensor<Self>, FloatTensor<Self>)>,
+        written: &[FloatTensor<Self>],
+    ) -> Result<(), String> {
+        let _ = (graph, inputs, written);
+        Err("this backend does not capture work".into())
     }
 
     /// Whether the backend fuses the selective modulation into its scan kernels: then
@@ -1332,6 +1391,41 @@ impl SnnOps for burn_cuda::Cuda<f32, i32> {
 
     fn merges_small_gemms() -> bool {
         true
+    }
+
+    fn captures_steps() -> bool {
+        true
+    }
+
+    fn capture<R>(
+        device: &Self::Device,
+        inputs: &[FloatTensor<Self>],
+        f: impl FnOnce() -> R,
+    ) -> Result<(R, StepGraph), String> {
+        crate::cuda_graph::capture(device, inputs, f).map(|(r, g)| (r, StepGraph::new(g)))
+    }
+
+    fn capture_copy(src: FloatTensor<Self>, dst: &FloatTensor<Self>) -> Result<(), String> {
+        crate::cuda_graph::copy(src, dst)
+    }
+
+    fn contiguous(t: FloatTensor<Self>) -> FloatTensor<Self> {
+        if t.is_contiguous() {
+            t
+        } else {
+            burn_cubecl::kernel::into_contiguous(t)
+        }
+    }
+
+    fn replay(
+        graph: &StepGraph,
+        inputs: Vec<(FloatTensor<Self>, FloatTensor<Self>)>,
+        written: &[FloatTensor<Self>],
+    ) -> Result<(), String> {
+        graph
+            .get::<crate::cuda_graph::Graph>()
+            .ok_or("a graph captured by another backend")?
+            .replay(inputs, written)
     }
 
     /// `$NSACTOR_NORM_PLIF=composed` keeps the composition, for comparison.

@@ -3,7 +3,7 @@
 use crate::config::ModelConfig;
 use crate::init::{Rng, xavier};
 use crate::neurons::{LateralInhibition, PlifNode, RmsNorm, param};
-use crate::params::{Linear, impl_params};
+use crate::params::{Derived, Linear, as_operand, impl_params};
 use burn::tensor::{Int, Tensor, backend::Backend};
 use nsactor_kernels::SnnOps;
 
@@ -13,11 +13,27 @@ const OUTPUT_V_THRESHOLD: f64 = 0.3;
 #[derive(Debug, Clone)]
 pub struct Embedding<B: Backend> {
     pub weight: Tensor<B, 2>,
+    /// The tied head's `Wᵀ` as the GEMM reads it, for untracked passes (decoding): made once
+    /// per parameter update, as [`Linear::operand`](crate::params::Linear::operand).
+    pub head: Derived<B>,
 }
 impl_params!(Embedding {
     tensors: [weight],
-    modules: []
+    modules: [],
+    derived: [head]
 });
+
+impl<B: SnnOps> Embedding<B> {
+    /// `Wᵀ` for the tied head: the transposed view under autodiff, the cached operand otherwise.
+    pub fn head_operand(&self) -> Tensor<B, 2> {
+        if B::ad_enabled(&self.weight.device()) {
+            self.weight.clone().transpose()
+        } else {
+            self.head
+                .get_or_init(|| as_operand(self.weight.clone().transpose()))
+        }
+    }
+}
 
 /// Embedding, decode path and tied head; the top-level reference parameters except the layers.
 #[derive(Debug, Clone)]
@@ -41,6 +57,7 @@ impl<B: SnnOps> Edge<B> {
         Edge {
             embed_tokens: Embedding {
                 weight: param(embed, [v, d], device),
+                head: Derived::default(),
             },
             norm: LateralInhibition::init(d, device),
             decode_proj: Linear::new(
@@ -89,10 +106,8 @@ impl<B: SnnOps> Edge<B> {
             .forward(m.reshape([b * t, d]))
             .reshape([b, t, d]);
         let y = self.norm.forward(y);
-        let logits = nsactor_kernels::matmul(
-            y.reshape([b * t, d]),
-            self.embed_tokens.weight.clone().transpose(),
-        );
+        let logits =
+            nsactor_kernels::matmul(y.reshape([b * t, d]), self.embed_tokens.head_operand());
         let vocab = self.embed_tokens.weight.dims()[0];
         (logits.reshape([b, t, vocab]), state)
     }

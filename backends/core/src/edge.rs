@@ -1,5 +1,6 @@
 //! The edge as a stage: embedding, decode path and the tied head (one matrix, one owner).
 
+use crate::graphs::DecodeGraphs;
 use crate::layer::session_rows;
 use crate::sessions::SessionTable;
 use crate::state::{Trainer, add_into, count, load_stage, save_stage, sync};
@@ -27,6 +28,8 @@ pub struct EdgeStage<B: SnnOps> {
     kept: BTreeMap<u64, Tensor<B, 2, Int>>,
     /// Output-neuron membranes of decoding sessions.
     sessions: SessionTable<B>,
+    /// Decoding steps of the head captured per set of sessions (CUDA graphs).
+    graphs: DecodeGraphs<B>,
 }
 
 impl<B: SnnOps> EdgeStage<B> {
@@ -44,6 +47,7 @@ impl<B: SnnOps> EdgeStage<B> {
             embed_grads: None,
             kept: BTreeMap::new(),
             sessions: SessionTable::default(),
+            graphs: DecodeGraphs::default(),
         }
     }
 
@@ -176,8 +180,12 @@ impl<B: SnnOps> EdgeStage<B> {
             .take(sessions, rows, |k| vec![Tensor::zeros([k, d], device)])?
             .pop()
             .expect("one field");
-        let (logits, v) = self.inner.decode(h, v0, &self.cfg);
-        self.sessions.put(sessions, rows, vec![v]);
+        let (inner, cfg) = (&self.inner, &self.cfg);
+        let (logits, v) = self.graphs.step(sessions, h, vec![v0], device, |h, mut v| {
+            let (logits, v) = inner.decode(h, v.pop().expect("one field"), cfg);
+            (logits, vec![v])
+        });
+        self.sessions.put(sessions, rows, v);
         let vocab = self.cfg.vocab_size;
         let last = logits.narrow(1, t - 1, 1).reshape([1, b, vocab]);
         Ok(Reply::tensor(wrap(last)))
@@ -236,6 +244,7 @@ impl<B: SnnOps> Stage for EdgeStage<B> {
                 self.fold_grads();
                 self.trainer.step(&mut self.ad, "", lr, neuron_lr, clip)?;
                 sync::<B, _, _>(&self.ad, &mut self.inner);
+                self.graphs.clear();
                 Ok(Reply::none())
             }
             StageCall::ZeroGrad => {
@@ -253,6 +262,7 @@ impl<B: SnnOps> Stage for EdgeStage<B> {
             }
             StageCall::SessionClose { session } => {
                 self.sessions.close(session);
+                self.graphs.close(session);
                 Ok(Reply::none())
             }
             other => Err(EngineError::InvalidInput(format!(
@@ -273,6 +283,7 @@ impl<B: SnnOps> Stage for EdgeStage<B> {
         self.embed_grads = None;
         self.kept.clear();
         self.sessions.clear();
+        self.graphs.clear();
         Ok(())
     }
 

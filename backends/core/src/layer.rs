@@ -1,5 +1,6 @@
 //! One decoder layer as a stage.
 
+use crate::graphs::DecodeGraphs;
 use crate::sessions::SessionTable;
 use crate::state::{Trainer, count, load_stage, norm, save_stage, sync};
 use crate::{Ad, act, wrap};
@@ -47,6 +48,8 @@ pub struct LayerStage<B: SnnOps> {
     /// Training micro-batches awaiting their backward.
     kept: BTreeMap<u64, Kept<B>>,
     sessions: SessionTable<B>,
+    /// Decoding steps captured per set of sessions (CUDA graphs).
+    graphs: DecodeGraphs<B>,
 }
 
 impl<B: SnnOps> LayerStage<B> {
@@ -65,6 +68,7 @@ impl<B: SnnOps> LayerStage<B> {
             trainer: Trainer::new(spec.optimizer),
             kept: BTreeMap::new(),
             sessions: SessionTable::default(),
+            graphs: DecodeGraphs::default(),
         }
     }
 
@@ -271,17 +275,23 @@ impl<B: SnnOps> LayerStage<B> {
         let state = self.sessions.take(sessions, rows, |k| {
             state_fields(LayerState::zeros(cfg, k, device))
         })?;
-        let [input1, hidden, input2, ffn]: [Tensor<B, 2>; 4] =
-            state.try_into().expect("layer states have four fields");
-        let state = LayerState {
-            input1,
-            hidden,
-            input2,
-            ffn,
-        };
-        let out = self.inner.forward(h, state, &self.cfg);
-        self.sessions.put(sessions, rows, state_fields(out.state));
-        Ok(Reply::tensor(wrap(out.h)))
+        let (inner, cfg) = (&self.inner, &self.cfg);
+        let (h, state) = self
+            .graphs
+            .step(sessions, h, state, &self.device, |h, state| {
+                let [input1, hidden, input2, ffn]: [Tensor<B, 2>; 4] =
+                    state.try_into().expect("layer states have four fields");
+                let state = LayerState {
+                    input1,
+                    hidden,
+                    input2,
+                    ffn,
+                };
+                let out = inner.forward(h, state, cfg);
+                (out.h, state_fields(out.state))
+            });
+        self.sessions.put(sessions, rows, state);
+        Ok(Reply::tensor(wrap(h)))
     }
 }
 
@@ -328,6 +338,7 @@ impl<B: SnnOps> Stage for LayerStage<B> {
                 self.trainer
                     .step(&mut self.ad, &self.prefix, lr, neuron_lr, clip)?;
                 sync::<B, _, _>(&self.ad, &mut self.inner);
+                self.graphs.clear();
                 Ok(Reply::none())
             }
             StageCall::ZeroGrad => {
@@ -340,6 +351,7 @@ impl<B: SnnOps> Stage for LayerStage<B> {
             }
             StageCall::SessionClose { session } => {
                 self.sessions.close(session);
+                self.graphs.close(session);
                 Ok(Reply::none())
             }
             other => Err(EngineError::InvalidInput(format!(
@@ -372,6 +384,7 @@ impl<B: SnnOps> Stage for LayerStage<B> {
         self.trainer.clear();
         self.kept.clear();
         self.sessions.clear();
+        self.graphs.clear();
         Ok(())
     }
 

@@ -11,6 +11,7 @@
 //! Depends on burn, `nsactor-kernels`, `nsactor-model` and `nsactor-plugin-api`.
 
 mod edge;
+pub mod graphs;
 mod layer;
 pub mod profile;
 mod sessions;

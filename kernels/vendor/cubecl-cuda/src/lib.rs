@@ -28,6 +28,9 @@ pub mod nsactor_stats {
 }
 pub use runtime::*;
 
+/// nsactor patch: CUDA graphs of a stream's work (`CudaServer::nsactor_capture_begin`).
+pub use compute::CapturedGraph;
+
 #[cfg(feature = "ptx-wmma")]
 pub(crate) type WmmaCompiler = cubecl_cpp::cuda::mma::PtxWmmaCompiler;
 

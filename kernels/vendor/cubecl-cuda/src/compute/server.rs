@@ -61,7 +61,39 @@ pub struct CudaServer {
     /// dominates small kernels). The buffers are read-only once written; the cache is cleared
     /// when full, and a cleared buffer is recycled in stream order like any freed tensor.
     metadata_cache: HashMap<u64, HashMap<Vec<u8>, Handle>>,
+    /// nsactor patch: the CUDA-graph capture in progress, if any (`nsactor_capture_begin`).
+    capture: Option<Capture>,
 }
+
+/// nsactor patch: a stream being captured into a CUDA graph.
+#[derive(Debug)]
+struct Capture {
+    stream: StreamId,
+    /// Every buffer the captured work allocated or used, held by the graph so that its memory
+    /// is never handed out again while a replay may read or write it.
+    retained: Vec<Binding>,
+    /// Metadata uploaded during the capture: the upload was captured, not run, so these
+    /// entries leave the cache when the capture ends.
+    uploads: Vec<Vec<u8>>,
+    /// Why the captured graph must not be used, where something could not be captured.
+    taint: Option<String>,
+}
+
+/// nsactor patch: an instantiated CUDA graph and the buffers its work uses (see
+/// `CudaServer::nsactor_capture_end`). Destroy it on the server thread with
+/// `CudaServer::nsactor_graph_destroy`; the buffers return to their pool, in stream order, when
+/// it is dropped.
+#[derive(Debug)]
+pub struct CapturedGraph {
+    exec: cudarc::driver::sys::CUgraphExec,
+    retained: Vec<Binding>,
+    /// Nodes of the captured graph (kernels, copies, GEMMs' kernels).
+    pub nodes: usize,
+}
+
+// SAFETY: the executable graph is an opaque driver handle, usable from any thread; the server
+// thread is the only one that launches or destroys it.
+unsafe impl Send for CapturedGraph {}
 
 /// nsactor patch: most distinct metadata buffers kept per server (each a few hundred bytes).
 const METADATA_CACHE_ENTRIES: usize = 16_384;
@@ -105,6 +137,7 @@ impl ComputeServer for CudaServer {
         descriptors: Vec<CopyDescriptor>,
         stream_id: StreamId,
     ) -> DynFut<Result<Vec<Bytes>, ServerError>> {
+        self.nsactor_taint(stream_id, "a read to the host");
         match self.command(
             stream_id,
             descriptors.iter().map(|d| &d.handle),
@@ -119,6 +152,11 @@ impl ComputeServer for CudaServer {
     }
 
     fn initialize_memory(&mut self, memory: ManagedMemoryHandle, size: u64, stream_id: StreamId) {
+        // nsactor patch: a buffer allocated during a capture belongs to the graph.
+        if let Some(c) = self.capture.as_mut().filter(|c| c.stream == stream_id) {
+            c.retained
+                .push(Handle::from_memory(memory.clone(), stream_id, size).binding());
+        }
         let mut command = match self.command_no_inputs(
             stream_id,
             StreamErrorMode {
@@ -135,6 +173,7 @@ impl ComputeServer for CudaServer {
     }
 
     fn write(&mut self, descriptors: Vec<(CopyDescriptor, Bytes)>, stream_id: StreamId) {
+        self.nsactor_taint(stream_id, "a write from the host");
         let mut command = match self.command(
             stream_id,
             descriptors.iter().map(|desc| &desc.0.handle),
@@ -177,6 +216,10 @@ impl ComputeServer for CudaServer {
     }
 
     fn flush(&mut self, stream_id: StreamId) -> Result<(), ServerError> {
+        // nsactor patch: freeing memory on a captured stream would add nodes to the graph.
+        if self.nsactor_taint(stream_id, "a flush") {
+            return Ok(());
+        }
         let mut command = self.command_no_inputs(
             stream_id,
             StreamErrorMode {
@@ -193,6 +236,7 @@ impl ComputeServer for CudaServer {
     }
 
     fn sync(&mut self, stream_id: StreamId) -> DynFut<Result<(), ServerError>> {
+        self.nsactor_taint(stream_id, "a synchronisation");
         let command = self.command_no_inputs(
             stream_id,
             StreamErrorMode {
@@ -230,6 +274,10 @@ impl ComputeServer for CudaServer {
         binding: Binding,
         stream_id: StreamId,
     ) -> Result<ManagedResource<GpuResource>, ServerError> {
+        // nsactor patch: work outside CubeCL (cuBLASLt) captured on this buffer keeps it.
+        if let Some(c) = self.capture.as_mut().filter(|c| c.stream == stream_id) {
+            c.retained.push(binding.clone());
+        }
         let mut command = self.command(
             stream_id,
             [&binding].into_iter(),
@@ -256,6 +304,9 @@ impl ComputeServer for CudaServer {
     }
 
     fn memory_cleanup(&mut self, stream_id: StreamId) {
+        if self.nsactor_taint(stream_id, "a memory cleanup") {
+            return;
+        }
         let mut command = match self.command_no_inputs(
             stream_id,
             StreamErrorMode {
@@ -270,6 +321,7 @@ impl ComputeServer for CudaServer {
     }
 
     fn allocation_mode(&mut self, mode: MemoryAllocationMode, stream_id: StreamId) {
+        self.nsactor_taint(stream_id, "a change of allocation mode");
         let mut command = match self.command_no_inputs(
             stream_id,
             StreamErrorMode {
@@ -583,6 +635,7 @@ impl CudaServer {
             comm_stream,
             communicators: HashMap::default(),
             metadata_cache: HashMap::default(),
+            capture: None,
         }
     }
 
@@ -643,7 +696,63 @@ impl CudaServer {
         errors
     }
 
+    /// nsactor patch: `launch_unpatched`, and while the stream is captured, the buffers the
+    /// kernel uses kept for the graph (its metadata's too), and what cannot be replayed noted.
     fn launch_checked(
+        &mut self,
+        kernel: Box<dyn CubeTask<CudaCompiler>>,
+        count: CubeCount,
+        bindings: KernelArguments,
+        mode: ExecutionMode,
+        stream_id: StreamId,
+    ) -> Result<(), ServerError> {
+        if !self.capture.as_ref().is_some_and(|c| c.stream == stream_id) {
+            return self.launch_unpatched(kernel, count, bindings, mode, stream_id);
+        }
+        let mut retained: Vec<Binding> = bindings.buffers.to_vec();
+        retained.extend(bindings.tensor_maps.iter().map(|t| t.binding.clone()));
+        let grid_constants = self
+            .ctx
+            .compilation_options
+            .supports_features
+            .grid_constants;
+        let info = &bindings.info;
+        let metadata: Option<Vec<u8>> = if grid_constants {
+            (info.dynamic_metadata_offset < info.data.len())
+                .then(|| bytemuck::cast_slice(&info.data[info.dynamic_metadata_offset..]).to_vec())
+        } else {
+            (!info.data.is_empty()).then(|| bytemuck::cast_slice(&info.data).to_vec())
+        };
+        let cached = |server: &Self, m: &Vec<u8>| {
+            server
+                .metadata_cache
+                .get(&stream_id.value)
+                .and_then(|c| c.get(m))
+                .cloned()
+        };
+        let hit = metadata.as_ref().is_none_or(|m| cached(self, m).is_some());
+        if matches!(count, CubeCount::Dynamic(_)) {
+            self.nsactor_taint(stream_id, "a kernel with a dynamic cube count");
+        }
+        let launched = self.launch_unpatched(kernel, count, bindings, mode, stream_id);
+        if let Some(m) = metadata {
+            if let Some(h) = cached(self, &m) {
+                retained.push(h.binding());
+            }
+            if !hit {
+                self.nsactor_taint(stream_id, "a kernel's metadata uploaded during the capture");
+                if let Some(c) = self.capture.as_mut() {
+                    c.uploads.push(m);
+                }
+            }
+        }
+        if let Some(c) = self.capture.as_mut() {
+            c.retained.extend(retained);
+        }
+        launched
+    }
+
+    fn launch_unpatched(
         &mut self,
         kernel: Box<dyn CubeTask<CudaCompiler>>,
         count: CubeCount,
@@ -916,6 +1025,236 @@ impl CudaServer {
 
     pub(crate) fn utilities(&self) -> Arc<ServerUtilities<Self>> {
         self.utilities.clone()
+    }
+
+    /// nsactor patch: notes why a capture on `stream_id` cannot be replayed (work outside
+    /// CubeCL that failed while captured); true when one is in progress there.
+    pub fn nsactor_capture_taint(&mut self, stream_id: StreamId, what: &str) -> bool {
+        self.nsactor_taint(stream_id, what)
+    }
+
+    /// nsactor patch: notes why a capture on `stream_id` cannot be replayed; true when one
+    /// is in progress there.
+    fn nsactor_taint(&mut self, stream_id: StreamId, what: &str) -> bool {
+        match self.capture.as_mut().filter(|c| c.stream == stream_id) {
+            Some(c) => {
+                c.taint
+                    .get_or_insert_with(|| format!("{what} on the captured stream"));
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// nsactor patch: the CUDA stream of `stream_id` on this device.
+    pub fn nsactor_stream(
+        &mut self,
+        stream_id: StreamId,
+    ) -> Result<cudarc::driver::sys::CUstream, ServerError> {
+        let mut command = self.command_no_inputs(
+            stream_id,
+            StreamErrorMode {
+                ignore: true,
+                flush: false,
+            },
+        )?;
+        Ok(command.streams.current().sys)
+    }
+
+    /// nsactor patch: starts capturing the work of `stream_id` into a CUDA graph (relaxed
+    /// mode). Until `nsactor_capture_end`, that stream's launches are recorded, not run; its
+    /// memory comes from `cuMemAlloc`; every buffer its work allocates or uses is kept for the
+    /// graph; and what cannot be replayed (host reads and writes, synchronisations, metadata
+    /// uploads, flushes) marks the capture unusable.
+    ///
+    /// `inputs` (the buffers the work reads that other streams may have written) are ordered
+    /// on the stream first: a wait on another stream's work cannot be captured.
+    pub fn nsactor_capture_begin(
+        &mut self,
+        stream_id: StreamId,
+        inputs: Vec<Binding>,
+    ) -> Result<(), String> {
+        if self.capture.is_some() {
+            return Err("a CUDA-graph capture is already in progress on this device".into());
+        }
+        for b in inputs {
+            self.get_resource(b, stream_id)
+                .map_err(|e| format!("capture input: {e:?}"))?;
+        }
+        let mut command = self
+            .command_no_inputs(
+                stream_id,
+                StreamErrorMode {
+                    ignore: true,
+                    flush: false,
+                },
+            )
+            .map_err(|e| format!("{e:?}"))?;
+        let stream = command.streams.current();
+        let sys = stream.sys;
+        // SAFETY: `sys` is this server's live stream; capture is ended by
+        // `nsactor_capture_end` before anything else is asked of it by nsactor.
+        unsafe {
+            cudarc::driver::sys::cuStreamBeginCapture_v2(
+                sys,
+                cudarc::driver::sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED,
+            )
+        }
+        .result()
+        .map_err(|e| format!("cuStreamBeginCapture: {e:?}"))?;
+        stream.memory_management_gpu.storage().sync_alloc = true;
+        core::mem::drop(command);
+        self.capture = Some(Capture {
+            stream: stream_id,
+            retained: Vec::new(),
+            uploads: Vec::new(),
+            taint: None,
+        });
+        Ok(())
+    }
+
+    /// nsactor patch: ends the capture begun by `nsactor_capture_begin` and instantiates its
+    /// graph; an error (nothing to launch) when the capture was invalidated or noted something
+    /// it cannot replay. Either way, the stream runs work again.
+    pub fn nsactor_capture_end(&mut self, stream_id: StreamId) -> Result<CapturedGraph, String> {
+        let capture = match self.capture.take() {
+            Some(c) if c.stream == stream_id => c,
+            other => {
+                self.capture = other;
+                return Err("no CUDA-graph capture in progress on this stream".into());
+            }
+        };
+        let mut command = self
+            .command_no_inputs(
+                stream_id,
+                StreamErrorMode {
+                    ignore: true,
+                    flush: false,
+                },
+            )
+            .map_err(|e| format!("{e:?}"))?;
+        let stream = command.streams.current();
+        stream.memory_management_gpu.storage().sync_alloc = false;
+        let sys = stream.sys;
+        core::mem::drop(command);
+        let mut graph: cudarc::driver::sys::CUgraph = core::ptr::null_mut();
+        // SAFETY: ends the capture begun on `sys` by `nsactor_capture_begin`.
+        let ended =
+            unsafe { cudarc::driver::sys::cuStreamEndCapture(sys, &mut graph) }.result();
+        // Uploads captured but never run must not be found by later launches.
+        if let Some(cache) = self.metadata_cache.get_mut(&stream_id.value) {
+            for m in &capture.uploads {
+                cache.remove(m);
+            }
+        }
+        let errors = self.flush_errors(stream_id);
+        let destroy = |graph: cudarc::driver::sys::CUgraph| {
+            if !graph.is_null() {
+                // SAFETY: a graph returned by `cuStreamEndCapture`, destroyed once.
+                unsafe { cudarc::driver::sys::cuGraphDestroy(graph) };
+            }
+        };
+        let failure = match (&ended, &capture.taint) {
+            (Err(e), _) => Some(format!("cuStreamEndCapture: {e:?}")),
+            (_, Some(t)) => Some(t.clone()),
+            _ if !errors.is_empty() => Some(format!("launches failed: {errors:?}")),
+            _ if graph.is_null() => Some("the capture produced no graph".into()),
+            _ => None,
+        };
+        if let Some(f) = failure {
+            destroy(graph);
+            return Err(f);
+        }
+        let mut nodes = 0usize;
+        let mut exec: cudarc::driver::sys::CUgraphExec = core::ptr::null_mut();
+        // SAFETY: `graph` is the live graph just captured; `exec` is written by the driver.
+        let made = unsafe {
+            cudarc::driver::sys::cuGraphGetNodes(graph, core::ptr::null_mut(), &mut nodes);
+            cudarc::driver::sys::cuGraphInstantiateWithFlags(&mut exec, graph, 0)
+        }
+        .result();
+        destroy(graph);
+        made.map_err(|e| format!("cuGraphInstantiate: {e:?}"))?;
+        Ok(CapturedGraph {
+            exec,
+            retained: capture.retained,
+            nodes,
+        })
+    }
+
+    /// nsactor patch: enqueues one replay of `graph` on the stream of `stream_id`. `written`
+    /// are the buffers the replay rewrites that other streams may read: CubeCL orders readers
+    /// by the position of a buffer's allocation in its stream, so each is marked as allocated
+    /// anew here, after the replay.
+    pub fn nsactor_graph_launch(
+        &mut self,
+        graph: &CapturedGraph,
+        written: &[Handle],
+        stream_id: StreamId,
+    ) -> Result<(), String> {
+        let mut command = self
+            .command_no_inputs(
+                stream_id,
+                StreamErrorMode {
+                    ignore: true,
+                    flush: false,
+                },
+            )
+            .map_err(|e| format!("{e:?}"))?;
+        let sys = command.streams.current().sys;
+        // SAFETY: a live executable graph, launched on this server's stream.
+        unsafe { cudarc::driver::sys::cuGraphLaunch(graph.exec, sys) }
+            .result()
+            .map_err(|e| format!("cuGraphLaunch: {e:?}"))?;
+        for h in written {
+            if h.stream != stream_id {
+                return Err("a graph rewrites a buffer of another stream".into());
+            }
+            command.bind(h.memory.clone(), h.memory.clone());
+        }
+        Ok(())
+    }
+
+    /// nsactor patch: enqueues a device-to-device copy of `bytes` bytes on the stream of
+    /// `stream_id` (both buffers ordered on it, as for a kernel).
+    pub fn nsactor_copy(
+        &mut self,
+        src: Binding,
+        dst: Binding,
+        bytes: u64,
+        stream_id: StreamId,
+    ) -> Result<(), String> {
+        let s = self
+            .get_resource(src, stream_id)
+            .map_err(|e| format!("{e:?}"))?;
+        let d = self
+            .get_resource(dst, stream_id)
+            .map_err(|e| format!("{e:?}"))?;
+        let (s, d) = (s.resource(), d.resource());
+        if s.size < bytes || d.size < bytes {
+            return Err(format!(
+                "copy of {bytes} bytes between buffers of {} and {} bytes",
+                s.size, d.size
+            ));
+        }
+        if s.ptr == d.ptr {
+            return Ok(());
+        }
+        // SAFETY: both are live device buffers of at least `bytes` bytes, held until after the
+        // copy is enqueued and recycled only in order on `d.stream`, the current stream.
+        unsafe {
+            cudarc::driver::sys::cuMemcpyDtoDAsync_v2(d.ptr, s.ptr, bytes as usize, d.stream)
+        }
+        .result()
+        .map_err(|e| format!("cuMemcpyDtoDAsync: {e:?}"))
+    }
+
+    /// nsactor patch: destroys `graph` (after the replays enqueued before, which the driver
+    /// lets finish); its buffers return to their pool in stream order.
+    pub fn nsactor_graph_destroy(&mut self, graph: CapturedGraph) {
+        // SAFETY: destroyed once, on the thread that launches it.
+        unsafe { cudarc::driver::sys::cuGraphExecDestroy(graph.exec) };
+        core::mem::drop(graph.retained);
     }
 }
 

@@ -21,6 +21,10 @@ pub struct GpuStorage {
     ptr_bindings: PtrBindings,
     stream: cudarc::driver::sys::CUstream,
     mem_alignment: usize,
+    /// nsactor patch: allocate with `cuMemAlloc` instead of `cuMemAllocAsync` on the stream,
+    /// set while the stream is being captured into a CUDA graph (a stream-ordered allocation
+    /// would become a node of the graph, owned by it).
+    pub(crate) sync_alloc: bool,
 }
 
 /// A GPU memory resource allocated for CUDA using [`GpuStorage`].
@@ -63,6 +67,7 @@ impl GpuStorage {
             ptr_bindings: PtrBindings::new(),
             stream,
             mem_alignment,
+            sync_alloc: false,
         }
     }
 
@@ -180,7 +185,13 @@ impl ComputeStorage for GpuStorage {
         // SAFETY: Calling CUDA driver FFI to allocate device memory. First tries async
         // allocation on the stream; falls back to synchronous allocation if that fails.
         // The returned pointer is stored in `self.memory` and freed on deallocation.
-        let ptr = unsafe { cudarc::driver::result::malloc_async(self.stream, size as usize) };
+        // nsactor patch: no stream-ordered allocation while the stream is captured.
+        let ptr = match self.sync_alloc {
+            false => unsafe { cudarc::driver::result::malloc_async(self.stream, size as usize) },
+            true => Err(DriverError(
+                cudarc::driver::sys::CUresult::CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED,
+            )),
+        };
         let (ptr, kind) = match ptr {
             Ok(ptr) => (ptr, AllocationKind::Async),
             Err(_) => unsafe {

@@ -1,0 +1,267 @@
+//! A layer's decoding steps captured once and replayed ([`SnnOps::capture`]: CUDA graphs).
+//!
+//! A decoding server calls a layer with the same sessions token after token. The first call
+//! of a set of sessions runs as usual (it also fills the lazily made caches: the weights'
+//! GEMM operands, kernel metadata); the second is captured, with its inputs — the hidden
+//! state `h` and the sessions' four membrane states — as the graph's input buffers, and ends
+//! with the new states copied back into those state buffers. From then on, a call is one
+//! replay: `h` and the states are copied into the graph's buffers unless they already are
+//! them (the states always are while the set of sessions stays the same; `h` is when the
+//! layer before was replayed too), and the output is the graph's output buffer.
+//!
+//! What a graph's buffers hold is rewritten by each replay, so the tensors handed out (the
+//! output, the states put back into the session table) are read before the next call of the
+//! same sessions — as a decoding pass does. A set of sessions that changes, a closed session,
+//! new parameters or a load drop the graphs concerned. At most [`GRAPHS`] sets of sessions
+//! keep graphs per layer (least recently used first out), each for calls of at most
+//! `NSACTOR_DECODE_GRAPH_ROWS` batch rows (default [`DEFAULT_ROWS`]) and one token;
+//! `NSACTOR_DECODE_GRAPHS=off` turns them off.
+
+use burn::tensor::{Tensor, TensorPrimitive};
+use nsactor_kernels::{SnnOps, StepGraph};
+
+/// Sets of sessions with a graph, per layer.
+pub const GRAPHS: usize = 4;
+/// Default largest batch (rows of `h`) captured.
+pub const DEFAULT_ROWS: usize = 16;
+/// Calls between tries after a capture failed.
+const RETRY_AFTER: u32 = 64;
+
+/// Whether decoding steps are captured, and up to how many batch rows: from
+/// `NSACTOR_DECODE_GRAPHS` (`off` disables) and `NSACTOR_DECODE_GRAPH_ROWS`.
+pub fn graph_rows() -> usize {
+    static ROWS: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *ROWS.get_or_init(|| {
+        if std::env::var("NSACTOR_DECODE_GRAPHS").as_deref() == Ok("off") {
+            return 0;
+        }
+        std::env::var("NSACTOR_DECODE_GRAPH_ROWS")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(DEFAULT_ROWS)
+    })
+}
+
+#[derive(Clone, PartialEq, Eq, Debug)]
+struct Key {
+    sessions: Vec<u64>,
+    dims: [usize; 3],
+}
+
+struct Entry<B: SnnOps> {
+    key: Key,
+    h_in: Tensor<B, 3>,
+    state_in: Vec<Tensor<B, 2>>,
+    h_out: Tensor<B, 3>,
+    graph: StepGraph,
+}
+
+/// One layer's captured decoding steps.
+pub struct DecodeGraphs<B: SnnOps> {
+    /// Most recently used first.
+    entries: Vec<Entry<B>>,
+    /// The last call that ran uncaptured: the next call with the same key is captured.
+    warm: Option<Key>,
+    /// Calls left before a failed key is tried again, and the key.
+    failed: Option<(Key, u32)>,
+}
+
+impl<B: SnnOps> Default for DecodeGraphs<B> {
+    fn default() -> Self {
+        DecodeGraphs {
+            entries: Vec::new(),
+            warm: None,
+            failed: None,
+        }
+    }
+}
+
+fn prim<B: SnnOps, const D: usize>(t: Tensor<B, D>) -> B::FloatTensorPrimitive {
+    t.into_primitive().tensor()
+}
+
+impl<B: SnnOps> DecodeGraphs<B> {
+    /// Graphs held.
+    pub fn len(&self) -> usize {
+        self.entries.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.entries.is_empty()
+    }
+
+    /// Drops every graph (new parameters, a load, cleared sessions).
+    pub fn clear(&mut self) {
+        self.entries.clear();
+        self.warm = None;
+        self.failed = None;
+    }
+
+    /// Drops the graphs of sets of sessions that include `session`.
+    pub fn close(&mut self, session: u64) {
+        self.entries.retain(|e| !e.key.sessions.contains(&session));
+        if self
+            .warm
+            .as_ref()
+            .is_some_and(|k| k.sessions.contains(&session))
+        {
+            self.warm = None;
+        }
+    }
+
+    /// `f(h, state)` — the layer's step — replayed, captured or run as it is (see the module
+    /// documentation); the result is the same either way.
+    pub fn step(
+        &mut self,
+        sessions: &[u64],
+        h: Tensor<B, 3>,
+        state: Vec<Tensor<B, 2>>,
+        device: &B::Device,
+        f: impl Fn(Tensor<B, 3>, Vec<Tensor<B, 2>>) -> (Tensor<B, 3>, Vec<Tensor<B, 2>>),
+    ) -> (Tensor<B, 3>, Vec<Tensor<B, 2>>) {
+        let dims = h.dims();
+        if !B::captures_steps() || dims[0] != 1 || dims[1] > graph_rows() {
+            return f(h, state);
+        }
+        let key = Key {
+            sessions: sessions.to_vec(),
+            dims,
+        };
+        if let Some(i) = self.entries.iter().position(|e| e.key == key) {
+            let entry = self.entries.remove(i);
+            match self.replay(&entry, h.clone(), state.clone()) {
+                Ok(()) => {
+                    let out = (entry.h_out.clone(), entry.state_in.clone());
+                    self.entries.insert(0, entry);
+                    return out;
+                }
+                Err(e) => {
+                    eprintln!("nsactor: decoding graph replay refused, running uncaptured: {e}");
+                    return f(h, state);
+                }
+            }
+        }
+        if let Some((k, left)) = self.failed.as_mut()
+            && *k == key
+        {
+            if *left > 0 {
+                *left -= 1;
+                return f(h, state);
+            }
+            self.failed = None;
+        }
+        if self.warm.as_ref() != Some(&key) {
+            self.warm = Some(key);
+            return f(h, state);
+        }
+        self.warm = None;
+        // The graph's input buffers are copied into whole: contiguous ones.
+        let contiguous = |t| B::contiguous(t);
+        let h_in = Tensor::from_primitive(TensorPrimitive::Float(contiguous(prim(h.clone()))));
+        let state_in = state
+            .iter()
+            .map(|s| Tensor::from_primitive(TensorPrimitive::Float(contiguous(prim(s.clone())))))
+            .collect();
+        match self.capture(key.clone(), h_in, state_in, device, &f) {
+            Ok(entry) => {
+                let out = (entry.h_out.clone(), entry.state_in.clone());
+                self.entries.insert(0, entry);
+                self.entries.truncate(GRAPHS);
+                out
+            }
+            Err(e) => {
+                eprintln!(
+                    "nsactor: decoding step not captured ({} sessions, {dims:?}), running uncaptured: {e}",
+                    sessions.len()
+                );
+                self.failed = Some((key, RETRY_AFTER));
+                f(h, state)
+            }
+        }
+    }
+
+    fn replay(
+        &self,
+        entry: &Entry<B>,
+        h: Tensor<B, 3>,
+        state: Vec<Tensor<B, 2>>,
+    ) -> Result<(), String> {
+        let mut inputs = vec![(prim(h), prim(entry.h_in.clone()))];
+        inputs.extend(
+            state
+                .into_iter()
+                .zip(&entry.state_in)
+                .map(|(s, d)| (prim(s), prim(d.clone()))),
+        );
+        B::replay(&entry.graph, inputs, &entry.written())
+    }
+
+    fn capture(
+        &self,
+        key: Key,
+        h_in: Tensor<B, 3>,
+        state_in: Vec<Tensor<B, 2>>,
+        device: &B::Device,
+        f: &impl Fn(Tensor<B, 3>, Vec<Tensor<B, 2>>) -> (Tensor<B, 3>, Vec<Tensor<B, 2>>),
+    ) -> Result<Entry<B>, String> {
+        let mut read = vec![prim(h_in.clone())];
+        read.extend(state_in.iter().map(|s| prim(s.clone())));
+        let (h_out, graph) = B::capture(device, &read, || {
+            let (h_out, state_out) = f(h_in.clone(), state_in.clone());
+            for (s, d) in state_out.into_iter().zip(&state_in) {
+                B::capture_copy(prim(s), &prim(d.clone()))?;
+            }
+            Ok::<_, String>(h_out)
+        })?;
+        let h_out = h_out?;
+        let entry = Entry {
+            key,
+            h_in,
+            state_in,
+            h_out,
+            graph,
+        };
+        // Nothing ran while capturing: the first replay computes this step.
+        B::replay(&entry.graph, Vec::new(), &entry.written())?;
+        Ok(entry)
+    }
+}
+
+impl<B: SnnOps> Entry<B> {
+    /// The buffers a replay rewrites that the caller reads: the output and the states.
+    fn written(&self) -> Vec<B::FloatTensorPrimitive> {
+        let mut w = vec![prim(self.h_out.clone())];
+        w.extend(self.state_in.iter().map(|s| prim(s.clone())));
+        w
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use burn::tensor::Tensor;
+
+    type B = burn_ndarray::NdArray<f32>;
+
+    #[test]
+    fn a_backend_that_cannot_capture_runs_every_step_as_it_is() {
+        let device = Default::default();
+        let mut graphs = DecodeGraphs::<B>::default();
+        let h = Tensor::<B, 3>::ones([1, 1, 4], &device);
+        let state = vec![Tensor::<B, 2>::zeros([1, 4], &device)];
+        let calls = std::cell::Cell::new(0);
+        for step in 0..4 {
+            let (out, st) = graphs.step(&[7], h.clone(), state.clone(), &device, |h, s| {
+                calls.set(calls.get() + 1);
+                (h * 2.0, s.into_iter().map(|s| s + 1.0).collect())
+            });
+            assert_eq!(out.into_data().to_vec::<f32>().unwrap(), vec![2.0; 4]);
+            assert_eq!(
+                st[0].clone().into_data().to_vec::<f32>().unwrap(),
+                vec![1.0; 4]
+            );
+            assert_eq!(calls.get(), step + 1);
+        }
+        assert!(graphs.is_empty());
+    }
+}

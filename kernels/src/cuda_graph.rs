@@ -31,8 +31,8 @@ use burn_cubecl::kernel::into_contiguous;
 use burn_cubecl::tensor::CubeTensor;
 use burn_cuda::CudaDevice;
 use cubecl::cuda::{CapturedGraph, CudaRuntime};
+use cubecl::server::Binding;
 use cubecl::stream_id::StreamId;
-use std::sync::atomic::{AtomicU64, Ordering};
 
 type CudaTensor = CubeTensor<CudaRuntime>;
 
@@ -52,17 +52,6 @@ impl std::fmt::Debug for Graph {
             .field("nodes", &self.nodes)
             .finish()
     }
-}
-
-static REPLAYS: AtomicU64 = AtomicU64::new(0);
-static CAPTURES: AtomicU64 = AtomicU64::new(0);
-
-/// `(captures, replays)` made so far in this process.
-pub fn stats() -> (u64, u64) {
-    (
-        CAPTURES.load(Ordering::Relaxed),
-        REPLAYS.load(Ordering::Relaxed),
-    )
 }
 
 fn panic_message(p: Box<dyn std::any::Any + Send>) -> String {
@@ -100,43 +89,44 @@ pub fn capture<R>(
         stream,
     });
     match (result, graph) {
-        (Ok(r), Ok(g)) => {
-            CAPTURES.fetch_add(1, Ordering::Relaxed);
-            Ok((r, g))
-        }
+        (Ok(r), Ok(g)) => Ok((r, g)),
         (Err(p), _) => Err(format!("the captured work panicked: {}", panic_message(p))),
         (Ok(_), Err(e)) => Err(e),
     }
 }
 
-/// Bytes of a contiguous tensor (an error for a strided view).
-fn contiguous_bytes(t: &CudaTensor, what: &str) -> Result<u64, String> {
-    if !t.is_contiguous() {
-        return Err(format!("{what}: a strided tensor {:?}", t.meta.shape()));
-    }
-    Ok((t.meta.shape().num_elements() * t.dtype.size()) as u64)
-}
-
-/// Enqueues a copy of `src` into `dst` on the calling thread's stream: the two must have the
-/// same shape and type and `dst` must be contiguous; a strided `src` is made contiguous first.
-/// Inside a [`capture`] the copy becomes a node of the graph.
-pub fn copy(src: CudaTensor, dst: &CudaTensor) -> Result<(), String> {
+/// The bindings and byte count of a copy of `src` into `dst`: the same shape and type, `dst`
+/// contiguous (`src` is made contiguous where it is strided).
+fn copy_operands(
+    src: CudaTensor,
+    dst: &CudaTensor,
+    what: &str,
+) -> Result<(Binding, Binding, u64), String> {
     if src.meta.shape() != dst.meta.shape() || src.dtype != dst.dtype {
         return Err(format!(
-            "copy: {:?} {:?} into {:?} {:?}",
+            "{what}: {:?} {:?} into {:?} {:?}",
             src.meta.shape(),
             src.dtype,
             dst.meta.shape(),
             dst.dtype
         ));
     }
-    let bytes = contiguous_bytes(dst, "copy destination")?;
-    let src = if src.is_contiguous() {
-        src
-    } else {
-        into_contiguous(src)
-    };
-    let (s, d) = (src.handle.clone().binding(), dst.handle.clone().binding());
+    if !dst.is_contiguous() {
+        return Err(format!(
+            "{what}: a strided destination {:?}",
+            dst.meta.shape()
+        ));
+    }
+    let bytes = (dst.meta.shape().num_elements() * dst.dtype.size()) as u64;
+    let src = into_contiguous(src);
+    Ok((src.handle.binding(), dst.handle.clone().binding(), bytes))
+}
+
+/// Enqueues a copy of `src` into `dst` on the calling thread's stream: the two must have the
+/// same shape and type and `dst` must be contiguous; a strided `src` is made contiguous first.
+/// Inside a [`capture`] the copy becomes a node of the graph.
+pub fn copy(src: CudaTensor, dst: &CudaTensor) -> Result<(), String> {
+    let (s, d, bytes) = copy_operands(src, dst, "copy")?;
     device_server(&dst.device).submit(move |server: &mut Server| {
         let stream = StreamId::current();
         if let Err(e) = server.nsactor_copy(s, d, bytes, stream) {
@@ -170,25 +160,10 @@ impl Graph {
         if !self.replayable_here() {
             return Err("a graph is replayed from the thread that captured it".into());
         }
-        let mut copies = Vec::with_capacity(inputs.len());
-        for (src, dst) in inputs {
-            if src.meta.shape() != dst.meta.shape() || src.dtype != dst.dtype {
-                return Err(format!(
-                    "replay input {:?} {:?} for a graph captured with {:?} {:?}",
-                    src.meta.shape(),
-                    src.dtype,
-                    dst.meta.shape(),
-                    dst.dtype
-                ));
-            }
-            let bytes = contiguous_bytes(&dst, "replay input")?;
-            let src = if src.is_contiguous() {
-                src
-            } else {
-                into_contiguous(src)
-            };
-            copies.push((src.handle.binding(), dst.handle.binding(), bytes));
-        }
+        let copies = inputs
+            .into_iter()
+            .map(|(src, dst)| copy_operands(src, &dst, "replay input"))
+            .collect::<Result<Vec<_>, _>>()?;
         let written: Vec<_> = written.iter().map(|t| t.handle.clone()).collect();
         let exec: *const CapturedGraph = &**self.graph.as_ref().expect("a live graph");
         // The graph outlives the task: it is destroyed by a task queued behind this one.
@@ -207,7 +182,6 @@ impl Graph {
                 record_queued_failure(e);
             }
         });
-        REPLAYS.fetch_add(1, Ordering::Relaxed);
         Ok(())
     }
 }

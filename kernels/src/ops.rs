@@ -1410,11 +1410,7 @@ impl SnnOps for burn_cuda::Cuda<f32, i32> {
     }
 
     fn contiguous(t: FloatTensor<Self>) -> FloatTensor<Self> {
-        if t.is_contiguous() {
-            t
-        } else {
-            burn_cubecl::kernel::into_contiguous(t)
-        }
+        burn_cubecl::kernel::into_contiguous(t)
     }
 
     fn replay(

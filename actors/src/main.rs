@@ -1289,8 +1289,10 @@ fn generate_bench_cmd(a: GenerateBenchArgs) -> Result<(), Box<dyn std::error::Er
         for &n in &a.sessions {
             let (c0, _) = decoder.batch_counts();
             let b0 = l.pipeline.busy();
+            let p0 = decoder.cohort_phases();
             let t = nsactor::bench::generate_load(&decoder, n, &prompt, a.tokens).await?;
             let (c1, _) = decoder.batch_counts();
+            let p1 = decoder.cohort_phases();
             let per_pass: Vec<String> = l
                 .pipeline
                 .busy()
@@ -1300,7 +1302,20 @@ fn generate_bench_cmd(a: GenerateBenchArgs) -> Result<(), Box<dyn std::error::Er
                     format!("{name} {:.2} ms", (s1 - s0) * 1e3 / (c1 - c0).max(1) as f64)
                 })
                 .collect();
-            host.push((n, per_pass.join(", ")));
+            let passes = (c1 - c0).max(1) as f64;
+            let ms: Vec<f64> = p1.iter().zip(&p0).map(|(x, y)| (x - y) * 1e3 / passes).collect();
+            host.push((
+                n,
+                format!(
+                    "{}; cohort {:.2} ms = embed {:.2} + layers {:.2} + decode and copy {:.2} (+ {:.2} between)",
+                    per_pass.join(", "),
+                    ms[3],
+                    ms[0],
+                    ms[1],
+                    ms[2],
+                    ms[3] - ms[0] - ms[1] - ms[2]
+                ),
+            ));
             println!(
                 "{:>9} {:>16.1} {:>14.2} {:>14.2} {:>16.0} {:>18.0} {:>12.1}",
                 t.sessions,

@@ -4,7 +4,9 @@
 //! * [`ponder_agg`]: PonderNet halting and aggregation. One plane of 32 units per
 //!   `(token, batch row)` computes the K halting logits (dot products with the halt weight,
 //!   reduced across the plane), the geometric halting distribution and E[K], and the weighted
-//!   sum of the K frames (≈ 50 ops composed).
+//!   sum of the K frames (≈ 50 ops composed). A decoding step's few rows get a cube each, one
+//!   unit per channel holding its K frames in registers, and the aggregate comes out in the
+//!   out projection's GEMM input type (no cast before it).
 //! * [`norm_plif`]: RMSNorm, then the input PLIF over the K frames of each token.
 //! * the SNNFFN's gate and up neurons and their product: [`crate::cuda_scan::ffn_infer`], the
 //!   training kernel without its saved `V_post`.
@@ -133,6 +135,142 @@ fn ponder_agg_kernel(
         }
         agg[row * stride + d] = acc;
         d += width;
+    }
+}
+
+/// [`ponder_agg_kernel`] for a few rows (a decoding step), one cube per `(token, batch row)`
+/// with one unit per channel (`per` channels a unit where `D` exceeds 1,024): each unit loads its
+/// channels' K frames once and keeps them in registers, the K halting logits are reduced across
+/// the cube, and one plane computes the halting distribution with a plane-wide prefix sum of
+/// `log(1 − p)` (not a K-step loop in every unit). The aggregate is written in `O` (the type the
+/// out projection's GEMM reads), E[K] in f32. Needs `K ≤ 32`.
+#[allow(clippy::too_many_arguments)]
+#[cube(launch)]
+fn ponder_rows_kernel<O: Float>(
+    frames: &Tensor<f32>,
+    w: &Tensor<f32>,
+    bias: &Tensor<f32>,
+    h: &Tensor<f32>,
+    w_mean: &Tensor<f32>,
+    agg: &mut Tensor<O>,
+    c: &mut Tensor<f32>,
+    ek: &mut Tensor<f32>,
+    batch: u32,
+    dim: u32,
+    halt_clamp: f32,
+    norm_eps: f32,
+    #[comptime] k: usize,
+    #[comptime] planes: usize,
+    #[comptime] per: usize,
+    #[comptime] residual: bool,
+    #[define(O)] _out: StorageType,
+) {
+    let batch = batch as usize;
+    let dim = dim as usize;
+    let row = CUBE_POS;
+    let t = row / batch;
+    let b = row % batch;
+    let lane = UNIT_POS as usize;
+    let width = comptime![planes * 32];
+    let mut x = Array::<f32>::new(comptime![per * k]);
+    let mut part = Array::<f32>::new(k);
+    #[unroll]
+    for j in 0..k {
+        part[j] = 0.0f32;
+    }
+    #[unroll]
+    for q in 0..per {
+        let d = lane + q * width;
+        if d < dim {
+            let wd = w[d];
+            #[unroll]
+            for j in 0..k {
+                let v = frames[((t * k + j) * batch + b) * dim + d];
+                x[q * k + j] = v;
+                part[j] += v * wd;
+            }
+        } else {
+            #[unroll]
+            for j in 0..k {
+                x[q * k + j] = 0.0f32;
+            }
+        }
+    }
+    let mut sums = SharedMemory::<f32>::new(comptime![planes * k]);
+    let mut lam = SharedMemory::<f32>::new(k);
+    let plane = lane / 32;
+    #[unroll]
+    for j in 0..k {
+        let s = plane_sum(part[j]);
+        if UNIT_POS_PLANE == 0 {
+            sums[plane * k + j] = s;
+        }
+    }
+    sync_cube();
+    if plane == 0 {
+        // Lane j holds frame j: logit, halting probability, and the survival product as the
+        // exp of the exclusive prefix sum of log(1 − p).
+        let j = lane;
+        let live = j < k;
+        let mut logit = bias[0];
+        if live {
+            #[unroll]
+            for p in 0..planes {
+                logit += sums[p * k + j];
+            }
+        }
+        let p = clamp(sigmoid_burn(logit), halt_clamp, 1.0f32 - halt_clamp);
+        let log_keep = select(live, (-p).log1p(), 0.0f32);
+        let survive = plane_exclusive_sum(log_keep).exp();
+        let l = select(live, p * survive, 0.0f32);
+        let norm = plane_sum(l) + norm_eps;
+        let ln = l / norm;
+        let e = plane_sum(ln * f32::cast_from(j + 1));
+        if live {
+            lam[j] = ln;
+        }
+        if lane == 0 {
+            ek[row] = e;
+        }
+    }
+    sync_cube();
+    let mut mean_part = 0.0f32;
+    #[unroll]
+    for q in 0..per {
+        let d = lane + q * width;
+        if d < dim {
+            let mut acc = 0.0f32;
+            #[unroll]
+            for j in 0..k {
+                acc += x[q * k + j] * lam[j];
+            }
+            let a = O::cast_from(acc);
+            agg[row * dim + d] = a;
+            if comptime![residual] {
+                mean_part += f32::cast_from(a) * w_mean[d];
+            }
+        }
+    }
+    if comptime![residual] {
+        // c = h − agg·w̄: the GEMM that adds c to agg·Wᵀ leaves h + (r − mean r).
+        let mut means = SharedMemory::<f32>::new(planes);
+        let s = plane_sum(mean_part);
+        if UNIT_POS_PLANE == 0 {
+            means[plane] = s;
+        }
+        sync_cube();
+        let mut m = 0.0f32;
+        #[unroll]
+        for p in 0..planes {
+            m += means[p];
+        }
+        #[unroll]
+        for q in 0..per {
+            let d = lane + q * width;
+            if d < dim {
+                c[row * dim + d] = h[row * dim + d] - m;
+            }
+        }
     }
 }
 
@@ -295,6 +433,13 @@ fn ponder_agg_with<R: CubeRuntime>(
 ) -> [CubeTensor<R>; 2] {
     let (t, batch, dim) = ponder_geometry(&[&frames, &w, &bias], k);
     let [frames, w, bias] = [frames, w, bias].map(into_contiguous);
+    if !packed && rows_kernel_fits(t * batch, k) {
+        // A decoding step: one unit per channel, the aggregate in the GEMM's input type.
+        let [agg, _, ek] = ponder_rows(
+            frames, w, bias, None, t, batch, dim, k, halt_clamp, norm_eps,
+        );
+        return [agg, ek];
+    }
     let (agg, ek) = if packed {
         let p = out_like(&frames, Shape::new([t, batch, dim + 1]));
         (p.clone(), p)
@@ -306,8 +451,7 @@ fn ponder_agg_with<R: CubeRuntime>(
     };
     let client = frames.client.clone();
     // One plane per row when the rows fill the GPU (training); a cube of eight planes per row
-    // when they are few (a decoding step's one to a few hundred rows), whose single plane
-    // would otherwise walk all K·D values alone.
+    // when they are few and K exceeds a plane.
     let planes = if t * batch < FEW_ROWS { 8 } else { 1 };
     ponder_agg_kernel::launch::<R>(
         &client,
@@ -327,6 +471,103 @@ fn ponder_agg_with<R: CubeRuntime>(
         planes,
     );
     [agg, ek]
+}
+
+/// Whether [`ponder_rows_kernel`] takes `rows` token rows at this `k`: a decoding step's few
+/// rows, K within a plane, the decoding fusions on.
+fn rows_kernel_fits(rows: usize, k: usize) -> bool {
+    rows < FEW_ROWS && k <= PLANE as usize && crate::decode_fusion()
+}
+
+/// [`ponder_rows_kernel`]: `[aggregate, c (a placeholder without residual), E[K]]`.
+#[allow(clippy::too_many_arguments)]
+fn ponder_rows<R: CubeRuntime>(
+    frames: CubeTensor<R>,
+    w: CubeTensor<R>,
+    bias: CubeTensor<R>,
+    residual: Option<(CubeTensor<R>, CubeTensor<R>)>,
+    t: usize,
+    batch: usize,
+    dim: usize,
+    k: usize,
+    halt_clamp: f32,
+    norm_eps: f32,
+) -> [CubeTensor<R>; 3] {
+    let planes = dim.div_ceil(PLANE as usize).clamp(1, 32);
+    let per = dim.div_ceil(planes * PLANE as usize);
+    let agg = out_typed(&frames, Shape::new([t, batch, dim]), gemm_input());
+    let ek = out_like(&frames, Shape::new([t, batch]));
+    let with_residual = residual.is_some();
+    let (h, w_mean, c) = match residual {
+        Some((h, w_mean)) => (h, w_mean, out_like(&frames, Shape::new([t, batch, dim]))),
+        // Unread (and unwritten) without the residual.
+        None => (w.clone(), w.clone(), out_like(&frames, Shape::new([1]))),
+    };
+    ponder_rows_kernel::launch::<R>(
+        &frames.client.clone(),
+        CubeCount::Static((t * batch) as u32, 1, 1),
+        CubeDim::new_1d(PLANE * planes as u32),
+        frames.into_tensor_arg(),
+        w.into_tensor_arg(),
+        bias.into_tensor_arg(),
+        h.into_tensor_arg(),
+        w_mean.into_tensor_arg(),
+        agg.clone().into_tensor_arg(),
+        c.clone().into_tensor_arg(),
+        ek.clone().into_tensor_arg(),
+        batch as u32,
+        dim as u32,
+        halt_clamp,
+        norm_eps,
+        k,
+        planes,
+        per,
+        with_residual,
+        agg.dtype.into(),
+    );
+    [agg, c, ek]
+}
+
+/// PonderAgg with a sublayer's residual update prepared ([`crate::SnnOps::ponder_residual_fused`]):
+/// inputs `[frames [T·K, B, D], halt w [1, D], halt b [1], h [T, B, D], w̄ [1, D]]` →
+/// `Some((aggregate in the GEMM's input type, c = h − round(aggregate)·w̄ᵀ, E[K]))`, or `None`
+/// where the rows are not a decoding step's few (or K exceeds a plane, or the decoding fusions
+/// are off).
+pub fn ponder_residual<R: CubeRuntime>(
+    inputs: [CubeTensor<R>; 5],
+    k: usize,
+    halt_clamp: f32,
+    norm_eps: f32,
+) -> Option<(CubeTensor<R>, CubeTensor<R>, CubeTensor<R>)> {
+    let [frames, w, bias, h, w_mean] = inputs;
+    let (t, batch, dim) = ponder_geometry(&[&frames, &w, &bias, &h, &w_mean], k);
+    assert_eq!(
+        h.meta.shape().dims::<3>(),
+        [t, batch, dim],
+        "ponder_residual: h is [T, B, D]"
+    );
+    assert_eq!(
+        w_mean.meta.shape().num_elements(),
+        dim,
+        "ponder_residual: w̄ has D values"
+    );
+    if !rows_kernel_fits(t * batch, k) {
+        return None;
+    }
+    let [frames, w, bias, h, w_mean] = [frames, w, bias, h, w_mean].map(into_contiguous);
+    let [agg, c, ek] = ponder_rows(
+        frames,
+        w,
+        bias,
+        Some((h, w_mean)),
+        t,
+        batch,
+        dim,
+        k,
+        halt_clamp,
+        norm_eps,
+    );
+    Some((agg, c, ek))
 }
 
 /// Its backward from the packed gradient `[T, B, D + 1]`: `[∂frames [T·K, B, D], per-row ∂w
@@ -428,6 +669,7 @@ fn norm_plif_kernel<O: Float>(
     #[comptime] leak: bool,
     #[comptime] save_vpost: bool,
     #[comptime] fused_rms: bool,
+    #[comptime] mean_frames: bool,
     #[define(O)] _out: StorageType,
 ) {
     let cols = cols as usize;
@@ -454,6 +696,18 @@ fn norm_plif_kernel<O: Float>(
             let base = t * cols + b * dim;
             let mut ss = 0.0f32;
             let mut dd = d % 32;
+            // Four loads in flight per round, summed in the same order as one at a time.
+            while dd + 96 < dim {
+                let x0 = x[base + dd];
+                let x1 = x[base + dd + 32];
+                let x2 = x[base + dd + 64];
+                let x3 = x[base + dd + 96];
+                ss += x0 * x0;
+                ss += x1 * x1;
+                ss += x2 * x2;
+                ss += x3 * x3;
+                dd += 128usize;
+            }
             while dd < dim {
                 let xv = x[base + dd];
                 ss += xv * xv;
@@ -463,19 +717,24 @@ fn norm_plif_kernel<O: Float>(
             rr = 1.0f32 / (total / f32::cast_from(dim) + eps).sqrt();
         }
         let u = x[t * cols + c] * rr * nw * one_minus;
+        let mut sum = 0.0f32;
         #[unroll]
         for j in 0..k {
             let v_pre = fma(beta, v, u);
             let s = select(v_pre >= th, 1.0f32, 0.0f32);
             v = v_pre - th * s;
-            if comptime![leak] {
-                y[(t * k + j) * cols + c] = O::cast_from(v * one_minus);
+            let out = select(leak, v * one_minus, v);
+            if comptime![mean_frames] {
+                sum += out;
             } else {
-                y[(t * k + j) * cols + c] = O::cast_from(v);
+                y[(t * k + j) * cols + c] = O::cast_from(out);
             }
             if comptime![save_vpost] {
                 vpost[(t * k + j) * cols + c] = v;
             }
+        }
+        if comptime![mean_frames] {
+            y[t * cols + c] = O::cast_from(sum / f32::cast_from(k));
         }
     }
     last[c] = v;
@@ -621,7 +880,24 @@ pub fn norm_plif<R: CubeRuntime>(
     k: usize,
     leak: bool,
 ) -> (CubeTensor<R>, CubeTensor<R>) {
-    let [y, last, _] = norm_plif_with([x, norm_w, w, v_th, v0], eps, k, leak, false);
+    let [y, last, _] = norm_plif_with([x, norm_w, w, v_th, v0], eps, k, leak, false, false);
+    (y, last)
+}
+
+/// [`norm_plif`] with each token's K outputs averaged in the kernel: `(mean [T, B, D] in the
+/// GEMM's input type, final state [B, D])`, the edge's output neuron before `decode_proj`.
+#[allow(clippy::too_many_arguments)]
+pub fn norm_plif_mean<R: CubeRuntime>(
+    x: CubeTensor<R>,
+    norm_w: CubeTensor<R>,
+    eps: f32,
+    w: CubeTensor<R>,
+    v_th: CubeTensor<R>,
+    v0: CubeTensor<R>,
+    k: usize,
+    leak: bool,
+) -> (CubeTensor<R>, CubeTensor<R>) {
+    let [y, last, _] = norm_plif_with([x, norm_w, w, v_th, v0], eps, k, leak, false, true);
     (y, last)
 }
 
@@ -638,7 +914,7 @@ pub fn norm_plif_train<R: CubeRuntime>(
     k: usize,
     leak: bool,
 ) -> (CubeTensor<R>, CubeTensor<R>) {
-    let [y, _, vpost] = norm_plif_with(inputs, eps, k, leak, true);
+    let [y, _, vpost] = norm_plif_with(inputs, eps, k, leak, true, false);
     (y, vpost)
 }
 
@@ -692,6 +968,7 @@ fn norm_plif_with<R: CubeRuntime>(
     k: usize,
     leak: bool,
     save_vpost: bool,
+    mean_frames: bool,
 ) -> [CubeTensor<R>; 3] {
     let (t, batch, dim) = norm_plif_geometry(&inputs.each_ref(), k);
     let [x, norm_w, w, v_th, v0] = inputs.map(into_contiguous);
@@ -709,7 +986,8 @@ fn norm_plif_with<R: CubeRuntime>(
     // Inference writes the output in the type the projections' GEMM reads; training keeps f32
     // (autodiff's GEMM node rounds its saved operand itself).
     let y_dtype = if save_vpost { DType::F32 } else { gemm_input() };
-    let y = out_typed(&x, Shape::new([t * k, batch, dim]), y_dtype);
+    let frames = if mean_frames { t } else { t * k };
+    let y = out_typed(&x, Shape::new([frames, batch, dim]), y_dtype);
     let last = out_like(&x, Shape::new([batch, dim]));
     let vpost = out_like(
         &x,
@@ -741,9 +1019,84 @@ fn norm_plif_with<R: CubeRuntime>(
         leak,
         save_vpost,
         fused_rms,
+        mean_frames,
         y_dtype.into(),
     );
     [y, last, vpost]
+}
+
+/// RMSNorm of each row with a gain, one cube per row: `x` `[rows, D]` f32 →
+/// `x / √(mean(x²) + eps) · gain` in `O` (the GEMM's input type).
+#[cube(launch)]
+fn rms_norm_kernel<O: Float>(
+    x: &Tensor<f32>,
+    gain: &Tensor<f32>,
+    y: &mut Tensor<O>,
+    dim: u32,
+    eps: f32,
+    #[comptime] planes: usize,
+    #[define(O)] _out: StorageType,
+) {
+    let dim = dim as usize;
+    let row = CUBE_POS;
+    let lane = UNIT_POS as usize;
+    let width = comptime![planes * 32];
+    let mut ss = 0.0f32;
+    let mut d = lane;
+    while d < dim {
+        let v = x[row * dim + d];
+        ss += v * v;
+        d += width;
+    }
+    let mut sums = SharedMemory::<f32>::new(planes);
+    let s = plane_sum(ss);
+    if UNIT_POS_PLANE == 0 {
+        sums[lane / 32] = s;
+    }
+    sync_cube();
+    let mut total = 0.0f32;
+    #[unroll]
+    for p in 0..planes {
+        total += sums[p];
+    }
+    let r = 1.0f32 / (total / f32::cast_from(dim) + eps).sqrt();
+    let mut d = lane;
+    while d < dim {
+        y[row * dim + d] = O::cast_from(x[row * dim + d] * r * gain[d]);
+        d += width;
+    }
+}
+
+/// `x` `[rows, D]` → RMSNorm with `gain` `[D]` and `eps`, in the GEMM's input type: the edge's
+/// LateralInhibition before the head.
+pub fn rms_norm<R: CubeRuntime>(x: CubeTensor<R>, gain: CubeTensor<R>, eps: f32) -> CubeTensor<R> {
+    for t in [&x, &gain] {
+        assert_eq!(t.dtype, DType::F32, "rms_norm takes f32");
+    }
+    let shape = x.meta.shape().clone();
+    assert_eq!(shape.num_dims(), 2, "rms_norm: x [rows, D]");
+    let (rows, dim) = (shape[0], shape[1]);
+    assert_eq!(
+        gain.meta.shape().num_elements(),
+        dim,
+        "rms_norm: gain has D values"
+    );
+    let [x, gain] = [x, gain].map(into_contiguous);
+    let y = out_typed(&x, Shape::new([rows, dim]), gemm_input());
+    let planes = dim.div_ceil(PLANE as usize).clamp(1, 8);
+    rms_norm_kernel::launch::<R>(
+        &x.client.clone(),
+        CubeCount::Static(rows as u32, 1, 1),
+        CubeDim::new_1d(PLANE * planes as u32),
+        x.into_tensor_arg(),
+        gain.into_tensor_arg(),
+        y.clone().into_tensor_arg(),
+        dim as u32,
+        eps,
+        planes,
+        y.dtype.into(),
+    );
+    y
 }
 
 /// Backward of [`norm_plif_train`] from the saved `V_post` and the output's gradient:

@@ -55,7 +55,8 @@ pub use ops::{
     ffn_backward_reference, ffn_forward_reference, ffn_neurons, ffn_param_grads, ffn_plif_fused,
     ffn_plif_fused_rows, gate_skip_fused, gemm_operand, last_frame, matmul, matmul_add,
     matmul_stored, norm_plif_backward_reference, norm_plif_forward_reference, norm_plif_fused,
-    norm_plif_train, plif_elem, plif_row, plif_selective, ponder_agg_fused, ponder_agg_train,
-    ponder_backward_reference, ponder_forward_reference, selective_backward_reference,
-    selective_forward_reference, selective_modulation, set_decode_fusion, softplus, stored,
+    norm_plif_mean_fused, norm_plif_train, plif_elem, plif_row, plif_selective, ponder_agg_fused,
+    ponder_agg_train, ponder_backward_reference, ponder_forward_reference, ponder_residual_fused,
+    rms_norm_fused, selective_backward_reference, selective_forward_reference,
+    selective_modulation, set_decode_fusion, softplus, stored,
 };

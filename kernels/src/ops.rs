@@ -271,6 +271,27 @@ pub trait SnnOps: Backend {
         None
     }
 
+    /// [`ponder_agg_fused`](Self::ponder_agg_fused) that also prepares a sublayer's residual
+    /// update, for decoding passes: with `h` `[T, B, D]` and `w_mean` `[1, D]`, `Some((aggregate
+    /// [T, B, D] in the GEMM's input type, c = h − round(aggregate)·w_meanᵀ [T, B, D], E[K]
+    /// [T, B]))`, so that `aggregate·Wᵀ + c` is `h` plus the centred out projection when
+    /// `w_mean` holds the column means of `Wᵀ` as the GEMM reads it. `None` (the default, and
+    /// where the backend has no such kernel for these shapes): the model composes it.
+    #[allow(clippy::too_many_arguments)]
+    fn ponder_residual_fused(
+        frames: FloatTensor<Self>,
+        halt_w: FloatTensor<Self>,
+        halt_b: FloatTensor<Self>,
+        h: FloatTensor<Self>,
+        w_mean: FloatTensor<Self>,
+        k: usize,
+        clamp: f64,
+        eps: f64,
+    ) -> Option<(FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>)> {
+        let _ = (frames, halt_w, halt_b, h, w_mean, k, clamp, eps);
+        None
+    }
+
     /// RMSNorm then a row-parameter input PLIF over the K frames of each token, for inference
     /// only: `x` `[T, B, D]`, the norm weight `[D]` and `eps`, the neuron's β logits `w` `[D]`
     /// (β = σ(w), input current `(1 − β)·x̂`), `v_th` `[D]`, state `v0` `[B, D]` → the output
@@ -290,6 +311,36 @@ pub trait SnnOps: Backend {
         leak: bool,
     ) -> Option<(FloatTensor<Self>, FloatTensor<Self>)> {
         let _ = (x, norm_w, eps, w, v_th, v0, k, leak);
+        None
+    }
+
+    /// [`norm_plif_fused`](Self::norm_plif_fused) with each token's K outputs averaged:
+    /// `Some((mean [T, B, D], final state [B, D]))`, the mean possibly in the GEMM's input
+    /// type. `None` (the default, and on autodiff backends): composed.
+    #[allow(clippy::too_many_arguments)]
+    fn norm_plif_mean_fused(
+        x: FloatTensor<Self>,
+        norm_w: FloatTensor<Self>,
+        eps: f64,
+        w: FloatTensor<Self>,
+        v_th: FloatTensor<Self>,
+        v0: FloatTensor<Self>,
+        k: usize,
+        leak: bool,
+    ) -> Option<(FloatTensor<Self>, FloatTensor<Self>)> {
+        let _ = (x, norm_w, eps, w, v_th, v0, k, leak);
+        None
+    }
+
+    /// RMSNorm of the rows of `x` `[rows, D]` with `gain` `[D]`, for inference only:
+    /// `x / √(mean_D(x²) + eps) · gain`, possibly in the GEMM's input type. `None` (the
+    /// default, and on autodiff backends): composed.
+    fn rms_norm_fused(
+        x: FloatTensor<Self>,
+        gain: FloatTensor<Self>,
+        eps: f64,
+    ) -> Option<FloatTensor<Self>> {
+        let _ = (x, gain, eps);
         None
     }
 
@@ -1093,6 +1144,35 @@ pub fn ponder_agg_fused<B: SnnOps>(
         .map(|(agg, ek)| (wrap(agg), wrap(ek)))
 }
 
+/// [`SnnOps::ponder_residual_fused`] on tensors, where the backend fuses it and
+/// [`decode_fusion`] is on: `Some((aggregate, c, E[K]))`.
+#[allow(clippy::too_many_arguments)]
+pub fn ponder_residual_fused<B: SnnOps>(
+    frames: Tensor<B, 3>,
+    halt_w: Tensor<B, 2>,
+    halt_b: Tensor<B, 1>,
+    h: Tensor<B, 3>,
+    w_mean: Tensor<B, 2>,
+    k: usize,
+    clamp: f64,
+    eps: f64,
+) -> Option<(Tensor<B, 3>, Tensor<B, 3>, Tensor<B, 2>)> {
+    if !decode_fusion() {
+        return None;
+    }
+    B::ponder_residual_fused(
+        prim(frames),
+        prim(halt_w),
+        prim(halt_b),
+        prim(h),
+        prim(w_mean),
+        k,
+        clamp,
+        eps,
+    )
+    .map(|(agg, c, ek)| (wrap(agg), wrap(c), wrap(ek)))
+}
+
 /// [`SnnOps::norm_plif_fused`] on tensors: `Some((output [T·K, B, D], final state [B, D]))`
 /// where the backend fuses it, else `None`.
 #[allow(clippy::too_many_arguments)]
@@ -1117,6 +1197,49 @@ pub fn norm_plif_fused<B: SnnOps>(
         leak,
     )
     .map(|(y, last)| (wrap(y), wrap(last)))
+}
+
+/// [`SnnOps::norm_plif_mean_fused`] on tensors, where the backend fuses it and
+/// [`decode_fusion`] is on: `Some((mean over each token's K outputs [T, B, D], final state
+/// [B, D]))`.
+#[allow(clippy::too_many_arguments)]
+pub fn norm_plif_mean_fused<B: SnnOps>(
+    x: Tensor<B, 3>,
+    norm_w: Tensor<B, 1>,
+    eps: f64,
+    w: Tensor<B, 1>,
+    v_th: Tensor<B, 1>,
+    v0: Tensor<B, 2>,
+    k: usize,
+    leak: bool,
+) -> Option<(Tensor<B, 3>, Tensor<B, 2>)> {
+    if !decode_fusion() {
+        return None;
+    }
+    B::norm_plif_mean_fused(
+        prim(x),
+        prim(norm_w),
+        eps,
+        prim(w),
+        prim(v_th),
+        prim(v0),
+        k,
+        leak,
+    )
+    .map(|(y, last)| (wrap(y), wrap(last)))
+}
+
+/// [`SnnOps::rms_norm_fused`] on tensors, where the backend fuses it and [`decode_fusion`]
+/// is on.
+pub fn rms_norm_fused<B: SnnOps>(
+    x: Tensor<B, 2>,
+    gain: Tensor<B, 1>,
+    eps: f64,
+) -> Option<Tensor<B, 2>> {
+    if !decode_fusion() {
+        return None;
+    }
+    B::rms_norm_fused(prim(x), prim(gain), eps).map(wrap)
 }
 
 /// [`SnnOps::ffn_plif_fused`] on tensors: `Some((g·v [TK, B, D_ff], final state [B, 2·D_ff]))`
@@ -1159,7 +1282,8 @@ fn ffn_plif_call<B: SnnOps>(
 }
 
 /// Whether the decoding fusions ([`block_scan_fused`], [`gate_skip_fused`],
-/// [`centred_residual_fused`]) run where the backend has them: on by default,
+/// [`centred_residual_fused`], the CUDA PonderAgg's one-unit-per-channel kernel for a few rows)
+/// run where the backend has them: on by default,
 /// `NSACTOR_DECODE_FUSION=off` at start or [`set_decode_fusion`] turns them off (the composed
 /// path, for A/B runs and to check them against it).
 pub fn decode_fusion() -> bool {
@@ -1551,6 +1675,47 @@ impl SnnOps for burn_cuda::Cuda<f32, i32> {
             clamp as f32,
             eps as f32,
         ))
+    }
+
+    fn ponder_residual_fused(
+        frames: FloatTensor<Self>,
+        halt_w: FloatTensor<Self>,
+        halt_b: FloatTensor<Self>,
+        h: FloatTensor<Self>,
+        w_mean: FloatTensor<Self>,
+        k: usize,
+        clamp: f64,
+        eps: f64,
+    ) -> Option<(FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>)> {
+        crate::cuda_infer::ponder_residual(
+            [frames, halt_w, halt_b, h, w_mean],
+            k,
+            clamp as f32,
+            eps as f32,
+        )
+    }
+
+    fn norm_plif_mean_fused(
+        x: FloatTensor<Self>,
+        norm_w: FloatTensor<Self>,
+        eps: f64,
+        w: FloatTensor<Self>,
+        v_th: FloatTensor<Self>,
+        v0: FloatTensor<Self>,
+        k: usize,
+        leak: bool,
+    ) -> Option<(FloatTensor<Self>, FloatTensor<Self>)> {
+        Some(crate::cuda_infer::norm_plif_mean(
+            x, norm_w, eps as f32, w, v_th, v0, k, leak,
+        ))
+    }
+
+    fn rms_norm_fused(
+        x: FloatTensor<Self>,
+        gain: FloatTensor<Self>,
+        eps: f64,
+    ) -> Option<FloatTensor<Self>> {
+        Some(crate::cuda_infer::rms_norm(x, gain, eps as f32))
     }
 
     fn norm_plif_fused(

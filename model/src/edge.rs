@@ -1,9 +1,9 @@
 //! The edge of the network: token embedding, the decode path and the tied head (SPEC §2.1, §2.4).
 
-use crate::config::ModelConfig;
+use crate::config::{ModelConfig, PlifOut, consts};
 use crate::init::{Rng, xavier};
 use crate::neurons::{LateralInhibition, PlifNode, RmsNorm, param};
-use crate::params::{Derived, Linear, as_operand, impl_params};
+use crate::params::{Derived, Linear, as_operand, decoding_pass, impl_params};
 use burn::tensor::{Int, Tensor, backend::Backend};
 use nsactor_kernels::SnnOps;
 
@@ -92,22 +92,43 @@ impl<B: SnnOps> Edge<B> {
     ) -> (Tensor<B, 3>, Tensor<B, 2>) {
         let [t, b, d] = h.dims();
         let k = cfg.k;
-        let (a, state) =
-            self.output_neuron
-                .forward_tokens(self.output_norm.forward(h), k, v0, cfg.plif_out);
-        // Uniform K-frame mean per token, then batch-major.
-        let m = a
-            .reshape([t, k, b, d])
-            .mean_dim(1)
-            .reshape([t, b, d])
-            .swap_dims(0, 1); // [B, T, D]
-        let y = self
-            .decode_proj
-            .forward(m.reshape([b * t, d]))
-            .reshape([b, t, d]);
-        let y = self.norm.forward(y);
-        let logits =
-            nsactor_kernels::matmul(y.reshape([b * t, d]), self.embed_tokens.head_operand());
+        // A decoding pass on a backend that fuses them: the norm, the output neuron and the
+        // K-frame mean in one kernel, the LateralInhibition in another, each writing what the
+        // next GEMM reads (four kernels with the GEMMs, where the composition has about 30).
+        let fused = decoding_pass::<B>(t * k * b, &h.device());
+        let norm = &self.output_norm;
+        let neuron = &self.output_neuron;
+        let m = fused
+            .then(|| {
+                nsactor_kernels::norm_plif_mean_fused(
+                    h.clone(),
+                    norm.weight.clone(),
+                    consts::RMS_EPS,
+                    neuron.w.clone(),
+                    neuron.v_th.clone(),
+                    v0.clone(),
+                    k,
+                    cfg.plif_out == PlifOut::Leak,
+                )
+            })
+            .flatten();
+        let (m, state) = m.unwrap_or_else(|| {
+            let (a, state) = neuron.forward_tokens(norm.forward(h), k, v0, cfg.plif_out);
+            // Uniform K-frame mean per token.
+            (
+                a.reshape([t, k, b, d]).mean_dim(1).reshape([t, b, d]),
+                state,
+            )
+        });
+        // Batch-major.
+        let m = m.swap_dims(0, 1).reshape([b * t, d]);
+        let y = self.decode_proj.forward(m);
+        let gain = self.norm.gain.clone();
+        let y = fused
+            .then(|| nsactor_kernels::rms_norm_fused(y.clone(), gain, consts::LATERAL_EPS))
+            .flatten()
+            .unwrap_or_else(|| self.norm.forward(y.reshape([b, t, d])).reshape([b * t, d]));
+        let logits = nsactor_kernels::matmul(y, self.embed_tokens.head_operand());
         let vocab = self.embed_tokens.weight.dims()[0];
         (logits.reshape([b, t, vocab]), state)
     }

@@ -4,7 +4,7 @@
 use crate::config::{ModelConfig, PlifOut, consts};
 use crate::init::{Rng, xavier};
 use crate::neurons::{PlifNode, RmsNorm, param};
-use crate::params::{Linear, impl_params};
+use crate::params::{Derived, Linear, decoding_pass, impl_params};
 use crate::snn_block::SnnBlock;
 use crate::snn_ffn::SnnFfn;
 use burn::tensor::{Tensor, TensorData, activation::sigmoid, backend::Backend};
@@ -26,6 +26,11 @@ pub struct SnnDecoderLayer<B: Backend> {
     pub ffn_out_proj: Linear<B>,
     pub block_halt: Linear<B>,
     pub ffn_halt: Linear<B>,
+    /// Per input channel, the mean over output channels of each out projection's weight as
+    /// its GEMM reads it ([`Linear::operand_row_means`]): a decoding pass subtracts the
+    /// output's mean through it ([`residual_update`]).
+    pub block_out_mean: Derived<B>,
+    pub ffn_out_mean: Derived<B>,
 }
 impl_params!(SnnDecoderLayer {
     tensors: [],
@@ -40,7 +45,8 @@ impl_params!(SnnDecoderLayer {
         ffn_out_proj,
         block_halt,
         ffn_halt
-    ]
+    ],
+    derived: [block_out_mean, ffn_out_mean]
 });
 
 /// The membrane states one layer carries between calls (the "KV cache" of an SNN):
@@ -117,6 +123,8 @@ impl<B: SnnOps> SnnDecoderLayer<B> {
             ffn_out_proj,
             block_halt,
             ffn_halt,
+            block_out_mean: Derived::default(),
+            ffn_out_mean: Derived::default(),
         }
     }
 
@@ -142,8 +150,14 @@ impl<B: SnnOps> SnnDecoderLayer<B> {
             out,
         );
         let (c1, hidden) = self.snn_block.forward(a1, state.hidden, cfg.v_th_min);
-        let (agg1, ek1) = ponder_agg(c1, &self.block_halt, k);
-        let h = add_centred(h, &self.block_out_proj, agg1);
+        let (h, ek1) = residual_update(
+            h,
+            c1,
+            &self.block_halt,
+            &self.block_out_proj,
+            &self.block_out_mean,
+            k,
+        );
         // Sublayer 2: SNNFFN.
         let (a2, input2) = norm_plif(
             &self.ffn_norm,
@@ -154,8 +168,14 @@ impl<B: SnnOps> SnnDecoderLayer<B> {
             out,
         );
         let (c2, ffn) = self.snn_ffn.forward(a2, state.ffn, out);
-        let (agg2, ek2) = ponder_agg(c2, &self.ffn_halt, k);
-        let h = add_centred(h, &self.ffn_out_proj, agg2);
+        let (h, ek2) = residual_update(
+            h,
+            c2,
+            &self.ffn_halt,
+            &self.ffn_out_proj,
+            &self.ffn_out_mean,
+            k,
+        );
         LayerOutput {
             h,
             expected_k: [ek1, ek2],
@@ -254,12 +274,49 @@ pub fn norm_plif_composed<B: SnnOps>(
     neuron.forward_tokens(norm.forward(h), k, v0, out)
 }
 
+/// A sublayer's end: PonderAgg over its `frames`, then `h + centred(proj, agg)`, with E[K].
+///
+/// In a decoding pass where the backend fuses it
+/// ([`nsactor_kernels::SnnOps::ponder_residual_fused`]), the PonderAgg kernel also writes
+/// `c = h − agg·w̄` (`w̄` = [`Linear::operand_row_means`], so `agg·w̄` is the mean over the
+/// output channels of `agg·Wᵀ`) and the out projection's GEMM adds `c` in its epilogue: two
+/// kernels where the composition has four (the aggregate's cast, the centring kernel).
+fn residual_update<B: SnnOps>(
+    h: Tensor<B, 3>,
+    frames: Tensor<B, 3>,
+    halt: &Linear<B>,
+    proj: &Linear<B>,
+    mean: &Derived<B>,
+    k: usize,
+) -> (Tensor<B, 3>, Tensor<B, 2>) {
+    let [t, b, d] = h.dims();
+    if decoding_pass::<B>(t * b, &h.device())
+        && proj.bias.is_none()
+        && let Some(bias) = &halt.bias
+        && let Some((agg, c, ek)) = nsactor_kernels::ponder_residual_fused(
+            frames.clone(),
+            halt.weight.clone(),
+            bias.clone(),
+            h.clone(),
+            mean.get_or_init(|| proj.operand_row_means()),
+            k,
+            consts::HALT_CLAMP,
+            consts::HALT_NORM_EPS,
+        )
+    {
+        let x = proj.forward_add(agg.reshape([t * b, d]), c.reshape([t * b, d]));
+        return (x.reshape([t, b, d]), ek);
+    }
+    let (agg, ek) = ponder_agg(frames, halt, k);
+    (add_centred(h, proj, agg), ek)
+}
+
 /// The residual update `h + centred(proj, agg)`: one kernel after the GEMM in a decoding pass
 /// where the backend fuses it ([`nsactor_kernels::SnnOps::centred_residual_fused`]).
 fn add_centred<B: SnnOps>(h: Tensor<B, 3>, proj: &Linear<B>, agg: Tensor<B, 3>) -> Tensor<B, 3> {
     let [t, b, d] = agg.dims();
     let r = proj.forward(agg.reshape([t * b, d]));
-    if crate::params::decoding_pass::<B>(t * b, &r.device())
+    if decoding_pass::<B>(t * b, &r.device())
         && let Some(x) =
             nsactor_kernels::centred_residual_fused(h.clone().reshape([t * b, d]), r.clone())
     {

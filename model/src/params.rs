@@ -135,6 +135,15 @@ impl<B: SnnOps> Linear<B> {
             .get_or_init(|| as_operand(self.weight.clone().transpose()))
     }
 
+    /// `w̄` `[1, in]`: for each input channel, the mean over the output channels of `Wᵀ` as an
+    /// untracked pass's GEMM reads it (after its rounding), in f32. `x·w̄ᵀ` is then the mean of
+    /// `x·Wᵀ` over its output channels up to f32 summation order (bias not included).
+    pub fn operand_row_means(&self) -> Tensor<B, 2> {
+        let w = self.untracked_operand().cast(burn::tensor::DType::F32);
+        let [inputs, _] = w.dims();
+        w.mean_dim(1).reshape([1, inputs])
+    }
+
     /// `forward(x) + c`: in an untracked pass one GEMM that adds `c` itself
     /// ([`nsactor_kernels::matmul_add`]; `c` may be a column slice of a wider product).
     pub fn forward_add(&self, x: Tensor<B, 2>, c: Tensor<B, 2>) -> Tensor<B, 2> {

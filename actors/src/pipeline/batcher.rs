@@ -58,6 +58,36 @@ pub struct BatchStats {
     pub inputs: AtomicU64,
     /// Sessions that have fed and are not closed yet (their states are held by the actors).
     pub open: AtomicU64,
+    /// Nanoseconds of the cohorts' phases, summed over cohorts ([`CohortPhases`]).
+    pub phases: CohortPhases,
+}
+
+/// Where a cohort's time goes, as the batcher sees it: nanoseconds summed over cohorts, each
+/// phase from sending its request to holding the answer (actor messages, the worker's queue
+/// and the stage call; the device work the call waits for included).
+#[derive(Debug, Default)]
+pub struct CohortPhases {
+    /// The edge's `SessionEmbed`.
+    pub embed_ns: AtomicU64,
+    /// Every layer (`session_layers`).
+    pub layers_ns: AtomicU64,
+    /// The edge's `SessionDecode` with the logits' copy to the host.
+    pub decode_ns: AtomicU64,
+    /// From the launch of a cohort to its answers going out.
+    pub cohort_ns: AtomicU64,
+}
+
+impl CohortPhases {
+    /// `[embed, layers, decode, cohort]` in seconds.
+    pub fn seconds(&self) -> [f64; 4] {
+        [
+            &self.embed_ns,
+            &self.layers_ns,
+            &self.decode_ns,
+            &self.cohort_ns,
+        ]
+        .map(|a| a.load(Ordering::Relaxed) as f64 * 1e-9)
+    }
 }
 
 type Logits = Result<Vec<f32>, PipelineError>;
@@ -173,8 +203,11 @@ impl BatcherState {
             .fetch_add(sessions.len() as u64, Ordering::Relaxed);
         let children = self.children();
         let me = myself.clone();
+        let stats = self.stats.clone();
         tokio::spawn(async move {
-            let logits = run_cohort(&children, &sessions, ids, len).await;
+            let start = Instant::now();
+            let logits = run_cohort(&children, &sessions, ids, len, &stats.phases).await;
+            add_ns(&stats.phases.cohort_ns, start);
             // The answers go out from the batcher, after it has counted the cohort done, so a
             // session's next input always finds it no longer in flight.
             let _ = me.cast(BatcherMsg::Done { sessions, logits });
@@ -231,21 +264,42 @@ impl BatcherState {
 
 /// Embedding, every layer and the decode path for `sessions` (each `len` inputs, back to
 /// back in `ids`): their last-position logits, back to back.
-async fn run_cohort(children: &Children, sessions: &[u64], ids: Vec<i64>, len: usize) -> Logits {
-    let mut h = ask(&children.edge, "edge", |reply| EdgeMsg::SessionEmbed {
-        ids,
-        batch: sessions.len(),
-        seq_len: len,
-        reply,
-    })
-    .await?;
-    h = super::session_layers(&children.layers, sessions, h).await?;
-    ask(&children.edge, "edge", |reply| EdgeMsg::SessionDecode {
+async fn run_cohort(
+    children: &Children,
+    sessions: &[u64],
+    ids: Vec<i64>,
+    len: usize,
+    phases: &CohortPhases,
+) -> Logits {
+    let t = Instant::now();
+    // The layers' handles are asked while the edge embeds: the two round trips overlap.
+    let (h, holders) = tokio::join!(
+        ask(&children.edge, "edge", |reply| EdgeMsg::SessionEmbed {
+            ids,
+            batch: sessions.len(),
+            seq_len: len,
+            reply,
+        }),
+        super::share_layers(&children.layers)
+    );
+    let t = add_ns(&phases.embed_ns, t);
+    let h = super::run_layers(&holders?, sessions, h?).await?;
+    let t = add_ns(&phases.layers_ns, t);
+    let logits = ask(&children.edge, "edge", |reply| EdgeMsg::SessionDecode {
         sessions: sessions.to_vec(),
         h,
         reply,
     })
-    .await
+    .await;
+    add_ns(&phases.decode_ns, t);
+    logits
+}
+
+/// Adds the nanoseconds since `since` to `to`; returns now.
+fn add_ns(to: &AtomicU64, since: Instant) -> Instant {
+    let now = Instant::now();
+    to.fetch_add((now - since).as_nanos() as u64, Ordering::Relaxed);
+    now
 }
 
 /// Frees `session`'s neuron states in every actor (errors ignored: a stopped actor has none).

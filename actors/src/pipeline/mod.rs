@@ -369,15 +369,33 @@ impl StageHolder {
 pub(crate) async fn session_layers(
     layers: &[ActorRef<LayerMsg>],
     sessions: &[u64],
-    mut h: DeviceTensor,
+    h: DeviceTensor,
 ) -> Result<DeviceTensor, PipelineError> {
-    let holders = futures_util::future::try_join_all(
+    let holders = share_layers(layers).await?;
+    run_layers(&holders, sessions, h).await
+}
+
+/// Every layer actor's stage handle, asked all at once (the first half of
+/// [`session_layers`], which a cohort overlaps with its embedding).
+pub(crate) async fn share_layers(
+    layers: &[ActorRef<LayerMsg>],
+) -> Result<Vec<StageHolder>, PipelineError> {
+    futures_util::future::try_join_all(
         layers
             .iter()
             .enumerate()
             .map(|(i, l)| ask(l, format!("layer {i}"), |reply| LayerMsg::Share { reply })),
     )
-    .await?;
+    .await
+}
+
+/// The second half of [`session_layers`]: `h` through the shared layers, one job per run of
+/// layers on the same worker.
+pub(crate) async fn run_layers(
+    holders: &[StageHolder],
+    sessions: &[u64],
+    mut h: DeviceTensor,
+) -> Result<DeviceTensor, PipelineError> {
     let mut start = 0;
     while start < holders.len() {
         let worker = &holders[start].worker;
@@ -841,6 +859,12 @@ impl AsyncDecoder {
     /// Sessions whose neuron states the actors hold (fed, and not closed yet).
     pub fn open_sessions(&self) -> u64 {
         self.stats.open.load(Ordering::Relaxed)
+    }
+
+    /// Seconds the cohorts have spent so far in `[embed, layers, decode, whole cohort]`, as the
+    /// batcher sees them ([`batcher::CohortPhases`]).
+    pub fn cohort_phases(&self) -> [f64; 4] {
+        self.stats.phases.seconds()
     }
 
     /// Cohorts run so far and the session inputs they carried (their ratio is the mean batch).

@@ -452,3 +452,35 @@ fn safetensors_round_trip_in_both_layouts_and_reject_bad_files() {
     assert!(err.contains("nope.safetensors"), "{err}");
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+#[test]
+fn operand_row_means_give_the_mean_of_the_projection() {
+    // A decoding pass centres an out projection through w̄ (`residual_update`): x·w̄ᵀ must be
+    // the mean over the output channels of x·Wᵀ, for every row.
+    use burn::tensor::Distribution;
+    use nsactor_model::params::Linear;
+    let device = Default::default();
+    let (inputs, outputs, rows) = (24, 40, 5);
+    let lin = Linear::<Inner>::new(
+        Tensor::random([outputs, inputs], Distribution::Normal(0.0, 1.0), &device),
+        None,
+    );
+    let x = Tensor::<Inner, 2>::random([rows, inputs], Distribution::Normal(0.0, 1.0), &device);
+    let w_mean = lin.operand_row_means();
+    assert_eq!(w_mean.dims(), [1, inputs]);
+    let via_means: Vec<f32> = (x.clone() * w_mean)
+        .sum_dim(1)
+        .into_data()
+        .to_vec()
+        .unwrap();
+    let direct: Vec<f32> = lin.forward(x).mean_dim(1).into_data().to_vec().unwrap();
+    for (a, b) in via_means.iter().zip(&direct) {
+        assert!((a - b).abs() <= 1e-5 * (1.0 + b.abs()), "{a} vs {b}");
+    }
+    // And the centred output then has zero mean per row, as the composition's centring.
+    let c = Tensor::<Inner, 2>::zeros([rows, outputs], &device);
+    let x2 = Tensor::<Inner, 2>::random([rows, inputs], Distribution::Normal(0.0, 1.0), &device);
+    let centred = lin.forward_add(x2.clone(), c) - (x2 * lin.operand_row_means()).sum_dim(1);
+    let means: Vec<f32> = centred.mean_dim(1).into_data().to_vec().unwrap();
+    assert!(means.iter().all(|m| m.abs() < 1e-5), "{means:?}");
+}

@@ -102,25 +102,6 @@ struct Shared {
     /// Of those, nanoseconds the jobs reported as moving tensors between devices.
     transfer_ns: AtomicU64,
     jobs: AtomicU64,
-    /// Jobs queued so far (raised under the queue's lock): an idle worker spinning for work
-    /// ([`spin_wait`]) watches it without the lock.
-    pushed: AtomicU64,
-}
-
-/// How long an idle worker spins for its next job before it sleeps on the condition variable,
-/// read once from `NSACTOR_WORKER_SPIN_US` (default 0: sleep at once). A decoding step hands
-/// each worker a job every few milliseconds; waking a sleeping thread costs tens of
-/// microseconds per hand-off (more under a sandboxed kernel), spinning a few hundred costs a
-/// core while it lasts.
-fn spin_wait() -> std::time::Duration {
-    static SPIN: std::sync::OnceLock<std::time::Duration> = std::sync::OnceLock::new();
-    *SPIN.get_or_init(|| {
-        let us = std::env::var("NSACTOR_WORKER_SPIN_US")
-            .ok()
-            .and_then(|v| v.parse::<u64>().ok())
-            .unwrap_or(0);
-        std::time::Duration::from_micros(us)
-    })
 }
 
 thread_local! {
@@ -163,7 +144,6 @@ impl Worker {
             busy_ns: AtomicU64::new(0),
             transfer_ns: AtomicU64::new(0),
             jobs: AtomicU64::new(0),
-            pushed: AtomicU64::new(0),
         });
         let s = shared.clone();
         let thread = std::thread::Builder::new()
@@ -183,28 +163,7 @@ impl Worker {
                                         .unwrap_or_else(|e| e.into_inner())
                                         .0
                                 }
-                                Err(None) => {
-                                    let spin = spin_wait();
-                                    if !spin.is_zero() {
-                                        // Spin without the lock until a job is queued (or the
-                                        // spin is over), then look again under it.
-                                        let seen = s.pushed.load(Ordering::Acquire);
-                                        drop(q);
-                                        let until = Instant::now() + spin;
-                                        while s.pushed.load(Ordering::Acquire) == seen
-                                            && Instant::now() < until
-                                        {
-                                            std::hint::spin_loop();
-                                        }
-                                        q = s.queue.lock().unwrap_or_else(|e| e.into_inner());
-                                        // `pushed` moves under the lock: unchanged now means
-                                        // nothing came, and what comes next will notify.
-                                        if s.pushed.load(Ordering::Acquire) != seen || q.closed {
-                                            continue;
-                                        }
-                                    }
-                                    q = s.ready.wait(q).unwrap_or_else(|e| e.into_inner())
-                                }
+                                Err(None) => q = s.ready.wait(q).unwrap_or_else(|e| e.into_inner()),
                             }
                         }
                     };
@@ -273,7 +232,6 @@ impl Worker {
             let seq = q.next_seq;
             q.next_seq += 1;
             q.heap.push(Queued { priority, seq, job });
-            self.shared.pushed.fetch_add(1, Ordering::Release);
         }
         self.shared.ready.notify_one();
         async move {

@@ -1290,7 +1290,9 @@ fn generate_bench_cmd(a: GenerateBenchArgs) -> Result<(), Box<dyn std::error::Er
             let (c0, _) = decoder.batch_counts();
             let b0 = l.pipeline.busy();
             let p0 = decoder.cohort_phases();
+            let _ = nsactor::pipeline::trace::take();
             let t = nsactor::bench::generate_load(&decoder, n, &prompt, a.tokens).await?;
+            let timelines = nsactor::pipeline::trace::take();
             let (c1, _) = decoder.batch_counts();
             let p1 = decoder.cohort_phases();
             let per_pass: Vec<String> = l
@@ -1304,6 +1306,12 @@ fn generate_bench_cmd(a: GenerateBenchArgs) -> Result<(), Box<dyn std::error::Er
                 .collect();
             let passes = (c1 - c0).max(1) as f64;
             let ms: Vec<f64> = p1.iter().zip(&p0).map(|(x, y)| (x - y) * 1e3 / passes).collect();
+            if nsactor::pipeline::trace::enabled() {
+                println!("  cohort timeline, median µs from its start ({n} sessions):");
+                for (m, us, count) in nsactor::pipeline::trace::medians(&timelines) {
+                    println!("    {us:>9.1}  {} ({count} cohorts)", m.name());
+                }
+            }
             host.push((
                 n,
                 format!(

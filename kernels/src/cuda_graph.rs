@@ -136,6 +136,15 @@ pub fn copy(src: CudaTensor, dst: &CudaTensor) -> Result<(), String> {
     Ok(())
 }
 
+/// Hands the tasks queued on `device`'s server to its thread now (CubeCL's server thread takes
+/// them 32 at a time or at a flush). `NSACTOR_FLUSH=off` leaves them queued, for comparison.
+pub fn flush(device: &CudaDevice) {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    if *ON.get_or_init(|| std::env::var("NSACTOR_FLUSH").as_deref() != Ok("off")) {
+        device_server(device).flush_queue();
+    }
+}
+
 impl Graph {
     /// Kernel, copy and other nodes in the graph.
     pub fn nodes(&self) -> usize {
@@ -182,6 +191,8 @@ impl Graph {
                 record_queued_failure(e);
             }
         });
+        // The next layer's replay may be a job of another thread: the device starts this one now.
+        flush(&self.device);
         Ok(())
     }
 }

@@ -196,6 +196,15 @@ pub trait SnnOps: Backend {
         None
     }
 
+    /// Hands the calling thread's queued work on `device` to the device now. A backend that
+    /// batches submissions (CubeCL's server thread takes tasks 32 at a time, or at a flush)
+    /// would otherwise hold a short burst of work — a decoding step's embedding, a layer's
+    /// replay — until more work or a read arrives, with the device idle meanwhile. Default:
+    /// nothing to do.
+    fn flush(device: &Self::Device) {
+        let _ = device;
+    }
+
     /// Whether [`capture`](Self::capture) records work on this backend. Default `false`.
     fn captures_steps() -> bool {
         false
@@ -1515,6 +1524,10 @@ impl SnnOps for burn_cuda::Cuda<f32, i32> {
 
     fn merges_small_gemms() -> bool {
         true
+    }
+
+    fn flush(device: &Self::Device) {
+        crate::cuda_graph::flush(device);
     }
 
     fn captures_steps() -> bool {

@@ -271,6 +271,8 @@ async fn run_cohort(
     len: usize,
     phases: &CohortPhases,
 ) -> Logits {
+    use super::trace::{Mark, mark};
+    super::trace::start();
     let t = Instant::now();
     // The layers' handles are asked while the edge embeds: the two round trips overlap.
     let (h, holders) = tokio::join!(
@@ -283,8 +285,10 @@ async fn run_cohort(
         super::share_layers(&children.layers)
     );
     let t = add_ns(&phases.embed_ns, t);
+    mark(Mark::Embedded);
     let h = super::run_layers(&holders?, sessions, h?).await?;
     let t = add_ns(&phases.layers_ns, t);
+    mark(Mark::LayersDone);
     let logits = ask(&children.edge, "edge", |reply| EdgeMsg::SessionDecode {
         sessions: sessions.to_vec(),
         h,
@@ -292,6 +296,7 @@ async fn run_cohort(
     })
     .await;
     add_ns(&phases.decode_ns, t);
+    mark(Mark::Done);
     logits
 }
 

@@ -300,17 +300,26 @@ impl Actor for EdgeActor {
                 seq_len,
                 reply,
             } => {
+                let backend = s.stage.backend().clone();
                 let r = s
                     .stage
                     .compute(Priority::FORWARD_UNTRAINED, None, move |st, _| {
-                        st.call(StageCall::SessionEmbed {
-                            tokens: Tokens {
-                                ids: &ids,
-                                batch,
-                                seq_len,
-                            },
-                        })?
-                        .into_tensor("SessionEmbed")
+                        use super::trace::{Mark, mark};
+                        mark(Mark::EmbedJob);
+                        let h = st
+                            .call(StageCall::SessionEmbed {
+                                tokens: Tokens {
+                                    ids: &ids,
+                                    batch,
+                                    seq_len,
+                                },
+                            })?
+                            .into_tensor("SessionEmbed")?;
+                        if super::trace::syncing() {
+                            backend.to_host(&h)?;
+                            mark(Mark::EmbedOnDevice);
+                        }
+                        Ok(h)
                     })
                     .await;
                 return answer(WHO.into(), reply, r);
@@ -320,13 +329,18 @@ impl Actor for EdgeActor {
                 let r = s
                     .stage
                     .compute(Priority::FORWARD_UNTRAINED, Some(h), move |st, h| {
+                        use super::trace::{Mark, mark};
+                        mark(Mark::DecodeJob);
                         let logits = st
                             .call(StageCall::SessionDecode {
                                 sessions: &sessions,
                                 h: h.expect("moved"),
                             })?
                             .into_tensor("SessionDecode")?;
-                        Ok(backend.to_host(&logits)?.data)
+                        mark(Mark::DecodeQueued);
+                        let host = backend.to_host(&logits)?.data;
+                        mark(Mark::Copied);
+                        Ok(host)
                     })
                     .await;
                 return answer(WHO.into(), reply, r);

@@ -26,6 +26,7 @@ pub mod layer;
 pub mod plan;
 pub mod supervisor;
 pub mod topology;
+pub mod trace;
 pub mod worker;
 
 use crate::config::TrainConfig;
@@ -405,6 +406,7 @@ pub(crate) async fn run_layers(
         let group = holders[start..end].to_vec();
         let sessions = sessions.to_vec();
         let job = worker.run_then(Priority::FORWARD_UNTRAINED, None, move || {
+            trace::mark(trace::Mark::LayersJob);
             let mut h = h;
             for holder in &group {
                 h = holder
@@ -419,6 +421,18 @@ pub(crate) async fn run_layers(
                         who: holder.who.clone(),
                         error,
                     })?;
+            }
+            trace::mark(trace::Mark::LayersQueued);
+            if trace::syncing()
+                && let Some(last) = group.last()
+            {
+                last.backend
+                    .to_host(&h)
+                    .map_err(|error| PipelineError::Stage {
+                        who: last.who.clone(),
+                        error,
+                    })?;
+                trace::mark(trace::Mark::LayersOnDevice);
             }
             Ok::<_, PipelineError>(h)
         });
@@ -566,6 +580,7 @@ impl Pipeline {
             }
             Ok::<_, PipelineError>((sup, shared, data))
         })?;
+        trace::init();
         let stats = Arc::new(BatchStats::default());
         let batcher = rt
             .block_on(Actor::spawn(

@@ -255,7 +255,10 @@ impl<B: SnnOps> Stage for EdgeStage<B> {
             }
             StageCall::SessionEmbed { tokens } => {
                 let ids = self.ids(tokens)?;
-                Ok(Reply::tensor(wrap(self.inner.embed(ids))))
+                let h = self.inner.embed(ids);
+                // The layers that read it are another thread's work: the device starts now.
+                B::flush(&self.device);
+                Ok(Reply::tensor(wrap(h)))
             }
             StageCall::SessionDecode { sessions, h } => {
                 self.session_decode(sessions, act(h, name)?)

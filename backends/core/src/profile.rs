@@ -317,6 +317,48 @@ pub fn decode_profile<B: SnnOps>(device: &B::Device, options: &str) -> Result<St
             })?,
         );
     }
+    // Host round trips: what reading a decoding step's logits costs beyond the work itself
+    // (median of single calls, each from an idle device, as a decoding step meets it).
+    let logits = Tensor::<B, 2>::random([batch, cfg.vocab_size], Distribution::Default, device);
+    let median = |f: &mut dyn FnMut() -> Result<(), String>| -> Result<f64, String> {
+        let mut v = Vec::with_capacity(reps.max(21));
+        for _ in 0..reps.max(21) {
+            sync()?;
+            let t = Instant::now();
+            f()?;
+            v.push(t.elapsed().as_secs_f64());
+        }
+        v.sort_by(f64::total_cmp);
+        Ok(v[v.len() / 2])
+    };
+    row(
+        &mut out,
+        "probe: sync of an idle device",
+        median(&mut || sync())?,
+    );
+    row(
+        &mut out,
+        &format!("probe: read [{batch}, {}] f32 to the host", cfg.vocab_size),
+        median(&mut || {
+            logits
+                .clone()
+                .into_data()
+                .to_vec::<f32>()
+                .map(|_| ())
+                .map_err(|e| format!("{e:?}"))
+        })?,
+    );
+    row(
+        &mut out,
+        "probe: one elementwise op, then read it",
+        median(&mut || {
+            (logits.clone() + 1.0)
+                .into_data()
+                .to_vec::<f32>()
+                .map(|_| ())
+                .map_err(|e| format!("{e:?}"))
+        })?,
+    );
     out.push_str(&format!(
         "  whole layer ≈ {:.0} elementwise-op launches\n",
         whole / add

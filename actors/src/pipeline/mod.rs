@@ -523,8 +523,9 @@ impl Pipeline {
             edge: edge_stage,
             layers: layer_stages,
         } = model.into_parts();
+        let spin = worker::idle_spin(&backend.info().name);
         let spawn = |name: String| {
-            Worker::spawn(name)
+            Worker::spawn_spinning(name, spin)
                 .map(Arc::new)
                 .map_err(|e| PipelineError::Runtime(format!("worker thread: {e}")))
         };

@@ -102,6 +102,26 @@ struct Shared {
     /// Of those, nanoseconds the jobs reported as moving tensors between devices.
     transfer_ns: AtomicU64,
     jobs: AtomicU64,
+    /// Jobs queued so far (raised under the queue's lock): an idle worker spinning for work
+    /// ([`idle_spin`]) watches it without the lock.
+    pushed: AtomicU64,
+    /// How long the idle worker spins before it sleeps.
+    spin: std::time::Duration,
+}
+
+/// How long an idle worker spins for its next job before it sleeps on the condition variable,
+/// on `backend`: `NSACTOR_WORKER_SPIN_US` when set; otherwise 5 ms where the devices compute
+/// asynchronously (every backend but `ndarray`) and 0 on `ndarray`, whose jobs compute on the
+/// host's cores and would lose one to a spinning neighbour. A decoding step hands each worker a
+/// job every few milliseconds, and waking a sleeping thread costs tens of microseconds per
+/// hand-off; on the H100 the spin took batch-1 decoding from 400–405 to 413–419 tokens/s
+/// (BENCHMARKS.md, session 14). A spinning worker holds a core while it lasts.
+pub fn idle_spin(backend: &str) -> std::time::Duration {
+    let us = std::env::var("NSACTOR_WORKER_SPIN_US")
+        .ok()
+        .and_then(|v| v.parse::<u64>().ok())
+        .unwrap_or(if backend == "ndarray" { 0 } else { 5000 });
+    std::time::Duration::from_micros(us)
 }
 
 thread_local! {
@@ -136,7 +156,16 @@ pub(crate) fn panic_message(p: &(dyn std::any::Any + Send)) -> String {
 }
 
 impl Worker {
+    /// A worker that sleeps as soon as it is idle.
     pub fn spawn(name: impl Into<String>) -> std::io::Result<Self> {
+        Self::spawn_spinning(name, std::time::Duration::ZERO)
+    }
+
+    /// A worker that spins for `spin` when idle before it sleeps ([`idle_spin`]).
+    pub fn spawn_spinning(
+        name: impl Into<String>,
+        spin: std::time::Duration,
+    ) -> std::io::Result<Self> {
         let name = name.into();
         let shared = Arc::new(Shared {
             queue: Mutex::new(Queue::default()),
@@ -144,6 +173,8 @@ impl Worker {
             busy_ns: AtomicU64::new(0),
             transfer_ns: AtomicU64::new(0),
             jobs: AtomicU64::new(0),
+            pushed: AtomicU64::new(0),
+            spin,
         });
         let s = shared.clone();
         let thread = std::thread::Builder::new()
@@ -163,7 +194,28 @@ impl Worker {
                                         .unwrap_or_else(|e| e.into_inner())
                                         .0
                                 }
-                                Err(None) => q = s.ready.wait(q).unwrap_or_else(|e| e.into_inner()),
+                                Err(None) => {
+                                    let spin = s.spin;
+                                    if !spin.is_zero() {
+                                        // Spin without the lock until a job is queued (or the
+                                        // spin is over), then look again under it.
+                                        let seen = s.pushed.load(Ordering::Acquire);
+                                        drop(q);
+                                        let until = Instant::now() + spin;
+                                        while s.pushed.load(Ordering::Acquire) == seen
+                                            && Instant::now() < until
+                                        {
+                                            std::hint::spin_loop();
+                                        }
+                                        q = s.queue.lock().unwrap_or_else(|e| e.into_inner());
+                                        // `pushed` moves under the lock: unchanged now means
+                                        // nothing came, and what comes next will notify.
+                                        if s.pushed.load(Ordering::Acquire) != seen || q.closed {
+                                            continue;
+                                        }
+                                    }
+                                    q = s.ready.wait(q).unwrap_or_else(|e| e.into_inner())
+                                }
                             }
                         }
                     };
@@ -232,6 +284,7 @@ impl Worker {
             let seq = q.next_seq;
             q.next_seq += 1;
             q.heap.push(Queued { priority, seq, job });
+            self.shared.pushed.fetch_add(1, Ordering::Release);
         }
         self.shared.ready.notify_one();
         async move {
@@ -312,6 +365,27 @@ mod tests {
         // The worker survives a panicking job.
         assert_eq!(rt.block_on(w.run(Priority::Forward(0), || 5)).unwrap(), 5);
         assert_eq!(w.busy().1, 10);
+    }
+
+    #[test]
+    fn a_spinning_worker_runs_jobs_that_come_while_it_spins_and_after_it_sleeps() {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .build()
+            .unwrap();
+        let w = Worker::spawn_spinning("test-spin", std::time::Duration::from_millis(20)).unwrap();
+        // Back to back (caught while spinning), then after the spin is over (asleep).
+        for (i, pause) in [0u64, 0, 1, 60, 0, 60].into_iter().enumerate() {
+            std::thread::sleep(std::time::Duration::from_millis(pause));
+            assert_eq!(
+                rt.block_on(w.run(Priority::Forward(0), move || i)).unwrap(),
+                i
+            );
+        }
+        assert_eq!(w.busy().1, 6);
+        if std::env::var_os("NSACTOR_WORKER_SPIN_US").is_none() {
+            assert!(idle_spin("ndarray").is_zero());
+            assert_eq!(idle_spin("cuda"), std::time::Duration::from_millis(5));
+        }
     }
 
     #[test]

@@ -316,7 +316,7 @@ impl Actor for EdgeActor {
                             })?
                             .into_tensor("SessionEmbed")?;
                         if super::trace::syncing() {
-                            backend.to_host(&h)?;
+                            backend.ready(&h)?;
                             mark(Mark::EmbedOnDevice);
                         }
                         Ok(h)

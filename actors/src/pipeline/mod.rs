@@ -427,7 +427,7 @@ pub(crate) async fn run_layers(
                 && let Some(last) = group.last()
             {
                 last.backend
-                    .to_host(&h)
+                    .ready(&h)
                     .map_err(|error| PipelineError::Stage {
                         who: last.who.clone(),
                         error,

@@ -1,5 +1,6 @@
 //! `nsactor bench …`: programs that print a figure, the device and the comparison it is about.
 
+use nsactor_plugin_api::timing::DeviceTime;
 use nsactor_plugin_api::{
     ComputeBackend, EngineError, HostTensor, OptimizerKind, StageCall, StageKind, StageSpec,
 };
@@ -594,6 +595,8 @@ pub struct TrainStepTiming {
     pub busy: Vec<f64>,
     /// Per worker: of `busy`, seconds spent issuing the moves of its inputs from another device.
     pub transfer: Vec<f64>,
+    /// Per device: where this step's device time went (empty where not measured).
+    pub device: Vec<DeviceTime>,
 }
 
 /// What `nsactor bench train` measured.
@@ -604,6 +607,8 @@ pub struct TrainBench {
     pub steps: Vec<TrainStepTiming>,
     /// Worker names, in the order of [`TrainStepTiming::busy`].
     pub workers: Vec<String>,
+    /// Why the device-time breakdown is missing, where it is.
+    pub device_note: Option<String>,
 }
 
 impl TrainBench {
@@ -626,6 +631,38 @@ impl TrainBench {
     /// Mean transfer seconds per timed step of each worker.
     pub fn mean_transfer(&self) -> Vec<f64> {
         self.mean_per_worker(|s| &s.transfer)
+    }
+
+    /// Each device's breakdown summed over the timed steps, divided by their number; empty
+    /// where it was not measured.
+    pub fn mean_device(&self) -> Vec<DeviceTime> {
+        let mut sum: Vec<DeviceTime> = Vec::new();
+        for s in &self.steps {
+            for d in &s.device {
+                match sum.iter_mut().find(|x| x.device == d.device) {
+                    Some(x) => x.add(d),
+                    None => sum.push(*d),
+                }
+            }
+        }
+        let n = self.steps.len().max(1) as f64;
+        for d in &mut sum {
+            for t in [
+                &mut d.window_s,
+                &mut d.calls_s,
+                &mut d.gemm_s,
+                &mut d.scans_s,
+                &mut d.gemm_or_scans_s,
+                &mut d.gemm_sum_s,
+                &mut d.scans_sum_s,
+            ] {
+                *t /= n;
+            }
+            for c in [&mut d.gemms, &mut d.scans, &mut d.calls] {
+                *c = (*c as f64 / n).round() as u64;
+            }
+        }
+        sum
     }
 
     fn mean_per_worker(&self, field: impl Fn(&TrainStepTiming) -> &Vec<f64>) -> Vec<f64> {
@@ -680,6 +717,7 @@ pub fn train_throughput(
     vocab: usize,
     warmup: usize,
     steps: usize,
+    timing: Option<&dyn nsactor_plugin_api::ComputeBackend>,
 ) -> Result<TrainBench, String> {
     use crate::engine::StepParams;
     let params = StepParams {
@@ -694,7 +732,9 @@ pub fn train_throughput(
         warmup: Vec::new(),
         steps: Vec::new(),
         workers,
+        device_note: None,
     };
+    let mut timing = timing;
     for i in 0..warmup + steps {
         let batches = synthetic_batches(
             train.batch_size,
@@ -710,23 +750,38 @@ pub fn train_throughput(
             now.into_iter().zip(before).map(|(n, b)| n - b).collect()
         };
         let (before, before_t) = (busy_now(pipeline), pipeline.transfers());
+        // The device-time window brackets the timed steps only (it waits for the device first).
+        let timed = i >= warmup && timing.is_some();
+        if timed && let Some(Err(e)) = timing.map(|c| c.bench("timing", "start")) {
+            out.device_note = Some(e.to_string());
+            timing = None;
+        }
         let t = Instant::now();
         let stats = pipeline
             .train_step(&batches, &params)
             .map_err(|e| format!("step {i}: {e}"))?;
         let seconds = t.elapsed().as_secs_f64();
+        let mut device = Vec::new();
+        if let Some(c) = timing.filter(|_| timed) {
+            device = c
+                .bench("timing", "report")
+                .map_err(|e| e.to_string())
+                .and_then(|r| DeviceTime::parse_report(&r))
+                .map_err(|e| format!("step {i}: device timing: {e}"))?;
+        }
         let busy = delta(busy_now(pipeline), before);
         let transfer = delta(pipeline.transfers(), before_t);
-        let timing = TrainStepTiming {
+        let record = TrainStepTiming {
             seconds,
             loss: stats.loss,
             busy,
             transfer,
+            device,
         };
         if i < warmup {
-            out.warmup.push(timing);
+            out.warmup.push(record);
         } else {
-            out.steps.push(timing);
+            out.steps.push(record);
         }
     }
     Ok(out)
@@ -776,5 +831,35 @@ mod tests {
             }
         }
         assert_ne!(b[0].inputs, b[1].inputs);
+    }
+
+    #[test]
+    fn the_device_breakdown_is_the_mean_over_timed_steps_per_device() {
+        use nsactor_plugin_api::timing::SpanKind::*;
+        let step = |gemm_end: f64, dev: Vec<usize>| TrainStepTiming {
+            seconds: 1.0,
+            loss: 0.0,
+            busy: vec![0.0],
+            transfer: vec![0.0],
+            device: dev
+                .into_iter()
+                .map(|d| DeviceTime::from_spans(d, 1.0, &[(Call, 0.0, 0.5), (Gemm, 0.0, gemm_end)]))
+                .collect(),
+        };
+        let mut r = TrainBench {
+            tokens_per_step: 1,
+            warmup: vec![step(0.5, vec![0])],
+            steps: vec![step(0.1, vec![0, 1]), step(0.3, vec![0, 1])],
+            workers: vec!["w".into()],
+            device_note: None,
+        };
+        let m = r.mean_device();
+        assert_eq!(m.len(), 2);
+        // The warm-up step is not in it.
+        assert!((m[0].gemm_s - 0.2).abs() < 1e-12 && (m[1].gemm_s - 0.2).abs() < 1e-12);
+        assert_eq!((m[0].window_s, m[0].calls_s, m[0].gemms), (1.0, 0.5, 1));
+        assert!((m[0].other_s() - 0.3).abs() < 1e-12);
+        r.steps.iter_mut().for_each(|s| s.device.clear());
+        assert!(r.mean_device().is_empty());
     }
 }

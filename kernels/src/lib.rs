@@ -45,6 +45,8 @@ pub mod cuda_graph;
 pub mod cuda_infer;
 #[cfg(feature = "cuda")]
 pub mod cuda_scan;
+#[cfg(feature = "cuda")]
+pub mod cuda_timing;
 mod ops;
 pub mod parity;
 pub mod reference;

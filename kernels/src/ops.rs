@@ -205,6 +205,14 @@ pub trait SnnOps: Backend {
         let _ = device;
     }
 
+    /// Runs `f` — one stage call's work on `device` — with its device time measured as a call
+    /// span when the backend's timing is on (`bench("timing")`, `nsactor bench train`'s
+    /// breakdown). Default: just runs it.
+    fn timed_call<R>(device: &Self::Device, f: impl FnOnce() -> R) -> R {
+        let _ = device;
+        f()
+    }
+
     /// Whether [`capture`](Self::capture) records work on this backend. Default `false`.
     fn captures_steps() -> bool {
         false
@@ -1471,6 +1479,12 @@ fn scan_grads<B: Backend>(
 #[cfg(feature = "ndarray")]
 impl SnnOps for burn_ndarray::NdArray<f32> {}
 
+/// Runs a PLIF scan kernel's launch as a timed scan span (`crate::cuda_timing`).
+#[cfg(feature = "cuda")]
+fn scan_timed<R>(device: &burn_cuda::CudaDevice, f: impl FnOnce() -> R) -> R {
+    crate::cuda_timing::timed(device, crate::cuda_timing::Kind::Scan, f)
+}
+
 /// The fused selective scan's tensors in kernel argument order.
 #[cfg(feature = "cuda")]
 fn selective_args<B: Backend>(inp: SelectiveInputs<B>) -> [FloatTensor<B>; 8] {
@@ -1530,6 +1544,10 @@ impl SnnOps for burn_cuda::Cuda<f32, i32> {
         crate::cuda_graph::flush(device);
     }
 
+    fn timed_call<R>(device: &Self::Device, f: impl FnOnce() -> R) -> R {
+        crate::cuda_timing::timed(device, crate::cuda_timing::Kind::Call, f)
+    }
+
     fn captures_steps() -> bool {
         true
     }
@@ -1567,12 +1585,15 @@ impl SnnOps for burn_cuda::Cuda<f32, i32> {
     }
 
     fn norm_plif_forward(inp: NormPlifInputs<Self>) -> (FloatTensor<Self>, FloatTensor<Self>) {
-        crate::cuda_infer::norm_plif_train(
-            [inp.x, inp.norm_w, inp.w, inp.v_th, inp.v0],
-            inp.eps as f32,
-            inp.k,
-            inp.leak,
-        )
+        let device = inp.x.device.clone();
+        scan_timed(&device, || {
+            crate::cuda_infer::norm_plif_train(
+                [inp.x, inp.norm_w, inp.w, inp.v_th, inp.v0],
+                inp.eps as f32,
+                inp.k,
+                inp.leak,
+            )
+        })
     }
 
     fn norm_plif_backward(
@@ -1582,14 +1603,17 @@ impl SnnOps for burn_cuda::Cuda<f32, i32> {
     ) -> [FloatTensor<Self>; 5] {
         let d = inp.w.meta.shape()[0];
         let beta = sigmoid(wrap::<Self, 1>(inp.w.clone()));
-        let [dx, dnw_rows, d_beta, d_th, d_v0] = crate::cuda_infer::norm_plif_backward(
-            [inp.x, inp.norm_w, inp.w, inp.v_th, inp.v0],
-            inp.eps as f32,
-            inp.k,
-            inp.leak,
-            vpost,
-            grad,
-        );
+        let device = inp.x.device.clone();
+        let [dx, dnw_rows, d_beta, d_th, d_v0] = scan_timed(&device, || {
+            crate::cuda_infer::norm_plif_backward(
+                [inp.x, inp.norm_w, inp.w, inp.v_th, inp.v0],
+                inp.eps as f32,
+                inp.k,
+                inp.leak,
+                vpost,
+                grad,
+            )
+        });
         let d_nw = wrap::<Self, 2>(dnw_rows).sum_dim(0).reshape([d]);
         let d_beta = wrap::<Self, 2>(d_beta).sum_dim(0).reshape([d]);
         let d_w = through_sigmoid(d_beta, beta);
@@ -1635,12 +1659,15 @@ impl SnnOps for burn_cuda::Cuda<f32, i32> {
     }
 
     fn ffn_neurons_forward(inp: FfnInputs<Self>) -> (FloatTensor<Self>, FloatTensor<Self>) {
-        crate::cuda_scan::ffn_forward(
-            inp.i_gu,
-            [inp.w_gate, inp.w_up, inp.th_gate, inp.th_up],
-            inp.v0,
-            inp.leak,
-        )
+        let device = inp.i_gu.device.clone();
+        scan_timed(&device, || {
+            crate::cuda_scan::ffn_forward(
+                inp.i_gu,
+                [inp.w_gate, inp.w_up, inp.th_gate, inp.th_up],
+                inp.v0,
+                inp.leak,
+            )
+        })
     }
 
     fn ffn_neurons_backward(
@@ -1648,19 +1675,22 @@ impl SnnOps for burn_cuda::Cuda<f32, i32> {
         vpost: FloatTensor<Self>,
         grad_gv: FloatTensor<Self>,
     ) -> FfnGrads<Self> {
-        let [d_i, d_beta, d_th, d_v0] = crate::cuda_scan::ffn_backward(
-            inp.i_gu.clone(),
-            [
-                inp.w_gate.clone(),
-                inp.w_up.clone(),
-                inp.th_gate.clone(),
-                inp.th_up.clone(),
-            ],
-            inp.v0.clone(),
-            vpost,
-            grad_gv,
-            inp.leak,
-        );
+        let device = inp.i_gu.device.clone();
+        let [d_i, d_beta, d_th, d_v0] = scan_timed(&device, || {
+            crate::cuda_scan::ffn_backward(
+                inp.i_gu.clone(),
+                [
+                    inp.w_gate.clone(),
+                    inp.w_up.clone(),
+                    inp.th_gate.clone(),
+                    inp.th_up.clone(),
+                ],
+                inp.v0.clone(),
+                vpost,
+                grad_gv,
+                inp.leak,
+            )
+        });
         let [w_gate, w_up, th_gate, th_up] = ffn_param_grads(&inp, d_beta, d_th);
         FfnGrads {
             i_gu: d_i,
@@ -1804,8 +1834,10 @@ impl SnnOps for burn_cuda::Cuda<f32, i32> {
     fn plif_selective_forward(inp: SelectiveInputs<Self>) -> PlifOutput<Self> {
         let _ = scan_shape::<Self>(&inp.i, &inp.v0);
         let v_th_min = inp.v_th_min;
-        let (spike, vpost, last) =
-            crate::cuda_scan::selective_forward(selective_args(inp), v_th_min);
+        let device = inp.i.device.clone();
+        let (spike, vpost, last) = scan_timed(&device, || {
+            crate::cuda_scan::selective_forward(selective_args(inp), v_th_min)
+        });
         PlifOutput {
             spike,
             vpost,
@@ -1820,8 +1852,10 @@ impl SnnOps for burn_cuda::Cuda<f32, i32> {
         grad_vpost: FloatTensor<Self>,
     ) -> SelectiveGrads<Self> {
         let (shape, _) = scan_shape::<Self>(&grad_vpost, &inp.v0);
-        let [i, r_beta, r_alpha, r_th, v0, bias] =
-            crate::cuda_scan::selective_backward(selective_args(inp), vpost, spike, grad_vpost);
+        let device = inp.i.device.clone();
+        let [i, r_beta, r_alpha, r_th, v0, bias] = scan_timed(&device, || {
+            crate::cuda_scan::selective_backward(selective_args(inp), vpost, spike, grad_vpost)
+        });
         // [3, B, DN] per-column sums over time → [3, DN] over the batch.
         let dn = shape[2];
         let bias = wrap::<Self, 3>(bias).sum_dim(1).reshape([3, dn]);
@@ -1845,7 +1879,10 @@ impl SnnOps for burn_cuda::Cuda<f32, i32> {
         v0: FloatTensor<Self>,
     ) -> PlifOutput<Self> {
         let _ = scan_shape::<Self>(&u, &v0);
-        let (spike, vpost) = crate::cuda_scan::forward(false, beta, u, vth, v0);
+        let device = u.device.clone();
+        let (spike, vpost) = scan_timed(&device, || {
+            crate::cuda_scan::forward(false, beta, u, vth, v0)
+        });
         PlifOutput {
             spike,
             vpost,
@@ -1861,8 +1898,10 @@ impl SnnOps for burn_cuda::Cuda<f32, i32> {
         grad_vpost: FloatTensor<Self>,
     ) -> PlifGrads<Self> {
         let _ = scan_shape::<Self>(&grad_vpost, &v0);
-        let [beta, u, vth, v0] =
-            crate::cuda_scan::backward(false, beta, v0, vpost, spike, grad_vpost);
+        let device = grad_vpost.device.clone();
+        let [beta, u, vth, v0] = scan_timed(&device, || {
+            crate::cuda_scan::backward(false, beta, v0, vpost, spike, grad_vpost)
+        });
         PlifGrads { beta, u, vth, v0 }
     }
 
@@ -1873,7 +1912,10 @@ impl SnnOps for burn_cuda::Cuda<f32, i32> {
         v0: FloatTensor<Self>,
     ) -> PlifOutput<Self> {
         let _ = scan_shape::<Self>(&u, &v0);
-        let (spike, vpost) = crate::cuda_scan::forward(true, beta, u, vth, v0);
+        let device = u.device.clone();
+        let (spike, vpost) = scan_timed(&device, || {
+            crate::cuda_scan::forward(true, beta, u, vth, v0)
+        });
         PlifOutput {
             spike,
             vpost,
@@ -1889,8 +1931,10 @@ impl SnnOps for burn_cuda::Cuda<f32, i32> {
         grad_vpost: FloatTensor<Self>,
     ) -> PlifGrads<Self> {
         let _ = scan_shape::<Self>(&grad_vpost, &v0);
-        let [beta, u, vth, v0] =
-            crate::cuda_scan::backward(true, beta, v0, vpost, spike, grad_vpost);
+        let device = grad_vpost.device.clone();
+        let [beta, u, vth, v0] = scan_timed(&device, || {
+            crate::cuda_scan::backward(true, beta, v0, vpost, spike, grad_vpost)
+        });
         PlifGrads { beta, u, vth, v0 }
     }
 }

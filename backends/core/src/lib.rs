@@ -84,16 +84,19 @@ pub struct BurnBackend<B: SnnOps> {
     enter: fn(),
 }
 
-/// A stage whose every call first runs the backend's per-thread setup ([`BurnBackend::with_enter`]).
-struct Entered {
+/// A stage whose every call first runs the backend's per-thread setup ([`BurnBackend::with_enter`]),
+/// and runs as a timed call span ([`SnnOps::timed_call`]) on its device.
+struct Entered<B: SnnOps> {
     stage: Box<dyn Stage>,
     enter: fn(),
+    device: B::Device,
 }
 
-impl Stage for Entered {
+impl<B: SnnOps> Stage for Entered<B> {
     fn call(&mut self, call: StageCall<'_>) -> Result<Reply, EngineError> {
         (self.enter)();
-        self.stage.call(call)
+        let stage = &mut self.stage;
+        B::timed_call(&self.device, || stage.call(call))
     }
     fn save(&self) -> Result<Vec<u8>, EngineError> {
         (self.enter)();
@@ -280,7 +283,7 @@ impl<B: SnnOps> ComputeBackend for BurnBackend<B> {
         let cfg = ModelConfig::from_toml_str(&spec.model_toml)
             .map_err(|e| EngineError::InvalidInput(e.to_string()))?;
         let stage: Box<dyn Stage> = match spec.kind {
-            StageKind::Edge => Box::new(EdgeStage::<B>::new(cfg, spec, dev)),
+            StageKind::Edge => Box::new(EdgeStage::<B>::new(cfg, spec, dev.clone())),
             StageKind::Layer(i) => {
                 if i >= cfg.num_layers {
                     return Err(EngineError::InvalidInput(format!(
@@ -288,12 +291,13 @@ impl<B: SnnOps> ComputeBackend for BurnBackend<B> {
                         cfg.num_layers
                     )));
                 }
-                Box::new(LayerStage::<B>::new(cfg, i, spec, dev))
+                Box::new(LayerStage::<B>::new(cfg, i, spec, dev.clone()))
             }
         };
-        Ok(Box::new(Entered {
+        Ok(Box::new(Entered::<B> {
             stage,
             enter: self.enter,
+            device: dev,
         }))
     }
 }

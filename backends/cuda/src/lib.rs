@@ -93,7 +93,8 @@ pub fn backend(options: Options) -> Result<BurnBackend<Gpu>, EngineError> {
     cuda_gemm::set_precision(options.precision);
     let b = BurnBackend::new("cuda", env!("CARGO_PKG_VERSION"), devices)
         .with_kernel_bench("gemm", gemm_bench)
-        .with_bench("memory", memory_report);
+        .with_bench("memory", memory_report)
+        .with_bench("timing", timing_report);
     Ok(match options.streams {
         Streams::Shared => b.with_enter(nsactor_kernels::cuda_device::share_stream),
         Streams::PerThread => b,
@@ -123,6 +124,38 @@ fn memory_report(devices: &[CudaDevice], _options: &str) -> Result<String, Strin
         ));
     }
     Ok(out)
+}
+
+/// `bench timing`: `start` opens a window of device timing on every GPU (CUDA events around each
+/// GEMM, PLIF scan and stage call, `nsactor_kernels::cuda_timing`); `report` closes it and returns
+/// one `device-time` line per GPU (`nsactor_plugin_api::timing`).
+fn timing_report(devices: &[CudaDevice], options: &str) -> Result<String, String> {
+    use nsactor_kernels::cuda_timing::{self, Kind};
+    use nsactor_plugin_api::timing::{DeviceTime, SpanKind};
+    match options {
+        "start" => cuda_timing::start(devices).map(|()| String::new()),
+        "report" => Ok(cuda_timing::collect(devices)?
+            .into_iter()
+            .map(|w| {
+                let spans: Vec<_> = w
+                    .spans
+                    .iter()
+                    .map(|&(k, a, b)| {
+                        let k = match k {
+                            Kind::Gemm => SpanKind::Gemm,
+                            Kind::Scan => SpanKind::Scan,
+                            Kind::Call => SpanKind::Call,
+                        };
+                        (k, a, b)
+                    })
+                    .collect();
+                DeviceTime::from_spans(w.device, w.seconds, &spans).to_line() + "\n"
+            })
+            .collect()),
+        other => Err(format!(
+            "bench timing takes `start` or `report`, not `{other}`"
+        )),
+    }
 }
 
 /// Parses the plugin options: `precision=fp32|bf16` (default fp32), `streams=per-thread|shared`

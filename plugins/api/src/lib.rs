@@ -7,13 +7,15 @@
 //! stages with [`StageCall`]s and sees tensors only as opaque [`DeviceTensor`] handles; only token
 //! ids, scalars and (on request) host copies of tensors cross as plain values (DESIGN "The
 //! seams", points 2 and 3). [`optim`] has the pure arithmetic the supervisor applies between
-//! stages (natural-gradient phase 2, clipping). [`ABI_VERSION`] names the revision of the
+//! stages (natural-gradient phase 2, clipping); [`timing`] the device-time breakdown backends
+//! report. [`ABI_VERSION`] names the revision of the
 //! contract.
 //!
 //! Depends on nothing but `std`.
 
 pub mod optim;
 pub mod stage;
+pub mod timing;
 
 pub use stage::{
     BackendInfo, ComputeBackend, DeviceTensor, HostTensor, OptimizerKind, Reply, Stage, StageCall,

@@ -1,0 +1,287 @@
+//! The device-time breakdown a backend reports through `bench("timing", …)`: how much of a
+//! window of device time went to GEMMs, to the PLIF scans, to other work inside stage calls,
+//! and to nothing a stage call had queued (the actors' messaging, host round trips, the
+//! supervisor's work between calls).
+//!
+//! A backend measures spans — `[start, end]` in seconds from the window's start, one per GEMM,
+//! per scan kernel and per stage call, on whichever stream ran them — and [`DeviceTime::from_spans`]
+//! turns them into lengths of *unions*, so work that overlapped on two streams counts once. The
+//! report crosses the plugin boundary as one text line per device ([`DeviceTime::to_line`],
+//! [`DeviceTime::parse`]).
+
+/// What a measured span ran.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SpanKind {
+    /// A projection GEMM (one cuBLASLt call).
+    Gemm,
+    /// A PLIF scan kernel (selective, element, row, FFN or norm-fused neurons; forward or backward).
+    Scan,
+    /// A whole stage call: from its first queued work to its last.
+    Call,
+}
+
+/// The total length of the union of `intervals` (each `(start, end)`, `end < start` counting as
+/// empty).
+pub fn union_len(intervals: &mut [(f64, f64)]) -> f64 {
+    intervals.sort_by(|a, b| a.0.total_cmp(&b.0));
+    let mut total = 0.0;
+    let mut open: Option<(f64, f64)> = None;
+    for &(s, e) in intervals.iter() {
+        if e <= s {
+            continue;
+        }
+        open = match open {
+            Some((os, oe)) if s <= oe => Some((os, oe.max(e))),
+            Some((os, oe)) => {
+                total += oe - os;
+                Some((s, e))
+            }
+            None => Some((s, e)),
+        };
+    }
+    total + open.map_or(0.0, |(s, e)| e - s)
+}
+
+/// One device's breakdown over a window (seconds; lengths of unions unless named `_sum`).
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct DeviceTime {
+    pub device: usize,
+    /// The window: from `start` until every queued piece of work had finished.
+    pub window_s: f64,
+    /// Time some stage call had work queued or running.
+    pub calls_s: f64,
+    pub gemm_s: f64,
+    pub scans_s: f64,
+    /// GEMMs or scans (their union; less than their sum where they overlapped).
+    pub gemm_or_scans_s: f64,
+    /// Sums over spans: above the unions where streams overlapped.
+    pub gemm_sum_s: f64,
+    pub scans_sum_s: f64,
+    pub gemms: u64,
+    pub scans: u64,
+    pub calls: u64,
+}
+
+impl DeviceTime {
+    /// The breakdown of `spans` over a window of `window_s`.
+    pub fn from_spans(device: usize, window_s: f64, spans: &[(SpanKind, f64, f64)]) -> Self {
+        let of = |k: &[SpanKind]| -> Vec<(f64, f64)> {
+            spans
+                .iter()
+                .filter(|s| k.contains(&s.0))
+                .map(|s| (s.1, s.2))
+                .collect()
+        };
+        let sum = |k: SpanKind| of(&[k]).iter().map(|(s, e)| (e - s).max(0.0)).sum();
+        let count = |k: SpanKind| spans.iter().filter(|s| s.0 == k).count() as u64;
+        DeviceTime {
+            device,
+            window_s,
+            calls_s: union_len(&mut of(&[SpanKind::Call])),
+            gemm_s: union_len(&mut of(&[SpanKind::Gemm])),
+            scans_s: union_len(&mut of(&[SpanKind::Scan])),
+            gemm_or_scans_s: union_len(&mut of(&[SpanKind::Gemm, SpanKind::Scan])),
+            gemm_sum_s: sum(SpanKind::Gemm),
+            scans_sum_s: sum(SpanKind::Scan),
+            gemms: count(SpanKind::Gemm),
+            scans: count(SpanKind::Scan),
+            calls: count(SpanKind::Call),
+        }
+    }
+
+    /// Time inside stage calls that was neither a GEMM nor a scan: other kernels, copies, and
+    /// gaps while a call's host side had not queued its next work yet.
+    pub fn other_s(&self) -> f64 {
+        (self.calls_s - self.gemm_or_scans_s).max(0.0)
+    }
+
+    /// Time no stage call had work on the device: the actors' messaging, host round trips and
+    /// the runtime's own work between calls.
+    pub fn outside_calls_s(&self) -> f64 {
+        (self.window_s - self.calls_s).max(0.0)
+    }
+
+    /// Adds `o`'s times and counts (the same device over another window).
+    pub fn add(&mut self, o: &DeviceTime) {
+        self.window_s += o.window_s;
+        self.calls_s += o.calls_s;
+        self.gemm_s += o.gemm_s;
+        self.scans_s += o.scans_s;
+        self.gemm_or_scans_s += o.gemm_or_scans_s;
+        self.gemm_sum_s += o.gemm_sum_s;
+        self.scans_sum_s += o.scans_sum_s;
+        self.gemms += o.gemms;
+        self.scans += o.scans;
+        self.calls += o.calls;
+    }
+
+    /// The report line: `device-time device=0 window_s=… …`.
+    pub fn to_line(&self) -> String {
+        format!(
+            "device-time device={} window_s={:.9} calls_s={:.9} gemm_s={:.9} scans_s={:.9} \
+             gemm_or_scans_s={:.9} gemm_sum_s={:.9} scans_sum_s={:.9} gemms={} scans={} calls={}",
+            self.device,
+            self.window_s,
+            self.calls_s,
+            self.gemm_s,
+            self.scans_s,
+            self.gemm_or_scans_s,
+            self.gemm_sum_s,
+            self.scans_sum_s,
+            self.gemms,
+            self.scans,
+            self.calls
+        )
+    }
+
+    /// Reads a line of [`to_line`](Self::to_line); every field must be there, and nothing else.
+    pub fn parse(line: &str) -> Result<Self, String> {
+        let mut words = line.split_whitespace();
+        if words.next() != Some("device-time") {
+            return Err(format!("not a device-time line: `{line}`"));
+        }
+        let mut t = DeviceTime::default();
+        let mut seen = 0u32;
+        for w in words {
+            let (k, v) = w
+                .split_once('=')
+                .ok_or_else(|| format!("`{w}` is not key=value in `{line}`"))?;
+            let f = || {
+                v.parse::<f64>()
+                    .map_err(|e| format!("{k}={v}: {e} in `{line}`"))
+            };
+            let n = || {
+                v.parse::<u64>()
+                    .map_err(|e| format!("{k}={v}: {e} in `{line}`"))
+            };
+            let bit = match k {
+                "device" => {
+                    t.device = n()? as usize;
+                    0
+                }
+                "window_s" => {
+                    t.window_s = f()?;
+                    1
+                }
+                "calls_s" => {
+                    t.calls_s = f()?;
+                    2
+                }
+                "gemm_s" => {
+                    t.gemm_s = f()?;
+                    3
+                }
+                "scans_s" => {
+                    t.scans_s = f()?;
+                    4
+                }
+                "gemm_or_scans_s" => {
+                    t.gemm_or_scans_s = f()?;
+                    5
+                }
+                "gemm_sum_s" => {
+                    t.gemm_sum_s = f()?;
+                    6
+                }
+                "scans_sum_s" => {
+                    t.scans_sum_s = f()?;
+                    7
+                }
+                "gemms" => {
+                    t.gemms = n()?;
+                    8
+                }
+                "scans" => {
+                    t.scans = n()?;
+                    9
+                }
+                "calls" => {
+                    t.calls = n()?;
+                    10
+                }
+                other => return Err(format!("unknown field `{other}` in `{line}`")),
+            };
+            if seen & (1 << bit) != 0 {
+                return Err(format!("`{k}` twice in `{line}`"));
+            }
+            seen |= 1 << bit;
+        }
+        if seen != (1 << 11) - 1 {
+            return Err(format!("a field is missing in `{line}`"));
+        }
+        Ok(t)
+    }
+
+    /// Every `device-time` line of a report (other lines are ignored).
+    pub fn parse_report(report: &str) -> Result<Vec<Self>, String> {
+        report
+            .lines()
+            .filter(|l| l.starts_with("device-time"))
+            .map(Self::parse)
+            .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn union_counts_overlapping_intervals_once_and_skips_empty_ones() {
+        let mut v = vec![(5.0, 6.0), (0.0, 2.0), (1.0, 3.0), (3.0, 3.0), (2.5, 2.75)];
+        assert_eq!(union_len(&mut v), 4.0);
+        assert_eq!(union_len(&mut []), 0.0);
+        // Touching intervals merge; a reversed one is empty.
+        assert_eq!(union_len(&mut [(0.0, 1.0), (1.0, 2.0), (4.0, 3.0)]), 2.0);
+    }
+
+    #[test]
+    fn breakdown_of_two_overlapping_streams() {
+        use SpanKind::*;
+        // Stream 1: a call [0, 10] with a GEMM [1, 4] and a scan [5, 7].
+        // Stream 2: a call [8, 12] with a GEMM [8, 11] (overlaps the first call's tail).
+        let spans = [
+            (Call, 0.0, 10.0),
+            (Gemm, 1.0, 4.0),
+            (Scan, 5.0, 7.0),
+            (Call, 8.0, 12.0),
+            (Gemm, 8.0, 11.0),
+        ];
+        let t = DeviceTime::from_spans(3, 20.0, &spans);
+        assert_eq!(t.calls_s, 12.0);
+        assert_eq!(t.gemm_s, 6.0);
+        assert_eq!(t.gemm_sum_s, 6.0);
+        assert_eq!(t.scans_s, 2.0);
+        assert_eq!(t.gemm_or_scans_s, 8.0);
+        assert_eq!(t.other_s(), 4.0);
+        assert_eq!(t.outside_calls_s(), 8.0);
+        assert_eq!((t.gemms, t.scans, t.calls), (2, 1, 2));
+        // Overlapping GEMMs on two streams: the union is less than the sum.
+        let t = DeviceTime::from_spans(0, 4.0, &[(Gemm, 0.0, 2.0), (Gemm, 1.0, 3.0)]);
+        assert_eq!((t.gemm_s, t.gemm_sum_s), (3.0, 4.0));
+    }
+
+    #[test]
+    fn report_lines_round_trip_and_bad_lines_are_errors() {
+        let t = DeviceTime::from_spans(
+            1,
+            2.5,
+            &[(SpanKind::Call, 0.0, 2.0), (SpanKind::Gemm, 0.5, 1.25)],
+        );
+        let report = format!("some header\n{}\n", t.to_line());
+        assert_eq!(DeviceTime::parse_report(&report).unwrap(), vec![t]);
+        let line = t.to_line();
+        for bad in [
+            line.replace("gemms=1", ""),
+            line.replace("gemms=1", "gemms=1 gemms=1"),
+            line.replace("gemms=1", "gemms=one"),
+            line.replace("gemms=1", "flops=1"),
+            line.replace("device-time", "device-times"),
+        ] {
+            assert!(DeviceTime::parse(&bad).is_err(), "accepted `{bad}`");
+        }
+        let mut sum = t;
+        sum.add(&t);
+        assert_eq!((sum.window_s, sum.gemm_s, sum.calls), (5.0, 1.5, 2));
+    }
+}

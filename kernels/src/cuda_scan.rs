@@ -744,6 +744,12 @@ const STAGE_COLS: u32 = 32;
 /// 4.36. `$NSACTOR_STAGE_FORWARD` and `$NSACTOR_STAGE_BACKWARD` (`PxC`) override them.
 const STAGE_FORWARD: (usize, usize) = (8, 32);
 const STAGE_BACKWARD: (usize, usize) = (8, 16);
+/// The forward's shape with f32 storage. 8×32 holds 5 cubes per SM (registers and shared
+/// memory), so the 896 cubes of the 0.9B shape run in 1.36 waves; 4×24 holds 7 (one wave).
+/// Measured on the H100 (ms, f32): 8×32 2.64–2.67, 4×24 2.49–2.51, 4×20 2.49–2.53, 6×24 3.09,
+/// 3×24 2.84, 4×32 3.71. With bf16 storage 8×32 and 4×24 tie (2.117 / 2.111 ms) and 4×20 is
+/// slower (2.46), so bf16 keeps [`STAGE_FORWARD`].
+const STAGE_FORWARD_F32: (usize, usize) = (4, 24);
 
 /// `(producer planes, steps per chunk)` of the staged row-parameter kernels.
 /// `$NSACTOR_STAGE_ROW_FORWARD` / `$NSACTOR_STAGE_ROW_BACKWARD` override them. Measured on the
@@ -1076,7 +1082,12 @@ pub fn selective_forward<R: CubeRuntime>(
         let vpost = out_like(&i, shape);
         let last = out_typed(&i, state, DType::F32);
         let client = i.client.clone();
-        let (producers, chunk) = stage_shape("NSACTOR_STAGE_FORWARD", STAGE_FORWARD);
+        let default = if stored == DType::F32 {
+            STAGE_FORWARD_F32
+        } else {
+            STAGE_FORWARD
+        };
+        let (producers, chunk) = stage_shape("NSACTOR_STAGE_FORWARD", default);
         selective_forward_staged_kernel::launch::<R>(
             &client,
             CubeCount::Static(cols.div_ceil(STAGE_COLS), 1, 1),

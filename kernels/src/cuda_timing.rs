@@ -168,30 +168,39 @@ pub fn timed<R>(device: &CudaDevice, kind: Kind, f: impl FnOnce() -> R) -> R {
     r
 }
 
+/// Runs `f` on `device`'s server thread with that device's log, once the device has finished
+/// all its queued work, giving it the calling thread's stream there.
+fn on_drained_device<R: Send + 'static>(
+    device: &CudaDevice,
+    f: impl FnOnce(&mut Log, CUstream) -> Result<R, String> + Send + 'static,
+) -> Result<R, String> {
+    let index = device.index;
+    device_server(device)
+        .submit_blocking(move |s: &mut Server| -> Result<R, String> {
+            let stream = s
+                .nsactor_stream(StreamId::current())
+                .map_err(|e| format!("timing: no stream: {e:?}"))?;
+            cudarc::driver::result::ctx::synchronize()
+                .map_err(|e| format!("timing: cuCtxSynchronize: {e:?}"))?;
+            with_log(index, |log| f(log, stream))
+        })
+        .map_err(|e| format!("timing: the device server did not answer: {e:?}"))?
+}
+
 /// Starts a window on every device of `devices`: waits for their queued work, drops the spans
 /// of any earlier window, records each device's origin event and turns timing on.
 pub fn start(devices: &[CudaDevice]) -> Result<(), String> {
     for d in devices {
-        let index = d.index;
-        device_server(d)
-            .submit_blocking(move |s: &mut Server| -> Result<(), String> {
-                let stream = s
-                    .nsactor_stream(StreamId::current())
-                    .map_err(|e| format!("timing: no stream: {e:?}"))?;
-                cudarc::driver::result::ctx::synchronize()
-                    .map_err(|e| format!("timing: cuCtxSynchronize: {e:?}"))?;
-                with_log(index, |log| {
-                    log.recycle();
-                    log.failure = None;
-                    let origin = log.event()?;
-                    // SAFETY: a live event and stream of this context.
-                    unsafe { event::record(origin.0, stream) }
-                        .map_err(|x| format!("timing: cuEventRecord: {x:?}"))?;
-                    log.origin = Some(origin);
-                    Ok(())
-                })
-            })
-            .map_err(|e| format!("timing: the device server did not answer: {e:?}"))??;
+        on_drained_device(d, |log, stream| {
+            log.recycle();
+            log.failure = None;
+            let origin = log.event()?;
+            // SAFETY: a live event and stream of this context.
+            unsafe { event::record(origin.0, stream) }
+                .map_err(|x| format!("timing: cuEventRecord: {x:?}"))?;
+            log.origin = Some(origin);
+            Ok(())
+        })?;
     }
     ON.store(true, Ordering::Relaxed);
     Ok(())
@@ -209,26 +218,17 @@ pub struct Window {
 /// and reads the spans. An error where timing was not started, or an event failed.
 pub fn collect(devices: &[CudaDevice]) -> Result<Vec<Window>, String> {
     ON.store(false, Ordering::Relaxed);
-    let mut out = Vec::new();
-    for d in devices {
-        let index = d.index;
-        let w = device_server(d)
-            .submit_blocking(move |s: &mut Server| -> Result<Window, String> {
-                let stream = s
-                    .nsactor_stream(StreamId::current())
-                    .map_err(|e| format!("timing: no stream: {e:?}"))?;
-                cudarc::driver::result::ctx::synchronize()
-                    .map_err(|e| format!("timing: cuCtxSynchronize: {e:?}"))?;
-                with_log(index, |log| {
-                    let r = read(log, index, stream);
-                    log.recycle();
-                    r
-                })
+    devices
+        .iter()
+        .map(|d| {
+            let index = d.index;
+            on_drained_device(d, move |log, stream| {
+                let r = read(log, index, stream);
+                log.recycle();
+                r
             })
-            .map_err(|e| format!("timing: the device server did not answer: {e:?}"))??;
-        out.push(w);
-    }
-    Ok(out)
+        })
+        .collect()
 }
 
 /// The window of `log`, closed by an event recorded on `stream` now (every span has completed:

@@ -134,82 +134,67 @@ impl DeviceTime {
         )
     }
 
-    /// Reads a line of [`to_line`](Self::to_line); every field must be there, and nothing else.
+    /// The report's fields in [`to_line`](Self::to_line)'s order.
+    const FIELDS: [&'static str; 11] = [
+        "device",
+        "window_s",
+        "calls_s",
+        "gemm_s",
+        "scans_s",
+        "gemm_or_scans_s",
+        "gemm_sum_s",
+        "scans_sum_s",
+        "gemms",
+        "scans",
+        "calls",
+    ];
+
+    /// Reads a line of [`to_line`](Self::to_line); every field must be there, once, and nothing
+    /// else.
     pub fn parse(line: &str) -> Result<Self, String> {
         let mut words = line.split_whitespace();
         if words.next() != Some("device-time") {
             return Err(format!("not a device-time line: `{line}`"));
         }
-        let mut t = DeviceTime::default();
-        let mut seen = 0u32;
+        let mut values: [Option<&str>; 11] = [None; 11];
         for w in words {
             let (k, v) = w
                 .split_once('=')
                 .ok_or_else(|| format!("`{w}` is not key=value in `{line}`"))?;
-            let f = || {
-                v.parse::<f64>()
-                    .map_err(|e| format!("{k}={v}: {e} in `{line}`"))
-            };
-            let n = || {
-                v.parse::<u64>()
-                    .map_err(|e| format!("{k}={v}: {e} in `{line}`"))
-            };
-            let bit = match k {
-                "device" => {
-                    t.device = n()? as usize;
-                    0
-                }
-                "window_s" => {
-                    t.window_s = f()?;
-                    1
-                }
-                "calls_s" => {
-                    t.calls_s = f()?;
-                    2
-                }
-                "gemm_s" => {
-                    t.gemm_s = f()?;
-                    3
-                }
-                "scans_s" => {
-                    t.scans_s = f()?;
-                    4
-                }
-                "gemm_or_scans_s" => {
-                    t.gemm_or_scans_s = f()?;
-                    5
-                }
-                "gemm_sum_s" => {
-                    t.gemm_sum_s = f()?;
-                    6
-                }
-                "scans_sum_s" => {
-                    t.scans_sum_s = f()?;
-                    7
-                }
-                "gemms" => {
-                    t.gemms = n()?;
-                    8
-                }
-                "scans" => {
-                    t.scans = n()?;
-                    9
-                }
-                "calls" => {
-                    t.calls = n()?;
-                    10
-                }
-                other => return Err(format!("unknown field `{other}` in `{line}`")),
-            };
-            if seen & (1 << bit) != 0 {
+            let i = Self::FIELDS
+                .iter()
+                .position(|f| *f == k)
+                .ok_or_else(|| format!("unknown field `{k}` in `{line}`"))?;
+            if values[i].replace(v).is_some() {
                 return Err(format!("`{k}` twice in `{line}`"));
             }
-            seen |= 1 << bit;
         }
-        if seen != (1 << 11) - 1 {
-            return Err(format!("a field is missing in `{line}`"));
-        }
-        Ok(t)
+        let value = |i: usize| {
+            values[i].ok_or_else(|| format!("`{}` is missing in `{line}`", Self::FIELDS[i]))
+        };
+        let f = |i: usize| -> Result<f64, String> {
+            let v = value(i)?;
+            v.parse()
+                .map_err(|e| format!("{}={v}: {e} in `{line}`", Self::FIELDS[i]))
+        };
+        let n = |i: usize| -> Result<u64, String> {
+            let v = value(i)?;
+            v.parse()
+                .map_err(|e| format!("{}={v}: {e} in `{line}`", Self::FIELDS[i]))
+        };
+        Ok(DeviceTime {
+            device: n(0)? as usize,
+            window_s: f(1)?,
+            calls_s: f(2)?,
+            gemm_s: f(3)?,
+            scans_s: f(4)?,
+            gemm_or_scans_s: f(5)?,
+            gemm_sum_s: f(6)?,
+            scans_sum_s: f(7)?,
+            gemms: n(8)?,
+            scans: n(9)?,
+            calls: n(10)?,
+        })
     }
 
     /// Every `device-time` line of a report (other lines are ignored).

@@ -646,22 +646,7 @@ impl TrainBench {
             }
         }
         let n = self.steps.len().max(1) as f64;
-        for d in &mut sum {
-            for t in [
-                &mut d.window_s,
-                &mut d.calls_s,
-                &mut d.gemm_s,
-                &mut d.scans_s,
-                &mut d.gemm_or_scans_s,
-                &mut d.gemm_sum_s,
-                &mut d.scans_sum_s,
-            ] {
-                *t /= n;
-            }
-            for c in [&mut d.gemms, &mut d.scans, &mut d.calls] {
-                *c = (*c as f64 / n).round() as u64;
-            }
-        }
+        sum.iter_mut().for_each(|d| d.scale(1.0 / n));
         sum
     }
 
@@ -717,7 +702,7 @@ pub fn train_throughput(
     vocab: usize,
     warmup: usize,
     steps: usize,
-    timing: Option<&dyn nsactor_plugin_api::ComputeBackend>,
+    mut timing: Option<&dyn nsactor_plugin_api::ComputeBackend>,
 ) -> Result<TrainBench, String> {
     use crate::engine::StepParams;
     let params = StepParams {
@@ -734,7 +719,6 @@ pub fn train_throughput(
         workers,
         device_note: None,
     };
-    let mut timing = timing;
     for i in 0..warmup + steps {
         let batches = synthetic_batches(
             train.batch_size,

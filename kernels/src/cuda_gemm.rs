@@ -765,15 +765,6 @@ pub fn run(op: &Prepared) -> CudaTensor {
             resource(&out.handle),
         );
         let (ra, rb, rc, rd) = (ra.resource(), rb.resource(), rc.resource(), rd.resource());
-        let span = crate::cuda_timing::on().then(crate::cuda_timing::next_id);
-        if let Some(id) = span {
-            crate::cuda_timing::begin_on(
-                device.index,
-                id,
-                crate::cuda_timing::Kind::Gemm,
-                rd.stream,
-            );
-        }
         enqueue(
             &key,
             [ra.ptr, rb.ptr, rc.ptr, rd.ptr],
@@ -781,9 +772,6 @@ pub fn run(op: &Prepared) -> CudaTensor {
             rd.stream,
         )
         .unwrap_or_else(|e| panic!("{e}"));
-        if let Some(id) = span {
-            crate::cuda_timing::end_on(device.index, id, rd.stream);
-        }
         return out;
     }
     // The bindings hold the buffers until the task has run: memory is recycled only when no
@@ -795,7 +783,6 @@ pub fn run(op: &Prepared) -> CudaTensor {
         out.handle.clone().binding(),
     ];
     let server = device_server(&device);
-    let index = device.index;
     server.submit(move |server: &mut Server| {
         use cubecl::server::ComputeServer;
         // The task runs under the submitting thread's stream id.
@@ -810,15 +797,7 @@ pub fn run(op: &Prepared) -> CudaTensor {
                 .map_err(|e| format!("gemm: device buffer unavailable: {e:?}"))?;
             let [a, b, c, d] = [0, 1, 2, 3].map(|i| held[i].resource());
             let lt = std::time::Instant::now();
-            // Timed (`bench train`'s breakdown) with events on the GEMM's own stream.
-            let span = crate::cuda_timing::on().then(crate::cuda_timing::next_id);
-            if let Some(id) = span {
-                crate::cuda_timing::begin_on(index, id, crate::cuda_timing::Kind::Gemm, d.stream);
-            }
             let r = enqueue(&key, [a.ptr, b.ptr, c.ptr, d.ptr], workspace_ptr, d.stream);
-            if let Some(id) = span {
-                crate::cuda_timing::end_on(index, id, d.stream);
-            }
             QUEUED_LT_NS.fetch_add(lt.elapsed().as_nanos() as u64, Ordering::Relaxed);
             r
         };
@@ -877,8 +856,17 @@ fn enqueue(
             plan.tuned = true;
         }
         let algo = plan.algo;
-        unsafe { plan.matmul(handle, &algo, ptrs, workspace_ptr, stream) }
-            .map_err(|e| format!("cuBLASLt matmul {key:?}: {e:?}"))
+        // Timed (`bench train`'s breakdown) with events on the GEMM's own stream.
+        let span = crate::cuda_timing::on().then(crate::cuda_timing::next_id);
+        if let Some(id) = span {
+            crate::cuda_timing::begin_on(key.device, id, crate::cuda_timing::Kind::Gemm, stream);
+        }
+        let r = unsafe { plan.matmul(handle, &algo, ptrs, workspace_ptr, stream) }
+            .map_err(|e| format!("cuBLASLt matmul {key:?}: {e:?}"));
+        if let Some(id) = span {
+            crate::cuda_timing::end_on(key.device, id, stream);
+        }
+        r
     })
 }
 

@@ -115,6 +115,25 @@ impl DeviceTime {
         self.calls += o.calls;
     }
 
+    /// Multiplies every time and count by `f` (counts rounded): `add` over n windows, then
+    /// `scale(1/n)`, is their mean.
+    pub fn scale(&mut self, f: f64) {
+        for t in [
+            &mut self.window_s,
+            &mut self.calls_s,
+            &mut self.gemm_s,
+            &mut self.scans_s,
+            &mut self.gemm_or_scans_s,
+            &mut self.gemm_sum_s,
+            &mut self.scans_sum_s,
+        ] {
+            *t *= f;
+        }
+        for c in [&mut self.gemms, &mut self.scans, &mut self.calls] {
+            *c = (*c as f64 * f).round() as u64;
+        }
+    }
+
     /// The report line: `device-time device=0 window_s=… …`.
     pub fn to_line(&self) -> String {
         format!(

@@ -11,7 +11,8 @@
 //! values as the per-unit kernels, bit for bit in the forward. With f32 storage the forward's
 //! producers load through `cp.async` into a ring of stages in shared memory, each tracked by an
 //! mbarrier, so the loads ahead of the recurrence hold no registers (84 % of copy against 77 %
-//! for the same kernel loading into registers; with bf16 storage 1.75 ms against 2.12).
+//! for the same kernel loading into registers; with bf16 storage 1.75 ms against 2.12). The
+//! selective backward does the same with its seven inputs (bf16 storage 3.12 → 2.83 ms).
 //!
 //! Same recurrence as [`crate::reference`], term for term: `v_pre = fma(β, v, u)`, the `≥`
 //! test, `v = v_pre − V_th·s` (exact, `s` is 0 or 1), `f32` state; the backward pass keeps
@@ -904,12 +905,13 @@ fn selective_forward_staged_kernel<I: Float, S: Float>(
 /// 4×12×3 2.314–2.317, 4×12×2 2.307, 4×16×2 2.306, 6×12×3 2.324, 4×8×4 2.340, 4×24×3 2.341,
 /// 3×12×3 2.365, 8×16×3 2.389, 4×16×3 2.410, 2×12×3 2.436, 4×12×4 2.441; the staged kernel
 /// loading into registers took 2.519 on the same host. Three stages keep two chunks of loads
-/// in flight per cube at 27.6 KB of shared memory (8 cubes per SM).
-const STAGE_ASYNC: (usize, usize, usize) = (4, 12, 3);
+/// in flight per cube at 27.6 KB of shared memory (8 cubes per SM). 64- and 128-column cubes
+/// (`PxCxDx64`, `…x128`: whole 128-byte lines per bf16 row) gained in neither storage.
+const STAGE_ASYNC: (usize, usize, usize, usize) = (4, 12, 3, 32);
 /// The same with bf16 storage. Measured (ms): 4×12×3 1.749–1.750, 8×16×3 1.749, 8×24×3 1.758,
 /// 4×16×4 1.873, 12×24×3 1.919, 4×24×4 1.923, 4×32×2 1.924, 8×32×2 1.928, 4×24×3 1.944,
 /// 8×32×3 1.963, 6×24×3 1.982, 8×48×3 2.512; the register-loading kernel 2.120.
-const STAGE_ASYNC_BF16: (usize, usize, usize) = (4, 12, 3);
+const STAGE_ASYNC_BF16: (usize, usize, usize, usize) = (4, 12, 3, 32);
 
 /// Which selective forward runs: the asynchronous ring (the default), or with
 /// `$NSACTOR_SELECTIVE_FORWARD=sync` the staged kernel whose producers load into registers.
@@ -917,26 +919,62 @@ fn async_forward() -> bool {
     std::env::var("NSACTOR_SELECTIVE_FORWARD").map_or(true, |v| v != "sync")
 }
 
-/// `(producers, chunk, stages)` of the asynchronous forward from `$NSACTOR_STAGE_ASYNC` or the
-/// default for the storage type; `chunk` is rounded up to a multiple of `producers`, `stages`
-/// is 2 to 4.
-fn async_shape(stored: DType) -> (usize, usize, usize) {
+/// `(producer planes, steps per chunk, ring stages, columns per cube)` of the asynchronous
+/// backward; `$NSACTOR_STAGE_ASYNC_BACKWARD` overrides it. Measured on the H100 at the 0.9B
+/// shape (ms, f32 / bf16 storage): 4×16×2 4.149 / 2.826, 4×8×2 4.132 / 2.919, 4×8×3 4.177 /
+/// 2.886, 8×16×2 4.207 / 3.076, 4×12×3 4.244 / 3.370, 2×4×3 4.325 / 3.513, 2×8×3 5.162 /
+/// 3.532, 8×8×2 4.182 / 3.759, 4×4×4 4.200 / 3.806, 8×8×4 4.276 / 4.033, 8×8×3 4.317 / 4.053;
+/// the register-loading kernel 4.184 / 3.118 on the same host.
+const STAGE_ASYNC_BACKWARD: (usize, usize, usize, usize) = (4, 16, 2, 32);
+
+/// Whether the selective backward runs the asynchronous ring (the default) or, with
+/// `$NSACTOR_SELECTIVE_BACKWARD=sync`, the staged kernel whose producers load into registers.
+fn async_backward() -> bool {
+    std::env::var("NSACTOR_SELECTIVE_BACKWARD").map_or(true, |v| v != "sync")
+}
+
+/// Elements per 4-byte asynchronous copy of a stored type (f32 or bf16).
+fn pack_of(dtype: DType) -> usize {
+    if dtype == DType::F32 { 1 } else { 2 }
+}
+
+/// `(producers, chunk, stages, columns per cube)` of the asynchronous forward from
+/// `$NSACTOR_STAGE_ASYNC` (`PxCxD` or `PxCxDxW`) or the default for the storage type; `chunk`
+/// is rounded up to a multiple of `producers`, `stages` is 2 to 4, the width 32, 64 or 128.
+fn async_shape(stored: DType) -> (usize, usize, usize, usize) {
     let default = if stored == DType::F32 {
         STAGE_ASYNC
     } else {
         STAGE_ASYNC_BF16
     };
-    let (p, c, d) = std::env::var("NSACTOR_STAGE_ASYNC")
+    ring_shape("NSACTOR_STAGE_ASYNC", default)
+}
+
+/// A ring kernel's `(producers, chunk, stages, width)` from `$var` (`PxCxD` or `PxCxDxW`) or
+/// `default`.
+fn ring_shape(var: &str, default: (usize, usize, usize, usize)) -> (usize, usize, usize, usize) {
+    let (p, c, d, w) = std::env::var(var)
         .ok()
         .and_then(|v| {
-            let mut it = v.split('x').map(|n| n.parse::<usize>().ok());
-            Some((it.next()??, it.next()??, it.next()??))
+            let n: Vec<usize> = v
+                .split('x')
+                .map(|n| n.parse().ok())
+                .collect::<Option<_>>()?;
+            match n[..] {
+                [p, c, d] => Some((p, c, d, 32)),
+                [p, c, d, w] => Some((p, c, d, w)),
+                _ => None,
+            }
         })
-        .filter(|&(p, c, d)| {
-            (1..=31).contains(&p) && (1..=128).contains(&c) && (2..=4).contains(&d)
+        .filter(|&(p, c, d, w)| {
+            (1..=31).contains(&p)
+                && (1..=128).contains(&c)
+                && (2..=4).contains(&d)
+                && [32, 64, 128].contains(&w)
+                && w * (1 + p) <= 1024
         })
         .unwrap_or(default);
-    (p, c.div_ceil(p) * p, d)
+    (p, c.div_ceil(p) * p, d, w)
 }
 
 /// Issues this producer unit's share of the asynchronous copies of chunk `cn` (four arrays)
@@ -962,11 +1000,12 @@ fn issue_chunk<I: Float>(
     #[comptime] producers: usize,
     #[comptime] stages: usize,
     #[comptime] pack: usize,
+    #[comptime] width: usize,
 ) {
-    let plane = comptime!(chunk * 32);
+    let plane = comptime!(chunk * width);
     let base = (cn % stages) * 4 * plane;
     let per = comptime!(chunk / producers);
-    let row_lanes = comptime!(32 / pack);
+    let row_lanes = comptime!(width / pack);
     let col = (x % row_lanes) * pack;
     let c = cube_col + col;
     #[unroll]
@@ -976,7 +1015,7 @@ fn issue_chunk<I: Float>(
         let k = cn * chunk + q;
         if r < per && k < steps && c < cols {
             let idx = k * cols + c;
-            let o = base + q * 32 + col;
+            let o = base + q * width + col;
             copy_async(
                 &r_beta.slice(idx, idx + pack),
                 &mut raw.slice_mut(o, o + pack),
@@ -1055,13 +1094,14 @@ fn selective_forward_async_kernel<I: Float>(
     #[comptime] producers: usize,
     #[comptime] stages: usize,
     #[comptime] pack: usize,
+    #[comptime] width: usize,
     #[define(I)] _stored: StorageType,
 ) {
     let cols = cols as usize;
     let steps = steps as usize;
     let x = UNIT_POS_X as usize;
     let y = UNIT_POS_Y as usize;
-    let cube_col = CUBE_POS_X as usize * 32;
+    let cube_col = CUBE_POS_X as usize * width;
     let c = cube_col + x;
     let valid = c < cols;
     let cc = select(valid, c, 0);
@@ -1069,14 +1109,14 @@ fn selective_forward_async_kernel<I: Float>(
     let bb = b_beta[j];
     let ba = b_alpha[j];
     let bt = b_th[j];
-    let plane = comptime!(chunk * 32);
-    let mut raw = SharedMemory::<I>::new(comptime!(stages * 4 * chunk * 32));
-    let mut s_beta = SharedMemory::<f32>::new(comptime!(2 * chunk * 32));
-    let mut s_u = SharedMemory::<f32>::new(comptime!(2 * chunk * 32));
-    let mut s_th = SharedMemory::<f32>::new(comptime!(2 * chunk * 32));
+    let plane = comptime!(chunk * width);
+    let mut raw = SharedMemory::<I>::new(comptime!(stages * 4 * chunk * width));
+    let mut s_beta = SharedMemory::<f32>::new(comptime!(2 * chunk * width));
+    let mut s_u = SharedMemory::<f32>::new(comptime!(2 * chunk * width));
+    let mut s_th = SharedMemory::<f32>::new(comptime!(2 * chunk * width));
     // One mbarrier per ring stage; every producer unit arrives once per use of a stage, and
     // its copies count through `commit_copy_async`.
-    let arrivals = comptime!((producers * 32) as u32);
+    let arrivals = comptime!((producers * width) as u32);
     let bar0 = Barrier::shared(arrivals, UNIT_POS == 0);
     let bar1 = Barrier::shared(arrivals, UNIT_POS == 0);
     let bar2 = Barrier::shared(arrivals, UNIT_POS == 0);
@@ -1091,7 +1131,7 @@ fn selective_forward_async_kernel<I: Float>(
             if cn < chunks {
                 issue_chunk::<I>(
                     i, r_beta, r_alpha, r_th, &mut raw, cn, lane, x, cube_col, cols, steps, chunk,
-                    producers, stages, pack,
+                    producers, stages, pack, width,
                 );
                 commit_stage(&bar0, &bar1, &bar2, &bar3, cn % stages);
             }
@@ -1103,12 +1143,12 @@ fn selective_forward_async_kernel<I: Float>(
         if y == 0 {
             if ch > 0 {
                 let k0 = (ch - 1) * chunk;
-                let buf = ((ch - 1) % 2) * chunk * 32;
+                let buf = ((ch - 1) % 2) * plane;
                 #[unroll]
                 for q in 0..chunk {
                     let k = k0 + q;
                     if k < steps {
-                        let s_idx = buf + q * 32 + x;
+                        let s_idx = buf + q * width + x;
                         let th = s_th[s_idx];
                         let v_pre = fma(s_beta[s_idx], v, s_u[s_idx]);
                         let s = select(v_pre >= th, 1.0f32, 0.0f32);
@@ -1126,7 +1166,7 @@ fn selective_forward_async_kernel<I: Float>(
             if cn < chunks {
                 issue_chunk::<I>(
                     i, r_beta, r_alpha, r_th, &mut raw, cn, lane, x, cube_col, cols, steps, chunk,
-                    producers, stages, pack,
+                    producers, stages, pack, width,
                 );
                 commit_stage(&bar0, &bar1, &bar2, &bar3, cn % stages);
             }
@@ -1146,8 +1186,8 @@ fn selective_forward_async_kernel<I: Float>(
             #[unroll]
             for r in 0..per {
                 let q = lane + r * producers;
-                let o = base + q * 32 + x;
-                let s_idx = buf + q * 32 + x;
+                let o = base + q * width + x;
+                let s_idx = buf + q * width + x;
                 s_beta[s_idx] = sigmoid_burn(f32::cast_from(raw[o]) + bb);
                 s_u[s_idx] = softplus(f32::cast_from(raw[o + plane]) + ba)
                     * f32::cast_from(raw[o + 3 * plane]);
@@ -1299,6 +1339,327 @@ fn selective_backward_staged_kernel<I: Float, S: Float, G: Float>(
     }
 }
 
+/// Issues this producer unit's share of the asynchronous copies of one array for a backward
+/// chunk (steps `top − 1 − q`, `q` the slot) into `dst` at `dst_base`, as [`issue_chunk`] does
+/// for the forward; `shift` 1 reads the row before each step (`V_post` of step `k − 1`; step 0
+/// has none and is left to the caller).
+#[allow(clippy::too_many_arguments)]
+#[cube]
+fn copy_reverse<T: Float>(
+    src: &Tensor<T>,
+    dst: &mut SharedMemory<T>,
+    dst_base: usize,
+    top: usize,
+    lane: usize,
+    x: usize,
+    cube_col: usize,
+    cols: usize,
+    #[comptime] shift: usize,
+    #[comptime] chunk: usize,
+    #[comptime] producers: usize,
+    #[comptime] pack: usize,
+    #[comptime] width: usize,
+) {
+    let per = comptime!(chunk / producers);
+    let row_lanes = comptime!(width / pack);
+    let col = (x % row_lanes) * pack;
+    let c = cube_col + col;
+    #[unroll]
+    for r0 in 0..comptime!(per.div_ceil(pack)) {
+        let r = r0 * pack + x / row_lanes;
+        let q = lane + r * producers;
+        if r < per && q < top && c < cols {
+            let k = top - 1 - q;
+            if k >= shift {
+                let idx = (k - shift) * cols + c;
+                let o = dst_base + q * width + col;
+                copy_async(
+                    &src.slice(idx, idx + pack),
+                    &mut dst.slice_mut(o, o + pack),
+                    comptime!(pack as u32),
+                );
+            }
+        }
+    }
+}
+
+/// Issues a producer unit's copies of backward chunk `cn` (seven arrays) into ring stage
+/// `cn % stages` and commits them to the stage's barrier.
+#[allow(clippy::too_many_arguments)]
+#[cube]
+fn issue_reverse<I: Float, S: Float, G: Float>(
+    i: &Tensor<I>,
+    r_beta: &Tensor<I>,
+    r_alpha: &Tensor<I>,
+    r_th: &Tensor<I>,
+    vpost: &Tensor<S>,
+    spike: &Tensor<S>,
+    grad: &Tensor<G>,
+    raw_i: &mut SharedMemory<I>,
+    raw_s: &mut SharedMemory<S>,
+    raw_g: &mut SharedMemory<G>,
+    bar0: &Shared<Barrier>,
+    bar1: &Shared<Barrier>,
+    bar2: &Shared<Barrier>,
+    bar3: &Shared<Barrier>,
+    cn: usize,
+    steps: usize,
+    lane: usize,
+    x: usize,
+    cube_col: usize,
+    cols: usize,
+    #[comptime] chunk: usize,
+    #[comptime] producers: usize,
+    #[comptime] stages: usize,
+    #[comptime] packs: (usize, usize, usize),
+    #[comptime] width: usize,
+) {
+    let plane = comptime!(chunk * width);
+    let (pi, ps, pg) = packs;
+    let top = steps - cn * chunk;
+    let stage = cn % stages;
+    let bi = stage * 4 * plane;
+    let bs = stage * 2 * plane;
+    let bg = stage * plane;
+    copy_reverse::<I>(
+        r_beta, raw_i, bi, top, lane, x, cube_col, cols, 0usize, chunk, producers, pi, width,
+    );
+    copy_reverse::<I>(
+        r_alpha,
+        raw_i,
+        bi + plane,
+        top,
+        lane,
+        x,
+        cube_col,
+        cols,
+        0usize,
+        chunk,
+        producers,
+        pi,
+        width,
+    );
+    copy_reverse::<I>(
+        r_th,
+        raw_i,
+        bi + 2 * plane,
+        top,
+        lane,
+        x,
+        cube_col,
+        cols,
+        0usize,
+        chunk,
+        producers,
+        pi,
+        width,
+    );
+    copy_reverse::<I>(
+        i,
+        raw_i,
+        bi + 3 * plane,
+        top,
+        lane,
+        x,
+        cube_col,
+        cols,
+        0usize,
+        chunk,
+        producers,
+        pi,
+        width,
+    );
+    copy_reverse::<S>(
+        spike, raw_s, bs, top, lane, x, cube_col, cols, 0usize, chunk, producers, ps, width,
+    );
+    copy_reverse::<S>(
+        vpost,
+        raw_s,
+        bs + plane,
+        top,
+        lane,
+        x,
+        cube_col,
+        cols,
+        1usize,
+        chunk,
+        producers,
+        ps,
+        width,
+    );
+    copy_reverse::<G>(
+        grad, raw_g, bg, top, lane, x, cube_col, cols, 0usize, chunk, producers, pg, width,
+    );
+    commit_stage(bar0, bar1, bar2, bar3, stage);
+}
+
+/// The staged backward with an asynchronous ring, as [`selective_forward_async_kernel`] is to
+/// the staged forward: producer planes copy the seven inputs of a chunk `stages − 1` chunks
+/// ahead through `cp.async`, then compute everything of a step but the carried gradient from
+/// the ring into the double buffer plane 0 runs the reverse recurrence over. Same arithmetic
+/// as [`selective_backward_staged_kernel`].
+#[allow(clippy::too_many_arguments)]
+#[cube(launch)]
+fn selective_backward_async_kernel<I: Float, S: Float, G: Float>(
+    i: &Tensor<I>,
+    r_beta: &Tensor<I>,
+    r_alpha: &Tensor<I>,
+    r_th: &Tensor<I>,
+    b_beta: &Tensor<f32>,
+    b_alpha: &Tensor<f32>,
+    b_th: &Tensor<f32>,
+    v0: &Tensor<f32>,
+    vpost: &Tensor<S>,
+    spike: &Tensor<S>,
+    grad: &Tensor<G>,
+    g_i: &mut Tensor<I>,
+    g_rb: &mut Tensor<I>,
+    g_ra: &mut Tensor<I>,
+    g_rt: &mut Tensor<I>,
+    g_v0: &mut Tensor<f32>,
+    g_bias: &mut Tensor<f32>,
+    cols: u32,
+    steps: u32,
+    chunks: u32,
+    dim: u32,
+    #[comptime] chunk: usize,
+    #[comptime] producers: usize,
+    #[comptime] stages: usize,
+    #[comptime] packs: (usize, usize, usize),
+    #[comptime] width: usize,
+    #[define(I, S, G)] _types: [StorageType; 3],
+) {
+    let cols = cols as usize;
+    let steps = steps as usize;
+    let x = UNIT_POS_X as usize;
+    let y = UNIT_POS_Y as usize;
+    let cube_col = CUBE_POS_X as usize * width;
+    let c = cube_col + x;
+    let valid = c < cols;
+    let cc = select(valid, c, 0);
+    let j = cc % (dim as usize);
+    let bb = b_beta[j];
+    let ba = b_alpha[j];
+    let bt = b_th[j];
+    let v_first = v0[cc];
+    let plane = comptime!(chunk * width);
+    let mut raw_i = SharedMemory::<I>::new(comptime!(stages * 4 * chunk * width));
+    let mut raw_s = SharedMemory::<S>::new(comptime!(stages * 2 * chunk * width));
+    let mut raw_g = SharedMemory::<G>::new(comptime!(stages * chunk * width));
+    let mut s_be = SharedMemory::<f32>::new(comptime!(2 * chunk * width));
+    let mut s_gg = SharedMemory::<f32>::new(comptime!(2 * chunk * width));
+    let mut s_vp = SharedMemory::<f32>::new(comptime!(2 * chunk * width));
+    let mut s_fa = SharedMemory::<f32>::new(comptime!(2 * chunk * width));
+    let mut s_al = SharedMemory::<f32>::new(comptime!(2 * chunk * width));
+    let mut s_ts = SharedMemory::<f32>::new(comptime!(2 * chunk * width));
+    let arrivals = comptime!((producers * width) as u32);
+    let bar0 = Barrier::shared(arrivals, UNIT_POS == 0);
+    let bar1 = Barrier::shared(arrivals, UNIT_POS == 0);
+    let bar2 = Barrier::shared(arrivals, UNIT_POS == 0);
+    let bar3 = Barrier::shared(arrivals, UNIT_POS == 0);
+    sync_cube();
+    let chunks = chunks as usize;
+    let per = comptime!(chunk / producers);
+    let lane = y - 1;
+    if y > 0 {
+        #[unroll]
+        for cn in 0..comptime!(stages - 1) {
+            if cn < chunks {
+                issue_reverse::<I, S, G>(
+                    i, r_beta, r_alpha, r_th, vpost, spike, grad, &mut raw_i, &mut raw_s,
+                    &mut raw_g, &bar0, &bar1, &bar2, &bar3, cn, steps, lane, x, cube_col, cols,
+                    chunk, producers, stages, packs, width,
+                );
+            }
+        }
+    }
+    let mut acc = 0.0f32;
+    let mut sum_b = 0.0f32;
+    let mut sum_a = 0.0f32;
+    let mut sum_t = 0.0f32;
+    let mut ch = 0usize;
+    while ch <= chunks {
+        if y == 0 {
+            if ch > 0 {
+                let top = steps - (ch - 1) * chunk;
+                let buf = ((ch - 1) % 2) * plane;
+                #[unroll]
+                for q in 0..chunk {
+                    if q < top {
+                        let k = top - 1 - q;
+                        let s_idx = buf + q * width + x;
+                        let beta = s_be[s_idx];
+                        let gv = s_gg[s_idx] + acc;
+                        let d_rb = (beta * (1.0f32 - beta)) * (gv * s_vp[s_idx]);
+                        let d_ra = gv * s_fa[s_idx];
+                        let d_rt = -gv * s_ts[s_idx];
+                        if valid {
+                            let idx = k * cols + c;
+                            g_i[idx] = I::cast_from(gv * s_al[s_idx]);
+                            g_rb[idx] = I::cast_from(d_rb);
+                            g_ra[idx] = I::cast_from(d_ra);
+                            g_rt[idx] = I::cast_from(d_rt);
+                        }
+                        sum_b += d_rb;
+                        sum_a += d_ra;
+                        sum_t += d_rt;
+                        acc = gv * beta;
+                    }
+                }
+            }
+        } else if ch < chunks {
+            let cn = ch + comptime!(stages - 1);
+            if cn < chunks {
+                issue_reverse::<I, S, G>(
+                    i, r_beta, r_alpha, r_th, vpost, spike, grad, &mut raw_i, &mut raw_s,
+                    &mut raw_g, &bar0, &bar1, &bar2, &bar3, cn, steps, lane, x, cube_col, cols,
+                    chunk, producers, stages, packs, width,
+                );
+            }
+            let stage = ch % stages;
+            let parity = ((ch / stages) % 2) as u32;
+            if stage == 0 {
+                bar0.wait_parity(parity);
+            } else if stage == 1 {
+                bar1.wait_parity(parity);
+            } else if stage == 2 {
+                bar2.wait_parity(parity);
+            } else {
+                bar3.wait_parity(parity);
+            }
+            let top = steps - ch * chunk;
+            let buf = (ch % 2) * plane;
+            let bi = stage * 4 * plane;
+            let bs = stage * 2 * plane;
+            let bg = stage * plane;
+            #[unroll]
+            for r in 0..per {
+                let q = lane + r * producers;
+                let o = q * width + x;
+                let s_idx = buf + o;
+                let a = f32::cast_from(raw_i[bi + plane + o]) + ba;
+                let prev = f32::cast_from(raw_s[bs + plane + o]);
+                let first = q + 1 >= top;
+                s_be[s_idx] = sigmoid_burn(f32::cast_from(raw_i[bi + o]) + bb);
+                s_gg[s_idx] = f32::cast_from(raw_g[bg + o]);
+                s_vp[s_idx] = select(first, v_first, prev);
+                s_fa[s_idx] = f32::cast_from(raw_i[bi + 3 * plane + o]) * sigmoid_burn(a);
+                s_al[s_idx] = softplus(a);
+                s_ts[s_idx] = f32::cast_from(raw_s[bs + o])
+                    * sign(f32::cast_from(raw_i[bi + 2 * plane + o]) + bt);
+            }
+        }
+        sync_cube();
+        ch += 1;
+    }
+    if y == 0 && valid {
+        g_v0[c] = acc;
+        g_bias[c] = sum_b;
+        g_bias[cols + c] = sum_a;
+        g_bias[2 * cols + c] = sum_t;
+    }
+}
+
 /// The dtype shared by the four projections of the selective scan: f32, or bf16 storage
 /// (what the scans' outputs and the projections' gradients are then stored in too).
 fn projection_dtype<R: CubeRuntime>(inputs: &[CubeTensor<R>; 8]) -> DType {
@@ -1358,11 +1719,11 @@ pub fn selective_forward<R: CubeRuntime>(
         // bf16 storage copies column pairs (4 bytes), which rows of an even width keep aligned.
         let pack = if stored == DType::F32 { 1 } else { 2 };
         if async_forward() && cols % pack == 0 {
-            let (producers, chunk, stages) = async_shape(stored);
+            let (producers, chunk, stages, width) = async_shape(stored);
             selective_forward_async_kernel::launch::<R>(
                 &client,
-                CubeCount::Static(cols.div_ceil(STAGE_COLS), 1, 1),
-                CubeDim::new_2d(STAGE_COLS, 1 + producers as u32),
+                CubeCount::Static(cols.div_ceil(width as u32), 1, 1),
+                CubeDim::new_2d(width as u32, 1 + producers as u32),
                 i.into_tensor_arg(),
                 rb.into_tensor_arg(),
                 ra.into_tensor_arg(),
@@ -1383,6 +1744,7 @@ pub fn selective_forward<R: CubeRuntime>(
                 producers,
                 stages,
                 pack as usize,
+                width,
                 stored.into(),
             );
             return (spike, vpost, last);
@@ -1478,6 +1840,46 @@ pub fn selective_backward<R: CubeRuntime>(
     let client = grad.client.clone();
     let g_v0 = out_typed(&grad, state.clone(), DType::F32);
     let g_bias = out_typed(&grad, Shape::new([3, state[0], state[1]]), DType::F32);
+    let packs = (pack_of(stored), pack_of(vpost.dtype), pack_of(grad.dtype));
+    if staged() && async_backward() && (cols % 2 == 0 || packs == (1, 1, 1)) {
+        let g = || out_typed(&grad, shape.clone(), stored);
+        let [g_i, g_rb, g_ra, g_rt] = [g(), g(), g(), g()];
+        let (producers, chunk, stages, width) =
+            ring_shape("NSACTOR_STAGE_ASYNC_BACKWARD", STAGE_ASYNC_BACKWARD);
+        selective_backward_async_kernel::launch::<R>(
+            &client,
+            CubeCount::Static(cols.div_ceil(width as u32), 1, 1),
+            CubeDim::new_2d(width as u32, 1 + producers as u32),
+            i.into_tensor_arg(),
+            rb.into_tensor_arg(),
+            ra.into_tensor_arg(),
+            rt.into_tensor_arg(),
+            bb.into_tensor_arg(),
+            ba.into_tensor_arg(),
+            bt.into_tensor_arg(),
+            v0.into_tensor_arg(),
+            vpost.into_tensor_arg(),
+            spike.into_tensor_arg(),
+            grad.into_tensor_arg(),
+            g_i.clone().into_tensor_arg(),
+            g_rb.clone().into_tensor_arg(),
+            g_ra.clone().into_tensor_arg(),
+            g_rt.clone().into_tensor_arg(),
+            g_v0.clone().into_tensor_arg(),
+            g_bias.clone().into_tensor_arg(),
+            cols,
+            steps,
+            steps.div_ceil(chunk as u32),
+            dn,
+            chunk,
+            producers,
+            stages,
+            packs,
+            width,
+            types,
+        );
+        return [g_i, g_rb, g_ra, g_rt, g_v0, g_bias];
+    }
     if staged() {
         let g = || out_typed(&grad, shape.clone(), stored);
         let [g_i, g_rb, g_ra, g_rt] = [g(), g(), g(), g()];

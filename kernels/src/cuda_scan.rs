@@ -797,6 +797,111 @@ fn stage_shape(var: &str, default: (usize, usize)) -> (usize, usize) {
     (p, c.div_ceil(p) * p)
 }
 
+/// Plane 0's part of a staged forward: the recurrence over chunk `ch` (steps `ch·chunk …`) from
+/// the double buffer (`width` columns per step row), writing spikes and `V_post`; returns the
+/// membrane after the chunk.
+#[allow(clippy::too_many_arguments)]
+#[cube]
+fn scan_forward_chunk<S: Float>(
+    s_beta: &SharedMemory<f32>,
+    s_u: &SharedMemory<f32>,
+    s_th: &SharedMemory<f32>,
+    spike: &mut Tensor<S>,
+    vpost: &mut Tensor<S>,
+    v_in: f32,
+    ch: usize,
+    x: usize,
+    c: usize,
+    valid: bool,
+    cols: usize,
+    steps: usize,
+    #[comptime] chunk: usize,
+    #[comptime] width: usize,
+) -> f32 {
+    let mut v = v_in;
+    let k0 = ch * chunk;
+    let buf = (ch % 2) * chunk * width;
+    #[unroll]
+    for q in 0..chunk {
+        let k = k0 + q;
+        if k < steps {
+            let s_idx = buf + q * width + x;
+            let th = s_th[s_idx];
+            let v_pre = fma(s_beta[s_idx], v, s_u[s_idx]);
+            let s = select(v_pre >= th, 1.0f32, 0.0f32);
+            v = v_pre - th * s;
+            if valid {
+                let idx = k * cols + c;
+                spike[idx] = S::cast_from(s);
+                vpost[idx] = S::cast_from(v);
+            }
+        }
+    }
+    v
+}
+
+/// Plane 0's part of a staged backward: the reverse recurrence over chunk `ch` (numbered from
+/// the end, slot `q` step `steps − ch·chunk − 1 − q`) from the double buffer, writing the four
+/// projections' gradients. `carry` holds `acc` (the carried `gV·β`) and the sums over time of
+/// `∂r_β, ∂r_α, ∂r_th`.
+#[allow(clippy::too_many_arguments)]
+#[cube]
+fn scan_reverse_chunk<I: Float>(
+    s_be: &SharedMemory<f32>,
+    s_gg: &SharedMemory<f32>,
+    s_vp: &SharedMemory<f32>,
+    s_fa: &SharedMemory<f32>,
+    s_al: &SharedMemory<f32>,
+    s_ts: &SharedMemory<f32>,
+    g_i: &mut Tensor<I>,
+    g_rb: &mut Tensor<I>,
+    g_ra: &mut Tensor<I>,
+    g_rt: &mut Tensor<I>,
+    carry: &mut Array<f32>,
+    ch: usize,
+    x: usize,
+    c: usize,
+    valid: bool,
+    cols: usize,
+    steps: usize,
+    #[comptime] chunk: usize,
+    #[comptime] width: usize,
+) {
+    let top = steps - ch * chunk;
+    let buf = (ch % 2) * chunk * width;
+    let mut acc = carry[0];
+    let mut sum_b = carry[1];
+    let mut sum_a = carry[2];
+    let mut sum_t = carry[3];
+    #[unroll]
+    for q in 0..chunk {
+        if q < top {
+            let k = top - 1 - q;
+            let s_idx = buf + q * width + x;
+            let beta = s_be[s_idx];
+            let gv = s_gg[s_idx] + acc;
+            let d_rb = (beta * (1.0f32 - beta)) * (gv * s_vp[s_idx]);
+            let d_ra = gv * s_fa[s_idx];
+            let d_rt = -gv * s_ts[s_idx];
+            if valid {
+                let idx = k * cols + c;
+                g_i[idx] = I::cast_from(gv * s_al[s_idx]);
+                g_rb[idx] = I::cast_from(d_rb);
+                g_ra[idx] = I::cast_from(d_ra);
+                g_rt[idx] = I::cast_from(d_rt);
+            }
+            sum_b += d_rb;
+            sum_a += d_ra;
+            sum_t += d_rt;
+            acc = gv * beta;
+        }
+    }
+    carry[0] = acc;
+    carry[1] = sum_b;
+    carry[2] = sum_a;
+    carry[3] = sum_t;
+}
+
 /// The staged forward: plane 0 of a cube scans 32 columns; planes `1..=producers` compute
 /// `β, u, V_th` of the next chunk (`chunk` steps) into shared memory meanwhile, each taking
 /// every `producers`-th step with all its loads issued together. One barrier per chunk swaps
@@ -850,24 +955,22 @@ fn selective_forward_staged_kernel<I: Float, S: Float>(
     while ch <= chunks {
         if y == 0 {
             if ch > 0 {
-                let k0 = (ch - 1) * chunk;
-                let buf = ((ch - 1) % 2) * chunk * 32;
-                #[unroll]
-                for q in 0..chunk {
-                    let k = k0 + q;
-                    if k < steps {
-                        let s_idx = buf + q * 32 + x;
-                        let th = s_th[s_idx];
-                        let v_pre = fma(s_beta[s_idx], v, s_u[s_idx]);
-                        let s = select(v_pre >= th, 1.0f32, 0.0f32);
-                        v = v_pre - th * s;
-                        if valid {
-                            let idx = k * cols + c;
-                            spike[idx] = S::cast_from(s);
-                            vpost[idx] = S::cast_from(v);
-                        }
-                    }
-                }
+                v = scan_forward_chunk::<S>(
+                    &s_beta,
+                    &s_u,
+                    &s_th,
+                    spike,
+                    vpost,
+                    v,
+                    ch - 1,
+                    x,
+                    c,
+                    valid,
+                    cols,
+                    steps,
+                    chunk,
+                    32usize,
+                );
             }
         } else if ch < chunks {
             let k0 = ch * chunk;
@@ -1142,24 +1245,22 @@ fn selective_forward_async_kernel<I: Float>(
     while ch <= chunks {
         if y == 0 {
             if ch > 0 {
-                let k0 = (ch - 1) * chunk;
-                let buf = ((ch - 1) % 2) * plane;
-                #[unroll]
-                for q in 0..chunk {
-                    let k = k0 + q;
-                    if k < steps {
-                        let s_idx = buf + q * width + x;
-                        let th = s_th[s_idx];
-                        let v_pre = fma(s_beta[s_idx], v, s_u[s_idx]);
-                        let s = select(v_pre >= th, 1.0f32, 0.0f32);
-                        v = v_pre - th * s;
-                        if valid {
-                            let idx = k * cols + c;
-                            spike[idx] = I::cast_from(s);
-                            vpost[idx] = I::cast_from(v);
-                        }
-                    }
-                }
+                v = scan_forward_chunk::<I>(
+                    &s_beta,
+                    &s_u,
+                    &s_th,
+                    spike,
+                    vpost,
+                    v,
+                    ch - 1,
+                    x,
+                    c,
+                    valid,
+                    cols,
+                    steps,
+                    chunk,
+                    width,
+                );
             }
         } else if ch < chunks {
             let cn = ch + comptime!(stages - 1);
@@ -1260,41 +1361,39 @@ fn selective_backward_staged_kernel<I: Float, S: Float, G: Float>(
     let mut xg = Array::<f32>::new(per);
     let mut xv = Array::<f32>::new(per);
     let mut xs = Array::<f32>::new(per);
-    let mut acc = 0.0f32;
-    let mut sum_b = 0.0f32;
-    let mut sum_a = 0.0f32;
-    let mut sum_t = 0.0f32;
+    // The reverse recurrence's carry: `acc` and the three bias sums (see `scan_reverse_chunk`).
+    let mut carry = Array::<f32>::new(4usize);
+    #[unroll]
+    for n in 0..4 {
+        carry[n] = 0.0f32;
+    }
     // Chunks are numbered from the end: chunk `n` holds steps `[steps − (n+1)·chunk, steps − n·chunk)`
     // (clipped at 0), slot `q` its step `steps − n·chunk − 1 − q`.
     let mut ch = 0usize;
     while ch <= chunks {
         if y == 0 {
             if ch > 0 {
-                let top = steps - (ch - 1) * chunk;
-                let buf = ((ch - 1) % 2) * chunk * 32;
-                #[unroll]
-                for q in 0..chunk {
-                    if q < top {
-                        let k = top - 1 - q;
-                        let s_idx = buf + q * 32 + x;
-                        let beta = s_be[s_idx];
-                        let gv = s_gg[s_idx] + acc;
-                        let d_rb = (beta * (1.0f32 - beta)) * (gv * s_vp[s_idx]);
-                        let d_ra = gv * s_fa[s_idx];
-                        let d_rt = -gv * s_ts[s_idx];
-                        if valid {
-                            let idx = k * cols + c;
-                            g_i[idx] = I::cast_from(gv * s_al[s_idx]);
-                            g_rb[idx] = I::cast_from(d_rb);
-                            g_ra[idx] = I::cast_from(d_ra);
-                            g_rt[idx] = I::cast_from(d_rt);
-                        }
-                        sum_b += d_rb;
-                        sum_a += d_ra;
-                        sum_t += d_rt;
-                        acc = gv * beta;
-                    }
-                }
+                scan_reverse_chunk::<I>(
+                    &s_be,
+                    &s_gg,
+                    &s_vp,
+                    &s_fa,
+                    &s_al,
+                    &s_ts,
+                    g_i,
+                    g_rb,
+                    g_ra,
+                    g_rt,
+                    &mut carry,
+                    ch - 1,
+                    x,
+                    c,
+                    valid,
+                    cols,
+                    steps,
+                    chunk,
+                    32usize,
+                );
             }
         } else if ch < chunks {
             let top = steps - ch * chunk;
@@ -1332,10 +1431,10 @@ fn selective_backward_staged_kernel<I: Float, S: Float, G: Float>(
         ch += 1;
     }
     if y == 0 && valid {
-        g_v0[c] = acc;
-        g_bias[c] = sum_b;
-        g_bias[cols + c] = sum_a;
-        g_bias[2 * cols + c] = sum_t;
+        g_v0[c] = carry[0];
+        g_bias[c] = carry[1];
+        g_bias[cols + c] = carry[2];
+        g_bias[2 * cols + c] = carry[3];
     }
 }
 
@@ -1573,39 +1672,37 @@ fn selective_backward_async_kernel<I: Float, S: Float, G: Float>(
             }
         }
     }
-    let mut acc = 0.0f32;
-    let mut sum_b = 0.0f32;
-    let mut sum_a = 0.0f32;
-    let mut sum_t = 0.0f32;
+    // The reverse recurrence's carry: `acc` and the three bias sums (see `scan_reverse_chunk`).
+    let mut carry = Array::<f32>::new(4usize);
+    #[unroll]
+    for n in 0..4 {
+        carry[n] = 0.0f32;
+    }
     let mut ch = 0usize;
     while ch <= chunks {
         if y == 0 {
             if ch > 0 {
-                let top = steps - (ch - 1) * chunk;
-                let buf = ((ch - 1) % 2) * plane;
-                #[unroll]
-                for q in 0..chunk {
-                    if q < top {
-                        let k = top - 1 - q;
-                        let s_idx = buf + q * width + x;
-                        let beta = s_be[s_idx];
-                        let gv = s_gg[s_idx] + acc;
-                        let d_rb = (beta * (1.0f32 - beta)) * (gv * s_vp[s_idx]);
-                        let d_ra = gv * s_fa[s_idx];
-                        let d_rt = -gv * s_ts[s_idx];
-                        if valid {
-                            let idx = k * cols + c;
-                            g_i[idx] = I::cast_from(gv * s_al[s_idx]);
-                            g_rb[idx] = I::cast_from(d_rb);
-                            g_ra[idx] = I::cast_from(d_ra);
-                            g_rt[idx] = I::cast_from(d_rt);
-                        }
-                        sum_b += d_rb;
-                        sum_a += d_ra;
-                        sum_t += d_rt;
-                        acc = gv * beta;
-                    }
-                }
+                scan_reverse_chunk::<I>(
+                    &s_be,
+                    &s_gg,
+                    &s_vp,
+                    &s_fa,
+                    &s_al,
+                    &s_ts,
+                    g_i,
+                    g_rb,
+                    g_ra,
+                    g_rt,
+                    &mut carry,
+                    ch - 1,
+                    x,
+                    c,
+                    valid,
+                    cols,
+                    steps,
+                    chunk,
+                    width,
+                );
             }
         } else if ch < chunks {
             let cn = ch + comptime!(stages - 1);
@@ -1653,10 +1750,10 @@ fn selective_backward_async_kernel<I: Float, S: Float, G: Float>(
         ch += 1;
     }
     if y == 0 && valid {
-        g_v0[c] = acc;
-        g_bias[c] = sum_b;
-        g_bias[cols + c] = sum_a;
-        g_bias[2 * cols + c] = sum_t;
+        g_v0[c] = carry[0];
+        g_bias[c] = carry[1];
+        g_bias[cols + c] = carry[2];
+        g_bias[2 * cols + c] = carry[3];
     }
 }
 

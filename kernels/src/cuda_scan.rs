@@ -1080,11 +1080,8 @@ fn ring_shape(var: &str, default: (usize, usize, usize, usize)) -> (usize, usize
     (p, c.div_ceil(p) * p, d, w)
 }
 
-/// Issues this producer unit's share of the asynchronous copies of chunk `cn` (four arrays)
-/// into ring stage `cn % stages`. Each `cp.async` moves 4 bytes global → shared without a
-/// register: one f32, or two neighbouring bf16 columns, in which case a warp copies two steps'
-/// rows per instruction (each half-warp one 64-byte row). A plane copies the steps it later
-/// modulates; the stage's barrier makes every unit's copies visible to all.
+/// Issues this producer unit's share of the asynchronous copies of forward chunk `cn` (four
+/// arrays) into ring stage `cn % stages` and commits them to the stage's barrier.
 #[allow(clippy::too_many_arguments)]
 #[cube]
 fn issue_chunk<I: Float>(
@@ -1093,6 +1090,10 @@ fn issue_chunk<I: Float>(
     r_alpha: &Tensor<I>,
     r_th: &Tensor<I>,
     raw: &mut SharedMemory<I>,
+    bar0: &Shared<Barrier>,
+    bar1: &Shared<Barrier>,
+    bar2: &Shared<Barrier>,
+    bar3: &Shared<Barrier>,
     cn: usize,
     lane: usize,
     x: usize,
@@ -1106,41 +1107,29 @@ fn issue_chunk<I: Float>(
     #[comptime] width: usize,
 ) {
     let plane = comptime!(chunk * width);
-    let base = (cn % stages) * 4 * plane;
-    let per = comptime!(chunk / producers);
-    let row_lanes = comptime!(width / pack);
-    let col = (x % row_lanes) * pack;
-    let c = cube_col + col;
-    #[unroll]
-    for r0 in 0..comptime!(per.div_ceil(pack)) {
-        let r = r0 * pack + x / row_lanes;
-        let q = lane + r * producers;
-        let k = cn * chunk + q;
-        if r < per && k < steps && c < cols {
-            let idx = k * cols + c;
-            let o = base + q * width + col;
-            copy_async(
-                &r_beta.slice(idx, idx + pack),
-                &mut raw.slice_mut(o, o + pack),
-                comptime!(pack as u32),
-            );
-            copy_async(
-                &r_alpha.slice(idx, idx + pack),
-                &mut raw.slice_mut(o + plane, o + plane + pack),
-                comptime!(pack as u32),
-            );
-            copy_async(
-                &r_th.slice(idx, idx + pack),
-                &mut raw.slice_mut(o + 2 * plane, o + 2 * plane + pack),
-                comptime!(pack as u32),
-            );
-            copy_async(
-                &i.slice(idx, idx + pack),
-                &mut raw.slice_mut(o + 3 * plane, o + 3 * plane + pack),
-                comptime!(pack as u32),
-            );
-        }
-    }
+    let stage = cn % stages;
+    let rb = stage * 4 * plane;
+    let ra = rb + plane;
+    let rt = rb + 2 * plane;
+    let ii = rb + 3 * plane;
+    let k0 = cn * chunk;
+    copy_steps::<I>(
+        r_beta, raw, rb, k0, steps, lane, x, cube_col, cols, false, 0usize, chunk, producers, pack,
+        width,
+    );
+    copy_steps::<I>(
+        r_alpha, raw, ra, k0, steps, lane, x, cube_col, cols, false, 0usize, chunk, producers,
+        pack, width,
+    );
+    copy_steps::<I>(
+        r_th, raw, rt, k0, steps, lane, x, cube_col, cols, false, 0usize, chunk, producers, pack,
+        width,
+    );
+    copy_steps::<I>(
+        i, raw, ii, k0, steps, lane, x, cube_col, cols, false, 0usize, chunk, producers, pack,
+        width,
+    );
+    commit_stage(bar0, bar1, bar2, bar3, stage);
 }
 
 /// Counts this unit's copies issued so far, and its arrival, on ring stage `s`'s barrier: the
@@ -1165,6 +1154,30 @@ fn commit_stage(
     } else {
         bar3.commit_copy_async();
         let _t = bar3.arrive();
+    }
+}
+
+/// Waits until chunk `ch`'s copies have landed in ring stage `ch % stages`: the stage's
+/// `ch / stages`-th phase, whose parity alternates.
+#[cube]
+fn wait_stage(
+    bar0: &Shared<Barrier>,
+    bar1: &Shared<Barrier>,
+    bar2: &Shared<Barrier>,
+    bar3: &Shared<Barrier>,
+    ch: usize,
+    #[comptime] stages: usize,
+) {
+    let s = ch % stages;
+    let parity = ((ch / stages) % 2) as u32;
+    if s == 0 {
+        bar0.wait_parity(parity);
+    } else if s == 1 {
+        bar1.wait_parity(parity);
+    } else if s == 2 {
+        bar2.wait_parity(parity);
+    } else {
+        bar3.wait_parity(parity);
     }
 }
 
@@ -1233,10 +1246,9 @@ fn selective_forward_async_kernel<I: Float>(
         for cn in 0..comptime!(stages - 1) {
             if cn < chunks {
                 issue_chunk::<I>(
-                    i, r_beta, r_alpha, r_th, &mut raw, cn, lane, x, cube_col, cols, steps, chunk,
-                    producers, stages, pack, width,
+                    i, r_beta, r_alpha, r_th, &mut raw, &bar0, &bar1, &bar2, &bar3, cn, lane, x,
+                    cube_col, cols, steps, chunk, producers, stages, pack, width,
                 );
-                commit_stage(&bar0, &bar1, &bar2, &bar3, cn % stages);
             }
         }
     }
@@ -1266,22 +1278,12 @@ fn selective_forward_async_kernel<I: Float>(
             let cn = ch + comptime!(stages - 1);
             if cn < chunks {
                 issue_chunk::<I>(
-                    i, r_beta, r_alpha, r_th, &mut raw, cn, lane, x, cube_col, cols, steps, chunk,
-                    producers, stages, pack, width,
+                    i, r_beta, r_alpha, r_th, &mut raw, &bar0, &bar1, &bar2, &bar3, cn, lane, x,
+                    cube_col, cols, steps, chunk, producers, stages, pack, width,
                 );
-                commit_stage(&bar0, &bar1, &bar2, &bar3, cn % stages);
             }
             let s = ch % stages;
-            let parity = ((ch / stages) % 2) as u32;
-            if s == 0 {
-                bar0.wait_parity(parity);
-            } else if s == 1 {
-                bar1.wait_parity(parity);
-            } else if s == 2 {
-                bar2.wait_parity(parity);
-            } else {
-                bar3.wait_parity(parity);
-            }
+            wait_stage(&bar0, &bar1, &bar2, &bar3, ch, stages);
             let base = s * 4 * plane;
             let buf = (ch % 2) * plane;
             #[unroll]
@@ -1438,21 +1440,27 @@ fn selective_backward_staged_kernel<I: Float, S: Float, G: Float>(
     }
 }
 
-/// Issues this producer unit's share of the asynchronous copies of one array for a backward
-/// chunk (steps `top − 1 − q`, `q` the slot) into `dst` at `dst_base`, as [`issue_chunk`] does
-/// for the forward; `shift` 1 reads the row before each step (`V_post` of step `k − 1`; step 0
-/// has none and is left to the caller).
+/// Issues this producer unit's share of the asynchronous copies of one array's chunk into
+/// `dst` at `dst_base` (slot `q` at `q·width`). Forward, slot `q` is step `origin + q` (steps
+/// past `steps` are skipped); in reverse (`reverse`), step `origin − 1 − q` (slots past
+/// `origin` are skipped). `shift` 1 reads the row before each step (`V_post` of step `k − 1`;
+/// step 0 has none and is left to the caller). Each `cp.async` moves 4 bytes global → shared
+/// without a register: one f32, or `pack` = 2 neighbouring bf16 columns, in which case a warp
+/// copies two slots' rows per instruction (each half-warp one 64-byte row). A plane copies the
+/// slots it later reads; the stage's barrier makes every unit's copies visible to all.
 #[allow(clippy::too_many_arguments)]
 #[cube]
-fn copy_reverse<T: Float>(
+fn copy_steps<T: Float>(
     src: &Tensor<T>,
     dst: &mut SharedMemory<T>,
     dst_base: usize,
-    top: usize,
+    origin: usize,
+    steps: usize,
     lane: usize,
     x: usize,
     cube_col: usize,
     cols: usize,
+    #[comptime] reverse: bool,
     #[comptime] shift: usize,
     #[comptime] chunk: usize,
     #[comptime] producers: usize,
@@ -1467,8 +1475,15 @@ fn copy_reverse<T: Float>(
     for r0 in 0..comptime!(per.div_ceil(pack)) {
         let r = r0 * pack + x / row_lanes;
         let q = lane + r * producers;
-        if r < per && q < top && c < cols {
-            let k = top - 1 - q;
+        let mut in_chunk = origin + q < steps;
+        if comptime![reverse] {
+            in_chunk = q < origin;
+        }
+        if r < per && in_chunk && c < cols {
+            let mut k = origin + q;
+            if comptime![reverse] {
+                k = origin - 1 - q;
+            }
             if k >= shift {
                 let idx = (k - shift) * cols + c;
                 let o = dst_base + q * width + col;
@@ -1520,74 +1535,37 @@ fn issue_reverse<I: Float, S: Float, G: Float>(
     let bi = stage * 4 * plane;
     let bs = stage * 2 * plane;
     let bg = stage * plane;
-    copy_reverse::<I>(
-        r_beta, raw_i, bi, top, lane, x, cube_col, cols, 0usize, chunk, producers, pi, width,
-    );
-    copy_reverse::<I>(
-        r_alpha,
-        raw_i,
-        bi + plane,
-        top,
-        lane,
-        x,
-        cube_col,
-        cols,
-        0usize,
-        chunk,
-        producers,
-        pi,
+    let ra = bi + plane;
+    let rt = bi + 2 * plane;
+    let ii = bi + 3 * plane;
+    let vp = bs + plane;
+    copy_steps::<I>(
+        r_beta, raw_i, bi, top, steps, lane, x, cube_col, cols, true, 0usize, chunk, producers, pi,
         width,
     );
-    copy_reverse::<I>(
-        r_th,
-        raw_i,
-        bi + 2 * plane,
-        top,
-        lane,
-        x,
-        cube_col,
-        cols,
-        0usize,
-        chunk,
-        producers,
-        pi,
+    copy_steps::<I>(
+        r_alpha, raw_i, ra, top, steps, lane, x, cube_col, cols, true, 0usize, chunk, producers,
+        pi, width,
+    );
+    copy_steps::<I>(
+        r_th, raw_i, rt, top, steps, lane, x, cube_col, cols, true, 0usize, chunk, producers, pi,
         width,
     );
-    copy_reverse::<I>(
-        i,
-        raw_i,
-        bi + 3 * plane,
-        top,
-        lane,
-        x,
-        cube_col,
-        cols,
-        0usize,
-        chunk,
-        producers,
-        pi,
+    copy_steps::<I>(
+        i, raw_i, ii, top, steps, lane, x, cube_col, cols, true, 0usize, chunk, producers, pi,
         width,
     );
-    copy_reverse::<S>(
-        spike, raw_s, bs, top, lane, x, cube_col, cols, 0usize, chunk, producers, ps, width,
-    );
-    copy_reverse::<S>(
-        vpost,
-        raw_s,
-        bs + plane,
-        top,
-        lane,
-        x,
-        cube_col,
-        cols,
-        1usize,
-        chunk,
-        producers,
-        ps,
+    copy_steps::<S>(
+        spike, raw_s, bs, top, steps, lane, x, cube_col, cols, true, 0usize, chunk, producers, ps,
         width,
     );
-    copy_reverse::<G>(
-        grad, raw_g, bg, top, lane, x, cube_col, cols, 0usize, chunk, producers, pg, width,
+    copy_steps::<S>(
+        vpost, raw_s, vp, top, steps, lane, x, cube_col, cols, true, 1usize, chunk, producers, ps,
+        width,
+    );
+    copy_steps::<G>(
+        grad, raw_g, bg, top, steps, lane, x, cube_col, cols, true, 0usize, chunk, producers, pg,
+        width,
     );
     commit_stage(bar0, bar1, bar2, bar3, stage);
 }
@@ -1714,16 +1692,7 @@ fn selective_backward_async_kernel<I: Float, S: Float, G: Float>(
                 );
             }
             let stage = ch % stages;
-            let parity = ((ch / stages) % 2) as u32;
-            if stage == 0 {
-                bar0.wait_parity(parity);
-            } else if stage == 1 {
-                bar1.wait_parity(parity);
-            } else if stage == 2 {
-                bar2.wait_parity(parity);
-            } else {
-                bar3.wait_parity(parity);
-            }
+            wait_stage(&bar0, &bar1, &bar2, &bar3, ch, stages);
             let top = steps - ch * chunk;
             let buf = (ch % 2) * plane;
             let bi = stage * 4 * plane;
@@ -1814,8 +1783,8 @@ pub fn selective_forward<R: CubeRuntime>(
             STAGE_FORWARD
         };
         // bf16 storage copies column pairs (4 bytes), which rows of an even width keep aligned.
-        let pack = if stored == DType::F32 { 1 } else { 2 };
-        if async_forward() && cols % pack == 0 {
+        let pack = pack_of(stored);
+        if async_forward() && (cols as usize).is_multiple_of(pack) {
             let (producers, chunk, stages, width) = async_shape(stored);
             selective_forward_async_kernel::launch::<R>(
                 &client,
@@ -1840,7 +1809,7 @@ pub fn selective_forward<R: CubeRuntime>(
                 chunk,
                 producers,
                 stages,
-                pack as usize,
+                pack,
                 width,
                 stored.into(),
             );

@@ -1,7 +1,9 @@
-//! The dependency direction of DESIGN.md, checked over `cargo metadata`:
+//! The house rules of docs/DESIGN.md, checked over `cargo metadata` and the sources:
 //! `plugins/api` ← `kernels` ← `model` ← `backends/*`; `plugins/abi` (the C boundary) stays
-//! burn-free; `actors` reaches burn only through the optional embedded-CPU backend; `actors/data`
-//! is burn-free.
+//! burn-free; the runtime (`actors/runtime`) reaches burn only through the optional embedded-CPU
+//! backend; the server (`actors/server`) sits on the runtime, never the reverse; nothing depends
+//! on the CLI (`actors/cli`); `actors/data` is burn-free; no file outside the CLI imports its
+//! benchmarks; and no two files of a crate import each other, directly or through others.
 
 use serde_json::Value;
 use std::collections::{BTreeMap, BTreeSet};
@@ -69,6 +71,8 @@ fn dependency_direction_follows_the_design() {
         "nsactor-backend-cuda",
         "nsactor-plugin-abi",
         "nsactor",
+        "nsactor-runtime",
+        "nsactor-server",
         "nsactor-data",
         "nsactor-tests",
     ] {
@@ -130,18 +134,275 @@ fn dependency_direction_follows_the_design() {
         );
     }
 
-    // actors: burn, cubecl and backends only through the optional embedded CPU backend.
-    for (dep, optional) in &ws["nsactor"] {
-        let heavy = dep.starts_with("burn")
+    // The runtime: burn, cubecl and backends only through the optional embedded CPU backend;
+    // the server and the CLI: never.
+    let heavy = |dep: &str| {
+        dep.starts_with("burn")
             || dep.starts_with("cubecl")
             || dep.starts_with("nsactor-backend")
             || dep == "nsactor-model"
-            || dep == "nsactor-kernels";
-        if heavy {
+            || dep == "nsactor-kernels"
+    };
+    for (dep, optional) in &ws["nsactor-runtime"] {
+        if heavy(dep) {
             assert!(
                 *optional && dep == "nsactor-backend-ndarray",
-                "actors depends on {dep} (optional: {optional})"
+                "the runtime depends on {dep} (optional: {optional})"
             );
         }
     }
+    for krate in ["nsactor-server", "nsactor"] {
+        for (dep, _) in &ws[krate] {
+            assert!(!heavy(dep), "{krate} depends on {dep}");
+        }
+    }
+
+    // Upward edges: the runtime never sees the server or the CLI; nothing depends on the CLI.
+    let runtime = names(&ws["nsactor-runtime"]);
+    assert!(
+        !runtime.contains("nsactor-server") && !runtime.contains("nsactor"),
+        "the runtime depends on a front end: {runtime:?}"
+    );
+    assert!(
+        names(&ws["nsactor-server"]).contains("nsactor-runtime"),
+        "the server drives the runtime"
+    );
+    for (krate, deps) in &ws {
+        assert!(
+            !deps.iter().any(|(d, _)| d == "nsactor"),
+            "{krate} depends on the CLI crate"
+        );
+    }
+}
+
+/// The workspace's root directory.
+fn root() -> std::path::PathBuf {
+    std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .unwrap()
+        .to_path_buf()
+}
+
+/// Every `.rs` file under `dir`.
+fn rust_files(dir: &std::path::Path, out: &mut Vec<std::path::PathBuf>) {
+    for e in std::fs::read_dir(dir).unwrap().flatten() {
+        let p = e.path();
+        if p.is_dir() {
+            rust_files(&p, out);
+        } else if p.extension().is_some_and(|x| x == "rs") {
+            out.push(p);
+        }
+    }
+}
+
+/// The library and binary crates the import rules cover: `(name, src directory)`.
+const CRATES: [(&str, &str); 10] = [
+    ("plugin-api", "plugins/api/src"),
+    ("plugin-abi", "plugins/abi/src"),
+    ("kernels", "kernels/src"),
+    ("model", "model/src"),
+    ("backend-core", "backends/core/src"),
+    ("backend-cuda", "backends/cuda/src"),
+    ("data", "actors/data/src"),
+    ("runtime", "actors/runtime/src"),
+    ("server", "actors/server/src"),
+    ("cli", "actors/cli/src"),
+];
+
+#[test]
+fn no_file_outside_the_cli_imports_its_benchmarks() {
+    // The CLI's benchmarks are a private module of the binary; the kernel benchmark suite is
+    // reached only by the backends' `bench kernels` entry point.
+    let mut files = Vec::new();
+    for (_, dir) in CRATES {
+        rust_files(&root().join(dir), &mut files);
+    }
+    for f in files {
+        let text = std::fs::read_to_string(&f).unwrap();
+        let rel = f
+            .strip_prefix(root())
+            .unwrap()
+            .to_string_lossy()
+            .into_owned();
+        if rel.starts_with("actors/cli/") || rel.starts_with("kernels/src/bench") {
+            continue;
+        }
+        for (i, line) in text.lines().enumerate() {
+            if line.trim_start().starts_with("//") {
+                continue;
+            }
+            let bench_use = line.contains("nsactor_kernels::bench::")
+                && !(rel == "backends/core/src/diagnostics.rs"
+                    && (line.contains("bench::run") || line.contains("bench::ScanBench")));
+            assert!(
+                !bench_use && !line.contains("crate::bench::"),
+                "{rel}:{}: production code imports benchmark code: {line}",
+                i + 1
+            );
+        }
+    }
+}
+
+/// The module path of `file` within its crate (`src/a/b.rs` and `src/a/b/mod.rs` → `a::b`).
+fn module_of(src: &std::path::Path, file: &std::path::Path) -> Vec<String> {
+    let rel = file.strip_prefix(src).unwrap();
+    let mut parts: Vec<String> = rel
+        .iter()
+        .map(|p| p.to_string_lossy().trim_end_matches(".rs").to_string())
+        .collect();
+    if matches!(
+        parts.last().map(String::as_str),
+        Some("mod" | "lib" | "main")
+    ) {
+        parts.pop();
+    }
+    parts
+}
+
+/// The modules that `text` (the source of module `me`) names through `crate::` or `super::`
+/// paths, resolved to the longest known module prefix. `mod x;` declarations are not imports.
+fn imports(text: &str, me: &[String], known: &BTreeSet<Vec<String>>) -> BTreeSet<Vec<String>> {
+    let mut found = BTreeSet::new();
+    // Strip line comments and the test module (tests may use anything).
+    let code: String = text
+        .split("#[cfg(test)]")
+        .next()
+        .unwrap()
+        .lines()
+        .map(|l| l.split("//").next().unwrap())
+        .collect::<Vec<_>>()
+        .join("\n");
+    let is_ident = |c: char| c.is_alphanumeric() || c == '_';
+    let mut rest = code.as_str();
+    while let Some(i) = rest.find(['c', 's']) {
+        let here = &rest[i..];
+        let before_ok = i == 0 || !rest[..i].ends_with(|c: char| is_ident(c) || c == ':');
+        let (mut base, tail) = if before_ok && here.starts_with("crate::") {
+            (Vec::new(), &here["crate::".len()..])
+        } else if before_ok && here.starts_with("super::") {
+            let mut b = me.to_vec();
+            let mut t = here;
+            while let Some(r) = t.strip_prefix("super::") {
+                b.pop();
+                t = r;
+            }
+            (b, t)
+        } else {
+            rest = &rest[i + 1..];
+            continue;
+        };
+        // Follow identifiers joined by `::`; a `{` group adds each of its first names.
+        let mut t = tail;
+        let mut best: Option<Vec<String>> = None;
+        loop {
+            let end = t.find(|c: char| !is_ident(c)).unwrap_or(t.len());
+            if end == 0 {
+                if let Some(g) = t.strip_prefix('{') {
+                    for item in g.split('}').next().unwrap().split(',') {
+                        let name: String =
+                            item.trim().chars().take_while(|&c| is_ident(c)).collect();
+                        let mut m = base.clone();
+                        m.push(name);
+                        if known.contains(&m) {
+                            found.insert(m);
+                        }
+                    }
+                }
+                break;
+            }
+            base.push(t[..end].to_string());
+            if known.contains(&base) {
+                best = Some(base.clone());
+            }
+            match t[end..].strip_prefix("::") {
+                Some(r) => t = r,
+                None => break,
+            }
+        }
+        if let Some(m) = best {
+            found.insert(m);
+        }
+        rest = &rest[i + 1..];
+    }
+    found.remove(me);
+    found
+}
+
+#[test]
+fn no_file_level_import_cycles() {
+    let mut cycles = Vec::new();
+    for (krate, dir) in CRATES {
+        let src = root().join(dir);
+        let mut files = Vec::new();
+        rust_files(&src, &mut files);
+        let modules: BTreeMap<Vec<String>, std::path::PathBuf> = files
+            .iter()
+            .map(|f| (module_of(&src, f), f.clone()))
+            .collect();
+        let known: BTreeSet<Vec<String>> = modules.keys().cloned().collect();
+        let mut edges: BTreeMap<Vec<String>, BTreeSet<Vec<String>>> = BTreeMap::new();
+        for (m, f) in &modules {
+            let text = std::fs::read_to_string(f).unwrap();
+            // A parent naming its own descendants (`mod x; pub use x::Y;`) is no back edge.
+            let out = imports(&text, m, &known)
+                .into_iter()
+                .filter(|t| !t.starts_with(m))
+                .collect();
+            edges.insert(m.clone(), out);
+        }
+        // Depth-first search for a back edge.
+        fn visit(
+            m: &Vec<String>,
+            edges: &BTreeMap<Vec<String>, BTreeSet<Vec<String>>>,
+            state: &mut BTreeMap<Vec<String>, u8>,
+            stack: &mut Vec<Vec<String>>,
+            cycles: &mut Vec<String>,
+            krate: &str,
+        ) {
+            state.insert(m.clone(), 1);
+            stack.push(m.clone());
+            for t in &edges[m] {
+                match state.get(t).copied().unwrap_or(0) {
+                    0 => visit(t, edges, state, stack, cycles, krate),
+                    1 => {
+                        let at = stack.iter().position(|s| s == t).unwrap();
+                        let names: Vec<String> = stack[at..]
+                            .iter()
+                            .chain(std::iter::once(t))
+                            .map(|s| format!("{krate}::{}", s.join("::")))
+                            .collect();
+                        cycles.push(names.join(" → "));
+                    }
+                    _ => {}
+                }
+            }
+            stack.pop();
+            state.insert(m.clone(), 2);
+        }
+        let mut state = BTreeMap::new();
+        for m in modules.keys() {
+            if !state.contains_key(m) {
+                visit(m, &edges, &mut state, &mut Vec::new(), &mut cycles, krate);
+            }
+        }
+    }
+    assert!(
+        cycles.is_empty(),
+        "files that import each other:\n{}",
+        cycles.join("\n")
+    );
+}
+
+#[test]
+fn the_cycle_check_sees_a_cycle() {
+    // The check must be able to fail: two modules naming each other are found.
+    let known: BTreeSet<Vec<String>> = [vec!["a".to_string()], vec!["b".to_string()]]
+        .into_iter()
+        .collect();
+    let a = imports("use crate::b::Thing;", &["a".to_string()], &known);
+    let b = imports("fn f() { super::a::g(); }", &["b".to_string()], &known);
+    assert!(a.contains(&vec!["b".to_string()]));
+    assert!(b.contains(&vec!["a".to_string()]));
+    let grouped = imports("use crate::{a, b::X};", &["c".to_string()], &known);
+    assert_eq!(grouped.len(), 2, "{grouped:?}");
 }

@@ -5,13 +5,13 @@
 mod common;
 
 use common::*;
-use nsactor::verify;
-use nsactor::weights::merge_params;
 use nsactor_plugin_abi::host::{Plugin, library_file_name, resolve};
 use nsactor_plugin_api::{
     ABI_VERSION, ComputeBackend, EngineError, HostTensor, OptimizerKind, StageCall, StageKind,
     StageSpec,
 };
+use nsactor_runtime::verify;
+use nsactor_runtime::weights::merge_params;
 use safetensors::SafeTensors;
 use std::path::PathBuf;
 use std::sync::{Arc, OnceLock};
@@ -85,7 +85,7 @@ fn a_missing_plugin_lists_the_places_searched() {
         "{e}"
     );
     assert!(e.contains("NSACTOR_PLUGIN_PATH"), "{e}");
-    let e = nsactor::backend::open("/nonexistent/libx.so", &[])
+    let e = nsactor_runtime::backend::open("/nonexistent/libx.so", &[])
         .err()
         .unwrap()
         .to_string();

@@ -218,19 +218,6 @@ pub fn sft_rows(
     convs.par_iter().map(|c| sft_row(tok, c, ctx)).collect()
 }
 
-/// A seeded sampler over the SFT rows of `files`.
-pub fn sft_sampler(
-    tok: &Tokenizer,
-    files: &[std::path::PathBuf],
-    system: Option<&str>,
-    seq_len: usize,
-    seed: u64,
-) -> Result<crate::Sampler> {
-    let ctx = seq_len + 1;
-    let rows = sft_rows(tok, files, system, ctx)?;
-    crate::Sampler::new(Box::new(crate::sampler::MemRows::new(rows, ctx)), seed)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -304,6 +304,19 @@ pub fn permutation(n: u64, seed: u64, epoch: u64) -> Vec<u64> {
     order
 }
 
+/// A seeded sampler over the SFT rows of `files`.
+pub fn sft_sampler(
+    tok: &crate::tokenizer::Tokenizer,
+    files: &[std::path::PathBuf],
+    system: Option<&str>,
+    seq_len: usize,
+    seed: u64,
+) -> Result<Sampler> {
+    let ctx = seq_len + 1;
+    let rows = sample::sft_rows(tok, files, system, ctx)?;
+    Sampler::new(Box::new(MemRows::new(rows, ctx)), seed)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

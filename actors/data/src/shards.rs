@@ -69,7 +69,7 @@ pub struct ShardInfo {
 
 /// `manifest.json`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct Manifest {
+pub struct ShardManifest {
     pub format: String,
     pub tokenizer_sha256: String,
     pub tokenizer_origin: String,
@@ -110,7 +110,7 @@ impl Default for PrepareOptions {
 /// What [`prepare`] did.
 #[derive(Debug, Clone)]
 pub struct PrepareReport {
-    pub manifest: Manifest,
+    pub manifest: ShardManifest,
     pub seconds: f64,
 }
 
@@ -289,7 +289,7 @@ pub fn prepare(
     }
     w.finish()?;
     bar.finish_and_clear();
-    let manifest = Manifest {
+    let manifest = ShardManifest {
         format: FORMAT.into(),
         tokenizer_sha256: tok.hash().into(),
         tokenizer_origin: tok.origin().into(),
@@ -323,7 +323,7 @@ struct Shard {
 
 /// Prepared shards, memory-mapped, as one [`TokenSource`].
 pub struct ShardSet {
-    manifest: Manifest,
+    manifest: ShardManifest,
     shards: Vec<Shard>,
     /// Stream offset and first document of each shard, plus the totals at the end.
     token_base: Vec<u64>,
@@ -342,7 +342,7 @@ impl ShardSet {
     pub fn open(dir: &Path, tok: &Tokenizer, verify: bool) -> Result<Self> {
         let mpath = dir.join(MANIFEST);
         let text = std::fs::read_to_string(&mpath).map_err(|e| DataError::read(&mpath, e))?;
-        let manifest: Manifest = serde_json::from_str(&text).map_err(|e| DataError::Json {
+        let manifest: ShardManifest = serde_json::from_str(&text).map_err(|e| DataError::Json {
             path: mpath.clone(),
             what: "manifest".into(),
             msg: e.to_string(),
@@ -420,7 +420,7 @@ impl ShardSet {
         })
     }
 
-    pub fn manifest(&self) -> &Manifest {
+    pub fn manifest(&self) -> &ShardManifest {
         &self.manifest
     }
 

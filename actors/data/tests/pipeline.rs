@@ -273,7 +273,7 @@ fn sft_files_in_three_layouts_give_the_same_conversations() {
         Message::new("system", "You are an AI assistant")
     );
     let tok = Tokenizer::bundled();
-    let mut s = sample::sft_sampler(&tok, &[alpaca], None, 16, 3).unwrap();
+    let mut s = nsactor_data::sampler::sft_sampler(&tok, &[alpaca], None, 16, 3).unwrap();
     let b = s.next_batch(2, 16).unwrap();
     assert!(b.loss_mask.contains(&1.0));
     let bad = write(

@@ -32,6 +32,7 @@
 //! Depends on `nsactor-plugin-api` and `libloading`; burn-free. All of the workspace's `unsafe`
 //! FFI code lives here and in the backends' one-line [`export_plugin!`] invocations.
 
+pub mod discovery;
 pub mod export;
 pub mod host;
 

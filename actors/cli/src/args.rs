@@ -1,0 +1,88 @@
+//! Arguments shared by several commands: opening a checkpoint ([`ModelArgs`]) and placing a
+//! model on backend and devices ([`LayoutArgs`]).
+
+use nsactor_runtime::RuntimeError;
+use nsactor_runtime::config::Overrides;
+use nsactor_runtime::launch::CheckpointOptions;
+use std::path::PathBuf;
+
+#[derive(clap::Args)]
+pub struct ModelArgs {
+    /// A checkpoint directory, a checkpoints root or a run directory (newest valid checkpoint).
+    #[arg(long)]
+    pub checkpoint: PathBuf,
+    /// Backend: `embedded`, a plugin name or a plugin path (default: the run's).
+    #[arg(long)]
+    pub backend: Option<String>,
+    /// Pipeline stages the layers are spread over.
+    #[arg(long, default_value_t = 1)]
+    pub pipeline: usize,
+    /// Devices for the stages, e.g. `0,1`.
+    #[arg(long, value_delimiter = ',')]
+    pub devices: Option<Vec<usize>>,
+    /// tokenizer.json (default: the run's).
+    #[arg(long)]
+    pub tokenizer: Option<PathBuf>,
+    /// Projection GEMM arithmetic: `fp32` or `bf16` (CUDA only). Default: the run's
+    /// [backend].precision.
+    #[arg(long, value_parser = ["fp32", "bf16"])]
+    pub precision: Option<String>,
+}
+
+impl ModelArgs {
+    /// What the runtime needs to open the checkpoint.
+    pub fn options(&self) -> CheckpointOptions {
+        CheckpointOptions {
+            checkpoint: self.checkpoint.clone(),
+            backend: self.backend.clone(),
+            pipeline: self.pipeline,
+            devices: self.devices.clone(),
+            tokenizer: self.tokenizer.clone(),
+            precision: self.precision.clone(),
+        }
+    }
+}
+
+/// Where and how a model runs, shared by `train` and `bench train`; each value overrides the
+/// config's.
+#[derive(clap::Args)]
+pub struct LayoutArgs {
+    /// Compute backend: `embedded` (linked in; the default), a plugin name (`ndarray`,
+    /// `cuda`) or the path of a plugin library. Overrides [backend].name.
+    #[arg(long)]
+    pub backend: Option<String>,
+    /// Projection GEMM arithmetic: `fp32` (exact) or `bf16` (fp32 accumulation; CUDA only).
+    /// Overrides [backend].precision.
+    #[arg(long, value_parser = ["fp32", "bf16"])]
+    pub precision: Option<String>,
+    /// Pipeline stages P: layers split into P groups on their own worker threads (devices),
+    /// up to P micro-batches in flight. Overrides [train].pipeline.
+    #[arg(long)]
+    pub pipeline: Option<usize>,
+    /// Devices to spread the stages over, e.g. `0,1`. Overrides [train].devices.
+    #[arg(long, value_delimiter = ',')]
+    pub devices: Option<Vec<usize>>,
+    /// Layers per pipeline stage (from its last) that keep their forward's autodiff graph
+    /// instead of recomputing it in the backward: faster, more memory. Overrides
+    /// [train].keep_activations.
+    #[arg(long)]
+    pub keep_activations: Option<usize>,
+    /// Micro-batch order on the stage workers: `auto`, `fifo` or `depth-first` (overlaps
+    /// stages of several layers; see [train].schedule). Overrides [train].schedule.
+    #[arg(long, value_parser = ["auto", "fifo", "depth-first"])]
+    pub schedule: Option<String>,
+}
+
+impl LayoutArgs {
+    /// The config overrides these options set.
+    pub fn overrides(&self) -> Result<Overrides, RuntimeError> {
+        Ok(Overrides {
+            pipeline: self.pipeline,
+            devices: self.devices.clone(),
+            keep_activations: self.keep_activations,
+            precision: self.precision.clone(),
+            schedule: self.schedule.as_deref().map(str::parse).transpose()?,
+            ..Overrides::default()
+        })
+    }
+}

@@ -1,0 +1,70 @@
+//! `nsactor bench …`: programs that print a figure, the device and the comparison it is about.
+
+mod breakdown;
+mod echo;
+mod flops;
+mod generate;
+mod hop;
+mod kernels;
+mod overhead;
+mod recovery;
+mod serve;
+mod stats;
+mod train;
+
+use clap::Subcommand;
+
+#[derive(Subcommand)]
+pub enum BenchCommand {
+    /// Per-call cost of the plugin boundary: the same calls through a loaded plugin and through
+    /// the embedded engine.
+    PluginOverhead(overhead::OverheadArgs),
+    /// Cost of one actor-pipeline hop (message + worker handoff, no compute) and its share of a
+    /// 0.9B layer's compute per micro-batch.
+    PipelineHop(hop::HopArgs),
+    /// In-process recovery time on the tiny model, checkpoint write/read bandwidth of this
+    /// disk, and what they project for the 0.9B model.
+    Recovery(recovery::RecoveryArgs),
+    /// Streaming server under load: time to first token, inter-token latency p50/p99 and
+    /// aggregate tokens/s at several numbers of concurrent WebSocket sessions.
+    Serve(serve::ServeBenchArgs),
+    /// The backend's PLIF scan kernels: each checked against the host reference (a wrong kernel
+    /// is not timed), then its GB/s at the 0.9B shapes against the device's elementwise-copy
+    /// bandwidth.
+    Kernels(kernels::KernelsArgs),
+    /// Training throughput of a config on a backend: synthetic batches of the config's shape
+    /// through the actor pipeline; tokens/s, step time, model TFLOP/s and MFU, per-stage busy
+    /// time, device memory.
+    Train(train::TrainBenchArgs),
+    /// Greedy decoding throughput: concurrent sessions straight on the pipeline's batched
+    /// decoder (no network); prefill time, per-step latency p50/p99, aggregate tokens/s and the
+    /// weight-streaming ceiling.
+    Generate(generate::GenerateBenchArgs),
+    /// One decoder layer's decoding step on the backend's device without actors: the whole
+    /// step, its parts, and the launch-overhead and GEMM probes that bound it.
+    DecodeProfile(generate::DecodeProfileArgs),
+}
+
+/// The plugin option string that sets `precision` on `backend`: the CPU backend has one
+/// precision and takes no options.
+pub fn precision_option(backend: &str, precision: &str) -> String {
+    if backend == "cuda" {
+        format!("precision={precision}")
+    } else {
+        String::new()
+    }
+}
+
+/// Runs a `bench` subcommand.
+pub fn run(c: BenchCommand) -> crate::CliResult {
+    match c {
+        BenchCommand::PluginOverhead(a) => overhead::run(a),
+        BenchCommand::PipelineHop(a) => hop::run(a),
+        BenchCommand::Recovery(a) => recovery::run(a),
+        BenchCommand::Serve(a) => serve::run(a),
+        BenchCommand::Kernels(a) => kernels::run(a),
+        BenchCommand::Train(a) => train::run(a),
+        BenchCommand::Generate(a) => generate::run(a),
+        BenchCommand::DecodeProfile(a) => generate::decode_profile_cmd(a),
+    }
+}

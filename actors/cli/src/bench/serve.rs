@@ -1,0 +1,174 @@
+//! `nsactor bench serve`: TTFT, inter-token latency and tokens/s through the real server on loopback.
+
+use super::stats::pct;
+use nsactor_runtime::launch::{self};
+use std::path::PathBuf;
+use std::time::Instant;
+
+/// One concurrency level of `nsactor bench serve`.
+#[derive(Debug, Clone)]
+pub struct ServeTimings {
+    pub sessions: usize,
+    pub ttft_p50_ms: f64,
+    pub ttft_p99_ms: f64,
+    pub itl_p50_ms: f64,
+    pub itl_p99_ms: f64,
+    /// Generated tokens over the wall time of the whole batch of requests.
+    pub tokens_per_s: f64,
+}
+
+/// `sessions` WebSocket clients on loopback, each generating `tokens` tokens (sampling at
+/// temperature 0.8, end tokens ignored) from the server at `addr`; run on the server's runtime.
+pub async fn serve_load(
+    addr: std::net::SocketAddr,
+    sessions: usize,
+    tokens: usize,
+) -> Result<ServeTimings, String> {
+    use futures_util::{SinkExt, StreamExt};
+    use tokio_tungstenite::tungstenite::Message;
+    let start = Instant::now();
+    let clients: Vec<_> = (0..sessions)
+        .map(|i| {
+            tokio::spawn(async move {
+                let tcp = tokio::net::TcpStream::connect(addr)
+                    .await
+                    .map_err(|e| e.to_string())?;
+                tcp.set_nodelay(true).map_err(|e| e.to_string())?;
+                let (mut ws, _) = tokio_tungstenite::client_async(format!("ws://{addr}/ws"), tcp)
+                    .await
+                    .map_err(|e| e.to_string())?;
+                let req = serde_json::json!({"type": "generate", "id": "b", "prompt": "Emma was",
+                    "max_tokens": tokens, "temperature": 0.8, "seed": i, "ignore_eos": true,
+                    "token_ids": true});
+                let sent = Instant::now();
+                ws.send(Message::Text(req.to_string().into()))
+                    .await
+                    .map_err(|e| e.to_string())?;
+                let (mut ttft, mut gaps, mut n) = (None, Vec::new(), 0usize);
+                let mut last = sent;
+                while let Some(m) = ws.next().await {
+                    let Ok(Message::Text(t)) = m else { continue };
+                    let v: serde_json::Value =
+                        serde_json::from_str(&t).map_err(|e| e.to_string())?;
+                    match v["type"].as_str() {
+                        Some("delta") => {
+                            let now = Instant::now();
+                            let k = v["token_ids"].as_array().map_or(1, |a| a.len().max(1));
+                            if ttft.is_none() {
+                                ttft = Some((now - sent).as_secs_f64());
+                            } else {
+                                let gap = (now - last).as_secs_f64() / k as f64;
+                                gaps.extend(std::iter::repeat_n(gap, k));
+                            }
+                            n += k;
+                            last = now;
+                        }
+                        Some("done") => break,
+                        _ => return Err(format!("server: {v}")),
+                    }
+                }
+                Ok::<_, String>((ttft.unwrap_or(f64::NAN), gaps, n))
+            })
+        })
+        .collect();
+    let (mut ttfts, mut gaps, mut total) = (Vec::new(), Vec::new(), 0usize);
+    for c in clients {
+        let (t, g, n) = c.await.map_err(|e| e.to_string())??;
+        ttfts.push(t);
+        gaps.extend(g);
+        total += n;
+    }
+    let wall = start.elapsed().as_secs_f64();
+    Ok(ServeTimings {
+        sessions,
+        ttft_p50_ms: pct(&mut ttfts, 0.5) * 1e3,
+        ttft_p99_ms: pct(&mut ttfts, 0.99) * 1e3,
+        itl_p50_ms: pct(&mut gaps, 0.5) * 1e3,
+        itl_p99_ms: pct(&mut gaps, 0.99) * 1e3,
+        tokens_per_s: total as f64 / wall,
+    })
+}
+
+#[derive(clap::Args)]
+pub struct ServeBenchArgs {
+    /// Checkpoint to serve (default: the embedded tiny config, freshly initialised).
+    #[arg(long)]
+    checkpoint: Option<PathBuf>,
+    /// Backend (with --checkpoint: default the run's).
+    #[arg(long)]
+    backend: Option<String>,
+    /// Concurrent sessions to measure (comma-separated).
+    #[arg(long, value_delimiter = ',', default_value = "1,8,32")]
+    sessions: Vec<usize>,
+    /// Tokens each session generates.
+    #[arg(long, default_value_t = 64)]
+    tokens: usize,
+    /// Pipeline stages.
+    #[arg(long, default_value_t = 1)]
+    pipeline: usize,
+}
+
+pub fn run(a: ServeBenchArgs) -> crate::CliResult {
+    let l = match &a.checkpoint {
+        Some(c) => launch::load_checkpoint(&launch::CheckpointOptions {
+            checkpoint: c.clone(),
+            backend: a.backend.clone(),
+            pipeline: a.pipeline,
+            devices: None,
+            tokenizer: None,
+            precision: None,
+        })?,
+        None => launch::load_fresh(None, a.backend.as_deref(), None, a.pipeline, None)?,
+    };
+    let max = a.sessions.iter().copied().max().unwrap_or(1);
+    let state = crate::serve::server_state(&l, max, max, l.name.clone());
+    let info = l.pipeline.backend().info();
+    println!(
+        "serve: {} ({} parameters) on {} {} ({}), pipeline {}; {} tokens per session, WebSocket on loopback",
+        l.name,
+        l.pipeline.param_count(),
+        info.name,
+        info.version,
+        info.devices.join(", "),
+        a.pipeline,
+        a.tokens
+    );
+    println!(
+        "{:>9} {:>14} {:>14} {:>13} {:>13} {:>16} {:>12}",
+        "sessions",
+        "TTFT p50 (ms)",
+        "TTFT p99 (ms)",
+        "ITL p50 (ms)",
+        "ITL p99 (ms)",
+        "tokens/s (all)",
+        "mean cohort"
+    );
+    let decoder = l.pipeline.decoder(l.vocab);
+    l.pipeline.block_on(async {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+        let addr = listener.local_addr()?;
+        tokio::spawn(nsactor_server::serve(
+            listener,
+            state,
+            std::future::pending(),
+        ));
+        // Warm-up.
+        serve_load(addr, 1, 8).await?;
+        for &n in &a.sessions {
+            let (c0, n0) = decoder.batch_counts();
+            let t = serve_load(addr, n, a.tokens).await?;
+            let (c1, n1) = decoder.batch_counts();
+            println!(
+                "{:>9} {:>14.1} {:>14.1} {:>13.2} {:>13.2} {:>16.0} {:>12.1}",
+                t.sessions,
+                t.ttft_p50_ms,
+                t.ttft_p99_ms,
+                t.itl_p50_ms,
+                t.itl_p99_ms,
+                t.tokens_per_s,
+                (n1 - n0) as f64 / (c1 - c0).max(1) as f64
+            );
+        }
+        Ok::<_, Box<dyn std::error::Error>>(())
+    })
+}

@@ -1,0 +1,46 @@
+//! Repeated timings and their spread.
+
+use nsactor_plugin_api::EngineError;
+use std::time::Instant;
+
+/// Median and spread of repeated timings, in nanoseconds per call.
+#[derive(Debug, Clone, Copy)]
+pub struct Spread {
+    pub median_ns: f64,
+    pub p10_ns: f64,
+    pub p90_ns: f64,
+}
+
+pub fn time<F: FnMut() -> Result<(), EngineError>>(
+    iters: usize,
+    reps: usize,
+    mut f: F,
+) -> Result<Spread, EngineError> {
+    for _ in 0..iters.min(1000) {
+        f()?;
+    }
+    let mut per_call: Vec<f64> = (0..reps)
+        .map(|_| {
+            let t = Instant::now();
+            for _ in 0..iters {
+                f()?;
+            }
+            Ok(t.elapsed().as_nanos() as f64 / iters as f64)
+        })
+        .collect::<Result<_, EngineError>>()?;
+    per_call.sort_by(|a, b| a.total_cmp(b));
+    let at = |q: f64| per_call[((per_call.len() - 1) as f64 * q).round() as usize];
+    Ok(Spread {
+        median_ns: at(0.5),
+        p10_ns: at(0.1),
+        p90_ns: at(0.9),
+    })
+}
+
+pub fn pct(v: &mut [f64], q: f64) -> f64 {
+    if v.is_empty() {
+        return f64::NAN;
+    }
+    v.sort_by(f64::total_cmp);
+    v[((v.len() - 1) as f64 * q).round() as usize]
+}

@@ -1,0 +1,74 @@
+//! `nsactor eval`: held-out loss of a checkpoint.
+
+use crate::args::ModelArgs;
+use nsactor_runtime::launch::{self};
+use std::path::PathBuf;
+
+#[derive(clap::Args)]
+pub struct EvalArgs {
+    #[command(flatten)]
+    model: ModelArgs,
+    /// Prepared shards (`nsactor data prepare`) to draw the batches from.
+    #[arg(long)]
+    data: Option<PathBuf>,
+    /// Corpus files instead (text, .jsonl, .json; .xz/.gz). Default: the bundled corpus.
+    #[arg(long, num_args = 1..)]
+    corpus: Vec<PathBuf>,
+    /// Batches to average over (drawn in the run's seeded order, the same every time).
+    #[arg(long, default_value_t = 8)]
+    batches: usize,
+    /// Sequences per batch (default: the run's batch_size).
+    #[arg(long)]
+    batch_size: Option<usize>,
+    /// Tokens per sequence (default: the run's seq_len).
+    #[arg(long)]
+    seq_len: Option<usize>,
+}
+
+pub fn run(a: EvalArgs) -> crate::CliResult {
+    if a.batches == 0 {
+        return Err("--batches must be at least 1".into());
+    }
+    let mut l = launch::load_checkpoint(&a.model.options())?;
+    let mut cfg = l.config.clone();
+    if let Some(t) = a.seq_len {
+        cfg.train.seq_len = t;
+    }
+    let batch = a.batch_size.unwrap_or(cfg.train.batch_size);
+    if batch == 0 || cfg.train.seq_len == 0 {
+        return Err("--batch-size and --seq-len must be at least 1".into());
+    }
+    let mut sampler =
+        launch::make_sampler(&cfg, &l.tokenizer, &a.corpus, a.data.as_deref(), false)?;
+    let t0 = std::time::Instant::now();
+    let (mut weighted, mut scored) = (0.0f64, 0u64);
+    for i in 0..a.batches {
+        let b = sampler.next_batch(batch, cfg.train.seq_len)?;
+        let n = nsactor_runtime::engine::scored_tokens(&b);
+        let ce = l.pipeline.eval_ce(&b)?;
+        tracing::debug!("batch {i}: CE {ce:.5} over {n} tokens");
+        weighted += ce * n as f64;
+        scored += n;
+    }
+    if scored == 0 {
+        return Err("the batches hold no scored tokens".into());
+    }
+    let ce = weighted / scored as f64;
+    let info = l.pipeline.backend().info();
+    println!(
+        "held-out CE {ce:.5} (perplexity {:.3}) over {scored} tokens in {} batches of {batch} × {}; {} {} [{}], GEMMs {}; {:.1} s",
+        ce.exp(),
+        a.batches,
+        cfg.train.seq_len,
+        info.name,
+        info.version,
+        info.devices.first().map_or("", String::as_str),
+        a.model
+            .precision
+            .as_deref()
+            .or(cfg.backend.precision.as_deref())
+            .unwrap_or("fp32"),
+        t0.elapsed().as_secs_f64()
+    );
+    Ok(())
+}

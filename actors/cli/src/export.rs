@@ -1,0 +1,55 @@
+//! `nsactor export` and `nsactor import`: Hugging Face directories in and out.
+
+use nsactor_runtime::backend;
+use std::path::PathBuf;
+
+#[derive(clap::Args)]
+pub struct ExportArgs {
+    /// A checkpoint directory, a checkpoints root or a run directory (its newest valid
+    /// checkpoint is used).
+    #[arg(long)]
+    checkpoint: PathBuf,
+    #[arg(long, default_value = "hf", value_parser = ["hf"])]
+    format: String,
+    /// Output directory.
+    #[arg(long)]
+    out: PathBuf,
+    /// The run's tokenizer.json (default: the one in the checkpoint's config).
+    #[arg(long)]
+    tokenizer: Option<PathBuf>,
+}
+
+#[derive(clap::Args)]
+pub struct ImportArgs {
+    /// A Hugging Face NeuronSpark directory.
+    #[arg(long)]
+    from: PathBuf,
+    #[arg(long, default_value = "hf", value_parser = ["hf"])]
+    format: String,
+    /// The run directory to create.
+    #[arg(long)]
+    out: PathBuf,
+    /// Backend that opens the stages to write the checkpoint.
+    #[arg(long, default_value = backend::EMBEDDED)]
+    backend: String,
+}
+
+/// `nsactor export`.
+pub fn export(a: ExportArgs) -> crate::CliResult {
+    let dir = nsactor_runtime::export::export_hf(&a.checkpoint, &a.out, a.tokenizer.as_deref())?;
+    println!("exported {} to {}", dir.display(), a.out.display());
+    Ok(())
+}
+
+/// `nsactor import`.
+pub fn import(a: ImportArgs) -> crate::CliResult {
+    let compute = backend::open(&a.backend, &[])?;
+    let dir = nsactor_runtime::export::import_hf(&a.from, &a.out, compute)?;
+    println!(
+        "imported {} as {}; continue with: nsactor train --config {} --resume",
+        a.from.display(),
+        dir.display(),
+        a.out.join("config.toml").display()
+    );
+    Ok(())
+}

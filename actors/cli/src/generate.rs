@@ -1,0 +1,108 @@
+//! `nsactor generate`: streaming generation to stdout, or an interactive chat loop.
+
+use crate::args::ModelArgs;
+use nsactor_runtime::launch::{self};
+use std::sync::Arc;
+
+#[derive(clap::Args)]
+pub struct GenerateArgs {
+    #[command(flatten)]
+    model: ModelArgs,
+    /// The prompt (ignored with --chat).
+    prompt: Option<String>,
+    /// Interactive chat: each line you type is a user turn (ChatML).
+    #[arg(long)]
+    chat: bool,
+    #[arg(long, default_value_t = 128)]
+    max_tokens: usize,
+    #[arg(long, default_value_t = 0.8)]
+    temperature: f32,
+    #[arg(long, default_value_t = 50)]
+    top_k: usize,
+    #[arg(long, default_value_t = 0.95)]
+    top_p: f32,
+    #[arg(long, default_value_t = 1.1)]
+    repetition_penalty: f32,
+    #[arg(long)]
+    seed: Option<u64>,
+}
+
+pub fn run(a: GenerateArgs) -> crate::CliResult {
+    use nsactor_server::generate::GenEvent;
+    use nsactor_server::protocol::{ChatMessage, PromptSpec, SamplingOptions};
+    use std::io::{BufRead, Write};
+    let l = launch::load_checkpoint(&a.model.options())?;
+    let state = crate::serve::server_state(&l, 1, 0, l.name.clone());
+    let options = || SamplingOptions {
+        max_tokens: Some(a.max_tokens),
+        temperature: Some(a.temperature),
+        top_k: Some(a.top_k),
+        top_p: Some(a.top_p),
+        repetition_penalty: Some(a.repetition_penalty),
+        seed: a.seed,
+        stop: None,
+        ignore_eos: false,
+    };
+    // Streams one answer to stdout; returns its text.
+    let run = |prompt: PromptSpec| -> Result<String, Box<dyn std::error::Error>> {
+        let spec = options().validate(prompt, false, &state.limits)?;
+        let (tx, mut rx) = tokio::sync::mpsc::channel(64);
+        let g = state.clone();
+        l.pipeline.block_on(async move {
+            let job = tokio::spawn(async move {
+                g.generator
+                    .run(
+                        spec,
+                        tx,
+                        Arc::new(std::sync::atomic::AtomicBool::new(false)),
+                    )
+                    .await
+            });
+            let mut text = String::new();
+            let mut out = std::io::stdout();
+            while let Some(e) = rx.recv().await {
+                if let GenEvent::Delta { text: t, .. } = e {
+                    print!("{t}");
+                    let _ = out.flush();
+                    text.push_str(&t);
+                }
+            }
+            println!();
+            let f = job.await.map_err(|e| e.to_string())??;
+            tracing::info!(
+                "{} tokens, {:.0} ms to the first, {:.1} tokens/s ({})",
+                f.usage.completion_tokens,
+                f.timing.time_to_first_token_ms,
+                f.timing.tokens_per_s,
+                f.finish_reason
+            );
+            Ok(text)
+        })
+    };
+    if !a.chat {
+        let prompt = a.prompt.clone().ok_or("give a prompt, or --chat")?;
+        run(PromptSpec::Text(prompt))?;
+        return Ok(());
+    }
+    let mut messages: Vec<ChatMessage> = Vec::new();
+    let stdin = std::io::stdin();
+    eprint!("> ");
+    for line in stdin.lock().lines() {
+        let line = line?;
+        if line.trim().is_empty() {
+            eprint!("> ");
+            continue;
+        }
+        messages.push(ChatMessage {
+            role: "user".into(),
+            content: line,
+        });
+        let answer = run(PromptSpec::Chat(messages.clone()))?;
+        messages.push(ChatMessage {
+            role: "assistant".into(),
+            content: answer,
+        });
+        eprint!("> ");
+    }
+    Ok(())
+}

@@ -1,0 +1,111 @@
+//! `nsactor`: train and serve NeuronSpark spiking language models.
+//!
+//! One module per command; each holds its arguments (clap) and its handler, and reaches the
+//! model only through `nsactor-runtime` (and `nsactor-server` for serving). Benchmarks and
+//! their printing live under [`bench`]; nothing outside this crate imports them.
+
+mod args;
+mod bench;
+mod data;
+mod eval;
+mod export;
+mod generate;
+mod plugins;
+mod serve;
+mod train;
+mod verify;
+
+use clap::{Parser, Subcommand};
+use std::process::ExitCode;
+
+/// What a command returns: its error is printed as `error: …` and the exit code is 1.
+pub type CliResult = Result<(), Box<dyn std::error::Error>>;
+
+#[derive(Parser)]
+#[command(
+    name = "nsactor",
+    version,
+    about = "Train and serve NeuronSpark spiking language models"
+)]
+struct Cli {
+    /// Log format on stderr: `human` or `json` (one object per line). Levels and targets come
+    /// from $NSACTOR_LOG (tracing filter syntax, e.g. `debug` or `nsactor=debug`).
+    #[arg(long, global = true, default_value = "human", value_parser = ["human", "json"])]
+    log_format: String,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Train a model (default: the tiny config on the bundled corpus, on CPU).
+    Train(train::TrainArgs),
+    /// List the backend plugins on the search path: name, version, ABI version, devices.
+    Plugins(plugins::PluginsArgs),
+    /// Benchmarks that print a figure, the device and the comparison.
+    #[command(subcommand)]
+    Bench(bench::BenchCommand),
+    /// Replay the reference's golden runs on a backend and check the tolerances.
+    #[command(subcommand)]
+    Verify(verify::VerifyCommand),
+    /// Tokenizers.
+    #[command(subcommand)]
+    Tokenizer(data::TokenizerCommand),
+    /// Datasets.
+    #[command(subcommand)]
+    Data(data::DataCommand),
+    /// Serve a checkpoint: streaming generation over WebSocket (`/ws`) and OpenAI-style HTTP
+    /// (`/v1/completions`, `/v1/chat/completions`), a chat page at `/`.
+    Serve(serve::ServeArgs),
+    /// Generate from a checkpoint, streaming to stdout; `--chat` for an interactive loop.
+    Generate(generate::GenerateArgs),
+    /// Held-out loss of a checkpoint: mean cross entropy and perplexity over batches of
+    /// prepared shards or corpus files (e.g. the same weights with `--precision fp32` and `bf16`).
+    Eval(eval::EvalArgs),
+    /// Write a checkpoint as a Hugging Face directory (config.json, model.safetensors with
+    /// `model.` names, tokenizer.json).
+    Export(export::ExportArgs),
+    /// Make a run directory (config.toml, tokenizer.json, a step-0 checkpoint) from a Hugging
+    /// Face directory; `nsactor train --config DIR/config.toml --resume` trains on from it.
+    Import(export::ImportArgs),
+}
+
+fn init_logging(format: &str) {
+    let filter = tracing_subscriber::EnvFilter::try_from_env("NSACTOR_LOG")
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let b = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_target(false)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()));
+    if format == "json" {
+        b.json().init();
+    } else {
+        b.init();
+    }
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    init_logging(&cli.log_format);
+    let result = match cli.command {
+        Command::Train(a) => train::run(a),
+        Command::Plugins(a) => plugins::run(a),
+        Command::Bench(c) => bench::run(c),
+        Command::Verify(c) => verify::run(c),
+        Command::Tokenizer(c) => data::tokenizer(c),
+        Command::Data(c) => data::data(c),
+        Command::Serve(a) => serve::run(a),
+        Command::Generate(a) => generate::run(a),
+        Command::Eval(a) => eval::run(a),
+        Command::Export(a) => export::export(a),
+        Command::Import(a) => export::import(a),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}

@@ -1,0 +1,109 @@
+//! `nsactor train`: a training run from the command line.
+
+use crate::args::LayoutArgs;
+use nsactor_plugin_api::OptimizerKind;
+use nsactor_runtime::config::{Overrides, RunConfig};
+use nsactor_runtime::launch::{self};
+use nsactor_runtime::train;
+use std::path::PathBuf;
+
+#[derive(clap::Args)]
+pub struct TrainArgs {
+    /// Run config (TOML with [model] and [train]); default: the embedded configs/tiny.toml.
+    #[arg(long)]
+    config: Option<PathBuf>,
+    /// Corpus files (text, .jsonl, .json; .xz/.gz); with --sft, conversation files (alpaca,
+    /// ShareGPT `conversations` or `messages`). Default: the bundled public-domain books.
+    #[arg(long, num_args = 1.., conflicts_with = "data")]
+    corpus: Vec<PathBuf>,
+    /// Prepared shards (`nsactor data prepare`); their tokenizer must be the run's.
+    #[arg(long)]
+    data: Option<PathBuf>,
+    /// tokenizer.json; overrides [data].tokenizer (default: the bundled tokenizer).
+    #[arg(long)]
+    tokenizer: Option<PathBuf>,
+    /// Override [train].steps.
+    #[arg(long)]
+    steps: Option<u64>,
+    /// Override [train].out_dir.
+    #[arg(long)]
+    out: Option<PathBuf>,
+    /// Override [train].seed.
+    #[arg(long)]
+    seed: Option<u64>,
+    /// Fine-tune with AdamW (weight decay 0.01 on the base group) instead of Adam.
+    #[arg(long)]
+    sft: bool,
+    #[command(flatten)]
+    layout: LayoutArgs,
+    /// Continue from the newest valid checkpoint in `<out_dir>/checkpoints` (a fresh start
+    /// when there is none).
+    #[arg(long)]
+    resume: bool,
+    /// Override [train].checkpoint_every.
+    #[arg(long)]
+    checkpoint_every: Option<u64>,
+    /// Inject one failure to exercise recovery: `layer-panic:LAYER:STEP` (the layer actor
+    /// panics; the supervisor rebuilds the actors and rolls back to the newest checkpoint) or
+    /// `crash-in-checkpoint:STEP` (the process aborts mid-checkpoint). Overrides
+    /// [train].inject_fault.
+    #[arg(long)]
+    inject_fault: Option<String>,
+}
+
+pub fn run(args: TrainArgs) -> crate::CliResult {
+    let mut cfg = RunConfig::load(args.config.as_deref())?;
+    cfg.apply(&Overrides {
+        steps: args.steps,
+        out_dir: args.out.clone(),
+        seed: args.seed,
+        checkpoint_every: args.checkpoint_every,
+        inject_fault: args.inject_fault.clone(),
+        tokenizer: args.tokenizer.clone(),
+        ..args.layout.overrides()?
+    })?;
+    let tok = nsactor_data::cli::load_tokenizer(cfg.data.tokenizer.as_deref())?;
+    train::check_tokenizer(&cfg, &tok)?;
+    let sampler = launch::make_sampler(&cfg, &tok, &args.corpus, args.data.as_deref(), args.sft)?;
+    let compute = launch::open_backend(&cfg, args.layout.backend.as_deref())?;
+    let optimizer = if args.sft {
+        OptimizerKind::AdamW
+    } else {
+        OptimizerKind::Adam
+    };
+    let mut pipeline = launch::launch(compute, &cfg, optimizer, Some(sampler))?;
+    let mut first_step = 0;
+    if args.resume {
+        first_step = launch::resume(&cfg, &tok, &mut pipeline)?;
+    }
+    let summary = train::run(
+        &cfg,
+        &mut pipeline,
+        first_step,
+        Some(tok.hash().to_string()),
+    )?;
+    let first = summary.losses.first().copied().unwrap_or(f64::NAN);
+    let last = summary.losses.last().copied().unwrap_or(f64::NAN);
+    tracing::info!(
+        "loss {first:.4} → {last:.4}; {:.0} tokens/s; weights in {}",
+        summary.tokens_per_s,
+        summary.weights.display()
+    );
+    let mut ids = vec![i64::from(tok.bos_id())];
+    ids.extend(tok.encode("Emma was")?.into_iter().map(i64::from));
+    // The sample: seeded nucleus sampling with a repetition penalty (a small model's greedy
+    // text loops), stopping at the end token, never emitting the other specials.
+    let eos = i64::from(tok.eos_id());
+    let specials: Vec<i64> = (0..5).filter(|&id| id != eos).collect();
+    let sampling = nsactor_runtime::decode::SamplingParams {
+        temperature: 0.8,
+        top_k: 50,
+        top_p: 0.95,
+        repetition_penalty: 1.2,
+        seed: cfg.train.seed,
+    };
+    let out = pipeline.generate(&ids, 60, Some(eos), &specials, sampling)?;
+    let out: Vec<u32> = out.iter().map(|&t| t as u32).collect();
+    println!("{}", tok.decode(&out, true)?.replace('\n', " "));
+    Ok(())
+}

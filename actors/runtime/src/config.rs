@@ -1,0 +1,397 @@
+//! Run configuration: a TOML file with a `[model]` table (validated by the engine), a `[train]`
+//! table (validated here) and an optional `[data]` table. Unknown tables and keys are errors.
+
+use crate::error::RuntimeError;
+use serde::{Deserialize, Serialize};
+use std::path::{Path, PathBuf};
+
+/// The embedded default: `configs/tiny.toml`.
+pub const DEFAULT_CONFIG: &str = include_str!("../../../configs/tiny.toml");
+
+/// A two-layer model small enough for tests and for timing the boundary (compute per call
+/// is small, so overhead shows).
+pub const TINY_MODEL: &str = "[model]\nvocab_size = 512\nD = 64\nN = 4\nK = 4\nnum_layers = 2\n\
+                              D_ff = 192\nv_th_min = 0.1\nplif_out = \"leak\"\n";
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RunConfig {
+    pub model: toml::Table,
+    pub train: TrainConfig,
+    #[serde(default)]
+    pub backend: BackendConfig,
+    #[serde(default)]
+    pub data: DataConfig,
+}
+
+/// `[backend]`: which compute backend runs the model (overridden by `--backend`).
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct BackendConfig {
+    /// `embedded`, a plugin name (`ndarray`, `cuda`) or a plugin library path; default:
+    /// `embedded` when the binary has it, else `ndarray`.
+    pub name: Option<String>,
+    /// Extra directories to search for plugins, after `$NSACTOR_PLUGIN_PATH`.
+    #[serde(default)]
+    pub plugin_path: Vec<PathBuf>,
+    /// Arithmetic of the projection GEMMs: `fp32` (exact, the default; parity with the
+    /// reference) or `bf16` (bf16 inputs, fp32 accumulation; CUDA only). Master weights,
+    /// optimizer state, membrane states and elementwise work stay fp32 either way.
+    pub precision: Option<String>,
+    /// How the CUDA plugin maps worker threads to streams: `per-thread` (its default, CubeCL's
+    /// own: a stream and a memory pool per thread, so the stages and the edge on one GPU
+    /// overlap) or `shared` (one stream and one pool per GPU: half the memory when several
+    /// stages share a GPU, without that overlap).
+    #[serde(default)]
+    pub streams: Option<String>,
+}
+
+impl BackendConfig {
+    /// The option string handed to the plugin when it is opened (`precision=…,streams=…`).
+    pub fn plugin_options(&self) -> String {
+        [
+            self.precision.as_ref().map(|p| format!("precision={p}")),
+            self.streams.as_ref().map(|s| format!("streams={s}")),
+        ]
+        .into_iter()
+        .flatten()
+        .collect::<Vec<_>>()
+        .join(",")
+    }
+}
+
+/// `[data]`: how training rows are made.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct DataConfig {
+    /// Pack documents (separated by `<|im_end|>`) into full windows; `false` is the reference's
+    /// one padded document per row (SPEC §8).
+    pub packing: bool,
+    /// tokenizer.json of the run; default: the bundled 2048-token tokenizer.
+    pub tokenizer: Option<PathBuf>,
+    /// JSON field holding the text of `.jsonl`/`.json` corpora.
+    pub text_field: String,
+}
+
+impl Default for DataConfig {
+    fn default() -> Self {
+        DataConfig {
+            packing: true,
+            tokenizer: None,
+            text_field: "text".into(),
+        }
+    }
+}
+
+/// `[train] schedule`: see [`TrainConfig::schedule`].
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Schedule {
+    /// `fifo` on the CPU backend, `depth-first` on the others ([`Schedule::resolve`]).
+    #[default]
+    Auto,
+    Fifo,
+    DepthFirst,
+}
+
+impl Schedule {
+    /// The schedule a pipeline on the backend named `backend` runs: `auto` keeps the CPU
+    /// backend (`ndarray`) bit-for-bit reproducible and gives accelerators the overlap.
+    pub fn resolve(self, backend: &str) -> Schedule {
+        match (self, backend) {
+            (Schedule::Auto, "ndarray") => Schedule::Fifo,
+            (Schedule::Auto, _) => Schedule::DepthFirst,
+            (s, _) => s,
+        }
+    }
+}
+
+impl std::str::FromStr for Schedule {
+    type Err = RuntimeError;
+
+    fn from_str(s: &str) -> Result<Self, RuntimeError> {
+        match s {
+            "auto" => Ok(Schedule::Auto),
+            "fifo" => Ok(Schedule::Fifo),
+            "depth-first" => Ok(Schedule::DepthFirst),
+            other => Err(RuntimeError::Invalid(format!(
+                "schedule must be auto, fifo or depth-first, got `{other}`"
+            ))),
+        }
+    }
+}
+
+/// Values given on the command line that replace the config file's; `None` keeps the file's.
+/// [`RunConfig::apply`] applies them and validates the result.
+#[derive(Debug, Clone, Default)]
+pub struct Overrides {
+    pub steps: Option<u64>,
+    pub out_dir: Option<PathBuf>,
+    pub seed: Option<u64>,
+    pub batch_size: Option<usize>,
+    pub seq_len: Option<usize>,
+    pub accumulation: Option<usize>,
+    pub pipeline: Option<usize>,
+    pub devices: Option<Vec<usize>>,
+    pub schedule: Option<Schedule>,
+    pub keep_activations: Option<usize>,
+    pub checkpoint_every: Option<u64>,
+    pub inject_fault: Option<String>,
+    pub precision: Option<String>,
+    pub tokenizer: Option<PathBuf>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TrainConfig {
+    /// Optimizer steps.
+    pub steps: u64,
+    /// Sequences per micro-batch.
+    pub batch_size: usize,
+    /// Tokens per sequence the model sees (T).
+    pub seq_len: usize,
+    /// Micro-batches per optimizer step.
+    pub accumulation: usize,
+    /// Peak base learning rate.
+    pub lr: f64,
+    /// Neuron parameters train at `lr × neuron_lr_mult` (SPEC §7.1).
+    pub neuron_lr_mult: f64,
+    /// Linear warmup length in micro-steps (SPEC §7.2).
+    pub warmup_iters: u64,
+    /// The cosine decays to `lr × min_lr_ratio`.
+    pub min_lr_ratio: f64,
+    /// λ of the ponder cost (the released run used 0).
+    pub ponder_weight: f64,
+    pub max_grad_norm: f64,
+    pub seed: u64,
+    pub log_interval: u64,
+    pub out_dir: PathBuf,
+    /// Pipeline stages P (`--pipeline`): the layers split into P groups, each with its own
+    /// worker thread on its device; up to P micro-batches are in flight (1F1B).
+    #[serde(default = "one")]
+    pub pipeline: usize,
+    /// Micro-batch order on the stage workers: `fifo` (jobs of a class run as they arrive, at
+    /// most P micro-batches in flight; bit-for-bit reproducible on the CPU backend),
+    /// `depth-first` (the oldest micro-batch first, at most 2P in flight: stages of several
+    /// layers overlap instead of taking turns, 1.80× on two GPUs against 1.10× for `fifo`; on
+    /// multi-threaded CPU kernels the last bits of a run may vary, as concurrent reductions do)
+    /// or `auto` (the default: `fifo` on the CPU backend, `depth-first` elsewhere).
+    #[serde(default)]
+    pub schedule: Schedule,
+    /// Layers per pipeline stage, counted from its last, that keep their forward's autodiff
+    /// graph until their backward instead of recomputing the forward there (`0`, the default:
+    /// every layer recomputes, i.e. activation checkpointing per layer). Each kept layer saves
+    /// one forward pass per micro-batch and holds its activations meanwhile: at the 0.9B shape
+    /// with batch 4 in bf16, a few GB per layer and micro-batch in flight.
+    #[serde(default)]
+    pub keep_activations: usize,
+    /// Devices the stages are spread over (`--devices 0,1`); default: device 0.
+    #[serde(default)]
+    pub devices: Option<Vec<usize>>,
+    /// Write a checkpoint every this many steps (0: only at the end of the run).
+    #[serde(default)]
+    pub checkpoint_every: u64,
+    /// Checkpoints kept (the newest by step number; 0 keeps all).
+    #[serde(default = "three")]
+    pub keep_checkpoints: usize,
+    /// Recoveries from actor failures a run may make before it gives up.
+    #[serde(default = "three_u32")]
+    pub max_restarts: u32,
+    /// A failure to inject once, to exercise recovery: `layer-panic:LAYER:STEP` or
+    /// `crash-in-checkpoint:STEP` (`--inject-fault`).
+    #[serde(default)]
+    pub inject_fault: Option<String>,
+}
+
+fn three_u32() -> u32 {
+    3
+}
+
+fn one() -> usize {
+    1
+}
+
+fn three() -> usize {
+    3
+}
+
+impl RunConfig {
+    /// Replaces the values `o` sets and validates `[train]` again.
+    pub fn apply(&mut self, o: &Overrides) -> Result<(), RuntimeError> {
+        let t = &mut self.train;
+        macro_rules! set {
+            ($($field:ident => $target:expr),* $(,)?) => {
+                $(if let Some(v) = &o.$field {
+                    $target = v.clone().into();
+                })*
+            };
+        }
+        set! {
+            steps => t.steps,
+            out_dir => t.out_dir,
+            seed => t.seed,
+            batch_size => t.batch_size,
+            seq_len => t.seq_len,
+            accumulation => t.accumulation,
+            pipeline => t.pipeline,
+            devices => t.devices,
+            schedule => t.schedule,
+            keep_activations => t.keep_activations,
+            checkpoint_every => t.checkpoint_every,
+            inject_fault => t.inject_fault,
+            precision => self.backend.precision,
+            tokenizer => self.data.tokenizer,
+        }
+        self.train.validate("after the command-line options")
+    }
+
+    pub fn from_str(text: &str, origin: &str) -> Result<Self, RuntimeError> {
+        let cfg: RunConfig = toml::from_str(text)
+            .map_err(|e| RuntimeError::ConfigParse(origin.into(), e.to_string()))?;
+        cfg.train.validate(origin)?;
+        if let Some(p) = &cfg.backend.precision
+            && p != "fp32"
+            && p != "bf16"
+        {
+            return Err(RuntimeError::ConfigParse(
+                origin.into(),
+                format!("[backend] precision = `{p}`: expected `fp32` or `bf16`"),
+            ));
+        }
+        if let Some(s) = &cfg.backend.streams
+            && s != "shared"
+            && s != "per-thread"
+        {
+            return Err(RuntimeError::ConfigParse(
+                origin.into(),
+                format!("[backend] streams = `{s}`: expected `shared` or `per-thread`"),
+            ));
+        }
+        Ok(cfg)
+    }
+
+    pub fn load(path: Option<&Path>) -> Result<Self, RuntimeError> {
+        match path {
+            None => Self::from_str(DEFAULT_CONFIG, "embedded configs/tiny.toml"),
+            Some(p) => {
+                let text = std::fs::read_to_string(p)
+                    .map_err(|e| RuntimeError::ConfigRead(p.into(), e))?;
+                Self::from_str(&text, &p.display().to_string())
+            }
+        }
+    }
+
+    /// The `[model]` table as TOML text for the engine.
+    pub fn model_toml(&self) -> String {
+        let mut doc = toml::Table::new();
+        doc.insert("model".into(), toml::Value::Table(self.model.clone()));
+        toml::to_string(&doc).expect("a TOML table serialises")
+    }
+
+    /// `vocab_size` of the model table, if present and a positive integer.
+    pub fn vocab_size(&self) -> Option<usize> {
+        self.model
+            .get("vocab_size")?
+            .as_integer()
+            .and_then(|v| usize::try_from(v).ok())
+    }
+}
+
+impl TrainConfig {
+    /// Checks the values (run again after command-line overrides); `origin` names the config
+    /// in the error.
+    pub fn validate(&self, origin: &str) -> Result<(), RuntimeError> {
+        self.check()
+            .map_err(|m| RuntimeError::ConfigInvalid(origin.into(), m))
+    }
+
+    /// The first value out of range, described.
+    fn check(&self) -> Result<(), String> {
+        let positive = [
+            ("steps", self.steps as usize),
+            ("batch_size", self.batch_size),
+            ("seq_len", self.seq_len),
+            ("accumulation", self.accumulation),
+            ("log_interval", self.log_interval as usize),
+            ("pipeline", self.pipeline),
+        ];
+        if let Some((name, _)) = positive.iter().find(|(_, v)| *v == 0) {
+            return Err(format!("`{name}` must be positive"));
+        }
+        let finite = [
+            ("lr", self.lr),
+            ("neuron_lr_mult", self.neuron_lr_mult),
+            ("min_lr_ratio", self.min_lr_ratio),
+            ("ponder_weight", self.ponder_weight),
+            ("max_grad_norm", self.max_grad_norm),
+        ];
+        if let Some((name, v)) = finite.iter().find(|(_, v)| !v.is_finite() || *v < 0.0) {
+            return Err(format!("`{name}` must be finite and ≥ 0, got {v}"));
+        }
+        if let Some(f) = &self.inject_fault {
+            f.parse::<crate::pipeline::topology::Fault>()
+                .map_err(|e| format!("`inject_fault`: {e}"))?;
+        }
+        Ok(())
+    }
+
+    /// Learning rate at micro-step `it` (SPEC §7.2): linear warmup, then cosine from `lr` to
+    /// `lr × min_lr_ratio` at `total` micro-steps, constant after.
+    pub fn lr_at(&self, it: u64, total: u64) -> f64 {
+        let base = self.lr;
+        let floor = base * self.min_lr_ratio;
+        if it < self.warmup_iters {
+            return base * it as f64 / self.warmup_iters as f64;
+        }
+        if it > total || total <= self.warmup_iters {
+            return floor;
+        }
+        let progress = (it - self.warmup_iters) as f64 / (total - self.warmup_iters) as f64;
+        floor + 0.5 * (1.0 + (std::f64::consts::PI * progress).cos()) * (base - floor)
+    }
+}
+
+#[cfg(test)]
+mod schedule_tests {
+    use super::Schedule;
+
+    #[test]
+    fn auto_keeps_the_cpu_backend_reproducible_and_overlaps_elsewhere() {
+        assert_eq!(Schedule::default(), Schedule::Auto);
+        assert_eq!(Schedule::Auto.resolve("ndarray"), Schedule::Fifo);
+        assert_eq!(Schedule::Auto.resolve("cuda"), Schedule::DepthFirst);
+        assert_eq!(Schedule::Fifo.resolve("cuda"), Schedule::Fifo);
+        assert_eq!(
+            Schedule::DepthFirst.resolve("ndarray"),
+            Schedule::DepthFirst
+        );
+        let parsed: Schedule = toml::from_str::<toml::Value>("s = \"auto\"").unwrap()["s"]
+            .clone()
+            .try_into()
+            .unwrap();
+        assert_eq!(parsed, Schedule::Auto);
+    }
+}
+
+#[cfg(test)]
+mod backend_tests {
+    use super::{DEFAULT_CONFIG, RunConfig};
+
+    fn with(backend: &str) -> Result<RunConfig, super::RuntimeError> {
+        RunConfig::from_str(&format!("{DEFAULT_CONFIG}\n[backend]\n{backend}"), "test")
+    }
+
+    #[test]
+    fn backend_options_reach_the_plugin_and_bad_values_are_refused() {
+        let cfg = with("precision = \"bf16\"\nstreams = \"per-thread\"\n").unwrap();
+        assert_eq!(
+            cfg.backend.plugin_options(),
+            "precision=bf16,streams=per-thread"
+        );
+        let cfg = with("streams = \"shared\"\n").unwrap();
+        assert_eq!(cfg.backend.plugin_options(), "streams=shared");
+        assert_eq!(with("").unwrap().backend.plugin_options(), "");
+        let e = with("streams = \"two\"\n").unwrap_err().to_string();
+        assert!(e.contains("streams") && e.contains("per-thread"), "{e}");
+    }
+}

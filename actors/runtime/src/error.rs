@@ -1,0 +1,93 @@
+//! [`RuntimeError`]: the one error type of the runtime, from reading a config to a stage that
+//! failed inside a pipeline step. The front ends map it to their wire (the CLI prints it, the
+//! server turns it into an HTTP status in `nsactor-server`'s `error.rs`).
+
+use nsactor_data::DataError;
+use nsactor_plugin_api::EngineError;
+use std::path::PathBuf;
+
+/// Why a runtime call failed.
+#[derive(Debug, thiserror::Error)]
+pub enum RuntimeError {
+    /// A backend or stage call failed.
+    #[error("{0}")]
+    Engine(#[from] EngineError),
+    /// A stage call failed inside the pipeline; `who` names the actor.
+    #[error("{who}: {error}")]
+    Stage { who: String, error: EngineError },
+    /// Reading, tokenizing or sampling the data failed.
+    #[error("data: {0}")]
+    Data(#[from] DataError),
+    /// A config file could not be read.
+    #[error("cannot read config {0}: {1}")]
+    ConfigRead(PathBuf, std::io::Error),
+    /// A config does not parse (unknown keys name their path).
+    #[error("config {0}: {1}")]
+    ConfigParse(String, String),
+    /// A config parses but a `[train]` value is out of range.
+    #[error("config {0}: [train] {1}")]
+    ConfigInvalid(String, String),
+    /// A checkpoint file could not be read or written.
+    #[error("checkpoint {0}: {1}")]
+    CheckpointIo(PathBuf, std::io::Error),
+    /// A checkpoint is damaged or does not belong to this run.
+    #[error("checkpoint {0}: {1}")]
+    Checkpoint(PathBuf, String),
+    /// A weights file (safetensors) is malformed.
+    #[error("weights: {0}")]
+    Weights(String),
+    /// A Hugging Face directory could not be read or written (`nsactor export`/`import`).
+    #[error("{0}")]
+    Convert(String),
+    /// A run file (metrics, plot, weights, cursor) could not be written.
+    #[error("{0}: {1}")]
+    Io(PathBuf, std::io::Error),
+    /// A request the runtime refuses: a device that does not exist, a tokenizer that does not
+    /// fit the model or the checkpoint, an option out of range.
+    #[error("{0}")]
+    Invalid(String),
+    /// The pipeline lost an actor and cannot continue.
+    #[error("the pipeline cannot continue: {0}")]
+    Broken(String),
+    /// The actor system itself failed (spawning, messaging).
+    #[error("actor runtime: {0}")]
+    Runtime(String),
+    /// The step failed, the supervisor rebuilt the actors and rolled the run back to the
+    /// newest checkpoint (step `to_step`); the run continues from there.
+    #[error("{cause}; recovered in {seconds:.2} s, continuing after step {to_step}")]
+    Recovered {
+        cause: String,
+        to_step: u64,
+        seconds: f64,
+    },
+}
+
+impl RuntimeError {
+    /// A copy of this error for each session of a failed decoding cohort: engine and stage
+    /// errors exactly (the server tells a refused input from a fault by them), the rest by
+    /// their message.
+    pub fn for_each_session(&self) -> RuntimeError {
+        match self {
+            RuntimeError::Engine(e) => RuntimeError::Engine(e.clone()),
+            RuntimeError::Stage { who, error } => RuntimeError::Stage {
+                who: who.clone(),
+                error: error.clone(),
+            },
+            RuntimeError::Broken(m) => RuntimeError::Broken(m.clone()),
+            other => RuntimeError::Runtime(other.to_string()),
+        }
+    }
+}
+
+impl From<RuntimeError> for EngineError {
+    /// The engine error inside, or the runtime's reason as a backend error.
+    fn from(e: RuntimeError) -> Self {
+        match e {
+            RuntimeError::Engine(e) | RuntimeError::Stage { error: e, .. } => e,
+            other => EngineError::Backend(other.to_string()),
+        }
+    }
+}
+
+/// The runtime's results.
+pub type Result<T> = std::result::Result<T, RuntimeError>;

@@ -1,0 +1,218 @@
+//! Moving weights to and from the reference ecosystem: `nsactor export --format hf` writes a
+//! Hugging Face directory (`config.json`, `model.safetensors` with the reference's `model.`-
+//! prefixed names, `tokenizer.json`) from a checkpoint; `nsactor import --format hf` turns
+//! such a directory into a run directory with a step-0 checkpoint that `nsactor train --resume`
+//! continues from.
+
+use crate::config::RunConfig;
+use crate::engine::StagedModel;
+use crate::error::RuntimeError;
+use crate::pipeline::checkpoint::{self, CheckpointMeta, Loaded};
+use nsactor_data::Tokenizer;
+use nsactor_plugin_api::{ComputeBackend, OptimizerKind};
+use safetensors::SafeTensors;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+/// Prefix of every tensor name in a Hugging Face NeuronSpark `model.safetensors`.
+pub const HF_PREFIX: &str = "model.";
+
+/// The `[model]` keys that map one to one onto `config.json`.
+const MODEL_KEYS: [&str; 7] = [
+    "vocab_size",
+    "D",
+    "N",
+    "K",
+    "num_layers",
+    "D_ff",
+    "v_th_min",
+];
+
+/// Finds a checkpoint: `path` itself (it holds a manifest), else the newest valid one under
+/// `path` or `path/checkpoints`. Skipped checkpoints are logged.
+pub fn find_checkpoint(path: &Path) -> Result<Loaded, RuntimeError> {
+    if path.join(checkpoint::MANIFEST).exists() {
+        let (manifest, shards) = checkpoint::read(path)?;
+        return Ok(Loaded {
+            dir: path.to_path_buf(),
+            manifest,
+            shards,
+        });
+    }
+    for root in [path.to_path_buf(), path.join("checkpoints")] {
+        let (found, skipped) = checkpoint::latest_valid(&root);
+        for s in skipped {
+            tracing::warn!("{s}");
+        }
+        if let Some(l) = found {
+            return Ok(l);
+        }
+    }
+    Err(RuntimeError::Invalid(format!(
+        "no valid checkpoint at {} or under it",
+        path.display()
+    )))
+}
+
+/// `config.json` of a Hugging Face NeuronSpark directory from a `[model]` table.
+pub fn hf_config(model: &toml::Table) -> Result<serde_json::Value, RuntimeError> {
+    let mut c = serde_json::Map::new();
+    c.insert("model_type".into(), "neuronspark".into());
+    c.insert(
+        "architectures".into(),
+        serde_json::json!(["NeuronSparkForCausalLM"]),
+    );
+    for k in MODEL_KEYS {
+        let v = model
+            .get(k)
+            .ok_or_else(|| format!("the checkpoint's [model] has no `{k}`"))
+            .map_err(convert)?;
+        c.insert(k.into(), serde_json::to_value(v).map_err(convert)?);
+    }
+    if let Some(p) = model.get("plif_out").and_then(|v| v.as_str()) {
+        // Not a reference key: which neuron output the weights were trained with (SPEC §0.1).
+        c.insert("nsactor_plif_out".into(), p.into());
+    }
+    c.insert("torch_dtype".into(), "float32".into());
+    Ok(serde_json::Value::Object(c))
+}
+
+/// The `[model]` table of a Hugging Face `config.json`.
+pub fn model_from_hf(config: &serde_json::Value) -> Result<toml::Table, RuntimeError> {
+    let mut m = toml::Table::new();
+    for k in MODEL_KEYS {
+        let v = &config[k];
+        let value = if k == "v_th_min" {
+            // Not saved by every exporter; every reference loader uses 0.1 (SPEC §1.1).
+            toml::Value::Float(v.as_f64().unwrap_or(0.1))
+        } else {
+            toml::Value::Integer(
+                v.as_i64()
+                    .ok_or_else(|| format!("config.json: `{k}` must be an integer"))
+                    .map_err(convert)?,
+            )
+        };
+        m.insert(k.into(), value);
+    }
+    let plif = config["nsactor_plif_out"].as_str().unwrap_or("leak");
+    m.insert("plif_out".into(), plif.into());
+    Ok(m)
+}
+
+/// Writes `out/{config.json, model.safetensors, tokenizer.json}` from the checkpoint at
+/// `checkpoint` (see [`find_checkpoint`]). The tokenizer is `tokenizer` or the run's, and must
+/// be the one the checkpoint was trained with.
+pub fn export_hf(
+    checkpoint: &Path,
+    out: &Path,
+    tokenizer: Option<&Path>,
+) -> Result<PathBuf, RuntimeError> {
+    let l = find_checkpoint(checkpoint)?;
+    let cfg = RunConfig::from_str(&l.manifest.config, &format!("{}", l.dir.display()))?;
+    let tok_path = tokenizer
+        .map(Path::to_path_buf)
+        .or(cfg.data.tokenizer.clone());
+    let tok = nsactor_data::cli::load_tokenizer(tok_path.as_deref())?;
+    if let Some(h) = &l.manifest.tokenizer_sha256
+        && h != tok.hash()
+    {
+        return Err(RuntimeError::Invalid(format!(
+            "{} was trained with tokenizer {h}, but {} is {}; pass the run's tokenizer with --tokenizer",
+            l.dir.display(),
+            tok.origin(),
+            tok.hash()
+        )));
+    }
+    let merged = crate::weights::merge_params(&l.shards)?;
+    let st = SafeTensors::deserialize(&merged).map_err(convert)?;
+    let names: Vec<String> = st
+        .names()
+        .into_iter()
+        .map(|n| format!("{HF_PREFIX}{n}"))
+        .collect();
+    let views: Vec<_> = names
+        .iter()
+        .zip(st.names())
+        .map(|(hf, n)| (hf.as_str(), st.tensor(n).expect("listed")))
+        .collect();
+    let bytes = safetensors::serialize(views, None).map_err(convert)?;
+    std::fs::create_dir_all(out)
+        .map_err(|e| format!("{}: {e}", out.display()))
+        .map_err(convert)?;
+    let write = |name: &str, bytes: &[u8]| {
+        let p = out.join(name);
+        crate::weights::write_atomic(&p, bytes).map_err(|e| format!("{}: {e}", p.display()))
+    };
+    write("model.safetensors", &bytes).map_err(convert)?;
+    write(
+        "config.json",
+        serde_json::to_string_pretty(&hf_config(&cfg.model)?)
+            .map_err(convert)?
+            .as_bytes(),
+    )
+    .map_err(convert)?;
+    write("tokenizer.json", tok.to_json(true)?.as_bytes()).map_err(convert)?;
+    Ok(l.dir)
+}
+
+/// Makes `out` a run directory from the Hugging Face directory `hf`: `config.toml` (the HF
+/// model with the embedded default `[train]`), `tokenizer.json` and
+/// `checkpoints/step-00000000` (the weights, fresh optimizer state). `nsactor train --config
+/// out/config.toml --resume` then trains on from them.
+pub fn import_hf(
+    hf: &Path,
+    out: &Path,
+    backend: Arc<dyn ComputeBackend>,
+) -> Result<PathBuf, RuntimeError> {
+    let read = |name: &str| {
+        let p = hf.join(name);
+        std::fs::read(&p).map_err(|e| format!("{}: {e}", p.display()))
+    };
+    let config: serde_json::Value = serde_json::from_slice(&read("config.json").map_err(convert)?)
+        .map_err(|e| format!("{}: {e}", hf.join("config.json").display()))
+        .map_err(convert)?;
+    let weights = read("model.safetensors").map_err(convert)?;
+    std::fs::create_dir_all(out)
+        .map_err(|e| format!("{}: {e}", out.display()))
+        .map_err(convert)?;
+    let tok_path = out.join("tokenizer.json");
+    let tok = Tokenizer::from_json(
+        std::str::from_utf8(&read("tokenizer.json").map_err(convert)?).map_err(convert)?,
+        &hf.join("tokenizer.json").display().to_string(),
+    )?;
+    let mut cfg = RunConfig::load(None)?;
+    cfg.model = model_from_hf(&config)?;
+    cfg.train.out_dir = out.to_path_buf();
+    cfg.data.tokenizer = Some(tok_path.clone());
+    crate::train::check_tokenizer(&cfg, &tok)?;
+    let mut model = StagedModel::open(
+        backend,
+        &cfg.model_toml(),
+        cfg.train.seed,
+        OptimizerKind::Adam,
+        None,
+    )?;
+    model.load_model_bytes(&weights)?;
+    let shards = model.save_stages()?;
+    let text = toml::to_string(&cfg).map_err(convert)?;
+    let dir = checkpoint::write(
+        &out.join("checkpoints"),
+        &CheckpointMeta {
+            step: 0,
+            data_cursor: None,
+            seed: cfg.train.seed,
+            config: text.clone(),
+            tokenizer_sha256: Some(tok.hash().to_string()),
+        },
+        &shards,
+        0,
+    )?;
+    tok.save(&tok_path)?;
+    crate::weights::write_atomic(&out.join("config.toml"), text.as_bytes()).map_err(convert)?;
+    Ok(dir)
+}
+
+/// A failure reading or writing a Hugging Face directory, as the runtime's error.
+fn convert(e: impl std::fmt::Display) -> RuntimeError {
+    RuntimeError::Convert(e.to_string())
+}

@@ -1,0 +1,253 @@
+//! Opening a run: its backend, its pipeline of actors over freshly initialised or
+//! checkpointed stages, its data source, and resuming from its newest checkpoint. Every
+//! command that needs a model goes through here, so the sequence "open the stages with the
+//! plan's placement, then start the actors with the same plan" is written once.
+
+use crate::backend;
+use crate::config::RunConfig;
+use crate::engine::{StagedModel, model_layers};
+use crate::error::RuntimeError;
+use crate::pipeline::{Pipeline, PipelinePlan, checkpoint};
+use nsactor_data::{Mode, Sampler, ShardSet, Tokenizer};
+use nsactor_plugin_api::{ComputeBackend, OptimizerKind};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+/// The run's backend — `arg` (the command line's `--backend`), else `[backend] name`, else
+/// the default — opened with the config's plugin options.
+pub fn open_backend(
+    cfg: &RunConfig,
+    arg: Option<&str>,
+) -> Result<Arc<dyn ComputeBackend>, RuntimeError> {
+    let name = arg
+        .map(str::to_string)
+        .or_else(|| cfg.backend.name.clone())
+        .unwrap_or_else(|| backend::default_name().to_string());
+    Ok(backend::open_with(
+        &name,
+        &cfg.backend.plugin_path,
+        &cfg.backend.plugin_options(),
+    )?)
+}
+
+/// Every one of `devices` exists on `compute`.
+pub fn check_devices(
+    compute: &dyn nsactor_plugin_api::ComputeBackend,
+    devices: &[usize],
+) -> Result<(), RuntimeError> {
+    let info = compute.info();
+    match devices.iter().find(|&&d| d >= info.devices.len()) {
+        Some(bad) => Err(RuntimeError::Invalid(format!(
+            "device {bad} does not exist: {} has {} device(s)",
+            info.name,
+            info.devices.len()
+        ))),
+        None => Ok(()),
+    }
+}
+
+/// Opens `cfg`'s model on `compute` — its layers split over `[train] pipeline` stages on
+/// `[train] devices` — freshly initialised from `[train] seed`, and starts the actors over it;
+/// `sampler` feeds [`Pipeline::step`].
+pub fn launch(
+    compute: Arc<dyn ComputeBackend>,
+    cfg: &RunConfig,
+    optimizer: OptimizerKind,
+    sampler: Option<Sampler>,
+) -> Result<Pipeline, RuntimeError> {
+    let devices = cfg.train.devices.clone().unwrap_or_else(|| vec![0]);
+    check_devices(compute.as_ref(), &devices)?;
+    let model_toml = cfg.model_toml();
+    let plan = PipelinePlan::balanced(model_layers(&model_toml)?, cfg.train.pipeline, &devices)?;
+    let model = StagedModel::open(
+        compute,
+        &model_toml,
+        cfg.train.seed,
+        optimizer,
+        Some(plan.placement()),
+    )?;
+    Pipeline::start(model, plan, cfg.train.clone(), sampler)
+}
+
+/// A model on the actor pipeline, ready to serve or evaluate, with its tokenizer.
+pub struct Loaded {
+    pub pipeline: Pipeline,
+    pub tokenizer: Arc<Tokenizer>,
+    pub vocab: usize,
+    /// The run's name (its directory), or the config's.
+    pub name: String,
+    /// The run's configuration (from the checkpoint's manifest).
+    pub config: RunConfig,
+}
+
+/// Where and how to open a checkpoint for serving or evaluation.
+#[derive(Debug, Clone, Default)]
+pub struct CheckpointOptions {
+    /// A checkpoint directory, a checkpoints root or a run directory (newest valid one).
+    pub checkpoint: PathBuf,
+    /// Backend name or plugin path (default: the run's).
+    pub backend: Option<String>,
+    /// Pipeline stages (at least 1).
+    pub pipeline: usize,
+    /// Devices for the stages (default `[0]`).
+    pub devices: Option<Vec<usize>>,
+    /// tokenizer.json (default: the run's).
+    pub tokenizer: Option<PathBuf>,
+    /// GEMM precision (default: the run's).
+    pub precision: Option<String>,
+}
+
+/// Opens the newest valid checkpoint that `o` names on the actor pipeline.
+pub fn load_checkpoint(o: &CheckpointOptions) -> Result<Loaded, RuntimeError> {
+    let ck = crate::export::find_checkpoint(&o.checkpoint)?;
+    let mut cfg = RunConfig::from_str(&ck.manifest.config, &ck.dir.display().to_string())?;
+    let tok_path = o.tokenizer.clone().or(cfg.data.tokenizer.clone());
+    let tok = nsactor_data::cli::load_tokenizer(tok_path.as_deref())?;
+    if let Some(h) = &ck.manifest.tokenizer_sha256
+        && h != tok.hash()
+    {
+        return Err(RuntimeError::Invalid(format!(
+            "{} was trained with tokenizer {h}, but {} is {}; pass the run's with --tokenizer",
+            ck.dir.display(),
+            tok.origin(),
+            tok.hash()
+        )));
+    }
+    if let Some(p) = &o.precision {
+        cfg.backend.precision = Some(p.clone());
+    }
+    let compute = open_backend(&cfg, o.backend.as_deref())?;
+    let mut run = cfg.clone();
+    run.train.pipeline = o.pipeline;
+    run.train.devices = o.devices.clone();
+    run.train.inject_fault = None;
+    let mut pipeline = launch(compute, &run, OptimizerKind::Adam, None)?;
+    pipeline.load_stages(ck.shards)?;
+    let vocab = cfg
+        .vocab_size()
+        .ok_or_else(|| RuntimeError::Invalid("the checkpoint's config has no vocab_size".into()))?;
+    let name = ck
+        .dir
+        .parent()
+        .and_then(|p| p.parent())
+        .and_then(|p| p.file_name())
+        .map_or("nsactor".into(), |n| n.to_string_lossy().into_owned());
+    tracing::info!(
+        "loaded {} ({} parameters, step {})",
+        ck.dir.display(),
+        pipeline.param_count(),
+        ck.manifest.step
+    );
+    Ok(Loaded {
+        pipeline,
+        tokenizer: Arc::new(tok),
+        vocab,
+        name,
+        config: cfg,
+    })
+}
+
+/// A freshly initialised model of `config` (default: the embedded tiny one) behind a started
+/// pipeline with the bundled tokenizer, for the benchmarks that need no checkpoint.
+pub fn load_fresh(
+    config: Option<&Path>,
+    backend: Option<&str>,
+    precision: Option<String>,
+    pipeline: usize,
+    devices: Option<&[usize]>,
+) -> Result<Loaded, RuntimeError> {
+    let mut cfg = RunConfig::load(config)?;
+    if precision.is_some() {
+        cfg.backend.precision = precision;
+    }
+    cfg.train.pipeline = pipeline;
+    cfg.train.devices = devices.map(<[usize]>::to_vec);
+    let compute = open_backend(&cfg, backend)?;
+    Ok(Loaded {
+        pipeline: launch(compute, &cfg, OptimizerKind::Adam, None)?,
+        tokenizer: Arc::new(Tokenizer::bundled()),
+        vocab: cfg
+            .vocab_size()
+            .ok_or_else(|| RuntimeError::Invalid("[model] has no vocab_size".into()))?,
+        name: config.map_or("embedded configs/tiny.toml".into(), |p| {
+            p.display().to_string()
+        }),
+        config: cfg,
+    })
+}
+
+/// Loads the newest valid checkpoint of the run into `pipeline`; returns its step (0 when
+/// there is none).
+pub fn resume(
+    cfg: &RunConfig,
+    tok: &Tokenizer,
+    pipeline: &mut Pipeline,
+) -> Result<u64, RuntimeError> {
+    let root = crate::train::checkpoint_root(cfg);
+    let (found, skipped) = checkpoint::latest_valid(&root);
+    for s in &skipped {
+        tracing::warn!("{s}");
+    }
+    let Some(checkpoint::Loaded {
+        dir,
+        manifest,
+        shards,
+    }) = found
+    else {
+        tracing::warn!(
+            "--resume: no valid checkpoint in {}; starting from step 0",
+            root.display()
+        );
+        return Ok(0);
+    };
+    if let Some(h) = &manifest.tokenizer_sha256
+        && h != tok.hash()
+    {
+        return Err(RuntimeError::Invalid(format!(
+            "checkpoint {} was trained with tokenizer {h}, this run uses {} ({})",
+            dir.display(),
+            tok.hash(),
+            tok.origin()
+        )));
+    }
+    pipeline.load_stages(shards)?;
+    pipeline.set_position(manifest.step, manifest.data_cursor)?;
+    tracing::info!("resuming from {} (step {})", dir.display(), manifest.step);
+    Ok(manifest.step)
+}
+
+/// The batch source of a run: prepared shards, corpus files, or the bundled corpus; SFT rows
+/// from conversation files with `--sft --corpus`.
+pub fn make_sampler(
+    cfg: &RunConfig,
+    tok: &Tokenizer,
+    corpus: &[PathBuf],
+    data: Option<&Path>,
+    sft: bool,
+) -> Result<Sampler, RuntimeError> {
+    let (seq_len, seed) = (cfg.train.seq_len, cfg.train.seed);
+    let mode = if cfg.data.packing {
+        Mode::Packed
+    } else {
+        Mode::Padded
+    };
+    if let Some(dir) = data {
+        let shards = ShardSet::open(dir, tok, true)?;
+        return Ok(Sampler::pretrain(Arc::new(shards), mode, seq_len, seed)?);
+    }
+    if sft && !corpus.is_empty() {
+        return Ok(nsactor_data::sampler::sft_sampler(
+            tok, corpus, None, seq_len, seed,
+        )?);
+    }
+    let tokens = if corpus.is_empty() {
+        let mut m = nsactor_data::MemTokens::default();
+        let text = nsactor_data::bundled_corpus();
+        let name = Path::new("bundled-gutenberg-en.txt");
+        nsactor_data::shards::tokenize_text(tok, name, &text, &cfg.data.text_field, &mut m)?;
+        m
+    } else {
+        nsactor_data::shards::tokenize_files(tok, corpus, &cfg.data.text_field)?
+    };
+    Ok(Sampler::pretrain(Arc::new(tokens), mode, seq_len, seed)?)
+}

@@ -1,0 +1,43 @@
+//! The actor runtime: the model's stages as ractor actors in a pipeline, driven by a
+//! supervisor (DESIGN.md, "Actors").
+//!
+//! ```text
+//! Supervisor ─┬─ DataActor   (sampler; prefetches the next step's micro-batches)
+//!             ├─ EdgeActor   (embedding + head + loss; owns the tied matrix)
+//!             └─ LayerActor 0..L-1, grouped into P pipeline stages
+//! BatcherActor    (decoding: batches concurrent sessions into cohorts through the same actors)
+//! ```
+//!
+//! Compute runs only on [`worker`] threads (one per pipeline stage, one for the edge); actors
+//! hand their stage to the worker with the job and get it back with the result, so a layer's
+//! parameters, optimizer state and neuron states stay owned by its actor. A micro-batch flows
+//! edge → layer 0 → … → layer L−1 → edge (loss) → layer L−1 → … → layer 0 → edge, each hop a
+//! message. The supervisor admits at most P micro-batches at once, which bounds every mailbox
+//! and every worker queue (at most P + 1 messages each), and keeps activation memory to
+//! P kept inputs per layer.
+//!
+//! [`Pipeline`] is the synchronous handle the CLI and tests use.
+
+pub mod batcher;
+pub mod checkpoint;
+pub mod data;
+pub mod decoder;
+pub mod edge;
+pub mod handle;
+pub mod holder;
+pub mod layer;
+pub mod layers;
+pub mod msg;
+pub mod plan;
+pub mod recovery;
+pub mod step;
+pub mod supervisor;
+pub mod topology;
+pub mod trace;
+pub mod worker;
+
+pub use decoder::AsyncDecoder;
+pub use handle::Pipeline;
+pub use plan::PipelinePlan;
+pub use step::Ponder;
+pub use supervisor::StepReport;

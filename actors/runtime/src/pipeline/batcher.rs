@@ -1,0 +1,396 @@
+//! `BatcherActor`: continuous batching of decoding sessions. Sessions hand it their next
+//! input (a prompt or one token); it runs the waiting ones as a **cohort** — one batched
+//! `SessionEmbed`, one `SessionForward` per layer actor and one `SessionDecode` for all of
+//! them — and answers each session with its logits.
+//!
+//! When to launch: a cohort starts as soon as a pipeline stage is free (at most one cohort per
+//! stage in flight) and every open session that is not already in flight is waiting, or when
+//! the oldest waiting input has waited [`Batching::window`]. Sessions resubmit microseconds
+//! after their answer, so in the steady state every token step is one cohort of all sessions,
+//! without a timer firing; the window only bounds the wait for a session that is slow to come
+//! back (its client, or its sampling).
+//!
+//! A cohort has one input length: the oldest waiting input picks it and every waiting input
+//! of that length joins (at most [`Batching::max_batch`]). Decoding tokens (length 1) batch
+//! together; a prompt runs with the prompts of its length. A cohort's sessions are ordered by
+//! id, so the same sessions arrive at each layer in the same order step after step, and the
+//! layers keep their states without copying (`nsactor_backend_core::SessionTable`).
+//!
+//! Closing a session waits for its cohort in flight, then frees its states in every actor.
+
+use super::msg::{EdgeControl, EdgeMsg, LayerControl, LayerMsg, ask};
+use super::topology::Children;
+use crate::error::RuntimeError;
+use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
+use std::collections::{HashSet, VecDeque};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, RwLock};
+use std::time::{Duration, Instant};
+
+/// How sessions are batched.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Batching {
+    /// Most sessions in one cohort.
+    pub max_batch: usize,
+    /// Most cohorts in flight (one per pipeline stage keeps every stage busy).
+    pub max_in_flight: usize,
+    /// Longest an input waits for the sessions not yet back.
+    pub window: Duration,
+}
+
+impl Default for Batching {
+    fn default() -> Self {
+        Batching {
+            max_batch: 256,
+            max_in_flight: 1,
+            window: Duration::from_millis(2),
+        }
+    }
+}
+
+/// Counters for benchmarks and metrics.
+#[derive(Debug, Default)]
+pub struct BatchStats {
+    /// Cohorts run.
+    pub cohorts: AtomicU64,
+    /// Session inputs run, summed over cohorts.
+    pub inputs: AtomicU64,
+    /// Sessions that have fed and are not closed yet (their states are held by the actors).
+    pub open: AtomicU64,
+    /// Nanoseconds of the cohorts' phases, summed over cohorts ([`CohortPhases`]).
+    pub phases: CohortPhases,
+}
+
+/// Where a cohort's time goes, as the batcher sees it: nanoseconds summed over cohorts, each
+/// phase from sending its request to holding the answer (actor messages, the worker's queue
+/// and the stage call; the device work the call waits for included).
+#[derive(Debug, Default)]
+pub struct CohortPhases {
+    /// The edge's `SessionEmbed`.
+    pub embed_ns: AtomicU64,
+    /// Every layer (`session_layers`).
+    pub layers_ns: AtomicU64,
+    /// The edge's `SessionDecode` with the logits' copy to the host.
+    pub decode_ns: AtomicU64,
+    /// From the launch of a cohort to its answers going out.
+    pub cohort_ns: AtomicU64,
+}
+
+impl CohortPhases {
+    /// `[embed, layers, decode, cohort]` in seconds.
+    pub fn seconds(&self) -> [f64; 4] {
+        [
+            &self.embed_ns,
+            &self.layers_ns,
+            &self.decode_ns,
+            &self.cohort_ns,
+        ]
+        .map(|a| a.load(Ordering::Relaxed) as f64 * 1e-9)
+    }
+}
+
+type Logits = Result<Vec<f32>, RuntimeError>;
+
+pub enum BatcherMsg {
+    /// Runs `ids` through `session`; answers the last position's logits.
+    Feed {
+        session: u64,
+        ids: Vec<i64>,
+        reply: RpcReplyPort<Logits>,
+    },
+    /// Frees `session`'s states (after its cohort in flight, if any); answers when done.
+    Close {
+        session: u64,
+        reply: RpcReplyPort<()>,
+    },
+    /// A cohort finished: `sessions` in cohort order, their logits back to back.
+    Done {
+        sessions: Vec<u64>,
+        logits: Result<Vec<f32>, RuntimeError>,
+    },
+    /// The launch window of the oldest waiting input may have passed.
+    Tick,
+}
+
+struct Waiting {
+    session: u64,
+    ids: Vec<i64>,
+    reply: RpcReplyPort<Logits>,
+    since: Instant,
+}
+
+pub struct BatcherActor;
+
+pub struct BatcherArgs {
+    pub children: Arc<RwLock<Children>>,
+    pub batching: Batching,
+    pub stats: Arc<BatchStats>,
+}
+
+pub struct BatcherState {
+    children: Arc<RwLock<Children>>,
+    batching: Batching,
+    stats: Arc<BatchStats>,
+    /// Sessions that have fed and not closed.
+    open: HashSet<u64>,
+    waiting: VecDeque<Waiting>,
+    /// Sessions in cohorts in flight, with the replies they are owed.
+    in_flight: Vec<(u64, RpcReplyPort<Logits>)>,
+    cohorts: usize,
+    /// Closes waiting for their session's cohort.
+    closing: Vec<(u64, RpcReplyPort<()>)>,
+    tick_armed: bool,
+    /// When a cohort last finished: the sessions it answered get a window from then to come
+    /// back, even if inputs have been waiting longer (else two halves of the sessions
+    /// alternate in two cohorts forever).
+    freed_at: Instant,
+}
+
+impl BatcherState {
+    fn children(&self) -> Children {
+        self.children
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+
+    fn flying(&self, session: u64) -> bool {
+        self.in_flight.iter().any(|(s, _)| *s == session)
+    }
+
+    /// Launches every cohort that may start now; arms the window timer otherwise.
+    fn pump(&mut self, myself: &ActorRef<BatcherMsg>) {
+        while self.cohorts < self.batching.max_in_flight.max(1) && !self.waiting.is_empty() {
+            let absent = self
+                .open
+                .len()
+                .saturating_sub(self.in_flight.len() + self.waiting.len());
+            let since = self.waiting.front().expect("non-empty").since;
+            let age = since.max(self.freed_at).elapsed();
+            if absent > 0 && age < self.batching.window {
+                if !self.tick_armed {
+                    self.tick_armed = true;
+                    myself.send_after(self.batching.window - age, || BatcherMsg::Tick);
+                }
+                return;
+            }
+            self.launch(myself);
+        }
+    }
+
+    fn launch(&mut self, myself: &ActorRef<BatcherMsg>) {
+        let len = self.waiting.front().expect("non-empty").ids.len();
+        let mut cohort = Vec::new();
+        let mut rest = VecDeque::with_capacity(self.waiting.len());
+        for w in self.waiting.drain(..) {
+            if w.ids.len() == len && cohort.len() < self.batching.max_batch.max(1) {
+                cohort.push(w);
+            } else {
+                rest.push_back(w);
+            }
+        }
+        self.waiting = rest;
+        cohort.sort_by_key(|w| w.session);
+        let sessions: Vec<u64> = cohort.iter().map(|w| w.session).collect();
+        let ids: Vec<i64> = cohort.iter().flat_map(|w| w.ids.iter().copied()).collect();
+        self.in_flight
+            .extend(cohort.into_iter().map(|w| (w.session, w.reply)));
+        self.cohorts += 1;
+        self.stats.cohorts.fetch_add(1, Ordering::Relaxed);
+        self.stats
+            .inputs
+            .fetch_add(sessions.len() as u64, Ordering::Relaxed);
+        let children = self.children();
+        let me = myself.clone();
+        let stats = self.stats.clone();
+        tokio::spawn(async move {
+            let start = Instant::now();
+            let logits = run_cohort(&children, &sessions, ids, len, &stats.phases).await;
+            add_ns(&stats.phases.cohort_ns, start);
+            // The answers go out from the batcher, after it has counted the cohort done, so a
+            // session's next input always finds it no longer in flight.
+            let _ = me.cast(BatcherMsg::Done { sessions, logits });
+        });
+    }
+
+    fn done(&mut self, sessions: Vec<u64>, logits: Logits) {
+        self.cohorts -= 1;
+        self.freed_at = Instant::now();
+        let n = sessions.len();
+        for (i, s) in sessions.into_iter().enumerate() {
+            let Some(k) = self.in_flight.iter().position(|(f, _)| *f == s) else {
+                continue;
+            };
+            let (_, reply) = self.in_flight.swap_remove(k);
+            let r = match &logits {
+                Ok(all) if all.len().is_multiple_of(n) => {
+                    let v = all.len() / n;
+                    Ok(all[i * v..(i + 1) * v].to_vec())
+                }
+                Ok(all) => Err(RuntimeError::Runtime(format!(
+                    "a cohort of {n} sessions returned {} logits",
+                    all.len()
+                ))),
+                Err(e) => Err(e.for_each_session()),
+            };
+            let _ = reply.send(r);
+        }
+        let ready: Vec<(u64, RpcReplyPort<()>)> = {
+            let (ready, wait) = std::mem::take(&mut self.closing)
+                .into_iter()
+                .partition(|(s, _)| !self.flying(*s));
+            self.closing = wait;
+            ready
+        };
+        for (s, reply) in ready {
+            self.close_now(s, reply);
+        }
+    }
+
+    fn close_now(&mut self, session: u64, reply: RpcReplyPort<()>) {
+        let was_open = self.open.remove(&session);
+        let children = self.children();
+        let stats = self.stats.clone();
+        tokio::spawn(async move {
+            close_everywhere(&children, session).await;
+            if was_open {
+                stats.open.fetch_sub(1, Ordering::Relaxed);
+            }
+            let _ = reply.send(());
+        });
+    }
+}
+
+/// Embedding, every layer and the decode path for `sessions` (each `len` inputs, back to
+/// back in `ids`): their last-position logits, back to back.
+async fn run_cohort(
+    children: &Children,
+    sessions: &[u64],
+    ids: Vec<i64>,
+    len: usize,
+    phases: &CohortPhases,
+) -> Logits {
+    use super::trace::{Mark, mark};
+    super::trace::start();
+    let t = Instant::now();
+    // The layers' handles are asked while the edge embeds: the two round trips overlap.
+    let (h, holders) = tokio::join!(
+        ask(&children.edge, "edge", |reply| EdgeMsg::SessionEmbed {
+            ids,
+            batch: sessions.len(),
+            seq_len: len,
+            reply,
+        }),
+        super::layers::share_layers(&children.layers)
+    );
+    let t = add_ns(&phases.embed_ns, t);
+    mark(Mark::Embedded);
+    let h = super::layers::run_layers(&holders?, sessions, h?).await?;
+    let t = add_ns(&phases.layers_ns, t);
+    mark(Mark::LayersDone);
+    let logits = ask(&children.edge, "edge", |reply| EdgeMsg::SessionDecode {
+        sessions: sessions.to_vec(),
+        h,
+        reply,
+    })
+    .await;
+    add_ns(&phases.decode_ns, t);
+    mark(Mark::Done);
+    logits
+}
+
+/// Adds the nanoseconds since `since` to `to`; returns now.
+fn add_ns(to: &AtomicU64, since: Instant) -> Instant {
+    let now = Instant::now();
+    to.fetch_add((now - since).as_nanos() as u64, Ordering::Relaxed);
+    now
+}
+
+/// Frees `session`'s neuron states in every actor (errors ignored: a stopped actor has none).
+pub(crate) async fn close_everywhere(c: &Children, session: u64) {
+    let _ = ask(&c.edge, "edge", |reply| EdgeMsg::Control {
+        call: EdgeControl::SessionClose { session },
+        reply,
+    })
+    .await;
+    for (i, l) in c.layers.iter().enumerate() {
+        let _ = ask(l, format!("layer {i}"), |reply| LayerMsg::Control {
+            call: LayerControl::SessionClose { session },
+            reply,
+        })
+        .await;
+    }
+}
+
+impl Actor for BatcherActor {
+    type Msg = BatcherMsg;
+    type State = BatcherState;
+    type Arguments = BatcherArgs;
+
+    async fn pre_start(
+        &self,
+        _myself: ActorRef<BatcherMsg>,
+        a: BatcherArgs,
+    ) -> Result<BatcherState, ActorProcessingErr> {
+        Ok(BatcherState {
+            children: a.children,
+            batching: a.batching,
+            stats: a.stats,
+            open: HashSet::new(),
+            waiting: VecDeque::new(),
+            in_flight: Vec::new(),
+            cohorts: 0,
+            closing: Vec::new(),
+            tick_armed: false,
+            freed_at: Instant::now(),
+        })
+    }
+
+    async fn handle(
+        &self,
+        myself: ActorRef<BatcherMsg>,
+        msg: BatcherMsg,
+        s: &mut BatcherState,
+    ) -> Result<(), ActorProcessingErr> {
+        match msg {
+            BatcherMsg::Feed {
+                session,
+                ids,
+                reply,
+            } => {
+                if ids.is_empty() {
+                    let _ = reply.send(Err(RuntimeError::Runtime(format!(
+                        "session {session}: nothing to feed"
+                    ))));
+                } else if s.flying(session) || s.waiting.iter().any(|w| w.session == session) {
+                    let _ = reply.send(Err(RuntimeError::Runtime(format!(
+                        "session {session} already has an input in flight"
+                    ))));
+                } else {
+                    if s.open.insert(session) {
+                        s.stats.open.fetch_add(1, Ordering::Relaxed);
+                    }
+                    s.waiting.push_back(Waiting {
+                        session,
+                        ids,
+                        reply,
+                        since: Instant::now(),
+                    });
+                }
+            }
+            BatcherMsg::Close { session, reply } => {
+                // An input still waiting is dropped: its caller has gone.
+                s.waiting.retain(|w| w.session != session);
+                if s.flying(session) {
+                    s.closing.push((session, reply));
+                } else {
+                    s.close_now(session, reply);
+                }
+            }
+            BatcherMsg::Done { sessions, logits } => s.done(sessions, logits),
+            BatcherMsg::Tick => s.tick_armed = false,
+        }
+        s.pump(&myself);
+        Ok(())
+    }
+}

@@ -1,0 +1,118 @@
+//! [`AsyncDecoder`]: asynchronous decoding sessions through the layer actors, for servers on
+//! the pipeline's runtime.
+
+use super::batcher::{BatchStats, BatcherMsg};
+use super::layers::session_layers;
+use super::msg::{EdgeMsg, ask};
+use super::topology::Children;
+use crate::error::RuntimeError;
+use nsactor_plugin_api::DeviceTensor;
+use ractor::ActorRef;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, RwLock};
+
+/// Asynchronous decoding through the layer actors, for servers running on the pipeline's
+/// runtime ([`Pipeline::decoder`]). Cheap to clone; every method is a chain of actor calls, so
+/// many sessions decode concurrently, each at its own layer.
+#[derive(Clone)]
+pub struct AsyncDecoder {
+    pub(crate) children: Arc<RwLock<Children>>,
+    pub(crate) batcher: ActorRef<BatcherMsg>,
+    pub(crate) stats: Arc<BatchStats>,
+    pub(crate) next_session: Arc<AtomicU64>,
+    pub(crate) vocab: usize,
+}
+
+impl AsyncDecoder {
+    pub(crate) fn children(&self) -> Children {
+        self.children
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+
+    /// Vocabulary size of the model (length of a logits vector).
+    pub fn vocab(&self) -> usize {
+        self.vocab
+    }
+
+    /// A new session id.
+    pub fn session(&self) -> u64 {
+        self.next_session.fetch_add(1, Ordering::Relaxed)
+    }
+
+    /// Embeds `ids` (row-major `[batch, seq_len]`) for decoding or evaluation.
+    pub(crate) async fn embed(
+        &self,
+        ids: Vec<i64>,
+        batch: usize,
+        seq_len: usize,
+    ) -> Result<DeviceTensor, RuntimeError> {
+        ask(&self.children().edge, "edge", |reply| {
+            EdgeMsg::SessionEmbed {
+                ids,
+                batch,
+                seq_len,
+                reply,
+            }
+        })
+        .await
+    }
+
+    /// `h` through every layer of `session` (all of `h`'s rows), outside any cohort.
+    pub(crate) async fn layers(
+        &self,
+        session: u64,
+        h: DeviceTensor,
+    ) -> Result<DeviceTensor, RuntimeError> {
+        let layers = self.children().layers.clone();
+        session_layers(&layers, &[session], h).await
+    }
+
+    /// Runs `ids` through `session` (a prompt, or one token); the last position's logits.
+    /// Concurrent sessions are batched together at every layer (see [`batcher`]).
+    pub async fn feed(&self, session: u64, ids: Vec<i64>) -> Result<Vec<f32>, RuntimeError> {
+        match self
+            .batcher
+            .call(
+                |reply| BatcherMsg::Feed {
+                    session,
+                    ids,
+                    reply,
+                },
+                None,
+            )
+            .await
+        {
+            Ok(ractor::rpc::CallResult::Success(r)) => r,
+            _ => Err(RuntimeError::Broken("the decode batcher stopped".into())),
+        }
+    }
+
+    /// Sessions whose neuron states the actors hold (fed, and not closed yet).
+    pub fn open_sessions(&self) -> u64 {
+        self.stats.open.load(Ordering::Relaxed)
+    }
+
+    /// Seconds the cohorts have spent so far in `[embed, layers, decode, whole cohort]`, as the
+    /// batcher sees them ([`batcher::CohortPhases`]).
+    pub fn cohort_phases(&self) -> [f64; 4] {
+        self.stats.phases.seconds()
+    }
+
+    /// Cohorts run so far and the session inputs they carried (their ratio is the mean batch).
+    pub fn batch_counts(&self) -> (u64, u64) {
+        (
+            self.stats.cohorts.load(Ordering::Relaxed),
+            self.stats.inputs.load(Ordering::Relaxed),
+        )
+    }
+
+    /// Frees `session`'s neuron states in every actor (after its input in flight, if any).
+    pub async fn close(&self, session: u64) {
+        let _ = self
+            .batcher
+            .call(|reply| BatcherMsg::Close { session, reply }, None)
+            .await;
+    }
+}

@@ -1,0 +1,315 @@
+//! `EdgeActor`: embedding, head and loss, the owner of the tied matrix. It starts each
+//! micro-batch (embed → layer 0), turns the last layer's output into the loss and the first
+//! gradient (head → last layer), and finishes it (the embedding's backward), reporting the
+//! micro-batch's loss to the step.
+
+use super::holder::StageHolder;
+use super::layer::{answer, fail};
+use super::msg::{EdgeControl, EdgeMsg, Hop};
+use super::step::{Event, Ponder, StepCtx};
+use super::worker::Priority;
+use nsactor_plugin_api::{Batch, DeviceTensor, EngineError, StageCall, Tokens};
+use ractor::{Actor, ActorProcessingErr, ActorRef};
+use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
+
+pub struct EdgeActor;
+
+pub struct EdgeArgs {
+    pub num_layers: usize,
+    pub stage: StageHolder,
+}
+
+/// A micro-batch between its embedding and the end of its backward pass.
+struct InFlight {
+    batch: Arc<Batch>,
+    loss_scale: f64,
+    ponder_weight: f64,
+    /// Set by the head: the micro-batch's CE and the layers' ponder statistics.
+    result: Option<(f64, Ponder)>,
+}
+
+pub struct EdgeState {
+    num_layers: usize,
+    stage: StageHolder,
+    first: Option<Hop>,
+    last: Option<Hop>,
+    in_flight: HashMap<u64, InFlight>,
+    /// Last-layer outputs waiting for a smaller micro-batch's: heads run in micro-batch order,
+    /// so the head's gradients add up in one order however the layers deliver them (the two
+    /// runtime threads can deliver m + 1 first), and a step is reproducible bit for bit.
+    pending_heads: BTreeMap<u64, (DeviceTensor, Ponder, StepCtx)>,
+}
+
+impl EdgeState {}
+
+const WHO: &str = "edge";
+
+impl Actor for EdgeActor {
+    type Msg = EdgeMsg;
+    type State = EdgeState;
+    type Arguments = EdgeArgs;
+
+    async fn pre_start(
+        &self,
+        _myself: ActorRef<EdgeMsg>,
+        a: EdgeArgs,
+    ) -> Result<EdgeState, ActorProcessingErr> {
+        Ok(EdgeState {
+            num_layers: a.num_layers,
+            stage: a.stage,
+            first: None,
+            last: None,
+            in_flight: HashMap::new(),
+            pending_heads: BTreeMap::new(),
+        })
+    }
+
+    async fn handle(
+        &self,
+        _myself: ActorRef<EdgeMsg>,
+        msg: EdgeMsg,
+        s: &mut EdgeState,
+    ) -> Result<(), ActorProcessingErr> {
+        match msg {
+            EdgeMsg::Wire { first, last } => {
+                s.first = Some(first);
+                s.last = Some(last);
+            }
+            EdgeMsg::Embed {
+                micro,
+                batch,
+                loss_scale,
+                ponder_weight,
+                ctx,
+            } => {
+                let b = batch.clone();
+                let r = s
+                    .stage
+                    .train_job(true, micro, &ctx, None, move |st, _| {
+                        b.validate()?;
+                        let tokens = Tokens {
+                            ids: &b.inputs,
+                            batch: b.batch,
+                            seq_len: b.seq_len,
+                        };
+                        let r = st.call(StageCall::Embed { micro, tokens })?;
+                        Ok((r.into_tensor("Embed")?, ()))
+                    })
+                    .await;
+                match r {
+                    Ok((h, ())) => {
+                        s.in_flight.insert(
+                            micro,
+                            InFlight {
+                                batch,
+                                loss_scale,
+                                ponder_weight,
+                                result: None,
+                            },
+                        );
+                        let first = s.first.as_ref().ok_or("edge actor not wired")?;
+                        first.forward(micro, h, Ponder::default(), ctx);
+                    }
+                    Err(e) => return fail(WHO.into(), micro, e, &ctx).await,
+                }
+            }
+            EdgeMsg::Head {
+                micro,
+                h,
+                ponder,
+                ctx,
+            } => {
+                if !s.in_flight.contains_key(&micro) {
+                    let e = EngineError::InvalidInput(format!(
+                        "Head for micro-batch {micro}, which has no Embed in flight"
+                    ));
+                    return fail(WHO.into(), micro, e, &ctx).await;
+                }
+                s.pending_heads.insert(micro, (h, ponder, ctx));
+                // The smallest micro-batch in flight without a head result goes next, once
+                // its last-layer output is here.
+                while let Some(micro) = s
+                    .in_flight
+                    .iter()
+                    .filter(|(_, f)| f.result.is_none())
+                    .map(|(m, _)| *m)
+                    .min()
+                {
+                    let Some((h, ponder, ctx)) = s.pending_heads.remove(&micro) else {
+                        break;
+                    };
+                    let f = &s.in_flight[&micro];
+                    let (b, loss_scale) = (f.batch.clone(), f.loss_scale);
+                    // loss = ce + λ·Σ_l pc_l / L, scaled by `loss_scale`.
+                    let ponder_grad = f.ponder_weight * loss_scale / s.num_layers as f64;
+                    let r = s
+                        .stage
+                        .train_job(false, micro, &ctx, Some(h), move |st, h| {
+                            let r = st.call(StageCall::Head {
+                                h: h.expect("moved"),
+                                targets: &b.targets,
+                                mask: &b.loss_mask,
+                                loss_scale,
+                            })?;
+                            let ce = r.scalar(0, "Head")?;
+                            Ok((r.into_tensor("Head")?, ce))
+                        })
+                        .await;
+                    match r {
+                        Ok((grad, ce)) => {
+                            if let Some(f) = s.in_flight.get_mut(&micro) {
+                                f.result = Some((ce, ponder));
+                            }
+                            let last = s.last.as_ref().ok_or("edge actor not wired")?;
+                            last.backward(micro, grad, ponder_grad, ctx);
+                        }
+                        Err(e) => return fail(WHO.into(), micro, e, &ctx).await,
+                    }
+                }
+            }
+            EdgeMsg::EmbedBackward { micro, grad, ctx } => {
+                let r = s
+                    .stage
+                    .compute(
+                        Priority::Backward(ctx.key(micro)),
+                        Some(grad),
+                        move |st, g| {
+                            st.call(StageCall::EmbedBackward {
+                                micro,
+                                grad: g.expect("moved"),
+                            })
+                            .map(drop)
+                        },
+                    )
+                    .await;
+                match (r, s.in_flight.remove(&micro)) {
+                    (
+                        Ok(()),
+                        Some(InFlight {
+                            result: Some((ce, ponder)),
+                            ..
+                        }),
+                    ) => ctx.send(Event::Done { micro, ce, ponder }).await,
+                    (Ok(()), _) => {
+                        let e = EngineError::InvalidInput(format!(
+                            "EmbedBackward for micro-batch {micro}, which has no Head result"
+                        ));
+                        return fail(WHO.into(), micro, e, &ctx).await;
+                    }
+                    (Err(e), _) => return fail(WHO.into(), micro, e, &ctx).await,
+                }
+            }
+            EdgeMsg::Control { call, reply } => {
+                if matches!(call, EdgeControl::ZeroGrad) {
+                    s.in_flight.clear();
+                    s.pending_heads.clear();
+                }
+                let r = s
+                    .stage
+                    .compute(Priority::Control, None, move |st, _| {
+                        st.call(match call {
+                            EdgeControl::ScaleGrads => StageCall::ScaleGrads { scales: [1.0; 3] },
+                            EdgeControl::Step {
+                                lr,
+                                neuron_lr,
+                                clip,
+                            } => StageCall::Step {
+                                lr,
+                                neuron_lr,
+                                clip,
+                            },
+                            EdgeControl::ZeroGrad => StageCall::ZeroGrad,
+                            EdgeControl::SessionClose { session } => {
+                                StageCall::SessionClose { session }
+                            }
+                        })
+                    })
+                    .await;
+                return answer(WHO.into(), reply, r);
+            }
+            EdgeMsg::SessionEmbed {
+                ids,
+                batch,
+                seq_len,
+                reply,
+            } => {
+                let backend = s.stage.backend().clone();
+                let r = s
+                    .stage
+                    .compute(Priority::FORWARD_UNTRAINED, None, move |st, _| {
+                        use super::trace::{Mark, mark};
+                        mark(Mark::EmbedJob);
+                        let h = st
+                            .call(StageCall::SessionEmbed {
+                                tokens: Tokens {
+                                    ids: &ids,
+                                    batch,
+                                    seq_len,
+                                },
+                            })?
+                            .into_tensor("SessionEmbed")?;
+                        if super::trace::syncing() {
+                            backend.ready(&h)?;
+                            mark(Mark::EmbedOnDevice);
+                        }
+                        Ok(h)
+                    })
+                    .await;
+                return answer(WHO.into(), reply, r);
+            }
+            EdgeMsg::SessionDecode { sessions, h, reply } => {
+                let backend = s.stage.backend().clone();
+                let r = s
+                    .stage
+                    .compute(Priority::FORWARD_UNTRAINED, Some(h), move |st, h| {
+                        use super::trace::{Mark, mark};
+                        mark(Mark::DecodeJob);
+                        let logits = st
+                            .call(StageCall::SessionDecode {
+                                sessions: &sessions,
+                                h: h.expect("moved"),
+                            })?
+                            .into_tensor("SessionDecode")?;
+                        mark(Mark::DecodeQueued);
+                        let host = backend.to_host(&logits)?.data;
+                        mark(Mark::Copied);
+                        Ok(host)
+                    })
+                    .await;
+                return answer(WHO.into(), reply, r);
+            }
+            EdgeMsg::HeadEval { h, batch, reply } => {
+                let r = s
+                    .stage
+                    .compute(Priority::FORWARD_UNTRAINED, Some(h), move |st, h| {
+                        st.call(StageCall::HeadEval {
+                            h: h.expect("moved"),
+                            targets: &batch.targets,
+                            mask: &batch.loss_mask,
+                        })?
+                        .scalar(0, "HeadEval")
+                    })
+                    .await;
+                return answer(WHO.into(), reply, r);
+            }
+            EdgeMsg::Save { reply } => {
+                let r = s
+                    .stage
+                    .compute(Priority::Control, None, |st, _| st.save())
+                    .await;
+                return answer(WHO.into(), reply, r);
+            }
+            EdgeMsg::Load { bytes, reply } => {
+                s.in_flight.clear();
+                s.pending_heads.clear();
+                let r = s
+                    .stage
+                    .compute(Priority::Control, None, move |st, _| st.load(&bytes))
+                    .await;
+                return answer(WHO.into(), reply, r);
+            }
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,394 @@
+//! [`Pipeline`]: the synchronous handle on a running actor pipeline, which the CLI, the server
+//! and the tests use: start, train steps, checkpoints, save/load, evaluation and generation.
+
+use super::batcher::{BatchStats, BatcherActor, BatcherArgs, Batching};
+use super::data::{DataActor, DataMsg};
+use super::decoder::AsyncDecoder;
+use super::msg::{EdgeMsg, ask};
+use super::plan::PipelinePlan;
+use super::supervisor::{StepReport, SupArgs, SupMsg, Supervisor};
+use super::topology::Children;
+use super::topology::{self, children_cells};
+use super::worker::Worker;
+use super::{trace, worker};
+use crate::config::TrainConfig;
+use crate::engine::{DecodeSession, StagedModel, StepParams, StepStats};
+use crate::error::RuntimeError;
+use nsactor_data::{Cursor, Sampler};
+use nsactor_plugin_api::{Batch, ComputeBackend, EngineError};
+use ractor::RpcReplyPort;
+use ractor::{Actor, ActorCell, ActorRef};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, RwLock};
+
+/// Distinguishes the actor names of pipelines living in one process (ractor names are global).
+static PIPELINES: AtomicU64 = AtomicU64::new(0);
+
+/// A running actor pipeline: supervisor, data, edge and layer actors, and their workers.
+pub struct Pipeline {
+    rt: tokio::runtime::Runtime,
+    sup: ActorRef<SupMsg>,
+    /// The current edge and layer actors, shared with the supervisor, which replaces them
+    /// when it recovers from a failure.
+    children: Arc<RwLock<Children>>,
+    data: Option<ActorRef<DataMsg>>,
+    /// The edge's worker, then one per pipeline stage.
+    workers: Vec<Arc<Worker>>,
+    plan: PipelinePlan,
+    backend: Arc<dyn ComputeBackend>,
+    param_count: u64,
+    /// Decoding sessions of `generate`/`eval_ce` (and, through [`decoder`](Self::decoder),
+    /// of servers), sharing one session counter.
+    sessions: AsyncDecoder,
+}
+
+impl Pipeline {
+    /// Starts the actors over `model`'s stages, grouped and placed as `plan` says (open
+    /// `model` with `plan.placement()`). `train` gives the LR schedule and step shape of
+    /// [`step`](Self::step); `sampler` feeds it.
+    pub fn start(
+        model: StagedModel,
+        plan: PipelinePlan,
+        train: TrainConfig,
+        sampler: Option<Sampler>,
+    ) -> Result<Self, RuntimeError> {
+        if plan.num_layers() != model.num_layers() {
+            return Err(RuntimeError::Runtime(format!(
+                "the plan places {} layers, the model has {}",
+                plan.num_layers(),
+                model.num_layers()
+            )));
+        }
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .thread_name("nsactor-rt")
+            .enable_all()
+            .build()
+            .map_err(|e| RuntimeError::Runtime(e.to_string()))?;
+        let param_count = model.param_count();
+        let mut train = train;
+        train.schedule = train.schedule.resolve(&model.backend().info().name);
+        let crate::engine::StageParts {
+            backend,
+            spec,
+            edge: edge_stage,
+            layers: layer_stages,
+        } = model.into_parts();
+        let spin = worker::idle_spin(&backend.info().name);
+        let spawn = |name: String| {
+            Worker::spawn_spinning(name, spin)
+                .map(Arc::new)
+                .map_err(|e| RuntimeError::Runtime(format!("worker thread: {e}")))
+        };
+        let mut workers = vec![spawn("nsactor-edge".into())?];
+        for s in 0..plan.num_stages() {
+            workers.push(spawn(format!("nsactor-stage{s}"))?);
+        }
+        let fault = train
+            .inject_fault
+            .as_deref()
+            .map(|f| f.parse::<topology::Fault>())
+            .transpose()?
+            .map(|f| Arc::new(topology::FaultPlan::new(f)));
+        let id = PIPELINES.fetch_add(1, Ordering::Relaxed);
+        let topo = topology::Topology {
+            backend: backend.clone(),
+            spec,
+            plan: plan.clone(),
+            workers: workers.clone(),
+            prefix: format!("pipeline{id}"),
+            fault,
+            keep_activations: train.keep_activations,
+        };
+        let (sup, children, data) = rt.block_on(async {
+            let rt_err = |e: ractor::SpawnErr| RuntimeError::Runtime(e.to_string());
+            let children = topo.spawn(edge_stage, layer_stages, 0).await?;
+            let data = match sampler {
+                Some(sampler) => Some(
+                    Actor::spawn(Some(format!("pipeline{id}/data")), DataActor, sampler)
+                        .await
+                        .map_err(rt_err)?
+                        .0,
+                ),
+                None => None,
+            };
+            let shared = Arc::new(RwLock::new(children.clone()));
+            let (sup, _) = Actor::spawn(
+                Some(format!("pipeline{id}/supervisor")),
+                Supervisor,
+                SupArgs {
+                    topo,
+                    children: shared.clone(),
+                    data: data.clone(),
+                    train,
+                },
+            )
+            .await
+            .map_err(rt_err)?;
+            // The supervisor hears of every child's failure.
+            for c in children_cells(&children).chain(data.iter().map(|d| d.get_cell())) {
+                c.link(sup.get_cell());
+            }
+            Ok::<_, RuntimeError>((sup, shared, data))
+        })?;
+        trace::init();
+        let stats = Arc::new(BatchStats::default());
+        let batcher = rt
+            .block_on(Actor::spawn(
+                Some(format!("pipeline{id}/batcher")),
+                BatcherActor,
+                BatcherArgs {
+                    children: children.clone(),
+                    batching: Batching {
+                        max_in_flight: plan.num_stages(),
+                        ..Batching::default()
+                    },
+                    stats: stats.clone(),
+                },
+            ))
+            .map_err(|e| RuntimeError::Runtime(e.to_string()))?
+            .0;
+        let sessions = AsyncDecoder {
+            children: children.clone(),
+            batcher,
+            stats,
+            next_session: Arc::new(AtomicU64::new(0)),
+            vocab: 0,
+        };
+        Ok(Pipeline {
+            rt,
+            sup,
+            children,
+            data,
+            workers,
+            plan,
+            backend,
+            param_count,
+            sessions,
+        })
+    }
+
+    fn call_sup<T: Send + 'static>(
+        &self,
+        build: impl FnOnce(RpcReplyPort<Result<T, RuntimeError>>) -> SupMsg,
+    ) -> Result<T, RuntimeError> {
+        match self.rt.block_on(self.sup.call(build, None)) {
+            Ok(ractor::rpc::CallResult::Success(r)) => r,
+            _ => Err(RuntimeError::Broken("the supervisor stopped".into())),
+        }
+    }
+
+    /// The run's next step (data from the sampler, LR from the schedule).
+    pub fn step(&mut self) -> Result<StepReport, RuntimeError> {
+        self.call_sup(|reply| SupMsg::Step { reply })
+    }
+
+    /// One step on `batches` with `params`.
+    pub fn train_step(
+        &mut self,
+        batches: &[Batch],
+        params: &StepParams,
+    ) -> Result<StepStats, RuntimeError> {
+        let (batches, params) = (batches.to_vec(), *params);
+        self.call_sup(|reply| SupMsg::StepWith {
+            batches,
+            params,
+            reply,
+        })
+    }
+
+    pub fn save_stages(&mut self) -> Result<Vec<Vec<u8>>, RuntimeError> {
+        self.call_sup(|reply| SupMsg::SaveStages { reply })
+    }
+
+    pub fn load_stages(&mut self, shards: Vec<Vec<u8>>) -> Result<(), RuntimeError> {
+        self.call_sup(|reply| SupMsg::LoadStages { shards, reply })
+    }
+
+    /// Writes a checkpoint of the current step under `root`; keeps the newest `keep`.
+    pub fn checkpoint(
+        &mut self,
+        root: &Path,
+        keep: usize,
+        config: String,
+        tokenizer_sha256: Option<String>,
+    ) -> Result<PathBuf, RuntimeError> {
+        let root = root.to_path_buf();
+        self.call_sup(|reply| SupMsg::Checkpoint {
+            root,
+            keep,
+            config,
+            tokenizer_sha256,
+            reply,
+        })
+    }
+
+    /// Continues after `step` completed steps with the data at `cursor`.
+    pub fn set_position(&mut self, step: u64, cursor: Option<Cursor>) -> Result<(), RuntimeError> {
+        self.call_sup(|reply| SupMsg::SetPosition {
+            step,
+            cursor,
+            reply,
+        })
+    }
+
+    pub fn plan(&self) -> &PipelinePlan {
+        &self.plan
+    }
+
+    pub fn backend(&self) -> &Arc<dyn ComputeBackend> {
+        &self.backend
+    }
+
+    pub fn param_count(&self) -> u64 {
+        self.param_count
+    }
+
+    pub fn num_layers(&self) -> usize {
+        self.plan.num_layers()
+    }
+
+    fn children(&self) -> Children {
+        self.children
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+
+    /// An asynchronous decoder over this pipeline's actors; `vocab` is the model's vocabulary.
+    pub fn decoder(&self, vocab: usize) -> AsyncDecoder {
+        AsyncDecoder {
+            vocab,
+            ..self.sessions.clone()
+        }
+    }
+
+    /// Runs `f` on the pipeline's runtime (where its actors live).
+    pub fn block_on<F: Future>(&self, f: F) -> F::Output {
+        self.rt.block_on(f)
+    }
+
+    /// Seconds each worker has spent in `to_device` of its inputs (edge first, then stages).
+    pub fn transfers(&self) -> Vec<f64> {
+        self.workers.iter().map(|w| w.transfer_s()).collect()
+    }
+
+    /// Seconds each worker has spent computing (edge first, then stages), and its job count.
+    pub fn busy(&self) -> Vec<(String, f64, u64)> {
+        self.workers
+            .iter()
+            .map(|w| {
+                let (s, n) = w.busy();
+                (w.name().to_string(), s, n)
+            })
+            .collect()
+    }
+
+    fn block<T>(&self, f: impl Future<Output = Result<T, RuntimeError>>) -> Result<T, EngineError> {
+        self.rt.block_on(f).map_err(EngineError::from)
+    }
+
+    /// Greedy continuation of `prompt` through the layer actors (see
+    /// [`crate::engine::greedy`]).
+    pub fn generate_greedy(
+        &mut self,
+        prompt: &[i64],
+        max_new_tokens: usize,
+        eos: Option<i64>,
+        suppress: &[i64],
+    ) -> Result<Vec<i64>, EngineError> {
+        self.generate(
+            prompt,
+            max_new_tokens,
+            eos,
+            suppress,
+            crate::decode::SamplingParams::greedy(),
+        )
+    }
+
+    /// Continuation of `prompt` through the layer actors, tokens chosen by `sampling` (see
+    /// [`crate::engine::generate`]).
+    pub fn generate(
+        &mut self,
+        prompt: &[i64],
+        max_new_tokens: usize,
+        eos: Option<i64>,
+        suppress: &[i64],
+        sampling: crate::decode::SamplingParams,
+    ) -> Result<Vec<i64>, EngineError> {
+        let mut d = PipelineSession {
+            p: self,
+            session: self.sessions.session(),
+            open: false,
+        };
+        crate::engine::generate(&mut d, prompt, max_new_tokens, eos, suppress, sampling)
+    }
+
+    /// Masked mean cross entropy of `b` (no gradients).
+    pub fn eval_ce(&mut self, b: &Batch) -> Result<f64, EngineError> {
+        b.validate()?;
+        let d = &self.sessions;
+        let session = d.session();
+        let r = self.block(async {
+            let h = d.embed(b.inputs.clone(), b.batch, b.seq_len).await?;
+            let h = d.layers(session, h).await?;
+            let batch = Arc::new(b.clone());
+            ask(&d.children().edge, "edge", |reply| EdgeMsg::HeadEval {
+                h,
+                batch,
+                reply,
+            })
+            .await
+        });
+        self.rt.block_on(d.close(session));
+        r
+    }
+}
+
+struct PipelineSession<'a> {
+    p: &'a Pipeline,
+    session: u64,
+    open: bool,
+}
+
+impl DecodeSession for PipelineSession<'_> {
+    fn prefill(&mut self, prompt: &[i64]) -> Result<Vec<f32>, EngineError> {
+        self.open = true;
+        self.p
+            .block(self.p.sessions.feed(self.session, prompt.to_vec()))
+    }
+
+    fn next(&mut self, token: i64) -> Result<Vec<f32>, EngineError> {
+        self.p
+            .block(self.p.sessions.feed(self.session, vec![token]))
+    }
+
+    fn close(&mut self) {
+        if self.open {
+            self.p.rt.block_on(self.p.sessions.close(self.session));
+        }
+    }
+}
+
+impl Drop for Pipeline {
+    /// Stops every actor, then joins the worker threads.
+    fn drop(&mut self) {
+        // The supervisor first, so no recovery starts while the children stop.
+        let _ = self
+            .rt
+            .block_on(self.sup.get_cell().stop_and_wait(None, None));
+        let children = self.children();
+        let cells: Vec<ActorCell> = std::iter::once(self.sessions.batcher.get_cell())
+            .chain(children_cells(&children))
+            .chain(self.data.iter().map(|d| d.get_cell()))
+            .chain(std::iter::once(self.sup.get_cell()))
+            .collect();
+        self.rt.block_on(async {
+            for c in &cells {
+                let _ = c.stop_and_wait(None, None).await;
+            }
+        });
+        self.workers.clear();
+    }
+}

@@ -1,0 +1,195 @@
+//! The messages of the edge and layer actors, the [`Hop`] a micro-batch takes to its
+//! neighbour, and [`ask`], the call that unwraps both the messaging and the engine result.
+
+use super::holder::StageHolder;
+use super::step::{Ponder, StepCtx};
+use crate::error::RuntimeError;
+use nsactor_plugin_api::{Batch, DeviceTensor, EngineError, Reply};
+use ractor::{ActorRef, RpcReplyPort};
+use std::sync::Arc;
+
+/// The neighbour an activation or gradient goes to.
+#[derive(Clone)]
+pub enum Hop {
+    Layer(ActorRef<LayerMsg>),
+    Edge(ActorRef<EdgeMsg>),
+}
+
+impl Hop {
+    pub(crate) fn forward(&self, micro: u64, h: DeviceTensor, ponder: Ponder, ctx: StepCtx) {
+        let sent = match self {
+            Hop::Layer(a) => a
+                .cast(LayerMsg::Forward {
+                    micro,
+                    h,
+                    ponder,
+                    ctx,
+                })
+                .is_ok(),
+            Hop::Edge(a) => a
+                .cast(EdgeMsg::Head {
+                    micro,
+                    h,
+                    ponder,
+                    ctx,
+                })
+                .is_ok(),
+        };
+        // A stopped neighbour is the supervisor's to notice; the micro-batch is lost with it.
+        if !sent {
+            tracing::warn!("micro-batch {micro}: the next actor has stopped");
+        }
+    }
+
+    pub(crate) fn backward(&self, micro: u64, grad: DeviceTensor, ponder_grad: f64, ctx: StepCtx) {
+        let sent = match self {
+            Hop::Layer(a) => a
+                .cast(LayerMsg::Backward {
+                    micro,
+                    grad,
+                    ponder_grad,
+                    ctx,
+                })
+                .is_ok(),
+            Hop::Edge(a) => a.cast(EdgeMsg::EmbedBackward { micro, grad, ctx }).is_ok(),
+        };
+        if !sent {
+            tracing::warn!("micro-batch {micro}: the previous actor has stopped");
+        }
+    }
+}
+
+/// Calls `actor` and unwraps both the messaging and the engine result.
+pub(crate) async fn ask<M: ractor::Message, T: Send + 'static>(
+    actor: &ActorRef<M>,
+    who: impl Into<String>,
+    build: impl FnOnce(RpcReplyPort<Result<T, EngineError>>) -> M,
+) -> Result<T, RuntimeError> {
+    match actor.call(build, None).await {
+        Ok(ractor::rpc::CallResult::Success(r)) => r.map_err(|error| RuntimeError::Stage {
+            who: who.into(),
+            error,
+        }),
+        _ => Err(RuntimeError::Broken(format!("{} stopped", who.into()))),
+    }
+}
+
+/// Optimizer-phase and decoding calls, answered by reply.
+pub enum LayerControl {
+    GradStats,
+    ScaleGrads([f64; 3]),
+    Step { lr: f64, neuron_lr: f64, clip: f64 },
+    ZeroGrad,
+    SessionClose { session: u64 },
+}
+
+pub enum LayerMsg {
+    /// Where activations go next and gradients go back.
+    Wire { prev: Hop, next: Hop },
+    /// Training forward of micro-batch `micro`; `ponder` accumulates over the layers so far.
+    Forward {
+        micro: u64,
+        h: DeviceTensor,
+        ponder: Ponder,
+        ctx: StepCtx,
+    },
+    /// Training backward: recomputes the layer from its kept input, accumulates parameter
+    /// gradients, sends the input gradient back.
+    Backward {
+        micro: u64,
+        grad: DeviceTensor,
+        ponder_grad: f64,
+        ctx: StepCtx,
+    },
+    Control {
+        call: LayerControl,
+        reply: RpcReplyPort<Result<Reply, EngineError>>,
+    },
+    /// `h` through the layer for decoding `sessions` (batch rows split evenly among them, in
+    /// order), whose neuron states it keeps.
+    SessionForward {
+        sessions: Vec<u64>,
+        h: DeviceTensor,
+        reply: RpcReplyPort<Result<DeviceTensor, EngineError>>,
+    },
+    Save {
+        reply: RpcReplyPort<Result<Vec<u8>, EngineError>>,
+    },
+    /// Lends the layer's stage (a handle on it and its worker) for a decoding pass that runs
+    /// several layers in one worker job ([`super::layers::session_layers`]).
+    Share {
+        reply: RpcReplyPort<Result<StageHolder, EngineError>>,
+    },
+    Load {
+        bytes: Arc<Vec<u8>>,
+        reply: RpcReplyPort<Result<(), EngineError>>,
+    },
+}
+
+/// Optimizer-phase and decoding calls, answered by reply.
+pub enum EdgeControl {
+    ScaleGrads,
+    Step { lr: f64, neuron_lr: f64, clip: f64 },
+    ZeroGrad,
+    SessionClose { session: u64 },
+}
+
+pub enum EdgeMsg {
+    Wire {
+        first: Hop,
+        last: Hop,
+    },
+    /// Starts micro-batch `micro`; its loss counts `loss_scale` of the step's, its ponder cost
+    /// `ponder_weight`.
+    Embed {
+        micro: u64,
+        batch: Arc<Batch>,
+        loss_scale: f64,
+        ponder_weight: f64,
+        ctx: StepCtx,
+    },
+    /// The last layer's output of `micro`.
+    Head {
+        micro: u64,
+        h: DeviceTensor,
+        ponder: Ponder,
+        ctx: StepCtx,
+    },
+    /// Layer 0's input gradient of `micro`.
+    EmbedBackward {
+        micro: u64,
+        grad: DeviceTensor,
+        ctx: StepCtx,
+    },
+    Control {
+        call: EdgeControl,
+        reply: RpcReplyPort<Result<Reply, EngineError>>,
+    },
+    /// Embeds tokens for decoding or evaluation (row-major `[batch, seq_len]`).
+    SessionEmbed {
+        ids: Vec<i64>,
+        batch: usize,
+        seq_len: usize,
+        reply: RpcReplyPort<Result<DeviceTensor, EngineError>>,
+    },
+    /// Last-position logits `[1, B, V]` of `sessions` (batch rows split evenly among them, in
+    /// order), copied to the host.
+    SessionDecode {
+        sessions: Vec<u64>,
+        h: DeviceTensor,
+        reply: RpcReplyPort<Result<Vec<f32>, EngineError>>,
+    },
+    /// Masked mean CE of `h` against `batch` (no gradients).
+    HeadEval {
+        h: DeviceTensor,
+        batch: Arc<Batch>,
+        reply: RpcReplyPort<Result<f64, EngineError>>,
+    },
+    Save {
+        reply: RpcReplyPort<Result<Vec<u8>, EngineError>>,
+    },
+    Load {
+        bytes: Arc<Vec<u8>>,
+        reply: RpcReplyPort<Result<(), EngineError>>,
+    },
+}

@@ -1,0 +1,122 @@
+//! Recovery of the supervisor: rebuilding every edge and layer actor after a failure and rolling
+//! the run back to the newest valid checkpoint, and saving or loading every stage at once.
+
+use super::checkpoint;
+use super::msg::{EdgeMsg, LayerMsg, ask};
+use super::supervisor::{SupMsg, SupState};
+use super::topology::Children;
+use crate::error::RuntimeError;
+use futures_util::future::join_all;
+use nsactor_plugin_api::EngineError;
+use ractor::ActorRef;
+use std::sync::Arc;
+use std::time::Duration;
+
+impl SupState {
+    /// Rebuilds every edge and layer actor from freshly opened stages, loads the newest valid
+    /// checkpoint into them (none: the fresh stages are the step-0 state), rewinds the data
+    /// and the step counter. Returns the step the run continues after.
+    pub(super) async fn recover(&mut self, myself: &ActorRef<SupMsg>) -> Result<u64, RuntimeError> {
+        self.restarts += 1;
+        let me = myself.get_cell();
+        let old = Children {
+            edge: self.edge.clone(),
+            layers: self.layers.clone(),
+        };
+        for c in super::topology::children_cells(&old) {
+            c.unlink(me.clone());
+            // A live actor finishes the job it is in; a dead one returns at once.
+            let _ = c.stop_and_wait(None, Some(Duration::from_secs(600))).await;
+        }
+        let (edge, layers) = self.topo.open_fresh().await?;
+        let children = self.topo.spawn(edge, layers, self.restarts as u64).await?;
+        for c in super::topology::children_cells(&children) {
+            c.link(me.clone());
+        }
+        self.edge = children.edge.clone();
+        self.layers = children.layers.clone();
+        *self.shared.write().unwrap_or_else(|e| e.into_inner()) = children;
+        self.broken = None;
+        let root = self.train.out_dir.join("checkpoints");
+        let (found, skipped) = tokio::task::spawn_blocking(move || checkpoint::latest_valid(&root))
+            .await
+            .map_err(|e| RuntimeError::Runtime(format!("checkpoint search: {e}")))?;
+        for s in skipped {
+            tracing::warn!("{s}");
+        }
+        let (step, cursor) = match found {
+            Some(l) => {
+                tracing::warn!("rolling back to {}", l.dir.display());
+                self.load_stages(l.shards).await?;
+                (l.manifest.step, l.manifest.data_cursor)
+            }
+            None => {
+                tracing::warn!("no checkpoint yet: restarting from the initial weights");
+                (0, self.initial_cursor)
+            }
+        };
+        if let (Some(c), Some(d)) = (cursor, &self.data) {
+            match d
+                .call(|reply| DataMsg::Seek { cursor: c, reply }, None)
+                .await
+            {
+                Ok(ractor::rpc::CallResult::Success(r)) => r?,
+                _ => return Err(RuntimeError::Broken("the data actor stopped".into())),
+            }
+        }
+        self.step = step;
+        self.cursor = cursor;
+        Ok(step)
+    }
+
+    pub(super) async fn save_stages(&self) -> Result<Vec<Vec<u8>>, RuntimeError> {
+        self.check()?;
+        let edge = ask(&self.edge, "edge", |reply| EdgeMsg::Save { reply });
+        let layers = join_all(
+            self.layers
+                .iter()
+                .enumerate()
+                .map(|(i, l)| ask(l, format!("layer {i}"), |reply| LayerMsg::Save { reply })),
+        );
+        let (e, ls) = futures_util::join!(edge, layers);
+        let mut out = vec![e?];
+        for l in ls {
+            out.push(l?);
+        }
+        Ok(out)
+    }
+
+    pub(super) async fn load_stages(&self, shards: Vec<Vec<u8>>) -> Result<(), RuntimeError> {
+        self.check()?;
+        if shards.len() != self.layers.len() + 1 {
+            return Err(EngineError::InvalidInput(format!(
+                "{} shards for {} stages",
+                shards.len(),
+                self.layers.len() + 1
+            ))
+            .into());
+        }
+        let mut shards = shards.into_iter().map(Arc::new);
+        let edge_bytes = shards.next().expect("checked length");
+        let edge = ask(&self.edge, "edge", |reply| EdgeMsg::Load {
+            bytes: edge_bytes,
+            reply,
+        });
+        let layers = join_all(
+            self.layers
+                .iter()
+                .zip(shards)
+                .enumerate()
+                .map(|(i, (l, b))| {
+                    ask(l, format!("layer {i}"), |reply| LayerMsg::Load {
+                        bytes: b,
+                        reply,
+                    })
+                }),
+        );
+        let (e, ls) = futures_util::join!(edge, layers);
+        e?;
+        ls.into_iter().collect::<Result<Vec<_>, _>>()?;
+        Ok(())
+    }
+}

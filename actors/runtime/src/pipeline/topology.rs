@@ -1,0 +1,316 @@
+//! Building the actor graph: opening stages on their workers, spawning the edge and layer
+//! actors and wiring the chain. The supervisor keeps a [`Topology`] so it can rebuild the graph
+//! after a failure; [`Fault`] injects failures to prove that it does.
+
+use super::edge::{EdgeActor, EdgeArgs};
+use super::holder::StageHolder;
+use super::layer::{LayerActor, LayerArgs};
+use super::msg::{EdgeMsg, Hop, LayerMsg};
+use super::plan::PipelinePlan;
+use super::worker::{Priority, Worker};
+use crate::error::RuntimeError;
+use nsactor_plugin_api::{
+    ComputeBackend, EngineError, Reply, Stage, StageCall, StageKind, StageSpec,
+};
+use ractor::{Actor, ActorCell, ActorRef};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+
+/// The current edge and layer actors (replaced wholesale by a recovery).
+#[derive(Clone)]
+pub struct Children {
+    pub edge: ActorRef<EdgeMsg>,
+    pub layers: Vec<ActorRef<LayerMsg>>,
+}
+
+/// A failure to inject, once (`[train] inject_fault` / `--inject-fault`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Fault {
+    /// Layer `layer` panics in its forward pass during step `step` (1-based).
+    LayerPanic { layer: usize, step: u64 },
+    /// The process aborts while writing the checkpoint of step `step`: after the shards,
+    /// before the manifest (a crash mid-checkpoint).
+    CrashInCheckpoint { step: u64 },
+}
+
+impl std::str::FromStr for Fault {
+    type Err = RuntimeError;
+
+    /// `layer-panic:LAYER:STEP` or `crash-in-checkpoint:STEP`.
+    fn from_str(s: &str) -> Result<Self, RuntimeError> {
+        let parts: Vec<&str> = s.split(':').collect();
+        let num = |p: &str| {
+            p.parse::<u64>()
+                .map_err(|_| RuntimeError::Invalid(format!("fault `{s}`: `{p}` is not a number")))
+        };
+        match parts.as_slice() {
+            ["layer-panic", layer, step] => Ok(Fault::LayerPanic {
+                layer: num(layer)? as usize,
+                step: num(step)?,
+            }),
+            ["crash-in-checkpoint", step] => Ok(Fault::CrashInCheckpoint { step: num(step)? }),
+            _ => Err(RuntimeError::Invalid(format!(
+                "fault `{s}`: expected `layer-panic:LAYER:STEP` or `crash-in-checkpoint:STEP`"
+            ))),
+        }
+    }
+}
+
+/// A fault and whether it has fired; the supervisor publishes the step being run.
+#[derive(Debug)]
+pub struct FaultPlan {
+    pub fault: Fault,
+    step_now: AtomicU64,
+    fired: AtomicBool,
+}
+
+impl FaultPlan {
+    pub fn new(fault: Fault) -> Self {
+        FaultPlan {
+            fault,
+            step_now: AtomicU64::new(0),
+            fired: AtomicBool::new(false),
+        }
+    }
+
+    pub fn set_step(&self, step: u64) {
+        self.step_now.store(step, Ordering::SeqCst);
+    }
+
+    /// True once, when `fault` matches the step now running.
+    fn fire(&self, f: Fault) -> bool {
+        self.fault == f && !self.fired.swap(true, Ordering::SeqCst)
+    }
+
+    fn layer_panics(&self, layer: usize) -> bool {
+        let step = self.step_now.load(Ordering::SeqCst);
+        self.fire(Fault::LayerPanic { layer, step })
+    }
+
+    /// Whether to crash while checkpointing `step`.
+    pub fn crash_in_checkpoint(&self, step: u64) -> bool {
+        self.fire(Fault::CrashInCheckpoint { step })
+    }
+}
+
+/// A stage that panics in a forward pass when its fault fires.
+struct FaultyStage {
+    inner: Box<dyn Stage>,
+    layer: usize,
+    plan: Arc<FaultPlan>,
+}
+
+impl Stage for FaultyStage {
+    fn call(&mut self, call: StageCall<'_>) -> Result<Reply, EngineError> {
+        if matches!(call, StageCall::Forward { .. }) && self.plan.layer_panics(self.layer) {
+            panic!("injected fault: layer {} panics", self.layer);
+        }
+        self.inner.call(call)
+    }
+    fn save(&self) -> Result<Vec<u8>, EngineError> {
+        self.inner.save()
+    }
+    fn load(&mut self, bytes: &[u8]) -> Result<(), EngineError> {
+        self.inner.load(bytes)
+    }
+    fn param_count(&self) -> u64 {
+        self.inner.param_count()
+    }
+}
+
+/// Everything needed to (re)build the actor graph.
+pub struct Topology {
+    pub backend: Arc<dyn ComputeBackend>,
+    /// The edge's spec; layers differ in kind and device.
+    pub spec: StageSpec,
+    pub plan: PipelinePlan,
+    /// The edge's worker, then one per pipeline stage.
+    pub workers: Vec<Arc<Worker>>,
+    /// Actor-name prefix unique to this pipeline.
+    pub prefix: String,
+    pub fault: Option<Arc<FaultPlan>>,
+    /// Layers per stage, counted from its last, whose training forwards keep their autodiff
+    /// graph (`[train] keep_activations`).
+    pub keep_activations: usize,
+}
+
+fn rt(e: impl std::fmt::Display) -> RuntimeError {
+    RuntimeError::Runtime(e.to_string())
+}
+
+impl Topology {
+    /// Freshly initialised stages (the step-0 state), each opened on its own worker.
+    pub async fn open_fresh(&self) -> Result<(Box<dyn Stage>, Vec<Box<dyn Stage>>), RuntimeError> {
+        let open = |kind: StageKind, device: usize, worker: &Arc<Worker>| {
+            let backend = self.backend.clone();
+            let spec = StageSpec {
+                kind,
+                device,
+                ..self.spec.clone()
+            };
+            worker.run(Priority::Control, move || backend.open_stage(&spec))
+        };
+        let edge = open(StageKind::Edge, self.plan.edge_device(), &self.workers[0]);
+        let devices = self.plan.layer_devices();
+        let layers: Vec<_> = (0..self.plan.num_layers())
+            .map(|i| {
+                open(
+                    StageKind::Layer(i),
+                    devices[i],
+                    &self.workers[1 + self.plan.stage_of(i)],
+                )
+            })
+            .collect();
+        let edge = edge.await.map_err(|p| rt(p.0))??;
+        let mut out = Vec::with_capacity(layers.len());
+        for l in layers {
+            out.push(l.await.map_err(|p| rt(p.0))??);
+        }
+        Ok((edge, out))
+    }
+
+    /// Spawns and wires edge and layer actors over the given stages; `generation` keeps the
+    /// names of rebuilt actors apart from their predecessors'.
+    pub async fn spawn(
+        &self,
+        edge_stage: Box<dyn Stage>,
+        layer_stages: Vec<Box<dyn Stage>>,
+        generation: u64,
+    ) -> Result<Children, RuntimeError> {
+        let name = |n: &str| {
+            if generation == 0 {
+                format!("{}/{n}", self.prefix)
+            } else {
+                format!("{}/{n}.{generation}", self.prefix)
+            }
+        };
+        let devices = self.plan.layer_devices();
+        let edge_device = self.plan.edge_device();
+        let stage_of = |i| self.plan.stage_of(i);
+        let (edge, _) = Actor::spawn(
+            Some(name("edge")),
+            EdgeActor,
+            EdgeArgs {
+                num_layers: layer_stages.len(),
+                stage: StageHolder::new(
+                    "edge",
+                    edge_stage,
+                    self.workers[0].clone(),
+                    self.backend.clone(),
+                    self.plan.edge_device(),
+                )
+                .with_neighbours(
+                    (*devices.last().expect("a pipeline has layers"), false),
+                    (devices[0], false),
+                ),
+            },
+        )
+        .await
+        .map_err(rt)?;
+        let mut layers = Vec::with_capacity(layer_stages.len());
+        for (i, stage) in layer_stages.into_iter().enumerate() {
+            let stage = match &self.fault {
+                Some(plan) if matches!(plan.fault, Fault::LayerPanic { layer, .. } if layer == i) => {
+                    Box::new(FaultyStage {
+                        inner: stage,
+                        layer: i,
+                        plan: plan.clone(),
+                    })
+                }
+                _ => stage,
+            };
+            let (l, _) = Actor::spawn(
+                Some(name(&format!("layer-{i}"))),
+                LayerActor,
+                LayerArgs {
+                    index: i,
+                    keep_graph: self.plan.stages[stage_of(i)].layers.end - i
+                        <= self.keep_activations,
+                    stage: StageHolder::new(
+                        format!("layer {i}"),
+                        stage,
+                        self.workers[1 + stage_of(i)].clone(),
+                        self.backend.clone(),
+                        devices[i],
+                    )
+                    .with_neighbours(
+                        match i {
+                            0 => (edge_device, false),
+                            _ => (devices[i - 1], stage_of(i - 1) == stage_of(i)),
+                        },
+                        match devices.get(i + 1) {
+                            Some(&d) => (d, stage_of(i + 1) == stage_of(i)),
+                            None => (edge_device, false),
+                        },
+                    ),
+                },
+            )
+            .await
+            .map_err(rt)?;
+            layers.push(l);
+        }
+        // Wire the chain: edge → 0 → … → L−1 → edge.
+        let n = layers.len();
+        let stopped = |_| rt("an actor stopped while starting");
+        for (i, l) in layers.iter().enumerate() {
+            let prev = if i == 0 {
+                Hop::Edge(edge.clone())
+            } else {
+                Hop::Layer(layers[i - 1].clone())
+            };
+            let next = if i + 1 == n {
+                Hop::Edge(edge.clone())
+            } else {
+                Hop::Layer(layers[i + 1].clone())
+            };
+            l.cast(LayerMsg::Wire { prev, next }).map_err(stopped)?;
+        }
+        edge.cast(EdgeMsg::Wire {
+            first: Hop::Layer(layers[0].clone()),
+            last: Hop::Layer(layers[n - 1].clone()),
+        })
+        .map_err(|_| rt("the edge stopped while starting"))?;
+        Ok(Children { edge, layers })
+    }
+}
+
+/// Every actor cell of `c`: the edge, then the layers.
+pub(crate) fn children_cells(c: &Children) -> impl Iterator<Item = ActorCell> + '_ {
+    std::iter::once(c.edge.get_cell()).chain(c.layers.iter().map(|l| l.get_cell()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn faults_parse_and_fire_once() {
+        let f: Fault = "layer-panic:3:7".parse().unwrap();
+        assert_eq!(f, Fault::LayerPanic { layer: 3, step: 7 });
+        assert_eq!(
+            "crash-in-checkpoint:4".parse::<Fault>().unwrap(),
+            Fault::CrashInCheckpoint { step: 4 }
+        );
+        assert!(
+            "layer-panic:x:1"
+                .parse::<Fault>()
+                .unwrap_err()
+                .to_string()
+                .contains("`x`")
+        );
+        assert!(
+            "explode"
+                .parse::<Fault>()
+                .unwrap_err()
+                .to_string()
+                .contains("expected")
+        );
+        let plan = FaultPlan::new(f);
+        plan.set_step(6);
+        assert!(!plan.layer_panics(3));
+        plan.set_step(7);
+        assert!(!plan.layer_panics(2));
+        assert!(plan.layer_panics(3));
+        assert!(!plan.layer_panics(3), "fires once");
+    }
+}

@@ -1,0 +1,95 @@
+//! `ServeError`: why a request failed, and the one place it becomes a wire answer: an HTTP
+//! status with OpenAI's error body, the same body as a server-sent event, or the fields of a
+//! WebSocket `error` event ([`ServeError::code`], [`ServeError::to_string`]).
+//!
+//! A client's mistake is a 4xx, a full server or one shutting down a 503 with `Retry-After`;
+//! only a fault of the server itself is a 500.
+
+use axum::http::{StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use nsactor_plugin_api::EngineError;
+use nsactor_runtime::RuntimeError;
+
+/// Why a request failed.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum ServeError {
+    /// The request body or message is not JSON.
+    #[error("{0}")]
+    InvalidJson(String),
+    /// A field is missing, of the wrong type or out of range (the message names it).
+    #[error("{0}")]
+    Invalid(String),
+    /// A `cancel` names no request running on its connection.
+    #[error("{0}")]
+    UnknownRequest(String),
+    /// Every session and queue place is taken.
+    #[error("{0}")]
+    Busy(String),
+    /// The server cannot take work now (shutting down, its pipeline is being rebuilt).
+    #[error("{0}")]
+    Unavailable(String),
+    /// A fault of the server.
+    #[error("{0}")]
+    Internal(String),
+}
+
+impl ServeError {
+    /// The machine-readable code: OpenAI's `type`/`code`, the WebSocket event's `code`.
+    pub fn code(&self) -> &'static str {
+        match self {
+            ServeError::InvalidJson(_) => "invalid_json",
+            ServeError::Invalid(_) => "invalid_request",
+            ServeError::UnknownRequest(_) => "unknown_request",
+            ServeError::Busy(_) => "busy",
+            ServeError::Unavailable(_) => "unavailable",
+            ServeError::Internal(_) => "internal",
+        }
+    }
+
+    /// The HTTP status.
+    pub fn status(&self) -> StatusCode {
+        match self {
+            ServeError::InvalidJson(_) | ServeError::Invalid(_) => StatusCode::BAD_REQUEST,
+            ServeError::UnknownRequest(_) => StatusCode::NOT_FOUND,
+            ServeError::Busy(_) | ServeError::Unavailable(_) => StatusCode::SERVICE_UNAVAILABLE,
+            ServeError::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
+        }
+    }
+
+    /// OpenAI's error body, for HTTP answers and server-sent events.
+    pub fn openai_body(&self) -> serde_json::Value {
+        serde_json::json!({"error": {
+            "message": self.to_string(), "type": self.code(), "code": self.code(),
+        }})
+    }
+}
+
+impl From<RuntimeError> for ServeError {
+    /// A request the stages refused as invalid stays the client's error; a pipeline that
+    /// cannot take work is unavailable; the rest is the server's fault.
+    fn from(e: RuntimeError) -> Self {
+        match &e {
+            RuntimeError::Engine(EngineError::InvalidInput(m))
+            | RuntimeError::Stage {
+                error: EngineError::InvalidInput(m),
+                ..
+            } => ServeError::Invalid(m.clone()),
+            RuntimeError::Broken(_) | RuntimeError::Runtime(_) => {
+                ServeError::Unavailable(e.to_string())
+            }
+            _ => ServeError::Internal(e.to_string()),
+        }
+    }
+}
+
+impl IntoResponse for ServeError {
+    /// The status and OpenAI's error body; `Retry-After: 1` when the server is full.
+    fn into_response(self) -> Response {
+        let mut r = (self.status(), axum::Json(self.openai_body())).into_response();
+        if matches!(self, ServeError::Busy(_) | ServeError::Unavailable(_)) {
+            r.headers_mut()
+                .insert(header::RETRY_AFTER, header::HeaderValue::from_static("1"));
+        }
+        r
+    }
+}

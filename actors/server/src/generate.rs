@@ -1,0 +1,289 @@
+//! One generation: admission (a cap on concurrent sessions, a bounded queue, "busy" past it),
+//! prefill, then one token at a time through the layer actors, streamed as text deltas that
+//! never split a UTF-8 character and never show a stop string. The session's neuron states are
+//! freed however the generation ends: finished, cancelled, or its client gone.
+
+use crate::error::ServeError;
+use crate::metrics::Metrics;
+use crate::protocol::{GenSpec, GenTiming, PromptSpec, Usage};
+use nsactor_data::Tokenizer;
+use nsactor_runtime::decode::TokenPicker;
+use nsactor_runtime::pipeline::AsyncDecoder;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::time::Instant;
+use tokio::sync::{Semaphore, mpsc};
+
+/// Token ids 0–4: `<unk> <s> </s> <|im_start|> <|im_end|>` (SPEC §9).
+const END_TOKENS: [i64; 2] = [2, 4];
+const NEVER_GENERATED: [i64; 3] = [0, 1, 3];
+
+/// What the generator reports while it runs.
+#[derive(Debug, Clone, PartialEq)]
+pub enum GenEvent {
+    Delta { text: String, token_ids: Vec<i64> },
+    Done(Finished),
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct Finished {
+    pub finish_reason: &'static str,
+    pub usage: Usage,
+    pub timing: GenTiming,
+}
+
+/// Sessions: at most `max_sessions` decoding, at most `max_queue` waiting.
+pub struct Admission {
+    permits: Arc<Semaphore>,
+    waiting: AtomicUsize,
+    max_queue: usize,
+    max_sessions: usize,
+}
+
+impl Admission {
+    pub fn new(max_sessions: usize, max_queue: usize) -> Self {
+        Admission {
+            permits: Arc::new(Semaphore::new(max_sessions)),
+            waiting: AtomicUsize::new(0),
+            max_queue,
+            max_sessions,
+        }
+    }
+
+    async fn enter(&self) -> Result<tokio::sync::OwnedSemaphorePermit, ServeError> {
+        if let Ok(p) = self.permits.clone().try_acquire_owned() {
+            return Ok(p);
+        }
+        if self.waiting.fetch_add(1, Ordering::SeqCst) >= self.max_queue {
+            self.waiting.fetch_sub(1, Ordering::SeqCst);
+            return Err(ServeError::Busy(format!(
+                "{} sessions are decoding and {} are queued; try again shortly",
+                self.max_sessions, self.max_queue
+            )));
+        }
+        let p = self.permits.clone().acquire_owned().await;
+        self.waiting.fetch_sub(1, Ordering::SeqCst);
+        p.map_err(|_| ServeError::Unavailable("the server is shutting down".into()))
+    }
+
+    pub fn queued(&self) -> usize {
+        self.waiting.load(Ordering::SeqCst)
+    }
+}
+
+/// The model side of the server.
+pub struct Generator {
+    pub decoder: AsyncDecoder,
+    pub tokenizer: Arc<Tokenizer>,
+    pub admission: Admission,
+    pub metrics: Arc<Metrics>,
+    pub max_prompt_tokens: usize,
+}
+
+/// Longest suffix of `text` that is a proper prefix of a stop string (held back: it may be the
+/// start of one).
+fn held_back(text: &str, stop: &[String]) -> usize {
+    let mut hold = 0;
+    for s in stop {
+        for (i, _) in s.char_indices().skip(1) {
+            if text.ends_with(&s[..i]) {
+                hold = hold.max(i);
+            }
+        }
+    }
+    hold
+}
+
+impl Generator {
+    /// Token ids of the request's prompt.
+    pub fn prompt_ids(&self, p: &PromptSpec) -> Result<Vec<i64>, ServeError> {
+        let ids: Vec<i64> = match p {
+            PromptSpec::Ids(ids) => ids.clone(),
+            PromptSpec::Text(t) => {
+                let mut ids = vec![i64::from(self.tokenizer.bos_id())];
+                let enc = self
+                    .tokenizer
+                    .encode(t)
+                    .map_err(|e| ServeError::Invalid(e.to_string()))?;
+                ids.extend(enc.into_iter().map(i64::from));
+                ids
+            }
+            PromptSpec::Chat(m) => {
+                let msgs: Vec<nsactor_data::Message> = m
+                    .iter()
+                    .map(|m| nsactor_data::Message::new(&m.role, &m.content))
+                    .collect();
+                let text = nsactor_data::chat_template(&msgs, true);
+                self.tokenizer
+                    .encode(&text)
+                    .map_err(|e| ServeError::Invalid(e.to_string()))?
+                    .into_iter()
+                    .map(i64::from)
+                    .collect()
+            }
+        };
+        if ids.len() > self.max_prompt_tokens {
+            return Err(ServeError::Invalid(format!(
+                "the prompt has {} tokens; the limit is {}",
+                ids.len(),
+                self.max_prompt_tokens
+            )));
+        }
+        let vocab = self.decoder.vocab() as i64;
+        if let Some(bad) = ids.iter().find(|&&t| t < 0 || t >= vocab) {
+            return Err(ServeError::Invalid(format!(
+                "token id {bad} is outside the vocabulary (0..{vocab})"
+            )));
+        }
+        Ok(ids)
+    }
+
+    /// Runs `spec`, sending deltas to `tx`; stops when `cancel` is set or `tx` is closed (the
+    /// client went away), within one token.
+    pub async fn run(
+        &self,
+        spec: GenSpec,
+        tx: mpsc::Sender<GenEvent>,
+        cancel: Arc<AtomicBool>,
+    ) -> Result<Finished, ServeError> {
+        let start = Instant::now();
+        let prompt = self.prompt_ids(&spec.prompt)?;
+        let _permit = self.admission.enter().await?;
+        let session = self.decoder.session();
+        self.metrics.active_sessions.fetch_add(1, Ordering::SeqCst);
+        let r = self
+            .decode(session, &prompt, &spec, &tx, &cancel, start)
+            .await;
+        self.decoder.close(session).await;
+        self.metrics.active_sessions.fetch_sub(1, Ordering::SeqCst);
+        let r = r?;
+        self.metrics.record(&r);
+        let _ = tx.send(GenEvent::Done(r.clone())).await;
+        Ok(r)
+    }
+
+    async fn decode(
+        &self,
+        session: u64,
+        prompt: &[i64],
+        spec: &GenSpec,
+        tx: &mpsc::Sender<GenEvent>,
+        cancel: &AtomicBool,
+        start: Instant,
+    ) -> Result<Finished, ServeError> {
+        let mut picker = TokenPicker::new(spec.sampling);
+        let mut history = prompt.to_vec();
+        let mut generated: Vec<i64> = Vec::new();
+        let mut pending_ids: Vec<i64> = Vec::new();
+        let mut emitted = 0usize; // bytes of the decoded text already sent
+        let mut first_token_at = None;
+        let mut logits = self
+            .decoder
+            .feed(session, prompt.to_vec())
+            .await
+            .map_err(ServeError::from)?;
+        let mut text = String::new();
+        let finish_reason = loop {
+            if cancel.load(Ordering::SeqCst) || tx.is_closed() {
+                break "cancelled";
+            }
+            if !spec.ignore_eos {
+                for &t in &NEVER_GENERATED {
+                    if let Some(l) = logits.get_mut(t as usize) {
+                        *l = f32::NEG_INFINITY;
+                    }
+                }
+            }
+            let next = picker.pick(&mut logits, &history);
+            first_token_at.get_or_insert_with(Instant::now);
+            history.push(next);
+            if !spec.ignore_eos && END_TOKENS.contains(&next) {
+                break "stop";
+            }
+            generated.push(next);
+            pending_ids.push(next);
+            let ids: Vec<u32> = generated.iter().map(|&t| t as u32).collect();
+            text = self
+                .tokenizer
+                .decode(&ids, true)
+                .map_err(|e| ServeError::Internal(e.to_string()))?;
+            // A stop string ends the generation; the text before it is the answer.
+            if let Some(pos) = spec.stop.iter().filter_map(|s| text.find(s.as_str())).min() {
+                text.truncate(pos.max(emitted));
+                break "stop";
+            }
+            // Hold back an incomplete UTF-8 character and a possible stop-string start.
+            let incomplete = text.ends_with('\u{FFFD}');
+            let end = text.len() - held_back(&text, &spec.stop);
+            if !incomplete && end > emitted && text.is_char_boundary(end) {
+                self.send(tx, &text[emitted..end], &mut pending_ids, spec.token_ids)
+                    .await;
+                emitted = end;
+            }
+            if generated.len() >= spec.max_tokens {
+                break "length";
+            }
+            logits = self
+                .decoder
+                .feed(session, vec![next])
+                .await
+                .map_err(ServeError::from)?;
+        };
+        // Whatever is still held back (and any token ids not yet sent) goes out now.
+        if finish_reason != "cancelled" && (text.len() > emitted || !pending_ids.is_empty()) {
+            let tail = text.get(emitted..).unwrap_or("");
+            self.send(tx, tail, &mut pending_ids, spec.token_ids).await;
+        }
+        let total = start.elapsed().as_secs_f64();
+        let ttft = first_token_at.map_or(total, |t| (t - start).as_secs_f64());
+        let n = generated.len();
+        Ok(Finished {
+            finish_reason,
+            usage: Usage {
+                prompt_tokens: prompt.len(),
+                completion_tokens: n,
+                total_tokens: prompt.len() + n,
+            },
+            timing: GenTiming {
+                time_to_first_token_ms: ttft * 1e3,
+                total_ms: total * 1e3,
+                tokens_per_s: if n > 1 && total > ttft {
+                    (n - 1) as f64 / (total - ttft)
+                } else {
+                    0.0
+                },
+            },
+        })
+    }
+
+    async fn send(
+        &self,
+        tx: &mpsc::Sender<GenEvent>,
+        text: &str,
+        ids: &mut Vec<i64>,
+        with_ids: bool,
+    ) {
+        let token_ids = std::mem::take(ids);
+        let _ = tx
+            .send(GenEvent::Delta {
+                text: text.to_string(),
+                token_ids: if with_ids { token_ids } else { Vec::new() },
+            })
+            .await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::held_back;
+
+    #[test]
+    fn only_possible_stop_string_starts_are_held_back() {
+        let stop = vec!["\n\n".to_string(), "END".to_string()];
+        assert_eq!(held_back("hello\n", &stop), 1);
+        assert_eq!(held_back("hello EN", &stop), 2);
+        assert_eq!(held_back("hello E", &stop), 1);
+        assert_eq!(held_back("hello", &stop), 0);
+        assert_eq!(held_back("héllo", &["é!".to_string()]), 0);
+    }
+}

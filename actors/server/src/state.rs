@@ -1,0 +1,60 @@
+//! What every handler shares ([`ServerState`]), and starting a generation task for a validated
+//! request ([`start`]).
+
+use crate::error::ServeError;
+use crate::generate::{GenEvent, Generator};
+use crate::protocol::{GenSpec, Limits};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use tokio::sync::mpsc;
+
+/// Everything a request handler needs.
+pub struct ServerState {
+    pub generator: Generator,
+    pub model_name: String,
+    pub limits: Limits,
+}
+
+pub type Shared = Arc<ServerState>;
+
+pub fn now() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
+}
+
+/// Starts a generation task; its events arrive on the returned receiver.
+pub fn start(
+    s: &Shared,
+    spec: GenSpec,
+    cancel: Arc<AtomicBool>,
+) -> mpsc::Receiver<Result<GenEvent, ServeError>> {
+    let (tx, mut rx_gen) = mpsc::channel::<GenEvent>(64);
+    let (out, rx) = mpsc::channel(64);
+    s.generator.metrics.requests.fetch_add(1, Ordering::Relaxed);
+    let s = s.clone();
+    tokio::spawn(async move {
+        let forward = {
+            let out = out.clone();
+            async move {
+                while let Some(e) = rx_gen.recv().await {
+                    if out.send(Ok(e)).await.is_err() {
+                        break;
+                    }
+                }
+            }
+        };
+        let run = s.generator.run(spec, tx, cancel);
+        let (r, ()) = tokio::join!(run, forward);
+        if let Err(e) = r {
+            let m = &s.generator.metrics;
+            if matches!(e, ServeError::Busy(_)) {
+                m.busy.fetch_add(1, Ordering::Relaxed);
+            } else {
+                m.failed.fetch_add(1, Ordering::Relaxed);
+            }
+            let _ = out.send(Err(e)).await;
+        }
+    });
+    rx
+}

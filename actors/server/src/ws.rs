@@ -1,0 +1,181 @@
+//! The WebSocket front end on `/ws`: `generate` and `cancel` messages in, `delta`, `done` and
+//! `error` events out, many requests per connection.
+
+use crate::error::ServeError;
+use crate::generate::GenEvent;
+use crate::protocol::{ClientMsg, PromptSpec, SamplingOptions, ServerMsg};
+use crate::state::{Shared, start};
+use axum::extract::State;
+use axum::extract::ws::{Message, WebSocket, WebSocketUpgrade};
+use axum::response::Response;
+use futures_util::{SinkExt, StreamExt};
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use tokio::sync::mpsc;
+
+pub async fn ws(State(s): State<Shared>, up: WebSocketUpgrade) -> Response {
+    let max = s.limits.max_message_bytes;
+    up.max_message_size(max)
+        .max_frame_size(max)
+        .on_upgrade(move |socket| connection(socket, s))
+}
+
+/// One WebSocket connection: any number of requests, each streamed under its `id`.
+pub async fn connection(socket: WebSocket, s: Shared) {
+    let (mut sink, mut stream) = socket.split();
+    let (out, mut out_rx) = mpsc::channel::<ServerMsg>(256);
+    let writer = tokio::spawn(async move {
+        while let Some(m) = out_rx.recv().await {
+            let text = serde_json::to_string(&m).expect("messages serialise");
+            if sink.send(Message::Text(text.into())).await.is_err() {
+                break;
+            }
+        }
+        let _ = sink.close().await;
+    });
+    let running: Arc<Mutex<HashMap<String, Arc<AtomicBool>>>> = Arc::default();
+    while let Some(frame) = stream.next().await {
+        let text = match frame {
+            Ok(Message::Text(t)) => t,
+            Ok(Message::Binary(_)) => {
+                let e = ServerMsg::error(
+                    None,
+                    &ServeError::Invalid("binary frames are not accepted; send JSON text".into()),
+                );
+                if out.send(e).await.is_err() {
+                    break;
+                }
+                continue;
+            }
+            Ok(Message::Close(_)) | Err(_) => break,
+            Ok(_) => continue, // ping/pong are answered by the library
+        };
+        let msg = match ClientMsg::parse(text.as_str(), &s.limits) {
+            Ok(m) => m,
+            Err(e) => {
+                if out.send(ServerMsg::error(None, &e)).await.is_err() {
+                    break;
+                }
+                continue;
+            }
+        };
+        match msg {
+            ClientMsg::Cancel { id } => {
+                let flag = running.lock().ok().and_then(|r| r.get(&id).cloned());
+                match flag {
+                    Some(f) => f.store(true, Ordering::SeqCst),
+                    None => {
+                        let e = ServerMsg::error(
+                            Some(id.clone()),
+                            &ServeError::UnknownRequest(format!(
+                                "no request `{id}` is running on this connection"
+                            )),
+                        );
+                        if out.send(e).await.is_err() {
+                            break;
+                        }
+                    }
+                }
+            }
+            ClientMsg::Generate {
+                id,
+                prompt,
+                messages,
+                max_tokens,
+                temperature,
+                top_k,
+                top_p,
+                repetition_penalty,
+                seed,
+                stop,
+                token_ids,
+                ignore_eos,
+            } => {
+                let prompt = match (prompt, messages) {
+                    (Some(crate::protocol::Prompt::Text(t)), None) => Ok(PromptSpec::Text(t)),
+                    (Some(crate::protocol::Prompt::Ids(i)), None) => Ok(PromptSpec::Ids(i)),
+                    (None, Some(m)) => Ok(PromptSpec::Chat(m)),
+                    _ => Err(ServeError::Invalid(
+                        "give exactly one of `prompt` and `messages`".into(),
+                    )),
+                };
+                let options = SamplingOptions {
+                    max_tokens,
+                    temperature,
+                    top_k,
+                    top_p,
+                    repetition_penalty,
+                    seed,
+                    stop,
+                    ignore_eos,
+                };
+                let spec = prompt.and_then(|p| options.validate(p, token_ids, &s.limits));
+                let spec = match spec {
+                    Ok(spec) => spec,
+                    Err(e) => {
+                        if out.send(ServerMsg::error(Some(id), &e)).await.is_err() {
+                            break;
+                        }
+                        continue;
+                    }
+                };
+                let cancel = Arc::new(AtomicBool::new(false));
+                let duplicate = match running.lock() {
+                    Ok(r) if r.contains_key(&id) => true,
+                    Ok(mut r) => {
+                        r.insert(id.clone(), cancel.clone());
+                        false
+                    }
+                    Err(_) => break,
+                };
+                if duplicate {
+                    let e = ServerMsg::error(
+                        Some(id.clone()),
+                        &ServeError::Invalid(format!(
+                            "request `{id}` is already running on this connection"
+                        )),
+                    );
+                    if out.send(e).await.is_err() {
+                        break;
+                    }
+                    continue;
+                }
+                let mut rx = start(&s, spec, cancel);
+                let (out, running, with_ids) = (out.clone(), running.clone(), token_ids);
+                tokio::spawn(async move {
+                    while let Some(e) = rx.recv().await {
+                        let m = match e {
+                            Ok(GenEvent::Delta { text, token_ids }) => ServerMsg::Delta {
+                                id: id.clone(),
+                                text,
+                                token_ids: with_ids.then_some(token_ids),
+                            },
+                            Ok(GenEvent::Done(f)) => ServerMsg::Done {
+                                id: id.clone(),
+                                finish_reason: f.finish_reason.into(),
+                                usage: f.usage,
+                                timing: f.timing,
+                            },
+                            Err(e) => ServerMsg::error(Some(id.clone()), &e),
+                        };
+                        if out.send(m).await.is_err() {
+                            break;
+                        }
+                    }
+                    if let Ok(mut r) = running.lock() {
+                        r.remove(&id);
+                    }
+                });
+            }
+        }
+    }
+    // The client is gone: stop its generations within one token.
+    if let Ok(r) = running.lock() {
+        for f in r.values() {
+            f.store(true, Ordering::SeqCst);
+        }
+    }
+    drop(out);
+    let _ = writer.await;
+}

@@ -1,0 +1,186 @@
+//! Shared by the server tests: a model served on loopback, and small WebSocket / HTTP clients.
+#![allow(dead_code)]
+
+use futures_util::{SinkExt, StreamExt};
+use nsactor_plugin_api::OptimizerKind;
+use nsactor_runtime::engine::StagedModel;
+use nsactor_runtime::pipeline::{Pipeline, PipelinePlan};
+use nsactor_runtime::verify::TinyAFixture;
+use nsactor_server::generate::{Admission, Generator};
+use nsactor_server::protocol::Limits;
+use nsactor_server::{Metrics, ServerState};
+use std::sync::Arc;
+use tokio_tungstenite::tungstenite::Message;
+
+pub fn fixture() -> Vec<u8> {
+    let p = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../../../shared/fixtures/tiny_a.safetensors");
+    std::fs::read(&p).unwrap_or_else(|e| panic!("{}: {e}", p.display()))
+}
+
+pub struct Served {
+    pub pipeline: Pipeline,
+    pub addr: std::net::SocketAddr,
+    pub state: Arc<ServerState>,
+    pub greedy: Vec<i64>,
+    pub prompt: Vec<i64>,
+}
+
+pub fn serve(max_sessions: usize, max_queue: usize) -> Served {
+    serve_model(max_sessions, max_queue, true)
+}
+
+/// `tiny_a` (vocabulary 512, fixture weights) or, with `tiny_a = false`, the embedded tiny
+/// config (vocabulary 2048, the bundled tokenizer's, freshly initialised) for text prompts.
+pub fn serve_model(max_sessions: usize, max_queue: usize, tiny_a: bool) -> Served {
+    let bytes = fixture();
+    let fx = TinyAFixture::parse(&bytes).unwrap();
+    let backend = nsactor_runtime::backend::open(nsactor_runtime::backend::EMBEDDED, &[]).unwrap();
+    let cfg = nsactor_runtime::config::RunConfig::load(None).unwrap();
+    let (toml, vocab) = if tiny_a {
+        (fx.model_toml(), 512)
+    } else {
+        (cfg.model_toml(), 2048)
+    };
+    let mut staged = StagedModel::open(backend, &toml, 0, OptimizerKind::Adam, None).unwrap();
+    if tiny_a {
+        // The fixture's greedy run decodes with the weights after its training step.
+        staged
+            .load_model_bytes(&fx.weights("after.").unwrap())
+            .unwrap();
+    }
+    let plan = PipelinePlan::balanced(2, 2, &[0]).unwrap();
+    let train = nsactor_runtime::config::RunConfig::load(None)
+        .unwrap()
+        .train;
+    let pipeline = Pipeline::start(staged, plan, train, None).unwrap();
+    let state = Arc::new(ServerState {
+        generator: Generator {
+            decoder: pipeline.decoder(vocab),
+            tokenizer: Arc::new(nsactor_data::Tokenizer::bundled()),
+            admission: Admission::new(max_sessions, max_queue),
+            metrics: Arc::new(Metrics::default()),
+            max_prompt_tokens: 64,
+        },
+        model_name: "tiny_a".into(),
+        limits: Limits::default(),
+    });
+    let s = state.clone();
+    let addr = pipeline.block_on(async move {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        tokio::spawn(nsactor_server::serve(listener, s, std::future::pending()));
+        addr
+    });
+    Served {
+        pipeline,
+        addr,
+        state,
+        greedy: fx.i64s("gen.greedy").unwrap(),
+        prompt: fx.i64s("gen.prompt").unwrap(),
+    }
+}
+
+pub type Ws =
+    tokio_tungstenite::WebSocketStream<tokio_tungstenite::MaybeTlsStream<tokio::net::TcpStream>>;
+
+pub async fn connect(addr: std::net::SocketAddr) -> Ws {
+    tokio_tungstenite::connect_async(format!("ws://{addr}/ws"))
+        .await
+        .unwrap()
+        .0
+}
+
+pub async fn next_json(ws: &mut Ws) -> serde_json::Value {
+    loop {
+        match ws.next().await.expect("stream open").unwrap() {
+            Message::Text(t) => return serde_json::from_str(&t).unwrap(),
+            _ => continue,
+        }
+    }
+}
+
+/// Sends a request and collects `(text, token ids, done event)`.
+pub async fn generate(
+    ws: &mut Ws,
+    req: serde_json::Value,
+) -> (String, Vec<i64>, serde_json::Value) {
+    let id = req["id"].as_str().unwrap().to_string();
+    ws.send(Message::Text(req.to_string().into()))
+        .await
+        .unwrap();
+    let (mut text, mut ids) = (String::new(), Vec::new());
+    loop {
+        let m = next_json(ws).await;
+        assert_eq!(m["id"], id.as_str(), "{m}");
+        match m["type"].as_str().unwrap() {
+            "delta" => {
+                text.push_str(m["text"].as_str().unwrap());
+                if let Some(t) = m["token_ids"].as_array() {
+                    ids.extend(t.iter().map(|v| v.as_i64().unwrap()));
+                }
+            }
+            "done" => return (text, ids, m),
+            _ => panic!("unexpected {m}"),
+        }
+    }
+}
+
+/// A raw HTTP/1.1 exchange: status line and body (chunked bodies are returned as sent).
+pub async fn http(
+    addr: std::net::SocketAddr,
+    method: &str,
+    path: &str,
+    body: &[u8],
+) -> (u16, String) {
+    tokio::time::timeout(
+        std::time::Duration::from_secs(60),
+        http_inner(addr, method, path, body),
+    )
+    .await
+    .unwrap_or_else(|_| panic!("{method} {path}: no complete answer in 60 s"))
+}
+
+/// Reads the head, then `Content-Length` bytes when given, else to the end of the stream.
+async fn http_inner(
+    addr: std::net::SocketAddr,
+    method: &str,
+    path: &str,
+    body: &[u8],
+) -> (u16, String) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let head = format!(
+        "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
+        body.len()
+    );
+    s.write_all(head.as_bytes()).await.unwrap();
+    s.write_all(body).await.unwrap();
+    let mut out = Vec::new();
+    let mut buf = [0u8; 8192];
+    loop {
+        let n = s.read(&mut buf).await.unwrap();
+        if n == 0 {
+            break;
+        }
+        out.extend_from_slice(&buf[..n]);
+        let text = String::from_utf8_lossy(&out);
+        if let Some((h, b)) = text.split_once("\r\n\r\n") {
+            let len = h.lines().find_map(|l| {
+                let (k, v) = l.split_once(':')?;
+                k.eq_ignore_ascii_case("content-length")
+                    .then(|| v.trim().parse::<usize>().ok())?
+            });
+            if len.is_some_and(|len| b.len() >= len) {
+                break;
+            }
+        }
+    }
+    let text = String::from_utf8_lossy(&out).into_owned();
+    let status = text[9..12].parse().unwrap();
+    let body = text
+        .split_once("\r\n\r\n")
+        .map_or("", |(_, b)| b)
+        .to_string();
+    (status, body)
+}

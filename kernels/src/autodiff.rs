@@ -1,8 +1,14 @@
-//! `SnnOps` for `Autodiff<B>`: forward through `B`, backward through `B`'s backward methods.
+//! The `SnnOps` family for `Autodiff<B>`: forward through `B`, backward through `B`'s backward
+//! methods, one backward node per op (the scans, the GEMM, the fused training ops).
 
-use crate::ops::{
+use crate::ops::device::{DeviceOps, GraphOps};
+use crate::ops::gemm::GemmOps;
+use crate::ops::infer::InferOps;
+use crate::ops::scan::ScanOps;
+use crate::ops::snn::SnnOps;
+use crate::ops::types::{
     FfnGrads, FfnInputs, NormPlifInputs, PlifGrads, PlifOutput, PonderInputs, SelectiveGrads,
-    SelectiveInputs, SnnOps,
+    SelectiveInputs,
 };
 use burn::backend::autodiff::{
     Autodiff, NodeId,
@@ -262,6 +268,62 @@ impl<B: SnnOps> Backward<B, 6> for FfnBackward {
     }
 }
 
+/// The GEMM with its own backward node (`MatmulBackward`).
+impl<B: SnnOps, C: CheckpointStrategy> GemmOps for Autodiff<B, C> {
+    fn gemm(lhs: FloatTensor<Self>, rhs: FloatTensor<Self>) -> FloatTensor<Self> {
+        Self::gemm_out(lhs, rhs, DType::F32)
+    }
+
+    fn gemm_out(lhs: FloatTensor<Self>, rhs: FloatTensor<Self>, out: DType) -> FloatTensor<Self> {
+        let prep = MatmulBackward
+            .prepare::<C>([lhs.node.clone(), rhs.node.clone()])
+            .compute_bound()
+            .stateful();
+        match prep {
+            OpsKind::Tracked(prep) => {
+                let dtypes = [lhs.primitive.dtype(), rhs.primitive.dtype()];
+                let lhs = B::gemm_operand(lhs.primitive);
+                let rhs = B::gemm_operand(rhs.primitive);
+                let out = B::gemm_out(lhs.clone(), rhs.clone(), out);
+                prep.finish((lhs, rhs, dtypes), out)
+            }
+            OpsKind::UnTracked(prep) => prep.finish(B::gemm_out(lhs.primitive, rhs.primitive, out)),
+        }
+    }
+
+    fn storage_dtype() -> DType {
+        B::storage_dtype()
+    }
+}
+
+/// The scans' forward through `B`, their backward node (`PlifBackward`) through `B`'s.
+impl<B: SnnOps, C: CheckpointStrategy> ScanOps for Autodiff<B, C> {
+    fn plif_elem_forward(
+        beta: FloatTensor<Self>,
+        u: FloatTensor<Self>,
+        vth: FloatTensor<Self>,
+        v0: FloatTensor<Self>,
+    ) -> PlifOutput<Self> {
+        forward::<B, C>(Variant::Elem, beta, u, vth, v0)
+    }
+
+    fn plif_row_forward(
+        beta: FloatTensor<Self>,
+        u: FloatTensor<Self>,
+        vth: FloatTensor<Self>,
+        v0: FloatTensor<Self>,
+    ) -> PlifOutput<Self> {
+        forward::<B, C>(Variant::Row, beta, u, vth, v0)
+    }
+}
+
+/// The inference fusions are never used under autodiff: the defaults (`None`).
+impl<B: SnnOps, C: CheckpointStrategy> InferOps for Autodiff<B, C> {}
+
+impl<B: SnnOps, C: CheckpointStrategy> DeviceOps for Autodiff<B, C> {}
+
+impl<B: SnnOps, C: CheckpointStrategy> GraphOps for Autodiff<B, C> {}
+
 impl<B: SnnOps, C: CheckpointStrategy> SnnOps for Autodiff<B, C> {
     fn fuses_modulation() -> bool {
         B::fuses_modulation()
@@ -427,48 +489,5 @@ impl<B: SnnOps, C: CheckpointStrategy> SnnOps for Autodiff<B, C> {
                 }
             }
         }
-    }
-
-    fn gemm(lhs: FloatTensor<Self>, rhs: FloatTensor<Self>) -> FloatTensor<Self> {
-        Self::gemm_out(lhs, rhs, DType::F32)
-    }
-
-    fn gemm_out(lhs: FloatTensor<Self>, rhs: FloatTensor<Self>, out: DType) -> FloatTensor<Self> {
-        let prep = MatmulBackward
-            .prepare::<C>([lhs.node.clone(), rhs.node.clone()])
-            .compute_bound()
-            .stateful();
-        match prep {
-            OpsKind::Tracked(prep) => {
-                let dtypes = [lhs.primitive.dtype(), rhs.primitive.dtype()];
-                let lhs = B::gemm_operand(lhs.primitive);
-                let rhs = B::gemm_operand(rhs.primitive);
-                let out = B::gemm_out(lhs.clone(), rhs.clone(), out);
-                prep.finish((lhs, rhs, dtypes), out)
-            }
-            OpsKind::UnTracked(prep) => prep.finish(B::gemm_out(lhs.primitive, rhs.primitive, out)),
-        }
-    }
-
-    fn storage_dtype() -> DType {
-        B::storage_dtype()
-    }
-
-    fn plif_elem_forward(
-        beta: FloatTensor<Self>,
-        u: FloatTensor<Self>,
-        vth: FloatTensor<Self>,
-        v0: FloatTensor<Self>,
-    ) -> PlifOutput<Self> {
-        forward::<B, C>(Variant::Elem, beta, u, vth, v0)
-    }
-
-    fn plif_row_forward(
-        beta: FloatTensor<Self>,
-        u: FloatTensor<Self>,
-        vth: FloatTensor<Self>,
-        v0: FloatTensor<Self>,
-    ) -> PlifOutput<Self> {
-        forward::<B, C>(Variant::Row, beta, u, vth, v0)
     }
 }

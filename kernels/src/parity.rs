@@ -10,7 +10,8 @@
 //! kernel computes in fp32. The fixture stays the fp32 yardstick, so the figures are the whole
 //! error bf16 storage costs.
 
-use crate::{SnnOps, plif_elem, plif_row};
+use crate::ops::scan::{plif_elem, plif_row};
+use crate::ops::snn::SnnOps;
 use burn::backend::Autodiff;
 use burn::tensor::{Tensor, TensorData, backend::Backend};
 

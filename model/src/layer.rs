@@ -225,7 +225,7 @@ impl<B: SnnOps> SnnDecoderLayer<B> {
 
 /// The start of each sublayer: RMSNorm, then the input PLIF over the K frames of each token
 /// (`[T, B, D]` → `[T·K, B, D]` and the final state). Two kernels where the backend fuses them
-/// for inference ([`nsactor_kernels::SnnOps::norm_plif_fused`]), one differentiable op where it
+/// for inference ([`nsactor_kernels::InferOps::norm_plif_fused`]), one differentiable op where it
 /// fuses them for training ([`nsactor_kernels::norm_plif_train`]), else composed.
 pub fn norm_plif<B: SnnOps>(
     norm: &RmsNorm<B>,
@@ -277,7 +277,7 @@ pub fn norm_plif_composed<B: SnnOps>(
 /// A sublayer's end: PonderAgg over its `frames`, then `h + centred(proj, agg)`, with E[K].
 ///
 /// In a decoding pass where the backend fuses it
-/// ([`nsactor_kernels::SnnOps::ponder_residual_fused`]), the PonderAgg kernel also writes
+/// ([`nsactor_kernels::InferOps::ponder_residual_fused`]), the PonderAgg kernel also writes
 /// `c = h − agg·w̄` (`w̄` = [`Linear::operand_row_means`], so `agg·w̄` is the mean over the
 /// output channels of `agg·Wᵀ`) and the out projection's GEMM adds `c` in its epilogue: two
 /// kernels where the composition has four (the aggregate's cast, the centring kernel).
@@ -312,7 +312,7 @@ fn residual_update<B: SnnOps>(
 }
 
 /// The residual update `h + centred(proj, agg)`: one kernel after the GEMM in a decoding pass
-/// where the backend fuses it ([`nsactor_kernels::SnnOps::centred_residual_fused`]).
+/// where the backend fuses it ([`nsactor_kernels::InferOps::centred_residual_fused`]).
 fn add_centred<B: SnnOps>(h: Tensor<B, 3>, proj: &Linear<B>, agg: Tensor<B, 3>) -> Tensor<B, 3> {
     let [t, b, d] = agg.dims();
     let r = proj.forward(agg.reshape([t * b, d]));
@@ -339,7 +339,7 @@ fn centre<B: Backend>(r: Tensor<B, 3>) -> Tensor<B, 3> {
 /// PonderNet aggregation over the K frames of each token (SPEC §2.3): geometric halting
 /// `λ_k = p_k·Π_{j<k}(1 − p_j)`, normalised by `Σλ` (not PonderNet's remainder-to-last-step).
 /// `frames` `[T·K, B, D]` → aggregate `[T, B, D]` and E[K] `[T, B]`. One kernel where the
-/// backend fuses it for inference ([`nsactor_kernels::SnnOps::ponder_agg_fused`]), one
+/// backend fuses it for inference ([`nsactor_kernels::InferOps::ponder_agg_fused`]), one
 /// differentiable op where it fuses it for training ([`nsactor_kernels::ponder_agg_train`]),
 /// else composed.
 pub fn ponder_agg<B: SnnOps>(

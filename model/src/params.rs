@@ -57,6 +57,8 @@ pub const MERGED_GEMM_ROWS: usize = 4096;
 /// [`MERGED_GEMM_ROWS`] rows, on a backend that merges small GEMMs
 /// ([`SnnOps::merges_small_gemms`]: the CUDA backend, where host time per call sets a
 /// decoding step's speed).
+///
+/// [`SnnOps::merges_small_gemms`]: nsactor_kernels::GemmOps::merges_small_gemms
 pub fn decoding_pass<B: SnnOps>(rows: usize, device: &B::Device) -> bool {
     B::merges_small_gemms() && !B::ad_enabled(device) && rows <= MERGED_GEMM_ROWS
 }

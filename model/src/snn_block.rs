@@ -106,6 +106,9 @@ impl<B: SnnOps> SnnBlock<B> {
     /// (a decoding step), whose outputs are column slices of one product. Otherwise the first
     /// four, read only by the selective scan, come in the backend's storage type
     /// ([`SnnOps::storage_dtype`]: bf16 on CUDA in bf16 precision).
+    ///
+    /// [`SnnOps::merges_small_gemms`]: nsactor_kernels::GemmOps::merges_small_gemms
+    /// [`SnnOps::storage_dtype`]: nsactor_kernels::GemmOps::storage_dtype
     pub fn projections(&self, flat: Tensor<B, 2>, dn: usize) -> [Tensor<B, 2>; 6] {
         let [rows, d] = flat.dims();
         if decoding_pass::<B>(rows, &flat.device()) {

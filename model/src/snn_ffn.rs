@@ -146,7 +146,7 @@ impl<B: SnnOps> SnnFfn<B> {
 
     /// The gate and up neurons on the merged projection `i_gu` `[TK, B, 2·D_ff]` and their
     /// product `[TK, B, D_ff]`, with the final state: one kernel where the backend fuses it for
-    /// inference ([`nsactor_kernels::SnnOps::ffn_plif_fused`]), one differentiable op where it
+    /// inference ([`nsactor_kernels::InferOps::ffn_plif_fused`]), one differentiable op where it
     /// fuses them for training ([`nsactor_kernels::ffn_neurons`]), else composed.
     pub fn gate_up(
         &self,

@@ -10,6 +10,7 @@ mod overhead;
 mod recovery;
 mod serve;
 mod stats;
+mod steps;
 mod train;
 
 use clap::Subcommand;

@@ -3,6 +3,7 @@
 //! edge and every layer, then the cross-stage optimizer step).
 
 use crate::decode::{SamplingParams, TokenPicker};
+pub use crate::pipeline::plan::Placement;
 use nsactor_plugin_api::optim::{clip_factor, phase2_scales};
 use nsactor_plugin_api::{
     Batch, ComputeBackend, DeviceTensor, EngineError, OptimizerKind, Reply, Stage, StageCall,
@@ -77,25 +78,6 @@ impl StepStats {
 /// Tokens of `b` that count toward the loss.
 pub fn scored_tokens(b: &Batch) -> u64 {
     b.loss_mask.iter().filter(|&&v| v > 0.0).count() as u64
-}
-
-/// Where each stage lives.
-#[derive(Debug, Clone, PartialEq)]
-pub struct Placement {
-    /// Device of the edge stage.
-    pub edge: usize,
-    /// Device of each layer.
-    pub layers: Vec<usize>,
-}
-
-impl Placement {
-    /// Every stage on device 0.
-    pub fn single(num_layers: usize) -> Self {
-        Placement {
-            edge: 0,
-            layers: vec![0; num_layers],
-        }
-    }
 }
 
 /// A model's stages taken apart (see [`StagedModel::into_parts`]).

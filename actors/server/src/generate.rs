@@ -5,7 +5,7 @@
 
 use crate::error::ServeError;
 use crate::metrics::Metrics;
-use crate::protocol::{GenSpec, GenTiming, PromptSpec, Usage};
+use crate::protocol::{Finished, GenSpec, GenTiming, PromptSpec, Usage};
 use nsactor_data::Tokenizer;
 use nsactor_runtime::decode::TokenPicker;
 use nsactor_runtime::pipeline::AsyncDecoder;
@@ -23,13 +23,6 @@ const NEVER_GENERATED: [i64; 3] = [0, 1, 3];
 pub enum GenEvent {
     Delta { text: String, token_ids: Vec<i64> },
     Done(Finished),
-}
-
-#[derive(Debug, Clone, PartialEq)]
-pub struct Finished {
-    pub finish_reason: &'static str,
-    pub usage: Usage,
-    pub timing: GenTiming,
 }
 
 /// Sessions: at most `max_sessions` decoding, at most `max_queue` waiting.

@@ -1,6 +1,6 @@
 //! The counters and latency histograms behind `GET /metrics` (Prometheus text).
 
-use crate::generate::Finished;
+use crate::protocol::Finished;
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
 

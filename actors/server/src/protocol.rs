@@ -292,6 +292,14 @@ fn rand_seed() -> u64 {
     h.finish()
 }
 
+/// How a generation ended: why, what it cost, how long it took.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Finished {
+    pub finish_reason: &'static str,
+    pub usage: Usage,
+    pub timing: GenTiming,
+}
+
 impl ServerMsg {
     /// The `error` event of `e`, for request `id` (none when the message had no usable id).
     pub fn error(id: Option<String>, e: &ServeError) -> Self {

@@ -16,6 +16,8 @@
 //! keep graphs per layer (least recently used first out), each for calls of at most
 //! `NSACTOR_DECODE_GRAPH_ROWS` batch rows (default [`DEFAULT_ROWS`]) and one token;
 //! `NSACTOR_DECODE_GRAPHS=off` turns them off.
+//!
+//! [`SnnOps::capture`]: nsactor_kernels::GraphOps::capture
 
 use burn::tensor::{Tensor, TensorPrimitive};
 use nsactor_kernels::{SnnOps, StepGraph};

@@ -86,6 +86,8 @@ pub struct BurnBackend<B: SnnOps> {
 
 /// A stage whose every call first runs the backend's per-thread setup ([`BurnBackend::with_enter`]),
 /// and runs as a timed call span ([`SnnOps::timed_call`]) on its device.
+///
+/// [`SnnOps::timed_call`]: nsactor_kernels::DeviceOps::timed_call
 struct Entered<B: SnnOps> {
     stage: Box<dyn Stage>,
     enter: fn(),
@@ -225,7 +227,7 @@ impl<B: SnnOps> ComputeBackend for BurnBackend<B> {
         match what {
             "kernels" => {
                 // Options go to the benchmark whose prefix their key carries; the rest to the scans.
-                let keys: Vec<&str> = nsactor_kernels::bench::option_items(options).collect();
+                let keys: Vec<&str> = nsactor_kernels::options::option_items(options).collect();
                 let mine = |prefix: &str| {
                     keys.iter()
                         .filter_map(|kv| kv.strip_prefix(prefix)?.strip_prefix('_'))

@@ -14,7 +14,7 @@ use std::time::Instant;
 /// Options: `batch` (sessions, default 1), `reps` (default 20), `config=tiny` for a small layer.
 pub fn decode_profile<B: SnnOps>(device: &B::Device, options: &str) -> Result<String, String> {
     let (mut batch, mut reps, mut cfg) = (1usize, 20usize, ModelConfig::neuronspark_0_9b());
-    for kv in nsactor_kernels::bench::option_items(options) {
+    for kv in nsactor_kernels::options::option_items(options) {
         match kv.split_once('=') {
             Some(("batch", v)) => batch = v.parse().map_err(|_| format!("bad batch `{v}`"))?,
             Some(("reps", v)) => reps = v.parse().map_err(|_| format!("bad reps `{v}`"))?,

@@ -20,7 +20,8 @@
 
 use burn_cuda::{Cuda, CudaDevice};
 use nsactor_backend_core::BurnBackend;
-use nsactor_kernels::cuda_gemm::{self, GemmBench, GemmPrecision};
+use nsactor_kernels::bench::gemm::{self as kernel_bench, GemmBench};
+use nsactor_kernels::cuda::precision::{GemmPrecision, set_precision};
 use nsactor_plugin_api::{ComputeBackend, EngineError};
 use std::panic::{AssertUnwindSafe, catch_unwind};
 
@@ -90,13 +91,13 @@ impl Default for Options {
 /// (a process-wide setting) and its threads' streams as `options.streams` says.
 pub fn backend(options: Options) -> Result<BurnBackend<Gpu>, EngineError> {
     let devices = probe(options.precision)?;
-    cuda_gemm::set_precision(options.precision);
+    set_precision(options.precision);
     let b = BurnBackend::new("cuda", env!("CARGO_PKG_VERSION"), devices)
         .with_kernel_bench("gemm", gemm_bench)
         .with_bench("memory", memory_report)
         .with_bench("timing", timing_report);
     Ok(match options.streams {
-        Streams::Shared => b.with_enter(nsactor_kernels::cuda_device::share_stream),
+        Streams::Shared => b.with_enter(nsactor_kernels::cuda::device::share_stream),
         Streams::PerThread => b,
     })
 }
@@ -104,7 +105,7 @@ pub fn backend(options: Options) -> Result<BurnBackend<Gpu>, EngineError> {
 /// `bench kernels`' GEMM part: the 0.9B projection GEMMs checked and timed in both precisions.
 fn gemm_bench(device: &CudaDevice, options: &str) -> Result<String, String> {
     let cfg = GemmBench::model_0_9b().with_options(options)?;
-    cuda_gemm::bench(device, &cfg)
+    kernel_bench::bench(device, &cfg)
 }
 
 /// `bench memory`: each GPU's memory in use (driver view: total − free, which includes CubeCL's
@@ -113,7 +114,7 @@ fn memory_report(devices: &[CudaDevice], _options: &str) -> Result<String, Strin
     use cudarc::driver::result as drv;
     let mut out = String::new();
     for d in devices {
-        nsactor_kernels::cuda_device::make_current(d.index);
+        nsactor_kernels::cuda::device::make_current(d.index);
         let (free, total) = drv::mem_get_info().map_err(|e| format!("{e:?}"))?;
         let gib = |b: usize| b as f64 / (1u64 << 30) as f64;
         out.push_str(&format!(
@@ -127,10 +128,10 @@ fn memory_report(devices: &[CudaDevice], _options: &str) -> Result<String, Strin
 }
 
 /// `bench timing`: `start` opens a window of device timing on every GPU (CUDA events around each
-/// GEMM, PLIF scan and stage call, `nsactor_kernels::cuda_timing`); `report` closes it and returns
+/// GEMM, PLIF scan and stage call, `nsactor_kernels::cuda::timing`); `report` closes it and returns
 /// one `device-time` line per GPU (`nsactor_plugin_api::timing`).
 fn timing_report(devices: &[CudaDevice], options: &str) -> Result<String, String> {
-    use nsactor_kernels::cuda_timing::{self, Kind};
+    use nsactor_kernels::cuda::timing::{self as cuda_timing, Kind};
     use nsactor_plugin_api::timing::{DeviceTime, SpanKind};
     match options {
         "start" => cuda_timing::start(devices).map(|()| String::new()),
@@ -168,7 +169,7 @@ fn parse_options(options: &str) -> Result<Options, EngineError> {
              streams=shared|per-thread)"
         ))
     };
-    for kv in nsactor_kernels::bench::option_items(options) {
+    for kv in nsactor_kernels::options::option_items(options) {
         match kv.split_once('=') {
             Some(("precision", v)) => {
                 o.precision = GemmPrecision::parse(v)

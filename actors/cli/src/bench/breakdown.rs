@@ -3,7 +3,7 @@
 /// `bench train`'s device-time breakdown: per device, the mean per timed step of the time in
 /// GEMMs, in PLIF scans, in other work inside stage calls, and outside every stage call.
 pub fn print_device_breakdown(
-    r: &super::train::TrainBench,
+    r: &super::steps::TrainBench,
     info: &nsactor_plugin_api::BackendInfo,
     executed_flops: f64,
     skipped: bool,

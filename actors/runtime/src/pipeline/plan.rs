@@ -110,8 +110,8 @@ impl PipelinePlan {
     }
 
     /// Where [`StagedModel::open`](crate::engine::StagedModel::open) puts each stage.
-    pub fn placement(&self) -> crate::engine::Placement {
-        crate::engine::Placement {
+    pub fn placement(&self) -> Placement {
+        Placement {
             edge: self.edge_device(),
             layers: self.layer_devices(),
         }
@@ -160,6 +160,25 @@ fn even_split(n: usize, parts: usize) -> Vec<usize> {
     (0..parts)
         .map(|i| base + usize::from(i >= parts - extra))
         .collect()
+}
+
+/// Where each stage lives.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Placement {
+    /// Device of the edge stage.
+    pub edge: usize,
+    /// Device of each layer.
+    pub layers: Vec<usize>,
+}
+
+impl Placement {
+    /// Every stage on device 0.
+    pub fn single(num_layers: usize) -> Self {
+        Placement {
+            edge: 0,
+            layers: vec![0; num_layers],
+        }
+    }
 }
 
 #[cfg(test)]

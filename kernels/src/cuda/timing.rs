@@ -1,7 +1,7 @@
 //! Device time of the projection GEMMs, the PLIF scans and whole stage calls, from CUDA events
 //! recorded on the streams the work runs on (`nsactor bench train`'s breakdown).
 //!
-//! Off until [`start`]. While on, every cuBLASLt call of [`crate::cuda_gemm`] is bracketed by two
+//! Off until [`start`]. While on, every cuBLASLt call of [`crate::cuda::gemm`] is bracketed by two
 //! events on its stream, recorded inside the server-thread task that enqueues it, and [`timed`]
 //! brackets a closure's work on the calling thread's stream with two events recorded by tasks
 //! queued on CubeCL's server thread in order with the closure's launches. [`collect`] waits for
@@ -11,7 +11,7 @@
 //! An event pair costs a few microseconds of the server thread's time, about 1% of a 0.9B
 //! training step's thousands of GEMMs and scans; off, the cost is one relaxed atomic load.
 
-use crate::cuda_gemm::{Server, device_server};
+use crate::cuda::server::{Server, device_server};
 use burn_cuda::CudaDevice;
 use cubecl::stream_id::StreamId;
 use cudarc::driver::result::event;

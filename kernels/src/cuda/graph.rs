@@ -26,7 +26,7 @@
 //! would become a node of the graph). Replays and the graph's destruction are tasks queued on
 //! CubeCL's server thread in order with the thread's other work, like the queued GEMMs.
 
-use crate::cuda_gemm::{Server, device_server, record_queued_failure};
+use crate::cuda::server::{Server, device_server, record_queued_failure};
 use burn_cubecl::kernel::into_contiguous;
 use burn_cubecl::tensor::CubeTensor;
 use burn_cuda::CudaDevice;

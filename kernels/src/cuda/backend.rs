@@ -1,0 +1,488 @@
+//! The `SnnOps` family for the CUDA backend (`burn_cuda::Cuda<f32, i32>`): the GEMM hook through
+//! cuBLASLt ([`crate::cuda::gemm`]), the scans and the fused training ops as CubeCL kernels
+//! ([`crate::cuda::scan`], [`crate::cuda::selective`], [`crate::cuda::ffn`],
+//! [`crate::cuda::norm_plif`], [`crate::cuda::ponder`]), the decoding fusions
+//! ([`crate::cuda::decode`]), peer copies, timing and CUDA graphs. Tested against the host
+//! reference and the compositions the defaults run.
+
+use crate::cuda::{
+    decode, device, ffn, gemm, graph, norm_plif, ponder, ponder_backward, precision, scan,
+    selective, timing,
+};
+use crate::ops::device::{DeviceOps, GraphOps};
+use crate::ops::gemm::GemmOps;
+use crate::ops::infer::InferOps;
+use crate::ops::scan::{ScanOps, scan_shape};
+use crate::ops::snn::SnnOps;
+use crate::ops::types::{
+    FfnGrads, FfnInputs, NormPlifInputs, PlifGrads, PlifOutput, PonderInputs, SelectiveGrads,
+    SelectiveInputs, StepGraph,
+};
+use crate::reference::ffn::ffn_param_grads;
+use crate::tensor::{prim, through_sigmoid, wrap};
+use burn::tensor::{DType, activation::sigmoid, backend::Backend, ops::FloatTensor};
+
+type Cuda = burn_cuda::Cuda<f32, i32>;
+
+/// Runs a PLIF scan kernel's launch as a timed scan span ([`crate::cuda::timing`]).
+fn scan_timed<R>(device: &burn_cuda::CudaDevice, f: impl FnOnce() -> R) -> R {
+    timing::timed(device, timing::Kind::Scan, f)
+}
+
+/// The fused selective scan's tensors in kernel argument order.
+fn selective_args<B: Backend>(inp: SelectiveInputs<B>) -> [FloatTensor<B>; 8] {
+    [
+        inp.i,
+        inp.r_beta,
+        inp.r_alpha,
+        inp.r_th,
+        inp.b_beta,
+        inp.b_alpha,
+        inp.b_th,
+        inp.v0,
+    ]
+}
+
+impl GemmOps for Cuda {
+    fn gemm(lhs: FloatTensor<Self>, rhs: FloatTensor<Self>) -> FloatTensor<Self> {
+        gemm::gemm(lhs, rhs)
+    }
+
+    fn gemm_add(
+        lhs: FloatTensor<Self>,
+        rhs: FloatTensor<Self>,
+        c: FloatTensor<Self>,
+    ) -> FloatTensor<Self> {
+        gemm::gemm_add(precision::precision(), lhs, rhs, c)
+    }
+
+    fn gemm_operand(t: FloatTensor<Self>) -> FloatTensor<Self> {
+        gemm::round_operand(t, precision::precision())
+    }
+
+    fn gemm_out(lhs: FloatTensor<Self>, rhs: FloatTensor<Self>, out: DType) -> FloatTensor<Self> {
+        gemm::gemm_out(precision::precision(), lhs, rhs, out)
+    }
+
+    fn storage_dtype() -> DType {
+        precision::storage_dtype()
+    }
+
+    fn merges_small_gemms() -> bool {
+        true
+    }
+}
+
+/// The scans as CubeCL kernels ([`crate::cuda::scan`]), tested against the host reference
+/// these defaults run.
+impl ScanOps for Cuda {
+    fn plif_elem_forward(
+        beta: FloatTensor<Self>,
+        u: FloatTensor<Self>,
+        vth: FloatTensor<Self>,
+        v0: FloatTensor<Self>,
+    ) -> PlifOutput<Self> {
+        let _ = scan_shape::<Self>(&u, &v0);
+        let device = u.device.clone();
+        let (spike, vpost) = scan_timed(&device, || scan::forward(false, beta, u, vth, v0));
+        PlifOutput {
+            spike,
+            vpost,
+            last: None,
+        }
+    }
+
+    fn plif_elem_backward(
+        beta: FloatTensor<Self>,
+        v0: FloatTensor<Self>,
+        vpost: FloatTensor<Self>,
+        spike: FloatTensor<Self>,
+        grad_vpost: FloatTensor<Self>,
+    ) -> PlifGrads<Self> {
+        let _ = scan_shape::<Self>(&grad_vpost, &v0);
+        let device = grad_vpost.device.clone();
+        let [beta, u, vth, v0] = scan_timed(&device, || {
+            scan::backward(false, beta, v0, vpost, spike, grad_vpost)
+        });
+        PlifGrads { beta, u, vth, v0 }
+    }
+
+    fn plif_row_forward(
+        beta: FloatTensor<Self>,
+        u: FloatTensor<Self>,
+        vth: FloatTensor<Self>,
+        v0: FloatTensor<Self>,
+    ) -> PlifOutput<Self> {
+        let _ = scan_shape::<Self>(&u, &v0);
+        let device = u.device.clone();
+        let (spike, vpost) = scan_timed(&device, || scan::forward(true, beta, u, vth, v0));
+        PlifOutput {
+            spike,
+            vpost,
+            last: None,
+        }
+    }
+
+    fn plif_row_backward(
+        beta: FloatTensor<Self>,
+        v0: FloatTensor<Self>,
+        vpost: FloatTensor<Self>,
+        spike: FloatTensor<Self>,
+        grad_vpost: FloatTensor<Self>,
+    ) -> PlifGrads<Self> {
+        let _ = scan_shape::<Self>(&grad_vpost, &v0);
+        let device = grad_vpost.device.clone();
+        let [beta, u, vth, v0] = scan_timed(&device, || {
+            scan::backward(true, beta, v0, vpost, spike, grad_vpost)
+        });
+        PlifGrads { beta, u, vth, v0 }
+    }
+}
+
+impl InferOps for Cuda {
+    fn ponder_agg_fused(
+        frames: FloatTensor<Self>,
+        halt_w: FloatTensor<Self>,
+        halt_b: FloatTensor<Self>,
+        k: usize,
+        clamp: f64,
+        eps: f64,
+    ) -> Option<(FloatTensor<Self>, FloatTensor<Self>)> {
+        Some(ponder::ponder_agg(
+            frames,
+            halt_w,
+            halt_b,
+            k,
+            clamp as f32,
+            eps as f32,
+        ))
+    }
+
+    fn ponder_residual_fused(
+        frames: FloatTensor<Self>,
+        halt_w: FloatTensor<Self>,
+        halt_b: FloatTensor<Self>,
+        h: FloatTensor<Self>,
+        w_mean: FloatTensor<Self>,
+        k: usize,
+        clamp: f64,
+        eps: f64,
+    ) -> Option<(FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>)> {
+        ponder::ponder_residual(
+            [frames, halt_w, halt_b, h, w_mean],
+            k,
+            clamp as f32,
+            eps as f32,
+        )
+    }
+
+    fn norm_plif_mean_fused(
+        x: FloatTensor<Self>,
+        norm_w: FloatTensor<Self>,
+        eps: f64,
+        w: FloatTensor<Self>,
+        v_th: FloatTensor<Self>,
+        v0: FloatTensor<Self>,
+        k: usize,
+        leak: bool,
+    ) -> Option<(FloatTensor<Self>, FloatTensor<Self>)> {
+        Some(norm_plif::norm_plif_mean(
+            x, norm_w, eps as f32, w, v_th, v0, k, leak,
+        ))
+    }
+
+    fn rms_norm_fused(
+        x: FloatTensor<Self>,
+        gain: FloatTensor<Self>,
+        eps: f64,
+    ) -> Option<FloatTensor<Self>> {
+        Some(decode::rms_norm(x, gain, eps as f32))
+    }
+
+    fn norm_plif_fused(
+        x: FloatTensor<Self>,
+        norm_w: FloatTensor<Self>,
+        eps: f64,
+        w: FloatTensor<Self>,
+        v_th: FloatTensor<Self>,
+        v0: FloatTensor<Self>,
+        k: usize,
+        leak: bool,
+    ) -> Option<(FloatTensor<Self>, FloatTensor<Self>)> {
+        Some(norm_plif::norm_plif(
+            x, norm_w, eps as f32, w, v_th, v0, k, leak,
+        ))
+    }
+
+    fn ffn_plif_fused(
+        i_gu: FloatTensor<Self>,
+        w_gate: FloatTensor<Self>,
+        w_up: FloatTensor<Self>,
+        th_gate: FloatTensor<Self>,
+        th_up: FloatTensor<Self>,
+        v0: FloatTensor<Self>,
+        leak: bool,
+    ) -> Option<(FloatTensor<Self>, FloatTensor<Self>)> {
+        Some(ffn::ffn_infer(
+            i_gu,
+            [w_gate, w_up, th_gate, th_up],
+            v0,
+            leak,
+        ))
+    }
+
+    fn block_scan_fused(
+        y: FloatTensor<Self>,
+        b_beta: FloatTensor<Self>,
+        b_alpha: FloatTensor<Self>,
+        b_th: FloatTensor<Self>,
+        v0: FloatTensor<Self>,
+        v_th_min: f64,
+    ) -> Option<(FloatTensor<Self>, FloatTensor<Self>)> {
+        Some(decode::block_scan(
+            y,
+            [b_beta, b_alpha, b_th],
+            v0,
+            v_th_min as f32,
+        ))
+    }
+
+    fn gate_skip_fused(
+        out: FloatTensor<Self>,
+        y: FloatTensor<Self>,
+        gate_col: usize,
+        skip_col: usize,
+    ) -> Option<FloatTensor<Self>> {
+        Some(decode::gate_skip(out, y, gate_col, skip_col))
+    }
+
+    fn centred_residual_fused(
+        h: FloatTensor<Self>,
+        r: FloatTensor<Self>,
+    ) -> Option<FloatTensor<Self>> {
+        Some(decode::centred_residual(h, r))
+    }
+}
+
+impl DeviceOps for Cuda {
+    fn move_to_device(t: FloatTensor<Self>, device: &Self::Device) -> FloatTensor<Self> {
+        device::to_device(t, device)
+    }
+
+    fn flush(device: &Self::Device) {
+        graph::flush(device);
+    }
+
+    fn timed_call<R>(device: &Self::Device, f: impl FnOnce() -> R) -> R {
+        timing::timed(device, timing::Kind::Call, f)
+    }
+
+    fn submission_stats() -> Option<[u64; 5]> {
+        let (launches, launch_ns) = cubecl::cuda::nsactor_stats::launches();
+        let (gemms, gemm_ns, lt_ns) = gemm::queued_stats();
+        Some([launches, launch_ns, gemms, gemm_ns, lt_ns])
+    }
+}
+
+impl GraphOps for Cuda {
+    fn captures_steps() -> bool {
+        true
+    }
+
+    fn capture<R>(
+        device: &Self::Device,
+        inputs: &[FloatTensor<Self>],
+        f: impl FnOnce() -> R,
+    ) -> Result<(R, StepGraph), String> {
+        graph::capture(device, inputs, f).map(|(r, g)| (r, StepGraph::new(g)))
+    }
+
+    fn capture_copy(src: FloatTensor<Self>, dst: &FloatTensor<Self>) -> Result<(), String> {
+        graph::copy(src, dst)
+    }
+
+    fn contiguous(t: FloatTensor<Self>) -> FloatTensor<Self> {
+        burn_cubecl::kernel::into_contiguous(t)
+    }
+
+    fn replay(
+        graph: &StepGraph,
+        inputs: Vec<(FloatTensor<Self>, FloatTensor<Self>)>,
+        written: &[FloatTensor<Self>],
+    ) -> Result<(), String> {
+        graph
+            .get::<graph::Graph>()
+            .ok_or("a graph captured by another backend")?
+            .replay(inputs, written)
+    }
+}
+
+impl SnnOps for Cuda {
+    fn fuses_modulation() -> bool {
+        true
+    }
+
+    /// `$NSACTOR_NORM_PLIF=composed` keeps the composition, for comparison.
+    fn fuses_norm_plif() -> bool {
+        std::env::var("NSACTOR_NORM_PLIF").map_or(true, |v| v != "composed")
+    }
+
+    fn norm_plif_forward(inp: NormPlifInputs<Self>) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        let device = inp.x.device.clone();
+        scan_timed(&device, || {
+            norm_plif::norm_plif_train(
+                [inp.x, inp.norm_w, inp.w, inp.v_th, inp.v0],
+                inp.eps as f32,
+                inp.k,
+                inp.leak,
+            )
+        })
+    }
+
+    fn norm_plif_backward(
+        inp: NormPlifInputs<Self>,
+        vpost: FloatTensor<Self>,
+        grad: FloatTensor<Self>,
+    ) -> [FloatTensor<Self>; 5] {
+        let d = inp.w.meta.shape()[0];
+        let beta = sigmoid(wrap::<Self, 1>(inp.w.clone()));
+        let device = inp.x.device.clone();
+        let [dx, dnw_rows, d_beta, d_th, d_v0] = scan_timed(&device, || {
+            norm_plif::norm_plif_backward(
+                [inp.x, inp.norm_w, inp.w, inp.v_th, inp.v0],
+                inp.eps as f32,
+                inp.k,
+                inp.leak,
+                vpost,
+                grad,
+            )
+        });
+        let d_nw = wrap::<Self, 2>(dnw_rows).sum_dim(0).reshape([d]);
+        let d_beta = wrap::<Self, 2>(d_beta).sum_dim(0).reshape([d]);
+        let d_w = through_sigmoid(d_beta, beta);
+        let d_th = wrap::<Self, 2>(d_th).sum_dim(0).reshape([d]);
+        [dx, prim(d_nw), prim(d_w), prim(d_th), d_v0]
+    }
+
+    /// `$NSACTOR_PONDER=composed` keeps the composition, for comparison.
+    fn fuses_ponder() -> bool {
+        std::env::var("NSACTOR_PONDER").map_or(true, |v| v != "composed")
+    }
+
+    fn ponder_forward(inp: PonderInputs<Self>) -> FloatTensor<Self> {
+        ponder::ponder_agg_packed(
+            inp.frames,
+            inp.halt_w,
+            inp.halt_b,
+            inp.k,
+            inp.clamp as f32,
+            inp.eps as f32,
+        )
+    }
+
+    fn ponder_backward(inp: PonderInputs<Self>, grad: FloatTensor<Self>) -> [FloatTensor<Self>; 3] {
+        let d = inp.halt_w.meta.shape()[1];
+        let [dx, dw_rows, db_rows] = ponder_backward::ponder_backward(
+            inp.frames,
+            inp.halt_w,
+            inp.halt_b,
+            grad,
+            inp.k,
+            inp.clamp as f32,
+            inp.eps as f32,
+        );
+        let dw = wrap::<Self, 2>(dw_rows).sum_dim(0).reshape([1, d]);
+        let db = wrap::<Self, 1>(db_rows).sum();
+        [dx, prim(dw), prim(db)]
+    }
+
+    /// `$NSACTOR_FFN_NEURONS=composed` keeps the composition, for comparison.
+    fn fuses_ffn_neurons() -> bool {
+        std::env::var("NSACTOR_FFN_NEURONS").map_or(true, |v| v != "composed")
+    }
+
+    fn ffn_neurons_forward(inp: FfnInputs<Self>) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        let device = inp.i_gu.device.clone();
+        scan_timed(&device, || {
+            ffn::ffn_forward(
+                inp.i_gu,
+                [inp.w_gate, inp.w_up, inp.th_gate, inp.th_up],
+                inp.v0,
+                inp.leak,
+            )
+        })
+    }
+
+    fn ffn_neurons_backward(
+        inp: FfnInputs<Self>,
+        vpost: FloatTensor<Self>,
+        grad_gv: FloatTensor<Self>,
+    ) -> FfnGrads<Self> {
+        let device = inp.i_gu.device.clone();
+        let [d_i, d_beta, d_th, d_v0] = scan_timed(&device, || {
+            ffn::ffn_backward(
+                inp.i_gu.clone(),
+                [
+                    inp.w_gate.clone(),
+                    inp.w_up.clone(),
+                    inp.th_gate.clone(),
+                    inp.th_up.clone(),
+                ],
+                inp.v0.clone(),
+                vpost,
+                grad_gv,
+                inp.leak,
+            )
+        });
+        let [w_gate, w_up, th_gate, th_up] = ffn_param_grads(&inp, d_beta, d_th);
+        FfnGrads {
+            i_gu: d_i,
+            w_gate,
+            w_up,
+            th_gate,
+            th_up,
+            v0: d_v0,
+        }
+    }
+
+    fn plif_selective_forward(inp: SelectiveInputs<Self>) -> PlifOutput<Self> {
+        let _ = scan_shape::<Self>(&inp.i, &inp.v0);
+        let v_th_min = inp.v_th_min;
+        let device = inp.i.device.clone();
+        let (spike, vpost, last) = scan_timed(&device, || {
+            selective::selective_forward(selective_args(inp), v_th_min)
+        });
+        PlifOutput {
+            spike,
+            vpost,
+            last: Some(last),
+        }
+    }
+
+    fn plif_selective_backward(
+        inp: SelectiveInputs<Self>,
+        vpost: FloatTensor<Self>,
+        spike: FloatTensor<Self>,
+        grad_vpost: FloatTensor<Self>,
+    ) -> SelectiveGrads<Self> {
+        let (shape, _) = scan_shape::<Self>(&grad_vpost, &inp.v0);
+        let device = inp.i.device.clone();
+        let [i, r_beta, r_alpha, r_th, v0, bias] = scan_timed(&device, || {
+            selective::selective_backward(selective_args(inp), vpost, spike, grad_vpost)
+        });
+        // [3, B, DN] per-column sums over time → [3, DN] over the batch.
+        let dn = shape[2];
+        let bias = wrap::<Self, 3>(bias).sum_dim(1).reshape([3, dn]);
+        let row = |k: usize| prim(bias.clone().narrow(0, k, 1).reshape([dn]));
+        SelectiveGrads {
+            i,
+            r_beta,
+            r_alpha,
+            r_th,
+            b_beta: row(0),
+            b_alpha: row(1),
+            b_th: row(2),
+            v0,
+        }
+    }
+}

@@ -1,0 +1,93 @@
+//! What the CUDA kernel families share: output allocation and the dtype checks of their
+//! launchers, the modulation's device functions (σ exactly as burn composes it, softplus,
+//! sign), the staged kernels' cube width and shape knob, the plane constants of the inference
+//! kernels, and the element type a GEMM after an inference kernel reads.
+
+use crate::cuda::precision::input_dtype;
+use burn::tensor::{DType, Shape};
+use burn_cubecl::CubeRuntime;
+use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
+use burn_cubecl::tensor::CubeTensor;
+use cubecl::prelude::*;
+
+pub(crate) fn out_like<R: CubeRuntime>(like: &CubeTensor<R>, shape: Shape) -> CubeTensor<R> {
+    out_typed(like, shape, like.dtype)
+}
+
+/// An uninitialised contiguous tensor of `dtype` on `like`'s device.
+pub(crate) fn out_typed<R: CubeRuntime>(
+    like: &CubeTensor<R>,
+    shape: Shape,
+    dtype: burn::tensor::DType,
+) -> CubeTensor<R> {
+    empty_device_contiguous_dtype(like.client.clone(), like.device.clone(), shape, dtype)
+}
+
+pub(crate) fn check_f32<R: CubeRuntime>(tensors: &[&CubeTensor<R>]) {
+    for t in tensors {
+        assert_eq!(
+            t.dtype,
+            burn::tensor::DType::F32,
+            "the CUDA PLIF scan kernels take f32 tensors"
+        );
+    }
+}
+
+/// The dtype of a stored activation a scan kernel reads: f32 or bf16.
+pub(crate) fn stored_dtype<R: CubeRuntime>(t: &CubeTensor<R>) -> DType {
+    assert!(
+        matches!(t.dtype, DType::F32 | DType::BF16),
+        "PLIF scan kernels read f32 or bf16 activations, got {:?}",
+        t.dtype
+    );
+    t.dtype
+}
+
+/// `σ(x)` exactly as burn composes it from tensor ops (`exp(−ln(e^{−x} + 1))`), so the fused
+/// kernels and the composed model agree bit for bit on β.
+#[cube]
+pub(crate) fn sigmoid_burn(x: f32) -> f32 {
+    let e = (-x).exp();
+    (-((e + 1.0f32).ln())).exp()
+}
+
+/// The model's overflow-free softplus, `max(x, 0) + log1p(e^{−|x|})`.
+#[cube]
+pub(crate) fn softplus(x: f32) -> f32 {
+    max(x, 0.0f32) + (-(x.abs())).exp().log1p()
+}
+
+#[cube]
+pub(crate) fn sign(x: f32) -> f32 {
+    select(x > 0.0f32, 1.0f32, select(x < 0.0f32, -1.0f32, 0.0f32))
+}
+
+/// Columns per cube of the staged kernels (selective, row-parameter, FFN neurons): one plane
+/// wide, so each step's loads and stores are one coalesced 128-byte line.
+pub(crate) const STAGE_COLS: u32 = 32;
+
+/// `(producers, chunk)` of a staged kernel from `$var` (`PxC`) or the default; `chunk` is
+/// rounded up to a multiple of `producers`.
+pub(crate) fn stage_shape(var: &str, default: (usize, usize)) -> (usize, usize) {
+    let (p, c) = std::env::var(var)
+        .ok()
+        .and_then(|v| {
+            let (p, c) = v.split_once('x')?;
+            Some((p.parse().ok()?, c.parse().ok()?))
+        })
+        .filter(|&(p, c): &(usize, usize)| (1..=31).contains(&p) && (1..=128).contains(&c))
+        .unwrap_or(default);
+    (p, c.div_ceil(p) * p)
+}
+
+/// Units per cube: one plane.
+pub(crate) const PLANE: u32 = 32;
+
+/// Below this many rows a row-per-cube kernel gives each row a cube of several planes.
+pub(crate) const FEW_ROWS: usize = 1024;
+
+/// The type the GEMM after an inference kernel reads (bf16 in bf16 precision, else f32): the
+/// kernel writes it, so the GEMM needs no cast of its input (the same round to nearest even).
+pub(crate) fn gemm_input() -> DType {
+    input_dtype()
+}

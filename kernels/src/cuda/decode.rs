@@ -1,0 +1,372 @@
+//! The decoding fusions as CubeCL kernels (forward only), each replacing several tensor ops whose
+//! ≈ 11 µs of host time apiece set the speed of a decoding step: the SNNBlock's selective scan
+//! read straight from its merged projection, its gated output with the skip path, a sublayer's
+//! residual update with its centred out-projection, and the edge's RMSNorm before the head.
+//!
+//! The model falls back to the compositions where a backend does not fuse
+//! ([`InferOps::block_scan_fused`] and its siblings return `None`).
+//!
+//! [`InferOps::block_scan_fused`]: crate::InferOps::block_scan_fused
+
+use crate::cuda::common::{PLANE, gemm_input, out_like, out_typed, sigmoid_burn, softplus};
+use burn::tensor::{DType, Shape};
+use burn_cubecl::CubeRuntime;
+use burn_cubecl::kernel::into_contiguous;
+use burn_cubecl::tensor::CubeTensor;
+use cubecl::prelude::*;
+
+/// The SNNBlock's selective scan for a decoding step, read straight from the merged projection
+/// `y` `[TK·B, W]` (row stride `row_stride`; columns `[0, DN)` the input current `i`, then
+/// `r_β, r_α, r_th`): the modulation and recurrence of `selective_forward_kernel` op for op,
+/// writing `V_post` `[TK·B, DN]` and the final state, no spikes. It replaces the four column
+/// slices' copies, the scan and the final state's copy of the composed path.
+#[allow(clippy::too_many_arguments)]
+#[cube(launch)]
+fn block_scan_kernel<O: Float>(
+    y: &Tensor<f32>,
+    b_beta: &Tensor<f32>,
+    b_alpha: &Tensor<f32>,
+    b_th: &Tensor<f32>,
+    v0: &Tensor<f32>,
+    vpost: &mut Tensor<O>,
+    last: &mut Tensor<f32>,
+    cols: u32,
+    steps: u32,
+    dn: u32,
+    row_stride: u32,
+    v_th_min: f32,
+    #[comptime] unroll: usize,
+    #[define(O)] _out: StorageType,
+) {
+    let cols = cols as usize;
+    let steps = steps as usize;
+    let dn = dn as usize;
+    let row_stride = row_stride as usize;
+    let c = ABSOLUTE_POS;
+    if c >= cols {
+        terminate!();
+    }
+    let batch = cols / dn;
+    let b = c / dn;
+    let j = c % dn;
+    let bb = b_beta[j];
+    let ba = b_alpha[j];
+    let bt = b_th[j];
+    let mut v = v0[c];
+    let mut bb_ = Array::<f32>::new(unroll);
+    let mut uu = Array::<f32>::new(unroll);
+    let mut tt = Array::<f32>::new(unroll);
+    let mut k0 = 0usize;
+    while k0 < steps {
+        let n = select(k0 + unroll <= steps, unroll, steps - k0);
+        #[unroll]
+        for q in 0..unroll {
+            if q < n {
+                let base = ((k0 + q) * batch + b) * row_stride + j;
+                bb_[q] = sigmoid_burn(y[base + dn] + bb);
+                uu[q] = softplus(y[base + 2 * dn] + ba) * y[base];
+                tt[q] = (y[base + 3 * dn] + bt).abs() + v_th_min;
+            }
+        }
+        #[unroll]
+        for q in 0..unroll {
+            if q < n {
+                let v_pre = fma(bb_[q], v, uu[q]);
+                let s = select(v_pre >= tt[q], 1.0f32, 0.0f32);
+                v = v_pre - tt[q] * s;
+                vpost[(k0 + q) * cols + c] = O::cast_from(v);
+            }
+        }
+        k0 += unroll;
+    }
+    last[c] = v;
+}
+
+/// `out·σ(gate) + skip` with `gate`, `skip` the columns `[gate_col, gate_col + D)` and
+/// `[skip_col, skip_col + D)` of `y` (row stride `row_stride`): the SNNBlock's output in one
+/// launch instead of three.
+#[allow(clippy::too_many_arguments)]
+#[cube(launch)]
+fn gate_skip_kernel(
+    out: &Tensor<f32>,
+    y: &Tensor<f32>,
+    res: &mut Tensor<f32>,
+    n: u32,
+    dim: u32,
+    row_stride: u32,
+    gate_col: u32,
+    skip_col: u32,
+) {
+    let i = ABSOLUTE_POS;
+    if i >= n as usize {
+        terminate!();
+    }
+    let dim = dim as usize;
+    let base = (i / dim) * (row_stride as usize) + i % dim;
+    let g = sigmoid_burn(y[base + gate_col as usize]);
+    let prod = out[i] * g;
+    res[i] = prod + y[base + skip_col as usize];
+}
+
+/// `h + (r − mean_D(r))` per row, one cube of `planes` planes per row: the residual update with the centred
+/// out-projection in one launch instead of three.
+#[cube(launch)]
+fn centred_residual_kernel(
+    h: &Tensor<f32>,
+    r: &Tensor<f32>,
+    out: &mut Tensor<f32>,
+    dim: u32,
+    dim_f: f32,
+    #[comptime] planes: usize,
+) {
+    let dim = dim as usize;
+    let row = CUBE_POS;
+    let lane = UNIT_POS as usize;
+    let width = comptime![planes * 32];
+    let mut part = 0.0f32;
+    let mut d = lane;
+    while d < dim {
+        part += r[row * dim + d];
+        d += width;
+    }
+    let mut shared = SharedMemory::<f32>::new(planes);
+    let s = plane_sum(part);
+    if UNIT_POS_PLANE == 0 {
+        shared[lane / 32] = s;
+    }
+    sync_cube();
+    let mut total = 0.0f32;
+    #[unroll]
+    for p in 0..planes {
+        total += shared[p];
+    }
+    let mean = total / dim_f;
+    let mut d = lane;
+    while d < dim {
+        let i = row * dim + d;
+        let centred = r[i] - mean;
+        out[i] = h[i] + centred;
+        d += width;
+    }
+}
+
+/// RMSNorm of each row with a gain, one cube per row: `x` `[rows, D]` f32 →
+/// `x / √(mean(x²) + eps) · gain` in `O` (the GEMM's input type).
+#[cube(launch)]
+fn rms_norm_kernel<O: Float>(
+    x: &Tensor<f32>,
+    gain: &Tensor<f32>,
+    y: &mut Tensor<O>,
+    dim: u32,
+    eps: f32,
+    #[comptime] planes: usize,
+    #[define(O)] _out: StorageType,
+) {
+    let dim = dim as usize;
+    let row = CUBE_POS;
+    let lane = UNIT_POS as usize;
+    let width = comptime![planes * 32];
+    let mut ss = 0.0f32;
+    let mut d = lane;
+    while d < dim {
+        let v = x[row * dim + d];
+        ss += v * v;
+        d += width;
+    }
+    let mut sums = SharedMemory::<f32>::new(planes);
+    let s = plane_sum(ss);
+    if UNIT_POS_PLANE == 0 {
+        sums[lane / 32] = s;
+    }
+    sync_cube();
+    let mut total = 0.0f32;
+    #[unroll]
+    for p in 0..planes {
+        total += sums[p];
+    }
+    let r = 1.0f32 / (total / f32::cast_from(dim) + eps).sqrt();
+    let mut d = lane;
+    while d < dim {
+        y[row * dim + d] = O::cast_from(x[row * dim + d] * r * gain[d]);
+        d += width;
+    }
+}
+
+/// Planes per row of [`centred_residual`] (a decoding step has few rows).
+const CENTRED_PLANES: usize = 8;
+
+/// Unrolled steps per load batch of [`block_scan`] (as the selective forward kernel's).
+const UNROLL_BLOCK_SCAN: usize = 4;
+
+/// `(stride of a row, columns)` of a 2-D f32 tensor whose columns are contiguous, else `None`.
+fn rows_view<R: CubeRuntime>(t: &CubeTensor<R>) -> Option<(usize, usize)> {
+    let (shape, strides) = (t.meta.shape(), t.meta.strides());
+    (t.dtype == burn::tensor::DType::F32
+        && shape.num_dims() == 2
+        && (strides[1] == 1 || shape[1] <= 1))
+        .then(|| (strides[0].max(shape[1]), shape[1]))
+}
+
+/// The SNNBlock's scan on its merged projection `y` `[TK·B, W ≥ 4·DN]` (see
+/// [`block_scan_kernel`]): `(V_post [TK·B, DN], final state [B, DN])`. Biases `[DN]`, `v0`
+/// `[B, DN]`.
+pub fn block_scan<R: CubeRuntime>(
+    y: CubeTensor<R>,
+    biases: [CubeTensor<R>; 3],
+    v0: CubeTensor<R>,
+    v_th_min: f32,
+) -> (CubeTensor<R>, CubeTensor<R>) {
+    let y = match rows_view(&y) {
+        Some(_) => y,
+        None => into_contiguous(y),
+    };
+    let (row_stride, width) = rows_view(&y).expect("block scan: y is f32 [TK·B, W]");
+    let rows = y.meta.shape()[0];
+    let [bb, ba, bt] = biases.map(into_contiguous);
+    let v0 = into_contiguous(v0);
+    let (batch, dn) = (v0.meta.shape()[0], v0.meta.shape()[1]);
+    assert!(
+        width >= 4 * dn && batch > 0 && rows.is_multiple_of(batch),
+        "block scan: y [{rows}, {width}] does not hold four [·, {dn}] projections of {batch} rows"
+    );
+    assert!(
+        rows * row_stride <= u32::MAX as usize,
+        "block scan: 32-bit indexing"
+    );
+    for t in [&bb, &ba, &bt, &v0] {
+        assert_eq!(t.dtype, burn::tensor::DType::F32, "block scan takes f32");
+    }
+    let cols = batch * dn;
+    let vpost = out_typed(&y, Shape::new([rows, dn]), gemm_input());
+    let vpost_dtype = vpost.dtype;
+    let last = out_like(&y, Shape::new([batch, dn]));
+    block_scan_kernel::launch::<R>(
+        &y.client.clone(),
+        CubeCount::Static(cols.div_ceil(PLANE as usize) as u32, 1, 1),
+        CubeDim::new_1d(PLANE),
+        y.into_tensor_arg(),
+        bb.into_tensor_arg(),
+        ba.into_tensor_arg(),
+        bt.into_tensor_arg(),
+        v0.into_tensor_arg(),
+        vpost.clone().into_tensor_arg(),
+        last.clone().into_tensor_arg(),
+        cols as u32,
+        (rows / batch) as u32,
+        dn as u32,
+        row_stride as u32,
+        v_th_min,
+        UNROLL_BLOCK_SCAN,
+        vpost_dtype.into(),
+    );
+    (vpost, last)
+}
+
+/// `out·σ(y[:, gate_col..]) + y[:, skip_col..]` (see [`gate_skip_kernel`]); `out` `[rows, D]`.
+pub fn gate_skip<R: CubeRuntime>(
+    out: CubeTensor<R>,
+    y: CubeTensor<R>,
+    gate_col: usize,
+    skip_col: usize,
+) -> CubeTensor<R> {
+    let out = into_contiguous(out);
+    let y = match rows_view(&y) {
+        Some(_) => y,
+        None => into_contiguous(y),
+    };
+    let (row_stride, width) = rows_view(&y).expect("gate/skip: y is f32 [rows, W]");
+    let shape = out.meta.shape().clone();
+    assert_eq!(out.dtype, burn::tensor::DType::F32, "gate/skip takes f32");
+    assert_eq!(shape.num_dims(), 2, "gate/skip: out [rows, D]");
+    let (rows, dim) = (shape[0], shape[1]);
+    assert!(
+        y.meta.shape()[0] == rows && gate_col.max(skip_col) + dim <= width,
+        "gate/skip: columns {gate_col}, {skip_col} (+{dim}) outside y [{}, {width}]",
+        y.meta.shape()[0]
+    );
+    assert!(
+        rows * row_stride <= u32::MAX as usize,
+        "gate/skip: 32-bit indexing"
+    );
+    let res = out_like(&out, shape);
+    let n = rows * dim;
+    gate_skip_kernel::launch::<R>(
+        &out.client.clone(),
+        CubeCount::Static(n.div_ceil(256) as u32, 1, 1),
+        CubeDim::new_1d(256),
+        out.into_tensor_arg(),
+        y.into_tensor_arg(),
+        res.clone().into_tensor_arg(),
+        n as u32,
+        dim as u32,
+        row_stride as u32,
+        gate_col as u32,
+        skip_col as u32,
+    );
+    res
+}
+
+/// `h + (r − mean_D(r))` for `h`, `r` `[rows, D]` (see [`centred_residual_kernel`]).
+pub fn centred_residual<R: CubeRuntime>(h: CubeTensor<R>, r: CubeTensor<R>) -> CubeTensor<R> {
+    let [h, r] = [h, r].map(into_contiguous);
+    let shape = h.meta.shape().clone();
+    assert_eq!(shape.num_dims(), 2, "centred residual: h [rows, D]");
+    assert_eq!(
+        &shape,
+        r.meta.shape(),
+        "centred residual: h and r differ in shape"
+    );
+    for t in [&h, &r] {
+        assert_eq!(
+            t.dtype,
+            burn::tensor::DType::F32,
+            "centred residual takes f32"
+        );
+    }
+    let (rows, dim) = (shape[0], shape[1]);
+    let out = out_like(&h, shape);
+    centred_residual_kernel::launch::<R>(
+        &h.client.clone(),
+        CubeCount::Static(rows as u32, 1, 1),
+        CubeDim::new_1d(PLANE * CENTRED_PLANES as u32),
+        h.into_tensor_arg(),
+        r.into_tensor_arg(),
+        out.clone().into_tensor_arg(),
+        dim as u32,
+        dim as f32,
+        CENTRED_PLANES,
+    );
+    out
+}
+
+/// `x` `[rows, D]` → RMSNorm with `gain` `[D]` and `eps`, in the GEMM's input type: the edge's
+/// LateralInhibition before the head.
+pub fn rms_norm<R: CubeRuntime>(x: CubeTensor<R>, gain: CubeTensor<R>, eps: f32) -> CubeTensor<R> {
+    for t in [&x, &gain] {
+        assert_eq!(t.dtype, DType::F32, "rms_norm takes f32");
+    }
+    let shape = x.meta.shape().clone();
+    assert_eq!(shape.num_dims(), 2, "rms_norm: x [rows, D]");
+    let (rows, dim) = (shape[0], shape[1]);
+    assert_eq!(
+        gain.meta.shape().num_elements(),
+        dim,
+        "rms_norm: gain has D values"
+    );
+    let [x, gain] = [x, gain].map(into_contiguous);
+    let y = out_typed(&x, Shape::new([rows, dim]), gemm_input());
+    let planes = dim.div_ceil(PLANE as usize).clamp(1, 8);
+    rms_norm_kernel::launch::<R>(
+        &x.client.clone(),
+        CubeCount::Static(rows as u32, 1, 1),
+        CubeDim::new_1d(PLANE * planes as u32),
+        x.into_tensor_arg(),
+        gain.into_tensor_arg(),
+        y.clone().into_tensor_arg(),
+        dim as u32,
+        eps,
+        planes,
+        y.dtype.into(),
+    );
+    y
+}

@@ -1,0 +1,486 @@
+//! The SNNFFN's gate and up neurons after its merged projection as staged CubeCL kernels: a
+//! cube holds 32 `(batch row, channel)` pairs, producer planes load both neurons' currents of the
+//! next chunk into shared memory while plane 0 scans both neurons and writes their gated product.
+//! One forward kernel serves training (saving `V_post`) and inference (reading a column slice of a
+//! wider product in place); the backward recomputes the spikes exactly.
+
+use crate::cuda::common::{
+    STAGE_COLS, check_f32, out_like, out_typed, sigmoid_burn, stage_shape, stored_dtype,
+};
+use crate::cuda::precision::input_dtype;
+use burn::tensor::{DType, Shape};
+use burn_cubecl::CubeRuntime;
+use burn_cubecl::kernel::into_contiguous;
+use burn_cubecl::tensor::CubeTensor;
+use cubecl::prelude::*;
+
+/// `(producer planes, steps per chunk)` of the staged FFN-neuron kernels (forward, backward).
+/// `$NSACTOR_STAGE_FFN_FORWARD` / `$NSACTOR_STAGE_FFN_BACKWARD` override them.
+const STAGE_FFN_FORWARD: (usize, usize) = (8, 32);
+const STAGE_FFN_BACKWARD: (usize, usize) = (8, 16);
+
+/// The SNNFFN's gate and up neurons for training, staged: a cube holds 32 `(batch row, channel
+/// j)` pairs; producer planes load the gate and up currents `i_gu[·, j]`, `i_gu[·, D_ff + j]` of
+/// the next chunk, plane 0 scans both neurons and writes their `V_post` (saved for the
+/// backward) and the gated product. Same arithmetic as the composition
+/// ([`crate::ffn_forward_reference`]) bit for bit: `u = i·(1 − β)`, `fma(β, v, u)`, the `≥`
+/// test, `(1 − β)·V_post` per neuron with `leak`.
+#[allow(clippy::too_many_arguments)]
+#[cube(launch)]
+fn ffn_forward_staged_kernel<I: Float, O: Float>(
+    i_gu: &Tensor<I>,
+    w_g: &Tensor<f32>,
+    w_u: &Tensor<f32>,
+    th_g: &Tensor<f32>,
+    th_u: &Tensor<f32>,
+    v0: &Tensor<f32>,
+    gv: &mut Tensor<O>,
+    vpost: &mut Tensor<f32>,
+    last: &mut Tensor<f32>,
+    batch: u32,
+    ff: u32,
+    steps: u32,
+    chunks: u32,
+    row_stride: u32,
+    #[comptime] leak: bool,
+    #[comptime] save_vpost: bool,
+    #[comptime] chunk: usize,
+    #[comptime] producers: usize,
+    #[define(I, O)] _types: [StorageType; 2],
+) {
+    let batch = batch as usize;
+    let ff = ff as usize;
+    let steps = steps as usize;
+    let chunks = chunks as usize;
+    let x = UNIT_POS_X as usize;
+    let row_stride = row_stride as usize;
+    let y = UNIT_POS_Y as usize;
+    let c = CUBE_POS_X as usize * 32 + x;
+    let valid = c < batch * ff;
+    let cc = select(valid, c, 0);
+    let b = cc / ff;
+    let j = cc % ff;
+    let beta_g = sigmoid_burn(w_g[j]);
+    let beta_u = sigmoid_burn(w_u[j]);
+    let om_g = -beta_g + 1.0f32;
+    let om_u = -beta_u + 1.0f32;
+    let tg = th_g[j];
+    let tu = th_u[j];
+    let mut s_g = SharedMemory::<f32>::new(comptime!(2 * chunk * 32));
+    let mut s_u = SharedMemory::<f32>::new(comptime!(2 * chunk * 32));
+    let per = comptime!(chunk / producers);
+    let mut xg = Array::<f32>::new(per);
+    let mut xu = Array::<f32>::new(per);
+    let mut vg = v0[b * 2 * ff + j];
+    let mut vu = v0[b * 2 * ff + ff + j];
+    let mut ch = 0usize;
+    while ch <= chunks {
+        if y == 0 {
+            if ch > 0 {
+                let k0 = (ch - 1) * chunk;
+                let buf = ((ch - 1) % 2) * chunk * 32;
+                #[unroll]
+                for q in 0..chunk {
+                    let k = k0 + q;
+                    if k < steps {
+                        let s_idx = buf + q * 32 + x;
+                        let pg = fma(beta_g, vg, s_g[s_idx] * om_g);
+                        vg = pg - tg * select(pg >= tg, 1.0f32, 0.0f32);
+                        let pu = fma(beta_u, vu, s_u[s_idx] * om_u);
+                        vu = pu - tu * select(pu >= tu, 1.0f32, 0.0f32);
+                        if valid {
+                            if comptime![save_vpost] {
+                                let row = (k * batch + b) * 2 * ff;
+                                vpost[row + j] = vg;
+                                vpost[row + ff + j] = vu;
+                            }
+                            let o = (k * batch + b) * ff + j;
+                            if comptime![leak] {
+                                gv[o] = O::cast_from((vg * om_g) * (vu * om_u));
+                            } else {
+                                gv[o] = O::cast_from(vg * vu);
+                            }
+                        }
+                    }
+                }
+            }
+        } else if ch < chunks {
+            let k0 = ch * chunk;
+            let buf = (ch % 2) * chunk * 32;
+            #[unroll]
+            for r in 0..per {
+                let k = k0 + (y - 1) + r * producers;
+                if k < steps && valid {
+                    let row = (k * batch + b) * row_stride;
+                    xg[r] = f32::cast_from(i_gu[row + j]);
+                    xu[r] = f32::cast_from(i_gu[row + ff + j]);
+                }
+            }
+            #[unroll]
+            for r in 0..per {
+                let s_idx = buf + ((y - 1) + r * producers) * 32 + x;
+                s_g[s_idx] = xg[r];
+                s_u[s_idx] = xu[r];
+            }
+        }
+        sync_cube();
+        ch += 1;
+    }
+    if y == 0 && valid {
+        last[b * 2 * ff + j] = vg;
+        last[b * 2 * ff + ff + j] = vu;
+    }
+}
+
+/// Their backward, staged in reverse: producers compute everything of a step but the carried
+/// gradients (the gating's `∂act`, `∂V_post`, the `(1 − β)·V_post` term of `∂β`, the spike
+/// recomputed exactly as the forward made it, `V_{k−1}`), plane 0 runs both neurons' reverse
+/// recurrences, writes `∂i = ∂u·(1 − β)` and sums per pair over time: `∂β` (the scan's
+/// `Σ gv·V_{k−1}` minus `Σ ∂act·V_post` and `Σ ∂u·i`), `∂V_th`, and the carried `∂v0`.
+#[allow(clippy::too_many_arguments)]
+#[cube(launch)]
+fn ffn_backward_staged_kernel<I: Float, G: Float>(
+    i_gu: &Tensor<I>,
+    w_g: &Tensor<f32>,
+    w_u: &Tensor<f32>,
+    th_g: &Tensor<f32>,
+    th_u: &Tensor<f32>,
+    v0: &Tensor<f32>,
+    vpost: &Tensor<f32>,
+    grad: &Tensor<G>,
+    d_i: &mut Tensor<I>,
+    d_beta: &mut Tensor<f32>,
+    d_th: &mut Tensor<f32>,
+    d_v0: &mut Tensor<f32>,
+    batch: u32,
+    ff: u32,
+    steps: u32,
+    chunks: u32,
+    #[comptime] leak: bool,
+    #[comptime] chunk: usize,
+    #[comptime] producers: usize,
+    #[define(I, G)] _types: [StorageType; 2],
+) {
+    let batch = batch as usize;
+    let ff = ff as usize;
+    let steps = steps as usize;
+    let chunks = chunks as usize;
+    let x = UNIT_POS_X as usize;
+    let y = UNIT_POS_Y as usize;
+    let c = CUBE_POS_X as usize * 32 + x;
+    let valid = c < batch * ff;
+    let cc = select(valid, c, 0);
+    let b = cc / ff;
+    let j = cc % ff;
+    let beta_g = sigmoid_burn(w_g[j]);
+    let beta_u = sigmoid_burn(w_u[j]);
+    let om_g = -beta_g + 1.0f32;
+    let om_u = -beta_u + 1.0f32;
+    let tg = th_g[j];
+    let tu = th_u[j];
+    let first_g = v0[b * 2 * ff + j];
+    let first_u = v0[b * 2 * ff + ff + j];
+    let size = comptime!(2 * chunk * 32);
+    let mut s_dvg = SharedMemory::<f32>::new(size);
+    let mut s_dvu = SharedMemory::<f32>::new(size);
+    let mut s_pvg = SharedMemory::<f32>::new(size);
+    let mut s_pvu = SharedMemory::<f32>::new(size);
+    let mut s_sg = SharedMemory::<f32>::new(size);
+    let mut s_su = SharedMemory::<f32>::new(size);
+    let mut s_ig = SharedMemory::<f32>::new(size);
+    let mut s_iu = SharedMemory::<f32>::new(size);
+    let mut s_lg = SharedMemory::<f32>::new(size);
+    let mut s_lu = SharedMemory::<f32>::new(size);
+    let per = comptime!(chunk / producers);
+    let mut xg = Array::<f32>::new(per);
+    let mut xig = Array::<f32>::new(per);
+    let mut xiu = Array::<f32>::new(per);
+    let mut xvg = Array::<f32>::new(per);
+    let mut xvu = Array::<f32>::new(per);
+    let mut xpg = Array::<f32>::new(per);
+    let mut xpu = Array::<f32>::new(per);
+    let mut acc_g = 0.0f32;
+    let mut acc_u = 0.0f32;
+    let mut sb_g = 0.0f32;
+    let mut sb_u = 0.0f32;
+    let mut st_g = 0.0f32;
+    let mut st_u = 0.0f32;
+    let mut si_g = 0.0f32;
+    let mut si_u = 0.0f32;
+    let mut sl_g = 0.0f32;
+    let mut sl_u = 0.0f32;
+    let mut ch = 0usize;
+    while ch <= chunks {
+        if y == 0 {
+            if ch > 0 {
+                let top = steps - (ch - 1) * chunk;
+                let buf = ((ch - 1) % 2) * chunk * 32;
+                #[unroll]
+                for q in 0..chunk {
+                    if q < top {
+                        let k = top - 1 - q;
+                        let s_idx = buf + q * 32 + x;
+                        let gg = s_dvg[s_idx] + acc_g;
+                        let gu = s_dvu[s_idx] + acc_u;
+                        if valid {
+                            let row = (k * batch + b) * 2 * ff;
+                            d_i[row + j] = I::cast_from(gg * om_g);
+                            d_i[row + ff + j] = I::cast_from(gu * om_u);
+                        }
+                        sb_g += gg * s_pvg[s_idx];
+                        sb_u += gu * s_pvu[s_idx];
+                        st_g += -gg * s_sg[s_idx];
+                        st_u += -gu * s_su[s_idx];
+                        si_g += gg * s_ig[s_idx];
+                        si_u += gu * s_iu[s_idx];
+                        sl_g += s_lg[s_idx];
+                        sl_u += s_lu[s_idx];
+                        acc_g = gg * beta_g;
+                        acc_u = gu * beta_u;
+                    }
+                }
+            }
+        } else if ch < chunks {
+            let top = steps - ch * chunk;
+            let buf = (ch % 2) * chunk * 32;
+            #[unroll]
+            for r in 0..per {
+                let q = (y - 1) + r * producers;
+                if q < top && valid {
+                    let k = top - 1 - q;
+                    let row = (k * batch + b) * 2 * ff;
+                    xg[r] = f32::cast_from(grad[(k * batch + b) * ff + j]);
+                    xig[r] = f32::cast_from(i_gu[row + j]);
+                    xiu[r] = f32::cast_from(i_gu[row + ff + j]);
+                    xvg[r] = vpost[row + j];
+                    xvu[r] = vpost[row + ff + j];
+                    let prev = select(k > 0, row - batch * 2 * ff, 0);
+                    xpg[r] = select(k > 0, vpost[prev + j], first_g);
+                    xpu[r] = select(k > 0, vpost[prev + ff + j], first_u);
+                }
+            }
+            #[unroll]
+            for r in 0..per {
+                let s_idx = buf + ((y - 1) + r * producers) * 32 + x;
+                let vg = xvg[r];
+                let vu = xvu[r];
+                let mut act_g = vg;
+                let mut act_u = vu;
+                if comptime![leak] {
+                    act_g = vg * om_g;
+                    act_u = vu * om_u;
+                }
+                let da_g = xg[r] * act_u;
+                let da_u = xg[r] * act_g;
+                if comptime![leak] {
+                    s_dvg[s_idx] = da_g * om_g;
+                    s_dvu[s_idx] = da_u * om_u;
+                    s_lg[s_idx] = da_g * vg;
+                    s_lu[s_idx] = da_u * vu;
+                } else {
+                    s_dvg[s_idx] = da_g;
+                    s_dvu[s_idx] = da_u;
+                    s_lg[s_idx] = 0.0f32;
+                    s_lu[s_idx] = 0.0f32;
+                }
+                let ig = xig[r];
+                let iu = xiu[r];
+                s_ig[s_idx] = ig;
+                s_iu[s_idx] = iu;
+                s_pvg[s_idx] = xpg[r];
+                s_pvu[s_idx] = xpu[r];
+                s_sg[s_idx] = select(fma(beta_g, xpg[r], ig * om_g) >= tg, 1.0f32, 0.0f32);
+                s_su[s_idx] = select(fma(beta_u, xpu[r], iu * om_u) >= tu, 1.0f32, 0.0f32);
+            }
+        }
+        sync_cube();
+        ch += 1;
+    }
+    if y == 0 && valid {
+        let o = b * 2 * ff + j;
+        d_beta[o] = sb_g - sl_g - si_g;
+        d_beta[o + ff] = sb_u - sl_u - si_u;
+        d_th[o] = st_g;
+        d_th[o + ff] = st_u;
+        d_v0[o] = acc_g;
+        d_v0[o + ff] = acc_u;
+    }
+}
+
+/// `(batch, D_ff, steps)` of the FFN neurons' `i_gu` `[TK, B, 2·D_ff]`, checked.
+fn ffn_geometry<R: CubeRuntime>(i_gu: &CubeTensor<R>) -> (usize, usize, usize) {
+    let shape = i_gu.meta.shape();
+    assert_eq!(shape.num_dims(), 3, "ffn neurons: i_gu [TK, B, 2·D_ff]");
+    let (steps, batch, two_f) = (shape[0], shape[1], shape[2]);
+    assert!(two_f % 2 == 0, "ffn neurons: odd gate/up width {two_f}");
+    assert!(
+        steps * batch * two_f <= u32::MAX as usize,
+        "ffn neurons: {steps}×{batch}×{two_f} elements exceed 32-bit indexing"
+    );
+    (batch, two_f / 2, steps)
+}
+
+/// Forward of the FFN neurons for training: `(g·v [TK, B, D_ff], V_post [TK, B, 2·D_ff])`.
+/// `params`: `w_gate, w_up, th_gate, th_up` `[D_ff]`; `v0` `[B, 2·D_ff]`.
+pub fn ffn_forward<R: CubeRuntime>(
+    i_gu: CubeTensor<R>,
+    params: [CubeTensor<R>; 4],
+    v0: CubeTensor<R>,
+    leak: bool,
+) -> (CubeTensor<R>, CubeTensor<R>) {
+    let (batch, ff, steps) = ffn_geometry(&i_gu);
+    let i_gu = into_contiguous(i_gu);
+    let geometry = (steps, batch, ff, 2 * ff);
+    let (gv, vpost, _) = ffn_forward_with(i_gu, params, v0, leak, true, geometry);
+    (gv, vpost)
+}
+
+/// The same for inference: `(g·v, final state [B, 2·D_ff])`, `V_post` not written. `i_gu` is
+/// `[TK, B, 2·D_ff]`, or a 2-D `[TK·B, W ≥ 2·D_ff]` with contiguous columns whose first
+/// 2·D_ff columns are the currents (a column slice of a wider projection, read in place).
+pub fn ffn_infer<R: CubeRuntime>(
+    i_gu: CubeTensor<R>,
+    params: [CubeTensor<R>; 4],
+    v0: CubeTensor<R>,
+    leak: bool,
+) -> (CubeTensor<R>, CubeTensor<R>) {
+    let shape = i_gu.meta.shape().clone();
+    if shape.num_dims() == 2 {
+        let batch = v0.meta.shape()[0];
+        let ff = params[0].meta.shape()[0];
+        assert!(
+            batch > 0 && shape[0].is_multiple_of(batch) && shape[1] >= 2 * ff,
+            "ffn neurons: i_gu {shape:?} is not [TK·{batch}, ≥ {}]",
+            2 * ff
+        );
+        let i_gu = if i_gu.meta.strides()[1] == 1 {
+            i_gu
+        } else {
+            into_contiguous(i_gu)
+        };
+        let row_stride = i_gu.meta.strides()[0].max(shape[1]);
+        let geometry = (shape[0] / batch, batch, ff, row_stride);
+        let (gv, _, last) = ffn_forward_with(i_gu, params, v0, leak, false, geometry);
+        return (gv, last);
+    }
+    let (batch, ff, steps) = ffn_geometry(&i_gu);
+    let i_gu = into_contiguous(i_gu);
+    let geometry = (steps, batch, ff, 2 * ff);
+    let (gv, _, last) = ffn_forward_with(i_gu, params, v0, leak, false, geometry);
+    (gv, last)
+}
+
+/// `(g·v, V_post (empty unless save_vpost), final state)` for an `i_gu` of `steps·batch` rows
+/// of `row_stride` values each, the first `2·ff` of them the currents (`geometry`: steps,
+/// batch, ff, row_stride).
+fn ffn_forward_with<R: CubeRuntime>(
+    i_gu: CubeTensor<R>,
+    params: [CubeTensor<R>; 4],
+    v0: CubeTensor<R>,
+    leak: bool,
+    save_vpost: bool,
+    (steps, batch, ff, row_stride): (usize, usize, usize, usize),
+) -> (CubeTensor<R>, CubeTensor<R>, CubeTensor<R>) {
+    let [w_g, w_u, th_g, th_u] = params;
+    check_f32(&[&w_g, &w_u, &th_g, &th_u, &v0]);
+    let stored = stored_dtype(&i_gu);
+    assert!(
+        steps * batch * row_stride <= u32::MAX as usize,
+        "ffn neurons: {steps}×{batch}×{row_stride} elements exceed 32-bit indexing"
+    );
+    let [w_g, w_u, th_g, th_u, v0] = [w_g, w_u, th_g, th_u, v0].map(into_contiguous);
+    // Inference writes g·v in the type the down projection's GEMM reads; training stores it
+    // like the currents (bf16 storage: bf16), `V_post` (which the backward's exact spike
+    // recomputation reads) and the state always f32.
+    let gv_dtype = if save_vpost { stored } else { input_dtype() };
+    let gv = out_typed(&i_gu, Shape::new([steps, batch, ff]), gv_dtype);
+    let vpost = out_typed(
+        &i_gu,
+        Shape::new(if save_vpost {
+            [steps, batch, 2 * ff]
+        } else {
+            [1, 1, 1]
+        }),
+        DType::F32,
+    );
+    let last = out_typed(&i_gu, Shape::new([batch, 2 * ff]), DType::F32);
+    let (producers, chunk) = stage_shape("NSACTOR_STAGE_FFN_FORWARD", STAGE_FFN_FORWARD);
+    let client = i_gu.client.clone();
+    ffn_forward_staged_kernel::launch::<R>(
+        &client,
+        CubeCount::Static((batch * ff).div_ceil(STAGE_COLS as usize) as u32, 1, 1),
+        CubeDim::new_2d(STAGE_COLS, 1 + producers as u32),
+        i_gu.into_tensor_arg(),
+        w_g.into_tensor_arg(),
+        w_u.into_tensor_arg(),
+        th_g.into_tensor_arg(),
+        th_u.into_tensor_arg(),
+        v0.into_tensor_arg(),
+        gv.clone().into_tensor_arg(),
+        vpost.clone().into_tensor_arg(),
+        last.clone().into_tensor_arg(),
+        batch as u32,
+        ff as u32,
+        steps as u32,
+        steps.div_ceil(chunk) as u32,
+        row_stride as u32,
+        leak,
+        save_vpost,
+        chunk,
+        producers,
+        [stored.into(), gv_dtype.into()],
+    );
+    (gv, vpost, last)
+}
+
+/// Backward of the FFN neurons: `[∂i_gu [TK, B, 2·D_ff], ∂β, ∂V_th, ∂v0]`, the last three
+/// `[B, 2·D_ff]` (per batch row; [`crate::ffn_param_grads`] sums them and applies σ′).
+pub fn ffn_backward<R: CubeRuntime>(
+    i_gu: CubeTensor<R>,
+    params: [CubeTensor<R>; 4],
+    v0: CubeTensor<R>,
+    vpost: CubeTensor<R>,
+    grad: CubeTensor<R>,
+    leak: bool,
+) -> [CubeTensor<R>; 4] {
+    let [w_g, w_u, th_g, th_u] = params;
+    check_f32(&[&w_g, &w_u, &th_g, &th_u, &v0, &vpost]);
+    let types = [stored_dtype(&i_gu).into(), stored_dtype(&grad).into()];
+    let (batch, ff, steps) = ffn_geometry(&i_gu);
+    let [i_gu, w_g, w_u, th_g, th_u, v0, vpost, grad] =
+        [i_gu, w_g, w_u, th_g, th_u, v0, vpost, grad].map(into_contiguous);
+    let state = Shape::new([batch, 2 * ff]);
+    // ∂i_gu in i_gu's type; the parameter and state gradients f32.
+    let d_i = out_like(&i_gu, Shape::new([steps, batch, 2 * ff]));
+    let d_beta = out_typed(&i_gu, state.clone(), DType::F32);
+    let d_th = out_typed(&i_gu, state.clone(), DType::F32);
+    let d_v0 = out_typed(&i_gu, state, DType::F32);
+    let (producers, chunk) = stage_shape("NSACTOR_STAGE_FFN_BACKWARD", STAGE_FFN_BACKWARD);
+    let client = i_gu.client.clone();
+    ffn_backward_staged_kernel::launch::<R>(
+        &client,
+        CubeCount::Static((batch * ff).div_ceil(STAGE_COLS as usize) as u32, 1, 1),
+        CubeDim::new_2d(STAGE_COLS, 1 + producers as u32),
+        i_gu.into_tensor_arg(),
+        w_g.into_tensor_arg(),
+        w_u.into_tensor_arg(),
+        th_g.into_tensor_arg(),
+        th_u.into_tensor_arg(),
+        v0.into_tensor_arg(),
+        vpost.into_tensor_arg(),
+        grad.into_tensor_arg(),
+        d_i.clone().into_tensor_arg(),
+        d_beta.clone().into_tensor_arg(),
+        d_th.clone().into_tensor_arg(),
+        d_v0.clone().into_tensor_arg(),
+        batch as u32,
+        ff as u32,
+        steps as u32,
+        steps.div_ceil(chunk) as u32,
+        leak,
+        chunk,
+        producers,
+        types,
+    );
+    [d_i, d_beta, d_th, d_v0]
+}

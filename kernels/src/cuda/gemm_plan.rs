@@ -1,0 +1,415 @@
+//! cuBLASLt's side of a GEMM: how it sees a row-major operand ([`Operand`]), the cached plan of
+//! one problem ([`PlanKey`] → [`Plan`]: descriptors, layouts and the chosen algorithm), the call
+//! itself, and the tuning of a training projection's algorithm on its first call.
+
+use crate::cuda::precision::GemmPrecision;
+use cudarc::cublaslt::{result as lt, sys};
+use std::ffi::c_void;
+
+/// cuBLASLt workspace per thread and device (NVIDIA's recommendation for Hopper).
+pub(crate) const WORKSPACE_BYTES: usize = 32 << 20;
+
+/// How cuBLASLt sees one operand: a column-major matrix `rows × cols` with leading dimension
+/// `ld`, to be used transposed or not.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub(crate) struct Operand {
+    rows: u64,
+    cols: u64,
+    ld: i64,
+    pub(crate) trans: bool,
+}
+
+/// A row-major `[r, c]` logical matrix with strides `(s0, s1)`, seen column-major so that the
+/// op applied gives its transpose `[c, r]` (what `Dᵀ = rhsᵀ·lhsᵀ` needs). `None` when neither
+/// stride is 1 (the caller makes it contiguous).
+pub(crate) fn operand(shape: [usize; 2], strides: [usize; 2]) -> Option<Operand> {
+    let [r, c] = shape;
+    let (r64, c64) = (r as u64, c as u64);
+    if strides[1] == 1 && (r <= 1 || strides[0] >= c.max(1)) {
+        // Row-major: column-major `c × r` with ld = s0, used as is.
+        Some(Operand {
+            rows: c64,
+            cols: r64,
+            ld: strides[0].max(c.max(1)) as i64,
+            trans: false,
+        })
+    } else if strides[0] == 1 && (c <= 1 || strides[1] >= r.max(1)) {
+        // Column-major (a transposed view): `r × c` with ld = s1, used transposed.
+        Some(Operand {
+            rows: r64,
+            cols: c64,
+            ld: strides[1].max(r.max(1)) as i64,
+            trans: true,
+        })
+    } else {
+        None
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub(crate) struct PlanKey {
+    pub(crate) device: usize,
+    pub(crate) precision: GemmPrecision,
+    /// `D` in bf16 (else f32); never with an addend.
+    pub(crate) out_bf16: bool,
+    pub(crate) a: Operand,
+    pub(crate) b: Operand,
+    pub(crate) m: u64,
+    pub(crate) n: u64,
+    /// The leading dimension of an added `C` (`D = A·B + C`, `C` row-major `[M, N]` with
+    /// unit column stride), or `None` for `D = A·B`.
+    pub(crate) c_ld: Option<u64>,
+}
+
+impl PlanKey {
+    /// `K`: `A = rhsᵀ` is `[N, K]` after its op.
+    fn k(&self) -> u64 {
+        if self.a.trans {
+            self.a.rows
+        } else {
+            self.a.cols
+        }
+    }
+
+    /// `M·N·K`.
+    fn macs(&self) -> u64 {
+        self.m * self.n * self.k()
+    }
+
+    /// Whether [`Plan::tune`] times this problem's candidates: a large product over a long
+    /// token axis (`M` for `x·Wᵀ` and `∂x`, `K` for `∂W`): every projection of a training
+    /// micro-batch. Decoding steps (at most 4,096 rows) keep the heuristic's pick, so a new
+    /// cohort size never waits for tuning.
+    pub(crate) fn tuned(&self) -> bool {
+        self.macs() >= TUNE_MIN_MACS && self.m.max(self.k()) >= TUNE_MIN_ROWS
+    }
+}
+
+/// Descriptors and the chosen algorithm for one problem; destroyed with the thread.
+pub(crate) struct Plan {
+    desc: sys::cublasLtMatmulDesc_t,
+    a: sys::cublasLtMatrixLayout_t,
+    b: sys::cublasLtMatrixLayout_t,
+    d: sys::cublasLtMatrixLayout_t,
+    /// `C`'s layout where the key adds one.
+    c: Option<sys::cublasLtMatrixLayout_t>,
+    pub(crate) algo: sys::cublasLtMatmulAlgo_t,
+    /// The heuristic's candidates, best guess first.
+    pub(crate) candidates: Vec<sys::cublasLtMatmulAlgo_t>,
+    /// Whether [`Plan::tune`] has run (or was not wanted).
+    pub(crate) tuned: bool,
+}
+
+impl Drop for Plan {
+    fn drop(&mut self) {
+        // SAFETY: each descriptor was created once by `Plan::new` and is destroyed once here.
+        unsafe {
+            let _ = lt::destroy_matrix_layout(self.a);
+            let _ = lt::destroy_matrix_layout(self.b);
+            let _ = lt::destroy_matrix_layout(self.d);
+            if let Some(c) = self.c {
+                let _ = lt::destroy_matrix_layout(c);
+            }
+            let _ = lt::destroy_matmul_desc(self.desc);
+        }
+    }
+}
+
+fn check(what: &str, r: Result<(), lt::CublasError>) {
+    if let Err(e) = r {
+        panic!("cuBLASLt {what}: {e:?}");
+    }
+}
+
+impl Plan {
+    pub(crate) fn new(handle: sys::cublasLtHandle_t, key: &PlanKey) -> Plan {
+        let input = match key.precision {
+            GemmPrecision::Fp32 => sys::cudaDataType_t::CUDA_R_32F,
+            GemmPrecision::Bf16 => sys::cudaDataType_t::CUDA_R_16BF,
+        };
+        let f32t = sys::cudaDataType_t::CUDA_R_32F;
+        let layout = |t, o: &Operand| {
+            lt::create_matrix_layout(t, o.rows, o.cols, o.ld)
+                .unwrap_or_else(|e| panic!("cuBLASLt layout {o:?}: {e:?}"))
+        };
+        let desc = lt::create_matmul_desc(sys::cublasComputeType_t::CUBLAS_COMPUTE_32F, f32t)
+            .unwrap_or_else(|e| panic!("cuBLASLt matmul descriptor: {e:?}"));
+        // cublasOperation_t as a 32-bit integer: 0 = N, 1 = T.
+        for (attr, trans) in [
+            (
+                sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_TRANSA,
+                key.a.trans,
+            ),
+            (
+                sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_TRANSB,
+                key.b.trans,
+            ),
+        ] {
+            let op = trans as i32;
+            // SAFETY: `desc` is a live descriptor; `op` outlives the call and has its exact size.
+            check("transpose attribute", unsafe {
+                lt::set_matmul_desc_attribute(
+                    desc,
+                    attr,
+                    &op as *const i32 as *const c_void,
+                    std::mem::size_of_val(&op),
+                )
+            });
+        }
+        let a = layout(input, &key.a);
+        let b = layout(input, &key.b);
+        let out = if key.out_bf16 {
+            sys::cudaDataType_t::CUDA_R_16BF
+        } else {
+            f32t
+        };
+        let d = lt::create_matrix_layout(out, key.n, key.m, key.n as i64)
+            .unwrap_or_else(|e| panic!("cuBLASLt output layout: {e:?}"));
+        let c = key.c_ld.map(|ld| {
+            lt::create_matrix_layout(f32t, key.n, key.m, ld as i64)
+                .unwrap_or_else(|e| panic!("cuBLASLt addend layout: {e:?}"))
+        });
+        let pref =
+            lt::create_matmul_pref().unwrap_or_else(|e| panic!("cuBLASLt preference: {e:?}"));
+        let ws = WORKSPACE_BYTES as u64;
+        // SAFETY: live handles and descriptors; `ws` outlives the call.
+        let heuristic = unsafe {
+            check(
+                "workspace preference",
+                lt::set_matmul_pref_attribute(
+                    pref,
+                    sys::cublasLtMatmulPreferenceAttributes_t::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+                    &ws as *const _ as *const c_void,
+                    std::mem::size_of_val(&ws),
+                ),
+            );
+            let mut found =
+                vec![std::mem::zeroed::<sys::cublasLtMatmulHeuristicResult_t>(); TUNE_CANDIDATES];
+            let mut count = 0i32;
+            let status = sys::cublasLtMatmulAlgoGetHeuristic(
+                handle,
+                desc,
+                a,
+                b,
+                c.unwrap_or(d),
+                d,
+                pref,
+                TUNE_CANDIDATES as i32,
+                found.as_mut_ptr(),
+                &mut count,
+            );
+            let _ = lt::destroy_matmul_pref(pref);
+            if status != sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS || count <= 0 {
+                panic!("cuBLASLt has no algorithm for {key:?}: {status:?}");
+            }
+            found.truncate(count as usize);
+            found
+        };
+        Plan {
+            desc,
+            a,
+            b,
+            d,
+            c,
+            algo: heuristic[0].algo,
+            candidates: heuristic.into_iter().map(|h| h.algo).collect(),
+            tuned: false,
+        }
+    }
+
+    /// Runs `D = A · B` (`+ C` where the plan adds one) with `algo` on `stream`.
+    ///
+    /// # Safety
+    /// As `enqueue` ([`crate::cuda::gemm`]): live buffers of the layouts' sizes, a stream of the
+    /// current context.
+    pub(crate) unsafe fn matmul(
+        &self,
+        handle: sys::cublasLtHandle_t,
+        algo: &sys::cublasLtMatmulAlgo_t,
+        [a, b, c, d]: [u64; 4],
+        workspace_ptr: u64,
+        stream: cudarc::driver::sys::CUstream,
+    ) -> Result<(), lt::CublasError> {
+        let (alpha, beta) = (1.0f32, if self.c.is_some() { 1.0f32 } else { 0.0 });
+        let (c, c_layout) = match self.c {
+            Some(layout) => (c, layout),
+            None => (d, self.d),
+        };
+        // SAFETY: upheld by the caller.
+        unsafe {
+            lt::matmul(
+                handle,
+                self.desc,
+                &alpha as *const f32 as *const c_void,
+                &beta as *const f32 as *const c_void,
+                a as *const c_void,
+                self.a,
+                b as *const c_void,
+                self.b,
+                c as *const c_void,
+                c_layout,
+                d as *mut c_void,
+                self.d,
+                algo,
+                workspace_ptr as *mut c_void,
+                WORKSPACE_BYTES,
+                stream as sys::cudaStream_t,
+            )
+        }
+    }
+
+    /// Times each of the heuristic's candidates on the real operands (`D` is overwritten, and
+    /// written again by the caller's call with the pick) and keeps the fastest: what PyTorch's
+    /// TunableOp does for its GEMMs. Blocks the calling thread (CubeCL's server thread for
+    /// queued GEMMs) once per problem, for a few times the GEMM's duration per candidate.
+    ///
+    /// # Safety
+    /// As [`matmul`](Self::matmul).
+    pub(crate) unsafe fn tune(
+        &mut self,
+        handle: sys::cublasLtHandle_t,
+        ptrs: [u64; 4],
+        workspace_ptr: u64,
+        stream: cudarc::driver::sys::CUstream,
+    ) -> Result<(), String> {
+        use cudarc::driver::result::event;
+        self.tuned = true;
+        let flags = cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT;
+        let err = |e: cudarc::driver::DriverError| format!("gemm tuning: {e:?}");
+        let (start, end) = (
+            event::create(flags).map_err(err)?,
+            event::create(flags).map_err(err)?,
+        );
+        let mut times = Vec::new();
+        // SAFETY: the events are live until destroyed below; the matmuls as the caller's.
+        let r = (|| unsafe {
+            for (i, algo) in self.candidates.iter().enumerate() {
+                // One untimed call (cuBLASLt's first use of a kernel loads it), then the timed ones.
+                if self
+                    .matmul(handle, algo, ptrs, workspace_ptr, stream)
+                    .is_err()
+                {
+                    continue;
+                }
+                event::record(start, stream).map_err(err)?;
+                for _ in 0..TUNE_REPS {
+                    self.matmul(handle, algo, ptrs, workspace_ptr, stream)
+                        .map_err(|e| format!("gemm tuning: {e:?}"))?;
+                }
+                event::record(end, stream).map_err(err)?;
+                event::synchronize(end).map_err(err)?;
+                times.push((
+                    i,
+                    event::elapsed(start, end).map_err(err)? / TUNE_REPS as f32,
+                ));
+            }
+            Ok::<(), String>(())
+        })();
+        // SAFETY: created above, destroyed once; the stream has passed both.
+        unsafe {
+            let _ = event::destroy(start);
+            let _ = event::destroy(end);
+        }
+        r?;
+        // The heuristic's first pick stays unless another is clearly faster (timing noise is
+        // a percent or so).
+        let first = times.iter().find(|t| t.0 == 0).map(|t| t.1);
+        if let Some(&(best, t)) = times.iter().min_by(|x, y| x.1.total_cmp(&y.1))
+            && first.is_none_or(|f| t < f * (1.0 - TUNE_MARGIN))
+        {
+            self.algo = self.candidates[best];
+        }
+        Ok(())
+    }
+}
+
+/// How many of cuBLASLt's heuristic candidates [`Plan::tune`] times.
+const TUNE_CANDIDATES: usize = 16;
+
+/// Timed calls per candidate.
+const TUNE_REPS: usize = 5;
+
+/// How much faster than the heuristic's first pick a candidate must be to replace it.
+const TUNE_MARGIN: f32 = 0.02;
+
+/// Problems of at least this many multiply-adds may be tuned (a training projection is
+/// 2.6·10¹⁰ or more): below it the tuning would cost more than it could save.
+const TUNE_MIN_MACS: u64 = 1 << 32;
+
+/// ... and only over a token axis at least this long (a training micro-batch's `T·K·B` is
+/// 32,704 at the 0.9B shape; a decoding step has at most 4,096 rows).
+const TUNE_MIN_ROWS: u64 = 8192;
+
+/// Whether GEMMs are tuned ([`Plan::tune`]), read once from `NSACTOR_GEMM_TUNE` (`on`, the
+/// default; `off`: the heuristic's first pick everywhere, as before).
+pub fn tuning() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("NSACTOR_GEMM_TUNE").as_deref() != Ok("off"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn row_major_and_transposed_views_map_to_column_major_operands() {
+        // Contiguous [3, 5]: column-major 5 × 3, ld 5, not transposed.
+        let o = operand([3, 5], [5, 1]).unwrap();
+        assert_eq!((o.rows, o.cols, o.ld, o.trans), (5, 3, 5, false));
+        // Transpose view of a contiguous [5, 3] → logical [3, 5] with strides [1, 3].
+        let o = operand([3, 5], [1, 3]).unwrap();
+        assert_eq!((o.rows, o.cols, o.ld, o.trans), (3, 5, 3, true));
+        // Column slice of a [3, 8] row-major matrix: ld stays 8.
+        let o = operand([3, 5], [8, 1]).unwrap();
+        assert_eq!((o.rows, o.cols, o.ld, o.trans), (5, 3, 8, false));
+        // A single row broadcast or any other stride pattern is refused (made contiguous).
+        assert!(operand([3, 5], [10, 2]).is_none());
+        assert!(operand([3, 5], [1, 1]).is_none());
+    }
+
+    /// The key of `lhs [m, k] · rhs [k, n]` with `rhs` a transposed weight view (`x·Wᵀ`).
+    fn projection_key(m: usize, k: usize, n: usize) -> PlanKey {
+        PlanKey {
+            device: 0,
+            precision: GemmPrecision::Bf16,
+            out_bf16: false,
+            a: operand([k, n], [1, k]).unwrap(),
+            b: operand([m, k], [k, 1]).unwrap(),
+            m: m as u64,
+            n: n as u64,
+            c_ld: None,
+        }
+    }
+
+    #[test]
+    fn training_projections_are_tuned_and_decoding_steps_are_not() {
+        // The inner dimension is read from either layout of A = rhsᵀ.
+        assert_eq!(projection_key(32704, 896, 7168).macs(), 32704 * 896 * 7168);
+        let contiguous_rhs = PlanKey {
+            a: operand([896, 7168], [7168, 1]).unwrap(),
+            ..projection_key(16, 896, 7168)
+        };
+        assert_eq!(contiguous_rhs.macs(), 16 * 896 * 7168);
+        // Every product of a training micro-batch (T·K·B = 32,704 rows) is tuned, the
+        // smallest (D × D) too; no decoding step is, however many sessions.
+        for (k, n) in [
+            (896, 7168),
+            (7168, 896),
+            (896, 896),
+            (896, 5376),
+            (2688, 896),
+        ] {
+            assert!(projection_key(32704, k, n).tuned(), "x·Wᵀ {k}×{n}");
+            // ∂W = xᵀ·g: the token axis is K.
+            assert!(projection_key(k, 32704, n).tuned(), "∂W {k}×{n}");
+        }
+        // Decoding: up to 4,096 rows, through the widest merged projection (4·DN + 2·D).
+        for rows in [16, 256, 1024, 4096] {
+            assert!(
+                !projection_key(rows, 896, 4 * 7168 + 2 * 896).tuned(),
+                "{rows} rows"
+            );
+            assert!(!projection_key(rows, 7168, 896).tuned(), "{rows} rows");
+        }
+    }
+}

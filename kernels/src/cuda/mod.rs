@@ -1,0 +1,36 @@
+//! The CUDA backend's kernels and plumbing (feature `cuda`).
+//!
+//! Kernel families, one file each (CubeCL kernels and their launchers):
+//! * [`scan`] — the per-element and row-parameter PLIF scans;
+//! * [`selective`] — the selective scan with the SNNBlock modulation fused in (forward and
+//!   backward through a `cp.async` ring; the register-loading staged kernels as the fallback);
+//! * [`ffn`] — the SNNFFN's gate and up neurons (training and inference);
+//! * [`norm_plif`] — RMSNorm then the input PLIF (training and inference);
+//! * [`ponder`], [`ponder_backward`]: PonderNet's halting and aggregation;
+//! * [`decode`] — the decoding fusions (the SNNBlock's scan on its merged projection, its gate
+//!   and skip, the centred residual, the edge's RMSNorm).
+//!
+//! Around them: [`gemm`] (cuBLASLt, with its plans and tuning in `gemm_plan`) in the
+//! [`precision`] the process picked, [`naive`] (cubek's naive fp32 GEMM, the GEMMs' on-device
+//! reference), [`device`] (contexts and peer copies), [`graph`] (CUDA graphs of decoding steps),
+//! [`timing`] (device time from CUDA events), `server` (CubeCL's server thread, where queued work
+//! runs), `common` (what the kernel families share) and `backend` (the `SnnOps` family for
+//! `burn_cuda::Cuda`).
+
+mod backend;
+mod common;
+pub mod decode;
+pub mod device;
+pub mod ffn;
+pub mod gemm;
+mod gemm_plan;
+pub mod graph;
+pub mod naive;
+pub mod norm_plif;
+pub mod ponder;
+pub mod ponder_backward;
+pub mod precision;
+pub mod scan;
+pub mod selective;
+mod server;
+pub mod timing;

@@ -1,0 +1,464 @@
+//! RMSNorm then the row-parameter input PLIF over the K frames of each token (SPEC §2.3) as
+//! CubeCL kernels: the inverse RMS per row, then one unit per `(batch row, channel)` walks the
+//! tokens and their frames. For inference (output in the GEMM's input type, optionally each
+//! token's K outputs averaged, a decoding step's RMS summed inside the scan kernel) and for
+//! training (saving `V_post`), with the training op's backward.
+
+use crate::cuda::common::{FEW_ROWS, PLANE, gemm_input, out_like, out_typed, sigmoid_burn};
+use burn::tensor::{DType, Shape};
+use burn_cubecl::CubeRuntime;
+use burn_cubecl::kernel::into_contiguous;
+use burn_cubecl::tensor::CubeTensor;
+use cubecl::prelude::*;
+
+/// `1/√(mean_D(x²) + eps)` of every `(token, batch row)`: one plane per row.
+#[cube(launch)]
+fn rms_inv_kernel(x: &Tensor<f32>, r: &mut Tensor<f32>, dim: u32, eps: f32) {
+    let dim = dim as usize;
+    let row = CUBE_POS;
+    let lane = UNIT_POS as usize;
+    let mut ss = 0.0f32;
+    let mut d = lane;
+    while d < dim {
+        let v = x[row * dim + d];
+        ss += v * v;
+        d += 32usize;
+    }
+    let total = plane_sum(ss);
+    if lane == 0 {
+        r[row] = 1.0f32 / (total / f32::cast_from(dim) + eps).sqrt();
+    }
+}
+
+/// RMSNorm then the row-parameter input PLIF over K frames of each token: one unit per
+/// `(batch row, channel)` walks the tokens and their frames in order. `u = (1 − β)·x̂` is the
+/// same in a token's K frames (SPEC §3); the output is `(1 − β)·V_post` (`leak`) or `V_post`.
+#[allow(clippy::too_many_arguments)]
+#[cube(launch)]
+fn norm_plif_kernel<O: Float>(
+    x: &Tensor<f32>,
+    r: &Tensor<f32>,
+    norm_w: &Tensor<f32>,
+    w: &Tensor<f32>,
+    v_th: &Tensor<f32>,
+    v0: &Tensor<f32>,
+    y: &mut Tensor<O>,
+    last: &mut Tensor<f32>,
+    vpost: &mut Tensor<f32>,
+    cols: u32,
+    dim: u32,
+    tokens: u32,
+    eps: f32,
+    #[comptime] k: usize,
+    #[comptime] leak: bool,
+    #[comptime] save_vpost: bool,
+    #[comptime] fused_rms: bool,
+    #[comptime] mean_frames: bool,
+    #[define(O)] _out: StorageType,
+) {
+    let cols = cols as usize;
+    let dim = dim as usize;
+    let c = ABSOLUTE_POS;
+    if c >= cols {
+        terminate!();
+    }
+    let b = c / dim;
+    let d = c % dim;
+    let beta = sigmoid_burn(w[d]);
+    let one_minus = -beta + 1.0f32;
+    let th = v_th[d];
+    let nw = norm_w[d];
+    let mut v = v0[c];
+    for t in 0..tokens as usize {
+        // 1/RMS of the token's row: read from `r`, or (`r` is then a stand-in, its read
+        // unused) summed here by the plane exactly as
+        // `rms_inv_kernel` sums it (lane l takes channels l, l + 32, …; then the plane sum).
+        // With `fused_rms` every plane holds 32 channels of one batch row (D a multiple of
+        // 32), so no unit left before the plane's sums.
+        let mut rr = r[t * (cols / dim) + b];
+        if comptime![fused_rms] {
+            let base = t * cols + b * dim;
+            let mut ss = 0.0f32;
+            let mut dd = d % 32;
+            // Four loads in flight per round, summed in the same order as one at a time.
+            while dd + 96 < dim {
+                let x0 = x[base + dd];
+                let x1 = x[base + dd + 32];
+                let x2 = x[base + dd + 64];
+                let x3 = x[base + dd + 96];
+                ss += x0 * x0;
+                ss += x1 * x1;
+                ss += x2 * x2;
+                ss += x3 * x3;
+                dd += 128usize;
+            }
+            while dd < dim {
+                let xv = x[base + dd];
+                ss += xv * xv;
+                dd += 32usize;
+            }
+            let total = plane_sum(ss);
+            rr = 1.0f32 / (total / f32::cast_from(dim) + eps).sqrt();
+        }
+        let u = x[t * cols + c] * rr * nw * one_minus;
+        let mut sum = 0.0f32;
+        #[unroll]
+        for j in 0..k {
+            let v_pre = fma(beta, v, u);
+            let s = select(v_pre >= th, 1.0f32, 0.0f32);
+            v = v_pre - th * s;
+            let out = select(leak, v * one_minus, v);
+            if comptime![mean_frames] {
+                sum += out;
+            } else {
+                y[(t * k + j) * cols + c] = O::cast_from(out);
+            }
+            if comptime![save_vpost] {
+                vpost[(t * k + j) * cols + c] = v;
+            }
+        }
+        if comptime![mean_frames] {
+            y[t * cols + c] = O::cast_from(sum / f32::cast_from(k));
+        }
+    }
+    last[c] = v;
+}
+
+/// The backward of [`norm_plif_kernel`]'s neuron, one unit per `(batch row, channel)` walking
+/// the tokens in reverse, each token's K frames loaded together: `∂V_post` from the output
+/// (times `1 − β` with leak), the reverse recurrence with the spikes recomputed exactly as the
+/// forward made them, `∂x̂ = (1 − β)·Σ_k ∂u` per token (the norm's backward follows in
+/// [`rms_norm_backward_kernel`]), and per column the sums `∂β` (the scan's term less both
+/// `(1 − β)` factors'), `∂V_th` and the carried `∂v0`.
+#[allow(clippy::too_many_arguments)]
+#[cube(launch)]
+fn norm_plif_backward_kernel(
+    x: &Tensor<f32>,
+    r: &Tensor<f32>,
+    norm_w: &Tensor<f32>,
+    w: &Tensor<f32>,
+    v_th: &Tensor<f32>,
+    v0: &Tensor<f32>,
+    vpost: &Tensor<f32>,
+    grad: &Tensor<f32>,
+    d_xhat: &mut Tensor<f32>,
+    d_beta: &mut Tensor<f32>,
+    d_th: &mut Tensor<f32>,
+    d_v0: &mut Tensor<f32>,
+    cols: u32,
+    dim: u32,
+    tokens: u32,
+    #[comptime] k: usize,
+    #[comptime] leak: bool,
+) {
+    let cols = cols as usize;
+    let dim = dim as usize;
+    let tokens = tokens as usize;
+    let c = ABSOLUTE_POS;
+    if c >= cols {
+        terminate!();
+    }
+    let b = c / dim;
+    let d = c % dim;
+    let beta = sigmoid_burn(w[d]);
+    let one_minus = -beta + 1.0f32;
+    let th = v_th[d];
+    let nw = norm_w[d];
+    let first = v0[c];
+    let mut gy = Array::<f32>::new(k);
+    let mut vp = Array::<f32>::new(k);
+    let mut acc = 0.0f32;
+    let mut s_beta = 0.0f32;
+    let mut s_th = 0.0f32;
+    let mut s_om = 0.0f32;
+    for tq in 0..tokens {
+        let t = tokens - 1 - tq;
+        let xh = x[t * cols + c] * r[t * (cols / dim) + b] * nw;
+        let u = xh * one_minus;
+        #[unroll]
+        for j in 0..k {
+            let f = (t * k + j) * cols + c;
+            gy[j] = grad[f];
+            vp[j] = vpost[f];
+        }
+        let before = select(
+            t > 0,
+            vpost[select(t > 0, (t * k - 1) * cols + c, c)],
+            first,
+        );
+        let mut du = 0.0f32;
+        #[unroll]
+        for q in 0..k {
+            let j = k - 1 - q;
+            // `j` is known when the kernel is expanded: no index below 0 is ever formed.
+            let mut v_prev = before;
+            if j > 0 {
+                v_prev = vp[j - 1];
+            }
+            let mut g_out = gy[j];
+            if comptime![leak] {
+                s_om += gy[j] * vp[j];
+                g_out = gy[j] * one_minus;
+            }
+            let gv = g_out + acc;
+            let s = select(fma(beta, v_prev, u) >= th, 1.0f32, 0.0f32);
+            s_beta += gv * v_prev;
+            s_th += -gv * s;
+            du += gv;
+            acc = gv * beta;
+        }
+        d_xhat[t * cols + c] = du * one_minus;
+        s_om += du * xh;
+    }
+    d_beta[c] = s_beta - s_om;
+    d_th[c] = s_th;
+    d_v0[c] = acc;
+}
+
+/// RMSNorm's backward, one plane per token row: with `g = ∂x̂·w`, `∂x = r·g − x·r³·mean(g·x)`;
+/// writes the row's `∂w` terms `∂x̂·x·r` (summed over rows by the caller).
+#[cube(launch)]
+fn rms_norm_backward_kernel(
+    x: &Tensor<f32>,
+    r: &Tensor<f32>,
+    norm_w: &Tensor<f32>,
+    d_xhat: &Tensor<f32>,
+    d_x: &mut Tensor<f32>,
+    d_w_rows: &mut Tensor<f32>,
+    dim: u32,
+) {
+    let dim = dim as usize;
+    let row = CUBE_POS;
+    let lane = UNIT_POS as usize;
+    let rr = r[row];
+    let mut part = 0.0f32;
+    let mut d = lane;
+    while d < dim {
+        let i = row * dim + d;
+        part += d_xhat[i] * norm_w[d] * x[i];
+        d += 32usize;
+    }
+    let m = plane_sum(part) / (dim as f32);
+    let r3 = rr * rr * rr;
+    let mut d = lane;
+    while d < dim {
+        let i = row * dim + d;
+        let xi = x[i];
+        let gi = d_xhat[i] * norm_w[d];
+        d_x[i] = rr * gi - xi * r3 * m;
+        d_w_rows[i] = d_xhat[i] * xi * rr;
+        d += 32usize;
+    }
+}
+
+/// `x` `[T, B, D]` → RMSNorm (`norm_w`, `eps`) → input PLIF (`w` = the β logits, `v_th`, state
+/// `v0` `[B, D]`) over K frames per token: output `[T·K, B, D]` and the final state `[B, D]`.
+#[allow(clippy::too_many_arguments)]
+pub fn norm_plif<R: CubeRuntime>(
+    x: CubeTensor<R>,
+    norm_w: CubeTensor<R>,
+    eps: f32,
+    w: CubeTensor<R>,
+    v_th: CubeTensor<R>,
+    v0: CubeTensor<R>,
+    k: usize,
+    leak: bool,
+) -> (CubeTensor<R>, CubeTensor<R>) {
+    let [y, last, _] = norm_plif_with([x, norm_w, w, v_th, v0], eps, k, leak, false, false);
+    (y, last)
+}
+
+/// [`norm_plif`] with each token's K outputs averaged in the kernel: `(mean [T, B, D] in the
+/// GEMM's input type, final state [B, D])`, the edge's output neuron before `decode_proj`.
+#[allow(clippy::too_many_arguments)]
+pub fn norm_plif_mean<R: CubeRuntime>(
+    x: CubeTensor<R>,
+    norm_w: CubeTensor<R>,
+    eps: f32,
+    w: CubeTensor<R>,
+    v_th: CubeTensor<R>,
+    v0: CubeTensor<R>,
+    k: usize,
+    leak: bool,
+) -> (CubeTensor<R>, CubeTensor<R>) {
+    let [y, last, _] = norm_plif_with([x, norm_w, w, v_th, v0], eps, k, leak, false, true);
+    (y, last)
+}
+
+/// The same for training: `(output, V_post [T·K, B, D])`, `V_post` saved for the backward.
+pub fn norm_plif_train<R: CubeRuntime>(
+    inputs: [CubeTensor<R>; 5],
+    eps: f32,
+    k: usize,
+    leak: bool,
+) -> (CubeTensor<R>, CubeTensor<R>) {
+    let [y, _, vpost] = norm_plif_with(inputs, eps, k, leak, true, false);
+    (y, vpost)
+}
+
+/// Backward of [`norm_plif_train`] from the saved `V_post` and the output's gradient:
+/// `[∂x [T, B, D], per-row ∂norm_w [T·B, D], per-column ∂β, ∂V_th, ∂v0 [B, D]]` (the caller
+/// sums the per-row and per-column terms and applies σ′ to ∂β).
+pub fn norm_plif_backward<R: CubeRuntime>(
+    inputs: [CubeTensor<R>; 5],
+    eps: f32,
+    k: usize,
+    leak: bool,
+    vpost: CubeTensor<R>,
+    grad: CubeTensor<R>,
+) -> [CubeTensor<R>; 5] {
+    let (t, batch, dim) = norm_plif_geometry(&inputs.each_ref(), k);
+    let [x, norm_w, w, v_th, v0] = inputs.map(into_contiguous);
+    let [vpost, grad] = [vpost, grad].map(into_contiguous);
+    let r = rms_inv(&x, t, batch, dim, eps);
+    let cols = batch * dim;
+    let d_xhat = out_like(&x, Shape::new([t, batch, dim]));
+    let d_beta = out_like(&x, Shape::new([batch, dim]));
+    let d_th = out_like(&x, Shape::new([batch, dim]));
+    let d_v0 = out_like(&x, Shape::new([batch, dim]));
+    let client = x.client.clone();
+    norm_plif_backward_kernel::launch::<R>(
+        &client,
+        CubeCount::Static(cols.div_ceil(NORM_PLIF_CUBE as usize) as u32, 1, 1),
+        CubeDim::new_1d(NORM_PLIF_CUBE),
+        x.clone().into_tensor_arg(),
+        r.clone().into_tensor_arg(),
+        norm_w.clone().into_tensor_arg(),
+        w.into_tensor_arg(),
+        v_th.into_tensor_arg(),
+        v0.into_tensor_arg(),
+        vpost.into_tensor_arg(),
+        grad.into_tensor_arg(),
+        d_xhat.clone().into_tensor_arg(),
+        d_beta.clone().into_tensor_arg(),
+        d_th.clone().into_tensor_arg(),
+        d_v0.clone().into_tensor_arg(),
+        cols as u32,
+        dim as u32,
+        t as u32,
+        k,
+        leak,
+    );
+    let d_x = out_like(&x, Shape::new([t, batch, dim]));
+    let d_w_rows = out_like(&x, Shape::new([t * batch, dim]));
+    rms_norm_backward_kernel::launch::<R>(
+        &client,
+        CubeCount::Static((t * batch) as u32, 1, 1),
+        CubeDim::new_1d(PLANE),
+        x.into_tensor_arg(),
+        r.into_tensor_arg(),
+        norm_w.into_tensor_arg(),
+        d_xhat.into_tensor_arg(),
+        d_x.clone().into_tensor_arg(),
+        d_w_rows.clone().into_tensor_arg(),
+        dim as u32,
+    );
+    [d_x, d_w_rows, d_beta, d_th, d_v0]
+}
+
+/// `(T, B, D)` of `x` `[T, B, D]`, every tensor checked f32.
+fn norm_plif_geometry<R: CubeRuntime>(
+    tensors: &[&CubeTensor<R>],
+    k: usize,
+) -> (usize, usize, usize) {
+    for t in tensors {
+        assert_eq!(t.dtype, burn::tensor::DType::F32, "norm_plif takes f32");
+    }
+    let shape = tensors[0].meta.shape();
+    assert_eq!(shape.num_dims(), 3, "norm_plif: x [T, B, D]");
+    let (t, batch, dim) = (shape[0], shape[1], shape[2]);
+    assert!(
+        k > 0 && t * k * batch * dim <= u32::MAX as usize,
+        "norm_plif: 32-bit indexing"
+    );
+    (t, batch, dim)
+}
+
+/// `1/√(mean_D(x²) + eps)` per token row `[T, B]` of a contiguous `x`.
+fn rms_inv<R: CubeRuntime>(
+    x: &CubeTensor<R>,
+    t: usize,
+    batch: usize,
+    dim: usize,
+    eps: f32,
+) -> CubeTensor<R> {
+    let r = out_like(x, Shape::new([t, batch]));
+    rms_inv_kernel::launch::<R>(
+        &x.client,
+        CubeCount::Static((t * batch) as u32, 1, 1),
+        CubeDim::new_1d(PLANE),
+        x.clone().into_tensor_arg(),
+        r.clone().into_tensor_arg(),
+        dim as u32,
+        eps,
+    );
+    r
+}
+
+/// Units per cube of the input neuron's kernels: a few thousand columns (3,584 at the 0.9B
+/// shape) spread over the SMs one plane each.
+const NORM_PLIF_CUBE: u32 = 32;
+
+/// `[output, final state, V_post (empty unless save_vpost)]`; inputs `x, norm_w, w, v_th, v0`.
+fn norm_plif_with<R: CubeRuntime>(
+    inputs: [CubeTensor<R>; 5],
+    eps: f32,
+    k: usize,
+    leak: bool,
+    save_vpost: bool,
+    mean_frames: bool,
+) -> [CubeTensor<R>; 3] {
+    let (t, batch, dim) = norm_plif_geometry(&inputs.each_ref(), k);
+    let [x, norm_w, w, v_th, v0] = inputs.map(into_contiguous);
+    // A decoding step (few token rows) sums each row's RMS inside the scan kernel where a
+    // plane holds one row's channels: one launch instead of two. With many token rows (a
+    // training micro-batch, even untracked) every plane would walk all its tokens' rows alone,
+    // so the separate kernel, one plane per row, stays.
+    let fused_rms =
+        !save_vpost && t * batch < FEW_ROWS && dim.is_multiple_of(NORM_PLIF_CUBE as usize);
+    let r = if fused_rms {
+        x.clone()
+    } else {
+        rms_inv(&x, t, batch, dim, eps)
+    };
+    // Inference writes the output in the type the projections' GEMM reads; training keeps f32
+    // (autodiff's GEMM node rounds its saved operand itself).
+    let y_dtype = if save_vpost { DType::F32 } else { gemm_input() };
+    let frames = if mean_frames { t } else { t * k };
+    let y = out_typed(&x, Shape::new([frames, batch, dim]), y_dtype);
+    let last = out_like(&x, Shape::new([batch, dim]));
+    let vpost = out_like(
+        &x,
+        Shape::new(if save_vpost {
+            [t * k, batch, dim]
+        } else {
+            [1, 1, 1]
+        }),
+    );
+    let cols = batch * dim;
+    norm_plif_kernel::launch::<R>(
+        &x.client.clone(),
+        CubeCount::Static(cols.div_ceil(NORM_PLIF_CUBE as usize) as u32, 1, 1),
+        CubeDim::new_1d(NORM_PLIF_CUBE),
+        x.into_tensor_arg(),
+        r.into_tensor_arg(),
+        norm_w.into_tensor_arg(),
+        w.into_tensor_arg(),
+        v_th.into_tensor_arg(),
+        v0.into_tensor_arg(),
+        y.clone().into_tensor_arg(),
+        last.clone().into_tensor_arg(),
+        vpost.clone().into_tensor_arg(),
+        cols as u32,
+        dim as u32,
+        t as u32,
+        eps,
+        k,
+        leak,
+        save_vpost,
+        fused_rms,
+        mean_frames,
+        y_dtype.into(),
+    );
+    [y, last, vpost]
+}

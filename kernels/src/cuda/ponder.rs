@@ -1,0 +1,461 @@
+//! PonderNet's halting and aggregation as CubeCL kernels (SPEC §2.3). One plane of 32 units per
+//! `(token, batch row)` computes the K halting logits (dot products with the halt weight,
+//! reduced across the plane), the geometric halting distribution and E[K], and the weighted sum
+//! of the K frames (≈ 50 ops composed): the inference op, and the training forward with both
+//! outputs packed in one tensor. A decoding step's few rows get a cube each, one unit per
+//! channel holding its K frames in registers, and the aggregate comes out in the out
+//! projection's GEMM input type (no cast before it), optionally with the sublayer's residual
+//! update prepared. The backward is [`crate::cuda::ponder_backward`].
+
+use crate::cuda::common::{FEW_ROWS, PLANE, gemm_input, out_like, out_typed, sigmoid_burn};
+use crate::options::decode_fusion;
+use burn::tensor::Shape;
+use burn_cubecl::CubeRuntime;
+use burn_cubecl::kernel::into_contiguous;
+use burn_cubecl::tensor::CubeTensor;
+use cubecl::prelude::*;
+
+#[allow(clippy::too_many_arguments)]
+#[cube(launch)]
+fn ponder_agg_kernel(
+    frames: &Tensor<f32>,
+    w: &Tensor<f32>,
+    bias: &Tensor<f32>,
+    agg: &mut Tensor<f32>,
+    ek: &mut Tensor<f32>,
+    batch: u32,
+    dim: u32,
+    halt_clamp: f32,
+    norm_eps: f32,
+    #[comptime] k: usize,
+    #[comptime] packed: bool,
+    #[comptime] planes: usize,
+) {
+    let batch = batch as usize;
+    let dim = dim as usize;
+    let row = CUBE_POS;
+    let t = row / batch;
+    let b = row % batch;
+    let lane = UNIT_POS as usize;
+    let width = comptime![planes * 32];
+    let mut part = Array::<f32>::new(k);
+    #[unroll]
+    for j in 0..k {
+        part[j] = 0.0f32;
+    }
+    let mut d = lane;
+    while d < dim {
+        let wd = w[d];
+        #[unroll]
+        for j in 0..k {
+            part[j] += frames[((t * k + j) * batch + b) * dim + d] * wd;
+        }
+        d += width;
+    }
+    // The K logits' dot products: summed across the plane, then across the cube's planes.
+    if comptime![planes > 1] {
+        let mut shared = SharedMemory::<f32>::new(comptime![planes * k]);
+        let plane = lane / 32;
+        #[unroll]
+        for j in 0..k {
+            let s = plane_sum(part[j]);
+            if UNIT_POS_PLANE == 0 {
+                shared[plane * k + j] = s;
+            }
+        }
+        sync_cube();
+        #[unroll]
+        for j in 0..k {
+            let mut total = 0.0f32;
+            #[unroll]
+            for p in 0..planes {
+                total += shared[p * k + j];
+            }
+            part[j] = total;
+        }
+    } else {
+        #[unroll]
+        for j in 0..k {
+            part[j] = plane_sum(part[j]);
+        }
+    }
+    let bb = bias[0];
+    let mut lam = Array::<f32>::new(k);
+    // λ_j = p_j · Π_{i<j}(1 − p_i), the product as exp of the running Σ log(1 − p_i).
+    let mut log_survive = 0.0f32;
+    let mut total = 0.0f32;
+    #[unroll]
+    for j in 0..k {
+        let logit = part[j] + bb;
+        let p = clamp(sigmoid_burn(logit), halt_clamp, 1.0f32 - halt_clamp);
+        let l = p * log_survive.exp();
+        lam[j] = l;
+        total += l;
+        log_survive += (-p).log1p();
+    }
+    let norm = total + norm_eps;
+    let mut e = 0.0f32;
+    let mut step = 0.0f32;
+    #[unroll]
+    for j in 0..k {
+        step += 1.0f32;
+        lam[j] = lam[j] / norm;
+        e += lam[j] * step;
+    }
+    // Packed: aggregate and E[K] in one `[T, B, D + 1]` tensor (`agg` is that tensor).
+    let stride = select(packed, dim + 1, dim);
+    if lane == 0 {
+        if comptime![packed] {
+            agg[row * stride + dim] = e;
+        } else {
+            ek[row] = e;
+        }
+    }
+    let mut d = lane;
+    while d < dim {
+        let mut acc = 0.0f32;
+        #[unroll]
+        for j in 0..k {
+            acc += frames[((t * k + j) * batch + b) * dim + d] * lam[j];
+        }
+        agg[row * stride + d] = acc;
+        d += width;
+    }
+}
+
+/// [`ponder_agg_kernel`] for a few rows (a decoding step), one cube per `(token, batch row)`
+/// with one unit per channel (`per` channels a unit where `D` exceeds 1,024): each unit loads its
+/// channels' K frames once and keeps them in registers, the K halting logits are reduced across
+/// the cube, and one plane computes the halting distribution with a plane-wide prefix sum of
+/// `log(1 − p)` (not a K-step loop in every unit). The aggregate is written in `O` (the type the
+/// out projection's GEMM reads), E[K] in f32. Needs `K ≤ 32`.
+#[allow(clippy::too_many_arguments)]
+#[cube(launch)]
+fn ponder_rows_kernel<O: Float>(
+    frames: &Tensor<f32>,
+    w: &Tensor<f32>,
+    bias: &Tensor<f32>,
+    h: &Tensor<f32>,
+    w_mean: &Tensor<f32>,
+    agg: &mut Tensor<O>,
+    c: &mut Tensor<f32>,
+    ek: &mut Tensor<f32>,
+    batch: u32,
+    dim: u32,
+    halt_clamp: f32,
+    norm_eps: f32,
+    #[comptime] k: usize,
+    #[comptime] planes: usize,
+    #[comptime] per: usize,
+    #[comptime] residual: bool,
+    #[define(O)] _out: StorageType,
+) {
+    let batch = batch as usize;
+    let dim = dim as usize;
+    let row = CUBE_POS;
+    let t = row / batch;
+    let b = row % batch;
+    let lane = UNIT_POS as usize;
+    let width = comptime![planes * 32];
+    let mut x = Array::<f32>::new(comptime![per * k]);
+    let mut part = Array::<f32>::new(k);
+    #[unroll]
+    for j in 0..k {
+        part[j] = 0.0f32;
+    }
+    #[unroll]
+    for q in 0..per {
+        let d = lane + q * width;
+        if d < dim {
+            let wd = w[d];
+            #[unroll]
+            for j in 0..k {
+                let v = frames[((t * k + j) * batch + b) * dim + d];
+                x[q * k + j] = v;
+                part[j] += v * wd;
+            }
+        } else {
+            #[unroll]
+            for j in 0..k {
+                x[q * k + j] = 0.0f32;
+            }
+        }
+    }
+    let mut sums = SharedMemory::<f32>::new(comptime![planes * k]);
+    let mut lam = SharedMemory::<f32>::new(k);
+    let plane = lane / 32;
+    #[unroll]
+    for j in 0..k {
+        let s = plane_sum(part[j]);
+        if UNIT_POS_PLANE == 0 {
+            sums[plane * k + j] = s;
+        }
+    }
+    sync_cube();
+    if plane == 0 {
+        // Lane j holds frame j: logit, halting probability, and the survival product as the
+        // exp of the exclusive prefix sum of log(1 − p).
+        let j = lane;
+        let live = j < k;
+        let mut logit = bias[0];
+        if live {
+            #[unroll]
+            for p in 0..planes {
+                logit += sums[p * k + j];
+            }
+        }
+        let p = clamp(sigmoid_burn(logit), halt_clamp, 1.0f32 - halt_clamp);
+        let log_keep = select(live, (-p).log1p(), 0.0f32);
+        let survive = plane_exclusive_sum(log_keep).exp();
+        let l = select(live, p * survive, 0.0f32);
+        let norm = plane_sum(l) + norm_eps;
+        let ln = l / norm;
+        let e = plane_sum(ln * f32::cast_from(j + 1));
+        if live {
+            lam[j] = ln;
+        }
+        if lane == 0 {
+            ek[row] = e;
+        }
+    }
+    sync_cube();
+    let mut mean_part = 0.0f32;
+    #[unroll]
+    for q in 0..per {
+        let d = lane + q * width;
+        if d < dim {
+            let mut acc = 0.0f32;
+            #[unroll]
+            for j in 0..k {
+                acc += x[q * k + j] * lam[j];
+            }
+            let a = O::cast_from(acc);
+            agg[row * dim + d] = a;
+            if comptime![residual] {
+                mean_part += f32::cast_from(a) * w_mean[d];
+            }
+        }
+    }
+    if comptime![residual] {
+        // c = h − agg·w̄: the GEMM that adds c to agg·Wᵀ leaves h + (r − mean r).
+        let mut means = SharedMemory::<f32>::new(planes);
+        let s = plane_sum(mean_part);
+        if UNIT_POS_PLANE == 0 {
+            means[plane] = s;
+        }
+        sync_cube();
+        let mut m = 0.0f32;
+        #[unroll]
+        for p in 0..planes {
+            m += means[p];
+        }
+        #[unroll]
+        for q in 0..per {
+            let d = lane + q * width;
+            if d < dim {
+                c[row * dim + d] = h[row * dim + d] - m;
+            }
+        }
+    }
+}
+
+/// `frames` `[T·K, B, D]`, halt weight `w` `[1, D]` (read flat), bias `[1]` → aggregate `[T, B, D]` and E[K]
+/// `[T, B]` (SPEC §2.3: σ, clamp to `[c, 1 − c]`, λ normalised by `Σλ + eps`).
+pub fn ponder_agg<R: CubeRuntime>(
+    frames: CubeTensor<R>,
+    w: CubeTensor<R>,
+    bias: CubeTensor<R>,
+    k: usize,
+    halt_clamp: f32,
+    norm_eps: f32,
+) -> (CubeTensor<R>, CubeTensor<R>) {
+    let [agg, ek] = ponder_agg_with(frames, w, bias, k, halt_clamp, norm_eps, false);
+    (agg, ek)
+}
+
+/// [`ponder_agg`] for training: the aggregate and E[K] packed in one `[T, B, D + 1]` tensor
+/// (one differentiable output).
+pub fn ponder_agg_packed<R: CubeRuntime>(
+    frames: CubeTensor<R>,
+    w: CubeTensor<R>,
+    bias: CubeTensor<R>,
+    k: usize,
+    halt_clamp: f32,
+    norm_eps: f32,
+) -> CubeTensor<R> {
+    let [packed, _] = ponder_agg_with(frames, w, bias, k, halt_clamp, norm_eps, true);
+    packed
+}
+
+/// `[aggregate, E[K]]`, or with `packed` `[both in one [T, B, D + 1] tensor, the same tensor]`.
+#[allow(clippy::too_many_arguments)]
+fn ponder_agg_with<R: CubeRuntime>(
+    frames: CubeTensor<R>,
+    w: CubeTensor<R>,
+    bias: CubeTensor<R>,
+    k: usize,
+    halt_clamp: f32,
+    norm_eps: f32,
+    packed: bool,
+) -> [CubeTensor<R>; 2] {
+    let (t, batch, dim) = ponder_geometry(&[&frames, &w, &bias], k);
+    let [frames, w, bias] = [frames, w, bias].map(into_contiguous);
+    if !packed && rows_kernel_fits(t * batch, k) {
+        // A decoding step: one unit per channel, the aggregate in the GEMM's input type.
+        let [agg, _, ek] = ponder_rows(
+            frames, w, bias, None, t, batch, dim, k, halt_clamp, norm_eps,
+        );
+        return [agg, ek];
+    }
+    let (agg, ek) = if packed {
+        let p = out_like(&frames, Shape::new([t, batch, dim + 1]));
+        (p.clone(), p)
+    } else {
+        (
+            out_like(&frames, Shape::new([t, batch, dim])),
+            out_like(&frames, Shape::new([t, batch])),
+        )
+    };
+    let client = frames.client.clone();
+    // One plane per row when the rows fill the GPU (training); a cube of eight planes per row
+    // when they are few and K exceeds a plane.
+    let planes = if t * batch < FEW_ROWS { 8 } else { 1 };
+    ponder_agg_kernel::launch::<R>(
+        &client,
+        CubeCount::Static((t * batch) as u32, 1, 1),
+        CubeDim::new_1d(PLANE * planes as u32),
+        frames.into_tensor_arg(),
+        w.into_tensor_arg(),
+        bias.into_tensor_arg(),
+        agg.clone().into_tensor_arg(),
+        ek.clone().into_tensor_arg(),
+        batch as u32,
+        dim as u32,
+        halt_clamp,
+        norm_eps,
+        k,
+        packed,
+        planes,
+    );
+    [agg, ek]
+}
+
+/// Whether [`ponder_rows_kernel`] takes `rows` token rows at this `k`: a decoding step's few
+/// rows, K within a plane, the decoding fusions on.
+fn rows_kernel_fits(rows: usize, k: usize) -> bool {
+    rows < FEW_ROWS && k <= PLANE as usize && decode_fusion()
+}
+
+/// [`ponder_rows_kernel`]: `[aggregate, c (a placeholder without residual), E[K]]`.
+#[allow(clippy::too_many_arguments)]
+fn ponder_rows<R: CubeRuntime>(
+    frames: CubeTensor<R>,
+    w: CubeTensor<R>,
+    bias: CubeTensor<R>,
+    residual: Option<(CubeTensor<R>, CubeTensor<R>)>,
+    t: usize,
+    batch: usize,
+    dim: usize,
+    k: usize,
+    halt_clamp: f32,
+    norm_eps: f32,
+) -> [CubeTensor<R>; 3] {
+    let planes = dim.div_ceil(PLANE as usize).clamp(1, 32);
+    let per = dim.div_ceil(planes * PLANE as usize);
+    let agg = out_typed(&frames, Shape::new([t, batch, dim]), gemm_input());
+    let ek = out_like(&frames, Shape::new([t, batch]));
+    let with_residual = residual.is_some();
+    let (h, w_mean, c) = match residual {
+        Some((h, w_mean)) => (h, w_mean, out_like(&frames, Shape::new([t, batch, dim]))),
+        // Unread (and unwritten) without the residual.
+        None => (w.clone(), w.clone(), out_like(&frames, Shape::new([1]))),
+    };
+    ponder_rows_kernel::launch::<R>(
+        &frames.client.clone(),
+        CubeCount::Static((t * batch) as u32, 1, 1),
+        CubeDim::new_1d(PLANE * planes as u32),
+        frames.into_tensor_arg(),
+        w.into_tensor_arg(),
+        bias.into_tensor_arg(),
+        h.into_tensor_arg(),
+        w_mean.into_tensor_arg(),
+        agg.clone().into_tensor_arg(),
+        c.clone().into_tensor_arg(),
+        ek.clone().into_tensor_arg(),
+        batch as u32,
+        dim as u32,
+        halt_clamp,
+        norm_eps,
+        k,
+        planes,
+        per,
+        with_residual,
+        agg.dtype.into(),
+    );
+    [agg, c, ek]
+}
+
+/// PonderAgg with a sublayer's residual update prepared
+/// ([`crate::InferOps::ponder_residual_fused`]):
+/// inputs `[frames [T·K, B, D], halt w [1, D], halt b [1], h [T, B, D], w̄ [1, D]]` →
+/// `Some((aggregate in the GEMM's input type, c = h − round(aggregate)·w̄ᵀ, E[K]))`, or `None`
+/// where the rows are not a decoding step's few (or K exceeds a plane, or the decoding fusions
+/// are off).
+pub fn ponder_residual<R: CubeRuntime>(
+    inputs: [CubeTensor<R>; 5],
+    k: usize,
+    halt_clamp: f32,
+    norm_eps: f32,
+) -> Option<(CubeTensor<R>, CubeTensor<R>, CubeTensor<R>)> {
+    let [frames, w, bias, h, w_mean] = inputs;
+    let (t, batch, dim) = ponder_geometry(&[&frames, &w, &bias, &h, &w_mean], k);
+    assert_eq!(
+        h.meta.shape().dims::<3>(),
+        [t, batch, dim],
+        "ponder_residual: h is [T, B, D]"
+    );
+    assert_eq!(
+        w_mean.meta.shape().num_elements(),
+        dim,
+        "ponder_residual: w̄ has D values"
+    );
+    if !rows_kernel_fits(t * batch, k) {
+        return None;
+    }
+    let [frames, w, bias, h, w_mean] = [frames, w, bias, h, w_mean].map(into_contiguous);
+    let [agg, c, ek] = ponder_rows(
+        frames,
+        w,
+        bias,
+        Some((h, w_mean)),
+        t,
+        batch,
+        dim,
+        k,
+        halt_clamp,
+        norm_eps,
+    );
+    Some((agg, c, ek))
+}
+
+/// `(T, B, D)` of `frames` `[T·K, B, D]`, with every tensor checked f32.
+pub(crate) fn ponder_geometry<R: CubeRuntime>(
+    tensors: &[&CubeTensor<R>],
+    k: usize,
+) -> (usize, usize, usize) {
+    for x in tensors {
+        assert_eq!(x.dtype, burn::tensor::DType::F32, "ponder_agg takes f32");
+    }
+    let shape = tensors[0].meta.shape();
+    assert_eq!(shape.num_dims(), 3, "ponder_agg: frames [T·K, B, D]");
+    let (tk, batch, dim) = (shape[0], shape[1], shape[2]);
+    assert!(
+        k > 0 && tk % k == 0,
+        "ponder_agg: {tk} frames are not whole tokens of K = {k}"
+    );
+    assert!(
+        tk * batch * (dim + 1) <= u32::MAX as usize,
+        "ponder_agg: 32-bit indexing"
+    );
+    (tk / k, batch, dim)
+}

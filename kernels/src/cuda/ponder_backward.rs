@@ -1,0 +1,167 @@
+//! The backward of PonderAgg's training op ([`crate::cuda::ponder::ponder_agg_packed`]) as a
+//! CubeCL kernel: one plane per `(token, batch row)` recomputes the halting distribution and
+//! takes the packed gradient through the normalisation, the survival products and the clamp.
+
+use crate::cuda::common::{PLANE, out_like, sigmoid_burn};
+use crate::cuda::ponder::ponder_geometry;
+use burn::tensor::Shape;
+use burn_cubecl::CubeRuntime;
+use burn_cubecl::kernel::into_contiguous;
+use burn_cubecl::tensor::CubeTensor;
+use cubecl::prelude::*;
+
+/// The backward of [`ponder_agg_kernel`], one plane per `(token, batch row)`: recomputes the
+/// halting distribution, then `∂λ̂_k = ∂agg·x_k + k·∂E[K]`, through the normalisation, the
+/// survival products and the clamp to `∂logit_k`; writes `∂x_k = λ̂_k·∂agg + ∂logit_k·w` and
+/// the row's contributions to the halt weight's and bias's gradients (summed by the caller).
+/// `grad` is `[T, B, D + 1]`: `∂agg` then `∂E[K]`.
+#[allow(clippy::too_many_arguments)]
+#[cube(launch)]
+fn ponder_backward_kernel(
+    frames: &Tensor<f32>,
+    w: &Tensor<f32>,
+    bias: &Tensor<f32>,
+    grad: &Tensor<f32>,
+    d_frames: &mut Tensor<f32>,
+    d_w_rows: &mut Tensor<f32>,
+    d_b_rows: &mut Tensor<f32>,
+    batch: u32,
+    dim: u32,
+    halt_clamp: f32,
+    norm_eps: f32,
+    #[comptime] k: usize,
+) {
+    let batch = batch as usize;
+    let dim = dim as usize;
+    let row = CUBE_POS;
+    let t = row / batch;
+    let b = row % batch;
+    let lane = UNIT_POS as usize;
+    let gs = dim + 1;
+    let mut part = Array::<f32>::new(k);
+    let mut gpart = Array::<f32>::new(k);
+    #[unroll]
+    for j in 0..k {
+        part[j] = 0.0f32;
+        gpart[j] = 0.0f32;
+    }
+    let mut d = lane;
+    while d < dim {
+        let wd = w[d];
+        let ga = grad[row * gs + d];
+        #[unroll]
+        for j in 0..k {
+            let x = frames[((t * k + j) * batch + b) * dim + d];
+            part[j] += x * wd;
+            gpart[j] += x * ga;
+        }
+        d += 32usize;
+    }
+    let g_ek = grad[row * gs + dim];
+    let bb = bias[0];
+    let mut sig = Array::<f32>::new(k);
+    let mut pp = Array::<f32>::new(k);
+    let mut surv = Array::<f32>::new(k);
+    let mut lam = Array::<f32>::new(k);
+    let mut log_survive = 0.0f32;
+    let mut total = 0.0f32;
+    #[unroll]
+    for j in 0..k {
+        let s = sigmoid_burn(plane_sum(part[j]) + bb);
+        let p = clamp(s, halt_clamp, 1.0f32 - halt_clamp);
+        let sv = log_survive.exp();
+        sig[j] = s;
+        pp[j] = p;
+        surv[j] = sv;
+        lam[j] = p * sv;
+        total += p * sv;
+        log_survive += (-p).log1p();
+    }
+    let norm = total + norm_eps;
+    // ∂λ̂_k, and Σ_k ∂λ̂_k·λ̂_k for the normalisation.
+    let mut dl = Array::<f32>::new(k);
+    let mut lh = Array::<f32>::new(k);
+    let mut dot = 0.0f32;
+    let mut step = 0.0f32;
+    #[unroll]
+    for j in 0..k {
+        step += 1.0f32;
+        let h = lam[j] / norm;
+        let g = plane_sum(gpart[j]) + step * g_ek;
+        lh[j] = h;
+        dl[j] = g;
+        dot += g * h;
+    }
+    // ∂λ_k = (∂λ̂_k − Σ ∂λ̂·λ̂)/norm; λ_k = p_k·S_k with log S_k = Σ_{i<k} log(1 − p_i): the
+    // survival terms reach p_i through the suffix sum of ∂λ_k·λ_k over k > i.
+    let mut dlogit = Array::<f32>::new(k);
+    let mut suffix = 0.0f32;
+    let mut d_bias = 0.0f32;
+    #[unroll]
+    for q in 0..k {
+        let j = k - 1 - q;
+        let dlam = (dl[j] - dot) / norm;
+        let dp = dlam * surv[j] - suffix / (1.0f32 - pp[j]);
+        suffix += dlam * lam[j];
+        let s = sig[j];
+        let inside = s >= halt_clamp && s <= 1.0f32 - halt_clamp;
+        let g = select(inside, dp, 0.0f32) * (s * (1.0f32 - s));
+        dlogit[j] = g;
+        d_bias += g;
+    }
+    let mut d = lane;
+    while d < dim {
+        let wd = w[d];
+        let ga = grad[row * gs + d];
+        let mut acc_w = 0.0f32;
+        #[unroll]
+        for j in 0..k {
+            let i = ((t * k + j) * batch + b) * dim + d;
+            acc_w += dlogit[j] * frames[i];
+            d_frames[i] = lh[j] * ga + dlogit[j] * wd;
+        }
+        d_w_rows[row * dim + d] = acc_w;
+        d += 32usize;
+    }
+    if lane == 0 {
+        d_b_rows[row] = d_bias;
+    }
+}
+
+/// Its backward from the packed gradient `[T, B, D + 1]`: `[∂frames [T·K, B, D], per-row ∂w
+/// [T·B, D], per-row ∂b [T·B]]` (the caller sums the last two over rows).
+#[allow(clippy::too_many_arguments)]
+pub fn ponder_backward<R: CubeRuntime>(
+    frames: CubeTensor<R>,
+    w: CubeTensor<R>,
+    bias: CubeTensor<R>,
+    grad: CubeTensor<R>,
+    k: usize,
+    halt_clamp: f32,
+    norm_eps: f32,
+) -> [CubeTensor<R>; 3] {
+    let (t, batch, dim) = ponder_geometry(&[&frames, &w, &bias, &grad], k);
+    let [frames, w, bias, grad] = [frames, w, bias, grad].map(into_contiguous);
+    let d_frames = out_like(&frames, frames.meta.shape().clone());
+    let d_w_rows = out_like(&frames, Shape::new([t * batch, dim]));
+    let d_b_rows = out_like(&frames, Shape::new([t * batch]));
+    let client = frames.client.clone();
+    ponder_backward_kernel::launch::<R>(
+        &client,
+        CubeCount::Static((t * batch) as u32, 1, 1),
+        CubeDim::new_1d(PLANE),
+        frames.into_tensor_arg(),
+        w.into_tensor_arg(),
+        bias.into_tensor_arg(),
+        grad.into_tensor_arg(),
+        d_frames.clone().into_tensor_arg(),
+        d_w_rows.clone().into_tensor_arg(),
+        d_b_rows.clone().into_tensor_arg(),
+        batch as u32,
+        dim as u32,
+        halt_clamp,
+        norm_eps,
+        k,
+    );
+    [d_frames, d_w_rows, d_b_rows]
+}

@@ -1,0 +1,520 @@
+//! The selective kernels through an asynchronous ring: producer planes issue `cp.async` copies of
+//! a chunk's raw inputs `stages − 1` chunks ahead into a ring of stages in shared memory, each
+//! stage tracked by its own mbarrier, then modulate the current chunk from the ring into the
+//! double buffer plane 0 scans. No register holds a load in flight.
+
+use super::chunk::{scan_forward_chunk, scan_reverse_chunk};
+use crate::cuda::common::{sigmoid_burn, sign, softplus};
+use cubecl::prelude::barrier::{Barrier, copy_async};
+use cubecl::prelude::*;
+
+/// Issues this producer unit's share of the asynchronous copies of forward chunk `cn` (four
+/// arrays) into ring stage `cn % stages` and commits them to the stage's barrier.
+#[allow(clippy::too_many_arguments)]
+#[cube]
+fn issue_chunk<I: Float>(
+    i: &Tensor<I>,
+    r_beta: &Tensor<I>,
+    r_alpha: &Tensor<I>,
+    r_th: &Tensor<I>,
+    raw: &mut SharedMemory<I>,
+    bar0: &Shared<Barrier>,
+    bar1: &Shared<Barrier>,
+    bar2: &Shared<Barrier>,
+    bar3: &Shared<Barrier>,
+    cn: usize,
+    lane: usize,
+    x: usize,
+    cube_col: usize,
+    cols: usize,
+    steps: usize,
+    #[comptime] chunk: usize,
+    #[comptime] producers: usize,
+    #[comptime] stages: usize,
+    #[comptime] pack: usize,
+    #[comptime] width: usize,
+) {
+    let plane = comptime!(chunk * width);
+    let stage = cn % stages;
+    let rb = stage * 4 * plane;
+    let ra = rb + plane;
+    let rt = rb + 2 * plane;
+    let ii = rb + 3 * plane;
+    let k0 = cn * chunk;
+    copy_steps::<I>(
+        r_beta, raw, rb, k0, steps, lane, x, cube_col, cols, false, 0usize, chunk, producers, pack,
+        width,
+    );
+    copy_steps::<I>(
+        r_alpha, raw, ra, k0, steps, lane, x, cube_col, cols, false, 0usize, chunk, producers,
+        pack, width,
+    );
+    copy_steps::<I>(
+        r_th, raw, rt, k0, steps, lane, x, cube_col, cols, false, 0usize, chunk, producers, pack,
+        width,
+    );
+    copy_steps::<I>(
+        i, raw, ii, k0, steps, lane, x, cube_col, cols, false, 0usize, chunk, producers, pack,
+        width,
+    );
+    commit_stage(bar0, bar1, bar2, bar3, stage);
+}
+
+/// Counts this unit's copies issued so far, and its arrival, on ring stage `s`'s barrier: the
+/// stage's phase completes once every producer unit has arrived and all their copies landed.
+#[cube]
+fn commit_stage(
+    bar0: &Shared<Barrier>,
+    bar1: &Shared<Barrier>,
+    bar2: &Shared<Barrier>,
+    bar3: &Shared<Barrier>,
+    s: usize,
+) {
+    if s == 0 {
+        bar0.commit_copy_async();
+        let _t = bar0.arrive();
+    } else if s == 1 {
+        bar1.commit_copy_async();
+        let _t = bar1.arrive();
+    } else if s == 2 {
+        bar2.commit_copy_async();
+        let _t = bar2.arrive();
+    } else {
+        bar3.commit_copy_async();
+        let _t = bar3.arrive();
+    }
+}
+
+/// Waits until chunk `ch`'s copies have landed in ring stage `ch % stages`: the stage's
+/// `ch / stages`-th phase, whose parity alternates.
+#[cube]
+fn wait_stage(
+    bar0: &Shared<Barrier>,
+    bar1: &Shared<Barrier>,
+    bar2: &Shared<Barrier>,
+    bar3: &Shared<Barrier>,
+    ch: usize,
+    #[comptime] stages: usize,
+) {
+    let s = ch % stages;
+    let parity = ((ch / stages) % 2) as u32;
+    if s == 0 {
+        bar0.wait_parity(parity);
+    } else if s == 1 {
+        bar1.wait_parity(parity);
+    } else if s == 2 {
+        bar2.wait_parity(parity);
+    } else {
+        bar3.wait_parity(parity);
+    }
+}
+
+/// The staged forward with an asynchronous ring (f32 storage): producer planes issue `cp.async`
+/// copies of the raw projections `stages − 1` chunks ahead into a ring in shared memory, each
+/// stage tracked by its own mbarrier, then modulate the current chunk from the ring into the
+/// double buffer plane 0 scans, as in the staged kernel ([`super::staged`]). No register holds a
+/// load in flight, so the loads ahead are bounded by shared memory, not by registers. Same
+/// arithmetic, bit for bit.
+#[allow(clippy::too_many_arguments)]
+#[cube(launch)]
+pub(crate) fn selective_forward_async_kernel<I: Float>(
+    i: &Tensor<I>,
+    r_beta: &Tensor<I>,
+    r_alpha: &Tensor<I>,
+    r_th: &Tensor<I>,
+    b_beta: &Tensor<f32>,
+    b_alpha: &Tensor<f32>,
+    b_th: &Tensor<f32>,
+    v0: &Tensor<f32>,
+    spike: &mut Tensor<I>,
+    vpost: &mut Tensor<I>,
+    last: &mut Tensor<f32>,
+    cols: u32,
+    steps: u32,
+    chunks: u32,
+    dim: u32,
+    v_th_min: f32,
+    #[comptime] chunk: usize,
+    #[comptime] producers: usize,
+    #[comptime] stages: usize,
+    #[comptime] pack: usize,
+    #[comptime] width: usize,
+    #[define(I)] _stored: StorageType,
+) {
+    let cols = cols as usize;
+    let steps = steps as usize;
+    let x = UNIT_POS_X as usize;
+    let y = UNIT_POS_Y as usize;
+    let cube_col = CUBE_POS_X as usize * width;
+    let c = cube_col + x;
+    let valid = c < cols;
+    let cc = select(valid, c, 0);
+    let j = cc % (dim as usize);
+    let bb = b_beta[j];
+    let ba = b_alpha[j];
+    let bt = b_th[j];
+    let plane = comptime!(chunk * width);
+    let mut raw = SharedMemory::<I>::new(comptime!(stages * 4 * chunk * width));
+    let mut s_beta = SharedMemory::<f32>::new(comptime!(2 * chunk * width));
+    let mut s_u = SharedMemory::<f32>::new(comptime!(2 * chunk * width));
+    let mut s_th = SharedMemory::<f32>::new(comptime!(2 * chunk * width));
+    // One mbarrier per ring stage; every producer unit arrives once per use of a stage, and
+    // its copies count through `commit_copy_async`.
+    let arrivals = comptime!((producers * width) as u32);
+    let bar0 = Barrier::shared(arrivals, UNIT_POS == 0);
+    let bar1 = Barrier::shared(arrivals, UNIT_POS == 0);
+    let bar2 = Barrier::shared(arrivals, UNIT_POS == 0);
+    let bar3 = Barrier::shared(arrivals, UNIT_POS == 0);
+    sync_cube();
+    let chunks = chunks as usize;
+    let per = comptime!(chunk / producers);
+    let lane = y - 1;
+    if y > 0 {
+        #[unroll]
+        for cn in 0..comptime!(stages - 1) {
+            if cn < chunks {
+                issue_chunk::<I>(
+                    i, r_beta, r_alpha, r_th, &mut raw, &bar0, &bar1, &bar2, &bar3, cn, lane, x,
+                    cube_col, cols, steps, chunk, producers, stages, pack, width,
+                );
+            }
+        }
+    }
+    let mut ch = 0usize;
+    let mut v = v0[cc];
+    while ch <= chunks {
+        if y == 0 {
+            if ch > 0 {
+                v = scan_forward_chunk::<I>(
+                    &s_beta,
+                    &s_u,
+                    &s_th,
+                    spike,
+                    vpost,
+                    v,
+                    ch - 1,
+                    x,
+                    c,
+                    valid,
+                    cols,
+                    steps,
+                    chunk,
+                    width,
+                );
+            }
+        } else if ch < chunks {
+            let cn = ch + comptime!(stages - 1);
+            if cn < chunks {
+                issue_chunk::<I>(
+                    i, r_beta, r_alpha, r_th, &mut raw, &bar0, &bar1, &bar2, &bar3, cn, lane, x,
+                    cube_col, cols, steps, chunk, producers, stages, pack, width,
+                );
+            }
+            let s = ch % stages;
+            wait_stage(&bar0, &bar1, &bar2, &bar3, ch, stages);
+            let base = s * 4 * plane;
+            let buf = (ch % 2) * plane;
+            #[unroll]
+            for r in 0..per {
+                let q = lane + r * producers;
+                let o = base + q * width + x;
+                let s_idx = buf + q * width + x;
+                s_beta[s_idx] = sigmoid_burn(f32::cast_from(raw[o]) + bb);
+                s_u[s_idx] = softplus(f32::cast_from(raw[o + plane]) + ba)
+                    * f32::cast_from(raw[o + 3 * plane]);
+                s_th[s_idx] = (f32::cast_from(raw[o + 2 * plane]) + bt).abs() + v_th_min;
+            }
+        }
+        sync_cube();
+        ch += 1;
+    }
+    if y == 0 && valid {
+        last[c] = v;
+    }
+}
+
+/// Issues this producer unit's share of the asynchronous copies of one array's chunk into
+/// `dst` at `dst_base` (slot `q` at `q·width`). Forward, slot `q` is step `origin + q` (steps
+/// past `steps` are skipped); in reverse (`reverse`), step `origin − 1 − q` (slots past
+/// `origin` are skipped). `shift` 1 reads the row before each step (`V_post` of step `k − 1`;
+/// step 0 has none and is left to the caller). Each `cp.async` moves 4 bytes global → shared
+/// without a register: one f32, or `pack` = 2 neighbouring bf16 columns, in which case a warp
+/// copies two slots' rows per instruction (each half-warp one 64-byte row). A plane copies the
+/// slots it later reads; the stage's barrier makes every unit's copies visible to all.
+#[allow(clippy::too_many_arguments)]
+#[cube]
+fn copy_steps<T: Float>(
+    src: &Tensor<T>,
+    dst: &mut SharedMemory<T>,
+    dst_base: usize,
+    origin: usize,
+    steps: usize,
+    lane: usize,
+    x: usize,
+    cube_col: usize,
+    cols: usize,
+    #[comptime] reverse: bool,
+    #[comptime] shift: usize,
+    #[comptime] chunk: usize,
+    #[comptime] producers: usize,
+    #[comptime] pack: usize,
+    #[comptime] width: usize,
+) {
+    let per = comptime!(chunk / producers);
+    let row_lanes = comptime!(width / pack);
+    let col = (x % row_lanes) * pack;
+    let c = cube_col + col;
+    #[unroll]
+    for r0 in 0..comptime!(per.div_ceil(pack)) {
+        let r = r0 * pack + x / row_lanes;
+        let q = lane + r * producers;
+        let mut in_chunk = origin + q < steps;
+        if comptime![reverse] {
+            in_chunk = q < origin;
+        }
+        if r < per && in_chunk && c < cols {
+            let mut k = origin + q;
+            if comptime![reverse] {
+                k = origin - 1 - q;
+            }
+            if k >= shift {
+                let idx = (k - shift) * cols + c;
+                let o = dst_base + q * width + col;
+                copy_async(
+                    &src.slice(idx, idx + pack),
+                    &mut dst.slice_mut(o, o + pack),
+                    comptime!(pack as u32),
+                );
+            }
+        }
+    }
+}
+
+/// Issues a producer unit's copies of backward chunk `cn` (seven arrays) into ring stage
+/// `cn % stages` and commits them to the stage's barrier.
+#[allow(clippy::too_many_arguments)]
+#[cube]
+fn issue_reverse<I: Float, S: Float, G: Float>(
+    i: &Tensor<I>,
+    r_beta: &Tensor<I>,
+    r_alpha: &Tensor<I>,
+    r_th: &Tensor<I>,
+    vpost: &Tensor<S>,
+    spike: &Tensor<S>,
+    grad: &Tensor<G>,
+    raw_i: &mut SharedMemory<I>,
+    raw_s: &mut SharedMemory<S>,
+    raw_g: &mut SharedMemory<G>,
+    bar0: &Shared<Barrier>,
+    bar1: &Shared<Barrier>,
+    bar2: &Shared<Barrier>,
+    bar3: &Shared<Barrier>,
+    cn: usize,
+    steps: usize,
+    lane: usize,
+    x: usize,
+    cube_col: usize,
+    cols: usize,
+    #[comptime] chunk: usize,
+    #[comptime] producers: usize,
+    #[comptime] stages: usize,
+    #[comptime] packs: (usize, usize, usize),
+    #[comptime] width: usize,
+) {
+    let plane = comptime!(chunk * width);
+    let (pi, ps, pg) = packs;
+    let top = steps - cn * chunk;
+    let stage = cn % stages;
+    let bi = stage * 4 * plane;
+    let bs = stage * 2 * plane;
+    let bg = stage * plane;
+    let ra = bi + plane;
+    let rt = bi + 2 * plane;
+    let ii = bi + 3 * plane;
+    let vp = bs + plane;
+    copy_steps::<I>(
+        r_beta, raw_i, bi, top, steps, lane, x, cube_col, cols, true, 0usize, chunk, producers, pi,
+        width,
+    );
+    copy_steps::<I>(
+        r_alpha, raw_i, ra, top, steps, lane, x, cube_col, cols, true, 0usize, chunk, producers,
+        pi, width,
+    );
+    copy_steps::<I>(
+        r_th, raw_i, rt, top, steps, lane, x, cube_col, cols, true, 0usize, chunk, producers, pi,
+        width,
+    );
+    copy_steps::<I>(
+        i, raw_i, ii, top, steps, lane, x, cube_col, cols, true, 0usize, chunk, producers, pi,
+        width,
+    );
+    copy_steps::<S>(
+        spike, raw_s, bs, top, steps, lane, x, cube_col, cols, true, 0usize, chunk, producers, ps,
+        width,
+    );
+    copy_steps::<S>(
+        vpost, raw_s, vp, top, steps, lane, x, cube_col, cols, true, 1usize, chunk, producers, ps,
+        width,
+    );
+    copy_steps::<G>(
+        grad, raw_g, bg, top, steps, lane, x, cube_col, cols, true, 0usize, chunk, producers, pg,
+        width,
+    );
+    commit_stage(bar0, bar1, bar2, bar3, stage);
+}
+
+/// The staged backward with an asynchronous ring, as [`selective_forward_async_kernel`] is to
+/// the staged forward: producer planes copy the seven inputs of a chunk `stages − 1` chunks
+/// ahead through `cp.async`, then compute everything of a step but the carried gradient from
+/// the ring into the double buffer plane 0 runs the reverse recurrence over. Same arithmetic
+/// as the staged backward ([`super::staged`]).
+#[allow(clippy::too_many_arguments)]
+#[cube(launch)]
+pub(crate) fn selective_backward_async_kernel<I: Float, S: Float, G: Float>(
+    i: &Tensor<I>,
+    r_beta: &Tensor<I>,
+    r_alpha: &Tensor<I>,
+    r_th: &Tensor<I>,
+    b_beta: &Tensor<f32>,
+    b_alpha: &Tensor<f32>,
+    b_th: &Tensor<f32>,
+    v0: &Tensor<f32>,
+    vpost: &Tensor<S>,
+    spike: &Tensor<S>,
+    grad: &Tensor<G>,
+    g_i: &mut Tensor<I>,
+    g_rb: &mut Tensor<I>,
+    g_ra: &mut Tensor<I>,
+    g_rt: &mut Tensor<I>,
+    g_v0: &mut Tensor<f32>,
+    g_bias: &mut Tensor<f32>,
+    cols: u32,
+    steps: u32,
+    chunks: u32,
+    dim: u32,
+    #[comptime] chunk: usize,
+    #[comptime] producers: usize,
+    #[comptime] stages: usize,
+    #[comptime] packs: (usize, usize, usize),
+    #[comptime] width: usize,
+    #[define(I, S, G)] _types: [StorageType; 3],
+) {
+    let cols = cols as usize;
+    let steps = steps as usize;
+    let x = UNIT_POS_X as usize;
+    let y = UNIT_POS_Y as usize;
+    let cube_col = CUBE_POS_X as usize * width;
+    let c = cube_col + x;
+    let valid = c < cols;
+    let cc = select(valid, c, 0);
+    let j = cc % (dim as usize);
+    let bb = b_beta[j];
+    let ba = b_alpha[j];
+    let bt = b_th[j];
+    let v_first = v0[cc];
+    let plane = comptime!(chunk * width);
+    let mut raw_i = SharedMemory::<I>::new(comptime!(stages * 4 * chunk * width));
+    let mut raw_s = SharedMemory::<S>::new(comptime!(stages * 2 * chunk * width));
+    let mut raw_g = SharedMemory::<G>::new(comptime!(stages * chunk * width));
+    let mut s_be = SharedMemory::<f32>::new(comptime!(2 * chunk * width));
+    let mut s_gg = SharedMemory::<f32>::new(comptime!(2 * chunk * width));
+    let mut s_vp = SharedMemory::<f32>::new(comptime!(2 * chunk * width));
+    let mut s_fa = SharedMemory::<f32>::new(comptime!(2 * chunk * width));
+    let mut s_al = SharedMemory::<f32>::new(comptime!(2 * chunk * width));
+    let mut s_ts = SharedMemory::<f32>::new(comptime!(2 * chunk * width));
+    let arrivals = comptime!((producers * width) as u32);
+    let bar0 = Barrier::shared(arrivals, UNIT_POS == 0);
+    let bar1 = Barrier::shared(arrivals, UNIT_POS == 0);
+    let bar2 = Barrier::shared(arrivals, UNIT_POS == 0);
+    let bar3 = Barrier::shared(arrivals, UNIT_POS == 0);
+    sync_cube();
+    let chunks = chunks as usize;
+    let per = comptime!(chunk / producers);
+    let lane = y - 1;
+    if y > 0 {
+        #[unroll]
+        for cn in 0..comptime!(stages - 1) {
+            if cn < chunks {
+                issue_reverse::<I, S, G>(
+                    i, r_beta, r_alpha, r_th, vpost, spike, grad, &mut raw_i, &mut raw_s,
+                    &mut raw_g, &bar0, &bar1, &bar2, &bar3, cn, steps, lane, x, cube_col, cols,
+                    chunk, producers, stages, packs, width,
+                );
+            }
+        }
+    }
+    // The reverse recurrence's carry: `acc` and the three bias sums (see `scan_reverse_chunk`).
+    let mut carry = Array::<f32>::new(4usize);
+    #[unroll]
+    for n in 0..4 {
+        carry[n] = 0.0f32;
+    }
+    let mut ch = 0usize;
+    while ch <= chunks {
+        if y == 0 {
+            if ch > 0 {
+                scan_reverse_chunk::<I>(
+                    &s_be,
+                    &s_gg,
+                    &s_vp,
+                    &s_fa,
+                    &s_al,
+                    &s_ts,
+                    g_i,
+                    g_rb,
+                    g_ra,
+                    g_rt,
+                    &mut carry,
+                    ch - 1,
+                    x,
+                    c,
+                    valid,
+                    cols,
+                    steps,
+                    chunk,
+                    width,
+                );
+            }
+        } else if ch < chunks {
+            let cn = ch + comptime!(stages - 1);
+            if cn < chunks {
+                issue_reverse::<I, S, G>(
+                    i, r_beta, r_alpha, r_th, vpost, spike, grad, &mut raw_i, &mut raw_s,
+                    &mut raw_g, &bar0, &bar1, &bar2, &bar3, cn, steps, lane, x, cube_col, cols,
+                    chunk, producers, stages, packs, width,
+                );
+            }
+            let stage = ch % stages;
+            wait_stage(&bar0, &bar1, &bar2, &bar3, ch, stages);
+            let top = steps - ch * chunk;
+            let buf = (ch % 2) * plane;
+            let bi = stage * 4 * plane;
+            let bs = stage * 2 * plane;
+            let bg = stage * plane;
+            #[unroll]
+            for r in 0..per {
+                let q = lane + r * producers;
+                let o = q * width + x;
+                let s_idx = buf + o;
+                let a = f32::cast_from(raw_i[bi + plane + o]) + ba;
+                let prev = f32::cast_from(raw_s[bs + plane + o]);
+                let first = q + 1 >= top;
+                s_be[s_idx] = sigmoid_burn(f32::cast_from(raw_i[bi + o]) + bb);
+                s_gg[s_idx] = f32::cast_from(raw_g[bg + o]);
+                s_vp[s_idx] = select(first, v_first, prev);
+                s_fa[s_idx] = f32::cast_from(raw_i[bi + 3 * plane + o]) * sigmoid_burn(a);
+                s_al[s_idx] = softplus(a);
+                s_ts[s_idx] = f32::cast_from(raw_s[bs + o])
+                    * sign(f32::cast_from(raw_i[bi + 2 * plane + o]) + bt);
+            }
+        }
+        sync_cube();
+        ch += 1;
+    }
+    if y == 0 && valid {
+        g_v0[c] = carry[0];
+        g_bias[c] = carry[1];
+        g_bias[cols + c] = carry[2];
+        g_bias[2 * cols + c] = carry[3];
+    }
+}

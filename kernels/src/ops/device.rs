@@ -1,0 +1,88 @@
+//! `DeviceOps` (moving tensors between devices, handing queued work to the device, timing a
+//! stage call's work, submission counters) and `GraphOps` (capturing a decoding step's work once
+//! and replaying it with one launch): the backend's devices and its queue of work.
+
+use crate::ops::types::StepGraph;
+use burn::tensor::{backend::Backend, ops::FloatTensor};
+
+/// The backend's devices and its submission of work: moves between devices, flushes, timed
+/// calls and submission counters. One of the jobs of `SnnOps`; every method has a default.
+pub trait DeviceOps: Backend {
+    /// Moves a tensor to another device (pipeline stages hand activations and gradients over
+    /// with it). Default: the backend's own `to_device`. CUDA overrides it with a peer copy
+    /// ordered on both devices' streams (`crate::cuda::device::to_device`, feature `cuda`).
+    fn move_to_device(t: FloatTensor<Self>, device: &Self::Device) -> FloatTensor<Self> {
+        Self::float_to_device(t, device)
+    }
+
+    /// Counters of the backend's submission thread, for profiles: `[kernel launches, their
+    /// nanoseconds, GEMM tasks, their nanoseconds, of it in the GEMM library]` since the
+    /// process started. `None` (the default): the backend keeps none.
+    fn submission_stats() -> Option<[u64; 5]> {
+        None
+    }
+
+    /// Hands the calling thread's queued work on `device` to the device now. A backend that
+    /// batches submissions (CubeCL's server thread takes tasks 32 at a time, or at a flush)
+    /// would otherwise hold a short burst of work — a decoding step's embedding, a layer's
+    /// replay — until more work or a read arrives, with the device idle meanwhile. Default:
+    /// nothing to do.
+    fn flush(device: &Self::Device) {
+        let _ = device;
+    }
+
+    /// Runs `f` — one stage call's work on `device` — with its device time measured as a call
+    /// span when the backend's timing is on (`bench("timing")`, `nsactor bench train`'s
+    /// breakdown). Default: just runs it.
+    fn timed_call<R>(device: &Self::Device, f: impl FnOnce() -> R) -> R {
+        let _ = device;
+        f()
+    }
+}
+
+/// Work recorded once and replayed with one launch (CUDA graphs on the CUDA backend): one of the
+/// jobs of `SnnOps`. The defaults record nothing.
+pub trait GraphOps: Backend {
+    /// Whether [`capture`](Self::capture) records work on this backend. Default `false`.
+    fn captures_steps() -> bool {
+        false
+    }
+
+    /// Runs `f` with the calling thread's work on `device` recorded instead of run, for
+    /// [`replay`](Self::replay); `f`'s result is computed by the first replay. `inputs` are the
+    /// tensors made outside `f` that it reads. `Err` (the default: nothing is recorded) says
+    /// why the work cannot be replayed; nothing of it ran.
+    fn capture<R>(
+        device: &Self::Device,
+        inputs: &[FloatTensor<Self>],
+        f: impl FnOnce() -> R,
+    ) -> Result<(R, StepGraph), String> {
+        let _ = (device, inputs, f);
+        Err("this backend does not capture work".into())
+    }
+
+    /// `t` laid out contiguously (itself where it is): captured work's input buffers are
+    /// copied into whole. Default: `t`.
+    fn contiguous(t: FloatTensor<Self>) -> FloatTensor<Self> {
+        t
+    }
+
+    /// Copies `src` into `dst` in place (same shape and type), in order with the calling
+    /// thread's work: the one way captured work writes back into its input buffers.
+    fn capture_copy(src: FloatTensor<Self>, dst: &FloatTensor<Self>) -> Result<(), String> {
+        let _ = (src, dst);
+        Err("this backend does not capture work".into())
+    }
+
+    /// Copies each `(src, dst)` whose buffers differ (`dst` a buffer `graph` was captured
+    /// with), then reruns `graph`; `written` are its buffers the rerun rewrites that other
+    /// work may read next.
+    fn replay(
+        graph: &StepGraph,
+        inputs: Vec<(FloatTensor<Self>, FloatTensor<Self>)>,
+        written: &[FloatTensor<Self>],
+    ) -> Result<(), String> {
+        let _ = (graph, inputs, written);
+        Err("this backend does not capture work".into())
+    }
+}

@@ -1,0 +1,253 @@
+//! `SnnOps`: the union of the ops traits the model bounds its backends by, with its own methods,
+//! the fused training ops (the selective scan with its modulation, RMSNorm + the input PLIF,
+//! PonderAgg, the SNNFFN's neurons), whose defaults run the compositions of
+//! [`crate::reference`]; and their tensor-level wrappers ([`plif_selective`], [`norm_plif_train`],
+//! [`ponder_agg_train`], [`ffn_neurons`]).
+
+use crate::ops::device::{DeviceOps, GraphOps};
+use crate::ops::gemm::GemmOps;
+use crate::ops::infer::InferOps;
+use crate::ops::scan::{ScanOps, plif_elem};
+use crate::ops::types::{
+    FfnGrads, FfnInputs, NormPlifInputs, PlifOutput, PonderInputs, SelectiveGrads, SelectiveInputs,
+};
+use crate::reference::ffn::{ffn_backward_reference, ffn_forward_reference};
+use crate::reference::norm_plif::{norm_plif_backward_reference, norm_plif_forward_reference};
+use crate::reference::ponder::{ponder_backward_reference, ponder_forward_reference};
+use crate::reference::selective::{
+    selective_backward_reference, selective_forward_reference, selective_modulation,
+};
+use crate::tensor::{last_frame, prim, wrap};
+use burn::tensor::{Tensor, ops::FloatTensor};
+
+/// Backend extension with the PLIF scans and everything the model runs through its backend
+/// (DESIGN "The seams", point 1): the union of [`GemmOps`] (the GEMM hook), [`ScanOps`] (the
+/// scans), [`InferOps`] (the inference fusions), [`DeviceOps`] and [`GraphOps`] (devices, queued
+/// work, captured steps), and its own methods: the fused training ops, each a forward and a
+/// backward that `Autodiff<B>` ties into one differentiable op.
+///
+/// Every method of the family has a default (the exact host scans of [`crate::reference`], the
+/// compositions from tensor ops, burn's own matmul), so any burn backend is correct with no extra
+/// code; a backend overrides a method only with a kernel that computes the same thing, tested
+/// against these defaults.
+pub trait SnnOps: GemmOps + ScanOps + InferOps + DeviceOps + GraphOps {
+    /// Whether the backend fuses the selective modulation into its scan kernels: then
+    /// [`plif_selective`] calls the two methods below; otherwise it composes the modulation
+    /// from tensor ops (as their defaults do) and leaves the gradients to autodiff.
+    fn fuses_modulation() -> bool {
+        false
+    }
+
+    /// The selective scan with the SNNBlock modulation fused in (SPEC §2.3, Eq. 5–7):
+    /// `β = σ(r_β + b_β)`, `α = softplus(r_α + b_α)`, `V_th = V_min + |r_th + b_th|`,
+    /// `u = α·i`, then the per-element scan. Default: [`selective_forward_reference`].
+    fn plif_selective_forward(inp: SelectiveInputs<Self>) -> PlifOutput<Self> {
+        selective_forward_reference(inp)
+    }
+
+    /// Its backward: gradients of `Σ V_post·grad_vpost` for every input. Default:
+    /// [`selective_backward_reference`].
+    fn plif_selective_backward(
+        inp: SelectiveInputs<Self>,
+        vpost: FloatTensor<Self>,
+        spike: FloatTensor<Self>,
+        grad_vpost: FloatTensor<Self>,
+    ) -> SelectiveGrads<Self> {
+        selective_backward_reference(inp, vpost, spike, grad_vpost)
+    }
+
+    /// Whether the backend runs RMSNorm and the input PLIF in training as one differentiable op
+    /// ([`norm_plif_train`]: the two methods below).
+    fn fuses_norm_plif() -> bool {
+        false
+    }
+
+    /// Their forward: `(output [T·K, B, D], V_post [T·K, B, D])`. Default:
+    /// [`norm_plif_forward_reference`].
+    fn norm_plif_forward(inp: NormPlifInputs<Self>) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        norm_plif_forward_reference(&inp)
+    }
+
+    /// Their backward: `[∂x, ∂norm_w, ∂w, ∂v_th, ∂v0]`. Default:
+    /// [`norm_plif_backward_reference`].
+    fn norm_plif_backward(
+        inp: NormPlifInputs<Self>,
+        vpost: FloatTensor<Self>,
+        grad: FloatTensor<Self>,
+    ) -> [FloatTensor<Self>; 5] {
+        norm_plif_backward_reference(inp, vpost, grad)
+    }
+
+    /// Whether the backend runs PonderNet's halting and aggregation in training as one
+    /// differentiable op ([`ponder_agg_train`]: the two methods below).
+    fn fuses_ponder() -> bool {
+        false
+    }
+
+    /// PonderAgg's forward: the aggregate `[T, B, D]` and E[K] packed as `[T, B, D + 1]`.
+    /// Default: [`ponder_forward_reference`].
+    fn ponder_forward(inp: PonderInputs<Self>) -> FloatTensor<Self> {
+        ponder_forward_reference(&inp)
+    }
+
+    /// Its backward from the packed gradient: `[∂frames, ∂halt_w [1, D], ∂halt_b [1]]`.
+    /// Default: [`ponder_backward_reference`].
+    fn ponder_backward(inp: PonderInputs<Self>, grad: FloatTensor<Self>) -> [FloatTensor<Self>; 3] {
+        ponder_backward_reference(inp, grad)
+    }
+
+    /// Whether the backend runs the SNNFFN's neurons in training as one differentiable op
+    /// ([`ffn_neurons`]: the two methods below) instead of the composition autodiff derives.
+    fn fuses_ffn_neurons() -> bool {
+        false
+    }
+
+    /// The FFN neurons' forward for training: `(g·v [TK, B, D_ff], V_post [TK, B, 2·D_ff])`.
+    /// Default: [`ffn_forward_reference`].
+    fn ffn_neurons_forward(inp: FfnInputs<Self>) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        ffn_forward_reference(&inp)
+    }
+
+    /// Their backward from the saved `V_post` and the gradient of `g·v`. Default:
+    /// [`ffn_backward_reference`].
+    fn ffn_neurons_backward(
+        inp: FfnInputs<Self>,
+        vpost: FloatTensor<Self>,
+        grad_gv: FloatTensor<Self>,
+    ) -> FfnGrads<Self> {
+        ffn_backward_reference(inp, vpost, grad_gv)
+    }
+}
+
+/// The selective scan with its modulation (SPEC §2.3, Eq. 5–7), differentiable in every input:
+/// fused into the scan kernels where the backend has them ([`SnnOps::fuses_modulation`],
+/// [`SnnOps::plif_selective_forward`]), else composed from tensor ops
+/// ([`selective_modulation`]) and [`plif_elem`], whose gradients autodiff derives.
+/// `i, r_beta, r_alpha, r_th`: `[TK, B, DN]`; the biases `[DN]`; `v0`: `[B, DN]`. Returns
+/// `(spike, V_post, last)`; only `V_post` carries gradient. With bf16 inputs
+/// ([`GemmOps::storage_dtype`]) spikes and `V_post` come in bf16 too, while `last`, the final
+/// membrane state `[B, DN]` (detached), is always f32.
+#[allow(clippy::too_many_arguments)]
+pub fn plif_selective<B: SnnOps>(
+    i: Tensor<B, 3>,
+    r_beta: Tensor<B, 3>,
+    r_alpha: Tensor<B, 3>,
+    r_th: Tensor<B, 3>,
+    b_beta: Tensor<B, 1>,
+    b_alpha: Tensor<B, 1>,
+    b_th: Tensor<B, 1>,
+    v_th_min: f64,
+    v0: Tensor<B, 2>,
+) -> (Tensor<B, 3>, Tensor<B, 3>, Tensor<B, 2>) {
+    let inp = SelectiveInputs {
+        i: prim(i),
+        r_beta: prim(r_beta),
+        r_alpha: prim(r_alpha),
+        r_th: prim(r_th),
+        b_beta: prim(b_beta),
+        b_alpha: prim(b_alpha),
+        b_th: prim(b_th),
+        v_th_min: v_th_min as f32,
+        v0: prim(v0),
+    };
+    if !B::fuses_modulation() {
+        let [beta, _, vth, u] = selective_modulation(&inp);
+        let (spike, vpost) = plif_elem(beta, u, vth, wrap(inp.v0));
+        let last = last_frame(&vpost);
+        return (spike, vpost, last);
+    }
+    let out = B::plif_selective_forward(inp);
+    let vpost = wrap::<B, 3>(out.vpost);
+    let last = match out.last {
+        Some(last) => wrap::<B, 2>(last).detach(),
+        None => last_frame(&vpost),
+    };
+    (wrap(out.spike), vpost, last)
+}
+
+/// RMSNorm then the input PLIF over the K frames of each token (SPEC §2.3) as one
+/// differentiable op: `x` `[T, B, D]` → `(output [T·K, B, D], final state [B, D])`, the state
+/// detached. Through [`SnnOps::norm_plif_forward`] / [`SnnOps::norm_plif_backward`]; the model
+/// calls it where [`SnnOps::fuses_norm_plif`].
+#[allow(clippy::too_many_arguments)]
+pub fn norm_plif_train<B: SnnOps>(
+    x: Tensor<B, 3>,
+    norm_w: Tensor<B, 1>,
+    eps: f64,
+    w: Tensor<B, 1>,
+    v_th: Tensor<B, 1>,
+    v0: Tensor<B, 2>,
+    k: usize,
+    leak: bool,
+) -> (Tensor<B, 3>, Tensor<B, 2>) {
+    let (y, vpost) = B::norm_plif_forward(NormPlifInputs {
+        x: prim(x),
+        norm_w: prim(norm_w),
+        eps,
+        w: prim(w),
+        v_th: prim(v_th),
+        v0: prim(v0),
+        k,
+        leak,
+    });
+    let vpost = wrap::<B, 3>(vpost);
+    let [tk, b, d] = vpost.dims();
+    let last = vpost.narrow(0, tk - 1, 1).reshape([b, d]).detach();
+    (wrap(y), last)
+}
+
+/// PonderNet's halting and aggregation (SPEC §2.3) as one differentiable op: `frames`
+/// `[T·K, B, D]` → aggregate `[T, B, D]` and E[K] `[T, B]`, through [`SnnOps::ponder_forward`]
+/// and [`SnnOps::ponder_backward`]; the model calls it where [`SnnOps::fuses_ponder`].
+pub fn ponder_agg_train<B: SnnOps>(
+    frames: Tensor<B, 3>,
+    halt_w: Tensor<B, 2>,
+    halt_b: Tensor<B, 1>,
+    k: usize,
+    clamp: f64,
+    eps: f64,
+) -> (Tensor<B, 3>, Tensor<B, 2>) {
+    let [tk, b, d] = frames.dims();
+    let t = tk / k;
+    let packed = wrap::<B, 3>(B::ponder_forward(PonderInputs {
+        frames: prim(frames),
+        halt_w: prim(halt_w),
+        halt_b: prim(halt_b),
+        k,
+        clamp,
+        eps,
+    }));
+    let agg = packed.clone().slice([0..t, 0..b, 0..d]);
+    let ek = packed.slice([0..t, 0..b, d..d + 1]).reshape([t, b]);
+    (agg, ek)
+}
+
+/// The SNNFFN's gate and up neurons as one differentiable op (SPEC §2.3): input currents
+/// `(1 − β)·i` from the merged projection `i_gu` `[TK, B, 2·D_ff]`, one merged row-parameter
+/// scan, `(1 − β)·V_post` (or `V_post`) of each, and their product → `(g·v [TK, B, D_ff], final
+/// state [B, 2·D_ff])`, the state detached. Through [`SnnOps::ffn_neurons_forward`] and
+/// [`SnnOps::ffn_neurons_backward`]; the model calls it where [`SnnOps::fuses_ffn_neurons`].
+#[allow(clippy::too_many_arguments)]
+pub fn ffn_neurons<B: SnnOps>(
+    i_gu: Tensor<B, 3>,
+    w_gate: Tensor<B, 1>,
+    w_up: Tensor<B, 1>,
+    th_gate: Tensor<B, 1>,
+    th_up: Tensor<B, 1>,
+    v0: Tensor<B, 2>,
+    leak: bool,
+) -> (Tensor<B, 3>, Tensor<B, 2>) {
+    let (gv, vpost) = B::ffn_neurons_forward(FfnInputs {
+        i_gu: prim(i_gu),
+        w_gate: prim(w_gate),
+        w_up: prim(w_up),
+        th_gate: prim(th_gate),
+        th_up: prim(th_up),
+        v0: prim(v0),
+        leak,
+    });
+    let vpost = wrap::<B, 3>(vpost);
+    let [tk, b, two_f] = vpost.dims();
+    let last = vpost.narrow(0, tk - 1, 1).reshape([b, two_f]).detach();
+    (wrap(gv), last)
+}

@@ -2,6 +2,7 @@
 //! the run back to the newest valid checkpoint, and saving or loading every stage at once.
 
 use super::checkpoint;
+use super::data::DataMsg;
 use super::msg::{EdgeMsg, LayerMsg, ask};
 use super::supervisor::{SupMsg, SupState};
 use super::topology::Children;

@@ -1,14 +1,14 @@
 //! docs/CONFIG.md cannot go stale. Every `NSACTOR_*` environment variable named in the
 //! workspace's Rust sources (`plugins`, `kernels` without its vendored crates, `model`,
 //! `backends`, `actors`, `tests`) is documented there, and every `NSACTOR_*` name the page
-//! documents still occurs in some source, so a removed variable leaves the page too. The same
-//! holds for the `CUBECL_*` variables of the vendored, patched CubeCL that the page documents.
-//! Every key of the run config's serde structs (`RunConfig`'s tables, `TrainConfig`,
+//! documents still occurs in some source, so a removed variable leaves the page too. Every
+//! `CUBECL_*` variable the page documents (our patches to the vendored CubeCL) is still read
+//! there. Every key of the run config's serde structs (`RunConfig`'s tables, `TrainConfig`,
 //! `DataConfig`, `BackendConfig` in `actors/runtime/src/config.rs`, `ModelConfig` in
-//! `model/src/config.rs`, serde renames applied) appears in backticks in its table's section.
-//! Every key in the first column of a section's table is a field of that struct. Names are
-//! extracted with the small scanners below, which a test of their own proves can see what they
-//! must.
+//! `model/src/config.rs`, serde renames applied) has a row in its table's section, and every
+//! row's key is a field of that struct. Every file a variable's row says it is read in exists
+//! and names it. Names are extracted with the small scanners below, which a test of their own
+//! proves can see what they must.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
@@ -223,6 +223,63 @@ fn documented_cubecl_variables_exist_in_the_vendored_crates() {
     );
 }
 
+/// A row of an environment-variable table: the variable of its first cell and the backticked
+/// `.rs` paths of its last cell ("read in"); `None` for any other line.
+fn read_in(line: &str) -> Option<(String, Vec<String>)> {
+    let first = line.strip_prefix("| `")?.split('`').next()?;
+    if !(first.starts_with("NSACTOR_") || first.starts_with("CUBECL_")) {
+        return None;
+    }
+    let last = line.trim_end().trim_end_matches('|').rsplit('|').next()?;
+    let paths = last
+        .split('`')
+        .skip(1)
+        .step_by(2)
+        .filter(|p| p.ends_with(".rs"))
+        .map(str::to_string)
+        .collect();
+    Some((first.to_string(), paths))
+}
+
+#[test]
+fn every_read_in_file_exists_and_names_its_variable() {
+    let doc = config_md();
+    let mut rows = 0;
+    let mut problems = Vec::new();
+    for line in doc.lines() {
+        let Some((name, paths)) = read_in(line) else {
+            continue;
+        };
+        rows += 1;
+        if paths.is_empty() {
+            problems.push(format!(
+                "{name}: its row in docs/CONFIG.md names no file it is read in"
+            ));
+        }
+        for p in paths {
+            let prefix = if name.starts_with("CUBECL_") {
+                "CUBECL_"
+            } else {
+                "NSACTOR_"
+            };
+            match std::fs::read_to_string(root().join(&p)) {
+                Ok(text) if scan(&text, prefix).names.contains(&name) => {}
+                Ok(_) => problems.push(format!("{name}: {p} does not name it")),
+                Err(e) => problems.push(format!("{name}: {p}: {e}")),
+            }
+        }
+    }
+    assert!(
+        rows > 10,
+        "only {rows} variable rows found in docs/CONFIG.md"
+    );
+    assert!(
+        problems.is_empty(),
+        "docs/CONFIG.md, \"read in\" column:\n{}",
+        problems.join("\n")
+    );
+}
+
 /// Every `.rs` file under `dir` (no skipping; for the vendored crates).
 fn collect_all_rs(dir: &Path, out: &mut Vec<PathBuf>) {
     let Ok(entries) = std::fs::read_dir(dir) else {
@@ -408,6 +465,19 @@ fn the_scanners_see_what_they_must() {
         struct_keys(src, "S", "test"),
         ["alpha", "B", "gamma", "delta"]
     );
+
+    assert_eq!(
+        read_in("| `NSACTOR_A` | `off` (on) | x | `a/b.rs`, `c/d.rs` |"),
+        Some((
+            "NSACTOR_A".to_string(),
+            vec!["a/b.rs".to_string(), "c/d.rs".to_string()]
+        ))
+    );
+    assert_eq!(
+        read_in("| `NSACTOR_B` | 1 | effect naming `x.rs` |"),
+        Some(("NSACTOR_B".to_string(), vec!["x.rs".to_string()]))
+    );
+    assert_eq!(read_in("| `steps` | integer | required | x |"), None);
 
     let doc = "## Keys\n\n### `[t]`\n\n| key | x |\n|---|---|\n| `a` | 1 |\n| `b` | 2 |\n\n\
                ### `[u]`\n\n| `c` | 3 |\n";

@@ -38,8 +38,8 @@ pub use snn_ffn::SnnFfn;
 /// Errors of this crate: bad configs, unreadable or mismatched weights, I/O.
 #[derive(Debug, thiserror::Error)]
 pub enum ModelError {
-    #[error("invalid model config: {0}")]
-    Config(String),
+    #[error(transparent)]
+    Config(#[from] nsactor_model_config::ModelConfigError),
     #[error("{0}: {1}")]
     Io(String, #[source] std::io::Error),
     #[error("weights: {0}")]

@@ -298,7 +298,7 @@ fn structured_init_matches_the_spec_table() {
 
 #[test]
 fn the_0_9b_config_has_the_reference_parameter_count() {
-    let cfg = ModelConfig::from_toml_file(
+    let cfg = nsactor_model::config::from_toml_file(
         &std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../configs/neuronspark-0.9b.toml"),
     )
     .unwrap();
@@ -358,22 +358,22 @@ fn phase2_equalises_norms_with_clamps_and_skips() {
 #[test]
 fn configs_reject_unknown_keys_and_bad_values() {
     let ok = "[model]\nvocab_size = 10\nD = 4\nN = 2\nK = 2\nnum_layers = 1\nD_ff = 4\n";
-    let cfg = ModelConfig::from_toml_str(ok).unwrap();
+    let cfg = nsactor_model::config::from_toml_str(ok).unwrap();
     assert_eq!(cfg.plif_out, PlifOut::Leak);
     assert_eq!(cfg.v_th_min, 0.1);
-    let err = ModelConfig::from_toml_str(&format!("{ok}dropout = 0.1\n"))
+    let err = nsactor_model::config::from_toml_str(&format!("{ok}dropout = 0.1\n"))
         .unwrap_err()
         .to_string();
     assert!(err.contains("dropout"), "{err}");
-    let err = ModelConfig::from_toml_str(&ok.replace("K = 2", "K = 0"))
+    let err = nsactor_model::config::from_toml_str(&ok.replace("K = 2", "K = 0"))
         .unwrap_err()
         .to_string();
     assert!(err.contains("`K` must be positive"), "{err}");
-    let err = ModelConfig::from_toml_str(&format!("{ok}plif_out = \"spike\"\n"))
+    let err = nsactor_model::config::from_toml_str(&format!("{ok}plif_out = \"spike\"\n"))
         .unwrap_err()
         .to_string();
     assert!(err.contains("spike"), "{err}");
-    let tiny = ModelConfig::from_toml_file(
+    let tiny = nsactor_model::config::from_toml_file(
         &std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../configs/tiny.toml"),
     )
     .unwrap();

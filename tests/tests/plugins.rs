@@ -7,8 +7,8 @@ mod common;
 use common::*;
 use nsactor_plugin_abi::host::{Plugin, library_file_name, resolve};
 use nsactor_plugin_api::{
-    ABI_VERSION, ComputeBackend, EngineError, HostTensor, OptimizerKind, StageCall, StageKind,
-    StageSpec,
+    ABI_VERSION, ComputeBackend, EngineError, HostTensor, MicroBatchId, ModelConfig, OptimizerKind,
+    SessionId, StageCall, StageKind, StageSpec,
 };
 use nsactor_runtime::verify;
 use nsactor_runtime::weights::merge_params;
@@ -139,7 +139,7 @@ fn a_panic_inside_a_plugin_call_is_reported_and_the_host_keeps_running() {
         .open_stage(&StageSpec {
             kind: StageKind::Layer(0),
             device: 0,
-            model_toml: String::new(),
+            model: ModelConfig::neuronspark_0_9b(),
             seed: 0,
             optimizer: OptimizerKind::Adam,
         })
@@ -151,7 +151,7 @@ fn a_panic_inside_a_plugin_call_is_reported_and_the_host_keeps_running() {
     let t = backend.from_host(0, &host).unwrap();
     let e = stage
         .call(StageCall::Forward {
-            micro: 0,
+            micro: MicroBatchId(0),
             h: t,
             keep_graph: false,
         })
@@ -164,7 +164,7 @@ fn a_panic_inside_a_plugin_call_is_reported_and_the_host_keeps_running() {
     let t = backend.from_host(0, &host).unwrap();
     let out = stage
         .call(StageCall::SessionForward {
-            sessions: &[1],
+            sessions: &[SessionId(1)],
             h: t,
         })
         .unwrap()

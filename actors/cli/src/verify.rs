@@ -1,6 +1,7 @@
 //! `nsactor verify`: the reference's golden runs replayed on a backend.
 
 use clap::Subcommand;
+use nsactor_plugin_api::{Diagnostic, DiagnosticReport, ScanPrecisions};
 use nsactor_runtime::backend;
 use nsactor_runtime::launch::{self};
 use std::path::PathBuf;
@@ -125,13 +126,7 @@ pub fn verify_scan_cmd(args: VerifyScanArgs) -> crate::CliResult {
     let path = args
         .fixture
         .to_str()
-        .filter(|p| !p.contains(','))
-        .ok_or_else(|| {
-            format!(
-                "the fixture path {} must be UTF-8 without commas",
-                args.fixture.display()
-            )
-        })?;
+        .ok_or_else(|| format!("the fixture path {} must be UTF-8", args.fixture.display()))?;
     let compute = backend::open(&args.backend, &[])?;
     let info = compute.info();
     println!(
@@ -140,18 +135,33 @@ pub fn verify_scan_cmd(args: VerifyScanArgs) -> crate::CliResult {
         info.version,
         info.devices.join(", ")
     );
-    let options = format!("fixture={path},precision={}", args.precision);
-    match compute.bench("verify-plif-scan", &options) {
-        Ok(report) => {
+    let precisions = match args.precision.as_str() {
+        "fp32" => ScanPrecisions::Fp32,
+        "bf16" => ScanPrecisions::Bf16,
+        _ => ScanPrecisions::Both,
+    };
+    let what = Diagnostic::VerifyPlifScan {
+        fixture: path.to_string(),
+        precisions,
+    };
+    match compute.diagnose(&what)? {
+        DiagnosticReport::Verdict {
+            passed: true,
+            report,
+        } => {
             print!("{report}");
             println!("PASS");
             Ok(())
         }
-        Err(nsactor_plugin_api::EngineError::Backend(report)) => {
-            println!("{report}");
+        DiagnosticReport::Verdict {
+            passed: false,
+            report,
+        } => {
+            print!("{report}");
+            println!("some checks FAILED");
             Err("plif_scan: outside the fixture tolerances".into())
         }
-        Err(e) => Err(e.into()),
+        other => Err(format!("verify-plif-scan answered a {} report", other.kind()).into()),
     }
 }
 

@@ -1,7 +1,9 @@
-//! Run configuration: a TOML file with a `[model]` table (validated by the engine), a `[train]`
-//! table (validated here) and an optional `[data]` table. Unknown tables and keys are errors.
+//! Run configuration: a TOML file with a `[model]` table (the shared [`ModelConfig`], read by
+//! `nsactor-model-config`), a `[train]` table (validated here) and optional `[backend]` and
+//! `[data]` tables. Unknown tables and keys are errors.
 
 use crate::error::RuntimeError;
+pub use nsactor_model_config::{ModelConfig, ModelToml, from_toml_str as model_from_toml};
 use serde::{Deserialize, Serialize};
 use std::path::{Path, PathBuf};
 
@@ -10,13 +12,24 @@ pub const DEFAULT_CONFIG: &str = include_str!("../../../configs/tiny.toml");
 
 /// A two-layer model small enough for tests and for timing the boundary (compute per call
 /// is small, so overhead shows).
-pub const TINY_MODEL: &str = "[model]\nvocab_size = 512\nD = 64\nN = 4\nK = 4\nnum_layers = 2\n\
-                              D_ff = 192\nv_th_min = 0.1\nplif_out = \"leak\"\n";
+pub fn tiny_model() -> ModelConfig {
+    ModelConfig {
+        vocab_size: 512,
+        d: 64,
+        n: 4,
+        k: 4,
+        num_layers: 2,
+        d_ff: 192,
+        v_th_min: 0.1,
+        plif_out: nsactor_plugin_api::PlifOut::Leak,
+    }
+}
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct RunConfig {
-    pub model: toml::Table,
+    #[serde(with = "ModelToml")]
+    pub model: ModelConfig,
     pub train: TrainConfig,
     #[serde(default)]
     pub backend: BackendConfig,
@@ -248,6 +261,9 @@ impl RunConfig {
     pub fn from_str(text: &str, origin: &str) -> Result<Self, RuntimeError> {
         let cfg: RunConfig = toml::from_str(text)
             .map_err(|e| RuntimeError::ConfigParse(origin.into(), e.to_string()))?;
+        cfg.model
+            .validate()
+            .map_err(|e| RuntimeError::ConfigInvalid(origin.into(), e.to_string()))?;
         cfg.train.validate(origin)?;
         if let Some(p) = &cfg.backend.precision
             && p != "fp32"
@@ -279,21 +295,6 @@ impl RunConfig {
                 Self::from_str(&text, &p.display().to_string())
             }
         }
-    }
-
-    /// The `[model]` table as TOML text for the engine.
-    pub fn model_toml(&self) -> String {
-        let mut doc = toml::Table::new();
-        doc.insert("model".into(), toml::Value::Table(self.model.clone()));
-        toml::to_string(&doc).expect("a TOML table serialises")
-    }
-
-    /// `vocab_size` of the model table, if present and a positive integer.
-    pub fn vocab_size(&self) -> Option<usize> {
-        self.model
-            .get("vocab_size")?
-            .as_integer()
-            .and_then(|v| usize::try_from(v).ok())
     }
 }
 

@@ -4,10 +4,11 @@
 
 use crate::decode::{SamplingParams, TokenPicker};
 pub use crate::pipeline::plan::Placement;
-use nsactor_plugin_api::optim::{clip_factor, phase2_scales};
+use nsactor_plugin_api::optim::{clip_factor, phase2_layer_scales};
 use nsactor_plugin_api::{
-    Batch, ComputeBackend, DeviceTensor, EngineError, OptimizerKind, Reply, Stage, StageCall,
-    StageKind, StageSpec, Tokens,
+    Batch, BiasGradNorms, ComputeBackend, DeviceTensor, EngineError, ForwardOut, GradSumSquares,
+    HeadOut, IdAllocator, Loss, ModelConfig, OptimizerKind, SessionId, Stage, StageCall, StageKind,
+    StageSpec, Tokens,
 };
 use std::sync::Arc;
 
@@ -97,33 +98,21 @@ pub struct StagedModel {
     placement: Placement,
     edge: Box<dyn Stage>,
     layers: Vec<Box<dyn Stage>>,
-    next_micro: u64,
-    next_session: u64,
-}
-
-/// `num_layers` of a `[model]` TOML document.
-pub fn model_layers(model_toml: &str) -> Result<usize, EngineError> {
-    let doc: toml::Table = toml::from_str(model_toml)
-        .map_err(|e| EngineError::InvalidInput(format!("model config: {e}")))?;
-    doc.get("model")
-        .and_then(|m| m.get("num_layers"))
-        .and_then(|v| v.as_integer())
-        .and_then(|v| usize::try_from(v).ok())
-        .ok_or_else(|| {
-            EngineError::InvalidInput("model config: [model] needs an integer num_layers".into())
-        })
+    /// Session and micro-batch ids.
+    ids: IdAllocator,
 }
 
 impl StagedModel {
     /// Opens the edge and every layer. `placement` defaults to everything on device 0.
     pub fn open(
         backend: Arc<dyn ComputeBackend>,
-        model_toml: &str,
+        model: &ModelConfig,
         seed: u64,
         optimizer: OptimizerKind,
         placement: Option<Placement>,
     ) -> Result<Self, EngineError> {
-        let n = model_layers(model_toml)?;
+        model.validate()?;
+        let n = model.num_layers;
         let placement = placement.unwrap_or_else(|| Placement::single(n));
         if placement.layers.len() != n {
             return Err(EngineError::InvalidInput(format!(
@@ -134,7 +123,7 @@ impl StagedModel {
         let spec = |kind, device| StageSpec {
             kind,
             device,
-            model_toml: model_toml.to_string(),
+            model: model.clone(),
             seed,
             optimizer,
         };
@@ -148,8 +137,7 @@ impl StagedModel {
             placement,
             edge,
             layers,
-            next_micro: 0,
-            next_session: 0,
+            ids: IdAllocator::new(),
         })
     }
 
@@ -178,8 +166,7 @@ impl StagedModel {
         ponder_weight: f64,
     ) -> Result<(f64, f64, f64, f64), EngineError> {
         b.validate()?;
-        let m = self.next_micro;
-        self.next_micro += 1;
+        let m = self.ids.micro_batch();
         let tokens = Tokens {
             ids: &b.inputs,
             batch: b.batch,
@@ -192,26 +179,28 @@ impl StagedModel {
         let (mut ponder, mut ek_min, mut ek_max) = (0.0, f64::INFINITY, f64::NEG_INFINITY);
         for i in 0..self.layers.len() {
             let h_in = self.to(h, self.placement.layers[i])?;
-            let r = self.layers[i].call(StageCall::Forward {
+            let r = ForwardOut::try_from(self.layers[i].call(StageCall::Forward {
                 micro: m,
                 h: h_in,
                 keep_graph: false,
-            })?;
-            ponder += r.scalar(0, "Forward")?;
-            ek_min = ek_min.min(r.scalar(2, "Forward")?);
-            ek_max = ek_max.max(r.scalar(3, "Forward")?);
-            h = r.into_tensor("Forward")?;
+            })?)?;
+            ponder += r.ponder_cost;
+            ek_min = ek_min.min(r.expected_k.min);
+            ek_max = ek_max.max(r.expected_k.max);
+            h = r.h;
         }
         let l = self.layers.len() as f64;
         let h = self.to(h, self.placement.edge)?;
-        let r: Reply = self.edge.call(StageCall::Head {
-            h,
-            targets: &b.targets,
-            mask: &b.loss_mask,
-            loss_scale,
-        })?;
-        let ce = r.scalar(0, "Head")?;
-        let mut grad = r.into_tensor("Head")?;
+        let HeadOut { mut grad, loss } = self
+            .edge
+            .call(StageCall::Head {
+                h,
+                targets: &b.targets,
+                mask: &b.loss_mask,
+                loss_scale,
+            })?
+            .try_into()?;
+        let ce = loss.ce;
         // loss = ce + λ·Σ_l pc_l / L, scaled by `loss_scale`.
         let ponder_grad = ponder_weight * loss_scale / l;
         for i in (0..self.layers.len()).rev() {
@@ -278,24 +267,19 @@ impl StagedModel {
 
     /// The cross-stage part of a step; returns the gradient norm before clipping.
     fn apply_step(&mut self, p: &StepParams) -> Result<f64, EngineError> {
-        let mut norms: [Vec<Option<f64>>; 3] = Default::default();
-        for l in &mut self.layers {
-            let r = l.call(StageCall::GradStats)?;
-            for (j, per_bias) in norms.iter_mut().enumerate() {
-                let n = r.scalar(j, "GradStats")?;
-                per_bias.push(n.is_finite().then_some(n));
-            }
-        }
-        let scales: Vec<Vec<f64>> = norms.iter().map(|n| phase2_scales(n)).collect();
-        let mut sum_sq = self
+        let norms = self
+            .layers
+            .iter_mut()
+            .map(|l| BiasGradNorms::try_from(l.call(StageCall::GradStats)?))
+            .collect::<Result<Vec<_>, EngineError>>()?;
+        let scales = phase2_layer_scales(&norms);
+        let GradSumSquares(mut sum_sq) = self
             .edge
             .call(StageCall::ScaleGrads { scales: [1.0; 3] })?
-            .scalar(0, "ScaleGrads")?;
-        for (i, l) in self.layers.iter_mut().enumerate() {
-            let r = l.call(StageCall::ScaleGrads {
-                scales: [scales[0][i], scales[1][i], scales[2][i]],
-            })?;
-            sum_sq += r.scalar(0, "ScaleGrads")?;
+            .try_into()?;
+        for (l, scales) in self.layers.iter_mut().zip(scales) {
+            let GradSumSquares(s) = l.call(StageCall::ScaleGrads { scales })?.try_into()?;
+            sum_sq += s;
         }
         let norm = sum_sq.sqrt();
         if !norm.is_finite() {
@@ -320,9 +304,8 @@ impl StagedModel {
 
     /// Runs `tokens` through a fresh session of every stage and returns the last position's
     /// logits; the session stays open under the returned id.
-    fn session_start(&mut self, tokens: Tokens<'_>) -> Result<(u64, Vec<f32>), EngineError> {
-        let s = self.next_session;
-        self.next_session += 1;
+    fn session_start(&mut self, tokens: Tokens<'_>) -> Result<(SessionId, Vec<f32>), EngineError> {
+        let s = self.ids.session();
         let h = self.session_embed(tokens)?;
         let logits = self.session_run(s, h)?;
         Ok((s, logits))
@@ -336,7 +319,11 @@ impl StagedModel {
     }
 
     /// `h` through every layer of session `s`, returned on the edge's device.
-    fn session_layers(&mut self, s: u64, mut h: DeviceTensor) -> Result<DeviceTensor, EngineError> {
+    fn session_layers(
+        &mut self,
+        s: SessionId,
+        mut h: DeviceTensor,
+    ) -> Result<DeviceTensor, EngineError> {
         for i in 0..self.layers.len() {
             let h_in = self.to(h, self.placement.layers[i])?;
             h = self.layers[i]
@@ -350,7 +337,7 @@ impl StagedModel {
     }
 
     /// `h` through every layer and the decode path of session `s`: last-position logits.
-    fn session_run(&mut self, s: u64, h: DeviceTensor) -> Result<Vec<f32>, EngineError> {
+    fn session_run(&mut self, s: SessionId, h: DeviceTensor) -> Result<Vec<f32>, EngineError> {
         let h = self.session_layers(s, h)?;
         let logits = self
             .edge
@@ -359,7 +346,7 @@ impl StagedModel {
         Ok(self.backend.to_host(&logits)?.data)
     }
 
-    fn session_close(&mut self, s: u64) {
+    fn session_close(&mut self, s: SessionId) {
         let _ = self.edge.call(StageCall::SessionClose { session: s });
         for l in &mut self.layers {
             let _ = l.call(StageCall::SessionClose { session: s });
@@ -384,8 +371,7 @@ impl StagedModel {
     /// Masked mean cross entropy of `b` without touching gradients.
     pub fn eval_ce(&mut self, b: &Batch) -> Result<f64, EngineError> {
         b.validate()?;
-        let s = self.next_session;
-        self.next_session += 1;
+        let s = self.ids.session();
         let result = (|| {
             let h = self.session_embed(Tokens {
                 ids: &b.inputs,
@@ -399,7 +385,8 @@ impl StagedModel {
                     targets: &b.targets,
                     mask: &b.loss_mask,
                 })?
-                .scalar(0, "HeadEval")
+                .try_into()
+                .map(|l: Loss| l.ce)
         })();
         self.session_close(s);
         result
@@ -521,7 +508,7 @@ pub fn generate(
 
 struct StagedSession<'a> {
     model: &'a mut StagedModel,
-    session: Option<u64>,
+    session: Option<SessionId>,
 }
 
 impl DecodeSession for StagedSession<'_> {
@@ -560,7 +547,7 @@ mod tests {
         let backend = crate::backend::open(crate::backend::EMBEDDED, &[]).unwrap();
         StagedModel::open(
             backend,
-            crate::config::TINY_MODEL,
+            &crate::config::tiny_model(),
             3,
             OptimizerKind::Adam,
             None,

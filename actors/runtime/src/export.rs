@@ -9,24 +9,13 @@ use crate::engine::StagedModel;
 use crate::error::RuntimeError;
 use crate::pipeline::checkpoint::{self, CheckpointMeta, Loaded};
 use nsactor_data::Tokenizer;
-use nsactor_plugin_api::{ComputeBackend, OptimizerKind};
+use nsactor_plugin_api::{ComputeBackend, ModelConfig, OptimizerKind, PlifOut};
 use safetensors::SafeTensors;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 /// Prefix of every tensor name in a Hugging Face NeuronSpark `model.safetensors`.
 pub const HF_PREFIX: &str = "model.";
-
-/// The `[model]` keys that map one to one onto `config.json`.
-const MODEL_KEYS: [&str; 7] = [
-    "vocab_size",
-    "D",
-    "N",
-    "K",
-    "num_layers",
-    "D_ff",
-    "v_th_min",
-];
 
 /// Finds a checkpoint: `path` itself (it holds a manifest), else the newest valid one under
 /// `path` or `path/checkpoints`. Skipped checkpoints are logged.
@@ -54,49 +43,59 @@ pub fn find_checkpoint(path: &Path) -> Result<Loaded, RuntimeError> {
     )))
 }
 
-/// `config.json` of a Hugging Face NeuronSpark directory from a `[model]` table.
-pub fn hf_config(model: &toml::Table) -> Result<serde_json::Value, RuntimeError> {
-    let mut c = serde_json::Map::new();
-    c.insert("model_type".into(), "neuronspark".into());
-    c.insert(
-        "architectures".into(),
-        serde_json::json!(["NeuronSparkForCausalLM"]),
-    );
-    for k in MODEL_KEYS {
-        let v = model
-            .get(k)
-            .ok_or_else(|| format!("the checkpoint's [model] has no `{k}`"))
-            .map_err(convert)?;
-        c.insert(k.into(), serde_json::to_value(v).map_err(convert)?);
-    }
-    if let Some(p) = model.get("plif_out").and_then(|v| v.as_str()) {
-        // Not a reference key: which neuron output the weights were trained with (SPEC §0.1).
-        c.insert("nsactor_plif_out".into(), p.into());
-    }
-    c.insert("torch_dtype".into(), "float32".into());
-    Ok(serde_json::Value::Object(c))
+/// `config.json` of a Hugging Face NeuronSpark directory: the reference's keys, plus
+/// `nsactor_plif_out` (which neuron output the weights were trained with, SPEC §0.1).
+pub fn hf_config(model: &ModelConfig) -> serde_json::Value {
+    serde_json::json!({
+        "model_type": "neuronspark",
+        "architectures": ["NeuronSparkForCausalLM"],
+        "vocab_size": model.vocab_size,
+        "D": model.d,
+        "N": model.n,
+        "K": model.k,
+        "num_layers": model.num_layers,
+        "D_ff": model.d_ff,
+        "v_th_min": model.v_th_min,
+        "nsactor_plif_out": match model.plif_out {
+            PlifOut::Leak => "leak",
+            PlifOut::VPost => "v_post",
+        },
+        "torch_dtype": "float32",
+    })
 }
 
-/// The `[model]` table of a Hugging Face `config.json`.
-pub fn model_from_hf(config: &serde_json::Value) -> Result<toml::Table, RuntimeError> {
-    let mut m = toml::Table::new();
-    for k in MODEL_KEYS {
-        let v = &config[k];
-        let value = if k == "v_th_min" {
-            // Not saved by every exporter; every reference loader uses 0.1 (SPEC §1.1).
-            toml::Value::Float(v.as_f64().unwrap_or(0.1))
-        } else {
-            toml::Value::Integer(
-                v.as_i64()
-                    .ok_or_else(|| format!("config.json: `{k}` must be an integer"))
-                    .map_err(convert)?,
-            )
-        };
-        m.insert(k.into(), value);
-    }
-    let plif = config["nsactor_plif_out"].as_str().unwrap_or("leak");
-    m.insert("plif_out".into(), plif.into());
-    Ok(m)
+/// The model of a Hugging Face `config.json`.
+pub fn model_from_hf(config: &serde_json::Value) -> Result<ModelConfig, RuntimeError> {
+    let int = |k: &str| {
+        config[k]
+            .as_u64()
+            .map(|v| v as usize)
+            .ok_or_else(|| RuntimeError::Invalid(format!("config.json: `{k}` must be an integer")))
+    };
+    let plif_out = match config["nsactor_plif_out"].as_str().unwrap_or("leak") {
+        "leak" => PlifOut::Leak,
+        "v_post" => PlifOut::VPost,
+        other => {
+            return Err(RuntimeError::Invalid(format!(
+                "config.json: nsactor_plif_out `{other}` (leak or v_post)"
+            )));
+        }
+    };
+    let model = ModelConfig {
+        vocab_size: int("vocab_size")?,
+        d: int("D")?,
+        n: int("N")?,
+        k: int("K")?,
+        num_layers: int("num_layers")?,
+        d_ff: int("D_ff")?,
+        // Not saved by every exporter; every reference loader uses 0.1 (SPEC §1.1).
+        v_th_min: config["v_th_min"].as_f64().unwrap_or(0.1),
+        plif_out,
+    };
+    model
+        .validate()
+        .map_err(|e| RuntimeError::Invalid(format!("config.json: {e}")))?;
+    Ok(model)
 }
 
 /// Writes `out/{config.json, model.safetensors, tokenizer.json}` from the checkpoint at
@@ -146,7 +145,7 @@ pub fn export_hf(
     write("model.safetensors", &bytes).map_err(convert)?;
     write(
         "config.json",
-        serde_json::to_string_pretty(&hf_config(&cfg.model)?)
+        serde_json::to_string_pretty(&hf_config(&cfg.model))
             .map_err(convert)?
             .as_bytes(),
     )
@@ -187,7 +186,7 @@ pub fn import_hf(
     crate::train::check_tokenizer(&cfg, &tok)?;
     let mut model = StagedModel::open(
         backend,
-        &cfg.model_toml(),
+        &cfg.model,
         cfg.train.seed,
         OptimizerKind::Adam,
         None,

@@ -5,7 +5,7 @@
 
 use crate::backend;
 use crate::config::RunConfig;
-use crate::engine::{StagedModel, model_layers};
+use crate::engine::StagedModel;
 use crate::error::RuntimeError;
 use crate::pipeline::{Pipeline, PipelinePlan, checkpoint};
 use nsactor_data::{Mode, Sampler, ShardSet, Tokenizer};
@@ -57,11 +57,10 @@ pub fn launch(
 ) -> Result<Pipeline, RuntimeError> {
     let devices = cfg.train.devices.clone().unwrap_or_else(|| vec![0]);
     check_devices(compute.as_ref(), &devices)?;
-    let model_toml = cfg.model_toml();
-    let plan = PipelinePlan::balanced(model_layers(&model_toml)?, cfg.train.pipeline, &devices)?;
+    let plan = PipelinePlan::balanced(cfg.model.num_layers, cfg.train.pipeline, &devices)?;
     let model = StagedModel::open(
         compute,
-        &model_toml,
+        &cfg.model,
         cfg.train.seed,
         optimizer,
         Some(plan.placement()),
@@ -123,9 +122,7 @@ pub fn load_checkpoint(o: &CheckpointOptions) -> Result<Loaded, RuntimeError> {
     run.train.inject_fault = None;
     let mut pipeline = launch(compute, &run, OptimizerKind::Adam, None)?;
     pipeline.load_stages(ck.shards)?;
-    let vocab = cfg
-        .vocab_size()
-        .ok_or_else(|| RuntimeError::Invalid("the checkpoint's config has no vocab_size".into()))?;
+    let vocab = cfg.model.vocab_size;
     let name = ck
         .dir
         .parent()
@@ -166,9 +163,7 @@ pub fn load_fresh(
     Ok(Loaded {
         pipeline: launch(compute, &cfg, OptimizerKind::Adam, None)?,
         tokenizer: Arc::new(Tokenizer::bundled()),
-        vocab: cfg
-            .vocab_size()
-            .ok_or_else(|| RuntimeError::Invalid("[model] has no vocab_size".into()))?,
+        vocab: cfg.model.vocab_size,
         name: config.map_or("embedded configs/tiny.toml".into(), |p| {
             p.display().to_string()
         }),

@@ -21,14 +21,14 @@ pub struct RunSummary {
 
 /// Fails when `tok` has ids the model's embedding cannot hold.
 pub fn check_tokenizer(cfg: &RunConfig, tok: &Tokenizer) -> Result<(), RuntimeError> {
-    match cfg.vocab_size() {
-        Some(v) if tok.vocab_size() <= v => Ok(()),
+    match cfg.model.vocab_size {
+        v if tok.vocab_size() <= v => Ok(()),
         v => Err(RuntimeError::Invalid(format!(
             "tokenizer {} has {} tokens but [model] vocab_size is {}; set vocab_size ≥ {} or use \
              a smaller tokenizer",
             tok.origin(),
             tok.vocab_size(),
-            v.map_or("missing".into(), |v| v.to_string()),
+            v,
             tok.vocab_size()
         ))),
     }

@@ -6,7 +6,7 @@
 use crate::engine::{StagedModel, StepParams};
 use crate::pipeline::{Pipeline, PipelinePlan};
 use crate::weights::merge_params;
-use nsactor_plugin_api::{Batch, ComputeBackend, EngineError, OptimizerKind};
+use nsactor_plugin_api::{Batch, ComputeBackend, EngineError, ModelConfig, OptimizerKind};
 use safetensors::SafeTensors;
 use std::sync::Arc;
 
@@ -48,14 +48,9 @@ impl<'a> TinyAFixture<'a> {
             .ok_or_else(|| bad(format!("meta `{key}` missing")))
     }
 
-    /// The config as a `[model]` TOML table (the fixture uses the leak output).
-    pub fn model_toml(&self) -> String {
-        let c = &self.meta["config"];
-        format!(
-            "[model]\nvocab_size = {}\nD = {}\nN = {}\nK = {}\nnum_layers = {}\nD_ff = {}\n\
-             v_th_min = {}\nplif_out = \"leak\"\n",
-            c["vocab_size"], c["D"], c["N"], c["K"], c["num_layers"], c["D_ff"], c["v_th_min"]
-        )
+    /// The fixture's model (its `config` uses the reference's keys and the leak output).
+    pub fn model(&self) -> Result<ModelConfig, EngineError> {
+        crate::export::model_from_hf(&self.meta["config"]).map_err(|e| bad(e.to_string()))
     }
 
     pub fn f32s(&self, key: &str) -> Result<Vec<f32>, EngineError> {
@@ -282,15 +277,12 @@ pub fn tiny_a(
     let adam = &fx.meta["adam"];
     let lr = adam["lr"].as_f64().unwrap_or(1e-3);
     let max_grad_norm = adam["clip"].as_f64().unwrap_or(1.0);
-    let plan = PipelinePlan::balanced(
-        crate::engine::model_layers(&fx.model_toml())?,
-        stages,
-        devices,
-    )
-    .map_err(|e| EngineError::InvalidInput(e.to_string()))?;
+    let model = fx.model()?;
+    let plan = PipelinePlan::balanced(model.num_layers, stages, devices)
+        .map_err(|e| EngineError::InvalidInput(e.to_string()))?;
     let mut staged = StagedModel::open(
         backend,
-        &fx.model_toml(),
+        &model,
         0,
         OptimizerKind::Adam,
         Some(plan.placement()),

@@ -8,7 +8,7 @@
 use nsactor_data::{MemTokens, Mode, Sampler};
 use nsactor_plugin_api::{Batch, EngineError, OptimizerKind};
 use nsactor_runtime::RuntimeError;
-use nsactor_runtime::config::RunConfig;
+use nsactor_runtime::config::{RunConfig, model_from_toml};
 use nsactor_runtime::engine::{StagedModel, StepParams, StepStats};
 use nsactor_runtime::pipeline::{Pipeline, PipelinePlan, checkpoint};
 use std::sync::Arc;
@@ -29,7 +29,14 @@ fn backend() -> Arc<dyn nsactor_plugin_api::ComputeBackend> {
 }
 
 fn staged() -> StagedModel {
-    StagedModel::open(backend(), MODEL, 11, OptimizerKind::Adam, None).unwrap()
+    StagedModel::open(
+        backend(),
+        &model_from_toml(MODEL).unwrap(),
+        11,
+        OptimizerKind::Adam,
+        None,
+    )
+    .unwrap()
 }
 
 fn train_cfg() -> nsactor_runtime::config::TrainConfig {

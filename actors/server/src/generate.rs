@@ -7,6 +7,7 @@ use crate::error::ServeError;
 use crate::metrics::Metrics;
 use crate::protocol::{Finished, GenSpec, GenTiming, PromptSpec, Usage};
 use nsactor_data::Tokenizer;
+use nsactor_plugin_api::SessionId;
 use nsactor_runtime::decode::TokenPicker;
 use nsactor_runtime::pipeline::AsyncDecoder;
 use std::sync::Arc;
@@ -157,7 +158,7 @@ impl Generator {
 
     async fn decode(
         &self,
-        session: u64,
+        session: SessionId,
         prompt: &[i64],
         spec: &GenSpec,
         tx: &mpsc::Sender<GenEvent>,

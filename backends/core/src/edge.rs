@@ -11,7 +11,10 @@ use nsactor_model::init::{Rng, part_seed};
 use nsactor_model::model::cross_entropy_ignore_pad;
 use nsactor_model::train::GradSet;
 use nsactor_model::{Edge, ModelConfig};
-use nsactor_plugin_api::{EngineError, Reply, Stage, StageCall, StageSpec, Tokens};
+use nsactor_plugin_api::{
+    EngineError, GradSumSquares, HeadOut, Loss, MicroBatchId, Reply, SessionId, Stage, StageCall,
+    StageSpec, Tokens,
+};
 use std::collections::BTreeMap;
 
 pub struct EdgeStage<B: SnnOps> {
@@ -25,7 +28,7 @@ pub struct EdgeStage<B: SnnOps> {
     /// the two sums apart makes the result independent of that interleaving.
     embed_grads: Option<GradSet<B>>,
     /// Token ids of training micro-batches awaiting `EmbedBackward`.
-    kept: BTreeMap<u64, Tensor<B, 2, Int>>,
+    kept: BTreeMap<MicroBatchId, Tensor<B, 2, Int>>,
     /// Output-neuron membranes of decoding sessions.
     sessions: SessionTable<B>,
     /// Decoding steps of the head captured per set of sessions (CUDA graphs).
@@ -121,26 +124,31 @@ impl<B: SnnOps> EdgeStage<B> {
         self.check_head(&h, targets, mask)?;
         let h = Tensor::<Ad<B>, 3>::from_inner(h).require_grad();
         let (ce, mask_sum) = Self::ce(&self.ad, &self.cfg, &self.device, h.clone(), targets, mask);
-        let scalars = vec![
-            ce.clone().inner().into_scalar().elem::<f64>(),
-            mask_sum.inner().into_scalar().elem::<f64>(),
-        ];
+        let loss = Loss {
+            ce: ce.clone().inner().into_scalar().elem::<f64>(),
+            mask_sum: mask_sum.inner().into_scalar().elem::<f64>(),
+        };
         let grads = (ce * loss_scale).backward();
         let dh = h
             .grad(&grads)
             .ok_or_else(|| EngineError::Backend("no gradient reached the head input".into()))?;
         let g = GradSet::collect::<Ad<B>, _>(&self.ad, "", &grads);
         self.trainer.accumulate(g);
-        Ok(Reply {
-            tensors: vec![wrap(dh)],
-            scalars,
-        })
+        Ok(HeadOut {
+            grad: wrap(dh),
+            loss,
+        }
+        .into())
     }
 
-    fn embed_backward(&mut self, micro: u64, grad: Tensor<B, 3>) -> Result<Reply, EngineError> {
+    fn embed_backward(
+        &mut self,
+        micro: MicroBatchId,
+        grad: Tensor<B, 3>,
+    ) -> Result<Reply, EngineError> {
         let ids = self.kept.remove(&micro).ok_or_else(|| {
             EngineError::InvalidInput(format!(
-                "EmbedBackward for micro-batch {micro}, which has no Embed in flight"
+                "EmbedBackward for {micro}, which has no Embed in flight"
             ))
         })?;
         let [b, t] = ids.dims();
@@ -199,7 +207,7 @@ impl<B: SnnOps> Stage for EdgeStage<B> {
             StageCall::Embed { micro, tokens } => {
                 if self.kept.contains_key(&micro) {
                     return Err(EngineError::InvalidInput(format!(
-                        "micro-batch {micro} is already in flight"
+                        "{micro} is already in flight"
                     )));
                 }
                 let ids = self.ids(tokens)?;
@@ -217,13 +225,11 @@ impl<B: SnnOps> Stage for EdgeStage<B> {
                 let h = act::<B>(h, name)?;
                 self.check_head(&h, targets, mask)?;
                 let (ce, n) = Self::ce(&self.inner, &self.cfg, &self.device, h, targets, mask);
-                Ok(Reply {
-                    tensors: Vec::new(),
-                    scalars: vec![
-                        ce.into_scalar().elem::<f64>(),
-                        n.into_scalar().elem::<f64>(),
-                    ],
-                })
+                Ok(Loss {
+                    ce: ce.into_scalar().elem::<f64>(),
+                    mask_sum: n.into_scalar().elem::<f64>(),
+                }
+                .into())
             }
             StageCall::EmbedBackward { micro, grad } => {
                 self.embed_backward(micro, act(grad, name)?)
@@ -231,10 +237,7 @@ impl<B: SnnOps> Stage for EdgeStage<B> {
             StageCall::GradStats => Ok(Reply::none()),
             StageCall::ScaleGrads { .. } => {
                 self.fold_grads();
-                Ok(Reply {
-                    tensors: Vec::new(),
-                    scalars: vec![self.trainer.sum_squares()],
-                })
+                Ok(GradSumSquares(self.trainer.sum_squares()).into())
             }
             StageCall::Step {
                 lr,
@@ -261,11 +264,11 @@ impl<B: SnnOps> Stage for EdgeStage<B> {
                 Ok(Reply::tensor(wrap(h)))
             }
             StageCall::SessionDecode { sessions, h } => {
-                self.session_decode(sessions, act(h, name)?)
+                self.session_decode(SessionId::raw(sessions), act(h, name)?)
             }
             StageCall::SessionClose { session } => {
-                self.sessions.close(session);
-                self.graphs.close(session);
+                self.sessions.close(session.0);
+                self.graphs.close(session.0);
                 Ok(Reply::none())
             }
             other => Err(EngineError::InvalidInput(format!(

@@ -9,7 +9,10 @@ use nsactor_kernels::SnnOps;
 use nsactor_model::init::{Rng, part_seed};
 use nsactor_model::train::{GradSet, MODULATION_BIASES, compensate_phase1};
 use nsactor_model::{LayerState, ModelConfig, SnnDecoderLayer};
-use nsactor_plugin_api::{EngineError, Reply, Stage, StageCall, StageSpec};
+use nsactor_plugin_api::{
+    BiasGradNorms, EngineError, ForwardOut, GradSumSquares, MicroBatchId, Reply, SessionId, Spread,
+    Stage, StageCall, StageSpec,
+};
 use std::collections::BTreeMap;
 
 /// What a training forward keeps for its backward.
@@ -46,7 +49,7 @@ pub struct LayerStage<B: SnnOps> {
     inner: SnnDecoderLayer<B>,
     trainer: Trainer<B>,
     /// Training micro-batches awaiting their backward.
-    kept: BTreeMap<u64, Kept<B>>,
+    kept: BTreeMap<MicroBatchId, Kept<B>>,
     sessions: SessionTable<B>,
     /// Decoding steps captured per set of sessions (CUDA graphs).
     graphs: DecodeGraphs<B>,
@@ -85,14 +88,14 @@ impl<B: SnnOps> LayerStage<B> {
 
     fn forward(
         &mut self,
-        micro: u64,
+        micro: MicroBatchId,
         h: Tensor<B, 3>,
         keep_graph: bool,
     ) -> Result<Reply, EngineError> {
         self.check_h(&h, "Forward")?;
         if self.kept.contains_key(&micro) {
             return Err(EngineError::InvalidInput(format!(
-                "layer {}: micro-batch {micro} is already in flight",
+                "layer {}: {micro} is already in flight",
                 self.index
             )));
         }
@@ -107,7 +110,7 @@ impl<B: SnnOps> LayerStage<B> {
     }
 
     /// [`forward`](Self::forward) under autodiff, keeping the graph for the backward.
-    fn forward_kept(&mut self, micro: u64, h: Tensor<B, 3>) -> Result<Reply, EngineError> {
+    fn forward_kept(&mut self, micro: MicroBatchId, h: Tensor<B, 3>) -> Result<Reply, EngineError> {
         let b = h.dims()[1];
         let h = Tensor::<Ad<B>, 3>::from_inner(h).require_grad();
         let state = LayerState::zeros(&self.cfg, b, &self.device);
@@ -147,27 +150,27 @@ impl<B: SnnOps> LayerStage<B> {
                 .collect(),
             0,
         );
-        let scalars = vec![
-            ponder_cost.into_scalar().elem::<f64>(),
-            ek.clone().mean().into_scalar().elem::<f64>(),
-            ek.clone().min().into_scalar().elem::<f64>(),
-            ek.max().into_scalar().elem::<f64>(),
-        ];
-        Ok(Reply {
-            tensors: vec![wrap(out)],
-            scalars,
-        })
+        Ok(ForwardOut {
+            h: wrap(out),
+            ponder_cost: ponder_cost.into_scalar().elem::<f64>(),
+            expected_k: Spread {
+                mean: ek.clone().mean().into_scalar().elem::<f64>(),
+                min: ek.clone().min().into_scalar().elem::<f64>(),
+                max: ek.max().into_scalar().elem::<f64>(),
+            },
+        }
+        .into())
     }
 
     fn backward(
         &mut self,
-        micro: u64,
+        micro: MicroBatchId,
         grad: Tensor<B, 3>,
         ponder_grad: f64,
     ) -> Result<Reply, EngineError> {
         let kept = self.kept.remove(&micro).ok_or_else(|| {
             EngineError::InvalidInput(format!(
-                "layer {}: Backward for micro-batch {micro}, which has no Forward in flight",
+                "layer {}: Backward for {micro}, which has no Forward in flight",
                 self.index
             ))
         })?;
@@ -238,14 +241,13 @@ impl<B: SnnOps> LayerStage<B> {
                 *grads.get_mut(name).expect("present") = g;
             }
         }
-        let scalars = all
-            .iter()
-            .map(|n| grads.get(n).map_or(f64::NAN, norm))
-            .collect();
-        Ok(Reply {
-            tensors: Vec::new(),
-            scalars,
-        })
+        let n = |i: usize| grads.get(&all[i]).map(norm);
+        Ok(BiasGradNorms {
+            b_beta: n(0),
+            b_alpha: n(1),
+            b_th: n(2),
+        }
+        .into())
     }
 
     fn scale_grads(&mut self, scales: [f64; 3]) -> Result<Reply, EngineError> {
@@ -262,10 +264,7 @@ impl<B: SnnOps> LayerStage<B> {
                 }
             }
         }
-        Ok(Reply {
-            tensors: Vec::new(),
-            scalars: vec![self.trainer.sum_squares()],
-        })
+        Ok(GradSumSquares(self.trainer.sum_squares()).into())
     }
 
     fn session_forward(&mut self, sessions: &[u64], h: Tensor<B, 3>) -> Result<Reply, EngineError> {
@@ -347,11 +346,11 @@ impl<B: SnnOps> Stage for LayerStage<B> {
                 Ok(Reply::none())
             }
             StageCall::SessionForward { sessions, h } => {
-                self.session_forward(sessions, act(h, name)?)
+                self.session_forward(SessionId::raw(sessions), act(h, name)?)
             }
             StageCall::SessionClose { session } => {
-                self.sessions.close(session);
-                self.graphs.close(session);
+                self.sessions.close(session.0);
+                self.graphs.close(session.0);
                 Ok(Reply::none())
             }
             other => Err(EngineError::InvalidInput(format!(

@@ -10,6 +10,7 @@
 //!
 //! Depends on burn, `nsactor-kernels`, `nsactor-model` and `nsactor-plugin-api`.
 
+pub mod diagnose;
 mod edge;
 pub mod graphs;
 mod layer;
@@ -17,6 +18,7 @@ pub mod profile;
 mod sessions;
 mod state;
 
+pub use diagnose::{KernelBench, MemoryReport, TimingHooks};
 pub use edge::EdgeStage;
 pub use layer::LayerStage;
 pub use sessions::SessionTable;
@@ -24,10 +26,9 @@ pub use sessions::SessionTable;
 use burn::backend::Autodiff;
 use burn::tensor::{Tensor, TensorData, backend::Backend};
 use nsactor_kernels::SnnOps;
-use nsactor_model::ModelConfig;
 use nsactor_plugin_api::{
-    BackendInfo, ComputeBackend, DeviceTensor, EngineError, HostTensor, Reply, Stage, StageCall,
-    StageKind, StageSpec, TensorObject,
+    BackendInfo, ComputeBackend, DeviceTensor, Diagnostic, DiagnosticReport, EngineError,
+    HostTensor, Reply, Stage, StageCall, StageKind, StageSpec, TensorObject,
 };
 use std::any::Any;
 
@@ -63,24 +64,14 @@ pub(crate) fn wrap<B: Backend>(t: Tensor<B, 3>) -> DeviceTensor {
     DeviceTensor::new(Act(t))
 }
 
-/// A backend's own kernel benchmark, run by `bench("kernels")` after the PLIF scans: it gets the
-/// device and the options whose keys carry its prefix (prefix stripped), and returns its report
-/// or, when a kernel is wrong, the report with the failure.
-pub type KernelBench<B> =
-    fn(&<B as burn::tensor::backend::BackendTypes>::Device, &str) -> Result<String, String>;
-
-/// A backend's own named benchmark or report (`ComputeBackend::bench(name, options)`), given
-/// every device of the backend.
-pub type NamedBench<B> =
-    fn(&[<B as burn::tensor::backend::BackendTypes>::Device], &str) -> Result<String, String>;
-
 /// A burn backend behind the stage contract.
 pub struct BurnBackend<B: SnnOps> {
     name: String,
     version: String,
     devices: Vec<(B::Device, String)>,
     kernel_benches: Vec<(&'static str, KernelBench<B>)>,
-    benches: Vec<(&'static str, NamedBench<B>)>,
+    memory: Option<MemoryReport<B>>,
+    timing: Option<TimingHooks<B>>,
     enter: fn(),
 }
 
@@ -121,7 +112,8 @@ impl<B: SnnOps> BurnBackend<B> {
             version: version.into(),
             devices,
             kernel_benches: Vec::new(),
-            benches: Vec::new(),
+            memory: None,
+            timing: None,
             enter: || {},
         }
     }
@@ -133,13 +125,19 @@ impl<B: SnnOps> BurnBackend<B> {
         self
     }
 
-    /// Adds a named benchmark (e.g. `memory`) that `bench(name, options)` runs.
-    pub fn with_bench(mut self, name: &'static str, bench: NamedBench<B>) -> Self {
-        self.benches.push((name, bench));
+    /// Reports device memory for [`Diagnostic::Memory`](nsactor_plugin_api::Diagnostic).
+    pub fn with_memory(mut self, report: MemoryReport<B>) -> Self {
+        self.memory = Some(report);
         self
     }
 
-    /// Adds a backend-specific benchmark to `bench kernels`; its options are the ones named
+    /// Opens and closes device-time windows for `Diagnostic::TimingStart` / `TimingReport`.
+    pub fn with_timing(mut self, hooks: TimingHooks<B>) -> Self {
+        self.timing = Some(hooks);
+        self
+    }
+
+    /// Adds a backend-specific benchmark to `Diagnostic::Kernels`; its options are the ones named
     /// `{prefix}_key=value`.
     pub fn with_kernel_bench(mut self, prefix: &'static str, bench: KernelBench<B>) -> Self {
         self.kernel_benches.push((prefix, bench));
@@ -222,68 +220,16 @@ impl<B: SnnOps> ComputeBackend for BurnBackend<B> {
         )))
     }
 
-    fn bench(&self, what: &str, options: &str) -> Result<String, EngineError> {
+    fn diagnose(&self, what: &Diagnostic) -> Result<DiagnosticReport, EngineError> {
         (self.enter)();
-        match what {
-            "kernels" => {
-                // Options go to the benchmark whose prefix their key carries; the rest to the scans.
-                let keys: Vec<&str> = nsactor_kernels::options::option_items(options).collect();
-                let mine = |prefix: &str| {
-                    keys.iter()
-                        .filter_map(|kv| kv.strip_prefix(prefix)?.strip_prefix('_'))
-                        .collect::<Vec<_>>()
-                        .join(",")
-                };
-                let scan_options =
-                    keys.iter()
-                        .filter(|kv| {
-                            !self.kernel_benches.iter().any(|(p, _)| {
-                                kv.strip_prefix(p).is_some_and(|r| r.starts_with('_'))
-                            })
-                        })
-                        .copied()
-                        .collect::<Vec<_>>()
-                        .join(",");
-                let cfg = nsactor_kernels::bench::ScanBench::model_0_9b()
-                    .with_options(&scan_options)
-                    .map_err(EngineError::InvalidInput)?;
-                let device = self.device(0)?;
-                let mut report = nsactor_kernels::bench::run::<B>(device, &cfg);
-                for (prefix, bench) in &self.kernel_benches {
-                    let r = bench(device, &mine(prefix));
-                    report = match (report, r) {
-                        (Ok(a), Ok(b)) => Ok(format!("{a}\n{b}")),
-                        (Ok(a) | Err(a), Ok(b) | Err(b)) => Err(format!("{a}\n{b}")),
-                    };
-                }
-                report.map_err(EngineError::Backend)
-            }
-            "decode-profile" => {
-                profile::decode_profile::<B>(self.device(0)?, options).map_err(EngineError::Backend)
-            }
-            "verify-plif-scan" => verify_plif_scan::<B>(self.device(0)?, options),
-            other => match self.benches.iter().find(|(n, _)| *n == other) {
-                Some((_, bench)) => {
-                    let devices: Vec<B::Device> =
-                        self.devices.iter().map(|(d, _)| d.clone()).collect();
-                    bench(&devices, options).map_err(EngineError::Backend)
-                }
-                None => Err(EngineError::InvalidInput(format!(
-                    "unknown benchmark `{other}` (kernels, decode-profile, verify-plif-scan{})",
-                    self.benches
-                        .iter()
-                        .map(|(n, _)| format!(", {n}"))
-                        .collect::<String>()
-                ))),
-            },
-        }
+        self.run_diagnostic(what)
     }
 
     fn open_stage(&self, spec: &StageSpec) -> Result<Box<dyn Stage>, EngineError> {
         (self.enter)();
         let dev = self.device(spec.device)?.clone();
-        let cfg = ModelConfig::from_toml_str(&spec.model_toml)
-            .map_err(|e| EngineError::InvalidInput(e.to_string()))?;
+        spec.model.validate()?;
+        let cfg = spec.model.clone();
         let stage: Box<dyn Stage> = match spec.kind {
             StageKind::Edge => Box::new(EdgeStage::<B>::new(cfg, spec, dev.clone())),
             StageKind::Layer(i) => {
@@ -301,38 +247,5 @@ impl<B: SnnOps> ComputeBackend for BurnBackend<B> {
             enter: self.enter,
             device: dev,
         }))
-    }
-}
-
-/// `nsactor verify plif-scan` inside the plugin: the `plif_scan` fixture (read from
-/// `fixture=PATH`) through this backend's scans in `precision=fp32|bf16|both` (default both).
-/// The report when every check passes; the report as the error when one fails.
-fn verify_plif_scan<B: SnnOps>(device: &B::Device, options: &str) -> Result<String, EngineError> {
-    use nsactor_kernels::parity::{ScanPrecision, plif_fixture_all};
-    let (mut path, mut precisions) = (None, vec![ScanPrecision::F32, ScanPrecision::Bf16]);
-    for kv in options.split(',').filter(|kv| !kv.is_empty()) {
-        match kv.split_once('=') {
-            Some(("fixture", p)) => path = Some(p.to_string()),
-            Some(("precision", "fp32")) => precisions = vec![ScanPrecision::F32],
-            Some(("precision", "bf16")) => precisions = vec![ScanPrecision::Bf16],
-            Some(("precision", "both")) => {}
-            _ => {
-                return Err(EngineError::InvalidInput(format!(
-                    "verify-plif-scan takes fixture=PATH and precision=fp32|bf16|both, got `{kv}`"
-                )));
-            }
-        }
-    }
-    let path = path
-        .ok_or_else(|| EngineError::InvalidInput("verify-plif-scan needs fixture=PATH".into()))?;
-    let bytes = std::fs::read(&path)
-        .map_err(|e| EngineError::InvalidInput(format!("cannot read fixture {path}: {e}")))?;
-    let reports =
-        plif_fixture_all::<B>(device, &bytes, &precisions).map_err(EngineError::InvalidInput)?;
-    let text: String = reports.iter().map(|r| r.render()).collect();
-    if reports.iter().all(|r| r.passed()) {
-        Ok(text)
-    } else {
-        Err(EngineError::Backend(format!("{text}some checks FAILED")))
     }
 }

@@ -19,7 +19,7 @@ pub fn decode_profile<B: SnnOps>(device: &B::Device, options: &str) -> Result<St
             Some(("batch", v)) => batch = v.parse().map_err(|_| format!("bad batch `{v}`"))?,
             Some(("reps", v)) => reps = v.parse().map_err(|_| format!("bad reps `{v}`"))?,
             Some(("config", "tiny")) => {
-                cfg = ModelConfig::from_toml_str(
+                cfg = nsactor_model::config::from_toml_str(
                     "[model]\nvocab_size = 64\nD = 64\nN = 4\nK = 4\nnum_layers = 2\nD_ff = 128\n",
                 )
                 .map_err(|e| e.to_string())?

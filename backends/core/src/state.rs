@@ -7,7 +7,7 @@ use nsactor_kernels::SnnOps;
 use nsactor_model::io::{HF_PREFIX, load_params, view_to_f32};
 use nsactor_model::params::{ParamMapper, ParamVisitor, Params};
 use nsactor_model::train::{Adam, AdamConfig, AdamState, GradSet};
-use nsactor_plugin_api::{EngineError, OptimizerKind};
+use nsactor_plugin_api::{EngineError, MicroBatchId, OptimizerKind};
 use safetensors::{Dtype, SafeTensors, tensor::TensorView};
 use std::collections::BTreeMap;
 
@@ -73,7 +73,7 @@ pub(crate) struct Trainer<B: SnnOps> {
     pub grads: Option<GradSet<B>>,
     /// Micro-batches' gradients that arrived before a smaller micro-batch's (see
     /// [`accumulate_in_order`](Self::accumulate_in_order)).
-    pending: BTreeMap<u64, GradSet<B>>,
+    pending: BTreeMap<MicroBatchId, GradSet<B>>,
     pub adam: Adam<B>,
 }
 
@@ -102,9 +102,9 @@ impl<B: SnnOps> Trainer<B> {
     /// not yet); [`flush`](Self::flush) adds whatever is left.
     pub fn accumulate_in_order(
         &mut self,
-        micro: u64,
+        micro: MicroBatchId,
         g: GradSet<B>,
-        mut in_flight: impl Iterator<Item = u64>,
+        mut in_flight: impl Iterator<Item = MicroBatchId>,
     ) {
         self.pending.insert(micro, g);
         let first_waiting = in_flight.next();

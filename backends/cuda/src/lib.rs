@@ -19,10 +19,11 @@
 //! (1,053 instead of 1,267 tokens/s there; BENCHMARKS.md).
 
 use burn_cuda::{Cuda, CudaDevice};
-use nsactor_backend_core::BurnBackend;
+use nsactor_backend_core::{BurnBackend, TimingHooks};
 use nsactor_kernels::bench::gemm::{self as kernel_bench, GemmBench};
 use nsactor_kernels::cuda::precision::{GemmPrecision, set_precision};
-use nsactor_plugin_api::{ComputeBackend, EngineError};
+use nsactor_plugin_api::timing::{DeviceTime, SpanKind};
+use nsactor_plugin_api::{ComputeBackend, DeviceMemory, EngineError};
 use std::panic::{AssertUnwindSafe, catch_unwind};
 
 pub type Gpu = Cuda<f32, i32>;
@@ -94,8 +95,11 @@ pub fn backend(options: Options) -> Result<BurnBackend<Gpu>, EngineError> {
     set_precision(options.precision);
     let b = BurnBackend::new("cuda", env!("CARGO_PKG_VERSION"), devices)
         .with_kernel_bench("gemm", gemm_bench)
-        .with_bench("memory", memory_report)
-        .with_bench("timing", timing_report);
+        .with_memory(memory_report)
+        .with_timing(TimingHooks {
+            start: timing_start,
+            report: timing_report,
+        });
     Ok(match options.streams {
         Streams::Shared => b.with_enter(nsactor_kernels::cuda::device::share_stream),
         Streams::PerThread => b,
@@ -108,55 +112,54 @@ fn gemm_bench(device: &CudaDevice, options: &str) -> Result<String, String> {
     kernel_bench::bench(device, &cfg)
 }
 
-/// `bench memory`: each GPU's memory in use (driver view: total − free, which includes CubeCL's
-/// pools, so it is the high-water mark of what the run reserved; pools are not returned).
-fn memory_report(devices: &[CudaDevice], _options: &str) -> Result<String, String> {
+/// `Diagnostic::Memory`: each GPU's memory in use (driver view: total − free, which includes
+/// CubeCL's pools, so it is the high-water mark of what the run reserved; pools are not returned).
+fn memory_report(devices: &[CudaDevice]) -> Result<Vec<DeviceMemory>, EngineError> {
     use cudarc::driver::result as drv;
-    let mut out = String::new();
-    for d in devices {
-        nsactor_kernels::cuda::device::make_current(d.index);
-        let (free, total) = drv::mem_get_info().map_err(|e| format!("{e:?}"))?;
-        let gib = |b: usize| b as f64 / (1u64 << 30) as f64;
-        out.push_str(&format!(
-            "device memory cuda:{}: {:.2} GiB in use of {:.2} GiB (driver: total − free; CubeCL pools keep their peak)\n",
-            d.index,
-            gib(total - free),
-            gib(total)
-        ));
-    }
-    Ok(out)
+    devices
+        .iter()
+        .map(|d| {
+            nsactor_kernels::cuda::device::make_current(d.index);
+            let (free, total) = drv::mem_get_info()
+                .map_err(|e| EngineError::Backend(format!("cuda:{} memory: {e:?}", d.index)))?;
+            Ok(DeviceMemory {
+                device: d.index,
+                used_bytes: (total - free) as u64,
+                total_bytes: total as u64,
+            })
+        })
+        .collect()
 }
 
-/// `bench timing`: `start` opens a window of device timing on every GPU (CUDA events around each
-/// GEMM, PLIF scan and stage call, `nsactor_kernels::cuda::timing`); `report` closes it and returns
-/// one `device-time` line per GPU (`nsactor_plugin_api::timing`).
-fn timing_report(devices: &[CudaDevice], options: &str) -> Result<String, String> {
+/// `Diagnostic::TimingStart`: opens a window of device timing on every GPU (CUDA events around
+/// each GEMM, PLIF scan and stage call, `nsactor_kernels::cuda::timing`).
+fn timing_start(devices: &[CudaDevice]) -> Result<(), EngineError> {
+    nsactor_kernels::cuda::timing::start(devices).map_err(EngineError::Backend)
+}
+
+/// `Diagnostic::TimingReport`: closes the window; one breakdown per GPU
+/// (`nsactor_plugin_api::timing`).
+fn timing_report(devices: &[CudaDevice]) -> Result<Vec<DeviceTime>, EngineError> {
     use nsactor_kernels::cuda::timing::{self as cuda_timing, Kind};
-    use nsactor_plugin_api::timing::{DeviceTime, SpanKind};
-    match options {
-        "start" => cuda_timing::start(devices).map(|()| String::new()),
-        "report" => Ok(cuda_timing::collect(devices)?
-            .into_iter()
-            .map(|w| {
-                let spans: Vec<_> = w
-                    .spans
-                    .iter()
-                    .map(|&(k, a, b)| {
-                        let k = match k {
-                            Kind::Gemm => SpanKind::Gemm,
-                            Kind::Scan => SpanKind::Scan,
-                            Kind::Call => SpanKind::Call,
-                        };
-                        (k, a, b)
-                    })
-                    .collect();
-                DeviceTime::from_spans(w.device, w.seconds, &spans).to_line() + "\n"
-            })
-            .collect()),
-        other => Err(format!(
-            "bench timing takes `start` or `report`, not `{other}`"
-        )),
-    }
+    let windows = cuda_timing::collect(devices).map_err(EngineError::Backend)?;
+    Ok(windows
+        .into_iter()
+        .map(|w| {
+            let spans: Vec<_> = w
+                .spans
+                .iter()
+                .map(|&(k, a, b)| {
+                    let k = match k {
+                        Kind::Gemm => SpanKind::Gemm,
+                        Kind::Scan => SpanKind::Scan,
+                        Kind::Call => SpanKind::Call,
+                    };
+                    (k, a, b)
+                })
+                .collect();
+            DeviceTime::from_spans(w.device, w.seconds, &spans)
+        })
+        .collect())
 }
 
 /// Parses the plugin options: `precision=fp32|bf16` (default fp32), `streams=per-thread|shared`

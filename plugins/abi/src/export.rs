@@ -7,8 +7,8 @@
 
 use crate::*;
 use nsactor_plugin_api::{
-    ComputeBackend, DeviceTensor, EngineError, HostTensor, OptimizerKind, Stage, StageCall,
-    StageKind, StageSpec, Tokens,
+    ComputeBackend, DeviceTensor, EngineError, HostTensor, MicroBatchId, OptimizerKind, SessionId,
+    Stage, StageCall, StageKind, StageSpec, Tokens,
 };
 use std::ffi::CString;
 use std::panic::{AssertUnwindSafe, catch_unwind};
@@ -56,7 +56,7 @@ macro_rules! export_plugin {
             stage_save: $crate::export::stage_save,
             stage_load: $crate::export::stage_load,
             stage_param_count: $crate::export::stage_param_count,
-            bench: $crate::export::bench,
+            diagnose: $crate::export::diagnose,
             tensor_ready: $crate::export::tensor_ready,
         });
 
@@ -211,7 +211,7 @@ pub unsafe extern "C" fn devices(c: *mut c_void, out: *mut NsBuf, err: ErrOut) -
 
 /// # Safety
 /// Live context; `request`/`len` readable; `out` and `err` writable.
-pub unsafe extern "C" fn bench(
+pub unsafe extern "C" fn diagnose(
     c: *mut c_void,
     request: *const u8,
     len: usize,
@@ -221,11 +221,11 @@ pub unsafe extern "C" fn bench(
     guard(err, || {
         // SAFETY: the caller guarantees the buffer.
         let req = std::str::from_utf8(unsafe { slice(request, len) })
-            .map_err(|_| EngineError::InvalidInput("the bench request is not UTF-8".into()))?;
-        let (what, options) = req.split_once('\n').unwrap_or((req, ""));
+            .map_err(|_| EngineError::InvalidInput("the diagnostic request is not UTF-8".into()))?;
+        let what = crate::diagnostic::decode_request(req)?;
         // SAFETY: live context.
-        let report = unsafe { ctx(c) }.backend.bench(what, options)?;
-        bytes_out(out, report.into_bytes());
+        let report = unsafe { ctx(c) }.backend.diagnose(&what)?;
+        bytes_out(out, crate::diagnostic::encode_report(&report).into_bytes());
         Ok(())
     })
 }
@@ -363,8 +363,6 @@ pub unsafe extern "C" fn stage_open(
     guard(err, || {
         // SAFETY: the host passes a readable spec whose text it owns for the call.
         let s = unsafe { &*spec };
-        let toml = std::str::from_utf8(unsafe { slice(s.model_toml, s.model_toml_len) })
-            .map_err(|e| EngineError::InvalidInput(format!("model config is not UTF-8: {e}")))?;
         let kind = match s.kind {
             0 => StageKind::Edge,
             1 => StageKind::Layer(s.layer as usize),
@@ -378,7 +376,7 @@ pub unsafe extern "C" fn stage_open(
         let spec = StageSpec {
             kind,
             device: s.device as usize,
-            model_toml: toml.to_string(),
+            model: s.model.get()?,
             seed: s.seed,
             optimizer,
         };
@@ -425,7 +423,7 @@ fn decode_call<'a>(
     let ids = unsafe { slice(a.ids, a.ids_len) };
     let targets = unsafe { slice(a.targets, a.targets_len) };
     let mask = unsafe { slice(a.mask, a.mask_len) };
-    let sessions = unsafe { slice(a.sessions, a.sessions_len) };
+    let sessions = SessionId::from_raw(unsafe { slice(a.sessions, a.sessions_len) });
     let tokens = Tokens {
         ids,
         batch: a.batch as usize,
@@ -443,17 +441,17 @@ fn decode_call<'a>(
     };
     Ok(match op {
         1 => StageCall::Forward {
-            micro: a.micro,
+            micro: MicroBatchId(a.micro),
             h: tensor("Forward")?,
             keep_graph: a.f[0] != 0.0,
         },
         2 => StageCall::Backward {
-            micro: a.micro,
+            micro: MicroBatchId(a.micro),
             grad: tensor("Backward")?,
             ponder_grad: a.f[0],
         },
         3 => StageCall::Embed {
-            micro: a.micro,
+            micro: MicroBatchId(a.micro),
             tokens,
         },
         4 => StageCall::Head {
@@ -468,7 +466,7 @@ fn decode_call<'a>(
             mask,
         },
         6 => StageCall::EmbedBackward {
-            micro: a.micro,
+            micro: MicroBatchId(a.micro),
             grad: tensor("EmbedBackward")?,
         },
         7 => StageCall::GradStats,

@@ -3,8 +3,9 @@
 
 use crate::*;
 use nsactor_plugin_api::{
-    BackendInfo, ComputeBackend, DeviceTensor, EngineError, HostTensor, OptimizerKind, Reply,
-    Stage, StageCall, StageKind, StageSpec, TensorObject,
+    BackendInfo, ComputeBackend, DeviceTensor, Diagnostic, DiagnosticReport, EngineError,
+    HostTensor, OptimizerKind, Reply, SessionId, Stage, StageCall, StageKind, StageSpec,
+    TensorObject,
 };
 use std::any::Any;
 use std::ffi::CStr;
@@ -297,16 +298,18 @@ impl ComputeBackend for ForeignBackend {
         }
     }
 
-    fn bench(&self, what: &str, options: &str) -> Result<String, EngineError> {
+    fn diagnose(&self, what: &Diagnostic) -> Result<DiagnosticReport, EngineError> {
         let c = &self.ctx;
-        let req = format!("{what}\n{options}");
+        let req = crate::diagnostic::encode_request(what);
         let mut buf = NsBuf::EMPTY;
         let mut err = std::ptr::null_mut();
         // SAFETY: live context; the request lives for the call; writable out-pointers.
-        let code = unsafe { (c.table.bench)(c.ctx, req.as_ptr(), req.len(), &mut buf, &mut err) };
+        let code =
+            unsafe { (c.table.diagnose)(c.ctx, req.as_ptr(), req.len(), &mut buf, &mut err) };
         c.check(code, err)?;
-        String::from_utf8(c.take_buf(buf))
-            .map_err(|_| EngineError::Plugin("the bench report is not UTF-8".into()))
+        let report = String::from_utf8(c.take_buf(buf))
+            .map_err(|_| EngineError::Plugin("the diagnostic report is not UTF-8".into()))?;
+        crate::diagnostic::decode_report(&report)
     }
 
     fn from_host(&self, device: usize, t: &HostTensor) -> Result<DeviceTensor, EngineError> {
@@ -396,8 +399,7 @@ impl ComputeBackend for ForeignBackend {
             layer,
             device: spec.device as u64,
             seed: spec.seed,
-            model_toml: spec.model_toml.as_ptr(),
-            model_toml_len: spec.model_toml.len(),
+            model: crate::NsModelConfig::new(&spec.model),
         };
         let mut out = std::ptr::null_mut();
         let mut err = std::ptr::null_mut();
@@ -472,7 +474,7 @@ impl Stage for ForeignStage {
                 h,
                 keep_graph,
             } => {
-                a.micro = micro;
+                a.micro = micro.0;
                 a.f[0] = if keep_graph { 1.0 } else { 0.0 };
                 input = Some(h);
             }
@@ -481,12 +483,12 @@ impl Stage for ForeignStage {
                 grad,
                 ponder_grad,
             } => {
-                a.micro = micro;
+                a.micro = micro.0;
                 a.f[0] = ponder_grad;
                 input = Some(grad);
             }
             StageCall::Embed { micro, tokens: t } => {
-                a.micro = micro;
+                a.micro = micro.0;
                 tokens(&mut a, t);
             }
             StageCall::Head {
@@ -504,7 +506,7 @@ impl Stage for ForeignStage {
                 input = Some(h);
             }
             StageCall::EmbedBackward { micro, grad } => {
-                a.micro = micro;
+                a.micro = micro.0;
                 input = Some(grad);
             }
             StageCall::GradStats | StageCall::ZeroGrad => {}
@@ -517,12 +519,12 @@ impl Stage for ForeignStage {
             StageCall::SessionEmbed { tokens: t } => tokens(&mut a, t),
             StageCall::SessionForward { sessions, h }
             | StageCall::SessionDecode { sessions, h } => {
-                a.sessions = sessions.as_ptr();
+                a.sessions = SessionId::raw(sessions).as_ptr();
                 a.sessions_len = sessions.len();
                 input = Some(h);
             }
             StageCall::SessionClose { session } => {
-                closing[0] = session;
+                closing[0] = session.0;
                 a.sessions = closing.as_ptr();
                 a.sessions_len = 1;
             }

@@ -32,6 +32,7 @@
 //! Depends on `nsactor-plugin-api` and `libloading`; burn-free. All of the workspace's `unsafe`
 //! FFI code lives here and in the backends' one-line [`export_plugin!`] invocations.
 
+pub mod diagnostic;
 pub mod discovery;
 pub mod export;
 pub mod host;
@@ -82,9 +83,64 @@ pub struct NsStageSpec {
     pub layer: u64,
     pub device: u64,
     pub seed: u64,
-    /// UTF-8 TOML with a `[model]` table (borrowed).
-    pub model_toml: *const u8,
-    pub model_toml_len: usize,
+    pub model: NsModelConfig,
+}
+
+/// A [`ModelConfig`](nsactor_plugin_api::ModelConfig) by value. `plif_out` 0 = leak,
+/// 1 = v_post.
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct NsModelConfig {
+    pub vocab_size: u64,
+    pub d: u64,
+    pub n: u64,
+    pub k: u64,
+    pub num_layers: u64,
+    pub d_ff: u64,
+    pub v_th_min: f64,
+    pub plif_out: u32,
+    pub reserved: u32,
+}
+
+impl NsModelConfig {
+    pub fn new(m: &nsactor_plugin_api::ModelConfig) -> Self {
+        NsModelConfig {
+            vocab_size: m.vocab_size as u64,
+            d: m.d as u64,
+            n: m.n as u64,
+            k: m.k as u64,
+            num_layers: m.num_layers as u64,
+            d_ff: m.d_ff as u64,
+            v_th_min: m.v_th_min,
+            plif_out: match m.plif_out {
+                nsactor_plugin_api::PlifOut::Leak => 0,
+                nsactor_plugin_api::PlifOut::VPost => 1,
+            },
+            reserved: 0,
+        }
+    }
+
+    pub fn get(&self) -> Result<nsactor_plugin_api::ModelConfig, nsactor_plugin_api::EngineError> {
+        let plif_out = match self.plif_out {
+            0 => nsactor_plugin_api::PlifOut::Leak,
+            1 => nsactor_plugin_api::PlifOut::VPost,
+            k => {
+                return Err(nsactor_plugin_api::EngineError::InvalidInput(format!(
+                    "unknown plif_out {k}"
+                )));
+            }
+        };
+        Ok(nsactor_plugin_api::ModelConfig {
+            vocab_size: self.vocab_size as usize,
+            d: self.d as usize,
+            n: self.n as usize,
+            k: self.k as usize,
+            num_layers: self.num_layers as usize,
+            d_ff: self.d_ff as usize,
+            v_th_min: self.v_th_min,
+            plif_out,
+        })
+    }
 }
 
 /// The arguments of one `stage_call`, a flattened
@@ -92,7 +148,8 @@ pub struct NsStageSpec {
 #[repr(C)]
 pub struct NsArgs {
     pub micro: u64,
-    /// Session ids: `SessionForward`/`SessionDecode` batch them, `SessionClose` has one.
+    /// Session ids ([`SessionId`](nsactor_plugin_api::SessionId)): `SessionForward`/`SessionDecode`
+    /// batch them, `SessionClose` has one.
     pub sessions: *const u64,
     pub sessions_len: usize,
     pub batch: u64,
@@ -192,9 +249,11 @@ pub struct NsPluginTable {
     pub stage_save: unsafe extern "C" fn(*mut c_void, *mut c_void, *mut NsBuf, ErrOut) -> i32,
     pub stage_load: unsafe extern "C" fn(*mut c_void, *mut c_void, *const u8, usize, ErrOut) -> i32,
     pub stage_param_count: unsafe extern "C" fn(*mut c_void, *mut c_void) -> u64,
-    /// `(ctx, request, len, out report, err)`: the request is UTF-8 `what` then a newline and
-    /// the options ([`ComputeBackend::bench`](nsactor_plugin_api::ComputeBackend::bench)).
-    pub bench: unsafe extern "C" fn(*mut c_void, *const u8, usize, *mut NsBuf, ErrOut) -> i32,
+    /// `(ctx, request, len, out report, err)`: a
+    /// [`Diagnostic`](nsactor_plugin_api::Diagnostic) in, its
+    /// [`DiagnosticReport`](nsactor_plugin_api::DiagnosticReport) out, both as the JSON of
+    /// [`diagnostic`] ([`ComputeBackend::diagnose`](nsactor_plugin_api::ComputeBackend::diagnose)).
+    pub diagnose: unsafe extern "C" fn(*mut c_void, *const u8, usize, *mut NsBuf, ErrOut) -> i32,
     /// `(ctx, tensor (borrowed), err)`: returns once the work producing the tensor has finished
     /// ([`ComputeBackend::ready`](nsactor_plugin_api::ComputeBackend::ready)). ABI 4.
     pub tensor_ready: unsafe extern "C" fn(*mut c_void, *mut c_void, ErrOut) -> i32,
@@ -207,7 +266,7 @@ const _: () = assert!(std::mem::size_of::<NsArgs>() == 120);
 #[cfg(target_pointer_width = "64")]
 const _: () = assert!(std::mem::size_of::<NsReply>() == 104);
 #[cfg(target_pointer_width = "64")]
-const _: () = assert!(std::mem::size_of::<NsStageSpec>() == 48);
+const _: () = assert!(std::mem::size_of::<NsStageSpec>() == 96);
 #[cfg(target_pointer_width = "64")]
 const _: () = assert!(std::mem::size_of::<NsBuf>() == 24);
 

@@ -6,17 +6,27 @@
 //! decoder layer and one for the edge (embedding + decode path + tied head). The runtime drives
 //! stages with [`StageCall`]s and sees tensors only as opaque [`DeviceTensor`] handles; only token
 //! ids, scalars and (on request) host copies of tensors cross as plain values (DESIGN "The
-//! seams", points 2 and 3). [`optim`] has the pure arithmetic the supervisor applies between
-//! stages (natural-gradient phase 2, clipping); [`timing`] the device-time breakdown backends
-//! report. [`ABI_VERSION`] names the revision of the
-//! contract.
+//! seams", points 2 and 3). [`model`] has the hyperparameters every side shares; [`ids`] the
+//! typed session and micro-batch numbers and their one allocator; [`reply`] the named fields of
+//! each call's reply; [`diagnose`] the diagnostics a backend runs on request; [`optim`] the pure
+//! arithmetic the supervisor applies between stages (natural-gradient phase 2, clipping);
+//! [`timing`] the device-time breakdown backends report. [`ABI_VERSION`] names the revision of
+//! the contract.
 //!
 //! Depends on nothing but `std`.
 
+pub mod diagnose;
+pub mod ids;
+pub mod model;
 pub mod optim;
+pub mod reply;
 pub mod stage;
 pub mod timing;
 
+pub use diagnose::{DeviceMemory, Diagnostic, DiagnosticReport, ScanPrecisions};
+pub use ids::{IdAllocator, MicroBatchId, SessionId};
+pub use model::{ModelConfig, PlifOut};
+pub use reply::{BiasGradNorms, ForwardOut, GradSumSquares, HeadOut, Loss, Spread};
 pub use stage::{
     BackendInfo, ComputeBackend, DeviceTensor, HostTensor, OptimizerKind, Reply, Stage, StageCall,
     StageKind, StageSpec, TensorObject, Tokens,
@@ -26,8 +36,11 @@ use std::fmt;
 
 /// Revision of the backend contract (the [`StageCall`] set and the C function table); bumped on
 /// any incompatible change. A host refuses a plugin built against another revision.
-/// Revision 4 added `tensor_ready` ([`ComputeBackend::ready`]).
-pub const ABI_VERSION: u32 = 4;
+/// Revision 4 added `tensor_ready` ([`ComputeBackend::ready`]). Revision 5 typed the seams:
+/// stages open with a [`ModelConfig`] (not TOML text), diagnostics are [`Diagnostic`] /
+/// [`DiagnosticReport`] values (JSON on the C boundary) instead of free text, and calls name
+/// [`SessionId`]s and [`MicroBatchId`]s.
+pub const ABI_VERSION: u32 = 5;
 
 /// One micro-batch of token ids, row-major `[batch, seq_len]`.
 #[derive(Debug, Clone, PartialEq)]

@@ -1,6 +1,8 @@
 //! The step arithmetic that spans stages (SPEC §7.3–7.4): each stage computes its own gradient
 //! statistics; the supervisor combines them with these pure functions and sends back factors.
 
+use crate::BiasGradNorms;
+
 /// `max_comp` of the reference: phase-2 scales are clamped to `[1/100, 100]`.
 pub const MAX_COMP: f64 = 100.0;
 /// Layers whose gradient norm is at most this are left out of phase 2.
@@ -30,6 +32,18 @@ pub fn phase2_scales(norms: &[Option<f64>]) -> Vec<f64> {
             Some(n) if *n > NORM_FLOOR => (geo / n).clamp(1.0 / MAX_COMP, MAX_COMP),
             _ => 1.0,
         })
+        .collect()
+}
+
+/// Phase 2 for every modulation bias at once: given each layer's [`BiasGradNorms`] (layer
+/// order), each layer's `ScaleGrads` factors `[b_beta, b_alpha, b_th]`.
+pub fn phase2_layer_scales(norms: &[BiasGradNorms]) -> Vec<[f64; 3]> {
+    let per_bias: [Vec<f64>; 3] = std::array::from_fn(|j| {
+        let of_bias: Vec<Option<f64>> = norms.iter().map(|n| n.as_array()[j]).collect();
+        phase2_scales(&of_bias)
+    });
+    (0..norms.len())
+        .map(|i| [per_bias[0][i], per_bias[1][i], per_bias[2][i]])
         .collect()
 }
 

@@ -15,7 +15,8 @@
 //! ([`crate::optim::phase2_scales`]) → `ScaleGrads` on every stage (each replies its gradient
 //! sum of squares) → one global clip factor → `Step` on every stage.
 
-use crate::EngineError;
+use crate::diagnose::{Diagnostic, DiagnosticReport};
+use crate::{EngineError, MicroBatchId, ModelConfig, SessionId};
 use std::any::Any;
 use std::fmt;
 
@@ -101,8 +102,8 @@ pub struct StageSpec {
     pub kind: StageKind,
     /// Device number on the backend (see [`BackendInfo::devices`]).
     pub device: usize,
-    /// The model config as TOML text with a `[model]` table.
-    pub model_toml: String,
+    /// The model's hyperparameters (validated by the caller).
+    pub model: ModelConfig,
     /// Initialisation seed of the whole model; each stage derives its own stream from it, so
     /// a stage's initial parameters do not depend on how layers are grouped.
     pub seed: u64,
@@ -132,17 +133,17 @@ impl Tokens<'_> {
     }
 }
 
-/// One request to a stage. `micro` numbers a training micro-batch (any `u64`, unique among
-/// those in flight); `session` numbers a decoding session. Residual-stream tensors are
+/// One request to a stage. `micro` names a training micro-batch (unique among those in flight);
+/// `session` a decoding session; both come from one [`IdAllocator`](crate::IdAllocator). Residual-stream tensors are
 /// `[T, B, D]`.
 #[derive(Debug)]
 pub enum StageCall<'a> {
     /// Layer: training forward from membranes at rest; keeps `h` for `Backward{micro}`, or
     /// with `keep_graph` the forward's whole autodiff graph (no recompute in the backward: one
     /// forward pass less, the layer's activations held until then).
-    /// Reply: `[h_out]`, scalars `[ponder_cost, E[K] mean, E[K] min, E[K] max]`.
+    /// Reply: [`ForwardOut`](crate::ForwardOut).
     Forward {
-        micro: u64,
+        micro: MicroBatchId,
         h: DeviceTensor,
         keep_graph: bool,
     },
@@ -150,34 +151,40 @@ pub enum StageCall<'a> {
     /// back-propagates `grad` (∂loss/∂h_out) plus `ponder_grad` (∂loss/∂ponder_cost);
     /// accumulates parameter gradients. Reply: `[∂loss/∂h_in]`.
     Backward {
-        micro: u64,
+        micro: MicroBatchId,
         grad: DeviceTensor,
         ponder_grad: f64,
     },
     /// Edge: embeds `tokens`, keeping them for `EmbedBackward{micro}`. Reply: `[h]` `[T, B, D]`.
-    Embed { micro: u64, tokens: Tokens<'a> },
+    Embed {
+        micro: MicroBatchId,
+        tokens: Tokens<'a>,
+    },
     /// Edge: decode path, masked mean cross entropy (ignore id 0) of `h` against `targets`, and
     /// its backward with the loss scaled by `loss_scale`; accumulates head gradients.
-    /// Reply: `[∂(loss_scale·ce)/∂h]`, scalars `[ce, mask sum]`.
+    /// Reply: [`HeadOut`](crate::HeadOut).
     Head {
         h: DeviceTensor,
         targets: &'a [i64],
         mask: &'a [f32],
         loss_scale: f64,
     },
-    /// Edge: the cross entropy only. Reply: scalars `[ce, mask sum]`.
+    /// Edge: the cross entropy only. Reply: [`Loss`](crate::Loss).
     HeadEval {
         h: DeviceTensor,
         targets: &'a [i64],
         mask: &'a [f32],
     },
     /// Edge: back-propagates `grad` (∂loss/∂h of `Embed{micro}`) into the embedding. Reply: none.
-    EmbedBackward { micro: u64, grad: DeviceTensor },
+    EmbedBackward {
+        micro: MicroBatchId,
+        grad: DeviceTensor,
+    },
     /// Layer: natural-gradient phase 1 on the accumulated gradients, then the L2 norms of the
-    /// `b_beta`, `b_alpha`, `b_th` gradients (NaN where a bias has none). Edge: no scalars.
+    /// `b_beta`, `b_alpha`, `b_th` gradients Reply: [`BiasGradNorms`](crate::BiasGradNorms) (all `None` from the edge).
     GradStats,
     /// Multiplies the `b_beta`, `b_alpha`, `b_th` gradients by the phase-2 factors (layers; the
-    /// edge ignores them). Reply: scalars `[Σ g² over every gradient of the stage]`.
+    /// edge ignores them). Reply: [`GradSumSquares`](crate::GradSumSquares) of the stage.
     ScaleGrads { scales: [f64; 3] },
     /// Multiplies every gradient by `clip`, then one optimizer step at `lr` (base group) and
     /// `neuron_lr` (neuron group); clears the gradients. Reply: none.
@@ -192,17 +199,17 @@ pub enum StageCall<'a> {
     /// `i·B/n .. (i+1)·B/n`. Sessions must be distinct, and a session keeps the row count it
     /// started with. Reply: `[h_out]`.
     SessionForward {
-        sessions: &'a [u64],
+        sessions: &'a [SessionId],
         h: DeviceTensor,
     },
     /// Edge: decode path from each session's output-neuron state, rows split among `sessions`
     /// as in `SessionForward`. Reply: `[logits]` `[1, B, V]` of the last position.
     SessionDecode {
-        sessions: &'a [u64],
+        sessions: &'a [SessionId],
         h: DeviceTensor,
     },
     /// Layer or edge: forgets `session`'s states. Reply: none.
-    SessionClose { session: u64 },
+    SessionClose { session: SessionId },
 }
 
 impl StageCall<'_> {
@@ -325,14 +332,13 @@ pub trait ComputeBackend: Send + Sync {
         let _ = t;
         Ok(())
     }
-    /// Runs the backend's own benchmark `what` (`kernels`: the PLIF scan kernels checked
-    /// against the reference, then timed) on device 0 with `options` (`key=value` pairs);
-    /// returns a plain-text report. Default: the backend has none.
-    fn bench(&self, what: &str, options: &str) -> Result<String, EngineError> {
-        let _ = options;
+    /// Runs one of the backend's diagnostics (kernel benchmarks and checks, memory, device
+    /// time). Default: the backend has none.
+    fn diagnose(&self, what: &Diagnostic) -> Result<DiagnosticReport, EngineError> {
         Err(EngineError::InvalidInput(format!(
-            "backend {} has no benchmark `{what}`",
-            self.info().name
+            "backend {} has no diagnostic `{}`",
+            self.info().name,
+            what.name()
         )))
     }
 }

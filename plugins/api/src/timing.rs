@@ -1,13 +1,13 @@
-//! The device-time breakdown a backend reports through `bench("timing", …)`: how much of a
-//! window of device time went to GEMMs, to the PLIF scans, to other work inside stage calls,
-//! and to nothing a stage call had queued (the actors' messaging, host round trips, the
+//! The device-time breakdown a backend reports for
+//! [`Diagnostic::TimingReport`](crate::diagnose::Diagnostic::TimingReport): how much of a
+//! window of device time went to GEMMs, to the PLIF scans, to other work inside stage calls, and
+//! to nothing a stage call had queued (the actors' messaging, host round trips, the
 //! supervisor's work between calls).
 //!
 //! A backend measures spans — `[start, end]` in seconds from the window's start, one per GEMM,
 //! per scan kernel and per stage call, on whichever stream ran them — and [`DeviceTime::from_spans`]
 //! turns them into lengths of *unions*, so work that overlapped on two streams counts once. The
-//! report crosses the plugin boundary as one text line per device ([`DeviceTime::to_line`],
-//! [`DeviceTime::parse`]).
+//! report is a [`DiagnosticReport::Timing`](crate::diagnose::DiagnosticReport::Timing).
 
 /// What a measured span ran.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -133,97 +133,6 @@ impl DeviceTime {
             *c = (*c as f64 * f).round() as u64;
         }
     }
-
-    /// The report line: `device-time device=0 window_s=… …`.
-    pub fn to_line(&self) -> String {
-        format!(
-            "device-time device={} window_s={:.9} calls_s={:.9} gemm_s={:.9} scans_s={:.9} \
-             gemm_or_scans_s={:.9} gemm_sum_s={:.9} scans_sum_s={:.9} gemms={} scans={} calls={}",
-            self.device,
-            self.window_s,
-            self.calls_s,
-            self.gemm_s,
-            self.scans_s,
-            self.gemm_or_scans_s,
-            self.gemm_sum_s,
-            self.scans_sum_s,
-            self.gemms,
-            self.scans,
-            self.calls
-        )
-    }
-
-    /// The report's fields in [`to_line`](Self::to_line)'s order.
-    const FIELDS: [&'static str; 11] = [
-        "device",
-        "window_s",
-        "calls_s",
-        "gemm_s",
-        "scans_s",
-        "gemm_or_scans_s",
-        "gemm_sum_s",
-        "scans_sum_s",
-        "gemms",
-        "scans",
-        "calls",
-    ];
-
-    /// Reads a line of [`to_line`](Self::to_line); every field must be there, once, and nothing
-    /// else.
-    pub fn parse(line: &str) -> Result<Self, String> {
-        let mut words = line.split_whitespace();
-        if words.next() != Some("device-time") {
-            return Err(format!("not a device-time line: `{line}`"));
-        }
-        let mut values: [Option<&str>; 11] = [None; 11];
-        for w in words {
-            let (k, v) = w
-                .split_once('=')
-                .ok_or_else(|| format!("`{w}` is not key=value in `{line}`"))?;
-            let i = Self::FIELDS
-                .iter()
-                .position(|f| *f == k)
-                .ok_or_else(|| format!("unknown field `{k}` in `{line}`"))?;
-            if values[i].replace(v).is_some() {
-                return Err(format!("`{k}` twice in `{line}`"));
-            }
-        }
-        let value = |i: usize| {
-            values[i].ok_or_else(|| format!("`{}` is missing in `{line}`", Self::FIELDS[i]))
-        };
-        let f = |i: usize| -> Result<f64, String> {
-            let v = value(i)?;
-            v.parse()
-                .map_err(|e| format!("{}={v}: {e} in `{line}`", Self::FIELDS[i]))
-        };
-        let n = |i: usize| -> Result<u64, String> {
-            let v = value(i)?;
-            v.parse()
-                .map_err(|e| format!("{}={v}: {e} in `{line}`", Self::FIELDS[i]))
-        };
-        Ok(DeviceTime {
-            device: n(0)? as usize,
-            window_s: f(1)?,
-            calls_s: f(2)?,
-            gemm_s: f(3)?,
-            scans_s: f(4)?,
-            gemm_or_scans_s: f(5)?,
-            gemm_sum_s: f(6)?,
-            scans_sum_s: f(7)?,
-            gemms: n(8)?,
-            scans: n(9)?,
-            calls: n(10)?,
-        })
-    }
-
-    /// Every `device-time` line of a report (other lines are ignored).
-    pub fn parse_report(report: &str) -> Result<Vec<Self>, String> {
-        report
-            .lines()
-            .filter(|l| l.starts_with("device-time"))
-            .map(Self::parse)
-            .collect()
-    }
 }
 
 #[cfg(test)]
@@ -263,29 +172,5 @@ mod tests {
         // Overlapping GEMMs on two streams: the union is less than the sum.
         let t = DeviceTime::from_spans(0, 4.0, &[(Gemm, 0.0, 2.0), (Gemm, 1.0, 3.0)]);
         assert_eq!((t.gemm_s, t.gemm_sum_s), (3.0, 4.0));
-    }
-
-    #[test]
-    fn report_lines_round_trip_and_bad_lines_are_errors() {
-        let t = DeviceTime::from_spans(
-            1,
-            2.5,
-            &[(SpanKind::Call, 0.0, 2.0), (SpanKind::Gemm, 0.5, 1.25)],
-        );
-        let report = format!("some header\n{}\n", t.to_line());
-        assert_eq!(DeviceTime::parse_report(&report).unwrap(), vec![t]);
-        let line = t.to_line();
-        for bad in [
-            line.replace("gemms=1", ""),
-            line.replace("gemms=1", "gemms=1 gemms=1"),
-            line.replace("gemms=1", "gemms=one"),
-            line.replace("gemms=1", "flops=1"),
-            line.replace("device-time", "device-times"),
-        ] {
-            assert!(DeviceTime::parse(&bad).is_err(), "accepted `{bad}`");
-        }
-        let mut sum = t;
-        sum.add(&t);
-        assert_eq!((sum.window_s, sum.gemm_s, sum.calls), (5.0, 1.5, 2));
     }
 }

@@ -1,8 +1,8 @@
 //! `nsactor bench generate` and `bench decode-profile`: decoding without the network.
 
-use super::precision_option;
 use super::stats::pct;
-use nsactor_runtime::backend;
+use super::{open_with_precision, print_memory, print_text};
+use nsactor_plugin_api::Diagnostic;
 use nsactor_runtime::launch::{self};
 use std::path::PathBuf;
 use std::time::Instant;
@@ -242,10 +242,7 @@ pub fn run(a: GenerateBenchArgs) -> crate::CliResult {
         }
         Ok::<_, Box<dyn std::error::Error>>(())
     })?;
-    match l.pipeline.backend().bench("memory", "") {
-        Ok(m) => print!("{m}"),
-        Err(e) => println!("device memory: not reported by this backend ({e})"),
-    }
+    print_memory(l.pipeline.backend().as_ref());
     Ok(())
 }
 
@@ -263,7 +260,6 @@ pub struct DecodeProfileArgs {
 }
 
 pub fn decode_profile_cmd(a: DecodeProfileArgs) -> crate::CliResult {
-    let b = backend::open_with(&a.backend, &[], &precision_option(&a.backend, &a.precision))?;
-    print!("{}", b.bench("decode-profile", &a.options)?);
-    Ok(())
+    let b = open_with_precision(&a.backend, &a.precision)?;
+    print_text(b.as_ref(), Diagnostic::DecodeProfile { options: a.options })
 }

@@ -36,7 +36,10 @@ pub fn pipeline_hops(
 ) -> Result<HopTimings, String> {
     use nsactor_runtime::engine::{StagedModel, StepParams};
     use nsactor_runtime::pipeline::{Pipeline, PipelinePlan};
-    let model = format!("[model]\nnum_layers = {layers}\n");
+    let model = nsactor_runtime::config::ModelConfig {
+        num_layers: layers,
+        ..nsactor_runtime::config::tiny_model()
+    };
     let backend: Arc<dyn ComputeBackend> = Arc::new(EchoBackend { layer_busy_us });
     let staged = StagedModel::open(backend, &model, 0, OptimizerKind::Adam, None)
         .map_err(|e| e.to_string())?;

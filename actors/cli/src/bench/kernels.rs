@@ -1,7 +1,7 @@
 //! `nsactor bench kernels`: the backend's own kernel benchmark.
 
-use super::precision_option;
-use nsactor_runtime::backend;
+use super::{open_with_precision, print_text};
+use nsactor_plugin_api::Diagnostic;
 
 #[derive(clap::Args)]
 pub struct KernelsArgs {
@@ -19,11 +19,7 @@ pub struct KernelsArgs {
 }
 
 pub fn run(args: KernelsArgs) -> crate::CliResult {
-    let b = backend::open_with(
-        &args.backend,
-        &[],
-        &precision_option(&args.backend, &args.precision),
-    )?;
+    let b = open_with_precision(&args.backend, &args.precision)?;
     let info = b.info();
     println!(
         "PLIF scan kernels: {} {} on {}",
@@ -31,6 +27,10 @@ pub fn run(args: KernelsArgs) -> crate::CliResult {
         info.version,
         info.devices.first().map_or("?", |d| d.as_str())
     );
-    print!("{}", b.bench("kernels", &args.options)?);
-    Ok(())
+    print_text(
+        b.as_ref(),
+        Diagnostic::Kernels {
+            options: args.options,
+        },
+    )
 }

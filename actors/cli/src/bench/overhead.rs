@@ -2,7 +2,8 @@
 
 use super::stats::{Spread, time};
 use nsactor_plugin_api::{
-    ComputeBackend, EngineError, HostTensor, OptimizerKind, StageCall, StageKind, StageSpec,
+    ComputeBackend, EngineError, HostTensor, OptimizerKind, SessionId, StageCall, StageKind,
+    StageSpec,
 };
 use nsactor_runtime::backend;
 use std::sync::Arc;
@@ -27,7 +28,7 @@ pub fn boundary(
     let mut stage = backend.open_stage(&StageSpec {
         kind: StageKind::Layer(0),
         device: 0,
-        model_toml: nsactor_runtime::config::TINY_MODEL.into(),
+        model: nsactor_runtime::config::tiny_model(),
         seed: 1,
         optimizer: OptimizerKind::Adam,
     })?;
@@ -37,7 +38,9 @@ pub fn boundary(
     };
     let noop_call = time(iters, reps, || {
         stage
-            .call(StageCall::SessionClose { session: u64::MAX })
+            .call(StageCall::SessionClose {
+                session: SessionId(u64::MAX),
+            })
             .map(drop)
     })?;
     let transfer = time(iters, reps, || backend.from_host(0, &host).map(drop))?;
@@ -45,7 +48,10 @@ pub fn boundary(
     let layer_step = time(layer_iters, reps, || {
         let h = backend.from_host(0, &host)?;
         stage
-            .call(StageCall::SessionForward { sessions: &[7], h })
+            .call(StageCall::SessionForward {
+                sessions: &[SessionId(7)],
+                h,
+            })
             .map(drop)
     })?;
     Ok(BoundaryTimings {

@@ -58,7 +58,7 @@ pub fn recovery(dir: &std::path::Path, synthetic_mb: usize) -> Result<RecoveryTi
     .map_err(|e| e.to_string())?;
     let backend = nsactor_runtime::backend::open(nsactor_runtime::backend::default_name(), &[])
         .map_err(|e| e.to_string())?;
-    let staged = StagedModel::open(backend, &cfg.model_toml(), 1, OptimizerKind::Adam, None)
+    let staged = StagedModel::open(backend, &cfg.model, 1, OptimizerKind::Adam, None)
         .map_err(|e| e.to_string())?;
     let plan = PipelinePlan::balanced(staged.num_layers(), 1, &[0]).map_err(|e| e.to_string())?;
     let mut p = Pipeline::start(staged, plan, cfg.train.clone(), Some(sampler))

@@ -4,8 +4,7 @@ use super::breakdown::print_device_breakdown;
 use super::flops::train_flops_per_token;
 use super::steps::{TrainBench, TrainStepTiming};
 use crate::args::LayoutArgs;
-use nsactor_plugin_api::OptimizerKind;
-use nsactor_plugin_api::timing::DeviceTime;
+use nsactor_plugin_api::{Diagnostic, DiagnosticReport, OptimizerKind};
 use nsactor_runtime::config::{Overrides, RunConfig};
 use nsactor_runtime::launch::{self};
 use std::path::PathBuf;
@@ -90,7 +89,7 @@ pub fn train_throughput(
         let (before, before_t) = (busy_now(pipeline), pipeline.transfers());
         // The device-time window brackets the timed steps only (it waits for the device first).
         let timed = i >= warmup && timing.is_some();
-        if timed && let Some(Err(e)) = timing.map(|c| c.bench("timing", "start")) {
+        if timed && let Some(Err(e)) = timing.map(|c| c.diagnose(&Diagnostic::TimingStart)) {
             out.device_note = Some(e.to_string());
             timing = None;
         }
@@ -101,11 +100,16 @@ pub fn train_throughput(
         let seconds = t.elapsed().as_secs_f64();
         let mut device = Vec::new();
         if let Some(c) = timing.filter(|_| timed) {
-            device = c
-                .bench("timing", "report")
-                .map_err(|e| e.to_string())
-                .and_then(|r| DeviceTime::parse_report(&r))
-                .map_err(|e| format!("step {i}: device timing: {e}"))?;
+            device = match c.diagnose(&Diagnostic::TimingReport) {
+                Ok(DiagnosticReport::Timing(d)) => d,
+                Ok(other) => {
+                    return Err(format!(
+                        "step {i}: device timing: a {} report",
+                        other.kind()
+                    ));
+                }
+                Err(e) => return Err(format!("step {i}: device timing: {e}")),
+            };
         }
         let busy = delta(busy_now(pipeline), before);
         let transfer = delta(pipeline.transfers(), before_t);
@@ -171,7 +175,7 @@ pub fn run(a: TrainBenchArgs) -> crate::CliResult {
     let compute = launch::open_backend(&cfg, a.layout.backend.as_deref())?;
     let info = compute.info();
     let devices = cfg.train.devices.clone().unwrap_or_else(|| vec![0]);
-    let vocab = cfg.vocab_size().ok_or("[model] has no vocab_size")?;
+    let vocab = cfg.model.vocab_size;
     let t_open = std::time::Instant::now();
     let mut pipeline = launch::launch(compute.clone(), &cfg, OptimizerKind::Adam, None)?;
     let params = pipeline.param_count();
@@ -183,8 +187,8 @@ pub fn run(a: TrainBenchArgs) -> crate::CliResult {
         .iter()
         .map(|s| s.layers.len().saturating_sub(cfg.train.keep_activations))
         .sum();
-    let model_flops = train_flops_per_token(&cfg.model, 0)?;
-    let executed_flops = train_flops_per_token(&cfg.model, recomputed)?;
+    let model_flops = train_flops_per_token(&cfg.model, 0);
+    let executed_flops = train_flops_per_token(&cfg.model, recomputed);
     let open_s = t_open.elapsed().as_secs_f64();
     let precision = cfg.backend.precision.as_deref().unwrap_or("fp32");
     let used: Vec<&str> = devices.iter().map(|&d| info.devices[d].as_str()).collect();
@@ -272,10 +276,7 @@ pub fn run(a: TrainBenchArgs) -> crate::CliResult {
         100.0 * (p - 1.0) / (m + p - 1.0)
     );
     print_device_breakdown(&r, &info, executed_flops, a.no_breakdown);
-    match compute.bench("memory", "") {
-        Ok(m) => print!("{m}"),
-        Err(e) => println!("device memory: not reported by this backend ({e})"),
-    }
+    super::print_memory(compute.as_ref());
     Ok(())
 }
 
@@ -302,6 +303,7 @@ mod tests {
 
     #[test]
     fn the_device_breakdown_is_the_mean_over_timed_steps_per_device() {
+        use nsactor_plugin_api::timing::DeviceTime;
         use nsactor_plugin_api::timing::SpanKind::*;
         let step = |gemm_end: f64, dev: Vec<usize>| TrainStepTiming {
             seconds: 1.0,

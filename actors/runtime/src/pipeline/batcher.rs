@@ -21,6 +21,7 @@
 use super::msg::{EdgeControl, EdgeMsg, LayerControl, LayerMsg, ask};
 use super::topology::Children;
 use crate::error::RuntimeError;
+use nsactor_plugin_api::SessionId;
 use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
 use std::collections::{HashSet, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -94,18 +95,18 @@ type Logits = Result<Vec<f32>, RuntimeError>;
 pub enum BatcherMsg {
     /// Runs `ids` through `session`; answers the last position's logits.
     Feed {
-        session: u64,
+        session: SessionId,
         ids: Vec<i64>,
         reply: RpcReplyPort<Logits>,
     },
     /// Frees `session`'s states (after its cohort in flight, if any); answers when done.
     Close {
-        session: u64,
+        session: SessionId,
         reply: RpcReplyPort<()>,
     },
     /// A cohort finished: `sessions` in cohort order, their logits back to back.
     Done {
-        sessions: Vec<u64>,
+        sessions: Vec<SessionId>,
         logits: Result<Vec<f32>, RuntimeError>,
     },
     /// The launch window of the oldest waiting input may have passed.
@@ -113,7 +114,7 @@ pub enum BatcherMsg {
 }
 
 struct Waiting {
-    session: u64,
+    session: SessionId,
     ids: Vec<i64>,
     reply: RpcReplyPort<Logits>,
     since: Instant,
@@ -132,13 +133,13 @@ pub struct BatcherState {
     batching: Batching,
     stats: Arc<BatchStats>,
     /// Sessions that have fed and not closed.
-    open: HashSet<u64>,
+    open: HashSet<SessionId>,
     waiting: VecDeque<Waiting>,
     /// Sessions in cohorts in flight, with the replies they are owed.
-    in_flight: Vec<(u64, RpcReplyPort<Logits>)>,
+    in_flight: Vec<(SessionId, RpcReplyPort<Logits>)>,
     cohorts: usize,
     /// Closes waiting for their session's cohort.
-    closing: Vec<(u64, RpcReplyPort<()>)>,
+    closing: Vec<(SessionId, RpcReplyPort<()>)>,
     tick_armed: bool,
     /// When a cohort last finished: the sessions it answered get a window from then to come
     /// back, even if inputs have been waiting longer (else two halves of the sessions
@@ -154,7 +155,7 @@ impl BatcherState {
             .clone()
     }
 
-    fn flying(&self, session: u64) -> bool {
+    fn flying(&self, session: SessionId) -> bool {
         self.in_flight.iter().any(|(s, _)| *s == session)
     }
 
@@ -191,7 +192,7 @@ impl BatcherState {
         }
         self.waiting = rest;
         cohort.sort_by_key(|w| w.session);
-        let sessions: Vec<u64> = cohort.iter().map(|w| w.session).collect();
+        let sessions: Vec<SessionId> = cohort.iter().map(|w| w.session).collect();
         let ids: Vec<i64> = cohort.iter().flat_map(|w| w.ids.iter().copied()).collect();
         self.in_flight
             .extend(cohort.into_iter().map(|w| (w.session, w.reply)));
@@ -213,7 +214,7 @@ impl BatcherState {
         });
     }
 
-    fn done(&mut self, sessions: Vec<u64>, logits: Logits) {
+    fn done(&mut self, sessions: Vec<SessionId>, logits: Logits) {
         self.cohorts -= 1;
         self.freed_at = Instant::now();
         let n = sessions.len();
@@ -235,7 +236,7 @@ impl BatcherState {
             };
             let _ = reply.send(r);
         }
-        let ready: Vec<(u64, RpcReplyPort<()>)> = {
+        let ready: Vec<(SessionId, RpcReplyPort<()>)> = {
             let (ready, wait) = std::mem::take(&mut self.closing)
                 .into_iter()
                 .partition(|(s, _)| !self.flying(*s));
@@ -247,7 +248,7 @@ impl BatcherState {
         }
     }
 
-    fn close_now(&mut self, session: u64, reply: RpcReplyPort<()>) {
+    fn close_now(&mut self, session: SessionId, reply: RpcReplyPort<()>) {
         let was_open = self.open.remove(&session);
         let children = self.children();
         let stats = self.stats.clone();
@@ -265,7 +266,7 @@ impl BatcherState {
 /// back in `ids`): their last-position logits, back to back.
 async fn run_cohort(
     children: &Children,
-    sessions: &[u64],
+    sessions: &[SessionId],
     ids: Vec<i64>,
     len: usize,
     phases: &CohortPhases,
@@ -307,7 +308,7 @@ fn add_ns(to: &AtomicU64, since: Instant) -> Instant {
 }
 
 /// Frees `session`'s neuron states in every actor (errors ignored: a stopped actor has none).
-pub(crate) async fn close_everywhere(c: &Children, session: u64) {
+pub(crate) async fn close_everywhere(c: &Children, session: SessionId) {
     let _ = ask(&c.edge, "edge", |reply| EdgeMsg::Control {
         call: EdgeControl::SessionClose { session },
         reply,
@@ -360,11 +361,11 @@ impl Actor for BatcherActor {
             } => {
                 if ids.is_empty() {
                     let _ = reply.send(Err(RuntimeError::Runtime(format!(
-                        "session {session}: nothing to feed"
+                        "{session}: nothing to feed"
                     ))));
                 } else if s.flying(session) || s.waiting.iter().any(|w| w.session == session) {
                     let _ = reply.send(Err(RuntimeError::Runtime(format!(
-                        "session {session} already has an input in flight"
+                        "{session} already has an input in flight"
                     ))));
                 } else {
                     if s.open.insert(session) {

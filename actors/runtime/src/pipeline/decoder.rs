@@ -6,9 +6,9 @@ use super::layers::session_layers;
 use super::msg::{EdgeMsg, ask};
 use super::topology::Children;
 use crate::error::RuntimeError;
-use nsactor_plugin_api::DeviceTensor;
+use nsactor_plugin_api::{DeviceTensor, IdAllocator, SessionId};
 use ractor::ActorRef;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::{Arc, RwLock};
 
 /// Asynchronous decoding through the layer actors, for servers running on the pipeline's
@@ -19,7 +19,7 @@ pub struct AsyncDecoder {
     pub(crate) children: Arc<RwLock<Children>>,
     pub(crate) batcher: ActorRef<BatcherMsg>,
     pub(crate) stats: Arc<BatchStats>,
-    pub(crate) next_session: Arc<AtomicU64>,
+    pub(crate) ids: Arc<IdAllocator>,
     pub(crate) vocab: usize,
 }
 
@@ -37,8 +37,8 @@ impl AsyncDecoder {
     }
 
     /// A new session id.
-    pub fn session(&self) -> u64 {
-        self.next_session.fetch_add(1, Ordering::Relaxed)
+    pub fn session(&self) -> SessionId {
+        self.ids.session()
     }
 
     /// Embeds `ids` (row-major `[batch, seq_len]`) for decoding or evaluation.
@@ -62,7 +62,7 @@ impl AsyncDecoder {
     /// `h` through every layer of `session` (all of `h`'s rows), outside any cohort.
     pub(crate) async fn layers(
         &self,
-        session: u64,
+        session: SessionId,
         h: DeviceTensor,
     ) -> Result<DeviceTensor, RuntimeError> {
         let layers = self.children().layers.clone();
@@ -71,7 +71,7 @@ impl AsyncDecoder {
 
     /// Runs `ids` through `session` (a prompt, or one token); the last position's logits.
     /// Concurrent sessions are batched together at every layer (see [`batcher`]).
-    pub async fn feed(&self, session: u64, ids: Vec<i64>) -> Result<Vec<f32>, RuntimeError> {
+    pub async fn feed(&self, session: SessionId, ids: Vec<i64>) -> Result<Vec<f32>, RuntimeError> {
         match self
             .batcher
             .call(
@@ -109,7 +109,7 @@ impl AsyncDecoder {
     }
 
     /// Frees `session`'s neuron states in every actor (after its input in flight, if any).
-    pub async fn close(&self, session: u64) {
+    pub async fn close(&self, session: SessionId) {
         let _ = self
             .batcher
             .call(|reply| BatcherMsg::Close { session, reply }, None)

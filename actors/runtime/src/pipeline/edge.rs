@@ -8,7 +8,9 @@ use super::layer::{answer, fail};
 use super::msg::{EdgeControl, EdgeMsg, Hop};
 use super::step::{Event, Ponder, StepCtx};
 use super::worker::Priority;
-use nsactor_plugin_api::{Batch, DeviceTensor, EngineError, StageCall, Tokens};
+use nsactor_plugin_api::{
+    Batch, DeviceTensor, EngineError, HeadOut, Loss, MicroBatchId, StageCall, Tokens,
+};
 use ractor::{Actor, ActorProcessingErr, ActorRef};
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
@@ -34,11 +36,11 @@ pub struct EdgeState {
     stage: StageHolder,
     first: Option<Hop>,
     last: Option<Hop>,
-    in_flight: HashMap<u64, InFlight>,
+    in_flight: HashMap<MicroBatchId, InFlight>,
     /// Last-layer outputs waiting for a smaller micro-batch's: heads run in micro-batch order,
     /// so the head's gradients add up in one order however the layers deliver them (the two
     /// runtime threads can deliver m + 1 first), and a step is reproducible bit for bit.
-    pending_heads: BTreeMap<u64, (DeviceTensor, Ponder, StepCtx)>,
+    pending_heads: BTreeMap<MicroBatchId, (DeviceTensor, Ponder, StepCtx)>,
 }
 
 impl EdgeState {}
@@ -122,7 +124,7 @@ impl Actor for EdgeActor {
             } => {
                 if !s.in_flight.contains_key(&micro) {
                     let e = EngineError::InvalidInput(format!(
-                        "Head for micro-batch {micro}, which has no Embed in flight"
+                        "Head for {micro}, which has no Embed in flight"
                     ));
                     return fail(WHO.into(), micro, e, &ctx).await;
                 }
@@ -146,14 +148,13 @@ impl Actor for EdgeActor {
                     let r = s
                         .stage
                         .train_job(false, micro, &ctx, Some(h), move |st, h| {
-                            let r = st.call(StageCall::Head {
+                            let r = HeadOut::try_from(st.call(StageCall::Head {
                                 h: h.expect("moved"),
                                 targets: &b.targets,
                                 mask: &b.loss_mask,
                                 loss_scale,
-                            })?;
-                            let ce = r.scalar(0, "Head")?;
-                            Ok((r.into_tensor("Head")?, ce))
+                            })?)?;
+                            Ok((r.grad, r.loss.ce))
                         })
                         .await;
                     match r {
@@ -193,7 +194,7 @@ impl Actor for EdgeActor {
                     ) => ctx.send(Event::Done { micro, ce, ponder }).await,
                     (Ok(()), _) => {
                         let e = EngineError::InvalidInput(format!(
-                            "EmbedBackward for micro-batch {micro}, which has no Head result"
+                            "EmbedBackward for {micro}, which has no Head result"
                         ));
                         return fail(WHO.into(), micro, e, &ctx).await;
                     }
@@ -283,12 +284,12 @@ impl Actor for EdgeActor {
                 let r = s
                     .stage
                     .compute(Priority::FORWARD_UNTRAINED, Some(h), move |st, h| {
-                        st.call(StageCall::HeadEval {
+                        let l = Loss::try_from(st.call(StageCall::HeadEval {
                             h: h.expect("moved"),
                             targets: &batch.targets,
                             mask: &batch.loss_mask,
-                        })?
-                        .scalar(0, "HeadEval")
+                        })?)?;
+                        Ok(l.ce)
                     })
                     .await;
                 return answer(WHO.into(), reply, r);

@@ -15,7 +15,7 @@ use crate::config::TrainConfig;
 use crate::engine::{DecodeSession, StagedModel, StepParams, StepStats};
 use crate::error::RuntimeError;
 use nsactor_data::{Cursor, Sampler};
-use nsactor_plugin_api::{Batch, ComputeBackend, EngineError};
+use nsactor_plugin_api::{Batch, ComputeBackend, EngineError, IdAllocator, SessionId};
 use ractor::RpcReplyPort;
 use ractor::{Actor, ActorCell, ActorRef};
 use std::path::{Path, PathBuf};
@@ -101,6 +101,7 @@ impl Pipeline {
             fault,
             keep_activations: train.keep_activations,
         };
+        let ids = Arc::new(IdAllocator::new());
         let (sup, children, data) = rt.block_on(async {
             let rt_err = |e: ractor::SpawnErr| RuntimeError::Runtime(e.to_string());
             let children = topo.spawn(edge_stage, layer_stages, 0).await?;
@@ -122,6 +123,7 @@ impl Pipeline {
                     children: shared.clone(),
                     data: data.clone(),
                     train,
+                    ids: ids.clone(),
                 },
             )
             .await
@@ -153,7 +155,7 @@ impl Pipeline {
             children: children.clone(),
             batcher,
             stats,
-            next_session: Arc::new(AtomicU64::new(0)),
+            ids,
             vocab: 0,
         };
         Ok(Pipeline {
@@ -348,7 +350,7 @@ impl Pipeline {
 
 struct PipelineSession<'a> {
     p: &'a Pipeline,
-    session: u64,
+    session: SessionId,
     open: bool,
 }
 

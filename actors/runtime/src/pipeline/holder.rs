@@ -3,7 +3,7 @@
 
 use super::step::StepCtx;
 use super::worker::{self, JobPanicked, Priority, Worker};
-use nsactor_plugin_api::{ComputeBackend, DeviceTensor, EngineError, Stage};
+use nsactor_plugin_api::{ComputeBackend, DeviceTensor, EngineError, MicroBatchId, Stage};
 use std::panic::{AssertUnwindSafe, catch_unwind, resume_unwind};
 use std::sync::Arc;
 
@@ -63,7 +63,7 @@ impl StageHolder {
     pub(crate) fn train_job<X: Send + 'static>(
         &self,
         forward: bool,
-        micro: u64,
+        micro: MicroBatchId,
         ctx: &StepCtx,
         h: Option<DeviceTensor>,
         f: impl FnOnce(&mut dyn Stage, Option<DeviceTensor>) -> Result<(DeviceTensor, X), EngineError>

@@ -6,7 +6,7 @@ use super::holder::StageHolder;
 use super::msg::{Hop, LayerControl, LayerMsg};
 use super::step::{Event, StepCtx};
 use super::worker::Priority;
-use nsactor_plugin_api::{EngineError, StageCall};
+use nsactor_plugin_api::{EngineError, ForwardOut, MicroBatchId, StageCall};
 use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
 
 pub struct LayerActor;
@@ -72,17 +72,13 @@ impl Actor for LayerActor {
                 let next = s.next.clone().ok_or("layer actor not wired")?;
                 let keep_graph = s.keep_graph;
                 let job = s.stage.train_job(true, micro, &ctx, Some(h), move |st, h| {
-                    let r = st.call(StageCall::Forward {
+                    let r = ForwardOut::try_from(st.call(StageCall::Forward {
                         micro,
                         h: h.expect("moved"),
                         keep_graph,
-                    })?;
-                    let p = (
-                        r.scalar(0, "Forward")?,
-                        r.scalar(2, "Forward")?,
-                        r.scalar(3, "Forward")?,
-                    );
-                    Ok((r.into_tensor("Forward")?, p))
+                    })?)?;
+                    let k = r.expected_k;
+                    Ok((r.h, (r.ponder_cost, k.min, k.max)))
                 });
                 let who = s.who();
                 // Answered from a task: the actor takes its next message at once (`submit`).
@@ -199,7 +195,7 @@ pub(super) fn answer<T: Send + 'static>(
 /// Reports a failed training job of `micro` to the step; true when a panic lost the stage.
 pub(super) async fn report_failure(
     who: &str,
-    micro: u64,
+    micro: MicroBatchId,
     error: EngineError,
     ctx: &StepCtx,
 ) -> bool {
@@ -216,7 +212,7 @@ pub(super) async fn report_failure(
 /// [`report_failure`] from inside an actor's handler: a lost stage stops the actor.
 pub(super) async fn fail(
     who: String,
-    micro: u64,
+    micro: MicroBatchId,
     error: EngineError,
     ctx: &StepCtx,
 ) -> Result<(), ActorProcessingErr> {
@@ -230,7 +226,7 @@ pub(super) async fn fail(
 /// [`report_failure`] from a task answering a training message: a lost stage stops the actor.
 async fn fail_detached(
     who: String,
-    micro: u64,
+    micro: MicroBatchId,
     error: EngineError,
     ctx: &StepCtx,
     actor: &ActorRef<LayerMsg>,

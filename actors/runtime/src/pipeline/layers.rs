@@ -6,7 +6,7 @@ use super::msg::{LayerMsg, ask};
 use super::trace;
 use super::worker::{JobPanicked, Priority};
 use crate::error::RuntimeError;
-use nsactor_plugin_api::{DeviceTensor, EngineError};
+use nsactor_plugin_api::{DeviceTensor, EngineError, SessionId};
 use ractor::ActorRef;
 use std::sync::Arc;
 
@@ -18,7 +18,7 @@ use std::sync::Arc;
 /// their stages; an error names the layer it came from.
 pub(crate) async fn session_layers(
     layers: &[ActorRef<LayerMsg>],
-    sessions: &[u64],
+    sessions: &[SessionId],
     h: DeviceTensor,
 ) -> Result<DeviceTensor, RuntimeError> {
     let holders = share_layers(layers).await?;
@@ -43,7 +43,7 @@ pub(crate) async fn share_layers(
 /// layers on the same worker.
 pub(crate) async fn run_layers(
     holders: &[StageHolder],
-    sessions: &[u64],
+    sessions: &[SessionId],
     mut h: DeviceTensor,
 ) -> Result<DeviceTensor, RuntimeError> {
     let mut start = 0;

@@ -4,7 +4,7 @@
 use super::holder::StageHolder;
 use super::step::{Ponder, StepCtx};
 use crate::error::RuntimeError;
-use nsactor_plugin_api::{Batch, DeviceTensor, EngineError, Reply};
+use nsactor_plugin_api::{Batch, DeviceTensor, EngineError, MicroBatchId, Reply, SessionId};
 use ractor::{ActorRef, RpcReplyPort};
 use std::sync::Arc;
 
@@ -16,7 +16,13 @@ pub enum Hop {
 }
 
 impl Hop {
-    pub(crate) fn forward(&self, micro: u64, h: DeviceTensor, ponder: Ponder, ctx: StepCtx) {
+    pub(crate) fn forward(
+        &self,
+        micro: MicroBatchId,
+        h: DeviceTensor,
+        ponder: Ponder,
+        ctx: StepCtx,
+    ) {
         let sent = match self {
             Hop::Layer(a) => a
                 .cast(LayerMsg::Forward {
@@ -37,11 +43,17 @@ impl Hop {
         };
         // A stopped neighbour is the supervisor's to notice; the micro-batch is lost with it.
         if !sent {
-            tracing::warn!("micro-batch {micro}: the next actor has stopped");
+            tracing::warn!("{micro}: the next actor has stopped");
         }
     }
 
-    pub(crate) fn backward(&self, micro: u64, grad: DeviceTensor, ponder_grad: f64, ctx: StepCtx) {
+    pub(crate) fn backward(
+        &self,
+        micro: MicroBatchId,
+        grad: DeviceTensor,
+        ponder_grad: f64,
+        ctx: StepCtx,
+    ) {
         let sent = match self {
             Hop::Layer(a) => a
                 .cast(LayerMsg::Backward {
@@ -54,7 +66,7 @@ impl Hop {
             Hop::Edge(a) => a.cast(EdgeMsg::EmbedBackward { micro, grad, ctx }).is_ok(),
         };
         if !sent {
-            tracing::warn!("micro-batch {micro}: the previous actor has stopped");
+            tracing::warn!("{micro}: the previous actor has stopped");
         }
     }
 }
@@ -80,7 +92,7 @@ pub enum LayerControl {
     ScaleGrads([f64; 3]),
     Step { lr: f64, neuron_lr: f64, clip: f64 },
     ZeroGrad,
-    SessionClose { session: u64 },
+    SessionClose { session: SessionId },
 }
 
 pub enum LayerMsg {
@@ -88,7 +100,7 @@ pub enum LayerMsg {
     Wire { prev: Hop, next: Hop },
     /// Training forward of micro-batch `micro`; `ponder` accumulates over the layers so far.
     Forward {
-        micro: u64,
+        micro: MicroBatchId,
         h: DeviceTensor,
         ponder: Ponder,
         ctx: StepCtx,
@@ -96,7 +108,7 @@ pub enum LayerMsg {
     /// Training backward: recomputes the layer from its kept input, accumulates parameter
     /// gradients, sends the input gradient back.
     Backward {
-        micro: u64,
+        micro: MicroBatchId,
         grad: DeviceTensor,
         ponder_grad: f64,
         ctx: StepCtx,
@@ -108,7 +120,7 @@ pub enum LayerMsg {
     /// `h` through the layer for decoding `sessions` (batch rows split evenly among them, in
     /// order), whose neuron states it keeps.
     SessionForward {
-        sessions: Vec<u64>,
+        sessions: Vec<SessionId>,
         h: DeviceTensor,
         reply: RpcReplyPort<Result<DeviceTensor, EngineError>>,
     },
@@ -131,7 +143,7 @@ pub enum EdgeControl {
     ScaleGrads,
     Step { lr: f64, neuron_lr: f64, clip: f64 },
     ZeroGrad,
-    SessionClose { session: u64 },
+    SessionClose { session: SessionId },
 }
 
 pub enum EdgeMsg {
@@ -142,7 +154,7 @@ pub enum EdgeMsg {
     /// Starts micro-batch `micro`; its loss counts `loss_scale` of the step's, its ponder cost
     /// `ponder_weight`.
     Embed {
-        micro: u64,
+        micro: MicroBatchId,
         batch: Arc<Batch>,
         loss_scale: f64,
         ponder_weight: f64,
@@ -150,14 +162,14 @@ pub enum EdgeMsg {
     },
     /// The last layer's output of `micro`.
     Head {
-        micro: u64,
+        micro: MicroBatchId,
         h: DeviceTensor,
         ponder: Ponder,
         ctx: StepCtx,
     },
     /// Layer 0's input gradient of `micro`.
     EmbedBackward {
-        micro: u64,
+        micro: MicroBatchId,
         grad: DeviceTensor,
         ctx: StepCtx,
     },
@@ -175,7 +187,7 @@ pub enum EdgeMsg {
     /// Last-position logits `[1, B, V]` of `sessions` (batch rows split evenly among them, in
     /// order), copied to the host.
     SessionDecode {
-        sessions: Vec<u64>,
+        sessions: Vec<SessionId>,
         h: DeviceTensor,
         reply: RpcReplyPort<Result<Vec<f32>, EngineError>>,
     },

@@ -1,7 +1,7 @@
 //! What travels with a training micro-batch: its ponder statistics so far ([`Ponder`]), how it
 //! ended ([`Event`]), and where that is reported ([`StepCtx`]).
 
-use nsactor_plugin_api::EngineError;
+use nsactor_plugin_api::{EngineError, MicroBatchId};
 
 /// Ponder statistics accumulated over the layers a micro-batch has passed.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -33,13 +33,13 @@ impl Ponder {
 /// How a micro-batch ended.
 pub enum Event {
     Done {
-        micro: u64,
+        micro: MicroBatchId,
         ce: f64,
         ponder: Ponder,
     },
     Failed {
         who: String,
-        micro: u64,
+        micro: MicroBatchId,
         error: EngineError,
     },
 }
@@ -54,8 +54,8 @@ pub struct StepCtx {
 
 impl StepCtx {
     /// The worker priority of `class` work on `micro` under this step's schedule.
-    pub(crate) fn key(&self, micro: u64) -> u64 {
-        if self.depth_first { micro } else { 0 }
+    pub(crate) fn key(&self, micro: MicroBatchId) -> u64 {
+        if self.depth_first { micro.0 } else { 0 }
     }
 
     pub(crate) async fn send(&self, e: Event) {

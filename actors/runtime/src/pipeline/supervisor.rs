@@ -19,8 +19,8 @@ use crate::engine::{StepParams, StepStats};
 use crate::error::RuntimeError;
 use futures_util::future::join_all;
 use nsactor_data::Cursor;
-use nsactor_plugin_api::optim::{clip_factor, phase2_scales};
-use nsactor_plugin_api::{Batch, EngineError};
+use nsactor_plugin_api::optim::{clip_factor, phase2_layer_scales};
+use nsactor_plugin_api::{Batch, BiasGradNorms, EngineError, GradSumSquares, IdAllocator};
 use ractor::{Actor, ActorCell, ActorProcessingErr, ActorRef, RpcReplyPort, SupervisionEvent};
 use std::path::PathBuf;
 use std::sync::{Arc, RwLock};
@@ -80,6 +80,8 @@ pub struct SupArgs {
     pub children: Arc<RwLock<Children>>,
     pub data: Option<ActorRef<DataMsg>>,
     pub train: TrainConfig,
+    /// The pipeline's one source of micro-batch (and session) ids.
+    pub ids: Arc<IdAllocator>,
 }
 
 pub struct SupState {
@@ -95,7 +97,7 @@ pub struct SupState {
     /// Steps completed.
     pub(super) step: u64,
     pub(super) cursor: Option<Cursor>,
-    pub(super) next_micro: u64,
+    pub(super) ids: Arc<IdAllocator>,
     /// Why the pipeline can no longer run, once a child has died.
     pub(super) broken: Option<String>,
     /// Where the data stood before the first step (the rollback target without a checkpoint).
@@ -177,8 +179,9 @@ impl SupState {
             );
         }
         let m = batches.len();
-        let base = self.next_micro;
-        self.next_micro += m as u64;
+        // Consecutive ids: micro-batch `i` of the step is `micro[0] + i`.
+        let micro = self.ids.micro_batches(m);
+        let base = micro[0].0;
         let tokens: u64 = batches.iter().map(crate::engine::scored_tokens).sum();
         // At most one event per micro-batch is in the channel at a time.
         let (tx, mut rx) = tokio::sync::mpsc::channel(m + 1);
@@ -195,7 +198,7 @@ impl SupState {
          -> Result<(), RuntimeError> {
             if let Some((i, batch)) = pending.next() {
                 edge.cast(EdgeMsg::Embed {
-                    micro: base + i as u64,
+                    micro: micro[i],
                     batch,
                     loss_scale: 1.0 / m as f64,
                     ponder_weight: p.ponder_weight,
@@ -235,10 +238,10 @@ impl SupState {
             finished += 1;
             match event {
                 Event::Done { micro, ce, ponder } => {
-                    results[(micro - base) as usize] = Some((ce, ponder));
+                    results[(micro.0 - base) as usize] = Some((ce, ponder));
                 }
                 Event::Failed { who, micro, error } => {
-                    tracing::error!("micro-batch {micro} failed in {who}: {error}");
+                    tracing::error!("{micro} failed in {who}: {error}");
                     if matches!(error, EngineError::Panic(_)) {
                         // The actor is gone with its stage: nothing left to drain for.
                         self.broken = Some(format!("{who} panicked"));
@@ -278,21 +281,17 @@ impl SupState {
             })
         }))
         .await;
-        let mut norms: [Vec<Option<f64>>; 3] = Default::default();
-        for r in stats {
-            let r = r?;
-            for (j, per_bias) in norms.iter_mut().enumerate() {
-                let n = r.scalar(j, "GradStats")?;
-                per_bias.push(n.is_finite().then_some(n));
-            }
-        }
-        let scales: Vec<Vec<f64>> = norms.iter().map(|n| phase2_scales(n)).collect();
+        let norms = stats
+            .into_iter()
+            .map(|r| Ok(BiasGradNorms::try_from(r?)?))
+            .collect::<Result<Vec<_>, RuntimeError>>()?;
+        let scales = phase2_layer_scales(&norms);
         let edge = ask(&self.edge, "edge", |reply| EdgeMsg::Control {
             call: EdgeControl::ScaleGrads,
             reply,
         });
         let layers = join_all(self.layers.iter().enumerate().map(|(i, l)| {
-            let call = LayerControl::ScaleGrads([scales[0][i], scales[1][i], scales[2][i]]);
+            let call = LayerControl::ScaleGrads(scales[i]);
             ask(l, format!("layer {i}"), |reply| LayerMsg::Control {
                 call,
                 reply,
@@ -300,9 +299,10 @@ impl SupState {
         }));
         let (e, ls) = futures_util::join!(edge, layers);
         // Summed in stage order (edge, then layers) whatever order the replies came in.
-        let mut sum_sq = e?.scalar(0, "ScaleGrads")?;
+        let GradSumSquares(mut sum_sq) = e?.try_into()?;
         for r in ls {
-            sum_sq += r?.scalar(0, "ScaleGrads")?;
+            let GradSumSquares(s) = r?.try_into()?;
+            sum_sq += s;
         }
         let norm = sum_sq.sqrt();
         if !norm.is_finite() {
@@ -435,7 +435,7 @@ impl Actor for Supervisor {
             train: a.train,
             step: 0,
             cursor: None,
-            next_micro: 0,
+            ids: a.ids,
             broken: None,
             initial_cursor: None,
             restarts: 0,

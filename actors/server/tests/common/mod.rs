@@ -37,12 +37,12 @@ pub fn serve_model(max_sessions: usize, max_queue: usize, tiny_a: bool) -> Serve
     let fx = TinyAFixture::parse(&bytes).unwrap();
     let backend = nsactor_runtime::backend::open(nsactor_runtime::backend::EMBEDDED, &[]).unwrap();
     let cfg = nsactor_runtime::config::RunConfig::load(None).unwrap();
-    let (toml, vocab) = if tiny_a {
-        (fx.model_toml(), 512)
+    let (model, vocab) = if tiny_a {
+        (fx.model().unwrap(), 512)
     } else {
-        (cfg.model_toml(), 2048)
+        (cfg.model.clone(), 2048)
     };
-    let mut staged = StagedModel::open(backend, &toml, 0, OptimizerKind::Adam, None).unwrap();
+    let mut staged = StagedModel::open(backend, &model, 0, OptimizerKind::Adam, None).unwrap();
     if tiny_a {
         // The fixture's greedy run decodes with the weights after its training step.
         staged

@@ -112,16 +112,7 @@ pub fn export_hf(
         .map(Path::to_path_buf)
         .or(cfg.data.tokenizer.clone());
     let tok = nsactor_data::cli::load_tokenizer(tok_path.as_deref())?;
-    if let Some(h) = &l.manifest.tokenizer_sha256
-        && h != tok.hash()
-    {
-        return Err(RuntimeError::Invalid(format!(
-            "{} was trained with tokenizer {h}, but {} is {}; pass the run's tokenizer with --tokenizer",
-            l.dir.display(),
-            tok.origin(),
-            tok.hash()
-        )));
-    }
+    l.manifest.check_tokenizer(&l.dir, &tok)?;
     let merged = crate::weights::merge_params(&l.shards)?;
     let st = SafeTensors::deserialize(&merged).map_err(convert)?;
     let names: Vec<String> = st

@@ -102,16 +102,7 @@ pub fn load_checkpoint(o: &CheckpointOptions) -> Result<Loaded, RuntimeError> {
     let mut cfg = RunConfig::from_str(&ck.manifest.config, &ck.dir.display().to_string())?;
     let tok_path = o.tokenizer.clone().or(cfg.data.tokenizer.clone());
     let tok = nsactor_data::cli::load_tokenizer(tok_path.as_deref())?;
-    if let Some(h) = &ck.manifest.tokenizer_sha256
-        && h != tok.hash()
-    {
-        return Err(RuntimeError::Invalid(format!(
-            "{} was trained with tokenizer {h}, but {} is {}; pass the run's with --tokenizer",
-            ck.dir.display(),
-            tok.origin(),
-            tok.hash()
-        )));
-    }
+    ck.manifest.check_tokenizer(&ck.dir, &tok)?;
     if let Some(p) = &o.precision {
         cfg.backend.precision = Some(p.clone());
     }
@@ -195,16 +186,7 @@ pub fn resume(
         );
         return Ok(0);
     };
-    if let Some(h) = &manifest.tokenizer_sha256
-        && h != tok.hash()
-    {
-        return Err(RuntimeError::Invalid(format!(
-            "checkpoint {} was trained with tokenizer {h}, this run uses {} ({})",
-            dir.display(),
-            tok.hash(),
-            tok.origin()
-        )));
-    }
+    manifest.check_tokenizer(&dir, tok)?;
     pipeline.load_stages(shards)?;
     pipeline.set_position(manifest.step, manifest.data_cursor)?;
     tracing::info!("resuming from {} (step {})", dir.display(), manifest.step);

@@ -18,7 +18,7 @@
 //!
 //! Closing a session waits for its cohort in flight, then frees its states in every actor.
 
-use super::msg::{EdgeControl, EdgeMsg, LayerControl, LayerMsg, ask};
+use super::msg::{EdgeMsg, StageControl, ask, control_all};
 use super::topology::Children;
 use crate::error::RuntimeError;
 use nsactor_plugin_api::SessionId;
@@ -309,18 +309,8 @@ fn add_ns(to: &AtomicU64, since: Instant) -> Instant {
 
 /// Frees `session`'s neuron states in every actor (errors ignored: a stopped actor has none).
 pub(crate) async fn close_everywhere(c: &Children, session: SessionId) {
-    let _ = ask(&c.edge, "edge", |reply| EdgeMsg::Control {
-        call: EdgeControl::SessionClose { session },
-        reply,
-    })
-    .await;
-    for (i, l) in c.layers.iter().enumerate() {
-        let _ = ask(l, format!("layer {i}"), |reply| LayerMsg::Control {
-            call: LayerControl::SessionClose { session },
-            reply,
-        })
-        .await;
-    }
+    let close = StageControl::SessionClose { session };
+    let _ = control_all(&c.edge, &c.layers, close, |_| close).await;
 }
 
 impl Actor for BatcherActor {

@@ -42,6 +42,27 @@ pub struct CheckpointManifest {
     pub shards: Vec<ShardEntry>,
 }
 
+impl CheckpointManifest {
+    /// Fails unless `tok` is the tokenizer the checkpoint in `dir` was trained with (when it
+    /// recorded one): ids of another vocabulary would mean other tokens.
+    pub fn check_tokenizer(
+        &self,
+        dir: &Path,
+        tok: &nsactor_data::Tokenizer,
+    ) -> Result<(), RuntimeError> {
+        match &self.tokenizer_sha256 {
+            Some(h) if h != tok.hash() => Err(RuntimeError::Invalid(format!(
+                "{} was trained with tokenizer {h}, but {} is {}; pass the run's tokenizer with \
+                 --tokenizer",
+                dir.display(),
+                tok.origin(),
+                tok.hash()
+            ))),
+            _ => Ok(()),
+        }
+    }
+}
+
 /// What a checkpoint records besides the shards.
 #[derive(Debug, Clone, PartialEq)]
 pub struct CheckpointMeta {

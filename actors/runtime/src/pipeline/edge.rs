@@ -5,7 +5,7 @@
 
 use super::holder::StageHolder;
 use super::layer::{answer, fail};
-use super::msg::{EdgeControl, EdgeMsg, Hop};
+use super::msg::{EdgeMsg, Hop, StageControl};
 use super::step::{Event, Ponder, StepCtx};
 use super::worker::Priority;
 use nsactor_plugin_api::{
@@ -202,30 +202,13 @@ impl Actor for EdgeActor {
                 }
             }
             EdgeMsg::Control { call, reply } => {
-                if matches!(call, EdgeControl::ZeroGrad) {
+                if matches!(call, StageControl::ZeroGrad) {
                     s.in_flight.clear();
                     s.pending_heads.clear();
                 }
                 let r = s
                     .stage
-                    .compute(Priority::Control, None, move |st, _| {
-                        st.call(match call {
-                            EdgeControl::ScaleGrads => StageCall::ScaleGrads { scales: [1.0; 3] },
-                            EdgeControl::Step {
-                                lr,
-                                neuron_lr,
-                                clip,
-                            } => StageCall::Step {
-                                lr,
-                                neuron_lr,
-                                clip,
-                            },
-                            EdgeControl::ZeroGrad => StageCall::ZeroGrad,
-                            EdgeControl::SessionClose { session } => {
-                                StageCall::SessionClose { session }
-                            }
-                        })
-                    })
+                    .compute(Priority::Control, None, move |st, _| st.call(call.call()))
                     .await;
                 return answer(WHO.into(), reply, r);
             }

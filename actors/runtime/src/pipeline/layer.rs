@@ -3,7 +3,7 @@
 //! activations arrive in its mailbox and leave for the next hop when the worker is done.
 
 use super::holder::StageHolder;
-use super::msg::{Hop, LayerControl, LayerMsg};
+use super::msg::{Hop, LayerMsg};
 use super::step::{Event, StepCtx};
 use super::worker::Priority;
 use nsactor_plugin_api::{EngineError, ForwardOut, MicroBatchId, StageCall};
@@ -120,25 +120,7 @@ impl Actor for LayerActor {
             LayerMsg::Control { call, reply } => {
                 let r = s
                     .stage
-                    .compute(Priority::Control, None, move |st, _| {
-                        st.call(match call {
-                            LayerControl::GradStats => StageCall::GradStats,
-                            LayerControl::ScaleGrads(scales) => StageCall::ScaleGrads { scales },
-                            LayerControl::Step {
-                                lr,
-                                neuron_lr,
-                                clip,
-                            } => StageCall::Step {
-                                lr,
-                                neuron_lr,
-                                clip,
-                            },
-                            LayerControl::ZeroGrad => StageCall::ZeroGrad,
-                            LayerControl::SessionClose { session } => {
-                                StageCall::SessionClose { session }
-                            }
-                        })
-                    })
+                    .compute(Priority::Control, None, move |st, _| st.call(call.call()))
                     .await;
                 return answer(s.who(), reply, r);
             }

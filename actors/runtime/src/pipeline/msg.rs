@@ -4,7 +4,9 @@
 use super::holder::StageHolder;
 use super::step::{Ponder, StepCtx};
 use crate::error::RuntimeError;
-use nsactor_plugin_api::{Batch, DeviceTensor, EngineError, MicroBatchId, Reply, SessionId};
+use nsactor_plugin_api::{
+    Batch, DeviceTensor, EngineError, MicroBatchId, Reply, SessionId, StageCall,
+};
 use ractor::{ActorRef, RpcReplyPort};
 use std::sync::Arc;
 
@@ -86,13 +88,61 @@ pub(crate) async fn ask<M: ractor::Message, T: Send + 'static>(
     }
 }
 
-/// Optimizer-phase and decoding calls, answered by reply.
-pub enum LayerControl {
+/// Sends `edge_call` to the edge and `layer_call(i)` to layer `i`, all at once; returns the
+/// edge's answer and the layers' in layer order.
+pub(crate) async fn control_all(
+    edge: &ActorRef<EdgeMsg>,
+    layers: &[ActorRef<LayerMsg>],
+    edge_call: StageControl,
+    layer_call: impl Fn(usize) -> StageControl,
+) -> (
+    Result<Reply, RuntimeError>,
+    Vec<Result<Reply, RuntimeError>>,
+) {
+    let e = ask(edge, "edge", |reply| EdgeMsg::Control {
+        call: edge_call,
+        reply,
+    });
+    let ls = futures_util::future::join_all(layers.iter().enumerate().map(|(i, l)| {
+        let call = layer_call(i);
+        ask(l, format!("layer {i}"), move |reply| LayerMsg::Control {
+            call,
+            reply,
+        })
+    }));
+    futures_util::join!(e, ls)
+}
+
+/// The optimizer-phase and session calls a stage actor answers by reply (the edge ignores
+/// phase-2 factors and answers `GradStats` with no norms).
+#[derive(Debug, Clone, Copy)]
+pub enum StageControl {
     GradStats,
     ScaleGrads([f64; 3]),
     Step { lr: f64, neuron_lr: f64, clip: f64 },
     ZeroGrad,
     SessionClose { session: SessionId },
+}
+
+impl StageControl {
+    /// The stage call it makes.
+    pub(crate) fn call(self) -> StageCall<'static> {
+        match self {
+            StageControl::GradStats => StageCall::GradStats,
+            StageControl::ScaleGrads(scales) => StageCall::ScaleGrads { scales },
+            StageControl::Step {
+                lr,
+                neuron_lr,
+                clip,
+            } => StageCall::Step {
+                lr,
+                neuron_lr,
+                clip,
+            },
+            StageControl::ZeroGrad => StageCall::ZeroGrad,
+            StageControl::SessionClose { session } => StageCall::SessionClose { session },
+        }
+    }
 }
 
 pub enum LayerMsg {
@@ -114,7 +164,7 @@ pub enum LayerMsg {
         ctx: StepCtx,
     },
     Control {
-        call: LayerControl,
+        call: StageControl,
         reply: RpcReplyPort<Result<Reply, EngineError>>,
     },
     /// `h` through the layer for decoding `sessions` (batch rows split evenly among them, in
@@ -139,13 +189,6 @@ pub enum LayerMsg {
 }
 
 /// Optimizer-phase and decoding calls, answered by reply.
-pub enum EdgeControl {
-    ScaleGrads,
-    Step { lr: f64, neuron_lr: f64, clip: f64 },
-    ZeroGrad,
-    SessionClose { session: SessionId },
-}
-
 pub enum EdgeMsg {
     Wire {
         first: Hop,
@@ -174,7 +217,7 @@ pub enum EdgeMsg {
         ctx: StepCtx,
     },
     Control {
-        call: EdgeControl,
+        call: StageControl,
         reply: RpcReplyPort<Result<Reply, EngineError>>,
     },
     /// Embeds tokens for decoding or evaluation (row-major `[batch, seq_len]`).

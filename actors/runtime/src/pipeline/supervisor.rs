@@ -11,7 +11,7 @@
 
 use super::checkpoint::{self, CheckpointMeta};
 use super::data::{DataMsg, Shape};
-use super::msg::{EdgeControl, EdgeMsg, LayerControl, LayerMsg, ask};
+use super::msg::{EdgeMsg, LayerMsg, StageControl, ask, control_all};
 use super::step::{Event, StepCtx};
 use super::topology::{Children, Topology};
 use crate::config::TrainConfig;
@@ -136,17 +136,8 @@ impl SupState {
     }
 
     async fn zero_grad(&self) -> Result<(), RuntimeError> {
-        let edge = ask(&self.edge, "edge", |reply| EdgeMsg::Control {
-            call: EdgeControl::ZeroGrad,
-            reply,
-        });
-        let layers = join_all(self.layers.iter().enumerate().map(|(i, l)| {
-            ask(l, format!("layer {i}"), |reply| LayerMsg::Control {
-                call: LayerControl::ZeroGrad,
-                reply,
-            })
-        }));
-        let (e, ls) = futures_util::join!(edge, layers);
+        let zero = StageControl::ZeroGrad;
+        let (e, ls) = control_all(&self.edge, &self.layers, zero, |_| zero).await;
         e?;
         ls.into_iter().collect::<Result<Vec<_>, _>>()?;
         Ok(())
@@ -276,7 +267,7 @@ impl SupState {
     async fn apply_step(&self, p: &StepParams) -> Result<f64, RuntimeError> {
         let stats = join_all(self.layers.iter().enumerate().map(|(i, l)| {
             ask(l, format!("layer {i}"), |reply| LayerMsg::Control {
-                call: LayerControl::GradStats,
+                call: StageControl::GradStats,
                 reply,
             })
         }))
@@ -286,18 +277,13 @@ impl SupState {
             .map(|r| Ok(BiasGradNorms::try_from(r?)?))
             .collect::<Result<Vec<_>, RuntimeError>>()?;
         let scales = phase2_layer_scales(&norms);
-        let edge = ask(&self.edge, "edge", |reply| EdgeMsg::Control {
-            call: EdgeControl::ScaleGrads,
-            reply,
-        });
-        let layers = join_all(self.layers.iter().enumerate().map(|(i, l)| {
-            let call = LayerControl::ScaleGrads(scales[i]);
-            ask(l, format!("layer {i}"), |reply| LayerMsg::Control {
-                call,
-                reply,
-            })
-        }));
-        let (e, ls) = futures_util::join!(edge, layers);
+        let (e, ls) = control_all(
+            &self.edge,
+            &self.layers,
+            StageControl::ScaleGrads([1.0; 3]),
+            |i| StageControl::ScaleGrads(scales[i]),
+        )
+        .await;
         // Summed in stage order (edge, then layers) whatever order the replies came in.
         let GradSumSquares(mut sum_sq) = e?.try_into()?;
         for r in ls {
@@ -313,25 +299,12 @@ impl SupState {
         }
         let clip = clip_factor(norm, p.max_grad_norm);
         let (lr, neuron_lr) = (p.lr, p.neuron_lr);
-        let edge = ask(&self.edge, "edge", |reply| EdgeMsg::Control {
-            call: EdgeControl::Step {
-                lr,
-                neuron_lr,
-                clip,
-            },
-            reply,
-        });
-        let layers = join_all(self.layers.iter().enumerate().map(|(i, l)| {
-            ask(l, format!("layer {i}"), |reply| LayerMsg::Control {
-                call: LayerControl::Step {
-                    lr,
-                    neuron_lr,
-                    clip,
-                },
-                reply,
-            })
-        }));
-        let (e, ls) = futures_util::join!(edge, layers);
+        let step = StageControl::Step {
+            lr,
+            neuron_lr,
+            clip,
+        };
+        let (e, ls) = control_all(&self.edge, &self.layers, step, |_| step).await;
         e?;
         ls.into_iter().collect::<Result<Vec<_>, _>>()?;
         Ok(norm)

@@ -127,7 +127,7 @@ impl<B: Backend> SessionTable<B> {
                 && self.groups[group].rows != rows
             {
                 return Err(EngineError::InvalidInput(format!(
-                    "{s} has batch {}, the call {rows}",
+                    "session {s} has batch {}, the call {rows}",
                     self.groups[group].rows
                 )));
             }

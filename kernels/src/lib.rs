@@ -35,8 +35,9 @@
 //! * [`bench`] — `nsactor bench kernels`: every kernel checked against its reference, then
 //!   timed. Production code never imports it.
 //! * [`options`] — the `key=value` option strings and the decoding fusions' switch.
+//! * [`KernelError`] — the crate's one error type, seen by the backends as `EngineError`.
 //!
-//! Depends on burn; with the `cuda` feature also on burn-cuda, burn-cubecl, cubecl, cubek and
+//! Depends on burn and the burn-free stage contract (`nsactor-plugin-api`, for its error type); with the `cuda` feature also on burn-cuda, burn-cubecl, cubecl, cubek and
 //! cudarc (cuBLASLt, loaded at run time).
 //!
 //! [`reference`]: mod@reference
@@ -48,12 +49,14 @@ pub mod bench;
 mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;
+mod error;
 mod ops;
 pub mod options;
 pub mod parity;
 pub mod reference;
 mod tensor;
 
+pub use error::KernelError;
 pub use ops::device::{DeviceOps, GraphOps};
 pub use ops::gemm::{GemmOps, gemm_operand, matmul, matmul_add, matmul_stored, stored};
 pub use ops::infer::{

@@ -10,6 +10,7 @@
 //! kernel computes in fp32. The fixture stays the fp32 yardstick, so the figures are the whole
 //! error bf16 storage costs.
 
+use crate::KernelError;
 use crate::ops::scan::{plif_elem, plif_row};
 use crate::ops::snn::SnnOps;
 use burn::backend::Autodiff;
@@ -153,16 +154,16 @@ impl VariantReport {
 struct Fixture<'a>(safetensors::SafeTensors<'a>);
 
 impl Fixture<'_> {
-    fn raw(&self, key: &str) -> Result<(Vec<f32>, Vec<usize>), String> {
+    fn raw(&self, key: &str) -> Result<(Vec<f32>, Vec<usize>), KernelError> {
         let view = self
             .0
             .tensor(key)
-            .map_err(|e| format!("plif_scan fixture: key `{key}`: {e}"))?;
+            .map_err(|e| KernelError::Fixture(format!("plif_scan: key `{key}`: {e}")))?;
         if view.dtype() != safetensors::Dtype::F32 {
-            return Err(format!(
+            return Err(KernelError::Fixture(format!(
                 "plif_scan fixture: `{key}` is {:?}, not F32",
                 view.dtype()
-            ));
+            )));
         }
         let values = view
             .data()
@@ -186,14 +187,14 @@ fn compare(
     flipped: &[bool],
     bound: f32,
     on_rel: bool,
-) -> Result<Compared, String> {
+) -> Result<Compared, KernelError> {
     if got.len() != want.len() || !want.len().is_multiple_of(flipped.len()) {
-        return Err(format!(
+        return Err(KernelError::Fixture(format!(
             "{name}: {} values against the fixture's {} ({} neurons)",
             got.len(),
             want.len(),
             flipped.len()
-        ));
+        )));
     }
     // [all, clean]: max |Δ|, Σ Δ², Σ want².
     let mut acc = [(0f32, 0f64, 0f64); 2];
@@ -224,13 +225,15 @@ pub fn plif_fixture<B: SnnOps>(
     bytes: &[u8],
     variant: &'static str,
     precision: ScanPrecision,
-) -> Result<VariantReport, String> {
+) -> Result<VariantReport, KernelError> {
     type Ad<B> = Autodiff<B>;
     if !["elem", "row"].contains(&variant) {
-        return Err(format!("unknown scan variant `{variant}` (elem, row)"));
+        return Err(KernelError::Misuse(format!(
+            "unknown scan variant `{variant}` (elem, row)"
+        )));
     }
     let st = safetensors::SafeTensors::deserialize(bytes)
-        .map_err(|e| format!("plif_scan fixture is not valid safetensors: {e}"))?;
+        .map_err(|e| KernelError::Fixture(format!("plif_scan is not valid safetensors: {e}")))?;
     let fx = Fixture(st);
     let key = |k: &str| format!("{variant}.{k}");
     // What bf16 storage rounds: the activations (the current `u`, the upstream gradient, and
@@ -244,14 +247,14 @@ pub fn plif_fixture<B: SnnOps>(
             v
         }
     };
-    let input = |k: &str| -> Result<TensorData, String> {
+    let input = |k: &str| -> Result<TensorData, KernelError> {
         let (v, shape) = fx.raw(&key(k))?;
         Ok(TensorData::new(stored(k, v), shape))
     };
-    let leaf3 = |k: &str| -> Result<Tensor<Ad<B>, 3>, String> {
+    let leaf3 = |k: &str| -> Result<Tensor<Ad<B>, 3>, KernelError> {
         Ok(Tensor::from_data(input(k)?, device).require_grad())
     };
-    let leaf2 = |k: &str| -> Result<Tensor<Ad<B>, 2>, String> {
+    let leaf2 = |k: &str| -> Result<Tensor<Ad<B>, 2>, KernelError> {
         Ok(Tensor::from_data(input(k)?, device).require_grad())
     };
     let u = leaf3("u")?;
@@ -274,17 +277,23 @@ pub fn plif_fixture<B: SnnOps>(
             let gt = vth.grad(&grads).map(values);
             (spike, vpost, grads, gb, gt)
         }
-        other => return Err(format!("unknown scan variant `{other}` (elem, row)")),
+        other => {
+            return Err(KernelError::Misuse(format!(
+                "unknown scan variant `{other}` (elem, row)"
+            )));
+        }
     };
-    let missing = |n: &str| format!("{variant}: no gradient reached {n}");
+    let missing = |n: &str| KernelError::Mismatch {
+        report: format!("{variant}: no gradient reached {n}"),
+    };
     let want_spike = fx.raw(&key("spike"))?.0;
     let got_spike = values(spike);
     if got_spike.len() != want_spike.len() {
-        return Err(format!(
+        return Err(KernelError::Fixture(format!(
             "{variant}: {} spikes against the fixture's {}",
             got_spike.len(),
             want_spike.len()
-        ));
+        )));
     }
     let neurons = v0.dims().iter().product::<usize>();
     let mut flipped = vec![false; neurons];
@@ -346,7 +355,7 @@ pub fn plif_fixture_all<B: SnnOps>(
     device: &B::Device,
     bytes: &[u8],
     precisions: &[ScanPrecision],
-) -> Result<Vec<VariantReport>, String> {
+) -> Result<Vec<VariantReport>, KernelError> {
     let mut out = Vec::new();
     for &p in precisions {
         for variant in ["elem", "row"] {

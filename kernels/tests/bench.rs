@@ -44,12 +44,12 @@ fn the_cpu_scans_pass_the_check_and_are_timed() {
 #[test]
 fn unknown_or_bad_options_are_refused_by_name() {
     let base = ScanBench::model_0_9b;
-    let e = base().with_options("stepz=3").unwrap_err();
+    let e = base().with_options("stepz=3").unwrap_err().to_string();
     assert!(e.contains("unknown option `stepz`"), "{e}");
-    let e = base().with_options("steps=x").unwrap_err();
+    let e = base().with_options("steps=x").unwrap_err().to_string();
     assert!(e.contains("steps: `x` is not a whole number"), "{e}");
-    let e = base().with_options("reps=0").unwrap_err();
+    let e = base().with_options("reps=0").unwrap_err().to_string();
     assert!(e.contains("reps must be at least 1"), "{e}");
-    let e = base().with_options("batch").unwrap_err();
+    let e = base().with_options("batch").unwrap_err().to_string();
     assert!(e.contains("`batch` is not key=value"), "{e}");
 }

@@ -4,6 +4,7 @@
 use burn::backend::Autodiff;
 use burn::tensor::{Distribution, Tensor, backend::Backend};
 use burn_ndarray::NdArray;
+use nsactor_kernels::KernelError;
 use nsactor_kernels::parity::{self, ScanPrecision};
 use nsactor_kernels::{plif_elem, plif_row};
 use std::path::PathBuf;
@@ -100,10 +101,12 @@ fn a_malformed_fixture_is_an_error_not_a_panic() {
     let dev = Default::default();
     let e = parity::plif_fixture::<Inner>(&dev, b"not safetensors", "elem", ScanPrecision::F32)
         .unwrap_err();
-    assert!(e.contains("not valid safetensors"), "{e}");
+    assert!(matches!(e, KernelError::Fixture(_)), "{e:?}");
+    assert!(e.to_string().contains("not valid safetensors"), "{e}");
     let bytes = fixture("plif_scan.safetensors");
     let e = parity::plif_fixture::<Inner>(&dev, &bytes, "diag", ScanPrecision::F32).unwrap_err();
-    assert!(e.contains("unknown scan variant"), "{e}");
+    assert!(matches!(e, KernelError::Misuse(_)), "{e:?}");
+    assert!(e.to_string().contains("unknown scan variant"), "{e}");
 }
 
 #[test]

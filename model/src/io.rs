@@ -205,35 +205,9 @@ pub fn save_file<B: Backend, P: Params<B>>(
     write_atomic(path, &bytes)
 }
 
-/// Atomic file write: a crash leaves either the old file or the new one, never a torn one.
+/// Atomic file write ([`nsactor_plugin_api::files::write_atomic`]): a crash leaves either the
+/// old file or the new one, never a torn one.
 pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), ModelError> {
-    use std::io::Write;
-    let ctx = path.display().to_string();
-    let io = |e| ModelError::Io(ctx.clone(), e);
-    let dir = path
-        .parent()
-        .filter(|p| !p.as_os_str().is_empty())
-        .unwrap_or(Path::new("."));
-    let name = path
-        .file_name()
-        .ok_or_else(|| ModelError::Io(ctx.clone(), std::io::Error::other("no file name")))?;
-    let tmp = dir.join(format!(
-        ".{}.tmp-{}",
-        name.to_string_lossy(),
-        std::process::id()
-    ));
-    let result = (|| {
-        let mut f = std::fs::File::create(&tmp)?;
-        f.write_all(bytes)?;
-        f.sync_all()?;
-        std::fs::rename(&tmp, path)?;
-        if let Ok(d) = std::fs::File::open(dir) {
-            let _ = d.sync_all();
-        }
-        Ok(())
-    })();
-    if result.is_err() {
-        let _ = std::fs::remove_file(&tmp);
-    }
-    result.map_err(io)
+    nsactor_plugin_api::files::write_atomic(path, bytes)
+        .map_err(|e| ModelError::Io(path.display().to_string(), e))
 }

@@ -232,9 +232,10 @@ fn no_file_outside_the_cli_imports_its_benchmarks() {
                 continue;
             }
             // The backends register the kernel benchmarks as the plugin's `bench kernels`
-            // entry point; that registration is the only production use allowed.
+            // entry point (`Diagnostic::Kernels`, run in `backends/core/src/diagnose.rs`; the
+            // CUDA plugin adds its GEMM bench in its `lib.rs`): the only production use allowed.
             let entry_point =
-                rel == "backends/core/src/lib.rs" || rel == "backends/cuda/src/lib.rs";
+                rel == "backends/core/src/diagnose.rs" || rel == "backends/cuda/src/lib.rs";
             let bench_use = line.contains("nsactor_kernels::bench") && !entry_point;
             assert!(
                 !bench_use && !line.contains("crate::bench::"),
@@ -243,6 +244,36 @@ fn no_file_outside_the_cli_imports_its_benchmarks() {
             );
         }
     }
+}
+
+/// The longest a source file may grow: a room a newcomer can read in one sitting.
+const MAX_LINES: usize = 600;
+
+#[test]
+fn no_file_outgrows_a_room() {
+    // Every crate's sources and tests (integration tests too); vendored upstream crates aside.
+    let mut files = Vec::new();
+    for dir in ["plugins", "kernels", "model", "backends", "actors", "tests"] {
+        rust_files(&root().join(dir), &mut files);
+    }
+    let mut long: Vec<String> = files
+        .iter()
+        .filter(|f| {
+            let rel = f.strip_prefix(root()).unwrap();
+            !rel.starts_with("kernels/vendor")
+                && !rel.components().any(|c| c.as_os_str() == "target")
+        })
+        .filter_map(|f| {
+            let n = std::fs::read_to_string(f).unwrap().lines().count();
+            (n > MAX_LINES)
+                .then(|| format!("{} ({n} lines)", f.strip_prefix(root()).unwrap().display()))
+        })
+        .collect();
+    long.sort();
+    assert!(
+        long.is_empty(),
+        "files over {MAX_LINES} lines (split them by job): {long:?}"
+    );
 }
 
 /// The module path of `file` within its crate (`src/a/b.rs` and `src/a/b/mod.rs` → `a::b`).

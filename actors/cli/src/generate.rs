@@ -44,7 +44,7 @@ pub fn run(a: GenerateArgs) -> crate::CliResult {
         ignore_eos: false,
     };
     // Streams one answer to stdout; returns its text.
-    let run = |prompt: PromptSpec| -> Result<String, Box<dyn std::error::Error>> {
+    let run = |prompt: PromptSpec| -> crate::CliResult<String> {
         let spec = options().validate(prompt, false, &state.limits)?;
         let (tx, mut rx) = tokio::sync::mpsc::channel(64);
         let g = state.clone();

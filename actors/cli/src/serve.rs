@@ -43,7 +43,7 @@ pub fn run(a: ServeArgs) -> crate::CliResult {
             tracing::info!("shutting down");
         };
         nsactor_server::serve(listener, state, shutdown).await?;
-        Ok::<_, Box<dyn std::error::Error>>(())
+        Ok::<_, crate::CliError>(())
     })
 }
 

@@ -302,12 +302,7 @@ impl TrainConfig {
     /// Checks the values (run again after command-line overrides); `origin` names the config
     /// in the error.
     pub fn validate(&self, origin: &str) -> Result<(), RuntimeError> {
-        self.check()
-            .map_err(|m| RuntimeError::ConfigInvalid(origin.into(), m))
-    }
-
-    /// The first value out of range, described.
-    fn check(&self) -> Result<(), String> {
+        let bad = |m: String| RuntimeError::ConfigInvalid(origin.into(), m);
         let positive = [
             ("steps", self.steps as usize),
             ("batch_size", self.batch_size),
@@ -317,7 +312,7 @@ impl TrainConfig {
             ("pipeline", self.pipeline),
         ];
         if let Some((name, _)) = positive.iter().find(|(_, v)| *v == 0) {
-            return Err(format!("`{name}` must be positive"));
+            return Err(bad(format!("`{name}` must be positive")));
         }
         let finite = [
             ("lr", self.lr),
@@ -327,11 +322,11 @@ impl TrainConfig {
             ("max_grad_norm", self.max_grad_norm),
         ];
         if let Some((name, v)) = finite.iter().find(|(_, v)| !v.is_finite() || *v < 0.0) {
-            return Err(format!("`{name}` must be finite and ≥ 0, got {v}"));
+            return Err(bad(format!("`{name}` must be finite and ≥ 0, got {v}")));
         }
         if let Some(f) = &self.inject_fault {
             f.parse::<crate::pipeline::topology::Fault>()
-                .map_err(|e| format!("`inject_fault`: {e}"))?;
+                .map_err(|e| bad(format!("`inject_fault`: {e}")))?;
         }
         Ok(())
     }

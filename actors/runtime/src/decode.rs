@@ -33,21 +33,21 @@ impl SamplingParams {
 
     /// Checks the ranges; the message names the field.
     pub fn validate(&self) -> Result<(), RuntimeError> {
-        self.check().map_err(RuntimeError::Invalid)
-    }
-
-    fn check(&self) -> Result<(), String> {
+        let bad = RuntimeError::Invalid;
         if !(self.temperature.is_finite() && self.temperature >= 0.0) {
-            return Err(format!("temperature must be ≥ 0, got {}", self.temperature));
+            return Err(bad(format!(
+                "temperature must be ≥ 0, got {}",
+                self.temperature
+            )));
         }
         if !(self.top_p > 0.0 && self.top_p <= 1.0) {
-            return Err(format!("top_p must be in (0, 1], got {}", self.top_p));
+            return Err(bad(format!("top_p must be in (0, 1], got {}", self.top_p)));
         }
         if !(self.repetition_penalty.is_finite() && self.repetition_penalty > 0.0) {
-            return Err(format!(
+            return Err(bad(format!(
                 "repetition_penalty must be > 0, got {}",
                 self.repetition_penalty
-            ));
+            )));
         }
         Ok(())
     }

@@ -74,6 +74,7 @@ impl RuntimeError {
                 error: error.clone(),
             },
             RuntimeError::Broken(m) => RuntimeError::Broken(m.clone()),
+            RuntimeError::Invalid(m) => RuntimeError::Invalid(m.clone()),
             other => RuntimeError::Runtime(other.to_string()),
         }
     }

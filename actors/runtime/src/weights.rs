@@ -3,8 +3,6 @@
 use crate::error::RuntimeError;
 use safetensors::SafeTensors;
 use safetensors::tensor::TensorView;
-use std::io::Write;
-use std::path::Path;
 
 /// Prefix of optimizer-state tensors inside a stage shard.
 const OPTIMIZER_PREFIX: &str = "adam.";
@@ -38,33 +36,4 @@ pub fn merge_params(shards: &[Vec<u8>]) -> Result<Vec<u8>, RuntimeError> {
         .map_err(|e| RuntimeError::Weights(format!("serialise: {e}")))
 }
 
-/// Atomic file write: a temporary file in the same directory, fsync, rename, fsync the
-/// directory. A crash leaves the old file or the new one, never a torn one.
-pub fn write_atomic(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
-    let dir = path
-        .parent()
-        .filter(|p| !p.as_os_str().is_empty())
-        .unwrap_or(Path::new("."));
-    let name = path
-        .file_name()
-        .ok_or_else(|| std::io::Error::other("no file name"))?;
-    let tmp = dir.join(format!(
-        ".{}.tmp-{}",
-        name.to_string_lossy(),
-        std::process::id()
-    ));
-    let result = (|| {
-        let mut f = std::fs::File::create(&tmp)?;
-        f.write_all(bytes)?;
-        f.sync_all()?;
-        std::fs::rename(&tmp, path)?;
-        if let Ok(d) = std::fs::File::open(dir) {
-            let _ = d.sync_all();
-        }
-        Ok(())
-    })();
-    if result.is_err() {
-        let _ = std::fs::remove_file(&tmp);
-    }
-    result
-}
+pub use nsactor_plugin_api::files::write_atomic;

@@ -74,7 +74,8 @@ impl From<RuntimeError> for ServeError {
                 error: EngineError::InvalidInput(m),
                 ..
             } => ServeError::Invalid(m.clone()),
-            RuntimeError::Broken(_) | RuntimeError::Runtime(_) => {
+            RuntimeError::Invalid(m) => ServeError::Invalid(m.clone()),
+            RuntimeError::Broken(_) | RuntimeError::Runtime(_) | RuntimeError::Recovered { .. } => {
                 ServeError::Unavailable(e.to_string())
             }
             _ => ServeError::Internal(e.to_string()),
@@ -91,5 +92,56 @@ impl IntoResponse for ServeError {
                 .insert(header::RETRY_AFTER, header::HeaderValue::from_static("1"));
         }
         r
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Each runtime failure reaches an HTTP client with the status its cause deserves: a
+    /// refused input is the client's 400, a pipeline that cannot take work a 503, and only a
+    /// fault of the backend a 500.
+    #[test]
+    fn runtime_errors_map_to_the_status_their_cause_deserves() {
+        let status = |e: RuntimeError| ServeError::from(e).status();
+        assert_eq!(
+            status(RuntimeError::Invalid("top_p must be in (0, 1]".into())),
+            StatusCode::BAD_REQUEST
+        );
+        assert_eq!(
+            status(RuntimeError::Engine(EngineError::InvalidInput("id".into()))),
+            StatusCode::BAD_REQUEST
+        );
+        assert_eq!(
+            status(RuntimeError::Stage {
+                who: "layer 3".into(),
+                error: EngineError::InvalidInput("shape".into()),
+            }),
+            StatusCode::BAD_REQUEST
+        );
+        // A cohort's failure copied to each of its sessions keeps its status.
+        assert_eq!(
+            status(RuntimeError::Invalid("x".into()).for_each_session()),
+            StatusCode::BAD_REQUEST
+        );
+        for e in [
+            RuntimeError::Broken("layer 2 died".into()),
+            RuntimeError::Runtime("mailbox closed".into()),
+            RuntimeError::Recovered {
+                cause: "panic".into(),
+                to_step: 4,
+                seconds: 0.5,
+            },
+        ] {
+            assert_eq!(status(e), StatusCode::SERVICE_UNAVAILABLE);
+        }
+        assert_eq!(
+            status(RuntimeError::Engine(EngineError::Backend("cuda".into()))),
+            StatusCode::INTERNAL_SERVER_ERROR
+        );
+        let busy = ServeError::Busy("full".into()).into_response();
+        assert_eq!(busy.status(), StatusCode::SERVICE_UNAVAILABLE);
+        assert_eq!(busy.headers()[header::RETRY_AFTER], "1");
     }
 }

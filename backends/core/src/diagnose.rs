@@ -3,7 +3,7 @@
 //! check, and — where the backend registered them — device memory and device-time windows.
 
 use crate::BurnBackend;
-use nsactor_kernels::SnnOps;
+use nsactor_kernels::{KernelError, SnnOps};
 use nsactor_plugin_api::EngineError;
 use nsactor_plugin_api::diagnose::{DeviceMemory, Diagnostic, DiagnosticReport, ScanPrecisions};
 use nsactor_plugin_api::timing::DeviceTime;
@@ -15,7 +15,7 @@ pub type Devices<B> = [<B as burn::tensor::backend::BackendTypes>::Device];
 /// gets device 0 and the options whose keys carry its prefix (prefix stripped), and returns its
 /// report or, when a kernel is wrong, the report with the failure.
 pub type KernelBench<B> =
-    fn(&<B as burn::tensor::backend::BackendTypes>::Device, &str) -> Result<String, String>;
+    fn(&<B as burn::tensor::backend::BackendTypes>::Device, &str) -> Result<String, KernelError>;
 
 /// Device memory in use on every device ([`Diagnostic::Memory`]).
 pub type MemoryReport<B> = fn(&Devices<B>) -> Result<Vec<DeviceMemory>, EngineError>;
@@ -46,7 +46,6 @@ impl<B: SnnOps> BurnBackend<B> {
             Diagnostic::DecodeProfile { options } => {
                 crate::profile::decode_profile::<B>(self.device(0)?, options)
                     .map(DiagnosticReport::Text)
-                    .map_err(EngineError::Backend)
             }
             Diagnostic::VerifyPlifScan {
                 fixture,
@@ -84,19 +83,33 @@ impl<B: SnnOps> BurnBackend<B> {
             .copied()
             .collect::<Vec<_>>()
             .join(",");
-        let cfg = nsactor_kernels::bench::ScanBench::model_0_9b()
-            .with_options(&scan_options)
-            .map_err(EngineError::InvalidInput)?;
+        let cfg = nsactor_kernels::bench::ScanBench::model_0_9b().with_options(&scan_options)?;
         let device = self.device(0)?;
-        let mut report = nsactor_kernels::bench::run::<B>(device, &cfg);
-        for (prefix, bench) in &self.kernel_benches {
-            let r = bench(device, &mine(prefix));
-            report = match (report, r) {
-                (Ok(a), Ok(b)) => Ok(format!("{a}\n{b}")),
-                (Ok(a) | Err(a), Ok(b) | Err(b)) => Err(format!("{a}\n{b}")),
-            };
+        // Every part runs; a part that disagrees with its reference fails the whole report but
+        // keeps its text, any other failure (an option, the device) ends it.
+        let mut parts = Vec::new();
+        let mut wrong = false;
+        let results = std::iter::once(nsactor_kernels::bench::run::<B>(device, &cfg)).chain(
+            self.kernel_benches
+                .iter()
+                .map(|(prefix, bench)| bench(device, &mine(prefix))),
+        );
+        for r in results {
+            match r {
+                Ok(text) => parts.push(text),
+                Err(KernelError::Mismatch { report }) => {
+                    wrong = true;
+                    parts.push(report);
+                }
+                Err(e) => return Err(e.into()),
+            }
         }
-        report.map_err(EngineError::Backend)
+        let report = parts.join("\n");
+        if wrong {
+            Err(KernelError::Mismatch { report }.into())
+        } else {
+            Ok(report)
+        }
     }
 }
 
@@ -116,8 +129,7 @@ fn verify_plif_scan<B: SnnOps>(
     };
     let bytes = std::fs::read(fixture)
         .map_err(|e| EngineError::InvalidInput(format!("cannot read fixture {fixture}: {e}")))?;
-    let reports =
-        plif_fixture_all::<B>(device, &bytes, &precisions).map_err(EngineError::InvalidInput)?;
+    let reports = plif_fixture_all::<B>(device, &bytes, &precisions)?;
     Ok(DiagnosticReport::Verdict {
         passed: reports.iter().all(|r| r.passed()),
         report: reports.iter().map(|r| r.render()).collect(),

@@ -20,7 +20,7 @@
 //! [`SnnOps::capture`]: nsactor_kernels::GraphOps::capture
 
 use burn::tensor::{Tensor, TensorPrimitive};
-use nsactor_kernels::{SnnOps, StepGraph};
+use nsactor_kernels::{KernelError, SnnOps, StepGraph};
 
 /// Sets of sessions with a graph, per layer.
 pub const GRAPHS: usize = 4;
@@ -187,7 +187,7 @@ impl<B: SnnOps> DecodeGraphs<B> {
         entry: &Entry<B>,
         h: Tensor<B, 3>,
         state: Vec<Tensor<B, 2>>,
-    ) -> Result<(), String> {
+    ) -> Result<(), KernelError> {
         let mut inputs = vec![(prim(h), prim(entry.h_in.clone()))];
         inputs.extend(
             state
@@ -205,7 +205,7 @@ impl<B: SnnOps> DecodeGraphs<B> {
         state_in: Vec<Tensor<B, 2>>,
         device: &B::Device,
         f: &impl Fn(Tensor<B, 3>, Vec<Tensor<B, 2>>) -> (Tensor<B, 3>, Vec<Tensor<B, 2>>),
-    ) -> Result<Entry<B>, String> {
+    ) -> Result<Entry<B>, KernelError> {
         let mut read = vec![prim(h_in.clone())];
         read.extend(state_in.iter().map(|s| prim(s.clone())));
         let (h_out, graph) = B::capture(device, &read, || {
@@ -213,7 +213,7 @@ impl<B: SnnOps> DecodeGraphs<B> {
             for (s, d) in state_out.into_iter().zip(&state_in) {
                 B::capture_copy(prim(s), &prim(d.clone()))?;
             }
-            Ok::<_, String>(h_out)
+            Ok::<_, KernelError>(h_out)
         })?;
         let h_out = h_out?;
         let entry = Entry {

@@ -9,38 +9,40 @@ use nsactor_kernels::SnnOps;
 use nsactor_model::init::Rng;
 use nsactor_model::layer::{norm_plif, norm_plif_composed, ponder_agg, ponder_agg_composed};
 use nsactor_model::{LayerState, ModelConfig, SnnDecoderLayer};
+use nsactor_plugin_api::EngineError;
 use std::time::Instant;
 
 /// Options: `batch` (sessions, default 1), `reps` (default 20), `config=tiny` for a small layer.
-pub fn decode_profile<B: SnnOps>(device: &B::Device, options: &str) -> Result<String, String> {
+pub fn decode_profile<B: SnnOps>(device: &B::Device, options: &str) -> Result<String, EngineError> {
+    let bad = EngineError::InvalidInput;
     let (mut batch, mut reps, mut cfg) = (1usize, 20usize, ModelConfig::neuronspark_0_9b());
     for kv in nsactor_kernels::options::option_items(options) {
         match kv.split_once('=') {
-            Some(("batch", v)) => batch = v.parse().map_err(|_| format!("bad batch `{v}`"))?,
-            Some(("reps", v)) => reps = v.parse().map_err(|_| format!("bad reps `{v}`"))?,
+            Some(("batch", v)) => batch = v.parse().map_err(|_| bad(format!("bad batch `{v}`")))?,
+            Some(("reps", v)) => reps = v.parse().map_err(|_| bad(format!("bad reps `{v}`")))?,
             Some(("config", "tiny")) => {
                 cfg = nsactor_model::config::from_toml_str(
                     "[model]\nvocab_size = 64\nD = 64\nN = 4\nK = 4\nnum_layers = 2\nD_ff = 128\n",
                 )
-                .map_err(|e| e.to_string())?
+                .map_err(|e| bad(e.to_string()))?
             }
             _ => {
-                return Err(format!(
+                return Err(bad(format!(
                     "decode-profile takes batch=, reps=, config=tiny; got `{kv}`"
-                ));
+                )));
             }
         }
     }
     if batch == 0 || reps == 0 {
-        return Err("batch and reps must be ≥ 1".into());
+        return Err(bad("batch and reps must be ≥ 1".into()));
     }
     let layer = SnnDecoderLayer::<B>::init(&cfg, &mut Rng::new(7), device);
     let (d, k) = (cfg.d, cfg.k);
     let h = Tensor::<B, 3>::random([1, batch, d], Distribution::Normal(0.0, 1.0), device);
     let state = LayerState::zeros(&cfg, batch, device);
-    let sync = || B::sync(device).map_err(|e| format!("{e:?}"));
+    let sync = || B::sync(device).map_err(|e| EngineError::Backend(format!("{e:?}")));
     // Each probe runs once untimed (compilation, autotuning), then `reps` times; per call.
-    let time = |n: usize, f: &mut dyn FnMut()| -> Result<f64, String> {
+    let time = |n: usize, f: &mut dyn FnMut()| -> Result<f64, EngineError> {
         f();
         sync()?;
         let t = Instant::now();
@@ -320,7 +322,7 @@ pub fn decode_profile<B: SnnOps>(device: &B::Device, options: &str) -> Result<St
     // Host round trips: what reading a decoding step's logits costs beyond the work itself
     // (median of single calls, each from an idle device, as a decoding step meets it).
     let logits = Tensor::<B, 2>::random([batch, cfg.vocab_size], Distribution::Default, device);
-    let median = |f: &mut dyn FnMut() -> Result<(), String>| -> Result<f64, String> {
+    let median = |f: &mut dyn FnMut() -> Result<(), EngineError>| -> Result<f64, EngineError> {
         let mut v = Vec::with_capacity(reps.max(21));
         for _ in 0..reps.max(21) {
             sync()?;
@@ -345,7 +347,7 @@ pub fn decode_profile<B: SnnOps>(device: &B::Device, options: &str) -> Result<St
                 .into_data()
                 .to_vec::<f32>()
                 .map(|_| ())
-                .map_err(|e| format!("{e:?}"))
+                .map_err(|e| EngineError::Backend(format!("{e:?}")))
         })?,
     );
     row(
@@ -356,7 +358,7 @@ pub fn decode_profile<B: SnnOps>(device: &B::Device, options: &str) -> Result<St
                 .into_data()
                 .to_vec::<f32>()
                 .map(|_| ())
-                .map_err(|e| format!("{e:?}"))
+                .map_err(|e| EngineError::Backend(format!("{e:?}")))
         })?,
     );
     out.push_str(&format!(
@@ -377,7 +379,7 @@ fn graph_chain<B: SnnOps>(
     batch: usize,
     reps: usize,
     device: &B::Device,
-) -> Result<(), String> {
+) -> Result<(), EngineError> {
     let n = cfg.num_layers;
     let step = |h: Tensor<B, 3>, st: Vec<Tensor<B, 2>>| {
         let [input1, hidden, input2, ffn]: [Tensor<B, 2>; 4] =
@@ -438,12 +440,12 @@ fn graph_chain<B: SnnOps>(
         "  {n} layers through decoding graphs ({held} of {n} captured) vs uncaptured, 6 tokens: max error {rel:.2e} of the largest value\n"
     ));
     if held != n || rel > 1e-6 {
-        return Err(format!(
+        return Err(EngineError::Backend(format!(
             "{out}the decoding graphs disagree with the uncaptured layers (or were not captured): refusing to go on"
-        ));
+        )));
     }
     let mut submitted = 0.0;
-    let sync = || B::sync(device).map_err(|e| format!("{e:?}"));
+    let sync = || B::sync(device).map_err(|e| EngineError::Backend(format!("{e:?}")));
     sync()?;
     let t = Instant::now();
     for _ in 0..reps {
@@ -480,7 +482,7 @@ fn check<B: SnnOps>(
     out: &mut String,
     name: &str,
     pairs: &[(Tensor<B, 3>, Tensor<B, 3>)],
-) -> Result<(), String> {
+) -> Result<(), EngineError> {
     let mut worst = 0.0f32;
     let mut off = 0.0f64;
     for (a, b) in pairs {
@@ -508,9 +510,9 @@ fn check<B: SnnOps>(
         100.0 * off
     ));
     if off > 1e-3 {
-        return Err(format!(
+        return Err(EngineError::Backend(format!(
             "{out}{name} disagrees with its composition: refusing to go on"
-        ));
+        )));
     }
     Ok(())
 }

@@ -20,6 +20,7 @@
 
 use burn_cuda::{Cuda, CudaDevice};
 use nsactor_backend_core::{BurnBackend, TimingHooks};
+use nsactor_kernels::KernelError;
 use nsactor_kernels::bench::gemm::{self as kernel_bench, GemmBench};
 use nsactor_kernels::cuda::precision::{GemmPrecision, set_precision};
 use nsactor_plugin_api::timing::{DeviceTime, SpanKind};
@@ -107,7 +108,7 @@ pub fn backend(options: Options) -> Result<BurnBackend<Gpu>, EngineError> {
 }
 
 /// `bench kernels`' GEMM part: the 0.9B projection GEMMs checked and timed in both precisions.
-fn gemm_bench(device: &CudaDevice, options: &str) -> Result<String, String> {
+fn gemm_bench(device: &CudaDevice, options: &str) -> Result<String, KernelError> {
     let cfg = GemmBench::model_0_9b().with_options(options)?;
     kernel_bench::bench(device, &cfg)
 }
@@ -134,14 +135,14 @@ fn memory_report(devices: &[CudaDevice]) -> Result<Vec<DeviceMemory>, EngineErro
 /// `Diagnostic::TimingStart`: opens a window of device timing on every GPU (CUDA events around
 /// each GEMM, PLIF scan and stage call, `nsactor_kernels::cuda::timing`).
 fn timing_start(devices: &[CudaDevice]) -> Result<(), EngineError> {
-    nsactor_kernels::cuda::timing::start(devices).map_err(EngineError::Backend)
+    Ok(nsactor_kernels::cuda::timing::start(devices)?)
 }
 
 /// `Diagnostic::TimingReport`: closes the window; one breakdown per GPU
 /// (`nsactor_plugin_api::timing`).
 fn timing_report(devices: &[CudaDevice]) -> Result<Vec<DeviceTime>, EngineError> {
     use nsactor_kernels::cuda::timing::{self as cuda_timing, Kind};
-    let windows = cuda_timing::collect(devices).map_err(EngineError::Backend)?;
+    let windows = cuda_timing::collect(devices)?;
     Ok(windows
         .into_iter()
         .map(|w| {

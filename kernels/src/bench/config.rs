@@ -1,5 +1,6 @@
 //! The shapes and repetitions of a `nsactor bench kernels` run, from `--options`.
 
+use crate::KernelError;
 use crate::options::option_items;
 
 /// Shapes and repetitions of a run.
@@ -35,16 +36,18 @@ impl ScanBench {
     }
 
     /// Parses `key=value` pairs separated by commas or whitespace (keys as the fields).
-    pub fn with_options(mut self, options: &str) -> Result<Self, String> {
+    pub fn with_options(mut self, options: &str) -> Result<Self, KernelError> {
         for kv in option_items(options) {
             let (k, v) = kv
                 .split_once('=')
-                .ok_or_else(|| format!("option `{kv}` is not key=value"))?;
-            let v: usize = v
-                .parse()
-                .map_err(|_| format!("option {k}: `{v}` is not a whole number"))?;
+                .ok_or_else(|| KernelError::InvalidOption(format!("`{kv}` is not key=value")))?;
+            let v: usize = v.parse().map_err(|_| {
+                KernelError::InvalidOption(format!("{k}: `{v}` is not a whole number"))
+            })?;
             if v == 0 {
-                return Err(format!("option {k} must be at least 1"));
+                return Err(KernelError::InvalidOption(format!(
+                    "{k} must be at least 1"
+                )));
             }
             match k {
                 "steps" => self.steps = v,
@@ -56,9 +59,9 @@ impl ScanBench {
                 "dim" => self.dim = v,
                 "k" => self.k = v,
                 other => {
-                    return Err(format!(
+                    return Err(KernelError::InvalidOption(format!(
                         "unknown option `{other}` (steps, batch, elem_dim, row_dim, check_steps, reps, dim, k)"
-                    ));
+                    )));
                 }
             }
         }

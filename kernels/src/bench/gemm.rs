@@ -1,6 +1,7 @@
 //! `bench kernels`' GEMM part on CUDA: each projection GEMM of the 0.9B layer checked against
 //! cubek's naive fp32 kernel ([`crate::cuda::naive`]), then timed in both precisions.
 
+use crate::KernelError;
 use crate::cuda::gemm::{gemm_with, prepare_operands, run};
 use crate::cuda::naive::matmul_naive;
 use crate::cuda::precision::GemmPrecision;
@@ -41,16 +42,17 @@ impl GemmBench {
     }
 
     /// `rows=`, `reps=`, `precision=bf16|fp32|both` (the `gemm_` prefix already stripped).
-    pub fn with_options(mut self, options: &str) -> Result<Self, String> {
+    pub fn with_options(mut self, options: &str) -> Result<Self, KernelError> {
         for kv in option_items(options) {
-            let (k, v) = kv
-                .split_once('=')
-                .ok_or_else(|| format!("option `gemm_{kv}` is not key=value"))?;
-            let num = || -> Result<usize, String> {
-                v.parse::<usize>()
-                    .ok()
-                    .filter(|&n| n > 0)
-                    .ok_or_else(|| format!("option gemm_{k}: `{v}` is not a positive whole number"))
+            let (k, v) = kv.split_once('=').ok_or_else(|| {
+                KernelError::InvalidOption(format!("`gemm_{kv}` is not key=value"))
+            })?;
+            let num = || -> Result<usize, KernelError> {
+                v.parse::<usize>().ok().filter(|&n| n > 0).ok_or_else(|| {
+                    KernelError::InvalidOption(format!(
+                        "gemm_{k}: `{v}` is not a positive whole number"
+                    ))
+                })
             };
             match k {
                 "rows" => self.rows = num()?,
@@ -62,9 +64,9 @@ impl GemmBench {
                     }
                 }
                 other => {
-                    return Err(format!(
+                    return Err(KernelError::InvalidOption(format!(
                         "unknown option `gemm_{other}` (gemm_rows, gemm_reps, gemm_precision)"
-                    ));
+                    )));
                 }
             }
         }
@@ -84,7 +86,7 @@ fn tolerance(p: GemmPrecision) -> f32 {
 /// Checks each projection GEMM of the 0.9B layer (forward `x·Wᵀ`, `∂x = g·W`, `∂W = xᵀ·g`, in
 /// the layouts autodiff hands them over) against cubek's naive fp32 kernel on the device, then
 /// times the ones that agree. A GEMM that disagrees is reported and not timed.
-pub fn bench(device: &CudaDevice, cfg: &GemmBench) -> Result<String, String> {
+pub fn bench(device: &CudaDevice, cfg: &GemmBench) -> Result<String, KernelError> {
     use burn::tensor::{Distribution, Tensor, TensorPrimitive};
     use std::fmt::Write;
     type B = burn_cuda::Cuda<f32, i32>;
@@ -171,6 +173,8 @@ pub fn bench(device: &CudaDevice, cfg: &GemmBench) -> Result<String, String> {
     if failed.is_empty() {
         Ok(out)
     } else {
-        Err(format!("{out}wrong GEMMs: {}", failed.join("; ")))
+        Err(KernelError::Mismatch {
+            report: format!("{out}wrong GEMMs: {}", failed.join("; ")),
+        })
     }
 }

@@ -21,6 +21,7 @@ mod selective;
 
 pub use config::ScanBench;
 
+use crate::KernelError;
 use crate::ops::snn::SnnOps;
 use burn::tensor::{Distribution, Tensor};
 use ffn::{ffn_neurons, ffn_stored};
@@ -33,7 +34,7 @@ use std::fmt::Write;
 
 /// Runs the check and the timings; the report is plain text, one line per kernel. Fails when
 /// a kernel disagrees with the reference.
-pub fn run<B: SnnOps>(device: &B::Device, cfg: &ScanBench) -> Result<String, String> {
+pub fn run<B: SnnOps>(device: &B::Device, cfg: &ScanBench) -> Result<String, KernelError> {
     let mut out = String::new();
     // Copy bandwidth: an elementwise pass over the largest sequence tensor (read once, write once).
     let n_big = cfg.steps * cfg.batch * cfg.elem_dim;
@@ -135,6 +136,8 @@ pub fn run<B: SnnOps>(device: &B::Device, cfg: &ScanBench) -> Result<String, Str
     if failed.is_empty() {
         Ok(out)
     } else {
-        Err(format!("{out}wrong kernels: {}", failed.join(", ")))
+        Err(KernelError::Mismatch {
+            report: format!("{out}wrong kernels: {}", failed.join(", ")),
+        })
     }
 }

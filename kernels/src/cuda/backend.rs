@@ -5,6 +5,7 @@
 //! ([`crate::cuda::decode`]), peer copies, timing and CUDA graphs. Tested against the host
 //! reference and the compositions the defaults run.
 
+use crate::KernelError;
 use crate::cuda::{
     decode, device, ffn, gemm, graph, norm_plif, ponder, ponder_backward, precision, scan,
     selective, timing,
@@ -293,11 +294,11 @@ impl GraphOps for Cuda {
         device: &Self::Device,
         inputs: &[FloatTensor<Self>],
         f: impl FnOnce() -> R,
-    ) -> Result<(R, StepGraph), String> {
+    ) -> Result<(R, StepGraph), KernelError> {
         graph::capture(device, inputs, f).map(|(r, g)| (r, StepGraph::new(g)))
     }
 
-    fn capture_copy(src: FloatTensor<Self>, dst: &FloatTensor<Self>) -> Result<(), String> {
+    fn capture_copy(src: FloatTensor<Self>, dst: &FloatTensor<Self>) -> Result<(), KernelError> {
         graph::copy(src, dst)
     }
 
@@ -309,10 +310,10 @@ impl GraphOps for Cuda {
         graph: &StepGraph,
         inputs: Vec<(FloatTensor<Self>, FloatTensor<Self>)>,
         written: &[FloatTensor<Self>],
-    ) -> Result<(), String> {
+    ) -> Result<(), KernelError> {
         graph
             .get::<graph::Graph>()
-            .ok_or("a graph captured by another backend")?
+            .ok_or_else(|| KernelError::Misuse("a graph captured by another backend".into()))?
             .replay(inputs, written)
     }
 }

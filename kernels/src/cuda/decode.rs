@@ -17,7 +17,7 @@ use cubecl::prelude::*;
 
 /// The SNNBlock's selective scan for a decoding step, read straight from the merged projection
 /// `y` `[TK·B, W]` (row stride `row_stride`; columns `[0, DN)` the input current `i`, then
-/// `r_β, r_α, r_th`): the modulation and recurrence of `selective_forward_kernel` op for op,
+/// `r_β, r_α, r_th`): the modulation and recurrence of the training selective forward op for op,
 /// writing `V_post` `[TK·B, DN]` and the final state, no spikes. It replaces the four column
 /// slices' copies, the scan and the final state's copy of the composed path.
 #[allow(clippy::too_many_arguments)]

@@ -34,6 +34,7 @@
 //! pick can differ between runs, so two runs' results may differ in their last bits; within a
 //! run it is fixed. Decoding steps are not tuned.
 
+use crate::KernelError;
 use crate::cuda::device::make_current;
 use crate::cuda::gemm_plan::{Operand, Plan, PlanKey, WORKSPACE_BYTES, operand, tuning};
 use crate::cuda::precision::{GemmPrecision, precision};
@@ -361,13 +362,13 @@ pub fn run(op: &Prepared) -> CudaTensor {
         // The task runs under the submitting thread's stream id.
         let stream_id = cubecl::stream_id::StreamId::current();
         let started = std::time::Instant::now();
-        let task = || -> Result<(), String> {
+        let task = || -> Result<(), KernelError> {
             // Held until the GEMM is enqueued, like the blocking path's resources.
             let held = bindings
                 .into_iter()
                 .map(|b| server.get_resource(b, stream_id))
                 .collect::<Result<Vec<_>, _>>()
-                .map_err(|e| format!("gemm: device buffer unavailable: {e:?}"))?;
+                .map_err(|e| KernelError::device("gemm: device buffer unavailable", e))?;
             let [a, b, c, d] = [0, 1, 2, 3].map(|i| held[i].resource());
             let lt = std::time::Instant::now();
             let r = enqueue(&key, [a.ptr, b.ptr, c.ptr, d.ptr], workspace_ptr, d.stream);
@@ -376,16 +377,19 @@ pub fn run(op: &Prepared) -> CudaTensor {
         };
         // A panic (a plan cuBLASLt refuses) is recorded too, not only logged by the server.
         let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(task)).unwrap_or_else(|p| {
-            Err(p
-                .downcast_ref::<String>()
-                .cloned()
-                .or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()))
-                .unwrap_or_else(|| "a panic without a message".into()))
+            Err(KernelError::Panicked {
+                what: "a queued GEMM",
+                message: p
+                    .downcast_ref::<String>()
+                    .cloned()
+                    .or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()))
+                    .unwrap_or_else(|| "a panic without a message".into()),
+            })
         });
         QUEUED_TASKS.fetch_add(1, Ordering::Relaxed);
         QUEUED_TASK_NS.fetch_add(started.elapsed().as_nanos() as u64, Ordering::Relaxed);
         // A GEMM that failed while its stream was captured only fails the capture.
-        if let Err(e) = r
+        if let Err(e) = r.map_err(|e| e.to_string())
             && !server.nsactor_capture_taint(stream_id, &e)
         {
             record_queued_failure(e);
@@ -401,9 +405,11 @@ fn enqueue(
     [a, b, c, d]: [u64; 4],
     workspace_ptr: u64,
     stream: cudarc::driver::sys::CUstream,
-) -> Result<(), String> {
+) -> Result<(), KernelError> {
     if stream.is_null() {
-        return Err("gemm: the patched cubecl-cuda reports no stream".into());
+        return Err(KernelError::Device(
+            "gemm: the patched cubecl-cuda reports no stream".into(),
+        ));
     }
     make_current(key.device);
     STATE.with(|state| {
@@ -435,7 +441,7 @@ fn enqueue(
             timing::begin_on(key.device, id, timing::Kind::Gemm, stream);
         }
         let r = unsafe { plan.matmul(handle, &algo, ptrs, workspace_ptr, stream) }
-            .map_err(|e| format!("cuBLASLt matmul {key:?}: {e:?}"));
+            .map_err(|e| KernelError::Device(format!("cuBLASLt matmul {key:?}: {e:?}")));
         if let Some(id) = span {
             timing::end_on(key.device, id, stream);
         }

@@ -2,6 +2,7 @@
 //! one problem ([`PlanKey`] → [`Plan`]: descriptors, layouts and the chosen algorithm), the call
 //! itself, and the tuning of a training projection's algorithm on its first call.
 
+use crate::KernelError;
 use crate::cuda::precision::GemmPrecision;
 use cudarc::cublaslt::{result as lt, sys};
 use std::ffi::c_void;
@@ -271,11 +272,11 @@ impl Plan {
         ptrs: [u64; 4],
         workspace_ptr: u64,
         stream: cudarc::driver::sys::CUstream,
-    ) -> Result<(), String> {
+    ) -> Result<(), KernelError> {
         use cudarc::driver::result::event;
         self.tuned = true;
         let flags = cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT;
-        let err = |e: cudarc::driver::DriverError| format!("gemm tuning: {e:?}");
+        let err = |e: cudarc::driver::DriverError| KernelError::device("gemm tuning", e);
         let (start, end) = (
             event::create(flags).map_err(err)?,
             event::create(flags).map_err(err)?,
@@ -294,7 +295,7 @@ impl Plan {
                 event::record(start, stream).map_err(err)?;
                 for _ in 0..TUNE_REPS {
                     self.matmul(handle, algo, ptrs, workspace_ptr, stream)
-                        .map_err(|e| format!("gemm tuning: {e:?}"))?;
+                        .map_err(|e| KernelError::device("gemm tuning", e))?;
                 }
                 event::record(end, stream).map_err(err)?;
                 event::synchronize(end).map_err(err)?;
@@ -303,7 +304,7 @@ impl Plan {
                     event::elapsed(start, end).map_err(err)? / TUNE_REPS as f32,
                 ));
             }
-            Ok::<(), String>(())
+            Ok::<(), KernelError>(())
         })();
         // SAFETY: created above, destroyed once; the stream has passed both.
         unsafe {

@@ -26,6 +26,7 @@
 //! would become a node of the graph). Replays and the graph's destruction are tasks queued on
 //! CubeCL's server thread in order with the thread's other work, like the queued GEMMs.
 
+use crate::KernelError;
 use crate::cuda::server::{Server, device_server, record_queued_failure};
 use burn_cubecl::kernel::into_contiguous;
 use burn_cubecl::tensor::CubeTensor;
@@ -71,17 +72,18 @@ pub fn capture<R>(
     device: &CudaDevice,
     inputs: &[CudaTensor],
     f: impl FnOnce() -> R,
-) -> Result<(R, Graph), String> {
+) -> Result<(R, Graph), KernelError> {
     let server = device_server(device);
     let stream = StreamId::current();
     let inputs: Vec<_> = inputs.iter().map(|t| t.handle.clone().binding()).collect();
     server
         .submit_blocking(move |s: &mut Server| s.nsactor_capture_begin(stream, inputs))
-        .map_err(|e| format!("capture: the device server did not answer: {e:?}"))??;
+        .map_err(|e| KernelError::device("capture: the device server did not answer", e))?
+        .map_err(KernelError::Device)?;
     let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(f));
     let ended = server
         .submit_blocking(move |s: &mut Server| s.nsactor_capture_end(stream))
-        .map_err(|e| format!("capture: the device server did not answer: {e:?}"))?;
+        .map_err(|e| KernelError::device("capture: the device server did not answer", e))?;
     let graph = ended.map(|g| Graph {
         nodes: g.nodes,
         graph: Some(Box::new(g)),
@@ -90,8 +92,11 @@ pub fn capture<R>(
     });
     match (result, graph) {
         (Ok(r), Ok(g)) => Ok((r, g)),
-        (Err(p), _) => Err(format!("the captured work panicked: {}", panic_message(p))),
-        (Ok(_), Err(e)) => Err(e),
+        (Err(p), _) => Err(KernelError::Panicked {
+            what: "the captured work",
+            message: panic_message(p),
+        }),
+        (Ok(_), Err(e)) => Err(KernelError::Device(e)),
     }
 }
 
@@ -101,21 +106,21 @@ fn copy_operands(
     src: CudaTensor,
     dst: &CudaTensor,
     what: &str,
-) -> Result<(Binding, Binding, u64), String> {
+) -> Result<(Binding, Binding, u64), KernelError> {
     if src.meta.shape() != dst.meta.shape() || src.dtype != dst.dtype {
-        return Err(format!(
+        return Err(KernelError::Misuse(format!(
             "{what}: {:?} {:?} into {:?} {:?}",
             src.meta.shape(),
             src.dtype,
             dst.meta.shape(),
             dst.dtype
-        ));
+        )));
     }
     if !dst.is_contiguous() {
-        return Err(format!(
+        return Err(KernelError::Misuse(format!(
             "{what}: a strided destination {:?}",
             dst.meta.shape()
-        ));
+        )));
     }
     let bytes = (dst.meta.shape().num_elements() * dst.dtype.size()) as u64;
     let src = into_contiguous(src);
@@ -125,7 +130,7 @@ fn copy_operands(
 /// Enqueues a copy of `src` into `dst` on the calling thread's stream: the two must have the
 /// same shape and type and `dst` must be contiguous; a strided `src` is made contiguous first.
 /// Inside a [`capture`] the copy becomes a node of the graph.
-pub fn copy(src: CudaTensor, dst: &CudaTensor) -> Result<(), String> {
+pub fn copy(src: CudaTensor, dst: &CudaTensor) -> Result<(), KernelError> {
     let (s, d, bytes) = copy_operands(src, dst, "copy")?;
     device_server(&dst.device).submit(move |server: &mut Server| {
         let stream = StreamId::current();
@@ -165,9 +170,11 @@ impl Graph {
         &self,
         inputs: Vec<(CudaTensor, CudaTensor)>,
         written: &[CudaTensor],
-    ) -> Result<(), String> {
+    ) -> Result<(), KernelError> {
         if !self.replayable_here() {
-            return Err("a graph is replayed from the thread that captured it".into());
+            return Err(KernelError::Misuse(
+                "a graph is replayed from the thread that captured it".into(),
+            ));
         }
         let copies = inputs
             .into_iter()

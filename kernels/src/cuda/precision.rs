@@ -21,13 +21,13 @@ impl GemmPrecision {
         }
     }
 
-    pub fn parse(s: &str) -> Result<Self, String> {
+    pub fn parse(s: &str) -> Result<Self, crate::KernelError> {
         match s {
             "fp32" | "f32" => Ok(GemmPrecision::Fp32),
             "bf16" => Ok(GemmPrecision::Bf16),
-            other => Err(format!(
+            other => Err(crate::KernelError::InvalidOption(format!(
                 "unknown GEMM precision `{other}` (expected `fp32` or `bf16`)"
-            )),
+            ))),
         }
     }
 }
@@ -78,6 +78,11 @@ mod tests {
         for p in [GemmPrecision::Fp32, GemmPrecision::Bf16] {
             assert_eq!(GemmPrecision::parse(p.name()), Ok(p));
         }
-        assert!(GemmPrecision::parse("fp16").unwrap_err().contains("fp16"));
+        assert!(
+            GemmPrecision::parse("fp16")
+                .unwrap_err()
+                .to_string()
+                .contains("fp16")
+        );
     }
 }

@@ -11,6 +11,7 @@
 //! An event pair costs a few microseconds of the server thread's time, about 1% of a 0.9B
 //! training step's thousands of GEMMs and scans; off, the cost is one relaxed atomic load.
 
+use crate::KernelError;
 use crate::cuda::server::{Server, device_server};
 use burn_cuda::CudaDevice;
 use cubecl::stream_id::StreamId;
@@ -43,16 +44,16 @@ struct Log {
     open: HashMap<u64, (Kind, Ev)>,
     done: Vec<(Kind, Ev, Ev)>,
     pool: Vec<Ev>,
-    failure: Option<String>,
+    failure: Option<KernelError>,
 }
 
 impl Log {
-    fn event(&mut self) -> Result<Ev, String> {
+    fn event(&mut self) -> Result<Ev, KernelError> {
         match self.pool.pop() {
             Some(e) => Ok(e),
             None => event::create(CUevent_flags::CU_EVENT_DEFAULT)
                 .map(Ev)
-                .map_err(|e| format!("timing: cuEventCreate: {e:?}")),
+                .map_err(|e| KernelError::device("timing: cuEventCreate", e)),
         }
     }
 
@@ -105,7 +106,7 @@ pub(crate) fn begin_on(device: usize, id: u64, kind: Kind, stream: CUstream) {
         let r = log.event().and_then(|e| {
             // SAFETY: a live event of this context and a live stream of it.
             unsafe { event::record(e.0, stream) }
-                .map_err(|x| format!("timing: cuEventRecord: {x:?}"))?;
+                .map_err(|x| KernelError::device("timing: cuEventRecord", x))?;
             log.open.insert(id, (kind, e));
             Ok(())
         });
@@ -125,7 +126,7 @@ pub(crate) fn end_on(device: usize, id: u64, stream: CUstream) {
         let r = log.event().and_then(|e| {
             // SAFETY: as in `begin_on`.
             unsafe { event::record(e.0, stream) }
-                .map_err(|x| format!("timing: cuEventRecord: {x:?}"))?;
+                .map_err(|x| KernelError::device("timing: cuEventRecord", x))?;
             Ok(e)
         });
         match r {
@@ -152,7 +153,8 @@ pub fn timed<R>(device: &CudaDevice, kind: Kind, f: impl FnOnce() -> R) -> R {
         move |s: &mut Server| match s.nsactor_stream(StreamId::current()) {
             Ok(stream) => begin_on(index, id, kind, stream),
             Err(e) => with_log(index, |l| {
-                l.failure.get_or_insert(format!("timing: no stream: {e:?}"));
+                l.failure
+                    .get_or_insert(KernelError::device("timing: no stream", e));
             }),
         },
     );
@@ -161,7 +163,8 @@ pub fn timed<R>(device: &CudaDevice, kind: Kind, f: impl FnOnce() -> R) -> R {
         move |s: &mut Server| match s.nsactor_stream(StreamId::current()) {
             Ok(stream) => end_on(index, id, stream),
             Err(e) => with_log(index, |l| {
-                l.failure.get_or_insert(format!("timing: no stream: {e:?}"));
+                l.failure
+                    .get_or_insert(KernelError::device("timing: no stream", e));
             }),
         },
     );
@@ -172,24 +175,24 @@ pub fn timed<R>(device: &CudaDevice, kind: Kind, f: impl FnOnce() -> R) -> R {
 /// all its queued work, giving it the calling thread's stream there.
 fn on_drained_device<R: Send + 'static>(
     device: &CudaDevice,
-    f: impl FnOnce(&mut Log, CUstream) -> Result<R, String> + Send + 'static,
-) -> Result<R, String> {
+    f: impl FnOnce(&mut Log, CUstream) -> Result<R, KernelError> + Send + 'static,
+) -> Result<R, KernelError> {
     let index = device.index;
     device_server(device)
-        .submit_blocking(move |s: &mut Server| -> Result<R, String> {
+        .submit_blocking(move |s: &mut Server| -> Result<R, KernelError> {
             let stream = s
                 .nsactor_stream(StreamId::current())
-                .map_err(|e| format!("timing: no stream: {e:?}"))?;
+                .map_err(|e| KernelError::device("timing: no stream", e))?;
             cudarc::driver::result::ctx::synchronize()
-                .map_err(|e| format!("timing: cuCtxSynchronize: {e:?}"))?;
+                .map_err(|e| KernelError::device("timing: cuCtxSynchronize", e))?;
             with_log(index, |log| f(log, stream))
         })
-        .map_err(|e| format!("timing: the device server did not answer: {e:?}"))?
+        .map_err(|e| KernelError::device("timing: the device server did not answer", e))?
 }
 
 /// Starts a window on every device of `devices`: waits for their queued work, drops the spans
 /// of any earlier window, records each device's origin event and turns timing on.
-pub fn start(devices: &[CudaDevice]) -> Result<(), String> {
+pub fn start(devices: &[CudaDevice]) -> Result<(), KernelError> {
     for d in devices {
         on_drained_device(d, |log, stream| {
             log.recycle();
@@ -197,7 +200,7 @@ pub fn start(devices: &[CudaDevice]) -> Result<(), String> {
             let origin = log.event()?;
             // SAFETY: a live event and stream of this context.
             unsafe { event::record(origin.0, stream) }
-                .map_err(|x| format!("timing: cuEventRecord: {x:?}"))?;
+                .map_err(|x| KernelError::device("timing: cuEventRecord", x))?;
             log.origin = Some(origin);
             Ok(())
         })?;
@@ -216,7 +219,7 @@ pub struct Window {
 
 /// Ends the window [`start`] opened: turns timing off, waits for every device's queued work,
 /// and reads the spans. An error where timing was not started, or an event failed.
-pub fn collect(devices: &[CudaDevice]) -> Result<Vec<Window>, String> {
+pub fn collect(devices: &[CudaDevice]) -> Result<Vec<Window>, KernelError> {
     ON.store(false, Ordering::Relaxed);
     devices
         .iter()
@@ -233,17 +236,17 @@ pub fn collect(devices: &[CudaDevice]) -> Result<Vec<Window>, String> {
 
 /// The window of `log`, closed by an event recorded on `stream` now (every span has completed:
 /// the caller synchronised the context).
-fn read(log: &mut Log, device: usize, stream: CUstream) -> Result<Window, String> {
+fn read(log: &mut Log, device: usize, stream: CUstream) -> Result<Window, KernelError> {
     if let Some(e) = log.failure.take() {
         return Err(e);
     }
     let origin = log
         .origin
         .as_ref()
-        .ok_or("timing: `report` without `start`")?
+        .ok_or_else(|| KernelError::Misuse("timing: `report` without `start`".into()))?
         .0;
     let end = log.event()?;
-    let err = |x: cudarc::driver::DriverError| format!("timing: {x:?}");
+    let err = |x: cudarc::driver::DriverError| KernelError::device("timing", x);
     // SAFETY: live events of this context, recorded on its streams.
     let seconds = unsafe {
         event::record(end.0, stream).map_err(err)?;
@@ -251,7 +254,7 @@ fn read(log: &mut Log, device: usize, stream: CUstream) -> Result<Window, String
         event::elapsed(origin, end.0).map_err(err)? as f64 * 1e-3
     };
     log.pool.push(end);
-    let at = |e: &Ev| -> Result<f64, String> {
+    let at = |e: &Ev| -> Result<f64, KernelError> {
         // SAFETY: as above; every span's events completed before `end`.
         Ok(unsafe { event::elapsed(origin, e.0) }.map_err(err)? as f64 * 1e-3)
     };
@@ -259,7 +262,7 @@ fn read(log: &mut Log, device: usize, stream: CUstream) -> Result<Window, String
         .done
         .iter()
         .map(|(k, a, b)| Ok((*k, at(a)?, at(b)?)))
-        .collect::<Result<Vec<_>, String>>()?;
+        .collect::<Result<Vec<_>, KernelError>>()?;
     Ok(Window {
         device,
         seconds,

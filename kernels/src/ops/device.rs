@@ -2,6 +2,7 @@
 //! stage call's work, submission counters) and `GraphOps` (capturing a decoding step's work once
 //! and replaying it with one launch): the backend's devices and its queue of work.
 
+use crate::KernelError;
 use crate::ops::types::StepGraph;
 use burn::tensor::{backend::Backend, ops::FloatTensor};
 
@@ -56,9 +57,9 @@ pub trait GraphOps: Backend {
         device: &Self::Device,
         inputs: &[FloatTensor<Self>],
         f: impl FnOnce() -> R,
-    ) -> Result<(R, StepGraph), String> {
+    ) -> Result<(R, StepGraph), KernelError> {
         let _ = (device, inputs, f);
-        Err("this backend does not capture work".into())
+        Err(KernelError::Unsupported("capture work"))
     }
 
     /// `t` laid out contiguously (itself where it is): captured work's input buffers are
@@ -69,9 +70,9 @@ pub trait GraphOps: Backend {
 
     /// Copies `src` into `dst` in place (same shape and type), in order with the calling
     /// thread's work: the one way captured work writes back into its input buffers.
-    fn capture_copy(src: FloatTensor<Self>, dst: &FloatTensor<Self>) -> Result<(), String> {
+    fn capture_copy(src: FloatTensor<Self>, dst: &FloatTensor<Self>) -> Result<(), KernelError> {
         let _ = (src, dst);
-        Err("this backend does not capture work".into())
+        Err(KernelError::Unsupported("capture work"))
     }
 
     /// Copies each `(src, dst)` whose buffers differ (`dst` a buffer `graph` was captured
@@ -81,8 +82,8 @@ pub trait GraphOps: Backend {
         graph: &StepGraph,
         inputs: Vec<(FloatTensor<Self>, FloatTensor<Self>)>,
         written: &[FloatTensor<Self>],
-    ) -> Result<(), String> {
+    ) -> Result<(), KernelError> {
         let _ = (graph, inputs, written);
-        Err("this backend does not capture work".into())
+        Err(KernelError::Unsupported("capture work"))
     }
 }

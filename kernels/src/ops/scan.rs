@@ -29,15 +29,7 @@ pub trait ScanOps: Backend {
         vth: FloatTensor<Self>,
         v0: FloatTensor<Self>,
     ) -> PlifOutput<Self> {
-        let (shape, cols) = scan_shape::<Self>(&u, &v0);
-        let out = reference::elem_forward(
-            &host::<Self>(beta),
-            &host::<Self>(u.clone()),
-            &host::<Self>(vth),
-            &host::<Self>(v0),
-            cols,
-        );
-        scan_out::<Self>(out, shape, &u)
+        host_forward::<Self>(reference::elem_forward, beta, u, vth, v0)
     }
 
     /// Per-element scan backward: gradients of `Σ V_post·grad_vpost`.
@@ -48,16 +40,9 @@ pub trait ScanOps: Backend {
         spike: FloatTensor<Self>,
         grad_vpost: FloatTensor<Self>,
     ) -> PlifGrads<Self> {
-        let (shape, cols) = scan_shape::<Self>(&grad_vpost, &v0);
-        let g = reference::elem_backward(
-            &host::<Self>(beta),
-            &host::<Self>(v0),
-            &host::<Self>(vpost),
-            &host::<Self>(spike),
-            &host::<Self>(grad_vpost.clone()),
-            cols,
-        );
-        scan_grads::<Self>(g, shape.clone(), shape, &grad_vpost)
+        let (shape, _) = scan_shape::<Self>(&grad_vpost, &v0);
+        let inputs = [beta, v0, vpost, spike, grad_vpost];
+        host_backward::<Self>(reference::elem_backward, inputs, shape)
     }
 
     /// Row-parameter scan forward.
@@ -67,15 +52,7 @@ pub trait ScanOps: Backend {
         vth: FloatTensor<Self>,
         v0: FloatTensor<Self>,
     ) -> PlifOutput<Self> {
-        let (shape, cols) = scan_shape::<Self>(&u, &v0);
-        let out = reference::row_forward(
-            &host::<Self>(beta),
-            &host::<Self>(u.clone()),
-            &host::<Self>(vth),
-            &host::<Self>(v0),
-            cols,
-        );
-        scan_out::<Self>(out, shape, &u)
+        host_forward::<Self>(reference::row_forward, beta, u, vth, v0)
     }
 
     /// Row-parameter scan backward; `beta`/`vth` gradients are `[B, dim]` sums over time.
@@ -86,18 +63,58 @@ pub trait ScanOps: Backend {
         spike: FloatTensor<Self>,
         grad_vpost: FloatTensor<Self>,
     ) -> PlifGrads<Self> {
-        let (shape, cols) = scan_shape::<Self>(&grad_vpost, &v0);
-        let row_shape = Shape::new([shape[1], shape[2]]);
-        let g = reference::row_backward(
-            &host::<Self>(beta),
-            &host::<Self>(v0),
-            &host::<Self>(vpost),
-            &host::<Self>(spike),
-            &host::<Self>(grad_vpost.clone()),
-            cols,
-        );
-        scan_grads::<Self>(g, row_shape, shape, &grad_vpost)
+        let (shape, _) = scan_shape::<Self>(&grad_vpost, &v0);
+        let inputs = [beta, v0, vpost, spike, grad_vpost];
+        host_backward::<Self>(
+            reference::row_backward,
+            inputs,
+            Shape::new([shape[1], shape[2]]),
+        )
     }
+}
+
+/// A reference forward scan on the host: `(beta, u, vth, v0, cols)`.
+type HostForward = fn(&[f32], &[f32], &[f32], &[f32], usize) -> reference::ScanOut;
+
+/// A reference backward scan on the host: `(beta, v0, vpost, spike, grad_vpost, cols)`.
+type HostBackward = fn(&[f32], &[f32], &[f32], &[f32], &[f32], usize) -> reference::ScanGrads;
+
+/// The default forward of either scan: `scan` on the inputs copied to the host.
+fn host_forward<B: Backend>(
+    scan: HostForward,
+    beta: FloatTensor<B>,
+    u: FloatTensor<B>,
+    vth: FloatTensor<B>,
+    v0: FloatTensor<B>,
+) -> PlifOutput<B> {
+    let (shape, cols) = scan_shape::<B>(&u, &v0);
+    let out = scan(
+        &host::<B>(beta),
+        &host::<B>(u.clone()),
+        &host::<B>(vth),
+        &host::<B>(v0),
+        cols,
+    );
+    scan_out::<B>(out, shape, &u)
+}
+
+/// The default backward of either scan: `scan` on `[beta, v0, vpost, spike, grad_vpost]`
+/// copied to the host; the parameters' gradients come in `param_shape`.
+fn host_backward<B: Backend>(
+    scan: HostBackward,
+    [beta, v0, vpost, spike, grad_vpost]: [FloatTensor<B>; 5],
+    param_shape: Shape,
+) -> PlifGrads<B> {
+    let (shape, cols) = scan_shape::<B>(&grad_vpost, &v0);
+    let g = scan(
+        &host::<B>(beta),
+        &host::<B>(v0),
+        &host::<B>(vpost),
+        &host::<B>(spike),
+        &host::<B>(grad_vpost.clone()),
+        cols,
+    );
+    scan_grads::<B>(g, param_shape, shape, &grad_vpost)
 }
 
 /// Per-element PLIF scan. `beta, u, vth`: `[TK, B, dim]`; `v0`: `[B, dim]`.

@@ -10,12 +10,14 @@
 //! typed session and micro-batch numbers and their one allocator; [`reply`] the named fields of
 //! each call's reply; [`diagnose`] the diagnostics a backend runs on request; [`optim`] the pure
 //! arithmetic the supervisor applies between stages (natural-gradient phase 2, clipping);
-//! [`timing`] the device-time breakdown backends report. [`ABI_VERSION`] names the revision of
+//! [`timing`] the device-time breakdown backends report; [`files`] the atomic write both sides
+//! use for the files the other reads. [`ABI_VERSION`] names the revision of
 //! the contract.
 //!
 //! Depends on nothing but `std`.
 
 pub mod diagnose;
+pub mod files;
 pub mod ids;
 pub mod model;
 pub mod optim;

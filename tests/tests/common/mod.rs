@@ -2,6 +2,8 @@
 
 #![allow(dead_code)]
 
+pub mod cli;
+
 use std::path::PathBuf;
 use std::process::Command;
 

@@ -2,6 +2,7 @@
 
 use super::stats::pct;
 use super::{open_with_precision, print_memory, print_text};
+use crate::{CliError, CliResult};
 use nsactor_plugin_api::Diagnostic;
 use nsactor_runtime::launch::{self};
 use std::path::PathBuf;
@@ -33,7 +34,7 @@ pub async fn generate_load(
     sessions: usize,
     prompt: &[i64],
     tokens: usize,
-) -> Result<GenerateTimings, String> {
+) -> CliResult<GenerateTimings> {
     if sessions == 0 || tokens < 2 || prompt.is_empty() {
         return Err("generate_load needs ≥ 1 session, ≥ 2 tokens and a prompt".into());
     }
@@ -47,16 +48,16 @@ pub async fn generate_load(
                 let s = d.session();
                 let t0 = Instant::now();
                 let r = async {
-                    let mut logits = d.feed(s, prompt).await.map_err(|e| e.to_string())?;
+                    let mut logits = d.feed(s, prompt).await?;
                     let prefilled = Instant::now();
                     let mut steps = Vec::with_capacity(tokens);
                     for _ in 1..tokens {
                         let next = nsactor_runtime::decode::argmax(&logits) as i64;
                         let t = Instant::now();
-                        logits = d.feed(s, vec![next]).await.map_err(|e| e.to_string())?;
+                        logits = d.feed(s, vec![next]).await?;
                         steps.push(t.elapsed().as_secs_f64());
                     }
-                    Ok::<_, String>(((prefilled - t0).as_secs_f64(), prefilled, steps))
+                    Ok::<_, CliError>(((prefilled - t0).as_secs_f64(), prefilled, steps))
                 }
                 .await;
                 d.close(s).await;
@@ -67,7 +68,7 @@ pub async fn generate_load(
     let (mut prefills, mut steps) = (Vec::new(), Vec::new());
     let (mut last_prefill, mut end) = (start, start);
     for r in runs {
-        let (p, at, s, done) = r.await.map_err(|e| e.to_string())??;
+        let (p, at, s, done) = r.await??;
         prefills.push(p);
         steps.extend(s);
         last_prefill = last_prefill.max(at);
@@ -240,7 +241,7 @@ pub fn run(a: GenerateBenchArgs) -> crate::CliResult {
         for (n, line) in host {
             println!("  {n:>4} sessions: {line}");
         }
-        Ok::<_, Box<dyn std::error::Error>>(())
+        Ok::<_, crate::CliError>(())
     })?;
     print_memory(l.pipeline.backend().as_ref());
     Ok(())

@@ -1,6 +1,7 @@
 //! `nsactor bench pipeline-hop`: an actor hop against a 0.9B layer's compute.
 
 use super::echo::EchoBackend;
+use crate::CliResult;
 use nsactor_plugin_api::{ComputeBackend, OptimizerKind};
 use std::sync::Arc;
 use std::time::Instant;
@@ -33,7 +34,7 @@ pub fn pipeline_hops(
     steps: usize,
     layer_busy_us: u64,
     schedule: nsactor_runtime::config::Schedule,
-) -> Result<HopTimings, String> {
+) -> CliResult<HopTimings> {
     use nsactor_runtime::engine::{StagedModel, StepParams};
     use nsactor_runtime::pipeline::{Pipeline, PipelinePlan};
     let model = nsactor_runtime::config::ModelConfig {
@@ -41,14 +42,11 @@ pub fn pipeline_hops(
         ..nsactor_runtime::config::tiny_model()
     };
     let backend: Arc<dyn ComputeBackend> = Arc::new(EchoBackend { layer_busy_us });
-    let staged = StagedModel::open(backend, &model, 0, OptimizerKind::Adam, None)
-        .map_err(|e| e.to_string())?;
-    let plan = PipelinePlan::balanced(layers, stages, &[0]).map_err(|e| e.to_string())?;
-    let mut train = nsactor_runtime::config::RunConfig::load(None)
-        .map_err(|e| e.to_string())?
-        .train;
+    let staged = StagedModel::open(backend, &model, 0, OptimizerKind::Adam, None)?;
+    let plan = PipelinePlan::balanced(layers, stages, &[0])?;
+    let mut train = nsactor_runtime::config::RunConfig::load(None)?.train;
     train.schedule = schedule;
-    let mut p = Pipeline::start(staged, plan, train, None).map_err(|e| e.to_string())?;
+    let mut p = Pipeline::start(staged, plan, train, None)?;
     let batch = nsactor_plugin_api::Batch {
         batch: 1,
         seq_len: 1,
@@ -66,7 +64,7 @@ pub fn pipeline_hops(
     let mut times = Vec::with_capacity(steps);
     for i in 0..steps + 2 {
         let t = Instant::now();
-        p.train_step(&batches, &params).map_err(|e| e.to_string())?;
+        p.train_step(&batches, &params)?;
         if i >= 2 {
             times.push(t.elapsed().as_secs_f64());
         }

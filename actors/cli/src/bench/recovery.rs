@@ -1,5 +1,6 @@
 //! `nsactor bench recovery`: recovery time and checkpoint bandwidth.
 
+use crate::CliResult;
 use nsactor_plugin_api::OptimizerKind;
 use nsactor_runtime::backend;
 use std::path::PathBuf;
@@ -24,12 +25,12 @@ pub struct RecoveryTimings {
 /// Trains the tiny config under `dir` with a checkpoint at step 2 and a layer panic in step 3,
 /// timing the recovery; then writes and reads back a checkpoint of `synthetic_mb` MB split
 /// like the 0.9B model (an edge shard and 20 equal layer shards) to time the disk.
-pub fn recovery(dir: &std::path::Path, synthetic_mb: usize) -> Result<RecoveryTimings, String> {
+pub fn recovery(dir: &std::path::Path, synthetic_mb: usize) -> CliResult<RecoveryTimings> {
     use nsactor_runtime::RuntimeError;
     use nsactor_runtime::engine::StagedModel;
     use nsactor_runtime::pipeline::checkpoint::{self, CheckpointMeta};
     use nsactor_runtime::pipeline::{Pipeline, PipelinePlan};
-    let mut cfg = nsactor_runtime::config::RunConfig::load(None).map_err(|e| e.to_string())?;
+    let mut cfg = nsactor_runtime::config::RunConfig::load(None)?;
     cfg.train.out_dir = dir.join("run");
     cfg.train.inject_fault = Some("layer-panic:1:3".into());
     let tok = nsactor_data::Tokenizer::bundled();
@@ -47,22 +48,17 @@ pub fn recovery(dir: &std::path::Path, synthetic_mb: usize) -> Result<RecoveryTi
         },
         "text",
         &mut tokens,
-    )
-    .map_err(|e| e.to_string())?;
+    )?;
     let sampler = nsactor_data::Sampler::pretrain(
         Arc::new(tokens),
         nsactor_data::Mode::Packed,
         cfg.train.seq_len,
         cfg.train.seed,
-    )
-    .map_err(|e| e.to_string())?;
-    let backend = nsactor_runtime::backend::open(nsactor_runtime::backend::default_name(), &[])
-        .map_err(|e| e.to_string())?;
-    let staged = StagedModel::open(backend, &cfg.model, 1, OptimizerKind::Adam, None)
-        .map_err(|e| e.to_string())?;
-    let plan = PipelinePlan::balanced(staged.num_layers(), 1, &[0]).map_err(|e| e.to_string())?;
-    let mut p = Pipeline::start(staged, plan, cfg.train.clone(), Some(sampler))
-        .map_err(|e| e.to_string())?;
+    )?;
+    let backend = nsactor_runtime::backend::open(nsactor_runtime::backend::default_name(), &[])?;
+    let staged = StagedModel::open(backend, &cfg.model, 1, OptimizerKind::Adam, None)?;
+    let plan = PipelinePlan::balanced(staged.num_layers(), 1, &[0])?;
+    let mut p = Pipeline::start(staged, plan, cfg.train.clone(), Some(sampler))?;
     let e = |e: RuntimeError| e.to_string();
     p.step().map_err(e)?;
     let t = Instant::now();
@@ -72,7 +68,7 @@ pub fn recovery(dir: &std::path::Path, synthetic_mb: usize) -> Result<RecoveryTi
         .map_err(e)?;
     let recover_s = match p.step() {
         Err(RuntimeError::Recovered { seconds, .. }) => seconds,
-        other => return Err(format!("expected a recovery, got {other:?}")),
+        other => return Err(format!("expected a recovery, got {other:?}").into()),
     };
     let t = Instant::now();
     p.step().map_err(e)?;
@@ -94,11 +90,11 @@ pub fn recovery(dir: &std::path::Path, synthetic_mb: usize) -> Result<RecoveryTi
         tokenizer_sha256: None,
     };
     let t = Instant::now();
-    let written = checkpoint::write(&root, &meta, &shards, 1).map_err(|e| e.to_string())?;
+    let written = checkpoint::write(&root, &meta, &shards, 1)?;
     let write_bps = bytes as f64 / t.elapsed().as_secs_f64();
     drop(shards);
     let t = Instant::now();
-    checkpoint::read(&written).map_err(|e| e.to_string())?;
+    checkpoint::read(&written)?;
     let read_bps = bytes as f64 / t.elapsed().as_secs_f64();
     let _ = std::fs::remove_dir_all(&root);
     Ok(RecoveryTimings {

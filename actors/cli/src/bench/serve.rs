@@ -1,6 +1,7 @@
 //! `nsactor bench serve`: TTFT, inter-token latency and tokens/s through the real server on loopback.
 
 use super::stats::pct;
+use crate::{CliError, CliResult};
 use nsactor_runtime::launch::{self};
 use std::path::PathBuf;
 use std::time::Instant;
@@ -23,33 +24,27 @@ pub async fn serve_load(
     addr: std::net::SocketAddr,
     sessions: usize,
     tokens: usize,
-) -> Result<ServeTimings, String> {
+) -> CliResult<ServeTimings> {
     use futures_util::{SinkExt, StreamExt};
     use tokio_tungstenite::tungstenite::Message;
     let start = Instant::now();
     let clients: Vec<_> = (0..sessions)
         .map(|i| {
             tokio::spawn(async move {
-                let tcp = tokio::net::TcpStream::connect(addr)
-                    .await
-                    .map_err(|e| e.to_string())?;
-                tcp.set_nodelay(true).map_err(|e| e.to_string())?;
-                let (mut ws, _) = tokio_tungstenite::client_async(format!("ws://{addr}/ws"), tcp)
-                    .await
-                    .map_err(|e| e.to_string())?;
+                let tcp = tokio::net::TcpStream::connect(addr).await?;
+                tcp.set_nodelay(true)?;
+                let (mut ws, _) =
+                    tokio_tungstenite::client_async(format!("ws://{addr}/ws"), tcp).await?;
                 let req = serde_json::json!({"type": "generate", "id": "b", "prompt": "Emma was",
                     "max_tokens": tokens, "temperature": 0.8, "seed": i, "ignore_eos": true,
                     "token_ids": true});
                 let sent = Instant::now();
-                ws.send(Message::Text(req.to_string().into()))
-                    .await
-                    .map_err(|e| e.to_string())?;
+                ws.send(Message::Text(req.to_string().into())).await?;
                 let (mut ttft, mut gaps, mut n) = (None, Vec::new(), 0usize);
                 let mut last = sent;
                 while let Some(m) = ws.next().await {
                     let Ok(Message::Text(t)) = m else { continue };
-                    let v: serde_json::Value =
-                        serde_json::from_str(&t).map_err(|e| e.to_string())?;
+                    let v: serde_json::Value = serde_json::from_str(&t)?;
                     match v["type"].as_str() {
                         Some("delta") => {
                             let now = Instant::now();
@@ -64,16 +59,16 @@ pub async fn serve_load(
                             last = now;
                         }
                         Some("done") => break,
-                        _ => return Err(format!("server: {v}")),
+                        _ => return Err(format!("server: {v}").into()),
                     }
                 }
-                Ok::<_, String>((ttft.unwrap_or(f64::NAN), gaps, n))
+                Ok::<_, CliError>((ttft.unwrap_or(f64::NAN), gaps, n))
             })
         })
         .collect();
     let (mut ttfts, mut gaps, mut total) = (Vec::new(), Vec::new(), 0usize);
     for c in clients {
-        let (t, g, n) = c.await.map_err(|e| e.to_string())??;
+        let (t, g, n) = c.await??;
         ttfts.push(t);
         gaps.extend(g);
         total += n;
@@ -169,6 +164,6 @@ pub fn run(a: ServeBenchArgs) -> crate::CliResult {
                 (n1 - n0) as f64 / (c1 - c0).max(1) as f64
             );
         }
-        Ok::<_, Box<dyn std::error::Error>>(())
+        Ok::<_, crate::CliError>(())
     })
 }

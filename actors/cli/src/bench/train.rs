@@ -3,6 +3,7 @@
 use super::breakdown::print_device_breakdown;
 use super::flops::train_flops_per_token;
 use super::steps::{TrainBench, TrainStepTiming};
+use crate::CliResult;
 use crate::args::LayoutArgs;
 use nsactor_plugin_api::{Diagnostic, DiagnosticReport, OptimizerKind};
 use nsactor_runtime::config::{Overrides, RunConfig};
@@ -56,7 +57,7 @@ pub fn train_throughput(
     warmup: usize,
     steps: usize,
     mut timing: Option<&dyn nsactor_plugin_api::ComputeBackend>,
-) -> Result<TrainBench, String> {
+) -> CliResult<TrainBench> {
     use nsactor_runtime::engine::StepParams;
     let params = StepParams {
         lr: train.lr,
@@ -103,12 +104,11 @@ pub fn train_throughput(
             device = match c.diagnose(&Diagnostic::TimingReport) {
                 Ok(DiagnosticReport::Timing(d)) => d,
                 Ok(other) => {
-                    return Err(format!(
-                        "step {i}: device timing: a {} report",
-                        other.kind()
-                    ));
+                    return Err(
+                        format!("step {i}: device timing: a {} report", other.kind()).into(),
+                    );
                 }
-                Err(e) => return Err(format!("step {i}: device timing: {e}")),
+                Err(e) => return Err(format!("step {i}: device timing: {e}").into()),
             };
         }
         let busy = delta(busy_now(pipeline), before);

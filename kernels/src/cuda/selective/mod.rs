@@ -15,9 +15,9 @@
 //! The ring copies 4 bytes at a time, two bf16 columns where a type is stored in bf16, which
 //! rows of an odd width cannot keep aligned: there the register-loading staged kernels
 //! (`staged`) run, the same arithmetic; `$NSACTOR_SELECTIVE_FORWARD=sync` and
-//! `$NSACTOR_SELECTIVE_BACKWARD=sync` select them everywhere, and `$NSACTOR_SELECTIVE=per-unit`
-//! the first kernels, one unit per column (`unit`). The launchers here pick the kernel and its
-//! shape.
+//! `$NSACTOR_SELECTIVE_BACKWARD=sync` select them everywhere, for comparison. The launchers here
+//! pick the kernel and its shape. (The first generation, one unit per column computing its own
+//! modulation, left the tree: staged was faster at every measured shape; git keeps it.)
 //!
 //! Same recurrence as [`crate::reference`], term for term; the forwards agree with the
 //! per-element scan composed with the modulation ([`crate::selective_forward_reference`]) bit
@@ -26,10 +26,9 @@
 mod chunk;
 mod ring;
 mod staged;
-mod unit;
 
 use crate::cuda::common::{STAGE_COLS, check_f32, out_like, out_typed, stage_shape, stored_dtype};
-use crate::cuda::scan::{geometry, unroll};
+use crate::cuda::scan::geometry;
 use burn::tensor::{DType, Shape};
 use burn_cubecl::CubeRuntime;
 use burn_cubecl::kernel::into_contiguous;
@@ -37,10 +36,6 @@ use burn_cubecl::tensor::CubeTensor;
 use cubecl::prelude::*;
 use ring::{selective_backward_async_kernel, selective_forward_async_kernel};
 use staged::{selective_backward_staged_kernel, selective_forward_staged_kernel};
-use unit::{
-    UNROLL_SELECTIVE_BACKWARD, UNROLL_SELECTIVE_FORWARD, selective_backward_kernel,
-    selective_forward_kernel,
-};
 
 /// `(producer planes, steps per chunk)` of the staged selective kernels. Measured on the H100
 /// at the 0.9B shape (forward / backward ms): 2×32 5.89 / 8.69, 4×64 3.64 / 9.07, 8×32 2.65 /
@@ -54,14 +49,6 @@ const STAGE_BACKWARD: (usize, usize) = (8, 16);
 /// 3×24 2.84, 4×32 3.71. With bf16 storage 8×32 and 4×24 tie (2.117 / 2.111 ms) and 4×20 is
 /// slower (2.46), so bf16 keeps [`STAGE_FORWARD`].
 const STAGE_FORWARD_F32: (usize, usize) = (4, 24);
-
-/// Whether the selective scans run staged (producer planes compute the modulation of the next
-/// chunk into shared memory while one plane runs the recurrence over the current chunk) or one
-/// unit per column (each unit computes its own modulation, the first version).
-/// `$NSACTOR_SELECTIVE=per-unit` selects the latter, for comparison.
-fn staged() -> bool {
-    std::env::var("NSACTOR_SELECTIVE").map_or(true, |v| v != "per-unit")
-}
 
 /// `(producer planes, steps per chunk, ring stages)` of the asynchronous forward (f32 storage).
 /// `$NSACTOR_STAGE_ASYNC` (`PxCxD`) overrides it. Measured on the H100 at the 0.9B shape (ms):
@@ -154,15 +141,6 @@ fn projection_dtype<R: CubeRuntime>(inputs: &[CubeTensor<R>; 8]) -> DType {
     dtype
 }
 
-/// `t` in `dtype` (unchanged when it is already).
-fn as_dtype<R: CubeRuntime>(t: CubeTensor<R>, dtype: DType) -> CubeTensor<R> {
-    if t.dtype == dtype {
-        t
-    } else {
-        burn_cubecl::kernel::cast(t, dtype)
-    }
-}
-
 /// Forward of the fused selective scan: `(spike, vpost, last)`. `inputs`: the projections `i,
 /// r_β, r_α, r_th` `[TK, B, DN]`, the biases `b_β, b_α, b_th` `[DN]`, and `v0` `[B, DN]`.
 /// Spikes and `V_post` are stored in the projections' type (f32, or bf16 storage: the kernel
@@ -173,58 +151,27 @@ pub fn selective_forward<R: CubeRuntime>(
     v_th_min: f32,
 ) -> (CubeTensor<R>, CubeTensor<R>, CubeTensor<R>) {
     let stored = projection_dtype(&inputs);
-    let (shape, steps, cols, count, dim) = geometry(&inputs[0]);
+    let (shape, steps, cols, _, _) = geometry(&inputs[0]);
     let dn = shape[2] as u32;
     let state = Shape::new([shape[1], shape[2]]);
     let [i, rb, ra, rt, bb, ba, bt, v0] = inputs.map(into_contiguous);
-    if staged() {
-        let spike = out_like(&i, shape.clone());
-        let vpost = out_like(&i, shape);
-        let last = out_typed(&i, state, DType::F32);
-        let client = i.client.clone();
-        let default = if stored == DType::F32 {
-            STAGE_FORWARD_F32
-        } else {
-            STAGE_FORWARD
-        };
-        // bf16 storage copies column pairs (4 bytes), which rows of an even width keep aligned.
-        let pack = pack_of(stored);
-        if async_forward() && (cols as usize).is_multiple_of(pack) {
-            let (producers, chunk, stages, width) = async_shape(stored);
-            selective_forward_async_kernel::launch::<R>(
-                &client,
-                CubeCount::Static(cols.div_ceil(width as u32), 1, 1),
-                CubeDim::new_2d(width as u32, 1 + producers as u32),
-                i.into_tensor_arg(),
-                rb.into_tensor_arg(),
-                ra.into_tensor_arg(),
-                rt.into_tensor_arg(),
-                bb.into_tensor_arg(),
-                ba.into_tensor_arg(),
-                bt.into_tensor_arg(),
-                v0.into_tensor_arg(),
-                spike.clone().into_tensor_arg(),
-                vpost.clone().into_tensor_arg(),
-                last.clone().into_tensor_arg(),
-                cols,
-                steps,
-                steps.div_ceil(chunk as u32),
-                dn,
-                v_th_min,
-                chunk,
-                producers,
-                stages,
-                pack,
-                width,
-                stored.into(),
-            );
-            return (spike, vpost, last);
-        }
-        let (producers, chunk) = stage_shape("NSACTOR_STAGE_FORWARD", default);
-        selective_forward_staged_kernel::launch::<R>(
+    let spike = out_like(&i, shape.clone());
+    let vpost = out_like(&i, shape);
+    let last = out_typed(&i, state, DType::F32);
+    let client = i.client.clone();
+    let default = if stored == DType::F32 {
+        STAGE_FORWARD_F32
+    } else {
+        STAGE_FORWARD
+    };
+    // bf16 storage copies column pairs (4 bytes), which rows of an even width keep aligned.
+    let pack = pack_of(stored);
+    if async_forward() && (cols as usize).is_multiple_of(pack) {
+        let (producers, chunk, stages, width) = async_shape(stored);
+        selective_forward_async_kernel::launch::<R>(
             &client,
-            CubeCount::Static(cols.div_ceil(STAGE_COLS), 1, 1),
-            CubeDim::new_2d(STAGE_COLS, 1 + producers as u32),
+            CubeCount::Static(cols.div_ceil(width as u32), 1, 1),
+            CubeDim::new_2d(width as u32, 1 + producers as u32),
             i.into_tensor_arg(),
             rb.into_tensor_arg(),
             ra.into_tensor_arg(),
@@ -243,19 +190,18 @@ pub fn selective_forward<R: CubeRuntime>(
             v_th_min,
             chunk,
             producers,
-            [stored.into(), stored.into()],
+            stages,
+            pack,
+            width,
+            stored.into(),
         );
         return (spike, vpost, last);
     }
-    // One unit per column (f32 only): bf16 storage is cast around it.
-    let [i, rb, ra, rt] = [i, rb, ra, rt].map(|t| as_dtype(t, DType::F32));
-    let spike = out_like(&i, shape.clone());
-    let vpost = out_like(&i, shape.clone());
-    let client = i.client.clone();
-    selective_forward_kernel::launch::<R>(
+    let (producers, chunk) = stage_shape("NSACTOR_STAGE_FORWARD", default);
+    selective_forward_staged_kernel::launch::<R>(
         &client,
-        count,
-        dim,
+        CubeCount::Static(cols.div_ceil(STAGE_COLS), 1, 1),
+        CubeDim::new_2d(STAGE_COLS, 1 + producers as u32),
         i.into_tensor_arg(),
         rb.into_tensor_arg(),
         ra.into_tensor_arg(),
@@ -266,21 +212,17 @@ pub fn selective_forward<R: CubeRuntime>(
         v0.into_tensor_arg(),
         spike.clone().into_tensor_arg(),
         vpost.clone().into_tensor_arg(),
+        last.clone().into_tensor_arg(),
         cols,
         steps,
+        steps.div_ceil(chunk as u32),
         dn,
         v_th_min,
-        unroll(UNROLL_SELECTIVE_FORWARD),
+        chunk,
+        producers,
+        [stored.into(), stored.into()],
     );
-    let last = last_frame(&vpost, &shape);
-    (as_dtype(spike, stored), as_dtype(vpost, stored), last)
-}
-
-/// The last step `[B, DN]` of a `[TK, B, DN]` sequence, as a contiguous copy.
-fn last_frame<R: CubeRuntime>(seq: &CubeTensor<R>, shape: &Shape) -> CubeTensor<R> {
-    let [tk, b, dn] = [shape[0], shape[1], shape[2]];
-    let rows = burn_cubecl::kernel::slice(seq.clone(), &[tk - 1..tk, 0..b, 0..dn]);
-    burn_cubecl::ops::reshape(into_contiguous(rows), Shape::new([b, dn]))
+    (spike, vpost, last)
 }
 
 /// Backward of the fused selective scan: `[∂i, ∂r_β, ∂r_α, ∂r_th, ∂v0, bias sums]`, the last
@@ -303,7 +245,7 @@ pub fn selective_backward<R: CubeRuntime>(
         stored_dtype(&vpost).into(),
         stored_dtype(&grad).into(),
     ];
-    let (shape, steps, cols, count, dim) = geometry(&grad);
+    let (shape, steps, cols, _, _) = geometry(&grad);
     let dn = shape[2] as u32;
     let [i, rb, ra, rt, bb, ba, bt, v0] = inputs.map(into_contiguous);
     let [vpost, spike, grad] = [vpost, spike, grad].map(into_contiguous);
@@ -312,7 +254,7 @@ pub fn selective_backward<R: CubeRuntime>(
     let g_v0 = out_typed(&grad, state.clone(), DType::F32);
     let g_bias = out_typed(&grad, Shape::new([3, state[0], state[1]]), DType::F32);
     let packs = (pack_of(stored), pack_of(vpost.dtype), pack_of(grad.dtype));
-    if staged() && async_backward() && (cols % 2 == 0 || packs == (1, 1, 1)) {
+    if async_backward() && (cols % 2 == 0 || packs == (1, 1, 1)) {
         let g = || out_typed(&grad, shape.clone(), stored);
         let [g_i, g_rb, g_ra, g_rt] = [g(), g(), g(), g()];
         let (producers, chunk, stages, width) =
@@ -351,50 +293,13 @@ pub fn selective_backward<R: CubeRuntime>(
         );
         return [g_i, g_rb, g_ra, g_rt, g_v0, g_bias];
     }
-    if staged() {
-        let g = || out_typed(&grad, shape.clone(), stored);
-        let [g_i, g_rb, g_ra, g_rt] = [g(), g(), g(), g()];
-        let (producers, chunk) = stage_shape("NSACTOR_STAGE_BACKWARD", STAGE_BACKWARD);
-        selective_backward_staged_kernel::launch::<R>(
-            &client,
-            CubeCount::Static(cols.div_ceil(STAGE_COLS), 1, 1),
-            CubeDim::new_2d(STAGE_COLS, 1 + producers as u32),
-            i.into_tensor_arg(),
-            rb.into_tensor_arg(),
-            ra.into_tensor_arg(),
-            rt.into_tensor_arg(),
-            bb.into_tensor_arg(),
-            ba.into_tensor_arg(),
-            bt.into_tensor_arg(),
-            v0.into_tensor_arg(),
-            vpost.into_tensor_arg(),
-            spike.into_tensor_arg(),
-            grad.into_tensor_arg(),
-            g_i.clone().into_tensor_arg(),
-            g_rb.clone().into_tensor_arg(),
-            g_ra.clone().into_tensor_arg(),
-            g_rt.clone().into_tensor_arg(),
-            g_v0.clone().into_tensor_arg(),
-            g_bias.clone().into_tensor_arg(),
-            cols,
-            steps,
-            steps.div_ceil(chunk as u32),
-            dn,
-            chunk,
-            producers,
-            types,
-        );
-        return [g_i, g_rb, g_ra, g_rt, g_v0, g_bias];
-    }
-    // One unit per column (f32 only): bf16 storage is cast around it.
-    let [i, rb, ra, rt, vpost, spike, grad] =
-        [i, rb, ra, rt, vpost, spike, grad].map(|t| as_dtype(t, DType::F32));
-    let g = || out_typed(&grad, shape.clone(), DType::F32);
+    let g = || out_typed(&grad, shape.clone(), stored);
     let [g_i, g_rb, g_ra, g_rt] = [g(), g(), g(), g()];
-    selective_backward_kernel::launch::<R>(
+    let (producers, chunk) = stage_shape("NSACTOR_STAGE_BACKWARD", STAGE_BACKWARD);
+    selective_backward_staged_kernel::launch::<R>(
         &client,
-        count,
-        dim,
+        CubeCount::Static(cols.div_ceil(STAGE_COLS), 1, 1),
+        CubeDim::new_2d(STAGE_COLS, 1 + producers as u32),
         i.into_tensor_arg(),
         rb.into_tensor_arg(),
         ra.into_tensor_arg(),
@@ -414,9 +319,11 @@ pub fn selective_backward<R: CubeRuntime>(
         g_bias.clone().into_tensor_arg(),
         cols,
         steps,
+        steps.div_ceil(chunk as u32),
         dn,
-        unroll(UNROLL_SELECTIVE_BACKWARD),
+        chunk,
+        producers,
+        types,
     );
-    let [g_i, g_rb, g_ra, g_rt] = [g_i, g_rb, g_ra, g_rt].map(|t| as_dtype(t, stored));
     [g_i, g_rb, g_ra, g_rt, g_v0, g_bias]
 }

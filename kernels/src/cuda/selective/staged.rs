@@ -11,9 +11,8 @@ use cubecl::prelude::*;
 /// The staged forward: plane 0 of a cube scans 32 columns; planes `1..=producers` compute
 /// `β, u, V_th` of the next chunk (`chunk` steps) into shared memory meanwhile, each taking
 /// every `producers`-th step with all its loads issued together. One barrier per chunk swaps
-/// the two buffers. Same arithmetic as [`selective_forward_kernel`], bit for bit.
-///
-/// [`selective_forward_kernel`]: super::unit::selective_forward_kernel
+/// the two buffers. Same arithmetic as the reference ([`crate::reference`]) term for term, and
+/// bit for bit the ring kernel's.
 #[allow(clippy::too_many_arguments)]
 #[cube(launch)]
 pub(crate) fn selective_forward_staged_kernel<I: Float, S: Float>(
@@ -113,9 +112,7 @@ pub(crate) fn selective_forward_staged_kernel<I: Float, S: Float>(
 
 /// The staged backward: producer planes compute everything of a step but the carried
 /// gradient for the chunk before the current one (the reverse order), plane 0 runs the
-/// reverse recurrence over shared memory. Same arithmetic as [`selective_backward_kernel`].
-///
-/// [`selective_backward_kernel`]: super::unit::selective_backward_kernel
+/// reverse recurrence over shared memory. Same arithmetic as the reference's backward.
 #[allow(clippy::too_many_arguments)]
 #[cube(launch)]
 pub(crate) fn selective_backward_staged_kernel<I: Float, S: Float, G: Float>(

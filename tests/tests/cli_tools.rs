@@ -1,0 +1,311 @@
+//! The `nsactor` command line beyond training, run as a user runs it: tokenizer and data
+//! preparation, the benchmarks and `verify`.
+
+mod common;
+
+use common::cli::{nsactor, run_err, run_ok, run_stdout, temp_dir};
+use std::path::PathBuf;
+
+#[test]
+fn tokenizer_train_data_prepare_and_train_on_shards() {
+    let dir = temp_dir("data");
+    let p = |name: &str| dir.join(name).to_str().unwrap().to_owned();
+    let text: String = (0..300)
+        .map(|i| format!("Paragraph {i}: the quick brown fox jumps over the lazy dog.\n\n"))
+        .collect();
+    std::fs::write(p("c.txt"), &text).unwrap();
+    let jsonl: String = (0..50)
+        .map(|i| format!("{{\"body\": \"Record {i} says hello to the world.\"}}\n"))
+        .collect();
+    std::fs::write(p("d.jsonl"), jsonl).unwrap();
+
+    let log = run_ok(&[
+        "tokenizer",
+        "train",
+        "--corpus",
+        &p("c.txt"),
+        "--vocab-size",
+        "300",
+        "--out",
+        &p("tok.json"),
+    ]);
+    assert!(log.contains("300-token"), "{log}");
+    let tok: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(p("tok.json")).unwrap()).unwrap();
+    assert_eq!(tok["added_tokens"][3]["content"], "<|im_start|>");
+
+    // Shards with the bundled tokenizer (the default), then a run on them.
+    let log = run_ok(&[
+        "data",
+        "prepare",
+        "--out",
+        &p("shards"),
+        "--text-field",
+        "body",
+        &p("c.txt"),
+        &p("d.jsonl"),
+    ]);
+    assert!(
+        log.contains("350 documents") && log.contains("MB/s"),
+        "{log}"
+    );
+    let manifest: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("shards/manifest.json")).unwrap())
+            .unwrap();
+    assert_eq!(manifest["dtype"], "u16");
+    assert_eq!(manifest["documents"], 350);
+    run_ok(&[
+        "train",
+        "--steps",
+        "2",
+        "--data",
+        &p("shards"),
+        "--out",
+        &p("run"),
+    ]);
+    let cursor: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("run/data_cursor.json")).unwrap())
+            .unwrap();
+    assert_eq!(cursor["position"], 8, "2 steps × batch 4: {cursor}");
+
+    // The same shards under another tokenizer: refused, naming both hashes.
+    let e = run_err(&[
+        "train",
+        "--steps",
+        "1",
+        "--data",
+        &p("shards"),
+        "--tokenizer",
+        &p("tok.json"),
+        "--out",
+        &p("run2"),
+    ]);
+    assert!(e.contains("made with tokenizer"), "{e}");
+
+    // Unreadable inputs and an empty corpus.
+    let e = run_err(&["data", "prepare", "--out", &p("x"), &p("missing.txt")]);
+    assert!(e.contains("missing.txt"), "{e}");
+    std::fs::write(p("empty.txt"), "\n\n").unwrap();
+    let e = run_err(&[
+        "tokenizer",
+        "train",
+        "--corpus",
+        &p("empty.txt"),
+        "--out",
+        &p("t2.json"),
+    ]);
+    assert!(e.contains("empty corpus"), "{e}");
+
+    // SFT on an alpaca file.
+    std::fs::write(
+        p("sft.json"),
+        r#"[{"instruction":"Say hi","input":"","output":"Hi there."},{"instruction":"Add 1 and 2","input":"","output":"3"}]"#,
+    )
+    .unwrap();
+    run_ok(&[
+        "train",
+        "--sft",
+        "--steps",
+        "2",
+        "--corpus",
+        &p("sft.json"),
+        "--out",
+        &p("run3"),
+    ]);
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn bench_train_reports_throughput_busy_time_and_flops() {
+    let out = nsactor()
+        .args([
+            "bench",
+            "train",
+            "--steps",
+            "2",
+            "--warmup",
+            "1",
+            "--seq-len",
+            "16",
+            "--batch-size",
+            "2",
+            "--accumulation",
+            "2",
+            "--pipeline",
+            "2",
+        ])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        stdout.contains("2 × T 16 × accumulation 2 = 64 tokens/step"),
+        "{stdout}"
+    );
+    // Three rows: one warm-up and two timed steps, each with a finite loss.
+    let rows: Vec<&str> = stdout
+        .lines()
+        .filter(|l| {
+            l.split_whitespace()
+                .next()
+                .is_some_and(|w| w.parse::<u32>().is_ok())
+        })
+        .collect();
+    assert_eq!(rows.len(), 3, "{stdout}");
+    for r in rows {
+        let loss: f64 = r.split_whitespace().nth(3).unwrap().parse().unwrap();
+        assert!(loss.is_finite() && loss > 0.0, "{r}");
+    }
+    for needle in [
+        "median step",
+        "MFU",
+        "nsactor-edge",
+        "nsactor-stage0",
+        "nsactor-stage1",
+    ] {
+        assert!(stdout.contains(needle), "no `{needle}` in:\n{stdout}");
+    }
+    let err = run_err(&["bench", "train", "--steps", "0"]);
+    assert!(err.contains("--steps"), "{err}");
+}
+
+#[test]
+fn bench_generate_batches_concurrent_sessions_and_decode_profile_splits_a_layer() {
+    let stdout = run_stdout(&[
+        "bench",
+        "generate",
+        "--sessions",
+        "1,3",
+        "--tokens",
+        "5",
+        "--prompt-len",
+        "4",
+    ]);
+    // One row per session count: sessions, prefill, step p50/p99, tokens/s ×2, mean cohort.
+    let rows: Vec<Vec<f64>> = stdout
+        .lines()
+        .filter_map(|l| {
+            let v: Vec<f64> = l
+                .split_whitespace()
+                .map(|w| w.parse::<f64>())
+                .collect::<Result<_, _>>()
+                .ok()?;
+            (v.len() == 7).then_some(v)
+        })
+        .collect();
+    assert_eq!(rows.len(), 2, "{stdout}");
+    for (r, n) in rows.iter().zip([1.0, 3.0]) {
+        assert_eq!(r[0], n, "{stdout}");
+        assert!(r[1..6].iter().all(|x| x.is_finite() && *x > 0.0), "{r:?}");
+        assert!(r[2] <= r[3], "p50 above p99: {r:?}");
+        // The three sessions decode in shared passes (the batcher), one session alone.
+        assert!(r[6] >= 1.0 && r[6] <= n, "{r:?}");
+    }
+    assert!(rows[1][6] > 1.5, "3 sessions were not batched: {stdout}");
+    assert!(stdout.contains("batch-1 ceiling"), "{stdout}");
+    let err = run_err(&["bench", "generate", "--tokens", "1"]);
+    assert!(err.contains("--tokens"), "{err}");
+
+    let stdout = run_stdout(&[
+        "bench",
+        "decode-profile",
+        "--backend",
+        "embedded",
+        "--options",
+        "config=tiny,reps=3",
+    ]);
+    let micros = |name: &str| -> f64 {
+        let l = stdout
+            .lines()
+            .find(|l| l.trim_start().starts_with(name))
+            .unwrap_or_else(|| panic!("no `{name}` row in:\n{stdout}"));
+        l.split_whitespace().rev().nth(1).unwrap().parse().unwrap()
+    };
+    let whole = micros("whole layer");
+    let parts: f64 = [
+        "RMSNorm + input PLIF",
+        "SNNBlock",
+        "PonderAgg",
+        "out projection",
+        "SNNFFN",
+    ]
+    .iter()
+    .map(|p| micros(p))
+    .sum();
+    assert!(whole > 0.0 && parts > 0.0, "{stdout}");
+    // The parts are most of the layer (the second sublayer repeats the first's norm and PLIF).
+    assert!(parts > 0.3 * whole && parts < 3.0 * whole, "{stdout}");
+    // Each fused part is checked against its composition (on the CPU they are the same ops).
+    for name in [
+        "RMSNorm + input PLIF as run",
+        "PonderAgg as run",
+        "FFN neurons and gating as run",
+    ] {
+        let l = stdout
+            .lines()
+            .find(|l| l.trim_start().starts_with(name))
+            .unwrap_or_else(|| panic!("no `{name}` check in:\n{stdout}"));
+        assert!(l.contains("max error 0.00e0"), "{l}");
+    }
+    let err = run_err(&[
+        "bench",
+        "decode-profile",
+        "--backend",
+        "embedded",
+        "--options",
+        "batch=0",
+    ]);
+    assert!(err.contains("batch"), "{err}");
+}
+
+#[test]
+fn verify_plif_scan_reports_both_precisions_and_rejects_a_missing_fixture() {
+    let fixture = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../../shared/fixtures/plif_scan.safetensors");
+    let out = nsactor()
+        .args(["verify", "plif-scan", "--fixture"])
+        .arg(&fixture)
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    for line in [
+        "elem scan, fp32:",
+        "row scan, fp32:",
+        "elem scan, bf16 storage:",
+        "row scan, bf16 storage:",
+        "grad_v0",
+    ] {
+        assert!(stdout.contains(line), "no `{line}` in\n{stdout}");
+    }
+    // Both fp32 runs agree on every spike (the bf16 ones report their flips).
+    assert!(
+        stdout.matches("agreement 100.0000% (0 flipped").count() >= 2,
+        "{stdout}"
+    );
+    assert!(
+        !stdout.contains("FAIL") && stdout.ends_with("PASS\n"),
+        "{stdout}"
+    );
+
+    let out = nsactor()
+        .args([
+            "verify",
+            "plif-scan",
+            "--fixture",
+            "/no/such/plif_scan.safetensors",
+        ])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("cannot read fixture /no/such"), "{stderr}");
+}

@@ -1,0 +1,55 @@
+//! The `nsactor` binary as the command-line tests run it: built with the test's own profile
+//! (with the ndarray plugin beside it) unless `$NSACTOR_BIN` names one, and the small runners
+//! that assert on its exit status.
+
+use super::cargo_build;
+use std::path::PathBuf;
+use std::process::Command;
+
+/// The `nsactor` command, pinned to one rayon thread.
+pub fn nsactor() -> Command {
+    let exe = std::env::var_os("NSACTOR_BIN")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| {
+            // The binary and the ndarray plugin, built with this test's own profile into this
+            // test's own target directory: the plugin lands next to the binary.
+            cargo_build(&["nsactor", "nsactor-backend-ndarray"]).join("nsactor")
+        });
+    let mut c = Command::new(exe);
+    // Runs are compared bit for bit (crash and resume against an uninterrupted run): one rayon
+    // thread keeps burn-ndarray's reductions deterministic while pipeline stages overlap.
+    c.env("RAYON_NUM_THREADS", "1");
+    c
+}
+
+pub fn temp_dir(name: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("nsactor-cli-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+pub fn run_ok(args: &[&str]) -> String {
+    let out = nsactor().args(args).output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert!(out.status.success(), "{args:?} failed: {stderr}");
+    stderr
+}
+
+pub fn run_err(args: &[&str]) -> String {
+    let out = nsactor().args(args).output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert!(!out.status.success(), "{args:?} should fail");
+    assert!(stderr.contains("error:"), "{stderr}");
+    stderr
+}
+
+pub fn run_stdout(args: &[&str]) -> String {
+    let out = nsactor().args(args).output().unwrap();
+    assert!(
+        out.status.success(),
+        "{args:?} failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}

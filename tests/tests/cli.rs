@@ -4,7 +4,7 @@
 
 mod common;
 
-use common::cli::{nsactor, run_err, run_ok, temp_dir};
+use common::cli::{losses, nsactor, run_err, run_ok, temp_dir};
 use std::path::PathBuf;
 use std::process::Command;
 
@@ -76,22 +76,6 @@ fn train_on_the_embedded_default_lowers_the_loss_and_writes_weights() {
     let (ok, _, stderr) = eval(&["--batches", "0"]);
     assert!(!ok && stderr.contains("--batches"), "{stderr}");
     std::fs::remove_dir_all(&dir).unwrap();
-}
-
-/// `(step, loss)` of every step line of a run's metrics (event lines skipped), the last line of
-/// each step winning, in step order.
-fn losses(dir: &std::path::Path) -> Vec<(u64, f64)> {
-    let mut by_step = std::collections::BTreeMap::new();
-    for l in std::fs::read_to_string(dir.join("metrics.jsonl"))
-        .unwrap()
-        .lines()
-    {
-        let v: serde_json::Value = serde_json::from_str(l).unwrap();
-        if let (Some(step), Some(loss)) = (v["step"].as_u64(), v["loss"].as_f64()) {
-            by_step.insert(step, loss);
-        }
-    }
-    by_step.into_iter().collect()
 }
 
 fn train_args(out: &std::path::Path, extra: &[&str]) -> Command {

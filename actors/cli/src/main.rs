@@ -4,6 +4,7 @@
 //! model only through `nsactor-runtime` (and `nsactor-server` for serving). Benchmarks and
 //! their printing live under [`bench`]; nothing outside this crate imports them.
 
+mod agent;
 mod args;
 mod bench;
 mod data;

@@ -44,11 +44,24 @@ pub struct TrainArgs {
     #[arg(long)]
     checkpoint_every: Option<u64>,
     /// Inject one failure to exercise recovery: `layer-panic:LAYER:STEP` (the layer actor
-    /// panics; the supervisor rebuilds the actors and rolls back to the newest checkpoint) or
-    /// `crash-in-checkpoint:STEP` (the process aborts mid-checkpoint). Overrides
+    /// panics; the supervisor rebuilds the actors and rolls back to the newest checkpoint),
+    /// `crash-in-checkpoint:STEP` (the process aborts mid-checkpoint),
+    /// `enospc-in-checkpoint:STEP` (that checkpoint's write fails as on a full disk) or
+    /// `nan-grad:STEP` (that step's gradients are NaN; the step is skipped). Overrides
     /// [train].inject_fault.
     #[arg(long)]
     inject_fault: Option<String>,
+    /// Run the training in a child process and restart it with --resume when it dies (a
+    /// signal or a non-zero exit), at most this many times within --restart-window.
+    #[arg(long)]
+    max_restarts: Option<u32>,
+    /// Seconds over which --max-restarts counts restarts.
+    #[arg(long, default_value_t = 3600.0, requires = "max_restarts")]
+    restart_window: f64,
+    /// Seconds before the first restart; doubled for each further restart in the window, up
+    /// to a minute.
+    #[arg(long, default_value_t = 1.0, requires = "max_restarts")]
+    restart_backoff: f64,
 }
 
 pub fn run(args: TrainArgs) -> crate::CliResult {
@@ -62,6 +75,22 @@ pub fn run(args: TrainArgs) -> crate::CliResult {
         tokenizer: args.tokenizer.clone(),
         ..args.layout.overrides()?
     })?;
+    if let Some(max_restarts) = args.max_restarts {
+        let secs = |name: &str, v: f64| {
+            (v.is_finite() && v >= 0.0)
+                .then(|| std::time::Duration::from_secs_f64(v))
+                .ok_or_else(|| format!("--{name} must be a number of seconds ≥ 0, got {v}"))
+        };
+        let policy = crate::agent::RestartPolicy {
+            max_restarts,
+            window: secs("restart-window", args.restart_window)?,
+            backoff: secs("restart-backoff", args.restart_backoff)?,
+        };
+        return crate::agent::supervise(policy, &cfg.train.out_dir);
+    }
+    let stop = nsactor_runtime::shutdown::stop_on_signals(std::time::Duration::from_secs_f64(
+        cfg.train.shutdown_grace_s,
+    ))?;
     let tok = nsactor_data::cli::load_tokenizer(cfg.data.tokenizer.as_deref())?;
     train::check_tokenizer(&cfg, &tok)?;
     let sampler = launch::make_sampler(&cfg, &tok, &args.corpus, args.data.as_deref(), args.sft)?;
@@ -81,7 +110,11 @@ pub fn run(args: TrainArgs) -> crate::CliResult {
         &mut pipeline,
         first_step,
         Some(tok.hash().to_string()),
+        Some(&stop),
     )?;
+    if summary.stopped_at.is_some() {
+        return Ok(());
+    }
     let first = summary.losses.first().copied().unwrap_or(f64::NAN);
     let last = summary.losses.last().copied().unwrap_or(f64::NAN);
     tracing::info!(

@@ -210,14 +210,32 @@ pub struct TrainConfig {
     /// Recoveries from actor failures a run may make before it gives up.
     #[serde(default = "three_u32")]
     pub max_restarts: u32,
-    /// A failure to inject once, to exercise recovery: `layer-panic:LAYER:STEP` or
-    /// `crash-in-checkpoint:STEP` (`--inject-fault`).
+    /// Write checkpoints in the background: the step loop waits only for the snapshot of the
+    /// stages (and for an earlier write still in flight); the files are written meanwhile.
+    /// `false` writes each checkpoint before the next step. The files are the same either way.
+    #[serde(default = "yes")]
+    pub async_checkpoint: bool,
+    /// Seconds a run has after SIGTERM or SIGINT to finish its step and write a checkpoint
+    /// before it exits anyway (then `--resume` starts from the newest complete checkpoint).
+    #[serde(default = "two_minutes")]
+    pub shutdown_grace_s: f64,
+    /// A failure to inject once, to exercise recovery: `layer-panic:LAYER:STEP`,
+    /// `crash-in-checkpoint:STEP`, `enospc-in-checkpoint:STEP` or `nan-grad:STEP`
+    /// (`--inject-fault`).
     #[serde(default)]
     pub inject_fault: Option<String>,
 }
 
 fn three_u32() -> u32 {
     3
+}
+
+fn yes() -> bool {
+    true
+}
+
+fn two_minutes() -> f64 {
+    120.0
 }
 
 fn one() -> usize {
@@ -320,6 +338,7 @@ impl TrainConfig {
             ("min_lr_ratio", self.min_lr_ratio),
             ("ponder_weight", self.ponder_weight),
             ("max_grad_norm", self.max_grad_norm),
+            ("shutdown_grace_s", self.shutdown_grace_s),
         ];
         if let Some((name, v)) = finite.iter().find(|(_, v)| !v.is_finite() || *v < 0.0) {
             return Err(bad(format!("`{name}` must be finite and ≥ 0, got {v}")));

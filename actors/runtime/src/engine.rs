@@ -41,6 +41,9 @@ pub struct StepStats {
     pub grad_norm: f64,
     /// Loss-mask tokens in the step.
     pub tokens: u64,
+    /// The loss or the gradient norm was not finite: the gradients were dropped and no
+    /// parameter or optimizer state changed (the pipeline's bad-step policy).
+    pub skipped: bool,
 }
 
 impl StepStats {
@@ -54,6 +57,7 @@ impl StepStats {
             expected_k_max: f64::NEG_INFINITY,
             grad_norm: 0.0,
             tokens: 0,
+            skipped: false,
         }
     }
 

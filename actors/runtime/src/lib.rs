@@ -23,6 +23,7 @@ pub mod export;
 pub mod launch;
 pub mod pipeline;
 pub mod plot;
+pub mod shutdown;
 pub mod train;
 pub mod verify;
 pub mod weights;

@@ -35,6 +35,7 @@ pub mod supervisor;
 pub mod topology;
 pub mod trace;
 pub mod worker;
+pub mod writer;
 
 pub use decoder::AsyncDecoder;
 pub use handle::Pipeline;

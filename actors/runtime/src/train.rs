@@ -4,6 +4,8 @@
 use crate::config::RunConfig;
 use crate::error::RuntimeError;
 use crate::pipeline::Pipeline;
+use crate::pipeline::writer::WriteDone;
+use crate::shutdown::StopRequest;
 use nsactor_data::Tokenizer;
 use std::io::Write;
 use std::path::PathBuf;
@@ -17,6 +19,11 @@ pub struct RunSummary {
     pub weights: PathBuf,
     /// Seconds each in-process recovery took (failure noticed → actors rebuilt and rolled back).
     pub recoveries: Vec<f64>,
+    /// Steps skipped for a non-finite loss or gradient norm.
+    pub skipped_steps: u64,
+    /// Set when a stop was asked for (SIGTERM, SIGINT): the step the run stopped after, with
+    /// its checkpoint written; the final weights were not.
+    pub stopped_at: Option<u64>,
 }
 
 /// Fails when `tok` has ids the model's embedding cannot hold.
@@ -57,11 +64,15 @@ pub fn checkpoint_root(cfg: &RunConfig) -> PathBuf {
 /// `out_dir/metrics.jsonl` (appended to when resuming), checkpointing every
 /// `checkpoint_every` steps and at the end, then writes `out_dir/model.safetensors`,
 /// `out_dir/config.toml`, `out_dir/data_cursor.json` and `out_dir/loss.png`.
+///
+/// `stop`, when given, is polled after every step: once it is set the run writes a checkpoint
+/// of the step just finished and returns with `stopped_at`.
 pub fn run(
     cfg: &RunConfig,
     pipeline: &mut Pipeline,
     first_step: u64,
     tokenizer_sha256: Option<String>,
+    stop: Option<&StopRequest>,
 ) -> Result<RunSummary, RuntimeError> {
     let t = &cfg.train;
     let out_dir = t.out_dir.clone();
@@ -109,6 +120,11 @@ pub fn run(
     let mut last_saved = first_step;
     let mut cursor = None;
     let mut recoveries = Vec::new();
+    let mut skipped_steps = 0u64;
+    let mut stopped_at = None;
+    let mut log = |line: serde_json::Value| {
+        writeln!(metrics, "{line}").map_err(|e| RuntimeError::Io(metrics_path.clone(), e))
+    };
     let mut step = first_step;
     while step < t.steps {
         let r = match pipeline.step() {
@@ -123,12 +139,10 @@ pub fn run(
                         "{cause}; actors rebuilt and rolled back to step {to_step} in {seconds:.2} s"
                     )
                 });
-                let line = serde_json::json!({
+                log(serde_json::json!({
                     "event": "recovered", "failed_step": step + 1, "to_step": to_step,
                     "seconds": seconds, "cause": cause,
-                });
-                writeln!(metrics, "{line}")
-                    .map_err(|e| RuntimeError::Io(metrics_path.clone(), e))?;
+                }))?;
                 recoveries.push(seconds);
                 losses.truncate(to_step as usize);
                 step = to_step;
@@ -150,8 +164,21 @@ pub fn run(
             "expected_k_max": stats.expected_k_max, "grad_norm": stats.grad_norm,
             "tokens": tokens, "tokens_per_s": tokens as f64 / elapsed,
             "rss_bytes": mem.map(|m| m.0), "peak_rss_bytes": mem.map(|m| m.1),
+            "skipped": stats.skipped,
         });
-        writeln!(metrics, "{line}").map_err(|e| RuntimeError::Io(metrics_path.clone(), e))?;
+        log(line)?;
+        if stats.skipped {
+            skipped_steps += 1;
+            bar.suspend(|| {
+                tracing::warn!(
+                    "step {}: loss {} and gradient norm {} are not all finite: step skipped (no \
+                     parameter or optimizer change; {skipped_steps} skipped so far)",
+                    r.step,
+                    stats.loss,
+                    stats.grad_norm
+                )
+            });
+        }
         bar.set_position(r.step);
         bar.set_message(format!(
             "loss {:.4} | {:.0} tok/s | E[K] {:.2}",
@@ -175,19 +202,42 @@ pub fn run(
             );
             bar.suspend(|| tracing::info!("{line}"));
         }
-        if t.checkpoint_every > 0 && r.step % t.checkpoint_every == 0 && r.step < t.steps {
-            let dir = pipeline.checkpoint(
+        let signal = stop.and_then(StopRequest::requested);
+        let periodic = t.checkpoint_every > 0 && r.step % t.checkpoint_every == 0;
+        if (periodic || signal.is_some()) && r.step < t.steps {
+            // On a stop the checkpoint is written before returning, whatever the mode.
+            let background = t.async_checkpoint && signal.is_none();
+            let c = pipeline.checkpoint_with(
                 &ckpt_root,
                 t.keep_checkpoints,
                 config_text.clone(),
                 tokenizer_sha256.clone(),
+                background,
             )?;
+            log(serde_json::json!({
+                "event": "checkpoint", "step": c.step, "background": background,
+                "snapshot_s": c.snapshot_seconds, "waited_s": c.waited_seconds,
+            }))?;
+            for w in c.previous.into_iter().chain(c.written.map(Ok)) {
+                bar.suspend(|| written(w, &mut log))?;
+            }
             last_saved = r.step;
-            bar.suspend(|| tracing::info!("checkpoint {}", dir.display()));
+        }
+        if let Some(sig) = signal
+            && r.step < t.steps
+        {
+            log(serde_json::json!({
+                "event": "stopped", "step": r.step, "signal": crate::shutdown::signal_name(sig),
+            }))?;
+            stopped_at = Some(r.step);
+            break;
         }
     }
     bar.finish_and_clear();
-    if last_saved < t.steps || first_step == t.steps {
+    if let Some(w) = pipeline.finish_checkpoint().transpose() {
+        written(w, &mut log)?;
+    }
+    if stopped_at.is_none() && (last_saved < t.steps || first_step == t.steps) {
         let dir = pipeline.checkpoint(
             &ckpt_root,
             t.keep_checkpoints,
@@ -195,6 +245,21 @@ pub fn run(
             tokenizer_sha256,
         )?;
         tracing::info!("checkpoint {}", dir.display());
+    }
+    let summary = |weights| RunSummary {
+        losses: losses.clone(),
+        tokens_per_s: tokens as f64 / start.elapsed().as_secs_f64(),
+        weights,
+        recoveries: recoveries.clone(),
+        skipped_steps,
+        stopped_at,
+    };
+    if let Some(s) = stopped_at {
+        tracing::warn!(
+            "stopped after step {s} on request; its checkpoint is in {}: `--resume` continues",
+            ckpt_root.display()
+        );
+        return Ok(summary(PathBuf::new()));
     }
     let plot_path = out_dir.join("loss.png");
     let png = crate::plot::loss_curve(&losses, 640, 360).to_png();
@@ -212,31 +277,65 @@ pub fn run(
         crate::weights::write_atomic(&cursor_path, text.as_bytes())
             .map_err(|e| RuntimeError::Io(cursor_path, e))?;
     }
-    Ok(RunSummary {
-        losses,
-        tokens_per_s: tokens as f64 / start.elapsed().as_secs_f64(),
-        weights,
-        recoveries,
-    })
+    Ok(summary(weights))
+}
+
+/// Logs how a checkpoint write ended: written (with its throughput) or failed. A failed write
+/// leaves the previous checkpoints as they were; training goes on.
+fn written(
+    w: Result<WriteDone, RuntimeError>,
+    log: &mut impl FnMut(serde_json::Value) -> Result<(), RuntimeError>,
+) -> Result<(), RuntimeError> {
+    match w {
+        Ok(w) => {
+            tracing::info!(
+                "checkpoint {} ({:.1} MB in {:.2} s)",
+                w.dir.display(),
+                w.bytes as f64 / 1e6,
+                w.seconds
+            );
+            log(serde_json::json!({
+                "event": "checkpoint_written", "step": w.step, "bytes": w.bytes,
+                "write_s": w.seconds, "mb_per_s": w.bytes as f64 / 1e6 / w.seconds.max(1e-9),
+            }))
+        }
+        Err(e) => {
+            tracing::error!(
+                "checkpoint write failed: {e}; the previous checkpoints are kept, training goes on"
+            );
+            log(serde_json::json!({"event": "checkpoint_failed", "cause": e.to_string()}))
+        }
+    }
 }
 
 /// The metrics of steps 1..=`upto` from an earlier part of the run: their losses (for the loss
-/// curve) and their lines (the last line of each step, in step order).
+/// curve; NaN for a skipped step) and the lines to keep: the last line of each of those steps
+/// and every event line (recoveries, restarts, checkpoints), in the order they were written.
 fn previous_metrics(metrics: &std::path::Path, upto: u64) -> (Vec<f64>, String) {
+    use std::collections::BTreeMap;
     let text = std::fs::read_to_string(metrics).unwrap_or_default();
-    let mut by_step = std::collections::BTreeMap::new();
-    for line in text.lines() {
-        if let Ok(v) = serde_json::from_str::<serde_json::Value>(line)
-            && let (Some(step), Some(loss)) = (v["step"].as_u64(), v["loss"].as_f64())
+    let lines: Vec<&str> = text.lines().collect();
+    let mut kept: BTreeMap<usize, &str> = BTreeMap::new();
+    let mut by_step: BTreeMap<u64, (usize, f64)> = BTreeMap::new();
+    for (i, line) in lines.iter().enumerate() {
+        let Ok(v) = serde_json::from_str::<serde_json::Value>(line) else {
+            continue;
+        };
+        if v.get("event").is_some() {
+            kept.insert(i, line);
+        } else if let Some(step) = v["step"].as_u64()
             && step <= upto
         {
-            // A step logged twice (redone after a rollback) keeps its last value.
-            by_step.insert(step, (loss, line.to_string()));
+            // A step logged twice (redone after a rollback) keeps its last line.
+            by_step.insert(step, (i, v["loss"].as_f64().unwrap_or(f64::NAN)));
         }
     }
-    let losses = by_step.values().map(|(l, _)| *l).collect();
-    let lines: String = by_step.into_values().map(|(_, l)| l + "\n").collect();
-    (losses, lines)
+    for (i, _) in by_step.values() {
+        kept.insert(*i, lines[*i]);
+    }
+    let losses = by_step.values().map(|(_, l)| *l).collect();
+    let text = kept.into_values().map(|l| format!("{l}\n")).collect();
+    (losses, text)
 }
 
 /// `ndarray 0.1.0 (cpu (2 threads, f32))`.

@@ -405,3 +405,76 @@ fn concurrent_sessions_are_batched_at_each_layer_and_decode_as_they_would_alone(
         "sessions were not batched: mean cohort {mean:.2}"
     );
 }
+
+#[test]
+fn background_checkpoints_write_the_same_files_as_synchronous_ones() {
+    let (a, b) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let mut background = pipeline(2, Some(sampler()));
+    let mut synchronous = pipeline(2, Some(sampler()));
+    for step in 1..=4u64 {
+        background.step().unwrap();
+        synchronous.step().unwrap();
+        if step % 2 == 0 {
+            let r = background
+                .checkpoint_with(a.path(), 0, "cfg".into(), None, true)
+                .unwrap();
+            assert_eq!(r.step, step);
+            assert!(r.written.is_none(), "the write goes on in the background");
+            // The second checkpoint first finishes the write of the first.
+            let previous = r.previous.map(|p| p.unwrap().step);
+            assert_eq!(previous, (step == 4).then_some(2));
+            let r = synchronous
+                .checkpoint_with(b.path(), 0, "cfg".into(), None, false)
+                .unwrap();
+            assert_eq!(r.written.unwrap().step, step);
+        }
+    }
+    let last = background.finish_checkpoint().unwrap().unwrap();
+    assert_eq!(last.step, 4);
+    assert!(background.finish_checkpoint().unwrap().is_none());
+    for step in [2, 4] {
+        let (da, db) = (
+            checkpoint::step_dir(a.path(), step),
+            checkpoint::step_dir(b.path(), step),
+        );
+        let mut names: Vec<_> = std::fs::read_dir(&db)
+            .unwrap()
+            .map(|e| e.unwrap().file_name())
+            .collect();
+        names.sort();
+        assert_eq!(names.len(), 6, "five shards and a manifest: {names:?}");
+        for n in names {
+            let (x, y) = (std::fs::read(da.join(&n)), std::fs::read(db.join(&n)));
+            assert!(x.unwrap() == y.unwrap(), "step {step}: {n:?} differs");
+        }
+    }
+}
+
+#[test]
+fn nan_gradients_skip_the_step_and_change_nothing() {
+    let mut cfg = train_cfg();
+    cfg.inject_fault = Some("nan-grad:2".into());
+    let plan = PipelinePlan::balanced(4, 2, &[0]).unwrap();
+    let mut faulty = Pipeline::start(staged(), plan, cfg, Some(sampler())).unwrap();
+    let mut clean = pipeline(2, Some(sampler()));
+    let first = faulty.step().unwrap();
+    assert_eq!(bits(&first.stats), bits(&clean.step().unwrap().stats));
+    let before = faulty.save_stages().unwrap();
+    let skipped = faulty.step().unwrap();
+    let reference = clean.step().unwrap();
+    assert!(skipped.stats.skipped && skipped.stats.grad_norm.is_nan());
+    assert!(!reference.stats.skipped && reference.stats.grad_norm.is_finite());
+    // The forward ran as usual; nothing was updated; the data moved past the batches.
+    assert_eq!(skipped.stats.loss.to_bits(), reference.stats.loss.to_bits());
+    assert!(
+        faulty.save_stages().unwrap() == before,
+        "a skipped step changes nothing"
+    );
+    assert_eq!((skipped.step, skipped.cursor), (2, reference.cursor));
+    let next = faulty.step().unwrap();
+    assert!(!next.stats.skipped && next.stats.grad_norm.is_finite());
+    assert!(
+        faulty.save_stages().unwrap() != before,
+        "the step after it trains"
+    );
+}

@@ -53,3 +53,19 @@ pub fn run_stdout(args: &[&str]) -> String {
     );
     String::from_utf8_lossy(&out.stdout).into_owned()
 }
+
+/// `(step, loss)` of every step line of a run's metrics (event lines skipped), the last line of
+/// each step winning, in step order.
+pub fn losses(dir: &std::path::Path) -> Vec<(u64, f64)> {
+    let mut by_step = std::collections::BTreeMap::new();
+    for l in std::fs::read_to_string(dir.join("metrics.jsonl"))
+        .unwrap()
+        .lines()
+    {
+        let v: serde_json::Value = serde_json::from_str(l).unwrap();
+        if let (Some(step), Some(loss)) = (v["step"].as_u64(), v["loss"].as_f64()) {
+            by_step.insert(step, loss);
+        }
+    }
+    by_step.into_iter().collect()
+}

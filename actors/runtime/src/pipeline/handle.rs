@@ -10,6 +10,7 @@ use super::supervisor::{StepReport, SupArgs, SupMsg, Supervisor};
 use super::topology::Children;
 use super::topology::{self, children_cells};
 use super::worker::Worker;
+use super::writer::{CheckpointReport, WriteDone};
 use super::{trace, worker};
 use crate::config::TrainConfig;
 use crate::engine::{DecodeSession, StagedModel, StepParams, StepStats};
@@ -208,7 +209,8 @@ impl Pipeline {
         self.call_sup(|reply| SupMsg::LoadStages { shards, reply })
     }
 
-    /// Writes a checkpoint of the current step under `root`; keeps the newest `keep`.
+    /// Writes a checkpoint of the current step under `root` before returning (after any
+    /// background write in flight); keeps the newest `keep`.
     pub fn checkpoint(
         &mut self,
         root: &Path,
@@ -216,14 +218,39 @@ impl Pipeline {
         config: String,
         tokenizer_sha256: Option<String>,
     ) -> Result<PathBuf, RuntimeError> {
+        let r = self.checkpoint_with(root, keep, config, tokenizer_sha256, false)?;
+        if let Some(Err(e)) = r.previous {
+            tracing::warn!("an earlier checkpoint write failed: {e}");
+        }
+        Ok(r.dir)
+    }
+
+    /// Checkpoints the current step under `root`, keeping the newest `keep`: waits for the
+    /// write in flight, snapshots every stage, then writes the files in the `background`
+    /// (the report's `written` is then `None`; [`finish_checkpoint`](Self::finish_checkpoint)
+    /// or the next checkpoint says how it ended) or before returning.
+    pub fn checkpoint_with(
+        &mut self,
+        root: &Path,
+        keep: usize,
+        config: String,
+        tokenizer_sha256: Option<String>,
+        background: bool,
+    ) -> Result<CheckpointReport, RuntimeError> {
         let root = root.to_path_buf();
         self.call_sup(|reply| SupMsg::Checkpoint {
             root,
             keep,
             config,
             tokenizer_sha256,
+            background,
             reply,
         })
+    }
+
+    /// Waits for the background checkpoint write in flight, if any, and says how it ended.
+    pub fn finish_checkpoint(&mut self) -> Result<Option<WriteDone>, RuntimeError> {
+        self.call_sup(|reply| SupMsg::FinishCheckpoint { reply })
     }
 
     /// Continues after `step` completed steps with the data at `cursor`.

@@ -19,6 +19,10 @@ impl SupState {
     /// and the step counter. Returns the step the run continues after.
     pub(super) async fn recover(&mut self, myself: &ActorRef<SupMsg>) -> Result<u64, RuntimeError> {
         self.restarts += 1;
+        // A checkpoint still being written is the newest one to roll back to: finish it first.
+        if let Some(Err(e)) = self.writer.finish().await {
+            tracing::warn!("the checkpoint being written was not completed: {e}");
+        }
         let me = myself.get_cell();
         let old = Children {
             edge: self.edge.clone(),

@@ -14,6 +14,7 @@ use super::data::{DataMsg, Shape};
 use super::msg::{EdgeMsg, LayerMsg, StageControl, ask, control_all};
 use super::step::{Event, StepCtx};
 use super::topology::{Children, Topology};
+use super::writer::{CheckpointReport, Job, WriteDone, Writer};
 use crate::config::TrainConfig;
 use crate::engine::{StepParams, StepStats};
 use crate::error::RuntimeError;
@@ -24,7 +25,7 @@ use nsactor_plugin_api::{Batch, BiasGradNorms, EngineError, GradSumSquares, IdAl
 use ractor::{Actor, ActorCell, ActorProcessingErr, ActorRef, RpcReplyPort, SupervisionEvent};
 use std::path::PathBuf;
 use std::sync::{Arc, RwLock};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 /// What one step of the run reported.
 #[derive(Debug, Clone, PartialEq)]
@@ -56,13 +57,20 @@ pub enum SupMsg {
         shards: Vec<Vec<u8>>,
         reply: RpcReplyPort<Result<(), RuntimeError>>,
     },
-    /// Writes a checkpoint of the current step under `root`, keeping the newest `keep`.
+    /// Checkpoints the current step under `root`, keeping the newest `keep`: waits for the
+    /// write in flight, snapshots every stage, then writes it, in the `background` or before
+    /// replying.
     Checkpoint {
         root: PathBuf,
         keep: usize,
         config: String,
         tokenizer_sha256: Option<String>,
-        reply: RpcReplyPort<Result<PathBuf, RuntimeError>>,
+        background: bool,
+        reply: RpcReplyPort<Result<CheckpointReport, RuntimeError>>,
+    },
+    /// Waits for the checkpoint write in flight, if any, and says how it ended.
+    FinishCheckpoint {
+        reply: RpcReplyPort<Result<Option<WriteDone>, RuntimeError>>,
     },
     /// Continue after `step` completed steps, with the data at `cursor` (resume).
     SetPosition {
@@ -104,6 +112,8 @@ pub struct SupState {
     pub(super) initial_cursor: Option<Cursor>,
     /// Recoveries so far, and actor generations spawned.
     pub(super) restarts: u32,
+    /// The checkpoint write in flight.
+    pub(super) writer: Writer,
 }
 
 pub(super) fn name_of(cell: &ActorCell) -> String {
@@ -184,6 +194,9 @@ impl SupState {
         let edge = self.edge.clone();
         let depth_first = self.train.schedule == crate::config::Schedule::DepthFirst;
         let window = if depth_first { 2 } else { 1 };
+        // `nan-grad:STEP`: the loss scaled by NaN makes every gradient of the step NaN.
+        let poison = self.topo.fault.as_ref().is_some_and(|f| f.nan_grad_now());
+        let loss_scale = if poison { f64::NAN } else { 1.0 / m as f64 };
         let admit = |pending: &mut dyn Iterator<Item = (usize, Arc<Batch>)>,
                      in_flight: &mut usize|
          -> Result<(), RuntimeError> {
@@ -191,7 +204,7 @@ impl SupState {
                 edge.cast(EdgeMsg::Embed {
                     micro: micro[i],
                     batch,
-                    loss_scale: 1.0 / m as f64,
+                    loss_scale,
                     ponder_weight: p.ponder_weight,
                     ctx: StepCtx {
                         events: tx.clone(),
@@ -259,12 +272,26 @@ impl SupState {
             let (ce, pd) = r.expect("every micro-batch finished");
             s.add_micro(ce, pd.sum / l, pd.min, pd.max, mf, p.ponder_weight);
         }
-        s.grad_norm = self.apply_step(p).await?;
+        // A non-finite loss or gradient norm skips the step: the gradients are dropped and no
+        // parameter or optimizer state changes; the data moves on past its batches.
+        let norm = match s.loss.is_finite() {
+            true => self.apply_step(p).await?,
+            false => None,
+        };
+        match norm {
+            Some(n) => s.grad_norm = n,
+            None => {
+                self.zero_grad().await?;
+                s.skipped = true;
+                s.grad_norm = f64::NAN;
+            }
+        }
         Ok(s)
     }
 
-    /// The optimizer phase; returns the gradient norm before clipping.
-    async fn apply_step(&self, p: &StepParams) -> Result<f64, RuntimeError> {
+    /// The optimizer phase; returns the gradient norm before clipping, or `None` (and no
+    /// step taken) when that norm is not finite.
+    async fn apply_step(&self, p: &StepParams) -> Result<Option<f64>, RuntimeError> {
         let stats = join_all(self.layers.iter().enumerate().map(|(i, l)| {
             ask(l, format!("layer {i}"), |reply| LayerMsg::Control {
                 call: StageControl::GradStats,
@@ -292,10 +319,7 @@ impl SupState {
         }
         let norm = sum_sq.sqrt();
         if !norm.is_finite() {
-            return Err(EngineError::Backend(format!(
-                "non-finite gradient norm {norm}; the step was skipped"
-            ))
-            .into());
+            return Ok(None);
         }
         let clip = clip_factor(norm, p.max_grad_norm);
         let (lr, neuron_lr) = (p.lr, p.neuron_lr);
@@ -307,7 +331,7 @@ impl SupState {
         let (e, ls) = control_all(&self.edge, &self.layers, step, |_| step).await;
         e?;
         ls.into_iter().collect::<Result<Vec<_>, _>>()?;
-        Ok(norm)
+        Ok(Some(norm))
     }
 
     async fn next_step(&mut self, myself: &ActorRef<SupMsg>) -> Result<StepReport, RuntimeError> {
@@ -412,6 +436,7 @@ impl Actor for Supervisor {
             broken: None,
             initial_cursor: None,
             restarts: 0,
+            writer: Writer::default(),
         })
     }
 
@@ -443,36 +468,47 @@ impl Actor for Supervisor {
                 keep,
                 config,
                 tokenizer_sha256,
+                background,
                 reply,
             } => {
                 let r = async {
+                    let t = Instant::now();
+                    let previous = s.writer.finish().await;
+                    let waited_seconds = t.elapsed().as_secs_f64();
+                    let t = Instant::now();
                     let shards = s.save_stages().await?;
-                    let meta = CheckpointMeta {
-                        step: s.step,
-                        data_cursor: s.cursor,
-                        seed: s.train.seed,
-                        config,
-                        tokenizer_sha256,
+                    let snapshot_seconds = t.elapsed().as_secs_f64();
+                    let step = s.step;
+                    let fault = s.topo.fault.as_ref();
+                    let job = Job {
+                        crash: fault.is_some_and(|f| f.crash_in_checkpoint(step)),
+                        disk_full: fault.is_some_and(|f| f.disk_full_in_checkpoint(step)),
+                        root: root.clone(),
+                        keep,
+                        meta: CheckpointMeta {
+                            step,
+                            data_cursor: s.cursor,
+                            seed: s.train.seed,
+                            config,
+                            tokenizer_sha256,
+                        },
+                        shards,
                     };
-                    let crash = s
-                        .topo
-                        .fault
-                        .as_ref()
-                        .is_some_and(|f| f.crash_in_checkpoint(meta.step));
-                    // File I/O and hashing off the async workers.
-                    tokio::task::spawn_blocking(move || {
-                        checkpoint::write_with(&root, &meta, &shards, keep, &|| {
-                            if crash {
-                                eprintln!("injected fault: crashing before the manifest");
-                                std::process::abort();
-                            }
-                        })
+                    let written = s.writer.write(job, background).await?;
+                    Ok(CheckpointReport {
+                        step,
+                        dir: checkpoint::step_dir(&root, step),
+                        waited_seconds,
+                        snapshot_seconds,
+                        previous,
+                        written,
                     })
-                    .await
-                    .map_err(|e| RuntimeError::Runtime(format!("checkpoint writer: {e}")))?
                 }
                 .await;
                 let _ = reply.send(r);
+            }
+            SupMsg::FinishCheckpoint { reply } => {
+                let _ = reply.send(s.writer.finish().await.transpose());
             }
             SupMsg::SetPosition {
                 step,

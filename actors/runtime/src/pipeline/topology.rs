@@ -31,12 +31,17 @@ pub enum Fault {
     /// The process aborts while writing the checkpoint of step `step`: after the shards,
     /// before the manifest (a crash mid-checkpoint).
     CrashInCheckpoint { step: u64 },
+    /// Writing the checkpoint of step `step` fails as on a full disk (ENOSPC).
+    DiskFullInCheckpoint { step: u64 },
+    /// Every gradient of step `step` is NaN (the loss is scaled by NaN before the backward).
+    NanGrad { step: u64 },
 }
 
 impl std::str::FromStr for Fault {
     type Err = RuntimeError;
 
-    /// `layer-panic:LAYER:STEP` or `crash-in-checkpoint:STEP`.
+    /// `layer-panic:LAYER:STEP`, `crash-in-checkpoint:STEP`, `enospc-in-checkpoint:STEP` or
+    /// `nan-grad:STEP`.
     fn from_str(s: &str) -> Result<Self, RuntimeError> {
         let parts: Vec<&str> = s.split(':').collect();
         let num = |p: &str| {
@@ -49,8 +54,11 @@ impl std::str::FromStr for Fault {
                 step: num(step)?,
             }),
             ["crash-in-checkpoint", step] => Ok(Fault::CrashInCheckpoint { step: num(step)? }),
+            ["enospc-in-checkpoint", step] => Ok(Fault::DiskFullInCheckpoint { step: num(step)? }),
+            ["nan-grad", step] => Ok(Fault::NanGrad { step: num(step)? }),
             _ => Err(RuntimeError::Invalid(format!(
-                "fault `{s}`: expected `layer-panic:LAYER:STEP` or `crash-in-checkpoint:STEP`"
+                "fault `{s}`: expected `layer-panic:LAYER:STEP`, `crash-in-checkpoint:STEP`, \
+                 `enospc-in-checkpoint:STEP` or `nan-grad:STEP`"
             ))),
         }
     }
@@ -90,6 +98,17 @@ impl FaultPlan {
     /// Whether to crash while checkpointing `step`.
     pub fn crash_in_checkpoint(&self, step: u64) -> bool {
         self.fire(Fault::CrashInCheckpoint { step })
+    }
+
+    /// Whether writing the checkpoint of `step` fails as on a full disk.
+    pub fn disk_full_in_checkpoint(&self, step: u64) -> bool {
+        self.fire(Fault::DiskFullInCheckpoint { step })
+    }
+
+    /// Whether the step now running gets NaN gradients.
+    pub fn nan_grad_now(&self) -> bool {
+        let step = self.step_now.load(Ordering::SeqCst);
+        self.fire(Fault::NanGrad { step })
     }
 }
 

@@ -1,0 +1,262 @@
+//! `nsactor train --max-restarts N`: the run in a child process that this one watches and
+//! restarts, like torchrun's agent. When the child dies from a signal or exits non-zero it
+//! is started again with `--resume` (from the newest valid checkpoint) after a backoff that
+//! doubles per restart; each restart is logged with its cause and the step rolled back to, and
+//! written to `metrics.jsonl` as an `{"event":"restarted",…}` line. More than N restarts within
+//! the window and the agent gives up with a clear message. SIGTERM or SIGINT to the agent is
+//! passed on to the child (which checkpoints and exits 0) and no restart follows.
+
+use crate::{CliError, CliResult};
+use nsactor_runtime::pipeline::checkpoint;
+use std::collections::VecDeque;
+use std::ffi::OsString;
+use std::io::Write;
+use std::os::unix::process::CommandExt;
+use std::path::Path;
+use std::process::{Command, ExitStatus};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicI32, Ordering};
+use std::time::{Duration, Instant};
+
+/// The agent's flags, taken out of the child's command line.
+const AGENT_FLAGS: [&str; 3] = ["--max-restarts", "--restart-window", "--restart-backoff"];
+
+/// When to restart and when to give up.
+#[derive(Debug, Clone, Copy)]
+pub struct RestartPolicy {
+    /// Restarts allowed within `window`.
+    pub max_restarts: u32,
+    pub window: Duration,
+    /// The first backoff; it doubles with each restart in the window, up to a minute.
+    pub backoff: Duration,
+}
+
+impl RestartPolicy {
+    fn delay(&self, restarts_in_window: usize) -> Duration {
+        let doublings = restarts_in_window.saturating_sub(1).min(16) as u32;
+        (self.backoff * 2u32.pow(doublings)).min(Duration::from_secs(60))
+    }
+}
+
+/// `args` (the agent's own, program name excluded) without the agent's flags and their values.
+pub fn child_args(args: impl IntoIterator<Item = OsString>) -> Vec<OsString> {
+    without(args, &AGENT_FLAGS)
+}
+
+/// `args` without the options `flags` (`--flag value` or `--flag=value`).
+fn without(args: impl IntoIterator<Item = OsString>, flags: &[&str]) -> Vec<OsString> {
+    let mut out = Vec::new();
+    let mut skip_value = false;
+    for a in args {
+        if std::mem::take(&mut skip_value) {
+            continue;
+        }
+        let s = a.to_string_lossy();
+        if flags.contains(&s.as_ref()) {
+            skip_value = true;
+        } else if !flags.iter().any(|f| s.starts_with(&format!("{f}="))) {
+            out.push(a);
+        }
+    }
+    out
+}
+
+/// How a child ended, in words.
+fn describe(status: ExitStatus) -> String {
+    use std::os::unix::process::ExitStatusExt;
+    match (status.code(), status.signal()) {
+        (Some(c), _) => format!("exited with code {c}"),
+        (None, Some(s)) => format!(
+            "was killed by signal {s} ({})",
+            nsactor_runtime::shutdown::signal_name(s)
+        ),
+        _ => "ended".into(),
+    }
+}
+
+/// The step of the newest checkpoint under `root` with a manifest (what a resume starts from;
+/// the resume itself verifies the shards), or 0.
+fn newest_step(root: &Path) -> u64 {
+    checkpoint::list(root)
+        .into_iter()
+        .find(|(_, dir)| dir.join(checkpoint::MANIFEST).is_file())
+        .map_or(0, |(step, _)| step)
+}
+
+/// Appends one event line to the run's `metrics.jsonl`.
+fn log_event(out_dir: &Path, line: &serde_json::Value) {
+    let path = out_dir.join("metrics.jsonl");
+    let r = std::fs::create_dir_all(out_dir).and_then(|()| {
+        let mut f = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&path)?;
+        writeln!(f, "{line}")
+    });
+    if let Err(e) = r {
+        tracing::warn!("could not log the restart to {}: {e}", path.display());
+    }
+}
+
+/// Passes SIGTERM and SIGINT on to the child whose pid is in `child` and records that a stop
+/// was asked for.
+fn forward_signals(child: Arc<AtomicI32>, stopping: Arc<AtomicBool>) -> Result<(), CliError> {
+    use tokio::signal::unix::{SignalKind, signal};
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    let (mut term, mut int) = rt.block_on(async {
+        Ok::<_, std::io::Error>((
+            signal(SignalKind::terminate())?,
+            signal(SignalKind::interrupt())?,
+        ))
+    })?;
+    std::thread::Builder::new()
+        .name("nsactor-agent-signals".into())
+        .spawn(move || {
+            rt.block_on(async move {
+                loop {
+                    let sig = tokio::select! {
+                        _ = term.recv() => libc::SIGTERM,
+                        _ = int.recv() => libc::SIGINT,
+                    };
+                    stopping.store(true, Ordering::SeqCst);
+                    let pid = child.load(Ordering::SeqCst);
+                    if pid > 0 {
+                        // SAFETY: kill(2) on the pid of a child we have not reaped yet.
+                        unsafe { libc::kill(pid, sig) };
+                    }
+                }
+            })
+        })?;
+    Ok(())
+}
+
+/// Runs `nsactor train` with this process's arguments (less the agent's flags) as a child
+/// until it succeeds, restarting it under `policy`. `out_dir` holds the run's metrics and its
+/// `checkpoints/`.
+pub fn supervise(policy: RestartPolicy, out_dir: &Path) -> CliResult {
+    let exe = std::env::current_exe()?;
+    let args = child_args(std::env::args_os().skip(1));
+    // An injected fault fires once per run: the first child only.
+    let mut restart_args = without(args.clone(), &["--inject-fault"]);
+    if !restart_args.iter().any(|a| a == "--resume") {
+        restart_args.push("--resume".into());
+    }
+    let child_pid = Arc::new(AtomicI32::new(0));
+    let stopping = Arc::new(AtomicBool::new(false));
+    forward_signals(child_pid.clone(), stopping.clone())?;
+    let root = out_dir.join("checkpoints");
+    let mut recent: VecDeque<Instant> = VecDeque::new();
+    let mut restarts = 0u32;
+    loop {
+        let mut cmd = Command::new(&exe);
+        cmd.args(if restarts == 0 { &args } else { &restart_args });
+        // Its own process group, so a terminal's Ctrl-C reaches the child once (through this
+        // agent), not twice; and SIGTERM when the agent dies, so it never trains orphaned.
+        cmd.process_group(0);
+        // SAFETY: prctl is async-signal-safe; nothing else runs between fork and exec.
+        unsafe {
+            cmd.pre_exec(|| {
+                libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM);
+                Ok(())
+            });
+        }
+        let mut child = cmd.spawn()?;
+        child_pid.store(child.id() as i32, Ordering::SeqCst);
+        let status = child.wait()?;
+        child_pid.store(0, Ordering::SeqCst);
+        if status.success() {
+            return Ok(());
+        }
+        let cause = describe(status);
+        if stopping.load(Ordering::SeqCst) {
+            return Err(format!("stopped on request; the training process {cause}").into());
+        }
+        let now = Instant::now();
+        while recent
+            .front()
+            .is_some_and(|t| now.duration_since(*t) > policy.window)
+        {
+            recent.pop_front();
+        }
+        if recent.len() as u32 >= policy.max_restarts {
+            return Err(format!(
+                "the training process {cause}; giving up after {} restart(s) within {:.0} s \
+                 (--max-restarts {}, --restart-window); `nsactor train --resume` continues \
+                 from step {}",
+                recent.len(),
+                policy.window.as_secs_f64(),
+                policy.max_restarts,
+                newest_step(&root)
+            )
+            .into());
+        }
+        recent.push_back(now);
+        restarts += 1;
+        let delay = policy.delay(recent.len());
+        let to_step = newest_step(&root);
+        tracing::warn!(
+            "the training process {cause}; restart {restarts} ({} of {} within {:.0} s) from \
+             step {to_step} in {:.1} s",
+            recent.len(),
+            policy.max_restarts,
+            policy.window.as_secs_f64(),
+            delay.as_secs_f64()
+        );
+        log_event(
+            out_dir,
+            &serde_json::json!({
+                "event": "restarted", "restart": restarts, "cause": cause,
+                "to_step": to_step, "backoff_s": delay.as_secs_f64(),
+            }),
+        );
+        let until = Instant::now() + delay;
+        while Instant::now() < until {
+            if stopping.load(Ordering::SeqCst) {
+                return Err(format!(
+                    "stopped on request while waiting to restart; the training process {cause}"
+                )
+                .into());
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_agents_flags_leave_the_childs_command_line() {
+        let args = [
+            "train",
+            "--max-restarts",
+            "3",
+            "--steps",
+            "8",
+            "--restart-window=60",
+            "--restart-backoff",
+            "0.1",
+            "--resume",
+        ]
+        .map(OsString::from);
+        let child: Vec<_> = child_args(args).into_iter().collect();
+        assert_eq!(
+            child,
+            ["train", "--steps", "8", "--resume"].map(OsString::from)
+        );
+    }
+
+    #[test]
+    fn the_backoff_doubles_up_to_a_minute() {
+        let p = RestartPolicy {
+            max_restarts: 9,
+            window: Duration::from_secs(60),
+            backoff: Duration::from_secs(1),
+        };
+        let d: Vec<u64> = (1..=8).map(|n| p.delay(n).as_secs()).collect();
+        assert_eq!(d, [1, 2, 4, 8, 16, 32, 60, 60]);
+    }
+}

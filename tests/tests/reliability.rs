@@ -1,0 +1,329 @@
+//! Long runs that look after themselves, driven as a scheduler would: SIGTERM checkpoints and
+//! exits 0, `--max-restarts` brings a run through repeated kills (the chaos test), a full disk
+//! during a checkpoint keeps the previous one, NaN gradients skip their step. Each ends with
+//! the weights and per-step losses of an uninterrupted run, bit for bit.
+
+mod common;
+
+use common::cli::{losses, nsactor, temp_dir};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output};
+use std::time::{Duration, Instant};
+
+fn train(out: &Path, steps: u32, extra: &[&str]) -> Command {
+    let mut c = nsactor();
+    c.args([
+        "train",
+        "--steps",
+        &steps.to_string(),
+        "--checkpoint-every",
+        "2",
+    ])
+    .arg("--out")
+    .arg(out)
+    .args(extra);
+    c
+}
+
+fn ok(c: &mut Command) -> Output {
+    let o = c.output().unwrap();
+    assert!(
+        o.status.success(),
+        "{c:?} failed: {}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    o
+}
+
+/// Number of step lines in a run's metrics so far.
+fn steps_logged(dir: &Path) -> usize {
+    std::fs::read_to_string(dir.join("metrics.jsonl"))
+        .unwrap_or_default()
+        .lines()
+        .filter(|l| l.contains("\"loss\"") && !l.contains("\"event\""))
+        .count()
+}
+
+/// The events of a run's metrics named `name`.
+fn events(dir: &Path, name: &str) -> Vec<serde_json::Value> {
+    std::fs::read_to_string(dir.join("metrics.jsonl"))
+        .unwrap_or_default()
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .filter(|v| v["event"] == name)
+        .collect()
+}
+
+/// Waits until `dir`'s metrics hold more than `n` step lines (or the process ended).
+fn wait_for_steps(dir: &Path, n: usize, child: &mut Child) {
+    let t = Instant::now();
+    while steps_logged(dir) <= n {
+        assert!(
+            child.try_wait().unwrap().is_none(),
+            "the run ended before step line {}",
+            n + 1
+        );
+        assert!(t.elapsed() < Duration::from_secs(120), "no progress");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+fn signal(pid: u32, sig: i32) {
+    // SAFETY: kill(2) on a process this test started (or its child).
+    assert_eq!(unsafe { libc::kill(pid as i32, sig) }, 0, "kill {pid}");
+}
+
+/// The pid of a live child process of `parent`, if it has one.
+fn child_of(parent: u32) -> Option<u32> {
+    std::fs::read_dir("/proc").ok()?.flatten().find_map(|e| {
+        let pid: u32 = e.file_name().to_str()?.parse().ok()?;
+        let stat = std::fs::read_to_string(e.path().join("stat")).ok()?;
+        // `pid (comm) state ppid …`: the fields after the last `)`.
+        let rest: Vec<&str> = stat.rsplit_once(')')?.1.split_whitespace().collect();
+        (rest.first() != Some(&"Z") && rest.get(1)?.parse::<u32>().ok()? == parent).then_some(pid)
+    })
+}
+
+/// Asserts that `dir` ended exactly as the uninterrupted run in `full`.
+fn same_as(dir: &Path, full: &Path) {
+    assert_eq!(losses(dir), losses(full), "per-step losses");
+    let (a, b) = (
+        std::fs::read(dir.join("model.safetensors")).unwrap(),
+        std::fs::read(full.join("model.safetensors")).unwrap(),
+    );
+    assert!(
+        a == b,
+        "model.safetensors differs from the uninterrupted run's"
+    );
+}
+
+#[test]
+fn sigterm_finishes_the_step_checkpoints_exits_0_and_resume_continues_exactly() {
+    let dir = temp_dir("sigterm");
+    let (full, part) = (dir.join("full"), dir.join("part"));
+    ok(&mut train(&full, 12, &[]));
+    let mut child = train(&part, 12, &[])
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    wait_for_steps(&part, 2, &mut child);
+    signal(child.id(), libc::SIGTERM);
+    let o = child.wait_with_output().unwrap();
+    let stderr = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "exit {:?}: {stderr}", o.status);
+    let stopped = events(&part, "stopped");
+    let at = stopped[0]["step"].as_u64().unwrap();
+    assert!((3..12).contains(&at), "{stopped:?}");
+    assert_eq!(stopped[0]["signal"], "SIGTERM");
+    assert!(
+        stderr.contains(&format!("stopped after step {at}")),
+        "{stderr}"
+    );
+    // Its checkpoint is written and complete; the final weights are not.
+    let ckpt = part.join(format!("checkpoints/step-{at:08}/manifest.json"));
+    assert!(ckpt.is_file(), "{}", ckpt.display());
+    assert!(!part.join("model.safetensors").exists());
+    ok(&mut train(&part, 12, &["--resume"]));
+    same_as(&part, &full);
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn a_run_killed_again_and_again_under_max_restarts_ends_like_an_uninterrupted_one() {
+    let dir = temp_dir("chaos");
+    let (full, chaos) = (dir.join("full"), dir.join("chaos"));
+    ok(&mut train(&full, 24, &[]));
+    // Crash 1: the first child aborts inside the checkpoint write of step 4.
+    let agent_args = [
+        "--max-restarts",
+        "8",
+        "--restart-backoff",
+        "0.05",
+        "--inject-fault",
+        "crash-in-checkpoint:4",
+    ];
+    let mut agent = train(&chaos, 24, &agent_args)
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let t = Instant::now();
+    while events(&chaos, "restarted").is_empty() {
+        assert!(agent.try_wait().unwrap().is_none() && t.elapsed() < Duration::from_secs(120));
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    // Crashes 2–5: SIGKILL the training process at pseudo-random moments, each after the
+    // run got past the previous one.
+    let mut x = std::process::id() as u64 | 1;
+    let mut seen = 0;
+    for kill in 0..4 {
+        wait_for_steps(&chaos, seen, &mut agent);
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        std::thread::sleep(Duration::from_millis(x % 250));
+        let victim = loop {
+            if let Some(pid) = child_of(agent.id()) {
+                break pid;
+            }
+            assert!(
+                agent.try_wait().unwrap().is_none(),
+                "kill {kill}: the run ended"
+            );
+            std::thread::sleep(Duration::from_millis(10));
+        };
+        seen = steps_logged(&chaos);
+        signal(victim, libc::SIGKILL);
+        let t = Instant::now();
+        while events(&chaos, "restarted").len() < kill + 2 {
+            assert!(
+                t.elapsed() < Duration::from_secs(60),
+                "no restart after kill {kill}"
+            );
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+    // Then SIGTERM to the agent: passed on, the child checkpoints and exits 0, no restart.
+    wait_for_steps(&chaos, seen, &mut agent);
+    signal(agent.id(), libc::SIGTERM);
+    let o = agent.wait_with_output().unwrap();
+    let stderr = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "agent exit {:?}: {stderr}", o.status);
+    let restarts = events(&chaos, "restarted");
+    assert_eq!(restarts.len(), 5, "{restarts:?}");
+    assert!(
+        restarts[0]["cause"]
+            .as_str()
+            .unwrap()
+            .contains("signal 6 (SIGABRT)"),
+        "{restarts:?}"
+    );
+    assert!(
+        restarts[1..]
+            .iter()
+            .all(|r| r["cause"].as_str().unwrap().contains("signal 9 (SIGKILL)"))
+    );
+    assert_eq!(events(&chaos, "stopped").len(), 1, "{stderr}");
+    if !chaos.join("model.safetensors").exists() {
+        ok(&mut train(&chaos, 24, &["--resume"]));
+    }
+    same_as(&chaos, &full);
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn the_agent_gives_up_after_max_restarts_with_a_clear_message() {
+    let dir = temp_dir("give-up");
+    // A tokenizer that does not exist: every start fails with exit code 1.
+    let o = train(
+        &dir.join("run"),
+        2,
+        &["--max-restarts", "2", "--restart-backoff", "0"],
+    )
+    .arg("--tokenizer")
+    .arg(dir.join("missing-tokenizer.json"))
+    .output()
+    .unwrap();
+    let stderr = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success());
+    assert!(
+        stderr.contains("giving up after 2 restart(s)") && stderr.contains("exited with code 1"),
+        "{stderr}"
+    );
+    assert_eq!(events(&dir.join("run"), "restarted").len(), 2);
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// The embedded tiny config with `[train] async_checkpoint = false`.
+fn synchronous_config(dir: &Path) -> PathBuf {
+    let tiny = std::fs::read_to_string(
+        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../configs/tiny.toml"),
+    )
+    .unwrap();
+    let path = dir.join("sync.toml");
+    std::fs::write(
+        &path,
+        tiny.replace("[train]\n", "[train]\nasync_checkpoint = false\n"),
+    )
+    .unwrap();
+    path
+}
+
+#[test]
+fn a_full_disk_during_a_checkpoint_keeps_the_previous_one() {
+    let dir = temp_dir("enospc");
+    let full = dir.join("full");
+    ok(&mut train(&full, 8, &[]));
+    // In the background: the write fails, is logged, training goes on to the same end.
+    let bg = dir.join("background");
+    let o = ok(&mut train(
+        &bg,
+        8,
+        &["--inject-fault", "enospc-in-checkpoint:4"],
+    ));
+    let failed = events(&bg, "checkpoint_failed");
+    assert_eq!(failed.len(), 1, "{failed:?}");
+    assert!(
+        failed[0]["cause"]
+            .as_str()
+            .unwrap()
+            .contains("No space left on device")
+    );
+    assert!(String::from_utf8_lossy(&o.stderr).contains("checkpoint write failed"));
+    same_as(&bg, &full);
+    // Written before the next step: the run stops with the cause named; step 2's checkpoint
+    // is intact and the run resumes from it to the same end.
+    let sync = dir.join("sync");
+    let cfg = synchronous_config(&dir);
+    let o = train(
+        &sync,
+        8,
+        &["--inject-fault", "enospc-in-checkpoint:4", "--config"],
+    )
+    .arg(&cfg)
+    .output()
+    .unwrap();
+    let stderr = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success(), "{stderr}");
+    assert!(
+        stderr.contains("No space left on device") && stderr.contains("step-00000004"),
+        "{stderr}"
+    );
+    assert!(
+        sync.join("checkpoints/step-00000002/manifest.json")
+            .is_file()
+    );
+    let o = ok(train(&sync, 8, &["--resume", "--config"]).arg(&cfg));
+    assert!(String::from_utf8_lossy(&o.stderr).contains("step-00000002"));
+    same_as(&sync, &full);
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn nan_gradients_skip_their_step_and_the_run_goes_on() {
+    let dir = temp_dir("nan");
+    let o = ok(&mut train(&dir, 6, &["--inject-fault", "nan-grad:3"]));
+    assert!(
+        String::from_utf8_lossy(&o.stderr).contains("step 3: loss"),
+        "{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    let lines: Vec<serde_json::Value> = std::fs::read_to_string(dir.join("metrics.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .filter(|v: &serde_json::Value| v.get("event").is_none())
+        .collect();
+    let skipped: Vec<u64> = lines
+        .iter()
+        .filter(|v| v["skipped"] == true)
+        .map(|v| v["step"].as_u64().unwrap())
+        .collect();
+    assert_eq!(skipped, [3]);
+    assert_eq!(lines.len(), 6);
+    assert!(
+        lines
+            .iter()
+            .all(|v| v["loss"].as_f64().unwrap().is_finite())
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}

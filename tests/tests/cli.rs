@@ -160,12 +160,24 @@ fn killed_crashed_and_failing_runs_end_exactly_like_an_uninterrupted_one() {
         "{recovered}"
     );
 
-    // An unwritable checkpoint (a file where step 4's directory must go): training stops
-    // with the path named; checkpoint 2 stays valid and the run resumes from it.
+    // An unwritable checkpoint (a file where step 4's directory must go) with synchronous
+    // checkpoints: training stops with the path named; checkpoint 2 stays valid and the run
+    // resumes from it. (Background writes log the failure and train on: reliability.rs.)
     let blocked = dir.join("blocked");
     std::fs::create_dir_all(blocked.join("checkpoints")).unwrap();
     std::fs::write(blocked.join("checkpoints/step-00000004"), b"in the way").unwrap();
-    let o = train_args(&blocked, &[]).output().unwrap();
+    let tiny = std::fs::read_to_string(
+        std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../configs/tiny.toml"),
+    )
+    .unwrap();
+    let sync = dir.join("sync.toml");
+    std::fs::write(
+        &sync,
+        tiny.replace("[train]\n", "[train]\nasync_checkpoint = false\n"),
+    )
+    .unwrap();
+    let sync = sync.to_str().unwrap();
+    let o = train_args(&blocked, &["--config", sync]).output().unwrap();
     let err = String::from_utf8_lossy(&o.stderr);
     assert!(!o.status.success());
     assert!(
@@ -178,7 +190,7 @@ fn killed_crashed_and_failing_runs_end_exactly_like_an_uninterrupted_one() {
             .exists()
     );
     std::fs::remove_file(blocked.join("checkpoints/step-00000004")).unwrap();
-    run_train(&blocked, &["--resume"]);
+    run_train(&blocked, &["--resume", "--config", sync]);
     assert_eq!(
         losses(&blocked),
         want,

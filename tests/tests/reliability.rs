@@ -1,7 +1,8 @@
 //! Long runs that look after themselves, driven as a scheduler would: SIGTERM checkpoints and
 //! exits 0, `--max-restarts` brings a run through repeated kills (the chaos test), a full disk
-//! during a checkpoint keeps the previous one, NaN gradients skip their step. Each ends with
-//! the weights and per-step losses of an uninterrupted run, bit for bit.
+//! during a checkpoint keeps the previous one, NaN gradients skip their step, a loss spike
+//! rolls back to the newest checkpoint and skips the batches since. Each ends with the weights
+//! and per-step losses of an uninterrupted run, bit for bit, or the data position it must.
 
 mod common;
 
@@ -235,14 +236,20 @@ fn the_agent_gives_up_after_max_restarts_with_a_clear_message() {
 
 /// The embedded tiny config with `[train] async_checkpoint = false`.
 fn synchronous_config(dir: &Path) -> PathBuf {
+    tiny_with(dir, "sync.toml", "async_checkpoint = false\n")
+}
+
+/// The embedded tiny config with `keys` added to `[train]`, written as `dir/name`.
+fn tiny_with(dir: &Path, name: &str, keys: &str) -> PathBuf {
     let tiny = std::fs::read_to_string(
         PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../configs/tiny.toml"),
     )
     .unwrap();
-    let path = dir.join("sync.toml");
+    std::fs::create_dir_all(dir).unwrap();
+    let path = dir.join(name);
     std::fs::write(
         &path,
-        tiny.replace("[train]\n", "[train]\nasync_checkpoint = false\n"),
+        tiny.replace("[train]\n", &format!("[train]\n{keys}")),
     )
     .unwrap();
     path
@@ -325,5 +332,48 @@ fn nan_gradients_skip_their_step_and_the_run_goes_on() {
             .iter()
             .all(|v| v["loss"].as_f64().unwrap().is_finite())
     );
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn a_loss_spike_rolls_back_and_skips_the_batches_since_the_checkpoint() {
+    let dir = temp_dir("spike");
+    let cfg = tiny_with(&dir, "spike.toml", "loss_spike_window = 3\n");
+    // Checkpoints at 2 and 4; step 6 spikes: back to step 4, the batches of steps 5 and 6
+    // skipped, then steps 5..8 again on the batches that follow.
+    let spiky = dir.join("spiky");
+    let o = ok(train(
+        &spiky,
+        8,
+        &[
+            "--loss-spike-factor",
+            "3",
+            "--inject-fault",
+            "loss-spike:6",
+            "--config",
+        ],
+    )
+    .arg(&cfg));
+    let stderr = String::from_utf8_lossy(&o.stderr);
+    assert!(stderr.contains("rolled back to step 4"), "{stderr}");
+    let e = events(&spiky, "loss_spike");
+    assert_eq!(e.len(), 1, "{e:?}");
+    assert_eq!(
+        (e[0]["step"].as_u64(), e[0]["to_step"].as_u64()),
+        (Some(6), Some(4))
+    );
+    assert!(e[0]["loss"].as_f64().unwrap() > 3.0 * e[0]["mean"].as_f64().unwrap());
+    // The same steps 1..4 as a clean run; the run consumed ten steps' worth of data.
+    let clean = dir.join("clean");
+    ok(&mut train(&clean, 10, &[]));
+    let (got, want) = (losses(&spiky), losses(&clean));
+    assert_eq!(got.len(), 8);
+    assert_eq!(got[..4], want[..4]);
+    assert_ne!(
+        got[4], want[4],
+        "step 5 trains on the batches after step 6's"
+    );
+    let cursor = |d: &Path| std::fs::read_to_string(d.join("data_cursor.json")).unwrap();
+    assert_eq!(cursor(&spiky), cursor(&clean));
     std::fs::remove_dir_all(&dir).unwrap();
 }

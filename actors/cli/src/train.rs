@@ -47,10 +47,15 @@ pub struct TrainArgs {
     /// panics; the supervisor rebuilds the actors and rolls back to the newest checkpoint),
     /// `crash-in-checkpoint:STEP` (the process aborts mid-checkpoint),
     /// `enospc-in-checkpoint:STEP` (that checkpoint's write fails as on a full disk) or
-    /// `nan-grad:STEP` (that step's gradients are NaN; the step is skipped). Overrides
-    /// [train].inject_fault.
+    /// `nan-grad:STEP` (that step's gradients are NaN; the step is skipped) or
+    /// `loss-spike:STEP` (that step measures 100× its loss; see --loss-spike-factor).
+    /// Overrides [train].inject_fault.
     #[arg(long)]
     inject_fault: Option<String>,
+    /// Roll back to the newest checkpoint and skip the batches since it when a step's loss
+    /// exceeds this factor × the running mean (0: off). Overrides [train].loss_spike_factor.
+    #[arg(long)]
+    loss_spike_factor: Option<f64>,
     /// Run the training in a child process and restart it with --resume when it dies (a
     /// signal or a non-zero exit), at most this many times within --restart-window.
     #[arg(long)]
@@ -72,6 +77,7 @@ pub fn run(args: TrainArgs) -> crate::CliResult {
         seed: args.seed,
         checkpoint_every: args.checkpoint_every,
         inject_fault: args.inject_fault.clone(),
+        loss_spike_factor: args.loss_spike_factor,
         tokenizer: args.tokenizer.clone(),
         ..args.layout.overrides()?
     })?;

@@ -337,6 +337,49 @@ fn map(path: &Path) -> Result<memmap2::Mmap> {
     unsafe { memmap2::Mmap::map(&f) }.map_err(|e| DataError::read(path, e))
 }
 
+/// The first place where a shard cannot be what `prepare` wrote, whatever its checksum: an
+/// index entry out of order or past the shard's end, or a token id outside the vocabulary.
+/// `(true: in the index file, the fault with its byte offset)`.
+fn structural_fault(
+    tokens: &[u8],
+    index: &[u8],
+    info: &ShardInfo,
+    manifest: &ShardManifest,
+) -> Option<(bool, String)> {
+    let mut prev = 0u64;
+    for (k, e) in index.chunks_exact(8).enumerate() {
+        let start = u64::from_le_bytes(e.try_into().expect("8 bytes"));
+        if start < prev || start > info.tokens || (k == 0 && start != 0) {
+            return Some((
+                true,
+                format!(
+                    "byte offset {}: document {k} starts at token {start}, after {prev} and \
+                     within 0..={} expected; the index is corrupt, prepare the data again",
+                    8 * k,
+                    info.tokens
+                ),
+            ));
+        }
+        prev = start;
+    }
+    let width = manifest.dtype.width();
+    let vocab = manifest.vocab_size as u64;
+    let id = |c: &[u8]| match manifest.dtype {
+        Dtype::U16 => u64::from(u16::from_le_bytes([c[0], c[1]])),
+        Dtype::U32 => u64::from(u32::from_le_bytes(c.try_into().expect("4 bytes"))),
+    };
+    let bad = tokens.chunks_exact(width).position(|c| id(c) >= vocab)?;
+    Some((
+        false,
+        format!(
+            "byte offset {}: token id {} is outside the vocabulary ({vocab} ids); the shard is \
+             corrupt, prepare the data again",
+            bad * width,
+            id(&tokens[bad * width..(bad + 1) * width])
+        ),
+    ))
+}
+
 impl ShardSet {
     /// Opens `dir` for a run using `tok`; with `verify`, checks every file's sha256.
     pub fn open(dir: &Path, tok: &Tokenizer, verify: bool) -> Result<Self> {
@@ -388,6 +431,12 @@ impl ShardSet {
                         info.tokens,
                         info.documents
                     ),
+                });
+            }
+            if let Some((in_index, msg)) = structural_fault(&tokens, &index, info, &manifest) {
+                return Err(DataError::Shard {
+                    path: if in_index { ip } else { bp },
+                    msg,
                 });
             }
             if verify {

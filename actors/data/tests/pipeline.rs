@@ -388,6 +388,32 @@ fn bad_inputs_get_clear_errors() {
         "{e}"
     );
 
+    // A token id outside the vocabulary is named with its byte offset, checked or not.
+    let mut bad = data.clone();
+    bad[20..22].copy_from_slice(&u16::MAX.to_le_bytes());
+    std::fs::write(&bin, &bad).unwrap();
+    for verify in [true, false] {
+        let e = err(ShardSet::open(&d.join("o4"), &tok, verify));
+        assert!(
+            e.contains("shard-00000.bin")
+                && e.contains("byte offset 20")
+                && e.contains("outside the vocabulary"),
+            "{e}"
+        );
+    }
+    // So is an index entry out of order.
+    std::fs::write(&bin, &data).unwrap();
+    let idx = d.join("o4/shard-00000.idx");
+    let mut index = std::fs::read(&idx).unwrap();
+    assert!(index.len() >= 24, "three documents at least");
+    index[16..24].copy_from_slice(&u64::MAX.to_le_bytes());
+    std::fs::write(&idx, &index).unwrap();
+    let e = err(ShardSet::open(&d.join("o4"), &tok, false));
+    assert!(
+        e.contains("shard-00000.idx") && e.contains("byte offset 16") && e.contains("document 2"),
+        "{e}"
+    );
+
     // A vocabulary too large for u16 shards.
     let mut json: serde_json::Value = serde_json::from_str(&tok.to_json(false).unwrap()).unwrap();
     let added = json["added_tokens"].as_array_mut().unwrap();

@@ -150,6 +150,7 @@ pub struct Overrides {
     pub keep_activations: Option<usize>,
     pub checkpoint_every: Option<u64>,
     pub inject_fault: Option<String>,
+    pub loss_spike_factor: Option<f64>,
     pub precision: Option<String>,
     pub tokenizer: Option<PathBuf>,
 }
@@ -219,11 +220,26 @@ pub struct TrainConfig {
     /// before it exits anyway (then `--resume` starts from the newest complete checkpoint).
     #[serde(default = "two_minutes")]
     pub shutdown_grace_s: f64,
+    /// The loss-spike guard: a step whose loss exceeds this factor × the mean loss of the
+    /// previous `loss_spike_window` updated steps makes no update; the run rolls back to the
+    /// newest checkpoint and skips the batches from it through the offending step (PaLM's
+    /// remedy; without a checkpoint only the offending batches are skipped). `0`, the default,
+    /// turns the guard off; otherwise it must be > 1.
+    #[serde(default)]
+    pub loss_spike_factor: f64,
+    /// Updated steps the loss-spike guard averages over; it judges no step before it has
+    /// seen this many.
+    #[serde(default = "twenty")]
+    pub loss_spike_window: usize,
     /// A failure to inject once, to exercise recovery: `layer-panic:LAYER:STEP`,
-    /// `crash-in-checkpoint:STEP`, `enospc-in-checkpoint:STEP` or `nan-grad:STEP`
-    /// (`--inject-fault`).
+    /// `crash-in-checkpoint:STEP`, `enospc-in-checkpoint:STEP`, `nan-grad:STEP` or
+    /// `loss-spike:STEP` (`--inject-fault`).
     #[serde(default)]
     pub inject_fault: Option<String>,
+}
+
+fn twenty() -> usize {
+    20
 }
 
 fn three_u32() -> u32 {
@@ -270,6 +286,7 @@ impl RunConfig {
             keep_activations => t.keep_activations,
             checkpoint_every => t.checkpoint_every,
             inject_fault => t.inject_fault,
+            loss_spike_factor => t.loss_spike_factor,
             precision => self.backend.precision,
             tokenizer => self.data.tokenizer,
         }
@@ -339,9 +356,19 @@ impl TrainConfig {
             ("ponder_weight", self.ponder_weight),
             ("max_grad_norm", self.max_grad_norm),
             ("shutdown_grace_s", self.shutdown_grace_s),
+            ("loss_spike_factor", self.loss_spike_factor),
         ];
         if let Some((name, v)) = finite.iter().find(|(_, v)| !v.is_finite() || *v < 0.0) {
             return Err(bad(format!("`{name}` must be finite and ≥ 0, got {v}")));
+        }
+        if self.loss_spike_factor != 0.0 && self.loss_spike_factor <= 1.0 {
+            return Err(bad(format!(
+                "`loss_spike_factor` must be 0 (off) or > 1, got {}",
+                self.loss_spike_factor
+            )));
+        }
+        if self.loss_spike_window == 0 {
+            return Err(bad("`loss_spike_window` must be positive".into()));
         }
         if let Some(f) = &self.inject_fault {
             f.parse::<crate::pipeline::topology::Fault>()

@@ -60,6 +60,20 @@ pub enum RuntimeError {
         to_step: u64,
         seconds: f64,
     },
+    /// Step `step` measured loss `loss`, over `factor` × the running mean `mean`: it made no
+    /// update, and the run rolled back to step `to_step` (the newest checkpoint, or the step
+    /// before when there is none) and skips the batches of steps `to_step + 1 ..= step`.
+    #[error(
+        "step {step}: loss {loss:.4} is over {factor} × the running mean {mean:.4}; rolled back \
+         to step {to_step}, skipping the batches through step {step}"
+    )]
+    LossSpike {
+        step: u64,
+        loss: f64,
+        mean: f64,
+        factor: f64,
+        to_step: u64,
+    },
 }
 
 impl RuntimeError {

@@ -23,6 +23,7 @@ pub mod checkpoint;
 pub mod data;
 pub mod decoder;
 pub mod edge;
+pub mod guard;
 pub mod handle;
 pub mod holder;
 pub mod layer;

@@ -21,6 +21,8 @@ pub struct RunSummary {
     pub recoveries: Vec<f64>,
     /// Steps skipped for a non-finite loss or gradient norm.
     pub skipped_steps: u64,
+    /// Loss spikes the guard rolled back from.
+    pub spike_rollbacks: u64,
     /// Set when a stop was asked for (SIGTERM, SIGINT): the step the run stopped after, with
     /// its checkpoint written; the final weights were not.
     pub stopped_at: Option<u64>,
@@ -121,6 +123,7 @@ pub fn run(
     let mut cursor = None;
     let mut recoveries = Vec::new();
     let mut skipped_steps = 0u64;
+    let mut spike_rollbacks = 0u64;
     let mut stopped_at = None;
     let mut log = |line: serde_json::Value| {
         writeln!(metrics, "{line}").map_err(|e| RuntimeError::Io(metrics_path.clone(), e))
@@ -144,6 +147,31 @@ pub fn run(
                     "seconds": seconds, "cause": cause,
                 }))?;
                 recoveries.push(seconds);
+                losses.truncate(to_step as usize);
+                step = to_step;
+                bar.set_position(step);
+                continue;
+            }
+            Err(RuntimeError::LossSpike {
+                step: failed,
+                loss,
+                mean,
+                factor,
+                to_step,
+            }) => {
+                bar.suspend(|| {
+                    tracing::warn!(
+                        "step {failed}: loss {loss:.4} is over {factor} × the running mean \
+                         {mean:.4}: no update; rolled back to step {to_step}, the batches of \
+                         steps {}..={failed} are skipped",
+                        to_step + 1
+                    )
+                });
+                log(serde_json::json!({
+                    "event": "loss_spike", "step": failed, "loss": loss, "mean": mean,
+                    "factor": factor, "to_step": to_step,
+                }))?;
+                spike_rollbacks += 1;
                 losses.truncate(to_step as usize);
                 step = to_step;
                 bar.set_position(step);
@@ -252,6 +280,7 @@ pub fn run(
         weights,
         recoveries: recoveries.clone(),
         skipped_steps,
+        spike_rollbacks,
         stopped_at,
     };
     if let Some(s) = stopped_at {

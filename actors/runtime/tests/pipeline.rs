@@ -478,3 +478,53 @@ fn nan_gradients_skip_the_step_and_change_nothing() {
         "the step after it trains"
     );
 }
+
+#[test]
+fn a_loss_spike_rolls_back_to_the_checkpoint_and_skips_the_batches_since() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut cfg = train_cfg();
+    cfg.out_dir = dir.path().to_path_buf();
+    cfg.loss_spike_factor = 5.0;
+    cfg.loss_spike_window = 2;
+    cfg.inject_fault = Some("loss-spike:4".into());
+    let plan = PipelinePlan::balanced(4, 2, &[0]).unwrap();
+    let mut faulty = Pipeline::start(staged(), plan, cfg, Some(sampler())).unwrap();
+    let mut clean = pipeline(2, Some(sampler()));
+    for _ in 0..2 {
+        assert_eq!(
+            bits(&faulty.step().unwrap().stats),
+            bits(&clean.step().unwrap().stats)
+        );
+    }
+    let root = dir.path().join("checkpoints");
+    faulty.checkpoint(&root, 2, "cfg".into(), None).unwrap();
+    let at_checkpoint = faulty.save_stages().unwrap();
+    // Step 3 is judged (two steps seen) and passes; step 4 spikes.
+    assert_eq!(
+        bits(&faulty.step().unwrap().stats),
+        bits(&clean.step().unwrap().stats)
+    );
+    match faulty.step() {
+        Err(RuntimeError::LossSpike {
+            step: 4,
+            to_step: 2,
+            factor,
+            loss,
+            mean,
+        }) => assert!(factor == 5.0 && loss > 5.0 * mean, "{loss} vs {mean}"),
+        other => panic!("expected a loss spike at step 4: {other:?}"),
+    }
+    assert!(
+        faulty.save_stages().unwrap() == at_checkpoint,
+        "rolled back to the step-2 checkpoint"
+    );
+    // The run goes on from step 2's weights with the data after step 4's batches: the same
+    // as loading that checkpoint into the clean run, positioned after its own step 4.
+    let after_4 = clean.step().unwrap().cursor;
+    clean.load_stages(at_checkpoint).unwrap();
+    clean.set_position(2, after_4).unwrap();
+    let (got, want) = (faulty.step().unwrap(), clean.step().unwrap());
+    assert_eq!((got.step, got.cursor), (3, want.cursor));
+    assert_eq!(bits(&got.stats), bits(&want.stats));
+    assert!(faulty.save_stages().unwrap() == clean.save_stages().unwrap());
+}

@@ -1,17 +1,21 @@
 //! Recovery of the supervisor: rebuilding every edge and layer actor after a failure and rolling
-//! the run back to the newest valid checkpoint, and saving or loading every stage at once.
+//! the run back to the newest valid checkpoint, rolling back after a loss spike, checkpointing,
+//! and saving or loading every stage at once.
 
-use super::checkpoint;
+use super::checkpoint::{self, CheckpointMeta};
 use super::data::DataMsg;
 use super::msg::{EdgeMsg, LayerMsg, ask};
 use super::supervisor::{SupMsg, SupState};
 use super::topology::Children;
+use super::writer::{CheckpointReport, Job};
 use crate::error::RuntimeError;
 use futures_util::future::join_all;
+use nsactor_data::Cursor;
 use nsactor_plugin_api::EngineError;
 use ractor::ActorRef;
+use std::path::PathBuf;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 impl SupState {
     /// Rebuilds every edge and layer actor from freshly opened stages, loads the newest valid
@@ -72,6 +76,93 @@ impl SupState {
         self.step = step;
         self.cursor = cursor;
         Ok(step)
+    }
+
+    /// After a loss spike at the step after `self.step`: loads the newest valid checkpoint
+    /// (none: the weights stay) and continues with the data at `after`, past the spiking
+    /// step's batches, so the batches since the checkpoint are skipped. Returns the step the
+    /// run continues after; gives up on a spike after `max_restarts` rollbacks to
+    /// the same checkpoint step.
+    pub(super) async fn roll_back_spike(&mut self, after: Cursor) -> Result<u64, RuntimeError> {
+        if let Some(Err(e)) = self.writer.finish().await {
+            tracing::warn!("the checkpoint being written was not completed: {e}");
+        }
+        let root = self.train.out_dir.join("checkpoints");
+        let (found, skipped) = tokio::task::spawn_blocking(move || checkpoint::latest_valid(&root))
+            .await
+            .map_err(|e| RuntimeError::Runtime(format!("checkpoint search: {e}")))?;
+        for s in skipped {
+            tracing::warn!("{s}");
+        }
+        let to = match found {
+            Some(l) => {
+                tracing::warn!(
+                    "rolling back to {} and skipping the batches of steps {}..={}",
+                    l.dir.display(),
+                    l.manifest.step + 1,
+                    self.step + 1
+                );
+                self.load_stages(l.shards).await?;
+                l.manifest.step
+            }
+            None => {
+                tracing::warn!("no checkpoint yet: only the spiking step's batches are skipped");
+                self.step
+            }
+        };
+        let n = self.guard.rolled_back_to(to);
+        if n > self.train.max_restarts {
+            return Err(RuntimeError::Broken(format!(
+                "the loss spiked {n} times with step {to} as the newest checkpoint; giving up \
+                 (max_restarts = {})",
+                self.train.max_restarts
+            )));
+        }
+        self.step = to;
+        self.cursor = Some(after);
+        Ok(to)
+    }
+
+    /// Checkpoints the current step under `root` (see [`SupMsg::Checkpoint`]).
+    pub(super) async fn checkpoint(
+        &mut self,
+        root: PathBuf,
+        keep: usize,
+        config: String,
+        tokenizer_sha256: Option<String>,
+        background: bool,
+    ) -> Result<CheckpointReport, RuntimeError> {
+        let t = Instant::now();
+        let previous = self.writer.finish().await;
+        let waited_seconds = t.elapsed().as_secs_f64();
+        let t = Instant::now();
+        let shards = self.save_stages().await?;
+        let snapshot_seconds = t.elapsed().as_secs_f64();
+        let step = self.step;
+        let fault = self.topo.fault.as_ref();
+        let job = Job {
+            crash: fault.is_some_and(|f| f.crash_in_checkpoint(step)),
+            disk_full: fault.is_some_and(|f| f.disk_full_in_checkpoint(step)),
+            root: root.clone(),
+            keep,
+            meta: CheckpointMeta {
+                step,
+                data_cursor: self.cursor,
+                seed: self.train.seed,
+                config,
+                tokenizer_sha256,
+            },
+            shards,
+        };
+        let written = self.writer.write(job, background).await?;
+        Ok(CheckpointReport {
+            step,
+            dir: checkpoint::step_dir(&root, step),
+            waited_seconds,
+            snapshot_seconds,
+            previous,
+            written,
+        })
     }
 
     pub(super) async fn save_stages(&self) -> Result<Vec<Vec<u8>>, RuntimeError> {

@@ -9,12 +9,12 @@
 //! micro-batch order and every layer accumulates its gradients in micro-batch order, so the
 //! result does not depend on P.
 
-use super::checkpoint::{self, CheckpointMeta};
 use super::data::{DataMsg, Shape};
+use super::guard::SpikeGuard;
 use super::msg::{EdgeMsg, LayerMsg, StageControl, ask, control_all};
 use super::step::{Event, StepCtx};
 use super::topology::{Children, Topology};
-use super::writer::{CheckpointReport, Job, WriteDone, Writer};
+use super::writer::{CheckpointReport, WriteDone, Writer};
 use crate::config::TrainConfig;
 use crate::engine::{StepParams, StepStats};
 use crate::error::RuntimeError;
@@ -25,7 +25,7 @@ use nsactor_plugin_api::{Batch, BiasGradNorms, EngineError, GradSumSquares, IdAl
 use ractor::{Actor, ActorCell, ActorProcessingErr, ActorRef, RpcReplyPort, SupervisionEvent};
 use std::path::PathBuf;
 use std::sync::{Arc, RwLock};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 /// What one step of the run reported.
 #[derive(Debug, Clone, PartialEq)]
@@ -114,6 +114,8 @@ pub struct SupState {
     pub(super) restarts: u32,
     /// The checkpoint write in flight.
     pub(super) writer: Writer,
+    /// The loss-spike guard and its running mean.
+    pub(super) guard: SpikeGuard,
 }
 
 pub(super) fn name_of(cell: &ActorCell) -> String {
@@ -153,13 +155,15 @@ impl SupState {
         Ok(())
     }
 
+    /// One step; `guarded` runs the loss-spike guard on it (the run's own steps, not replays).
     async fn train_step(
         &mut self,
         batches: Vec<Batch>,
         p: &StepParams,
+        guarded: bool,
     ) -> Result<StepStats, RuntimeError> {
         self.check()?;
-        let r = self.train_step_inner(batches, p).await;
+        let r = self.train_step_inner(batches, p, guarded).await;
         if r.is_err() && self.dead_child().is_none() && self.broken.is_none() {
             // Leave no half-accumulated gradients behind; the step is skipped.
             if let Err(e) = self.zero_grad().await {
@@ -173,6 +177,7 @@ impl SupState {
         &mut self,
         batches: Vec<Batch>,
         p: &StepParams,
+        guarded: bool,
     ) -> Result<StepStats, RuntimeError> {
         if batches.is_empty() {
             return Err(
@@ -197,6 +202,7 @@ impl SupState {
         // `nan-grad:STEP`: the loss scaled by NaN makes every gradient of the step NaN.
         let poison = self.topo.fault.as_ref().is_some_and(|f| f.nan_grad_now());
         let loss_scale = if poison { f64::NAN } else { 1.0 / m as f64 };
+        let spiked = self.topo.fault.as_ref().is_some_and(|f| f.loss_spike_now());
         let admit = |pending: &mut dyn Iterator<Item = (usize, Arc<Batch>)>,
                      in_flight: &mut usize|
          -> Result<(), RuntimeError> {
@@ -272,6 +278,19 @@ impl SupState {
             let (ce, pd) = r.expect("every micro-batch finished");
             s.add_micro(ce, pd.sum / l, pd.min, pd.max, mf, p.ponder_weight);
         }
+        if spiked {
+            s.loss *= 100.0;
+        }
+        if let Some(mean) = self.guard.judge(s.loss).filter(|_| guarded) {
+            // No update: `train_step` drops the gradients, `next_step` rolls back.
+            return Err(RuntimeError::LossSpike {
+                step: self.step + 1,
+                loss: s.loss,
+                mean,
+                factor: self.guard.factor(),
+                to_step: self.step,
+            });
+        }
         // A non-finite loss or gradient norm skips the step: the gradients are dropped and no
         // parameter or optimizer state changes; the data moves on past its batches.
         let norm = match s.loss.is_finite() {
@@ -279,7 +298,12 @@ impl SupState {
             false => None,
         };
         match norm {
-            Some(n) => s.grad_norm = n,
+            Some(n) => {
+                s.grad_norm = n;
+                if guarded {
+                    self.guard.record(s.loss);
+                }
+            }
             None => {
                 self.zero_grad().await?;
                 s.skipped = true;
@@ -367,7 +391,7 @@ impl SupState {
         if let Some(f) = &self.topo.fault {
             f.set_step(self.step + 1);
         }
-        let r = self.train_step(rows.batches, &params).await;
+        let r = self.train_step(rows.batches, &params, true).await;
         match r {
             Ok(stats) => {
                 self.step += 1;
@@ -399,6 +423,26 @@ impl SupState {
                     seconds: t.elapsed().as_secs_f64(),
                 })
             }
+            Err(RuntimeError::LossSpike {
+                step,
+                loss,
+                mean,
+                factor,
+                ..
+            }) => {
+                tracing::warn!(
+                    "step {step}: loss {loss:.4} over {factor} × the running mean {mean:.4}; \
+                     no update, rolling back"
+                );
+                let to_step = self.roll_back_spike(rows.after).await?;
+                Err(RuntimeError::LossSpike {
+                    step,
+                    loss,
+                    mean,
+                    factor,
+                    to_step,
+                })
+            }
             Err(e) => {
                 // The batches were not used: put the data back where the step began.
                 let c = rows.before;
@@ -422,6 +466,7 @@ impl Actor for Supervisor {
         a: SupArgs,
     ) -> Result<SupState, ActorProcessingErr> {
         let c = a.children.read().unwrap_or_else(|e| e.into_inner()).clone();
+        let guard = SpikeGuard::new(a.train.loss_spike_factor, a.train.loss_spike_window);
         Ok(SupState {
             stages: a.topo.plan.num_stages(),
             topo: a.topo,
@@ -437,6 +482,7 @@ impl Actor for Supervisor {
             initial_cursor: None,
             restarts: 0,
             writer: Writer::default(),
+            guard,
         })
     }
 
@@ -455,7 +501,7 @@ impl Actor for Supervisor {
                 params,
                 reply,
             } => {
-                let _ = reply.send(s.train_step(batches, &params).await);
+                let _ = reply.send(s.train_step(batches, &params, false).await);
             }
             SupMsg::SaveStages { reply } => {
                 let _ = reply.send(s.save_stages().await);
@@ -471,40 +517,9 @@ impl Actor for Supervisor {
                 background,
                 reply,
             } => {
-                let r = async {
-                    let t = Instant::now();
-                    let previous = s.writer.finish().await;
-                    let waited_seconds = t.elapsed().as_secs_f64();
-                    let t = Instant::now();
-                    let shards = s.save_stages().await?;
-                    let snapshot_seconds = t.elapsed().as_secs_f64();
-                    let step = s.step;
-                    let fault = s.topo.fault.as_ref();
-                    let job = Job {
-                        crash: fault.is_some_and(|f| f.crash_in_checkpoint(step)),
-                        disk_full: fault.is_some_and(|f| f.disk_full_in_checkpoint(step)),
-                        root: root.clone(),
-                        keep,
-                        meta: CheckpointMeta {
-                            step,
-                            data_cursor: s.cursor,
-                            seed: s.train.seed,
-                            config,
-                            tokenizer_sha256,
-                        },
-                        shards,
-                    };
-                    let written = s.writer.write(job, background).await?;
-                    Ok(CheckpointReport {
-                        step,
-                        dir: checkpoint::step_dir(&root, step),
-                        waited_seconds,
-                        snapshot_seconds,
-                        previous,
-                        written,
-                    })
-                }
-                .await;
+                let r = s
+                    .checkpoint(root, keep, config, tokenizer_sha256, background)
+                    .await;
                 let _ = reply.send(r);
             }
             SupMsg::FinishCheckpoint { reply } => {

@@ -35,13 +35,16 @@ pub enum Fault {
     DiskFullInCheckpoint { step: u64 },
     /// Every gradient of step `step` is NaN (the loss is scaled by NaN before the backward).
     NanGrad { step: u64 },
+    /// Step `step` measures a loss 100× its true value, as a bad batch would spike it (exercises
+    /// the loss-spike guard; the gradients are the step's own).
+    LossSpike { step: u64 },
 }
 
 impl std::str::FromStr for Fault {
     type Err = RuntimeError;
 
     /// `layer-panic:LAYER:STEP`, `crash-in-checkpoint:STEP`, `enospc-in-checkpoint:STEP` or
-    /// `nan-grad:STEP`.
+    /// `nan-grad:STEP` or `loss-spike:STEP`.
     fn from_str(s: &str) -> Result<Self, RuntimeError> {
         let parts: Vec<&str> = s.split(':').collect();
         let num = |p: &str| {
@@ -56,9 +59,10 @@ impl std::str::FromStr for Fault {
             ["crash-in-checkpoint", step] => Ok(Fault::CrashInCheckpoint { step: num(step)? }),
             ["enospc-in-checkpoint", step] => Ok(Fault::DiskFullInCheckpoint { step: num(step)? }),
             ["nan-grad", step] => Ok(Fault::NanGrad { step: num(step)? }),
+            ["loss-spike", step] => Ok(Fault::LossSpike { step: num(step)? }),
             _ => Err(RuntimeError::Invalid(format!(
                 "fault `{s}`: expected `layer-panic:LAYER:STEP`, `crash-in-checkpoint:STEP`, \
-                 `enospc-in-checkpoint:STEP` or `nan-grad:STEP`"
+                 `enospc-in-checkpoint:STEP`, `nan-grad:STEP` or `loss-spike:STEP`"
             ))),
         }
     }
@@ -109,6 +113,12 @@ impl FaultPlan {
     pub fn nan_grad_now(&self) -> bool {
         let step = self.step_now.load(Ordering::SeqCst);
         self.fire(Fault::NanGrad { step })
+    }
+
+    /// Whether the step now running measures a spiked loss.
+    pub fn loss_spike_now(&self) -> bool {
+        let step = self.step_now.load(Ordering::SeqCst);
+        self.fire(Fault::LossSpike { step })
     }
 }
 

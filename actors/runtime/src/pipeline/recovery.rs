@@ -23,10 +23,6 @@ impl SupState {
     /// and the step counter. Returns the step the run continues after.
     pub(super) async fn recover(&mut self, myself: &ActorRef<SupMsg>) -> Result<u64, RuntimeError> {
         self.restarts += 1;
-        // A checkpoint still being written is the newest one to roll back to: finish it first.
-        if let Some(Err(e)) = self.writer.finish().await {
-            tracing::warn!("the checkpoint being written was not completed: {e}");
-        }
         let me = myself.get_cell();
         let old = Children {
             edge: self.edge.clone(),
@@ -46,13 +42,7 @@ impl SupState {
         self.layers = children.layers.clone();
         *self.shared.write().unwrap_or_else(|e| e.into_inner()) = children;
         self.broken = None;
-        let root = self.train.out_dir.join("checkpoints");
-        let (found, skipped) = tokio::task::spawn_blocking(move || checkpoint::latest_valid(&root))
-            .await
-            .map_err(|e| RuntimeError::Runtime(format!("checkpoint search: {e}")))?;
-        for s in skipped {
-            tracing::warn!("{s}");
-        }
+        let found = self.newest_checkpoint().await?;
         let (step, cursor) = match found {
             Some(l) => {
                 tracing::warn!("rolling back to {}", l.dir.display());
@@ -78,12 +68,9 @@ impl SupState {
         Ok(step)
     }
 
-    /// After a loss spike at the step after `self.step`: loads the newest valid checkpoint
-    /// (none: the weights stay) and continues with the data at `after`, past the spiking
-    /// step's batches, so the batches since the checkpoint are skipped. Returns the step the
-    /// run continues after; gives up on a spike after `max_restarts` rollbacks to
-    /// the same checkpoint step.
-    pub(super) async fn roll_back_spike(&mut self, after: Cursor) -> Result<u64, RuntimeError> {
+    /// The newest checkpoint of the run that verifies, after finishing a write in flight;
+    /// damaged ones are logged by name and skipped.
+    async fn newest_checkpoint(&mut self) -> Result<Option<checkpoint::Loaded>, RuntimeError> {
         if let Some(Err(e)) = self.writer.finish().await {
             tracing::warn!("the checkpoint being written was not completed: {e}");
         }
@@ -94,6 +81,16 @@ impl SupState {
         for s in skipped {
             tracing::warn!("{s}");
         }
+        Ok(found)
+    }
+
+    /// After a loss spike at the step after `self.step`: loads the newest valid checkpoint
+    /// (none: the weights stay) and continues with the data at `after`, past the spiking
+    /// step's batches, so the batches since the checkpoint are skipped. Returns the step the
+    /// run continues after; gives up on a spike after `max_restarts` rollbacks to
+    /// the same checkpoint step.
+    pub(super) async fn roll_back_spike(&mut self, after: Cursor) -> Result<u64, RuntimeError> {
+        let found = self.newest_checkpoint().await?;
         let to = match found {
             Some(l) => {
                 tracing::warn!(

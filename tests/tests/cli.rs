@@ -4,7 +4,7 @@
 
 mod common;
 
-use common::cli::{losses, nsactor, run_err, run_ok, temp_dir};
+use common::cli::{losses, nsactor, run_err, run_ok, temp_dir, tiny_with};
 use std::path::PathBuf;
 use std::process::Command;
 
@@ -166,16 +166,7 @@ fn killed_crashed_and_failing_runs_end_exactly_like_an_uninterrupted_one() {
     let blocked = dir.join("blocked");
     std::fs::create_dir_all(blocked.join("checkpoints")).unwrap();
     std::fs::write(blocked.join("checkpoints/step-00000004"), b"in the way").unwrap();
-    let tiny = std::fs::read_to_string(
-        std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../configs/tiny.toml"),
-    )
-    .unwrap();
-    let sync = dir.join("sync.toml");
-    std::fs::write(
-        &sync,
-        tiny.replace("[train]\n", "[train]\nasync_checkpoint = false\n"),
-    )
-    .unwrap();
+    let sync = tiny_with(&dir, "sync.toml", "async_checkpoint = false\n");
     let sync = sync.to_str().unwrap();
     let o = train_args(&blocked, &["--config", sync]).output().unwrap();
     let err = String::from_utf8_lossy(&o.stderr);

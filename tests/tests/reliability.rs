@@ -6,7 +6,7 @@
 
 mod common;
 
-use common::cli::{losses, nsactor, temp_dir};
+use common::cli::{losses, nsactor, temp_dir, tiny_with};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output};
 use std::time::{Duration, Instant};
@@ -237,22 +237,6 @@ fn the_agent_gives_up_after_max_restarts_with_a_clear_message() {
 /// The embedded tiny config with `[train] async_checkpoint = false`.
 fn synchronous_config(dir: &Path) -> PathBuf {
     tiny_with(dir, "sync.toml", "async_checkpoint = false\n")
-}
-
-/// The embedded tiny config with `keys` added to `[train]`, written as `dir/name`.
-fn tiny_with(dir: &Path, name: &str, keys: &str) -> PathBuf {
-    let tiny = std::fs::read_to_string(
-        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../configs/tiny.toml"),
-    )
-    .unwrap();
-    std::fs::create_dir_all(dir).unwrap();
-    let path = dir.join(name);
-    std::fs::write(
-        &path,
-        tiny.replace("[train]\n", &format!("[train]\n{keys}")),
-    )
-    .unwrap();
-    path
 }
 
 #[test]

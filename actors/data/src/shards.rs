@@ -362,22 +362,26 @@ fn structural_fault(
         }
         prev = start;
     }
-    let width = manifest.dtype.width();
-    let vocab = manifest.vocab_size as u64;
-    let id = |c: &[u8]| match manifest.dtype {
-        Dtype::U16 => u64::from(u16::from_le_bytes([c[0], c[1]])),
-        Dtype::U32 => u64::from(u32::from_le_bytes(c.try_into().expect("4 bytes"))),
-    };
-    let bad = tokens.chunks_exact(width).position(|c| id(c) >= vocab)?;
+    let (dtype, vocab) = (manifest.dtype, manifest.vocab_size as u32);
+    let n = tokens.len() / dtype.width();
+    let bad = (0..n).find(|&i| token_at(dtype, tokens, i) >= vocab)?;
     Some((
         false,
         format!(
             "byte offset {}: token id {} is outside the vocabulary ({vocab} ids); the shard is \
              corrupt, prepare the data again",
-            bad * width,
-            id(&tokens[bad * width..(bad + 1) * width])
+            bad * dtype.width(),
+            token_at(dtype, tokens, bad)
         ),
     ))
+}
+
+/// Token `i` of a shard's bytes stored as `dtype` (little-endian).
+fn token_at(dtype: Dtype, t: &[u8], i: usize) -> u32 {
+    match dtype {
+        Dtype::U16 => u32::from(u16::from_le_bytes([t[2 * i], t[2 * i + 1]])),
+        Dtype::U32 => u32::from_le_bytes(t[4 * i..4 * i + 4].try_into().expect("4 bytes")),
+    }
 }
 
 impl ShardSet {
@@ -474,14 +478,11 @@ impl ShardSet {
     }
 
     fn id(&self, shard: usize, i: u64) -> i64 {
-        let t = &self.shards[shard].tokens;
-        let i = i as usize;
-        match self.manifest.dtype {
-            Dtype::U16 => i64::from(u16::from_le_bytes([t[2 * i], t[2 * i + 1]])),
-            Dtype::U32 => i64::from(u32::from_le_bytes(
-                t[4 * i..4 * i + 4].try_into().expect("4 bytes"),
-            )),
-        }
+        i64::from(token_at(
+            self.manifest.dtype,
+            &self.shards[shard].tokens,
+            i as usize,
+        ))
     }
 }
 

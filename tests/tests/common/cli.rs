@@ -22,6 +22,22 @@ pub fn nsactor() -> Command {
     c
 }
 
+/// The embedded tiny config with `keys` added to its `[train]` table, written as `dir/name`.
+pub fn tiny_with(dir: &std::path::Path, name: &str, keys: &str) -> PathBuf {
+    let tiny = std::fs::read_to_string(
+        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../configs/tiny.toml"),
+    )
+    .unwrap();
+    std::fs::create_dir_all(dir).unwrap();
+    let path = dir.join(name);
+    std::fs::write(
+        &path,
+        tiny.replace("[train]\n", &format!("[train]\n{keys}")),
+    )
+    .unwrap();
+    path
+}
+
 pub fn temp_dir(name: &str) -> PathBuf {
     let d = std::env::temp_dir().join(format!("nsactor-cli-{name}-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&d);

@@ -430,10 +430,7 @@ impl SupState {
                 factor,
                 ..
             }) => {
-                tracing::warn!(
-                    "step {step}: loss {loss:.4} over {factor} × the running mean {mean:.4}; \
-                     no update, rolling back"
-                );
+                // The training loop reports the spike; the rollback logs where it went.
                 let to_step = self.roll_back_spike(rows.after).await?;
                 Err(RuntimeError::LossSpike {
                     step,

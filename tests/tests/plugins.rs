@@ -7,9 +7,11 @@ mod common;
 use common::*;
 use nsactor_plugin_abi::host::{Plugin, library_file_name, resolve};
 use nsactor_plugin_api::{
-    ABI_VERSION, ComputeBackend, EngineError, HostTensor, MicroBatchId, ModelConfig, OptimizerKind,
-    SessionId, StageCall, StageKind, StageSpec,
+    ABI_VERSION, Batch, ComputeBackend, EngineError, HostTensor, MicroBatchId, ModelConfig,
+    OptimizerKind, SessionId, StageCall, StageKind, StageSpec,
 };
+use nsactor_runtime::config::tiny_model;
+use nsactor_runtime::engine::{StagedModel, StepParams};
 use nsactor_runtime::verify;
 use nsactor_runtime::weights::merge_params;
 use safetensors::SafeTensors;
@@ -226,4 +228,51 @@ fn the_cuda_plugin_loads_and_opens_or_says_why_not() {
             );
         }
     }
+}
+
+#[test]
+fn a_stage_snapshot_keeps_its_state_while_training_goes_on_and_serialises_on_another_thread() {
+    let mut m = StagedModel::open(
+        ndarray_plugin(),
+        &tiny_model(),
+        5,
+        OptimizerKind::Adam,
+        None,
+    )
+    .unwrap();
+    let (b, t) = (2, 8);
+    let batch = Batch {
+        batch: b,
+        seq_len: t,
+        inputs: (0..b * t).map(|i| (i * 7 % 200) as i64 + 3).collect(),
+        targets: (0..b * t).map(|i| (i * 11 % 200) as i64 + 3).collect(),
+        loss_mask: vec![1.0; b * t],
+    };
+    let params = StepParams {
+        lr: 1e-2,
+        neuron_lr: 1e-1,
+        ponder_weight: 0.01,
+        max_grad_norm: 1.0,
+    };
+    m.train_step(std::slice::from_ref(&batch), &params).unwrap();
+    let before = m.save_stages().unwrap();
+    let snaps = m.snapshot_stages().unwrap();
+    // An unserialised snapshot is freed in the plugin when dropped.
+    drop(m.snapshot_stages().unwrap());
+    m.train_step(std::slice::from_ref(&batch), &params).unwrap();
+    let after = m.save_stages().unwrap();
+    assert!(after != before, "the second step changed nothing");
+    let got = std::thread::spawn(move || {
+        snaps
+            .into_iter()
+            .map(|s| s.bytes())
+            .collect::<Result<Vec<_>, _>>()
+    })
+    .join()
+    .unwrap()
+    .unwrap();
+    assert!(
+        got == before,
+        "a snapshot taken before the second step serialised to other bytes than save()"
+    );
 }

@@ -8,7 +8,7 @@ use nsactor_plugin_api::optim::{clip_factor, phase2_layer_scales};
 use nsactor_plugin_api::{
     Batch, BiasGradNorms, ComputeBackend, DeviceTensor, EngineError, ForwardOut, GradSumSquares,
     HeadOut, IdAllocator, Loss, ModelConfig, OptimizerKind, SessionId, Stage, StageCall, StageKind,
-    StageSpec, Tokens,
+    StageSnapshot, StageSpec, Tokens,
 };
 use std::sync::Arc;
 
@@ -401,6 +401,16 @@ impl StagedModel {
         let mut out = vec![self.edge.save()?];
         for l in &self.layers {
             out.push(l.save()?);
+        }
+        Ok(out)
+    }
+
+    /// Every stage's [`snapshot`](nsactor_plugin_api::Stage::snapshot), in the order of
+    /// [`save_stages`](Self::save_stages): serialised later, from any thread.
+    pub fn snapshot_stages(&self) -> Result<Vec<Box<dyn StageSnapshot>>, EngineError> {
+        let mut out = vec![self.edge.snapshot()?];
+        for l in &self.layers {
+            out.push(l.snapshot()?);
         }
         Ok(out)
     }

@@ -3,7 +3,7 @@
 use crate::graphs::DecodeGraphs;
 use crate::layer::session_rows;
 use crate::sessions::SessionTable;
-use crate::state::{Trainer, add_into, count, load_stage, save_stage, sync};
+use crate::state::{Trainer, add_into, count, load_stage, save_stage, snapshot_stage, sync};
 use crate::{Ad, act, wrap};
 use burn::tensor::{ElementConversion, Int, Tensor, TensorData};
 use nsactor_kernels::SnnOps;
@@ -13,7 +13,7 @@ use nsactor_model::train::GradSet;
 use nsactor_model::{Edge, ModelConfig};
 use nsactor_plugin_api::{
     EngineError, GradSumSquares, HeadOut, Loss, MicroBatchId, Reply, SessionId, Stage, StageCall,
-    StageSpec, Tokens,
+    StageSnapshot, StageSpec, Tokens,
 };
 use std::collections::BTreeMap;
 
@@ -280,6 +280,15 @@ impl<B: SnnOps> Stage for EdgeStage<B> {
 
     fn save(&self) -> Result<Vec<u8>, EngineError> {
         save_stage(&self.inner, "", &self.trainer.adam, "edge")
+    }
+
+    fn snapshot(&self) -> Result<Box<dyn StageSnapshot>, EngineError> {
+        Ok(Box::new(snapshot_stage(
+            &self.inner,
+            "",
+            &self.trainer.adam,
+            "edge",
+        )))
     }
 
     fn load(&mut self, bytes: &[u8]) -> Result<(), EngineError> {

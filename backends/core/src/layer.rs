@@ -2,7 +2,7 @@
 
 use crate::graphs::DecodeGraphs;
 use crate::sessions::SessionTable;
-use crate::state::{Trainer, count, load_stage, norm, save_stage, sync};
+use crate::state::{Trainer, count, load_stage, norm, save_stage, snapshot_stage, sync};
 use crate::{Ad, act, wrap};
 use burn::tensor::{ElementConversion, Tensor};
 use nsactor_kernels::SnnOps;
@@ -11,7 +11,7 @@ use nsactor_model::train::{GradSet, MODULATION_BIASES, compensate_phase1};
 use nsactor_model::{LayerState, ModelConfig, SnnDecoderLayer};
 use nsactor_plugin_api::{
     BiasGradNorms, EngineError, ForwardOut, GradSumSquares, MicroBatchId, Reply, SessionId, Spread,
-    Stage, StageCall, StageSpec,
+    Stage, StageCall, StageSnapshot, StageSpec,
 };
 use std::collections::BTreeMap;
 
@@ -368,6 +368,15 @@ impl<B: SnnOps> Stage for LayerStage<B> {
             &self.trainer.adam,
             &format!("layer {}", self.index),
         )
+    }
+
+    fn snapshot(&self) -> Result<Box<dyn StageSnapshot>, EngineError> {
+        Ok(Box::new(snapshot_stage(
+            &self.inner,
+            &self.prefix,
+            &self.trainer.adam,
+            &format!("layer {}", self.index),
+        )))
     }
 
     fn load(&mut self, bytes: &[u8]) -> Result<(), EngineError> {

@@ -28,7 +28,7 @@ use burn::tensor::{Tensor, TensorData, backend::Backend};
 use nsactor_kernels::SnnOps;
 use nsactor_plugin_api::{
     BackendInfo, ComputeBackend, DeviceTensor, Diagnostic, DiagnosticReport, EngineError,
-    HostTensor, Reply, Stage, StageCall, StageKind, StageSpec, TensorObject,
+    HostTensor, Reply, Stage, StageCall, StageKind, StageSnapshot, StageSpec, TensorObject,
 };
 use std::any::Any;
 
@@ -95,12 +95,32 @@ impl<B: SnnOps> Stage for Entered<B> {
         (self.enter)();
         self.stage.save()
     }
+    fn snapshot(&self) -> Result<Box<dyn StageSnapshot>, EngineError> {
+        (self.enter)();
+        Ok(Box::new(EnteredSnapshot {
+            inner: self.stage.snapshot()?,
+            enter: self.enter,
+        }))
+    }
     fn load(&mut self, bytes: &[u8]) -> Result<(), EngineError> {
         (self.enter)();
         self.stage.load(bytes)
     }
     fn param_count(&self) -> u64 {
         self.stage.param_count()
+    }
+}
+
+/// A snapshot serialised after the backend's per-thread setup, on whatever thread writes it.
+struct EnteredSnapshot {
+    inner: Box<dyn StageSnapshot>,
+    enter: fn(),
+}
+
+impl StageSnapshot for EnteredSnapshot {
+    fn bytes(self: Box<Self>) -> Result<Vec<u8>, EngineError> {
+        (self.enter)();
+        self.inner.bytes()
     }
 }
 

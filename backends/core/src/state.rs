@@ -7,7 +7,7 @@ use nsactor_kernels::SnnOps;
 use nsactor_model::io::{HF_PREFIX, load_params, view_to_f32};
 use nsactor_model::params::{ParamMapper, ParamVisitor, Params};
 use nsactor_model::train::{Adam, AdamConfig, AdamState, GradSet};
-use nsactor_plugin_api::{EngineError, MicroBatchId, OptimizerKind};
+use nsactor_plugin_api::{EngineError, MicroBatchId, OptimizerKind, StageSnapshot};
 use safetensors::{Dtype, SafeTensors, tensor::TensorView};
 use std::collections::BTreeMap;
 
@@ -172,16 +172,25 @@ compile_error!(
 );
 
 /// Serialises `module`'s parameters (named `{prefix}{name}`) and the Adam state of those names.
-///
-/// Every tensor is read back in one transaction (one wait for the device, not one per tensor)
-/// and its f32 bytes go into the file as they arrived: at the 0.9B shape the stages hold
-/// 10.5 GB, and this runs in the step loop of a checkpoint.
 pub(crate) fn save_stage<B: SnnOps, M: Params<B>>(
     module: &M,
     prefix: &str,
     adam: &Adam<B>,
     stage: &str,
 ) -> Result<Vec<u8>, EngineError> {
+    snapshot_stage(module, prefix, adam, stage).serialise()
+}
+
+/// Keeps the handles of `module`'s parameters and of their Adam moments: a snapshot on the
+/// device, taken without a copy or a wait. It stays valid while training goes on because
+/// nothing writes into a tensor it holds: the optimizer and `sync` make new tensors, and a
+/// backend reuses a buffer in place only when its handle is the only one.
+pub(crate) fn snapshot_stage<B: SnnOps, M: Params<B>>(
+    module: &M,
+    prefix: &str,
+    adam: &Adam<B>,
+    stage: &str,
+) -> StageSnap<B> {
     struct Dump<B: Backend>(Vec<(String, Vec<usize>, Tensor<B, 1>)>);
     impl<B: Backend> ParamVisitor<B> for Dump<B> {
         fn visit<const D: usize>(&mut self, name: &str, p: &Tensor<B, D>) {
@@ -192,46 +201,76 @@ pub(crate) fn save_stage<B: SnnOps, M: Params<B>>(
     }
     let mut d = Dump(Vec::new());
     module.visit_params(prefix, &mut d);
-    let mut steps = BTreeMap::new();
-    let mut names = Vec::new();
-    let mut read = Transaction::default();
+    let mut snap = StageSnap {
+        tensors: Vec::new(),
+        adam_steps: BTreeMap::new(),
+        stage: stage.to_string(),
+    };
     for (name, shape, values) in d.0 {
         if let Some(st) = adam.state.get(&name) {
-            steps.insert(name.clone(), st.step);
+            snap.adam_steps.insert(name.clone(), st.step);
             for (kind, t) in [("exp_avg", &st.exp_avg), ("exp_avg_sq", &st.exp_avg_sq)] {
-                names.push((format!("adam.{kind}.{name}"), shape.clone()));
-                read = read.register(t.clone());
+                snap.tensors
+                    .push((format!("adam.{kind}.{name}"), shape.clone(), t.clone()));
             }
         }
-        names.push((name, shape));
-        read = read.register(values);
+        snap.tensors.push((name, shape, values));
     }
-    let data: Vec<TensorData> = read
-        .execute()
-        .into_iter()
-        .map(|d| match d.dtype {
-            DType::F32 => d,
-            _ => d.convert::<f32>(),
-        })
-        .collect();
-    let views = names
-        .iter()
-        .zip(&data)
-        .map(|((n, s), d)| {
-            TensorView::new(Dtype::F32, s.clone(), d.as_bytes())
-                .map(|v| (n.clone(), v))
-                .map_err(|e| EngineError::Backend(format!("serialise {n}: {e}")))
-        })
-        .collect::<Result<Vec<_>, _>>()?;
-    // One metadata entry: safetensors keeps metadata in a HashMap, whose order would make the
-    // bytes of identical states differ.
-    let mut meta = std::collections::HashMap::new();
-    meta.insert(
-        META_KEY.to_string(),
-        serde_json::json!({ "stage": stage, "adam_steps": steps }).to_string(),
-    );
-    safetensors::serialize(views, Some(meta))
-        .map_err(|e| EngineError::Backend(format!("serialise {stage}: {e}")))
+    snap
+}
+
+/// A stage's state as held tensor handles ([`snapshot_stage`]), serialised later.
+pub(crate) struct StageSnap<B: Backend> {
+    /// `(name in the file, shape, flat values)`, in the file's order.
+    tensors: Vec<(String, Vec<usize>, Tensor<B, 1>)>,
+    adam_steps: BTreeMap<String, u64>,
+    stage: String,
+}
+
+impl<B: Backend> StageSnap<B> {
+    /// The safetensors bytes of [`save_stage`]. Every tensor is read back in one transaction
+    /// (one wait for the device, not one per tensor) and its f32 bytes go into the file as
+    /// they arrived: at the 0.9B shape the stages hold 10.5 GB.
+    pub(crate) fn serialise(self) -> Result<Vec<u8>, EngineError> {
+        let mut read = Transaction::default();
+        let mut names = Vec::with_capacity(self.tensors.len());
+        for (name, shape, t) in self.tensors {
+            names.push((name, shape));
+            read = read.register(t);
+        }
+        let data: Vec<TensorData> = read
+            .execute()
+            .into_iter()
+            .map(|d| match d.dtype {
+                DType::F32 => d,
+                _ => d.convert::<f32>(),
+            })
+            .collect();
+        let views = names
+            .iter()
+            .zip(&data)
+            .map(|((n, s), d)| {
+                TensorView::new(Dtype::F32, s.clone(), d.as_bytes())
+                    .map(|v| (n.clone(), v))
+                    .map_err(|e| EngineError::Backend(format!("serialise {n}: {e}")))
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        // One metadata entry: safetensors keeps metadata in a HashMap, whose order would make
+        // the bytes of identical states differ.
+        let mut meta = std::collections::HashMap::new();
+        meta.insert(
+            META_KEY.to_string(),
+            serde_json::json!({ "stage": self.stage, "adam_steps": self.adam_steps }).to_string(),
+        );
+        safetensors::serialize(views, Some(meta))
+            .map_err(|e| EngineError::Backend(format!("serialise {}: {e}", self.stage)))
+    }
+}
+
+impl<B: Backend> StageSnapshot for StageSnap<B> {
+    fn bytes(self: Box<Self>) -> Result<Vec<u8>, EngineError> {
+        self.serialise()
+    }
 }
 
 /// Loads `module`'s parameters from `bytes` (plain names or the HF `model.` layout) and the Adam

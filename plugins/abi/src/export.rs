@@ -2,7 +2,8 @@
 //! and invokes [`export_plugin!`](crate::export_plugin) once; everything else is here.
 //!
 //! Handles are `Box`es turned into raw pointers: the context is a `Box<Ctx>`, a stage a
-//! `Box<Box<dyn Stage>>`, a tensor a `Box<DeviceTensor>`. Every entry runs inside
+//! `Box<Box<dyn Stage>>`, a tensor a `Box<DeviceTensor>`, a snapshot a
+//! `Box<Box<dyn StageSnapshot>>`. Every entry runs inside
 //! `catch_unwind`, so a panic becomes [`NS_PANIC`] with its message.
 
 use crate::*;
@@ -12,6 +13,8 @@ use nsactor_plugin_api::{
 };
 use std::ffi::CString;
 use std::panic::{AssertUnwindSafe, catch_unwind};
+
+pub mod snapshot;
 
 /// The backend context behind a plugin's `*mut c_void` context handle.
 pub struct Ctx {
@@ -58,6 +61,9 @@ macro_rules! export_plugin {
             stage_param_count: $crate::export::stage_param_count,
             diagnose: $crate::export::diagnose,
             tensor_ready: $crate::export::tensor_ready,
+            stage_snapshot: $crate::export::snapshot::stage_snapshot,
+            snapshot_bytes: $crate::export::snapshot::snapshot_bytes,
+            snapshot_free: $crate::export::snapshot::snapshot_free,
         });
 
         /// The plugin's entry point.

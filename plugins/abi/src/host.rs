@@ -4,13 +4,16 @@
 use crate::*;
 use nsactor_plugin_api::{
     BackendInfo, ComputeBackend, DeviceTensor, Diagnostic, DiagnosticReport, EngineError,
-    HostTensor, OptimizerKind, Reply, SessionId, Stage, StageCall, StageKind, StageSpec,
-    TensorObject,
+    HostTensor, OptimizerKind, Reply, SessionId, Stage, StageCall, StageKind, StageSnapshot,
+    StageSpec, TensorObject,
 };
 use std::any::Any;
 use std::ffi::CStr;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
+
+mod snapshot;
+pub use snapshot::ForeignSnapshot;
 
 pub use crate::discovery::{PLUGIN_PATH_ENV, discover, library_file_name, resolve, search_dirs};
 
@@ -229,6 +232,7 @@ impl TensorObject for ForeignTensor {
 }
 
 /// A plugin backend as a [`ComputeBackend`].
+#[derive(Clone)]
 pub struct ForeignBackend {
     ctx: Arc<Context>,
 }
@@ -571,6 +575,10 @@ impl Stage for ForeignStage {
         let code = unsafe { (c.table.stage_save)(c.ctx, self.ptr, &mut buf, &mut err) };
         c.check(code, err)?;
         Ok(c.take_buf(buf))
+    }
+
+    fn snapshot(&self) -> Result<Box<dyn StageSnapshot>, EngineError> {
+        snapshot::take(&self.backend, self.ptr)
     }
 
     fn load(&mut self, bytes: &[u8]) -> Result<(), EngineError> {

@@ -257,6 +257,15 @@ pub struct NsPluginTable {
     /// `(ctx, tensor (borrowed), err)`: returns once the work producing the tensor has finished
     /// ([`ComputeBackend::ready`](nsactor_plugin_api::ComputeBackend::ready)). ABI 4.
     pub tensor_ready: unsafe extern "C" fn(*mut c_void, *mut c_void, ErrOut) -> i32,
+    /// `(ctx, stage, out snapshot, err)`: the stage's state now, serialised later
+    /// ([`Stage::snapshot`](nsactor_plugin_api::Stage::snapshot)). ABI 6.
+    pub stage_snapshot:
+        unsafe extern "C" fn(*mut c_void, *mut c_void, *mut *mut c_void, ErrOut) -> i32,
+    /// `(ctx, snapshot (consumed), out bytes, err)`: what `stage_save` would have written when
+    /// the snapshot was taken; callable from any thread. ABI 6.
+    pub snapshot_bytes: unsafe extern "C" fn(*mut c_void, *mut c_void, *mut NsBuf, ErrOut) -> i32,
+    /// `(ctx, snapshot)`: drops a snapshot that was not serialised. ABI 6.
+    pub snapshot_free: unsafe extern "C" fn(*mut c_void, *mut c_void),
 }
 
 // Layouts the ABI version stands for (64-bit targets): a change here must bump `ABI_VERSION`

@@ -30,8 +30,8 @@ pub use ids::{IdAllocator, MicroBatchId, SessionId};
 pub use model::{ModelConfig, PlifOut};
 pub use reply::{BiasGradNorms, ForwardOut, GradSumSquares, HeadOut, Loss, Spread};
 pub use stage::{
-    BackendInfo, ComputeBackend, DeviceTensor, HostTensor, OptimizerKind, Reply, Stage, StageCall,
-    StageKind, StageSpec, TensorObject, Tokens,
+    BackendInfo, ComputeBackend, DeviceTensor, HostTensor, OptimizerKind, Reply, SavedBytes, Stage,
+    StageCall, StageKind, StageSnapshot, StageSpec, TensorObject, Tokens,
 };
 
 use std::fmt;
@@ -41,8 +41,9 @@ use std::fmt;
 /// Revision 4 added `tensor_ready` ([`ComputeBackend::ready`]). Revision 5 typed the seams:
 /// stages open with a [`ModelConfig`] (not TOML text), diagnostics are [`Diagnostic`] /
 /// [`DiagnosticReport`] values (JSON on the C boundary) instead of free text, and calls name
-/// [`SessionId`]s and [`MicroBatchId`]s.
-pub const ABI_VERSION: u32 = 5;
+/// [`SessionId`]s and [`MicroBatchId`]s. Revision 6 added stage snapshots
+/// ([`Stage::snapshot`], `stage_snapshot`/`snapshot_bytes`/`snapshot_free`).
+pub const ABI_VERSION: u32 = 6;
 
 /// One micro-batch of token ids, row-major `[batch, seq_len]`.
 #[derive(Debug, Clone, PartialEq)]

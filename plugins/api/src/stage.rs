@@ -303,12 +303,35 @@ pub trait Stage: Send {
     /// names (`layers.3.snn_block.W_in.weight`), optimizer moments as `adam.exp_avg.<name>` and
     /// `adam.exp_avg_sq.<name>`, step counts in the `nsactor` metadata entry. Equal states give equal bytes.
     fn save(&self) -> Result<Vec<u8>, EngineError>;
+    /// The state [`save`](Self::save) would write, taken now and serialised later
+    /// ([`StageSnapshot::bytes`], from any thread): training goes on while a checkpoint is
+    /// written. A backend whose optimizer writes new tensors (never into the ones it holds)
+    /// snapshots by keeping its tensors' handles, on the device, without reading them. Default:
+    /// the saved bytes.
+    fn snapshot(&self) -> Result<Box<dyn StageSnapshot>, EngineError> {
+        Ok(Box::new(SavedBytes(self.save()?)))
+    }
     /// Restores from safetensors bytes. Every parameter of the stage must be present; tensors of
     /// other stages are ignored, so one whole-model file can feed every stage. Optimizer state
     /// is restored when present and reset otherwise.
     fn load(&mut self, bytes: &[u8]) -> Result<(), EngineError>;
     /// Trainable parameters held.
     fn param_count(&self) -> u64;
+}
+
+/// A stage's state at one instant ([`Stage::snapshot`]), not yet serialised.
+pub trait StageSnapshot: Send {
+    /// The bytes [`Stage::save`] would have returned when the snapshot was taken.
+    fn bytes(self: Box<Self>) -> Result<Vec<u8>, EngineError>;
+}
+
+/// A snapshot that is already bytes.
+pub struct SavedBytes(pub Vec<u8>);
+
+impl StageSnapshot for SavedBytes {
+    fn bytes(self: Box<Self>) -> Result<Vec<u8>, EngineError> {
+        Ok(self.0)
+    }
 }
 
 /// A compute backend: devices, tensor transfer and stages.

@@ -277,10 +277,10 @@ impl Actor for EdgeActor {
                     .await;
                 return answer(WHO.into(), reply, r);
             }
-            EdgeMsg::Save { reply } => {
+            EdgeMsg::Snapshot { reply } => {
                 let r = s
                     .stage
-                    .compute(Priority::Control, None, |st, _| st.save())
+                    .compute(Priority::Control, None, |st, _| st.snapshot())
                     .await;
                 return answer(WHO.into(), reply, r);
             }

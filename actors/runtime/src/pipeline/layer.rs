@@ -140,10 +140,10 @@ impl Actor for LayerActor {
             LayerMsg::Share { reply } => {
                 let _ = reply.send(Ok(s.stage.clone()));
             }
-            LayerMsg::Save { reply } => {
+            LayerMsg::Snapshot { reply } => {
                 let r = s
                     .stage
-                    .compute(Priority::Control, None, |st, _| st.save())
+                    .compute(Priority::Control, None, |st, _| st.snapshot())
                     .await;
                 return answer(s.who(), reply, r);
             }

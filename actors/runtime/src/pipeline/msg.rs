@@ -5,7 +5,7 @@ use super::holder::StageHolder;
 use super::step::{Ponder, StepCtx};
 use crate::error::RuntimeError;
 use nsactor_plugin_api::{
-    Batch, DeviceTensor, EngineError, MicroBatchId, Reply, SessionId, StageCall,
+    Batch, DeviceTensor, EngineError, MicroBatchId, Reply, SessionId, StageCall, StageSnapshot,
 };
 use ractor::{ActorRef, RpcReplyPort};
 use std::sync::Arc;
@@ -174,8 +174,9 @@ pub enum LayerMsg {
         h: DeviceTensor,
         reply: RpcReplyPort<Result<DeviceTensor, EngineError>>,
     },
-    Save {
-        reply: RpcReplyPort<Result<Vec<u8>, EngineError>>,
+    /// The stage's [`snapshot`](nsactor_plugin_api::Stage::snapshot), serialised by the caller.
+    Snapshot {
+        reply: RpcReplyPort<Result<Box<dyn StageSnapshot>, EngineError>>,
     },
     /// Lends the layer's stage (a handle on it and its worker) for a decoding pass that runs
     /// several layers in one worker job ([`super::layers::session_layers`]).
@@ -240,8 +241,9 @@ pub enum EdgeMsg {
         batch: Arc<Batch>,
         reply: RpcReplyPort<Result<f64, EngineError>>,
     },
-    Save {
-        reply: RpcReplyPort<Result<Vec<u8>, EngineError>>,
+    /// The stage's [`snapshot`](nsactor_plugin_api::Stage::snapshot), serialised by the caller.
+    Snapshot {
+        reply: RpcReplyPort<Result<Box<dyn StageSnapshot>, EngineError>>,
     },
     Load {
         bytes: Arc<Vec<u8>>,

@@ -7,11 +7,11 @@ use super::data::DataMsg;
 use super::msg::{EdgeMsg, LayerMsg, ask};
 use super::supervisor::{SupMsg, SupState};
 use super::topology::Children;
-use super::writer::{CheckpointReport, Job};
+use super::writer::{CheckpointReport, Job, serialise};
 use crate::error::RuntimeError;
 use futures_util::future::join_all;
 use nsactor_data::Cursor;
-use nsactor_plugin_api::EngineError;
+use nsactor_plugin_api::{EngineError, StageSnapshot};
 use ractor::ActorRef;
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -133,7 +133,7 @@ impl SupState {
         let previous = self.writer.finish().await;
         let waited_seconds = t.elapsed().as_secs_f64();
         let t = Instant::now();
-        let shards = self.save_stages().await?;
+        let shards = self.snapshot_stages().await?;
         let snapshot_seconds = t.elapsed().as_secs_f64();
         let step = self.step;
         let fault = self.topo.fault.as_ref();
@@ -162,21 +162,32 @@ impl SupState {
         })
     }
 
-    pub(super) async fn save_stages(&self) -> Result<Vec<Vec<u8>>, RuntimeError> {
+    /// Every stage's snapshot (edge first), taken on the stage workers between two of their
+    /// jobs: with the burn backends, handles on the device, no copy.
+    pub(super) async fn snapshot_stages(
+        &self,
+    ) -> Result<Vec<Box<dyn StageSnapshot>>, RuntimeError> {
         self.check()?;
-        let edge = ask(&self.edge, "edge", |reply| EdgeMsg::Save { reply });
-        let layers = join_all(
-            self.layers
-                .iter()
-                .enumerate()
-                .map(|(i, l)| ask(l, format!("layer {i}"), |reply| LayerMsg::Save { reply })),
-        );
+        let edge = ask(&self.edge, "edge", |reply| EdgeMsg::Snapshot { reply });
+        let layers = join_all(self.layers.iter().enumerate().map(|(i, l)| {
+            ask(l, format!("layer {i}"), |reply| LayerMsg::Snapshot {
+                reply,
+            })
+        }));
         let (e, ls) = futures_util::join!(edge, layers);
         let mut out = vec![e?];
         for l in ls {
             out.push(l?);
         }
         Ok(out)
+    }
+
+    /// Every stage's bytes (edge first), serialised off the actor threads.
+    pub(super) async fn save_stages(&self) -> Result<Vec<Vec<u8>>, RuntimeError> {
+        let snaps = self.snapshot_stages().await?;
+        tokio::task::spawn_blocking(move || serialise(snaps))
+            .await
+            .map_err(|e| RuntimeError::Runtime(format!("serialising the stages: {e}")))?
     }
 
     pub(super) async fn load_stages(&self, shards: Vec<Vec<u8>>) -> Result<(), RuntimeError> {

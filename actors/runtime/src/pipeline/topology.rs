@@ -10,7 +10,7 @@ use super::plan::PipelinePlan;
 use super::worker::{Priority, Worker};
 use crate::error::RuntimeError;
 use nsactor_plugin_api::{
-    ComputeBackend, EngineError, Reply, Stage, StageCall, StageKind, StageSpec,
+    ComputeBackend, EngineError, Reply, Stage, StageCall, StageKind, StageSnapshot, StageSpec,
 };
 use ractor::{Actor, ActorCell, ActorRef};
 use std::sync::Arc;
@@ -138,6 +138,9 @@ impl Stage for FaultyStage {
     }
     fn save(&self) -> Result<Vec<u8>, EngineError> {
         self.inner.save()
+    }
+    fn snapshot(&self) -> Result<Box<dyn StageSnapshot>, EngineError> {
+        self.inner.snapshot()
     }
     fn load(&mut self, bytes: &[u8]) -> Result<(), EngineError> {
         self.inner.load(bytes)

@@ -20,16 +20,65 @@ pub struct ServeArgs {
     /// Name reported by /v1/models (default: the checkpoint directory's name).
     #[arg(long)]
     model_name: Option<String>,
+    /// An API key clients must send as `Authorization: Bearer KEY` on /v1/* and /ws
+    /// (repeatable; also `$NSACTOR_API_KEY` and `--api-key-file`). Without any, the server is open.
+    #[arg(long = "api-key", value_name = "KEY")]
+    api_keys: Vec<String>,
+    /// A file of API keys, one per line (blank lines and `#` comments skipped).
+    #[arg(long, value_name = "PATH")]
+    api_key_file: Option<std::path::PathBuf>,
+    /// /metrics needs an API key too (by default it stays open for scrapers).
+    #[arg(long)]
+    metrics_need_key: bool,
+}
+
+/// The environment variable that adds one API key.
+pub const API_KEY_ENV: &str = "NSACTOR_API_KEY";
+
+impl ServeArgs {
+    /// Every configured key: the flags, `$NSACTOR_API_KEY`, then the key file.
+    fn keys(&self) -> Result<nsactor_server::auth::ApiKeys, crate::CliError> {
+        let mut keys = self.api_keys.clone();
+        if let Ok(k) = std::env::var(API_KEY_ENV) {
+            keys.push(k);
+        }
+        if let Some(p) = &self.api_key_file {
+            let text = std::fs::read_to_string(p)
+                .map_err(|e| format!("cannot read the API key file {}: {e}", p.display()))?;
+            keys.extend(
+                text.lines()
+                    .map(str::trim)
+                    .filter(|l| !l.is_empty() && !l.starts_with('#'))
+                    .map(String::from),
+            );
+        }
+        if keys.is_empty() && self.metrics_need_key {
+            return Err("--metrics-need-key needs an API key (--api-key, $NSACTOR_API_KEY or --api-key-file)".into());
+        }
+        Ok(nsactor_server::auth::ApiKeys::new(
+            keys,
+            self.metrics_need_key,
+        )?)
+    }
 }
 
 pub fn run(a: ServeArgs) -> crate::CliResult {
+    let keys = a.keys()?;
     let l = launch::load_checkpoint(&a.model.options())?;
-    let state = crate::serve::server_state(
+    let mut state = crate::serve::server_state(
         &l,
         a.max_sessions,
         a.max_queue,
         a.model_name.clone().unwrap_or_else(|| l.name.clone()),
     );
+    if keys.required() {
+        tracing::info!(
+            "{} API key(s) required on /v1/* and /ws{}",
+            keys.len(),
+            if keys.metrics { " and /metrics" } else { "" }
+        );
+    }
+    Arc::get_mut(&mut state).expect("not shared yet").keys = keys;
     l.pipeline.block_on(async {
         let listener = tokio::net::TcpListener::bind(&a.addr)
             .await
@@ -65,5 +114,6 @@ pub fn server_state(
         },
         model_name: name,
         limits,
+        keys: Default::default(),
     })
 }

@@ -19,6 +19,9 @@ pub enum ServeError {
     /// A field is missing, of the wrong type or out of range (the message names it).
     #[error("{0}")]
     Invalid(String),
+    /// A missing or wrong API key.
+    #[error("{0}")]
+    Unauthorized(String),
     /// A `cancel` names no request running on its connection.
     #[error("{0}")]
     UnknownRequest(String),
@@ -39,6 +42,7 @@ impl ServeError {
         match self {
             ServeError::InvalidJson(_) => "invalid_json",
             ServeError::Invalid(_) => "invalid_request",
+            ServeError::Unauthorized(_) => "invalid_api_key",
             ServeError::UnknownRequest(_) => "unknown_request",
             ServeError::Busy(_) => "busy",
             ServeError::Unavailable(_) => "unavailable",
@@ -50,6 +54,7 @@ impl ServeError {
     pub fn status(&self) -> StatusCode {
         match self {
             ServeError::InvalidJson(_) | ServeError::Invalid(_) => StatusCode::BAD_REQUEST,
+            ServeError::Unauthorized(_) => StatusCode::UNAUTHORIZED,
             ServeError::UnknownRequest(_) => StatusCode::NOT_FOUND,
             ServeError::Busy(_) | ServeError::Unavailable(_) => StatusCode::SERVICE_UNAVAILABLE,
             ServeError::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
@@ -87,6 +92,12 @@ impl IntoResponse for ServeError {
     /// The status and OpenAI's error body; `Retry-After: 1` when the server is full.
     fn into_response(self) -> Response {
         let mut r = (self.status(), axum::Json(self.openai_body())).into_response();
+        if matches!(self, ServeError::Unauthorized(_)) {
+            r.headers_mut().insert(
+                header::WWW_AUTHENTICATE,
+                header::HeaderValue::from_static("Bearer"),
+            );
+        }
         if matches!(self, ServeError::Busy(_) | ServeError::Unavailable(_)) {
             r.headers_mut()
                 .insert(header::RETRY_AFTER, header::HeaderValue::from_static("1"));
@@ -140,6 +151,8 @@ mod tests {
             status(RuntimeError::Engine(EngineError::Backend("cuda".into()))),
             StatusCode::INTERNAL_SERVER_ERROR
         );
+        let auth = ServeError::Unauthorized("key".into()).into_response();
+        assert_eq!(auth.status(), StatusCode::UNAUTHORIZED);
         let busy = ServeError::Busy("full".into()).into_response();
         assert_eq!(busy.status(), StatusCode::SERVICE_UNAVAILABLE);
         assert_eq!(busy.headers()[header::RETRY_AFTER], "1");

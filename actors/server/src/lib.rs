@@ -9,10 +9,13 @@
 //! * `POST /v1/completions`, `POST /v1/chat/completions` (with and without `stream: true`,
 //!   server-sent events ending in `data: [DONE]`), `GET /v1/models`, `GET /health`,
 //!   `GET /metrics` (Prometheus text).
+//! * API keys ([`auth`]): with any configured, `/v1/*`, `/ws` and optionally `/metrics` need
+//!   `Authorization: Bearer KEY` (or, on `/ws`, an `auth` message first).
 //! * `GET /`: a small chat page that talks to `/ws`.
 //!
 //! Bad input never crashes the server and always gets an error naming what was wrong.
 
+pub mod auth;
 pub mod error;
 pub mod generate;
 pub mod metrics;
@@ -29,20 +32,30 @@ use crate::state::Shared;
 use axum::Router;
 use axum::extract::{DefaultBodyLimit, State};
 use axum::http::header;
+use axum::middleware;
 use axum::response::{Html, IntoResponse};
 use axum::routing::{get, post};
 
-/// The router of the server.
+/// The router of the server. With API keys, `/v1/*` (and `/metrics` when keyed) answer 401
+/// without one, `/ws` checks its own ([`ws::ws`]); `/`, `/health` stay open.
 pub fn router(state: Shared) -> Router {
     let limit = state.limits.max_message_bytes;
-    Router::new()
-        .route("/", get(index))
-        .route("/ws", get(ws::ws))
+    let key = || middleware::from_fn_with_state(state.clone(), auth::require_key);
+    let keyed = Router::new()
         .route("/v1/completions", post(openai::completions))
         .route("/v1/chat/completions", post(openai::chat_completions))
         .route("/v1/models", get(openai::models))
+        .route_layer(key());
+    let mut metrics_route = Router::new().route("/metrics", get(metrics));
+    if state.keys.metrics {
+        metrics_route = metrics_route.route_layer(key());
+    }
+    Router::new()
+        .route("/", get(index))
+        .route("/ws", get(ws::ws))
         .route("/health", get(health))
-        .route("/metrics", get(metrics))
+        .merge(keyed)
+        .merge(metrics_route)
         .layer(DefaultBodyLimit::max(limit))
         .with_state(state)
 }
@@ -70,8 +83,9 @@ async fn index() -> Html<&'static str> {
     Html(include_str!("chat.html"))
 }
 
-async fn health() -> impl IntoResponse {
-    axum::Json(serde_json::json!({"status": "ok"}))
+/// Liveness, and whether clients need an API key (the chat page asks for one then).
+async fn health(State(s): State<Shared>) -> impl IntoResponse {
+    axum::Json(serde_json::json!({"status": "ok", "api_key_required": s.keys.required()}))
 }
 
 async fn metrics(State(s): State<Shared>) -> impl IntoResponse {

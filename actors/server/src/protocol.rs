@@ -105,6 +105,9 @@ pub enum ClientMsg {
     },
     /// Stop generation `id` within one token.
     Cancel { id: String },
+    /// The API key, as the first message of a connection whose upgrade carried no
+    /// `Authorization` header (browsers cannot set one); ignored afterwards.
+    Auth { key: String },
 }
 
 /// Server → client over the WebSocket.

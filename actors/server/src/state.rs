@@ -1,6 +1,7 @@
 //! What every handler shares ([`ServerState`]), and starting a generation task for a validated
 //! request ([`start`]).
 
+use crate::auth::ApiKeys;
 use crate::error::ServeError;
 use crate::generate::{GenEvent, Generator};
 use crate::protocol::{GenSpec, Limits};
@@ -13,6 +14,8 @@ pub struct ServerState {
     pub generator: Generator,
     pub model_name: String,
     pub limits: Limits,
+    /// API keys clients must present (none: open).
+    pub keys: ApiKeys,
 }
 
 pub type Shared = Arc<ServerState>;

@@ -1,24 +1,67 @@
-//! The WebSocket front end on `/ws`: `generate` and `cancel` messages in, `delta`, `done` and
-//! `error` events out, many requests per connection.
+//! The WebSocket front end on `/ws`: `auth` (first, on a keyed server, when the upgrade had no
+//! `Authorization` header), `generate` and `cancel` messages in, `delta`, `done` and `error`
+//! events out, many requests per connection.
 
+use crate::auth;
 use crate::error::ServeError;
 use crate::generate::GenEvent;
 use crate::protocol::{ClientMsg, PromptSpec, SamplingOptions, ServerMsg};
 use crate::state::{Shared, start};
 use axum::extract::State;
-use axum::extract::ws::{Message, WebSocket, WebSocketUpgrade};
-use axum::response::Response;
+use axum::extract::ws::{CloseFrame, Message, WebSocket, WebSocketUpgrade, close_code};
+use axum::http::HeaderMap;
+use axum::response::{IntoResponse, Response};
 use futures_util::{SinkExt, StreamExt};
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 use tokio::sync::mpsc;
 
-pub async fn ws(State(s): State<Shared>, up: WebSocketUpgrade) -> Response {
+pub async fn ws(State(s): State<Shared>, headers: HeaderMap, up: WebSocketUpgrade) -> Response {
+    let authed = match s.keys.check(&headers) {
+        Ok(a) => a,
+        Err(e) => return e.into_response(),
+    };
     let max = s.limits.max_message_bytes;
     up.max_message_size(max)
         .max_frame_size(max)
-        .on_upgrade(move |socket| connection(socket, s))
+        .on_upgrade(move |socket| async move {
+            if let Some(socket) = authenticate(socket, &s, authed).await {
+                connection(socket, s).await;
+            }
+        })
+}
+
+/// Seconds a keyless connection has to send its `auth` message.
+const AUTH_WAIT_S: u64 = 10;
+
+/// A connection that came without `Authorization` on a keyed server must send
+/// `{"type":"auth","key":…}` first; otherwise it gets an `error` event and is closed with 1008
+/// (policy violation).
+async fn authenticate(mut socket: WebSocket, s: &Shared, authed: bool) -> Option<WebSocket> {
+    if authed {
+        return Some(socket);
+    }
+    let first = tokio::time::timeout(Duration::from_secs(AUTH_WAIT_S), socket.recv()).await;
+    let verdict = match first {
+        Ok(Some(Ok(Message::Text(t)))) => match ClientMsg::parse(t.as_str(), &s.limits) {
+            Ok(ClientMsg::Auth { key }) if s.keys.accepts(&key) => return Some(socket),
+            Ok(ClientMsg::Auth { .. }) => auth::wrong_key(),
+            _ => auth::missing_key(),
+        },
+        Ok(_) => return None,
+        Err(_) => auth::missing_key(),
+    };
+    let text = serde_json::to_string(&ServerMsg::error(None, &verdict)).expect("serialises");
+    let _ = socket.send(Message::Text(text.into())).await;
+    let _ = socket
+        .send(Message::Close(Some(CloseFrame {
+            code: close_code::POLICY,
+            reason: "API key required".into(),
+        })))
+        .await;
+    None
 }
 
 /// One WebSocket connection: any number of requests, each streamed under its `id`.
@@ -61,6 +104,8 @@ pub async fn connection(socket: WebSocket, s: Shared) {
             }
         };
         match msg {
+            // Authenticated already (by header or first message), or no key is needed.
+            ClientMsg::Auth { .. } => {}
             ClientMsg::Cancel { id } => {
                 let flag = running.lock().ok().and_then(|r| r.get(&id).cloned());
                 match flag {

@@ -1,13 +1,15 @@
 //! The streaming server end to end on loopback, on the `tiny_a` fixture's weights: greedy
 //! output equals the fixture's, 32 concurrent WebSocket clients get complete and correct
-//! streams, a disconnect frees the session, bad input gets clear errors.
+//! streams, a disconnect frees the session, bad input gets clear errors, API keys guard the
+//! endpoints.
 
 mod common;
 
-use common::{connect, generate, http, next_json, serve, serve_model};
-use futures_util::SinkExt;
+use common::{connect, generate, http, http_with, next_json, serve, serve_keyed, serve_model};
+use futures_util::{SinkExt, StreamExt};
 use std::sync::atomic::Ordering;
 use tokio_tungstenite::tungstenite::Message;
+use tokio_tungstenite::tungstenite::client::IntoClientRequest;
 
 #[test]
 fn greedy_through_the_server_equals_the_fixture_over_websocket_and_http() {
@@ -244,6 +246,81 @@ fn chat_and_text_prompts_stream_over_http_and_websocket() {
                 "temperature": 0, "stop": cut})).await;
             assert_eq!(done["finish_reason"], "stop");
             assert_eq!(text, &answer[..answer.find(cut).unwrap()]);
+        }
+    });
+}
+
+/// With API keys, `/v1/*` and `/ws` need one (header, or an `auth` message first on `/ws`);
+/// a wrong or missing key is a 401 (HTTP) or an `invalid_api_key` error and close 1008
+/// (WebSocket); `/health` and `/metrics` stay open; the key never shows in an answer.
+#[test]
+fn api_keys_guard_the_http_and_websocket_endpoints() {
+    use nsactor_server::auth::ApiKeys;
+    let keys = ApiKeys::new(["sk-test-1".to_string(), "sk-test-2".into()], false).unwrap();
+    let s = serve_keyed(keys);
+    let addr = s.addr;
+    s.pipeline.block_on(async move {
+        let body = br#"{"prompt":[87],"max_tokens":2}"#;
+        for (headers, want) in [
+            ("", 401),
+            ("Authorization: Bearer sk-wrong\r\n", 401),
+            ("Authorization: Basic sk-test-1\r\n", 401),
+            ("Authorization: Bearer sk-test-2\r\n", 200),
+        ] {
+            let (status, answer) = http_with(addr, "POST", "/v1/completions", headers, body).await;
+            assert_eq!(status, want, "{headers:?}: {answer}");
+            if want == 401 {
+                let e: serde_json::Value = serde_json::from_str(&answer).unwrap();
+                assert_eq!(e["error"]["code"], "invalid_api_key", "{answer}");
+                assert!(!answer.contains("sk-"), "the key is echoed: {answer}");
+            }
+        }
+        let (status, _) = http(addr, "GET", "/v1/models", b"").await;
+        assert_eq!(status, 401);
+        let (status, health) = http(addr, "GET", "/health", b"").await;
+        assert_eq!(status, 200);
+        assert!(health.contains(r#""api_key_required":true"#), "{health}");
+        assert_eq!(http(addr, "GET", "/metrics", b"").await.0, 200);
+
+        // WebSocket with the header.
+        let mut req = format!("ws://{addr}/ws").into_client_request().unwrap();
+        req.headers_mut()
+            .insert("authorization", "Bearer sk-test-1".parse().unwrap());
+        let mut ws = tokio_tungstenite::connect_async(req).await.unwrap().0;
+        let req = serde_json::json!({"type":"generate","id":"h","prompt":[87],"max_tokens":2});
+        let (_, _, done) = generate(&mut ws, req.clone()).await;
+        assert_eq!(done["usage"]["completion_tokens"], 2);
+        // A wrong header is refused before the upgrade.
+        let mut bad = format!("ws://{addr}/ws").into_client_request().unwrap();
+        bad.headers_mut()
+            .insert("authorization", "Bearer nope".parse().unwrap());
+        assert!(tokio_tungstenite::connect_async(bad).await.is_err());
+        // Without the header: the key as the first message (what the chat page does) …
+        let mut ws = connect(addr).await;
+        let auth = serde_json::json!({"type":"auth","key":"sk-test-2"}).to_string();
+        ws.send(Message::Text(auth.into())).await.unwrap();
+        let (_, _, done) = generate(&mut ws, req.clone()).await;
+        assert_eq!(done["usage"]["completion_tokens"], 2);
+        // … a wrong one, or a request first, gets an error and close 1008.
+        for first in [
+            serde_json::json!({"type":"auth","key":"sk-test-3"}),
+            req.clone(),
+        ] {
+            let mut ws = connect(addr).await;
+            ws.send(Message::Text(first.to_string().into()))
+                .await
+                .unwrap();
+            let m = next_json(&mut ws).await;
+            assert_eq!(m["type"], "error", "{m}");
+            assert_eq!(m["code"], "invalid_api_key", "{m}");
+            let close = loop {
+                match ws.next().await {
+                    Some(Ok(Message::Close(f))) => break f,
+                    Some(Ok(_)) => continue,
+                    other => panic!("expected a close frame, got {other:?}"),
+                }
+            };
+            assert_eq!(u16::from(close.unwrap().code), 1008);
         }
     });
 }

@@ -30,9 +30,23 @@ pub fn serve(max_sessions: usize, max_queue: usize) -> Served {
     serve_model(max_sessions, max_queue, true)
 }
 
+/// `tiny_a` behind API `keys`.
+pub fn serve_keyed(keys: nsactor_server::auth::ApiKeys) -> Served {
+    serve_with(4, 4, true, keys)
+}
+
 /// `tiny_a` (vocabulary 512, fixture weights) or, with `tiny_a = false`, the embedded tiny
 /// config (vocabulary 2048, the bundled tokenizer's, freshly initialised) for text prompts.
 pub fn serve_model(max_sessions: usize, max_queue: usize, tiny_a: bool) -> Served {
+    serve_with(max_sessions, max_queue, tiny_a, Default::default())
+}
+
+fn serve_with(
+    max_sessions: usize,
+    max_queue: usize,
+    tiny_a: bool,
+    keys: nsactor_server::auth::ApiKeys,
+) -> Served {
     let bytes = fixture();
     let fx = TinyAFixture::parse(&bytes).unwrap();
     let backend = nsactor_runtime::backend::open(nsactor_runtime::backend::EMBEDDED, &[]).unwrap();
@@ -64,6 +78,7 @@ pub fn serve_model(max_sessions: usize, max_queue: usize, tiny_a: bool) -> Serve
         },
         model_name: "tiny_a".into(),
         limits: Limits::default(),
+        keys: keys.clone(),
     });
     let s = state.clone();
     let addr = pipeline.block_on(async move {
@@ -133,9 +148,20 @@ pub async fn http(
     path: &str,
     body: &[u8],
 ) -> (u16, String) {
+    http_with(addr, method, path, "", body).await
+}
+
+/// [`http`] with extra header lines (`"Name: value\r\n"` each).
+pub async fn http_with(
+    addr: std::net::SocketAddr,
+    method: &str,
+    path: &str,
+    headers: &str,
+    body: &[u8],
+) -> (u16, String) {
     tokio::time::timeout(
         std::time::Duration::from_secs(60),
-        http_inner(addr, method, path, body),
+        http_inner(addr, method, path, headers, body),
     )
     .await
     .unwrap_or_else(|_| panic!("{method} {path}: no complete answer in 60 s"))
@@ -146,12 +172,13 @@ async fn http_inner(
     addr: std::net::SocketAddr,
     method: &str,
     path: &str,
+    headers: &str,
     body: &[u8],
 ) -> (u16, String) {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
     let head = format!(
-        "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
+        "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\nContent-Length: {}\r\n{headers}Connection: close\r\n\r\n",
         body.len()
     );
     s.write_all(head.as_bytes()).await.unwrap();

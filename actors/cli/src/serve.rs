@@ -3,6 +3,10 @@
 use crate::args::ModelArgs;
 use nsactor_runtime::launch::{self, Loaded};
 use std::sync::Arc;
+use std::time::Duration;
+
+/// How long generations get to end after the grace period (they stop within one token).
+const STOP_WAIT: Duration = Duration::from_secs(10);
 
 #[derive(clap::Args)]
 pub struct ServeArgs {
@@ -30,6 +34,10 @@ pub struct ServeArgs {
     /// /metrics needs an API key too (by default it stays open for scrapers).
     #[arg(long)]
     metrics_need_key: bool,
+    /// Seconds that running generations may take to finish after SIGTERM or SIGINT; those
+    /// still running then end with finish reason `shutdown`. A second signal exits at once.
+    #[arg(long, default_value_t = 30.0, value_name = "SECONDS")]
+    shutdown_grace: f64,
 }
 
 /// The environment variable that adds one API key.
@@ -64,6 +72,20 @@ impl ServeArgs {
 
 pub fn run(a: ServeArgs) -> crate::CliResult {
     let keys = a.keys()?;
+    if !(a.shutdown_grace.is_finite() && a.shutdown_grace >= 0.0) {
+        return Err(format!(
+            "--shutdown-grace must be seconds >= 0, got {}",
+            a.shutdown_grace
+        )
+        .into());
+    }
+    let grace = Duration::from_secs_f64(a.shutdown_grace);
+    // SIGTERM/SIGINT start the drain; a second signal, or the grace period and the stop wait
+    // running out, exits at once.
+    let stop = nsactor_runtime::shutdown::stop_on_signals(
+        grace + STOP_WAIT + Duration::from_secs(5),
+        "refusing new requests and letting running generations finish",
+    )?;
     let l = launch::load_checkpoint(&a.model.options())?;
     let mut state = crate::serve::server_state(
         &l,
@@ -87,9 +109,20 @@ pub fn run(a: ServeArgs) -> crate::CliResult {
             "serving on http://{} (WebSocket /ws, OpenAI /v1/completions and /v1/chat/completions, chat page /)",
             listener.local_addr()?
         );
-        let shutdown = async {
-            let _ = tokio::signal::ctrl_c().await;
-            tracing::info!("shutting down");
+        let drain = state.generator.drain.clone();
+        let shutdown = async move {
+            while stop.requested().is_none() {
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            let d = drain.shutdown(grace, STOP_WAIT).await;
+            tracing::info!(
+                "shut down: {} generation(s) running at the signal, {} ended by the grace period, {} left",
+                d.running_at_start,
+                d.stopped,
+                d.left
+            );
+            // The final events are queued; give the connections' writers a moment to send them.
+            tokio::time::sleep(Duration::from_millis(200)).await;
         };
         nsactor_server::serve(listener, state, shutdown).await?;
         Ok::<_, crate::CliError>(())
@@ -111,6 +144,7 @@ pub fn server_state(
             admission: Admission::new(max_sessions.max(1), max_queue),
             metrics: Arc::default(),
             max_prompt_tokens: limits.max_prompt_tokens,
+            drain: Arc::default(),
         },
         model_name: name,
         limits,

@@ -94,9 +94,10 @@ pub fn run(args: TrainArgs) -> crate::CliResult {
         };
         return crate::agent::supervise(policy, &cfg.train.out_dir);
     }
-    let stop = nsactor_runtime::shutdown::stop_on_signals(std::time::Duration::from_secs_f64(
-        cfg.train.shutdown_grace_s,
-    ))?;
+    let stop = nsactor_runtime::shutdown::stop_on_signals(
+        std::time::Duration::from_secs_f64(cfg.train.shutdown_grace_s),
+        "finishing this step and writing a checkpoint (a resume starts from the newest complete one)",
+    )?;
     let tok = nsactor_data::cli::load_tokenizer(cfg.data.tokenizer.as_deref())?;
     train::check_tokenizer(&cfg, &tok)?;
     let sampler = launch::make_sampler(&cfg, &tok, &args.corpus, args.data.as_deref(), args.sft)?;

@@ -52,9 +52,14 @@ pub fn signal_name(signal: i32) -> &'static str {
 }
 
 /// Listens for SIGTERM and SIGINT on a thread of its own from now on: the first sets the
-/// returned request (the training loop polls it between steps); a second, or `grace` after
-/// the first, exits the process with [`EXIT_INTERRUPTED`].
-pub fn stop_on_signals(grace: Duration) -> Result<Arc<StopRequest>, RuntimeError> {
+/// returned request (the training loop polls it between steps; the server drains); a second,
+/// or `grace` after the first, exits the process with [`EXIT_INTERRUPTED`]. `doing` says in
+/// the log what the process does before it exits (`finishing this step and writing a
+/// checkpoint`).
+pub fn stop_on_signals(
+    grace: Duration,
+    doing: &'static str,
+) -> Result<Arc<StopRequest>, RuntimeError> {
     use tokio::signal::unix::{SignalKind, signal};
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
@@ -81,8 +86,7 @@ pub fn stop_on_signals(grace: Duration) -> Result<Arc<StopRequest>, RuntimeError
                 };
                 request.request(first);
                 tracing::warn!(
-                    "{}: finishing this step and writing a checkpoint, then exiting (within {:.0} s; \
-                     a second signal exits now)",
+                    "{}: {doing}, then exiting (within {:.0} s; a second signal exits now)",
                     signal_name(first),
                     grace.as_secs_f64()
                 );
@@ -91,9 +95,7 @@ pub fn stop_on_signals(grace: Duration) -> Result<Arc<StopRequest>, RuntimeError
                     _ = int.recv() => "a second signal",
                     _ = tokio::time::sleep(grace) => "the grace period ran out",
                 };
-                eprintln!(
-                    "nsactor: {why}: exiting before the checkpoint; --resume continues from the newest complete one"
-                );
+                eprintln!("nsactor: {why}: exiting before it finished {doing}");
                 std::process::exit(EXIT_INTERRUPTED);
             })
         })

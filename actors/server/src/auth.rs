@@ -5,11 +5,7 @@
 //! logged or echoed.
 
 use crate::error::ServeError;
-use crate::state::Shared;
-use axum::extract::{Request, State};
 use axum::http::{HeaderMap, header};
-use axum::middleware::Next;
-use axum::response::{IntoResponse, Response};
 
 /// The keys a server accepts; none means every client is let in.
 #[derive(Clone, Default)]
@@ -125,15 +121,6 @@ pub fn missing_key() -> ServeError {
     ServeError::Unauthorized(
         "this server needs an API key: send `Authorization: Bearer <API key>`".into(),
     )
-}
-
-/// Middleware for the keyed routes: a request without a good key gets a 401.
-pub async fn require_key(State(s): State<Shared>, req: Request, next: Next) -> Response {
-    match s.keys.check(req.headers()) {
-        Ok(true) => next.run(req).await,
-        Ok(false) => missing_key().into_response(),
-        Err(e) => e.into_response(),
-    }
 }
 
 #[cfg(test)]

@@ -3,6 +3,7 @@
 //! never split a UTF-8 character and never show a stop string. The session's neuron states are
 //! freed however the generation ends: finished, cancelled, or its client gone.
 
+use crate::drain::{Drain, FINISH_SHUTDOWN};
 use crate::error::ServeError;
 use crate::metrics::Metrics;
 use crate::protocol::{Finished, GenSpec, GenTiming, PromptSpec, Usage};
@@ -72,6 +73,8 @@ pub struct Generator {
     pub admission: Admission,
     pub metrics: Arc<Metrics>,
     pub max_prompt_tokens: usize,
+    /// Shutdown: refuses new generations and ends running ones ([`Drain`]).
+    pub drain: Arc<Drain>,
 }
 
 /// Longest suffix of `text` that is a proper prefix of a stop string (held back: it may be the
@@ -141,6 +144,7 @@ impl Generator {
         cancel: Arc<AtomicBool>,
     ) -> Result<Finished, ServeError> {
         let start = Instant::now();
+        let _running = self.drain.enter()?;
         let prompt = self.prompt_ids(&spec.prompt)?;
         let _permit = self.admission.enter().await?;
         let session = self.decoder.session();
@@ -178,6 +182,9 @@ impl Generator {
             .map_err(ServeError::from)?;
         let mut text = String::new();
         let finish_reason = loop {
+            if self.drain.stopping() {
+                break FINISH_SHUTDOWN;
+            }
             if cancel.load(Ordering::SeqCst) || tx.is_closed() {
                 break "cancelled";
             }

@@ -16,6 +16,7 @@
 //! Bad input never crashes the server and always gets an error naming what was wrong.
 
 pub mod auth;
+pub mod drain;
 pub mod error;
 pub mod generate;
 pub mod metrics;
@@ -40,7 +41,7 @@ use axum::routing::{get, post};
 /// without one, `/ws` checks its own ([`ws::ws`]); `/`, `/health` stay open.
 pub fn router(state: Shared) -> Router {
     let limit = state.limits.max_message_bytes;
-    let key = || middleware::from_fn_with_state(state.clone(), auth::require_key);
+    let key = || middleware::from_fn_with_state(state.clone(), require_key);
     let keyed = Router::new()
         .route("/v1/completions", post(openai::completions))
         .route("/v1/chat/completions", post(openai::chat_completions))
@@ -77,6 +78,19 @@ pub async fn serve(
     axum::serve(listener, router(state))
         .with_graceful_shutdown(shutdown)
         .await
+}
+
+/// Middleware for the keyed routes: a request without a good key gets a 401.
+async fn require_key(
+    State(s): State<Shared>,
+    req: axum::extract::Request,
+    next: middleware::Next,
+) -> axum::response::Response {
+    match s.keys.check(req.headers()) {
+        Ok(true) => next.run(req).await,
+        Ok(false) => auth::missing_key().into_response(),
+        Err(e) => e.into_response(),
+    }
 }
 
 async fn index() -> Html<&'static str> {

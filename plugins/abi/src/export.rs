@@ -3,8 +3,7 @@
 //!
 //! Handles are `Box`es turned into raw pointers: the context is a `Box<Ctx>`, a stage a
 //! `Box<Box<dyn Stage>>`, a tensor a `Box<DeviceTensor>`, a snapshot a
-//! `Box<Box<dyn StageSnapshot>>`. Every entry runs inside
-//! `catch_unwind`, so a panic becomes [`NS_PANIC`] with its message.
+//! `Box<Box<dyn StageSnapshot>>`. Every entry runs inside `catch_unwind`: a panic is [`NS_PANIC`].
 
 use crate::*;
 use nsactor_plugin_api::{

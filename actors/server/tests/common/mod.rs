@@ -75,6 +75,7 @@ fn serve_with(
             admission: Admission::new(max_sessions, max_queue),
             metrics: Arc::new(Metrics::default()),
             max_prompt_tokens: 64,
+            drain: Arc::default(),
         },
         model_name: "tiny_a".into(),
         limits: Limits::default(),

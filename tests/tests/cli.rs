@@ -4,7 +4,7 @@
 
 mod common;
 
-use common::cli::{losses, nsactor, run_err, run_ok, temp_dir, tiny_with};
+use common::cli::{losses, nsactor, ok, run_err, run_ok, temp_dir, tiny_with};
 use std::path::PathBuf;
 use std::process::Command;
 
@@ -232,16 +232,9 @@ fn killed_crashed_and_failing_runs_end_exactly_like_an_uninterrupted_one() {
         "{names} tensors"
     );
     // The imported run trains on.
-    let out = nsactor()
+    ok(nsactor()
         .args(["train", "--steps", "2", "--resume", "--config"])
-        .arg(imported.join("config.toml"))
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+        .arg(imported.join("config.toml")));
     // A damaged export source is refused with the file named.
     let shard = full.join("checkpoints/step-00000008/layer-001.safetensors");
     let mut b = std::fs::read(&shard).unwrap();

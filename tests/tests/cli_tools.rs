@@ -3,7 +3,7 @@
 
 mod common;
 
-use common::cli::{nsactor, run_err, run_ok, run_stdout, temp_dir};
+use common::cli::{nsactor, ok, run_err, run_ok, run_stdout, temp_dir};
 use std::path::PathBuf;
 
 #[test]
@@ -117,30 +117,22 @@ fn tokenizer_train_data_prepare_and_train_on_shards() {
 
 #[test]
 fn bench_train_reports_throughput_busy_time_and_flops() {
-    let out = nsactor()
-        .args([
-            "bench",
-            "train",
-            "--steps",
-            "2",
-            "--warmup",
-            "1",
-            "--seq-len",
-            "16",
-            "--batch-size",
-            "2",
-            "--accumulation",
-            "2",
-            "--pipeline",
-            "2",
-        ])
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let out = ok(nsactor().args([
+        "bench",
+        "train",
+        "--steps",
+        "2",
+        "--warmup",
+        "1",
+        "--seq-len",
+        "16",
+        "--batch-size",
+        "2",
+        "--accumulation",
+        "2",
+        "--pipeline",
+        "2",
+    ]));
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(
         stdout.contains("2 × T 16 × accumulation 2 = 64 tokens/step"),

@@ -6,9 +6,9 @@
 
 mod common;
 
-use common::cli::{losses, nsactor, temp_dir, tiny_with};
+use common::cli::{losses, nsactor, ok, temp_dir, tiny_with};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Output};
+use std::process::{Child, Command};
 use std::time::{Duration, Instant};
 
 fn train(out: &Path, steps: u32, extra: &[&str]) -> Command {
@@ -24,16 +24,6 @@ fn train(out: &Path, steps: u32, extra: &[&str]) -> Command {
     .arg(out)
     .args(extra);
     c
-}
-
-fn ok(c: &mut Command) -> Output {
-    let o = c.output().unwrap();
-    assert!(
-        o.status.success(),
-        "{c:?} failed: {}",
-        String::from_utf8_lossy(&o.stderr)
-    );
-    o
 }
 
 /// Number of step lines in a run's metrics so far.

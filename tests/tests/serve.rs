@@ -4,7 +4,7 @@
 
 mod common;
 
-use common::cli::{nsactor, temp_dir, tiny_with};
+use common::cli::{nsactor, ok, temp_dir, tiny_with};
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{SocketAddr, TcpStream};
 use std::process::{Child, Stdio};
@@ -56,18 +56,11 @@ fn sigterm_drains_running_streams_refuses_new_ones_and_exits_0() {
     let dir = temp_dir("serve-drain");
     let cfg = tiny_with(&dir, "tiny.toml", "");
     let run = dir.join("run");
-    let out = nsactor()
+    ok(nsactor()
         .args(["train", "--steps", "1", "--config"])
         .arg(&cfg)
         .arg("--out")
-        .arg(&run)
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+        .arg(&run));
     let port = std::net::TcpListener::bind("127.0.0.1:0")
         .unwrap()
         .local_addr()

@@ -45,6 +45,17 @@ pub fn temp_dir(name: &str) -> PathBuf {
     d
 }
 
+/// Runs `c` and asserts it succeeded (its stderr in the message otherwise).
+pub fn ok(c: &mut Command) -> std::process::Output {
+    let o = c.output().unwrap();
+    assert!(
+        o.status.success(),
+        "{c:?} failed: {}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    o
+}
+
 pub fn run_ok(args: &[&str]) -> String {
     let out = nsactor().args(args).output().unwrap();
     let stderr = String::from_utf8_lossy(&out.stderr).into_owned();

@@ -87,20 +87,15 @@ pub fn run(a: ServeArgs) -> crate::CliResult {
         "refusing new requests and letting running generations finish",
     )?;
     let l = launch::load_checkpoint(&a.model.options())?;
-    let mut state = crate::serve::server_state(
-        &l,
-        a.max_sessions,
-        a.max_queue,
-        a.model_name.clone().unwrap_or_else(|| l.name.clone()),
-    );
+    let name = a.model_name.clone().unwrap_or_else(|| l.name.clone());
     if keys.required() {
         tracing::info!(
             "{} API key(s) required on /v1/* and /ws{}",
-            keys.len(),
+            keys.count(),
             if keys.metrics { " and /metrics" } else { "" }
         );
     }
-    Arc::get_mut(&mut state).expect("not shared yet").keys = keys;
+    let state = crate::serve::server_state(&l, a.max_sessions, a.max_queue, name, keys);
     l.pipeline.block_on(async {
         let listener = tokio::net::TcpListener::bind(&a.addr)
             .await
@@ -134,6 +129,7 @@ pub fn server_state(
     max_sessions: usize,
     max_queue: usize,
     name: String,
+    keys: nsactor_server::auth::ApiKeys,
 ) -> Arc<nsactor_server::ServerState> {
     use nsactor_server::generate::{Admission, Generator};
     let limits = nsactor_server::protocol::Limits::default();
@@ -148,6 +144,6 @@ pub fn server_state(
         },
         model_name: name,
         limits,
-        keys: Default::default(),
+        keys,
     })
 }

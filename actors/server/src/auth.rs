@@ -56,12 +56,8 @@ impl ApiKeys {
     }
 
     /// How many keys are accepted.
-    pub fn len(&self) -> usize {
+    pub fn count(&self) -> usize {
         self.keys.len()
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.keys.is_empty()
     }
 
     /// Whether `key` is one of the keys (or none are required). Every key is compared over
@@ -138,7 +134,7 @@ mod tests {
     fn keys_are_checked_whole_and_bad_keys_are_refused_at_configuration() {
         let k = ApiKeys::new(["sk-one".to_string(), " sk-two ".into()], false).unwrap();
         assert!(k.required());
-        assert_eq!(k.len(), 2);
+        assert_eq!(k.count(), 2);
         for good in ["sk-one", "sk-two"] {
             assert!(k.accepts(good));
             assert_eq!(k.check(&headers(&format!("Bearer {good}"))), Ok(true));

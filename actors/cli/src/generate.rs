@@ -40,8 +40,7 @@ pub fn run(a: GenerateArgs) -> crate::CliResult {
         top_p: Some(a.top_p),
         repetition_penalty: Some(a.repetition_penalty),
         seed: a.seed,
-        stop: None,
-        ignore_eos: false,
+        ..SamplingOptions::default()
     };
     // Streams one answer to stdout; returns its text.
     let run = |prompt: PromptSpec| -> crate::CliResult<String> {

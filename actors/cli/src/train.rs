@@ -140,6 +140,8 @@ pub fn run(args: TrainArgs) -> crate::CliResult {
         top_k: 50,
         top_p: 0.95,
         repetition_penalty: 1.2,
+        presence_penalty: 0.0,
+        frequency_penalty: 0.0,
         seed: cfg.train.seed,
     };
     let out = pipeline.generate(&ids, 60, Some(eos), &specials, sampling)?;

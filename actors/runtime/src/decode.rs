@@ -1,6 +1,7 @@
 //! Choosing the next token from logits: greedy, or sampled with temperature, top-k, top-p
-//! (nucleus) and a repetition penalty (CTRL / HF `repetition_penalty`), from a seeded RNG so a
-//! request with a seed is reproducible.
+//! (nucleus), a repetition penalty (CTRL / HF `repetition_penalty`) and OpenAI's presence and
+//! frequency penalties (over the tokens the picker itself chose), from a seeded RNG so a request
+//! with a seed is reproducible.
 
 use crate::error::RuntimeError;
 use nsactor_data::SplitMix64;
@@ -17,6 +18,12 @@ pub struct SamplingParams {
     /// Divides positive logits of tokens already in the text and multiplies negative ones
     /// (1: off).
     pub repetition_penalty: f32,
+    /// Subtracted once from the logit of every token already generated (OpenAI's
+    /// `presence_penalty`, −2..2; 0: off).
+    pub presence_penalty: f32,
+    /// Subtracted from a token's logit once per time it was generated (OpenAI's
+    /// `frequency_penalty`, −2..2; 0: off).
+    pub frequency_penalty: f32,
     pub seed: u64,
 }
 
@@ -27,6 +34,8 @@ impl SamplingParams {
             top_k: 0,
             top_p: 1.0,
             repetition_penalty: 1.0,
+            presence_penalty: 0.0,
+            frequency_penalty: 0.0,
             seed: 0,
         }
     }
@@ -49,6 +58,14 @@ impl SamplingParams {
                 self.repetition_penalty
             )));
         }
+        for (name, v) in [
+            ("presence_penalty", self.presence_penalty),
+            ("frequency_penalty", self.frequency_penalty),
+        ] {
+            if !(-2.0..=2.0).contains(&v) {
+                return Err(bad(format!("{name} must be in [-2, 2], got {v}")));
+            }
+        }
         Ok(())
     }
 }
@@ -57,6 +74,8 @@ impl SamplingParams {
 pub struct TokenPicker {
     params: SamplingParams,
     rng: SplitMix64,
+    /// How often each token was picked (for the presence and frequency penalties).
+    picked: std::collections::HashMap<usize, u32>,
 }
 
 impl TokenPicker {
@@ -64,13 +83,29 @@ impl TokenPicker {
         TokenPicker {
             params,
             rng: SplitMix64(params.seed),
+            picked: std::collections::HashMap::new(),
         }
     }
 
     /// The next token given `logits` and the text so far (`history`, for the penalty).
     /// Tokens whose logit is −∞ (suppressed) are never picked.
     pub fn pick(&mut self, logits: &mut [f32], history: &[i64]) -> i64 {
+        let t = self.choose(logits, history);
+        if let Ok(i) = usize::try_from(t) {
+            *self.picked.entry(i).or_default() += 1;
+        }
+        t
+    }
+
+    fn choose(&mut self, logits: &mut [f32], history: &[i64]) -> i64 {
         let p = self.params;
+        if p.presence_penalty != 0.0 || p.frequency_penalty != 0.0 {
+            for (&i, &n) in &self.picked {
+                if let Some(l) = logits.get_mut(i) {
+                    *l -= p.presence_penalty + p.frequency_penalty * n as f32;
+                }
+            }
+        }
         if p.repetition_penalty != 1.0 {
             let mut seen = std::collections::HashSet::new();
             for &t in history {
@@ -152,8 +187,42 @@ mod tests {
             top_k,
             top_p,
             repetition_penalty: rep,
+            presence_penalty: 0.0,
+            frequency_penalty: 0.0,
             seed: 9,
         }
+    }
+
+    /// OpenAI's penalties count the picker's own choices: a presence penalty lowers every
+    /// generated token once, a frequency penalty once per use, and the prompt is not counted.
+    #[test]
+    fn presence_and_frequency_penalties_count_generated_tokens() {
+        let logits = [0.0f32, 1.0, 0.9, 0.5];
+        let greedy = |presence, frequency| {
+            let mut s = TokenPicker::new(SamplingParams {
+                presence_penalty: presence,
+                frequency_penalty: frequency,
+                ..SamplingParams::greedy()
+            });
+            (0..4)
+                .map(|_| s.pick(&mut logits.clone(), &[1, 1, 1]))
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(greedy(0.0, 0.0), [1, 1, 1, 1]);
+        // 1 loses 0.2 once it was picked: 2 leads, then both are penalised once and 1 leads.
+        assert_eq!(greedy(0.2, 0.0), [1, 2, 1, 1]);
+        // 0.3 per use: 1 (1.0), 2 (0.9 vs 0.7), 1 (0.7 vs 0.6), 2 (0.6 vs 0.4).
+        assert_eq!(greedy(0.0, 0.3), [1, 2, 1, 2]);
+        let bad = SamplingParams {
+            frequency_penalty: 2.5,
+            ..SamplingParams::greedy()
+        };
+        assert!(
+            bad.validate()
+                .unwrap_err()
+                .to_string()
+                .contains("frequency_penalty")
+        );
     }
 
     #[test]

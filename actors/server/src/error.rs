@@ -19,6 +19,15 @@ pub enum ServeError {
     /// A field is missing, of the wrong type or out of range (the message names it).
     #[error("{0}")]
     Invalid(String),
+    /// Request field `param` is wrong (OpenAI's `param`).
+    #[error("{message}")]
+    Field { param: String, message: String },
+    /// The body or message is over the size limit.
+    #[error("{0}")]
+    TooLarge(String),
+    /// The request names a model this server does not serve.
+    #[error("{0}")]
+    ModelNotFound(String),
     /// A missing or wrong API key.
     #[error("{0}")]
     Unauthorized(String),
@@ -41,7 +50,9 @@ impl ServeError {
     pub fn code(&self) -> &'static str {
         match self {
             ServeError::InvalidJson(_) => "invalid_json",
-            ServeError::Invalid(_) => "invalid_request",
+            ServeError::Invalid(_) | ServeError::Field { .. } => "invalid_request",
+            ServeError::TooLarge(_) => "request_too_large",
+            ServeError::ModelNotFound(_) => "model_not_found",
             ServeError::Unauthorized(_) => "invalid_api_key",
             ServeError::UnknownRequest(_) => "unknown_request",
             ServeError::Busy(_) => "busy",
@@ -53,18 +64,51 @@ impl ServeError {
     /// The HTTP status.
     pub fn status(&self) -> StatusCode {
         match self {
-            ServeError::InvalidJson(_) | ServeError::Invalid(_) => StatusCode::BAD_REQUEST,
+            ServeError::InvalidJson(_) | ServeError::Invalid(_) | ServeError::Field { .. } => {
+                StatusCode::BAD_REQUEST
+            }
             ServeError::Unauthorized(_) => StatusCode::UNAUTHORIZED,
-            ServeError::UnknownRequest(_) => StatusCode::NOT_FOUND,
+            ServeError::UnknownRequest(_) | ServeError::ModelNotFound(_) => StatusCode::NOT_FOUND,
+            ServeError::TooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,
             ServeError::Busy(_) | ServeError::Unavailable(_) => StatusCode::SERVICE_UNAVAILABLE,
             ServeError::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
         }
     }
 
-    /// OpenAI's error body, for HTTP answers and server-sent events.
+    /// The request field at fault, where one is.
+    pub fn param(&self) -> Option<&str> {
+        match self {
+            ServeError::Field { param, .. } => Some(param),
+            ServeError::ModelNotFound(_) => Some("model"),
+            _ => None,
+        }
+    }
+
+    /// A 400 naming request field `param`.
+    pub fn field(param: &str, message: impl Into<String>) -> Self {
+        ServeError::Field {
+            param: param.into(),
+            message: message.into(),
+        }
+    }
+
+    /// OpenAI's error `type`: the class of the status.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            ServeError::Unauthorized(_) => "authentication_error",
+            ServeError::Busy(_) | ServeError::Unavailable(_) | ServeError::Internal(_) => {
+                "server_error"
+            }
+            _ => "invalid_request_error",
+        }
+    }
+
+    /// OpenAI's error body `{"error": {message, type, param, code}}`, for HTTP answers,
+    /// server-sent events and the server's own refusals (connection cap, body limit).
     pub fn openai_body(&self) -> serde_json::Value {
         serde_json::json!({"error": {
-            "message": self.to_string(), "type": self.code(), "code": self.code(),
+            "message": self.to_string(), "type": self.kind(), "param": self.param(),
+            "code": self.code(),
         }})
     }
 }
@@ -153,6 +197,12 @@ mod tests {
         );
         let auth = ServeError::Unauthorized("key".into()).into_response();
         assert_eq!(auth.status(), StatusCode::UNAUTHORIZED);
+        let big = ServeError::TooLarge("body".into());
+        assert_eq!(big.status(), StatusCode::PAYLOAD_TOO_LARGE);
+        let f = ServeError::field("top_p", "top_p must be in (0, 1]").openai_body();
+        assert_eq!(f["error"]["param"], "top_p");
+        assert_eq!(f["error"]["type"], "invalid_request_error");
+        assert_eq!(f["error"]["code"], "invalid_request");
         let busy = ServeError::Busy("full".into()).into_response();
         assert_eq!(busy.status(), StatusCode::SERVICE_UNAVAILABLE);
         assert_eq!(busy.headers()[header::RETRY_AFTER], "1");

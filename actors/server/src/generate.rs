@@ -5,6 +5,7 @@
 
 use crate::drain::{Drain, FINISH_SHUTDOWN};
 use crate::error::ServeError;
+use crate::logprobs::{TokenLogprob, token_logprob};
 use crate::metrics::Metrics;
 use crate::protocol::{Finished, GenSpec, GenTiming, PromptSpec, Usage};
 use nsactor_data::Tokenizer;
@@ -23,8 +24,28 @@ const NEVER_GENERATED: [i64; 3] = [0, 1, 3];
 /// What the generator reports while it runs.
 #[derive(Debug, Clone, PartialEq)]
 pub enum GenEvent {
-    Delta { text: String, token_ids: Vec<i64> },
+    /// The prompt's tokens and their log-probabilities (the first has none), when asked for.
+    Prompt {
+        ids: Vec<i64>,
+        logprobs: Vec<Option<TokenLogprob>>,
+    },
+    /// New text, the tokens that made it and (when asked for) their log-probabilities.
+    Delta {
+        text: String,
+        token_ids: Vec<i64>,
+        logprobs: Vec<TokenLogprob>,
+    },
     Done(Finished),
+}
+
+/// The finish reason of a generation that ran out of its time budget.
+pub const FINISH_TIME_LIMIT: &str = "time_limit";
+
+/// Tokens chosen but not yet sent, with their log-probabilities when asked for.
+#[derive(Default)]
+struct Pending {
+    ids: Vec<i64>,
+    logprobs: Vec<TokenLogprob>,
 }
 
 /// Sessions: at most `max_sessions` decoding, at most `max_queue` waiting.
@@ -160,6 +181,28 @@ impl Generator {
         Ok(r)
     }
 
+    /// Feeds the prompt one token at a time, reporting each token's log-probability given
+    /// the ones before it ([`GenEvent::Prompt`]); the last position's logits.
+    async fn score_prompt(
+        &self,
+        session: SessionId,
+        prompt: &[i64],
+        top: usize,
+        tx: &mpsc::Sender<GenEvent>,
+    ) -> Result<Vec<f32>, ServeError> {
+        let mut logprobs = vec![None];
+        let mut logits = Vec::new();
+        for (i, &t) in prompt.iter().enumerate() {
+            if i > 0 {
+                logprobs.push(Some(token_logprob(&logits, t, top)));
+            }
+            logits = self.decoder.feed(session, vec![t]).await?;
+        }
+        let ids = prompt.to_vec();
+        let _ = tx.send(GenEvent::Prompt { ids, logprobs }).await;
+        Ok(logits)
+    }
+
     async fn decode(
         &self,
         session: SessionId,
@@ -172,14 +215,15 @@ impl Generator {
         let mut picker = TokenPicker::new(spec.sampling);
         let mut history = prompt.to_vec();
         let mut generated: Vec<i64> = Vec::new();
-        let mut pending_ids: Vec<i64> = Vec::new();
+        let mut pending = Pending::default();
         let mut emitted = 0usize; // bytes of the decoded text already sent
         let mut first_token_at = None;
-        let mut logits = self
-            .decoder
-            .feed(session, prompt.to_vec())
-            .await
-            .map_err(ServeError::from)?;
+        let top = spec.logprobs.unwrap_or(0);
+        let mut logits = if spec.prompt_logprobs {
+            self.score_prompt(session, prompt, top, tx).await?
+        } else {
+            self.decoder.feed(session, prompt.to_vec()).await?
+        };
         let mut text = String::new();
         let finish_reason = loop {
             if self.drain.stopping() {
@@ -187,6 +231,19 @@ impl Generator {
             }
             if cancel.load(Ordering::SeqCst) || tx.is_closed() {
                 break "cancelled";
+            }
+            if spec.time_limit.is_some_and(|l| start.elapsed() >= l) {
+                break FINISH_TIME_LIMIT;
+            }
+            if generated.len() >= spec.max_tokens {
+                break "length"; // max_tokens = 0: the prompt was only scored
+            }
+            // Log-probabilities come from the model's own distribution.
+            let raw = spec.logprobs.is_some().then(|| logits.clone());
+            for &(id, bias) in &spec.logit_bias {
+                if let Some(l) = logits.get_mut(id) {
+                    *l += bias;
+                }
             }
             if !spec.ignore_eos {
                 for &t in &NEVER_GENERATED {
@@ -202,7 +259,10 @@ impl Generator {
                 break "stop";
             }
             generated.push(next);
-            pending_ids.push(next);
+            pending.ids.push(next);
+            if let Some(raw) = raw {
+                pending.logprobs.push(token_logprob(&raw, next, top));
+            }
             let ids: Vec<u32> = generated.iter().map(|&t| t as u32).collect();
             text = self
                 .tokenizer
@@ -217,23 +277,19 @@ impl Generator {
             let incomplete = text.ends_with('\u{FFFD}');
             let end = text.len() - held_back(&text, &spec.stop);
             if !incomplete && end > emitted && text.is_char_boundary(end) {
-                self.send(tx, &text[emitted..end], &mut pending_ids, spec.token_ids)
+                self.send(tx, &text[emitted..end], &mut pending, spec.token_ids)
                     .await;
                 emitted = end;
             }
             if generated.len() >= spec.max_tokens {
                 break "length";
             }
-            logits = self
-                .decoder
-                .feed(session, vec![next])
-                .await
-                .map_err(ServeError::from)?;
+            logits = self.decoder.feed(session, vec![next]).await?;
         };
-        // Whatever is still held back (and any token ids not yet sent) goes out now.
-        if finish_reason != "cancelled" && (text.len() > emitted || !pending_ids.is_empty()) {
+        // Whatever is still held back (and any tokens not yet sent) goes out now.
+        if finish_reason != "cancelled" && (text.len() > emitted || !pending.ids.is_empty()) {
             let tail = text.get(emitted..).unwrap_or("");
-            self.send(tx, tail, &mut pending_ids, spec.token_ids).await;
+            self.send(tx, tail, &mut pending, spec.token_ids).await;
         }
         let total = start.elapsed().as_secs_f64();
         let ttft = first_token_at.map_or(total, |t| (t - start).as_secs_f64());
@@ -261,14 +317,17 @@ impl Generator {
         &self,
         tx: &mpsc::Sender<GenEvent>,
         text: &str,
-        ids: &mut Vec<i64>,
+        pending: &mut Pending,
         with_ids: bool,
     ) {
-        let token_ids = std::mem::take(ids);
+        let Pending { ids, logprobs } = std::mem::take(pending);
+        // Log-probabilities name their tokens: the ids go with them.
+        let keep_ids = with_ids || !logprobs.is_empty();
         let _ = tx
             .send(GenEvent::Delta {
                 text: text.to_string(),
-                token_ids: if with_ids { token_ids } else { Vec::new() },
+                token_ids: if keep_ids { ids } else { Vec::new() },
+                logprobs,
             })
             .await;
     }

@@ -7,18 +7,26 @@
 //!   strings), `cancel`; events `delta`, `done` (finish reason, usage, timing), `error`; several
 //!   requests per connection, each with its own `id`.
 //! * `POST /v1/completions`, `POST /v1/chat/completions` (with and without `stream: true`,
-//!   server-sent events ending in `data: [DONE]`), `GET /v1/models`, `GET /health`,
+//!   server-sent events ending in `data: [DONE]`; `n`, log-probabilities, `echo`, usage
+//!   chunks), `GET /v1/models`, `POST /tokenize`, `POST /detokenize`, `GET /health`,
 //!   `GET /metrics` (Prometheus text).
 //! * API keys ([`auth`]): with any configured, `/v1/*`, `/ws` and optionally `/metrics` need
 //!   `Authorization: Bearer KEY` (or, on `/ws`, an `auth` message first).
 //! * `GET /`: a small chat page that talks to `/ws`.
 //!
+//! * Every response carries an `x-request-id` ([`edge`]); bodies have a size limit (413),
+//!   connections a cap, a header timeout and an idle timeout ([`listen`]).
+//!
 //! Bad input never crashes the server and always gets an error naming what was wrong.
 
 pub mod auth;
 pub mod drain;
+pub mod edge;
 pub mod error;
 pub mod generate;
+pub mod listen;
+pub mod logprobs;
+pub mod messages;
 pub mod metrics;
 pub mod openai;
 pub mod protocol;
@@ -26,6 +34,7 @@ pub mod state;
 pub mod ws;
 
 pub use error::ServeError;
+pub use listen::serve;
 pub use metrics::Metrics;
 pub use state::ServerState;
 
@@ -40,12 +49,13 @@ use axum::routing::{get, post};
 /// The router of the server. With API keys, `/v1/*` (and `/metrics` when keyed) answer 401
 /// without one, `/ws` checks its own ([`ws::ws`]); `/`, `/health` stay open.
 pub fn router(state: Shared) -> Router {
-    let limit = state.limits.max_message_bytes;
     let key = || middleware::from_fn_with_state(state.clone(), require_key);
     let keyed = Router::new()
         .route("/v1/completions", post(openai::completions))
         .route("/v1/chat/completions", post(openai::chat_completions))
         .route("/v1/models", get(openai::models))
+        .route("/tokenize", post(openai::tokenize::tokenize))
+        .route("/detokenize", post(openai::tokenize::detokenize))
         .route_layer(key());
     let mut metrics_route = Router::new().route("/metrics", get(metrics));
     if state.keys.metrics {
@@ -57,27 +67,10 @@ pub fn router(state: Shared) -> Router {
         .route("/health", get(health))
         .merge(keyed)
         .merge(metrics_route)
-        .layer(DefaultBodyLimit::max(limit))
+        .layer(middleware::from_fn_with_state(state.clone(), edge::edge))
+        // The edge reads bodies within the limit itself (413 with OpenAI's error body).
+        .layer(DefaultBodyLimit::disable())
         .with_state(state)
-}
-
-/// Serves on `listener` until `shutdown` resolves.
-pub async fn serve(
-    listener: tokio::net::TcpListener,
-    state: Shared,
-    shutdown: impl Future<Output = ()> + Send + 'static,
-) -> std::io::Result<()> {
-    use axum::serve::ListenerExt;
-    // Tokens go out one small frame at a time: without TCP_NODELAY, Nagle's algorithm holds a
-    // frame back until the client's delayed ACK (~40 ms on Linux).
-    let listener = listener.tap_io(|tcp| {
-        if let Err(e) = tcp.set_nodelay(true) {
-            tracing::warn!("TCP_NODELAY: {e}");
-        }
-    });
-    axum::serve(listener, router(state))
-        .with_graceful_shutdown(shutdown)
-        .await
 }
 
 /// Middleware for the keyed routes: a request without a good key gets a 401.

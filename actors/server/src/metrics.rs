@@ -16,6 +16,11 @@ pub struct Metrics {
     pub prompt_tokens: AtomicU64,
     pub completion_tokens: AtomicU64,
     pub active_sessions: AtomicI64,
+    /// Connections open now, and those refused at the connection cap.
+    pub connections: AtomicI64,
+    pub connections_refused: AtomicU64,
+    /// Bodies refused as too large.
+    pub too_large: AtomicU64,
     ttft: Mutex<Histogram>,
     duration: Mutex<Histogram>,
 }
@@ -110,6 +115,24 @@ impl Metrics {
             "Sessions decoding now (their neuron states are held by the layer actors).",
             "gauge",
             self.active_sessions.load(Ordering::SeqCst).to_string(),
+        );
+        counter(
+            "nsactor_connections",
+            "Client connections open now.",
+            "gauge",
+            self.connections.load(Ordering::SeqCst).to_string(),
+        );
+        counter(
+            "nsactor_connections_refused_total",
+            "Connections refused because the connection cap was reached.",
+            "counter",
+            get(&self.connections_refused),
+        );
+        counter(
+            "nsactor_requests_too_large_total",
+            "Request bodies refused as larger than the limit (413).",
+            "counter",
+            get(&self.too_large),
         );
         counter(
             "nsactor_queued_sessions",

@@ -5,7 +5,8 @@
 use crate::auth;
 use crate::error::ServeError;
 use crate::generate::GenEvent;
-use crate::protocol::{ClientMsg, PromptSpec, SamplingOptions, ServerMsg};
+use crate::messages::{ClientMsg, ServerMsg};
+use crate::protocol::{PromptSpec, SamplingOptions};
 use crate::state::{Shared, start};
 use axum::extract::State;
 use axum::extract::ws::{CloseFrame, Message, WebSocket, WebSocketUpgrade, close_code};
@@ -78,7 +79,29 @@ pub async fn connection(socket: WebSocket, s: Shared) {
         let _ = sink.close().await;
     });
     let running: Arc<Mutex<HashMap<String, Arc<AtomicBool>>>> = Arc::default();
-    while let Some(frame) = stream.next().await {
+    loop {
+        // A connection with nothing running may stay silent only so long.
+        let idle = running.lock().map_or(true, |r| r.is_empty());
+        let frame = if idle {
+            match tokio::time::timeout(s.limits.ws_idle_timeout, stream.next()).await {
+                Ok(f) => f,
+                Err(_) => {
+                    let _ = out
+                        .send(ServerMsg::error(
+                            None,
+                            &ServeError::Invalid(format!(
+                                "closing a connection idle for {} s",
+                                s.limits.ws_idle_timeout.as_secs()
+                            )),
+                        ))
+                        .await;
+                    break;
+                }
+            }
+        } else {
+            stream.next().await
+        };
+        let Some(frame) = frame else { break };
         let text = match frame {
             Ok(Message::Text(t)) => t,
             Ok(Message::Binary(_)) => {
@@ -132,8 +155,11 @@ pub async fn connection(socket: WebSocket, s: Shared) {
                 top_k,
                 top_p,
                 repetition_penalty,
+                presence_penalty,
+                frequency_penalty,
                 seed,
                 stop,
+                logprobs,
                 token_ids,
                 ignore_eos,
             } => {
@@ -151,9 +177,13 @@ pub async fn connection(socket: WebSocket, s: Shared) {
                     top_k,
                     top_p,
                     repetition_penalty,
+                    presence_penalty,
+                    frequency_penalty,
                     seed,
                     stop,
                     ignore_eos,
+                    logprobs,
+                    ..SamplingOptions::default()
                 };
                 let spec = prompt.and_then(|p| options.validate(p, token_ids, &s.limits));
                 let spec = match spec {
@@ -188,14 +218,21 @@ pub async fn connection(socket: WebSocket, s: Shared) {
                 }
                 let mut rx = start(&s, spec, cancel);
                 let (out, running, with_ids) = (out.clone(), running.clone(), token_ids);
+                let with_logprobs = logprobs.is_some();
                 tokio::spawn(async move {
                     while let Some(e) = rx.recv().await {
                         let m = match e {
-                            Ok(GenEvent::Delta { text, token_ids }) => ServerMsg::Delta {
+                            Ok(GenEvent::Delta {
+                                text,
+                                token_ids,
+                                logprobs,
+                            }) => ServerMsg::Delta {
                                 id: id.clone(),
                                 text,
                                 token_ids: with_ids.then_some(token_ids),
+                                logprobs: with_logprobs.then_some(logprobs),
                             },
+                            Ok(GenEvent::Prompt { .. }) => continue,
                             Ok(GenEvent::Done(f)) => ServerMsg::Done {
                                 id: id.clone(),
                                 finish_reason: f.finish_reason.into(),

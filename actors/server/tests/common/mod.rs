@@ -32,13 +32,30 @@ pub fn serve(max_sessions: usize, max_queue: usize) -> Served {
 
 /// `tiny_a` behind API `keys`.
 pub fn serve_keyed(keys: nsactor_server::auth::ApiKeys) -> Served {
-    serve_with(4, 4, true, keys)
+    serve_with(4, 4, true, keys, Limits::default())
+}
+
+/// `tiny_a` (or the embedded tiny config) under `limits`.
+pub fn serve_limited(max_sessions: usize, tiny_a: bool, limits: Limits) -> Served {
+    serve_with(
+        max_sessions,
+        max_sessions,
+        tiny_a,
+        Default::default(),
+        limits,
+    )
 }
 
 /// `tiny_a` (vocabulary 512, fixture weights) or, with `tiny_a = false`, the embedded tiny
 /// config (vocabulary 2048, the bundled tokenizer's, freshly initialised) for text prompts.
 pub fn serve_model(max_sessions: usize, max_queue: usize, tiny_a: bool) -> Served {
-    serve_with(max_sessions, max_queue, tiny_a, Default::default())
+    serve_with(
+        max_sessions,
+        max_queue,
+        tiny_a,
+        Default::default(),
+        Limits::default(),
+    )
 }
 
 fn serve_with(
@@ -46,6 +63,7 @@ fn serve_with(
     max_queue: usize,
     tiny_a: bool,
     keys: nsactor_server::auth::ApiKeys,
+    limits: Limits,
 ) -> Served {
     let bytes = fixture();
     let fx = TinyAFixture::parse(&bytes).unwrap();
@@ -78,7 +96,7 @@ fn serve_with(
             drain: Arc::default(),
         },
         model_name: "tiny_a".into(),
-        limits: Limits::default(),
+        limits,
         keys: keys.clone(),
     });
     let s = state.clone();
@@ -160,12 +178,40 @@ pub async fn http_with(
     headers: &str,
     body: &[u8],
 ) -> (u16, String) {
+    let (status, _, body) = http_head(addr, method, path, headers, body).await;
+    (status, body)
+}
+
+/// [`http_with`] that also returns the response head (status line and headers).
+pub async fn http_head(
+    addr: std::net::SocketAddr,
+    method: &str,
+    path: &str,
+    headers: &str,
+    body: &[u8],
+) -> (u16, String, String) {
     tokio::time::timeout(
         std::time::Duration::from_secs(60),
         http_inner(addr, method, path, headers, body),
     )
     .await
     .unwrap_or_else(|_| panic!("{method} {path}: no complete answer in 60 s"))
+}
+
+/// The JSON `data:` events of a server-sent event stream, and whether it ended in `[DONE]`.
+pub fn sse_events(body: &str) -> (Vec<serde_json::Value>, bool) {
+    let mut events = Vec::new();
+    let mut done = false;
+    for line in body.lines() {
+        if let Some(d) = line.strip_prefix("data: ") {
+            if d == "[DONE]" {
+                done = true;
+            } else {
+                events.push(serde_json::from_str(d).unwrap_or_else(|e| panic!("{d}: {e}")));
+            }
+        }
+    }
+    (events, done)
 }
 
 /// Reads the head, then `Content-Length` bytes when given, else to the end of the stream.
@@ -175,7 +221,7 @@ async fn http_inner(
     path: &str,
     headers: &str,
     body: &[u8],
-) -> (u16, String) {
+) -> (u16, String, String) {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
     let head = format!(
@@ -206,9 +252,6 @@ async fn http_inner(
     }
     let text = String::from_utf8_lossy(&out).into_owned();
     let status = text[9..12].parse().unwrap();
-    let body = text
-        .split_once("\r\n\r\n")
-        .map_or("", |(_, b)| b)
-        .to_string();
-    (status, body)
+    let (head, body) = text.split_once("\r\n\r\n").unwrap_or((&text, ""));
+    (status, head.to_string(), body.to_string())
 }

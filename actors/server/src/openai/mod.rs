@@ -1,0 +1,316 @@
+//! The OpenAI-compatible front end: `POST /v1/completions`, `POST /v1/chat/completions` (plain
+//! JSON or server-sent events ending in `data: [DONE]`), `GET /v1/models`, and vLLM's
+//! `POST /tokenize` and `POST /detokenize` ([`tokenize`]).
+//!
+//! A request with `n` > 1 runs one session per choice (the batcher decodes them together),
+//! seeded `seed + index`; the usage counts the prompt once. A client that goes away cancels
+//! every choice within one token.
+
+pub mod request;
+pub mod response;
+pub mod tokenize;
+
+use crate::error::ServeError;
+use crate::generate::GenEvent;
+use crate::protocol::{PromptSpec, Usage};
+use crate::state::{Shared, now, start};
+use axum::body::Bytes;
+use axum::extract::State;
+use axum::response::sse::{Event, KeepAlive, Sse};
+use axum::response::{IntoResponse, Response};
+use futures_util::StreamExt;
+use request::OpenAiCall;
+use response::{Piece, Shape};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use tokio::sync::mpsc;
+
+pub async fn models(State(s): State<Shared>) -> impl IntoResponse {
+    axum::Json(serde_json::json!({"object": "list", "data": [{
+        "id": s.model_name, "object": "model", "created": now(), "owned_by": "nsactor",
+        "max_model_len": s.generator.max_prompt_tokens,
+    }]}))
+}
+
+pub async fn completions(State(s): State<Shared>, body: Bytes) -> Response {
+    openai(s, body, false).await
+}
+
+pub async fn chat_completions(State(s): State<Shared>, body: Bytes) -> Response {
+    openai(s, body, true).await
+}
+
+/// Cancels the request's generations when dropped: the answer was sent or the client left.
+struct CancelOnDrop(Arc<AtomicBool>);
+
+impl Drop for CancelOnDrop {
+    fn drop(&mut self) {
+        self.0.store(true, Ordering::SeqCst);
+    }
+}
+
+/// An event of choice `index`.
+type Tagged = (usize, Result<GenEvent, ServeError>);
+
+/// Starts the call's `n` generations; their events arrive tagged with the choice index.
+fn launch(s: &Shared, call: &OpenAiCall, cancel: &Arc<AtomicBool>) -> mpsc::Receiver<Tagged> {
+    let (tx, rx) = mpsc::channel(64);
+    for i in 0..call.n {
+        let mut spec = call.spec.clone();
+        spec.sampling.seed = spec.sampling.seed.wrapping_add(i as u64);
+        let mut events = start(s, spec, cancel.clone());
+        let tx = tx.clone();
+        tokio::spawn(async move {
+            while let Some(e) = events.recv().await {
+                if tx.send((i, e)).await.is_err() {
+                    break;
+                }
+            }
+        });
+    }
+    rx
+}
+
+/// Where one choice stands.
+#[derive(Default)]
+struct Choice {
+    /// Its text so far (whole answers only).
+    whole: Piece,
+    finish: Option<&'static str>,
+    /// Nothing sent yet (the chat role goes with the first chunk; echo text first).
+    fresh: bool,
+    /// Its completions `text_offset` so far.
+    offset: usize,
+}
+
+/// The pieces an event adds to its choice: the echoed prompt first when asked for.
+fn pieces(e: GenEvent, choice: &mut Choice, echo: Option<&str>) -> Vec<Piece> {
+    let mut out = Vec::new();
+    let echoed = !choice.fresh;
+    match e {
+        GenEvent::Prompt { ids, logprobs } => out.push(Piece {
+            text: echo.unwrap_or_default().to_string(),
+            tokens: ids.into_iter().zip(logprobs).collect(),
+        }),
+        GenEvent::Delta {
+            text,
+            token_ids,
+            logprobs,
+        } => {
+            if let (Some(e), false) = (echo, echoed) {
+                out.push(Piece {
+                    text: e.to_string(),
+                    tokens: Vec::new(),
+                });
+            }
+            let tokens = if logprobs.is_empty() {
+                Vec::new()
+            } else {
+                token_ids
+                    .into_iter()
+                    .zip(logprobs.into_iter().map(Some))
+                    .collect()
+            };
+            out.push(Piece { text, tokens });
+        }
+        GenEvent::Done(_) => {
+            if let (Some(e), false) = (echo, echoed) {
+                out.push(Piece {
+                    text: e.to_string(),
+                    tokens: Vec::new(),
+                });
+            }
+        }
+    }
+    out
+}
+
+pub async fn openai(s: Shared, body: Bytes, chat: bool) -> Response {
+    let call = match request::parse(&body, &s.limits, &s.model_name, chat) {
+        Ok(c) => c,
+        Err(e) => return e.into_response(),
+    };
+    let echo = call.echo.then(|| match &call.spec.prompt {
+        PromptSpec::Text(t) => t.clone(),
+        PromptSpec::Ids(ids) => {
+            let ids: Vec<u32> = ids.iter().map(|&t| t as u32).collect();
+            s.generator.tokenizer.decode(&ids, true).unwrap_or_default()
+        }
+        PromptSpec::Chat(_) => String::new(),
+    });
+    let shape = Shape {
+        chat,
+        id: format!("{}-{:x}", if chat { "chatcmpl" } else { "cmpl" }, rand_id()),
+        created: now(),
+        model: s.model_name.clone(),
+        logprobs: call.spec.logprobs.is_some(),
+        include_usage: call.include_usage,
+        tokenizer: s.generator.tokenizer.clone(),
+    };
+    let cancel = Arc::new(AtomicBool::new(false));
+    let mut rx = launch(&s, &call, &cancel);
+    let guard = CancelOnDrop(cancel);
+    let choices = (0..call.n)
+        .map(|_| Choice {
+            fresh: true,
+            ..Choice::default()
+        })
+        .collect();
+    if !call.stream {
+        return whole(rx, shape, choices, echo).await;
+    }
+    // The first event decides between an SSE stream and an error status.
+    let first = rx.recv().await;
+    if let Some((_, Err(e))) = first {
+        return e.into_response();
+    }
+    let st = Streamer {
+        rx,
+        pending: first,
+        shape,
+        choices,
+        echo,
+        usage: Usage {
+            prompt_tokens: 0,
+            completion_tokens: 0,
+            total_tokens: 0,
+        },
+        finished: false,
+        _guard: guard,
+    };
+    let events = futures_util::stream::unfold(st, |mut st| async move {
+        let events = st.next_events().await?;
+        let items = events.into_iter().map(Ok::<_, std::convert::Infallible>);
+        Some((futures_util::stream::iter(items), st))
+    })
+    .flatten();
+    Sse::new(events)
+        .keep_alive(KeepAlive::default())
+        .into_response()
+}
+
+/// Waits for every choice and answers with one JSON body.
+async fn whole(
+    mut rx: mpsc::Receiver<Tagged>,
+    shape: Shape,
+    mut choices: Vec<Choice>,
+    echo: Option<String>,
+) -> Response {
+    let (mut prompt, mut completion) = (0, 0);
+    while let Some((i, e)) = rx.recv().await {
+        let c = &mut choices[i];
+        let e = match e {
+            Ok(e) => e,
+            Err(e) => return e.into_response(),
+        };
+        if let GenEvent::Done(f) = &e {
+            c.finish = Some(f.finish_reason);
+            prompt = f.usage.prompt_tokens;
+            completion += f.usage.completion_tokens;
+        }
+        for p in pieces(e, c, echo.as_deref()) {
+            c.whole.text.push_str(&p.text);
+            c.whole.tokens.extend(p.tokens);
+        }
+        c.fresh = false;
+    }
+    let mut done = Vec::with_capacity(choices.len());
+    for c in choices {
+        match c.finish {
+            Some(f) => done.push((c.whole, f)),
+            None => return ServeError::Internal("a generation stopped".into()).into_response(),
+        }
+    }
+    let usage = Usage {
+        prompt_tokens: prompt,
+        completion_tokens: completion,
+        total_tokens: prompt + completion,
+    };
+    axum::Json(shape.answer(done, usage)).into_response()
+}
+
+/// A streamed answer: chunks as the choices' events come, then the usage chunk when asked
+/// for, then `[DONE]`; an error ends it with an error event and `[DONE]`.
+struct Streamer {
+    rx: mpsc::Receiver<Tagged>,
+    pending: Option<Tagged>,
+    shape: Shape,
+    choices: Vec<Choice>,
+    echo: Option<String>,
+    usage: Usage,
+    finished: bool,
+    _guard: CancelOnDrop,
+}
+
+impl Streamer {
+    async fn next_events(&mut self) -> Option<Vec<Event>> {
+        if self.finished {
+            return None;
+        }
+        let data = |v: serde_json::Value| Event::default().data(v.to_string());
+        let done = || Event::default().data("[DONE]");
+        let next = match self.pending.take() {
+            Some(t) => Some(t),
+            None => self.rx.recv().await,
+        };
+        let Some((i, e)) = next else {
+            self.finished = true;
+            return Some(vec![done()]);
+        };
+        let e = match e {
+            Ok(e) => e,
+            Err(e) => {
+                self.finished = true;
+                return Some(vec![data(e.openai_body()), done()]);
+            }
+        };
+        let c = &mut self.choices[i];
+        let finish = match &e {
+            GenEvent::Done(f) => {
+                self.usage.prompt_tokens = f.usage.prompt_tokens;
+                self.usage.completion_tokens += f.usage.completion_tokens;
+                Some(f.finish_reason)
+            }
+            _ => None,
+        };
+        let mut out = Vec::new();
+        for p in pieces(e, c, self.echo.as_deref()) {
+            out.push(data(self.shape.chunk(
+                i,
+                Some(&p),
+                None,
+                c.fresh,
+                &mut c.offset,
+            )));
+            c.fresh = false;
+        }
+        if let Some(f) = finish {
+            c.finish = Some(f);
+            out.push(data(self.shape.chunk(
+                i,
+                None,
+                Some(f),
+                c.fresh,
+                &mut c.offset,
+            )));
+            c.fresh = false;
+            if self.choices.iter().all(|c| c.finish.is_some()) {
+                if self.shape.include_usage {
+                    self.usage.total_tokens =
+                        self.usage.prompt_tokens + self.usage.completion_tokens;
+                    out.push(data(self.shape.usage_chunk(self.usage)));
+                }
+                out.push(done());
+                self.finished = true;
+            }
+        }
+        Some(out)
+    }
+}
+
+pub fn rand_id() -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u64(now());
+    h.finish()
+}

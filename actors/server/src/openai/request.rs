@@ -1,0 +1,420 @@
+//! The bodies of `POST /v1/completions` and `POST /v1/chat/completions`, parsed and checked
+//! into one [`OpenAiCall`]. Every OpenAI field is implemented, accepted with a neutral value
+//! and ignored, or refused by name (the table in the README); anything else is an unknown
+//! field, also refused by name. Errors name the field (`param`).
+
+use crate::error::ServeError;
+use crate::protocol::{ChatMessage, GenSpec, Limits, Prompt, PromptSpec, SamplingOptions, Stop};
+use serde::Deserialize;
+use std::collections::BTreeMap;
+
+/// One request body, as clients send it.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct OpenAiRequest {
+    pub model: Option<String>,
+    pub prompt: Option<Prompt>,
+    pub messages: Option<Vec<OpenAiMessage>>,
+    pub max_tokens: Option<usize>,
+    pub max_completion_tokens: Option<usize>,
+    pub temperature: Option<f32>,
+    pub top_p: Option<f32>,
+    pub top_k: Option<usize>,
+    pub repetition_penalty: Option<f32>,
+    pub presence_penalty: Option<f32>,
+    pub frequency_penalty: Option<f32>,
+    pub logit_bias: Option<BTreeMap<String, f32>>,
+    pub seed: Option<i64>,
+    pub stop: Option<Stop>,
+    #[serde(default)]
+    pub ignore_eos: bool,
+    #[serde(default)]
+    pub stream: bool,
+    pub stream_options: Option<StreamOptions>,
+    pub n: Option<usize>,
+    pub best_of: Option<usize>,
+    /// An integer (alternatives per token) on `/v1/completions`, a boolean on chat.
+    pub logprobs: Option<Logprobs>,
+    pub top_logprobs: Option<usize>,
+    #[serde(default)]
+    pub echo: bool,
+    pub suffix: Option<String>,
+    /// Accepted and ignored.
+    pub user: Option<String>,
+    pub response_format: Option<ResponseFormat>,
+    pub tools: Option<Vec<serde_json::Value>>,
+    pub tool_choice: Option<serde_json::Value>,
+    /// Accepted and ignored (no tools are run).
+    pub parallel_tool_calls: Option<bool>,
+    /// Accepted and ignored (nothing is stored).
+    pub store: Option<bool>,
+    pub metadata: Option<serde_json::Value>,
+    pub service_tier: Option<String>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Deserialize)]
+#[serde(untagged)]
+pub enum Logprobs {
+    Flag(bool),
+    Count(usize),
+}
+
+#[derive(Debug, Clone, Copy, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct StreamOptions {
+    #[serde(default)]
+    pub include_usage: bool,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+pub struct ResponseFormat {
+    #[serde(rename = "type")]
+    pub kind: String,
+}
+
+/// A chat message as OpenAI clients send it: `content` a string or a list of text parts.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct OpenAiMessage {
+    pub role: String,
+    pub content: Option<serde_json::Value>,
+    /// Accepted and ignored.
+    pub name: Option<String>,
+    /// Accepted when empty (assistant turns echoed back by clients).
+    pub refusal: Option<String>,
+    pub tool_calls: Option<Vec<serde_json::Value>>,
+}
+
+/// A checked request: the generation spec of each choice and how to answer.
+#[derive(Debug, Clone)]
+pub struct OpenAiCall {
+    pub spec: GenSpec,
+    /// Choices (`n`): each its own session, seeded `seed + index`.
+    pub n: usize,
+    pub chat: bool,
+    pub stream: bool,
+    /// A last chunk with the usage (`stream_options.include_usage`).
+    pub include_usage: bool,
+    /// `/v1/completions` `echo`: the prompt's text starts each choice.
+    pub echo: bool,
+}
+
+fn refuse(param: &str, message: impl Into<String>) -> ServeError {
+    ServeError::field(param, message)
+}
+
+/// Parses and checks a body for the server of model `served`.
+pub fn parse(
+    body: &[u8],
+    limits: &Limits,
+    served: &str,
+    chat: bool,
+) -> Result<OpenAiCall, ServeError> {
+    let de = &mut serde_json::Deserializer::from_slice(body);
+    let req: OpenAiRequest = serde_path_to_error::deserialize(de).map_err(|e| {
+        let path = e.path().to_string();
+        let inner = e.into_inner();
+        if inner.is_syntax() || inner.is_eof() {
+            ServeError::InvalidJson(format!("invalid JSON: {inner}"))
+        } else if path == "." {
+            ServeError::Invalid(format!("invalid request body: {inner}"))
+        } else {
+            let field = path.split(['.', '[']).next().unwrap_or(&path).to_string();
+            refuse(&field, format!("`{path}`: {inner}"))
+        }
+    })?;
+    req.check(limits, served, chat)
+}
+
+impl OpenAiRequest {
+    fn check(self, limits: &Limits, served: &str, chat: bool) -> Result<OpenAiCall, ServeError> {
+        check_model(self.model.as_deref(), served)?;
+        let prompt = match (chat, self.prompt, self.messages) {
+            (false, Some(Prompt::Text(t)), None) => PromptSpec::Text(t),
+            (false, Some(Prompt::Ids(ids)), None) => PromptSpec::Ids(ids),
+            (true, None, Some(m)) => PromptSpec::Chat(chat_messages(m)?),
+            (false, _, _) => {
+                return Err(refuse(
+                    "prompt",
+                    "/v1/completions needs `prompt` (and no `messages`)",
+                ));
+            }
+            (true, _, _) => {
+                return Err(refuse(
+                    "messages",
+                    "/v1/chat/completions needs `messages` (and no `prompt`)",
+                ));
+            }
+        };
+        let n = self.n.unwrap_or(1);
+        if n == 0 || n > limits.max_n {
+            return Err(refuse(
+                "n",
+                format!("n must be in 1..={}, got {n}", limits.max_n),
+            ));
+        }
+        if self.best_of.is_some_and(|b| b != n) {
+            return Err(refuse(
+                "best_of",
+                "best_of is not supported (only best_of = n)",
+            ));
+        }
+        if self.suffix.as_deref().is_some_and(|s| !s.is_empty()) {
+            return Err(refuse("suffix", "suffix (insertion) is not supported"));
+        }
+        if let Some(f) = self.response_format.filter(|f| f.kind != "text") {
+            return Err(refuse(
+                "response_format",
+                format!(
+                    "response_format `{}` is not supported (only `text`)",
+                    f.kind
+                ),
+            ));
+        }
+        if self.tools.as_ref().is_some_and(|t| !t.is_empty()) {
+            return Err(refuse("tools", "tools are not supported"));
+        }
+        if let Some(c) = self.tool_choice.filter(|c| *c != "none") {
+            return Err(refuse(
+                "tool_choice",
+                format!("tool_choice must be \"none\", got {c}"),
+            ));
+        }
+        if self.stream_options.is_some() && !self.stream {
+            return Err(refuse(
+                "stream_options",
+                "stream_options needs stream: true",
+            ));
+        }
+        let logprobs = match (chat, self.logprobs, self.top_logprobs) {
+            (_, None | Some(Logprobs::Flag(false)), None) => None,
+            (false, Some(Logprobs::Count(k)), None) => Some(k),
+            (true, Some(Logprobs::Flag(true)), top) => Some(top.unwrap_or(0)),
+            (true, _, Some(_)) => {
+                return Err(refuse("top_logprobs", "top_logprobs needs logprobs: true"));
+            }
+            (true, Some(Logprobs::Count(_)), None) => {
+                return Err(refuse(
+                    "logprobs",
+                    "on /v1/chat/completions logprobs is true or false (top_logprobs counts)",
+                ));
+            }
+            (false, _, Some(_)) => {
+                return Err(refuse(
+                    "top_logprobs",
+                    "top_logprobs belongs to /v1/chat/completions; here logprobs counts",
+                ));
+            }
+            (false, Some(Logprobs::Flag(true)), None) => {
+                return Err(refuse(
+                    "logprobs",
+                    "on /v1/completions logprobs is the number of alternatives (0..=20)",
+                ));
+            }
+        };
+        if chat && self.echo {
+            return Err(refuse("echo", "echo belongs to /v1/completions"));
+        }
+        if self.max_tokens.is_some() && self.max_completion_tokens.is_some() {
+            return Err(refuse(
+                "max_completion_tokens",
+                "give max_tokens or max_completion_tokens, not both",
+            ));
+        }
+        let mut logit_bias = Vec::new();
+        for (k, v) in self.logit_bias.unwrap_or_default() {
+            let id: i64 = k.parse().map_err(|_| {
+                refuse(
+                    "logit_bias",
+                    format!("logit_bias keys are token ids, got {k:?}"),
+                )
+            })?;
+            logit_bias.push((id, v));
+        }
+        let options = SamplingOptions {
+            max_tokens: self.max_tokens.or(self.max_completion_tokens),
+            temperature: self.temperature,
+            top_k: self.top_k,
+            top_p: self.top_p,
+            repetition_penalty: self.repetition_penalty,
+            presence_penalty: self.presence_penalty,
+            frequency_penalty: self.frequency_penalty,
+            logit_bias,
+            // Negative seeds (allowed by OpenAI's schema) keep their bits.
+            seed: self.seed.map(|s| s as u64),
+            stop: self.stop,
+            ignore_eos: self.ignore_eos,
+            logprobs,
+            prompt_logprobs: self.echo && logprobs.is_some(),
+        };
+        let spec = options.validate(prompt, false, limits)?;
+        Ok(OpenAiCall {
+            spec,
+            n,
+            chat,
+            stream: self.stream,
+            include_usage: self.stream_options.is_some_and(|o| o.include_usage),
+            echo: self.echo,
+        })
+    }
+}
+
+/// A request naming a model must name the one served (an empty name is no name).
+pub fn check_model(model: Option<&str>, served: &str) -> Result<(), ServeError> {
+    match model {
+        Some(m) if !m.is_empty() && m != served => Err(ServeError::ModelNotFound(format!(
+            "the model `{m}` does not exist; this server serves `{served}`"
+        ))),
+        _ => Ok(()),
+    }
+}
+
+/// OpenAI chat messages as the template's: text parts joined, `developer` read as `system`.
+pub fn chat_messages(m: Vec<OpenAiMessage>) -> Result<Vec<ChatMessage>, ServeError> {
+    m.into_iter()
+        .enumerate()
+        .map(|(i, m)| {
+            let at = |what: &str| refuse("messages", format!("messages[{i}]: {what}"));
+            if m.tool_calls.as_ref().is_some_and(|t| !t.is_empty()) {
+                return Err(at("tool_calls are not supported"));
+            }
+            let content = match m.content {
+                Some(serde_json::Value::String(s)) => s,
+                Some(serde_json::Value::Array(parts)) => {
+                    let mut text = String::new();
+                    for (j, p) in parts.iter().enumerate() {
+                        match (p.get("type").and_then(|t| t.as_str()), p.get("text")) {
+                            (Some("text"), Some(serde_json::Value::String(t))) => text.push_str(t),
+                            (kind, _) => {
+                                return Err(at(&format!(
+                                    "content[{j}] of type {} is not supported (only text parts)",
+                                    kind.unwrap_or("?")
+                                )));
+                            }
+                        }
+                    }
+                    text
+                }
+                Some(other) => return Err(at(&format!("content must be text, got {other}"))),
+                None => return Err(at("content is missing")),
+            };
+            let role = if m.role == "developer" {
+                "system".to_string()
+            } else {
+                m.role
+            };
+            Ok(ChatMessage { role, content })
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn call(body: &str, chat: bool) -> Result<OpenAiCall, ServeError> {
+        parse(body.as_bytes(), &Limits::default(), "tiny", chat)
+    }
+
+    #[test]
+    fn fields_clients_send_are_read_and_bad_ones_named() {
+        let c = call(
+            r#"{"model":"tiny","prompt":"hi","n":2,"logprobs":3,"echo":true,"max_tokens":0,
+                "stream":true,"stream_options":{"include_usage":true},"user":"u","seed":-1,
+                "presence_penalty":0.5,"logit_bias":{"7":-100},"best_of":2,"suffix":""}"#,
+            false,
+        )
+        .unwrap();
+        assert_eq!(
+            (c.n, c.stream, c.include_usage, c.echo),
+            (2, true, true, true)
+        );
+        assert_eq!(c.spec.logprobs, Some(3));
+        assert!(c.spec.prompt_logprobs && c.spec.max_tokens == 0);
+        assert_eq!(c.spec.logit_bias, [(7, -100.0)]);
+        assert_eq!(c.spec.sampling.seed, u64::MAX);
+        let chat = call(
+            r#"{"messages":[{"role":"developer","content":[{"type":"text","text":"be brief"}]},
+                {"role":"user","content":"hi","name":"ann"}],"logprobs":true,"top_logprobs":2,
+                "max_completion_tokens":5,"response_format":{"type":"text"},"tool_choice":"none"}"#,
+            true,
+        )
+        .unwrap();
+        assert_eq!(chat.spec.logprobs, Some(2));
+        assert_eq!(chat.spec.max_tokens, 5);
+        let PromptSpec::Chat(m) = &chat.spec.prompt else {
+            panic!("chat")
+        };
+        assert_eq!(
+            (m[0].role.as_str(), m[0].content.as_str()),
+            ("system", "be brief")
+        );
+        // (body, chat, the param the error names)
+        let bad = [
+            (r#"{"prompt":"hi","max_tokens":"5"}"#, false, "max_tokens"),
+            (r#"{"prompt":"hi","frobnicate":1}"#, false, "frobnicate"),
+            (r#"{"prompt":"hi","n":0}"#, false, "n"),
+            (r#"{"prompt":"hi","n":99}"#, false, "n"),
+            (r#"{"prompt":"hi","logprobs":true}"#, false, "logprobs"),
+            (r#"{"prompt":"hi","logprobs":50}"#, false, "logprobs"),
+            (r#"{"prompt":"hi","max_tokens":0}"#, false, "max_tokens"),
+            (r#"{"prompt":"hi","suffix":"x"}"#, false, "suffix"),
+            (r#"{"prompt":"hi","best_of":3}"#, false, "best_of"),
+            (
+                r#"{"prompt":"hi","stream_options":{"include_usage":true}}"#,
+                false,
+                "stream_options",
+            ),
+            (
+                r#"{"prompt":"hi","logit_bias":{"a":1}}"#,
+                false,
+                "logit_bias",
+            ),
+            (
+                r#"{"prompt":"hi","logit_bias":{"1":500}}"#,
+                false,
+                "logit_bias",
+            ),
+            (
+                r#"{"prompt":"hi","presence_penalty":3}"#,
+                false,
+                "presence_penalty",
+            ),
+            (
+                r#"{"messages":[{"role":"user","content":"x"}],"echo":true}"#,
+                true,
+                "echo",
+            ),
+            (
+                r#"{"messages":[{"role":"user","content":"x"}],"top_logprobs":2}"#,
+                true,
+                "top_logprobs",
+            ),
+            (
+                r#"{"messages":[{"role":"user","content":[{"type":"image_url"}]}]}"#,
+                true,
+                "messages",
+            ),
+            (
+                r#"{"messages":[{"role":"user","content":"x"}],"tools":[{}]}"#,
+                true,
+                "tools",
+            ),
+            (
+                r#"{"messages":[{"role":"user","content":"x"}],"response_format":{"type":"json_object"}}"#,
+                true,
+                "response_format",
+            ),
+        ];
+        for (body, chat, param) in bad {
+            let e = call(body, chat).unwrap_err();
+            assert_eq!(e.status(), 400, "{body}: {e}");
+            assert_eq!(e.param().unwrap_or(""), param, "{body}: {e}");
+        }
+        let unknown = call(r#"{"prompt":"hi","frobnicate":1}"#, false).unwrap_err();
+        assert!(unknown.to_string().contains("frobnicate"), "{unknown}");
+        let wrong = call(r#"{"model":"gpt-4","prompt":"hi"}"#, false).unwrap_err();
+        assert_eq!(wrong.status(), 404);
+        assert_eq!(wrong.param(), Some("model"));
+    }
+}

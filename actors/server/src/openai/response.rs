@@ -1,0 +1,164 @@
+//! OpenAI's response bodies: whole answers, streamed chunks and the final usage chunk, for
+//! completions and chat, with log-probabilities in each endpoint's own shape
+//! (`tokens`/`token_logprobs`/`top_logprobs`/`text_offset` on completions, `content` entries
+//! with `bytes` on chat).
+
+use crate::logprobs::TokenLogprob;
+use crate::protocol::Usage;
+use nsactor_data::Tokenizer;
+use serde_json::{Map, Value, json};
+use std::sync::Arc;
+
+/// OpenAI cannot carry −∞ in JSON: vLLM's stand-in for a token the model rules out.
+const NEG_INF_LOGPROB: f32 = -9999.0;
+
+/// A piece of one choice: text and the tokens behind it with their log-probabilities (the
+/// prompt's first token has none).
+#[derive(Debug, Default)]
+pub struct Piece {
+    pub text: String,
+    pub tokens: Vec<(i64, Option<TokenLogprob>)>,
+}
+
+/// What every body of one request shares.
+pub struct Shape {
+    pub chat: bool,
+    pub id: String,
+    pub created: u64,
+    pub model: String,
+    /// Requests with `logprobs`: every choice carries them.
+    pub logprobs: bool,
+    /// Streamed with `include_usage`: chunks carry `"usage": null`, a last one the usage.
+    pub include_usage: bool,
+    pub tokenizer: Arc<Tokenizer>,
+}
+
+impl Shape {
+    fn object(&self, chunk: bool) -> &'static str {
+        match (self.chat, chunk) {
+            (true, false) => "chat.completion",
+            (true, true) => "chat.completion.chunk",
+            (false, _) => "text_completion",
+        }
+    }
+
+    fn envelope(&self, chunk: bool, choices: Vec<Value>) -> Map<String, Value> {
+        let mut m = Map::new();
+        m.insert("id".into(), self.id.clone().into());
+        m.insert("object".into(), self.object(chunk).into());
+        m.insert("created".into(), self.created.into());
+        m.insert("model".into(), self.model.clone().into());
+        m.insert("choices".into(), choices.into());
+        m
+    }
+
+    /// A whole answer: one choice per `(piece, finish reason)`, in index order.
+    pub fn answer(&self, choices: Vec<(Piece, &str)>, usage: Usage) -> Value {
+        let choices = choices
+            .into_iter()
+            .enumerate()
+            .map(|(i, (p, finish))| {
+                let lp = self.logprobs_json(&p.tokens, &mut 0);
+                let mut c = json!({"index": i, "finish_reason": finish, "logprobs": lp});
+                if self.chat {
+                    c["message"] = json!({"role": "assistant", "content": p.text});
+                } else {
+                    c["text"] = p.text.into();
+                }
+                c
+            })
+            .collect();
+        let mut m = self.envelope(false, choices);
+        m.insert("usage".into(), json!(usage));
+        Value::Object(m)
+    }
+
+    /// One streamed chunk of choice `index`: its new piece (the chat role on its first), or
+    /// its finish reason. `offset` is the choice's text offset so far (completions).
+    pub fn chunk(
+        &self,
+        index: usize,
+        piece: Option<&Piece>,
+        finish: Option<&str>,
+        first: bool,
+        offset: &mut usize,
+    ) -> Value {
+        let lp = piece.map_or(Value::Null, |p| self.logprobs_json(&p.tokens, offset));
+        let text = piece.map(|p| p.text.as_str());
+        let choice = if self.chat {
+            let mut d = Map::new();
+            if first {
+                d.insert("role".into(), "assistant".into());
+            }
+            if let Some(t) = text {
+                d.insert("content".into(), t.into());
+            }
+            json!({"index": index, "delta": d, "finish_reason": finish, "logprobs": lp})
+        } else {
+            json!({"index": index, "text": text.unwrap_or(""), "finish_reason": finish,
+                "logprobs": lp})
+        };
+        let mut m = self.envelope(true, vec![choice]);
+        if self.include_usage {
+            m.insert("usage".into(), Value::Null);
+        }
+        Value::Object(m)
+    }
+
+    /// The last chunk of a stream with `include_usage`: no choices, the usage.
+    pub fn usage_chunk(&self, usage: Usage) -> Value {
+        let mut m = self.envelope(true, Vec::new());
+        m.insert("usage".into(), json!(usage));
+        Value::Object(m)
+    }
+
+    fn token_text(&self, id: i64) -> String {
+        u32::try_from(id)
+            .ok()
+            .and_then(|id| self.tokenizer.decode(&[id], false).ok())
+            .unwrap_or_default()
+    }
+
+    /// The endpoint's log-probability object for `tokens` (null when not asked for);
+    /// `offset` advances over the tokens' text (completions' `text_offset`).
+    fn logprobs_json(&self, tokens: &[(i64, Option<TokenLogprob>)], offset: &mut usize) -> Value {
+        if !self.logprobs {
+            return Value::Null;
+        }
+        let lp = |l: f32| if l.is_finite() { l } else { NEG_INF_LOGPROB };
+        if self.chat {
+            let entry = |id: i64, l: f32| {
+                let t = self.token_text(id);
+                json!({"token": t, "logprob": lp(l), "bytes": t.as_bytes()})
+            };
+            let content: Vec<Value> = tokens
+                .iter()
+                .filter_map(|(_, l)| l.as_ref())
+                .map(|l| {
+                    let mut e = entry(l.token_id, l.logprob);
+                    let top: Vec<Value> = l.top.iter().map(|&(id, l)| entry(id, l)).collect();
+                    e["top_logprobs"] = top.into();
+                    e
+                })
+                .collect();
+            return json!({ "content": content });
+        }
+        let (mut text, mut logp, mut top, mut offsets) = (vec![], vec![], vec![], vec![]);
+        for (id, l) in tokens {
+            let t = self.token_text(*id);
+            offsets.push(*offset);
+            *offset += t.len();
+            text.push(Value::from(t));
+            logp.push(l.as_ref().map_or(Value::Null, |l| lp(l.logprob).into()));
+            top.push(l.as_ref().map_or(Value::Null, |l| {
+                let m: Map<String, Value> = l
+                    .top
+                    .iter()
+                    .map(|&(id, l)| (self.token_text(id), lp(l).into()))
+                    .collect();
+                Value::Object(m)
+            }));
+        }
+        json!({"tokens": text, "token_logprobs": logp, "top_logprobs": top, "text_offset": offsets})
+    }
+}

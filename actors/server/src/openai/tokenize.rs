@@ -1,0 +1,127 @@
+//! vLLM's `POST /tokenize` (a prompt or chat messages to token ids, as the server would feed
+//! them) and `POST /detokenize` (token ids to text).
+
+use super::request::{OpenAiMessage, chat_messages, check_model};
+use crate::error::ServeError;
+use crate::protocol::PromptSpec;
+use crate::state::Shared;
+use axum::Json;
+use axum::body::Bytes;
+use axum::extract::State;
+use axum::response::{IntoResponse, Response};
+use serde::Deserialize;
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct TokenizeRequest {
+    model: Option<String>,
+    prompt: Option<String>,
+    messages: Option<Vec<OpenAiMessage>>,
+    /// The beginning-of-text token before a prompt, as generation adds it (default true).
+    add_special_tokens: Option<bool>,
+    /// Chat: end with the assistant's turn opening, as generation does (default true).
+    add_generation_prompt: Option<bool>,
+    #[serde(default)]
+    return_token_strs: bool,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct DetokenizeRequest {
+    model: Option<String>,
+    tokens: Vec<i64>,
+}
+
+fn body<T: serde::de::DeserializeOwned>(bytes: &[u8]) -> Result<T, ServeError> {
+    serde_json::from_slice(bytes).map_err(|e| {
+        if e.is_syntax() || e.is_eof() {
+            ServeError::InvalidJson(format!("invalid JSON: {e}"))
+        } else {
+            ServeError::Invalid(format!("invalid request body: {e}"))
+        }
+    })
+}
+
+pub async fn tokenize(State(s): State<Shared>, bytes: Bytes) -> Response {
+    let run = || -> Result<serde_json::Value, ServeError> {
+        let r: TokenizeRequest = body(&bytes)?;
+        check_model(r.model.as_deref(), &s.model_name)?;
+        let tok = &s.generator.tokenizer;
+        let ids: Vec<i64> = match (r.prompt, r.messages) {
+            (Some(p), None) => {
+                let mut ids = Vec::new();
+                if r.add_special_tokens.unwrap_or(true) {
+                    ids.push(i64::from(tok.bos_id()));
+                }
+                let enc = tok
+                    .encode(&p)
+                    .map_err(|e| ServeError::Invalid(e.to_string()))?;
+                ids.extend(enc.into_iter().map(i64::from));
+                ids
+            }
+            (None, Some(m)) => {
+                let m = chat_messages(m)?;
+                if r.add_generation_prompt.unwrap_or(true) {
+                    s.generator.prompt_ids(&PromptSpec::Chat(m))?
+                } else {
+                    let msgs: Vec<nsactor_data::Message> = m
+                        .iter()
+                        .map(|m| nsactor_data::Message::new(&m.role, &m.content))
+                        .collect();
+                    let text = nsactor_data::chat_template(&msgs, false);
+                    tok.encode(&text)
+                        .map_err(|e| ServeError::Invalid(e.to_string()))?
+                        .into_iter()
+                        .map(i64::from)
+                        .collect()
+                }
+            }
+            _ => {
+                return Err(ServeError::field(
+                    "prompt",
+                    "give exactly one of `prompt` and `messages`",
+                ));
+            }
+        };
+        let mut out = serde_json::json!({
+            "count": ids.len(), "max_model_len": s.generator.max_prompt_tokens, "tokens": ids,
+        });
+        if r.return_token_strs {
+            let strs: Vec<String> = ids
+                .iter()
+                .map(|&t| tok.decode(&[t as u32], false).unwrap_or_default())
+                .collect();
+            out["token_strs"] = strs.into();
+        }
+        Ok(out)
+    };
+    match run() {
+        Ok(v) => Json(v).into_response(),
+        Err(e) => e.into_response(),
+    }
+}
+
+pub async fn detokenize(State(s): State<Shared>, bytes: Bytes) -> Response {
+    let run = || -> Result<serde_json::Value, ServeError> {
+        let r: DetokenizeRequest = body(&bytes)?;
+        check_model(r.model.as_deref(), &s.model_name)?;
+        let vocab = s.generator.decoder.vocab() as i64;
+        if let Some(bad) = r.tokens.iter().find(|&&t| t < 0 || t >= vocab) {
+            return Err(ServeError::field(
+                "tokens",
+                format!("token id {bad} is outside the vocabulary (0..{vocab})"),
+            ));
+        }
+        let ids: Vec<u32> = r.tokens.iter().map(|&t| t as u32).collect();
+        let text = s
+            .generator
+            .tokenizer
+            .decode(&ids, true)
+            .map_err(|e| ServeError::Internal(e.to_string()))?;
+        Ok(serde_json::json!({ "prompt": text }))
+    };
+    match run() {
+        Ok(v) => Json(v).into_response(),
+        Err(e) => e.into_response(),
+    }
+}

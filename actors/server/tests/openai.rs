@@ -1,0 +1,227 @@
+//! The OpenAI fields as clients use them, over loopback: `n`, log-probabilities (and that
+//! the prompt's, from `echo`, agree with the generation's own), usage chunks, chat
+//! log-probabilities, `/tokenize` and `/detokenize`, `x-request-id`, the error shape.
+
+mod common;
+
+use common::{http, http_head, serve, serve_model, sse_events};
+use serde_json::{Value, json};
+
+fn num(v: &Value) -> f64 {
+    v.as_f64().unwrap_or_else(|| panic!("not a number: {v}"))
+}
+
+#[test]
+fn n_logprobs_echo_and_usage_chunks_on_completions() {
+    let s = serve(4, 8);
+    let (addr, prompt, greedy) = (s.addr, s.prompt.clone(), s.greedy.clone());
+    s.pipeline.block_on(async move {
+        let n_new = greedy.len() - prompt.len();
+        // n = 2 greedy choices: both are the fixture's continuation; the prompt counts once.
+        let req = json!({"prompt": prompt, "max_tokens": n_new, "temperature": 0, "n": 2,
+            "logprobs": 2, "ignore_eos": true});
+        let (status, body) =
+            http(addr, "POST", "/v1/completions", req.to_string().as_bytes()).await;
+        assert_eq!(status, 200, "{body}");
+        let v: Value = serde_json::from_str(&body).unwrap();
+        let choices = v["choices"].as_array().unwrap();
+        assert_eq!(choices.len(), 2);
+        assert_eq!(choices[0]["text"], choices[1]["text"]);
+        assert_eq!(
+            (choices[0]["index"].as_u64(), choices[1]["index"].as_u64()),
+            (Some(0), Some(1))
+        );
+        assert_eq!(v["usage"]["prompt_tokens"], prompt.len());
+        assert_eq!(v["usage"]["completion_tokens"], 2 * n_new);
+        // Greedy picks the most likely token: its logprob is the first alternative's.
+        let lp = &choices[0]["logprobs"];
+        let gen_lp: Vec<f64> = lp["token_logprobs"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(num)
+            .collect();
+        assert_eq!(gen_lp.len(), n_new);
+        for (i, top) in lp["top_logprobs"].as_array().unwrap().iter().enumerate() {
+            let top = top.as_object().unwrap();
+            assert!(!top.is_empty() && top.len() <= 2, "{top:?}");
+            let best = top.values().map(num).fold(f64::NEG_INFINITY, f64::max);
+            assert!(
+                (best - gen_lp[i]).abs() < 1e-6 && gen_lp[i] <= 0.0,
+                "{best} vs {}",
+                gen_lp[i]
+            );
+        }
+        let offsets: Vec<u64> = lp["text_offset"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|o| o.as_u64().unwrap())
+            .collect();
+        assert!(offsets.windows(2).all(|w| w[0] <= w[1]), "{offsets:?}");
+
+        // Scoring prompt + continuation (echo, max_tokens 0) feeds the tokens one at a time;
+        // the continuation's logprobs must equal the ones reported while generating.
+        let req = json!({"prompt": greedy, "max_tokens": 0, "echo": true, "logprobs": 0});
+        let (status, body) =
+            http(addr, "POST", "/v1/completions", req.to_string().as_bytes()).await;
+        assert_eq!(status, 200, "{body}");
+        let v: Value = serde_json::from_str(&body).unwrap();
+        let c = &v["choices"][0];
+        assert_eq!(c["finish_reason"], "length");
+        assert_eq!(v["usage"]["completion_tokens"], 0);
+        let scored = c["logprobs"]["token_logprobs"].as_array().unwrap();
+        assert_eq!(scored.len(), greedy.len());
+        assert!(
+            scored[0].is_null(),
+            "the first token has no context: {}",
+            scored[0]
+        );
+        let tail: Vec<f64> = scored[prompt.len()..].iter().map(num).collect();
+        for (a, b) in tail.iter().zip(&gen_lp) {
+            assert!(
+                (a - b).abs() < 1e-3,
+                "echo {tail:?} vs generated {gen_lp:?}"
+            );
+        }
+
+        // Streaming n = 2 with include_usage: chunks of both indices, each finishing once,
+        // `usage: null` on every chunk, then one usage chunk with no choices, then [DONE].
+        let req = json!({"prompt": prompt, "max_tokens": 3, "n": 2, "stream": true, "seed": 5,
+            "stream_options": {"include_usage": true}, "ignore_eos": true});
+        let (status, body) =
+            http(addr, "POST", "/v1/completions", req.to_string().as_bytes()).await;
+        assert_eq!(status, 200, "{body}");
+        let (events, done) = sse_events(&body);
+        assert!(done, "{body}");
+        let (last, chunks) = events.split_last().unwrap();
+        assert_eq!(last["choices"].as_array().unwrap().len(), 0, "{last}");
+        assert_eq!(last["usage"]["completion_tokens"], 6, "{last}");
+        assert_eq!(last["usage"]["total_tokens"], 6 + prompt.len(), "{last}");
+        let mut finished = [0, 0];
+        for c in chunks {
+            assert!(c["usage"].is_null(), "{c}");
+            let i = c["choices"][0]["index"].as_u64().unwrap() as usize;
+            if !c["choices"][0]["finish_reason"].is_null() {
+                finished[i] += 1;
+            }
+        }
+        assert_eq!(finished, [1, 1], "{body}");
+
+        // The error shape, with the field at fault.
+        let (status, body) = http(
+            addr,
+            "POST",
+            "/v1/completions",
+            br#"{"prompt":[1],"top_p":3}"#,
+        )
+        .await;
+        assert_eq!(status, 400);
+        let e: Value = serde_json::from_str(&body).unwrap();
+        assert_eq!(e["error"]["param"], "top_p", "{e}");
+        assert_eq!(e["error"]["type"], "invalid_request_error", "{e}");
+        let (status, body) = http(
+            addr,
+            "POST",
+            "/v1/completions",
+            br#"{"model":"gpt-4o","prompt":[1]}"#,
+        )
+        .await;
+        assert_eq!(status, 404, "{body}");
+        assert!(body.contains("model_not_found"), "{body}");
+    });
+}
+
+#[test]
+fn chat_logprobs_tokenize_detokenize_and_request_ids() {
+    let s = serve_model(4, 8, false);
+    let (addr, bos) = (s.addr, s.state.generator.tokenizer.bos_id());
+    s.pipeline.block_on(async move {
+        let req = json!({"messages": [{"role": "developer", "content": "Be brief."},
+            {"role": "user", "content": [{"type": "text", "text": "Hello"}]}],
+            "max_completion_tokens": 4, "logprobs": true, "top_logprobs": 3, "ignore_eos": true,
+            "presence_penalty": 0.5, "frequency_penalty": 0.5, "logit_bias": {"10": -100}});
+        let (status, head, body) = http_head(
+            addr,
+            "POST",
+            "/v1/chat/completions",
+            "X-Request-Id: trace-42\r\n",
+            req.to_string().as_bytes(),
+        )
+        .await;
+        assert_eq!(status, 200, "{body}");
+        assert!(
+            head.to_ascii_lowercase().contains("x-request-id: trace-42"),
+            "{head}"
+        );
+        let v: Value = serde_json::from_str(&body).unwrap();
+        let content = v["choices"][0]["logprobs"]["content"].as_array().unwrap();
+        assert_eq!(content.len(), 4, "{v}");
+        let mut text = String::new();
+        for e in content {
+            assert!(num(&e["logprob"]) <= 0.0);
+            assert_eq!(e["top_logprobs"].as_array().unwrap().len(), 3, "{e}");
+            let bytes: Vec<u8> = e["bytes"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|b| b.as_u64().unwrap() as u8)
+                .collect();
+            assert_eq!(
+                String::from_utf8_lossy(&bytes),
+                e["token"].as_str().unwrap()
+            );
+            text.push_str(e["token"].as_str().unwrap());
+        }
+        assert_eq!(
+            text,
+            v["choices"][0]["message"]["content"].as_str().unwrap()
+        );
+        // Without the header the server names the request itself.
+        let (_, head, _) = http_head(addr, "GET", "/v1/models", "", b"").await;
+        assert!(
+            head.to_ascii_lowercase().contains("x-request-id: req-"),
+            "{head}"
+        );
+
+        // /tokenize is what generation feeds; /detokenize gives the text back.
+        let (status, body) = http(
+            addr,
+            "POST",
+            "/tokenize",
+            br#"{"prompt":"Hello world","return_token_strs":true}"#,
+        )
+        .await;
+        assert_eq!(status, 200, "{body}");
+        let t: Value = serde_json::from_str(&body).unwrap();
+        let ids = t["tokens"].as_array().unwrap().clone();
+        assert_eq!(ids[0], bos, "a prompt starts with the BOS token: {t}");
+        assert_eq!(t["max_model_len"], 64, "{t}");
+        assert_eq!(t["count"], ids.len());
+        assert_eq!(t["token_strs"].as_array().unwrap().len(), ids.len());
+        let (status, body) = http(
+            addr,
+            "POST",
+            "/detokenize",
+            json!({"tokens": ids}).to_string().as_bytes(),
+        )
+        .await;
+        assert_eq!(status, 200, "{body}");
+        assert_eq!(
+            serde_json::from_str::<Value>(&body).unwrap()["prompt"],
+            "Hello world"
+        );
+        let (status, body) = http(addr, "POST", "/detokenize", br#"{"tokens":[99999]}"#).await;
+        assert_eq!(status, 400, "{body}");
+        assert!(body.contains("\"param\":\"tokens\""), "{body}");
+        let chat = json!({"messages": [{"role": "user", "content": "Hi"}]});
+        let (status, body) = http(addr, "POST", "/tokenize", chat.to_string().as_bytes()).await;
+        assert_eq!(status, 200, "{body}");
+        assert!(
+            serde_json::from_str::<Value>(&body).unwrap()["count"]
+                .as_u64()
+                .unwrap()
+                > 3
+        );
+    });
+}

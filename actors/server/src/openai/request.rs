@@ -311,6 +311,7 @@ pub fn chat_messages(m: Vec<OpenAiMessage>) -> Result<Vec<ChatMessage>, ServeErr
 #[cfg(test)]
 mod tests {
     use super::*;
+    use proptest::prelude::*;
 
     fn call(body: &str, chat: bool) -> Result<OpenAiCall, ServeError> {
         parse(body.as_bytes(), &Limits::default(), "tiny", chat)
@@ -416,5 +417,75 @@ mod tests {
         let wrong = call(r#"{"model":"gpt-4","prompt":"hi"}"#, false).unwrap_err();
         assert_eq!(wrong.status(), 404);
         assert_eq!(wrong.param(), Some("model"));
+    }
+
+    /// The kept corpus (`fuzz-corpus-openai/`): `ok-*` bodies parse, `bad-*` ones get a 4xx
+    /// with a message; `*-chat-*` go to the chat endpoint.
+    #[test]
+    fn the_corpus_parses_as_labelled() {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("src/fuzz-corpus-openai");
+        let mut n = 0;
+        for e in std::fs::read_dir(&dir).unwrap() {
+            let path = e.unwrap().path();
+            let name = path.file_name().unwrap().to_string_lossy().into_owned();
+            let r = parse(
+                &std::fs::read(&path).unwrap(),
+                &Limits::default(),
+                "tiny_a",
+                name.contains("-chat-"),
+            );
+            if name.starts_with("ok-") {
+                assert!(r.is_ok(), "{name}: {:?}", r.err());
+            } else {
+                let e = r.expect_err(&name);
+                assert!(
+                    e.status().is_client_error() && !e.to_string().is_empty(),
+                    "{name}: {e}"
+                );
+            }
+            n += 1;
+        }
+        assert!(n >= 15, "corpus went missing: {n} files");
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig { cases: 3000, failure_persistence: Some(Box::new(
+            proptest::test_runner::FileFailurePersistence::WithSource("proptest-regressions"))),
+            ..ProptestConfig::default() })]
+
+        /// Arbitrary bytes never panic the parser; what is refused is the client's error.
+        #[test]
+        fn arbitrary_bodies_never_panic(bytes in proptest::collection::vec(any::<u8>(), 0..300), chat in any::<bool>()) {
+            if let Err(e) = parse(&bytes, &Limits::default(), "m", chat) {
+                prop_assert!(e.status().is_client_error(), "{e}");
+            }
+        }
+
+        /// JSON-shaped mutations of valid bodies: accepted ones respect the limits, refused
+        /// ones are 4xx with a message.
+        #[test]
+        fn mutated_bodies_never_panic(
+            key in "(model|prompt|messages|max_tokens|max_completion_tokens|temperature|top_p|top_k|n|best_of|logprobs|top_logprobs|echo|stop|seed|logit_bias|stream|stream_options|presence_penalty|frequency_penalty|response_format|tools|tool_choice|suffix|user|x)",
+            value in prop_oneof![
+                Just("null".to_string()), Just("-1".to_string()), Just("1e309".to_string()),
+                Just("true".to_string()), Just("\"\"".to_string()), Just("[]".to_string()),
+                Just("{}".to_string()), Just("[1,-5]".to_string()), Just("{\"1\":2}".to_string()),
+                Just("[{\"role\":\"user\",\"content\":[]}]".to_string()),
+                "\"[^\"\\\\]{0,20}\"", "-?[0-9]{1,20}(\\.[0-9]{1,5})?",
+            ],
+            chat in any::<bool>(),
+        ) {
+            let base = if chat { r#""messages":[{"role":"user","content":"x"}]"# } else { r#""prompt":"hi""# };
+            let body = format!(r#"{{{base},"{key}":{value}}}"#);
+            let limits = Limits::default();
+            match parse(body.as_bytes(), &limits, "m", chat) {
+                Ok(c) => {
+                    prop_assert!(c.n >= 1 && c.n <= limits.max_n);
+                    prop_assert!(c.spec.max_tokens <= limits.max_new_tokens);
+                    prop_assert!(c.spec.logprobs.unwrap_or(0) <= limits.max_logprobs);
+                }
+                Err(e) => prop_assert!(e.status().is_client_error() && !e.to_string().is_empty(), "{body}: {e}"),
+            }
+        }
     }
 }

@@ -35,6 +35,11 @@ pub fn serve_keyed(keys: nsactor_server::auth::ApiKeys) -> Served {
     serve_with(4, 4, true, keys, Limits::default())
 }
 
+/// The embedded tiny config (text prompts) behind API `keys`.
+pub fn serve_text_keyed(keys: nsactor_server::auth::ApiKeys) -> Served {
+    serve_with(4, 8, false, keys, Limits::default())
+}
+
 /// `tiny_a` (or the embedded tiny config) under `limits`.
 pub fn serve_limited(max_sessions: usize, tiny_a: bool, limits: Limits) -> Served {
     serve_with(

@@ -32,7 +32,13 @@ pub fn run(a: GenerateArgs) -> crate::CliResult {
     use nsactor_server::protocol::{ChatMessage, PromptSpec, SamplingOptions};
     use std::io::{BufRead, Write};
     let l = launch::load_checkpoint(&a.model.options())?;
-    let state = crate::serve::server_state(&l, 1, 0, l.name.clone(), Default::default());
+    let state = crate::serve::server_state(
+        &l,
+        (1, 0),
+        l.name.clone(),
+        Default::default(),
+        Default::default(),
+    );
     let options = || SamplingOptions {
         max_tokens: Some(a.max_tokens),
         temperature: Some(a.temperature),

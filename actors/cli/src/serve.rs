@@ -38,6 +38,60 @@ pub struct ServeArgs {
     /// still running then end with finish reason `shutdown`. A second signal exits at once.
     #[arg(long, default_value_t = 30.0, value_name = "SECONDS")]
     shutdown_grace: f64,
+    #[command(flatten)]
+    limits: LimitArgs,
+}
+
+/// What one client may take.
+#[derive(clap::Args)]
+struct LimitArgs {
+    /// Largest request body or WebSocket message; a bigger body gets a 413.
+    #[arg(long, default_value_t = 1 << 20, value_name = "BYTES")]
+    max_body_bytes: usize,
+    /// Open connections; past it a new one gets a 503 with Retry-After.
+    #[arg(long, default_value_t = 1024)]
+    max_connections: usize,
+    /// Seconds a connection has to send a request's headers (also: how long an idle
+    /// keep-alive connection is kept).
+    #[arg(long, default_value_t = 10.0, value_name = "SECONDS")]
+    header_timeout: f64,
+    /// Seconds one generation may run; then it ends with finish reason `time_limit`
+    /// (0: no limit).
+    #[arg(long, default_value_t = 600.0, value_name = "SECONDS")]
+    request_timeout: f64,
+    /// Seconds a WebSocket with nothing running may stay silent before it is closed.
+    #[arg(long, default_value_t = 300.0, value_name = "SECONDS")]
+    ws_idle_timeout: f64,
+}
+
+impl LimitArgs {
+    fn limits(&self) -> Result<nsactor_server::protocol::Limits, crate::CliError> {
+        let secs = |name: &str, v: f64| {
+            if v.is_finite() && v >= 0.0 {
+                Ok(Duration::from_secs_f64(v))
+            } else {
+                Err(format!("--{name} must be seconds >= 0, got {v}"))
+            }
+        };
+        let positive = |name: &str, v: f64| match secs(name, v)? {
+            d if d.is_zero() => Err(format!("--{name} must be more than 0 seconds")),
+            d => Ok(d),
+        };
+        if self.max_body_bytes < 1024 || self.max_connections == 0 {
+            return Err(
+                "--max-body-bytes must be at least 1024 and --max-connections at least 1".into(),
+            );
+        }
+        let request = secs("request-timeout", self.request_timeout)?;
+        Ok(nsactor_server::protocol::Limits {
+            max_message_bytes: self.max_body_bytes,
+            max_connections: self.max_connections,
+            header_timeout: positive("header-timeout", self.header_timeout)?,
+            request_time_limit: (!request.is_zero()).then_some(request),
+            ws_idle_timeout: positive("ws-idle-timeout", self.ws_idle_timeout)?,
+            ..Default::default()
+        })
+    }
 }
 
 /// The environment variable that adds one API key.
@@ -72,6 +126,7 @@ impl ServeArgs {
 
 pub fn run(a: ServeArgs) -> crate::CliResult {
     let keys = a.keys()?;
+    let limits = a.limits.limits()?;
     if !(a.shutdown_grace.is_finite() && a.shutdown_grace >= 0.0) {
         return Err(format!(
             "--shutdown-grace must be seconds >= 0, got {}",
@@ -95,7 +150,7 @@ pub fn run(a: ServeArgs) -> crate::CliResult {
             if keys.metrics { " and /metrics" } else { "" }
         );
     }
-    let state = crate::serve::server_state(&l, a.max_sessions, a.max_queue, name, keys);
+    let state = crate::serve::server_state(&l, (a.max_sessions, a.max_queue), name, keys, limits);
     l.pipeline.block_on(async {
         let listener = tokio::net::TcpListener::bind(&a.addr)
             .await
@@ -124,15 +179,15 @@ pub fn run(a: ServeArgs) -> crate::CliResult {
     })
 }
 
+/// The server over `l`: `(sessions decoding, queue places)`, its name, keys and limits.
 pub fn server_state(
     l: &Loaded,
-    max_sessions: usize,
-    max_queue: usize,
+    (max_sessions, max_queue): (usize, usize),
     name: String,
     keys: nsactor_server::auth::ApiKeys,
+    limits: nsactor_server::protocol::Limits,
 ) -> Arc<nsactor_server::ServerState> {
     use nsactor_server::generate::{Admission, Generator};
-    let limits = nsactor_server::protocol::Limits::default();
     Arc::new(nsactor_server::ServerState {
         generator: Generator {
             decoder: l.pipeline.decoder(l.vocab),

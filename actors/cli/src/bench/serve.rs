@@ -116,7 +116,13 @@ pub fn run(a: ServeBenchArgs) -> crate::CliResult {
         None => launch::load_fresh(None, a.backend.as_deref(), None, a.pipeline, None)?,
     };
     let max = a.sessions.iter().copied().max().unwrap_or(1);
-    let state = crate::serve::server_state(&l, max, max, l.name.clone(), Default::default());
+    let state = crate::serve::server_state(
+        &l,
+        (max, max),
+        l.name.clone(),
+        Default::default(),
+        Default::default(),
+    );
     let info = l.pipeline.backend().info();
     println!(
         "serve: {} ({} parameters) on {} {} ({}), pipeline {}; {} tokens per session, WebSocket on loopback",

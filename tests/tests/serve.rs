@@ -155,3 +155,34 @@ fn sigterm_drains_running_streams_refuses_new_ones_and_exits_0() {
     assert!(!log.contains("sk-drain"), "the key is in the log: {log}");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// Limits that cannot work are refused by name before anything is loaded.
+#[test]
+fn bad_limits_are_refused_by_name() {
+    for (flag, value, needle) in [
+        (
+            "--header-timeout",
+            "0",
+            "--header-timeout must be more than 0",
+        ),
+        (
+            "--request-timeout",
+            "-3",
+            "--request-timeout must be seconds >= 0",
+        ),
+        (
+            "--max-body-bytes",
+            "10",
+            "--max-body-bytes must be at least 1024",
+        ),
+    ] {
+        let out = nsactor()
+            .args(["serve", "--checkpoint", "no-such-run"])
+            .arg(format!("{flag}={value}"))
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{flag}={value} was accepted");
+        assert!(err.contains(needle), "{flag}={value}: {err}");
+    }
+}

@@ -187,22 +187,6 @@ pub async fn http_with(
     (status, body)
 }
 
-/// [`http_with`] that also returns the response head (status line and headers).
-pub async fn http_head(
-    addr: std::net::SocketAddr,
-    method: &str,
-    path: &str,
-    headers: &str,
-    body: &[u8],
-) -> (u16, String, String) {
-    tokio::time::timeout(
-        std::time::Duration::from_secs(60),
-        http_inner(addr, method, path, headers, body),
-    )
-    .await
-    .unwrap_or_else(|_| panic!("{method} {path}: no complete answer in 60 s"))
-}
-
 /// The JSON `data:` events of a server-sent event stream, and whether it ended in `[DONE]`.
 pub fn sse_events(body: &str) -> (Vec<serde_json::Value>, bool) {
     let mut events = Vec::new();
@@ -219,44 +203,50 @@ pub fn sse_events(body: &str) -> (Vec<serde_json::Value>, bool) {
     (events, done)
 }
 
-/// Reads the head, then `Content-Length` bytes when given, else to the end of the stream.
-async fn http_inner(
+/// [`http_with`] that also returns the response head (status line and headers): reads the
+/// head, then `Content-Length` bytes when given, else to the end of the stream (60 s at most).
+pub async fn http_head(
     addr: std::net::SocketAddr,
     method: &str,
     path: &str,
     headers: &str,
     body: &[u8],
 ) -> (u16, String, String) {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
-    let head = format!(
-        "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\nContent-Length: {}\r\n{headers}Connection: close\r\n\r\n",
-        body.len()
-    );
-    s.write_all(head.as_bytes()).await.unwrap();
-    s.write_all(body).await.unwrap();
-    let mut out = Vec::new();
-    let mut buf = [0u8; 8192];
-    loop {
-        let n = s.read(&mut buf).await.unwrap();
-        if n == 0 {
-            break;
-        }
-        out.extend_from_slice(&buf[..n]);
-        let text = String::from_utf8_lossy(&out);
-        if let Some((h, b)) = text.split_once("\r\n\r\n") {
-            let len = h.lines().find_map(|l| {
-                let (k, v) = l.split_once(':')?;
-                k.eq_ignore_ascii_case("content-length")
-                    .then(|| v.trim().parse::<usize>().ok())?
-            });
-            if len.is_some_and(|len| b.len() >= len) {
+    let exchange = async {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+        let head = format!(
+            "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\nContent-Length: {}\r\n{headers}Connection: close\r\n\r\n",
+            body.len()
+        );
+        s.write_all(head.as_bytes()).await.unwrap();
+        s.write_all(body).await.unwrap();
+        let mut out = Vec::new();
+        let mut buf = [0u8; 8192];
+        loop {
+            let n = s.read(&mut buf).await.unwrap();
+            if n == 0 {
                 break;
             }
+            out.extend_from_slice(&buf[..n]);
+            let text = String::from_utf8_lossy(&out);
+            if let Some((h, b)) = text.split_once("\r\n\r\n") {
+                let len = h.lines().find_map(|l| {
+                    let (k, v) = l.split_once(':')?;
+                    k.eq_ignore_ascii_case("content-length")
+                        .then(|| v.trim().parse::<usize>().ok())?
+                });
+                if len.is_some_and(|len| b.len() >= len) {
+                    break;
+                }
+            }
         }
-    }
-    let text = String::from_utf8_lossy(&out).into_owned();
-    let status = text[9..12].parse().unwrap();
-    let (head, body) = text.split_once("\r\n\r\n").unwrap_or((&text, ""));
-    (status, head.to_string(), body.to_string())
+        let text = String::from_utf8_lossy(&out).into_owned();
+        let status = text[9..12].parse().unwrap();
+        let (head, body) = text.split_once("\r\n\r\n").unwrap_or((&text, ""));
+        (status, head.to_string(), body.to_string())
+    };
+    tokio::time::timeout(std::time::Duration::from_secs(60), exchange)
+        .await
+        .unwrap_or_else(|_| panic!("{method} {path}: no complete answer in 60 s"))
 }

@@ -17,7 +17,7 @@ use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, oneshot};
 
 pub async fn ws(State(s): State<Shared>, headers: HeaderMap, up: WebSocketUpgrade) -> Response {
     let authed = match s.keys.check(&headers) {
@@ -69,6 +69,8 @@ async fn authenticate(mut socket: WebSocket, s: &Shared, authed: bool) -> Option
 pub async fn connection(socket: WebSocket, s: Shared) {
     let (mut sink, mut stream) = socket.split();
     let (out, mut out_rx) = mpsc::channel::<ServerMsg>(256);
+    // Why the server ends the connection, when it does: the close frame's code and reason.
+    let (close_tx, close_rx) = oneshot::channel::<CloseFrame>();
     let writer = tokio::spawn(async move {
         while let Some(m) = out_rx.recv().await {
             let text = serde_json::to_string(&m).expect("messages serialise");
@@ -76,8 +78,24 @@ pub async fn connection(socket: WebSocket, s: Shared) {
                 break;
             }
         }
-        let _ = sink.close().await;
+        match close_rx.await {
+            Ok(frame) => {
+                let _ = sink.send(Message::Close(Some(frame))).await;
+            }
+            Err(_) => {
+                let _ = sink.close().await;
+            }
+        }
     });
+    let mut close_tx = Some(close_tx);
+    let mut close = |code, reason: String| {
+        if let Some(tx) = close_tx.take() {
+            let _ = tx.send(CloseFrame {
+                code,
+                reason: reason.into(),
+            });
+        }
+    };
     let running: Arc<Mutex<HashMap<String, Arc<AtomicBool>>>> = Arc::default();
     loop {
         // A connection with nothing running may stay silent only so long.
@@ -86,15 +104,13 @@ pub async fn connection(socket: WebSocket, s: Shared) {
             match tokio::time::timeout(s.limits.ws_idle_timeout, stream.next()).await {
                 Ok(f) => f,
                 Err(_) => {
-                    let _ = out
-                        .send(ServerMsg::error(
-                            None,
-                            &ServeError::Invalid(format!(
-                                "closing a connection idle for {} s",
-                                s.limits.ws_idle_timeout.as_secs()
-                            )),
-                        ))
-                        .await;
+                    let why = format!(
+                        "closing a connection idle for {} s",
+                        s.limits.ws_idle_timeout.as_secs_f64()
+                    );
+                    let e = ServerMsg::error(None, &ServeError::Invalid(why.clone()));
+                    let _ = out.send(e).await;
+                    close(close_code::AWAY, why);
                     break;
                 }
             }
@@ -114,7 +130,24 @@ pub async fn connection(socket: WebSocket, s: Shared) {
                 }
                 continue;
             }
-            Ok(Message::Close(_)) | Err(_) => break,
+            Ok(Message::Close(_)) => break,
+            // A protocol violation gets the close code that names it.
+            Err(e) => {
+                let e = e.into_inner();
+                match e.downcast_ref::<tungstenite::Error>() {
+                    Some(tungstenite::Error::Capacity(c)) => {
+                        close(close_code::SIZE, format!("message too big: {c}"));
+                    }
+                    Some(tungstenite::Error::Utf8(_)) => {
+                        close(close_code::INVALID, "text frame is not UTF-8".into());
+                    }
+                    Some(tungstenite::Error::Protocol(p)) => {
+                        close(close_code::PROTOCOL, format!("protocol error: {p}"));
+                    }
+                    _ => {} // the connection is gone
+                }
+                break;
+            }
             Ok(_) => continue, // ping/pong are answered by the library
         };
         let msg = match ClientMsg::parse(text.as_str(), &s.limits) {

@@ -131,6 +131,12 @@ fn generations_end_at_their_time_limit_and_idle_websockets_close() {
         let m = common::next_json(&mut ws).await;
         assert_eq!(m["type"], "error", "{m}");
         assert!(m["message"].as_str().unwrap().contains("idle"), "{m}");
+        match futures_util::StreamExt::next(&mut ws).await {
+            Some(Ok(tokio_tungstenite::tungstenite::Message::Close(Some(f)))) => {
+                assert_eq!(u16::from(f.code), 1001, "{f:?}");
+            }
+            other => panic!("expected a close frame, got {other:?}"),
+        }
     });
 }
 

@@ -178,6 +178,15 @@ fn bad_input_gets_clear_errors_and_the_server_keeps_serving() {
         // Oversized frames close the connection; the server goes on.
         let mut big = connect(addr).await;
         let _ = big.send(Message::Text("x".repeat(2 << 20).into())).await;
+        let closed = loop {
+            match big.next().await {
+                Some(Ok(Message::Close(f))) => break f,
+                Some(Ok(_)) => continue,
+                other => panic!("expected a close frame, got {other:?}"),
+            }
+        };
+        let code = closed.map(|f| u16::from(f.code));
+        assert_eq!(code, Some(1009), "message too big");
         // Cancel stops a running request within a token; one session slot, no queue: busy.
         ws.send(Message::Text(r#"{"type":"generate","id":"r","prompt":[87],"max_tokens":4000,"ignore_eos":true}"#.into())).await.unwrap();
         assert_eq!(next_json(&mut ws).await["type"], "delta");

@@ -31,6 +31,10 @@ pub struct ServeArgs {
     /// A file of API keys, one per line (blank lines and `#` comments skipped).
     #[arg(long, value_name = "PATH")]
     api_key_file: Option<std::path::PathBuf>,
+    /// A browser origin on another site that may call the server (CORS; repeatable), such as
+    /// `https://app.example.com`, or `*` for any. Without it, only the server's own pages can.
+    #[arg(long = "cors-origin", value_name = "ORIGIN")]
+    cors_origins: Vec<String>,
     /// /metrics needs an API key too (by default it stays open for scrapers).
     #[arg(long)]
     metrics_need_key: bool,
@@ -127,6 +131,7 @@ impl ServeArgs {
 pub fn run(a: ServeArgs) -> crate::CliResult {
     let keys = a.keys()?;
     let limits = a.limits.limits()?;
+    let cors = nsactor_server::cors::Cors::parse(&a.cors_origins)?;
     if !(a.shutdown_grace.is_finite() && a.shutdown_grace >= 0.0) {
         return Err(format!(
             "--shutdown-grace must be seconds >= 0, got {}",
@@ -150,7 +155,13 @@ pub fn run(a: ServeArgs) -> crate::CliResult {
             if keys.metrics { " and /metrics" } else { "" }
         );
     }
-    let state = crate::serve::server_state(&l, (a.max_sessions, a.max_queue), name, keys, limits);
+    let state = crate::serve::server_state(
+        &l,
+        (a.max_sessions, a.max_queue),
+        name,
+        (keys, cors),
+        limits,
+    );
     l.pipeline.block_on(async {
         let listener = tokio::net::TcpListener::bind(&a.addr)
             .await
@@ -179,12 +190,13 @@ pub fn run(a: ServeArgs) -> crate::CliResult {
     })
 }
 
-/// The server over `l`: `(sessions decoding, queue places)`, its name, keys and limits.
+/// The server over `l`: `(sessions decoding, queue places)`, its name, who may call it (API
+/// keys, browser origins) and its limits.
 pub fn server_state(
     l: &Loaded,
     (max_sessions, max_queue): (usize, usize),
     name: String,
-    keys: nsactor_server::auth::ApiKeys,
+    (keys, cors): (nsactor_server::auth::ApiKeys, nsactor_server::cors::Cors),
     limits: nsactor_server::protocol::Limits,
 ) -> Arc<nsactor_server::ServerState> {
     use nsactor_server::generate::{Admission, Generator};
@@ -200,5 +212,6 @@ pub fn server_state(
         model_name: name,
         limits,
         keys,
+        cors,
     })
 }

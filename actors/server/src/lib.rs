@@ -20,6 +20,7 @@
 //! Bad input never crashes the server and always gets an error naming what was wrong.
 
 pub mod auth;
+pub mod cors;
 pub mod drain;
 pub mod edge;
 pub mod error;
@@ -61,7 +62,8 @@ pub fn router(state: Shared) -> Router {
     if state.keys.metrics {
         metrics_route = metrics_route.route_layer(key());
     }
-    Router::new()
+    let cors = state.cors.layer();
+    let router = Router::new()
         .route("/", get(index))
         .route("/ws", get(ws::ws))
         .route("/health", get(health))
@@ -70,7 +72,12 @@ pub fn router(state: Shared) -> Router {
         .layer(middleware::from_fn_with_state(state.clone(), edge::edge))
         // The edge reads bodies within the limit itself (413 with OpenAI's error body).
         .layer(DefaultBodyLimit::disable())
-        .with_state(state)
+        .with_state(state);
+    // Outermost: a browser's preflight is answered before the key check.
+    match cors {
+        Some(c) => router.layer(c),
+        None => router,
+    }
 }
 
 /// Middleware for the keyed routes: a request without a good key gets a 401.

@@ -16,6 +16,8 @@ pub struct ServerState {
     pub limits: Limits,
     /// API keys clients must present (none: open).
     pub keys: ApiKeys,
+    /// Browser origins other than the server's own that may call it.
+    pub cors: crate::cors::Cors,
 }
 
 pub type Shared = Arc<ServerState>;

@@ -177,6 +177,17 @@ fn chat_logprobs_tokenize_detokenize_and_request_ids() {
             text,
             v["choices"][0]["message"]["content"].as_str().unwrap()
         );
+        // CORS: the configured origin gets a preflight answer (before any key check) and its
+        // responses carry the header; another origin gets neither.
+        let pre = "Origin: https://app.example\r\nAccess-Control-Request-Method: POST\r\nAccess-Control-Request-Headers: authorization,content-type\r\n";
+        let (status, head, _) = http_head(addr, "OPTIONS", "/v1/completions", pre, b"").await;
+        let head = head.to_ascii_lowercase();
+        assert!(status == 200 && head.contains("access-control-allow-origin: https://app.example"), "{head}");
+        assert!(head.contains("authorization"), "{head}");
+        let (_, head, _) = http_head(addr, "GET", "/v1/models", "Origin: https://app.example\r\n", b"").await;
+        assert!(head.to_ascii_lowercase().contains("access-control-expose-headers: x-request-id"), "{head}");
+        let (_, head, _) = http_head(addr, "GET", "/v1/models", "Origin: https://evil.example\r\n", b"").await;
+        assert!(!head.to_ascii_lowercase().contains("access-control-allow-origin"), "{head}");
         // Without the header the server names the request itself.
         let (_, head, _) = http_head(addr, "GET", "/v1/models", "", b"").await;
         assert!(

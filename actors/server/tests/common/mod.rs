@@ -103,6 +103,7 @@ fn serve_with(
         model_name: "tiny_a".into(),
         limits,
         keys: keys.clone(),
+        cors: nsactor_server::cors::Cors::parse(&["https://app.example".into()]).unwrap(),
     });
     let s = state.clone();
     let addr = pipeline.block_on(async move {

@@ -1,8 +1,8 @@
 //! Cross-origin access for browser clients on other origins (`--cors-origin`): none by
 //! default; a list of origins, or `*` for any. Preflight requests are answered before the key
-//! check; `Authorization`, `Content-Type` and `x-request-id` may be sent, `x-request-id` read.
+//! check; `Authorization`, `Content-Type` and the request-id header may be sent, and that header
+//! read.
 
-use crate::edge::REQUEST_ID;
 use crate::error::ServeError;
 use axum::http::{HeaderName, HeaderValue, Method, header};
 use std::time::Duration;
@@ -45,14 +45,14 @@ impl Cors {
         Ok(Cors::Origins(list))
     }
 
-    /// The layer, or none when off.
-    pub fn layer(&self) -> Option<CorsLayer> {
+    /// The layer, or none when off; `request_id` is the header naming requests.
+    pub fn layer(&self, request_id: &'static str) -> Option<CorsLayer> {
         let origin = match self {
             Cors::Off => return None,
             Cors::Any => AllowOrigin::any(),
             Cors::Origins(list) => AllowOrigin::list(list.clone()),
         };
-        let id = HeaderName::from_static(REQUEST_ID);
+        let id = HeaderName::from_static(request_id);
         Some(
             CorsLayer::new()
                 .allow_origin(origin)

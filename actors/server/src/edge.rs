@@ -34,7 +34,7 @@ fn request_id(req: &Request) -> HeaderValue {
         })
         .cloned()
         .unwrap_or_else(|| {
-            HeaderValue::from_str(&format!("req-{:016x}", crate::openai::rand_id()))
+            HeaderValue::from_str(&format!("req-{:016x}", crate::state::rand_id()))
                 .expect("hex is a header value")
         })
 }

@@ -62,7 +62,7 @@ pub fn router(state: Shared) -> Router {
     if state.keys.metrics {
         metrics_route = metrics_route.route_layer(key());
     }
-    let cors = state.cors.layer();
+    let cors = state.cors.layer(edge::REQUEST_ID);
     let router = Router::new()
         .route("/", get(index))
         .route("/ws", get(ws::ws))

@@ -28,6 +28,14 @@ pub fn now() -> u64 {
         .map_or(0, |d| d.as_secs())
 }
 
+/// A random id (responses' `id`, request ids).
+pub fn rand_id() -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u64(now());
+    h.finish()
+}
+
 /// Starts a generation task; its events arrive on the returned receiver.
 pub fn start(
     s: &Shared,

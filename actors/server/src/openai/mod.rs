@@ -13,7 +13,7 @@ pub mod tokenize;
 use crate::error::ServeError;
 use crate::generate::GenEvent;
 use crate::protocol::{PromptSpec, Usage};
-use crate::state::{Shared, now, start};
+use crate::state::{Shared, now, rand_id, start};
 use axum::body::Bytes;
 use axum::extract::State;
 use axum::response::sse::{Event, KeepAlive, Sse};
@@ -306,11 +306,4 @@ impl Streamer {
         }
         Some(out)
     }
-}
-
-pub fn rand_id() -> u64 {
-    use std::hash::{BuildHasher, Hasher};
-    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
-    h.write_u64(now());
-    h.finish()
 }

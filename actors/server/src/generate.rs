@@ -113,17 +113,30 @@ fn held_back(text: &str, stop: &[String]) -> usize {
 }
 
 impl Generator {
-    /// Token ids of the request's prompt.
-    pub fn prompt_ids(&self, p: &PromptSpec) -> Result<Vec<i64>, ServeError> {
-        let ids: Vec<i64> = match p {
+    /// Token ids of `p` as the model would read them, unchecked: `bos` starts a text prompt
+    /// with the beginning-of-text token, `generation_prompt` ends chat messages with the
+    /// assistant's turn opening (generation does both; `/tokenize` lets the client choose).
+    pub fn token_ids(
+        &self,
+        p: &PromptSpec,
+        bos: bool,
+        generation_prompt: bool,
+    ) -> Result<Vec<i64>, ServeError> {
+        let encode = |text: &str| -> Result<Vec<i64>, ServeError> {
+            let ids = self
+                .tokenizer
+                .encode(text)
+                .map_err(|e| ServeError::Invalid(e.to_string()))?;
+            Ok(ids.into_iter().map(i64::from).collect())
+        };
+        Ok(match p {
             PromptSpec::Ids(ids) => ids.clone(),
             PromptSpec::Text(t) => {
-                let mut ids = vec![i64::from(self.tokenizer.bos_id())];
-                let enc = self
-                    .tokenizer
-                    .encode(t)
-                    .map_err(|e| ServeError::Invalid(e.to_string()))?;
-                ids.extend(enc.into_iter().map(i64::from));
+                let mut ids = Vec::new();
+                if bos {
+                    ids.push(i64::from(self.tokenizer.bos_id()));
+                }
+                ids.extend(encode(t)?);
                 ids
             }
             PromptSpec::Chat(m) => {
@@ -131,15 +144,14 @@ impl Generator {
                     .iter()
                     .map(|m| nsactor_data::Message::new(&m.role, &m.content))
                     .collect();
-                let text = nsactor_data::chat_template(&msgs, true);
-                self.tokenizer
-                    .encode(&text)
-                    .map_err(|e| ServeError::Invalid(e.to_string()))?
-                    .into_iter()
-                    .map(i64::from)
-                    .collect()
+                encode(&nsactor_data::chat_template(&msgs, generation_prompt))?
             }
-        };
+        })
+    }
+
+    /// Token ids of the request's prompt, checked against the length limit and vocabulary.
+    pub fn prompt_ids(&self, p: &PromptSpec) -> Result<Vec<i64>, ServeError> {
+        let ids = self.token_ids(p, true, true)?;
         if ids.len() > self.max_prompt_tokens {
             return Err(ServeError::Invalid(format!(
                 "the prompt has {} tokens; the limit is {}",

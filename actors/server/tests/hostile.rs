@@ -156,14 +156,8 @@ fn two_hundred_abandoned_streams_leave_no_sessions_and_no_memory_behind() {
     };
     s.pipeline.block_on(async move {
         let abandon = || async move {
-            let mut tcp = TcpStream::connect(addr).await.unwrap();
             let body = br#"{"prompt":[87],"max_tokens":4000,"ignore_eos":true,"stream":true}"#;
-            let head = format!(
-                "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n",
-                body.len()
-            );
-            tcp.write_all(head.as_bytes()).await.unwrap();
-            tcp.write_all(body).await.unwrap();
+            let mut tcp = common::send_request(addr, "POST", "/v1/completions", "", body).await;
             let mut seen = Vec::new();
             let mut buf = [0u8; 4096];
             while !String::from_utf8_lossy(&seen).contains("\"text\"") {
@@ -182,7 +176,10 @@ fn two_hundred_abandoned_streams_leave_no_sessions_and_no_memory_behind() {
         let settled = || async {
             let g = &state.generator;
             for _ in 0..300 {
-                let active = g.metrics.active_sessions.load(std::sync::atomic::Ordering::SeqCst);
+                let active = g
+                    .metrics
+                    .active_sessions
+                    .load(std::sync::atomic::Ordering::SeqCst);
                 if active == 0 && g.decoder.open_sessions() == 0 {
                     return;
                 }
@@ -190,7 +187,9 @@ fn two_hundred_abandoned_streams_leave_no_sessions_and_no_memory_behind() {
             }
             panic!(
                 "sessions left open: {} active, {} held by the actors",
-                g.metrics.active_sessions.load(std::sync::atomic::Ordering::SeqCst),
+                g.metrics
+                    .active_sessions
+                    .load(std::sync::atomic::Ordering::SeqCst),
                 g.decoder.open_sessions()
             );
         };
@@ -203,8 +202,17 @@ fn two_hundred_abandoned_streams_leave_no_sessions_and_no_memory_behind() {
         }
         settled().await;
         let grown = rss_kib().saturating_sub(before);
-        assert!(grown < 64 * 1024, "memory grew by {grown} KiB over 200 abandoned streams");
-        let (status, body) = http(addr, "POST", "/v1/completions", br#"{"prompt":[87],"max_tokens":2}"#).await;
+        assert!(
+            grown < 64 * 1024,
+            "memory grew by {grown} KiB over 200 abandoned streams"
+        );
+        let (status, body) = http(
+            addr,
+            "POST",
+            "/v1/completions",
+            br#"{"prompt":[87],"max_tokens":2}"#,
+        )
+        .await;
         assert_eq!(status, 200, "{body}");
         eprintln!("soak: 200 abandoned streams, RSS grew {grown} KiB");
     });

@@ -83,44 +83,39 @@ struct Choice {
     offset: usize,
 }
 
-/// The pieces an event adds to its choice: the echoed prompt first when asked for.
-fn pieces(e: GenEvent, choice: &mut Choice, echo: Option<&str>) -> Vec<Piece> {
+/// The pieces an event adds to its choice: the echoed prompt first when asked for (with its
+/// tokens when the prompt was scored, as its own text otherwise).
+fn pieces(e: GenEvent, choice: &Choice, echo: Option<&str>) -> Vec<Piece> {
     let mut out = Vec::new();
-    let echoed = !choice.fresh;
+    let echo = echo.filter(|_| choice.fresh).unwrap_or_default();
     match e {
-        GenEvent::Prompt { ids, logprobs } => out.push(Piece {
-            text: echo.unwrap_or_default().to_string(),
-            tokens: ids.into_iter().zip(logprobs).collect(),
+        GenEvent::Prompt { ids, logprobs } => {
+            return vec![Piece {
+                text: echo.to_string(),
+                tokens: ids.into_iter().zip(logprobs).collect(),
+            }];
+        }
+        _ if !echo.is_empty() => out.push(Piece {
+            text: echo.to_string(),
+            tokens: Vec::new(),
         }),
-        GenEvent::Delta {
-            text,
-            token_ids,
-            logprobs,
-        } => {
-            if let (Some(e), false) = (echo, echoed) {
-                out.push(Piece {
-                    text: e.to_string(),
-                    tokens: Vec::new(),
-                });
-            }
-            let tokens = if logprobs.is_empty() {
-                Vec::new()
-            } else {
-                token_ids
-                    .into_iter()
-                    .zip(logprobs.into_iter().map(Some))
-                    .collect()
-            };
-            out.push(Piece { text, tokens });
-        }
-        GenEvent::Done(_) => {
-            if let (Some(e), false) = (echo, echoed) {
-                out.push(Piece {
-                    text: e.to_string(),
-                    tokens: Vec::new(),
-                });
-            }
-        }
+        _ => {}
+    }
+    if let GenEvent::Delta {
+        text,
+        token_ids,
+        logprobs,
+    } = e
+    {
+        let tokens = if logprobs.is_empty() {
+            Vec::new()
+        } else {
+            token_ids
+                .into_iter()
+                .zip(logprobs.into_iter().map(Some))
+                .collect()
+        };
+        out.push(Piece { text, tokens });
     }
     out
 }

@@ -103,15 +103,11 @@ fn refuse(param: &str, message: impl Into<String>) -> ServeError {
     ServeError::field(param, message)
 }
 
-/// Parses and checks a body for the server of model `served`.
-pub fn parse(
-    body: &[u8],
-    limits: &Limits,
-    served: &str,
-    chat: bool,
-) -> Result<OpenAiCall, ServeError> {
+/// Reads a JSON body into `T`; a wrong field is named (`param`), broken JSON is
+/// `invalid_json`.
+pub fn read_json<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, ServeError> {
     let de = &mut serde_json::Deserializer::from_slice(body);
-    let req: OpenAiRequest = serde_path_to_error::deserialize(de).map_err(|e| {
+    serde_path_to_error::deserialize(de).map_err(|e| {
         let path = e.path().to_string();
         let inner = e.into_inner();
         if inner.is_syntax() || inner.is_eof() {
@@ -122,8 +118,17 @@ pub fn parse(
             let field = path.split(['.', '[']).next().unwrap_or(&path).to_string();
             refuse(&field, format!("`{path}`: {inner}"))
         }
-    })?;
-    req.check(limits, served, chat)
+    })
+}
+
+/// Parses and checks a body for the server of model `served`.
+pub fn parse(
+    body: &[u8],
+    limits: &Limits,
+    served: &str,
+    chat: bool,
+) -> Result<OpenAiCall, ServeError> {
+    read_json::<OpenAiRequest>(body)?.check(limits, served, chat)
 }
 
 impl OpenAiRequest {

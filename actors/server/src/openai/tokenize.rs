@@ -1,7 +1,7 @@
 //! vLLM's `POST /tokenize` (a prompt or chat messages to token ids, as the server would feed
 //! them) and `POST /detokenize` (token ids to text).
 
-use super::request::{OpenAiMessage, chat_messages, check_model};
+use super::request::{OpenAiMessage, chat_messages, check_model, read_json};
 use crate::error::ServeError;
 use crate::protocol::PromptSpec;
 use crate::state::Shared;
@@ -32,50 +32,13 @@ struct DetokenizeRequest {
     tokens: Vec<i64>,
 }
 
-fn body<T: serde::de::DeserializeOwned>(bytes: &[u8]) -> Result<T, ServeError> {
-    serde_json::from_slice(bytes).map_err(|e| {
-        if e.is_syntax() || e.is_eof() {
-            ServeError::InvalidJson(format!("invalid JSON: {e}"))
-        } else {
-            ServeError::Invalid(format!("invalid request body: {e}"))
-        }
-    })
-}
-
 pub async fn tokenize(State(s): State<Shared>, bytes: Bytes) -> Response {
     let run = || -> Result<serde_json::Value, ServeError> {
-        let r: TokenizeRequest = body(&bytes)?;
+        let r: TokenizeRequest = read_json(&bytes)?;
         check_model(r.model.as_deref(), &s.model_name)?;
-        let tok = &s.generator.tokenizer;
-        let ids: Vec<i64> = match (r.prompt, r.messages) {
-            (Some(p), None) => {
-                let mut ids = Vec::new();
-                if r.add_special_tokens.unwrap_or(true) {
-                    ids.push(i64::from(tok.bos_id()));
-                }
-                let enc = tok
-                    .encode(&p)
-                    .map_err(|e| ServeError::Invalid(e.to_string()))?;
-                ids.extend(enc.into_iter().map(i64::from));
-                ids
-            }
-            (None, Some(m)) => {
-                let m = chat_messages(m)?;
-                if r.add_generation_prompt.unwrap_or(true) {
-                    s.generator.prompt_ids(&PromptSpec::Chat(m))?
-                } else {
-                    let msgs: Vec<nsactor_data::Message> = m
-                        .iter()
-                        .map(|m| nsactor_data::Message::new(&m.role, &m.content))
-                        .collect();
-                    let text = nsactor_data::chat_template(&msgs, false);
-                    tok.encode(&text)
-                        .map_err(|e| ServeError::Invalid(e.to_string()))?
-                        .into_iter()
-                        .map(i64::from)
-                        .collect()
-                }
-            }
+        let prompt = match (r.prompt, r.messages) {
+            (Some(p), None) => PromptSpec::Text(p),
+            (None, Some(m)) => PromptSpec::Chat(chat_messages(m)?),
             _ => {
                 return Err(ServeError::field(
                     "prompt",
@@ -83,6 +46,10 @@ pub async fn tokenize(State(s): State<Shared>, bytes: Bytes) -> Response {
                 ));
             }
         };
+        let g = &s.generator;
+        let bos = r.add_special_tokens.unwrap_or(true);
+        let ids = g.token_ids(&prompt, bos, r.add_generation_prompt.unwrap_or(true))?;
+        let tok = &g.tokenizer;
         let mut out = serde_json::json!({
             "count": ids.len(), "max_model_len": s.generator.max_prompt_tokens, "tokens": ids,
         });
@@ -103,7 +70,7 @@ pub async fn tokenize(State(s): State<Shared>, bytes: Bytes) -> Response {
 
 pub async fn detokenize(State(s): State<Shared>, bytes: Bytes) -> Response {
     let run = || -> Result<serde_json::Value, ServeError> {
-        let r: DetokenizeRequest = body(&bytes)?;
+        let r: DetokenizeRequest = read_json(&bytes)?;
         check_model(r.model.as_deref(), &s.model_name)?;
         let vocab = s.generator.decoder.vocab() as i64;
         if let Some(bad) = r.tokens.iter().find(|&&t| t < 0 || t >= vocab) {

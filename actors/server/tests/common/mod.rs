@@ -204,6 +204,26 @@ pub fn sse_events(body: &str) -> (Vec<serde_json::Value>, bool) {
     (events, done)
 }
 
+/// Connects and sends one JSON request (`headers`: extra `"Name: value\r\n"` lines); the
+/// stream, to read the answer from or to drop mid-answer.
+pub async fn send_request(
+    addr: std::net::SocketAddr,
+    method: &str,
+    path: &str,
+    headers: &str,
+    body: &[u8],
+) -> tokio::net::TcpStream {
+    use tokio::io::AsyncWriteExt;
+    let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let head = format!(
+        "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\nContent-Length: {}\r\n{headers}\r\n",
+        body.len()
+    );
+    s.write_all(head.as_bytes()).await.unwrap();
+    s.write_all(body).await.unwrap();
+    s
+}
+
 /// [`http_with`] that also returns the response head (status line and headers): reads the
 /// head, then `Content-Length` bytes when given, else to the end of the stream (60 s at most).
 pub async fn http_head(
@@ -214,14 +234,9 @@ pub async fn http_head(
     body: &[u8],
 ) -> (u16, String, String) {
     let exchange = async {
-        use tokio::io::{AsyncReadExt, AsyncWriteExt};
-        let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
-        let head = format!(
-            "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\nContent-Length: {}\r\n{headers}Connection: close\r\n\r\n",
-            body.len()
-        );
-        s.write_all(head.as_bytes()).await.unwrap();
-        s.write_all(body).await.unwrap();
+        use tokio::io::AsyncReadExt;
+        let headers = format!("{headers}Connection: close\r\n");
+        let mut s = send_request(addr, method, path, &headers, body).await;
         let mut out = Vec::new();
         let mut buf = [0u8; 8192];
         loop {

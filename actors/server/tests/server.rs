@@ -296,7 +296,10 @@ fn api_keys_guard_the_http_and_websocket_endpoints() {
         req.headers_mut()
             .insert("authorization", "Bearer sk-test-1".parse().unwrap());
         let mut ws = tokio_tungstenite::connect_async(req).await.unwrap().0;
-        let req = serde_json::json!({"type":"generate","id":"h","prompt":[87],"max_tokens":2});
+        // Sampled at the default temperature, an end token could come first: ignore_eos makes
+        // the two tokens certain.
+        let req = serde_json::json!({"type":"generate","id":"h","prompt":[87],"max_tokens":2,
+            "ignore_eos":true});
         let (_, _, done) = generate(&mut ws, req.clone()).await;
         assert_eq!(done["usage"]["completion_tokens"], 2);
         // A wrong header is refused before the upgrade.

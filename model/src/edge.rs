@@ -1,8 +1,8 @@
 //! The edge of the network: token embedding, the decode path and the tied head (SPEC §2.1, §2.4).
 
-use crate::config::{ModelConfig, PlifOut, consts};
+use crate::config::{ModelConfig, consts};
 use crate::init::{Rng, xavier};
-use crate::neurons::{LateralInhibition, PlifNode, RmsNorm, param};
+use crate::neurons::{LateralInhibition, PlifNode, RmsNorm, norm_plif_inputs, param};
 use crate::params::{Derived, Linear, as_operand, decoding_pass, impl_params};
 use burn::tensor::{Int, Tensor, backend::Backend};
 use nsactor_kernels::SnnOps;
@@ -100,16 +100,14 @@ impl<B: SnnOps> Edge<B> {
         let neuron = &self.output_neuron;
         let m = fused
             .then(|| {
-                nsactor_kernels::norm_plif_mean_fused(
+                nsactor_kernels::norm_plif_mean_fused(norm_plif_inputs(
+                    norm,
+                    neuron,
                     h.clone(),
-                    norm.weight.clone(),
-                    consts::RMS_EPS,
-                    neuron.w.clone(),
-                    neuron.v_th.clone(),
-                    v0.clone(),
                     k,
-                    cfg.plif_out == PlifOut::Leak,
-                )
+                    v0.clone(),
+                    cfg.plif_out,
+                ))
             })
             .flatten();
         let (m, state) = m.unwrap_or_else(|| {

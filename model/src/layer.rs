@@ -3,12 +3,12 @@
 
 use crate::config::{ModelConfig, PlifOut, consts};
 use crate::init::{Rng, xavier};
-use crate::neurons::{PlifNode, RmsNorm, param};
+use crate::neurons::{PlifNode, RmsNorm, norm_plif_inputs, param};
 use crate::params::{Derived, Linear, decoding_pass, impl_params};
 use crate::snn_block::SnnBlock;
 use crate::snn_ffn::SnnFfn;
 use burn::tensor::{Tensor, TensorData, activation::sigmoid, backend::Backend};
-use nsactor_kernels::SnnOps;
+use nsactor_kernels::{PonderInputs, SnnOps};
 
 /// Input-neuron threshold base `v0 = 0.5` (τ₀ = 2).
 const INPUT_V_THRESHOLD: f64 = 0.5;
@@ -235,31 +235,32 @@ pub fn norm_plif<B: SnnOps>(
     v0: Tensor<B, 2>,
     out: PlifOut,
 ) -> (Tensor<B, 3>, Tensor<B, 2>) {
-    if let Some(fused) = nsactor_kernels::norm_plif_fused(
-        h.clone(),
-        norm.weight.clone(),
-        consts::RMS_EPS,
-        neuron.w.clone(),
-        neuron.v_th.clone(),
-        v0.clone(),
-        k,
-        out == PlifOut::Leak,
-    ) {
+    let inputs = || norm_plif_inputs(norm, neuron, h.clone(), k, v0.clone(), out);
+    if let Some(fused) = nsactor_kernels::norm_plif_fused(inputs()) {
         return fused;
     }
     if B::fuses_norm_plif() {
-        return nsactor_kernels::norm_plif_train(
-            h,
-            norm.weight.clone(),
-            consts::RMS_EPS,
-            neuron.w.clone(),
-            neuron.v_th.clone(),
-            v0,
-            k,
-            out == PlifOut::Leak,
-        );
+        return nsactor_kernels::norm_plif_train(inputs());
     }
     norm_plif_composed(norm, neuron, h, k, v0, out)
+}
+
+/// The fused kernels' inputs for PonderAgg over `frames` `[T·K, B, D]` with the halt projection
+/// `halt` (weight `[1, D]`) and its bias `[1]`.
+pub fn ponder_inputs<B: SnnOps>(
+    frames: Tensor<B, 3>,
+    halt: &Linear<B>,
+    bias: &Tensor<B, 1>,
+    k: usize,
+) -> PonderInputs<B> {
+    PonderInputs::new(
+        frames,
+        halt.weight.clone(),
+        bias.clone(),
+        k,
+        consts::HALT_CLAMP,
+        consts::HALT_NORM_EPS,
+    )
 }
 
 /// [`norm_plif`] composed from tensor ops (autodiff's path and the fused kernels' reference).
@@ -294,14 +295,9 @@ fn residual_update<B: SnnOps>(
         && proj.bias.is_none()
         && let Some(bias) = &halt.bias
         && let Some((agg, c, ek)) = nsactor_kernels::ponder_residual_fused(
-            frames.clone(),
-            halt.weight.clone(),
-            bias.clone(),
+            ponder_inputs(frames.clone(), halt, bias, k),
             h.clone(),
             mean.get_or_init(|| proj.operand_row_means()),
-            k,
-            consts::HALT_CLAMP,
-            consts::HALT_NORM_EPS,
         )
     {
         let x = proj.forward_add(agg.reshape([t * b, d]), c.reshape([t * b, d]));
@@ -348,28 +344,15 @@ pub fn ponder_agg<B: SnnOps>(
     k: usize,
 ) -> (Tensor<B, 3>, Tensor<B, 2>) {
     if let Some(bias) = &halt.bias
-        && let Some(fused) = nsactor_kernels::ponder_agg_fused(
-            frames.clone(),
-            halt.weight.clone(),
-            bias.clone(),
-            k,
-            consts::HALT_CLAMP,
-            consts::HALT_NORM_EPS,
-        )
+        && let Some(fused) =
+            nsactor_kernels::ponder_agg_fused(ponder_inputs(frames.clone(), halt, bias, k))
     {
         return fused;
     }
     if B::fuses_ponder()
         && let Some(bias) = &halt.bias
     {
-        return nsactor_kernels::ponder_agg_train(
-            frames,
-            halt.weight.clone(),
-            bias.clone(),
-            k,
-            consts::HALT_CLAMP,
-            consts::HALT_NORM_EPS,
-        );
+        return nsactor_kernels::ponder_agg_train(ponder_inputs(frames, halt, bias, k));
     }
     ponder_agg_composed(frames, halt, k)
 }

@@ -4,7 +4,7 @@ use crate::config::{PlifOut, consts};
 use crate::init::Rng;
 use crate::params::impl_params;
 use burn::tensor::{Tensor, TensorData, activation::sigmoid, backend::Backend};
-use nsactor_kernels::{SnnOps, last_frame, plif_row};
+use nsactor_kernels::{NormPlifInputs, SnnOps, last_frame, plif_row};
 
 /// Builds a parameter tensor from host values (marked for gradients on autodiff backends).
 pub(crate) fn param<B: Backend, const D: usize>(
@@ -146,4 +146,26 @@ impl<B: Backend> LateralInhibition<B> {
 fn rms_scale<B: Backend>(x: Tensor<B, 3>, eps: f64) -> Tensor<B, 3> {
     let ms = x.clone().square().mean_dim(2);
     x * (ms + eps).sqrt().recip()
+}
+
+/// The fused kernels' inputs for RMSNorm (`norm`) then the input PLIF (`neuron`) over the K
+/// frames of each token of `h` `[T, B, D]`, from state `v0` `[B, D]`.
+pub fn norm_plif_inputs<B: SnnOps>(
+    norm: &RmsNorm<B>,
+    neuron: &PlifNode<B>,
+    h: Tensor<B, 3>,
+    k: usize,
+    v0: Tensor<B, 2>,
+    out: PlifOut,
+) -> NormPlifInputs<B> {
+    NormPlifInputs::new(
+        h,
+        norm.weight.clone(),
+        consts::RMS_EPS,
+        neuron.w.clone(),
+        neuron.v_th.clone(),
+        v0,
+        k,
+        out == PlifOut::Leak,
+    )
 }

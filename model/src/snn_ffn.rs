@@ -6,7 +6,7 @@ use crate::neurons::{PlifNode, param};
 use crate::params::{Derived, Linear, decoding_pass, impl_params};
 use burn::tensor::{Tensor, activation::sigmoid, backend::Backend};
 use nsactor_kernels::last_frame;
-use nsactor_kernels::{SnnOps, plif_row};
+use nsactor_kernels::{FfnInputs, SnnOps, plif_row};
 
 #[derive(Debug, Clone)]
 pub struct SnnFfn<B: Backend> {
@@ -62,13 +62,21 @@ impl<B: SnnOps> SnnFfn<B> {
     }
 
     /// The gate and up neurons' β logits, then their thresholds, as the fused kernels take them.
-    fn neuron_params(&self) -> [Tensor<B, 1>; 4] {
-        [
+    /// The fused kernels' inputs for the gate and up neurons on `i_gu` (`[TK, B, 2·D_ff]`, or
+    /// `[TK·B, W]` read in its first 2·D_ff columns) from state `v0` `[B, 2·D_ff]`.
+    pub fn neuron_inputs<const R: usize>(
+        &self,
+        i_gu: Tensor<B, R>,
+        v0: Tensor<B, 2>,
+        out: PlifOut,
+    ) -> FfnInputs<B> {
+        let params = [
             self.gate_neuron.w.clone(),
             self.up_neuron.w.clone(),
             self.gate_neuron.v_th.clone(),
             self.up_neuron.v_th.clone(),
-        ]
+        ];
+        FfnInputs::new(i_gu, params, v0, out == PlifOut::Leak)
     }
 
     /// `a` `[TK, B, D]`, merged gate/up state `v0` `[B, 2·D_ff]` (gate first) → `[TK, B, D]` and
@@ -102,12 +110,9 @@ impl<B: SnnOps> SnnFfn<B> {
                 crate::params::as_operand(w.transpose())
             });
             let y = nsactor_kernels::matmul(flat.clone(), w); // [TK·B, 2·D_ff + D]
-            if let Some((gv, last)) = nsactor_kernels::ffn_plif_fused_rows(
-                y.clone(),
-                self.neuron_params(),
-                v0.clone(),
-                out == PlifOut::Leak,
-            ) {
+            if let Some((gv, last)) =
+                nsactor_kernels::ffn_plif_fused_rows(self.neuron_inputs(y.clone(), v0.clone(), out))
+            {
                 // The skip path added in the down projection's GEMM.
                 let skip = y.narrow(1, 2 * f, d);
                 let y = self.down_proj.forward_add(gv.reshape([tk * b, f]), skip);
@@ -154,24 +159,12 @@ impl<B: SnnOps> SnnFfn<B> {
         v0: Tensor<B, 2>,
         out: PlifOut,
     ) -> (Tensor<B, 3>, Tensor<B, 2>) {
-        if let Some(fused) = nsactor_kernels::ffn_plif_fused(
-            i_gu.clone(),
-            self.neuron_params(),
-            v0.clone(),
-            out == PlifOut::Leak,
-        ) {
+        let inputs = || self.neuron_inputs(i_gu.clone(), v0.clone(), out);
+        if let Some(fused) = nsactor_kernels::ffn_plif_fused(inputs()) {
             return fused;
         }
         if B::fuses_ffn_neurons() {
-            return nsactor_kernels::ffn_neurons(
-                i_gu,
-                self.gate_neuron.w.clone(),
-                self.up_neuron.w.clone(),
-                self.gate_neuron.v_th.clone(),
-                self.up_neuron.v_th.clone(),
-                v0,
-                out == PlifOut::Leak,
-            );
+            return nsactor_kernels::ffn_neurons(inputs());
         }
         self.gate_up_composed(i_gu, v0, out)
     }

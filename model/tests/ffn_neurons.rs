@@ -41,15 +41,8 @@ fn fused_ffn_neurons_match_the_composed_model_in_outputs_and_all_gradients() {
 
         let (gv_ref, last_ref) = ffn.gate_up_composed(i_gu.clone(), v0.clone(), out);
         let g_ref = (gv_ref.clone() * weight.clone()).sum().backward();
-        let (gv, last) = nsactor_kernels::ffn_neurons(
-            i_gu.clone(),
-            ffn.gate_neuron.w.clone(),
-            ffn.up_neuron.w.clone(),
-            ffn.gate_neuron.v_th.clone(),
-            ffn.up_neuron.v_th.clone(),
-            v0.clone(),
-            out == PlifOut::Leak,
-        );
+        let (gv, last) =
+            nsactor_kernels::ffn_neurons(ffn.neuron_inputs(i_gu.clone(), v0.clone(), out));
         let g = (gv.clone() * weight).sum().backward();
 
         assert_eq!(values(gv), values(gv_ref), "{out:?}: g·v bit for bit");

@@ -7,9 +7,9 @@ mod common;
 
 use burn::tensor::{Distribution, Tensor, backend::Backend};
 use common::*;
-use nsactor_model::config::consts;
 use nsactor_model::init::Rng;
 use nsactor_model::layer::norm_plif_composed;
+use nsactor_model::neurons::norm_plif_inputs;
 use nsactor_model::{PlifNode, PlifOut, RmsNorm};
 
 #[test]
@@ -31,16 +31,14 @@ fn norm_plif_op_matches_the_composed_model_in_outputs_and_all_gradients() {
 
         let (y_ref, last_ref) = norm_plif_composed(&norm, &neuron, x.clone(), k, v0.clone(), out);
         let g_ref = (y_ref.clone() * weight.clone()).sum().backward();
-        let (y, last) = nsactor_kernels::norm_plif_train(
+        let (y, last) = nsactor_kernels::norm_plif_train(norm_plif_inputs(
+            &norm,
+            &neuron,
             x.clone(),
-            norm.weight.clone(),
-            consts::RMS_EPS,
-            neuron.w.clone(),
-            neuron.v_th.clone(),
-            v0.clone(),
             k,
-            out == PlifOut::Leak,
-        );
+            v0.clone(),
+            out,
+        ));
         let g = (y.clone() * weight).sum().backward();
         assert_eq!(values(y), values(y_ref), "{out:?}: output bit for bit");
         assert_eq!(values(last), values(last_ref), "{out:?}: final state");

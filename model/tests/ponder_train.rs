@@ -7,8 +7,7 @@ mod common;
 
 use burn::tensor::{Distribution, Tensor, backend::Backend};
 use common::*;
-use nsactor_model::config::consts;
-use nsactor_model::layer::ponder_agg_composed;
+use nsactor_model::layer::{ponder_agg_composed, ponder_inputs};
 use nsactor_model::params::Linear;
 
 #[test]
@@ -33,14 +32,8 @@ fn ponder_op_matches_the_composed_model_in_outputs_and_all_gradients() {
     let (agg_ref, ek_ref) = ponder_agg_composed(frames.clone(), &halt, k);
     let g_ref = objective(agg_ref.clone(), ek_ref.clone()).backward();
     let bias = halt.bias.clone().unwrap();
-    let (agg, ek) = nsactor_kernels::ponder_agg_train(
-        frames.clone(),
-        halt.weight.clone(),
-        bias.clone(),
-        k,
-        consts::HALT_CLAMP,
-        consts::HALT_NORM_EPS,
-    );
+    let (agg, ek) =
+        nsactor_kernels::ponder_agg_train(ponder_inputs(frames.clone(), &halt, &bias, k));
     let g = objective(agg.clone(), ek.clone()).backward();
 
     let checks: [(&str, Vec<f32>, Vec<f32>); 5] = [

@@ -44,6 +44,35 @@ fn selective_args<B: Backend>(inp: SelectiveInputs<B>) -> [FloatTensor<B>; 8] {
     ]
 }
 
+/// RMSNorm + the input PLIF's tensors `[x, norm_w, w, v_th, v0]` and `(eps, K, leak)`, as the
+/// kernels take them.
+fn norm_plif_args<B: Backend>(inp: NormPlifInputs<B>) -> ([FloatTensor<B>; 5], f32, usize, bool) {
+    let eps = inp.eps as f32;
+    (
+        [inp.x, inp.norm_w, inp.w, inp.v_th, inp.v0],
+        eps,
+        inp.k,
+        inp.leak,
+    )
+}
+
+/// PonderAgg's tensors `[frames, halt_w, halt_b]` and `(K, clamp, eps)`, as the kernels take
+/// them.
+fn ponder_args<B: Backend>(inp: PonderInputs<B>) -> ([FloatTensor<B>; 3], usize, f32, f32) {
+    let (clamp, eps) = (inp.clamp as f32, inp.eps as f32);
+    ([inp.frames, inp.halt_w, inp.halt_b], inp.k, clamp, eps)
+}
+
+/// The FFN neurons' parameters `[w_gate, w_up, th_gate, th_up]`.
+fn ffn_params<B: Backend>(inp: &FfnInputs<B>) -> [FloatTensor<B>; 4] {
+    [
+        inp.w_gate.clone(),
+        inp.w_up.clone(),
+        inp.th_gate.clone(),
+        inp.th_up.clone(),
+    ]
+}
+
 impl GemmOps for Cuda {
     fn gemm(lhs: FloatTensor<Self>, rhs: FloatTensor<Self>) -> FloatTensor<Self> {
         gemm::gemm(lhs, rhs)
@@ -141,55 +170,25 @@ impl ScanOps for Cuda {
 }
 
 impl InferOps for Cuda {
-    fn ponder_agg_fused(
-        frames: FloatTensor<Self>,
-        halt_w: FloatTensor<Self>,
-        halt_b: FloatTensor<Self>,
-        k: usize,
-        clamp: f64,
-        eps: f64,
-    ) -> Option<(FloatTensor<Self>, FloatTensor<Self>)> {
-        Some(ponder::ponder_agg(
-            frames,
-            halt_w,
-            halt_b,
-            k,
-            clamp as f32,
-            eps as f32,
-        ))
+    fn ponder_agg_fused(inp: PonderInputs<Self>) -> Option<(FloatTensor<Self>, FloatTensor<Self>)> {
+        let (t, k, clamp, eps) = ponder_args(inp);
+        Some(ponder::ponder_agg(t, k, clamp, eps))
     }
 
     fn ponder_residual_fused(
-        frames: FloatTensor<Self>,
-        halt_w: FloatTensor<Self>,
-        halt_b: FloatTensor<Self>,
+        inp: PonderInputs<Self>,
         h: FloatTensor<Self>,
         w_mean: FloatTensor<Self>,
-        k: usize,
-        clamp: f64,
-        eps: f64,
     ) -> Option<(FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>)> {
-        ponder::ponder_residual(
-            [frames, halt_w, halt_b, h, w_mean],
-            k,
-            clamp as f32,
-            eps as f32,
-        )
+        let ([frames, halt_w, halt_b], k, clamp, eps) = ponder_args(inp);
+        ponder::ponder_residual([frames, halt_w, halt_b, h, w_mean], k, clamp, eps)
     }
 
     fn norm_plif_mean_fused(
-        x: FloatTensor<Self>,
-        norm_w: FloatTensor<Self>,
-        eps: f64,
-        w: FloatTensor<Self>,
-        v_th: FloatTensor<Self>,
-        v0: FloatTensor<Self>,
-        k: usize,
-        leak: bool,
+        inp: NormPlifInputs<Self>,
     ) -> Option<(FloatTensor<Self>, FloatTensor<Self>)> {
-        Some(norm_plif::norm_plif_mean(
-            x, norm_w, eps as f32, w, v_th, v0, k, leak,
-        ))
+        let (t, eps, k, leak) = norm_plif_args(inp);
+        Some(norm_plif::norm_plif_mean(t, eps, k, leak))
     }
 
     fn rms_norm_fused(
@@ -201,35 +200,15 @@ impl InferOps for Cuda {
     }
 
     fn norm_plif_fused(
-        x: FloatTensor<Self>,
-        norm_w: FloatTensor<Self>,
-        eps: f64,
-        w: FloatTensor<Self>,
-        v_th: FloatTensor<Self>,
-        v0: FloatTensor<Self>,
-        k: usize,
-        leak: bool,
+        inp: NormPlifInputs<Self>,
     ) -> Option<(FloatTensor<Self>, FloatTensor<Self>)> {
-        Some(norm_plif::norm_plif(
-            x, norm_w, eps as f32, w, v_th, v0, k, leak,
-        ))
+        let (t, eps, k, leak) = norm_plif_args(inp);
+        Some(norm_plif::norm_plif(t, eps, k, leak))
     }
 
-    fn ffn_plif_fused(
-        i_gu: FloatTensor<Self>,
-        w_gate: FloatTensor<Self>,
-        w_up: FloatTensor<Self>,
-        th_gate: FloatTensor<Self>,
-        th_up: FloatTensor<Self>,
-        v0: FloatTensor<Self>,
-        leak: bool,
-    ) -> Option<(FloatTensor<Self>, FloatTensor<Self>)> {
-        Some(ffn::ffn_infer(
-            i_gu,
-            [w_gate, w_up, th_gate, th_up],
-            v0,
-            leak,
-        ))
+    fn ffn_plif_fused(inp: FfnInputs<Self>) -> Option<(FloatTensor<Self>, FloatTensor<Self>)> {
+        let params = ffn_params(&inp);
+        Some(ffn::ffn_infer(inp.i_gu, params, inp.v0, inp.leak))
     }
 
     fn block_scan_fused(
@@ -330,14 +309,8 @@ impl SnnOps for Cuda {
 
     fn norm_plif_forward(inp: NormPlifInputs<Self>) -> (FloatTensor<Self>, FloatTensor<Self>) {
         let device = inp.x.device.clone();
-        scan_timed(&device, || {
-            norm_plif::norm_plif_train(
-                [inp.x, inp.norm_w, inp.w, inp.v_th, inp.v0],
-                inp.eps as f32,
-                inp.k,
-                inp.leak,
-            )
-        })
+        let (t, eps, k, leak) = norm_plif_args(inp);
+        scan_timed(&device, || norm_plif::norm_plif_train(t, eps, k, leak))
     }
 
     fn norm_plif_backward(
@@ -348,15 +321,9 @@ impl SnnOps for Cuda {
         let d = inp.w.meta.shape()[0];
         let beta = sigmoid(wrap::<Self, 1>(inp.w.clone()));
         let device = inp.x.device.clone();
+        let (t, eps, k, leak) = norm_plif_args(inp);
         let [dx, dnw_rows, d_beta, d_th, d_v0] = scan_timed(&device, || {
-            norm_plif::norm_plif_backward(
-                [inp.x, inp.norm_w, inp.w, inp.v_th, inp.v0],
-                inp.eps as f32,
-                inp.k,
-                inp.leak,
-                vpost,
-                grad,
-            )
+            norm_plif::norm_plif_backward(t, eps, k, leak, vpost, grad)
         });
         let d_nw = wrap::<Self, 2>(dnw_rows).sum_dim(0).reshape([d]);
         let d_beta = wrap::<Self, 2>(d_beta).sum_dim(0).reshape([d]);
@@ -371,27 +338,14 @@ impl SnnOps for Cuda {
     }
 
     fn ponder_forward(inp: PonderInputs<Self>) -> FloatTensor<Self> {
-        ponder::ponder_agg_packed(
-            inp.frames,
-            inp.halt_w,
-            inp.halt_b,
-            inp.k,
-            inp.clamp as f32,
-            inp.eps as f32,
-        )
+        let (t, k, clamp, eps) = ponder_args(inp);
+        ponder::ponder_agg_packed(t, k, clamp, eps)
     }
 
     fn ponder_backward(inp: PonderInputs<Self>, grad: FloatTensor<Self>) -> [FloatTensor<Self>; 3] {
         let d = inp.halt_w.meta.shape()[1];
-        let [dx, dw_rows, db_rows] = ponder_backward::ponder_backward(
-            inp.frames,
-            inp.halt_w,
-            inp.halt_b,
-            grad,
-            inp.k,
-            inp.clamp as f32,
-            inp.eps as f32,
-        );
+        let (t, k, clamp, eps) = ponder_args(inp);
+        let [dx, dw_rows, db_rows] = ponder_backward::ponder_backward(t, grad, k, clamp, eps);
         let dw = wrap::<Self, 2>(dw_rows).sum_dim(0).reshape([1, d]);
         let db = wrap::<Self, 1>(db_rows).sum();
         [dx, prim(dw), prim(db)]
@@ -405,12 +359,8 @@ impl SnnOps for Cuda {
     fn ffn_neurons_forward(inp: FfnInputs<Self>) -> (FloatTensor<Self>, FloatTensor<Self>) {
         let device = inp.i_gu.device.clone();
         scan_timed(&device, || {
-            ffn::ffn_forward(
-                inp.i_gu,
-                [inp.w_gate, inp.w_up, inp.th_gate, inp.th_up],
-                inp.v0,
-                inp.leak,
-            )
+            let params = ffn_params(&inp);
+            ffn::ffn_forward(inp.i_gu, params, inp.v0, inp.leak)
         })
     }
 
@@ -423,12 +373,7 @@ impl SnnOps for Cuda {
         let [d_i, d_beta, d_th, d_v0] = scan_timed(&device, || {
             ffn::ffn_backward(
                 inp.i_gu.clone(),
-                [
-                    inp.w_gate.clone(),
-                    inp.w_up.clone(),
-                    inp.th_gate.clone(),
-                    inp.th_up.clone(),
-                ],
+                ffn_params(&inp),
                 inp.v0.clone(),
                 vpost,
                 grad_gv,

@@ -261,14 +261,14 @@ fn ponder_rows_kernel<O: Float>(
 
 /// `frames` `[T·K, B, D]`, halt weight `w` `[1, D]` (read flat), bias `[1]` → aggregate `[T, B, D]` and E[K]
 /// `[T, B]` (SPEC §2.3: σ, clamp to `[c, 1 − c]`, λ normalised by `Σλ + eps`).
+/// `inputs`: `[frames, w, bias]`, as [`ponder_agg_packed`] and the backward take them.
 pub fn ponder_agg<R: CubeRuntime>(
-    frames: CubeTensor<R>,
-    w: CubeTensor<R>,
-    bias: CubeTensor<R>,
+    inputs: [CubeTensor<R>; 3],
     k: usize,
     halt_clamp: f32,
     norm_eps: f32,
 ) -> (CubeTensor<R>, CubeTensor<R>) {
+    let [frames, w, bias] = inputs;
     let [agg, ek] = ponder_agg_with(frames, w, bias, k, halt_clamp, norm_eps, false);
     (agg, ek)
 }
@@ -276,13 +276,12 @@ pub fn ponder_agg<R: CubeRuntime>(
 /// [`ponder_agg`] for training: the aggregate and E[K] packed in one `[T, B, D + 1]` tensor
 /// (one differentiable output).
 pub fn ponder_agg_packed<R: CubeRuntime>(
-    frames: CubeTensor<R>,
-    w: CubeTensor<R>,
-    bias: CubeTensor<R>,
+    inputs: [CubeTensor<R>; 3],
     k: usize,
     halt_clamp: f32,
     norm_eps: f32,
 ) -> CubeTensor<R> {
+    let [frames, w, bias] = inputs;
     let [packed, _] = ponder_agg_with(frames, w, bias, k, halt_clamp, norm_eps, true);
     packed
 }

@@ -130,16 +130,14 @@ fn ponder_backward_kernel(
 
 /// Its backward from the packed gradient `[T, B, D + 1]`: `[∂frames [T·K, B, D], per-row ∂w
 /// [T·B, D], per-row ∂b [T·B]]` (the caller sums the last two over rows).
-#[allow(clippy::too_many_arguments)]
 pub fn ponder_backward<R: CubeRuntime>(
-    frames: CubeTensor<R>,
-    w: CubeTensor<R>,
-    bias: CubeTensor<R>,
+    inputs: [CubeTensor<R>; 3],
     grad: CubeTensor<R>,
     k: usize,
     halt_clamp: f32,
     norm_eps: f32,
 ) -> [CubeTensor<R>; 3] {
+    let [frames, w, bias] = inputs;
     let (t, batch, dim) = ponder_geometry(&[&frames, &w, &bias, &grad], k);
     let [frames, w, bias, grad] = [frames, w, bias, grad].map(into_contiguous);
     let d_frames = out_like(&frames, frames.meta.shape().clone());

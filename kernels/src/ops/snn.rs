@@ -169,54 +169,26 @@ pub fn plif_selective<B: SnnOps>(
 /// differentiable op: `x` `[T, B, D]` → `(output [T·K, B, D], final state [B, D])`, the state
 /// detached. Through [`SnnOps::norm_plif_forward`] / [`SnnOps::norm_plif_backward`]; the model
 /// calls it where [`SnnOps::fuses_norm_plif`].
-#[allow(clippy::too_many_arguments)]
-pub fn norm_plif_train<B: SnnOps>(
-    x: Tensor<B, 3>,
-    norm_w: Tensor<B, 1>,
-    eps: f64,
-    w: Tensor<B, 1>,
-    v_th: Tensor<B, 1>,
-    v0: Tensor<B, 2>,
-    k: usize,
-    leak: bool,
-) -> (Tensor<B, 3>, Tensor<B, 2>) {
-    let (y, vpost) = B::norm_plif_forward(NormPlifInputs {
-        x: prim(x),
-        norm_w: prim(norm_w),
-        eps,
-        w: prim(w),
-        v_th: prim(v_th),
-        v0: prim(v0),
-        k,
-        leak,
-    });
+pub fn norm_plif_train<B: SnnOps>(inp: NormPlifInputs<B>) -> (Tensor<B, 3>, Tensor<B, 2>) {
+    let (y, vpost) = B::norm_plif_forward(inp);
+    (wrap(y), detached_last(vpost))
+}
+
+/// The last frame of `vpost` `[TK, B, C]`, detached: a fused op's final state.
+fn detached_last<B: SnnOps>(vpost: FloatTensor<B>) -> Tensor<B, 2> {
     let vpost = wrap::<B, 3>(vpost);
-    let [tk, b, d] = vpost.dims();
-    let last = vpost.narrow(0, tk - 1, 1).reshape([b, d]).detach();
-    (wrap(y), last)
+    let [tk, b, c] = vpost.dims();
+    vpost.narrow(0, tk - 1, 1).reshape([b, c]).detach()
 }
 
 /// PonderNet's halting and aggregation (SPEC §2.3) as one differentiable op: `frames`
 /// `[T·K, B, D]` → aggregate `[T, B, D]` and E[K] `[T, B]`, through [`SnnOps::ponder_forward`]
 /// and [`SnnOps::ponder_backward`]; the model calls it where [`SnnOps::fuses_ponder`].
-pub fn ponder_agg_train<B: SnnOps>(
-    frames: Tensor<B, 3>,
-    halt_w: Tensor<B, 2>,
-    halt_b: Tensor<B, 1>,
-    k: usize,
-    clamp: f64,
-    eps: f64,
-) -> (Tensor<B, 3>, Tensor<B, 2>) {
-    let [tk, b, d] = frames.dims();
-    let t = tk / k;
-    let packed = wrap::<B, 3>(B::ponder_forward(PonderInputs {
-        frames: prim(frames),
-        halt_w: prim(halt_w),
-        halt_b: prim(halt_b),
-        k,
-        clamp,
-        eps,
-    }));
+pub fn ponder_agg_train<B: SnnOps>(inp: PonderInputs<B>) -> (Tensor<B, 3>, Tensor<B, 2>) {
+    // `[T, B, D + 1]`: the aggregate, then E[K].
+    let packed = wrap::<B, 3>(B::ponder_forward(inp));
+    let [t, b, d1] = packed.dims();
+    let d = d1 - 1;
     let agg = packed.clone().slice([0..t, 0..b, 0..d]);
     let ek = packed.slice([0..t, 0..b, d..d + 1]).reshape([t, b]);
     (agg, ek)
@@ -227,27 +199,7 @@ pub fn ponder_agg_train<B: SnnOps>(
 /// scan, `(1 − β)·V_post` (or `V_post`) of each, and their product → `(g·v [TK, B, D_ff], final
 /// state [B, 2·D_ff])`, the state detached. Through [`SnnOps::ffn_neurons_forward`] and
 /// [`SnnOps::ffn_neurons_backward`]; the model calls it where [`SnnOps::fuses_ffn_neurons`].
-#[allow(clippy::too_many_arguments)]
-pub fn ffn_neurons<B: SnnOps>(
-    i_gu: Tensor<B, 3>,
-    w_gate: Tensor<B, 1>,
-    w_up: Tensor<B, 1>,
-    th_gate: Tensor<B, 1>,
-    th_up: Tensor<B, 1>,
-    v0: Tensor<B, 2>,
-    leak: bool,
-) -> (Tensor<B, 3>, Tensor<B, 2>) {
-    let (gv, vpost) = B::ffn_neurons_forward(FfnInputs {
-        i_gu: prim(i_gu),
-        w_gate: prim(w_gate),
-        w_up: prim(w_up),
-        th_gate: prim(th_gate),
-        th_up: prim(th_up),
-        v0: prim(v0),
-        leak,
-    });
-    let vpost = wrap::<B, 3>(vpost);
-    let [tk, b, two_f] = vpost.dims();
-    let last = vpost.narrow(0, tk - 1, 1).reshape([b, two_f]).detach();
-    (wrap(gv), last)
+pub fn ffn_neurons<B: SnnOps>(inp: FfnInputs<B>) -> (Tensor<B, 3>, Tensor<B, 2>) {
+    let (gv, vpost) = B::ffn_neurons_forward(inp);
+    (wrap(gv), detached_last(vpost))
 }

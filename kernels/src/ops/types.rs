@@ -1,7 +1,8 @@
 //! The inputs and outputs of the `SnnOps` methods: the scans' outputs and gradients, the fused
 //! ops' input bundles and gradients, and [`StepGraph`], a backend's captured work.
 
-use burn::tensor::{backend::Backend, ops::FloatTensor};
+use crate::tensor::prim;
+use burn::tensor::{Tensor, backend::Backend, ops::FloatTensor};
 
 /// Forward outputs of a PLIF scan, both `[TK, B, dim]`: spikes (0/1) and `V_post`, and the
 /// final membrane state `[B, dim]` in f32 where the kernel writes it apart (its `V_post` may
@@ -68,6 +69,29 @@ pub struct FfnInputs<B: Backend> {
     pub leak: bool,
 }
 
+impl<B: Backend> FfnInputs<B> {
+    /// From tensors: `i_gu` `[TK, B, 2·D_ff]` (or a 2-D `[TK·B, W]` whose first 2·D_ff columns
+    /// are the currents, for [`crate::ffn_plif_fused_rows`]), `params` the gate and up neurons'
+    /// β logits then their thresholds (`[D_ff]` each), `v0` `[B, 2·D_ff]`.
+    pub fn new<const D: usize>(
+        i_gu: Tensor<B, D>,
+        params: [Tensor<B, 1>; 4],
+        v0: Tensor<B, 2>,
+        leak: bool,
+    ) -> Self {
+        let [w_gate, w_up, th_gate, th_up] = params.map(prim);
+        FfnInputs {
+            i_gu: prim(i_gu),
+            w_gate,
+            w_up,
+            th_gate,
+            th_up,
+            v0: prim(v0),
+            leak,
+        }
+    }
+}
+
 /// Gradients of the FFN neurons ([`ffn_neurons`]) with respect to [`FfnInputs`]' tensors.
 ///
 /// [`ffn_neurons`]: crate::ffn_neurons
@@ -94,6 +118,27 @@ pub struct PonderInputs<B: Backend> {
     pub eps: f64,
 }
 
+impl<B: Backend> PonderInputs<B> {
+    /// From tensors: `frames` `[T·K, B, D]`, `halt_w` `[1, D]`, `halt_b` `[1]`.
+    pub fn new(
+        frames: Tensor<B, 3>,
+        halt_w: Tensor<B, 2>,
+        halt_b: Tensor<B, 1>,
+        k: usize,
+        clamp: f64,
+        eps: f64,
+    ) -> Self {
+        PonderInputs {
+            frames: prim(frames),
+            halt_w: prim(halt_w),
+            halt_b: prim(halt_b),
+            k,
+            clamp,
+            eps,
+        }
+    }
+}
+
 /// The inputs of a sublayer's start: RMSNorm of `x` `[T, B, D]` (weight `norm_w` `[D]`, `eps`),
 /// then the input PLIF (β logits `w`, thresholds `v_th` `[D]`, state `v0` `[B, D]`) over the K
 /// frames of each token with input current `(1 − β)·x̂`, output `(1 − β)·V_post` if `leak`.
@@ -107,6 +152,33 @@ pub struct NormPlifInputs<B: Backend> {
     pub v0: FloatTensor<B>,
     pub k: usize,
     pub leak: bool,
+}
+
+impl<B: Backend> NormPlifInputs<B> {
+    /// From tensors: `x` `[T, B, D]`, the norm's weight `[D]` and `eps`, the neuron's β logits
+    /// `w` and thresholds `v_th` `[D]`, the state `v0` `[B, D]`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn new(
+        x: Tensor<B, 3>,
+        norm_w: Tensor<B, 1>,
+        eps: f64,
+        w: Tensor<B, 1>,
+        v_th: Tensor<B, 1>,
+        v0: Tensor<B, 2>,
+        k: usize,
+        leak: bool,
+    ) -> Self {
+        NormPlifInputs {
+            x: prim(x),
+            norm_w: prim(norm_w),
+            eps,
+            w: prim(w),
+            v_th: prim(v_th),
+            v0: prim(v0),
+            k,
+            leak,
+        }
+    }
 }
 
 /// Work recorded once and replayed with one launch ([`GraphOps::capture`]; CUDA graphs on the CUDA

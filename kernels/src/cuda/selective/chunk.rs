@@ -1,6 +1,5 @@
-//! Plane 0's part of the staged selective kernels, shared by the ring and the register-loading
-//! kernels: the recurrence over one chunk of steps from the double buffer the producers filled,
-//! forward and in reverse.
+//! Plane 0's part of the selective kernels ([`super::ring`]): the recurrence over one chunk of
+//! steps from the double buffer the producers filled, forward and in reverse.
 
 use cubecl::prelude::*;
 

@@ -8,16 +8,15 @@
 //! columns, producer planes prepare the next chunk of steps into shared memory while one plane
 //! runs the recurrence over the current chunk (`chunk`); one barrier per chunk swaps the two
 //! buffers. The producers load through `cp.async` into a ring of stages in shared memory, each
-//! tracked by an mbarrier (`ring`), so the loads ahead of the recurrence hold no registers
-//! (forward: 84 % of copy against 77 % for the same kernel loading into registers; with bf16
-//! storage 1.75 ms against 2.12; backward with bf16 storage 3.12 → 2.83 ms).
+//! tracked by an mbarrier (`ring`), so the loads ahead of the recurrence hold no registers.
 //!
 //! The ring copies 4 bytes at a time, two bf16 columns where a type is stored in bf16, which
-//! rows of an odd width cannot keep aligned: there the register-loading staged kernels
-//! (`staged`) run, the same arithmetic; `$NSACTOR_SELECTIVE_FORWARD=sync` and
-//! `$NSACTOR_SELECTIVE_BACKWARD=sync` select them everywhere, for comparison. The launchers here
-//! pick the kernel and its shape. (The first generation, one unit per column computing its own
-//! modulation, left the tree: staged was faster at every measured shape; git keeps it.)
+//! rows of an odd width cannot keep aligned: there the producers load and store plainly through
+//! the same ring ([`ring::Ring::direct`]). Two earlier generations left the tree (git keeps
+//! them), each slower at every measured shape (`BENCHMARKS.md`): one unit per column computing
+//! its own modulation, and the staged kernels whose producers loaded into registers (forward
+//! 77 % of copy against the ring's 84 %; with bf16 storage 2.12 ms against 1.75, backward 3.12
+//! against 2.83, f32 backward 4.18 against 4.15).
 //!
 //! Same recurrence as [`crate::reference`], term for term; the forwards agree with the
 //! per-element scan composed with the modulation ([`crate::selective_forward_reference`]) bit
@@ -25,30 +24,15 @@
 
 mod chunk;
 mod ring;
-mod staged;
 
-use crate::cuda::common::{STAGE_COLS, check_f32, out_like, out_typed, stage_shape, stored_dtype};
+use crate::cuda::common::{check_f32, out_like, out_typed, stored_dtype};
 use crate::cuda::scan::geometry;
 use burn::tensor::{DType, Shape};
 use burn_cubecl::CubeRuntime;
 use burn_cubecl::kernel::into_contiguous;
 use burn_cubecl::tensor::CubeTensor;
 use cubecl::prelude::*;
-use ring::{selective_backward_async_kernel, selective_forward_async_kernel};
-use staged::{selective_backward_staged_kernel, selective_forward_staged_kernel};
-
-/// `(producer planes, steps per chunk)` of the staged selective kernels. Measured on the H100
-/// at the 0.9B shape (forward / backward ms): 2×32 5.89 / 8.69, 4×64 3.64 / 9.07, 8×32 2.65 /
-/// 4.36. `$NSACTOR_STAGE_FORWARD` and `$NSACTOR_STAGE_BACKWARD` (`PxC`) override them.
-const STAGE_FORWARD: (usize, usize) = (8, 32);
-const STAGE_BACKWARD: (usize, usize) = (8, 16);
-/// The register-loading forward's shape with f32 storage (`$NSACTOR_SELECTIVE_FORWARD=sync`;
-/// the asynchronous ring is the default there). 8×32 holds 5 cubes per SM (registers and shared
-/// memory), so the 896 cubes of the 0.9B shape run in 1.36 waves; 4×24 holds 7 (one wave).
-/// Measured on the H100 (ms, f32): 8×32 2.64–2.67, 4×24 2.49–2.51, 4×20 2.49–2.53, 6×24 3.09,
-/// 3×24 2.84, 4×32 3.71. With bf16 storage 8×32 and 4×24 tie (2.117 / 2.111 ms) and 4×20 is
-/// slower (2.46), so bf16 keeps [`STAGE_FORWARD`].
-const STAGE_FORWARD_F32: (usize, usize) = (4, 24);
+use ring::{Ring, selective_backward_kernel, selective_forward_kernel};
 
 /// `(producer planes, steps per chunk, ring stages)` of the asynchronous forward (f32 storage).
 /// `$NSACTOR_STAGE_ASYNC` (`PxCxD`) overrides it. Measured on the H100 at the 0.9B shape (ms):
@@ -56,54 +40,43 @@ const STAGE_FORWARD_F32: (usize, usize) = (4, 24);
 /// 3×12×3 2.365, 8×16×3 2.389, 4×16×3 2.410, 2×12×3 2.436, 4×12×4 2.441; the staged kernel
 /// loading into registers took 2.519 on the same host. Three stages keep two chunks of loads
 /// in flight per cube at 27.6 KB of shared memory (8 cubes per SM). 64- and 128-column cubes
-/// (`PxCxDx64`, `…x128`: whole 128-byte lines per bf16 row) gained in neither storage.
+/// (`PxCxDx64`, `…x128`: whole 128-byte lines per bf16 row) gained in neither storage. The
+/// staged kernel loading into registers, since removed, took 2.49–2.53 ms at its best shape.
 const STAGE_ASYNC: (usize, usize, usize, usize) = (4, 12, 3, 32);
 
 /// The same with bf16 storage. Measured (ms): 4×12×3 1.749–1.750, 8×16×3 1.749, 8×24×3 1.758,
 /// 4×16×4 1.873, 12×24×3 1.919, 4×24×4 1.923, 4×32×2 1.924, 8×32×2 1.928, 4×24×3 1.944,
-/// 8×32×3 1.963, 6×24×3 1.982, 8×48×3 2.512; the register-loading kernel 2.120.
+/// 8×32×3 1.963, 6×24×3 1.982, 8×48×3 2.512; the register-loading kernel (removed) 2.120.
 const STAGE_ASYNC_BF16: (usize, usize, usize, usize) = (4, 12, 3, 32);
-
-/// Which selective forward runs: the asynchronous ring (the default), or with
-/// `$NSACTOR_SELECTIVE_FORWARD=sync` the staged kernel whose producers load into registers.
-fn async_forward() -> bool {
-    std::env::var("NSACTOR_SELECTIVE_FORWARD").map_or(true, |v| v != "sync")
-}
 
 /// `(producer planes, steps per chunk, ring stages, columns per cube)` of the asynchronous
 /// backward; `$NSACTOR_STAGE_ASYNC_BACKWARD` overrides it. Measured on the H100 at the 0.9B
 /// shape (ms, f32 / bf16 storage): 4×16×2 4.149 / 2.826, 4×8×2 4.132 / 2.919, 4×8×3 4.177 /
 /// 2.886, 8×16×2 4.207 / 3.076, 4×12×3 4.244 / 3.370, 2×4×3 4.325 / 3.513, 2×8×3 5.162 /
 /// 3.532, 8×8×2 4.182 / 3.759, 4×4×4 4.200 / 3.806, 8×8×4 4.276 / 4.033, 8×8×3 4.317 / 4.053;
-/// the register-loading kernel 4.184 / 3.118 on the same host.
+/// the register-loading kernel (removed) 4.184 / 3.118 on the same host.
 const STAGE_ASYNC_BACKWARD: (usize, usize, usize, usize) = (4, 16, 2, 32);
-
-/// Whether the selective backward runs the asynchronous ring (the default) or, with
-/// `$NSACTOR_SELECTIVE_BACKWARD=sync`, the staged kernel whose producers load into registers.
-fn async_backward() -> bool {
-    std::env::var("NSACTOR_SELECTIVE_BACKWARD").map_or(true, |v| v != "sync")
-}
 
 /// Elements per 4-byte asynchronous copy of a stored type (f32 or bf16).
 fn pack_of(dtype: DType) -> usize {
     if dtype == DType::F32 { 1 } else { 2 }
 }
 
-/// `(producers, chunk, stages, columns per cube)` of the asynchronous forward from
-/// `$NSACTOR_STAGE_ASYNC` (`PxCxD` or `PxCxDxW`) or the default for the storage type; `chunk`
-/// is rounded up to a multiple of `producers`, `stages` is 2 to 4, the width 32, 64 or 128.
-fn async_shape(stored: DType) -> (usize, usize, usize, usize) {
+/// The forward's ring from `$NSACTOR_STAGE_ASYNC` (`PxCxD` or `PxCxDxW`) or the default for
+/// the storage type; `chunk` is rounded up to a multiple of `producers`, `stages` is 2 to 4,
+/// the width 32, 64 or 128.
+fn forward_ring(stored: DType, direct: bool) -> Ring {
     let default = if stored == DType::F32 {
         STAGE_ASYNC
     } else {
         STAGE_ASYNC_BF16
     };
-    ring_shape("NSACTOR_STAGE_ASYNC", default)
+    ring_shape("NSACTOR_STAGE_ASYNC", default, direct)
 }
 
-/// A ring kernel's `(producers, chunk, stages, width)` from `$var` (`PxCxD` or `PxCxDxW`) or
-/// `default`.
-fn ring_shape(var: &str, default: (usize, usize, usize, usize)) -> (usize, usize, usize, usize) {
+/// A ring kernel's shape from `$var` (`PxCxD` or `PxCxDxW`) or `default`, copying plainly
+/// where `direct`.
+fn ring_shape(var: &str, default: (usize, usize, usize, usize), direct: bool) -> Ring {
     let (p, c, d, w) = std::env::var(var)
         .ok()
         .and_then(|v| {
@@ -125,7 +98,13 @@ fn ring_shape(var: &str, default: (usize, usize, usize, usize)) -> (usize, usize
                 && w * (1 + p) <= 1024
         })
         .unwrap_or(default);
-    (p, c.div_ceil(p) * p, d, w)
+    Ring {
+        chunk: c.div_ceil(p) * p,
+        producers: p,
+        stages: d,
+        width: w,
+        direct,
+    }
 }
 
 /// The dtype shared by the four projections of the selective scan: f32, or bf16 storage
@@ -159,49 +138,15 @@ pub fn selective_forward<R: CubeRuntime>(
     let vpost = out_like(&i, shape);
     let last = out_typed(&i, state, DType::F32);
     let client = i.client.clone();
-    let default = if stored == DType::F32 {
-        STAGE_FORWARD_F32
-    } else {
-        STAGE_FORWARD
-    };
-    // bf16 storage copies column pairs (4 bytes), which rows of an even width keep aligned.
-    let pack = pack_of(stored);
-    if async_forward() && (cols as usize).is_multiple_of(pack) {
-        let (producers, chunk, stages, width) = async_shape(stored);
-        selective_forward_async_kernel::launch::<R>(
-            &client,
-            CubeCount::Static(cols.div_ceil(width as u32), 1, 1),
-            CubeDim::new_2d(width as u32, 1 + producers as u32),
-            i.into_tensor_arg(),
-            rb.into_tensor_arg(),
-            ra.into_tensor_arg(),
-            rt.into_tensor_arg(),
-            bb.into_tensor_arg(),
-            ba.into_tensor_arg(),
-            bt.into_tensor_arg(),
-            v0.into_tensor_arg(),
-            spike.clone().into_tensor_arg(),
-            vpost.clone().into_tensor_arg(),
-            last.clone().into_tensor_arg(),
-            cols,
-            steps,
-            steps.div_ceil(chunk as u32),
-            dn,
-            v_th_min,
-            chunk,
-            producers,
-            stages,
-            pack,
-            width,
-            stored.into(),
-        );
-        return (spike, vpost, last);
-    }
-    let (producers, chunk) = stage_shape("NSACTOR_STAGE_FORWARD", default);
-    selective_forward_staged_kernel::launch::<R>(
+    // `cp.async` copies bf16 column pairs (4 bytes), which rows of an even width keep aligned;
+    // odd bf16 rows are copied plainly, one element at a time.
+    let direct = stored != DType::F32 && !(cols as usize).is_multiple_of(2);
+    let pack = if direct { 1 } else { pack_of(stored) };
+    let ring = forward_ring(stored, direct);
+    selective_forward_kernel::launch::<R>(
         &client,
-        CubeCount::Static(cols.div_ceil(STAGE_COLS), 1, 1),
-        CubeDim::new_2d(STAGE_COLS, 1 + producers as u32),
+        CubeCount::Static(cols.div_ceil(ring.width as u32), 1, 1),
+        CubeDim::new_2d(ring.width as u32, 1 + ring.producers as u32),
         i.into_tensor_arg(),
         rb.into_tensor_arg(),
         ra.into_tensor_arg(),
@@ -215,12 +160,12 @@ pub fn selective_forward<R: CubeRuntime>(
         last.clone().into_tensor_arg(),
         cols,
         steps,
-        steps.div_ceil(chunk as u32),
+        steps.div_ceil(ring.chunk as u32),
         dn,
         v_th_min,
-        chunk,
-        producers,
-        [stored.into(), stored.into()],
+        pack,
+        ring,
+        stored.into(),
     );
     (spike, vpost, last)
 }
@@ -254,52 +199,16 @@ pub fn selective_backward<R: CubeRuntime>(
     let g_v0 = out_typed(&grad, state.clone(), DType::F32);
     let g_bias = out_typed(&grad, Shape::new([3, state[0], state[1]]), DType::F32);
     let packs = (pack_of(stored), pack_of(vpost.dtype), pack_of(grad.dtype));
-    if async_backward() && (cols % 2 == 0 || packs == (1, 1, 1)) {
-        let g = || out_typed(&grad, shape.clone(), stored);
-        let [g_i, g_rb, g_ra, g_rt] = [g(), g(), g(), g()];
-        let (producers, chunk, stages, width) =
-            ring_shape("NSACTOR_STAGE_ASYNC_BACKWARD", STAGE_ASYNC_BACKWARD);
-        selective_backward_async_kernel::launch::<R>(
-            &client,
-            CubeCount::Static(cols.div_ceil(width as u32), 1, 1),
-            CubeDim::new_2d(width as u32, 1 + producers as u32),
-            i.into_tensor_arg(),
-            rb.into_tensor_arg(),
-            ra.into_tensor_arg(),
-            rt.into_tensor_arg(),
-            bb.into_tensor_arg(),
-            ba.into_tensor_arg(),
-            bt.into_tensor_arg(),
-            v0.into_tensor_arg(),
-            vpost.into_tensor_arg(),
-            spike.into_tensor_arg(),
-            grad.into_tensor_arg(),
-            g_i.clone().into_tensor_arg(),
-            g_rb.clone().into_tensor_arg(),
-            g_ra.clone().into_tensor_arg(),
-            g_rt.clone().into_tensor_arg(),
-            g_v0.clone().into_tensor_arg(),
-            g_bias.clone().into_tensor_arg(),
-            cols,
-            steps,
-            steps.div_ceil(chunk as u32),
-            dn,
-            chunk,
-            producers,
-            stages,
-            packs,
-            width,
-            types,
-        );
-        return [g_i, g_rb, g_ra, g_rt, g_v0, g_bias];
-    }
+    // As in the forward: a type stored in bf16 in rows of odd width is copied plainly.
+    let direct = cols % 2 == 1 && packs != (1, 1, 1);
+    let packs = if direct { (1, 1, 1) } else { packs };
+    let ring = ring_shape("NSACTOR_STAGE_ASYNC_BACKWARD", STAGE_ASYNC_BACKWARD, direct);
     let g = || out_typed(&grad, shape.clone(), stored);
     let [g_i, g_rb, g_ra, g_rt] = [g(), g(), g(), g()];
-    let (producers, chunk) = stage_shape("NSACTOR_STAGE_BACKWARD", STAGE_BACKWARD);
-    selective_backward_staged_kernel::launch::<R>(
+    selective_backward_kernel::launch::<R>(
         &client,
-        CubeCount::Static(cols.div_ceil(STAGE_COLS), 1, 1),
-        CubeDim::new_2d(STAGE_COLS, 1 + producers as u32),
+        CubeCount::Static(cols.div_ceil(ring.width as u32), 1, 1),
+        CubeDim::new_2d(ring.width as u32, 1 + ring.producers as u32),
         i.into_tensor_arg(),
         rb.into_tensor_arg(),
         ra.into_tensor_arg(),
@@ -319,10 +228,10 @@ pub fn selective_backward<R: CubeRuntime>(
         g_bias.clone().into_tensor_arg(),
         cols,
         steps,
-        steps.div_ceil(chunk as u32),
+        steps.div_ceil(ring.chunk as u32),
         dn,
-        chunk,
-        producers,
+        packs,
+        ring,
         types,
     );
     [g_i, g_rb, g_ra, g_rt, g_v0, g_bias]

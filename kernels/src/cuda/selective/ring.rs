@@ -1,12 +1,29 @@
 //! The selective kernels through an asynchronous ring: producer planes issue `cp.async` copies of
 //! a chunk's raw inputs `stages − 1` chunks ahead into a ring of stages in shared memory, each
 //! stage tracked by its own mbarrier, then modulate the current chunk from the ring into the
-//! double buffer plane 0 scans. No register holds a load in flight.
+//! double buffer plane 0 scans. No register holds a load in flight. Where `cp.async` cannot
+//! copy (bf16 rows of odd width: its 4-byte copies would straddle rows), the producers load and
+//! store plainly through the same ring ([`Ring::direct`]): the same arithmetic, bit for bit.
 
 use super::chunk::{scan_forward_chunk, scan_reverse_chunk};
 use crate::cuda::common::{sigmoid_burn, sign, softplus};
 use cubecl::prelude::barrier::{Barrier, copy_async};
 use cubecl::prelude::*;
+
+/// A ring kernel's compile-time shape.
+#[derive(Clone, Copy, Debug, Hash, PartialEq, Eq)]
+pub(crate) struct Ring {
+    /// Steps per chunk, a multiple of `producers`.
+    pub chunk: usize,
+    /// Producer planes (plane 0 scans).
+    pub producers: usize,
+    /// Ring stages in shared memory (2 to 4), one mbarrier each.
+    pub stages: usize,
+    /// Columns per cube.
+    pub width: usize,
+    /// Plain loads and stores into the ring instead of `cp.async` (then every pack is 1).
+    pub direct: bool,
+}
 
 /// Issues this producer unit's share of the asynchronous copies of forward chunk `cn` (four
 /// arrays) into ring stage `cn % stages` and commits them to the stage's barrier.
@@ -28,35 +45,28 @@ fn issue_chunk<I: Float>(
     cube_col: usize,
     cols: usize,
     steps: usize,
-    #[comptime] chunk: usize,
-    #[comptime] producers: usize,
-    #[comptime] stages: usize,
     #[comptime] pack: usize,
-    #[comptime] width: usize,
+    #[comptime] ring: Ring,
 ) {
-    let plane = comptime!(chunk * width);
-    let stage = cn % stages;
+    let plane = comptime!(ring.chunk * ring.width);
+    let stage = cn % comptime!(ring.stages);
     let rb = stage * 4 * plane;
     let ra = rb + plane;
     let rt = rb + 2 * plane;
     let ii = rb + 3 * plane;
-    let k0 = cn * chunk;
-    copy_steps::<I>(
-        r_beta, raw, rb, k0, steps, lane, x, cube_col, cols, false, 0usize, chunk, producers, pack,
-        width,
-    );
-    copy_steps::<I>(
-        r_alpha, raw, ra, k0, steps, lane, x, cube_col, cols, false, 0usize, chunk, producers,
-        pack, width,
-    );
-    copy_steps::<I>(
-        r_th, raw, rt, k0, steps, lane, x, cube_col, cols, false, 0usize, chunk, producers, pack,
-        width,
-    );
-    copy_steps::<I>(
-        i, raw, ii, k0, steps, lane, x, cube_col, cols, false, 0usize, chunk, producers, pack,
-        width,
-    );
+    let k0 = cn * comptime!(ring.chunk);
+    let at = Span {
+        origin: k0,
+        steps,
+        lane,
+        x,
+        cube_col,
+        cols,
+    };
+    copy_steps::<I>(r_beta, raw, rb, &at, false, 0usize, pack, ring);
+    copy_steps::<I>(r_alpha, raw, ra, &at, false, 0usize, pack, ring);
+    copy_steps::<I>(r_th, raw, rt, &at, false, 0usize, pack, ring);
+    copy_steps::<I>(i, raw, ii, &at, false, 0usize, pack, ring);
     commit_stage(bar0, bar1, bar2, bar3, stage);
 }
 
@@ -109,15 +119,15 @@ fn wait_stage(
     }
 }
 
-/// The staged forward with an asynchronous ring (f32 storage): producer planes issue `cp.async`
-/// copies of the raw projections `stages − 1` chunks ahead into a ring in shared memory, each
+/// The selective forward: plane 0 of a cube runs the recurrence over `width` columns; producer
+/// planes issue `cp.async` copies of the raw projections `stages − 1` chunks ahead into a ring in shared memory, each
 /// stage tracked by its own mbarrier, then modulate the current chunk from the ring into the
-/// double buffer plane 0 scans, as in the staged kernel ([`super::staged`]). No register holds a
-/// load in flight, so the loads ahead are bounded by shared memory, not by registers. Same
-/// arithmetic, bit for bit.
+/// double buffer plane 0 scans. No register holds a load in flight, so the loads ahead are
+/// bounded by shared memory, not by registers. Same arithmetic as the reference
+/// ([`crate::reference`]) term for term.
 #[allow(clippy::too_many_arguments)]
 #[cube(launch)]
-pub(crate) fn selective_forward_async_kernel<I: Float>(
+pub(crate) fn selective_forward_kernel<I: Float>(
     i: &Tensor<I>,
     r_beta: &Tensor<I>,
     r_alpha: &Tensor<I>,
@@ -134,13 +144,14 @@ pub(crate) fn selective_forward_async_kernel<I: Float>(
     chunks: u32,
     dim: u32,
     v_th_min: f32,
-    #[comptime] chunk: usize,
-    #[comptime] producers: usize,
-    #[comptime] stages: usize,
     #[comptime] pack: usize,
-    #[comptime] width: usize,
+    #[comptime] ring: Ring,
     #[define(I)] _stored: StorageType,
 ) {
+    let chunk = comptime!(ring.chunk);
+    let producers = comptime!(ring.producers);
+    let stages = comptime!(ring.stages);
+    let width = comptime!(ring.width);
     let cols = cols as usize;
     let steps = steps as usize;
     let x = UNIT_POS_X as usize;
@@ -175,7 +186,7 @@ pub(crate) fn selective_forward_async_kernel<I: Float>(
             if cn < chunks {
                 issue_chunk::<I>(
                     i, r_beta, r_alpha, r_th, &mut raw, &bar0, &bar1, &bar2, &bar3, cn, lane, x,
-                    cube_col, cols, steps, chunk, producers, stages, pack, width,
+                    cube_col, cols, steps, pack, ring,
                 );
             }
         }
@@ -207,7 +218,7 @@ pub(crate) fn selective_forward_async_kernel<I: Float>(
             if cn < chunks {
                 issue_chunk::<I>(
                     i, r_beta, r_alpha, r_th, &mut raw, &bar0, &bar1, &bar2, &bar3, cn, lane, x,
-                    cube_col, cols, steps, chunk, producers, stages, pack, width,
+                    cube_col, cols, steps, pack, ring,
                 );
             }
             let s = ch % stages;
@@ -233,58 +244,72 @@ pub(crate) fn selective_forward_async_kernel<I: Float>(
     }
 }
 
-/// Issues this producer unit's share of the asynchronous copies of one array's chunk into
-/// `dst` at `dst_base` (slot `q` at `q·width`). Forward, slot `q` is step `origin + q` (steps
-/// past `steps` are skipped); in reverse (`reverse`), step `origin − 1 − q` (slots past
-/// `origin` are skipped). `shift` 1 reads the row before each step (`V_post` of step `k − 1`;
-/// step 0 has none and is left to the caller). Each `cp.async` moves 4 bytes global → shared
-/// without a register: one f32, or `pack` = 2 neighbouring bf16 columns, in which case a warp
-/// copies two slots' rows per instruction (each half-warp one 64-byte row). A plane copies the
-/// slots it later reads; the stage's barrier makes every unit's copies visible to all.
-#[allow(clippy::too_many_arguments)]
-#[cube]
-fn copy_steps<T: Float>(
-    src: &Tensor<T>,
-    dst: &mut SharedMemory<T>,
-    dst_base: usize,
+/// Where a producer unit copies: the chunk's `origin` step, the step count, the unit's lane
+/// (its producer plane less one) and column `x` in a cube whose first column is `cube_col`, of
+/// `cols` columns.
+#[derive(CubeType)]
+struct Span {
     origin: usize,
     steps: usize,
     lane: usize,
     x: usize,
     cube_col: usize,
     cols: usize,
+}
+
+/// Issues this producer unit's share of the copies of one array's chunk into `dst` at
+/// `dst_base` (slot `q` at `q·width`). Forward, slot `q` is step `origin + q` (steps past
+/// `steps` are skipped); in reverse (`reverse`), step `origin − 1 − q` (slots past `origin` are
+/// skipped). `shift` 1 reads the row before each step (`V_post` of step `k − 1`; step 0 has
+/// none and is left to the caller). Each `cp.async` moves 4 bytes global → shared without a
+/// register: one f32, or `pack` = 2 neighbouring bf16 columns, in which case a warp copies two
+/// slots' rows per instruction (each half-warp one 64-byte row); with [`Ring::direct`] a plain
+/// load and store moves one element. A plane copies the slots it later reads; the stage's
+/// barrier makes every unit's copies visible to all.
+#[allow(clippy::too_many_arguments)]
+#[cube]
+fn copy_steps<T: Float>(
+    src: &Tensor<T>,
+    dst: &mut SharedMemory<T>,
+    dst_base: usize,
+    at: &Span,
     #[comptime] reverse: bool,
     #[comptime] shift: usize,
-    #[comptime] chunk: usize,
-    #[comptime] producers: usize,
     #[comptime] pack: usize,
-    #[comptime] width: usize,
+    #[comptime] ring: Ring,
 ) {
-    let per = comptime!(chunk / producers);
-    let row_lanes = comptime!(width / pack);
-    let col = (x % row_lanes) * pack;
-    let c = cube_col + col;
+    let width = comptime!(ring.width);
+    let per = comptime!(ring.chunk / ring.producers);
+    let producers = comptime!(ring.producers);
+    let row_lanes = comptime!(ring.width / pack);
+    let origin = at.origin;
+    let col = (at.x % row_lanes) * pack;
+    let c = at.cube_col + col;
     #[unroll]
     for r0 in 0..comptime!(per.div_ceil(pack)) {
-        let r = r0 * pack + x / row_lanes;
-        let q = lane + r * producers;
-        let mut in_chunk = origin + q < steps;
+        let r = r0 * pack + at.x / row_lanes;
+        let q = at.lane + r * producers;
+        let mut in_chunk = origin + q < at.steps;
         if comptime![reverse] {
             in_chunk = q < origin;
         }
-        if r < per && in_chunk && c < cols {
+        if r < per && in_chunk && c < at.cols {
             let mut k = origin + q;
             if comptime![reverse] {
                 k = origin - 1 - q;
             }
             if k >= shift {
-                let idx = (k - shift) * cols + c;
+                let idx = (k - shift) * at.cols + c;
                 let o = dst_base + q * width + col;
-                copy_async(
-                    &src.slice(idx, idx + pack),
-                    &mut dst.slice_mut(o, o + pack),
-                    comptime!(pack as u32),
-                );
+                if comptime![ring.direct] {
+                    dst[o] = src[idx];
+                } else {
+                    copy_async(
+                        &src.slice(idx, idx + pack),
+                        &mut dst.slice_mut(o, o + pack),
+                        comptime!(pack as u32),
+                    );
+                }
             }
         }
     }
@@ -315,62 +340,41 @@ fn issue_reverse<I: Float, S: Float, G: Float>(
     x: usize,
     cube_col: usize,
     cols: usize,
-    #[comptime] chunk: usize,
-    #[comptime] producers: usize,
-    #[comptime] stages: usize,
     #[comptime] packs: (usize, usize, usize),
-    #[comptime] width: usize,
+    #[comptime] ring: Ring,
 ) {
-    let plane = comptime!(chunk * width);
+    let plane = comptime!(ring.chunk * ring.width);
     let (pi, ps, pg) = packs;
-    let top = steps - cn * chunk;
-    let stage = cn % stages;
+    let top = steps - cn * comptime!(ring.chunk);
+    let stage = cn % comptime!(ring.stages);
     let bi = stage * 4 * plane;
     let bs = stage * 2 * plane;
     let bg = stage * plane;
-    let ra = bi + plane;
-    let rt = bi + 2 * plane;
-    let ii = bi + 3 * plane;
-    let vp = bs + plane;
-    copy_steps::<I>(
-        r_beta, raw_i, bi, top, steps, lane, x, cube_col, cols, true, 0usize, chunk, producers, pi,
-        width,
-    );
-    copy_steps::<I>(
-        r_alpha, raw_i, ra, top, steps, lane, x, cube_col, cols, true, 0usize, chunk, producers,
-        pi, width,
-    );
-    copy_steps::<I>(
-        r_th, raw_i, rt, top, steps, lane, x, cube_col, cols, true, 0usize, chunk, producers, pi,
-        width,
-    );
-    copy_steps::<I>(
-        i, raw_i, ii, top, steps, lane, x, cube_col, cols, true, 0usize, chunk, producers, pi,
-        width,
-    );
-    copy_steps::<S>(
-        spike, raw_s, bs, top, steps, lane, x, cube_col, cols, true, 0usize, chunk, producers, ps,
-        width,
-    );
-    copy_steps::<S>(
-        vpost, raw_s, vp, top, steps, lane, x, cube_col, cols, true, 1usize, chunk, producers, ps,
-        width,
-    );
-    copy_steps::<G>(
-        grad, raw_g, bg, top, steps, lane, x, cube_col, cols, true, 0usize, chunk, producers, pg,
-        width,
-    );
+    let at = Span {
+        origin: top,
+        steps,
+        lane,
+        x,
+        cube_col,
+        cols,
+    };
+    copy_steps::<I>(r_beta, raw_i, bi, &at, true, 0usize, pi, ring);
+    copy_steps::<I>(r_alpha, raw_i, bi + plane, &at, true, 0usize, pi, ring);
+    copy_steps::<I>(r_th, raw_i, bi + 2 * plane, &at, true, 0usize, pi, ring);
+    copy_steps::<I>(i, raw_i, bi + 3 * plane, &at, true, 0usize, pi, ring);
+    copy_steps::<S>(spike, raw_s, bs, &at, true, 0usize, ps, ring);
+    copy_steps::<S>(vpost, raw_s, bs + plane, &at, true, 1usize, ps, ring);
+    copy_steps::<G>(grad, raw_g, bg, &at, true, 0usize, pg, ring);
     commit_stage(bar0, bar1, bar2, bar3, stage);
 }
 
-/// The staged backward with an asynchronous ring, as [`selective_forward_async_kernel`] is to
-/// the staged forward: producer planes copy the seven inputs of a chunk `stages − 1` chunks
-/// ahead through `cp.async`, then compute everything of a step but the carried gradient from
-/// the ring into the double buffer plane 0 runs the reverse recurrence over. Same arithmetic
-/// as the staged backward ([`super::staged`]).
+/// The selective backward, as [`selective_forward_kernel`] is to the forward: producer
+/// planes copy the seven inputs of a chunk `stages − 1` chunks ahead (the reverse order), then
+/// compute everything of a step but the carried gradient from the ring into the double buffer
+/// plane 0 runs the reverse recurrence over. Same arithmetic as the reference's backward.
 #[allow(clippy::too_many_arguments)]
 #[cube(launch)]
-pub(crate) fn selective_backward_async_kernel<I: Float, S: Float, G: Float>(
+pub(crate) fn selective_backward_kernel<I: Float, S: Float, G: Float>(
     i: &Tensor<I>,
     r_beta: &Tensor<I>,
     r_alpha: &Tensor<I>,
@@ -392,13 +396,14 @@ pub(crate) fn selective_backward_async_kernel<I: Float, S: Float, G: Float>(
     steps: u32,
     chunks: u32,
     dim: u32,
-    #[comptime] chunk: usize,
-    #[comptime] producers: usize,
-    #[comptime] stages: usize,
     #[comptime] packs: (usize, usize, usize),
-    #[comptime] width: usize,
+    #[comptime] ring: Ring,
     #[define(I, S, G)] _types: [StorageType; 3],
 ) {
+    let chunk = comptime!(ring.chunk);
+    let producers = comptime!(ring.producers);
+    let stages = comptime!(ring.stages);
+    let width = comptime!(ring.width);
     let cols = cols as usize;
     let steps = steps as usize;
     let x = UNIT_POS_X as usize;
@@ -438,7 +443,7 @@ pub(crate) fn selective_backward_async_kernel<I: Float, S: Float, G: Float>(
                 issue_reverse::<I, S, G>(
                     i, r_beta, r_alpha, r_th, vpost, spike, grad, &mut raw_i, &mut raw_s,
                     &mut raw_g, &bar0, &bar1, &bar2, &bar3, cn, steps, lane, x, cube_col, cols,
-                    chunk, producers, stages, packs, width,
+                    packs, ring,
                 );
             }
         }
@@ -481,7 +486,7 @@ pub(crate) fn selective_backward_async_kernel<I: Float, S: Float, G: Float>(
                 issue_reverse::<I, S, G>(
                     i, r_beta, r_alpha, r_th, vpost, spike, grad, &mut raw_i, &mut raw_s,
                     &mut raw_g, &bar0, &bar1, &bar2, &bar3, cn, steps, lane, x, cube_col, cols,
-                    chunk, producers, stages, packs, width,
+                    packs, ring,
                 );
             }
             let stage = ch % stages;

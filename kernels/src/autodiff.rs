@@ -7,8 +7,8 @@ use crate::ops::infer::InferOps;
 use crate::ops::scan::ScanOps;
 use crate::ops::snn::SnnOps;
 use crate::ops::types::{
-    FfnGrads, FfnInputs, NormPlifInputs, PlifGrads, PlifOutput, PonderInputs, SelectiveGrads,
-    SelectiveInputs,
+    FfnGrads, FfnInputs, NormPlifInputs, PlifGrads, PlifOutput, PonderInputs, ScanKind,
+    SelectiveGrads, SelectiveInputs,
 };
 use burn::backend::autodiff::{
     Autodiff, NodeId,
@@ -17,13 +17,6 @@ use burn::backend::autodiff::{
     ops::{Backward, Ops, OpsKind},
 };
 use burn::tensor::{DType, TensorMetadata, ops::FloatTensor};
-
-/// Which scan variant a backward node belongs to.
-#[derive(Debug, Clone, Copy)]
-enum Variant {
-    Elem,
-    Row,
-}
 
 /// Saved for backward: `beta` and `v0` as graph checkpoints, `V_post` and the spikes as outputs.
 #[derive(Debug, Clone)]
@@ -35,7 +28,7 @@ struct ScanState<B: SnnOps> {
 }
 
 #[derive(Debug)]
-struct PlifBackward(Variant);
+struct PlifBackward(ScanKind);
 
 impl<B: SnnOps> Backward<B, 4> for PlifBackward {
     type State = ScanState<B>;
@@ -51,10 +44,8 @@ impl<B: SnnOps> Backward<B, 4> for PlifBackward {
         let state = ops.state;
         let beta: FloatTensor<B> = checkpointer.retrieve_node_output(state.beta);
         let v0: FloatTensor<B> = checkpointer.retrieve_node_output(state.v0);
-        let g: PlifGrads<B> = match self.0 {
-            Variant::Elem => B::plif_elem_backward(beta, v0, state.vpost, state.spike, grad_vpost),
-            Variant::Row => B::plif_row_backward(beta, v0, state.vpost, state.spike, grad_vpost),
-        };
+        let g: PlifGrads<B> =
+            B::plif_backward(self.0, beta, v0, state.vpost, state.spike, grad_vpost);
         for (node, grad) in [
             (node_beta, g.beta),
             (node_u, g.u),
@@ -69,17 +60,14 @@ impl<B: SnnOps> Backward<B, 4> for PlifBackward {
 }
 
 fn forward<B: SnnOps, C: CheckpointStrategy>(
-    variant: Variant,
+    kind: ScanKind,
     beta: FloatTensor<Autodiff<B, C>>,
     u: FloatTensor<Autodiff<B, C>>,
     vth: FloatTensor<Autodiff<B, C>>,
     v0: FloatTensor<Autodiff<B, C>>,
 ) -> PlifOutput<Autodiff<B, C>> {
-    let run = |b, u, t, v| match variant {
-        Variant::Elem => B::plif_elem_forward(b, u, t, v),
-        Variant::Row => B::plif_row_forward(b, u, t, v),
-    };
-    let prep = PlifBackward(variant)
+    let run = |b, u, t, v| B::plif_forward(kind, b, u, t, v);
+    let prep = PlifBackward(kind)
         .prepare::<C>([
             beta.node.clone(),
             u.node.clone(),
@@ -298,22 +286,14 @@ impl<B: SnnOps, C: CheckpointStrategy> GemmOps for Autodiff<B, C> {
 
 /// The scans' forward through `B`, their backward node (`PlifBackward`) through `B`'s.
 impl<B: SnnOps, C: CheckpointStrategy> ScanOps for Autodiff<B, C> {
-    fn plif_elem_forward(
+    fn plif_forward(
+        kind: ScanKind,
         beta: FloatTensor<Self>,
         u: FloatTensor<Self>,
         vth: FloatTensor<Self>,
         v0: FloatTensor<Self>,
     ) -> PlifOutput<Self> {
-        forward::<B, C>(Variant::Elem, beta, u, vth, v0)
-    }
-
-    fn plif_row_forward(
-        beta: FloatTensor<Self>,
-        u: FloatTensor<Self>,
-        vth: FloatTensor<Self>,
-        v0: FloatTensor<Self>,
-    ) -> PlifOutput<Self> {
-        forward::<B, C>(Variant::Row, beta, u, vth, v0)
+        forward::<B, C>(kind, beta, u, vth, v0)
     }
 }
 

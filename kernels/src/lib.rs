@@ -67,8 +67,8 @@ pub use ops::infer::{
 pub use ops::scan::{ScanOps, plif_elem, plif_row};
 pub use ops::snn::{SnnOps, ffn_neurons, norm_plif_train, plif_selective, ponder_agg_train};
 pub use ops::types::{
-    FfnGrads, FfnInputs, NormPlifInputs, PlifGrads, PlifOutput, PonderInputs, SelectiveGrads,
-    SelectiveInputs, StepGraph,
+    FfnGrads, FfnInputs, NormPlifInputs, PlifGrads, PlifOutput, PonderInputs, ScanKind,
+    SelectiveGrads, SelectiveInputs, StepGraph,
 };
 pub use options::{decode_fusion, set_decode_fusion};
 pub use reference::ffn::{ffn_backward_reference, ffn_forward_reference, ffn_param_grads};

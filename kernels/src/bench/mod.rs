@@ -23,12 +23,13 @@ pub use config::ScanBench;
 
 use crate::KernelError;
 use crate::ops::snn::SnnOps;
+use crate::ops::types::ScanKind;
 use burn::tensor::{Distribution, Tensor};
 use ffn::{ffn_neurons, ffn_stored};
 use norm_plif::norm_plif;
 use ponder::ponder;
 use report::{TOLERANCE, host, time, worst};
-use scans::{Inputs, reference_outputs, scans};
+use scans::{Inputs, Scan};
 use selective::{selective, selective_stored};
 use std::fmt::Write;
 
@@ -60,19 +61,23 @@ pub fn run<B: SnnOps>(device: &B::Device, cfg: &ScanBench) -> Result<String, Ker
         "kernel", "max rel err", "time (ms)", "GB/s", "of copy", "spike agree"
     );
     let mut failed = Vec::new();
-    for (name, row, bytes, run) in scans::<B>() {
-        let dim = if row { cfg.row_dim } else { cfg.elem_dim };
+    for scan in Scan::ALL {
+        let name = scan.name();
+        let dim = match scan.kind {
+            ScanKind::Elem => cfg.elem_dim,
+            ScanKind::Row => cfg.row_dim,
+        };
         let cols = cfg.batch * dim;
         // Parity on a short sequence of the full width.
         let small = Inputs::<B>::new(cfg.check_steps, cfg.batch, dim, device);
-        let got: Vec<Vec<f32>> = run(&small).iter().map(host::<B>).collect();
-        let want = reference_outputs(name, &small, cols);
+        let got: Vec<Vec<f32>> = scan.run(&small).iter().map(host::<B>).collect();
+        let want = scan.reference(&small, cols);
         let err = got
             .iter()
             .zip(&want)
             .map(|(g, w)| worst(g, w))
             .fold(0.0f32, f32::max);
-        let agree = if name.ends_with("forward") {
+        let agree = if !scan.backward {
             let same = got[0].iter().zip(&want[0]).filter(|(a, b)| a == b).count();
             format!("{:.6}", same as f64 / want[0].len().max(1) as f64)
         } else {
@@ -90,23 +95,18 @@ pub fn run<B: SnnOps>(device: &B::Device, cfg: &ScanBench) -> Result<String, Ker
         let full = Inputs::<B>::new(cfg.steps, cfg.batch, dim, device);
         let n = cfg.steps * cols;
         let s = time::<B>(device, cfg.reps, || {
-            let _ = run(&full);
+            let _ = scan.run(&full);
         });
         // The backward rows time the forward too (it makes their inputs): subtract it.
-        let s = if name.ends_with("backward") {
-            let fwd = scans::<B>()
-                .into_iter()
-                .find(|(f, r, _, _)| *r == row && f.ends_with("forward"))
-                .expect("forward")
-                .3;
+        let s = if scan.backward {
             let f = time::<B>(device, cfg.reps, || {
-                let _ = fwd(&full);
+                let _ = scan.forward().run(&full);
             });
             (s - f).max(1e-9)
         } else {
             s
         };
-        let bw = bytes(n, cols) as f64 / s;
+        let bw = scan.bytes(n, cols) as f64 / s;
         let _ = writeln!(
             out,
             "{name:<24} {err:>11.2e} {:>10.3} {:>9.1} {:>9.0}% {agree:>12}",

@@ -1,8 +1,9 @@
-//! The four PLIF scans of `ScanOps` (per-element and row-parameter, forward and backward) as
-//! the benchmark calls them, their inputs, and the same outputs from the host reference.
+//! The four PLIF scans of `ScanOps` (either [`ScanKind`], forward and backward) as the
+//! benchmark calls them, their inputs, and the same outputs from the host reference.
 
 use super::report::host;
 use crate::ops::scan::ScanOps;
+use crate::ops::types::ScanKind;
 use crate::reference::scan as reference;
 use crate::tensor::prim;
 use burn::tensor::{Distribution, Tensor, backend::Backend, ops::FloatTensor};
@@ -35,117 +36,103 @@ impl<B: Backend> Inputs<B> {
     }
 }
 
-/// The four scans: name, bytes moved per call for `n` sequence elements and `c` columns, and
-/// the call (returning every output, so all of them are awaited).
-type Run<B> = fn(&Inputs<B>) -> Vec<FloatTensor<B>>;
-
-/// Name, row-parameter variant, bytes per call for `n` elements and `c` columns, the call.
-type Scan<B> = (&'static str, bool, fn(usize, usize) -> usize, Run<B>);
-
-pub(super) fn scans<B: ScanOps>() -> [Scan<B>; 4] {
-    [
-        (
-            "per-element forward",
-            false,
-            |n, c| 4 * (5 * n + c),
-            |i| {
-                let o = B::plif_elem_forward(
-                    prim(i.beta.clone()),
-                    prim(i.u.clone()),
-                    prim(i.vth.clone()),
-                    prim(i.v0.clone()),
-                );
-                vec![o.spike, o.vpost]
-            },
-        ),
-        (
-            "per-element backward",
-            false,
-            |n, c| 4 * (7 * n + 2 * c),
-            |i| {
-                // Spikes and V_post of the forward feed the backward; the check and the timing
-                // both use the kernel's own forward outputs.
-                let o = B::plif_elem_forward(
-                    prim(i.beta.clone()),
-                    prim(i.u.clone()),
-                    prim(i.vth.clone()),
-                    prim(i.v0.clone()),
-                );
-                let g = B::plif_elem_backward(
-                    prim(i.beta.clone()),
-                    prim(i.v0.clone()),
-                    o.vpost,
-                    o.spike,
-                    prim(i.grad.clone()),
-                );
-                vec![g.beta, g.u, g.vth, g.v0]
-            },
-        ),
-        (
-            "row-parameter forward",
-            true,
-            |n, c| 4 * (3 * n + 3 * c),
-            |i| {
-                let o = B::plif_row_forward(
-                    prim(i.beta_row.clone()),
-                    prim(i.u.clone()),
-                    prim(i.vth_row.clone()),
-                    prim(i.v0.clone()),
-                );
-                vec![o.spike, o.vpost]
-            },
-        ),
-        (
-            "row-parameter backward",
-            true,
-            |n, c| 4 * (4 * n + 5 * c),
-            |i| {
-                let o = B::plif_row_forward(
-                    prim(i.beta_row.clone()),
-                    prim(i.u.clone()),
-                    prim(i.vth_row.clone()),
-                    prim(i.v0.clone()),
-                );
-                let g = B::plif_row_backward(
-                    prim(i.beta_row.clone()),
-                    prim(i.v0.clone()),
-                    o.vpost,
-                    o.spike,
-                    prim(i.grad.clone()),
-                );
-                vec![g.beta, g.u, g.vth, g.v0]
-            },
-        ),
-    ]
-}
-
-/// The same outputs from the host reference.
-pub(super) fn reference_outputs<B: Backend>(
-    name: &str,
-    i: &Inputs<B>,
-    cols: usize,
-) -> Vec<Vec<f32>> {
-    let h3 = |t: &Tensor<B, 3>| host::<B>(&prim(t.clone()));
-    let h2 = |t: &Tensor<B, 2>| host::<B>(&prim(t.clone()));
-    let (u, v0, grad) = (h3(&i.u), h2(&i.v0), h3(&i.grad));
-    match name {
-        "per-element forward" | "per-element backward" => {
-            let (beta, vth) = (h3(&i.beta), h3(&i.vth));
-            let o = reference::elem_forward(&beta, &u, &vth, &v0, cols);
-            if name.ends_with("forward") {
-                return vec![o.spike, o.vpost];
-            }
-            let g = reference::elem_backward(&beta, &v0, &o.vpost, &o.spike, &grad, cols);
-            vec![g.beta, g.u, g.vth, g.v0]
-        }
-        _ => {
-            let (beta, vth) = (h2(&i.beta_row), h2(&i.vth_row));
-            let o = reference::row_forward(&beta, &u, &vth, &v0, cols);
-            if name.ends_with("forward") {
-                return vec![o.spike, o.vpost];
-            }
-            let g = reference::row_backward(&beta, &v0, &o.vpost, &o.spike, &grad, cols);
-            vec![g.beta, g.u, g.vth, g.v0]
+impl<B: Backend> Inputs<B> {
+    /// β and V_th as the scan of `kind` takes them.
+    fn params(&self, kind: ScanKind) -> (FloatTensor<B>, FloatTensor<B>) {
+        match kind {
+            ScanKind::Elem => (prim(self.beta.clone()), prim(self.vth.clone())),
+            ScanKind::Row => (prim(self.beta_row.clone()), prim(self.vth_row.clone())),
         }
     }
 }
+
+/// One of the four scans the benchmark runs: a [`ScanKind`], forward or backward.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Scan {
+    pub kind: ScanKind,
+    pub backward: bool,
+}
+
+impl Scan {
+    pub const ALL: [Scan; 4] = [
+        Scan::new(ScanKind::Elem, false),
+        Scan::new(ScanKind::Elem, true),
+        Scan::new(ScanKind::Row, false),
+        Scan::new(ScanKind::Row, true),
+    ];
+
+    const fn new(kind: ScanKind, backward: bool) -> Self {
+        Scan { kind, backward }
+    }
+
+    pub fn name(self) -> &'static str {
+        match (self.kind, self.backward) {
+            (ScanKind::Elem, false) => "per-element forward",
+            (ScanKind::Elem, true) => "per-element backward",
+            (ScanKind::Row, false) => "row-parameter forward",
+            (ScanKind::Row, true) => "row-parameter backward",
+        }
+    }
+
+    /// The same scan's forward (what a backward's timing includes).
+    pub fn forward(self) -> Self {
+        Scan::new(self.kind, false)
+    }
+
+    /// Bytes moved per call for `n` sequence elements and `c` columns.
+    pub fn bytes(self, n: usize, c: usize) -> usize {
+        match (self.kind, self.backward) {
+            (ScanKind::Elem, false) => 4 * (5 * n + c),
+            (ScanKind::Elem, true) => 4 * (7 * n + 2 * c),
+            (ScanKind::Row, false) => 4 * (3 * n + 3 * c),
+            (ScanKind::Row, true) => 4 * (4 * n + 5 * c),
+        }
+    }
+
+    /// The call, returning every output (so all of them are awaited). A backward runs the
+    /// kernel's own forward first: its spikes and `V_post` feed the backward, in the check and
+    /// the timing alike.
+    pub fn run<B: ScanOps>(self, i: &Inputs<B>) -> Vec<FloatTensor<B>> {
+        let (beta, vth) = i.params(self.kind);
+        let (u, v0) = (prim(i.u.clone()), prim(i.v0.clone()));
+        let o = B::plif_forward(self.kind, beta.clone(), u, vth, v0.clone());
+        if !self.backward {
+            return vec![o.spike, o.vpost];
+        }
+        let grad = prim(i.grad.clone());
+        let g = B::plif_backward(self.kind, beta, v0, o.vpost, o.spike, grad);
+        vec![g.beta, g.u, g.vth, g.v0]
+    }
+
+    /// The same outputs from the host reference.
+    pub fn reference<B: Backend>(self, i: &Inputs<B>, cols: usize) -> Vec<Vec<f32>> {
+        let h3 = |t: &Tensor<B, 3>| host::<B>(&prim(t.clone()));
+        let h2 = |t: &Tensor<B, 2>| host::<B>(&prim(t.clone()));
+        let (u, v0, grad) = (h3(&i.u), h2(&i.v0), h3(&i.grad));
+        let (beta, vth, forward, backward): (_, _, HostForward, HostBackward) = match self.kind {
+            ScanKind::Elem => (
+                h3(&i.beta),
+                h3(&i.vth),
+                reference::elem_forward,
+                reference::elem_backward,
+            ),
+            ScanKind::Row => (
+                h2(&i.beta_row),
+                h2(&i.vth_row),
+                reference::row_forward,
+                reference::row_backward,
+            ),
+        };
+        let o = forward(&beta, &u, &vth, &v0, cols);
+        if !self.backward {
+            return vec![o.spike, o.vpost];
+        }
+        let g = backward(&beta, &v0, &o.vpost, &o.spike, &grad, cols);
+        vec![g.beta, g.u, g.vth, g.v0]
+    }
+}
+
+/// A host reference forward: `(beta, u, vth, v0, cols)`.
+type HostForward = fn(&[f32], &[f32], &[f32], &[f32], usize) -> reference::ScanOut;
+/// A host reference backward: `(beta, v0, vpost, spike, grad_vpost, cols)`.
+type HostBackward = fn(&[f32], &[f32], &[f32], &[f32], &[f32], usize) -> reference::ScanGrads;

@@ -16,8 +16,8 @@ use crate::ops::infer::InferOps;
 use crate::ops::scan::{ScanOps, scan_shape};
 use crate::ops::snn::SnnOps;
 use crate::ops::types::{
-    FfnGrads, FfnInputs, NormPlifInputs, PlifGrads, PlifOutput, PonderInputs, SelectiveGrads,
-    SelectiveInputs, StepGraph,
+    FfnGrads, FfnInputs, NormPlifInputs, PlifGrads, PlifOutput, PonderInputs, ScanKind,
+    SelectiveGrads, SelectiveInputs, StepGraph,
 };
 use crate::reference::ffn::ffn_param_grads;
 use crate::tensor::{prim, through_sigmoid, wrap};
@@ -106,7 +106,8 @@ impl GemmOps for Cuda {
 /// The scans as CubeCL kernels ([`crate::cuda::scan`]), tested against the host reference
 /// these defaults run.
 impl ScanOps for Cuda {
-    fn plif_elem_forward(
+    fn plif_forward(
+        kind: ScanKind,
         beta: FloatTensor<Self>,
         u: FloatTensor<Self>,
         vth: FloatTensor<Self>,
@@ -114,7 +115,8 @@ impl ScanOps for Cuda {
     ) -> PlifOutput<Self> {
         let _ = scan_shape::<Self>(&u, &v0);
         let device = u.device.clone();
-        let (spike, vpost) = scan_timed(&device, || scan::forward(false, beta, u, vth, v0));
+        let row = kind == ScanKind::Row;
+        let (spike, vpost) = scan_timed(&device, || scan::forward(row, beta, u, vth, v0));
         PlifOutput {
             spike,
             vpost,
@@ -122,7 +124,8 @@ impl ScanOps for Cuda {
         }
     }
 
-    fn plif_elem_backward(
+    fn plif_backward(
+        kind: ScanKind,
         beta: FloatTensor<Self>,
         v0: FloatTensor<Self>,
         vpost: FloatTensor<Self>,
@@ -131,39 +134,9 @@ impl ScanOps for Cuda {
     ) -> PlifGrads<Self> {
         let _ = scan_shape::<Self>(&grad_vpost, &v0);
         let device = grad_vpost.device.clone();
+        let row = kind == ScanKind::Row;
         let [beta, u, vth, v0] = scan_timed(&device, || {
-            scan::backward(false, beta, v0, vpost, spike, grad_vpost)
-        });
-        PlifGrads { beta, u, vth, v0 }
-    }
-
-    fn plif_row_forward(
-        beta: FloatTensor<Self>,
-        u: FloatTensor<Self>,
-        vth: FloatTensor<Self>,
-        v0: FloatTensor<Self>,
-    ) -> PlifOutput<Self> {
-        let _ = scan_shape::<Self>(&u, &v0);
-        let device = u.device.clone();
-        let (spike, vpost) = scan_timed(&device, || scan::forward(true, beta, u, vth, v0));
-        PlifOutput {
-            spike,
-            vpost,
-            last: None,
-        }
-    }
-
-    fn plif_row_backward(
-        beta: FloatTensor<Self>,
-        v0: FloatTensor<Self>,
-        vpost: FloatTensor<Self>,
-        spike: FloatTensor<Self>,
-        grad_vpost: FloatTensor<Self>,
-    ) -> PlifGrads<Self> {
-        let _ = scan_shape::<Self>(&grad_vpost, &v0);
-        let device = grad_vpost.device.clone();
-        let [beta, u, vth, v0] = scan_timed(&device, || {
-            scan::backward(true, beta, v0, vpost, spike, grad_vpost)
+            scan::backward(row, beta, v0, vpost, spike, grad_vpost)
         });
         PlifGrads { beta, u, vth, v0 }
     }

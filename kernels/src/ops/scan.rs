@@ -1,8 +1,8 @@
-//! `ScanOps`: the four PLIF scans every backend provides, defaulting to the exact host reference
+//! `ScanOps`: the PLIF scans (either [`ScanKind`], forward and backward) every backend provides, defaulting to the exact host reference
 //! ([`crate::reference::scan`]) run after reading the inputs back, and the tensor-level scans
 //! [`plif_elem`] / [`plif_row`] the model calls.
 
-use crate::ops::types::{PlifGrads, PlifOutput};
+use crate::ops::types::{PlifGrads, PlifOutput, ScanKind};
 use crate::reference::scan::{self as reference, ScanGrads, ScanOut};
 use crate::tensor::{prim, wrap};
 use burn::tensor::{Shape, Tensor, TensorData, backend::Backend, ops::FloatTensor};
@@ -22,54 +22,28 @@ use burn::tensor::{Shape, Tensor, TensorData, backend::Backend, ops::FloatTensor
 /// Shapes: `u` is `[TK, B, dim]`; `v0` is `[B, dim]`; per-element `beta, vth` are `[TK, B, dim]`,
 /// row-parameter `beta, vth` are `[B, dim]` (held for all `TK` steps).
 pub trait ScanOps: Backend {
-    /// Per-element (selective) scan forward.
-    fn plif_elem_forward(
+    /// The scan of `kind` forward.
+    fn plif_forward(
+        kind: ScanKind,
         beta: FloatTensor<Self>,
         u: FloatTensor<Self>,
         vth: FloatTensor<Self>,
         v0: FloatTensor<Self>,
     ) -> PlifOutput<Self> {
-        host_forward::<Self>(reference::elem_forward, beta, u, vth, v0)
+        host_forward::<Self>(kind, beta, u, vth, v0)
     }
 
-    /// Per-element scan backward: gradients of `Σ V_post·grad_vpost`.
-    fn plif_elem_backward(
+    /// Its backward: gradients of `Σ V_post·grad_vpost`; a row scan's `beta`/`vth` gradients
+    /// are `[B, dim]` sums over time.
+    fn plif_backward(
+        kind: ScanKind,
         beta: FloatTensor<Self>,
         v0: FloatTensor<Self>,
         vpost: FloatTensor<Self>,
         spike: FloatTensor<Self>,
         grad_vpost: FloatTensor<Self>,
     ) -> PlifGrads<Self> {
-        let (shape, _) = scan_shape::<Self>(&grad_vpost, &v0);
-        let inputs = [beta, v0, vpost, spike, grad_vpost];
-        host_backward::<Self>(reference::elem_backward, inputs, shape)
-    }
-
-    /// Row-parameter scan forward.
-    fn plif_row_forward(
-        beta: FloatTensor<Self>,
-        u: FloatTensor<Self>,
-        vth: FloatTensor<Self>,
-        v0: FloatTensor<Self>,
-    ) -> PlifOutput<Self> {
-        host_forward::<Self>(reference::row_forward, beta, u, vth, v0)
-    }
-
-    /// Row-parameter scan backward; `beta`/`vth` gradients are `[B, dim]` sums over time.
-    fn plif_row_backward(
-        beta: FloatTensor<Self>,
-        v0: FloatTensor<Self>,
-        vpost: FloatTensor<Self>,
-        spike: FloatTensor<Self>,
-        grad_vpost: FloatTensor<Self>,
-    ) -> PlifGrads<Self> {
-        let (shape, _) = scan_shape::<Self>(&grad_vpost, &v0);
-        let inputs = [beta, v0, vpost, spike, grad_vpost];
-        host_backward::<Self>(
-            reference::row_backward,
-            inputs,
-            Shape::new([shape[1], shape[2]]),
-        )
+        host_backward::<Self>(kind, [beta, v0, vpost, spike, grad_vpost])
     }
 }
 
@@ -79,15 +53,19 @@ type HostForward = fn(&[f32], &[f32], &[f32], &[f32], usize) -> reference::ScanO
 /// A reference backward scan on the host: `(beta, v0, vpost, spike, grad_vpost, cols)`.
 type HostBackward = fn(&[f32], &[f32], &[f32], &[f32], &[f32], usize) -> reference::ScanGrads;
 
-/// The default forward of either scan: `scan` on the inputs copied to the host.
+/// The default forward of either scan: the reference on the inputs copied to the host.
 fn host_forward<B: Backend>(
-    scan: HostForward,
+    kind: ScanKind,
     beta: FloatTensor<B>,
     u: FloatTensor<B>,
     vth: FloatTensor<B>,
     v0: FloatTensor<B>,
 ) -> PlifOutput<B> {
     let (shape, cols) = scan_shape::<B>(&u, &v0);
+    let scan: HostForward = match kind {
+        ScanKind::Elem => reference::elem_forward,
+        ScanKind::Row => reference::row_forward,
+    };
     let out = scan(
         &host::<B>(beta),
         &host::<B>(u.clone()),
@@ -98,14 +76,17 @@ fn host_forward<B: Backend>(
     scan_out::<B>(out, shape, &u)
 }
 
-/// The default backward of either scan: `scan` on `[beta, v0, vpost, spike, grad_vpost]`
-/// copied to the host; the parameters' gradients come in `param_shape`.
+/// The default backward of either scan: the reference on `[beta, v0, vpost, spike,
+/// grad_vpost]` copied to the host.
 fn host_backward<B: Backend>(
-    scan: HostBackward,
+    kind: ScanKind,
     [beta, v0, vpost, spike, grad_vpost]: [FloatTensor<B>; 5],
-    param_shape: Shape,
 ) -> PlifGrads<B> {
     let (shape, cols) = scan_shape::<B>(&grad_vpost, &v0);
+    let (scan, param_shape): (HostBackward, _) = match kind {
+        ScanKind::Elem => (reference::elem_backward, shape.clone()),
+        ScanKind::Row => (reference::row_backward, Shape::new([shape[1], shape[2]])),
+    };
     let g = scan(
         &host::<B>(beta),
         &host::<B>(v0),
@@ -125,7 +106,7 @@ pub fn plif_elem<B: ScanOps>(
     vth: Tensor<B, 3>,
     v0: Tensor<B, 2>,
 ) -> (Tensor<B, 3>, Tensor<B, 3>) {
-    let out = B::plif_elem_forward(prim(beta), prim(u), prim(vth), prim(v0));
+    let out = B::plif_forward(ScanKind::Elem, prim(beta), prim(u), prim(vth), prim(v0));
     (wrap(out.spike), wrap(out.vpost))
 }
 
@@ -137,7 +118,7 @@ pub fn plif_row<B: ScanOps>(
     vth: Tensor<B, 2>,
     v0: Tensor<B, 2>,
 ) -> (Tensor<B, 3>, Tensor<B, 3>) {
-    let out = B::plif_row_forward(prim(beta), prim(u), prim(vth), prim(v0));
+    let out = B::plif_forward(ScanKind::Row, prim(beta), prim(u), prim(vth), prim(v0));
     (wrap(out.spike), wrap(out.vpost))
 }
 

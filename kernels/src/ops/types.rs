@@ -4,6 +4,14 @@
 use crate::tensor::prim;
 use burn::tensor::{Tensor, backend::Backend, ops::FloatTensor};
 
+/// Which PLIF scan: per-element parameters (β and V_th `[TK, B, dim]`, one per step: the
+/// selective scan) or row parameters (β and V_th `[B, dim]`, held for all `TK` steps).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum ScanKind {
+    Elem,
+    Row,
+}
+
 /// Forward outputs of a PLIF scan, both `[TK, B, dim]`: spikes (0/1) and `V_post`, and the
 /// final membrane state `[B, dim]` in f32 where the kernel writes it apart (its `V_post` may
 /// be stored in bf16); `None`: it is `V_post`'s last step.

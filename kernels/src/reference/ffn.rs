@@ -3,7 +3,7 @@
 //! against, and the parameter gradients' last step, which the CUDA backward shares.
 
 use crate::ops::scan::ScanOps;
-use crate::ops::types::{FfnGrads, FfnInputs};
+use crate::ops::types::{FfnGrads, FfnInputs, ScanKind};
 use crate::tensor::{prim, through_sigmoid, wrap};
 use burn::tensor::{Tensor, activation::sigmoid, backend::Backend, ops::FloatTensor};
 
@@ -52,7 +52,8 @@ fn ffn_scan_inputs<B: ScanOps>(
 pub fn ffn_forward_reference<B: ScanOps>(inp: &FfnInputs<B>) -> (FloatTensor<B>, FloatTensor<B>) {
     let [beta, one_minus, vth] = ffn_params(inp);
     let [beta_e, u, vth_e] = ffn_scan_inputs(inp, &beta, &one_minus, &vth);
-    let vpost = wrap::<B, 3>(B::plif_row_forward(beta_e, u, vth_e, inp.v0.clone()).vpost);
+    let vpost =
+        wrap::<B, 3>(B::plif_forward(ScanKind::Row, beta_e, u, vth_e, inp.v0.clone()).vpost);
     let [tk, b, two_f] = vpost.dims();
     let f = two_f / 2;
     let act = if inp.leak {
@@ -97,7 +98,7 @@ pub fn ffn_backward_reference<B: ScanOps>(
 ) -> FfnGrads<B> {
     let [beta, one_minus, vth] = ffn_params(&inp);
     let [beta_e, u, vth_e] = ffn_scan_inputs(&inp, &beta, &one_minus, &vth);
-    let spike = B::plif_row_forward(beta_e.clone(), u, vth_e, inp.v0.clone()).spike;
+    let spike = B::plif_forward(ScanKind::Row, beta_e.clone(), u, vth_e, inp.v0.clone()).spike;
     let vpost = wrap::<B, 3>(vpost);
     let [tk, b, two_f] = vpost.dims();
     let f = two_f / 2;
@@ -121,7 +122,14 @@ pub fn ffn_backward_reference<B: ScanOps>(
     } else {
         (d_act, Tensor::zeros([b, two_f], &vpost.device()))
     };
-    let g = B::plif_row_backward(beta_e, inp.v0.clone(), prim(vpost), spike, prim(d_vpost));
+    let g = B::plif_backward(
+        ScanKind::Row,
+        beta_e,
+        inp.v0.clone(),
+        prim(vpost),
+        spike,
+        prim(d_vpost),
+    );
     let g_u = wrap::<B, 3>(g.u);
     let i_gu = wrap::<B, 3>(inp.i_gu.clone());
     let d_i =

@@ -3,7 +3,7 @@
 //! kernels are checked against.
 
 use crate::ops::scan::ScanOps;
-use crate::ops::types::NormPlifInputs;
+use crate::ops::types::{NormPlifInputs, ScanKind};
 use crate::tensor::{prim, through_sigmoid, wrap};
 use burn::tensor::{Tensor, activation::sigmoid, backend::Backend, ops::FloatTensor};
 
@@ -57,7 +57,7 @@ pub fn norm_plif_forward_reference<B: ScanOps>(
         scan: [beta, u, vth],
         ..
     } = norm_plif_parts(inp);
-    let vpost = wrap::<B, 3>(B::plif_row_forward(beta, u, vth, inp.v0.clone()).vpost);
+    let vpost = wrap::<B, 3>(B::plif_forward(ScanKind::Row, beta, u, vth, inp.v0.clone()).vpost);
     let y = if inp.leak {
         vpost.clone() * one_minus.unsqueeze::<3>()
     } else {
@@ -85,7 +85,7 @@ pub fn norm_plif_backward_reference<B: ScanOps>(
     let x = wrap::<B, 3>(inp.x.clone());
     let [t, b, d] = x.dims();
     let k = inp.k;
-    let spike = B::plif_row_forward(beta_e.clone(), u, vth_e, inp.v0.clone()).spike;
+    let spike = B::plif_forward(ScanKind::Row, beta_e.clone(), u, vth_e, inp.v0.clone()).spike;
     let vpost = wrap::<B, 3>(vpost);
     let g = wrap::<B, 3>(grad);
     let om3 = one_minus.clone().unsqueeze::<3>();
@@ -95,7 +95,14 @@ pub fn norm_plif_backward_reference<B: ScanOps>(
     } else {
         (g, Tensor::zeros([b, d], &x.device()))
     };
-    let sg = B::plif_row_backward(beta_e, inp.v0.clone(), prim(vpost), spike, prim(g_v));
+    let sg = B::plif_backward(
+        ScanKind::Row,
+        beta_e,
+        inp.v0.clone(),
+        prim(vpost),
+        spike,
+        prim(g_v),
+    );
     let du = wrap::<B, 3>(sg.u)
         .reshape([t, k, b, d])
         .sum_dim(1)

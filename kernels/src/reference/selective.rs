@@ -3,7 +3,7 @@
 //! backward the fused kernels are checked against.
 
 use crate::ops::scan::ScanOps;
-use crate::ops::types::{PlifOutput, SelectiveGrads, SelectiveInputs};
+use crate::ops::types::{PlifOutput, ScanKind, SelectiveGrads, SelectiveInputs};
 use crate::tensor::{prim, softplus, through_sigmoid, wrap};
 use burn::tensor::{Tensor, activation::sigmoid, backend::Backend, ops::FloatTensor};
 
@@ -32,7 +32,7 @@ pub fn selective_modulation<B: Backend>(inp: &SelectiveInputs<B>) -> [Tensor<B, 
 /// The fused selective scan composed from tensor ops and [`ScanOps::plif_elem_forward`].
 pub fn selective_forward_reference<B: ScanOps>(inp: SelectiveInputs<B>) -> PlifOutput<B> {
     let [beta, _, vth, u] = selective_modulation(&inp);
-    B::plif_elem_forward(prim(beta), prim(u), prim(vth), inp.v0)
+    B::plif_forward(ScanKind::Elem, prim(beta), prim(u), prim(vth), inp.v0)
 }
 
 /// Its backward composed from tensor ops and [`ScanOps::plif_elem_backward`]: `∂r_β = ∂β·β(1−β)`,
@@ -47,7 +47,14 @@ pub fn selective_backward_reference<B: ScanOps>(
     let [x_beta, x_alpha, x_th] = preactivations(&inp);
     let beta = sigmoid(x_beta);
     let alpha = softplus(x_alpha.clone());
-    let g = B::plif_elem_backward(prim(beta.clone()), inp.v0, vpost, spike, grad_vpost);
+    let g = B::plif_backward(
+        ScanKind::Elem,
+        prim(beta.clone()),
+        inp.v0,
+        vpost,
+        spike,
+        grad_vpost,
+    );
     let dn = beta.dims()[2];
     let g_u = wrap::<B, 3>(g.u);
     let r_beta = through_sigmoid(wrap::<B, 3>(g.beta), beta);

@@ -161,7 +161,7 @@ impl InferOps for Cuda {
         inp: NormPlifInputs<Self>,
     ) -> Option<(FloatTensor<Self>, FloatTensor<Self>)> {
         let (t, eps, k, leak) = norm_plif_args(inp);
-        Some(norm_plif::norm_plif_mean(t, eps, k, leak))
+        Some(norm_plif::norm_plif(t, eps, k, leak, true))
     }
 
     fn rms_norm_fused(
@@ -176,7 +176,7 @@ impl InferOps for Cuda {
         inp: NormPlifInputs<Self>,
     ) -> Option<(FloatTensor<Self>, FloatTensor<Self>)> {
         let (t, eps, k, leak) = norm_plif_args(inp);
-        Some(norm_plif::norm_plif(t, eps, k, leak))
+        Some(norm_plif::norm_plif(t, eps, k, leak, false))
     }
 
     fn ffn_plif_fused(inp: FfnInputs<Self>) -> Option<(FloatTensor<Self>, FloatTensor<Self>)> {

@@ -19,6 +19,51 @@ use cubecl::prelude::*;
 const STAGE_FFN_FORWARD: (usize, usize) = (8, 32);
 const STAGE_FFN_BACKWARD: (usize, usize) = (8, 16);
 
+/// What a unit of the FFN kernels works on: its `(batch row b, channel j)` pair (`valid`
+/// where the cube's last columns run past `B·D_ff`) and both neurons' constants of channel `j`:
+/// β, `1 − β` and the threshold of the gate (`_g`) and up (`_u`) neuron.
+#[derive(CubeType)]
+struct Pair {
+    b: usize,
+    j: usize,
+    valid: bool,
+    beta_g: f32,
+    beta_u: f32,
+    om_g: f32,
+    om_u: f32,
+    tg: f32,
+    tu: f32,
+}
+
+/// This unit's [`Pair`]: 32 pairs per cube, in order.
+#[cube]
+fn pair(
+    w_g: &Tensor<f32>,
+    w_u: &Tensor<f32>,
+    th_g: &Tensor<f32>,
+    th_u: &Tensor<f32>,
+    batch: usize,
+    ff: usize,
+) -> Pair {
+    let c = CUBE_POS_X as usize * 32 + UNIT_POS_X as usize;
+    let valid = c < batch * ff;
+    let cc = select(valid, c, 0);
+    let j = cc % ff;
+    let beta_g = sigmoid_burn(w_g[j]);
+    let beta_u = sigmoid_burn(w_u[j]);
+    Pair {
+        b: cc / ff,
+        j,
+        valid,
+        beta_g,
+        beta_u,
+        om_g: -beta_g + 1.0f32,
+        om_u: -beta_u + 1.0f32,
+        tg: th_g[j],
+        tu: th_u[j],
+    }
+}
+
 /// The SNNFFN's gate and up neurons for training, staged: a cube holds 32 `(batch row, channel
 /// j)` pairs; producer planes load the gate and up currents `i_gu[·, j]`, `i_gu[·, D_ff + j]` of
 /// the next chunk, plane 0 scans both neurons and writes their `V_post` (saved for the
@@ -55,24 +100,14 @@ fn ffn_forward_staged_kernel<I: Float, O: Float>(
     let x = UNIT_POS_X as usize;
     let row_stride = row_stride as usize;
     let y = UNIT_POS_Y as usize;
-    let c = CUBE_POS_X as usize * 32 + x;
-    let valid = c < batch * ff;
-    let cc = select(valid, c, 0);
-    let b = cc / ff;
-    let j = cc % ff;
-    let beta_g = sigmoid_burn(w_g[j]);
-    let beta_u = sigmoid_burn(w_u[j]);
-    let om_g = -beta_g + 1.0f32;
-    let om_u = -beta_u + 1.0f32;
-    let tg = th_g[j];
-    let tu = th_u[j];
+    let p = pair(w_g, w_u, th_g, th_u, batch, ff);
     let mut s_g = SharedMemory::<f32>::new(comptime!(2 * chunk * 32));
     let mut s_u = SharedMemory::<f32>::new(comptime!(2 * chunk * 32));
     let per = comptime!(chunk / producers);
     let mut xg = Array::<f32>::new(per);
     let mut xu = Array::<f32>::new(per);
-    let mut vg = v0[b * 2 * ff + j];
-    let mut vu = v0[b * 2 * ff + ff + j];
+    let mut vg = v0[p.b * 2 * ff + p.j];
+    let mut vu = v0[p.b * 2 * ff + ff + p.j];
     let mut ch = 0usize;
     while ch <= chunks {
         if y == 0 {
@@ -84,19 +119,19 @@ fn ffn_forward_staged_kernel<I: Float, O: Float>(
                     let k = k0 + q;
                     if k < steps {
                         let s_idx = buf + q * 32 + x;
-                        let pg = fma(beta_g, vg, s_g[s_idx] * om_g);
-                        vg = pg - tg * select(pg >= tg, 1.0f32, 0.0f32);
-                        let pu = fma(beta_u, vu, s_u[s_idx] * om_u);
-                        vu = pu - tu * select(pu >= tu, 1.0f32, 0.0f32);
-                        if valid {
+                        let pg = fma(p.beta_g, vg, s_g[s_idx] * p.om_g);
+                        vg = pg - p.tg * select(pg >= p.tg, 1.0f32, 0.0f32);
+                        let pu = fma(p.beta_u, vu, s_u[s_idx] * p.om_u);
+                        vu = pu - p.tu * select(pu >= p.tu, 1.0f32, 0.0f32);
+                        if p.valid {
                             if comptime![save_vpost] {
-                                let row = (k * batch + b) * 2 * ff;
-                                vpost[row + j] = vg;
-                                vpost[row + ff + j] = vu;
+                                let row = (k * batch + p.b) * 2 * ff;
+                                vpost[row + p.j] = vg;
+                                vpost[row + ff + p.j] = vu;
                             }
-                            let o = (k * batch + b) * ff + j;
+                            let o = (k * batch + p.b) * ff + p.j;
                             if comptime![leak] {
-                                gv[o] = O::cast_from((vg * om_g) * (vu * om_u));
+                                gv[o] = O::cast_from((vg * p.om_g) * (vu * p.om_u));
                             } else {
                                 gv[o] = O::cast_from(vg * vu);
                             }
@@ -110,10 +145,10 @@ fn ffn_forward_staged_kernel<I: Float, O: Float>(
             #[unroll]
             for r in 0..per {
                 let k = k0 + (y - 1) + r * producers;
-                if k < steps && valid {
-                    let row = (k * batch + b) * row_stride;
-                    xg[r] = f32::cast_from(i_gu[row + j]);
-                    xu[r] = f32::cast_from(i_gu[row + ff + j]);
+                if k < steps && p.valid {
+                    let row = (k * batch + p.b) * row_stride;
+                    xg[r] = f32::cast_from(i_gu[row + p.j]);
+                    xu[r] = f32::cast_from(i_gu[row + ff + p.j]);
                 }
             }
             #[unroll]
@@ -126,9 +161,9 @@ fn ffn_forward_staged_kernel<I: Float, O: Float>(
         sync_cube();
         ch += 1;
     }
-    if y == 0 && valid {
-        last[b * 2 * ff + j] = vg;
-        last[b * 2 * ff + ff + j] = vu;
+    if y == 0 && p.valid {
+        last[p.b * 2 * ff + p.j] = vg;
+        last[p.b * 2 * ff + ff + p.j] = vu;
     }
 }
 
@@ -167,19 +202,9 @@ fn ffn_backward_staged_kernel<I: Float, G: Float>(
     let chunks = chunks as usize;
     let x = UNIT_POS_X as usize;
     let y = UNIT_POS_Y as usize;
-    let c = CUBE_POS_X as usize * 32 + x;
-    let valid = c < batch * ff;
-    let cc = select(valid, c, 0);
-    let b = cc / ff;
-    let j = cc % ff;
-    let beta_g = sigmoid_burn(w_g[j]);
-    let beta_u = sigmoid_burn(w_u[j]);
-    let om_g = -beta_g + 1.0f32;
-    let om_u = -beta_u + 1.0f32;
-    let tg = th_g[j];
-    let tu = th_u[j];
-    let first_g = v0[b * 2 * ff + j];
-    let first_u = v0[b * 2 * ff + ff + j];
+    let p = pair(w_g, w_u, th_g, th_u, batch, ff);
+    let first_g = v0[p.b * 2 * ff + p.j];
+    let first_u = v0[p.b * 2 * ff + ff + p.j];
     let size = comptime!(2 * chunk * 32);
     let mut s_dvg = SharedMemory::<f32>::new(size);
     let mut s_dvu = SharedMemory::<f32>::new(size);
@@ -222,10 +247,10 @@ fn ffn_backward_staged_kernel<I: Float, G: Float>(
                         let s_idx = buf + q * 32 + x;
                         let gg = s_dvg[s_idx] + acc_g;
                         let gu = s_dvu[s_idx] + acc_u;
-                        if valid {
-                            let row = (k * batch + b) * 2 * ff;
-                            d_i[row + j] = I::cast_from(gg * om_g);
-                            d_i[row + ff + j] = I::cast_from(gu * om_u);
+                        if p.valid {
+                            let row = (k * batch + p.b) * 2 * ff;
+                            d_i[row + p.j] = I::cast_from(gg * p.om_g);
+                            d_i[row + ff + p.j] = I::cast_from(gu * p.om_u);
                         }
                         sb_g += gg * s_pvg[s_idx];
                         sb_u += gu * s_pvu[s_idx];
@@ -235,8 +260,8 @@ fn ffn_backward_staged_kernel<I: Float, G: Float>(
                         si_u += gu * s_iu[s_idx];
                         sl_g += s_lg[s_idx];
                         sl_u += s_lu[s_idx];
-                        acc_g = gg * beta_g;
-                        acc_u = gu * beta_u;
+                        acc_g = gg * p.beta_g;
+                        acc_u = gu * p.beta_u;
                     }
                 }
             }
@@ -246,17 +271,17 @@ fn ffn_backward_staged_kernel<I: Float, G: Float>(
             #[unroll]
             for r in 0..per {
                 let q = (y - 1) + r * producers;
-                if q < top && valid {
+                if q < top && p.valid {
                     let k = top - 1 - q;
-                    let row = (k * batch + b) * 2 * ff;
-                    xg[r] = f32::cast_from(grad[(k * batch + b) * ff + j]);
-                    xig[r] = f32::cast_from(i_gu[row + j]);
-                    xiu[r] = f32::cast_from(i_gu[row + ff + j]);
-                    xvg[r] = vpost[row + j];
-                    xvu[r] = vpost[row + ff + j];
+                    let row = (k * batch + p.b) * 2 * ff;
+                    xg[r] = f32::cast_from(grad[(k * batch + p.b) * ff + p.j]);
+                    xig[r] = f32::cast_from(i_gu[row + p.j]);
+                    xiu[r] = f32::cast_from(i_gu[row + ff + p.j]);
+                    xvg[r] = vpost[row + p.j];
+                    xvu[r] = vpost[row + ff + p.j];
                     let prev = select(k > 0, row - batch * 2 * ff, 0);
-                    xpg[r] = select(k > 0, vpost[prev + j], first_g);
-                    xpu[r] = select(k > 0, vpost[prev + ff + j], first_u);
+                    xpg[r] = select(k > 0, vpost[prev + p.j], first_g);
+                    xpu[r] = select(k > 0, vpost[prev + ff + p.j], first_u);
                 }
             }
             #[unroll]
@@ -267,14 +292,14 @@ fn ffn_backward_staged_kernel<I: Float, G: Float>(
                 let mut act_g = vg;
                 let mut act_u = vu;
                 if comptime![leak] {
-                    act_g = vg * om_g;
-                    act_u = vu * om_u;
+                    act_g = vg * p.om_g;
+                    act_u = vu * p.om_u;
                 }
                 let da_g = xg[r] * act_u;
                 let da_u = xg[r] * act_g;
                 if comptime![leak] {
-                    s_dvg[s_idx] = da_g * om_g;
-                    s_dvu[s_idx] = da_u * om_u;
+                    s_dvg[s_idx] = da_g * p.om_g;
+                    s_dvu[s_idx] = da_u * p.om_u;
                     s_lg[s_idx] = da_g * vg;
                     s_lu[s_idx] = da_u * vu;
                 } else {
@@ -289,15 +314,15 @@ fn ffn_backward_staged_kernel<I: Float, G: Float>(
                 s_iu[s_idx] = iu;
                 s_pvg[s_idx] = xpg[r];
                 s_pvu[s_idx] = xpu[r];
-                s_sg[s_idx] = select(fma(beta_g, xpg[r], ig * om_g) >= tg, 1.0f32, 0.0f32);
-                s_su[s_idx] = select(fma(beta_u, xpu[r], iu * om_u) >= tu, 1.0f32, 0.0f32);
+                s_sg[s_idx] = select(fma(p.beta_g, xpg[r], ig * p.om_g) >= p.tg, 1.0f32, 0.0f32);
+                s_su[s_idx] = select(fma(p.beta_u, xpu[r], iu * p.om_u) >= p.tu, 1.0f32, 0.0f32);
             }
         }
         sync_cube();
         ch += 1;
     }
-    if y == 0 && valid {
-        let o = b * 2 * ff + j;
+    if y == 0 && p.valid {
+        let o = p.b * 2 * ff + p.j;
         d_beta[o] = sb_g - sl_g - si_g;
         d_beta[o + ff] = sb_u - sl_u - si_u;
         d_th[o] = st_g;

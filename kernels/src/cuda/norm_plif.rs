@@ -252,27 +252,18 @@ fn rms_norm_backward_kernel(
 }
 
 /// `x` `[T, B, D]` → RMSNorm (`norm_w`, `eps`) → input PLIF (`w` = the β logits, `v_th`, state
-/// `v0` `[B, D]`) over K frames per token: output `[T·K, B, D]` and the final state `[B, D]`.
-/// `inputs`: `[x, norm_w, w, v_th, v0]`, as every function here takes them.
+/// `v0` `[B, D]`) over K frames per token, for inference: the output `[T·K, B, D]`, or with
+/// `mean` each token's K outputs averaged in the kernel (`[T, B, D]` in the GEMM's input type:
+/// the edge's output neuron before `decode_proj`), and the final state `[B, D]`. `inputs`:
+/// `[x, norm_w, w, v_th, v0]`, as every function here takes them.
 pub fn norm_plif<R: CubeRuntime>(
     inputs: [CubeTensor<R>; 5],
     eps: f32,
     k: usize,
     leak: bool,
+    mean: bool,
 ) -> (CubeTensor<R>, CubeTensor<R>) {
-    let [y, last, _] = norm_plif_with(inputs, eps, k, leak, false, false);
-    (y, last)
-}
-
-/// [`norm_plif`] with each token's K outputs averaged in the kernel: `(mean [T, B, D] in the
-/// GEMM's input type, final state [B, D])`, the edge's output neuron before `decode_proj`.
-pub fn norm_plif_mean<R: CubeRuntime>(
-    inputs: [CubeTensor<R>; 5],
-    eps: f32,
-    k: usize,
-    leak: bool,
-) -> (CubeTensor<R>, CubeTensor<R>) {
-    let [y, last, _] = norm_plif_with(inputs, eps, k, leak, false, true);
+    let [y, last, _] = norm_plif_with(inputs, eps, k, leak, false, mean);
     (y, last)
 }
 

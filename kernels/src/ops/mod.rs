@@ -6,8 +6,8 @@
 //!
 //! * [`gemm`] — `GemmOps`, the GEMM hook every projection goes through and the storage type of
 //!   the scans' large activations; `matmul` and its siblings;
-//! * [`scan`] — `ScanOps`, the four PLIF scans, defaulting to the exact host reference;
-//!   `plif_elem` / `plif_row`;
+//! * [`scan`] — `ScanOps`, the PLIF scans (either `ScanKind`, forward and backward),
+//!   defaulting to the exact host reference; `plif_elem` / `plif_row`;
 //! * [`infer`] — `InferOps`, the fused inference and decoding ops (default `None`: composed);
 //!   their tensor-level wrappers;
 //! * [`device`] — `DeviceOps` (moves between devices, flushes, timed calls, submission counters)

@@ -69,6 +69,13 @@ fn rust_files(dir: &Path, out: &mut Vec<PathBuf>) {
     }
 }
 
+/// Whether `name` is a configuration key's variable (`NSACTOR_TRAIN__STEPS`): a double
+/// underscore between the table and the key.
+fn is_config_layer(name: &str) -> bool {
+    name.strip_prefix("NSACTOR_")
+        .is_some_and(|rest| rest.contains("__"))
+}
+
 /// What a scan of a text finds for one prefix.
 #[derive(Debug, Default, PartialEq)]
 struct Found {
@@ -167,7 +174,15 @@ fn every_env_var_is_documented_and_every_documented_one_exists() {
             )),
         }
     }
-    let doc = scan(&config_md(), "NSACTOR_");
+    let mut doc = scan(&config_md(), "NSACTOR_");
+    // `NSACTOR_TABLE__KEY` names are the configuration's environment layer: one per config
+    // key, documented as a rule with the keys' tables, not one by one.
+    in_sources.retain(|name, _| !is_config_layer(name));
+    doc.names.retain(|name| !is_config_layer(name));
+    assert!(
+        config_md().contains("NSACTOR_TRAIN__STEPS"),
+        "docs/CONFIG.md does not show the environment layer (`NSACTOR_TRAIN__STEPS=5`)"
+    );
     for (name, files) in &in_sources {
         if !doc.names.contains(name) {
             problems.push(format!(

@@ -7,6 +7,7 @@
 mod agent;
 mod args;
 mod bench;
+mod config;
 mod data;
 mod eval;
 mod export;
@@ -53,6 +54,9 @@ enum Command {
     /// Replay the reference's golden runs on a backend and check the tolerances.
     #[command(subcommand)]
     Verify(verify::VerifyCommand),
+    /// The run configuration after its layers (defaults, file, environment).
+    #[command(subcommand)]
+    Config(config::ConfigCommand),
     /// Tokenizers.
     #[command(subcommand)]
     Tokenizer(data::TokenizerCommand),
@@ -98,6 +102,7 @@ fn main() -> ExitCode {
         Command::Plugins(a) => plugins::run(a),
         Command::Bench(c) => bench::run(c),
         Command::Verify(c) => verify::run(c),
+        Command::Config(c) => config::run(c),
         Command::Tokenizer(c) => data::tokenizer(c),
         Command::Data(c) => data::data(c),
         Command::Serve(a) => serve::run(a),

@@ -122,8 +122,10 @@ pub fn run(args: TrainArgs) -> crate::CliResult {
     if summary.stopped_at.is_some() {
         return Ok(());
     }
-    let first = summary.losses.first().copied().unwrap_or(f64::NAN);
-    let last = summary.losses.last().copied().unwrap_or(f64::NAN);
+    // Steps that scored no token have no loss (NaN).
+    let mut scored = summary.losses.iter().copied().filter(|l| l.is_finite());
+    let first = scored.next().unwrap_or(f64::NAN);
+    let last = scored.next_back().unwrap_or(first);
     tracing::info!(
         "loss {first:.4} → {last:.4}; {:.0} tokens/s; weights in {}",
         summary.tokens_per_s,

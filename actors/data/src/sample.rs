@@ -45,16 +45,124 @@ pub fn sft_row(tok: &Tokenizer, messages: &[Message], ctx: usize) -> Result<Row>
     let text = chat_template(messages, false);
     let mut ids: Vec<i64> = tok.encode(&text)?.into_iter().map(i64::from).collect();
     ids.truncate(ctx);
-    let opener: Vec<i64> = tok
-        .encode(&format!("{}assistant\n", crate::tokenizer::BOS_TOKEN))?
-        .into_iter()
-        .map(i64::from)
-        .collect();
+    let opener = assistant_opener(tok)?;
     let mask = assistant_mask(&ids, &opener, tok.eos_id() as i64);
     let mut row = Row { ids, mask };
     row.ids.resize(ctx, PAD_ID as i64);
     row.mask.resize(ctx, 0.0);
     Ok(row)
+}
+
+/// What [`sft_rows`] does with a conversation whose assistant replies do not fit the window
+/// (`[data] sft_overflow`): at `T = 64` most alpaca replies end past the window, and the
+/// reference's right truncation then leaves rows that score no token at all.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum SftOverflow {
+    /// Keep the start of the conversation and cut the rest (SPEC §8, the reference): a reply
+    /// cut before its `<|im_end|>` is not scored, so such a row scores nothing.
+    Keep,
+    /// Cut from the left instead, so that the row ends with the first reply's `<|im_end|>`
+    /// and scores that reply whole; a conversation whose first reply alone (with its
+    /// `<|im_start|>assistant` line) is longer than the window is left out.
+    #[default]
+    TruncateLeft,
+    /// Leave out every conversation whose right-truncated row scores nothing.
+    Skip,
+}
+
+/// How the conversations of an SFT set fitted the window, for the report at the start of a
+/// run.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct SftReport {
+    /// Conversations read.
+    pub conversations: usize,
+    /// Of them, those whose right-truncated row scores no token.
+    pub unscored: usize,
+    /// Of those, kept by cutting their prompt from the left ([`SftOverflow::TruncateLeft`]).
+    pub truncated_left: usize,
+    /// Of those, left out.
+    pub skipped: usize,
+    /// `T + 1`, the row length.
+    pub ctx: usize,
+}
+
+impl std::fmt::Display for SftReport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{} of {} conversations have no scored token at T = {}",
+            self.unscored,
+            self.conversations,
+            self.ctx - 1
+        )?;
+        if self.unscored > 0 {
+            let kept = self.unscored - self.truncated_left - self.skipped;
+            write!(
+                f,
+                ": {} kept by truncating their prompt from the left, {} skipped, {} kept \
+                 unscored",
+                self.truncated_left, self.skipped, kept
+            )?;
+        }
+        Ok(())
+    }
+}
+
+/// How one conversation fitted: [`sft_fitted`]'s verdict.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Fit {
+    /// Its right-truncated row scores some token.
+    Scored,
+    /// Cut from the left to score its first reply.
+    TruncatedLeft,
+    /// Scores nothing and was kept ([`SftOverflow::Keep`]).
+    Unscored,
+    /// Left out.
+    Skipped,
+}
+
+/// [`sft_row`] under an overflow policy: the row (none when left out) and how it fitted.
+pub fn sft_fitted(
+    tok: &Tokenizer,
+    messages: &[Message],
+    ctx: usize,
+    overflow: SftOverflow,
+) -> Result<(Option<Row>, Fit)> {
+    let row = sft_row(tok, messages, ctx)?;
+    if row.mask.iter().any(|&m| m > 0.0) {
+        return Ok((Some(row), Fit::Scored));
+    }
+    match overflow {
+        SftOverflow::Keep => Ok((Some(row), Fit::Unscored)),
+        SftOverflow::Skip => Ok((None, Fit::Skipped)),
+        SftOverflow::TruncateLeft => {
+            let text = chat_template(messages, false);
+            let full: Vec<i64> = tok.encode(&text)?.into_iter().map(i64::from).collect();
+            let opener = assistant_opener(tok)?;
+            let mask = assistant_mask(&full, &opener, tok.eos_id() as i64);
+            // The first reply: its first scored token and its `<|im_end|>`.
+            let Some(start) = mask.iter().position(|&m| m > 0.0) else {
+                return Ok((None, Fit::Skipped));
+            };
+            let end = start + mask[start..].iter().take_while(|&&m| m > 0.0).count();
+            if end - (start - opener.len()) > ctx {
+                return Ok((None, Fit::Skipped));
+            }
+            let ids = full[end - ctx..end].to_vec();
+            let mask = assistant_mask(&ids, &opener, tok.eos_id() as i64);
+            Ok((Some(Row { ids, mask }), Fit::TruncatedLeft))
+        }
+    }
+}
+
+/// The tokens that open an assistant reply: `<|im_start|>assistant\n`.
+fn assistant_opener(tok: &Tokenizer) -> Result<Vec<i64>> {
+    Ok(tok
+        .encode(&format!("{}assistant\n", crate::tokenizer::BOS_TOKEN))?
+        .into_iter()
+        .map(i64::from)
+        .collect())
 }
 
 /// The reference scan: after each occurrence of `opener`, mark from the next token up to and
@@ -203,19 +311,50 @@ pub fn read_conversations(path: &Path, system: Option<&str>) -> Result<Vec<Vec<M
     Ok(out)
 }
 
-/// SFT rows of every conversation in `files` (see [`read_conversations`]), built in parallel.
+/// SFT rows of every conversation in `files` (see [`read_conversations`]), built in parallel
+/// under `overflow`, and how they fitted. No row scoring a token is an error.
 pub fn sft_rows(
     tok: &Tokenizer,
     files: &[std::path::PathBuf],
     system: Option<&str>,
     ctx: usize,
-) -> Result<Vec<Row>> {
+    overflow: SftOverflow,
+) -> Result<(Vec<Row>, SftReport)> {
     use rayon::prelude::*;
     let mut convs = Vec::new();
     for f in files {
         convs.extend(read_conversations(f, system)?);
     }
-    convs.par_iter().map(|c| sft_row(tok, c, ctx)).collect()
+    let fitted = convs
+        .par_iter()
+        .map(|c| sft_fitted(tok, c, ctx, overflow))
+        .collect::<Result<Vec<_>>>()?;
+    let mut report = SftReport {
+        conversations: convs.len(),
+        ctx,
+        ..SftReport::default()
+    };
+    let mut rows = Vec::with_capacity(fitted.len());
+    for (row, fit) in fitted {
+        match fit {
+            Fit::Scored => {}
+            Fit::TruncatedLeft => report.truncated_left += 1,
+            Fit::Unscored => {}
+            Fit::Skipped => report.skipped += 1,
+        }
+        if fit != Fit::Scored {
+            report.unscored += 1;
+        }
+        rows.extend(row);
+    }
+    if rows.iter().all(|r| r.mask.iter().all(|&m| m == 0.0)) {
+        return Err(DataError::EmptyCorpus(format!(
+            "{} conversations, none with a scored token at T = {} ({report})",
+            report.conversations,
+            ctx - 1
+        )));
+    }
+    Ok((rows, report))
 }
 
 #[cfg(test)]

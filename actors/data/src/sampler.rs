@@ -304,17 +304,21 @@ pub fn permutation(n: u64, seed: u64, epoch: u64) -> Vec<u64> {
     order
 }
 
-/// A seeded sampler over the SFT rows of `files`.
+/// A seeded sampler over the SFT rows of `files` (conversations that overflow the window
+/// handled by `overflow`), and how the conversations fitted.
 pub fn sft_sampler(
     tok: &crate::tokenizer::Tokenizer,
     files: &[std::path::PathBuf],
     system: Option<&str>,
-    seq_len: usize,
+    (seq_len, overflow): (usize, sample::SftOverflow),
     seed: u64,
-) -> Result<Sampler> {
+) -> Result<(Sampler, sample::SftReport)> {
     let ctx = seq_len + 1;
-    let rows = sample::sft_rows(tok, files, system, ctx)?;
-    Sampler::new(Box::new(MemRows::new(rows, ctx)), seed)
+    let (rows, report) = sample::sft_rows(tok, files, system, ctx, overflow)?;
+    Ok((
+        Sampler::new(Box::new(MemRows::new(rows, ctx)), seed)?,
+        report,
+    ))
 }
 
 #[cfg(test)]

@@ -273,7 +273,14 @@ fn sft_files_in_three_layouts_give_the_same_conversations() {
         Message::new("system", "You are an AI assistant")
     );
     let tok = Tokenizer::bundled();
-    let mut s = nsactor_data::sampler::sft_sampler(&tok, &[alpaca], None, 16, 3).unwrap();
+    let (mut s, _) = nsactor_data::sampler::sft_sampler(
+        &tok,
+        &[alpaca],
+        None,
+        (16, nsactor_data::sample::SftOverflow::Keep),
+        3,
+    )
+    .unwrap();
     let b = s.next_batch(2, 16).unwrap();
     assert!(b.loss_mask.contains(&1.0));
     let bad = write(
@@ -448,4 +455,120 @@ fn bad_inputs_get_clear_errors() {
     let mem = shards::tokenize_files(&tok, &[tiny], "text").unwrap();
     let e = err(Sampler::pretrain(Arc::new(mem), Mode::Packed, 64, 0));
     assert!(e.contains("no training row"), "{e}");
+}
+
+#[test]
+fn sft_conversations_that_overflow_the_window_follow_the_policy() {
+    use nsactor_data::sample::{Fit, SftOverflow, sft_fitted};
+    let tok = Tokenizer::bundled();
+    let long_prompt: String = (0..40).map(|i| format!("word{i} ")).collect();
+    let conv = vec![
+        Message::new("user", &long_prompt),
+        Message::new("assistant", "Yes, sure."),
+    ];
+    let ctx = 24;
+    let eos = tok.eos_id() as i64;
+    // The reference (Keep): the reply is past the window, nothing is scored.
+    let (row, fit) = sft_fitted(&tok, &conv, ctx, SftOverflow::Keep).unwrap();
+    let row = row.unwrap();
+    assert_eq!(fit, Fit::Unscored);
+    assert!(row.mask.iter().all(|&m| m == 0.0));
+    assert_eq!(
+        row,
+        sample::sft_row(&tok, &conv, ctx).unwrap(),
+        "Keep is the reference row"
+    );
+    // Skip: left out.
+    let (row, fit) = sft_fitted(&tok, &conv, ctx, SftOverflow::Skip).unwrap();
+    assert_eq!((row, fit), (None, Fit::Skipped));
+    // TruncateLeft: the row ends with the reply's <|im_end|>, which is scored with the reply,
+    // and nothing of the prompt is.
+    let (row, fit) = sft_fitted(&tok, &conv, ctx, SftOverflow::TruncateLeft).unwrap();
+    let row = row.unwrap();
+    assert_eq!(fit, Fit::TruncatedLeft);
+    assert_eq!(row.ids.len(), ctx);
+    assert_eq!(*row.ids.last().unwrap(), eos);
+    let reply: Vec<i64> = tok
+        .encode("Yes, sure.")
+        .unwrap()
+        .into_iter()
+        .map(i64::from)
+        .collect();
+    let scored: Vec<i64> = row
+        .ids
+        .iter()
+        .zip(&row.mask)
+        .filter(|(_, m)| **m > 0.0)
+        .map(|(&t, _)| t)
+        .collect();
+    assert_eq!(scored, [reply.as_slice(), &[eos]].concat());
+    // A reply longer than the window is left out even when truncating.
+    let essay: String = (0..60).map(|i| format!("reply{i} ")).collect();
+    let long = vec![
+        Message::new("user", "Hi"),
+        Message::new("assistant", &essay),
+    ];
+    let (row, fit) = sft_fitted(&tok, &long, ctx, SftOverflow::TruncateLeft).unwrap();
+    assert_eq!((row, fit), (None, Fit::Skipped));
+    // A conversation that fits is the reference row under every policy.
+    let short = vec![
+        Message::new("user", "Hi"),
+        Message::new("assistant", "Hello"),
+    ];
+    for p in [
+        SftOverflow::Keep,
+        SftOverflow::TruncateLeft,
+        SftOverflow::Skip,
+    ] {
+        let (row, fit) = sft_fitted(&tok, &short, ctx, p).unwrap();
+        assert_eq!(fit, Fit::Scored);
+        assert_eq!(row.unwrap(), sample::sft_row(&tok, &short, ctx).unwrap());
+    }
+}
+
+#[test]
+fn the_sft_report_counts_what_did_not_fit() {
+    use nsactor_data::sample::{SftOverflow, sft_rows};
+    let dir = tempfile::tempdir().unwrap();
+    let long_prompt: String = (0..40).map(|i| format!("word{i} ")).collect();
+    let text = format!(
+        "[{{\"instruction\":\"{long_prompt}\",\"input\":\"\",\"output\":\"Yes.\"}},\
+          {{\"instruction\":\"Hi\",\"input\":\"\",\"output\":\"Hello\"}}]"
+    );
+    let path = write(&dir.path().join("a.json"), text.as_bytes());
+    let tok = Tokenizer::bundled();
+    let (rows, report) = sft_rows(
+        &tok,
+        std::slice::from_ref(&path),
+        None,
+        25,
+        SftOverflow::TruncateLeft,
+    )
+    .unwrap();
+    assert_eq!(rows.len(), 2);
+    assert!(rows.iter().all(|r| r.mask.contains(&1.0)));
+    assert_eq!(
+        (report.conversations, report.unscored, report.truncated_left),
+        (2, 1, 1)
+    );
+    assert_eq!(
+        report.to_string(),
+        "1 of 2 conversations have no scored token at T = 24: 1 kept by truncating their \
+         prompt from the left, 0 skipped, 0 kept unscored"
+    );
+    let (rows, report) = sft_rows(
+        &tok,
+        std::slice::from_ref(&path),
+        None,
+        25,
+        SftOverflow::Skip,
+    )
+    .unwrap();
+    assert_eq!((rows.len(), report.skipped), (1, 1));
+    // Nothing scored at all is an error, not a run of zero losses.
+    let e = sft_rows(&tok, &[path], None, 6, SftOverflow::Keep).unwrap_err();
+    assert!(
+        e.to_string().contains("none with a scored token at T = 5"),
+        "{e}"
+    );
 }

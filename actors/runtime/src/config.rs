@@ -1,6 +1,8 @@
 //! Run configuration: a TOML file with a `[model]` table (the shared [`ModelConfig`], read by
 //! `nsactor-model-config`), a `[train]` table (validated here) and optional `[backend]` and
-//! `[data]` tables. Unknown tables and keys are errors.
+//! `[data]` tables, layered with config-rs: defaults ← the file ← `NSACTOR_TABLE__KEY`
+//! environment variables ([`EnvLayer`]) ← command-line flags ([`Overrides`]). Unknown tables
+//! and keys are errors naming their path.
 
 use crate::error::RuntimeError;
 pub use nsactor_model_config::{ModelConfig, ModelToml, from_toml_str as model_from_toml};
@@ -84,6 +86,9 @@ pub struct DataConfig {
     pub tokenizer: Option<PathBuf>,
     /// JSON field holding the text of `.jsonl`/`.json` corpora.
     pub text_field: String,
+    /// With `--sft`: what happens to a conversation whose right-truncated row scores no token
+    /// (`truncate-left`, `skip`, or the reference's `keep`).
+    pub sft_overflow: nsactor_data::sample::SftOverflow,
 }
 
 impl Default for DataConfig {
@@ -92,6 +97,7 @@ impl Default for DataConfig {
             packing: true,
             tokenizer: None,
             text_field: "text".into(),
+            sft_overflow: Default::default(),
         }
     }
 }
@@ -293,44 +299,155 @@ impl RunConfig {
         self.train.validate("after the command-line options")
     }
 
+    /// A config from TOML `text` alone (a checkpoint's manifest): `origin` names it in errors.
+    /// The same parser as [`RunConfig::load`], without the environment layer.
     pub fn from_str(text: &str, origin: &str) -> Result<Self, RuntimeError> {
-        let cfg: RunConfig = toml::from_str(text)
-            .map_err(|e| RuntimeError::ConfigParse(origin.into(), e.to_string()))?;
-        cfg.model
-            .validate()
-            .map_err(|e| RuntimeError::ConfigInvalid(origin.into(), e.to_string()))?;
-        cfg.train.validate(origin)?;
-        if let Some(p) = &cfg.backend.precision
-            && p != "fp32"
-            && p != "bf16"
-        {
-            return Err(RuntimeError::ConfigParse(
-                origin.into(),
-                format!("[backend] precision = `{p}`: expected `fp32` or `bf16`"),
-            ));
-        }
-        if let Some(s) = &cfg.backend.streams
-            && s != "shared"
-            && s != "per-thread"
-        {
-            return Err(RuntimeError::ConfigParse(
-                origin.into(),
-                format!("[backend] streams = `{s}`: expected `shared` or `per-thread`"),
-            ));
-        }
-        Ok(cfg)
+        layered(text, origin, &EnvLayer::default())
     }
 
+    /// The run's configuration, in layers (config-rs): the defaults of each table, then the
+    /// file (`path`, or the embedded `configs/tiny.toml`), then the environment's
+    /// `NSACTOR_TABLE__KEY` variables ([`EnvLayer`]). Command-line flags come last
+    /// ([`RunConfig::apply`]). Unknown tables and keys are errors that name their path.
     pub fn load(path: Option<&Path>) -> Result<Self, RuntimeError> {
+        Self::load_with(path, &EnvLayer::from_env())
+    }
+
+    /// [`RunConfig::load`] with the environment layer given.
+    pub fn load_with(path: Option<&Path>, env: &EnvLayer) -> Result<Self, RuntimeError> {
         match path {
-            None => Self::from_str(DEFAULT_CONFIG, "embedded configs/tiny.toml"),
+            None => layered(DEFAULT_CONFIG, "embedded configs/tiny.toml", env),
             Some(p) => {
                 let text = std::fs::read_to_string(p)
                     .map_err(|e| RuntimeError::ConfigRead(p.into(), e))?;
-                Self::from_str(&text, &p.display().to_string())
+                layered(&text, &p.display().to_string(), env)
             }
         }
     }
+
+    /// The configuration as TOML (what `nsactor config show` prints and every checkpoint's
+    /// manifest stores).
+    pub fn to_toml(&self) -> String {
+        toml::to_string(self).expect("a RunConfig serialises")
+    }
+}
+
+/// The environment's layer of the configuration: every `NSACTOR_TABLE__KEY` variable (a
+/// double underscore between the table and the key: `NSACTOR_TRAIN__STEPS=5`,
+/// `NSACTOR_BACKEND__PRECISION=bf16`), whose value replaces the file's `[table] key`. Other
+/// `NSACTOR_*` variables (one underscore-separated name, e.g. `NSACTOR_PLUGIN_PATH`) are the
+/// process's own settings and not read here. Values parse as numbers and booleans where they
+/// look like them.
+#[derive(Debug, Clone, Default)]
+pub struct EnvLayer(Vec<(String, String)>);
+
+impl EnvLayer {
+    /// The configuration variables of this process's environment.
+    pub fn from_env() -> Self {
+        Self::from_vars(std::env::vars())
+    }
+
+    /// The configuration variables among `vars`.
+    pub fn from_vars(vars: impl IntoIterator<Item = (String, String)>) -> Self {
+        let mut v: Vec<_> = vars
+            .into_iter()
+            .filter(|(k, _)| {
+                k.strip_prefix(ENV_PREFIX)
+                    .and_then(|rest| rest.strip_prefix('_'))
+                    .is_some_and(|rest| rest.contains(ENV_SEPARATOR))
+            })
+            .collect();
+        v.sort();
+        EnvLayer(v)
+    }
+
+    /// The variables' names, for messages.
+    pub fn names(&self) -> Vec<&str> {
+        self.0.iter().map(|(k, _)| k.as_str()).collect()
+    }
+}
+
+/// The prefix of the configuration's environment variables (then `_`, the table, `__`, the key).
+pub const ENV_PREFIX: &str = "NSACTOR";
+/// Between a table and its key in a configuration variable's name.
+pub const ENV_SEPARATOR: &str = "__";
+
+/// Sets the key a configuration variable names (`NSACTOR_TRAIN__STEPS` → `train.steps`, the
+/// model's upper-case keys by their spelling in the file: `NSACTOR_MODEL__D_FF` → `model.D_ff`)
+/// to its value, read as an integer, a float or a boolean where it is one, else as text.
+/// (config-rs's own environment source lower-cases every key, which would miss `D`, `N`, `K`
+/// and `D_ff`.)
+fn env_override(
+    builder: ::config::ConfigBuilder<::config::builder::DefaultState>,
+    name: &str,
+    value: &str,
+) -> Result<::config::ConfigBuilder<::config::builder::DefaultState>, ::config::ConfigError> {
+    let rest = name
+        .strip_prefix(ENV_PREFIX)
+        .and_then(|r| r.strip_prefix('_'))
+        .unwrap_or(name);
+    let (table, key) = rest.split_once(ENV_SEPARATOR).unwrap_or((rest, ""));
+    let (table, key) = (table.to_lowercase(), key.to_lowercase());
+    let key = match table.as_str() {
+        "model" => ["D", "N", "K", "D_ff"]
+            .into_iter()
+            .find(|k| k.eq_ignore_ascii_case(&key))
+            .map_or(key, str::to_string),
+        _ => key,
+    };
+    let path = format!("{table}.{key}");
+    if let Ok(v) = value.parse::<i64>() {
+        builder.set_override(path, v)
+    } else if let Ok(v) = value.parse::<f64>() {
+        builder.set_override(path, v)
+    } else if let Ok(v) = value.parse::<bool>() {
+        builder.set_override(path, v)
+    } else {
+        builder.set_override(path, value)
+    }
+}
+
+/// Parses `text` (TOML) under the `env` layer and checks the result; `origin` names the file.
+fn layered(text: &str, origin: &str, env: &EnvLayer) -> Result<RunConfig, RuntimeError> {
+    let origin = match env.names()[..] {
+        [] => origin.to_string(),
+        ref names => format!("{origin} with ${}", names.join(", $")),
+    };
+    let parse = |m: String| RuntimeError::ConfigParse(origin.clone(), m);
+    let mut builder = ::config::Config::builder()
+        .add_source(::config::File::from_str(text, ::config::FileFormat::Toml));
+    for (name, value) in &env.0 {
+        builder = env_override(builder, name, value).map_err(|e| parse(e.to_string()))?;
+    }
+    let built = builder.build().map_err(|e| parse(e.to_string()))?;
+    let cfg: RunConfig = serde_path_to_error::deserialize(built).map_err(|e| {
+        let path = e.path().to_string();
+        match path.as_str() {
+            "." | "" => parse(e.inner().to_string()),
+            _ => parse(format!("[{path}]: {}", e.inner())),
+        }
+    })?;
+    cfg.model
+        .validate()
+        .map_err(|e| RuntimeError::ConfigInvalid(origin.clone(), e.to_string()))?;
+    cfg.train.validate(&origin)?;
+    if let Some(p) = &cfg.backend.precision
+        && p != "fp32"
+        && p != "bf16"
+    {
+        return Err(parse(format!(
+            "[backend] precision = `{p}`: expected `fp32` or `bf16`"
+        )));
+    }
+    if let Some(s) = &cfg.backend.streams
+        && s != "shared"
+        && s != "per-thread"
+    {
+        return Err(parse(format!(
+            "[backend] streams = `{s}`: expected `shared` or `per-thread`"
+        )));
+    }
+    Ok(cfg)
 }
 
 impl TrainConfig {

@@ -213,9 +213,22 @@ pub fn make_sampler(
         return Ok(Sampler::pretrain(Arc::new(shards), mode, seq_len, seed)?);
     }
     if sft && !corpus.is_empty() {
-        return Ok(nsactor_data::sampler::sft_sampler(
-            tok, corpus, None, seq_len, seed,
-        )?);
+        let (sampler, report) = nsactor_data::sampler::sft_sampler(
+            tok,
+            corpus,
+            None,
+            (seq_len, cfg.data.sft_overflow),
+            seed,
+        )?;
+        if report.unscored > 0 {
+            tracing::warn!(
+                "{report} ([data] sft_overflow = {:?})",
+                cfg.data.sft_overflow
+            );
+        } else {
+            tracing::info!("{report}");
+        }
+        return Ok(sampler);
     }
     let tokens = if corpus.is_empty() {
         let mut m = nsactor_data::MemTokens::default();

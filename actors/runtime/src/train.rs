@@ -117,7 +117,7 @@ pub fn run(
     bar.set_position(first_step);
     let start = Instant::now();
     let mut tokens = 0u64;
-    let config_text = toml::to_string(cfg).expect("a RunConfig serialises");
+    let config_text = cfg.to_toml();
     let ckpt_root = checkpoint_root(cfg);
     let mut last_saved = first_step;
     let mut cursor = None;
@@ -183,11 +183,32 @@ pub fn run(
         let stats = r.stats;
         cursor = r.cursor;
         tokens += stats.tokens;
-        losses.push(stats.loss);
+        losses.push(if stats.tokens > 0 {
+            stats.loss
+        } else {
+            f64::NAN
+        });
         let elapsed = start.elapsed().as_secs_f64();
         let mem = memory();
+        // A step whose batch has no loss-mask token (SFT rows that score nothing) has no
+        // cross entropy: its loss is the ponder term alone, logged as null, never as ~0.
+        let scored = stats.tokens > 0;
+        let (loss, ce, ppl) = match scored {
+            true => (Some(stats.loss), Some(stats.ce), Some(stats.ce.exp())),
+            false => (None, None, None),
+        };
+        if !scored {
+            bar.suspend(|| {
+                tracing::warn!(
+                    "step {}: no token of the batch is scored (loss mask empty); its loss is \
+                     logged as null",
+                    r.step
+                )
+            });
+        }
         let line = serde_json::json!({
-            "step": r.step, "loss": stats.loss, "ce": stats.ce, "ppl": stats.ce.exp(), "lr": r.lr,
+            "step": r.step, "loss": loss, "ce": ce, "ppl": ppl, "lr": r.lr,
+            "scored_tokens": stats.tokens,
             "expected_k": stats.expected_k, "expected_k_min": stats.expected_k_min,
             "expected_k_max": stats.expected_k_max, "grad_norm": stats.grad_norm,
             "tokens": tokens, "tokens_per_s": tokens as f64 / elapsed,

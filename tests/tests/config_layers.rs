@@ -4,7 +4,7 @@
 
 mod common;
 
-use common::cli::{nsactor, temp_dir};
+use common::cli::{losses, nsactor, ok, temp_dir};
 
 /// `nsactor config show` with the environment `vars`: (success, stdout, stderr).
 fn show(vars: &[(&str, &str)], extra: &[&str]) -> (bool, String, String) {
@@ -76,22 +76,12 @@ fn a_variable_naming_no_key_fails_with_its_path() {
 #[test]
 fn nsactor_train_takes_its_steps_from_the_environment() {
     let dir = temp_dir("env-steps");
-    let out = nsactor()
+    ok(nsactor()
         .env("NSACTOR_TRAIN__STEPS", "5")
         .args(["train", "--out"])
-        .arg(&dir)
-        .output()
-        .unwrap();
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(out.status.success(), "train failed: {stderr}");
-    let metrics = std::fs::read_to_string(dir.join("metrics.jsonl")).unwrap();
-    let steps: Vec<u64> = metrics
-        .lines()
-        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
-        .filter(|v| v.get("event").is_none())
-        .map(|v| v["step"].as_u64().unwrap())
-        .collect();
-    assert_eq!(steps, vec![1, 2, 3, 4, 5], "{metrics}");
+        .arg(&dir));
+    let steps: Vec<u64> = losses(&dir).into_iter().map(|(step, _)| step).collect();
+    assert_eq!(steps, vec![1, 2, 3, 4, 5]);
     // The manifest stores the merged configuration.
     let stored = std::fs::read_to_string(dir.join("config.toml")).unwrap();
     assert_eq!(value(&stored, "train", "steps").as_integer(), Some(5));

@@ -42,15 +42,32 @@ pub fn packed_row(window: &[i64]) -> Row {
 /// SFT row: the ChatML text of `messages`, tokenized, truncated to `ctx`, padded with 0; the
 /// mask covers each assistant reply and its `<|im_end|>` (SPEC §8 step 3).
 pub fn sft_row(tok: &Tokenizer, messages: &[Message], ctx: usize) -> Result<Row> {
+    let full = conversation_ids(tok, messages)?;
+    Ok(right_truncated(
+        &full,
+        &assistant_opener(tok)?,
+        tok.eos_id() as i64,
+        ctx,
+    ))
+}
+
+/// The ChatML tokens of a whole conversation.
+fn conversation_ids(tok: &Tokenizer, messages: &[Message]) -> Result<Vec<i64>> {
     let text = chat_template(messages, false);
-    let mut ids: Vec<i64> = tok.encode(&text)?.into_iter().map(i64::from).collect();
-    ids.truncate(ctx);
-    let opener = assistant_opener(tok)?;
-    let mask = assistant_mask(&ids, &opener, tok.eos_id() as i64);
-    let mut row = Row { ids, mask };
+    Ok(tok.encode(&text)?.into_iter().map(i64::from).collect())
+}
+
+/// The reference's SFT row of a conversation's tokens `full`: its first `ctx`, padded with 0,
+/// the mask over each reply that ends inside them.
+fn right_truncated(full: &[i64], opener: &[i64], eos: i64, ctx: usize) -> Row {
+    let ids = &full[..full.len().min(ctx)];
+    let mut row = Row {
+        ids: ids.to_vec(),
+        mask: assistant_mask(ids, opener, eos),
+    };
     row.ids.resize(ctx, PAD_ID as i64);
     row.mask.resize(ctx, 0.0);
-    Ok(row)
+    row
 }
 
 /// What [`sft_rows`] does with a conversation whose assistant replies do not fit the window
@@ -129,7 +146,9 @@ pub fn sft_fitted(
     ctx: usize,
     overflow: SftOverflow,
 ) -> Result<(Option<Row>, Fit)> {
-    let row = sft_row(tok, messages, ctx)?;
+    let full = conversation_ids(tok, messages)?;
+    let (opener, eos) = (assistant_opener(tok)?, tok.eos_id() as i64);
+    let row = right_truncated(&full, &opener, eos, ctx);
     if row.mask.iter().any(|&m| m > 0.0) {
         return Ok((Some(row), Fit::Scored));
     }
@@ -137,10 +156,7 @@ pub fn sft_fitted(
         SftOverflow::Keep => Ok((Some(row), Fit::Unscored)),
         SftOverflow::Skip => Ok((None, Fit::Skipped)),
         SftOverflow::TruncateLeft => {
-            let text = chat_template(messages, false);
-            let full: Vec<i64> = tok.encode(&text)?.into_iter().map(i64::from).collect();
-            let opener = assistant_opener(tok)?;
-            let mask = assistant_mask(&full, &opener, tok.eos_id() as i64);
+            let mask = assistant_mask(&full, &opener, eos);
             // The first reply: its first scored token and its `<|im_end|>`.
             let Some(start) = mask.iter().position(|&m| m > 0.0) else {
                 return Ok((None, Fit::Skipped));
@@ -150,7 +166,7 @@ pub fn sft_fitted(
                 return Ok((None, Fit::Skipped));
             }
             let ids = full[end - ctx..end].to_vec();
-            let mask = assistant_mask(&ids, &opener, tok.eos_id() as i64);
+            let mask = assistant_mask(&ids, &opener, eos);
             Ok((Some(Row { ids, mask }), Fit::TruncatedLeft))
         }
     }
@@ -336,18 +352,13 @@ pub fn sft_rows(
     };
     let mut rows = Vec::with_capacity(fitted.len());
     for (row, fit) in fitted {
-        match fit {
-            Fit::Scored => {}
-            Fit::TruncatedLeft => report.truncated_left += 1,
-            Fit::Unscored => {}
-            Fit::Skipped => report.skipped += 1,
-        }
-        if fit != Fit::Scored {
-            report.unscored += 1;
-        }
+        report.unscored += usize::from(fit != Fit::Scored);
+        report.truncated_left += usize::from(fit == Fit::TruncatedLeft);
+        report.skipped += usize::from(fit == Fit::Skipped);
         rows.extend(row);
     }
-    if rows.iter().all(|r| r.mask.iter().all(|&m| m == 0.0)) {
+    // Rows that score: the ones that fit, and the ones cut from the left.
+    if report.conversations - report.unscored + report.truncated_left == 0 {
         return Err(DataError::EmptyCorpus(format!(
             "{} conversations, none with a scored token at T = {} ({report})",
             report.conversations,

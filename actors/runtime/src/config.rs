@@ -339,7 +339,15 @@ impl RunConfig {
 /// process's own settings and not read here. Values parse as numbers and booleans where they
 /// look like them.
 #[derive(Debug, Clone, Default)]
-pub struct EnvLayer(Vec<(String, String)>);
+pub struct EnvLayer(Vec<EnvVar>);
+
+/// One configuration variable: its name, the key path it sets (`train.steps`) and its value.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
+struct EnvVar {
+    name: String,
+    path: String,
+    value: String,
+}
 
 impl EnvLayer {
     /// The configuration variables of this process's environment.
@@ -349,12 +357,13 @@ impl EnvLayer {
 
     /// The configuration variables among `vars`.
     pub fn from_vars(vars: impl IntoIterator<Item = (String, String)>) -> Self {
-        let mut v: Vec<_> = vars
+        let mut v: Vec<EnvVar> = vars
             .into_iter()
-            .filter(|(k, _)| {
-                k.strip_prefix(ENV_PREFIX)
-                    .and_then(|rest| rest.strip_prefix('_'))
-                    .is_some_and(|rest| rest.contains(ENV_SEPARATOR))
+            .filter_map(|(name, value)| {
+                let rest = name.strip_prefix(ENV_PREFIX)?.strip_prefix('_')?;
+                let (table, key) = rest.split_once(ENV_SEPARATOR)?;
+                let path = key_path(&table.to_lowercase(), &key.to_lowercase());
+                Some(EnvVar { name, path, value })
             })
             .collect();
         v.sort();
@@ -363,8 +372,22 @@ impl EnvLayer {
 
     /// The variables' names, for messages.
     pub fn names(&self) -> Vec<&str> {
-        self.0.iter().map(|(k, _)| k.as_str()).collect()
+        self.0.iter().map(|v| v.name.as_str()).collect()
     }
+}
+
+/// `table.key` as the file spells it: the model's upper-case keys (`D`, `N`, `K`, `D_ff`) by
+/// their spelling there, every other key in lower case. (config-rs's own environment source
+/// lower-cases every key, which would miss those four.)
+fn key_path(table: &str, key: &str) -> String {
+    let key = match table {
+        "model" => ["D", "N", "K", "D_ff"]
+            .into_iter()
+            .find(|k| k.eq_ignore_ascii_case(key))
+            .unwrap_or(key),
+        _ => key,
+    };
+    format!("{table}.{key}")
 }
 
 /// The prefix of the configuration's environment variables (then `_`, the table, `__`, the key).
@@ -372,30 +395,13 @@ pub const ENV_PREFIX: &str = "NSACTOR";
 /// Between a table and its key in a configuration variable's name.
 pub const ENV_SEPARATOR: &str = "__";
 
-/// Sets the key a configuration variable names (`NSACTOR_TRAIN__STEPS` → `train.steps`, the
-/// model's upper-case keys by their spelling in the file: `NSACTOR_MODEL__D_FF` → `model.D_ff`)
-/// to its value, read as an integer, a float or a boolean where it is one, else as text.
-/// (config-rs's own environment source lower-cases every key, which would miss `D`, `N`, `K`
-/// and `D_ff`.)
+/// Sets the key `var` names to its value, read as an integer, a float or a boolean where it is
+/// one, else as text.
 fn env_override(
     builder: ::config::ConfigBuilder<::config::builder::DefaultState>,
-    name: &str,
-    value: &str,
+    var: &EnvVar,
 ) -> Result<::config::ConfigBuilder<::config::builder::DefaultState>, ::config::ConfigError> {
-    let rest = name
-        .strip_prefix(ENV_PREFIX)
-        .and_then(|r| r.strip_prefix('_'))
-        .unwrap_or(name);
-    let (table, key) = rest.split_once(ENV_SEPARATOR).unwrap_or((rest, ""));
-    let (table, key) = (table.to_lowercase(), key.to_lowercase());
-    let key = match table.as_str() {
-        "model" => ["D", "N", "K", "D_ff"]
-            .into_iter()
-            .find(|k| k.eq_ignore_ascii_case(&key))
-            .map_or(key, str::to_string),
-        _ => key,
-    };
-    let path = format!("{table}.{key}");
+    let (path, value) = (var.path.as_str(), var.value.as_str());
     if let Ok(v) = value.parse::<i64>() {
         builder.set_override(path, v)
     } else if let Ok(v) = value.parse::<f64>() {
@@ -416,8 +422,8 @@ fn layered(text: &str, origin: &str, env: &EnvLayer) -> Result<RunConfig, Runtim
     let parse = |m: String| RuntimeError::ConfigParse(origin.clone(), m);
     let mut builder = ::config::Config::builder()
         .add_source(::config::File::from_str(text, ::config::FileFormat::Toml));
-    for (name, value) in &env.0 {
-        builder = env_override(builder, name, value).map_err(|e| parse(e.to_string()))?;
+    for var in &env.0 {
+        builder = env_override(builder, var).map_err(|e| parse(e.to_string()))?;
     }
     let built = builder.build().map_err(|e| parse(e.to_string()))?;
     let cfg: RunConfig = serde_path_to_error::deserialize(built).map_err(|e| {

@@ -183,16 +183,13 @@ pub fn run(
         let stats = r.stats;
         cursor = r.cursor;
         tokens += stats.tokens;
-        losses.push(if stats.tokens > 0 {
-            stats.loss
-        } else {
-            f64::NAN
-        });
+        // A step whose batch has no loss-mask token (SFT rows that score nothing) has no
+        // cross entropy: its loss is the ponder term alone, logged as null (NaN in the
+        // curve), never as ~0.
+        let scored = stats.tokens > 0;
+        losses.push(if scored { stats.loss } else { f64::NAN });
         let elapsed = start.elapsed().as_secs_f64();
         let mem = memory();
-        // A step whose batch has no loss-mask token (SFT rows that score nothing) has no
-        // cross entropy: its loss is the ponder term alone, logged as null, never as ~0.
-        let scored = stats.tokens > 0;
         let (loss, ce, ppl) = match scored {
             true => (Some(stats.loss), Some(stats.ce), Some(stats.ce.exp())),
             false => (None, None, None),

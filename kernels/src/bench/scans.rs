@@ -109,20 +109,11 @@ impl Scan {
         let h3 = |t: &Tensor<B, 3>| host::<B>(&prim(t.clone()));
         let h2 = |t: &Tensor<B, 2>| host::<B>(&prim(t.clone()));
         let (u, v0, grad) = (h3(&i.u), h2(&i.v0), h3(&i.grad));
-        let (beta, vth, forward, backward): (_, _, HostForward, HostBackward) = match self.kind {
-            ScanKind::Elem => (
-                h3(&i.beta),
-                h3(&i.vth),
-                reference::elem_forward,
-                reference::elem_backward,
-            ),
-            ScanKind::Row => (
-                h2(&i.beta_row),
-                h2(&i.vth_row),
-                reference::row_forward,
-                reference::row_backward,
-            ),
+        let (beta, vth) = match self.kind {
+            ScanKind::Elem => (h3(&i.beta), h3(&i.vth)),
+            ScanKind::Row => (h2(&i.beta_row), h2(&i.vth_row)),
         };
+        let (forward, backward) = reference::scans(self.kind);
         let o = forward(&beta, &u, &vth, &v0, cols);
         if !self.backward {
             return vec![o.spike, o.vpost];
@@ -131,8 +122,3 @@ impl Scan {
         vec![g.beta, g.u, g.vth, g.v0]
     }
 }
-
-/// A host reference forward: `(beta, u, vth, v0, cols)`.
-type HostForward = fn(&[f32], &[f32], &[f32], &[f32], usize) -> reference::ScanOut;
-/// A host reference backward: `(beta, v0, vpost, spike, grad_vpost, cols)`.
-type HostBackward = fn(&[f32], &[f32], &[f32], &[f32], &[f32], usize) -> reference::ScanGrads;

@@ -47,12 +47,6 @@ pub trait ScanOps: Backend {
     }
 }
 
-/// A reference forward scan on the host: `(beta, u, vth, v0, cols)`.
-type HostForward = fn(&[f32], &[f32], &[f32], &[f32], usize) -> reference::ScanOut;
-
-/// A reference backward scan on the host: `(beta, v0, vpost, spike, grad_vpost, cols)`.
-type HostBackward = fn(&[f32], &[f32], &[f32], &[f32], &[f32], usize) -> reference::ScanGrads;
-
 /// The default forward of either scan: the reference on the inputs copied to the host.
 fn host_forward<B: Backend>(
     kind: ScanKind,
@@ -62,10 +56,7 @@ fn host_forward<B: Backend>(
     v0: FloatTensor<B>,
 ) -> PlifOutput<B> {
     let (shape, cols) = scan_shape::<B>(&u, &v0);
-    let scan: HostForward = match kind {
-        ScanKind::Elem => reference::elem_forward,
-        ScanKind::Row => reference::row_forward,
-    };
+    let (scan, _) = reference::scans(kind);
     let out = scan(
         &host::<B>(beta),
         &host::<B>(u.clone()),
@@ -83,9 +74,10 @@ fn host_backward<B: Backend>(
     [beta, v0, vpost, spike, grad_vpost]: [FloatTensor<B>; 5],
 ) -> PlifGrads<B> {
     let (shape, cols) = scan_shape::<B>(&grad_vpost, &v0);
-    let (scan, param_shape): (HostBackward, _) = match kind {
-        ScanKind::Elem => (reference::elem_backward, shape.clone()),
-        ScanKind::Row => (reference::row_backward, Shape::new([shape[1], shape[2]])),
+    let (_, scan) = reference::scans(kind);
+    let param_shape = match kind {
+        ScanKind::Elem => shape.clone(),
+        ScanKind::Row => Shape::new([shape[1], shape[2]]),
     };
     let g = scan(
         &host::<B>(beta),

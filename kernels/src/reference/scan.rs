@@ -4,6 +4,8 @@
 //! `(batch, dim)` index. State and arithmetic are `f32`; `v_pre = β·v + u` is one fused
 //! multiply-add, as in the reference kernels.
 
+use crate::ops::types::ScanKind;
+
 /// Forward outputs of a scan: spikes (0/1) and the post-reset membrane potential, both `[TK, cols]`.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ScanOut {
@@ -177,4 +179,18 @@ fn scan_backward(
         }
     }
     (g_u, acc)
+}
+
+/// A host forward scan: `(beta, u, vth, v0, cols)`.
+pub type HostForward = fn(&[f32], &[f32], &[f32], &[f32], usize) -> ScanOut;
+
+/// A host backward scan: `(beta, v0, vpost, spike, grad_vpost, cols)`.
+pub type HostBackward = fn(&[f32], &[f32], &[f32], &[f32], &[f32], usize) -> ScanGrads;
+
+/// The host scans of `kind`: its forward and its backward.
+pub fn scans(kind: ScanKind) -> (HostForward, HostBackward) {
+    match kind {
+        ScanKind::Elem => (elem_forward, elem_backward),
+        ScanKind::Row => (row_forward, row_backward),
+    }
 }

@@ -1,6 +1,7 @@
 //! `nsactor eval`: held-out loss of a checkpoint.
 
 use crate::args::ModelArgs;
+use nsactor_runtime::heldout::HeldOut;
 use nsactor_runtime::launch::{self};
 use std::path::PathBuf;
 
@@ -38,22 +39,11 @@ pub fn run(a: EvalArgs) -> crate::CliResult {
     if batch == 0 || cfg.train.seq_len == 0 {
         return Err("--batch-size and --seq-len must be at least 1".into());
     }
-    let mut sampler =
-        launch::make_sampler(&cfg, &l.tokenizer, &a.corpus, a.data.as_deref(), false)?;
-    let t0 = std::time::Instant::now();
-    let (mut weighted, mut scored) = (0.0f64, 0u64);
-    for i in 0..a.batches {
-        let b = sampler.next_batch(batch, cfg.train.seq_len)?;
-        let n = nsactor_runtime::engine::scored_tokens(&b);
-        let ce = l.pipeline.eval_ce(&b)?;
-        tracing::debug!("batch {i}: CE {ce:.5} over {n} tokens");
-        weighted += ce * n as f64;
-        scored += n;
-    }
-    if scored == 0 {
+    let sampler = launch::make_sampler(&cfg, &l.tokenizer, &a.corpus, a.data.as_deref(), false)?;
+    let e = HeldOut::new(sampler, a.batches, batch).evaluate(&mut l.pipeline)?;
+    let (Some(ce), scored) = (e.ce, e.tokens) else {
         return Err("the batches hold no scored tokens".into());
-    }
-    let ce = weighted / scored as f64;
+    };
     let info = l.pipeline.backend().info();
     println!(
         "held-out CE {ce:.5} (perplexity {:.3}) over {scored} tokens in {} batches of {batch} × {}; {} {} [{}], GEMMs {}; {:.1} s",
@@ -68,7 +58,7 @@ pub fn run(a: EvalArgs) -> crate::CliResult {
             .as_deref()
             .or(cfg.backend.precision.as_deref())
             .unwrap_or("fp32"),
-        t0.elapsed().as_secs_f64()
+        e.seconds
     );
     Ok(())
 }

@@ -3,8 +3,10 @@
 use crate::args::LayoutArgs;
 use nsactor_plugin_api::OptimizerKind;
 use nsactor_runtime::config::{Overrides, RunConfig};
+use nsactor_runtime::heldout::HeldOut;
 use nsactor_runtime::launch::{self};
 use nsactor_runtime::train;
+use nsactor_telemetry::{Exporter, TrainingMetrics};
 use std::path::PathBuf;
 
 #[derive(clap::Args)]
@@ -36,10 +38,22 @@ pub struct TrainArgs {
     sft: bool,
     #[command(flatten)]
     layout: LayoutArgs,
-    /// Continue from the newest valid checkpoint in `<out_dir>/checkpoints` (a fresh start
-    /// when there is none).
+    /// Continue from the newest valid checkpoint in `<out_dir>/checkpoints` (a fresh start,
+    /// or --init-from, when there is none).
     #[arg(long)]
     resume: bool,
+    /// Start from the weights of another run's newest valid checkpoint (a run directory,
+    /// its checkpoints root or one checkpoint): its [model] table, step 0, fresh optimizer
+    /// state. With --resume it applies only while this run has no checkpoint of its own.
+    #[arg(long, value_name = "RUN")]
+    init_from: Option<PathBuf>,
+    /// Override [train].eval_every: steps between held-out evaluations.
+    #[arg(long)]
+    eval_every: Option<u64>,
+    /// Serve the run's Prometheus metrics (loss, tokens/s, E[K], step time …) at
+    /// http://ADDR/metrics, e.g. 127.0.0.1:9400.
+    #[arg(long, value_name = "ADDR")]
+    metrics_addr: Option<String>,
     /// Override [train].checkpoint_every.
     #[arg(long)]
     checkpoint_every: Option<u64>,
@@ -78,6 +92,7 @@ pub fn run(args: TrainArgs) -> crate::CliResult {
         checkpoint_every: args.checkpoint_every,
         inject_fault: args.inject_fault.clone(),
         loss_spike_factor: args.loss_spike_factor,
+        eval_every: args.eval_every,
         tokenizer: args.tokenizer.clone(),
         ..args.layout.overrides()?
     })?;
@@ -98,9 +113,22 @@ pub fn run(args: TrainArgs) -> crate::CliResult {
         std::time::Duration::from_secs_f64(cfg.train.shutdown_grace_s),
         "finishing this step and writing a checkpoint (a resume starts from the newest complete one)",
     )?;
+    let init = match &args.init_from {
+        Some(run) => Some(launch::InitFrom::open(run, &mut cfg)?),
+        None => None,
+    };
     let tok = nsactor_data::cli::load_tokenizer(cfg.data.tokenizer.as_deref())?;
     train::check_tokenizer(&cfg, &tok)?;
     let sampler = launch::make_sampler(&cfg, &tok, &args.corpus, args.data.as_deref(), args.sft)?;
+    let (sampler, held_out) = HeldOut::split(&cfg, sampler)?;
+    let live = match &args.metrics_addr {
+        Some(_) => Some(TrainingMetrics::new()?),
+        None => None,
+    };
+    let _exporter = match (&args.metrics_addr, &live) {
+        (Some(addr), Some(m)) => Some(Exporter::start(addr, m.registry().clone())?),
+        _ => None,
+    };
     let compute = launch::open_backend(&cfg, args.layout.backend.as_deref())?;
     let optimizer = if args.sft {
         OptimizerKind::AdamW
@@ -112,13 +140,19 @@ pub fn run(args: TrainArgs) -> crate::CliResult {
     if args.resume {
         first_step = launch::resume(&cfg, &tok, &mut pipeline)?;
     }
-    let summary = train::run(
-        &cfg,
-        &mut pipeline,
+    if let Some(init) = init
+        && first_step == 0
+    {
+        init.load(&tok, &mut pipeline)?;
+    }
+    let options = train::RunOptions {
         first_step,
-        Some(tok.hash().to_string()),
-        Some(&stop),
-    )?;
+        tokenizer_sha256: Some(tok.hash().to_string()),
+        stop: Some(&stop),
+        held_out,
+        metrics: live.as_ref(),
+    };
+    let summary = train::run(&cfg, &mut pipeline, options)?;
     if summary.stopped_at.is_some() {
         return Ok(());
     }

@@ -164,6 +164,24 @@ impl RowSource for MemRows {
     }
 }
 
+/// Rows `range` of another source: one side of a held-out split.
+struct Slice {
+    inner: Arc<dyn RowSource>,
+    range: Range<u64>,
+}
+
+impl RowSource for Slice {
+    fn rows(&self) -> u64 {
+        self.range.end - self.range.start
+    }
+    fn row(&self, i: u64) -> Row {
+        self.inner.row(self.range.start + i)
+    }
+    fn ctx(&self) -> usize {
+        self.inner.ctx()
+    }
+}
+
 /// Where a sampler stands: the next row is `permutation(epoch)[position]`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
 pub struct Cursor {
@@ -212,6 +230,31 @@ impl Sampler {
             Mode::Padded => Box::new(PaddedRows { source, ctx }),
         };
         Self::new(rows, seed)
+    }
+
+    /// Splits off the last `held_out` rows of the data (in the source's order, before any
+    /// shuffling) as a held-out set: `(training sampler over the rest, held-out sampler)`,
+    /// both seeded as this one and at their start. Fails unless both sides keep a row.
+    pub fn hold_out(self, held_out: u64) -> Result<(Sampler, Sampler)> {
+        let n = self.rows.rows();
+        if held_out == 0 || held_out >= n {
+            return Err(DataError::Invalid(format!(
+                "holding out {held_out} rows for evaluation needs more than that: the data has \
+                 {n} rows of {} tokens (lower eval_batches or batch_size, or add data)",
+                self.rows.ctx() - 1
+            )));
+        }
+        let inner: Arc<dyn RowSource> = Arc::from(self.rows);
+        let side = |range| -> Box<dyn RowSource> {
+            Box::new(Slice {
+                inner: inner.clone(),
+                range,
+            })
+        };
+        Ok((
+            Sampler::new(side(0..n - held_out), self.seed)?,
+            Sampler::new(side(n - held_out..n), self.seed)?,
+        ))
     }
 
     /// Rows per epoch.
@@ -331,6 +374,32 @@ mod tests {
             m.push(3, d, 4);
         }
         Arc::new(m)
+    }
+
+    #[test]
+    fn a_held_out_split_keeps_the_tail_out_of_training() {
+        let rows: Vec<Row> = (0..10)
+            .map(|i| sample::packed_row(&[i, i + 100, i + 200]))
+            .collect();
+        let sampler = Sampler::new(Box::new(MemRows::new(rows, 3)), 5).expect("sampler");
+        let (mut train, mut held) = sampler.hold_out(4).expect("split");
+        assert_eq!((train.rows_per_epoch(), held.rows_per_epoch()), (6, 4));
+        let firsts = |b: &Batch| b.inputs.chunks(2).map(|r| r[0]).collect::<Vec<_>>();
+        let mut seen: Vec<i64> = (0..3)
+            .flat_map(|_| firsts(&train.next_batch(2, 2).expect("batch")))
+            .collect();
+        seen.sort();
+        assert_eq!(seen, [0, 1, 2, 3, 4, 5], "one training epoch is rows 0..6");
+        let mut out: Vec<i64> = firsts(&held.next_batch(4, 2).expect("batch"));
+        out.sort();
+        assert_eq!(out, [6, 7, 8, 9], "the held-out rows are the last four");
+        let again = Sampler::new(
+            Box::new(MemRows::new(vec![sample::packed_row(&[1, 2, 3])], 3)),
+            5,
+        )
+        .expect("sampler");
+        let err = again.hold_out(1).err().expect("nothing left to train on");
+        assert!(err.to_string().contains("eval_batches"), "{err}");
     }
 
     #[test]

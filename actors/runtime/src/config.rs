@@ -157,6 +157,7 @@ pub struct Overrides {
     pub checkpoint_every: Option<u64>,
     pub inject_fault: Option<String>,
     pub loss_spike_factor: Option<f64>,
+    pub eval_every: Option<u64>,
     pub precision: Option<String>,
     pub tokenizer: Option<PathBuf>,
 }
@@ -242,6 +243,19 @@ pub struct TrainConfig {
     /// `loss-spike:STEP` (`--inject-fault`).
     #[serde(default)]
     pub inject_fault: Option<String>,
+    /// Steps between held-out evaluations (0: none). The last `eval_batches × batch_size`
+    /// rows of the data (before shuffling) are held out of training; every evaluation reads
+    /// all of them, in the same order, and logs their cross entropy (`"event": "eval"` in
+    /// `metrics.jsonl`, orange points in `loss.png`). The last step is evaluated too.
+    #[serde(default)]
+    pub eval_every: u64,
+    /// Batches of `batch_size` rows in the held-out set.
+    #[serde(default = "four")]
+    pub eval_batches: usize,
+}
+
+fn four() -> usize {
+    4
 }
 
 fn twenty() -> usize {
@@ -293,6 +307,7 @@ impl RunConfig {
             checkpoint_every => t.checkpoint_every,
             inject_fault => t.inject_fault,
             loss_spike_factor => t.loss_spike_factor,
+            eval_every => t.eval_every,
             precision => self.backend.precision,
             tokenizer => self.data.tokenizer,
         }
@@ -492,6 +507,11 @@ impl TrainConfig {
         }
         if self.loss_spike_window == 0 {
             return Err(bad("`loss_spike_window` must be positive".into()));
+        }
+        if self.eval_every > 0 && self.eval_batches == 0 {
+            return Err(bad(
+                "`eval_batches` must be positive when `eval_every` is set".into(),
+            ));
         }
         if let Some(f) = &self.inject_fault {
             f.parse::<crate::pipeline::topology::Fault>()

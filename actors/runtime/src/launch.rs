@@ -193,6 +193,48 @@ pub fn resume(
     Ok(manifest.step)
 }
 
+/// The weights a run starts from (`--init-from`): the newest valid checkpoint of a run
+/// directory, checkpoints root or checkpoint directory. The new run takes that model's
+/// `[model]` table (its weights fix the shapes) and starts at step 0 with fresh optimizer
+/// state; [`InitFrom::load`] puts the weights into the started pipeline.
+pub struct InitFrom {
+    found: checkpoint::Loaded,
+}
+
+impl InitFrom {
+    /// Finds the checkpoint under `path` and sets `cfg.model` to its model.
+    pub fn open(path: &Path, cfg: &mut RunConfig) -> Result<Self, RuntimeError> {
+        let found = crate::export::find_checkpoint(path)?;
+        let source = RunConfig::from_str(&found.manifest.config, &found.dir.display().to_string())?;
+        if source.model != cfg.model {
+            tracing::info!(
+                "--init-from: the model is {}'s (its [model] table replaces this run's)",
+                found.dir.display()
+            );
+        }
+        cfg.model = source.model;
+        Ok(InitFrom { found })
+    }
+
+    /// Loads the weights into `pipeline` (started from the configuration [`InitFrom::open`]
+    /// set) after checking the checkpoint was trained with `tok`.
+    pub fn load(self, tok: &Tokenizer, pipeline: &mut Pipeline) -> Result<(), RuntimeError> {
+        let checkpoint::Loaded {
+            dir,
+            manifest,
+            shards,
+        } = self.found;
+        manifest.check_tokenizer(&dir, tok)?;
+        pipeline.load_stages(shards)?;
+        tracing::info!(
+            "initialised from {} (its step {}); this run starts at step 0 with fresh optimizer state",
+            dir.display(),
+            manifest.step
+        );
+        Ok(())
+    }
+}
+
 /// The batch source of a run: prepared shards, corpus files, or the bundled corpus; SFT rows
 /// from conversation files with `--sft --corpus`.
 pub fn make_sampler(

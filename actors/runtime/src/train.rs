@@ -3,10 +3,14 @@
 
 use crate::config::RunConfig;
 use crate::error::RuntimeError;
+use crate::heldout::HeldOut;
+use crate::history::previous_metrics;
 use crate::pipeline::Pipeline;
 use crate::pipeline::writer::WriteDone;
 use crate::shutdown::StopRequest;
 use nsactor_data::Tokenizer;
+use nsactor_telemetry::TrainingMetrics;
+use nsactor_telemetry::training::StepSample;
 use std::io::Write;
 use std::path::PathBuf;
 use std::time::Instant;
@@ -61,21 +65,40 @@ pub fn checkpoint_root(cfg: &RunConfig) -> PathBuf {
     cfg.train.out_dir.join("checkpoints")
 }
 
-/// Runs the steps after `first_step` completed ones up to `cfg.train.steps` on `pipeline`
+/// What a run is given besides its configuration and pipeline.
+#[derive(Default)]
+pub struct RunOptions<'a> {
+    /// Optimizer steps already done (a resume from that step's checkpoint).
+    pub first_step: u64,
+    /// Stored in every checkpoint's manifest.
+    pub tokenizer_sha256: Option<String>,
+    /// Polled after every step: once it is set the run writes a checkpoint of the step just
+    /// finished and returns with `stopped_at`.
+    pub stop: Option<&'a StopRequest>,
+    /// Evaluated every `[train] eval_every` steps and at the last.
+    pub held_out: Option<HeldOut>,
+    /// The live registry (`--metrics-addr`), updated after every step.
+    pub metrics: Option<&'a TrainingMetrics>,
+}
+
+/// Runs the steps after `o.first_step` completed ones up to `cfg.train.steps` on `pipeline`
 /// (whose data actor feeds them), logging every `log_interval` steps and every step to
-/// `out_dir/metrics.jsonl` (appended to when resuming), checkpointing every
-/// `checkpoint_every` steps and at the end, then writes `out_dir/model.safetensors`,
-/// `out_dir/config.toml`, `out_dir/data_cursor.json` and `out_dir/loss.png`.
-///
-/// `stop`, when given, is polled after every step: once it is set the run writes a checkpoint
-/// of the step just finished and returns with `stopped_at`.
+/// `out_dir/metrics.jsonl` (appended to when resuming), evaluating the held-out set,
+/// checkpointing every `checkpoint_every` steps and at the end, then writes
+/// `out_dir/model.safetensors`, `out_dir/config.toml`, `out_dir/data_cursor.json` and
+/// `out_dir/loss.png` (also drawn when a stop request ends the run early).
 pub fn run(
     cfg: &RunConfig,
     pipeline: &mut Pipeline,
-    first_step: u64,
-    tokenizer_sha256: Option<String>,
-    stop: Option<&StopRequest>,
+    o: RunOptions<'_>,
 ) -> Result<RunSummary, RuntimeError> {
+    let RunOptions {
+        first_step,
+        tokenizer_sha256,
+        stop,
+        mut held_out,
+        metrics: live,
+    } = o;
     let t = &cfg.train;
     let out_dir = t.out_dir.clone();
     std::fs::create_dir_all(&out_dir).map_err(|e| RuntimeError::Io(out_dir.clone(), e))?;
@@ -128,8 +151,15 @@ pub fn run(
     let mut log = |line: serde_json::Value| {
         writeln!(metrics, "{line}").map_err(|e| RuntimeError::Io(metrics_path.clone(), e))
     };
+    let title = format!(
+        "{} · {} parameters · {}",
+        out_dir.display(),
+        pipeline.param_count(),
+        describe(pipeline.backend().as_ref())
+    );
     let mut step = first_step;
     while step < t.steps {
+        let step_start = Instant::now();
         let r = match pipeline.step() {
             Ok(r) => r,
             Err(RuntimeError::Recovered {
@@ -147,6 +177,9 @@ pub fn run(
                     "seconds": seconds, "cause": cause,
                 }))?;
                 recoveries.push(seconds);
+                if let Some(m) = live {
+                    m.recoveries.inc();
+                }
                 losses.truncate(to_step as usize);
                 step = to_step;
                 bar.set_position(step);
@@ -172,6 +205,9 @@ pub fn run(
                     "factor": factor, "to_step": to_step,
                 }))?;
                 spike_rollbacks += 1;
+                if let Some(m) = live {
+                    m.loss_spikes.inc();
+                }
                 losses.truncate(to_step as usize);
                 step = to_step;
                 bar.set_position(step);
@@ -213,6 +249,19 @@ pub fn run(
             "skipped": stats.skipped,
         });
         log(line)?;
+        if let Some(m) = live {
+            m.record(&StepSample {
+                step: r.step,
+                loss,
+                lr: r.lr,
+                expected_k: stats.expected_k,
+                grad_norm: stats.grad_norm,
+                tokens: stats.tokens,
+                tokens_per_second: tokens as f64 / elapsed,
+                seconds: step_start.elapsed().as_secs_f64(),
+                skipped: stats.skipped,
+            });
+        }
         if stats.skipped {
             skipped_steps += 1;
             bar.suspend(|| {
@@ -247,6 +296,29 @@ pub fn run(
                 tokens as f64 / elapsed
             );
             bar.suspend(|| tracing::info!("{line}"));
+        }
+        if let Some(h) = held_out.as_mut()
+            && (r.step % t.eval_every == 0 || r.step == t.steps)
+        {
+            let e = h.evaluate(pipeline)?;
+            let (batches, rows) = h.shape();
+            bar.suspend(|| match e.ce {
+                Some(ce) => tracing::info!(
+                    "step {:>6} held-out CE {ce:.4} ppl {:.2} over {} tokens ({batches} × {rows} rows, {:.2} s)",
+                    r.step,
+                    ce.exp(),
+                    e.tokens,
+                    e.seconds
+                ),
+                None => tracing::warn!("step {}: the held-out set scores no token", r.step),
+            });
+            log(serde_json::json!({
+                "event": "eval", "step": r.step, "eval_loss": e.ce,
+                "eval_ppl": e.ce.map(f64::exp), "eval_tokens": e.tokens, "seconds": e.seconds,
+            }))?;
+            if let (Some(m), Some(ce)) = (live, e.ce) {
+                m.eval_loss.set(ce);
+            }
         }
         let signal = stop.and_then(StopRequest::requested);
         let periodic = t.checkpoint_every > 0 && r.step % t.checkpoint_every == 0;
@@ -306,11 +378,10 @@ pub fn run(
             "stopped after step {s} on request; its checkpoint is in {}: `--resume` continues",
             ckpt_root.display()
         );
+        draw_curves(&metrics_path, &out_dir.join("loss.png"), title);
         return Ok(summary(PathBuf::new()));
     }
-    let plot_path = out_dir.join("loss.png");
-    let png = crate::plot::loss_curve(&losses, 640, 360).to_png();
-    crate::weights::write_atomic(&plot_path, &png).map_err(|e| RuntimeError::Io(plot_path, e))?;
+    draw_curves(&metrics_path, &out_dir.join("loss.png"), title);
     let weights = out_dir.join("model.safetensors");
     let merged = crate::weights::merge_params(&pipeline.save_stages()?)?;
     crate::weights::write_atomic(&weights, &merged)
@@ -325,6 +396,20 @@ pub fn run(
             .map_err(|e| RuntimeError::Io(cursor_path, e))?;
     }
     Ok(summary(weights))
+}
+
+/// Draws `loss.png` from the run's `metrics.jsonl`. A picture that cannot be drawn or
+/// written is a warning: the run's results are the weights and the metrics.
+fn draw_curves(metrics: &std::path::Path, png: &std::path::Path, title: String) {
+    let text = std::fs::read_to_string(metrics).unwrap_or_default();
+    let drawn = crate::history::curves(&text, title)
+        .to_png((960, 900))
+        .map_err(|e| e.to_string())
+        .and_then(|bytes| crate::weights::write_atomic(png, &bytes).map_err(|e| e.to_string()));
+    match drawn {
+        Ok(()) => tracing::info!("training curves in {}", png.display()),
+        Err(e) => tracing::warn!("{} not drawn: {e}", png.display()),
+    }
 }
 
 /// Logs how a checkpoint write ended: written (with its throughput) or failed. A failed write
@@ -353,36 +438,6 @@ fn written(
             log(serde_json::json!({"event": "checkpoint_failed", "cause": e.to_string()}))
         }
     }
-}
-
-/// The metrics of steps 1..=`upto` from an earlier part of the run: their losses (for the loss
-/// curve; NaN for a skipped step) and the lines to keep: the last line of each of those steps
-/// and every event line (recoveries, restarts, checkpoints), in the order they were written.
-fn previous_metrics(metrics: &std::path::Path, upto: u64) -> (Vec<f64>, String) {
-    use std::collections::BTreeMap;
-    let text = std::fs::read_to_string(metrics).unwrap_or_default();
-    let lines: Vec<&str> = text.lines().collect();
-    let mut kept: BTreeMap<usize, &str> = BTreeMap::new();
-    let mut by_step: BTreeMap<u64, (usize, f64)> = BTreeMap::new();
-    for (i, line) in lines.iter().enumerate() {
-        let Ok(v) = serde_json::from_str::<serde_json::Value>(line) else {
-            continue;
-        };
-        if v.get("event").is_some() {
-            kept.insert(i, line);
-        } else if let Some(step) = v["step"].as_u64()
-            && step <= upto
-        {
-            // A step logged twice (redone after a rollback) keeps its last line.
-            by_step.insert(step, (i, v["loss"].as_f64().unwrap_or(f64::NAN)));
-        }
-    }
-    for (i, _) in by_step.values() {
-        kept.insert(*i, lines[*i]);
-    }
-    let losses = by_step.values().map(|(_, l)| *l).collect();
-    let text = kept.into_values().map(|l| format!("{l}\n")).collect();
-    (losses, text)
 }
 
 /// `ndarray 0.1.0 (cpu (2 threads, f32))`.

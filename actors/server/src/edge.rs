@@ -12,7 +12,6 @@ use axum::http::{HeaderValue, Method, header};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use http_body_util::BodyExt;
-use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 /// The header that names a request.
@@ -46,10 +45,7 @@ pub async fn edge(State(s): State<Shared>, req: Request, next: Next) -> Response
         Ok(req) => next.run(req).await,
         Err(e) => {
             if matches!(e, ServeError::TooLarge(_)) {
-                s.generator
-                    .metrics
-                    .too_large
-                    .fetch_add(1, Ordering::Relaxed);
+                s.generator.metrics.requests_too_large.inc();
             }
             let mut r = e.into_response();
             r.headers_mut()

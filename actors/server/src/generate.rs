@@ -6,12 +6,12 @@
 use crate::drain::{Drain, FINISH_SHUTDOWN};
 use crate::error::ServeError;
 use crate::logprobs::{TokenLogprob, token_logprob};
-use crate::metrics::Metrics;
 use crate::protocol::{Finished, GenSpec, GenTiming, PromptSpec, Usage};
 use nsactor_data::Tokenizer;
 use nsactor_plugin_api::SessionId;
 use nsactor_runtime::decode::TokenPicker;
 use nsactor_runtime::pipeline::AsyncDecoder;
+use nsactor_telemetry::ServingMetrics;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::Instant;
@@ -92,7 +92,7 @@ pub struct Generator {
     pub decoder: AsyncDecoder,
     pub tokenizer: Arc<Tokenizer>,
     pub admission: Admission,
-    pub metrics: Arc<Metrics>,
+    pub metrics: Arc<ServingMetrics>,
     pub max_prompt_tokens: usize,
     /// Shutdown: refuses new generations and ends running ones ([`Drain`]).
     pub drain: Arc<Drain>,
@@ -181,14 +181,24 @@ impl Generator {
         let prompt = self.prompt_ids(&spec.prompt)?;
         let _permit = self.admission.enter().await?;
         let session = self.decoder.session();
-        self.metrics.active_sessions.fetch_add(1, Ordering::SeqCst);
+        self.metrics.running.inc();
         let r = self
             .decode(session, &prompt, &spec, &tx, &cancel, start)
             .await;
         self.decoder.close(session).await;
-        self.metrics.active_sessions.fetch_sub(1, Ordering::SeqCst);
+        self.metrics.running.dec();
         let r = r?;
-        self.metrics.record(&r);
+        self.metrics.finished(
+            r.finish_reason,
+            (
+                r.usage.prompt_tokens as u64,
+                r.usage.completion_tokens as u64,
+            ),
+            (
+                r.timing.time_to_first_token_ms / 1e3,
+                r.timing.total_ms / 1e3,
+            ),
+        );
         let _ = tx.send(GenEvent::Done(r.clone())).await;
         Ok(r)
     }
@@ -230,6 +240,7 @@ impl Generator {
         let mut pending = Pending::default();
         let mut emitted = 0usize; // bytes of the decoded text already sent
         let mut first_token_at = None;
+        let mut last_token_at: Option<Instant> = None;
         let top = spec.logprobs.unwrap_or(0);
         let mut logits = if spec.prompt_logprobs {
             self.score_prompt(session, prompt, top, tx).await?
@@ -265,7 +276,13 @@ impl Generator {
                 }
             }
             let next = picker.pick(&mut logits, &history);
-            first_token_at.get_or_insert_with(Instant::now);
+            let now = Instant::now();
+            if let Some(last) = last_token_at.replace(now) {
+                self.metrics
+                    .inter_token_latency
+                    .observe((now - last).as_secs_f64());
+            }
+            first_token_at.get_or_insert(now);
             history.push(next);
             if !spec.ignore_eos && END_TOKENS.contains(&next) {
                 break "stop";

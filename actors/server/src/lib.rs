@@ -28,7 +28,6 @@ pub mod generate;
 pub mod listen;
 pub mod logprobs;
 pub mod messages;
-pub mod metrics;
 pub mod openai;
 pub mod protocol;
 pub mod state;
@@ -36,7 +35,7 @@ pub mod ws;
 
 pub use error::ServeError;
 pub use listen::serve;
-pub use metrics::Metrics;
+pub use nsactor_telemetry::ServingMetrics;
 pub use state::ServerState;
 
 use crate::state::Shared;
@@ -46,6 +45,7 @@ use axum::http::header;
 use axum::middleware;
 use axum::response::{Html, IntoResponse};
 use axum::routing::{get, post};
+use nsactor_telemetry::serving::DecoderState;
 
 /// The router of the server. With API keys, `/v1/*` (and `/metrics` when keyed) answer 401
 /// without one, `/ws` checks its own ([`ws::ws`]); `/`, `/health` stay open.
@@ -104,11 +104,12 @@ async fn health(State(s): State<Shared>) -> impl IntoResponse {
 
 async fn metrics(State(s): State<Shared>) -> impl IntoResponse {
     (
-        [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
-        s.generator.metrics.render(
-            s.generator.admission.queued(),
-            s.generator.decoder.batch_counts(),
-            s.generator.decoder.open_sessions(),
-        ),
+        [(header::CONTENT_TYPE, nsactor_telemetry::CONTENT_TYPE)],
+        s.generator.metrics.render(DecoderState {
+            queued: s.generator.admission.queued() as u64,
+            open_sessions: s.generator.decoder.open_sessions(),
+            batches: s.generator.decoder.batch_counts().0,
+            batch_inputs: s.generator.decoder.batch_counts().1,
+        }),
     )
 }

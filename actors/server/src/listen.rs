@@ -7,7 +7,6 @@ use crate::state::Shared;
 use hyper_util::rt::{TokioIo, TokioTimer};
 use hyper_util::service::TowerToHyperService;
 use std::sync::Arc;
-use std::sync::atomic::Ordering;
 use std::time::Duration;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
@@ -52,7 +51,7 @@ pub async fn serve(
             tracing::warn!("TCP_NODELAY: {e}");
         }
         let Ok(permit) = permits.clone().try_acquire_owned() else {
-            metrics.connections_refused.fetch_add(1, Ordering::Relaxed);
+            metrics.connections_refused.inc();
             tokio::spawn(refuse(tcp, cap));
             continue;
         };
@@ -62,7 +61,7 @@ pub async fn serve(
             .with_upgrades();
         let mut stop = stop_rx.clone();
         let metrics = metrics.clone();
-        metrics.connections.fetch_add(1, Ordering::SeqCst);
+        metrics.connections.inc();
         tokio::spawn(async move {
             tokio::pin!(conn);
             tokio::select! {
@@ -72,7 +71,7 @@ pub async fn serve(
                     let _ = conn.await;
                 }
             }
-            metrics.connections.fetch_sub(1, Ordering::SeqCst);
+            metrics.connections.dec();
             drop(permit);
         });
     }

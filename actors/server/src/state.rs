@@ -6,7 +6,7 @@ use crate::error::ServeError;
 use crate::generate::{GenEvent, Generator};
 use crate::protocol::{GenSpec, Limits};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::AtomicBool;
 use tokio::sync::mpsc;
 
 /// Everything a request handler needs.
@@ -44,7 +44,7 @@ pub fn start(
 ) -> mpsc::Receiver<Result<GenEvent, ServeError>> {
     let (tx, mut rx_gen) = mpsc::channel::<GenEvent>(64);
     let (out, rx) = mpsc::channel(64);
-    s.generator.metrics.requests.fetch_add(1, Ordering::Relaxed);
+    s.generator.metrics.requests.inc();
     let s = s.clone();
     tokio::spawn(async move {
         let forward = {
@@ -62,9 +62,9 @@ pub fn start(
         if let Err(e) = r {
             let m = &s.generator.metrics;
             if matches!(e, ServeError::Busy(_)) {
-                m.busy.fetch_add(1, Ordering::Relaxed);
+                m.requests_busy.inc();
             } else {
-                m.failed.fetch_add(1, Ordering::Relaxed);
+                m.requests_failed.inc();
             }
             let _ = out.send(Err(e)).await;
         }

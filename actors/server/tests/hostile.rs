@@ -103,7 +103,7 @@ fn silent_connections_are_dropped_and_the_cap_answers_503() {
         // Their places are free again.
         let (status, body) = http(addr, "GET", "/health", b"").await;
         assert_eq!(status, 200, "{body}");
-        let m = state.generator.metrics.render(0, (0, 0), 0);
+        let m = state.generator.metrics.render(Default::default());
         assert!(m.contains("nsactor_connections_refused_total 1"), "{m}");
     });
 }
@@ -176,10 +176,7 @@ fn two_hundred_abandoned_streams_leave_no_sessions_and_no_memory_behind() {
         let settled = || async {
             let g = &state.generator;
             for _ in 0..300 {
-                let active = g
-                    .metrics
-                    .active_sessions
-                    .load(std::sync::atomic::Ordering::SeqCst);
+                let active = g.metrics.running.get();
                 if active == 0 && g.decoder.open_sessions() == 0 {
                     return;
                 }
@@ -187,9 +184,7 @@ fn two_hundred_abandoned_streams_leave_no_sessions_and_no_memory_behind() {
             }
             panic!(
                 "sessions left open: {} active, {} held by the actors",
-                g.metrics
-                    .active_sessions
-                    .load(std::sync::atomic::Ordering::SeqCst),
+                g.metrics.running.get(),
                 g.decoder.open_sessions()
             );
         };

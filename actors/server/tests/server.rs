@@ -7,7 +7,6 @@ mod common;
 
 use common::{connect, generate, http, http_with, next_json, serve, serve_keyed, serve_model};
 use futures_util::{SinkExt, StreamExt};
-use std::sync::atomic::Ordering;
 use tokio_tungstenite::tungstenite::Message;
 use tokio_tungstenite::tungstenite::client::IntoClientRequest;
 
@@ -117,30 +116,20 @@ fn thirty_two_concurrent_clients_get_complete_correct_streams_and_disconnects_fr
         .unwrap();
         let first = next_json(&mut ws).await;
         assert_eq!(first["type"], "delta", "{first}");
-        assert_eq!(
-            state
-                .generator
-                .metrics
-                .active_sessions
-                .load(Ordering::SeqCst),
-            1
-        );
+        assert_eq!(state.generator.metrics.running.get(), 1);
         drop(ws);
         let t = std::time::Instant::now();
-        while state
-            .generator
-            .metrics
-            .active_sessions
-            .load(Ordering::SeqCst)
-            != 0
-        {
+        while state.generator.metrics.running.get() != 0 {
             assert!(t.elapsed().as_secs() < 10, "the session was not freed");
             tokio::time::sleep(std::time::Duration::from_millis(5)).await;
         }
         // Every actor has dropped the session's neuron states.
         assert_eq!(state.generator.decoder.open_sessions(), 0);
         let (_, metrics) = http(addr, "GET", "/metrics", b"").await;
-        assert!(metrics.contains("nsactor_active_sessions 0"), "{metrics}");
+        assert!(
+            metrics.contains("nsactor_num_requests_running 0"),
+            "{metrics}"
+        );
         assert!(
             metrics.contains("nsactor_decode_open_sessions 0"),
             "{metrics}"

@@ -8,7 +8,7 @@ use nsactor_runtime::pipeline::{Pipeline, PipelinePlan};
 use nsactor_runtime::verify::TinyAFixture;
 use nsactor_server::generate::{Admission, Generator};
 use nsactor_server::protocol::Limits;
-use nsactor_server::{Metrics, ServerState};
+use nsactor_server::{ServerState, ServingMetrics};
 use std::sync::Arc;
 use tokio_tungstenite::tungstenite::Message;
 
@@ -96,7 +96,7 @@ fn serve_with(
             decoder: pipeline.decoder(vocab),
             tokenizer: Arc::new(nsactor_data::Tokenizer::bundled()),
             admission: Admission::new(max_sessions, max_queue),
-            metrics: Arc::new(Metrics::default()),
+            metrics: Arc::new(ServingMetrics::default()),
             max_prompt_tokens: 64,
             drain: Arc::default(),
         },

@@ -1,22 +1,18 @@
 //! Supervised fine-tuning end to end on the CPU, as a user runs it: a tiny pretraining run,
 //! exported and imported as a step-0 run, then `nsactor train --sft` on conversations whose
 //! prompts are partly longer than the window. Every step scores tokens (none logs a loss of
-//! ~0), and the run reports at its start how many conversations did not fit.
+//! ~0), and the run reports at its start how many conversations did not fit. A second run
+//! starts from the pretrained weights with `--init-from`, evaluates a held-out set every two
+//! steps, draws `loss.png` and serves its live metrics on `--metrics-addr`.
 
 mod common;
 
 use common::cli::{nsactor, ok, run_ok, temp_dir};
+use std::io::{BufRead, Read, Write};
+use std::path::Path;
 
-#[test]
-fn sft_from_a_pretrained_run_scores_every_step() {
-    let dir = temp_dir("sft");
-    let (pre, hf, run) = (dir.join("pre"), dir.join("hf"), dir.join("run"));
-    ok(nsactor().args(["train", "--steps", "3", "--out"]).arg(&pre));
-    let s = |p: &std::path::Path| p.to_str().unwrap().to_owned();
-    run_ok(&["export", "--checkpoint", &s(&pre), "--out", &s(&hf)]);
-    run_ok(&["import", "--from", &s(&hf), "--out", &s(&run)]);
-
-    // 24 alpaca records; every third has a prompt far longer than T = 64.
+/// 24 alpaca records; every third has a prompt far longer than T = 64.
+fn alpaca(dir: &Path) -> std::path::PathBuf {
     let records: Vec<serde_json::Value> = (0..24)
         .map(|i| {
             let words = if i % 3 == 0 { 80 } else { 3 };
@@ -28,8 +24,29 @@ fn sft_from_a_pretrained_run_scores_every_step() {
             })
         })
         .collect();
-    let alpaca = dir.join("alpaca.json");
-    std::fs::write(&alpaca, serde_json::to_vec(&records).unwrap()).unwrap();
+    let path = dir.join("alpaca.json");
+    std::fs::write(&path, serde_json::to_vec(&records).unwrap()).unwrap();
+    path
+}
+
+/// The lines of a run's `metrics.jsonl`: (steps, events).
+fn metrics(run: &Path) -> (Vec<serde_json::Value>, Vec<serde_json::Value>) {
+    let text = std::fs::read_to_string(run.join("metrics.jsonl")).unwrap();
+    text.lines()
+        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
+        .partition(|v| v.get("event").is_none())
+}
+
+#[test]
+fn sft_from_a_pretrained_run_scores_every_step() {
+    let dir = temp_dir("sft");
+    let (pre, hf, run) = (dir.join("pre"), dir.join("hf"), dir.join("run"));
+    ok(nsactor().args(["train", "--steps", "3", "--out"]).arg(&pre));
+    let s = |p: &std::path::Path| p.to_str().unwrap().to_owned();
+    run_ok(&["export", "--checkpoint", &s(&pre), "--out", &s(&hf)]);
+    run_ok(&["import", "--from", &s(&hf), "--out", &s(&run)]);
+
+    let alpaca = alpaca(&dir);
 
     let out = ok(nsactor()
         .args(["train", "--sft", "--steps", "4", "--resume", "--corpus"])
@@ -42,13 +59,8 @@ fn sft_from_a_pretrained_run_scores_every_step() {
             && stderr.contains("8 kept by truncating their prompt from the left"),
         "no report of the conversations that did not fit: {stderr}"
     );
-    let metrics = std::fs::read_to_string(run.join("metrics.jsonl")).unwrap();
-    let steps: Vec<serde_json::Value> = metrics
-        .lines()
-        .map(|l| serde_json::from_str(l).unwrap())
-        .filter(|v: &serde_json::Value| v.get("event").is_none())
-        .collect();
-    assert_eq!(steps.len(), 4, "{metrics}");
+    let (steps, _) = metrics(&run);
+    assert_eq!(steps.len(), 4, "{steps:?}");
     for v in &steps {
         let scored = v["scored_tokens"].as_u64().unwrap();
         let loss = v["loss"].as_f64();
@@ -58,5 +70,131 @@ fn sft_from_a_pretrained_run_scores_every_step() {
             "a step's loss is missing or ~0: {v}"
         );
     }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// GET `path` on `addr`; the body.
+fn get(addr: &str, path: &str) -> Option<String> {
+    let mut c = std::net::TcpStream::connect(addr).ok()?;
+    write!(
+        c,
+        "GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+    )
+    .ok()?;
+    let mut out = String::new();
+    c.read_to_string(&mut out).ok()?;
+    Some(out[out.find("\r\n\r\n")? + 4..].to_string())
+}
+
+#[test]
+fn sft_from_init_weights_evaluates_held_out_rows_plots_and_serves_metrics() {
+    let dir = temp_dir("sft-init");
+    let (pre, run, fresh) = (dir.join("pre"), dir.join("run"), dir.join("fresh"));
+    ok(nsactor().args(["train", "--steps", "3", "--out"]).arg(&pre));
+    let alpaca = alpaca(&dir);
+    let sft = |out: &Path| {
+        let mut c = nsactor();
+        c.args([
+            "train",
+            "--sft",
+            "--steps",
+            "4",
+            "--eval-every",
+            "2",
+            "--corpus",
+        ])
+        .arg(&alpaca)
+        .arg("--out")
+        .arg(out)
+        .env("NSACTOR_TRAIN__EVAL_BATCHES", "1");
+        c
+    };
+    // From the pretrained weights, with the live metrics on a free port (read from the log).
+    let mut child = sft(&run)
+        .arg("--init-from")
+        .arg(&pre)
+        .args(["--metrics-addr", "127.0.0.1:0"])
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut stderr = std::io::BufReader::new(child.stderr.take().unwrap());
+    let mut log = String::new();
+    let addr = loop {
+        let mut line = String::new();
+        assert!(
+            stderr.read_line(&mut line).unwrap() > 0,
+            "no metrics address in {log}"
+        );
+        log.push_str(&line);
+        if let Some(rest) = line.split("metrics on http://").nth(1) {
+            break rest.split("/metrics").next().unwrap().to_string();
+        }
+    };
+    // Scrape while it trains until a step shows (the log is drained in the background).
+    let drain = std::thread::spawn(move || {
+        let mut rest = String::new();
+        stderr.read_to_string(&mut rest).unwrap();
+        rest
+    });
+    let mut scraped = None;
+    while scraped.is_none() && child.try_wait().unwrap().is_none() {
+        scraped = get(&addr, "/metrics").filter(|m| {
+            m.lines()
+                .any(|l| l.starts_with("nsactor_train_step ") && !l.ends_with(" 0"))
+        });
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    assert!(
+        child.wait().unwrap().success(),
+        "{log}{}",
+        drain.join().unwrap()
+    );
+    log.push_str(&drain.join().unwrap());
+    let scraped = scraped.unwrap_or_else(|| panic!("no step was scraped: {log}"));
+    for name in [
+        "nsactor_train_loss",
+        "nsactor_train_tokens_total",
+        "nsactor_train_expected_k",
+    ] {
+        assert!(
+            scraped.contains(&format!("# TYPE {name} ")),
+            "{name} in {scraped}"
+        );
+    }
+    assert!(log.contains("initialised from"), "{log}");
+    assert!(
+        log.contains("4 of 24 rows held out for evaluation every 2 steps"),
+        "{log}"
+    );
+    let (steps, events) = metrics(&run);
+    assert_eq!(steps.len(), 4);
+    let evals: Vec<_> = events.iter().filter(|e| e["event"] == "eval").collect();
+    assert_eq!(
+        evals
+            .iter()
+            .map(|e| e["step"].as_u64().unwrap())
+            .collect::<Vec<_>>(),
+        [2, 4]
+    );
+    for e in &evals {
+        assert!(e["eval_tokens"].as_u64().unwrap() > 0, "{e}");
+        assert!(
+            e["eval_loss"]
+                .as_f64()
+                .is_some_and(|l| l.is_finite() && l > 0.5),
+            "{e}"
+        );
+    }
+    assert!(log.contains("held-out CE"), "{log}");
+    // loss.png: a PNG of 960 × 900 (its IHDR).
+    let png = std::fs::read(run.join("loss.png")).unwrap();
+    assert_eq!(&png[..8], b"\x89PNG\r\n\x1a\n");
+    assert_eq!(u32::from_be_bytes(png[16..20].try_into().unwrap()), 960);
+    assert_eq!(u32::from_be_bytes(png[20..24].try_into().unwrap()), 900);
+
+    // The same run from scratch starts from other weights: its first loss differs.
+    ok(&mut sft(&fresh));
+    let first = |r: &Path| metrics(r).0[0]["loss"].as_f64().unwrap();
+    assert_ne!(first(&run), first(&fresh), "--init-from loaded no weights");
     std::fs::remove_dir_all(&dir).unwrap();
 }

@@ -12,6 +12,7 @@ mod data;
 mod eval;
 mod export;
 mod generate;
+mod plot;
 mod plugins;
 mod serve;
 mod train;
@@ -71,6 +72,8 @@ enum Command {
     /// Held-out loss of a checkpoint: mean cross entropy and perplexity over batches of
     /// prepared shards or corpus files (e.g. the same weights with `--precision fp32` and `bf16`).
     Eval(eval::EvalArgs),
+    /// Draw a run's training curves (`loss.png`) again from its `metrics.jsonl`.
+    Plot(plot::PlotArgs),
     /// Write a checkpoint as a Hugging Face directory (config.json, model.safetensors with
     /// `model.` names, tokenizer.json).
     Export(export::ExportArgs),
@@ -108,6 +111,7 @@ fn main() -> ExitCode {
         Command::Serve(a) => serve::run(a),
         Command::Generate(a) => generate::run(a),
         Command::Eval(a) => eval::run(a),
+        Command::Plot(a) => plot::run(a),
         Command::Export(a) => export::export(a),
         Command::Import(a) => export::import(a),
     };

@@ -1,6 +1,6 @@
 //! A run's training curves (`loss.png`): three panels over the step axis. The loss panel has
 //! the raw loss per step (grey, broken where a step scored no token or was skipped), its
-//! trailing moving average (blue) and the held-out evaluation loss (orange points); the
+//! centred moving average (blue) and the held-out evaluation loss (orange points); the
 //! learning-rate panel the schedule; the ponder panel E[K], the mean number of PLIF steps per
 //! token, with the band from the layer with the fewest to the layer with the most.
 
@@ -40,30 +40,29 @@ pub struct TrainingCurves {
 }
 
 impl TrainingCurves {
-    /// The trailing moving average's window: about a fiftieth of the run, 1 to 200 steps.
+    /// The moving average's window: about a fifteenth of the run, 1 to 200 steps.
     pub fn window(&self) -> usize {
-        (self.loss.len() / 50).clamp(1, 200)
+        (self.loss.len() / 15).clamp(1, 200)
     }
 
-    /// The trailing moving average of the finite losses over [`Self::window`] steps.
+    /// The centred moving average of the finite losses over [`Self::window`] steps (fewer at
+    /// the ends), so the curve does not lag a falling loss.
     pub fn moving_average(&self) -> Vec<(u64, f64)> {
-        let w = self.window();
         let finite: Vec<(u64, f64)> = self
             .loss
             .iter()
             .copied()
             .filter(|(_, l)| l.is_finite())
             .collect();
-        let mut sum = 0.0;
-        finite
-            .iter()
-            .enumerate()
-            .map(|(i, &(step, l))| {
-                sum += l;
-                if i >= w {
-                    sum -= finite[i - w].1;
-                }
-                (step, sum / (i + 1).min(w) as f64)
+        let mut prefix = vec![0.0];
+        for (_, l) in &finite {
+            prefix.push(prefix.last().copied().unwrap_or(0.0) + l);
+        }
+        let half = self.window() / 2;
+        (0..finite.len())
+            .map(|i| {
+                let (lo, hi) = (i.saturating_sub(half), (i + half + 1).min(finite.len()));
+                (finite[i].0, (prefix[hi] - prefix[lo]) / (hi - lo) as f64)
             })
             .collect()
     }
@@ -118,7 +117,7 @@ impl TrainingCurves {
                 AVERAGE.stroke_width(2),
             ))
             .map_err(draw_err)?
-            .label(format!("moving average ({w} steps)"))
+            .label(format!("moving average ({w} steps, centred)"))
             .legend(|(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], AVERAGE.stroke_width(2)));
         if !self.eval_loss.is_empty() {
             chart
@@ -201,7 +200,8 @@ fn mesh<'b, 'a>(
         .axis_desc_style((FONT, 16))
         .label_style((FONT, 13))
         .y_label_formatter(&y_label)
-        .light_line_style(RGBColor(235, 235, 235))
+        .max_light_lines(2)
+        .light_line_style(RGBColor(238, 238, 238))
         .draw()
         .map_err(draw_err)
 }

@@ -1,6 +1,7 @@
 //! A run's `metrics.jsonl`, read back: what a resumed run keeps of the lines written before
-//! its checkpoint, and the series `loss.png` draws ([`curves`]).
+//! its checkpoint, and the series `loss.png` draws ([`curves`], [`draw`]).
 
+use crate::error::RuntimeError;
 use nsactor_plots::{KStats, TrainingCurves};
 use std::collections::BTreeMap;
 
@@ -76,6 +77,20 @@ pub fn curves(text: &str, title: String) -> TrainingCurves {
             })
             .collect(),
     }
+}
+
+/// Draws the curves of the run whose `metrics.jsonl` is `metrics` into `png` (written
+/// atomically), 960 × 900 pixels.
+pub fn draw(
+    metrics: &std::path::Path,
+    png: &std::path::Path,
+    title: String,
+) -> Result<(), RuntimeError> {
+    let text = std::fs::read_to_string(metrics).map_err(|e| RuntimeError::Io(metrics.into(), e))?;
+    let bytes = curves(&text, title)
+        .to_png((960, 900))
+        .map_err(|e| RuntimeError::Invalid(format!("{}: {e}", png.display())))?;
+    crate::weights::write_atomic(png, &bytes).map_err(|e| RuntimeError::Io(png.into(), e))
 }
 
 #[cfg(test)]

@@ -398,15 +398,10 @@ pub fn run(
     Ok(summary(weights))
 }
 
-/// Draws `loss.png` from the run's `metrics.jsonl`. A picture that cannot be drawn or
-/// written is a warning: the run's results are the weights and the metrics.
+/// Draws `loss.png`; a picture that cannot be drawn or written is a warning: the run's
+/// results are the weights and the metrics.
 fn draw_curves(metrics: &std::path::Path, png: &std::path::Path, title: String) {
-    let text = std::fs::read_to_string(metrics).unwrap_or_default();
-    let drawn = crate::history::curves(&text, title)
-        .to_png((960, 900))
-        .map_err(|e| e.to_string())
-        .and_then(|bytes| crate::weights::write_atomic(png, &bytes).map_err(|e| e.to_string()));
-    match drawn {
+    match crate::history::draw(metrics, png, title) {
         Ok(()) => tracing::info!("training curves in {}", png.display()),
         Err(e) => tracing::warn!("{} not drawn: {e}", png.display()),
     }

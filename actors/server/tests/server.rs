@@ -135,6 +135,19 @@ fn thirty_two_concurrent_clients_get_complete_correct_streams_and_disconnects_fr
             "{metrics}"
         );
         assert!(metrics.contains("nsactor_requests_total 34"), "{metrics}");
+        // The whole exposition passes a Prometheus text-format parser.
+        let body = &metrics[metrics.find("\r\n\r\n").map_or(0, |i| i + 4)..];
+        let scrape = prometheus_parse::Scrape::parse(body.lines().map(|l| Ok(l.to_string())))
+            .expect("the text format parses");
+        let ttft = scrape
+            .samples
+            .iter()
+            .find(|x| x.metric == "nsactor_time_to_first_token_seconds")
+            .expect("the time-to-first-token histogram");
+        assert!(
+            matches!(&ttft.value, prometheus_parse::Value::Histogram(b) if !b.is_empty()),
+            "{metrics}"
+        );
     });
 }
 

@@ -1,0 +1,25 @@
+//! `nsactor plot`: draws a run's training curves again from its `metrics.jsonl` (a run still
+//! going, one stopped early, or one whose picture is wanted elsewhere).
+
+use std::path::PathBuf;
+
+#[derive(clap::Args)]
+pub struct PlotArgs {
+    /// The run directory (it holds `metrics.jsonl`).
+    run: PathBuf,
+    /// Where to write the picture (default: `RUN/loss.png`).
+    #[arg(long)]
+    out: Option<PathBuf>,
+    /// The title above the panels (default: the run directory).
+    #[arg(long)]
+    title: Option<String>,
+}
+
+pub fn run(a: PlotArgs) -> crate::CliResult {
+    let metrics = a.run.join("metrics.jsonl");
+    let out = a.out.unwrap_or_else(|| a.run.join("loss.png"));
+    let title = a.title.unwrap_or_else(|| a.run.display().to_string());
+    nsactor_runtime::history::draw(&metrics, &out, title)?;
+    println!("{}", out.display());
+    Ok(())
+}

@@ -164,22 +164,56 @@ impl RowSource for MemRows {
     }
 }
 
-/// Rows `range` of another source: one side of a held-out split.
-struct Slice {
+/// One side of a held-out split of another source: the rows `held` (sorted, distinct), or
+/// every other row.
+struct Split {
     inner: Arc<dyn RowSource>,
-    range: Range<u64>,
+    held: Arc<Vec<u64>>,
+    /// The held rows (true) or the rest (false).
+    side: bool,
 }
 
-impl RowSource for Slice {
+impl Split {
+    /// The index in `inner` of this side's row `i`.
+    fn source_row(&self, i: u64) -> u64 {
+        if self.side {
+            return self.held[i as usize];
+        }
+        // The i-th row not held: i plus the held rows at or before it (a fixed point).
+        let mut r = i;
+        loop {
+            let before = self.held.partition_point(|&h| h <= r) as u64;
+            if i + before == r {
+                return r;
+            }
+            r = i + before;
+        }
+    }
+}
+
+impl RowSource for Split {
     fn rows(&self) -> u64 {
-        self.range.end - self.range.start
+        let held = self.held.len() as u64;
+        if self.side {
+            held
+        } else {
+            self.inner.rows() - held
+        }
     }
     fn row(&self, i: u64) -> Row {
-        self.inner.row(self.range.start + i)
+        self.inner.row(self.source_row(i))
     }
     fn ctx(&self) -> usize {
         self.inner.ctx()
     }
+}
+
+/// `k` row indices spread evenly over `0..n` (`k ≤ n`): the middle row of each of `k` equal
+/// stretches, so a held-out set samples the whole corpus, not its last document.
+pub fn spread(k: u64, n: u64) -> Vec<u64> {
+    (0..k)
+        .map(|i| ((2 * i + 1) as u128 * n as u128 / (2 * k as u128)) as u64)
+        .collect()
 }
 
 /// Where a sampler stands: the next row is `permutation(epoch)[position]`.
@@ -232,9 +266,10 @@ impl Sampler {
         Self::new(rows, seed)
     }
 
-    /// Splits off the last `held_out` rows of the data (in the source's order, before any
-    /// shuffling) as a held-out set: `(training sampler over the rest, held-out sampler)`,
-    /// both seeded as this one and at their start. Fails unless both sides keep a row.
+    /// Splits off `held_out` rows spread evenly over the data ([`spread`], in the source's
+    /// order, before any shuffling) as a held-out set: `(training sampler over the rest,
+    /// held-out sampler)`, both seeded as this one and at their start. Fails unless both
+    /// sides keep a row.
     pub fn hold_out(self, held_out: u64) -> Result<(Sampler, Sampler)> {
         let n = self.rows.rows();
         if held_out == 0 || held_out >= n {
@@ -245,15 +280,17 @@ impl Sampler {
             )));
         }
         let inner: Arc<dyn RowSource> = Arc::from(self.rows);
-        let side = |range| -> Box<dyn RowSource> {
-            Box::new(Slice {
+        let held = Arc::new(spread(held_out, n));
+        let side = |side| -> Box<dyn RowSource> {
+            Box::new(Split {
                 inner: inner.clone(),
-                range,
+                held: held.clone(),
+                side,
             })
         };
         Ok((
-            Sampler::new(side(0..n - held_out), self.seed)?,
-            Sampler::new(side(n - held_out..n), self.seed)?,
+            Sampler::new(side(false), self.seed)?,
+            Sampler::new(side(true), self.seed)?,
         ))
     }
 
@@ -377,7 +414,7 @@ mod tests {
     }
 
     #[test]
-    fn a_held_out_split_keeps_the_tail_out_of_training() {
+    fn a_held_out_split_spreads_over_the_data_and_stays_out_of_training() {
         let rows: Vec<Row> = (0..10)
             .map(|i| sample::packed_row(&[i, i + 100, i + 200]))
             .collect();
@@ -389,10 +426,18 @@ mod tests {
             .flat_map(|_| firsts(&train.next_batch(2, 2).expect("batch")))
             .collect();
         seen.sort();
-        assert_eq!(seen, [0, 1, 2, 3, 4, 5], "one training epoch is rows 0..6");
         let mut out: Vec<i64> = firsts(&held.next_batch(4, 2).expect("batch"));
         out.sort();
-        assert_eq!(out, [6, 7, 8, 9], "the held-out rows are the last four");
+        assert_eq!(
+            out,
+            [1, 3, 6, 8],
+            "the held-out rows: the middles of four stretches"
+        );
+        assert_eq!(
+            seen,
+            [0, 2, 4, 5, 7, 9],
+            "one training epoch is every other row"
+        );
         let again = Sampler::new(
             Box::new(MemRows::new(vec![sample::packed_row(&[1, 2, 3])], 3)),
             5,
@@ -400,6 +445,24 @@ mod tests {
         .expect("sampler");
         let err = again.hold_out(1).err().expect("nothing left to train on");
         assert!(err.to_string().contains("eval_batches"), "{err}");
+    }
+
+    proptest::proptest! {
+        #[test]
+        fn the_two_sides_of_a_split_partition_the_rows(n in 2u64..400, k in 1u64..400) {
+            let k = k.min(n - 1);
+            let held = Arc::new(spread(k, n));
+            proptest::prop_assert!(held.windows(2).all(|w| w[0] < w[1]), "distinct, sorted");
+            let inner: Arc<dyn RowSource> = Arc::new(MemRows::new(
+                (0..n as i64).map(|i| sample::packed_row(&[i, i, i])).collect(),
+                3,
+            ));
+            let side = |side| Split { inner: inner.clone(), held: held.clone(), side };
+            let mut all: Vec<u64> = (0..n - k).map(|i| side(false).source_row(i)).collect();
+            all.extend((0..k).map(|i| side(true).source_row(i)));
+            all.sort();
+            proptest::prop_assert_eq!(all, (0..n).collect::<Vec<_>>());
+        }
     }
 
     #[test]

@@ -69,6 +69,9 @@ impl TrainingCurves {
 
     /// `loss.png`: `size` is the picture's width and height in pixels (960 × 900 reads well).
     pub fn to_png(&self, size: (u32, u32)) -> Result<Vec<u8>, PlotError> {
+        if self.loss.is_empty() {
+            return Err(PlotError::Empty("no step has a loss"));
+        }
         let steps = self.steps().ok_or(PlotError::Empty("no step has a loss"))?;
         render_png(size, |root| {
             root.fill(&WHITE).map_err(draw_err)?;
@@ -83,9 +86,10 @@ impl TrainingCurves {
         })
     }
 
-    /// The step axis: the first to the last step of any series.
+    /// The step axis: the first to the last step of the losses and evaluations (0, the
+    /// evaluation before training, included).
     fn steps(&self) -> Option<Range<u64>> {
-        let all = self.loss.iter().map(|p| p.0);
+        let all = self.loss.iter().chain(&self.eval_loss).map(|p| p.0);
         let (lo, hi) = all.fold(None, |acc: Option<(u64, u64)>, s| match acc {
             None => Some((s, s)),
             Some((lo, hi)) => Some((lo.min(s), hi.max(s))),

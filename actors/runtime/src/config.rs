@@ -243,10 +243,11 @@ pub struct TrainConfig {
     /// `loss-spike:STEP` (`--inject-fault`).
     #[serde(default)]
     pub inject_fault: Option<String>,
-    /// Steps between held-out evaluations (0: none). The last `eval_batches × batch_size`
-    /// rows of the data (before shuffling) are held out of training; every evaluation reads
+    /// Steps between held-out evaluations (0: none). `eval_batches × batch_size` rows spread
+    /// evenly over the data (before shuffling) are held out of training; every evaluation reads
     /// all of them, in the same order, and logs their cross entropy (`"event": "eval"` in
-    /// `metrics.jsonl`, orange points in `loss.png`). The last step is evaluated too.
+    /// `metrics.jsonl`, orange points in `loss.png`). A fresh run is evaluated before its first
+    /// step, and the last step too.
     #[serde(default)]
     pub eval_every: u64,
     /// Batches of `batch_size` rows in the held-out set.

@@ -1,5 +1,6 @@
 //! Held-out evaluation: the cross entropy of a fixed set of batches, no gradients. Training
-//! holds the last `eval_batches × batch_size` rows out of its data ([`HeldOut::split`]) and
+//! holds `eval_batches × batch_size` rows, spread evenly over its data, out of training
+//! ([`HeldOut::split`]) and
 //! evaluates them every `eval_every` steps; `nsactor eval` evaluates a checkpoint the same way.
 
 use crate::config::RunConfig;
@@ -35,7 +36,8 @@ impl HeldOut {
     }
 
     /// The run's training sampler and, when `[train] eval_every` is set, its held-out set: the
-    /// last `eval_batches × batch_size` rows, taken out of training.
+    /// `eval_batches × batch_size` rows spread evenly over the data (so the set samples every
+    /// part of a corpus, not its last document), taken out of training.
     pub fn split(
         cfg: &RunConfig,
         sampler: Sampler,

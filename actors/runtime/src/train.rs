@@ -157,6 +157,12 @@ pub fn run(
         pipeline.param_count(),
         describe(pipeline.backend().as_ref())
     );
+    if first_step == 0
+        && let Some(h) = held_out.as_mut()
+    {
+        // The starting point, for the before/after of a fine-tune.
+        evaluate(h, pipeline, 0, &bar, &mut log, live)?;
+    }
     let mut step = first_step;
     while step < t.steps {
         let step_start = Instant::now();
@@ -300,25 +306,7 @@ pub fn run(
         if let Some(h) = held_out.as_mut()
             && (r.step % t.eval_every == 0 || r.step == t.steps)
         {
-            let e = h.evaluate(pipeline)?;
-            let (batches, rows) = h.shape();
-            bar.suspend(|| match e.ce {
-                Some(ce) => tracing::info!(
-                    "step {:>6} held-out CE {ce:.4} ppl {:.2} over {} tokens ({batches} × {rows} rows, {:.2} s)",
-                    r.step,
-                    ce.exp(),
-                    e.tokens,
-                    e.seconds
-                ),
-                None => tracing::warn!("step {}: the held-out set scores no token", r.step),
-            });
-            log(serde_json::json!({
-                "event": "eval", "step": r.step, "eval_loss": e.ce,
-                "eval_ppl": e.ce.map(f64::exp), "eval_tokens": e.tokens, "seconds": e.seconds,
-            }))?;
-            if let (Some(m), Some(ce)) = (live, e.ce) {
-                m.eval_loss.set(ce);
-            }
+            evaluate(h, pipeline, r.step, &bar, &mut log, live)?;
         }
         let signal = stop.and_then(StopRequest::requested);
         let periodic = t.checkpoint_every > 0 && r.step % t.checkpoint_every == 0;
@@ -396,6 +384,37 @@ pub fn run(
             .map_err(|e| RuntimeError::Io(cursor_path, e))?;
     }
     Ok(summary(weights))
+}
+
+/// Evaluates the held-out set after `step` steps: a log line, an `eval` event in
+/// `metrics.jsonl` and the live gauge.
+fn evaluate(
+    h: &mut HeldOut,
+    pipeline: &mut Pipeline,
+    step: u64,
+    bar: &indicatif::ProgressBar,
+    log: &mut impl FnMut(serde_json::Value) -> Result<(), RuntimeError>,
+    live: Option<&TrainingMetrics>,
+) -> Result<(), RuntimeError> {
+    let e = h.evaluate(pipeline)?;
+    let (batches, rows) = h.shape();
+    bar.suspend(|| match e.ce {
+        Some(ce) => tracing::info!(
+            "step {step:>6} held-out CE {ce:.4} ppl {:.2} over {} tokens ({batches} × {rows} rows, {:.2} s)",
+            ce.exp(),
+            e.tokens,
+            e.seconds
+        ),
+        None => tracing::warn!("step {step}: the held-out set scores no token"),
+    });
+    log(serde_json::json!({
+        "event": "eval", "step": step, "eval_loss": e.ce,
+        "eval_ppl": e.ce.map(f64::exp), "eval_tokens": e.tokens, "seconds": e.seconds,
+    }))?;
+    if let (Some(m), Some(ce)) = (live, e.ce) {
+        m.eval_loss.set(ce);
+    }
+    Ok(())
 }
 
 /// Draws `loss.png`; a picture that cannot be drawn or written is a warning: the run's

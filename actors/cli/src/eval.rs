@@ -40,7 +40,7 @@ pub fn run(a: EvalArgs) -> crate::CliResult {
         return Err("--batch-size and --seq-len must be at least 1".into());
     }
     let sampler = launch::make_sampler(&cfg, &l.tokenizer, &a.corpus, a.data.as_deref(), false)?;
-    let e = HeldOut::new(sampler, a.batches, batch).evaluate(&mut l.pipeline)?;
+    let e = HeldOut::new(sampler, a.batches, batch, cfg.model.dn()).evaluate(&mut l.pipeline)?;
     let (Some(ce), scored) = (e.ce, e.tokens) else {
         return Err("the batches hold no scored tokens".into());
     };

@@ -7,6 +7,7 @@ use crate::config::RunConfig;
 use crate::error::RuntimeError;
 use crate::pipeline::Pipeline;
 use nsactor_data::sampler::{Cursor, Sampler};
+use nsactor_plugin_api::Batch;
 use std::time::Instant;
 
 /// A fixed set of batches to evaluate: every evaluation reads the same ones, in order.
@@ -14,6 +15,20 @@ pub struct HeldOut {
     sampler: Sampler,
     batches: usize,
     batch_size: usize,
+    /// Sequences per forward ([`forward_rows`]).
+    rows: usize,
+}
+
+/// Sequences per evaluation forward for a model of `dn = D·N`: at most `65535 / dn`.
+///
+/// A workaround, measured: the CUDA backend's untracked full-sequence forward gave wrong
+/// cross entropies that differ from run to run once the scan's columns `B·D·N` reach 65,536
+/// (the small config, `D·N` = 2048, at T = 256: batch 32 gave 15.5 where batches of 1, 8, 16
+/// and 31 rows of the same data give 5.94; batch 8 at T = 1024 and batch 4 at T = 2048 agree
+/// with batch 1; BENCHMARKS.md, session 21). Training's forward is not affected. Evaluating
+/// in pieces below that width gives the numbers batch 1 gives.
+pub fn forward_rows(dn: usize) -> usize {
+    (65_535 / dn.max(1)).max(1)
 }
 
 /// One evaluation's result.
@@ -27,11 +42,13 @@ pub struct Evaluation {
 
 impl HeldOut {
     /// `batches` batches of `batch_size` rows drawn from `sampler` from its start.
-    pub fn new(sampler: Sampler, batches: usize, batch_size: usize) -> Self {
+    /// `dn` (`D·N` of the model) sets the sequences per forward ([`forward_rows`]).
+    pub fn new(sampler: Sampler, batches: usize, batch_size: usize, dn: usize) -> Self {
         HeldOut {
             sampler,
             batches,
             batch_size,
+            rows: forward_rows(dn),
         }
     }
 
@@ -57,7 +74,12 @@ impl HeldOut {
         );
         Ok((
             train,
-            Some(HeldOut::new(held, t.eval_batches, t.batch_size)),
+            Some(HeldOut::new(
+                held,
+                t.eval_batches,
+                t.batch_size,
+                cfg.model.dn(),
+            )),
         ))
     }
 
@@ -69,14 +91,16 @@ impl HeldOut {
         let (mut weighted, mut tokens) = (0.0f64, 0u64);
         for i in 0..self.batches {
             let b = self.sampler.next_batch(self.batch_size, seq_len)?;
-            let n = crate::engine::scored_tokens(&b);
-            if n == 0 {
-                continue;
+            for piece in pieces(&b, self.rows) {
+                let n = crate::engine::scored_tokens(&piece);
+                if n == 0 {
+                    continue;
+                }
+                let ce = pipeline.eval_ce(&piece)?;
+                tracing::debug!("held-out batch {i}: CE {ce:.5} over {n} tokens");
+                weighted += ce * n as f64;
+                tokens += n;
             }
-            let ce = pipeline.eval_ce(&b)?;
-            tracing::debug!("held-out batch {i}: CE {ce:.5} over {n} tokens");
-            weighted += ce * n as f64;
-            tokens += n;
         }
         Ok(Evaluation {
             ce: (tokens > 0).then(|| weighted / tokens as f64),
@@ -88,5 +112,53 @@ impl HeldOut {
     /// Batches per evaluation and rows per batch.
     pub fn shape(&self) -> (usize, usize) {
         (self.batches, self.batch_size)
+    }
+}
+
+/// `b` cut into batches of at most `rows` sequences each.
+fn pieces(b: &Batch, rows: usize) -> Vec<Batch> {
+    let t = b.seq_len;
+    (0..b.batch)
+        .step_by(rows)
+        .map(|start| {
+            let n = rows.min(b.batch - start);
+            let span = start * t..(start + n) * t;
+            Batch {
+                batch: n,
+                seq_len: t,
+                inputs: b.inputs[span.clone()].to_vec(),
+                targets: b.targets[span.clone()].to_vec(),
+                loss_mask: b.loss_mask[span].to_vec(),
+            }
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn pieces_cover_the_batch_in_order() {
+        let b = Batch {
+            batch: 5,
+            seq_len: 2,
+            inputs: (0..10).collect(),
+            targets: (10..20).collect(),
+            loss_mask: (0..10).map(|i| i as f32).collect(),
+        };
+        let p = pieces(&b, 2);
+        assert_eq!(p.iter().map(|p| p.batch).collect::<Vec<_>>(), [2, 2, 1]);
+        assert_eq!(p[1].inputs, [4, 5, 6, 7]);
+        assert_eq!(p[2].targets, [18, 19]);
+        assert_eq!(
+            p.iter()
+                .flat_map(|p| p.loss_mask.clone())
+                .collect::<Vec<_>>(),
+            b.loss_mask
+        );
+        assert_eq!(forward_rows(2048), 31);
+        assert_eq!(forward_rows(7168), 9);
+        assert_eq!(forward_rows(100_000), 1);
     }
 }

@@ -8,7 +8,7 @@
 use crate::corpus;
 use crate::error::{DataError, Result};
 use crate::sampler::{MemTokens, TokenSource};
-use crate::tokenizer::{Tokenizer, hex};
+use crate::tokenizer::Tokenizer;
 use indicatif::{ProgressBar, ProgressStyle};
 use rayon::prelude::*;
 use serde::{Deserialize, Serialize};
@@ -199,8 +199,8 @@ impl ShardWriter {
             index,
             tokens: self.tokens,
             documents: self.starts.len() as u64,
-            sha256: hex(&Sha256::digest(&self.buf)),
-            index_sha256: hex(&Sha256::digest(&idx)),
+            sha256: format!("{:x}", Sha256::digest(&self.buf)),
+            index_sha256: format!("{:x}", Sha256::digest(&idx)),
         });
         self.buf.clear();
         self.starts.clear();
@@ -448,7 +448,7 @@ impl ShardSet {
                     (&bp, &tokens[..], &info.sha256),
                     (&ip, &index[..], &info.index_sha256),
                 ] {
-                    let got = hex(&Sha256::digest(bytes));
+                    let got = format!("{:x}", Sha256::digest(bytes));
                     if &got != want {
                         return Err(DataError::Shard {
                             path: p.clone(),

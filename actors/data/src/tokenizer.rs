@@ -89,7 +89,7 @@ impl Tokenizer {
             origin: origin.into(),
             msg: format!("cannot serialise: {e}"),
         })?;
-        let hash = hex(&Sha256::digest(canonical.as_bytes()));
+        let hash = format!("{:x}", Sha256::digest(canonical.as_bytes()));
         let ascii = ascii::AsciiBpe::new(&inner);
         Ok(Tokenizer {
             inner,
@@ -180,10 +180,6 @@ impl Tokenizer {
             msg,
         }
     }
-}
-
-pub(crate) fn hex(bytes: &[u8]) -> String {
-    bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
 
 /// Trains a byte-level BPE the way the reference's was (SPEC §9): NFKC, GPT-2 byte-level

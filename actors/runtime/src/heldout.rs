@@ -34,6 +34,15 @@ pub fn forward_rows(dn: usize) -> usize {
     (65_535 / dn.max(1)).clamp(1, 8)
 }
 
+/// One evaluation's result.
+#[derive(Debug, Clone, Copy)]
+pub struct Evaluation {
+    /// Token-weighted mean cross entropy; None when no token of the set is scored.
+    pub ce: Option<f64>,
+    pub tokens: u64,
+    pub seconds: f64,
+}
+
 impl HeldOut {
     /// `batches` batches of `batch_size` rows drawn from `sampler` from its start.
     /// `dn` (`D·N` of the model) sets the sequences per forward ([`forward_rows`]).

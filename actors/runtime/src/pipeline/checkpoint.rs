@@ -73,12 +73,8 @@ pub struct CheckpointMeta {
     pub tokenizer_sha256: Option<String>,
 }
 
-fn hex(bytes: &[u8]) -> String {
-    bytes.iter().map(|b| format!("{b:02x}")).collect()
-}
-
 pub fn sha256(bytes: &[u8]) -> String {
-    hex(&Sha256::digest(bytes))
+    format!("{:x}", Sha256::digest(bytes))
 }
 
 /// File name of stage `i` (0 = edge, i = layer i − 1).

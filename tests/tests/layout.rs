@@ -157,6 +157,16 @@ fn dependency_direction_follows_the_design() {
         }
     }
 
+    // The picture and metrics crates are leaves: no workspace crate, no burn.
+    for krate in ["nsactor-plots", "nsactor-telemetry"] {
+        for (dep, _) in &ws[krate] {
+            assert!(
+                !dep.starts_with("nsactor") && !heavy(dep),
+                "{krate} depends on {dep}"
+            );
+        }
+    }
+
     // Upward edges: the runtime never sees the server or the CLI; nothing depends on the CLI.
     let runtime = names(&ws["nsactor-runtime"]);
     assert!(
@@ -196,7 +206,7 @@ fn rust_files(dir: &std::path::Path, out: &mut Vec<std::path::PathBuf>) {
 }
 
 /// The library and binary crates the import rules cover: `(name, src directory)`.
-const CRATES: [(&str, &str); 10] = [
+const CRATES: [(&str, &str); 12] = [
     ("plugin-api", "plugins/api/src"),
     ("plugin-abi", "plugins/abi/src"),
     ("kernels", "kernels/src"),
@@ -207,6 +217,8 @@ const CRATES: [(&str, &str); 10] = [
     ("runtime", "actors/runtime/src"),
     ("server", "actors/server/src"),
     ("cli", "actors/cli/src"),
+    ("plots", "actors/plots/src"),
+    ("telemetry", "actors/telemetry/src"),
 ];
 
 #[test]

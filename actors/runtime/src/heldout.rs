@@ -21,15 +21,14 @@ pub struct HeldOut {
 
 /// Sequences per evaluation forward: at most 8.
 ///
-/// A workaround for a CUDA bug measured and not yet understood (BENCHMARKS.md, session 21):
-/// the untracked full-sequence forward behind [`Pipeline::eval_ce`] gives wrong cross
-/// entropies that differ from run to run at larger batches. On the small config (`D·N` =
-/// 2048, T = 256, H100): batch 32 was wrong in every run (15.5 or 7.1 where batch 8 and
-/// batch 1 give 5.95 on the same rows), batch 31 once right and once wrong, batches 16 and
-/// 17 right, batch 8 right in every run and equal to batch 1. Training's forward is not
-/// affected (its losses match the reference's). Evaluating 8 sequences at a time gives the
-/// numbers batch 1 gives; `dn` is kept for a limit that depends on the model once the cause
-/// is known.
+/// A workaround for a race measured on the H100 (BENCHMARKS.md, session 21): with the CUDA
+/// plugin's per-thread streams, the untracked full-sequence forward behind
+/// [`Pipeline::eval_ce`] reads an activation another worker's stream has not finished
+/// writing when the batch is large, and its cross entropy changes from run to run (small
+/// config, T = 256: batch 32 gave 4.84 where batch 8 gives 3.96 on the same rows; with
+/// `[backend] streams = "shared"` batch 32 gives 3.96 too). Training is not affected (its
+/// losses agree bit for bit across the two stream modes). Batch 8 agreed with batch 1 in
+/// every run; `dn` is kept for a limit that depends on the model.
 pub fn forward_rows(dn: usize) -> usize {
     (65_535 / dn.max(1)).clamp(1, 8)
 }

@@ -102,7 +102,7 @@ fn tokenizer_train_data_prepare_and_train_on_shards() {
         r#"[{"instruction":"Say hi","input":"","output":"Hi there."},{"instruction":"Add 1 and 2","input":"","output":"3"}]"#,
     )
     .unwrap();
-    run_ok(&[
+    let log = run_ok(&[
         "train",
         "--sft",
         "--steps",
@@ -112,6 +112,8 @@ fn tokenizer_train_data_prepare_and_train_on_shards() {
         "--out",
         &p("run3"),
     ]);
+    // Two conversations are too few to hold any out: trained on, evaluation skipped, said.
+    assert!(log.contains("no held-out evaluation"), "{log}");
     std::fs::remove_dir_all(&dir).unwrap();
 }
 

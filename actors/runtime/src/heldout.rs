@@ -56,7 +56,8 @@ impl HeldOut {
 
     /// The run's training sampler and, when `[train] eval_every` is set, its held-out set: the
     /// `eval_batches × batch_size` rows spread evenly over the data (so the set samples every
-    /// part of a corpus, not its last document), taken out of training.
+    /// part of a corpus, not its last document), taken out of training. Data of fewer than
+    /// twice that many rows is all trained on, without evaluation (a warning says so).
     pub fn split(
         cfg: &RunConfig,
         sampler: Sampler,
@@ -66,6 +67,16 @@ impl HeldOut {
             return Ok((sampler, None));
         }
         let rows = (t.eval_batches * t.batch_size) as u64;
+        let available = sampler.rows_per_epoch();
+        if available < 2 * rows {
+            tracing::warn!(
+                "[train] eval_every is {} but the data has {available} rows: holding out {rows} \
+                 would leave too little to train on, so this run has no held-out evaluation \
+                 (lower eval_batches or batch_size, or add data)",
+                t.eval_every
+            );
+            return Ok((sampler, None));
+        }
         let (train, held) = sampler.hold_out(rows)?;
         tracing::info!(
             "{rows} of {} rows held out for evaluation every {} steps ({} batches of {})",

@@ -102,17 +102,15 @@ fn tokenizer_train_data_prepare_and_train_on_shards() {
         r#"[{"instruction":"Say hi","input":"","output":"Hi there."},{"instruction":"Add 1 and 2","input":"","output":"3"}]"#,
     )
     .unwrap();
-    let log = run_ok(&[
-        "train",
-        "--sft",
-        "--steps",
-        "2",
-        "--corpus",
-        &p("sft.json"),
-        "--out",
-        &p("run3"),
-    ]);
-    // Two conversations are too few to hold any out: trained on, evaluation skipped, said.
+    // Evaluation asked for, but two conversations are too few to hold any out: trained on,
+    // evaluation skipped, and said.
+    let out = ok(nsactor()
+        .env("NSACTOR_TRAIN__EVAL_EVERY", "1")
+        .args(["train", "--sft", "--steps", "2", "--corpus"])
+        .arg(p("sft.json"))
+        .arg("--out")
+        .arg(p("run3")));
+    let log = String::from_utf8_lossy(&out.stderr);
     assert!(log.contains("no held-out evaluation"), "{log}");
     std::fs::remove_dir_all(&dir).unwrap();
 }

@@ -174,7 +174,7 @@ fn sft_from_init_weights_evaluates_held_out_rows_plots_and_serves_metrics() {
             .iter()
             .map(|e| e["step"].as_u64().unwrap())
             .collect::<Vec<_>>(),
-        [2, 4]
+        [0, 2, 4]
     );
     for e in &evals {
         assert!(e["eval_tokens"].as_u64().unwrap() > 0, "{e}");

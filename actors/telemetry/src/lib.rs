@@ -39,6 +39,15 @@ pub fn render(registry: &Registry) -> String {
     String::from_utf8(out).expect("the text format is UTF-8")
 }
 
+/// Registers `metric` in `registry` and hands it back (the handle the caller keeps).
+pub(crate) fn registered<M: prometheus::core::Collector + Clone + 'static>(
+    registry: &Registry,
+    metric: M,
+) -> Result<M, TelemetryError> {
+    registry.register(Box::new(metric.clone()))?;
+    Ok(metric)
+}
+
 /// Raises `counter` to `total` (a monotonic count kept elsewhere, read at scrape time).
 pub(crate) fn raise_to(counter: &prometheus::IntCounter, total: u64) {
     let now = counter.get();

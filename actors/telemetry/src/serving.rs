@@ -3,7 +3,7 @@
 //! time to first token, inter-token latency and end-to-end latency histograms, plus the
 //! connection limits and the decoder's batching.
 
-use crate::{TelemetryError, raise_to, render};
+use crate::{TelemetryError, raise_to, registered, render};
 use prometheus::{Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge, Opts, Registry};
 
 /// Time to first token buckets, seconds (vLLM's).
@@ -79,14 +79,10 @@ impl ServingMetrics {
     pub fn new() -> Result<Self, TelemetryError> {
         let registry = Registry::new();
         let counter = |name: &str, help: &str| -> Result<IntCounter, TelemetryError> {
-            let c = IntCounter::new(name, help)?;
-            registry.register(Box::new(c.clone()))?;
-            Ok(c)
+            registered(&registry, IntCounter::new(name, help)?)
         };
         let gauge = |name: &str, help: &str| -> Result<IntGauge, TelemetryError> {
-            let g = IntGauge::new(name, help)?;
-            registry.register(Box::new(g.clone()))?;
-            Ok(g)
+            registered(&registry, IntGauge::new(name, help)?)
         };
         let histogram =
             |name: &str, help: &str, buckets: &[f64]| -> Result<Histogram, TelemetryError> {

@@ -3,7 +3,7 @@
 //! seen and of the recoveries, skipped steps and loss spikes. `metrics.jsonl` keeps the
 //! per-step history; this is its live view for a dashboard.
 
-use crate::{TelemetryError, render};
+use crate::{TelemetryError, registered, render};
 use prometheus::{Gauge, Histogram, HistogramOpts, IntCounter, IntGauge, Registry};
 
 /// Step time buckets, seconds.
@@ -47,14 +47,10 @@ impl TrainingMetrics {
     pub fn new() -> Result<Self, TelemetryError> {
         let registry = Registry::new();
         let gauge = |name: &str, help: &str| -> Result<Gauge, TelemetryError> {
-            let g = Gauge::new(name, help)?;
-            registry.register(Box::new(g.clone()))?;
-            Ok(g)
+            registered(&registry, Gauge::new(name, help)?)
         };
         let counter = |name: &str, help: &str| -> Result<IntCounter, TelemetryError> {
-            let c = IntCounter::new(name, help)?;
-            registry.register(Box::new(c.clone()))?;
-            Ok(c)
+            registered(&registry, IntCounter::new(name, help)?)
         };
         let step = IntGauge::new("nsactor_train_step", "The last optimizer step finished.")?;
         registry.register(Box::new(step.clone()))?;

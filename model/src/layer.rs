@@ -138,6 +138,29 @@ impl<B: SnnOps> SnnDecoderLayer<B> {
         state: LayerState<B>,
         cfg: &ModelConfig,
     ) -> LayerOutput<B> {
+        self.run(h, state, cfg, false).0
+    }
+
+    /// [`forward`](Self::forward), and the hidden neurons' selective
+    /// β(t) = σ(W_β·a + b_β) of every frame `[T·K, B, D·N]` (what the scan decays by; the
+    /// interpretability study's timescales).
+    pub fn probe(
+        &self,
+        h: Tensor<B, 3>,
+        state: LayerState<B>,
+        cfg: &ModelConfig,
+    ) -> (LayerOutput<B>, Tensor<B, 3>) {
+        let (out, beta) = self.run(h, state, cfg, true);
+        (out, beta.expect("asked for β"))
+    }
+
+    fn run(
+        &self,
+        h: Tensor<B, 3>,
+        state: LayerState<B>,
+        cfg: &ModelConfig,
+        with_beta: bool,
+    ) -> (LayerOutput<B>, Option<Tensor<B, 3>>) {
         let k = cfg.k;
         let out = cfg.plif_out;
         // Sublayer 1: SNNBlock.
@@ -149,6 +172,7 @@ impl<B: SnnOps> SnnDecoderLayer<B> {
             state.input1,
             out,
         );
+        let beta = with_beta.then(|| self.snn_block.beta(a1.clone()));
         let (c1, hidden) = self.snn_block.forward(a1, state.hidden, cfg.v_th_min);
         let (h, ek1) = residual_update(
             h,
@@ -176,7 +200,7 @@ impl<B: SnnOps> SnnDecoderLayer<B> {
             &self.ffn_out_mean,
             k,
         );
-        LayerOutput {
+        let out = LayerOutput {
             h,
             expected_k: [ek1, ek2],
             state: LayerState {
@@ -185,7 +209,8 @@ impl<B: SnnOps> SnnDecoderLayer<B> {
                 input2,
                 ffn,
             },
-        }
+        };
+        (out, beta)
     }
 
     /// Alias of [`forward`](Self::forward) for one token `[1, B, D]`, named for the streaming path.

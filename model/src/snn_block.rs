@@ -151,6 +151,16 @@ impl<B: SnnOps> SnnBlock<B> {
         nsactor_kernels::matmul(flat, w)
     }
 
+    /// The selective decay β(t) = σ(W_β·a + b_β) of every hidden neuron at every frame of `a`
+    /// `[TK, B, D]`: `[TK, B, DN]` (Eq. 5; what [`forward`](Self::forward)'s scan computes
+    /// inside its kernel).
+    pub fn beta(&self, a: Tensor<B, 3>) -> Tensor<B, 3> {
+        let [tk, b, d] = a.dims();
+        let dn = self.b_beta.dims()[0];
+        let rb = self.W_beta_x.forward(a.reshape([tk * b, d]));
+        sigmoid(rb + self.b_beta.clone().unsqueeze::<2>()).reshape([tk, b, dn])
+    }
+
     /// `a` `[TK, B, D]`, hidden state `v0` `[B, DN]` → output `[TK, B, D]` and final state.
     pub fn forward(
         &self,

@@ -92,11 +92,29 @@ fn stepping_token_by_token_equals_one_forward() {
             let whole = layer.forward(h.clone(), LayerState::zeros(cfg, b, &dev), cfg);
             let mut state = LayerState::zeros(cfg, b, &dev);
             let mut steps = Vec::new();
+            let mut step_ek: [Vec<Tensor<Inner, 2>>; 2] = [Vec::new(), Vec::new()];
             for i in 0..t {
                 let out = layer.step(h.clone().narrow(0, i, 1), state, cfg);
                 state = out.state;
                 steps.push(out.h);
+                let [e1, e2] = out.expected_k;
+                step_ek[0].push(e1);
+                step_ek[1].push(e2);
             }
+            // E[K] of every token (what `nsactor analyze` reports) is the same streamed.
+            for (sub, (stepped, whole_ek)) in step_ek.into_iter().zip(&whole.expected_k).enumerate()
+            {
+                let d = max_abs_diff(&values(Tensor::cat(stepped, 0)), &values(whole_ek.clone()));
+                assert!(
+                    d <= 1e-5,
+                    "config {ci}: stepped E[K] of sublayer {sub} differs by {d}"
+                );
+            }
+            // The probe is the forward, plus β(t) of every frame and hidden neuron in (0, 1).
+            let (probed, beta) = layer.probe(h.clone(), LayerState::zeros(cfg, b, &dev), cfg);
+            assert_eq!(values(probed.h), values(whole.h.clone()), "config {ci}");
+            assert_eq!(beta.dims(), [t * cfg.k, b, cfg.dn()]);
+            assert!(values(beta).iter().all(|&x| x > 0.0 && x < 1.0));
             let d = max_abs_diff(&values(Tensor::cat(steps, 0)), &values(whole.h));
             assert!(
                 d <= 1e-5,

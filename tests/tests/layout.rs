@@ -74,6 +74,7 @@ fn dependency_direction_follows_the_design() {
         "nsactor-runtime",
         "nsactor-server",
         "nsactor-data",
+        "nsactor-analysis",
         "nsactor-tests",
     ] {
         assert!(ws.contains_key(krate), "workspace crate {krate} is missing");
@@ -151,11 +152,23 @@ fn dependency_direction_follows_the_design() {
             );
         }
     }
-    for krate in ["nsactor-server", "nsactor"] {
+    for krate in ["nsactor-server", "nsactor", "nsactor-analysis"] {
         for (dep, _) in &ws[krate] {
             assert!(!heavy(dep), "{krate} depends on {dep}");
         }
     }
+    // The analysis is a front end beside the server: it drives the runtime and draws with
+    // the plots crate, and neither sees the other.
+    let analysis = names(&ws["nsactor-analysis"]);
+    assert!(
+        analysis.contains("nsactor-runtime") && analysis.contains("nsactor-plots"),
+        "the analysis drives the runtime and draws its charts: {analysis:?}"
+    );
+    assert!(
+        !analysis.contains("nsactor-server")
+            && !names(&ws["nsactor-server"]).contains("nsactor-analysis"),
+        "the server and the analysis are independent"
+    );
 
     // The picture and metrics crates are leaves: no workspace crate, no burn.
     for krate in ["nsactor-plots", "nsactor-telemetry"] {
@@ -206,7 +219,7 @@ fn rust_files(dir: &std::path::Path, out: &mut Vec<std::path::PathBuf>) {
 }
 
 /// The library and binary crates the import rules cover: `(name, src directory)`.
-const CRATES: [(&str, &str); 12] = [
+const CRATES: [(&str, &str); 13] = [
     ("plugin-api", "plugins/api/src"),
     ("plugin-abi", "plugins/abi/src"),
     ("kernels", "kernels/src"),
@@ -219,6 +232,7 @@ const CRATES: [(&str, &str); 12] = [
     ("cli", "actors/cli/src"),
     ("plots", "actors/plots/src"),
     ("telemetry", "actors/telemetry/src"),
+    ("analysis", "actors/analysis/src"),
 ];
 
 #[test]

@@ -5,6 +5,7 @@
 //! their printing live under [`bench`]; nothing outside this crate imports them.
 
 mod agent;
+mod analyze;
 mod args;
 mod bench;
 mod config;
@@ -74,6 +75,9 @@ enum Command {
     Eval(eval::EvalArgs),
     /// Draw a run's training curves (`loss.png`) again from its `metrics.jsonl`.
     Plot(plot::PlotArgs),
+    /// The paper's interpretability study on a checkpoint: E[K] per token, by token category,
+    /// per layer and against surprisal, and the learned β; `analysis.json` and charts.
+    Analyze(analyze::AnalyzeArgs),
     /// Write a checkpoint as a Hugging Face directory (config.json, model.safetensors with
     /// `model.` names, tokenizer.json).
     Export(export::ExportArgs),
@@ -112,6 +116,7 @@ fn main() -> ExitCode {
         Command::Generate(a) => generate::run(a),
         Command::Eval(a) => eval::run(a),
         Command::Plot(a) => plot::run(a),
+        Command::Analyze(a) => analyze::run(a),
         Command::Export(a) => export::export(a),
         Command::Import(a) => export::import(a),
     };

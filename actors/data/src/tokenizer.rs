@@ -174,6 +174,21 @@ impl Tokenizer {
             .map_err(|e| self.err(format!("cannot encode: {e}")))
     }
 
+    /// [`encode`](Self::encode)'s ids, each with the characters of `text` it stands for
+    /// (`start..end`, counted in `char`s; a byte-level piece of a character spans all of it).
+    /// Through the full pipeline, so slower than `encode`: for analysis, not for data.
+    pub fn encode_with_spans(&self, text: &str) -> Result<Vec<(u32, std::ops::Range<usize>)>> {
+        let e = self
+            .inner
+            .encode_char_offsets(text, false)
+            .map_err(|e| self.err(format!("cannot encode: {e}")))?;
+        Ok(e.get_ids()
+            .iter()
+            .zip(e.get_offsets())
+            .map(|(&id, &(a, b))| (id, a..b))
+            .collect())
+    }
+
     fn err(&self, msg: String) -> DataError {
         DataError::Tokenizer {
             origin: self.origin.clone(),

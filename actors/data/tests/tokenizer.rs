@@ -263,3 +263,25 @@ fn sft_mask_covers_exactly_assistant_tokens_and_im_end() {
         assert_eq!(b.seq_len, cut - 1);
     }
 }
+
+#[test]
+fn spans_give_the_same_ids_and_cover_the_text_in_order() {
+    let tok = reference();
+    for text in [
+        "The cat sat on the mat, 42 times.",
+        "我们在学校里学习了很多有趣的科学知识。",
+    ] {
+        let spanned = tok.encode_with_spans(text).unwrap();
+        let ids: Vec<u32> = spanned.iter().map(|(id, _)| *id).collect();
+        assert_eq!(ids, tok.encode(text).unwrap(), "{text}");
+        let chars = text.chars().count();
+        let (mut start, mut end) = (0, 0);
+        for (_, span) in &spanned {
+            assert!(span.start >= start && span.start <= span.end && span.end <= chars);
+            start = span.start;
+            end = end.max(span.end);
+        }
+        assert_eq!(end, chars, "{text}: the last token ends the text");
+        assert_eq!(spanned[0].1.start, 0);
+    }
+}

@@ -3,6 +3,7 @@
 //! the binary (its licence is `fonts/DejaVuSans.LICENSE`), so a picture reads the same on a
 //! machine without fonts; pictures come back as PNG bytes for the caller to write atomically.
 
+pub mod analysis;
 pub mod training;
 
 pub use training::{KStats, TrainingCurves};

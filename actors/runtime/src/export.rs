@@ -145,6 +145,43 @@ pub fn export_hf(
     Ok(l.dir)
 }
 
+/// A Hugging Face NeuronSpark directory as read: its model, weights and tokenizer.
+pub struct HfModel {
+    pub model: ModelConfig,
+    /// `model.safetensors` as it is (`model.`-prefixed names, which every stage reads).
+    pub weights: Vec<u8>,
+    pub tokenizer: Tokenizer,
+}
+
+/// Whether `dir` looks like a Hugging Face directory (`config.json` and `model.safetensors`,
+/// no checkpoint manifest).
+pub fn is_hf_dir(dir: &Path) -> bool {
+    dir.join("config.json").is_file()
+        && dir.join("model.safetensors").is_file()
+        && !dir.join(checkpoint::MANIFEST).exists()
+}
+
+/// Reads the Hugging Face directory `hf` (`config.json`, `model.safetensors`,
+/// `tokenizer.json`).
+pub fn read_hf(hf: &Path) -> Result<HfModel, RuntimeError> {
+    let read = |name: &str| {
+        let p = hf.join(name);
+        std::fs::read(&p).map_err(|e| format!("{}: {e}", p.display()))
+    };
+    let config: serde_json::Value = serde_json::from_slice(&read("config.json").map_err(convert)?)
+        .map_err(|e| format!("{}: {e}", hf.join("config.json").display()))
+        .map_err(convert)?;
+    let tokenizer = Tokenizer::from_json(
+        std::str::from_utf8(&read("tokenizer.json").map_err(convert)?).map_err(convert)?,
+        &hf.join("tokenizer.json").display().to_string(),
+    )?;
+    Ok(HfModel {
+        model: model_from_hf(&config)?,
+        weights: read("model.safetensors").map_err(convert)?,
+        tokenizer,
+    })
+}
+
 /// Makes `out` a run directory from the Hugging Face directory `hf`: `config.toml` (the HF
 /// model with the embedded default `[train]`), `tokenizer.json` and
 /// `checkpoints/step-00000000` (the weights, fresh optimizer state). `nsactor train --config
@@ -154,24 +191,17 @@ pub fn import_hf(
     out: &Path,
     backend: Arc<dyn ComputeBackend>,
 ) -> Result<PathBuf, RuntimeError> {
-    let read = |name: &str| {
-        let p = hf.join(name);
-        std::fs::read(&p).map_err(|e| format!("{}: {e}", p.display()))
-    };
-    let config: serde_json::Value = serde_json::from_slice(&read("config.json").map_err(convert)?)
-        .map_err(|e| format!("{}: {e}", hf.join("config.json").display()))
-        .map_err(convert)?;
-    let weights = read("model.safetensors").map_err(convert)?;
+    let HfModel {
+        model,
+        weights,
+        tokenizer: tok,
+    } = read_hf(hf)?;
     std::fs::create_dir_all(out)
         .map_err(|e| format!("{}: {e}", out.display()))
         .map_err(convert)?;
     let tok_path = out.join("tokenizer.json");
-    let tok = Tokenizer::from_json(
-        std::str::from_utf8(&read("tokenizer.json").map_err(convert)?).map_err(convert)?,
-        &hf.join("tokenizer.json").display().to_string(),
-    )?;
     let mut cfg = RunConfig::load(None)?;
-    cfg.model = model_from_hf(&config)?;
+    cfg.model = model;
     cfg.train.out_dir = out.to_path_buf();
     cfg.data.tokenizer = Some(tok_path.clone());
     crate::train::check_tokenizer(&cfg, &tok)?;

@@ -96,8 +96,12 @@ pub struct CheckpointOptions {
     pub precision: Option<String>,
 }
 
-/// Opens the newest valid checkpoint that `o` names on the actor pipeline.
+/// Opens the newest valid checkpoint that `o` names on the actor pipeline, or the Hugging
+/// Face directory it names ([`crate::export::is_hf_dir`]).
 pub fn load_checkpoint(o: &CheckpointOptions) -> Result<Loaded, RuntimeError> {
+    if crate::export::is_hf_dir(&o.checkpoint) {
+        return load_hf(o);
+    }
     let ck = crate::export::find_checkpoint(&o.checkpoint)?;
     let mut cfg = RunConfig::from_str(&ck.manifest.config, &ck.dir.display().to_string())?;
     let tok_path = o.tokenizer.clone().or(cfg.data.tokenizer.clone());
@@ -130,6 +134,45 @@ pub fn load_checkpoint(o: &CheckpointOptions) -> Result<Loaded, RuntimeError> {
         pipeline,
         tokenizer: Arc::new(tok),
         vocab,
+        name,
+        config: cfg,
+    })
+}
+
+/// A Hugging Face directory on the actor pipeline: its `config.json` model under the embedded
+/// default run configuration, its weights in every stage (read in place, no copy per stage),
+/// its tokenizer unless `o` names another.
+fn load_hf(o: &CheckpointOptions) -> Result<Loaded, RuntimeError> {
+    let hf = crate::export::read_hf(&o.checkpoint)?;
+    let tok = match &o.tokenizer {
+        Some(p) => nsactor_data::cli::load_tokenizer(Some(p))?,
+        None => hf.tokenizer,
+    };
+    let mut cfg = RunConfig::load(None)?;
+    cfg.model = hf.model;
+    crate::train::check_tokenizer(&cfg, &tok)?;
+    if let Some(p) = &o.precision {
+        cfg.backend.precision = Some(p.clone());
+    }
+    let compute = open_backend(&cfg, o.backend.as_deref())?;
+    let mut run = cfg.clone();
+    run.train.pipeline = o.pipeline;
+    run.train.devices = o.devices.clone();
+    let mut pipeline = launch(compute, &run, OptimizerKind::Adam, None)?;
+    pipeline.load_model(hf.weights)?;
+    let name = o
+        .checkpoint
+        .file_name()
+        .map_or("nsactor".into(), |n| n.to_string_lossy().into_owned());
+    tracing::info!(
+        "loaded the Hugging Face directory {} ({} parameters)",
+        o.checkpoint.display(),
+        pipeline.param_count()
+    );
+    Ok(Loaded {
+        pipeline,
+        tokenizer: Arc::new(tok),
+        vocab: cfg.model.vocab_size,
         name,
         config: cfg,
     })

@@ -271,6 +271,9 @@ impl<B: SnnOps> Stage for EdgeStage<B> {
                 self.graphs.close(session.0);
                 Ok(Reply::none())
             }
+            StageCall::TokenLosses { h, targets } => {
+                crate::probe::token_losses(&self.inner, &self.cfg, act(h, name)?, targets)
+            }
             other => Err(EngineError::InvalidInput(format!(
                 "{} is a layer call; the edge cannot serve it",
                 other.name()

@@ -353,6 +353,11 @@ impl<B: SnnOps> Stage for LayerStage<B> {
                 self.graphs.close(session.0);
                 Ok(Reply::none())
             }
+            StageCall::Probe { h } => {
+                let h = act(h, name)?;
+                self.check_h(&h, "Probe")?;
+                Ok(crate::probe::probe_layer(&self.inner, &self.cfg, h))
+            }
             other => Err(EngineError::InvalidInput(format!(
                 "{} is an edge call; layer {} cannot serve it",
                 other.name(),

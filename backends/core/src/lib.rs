@@ -14,6 +14,7 @@ pub mod diagnose;
 mod edge;
 pub mod graphs;
 mod layer;
+mod probe;
 pub mod profile;
 mod sessions;
 mod state;

@@ -493,6 +493,13 @@ fn decode_call<'a>(
             sessions,
             h: tensor("SessionDecode")?,
         },
+        15 => StageCall::Probe {
+            h: tensor("Probe")?,
+        },
+        16 => StageCall::TokenLosses {
+            h: tensor("TokenLosses")?,
+            targets,
+        },
         14 => match sessions {
             [session] => StageCall::SessionClose { session: *session },
             _ => {

@@ -527,6 +527,11 @@ impl Stage for ForeignStage {
                 a.sessions_len = sessions.len();
                 input = Some(h);
             }
+            StageCall::Probe { h } => input = Some(h),
+            StageCall::TokenLosses { h, targets } => {
+                head(&mut a, targets, &[]);
+                input = Some(h);
+            }
             StageCall::SessionClose { session } => {
                 closing[0] = session.0;
                 a.sessions = closing.as_ptr();

@@ -28,7 +28,9 @@ pub mod timing;
 pub use diagnose::{DeviceMemory, Diagnostic, DiagnosticReport, ScanPrecisions};
 pub use ids::{IdAllocator, MicroBatchId, SessionId};
 pub use model::{ModelConfig, PlifOut};
-pub use reply::{BiasGradNorms, ForwardOut, GradSumSquares, HeadOut, Loss, Spread};
+pub use reply::{
+    BETA_BINS, BiasGradNorms, ForwardOut, GradSumSquares, HeadOut, Loss, Probe, Spread,
+};
 pub use stage::{
     BackendInfo, ComputeBackend, DeviceTensor, HostTensor, OptimizerKind, Reply, SavedBytes, Stage,
     StageCall, StageKind, StageSnapshot, StageSpec, TensorObject, Tokens,
@@ -42,8 +44,9 @@ use std::fmt;
 /// stages open with a [`ModelConfig`] (not TOML text), diagnostics are [`Diagnostic`] /
 /// [`DiagnosticReport`] values (JSON on the C boundary) instead of free text, and calls name
 /// [`SessionId`]s and [`MicroBatchId`]s. Revision 6 added stage snapshots
-/// ([`Stage::snapshot`], `stage_snapshot`/`snapshot_bytes`/`snapshot_free`).
-pub const ABI_VERSION: u32 = 6;
+/// ([`Stage::snapshot`], `stage_snapshot`/`snapshot_bytes`/`snapshot_free`). Revision 7 added
+/// the interpretability calls [`StageCall::Probe`] and [`StageCall::TokenLosses`].
+pub const ABI_VERSION: u32 = 7;
 
 /// One micro-batch of token ids, row-major `[batch, seq_len]`.
 #[derive(Debug, Clone, PartialEq)]

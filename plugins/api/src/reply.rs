@@ -24,6 +24,50 @@ pub struct ForwardOut {
     pub expected_k: Spread,
 }
 
+/// Equal-width bins over `[0, 1]` of the β(t) histogram a [`Probe`] replies.
+pub const BETA_BINS: usize = 50;
+
+/// `Probe`: a layer's output and what the interpretability study reads from it.
+#[derive(Debug)]
+pub struct Probe {
+    /// `h_out` `[T, B, D]`.
+    pub h: DeviceTensor,
+    /// E[K] of every token, SNNBlock then SNNFFN: `[2, T, B]`.
+    pub expected_k: DeviceTensor,
+    /// How many values of the hidden neurons' selective β(t) = σ(W_β·x + b_β), over all
+    /// frames, rows and neurons of the call, fall in each of [`BETA_BINS`] equal bins of
+    /// `[0, 1]` (the last bin includes 1): `[1, 1, BETA_BINS]`.
+    pub beta_hist: DeviceTensor,
+    /// Each hidden neuron's mean β(t) over the call's frames and rows: `[1, 1, D·N]`.
+    pub beta_mean: DeviceTensor,
+}
+
+impl From<Probe> for Reply {
+    fn from(p: Probe) -> Reply {
+        Reply {
+            tensors: vec![p.h, p.expected_k, p.beta_hist, p.beta_mean],
+            scalars: Vec::new(),
+        }
+    }
+}
+
+impl TryFrom<Reply> for Probe {
+    type Error = EngineError;
+    fn try_from(r: Reply) -> Result<Self, EngineError> {
+        scalars(&r, 0, "Probe")?;
+        let [h, expected_k, beta_hist, beta_mean]: [DeviceTensor; 4] =
+            r.tensors.try_into().map_err(|t: Vec<DeviceTensor>| {
+                EngineError::Backend(format!("Probe replied {} tensors, expected 4", t.len()))
+            })?;
+        Ok(Probe {
+            h,
+            expected_k,
+            beta_hist,
+            beta_mean,
+        })
+    }
+}
+
 /// Masked mean cross entropy and the number of scored targets it averages over.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Loss {

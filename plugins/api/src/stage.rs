@@ -210,6 +210,13 @@ pub enum StageCall<'a> {
     },
     /// Layer or edge: forgets `session`'s states. Reply: none.
     SessionClose { session: SessionId },
+    /// Layer: forward of `h` from membranes at rest, keeping nothing, with what the
+    /// interpretability study reads (`nsactor analyze`). Reply: [`Probe`](crate::Probe).
+    Probe { h: DeviceTensor },
+    /// Edge: the decode path and the cross entropy of every position of `h` against `targets`
+    /// (`[B, T]` row-major; id 0 is padding and scores 0), nothing kept. Reply: `[ce]`
+    /// `[1, B, T]` in nats: the surprisal `−ln p(target)` of each position.
+    TokenLosses { h: DeviceTensor, targets: &'a [i64] },
 }
 
 impl StageCall<'_> {
@@ -230,6 +237,8 @@ impl StageCall<'_> {
             StageCall::SessionForward { .. } => 12,
             StageCall::SessionDecode { .. } => 13,
             StageCall::SessionClose { .. } => 14,
+            StageCall::Probe { .. } => 15,
+            StageCall::TokenLosses { .. } => 16,
         }
     }
 
@@ -249,6 +258,8 @@ impl StageCall<'_> {
             StageCall::SessionForward { .. } => "SessionForward",
             StageCall::SessionDecode { .. } => "SessionDecode",
             StageCall::SessionClose { .. } => "SessionClose",
+            StageCall::Probe { .. } => "Probe",
+            StageCall::TokenLosses { .. } => "TokenLosses",
         }
     }
 }

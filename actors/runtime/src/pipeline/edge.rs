@@ -277,6 +277,22 @@ impl Actor for EdgeActor {
                     .await;
                 return answer(WHO.into(), reply, r);
             }
+            EdgeMsg::TokenLosses { h, targets, reply } => {
+                let backend = s.stage.backend().clone();
+                let r = s
+                    .stage
+                    .compute(Priority::FORWARD_UNTRAINED, Some(h), move |st, h| {
+                        let ce = st
+                            .call(StageCall::TokenLosses {
+                                h: h.expect("moved"),
+                                targets: &targets,
+                            })?
+                            .into_tensor("TokenLosses")?;
+                        Ok(backend.to_host(&ce)?.data)
+                    })
+                    .await;
+                return answer(WHO.into(), reply, r);
+            }
             EdgeMsg::Snapshot { reply } => {
                 let r = s
                     .stage

@@ -206,6 +206,15 @@ impl Pipeline {
     }
 
     pub fn load_stages(&mut self, shards: Vec<Vec<u8>>) -> Result<(), RuntimeError> {
+        let shards = shards.into_iter().map(Arc::new).collect();
+        self.call_sup(|reply| SupMsg::LoadStages { shards, reply })
+    }
+
+    /// Loads one whole-model safetensors file (every stage reads its own tensors from it;
+    /// Hugging Face `model.`-prefixed names too) into every stage.
+    pub fn load_model(&mut self, bytes: Vec<u8>) -> Result<(), RuntimeError> {
+        let bytes = Arc::new(bytes);
+        let shards = vec![bytes; self.num_layers() + 1];
         self.call_sup(|reply| SupMsg::LoadStages { shards, reply })
     }
 
@@ -372,6 +381,14 @@ impl Pipeline {
         });
         self.rt.block_on(d.close(session));
         r
+    }
+}
+
+impl Pipeline {
+    /// One sequence through every layer and the edge for the interpretability study: each
+    /// layer's E[K] per token and β(t) distribution, and the surprisal of every next token.
+    pub fn probe(&mut self, ids: &[i64]) -> Result<super::SequenceProbe, EngineError> {
+        self.block(super::probe::probe_sequence(&self.sessions, ids))
     }
 }
 

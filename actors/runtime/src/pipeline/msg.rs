@@ -241,6 +241,12 @@ pub enum EdgeMsg {
         batch: Arc<Batch>,
         reply: RpcReplyPort<Result<f64, EngineError>>,
     },
+    /// `−ln p(target)` of every position of `h` (one row), copied to the host.
+    TokenLosses {
+        h: DeviceTensor,
+        targets: Vec<i64>,
+        reply: RpcReplyPort<Result<Vec<f32>, EngineError>>,
+    },
     /// The stage's [`snapshot`](nsactor_plugin_api::Stage::snapshot), serialised by the caller.
     Snapshot {
         reply: RpcReplyPort<Result<Box<dyn StageSnapshot>, EngineError>>,

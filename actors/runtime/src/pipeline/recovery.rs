@@ -46,7 +46,8 @@ impl SupState {
         let (step, cursor) = match found {
             Some(l) => {
                 tracing::warn!("rolling back to {}", l.dir.display());
-                self.load_stages(l.shards).await?;
+                self.load_stages(l.shards.into_iter().map(Arc::new).collect())
+                    .await?;
                 (l.manifest.step, l.manifest.data_cursor)
             }
             None => {
@@ -99,7 +100,8 @@ impl SupState {
                     l.manifest.step + 1,
                     self.step + 1
                 );
-                self.load_stages(l.shards).await?;
+                self.load_stages(l.shards.into_iter().map(Arc::new).collect())
+                    .await?;
                 l.manifest.step
             }
             None => {
@@ -190,7 +192,7 @@ impl SupState {
             .map_err(|e| RuntimeError::Runtime(format!("serialising the stages: {e}")))?
     }
 
-    pub(super) async fn load_stages(&self, shards: Vec<Vec<u8>>) -> Result<(), RuntimeError> {
+    pub(super) async fn load_stages(&self, shards: Vec<Arc<Vec<u8>>>) -> Result<(), RuntimeError> {
         self.check()?;
         if shards.len() != self.layers.len() + 1 {
             return Err(EngineError::InvalidInput(format!(
@@ -200,7 +202,7 @@ impl SupState {
             ))
             .into());
         }
-        let mut shards = shards.into_iter().map(Arc::new);
+        let mut shards = shards.into_iter();
         let edge_bytes = shards.next().expect("checked length");
         let edge = ask(&self.edge, "edge", |reply| EdgeMsg::Load {
             bytes: edge_bytes,

@@ -53,8 +53,9 @@ pub enum SupMsg {
     SaveStages {
         reply: RpcReplyPort<Result<Vec<Vec<u8>>, RuntimeError>>,
     },
+    /// Every stage's bytes, edge first (one buffer may feed several stages).
     LoadStages {
-        shards: Vec<Vec<u8>>,
+        shards: Vec<Arc<Vec<u8>>>,
         reply: RpcReplyPort<Result<(), RuntimeError>>,
     },
     /// Checkpoints the current step under `root`, keeping the newest `keep`: waits for the

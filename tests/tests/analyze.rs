@@ -4,7 +4,7 @@
 
 mod common;
 
-use common::cli::{run_err, run_ok, run_stdout, temp_dir};
+use common::cli::{nsactor, ok, run_err, run_ok, run_stdout, temp_dir};
 use serde_json::Value;
 use std::path::Path;
 
@@ -143,6 +143,34 @@ fn analyze_a_trained_tiny_run_its_hugging_face_export_and_bad_input() {
     let k = a["model"]["k"].as_f64().unwrap();
     check_study(&a, k);
     check_charts(&out);
+
+    // At initialisation (one step at LR 0 changes nothing) every halt unit sits near its bias,
+    // p = σ(−3.5) at every frame, so every token's E[K] is the geometric expectation
+    // Σ k·p(1−p)^(k−1) / Σ p(1−p)^(k−1) over the K frames (SPEC §2.3: 7.870 at K = 16).
+    let init = dir.join("init");
+    let mut c = nsactor();
+    c.env("NSACTOR_TRAIN__LR", "0")
+        .env("NSACTOR_TRAIN__CHECKPOINT_EVERY", "1")
+        .args(["train", "--steps", "1", "--out", init.to_str().unwrap()]);
+    ok(&mut c);
+    let (_, at_init) = analyze(&init, &dir.join("study-init"), &[]);
+    let p = 1.0 / (1.0 + 3.5f64.exp());
+    let lambda: Vec<f64> = (0..k as i32).map(|i| p * (1.0 - p).powi(i)).collect();
+    let want: f64 = lambda
+        .iter()
+        .enumerate()
+        .map(|(i, l)| (i + 1) as f64 * l)
+        .sum::<f64>()
+        / lambda.iter().sum::<f64>();
+    for s in at_init["per_token"].as_array().unwrap() {
+        for t in s["tokens"].as_array().unwrap() {
+            let e = t["expected_k"].as_f64().unwrap();
+            assert!(
+                (e - want).abs() < 0.01,
+                "E[K] {e} at init, want {want:.4}: {t}"
+            );
+        }
+    }
 
     // The same weights as a Hugging Face directory give the same numbers.
     let hf = dir.join("hf");

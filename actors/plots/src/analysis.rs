@@ -518,3 +518,61 @@ fn binned_panel(
         .map_err(draw_err)?;
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn has(rgb: &[u8], c: RGBColor) -> usize {
+        rgb.chunks(3).filter(|p| p == &[c.0, c.1, c.2]).count()
+    }
+
+    #[test]
+    fn every_chart_draws_its_series_in_their_colours() {
+        let s = |mean| Stat {
+            mean,
+            sd: 0.2,
+            count: 9,
+        };
+        let bars = [("bos".to_string(), s(3.2)), ("punct".into(), s(5.7))];
+        let png = categories_png(&bars, &[0, 2]).unwrap();
+        let (_, _, rgb) = crate::decode_png(&png).unwrap();
+        assert!(has(&rgb, PALETTE[0]) > 1000 && has(&rgb, PALETTE[2]) > 1000);
+        let png = layers_png(&[s(4.0), s(8.0), s(12.0)], &[s(7.5); 3]).unwrap();
+        let (_, _, rgb) = crate::decode_png(&png).unwrap();
+        assert!(has(&rgb, BLOCK) > 300 && has(&rgb, FFN) > 300);
+        let mut hist = vec![0.0; 50];
+        hist[40] = 3.0;
+        hist[47] = 1.0;
+        let png = beta_png(&hist, &hist, 0.9, [(75.0, 25.0); 2]).unwrap();
+        let (_, _, rgb) = crate::decode_png(&png).unwrap();
+        assert!(has(&rgb, FFN) > 100, "the data line");
+        let points = [(8.9, 3.2, true), (2.0, 7.5, false), (4.0, 7.9, false)];
+        let png = surprisal_png(&points, (Some(-0.5), None), &[(0.0..1.0, s(7.5))]).unwrap();
+        let (_, _, rgb) = crate::decode_png(&png).unwrap();
+        assert!(has(&rgb, FFN) > 50, "the binned means");
+        let tokens = vec![TokenBar {
+            label: "的".into(),
+            expected_k: 7.0,
+            category: 4,
+        }];
+        assert!(tokens_png(&[("s".into(), tokens)], &["a", "b"]).is_ok());
+    }
+
+    #[test]
+    fn empty_inputs_are_refused_and_labels_fit_the_font() {
+        assert!(matches!(categories_png(&[], &[]), Err(PlotError::Empty(_))));
+        assert!(matches!(layers_png(&[], &[]), Err(PlotError::Empty(_))));
+        assert!(matches!(
+            beta_png(&[0.0; 4], &[], 0.9, [(0.0, 0.0); 2]),
+            Err(PlotError::Empty(_))
+        ));
+        assert!(matches!(
+            surprisal_png(&[], (None, None), &[]),
+            Err(PlotError::Empty(_))
+        ));
+        assert_eq!(axis_text(" the"), "the");
+        assert_eq!(axis_text("学习"), "··");
+        assert_eq!(axis_text(" "), "␣");
+    }
+}

@@ -7,13 +7,16 @@
 
 use crate::*;
 use nsactor_plugin_api::{
-    ComputeBackend, DeviceTensor, EngineError, HostTensor, MicroBatchId, OptimizerKind, SessionId,
-    Stage, StageCall, StageKind, StageSpec, Tokens,
+    ComputeBackend, DeviceTensor, EngineError, HostTensor, OptimizerKind, Stage, StageKind,
+    StageSpec,
 };
 use std::ffi::CString;
 use std::panic::{AssertUnwindSafe, catch_unwind};
 
+mod call;
 pub mod snapshot;
+
+use call::decode_call;
 
 /// The backend context behind a plugin's `*mut c_void` context handle.
 pub struct Ctx {
@@ -416,105 +419,6 @@ unsafe fn stage_ref<'a>(s: *mut c_void) -> &'a dyn Stage {
 unsafe fn stage<'a>(s: *mut c_void) -> &'a mut Box<dyn Stage> {
     // SAFETY: guaranteed by the caller.
     unsafe { &mut *(s as *mut Box<dyn Stage>) }
-}
-
-/// Rebuilds the call from its flat form.
-fn decode_call<'a>(
-    op: u32,
-    a: &'a NsArgs,
-    mut inputs: Vec<DeviceTensor>,
-) -> Result<StageCall<'a>, EngineError> {
-    // SAFETY (all three): the host keeps these buffers alive for the call.
-    let ids = unsafe { slice(a.ids, a.ids_len) };
-    let targets = unsafe { slice(a.targets, a.targets_len) };
-    let mask = unsafe { slice(a.mask, a.mask_len) };
-    let sessions = SessionId::from_raw(unsafe { slice(a.sessions, a.sessions_len) });
-    let tokens = Tokens {
-        ids,
-        batch: a.batch as usize,
-        seq_len: a.seq_len as usize,
-    };
-    let mut tensor = |name: &str| {
-        if inputs.len() == 1 {
-            Ok(inputs.pop().expect("one"))
-        } else {
-            Err(EngineError::InvalidInput(format!(
-                "{name} takes one tensor, got {}",
-                inputs.len()
-            )))
-        }
-    };
-    Ok(match op {
-        1 => StageCall::Forward {
-            micro: MicroBatchId(a.micro),
-            h: tensor("Forward")?,
-            keep_graph: a.f[0] != 0.0,
-        },
-        2 => StageCall::Backward {
-            micro: MicroBatchId(a.micro),
-            grad: tensor("Backward")?,
-            ponder_grad: a.f[0],
-        },
-        3 => StageCall::Embed {
-            micro: MicroBatchId(a.micro),
-            tokens,
-        },
-        4 => StageCall::Head {
-            h: tensor("Head")?,
-            targets,
-            mask,
-            loss_scale: a.f[0],
-        },
-        5 => StageCall::HeadEval {
-            h: tensor("HeadEval")?,
-            targets,
-            mask,
-        },
-        6 => StageCall::EmbedBackward {
-            micro: MicroBatchId(a.micro),
-            grad: tensor("EmbedBackward")?,
-        },
-        7 => StageCall::GradStats,
-        8 => StageCall::ScaleGrads {
-            scales: [a.f[0], a.f[1], a.f[2]],
-        },
-        9 => StageCall::Step {
-            lr: a.f[0],
-            neuron_lr: a.f[1],
-            clip: a.f[2],
-        },
-        10 => StageCall::ZeroGrad,
-        11 => StageCall::SessionEmbed { tokens },
-        12 => StageCall::SessionForward {
-            sessions,
-            h: tensor("SessionForward")?,
-        },
-        13 => StageCall::SessionDecode {
-            sessions,
-            h: tensor("SessionDecode")?,
-        },
-        15 => StageCall::Probe {
-            h: tensor("Probe")?,
-        },
-        16 => StageCall::TokenLosses {
-            h: tensor("TokenLosses")?,
-            targets,
-        },
-        14 => match sessions {
-            [session] => StageCall::SessionClose { session: *session },
-            _ => {
-                return Err(EngineError::InvalidInput(format!(
-                    "SessionClose takes one session, got {}",
-                    sessions.len()
-                )));
-            }
-        },
-        other => {
-            return Err(EngineError::InvalidInput(format!(
-                "unknown stage opcode {other} (this plugin speaks ABI {ABI_VERSION})"
-            )));
-        }
-    })
 }
 
 /// # Safety

@@ -4,14 +4,15 @@
 use crate::*;
 use nsactor_plugin_api::{
     BackendInfo, ComputeBackend, DeviceTensor, Diagnostic, DiagnosticReport, EngineError,
-    HostTensor, OptimizerKind, Reply, SessionId, Stage, StageCall, StageKind, StageSnapshot,
-    StageSpec, TensorObject,
+    HostTensor, OptimizerKind, Reply, Stage, StageCall, StageKind, StageSnapshot, StageSpec,
+    TensorObject,
 };
 use std::any::Any;
 use std::ffi::CStr;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
+mod call;
 mod snapshot;
 pub use snapshot::ForeignSnapshot;
 
@@ -435,109 +436,13 @@ impl Drop for ForeignStage {
     }
 }
 
-fn zero_args() -> NsArgs {
-    NsArgs {
-        micro: 0,
-        sessions: std::ptr::null(),
-        sessions_len: 0,
-        batch: 0,
-        seq_len: 0,
-        ids: std::ptr::null(),
-        ids_len: 0,
-        targets: std::ptr::null(),
-        targets_len: 0,
-        mask: std::ptr::null(),
-        mask_len: 0,
-        f: [0.0; 4],
-    }
-}
-
 impl Stage for ForeignStage {
     fn call(&mut self, call: StageCall<'_>) -> Result<Reply, EngineError> {
         let op = call.opcode();
         let name = call.name();
-        let mut a = zero_args();
         // Backs `a.sessions` for `SessionClose`; lives across the foreign call.
         let mut closing = [0u64; 1];
-        let mut input: Option<DeviceTensor> = None;
-        let tokens = |a: &mut NsArgs, t: nsactor_plugin_api::Tokens<'_>| {
-            a.batch = t.batch as u64;
-            a.seq_len = t.seq_len as u64;
-            a.ids = t.ids.as_ptr();
-            a.ids_len = t.ids.len();
-        };
-        let head = |a: &mut NsArgs, targets: &[i64], mask: &[f32]| {
-            a.targets = targets.as_ptr();
-            a.targets_len = targets.len();
-            a.mask = mask.as_ptr();
-            a.mask_len = mask.len();
-        };
-        match call {
-            StageCall::Forward {
-                micro,
-                h,
-                keep_graph,
-            } => {
-                a.micro = micro.0;
-                a.f[0] = if keep_graph { 1.0 } else { 0.0 };
-                input = Some(h);
-            }
-            StageCall::Backward {
-                micro,
-                grad,
-                ponder_grad,
-            } => {
-                a.micro = micro.0;
-                a.f[0] = ponder_grad;
-                input = Some(grad);
-            }
-            StageCall::Embed { micro, tokens: t } => {
-                a.micro = micro.0;
-                tokens(&mut a, t);
-            }
-            StageCall::Head {
-                h,
-                targets,
-                mask,
-                loss_scale,
-            } => {
-                head(&mut a, targets, mask);
-                a.f[0] = loss_scale;
-                input = Some(h);
-            }
-            StageCall::HeadEval { h, targets, mask } => {
-                head(&mut a, targets, mask);
-                input = Some(h);
-            }
-            StageCall::EmbedBackward { micro, grad } => {
-                a.micro = micro.0;
-                input = Some(grad);
-            }
-            StageCall::GradStats | StageCall::ZeroGrad => {}
-            StageCall::ScaleGrads { scales } => a.f[..3].copy_from_slice(&scales),
-            StageCall::Step {
-                lr,
-                neuron_lr,
-                clip,
-            } => a.f[..3].copy_from_slice(&[lr, neuron_lr, clip]),
-            StageCall::SessionEmbed { tokens: t } => tokens(&mut a, t),
-            StageCall::SessionForward { sessions, h }
-            | StageCall::SessionDecode { sessions, h } => {
-                a.sessions = SessionId::raw(sessions).as_ptr();
-                a.sessions_len = sessions.len();
-                input = Some(h);
-            }
-            StageCall::Probe { h } => input = Some(h),
-            StageCall::TokenLosses { h, targets } => {
-                head(&mut a, targets, &[]);
-                input = Some(h);
-            }
-            StageCall::SessionClose { session } => {
-                closing[0] = session.0;
-                a.sessions = closing.as_ptr();
-                a.sessions_len = 1;
-            }
-        }
+        let (a, input) = call::encode(call, &mut closing);
         // Ownership of the input moves to the plugin from here on.
         let raw: Vec<*mut c_void> = match input {
             Some(t) => vec![self.backend.own(t, name)?.into_raw()],

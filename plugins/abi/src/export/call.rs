@@ -1,0 +1,105 @@
+//! The plugin side of a stage call: the flat `NsArgs` and input handles the host sent,
+//! rebuilt into the [`StageCall`] the backend's stage takes.
+
+use super::slice;
+use crate::{ABI_VERSION, NsArgs};
+use nsactor_plugin_api::{DeviceTensor, EngineError, MicroBatchId, SessionId, StageCall, Tokens};
+
+/// Rebuilds the call from its flat form.
+pub(super) fn decode_call<'a>(
+    op: u32,
+    a: &'a NsArgs,
+    mut inputs: Vec<DeviceTensor>,
+) -> Result<StageCall<'a>, EngineError> {
+    // SAFETY (all three): the host keeps these buffers alive for the call.
+    let ids = unsafe { slice(a.ids, a.ids_len) };
+    let targets = unsafe { slice(a.targets, a.targets_len) };
+    let mask = unsafe { slice(a.mask, a.mask_len) };
+    let sessions = SessionId::from_raw(unsafe { slice(a.sessions, a.sessions_len) });
+    let tokens = Tokens {
+        ids,
+        batch: a.batch as usize,
+        seq_len: a.seq_len as usize,
+    };
+    let mut tensor = |name: &str| {
+        if inputs.len() == 1 {
+            Ok(inputs.pop().expect("one"))
+        } else {
+            Err(EngineError::InvalidInput(format!(
+                "{name} takes one tensor, got {}",
+                inputs.len()
+            )))
+        }
+    };
+    Ok(match op {
+        1 => StageCall::Forward {
+            micro: MicroBatchId(a.micro),
+            h: tensor("Forward")?,
+            keep_graph: a.f[0] != 0.0,
+        },
+        2 => StageCall::Backward {
+            micro: MicroBatchId(a.micro),
+            grad: tensor("Backward")?,
+            ponder_grad: a.f[0],
+        },
+        3 => StageCall::Embed {
+            micro: MicroBatchId(a.micro),
+            tokens,
+        },
+        4 => StageCall::Head {
+            h: tensor("Head")?,
+            targets,
+            mask,
+            loss_scale: a.f[0],
+        },
+        5 => StageCall::HeadEval {
+            h: tensor("HeadEval")?,
+            targets,
+            mask,
+        },
+        6 => StageCall::EmbedBackward {
+            micro: MicroBatchId(a.micro),
+            grad: tensor("EmbedBackward")?,
+        },
+        7 => StageCall::GradStats,
+        8 => StageCall::ScaleGrads {
+            scales: [a.f[0], a.f[1], a.f[2]],
+        },
+        9 => StageCall::Step {
+            lr: a.f[0],
+            neuron_lr: a.f[1],
+            clip: a.f[2],
+        },
+        10 => StageCall::ZeroGrad,
+        11 => StageCall::SessionEmbed { tokens },
+        12 => StageCall::SessionForward {
+            sessions,
+            h: tensor("SessionForward")?,
+        },
+        13 => StageCall::SessionDecode {
+            sessions,
+            h: tensor("SessionDecode")?,
+        },
+        15 => StageCall::Probe {
+            h: tensor("Probe")?,
+        },
+        16 => StageCall::TokenLosses {
+            h: tensor("TokenLosses")?,
+            targets,
+        },
+        14 => match sessions {
+            [session] => StageCall::SessionClose { session: *session },
+            _ => {
+                return Err(EngineError::InvalidInput(format!(
+                    "SessionClose takes one session, got {}",
+                    sessions.len()
+                )));
+            }
+        },
+        other => {
+            return Err(EngineError::InvalidInput(format!(
+                "unknown stage opcode {other} (this plugin speaks ABI {ABI_VERSION})"
+            )));
+        }
+    })
+}

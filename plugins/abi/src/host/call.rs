@@ -1,0 +1,110 @@
+//! The host side of a stage call: a [`StageCall`] flattened into the `NsArgs` the C table
+//! takes, and the input tensor it hands over.
+
+use crate::NsArgs;
+use nsactor_plugin_api::{DeviceTensor, SessionId, StageCall};
+
+/// `call` as `NsArgs` (pointers borrowed from `call`, and from `closing` for `SessionClose`:
+/// both must outlive the foreign call) and its input tensor, if it takes one.
+pub(super) fn encode(
+    call: StageCall<'_>,
+    closing: &mut [u64; 1],
+) -> (NsArgs, Option<DeviceTensor>) {
+    let mut a = zero_args();
+    let mut input: Option<DeviceTensor> = None;
+    let tokens = |a: &mut NsArgs, t: nsactor_plugin_api::Tokens<'_>| {
+        a.batch = t.batch as u64;
+        a.seq_len = t.seq_len as u64;
+        a.ids = t.ids.as_ptr();
+        a.ids_len = t.ids.len();
+    };
+    let head = |a: &mut NsArgs, targets: &[i64], mask: &[f32]| {
+        a.targets = targets.as_ptr();
+        a.targets_len = targets.len();
+        a.mask = mask.as_ptr();
+        a.mask_len = mask.len();
+    };
+    match call {
+        StageCall::Forward {
+            micro,
+            h,
+            keep_graph,
+        } => {
+            a.micro = micro.0;
+            a.f[0] = if keep_graph { 1.0 } else { 0.0 };
+            input = Some(h);
+        }
+        StageCall::Backward {
+            micro,
+            grad,
+            ponder_grad,
+        } => {
+            a.micro = micro.0;
+            a.f[0] = ponder_grad;
+            input = Some(grad);
+        }
+        StageCall::Embed { micro, tokens: t } => {
+            a.micro = micro.0;
+            tokens(&mut a, t);
+        }
+        StageCall::Head {
+            h,
+            targets,
+            mask,
+            loss_scale,
+        } => {
+            head(&mut a, targets, mask);
+            a.f[0] = loss_scale;
+            input = Some(h);
+        }
+        StageCall::HeadEval { h, targets, mask } => {
+            head(&mut a, targets, mask);
+            input = Some(h);
+        }
+        StageCall::EmbedBackward { micro, grad } => {
+            a.micro = micro.0;
+            input = Some(grad);
+        }
+        StageCall::GradStats | StageCall::ZeroGrad => {}
+        StageCall::ScaleGrads { scales } => a.f[..3].copy_from_slice(&scales),
+        StageCall::Step {
+            lr,
+            neuron_lr,
+            clip,
+        } => a.f[..3].copy_from_slice(&[lr, neuron_lr, clip]),
+        StageCall::SessionEmbed { tokens: t } => tokens(&mut a, t),
+        StageCall::SessionForward { sessions, h } | StageCall::SessionDecode { sessions, h } => {
+            a.sessions = SessionId::raw(sessions).as_ptr();
+            a.sessions_len = sessions.len();
+            input = Some(h);
+        }
+        StageCall::Probe { h } => input = Some(h),
+        StageCall::TokenLosses { h, targets } => {
+            head(&mut a, targets, &[]);
+            input = Some(h);
+        }
+        StageCall::SessionClose { session } => {
+            closing[0] = session.0;
+            a.sessions = closing.as_ptr();
+            a.sessions_len = 1;
+        }
+    }
+    (a, input)
+}
+
+fn zero_args() -> NsArgs {
+    NsArgs {
+        micro: 0,
+        sessions: std::ptr::null(),
+        sessions_len: 0,
+        batch: 0,
+        seq_len: 0,
+        ids: std::ptr::null(),
+        ids_len: 0,
+        targets: std::ptr::null(),
+        targets_len: 0,
+        mask: std::ptr::null(),
+        mask_len: 0,
+        f: [0.0; 4],
+    }
+}

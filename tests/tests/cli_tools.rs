@@ -301,3 +301,23 @@ fn verify_plif_scan_reports_both_precisions_and_rejects_a_missing_fixture() {
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(stderr.contains("cannot read fixture /no/such"), "{stderr}");
 }
+
+#[test]
+fn verify_batch_invariance_passes_on_the_cpu_and_refuses_an_empty_cohort() {
+    let stdout = run_stdout(&[
+        "verify",
+        "batch-invariance",
+        "--cohorts",
+        "3,17",
+        "--steps",
+        "6",
+    ]);
+    assert_eq!(stdout.matches("  ok").count(), 2, "{stdout}");
+    assert!(
+        stdout.contains("cohort of   17: tokens differing 0 of 6"),
+        "{stdout}"
+    );
+    assert!(stdout.ends_with("PASS\n"), "{stdout}");
+    let e = run_err(&["verify", "batch-invariance", "--cohorts", "0"]);
+    assert!(e.contains("cohorts of at least one session"), "{e}");
+}

@@ -13,6 +13,29 @@ pub enum VerifyCommand {
     /// `plif_scan`: both PLIF scan variants, forward and backward, run by the backend (on the
     /// GPU for CUDA) in fp32 and with bf16 storage; prints every error and the spike agreement.
     PlifScan(VerifyScanArgs),
+    /// Batch invariance of decoding: one prompt decoded greedily alone and inside cohorts of
+    /// other sessions must give the same tokens and bit-identical logits.
+    BatchInvariance(VerifyBatchArgs),
+}
+
+#[derive(clap::Args)]
+pub struct VerifyBatchArgs {
+    /// The run configuration whose `[model]` (freshly initialised) and `[backend]` are used
+    /// (default: the embedded tiny config).
+    #[arg(long)]
+    config: Option<PathBuf>,
+    /// Backend: `embedded`, a plugin name or a plugin path (default: the config's).
+    #[arg(long)]
+    backend: Option<String>,
+    /// GEMM arithmetic (default: the config's).
+    #[arg(long, value_parser = ["fp32", "bf16"])]
+    precision: Option<String>,
+    /// Cohort sizes to decode our prompt in (ours included).
+    #[arg(long, value_delimiter = ',', default_value = "3,17")]
+    cohorts: Vec<usize>,
+    /// Greedy tokens decoded (the first from the prompt's prefill).
+    #[arg(long, default_value_t = 12)]
+    steps: usize,
 }
 
 #[derive(clap::Args)]
@@ -165,10 +188,56 @@ pub fn verify_scan_cmd(args: VerifyScanArgs) -> crate::CliResult {
     }
 }
 
+pub fn verify_batch_cmd(a: VerifyBatchArgs) -> crate::CliResult {
+    let mut cfg = nsactor_runtime::config::RunConfig::load(a.config.as_deref())?;
+    if a.precision.is_some() {
+        cfg.backend.precision = a.precision.clone();
+    }
+    let compute = launch::open_backend(&cfg, a.backend.as_deref())?;
+    let info = compute.info();
+    println!(
+        "batch invariance on {} {} ({}), model D = {}, {} GEMMs, {} steps",
+        info.name,
+        info.version,
+        info.devices.first().map_or("", String::as_str),
+        cfg.model.d,
+        cfg.backend.precision.as_deref().unwrap_or("fp32"),
+        a.steps
+    );
+    let t = std::time::Instant::now();
+    let checks = nsactor_runtime::invariance::check(
+        compute,
+        &cfg.model,
+        cfg.train.seed,
+        &a.cohorts,
+        a.steps,
+    )?;
+    for c in &checks {
+        println!(
+            "cohort of {:>4}: tokens differing {} of {}; logits differing {} of {} (max |diff| {:.3e})  {}",
+            c.sessions,
+            c.tokens_differing,
+            a.steps,
+            c.logits_differing,
+            c.logits,
+            c.max_abs_diff,
+            if c.invariant() { "ok" } else { "FAIL" }
+        );
+    }
+    println!("{:.1} s", t.elapsed().as_secs_f64());
+    if checks.iter().all(|c| c.invariant()) {
+        println!("PASS");
+        Ok(())
+    } else {
+        Err("batch invariance: a session's logits depend on its cohort".into())
+    }
+}
+
 /// Runs a `verify` subcommand.
 pub fn run(c: VerifyCommand) -> crate::CliResult {
     match c {
         VerifyCommand::TinyA(a) => verify_cmd(a),
         VerifyCommand::PlifScan(a) => verify_scan_cmd(a),
+        VerifyCommand::BatchInvariance(a) => verify_batch_cmd(a),
     }
 }

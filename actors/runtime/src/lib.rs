@@ -22,6 +22,7 @@ pub mod error;
 pub mod export;
 pub mod heldout;
 pub mod history;
+pub mod invariance;
 pub mod launch;
 pub mod pipeline;
 pub mod shutdown;

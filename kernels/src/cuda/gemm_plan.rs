@@ -173,7 +173,8 @@ impl Plan {
         let pref =
             lt::create_matmul_pref().unwrap_or_else(|e| panic!("cuBLASLt preference: {e:?}"));
         let ws = WORKSPACE_BYTES as u64;
-        // SAFETY: live handles and descriptors; `ws` outlives the call.
+        let invariant = batch_invariant() && !key.tuned();
+        // SAFETY: live handles and descriptors; the preference values outlive the calls.
         let heuristic = unsafe {
             check(
                 "workspace preference",
@@ -184,26 +185,48 @@ impl Plan {
                     std::mem::size_of_val(&ws),
                 ),
             );
-            let mut found =
-                vec![std::mem::zeroed::<sys::cublasLtMatmulHeuristicResult_t>(); TUNE_CANDIDATES];
-            let mut count = 0i32;
-            let status = sys::cublasLtMatmulAlgoGetHeuristic(
-                handle,
-                desc,
-                a,
-                b,
-                c.unwrap_or(d),
-                d,
-                pref,
-                TUNE_CANDIDATES as i32,
-                found.as_mut_ptr(),
-                &mut count,
-            );
+            let found = if invariant {
+                // No split-K (its partial sums depend on how the work is cut), and the kernel
+                // the heuristic picks for the largest decoding pass, used at every row count
+                // it runs at: a row's dot products are then summed in one order whatever the
+                // cohort.
+                let none = sys::cublasLtReductionScheme_t::CUBLASLT_REDUCTION_SCHEME_NONE as u32;
+                check(
+                    "reduction-scheme preference",
+                    lt::set_matmul_pref_attribute(
+                        pref,
+                        sys::cublasLtMatmulPreferenceAttributes_t::CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK,
+                        &none as *const _ as *const c_void,
+                        std::mem::size_of_val(&none),
+                    ),
+                );
+                let rows = key.m.max(INVARIANT_ROWS);
+                let (rb, rd, rc) = reference_layouts(key, input, out, rows);
+                let found = heuristic(handle, desc, [a, rb, rc.unwrap_or(rd), rd], pref);
+                let _ = lt::destroy_matrix_layout(rb);
+                let _ = lt::destroy_matrix_layout(rd);
+                if let Some(rc) = rc {
+                    let _ = lt::destroy_matrix_layout(rc);
+                }
+                let valid: Vec<_> = found
+                    .into_iter()
+                    .filter(|h| algo_fits(handle, desc, [a, b, c.unwrap_or(d), d], &h.algo))
+                    .collect();
+                if valid.is_empty() {
+                    eprintln!(
+                        "warning: no batch-invariant GEMM kernel fits {key:?}; its results may vary with the cohort"
+                    );
+                    heuristic(handle, desc, [a, b, c.unwrap_or(d), d], pref)
+                } else {
+                    valid
+                }
+            } else {
+                heuristic(handle, desc, [a, b, c.unwrap_or(d), d], pref)
+            };
             let _ = lt::destroy_matmul_pref(pref);
-            if status != sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS || count <= 0 {
-                panic!("cuBLASLt has no algorithm for {key:?}: {status:?}");
+            if found.is_empty() {
+                panic!("cuBLASLt has no algorithm for {key:?}");
             }
-            found.truncate(count as usize);
             found
         };
         Plan {
@@ -322,6 +345,102 @@ impl Plan {
         }
         Ok(())
     }
+}
+
+/// The heuristic's candidates (best first) for the problem of `[a, b, c, d]`; empty if none.
+///
+/// # Safety
+/// Live handle, descriptor, layouts and preference.
+unsafe fn heuristic(
+    handle: sys::cublasLtHandle_t,
+    desc: sys::cublasLtMatmulDesc_t,
+    [a, b, c, d]: [sys::cublasLtMatrixLayout_t; 4],
+    pref: sys::cublasLtMatmulPreference_t,
+) -> Vec<sys::cublasLtMatmulHeuristicResult_t> {
+    // SAFETY: upheld by the caller; `found` has room for the count asked.
+    unsafe {
+        let mut found =
+            vec![std::mem::zeroed::<sys::cublasLtMatmulHeuristicResult_t>(); TUNE_CANDIDATES];
+        let mut count = 0i32;
+        let status = sys::cublasLtMatmulAlgoGetHeuristic(
+            handle,
+            desc,
+            a,
+            b,
+            c,
+            d,
+            pref,
+            TUNE_CANDIDATES as i32,
+            found.as_mut_ptr(),
+            &mut count,
+        );
+        if status != sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS || count <= 0 {
+            return Vec::new();
+        }
+        found.truncate(count as usize);
+        found
+    }
+}
+
+/// Whether `algo` runs the problem of `[a, b, c, d]`.
+///
+/// # Safety
+/// Live handle, descriptor and layouts.
+unsafe fn algo_fits(
+    handle: sys::cublasLtHandle_t,
+    desc: sys::cublasLtMatmulDesc_t,
+    [a, b, c, d]: [sys::cublasLtMatrixLayout_t; 4],
+    algo: &sys::cublasLtMatmulAlgo_t,
+) -> bool {
+    // SAFETY: upheld by the caller; `result` is written by the call.
+    unsafe {
+        let mut result = std::mem::zeroed::<sys::cublasLtMatmulHeuristicResult_t>();
+        sys::cublasLtMatmulAlgoCheck(handle, desc, a, b, c, d, algo, &mut result)
+            == sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS
+            && result.workspaceSize <= WORKSPACE_BYTES
+    }
+}
+
+/// The layouts of `B`, `D` (and `C`) of `key`'s problem at `rows` rows (`A`, the weight, does
+/// not depend on them).
+fn reference_layouts(
+    key: &PlanKey,
+    input: sys::cudaDataType_t,
+    out: sys::cudaDataType_t,
+    rows: u64,
+) -> (
+    sys::cublasLtMatrixLayout_t,
+    sys::cublasLtMatrixLayout_t,
+    Option<sys::cublasLtMatrixLayout_t>,
+) {
+    let make = |t, r: u64, c: u64, ld: i64| {
+        lt::create_matrix_layout(t, r, c, ld)
+            .unwrap_or_else(|e| panic!("cuBLASLt reference layout: {e:?}"))
+    };
+    let o = key.b;
+    // `B` is `K × M` after its op: M is its column count as stored, or its row count when
+    // it is used transposed.
+    let b = if o.trans {
+        make(input, rows, o.cols, o.ld.max(rows as i64))
+    } else {
+        make(input, o.rows, rows, o.ld)
+    };
+    let f32t = sys::cudaDataType_t::CUDA_R_32F;
+    let d = make(out, key.n, rows, key.n as i64);
+    let c = key.c_ld.map(|ld| make(f32t, key.n, rows, ld as i64));
+    (b, d, c)
+}
+
+/// The row count whose kernel every batch-invariant problem uses (at most; a larger untuned
+/// problem uses its own): the largest decoding pass, 256 sessions × K = 16.
+const INVARIANT_ROWS: u64 = 4096;
+
+/// Whether decoding-size GEMMs are batch-invariant (no split-K, one kernel for every row count
+/// up to [`INVARIANT_ROWS`]): read once from `NSACTOR_BATCH_INVARIANT` (`on`, the default;
+/// `off`: the heuristic's pick per row count, faster at some cohort sizes).
+pub fn batch_invariant() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("NSACTOR_BATCH_INVARIANT").as_deref() != Ok("off"))
 }
 
 /// How many of cuBLASLt's heuristic candidates [`Plan::tune`] times.

@@ -70,7 +70,9 @@ pub use ops::types::{
     FfnGrads, FfnInputs, NormPlifInputs, PlifGrads, PlifOutput, PonderInputs, ScanKind,
     SelectiveGrads, SelectiveInputs, StepGraph,
 };
-pub use options::{decode_fusion, set_decode_fusion};
+pub use options::{
+    GemmRows, decode_fusion, decoding_gemms, gemm_rows, per_token_gemms, set_decode_fusion,
+};
 pub use reference::ffn::{ffn_backward_reference, ffn_forward_reference, ffn_param_grads};
 pub use reference::norm_plif::{norm_plif_backward_reference, norm_plif_forward_reference};
 pub use reference::ponder::{ponder_backward_reference, ponder_forward_reference};

@@ -118,8 +118,20 @@ impl<B: SnnOps> Edge<B> {
                 state,
             )
         });
-        // Batch-major.
+        // Batch-major; from here on every GEMM is over tokens.
         let m = m.swap_dims(0, 1).reshape([b * t, d]);
+        nsactor_kernels::per_token_gemms(|| self.head(m, fused, [b, t, d], state))
+    }
+
+    /// The per-token end of [`decode`](Self::decode): `decode_proj`, LateralInhibition and the
+    /// tied head on `m` `[B·T, D]`.
+    fn head(
+        &self,
+        m: Tensor<B, 2>,
+        fused: bool,
+        [b, t, d]: [usize; 3],
+        state: Tensor<B, 2>,
+    ) -> (Tensor<B, 3>, Tensor<B, 2>) {
         let y = self.decode_proj.forward(m);
         let gain = self.norm.gain.clone();
         let y = fused

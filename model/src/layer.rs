@@ -325,11 +325,17 @@ fn residual_update<B: SnnOps>(
             mean.get_or_init(|| proj.operand_row_means()),
         )
     {
-        let x = proj.forward_add(agg.reshape([t * b, d]), c.reshape([t * b, d]));
+        // Over tokens, as every GEMM of the residual update.
+        let x = nsactor_kernels::per_token_gemms(|| {
+            proj.forward_add(agg.reshape([t * b, d]), c.reshape([t * b, d]))
+        });
         return (x.reshape([t, b, d]), ek);
     }
     let (agg, ek) = ponder_agg(frames, halt, k);
-    (add_centred(h, proj, agg), ek)
+    (
+        nsactor_kernels::per_token_gemms(|| add_centred(h, proj, agg)),
+        ek,
+    )
 }
 
 /// The residual update `h + centred(proj, agg)`: one kernel after the GEMM in a decoding pass

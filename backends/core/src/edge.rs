@@ -189,9 +189,12 @@ impl<B: SnnOps> EdgeStage<B> {
             .pop()
             .expect("one field");
         let (inner, cfg) = (&self.inner, &self.cfg);
-        let (logits, v) = self.graphs.step(sessions, h, vec![v0], device, |h, mut v| {
-            let (logits, v) = inner.decode(h, v.pop().expect("one field"), cfg);
-            (logits, vec![v])
+        let graphs = &mut self.graphs;
+        let (logits, v) = nsactor_kernels::decoding_gemms(|| {
+            graphs.step(sessions, h, vec![v0], device, |h, mut v| {
+                let (logits, v) = inner.decode(h, v.pop().expect("one field"), cfg);
+                (logits, vec![v])
+            })
         });
         self.sessions.put(sessions, rows, v);
         let vocab = self.cfg.vocab_size;

@@ -275,9 +275,10 @@ impl<B: SnnOps> LayerStage<B> {
             state_fields(LayerState::zeros(cfg, k, device))
         })?;
         let (inner, cfg) = (&self.inner, &self.cfg);
-        let (h, state) = self
-            .graphs
-            .step(sessions, h, state, &self.device, |h, state| {
+        let graphs = &mut self.graphs;
+        let device = &self.device;
+        let (h, state) = nsactor_kernels::decoding_gemms(|| {
+            graphs.step(sessions, h, state, device, |h, state| {
                 let [input1, hidden, input2, ffn]: [Tensor<B, 2>; 4] =
                     state.try_into().expect("layer states have four fields");
                 let state = LayerState {
@@ -288,7 +289,8 @@ impl<B: SnnOps> LayerStage<B> {
                 };
                 let out = inner.forward(h, state, cfg);
                 (out.h, state_fields(out.state))
-            });
+            })
+        });
         self.sessions.put(sessions, rows, state);
         Ok(Reply::tensor(wrap(h)))
     }

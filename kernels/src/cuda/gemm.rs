@@ -312,6 +312,7 @@ pub fn run(op: &Prepared) -> CudaTensor {
         m: m as u64,
         n: n as u64,
         c_ld: op.add.as_ref().map(|c| dims(c).1[0].max(n) as u64),
+        rows: crate::options::gemm_rows(),
     };
     // The addend's buffer, or the output's where there is none (then unused).
     let addend = op.add.as_ref().unwrap_or(&out);

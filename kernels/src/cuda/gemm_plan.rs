@@ -4,6 +4,7 @@
 
 use crate::KernelError;
 use crate::cuda::precision::GemmPrecision;
+use crate::options::GemmRows;
 use cudarc::cublaslt::{result as lt, sys};
 use std::ffi::c_void;
 
@@ -60,6 +61,8 @@ pub(crate) struct PlanKey {
     /// The leading dimension of an added `C` (`D = A·B + C`, `C` row-major `[M, N]` with
     /// unit column stride), or `None` for `D = A·B`.
     pub(crate) c_ld: Option<u64>,
+    /// What the GEMM belongs to: a decoding pass's GEMMs get batch-invariant kernels.
+    pub(crate) rows: crate::options::GemmRows,
 }
 
 impl PlanKey {
@@ -173,7 +176,12 @@ impl Plan {
         let pref =
             lt::create_matmul_pref().unwrap_or_else(|e| panic!("cuBLASLt preference: {e:?}"));
         let ws = WORKSPACE_BYTES as u64;
-        let invariant = batch_invariant() && !key.tuned();
+        let reference = match key.rows {
+            GemmRows::DecodeFrames => Some(INVARIANT_ROWS),
+            GemmRows::DecodeTokens => Some(INVARIANT_TOKEN_ROWS),
+            GemmRows::Other => None,
+        };
+        let invariant = batch_invariant() && !key.tuned() && reference.is_some();
         // SAFETY: live handles and descriptors; the preference values outlive the calls.
         let heuristic = unsafe {
             check(
@@ -186,11 +194,13 @@ impl Plan {
                 ),
             );
             let found = if invariant {
-                // No split-K (its partial sums depend on how the work is cut), and the kernel
-                // the heuristic picks for the largest decoding pass, used at every row count
-                // it runs at: a row's dot products are then summed in one order whatever the
-                // cohort.
-                let none = sys::cublasLtReductionScheme_t::CUBLASLT_REDUCTION_SCHEME_NONE as u32;
+                // The kernel the heuristic picks for the largest decoding pass, split-K count
+                // included, used at every row count it runs at, and no in-place split-K
+                // reduction (atomic adds, in whatever order they land): a row's dot products
+                // are then summed in one order whatever the cohort.
+                let none = sys::cublasLtReductionScheme_t::CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE
+                    as u32
+                    | sys::cublasLtReductionScheme_t::CUBLASLT_REDUCTION_SCHEME_OUTPUT_TYPE as u32;
                 check(
                     "reduction-scheme preference",
                     lt::set_matmul_pref_attribute(
@@ -200,7 +210,7 @@ impl Plan {
                         std::mem::size_of_val(&none),
                     ),
                 );
-                let rows = key.m.max(INVARIANT_ROWS);
+                let rows = key.m.max(reference.unwrap_or(INVARIANT_ROWS));
                 let (rb, rd, rc) = reference_layouts(key, input, out, rows);
                 let found = heuristic(handle, desc, [a, rb, rc.unwrap_or(rd), rd], pref);
                 let _ = lt::destroy_matrix_layout(rb);
@@ -431,12 +441,16 @@ fn reference_layouts(
     (b, d, c)
 }
 
-/// The row count whose kernel every batch-invariant problem uses (at most; a larger untuned
-/// problem uses its own): the largest decoding pass, 256 sessions × K = 16.
+/// The row count whose kernel a decoding pass's GEMM over frames uses at every row count up
+/// to it: the largest decoding pass, 256 sessions × K = 16 frames ([`GemmRows::DecodeFrames`]).
 const INVARIANT_ROWS: u64 = 4096;
 
-/// Whether decoding-size GEMMs are batch-invariant (no split-K, one kernel for every row count
-/// up to [`INVARIANT_ROWS`]): read once from `NSACTOR_BATCH_INVARIANT` (`on`, the default;
+/// The same for a decoding pass's GEMMs over tokens ([`GemmRows::DecodeTokens`]): at most
+/// 4,096 / K = 256 rows. A 4,096-row kernel at one row cost a session 0.9 ms a token.
+const INVARIANT_TOKEN_ROWS: u64 = 256;
+
+/// Whether a decoding pass's GEMMs are batch-invariant (no in-place split-K, one kernel and
+/// split count for every row count up to [`INVARIANT_ROWS`] over frames, [`INVARIANT_TOKEN_ROWS`] over tokens): read once from `NSACTOR_BATCH_INVARIANT` (`on`, the default;
 /// `off`: the heuristic's pick per row count, faster at some cohort sizes).
 pub fn batch_invariant() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
@@ -498,6 +512,7 @@ mod tests {
             m: m as u64,
             n: n as u64,
             c_ld: None,
+            rows: GemmRows::Other,
         }
     }
 

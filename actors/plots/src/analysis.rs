@@ -62,6 +62,29 @@ fn segments(
     (0..n.max(2) - 1).into_segmented()
 }
 
+/// A chart over two `f64` axes.
+type XyChart<'b, 'a> = ChartContext<
+    'b,
+    BitMapBackend<'a>,
+    Cartesian2d<plotters::coord::types::RangedCoordf64, plotters::coord::types::RangedCoordf64>,
+>;
+
+/// The series' legend at `position`, in a framed, nearly opaque box.
+fn legend<'b, 'a: 'b>(
+    chart: &mut XyChart<'b, 'a>,
+    position: SeriesLabelPosition,
+    size: u32,
+) -> Result<(), PlotError> {
+    chart
+        .configure_series_labels()
+        .position(position)
+        .label_font((FONT, size))
+        .background_style(WHITE.mix(0.85))
+        .border_style(RGBColor(160, 160, 160))
+        .draw()
+        .map_err(draw_err)
+}
+
 /// Shortened for an axis label; characters the embedded font lacks (CJK) become `·`.
 fn axis_text(s: &str) -> String {
     let t: String = s
@@ -307,14 +330,7 @@ pub fn layers_png(block: &[Stat], ffn: &[Stat]) -> Result<Vec<u8>, PlotError> {
                 .draw_series(line.into_iter().map(|p| Circle::new(p, 4, colour.filled())))
                 .map_err(draw_err)?;
         }
-        chart
-            .configure_series_labels()
-            .position(SeriesLabelPosition::UpperLeft)
-            .label_font((FONT, 15))
-            .background_style(WHITE.mix(0.85))
-            .border_style(RGBColor(160, 160, 160))
-            .draw()
-            .map_err(draw_err)
+        legend(&mut chart, SeriesLabelPosition::UpperLeft, 15)
     })
 }
 
@@ -390,14 +406,7 @@ pub fn beta_png(
             .map_err(draw_err)?
             .label(format!("fast < {threshold} ≤ slow"))
             .legend(|(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], BLACK.stroke_width(2)));
-        chart
-            .configure_series_labels()
-            .position(SeriesLabelPosition::UpperLeft)
-            .label_font((FONT, 15))
-            .background_style(WHITE.mix(0.85))
-            .border_style(RGBColor(160, 160, 160))
-            .draw()
-            .map_err(draw_err)
+        legend(&mut chart, SeriesLabelPosition::UpperLeft, 15)
     })
 }
 
@@ -455,14 +464,7 @@ pub fn surprisal_png(
                 .label(name)
                 .legend(move |(x, y)| Circle::new((x + 10, y), 4, colour.filled()));
         }
-        chart
-            .configure_series_labels()
-            .position(SeriesLabelPosition::LowerRight)
-            .label_font((FONT, 14))
-            .background_style(WHITE.mix(0.85))
-            .border_style(RGBColor(160, 160, 160))
-            .draw()
-            .map_err(draw_err)?;
+        legend(&mut chart, SeriesLabelPosition::LowerRight, 14)?;
         binned_panel(&right, bins, x_hi, lo - pad..hi + pad)
     })
 }

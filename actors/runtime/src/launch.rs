@@ -107,15 +107,7 @@ pub fn load_checkpoint(o: &CheckpointOptions) -> Result<Loaded, RuntimeError> {
     let tok_path = o.tokenizer.clone().or(cfg.data.tokenizer.clone());
     let tok = nsactor_data::cli::load_tokenizer(tok_path.as_deref())?;
     ck.manifest.check_tokenizer(&ck.dir, &tok)?;
-    if let Some(p) = &o.precision {
-        cfg.backend.precision = Some(p.clone());
-    }
-    let compute = open_backend(&cfg, o.backend.as_deref())?;
-    let mut run = cfg.clone();
-    run.train.pipeline = o.pipeline;
-    run.train.devices = o.devices.clone();
-    run.train.inject_fault = None;
-    let mut pipeline = launch(compute, &run, OptimizerKind::Adam, None)?;
+    let mut pipeline = serving_pipeline(&mut cfg, o)?;
     pipeline.load_stages(ck.shards)?;
     let vocab = cfg.model.vocab_size;
     let name = ck
@@ -139,6 +131,20 @@ pub fn load_checkpoint(o: &CheckpointOptions) -> Result<Loaded, RuntimeError> {
     })
 }
 
+/// The pipeline a checkpoint is opened on for serving or evaluation: `o`'s precision set in
+/// `cfg`, its backend, pipeline stages and devices, no injected fault, fresh weights.
+fn serving_pipeline(cfg: &mut RunConfig, o: &CheckpointOptions) -> Result<Pipeline, RuntimeError> {
+    if let Some(p) = &o.precision {
+        cfg.backend.precision = Some(p.clone());
+    }
+    let compute = open_backend(cfg, o.backend.as_deref())?;
+    let mut run = cfg.clone();
+    run.train.pipeline = o.pipeline;
+    run.train.devices = o.devices.clone();
+    run.train.inject_fault = None;
+    launch(compute, &run, OptimizerKind::Adam, None)
+}
+
 /// A Hugging Face directory on the actor pipeline: its `config.json` model under the embedded
 /// default run configuration, its weights in every stage (read in place, no copy per stage),
 /// its tokenizer unless `o` names another.
@@ -151,14 +157,7 @@ fn load_hf(o: &CheckpointOptions) -> Result<Loaded, RuntimeError> {
     let mut cfg = RunConfig::load(None)?;
     cfg.model = hf.model;
     crate::train::check_tokenizer(&cfg, &tok)?;
-    if let Some(p) = &o.precision {
-        cfg.backend.precision = Some(p.clone());
-    }
-    let compute = open_backend(&cfg, o.backend.as_deref())?;
-    let mut run = cfg.clone();
-    run.train.pipeline = o.pipeline;
-    run.train.devices = o.devices.clone();
-    let mut pipeline = launch(compute, &run, OptimizerKind::Adam, None)?;
+    let mut pipeline = serving_pipeline(&mut cfg, o)?;
     pipeline.load_model(hf.weights)?;
     let name = o
         .checkpoint

@@ -361,3 +361,104 @@ fn probe_and_token_losses_cross_the_boundary_bitwise() {
         );
     }
 }
+
+/// `SessionSample` (ABI 8) through the C boundary: its picks block arrives whole (greedy and
+/// sampled rows, biases, bans, penalties), the picked tokens and logits are bit-identical to the
+/// embedded engine's, and a malformed block is refused with a clear error.
+#[test]
+fn session_sample_crosses_the_boundary_bitwise() {
+    use nsactor_plugin_api::{PickParams, PicksBuf, RowPick, SessionId};
+    let run = |b: Arc<dyn ComputeBackend>| {
+        let spec = |kind| StageSpec {
+            kind,
+            device: 0,
+            model: tiny_model(),
+            seed: 4,
+            optimizer: OptimizerKind::Adam,
+        };
+        let mut edge = b.open_stage(&spec(StageKind::Edge)).unwrap();
+        let mut layer = b.open_stage(&spec(StageKind::Layer(0))).unwrap();
+        let sessions = [SessionId(1), SessionId(2)];
+        let ids = [3i64, 40, 41, 3, 50, 51];
+        let tokens = nsactor_plugin_api::Tokens {
+            ids: &ids,
+            batch: 2,
+            seq_len: 3,
+        };
+        let mut pass = |picks: &mut PicksBuf| {
+            let h = edge
+                .call(StageCall::SessionEmbed { tokens })
+                .unwrap()
+                .into_tensor("SessionEmbed")
+                .unwrap();
+            let h = layer
+                .call(StageCall::SessionForward {
+                    sessions: &sessions,
+                    h,
+                })
+                .unwrap()
+                .into_tensor("SessionForward")
+                .unwrap();
+            edge.call(StageCall::SessionSample {
+                sessions: &sessions,
+                h,
+                picks: picks.picks(),
+            })
+        };
+        let p = |temperature, seed| PickParams {
+            temperature,
+            top_k: 7,
+            top_p: 0.9,
+            repetition_penalty: 1.2,
+            presence_penalty: 0.3,
+            frequency_penalty: 0.1,
+            seed,
+            step: 2,
+            want_logits: true,
+        };
+        let bias = [(0u32, f32::NEG_INFINITY), (42, 1.5)];
+        let mut picks = PicksBuf::new();
+        picks.push(&RowPick {
+            params: p(0.0, 1),
+            history: &[40, 41, 42],
+            generated: &[42],
+            bias: &bias,
+        });
+        picks.push(&RowPick {
+            params: p(0.9, 2),
+            history: &[50],
+            generated: &[],
+            bias: &[],
+        });
+        let out = pass(&mut picks).unwrap().tensors;
+        assert_eq!(out.len(), 2);
+        let picked = b.to_host(&out[0]).unwrap();
+        let logits = b.to_host(&out[1]).unwrap();
+        assert_eq!(picked.shape, [1, 2, 2]);
+        assert_eq!(logits.shape, [1, 2, tiny_model().vocab_size]);
+        // One pick for two rows is refused, naming the call.
+        let mut one = PicksBuf::new();
+        one.push(&RowPick {
+            params: p(0.0, 1),
+            history: &[],
+            generated: &[],
+            bias: &[],
+        });
+        let e = pass(&mut one).unwrap_err().to_string();
+        assert!(
+            e.contains("SessionSample") && e.contains("1 picks for 2 rows"),
+            "{e}"
+        );
+        [picked.data, logits.data]
+    };
+    let plugin = run(ndarray_plugin());
+    let embedded = run(Arc::new(nsactor_backend_ndarray::backend()));
+    for (i, (a, b)) in plugin.iter().zip(&embedded).enumerate() {
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        assert_eq!(
+            bits(a),
+            bits(b),
+            "reply tensor {i} differs across the boundary"
+        );
+    }
+}

@@ -214,13 +214,14 @@ pub fn verify_batch_cmd(a: VerifyBatchArgs) -> crate::CliResult {
     )?;
     for c in &checks {
         println!(
-            "cohort of {:>4}: tokens differing {} of {}; logits differing {} of {} (max |diff| {:.3e})  {}",
+            "cohort of {:>4}: tokens differing {} of {}; logits differing {} of {} (max |diff| {:.3e}); device picks unlike the host's argmax {}  {}",
             c.sessions,
             c.tokens_differing,
             a.steps,
             c.logits_differing,
             c.logits,
             c.max_abs_diff,
+            c.picks_differing,
             if c.invariant() { "ok" } else { "FAIL" }
         );
     }

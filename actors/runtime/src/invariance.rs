@@ -2,11 +2,13 @@
 //! decoded in (issue 29). One prompt is decoded greedily alone, then inside cohorts of other
 //! sessions with other prompts — prefills of its length batched with it, every decoding step
 //! one batched pass of the whole cohort, straight through the stages — and its tokens and
-//! logits are compared with the lone run's, bit for bit.
+//! logits are compared with the lone run's, bit for bit. Tokens are chosen on the device, as
+//! the server chooses them (`SessionSample`, greedy), and each is checked against the host's
+//! argmax of the logits that came back with it.
 
 use nsactor_plugin_api::{
-    ComputeBackend, DeviceTensor, EngineError, IdAllocator, ModelConfig, OptimizerKind, SessionId,
-    Stage, StageCall, StageKind, StageSpec, Tokens,
+    ComputeBackend, DeviceTensor, EngineError, IdAllocator, ModelConfig, OptimizerKind, PickParams,
+    PicksBuf, RowPick, SessionId, Stage, StageCall, StageKind, StageSpec, Tokens,
 };
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -23,13 +25,23 @@ pub struct CohortCheck {
     pub logits: usize,
     /// The largest absolute difference of a logit.
     pub max_abs_diff: f32,
+    /// Device-chosen greedy tokens (every session, every step) unlike the host's argmax.
+    pub picks_differing: usize,
 }
 
 impl CohortCheck {
     /// Bit-identical logits (hence tokens).
     pub fn invariant(&self) -> bool {
-        self.logits_differing == 0 && self.tokens_differing == 0
+        self.logits_differing == 0 && self.tokens_differing == 0 && self.picks_differing == 0
     }
+}
+
+/// What [`decode_cohort`] returns: each session's logits per step, and how many of the
+/// device's greedy tokens differed from the host's argmax of those logits.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Decoded {
+    pub logits: Vec<Vec<Vec<f32>>>,
+    pub picks_differing: usize,
 }
 
 /// The model's stages on one device, driven directly.
@@ -64,13 +76,13 @@ impl Stages {
     }
 
     /// One pass of `sessions` feeding `ids` (`[sessions, t]` row-major): each session's
-    /// last-position logits.
+    /// last-position logits and its greedy token chosen on the device.
     fn pass(
         &mut self,
         sessions: &[SessionId],
         ids: &[i64],
         t: usize,
-    ) -> Result<Vec<Vec<f32>>, EngineError> {
+    ) -> Result<Vec<(Vec<f32>, i64)>, EngineError> {
         let tokens = Tokens {
             ids,
             batch: sessions.len(),
@@ -85,13 +97,44 @@ impl Stages {
                 .call(StageCall::SessionForward { sessions, h })?
                 .into_tensor("SessionForward")?;
         }
-        let logits = self
+        let mut picks = PicksBuf::new();
+        for _ in sessions {
+            picks.push(&RowPick {
+                params: PickParams {
+                    temperature: 0.0,
+                    top_k: 0,
+                    top_p: 1.0,
+                    repetition_penalty: 1.0,
+                    presence_penalty: 0.0,
+                    frequency_penalty: 0.0,
+                    seed: 0,
+                    step: 0,
+                    want_logits: true,
+                },
+                history: &[],
+                generated: &[],
+                bias: &[],
+            });
+        }
+        let out = self
             .edge
-            .call(StageCall::SessionDecode { sessions, h })?
-            .into_tensor("SessionDecode")?;
+            .call(StageCall::SessionSample {
+                sessions,
+                h,
+                picks: picks.picks(),
+            })?
+            .tensors;
+        let [picked, logits] = <[DeviceTensor; 2]>::try_from(out).map_err(|o| {
+            EngineError::Backend(format!("SessionSample answered {} tensors", o.len()))
+        })?;
+        let picked = self.backend.to_host(&picked)?.data;
         let host = self.backend.to_host(&logits)?.data;
         let v = host.len() / sessions.len();
-        Ok(host.chunks(v).map(<[f32]>::to_vec).collect())
+        Ok(host
+            .chunks(v)
+            .zip(picked)
+            .map(|(l, p)| (l.to_vec(), p as i64))
+            .collect())
     }
 }
 
@@ -100,19 +143,25 @@ fn argmax(v: &[f32]) -> usize {
 }
 
 /// Decodes `prompts` greedily as one cohort for `steps` tokens on fresh stages (`seed`):
-/// prefills batched by prompt length, then each step one pass of all sessions. Each session's
-/// logits per step.
+/// prefills batched by prompt length, then each step one pass of all sessions.
 pub fn decode_cohort(
     backend: Arc<dyn ComputeBackend>,
     model: &ModelConfig,
     seed: u64,
     prompts: &[Vec<i64>],
     steps: usize,
-) -> Result<Vec<Vec<Vec<f32>>>, EngineError> {
+) -> Result<Decoded, EngineError> {
     let mut m = Stages::open(backend, model, seed)?;
     let ids = IdAllocator::default();
     let sessions: Vec<SessionId> = prompts.iter().map(|_| ids.session()).collect();
     let mut logits: Vec<Vec<Vec<f32>>> = vec![Vec::new(); prompts.len()];
+    let mut picked: Vec<i64> = vec![0; prompts.len()];
+    let mut picks_differing = 0;
+    let mut take = |i: usize, (row, token): (Vec<f32>, i64), picked: &mut [i64]| {
+        picks_differing += usize::from(argmax(&row) as i64 != token);
+        picked[i] = token;
+        logits[i].push(row);
+    };
     let mut by_len: BTreeMap<usize, Vec<usize>> = BTreeMap::new();
     for (i, p) in prompts.iter().enumerate() {
         by_len.entry(p.len()).or_default().push(i);
@@ -120,20 +169,20 @@ pub fn decode_cohort(
     for (t, members) in by_len {
         let s: Vec<SessionId> = members.iter().map(|&i| sessions[i]).collect();
         let ids: Vec<i64> = members.iter().flat_map(|&i| prompts[i].clone()).collect();
-        for (row, &i) in m.pass(&s, &ids, t)?.into_iter().zip(&members) {
-            logits[i].push(row);
+        for (out, &i) in m.pass(&s, &ids, t)?.into_iter().zip(&members) {
+            take(i, out, &mut picked);
         }
     }
     for _ in 1..steps {
-        let next: Vec<i64> = logits
-            .iter()
-            .map(|l| argmax(l.last().expect("prefilled")) as i64)
-            .collect();
-        for (i, row) in m.pass(&sessions, &next, 1)?.into_iter().enumerate() {
-            logits[i].push(row);
+        let next = picked.clone();
+        for (i, out) in m.pass(&sessions, &next, 1)?.into_iter().enumerate() {
+            take(i, out, &mut picked);
         }
     }
-    Ok(logits)
+    Ok(Decoded {
+        logits,
+        picks_differing,
+    })
 }
 
 /// A prompt of `len` ids in `5..vocab` drawn from `seed` (ids below 5 are the specials).
@@ -166,8 +215,8 @@ pub fn check(
         seed,
         std::slice::from_ref(&ours),
         steps,
-    )?
-    .remove(0);
+    )?;
+    let (alone_picks, alone) = (alone.picks_differing, alone.logits[0].clone());
     cohorts
         .iter()
         .map(|&n| {
@@ -175,13 +224,15 @@ pub fn check(
                 .map(|i| prompt(v, 1 + i, if i % 2 == 1 { 6 } else { 3 + i % 5 }))
                 .collect();
             prompts.insert(n / 2, ours.clone());
-            let mine = decode_cohort(backend.clone(), model, seed, &prompts, steps)?.remove(n / 2);
+            let mut d = decode_cohort(backend.clone(), model, seed, &prompts, steps)?;
+            let mine = d.logits.swap_remove(n / 2);
             let mut c = CohortCheck {
                 sessions: n,
                 tokens_differing: 0,
                 logits_differing: 0,
                 logits: 0,
                 max_abs_diff: 0.0,
+                picks_differing: alone_picks + d.picks_differing,
             };
             for (a, b) in alone.iter().zip(&mine) {
                 c.tokens_differing += usize::from(argmax(a) != argmax(b));

@@ -39,6 +39,7 @@ pub mod trace;
 pub mod worker;
 pub mod writer;
 
+pub use batcher::{PickRequest, Picked};
 pub use decoder::AsyncDecoder;
 pub use handle::Pipeline;
 pub use plan::PipelinePlan;

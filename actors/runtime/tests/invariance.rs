@@ -16,6 +16,7 @@ fn a_session_decodes_bit_identically_alone_and_in_cohorts_of_3_and_17() {
     for c in &checks {
         assert_eq!(c.logits, steps * model.vocab_size, "{c:?}");
         assert!(c.invariant(), "{c:?}");
+        assert_eq!(c.picks_differing, 0, "{c:?}");
     }
     // The comparison sees a different model (another seed) as different.
     let ours = vec![5, 6, 7, 8, 9, 10];

@@ -9,8 +9,7 @@ use crate::logprobs::{TokenLogprob, token_logprob};
 use crate::protocol::{Finished, GenSpec, GenTiming, PromptSpec, Usage};
 use nsactor_data::Tokenizer;
 use nsactor_plugin_api::SessionId;
-use nsactor_runtime::decode::TokenPicker;
-use nsactor_runtime::pipeline::AsyncDecoder;
+use nsactor_runtime::pipeline::{AsyncDecoder, PickRequest, Picked};
 use nsactor_telemetry::ServingMetrics;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -204,25 +203,61 @@ impl Generator {
     }
 
     /// Feeds the prompt one token at a time, reporting each token's log-probability given
-    /// the ones before it ([`GenEvent::Prompt`]); the last position's logits.
+    /// the ones before it ([`GenEvent::Prompt`]); the first generated token, chosen as `pick`
+    /// says.
     async fn score_prompt(
         &self,
         session: SessionId,
         prompt: &[i64],
         top: usize,
         tx: &mpsc::Sender<GenEvent>,
-    ) -> Result<Vec<f32>, ServeError> {
+        pick: PickRequest,
+    ) -> Result<Picked, ServeError> {
         let mut logprobs = vec![None];
         let mut logits = Vec::new();
-        for (i, &t) in prompt.iter().enumerate() {
+        let (last, head) = prompt.split_last().expect("prompts are never empty");
+        for (i, &t) in head.iter().enumerate() {
             if i > 0 {
                 logprobs.push(Some(token_logprob(&logits, t, top)));
             }
             logits = self.decoder.feed(session, vec![t]).await?;
         }
+        if !head.is_empty() {
+            logprobs.push(Some(token_logprob(&logits, *last, top)));
+        }
+        let picked = self.decoder.feed_pick(session, vec![*last], pick).await?;
         let ids = prompt.to_vec();
         let _ = tx.send(GenEvent::Prompt { ids, logprobs }).await;
-        Ok(logits)
+        Ok(picked)
+    }
+
+    /// How the next token is chosen on the device: the request's sampling, its logit biases
+    /// and (unless `ignore_eos`) the bans on tokens never generated.
+    fn pick_request(&self, spec: &GenSpec, history: &[i64], generated: &[i64]) -> PickRequest {
+        let mut bias: Vec<(u32, f32)> = Vec::new();
+        // Ids past the vocabulary name no logit: nothing to bias.
+        let vocab = self.decoder.vocab();
+        for &(id, b) in spec.logit_bias.iter().filter(|(id, _)| *id < vocab) {
+            match bias.iter_mut().find(|(t, _)| *t as usize == id) {
+                Some((_, x)) => *x += b,
+                None => bias.push((id as u32, b)),
+            }
+        }
+        if !spec.ignore_eos {
+            for t in NEVER_GENERATED {
+                match bias.iter_mut().find(|(b, _)| *b as i64 == t) {
+                    Some((_, x)) => *x = f32::NEG_INFINITY,
+                    None => bias.push((t as u32, f32::NEG_INFINITY)),
+                }
+            }
+        }
+        PickRequest {
+            sampling: spec.sampling,
+            history: history.to_vec(),
+            generated: generated.to_vec(),
+            bias,
+            want_logits: spec.logprobs.is_some(),
+        }
     }
 
     async fn decode(
@@ -234,7 +269,6 @@ impl Generator {
         cancel: &AtomicBool,
         start: Instant,
     ) -> Result<Finished, ServeError> {
-        let mut picker = TokenPicker::new(spec.sampling);
         let mut history = prompt.to_vec();
         let mut generated: Vec<i64> = Vec::new();
         let mut pending = Pending::default();
@@ -242,10 +276,13 @@ impl Generator {
         let mut first_token_at = None;
         let mut last_token_at: Option<Instant> = None;
         let top = spec.logprobs.unwrap_or(0);
-        let mut logits = if spec.prompt_logprobs {
-            self.score_prompt(session, prompt, top, tx).await?
+        let first = self.pick_request(spec, &history, &generated);
+        let mut picked = if spec.prompt_logprobs {
+            self.score_prompt(session, prompt, top, tx, first).await?
         } else {
-            self.decoder.feed(session, prompt.to_vec()).await?
+            self.decoder
+                .feed_pick(session, prompt.to_vec(), first)
+                .await?
         };
         let mut text = String::new();
         let finish_reason = loop {
@@ -261,21 +298,9 @@ impl Generator {
             if generated.len() >= spec.max_tokens {
                 break "length"; // max_tokens = 0: the prompt was only scored
             }
-            // Log-probabilities come from the model's own distribution.
-            let raw = spec.logprobs.is_some().then(|| logits.clone());
-            for &(id, bias) in &spec.logit_bias {
-                if let Some(l) = logits.get_mut(id) {
-                    *l += bias;
-                }
-            }
-            if !spec.ignore_eos {
-                for &t in &NEVER_GENERATED {
-                    if let Some(l) = logits.get_mut(t as usize) {
-                        *l = f32::NEG_INFINITY;
-                    }
-                }
-            }
-            let next = picker.pick(&mut logits, &history);
+            // Chosen on the device; log-probabilities come from the model's own distribution.
+            let next = picked.token;
+            let raw = picked.logits.take();
             let now = Instant::now();
             if let Some(last) = last_token_at.replace(now) {
                 self.metrics
@@ -313,7 +338,8 @@ impl Generator {
             if generated.len() >= spec.max_tokens {
                 break "length";
             }
-            logits = self.decoder.feed(session, vec![next]).await?;
+            let pick = self.pick_request(spec, &history, &generated);
+            picked = self.decoder.feed_pick(session, vec![next], pick).await?;
         };
         // Whatever is still held back (and any tokens not yet sent) goes out now.
         if finish_reason != "cancelled" && (text.len() > emitted || !pending.ids.is_empty()) {

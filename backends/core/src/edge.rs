@@ -173,7 +173,13 @@ impl<B: SnnOps> EdgeStage<B> {
         }
     }
 
-    fn session_decode(&mut self, sessions: &[u64], h: Tensor<B, 3>) -> Result<Reply, EngineError> {
+    /// The decode path of `sessions`' rows from their output-neuron states: the last
+    /// position's logits `[1, B, V]`.
+    fn session_decode(
+        &mut self,
+        sessions: &[u64],
+        h: Tensor<B, 3>,
+    ) -> Result<Tensor<B, 3>, EngineError> {
         let [t, b, d] = h.dims();
         if d != self.cfg.d || t == 0 || b == 0 {
             return Err(EngineError::InvalidInput(format!(
@@ -198,8 +204,34 @@ impl<B: SnnOps> EdgeStage<B> {
         });
         self.sessions.put(sessions, rows, v);
         let vocab = self.cfg.vocab_size;
-        let last = logits.narrow(1, t - 1, 1).reshape([1, b, vocab]);
-        Ok(Reply::tensor(wrap(last)))
+        Ok(logits.narrow(1, t - 1, 1).reshape([1, b, vocab]))
+    }
+
+    /// `session_decode`, then every row's next token chosen on the device
+    /// ([`crate::sample::pick`]): `[picked [1, 2, B], logits [1, B, V]]`.
+    fn session_sample(
+        &mut self,
+        sessions: &[u64],
+        h: Tensor<B, 3>,
+        picks: nsactor_plugin_api::Picks<'_>,
+    ) -> Result<Reply, EngineError> {
+        let b = h.dims()[1];
+        let vocab = self.cfg.vocab_size;
+        let rows = picks
+            .parse(vocab)
+            .map_err(|e| EngineError::InvalidInput(format!("SessionSample: {e}")))?;
+        if rows.len() != b {
+            return Err(EngineError::InvalidInput(format!(
+                "SessionSample: {} picks for {b} rows",
+                rows.len()
+            )));
+        }
+        let last = self.session_decode(sessions, h)?;
+        let picked = crate::sample::pick(last.clone().reshape([b, vocab]), &rows);
+        Ok(Reply {
+            tensors: vec![wrap(picked.unsqueeze::<3>()), wrap(last)],
+            scalars: Vec::new(),
+        })
     }
 }
 
@@ -266,8 +298,11 @@ impl<B: SnnOps> Stage for EdgeStage<B> {
                 B::flush(&self.device);
                 Ok(Reply::tensor(wrap(h)))
             }
-            StageCall::SessionDecode { sessions, h } => {
-                self.session_decode(SessionId::raw(sessions), act(h, name)?)
+            StageCall::SessionDecode { sessions, h } => Ok(Reply::tensor(wrap(
+                self.session_decode(SessionId::raw(sessions), act(h, name)?)?,
+            ))),
+            StageCall::SessionSample { sessions, h, picks } => {
+                self.session_sample(SessionId::raw(sessions), act(h, name)?, picks)
             }
             StageCall::SessionClose { session } => {
                 self.sessions.close(session.0);

@@ -16,6 +16,7 @@ pub mod graphs;
 mod layer;
 mod probe;
 pub mod profile;
+pub mod sample;
 mod sessions;
 mod state;
 

@@ -21,6 +21,7 @@ pub mod files;
 pub mod ids;
 pub mod model;
 pub mod optim;
+pub mod picks;
 pub mod reply;
 pub mod stage;
 pub mod timing;
@@ -28,6 +29,7 @@ pub mod timing;
 pub use diagnose::{DeviceMemory, Diagnostic, DiagnosticReport, ScanPrecisions};
 pub use ids::{IdAllocator, MicroBatchId, SessionId};
 pub use model::{ModelConfig, PlifOut};
+pub use picks::{PickParams, PickRow, Picks, PicksBuf, RowPick};
 pub use reply::{
     BETA_BINS, BiasGradNorms, ForwardOut, GradSumSquares, HeadOut, Loss, Probe, Spread,
 };
@@ -45,8 +47,9 @@ use std::fmt;
 /// [`DiagnosticReport`] values (JSON on the C boundary) instead of free text, and calls name
 /// [`SessionId`]s and [`MicroBatchId`]s. Revision 6 added stage snapshots
 /// ([`Stage::snapshot`], `stage_snapshot`/`snapshot_bytes`/`snapshot_free`). Revision 7 added
-/// the interpretability calls [`StageCall::Probe`] and [`StageCall::TokenLosses`].
-pub const ABI_VERSION: u32 = 7;
+/// the interpretability calls [`StageCall::Probe`] and [`StageCall::TokenLosses`]. Revision 8
+/// added sampling on the device ([`StageCall::SessionSample`] with its [`Picks`]).
+pub const ABI_VERSION: u32 = 8;
 
 /// One micro-batch of token ids, row-major `[batch, seq_len]`.
 #[derive(Debug, Clone, PartialEq)]

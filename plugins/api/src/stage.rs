@@ -208,6 +208,16 @@ pub enum StageCall<'a> {
         sessions: &'a [SessionId],
         h: DeviceTensor,
     },
+    /// Edge: `SessionDecode`, then every row's next token chosen on the device as its
+    /// [`Picks`](crate::Picks) row says (one row per batch row). Reply: `[picked, logits]`:
+    /// `picked` `[1, 2, B]` f32 holds each row's token id (exact: vocabularies stay under 2²⁴)
+    /// and the log-probability of that token under the model's own distribution; `logits`
+    /// `[1, B, V]` stays on the device unless the host reads it.
+    SessionSample {
+        sessions: &'a [SessionId],
+        h: DeviceTensor,
+        picks: crate::Picks<'a>,
+    },
     /// Layer or edge: forgets `session`'s states. Reply: none.
     SessionClose { session: SessionId },
     /// Layer: forward of `h` from membranes at rest, keeping nothing, with what the
@@ -239,6 +249,7 @@ impl StageCall<'_> {
             StageCall::SessionClose { .. } => 14,
             StageCall::Probe { .. } => 15,
             StageCall::TokenLosses { .. } => 16,
+            StageCall::SessionSample { .. } => 17,
         }
     }
 
@@ -260,6 +271,7 @@ impl StageCall<'_> {
             StageCall::SessionClose { .. } => "SessionClose",
             StageCall::Probe { .. } => "Probe",
             StageCall::TokenLosses { .. } => "TokenLosses",
+            StageCall::SessionSample { .. } => "SessionSample",
         }
     }
 }

@@ -34,6 +34,7 @@ pub async fn generate_load(
     sessions: usize,
     prompt: &[i64],
     tokens: usize,
+    on_device: bool,
 ) -> CliResult<GenerateTimings> {
     if sessions == 0 || tokens < 2 || prompt.is_empty() {
         return Err("generate_load needs ≥ 1 session, ≥ 2 tokens and a prompt".into());
@@ -48,13 +49,12 @@ pub async fn generate_load(
                 let s = d.session();
                 let t0 = Instant::now();
                 let r = async {
-                    let mut logits = d.feed(s, prompt).await?;
+                    let mut next = greedy(&d, s, prompt, on_device).await?;
                     let prefilled = Instant::now();
                     let mut steps = Vec::with_capacity(tokens);
                     for _ in 1..tokens {
-                        let next = nsactor_runtime::decode::argmax(&logits) as i64;
                         let t = Instant::now();
-                        logits = d.feed(s, vec![next]).await?;
+                        next = greedy(&d, s, vec![next], on_device).await?;
                         steps.push(t.elapsed().as_secs_f64());
                     }
                     Ok::<_, CliError>(((prefilled - t0).as_secs_f64(), prefilled, steps))
@@ -121,6 +121,32 @@ pub struct GenerateBenchArgs {
     /// SXM's measured copy bandwidth, 2,852).
     #[arg(long, default_value_t = 2852.0)]
     bandwidth_gbs: f64,
+    /// Where the greedy token is chosen: `device` (as the server does: only ids cross) or
+    /// `host` (the logits are copied and the host takes their argmax).
+    #[arg(long, value_parser = ["device", "host"], default_value = "device")]
+    pick: String,
+}
+
+/// Feeds `ids` to `session`; its greedy next token, chosen on the device or on the host.
+async fn greedy(
+    d: &nsactor_runtime::pipeline::AsyncDecoder,
+    session: nsactor_plugin_api::SessionId,
+    ids: Vec<i64>,
+    on_device: bool,
+) -> CliResult<i64> {
+    use nsactor_runtime::decode::SamplingParams;
+    if on_device {
+        let pick = nsactor_runtime::pipeline::PickRequest {
+            sampling: SamplingParams::greedy(),
+            history: Vec::new(),
+            generated: Vec::new(),
+            bias: Vec::new(),
+            want_logits: false,
+        };
+        Ok(d.feed_pick(session, ids, pick).await?.token)
+    } else {
+        Ok(nsactor_runtime::decode::argmax(&d.feed(session, ids).await?) as i64)
+    }
 }
 
 pub fn run(a: GenerateBenchArgs) -> crate::CliResult {
@@ -151,14 +177,15 @@ pub fn run(a: GenerateBenchArgs) -> crate::CliResult {
     // Batch-1 decoding reads every weight once per token.
     let ceiling = a.bandwidth_gbs * 1e9 / (params as f64 * bytes);
     println!(
-        "generate bench: {} ({params} parameters) on {} {} ({}), GEMMs {precision}, pipeline {}; prompt {} tokens, {} tokens per session, greedy",
+        "generate bench: {} ({params} parameters) on {} {} ({}), GEMMs {precision}, pipeline {}; prompt {} tokens, {} tokens per session, greedy (picked on the {})",
         l.name,
         info.name,
         info.version,
         info.devices.join(", "),
         a.pipeline,
         a.prompt_len,
-        a.tokens
+        a.tokens,
+        a.pick
     );
     println!(
         "batch-1 ceiling: {:.2} GB of {precision} weights per token at {} GB/s = {ceiling:.0} tokens/s",
@@ -180,10 +207,11 @@ pub fn run(a: GenerateBenchArgs) -> crate::CliResult {
         .map(|i| ((i * 7919 + 101) % vocab.max(1)) as i64)
         .collect();
     let decoder = l.pipeline.decoder(vocab);
+    let on_device = a.pick == "device";
     l.pipeline.block_on(async {
         // Warm-up at every batch size measured (kernel compilation, autotuning, pool growth).
         for &n in &a.sessions {
-            generate_load(&decoder, n, &prompt, 4).await?;
+            generate_load(&decoder, n, &prompt, 4, on_device).await?;
         }
         let mut host = Vec::new();
         for &n in &a.sessions {
@@ -191,7 +219,7 @@ pub fn run(a: GenerateBenchArgs) -> crate::CliResult {
             let b0 = l.pipeline.busy();
             let p0 = decoder.cohort_phases();
             let _ = nsactor_runtime::pipeline::trace::take();
-            let t = generate_load(&decoder, n, &prompt, a.tokens).await?;
+            let t = generate_load(&decoder, n, &prompt, a.tokens, on_device).await?;
             let timelines = nsactor_runtime::pipeline::trace::take();
             let (c1, _) = decoder.batch_counts();
             let p1 = decoder.cohort_phases();

@@ -16,14 +16,18 @@ pub struct ServeTimings {
     pub itl_p99_ms: f64,
     /// Generated tokens over the wall time of the whole batch of requests.
     pub tokens_per_s: f64,
+    /// Different token sequences among the clients (1 when greedy clients agree).
+    pub distinct: usize,
 }
 
-/// `sessions` WebSocket clients on loopback, each generating `tokens` tokens (sampling at
-/// temperature 0.8, end tokens ignored) from the server at `addr`; run on the server's runtime.
+/// `sessions` WebSocket clients on loopback, each generating `tokens` tokens (at `temperature`,
+/// client i with seed i; 0 is greedy; end tokens ignored) from the server at `addr`; run on the
+/// server's runtime.
 pub async fn serve_load(
     addr: std::net::SocketAddr,
     sessions: usize,
     tokens: usize,
+    temperature: f32,
 ) -> CliResult<ServeTimings> {
     use futures_util::{SinkExt, StreamExt};
     use tokio_tungstenite::tungstenite::Message;
@@ -36,11 +40,11 @@ pub async fn serve_load(
                 let (mut ws, _) =
                     tokio_tungstenite::client_async(format!("ws://{addr}/ws"), tcp).await?;
                 let req = serde_json::json!({"type": "generate", "id": "b", "prompt": "Emma was",
-                    "max_tokens": tokens, "temperature": 0.8, "seed": i, "ignore_eos": true,
+                    "max_tokens": tokens, "temperature": temperature, "seed": i, "ignore_eos": true,
                     "token_ids": true});
                 let sent = Instant::now();
                 ws.send(Message::Text(req.to_string().into())).await?;
-                let (mut ttft, mut gaps, mut n) = (None, Vec::new(), 0usize);
+                let (mut ttft, mut gaps, mut ids) = (None, Vec::new(), Vec::new());
                 let mut last = sent;
                 while let Some(m) = ws.next().await {
                     let Ok(Message::Text(t)) = m else { continue };
@@ -48,30 +52,33 @@ pub async fn serve_load(
                     match v["type"].as_str() {
                         Some("delta") => {
                             let now = Instant::now();
-                            let k = v["token_ids"].as_array().map_or(1, |a| a.len().max(1));
+                            let got = v["token_ids"].as_array().cloned().unwrap_or_default();
+                            let k = got.len().max(1);
                             if ttft.is_none() {
                                 ttft = Some((now - sent).as_secs_f64());
                             } else {
                                 let gap = (now - last).as_secs_f64() / k as f64;
                                 gaps.extend(std::iter::repeat_n(gap, k));
                             }
-                            n += k;
+                            ids.extend(got.iter().filter_map(|t| t.as_i64()));
                             last = now;
                         }
                         Some("done") => break,
                         _ => return Err(format!("server: {v}").into()),
                     }
                 }
-                Ok::<_, CliError>((ttft.unwrap_or(f64::NAN), gaps, n))
+                Ok::<_, CliError>((ttft.unwrap_or(f64::NAN), gaps, ids))
             })
         })
         .collect();
     let (mut ttfts, mut gaps, mut total) = (Vec::new(), Vec::new(), 0usize);
+    let mut texts = std::collections::HashSet::new();
     for c in clients {
-        let (t, g, n) = c.await??;
+        let (t, g, ids) = c.await??;
         ttfts.push(t);
         gaps.extend(g);
-        total += n;
+        total += ids.len();
+        texts.insert(ids);
     }
     let wall = start.elapsed().as_secs_f64();
     Ok(ServeTimings {
@@ -81,14 +88,24 @@ pub async fn serve_load(
         itl_p50_ms: pct(&mut gaps, 0.5) * 1e3,
         itl_p99_ms: pct(&mut gaps, 0.99) * 1e3,
         tokens_per_s: total as f64 / wall,
+        distinct: texts.len(),
     })
 }
 
 #[derive(clap::Args)]
 pub struct ServeBenchArgs {
-    /// Checkpoint to serve (default: the embedded tiny config, freshly initialised).
+    /// Checkpoint to serve (default: a fresh model of --config).
     #[arg(long)]
     checkpoint: Option<PathBuf>,
+    /// Run config of the fresh model (default: the embedded tiny one).
+    #[arg(long, conflicts_with = "checkpoint")]
+    config: Option<PathBuf>,
+    /// Projection GEMM arithmetic of the fresh model: fp32 or bf16 (CUDA).
+    #[arg(long, value_parser = ["fp32", "bf16"])]
+    precision: Option<String>,
+    /// Sampling temperature of every client (0: greedy, and the clients should all agree).
+    #[arg(long, default_value_t = 0.8)]
+    temperature: f32,
     /// Backend (with --checkpoint: default the run's).
     #[arg(long)]
     backend: Option<String>,
@@ -113,7 +130,13 @@ pub fn run(a: ServeBenchArgs) -> crate::CliResult {
             tokenizer: None,
             precision: None,
         })?,
-        None => launch::load_fresh(None, a.backend.as_deref(), None, a.pipeline, None)?,
+        None => launch::load_fresh(
+            a.config.as_deref(),
+            a.backend.as_deref(),
+            a.precision.clone(),
+            a.pipeline,
+            None,
+        )?,
     };
     let max = a.sessions.iter().copied().max().unwrap_or(1);
     let state = crate::serve::server_state(
@@ -125,24 +148,26 @@ pub fn run(a: ServeBenchArgs) -> crate::CliResult {
     );
     let info = l.pipeline.backend().info();
     println!(
-        "serve: {} ({} parameters) on {} {} ({}), pipeline {}; {} tokens per session, WebSocket on loopback",
+        "serve: {} ({} parameters) on {} {} ({}), pipeline {}; {} tokens per session at temperature {}, WebSocket on loopback",
         l.name,
         l.pipeline.param_count(),
         info.name,
         info.version,
         info.devices.join(", "),
         a.pipeline,
-        a.tokens
+        a.tokens,
+        a.temperature
     );
     println!(
-        "{:>9} {:>14} {:>14} {:>13} {:>13} {:>16} {:>12}",
+        "{:>9} {:>14} {:>14} {:>13} {:>13} {:>16} {:>12} {:>9}",
         "sessions",
         "TTFT p50 (ms)",
         "TTFT p99 (ms)",
         "ITL p50 (ms)",
         "ITL p99 (ms)",
         "tokens/s (all)",
-        "mean cohort"
+        "mean cohort",
+        "distinct"
     );
     let decoder = l.pipeline.decoder(l.vocab);
     l.pipeline.block_on(async {
@@ -154,20 +179,24 @@ pub fn run(a: ServeBenchArgs) -> crate::CliResult {
             std::future::pending(),
         ));
         // Warm-up.
-        serve_load(addr, 1, 8).await?;
+        // Warm-up at every concurrency measured.
+        for &n in &a.sessions {
+            serve_load(addr, n, 4, a.temperature).await?;
+        }
         for &n in &a.sessions {
             let (c0, n0) = decoder.batch_counts();
-            let t = serve_load(addr, n, a.tokens).await?;
+            let t = serve_load(addr, n, a.tokens, a.temperature).await?;
             let (c1, n1) = decoder.batch_counts();
             println!(
-                "{:>9} {:>14.1} {:>14.1} {:>13.2} {:>13.2} {:>16.0} {:>12.1}",
+                "{:>9} {:>14.1} {:>14.1} {:>13.2} {:>13.2} {:>16.0} {:>12.1} {:>9}",
                 t.sessions,
                 t.ttft_p50_ms,
                 t.ttft_p99_ms,
                 t.itl_p50_ms,
                 t.itl_p99_ms,
                 t.tokens_per_s,
-                (n1 - n0) as f64 / (c1 - c0).max(1) as f64
+                (n1 - n0) as f64 / (c1 - c0).max(1) as f64,
+                t.distinct
             );
         }
         Ok::<_, crate::CliError>(())

@@ -20,8 +20,9 @@
 
 use super::msg::{EdgeMsg, StageControl, ask, control_all};
 use super::topology::Children;
+use crate::decode::SamplingParams;
 use crate::error::RuntimeError;
-use nsactor_plugin_api::SessionId;
+use nsactor_plugin_api::{PickParams, PicksBuf, RowPick, SessionId};
 use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
 use std::collections::{HashSet, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -90,24 +91,58 @@ impl CohortPhases {
     }
 }
 
-type Logits = Result<Vec<f32>, RuntimeError>;
+/// How a session's next token is chosen on the device ([`StageCall::SessionSample`]
+/// (nsactor_plugin_api::StageCall)): only the token (and its logits, when asked) come back.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PickRequest {
+    pub sampling: SamplingParams,
+    /// Prompt and generated tokens (the repetition penalty's set).
+    pub history: Vec<i64>,
+    /// Generated tokens (the presence and frequency penalties; their count is the draw's step).
+    pub generated: Vec<i64>,
+    /// Added to logits first; `-inf` bans a token.
+    pub bias: Vec<(u32, f32)>,
+    /// The logits come back too (for log-probabilities beyond the chosen token's).
+    pub want_logits: bool,
+}
+
+/// A token chosen on the device.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Picked {
+    pub token: i64,
+    /// Its log-probability under the model's own distribution (before biases and penalties).
+    pub logprob: f32,
+    pub logits: Option<Vec<f32>>,
+}
+
+/// What a fed session gets back.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Answer {
+    /// The last position's logits (a feed without a [`PickRequest`]).
+    Logits(Vec<f32>),
+    Picked(Picked),
+}
+
+type Answered = Result<Answer, RuntimeError>;
 
 pub enum BatcherMsg {
-    /// Runs `ids` through `session`; answers the last position's logits.
+    /// Runs `ids` through `session`; answers the last position's logits, or with `pick` the
+    /// token chosen on the device.
     Feed {
         session: SessionId,
         ids: Vec<i64>,
-        reply: RpcReplyPort<Logits>,
+        pick: Option<PickRequest>,
+        reply: RpcReplyPort<Answered>,
     },
     /// Frees `session`'s states (after its cohort in flight, if any); answers when done.
     Close {
         session: SessionId,
         reply: RpcReplyPort<()>,
     },
-    /// A cohort finished: `sessions` in cohort order, their logits back to back.
+    /// A cohort finished: `sessions` in cohort order, and their answers in that order.
     Done {
         sessions: Vec<SessionId>,
-        logits: Result<Vec<f32>, RuntimeError>,
+        answers: Result<Vec<Answer>, RuntimeError>,
     },
     /// The launch window of the oldest waiting input may have passed.
     Tick,
@@ -116,7 +151,8 @@ pub enum BatcherMsg {
 struct Waiting {
     session: SessionId,
     ids: Vec<i64>,
-    reply: RpcReplyPort<Logits>,
+    pick: Option<PickRequest>,
+    reply: RpcReplyPort<Answered>,
     since: Instant,
 }
 
@@ -136,7 +172,7 @@ pub struct BatcherState {
     open: HashSet<SessionId>,
     waiting: VecDeque<Waiting>,
     /// Sessions in cohorts in flight, with the replies they are owed.
-    in_flight: Vec<(SessionId, RpcReplyPort<Logits>)>,
+    in_flight: Vec<(SessionId, RpcReplyPort<Answered>)>,
     cohorts: usize,
     /// Closes waiting for their session's cohort.
     closing: Vec<(SessionId, RpcReplyPort<()>)>,
@@ -194,6 +230,7 @@ impl BatcherState {
         cohort.sort_by_key(|w| w.session);
         let sessions: Vec<SessionId> = cohort.iter().map(|w| w.session).collect();
         let ids: Vec<i64> = cohort.iter().flat_map(|w| w.ids.iter().copied()).collect();
+        let picks: Vec<Option<PickRequest>> = cohort.iter_mut().map(|w| w.pick.take()).collect();
         self.in_flight
             .extend(cohort.into_iter().map(|w| (w.session, w.reply)));
         self.cohorts += 1;
@@ -206,32 +243,27 @@ impl BatcherState {
         let stats = self.stats.clone();
         tokio::spawn(async move {
             let start = Instant::now();
-            let logits = run_cohort(&children, &sessions, ids, len, &stats.phases).await;
+            let answers = run_cohort(&children, &sessions, ids, len, picks, &stats.phases).await;
             add_ns(&stats.phases.cohort_ns, start);
             // The answers go out from the batcher, after it has counted the cohort done, so a
             // session's next input always finds it no longer in flight.
-            let _ = me.cast(BatcherMsg::Done { sessions, logits });
+            let _ = me.cast(BatcherMsg::Done { sessions, answers });
         });
     }
 
-    fn done(&mut self, sessions: Vec<SessionId>, logits: Logits) {
+    fn done(&mut self, sessions: Vec<SessionId>, answers: Result<Vec<Answer>, RuntimeError>) {
         self.cohorts -= 1;
         self.freed_at = Instant::now();
-        let n = sessions.len();
+        let mut answers = answers.map(|a| a.into_iter().map(Some).collect::<Vec<_>>());
         for (i, s) in sessions.into_iter().enumerate() {
             let Some(k) = self.in_flight.iter().position(|(f, _)| *f == s) else {
                 continue;
             };
             let (_, reply) = self.in_flight.swap_remove(k);
-            let r = match &logits {
-                Ok(all) if all.len().is_multiple_of(n) => {
-                    let v = all.len() / n;
-                    Ok(all[i * v..(i + 1) * v].to_vec())
-                }
-                Ok(all) => Err(RuntimeError::Runtime(format!(
-                    "a cohort of {n} sessions returned {} logits",
-                    all.len()
-                ))),
+            let r = match &mut answers {
+                Ok(all) => all[i].take().ok_or_else(|| {
+                    RuntimeError::Runtime(format!("{s}: answered twice in one cohort"))
+                }),
                 Err(e) => Err(e.for_each_session()),
             };
             let _ = reply.send(r);
@@ -263,14 +295,16 @@ impl BatcherState {
 }
 
 /// Embedding, every layer and the decode path for `sessions` (each `len` inputs, back to
-/// back in `ids`): their last-position logits, back to back.
+/// back in `ids`): each session's answer, in order. With any [`PickRequest`] the tokens are
+/// chosen on the device (the sessions without one get their logits back beside them).
 async fn run_cohort(
     children: &Children,
     sessions: &[SessionId],
     ids: Vec<i64>,
     len: usize,
+    picks: Vec<Option<PickRequest>>,
     phases: &CohortPhases,
-) -> Logits {
+) -> Result<Vec<Answer>, RuntimeError> {
     use super::trace::{Mark, mark};
     super::trace::start();
     let t = Instant::now();
@@ -289,15 +323,112 @@ async fn run_cohort(
     let h = super::layers::run_layers(&holders?, sessions, h?).await?;
     let t = add_ns(&phases.layers_ns, t);
     mark(Mark::LayersDone);
-    let logits = ask(&children.edge, "edge", |reply| EdgeMsg::SessionDecode {
-        sessions: sessions.to_vec(),
-        h,
-        reply,
-    })
-    .await;
+    let n = sessions.len();
+    let answers = if picks.iter().all(Option::is_none) {
+        let logits = ask(&children.edge, "edge", |reply| EdgeMsg::SessionDecode {
+            sessions: sessions.to_vec(),
+            h,
+            reply,
+        })
+        .await;
+        logits.and_then(|all| {
+            let rows = split_rows(&all, n)?;
+            Ok(rows.map(|r| Answer::Logits(r.to_vec())).collect())
+        })
+    } else {
+        let mut buf = PicksBuf::new();
+        for p in &picks {
+            buf.push(&row_pick(p.as_ref()));
+        }
+        let want_logits = picks
+            .iter()
+            .any(|p| p.as_ref().is_none_or(|p| p.want_logits));
+        let sampled = ask(&children.edge, "edge", |reply| EdgeMsg::SessionSample {
+            sessions: sessions.to_vec(),
+            h,
+            picks: buf,
+            want_logits,
+            reply,
+        })
+        .await;
+        sampled.and_then(|(picked, logits)| answers_of(picks, &picked, logits.as_deref()))
+    };
     add_ns(&phases.decode_ns, t);
     mark(Mark::Done);
-    logits
+    answers
+}
+
+/// `all` as `n` equal rows.
+fn split_rows(all: &[f32], n: usize) -> Result<std::slice::Chunks<'_, f32>, RuntimeError> {
+    if n == 0 || !all.len().is_multiple_of(n) {
+        return Err(RuntimeError::Runtime(format!(
+            "a cohort of {n} sessions returned {} values",
+            all.len()
+        )));
+    }
+    Ok(all.chunks(all.len() / n))
+}
+
+/// The device's row for a pick; a session without one is greedy and wants its logits.
+fn row_pick(p: Option<&PickRequest>) -> RowPick<'_> {
+    let greedy = SamplingParams::greedy();
+    let (s, want_logits) = p.map_or((&greedy, true), |p| (&p.sampling, p.want_logits));
+    let params = PickParams {
+        temperature: s.temperature,
+        top_k: u32::try_from(s.top_k).unwrap_or(u32::MAX),
+        top_p: s.top_p,
+        repetition_penalty: s.repetition_penalty,
+        presence_penalty: s.presence_penalty,
+        frequency_penalty: s.frequency_penalty,
+        seed: s.seed,
+        step: p.map_or(0, |p| p.generated.len() as u64),
+        want_logits,
+    };
+    match p {
+        Some(p) => RowPick {
+            params,
+            history: &p.history,
+            generated: &p.generated,
+            bias: &p.bias,
+        },
+        None => RowPick {
+            params,
+            history: &[],
+            generated: &[],
+            bias: &[],
+        },
+    }
+}
+
+/// Each session's answer from the device's `[ids, logprobs]` and the logits, if copied.
+fn answers_of(
+    picks: Vec<Option<PickRequest>>,
+    picked: &[f32],
+    logits: Option<&[f32]>,
+) -> Result<Vec<Answer>, RuntimeError> {
+    let n = picks.len();
+    if picked.len() != 2 * n {
+        return Err(RuntimeError::Runtime(format!(
+            "a cohort of {n} sessions returned {} picked values",
+            picked.len()
+        )));
+    }
+    let mut rows = logits.map(|l| split_rows(l, n)).transpose()?;
+    let mut out = Vec::with_capacity(n);
+    for (i, p) in picks.into_iter().enumerate() {
+        let row = rows.as_mut().and_then(|r| r.next()).map(<[f32]>::to_vec);
+        out.push(match p {
+            Some(p) => Answer::Picked(Picked {
+                token: picked[i] as i64,
+                logprob: picked[n + i],
+                logits: row.filter(|_| p.want_logits),
+            }),
+            None => Answer::Logits(row.ok_or_else(|| {
+                RuntimeError::Runtime("the device's logits were not copied".into())
+            })?),
+        });
+    }
+    Ok(out)
 }
 
 /// Adds the nanoseconds since `since` to `to`; returns now.
@@ -347,6 +478,7 @@ impl Actor for BatcherActor {
             BatcherMsg::Feed {
                 session,
                 ids,
+                pick,
                 reply,
             } => {
                 if ids.is_empty() {
@@ -364,6 +496,7 @@ impl Actor for BatcherActor {
                     s.waiting.push_back(Waiting {
                         session,
                         ids,
+                        pick,
                         reply,
                         since: Instant::now(),
                     });
@@ -378,7 +511,7 @@ impl Actor for BatcherActor {
                     s.close_now(session, reply);
                 }
             }
-            BatcherMsg::Done { sessions, logits } => s.done(sessions, logits),
+            BatcherMsg::Done { sessions, answers } => s.done(sessions, answers),
             BatcherMsg::Tick => s.tick_armed = false,
         }
         s.pump(&myself);

@@ -1,7 +1,7 @@
 //! [`AsyncDecoder`]: asynchronous decoding sessions through the layer actors, for servers on
 //! the pipeline's runtime.
 
-use super::batcher::{BatchStats, BatcherMsg};
+use super::batcher::{Answer, BatchStats, BatcherMsg, PickRequest, Picked};
 use super::layers::session_layers;
 use super::msg::{EdgeMsg, ask};
 use super::topology::Children;
@@ -72,12 +72,39 @@ impl AsyncDecoder {
     /// Runs `ids` through `session` (a prompt, or one token); the last position's logits.
     /// Concurrent sessions are batched together at every layer (see [`batcher`]).
     pub async fn feed(&self, session: SessionId, ids: Vec<i64>) -> Result<Vec<f32>, RuntimeError> {
+        match self.ask(session, ids, None).await? {
+            Answer::Logits(l) => Ok(l),
+            Answer::Picked(_) => Err(RuntimeError::Runtime("a token instead of logits".into())),
+        }
+    }
+
+    /// Runs `ids` through `session` and chooses its next token on the device as `pick` says:
+    /// only the token (and the logits, when `pick.want_logits`) cross to the host.
+    pub async fn feed_pick(
+        &self,
+        session: SessionId,
+        ids: Vec<i64>,
+        pick: PickRequest,
+    ) -> Result<Picked, RuntimeError> {
+        match self.ask(session, ids, Some(pick)).await? {
+            Answer::Picked(p) => Ok(p),
+            Answer::Logits(_) => Err(RuntimeError::Runtime("logits instead of a token".into())),
+        }
+    }
+
+    async fn ask(
+        &self,
+        session: SessionId,
+        ids: Vec<i64>,
+        pick: Option<PickRequest>,
+    ) -> Result<Answer, RuntimeError> {
         match self
             .batcher
             .call(
                 |reply| BatcherMsg::Feed {
                     session,
                     ids,
+                    pick,
                     reply,
                 },
                 None,

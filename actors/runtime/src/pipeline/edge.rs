@@ -263,6 +263,46 @@ impl Actor for EdgeActor {
                     .await;
                 return answer(WHO.into(), reply, r);
             }
+            EdgeMsg::SessionSample {
+                sessions,
+                h,
+                mut picks,
+                want_logits,
+                reply,
+            } => {
+                let backend = s.stage.backend().clone();
+                let r = s
+                    .stage
+                    .compute(Priority::FORWARD_UNTRAINED, Some(h), move |st, h| {
+                        use super::trace::{Mark, mark};
+                        mark(Mark::DecodeJob);
+                        let mut out = st
+                            .call(StageCall::SessionSample {
+                                sessions: &sessions,
+                                h: h.expect("moved"),
+                                picks: picks.picks(),
+                            })?
+                            .tensors;
+                        if out.len() != 2 {
+                            return Err(EngineError::Backend(format!(
+                                "SessionSample answered {} tensors, not [picked, logits]",
+                                out.len()
+                            )));
+                        }
+                        mark(Mark::DecodeQueued);
+                        let logits = out.pop().expect("two");
+                        let picked = backend.to_host(&out.pop().expect("two"))?.data;
+                        let logits = if want_logits {
+                            Some(backend.to_host(&logits)?.data)
+                        } else {
+                            None
+                        };
+                        mark(Mark::Copied);
+                        Ok((picked, logits))
+                    })
+                    .await;
+                return answer(WHO.into(), reply, r);
+            }
             EdgeMsg::HeadEval { h, batch, reply } => {
                 let r = s
                     .stage

@@ -189,6 +189,10 @@ pub enum LayerMsg {
     },
 }
 
+/// What `SessionSample` brings to the host: `[ids, logprobs]` (`2·B` values) and the logits
+/// when they were asked for.
+pub type Sampled = (Vec<f32>, Option<Vec<f32>>);
+
 /// Optimizer-phase and decoding calls, answered by reply.
 pub enum EdgeMsg {
     Wire {
@@ -234,6 +238,15 @@ pub enum EdgeMsg {
         sessions: Vec<SessionId>,
         h: DeviceTensor,
         reply: RpcReplyPort<Result<Vec<f32>, EngineError>>,
+    },
+    /// `SessionDecode` with every row's next token chosen on the device as `picks` says:
+    /// `[ids, logprobs]` back to back (`2·B` values), and the logits when `want_logits`.
+    SessionSample {
+        sessions: Vec<SessionId>,
+        h: DeviceTensor,
+        picks: nsactor_plugin_api::PicksBuf,
+        want_logits: bool,
+        reply: RpcReplyPort<Result<Sampled, EngineError>>,
     },
     /// Masked mean CE of `h` against `batch` (no gradients).
     HeadEval {

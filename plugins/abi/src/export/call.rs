@@ -80,6 +80,15 @@ pub(super) fn decode_call<'a>(
             sessions,
             h: tensor("SessionDecode")?,
         },
+        17 => StageCall::SessionSample {
+            sessions,
+            h: tensor("SessionSample")?,
+            picks: nsactor_plugin_api::Picks {
+                floats: mask,
+                ints: targets,
+                rows: a.batch as usize,
+            },
+        },
         15 => StageCall::Probe {
             h: tensor("Probe")?,
         },

@@ -78,6 +78,16 @@ pub(super) fn encode(
             a.sessions_len = sessions.len();
             input = Some(h);
         }
+        StageCall::SessionSample { sessions, h, picks } => {
+            a.sessions = SessionId::raw(sessions).as_ptr();
+            a.sessions_len = sessions.len();
+            a.batch = picks.rows as u64;
+            a.targets = picks.ints.as_ptr();
+            a.targets_len = picks.ints.len();
+            a.mask = picks.floats.as_ptr();
+            a.mask_len = picks.floats.len();
+            input = Some(h);
+        }
         StageCall::Probe { h } => input = Some(h),
         StageCall::TokenLosses { h, targets } => {
             head(&mut a, targets, &[]);

@@ -321,3 +321,40 @@ fn verify_batch_invariance_passes_on_the_cpu_and_refuses_an_empty_cohort() {
     let e = run_err(&["verify", "batch-invariance", "--cohorts", "0"]);
     assert!(e.contains("cohorts of at least one session"), "{e}");
 }
+
+/// `bench serve` drives the real server over loopback with WebSocket and HTTP/SSE clients and
+/// prints the engine's own figure beside them: greedy clients agree (one distinct text), and
+/// every row has a throughput.
+#[test]
+fn bench_serve_measures_websocket_and_sse_clients_beside_the_engine() {
+    let stdout = run_stdout(&[
+        "bench",
+        "serve",
+        "--sessions",
+        "1,3",
+        "--tokens",
+        "6",
+        "--temperature",
+        "0",
+    ]);
+    let rows: Vec<Vec<&str>> = stdout
+        .lines()
+        .map(|l| l.split_whitespace().collect::<Vec<_>>())
+        .filter(|w| w.len() >= 2 && w[0].parse::<usize>().is_ok())
+        .collect();
+    let clients: Vec<&str> = rows.iter().map(|w| w[1]).collect();
+    assert_eq!(
+        clients,
+        ["ws", "sse", "engine", "ws", "sse", "engine"],
+        "{stdout}"
+    );
+    for w in &rows {
+        let tokens_per_s: f64 = w[if w[1] == "engine" { 5 } else { 6 }].parse().unwrap();
+        assert!(tokens_per_s > 0.0, "{stdout}");
+        if w[1] != "engine" {
+            assert_eq!(w[8], "1", "greedy clients gave different texts: {stdout}");
+        }
+    }
+    let e = run_err(&["bench", "serve", "--protocol", "grpc"]);
+    assert!(e.contains("grpc"), "{e}");
+}

@@ -9,6 +9,7 @@ mod kernels;
 mod overhead;
 mod recovery;
 mod serve;
+mod sse;
 mod stats;
 mod steps;
 mod train;

@@ -106,6 +106,10 @@ pub struct ServeBenchArgs {
     /// Sampling temperature of every client (0: greedy, and the clients should all agree).
     #[arg(long, default_value_t = 0.8)]
     temperature: f32,
+    /// Client protocols to measure at each concurrency: `ws` (the WebSocket) and `sse`
+    /// (`/v1/completions` streamed as Server-Sent Events).
+    #[arg(long, value_delimiter = ',', value_parser = ["ws", "sse"], default_value = "ws,sse")]
+    protocol: Vec<String>,
     /// Backend (with --checkpoint: default the run's).
     #[arg(long)]
     backend: Option<String>,
@@ -148,7 +152,7 @@ pub fn run(a: ServeBenchArgs) -> crate::CliResult {
     );
     let info = l.pipeline.backend().info();
     println!(
-        "serve: {} ({} parameters) on {} {} ({}), pipeline {}; {} tokens per session at temperature {}, WebSocket on loopback",
+        "serve: {} ({} parameters) on {} {} ({}), pipeline {}; {} tokens per session at temperature {}, on loopback; engine: the same load on the decoder, no network",
         l.name,
         l.pipeline.param_count(),
         info.name,
@@ -159,8 +163,9 @@ pub fn run(a: ServeBenchArgs) -> crate::CliResult {
         a.temperature
     );
     println!(
-        "{:>9} {:>14} {:>14} {:>13} {:>13} {:>16} {:>12} {:>9}",
+        "{:>9} {:>8} {:>14} {:>14} {:>13} {:>13} {:>16} {:>12} {:>9}",
         "sessions",
+        "client",
         "TTFT p50 (ms)",
         "TTFT p99 (ms)",
         "ITL p50 (ms)",
@@ -184,19 +189,40 @@ pub fn run(a: ServeBenchArgs) -> crate::CliResult {
             serve_load(addr, n, 4, a.temperature).await?;
         }
         for &n in &a.sessions {
-            let (c0, n0) = decoder.batch_counts();
-            let t = serve_load(addr, n, a.tokens, a.temperature).await?;
-            let (c1, n1) = decoder.batch_counts();
+            for protocol in &a.protocol {
+                let (c0, n0) = decoder.batch_counts();
+                let t = match protocol.as_str() {
+                    "sse" => super::sse::sse_load(addr, n, a.tokens, a.temperature).await?,
+                    _ => serve_load(addr, n, a.tokens, a.temperature).await?,
+                };
+                let (c1, n1) = decoder.batch_counts();
+                println!(
+                    "{:>9} {:>8} {:>14.1} {:>14.1} {:>13.2} {:>13.2} {:>16.0} {:>12.1} {:>9}",
+                    t.sessions,
+                    protocol,
+                    t.ttft_p50_ms,
+                    t.ttft_p99_ms,
+                    t.itl_p50_ms,
+                    t.itl_p99_ms,
+                    t.tokens_per_s,
+                    (n1 - n0) as f64 / (c1 - c0).max(1) as f64,
+                    t.distinct
+                );
+            }
+            // The engine alone under the same load: what the server's path adds shows beside.
+            let prompt = [1i64, 40, 41];
+            let e = super::generate::generate_load(&decoder, n, &prompt, a.tokens, true).await?;
             println!(
-                "{:>9} {:>14.1} {:>14.1} {:>13.2} {:>13.2} {:>16.0} {:>12.1} {:>9}",
-                t.sessions,
-                t.ttft_p50_ms,
-                t.ttft_p99_ms,
-                t.itl_p50_ms,
-                t.itl_p99_ms,
-                t.tokens_per_s,
-                (n1 - n0) as f64 / (c1 - c0).max(1) as f64,
-                t.distinct
+                "{:>9} {:>8} {:>14.1} {:>14} {:>13.2} {:>13.2} {:>16.0} {:>12.1} {:>9}",
+                n,
+                "engine",
+                e.prefill_p50_ms,
+                "",
+                e.step_p50_ms,
+                e.step_p99_ms,
+                e.tokens_per_s,
+                e.mean_cohort,
+                ""
             );
         }
         Ok::<_, crate::CliError>(())

@@ -1,0 +1,128 @@
+//! The HTTP side of `nsactor bench serve`: clients of `/v1/completions` with `stream: true`
+//! (Server-Sent Events) over hyper on loopback, as an OpenAI client would call the server.
+
+use super::serve::ServeTimings;
+use super::stats::pct;
+use crate::CliResult;
+use http_body_util::BodyExt;
+use std::time::Instant;
+
+/// What one streaming client saw.
+struct Stream {
+    ttft: f64,
+    /// Seconds between content events.
+    gaps: Vec<f64>,
+    tokens: usize,
+    text: String,
+}
+
+/// `sessions` clients of `POST /v1/completions` (`stream: true`, usage in the last event),
+/// each generating `tokens` tokens at `temperature` (client i with seed i), from the server at
+/// `addr`; run on the server's runtime.
+pub async fn sse_load(
+    addr: std::net::SocketAddr,
+    sessions: usize,
+    tokens: usize,
+    temperature: f32,
+) -> CliResult<ServeTimings> {
+    let start = Instant::now();
+    let clients: Vec<_> = (0..sessions)
+        .map(|i| tokio::spawn(one(addr, i, tokens, temperature)))
+        .collect();
+    let (mut ttfts, mut gaps, mut total) = (Vec::new(), Vec::new(), 0usize);
+    let mut texts = std::collections::HashSet::new();
+    for c in clients {
+        let s = c.await??;
+        ttfts.push(s.ttft);
+        gaps.extend(s.gaps);
+        total += s.tokens;
+        texts.insert(s.text);
+    }
+    let wall = start.elapsed().as_secs_f64();
+    Ok(ServeTimings {
+        sessions,
+        ttft_p50_ms: pct(&mut ttfts, 0.5) * 1e3,
+        ttft_p99_ms: pct(&mut ttfts, 0.99) * 1e3,
+        itl_p50_ms: pct(&mut gaps, 0.5) * 1e3,
+        itl_p99_ms: pct(&mut gaps, 0.99) * 1e3,
+        tokens_per_s: total as f64 / wall,
+        distinct: texts.len(),
+    })
+}
+
+async fn one(
+    addr: std::net::SocketAddr,
+    seed: usize,
+    tokens: usize,
+    temperature: f32,
+) -> CliResult<Stream> {
+    let tcp = tokio::net::TcpStream::connect(addr).await?;
+    tcp.set_nodelay(true)?;
+    let (mut sender, conn) =
+        hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(tcp))
+            .await
+            .map_err(|e| format!("HTTP handshake: {e}"))?;
+    tokio::spawn(conn);
+    let body = serde_json::json!({"prompt": "Emma was", "max_tokens": tokens,
+        "temperature": temperature, "seed": seed, "ignore_eos": true, "stream": true,
+        "stream_options": {"include_usage": true}});
+    let req = hyper::Request::post("/v1/completions")
+        .header("host", addr.to_string())
+        .header("content-type", "application/json")
+        .body(http_body_util::Full::new(hyper::body::Bytes::from(
+            body.to_string(),
+        )))
+        .map_err(|e| format!("request: {e}"))?;
+    let sent = Instant::now();
+    let resp = sender
+        .send_request(req)
+        .await
+        .map_err(|e| format!("POST /v1/completions: {e}"))?;
+    if !resp.status().is_success() {
+        let status = resp.status();
+        let body = resp.into_body().collect().await.map(|b| b.to_bytes());
+        return Err(format!("server answered {status}: {body:?}").into());
+    }
+    let mut body = resp.into_body();
+    let (mut buf, mut text) = (String::new(), String::new());
+    let (mut ttft, mut last, mut events) = (None, sent, Vec::new());
+    let mut usage = None;
+    'read: while let Some(frame) = body.frame().await {
+        let frame = frame.map_err(|e| format!("reading the stream: {e}"))?;
+        let Some(data) = frame.data_ref() else {
+            continue;
+        };
+        buf.push_str(&String::from_utf8_lossy(data));
+        while let Some(end) = buf.find("\n\n") {
+            let event: String = buf.drain(..end + 2).collect();
+            let Some(payload) = event.trim().strip_prefix("data:").map(str::trim) else {
+                continue;
+            };
+            if payload == "[DONE]" {
+                break 'read;
+            }
+            let v: serde_json::Value = serde_json::from_str(payload)?;
+            if let Some(n) = v["usage"]["completion_tokens"].as_u64() {
+                usage = Some(n as usize);
+            }
+            let piece = v["choices"][0]["text"].as_str().unwrap_or("");
+            if !piece.is_empty() {
+                let now = Instant::now();
+                ttft.get_or_insert((now - sent).as_secs_f64());
+                events.push((now - last).as_secs_f64());
+                last = now;
+                text.push_str(piece);
+            }
+        }
+    }
+    let tokens = usage.ok_or("the stream ended without its usage")?;
+    // The first event's wait is the time to first token; the gaps after it are per event
+    // (one token each, unless a character or a stop-string start was held back).
+    let gaps = events.into_iter().skip(1).collect();
+    Ok(Stream {
+        ttft: ttft.unwrap_or(f64::NAN),
+        gaps,
+        tokens,
+        text,
+    })
+}

@@ -1,24 +1,10 @@
 //! `nsactor bench serve`: TTFT, inter-token latency and tokens/s through the real server on loopback.
 
-use super::stats::pct;
+use super::stats::{ServeTimings, pct};
 use crate::{CliError, CliResult};
 use nsactor_runtime::launch::{self};
 use std::path::PathBuf;
 use std::time::Instant;
-
-/// One concurrency level of `nsactor bench serve`.
-#[derive(Debug, Clone)]
-pub struct ServeTimings {
-    pub sessions: usize,
-    pub ttft_p50_ms: f64,
-    pub ttft_p99_ms: f64,
-    pub itl_p50_ms: f64,
-    pub itl_p99_ms: f64,
-    /// Generated tokens over the wall time of the whole batch of requests.
-    pub tokens_per_s: f64,
-    /// Different token sequences among the clients (1 when greedy clients agree).
-    pub distinct: usize,
-}
 
 /// `sessions` WebSocket clients on loopback, each generating `tokens` tokens (at `temperature`,
 /// client i with seed i; 0 is greedy; end tokens ignored) from the server at `addr`; run on the

@@ -1,8 +1,7 @@
 //! The HTTP side of `nsactor bench serve`: clients of `/v1/completions` with `stream: true`
 //! (Server-Sent Events) over hyper on loopback, as an OpenAI client would call the server.
 
-use super::serve::ServeTimings;
-use super::stats::pct;
+use super::stats::{ServeTimings, pct};
 use crate::CliResult;
 use http_body_util::BodyExt;
 use std::time::Instant;

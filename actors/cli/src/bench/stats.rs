@@ -1,4 +1,4 @@
-//! Repeated timings and their spread.
+//! Repeated timings and their spread, and the figures of one `bench serve` level.
 
 use nsactor_plugin_api::EngineError;
 use std::time::Instant;
@@ -43,4 +43,18 @@ pub fn pct(v: &mut [f64], q: f64) -> f64 {
     }
     v.sort_by(f64::total_cmp);
     v[((v.len() - 1) as f64 * q).round() as usize]
+}
+
+/// One concurrency level of `nsactor bench serve`.
+#[derive(Debug, Clone)]
+pub struct ServeTimings {
+    pub sessions: usize,
+    pub ttft_p50_ms: f64,
+    pub ttft_p99_ms: f64,
+    pub itl_p50_ms: f64,
+    pub itl_p99_ms: f64,
+    /// Generated tokens over the wall time of the whole batch of requests.
+    pub tokens_per_s: f64,
+    /// Different outputs among the clients (1 when greedy clients agree).
+    pub distinct: usize,
 }

@@ -1,7 +1,8 @@
 //! `nsactor verify batch-invariance`: a session's logits must not depend on the cohort it is
 //! decoded in (issue 29). One prompt is decoded greedily alone, then inside cohorts of other
 //! sessions with other prompts — prefills of its length batched with it, every decoding step
-//! one batched pass of the whole cohort, straight through the stages — and its tokens and
+//! one batched pass of the whole cohort (prefills in passes of at most `PASS_FRAME_ROWS` frame
+//! rows, as the batcher runs them), straight through the stages — and its tokens and
 //! logits are compared with the lone run's, bit for bit. Tokens are chosen on the device, as
 //! the server chooses them (`SessionSample`, greedy), and each is checked against the host's
 //! argmax of the logits that came back with it.
@@ -166,11 +167,15 @@ pub fn decode_cohort(
     for (i, p) in prompts.iter().enumerate() {
         by_len.entry(p.len()).or_default().push(i);
     }
+    // Prefills in passes of at most PASS_FRAME_ROWS frame rows, as the batcher runs them.
+    let budget = crate::pipeline::batcher::PASS_FRAME_ROWS / model.k.max(1);
     for (t, members) in by_len {
-        let s: Vec<SessionId> = members.iter().map(|&i| sessions[i]).collect();
-        let ids: Vec<i64> = members.iter().flat_map(|&i| prompts[i].clone()).collect();
-        for (out, &i) in m.pass(&s, &ids, t)?.into_iter().zip(&members) {
-            take(i, out, &mut picked);
+        for group in members.chunks((budget / t).max(1)) {
+            let s: Vec<SessionId> = group.iter().map(|&i| sessions[i]).collect();
+            let ids: Vec<i64> = group.iter().flat_map(|&i| prompts[i].clone()).collect();
+            for (out, &i) in m.pass(&s, &ids, t)?.into_iter().zip(group) {
+                take(i, out, &mut picked);
+            }
         }
     }
     for _ in 1..steps {

@@ -546,3 +546,33 @@ fn a_loss_spike_rolls_back_to_the_checkpoint_and_skips_the_batches_since() {
     assert_eq!(bits(&got.stats), bits(&want.stats));
     assert!(faulty.save_stages().unwrap() == clean.save_stages().unwrap());
 }
+
+/// A prompt longer than one pass's budget (4,096 frame rows / K = 4 → 1,024 tokens) is fed in
+/// two passes, and the neuron states carry across them: the logits equal those of the same
+/// prompt fed by hand in three pieces.
+#[test]
+fn a_prompt_longer_than_one_pass_is_fed_in_chunks_that_carry_the_states() {
+    let _serial = serial();
+    let p = pipeline(1, None);
+    let d = p.decoder(256);
+    let prompt: Vec<i64> = (0..1500).map(|i| 5 + (i * 37 % 200) as i64).collect();
+    let (c0, _) = d.batch_counts();
+    let whole = p.block_on(forced(&d, prompt.clone(), Vec::new())).remove(0);
+    let (c1, _) = d.batch_counts();
+    assert_eq!(c1 - c0, 2, "1,500 tokens at 1,024 a pass");
+    let pieces = p.block_on(async {
+        let s = d.session();
+        let mut last = Vec::new();
+        for part in prompt.chunks(500) {
+            last = d.feed(s, part.to_vec()).await.unwrap();
+        }
+        d.close(s).await;
+        last
+    });
+    let worst = whole
+        .iter()
+        .zip(&pieces)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0f32, f32::max);
+    assert!(worst <= 1e-5, "chunked prefill differs by {worst}");
+}

@@ -29,11 +29,21 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, RwLock};
 use std::time::{Duration, Instant};
 
+/// Most frame rows (input tokens × K) of one batched pass: the row count the decoding GEMMs'
+/// batch-invariant plan is referenced at on CUDA (`nsactor_kernels::decoding_gemms`). A pass
+/// with more rows would take other GEMM kernels, and a session's logits would depend on its
+/// cohort.
+pub const PASS_FRAME_ROWS: usize = 4096;
+
 /// How sessions are batched.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Batching {
     /// Most sessions in one cohort.
     pub max_batch: usize,
+    /// Most input tokens in one cohort (sessions × input length; at least one session's
+    /// input): [`PASS_FRAME_ROWS`] / K. Longer prompts are fed in chunks of this size
+    /// ([`AsyncDecoder`](super::AsyncDecoder)).
+    pub max_tokens: usize,
     /// Most cohorts in flight (one per pipeline stage keeps every stage busy).
     pub max_in_flight: usize,
     /// Longest an input waits for the sessions not yet back.
@@ -44,6 +54,7 @@ impl Default for Batching {
     fn default() -> Self {
         Batching {
             max_batch: 256,
+            max_tokens: usize::MAX,
             max_in_flight: 1,
             window: Duration::from_millis(2),
         }
@@ -219,8 +230,12 @@ impl BatcherState {
         let len = self.waiting.front().expect("non-empty").ids.len();
         let mut cohort = Vec::new();
         let mut rest = VecDeque::with_capacity(self.waiting.len());
+        let fits = |n: usize| n == 0 || (n + 1) * len <= self.batching.max_tokens;
         for w in self.waiting.drain(..) {
-            if w.ids.len() == len && cohort.len() < self.batching.max_batch.max(1) {
+            if w.ids.len() == len
+                && cohort.len() < self.batching.max_batch.max(1)
+                && fits(cohort.len())
+            {
                 cohort.push(w);
             } else {
                 rest.push_back(w);

@@ -21,6 +21,9 @@ pub struct AsyncDecoder {
     pub(crate) stats: Arc<BatchStats>,
     pub(crate) ids: Arc<IdAllocator>,
     pub(crate) vocab: usize,
+    /// Most input tokens of one pass ([`Batching::max_tokens`](super::batcher::Batching)):
+    /// a longer prompt is fed in chunks of this size.
+    pub(crate) max_tokens: usize,
 }
 
 impl AsyncDecoder {
@@ -92,7 +95,25 @@ impl AsyncDecoder {
         }
     }
 
+    /// Feeds `ids`; a prompt longer than one pass's budget goes in chunks (the neuron states
+    /// carry from one to the next, as they do from token to token), the last with `pick`.
     async fn ask(
+        &self,
+        session: SessionId,
+        ids: Vec<i64>,
+        pick: Option<PickRequest>,
+    ) -> Result<Answer, RuntimeError> {
+        let chunk = self.max_tokens.max(1);
+        let mut ids = ids;
+        while ids.len() > chunk {
+            let rest = ids.split_off(chunk);
+            self.ask_once(session, ids, None).await?;
+            ids = rest;
+        }
+        self.ask_once(session, ids, pick).await
+    }
+
+    async fn ask_once(
         &self,
         session: SessionId,
         ids: Vec<i64>,

@@ -76,6 +76,8 @@ impl Pipeline {
             edge: edge_stage,
             layers: layer_stages,
         } = model.into_parts();
+        // Frames per token: a pass's GEMM rows are its input tokens × K.
+        let frames = spec.model.k.max(1);
         let spin = worker::idle_spin(&backend.info().name);
         let spawn = |name: String| {
             Worker::spawn_spinning(name, spin)
@@ -137,16 +139,18 @@ impl Pipeline {
         })?;
         trace::init();
         let stats = Arc::new(BatchStats::default());
+        let batching = Batching {
+            max_in_flight: plan.num_stages(),
+            max_tokens: (super::batcher::PASS_FRAME_ROWS / frames).max(1),
+            ..Batching::default()
+        };
         let batcher = rt
             .block_on(Actor::spawn(
                 Some(format!("pipeline{id}/batcher")),
                 BatcherActor,
                 BatcherArgs {
                     children: children.clone(),
-                    batching: Batching {
-                        max_in_flight: plan.num_stages(),
-                        ..Batching::default()
-                    },
+                    batching,
                     stats: stats.clone(),
                 },
             ))
@@ -158,6 +162,7 @@ impl Pipeline {
             stats,
             ids,
             vocab: 0,
+            max_tokens: batching.max_tokens,
         };
         Ok(Pipeline {
             rt,

@@ -8,8 +8,8 @@
 //! argmax of the logits that came back with it.
 
 use nsactor_plugin_api::{
-    ComputeBackend, DeviceTensor, EngineError, IdAllocator, ModelConfig, OptimizerKind, PickParams,
-    PicksBuf, RowPick, SessionId, Stage, StageCall, StageKind, StageSpec, Tokens,
+    ComputeBackend, DeviceTensor, EngineError, IdAllocator, ModelConfig, OptimizerKind, PicksBuf,
+    SessionId, Stage, StageCall, StageKind, StageSpec, Tokens,
 };
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -100,22 +100,8 @@ impl Stages {
         }
         let mut picks = PicksBuf::new();
         for _ in sessions {
-            picks.push(&RowPick {
-                params: PickParams {
-                    temperature: 0.0,
-                    top_k: 0,
-                    top_p: 1.0,
-                    repetition_penalty: 1.0,
-                    presence_penalty: 0.0,
-                    frequency_penalty: 0.0,
-                    seed: 0,
-                    step: 0,
-                    want_logits: true,
-                },
-                history: &[],
-                generated: &[],
-                bias: &[],
-            });
+            // Greedy, logits back: what a feed without a pick gets.
+            picks.push(&crate::pipeline::batcher::row_pick(None));
         }
         let out = self
             .edge

@@ -148,13 +148,9 @@ fn top_k_threshold<B: Backend>(
         .clone()
         .mask_fill(s.clone().is_inf(), f32::INFINITY)
         .min_dim(1);
-    let (mut lo, mut hi) = (finite_min, max.clone());
-    for _ in 0..BISECT {
-        let mid = (lo.clone() + hi.clone()) * 0.5;
-        let ok = count(mid.clone()).greater_equal(k.clone());
-        lo = lo.mask_where(ok.clone(), mid.clone());
-        hi = hi.mask_where(ok.bool_not(), mid);
-    }
+    let lo = bisect(finite_min, max.clone(), |mid| {
+        count(mid).greater_equal(k.clone())
+    });
     let at_max = count(max.clone()).greater_equal(k);
     lo.mask_where(at_max, max).expand([b, v])
 }
@@ -173,15 +169,27 @@ fn top_p_threshold<B: Backend>(
         (p.clone() * keep).sum_dim(1)
     };
     let max = p.clone().max_dim(1);
-    let (mut lo, mut hi) = (max.zeros_like(), max.clone());
-    for _ in 0..BISECT {
-        let mid = (lo.clone() + hi.clone()) * 0.5;
-        let ok = mass(mid.clone()).greater_equal(top_p.clone());
-        lo = lo.mask_where(ok.clone(), mid.clone());
-        hi = hi.mask_where(ok.bool_not(), mid);
-    }
+    let lo = bisect(max.zeros_like(), max.clone(), |mid| {
+        mass(mid).greater_equal(top_p.clone())
+    });
     let at_max = mass(max.clone()).greater_equal(top_p);
     lo.mask_where(at_max, max).expand([b, v])
+}
+
+/// [`BISECT`] halvings of `[lo, hi]` (`[B, 1]`) keeping `ok(lo)` true: the largest threshold
+/// each row's `ok` holds for, within (hi − lo) / 2³².
+fn bisect<B: Backend>(
+    mut lo: Tensor<B, 2>,
+    mut hi: Tensor<B, 2>,
+    ok: impl Fn(Tensor<B, 2>) -> Tensor<B, 2, burn::tensor::Bool>,
+) -> Tensor<B, 2> {
+    for _ in 0..BISECT {
+        let mid = (lo.clone() + hi.clone()) * 0.5;
+        let yes = ok(mid.clone());
+        lo = lo.mask_where(yes.clone(), mid.clone());
+        hi = hi.mask_where(yes.bool_not(), mid);
+    }
+    lo
 }
 
 /// `[B, V]` uniform draws in (0, 1), each a function of its row's keys and its token index.

@@ -1,6 +1,6 @@
 //! `nsactor bench serve`: TTFT, inter-token latency and tokens/s through the real server on loopback.
 
-use super::stats::{ServeTimings, pct};
+use super::stats::ServeTimings;
 use crate::{CliError, CliResult};
 use nsactor_runtime::launch::{self};
 use std::path::PathBuf;
@@ -67,15 +67,14 @@ pub async fn serve_load(
         texts.insert(ids);
     }
     let wall = start.elapsed().as_secs_f64();
-    Ok(ServeTimings {
+    Ok(ServeTimings::of(
         sessions,
-        ttft_p50_ms: pct(&mut ttfts, 0.5) * 1e3,
-        ttft_p99_ms: pct(&mut ttfts, 0.99) * 1e3,
-        itl_p50_ms: pct(&mut gaps, 0.5) * 1e3,
-        itl_p99_ms: pct(&mut gaps, 0.99) * 1e3,
-        tokens_per_s: total as f64 / wall,
-        distinct: texts.len(),
-    })
+        ttfts,
+        gaps,
+        total,
+        texts.len(),
+        wall,
+    ))
 }
 
 #[derive(clap::Args)]

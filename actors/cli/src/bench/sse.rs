@@ -1,7 +1,7 @@
 //! The HTTP side of `nsactor bench serve`: clients of `/v1/completions` with `stream: true`
 //! (Server-Sent Events) over hyper on loopback, as an OpenAI client would call the server.
 
-use super::stats::{ServeTimings, pct};
+use super::stats::ServeTimings;
 use crate::CliResult;
 use http_body_util::BodyExt;
 use std::time::Instant;
@@ -38,15 +38,14 @@ pub async fn sse_load(
         texts.insert(s.text);
     }
     let wall = start.elapsed().as_secs_f64();
-    Ok(ServeTimings {
+    Ok(ServeTimings::of(
         sessions,
-        ttft_p50_ms: pct(&mut ttfts, 0.5) * 1e3,
-        ttft_p99_ms: pct(&mut ttfts, 0.99) * 1e3,
-        itl_p50_ms: pct(&mut gaps, 0.5) * 1e3,
-        itl_p99_ms: pct(&mut gaps, 0.99) * 1e3,
-        tokens_per_s: total as f64 / wall,
-        distinct: texts.len(),
-    })
+        ttfts,
+        gaps,
+        total,
+        texts.len(),
+        wall,
+    ))
 }
 
 async fn one(

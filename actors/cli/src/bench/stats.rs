@@ -58,3 +58,26 @@ pub struct ServeTimings {
     /// Different outputs among the clients (1 when greedy clients agree).
     pub distinct: usize,
 }
+
+impl ServeTimings {
+    /// The figures of `sessions` clients: their times to first token and inter-token gaps (s),
+    /// the tokens they got, how many different outputs, over `wall` seconds.
+    pub fn of(
+        sessions: usize,
+        mut ttfts: Vec<f64>,
+        mut gaps: Vec<f64>,
+        tokens: usize,
+        distinct: usize,
+        wall: f64,
+    ) -> Self {
+        ServeTimings {
+            sessions,
+            ttft_p50_ms: pct(&mut ttfts, 0.5) * 1e3,
+            ttft_p99_ms: pct(&mut ttfts, 0.99) * 1e3,
+            itl_p50_ms: pct(&mut gaps, 0.5) * 1e3,
+            itl_p99_ms: pct(&mut gaps, 0.99) * 1e3,
+            tokens_per_s: tokens as f64 / wall,
+            distinct,
+        }
+    }
+}

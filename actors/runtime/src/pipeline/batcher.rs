@@ -385,7 +385,7 @@ fn split_rows(all: &[f32], n: usize) -> Result<std::slice::Chunks<'_, f32>, Runt
 }
 
 /// The device's row for a pick; a session without one is greedy and wants its logits.
-fn row_pick(p: Option<&PickRequest>) -> RowPick<'_> {
+pub(crate) fn row_pick(p: Option<&PickRequest>) -> RowPick<'_> {
     let greedy = SamplingParams::greedy();
     let (s, want_logits) = p.map_or((&greedy, true), |p| (&p.sampling, p.want_logits));
     let params = PickParams {

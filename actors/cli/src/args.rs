@@ -59,7 +59,13 @@ pub struct LayoutArgs {
     /// up to P micro-batches in flight. Overrides [train].pipeline.
     #[arg(long)]
     pub pipeline: Option<usize>,
-    /// Devices to spread the stages over, e.g. `0,1`. Overrides [train].devices.
+    /// Data-parallel replicas D of the P-stage pipeline, each running a contiguous share of
+    /// the step's micro-batches (the global batch stays `accumulation × batch_size`).
+    /// Overrides [train].data_parallel.
+    #[arg(long)]
+    pub data_parallel: Option<usize>,
+    /// Devices to spread the stages over, e.g. `0,1`; with D replicas, D equal blocks (replica
+    /// r on block r) or one device for all. Overrides [train].devices.
     #[arg(long, value_delimiter = ',')]
     pub devices: Option<Vec<usize>>,
     /// Layers per pipeline stage (from its last) that keep their forward's autodiff graph
@@ -78,6 +84,7 @@ impl LayoutArgs {
     pub fn overrides(&self) -> Result<Overrides, RuntimeError> {
         Ok(Overrides {
             pipeline: self.pipeline,
+            data_parallel: self.data_parallel,
             devices: self.devices.clone(),
             keep_activations: self.keep_activations,
             precision: self.precision.clone(),

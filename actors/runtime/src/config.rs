@@ -102,43 +102,7 @@ impl Default for DataConfig {
     }
 }
 
-/// `[train] schedule`: see [`TrainConfig::schedule`].
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "kebab-case")]
-pub enum Schedule {
-    /// `fifo` on the CPU backend, `depth-first` on the others ([`Schedule::resolve`]).
-    #[default]
-    Auto,
-    Fifo,
-    DepthFirst,
-}
-
-impl Schedule {
-    /// The schedule a pipeline on the backend named `backend` runs: `auto` keeps the CPU
-    /// backend (`ndarray`) bit-for-bit reproducible and gives accelerators the overlap.
-    pub fn resolve(self, backend: &str) -> Schedule {
-        match (self, backend) {
-            (Schedule::Auto, "ndarray") => Schedule::Fifo,
-            (Schedule::Auto, _) => Schedule::DepthFirst,
-            (s, _) => s,
-        }
-    }
-}
-
-impl std::str::FromStr for Schedule {
-    type Err = RuntimeError;
-
-    fn from_str(s: &str) -> Result<Self, RuntimeError> {
-        match s {
-            "auto" => Ok(Schedule::Auto),
-            "fifo" => Ok(Schedule::Fifo),
-            "depth-first" => Ok(Schedule::DepthFirst),
-            other => Err(RuntimeError::Invalid(format!(
-                "schedule must be auto, fifo or depth-first, got `{other}`"
-            ))),
-        }
-    }
-}
+pub use crate::schedule::{DpReduce, Schedule};
 
 /// Values given on the command line that replace the config file's; `None` keeps the file's.
 /// [`RunConfig::apply`] applies them and validates the result.
@@ -151,6 +115,7 @@ pub struct Overrides {
     pub seq_len: Option<usize>,
     pub accumulation: Option<usize>,
     pub pipeline: Option<usize>,
+    pub data_parallel: Option<usize>,
     pub devices: Option<Vec<usize>>,
     pub schedule: Option<Schedule>,
     pub keep_activations: Option<usize>,
@@ -191,6 +156,18 @@ pub struct TrainConfig {
     /// worker thread on its device; up to P micro-batches are in flight (1F1B).
     #[serde(default = "one")]
     pub pipeline: usize,
+    /// Data-parallel replicas D (`--data-parallel`): D copies of the P-stage pipeline, each
+    /// running a contiguous share of the step's `accumulation` micro-batches (the global batch
+    /// stays `accumulation × batch_size`); gradients are reduced across replicas before the
+    /// optimizer phase, which every replica runs on the same reduced gradients.
+    #[serde(default = "one")]
+    pub data_parallel: usize,
+    /// How replicas' gradients are summed: `ordered` (each micro-batch's gradients in
+    /// micro-batch order, bit-identical to one replica, holding a gradient copy per
+    /// micro-batch), `sum` (each replica sums its own, then the replica sums in replica
+    /// order) or `auto` (the default: `ordered` on the CPU backend, `sum` elsewhere).
+    #[serde(default)]
+    pub dp_reduce: DpReduce,
     /// Micro-batch order on the stage workers: `fifo` (jobs of a class run as they arrive, at
     /// most P micro-batches in flight; bit-for-bit reproducible on the CPU backend),
     /// `depth-first` (the oldest micro-batch first, at most 2P in flight: stages of several
@@ -206,7 +183,9 @@ pub struct TrainConfig {
     /// with batch 4 in bf16, a few GB per layer and micro-batch in flight.
     #[serde(default)]
     pub keep_activations: usize,
-    /// Devices the stages are spread over (`--devices 0,1`); default: device 0.
+    /// Devices the stages are spread over (`--devices 0,1`); default: device 0. With D
+    /// replicas, D equal blocks, one per replica (`--data-parallel 2 --pipeline 2 --devices
+    /// 0,1,2,3`: replica 0 on 0–1, replica 1 on 2–3), or one device for all.
     #[serde(default)]
     pub devices: Option<Vec<usize>>,
     /// Write a checkpoint every this many steps (0: only at the end of the run).
@@ -302,6 +281,7 @@ impl RunConfig {
             seq_len => t.seq_len,
             accumulation => t.accumulation,
             pipeline => t.pipeline,
+            data_parallel => t.data_parallel,
             devices => t.devices,
             schedule => t.schedule,
             keep_activations => t.keep_activations,
@@ -484,6 +464,7 @@ impl TrainConfig {
             ("accumulation", self.accumulation),
             ("log_interval", self.log_interval as usize),
             ("pipeline", self.pipeline),
+            ("data_parallel", self.data_parallel),
         ];
         if let Some((name, _)) = positive.iter().find(|(_, v)| *v == 0) {
             return Err(bad(format!("`{name}` must be positive")));
@@ -513,6 +494,13 @@ impl TrainConfig {
             return Err(bad(
                 "`eval_batches` must be positive when `eval_every` is set".into(),
             ));
+        }
+        if self.data_parallel > self.accumulation {
+            return Err(bad(format!(
+                "`data_parallel` {} needs at least as many micro-batches per step; \
+                 `accumulation` is {}",
+                self.data_parallel, self.accumulation
+            )));
         }
         if let Some(f) = &self.inject_fault {
             f.parse::<crate::pipeline::topology::Fault>()

@@ -198,6 +198,7 @@ impl StagedModel {
         let HeadOut { mut grad, loss } = self
             .edge
             .call(StageCall::Head {
+                micro: m,
                 h,
                 targets: &b.targets,
                 mask: &b.loss_mask,

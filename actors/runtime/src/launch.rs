@@ -57,7 +57,14 @@ pub fn launch(
 ) -> Result<Pipeline, RuntimeError> {
     let devices = cfg.train.devices.clone().unwrap_or_else(|| vec![0]);
     check_devices(compute.as_ref(), &devices)?;
-    let plan = PipelinePlan::balanced(cfg.model.num_layers, cfg.train.pipeline, &devices)?;
+    // Replica 0's placement; `Pipeline::start` places the other data-parallel replicas.
+    let plan = PipelinePlan::replicas(
+        cfg.model.num_layers,
+        cfg.train.pipeline,
+        cfg.train.data_parallel,
+        &devices,
+    )?
+    .swap_remove(0);
     let model = StagedModel::open(
         compute,
         &cfg.model,
@@ -141,6 +148,7 @@ fn serving_pipeline(cfg: &mut RunConfig, o: &CheckpointOptions) -> Result<Pipeli
     let mut run = cfg.clone();
     run.train.pipeline = o.pipeline;
     run.train.devices = o.devices.clone();
+    run.train.data_parallel = 1;
     run.train.inject_fault = None;
     launch(compute, &run, OptimizerKind::Adam, None)
 }

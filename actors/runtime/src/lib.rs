@@ -25,6 +25,7 @@ pub mod history;
 pub mod invariance;
 pub mod launch;
 pub mod pipeline;
+pub mod schedule;
 pub mod shutdown;
 pub mod train;
 pub mod verify;

@@ -32,6 +32,7 @@ pub mod msg;
 pub mod plan;
 pub mod probe;
 pub mod recovery;
+pub mod replicas;
 pub mod step;
 pub mod supervisor;
 pub mod topology;

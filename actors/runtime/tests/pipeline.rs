@@ -5,123 +5,13 @@
 
 #![cfg(feature = "embedded-cpu")]
 
-use nsactor_data::{MemTokens, Mode, Sampler};
-use nsactor_plugin_api::{Batch, EngineError, OptimizerKind};
+use nsactor_plugin_api::{Batch, EngineError};
 use nsactor_runtime::RuntimeError;
-use nsactor_runtime::config::{RunConfig, model_from_toml};
-use nsactor_runtime::engine::{StagedModel, StepParams, StepStats};
 use nsactor_runtime::pipeline::{Pipeline, PipelinePlan, checkpoint};
-use std::sync::{Arc, Mutex, MutexGuard};
 
-/// Holds the tests of this file to one at a time. Each compares runs bit for bit, and burn's
-/// autodiff keeps process-wide graph state that tests on other threads clean up concurrently:
-/// run side by side, a last-bit difference showed up now and then (about 2 runs in 10) in the
-/// full suite, never alone.
-fn serial() -> MutexGuard<'static, ()> {
-    static SERIAL: Mutex<()> = Mutex::new(());
-    SERIAL.lock().unwrap_or_else(|e| e.into_inner())
-}
+mod common;
 
-const MODEL: &str = "[model]\nvocab_size = 256\nD = 16\nN = 4\nK = 3\nnum_layers = 4\nD_ff = 48\n\
-                     v_th_min = 0.1\nplif_out = \"leak\"\n";
-
-fn backend() -> Arc<dyn nsactor_plugin_api::ComputeBackend> {
-    // These tests compare results bit for bit across schedules. burn-ndarray splits some
-    // reductions over rayon's global pool adaptively (work stealing), so when stages really run
-    // at once the last bits vary from run to run (measured: 2 of 8 runs of this file differed
-    // in a loss by ~1e-11 relative; 0 of 8 with one thread). One rayon thread makes the CPU
-    // kernels deterministic; the schedules still overlap on the stage workers.
-    let _ = rayon::ThreadPoolBuilder::new()
-        .num_threads(1)
-        .build_global();
-    nsactor_runtime::backend::open(nsactor_runtime::backend::EMBEDDED, &[]).unwrap()
-}
-
-fn staged() -> StagedModel {
-    StagedModel::open(
-        backend(),
-        &model_from_toml(MODEL).unwrap(),
-        11,
-        OptimizerKind::Adam,
-        None,
-    )
-    .unwrap()
-}
-
-fn train_cfg() -> nsactor_runtime::config::TrainConfig {
-    let mut t = RunConfig::load(None).unwrap().train;
-    t.batch_size = 2;
-    t.seq_len = 12;
-    t.accumulation = 3;
-    t.steps = 4;
-    t.warmup_iters = 2;
-    t
-}
-
-fn pipeline(p: usize, sampler: Option<Sampler>) -> Pipeline {
-    let plan = PipelinePlan::balanced(4, p, &[0]).unwrap();
-    Pipeline::start(staged(), plan, train_cfg(), sampler).unwrap()
-}
-
-/// Deterministic pseudo-random batches.
-fn batches(seed: u64, m: usize) -> Vec<Batch> {
-    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    let mut next = || {
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
-        (x % 250 + 5) as i64
-    };
-    (0..m)
-        .map(|_| {
-            let (b, t) = (2, 12);
-            let inputs: Vec<i64> = (0..b * t).map(|_| next()).collect();
-            let targets: Vec<i64> = (0..b * t).map(|_| next()).collect();
-            let loss_mask = (0..b * t)
-                .map(|i| if i % 7 == 3 { 0.0 } else { 1.0 })
-                .collect();
-            Batch {
-                batch: b,
-                seq_len: t,
-                inputs,
-                targets,
-                loss_mask,
-            }
-        })
-        .collect()
-}
-
-fn params(step: usize) -> StepParams {
-    StepParams {
-        lr: 2e-3 * (step + 1) as f64,
-        neuron_lr: 2e-2 * (step + 1) as f64,
-        ponder_weight: 0.01,
-        max_grad_norm: 0.5,
-    }
-}
-
-fn bits(s: &StepStats) -> [u64; 6] {
-    [
-        s.loss.to_bits(),
-        s.ce.to_bits(),
-        s.expected_k.to_bits(),
-        s.expected_k_min.to_bits(),
-        s.expected_k_max.to_bits(),
-        s.grad_norm.to_bits(),
-    ]
-}
-
-/// The sequential engine's run of `steps`: each step's statistics as bits, and the stages'
-/// saved shards at the end.
-fn sequential(steps: &[Vec<Batch>]) -> (Vec<[u64; 6]>, Vec<Vec<u8>>) {
-    let mut reference = staged();
-    let want = steps
-        .iter()
-        .enumerate()
-        .map(|(i, b)| bits(&reference.train_step(b, &params(i)).unwrap()))
-        .collect();
-    (want, reference.save_stages().unwrap())
-}
+use common::*;
 
 #[test]
 fn any_number_of_stages_and_micro_batches_reproduces_the_sequential_schedule_bitwise() {
@@ -209,23 +99,6 @@ fn a_failing_micro_batch_skips_the_step_and_leaves_no_gradients_behind() {
         pl.eval_ce(&after[0]).unwrap().to_bits(),
         reference.eval_ce(&after[0]).unwrap().to_bits()
     );
-}
-
-fn sampler() -> Sampler {
-    let mut tokens = MemTokens::default();
-    let mut x = 12345u64;
-    for _ in 0..40 {
-        let doc: Vec<u32> = (0..30)
-            .map(|_| {
-                x = x
-                    .wrapping_mul(6364136223846793005)
-                    .wrapping_add(1442695040888963407);
-                (x >> 33) as u32 % 250 + 5
-            })
-            .collect();
-        tokens.push(3, &doc, 4);
-    }
-    Sampler::pretrain(Arc::new(tokens), Mode::Packed, 12, 5).unwrap()
 }
 
 #[test]

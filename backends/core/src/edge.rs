@@ -3,7 +3,7 @@
 use crate::graphs::DecodeGraphs;
 use crate::layer::session_rows;
 use crate::sessions::SessionTable;
-use crate::state::{Trainer, add_into, count, load_stage, save_stage, snapshot_stage, sync};
+use crate::state::{Trainer, count, load_stage, save_stage, snapshot_stage, sync};
 use crate::{Ad, act, wrap};
 use burn::tensor::{ElementConversion, Int, Tensor, TensorData};
 use nsactor_kernels::SnnOps;
@@ -12,8 +12,8 @@ use nsactor_model::model::cross_entropy_ignore_pad;
 use nsactor_model::train::GradSet;
 use nsactor_model::{Edge, ModelConfig};
 use nsactor_plugin_api::{
-    EngineError, GradSumSquares, HeadOut, Loss, MicroBatchId, Reply, SessionId, Stage, StageCall,
-    StageSnapshot, StageSpec, Tokens,
+    EngineError, GradStream, GradSumSquares, HeadOut, Loss, MicroBatchId, Reply, SessionId, Stage,
+    StageCall, StageSnapshot, StageSpec, Tokens,
 };
 use std::collections::BTreeMap;
 
@@ -22,11 +22,11 @@ pub struct EdgeStage<B: SnnOps> {
     device: B::Device,
     ad: Edge<Ad<B>>,
     inner: Edge<B>,
+    /// The head's gradients and the embedding's in two streams
+    /// ([`GradStream::HEAD`], [`GradStream::EMBEDDING`]), added together only in the optimizer
+    /// phase: a pipeline may run micro-batch m + 1's head before m's embedding backward, and
+    /// keeping the two sums apart makes the result independent of that interleaving.
     trainer: Trainer<B>,
-    /// The embedding's gradients, summed apart from the head's until the optimizer phase: a
-    /// pipeline may run micro-batch m + 1's head before m's embedding backward, and keeping
-    /// the two sums apart makes the result independent of that interleaving.
-    embed_grads: Option<GradSet<B>>,
     /// Token ids of training micro-batches awaiting `EmbedBackward`.
     kept: BTreeMap<MicroBatchId, Tensor<B, 2, Int>>,
     /// Output-neuron membranes of decoding sessions.
@@ -46,8 +46,7 @@ impl<B: SnnOps> EdgeStage<B> {
             device,
             ad,
             inner,
-            trainer: Trainer::new(spec.optimizer),
-            embed_grads: None,
+            trainer: Trainer::new(spec.optimizer, 2),
             kept: BTreeMap::new(),
             sessions: SessionTable::default(),
             graphs: DecodeGraphs::default(),
@@ -116,6 +115,7 @@ impl<B: SnnOps> EdgeStage<B> {
 
     fn head(
         &mut self,
+        micro: MicroBatchId,
         h: Tensor<B, 3>,
         targets: &[i64],
         mask: &[f32],
@@ -133,7 +133,8 @@ impl<B: SnnOps> EdgeStage<B> {
             .grad(&grads)
             .ok_or_else(|| EngineError::Backend("no gradient reached the head input".into()))?;
         let g = GradSet::collect::<Ad<B>, _>(&self.ad, "", &grads);
-        self.trainer.accumulate(g);
+        // Heads come in micro-batch order (the edge actor runs them so).
+        self.trainer.accumulate(GradStream::HEAD, micro, g, None);
         Ok(HeadOut {
             grad: wrap(dh),
             loss,
@@ -162,15 +163,10 @@ impl<B: SnnOps> EdgeStage<B> {
         let e = self.ad.embed(Tensor::from_inner(ids));
         let grads = (e * Tensor::from_inner(grad)).sum().backward();
         let g = GradSet::collect::<Ad<B>, _>(&self.ad, "", &grads);
-        add_into(&mut self.embed_grads, g);
+        let first_in_flight = self.kept.keys().next().copied();
+        self.trainer
+            .accumulate(GradStream::EMBEDDING, micro, g, first_in_flight);
         Ok(Reply::none())
-    }
-
-    /// Head and embedding gradients as one set, for the optimizer phase.
-    fn fold_grads(&mut self) {
-        if let Some(g) = self.embed_grads.take() {
-            self.trainer.accumulate(g);
-        }
     }
 
     /// The decode path of `sessions`' rows from their output-neuron states: the last
@@ -238,6 +234,10 @@ impl<B: SnnOps> EdgeStage<B> {
 impl<B: SnnOps> Stage for EdgeStage<B> {
     fn call(&mut self, call: StageCall<'_>) -> Result<Reply, EngineError> {
         let name = call.name();
+        let call = match self.trainer.exchange(&self.ad, "", call) {
+            Ok(r) => return r,
+            Err(other) => other,
+        };
         match call {
             StageCall::Embed { micro, tokens } => {
                 if self.kept.contains_key(&micro) {
@@ -251,11 +251,12 @@ impl<B: SnnOps> Stage for EdgeStage<B> {
                 Ok(Reply::tensor(wrap(h)))
             }
             StageCall::Head {
+                micro,
                 h,
                 targets,
                 mask,
                 loss_scale,
-            } => self.head(act(h, name)?, targets, mask, loss_scale),
+            } => self.head(micro, act(h, name)?, targets, mask, loss_scale),
             StageCall::HeadEval { h, targets, mask } => {
                 let h = act::<B>(h, name)?;
                 self.check_head(&h, targets, mask)?;
@@ -271,7 +272,7 @@ impl<B: SnnOps> Stage for EdgeStage<B> {
             }
             StageCall::GradStats => Ok(Reply::none()),
             StageCall::ScaleGrads { .. } => {
-                self.fold_grads();
+                self.trainer.flush();
                 Ok(GradSumSquares(self.trainer.sum_squares()).into())
             }
             StageCall::Step {
@@ -279,7 +280,7 @@ impl<B: SnnOps> Stage for EdgeStage<B> {
                 neuron_lr,
                 clip,
             } => {
-                self.fold_grads();
+                self.trainer.flush();
                 self.trainer.step(&mut self.ad, "", lr, neuron_lr, clip)?;
                 sync::<B, _, _>(&self.ad, &mut self.inner);
                 self.graphs.clear();
@@ -287,7 +288,6 @@ impl<B: SnnOps> Stage for EdgeStage<B> {
             }
             StageCall::ZeroGrad => {
                 self.trainer.clear();
-                self.embed_grads = None;
                 self.kept.clear();
                 Ok(Reply::none())
             }
@@ -336,7 +336,6 @@ impl<B: SnnOps> Stage for EdgeStage<B> {
         load_stage::<B, _>(&mut self.ad, "", &mut self.trainer.adam, bytes, "edge")?;
         sync::<B, _, _>(&self.ad, &mut self.inner);
         self.trainer.clear();
-        self.embed_grads = None;
         self.kept.clear();
         self.sessions.clear();
         self.graphs.clear();

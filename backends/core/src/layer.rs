@@ -10,8 +10,8 @@ use nsactor_model::init::{Rng, part_seed};
 use nsactor_model::train::{GradSet, MODULATION_BIASES, compensate_phase1};
 use nsactor_model::{LayerState, ModelConfig, SnnDecoderLayer};
 use nsactor_plugin_api::{
-    BiasGradNorms, EngineError, ForwardOut, GradSumSquares, MicroBatchId, Reply, SessionId, Spread,
-    Stage, StageCall, StageSnapshot, StageSpec,
+    BiasGradNorms, EngineError, ForwardOut, GradStream, GradSumSquares, MicroBatchId, Reply,
+    SessionId, Spread, Stage, StageCall, StageSnapshot, StageSpec,
 };
 use std::collections::BTreeMap;
 
@@ -68,7 +68,7 @@ impl<B: SnnOps> LayerStage<B> {
             device,
             ad,
             inner,
-            trainer: Trainer::new(spec.optimizer),
+            trainer: Trainer::new(spec.optimizer, 1),
             kept: BTreeMap::new(),
             sessions: SessionTable::default(),
             graphs: DecodeGraphs::default(),
@@ -208,8 +208,9 @@ impl<B: SnnOps> LayerStage<B> {
             .grad(&grads)
             .ok_or_else(|| EngineError::Backend("no gradient reached the layer input".into()))?;
         let g = GradSet::collect::<Ad<B>, _>(&self.ad, &self.prefix, &grads);
+        let first_in_flight = self.kept.keys().next().copied();
         self.trainer
-            .accumulate_in_order(micro, g, self.kept.keys().copied());
+            .accumulate(GradStream::LAYER, micro, g, first_in_flight);
         Ok(Reply::tensor(wrap(dh)))
     }
 
@@ -318,6 +319,10 @@ pub(crate) fn session_rows(
 impl<B: SnnOps> Stage for LayerStage<B> {
     fn call(&mut self, call: StageCall<'_>) -> Result<Reply, EngineError> {
         let name = call.name();
+        let call = match self.trainer.exchange(&self.ad, &self.prefix, call) {
+            Ok(r) => return r,
+            Err(other) => other,
+        };
         match call {
             StageCall::Forward {
                 micro,

@@ -12,6 +12,7 @@
 
 pub mod diagnose;
 mod edge;
+mod grads;
 pub mod graphs;
 mod layer;
 mod probe;

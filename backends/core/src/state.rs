@@ -2,12 +2,15 @@
 //! optimizer step and save/load of parameters with optimizer state.
 
 use crate::Ad;
+use crate::grads::Streams;
 use burn::tensor::{DType, ElementConversion, Tensor, TensorData, Transaction, backend::Backend};
 use nsactor_kernels::SnnOps;
 use nsactor_model::io::{HF_PREFIX, load_params, view_to_f32};
 use nsactor_model::params::{ParamMapper, ParamVisitor, Params};
 use nsactor_model::train::{Adam, AdamConfig, AdamState, GradSet};
-use nsactor_plugin_api::{EngineError, MicroBatchId, OptimizerKind, StageSnapshot};
+use nsactor_plugin_api::{
+    EngineError, GradStream, MicroBatchId, OptimizerKind, Reply, StageCall, StageSnapshot,
+};
 use safetensors::{Dtype, SafeTensors, tensor::TensorView};
 use std::collections::BTreeMap;
 
@@ -70,63 +73,84 @@ pub(crate) fn add_into<B: SnnOps>(slot: &mut Option<GradSet<B>>, g: GradSet<B>) 
 
 /// Gradients accumulated over micro-batches, plus the optimizer.
 pub(crate) struct Trainer<B: SnnOps> {
+    /// The streams settled into one set: what the optimizer phase works on.
     pub grads: Option<GradSet<B>>,
-    /// Micro-batches' gradients that arrived before a smaller micro-batch's (see
-    /// [`accumulate_in_order`](Self::accumulate_in_order)).
-    pending: BTreeMap<MicroBatchId, GradSet<B>>,
+    /// Micro-batches' gradients as they arrive, in order ([`Streams`]).
+    pub streams: Streams<B>,
     pub adam: Adam<B>,
 }
 
 impl<B: SnnOps> Trainer<B> {
-    pub fn new(kind: OptimizerKind) -> Self {
+    /// A trainer of `streams` gradient streams (a layer 1, the edge 2).
+    pub fn new(kind: OptimizerKind, streams: usize) -> Self {
         let cfg = match kind {
             OptimizerKind::Adam => AdamConfig::adam(),
             OptimizerKind::AdamW => AdamConfig::adamw_sft(),
         };
         Trainer {
             grads: None,
-            pending: BTreeMap::new(),
+            streams: Streams::new(streams),
             adam: Adam::new(cfg),
         }
     }
 
-    /// Adds `g` by name (parameters without a gradient yet are appended).
-    pub fn accumulate(&mut self, g: GradSet<B>) {
-        add_into(&mut self.grads, g);
-    }
-
-    /// Adds micro-batch `micro`'s gradients in ascending micro-batch order, whatever order
-    /// the backwards arrive in: the pipeline's runtime threads can deliver micro-batch m + 1's
-    /// gradient before m's, and float sums in another order differ in their last bits. A set
-    /// waits while a smaller micro-batch is still `in_flight` (its forward seen, its backward
-    /// not yet); [`flush`](Self::flush) adds whatever is left.
-    pub fn accumulate_in_order(
+    /// Micro-batch `micro`'s gradients into stream `s`, in micro-batch order (the pipeline's
+    /// runtime threads can deliver micro-batch m + 1's gradient before m's, and float sums in
+    /// another order differ in their last bits): a set waits while `first_in_flight`, a
+    /// smaller micro-batch, has not finished its backward.
+    pub fn accumulate(
         &mut self,
+        s: GradStream,
         micro: MicroBatchId,
         g: GradSet<B>,
-        mut in_flight: impl Iterator<Item = MicroBatchId>,
+        first_in_flight: Option<MicroBatchId>,
     ) {
-        self.pending.insert(micro, g);
-        let first_waiting = in_flight.next();
-        while let Some(entry) = self.pending.first_entry() {
-            if first_waiting.is_some_and(|w| w < *entry.key()) {
-                break;
-            }
-            add_into(&mut self.grads, entry.remove());
-        }
+        self.streams.accumulate(s, micro, g, first_in_flight);
     }
 
-    /// Adds the gradients still waiting, in micro-batch order.
+    /// Settles every stream into [`grads`](Self::grads), in order.
     pub fn flush(&mut self) {
-        while let Some((_, g)) = self.pending.pop_first() {
-            add_into(&mut self.grads, g);
-        }
+        self.streams.settle(&mut self.grads);
     }
 
     /// Drops every gradient, waiting or added.
     pub fn clear(&mut self) {
         self.grads = None;
-        self.pending.clear();
+        self.streams.clear();
+    }
+
+    /// The data-parallel exchange calls (`HoldGrads`, `GradsOut`, `GradsIn`) on `module`'s
+    /// gradients (named with `prefix`); any other call comes back as `Err`.
+    pub fn exchange<'a, M: Params<Ad<B>>>(
+        &mut self,
+        module: &M,
+        prefix: &str,
+        call: StageCall<'a>,
+    ) -> Result<Result<Reply, EngineError>, StageCall<'a>> {
+        let settled = |what: &str| {
+            EngineError::InvalidInput(format!(
+                "{what} after the optimizer phase began: exchange gradients before GradStats"
+            ))
+        };
+        Ok(match call {
+            StageCall::HoldGrads { hold } => {
+                self.streams.set_hold(hold);
+                Ok(Reply::none())
+            }
+            StageCall::GradsOut { .. } if self.grads.is_some() => Err(settled("GradsOut")),
+            StageCall::GradsOut { keep } => self.streams.take_part(module, prefix, keep),
+            StageCall::GradsIn { .. } if self.grads.is_some() => Err(settled("GradsIn")),
+            StageCall::GradsIn {
+                stream,
+                micro,
+                mask,
+                grad,
+            } => self
+                .streams
+                .put_part(module, prefix, stream, micro, mask, grad)
+                .map(|()| Reply::none()),
+            other => return Err(other),
+        })
     }
 
     pub fn sum_squares(&self) -> f64 {

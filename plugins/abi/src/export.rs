@@ -443,7 +443,8 @@ pub unsafe extern "C" fn stage_call(
     guard(err, || {
         // SAFETY: readable args for the duration of the call.
         let a = unsafe { &*args };
-        let call = decode_call(op, a, owned)?;
+        let mut mask = nsactor_plugin_api::ParamMask::default();
+        let call = decode_call(op, a, owned, &mut mask)?;
         // SAFETY: live stage handle, one thread at a time.
         let r = unsafe { stage(s) }.call(call)?;
         if r.tensors.len() > MAX_REPLY_TENSORS || r.scalars.len() > MAX_REPLY_SCALARS {

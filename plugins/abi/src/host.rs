@@ -442,7 +442,9 @@ impl Stage for ForeignStage {
         let name = call.name();
         // Backs `a.sessions` for `SessionClose`; lives across the foreign call.
         let mut closing = [0u64; 1];
-        let (a, input) = call::encode(call, &mut closing);
+        // Backs `a.ids` for `GradsIn`'s parameter mask.
+        let mut mask = Vec::new();
+        let (a, input) = call::encode(call, &mut closing, &mut mask);
         // Ownership of the input moves to the plugin from here on.
         let raw: Vec<*mut c_void> = match input {
             Some(t) => vec![self.backend.own(t, name)?.into_raw()],

@@ -18,6 +18,7 @@
 
 pub mod diagnose;
 pub mod files;
+pub mod grads;
 pub mod ids;
 pub mod model;
 pub mod optim;
@@ -27,6 +28,7 @@ pub mod stage;
 pub mod timing;
 
 pub use diagnose::{DeviceMemory, Diagnostic, DiagnosticReport, ScanPrecisions};
+pub use grads::{GradPart, GradStream, ParamMask};
 pub use ids::{IdAllocator, MicroBatchId, SessionId};
 pub use model::{ModelConfig, PlifOut};
 pub use picks::{PickParams, PickRow, Picks, PicksBuf, RowPick};
@@ -48,8 +50,10 @@ use std::fmt;
 /// [`SessionId`]s and [`MicroBatchId`]s. Revision 6 added stage snapshots
 /// ([`Stage::snapshot`], `stage_snapshot`/`snapshot_bytes`/`snapshot_free`). Revision 7 added
 /// the interpretability calls [`StageCall::Probe`] and [`StageCall::TokenLosses`]. Revision 8
-/// added sampling on the device ([`StageCall::SessionSample`] with its [`Picks`]).
-pub const ABI_VERSION: u32 = 8;
+/// added sampling on the device ([`StageCall::SessionSample`] with its [`Picks`]). Revision 9
+/// added the gradient exchange of data parallelism ([`StageCall::HoldGrads`],
+/// [`StageCall::GradsOut`], [`StageCall::GradsIn`]).
+pub const ABI_VERSION: u32 = 9;
 
 /// One micro-batch of token ids, row-major `[batch, seq_len]`.
 #[derive(Debug, Clone, PartialEq)]

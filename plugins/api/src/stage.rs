@@ -164,6 +164,8 @@ pub enum StageCall<'a> {
     /// its backward with the loss scaled by `loss_scale`; accumulates head gradients.
     /// Reply: [`HeadOut`](crate::HeadOut).
     Head {
+        /// The micro-batch whose head this is (heads come in micro-batch order).
+        micro: MicroBatchId,
         h: DeviceTensor,
         targets: &'a [i64],
         mask: &'a [f32],
@@ -227,6 +229,23 @@ pub enum StageCall<'a> {
     /// (`[B, T]` row-major; id 0 is padding and scores 0), nothing kept. Reply: `[ce]`
     /// `[1, B, T]` in nats: the surprisal `−ln p(target)` of each position.
     TokenLosses { h: DeviceTensor, targets: &'a [i64] },
+    /// Layer or edge: while `hold` is set, each micro-batch's gradients wait apart under its
+    /// id (a data-parallel replica whose micro-batches are not the step's first: they are
+    /// added in order once every replica's are in). Kept until changed. Reply: none.
+    HoldGrads { hold: bool },
+    /// Layer or edge: takes the stage's first gradient part (or, with `keep`, a copy of it,
+    /// leaving it in place): unless holding, every waiting set is added first; then each
+    /// stream's sum, else its waiting set with the smallest id. Reply: a
+    /// [`GradPart`](crate::GradPart), or none when no gradient is left.
+    GradsOut { keep: bool },
+    /// Layer or edge: `grad`, a part as `GradsOut` hands it, waits in `stream` under `micro`
+    /// and is added in micro-batch order, after the stream's sum so far. Reply: none.
+    GradsIn {
+        stream: crate::GradStream,
+        micro: MicroBatchId,
+        mask: &'a crate::ParamMask,
+        grad: DeviceTensor,
+    },
 }
 
 impl StageCall<'_> {
@@ -250,6 +269,9 @@ impl StageCall<'_> {
             StageCall::Probe { .. } => 15,
             StageCall::TokenLosses { .. } => 16,
             StageCall::SessionSample { .. } => 17,
+            StageCall::HoldGrads { .. } => 18,
+            StageCall::GradsOut { .. } => 19,
+            StageCall::GradsIn { .. } => 20,
         }
     }
 
@@ -272,6 +294,9 @@ impl StageCall<'_> {
             StageCall::Probe { .. } => "Probe",
             StageCall::TokenLosses { .. } => "TokenLosses",
             StageCall::SessionSample { .. } => "SessionSample",
+            StageCall::HoldGrads { .. } => "HoldGrads",
+            StageCall::GradsOut { .. } => "GradsOut",
+            StageCall::GradsIn { .. } => "GradsIn",
         }
     }
 }

@@ -149,6 +149,7 @@ impl Actor for EdgeActor {
                         .stage
                         .train_job(false, micro, &ctx, Some(h), move |st, h| {
                             let r = HeadOut::try_from(st.call(StageCall::Head {
+                                micro,
                                 h: h.expect("moved"),
                                 targets: &b.targets,
                                 mask: &b.loss_mask,
@@ -209,6 +210,14 @@ impl Actor for EdgeActor {
                 let r = s
                     .stage
                     .compute(Priority::Control, None, move |st, _| st.call(call.call()))
+                    .await;
+                return answer(WHO.into(), reply, r);
+            }
+            EdgeMsg::Grads { op, reply } => {
+                let (job, input) = op.into_job();
+                let r = s
+                    .stage
+                    .compute(Priority::Control, input, move |st, t| job.run(st, t))
                     .await;
                 return answer(WHO.into(), reply, r);
             }

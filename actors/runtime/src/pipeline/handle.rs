@@ -84,10 +84,38 @@ impl Pipeline {
                 .map(Arc::new)
                 .map_err(|e| RuntimeError::Runtime(format!("worker thread: {e}")))
         };
-        let mut workers = vec![spawn("nsactor-edge".into())?];
-        for s in 0..plan.num_stages() {
-            workers.push(spawn(format!("nsactor-stage{s}"))?);
+        // Replica r ≥ 1 runs on its own block of devices (`[train] devices`), with its own
+        // workers; replica 0 is `plan`.
+        let plans = match train.data_parallel {
+            1 => vec![plan.clone()],
+            d => PipelinePlan::replicas(
+                plan.num_layers(),
+                plan.num_stages(),
+                d,
+                &train.devices.clone().unwrap_or_else(|| vec![0]),
+            )?,
+        };
+        if plans[0] != plan {
+            return Err(RuntimeError::Runtime(format!(
+                "replica 0 is placed {}, `[train] devices` puts it at {}",
+                plan.describe(),
+                plans[0].describe()
+            )));
         }
+        let mut replicas = Vec::with_capacity(plans.len());
+        for (r, plan) in plans.into_iter().enumerate() {
+            let tag = if r == 0 {
+                String::new()
+            } else {
+                format!("r{r}-")
+            };
+            let mut workers = vec![spawn(format!("nsactor-{tag}edge"))?];
+            for s in 0..plan.num_stages() {
+                workers.push(spawn(format!("nsactor-{tag}stage{s}"))?);
+            }
+            replicas.push(topology::Replica { plan, workers });
+        }
+        let workers = replicas[0].workers.clone();
         let fault = train
             .inject_fault
             .as_deref()
@@ -95,11 +123,12 @@ impl Pipeline {
             .transpose()?
             .map(|f| Arc::new(topology::FaultPlan::new(f)));
         let id = PIPELINES.fetch_add(1, Ordering::Relaxed);
+        let dp_reduce = train.dp_reduce.resolve(&backend.info().name);
         let topo = topology::Topology {
             backend: backend.clone(),
             spec,
-            plan: plan.clone(),
-            workers: workers.clone(),
+            replicas,
+            hold_grads: dp_reduce == crate::schedule::DpReduce::Ordered,
             prefix: format!("pipeline{id}"),
             fault,
             keep_activations: train.keep_activations,
@@ -107,7 +136,12 @@ impl Pipeline {
         let ids = Arc::new(IdAllocator::new());
         let (sup, children, data) = rt.block_on(async {
             let rt_err = |e: ractor::SpawnErr| RuntimeError::Runtime(e.to_string());
-            let children = topo.spawn(edge_stage, layer_stages, 0).await?;
+            let children = topo.spawn(0, edge_stage, layer_stages, 0).await?;
+            let mut others = Vec::new();
+            for r in 1..topo.replicas.len() {
+                let (edge, layers) = topo.open_fresh(r).await?;
+                others.push(topo.spawn(r, edge, layers, 0).await?);
+            }
             let data = match sampler {
                 Some(sampler) => Some(
                     Actor::spawn(Some(format!("pipeline{id}/data")), DataActor, sampler)
@@ -124,6 +158,7 @@ impl Pipeline {
                 SupArgs {
                     topo,
                     children: shared.clone(),
+                    others: others.clone(),
                     data: data.clone(),
                     train,
                     ids: ids.clone(),
@@ -132,7 +167,10 @@ impl Pipeline {
             .await
             .map_err(rt_err)?;
             // The supervisor hears of every child's failure.
-            for c in children_cells(&children).chain(data.iter().map(|d| d.get_cell())) {
+            let cells = children_cells(&children)
+                .chain(others.iter().flat_map(children_cells))
+                .chain(data.iter().map(|d| d.get_cell()));
+            for c in cells {
                 c.link(sup.get_cell());
             }
             Ok::<_, RuntimeError>((sup, shared, data))

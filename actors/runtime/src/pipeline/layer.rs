@@ -137,6 +137,14 @@ impl Actor for LayerActor {
                     .await;
                 return answer(s.who(), reply, r);
             }
+            LayerMsg::Grads { op, reply } => {
+                let (job, input) = op.into_job();
+                let r = s
+                    .stage
+                    .compute(Priority::Control, input, move |st, t| job.run(st, t))
+                    .await;
+                return answer(s.who(), reply, r);
+            }
             LayerMsg::Share { reply } => {
                 let _ = reply.send(Ok(s.stage.clone()));
             }

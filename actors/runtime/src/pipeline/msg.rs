@@ -5,12 +5,14 @@ use super::holder::StageHolder;
 use super::step::{Ponder, StepCtx};
 use crate::error::RuntimeError;
 use nsactor_plugin_api::{
-    Batch, DeviceTensor, EngineError, MicroBatchId, Reply, SessionId, StageCall, StageSnapshot,
+    Batch, DeviceTensor, EngineError, GradPart, MicroBatchId, Reply, SessionId, Stage, StageCall,
+    StageSnapshot,
 };
 use ractor::{ActorRef, RpcReplyPort};
 use std::sync::Arc;
 
-/// The neighbour an activation or gradient goes to.
+/// A stage actor: the neighbour an activation or gradient goes to, or a stage of a replica
+/// in the gradient exchange.
 #[derive(Clone)]
 pub enum Hop {
     Layer(ActorRef<LayerMsg>),
@@ -18,6 +20,25 @@ pub enum Hop {
 }
 
 impl Hop {
+    /// Every stage actor of a pipeline: the edge, then the layers.
+    pub(crate) fn all(edge: &ActorRef<EdgeMsg>, layers: &[ActorRef<LayerMsg>]) -> Vec<Hop> {
+        std::iter::once(Hop::Edge(edge.clone()))
+            .chain(layers.iter().cloned().map(Hop::Layer))
+            .collect()
+    }
+
+    /// Runs a gradient-exchange op on the stage; `who` names it in errors.
+    pub(crate) async fn grads(
+        &self,
+        who: &str,
+        op: GradOp,
+    ) -> Result<Option<GradPart>, RuntimeError> {
+        match self {
+            Hop::Layer(a) => ask(a, who, |reply| LayerMsg::Grads { op, reply }).await,
+            Hop::Edge(a) => ask(a, who, |reply| EdgeMsg::Grads { op, reply }).await,
+        }
+    }
+
     pub(crate) fn forward(
         &self,
         micro: MicroBatchId,
@@ -145,6 +166,76 @@ impl StageControl {
     }
 }
 
+/// The data-parallel gradient exchange on one stage ([`StageCall::HoldGrads`],
+/// [`StageCall::GradsOut`], [`StageCall::GradsIn`]).
+#[derive(Debug)]
+pub enum GradOp {
+    Hold(bool),
+    /// Takes the first part (`keep`: a copy of it, left in place).
+    Out {
+        keep: bool,
+    },
+    In(GradPart),
+}
+
+/// What a [`GradOp`] answers: the part `Out` took, if any.
+pub type GradReply = RpcReplyPort<Result<Option<GradPart>, EngineError>>;
+
+impl GradOp {
+    /// The op as a stage job, and its input tensor (to be moved to the stage's device first).
+    pub(crate) fn into_job(self) -> (GradJob, Option<DeviceTensor>) {
+        match self {
+            GradOp::Hold(hold) => (GradJob::Hold(hold), None),
+            GradOp::Out { keep } => (GradJob::Out { keep }, None),
+            GradOp::In(p) => (
+                GradJob::In {
+                    stream: p.stream,
+                    key: p.key,
+                    mask: p.mask,
+                },
+                Some(p.flat),
+            ),
+        }
+    }
+}
+
+/// A [`GradOp`] without its tensor, run on the stage's worker.
+pub(crate) enum GradJob {
+    Hold(bool),
+    Out {
+        keep: bool,
+    },
+    In {
+        stream: nsactor_plugin_api::GradStream,
+        key: MicroBatchId,
+        mask: nsactor_plugin_api::ParamMask,
+    },
+}
+
+impl GradJob {
+    /// Runs the job on `st`; `input` is the op's tensor, on the stage's device.
+    pub(crate) fn run(
+        self,
+        st: &mut dyn Stage,
+        input: Option<DeviceTensor>,
+    ) -> Result<Option<GradPart>, EngineError> {
+        match self {
+            GradJob::Hold(hold) => st.call(StageCall::HoldGrads { hold }).map(|_| None),
+            GradJob::Out { keep } => GradPart::from_reply(st.call(StageCall::GradsOut { keep })?),
+            GradJob::In { stream, key, mask } => st
+                .call(StageCall::GradsIn {
+                    stream,
+                    micro: key,
+                    mask: &mask,
+                    grad: input.ok_or_else(|| {
+                        EngineError::InvalidInput("GradsIn without its tensor".into())
+                    })?,
+                })
+                .map(|_| None),
+        }
+    }
+}
+
 pub enum LayerMsg {
     /// Where activations go next and gradients go back.
     Wire { prev: Hop, next: Hop },
@@ -178,6 +269,8 @@ pub enum LayerMsg {
     Snapshot {
         reply: RpcReplyPort<Result<Box<dyn StageSnapshot>, EngineError>>,
     },
+    /// The gradient exchange of data parallelism.
+    Grads { op: GradOp, reply: GradReply },
     /// Lends the layer's stage (a handle on it and its worker) for a decoding pass that runs
     /// several layers in one worker job ([`super::layers::session_layers`]).
     Share {
@@ -224,6 +317,11 @@ pub enum EdgeMsg {
     Control {
         call: StageControl,
         reply: RpcReplyPort<Result<Reply, EngineError>>,
+    },
+    /// The gradient exchange of data parallelism.
+    Grads {
+        op: GradOp,
+        reply: GradReply,
     },
     /// Embeds tokens for decoding or evaluation (row-major `[batch, seq_len]`).
     SessionEmbed {

@@ -85,6 +85,36 @@ impl PipelinePlan {
         Ok(PipelinePlan { stages })
     }
 
+    /// The plans of `d` data-parallel replicas of a `p`-stage pipeline: `devices` is one
+    /// device shared by all, or `d` equal blocks, replica `r` on block `r`.
+    pub fn replicas(
+        num_layers: usize,
+        p: usize,
+        d: usize,
+        devices: &[usize],
+    ) -> Result<Vec<Self>, RuntimeError> {
+        if d == 0 {
+            return Err(RuntimeError::Invalid(
+                "--data-parallel must be at least 1".into(),
+            ));
+        }
+        if devices.len() == 1 || d == 1 {
+            let one = Self::balanced(num_layers, p, devices)?;
+            return Ok(vec![one; d]);
+        }
+        if !devices.len().is_multiple_of(d) {
+            return Err(RuntimeError::Invalid(format!(
+                "--devices lists {} devices for {d} data-parallel replicas: give one device, or \
+                 {d} equal blocks (replica r takes block r)",
+                devices.len()
+            )));
+        }
+        devices
+            .chunks(devices.len() / d)
+            .map(|block| Self::balanced(num_layers, p, block))
+            .collect()
+    }
+
     pub fn num_stages(&self) -> usize {
         self.stages.len()
     }
@@ -184,6 +214,18 @@ impl Placement {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn replicas_take_equal_blocks_of_devices() {
+        let r = PipelinePlan::replicas(4, 2, 2, &[0, 1, 2, 3]).unwrap();
+        assert_eq!(r[0].describe(), "0-1@0 2-3@1");
+        assert_eq!(r[1].describe(), "0-1@2 2-3@3");
+        let shared = PipelinePlan::replicas(4, 2, 3, &[0]).unwrap();
+        assert_eq!(shared.len(), 3);
+        assert!(shared.iter().all(|p| p.describe() == "0-1@0 2-3@0"));
+        let e = PipelinePlan::replicas(4, 2, 2, &[0, 1, 2]).unwrap_err();
+        assert!(e.to_string().contains("equal blocks"), "{e}");
+    }
 
     #[test]
     fn twenty_layers_over_eight_stages_on_two_devices_split_ten_and_ten() {

@@ -6,7 +6,6 @@ use super::checkpoint::{self, CheckpointMeta};
 use super::data::DataMsg;
 use super::msg::{EdgeMsg, LayerMsg, ask};
 use super::supervisor::{SupMsg, SupState};
-use super::topology::Children;
 use super::writer::{CheckpointReport, Job, serialise};
 use crate::error::RuntimeError;
 use futures_util::future::join_all;
@@ -24,20 +23,27 @@ impl SupState {
     pub(super) async fn recover(&mut self, myself: &ActorRef<SupMsg>) -> Result<u64, RuntimeError> {
         self.restarts += 1;
         let me = myself.get_cell();
-        let old = Children {
-            edge: self.edge.clone(),
-            layers: self.layers.clone(),
-        };
-        for c in super::topology::children_cells(&old) {
-            c.unlink(me.clone());
-            // A live actor finishes the job it is in; a dead one returns at once.
-            let _ = c.stop_and_wait(None, Some(Duration::from_secs(600))).await;
+        for old in self.replicas() {
+            for c in super::topology::children_cells(&old) {
+                c.unlink(me.clone());
+                // A live actor finishes the job it is in; a dead one returns at once.
+                let _ = c.stop_and_wait(None, Some(Duration::from_secs(600))).await;
+            }
         }
-        let (edge, layers) = self.topo.open_fresh().await?;
-        let children = self.topo.spawn(edge, layers, self.restarts as u64).await?;
-        for c in super::topology::children_cells(&children) {
-            c.link(me.clone());
+        let mut rebuilt = Vec::with_capacity(self.topo.replicas.len());
+        for r in 0..self.topo.replicas.len() {
+            let (edge, layers) = self.topo.open_fresh(r).await?;
+            let children = self
+                .topo
+                .spawn(r, edge, layers, self.restarts as u64)
+                .await?;
+            for c in super::topology::children_cells(&children) {
+                c.link(me.clone());
+            }
+            rebuilt.push(children);
         }
+        let children = rebuilt.remove(0);
+        self.others = rebuilt;
         self.edge = children.edge.clone();
         self.layers = children.layers.clone();
         *self.shared.write().unwrap_or_else(|e| e.into_inner()) = children;
@@ -202,27 +208,29 @@ impl SupState {
             ))
             .into());
         }
-        let mut shards = shards.into_iter();
-        let edge_bytes = shards.next().expect("checked length");
-        let edge = ask(&self.edge, "edge", |reply| EdgeMsg::Load {
-            bytes: edge_bytes,
-            reply,
+        // Every replica loads the same shards.
+        let loads = self.replicas().into_iter().map(|c| {
+            let shards = shards.clone();
+            async move {
+                let mut shards = shards.into_iter();
+                let edge_bytes = shards.next().expect("checked length");
+                let edge = ask(&c.edge, "edge", |reply| EdgeMsg::Load {
+                    bytes: edge_bytes,
+                    reply,
+                });
+                let layers =
+                    join_all(c.layers.iter().zip(shards).enumerate().map(|(i, (l, b))| {
+                        ask(l, format!("layer {i}"), |reply| LayerMsg::Load {
+                            bytes: b,
+                            reply,
+                        })
+                    }));
+                let (e, ls) = futures_util::join!(edge, layers);
+                e?;
+                ls.into_iter().collect::<Result<Vec<_>, _>>()?;
+                Ok::<(), RuntimeError>(())
+            }
         });
-        let layers = join_all(
-            self.layers
-                .iter()
-                .zip(shards)
-                .enumerate()
-                .map(|(i, (l, b))| {
-                    ask(l, format!("layer {i}"), |reply| LayerMsg::Load {
-                        bytes: b,
-                        reply,
-                    })
-                }),
-        );
-        let (e, ls) = futures_util::join!(edge, layers);
-        e?;
-        ls.into_iter().collect::<Result<Vec<_>, _>>()?;
-        Ok(())
+        join_all(loads).await.into_iter().collect()
     }
 }

@@ -44,6 +44,15 @@ pub enum Event {
     },
 }
 
+impl Event {
+    /// The micro-batch the event is about.
+    pub fn micro(&self) -> MicroBatchId {
+        match self {
+            Event::Done { micro, .. } | Event::Failed { micro, .. } => *micro,
+        }
+    }
+}
+
 /// Travels with a micro-batch's messages: where its end is reported.
 #[derive(Clone)]
 pub struct StepCtx {
@@ -61,5 +70,26 @@ impl StepCtx {
     pub(crate) async fn send(&self, e: Event) {
         // The supervisor only stops listening once it has given up on the step.
         let _ = self.events.send(e).await;
+    }
+}
+
+/// The replica that runs micro-batch `i` of `m` when `d` replicas share them (contiguous
+/// shares of ⌊m/d⌋ or ⌈m/d⌉).
+pub(crate) fn owner(i: usize, m: usize, d: usize) -> usize {
+    // Replica r starts at r·m/d; the owner is the last replica starting at or before i.
+    (0..d).rev().find(|&r| r * m / d <= i).unwrap_or(0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::owner;
+
+    #[test]
+    fn shares_are_contiguous_and_even() {
+        let who: Vec<usize> = (0..7).map(|i| owner(i, 7, 3)).collect();
+        assert_eq!(who, [0, 0, 1, 1, 2, 2, 2]);
+        let who: Vec<usize> = (0..4).map(|i| owner(i, 4, 2)).collect();
+        assert_eq!(who, [0, 0, 1, 1]);
+        assert!((0..5).all(|i| owner(i, 5, 1) == 0));
     }
 }

@@ -11,14 +11,13 @@
 
 use super::data::{DataMsg, Shape};
 use super::guard::SpikeGuard;
-use super::msg::{EdgeMsg, LayerMsg, StageControl, ask, control_all};
+use super::msg::{EdgeMsg, LayerMsg, StageControl};
 use super::step::{Event, StepCtx};
-use super::topology::{Children, Topology};
+use super::topology::{Children, Topology, children_cells};
 use super::writer::{CheckpointReport, WriteDone, Writer};
 use crate::config::TrainConfig;
 use crate::engine::{StepParams, StepStats};
 use crate::error::RuntimeError;
-use futures_util::future::join_all;
 use nsactor_data::Cursor;
 use nsactor_plugin_api::optim::{clip_factor, phase2_layer_scales};
 use nsactor_plugin_api::{Batch, BiasGradNorms, EngineError, GradSumSquares, IdAllocator};
@@ -87,6 +86,8 @@ pub struct Supervisor;
 pub struct SupArgs {
     pub topo: Topology,
     pub children: Arc<RwLock<Children>>,
+    /// Data-parallel replicas 1.. (none without data parallelism).
+    pub others: Vec<Children>,
     pub data: Option<ActorRef<DataMsg>>,
     pub train: TrainConfig,
     /// The pipeline's one source of micro-batch (and session) ids.
@@ -97,6 +98,8 @@ pub struct SupState {
     pub(super) topo: Topology,
     pub(super) edge: ActorRef<EdgeMsg>,
     pub(super) layers: Vec<ActorRef<LayerMsg>>,
+    /// Data-parallel replicas 1.. (replica 0 is `edge` and `layers`).
+    pub(super) others: Vec<Children>,
     /// The same actors, for the [`Pipeline`](super::handle::Pipeline) handle.
     pub(super) shared: Arc<RwLock<Children>>,
     pub(super) data: Option<ActorRef<DataMsg>>,
@@ -128,6 +131,7 @@ impl SupState {
     fn children(&self) -> impl Iterator<Item = ActorCell> + '_ {
         std::iter::once(self.edge.get_cell())
             .chain(self.layers.iter().map(|l| l.get_cell()))
+            .chain(self.others.iter().flat_map(children_cells))
             .chain(self.data.iter().map(|d| d.get_cell()))
     }
 
@@ -150,10 +154,7 @@ impl SupState {
 
     async fn zero_grad(&self) -> Result<(), RuntimeError> {
         let zero = StageControl::ZeroGrad;
-        let (e, ls) = control_all(&self.edge, &self.layers, zero, |_| zero).await;
-        e?;
-        ls.into_iter().collect::<Result<Vec<_>, _>>()?;
-        Ok(())
+        self.control_replicas(zero, |_| zero).await.map(drop)
     }
 
     /// One step; `guarded` runs the loss-spike guard on it (the run's own steps, not replays).
@@ -192,33 +193,43 @@ impl SupState {
         let tokens: u64 = batches.iter().map(crate::engine::scored_tokens).sum();
         // At most one event per micro-batch is in the channel at a time.
         let (tx, mut rx) = tokio::sync::mpsc::channel(m + 1);
-        let mut pending = batches.into_iter().map(Arc::new).enumerate();
+        // Replica r runs a contiguous share of the micro-batches, each with its own window.
+        let d = 1 + self.others.len();
+        let owner = |i: usize| super::step::owner(i, m, d);
+        let mut pending: Vec<std::collections::VecDeque<(usize, Arc<Batch>)>> =
+            vec![Default::default(); d];
+        for (i, b) in batches.into_iter().enumerate() {
+            pending[owner(i)].push_back((i, Arc::new(b)));
+        }
+        let edges: Vec<ActorRef<EdgeMsg>> = std::iter::once(self.edge.clone())
+            .chain(self.others.iter().map(|c| c.edge.clone()))
+            .collect();
         let mut in_flight = 0usize;
         let mut results: Vec<Option<(f64, super::step::Ponder)>> = vec![None; m];
         let mut failure: Option<RuntimeError> = None;
         let mut finished = 0usize;
-        let edge = self.edge.clone();
         let depth_first = self.train.schedule == crate::config::Schedule::DepthFirst;
         let window = if depth_first { 2 } else { 1 };
         // `nan-grad:STEP`: the loss scaled by NaN makes every gradient of the step NaN.
         let poison = self.topo.fault.as_ref().is_some_and(|f| f.nan_grad_now());
         let loss_scale = if poison { f64::NAN } else { 1.0 / m as f64 };
         let spiked = self.topo.fault.as_ref().is_some_and(|f| f.loss_spike_now());
-        let admit = |pending: &mut dyn Iterator<Item = (usize, Arc<Batch>)>,
+        let admit = |pending: &mut std::collections::VecDeque<(usize, Arc<Batch>)>,
                      in_flight: &mut usize|
          -> Result<(), RuntimeError> {
-            if let Some((i, batch)) = pending.next() {
-                edge.cast(EdgeMsg::Embed {
-                    micro: micro[i],
-                    batch,
-                    loss_scale,
-                    ponder_weight: p.ponder_weight,
-                    ctx: StepCtx {
-                        events: tx.clone(),
-                        depth_first,
-                    },
-                })
-                .map_err(|_| RuntimeError::Broken("edge stopped".into()))?;
+            if let Some((i, batch)) = pending.pop_front() {
+                edges[owner(i)]
+                    .cast(EdgeMsg::Embed {
+                        micro: micro[i],
+                        batch,
+                        loss_scale,
+                        ponder_weight: p.ponder_weight,
+                        ctx: StepCtx {
+                            events: tx.clone(),
+                            depth_first,
+                        },
+                    })
+                    .map_err(|_| RuntimeError::Broken("edge stopped".into()))?;
                 *in_flight += 1;
             }
             Ok(())
@@ -229,8 +240,10 @@ impl SupState {
         // same (`bench pipeline-hop --layer-busy-us 2000`, 20 layers, P = 2, M = 16: 1.435 s
         // and 1.428 s; 1F1B ideal 1.36 s). The price is P more micro-batches of kept layer
         // inputs per stage.
-        for _ in 0..(window * self.stages).min(m) {
-            admit(&mut pending, &mut in_flight)?;
+        for share in &mut pending {
+            for _ in 0..window * self.stages {
+                admit(share, &mut in_flight)?;
+            }
         }
         while in_flight > 0 {
             let event = tokio::select! {
@@ -247,9 +260,10 @@ impl SupState {
             let Some(event) = event else { break };
             in_flight -= 1;
             finished += 1;
+            let i = (event.micro().0 - base) as usize;
             match event {
-                Event::Done { micro, ce, ponder } => {
-                    results[(micro.0 - base) as usize] = Some((ce, ponder));
+                Event::Done { ce, ponder, .. } => {
+                    results[i] = Some((ce, ponder));
                 }
                 Event::Failed { who, micro, error } => {
                     tracing::error!("{micro} failed in {who}: {error}");
@@ -262,13 +276,16 @@ impl SupState {
                 }
             }
             if failure.is_none() {
-                admit(&mut pending, &mut in_flight)?;
+                admit(&mut pending[owner(i)], &mut in_flight)?;
             }
         }
         if let Some(f) = failure {
             return Err(f);
         }
         debug_assert_eq!(finished, m);
+        if d > 1 {
+            self.reduce_grads().await?;
+        }
         let l = self.layers.len() as f64;
         let mf = m as f64;
         let mut s = StepStats {
@@ -317,29 +334,24 @@ impl SupState {
     /// The optimizer phase; returns the gradient norm before clipping, or `None` (and no
     /// step taken) when that norm is not finite.
     async fn apply_step(&self, p: &StepParams) -> Result<Option<f64>, RuntimeError> {
-        let stats = join_all(self.layers.iter().enumerate().map(|(i, l)| {
-            ask(l, format!("layer {i}"), |reply| LayerMsg::Control {
-                call: StageControl::GradStats,
-                reply,
-            })
-        }))
-        .await;
+        // Every replica runs the optimizer phase on the same reduced gradients; replica 0's
+        // figures are the step's.
+        let stats = StageControl::GradStats;
+        let (_, stats) = self.control_replicas(stats, |_| stats).await?;
         let norms = stats
             .into_iter()
-            .map(|r| Ok(BiasGradNorms::try_from(r?)?))
+            .map(|r| Ok(BiasGradNorms::try_from(r)?))
             .collect::<Result<Vec<_>, RuntimeError>>()?;
         let scales = phase2_layer_scales(&norms);
-        let (e, ls) = control_all(
-            &self.edge,
-            &self.layers,
-            StageControl::ScaleGrads([1.0; 3]),
-            |i| StageControl::ScaleGrads(scales[i]),
-        )
-        .await;
+        let (e, ls) = self
+            .control_replicas(StageControl::ScaleGrads([1.0; 3]), |i| {
+                StageControl::ScaleGrads(scales[i])
+            })
+            .await?;
         // Summed in stage order (edge, then layers) whatever order the replies came in.
-        let GradSumSquares(mut sum_sq) = e?.try_into()?;
+        let GradSumSquares(mut sum_sq) = e.try_into()?;
         for r in ls {
-            let GradSumSquares(s) = r?.try_into()?;
+            let GradSumSquares(s) = r.try_into()?;
             sum_sq += s;
         }
         let norm = sum_sq.sqrt();
@@ -353,9 +365,7 @@ impl SupState {
             neuron_lr,
             clip,
         };
-        let (e, ls) = control_all(&self.edge, &self.layers, step, |_| step).await;
-        e?;
-        ls.into_iter().collect::<Result<Vec<_>, _>>()?;
+        self.control_replicas(step, |_| step).await?;
         Ok(Some(norm))
     }
 
@@ -464,12 +474,14 @@ impl Actor for Supervisor {
         a: SupArgs,
     ) -> Result<SupState, ActorProcessingErr> {
         let c = a.children.read().unwrap_or_else(|e| e.into_inner()).clone();
+        let others = a.others;
         let guard = SpikeGuard::new(a.train.loss_spike_factor, a.train.loss_spike_window);
         Ok(SupState {
-            stages: a.topo.plan.num_stages(),
+            stages: a.topo.replicas[0].plan.num_stages(),
             topo: a.topo,
             edge: c.edge,
             layers: c.layers,
+            others,
             shared: a.children,
             data: a.data,
             train: a.train,

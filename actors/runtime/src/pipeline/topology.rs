@@ -5,7 +5,7 @@
 use super::edge::{EdgeActor, EdgeArgs};
 use super::holder::StageHolder;
 use super::layer::{LayerActor, LayerArgs};
-use super::msg::{EdgeMsg, Hop, LayerMsg};
+use super::msg::{EdgeMsg, GradOp, Hop, LayerMsg};
 use super::plan::PipelinePlan;
 use super::worker::{Priority, Worker};
 use crate::error::RuntimeError;
@@ -150,14 +150,23 @@ impl Stage for FaultyStage {
     }
 }
 
+/// One data-parallel replica of the pipeline: its placement and its workers.
+pub struct Replica {
+    pub plan: PipelinePlan,
+    /// The edge's worker, then one per pipeline stage.
+    pub workers: Vec<Arc<Worker>>,
+}
+
 /// Everything needed to (re)build the actor graph.
 pub struct Topology {
     pub backend: Arc<dyn ComputeBackend>,
     /// The edge's spec; layers differ in kind and device.
     pub spec: StageSpec,
-    pub plan: PipelinePlan,
-    /// The edge's worker, then one per pipeline stage.
-    pub workers: Vec<Arc<Worker>>,
+    /// The data-parallel replicas (one without data parallelism); replica 0 also decodes.
+    pub replicas: Vec<Replica>,
+    /// Replicas after the first keep each micro-batch's gradients apart
+    /// ([`DpReduce::Ordered`](crate::schedule::DpReduce::Ordered)).
+    pub hold_grads: bool,
     /// Actor-name prefix unique to this pipeline.
     pub prefix: String,
     pub fault: Option<Arc<FaultPlan>>,
@@ -171,8 +180,13 @@ fn rt(e: impl std::fmt::Display) -> RuntimeError {
 }
 
 impl Topology {
-    /// Freshly initialised stages (the step-0 state), each opened on its own worker.
-    pub async fn open_fresh(&self) -> Result<(Box<dyn Stage>, Vec<Box<dyn Stage>>), RuntimeError> {
+    /// Replica `r`'s freshly initialised stages (the step-0 state, the same in every
+    /// replica), each opened on its own worker.
+    pub async fn open_fresh(
+        &self,
+        r: usize,
+    ) -> Result<(Box<dyn Stage>, Vec<Box<dyn Stage>>), RuntimeError> {
+        let Replica { plan, workers } = &self.replicas[r];
         let open = |kind: StageKind, device: usize, worker: &Arc<Worker>| {
             let backend = self.backend.clone();
             let spec = StageSpec {
@@ -182,14 +196,14 @@ impl Topology {
             };
             worker.run(Priority::Control, move || backend.open_stage(&spec))
         };
-        let edge = open(StageKind::Edge, self.plan.edge_device(), &self.workers[0]);
-        let devices = self.plan.layer_devices();
-        let layers: Vec<_> = (0..self.plan.num_layers())
+        let edge = open(StageKind::Edge, plan.edge_device(), &workers[0]);
+        let devices = plan.layer_devices();
+        let layers: Vec<_> = (0..plan.num_layers())
             .map(|i| {
                 open(
                     StageKind::Layer(i),
                     devices[i],
-                    &self.workers[1 + self.plan.stage_of(i)],
+                    &workers[1 + plan.stage_of(i)],
                 )
             })
             .collect();
@@ -201,24 +215,31 @@ impl Topology {
         Ok((edge, out))
     }
 
-    /// Spawns and wires edge and layer actors over the given stages; `generation` keeps the
-    /// names of rebuilt actors apart from their predecessors'.
+    /// Spawns and wires replica `r`'s edge and layer actors over the given stages;
+    /// `generation` keeps the names of rebuilt actors apart from their predecessors'.
     pub async fn spawn(
         &self,
+        r: usize,
         edge_stage: Box<dyn Stage>,
         layer_stages: Vec<Box<dyn Stage>>,
         generation: u64,
     ) -> Result<Children, RuntimeError> {
+        let Replica { plan, workers } = &self.replicas[r];
         let name = |n: &str| {
-            if generation == 0 {
-                format!("{}/{n}", self.prefix)
+            let replica = if r == 0 {
+                String::new()
             } else {
-                format!("{}/{n}.{generation}", self.prefix)
+                format!("r{r}/")
+            };
+            if generation == 0 {
+                format!("{}/{replica}{n}", self.prefix)
+            } else {
+                format!("{}/{replica}{n}.{generation}", self.prefix)
             }
         };
-        let devices = self.plan.layer_devices();
-        let edge_device = self.plan.edge_device();
-        let stage_of = |i| self.plan.stage_of(i);
+        let devices = plan.layer_devices();
+        let edge_device = plan.edge_device();
+        let stage_of = |i| plan.stage_of(i);
         let (edge, _) = Actor::spawn(
             Some(name("edge")),
             EdgeActor,
@@ -227,9 +248,9 @@ impl Topology {
                 stage: StageHolder::new(
                     "edge",
                     edge_stage,
-                    self.workers[0].clone(),
+                    workers[0].clone(),
                     self.backend.clone(),
-                    self.plan.edge_device(),
+                    edge_device,
                 )
                 .with_neighbours(
                     (*devices.last().expect("a pipeline has layers"), false),
@@ -242,7 +263,10 @@ impl Topology {
         let mut layers = Vec::with_capacity(layer_stages.len());
         for (i, stage) in layer_stages.into_iter().enumerate() {
             let stage = match &self.fault {
-                Some(plan) if matches!(plan.fault, Fault::LayerPanic { layer, .. } if layer == i) => {
+                Some(plan)
+                    if r == 0
+                        && matches!(plan.fault, Fault::LayerPanic { layer, .. } if layer == i) =>
+                {
                     Box::new(FaultyStage {
                         inner: stage,
                         layer: i,
@@ -256,12 +280,11 @@ impl Topology {
                 LayerActor,
                 LayerArgs {
                     index: i,
-                    keep_graph: self.plan.stages[stage_of(i)].layers.end - i
-                        <= self.keep_activations,
+                    keep_graph: plan.stages[stage_of(i)].layers.end - i <= self.keep_activations,
                     stage: StageHolder::new(
                         format!("layer {i}"),
                         stage,
-                        self.workers[1 + stage_of(i)].clone(),
+                        workers[1 + stage_of(i)].clone(),
                         self.backend.clone(),
                         devices[i],
                     )
@@ -302,7 +325,18 @@ impl Topology {
             last: Hop::Layer(layers[n - 1].clone()),
         })
         .map_err(|_| rt("the edge stopped while starting"))?;
-        Ok(Children { edge, layers })
+        let children = Children { edge, layers };
+        if r > 0 && self.hold_grads {
+            for (i, stage) in Hop::all(&children.edge, &children.layers)
+                .iter()
+                .enumerate()
+            {
+                stage
+                    .grads(&format!("replica {r} stage {i}"), GradOp::Hold(true))
+                    .await?;
+            }
+        }
+        Ok(children)
     }
 }
 

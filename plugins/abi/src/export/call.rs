@@ -3,13 +3,16 @@
 
 use super::slice;
 use crate::{ABI_VERSION, NsArgs};
-use nsactor_plugin_api::{DeviceTensor, EngineError, MicroBatchId, SessionId, StageCall, Tokens};
+use nsactor_plugin_api::{
+    DeviceTensor, EngineError, GradStream, MicroBatchId, ParamMask, SessionId, StageCall, Tokens,
+};
 
 /// Rebuilds the call from its flat form.
 pub(super) fn decode_call<'a>(
     op: u32,
     a: &'a NsArgs,
     mut inputs: Vec<DeviceTensor>,
+    mask_out: &'a mut ParamMask,
 ) -> Result<StageCall<'a>, EngineError> {
     // SAFETY (all three): the host keeps these buffers alive for the call.
     let ids = unsafe { slice(a.ids, a.ids_len) };
@@ -21,6 +24,10 @@ pub(super) fn decode_call<'a>(
         batch: a.batch as usize,
         seq_len: a.seq_len as usize,
     };
+    if op == 20 {
+        *mask_out = ParamMask::from_words(ids)?;
+    }
+    let mask_out: &'a ParamMask = mask_out;
     let mut tensor = |name: &str| {
         if inputs.len() == 1 {
             Ok(inputs.pop().expect("one"))
@@ -47,6 +54,7 @@ pub(super) fn decode_call<'a>(
             tokens,
         },
         4 => StageCall::Head {
+            micro: MicroBatchId(a.micro),
             h: tensor("Head")?,
             targets,
             mask,
@@ -104,6 +112,18 @@ pub(super) fn decode_call<'a>(
                     sessions.len()
                 )));
             }
+        },
+        18 => StageCall::HoldGrads {
+            hold: a.f[0] != 0.0,
+        },
+        19 => StageCall::GradsOut {
+            keep: a.f[0] != 0.0,
+        },
+        20 => StageCall::GradsIn {
+            stream: GradStream(a.f[0] as u32),
+            micro: MicroBatchId(a.micro),
+            mask: mask_out,
+            grad: tensor("GradsIn")?,
         },
         other => {
             return Err(EngineError::InvalidInput(format!(

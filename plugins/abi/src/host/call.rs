@@ -4,11 +4,12 @@
 use crate::NsArgs;
 use nsactor_plugin_api::{DeviceTensor, SessionId, StageCall};
 
-/// `call` as `NsArgs` (pointers borrowed from `call`, and from `closing` for `SessionClose`:
-/// both must outlive the foreign call) and its input tensor, if it takes one.
+/// `call` as `NsArgs` (pointers borrowed from `call`, from `closing` for `SessionClose` and
+/// from `mask` for `GradsIn`: all must outlive the foreign call) and its input tensor, if it takes one.
 pub(super) fn encode(
     call: StageCall<'_>,
     closing: &mut [u64; 1],
+    mask: &mut Vec<i64>,
 ) -> (NsArgs, Option<DeviceTensor>) {
     let mut a = zero_args();
     let mut input: Option<DeviceTensor> = None;
@@ -48,11 +49,13 @@ pub(super) fn encode(
             tokens(&mut a, t);
         }
         StageCall::Head {
+            micro,
             h,
             targets,
             mask,
             loss_scale,
         } => {
+            a.micro = micro.0;
             head(&mut a, targets, mask);
             a.f[0] = loss_scale;
             input = Some(h);
@@ -97,6 +100,21 @@ pub(super) fn encode(
             closing[0] = session.0;
             a.sessions = closing.as_ptr();
             a.sessions_len = 1;
+        }
+        StageCall::HoldGrads { hold } => a.f[0] = if hold { 1.0 } else { 0.0 },
+        StageCall::GradsOut { keep } => a.f[0] = if keep { 1.0 } else { 0.0 },
+        StageCall::GradsIn {
+            stream,
+            micro,
+            mask: m,
+            grad,
+        } => {
+            a.micro = micro.0;
+            a.f[0] = f64::from(stream.0);
+            *mask = m.words();
+            a.ids = mask.as_ptr();
+            a.ids_len = mask.len();
+            input = Some(grad);
         }
     }
     (a, input)

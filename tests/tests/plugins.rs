@@ -462,3 +462,109 @@ fn session_sample_crosses_the_boundary_bitwise() {
         );
     }
 }
+
+/// The gradient exchange of data parallelism (`HoldGrads`, `GradsOut`, `GradsIn`, ABI 9)
+/// through the plugin equals the embedded engine's bit for bit: a holding stage hands its
+/// micro-batch's gradients over with their key and mask, another copy adds them after its own,
+/// and the sum comes back whole; a part of the wrong size is refused.
+#[test]
+fn the_gradient_exchange_crosses_the_boundary_bitwise() {
+    use nsactor_plugin_api::GradPart;
+    let run = |b: Arc<dyn ComputeBackend>| {
+        let model = tiny_model();
+        let open = || {
+            b.open_stage(&StageSpec {
+                kind: StageKind::Layer(1),
+                device: 0,
+                model: model.clone(),
+                seed: 5,
+                optimizer: OptimizerKind::Adam,
+            })
+            .unwrap()
+        };
+        let (mut root, mut other) = (open(), open());
+        let (t, d) = (4, model.d);
+        let h = |seed: f32| HostTensor {
+            data: (0..t * 2 * d)
+                .map(|i| ((i as f32 * seed).sin()) * 0.5)
+                .collect(),
+            shape: vec![t, 2, d],
+        };
+        let train = |st: &mut Box<dyn nsactor_plugin_api::Stage>, micro: u64, seed: f32| {
+            let out = st
+                .call(StageCall::Forward {
+                    micro: MicroBatchId(micro),
+                    h: b.from_host(0, &h(seed)).unwrap(),
+                    keep_graph: false,
+                })
+                .unwrap();
+            drop(out);
+            st.call(StageCall::Backward {
+                micro: MicroBatchId(micro),
+                grad: b.from_host(0, &h(seed + 1.0)).unwrap(),
+                ponder_grad: 0.01,
+            })
+            .unwrap();
+        };
+        other.call(StageCall::HoldGrads { hold: true }).unwrap();
+        train(&mut root, 7, 0.3);
+        train(&mut other, 8, 0.7);
+        let out = |st: &mut Box<dyn nsactor_plugin_api::Stage>, keep| {
+            GradPart::from_reply(st.call(StageCall::GradsOut { keep }).unwrap()).unwrap()
+        };
+        let held = out(&mut other, false).expect("micro-batch 8's gradients");
+        assert_eq!(held.key, MicroBatchId(8));
+        assert!(out(&mut other, false).is_none(), "one part only");
+        let n: usize = held.flat.shape().iter().product();
+        assert_eq!(
+            n as u64,
+            root.param_count(),
+            "every parameter has a gradient"
+        );
+        let mask = held.mask.clone();
+        root.call(StageCall::GradsIn {
+            stream: held.stream,
+            micro: held.key,
+            mask: &mask,
+            grad: held.flat,
+        })
+        .unwrap();
+        let sum = out(&mut root, true).expect("the sum");
+        assert_eq!(sum.key, MicroBatchId(7), "keyed by its first micro-batch");
+        let again = out(&mut root, false).expect("`keep` left it in place");
+        let (a, s) = (
+            b.to_host(&again.flat).unwrap(),
+            b.to_host(&sum.flat).unwrap(),
+        );
+        assert_eq!(a, s);
+        // A part of the wrong length for its mask.
+        let short = b
+            .from_host(
+                0,
+                &HostTensor {
+                    data: vec![0.0; 3],
+                    shape: vec![1, 1, 3],
+                },
+            )
+            .unwrap();
+        let e = root
+            .call(StageCall::GradsIn {
+                stream: sum.stream,
+                micro: MicroBatchId(9),
+                mask: &mask,
+                grad: short,
+            })
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("GradsIn") && e.contains("3 values"), "{e}");
+        s.data
+    };
+    let plugin = run(ndarray_plugin());
+    let embedded = run(Arc::new(nsactor_backend_ndarray::backend()));
+    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    assert!(
+        bits(&plugin) == bits(&embedded),
+        "the summed gradients differ across the boundary"
+    );
+    assert!(plugin.iter().any(|&g| g != 0.0));
+}

@@ -151,7 +151,8 @@ pub struct TrainBenchArgs {
     /// Timed steps (the median is reported).
     #[arg(long, default_value_t = 5)]
     steps: usize,
-    /// The device's peak dense TFLOP/s for the MFU (default: H100 SXM bf16 989, fp32 67).
+    /// One device's peak dense TFLOP/s for the MFU, which counts every device the run uses
+    /// (default: H100 SXM bf16 989, fp32 67).
     #[arg(long)]
     peak_tflops: Option<f64>,
     /// Skip the device-time breakdown (GEMMs, scans, other work, time outside stage calls),
@@ -213,6 +214,28 @@ pub fn run(a: TrainBenchArgs) -> crate::CliResult {
         cfg.train.accumulation,
         cfg.train.batch_size * cfg.train.seq_len * cfg.train.accumulation
     );
+    let replicas = pipeline.replica_plans().to_vec();
+    if replicas.len() > 1 {
+        let layouts: Vec<String> = replicas
+            .iter()
+            .map(|p| format!("[{}]", p.describe()))
+            .collect();
+        println!(
+            "data parallelism: {} replicas {}, {:?} reduction; each runs {}–{} of the {} micro-batches",
+            replicas.len(),
+            layouts.join(" "),
+            cfg.train.dp_reduce.resolve(&info.name),
+            cfg.train.accumulation / replicas.len(),
+            cfg.train.accumulation.div_ceil(replicas.len()),
+            cfg.train.accumulation
+        );
+    }
+    // The peak of every device the replicas use.
+    let gpus = replicas
+        .iter()
+        .flat_map(|p| p.stages.iter().map(|s| s.device))
+        .collect::<std::collections::BTreeSet<_>>()
+        .len();
     let r = train_throughput(
         &mut pipeline,
         &cfg.train,
@@ -242,9 +265,9 @@ pub fn run(a: TrainBenchArgs) -> crate::CliResult {
     let step = r.median_step_s();
     let tflops = r.tokens_per_s() * model_flops / 1e12;
     let executed = r.tokens_per_s() * executed_flops / 1e12;
-    let peak = a
-        .peak_tflops
-        .unwrap_or(if precision == "bf16" { 989.0 } else { 67.0 });
+    let peak = gpus as f64
+        * a.peak_tflops
+            .unwrap_or(if precision == "bf16" { 989.0 } else { 67.0 });
     println!(
         "median step {:.3} s: {:.0} tokens/s; {:.4} GFLOP/token (projections, fwd + bwd) → {tflops:.3} TFLOP/s, MFU {:.2}% of {peak} TFLOP/s; executed with the recompute of {recomputed} of {} layers {:.4} GFLOP/token, {executed:.3} TFLOP/s ({:.2}%)",
         step,

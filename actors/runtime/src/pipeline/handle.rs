@@ -37,6 +37,8 @@ pub struct Pipeline {
     /// The edge's worker, then one per pipeline stage.
     workers: Vec<Arc<Worker>>,
     plan: PipelinePlan,
+    /// Every data-parallel replica's placement, replica 0's (`plan`) first.
+    replica_plans: Vec<PipelinePlan>,
     backend: Arc<dyn ComputeBackend>,
     param_count: u64,
     /// Decoding sessions of `generate`/`eval_ce` (and, through [`decoder`](Self::decoder),
@@ -116,6 +118,7 @@ impl Pipeline {
             replicas.push(topology::Replica { plan, workers });
         }
         let workers = replicas[0].workers.clone();
+        let replica_plans = replicas.iter().map(|r| r.plan.clone()).collect();
         let fault = train
             .inject_fault
             .as_deref()
@@ -209,6 +212,7 @@ impl Pipeline {
             data,
             workers,
             plan,
+            replica_plans,
             backend,
             param_count,
             sessions,
@@ -316,6 +320,11 @@ impl Pipeline {
 
     pub fn plan(&self) -> &PipelinePlan {
         &self.plan
+    }
+
+    /// Every data-parallel replica's placement (one without data parallelism).
+    pub fn replica_plans(&self) -> &[PipelinePlan] {
+        &self.replica_plans
     }
 
     pub fn backend(&self) -> &Arc<dyn ComputeBackend> {

@@ -110,9 +110,13 @@ impl Actor for LayerActor {
                         Ok((r.into_tensor("Backward")?, ()))
                     });
                 let who = s.who();
+                let index = s.index;
                 tokio::spawn(async move {
                     match job.await {
-                        Ok((g, ())) => prev.backward(micro, g, ponder_grad, ctx),
+                        Ok((g, ())) => {
+                            prev.backward(micro, g, ponder_grad, ctx.clone());
+                            ctx.backward_done(index).await;
+                        }
                         Err(e) => fail_detached(who, micro, e, &ctx, &myself).await,
                     }
                 });

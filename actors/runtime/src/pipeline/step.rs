@@ -30,7 +30,8 @@ impl Ponder {
     }
 }
 
-/// How a micro-batch ended.
+/// How a micro-batch ended, or (data parallelism) that a replica's layer has finished the
+/// step's backward passes.
 pub enum Event {
     Done {
         micro: MicroBatchId,
@@ -42,13 +43,26 @@ pub enum Event {
         micro: MicroBatchId,
         error: EngineError,
     },
+    /// Replica `replica`'s layer `layer` has run the backward of every micro-batch of its
+    /// share: its gradients can be reduced while the other layers go on.
+    LayerReady { replica: usize, layer: usize },
 }
 
-impl Event {
-    /// The micro-batch the event is about.
-    pub fn micro(&self) -> MicroBatchId {
-        match self {
-            Event::Done { micro, .. } | Event::Failed { micro, .. } => *micro,
+/// Counts a replica's backward passes per layer during a step, so that each layer can say
+/// when it has done its share ([`Event::LayerReady`]).
+pub struct Tally {
+    replica: usize,
+    /// Micro-batches of the replica's share.
+    expected: usize,
+    done: Vec<std::sync::atomic::AtomicUsize>,
+}
+
+impl Tally {
+    pub fn new(replica: usize, expected: usize, layers: usize) -> Self {
+        Tally {
+            replica,
+            expected,
+            done: (0..layers).map(|_| Default::default()).collect(),
         }
     }
 }
@@ -59,6 +73,8 @@ pub struct StepCtx {
     pub(crate) events: tokio::sync::mpsc::Sender<Event>,
     /// `depth-first` schedule: workers order jobs by micro-batch within a class.
     pub(crate) depth_first: bool,
+    /// Data parallelism: the replica's backward passes per layer.
+    pub(crate) tally: Option<std::sync::Arc<Tally>>,
 }
 
 impl StepCtx {
@@ -70,6 +86,20 @@ impl StepCtx {
     pub(crate) async fn send(&self, e: Event) {
         // The supervisor only stops listening once it has given up on the step.
         let _ = self.events.send(e).await;
+    }
+
+    /// Layer `layer` finished a backward pass of this step; the last of its replica's share
+    /// reports [`Event::LayerReady`].
+    pub(crate) async fn backward_done(&self, layer: usize) {
+        let Some(t) = &self.tally else { return };
+        let n = t.done[layer].fetch_add(1, std::sync::atomic::Ordering::SeqCst) + 1;
+        if n == t.expected {
+            self.send(Event::LayerReady {
+                replica: t.replica,
+                layer,
+            })
+            .await;
+        }
     }
 }
 

@@ -18,9 +18,9 @@ use super::writer::{CheckpointReport, WriteDone, Writer};
 use crate::config::TrainConfig;
 use crate::engine::{StepParams, StepStats};
 use crate::error::RuntimeError;
+use futures_util::future::join_all;
 use nsactor_data::Cursor;
-use nsactor_plugin_api::optim::{clip_factor, phase2_layer_scales};
-use nsactor_plugin_api::{Batch, BiasGradNorms, EngineError, GradSumSquares, IdAllocator};
+use nsactor_plugin_api::{Batch, EngineError, IdAllocator};
 use ractor::{Actor, ActorCell, ActorProcessingErr, ActorRef, RpcReplyPort, SupervisionEvent};
 use std::path::PathBuf;
 use std::sync::{Arc, RwLock};
@@ -191,11 +191,26 @@ impl SupState {
         let micro = self.ids.micro_batches(m);
         let base = micro[0].0;
         let tokens: u64 = batches.iter().map(crate::engine::scored_tokens).sum();
-        // At most one event per micro-batch is in the channel at a time.
-        let (tx, mut rx) = tokio::sync::mpsc::channel(m + 1);
         // Replica r runs a contiguous share of the micro-batches, each with its own window.
         let d = 1 + self.others.len();
+        let num_layers = self.layers.len();
         let owner = |i: usize| super::step::owner(i, m, d);
+        // At most one event per micro-batch, and one per layer of each replica, is in the
+        // channel at a time.
+        let (tx, mut rx) = tokio::sync::mpsc::channel(m + 1 + d * num_layers);
+        // Data parallelism: each layer reports when its replica's share is through its
+        // backward, and its reduction starts while the other layers go on.
+        let tallies: Vec<Option<Arc<super::step::Tally>>> = (0..d)
+            .map(|r| {
+                let share = (0..m).filter(|&i| owner(i) == r).count();
+                (d > 1).then(|| Arc::new(super::step::Tally::new(r, share, num_layers)))
+            })
+            .collect();
+        let mut ready = vec![0usize; num_layers];
+        let mut reductions = Vec::new();
+        let lanes = Arc::new(tokio::sync::Semaphore::new(
+            super::replicas::REDUCTION_LANES,
+        ));
         let mut pending: Vec<std::collections::VecDeque<(usize, Arc<Batch>)>> =
             vec![Default::default(); d];
         for (i, b) in batches.into_iter().enumerate() {
@@ -227,6 +242,7 @@ impl SupState {
                         ctx: StepCtx {
                             events: tx.clone(),
                             depth_first,
+                            tally: tallies[owner(i)].clone(),
                         },
                     })
                     .map_err(|_| RuntimeError::Broken("edge stopped".into()))?;
@@ -258,10 +274,21 @@ impl SupState {
                 }
             };
             let Some(event) = event else { break };
+            let micro_done = match event {
+                Event::LayerReady { layer, .. } => {
+                    ready[layer] += 1;
+                    if ready[layer] == d && failure.is_none() {
+                        reductions.push(self.spawn_reduce(1 + layer, lanes.clone()));
+                    }
+                    continue;
+                }
+                Event::Done { micro, .. } | Event::Failed { micro, .. } => micro,
+            };
             in_flight -= 1;
             finished += 1;
-            let i = (event.micro().0 - base) as usize;
+            let i = (micro_done.0 - base) as usize;
             match event {
+                Event::LayerReady { .. } => unreachable!("handled above"),
                 Event::Done { ce, ponder, .. } => {
                     results[i] = Some((ce, ponder));
                 }
@@ -279,13 +306,22 @@ impl SupState {
                 admit(&mut pending[owner(i)], &mut in_flight)?;
             }
         }
+        if d > 1 {
+            // The edge's share is done with the last micro-batch; then every reduction ends.
+            if failure.is_none() {
+                reductions.push(self.spawn_reduce(0, lanes.clone()));
+            }
+            for r in join_all(reductions).await {
+                let r = r.map_err(|e| RuntimeError::Runtime(format!("a reduction task: {e}")))?;
+                if let Err(e) = r {
+                    failure.get_or_insert(e);
+                }
+            }
+        }
         if let Some(f) = failure {
             return Err(f);
         }
         debug_assert_eq!(finished, m);
-        if d > 1 {
-            self.reduce_grads().await?;
-        }
         let l = self.layers.len() as f64;
         let mf = m as f64;
         let mut s = StepStats {
@@ -329,44 +365,6 @@ impl SupState {
             }
         }
         Ok(s)
-    }
-
-    /// The optimizer phase; returns the gradient norm before clipping, or `None` (and no
-    /// step taken) when that norm is not finite.
-    async fn apply_step(&self, p: &StepParams) -> Result<Option<f64>, RuntimeError> {
-        // Every replica runs the optimizer phase on the same reduced gradients; replica 0's
-        // figures are the step's.
-        let stats = StageControl::GradStats;
-        let (_, stats) = self.control_replicas(stats, |_| stats).await?;
-        let norms = stats
-            .into_iter()
-            .map(|r| Ok(BiasGradNorms::try_from(r)?))
-            .collect::<Result<Vec<_>, RuntimeError>>()?;
-        let scales = phase2_layer_scales(&norms);
-        let (e, ls) = self
-            .control_replicas(StageControl::ScaleGrads([1.0; 3]), |i| {
-                StageControl::ScaleGrads(scales[i])
-            })
-            .await?;
-        // Summed in stage order (edge, then layers) whatever order the replies came in.
-        let GradSumSquares(mut sum_sq) = e.try_into()?;
-        for r in ls {
-            let GradSumSquares(s) = r.try_into()?;
-            sum_sq += s;
-        }
-        let norm = sum_sq.sqrt();
-        if !norm.is_finite() {
-            return Ok(None);
-        }
-        let clip = clip_factor(norm, p.max_grad_norm);
-        let (lr, neuron_lr) = (p.lr, p.neuron_lr);
-        let step = StageControl::Step {
-            lr,
-            neuron_lr,
-            clip,
-        };
-        self.control_replicas(step, |_| step).await?;
-        Ok(Some(norm))
     }
 
     async fn next_step(&mut self, myself: &ActorRef<SupMsg>) -> Result<StepReport, RuntimeError> {

@@ -356,6 +356,54 @@ fn pipelined_training_checkpoints_and_resumes_exactly() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
+/// `train --data-parallel 2` (two replicas of a two-stage pipeline, each one of the step's two
+/// micro-batches) on the CPU: the same losses and the same final weights, bit for bit, as one
+/// replica; a layout with more replicas than micro-batches is refused up front.
+#[test]
+fn data_parallel_training_matches_one_replica_bitwise() {
+    let dir = temp_dir("data-parallel");
+    let run = |name: &str, extra: &[&str]| {
+        let out = dir.join(name);
+        let o = nsactor()
+            .env("NSACTOR_TRAIN__ACCUMULATION", "2")
+            .args(["train", "--steps", "4", "--out"])
+            .arg(&out)
+            .args(extra)
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&o.stderr).into_owned();
+        assert!(o.status.success(), "train {extra:?} failed: {stderr}");
+        (out, stderr)
+    };
+    let (one, _) = run("one", &[]);
+    let (two, stderr) = run("two", &["--data-parallel", "2", "--pipeline", "2"]);
+    assert!(
+        stderr.contains("data parallelism: 2 replicas [0-0@0 1-1@0] [0-0@0 1-1@0], Ordered"),
+        "{stderr}"
+    );
+    assert_eq!(losses(&two), losses(&one));
+    assert_eq!(losses(&one).len(), 4);
+    assert!(
+        std::fs::read(two.join("model.safetensors")).unwrap()
+            == std::fs::read(one.join("model.safetensors")).unwrap(),
+        "the weights after data-parallel training differ"
+    );
+    let err = run_err(&[
+        "train",
+        "--steps",
+        "1",
+        "--data-parallel",
+        "3",
+        "--out",
+        "/tmp/x",
+    ]);
+    assert!(
+        err.contains("data_parallel") && err.contains("accumulation"),
+        "{err}"
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
 #[test]
 fn bad_configs_get_clear_errors() {
     let dir = temp_dir("badcfg");

@@ -131,6 +131,19 @@ pub fn run(
         pipeline.plan().imbalance(),
         pipeline.plan().device_imbalance()
     );
+    let replicas = pipeline.replica_plans();
+    if replicas.len() > 1 {
+        let layouts: Vec<String> = replicas
+            .iter()
+            .map(|p| format!("[{}]", p.describe()))
+            .collect();
+        tracing::info!(
+            "data parallelism: {} replicas {}, {:?} reduction",
+            replicas.len(),
+            layouts.join(" "),
+            t.dp_reduce.resolve(&pipeline.backend().info().name)
+        );
+    }
     // Drawn only on a terminal; otherwise the log lines below are the progress.
     let bar = indicatif::ProgressBar::new(t.steps);
     bar.set_style(

@@ -9,7 +9,6 @@
 //! micro-batches come first, which adds them in order after its own: the sum is the one the
 //! sequential schedule makes, wherever the micro-batches ran.
 
-use crate::state::add_into;
 use crate::{act, wrap};
 use burn::tensor::Tensor;
 use nsactor_kernels::SnnOps;
@@ -19,6 +18,20 @@ use nsactor_plugin_api::{
     DeviceTensor, EngineError, GradPart, GradStream, MicroBatchId, ParamMask, Reply,
 };
 use std::collections::BTreeMap;
+
+/// Adds `g` to `slot` by name (parameters without a gradient yet are appended).
+fn add_into<B: SnnOps>(slot: &mut Option<GradSet<B>>, g: GradSet<B>) {
+    let Some(acc) = slot.as_mut() else {
+        *slot = Some(g);
+        return;
+    };
+    for (name, t) in g.entries {
+        match acc.get_mut(&name) {
+            Some(a) => *a = a.clone() + t,
+            None => acc.entries.push((name, t)),
+        }
+    }
+}
 
 /// One stream: the sum so far (and the first micro-batch in it) and the sets still waiting.
 struct Stream<B: SnnOps> {

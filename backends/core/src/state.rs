@@ -57,20 +57,6 @@ pub(crate) fn count<B: Backend, P: Params<B>>(m: &P) -> u64 {
         .sum()
 }
 
-/// Adds `g` to `slot` by name (parameters without a gradient yet are appended).
-pub(crate) fn add_into<B: SnnOps>(slot: &mut Option<GradSet<B>>, g: GradSet<B>) {
-    let Some(acc) = slot.as_mut() else {
-        *slot = Some(g);
-        return;
-    };
-    for (name, t) in g.entries {
-        match acc.get_mut(&name) {
-            Some(a) => *a = a.clone() + t,
-            None => acc.entries.push((name, t)),
-        }
-    }
-}
-
 /// Gradients accumulated over micro-batches, plus the optimizer.
 pub(crate) struct Trainer<B: SnnOps> {
     /// The streams settled into one set: what the optimizer phase works on.

@@ -88,6 +88,11 @@ async fn reduce_stage(
 }
 
 impl SupState {
+    /// A step's permits for [`REDUCTION_LANES`] stage reductions at once.
+    pub(super) fn reduction_lanes() -> Arc<tokio::sync::Semaphore> {
+        Arc::new(tokio::sync::Semaphore::new(REDUCTION_LANES))
+    }
+
     /// Every replica's actors, replica 0 first.
     pub(super) fn replicas(&self) -> Vec<Children> {
         std::iter::once(Children {

@@ -208,9 +208,7 @@ impl SupState {
             .collect();
         let mut ready = vec![0usize; num_layers];
         let mut reductions = Vec::new();
-        let lanes = Arc::new(tokio::sync::Semaphore::new(
-            super::replicas::REDUCTION_LANES,
-        ));
+        let lanes = Self::reduction_lanes();
         let mut pending: Vec<std::collections::VecDeque<(usize, Arc<Batch>)>> =
             vec![Default::default(); d];
         for (i, b) in batches.into_iter().enumerate() {

@@ -134,7 +134,9 @@ impl<B: SnnOps> EdgeStage<B> {
             .ok_or_else(|| EngineError::Backend("no gradient reached the head input".into()))?;
         let g = GradSet::collect::<Ad<B>, _>(&self.ad, "", &grads);
         // Heads come in micro-batch order (the edge actor runs them so).
-        self.trainer.accumulate(GradStream::HEAD, micro, g, None);
+        self.trainer
+            .streams
+            .accumulate(GradStream::HEAD, micro, g, None);
         Ok(HeadOut {
             grad: wrap(dh),
             loss,
@@ -165,6 +167,7 @@ impl<B: SnnOps> EdgeStage<B> {
         let g = GradSet::collect::<Ad<B>, _>(&self.ad, "", &grads);
         let first_in_flight = self.kept.keys().next().copied();
         self.trainer
+            .streams
             .accumulate(GradStream::EMBEDDING, micro, g, first_in_flight);
         Ok(Reply::none())
     }

@@ -210,6 +210,7 @@ impl<B: SnnOps> LayerStage<B> {
         let g = GradSet::collect::<Ad<B>, _>(&self.ad, &self.prefix, &grads);
         let first_in_flight = self.kept.keys().next().copied();
         self.trainer
+            .streams
             .accumulate(GradStream::LAYER, micro, g, first_in_flight);
         Ok(Reply::tensor(wrap(dh)))
     }

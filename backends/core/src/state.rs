@@ -8,9 +8,7 @@ use nsactor_kernels::SnnOps;
 use nsactor_model::io::{HF_PREFIX, load_params, view_to_f32};
 use nsactor_model::params::{ParamMapper, ParamVisitor, Params};
 use nsactor_model::train::{Adam, AdamConfig, AdamState, GradSet};
-use nsactor_plugin_api::{
-    EngineError, GradStream, MicroBatchId, OptimizerKind, Reply, StageCall, StageSnapshot,
-};
+use nsactor_plugin_api::{EngineError, OptimizerKind, Reply, StageCall, StageSnapshot};
 use safetensors::{Dtype, SafeTensors, tensor::TensorView};
 use std::collections::BTreeMap;
 
@@ -78,20 +76,6 @@ impl<B: SnnOps> Trainer<B> {
             streams: Streams::new(streams),
             adam: Adam::new(cfg),
         }
-    }
-
-    /// Micro-batch `micro`'s gradients into stream `s`, in micro-batch order (the pipeline's
-    /// runtime threads can deliver micro-batch m + 1's gradient before m's, and float sums in
-    /// another order differ in their last bits): a set waits while `first_in_flight`, a
-    /// smaller micro-batch, has not finished its backward.
-    pub fn accumulate(
-        &mut self,
-        s: GradStream,
-        micro: MicroBatchId,
-        g: GradSet<B>,
-        first_in_flight: Option<MicroBatchId>,
-    ) {
-        self.streams.accumulate(s, micro, g, first_in_flight);
     }
 
     /// Settles every stream into [`grads`](Self::grads), in order.

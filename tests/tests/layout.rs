@@ -75,6 +75,7 @@ fn dependency_direction_follows_the_design() {
         "nsactor-server",
         "nsactor-data",
         "nsactor-analysis",
+        "nsactor-cluster",
         "nsactor-tests",
     ] {
         assert!(ws.contains_key(krate), "workspace crate {krate} is missing");
@@ -170,8 +171,9 @@ fn dependency_direction_follows_the_design() {
         "the server and the analysis are independent"
     );
 
-    // The picture and metrics crates are leaves: no workspace crate, no burn.
-    for krate in ["nsactor-plots", "nsactor-telemetry"] {
+    // The picture, metrics and control-plane crates are leaves: no workspace crate, no burn
+    // (the control plane carries f32 values, never tensors).
+    for krate in ["nsactor-plots", "nsactor-telemetry", "nsactor-cluster"] {
         for (dep, _) in &ws[krate] {
             assert!(
                 !dep.starts_with("nsactor") && !heavy(dep),
@@ -219,7 +221,7 @@ fn rust_files(dir: &std::path::Path, out: &mut Vec<std::path::PathBuf>) {
 }
 
 /// The library and binary crates the import rules cover: `(name, src directory)`.
-const CRATES: [(&str, &str); 13] = [
+const CRATES: [(&str, &str); 14] = [
     ("plugin-api", "plugins/api/src"),
     ("plugin-abi", "plugins/abi/src"),
     ("kernels", "kernels/src"),
@@ -233,6 +235,7 @@ const CRATES: [(&str, &str); 13] = [
     ("plots", "actors/plots/src"),
     ("telemetry", "actors/telemetry/src"),
     ("analysis", "actors/analysis/src"),
+    ("cluster", "actors/cluster/src"),
 ];
 
 #[test]

@@ -4,18 +4,20 @@
 //! doubles per restart; each restart is logged with its cause and the step rolled back to, and
 //! written to `metrics.jsonl` as an `{"event":"restarted",…}` line. More than N restarts within
 //! the window and the agent gives up with a clear message. SIGTERM or SIGINT to the agent is
-//! passed on to the child (which checkpoints and exits 0) and no restart follows.
+//! passed on to the child (which checkpoints and exits 0) and no restart follows. With a
+//! [`Group`] (`--nproc-per-node`, `--nnodes`) the child is this host's ranks, watched and
+//! restarted as one: a rank that dies takes the others down with it.
 
+use crate::group::{GROUP_FLAGS, Group, command, wait_all};
 use crate::{CliError, CliResult};
 use nsactor_runtime::pipeline::checkpoint;
 use std::collections::VecDeque;
 use std::ffi::OsString;
 use std::io::Write;
-use std::os::unix::process::CommandExt;
 use std::path::Path;
-use std::process::{Command, ExitStatus};
-use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicI32, Ordering};
+use std::process::ExitStatus;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 /// The agent's flags, taken out of the child's command line.
@@ -40,7 +42,8 @@ impl RestartPolicy {
 
 /// `args` (the agent's own, program name excluded) without the agent's flags and their values.
 pub fn child_args(args: impl IntoIterator<Item = OsString>) -> Vec<OsString> {
-    without(args, &AGENT_FLAGS)
+    let flags: Vec<&str> = AGENT_FLAGS.iter().chain(&GROUP_FLAGS).copied().collect();
+    without(args, &flags)
 }
 
 /// `args` without the options `flags` (`--flag value` or `--flag=value`).
@@ -98,9 +101,12 @@ fn log_event(out_dir: &Path, line: &serde_json::Value) {
     }
 }
 
-/// Passes SIGTERM and SIGINT on to the child whose pid is in `child` and records that a stop
-/// was asked for.
-fn forward_signals(child: Arc<AtomicI32>, stopping: Arc<AtomicBool>) -> Result<(), CliError> {
+/// Passes SIGTERM and SIGINT on to the children whose pids are in `children` and records
+/// that a stop was asked for.
+fn forward_signals(
+    children: Arc<Mutex<Vec<i32>>>,
+    stopping: Arc<AtomicBool>,
+) -> Result<(), CliError> {
     use tokio::signal::unix::{SignalKind, signal};
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
@@ -121,8 +127,7 @@ fn forward_signals(child: Arc<AtomicI32>, stopping: Arc<AtomicBool>) -> Result<(
                         _ = int.recv() => libc::SIGINT,
                     };
                     stopping.store(true, Ordering::SeqCst);
-                    let pid = child.load(Ordering::SeqCst);
-                    if pid > 0 {
+                    for &pid in children.lock().unwrap_or_else(|e| e.into_inner()).iter() {
                         // SAFETY: kill(2) on the pid of a child we have not reaped yet.
                         unsafe { libc::kill(pid, sig) };
                     }
@@ -132,10 +137,10 @@ fn forward_signals(child: Arc<AtomicI32>, stopping: Arc<AtomicBool>) -> Result<(
     Ok(())
 }
 
-/// Runs `nsactor train` with this process's arguments (less the agent's flags) as a child
-/// until it succeeds, restarting it under `policy`. `out_dir` holds the run's metrics and its
-/// `checkpoints/`.
-pub fn supervise(policy: RestartPolicy, out_dir: &Path) -> CliResult {
+/// Runs `nsactor train` with this process's arguments (less the agent's flags) as a child, or
+/// as `group`'s ranks, until it succeeds, restarting it under `policy`. `out_dir` holds the
+/// run's metrics and its `checkpoints/`.
+pub fn supervise(policy: RestartPolicy, out_dir: &Path, group: Option<Group>) -> CliResult {
     let exe = std::env::current_exe()?;
     let args = child_args(std::env::args_os().skip(1));
     // An injected fault fires once per run: the first child only.
@@ -143,33 +148,29 @@ pub fn supervise(policy: RestartPolicy, out_dir: &Path) -> CliResult {
     if !restart_args.iter().any(|a| a == "--resume") {
         restart_args.push("--resume".into());
     }
-    let child_pid = Arc::new(AtomicI32::new(0));
+    let pids = Arc::new(Mutex::new(Vec::new()));
     let stopping = Arc::new(AtomicBool::new(false));
-    forward_signals(child_pid.clone(), stopping.clone())?;
+    forward_signals(pids.clone(), stopping.clone())?;
     let root = out_dir.join("checkpoints");
     let mut recent: VecDeque<Instant> = VecDeque::new();
     let mut restarts = 0u32;
     loop {
-        let mut cmd = Command::new(&exe);
-        cmd.args(if restarts == 0 { &args } else { &restart_args });
-        // Its own process group, so a terminal's Ctrl-C reaches the child once (through this
-        // agent), not twice; and SIGTERM when the agent dies, so it never trains orphaned.
-        cmd.process_group(0);
-        // SAFETY: prctl is async-signal-safe; nothing else runs between fork and exec.
-        unsafe {
-            cmd.pre_exec(|| {
-                libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM);
-                Ok(())
-            });
-        }
-        let mut child = cmd.spawn()?;
-        child_pid.store(child.id() as i32, Ordering::SeqCst);
-        let status = child.wait()?;
-        child_pid.store(0, Ordering::SeqCst);
-        if status.success() {
-            return Ok(());
-        }
-        let cause = describe(status);
+        let a = if restarts == 0 { &args } else { &restart_args };
+        let mut children = match &group {
+            Some(g) => g.spawn(&exe, a, restarts)?,
+            None => vec![(0, command(&exe, a).spawn()?)],
+        };
+        *pids.lock().unwrap_or_else(|e| e.into_inner()) =
+            children.iter().map(|(_, c)| c.id() as i32).collect();
+        let ended = wait_all(&mut children)?;
+        pids.lock().unwrap_or_else(|e| e.into_inner()).clear();
+        let cause = match ended {
+            Ok(()) => return Ok(()),
+            Err((rank, status)) if group.is_some() => {
+                format!("(rank {rank}) {}", describe(status))
+            }
+            Err((_, status)) => describe(status),
+        };
         if stopping.load(Ordering::SeqCst) {
             return Err(format!("stopped on request; the training process {cause}").into());
         }

@@ -1,6 +1,7 @@
 //! `nsactor bench …`: programs that print a figure, the device and the comparison it is about.
 
 mod breakdown;
+mod cluster;
 mod echo;
 mod flops;
 mod generate;
@@ -47,6 +48,10 @@ pub enum BenchCommand {
     /// One decoder layer's decoding step on the backend's device without actors: the whole
     /// step, its parts, and the launch-overhead and GEMM probes that bound it.
     DecodeProfile(generate::DecodeProfileArgs),
+    /// What crossing processes costs: two ranks over loopback; a step's results exchange
+    /// (control plane) and one layer's gradients there and back (transport) at the tiny and
+    /// 0.9B layer sizes, and the per-step total.
+    Cluster(cluster::ClusterBenchArgs),
 }
 
 /// The plugin option string that sets `precision` on `backend`: the CPU backend has one
@@ -109,5 +114,6 @@ pub fn run(c: BenchCommand) -> crate::CliResult {
         BenchCommand::Train(a) => train::run(a),
         BenchCommand::Generate(a) => generate::run(a),
         BenchCommand::DecodeProfile(a) => generate::decode_profile_cmd(a),
+        BenchCommand::Cluster(a) => cluster::run(a),
     }
 }

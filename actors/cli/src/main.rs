@@ -13,11 +13,13 @@ mod data;
 mod eval;
 mod export;
 mod generate;
+mod group;
 mod plot;
 mod plugins;
 mod serve;
 mod train;
 mod verify;
+mod world;
 
 use clap::{Parser, Subcommand};
 use std::process::ExitCode;
@@ -88,7 +90,7 @@ enum Command {
 
 fn init_logging(format: &str) {
     let filter = tracing_subscriber::EnvFilter::try_from_env("NSACTOR_LOG")
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info,ractor_cluster=warn"));
     let b = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr)

@@ -61,9 +61,10 @@ pub struct TrainArgs {
     /// panics; the supervisor rebuilds the actors and rolls back to the newest checkpoint),
     /// `crash-in-checkpoint:STEP` (the process aborts mid-checkpoint),
     /// `enospc-in-checkpoint:STEP` (that checkpoint's write fails as on a full disk) or
-    /// `nan-grad:STEP` (that step's gradients are NaN; the step is skipped) or
-    /// `loss-spike:STEP` (that step measures 100× its loss; see --loss-spike-factor).
-    /// Overrides [train].inject_fault.
+    /// `nan-grad:STEP` (that step's gradients are NaN; the step is skipped),
+    /// `loss-spike:STEP` (that step measures 100× its loss; see --loss-spike-factor) or
+    /// `kill-rank:RANK:STEP` (with --nproc-per-node: that rank's process dies from SIGKILL
+    /// mid-step). Overrides [train].inject_fault.
     #[arg(long)]
     inject_fault: Option<String>,
     /// Roll back to the newest checkpoint and skip the batches since it when a step's loss
@@ -81,6 +82,8 @@ pub struct TrainArgs {
     /// to a minute.
     #[arg(long, default_value_t = 1.0, requires = "max_restarts")]
     restart_backoff: f64,
+    #[command(flatten)]
+    group: crate::group::GroupArgs,
 }
 
 pub fn run(args: TrainArgs) -> crate::CliResult {
@@ -96,7 +99,9 @@ pub fn run(args: TrainArgs) -> crate::CliResult {
         tokenizer: args.tokenizer.clone(),
         ..args.layout.overrides()?
     })?;
-    if let Some(max_restarts) = args.max_restarts {
+    let group = args.group.group()?;
+    if args.max_restarts.is_some() || group.is_some() {
+        let max_restarts = args.max_restarts.unwrap_or(0);
         let secs = |name: &str, v: f64| {
             (v.is_finite() && v >= 0.0)
                 .then(|| std::time::Duration::from_secs_f64(v))
@@ -107,7 +112,13 @@ pub fn run(args: TrainArgs) -> crate::CliResult {
             window: secs("restart-window", args.restart_window)?,
             backoff: secs("restart-backoff", args.restart_backoff)?,
         };
-        return crate::agent::supervise(policy, &cfg.train.out_dir);
+        return crate::agent::supervise(policy, &cfg.train.out_dir, group);
+    }
+    // One rank of several processes (the environment says so), or the whole run.
+    let world = nsactor_cluster::World::from_env()?;
+    let fingerprint = crate::world::fingerprint(&cfg);
+    if let Some(w) = &world {
+        crate::world::local_share(&mut cfg, w)?;
     }
     let stop = nsactor_runtime::shutdown::stop_on_signals(
         std::time::Duration::from_secs_f64(cfg.train.shutdown_grace_s),
@@ -120,22 +131,31 @@ pub fn run(args: TrainArgs) -> crate::CliResult {
     let tok = nsactor_data::cli::load_tokenizer(cfg.data.tokenizer.as_deref())?;
     train::check_tokenizer(&cfg, &tok)?;
     let sampler = launch::make_sampler(&cfg, &tok, &args.corpus, args.data.as_deref(), args.sft)?;
-    let (sampler, held_out) = HeldOut::split(&cfg, sampler)?;
-    let live = match &args.metrics_addr {
-        Some(_) => Some(TrainingMetrics::new()?),
-        None => None,
+    let (sampler, mut held_out) = HeldOut::split(&cfg, sampler)?;
+    let rank = world.as_ref().map_or(0, |w| w.rank);
+    let live = match (&args.metrics_addr, rank) {
+        (Some(_), 0) => Some(TrainingMetrics::new()?),
+        _ => None,
     };
     let _exporter = match (&args.metrics_addr, &live) {
         (Some(addr), Some(m)) => Some(Exporter::start(addr, m.registry().clone())?),
         _ => None,
     };
     let compute = launch::open_backend(&cfg, args.layout.backend.as_deref())?;
+    let member = match world {
+        Some(w) => {
+            crate::world::place(&mut cfg, &w, compute.as_ref());
+            Some(crate::world::Rank::join(w)?)
+        }
+        None => None,
+    };
     let optimizer = if args.sft {
         OptimizerKind::AdamW
     } else {
         OptimizerKind::Adam
     };
-    let mut pipeline = launch::launch(compute, &cfg, optimizer, Some(sampler))?;
+    let link = member.as_ref().map(crate::world::Rank::link);
+    let mut pipeline = launch::launch_in(compute, &cfg, optimizer, Some(sampler), link)?;
     let mut first_step = 0;
     if args.resume {
         first_step = launch::resume(&cfg, &tok, &mut pipeline)?;
@@ -145,14 +165,41 @@ pub fn run(args: TrainArgs) -> crate::CliResult {
     {
         init.load(&tok, &mut pipeline)?;
     }
+    if let Some(m) = &member {
+        m.agree(fingerprint, first_step)?;
+    }
+    if rank > 0 {
+        // Rank 0 evaluates and writes; a stop request is rank 0's to act on.
+        held_out = None;
+    }
     let options = train::RunOptions {
         first_step,
         tokenizer_sha256: Some(tok.hash().to_string()),
-        stop: Some(&stop),
+        stop: (rank == 0).then_some(&stop),
         held_out,
         metrics: live.as_ref(),
+        rank,
     };
-    let summary = train::run(&cfg, &mut pipeline, options)?;
+    let summary = match (train::run(&cfg, &mut pipeline, options), &member) {
+        (Ok(s), _) => s,
+        (Err(e), Some(m)) if m.peers.ended() => {
+            // Rank 0 stopped the run on request while this rank was in a step.
+            tracing::warn!("rank 0 ended the run ({e})");
+            return m.finish();
+        }
+        (Err(e), m) => {
+            if let Some(m) = m {
+                m.abort(&e.to_string());
+            }
+            return Err(e.into());
+        }
+    };
+    if let Some(m) = &member {
+        m.finish()?;
+        if m.rank() > 0 {
+            return Ok(());
+        }
+    }
     if summary.stopped_at.is_some() {
         return Ok(());
     }

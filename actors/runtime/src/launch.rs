@@ -55,6 +55,18 @@ pub fn launch(
     optimizer: OptimizerKind,
     sampler: Option<Sampler>,
 ) -> Result<Pipeline, RuntimeError> {
+    launch_in(compute, cfg, optimizer, sampler, None)
+}
+
+/// [`launch`] as one rank of a world of processes (`cfg.train.data_parallel` is this
+/// process's share of the replicas).
+pub fn launch_in(
+    compute: Arc<dyn ComputeBackend>,
+    cfg: &RunConfig,
+    optimizer: OptimizerKind,
+    sampler: Option<Sampler>,
+    world: Option<Arc<crate::pipeline::world::WorldLink>>,
+) -> Result<Pipeline, RuntimeError> {
     let devices = cfg.train.devices.clone().unwrap_or_else(|| vec![0]);
     check_devices(compute.as_ref(), &devices)?;
     // Replica 0's placement; `Pipeline::start` places the other data-parallel replicas.
@@ -72,7 +84,7 @@ pub fn launch(
         optimizer,
         Some(plan.placement()),
     )?;
-    Pipeline::start(model, plan, cfg.train.clone(), sampler)
+    Pipeline::start_in(model, plan, cfg.train.clone(), sampler, world)
 }
 
 /// A model on the actor pipeline, ready to serve or evaluate, with its tokenizer.

@@ -38,6 +38,7 @@ pub mod supervisor;
 pub mod topology;
 pub mod trace;
 pub mod worker;
+pub mod world;
 pub mod writer;
 
 pub use batcher::{PickRequest, Picked};

@@ -79,6 +79,9 @@ pub struct RunOptions<'a> {
     pub held_out: Option<HeldOut>,
     /// The live registry (`--metrics-addr`), updated after every step.
     pub metrics: Option<&'a TrainingMetrics>,
+    /// This process's rank in a world of several: only rank 0 writes metrics, checkpoints
+    /// and weights; the others train alongside.
+    pub rank: usize,
 }
 
 /// Runs the steps after `o.first_step` completed ones up to `cfg.train.steps` on `pipeline`
@@ -98,26 +101,33 @@ pub fn run(
         stop,
         mut held_out,
         metrics: live,
+        rank,
     } = o;
+    let leader = rank == 0;
     let t = &cfg.train;
     let out_dir = t.out_dir.clone();
     std::fs::create_dir_all(&out_dir).map_err(|e| RuntimeError::Io(out_dir.clone(), e))?;
     let metrics_path = out_dir.join("metrics.jsonl");
     // Resuming: keep the metrics of the steps the checkpoint holds, drop any logged after it.
     let mut losses = Vec::new();
-    if first_step > 0 {
+    if first_step > 0 && leader {
         let (kept, text) = previous_metrics(&metrics_path, first_step);
         losses = kept;
         crate::weights::write_atomic(&metrics_path, text.as_bytes())
             .map_err(|e| RuntimeError::Io(metrics_path.clone(), e))?;
     }
-    let mut metrics = std::fs::OpenOptions::new()
-        .create(true)
-        .write(true)
-        .append(first_step > 0)
-        .truncate(first_step == 0)
-        .open(&metrics_path)
-        .map_err(|e| RuntimeError::Io(metrics_path.clone(), e))?;
+    let mut metrics: Box<dyn Write> = match leader {
+        true => Box::new(
+            std::fs::OpenOptions::new()
+                .create(true)
+                .write(true)
+                .append(first_step > 0)
+                .truncate(first_step == 0)
+                .open(&metrics_path)
+                .map_err(|e| RuntimeError::Io(metrics_path.clone(), e))?,
+        ),
+        false => Box::new(std::io::sink()),
+    };
     tracing::info!(
         "{} parameters on {}; {} steps × {} micro-batches × {}×{} tokens; pipeline {} [{}], imbalance {:.2} (devices {:.2})",
         pipeline.param_count(),
@@ -323,7 +333,7 @@ pub fn run(
         }
         let signal = stop.and_then(StopRequest::requested);
         let periodic = t.checkpoint_every > 0 && r.step % t.checkpoint_every == 0;
-        if (periodic || signal.is_some()) && r.step < t.steps {
+        if leader && (periodic || signal.is_some()) && r.step < t.steps {
             // On a stop the checkpoint is written before returning, whatever the mode.
             let background = t.async_checkpoint && signal.is_none();
             let c = pipeline.checkpoint_with(
@@ -353,6 +363,18 @@ pub fn run(
         }
     }
     bar.finish_and_clear();
+    let summary = |weights| RunSummary {
+        losses: losses.clone(),
+        tokens_per_s: tokens as f64 / start.elapsed().as_secs_f64(),
+        weights,
+        recoveries: recoveries.clone(),
+        skipped_steps,
+        spike_rollbacks,
+        stopped_at,
+    };
+    if !leader {
+        return Ok(summary(PathBuf::new()));
+    }
     if let Some(w) = pipeline.finish_checkpoint().transpose() {
         written(w, &mut log)?;
     }
@@ -365,15 +387,6 @@ pub fn run(
         )?;
         tracing::info!("checkpoint {}", dir.display());
     }
-    let summary = |weights| RunSummary {
-        losses: losses.clone(),
-        tokens_per_s: tokens as f64 / start.elapsed().as_secs_f64(),
-        weights,
-        recoveries: recoveries.clone(),
-        skipped_steps,
-        spike_rollbacks,
-        stopped_at,
-    };
     if let Some(s) = stopped_at {
         tracing::warn!(
             "stopped after step {s} on request; its checkpoint is in {}: `--resume` continues",

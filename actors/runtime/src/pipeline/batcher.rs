@@ -159,6 +159,9 @@ pub enum BatcherMsg {
     Tick,
 }
 
+// Local only: the cluster build of ractor asks every message type to say so.
+impl ractor::Message for BatcherMsg {}
+
 struct Waiting {
     session: SessionId,
     ids: Vec<i64>,

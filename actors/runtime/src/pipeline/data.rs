@@ -38,6 +38,9 @@ pub enum DataMsg {
     },
 }
 
+// Local only: the cluster build of ractor asks every message type to say so.
+impl ractor::Message for DataMsg {}
+
 pub struct DataActor;
 
 type Prefetch = JoinHandle<(Sampler, Cursor, Drawn)>;

@@ -56,6 +56,18 @@ impl Pipeline {
         train: TrainConfig,
         sampler: Option<Sampler>,
     ) -> Result<Self, RuntimeError> {
+        Pipeline::start_in(model, plan, train, sampler, None)
+    }
+
+    /// [`Pipeline::start`] as one rank of a world of processes: `train.data_parallel`
+    /// replicas here, reduced with the other ranks' ([`super::world`]).
+    pub fn start_in(
+        model: StagedModel,
+        plan: PipelinePlan,
+        train: TrainConfig,
+        sampler: Option<Sampler>,
+        world: Option<Arc<super::world::WorldLink>>,
+    ) -> Result<Self, RuntimeError> {
         if plan.num_layers() != model.num_layers() {
             return Err(RuntimeError::Runtime(format!(
                 "the plan places {} layers, the model has {}",
@@ -135,6 +147,7 @@ impl Pipeline {
             prefix: format!("pipeline{id}"),
             fault,
             keep_activations: train.keep_activations,
+            world,
         };
         let ids = Arc::new(IdAllocator::new());
         let (sup, children, data) = rt.block_on(async {

@@ -282,6 +282,9 @@ pub enum LayerMsg {
     },
 }
 
+// Local only: the cluster build of ractor asks every message type to say so.
+impl ractor::Message for LayerMsg {}
+
 /// What `SessionSample` brings to the host: `[ids, logprobs]` (`2·B` values) and the logits
 /// when they were asked for.
 pub type Sampled = (Vec<f32>, Option<Vec<f32>>);
@@ -367,3 +370,6 @@ pub enum EdgeMsg {
         reply: RpcReplyPort<Result<(), EngineError>>,
     },
 }
+
+// Local only: the cluster build of ractor asks every message type to say so.
+impl ractor::Message for EdgeMsg {}

@@ -17,6 +17,26 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 impl SupState {
+    /// Continue after `step` completed steps, with the data at `cursor`.
+    pub(super) async fn set_position(
+        &mut self,
+        step: u64,
+        cursor: Option<Cursor>,
+    ) -> Result<(), RuntimeError> {
+        if let (Some(c), Some(d)) = (cursor, &self.data) {
+            match d
+                .call(|reply| DataMsg::Seek { cursor: c, reply }, None)
+                .await
+            {
+                Ok(ractor::rpc::CallResult::Success(r)) => r?,
+                _ => return Err(RuntimeError::Broken("the data actor stopped".into())),
+            }
+        }
+        self.step = step;
+        self.cursor = cursor;
+        Ok(())
+    }
+
     /// Rebuilds every edge and layer actor from freshly opened stages, loads the newest valid
     /// checkpoint into them (none: the fresh stages are the step-0 state), rewinds the data
     /// and the step counter. Returns the step the run continues after.

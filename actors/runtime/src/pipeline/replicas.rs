@@ -11,11 +11,13 @@
 //! reduction starts as soon as every replica has run that layer's backward passes, while the
 //! other layers go on. Tensors cross devices through
 //! [`ComputeBackend::to_device`] (peer copies between GPUs) on the blocking pool, off the
-//! stage workers.
+//! stage workers. Across processes ([`super::world`]) replica 0 of rank 0 is the root, and
+//! the other ranks' parts come after its own process's.
 
 use super::msg::{GradOp, Hop, StageControl, control_all};
 use super::supervisor::SupState;
 use super::topology::Children;
+use super::world::{Outcome, Remote, StageCopy, exchange_results};
 use crate::engine::StepParams;
 use crate::error::RuntimeError;
 use futures_util::future::join_all;
@@ -27,12 +29,6 @@ use std::sync::Arc;
 /// gradients on replica 0's device; with every stage at once, the end of a step's backward
 /// asked 0.9B on an H100 for gigabytes more than one replica's training needs and ran out.
 pub(crate) const REDUCTION_LANES: usize = 2;
-
-/// One copy of a stage in a reduction: its actor and its device.
-struct StageCopy {
-    stage: Hop,
-    device: usize,
-}
 
 /// `part` on `device`, moved on the blocking pool: a copy between GPUs waits on the host for
 /// both devices' queues, and a stage worker that waited there would stop issuing its
@@ -51,23 +47,28 @@ async fn moved(
     .map_err(|e| RuntimeError::Runtime(format!("moving gradients: {e}")))?
 }
 
-/// Reduces one stage's gradients over its copies (`copies[r]` is replica r's), leaving the
-/// sum in every copy.
+/// Reduces one stage's gradients over its copies (`copies[r]` is replica r's) and, on rank 0
+/// of a world, over the other ranks' (`remote`), leaving the sum in every copy.
 async fn reduce_stage(
     who: &str,
     backend: &Arc<dyn ComputeBackend>,
     copies: &[StageCopy],
+    remote: Option<&Remote>,
 ) -> Result<(), RuntimeError> {
-    let (root, rest) = copies.split_first().expect("at least one replica");
+    let (root_copy, rest) = copies.split_first().expect("at least one replica");
     // Every part of the other replicas goes to replica 0, which adds them in key order.
     for c in rest {
         while let Some(part) = c.stage.grads(who, GradOp::Out { keep: false }).await? {
-            let part = moved(backend, part, root.device).await?;
-            root.stage.grads(who, GradOp::In(part)).await?;
+            let part = moved(backend, part, root_copy.device).await?;
+            root_copy.stage.grads(who, GradOp::In(part)).await?;
         }
     }
-    let root = &root.stage;
-    // Replica 0's sums (one per stream): a copy to each other replica, then back home.
+    if let Some(r) = remote {
+        r.gather(who, backend, root_copy).await?;
+    }
+    let root = &root_copy.stage;
+    // Replica 0's sums (one per stream): a copy to each other replica and rank, then back
+    // home.
     let mut sums: Vec<GradPart> = Vec::new();
     loop {
         for c in rest {
@@ -76,10 +77,18 @@ async fn reduce_stage(
                 c.stage.grads(who, GradOp::In(copy)).await?;
             }
         }
+        if let Some(r) = remote
+            && let Some(copy) = root.grads(who, GradOp::Out { keep: true }).await?
+        {
+            r.broadcast(backend, copy).await?;
+        }
         match root.grads(who, GradOp::Out { keep: false }).await? {
             Some(sum) => sums.push(sum),
             None => break,
         }
+    }
+    if let Some(r) = remote {
+        r.end_broadcast()?;
     }
     for sum in sums {
         root.grads(who, GradOp::In(sum)).await?;
@@ -88,6 +97,55 @@ async fn reduce_stage(
 }
 
 impl SupState {
+    /// This rank's first replica among the world's, and the world's replicas; without a
+    /// world, `(0, local replicas)`.
+    pub(super) fn world_replicas(&self) -> (usize, usize) {
+        let d = 1 + self.others.len();
+        match &self.topo.world {
+            Some(w) => (w.rank() * d, w.size() * d),
+            None => (0, d),
+        }
+    }
+
+    /// The whole step's micro-batch results: `mine` alone without a world, else every rank's
+    /// ([`exchange_results`]).
+    pub(super) async fn world_results(
+        &self,
+        step: u64,
+        mine: Vec<Outcome>,
+    ) -> Result<Vec<Outcome>, RuntimeError> {
+        match &self.topo.world {
+            Some(w) => exchange_results(w, step, &mine).await,
+            None => Ok(mine),
+        }
+    }
+
+    /// A step of a world failed here: the other ranks are told, and this pipeline is broken
+    /// (the ranks restart together). A loss spike is every rank's verdict alike: no failure.
+    pub(super) fn world_failed(&mut self, e: &RuntimeError) {
+        let Some(w) = &self.topo.world else { return };
+        if matches!(e, RuntimeError::LossSpike { .. }) {
+            return;
+        }
+        w.peers.abort(&e.to_string());
+        self.broken
+            .get_or_insert_with(|| format!("{} failed a step: {e}", w.peers.world.describe()));
+    }
+
+    /// `kill-rank:RANK:STEP`: this process dies here, as from `kill -9`.
+    pub(super) fn die_if_injected(&self) {
+        if let (Some(f), Some(w)) = (&self.topo.fault, &self.topo.world)
+            && f.kill_rank_now(w.rank())
+        {
+            tracing::error!(
+                "injected fault: {} kills itself (SIGKILL)",
+                w.peers.world.describe()
+            );
+            // SAFETY: kill(2) on this process's own pid.
+            unsafe { libc::kill(libc::getpid(), libc::SIGKILL) };
+        }
+    }
+
     /// A step's permits for [`REDUCTION_LANES`] stage reductions at once.
     pub(super) fn reduction_lanes() -> Arc<tokio::sync::Semaphore> {
         Arc::new(tokio::sync::Semaphore::new(REDUCTION_LANES))
@@ -104,11 +162,14 @@ impl SupState {
     }
 
     /// Starts the reduction of stage `k` (0 the edge, 1 + i layer i) over the replicas
-    /// (module docs) as a task of its own.
+    /// (module docs) as a task of its own; `step` and `base` (the id of its first
+    /// micro-batch) place it for the other ranks of a world.
     pub(super) fn spawn_reduce(
         &self,
         k: usize,
         lanes: Arc<tokio::sync::Semaphore>,
+        step: u64,
+        base: u64,
     ) -> tokio::task::JoinHandle<Result<(), RuntimeError>> {
         let copies: Vec<StageCopy> = self
             .replicas()
@@ -130,12 +191,23 @@ impl SupState {
             k => format!("layer {}", k - 1),
         };
         let backend = self.topo.backend.clone();
+        let remote = self.topo.world.as_ref().map(|link| Remote {
+            link: link.clone(),
+            step,
+            stage: k as u32,
+            base,
+        });
         tokio::spawn(async move {
+            if let Some(r) = remote.as_ref().filter(|r| r.link.rank() > 0) {
+                // Without a lane: rank 0's reductions wait for these parts, whatever order
+                // the ranks' layers finished in.
+                return r.send_stage(&who, &backend, &copies).await;
+            }
             let _lane = lanes
                 .acquire_owned()
                 .await
                 .map_err(|e| RuntimeError::Runtime(format!("reduction lanes: {e}")))?;
-            reduce_stage(&who, &backend, &copies).await
+            reduce_stage(&who, &backend, &copies, remote.as_ref()).await
         })
     }
 

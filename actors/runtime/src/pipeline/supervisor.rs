@@ -80,6 +80,9 @@ pub enum SupMsg {
     },
 }
 
+// Local only: the cluster build of ractor asks every message type to say so.
+impl ractor::Message for SupMsg {}
+
 pub struct Supervisor;
 
 /// What the supervisor starts from: the graph it can rebuild, the actors now in it, the data.
@@ -166,6 +169,9 @@ impl SupState {
     ) -> Result<StepStats, RuntimeError> {
         self.check()?;
         let r = self.train_step_inner(batches, p, guarded).await;
+        if let Err(e) = &r {
+            self.world_failed(e);
+        }
         if r.is_err() && self.dead_child().is_none() && self.broken.is_none() {
             // Leave no half-accumulated gradients behind; the step is skipped.
             if let Err(e) = self.zero_grad().await {
@@ -191,10 +197,14 @@ impl SupState {
         let micro = self.ids.micro_batches(m);
         let base = micro[0].0;
         let tokens: u64 = batches.iter().map(crate::engine::scored_tokens).sum();
-        // Replica r runs a contiguous share of the micro-batches, each with its own window.
+        // Replica r runs a contiguous share of the micro-batches, each with its own window;
+        // in a world, of the world's replicas, this rank's being `first .. first + d`.
         let d = 1 + self.others.len();
         let num_layers = self.layers.len();
-        let owner = |i: usize| super::step::owner(i, m, d);
+        let (first, all) = self.world_replicas();
+        let owner = |i: usize| super::step::owner(i, m, all).checked_sub(first);
+        let mine = |i: usize| owner(i).filter(|&r| r < d);
+        let step_no = self.step + 1;
         // At most one event per micro-batch, and one per layer of each replica, is in the
         // channel at a time.
         let (tx, mut rx) = tokio::sync::mpsc::channel(m + 1 + d * num_layers);
@@ -202,8 +212,8 @@ impl SupState {
         // backward, and its reduction starts while the other layers go on.
         let tallies: Vec<Option<Arc<super::step::Tally>>> = (0..d)
             .map(|r| {
-                let share = (0..m).filter(|&i| owner(i) == r).count();
-                (d > 1).then(|| Arc::new(super::step::Tally::new(r, share, num_layers)))
+                let share = (0..m).filter(|&i| mine(i) == Some(r)).count();
+                (all > 1).then(|| Arc::new(super::step::Tally::new(r, share, num_layers)))
             })
             .collect();
         let mut ready = vec![0usize; num_layers];
@@ -212,8 +222,11 @@ impl SupState {
         let mut pending: Vec<std::collections::VecDeque<(usize, Arc<Batch>)>> =
             vec![Default::default(); d];
         for (i, b) in batches.into_iter().enumerate() {
-            pending[owner(i)].push_back((i, Arc::new(b)));
+            if let Some(r) = mine(i) {
+                pending[r].push_back((i, Arc::new(b)));
+            }
         }
+        let local = pending.iter().map(|q| q.len()).sum::<usize>();
         let edges: Vec<ActorRef<EdgeMsg>> = std::iter::once(self.edge.clone())
             .chain(self.others.iter().map(|c| c.edge.clone()))
             .collect();
@@ -231,7 +244,8 @@ impl SupState {
                      in_flight: &mut usize|
          -> Result<(), RuntimeError> {
             if let Some((i, batch)) = pending.pop_front() {
-                edges[owner(i)]
+                let r = mine(i).expect("a local micro-batch");
+                edges[r]
                     .cast(EdgeMsg::Embed {
                         micro: micro[i],
                         batch,
@@ -240,7 +254,7 @@ impl SupState {
                         ctx: StepCtx {
                             events: tx.clone(),
                             depth_first,
-                            tally: tallies[owner(i)].clone(),
+                            tally: tallies[r].clone(),
                         },
                     })
                     .map_err(|_| RuntimeError::Broken("edge stopped".into()))?;
@@ -274,9 +288,11 @@ impl SupState {
             let Some(event) = event else { break };
             let micro_done = match event {
                 Event::LayerReady { layer, .. } => {
+                    self.die_if_injected();
                     ready[layer] += 1;
                     if ready[layer] == d && failure.is_none() {
-                        reductions.push(self.spawn_reduce(1 + layer, lanes.clone()));
+                        let k = 1 + layer;
+                        reductions.push(self.spawn_reduce(k, lanes.clone(), step_no, base));
                     }
                     continue;
                 }
@@ -301,13 +317,13 @@ impl SupState {
                 }
             }
             if failure.is_none() {
-                admit(&mut pending[owner(i)], &mut in_flight)?;
+                admit(&mut pending[mine(i).expect("local")], &mut in_flight)?;
             }
         }
-        if d > 1 {
+        if all > 1 {
             // The edge's share is done with the last micro-batch; then every reduction ends.
             if failure.is_none() {
-                reductions.push(self.spawn_reduce(0, lanes.clone()));
+                reductions.push(self.spawn_reduce(0, lanes.clone(), step_no, base));
             }
             for r in join_all(reductions).await {
                 let r = r.map_err(|e| RuntimeError::Runtime(format!("a reduction task: {e}")))?;
@@ -319,7 +335,8 @@ impl SupState {
         if let Some(f) = failure {
             return Err(f);
         }
-        debug_assert_eq!(finished, m);
+        debug_assert_eq!(finished, local);
+        let results = self.world_results(step_no, results).await?;
         let l = self.layers.len() as f64;
         let mf = m as f64;
         let mut s = StepStats {
@@ -413,6 +430,13 @@ impl SupState {
             Err(e) if self.broken.is_some() || self.dead_child().is_some() => {
                 let cause = format!("step {} failed: {e}", self.step + 1);
                 tracing::error!("{cause}");
+                if self.topo.world.is_some() {
+                    // One rank alone cannot roll back: the launcher restarts them all.
+                    return Err(RuntimeError::Broken(format!(
+                        "{cause}; the ranks restart together (--max-restarts) from the newest \
+                         checkpoint"
+                    )));
+                }
                 if self.restarts >= self.train.max_restarts {
                     return Err(RuntimeError::Broken(format!(
                         "{cause}; giving up after {} restart(s) (max_restarts)",
@@ -536,24 +560,7 @@ impl Actor for Supervisor {
                 cursor,
                 reply,
             } => {
-                let r = async {
-                    if let (Some(c), Some(d)) = (cursor, &s.data) {
-                        match d
-                            .call(|reply| DataMsg::Seek { cursor: c, reply }, None)
-                            .await
-                        {
-                            Ok(ractor::rpc::CallResult::Success(r)) => r?,
-                            _ => {
-                                return Err(RuntimeError::Broken("the data actor stopped".into()));
-                            }
-                        }
-                    }
-                    s.step = step;
-                    s.cursor = cursor;
-                    Ok(())
-                }
-                .await;
-                let _ = reply.send(r);
+                let _ = reply.send(s.set_position(step, cursor).await);
             }
         }
         Ok(())

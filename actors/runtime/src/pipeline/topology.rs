@@ -38,13 +38,16 @@ pub enum Fault {
     /// Step `step` measures a loss 100× its true value, as a bad batch would spike it (exercises
     /// the loss-spike guard; the gradients are the step's own).
     LossSpike { step: u64 },
+    /// The process of world rank `rank` kills itself with SIGKILL during step `step`, once its
+    /// first layer has finished that step's backward passes (a process dying mid-step).
+    KillRank { rank: usize, step: u64 },
 }
 
 impl std::str::FromStr for Fault {
     type Err = RuntimeError;
 
     /// `layer-panic:LAYER:STEP`, `crash-in-checkpoint:STEP`, `enospc-in-checkpoint:STEP` or
-    /// `nan-grad:STEP` or `loss-spike:STEP`.
+    /// `nan-grad:STEP`, `loss-spike:STEP` or `kill-rank:RANK:STEP`.
     fn from_str(s: &str) -> Result<Self, RuntimeError> {
         let parts: Vec<&str> = s.split(':').collect();
         let num = |p: &str| {
@@ -60,9 +63,14 @@ impl std::str::FromStr for Fault {
             ["enospc-in-checkpoint", step] => Ok(Fault::DiskFullInCheckpoint { step: num(step)? }),
             ["nan-grad", step] => Ok(Fault::NanGrad { step: num(step)? }),
             ["loss-spike", step] => Ok(Fault::LossSpike { step: num(step)? }),
+            ["kill-rank", rank, step] => Ok(Fault::KillRank {
+                rank: num(rank)? as usize,
+                step: num(step)?,
+            }),
             _ => Err(RuntimeError::Invalid(format!(
                 "fault `{s}`: expected `layer-panic:LAYER:STEP`, `crash-in-checkpoint:STEP`, \
-                 `enospc-in-checkpoint:STEP`, `nan-grad:STEP` or `loss-spike:STEP`"
+                 `enospc-in-checkpoint:STEP`, `nan-grad:STEP`, `loss-spike:STEP` or \
+                 `kill-rank:RANK:STEP`"
             ))),
         }
     }
@@ -113,6 +121,12 @@ impl FaultPlan {
     pub fn nan_grad_now(&self) -> bool {
         let step = self.step_now.load(Ordering::SeqCst);
         self.fire(Fault::NanGrad { step })
+    }
+
+    /// Whether the process of world rank `rank` dies now (during the step now running).
+    pub fn kill_rank_now(&self, rank: usize) -> bool {
+        let step = self.step_now.load(Ordering::SeqCst);
+        self.fire(Fault::KillRank { rank, step })
     }
 
     /// Whether the step now running measures a spiked loss.
@@ -173,6 +187,8 @@ pub struct Topology {
     /// Layers per stage, counted from its last, whose training forwards keep their autodiff
     /// graph (`[train] keep_activations`).
     pub keep_activations: usize,
+    /// The other processes of the run, when it has several ([`super::world`]).
+    pub world: Option<Arc<super::world::WorldLink>>,
 }
 
 fn rt(e: impl std::fmt::Display) -> RuntimeError {
@@ -180,6 +196,14 @@ fn rt(e: impl std::fmt::Display) -> RuntimeError {
 }
 
 impl Topology {
+    /// Replica `r`'s number among the world's replicas (numbered rank by rank).
+    pub fn global_replica(&self, r: usize) -> usize {
+        self.world
+            .as_ref()
+            .map_or(0, |w| w.rank() * self.replicas.len())
+            + r
+    }
+
     /// Replica `r`'s freshly initialised stages (the step-0 state, the same in every
     /// replica), each opened on its own worker.
     pub async fn open_fresh(
@@ -326,7 +350,7 @@ impl Topology {
         })
         .map_err(|_| rt("the edge stopped while starting"))?;
         let children = Children { edge, layers };
-        if r > 0 && self.hold_grads {
+        if self.global_replica(r) > 0 && self.hold_grads {
             for (i, stage) in Hop::all(&children.edge, &children.layers)
                 .iter()
                 .enumerate()

@@ -1,0 +1,40 @@
+//! nsactor's control plane across processes and hosts.
+//!
+//! A run of several processes is a *world*: each process is a rank, rank 0 coordinates. The
+//! [`World`] comes from the environment (torchrun-style variables, or Slurm's); [`Peers`]
+//! joins it over `ractor_cluster` (nodes authenticated with the world's shared secret) and
+//! carries the typed [`wire::Packet`]s ranks exchange: the hello that checks every rank runs
+//! the same configuration from the same step, the gradient parts of a data-parallel
+//! reduction, each step's micro-batch results, and the end of the run. What the packets mean
+//! for training is the runtime's business (`nsactor-runtime`'s `pipeline::world`); this crate
+//! knows no tensors and no model.
+
+pub mod peers;
+pub mod wire;
+pub mod world;
+
+pub use peers::Peers;
+pub use wire::{Body, Kind, MicroResult, Packet, WirePart};
+pub use world::World;
+
+/// What went wrong between ranks.
+#[derive(Debug, thiserror::Error)]
+pub enum ClusterError {
+    /// The world cannot form: bad variables, a port in use, a rank that never came, a refusal.
+    #[error("{0}")]
+    World(String),
+    /// Another rank is gone or gave up.
+    #[error("the world broke: {0}")]
+    Broken(String),
+    #[error("waited {seconds:.0} s for {what} (NSACTOR_TIMEOUT_S)")]
+    Timeout { what: String, seconds: f64 },
+    #[error("{0}")]
+    Wire(String),
+}
+
+/// FNV-1a over `bytes`: the same on every host and build, for configuration fingerprints.
+pub fn fingerprint(bytes: &[u8]) -> u64 {
+    bytes.iter().fold(0xcbf2_9ce4_8422_2325, |h, &b| {
+        (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3)
+    })
+}

@@ -81,17 +81,7 @@ impl SupState {
                 (0, self.initial_cursor)
             }
         };
-        if let (Some(c), Some(d)) = (cursor, &self.data) {
-            match d
-                .call(|reply| DataMsg::Seek { cursor: c, reply }, None)
-                .await
-            {
-                Ok(ractor::rpc::CallResult::Success(r)) => r?,
-                _ => return Err(RuntimeError::Broken("the data actor stopped".into())),
-            }
-        }
-        self.step = step;
-        self.cursor = cursor;
+        self.set_position(step, cursor).await?;
         Ok(step)
     }
 

@@ -380,11 +380,6 @@ impl Peers {
         self.inbox.ended.load(Ordering::SeqCst)
     }
 
-    /// Why the world is broken, if it is.
-    pub fn broken(&self) -> Option<String> {
-        self.inbox.broken()
-    }
-
     /// Tells every rank this one talks to that it gives the run up.
     pub fn abort(&self, why: &str) {
         for k in (0..self.world.size).filter(|&k| self.to[k].is_some()) {

@@ -95,18 +95,19 @@ impl Remote {
         })
     }
 
-    /// `w` on `device`, keyed by this process's id of its micro-batch.
+    /// `w` on `device`, keyed by this process's id of its micro-batch (its values move to
+    /// the host tensor uncopied).
     async fn off_wire(
         &self,
         backend: &Arc<dyn ComputeBackend>,
-        w: &WirePart,
+        w: WirePart,
         device: usize,
     ) -> Result<GradPart, RuntimeError> {
         let mask: Vec<i64> = w.mask.iter().map(|&m| i64::from(m)).collect();
         let mask = ParamMask::from_words(&mask)?;
         let host = HostTensor {
             shape: vec![1, 1, w.values.len()],
-            data: w.values.clone(),
+            data: w.values,
         };
         let backend = backend.clone();
         let flat = tokio::task::spawn_blocking(move || backend.from_host(device, &host))
@@ -134,7 +135,7 @@ impl Remote {
                 check_step(self, p.step, k)?;
                 match p.body {
                     Body::Part(w) => {
-                        let part = self.off_wire(backend, &w, root.device).await?;
+                        let part = self.off_wire(backend, w, root.device).await?;
                         root.stage.grads(who, GradOp::In(part)).await?;
                     }
                     Body::PartsEnd => break,
@@ -189,8 +190,15 @@ impl Remote {
             check_step(self, p.step, 0)?;
             match p.body {
                 Body::Part(w) => {
-                    for c in copies {
-                        let part = self.off_wire(backend, &w, c.device).await?;
+                    // A copy for each local replica but the last, which takes the part itself.
+                    let mut w = Some(w);
+                    for (i, c) in copies.iter().enumerate() {
+                        let mine = match i + 1 == copies.len() {
+                            true => w.take(),
+                            false => w.clone(),
+                        };
+                        let mine = mine.expect("the part is taken by the last replica only");
+                        let part = self.off_wire(backend, mine, c.device).await?;
                         c.stage.grads(who, GradOp::In(part)).await?;
                     }
                 }

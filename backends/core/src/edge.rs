@@ -17,6 +17,16 @@ use nsactor_plugin_api::{
 };
 use std::collections::BTreeMap;
 
+/// Frees the autodiff graphs of the process that no tensor refers to any more (the previous
+/// parameters, a failed step's kept activations). Our burn-autodiff patch
+/// (`kernels/vendor/README.md`) takes this sweep out of every `backward`, where it raced with
+/// the graphs other stage threads were building and now and then dropped a step of theirs — a
+/// gradient contribution silently lost. The optimizer phase and `ZeroGrad` are the points where
+/// no stage of a step builds or differentiates a graph; the edge, one per replica, sweeps there.
+fn sweep_graphs() {
+    burn_autodiff::sweep_orphaned_graphs();
+}
+
 pub struct EdgeStage<B: SnnOps> {
     cfg: ModelConfig,
     device: B::Device,
@@ -287,11 +297,13 @@ impl<B: SnnOps> Stage for EdgeStage<B> {
                 self.trainer.step(&mut self.ad, "", lr, neuron_lr, clip)?;
                 sync::<B, _, _>(&self.ad, &mut self.inner);
                 self.graphs.clear();
+                sweep_graphs();
                 Ok(Reply::none())
             }
             StageCall::ZeroGrad => {
                 self.trainer.clear();
                 self.kept.clear();
+                sweep_graphs();
                 Ok(Reply::none())
             }
             StageCall::SessionEmbed { tokens } => {

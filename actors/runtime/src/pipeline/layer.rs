@@ -114,8 +114,11 @@ impl Actor for LayerActor {
                 tokio::spawn(async move {
                     match job.await {
                         Ok((g, ())) => {
-                            prev.backward(micro, g, ponder_grad, ctx.clone());
+                            // Reported before the gradient moves on: layer 0's report
+                            // must reach the supervisor before the edge's `Done` for the
+                            // replica's last micro-batch ends the step's event loop.
                             ctx.backward_done(index).await;
+                            prev.backward(micro, g, ponder_grad, ctx);
                         }
                         Err(e) => fail_detached(who, micro, e, &ctx, &myself).await,
                     }

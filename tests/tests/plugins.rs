@@ -568,3 +568,29 @@ fn the_gradient_exchange_crosses_the_boundary_bitwise() {
     );
     assert!(plugin.iter().any(|&g| g != 0.0));
 }
+
+#[test]
+fn a_backend_without_collectives_says_so_across_the_boundary() {
+    use nsactor_plugin_api::{CollectiveId, Communicator};
+    let b = ndarray_plugin();
+    let e = b.collective_id().expect_err("the CPU has no collectives");
+    let m = e.to_string();
+    assert!(m.contains("collectives"), "{m}");
+    let e = b
+        .collective_join(&CollectiveId(vec![0; 128]), 0, 2, 0)
+        .expect_err("nor can it join a group");
+    assert!(e.to_string().contains("collectives"), "{e}");
+    let t = b
+        .from_host(
+            0,
+            &HostTensor {
+                data: vec![1.0; 4],
+                shape: vec![1, 1, 4],
+            },
+        )
+        .unwrap();
+    let e = b
+        .all_reduce_sum(Communicator(0), t)
+        .expect_err("nor all-reduce");
+    assert!(e.to_string().contains("collectives"), "{e}");
+}

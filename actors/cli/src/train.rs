@@ -154,7 +154,7 @@ pub fn run(args: TrainArgs) -> crate::CliResult {
     } else {
         OptimizerKind::Adam
     };
-    let link = member.as_ref().map(crate::world::Rank::link);
+    let link = member.as_ref().map(|m| m.link(&compute)).transpose()?;
     let mut pipeline = launch::launch_in(compute, &cfg, optimizer, Some(sampler), link)?;
     let mut first_step = 0;
     if args.resume {

@@ -88,9 +88,13 @@ impl Rank {
             .block_on(self.peers.agree(fingerprint, first_step))?)
     }
 
-    /// The pipeline's side of the connections.
-    pub fn link(&self) -> Arc<WorldLink> {
-        Arc::new(WorldLink::new(self.peers.clone()))
+    /// The pipeline's side of the connections: through `backend`'s collectives when rank 0's
+    /// has them (NCCL on GPUs), else through the host.
+    pub fn link(&self, backend: &Arc<dyn ComputeBackend>) -> CliResult<Arc<WorldLink>> {
+        let link = self
+            .rt
+            .block_on(WorldLink::negotiate(self.peers.clone(), backend))?;
+        Ok(Arc::new(link))
     }
 
     /// Ends the run with every rank (rank 0 leaves last).

@@ -62,6 +62,10 @@ pub enum Body {
     FinishAck,
     /// The sender gives up on the run.
     Abort(String),
+    /// Rank 0's id of the communication group for a stage's device (the backend's
+    /// collectives, NCCL on GPUs); empty when the backend has none and the stage's parts go
+    /// through the control plane instead.
+    Collective(Vec<u8>),
 }
 
 /// A packet: the sender, the step and stage it concerns, and what it says.
@@ -85,6 +89,8 @@ pub enum Kind {
     Results,
     Finish,
     FinishAck,
+    /// A stage's communication group id.
+    Collective(u32),
 }
 
 impl Packet {
@@ -97,6 +103,7 @@ impl Packet {
             Body::Results { .. } => Kind::Results,
             Body::Finish => Kind::Finish,
             Body::FinishAck => Kind::FinishAck,
+            Body::Collective(_) => Kind::Collective(self.stage),
             Body::Abort(_) => return None,
         })
     }
@@ -114,6 +121,7 @@ impl Packet {
             Body::Finish => 7,
             Body::FinishAck => 8,
             Body::Abort(_) => 9,
+            Body::Collective(_) => 10,
         };
         w.push(tag);
         w.extend_from_slice(&self.from.to_le_bytes());
@@ -155,6 +163,10 @@ impl Packet {
                         w.extend_from_slice(&x.to_le_bytes());
                     }
                 }
+            }
+            Body::Collective(id) => {
+                w.extend_from_slice(&(id.len() as u32).to_le_bytes());
+                w.extend_from_slice(id);
             }
             Body::Welcome | Body::PartsEnd | Body::Finish | Body::FinishAck => {}
         }
@@ -228,6 +240,10 @@ impl Packet {
             7 => Body::Finish,
             8 => Body::FinishAck,
             9 => Body::Abort(r.string()?),
+            10 => {
+                let n = r.u32()? as usize;
+                Body::Collective(r.take(n)?.to_vec())
+            }
             t => return Err(bad(&format!("packet kind {t}"))),
         };
         if r.at != bytes.len() {
@@ -338,6 +354,8 @@ mod tests {
             p(0, Body::Finish),
             p(0, Body::FinishAck),
             p(0, Body::Abort("rank 1 disconnected".into())),
+            p(3, Body::Collective((0..128).collect())),
+            p(0, Body::Collective(Vec::new())),
         ]
     }
 

@@ -20,6 +20,7 @@
 
 pub mod batcher;
 pub mod checkpoint;
+pub mod collective;
 pub mod data;
 pub mod decoder;
 pub mod edge;

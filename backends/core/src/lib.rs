@@ -30,8 +30,9 @@ use burn::backend::Autodiff;
 use burn::tensor::{Tensor, TensorData, backend::Backend};
 use nsactor_kernels::SnnOps;
 use nsactor_plugin_api::{
-    BackendInfo, ComputeBackend, DeviceTensor, Diagnostic, DiagnosticReport, EngineError,
-    HostTensor, Reply, Stage, StageCall, StageKind, StageSnapshot, StageSpec, TensorObject,
+    BackendInfo, CollectiveId, Communicator, ComputeBackend, DeviceTensor, Diagnostic,
+    DiagnosticReport, EngineError, HostTensor, Reply, Stage, StageCall, StageKind, StageSnapshot,
+    StageSpec, TensorObject,
 };
 use std::any::Any;
 
@@ -240,6 +241,36 @@ impl<B: SnnOps> ComputeBackend for BurnBackend<B> {
         let moved = B::move_to_device(x.into_primitive().tensor(), &dev);
         Ok(wrap(Tensor::<B, 3>::from_primitive(
             burn::tensor::TensorPrimitive::Float(moved),
+        )))
+    }
+
+    fn collective_id(&self) -> Result<CollectiveId, EngineError> {
+        (self.enter)();
+        Ok(CollectiveId(B::collective_id()?))
+    }
+
+    fn collective_join(
+        &self,
+        id: &CollectiveId,
+        rank: usize,
+        size: usize,
+        device: usize,
+    ) -> Result<Communicator, EngineError> {
+        (self.enter)();
+        let dev = self.device(device)?.clone();
+        Ok(Communicator(B::collective_join(&id.0, rank, size, &dev)?))
+    }
+
+    fn all_reduce_sum(
+        &self,
+        comm: Communicator,
+        t: DeviceTensor,
+    ) -> Result<DeviceTensor, EngineError> {
+        (self.enter)();
+        let x = act::<B>(t, "all_reduce_sum")?;
+        let sum = B::all_reduce_sum(x.into_primitive().tensor(), comm.0)?;
+        Ok(wrap(Tensor::<B, 3>::from_primitive(
+            burn::tensor::TensorPrimitive::Float(sum),
         )))
     }
 

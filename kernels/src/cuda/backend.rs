@@ -222,6 +222,23 @@ impl DeviceOps for Cuda {
         device::to_device(t, device)
     }
 
+    fn collective_id() -> Result<Vec<u8>, KernelError> {
+        super::nccl::unique_id()
+    }
+
+    fn collective_join(
+        id: &[u8],
+        rank: usize,
+        size: usize,
+        device: &Self::Device,
+    ) -> Result<u64, KernelError> {
+        super::nccl::join(id, rank, size, device)
+    }
+
+    fn all_reduce_sum(t: FloatTensor<Self>, comm: u64) -> Result<FloatTensor<Self>, KernelError> {
+        super::nccl::all_reduce_sum(t, comm)
+    }
+
     fn flush(device: &Self::Device) {
         graph::flush(device);
     }

@@ -26,6 +26,7 @@ pub mod gemm;
 mod gemm_plan;
 pub mod graph;
 pub mod naive;
+pub mod nccl;
 pub mod norm_plif;
 pub mod ponder;
 pub mod ponder_backward;

@@ -16,6 +16,37 @@ pub trait DeviceOps: Backend {
         Self::float_to_device(t, device)
     }
 
+    /// A new communication group's id, for [`collective_join`](Self::collective_join) in every
+    /// process of a world (NCCL's unique id on CUDA). Default: no collectives.
+    fn collective_id() -> Result<Vec<u8>, KernelError> {
+        Err(KernelError::Unsupported(
+            "have collectives between processes",
+        ))
+    }
+
+    /// Joins the group `id` as `rank` of `size` on `device`, once every rank has; the number
+    /// names the communicator in this process. Default: no collectives.
+    fn collective_join(
+        id: &[u8],
+        rank: usize,
+        size: usize,
+        device: &Self::Device,
+    ) -> Result<u64, KernelError> {
+        let _ = (id, rank, size, device);
+        Err(KernelError::Unsupported(
+            "have collectives between processes",
+        ))
+    }
+
+    /// The sum of `t` over the ranks of communicator `comm`, ordered after `t`'s producer on
+    /// the calling thread's queue. Default: no collectives.
+    fn all_reduce_sum(t: FloatTensor<Self>, comm: u64) -> Result<FloatTensor<Self>, KernelError> {
+        let _ = (t, comm);
+        Err(KernelError::Unsupported(
+            "have collectives between processes",
+        ))
+    }
+
     /// Counters of the backend's submission thread, for profiles: `[kernel launches, their
     /// nanoseconds, GEMM tasks, their nanoseconds, of it in the GEMM library]` since the
     /// process started. `None` (the default): the backend keeps none.

@@ -14,6 +14,7 @@ use std::ffi::CString;
 use std::panic::{AssertUnwindSafe, catch_unwind};
 
 mod call;
+pub mod collective;
 pub mod snapshot;
 
 use call::decode_call;
@@ -66,6 +67,9 @@ macro_rules! export_plugin {
             stage_snapshot: $crate::export::snapshot::stage_snapshot,
             snapshot_bytes: $crate::export::snapshot::snapshot_bytes,
             snapshot_free: $crate::export::snapshot::snapshot_free,
+            collective_id: $crate::export::collective::collective_id,
+            collective_join: $crate::export::collective::collective_join,
+            collective_all_reduce: $crate::export::collective::collective_all_reduce,
         });
 
         /// The plugin's entry point.

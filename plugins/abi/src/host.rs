@@ -3,9 +3,9 @@
 
 use crate::*;
 use nsactor_plugin_api::{
-    BackendInfo, ComputeBackend, DeviceTensor, Diagnostic, DiagnosticReport, EngineError,
-    HostTensor, OptimizerKind, Reply, Stage, StageCall, StageKind, StageSnapshot, StageSpec,
-    TensorObject,
+    BackendInfo, CollectiveId, Communicator, ComputeBackend, DeviceTensor, Diagnostic,
+    DiagnosticReport, EngineError, HostTensor, OptimizerKind, Reply, Stage, StageCall, StageKind,
+    StageSnapshot, StageSpec, TensorObject,
 };
 use std::any::Any;
 use std::ffi::CStr;
@@ -13,6 +13,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 mod call;
+mod collective;
 mod snapshot;
 pub use snapshot::ForeignSnapshot;
 
@@ -387,6 +388,28 @@ impl ComputeBackend for ForeignBackend {
             unsafe { (c.table.tensor_to_device)(c.ctx, ptr, device as u64, &mut out, &mut err) };
         c.check(code, err)?;
         Ok(self.wrap(out))
+    }
+
+    fn collective_id(&self) -> Result<CollectiveId, EngineError> {
+        collective::id(self)
+    }
+
+    fn collective_join(
+        &self,
+        id: &CollectiveId,
+        rank: usize,
+        size: usize,
+        device: usize,
+    ) -> Result<Communicator, EngineError> {
+        collective::join(self, id, rank, size, device)
+    }
+
+    fn all_reduce_sum(
+        &self,
+        comm: Communicator,
+        t: DeviceTensor,
+    ) -> Result<DeviceTensor, EngineError> {
+        collective::all_reduce(self, comm, t)
     }
 
     fn open_stage(&self, spec: &StageSpec) -> Result<Box<dyn Stage>, EngineError> {

@@ -266,6 +266,20 @@ pub struct NsPluginTable {
     pub snapshot_bytes: unsafe extern "C" fn(*mut c_void, *mut c_void, *mut NsBuf, ErrOut) -> i32,
     /// `(ctx, snapshot)`: drops a snapshot that was not serialised. ABI 6.
     pub snapshot_free: unsafe extern "C" fn(*mut c_void, *mut c_void),
+    /// `(ctx, out id bytes, err)`: a new communication group's id
+    /// ([`ComputeBackend::collective_id`](nsactor_plugin_api::ComputeBackend::collective_id)).
+    /// ABI 10.
+    pub collective_id: unsafe extern "C" fn(*mut c_void, *mut NsBuf, ErrOut) -> i32,
+    /// `(ctx, id, id len, rank, size, device, out communicator, err)`: joins the group
+    /// ([`ComputeBackend::collective_join`](nsactor_plugin_api::ComputeBackend::collective_join)).
+    /// ABI 10.
+    pub collective_join:
+        unsafe extern "C" fn(*mut c_void, *const u8, usize, u64, u64, u64, *mut u64, ErrOut) -> i32,
+    /// `(ctx, communicator, tensor (consumed), out, err)`: the sum over the group's ranks
+    /// ([`ComputeBackend::all_reduce_sum`](nsactor_plugin_api::ComputeBackend::all_reduce_sum)).
+    /// ABI 10.
+    pub collective_all_reduce:
+        unsafe extern "C" fn(*mut c_void, u64, *mut c_void, *mut *mut c_void, ErrOut) -> i32,
 }
 
 // Layouts the ABI version stands for (64-bit targets): a change here must bump `ABI_VERSION`

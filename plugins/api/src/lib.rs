@@ -11,11 +11,13 @@
 //! each call's reply; [`diagnose`] the diagnostics a backend runs on request; [`optim`] the pure
 //! arithmetic the supervisor applies between stages (natural-gradient phase 2, clipping);
 //! [`timing`] the device-time breakdown backends report; [`files`] the atomic write both sides
-//! use for the files the other reads. [`ABI_VERSION`] names the revision of
+//! use for the files the other reads; [`collective`] the names of communication groups between
+//! processes. [`ABI_VERSION`] names the revision of
 //! the contract.
 //!
 //! Depends on nothing but `std`.
 
+pub mod collective;
 pub mod diagnose;
 pub mod files;
 pub mod grads;
@@ -27,6 +29,7 @@ pub mod reply;
 pub mod stage;
 pub mod timing;
 
+pub use collective::{CollectiveId, Communicator};
 pub use diagnose::{DeviceMemory, Diagnostic, DiagnosticReport, ScanPrecisions};
 pub use grads::{GradPart, GradStream, ParamMask};
 pub use ids::{IdAllocator, MicroBatchId, SessionId};
@@ -52,8 +55,10 @@ use std::fmt;
 /// the interpretability calls [`StageCall::Probe`] and [`StageCall::TokenLosses`]. Revision 8
 /// added sampling on the device ([`StageCall::SessionSample`] with its [`Picks`]). Revision 9
 /// added the gradient exchange of data parallelism ([`StageCall::HoldGrads`],
-/// [`StageCall::GradsOut`], [`StageCall::GradsIn`]).
-pub const ABI_VERSION: u32 = 9;
+/// [`StageCall::GradsOut`], [`StageCall::GradsIn`]). Revision 10 added collectives between
+/// processes ([`ComputeBackend::collective_id`], [`ComputeBackend::collective_join`],
+/// [`ComputeBackend::all_reduce_sum`]).
+pub const ABI_VERSION: u32 = 10;
 
 /// One micro-batch of token ids, row-major `[batch, seq_len]`.
 #[derive(Debug, Clone, PartialEq)]

@@ -403,6 +403,34 @@ pub trait ComputeBackend: Send + Sync {
         let _ = t;
         Ok(())
     }
+    /// A new communication group's id, made by one process of a world and handed to the
+    /// others ([`crate::collective`]). Default: the backend has no collectives.
+    fn collective_id(&self) -> Result<crate::CollectiveId, EngineError> {
+        Err(crate::collective::unsupported(&self.info().name))
+    }
+    /// Joins the group `id` as `rank` of `size`, on `device`; returns once every rank has
+    /// joined. Default: the backend has no collectives.
+    fn collective_join(
+        &self,
+        id: &crate::CollectiveId,
+        rank: usize,
+        size: usize,
+        device: usize,
+    ) -> Result<crate::Communicator, EngineError> {
+        let _ = (id, rank, size, device);
+        Err(crate::collective::unsupported(&self.info().name))
+    }
+    /// The element-wise sum of `t` over every rank of `comm`, on `t`'s device (which must be the
+    /// group's). Every rank calls it with a tensor of the same length, in the same order as
+    /// its other calls on `comm`. Default: the backend has no collectives.
+    fn all_reduce_sum(
+        &self,
+        comm: crate::Communicator,
+        t: DeviceTensor,
+    ) -> Result<DeviceTensor, EngineError> {
+        let _ = (comm, t);
+        Err(crate::collective::unsupported(&self.info().name))
+    }
     /// Runs one of the backend's diagnostics (kernel benchmarks and checks, memory, device
     /// time). Default: the backend has none.
     fn diagnose(&self, what: &Diagnostic) -> Result<DiagnosticReport, EngineError> {

@@ -12,8 +12,10 @@
 //! other layers go on. Tensors cross devices through
 //! [`ComputeBackend::to_device`] (peer copies between GPUs) on the blocking pool, off the
 //! stage workers. Across processes ([`super::world`]) replica 0 of rank 0 is the root, and
-//! the other ranks' parts come after its own process's.
+//! the other ranks' parts come after its own process's; on a backend with collectives each rank
+//! reduces its own replicas first and the ranks then all-reduce ([`super::collective`]).
 
+use super::collective::Lanes;
 use super::msg::{GradOp, Hop, StageControl, control_all};
 use super::supervisor::SupState;
 use super::topology::Children;
@@ -24,11 +26,6 @@ use futures_util::future::join_all;
 use nsactor_plugin_api::optim::{clip_factor, phase2_layer_scales};
 use nsactor_plugin_api::{BiasGradNorms, ComputeBackend, GradPart, GradSumSquares, Reply};
 use std::sync::Arc;
-
-/// Stage reductions running at once. Each holds up to two extra copies of its stage's
-/// gradients on replica 0's device; with every stage at once, the end of a step's backward
-/// asked 0.9B on an H100 for gigabytes more than one replica's training needs and ran out.
-pub(crate) const REDUCTION_LANES: usize = 2;
 
 /// `part` on `device`, moved on the blocking pool: a copy between GPUs waits on the host for
 /// both devices' queues, and a stage worker that waited there would stop issuing its
@@ -63,9 +60,13 @@ async fn reduce_stage(
             root_copy.stage.grads(who, GradOp::In(part)).await?;
         }
     }
-    if let Some(r) = remote {
-        r.gather(who, backend, root_copy).await?;
+    match remote {
+        Some(r) if r.link.collectives() => r.all_reduce(who, backend, root_copy).await?,
+        Some(r) => r.gather(who, backend, root_copy).await?,
+        None => {}
     }
+    // Through the host, rank 0 sends the sums to the other ranks.
+    let remote = remote.filter(|r| !r.link.collectives());
     let root = &root_copy.stage;
     // Replica 0's sums (one per stream): a copy to each other replica and rank, then back
     // home.
@@ -146,9 +147,9 @@ impl SupState {
         }
     }
 
-    /// A step's permits for [`REDUCTION_LANES`] stage reductions at once.
-    pub(super) fn reduction_lanes() -> Arc<tokio::sync::Semaphore> {
-        Arc::new(tokio::sync::Semaphore::new(REDUCTION_LANES))
+    /// A step's reduction permits and all-reduce turns for `layers` layers.
+    pub(super) fn reduction_lanes(layers: usize) -> Arc<Lanes> {
+        Lanes::new(layers)
     }
 
     /// Every replica's actors, replica 0 first.
@@ -167,7 +168,7 @@ impl SupState {
     pub(super) fn spawn_reduce(
         &self,
         k: usize,
-        lanes: Arc<tokio::sync::Semaphore>,
+        lanes: Arc<Lanes>,
         step: u64,
         base: u64,
     ) -> tokio::task::JoinHandle<Result<(), RuntimeError>> {
@@ -198,12 +199,21 @@ impl SupState {
             base,
         });
         tokio::spawn(async move {
-            if let Some(r) = remote.as_ref().filter(|r| r.link.rank() > 0) {
+            let host = remote.as_ref().filter(|r| !r.link.collectives());
+            if let Some(r) = host.filter(|r| r.link.rank() > 0) {
                 // Without a lane: rank 0's reductions wait for these parts, whatever order
                 // the ranks' layers finished in.
                 return r.send_stage(&who, &backend, &copies).await;
             }
+            // With collectives the stages take turns (in the same order on every rank) before
+            // they take a lane, so no lane waits on a turn.
+            let _turn = match remote.as_ref().filter(|r| r.link.collectives()) {
+                Some(_) => Some(lanes.turn(k).await?),
+                None => None,
+            };
             let _lane = lanes
+                .permits
+                .clone()
                 .acquire_owned()
                 .await
                 .map_err(|e| RuntimeError::Runtime(format!("reduction lanes: {e}")))?;

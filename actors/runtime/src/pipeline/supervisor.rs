@@ -218,7 +218,7 @@ impl SupState {
             .collect();
         let mut ready = vec![0usize; num_layers];
         let mut reductions = Vec::new();
-        let lanes = Self::reduction_lanes();
+        let lanes = Self::reduction_lanes(num_layers);
         let mut pending: Vec<std::collections::VecDeque<(usize, Arc<Batch>)>> =
             vec![Default::default(); d];
         for (i, b) in batches.into_iter().enumerate() {
@@ -322,8 +322,9 @@ impl SupState {
         }
         if all > 1 {
             // The edge's share is done with the last micro-batch; then every reduction ends.
-            if failure.is_none() {
-                reductions.push(self.spawn_reduce(0, lanes.clone(), step_no, base));
+            match failure {
+                None => reductions.push(self.spawn_reduce(0, lanes.clone(), step_no, base)),
+                Some(_) => lanes.abandon(),
             }
             for r in join_all(reductions).await {
                 let r = r.map_err(|e| RuntimeError::Runtime(format!("a reduction task: {e}")))?;

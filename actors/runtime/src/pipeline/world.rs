@@ -10,21 +10,31 @@
 //! the result does not depend on how the replicas are spread over processes. The ranks then
 //! exchange their micro-batches' losses (every rank needs the whole step's loss for the
 //! spike guard and the non-finite check) and run the optimizer phase on identical gradients
-//! each on its own. Parts cross as f32 values through the control plane's connection
-//! (TCP); a GPU run pays a copy to the host and back for each.
+//! each on its own. On a backend with collectives (NCCL on GPUs) the ranks all-reduce each
+//! stage device to device instead ([`super::collective`]); otherwise parts cross as f32 values
+//! through the control plane's connection (TCP), which `NSACTOR_COLLECTIVES=host` also
+//! forces.
 
 use super::msg::{GradOp, Hop};
 use super::step::Ponder;
 use crate::error::RuntimeError;
 use nsactor_cluster::{Body, ClusterError, Kind, MicroResult, Peers, WirePart};
 use nsactor_plugin_api::{
-    ComputeBackend, GradPart, GradStream, HostTensor, MicroBatchId, ParamMask,
+    Communicator, ComputeBackend, GradPart, GradStream, HostTensor, MicroBatchId, ParamMask,
 };
+use std::collections::HashMap;
 use std::sync::Arc;
+
+/// The stage number of the packet in which rank 0 says whether the world uses collectives.
+const PROBE: u32 = u32::MAX;
 
 /// This process's place in a world of several, as the pipeline sees it.
 pub struct WorldLink {
     pub peers: Arc<Peers>,
+    /// Stages reduce through the backend's collectives (else through the host).
+    collectives: bool,
+    /// Joined communicators by this rank's device.
+    groups: tokio::sync::Mutex<HashMap<usize, Communicator>>,
 }
 
 impl From<ClusterError> for RuntimeError {
@@ -34,8 +44,80 @@ impl From<ClusterError> for RuntimeError {
 }
 
 impl WorldLink {
+    /// A link whose gradients cross through the host.
     pub fn new(peers: Arc<Peers>) -> Self {
-        WorldLink { peers }
+        WorldLink {
+            peers,
+            collectives: false,
+            groups: Default::default(),
+        }
+    }
+
+    /// A link that uses `backend`'s collectives when rank 0's has them and
+    /// `NSACTOR_COLLECTIVES` is not `host`; every rank takes rank 0's answer.
+    pub async fn negotiate(
+        peers: Arc<Peers>,
+        backend: &Arc<dyn ComputeBackend>,
+    ) -> Result<Self, RuntimeError> {
+        let collectives = if peers.rank() == 0 {
+            let host = match std::env::var("NSACTOR_COLLECTIVES").as_deref() {
+                Ok("host") => true,
+                Ok("auto") | Err(_) => false,
+                Ok(other) => {
+                    return Err(RuntimeError::Runtime(format!(
+                        "NSACTOR_COLLECTIVES={other}: give `auto` (the backend's collectives \
+                         when it has them) or `host`"
+                    )));
+                }
+            };
+            let b = backend.clone();
+            let has = !host
+                && tokio::task::spawn_blocking(move || b.collective_id().is_ok())
+                    .await
+                    .unwrap_or(false);
+            for k in 1..peers.size() {
+                peers.send(k, 0, PROBE, Body::Collective(vec![u8::from(has)]))?;
+            }
+            has
+        } else {
+            match peers.recv(0, Kind::Collective(PROBE)).await?.body {
+                Body::Collective(v) => v == [1],
+                b => return Err(unexpected(&b, 0)),
+            }
+        };
+        Ok(WorldLink {
+            collectives,
+            ..WorldLink::new(peers)
+        })
+    }
+
+    /// Whether stages reduce through the backend's collectives.
+    pub fn collectives(&self) -> bool {
+        self.collectives
+    }
+
+    /// The communicator of this rank's `device`, joined in `r`'s turn the first time.
+    pub(super) async fn group(
+        &self,
+        r: &Remote,
+        backend: &Arc<dyn ComputeBackend>,
+        device: usize,
+    ) -> Result<Communicator, RuntimeError> {
+        let mut groups = self.groups.lock().await;
+        if let Some(c) = groups.get(&device) {
+            return Ok(*c);
+        }
+        let id = r.group_id(backend).await?;
+        let (rank, size, b) = (self.rank(), self.size(), backend.clone());
+        let comm = tokio::task::spawn_blocking(move || b.collective_join(&id, rank, size, device))
+            .await
+            .map_err(|e| RuntimeError::Runtime(format!("joining a collective group: {e}")))??;
+        tracing::info!(
+            "{}: collective group of device {device} joined",
+            self.peers.world.describe()
+        );
+        groups.insert(device, comm);
+        Ok(comm)
     }
 
     pub fn rank(&self) -> usize {

@@ -86,8 +86,14 @@ pub fn join(id: &[u8], rank: usize, size: usize, device: &CudaDevice) -> Result<
     let mut comm: sys::ncclComm_t = std::ptr::null_mut();
     // SAFETY: `comm` is a writable out-pointer; the device's primary context is current, so
     // NCCL binds the communicator to that GPU.
-    unsafe { nccl::comm_init_rank(&mut comm, size as i32, unique, rank as i32) }
-        .map_err(|e| nccl_error(&format!("join as rank {rank} of {size}"), e))?;
+    unsafe { nccl::comm_init_rank(&mut comm, size as i32, unique, rank as i32) }.map_err(|e| {
+        KernelError::Device(format!(
+            "NCCL join as rank {rank} of {size} on cuda:{}: {:?}. NCCL takes one rank per GPU: \
+             give each process its own (`--devices`), or reduce through the host with \
+             NSACTOR_COLLECTIVES=host",
+            device.index, e.0
+        ))
+    })?;
     let mut comms = COMMS.lock().unwrap_or_else(|e| e.into_inner());
     comms.push(Comm {
         raw: comm as usize,

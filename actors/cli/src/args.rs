@@ -27,6 +27,11 @@ pub struct ModelArgs {
     /// [backend].precision.
     #[arg(long, value_parser = ["fp32", "bf16"])]
     pub precision: Option<String>,
+    /// Where a GPU backend keeps compiled kernels and autotune results between runs (`off`:
+    /// nowhere). Default: the run's [backend] cache_dir, else `$XDG_CACHE_HOME/nsactor` or
+    /// `~/.cache/nsactor`.
+    #[arg(long, value_name = "DIR")]
+    pub kernel_cache: Option<PathBuf>,
 }
 
 impl ModelArgs {
@@ -39,6 +44,7 @@ impl ModelArgs {
             devices: self.devices.clone(),
             tokenizer: self.tokenizer.clone(),
             precision: self.precision.clone(),
+            kernel_cache: self.kernel_cache.clone(),
         }
     }
 }

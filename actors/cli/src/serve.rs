@@ -1,9 +1,15 @@
-//! `nsactor serve`: the server over a checkpoint.
+//! `nsactor serve`: the server over a checkpoint. It listens at once, warms the decoder up at
+//! every cohort size it will run (`/health` answers 503 `warming` meanwhile), then takes
+//! requests.
 
 use crate::args::ModelArgs;
 use nsactor_runtime::launch::{self, Loaded};
+use nsactor_runtime::pipeline::AsyncDecoder;
+use nsactor_runtime::pipeline::buckets::CohortBuckets;
+use nsactor_runtime::pipeline::warmup::WarmupPlan;
+use nsactor_server::ready::Readiness;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 /// How long generations get to end after the grace period (they stop within one token).
 const STOP_WAIT: Duration = Duration::from_secs(10);
@@ -21,6 +27,15 @@ pub struct ServeArgs {
     /// Requests that may wait for a session; past it the answer is "busy".
     #[arg(long, default_value_t = 256)]
     max_queue: usize,
+    /// Cohort sizes passes are padded up to, and warmed up before the server is ready:
+    /// `ladder` (1, 2, 3, 4, then steps of 4 to 16, of 8 to 64 and of 16 to 256, cut at
+    /// --max-sessions), `exact` (no padding) or a list such as `1,8,64`.
+    #[arg(long, default_value = "ladder", value_name = "SIZES")]
+    cohort_buckets: String,
+    /// Take requests at once, without warming up: the first requests at each new batch shape
+    /// then pay for kernel compilation and tuning.
+    #[arg(long)]
+    no_warmup: bool,
     /// Name reported by /v1/models (default: the checkpoint directory's name).
     #[arg(long)]
     model_name: Option<String>,
@@ -129,6 +144,7 @@ impl ServeArgs {
 }
 
 pub fn run(a: ServeArgs) -> crate::CliResult {
+    let started = Instant::now();
     let keys = a.keys()?;
     let limits = a.limits.limits()?;
     let cors = nsactor_server::cors::Cors::parse(&a.cors_origins)?;
@@ -155,13 +171,21 @@ pub fn run(a: ServeArgs) -> crate::CliResult {
             if keys.metrics { " and /metrics" } else { "" }
         );
     }
+    let (buckets, plan) = cohort_plan(&a.cohort_buckets, a.max_sessions)?;
+    let ready = Arc::new(if a.no_warmup {
+        Readiness::default()
+    } else {
+        Readiness::warming(plan.sizes.len())
+    });
     let state = crate::serve::server_state(
         &l,
         (a.max_sessions, a.max_queue),
         name,
         (keys, cors),
-        limits,
+        (limits, ready.clone()),
     );
+    let decoder = state.generator.decoder.clone();
+    decoder.set_buckets(buckets);
     l.pipeline.block_on(async {
         let listener = tokio::net::TcpListener::bind(&a.addr)
             .await
@@ -185,19 +209,83 @@ pub fn run(a: ServeArgs) -> crate::CliResult {
             // The final events are queued; give the connections' writers a moment to send them.
             tokio::time::sleep(Duration::from_millis(200)).await;
         };
-        nsactor_server::serve(listener, state, shutdown).await?;
+        let mut server = tokio::spawn(nsactor_server::serve(listener, state, shutdown));
+        if !a.no_warmup {
+            // A signal during the warm-up ends the server, and the command with it.
+            tokio::select! {
+                w = warm_up(&decoder, &plan, &ready, started) => w?,
+                s = &mut server => return Ok(s.map_err(|e| e.to_string())??),
+            }
+        }
+        server.await.map_err(|e| e.to_string())??;
         Ok::<_, crate::CliError>(())
     })
 }
 
+/// The cohort buckets `spec` names for a server of `max_sessions`, and the warm-up over them.
+pub fn cohort_plan(
+    spec: &str,
+    max_sessions: usize,
+) -> Result<(CohortBuckets, WarmupPlan), crate::CliError> {
+    let most = max_sessions.clamp(1, nsactor_runtime::pipeline::batcher::MAX_BATCH);
+    let buckets = CohortBuckets::parse(spec, most)
+        .map_err(|e| format!("--cohort-buckets: {e}"))?
+        .up_to(most);
+    let plan = WarmupPlan::for_buckets(&buckets, most);
+    Ok((buckets, plan))
+}
+
+/// Runs `plan` on `decoder`, reporting progress to `ready` and the log; `ready` says ready
+/// after it, or failed.
+pub async fn warm_up(
+    decoder: &AsyncDecoder,
+    plan: &WarmupPlan,
+    ready: &Readiness,
+    started: Instant,
+) -> crate::CliResult {
+    let t = Instant::now();
+    let sizes: Vec<String> = plan.sizes.iter().map(usize::to_string).collect();
+    tracing::info!(
+        "warming up at {} cohort sizes ({}) before taking requests; /health answers 503 until then",
+        plan.sizes.len(),
+        sizes.join(", ")
+    );
+    let r = decoder
+        .warm_up(plan, |done, total, w| {
+            ready.progress(done);
+            tracing::info!(
+                "warm-up {done}/{total}: {} sessions, {} passes, {:.2} s",
+                w.size,
+                w.passes,
+                w.seconds
+            );
+        })
+        .await;
+    match r {
+        Ok(_) => {
+            ready.set_ready();
+            tracing::info!(
+                "ready {:.1} s after start (warm-up {:.1} s)",
+                started.elapsed().as_secs_f64(),
+                t.elapsed().as_secs_f64()
+            );
+            Ok(())
+        }
+        Err(e) => {
+            ready.fail(e.to_string());
+            Err(format!("the warm-up failed: {e}").into())
+        }
+    }
+}
+
 /// The server over `l`: `(sessions decoding, queue places)`, its name, who may call it (API
-/// keys, browser origins) and its limits.
+/// keys, browser origins), its limits and its readiness.
 pub fn server_state(
     l: &Loaded,
     (max_sessions, max_queue): (usize, usize),
     name: String,
     (keys, cors): (nsactor_server::auth::ApiKeys, nsactor_server::cors::Cors),
-    limits: nsactor_server::protocol::Limits,
+    (limits, ready): (nsactor_server::protocol::Limits, Arc<Readiness>),
 ) -> Arc<nsactor_server::ServerState> {
     use nsactor_server::generate::{Admission, Generator};
     Arc::new(nsactor_server::ServerState {
@@ -208,6 +296,7 @@ pub fn server_state(
             metrics: Arc::default(),
             max_prompt_tokens: limits.max_prompt_tokens,
             drain: Arc::default(),
+            ready,
         },
         model_name: name,
         limits,

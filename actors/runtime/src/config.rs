@@ -59,6 +59,12 @@ pub struct BackendConfig {
     /// stages share a GPU, without that overlap).
     #[serde(default)]
     pub streams: Option<String>,
+    /// Where a GPU backend keeps compiled kernels and autotune results between runs, so a
+    /// restart skips compilation (CUDA: CubeCL's PTX and autotune caches). Default:
+    /// `$XDG_CACHE_HOME/nsactor`, else `~/.cache/nsactor`; `off` keeps none. The CPU
+    /// backends compile nothing and ignore it.
+    #[serde(default)]
+    pub cache_dir: Option<PathBuf>,
 }
 
 impl BackendConfig {
@@ -72,6 +78,20 @@ impl BackendConfig {
         .flatten()
         .collect::<Vec<_>>()
         .join(",")
+    }
+
+    /// The kernel cache directory ([`cache_dir`](Self::cache_dir), else the user's cache
+    /// directory); `None` when it is `off` or no home is known.
+    pub fn kernel_cache(&self) -> Option<PathBuf> {
+        match &self.cache_dir {
+            Some(p) if p.as_os_str() == "off" => None,
+            Some(p) => Some(p.clone()),
+            None => std::env::var_os("XDG_CACHE_HOME")
+                .filter(|v| !v.is_empty())
+                .map(PathBuf::from)
+                .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache")))
+                .map(|c| c.join("nsactor")),
+        }
     }
 }
 
@@ -447,6 +467,14 @@ fn layered(text: &str, origin: &str, env: &EnvLayer) -> Result<RunConfig, Runtim
     {
         return Err(parse(format!(
             "[backend] streams = `{s}`: expected `shared` or `per-thread`"
+        )));
+    }
+    if let Some(d) = &cfg.backend.cache_dir
+        && d.to_string_lossy().contains([',', ' ', '\t', '\n'])
+    {
+        return Err(parse(format!(
+            "[backend] cache_dir = `{}`: a path without commas or spaces, please (it travels in the plugin's option string)",
+            d.display()
         )));
     }
     Ok(cfg)

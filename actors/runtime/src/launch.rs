@@ -23,10 +23,26 @@ pub fn open_backend(
         .map(str::to_string)
         .or_else(|| cfg.backend.name.clone())
         .unwrap_or_else(|| backend::default_name().to_string());
+    let mut options = cfg.backend.plugin_options();
+    // The plugins' kernel cache (the embedded CPU backend compiles nothing and takes no options).
+    if name != backend::EMBEDDED
+        && let Some(dir) = cfg.backend.kernel_cache()
+    {
+        if dir.to_string_lossy().contains([',', ' ', '\t', '\n']) {
+            return Err(RuntimeError::Invalid(format!(
+                "the kernel cache directory `{}` has a comma or a space; set [backend] cache_dir (or --kernel-cache) to a path without",
+                dir.display()
+            )));
+        }
+        if !options.is_empty() {
+            options.push(',');
+        }
+        options.push_str(&format!("cache={}", dir.display()));
+    }
     Ok(backend::open_with(
         &name,
         &cfg.backend.plugin_path,
-        &cfg.backend.plugin_options(),
+        &options,
     )?)
 }
 
@@ -113,6 +129,8 @@ pub struct CheckpointOptions {
     pub tokenizer: Option<PathBuf>,
     /// GEMM precision (default: the run's).
     pub precision: Option<String>,
+    /// Kernel cache directory (default: the run's `[backend] cache_dir`, else the user's).
+    pub kernel_cache: Option<PathBuf>,
 }
 
 /// Opens the newest valid checkpoint that `o` names on the actor pipeline, or the Hugging
@@ -155,6 +173,9 @@ pub fn load_checkpoint(o: &CheckpointOptions) -> Result<Loaded, RuntimeError> {
 fn serving_pipeline(cfg: &mut RunConfig, o: &CheckpointOptions) -> Result<Pipeline, RuntimeError> {
     if let Some(p) = &o.precision {
         cfg.backend.precision = Some(p.clone());
+    }
+    if let Some(d) = &o.kernel_cache {
+        cfg.backend.cache_dir = Some(d.clone());
     }
     let compute = open_backend(cfg, o.backend.as_deref())?;
     let mut run = cfg.clone();

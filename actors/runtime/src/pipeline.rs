@@ -19,6 +19,7 @@
 //! [`Pipeline`] is the synchronous handle the CLI and tests use.
 
 pub mod batcher;
+pub mod buckets;
 pub mod checkpoint;
 pub mod collective;
 pub mod data;
@@ -38,6 +39,7 @@ pub mod step;
 pub mod supervisor;
 pub mod topology;
 pub mod trace;
+pub mod warmup;
 pub mod worker;
 pub mod world;
 pub mod writer;

@@ -95,6 +95,8 @@ pub struct Generator {
     pub max_prompt_tokens: usize,
     /// Shutdown: refuses new generations and ends running ones ([`Drain`]).
     pub drain: Arc<Drain>,
+    /// Refuses generations until the warm-up is done ([`Readiness`](crate::ready::Readiness)).
+    pub ready: Arc<crate::ready::Readiness>,
 }
 
 /// Longest suffix of `text` that is a proper prefix of a stop string (held back: it may be the
@@ -176,6 +178,7 @@ impl Generator {
         cancel: Arc<AtomicBool>,
     ) -> Result<Finished, ServeError> {
         let start = Instant::now();
+        self.ready.check()?;
         let _running = self.drain.enter()?;
         let prompt = self.prompt_ids(&spec.prompt)?;
         let _permit = self.admission.enter().await?;

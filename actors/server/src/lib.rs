@@ -8,8 +8,8 @@
 //!   requests per connection, each with its own `id`.
 //! * `POST /v1/completions`, `POST /v1/chat/completions` (with and without `stream: true`,
 //!   server-sent events ending in `data: [DONE]`; `n`, log-probabilities, `echo`, usage
-//!   chunks), `GET /v1/models`, `POST /tokenize`, `POST /detokenize`, `GET /health`,
-//!   `GET /metrics` (Prometheus text).
+//!   chunks), `GET /v1/models`, `POST /tokenize`, `POST /detokenize`, `GET /health` (503
+//!   `warming` until the warm-up is done: [`ready`]), `GET /metrics` (Prometheus text).
 //! * API keys ([`auth`]): with any configured, `/v1/*`, `/ws` and optionally `/metrics` need
 //!   `Authorization: Bearer KEY` (or, on `/ws`, an `auth` message first).
 //! * `GET /`: a small chat page that talks to `/ws`.
@@ -30,6 +30,7 @@ pub mod logprobs;
 pub mod messages;
 pub mod openai;
 pub mod protocol;
+pub mod ready;
 pub mod state;
 pub mod ws;
 
@@ -97,9 +98,12 @@ async fn index() -> Html<&'static str> {
     Html(include_str!("chat.html"))
 }
 
-/// Liveness, and whether clients need an API key (the chat page asks for one then).
+/// Readiness (503 `warming` until the warm-up is done, [`ready`]), and whether clients need
+/// an API key (the chat page asks for one then).
 async fn health(State(s): State<Shared>) -> impl IntoResponse {
-    axum::Json(serde_json::json!({"status": "ok", "api_key_required": s.keys.required()}))
+    let (status, mut body) = s.generator.ready.health();
+    body["api_key_required"] = s.keys.required().into();
+    (status, axum::Json(body))
 }
 
 async fn metrics(State(s): State<Shared>) -> impl IntoResponse {

@@ -11,7 +11,8 @@
 //! and the plugin crates.
 //!
 //! Options (`[backend]` in the run config; `--precision` on the command line):
-//! `precision=fp32|bf16`, and `streams=per-thread|shared`. `per-thread` (the default, CubeCL's
+//! `precision=fp32|bf16`, `streams=per-thread|shared`, and `cache=DIR`: CubeCL's compiled
+//! kernels and autotune results kept in `DIR` between runs (`nsactor_kernels::cuda::cache`). `per-thread` (the default, CubeCL's
 //! own) gives each worker thread its own CUDA stream and memory pool, so the stages and the edge
 //! on one GPU overlap their kernels. `shared` puts every worker thread of a GPU on one stream and
 //! one pool: the memory of one pool instead of one per thread, which matters when several stages
@@ -74,10 +75,12 @@ pub enum Streams {
 }
 
 /// The options the plugin takes.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Options {
     pub precision: GemmPrecision,
     pub streams: Streams,
+    /// Directory of the kernel and autotune caches (none: CubeCL's defaults).
+    pub cache: Option<std::path::PathBuf>,
 }
 
 impl Default for Options {
@@ -85,6 +88,7 @@ impl Default for Options {
         Options {
             precision: GemmPrecision::Fp32,
             streams: Streams::PerThread,
+            cache: None,
         }
     }
 }
@@ -93,6 +97,9 @@ impl Default for Options {
 /// (a process-wide setting) and its threads' streams as `options.streams` says.
 pub fn backend(options: Options) -> Result<BurnBackend<Gpu>, EngineError> {
     let devices = probe(options.precision)?;
+    if let Some(dir) = &options.cache {
+        nsactor_kernels::cuda::cache::set_dir(dir)?;
+    }
     set_precision(options.precision);
     let b = BurnBackend::new("cuda", env!("CARGO_PKG_VERSION"), devices)
         .with_kernel_bench("gemm", gemm_bench)
@@ -170,7 +177,7 @@ fn parse_options(options: &str) -> Result<Options, EngineError> {
     let unknown = |kv: &str| {
         EngineError::InvalidInput(format!(
             "the cuda backend does not take the option `{kv}` (it takes precision=fp32|bf16, \
-             streams=shared|per-thread)"
+             streams=shared|per-thread, cache=DIR)"
         ))
     };
     for kv in nsactor_kernels::options::option_items(options) {
@@ -181,6 +188,7 @@ fn parse_options(options: &str) -> Result<Options, EngineError> {
             }
             Some(("streams", "shared")) => o.streams = Streams::Shared,
             Some(("streams", "per-thread")) => o.streams = Streams::PerThread,
+            Some(("cache", dir)) if !dir.is_empty() => o.cache = Some(dir.into()),
             _ => return Err(unknown(kv)),
         }
     }
@@ -212,9 +220,15 @@ mod tests {
             parse_options("precision=bf16,streams=shared").unwrap(),
             Options {
                 precision: GemmPrecision::Bf16,
-                streams: Streams::Shared
+                streams: Streams::Shared,
+                cache: None,
             }
         );
+        assert_eq!(
+            parse_options("cache=/var/cache/nsactor").unwrap().cache,
+            Some("/var/cache/nsactor".into())
+        );
+        assert!(parse_options("cache=").is_err());
         let e = parse_options("streams=2").unwrap_err().to_string();
         assert!(e.contains("streams=2") && e.contains("per-thread"), "{e}");
         let e = parse_options("precision=fp8").unwrap_err().to_string();

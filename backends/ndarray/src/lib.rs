@@ -23,11 +23,18 @@ pub fn backend() -> BurnBackend<Cpu> {
     )
 }
 
-/// Plugin constructor; the ndarray backend takes no options.
+/// Plugin constructor; the ndarray backend takes no options but `cache=DIR` (the kernel cache
+/// every plugin is handed), which it ignores: it compiles nothing at run time.
 fn open(options: &str) -> Result<Box<dyn ComputeBackend>, EngineError> {
-    if !options.trim().is_empty() {
+    let other: Vec<&str> = options
+        .split(',')
+        .map(str::trim)
+        .filter(|kv| !kv.is_empty() && !kv.starts_with("cache="))
+        .collect();
+    if !other.is_empty() {
         return Err(EngineError::InvalidInput(format!(
-            "the ndarray backend takes no options, got `{options}`"
+            "the ndarray backend takes no options (other than the kernel cache, which it ignores), got `{}`",
+            other.join(",")
         )));
     }
     Ok(Box::new(backend()))

@@ -13,11 +13,12 @@
 //! Around them: [`gemm`] (cuBLASLt, with its plans and tuning in `gemm_plan`) in the
 //! [`precision`] the process picked, [`naive`] (cubek's naive fp32 GEMM, the GEMMs' on-device
 //! reference), [`device`] (contexts and peer copies), [`graph`] (CUDA graphs of decoding steps),
-//! [`timing`] (device time from CUDA events), `server` (CubeCL's server thread, where queued work
+//! [`timing`] (device time from CUDA events), [`cache`] (the kernel and autotune caches on disk), `server` (CubeCL's server thread, where queued work
 //! runs), `common` (what the kernel families share) and `backend` (the `SnnOps` family for
 //! `burn_cuda::Cuda`).
 
 mod backend;
+pub mod cache;
 mod common;
 pub mod decode;
 pub mod device;

@@ -161,6 +161,7 @@ pub fn run(a: GenerateBenchArgs) -> crate::CliResult {
             devices: a.devices.clone(),
             tokenizer: None,
             precision: a.precision.clone(),
+            ..Default::default()
         })?,
         None => launch::load_fresh(
             a.config.as_deref(),

@@ -3,8 +3,36 @@
 use super::stats::ServeTimings;
 use crate::{CliError, CliResult};
 use nsactor_runtime::launch::{self};
+use nsactor_server::ready::Readiness;
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::time::Instant;
+
+/// `n` requests of one client, one after another (16 tokens each), right after the server is
+/// ready: the first one's TTFT and time per token beside the others' median and the last's.
+async fn after_ready(addr: std::net::SocketAddr, n: usize, temperature: f32) -> CliResult {
+    let mut runs = Vec::with_capacity(n);
+    for _ in 0..n {
+        let t = serve_load(addr, 1, 16, temperature).await?;
+        runs.push((t.ttft_p50_ms, t.itl_p50_ms));
+    }
+    let median = |f: fn(&(f64, f64)) -> f64| {
+        let mut v: Vec<f64> = runs[1..].iter().map(f).collect();
+        v.sort_by(f64::total_cmp);
+        v.get(v.len() / 2).copied().unwrap_or(f64::NAN)
+    };
+    let (first, last) = (runs[0], runs[n - 1]);
+    println!(
+        "after ready, {n} requests of one client one after another: TTFT first {:.1} ms, median of the others {:.1} ms, last {:.1} ms; ITL p50 first {:.2} ms, others {:.2} ms, last {:.2} ms",
+        first.0,
+        median(|r| r.0),
+        last.0,
+        first.1,
+        median(|r| r.1),
+        last.1
+    );
+    Ok(())
+}
 
 /// `sessions` WebSocket clients on loopback, each generating `tokens` tokens (at `temperature`,
 /// client i with seed i; 0 is greedy; end tokens ignored) from the server at `addr`; run on the
@@ -107,9 +135,21 @@ pub struct ServeBenchArgs {
     /// Pipeline stages.
     #[arg(long, default_value_t = 1)]
     pipeline: usize,
+    /// Cohort sizes the server pads to and warms up (as `nsactor serve --cohort-buckets`).
+    #[arg(long, default_value = "ladder", value_name = "SIZES")]
+    cohort_buckets: String,
+    /// Skip the server's warm-up (as `nsactor serve --no-warmup`); each concurrency level
+    /// then gets a short unmeasured run first instead.
+    #[arg(long)]
+    no_warmup: bool,
+    /// Requests one client sends one after another right after the server is ready (each
+    /// 16 tokens): the first one's figures against the rest's.
+    #[arg(long, default_value_t = 100)]
+    after_ready: usize,
 }
 
 pub fn run(a: ServeBenchArgs) -> crate::CliResult {
+    let started = Instant::now();
     let l = match &a.checkpoint {
         Some(c) => launch::load_checkpoint(&launch::CheckpointOptions {
             checkpoint: c.clone(),
@@ -118,6 +158,7 @@ pub fn run(a: ServeBenchArgs) -> crate::CliResult {
             devices: None,
             tokenizer: None,
             precision: None,
+            ..Default::default()
         })?,
         None => launch::load_fresh(
             a.config.as_deref(),
@@ -128,12 +169,18 @@ pub fn run(a: ServeBenchArgs) -> crate::CliResult {
         )?,
     };
     let max = a.sessions.iter().copied().max().unwrap_or(1);
+    let (buckets, plan) = crate::serve::cohort_plan(&a.cohort_buckets, max)?;
+    let ready = Arc::new(if a.no_warmup {
+        Readiness::default()
+    } else {
+        Readiness::warming(plan.sizes.len())
+    });
     let state = crate::serve::server_state(
         &l,
         (max, max),
         l.name.clone(),
         Default::default(),
-        Default::default(),
+        (Default::default(), ready.clone()),
     );
     let info = l.pipeline.backend().info();
     println!(
@@ -148,7 +195,7 @@ pub fn run(a: ServeBenchArgs) -> crate::CliResult {
         a.temperature
     );
     println!(
-        "{:>9} {:>8} {:>14} {:>14} {:>13} {:>13} {:>16} {:>12} {:>9}",
+        "{:>9} {:>8} {:>14} {:>14} {:>13} {:>13} {:>16} {:>12} {:>9} {:>6}",
         "sessions",
         "client",
         "TTFT p50 (ms)",
@@ -157,9 +204,11 @@ pub fn run(a: ServeBenchArgs) -> crate::CliResult {
         "ITL p99 (ms)",
         "tokens/s (all)",
         "mean cohort",
-        "distinct"
+        "distinct",
+        "pad %"
     );
-    let decoder = l.pipeline.decoder(l.vocab);
+    let decoder = state.generator.decoder.clone();
+    decoder.set_buckets(buckets.clone());
     l.pipeline.block_on(async {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
         let addr = listener.local_addr()?;
@@ -168,21 +217,35 @@ pub fn run(a: ServeBenchArgs) -> crate::CliResult {
             state,
             std::future::pending(),
         ));
-        // Warm-up.
-        // Warm-up at every concurrency measured.
-        for &n in &a.sessions {
-            serve_load(addr, n, 4, a.temperature).await?;
+        if a.no_warmup {
+            for &n in &a.sessions {
+                serve_load(addr, n, 4, a.temperature).await?;
+            }
+        } else {
+            let t = Instant::now();
+            crate::serve::warm_up(&decoder, &plan, &ready, started).await?;
+            println!(
+                "warm-up: {} cohort sizes ({buckets}) in {:.1} s; ready {:.1} s after start",
+                plan.sizes.len(),
+                t.elapsed().as_secs_f64(),
+                started.elapsed().as_secs_f64()
+            );
+        }
+        if a.after_ready > 0 {
+            after_ready(addr, a.after_ready, a.temperature).await?;
         }
         for &n in &a.sessions {
             for protocol in &a.protocol {
                 let (c0, n0) = decoder.batch_counts();
+                let p0 = decoder.padded_rows();
                 let t = match protocol.as_str() {
                     "sse" => super::sse::sse_load(addr, n, a.tokens, a.temperature).await?,
                     _ => serve_load(addr, n, a.tokens, a.temperature).await?,
                 };
                 let (c1, n1) = decoder.batch_counts();
+                let pad = (decoder.padded_rows() - p0) as f64;
                 println!(
-                    "{:>9} {:>8} {:>14.1} {:>14.1} {:>13.2} {:>13.2} {:>16.0} {:>12.1} {:>9}",
+                    "{:>9} {:>8} {:>14.1} {:>14.1} {:>13.2} {:>13.2} {:>16.0} {:>12.1} {:>9} {:>6.1}",
                     t.sessions,
                     protocol,
                     t.ttft_p50_ms,
@@ -191,7 +254,8 @@ pub fn run(a: ServeBenchArgs) -> crate::CliResult {
                     t.itl_p99_ms,
                     t.tokens_per_s,
                     (n1 - n0) as f64 / (c1 - c0).max(1) as f64,
-                    t.distinct
+                    t.distinct,
+                    100.0 * pad / (pad + (n1 - n0) as f64).max(1.0)
                 );
             }
             // The engine alone under the same load: what the server's path adds shows beside.

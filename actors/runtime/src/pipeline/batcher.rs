@@ -16,8 +16,12 @@
 //! id, so the same sessions arrive at each layer in the same order step after step, and the
 //! layers keep their states without copying (`nsactor_backend_core::SessionTable`).
 //!
+//! A cohort is padded up to its bucket ([`CohortBuckets`]) with pad sessions whose answers are
+//! dropped, so a GPU backend meets only the shapes it ran while warming up.
+//!
 //! Closing a session waits for its cohort in flight, then frees its states in every actor.
 
+use super::buckets::{CohortBuckets, pad_session};
 use super::msg::{EdgeMsg, StageControl, ask, control_all};
 use super::topology::Children;
 use crate::decode::SamplingParams;
@@ -35,8 +39,11 @@ use std::time::{Duration, Instant};
 /// cohort.
 pub const PASS_FRAME_ROWS: usize = 4096;
 
+/// Most sessions in one cohort by default.
+pub const MAX_BATCH: usize = 256;
+
 /// How sessions are batched.
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct Batching {
     /// Most sessions in one cohort.
     pub max_batch: usize,
@@ -48,15 +55,18 @@ pub struct Batching {
     pub max_in_flight: usize,
     /// Longest an input waits for the sessions not yet back.
     pub window: Duration,
+    /// The cohort sizes passes run at (padded up to).
+    pub buckets: CohortBuckets,
 }
 
 impl Default for Batching {
     fn default() -> Self {
         Batching {
-            max_batch: 256,
+            max_batch: MAX_BATCH,
             max_tokens: usize::MAX,
             max_in_flight: 1,
             window: Duration::from_millis(2),
+            buckets: CohortBuckets::default(),
         }
     }
 }
@@ -68,6 +78,8 @@ pub struct BatchStats {
     pub cohorts: AtomicU64,
     /// Session inputs run, summed over cohorts.
     pub inputs: AtomicU64,
+    /// Pad rows run to fill cohorts up to their bucket, summed over cohorts.
+    pub padded: AtomicU64,
     /// Sessions that have fed and are not closed yet (their states are held by the actors).
     pub open: AtomicU64,
     /// Nanoseconds of the cohorts' phases, summed over cohorts ([`CohortPhases`]).
@@ -157,6 +169,8 @@ pub enum BatcherMsg {
     },
     /// The launch window of the oldest waiting input may have passed.
     Tick,
+    /// From now on, cohorts are padded up to these sizes.
+    Buckets(CohortBuckets),
 }
 
 // Local only: the cluster build of ractor asks every message type to say so.
@@ -246,16 +260,37 @@ impl BatcherState {
         }
         self.waiting = rest;
         cohort.sort_by_key(|w| w.session);
-        let sessions: Vec<SessionId> = cohort.iter().map(|w| w.session).collect();
-        let ids: Vec<i64> = cohort.iter().flat_map(|w| w.ids.iter().copied()).collect();
-        let picks: Vec<Option<PickRequest>> = cohort.iter_mut().map(|w| w.pick.take()).collect();
+        let mut sessions: Vec<SessionId> = cohort.iter().map(|w| w.session).collect();
+        let mut ids: Vec<i64> = cohort.iter().flat_map(|w| w.ids.iter().copied()).collect();
+        let mut picks: Vec<Option<PickRequest>> =
+            cohort.iter_mut().map(|w| w.pick.take()).collect();
+        let real = sessions.len();
+        let size = self
+            .batching
+            .buckets
+            .size_for(real, len, self.batching.max_tokens);
+        // Pad sessions: token 0, greedy on the device without logits when the others pick
+        // there; their answers find no reply and are dropped.
+        let pad_pick = picks.iter().any(Option::is_some).then(|| PickRequest {
+            sampling: SamplingParams::greedy(),
+            history: Vec::new(),
+            generated: Vec::new(),
+            bias: Vec::new(),
+            want_logits: false,
+        });
+        for i in (0..size - real).rev() {
+            sessions.push(pad_session(i));
+            ids.extend(std::iter::repeat_n(0, len));
+            picks.push(pad_pick.clone());
+        }
         self.in_flight
             .extend(cohort.into_iter().map(|w| (w.session, w.reply)));
         self.cohorts += 1;
         self.stats.cohorts.fetch_add(1, Ordering::Relaxed);
+        self.stats.inputs.fetch_add(real as u64, Ordering::Relaxed);
         self.stats
-            .inputs
-            .fetch_add(sessions.len() as u64, Ordering::Relaxed);
+            .padded
+            .fetch_add((size - real) as u64, Ordering::Relaxed);
         let children = self.children();
         let me = myself.clone();
         let stats = self.stats.clone();
@@ -315,7 +350,7 @@ impl BatcherState {
 /// Embedding, every layer and the decode path for `sessions` (each `len` inputs, back to
 /// back in `ids`): each session's answer, in order. With any [`PickRequest`] the tokens are
 /// chosen on the device (the sessions without one get their logits back beside them).
-async fn run_cohort(
+pub(super) async fn run_cohort(
     children: &Children,
     sessions: &[SessionId],
     ids: Vec<i64>,
@@ -531,6 +566,7 @@ impl Actor for BatcherActor {
             }
             BatcherMsg::Done { sessions, answers } => s.done(sessions, answers),
             BatcherMsg::Tick => s.tick_armed = false,
+            BatcherMsg::Buckets(b) => s.batching.buckets = b,
         }
         s.pump(&myself);
         Ok(())

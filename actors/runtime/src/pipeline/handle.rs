@@ -204,7 +204,7 @@ impl Pipeline {
                 BatcherActor,
                 BatcherArgs {
                     children: children.clone(),
-                    batching,
+                    batching: batching.clone(),
                     stats: stats.clone(),
                 },
             ))

@@ -35,6 +35,11 @@ pub fn serve_keyed(keys: nsactor_server::auth::ApiKeys) -> Served {
     serve_with(4, 4, true, keys, Limits::default())
 }
 
+/// `tiny_a` whose server starts warming up (`ready` says when it is done).
+pub fn serve_warming(ready: Arc<nsactor_server::ready::Readiness>) -> Served {
+    serve_full(4, 4, true, Default::default(), (Limits::default(), ready))
+}
+
 /// The embedded tiny config (text prompts) behind API `keys`.
 pub fn serve_text_keyed(keys: nsactor_server::auth::ApiKeys) -> Served {
     serve_with(4, 8, false, keys, Limits::default())
@@ -70,6 +75,22 @@ fn serve_with(
     keys: nsactor_server::auth::ApiKeys,
     limits: Limits,
 ) -> Served {
+    serve_full(
+        max_sessions,
+        max_queue,
+        tiny_a,
+        keys,
+        (limits, Default::default()),
+    )
+}
+
+fn serve_full(
+    max_sessions: usize,
+    max_queue: usize,
+    tiny_a: bool,
+    keys: nsactor_server::auth::ApiKeys,
+    (limits, ready): (Limits, Arc<nsactor_server::ready::Readiness>),
+) -> Served {
     let bytes = fixture();
     let fx = TinyAFixture::parse(&bytes).unwrap();
     let backend = nsactor_runtime::backend::open(nsactor_runtime::backend::EMBEDDED, &[]).unwrap();
@@ -99,6 +120,7 @@ fn serve_with(
             metrics: Arc::new(ServingMetrics::default()),
             max_prompt_tokens: 64,
             drain: Arc::default(),
+            ready,
         },
         model_name: "tiny_a".into(),
         limits,

@@ -1,0 +1,155 @@
+//! Warming a decoder up before it serves: every cohort size the batcher will run
+//! ([`CohortBuckets`]) goes once through the shapes of serving — a prefill of fresh sessions, a
+//! few greedy decoding steps (the second of which a CUDA backend captures as a graph and the
+//! third replays), a sampled step that also copies logits (log-probabilities), and the
+//! longest prompt chunk a pass takes on held states — so kernel compilation, GEMM plans,
+//! graph capture and memory-pool growth are paid before the first client, not by it.
+//!
+//! Warm-up cohorts go straight to the actors (the batcher's own cohort function), at exactly
+//! the bucket sizes, with sessions of their own that are closed afterwards. Nothing else
+//! should feed the decoder meanwhile (a server refuses generations until it is ready).
+
+use super::batcher::{PickRequest, close_everywhere, run_cohort};
+use super::buckets::CohortBuckets;
+use super::decoder::AsyncDecoder;
+use crate::decode::SamplingParams;
+use crate::error::RuntimeError;
+use std::time::Instant;
+
+/// Greedy decoding steps per size: the first runs as it is, the second is captured, the third
+/// replayed.
+const GREEDY_STEPS: usize = 3;
+/// Prompt length of the fresh sessions' prefill (cut to what a pass holds).
+const PROMPT: usize = 8;
+
+/// What one warm-up covers.
+#[derive(Debug, Clone, PartialEq)]
+pub struct WarmupPlan {
+    /// Cohort sizes, ascending.
+    pub sizes: Vec<usize>,
+}
+
+impl WarmupPlan {
+    /// Every bucket of `buckets` up to `max_sessions`; exact cohorts get the default ladder's
+    /// sizes (the kernels of each code path are compiled once either way).
+    pub fn for_buckets(buckets: &CohortBuckets, max_sessions: usize) -> Self {
+        let cut = match buckets {
+            CohortBuckets::Exact => CohortBuckets::ladder(max_sessions),
+            b => b.up_to(max_sessions),
+        };
+        WarmupPlan {
+            sizes: cut.sizes().to_vec(),
+        }
+    }
+}
+
+/// One size warmed.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Warmed {
+    pub size: usize,
+    /// Passes run.
+    pub passes: usize,
+    pub seconds: f64,
+}
+
+impl AsyncDecoder {
+    /// From now on, cohorts are padded up to `buckets`.
+    pub fn set_buckets(&self, buckets: CohortBuckets) {
+        let _ = self
+            .batcher
+            .cast(super::batcher::BatcherMsg::Buckets(buckets));
+    }
+
+    /// Pad rows run so far to fill cohorts up to their bucket.
+    pub fn padded_rows(&self) -> u64 {
+        self.stats.padded.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Runs `plan` (module docs); `progress(done, total, size)` after each size.
+    pub async fn warm_up(
+        &self,
+        plan: &WarmupPlan,
+        mut progress: impl FnMut(usize, usize, &Warmed),
+    ) -> Result<Vec<Warmed>, RuntimeError> {
+        let mut out = Vec::with_capacity(plan.sizes.len());
+        for (i, &size) in plan.sizes.iter().enumerate() {
+            let w = self.warm_size(size).await?;
+            progress(i + 1, plan.sizes.len(), &w);
+            out.push(w);
+        }
+        Ok(out)
+    }
+
+    async fn warm_size(&self, size: usize) -> Result<Warmed, RuntimeError> {
+        let start = Instant::now();
+        let children = self.children();
+        let sessions: Vec<_> = (0..size).map(|_| self.session()).collect();
+        let vocab = self.vocab.max(2) as i64;
+        let phases = super::batcher::CohortPhases::default();
+        let fits = (self.max_tokens / size).max(1);
+        let greedy = |want_logits| PickRequest {
+            sampling: SamplingParams::greedy(),
+            history: Vec::new(),
+            generated: Vec::new(),
+            bias: Vec::new(),
+            want_logits,
+        };
+        let sampled = |i: usize| PickRequest {
+            sampling: SamplingParams {
+                temperature: 0.8,
+                top_k: 40,
+                top_p: 0.95,
+                repetition_penalty: 1.1,
+                presence_penalty: 0.1,
+                frequency_penalty: 0.1,
+                seed: i as u64,
+            },
+            history: vec![1, 2, 3],
+            generated: vec![2],
+            bias: vec![(1, 0.5)],
+            want_logits: i % 2 == 0,
+        };
+        let prompt = PROMPT.min(fits);
+        // (input length, picks) of each pass, in order.
+        let mut passes: Vec<(usize, Vec<PickRequest>)> = vec![(prompt, vec![greedy(false); size])];
+        for _ in 0..GREEDY_STEPS {
+            passes.push((1, vec![greedy(false); size]));
+        }
+        passes.push((1, (0..size).map(sampled).collect()));
+        if fits > prompt {
+            passes.push((fits, vec![greedy(false); size]));
+        }
+        let mut result = Ok(());
+        for (k, (len, picks)) in passes.iter().enumerate() {
+            let ids: Vec<i64> = (0..size * len)
+                .map(|j| ((j * 31 + k * 7 + 3) as i64) % vocab)
+                .collect();
+            let picks = picks.iter().cloned().map(Some).collect();
+            if let Err(e) = run_cohort(&children, &sessions, ids, *len, picks, &phases).await {
+                result = Err(e);
+                break;
+            }
+        }
+        for &s in &sessions {
+            close_everywhere(&children, s).await;
+        }
+        result.map(|()| Warmed {
+            size,
+            passes: passes.len(),
+            seconds: start.elapsed().as_secs_f64(),
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_plan_covers_every_bucket_up_to_the_server_s_sessions() {
+        let p = WarmupPlan::for_buckets(&CohortBuckets::ladder(4096), 20);
+        assert_eq!(p.sizes, vec![1, 2, 3, 4, 8, 12, 16, 20]);
+        let p = WarmupPlan::for_buckets(&CohortBuckets::Exact, 4);
+        assert_eq!(p.sizes, vec![1, 2, 3, 4]);
+    }
+}

@@ -81,6 +81,7 @@ fn a_warm_up_runs_every_size_of_its_plan_and_changes_no_later_decoding() {
     let before = p.block_on(concurrent(&d));
     let plan = WarmupPlan {
         sizes: vec![1, 3, 8],
+        passes: Default::default(),
     };
     let mut seen = Vec::new();
     let warmed = p

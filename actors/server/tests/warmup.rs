@@ -64,6 +64,7 @@ fn a_warming_server_says_so_refuses_generations_then_serves_once_ready() {
         // The real warm-up, reporting its progress.
         let plan = WarmupPlan {
             sizes: vec![1, 2, 4],
+            passes: Default::default(),
         };
         decoder
             .warm_up(&plan, |done, _, _| ready.progress(done))

@@ -211,13 +211,23 @@ impl Plan {
                     ),
                 );
                 let rows = key.m.max(reference.unwrap_or(INVARIANT_ROWS));
-                let (rb, rd, rc) = reference_layouts(key, input, out, rows);
-                let found = heuristic(handle, desc, [a, rb, rc.unwrap_or(rd), rd], pref);
-                let _ = lt::destroy_matrix_layout(rb);
-                let _ = lt::destroy_matrix_layout(rd);
-                if let Some(rc) = rc {
-                    let _ = lt::destroy_matrix_layout(rc);
-                }
+                // The reference problem's candidates are the same for every row count up to
+                // it: asked once per thread, so a new cohort size costs no heuristic query.
+                let found = REFERENCE.with_borrow_mut(|memo| {
+                    memo.entry(reference_key(key, rows))
+                        .or_insert_with(|| {
+                            let (rb, rd, rc) = reference_layouts(key, input, out, rows);
+                            let found =
+                                heuristic(handle, desc, [a, rb, rc.unwrap_or(rd), rd], pref);
+                            let _ = lt::destroy_matrix_layout(rb);
+                            let _ = lt::destroy_matrix_layout(rd);
+                            if let Some(rc) = rc {
+                                let _ = lt::destroy_matrix_layout(rc);
+                            }
+                            found
+                        })
+                        .clone()
+                });
                 let valid: Vec<_> = found
                     .into_iter()
                     .filter(|h| algo_fits(handle, desc, [a, b, c.unwrap_or(d), d], &h.algo))
@@ -408,6 +418,33 @@ unsafe fn algo_fits(
         sys::cublasLtMatmulAlgoCheck(handle, desc, a, b, c, d, algo, &mut result)
             == sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS
             && result.workspaceSize <= WORKSPACE_BYTES
+    }
+}
+
+std::thread_local! {
+    /// The heuristic's candidates for each batch-invariant reference problem
+    /// ([`reference_key`]), asked once per thread.
+    static REFERENCE: std::cell::RefCell<
+        std::collections::HashMap<PlanKey, Vec<sys::cublasLtMatmulHeuristicResult_t>>,
+    > = Default::default();
+}
+
+/// `key`'s problem at `rows` rows, as [`reference_layouts`] lays it out.
+fn reference_key(key: &PlanKey, rows: u64) -> PlanKey {
+    let o = key.b;
+    let b = if o.trans {
+        Operand {
+            rows,
+            ld: o.ld.max(rows as i64),
+            ..o
+        }
+    } else {
+        Operand { cols: rows, ..o }
+    };
+    PlanKey {
+        m: rows,
+        b,
+        ..*key
     }
 }
 

@@ -8,6 +8,8 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Instant;
 
+const GIB: f64 = (1u64 << 30) as f64;
+
 /// `n` requests of one client, one after another (16 tokens each), right after the server is
 /// ready: the first one's TTFT and time per token beside the others' median and the last's.
 async fn after_ready(addr: std::net::SocketAddr, n: usize, temperature: f32) -> CliResult {
@@ -43,19 +45,42 @@ pub async fn serve_load(
     tokens: usize,
     temperature: f32,
 ) -> CliResult<ServeTimings> {
+    serve_load_with(addr, sessions, tokens, temperature, None).await
+}
+
+/// [`serve_load`], and with `long = Some((n, after))` one more client that sends an `n`-token
+/// prompt `after` into the run (for 4 tokens; its own figures are left out): the others'
+/// inter-token gaps show what its prefill costs them.
+pub async fn serve_load_with(
+    addr: std::net::SocketAddr,
+    sessions: usize,
+    tokens: usize,
+    temperature: f32,
+    long: Option<(usize, std::time::Duration)>,
+) -> CliResult<ServeTimings> {
     use futures_util::{SinkExt, StreamExt};
     use tokio_tungstenite::tungstenite::Message;
     let start = Instant::now();
-    let clients: Vec<_> = (0..sessions)
+    let extra = usize::from(long.is_some());
+    let clients: Vec<_> = (0..sessions + extra)
         .map(|i| {
             tokio::spawn(async move {
+                let long = long.filter(|_| i == sessions);
+                if let Some((_, after)) = long {
+                    tokio::time::sleep(after).await;
+                }
                 let tcp = tokio::net::TcpStream::connect(addr).await?;
                 tcp.set_nodelay(true)?;
                 let (mut ws, _) =
                     tokio_tungstenite::client_async(format!("ws://{addr}/ws"), tcp).await?;
-                let req = serde_json::json!({"type": "generate", "id": "b", "prompt": "Emma was",
-                    "max_tokens": tokens, "temperature": temperature, "seed": i, "ignore_eos": true,
-                    "token_ids": true});
+                let req = match long {
+                    Some((n, _)) => serde_json::json!({"type": "generate", "id": "long",
+                        "prompt": (0..n).map(|j| 5 + (j * 7919) % 1000).collect::<Vec<_>>(),
+                        "max_tokens": 4, "temperature": 0, "ignore_eos": true, "token_ids": true}),
+                    None => serde_json::json!({"type": "generate", "id": "b", "prompt": "Emma was",
+                        "max_tokens": tokens, "temperature": temperature, "seed": i,
+                        "ignore_eos": true, "token_ids": true}),
+                };
                 let sent = Instant::now();
                 ws.send(Message::Text(req.to_string().into())).await?;
                 let (mut ttft, mut gaps, mut ids) = (None, Vec::new(), Vec::new());
@@ -87,8 +112,11 @@ pub async fn serve_load(
         .collect();
     let (mut ttfts, mut gaps, mut total) = (Vec::new(), Vec::new(), 0usize);
     let mut texts = std::collections::HashSet::new();
-    for c in clients {
+    for (i, c) in clients.into_iter().enumerate() {
         let (t, g, ids) = c.await??;
+        if i == sessions {
+            continue;
+        }
         ttfts.push(t);
         gaps.extend(g);
         total += ids.len();
@@ -138,14 +166,33 @@ pub struct ServeBenchArgs {
     /// Cohort sizes the server pads to and warms up (as `nsactor serve --cohort-buckets`).
     #[arg(long, default_value = "ladder", value_name = "SIZES")]
     cohort_buckets: String,
-    /// Skip the server's warm-up (as `nsactor serve --no-warmup`); each concurrency level
-    /// then gets a short unmeasured run first instead.
+    /// Skip the server's warm-up (as `nsactor serve --no-warmup`): the requests after ready
+    /// meet a cold server, and each concurrency level then gets a short unmeasured run first.
     #[arg(long)]
     no_warmup: bool,
     /// Requests one client sends one after another right after the server is ready (each
     /// 16 tokens): the first one's figures against the rest's.
     #[arg(long, default_value_t = 100)]
     after_ready: usize,
+    /// At each concurrency, one more WebSocket run during which another client sends a prompt
+    /// of this many tokens (row `ws+long`: the others' inter-token gaps while it is prefilled;
+    /// 0: none).
+    #[arg(long, default_value_t = 0, value_name = "TOKENS")]
+    long_prompt: usize,
+    /// The kinds of pass the warm-up runs at each size besides the prefill: a subset of
+    /// `greedy,sampled,long` (for finding what a warm-up changes).
+    #[arg(long, default_value = "greedy,sampled,long", value_name = "KINDS")]
+    warmup_passes: String,
+}
+
+/// Bytes in use on every device together, where the backend says (pools keep their peak).
+fn device_used(b: &dyn nsactor_plugin_api::ComputeBackend) -> Option<u64> {
+    match b.diagnose(&nsactor_plugin_api::Diagnostic::Memory) {
+        Ok(nsactor_plugin_api::DiagnosticReport::Memory(d)) => {
+            Some(d.iter().map(|m| m.used_bytes).sum())
+        }
+        _ => None,
+    }
 }
 
 pub fn run(a: ServeBenchArgs) -> crate::CliResult {
@@ -169,7 +216,8 @@ pub fn run(a: ServeBenchArgs) -> crate::CliResult {
         )?,
     };
     let max = a.sessions.iter().copied().max().unwrap_or(1);
-    let (buckets, plan) = crate::serve::cohort_plan(&a.cohort_buckets, max)?;
+    let (buckets, mut plan) = crate::serve::cohort_plan(&a.cohort_buckets, max)?;
+    plan.passes = nsactor_runtime::pipeline::warmup::Passes::parse(&a.warmup_passes)?;
     let ready = Arc::new(if a.no_warmup {
         Readiness::default()
     } else {
@@ -217,11 +265,7 @@ pub fn run(a: ServeBenchArgs) -> crate::CliResult {
             state,
             std::future::pending(),
         ));
-        if a.no_warmup {
-            for &n in &a.sessions {
-                serve_load(addr, n, 4, a.temperature).await?;
-            }
-        } else {
+        if !a.no_warmup {
             let t = Instant::now();
             crate::serve::warm_up(&decoder, &plan, &ready, started).await?;
             println!(
@@ -234,12 +278,28 @@ pub fn run(a: ServeBenchArgs) -> crate::CliResult {
         if a.after_ready > 0 {
             after_ready(addr, a.after_ready, a.temperature).await?;
         }
+        if a.no_warmup {
+            for &n in &a.sessions {
+                serve_load(addr, n, 4, a.temperature).await?;
+            }
+        }
+        let backend = l.pipeline.backend();
+        let used0 = device_used(backend.as_ref());
+        let mut runs: Vec<&str> = a.protocol.iter().map(String::as_str).collect();
+        if a.long_prompt > 0 {
+            runs.push("ws+long");
+        }
         for &n in &a.sessions {
-            for protocol in &a.protocol {
+            for &protocol in &runs {
                 let (c0, n0) = decoder.batch_counts();
                 let p0 = decoder.padded_rows();
-                let t = match protocol.as_str() {
+                let t = match protocol {
                     "sse" => super::sse::sse_load(addr, n, a.tokens, a.temperature).await?,
+                    "ws+long" => {
+                        let after = std::time::Duration::from_millis(200);
+                        let long = Some((a.long_prompt, after));
+                        serve_load_with(addr, n, a.tokens, a.temperature, long).await?
+                    }
                     _ => serve_load(addr, n, a.tokens, a.temperature).await?,
                 };
                 let (c1, n1) = decoder.batch_counts();
@@ -273,6 +333,15 @@ pub fn run(a: ServeBenchArgs) -> crate::CliResult {
                 e.mean_cohort,
                 ""
             );
+            if let (Some(u0), Some(u1)) = (used0, device_used(backend.as_ref())) {
+                println!(
+                    "{:>9} device memory {:.2} GiB after the warm-up, {:.2} GiB now: at most {:.2} MiB per session (pools keep their peak: states and the passes' activations)",
+                    n,
+                    u0 as f64 / GIB,
+                    u1 as f64 / GIB,
+                    u1.saturating_sub(u0) as f64 / n as f64 / (1 << 20) as f64
+                );
+            }
         }
         Ok::<_, crate::CliError>(())
     })

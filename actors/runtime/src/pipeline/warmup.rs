@@ -22,11 +22,58 @@ const GREEDY_STEPS: usize = 3;
 /// Prompt length of the fresh sessions' prefill (cut to what a pass holds).
 const PROMPT: usize = 8;
 
+/// The kinds of pass a warm-up runs at each size (all of them by default).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Passes {
+    /// Greedy decoding steps (the prefill of fresh sessions always runs).
+    pub greedy: bool,
+    /// A sampled step that also copies logits.
+    pub sampled: bool,
+    /// The longest prompt chunk a pass takes, on held states.
+    pub long: bool,
+}
+
+impl Default for Passes {
+    fn default() -> Self {
+        Passes {
+            greedy: true,
+            sampled: true,
+            long: true,
+        }
+    }
+}
+
+impl Passes {
+    /// Parses a comma-separated subset of `greedy,sampled,long` (`prefill` alone: none).
+    pub fn parse(s: &str) -> Result<Self, String> {
+        let mut p = Passes {
+            greedy: false,
+            sampled: false,
+            long: false,
+        };
+        for w in s.split(',').map(str::trim).filter(|w| !w.is_empty()) {
+            match w {
+                "prefill" => {}
+                "greedy" => p.greedy = true,
+                "sampled" => p.sampled = true,
+                "long" => p.long = true,
+                other => {
+                    return Err(format!(
+                        "warm-up passes: `{other}` is not one of prefill, greedy, sampled, long"
+                    ));
+                }
+            }
+        }
+        Ok(p)
+    }
+}
+
 /// What one warm-up covers.
 #[derive(Debug, Clone, PartialEq)]
 pub struct WarmupPlan {
     /// Cohort sizes, ascending.
     pub sizes: Vec<usize>,
+    pub passes: Passes,
 }
 
 impl WarmupPlan {
@@ -39,6 +86,7 @@ impl WarmupPlan {
         };
         WarmupPlan {
             sizes: cut.sizes().to_vec(),
+            passes: Passes::default(),
         }
     }
 }
@@ -73,14 +121,14 @@ impl AsyncDecoder {
     ) -> Result<Vec<Warmed>, RuntimeError> {
         let mut out = Vec::with_capacity(plan.sizes.len());
         for (i, &size) in plan.sizes.iter().enumerate() {
-            let w = self.warm_size(size).await?;
+            let w = self.warm_size(size, plan.passes).await?;
             progress(i + 1, plan.sizes.len(), &w);
             out.push(w);
         }
         Ok(out)
     }
 
-    async fn warm_size(&self, size: usize) -> Result<Warmed, RuntimeError> {
+    async fn warm_size(&self, size: usize, kinds: Passes) -> Result<Warmed, RuntimeError> {
         let start = Instant::now();
         let children = self.children();
         let sessions: Vec<_> = (0..size).map(|_| self.session()).collect();
@@ -112,11 +160,13 @@ impl AsyncDecoder {
         let prompt = PROMPT.min(fits);
         // (input length, picks) of each pass, in order.
         let mut passes: Vec<(usize, Vec<PickRequest>)> = vec![(prompt, vec![greedy(false); size])];
-        for _ in 0..GREEDY_STEPS {
+        for _ in 0..GREEDY_STEPS * usize::from(kinds.greedy) {
             passes.push((1, vec![greedy(false); size]));
         }
-        passes.push((1, (0..size).map(sampled).collect()));
-        if fits > prompt {
+        if kinds.sampled {
+            passes.push((1, (0..size).map(sampled).collect()));
+        }
+        if kinds.long && fits > prompt {
             passes.push((fits, vec![greedy(false); size]));
         }
         let mut result = Ok(());

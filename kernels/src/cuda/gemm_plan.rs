@@ -441,11 +441,7 @@ fn reference_key(key: &PlanKey, rows: u64) -> PlanKey {
     } else {
         Operand { cols: rows, ..o }
     };
-    PlanKey {
-        m: rows,
-        b,
-        ..*key
-    }
+    PlanKey { m: rows, b, ..*key }
 }
 
 /// The layouts of `B`, `D` (and `C`) of `key`'s problem at `rows` rows (`A`, the weight, does

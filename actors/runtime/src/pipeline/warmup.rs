@@ -155,7 +155,7 @@ impl AsyncDecoder {
             history: vec![1, 2, 3],
             generated: vec![2],
             bias: vec![(1, 0.5)],
-            want_logits: i % 2 == 0,
+            want_logits: i.is_multiple_of(2),
         };
         let prompt = PROMPT.min(fits);
         // (input length, picks) of each pass, in order.

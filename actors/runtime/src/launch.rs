@@ -19,10 +19,7 @@ pub fn open_backend(
     cfg: &RunConfig,
     arg: Option<&str>,
 ) -> Result<Arc<dyn ComputeBackend>, RuntimeError> {
-    let name = arg
-        .map(str::to_string)
-        .or_else(|| cfg.backend.name.clone())
-        .unwrap_or_else(|| backend::default_name().to_string());
+    let name = backend_name(cfg, arg);
     let mut options = cfg.backend.plugin_options();
     // The plugins' kernel cache (the embedded CPU backend compiles nothing and takes no options).
     if name != backend::EMBEDDED
@@ -44,6 +41,26 @@ pub fn open_backend(
         &cfg.backend.plugin_path,
         &options,
     )?)
+}
+
+/// The backend `arg` (the command line's `--backend`) names, else `[backend] name`, else the
+/// default.
+fn backend_name(cfg: &RunConfig, arg: Option<&str>) -> String {
+    arg.map(str::to_string)
+        .or_else(|| cfg.backend.name.clone())
+        .unwrap_or_else(|| backend::default_name().to_string())
+}
+
+/// Decoding and evaluation put each GPU's worker threads on one stream (`streams = shared`)
+/// unless `[backend] streams` says otherwise. A decoding cohort runs through the edge and the
+/// stages one after another anyway (the same throughput, BENCHMARKS.md), and with a stream per
+/// thread the hand-offs between them race: on an H200, greedy texts of 1,024 concurrent
+/// clients after a warm-up differed (15 distinct) with per-thread streams and agreed (1) with
+/// one stream or with every launch blocking. The embedded backend takes no options.
+fn decoding_streams(cfg: &mut RunConfig, arg: Option<&str>) {
+    if backend_name(cfg, arg) != backend::EMBEDDED && cfg.backend.streams.is_none() {
+        cfg.backend.streams = Some("shared".into());
+    }
 }
 
 /// Every one of `devices` exists on `compute`.
@@ -177,6 +194,7 @@ fn serving_pipeline(cfg: &mut RunConfig, o: &CheckpointOptions) -> Result<Pipeli
     if let Some(d) = &o.kernel_cache {
         cfg.backend.cache_dir = Some(d.clone());
     }
+    decoding_streams(cfg, o.backend.as_deref());
     let compute = open_backend(cfg, o.backend.as_deref())?;
     let mut run = cfg.clone();
     run.train.pipeline = o.pipeline;
@@ -233,6 +251,7 @@ pub fn load_fresh(
     }
     cfg.train.pipeline = pipeline;
     cfg.train.devices = devices.map(<[usize]>::to_vec);
+    decoding_streams(&mut cfg, backend);
     let compute = open_backend(&cfg, backend)?;
     Ok(Loaded {
         pipeline: launch(compute, &cfg, OptimizerKind::Adam, None)?,
@@ -365,4 +384,25 @@ pub fn make_sampler(
         nsactor_data::shards::tokenize_files(tok, corpus, &cfg.data.text_field)?
     };
     Ok(Sampler::pretrain(Arc::new(tokens), mode, seq_len, seed)?)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn decoding_puts_a_plugin_on_one_stream_unless_the_config_says_otherwise() {
+        let base = RunConfig::load(None).unwrap();
+        let mut cfg = base.clone();
+        decoding_streams(&mut cfg, Some("cuda"));
+        assert_eq!(cfg.backend.streams.as_deref(), Some("shared"));
+        let mut cfg = base.clone();
+        cfg.backend.streams = Some("per-thread".into());
+        decoding_streams(&mut cfg, Some("cuda"));
+        assert_eq!(cfg.backend.streams.as_deref(), Some("per-thread"));
+        // The embedded backend takes no options at all.
+        let mut cfg = base;
+        decoding_streams(&mut cfg, Some(backend::EMBEDDED));
+        assert_eq!(cfg.backend.streams, None);
+    }
 }

@@ -23,17 +23,18 @@ pub fn backend() -> BurnBackend<Cpu> {
     )
 }
 
-/// Plugin constructor; the ndarray backend takes no options but `cache=DIR` (the kernel cache
-/// every plugin is handed), which it ignores: it compiles nothing at run time.
+/// Plugin constructor; the ndarray backend takes no options but the GPU ones a run's config
+/// may carry wherever it runs — `cache=DIR` (kernel cache) and `streams=…` — which it ignores:
+/// it compiles nothing at run time and has no streams.
 fn open(options: &str) -> Result<Box<dyn ComputeBackend>, EngineError> {
     let other: Vec<&str> = options
         .split(',')
         .map(str::trim)
-        .filter(|kv| !kv.is_empty() && !kv.starts_with("cache="))
+        .filter(|kv| !kv.is_empty() && !kv.starts_with("cache=") && !kv.starts_with("streams="))
         .collect();
     if !other.is_empty() {
         return Err(EngineError::InvalidInput(format!(
-            "the ndarray backend takes no options (other than the kernel cache, which it ignores), got `{}`",
+            "the ndarray backend takes no options (other than the GPU ones it ignores: cache, streams), got `{}`",
             other.join(",")
         )));
     }

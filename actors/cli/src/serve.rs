@@ -172,11 +172,7 @@ pub fn run(a: ServeArgs) -> crate::CliResult {
         );
     }
     let (buckets, plan) = cohort_plan(&a.cohort_buckets, a.max_sessions)?;
-    let ready = Arc::new(if a.no_warmup {
-        Readiness::default()
-    } else {
-        Readiness::warming(plan.sizes.len())
-    });
+    let ready = readiness(a.no_warmup, &plan);
     let state = crate::serve::server_state(
         &l,
         (a.max_sessions, a.max_queue),
@@ -233,6 +229,15 @@ pub fn cohort_plan(
         .up_to(most);
     let plan = WarmupPlan::for_buckets(&buckets, most);
     Ok((buckets, plan))
+}
+
+/// Ready at once without a warm-up, else warming through `plan`'s sizes.
+pub fn readiness(no_warmup: bool, plan: &WarmupPlan) -> Arc<Readiness> {
+    Arc::new(if no_warmup {
+        Readiness::default()
+    } else {
+        Readiness::warming(plan.sizes.len())
+    })
 }
 
 /// Runs `plan` on `decoder`, reporting progress to `ready` and the log; `ready` says ready

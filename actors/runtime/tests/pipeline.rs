@@ -215,22 +215,6 @@ fn a_panicking_layer_actor_is_rebuilt_and_the_run_ends_as_if_nothing_happened() 
     assert!(p.save_stages().unwrap() == want_shards);
 }
 
-/// Teacher-forced decoding of `prompt` then `tokens` through one session: the logits of the
-/// prompt and of every token.
-async fn forced(
-    d: &nsactor_runtime::pipeline::AsyncDecoder,
-    prompt: Vec<i64>,
-    tokens: Vec<i64>,
-) -> Vec<Vec<f32>> {
-    let s = d.session();
-    let mut out = vec![d.feed(s, prompt).await.unwrap()];
-    for t in tokens {
-        out.push(d.feed(s, vec![t]).await.unwrap());
-    }
-    d.close(s).await;
-    out
-}
-
 #[test]
 fn concurrent_sessions_are_batched_at_each_layer_and_decode_as_they_would_alone() {
     let _serial = serial();

@@ -4,7 +4,7 @@
 
 mod common;
 
-use common::{batches, pipeline, serial};
+use common::{batches, forced, pipeline, serial};
 use nsactor_runtime::pipeline::AsyncDecoder;
 use nsactor_runtime::pipeline::buckets::CohortBuckets;
 use nsactor_runtime::pipeline::warmup::WarmupPlan;
@@ -18,15 +18,7 @@ async fn concurrent(d: &AsyncDecoder) -> Vec<Vec<Vec<f32>>> {
             let prompt =
                 batches(100 + i, 1)[0].inputs[..[3, 5, 5, 1, 8, 2, 6][i as usize]].to_vec();
             let tokens = batches(200 + i, 1)[0].inputs[..(4 + 2 * i as usize)].to_vec();
-            tokio::spawn(async move {
-                let s = d.session();
-                let mut out = vec![d.feed(s, prompt).await.unwrap()];
-                for t in tokens {
-                    out.push(d.feed(s, vec![t]).await.unwrap());
-                }
-                d.close(s).await;
-                out
-            })
+            tokio::spawn(async move { forced(&d, prompt, tokens).await })
         })
         .collect();
     let mut out = Vec::new();

@@ -3,9 +3,7 @@
 use super::stats::ServeTimings;
 use crate::{CliError, CliResult};
 use nsactor_runtime::launch::{self};
-use nsactor_server::ready::Readiness;
 use std::path::PathBuf;
-use std::sync::Arc;
 use std::time::Instant;
 
 const GIB: f64 = (1u64 << 30) as f64;
@@ -218,11 +216,7 @@ pub fn run(a: ServeBenchArgs) -> crate::CliResult {
     let max = a.sessions.iter().copied().max().unwrap_or(1);
     let (buckets, mut plan) = crate::serve::cohort_plan(&a.cohort_buckets, max)?;
     plan.passes = nsactor_runtime::pipeline::warmup::Passes::parse(&a.warmup_passes)?;
-    let ready = Arc::new(if a.no_warmup {
-        Readiness::default()
-    } else {
-        Readiness::warming(plan.sizes.len())
-    });
+    let ready = crate::serve::readiness(a.no_warmup, &plan);
     let state = crate::serve::server_state(
         &l,
         (max, max),

@@ -271,7 +271,7 @@ impl BatcherState {
             .size_for(real, len, self.batching.max_tokens);
         // Pad sessions: token 0, greedy on the device without logits when the others pick
         // there; their answers find no reply and are dropped.
-        let pad_pick = picks.iter().any(Option::is_some).then(|| PickRequest {
+        let pad_pick = (size > real && picks.iter().any(Option::is_some)).then(|| PickRequest {
             sampling: SamplingParams::greedy(),
             history: Vec::new(),
             generated: Vec::new(),

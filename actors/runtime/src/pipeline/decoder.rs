@@ -2,6 +2,7 @@
 //! the pipeline's runtime.
 
 use super::batcher::{Answer, BatchStats, BatcherMsg, PickRequest, Picked};
+use super::buckets::CohortBuckets;
 use super::layers::session_layers;
 use super::msg::{EdgeMsg, ask};
 use super::topology::Children;
@@ -146,6 +147,16 @@ impl AsyncDecoder {
     /// batcher sees them ([`batcher::CohortPhases`]).
     pub fn cohort_phases(&self) -> [f64; 4] {
         self.stats.phases.seconds()
+    }
+
+    /// From now on, cohorts are padded up to `buckets`.
+    pub fn set_buckets(&self, buckets: CohortBuckets) {
+        let _ = self.batcher.cast(BatcherMsg::Buckets(buckets));
+    }
+
+    /// Pad rows run so far to fill cohorts up to their bucket.
+    pub fn padded_rows(&self) -> u64 {
+        self.stats.padded.load(Ordering::Relaxed)
     }
 
     /// Cohorts run so far and the session inputs they carried (their ratio is the mean batch).

@@ -101,18 +101,6 @@ pub struct Warmed {
 }
 
 impl AsyncDecoder {
-    /// From now on, cohorts are padded up to `buckets`.
-    pub fn set_buckets(&self, buckets: CohortBuckets) {
-        let _ = self
-            .batcher
-            .cast(super::batcher::BatcherMsg::Buckets(buckets));
-    }
-
-    /// Pad rows run so far to fill cohorts up to their bucket.
-    pub fn padded_rows(&self) -> u64 {
-        self.stats.padded.load(std::sync::atomic::Ordering::Relaxed)
-    }
-
     /// Runs `plan` (module docs); `progress(done, total, size)` after each size.
     pub async fn warm_up(
         &self,

@@ -137,3 +137,19 @@ pub fn sampler() -> Sampler {
     }
     Sampler::pretrain(Arc::new(tokens), Mode::Packed, 12, 5).unwrap()
 }
+
+/// Teacher-forced decoding of `prompt` then `tokens` through one session: the logits of the
+/// prompt and of every token.
+pub async fn forced(
+    d: &nsactor_runtime::pipeline::AsyncDecoder,
+    prompt: Vec<i64>,
+    tokens: Vec<i64>,
+) -> Vec<Vec<f32>> {
+    let s = d.session();
+    let mut out = vec![d.feed(s, prompt).await.unwrap()];
+    for t in tokens {
+        out.push(d.feed(s, vec![t]).await.unwrap());
+    }
+    d.close(s).await;
+    out
+}

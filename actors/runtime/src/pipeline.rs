@@ -28,6 +28,7 @@ pub mod edge;
 pub mod guard;
 pub mod handle;
 pub mod holder;
+pub mod lanes;
 pub mod layer;
 pub mod layers;
 pub mod msg;

@@ -1,128 +1,206 @@
-//! Gradient reduction across processes through the backend's collectives (NCCL on GPUs), and
-//! the per-step [`Lanes`] every stage reduction runs under.
+//! Gradient reduction through the backend's collectives (NCCL on GPUs): the communicators a
+//! stage's copies join, and the all-reduce of a stage over them.
 //!
-//! With collectives each rank first reduces a stage over its own replicas (as one process
-//! does), then the stage's replica-0 copies all-reduce their sums over the world, device to
-//! device, and each rank hands the result to its other replicas. Every rank must issue its
-//! all-reduces on a communicator in the same order, while the stages' reductions start as
-//! their layers finish the backward, in whatever order the ranks' timing gives; so each step
-//! has a fixed order, the last layer first and the edge last (the backward's own order), and a
-//! reduction waits for its turn ([`Lanes::turn`]) before it all-reduces. A step that fails
-//! before every stage was started abandons the turns ([`Lanes::abandon`]) so that no
-//! reduction waits for one that never comes.
+//! Where every local replica's copy of a stage sits on a device of its own, all of them join
+//! one communicator (with a world, every rank's copies too: replica `r` of rank `k` is rank
+//! `k·d + r` of `size·d`), and a stage reduction is one all-reduce per gradient part on every
+//! copy at once ([`Collectives::reduce`]): each GPU sends and receives `2·(n−1)/n` of the
+//! stage's gradients on NVLink rings instead of replica 0 receiving every other replica's
+//! gradients and sending the sum back. Each copy's all-reduce runs as a job of its stage's
+//! worker ([`GradOp::AllReduce`]), on the stream that made the gradients and goes on using
+//! them: from another thread's stream the collective raced the stage's next work for its
+//! buffers (on two H200s the losses drifted from one GPU's as soon as the reductions overlapped
+//! the backward). The calls of one stage are issued in its turn ([`super::lanes`]), on every
+//! copy at once, since a collective may wait for the whole group. Where
+//! two local replicas share a device (NCCL takes one rank per GPU), or replicas hold their
+//! micro-batches apart (`ordered`), a process reduces over its replicas first and only replica
+//! 0's copy joins the world's group ([`Remote::all_reduce`]).
 //!
-//! A communicator per device of replica 0 is joined at its stage's first turn: rank 0 makes
-//! the group's id and sends it over the control plane, and every rank joins on its own device
-//! of that stage. Sums are not bit-identical to one process's (`sum`, not `ordered`: NCCL adds
-//! in its own order); the CPU, which has no collectives, takes the host path of
-//! [`super::world`] and keeps the bit-exactness.
+//! A communicator is joined the first time its devices reduce: rank 0 of a world makes the
+//! group's id and sends it over the control plane; one process alone makes its own. Sums are
+//! not bit-identical to the hub's (`sum`: NCCL adds in its own order); the CPU, which has no
+//! collectives, takes the hub and host paths and keeps the bit-exactness.
 
+use super::lanes::Lanes;
 use super::msg::GradOp;
 use super::world::{Remote, StageCopy};
 use crate::error::RuntimeError;
+use futures_util::future::{join_all, try_join_all};
 use nsactor_cluster::{Body, Kind};
-use nsactor_plugin_api::{CollectiveId, ComputeBackend, GradPart};
-use std::pin::pin;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
-use tokio::sync::{Notify, Semaphore};
+use nsactor_plugin_api::{CollectiveId, Communicator, ComputeBackend, GradPart};
+use std::collections::HashMap;
+use std::sync::Arc;
 
-/// Stage reductions running at once. Each holds up to two extra copies of its stage's
-/// gradients on replica 0's device; with every stage at once, the end of a step's backward
-/// asked 0.9B on an H100 for gigabytes more than one replica's training needs and ran out.
-pub(crate) const REDUCTION_LANES: usize = 2;
-
-/// One step's reduction permits and all-reduce turns (module docs).
-pub(super) struct Lanes {
-    pub permits: Arc<Semaphore>,
-    /// Position in the step's order of the all-reduce that may run now.
-    turn: Mutex<usize>,
-    bell: Notify,
-    abandoned: AtomicBool,
-    layers: usize,
-}
-
-/// Holds a turn; the next stage's comes when it is dropped.
-pub(super) struct Turn<'a>(&'a Lanes);
-
-impl Drop for Turn<'_> {
-    fn drop(&mut self) {
-        *self.0.turn.lock().unwrap_or_else(|e| e.into_inner()) += 1;
-        self.0.bell.notify_waiters();
+/// Whether `NSACTOR_COLLECTIVES` asks for the host path (`host`) rather than the backend's
+/// collectives (`auto`, the default).
+pub fn host_forced() -> Result<bool, RuntimeError> {
+    match std::env::var("NSACTOR_COLLECTIVES").as_deref() {
+        Ok("host") => Ok(true),
+        Ok("auto") | Err(_) => Ok(false),
+        Ok(other) => Err(RuntimeError::Runtime(format!(
+            "NSACTOR_COLLECTIVES={other}: give `auto` (the backend's collectives when it has \
+             them) or `host`"
+        ))),
     }
 }
 
-impl Lanes {
-    pub fn new(layers: usize) -> Arc<Lanes> {
-        Arc::new(Lanes {
-            permits: Arc::new(Semaphore::new(REDUCTION_LANES)),
-            turn: Mutex::new(0),
-            bell: Notify::new(),
-            abandoned: AtomicBool::new(false),
-            layers,
-        })
+/// Whether `backend` has collectives (it can make a group id).
+pub async fn available(backend: &Arc<dyn ComputeBackend>) -> bool {
+    let b = backend.clone();
+    tokio::task::spawn_blocking(move || b.collective_id().is_ok())
+        .await
+        .unwrap_or(false)
+}
+
+/// One part's place in a stage's reduction; every copy must offer the same ones.
+fn shape(p: &GradPart) -> (u32, Vec<i64>, Vec<usize>) {
+    (p.stream.0, p.mask.words(), p.flat.shape())
+}
+
+/// The communicators this process has joined, by the devices that joined them (in local
+/// replica order).
+#[derive(Default)]
+pub struct Collectives {
+    groups: tokio::sync::Mutex<HashMap<Vec<usize>, Vec<Communicator>>>,
+}
+
+impl Collectives {
+    /// Whether a stage whose copies sit on `devices` reduces with every copy in the group
+    /// ([`Collectives::reduce`]): one rank per GPU, and each copy holding one sum per stream.
+    pub fn joins_every_copy(devices: &[usize], hold_grads: bool) -> bool {
+        let mut seen = devices.to_vec();
+        seen.sort_unstable();
+        seen.dedup();
+        !hold_grads && seen.len() == devices.len()
     }
 
-    /// Stage `k`'s place in the order: layer `L - 1` (stage `L`) first, the edge (stage 0)
-    /// last.
-    fn position(&self, k: usize) -> usize {
-        match k {
-            0 => self.layers,
-            k => self.layers - k,
+    /// The communicators of `devices` (one per local copy), joined the first time: with a
+    /// world, in `remote`'s turn and with rank 0's id.
+    pub(super) async fn group(
+        &self,
+        backend: &Arc<dyn ComputeBackend>,
+        devices: &[usize],
+        remote: Option<&Remote>,
+    ) -> Result<Vec<Communicator>, RuntimeError> {
+        let mut groups = self.groups.lock().await;
+        if let Some(c) = groups.get(devices) {
+            return Ok(c.clone());
         }
-    }
-
-    /// Waits until stage `k` may all-reduce.
-    pub async fn turn(&self, k: usize) -> Result<Turn<'_>, RuntimeError> {
-        let mine = self.position(k);
-        loop {
-            let mut rung = pin!(self.bell.notified());
-            rung.as_mut().enable();
-            if self.abandoned.load(Ordering::SeqCst) {
-                return Err(RuntimeError::Runtime(
-                    "the step failed before every stage's reduction started".into(),
-                ));
+        let id = match remote {
+            Some(r) => r.group_id(backend).await?,
+            None => {
+                let b = backend.clone();
+                tokio::task::spawn_blocking(move || b.collective_id())
+                    .await
+                    .map_err(|e| RuntimeError::Runtime(format!("a collective id: {e}")))??
             }
-            if *self.turn.lock().unwrap_or_else(|e| e.into_inner()) == mine {
-                return Ok(Turn(self));
-            }
-            rung.await;
+        };
+        let d = devices.len();
+        let (rank, size) = remote.map_or((0, 1), |r| (r.link.rank(), r.link.size()));
+        // Every rank of the group joins at once: a join returns when all have.
+        let joins = devices.iter().enumerate().map(|(i, &device)| {
+            let (b, id) = (backend.clone(), id.clone());
+            tokio::task::spawn_blocking(move || {
+                b.collective_join(&id, rank * d + i, size * d, device)
+            })
+        });
+        let mut comms = Vec::with_capacity(d);
+        for c in join_all(joins).await {
+            comms
+                .push(c.map_err(|e| RuntimeError::Runtime(format!("joining a collective: {e}")))??);
         }
+        tracing::info!(
+            "collective group of devices {devices:?} joined ({} ranks)",
+            size * d
+        );
+        groups.insert(devices.to_vec(), comms.clone());
+        Ok(comms)
     }
 
-    /// The step failed before every reduction was started: the waiting ones give up.
-    pub fn abandon(&self) {
-        self.abandoned.store(true, Ordering::SeqCst);
-        self.bell.notify_waiters();
+    /// Stage `k`'s gradients summed over every copy (and with a world every rank's), the sum
+    /// left in every copy: each copy's parts out, all-reduced together in `k`'s turn, and put
+    /// back under their own keys. Copies that offer different parts (a parameter without a
+    /// gradient in one of them) are reduced through replica 0 instead, which a world cannot
+    /// do: there they are an error.
+    pub(super) async fn reduce(
+        &self,
+        who: &str,
+        backend: &Arc<dyn ComputeBackend>,
+        copies: &[StageCopy],
+        remote: Option<&Remote>,
+        lanes: &Lanes,
+        k: usize,
+    ) -> Result<(), RuntimeError> {
+        let turn = lanes.turn(k).await?;
+        let _lane = lanes
+            .permits
+            .clone()
+            .acquire_owned()
+            .await
+            .map_err(|e| RuntimeError::Runtime(format!("reduction lanes: {e}")))?;
+        let parts = try_join_all(copies.iter().map(|c| async move {
+            let mut parts = Vec::new();
+            while let Some(p) = c.stage.grads(who, GradOp::Out { keep: false }).await? {
+                parts.push(p);
+            }
+            Ok::<_, RuntimeError>(parts)
+        }))
+        .await?;
+        let first: Vec<_> = parts[0].iter().map(shape).collect();
+        if parts
+            .iter()
+            .any(|p| p.iter().map(shape).ne(first.iter().cloned()))
+        {
+            drop(turn);
+            if remote.is_some() {
+                return Err(RuntimeError::Runtime(format!(
+                    "{who}: the replicas hold different gradient parts, which an all-reduce \
+                     across processes cannot sum; NSACTOR_COLLECTIVES=host reduces them"
+                )));
+            }
+            return super::replicas::through_root(who, backend, copies, parts).await;
+        }
+        let devices: Vec<usize> = copies.iter().map(|c| c.device).collect();
+        let comms = self.group(backend, &devices, remote).await?;
+        // Each copy's worker all-reduces its parts and puts the sums back; the next stage's
+        // calls are queued on the workers only once these have been issued.
+        try_join_all(
+            copies
+                .iter()
+                .zip(parts)
+                .zip(comms)
+                .map(|((c, parts), comm)| c.stage.grads(who, GradOp::AllReduce { parts, comm })),
+        )
+        .await?;
+        drop(turn);
+        Ok(())
     }
 }
 
 impl Remote {
-    /// The sums in `root` (every stream's), summed over the world's ranks in place; called in
-    /// this stage's turn.
+    /// The sums in `root` (replica 0's copy, every stream's), summed over the world's ranks in
+    /// place; called in this stage's turn.
     pub(super) async fn all_reduce(
         &self,
         who: &str,
         backend: &Arc<dyn ComputeBackend>,
+        collectives: &Collectives,
         root: &StageCopy,
     ) -> Result<(), RuntimeError> {
-        let comm = self.link.group(self, backend, root.device).await?;
-        let mut sums: Vec<GradPart> = Vec::new();
+        let comm = collectives
+            .group(backend, &[root.device], Some(self))
+            .await?[0];
+        let mut parts: Vec<GradPart> = Vec::new();
         while let Some(part) = root.stage.grads(who, GradOp::Out { keep: false }).await? {
-            sums.push(part);
+            parts.push(part);
         }
-        for mut part in sums {
-            let b = backend.clone();
-            part.flat = tokio::task::spawn_blocking(move || b.all_reduce_sum(comm, part.flat))
-                .await
-                .map_err(|e| RuntimeError::Runtime(format!("all-reduce of {who}: {e}")))??;
-            root.stage.grads(who, GradOp::In(part)).await?;
-        }
+        root.stage
+            .grads(who, GradOp::AllReduce { parts, comm })
+            .await?;
         Ok(())
     }
 
-    /// Rank 0: a new group's id for this stage's device, sent to every rank; others: rank
-    /// 0's. Empty: the backend has no collectives.
+    /// Rank 0: a new group's id, sent to every rank; others: rank 0's.
     pub(super) async fn group_id(
         &self,
         backend: &Arc<dyn ComputeBackend>,
@@ -145,50 +223,5 @@ impl Remote {
                 "rank 0 sent {b:?} for a collective id"
             ))),
         }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use std::time::Duration;
-
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn stages_take_their_turns_last_layer_first_and_the_edge_last_whatever_order_they_ask() {
-        let lanes = Lanes::new(4);
-        let order = Arc::new(Mutex::new(Vec::new()));
-        let mut tasks = Vec::new();
-        // Asked edge first, then layers in a scrambled order.
-        for k in [0, 2, 4, 1, 3] {
-            let (lanes, order) = (lanes.clone(), order.clone());
-            tasks.push(tokio::spawn(async move {
-                let _turn = lanes.turn(k).await.unwrap();
-                tokio::time::sleep(Duration::from_millis(2)).await;
-                order.lock().unwrap().push(k);
-            }));
-            tokio::time::sleep(Duration::from_millis(5)).await;
-        }
-        for t in tasks {
-            t.await.unwrap();
-        }
-        assert_eq!(*order.lock().unwrap(), vec![4, 3, 2, 1, 0]);
-    }
-
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn an_abandoned_step_releases_the_stages_waiting_for_a_turn_that_never_comes() {
-        let lanes = Lanes::new(3);
-        // Layer 1's stage (2) waits for layer 2's (3), which never starts.
-        let waiting = {
-            let lanes = lanes.clone();
-            tokio::spawn(async move { lanes.turn(2).await.map(|_| ()) })
-        };
-        tokio::time::sleep(Duration::from_millis(20)).await;
-        assert!(!waiting.is_finished(), "it must wait for layer 2's turn");
-        lanes.abandon();
-        let r = tokio::time::timeout(Duration::from_secs(5), waiting)
-            .await
-            .expect("released")
-            .unwrap();
-        assert!(r.unwrap_err().to_string().contains("step failed"));
     }
 }

@@ -215,9 +215,12 @@ impl Actor for EdgeActor {
             }
             EdgeMsg::Grads { op, reply } => {
                 let (job, input) = op.into_job();
+                let backend = s.stage.backend().clone();
                 let r = s
                     .stage
-                    .compute(Priority::Control, input, move |st, t| job.run(st, t))
+                    .compute(Priority::GRADS, input, move |st, t| {
+                        job.run(st, t, &*backend)
+                    })
                     .await;
                 return answer(WHO.into(), reply, r);
             }

@@ -139,6 +139,14 @@ impl Pipeline {
             .map(|f| Arc::new(topology::FaultPlan::new(f)));
         let id = PIPELINES.fetch_add(1, Ordering::Relaxed);
         let dp_reduce = train.dp_reduce.resolve(&backend.info().name);
+        let collectives = match &world {
+            Some(w) => w.collectives(),
+            None => {
+                replicas.len() > 1
+                    && !super::collective::host_forced()?
+                    && rt.block_on(super::collective::available(&backend))
+            }
+        };
         let topo = topology::Topology {
             backend: backend.clone(),
             spec,
@@ -148,6 +156,7 @@ impl Pipeline {
             fault,
             keep_activations: train.keep_activations,
             world,
+            collectives: collectives.then(Default::default),
         };
         let ids = Arc::new(IdAllocator::new());
         let (sup, children, data) = rt.block_on(async {

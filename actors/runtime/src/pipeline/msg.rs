@@ -5,8 +5,8 @@ use super::holder::StageHolder;
 use super::step::{Ponder, StepCtx};
 use crate::error::RuntimeError;
 use nsactor_plugin_api::{
-    Batch, DeviceTensor, EngineError, GradPart, MicroBatchId, Reply, SessionId, Stage, StageCall,
-    StageSnapshot,
+    Batch, ComputeBackend, DeviceTensor, EngineError, GradPart, MicroBatchId, Reply, SessionId,
+    Stage, StageCall, StageSnapshot,
 };
 use ractor::{ActorRef, RpcReplyPort};
 use std::sync::Arc;
@@ -176,6 +176,14 @@ pub enum GradOp {
         keep: bool,
     },
     In(GradPart),
+    /// The parts `Out` took from this stage, summed over `comm`'s ranks and put back under
+    /// their keys, all on the stage's worker: the all-reduce runs on the stream that made its
+    /// input and that uses its output, between the stage's other work, so no other stream can
+    /// reuse or read a buffer it has not finished with.
+    AllReduce {
+        parts: Vec<GradPart>,
+        comm: nsactor_plugin_api::Communicator,
+    },
 }
 
 /// What a [`GradOp`] answers: the part `Out` took, if any.
@@ -195,6 +203,7 @@ impl GradOp {
                 },
                 Some(p.flat),
             ),
+            GradOp::AllReduce { parts, comm } => (GradJob::AllReduce { parts, comm }, None),
         }
     }
 }
@@ -210,16 +219,34 @@ pub(crate) enum GradJob {
         key: MicroBatchId,
         mask: nsactor_plugin_api::ParamMask,
     },
+    AllReduce {
+        parts: Vec<GradPart>,
+        comm: nsactor_plugin_api::Communicator,
+    },
 }
 
 impl GradJob {
-    /// Runs the job on `st`; `input` is the op's tensor, on the stage's device.
+    /// Runs the job on `st` (whose device `backend`'s collectives use); `input` is the op's
+    /// tensor, on the stage's device.
     pub(crate) fn run(
         self,
         st: &mut dyn Stage,
         input: Option<DeviceTensor>,
+        backend: &dyn ComputeBackend,
     ) -> Result<Option<GradPart>, EngineError> {
         match self {
+            GradJob::AllReduce { parts, comm } => {
+                for p in parts {
+                    let grad = backend.all_reduce_sum(comm, p.flat)?;
+                    st.call(StageCall::GradsIn {
+                        stream: p.stream,
+                        micro: p.key,
+                        mask: &p.mask,
+                        grad,
+                    })?;
+                }
+                Ok(None)
+            }
             GradJob::Hold(hold) => st.call(StageCall::HoldGrads { hold }).map(|_| None),
             GradJob::Out { keep } => GradPart::from_reply(st.call(StageCall::GradsOut { keep })?),
             GradJob::In { stream, key, mask } => st

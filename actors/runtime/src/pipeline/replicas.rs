@@ -12,10 +12,12 @@
 //! other layers go on. Tensors cross devices through
 //! [`ComputeBackend::to_device`] (peer copies between GPUs) on the blocking pool, off the
 //! stage workers. Across processes ([`super::world`]) replica 0 of rank 0 is the root, and
-//! the other ranks' parts come after its own process's; on a backend with collectives each rank
-//! reduces its own replicas first and the ranks then all-reduce ([`super::collective`]).
+//! the other ranks' parts come after its own process's. On a backend with collectives (NCCL)
+//! under `sum`, replicas on devices of their own all-reduce each stage together, with the
+//! other ranks' ([`super::collective`]).
 
-use super::collective::Lanes;
+use super::collective::Collectives;
+use super::lanes::Lanes;
 use super::msg::{GradOp, Hop, StageControl, control_all};
 use super::supervisor::SupState;
 use super::topology::Children;
@@ -44,13 +46,15 @@ async fn moved(
     .map_err(|e| RuntimeError::Runtime(format!("moving gradients: {e}")))?
 }
 
-/// Reduces one stage's gradients over its copies (`copies[r]` is replica r's) and, on rank 0
-/// of a world, over the other ranks' (`remote`), leaving the sum in every copy.
+/// Reduces one stage's gradients over its copies (`copies[r]` is replica r's) through replica
+/// 0 and, on rank 0 of a world, over the other ranks' (`remote`; through `collectives` when
+/// the world has them), leaving the sum in every copy.
 async fn reduce_stage(
     who: &str,
     backend: &Arc<dyn ComputeBackend>,
     copies: &[StageCopy],
     remote: Option<&Remote>,
+    collectives: Option<&Collectives>,
 ) -> Result<(), RuntimeError> {
     let (root_copy, rest) = copies.split_first().expect("at least one replica");
     // Every part of the other replicas goes to replica 0, which adds them in key order.
@@ -60,16 +64,48 @@ async fn reduce_stage(
             root_copy.stage.grads(who, GradOp::In(part)).await?;
         }
     }
-    match remote {
-        Some(r) if r.link.collectives() => r.all_reduce(who, backend, root_copy).await?,
-        Some(r) => r.gather(who, backend, root_copy).await?,
-        None => {}
+    match (remote, collectives) {
+        (Some(r), Some(c)) => r.all_reduce(who, backend, c, root_copy).await?,
+        (Some(r), None) => r.gather(who, backend, root_copy).await?,
+        (None, _) => {}
     }
     // Through the host, rank 0 sends the sums to the other ranks.
-    let remote = remote.filter(|r| !r.link.collectives());
+    scatter(
+        who,
+        backend,
+        copies,
+        remote.filter(|_| collectives.is_none()),
+    )
+    .await
+}
+
+/// The parts already taken out of every copy (`parts[r]` replica r's) summed through replica
+/// 0 as [`reduce_stage`] sums them, and the sums handed back.
+pub(super) async fn through_root(
+    who: &str,
+    backend: &Arc<dyn ComputeBackend>,
+    copies: &[StageCopy],
+    parts: Vec<Vec<GradPart>>,
+) -> Result<(), RuntimeError> {
+    let root = &copies[0];
+    // Replica 0's own parts first: they hold the smallest keys.
+    for part in parts.into_iter().flatten() {
+        let part = moved(backend, part, root.device).await?;
+        root.stage.grads(who, GradOp::In(part)).await?;
+    }
+    scatter(who, backend, copies, None).await
+}
+
+/// Replica 0's sums (one per stream): a copy to each other replica and, through the host,
+/// to each other rank (`remote`), then back home.
+async fn scatter(
+    who: &str,
+    backend: &Arc<dyn ComputeBackend>,
+    copies: &[StageCopy],
+    remote: Option<&Remote>,
+) -> Result<(), RuntimeError> {
+    let (root_copy, rest) = copies.split_first().expect("at least one replica");
     let root = &root_copy.stage;
-    // Replica 0's sums (one per stream): a copy to each other replica and rank, then back
-    // home.
     let mut sums: Vec<GradPart> = Vec::new();
     loop {
         for c in rest {
@@ -198,16 +234,29 @@ impl SupState {
             stage: k as u32,
             base,
         });
+        let collectives = self.topo.collectives.clone();
+        let hold = self.topo.hold_grads;
         tokio::spawn(async move {
-            let host = remote.as_ref().filter(|r| !r.link.collectives());
-            if let Some(r) = host.filter(|r| r.link.rank() > 0) {
-                // Without a lane: rank 0's reductions wait for these parts, whatever order
-                // the ranks' layers finished in.
+            if collectives.is_none()
+                && let Some(r) = remote.as_ref().filter(|r| r.link.rank() > 0)
+            {
+                // Through the host, without a lane: rank 0's reductions wait for these parts,
+                // whatever order the ranks' layers finished in.
                 return r.send_stage(&who, &backend, &copies).await;
             }
-            // With collectives the stages take turns (in the same order on every rank) before
-            // they take a lane, so no lane waits on a turn.
-            let _turn = match remote.as_ref().filter(|r| r.link.collectives()) {
+            let devices: Vec<usize> = copies.iter().map(|c| c.device).collect();
+            if let Some(c) = &collectives
+                && Collectives::joins_every_copy(&devices, hold)
+            {
+                return c
+                    .reduce(&who, &backend, &copies, remote.as_ref(), &lanes, k)
+                    .await;
+            }
+            // Replica 0 of every rank all-reduces over the world: the stages take turns (in
+            // the same order on every rank) before they take a lane, so no lane waits on a
+            // turn.
+            let world = collectives.as_deref().filter(|_| remote.is_some());
+            let _turn = match world {
                 Some(_) => Some(lanes.turn(k).await?),
                 None => None,
             };
@@ -217,7 +266,7 @@ impl SupState {
                 .acquire_owned()
                 .await
                 .map_err(|e| RuntimeError::Runtime(format!("reduction lanes: {e}")))?;
-            reduce_stage(&who, &backend, &copies, remote.as_ref()).await
+            reduce_stage(&who, &backend, &copies, remote.as_ref(), world).await
         })
     }
 

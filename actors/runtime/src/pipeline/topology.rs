@@ -189,6 +189,9 @@ pub struct Topology {
     pub keep_activations: usize,
     /// The other processes of the run, when it has several ([`super::world`]).
     pub world: Option<Arc<super::world::WorldLink>>,
+    /// Stage reductions go through the backend's collectives ([`super::collective`]): with a
+    /// world when it negotiated them, alone with several replicas where the backend has them.
+    pub collectives: Option<Arc<super::collective::Collectives>>,
 }
 
 fn rt(e: impl std::fmt::Display) -> RuntimeError {

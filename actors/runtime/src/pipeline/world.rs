@@ -20,9 +20,8 @@ use super::step::Ponder;
 use crate::error::RuntimeError;
 use nsactor_cluster::{Body, ClusterError, Kind, MicroResult, Peers, WirePart};
 use nsactor_plugin_api::{
-    Communicator, ComputeBackend, GradPart, GradStream, HostTensor, MicroBatchId, ParamMask,
+    ComputeBackend, GradPart, GradStream, HostTensor, MicroBatchId, ParamMask,
 };
-use std::collections::HashMap;
 use std::sync::Arc;
 
 /// The stage number of the packet in which rank 0 says whether the world uses collectives.
@@ -33,8 +32,6 @@ pub struct WorldLink {
     pub peers: Arc<Peers>,
     /// Stages reduce through the backend's collectives (else through the host).
     collectives: bool,
-    /// Joined communicators by this rank's device.
-    groups: tokio::sync::Mutex<HashMap<usize, Communicator>>,
 }
 
 impl From<ClusterError> for RuntimeError {
@@ -49,7 +46,6 @@ impl WorldLink {
         WorldLink {
             peers,
             collectives: false,
-            groups: Default::default(),
         }
     }
 
@@ -60,21 +56,8 @@ impl WorldLink {
         backend: &Arc<dyn ComputeBackend>,
     ) -> Result<Self, RuntimeError> {
         let collectives = if peers.rank() == 0 {
-            let host = match std::env::var("NSACTOR_COLLECTIVES").as_deref() {
-                Ok("host") => true,
-                Ok("auto") | Err(_) => false,
-                Ok(other) => {
-                    return Err(RuntimeError::Runtime(format!(
-                        "NSACTOR_COLLECTIVES={other}: give `auto` (the backend's collectives \
-                         when it has them) or `host`"
-                    )));
-                }
-            };
-            let b = backend.clone();
-            let has = !host
-                && tokio::task::spawn_blocking(move || b.collective_id().is_ok())
-                    .await
-                    .unwrap_or(false);
+            let has =
+                !super::collective::host_forced()? && super::collective::available(backend).await;
             for k in 1..peers.size() {
                 peers.send(k, 0, PROBE, Body::Collective(vec![u8::from(has)]))?;
             }
@@ -94,30 +77,6 @@ impl WorldLink {
     /// Whether stages reduce through the backend's collectives.
     pub fn collectives(&self) -> bool {
         self.collectives
-    }
-
-    /// The communicator of this rank's `device`, joined in `r`'s turn the first time.
-    pub(super) async fn group(
-        &self,
-        r: &Remote,
-        backend: &Arc<dyn ComputeBackend>,
-        device: usize,
-    ) -> Result<Communicator, RuntimeError> {
-        let mut groups = self.groups.lock().await;
-        if let Some(c) = groups.get(&device) {
-            return Ok(*c);
-        }
-        let id = r.group_id(backend).await?;
-        let (rank, size, b) = (self.rank(), self.size(), backend.clone());
-        let comm = tokio::task::spawn_blocking(move || b.collective_join(&id, rank, size, device))
-            .await
-            .map_err(|e| RuntimeError::Runtime(format!("joining a collective group: {e}")))??;
-        tracing::info!(
-            "{}: collective group of device {device} joined",
-            self.peers.world.describe()
-        );
-        groups.insert(device, comm);
-        Ok(comm)
     }
 
     pub fn rank(&self) -> usize {

@@ -31,30 +31,17 @@ use nsactor_plugin_api::{CollectiveId, Communicator, ComputeBackend, GradPart};
 use std::collections::HashMap;
 use std::sync::Arc;
 
-/// Whether `NSACTOR_COLLECTIVES` asks for the host path (`host`) rather than the backend's
-/// collectives (`auto`, the default).
-pub fn host_forced() -> Result<bool, RuntimeError> {
-    match std::env::var("NSACTOR_COLLECTIVES").as_deref() {
-        Ok("host") => Ok(true),
-        Ok("auto") | Err(_) => Ok(false),
-        Ok(other) => Err(RuntimeError::Runtime(format!(
-            "NSACTOR_COLLECTIVES={other}: give `auto` (the backend's collectives when it has \
-             them) or `host`"
-        ))),
-    }
-}
-
-/// Whether `backend` has collectives (it can make a group id).
-pub async fn available(backend: &Arc<dyn ComputeBackend>) -> bool {
-    let b = backend.clone();
-    tokio::task::spawn_blocking(move || b.collective_id().is_ok())
-        .await
-        .unwrap_or(false)
-}
-
 /// One part's place in a stage's reduction; every copy must offer the same ones.
 fn shape(p: &GradPart) -> (u32, Vec<i64>, Vec<usize>) {
     (p.stream.0, p.mask.words(), p.flat.shape())
+}
+
+/// How [`Collectives::reduce`] left a stage.
+pub(super) enum Reduced {
+    /// Every copy holds the sums.
+    Done,
+    /// The copies offered different parts (`parts[r]` replica r's, taken out of them).
+    Uneven(Vec<Vec<GradPart>>),
 }
 
 /// The communicators this process has joined, by the devices that joined them (in local
@@ -120,8 +107,8 @@ impl Collectives {
     /// Stage `k`'s gradients summed over every copy (and with a world every rank's), the sum
     /// left in every copy: each copy's parts out, all-reduced together in `k`'s turn, and put
     /// back under their own keys. Copies that offer different parts (a parameter without a
-    /// gradient in one of them) are reduced through replica 0 instead, which a world cannot
-    /// do: there they are an error.
+    /// gradient in one of them) are handed back ([`Reduced::Uneven`]) for the caller to reduce
+    /// through replica 0, which a world cannot do: there they are an error.
     pub(super) async fn reduce(
         &self,
         who: &str,
@@ -130,14 +117,9 @@ impl Collectives {
         remote: Option<&Remote>,
         lanes: &Lanes,
         k: usize,
-    ) -> Result<(), RuntimeError> {
+    ) -> Result<Reduced, RuntimeError> {
         let turn = lanes.turn(k).await?;
-        let _lane = lanes
-            .permits
-            .clone()
-            .acquire_owned()
-            .await
-            .map_err(|e| RuntimeError::Runtime(format!("reduction lanes: {e}")))?;
+        let _lane = lanes.lane().await?;
         let parts = try_join_all(copies.iter().map(|c| async move {
             let mut parts = Vec::new();
             while let Some(p) = c.stage.grads(who, GradOp::Out { keep: false }).await? {
@@ -158,7 +140,7 @@ impl Collectives {
                      across processes cannot sum; NSACTOR_COLLECTIVES=host reduces them"
                 )));
             }
-            return super::replicas::through_root(who, backend, copies, parts).await;
+            return Ok(Reduced::Uneven(parts));
         }
         let devices: Vec<usize> = copies.iter().map(|c| c.device).collect();
         let comms = self.group(backend, &devices, remote).await?;
@@ -173,7 +155,7 @@ impl Collectives {
         )
         .await?;
         drop(turn);
-        Ok(())
+        Ok(Reduced::Done)
     }
 }
 

@@ -143,8 +143,8 @@ impl Pipeline {
             Some(w) => w.collectives(),
             None => {
                 replicas.len() > 1
-                    && !super::collective::host_forced()?
-                    && rt.block_on(super::collective::available(&backend))
+                    && !super::world::host_forced()?
+                    && rt.block_on(super::world::collectives_available(&backend))
             }
         };
         let topo = topology::Topology {

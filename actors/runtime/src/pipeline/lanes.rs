@@ -22,7 +22,7 @@ pub(crate) const REDUCTION_LANES: usize = 2;
 
 /// One step's reduction permits and all-reduce turns (module docs).
 pub(super) struct Lanes {
-    pub permits: Arc<Semaphore>,
+    permits: Arc<Semaphore>,
     /// Position in the step's order of the all-reduce that may run now.
     turn: Mutex<usize>,
     bell: Notify,
@@ -76,6 +76,15 @@ impl Lanes {
             }
             rung.await;
         }
+    }
+
+    /// One of the step's reduction permits, held until dropped.
+    pub async fn lane(&self) -> Result<tokio::sync::OwnedSemaphorePermit, RuntimeError> {
+        self.permits
+            .clone()
+            .acquire_owned()
+            .await
+            .map_err(|e| RuntimeError::Runtime(format!("reduction lanes: {e}")))
     }
 
     /// The step failed before every reduction was started: the waiting ones give up.

@@ -16,7 +16,7 @@
 //! under `sum`, replicas on devices of their own all-reduce each stage together, with the
 //! other ranks' ([`super::collective`]).
 
-use super::collective::Collectives;
+use super::collective::{Collectives, Reduced};
 use super::lanes::Lanes;
 use super::msg::{GradOp, Hop, StageControl, control_all};
 use super::supervisor::SupState;
@@ -81,7 +81,7 @@ async fn reduce_stage(
 
 /// The parts already taken out of every copy (`parts[r]` replica r's) summed through replica
 /// 0 as [`reduce_stage`] sums them, and the sums handed back.
-pub(super) async fn through_root(
+async fn through_root(
     who: &str,
     backend: &Arc<dyn ComputeBackend>,
     copies: &[StageCopy],
@@ -248,9 +248,11 @@ impl SupState {
             if let Some(c) = &collectives
                 && Collectives::joins_every_copy(&devices, hold)
             {
-                return c
-                    .reduce(&who, &backend, &copies, remote.as_ref(), &lanes, k)
-                    .await;
+                let reduced = c.reduce(&who, &backend, &copies, remote.as_ref(), &lanes, k);
+                return match reduced.await? {
+                    Reduced::Done => Ok(()),
+                    Reduced::Uneven(parts) => through_root(&who, &backend, &copies, parts).await,
+                };
             }
             // Replica 0 of every rank all-reduces over the world: the stages take turns (in
             // the same order on every rank) before they take a lane, so no lane waits on a
@@ -260,12 +262,7 @@ impl SupState {
                 Some(_) => Some(lanes.turn(k).await?),
                 None => None,
             };
-            let _lane = lanes
-                .permits
-                .clone()
-                .acquire_owned()
-                .await
-                .map_err(|e| RuntimeError::Runtime(format!("reduction lanes: {e}")))?;
+            let _lane = lanes.lane().await?;
             reduce_stage(&who, &backend, &copies, remote.as_ref(), world).await
         })
     }

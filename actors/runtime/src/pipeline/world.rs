@@ -27,6 +27,27 @@ use std::sync::Arc;
 /// The stage number of the packet in which rank 0 says whether the world uses collectives.
 const PROBE: u32 = u32::MAX;
 
+/// Whether `NSACTOR_COLLECTIVES` asks for the host path (`host`) rather than the backend's
+/// collectives (`auto`, the default).
+pub fn host_forced() -> Result<bool, RuntimeError> {
+    match std::env::var("NSACTOR_COLLECTIVES").as_deref() {
+        Ok("host") => Ok(true),
+        Ok("auto") | Err(_) => Ok(false),
+        Ok(other) => Err(RuntimeError::Runtime(format!(
+            "NSACTOR_COLLECTIVES={other}: give `auto` (the backend's collectives when it has \
+             them) or `host`"
+        ))),
+    }
+}
+
+/// Whether `backend` has collectives (it can make a group id).
+pub async fn collectives_available(backend: &Arc<dyn ComputeBackend>) -> bool {
+    let b = backend.clone();
+    tokio::task::spawn_blocking(move || b.collective_id().is_ok())
+        .await
+        .unwrap_or(false)
+}
+
 /// This process's place in a world of several, as the pipeline sees it.
 pub struct WorldLink {
     pub peers: Arc<Peers>,
@@ -56,8 +77,7 @@ impl WorldLink {
         backend: &Arc<dyn ComputeBackend>,
     ) -> Result<Self, RuntimeError> {
         let collectives = if peers.rank() == 0 {
-            let has =
-                !super::collective::host_forced()? && super::collective::available(backend).await;
+            let has = !host_forced()? && collectives_available(backend).await;
             for k in 1..peers.size() {
                 peers.send(k, 0, PROBE, Body::Collective(vec![u8::from(has)]))?;
             }

@@ -304,6 +304,8 @@ impl<B: SnnOps, C: CheckpointStrategy> DeviceOps for Autodiff<B, C> {}
 
 impl<B: SnnOps, C: CheckpointStrategy> GraphOps for Autodiff<B, C> {}
 
+impl<B: SnnOps, C: CheckpointStrategy> crate::ops::optim::OptimOps for Autodiff<B, C> {}
+
 impl<B: SnnOps, C: CheckpointStrategy> SnnOps for Autodiff<B, C> {
     fn fuses_modulation() -> bool {
         B::fuses_modulation()

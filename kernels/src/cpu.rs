@@ -4,6 +4,7 @@
 use crate::ops::device::{DeviceOps, GraphOps};
 use crate::ops::gemm::GemmOps;
 use crate::ops::infer::InferOps;
+use crate::ops::optim::OptimOps;
 use crate::ops::scan::ScanOps;
 use crate::ops::snn::SnnOps;
 use burn_ndarray::NdArray;
@@ -17,5 +18,7 @@ impl InferOps for NdArray<f32> {}
 impl DeviceOps for NdArray<f32> {}
 
 impl GraphOps for NdArray<f32> {}
+
+impl OptimOps for NdArray<f32> {}
 
 impl SnnOps for NdArray<f32> {}

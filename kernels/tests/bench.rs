@@ -25,6 +25,7 @@ fn the_cpu_scans_pass_the_check_and_are_timed() {
         "ponder agg bwd",
         "norm + input plif fwd",
         "norm + input plif bwd",
+        "adam update",
     ] {
         let line = report
             .lines()

@@ -6,7 +6,10 @@
 
 use crate::model::NeuronSpark;
 use crate::params::{ParamMapper, ParamVisitor, Params, is_neuron_param};
-use burn::tensor::{Tensor, activation::sigmoid, backend::AutodiffBackend, backend::Backend};
+use burn::tensor::{
+    Tensor, TensorPrimitive, activation::sigmoid, backend::AutodiffBackend, backend::Backend,
+};
+use nsactor_kernels::{AdamStep, OptimOps};
 use std::collections::BTreeMap;
 
 /// Gradients by parameter name, flattened to 1-D, in the model's parameter order.
@@ -232,7 +235,9 @@ impl<B: Backend> Adam<B> {
             state: BTreeMap::new(),
         }
     }
+}
 
+impl<B: OptimOps> Adam<B> {
     /// Updates every parameter of `module` that has a gradient in `grads`: base LR `lr`, neuron
     /// parameters (see [`is_neuron_param`]) at `neuron_lr`.
     pub fn step<AB, P>(
@@ -252,7 +257,7 @@ impl<B: Backend> Adam<B> {
             lr: f64,
             neuron_lr: f64,
         }
-        impl<AB: AutodiffBackend> ParamMapper<AB> for Update<'_, AB::InnerBackend> {
+        impl<AB: AutodiffBackend<InnerBackend: OptimOps>> ParamMapper<AB> for Update<'_, AB::InnerBackend> {
             fn map<const D: usize>(&mut self, name: &str, p: Tensor<AB, D>) -> Tensor<AB, D> {
                 let Some(g) = self.grads.get(name) else {
                     return p;
@@ -280,7 +285,9 @@ impl<B: Backend> Adam<B> {
         module.map_params(prefix, &mut u);
     }
 
-    /// One Adam update of a flat parameter, as `torch.optim.Adam(W)` (single-tensor path).
+    /// One Adam update of a flat parameter, as `torch.optim.Adam(W)` (single-tensor path),
+    /// through the backend's [`OptimOps::adam_update`] (one kernel on CUDA, the composition
+    /// [`nsactor_kernels::reference::optim::adam`] elsewhere).
     fn update(
         &mut self,
         name: &str,
@@ -289,15 +296,7 @@ impl<B: Backend> Adam<B> {
         lr: f64,
         wd: f64,
     ) -> Tensor<B, 1> {
-        let c = self.config.clone();
-        let (mut p, mut g) = (p, g);
-        if wd != 0.0 {
-            if c.decoupled {
-                p = p * (1.0 - lr * wd);
-            } else {
-                g = g + p.clone() * wd;
-            }
-        }
+        let c = &self.config;
         let st = self
             .state
             .entry(name.to_string())
@@ -307,12 +306,26 @@ impl<B: Backend> Adam<B> {
                 step: 0,
             });
         st.step += 1;
-        st.exp_avg = st.exp_avg.clone() * c.beta1 + g.clone() * (1.0 - c.beta1);
-        st.exp_avg_sq = st.exp_avg_sq.clone() * c.beta2 + g.square() * (1.0 - c.beta2);
-        let t = st.step as i32;
-        let bc1 = 1.0 - c.beta1.powi(t);
-        let bc2 = 1.0 - c.beta2.powi(t);
-        let denom = st.exp_avg_sq.clone().sqrt() / bc2.sqrt() + c.eps;
-        p - st.exp_avg.clone() / denom * (lr / bc1)
+        let s = AdamStep {
+            beta1: c.beta1,
+            beta2: c.beta2,
+            eps: c.eps,
+            lr,
+            wd,
+            decoupled: c.decoupled,
+            step: st.step as i32,
+        };
+        let prim = |t: Tensor<B, 1>| t.into_primitive().tensor();
+        let [p, m, v] = B::adam_update(
+            prim(p),
+            prim(g),
+            prim(st.exp_avg.clone()),
+            prim(st.exp_avg_sq.clone()),
+            &s,
+        )
+        .map(|t| Tensor::from_primitive(TensorPrimitive::Float(t)));
+        st.exp_avg = m;
+        st.exp_avg_sq = v;
+        p
     }
 }

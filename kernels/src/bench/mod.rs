@@ -5,15 +5,16 @@
 //! [`gemm`] checks and times the projection GEMMs.
 //!
 //! [`run`] (here) measures the copy bandwidth and runs the four scans (`scans`); the fused ops
-//! each have their file (`selective`, `ffn`, `ponder`, `norm_plif`); `report` holds the error
-//! measures, the timer and the report lines; `config` the shapes. Production code
-//! never imports this module.
+//! each have their file (`selective`, `ffn`, `ponder`, `norm_plif`, and `optim` for Adam's
+//! update); `report` holds the error measures, the timer and the report lines; `config` the
+//! shapes. Production code never imports this module.
 
 mod config;
 mod ffn;
 #[cfg(feature = "cuda")]
 pub mod gemm;
 mod norm_plif;
+mod optim;
 mod ponder;
 mod report;
 mod scans;
@@ -131,6 +132,9 @@ pub fn run<B: SnnOps>(device: &B::Device, cfg: &ScanBench) -> Result<String, Ker
         failed.push(name);
     }
     if let Err(name) = norm_plif::<B>(device, cfg, copy_bw, &mut out) {
+        failed.push(name);
+    }
+    if let Err(name) = optim::adam::<B>(device, cfg, copy_bw, &mut out) {
         failed.push(name);
     }
     if failed.is_empty() {

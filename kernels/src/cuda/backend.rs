@@ -13,6 +13,7 @@ use crate::cuda::{
 use crate::ops::device::{DeviceOps, GraphOps};
 use crate::ops::gemm::GemmOps;
 use crate::ops::infer::InferOps;
+use crate::ops::optim::{AdamStep, OptimOps};
 use crate::ops::scan::{ScanOps, scan_shape};
 use crate::ops::snn::SnnOps;
 use crate::ops::types::{
@@ -251,6 +252,18 @@ impl DeviceOps for Cuda {
         let (launches, launch_ns) = cubecl::cuda::nsactor_stats::launches();
         let (gemms, gemm_ns, lt_ns) = gemm::queued_stats();
         Some([launches, launch_ns, gemms, gemm_ns, lt_ns])
+    }
+}
+
+impl OptimOps for Cuda {
+    fn adam_update(
+        p: FloatTensor<Self>,
+        g: FloatTensor<Self>,
+        m: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        s: &AdamStep,
+    ) -> [FloatTensor<Self>; 3] {
+        super::optim::adam(p, g, m, v, s)
     }
 }
 

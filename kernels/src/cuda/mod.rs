@@ -29,6 +29,7 @@ pub mod graph;
 pub mod naive;
 pub mod nccl;
 pub mod norm_plif;
+pub mod optim;
 pub mod ponder;
 pub mod ponder_backward;
 pub mod precision;

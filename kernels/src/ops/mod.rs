@@ -10,6 +10,8 @@
 //!   defaulting to the exact host reference; `plif_elem` / `plif_row`;
 //! * [`infer`] — `InferOps`, the fused inference and decoding ops (default `None`: composed);
 //!   their tensor-level wrappers;
+//! * [`optim`] — `OptimOps`, the optimizer's update of a flat parameter (Adam), composed by
+//!   default;
 //! * [`device`] — `DeviceOps` (moves between devices, flushes, timed calls, submission counters)
 //!   and `GraphOps` (captured, replayable work);
 //! * [`snn`] — `SnnOps` itself and the fused training ops (the selective scan with its
@@ -23,6 +25,7 @@
 pub(crate) mod device;
 pub(crate) mod gemm;
 pub(crate) mod infer;
+pub(crate) mod optim;
 pub(crate) mod scan;
 pub(crate) mod snn;
 pub(crate) mod types;

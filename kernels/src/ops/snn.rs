@@ -7,6 +7,7 @@
 use crate::ops::device::{DeviceOps, GraphOps};
 use crate::ops::gemm::GemmOps;
 use crate::ops::infer::InferOps;
+use crate::ops::optim::OptimOps;
 use crate::ops::scan::{ScanOps, plif_elem};
 use crate::ops::types::{
     FfnGrads, FfnInputs, NormPlifInputs, PlifOutput, PonderInputs, SelectiveGrads, SelectiveInputs,
@@ -30,7 +31,7 @@ use burn::tensor::{Tensor, ops::FloatTensor};
 /// compositions from tensor ops, burn's own matmul), so any burn backend is correct with no extra
 /// code; a backend overrides a method only with a kernel that computes the same thing, tested
 /// against these defaults.
-pub trait SnnOps: GemmOps + ScanOps + InferOps + DeviceOps + GraphOps {
+pub trait SnnOps: GemmOps + ScanOps + InferOps + DeviceOps + GraphOps + OptimOps {
     /// Whether the backend fuses the selective modulation into its scan kernels: then
     /// [`plif_selective`] calls the two methods below; otherwise it composes the modulation
     /// from tensor ops (as their defaults do) and leaves the gradients to autodiff.

@@ -8,6 +8,7 @@
 
 pub mod ffn;
 pub mod norm_plif;
+pub mod optim;
 pub mod ponder;
 pub mod scan;
 pub mod selective;

@@ -1,0 +1,116 @@
+//! Adam's update ([`OptimOps::adam_update`](crate::OptimOps::adam_update)) against its
+//! composition ([`crate::reference::optim::adam`]) on the same device: the three results of
+//! four updates (plain Adam at steps 1 and 7, AdamW and Adam with L2 decay), then both timed over
+//! about one 0.9B layer's parameters.
+
+use super::config::ScanBench;
+use super::report::time;
+use crate::ops::optim::AdamStep;
+use crate::ops::snn::SnnOps;
+use crate::reference::optim;
+use burn::tensor::{Distribution, Tensor, TensorPrimitive};
+use std::fmt::Write;
+
+/// Largest accepted `|kernel − reference| / (1 + |reference|)`: the kernel does the
+/// composition's operations in its order, and only a contraction of a multiply and an add into
+/// one rounding may move the last bits.
+const TOLERANCE: f32 = 1e-6;
+
+fn values<B: SnnOps>(t: &Tensor<B, 1>) -> Vec<f32> {
+    t.clone()
+        .into_data()
+        .convert::<f32>()
+        .into_vec::<f32>()
+        .expect("f32")
+}
+
+/// A parameter, its gradient and both moments near a training run's values.
+fn state<B: SnnOps>(n: usize, device: &B::Device) -> [Tensor<B, 1>; 4] {
+    let r = |std: f64| Tensor::<B, 1>::random([n], Distribution::Normal(0.0, std), device);
+    let g = r(1e-3);
+    [r(0.02), g.clone(), r(1e-3), g.clone() * g]
+}
+
+fn fused<B: SnnOps>(x: &[Tensor<B, 1>; 4], s: &AdamStep) -> [Tensor<B, 1>; 3] {
+    let [p, g, m, v] = x.clone().map(|t| t.into_primitive().tensor());
+    B::adam_update(p, g, m, v, s).map(|t| Tensor::from_primitive(TensorPrimitive::Float(t)))
+}
+
+fn composed<B: SnnOps>(x: &[Tensor<B, 1>; 4], s: &AdamStep) -> [Tensor<B, 1>; 3] {
+    let [p, g, m, v] = x.clone();
+    let (p, m, v) = optim::adam(p, g, m, v, s);
+    [p, m, v]
+}
+
+/// Checks and times the update; a line in `out`, `Err` with the kernel's name when it differs.
+pub(super) fn adam<B: SnnOps>(
+    device: &B::Device,
+    cfg: &ScanBench,
+    copy_bw: f64,
+    out: &mut String,
+) -> Result<(), &'static str> {
+    let name = "adam update";
+    let n = (cfg.steps * cfg.batch * cfg.elem_dim / 5).max(1);
+    let small = state::<B>(n.min(1 << 20) | 1, device);
+    let adam = AdamStep {
+        beta1: 0.9,
+        beta2: 0.999,
+        eps: 1e-8,
+        lr: 6e-4,
+        wd: 0.0,
+        decoupled: false,
+        step: 1,
+    };
+    let cases = [
+        AdamStep { step: 7, ..adam },
+        adam,
+        AdamStep {
+            wd: 0.01,
+            decoupled: true,
+            ..adam
+        },
+        AdamStep { wd: 0.01, ..adam },
+    ];
+    let (mut err, mut same, mut total) = (0.0f32, 0usize, 0usize);
+    for s in &cases {
+        for (got, want) in fused(&small, s).iter().zip(composed(&small, s).iter()) {
+            let (got, want) = (values(got), values(want));
+            total += want.len();
+            same += got.iter().zip(&want).filter(|(a, b)| a == b).count();
+            err = got
+                .iter()
+                .zip(&want)
+                .map(|(x, y)| (x - y).abs() / (1.0 + y.abs()))
+                .fold(err, f32::max);
+        }
+    }
+    let agree = same as f64 / total.max(1) as f64;
+    if err.is_nan() || err > TOLERANCE {
+        let _ = writeln!(
+            out,
+            "{name:<24} {err:>11.2e}  WRONG: differs from the composition; not timed \
+             ({agree:.6} of values identical)"
+        );
+        return Err(name);
+    }
+    drop(small);
+    let full = state::<B>(n, device);
+    let fused_s = time::<B>(device, cfg.reps, || {
+        let _ = fused(&full, &adam);
+    });
+    let composed_s = time::<B>(device, cfg.reps, || {
+        let _ = composed(&full, &adam);
+    });
+    // p, g, m, v read and p, m, v written once.
+    let bw = 28.0 * n as f64 / fused_s;
+    let _ = writeln!(
+        out,
+        "{name:<24} {err:>11.2e} {:>10.3} {:>9.1} {:>9.0}% {agree:>12.6}  ({n} values; \
+         composed {:.3} ms)",
+        fused_s * 1e3,
+        bw / 1e9,
+        100.0 * bw / copy_bw,
+        composed_s * 1e3
+    );
+    Ok(())
+}

@@ -1,0 +1,41 @@
+//! `OptimOps`: the optimizer's update of one flat parameter, one of the jobs of `SnnOps`. The
+//! default composes it from tensor ops ([`crate::reference::optim::adam`]); CUDA overrides it
+//! with one kernel that reads the parameter, its gradient and both moments once and writes the
+//! three results once (`crate::cuda::optim`), instead of a dozen passes over memory.
+
+use crate::reference::optim::adam;
+use burn::tensor::{Tensor, TensorPrimitive, backend::Backend, ops::FloatTensor};
+
+/// One Adam update's hyperparameters (PyTorch's `torch.optim.Adam`/`AdamW` single-tensor
+/// semantics).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct AdamStep {
+    pub beta1: f64,
+    pub beta2: f64,
+    pub eps: f64,
+    pub lr: f64,
+    /// Weight decay; `decoupled` (AdamW) shrinks the parameter, otherwise it is added to the
+    /// gradient as `wd·p` (Adam's L2).
+    pub wd: f64,
+    pub decoupled: bool,
+    /// The update's number, from 1 (bias corrections `1 − βᵗ`).
+    pub step: i32,
+}
+
+/// The optimizer's update: one of the jobs of `SnnOps`; every method has a default.
+pub trait OptimOps: Backend {
+    /// `(p, exp_avg, exp_avg_sq)` after one Adam update of the flat parameter `p` with gradient
+    /// `g` and moments `m`, `v` (all `[n]`, f32). Default: the composition
+    /// [`crate::reference::optim::adam`].
+    fn adam_update(
+        p: FloatTensor<Self>,
+        g: FloatTensor<Self>,
+        m: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        s: &AdamStep,
+    ) -> [FloatTensor<Self>; 3] {
+        let t = |x| Tensor::<Self, 1>::from_primitive(TensorPrimitive::Float(x));
+        let (p, m, v) = adam(t(p), t(g), t(m), t(v), s);
+        [p, m, v].map(|x| x.into_primitive().tensor())
+    }
+}

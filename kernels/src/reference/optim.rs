@@ -1,0 +1,32 @@
+//! The optimizer's update composed from tensor ops: the default of
+//! [`OptimOps::adam_update`](crate::OptimOps::adam_update) and the reference its kernels are
+//! checked against (`bench kernels`).
+
+use crate::ops::optim::AdamStep;
+use burn::tensor::{Tensor, backend::Backend};
+
+/// One Adam update of a flat parameter, as `torch.optim.Adam(W)` (single-tensor path):
+/// `(p, exp_avg, exp_avg_sq)`. Scalars enter each op as f32, as the tensor ops take them.
+pub fn adam<B: Backend>(
+    p: Tensor<B, 1>,
+    g: Tensor<B, 1>,
+    m: Tensor<B, 1>,
+    v: Tensor<B, 1>,
+    s: &AdamStep,
+) -> (Tensor<B, 1>, Tensor<B, 1>, Tensor<B, 1>) {
+    let (mut p, mut g) = (p, g);
+    if s.wd != 0.0 {
+        if s.decoupled {
+            p = p * (1.0 - s.lr * s.wd);
+        } else {
+            g = g + p.clone() * s.wd;
+        }
+    }
+    let m = m * s.beta1 + g.clone() * (1.0 - s.beta1);
+    let v = v * s.beta2 + g.square() * (1.0 - s.beta2);
+    let bc1 = 1.0 - s.beta1.powi(s.step);
+    let bc2 = 1.0 - s.beta2.powi(s.step);
+    let denom = v.clone().sqrt() / bc2.sqrt() + s.eps;
+    let p = p - m.clone() / denom * (s.lr / bc1);
+    (p, m, v)
+}

@@ -64,9 +64,10 @@ pub use ops::infer::{
     gate_skip_fused, norm_plif_fused, norm_plif_mean_fused, ponder_agg_fused,
     ponder_residual_fused, rms_norm_fused,
 };
-pub use ops::optim::{AdamStep, OptimOps};
+pub use ops::optim::OptimOps;
 pub use ops::scan::{ScanOps, plif_elem, plif_row};
 pub use ops::snn::{SnnOps, ffn_neurons, norm_plif_train, plif_selective, ponder_agg_train};
+pub use ops::types::AdamStep;
 pub use ops::types::{
     FfnGrads, FfnInputs, NormPlifInputs, PlifGrads, PlifOutput, PonderInputs, ScanKind,
     SelectiveGrads, SelectiveInputs, StepGraph,

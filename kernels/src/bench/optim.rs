@@ -5,8 +5,8 @@
 
 use super::config::ScanBench;
 use super::report::time;
-use crate::ops::optim::AdamStep;
 use crate::ops::snn::SnnOps;
+use crate::ops::types::AdamStep;
 use crate::reference::optim;
 use burn::tensor::{Distribution, Tensor, TensorPrimitive};
 use std::fmt::Write;

@@ -13,11 +13,11 @@ use crate::cuda::{
 use crate::ops::device::{DeviceOps, GraphOps};
 use crate::ops::gemm::GemmOps;
 use crate::ops::infer::InferOps;
-use crate::ops::optim::{AdamStep, OptimOps};
+use crate::ops::optim::OptimOps;
 use crate::ops::scan::{ScanOps, scan_shape};
 use crate::ops::snn::SnnOps;
 use crate::ops::types::{
-    FfnGrads, FfnInputs, NormPlifInputs, PlifGrads, PlifOutput, PonderInputs, ScanKind,
+    AdamStep, FfnGrads, FfnInputs, NormPlifInputs, PlifGrads, PlifOutput, PonderInputs, ScanKind,
     SelectiveGrads, SelectiveInputs, StepGraph,
 };
 use crate::reference::ffn::ffn_param_grads;

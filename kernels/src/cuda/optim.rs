@@ -6,7 +6,7 @@
 //! the composition in the last bits (`bench kernels` reports by how much).
 
 use crate::cuda::common::out_like;
-use crate::ops::optim::AdamStep;
+use crate::ops::types::AdamStep;
 use burn::tensor::DType;
 use burn_cubecl::CubeRuntime;
 use burn_cubecl::kernel::into_contiguous;

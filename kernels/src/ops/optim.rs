@@ -3,24 +3,9 @@
 //! with one kernel that reads the parameter, its gradient and both moments once and writes the
 //! three results once (`crate::cuda::optim`), instead of a dozen passes over memory.
 
+use crate::ops::types::AdamStep;
 use crate::reference::optim::adam;
 use burn::tensor::{Tensor, TensorPrimitive, backend::Backend, ops::FloatTensor};
-
-/// One Adam update's hyperparameters (PyTorch's `torch.optim.Adam`/`AdamW` single-tensor
-/// semantics).
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct AdamStep {
-    pub beta1: f64,
-    pub beta2: f64,
-    pub eps: f64,
-    pub lr: f64,
-    /// Weight decay; `decoupled` (AdamW) shrinks the parameter, otherwise it is added to the
-    /// gradient as `wd·p` (Adam's L2).
-    pub wd: f64,
-    pub decoupled: bool,
-    /// The update's number, from 1 (bias corrections `1 − βᵗ`).
-    pub step: i32,
-}
 
 /// The optimizer's update: one of the jobs of `SnnOps`; every method has a default.
 pub trait OptimOps: Backend {

@@ -206,3 +206,19 @@ impl StepGraph {
         self.0.downcast_ref()
     }
 }
+
+/// One Adam update's hyperparameters (PyTorch's `torch.optim.Adam`/`AdamW` single-tensor
+/// semantics).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct AdamStep {
+    pub beta1: f64,
+    pub beta2: f64,
+    pub eps: f64,
+    pub lr: f64,
+    /// Weight decay; `decoupled` (AdamW) shrinks the parameter, otherwise it is added to the
+    /// gradient as `wd·p` (Adam's L2).
+    pub wd: f64,
+    pub decoupled: bool,
+    /// The update's number, from 1 (bias corrections `1 − βᵗ`).
+    pub step: i32,
+}

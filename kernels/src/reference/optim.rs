@@ -2,7 +2,7 @@
 //! [`OptimOps::adam_update`](crate::OptimOps::adam_update) and the reference its kernels are
 //! checked against (`bench kernels`).
 
-use crate::ops::optim::AdamStep;
+use crate::ops::types::AdamStep;
 use burn::tensor::{Tensor, backend::Backend};
 
 /// One Adam update of a flat parameter, as `torch.optim.Adam(W)` (single-tensor path):

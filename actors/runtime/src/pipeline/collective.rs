@@ -120,14 +120,7 @@ impl Collectives {
     ) -> Result<Reduced, RuntimeError> {
         let turn = lanes.turn(k).await?;
         let _lane = lanes.lane().await?;
-        let parts = try_join_all(copies.iter().map(|c| async move {
-            let mut parts = Vec::new();
-            while let Some(p) = c.stage.grads(who, GradOp::Out { keep: false }).await? {
-                parts.push(p);
-            }
-            Ok::<_, RuntimeError>(parts)
-        }))
-        .await?;
+        let parts = try_join_all(copies.iter().map(|c| c.take_parts(who))).await?;
         let first: Vec<_> = parts[0].iter().map(shape).collect();
         if parts
             .iter()
@@ -172,10 +165,7 @@ impl Remote {
         let comm = collectives
             .group(backend, &[root.device], Some(self))
             .await?[0];
-        let mut parts: Vec<GradPart> = Vec::new();
-        while let Some(part) = root.stage.grads(who, GradOp::Out { keep: false }).await? {
-            parts.push(part);
-        }
+        let parts = root.take_parts(who).await?;
         root.stage
             .grads(who, GradOp::AllReduce { parts, comm })
             .await?;

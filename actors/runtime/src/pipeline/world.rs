@@ -124,6 +124,17 @@ pub(super) struct StageCopy {
     pub device: usize,
 }
 
+impl StageCopy {
+    /// Every gradient part the copy holds, taken out in its order.
+    pub async fn take_parts(&self, who: &str) -> Result<Vec<GradPart>, RuntimeError> {
+        let mut parts = Vec::new();
+        while let Some(p) = self.stage.grads(who, GradOp::Out { keep: false }).await? {
+            parts.push(p);
+        }
+        Ok(parts)
+    }
+}
+
 fn check_step(r: &Remote, step: u64, from: usize) -> Result<(), RuntimeError> {
     match step == r.step {
         true => Ok(()),

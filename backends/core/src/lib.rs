@@ -93,7 +93,7 @@ impl<B: SnnOps> Stage for Entered<B> {
     fn call(&mut self, call: StageCall<'_>) -> Result<Reply, EngineError> {
         (self.enter)();
         let stage = &mut self.stage;
-        B::timed_call(&self.device, || stage.call(call))
+        B::timed_call(&self.device, call.name(), || stage.call(call))
     }
     fn save(&self) -> Result<Vec<u8>, EngineError> {
         (self.enter)();

@@ -160,7 +160,7 @@ fn timing_report(devices: &[CudaDevice]) -> Result<Vec<DeviceTime>, EngineError>
                     let k = match k {
                         Kind::Gemm => SpanKind::Gemm,
                         Kind::Scan => SpanKind::Scan,
-                        Kind::Call => SpanKind::Call,
+                        Kind::Call(name) => SpanKind::Call(name),
                     };
                     (k, a, b)
                 })

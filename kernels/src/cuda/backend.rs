@@ -244,8 +244,8 @@ impl DeviceOps for Cuda {
         graph::flush(device);
     }
 
-    fn timed_call<R>(device: &Self::Device, f: impl FnOnce() -> R) -> R {
-        timing::timed(device, timing::Kind::Call, f)
+    fn timed_call<R>(device: &Self::Device, name: &'static str, f: impl FnOnce() -> R) -> R {
+        timing::timed(device, timing::Kind::Call(name), f)
     }
 
     fn submission_stats() -> Option<[u64; 5]> {

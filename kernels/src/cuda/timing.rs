@@ -26,7 +26,8 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 pub enum Kind {
     Gemm,
     Scan,
-    Call,
+    /// A stage call, by its name (`StageCall::name`).
+    Call(&'static str),
 }
 
 /// A CUDA event handle (owned by a [`Log`]; used only on its device's server thread, or by a

@@ -63,11 +63,11 @@ pub trait DeviceOps: Backend {
         let _ = device;
     }
 
-    /// Runs `f` — one stage call's work on `device` — with its device time measured as a call
-    /// span when the backend's timing is on (`bench("timing")`, `nsactor bench train`'s
-    /// breakdown). Default: just runs it.
-    fn timed_call<R>(device: &Self::Device, f: impl FnOnce() -> R) -> R {
-        let _ = device;
+    /// Runs `f` — one stage call's work on `device`, the call named `name` — with its device
+    /// time measured as a call span when the backend's timing is on (`bench("timing")`,
+    /// `nsactor bench train`'s breakdown). Default: just runs it.
+    fn timed_call<R>(device: &Self::Device, name: &'static str, f: impl FnOnce() -> R) -> R {
+        let _ = (device, name);
         f()
     }
 }

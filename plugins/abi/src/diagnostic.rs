@@ -19,7 +19,7 @@
 
 use nsactor_plugin_api::EngineError;
 use nsactor_plugin_api::diagnose::{DeviceMemory, Diagnostic, DiagnosticReport, ScanPrecisions};
-use nsactor_plugin_api::timing::DeviceTime;
+use nsactor_plugin_api::timing::{CallTime, DeviceTime};
 use serde_json::{Map, Value, json};
 
 /// The schema every message names.
@@ -172,6 +172,12 @@ pub fn encode_report(r: &DiagnosticReport) -> String {
                 "gemms": t.gemms,
                 "scans": t.scans,
                 "calls": t.calls,
+                "by_call": t.by_call.iter().map(|c| json!({
+                    "name": c.name,
+                    "calls": c.calls,
+                    "seconds": c.seconds,
+                    "kernels_s": c.kernels_s,
+                })).collect::<Vec<_>>(),
             })).collect::<Vec<_>>(),
         }),
         DiagnosticReport::Done => json!({}),
@@ -221,6 +227,29 @@ pub fn decode_report(text: &str) -> Result<DiagnosticReport, EngineError> {
                         gemms: u(d, "gemms")?,
                         scans: u(d, "scans")?,
                         calls: u(d, "calls")?,
+                        // Optional: a plugin built before calls were named sends none.
+                        by_call: match d.get("by_call").and_then(Value::as_array) {
+                            None => Vec::new(),
+                            Some(cs) => cs
+                                .iter()
+                                .map(|c| {
+                                    Ok(CallTime {
+                                        name: c
+                                            .get("name")
+                                            .and_then(Value::as_str)
+                                            .ok_or_else(|| {
+                                                EngineError::Plugin(format!(
+                                                    "diagnostic `{k}`: a call's `name` is not a string"
+                                                ))
+                                            })?
+                                            .to_string(),
+                                        calls: u(c, "calls")?,
+                                        seconds: f(c, "seconds")?,
+                                        kernels_s: f(c, "kernels_s")?,
+                                    })
+                                })
+                                .collect::<Result<_, EngineError>>()?,
+                        },
                     })
                 })
                 .collect::<Result<_, EngineError>>()?,
@@ -261,7 +290,10 @@ mod tests {
         let t = DeviceTime::from_spans(
             1,
             2.5,
-            &[(SpanKind::Call, 0.0, 2.0), (SpanKind::Gemm, 0.5, 1.25)],
+            &[
+                (SpanKind::Call("Backward"), 0.0, 2.0),
+                (SpanKind::Gemm, 0.5, 1.25),
+            ],
         );
         for r in [
             DiagnosticReport::Text("a table\n".into()),
@@ -274,7 +306,7 @@ mod tests {
                 used_bytes: 3 << 30,
                 total_bytes: 80 << 30,
             }]),
-            DiagnosticReport::Timing(vec![t, t]),
+            DiagnosticReport::Timing(vec![t.clone(), t]),
             DiagnosticReport::Done,
         ] {
             assert_eq!(decode_report(&encode_report(&r)).unwrap(), r);
@@ -283,7 +315,7 @@ mod tests {
 
     #[test]
     fn other_schemas_missing_or_mistyped_members_and_unknown_kinds_are_refused() {
-        let t = DeviceTime::from_spans(0, 1.0, &[(SpanKind::Call, 0.0, 1.0)]);
+        let t = DeviceTime::from_spans(0, 1.0, &[(SpanKind::Call("Step"), 0.0, 1.0)]);
         let good = encode_report(&DiagnosticReport::Timing(vec![t]));
         for (bad, says) in [
             (

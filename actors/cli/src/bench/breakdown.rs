@@ -27,16 +27,18 @@ pub fn print_device_breakdown(
         "device time per step (events on the work's streams; overlapping work of two streams counts once):"
     );
     let pct = |x: f64, w: f64| 100.0 * x / w.max(1e-12);
-    for d in &devices {
+    let idle: Vec<&str> = devices
+        .iter()
+        .filter(|d| d.calls == 0)
+        .map(|d| device_name(info, d.device))
+        .collect();
+    for d in devices.iter().filter(|d| d.calls > 0) {
         let w = d.window_s;
         println!(
             "  {:<10} {:.3} s: GEMM {:.3} s ({:.1}%, {} calls), PLIF scans {:.3} s ({:.1}%, {} kernels), \
              other work in stage calls {:.3} s ({:.1}%), outside stage calls (actor messaging, host \
              round trips, the supervisor) {:.3} s ({:.1}%)",
-            info.devices
-                .get(d.device)
-                .and_then(|n| n.split_whitespace().next())
-                .unwrap_or("?"),
+            device_name(info, d.device),
             w,
             d.gemm_s,
             pct(d.gemm_s, w),
@@ -55,6 +57,10 @@ pub fn print_device_breakdown(
                 d.gemm_sum_s, d.scans_sum_s
             );
         }
+        print_by_call(d);
+    }
+    if !idle.is_empty() {
+        println!("  {}: no stage work", idle.join(", "));
     }
     let gemm: f64 = devices.iter().map(|d| d.gemm_sum_s).sum();
     if gemm > 0.0 {
@@ -63,6 +69,46 @@ pub fn print_device_breakdown(
             executed_flops * r.tokens_per_step as f64 / gemm / 1e12,
             executed_flops / 1e9,
             r.tokens_per_step
+        );
+    }
+}
+
+/// A device's name as the backend gives it (`cuda:0`).
+fn device_name(info: &nsactor_plugin_api::BackendInfo, device: usize) -> &str {
+    info.devices
+        .get(device)
+        .and_then(|n| n.split_whitespace().next())
+        .unwrap_or("?")
+}
+
+/// The "other work" of a device's stage calls by call name, the largest first: each name's
+/// device time, its share in GEMMs and scans, and the rest. Names whose rest is under 1 ms are
+/// summed into one figure.
+fn print_by_call(d: &nsactor_plugin_api::timing::DeviceTime) {
+    if d.by_call.is_empty() {
+        return;
+    }
+    println!("             by call (other = outside GEMMs and scans):");
+    let (mut small, mut small_n) = (0.0, 0);
+    for c in &d.by_call {
+        let other = (c.seconds - c.kernels_s).max(0.0);
+        if other < 1e-3 {
+            small += c.seconds;
+            small_n += 1;
+            continue;
+        }
+        println!(
+            "               {:<14} {:>5} calls {:8.4} s, other {:8.4} s ({:4.1}% of the window)",
+            c.name,
+            c.calls,
+            c.seconds,
+            other,
+            100.0 * other / d.window_s.max(1e-12)
+        );
+    }
+    if small_n > 0 {
+        println!(
+            "               {small_n} more call kinds, {small:.4} s in all, under 1 ms other each"
         );
     }
 }

@@ -57,7 +57,7 @@ impl TrainBench {
             for d in &s.device {
                 match sum.iter_mut().find(|x| x.device == d.device) {
                     Some(x) => x.add(d),
-                    None => sum.push(*d),
+                    None => sum.push(d.clone()),
                 }
             }
         }

@@ -335,7 +335,13 @@ mod tests {
             transfer: vec![0.0],
             device: dev
                 .into_iter()
-                .map(|d| DeviceTime::from_spans(d, 1.0, &[(Call, 0.0, 0.5), (Gemm, 0.0, gemm_end)]))
+                .map(|d| {
+                    DeviceTime::from_spans(
+                        d,
+                        1.0,
+                        &[(Call("Forward"), 0.0, 0.5), (Gemm, 0.0, gemm_end)],
+                    )
+                })
                 .collect(),
         };
         let mut r = TrainBench {
@@ -351,6 +357,10 @@ mod tests {
         assert!((m[0].gemm_s - 0.2).abs() < 1e-12 && (m[1].gemm_s - 0.2).abs() < 1e-12);
         assert_eq!((m[0].window_s, m[0].calls_s, m[0].gemms), (1.0, 0.5, 1));
         assert!((m[0].other_s() - 0.3).abs() < 1e-12);
+        // By call name, the same means.
+        let c = &m[0].by_call;
+        assert_eq!((c.len(), c[0].name.as_str(), c[0].calls), (1, "Forward", 1));
+        assert!((c[0].seconds - 0.5).abs() < 1e-12 && (c[0].kernels_s - 0.2).abs() < 1e-12);
         r.steps.iter_mut().for_each(|s| s.device.clear());
         assert!(r.mean_device().is_empty());
     }

@@ -18,20 +18,7 @@ pub struct GradSet<B: Backend> {
     pub entries: Vec<(String, Tensor<B, 1>)>,
 }
 
-/// `Σ g²` of a flat gradient as a `[1]` tensor. A long gradient is summed as rows of 1,024
-/// first (a reduction with many outputs) and then over the rows: a single full reduction of
-/// millions of values is left to the backend's autotuner, which on CUDA has picked a one-cube
-/// kernel taking 1.3 ms for a 6.4 M-value gradient (measured on the H100).
-pub fn square_sum<B: Backend>(g: &Tensor<B, 1>) -> Tensor<B, 1> {
-    const ROW: usize = 1024;
-    let n = g.dims()[0];
-    let sq = g.clone().square();
-    if n >= 64 * ROW && n.is_multiple_of(ROW) {
-        sq.reshape([n / ROW, ROW]).sum_dim(1).sum()
-    } else {
-        sq.sum()
-    }
-}
+pub use nsactor_kernels::reference::optim::square_sum;
 
 impl<B: Backend> GradSet<B> {
     /// Collects the gradient of every parameter of `module` that received one.
@@ -71,22 +58,6 @@ impl<B: Backend> GradSet<B> {
             .map(|(_, g)| g)
     }
 
-    /// Sum of squares of every gradient (for the global norm): every gradient's sum on the
-    /// device ([`square_sum`]), read back in one transfer, added in f64.
-    pub fn sum_squares(&self) -> f64 {
-        if self.entries.is_empty() {
-            return 0.0;
-        }
-        let sums = self.entries.iter().map(|(_, g)| square_sum(g)).collect();
-        Tensor::cat(sums, 0)
-            .into_data()
-            .convert::<f64>()
-            .into_vec::<f64>()
-            .expect("f64 values")
-            .into_iter()
-            .sum()
-    }
-
     /// Adds `other`'s gradients (same parameters, same order) — gradient accumulation.
     pub fn accumulate(&mut self, other: GradSet<B>) {
         assert_eq!(
@@ -107,6 +78,28 @@ impl<B: Backend> GradSet<B> {
         for (_, g) in &mut self.entries {
             *g = g.clone() * factor;
         }
+    }
+}
+
+impl<B: OptimOps> GradSet<B> {
+    /// Sum of squares of every gradient (for the global norm): every gradient's sum on the
+    /// device ([`OptimOps::square_sums`]), read back in one transfer, added in f64.
+    pub fn sum_squares(&self) -> f64 {
+        if self.entries.is_empty() {
+            return 0.0;
+        }
+        let ts = self
+            .entries
+            .iter()
+            .map(|(_, g)| g.clone().into_primitive().tensor())
+            .collect();
+        Tensor::<B, 1>::from_primitive(TensorPrimitive::Float(B::square_sums(ts)))
+            .into_data()
+            .convert::<f64>()
+            .into_vec::<f64>()
+            .expect("f64 values")
+            .into_iter()
+            .sum()
     }
 }
 
@@ -238,7 +231,8 @@ impl<B: Backend> Adam<B> {
 }
 
 impl<B: OptimOps> Adam<B> {
-    /// Updates every parameter of `module` that has a gradient in `grads`: base LR `lr`, neuron
+    /// Updates every parameter of `module` that has a gradient in `grads`, each gradient first
+    /// multiplied by `clip` (the global-norm clip's factor; 1 for none): base LR `lr`, neuron
     /// parameters (see [`is_neuron_param`]) at `neuron_lr`.
     pub fn step<AB, P>(
         &mut self,
@@ -247,6 +241,7 @@ impl<B: OptimOps> Adam<B> {
         grads: &GradSet<B>,
         lr: f64,
         neuron_lr: f64,
+        clip: f64,
     ) where
         AB: AutodiffBackend<InnerBackend = B>,
         P: Params<AB>,
@@ -256,6 +251,7 @@ impl<B: OptimOps> Adam<B> {
             grads: BTreeMap<&'a str, &'a Tensor<B, 1>>,
             lr: f64,
             neuron_lr: f64,
+            clip: f64,
         }
         impl<AB: AutodiffBackend<InnerBackend: OptimOps>> ParamMapper<AB> for Update<'_, AB::InnerBackend> {
             fn map<const D: usize>(&mut self, name: &str, p: Tensor<AB, D>) -> Tensor<AB, D> {
@@ -271,7 +267,7 @@ impl<B: OptimOps> Adam<B> {
                 let dims = p.dims();
                 let n = p.shape().num_elements();
                 let flat = p.inner().reshape([n]);
-                let updated = self.opt.update(name, flat, (*g).clone(), lr, wd);
+                let updated = self.opt.update(name, flat, (*g).clone(), lr, wd, self.clip);
                 Tensor::from_inner(updated.reshape(dims)).require_grad()
             }
         }
@@ -281,6 +277,7 @@ impl<B: OptimOps> Adam<B> {
             grads: grads_map,
             lr,
             neuron_lr,
+            clip,
         };
         module.map_params(prefix, &mut u);
     }
@@ -295,6 +292,7 @@ impl<B: OptimOps> Adam<B> {
         g: Tensor<B, 1>,
         lr: f64,
         wd: f64,
+        grad_scale: f64,
     ) -> Tensor<B, 1> {
         let c = &self.config;
         let st = self
@@ -314,6 +312,7 @@ impl<B: OptimOps> Adam<B> {
             wd,
             decoupled: c.decoupled,
             step: st.step as i32,
+            grad_scale,
         };
         let prim = |t: Tensor<B, 1>| t.into_primitive().tensor();
         let [p, m, v] = B::adam_update(

@@ -105,11 +105,10 @@ fn training_step_matches_reference() {
         (norm - want).abs() / want <= 1e-5,
         "global norm {norm} vs {want}"
     );
-    gs.scale(clip_factor(norm, 1.0));
-
-    // One Adam step: lr 1e-3, neuron params ×10.
+    // One Adam step on the clipped gradients (the clip inside the update): lr 1e-3, neuron
+    // params ×10.
     let mut adam = Adam::<Inner>::new(AdamConfig::adam());
-    adam.step::<Ad, _>(&mut model, "", &gs, 1e-3, 1e-2);
+    adam.step::<Ad, _>(&mut model, "", &gs, 1e-3, 1e-2, clip_factor(norm, 1.0));
     let after = nsactor_model::io::param_values(&model);
     let mut worst = (0.0f64, String::new());
     for (name, _, v) in &after {

@@ -2,7 +2,7 @@
 
 use crate::graphs::DecodeGraphs;
 use crate::sessions::SessionTable;
-use crate::state::{Trainer, count, load_stage, norm, save_stage, snapshot_stage, sync};
+use crate::state::{Trainer, count, load_stage, norms, save_stage, snapshot_stage, sync};
 use crate::{Ad, act, wrap};
 use burn::tensor::{ElementConversion, Tensor};
 use nsactor_kernels::SnnOps;
@@ -243,11 +243,11 @@ impl<B: SnnOps> LayerStage<B> {
                 *grads.get_mut(name).expect("present") = g;
             }
         }
-        let n = |i: usize| grads.get(&all[i]).map(norm);
+        let [b_beta, b_alpha, b_th] = norms(all.iter().map(|n| grads.get(n)));
         Ok(BiasGradNorms {
-            b_beta: n(0),
-            b_alpha: n(1),
-            b_th: n(2),
+            b_beta,
+            b_alpha,
+            b_th,
         }
         .into())
     }

@@ -3,7 +3,7 @@
 
 use crate::Ad;
 use crate::grads::Streams;
-use burn::tensor::{DType, ElementConversion, Tensor, TensorData, Transaction, backend::Backend};
+use burn::tensor::{DType, Tensor, TensorData, TensorPrimitive, Transaction, backend::Backend};
 use nsactor_kernels::SnnOps;
 use nsactor_model::io::{HF_PREFIX, load_params, view_to_f32};
 use nsactor_model::params::{ParamMapper, ParamVisitor, Params};
@@ -137,7 +137,7 @@ impl<B: SnnOps> Trainer<B> {
         clip: f64,
     ) -> Result<(), EngineError> {
         self.flush();
-        let mut grads = self.grads.take().ok_or_else(|| {
+        let grads = self.grads.take().ok_or_else(|| {
             EngineError::InvalidInput("Step without gradients: run a backward pass first".into())
         })?;
         if !clip.is_finite() || !lr.is_finite() || !neuron_lr.is_finite() {
@@ -145,19 +145,36 @@ impl<B: SnnOps> Trainer<B> {
                 "Step needs finite factors, got lr {lr}, neuron_lr {neuron_lr}, clip {clip}"
             )));
         }
-        grads.scale(clip);
+        // The clip is applied inside the update (`AdamStep::grad_scale`): no pass of its own.
         self.adam
-            .step::<Ad<B>, M>(module, prefix, &grads, lr, neuron_lr);
+            .step::<Ad<B>, M>(module, prefix, &grads, lr, neuron_lr, clip);
         Ok(())
     }
 }
 
-/// L2 norm of a flat gradient.
-pub(crate) fn norm<B: Backend>(g: &Tensor<B, 1>) -> f64 {
-    nsactor_model::train::square_sum(g)
-        .sqrt()
-        .into_scalar()
-        .elem::<f64>()
+/// L2 norms of the gradients that are present (f32 square roots on the device, as
+/// [`nsactor_model::train::square_sum`]`.sqrt()`), read back in one transfer.
+pub(crate) fn norms<'a, B: SnnOps, const N: usize>(
+    gs: impl Iterator<Item = Option<&'a Tensor<B, 1>>>,
+) -> [Option<f64>; N] {
+    let gs: Vec<_> = gs.collect();
+    assert_eq!(gs.len(), N, "norms of {N} gradients");
+    let present: Vec<_> = gs
+        .iter()
+        .flatten()
+        .map(|g| (*g).clone().into_primitive().tensor())
+        .collect();
+    let mut values = match present.is_empty() {
+        true => Vec::new(),
+        false => Tensor::<B, 1>::from_primitive(TensorPrimitive::Float(B::square_sums(present)))
+            .sqrt()
+            .into_data()
+            .convert::<f64>()
+            .into_vec::<f64>()
+            .expect("f64 values"),
+    }
+    .into_iter();
+    std::array::from_fn(|i| gs[i].map(|_| values.next().expect("one norm per gradient")))
 }
 
 #[cfg(not(target_endian = "little"))]

@@ -137,6 +137,9 @@ pub fn run<B: SnnOps>(device: &B::Device, cfg: &ScanBench) -> Result<String, Ker
     if let Err(name) = optim::adam::<B>(device, cfg, copy_bw, &mut out) {
         failed.push(name);
     }
+    if let Err(name) = optim::square_sums::<B>(device, cfg, copy_bw, &mut out) {
+        failed.push(name);
+    }
     if failed.is_empty() {
         Ok(out)
     } else {

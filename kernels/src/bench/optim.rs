@@ -1,7 +1,9 @@
 //! Adam's update ([`OptimOps::adam_update`](crate::OptimOps::adam_update)) against its
 //! composition ([`crate::reference::optim::adam`]) on the same device: the three results of
-//! four updates (plain Adam at steps 1 and 7, AdamW and Adam with L2 decay), then both timed over
-//! about one 0.9B layer's parameters.
+//! five updates (plain Adam at steps 1 and 7, AdamW, Adam with L2 decay, a clipped gradient),
+//! then both timed over about one 0.9B layer's parameters. And the gradients' sums of squares
+//! ([`OptimOps::square_sums`](crate::OptimOps::square_sums)) against theirs
+//! ([`crate::reference::optim::square_sum`]) over a layer's worth of gradients of mixed sizes.
 
 use super::config::ScanBench;
 use super::report::time;
@@ -60,6 +62,7 @@ pub(super) fn adam<B: SnnOps>(
         wd: 0.0,
         decoupled: false,
         step: 1,
+        grad_scale: 1.0,
     };
     let cases = [
         AdamStep { step: 7, ..adam },
@@ -70,6 +73,10 @@ pub(super) fn adam<B: SnnOps>(
             ..adam
         },
         AdamStep { wd: 0.01, ..adam },
+        AdamStep {
+            grad_scale: 0.37,
+            ..adam
+        },
     ];
     let (mut err, mut same, mut total) = (0.0f32, 0usize, 0usize);
     for s in &cases {
@@ -110,6 +117,78 @@ pub(super) fn adam<B: SnnOps>(
         fused_s * 1e3,
         bw / 1e9,
         100.0 * bw / copy_bw,
+        composed_s * 1e3
+    );
+    Ok(())
+}
+
+/// Largest accepted relative difference of a sum of squares from the composition's: both sum
+/// f32 squares in f32, in different orders.
+const SUM_TOLERANCE: f64 = 1e-5;
+
+/// Checks and times [`OptimOps::square_sums`](crate::OptimOps::square_sums) on gradients shaped
+/// like a 0.9B layer's (a few long ones, more short ones).
+pub(super) fn square_sums<B: SnnOps>(
+    device: &B::Device,
+    cfg: &ScanBench,
+    copy_bw: f64,
+    out: &mut String,
+) -> Result<(), &'static str> {
+    let name = "gradient square sums";
+    let big = (cfg.steps * cfg.batch * cfg.elem_dim / 20).max(1);
+    let sizes: Vec<usize> = [big, big, big / 3 + 7, 4096, 896, 896, 1, 0]
+        .into_iter()
+        .cycle()
+        .take(40)
+        .collect();
+    let ts: Vec<Tensor<B, 1>> = sizes
+        .iter()
+        .map(|&n| Tensor::random([n], Distribution::Normal(0.0, 1e-3), device))
+        .collect();
+    let fused = || {
+        let prims = ts
+            .iter()
+            .map(|t| t.clone().into_primitive().tensor())
+            .collect();
+        Tensor::<B, 1>::from_primitive(TensorPrimitive::Float(B::square_sums(prims)))
+    };
+    let composed = || Tensor::cat(ts.iter().map(optim::square_sum).collect(), 0);
+    let (got, want) = (values(&fused()), values(&composed()));
+    let err = got
+        .iter()
+        .zip(&want)
+        .map(|(&x, &y)| (x as f64 - y as f64).abs() / (y as f64).abs().max(f64::MIN_POSITIVE))
+        .filter(|e| !e.is_nan())
+        .fold(0.0f64, f64::max);
+    // An empty gradient sums to 0 in both (the division above skips it).
+    let zeros_agree = got
+        .iter()
+        .zip(&want)
+        .all(|(x, y)| (*y == 0.0) == (*x == 0.0));
+    if got.len() != sizes.len() || !zeros_agree || err > SUM_TOLERANCE {
+        let _ = writeln!(
+            out,
+            "{name:<24} {err:>11.2e}  WRONG: differs from the composition; not timed"
+        );
+        return Err(name);
+    }
+    let fused_s = time::<B>(device, cfg.reps, || {
+        let _ = fused();
+    });
+    let composed_s = time::<B>(device, cfg.reps, || {
+        let _ = composed();
+    });
+    let total: usize = sizes.iter().sum();
+    let bw = 4.0 * total as f64 / fused_s;
+    let _ = writeln!(
+        out,
+        "{name:<24} {err:>11.2e} {:>10.3} {:>9.1} {:>9.0}% {:>12}  ({} gradients, {total} \
+         values; composed {:.3} ms)",
+        fused_s * 1e3,
+        bw / 1e9,
+        100.0 * bw / copy_bw,
+        "",
+        sizes.len(),
         composed_s * 1e3
     );
     Ok(())

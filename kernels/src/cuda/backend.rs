@@ -265,6 +265,10 @@ impl OptimOps for Cuda {
     ) -> [FloatTensor<Self>; 3] {
         super::optim::adam(p, g, m, v, s)
     }
+
+    fn square_sums(ts: Vec<FloatTensor<Self>>) -> FloatTensor<Self> {
+        super::optim::square_sums(ts)
+    }
 }
 
 impl GraphOps for Cuda {

@@ -1,13 +1,16 @@
-//! The optimizer's update as one CubeCL kernel: Adam (or AdamW) over a flat f32 parameter,
-//! reading `p`, `g`, `m`, `v` once and writing the new `p`, `m`, `v` once (28 bytes per
-//! parameter) where the composition makes a dozen passes. The same operations in the same order
+//! The optimizer's kernels. The update as one CubeCL kernel: Adam (or AdamW) over a flat f32
+//! parameter, its gradient scaled by the clip, reading `p`, `g`, `m`, `v` once and writing the
+//! new `p`, `m`, `v` once (28 bytes per parameter) where the composition makes a dozen passes. The same operations in the same order
 //! as [`crate::reference::optim::adam`], each scalar rounded to f32 as the tensor ops round it;
 //! the compiler may contract a multiply and an add into one rounding, so results may differ from
-//! the composition in the last bits (`bench kernels` reports by how much).
+//! the composition in the last bits (`bench kernels` reports by how much). And the gradients'
+//! sums of squares ([`square_sums`]): per gradient one launch of [`SLOTS`] cubes that each
+//! leave a partial sum, then one launch that adds each gradient's partials in a fixed order, so
+//! the sums are the same from run to run.
 
 use crate::cuda::common::out_like;
 use crate::ops::types::AdamStep;
-use burn::tensor::DType;
+use burn::tensor::{DType, Shape};
 use burn_cubecl::CubeRuntime;
 use burn_cubecl::kernel::into_contiguous;
 use burn_cubecl::tensor::CubeTensor;
@@ -31,6 +34,7 @@ fn adam_kernel(
     n: u32,
     decay_mode: u32,
     decay: f32,
+    grad_scale: f32,
     beta1: f32,
     one_minus_beta1: f32,
     beta2: f32,
@@ -44,7 +48,7 @@ fn adam_kernel(
         terminate!();
     }
     let mut pi = p[i];
-    let mut gi = g[i];
+    let mut gi = g[i] * grad_scale;
     if decay_mode == 1u32 {
         pi *= decay;
     }
@@ -101,6 +105,7 @@ pub fn adam<R: CubeRuntime>(
         n as u32,
         mode,
         decay,
+        s.grad_scale as f32,
         s.beta1 as f32,
         (1.0 - s.beta1) as f32,
         s.beta2 as f32,
@@ -110,4 +115,97 @@ pub fn adam<R: CubeRuntime>(
         (s.lr / bc1) as f32,
     );
     outs
+}
+
+/// Partial sums (cubes) per gradient of [`square_sums`].
+const SLOTS: usize = 128;
+/// Planes of 32 units per cube of [`square_sums`]' first pass.
+const PLANES: usize = 8;
+
+/// Cube `c` of the launch sums `t[i]²` over `i ≡ c·width + unit (mod stride)` and writes the
+/// sum to `partials[slot0 + c]`.
+#[cube(launch)]
+fn square_partials_kernel(
+    t: &Tensor<f32>,
+    partials: &mut Tensor<f32>,
+    n: u32,
+    slot0: u32,
+    stride: u32,
+    #[comptime] planes: usize,
+) {
+    let lane = UNIT_POS as usize;
+    let width = comptime![planes * 32];
+    let mut acc = 0.0f32;
+    let mut i = CUBE_POS * width + lane;
+    while i < n as usize {
+        let x = t[i];
+        acc += x * x;
+        i += stride as usize;
+    }
+    let mut shared = SharedMemory::<f32>::new(planes);
+    let s = plane_sum(acc);
+    if UNIT_POS_PLANE == 0 {
+        shared[lane / 32] = s;
+    }
+    sync_cube();
+    if lane == 0 {
+        let mut total = 0.0f32;
+        #[unroll]
+        for p in 0..planes {
+            total += shared[p];
+        }
+        partials[slot0 as usize + CUBE_POS] = total;
+    }
+}
+
+/// `out[k] = Σ_s partials[k·slots + s]`, in order of `s`.
+#[cube(launch)]
+fn sum_slots_kernel(partials: &Tensor<f32>, out: &mut Tensor<f32>, tensors: u32, slots: u32) {
+    let k = ABSOLUTE_POS;
+    if k >= tensors as usize {
+        terminate!();
+    }
+    let mut total = 0.0f32;
+    let mut s = 0u32;
+    while s < slots {
+        total += partials[k * slots as usize + s as usize];
+        s += 1;
+    }
+    out[k] = total;
+}
+
+/// `Σ t²` of each of `ts` (flat f32, at least one) as a `[ts.len()]` tensor.
+pub fn square_sums<R: CubeRuntime>(ts: Vec<CubeTensor<R>>) -> CubeTensor<R> {
+    assert!(!ts.is_empty(), "square_sums of no tensors");
+    let ts: Vec<_> = ts.into_iter().map(into_contiguous).collect();
+    let partials = out_like(&ts[0], Shape::new([ts.len() * SLOTS]));
+    let client = ts[0].client.clone();
+    let width = PLANES * 32;
+    for (k, t) in ts.iter().enumerate() {
+        assert_eq!(t.dtype, DType::F32, "square_sums takes f32");
+        let n = t.meta.shape().num_elements();
+        assert!(n <= u32::MAX as usize, "square_sums: 32-bit indexing");
+        square_partials_kernel::launch::<R>(
+            &client,
+            CubeCount::Static(SLOTS as u32, 1, 1),
+            CubeDim::new_1d(width as u32),
+            t.clone().into_tensor_arg(),
+            partials.clone().into_tensor_arg(),
+            n as u32,
+            (k * SLOTS) as u32,
+            (SLOTS * width) as u32,
+            PLANES,
+        );
+    }
+    let out = out_like(&ts[0], Shape::new([ts.len()]));
+    sum_slots_kernel::launch::<R>(
+        &client,
+        CubeCount::Static(ts.len().div_ceil(64) as u32, 1, 1),
+        CubeDim::new_1d(64),
+        partials.into_tensor_arg(),
+        out.clone().into_tensor_arg(),
+        ts.len() as u32,
+        SLOTS as u32,
+    );
+    out
 }

@@ -221,4 +221,6 @@ pub struct AdamStep {
     pub decoupled: bool,
     /// The update's number, from 1 (bias corrections `1 − βᵗ`).
     pub step: i32,
+    /// The gradient is multiplied by it first: the global-norm clip's factor (1: none).
+    pub grad_scale: f64,
 }

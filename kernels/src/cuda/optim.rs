@@ -178,6 +178,15 @@ fn sum_slots_kernel(partials: &Tensor<f32>, out: &mut Tensor<f32>, tensors: u32,
 pub fn square_sums<R: CubeRuntime>(ts: Vec<CubeTensor<R>>) -> CubeTensor<R> {
     assert!(!ts.is_empty(), "square_sums of no tensors");
     let ts: Vec<_> = ts.into_iter().map(into_contiguous).collect();
+    let Some(live) = ts.iter().find(|t| t.meta.shape().num_elements() > 0) else {
+        let t = &ts[0];
+        return burn_cubecl::ops::numeric::zeros_client(
+            t.client.clone(),
+            t.device.clone(),
+            Shape::new([ts.len()]),
+            DType::F32,
+        );
+    };
     let partials = out_like(&ts[0], Shape::new([ts.len() * SLOTS]));
     let client = ts[0].client.clone();
     let width = PLANES * 32;
@@ -189,7 +198,13 @@ pub fn square_sums<R: CubeRuntime>(ts: Vec<CubeTensor<R>>) -> CubeTensor<R> {
             &client,
             CubeCount::Static(SLOTS as u32, 1, 1),
             CubeDim::new_1d(width as u32),
-            t.clone().into_tensor_arg(),
+            // An empty gradient binds a live buffer (an empty one is an invalid launch
+            // argument) and, with `n = 0`, reads none of it: its partials are zeros.
+            match n {
+                0 => live.clone(),
+                _ => t.clone(),
+            }
+            .into_tensor_arg(),
             partials.clone().into_tensor_arg(),
             n as u32,
             (k * SLOTS) as u32,

@@ -26,6 +26,7 @@ fn the_cpu_scans_pass_the_check_and_are_timed() {
         "norm + input plif fwd",
         "norm + input plif bwd",
         "adam update",
+        "gradient square sums",
     ] {
         let line = report
             .lines()

@@ -73,12 +73,6 @@ impl<B: Backend> GradSet<B> {
             *g = g.clone() + o;
         }
     }
-
-    pub fn scale(&mut self, factor: f64) {
-        for (_, g) in &mut self.entries {
-            *g = g.clone() * factor;
-        }
-    }
 }
 
 impl<B: OptimOps> GradSet<B> {

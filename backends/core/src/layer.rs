@@ -222,10 +222,7 @@ impl<B: SnnOps> LayerStage<B> {
     /// Phase 1, then the norms phase 2 needs.
     fn grad_stats(&mut self) -> Result<Reply, EngineError> {
         let names = [self.bias_name("b_beta"), self.bias_name("b_alpha")];
-        let all: Vec<String> = MODULATION_BIASES
-            .iter()
-            .map(|b| self.bias_name(b))
-            .collect();
+        let all = MODULATION_BIASES.map(|b| self.bias_name(b));
         self.trainer.flush();
         let grads = self.trainer.grads.as_mut().ok_or_else(|| {
             EngineError::InvalidInput(format!("layer {}: GradStats without gradients", self.index))
@@ -243,7 +240,7 @@ impl<B: SnnOps> LayerStage<B> {
                 *grads.get_mut(name).expect("present") = g;
             }
         }
-        let [b_beta, b_alpha, b_th] = norms(all.iter().map(|n| grads.get(n)));
+        let [b_beta, b_alpha, b_th] = norms(all.each_ref().map(|n| grads.get(n)));
         Ok(BiasGradNorms {
             b_beta,
             b_alpha,

@@ -154,11 +154,7 @@ impl<B: SnnOps> Trainer<B> {
 
 /// L2 norms of the gradients that are present (f32 square roots on the device, as
 /// [`nsactor_model::train::square_sum`]`.sqrt()`), read back in one transfer.
-pub(crate) fn norms<'a, B: SnnOps, const N: usize>(
-    gs: impl Iterator<Item = Option<&'a Tensor<B, 1>>>,
-) -> [Option<f64>; N] {
-    let gs: Vec<_> = gs.collect();
-    assert_eq!(gs.len(), N, "norms of {N} gradients");
+pub(crate) fn norms<B: SnnOps, const N: usize>(gs: [Option<&Tensor<B, 1>>; N]) -> [Option<f64>; N] {
     let present: Vec<_> = gs
         .iter()
         .flatten()

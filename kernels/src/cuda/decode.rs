@@ -195,7 +195,8 @@ fn rms_norm_kernel<O: Float>(
 /// Planes per row of [`centred_residual`] (a decoding step has few rows).
 const CENTRED_PLANES: usize = 8;
 
-/// Unrolled steps per load batch of [`block_scan`] (as the selective forward kernel's).
+/// Unrolled steps per load batch of [`block_scan`] (as the selective forward kernel's;
+/// `$NSACTOR_SCAN_UNROLL` overrides it with the scans').
 const UNROLL_BLOCK_SCAN: usize = 4;
 
 /// `(stride of a row, columns)` of a 2-D f32 tensor whose columns are contiguous, else `None`.
@@ -256,7 +257,7 @@ pub fn block_scan<R: CubeRuntime>(
         dn as u32,
         row_stride as u32,
         v_th_min,
-        UNROLL_BLOCK_SCAN,
+        crate::cuda::scan::unroll(UNROLL_BLOCK_SCAN),
         vpost_dtype.into(),
     );
     (vpost, last)

@@ -36,7 +36,7 @@
 
 use crate::KernelError;
 use crate::cuda::device::make_current;
-use crate::cuda::gemm_plan::{Operand, Plan, PlanKey, WORKSPACE_BYTES, operand, tuning};
+use crate::cuda::gemm_plan::{Operand, Plan, PlanKey, Queue, WORKSPACE_BYTES, operand, tuning};
 use crate::cuda::precision::{GemmPrecision, precision};
 use crate::cuda::server::{QUEUED_FAILURE, Server, device_server, record_queued_failure};
 use crate::cuda::timing;
@@ -423,7 +423,15 @@ fn enqueue(
         let plan = state
             .plans
             .entry(*key)
-            .or_insert_with(|| Plan::new(handle, key));
+            // SAFETY: `stream` is CubeCL's live stream of the current context (checked non-null
+            // above) and the workspace is this thread's, as for the calls below.
+            .or_insert_with(|| unsafe {
+                let queue = Queue {
+                    stream,
+                    workspace_ptr,
+                };
+                Plan::new(handle, key, queue)
+            });
         let ptrs = [a, b, c, d];
         // SAFETY (both calls): the pointers are live device buffers of the sizes the layouts
         // describe (the caller holds their resources or bindings until after the call, and

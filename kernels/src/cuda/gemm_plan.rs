@@ -3,8 +3,8 @@
 //! itself, and the tuning of a training projection's algorithm on its first call.
 
 use crate::KernelError;
+use crate::cuda::gemm_invariant;
 use crate::cuda::precision::GemmPrecision;
-use crate::options::GemmRows;
 use cudarc::cublaslt::{result as lt, sys};
 use std::ffi::c_void;
 
@@ -15,10 +15,17 @@ pub(crate) const WORKSPACE_BYTES: usize = 32 << 20;
 /// `ld`, to be used transposed or not.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub(crate) struct Operand {
-    rows: u64,
-    cols: u64,
-    ld: i64,
+    pub(crate) rows: u64,
+    pub(crate) cols: u64,
+    pub(crate) ld: i64,
     pub(crate) trans: bool,
+}
+
+impl Operand {
+    /// Elements its storage spans (`ld` per column).
+    pub(crate) fn elements(&self) -> usize {
+        (self.ld.max(0) as u64 * self.cols) as usize
+    }
 }
 
 /// A row-major `[r, c]` logical matrix with strides `(s0, s1)`, seen column-major so that the
@@ -48,6 +55,15 @@ pub(crate) fn operand(shape: [usize; 2], strides: [usize; 2]) -> Option<Operand>
     }
 }
 
+/// Where a plan's setup may run GEMMs of its own (the batch-invariant kernel's timing).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Queue {
+    /// A live stream of the current context.
+    pub(crate) stream: cudarc::driver::sys::CUstream,
+    /// A live buffer of [`WORKSPACE_BYTES`], used in order on `stream`.
+    pub(crate) workspace_ptr: u64,
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub(crate) struct PlanKey {
     pub(crate) device: usize,
@@ -67,12 +83,42 @@ pub(crate) struct PlanKey {
 
 impl PlanKey {
     /// `K`: `A = rhsᵀ` is `[N, K]` after its op.
-    fn k(&self) -> u64 {
+    pub(crate) fn k(&self) -> u64 {
         if self.a.trans {
             self.a.rows
         } else {
             self.a.cols
         }
+    }
+
+    /// The inputs' element type.
+    pub(crate) fn input_type(&self) -> sys::cudaDataType_t {
+        match self.precision {
+            GemmPrecision::Fp32 => sys::cudaDataType_t::CUDA_R_32F,
+            GemmPrecision::Bf16 => sys::cudaDataType_t::CUDA_R_16BF,
+        }
+    }
+
+    /// Bytes per input element.
+    pub(crate) fn input_bytes(&self) -> usize {
+        match self.precision {
+            GemmPrecision::Fp32 => 4,
+            GemmPrecision::Bf16 => 2,
+        }
+    }
+
+    /// `D`'s element type.
+    pub(crate) fn output_type(&self) -> sys::cudaDataType_t {
+        if self.out_bf16 {
+            sys::cudaDataType_t::CUDA_R_16BF
+        } else {
+            sys::cudaDataType_t::CUDA_R_32F
+        }
+    }
+
+    /// Bytes per `D` element.
+    pub(crate) fn output_bytes(&self) -> usize {
+        if self.out_bf16 { 2 } else { 4 }
     }
 
     /// `M·N·K`.
@@ -126,11 +172,14 @@ fn check(what: &str, r: Result<(), lt::CublasError>) {
 }
 
 impl Plan {
-    pub(crate) fn new(handle: sys::cublasLtHandle_t, key: &PlanKey) -> Plan {
-        let input = match key.precision {
-            GemmPrecision::Fp32 => sys::cudaDataType_t::CUDA_R_32F,
-            GemmPrecision::Bf16 => sys::cudaDataType_t::CUDA_R_16BF,
-        };
+    /// The plan of `key`'s problem. A decoding pass's GEMM takes its problem's batch-invariant
+    /// kernel ([`gemm_invariant::pick`], which may time candidates on `queue`); any other
+    /// takes cuBLASLt's heuristic candidates.
+    ///
+    /// # Safety
+    /// `queue` as [`Queue`] says.
+    pub(crate) unsafe fn new(handle: sys::cublasLtHandle_t, key: &PlanKey, queue: Queue) -> Plan {
+        let input = key.input_type();
         let f32t = sys::cudaDataType_t::CUDA_R_32F;
         let layout = |t, o: &Operand| {
             lt::create_matrix_layout(t, o.rows, o.cols, o.ld)
@@ -162,12 +211,7 @@ impl Plan {
         }
         let a = layout(input, &key.a);
         let b = layout(input, &key.b);
-        let out = if key.out_bf16 {
-            sys::cudaDataType_t::CUDA_R_16BF
-        } else {
-            f32t
-        };
-        let d = lt::create_matrix_layout(out, key.n, key.m, key.n as i64)
+        let d = lt::create_matrix_layout(key.output_type(), key.n, key.m, key.n as i64)
             .unwrap_or_else(|e| panic!("cuBLASLt output layout: {e:?}"));
         let c = key.c_ld.map(|ld| {
             lt::create_matrix_layout(f32t, key.n, key.m, ld as i64)
@@ -176,14 +220,12 @@ impl Plan {
         let pref =
             lt::create_matmul_pref().unwrap_or_else(|e| panic!("cuBLASLt preference: {e:?}"));
         let ws = WORKSPACE_BYTES as u64;
-        let reference = match key.rows {
-            GemmRows::DecodeFrames => Some(INVARIANT_ROWS),
-            GemmRows::DecodeTokens => Some(INVARIANT_TOKEN_ROWS),
-            GemmRows::Other => None,
-        };
-        let invariant = batch_invariant() && !key.tuned() && reference.is_some();
-        // SAFETY: live handles and descriptors; the preference values outlive the calls.
-        let heuristic = unsafe {
+        let reference = gemm_invariant::reference_rows(key.rows)
+            .filter(|_| gemm_invariant::batch_invariant() && !key.tuned());
+        let layouts = [a, b, c.unwrap_or(d), d];
+        // SAFETY: live handles and descriptors; the preference values outlive the calls; the
+        // stream and workspace as the caller's.
+        let candidates = unsafe {
             check(
                 "workspace preference",
                 lt::set_matmul_pref_attribute(
@@ -193,55 +235,43 @@ impl Plan {
                     std::mem::size_of_val(&ws),
                 ),
             );
-            let found = if invariant {
-                // The kernel the heuristic picks for the largest decoding pass, split-K count
-                // included, used at every row count it runs at, and no in-place split-K
-                // reduction (atomic adds, in whatever order they land): a row's dot products
-                // are then summed in one order whatever the cohort.
-                let none = sys::cublasLtReductionScheme_t::CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE
-                    as u32
-                    | sys::cublasLtReductionScheme_t::CUBLASLT_REDUCTION_SCHEME_OUTPUT_TYPE as u32;
-                check(
-                    "reduction-scheme preference",
-                    lt::set_matmul_pref_attribute(
-                        pref,
-                        sys::cublasLtMatmulPreferenceAttributes_t::CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK,
-                        &none as *const _ as *const c_void,
-                        std::mem::size_of_val(&none),
-                    ),
-                );
-                let rows = key.m.max(reference.unwrap_or(INVARIANT_ROWS));
-                // The reference problem's candidates are the same for every row count up to
-                // it: asked once per thread, so a new cohort size costs no heuristic query.
-                let found = REFERENCE.with_borrow_mut(|memo| {
-                    memo.entry(reference_key(key, rows))
-                        .or_insert_with(|| {
-                            let (rb, rd, rc) = reference_layouts(key, input, out, rows);
-                            let found =
-                                heuristic(handle, desc, [a, rb, rc.unwrap_or(rd), rd], pref);
-                            let _ = lt::destroy_matrix_layout(rb);
-                            let _ = lt::destroy_matrix_layout(rd);
-                            if let Some(rc) = rc {
-                                let _ = lt::destroy_matrix_layout(rc);
-                            }
-                            found
-                        })
-                        .clone()
-                });
-                let valid: Vec<_> = found
-                    .into_iter()
-                    .filter(|h| algo_fits(handle, desc, [a, b, c.unwrap_or(d), d], &h.algo))
-                    .collect();
-                if valid.is_empty() {
-                    eprintln!(
-                        "warning: no batch-invariant GEMM kernel fits {key:?}; its results may vary with the cohort"
+            let found = match reference {
+                Some(rows) => {
+                    // No in-place split-K reduction (atomic adds, in whatever order they land):
+                    // a row's dot products are then summed in one order whatever the cohort.
+                    let none =
+                        sys::cublasLtReductionScheme_t::CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE
+                            as u32
+                            | sys::cublasLtReductionScheme_t::CUBLASLT_REDUCTION_SCHEME_OUTPUT_TYPE
+                                as u32;
+                    check(
+                        "reduction-scheme preference",
+                        lt::set_matmul_pref_attribute(
+                            pref,
+                            sys::cublasLtMatmulPreferenceAttributes_t::CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK,
+                            &none as *const _ as *const c_void,
+                            std::mem::size_of_val(&none),
+                        ),
                     );
-                    heuristic(handle, desc, [a, b, c.unwrap_or(d), d], pref)
-                } else {
-                    valid
+                    let pick =
+                        gemm_invariant::pick(handle, desc, a, pref, key, key.m.max(rows), queue);
+                    match pick.filter(|algo| algo_fits(handle, desc, layouts, algo)) {
+                        Some(algo) => vec![algo],
+                        None => {
+                            eprintln!(
+                                "warning: no batch-invariant GEMM kernel fits {key:?}; its results may vary with the cohort"
+                            );
+                            heuristic(handle, desc, layouts, pref)
+                                .into_iter()
+                                .map(|h| h.algo)
+                                .collect()
+                        }
+                    }
                 }
-            } else {
-                heuristic(handle, desc, [a, b, c.unwrap_or(d), d], pref)
+                None => heuristic(handle, desc, layouts, pref)
+                    .into_iter()
+                    .map(|h| h.algo)
+                    .collect(),
             };
             let _ = lt::destroy_matmul_pref(pref);
             if found.is_empty() {
@@ -255,8 +285,8 @@ impl Plan {
             b,
             d,
             c,
-            algo: heuristic[0].algo,
-            candidates: heuristic.into_iter().map(|h| h.algo).collect(),
+            algo: candidates[0],
+            candidates,
             tuned: false,
         }
     }
@@ -316,45 +346,20 @@ impl Plan {
         workspace_ptr: u64,
         stream: cudarc::driver::sys::CUstream,
     ) -> Result<(), KernelError> {
-        use cudarc::driver::result::event;
         self.tuned = true;
-        let flags = cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT;
-        let err = |e: cudarc::driver::DriverError| KernelError::device("gemm tuning", e);
-        let (start, end) = (
-            event::create(flags).map_err(err)?,
-            event::create(flags).map_err(err)?,
-        );
         let mut times = Vec::new();
-        // SAFETY: the events are live until destroyed below; the matmuls as the caller's.
-        let r = (|| unsafe {
-            for (i, algo) in self.candidates.iter().enumerate() {
-                // One untimed call (cuBLASLt's first use of a kernel loads it), then the timed ones.
-                if self
-                    .matmul(handle, algo, ptrs, workspace_ptr, stream)
-                    .is_err()
-                {
-                    continue;
-                }
-                event::record(start, stream).map_err(err)?;
-                for _ in 0..TUNE_REPS {
+        for (i, algo) in self.candidates.iter().enumerate() {
+            // SAFETY: the matmuls as the caller's, on `stream`.
+            let t = unsafe {
+                time_calls(stream, TUNE_REPS, || {
                     self.matmul(handle, algo, ptrs, workspace_ptr, stream)
-                        .map_err(|e| KernelError::device("gemm tuning", e))?;
-                }
-                event::record(end, stream).map_err(err)?;
-                event::synchronize(end).map_err(err)?;
-                times.push((
-                    i,
-                    event::elapsed(start, end).map_err(err)? / TUNE_REPS as f32,
-                ));
+                })
             }
-            Ok::<(), KernelError>(())
-        })();
-        // SAFETY: created above, destroyed once; the stream has passed both.
-        unsafe {
-            let _ = event::destroy(start);
-            let _ = event::destroy(end);
+            .map_err(|e| KernelError::device("gemm tuning", e))?;
+            if let Some(t) = t {
+                times.push((i, t));
+            }
         }
-        r?;
         // The heuristic's first pick stays unless another is clearly faster (timing noise is
         // a percent or so).
         let first = times.iter().find(|t| t.0 == 0).map(|t| t.1);
@@ -367,11 +372,49 @@ impl Plan {
     }
 }
 
+/// Milliseconds per call of `call`, which enqueues one GEMM on `stream`: one untimed call first
+/// (cuBLASLt's first use of a kernel loads it), then `reps` between two events. `None` where a
+/// call fails (a candidate that does not run).
+///
+/// # Safety
+/// `stream` is a live stream of the current context, not being captured.
+pub(crate) unsafe fn time_calls(
+    stream: cudarc::driver::sys::CUstream,
+    reps: usize,
+    mut call: impl FnMut() -> Result<(), lt::CublasError>,
+) -> Result<Option<f32>, cudarc::driver::DriverError> {
+    use cudarc::driver::result::event;
+    let flags = cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT;
+    let (start, end) = (event::create(flags)?, event::create(flags)?);
+    // SAFETY: the events are live until destroyed below; the stream as the caller's.
+    let r = (|| unsafe {
+        if call().is_err() {
+            return Ok(None);
+        }
+        event::record(start, stream)?;
+        for _ in 0..reps {
+            if call().is_err() {
+                cudarc::driver::result::stream::synchronize(stream)?;
+                return Ok(None);
+            }
+        }
+        event::record(end, stream)?;
+        event::synchronize(end)?;
+        Ok(Some(event::elapsed(start, end)? / reps as f32))
+    })();
+    // SAFETY: created above, destroyed once; the stream has passed both or was drained.
+    unsafe {
+        let _ = event::destroy(start);
+        let _ = event::destroy(end);
+    }
+    r
+}
+
 /// The heuristic's candidates (best first) for the problem of `[a, b, c, d]`; empty if none.
 ///
 /// # Safety
 /// Live handle, descriptor, layouts and preference.
-unsafe fn heuristic(
+pub(crate) unsafe fn heuristic(
     handle: sys::cublasLtHandle_t,
     desc: sys::cublasLtMatmulDesc_t,
     [a, b, c, d]: [sys::cublasLtMatrixLayout_t; 4],
@@ -406,7 +449,7 @@ unsafe fn heuristic(
 ///
 /// # Safety
 /// Live handle, descriptor and layouts.
-unsafe fn algo_fits(
+pub(crate) unsafe fn algo_fits(
     handle: sys::cublasLtHandle_t,
     desc: sys::cublasLtMatmulDesc_t,
     [a, b, c, d]: [sys::cublasLtMatrixLayout_t; 4],
@@ -419,75 +462,6 @@ unsafe fn algo_fits(
             == sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS
             && result.workspaceSize <= WORKSPACE_BYTES
     }
-}
-
-std::thread_local! {
-    /// The heuristic's candidates for each batch-invariant reference problem
-    /// ([`reference_key`]), asked once per thread.
-    static REFERENCE: std::cell::RefCell<
-        std::collections::HashMap<PlanKey, Vec<sys::cublasLtMatmulHeuristicResult_t>>,
-    > = Default::default();
-}
-
-/// `key`'s problem at `rows` rows, as [`reference_layouts`] lays it out.
-fn reference_key(key: &PlanKey, rows: u64) -> PlanKey {
-    let o = key.b;
-    let b = if o.trans {
-        Operand {
-            rows,
-            ld: o.ld.max(rows as i64),
-            ..o
-        }
-    } else {
-        Operand { cols: rows, ..o }
-    };
-    PlanKey { m: rows, b, ..*key }
-}
-
-/// The layouts of `B`, `D` (and `C`) of `key`'s problem at `rows` rows (`A`, the weight, does
-/// not depend on them).
-fn reference_layouts(
-    key: &PlanKey,
-    input: sys::cudaDataType_t,
-    out: sys::cudaDataType_t,
-    rows: u64,
-) -> (
-    sys::cublasLtMatrixLayout_t,
-    sys::cublasLtMatrixLayout_t,
-    Option<sys::cublasLtMatrixLayout_t>,
-) {
-    let make = |t, r: u64, c: u64, ld: i64| {
-        lt::create_matrix_layout(t, r, c, ld)
-            .unwrap_or_else(|e| panic!("cuBLASLt reference layout: {e:?}"))
-    };
-    let o = key.b;
-    // `B` is `K × M` after its op: M is its column count as stored, or its row count when
-    // it is used transposed.
-    let b = if o.trans {
-        make(input, rows, o.cols, o.ld.max(rows as i64))
-    } else {
-        make(input, o.rows, rows, o.ld)
-    };
-    let f32t = sys::cudaDataType_t::CUDA_R_32F;
-    let d = make(out, key.n, rows, key.n as i64);
-    let c = key.c_ld.map(|ld| make(f32t, key.n, rows, ld as i64));
-    (b, d, c)
-}
-
-/// The row count whose kernel a decoding pass's GEMM over frames uses at every row count up
-/// to it: the largest decoding pass, 256 sessions × K = 16 frames ([`GemmRows::DecodeFrames`]).
-const INVARIANT_ROWS: u64 = 4096;
-
-/// The same for a decoding pass's GEMMs over tokens ([`GemmRows::DecodeTokens`]): at most
-/// 4,096 / K = 256 rows. A 4,096-row kernel at one row cost a session 0.9 ms a token.
-const INVARIANT_TOKEN_ROWS: u64 = 256;
-
-/// Whether a decoding pass's GEMMs are batch-invariant (no in-place split-K, one kernel and
-/// split count for every row count up to [`INVARIANT_ROWS`] over frames, [`INVARIANT_TOKEN_ROWS`] over tokens): read once from `NSACTOR_BATCH_INVARIANT` (`on`, the default;
-/// `off`: the heuristic's pick per row count, faster at some cohort sizes).
-pub fn batch_invariant() -> bool {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| std::env::var("NSACTOR_BATCH_INVARIANT").as_deref() != Ok("off"))
 }
 
 /// How many of cuBLASLt's heuristic candidates [`Plan::tune`] times.
@@ -517,6 +491,7 @@ pub fn tuning() -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::options::GemmRows;
 
     #[test]
     fn row_major_and_transposed_views_map_to_column_major_operands() {

@@ -24,6 +24,7 @@ pub mod decode;
 pub mod device;
 pub mod ffn;
 pub mod gemm;
+mod gemm_invariant;
 mod gemm_plan;
 pub mod graph;
 pub mod naive;

@@ -180,6 +180,7 @@ pub(crate) unsafe fn pick(
         return Some(*algo);
     }
     let sizes = probe_rows(reference);
+    let started = std::time::Instant::now();
     let layouts = sizes.map(|r| Layouts::new(key, r));
     // SAFETY: upheld by the caller; the layouts are live until dropped at the end.
     let chosen = unsafe {
@@ -222,7 +223,9 @@ pub(crate) unsafe fn pick(
                 workspace_ptr,
                 stream,
             ) {
-                Ok(times) => choose(key, sizes, &candidates, &times, &first).unwrap_or(first),
+                Ok(times) => {
+                    choose(key, sizes, &candidates, &times, &first, started).unwrap_or(first)
+                }
                 Err(e) => {
                     eprintln!(
                         "nsactor: batch-invariant GEMM {key:?}: timing failed ({e}); taking the heuristic's pick"
@@ -316,7 +319,7 @@ unsafe fn time_candidates(
 }
 
 /// Timed calls per candidate and size.
-const PROBE_REPS: usize = 10;
+const PROBE_REPS: usize = 5;
 
 /// The index of the candidate with the smallest sum over sizes of its ratio to the fastest
 /// candidate at the size (ties: the faster at the reference, the last size); candidates that
@@ -347,6 +350,7 @@ fn choose(
     candidates: &[sys::cublasLtMatmulAlgo_t],
     times: &Times,
     first: &sys::cublasLtMatmulAlgo_t,
+    started: std::time::Instant,
 ) -> Option<sys::cublasLtMatmulAlgo_t> {
     let chosen = best_candidate(times)?;
     let trace = std::env::var_os("NSACTOR_GEMM_TRACE").is_some_and(|v| v != "0");
@@ -361,10 +365,11 @@ fn choose(
             )
         };
         eprintln!(
-            "nsactor: batch-invariant GEMM n={} k={} ({} candidates): at {:?} rows {} (heuristic's reference pick: {})",
+            "nsactor: batch-invariant GEMM n={} k={} ({} candidates timed in {} ms): at {:?} rows {} (heuristic's reference pick: {})",
             key.n,
             key.k(),
             candidates.len(),
+            started.elapsed().as_millis(),
             sizes,
             show(chosen),
             first_at.map_or("not timed".into(), show),

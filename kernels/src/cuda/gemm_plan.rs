@@ -226,14 +226,11 @@ impl Plan {
         // SAFETY: live handles and descriptors; the preference values outlive the calls; the
         // stream and workspace as the caller's.
         let candidates = unsafe {
-            check(
+            set_pref(
+                pref,
+                sys::cublasLtMatmulPreferenceAttributes_t::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+                &ws,
                 "workspace preference",
-                lt::set_matmul_pref_attribute(
-                    pref,
-                    sys::cublasLtMatmulPreferenceAttributes_t::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
-                    &ws as *const _ as *const c_void,
-                    std::mem::size_of_val(&ws),
-                ),
             );
             let found = match reference {
                 Some(rows) => {
@@ -244,14 +241,11 @@ impl Plan {
                             as u32
                             | sys::cublasLtReductionScheme_t::CUBLASLT_REDUCTION_SCHEME_OUTPUT_TYPE
                                 as u32;
-                    check(
+                    set_pref(
+                        pref,
+                        sys::cublasLtMatmulPreferenceAttributes_t::CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK,
+                        &none,
                         "reduction-scheme preference",
-                        lt::set_matmul_pref_attribute(
-                            pref,
-                            sys::cublasLtMatmulPreferenceAttributes_t::CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK,
-                            &none as *const _ as *const c_void,
-                            std::mem::size_of_val(&none),
-                        ),
                     );
                     let pick =
                         gemm_invariant::pick(handle, desc, a, pref, key, key.m.max(rows), queue);
@@ -370,6 +364,27 @@ impl Plan {
         }
         Ok(())
     }
+}
+
+/// Sets one attribute of a matmul preference to `value` (panics with `what` if refused).
+///
+/// # Safety
+/// `pref` is a live preference and `T` the attribute's type.
+unsafe fn set_pref<T>(
+    pref: sys::cublasLtMatmulPreference_t,
+    attr: sys::cublasLtMatmulPreferenceAttributes_t,
+    value: &T,
+    what: &str,
+) {
+    // SAFETY: upheld by the caller; `value` outlives the call and has the size passed.
+    check(what, unsafe {
+        lt::set_matmul_pref_attribute(
+            pref,
+            attr,
+            value as *const T as *const c_void,
+            std::mem::size_of_val(value),
+        )
+    });
 }
 
 /// Milliseconds per call of `call`, which enqueues one GEMM on `stream`: one untimed call first

@@ -17,6 +17,13 @@ pub fn cubecl_dir(dir: &Path) -> PathBuf {
     dir.join("cubecl")
 }
 
+/// The directory [`set_dir`] was given in this process (other caches of ours live under it).
+pub(crate) fn dir() -> Option<&'static Path> {
+    DIR.get().map(PathBuf::as_path)
+}
+
+static DIR: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
+
 /// Points CubeCL's kernel and autotune caches at `dir` (created if missing), keeping the rest
 /// of its configuration (`cubecl.toml`, `CUBECL_*`). Fails if `dir` cannot be created, or if
 /// CubeCL was configured already in this process with other caches.
@@ -33,6 +40,7 @@ pub fn set_dir(dir: &Path) -> Result<(), KernelError> {
         let now = CubeClRuntimeConfig::get();
         let same = |c: &CacheConfig| matches!(c, CacheConfig::File(p) if *p == root);
         if now.compilation.cache.as_ref().is_some_and(same) && same(&now.autotune.cache) {
+            let _ = DIR.set(dir.to_path_buf());
             return Ok(());
         }
         return Err(KernelError::Misuse(format!(
@@ -44,5 +52,6 @@ pub fn set_dir(dir: &Path) -> Result<(), KernelError> {
     config.compilation.cache = Some(wanted.clone());
     config.autotune.cache = wanted;
     CubeClRuntimeConfig::set(config);
+    let _ = DIR.set(dir.to_path_buf());
     Ok(())
 }

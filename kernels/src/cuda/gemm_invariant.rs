@@ -14,13 +14,16 @@
 //! heuristic's reference pick alone is built for 4,096 rows and runs a single session's few
 //! rows on a handful of multiprocessors; a split-K kernel built for one session's rows is as
 //! slow the other way. `NSACTOR_BATCH_INVARIANT=first` keeps the reference pick (the rule before
-//! timing); `NSACTOR_GEMM_TRACE=1` prints every candidate's times.
+//! timing); `NSACTOR_GEMM_TRACE=1` prints every candidate's times. A pick is kept with the
+//! kernel caches ([`gemm_store`]): a restart, or another process on the host, takes it instead of
+//! timing again, so a request gets the same logits after a restart too.
 //!
 //! Timing needs the thread's stream free of a graph capture: a problem first seen while its
 //! stream is captured takes the reference pick without timing (the decoding graphs are captured
 //! only after the same work ran once uncaptured, so this does not happen in `serve`).
 
 use crate::cuda::gemm_plan::{Operand, PlanKey, Queue, WORKSPACE_BYTES, algo_fits, heuristic};
+use crate::cuda::gemm_store;
 use crate::options::GemmRows;
 use cudarc::cublaslt::{result as lt, sys};
 use cudarc::driver::result as drv;
@@ -197,8 +200,20 @@ pub(crate) unsafe fn pick(
             drv::stream::is_capturing(stream),
             Ok(cudarc::driver::sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE)
         );
+        let stored_as = store_key(&rkey);
+        let stored = stored_as
+            .as_deref()
+            .and_then(gemm_store::lookup)
+            .map(|data| sys::cublasLtMatmulAlgo_t { data })
+            .filter(|algo| {
+                layouts
+                    .iter()
+                    .all(|l| algo_fits(handle, desc, l.with_a(a), algo))
+            });
         if invariance() == Invariance::First || capturing {
             first
+        } else if let Some(algo) = stored {
+            algo
         } else {
             let mut candidates: Vec<sys::cublasLtMatmulAlgo_t> = Vec::new();
             for l in &layouts {
@@ -212,7 +227,7 @@ pub(crate) unsafe fn pick(
                     }
                 }
             }
-            match time_candidates(
+            let timed = time_candidates(
                 handle,
                 desc,
                 a,
@@ -222,10 +237,17 @@ pub(crate) unsafe fn pick(
                 &candidates,
                 workspace_ptr,
                 stream,
-            ) {
-                Ok(times) => {
-                    choose(key, sizes, &candidates, &times, &first, started).unwrap_or(first)
-                }
+            );
+            match timed {
+                Ok(times) => match choose(key, sizes, &candidates, &times, &first, started) {
+                    Some(algo) => {
+                        if let Some(k) = &stored_as {
+                            gemm_store::record(k, algo.data);
+                        }
+                        algo
+                    }
+                    None => first,
+                },
                 Err(e) => {
                     eprintln!(
                         "nsactor: batch-invariant GEMM {key:?}: timing failed ({e}); taking the heuristic's pick"
@@ -237,6 +259,21 @@ pub(crate) unsafe fn pick(
     };
     picks.get_or_insert_with(HashMap::new).insert(rkey, chosen);
     Some(chosen)
+}
+
+/// The stored picks' key of the reference problem `rkey`: the device's name and cuBLASLt's
+/// version (a stored algorithm is valid for that library only), then the problem without the
+/// device's ordinal (which may name another GPU in another process). `None` if the device's
+/// name cannot be read.
+fn store_key(rkey: &PlanKey) -> Option<String> {
+    let device = drv::device::get(rkey.device as i32).ok()?;
+    let name = drv::device::get_name(device).ok()?;
+    // SAFETY: a query of the loaded library's version, no arguments.
+    let version = unsafe { sys::cublasLtGetVersion() };
+    Some(format!(
+        "{name} cublasLt {version} {:?}",
+        PlanKey { device: 0, ..*rkey }
+    ))
 }
 
 fn same(x: &sys::cublasLtMatmulAlgo_t, y: &sys::cublasLtMatmulAlgo_t) -> bool {

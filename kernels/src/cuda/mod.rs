@@ -26,6 +26,7 @@ pub mod ffn;
 pub mod gemm;
 mod gemm_invariant;
 mod gemm_plan;
+mod gemm_store;
 pub mod graph;
 pub mod naive;
 pub mod nccl;

@@ -7,8 +7,9 @@
 //! algorithm's eight 64-bit words in hex. cuBLASLt's algorithm structures may be stored and
 //! reused with the same library version; the key holds the version, and a stored pick is used
 //! only where cuBLASLt confirms it still runs the problem at every probe size. A line that does
-//! not parse is skipped with a warning (the problem is timed again); the file is rewritten
-//! whole (to a temporary file, then renamed) after each new pick. Without a cache directory
+//! not parse is dropped with a warning (the file is rewritten without it, and its problem is
+//! timed again); the file is rewritten whole (to a temporary file, then renamed) after each new
+//! pick. Without a cache directory
 //! (`[backend] cache_dir` unset) the picks live in memory only.
 
 use std::collections::HashMap;
@@ -83,9 +84,15 @@ fn load(path: &Path) -> HashMap<String, Words> {
     let (picks, bad) = parse(&text);
     if bad > 0 {
         eprintln!(
-            "nsactor: warning: {bad} line(s) of {} do not parse and were skipped; those problems are timed again",
+            "nsactor: warning: {bad} line(s) of {} do not parse and were dropped; those problems are timed again",
             path.display()
         );
+        if let Err(e) = save(path, &picks) {
+            eprintln!(
+                "nsactor: warning: {} cannot be rewritten without them: {e}",
+                path.display()
+            );
+        }
     }
     picks
 }
@@ -188,6 +195,11 @@ mod tests {
         assert_eq!(load(&path), picks);
         std::fs::write(&path, "a\t9 9 9 9 9 9 9 9\ngarbage\n").unwrap();
         assert_eq!(load(&path), picks);
+        // The corrupt line is gone from the file once read.
+        assert_eq!(
+            std::fs::read_to_string(&path).unwrap(),
+            "a\t9 9 9 9 9 9 9 9\n"
+        );
         // A missing file is an empty store, not an error.
         assert!(load(&dir.join("missing.tsv")).is_empty());
         std::fs::remove_dir_all(&dir).unwrap();

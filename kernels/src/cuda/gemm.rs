@@ -32,7 +32,10 @@
 //! of cuBLASLt's first sixteen heuristic candidates is timed on the real operands and the fastest
 //! kept if it beats the first pick by 2 % (`NSACTOR_GEMM_TUNE=off` keeps the first pick). The
 //! pick can differ between runs, so two runs' results may differ in their last bits; within a
-//! run it is fixed. Decoding steps are not tuned.
+//! run it is fixed. Decoding steps are not tuned: each decoding problem takes one
+//! batch-invariant kernel, chosen on the first plan of the problem in the process (stored with
+//! the kernel caches, else timed there: that plan's creation blocks for the timing, about 0.1–0.4
+//! s, during the server's warm-up; `gemm_invariant`).
 
 use crate::KernelError;
 use crate::cuda::device::make_current;

@@ -11,16 +11,19 @@
 //! row counts (the passes of 1, 4, 16, 64 and 256 sessions), kept where they run at all five.
 //! Each is timed on scratch operands at the five sizes; the one with the smallest sum of its
 //! ratios to the fastest candidate at each size wins (ties: the faster at the reference). The
-//! heuristic's reference pick alone is built for 4,096 rows and runs a single session's few
-//! rows on a handful of multiprocessors; a split-K kernel built for one session's rows is as
-//! slow the other way. `NSACTOR_BATCH_INVARIANT=first` keeps the reference pick (the rule before
-//! timing); `NSACTOR_GEMM_TRACE=1` prints every candidate's times. A pick is kept with the
-//! kernel caches ([`gemm_store`]): a restart, or another process on the host, takes it instead of
-//! timing again, so a request gets the same logits after a restart too.
+//! heuristic's reference pick alone is built for the largest pass (4,096 frame rows, 256 token
+//! rows) and runs a single session's few rows on a handful of multiprocessors; a split-K kernel
+//! built for one session's rows is as slow the other way. `NSACTOR_BATCH_INVARIANT=first` keeps
+//! the reference pick; `NSACTOR_GEMM_TRACE=1` prints every candidate's times. A timed pick is
+//! kept with the kernel caches ([`gemm_store`]): a restart, or a process started later on the
+//! host, takes it instead of timing again, so a request gets the same logits after a restart.
 //!
-//! Timing needs the thread's stream free of a graph capture: a problem first seen while its
-//! stream is captured takes the reference pick without timing (the decoding graphs are captured
-//! only after the same work ran once uncaptured, so this does not happen in `serve`).
+//! A problem whose pass is larger than the reference (a model with K < 16 frames has more token
+//! rows) runs the same pick where it fits, else the heuristic's own, with a warning: it is not
+//! invariant there. Timing needs the thread's stream free of a graph capture: a problem first
+//! seen while its stream is captured takes its stored pick, else the reference pick, untimed
+//! (the decoding graphs are captured only after the same work ran once uncaptured, so this does
+//! not happen in `serve`).
 
 use crate::cuda::gemm_plan::{Operand, PlanKey, Queue, WORKSPACE_BYTES, algo_fits, heuristic};
 use crate::cuda::gemm_store;
@@ -85,7 +88,8 @@ pub(crate) fn reference_rows(rows: GemmRows) -> Option<u64> {
 /// How many row counts a candidate is timed at.
 const PROBES: usize = 5;
 
-/// The row counts a candidate is timed at: one session's, 4, 16, 64 and 256 sessions'.
+/// The row counts a candidate is timed at: the reference divided by 256, 64, 16 and 4, and the
+/// reference (at K = 16 frames, the passes of 1, 4, 16, 64 and 256 sessions).
 fn probe_rows(reference: u64) -> [u64; PROBES] {
     [256, 64, 16, 4, 1].map(|d| (reference / d).max(1))
 }
@@ -187,42 +191,36 @@ pub(crate) unsafe fn pick(
     let layouts = sizes.map(|r| Layouts::new(key, r));
     // SAFETY: upheld by the caller; the layouts are live until dropped at the end.
     let chosen = unsafe {
-        let reference_layouts = layouts[PROBES - 1].with_a(a);
-        let first = heuristic(handle, desc, reference_layouts, pref)
+        let fits = |algo: &sys::cublasLtMatmulAlgo_t| {
+            layouts
+                .iter()
+                .all(|l| algo_fits(handle, desc, l.with_a(a), algo))
+        };
+        let first = heuristic(handle, desc, layouts[PROBES - 1].with_a(a), pref)
             .into_iter()
             .map(|h| h.algo)
-            .find(|algo| {
-                layouts
-                    .iter()
-                    .all(|l| algo_fits(handle, desc, l.with_a(a), algo))
-            })?;
-        let capturing = !matches!(
-            drv::stream::is_capturing(stream),
-            Ok(cudarc::driver::sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE)
-        );
+            .find(|algo| fits(algo));
         let stored_as = store_key(&rkey);
         let stored = stored_as
             .as_deref()
             .and_then(gemm_store::lookup)
             .map(|data| sys::cublasLtMatmulAlgo_t { data })
-            .filter(|algo| {
-                layouts
-                    .iter()
-                    .all(|l| algo_fits(handle, desc, l.with_a(a), algo))
-            });
-        if invariance() == Invariance::First || capturing {
-            first
+            .filter(|algo| not_in_place(algo) && fits(algo));
+        let capturing = !matches!(
+            drv::stream::is_capturing(stream),
+            Ok(cudarc::driver::sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE)
+        );
+        if invariance() == Invariance::First {
+            first?
         } else if let Some(algo) = stored {
             algo
+        } else if capturing {
+            first?
         } else {
             let mut candidates: Vec<sys::cublasLtMatmulAlgo_t> = Vec::new();
             for l in &layouts {
                 for h in heuristic(handle, desc, l.with_a(a), pref) {
-                    if !candidates.iter().any(|c| same(c, &h.algo))
-                        && layouts
-                            .iter()
-                            .all(|l| algo_fits(handle, desc, l.with_a(a), &h.algo))
-                    {
+                    if !candidates.iter().any(|c| same(c, &h.algo)) && fits(&h.algo) {
                         candidates.push(h.algo);
                     }
                 }
@@ -239,20 +237,22 @@ pub(crate) unsafe fn pick(
                 stream,
             );
             match timed {
-                Ok(times) => match choose(key, sizes, &candidates, &times, &first, started) {
-                    Some(algo) => {
-                        if let Some(k) = &stored_as {
-                            gemm_store::record(k, algo.data);
+                Ok(times) => {
+                    match choose(key, sizes, &candidates, &times, first.as_ref(), started) {
+                        Some(algo) => {
+                            if let Some(k) = &stored_as {
+                                gemm_store::record(k, algo.data);
+                            }
+                            algo
                         }
-                        algo
+                        None => first?,
                     }
-                    None => first,
-                },
+                }
                 Err(e) => {
                     eprintln!(
                         "nsactor: batch-invariant GEMM {key:?}: timing failed ({e}); taking the heuristic's pick"
                     );
-                    first
+                    first?
                 }
             }
         }
@@ -271,9 +271,29 @@ fn store_key(rkey: &PlanKey) -> Option<String> {
     // SAFETY: a query of the loaded library's version, no arguments.
     let version = unsafe { sys::cublasLtGetVersion() };
     Some(format!(
-        "{name} cublasLt {version} {:?}",
+        "v1 {name} cublasLt {version} {:?}",
         PlanKey { device: 0, ..*rkey }
     ))
+}
+
+/// Whether `algo` reduces its split-K partial sums other than in place (atomic adds in
+/// whatever order they land would make a row's sum depend on timing): checked on stored
+/// picks, which come from a file.
+fn not_in_place(algo: &sys::cublasLtMatmulAlgo_t) -> bool {
+    let mut scheme = 0u32;
+    let mut written = 0usize;
+    // SAFETY: reads one 32-bit attribute of a plain algorithm structure into `scheme`.
+    let status = unsafe {
+        sys::cublasLtMatmulAlgoConfigGetAttribute(
+            algo,
+            sys::cublasLtMatmulAlgoConfigAttributes_t::CUBLASLT_ALGO_CONFIG_REDUCTION_SCHEME,
+            &mut scheme as *mut u32 as *mut c_void,
+            std::mem::size_of_val(&scheme),
+            &mut written,
+        )
+    };
+    status == sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS
+        && scheme != sys::cublasLtReductionScheme_t::CUBLASLT_REDUCTION_SCHEME_INPLACE as u32
 }
 
 fn same(x: &sys::cublasLtMatmulAlgo_t, y: &sys::cublasLtMatmulAlgo_t) -> bool {
@@ -386,12 +406,12 @@ fn choose(
     sizes: [u64; PROBES],
     candidates: &[sys::cublasLtMatmulAlgo_t],
     times: &Times,
-    first: &sys::cublasLtMatmulAlgo_t,
+    first: Option<&sys::cublasLtMatmulAlgo_t>,
     started: std::time::Instant,
 ) -> Option<sys::cublasLtMatmulAlgo_t> {
     let chosen = best_candidate(times)?;
     let trace = std::env::var_os("NSACTOR_GEMM_TRACE").is_some_and(|v| v != "0");
-    let first_at = candidates.iter().position(|c| same(c, first));
+    let first_at = first.and_then(|f| candidates.iter().position(|c| same(c, f)));
     if trace || first_at != Some(chosen) {
         let show = |i: usize| {
             let t = &times[i];
@@ -456,8 +476,10 @@ impl Drop for Scratch {
     fn drop(&mut self) {
         for p in self.ptr {
             if p != 0 {
-                // SAFETY: allocated by `Scratch::new`, freed once; `cuMemFree` waits for the
-                // work that uses it.
+                // SAFETY: allocated by `Scratch::new`, freed once, after `time_calls` waited for
+                // the calls that used it (on its error paths the stream may still hold some:
+                // `cuMemFree` of device memory synchronises the device in practice, which is not
+                // a documented guarantee).
                 let _ = unsafe { drv::free_sync(p) };
             }
         }

@@ -128,8 +128,9 @@ impl PlanKey {
 
     /// Whether [`Plan::tune`] times this problem's candidates: a large product over a long
     /// token axis (`M` for `x·Wᵀ` and `∂x`, `K` for `∂W`): every projection of a training
-    /// micro-batch. Decoding steps (at most 4,096 rows) keep the heuristic's pick, so a new
-    /// cohort size never waits for tuning.
+    /// micro-batch. Decoding steps (at most 4,096 rows) are not: they take their problem's
+    /// batch-invariant pick, timed once per problem ([`gemm_invariant`]), so a new cohort size
+    /// never waits for tuning.
     pub(crate) fn tuned(&self) -> bool {
         self.macs() >= TUNE_MIN_MACS && self.m.max(self.k()) >= TUNE_MIN_ROWS
     }
@@ -144,7 +145,8 @@ pub(crate) struct Plan {
     /// `C`'s layout where the key adds one.
     c: Option<sys::cublasLtMatrixLayout_t>,
     pub(crate) algo: sys::cublasLtMatmulAlgo_t,
-    /// The heuristic's candidates, best guess first.
+    /// The heuristic's candidates, best guess first; for a decoding pass's GEMM, its
+    /// batch-invariant pick alone.
     pub(crate) candidates: Vec<sys::cublasLtMatmulAlgo_t>,
     /// Whether [`Plan::tune`] has run (or was not wanted).
     pub(crate) tuned: bool,
@@ -247,8 +249,7 @@ impl Plan {
                         &none,
                         "reduction-scheme preference",
                     );
-                    let pick =
-                        gemm_invariant::pick(handle, desc, a, pref, key, key.m.max(rows), queue);
+                    let pick = gemm_invariant::pick(handle, desc, a, pref, key, rows, queue);
                     match pick.filter(|algo| algo_fits(handle, desc, layouts, algo)) {
                         Some(algo) => vec![algo],
                         None => {

@@ -1,16 +1,18 @@
 //! The batch-invariant decoding GEMMs' picks ([`crate::cuda::gemm_invariant`]) kept on disk
-//! beside the kernel caches, `<cache dir>/gemm/invariant-picks.tsv`: a restart takes them
-//! instead of timing again, and every process on the host gets the same kernel for a problem,
-//! so the same request gives the same logits after a restart or in another replica.
+//! beside the kernel caches, `<cache dir>/gemm/invariant-picks.tsv`: a restart, or a process
+//! started later on the host, takes them instead of timing again, so the same request gives the
+//! same logits after a restart or in a later replica. (Two processes that time the same problem
+//! at once may keep different picks; the one written last stays in the file.)
 //!
-//! One line per problem: its key (device name, cuBLASLt version, problem), a tab, and the
-//! algorithm's eight 64-bit words in hex. cuBLASLt's algorithm structures may be stored and
-//! reused with the same library version; the key holds the version, and a stored pick is used
-//! only where cuBLASLt confirms it still runs the problem at every probe size. A line that does
-//! not parse is dropped with a warning (the file is rewritten without it, and its problem is
-//! timed again); the file is rewritten whole (to a temporary file, then renamed) after each new
-//! pick. Without a cache directory
-//! (`[backend] cache_dir` unset) the picks live in memory only.
+//! One line per problem: its key (a format version, device name, cuBLASLt version, problem), a
+//! tab, and the algorithm's eight 64-bit words in hex. cuBLASLt's algorithm structures may be
+//! stored and reused with the same library version; the key holds the version, and a stored
+//! pick is used only where cuBLASLt confirms it still runs the problem at every probe size and
+//! it does not reduce in place. A line that does not parse is dropped with a warning (the file
+//! is rewritten without it, and its problem is timed again). A new pick is merged into the file
+//! as it is on disk then (it replaces its problem's line, which was missing or unusable; other
+//! processes' lines for other problems stay), written to a temporary file and renamed over it. Without a cache directory (`[backend] cache_dir` unset) the picks
+//! live in memory only.
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -58,15 +60,29 @@ pub(crate) fn lookup(key: &str) -> Option<Words> {
 pub(crate) fn record(key: &str, words: Words) {
     with_store(|s| {
         s.picks.insert(key.to_string(), words);
-        if let Some(path) = &s.path
-            && let Err(e) = save(path, &s.picks)
-        {
+        let Some(path) = &s.path else { return };
+        if let Err(e) = merge_into(path, &s.picks, key) {
             eprintln!(
                 "nsactor: warning: the batch-invariant GEMM picks cannot be written to {}: {e}",
                 path.display()
             );
         }
     });
+}
+
+/// Writes `picks` into the file at `path` as it is on disk now: `newest` (just timed, because
+/// no usable line was there) replaces the file's line; for other problems what other processes
+/// stored since this one read the file stays, theirs first.
+fn merge_into(path: &Path, picks: &HashMap<String, Words>, newest: &str) -> std::io::Result<()> {
+    let mut merged = load(path);
+    for (k, w) in picks {
+        if k == newest {
+            merged.insert(k.clone(), *w);
+        } else {
+            merged.entry(k.clone()).or_insert(*w);
+        }
+    }
+    save(path, &merged)
 }
 
 fn load(path: &Path) -> HashMap<String, Words> {
@@ -199,6 +215,19 @@ mod tests {
         assert_eq!(
             std::fs::read_to_string(&path).unwrap(),
             "a\t9 9 9 9 9 9 9 9\n"
+        );
+        // A new pick merged in replaces its problem's line and keeps what another process
+        // stored for other problems meanwhile ("a" is also in ours, with other words).
+        let on_disk_before = "a\t1 1 1 1 1 1 1 1\nb\t2 2 2 2 2 2 2 2\nc\t4 4 4 4 4 4 4 4\n";
+        std::fs::write(&path, on_disk_before).unwrap();
+        let mut ours = picks.clone();
+        ours.insert("c".to_string(), [3; 8]);
+        merge_into(&path, &ours, "c").unwrap();
+        let on_disk = load(&path);
+        assert_eq!(on_disk.len(), 3);
+        assert_eq!(
+            (on_disk["a"], on_disk["b"], on_disk["c"]),
+            ([1; 8], [2; 8], [3; 8])
         );
         // A missing file is an empty store, not an error.
         assert!(load(&dir.join("missing.tsv")).is_empty());

@@ -39,7 +39,8 @@
 
 use crate::KernelError;
 use crate::cuda::device::make_current;
-use crate::cuda::gemm_plan::{Operand, Plan, PlanKey, Queue, WORKSPACE_BYTES, operand, tuning};
+use crate::cuda::gemm_lt::{Operand, PlanKey, Queue, WORKSPACE_BYTES, operand};
+use crate::cuda::gemm_plan::{Plan, tuning};
 use crate::cuda::precision::{GemmPrecision, precision};
 use crate::cuda::server::{QUEUED_FAILURE, Server, device_server, record_queued_failure};
 use crate::cuda::timing;

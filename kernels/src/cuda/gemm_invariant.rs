@@ -25,7 +25,7 @@
 //! (the decoding graphs are captured only after the same work ran once uncaptured, so this does
 //! not happen in `serve`).
 
-use crate::cuda::gemm_plan::{Operand, PlanKey, Queue, WORKSPACE_BYTES, algo_fits, heuristic};
+use crate::cuda::gemm_lt::{Operand, PlanKey, Queue, WORKSPACE_BYTES, algo_fits, heuristic};
 use crate::cuda::gemm_store;
 use crate::options::GemmRows;
 use cudarc::cublaslt::{result as lt, sys};
@@ -366,7 +366,7 @@ unsafe fn time_candidates(
                 }
             };
             // SAFETY: the stream as the caller's, not captured (checked by `pick`).
-            row[i] = unsafe { crate::cuda::gemm_plan::time_calls(stream, PROBE_REPS, call) }
+            row[i] = unsafe { crate::cuda::gemm_lt::time_calls(stream, PROBE_REPS, call) }
                 .map_err(err)?
                 .map(|ms| ms * 1000.0);
         }

@@ -25,6 +25,7 @@ pub mod device;
 pub mod ffn;
 pub mod gemm;
 mod gemm_invariant;
+mod gemm_lt;
 mod gemm_plan;
 mod gemm_store;
 pub mod graph;

@@ -337,6 +337,10 @@ impl Generator {
                 self.send(tx, &text[emitted..end], &mut pending, spec.token_ids)
                     .await;
                 emitted = end;
+            } else if spec.token_ids {
+                // A client that streams token ids gets each token as it comes; the text held
+                // back (an incomplete character, a possible stop string) follows later.
+                self.send(tx, "", &mut pending, true).await;
             }
             if generated.len() >= spec.max_tokens {
                 break "length";

@@ -1,7 +1,7 @@
 //! The streaming server end to end on loopback, on the `tiny_a` fixture's weights: greedy
 //! output equals the fixture's, 32 concurrent WebSocket clients get complete and correct
-//! streams, a disconnect frees the session, bad input gets clear errors, API keys guard the
-//! endpoints.
+//! streams, a disconnect frees the session, token ids stream one per delta while text is held
+//! back, bad input gets clear errors, API keys guard the endpoints.
 
 mod common;
 
@@ -336,5 +336,70 @@ fn api_keys_guard_the_http_and_websocket_endpoints() {
             };
             assert_eq!(u16::from(close.unwrap().code), 1008);
         }
+    });
+}
+
+/// Every delta of a request: `(text, token ids)`, and the `done` event.
+async fn deltas(
+    ws: &mut common::Ws,
+    req: serde_json::Value,
+) -> (Vec<(String, Vec<i64>)>, serde_json::Value) {
+    ws.send(Message::Text(req.to_string().into()))
+        .await
+        .unwrap();
+    let mut out = Vec::new();
+    loop {
+        let m = next_json(ws).await;
+        match m["type"].as_str().unwrap() {
+            "delta" => {
+                let ids = m["token_ids"].as_array().cloned().unwrap_or_default();
+                let ids = ids.iter().map(|v| v.as_i64().unwrap()).collect();
+                out.push((m["text"].as_str().unwrap().to_string(), ids));
+            }
+            "done" => return (out, m),
+            _ => panic!("unexpected {m}"),
+        }
+    }
+}
+
+#[test]
+fn token_ids_stream_one_per_delta_while_their_text_is_held_back() {
+    let s = serve(4, 4);
+    let (prompt, addr) = (s.prompt.clone(), s.addr);
+    s.pipeline.block_on(async move {
+        let mut ws = connect(addr).await;
+        let n = 4;
+        let req = |stop: Option<String>| {
+            let mut r = serde_json::json!({"type": "generate", "id": "t", "prompt": prompt,
+                "max_tokens": n, "temperature": 0, "token_ids": true, "ignore_eos": true});
+            if let Some(stop) = stop {
+                r["stop"] = serde_json::json!([stop]);
+            }
+            r
+        };
+        let (plain, _) = deltas(&mut ws, req(None)).await;
+        let text: String = plain.iter().map(|d| d.0.as_str()).collect();
+        let ids: Vec<i64> = plain.iter().flat_map(|d| d.1.clone()).collect();
+        assert_eq!(ids.len(), n);
+        // A stop string that the whole answer is a prefix of: every step's text might be its
+        // start, so the text is held back to the end; the ids must still come one per token.
+        let stop = format!("{text}\u{1}");
+        assert!(!text.is_empty() && stop.len() <= 128, "{text:?}");
+        let (held, done) = deltas(&mut ws, req(Some(stop))).await;
+        assert_eq!(done["finish_reason"], "length", "{done}");
+        let with_ids: Vec<&Vec<i64>> = held
+            .iter()
+            .map(|d| &d.1)
+            .filter(|i| !i.is_empty())
+            .collect();
+        assert_eq!(with_ids.len(), n, "one delta per token: {held:?}");
+        assert!(with_ids.iter().all(|i| i.len() == 1), "{held:?}");
+        assert_eq!(
+            held.iter().flat_map(|d| d.1.clone()).collect::<Vec<_>>(),
+            ids
+        );
+        // The text is withheld while each token streams, then comes whole.
+        assert!(held[..n].iter().all(|d| d.0.is_empty()), "{held:?}");
+        assert_eq!(held.iter().map(|d| d.0.as_str()).collect::<String>(), text);
     });
 }

@@ -123,17 +123,12 @@ impl Layouts {
             lt::create_matrix_layout(t, r, c, ld)
                 .unwrap_or_else(|e| panic!("cuBLASLt reference layout: {e:?}"))
         };
-        let o = key.b;
-        // `B` is `K × M` after its op: M is its column count as stored, or its row count when
-        // it is used transposed.
-        let b = if o.trans {
-            make(key.input_type(), rows, o.cols, o.ld.max(rows as i64))
-        } else {
-            make(key.input_type(), o.rows, rows, o.ld)
-        };
-        let d = make(key.output_type(), key.n, rows, key.n as i64);
+        // The problem at `rows`, as a plan of it would lay out `B`, `D` and `C`.
+        let k = reference_key(key, rows);
+        let b = make(k.input_type(), k.b.rows, k.b.cols, k.b.ld);
+        let d = make(k.output_type(), k.n, k.m, k.n as i64);
         let f32t = sys::cudaDataType_t::CUDA_R_32F;
-        let c = key.c_ld.map(|ld| make(f32t, key.n, rows, ld as i64));
+        let c = k.c_ld.map(|ld| make(f32t, k.n, k.m, ld as i64));
         Layouts { b, d, c }
     }
 

@@ -8,7 +8,9 @@
 //!
 //! [`InferOps::block_scan_fused`]: crate::InferOps::block_scan_fused
 
-use crate::cuda::common::{PLANE, gemm_input, out_like, out_typed, sigmoid_burn, softplus};
+use crate::cuda::common::{
+    PLANE, STAGE_COLS, gemm_input, out_like, out_typed, sigmoid_burn, softplus, stage_shape,
+};
 use burn::tensor::{DType, Shape};
 use burn_cubecl::CubeRuntime;
 use burn_cubecl::kernel::into_contiguous;
@@ -20,6 +22,13 @@ use cubecl::prelude::*;
 /// `r_β, r_α, r_th`): the modulation and recurrence of the training selective forward op for op,
 /// writing `V_post` `[TK·B, DN]` and the final state, no spikes. It replaces the four column
 /// slices' copies, the scan and the final state's copy of the composed path.
+///
+/// Staged like the FFN neurons' kernel: a cube holds 32 columns; its producer planes load a
+/// chunk of steps and compute their modulation (four transcendentals a step, independent of the
+/// membrane) into shared memory, one step per plane at a time, while plane 0 runs the
+/// recurrence over the previous chunk. A decoding step has only `B·DN` columns (7,168 at the
+/// 0.9B for one session), so one unit per column walking every step's modulation itself leaves
+/// each scheduler with less than one plane and its whole dependent chain exposed.
 #[allow(clippy::too_many_arguments)]
 #[cube(launch)]
 fn block_scan_kernel<O: Float>(
@@ -32,54 +41,89 @@ fn block_scan_kernel<O: Float>(
     last: &mut Tensor<f32>,
     cols: u32,
     steps: u32,
+    chunks: u32,
     dn: u32,
     row_stride: u32,
     v_th_min: f32,
-    #[comptime] unroll: usize,
+    #[comptime] chunk: usize,
+    #[comptime] producers: usize,
     #[define(O)] _out: StorageType,
 ) {
     let cols = cols as usize;
     let steps = steps as usize;
+    let chunks = chunks as usize;
     let dn = dn as usize;
     let row_stride = row_stride as usize;
-    let c = ABSOLUTE_POS;
-    if c >= cols {
-        terminate!();
-    }
+    let x = UNIT_POS_X as usize;
+    let plane = UNIT_POS_Y as usize;
+    let c = CUBE_POS_X as usize * 32 + x;
+    let valid = c < cols;
+    let cc = select(valid, c, 0);
     let batch = cols / dn;
-    let b = c / dn;
-    let j = c % dn;
-    let bb = b_beta[j];
-    let ba = b_alpha[j];
-    let bt = b_th[j];
-    let mut v = v0[c];
-    let mut bb_ = Array::<f32>::new(unroll);
-    let mut uu = Array::<f32>::new(unroll);
-    let mut tt = Array::<f32>::new(unroll);
-    let mut k0 = 0usize;
-    while k0 < steps {
-        let n = select(k0 + unroll <= steps, unroll, steps - k0);
-        #[unroll]
-        for q in 0..unroll {
-            if q < n {
-                let base = ((k0 + q) * batch + b) * row_stride + j;
-                bb_[q] = sigmoid_burn(y[base + dn] + bb);
-                uu[q] = softplus(y[base + 2 * dn] + ba) * y[base];
-                tt[q] = (y[base + 3 * dn] + bt).abs() + v_th_min;
+    let b = cc / dn;
+    let j = cc % dn;
+    let per = comptime!(chunk / producers);
+    let mut s_beta = SharedMemory::<f32>::new(comptime!(2 * chunk * 32));
+    let mut s_u = SharedMemory::<f32>::new(comptime!(2 * chunk * 32));
+    let mut s_th = SharedMemory::<f32>::new(comptime!(2 * chunk * 32));
+    let mut v = v0[cc];
+    let mut ch = 0usize;
+    while ch <= chunks {
+        if plane == 0 {
+            if ch > 0 {
+                let k0 = (ch - 1) * chunk;
+                let buf = ((ch - 1) % 2) * chunk * 32;
+                #[unroll]
+                for q in 0..chunk {
+                    let k = k0 + q;
+                    if k < steps {
+                        let s_idx = buf + q * 32 + x;
+                        let th = s_th[s_idx];
+                        let v_pre = fma(s_beta[s_idx], v, s_u[s_idx]);
+                        let s = select(v_pre >= th, 1.0f32, 0.0f32);
+                        v = v_pre - th * s;
+                        if valid {
+                            vpost[k * cols + c] = O::cast_from(v);
+                        }
+                    }
+                }
+            }
+        } else if ch < chunks {
+            let k0 = ch * chunk;
+            let buf = (ch % 2) * chunk * 32;
+            // Every load of the plane's steps in flight before the first transcendental.
+            let mut ri = Array::<f32>::new(per);
+            let mut rb = Array::<f32>::new(per);
+            let mut ra = Array::<f32>::new(per);
+            let mut rt = Array::<f32>::new(per);
+            #[unroll]
+            for r in 0..per {
+                let k = k0 + (plane - 1) + r * producers;
+                if k < steps && valid {
+                    let base = (k * batch + b) * row_stride + j;
+                    ri[r] = y[base];
+                    rb[r] = y[base + dn];
+                    ra[r] = y[base + 2 * dn];
+                    rt[r] = y[base + 3 * dn];
+                }
+            }
+            #[unroll]
+            for r in 0..per {
+                let q = (plane - 1) + r * producers;
+                if k0 + q < steps && valid {
+                    let s_idx = buf + q * 32 + x;
+                    s_beta[s_idx] = sigmoid_burn(rb[r] + b_beta[j]);
+                    s_u[s_idx] = softplus(ra[r] + b_alpha[j]) * ri[r];
+                    s_th[s_idx] = (rt[r] + b_th[j]).abs() + v_th_min;
+                }
             }
         }
-        #[unroll]
-        for q in 0..unroll {
-            if q < n {
-                let v_pre = fma(bb_[q], v, uu[q]);
-                let s = select(v_pre >= tt[q], 1.0f32, 0.0f32);
-                v = v_pre - tt[q] * s;
-                vpost[(k0 + q) * cols + c] = O::cast_from(v);
-            }
-        }
-        k0 += unroll;
+        sync_cube();
+        ch += 1;
     }
-    last[c] = v;
+    if plane == 0 && valid {
+        last[c] = v;
+    }
 }
 
 /// `out·σ(gate) + skip` with `gate`, `skip` the columns `[gate_col, gate_col + D)` and
@@ -195,9 +239,9 @@ fn rms_norm_kernel<O: Float>(
 /// Planes per row of [`centred_residual`] (a decoding step has few rows).
 const CENTRED_PLANES: usize = 8;
 
-/// Unrolled steps per load batch of [`block_scan`] (as the selective forward kernel's;
-/// `$NSACTOR_SCAN_UNROLL` overrides it with the scans').
-const UNROLL_BLOCK_SCAN: usize = 4;
+/// `(producer planes, steps per chunk)` of [`block_scan`]; `$NSACTOR_STAGE_BLOCK_SCAN` (`PxC`)
+/// overrides it. A decoding step's 16 frames (K at the 0.9B) fit one chunk.
+const STAGE_BLOCK_SCAN: (usize, usize) = (8, 16);
 
 /// `(stride of a row, columns)` of a 2-D f32 tensor whose columns are contiguous, else `None`.
 fn rows_view<R: CubeRuntime>(t: &CubeTensor<R>) -> Option<(usize, usize)> {
@@ -241,10 +285,12 @@ pub fn block_scan<R: CubeRuntime>(
     let vpost = out_typed(&y, Shape::new([rows, dn]), gemm_input());
     let vpost_dtype = vpost.dtype;
     let last = out_like(&y, Shape::new([batch, dn]));
+    let (producers, chunk) = stage_shape("NSACTOR_STAGE_BLOCK_SCAN", STAGE_BLOCK_SCAN);
+    let steps = rows / batch;
     block_scan_kernel::launch::<R>(
         &y.client.clone(),
-        CubeCount::Static(cols.div_ceil(PLANE as usize) as u32, 1, 1),
-        CubeDim::new_1d(PLANE),
+        CubeCount::Static(cols.div_ceil(STAGE_COLS as usize) as u32, 1, 1),
+        CubeDim::new_2d(STAGE_COLS, 1 + producers as u32),
         y.into_tensor_arg(),
         bb.into_tensor_arg(),
         ba.into_tensor_arg(),
@@ -253,11 +299,13 @@ pub fn block_scan<R: CubeRuntime>(
         vpost.clone().into_tensor_arg(),
         last.clone().into_tensor_arg(),
         cols as u32,
-        (rows / batch) as u32,
+        steps as u32,
+        steps.div_ceil(chunk) as u32,
         dn as u32,
         row_stride as u32,
         v_th_min,
-        crate::cuda::scan::unroll(UNROLL_BLOCK_SCAN),
+        chunk,
+        producers,
         vpost_dtype.into(),
     );
     (vpost, last)

@@ -80,17 +80,19 @@ fn norm_plif_kernel<O: Float>(
             let base = t * cols + b * dim;
             let mut ss = 0.0f32;
             let mut dd = d % 32;
-            // Four loads in flight per round, summed in the same order as one at a time.
-            while dd + 96 < dim {
-                let x0 = x[base + dd];
-                let x1 = x[base + dd + 32];
-                let x2 = x[base + dd + 64];
-                let x3 = x[base + dd + 96];
-                ss += x0 * x0;
-                ss += x1 * x1;
-                ss += x2 * x2;
-                ss += x3 * x3;
-                dd += 128usize;
+            // Eight loads in flight per round (28 a lane at D = 896: four rounds of waiting,
+            // not seven), summed in the same order as one at a time.
+            while dd + 224 < dim {
+                let mut xs = Array::<f32>::new(8);
+                #[unroll]
+                for q in 0..8 {
+                    xs[q] = x[base + dd + q * 32];
+                }
+                #[unroll]
+                for q in 0..8 {
+                    ss += xs[q] * xs[q];
+                }
+                dd += 256usize;
             }
             while dd < dim {
                 let xv = x[base + dd];

@@ -184,11 +184,18 @@ fn ponder_rows_kernel<O: Float>(
     let mut sums = SharedMemory::<f32>::new(comptime![planes * k]);
     let mut lam = SharedMemory::<f32>::new(k);
     let plane = lane / 32;
-    #[unroll]
-    for j in 0..k {
-        let s = plane_sum(part[j]);
-        if UNIT_POS_PLANE == 0 {
-            sums[plane * k + j] = s;
+    if comptime![k.is_power_of_two()] {
+        let s = plane_sums_transposed(&mut part, k);
+        if UNIT_POS_PLANE < comptime![k as u32] {
+            sums[plane * k + transposed_frame(UNIT_POS_PLANE, k) as usize] = s;
+        }
+    } else {
+        #[unroll]
+        for j in 0..k {
+            let s = plane_sum(part[j]);
+            if UNIT_POS_PLANE == 0 {
+                sums[plane * k + j] = s;
+            }
         }
     }
     sync_cube();
@@ -257,6 +264,66 @@ fn ponder_rows_kernel<O: Float>(
             }
         }
     }
+}
+
+/// One level of [`plane_sums_transposed`]: at lane offset `offset`, each lane keeps the half of
+/// its `2·half` values its bit selects and adds the partner's copy of it, sending the other half.
+#[cube]
+fn transpose_level(part: &mut Array<f32>, #[comptime] half: usize, #[comptime] offset: u32) {
+    let bit = (UNIT_POS_PLANE & offset) != 0;
+    #[unroll]
+    for i in 0..half {
+        let lo = part[i];
+        let hi = part[i + half];
+        let keep = select(bit, hi, lo);
+        let send = select(bit, lo, hi);
+        part[i] = keep + plane_shuffle_xor(send, offset);
+    }
+}
+
+/// The plane sums of `part`'s `k` values (`k` a power of two ≤ 32) in `k − 1` shuffles plus one
+/// per remaining offset instead of five per value: at offsets 1, 2, 4, … each lane keeps half
+/// of its values and trades the other half, so after `log2 k` levels a lane holds one frame's
+/// sum over its group of `k` lanes ([`transposed_frame`] says which), then the remaining offsets
+/// sum it across the plane. Every partial sum pairs the same lanes at the same offsets as
+/// `plane_sum` (`acc += shuffle_xor(acc, offset)`, offsets 1 to 16), so the sums are the same
+/// bit for bit. Returns this lane's frame's sum.
+#[cube]
+fn plane_sums_transposed(part: &mut Array<f32>, #[comptime] k: usize) -> f32 {
+    transpose_level(part, comptime![k >> 1], 1u32);
+    transpose_level(part, comptime![k >> 2], 2u32);
+    transpose_level(part, comptime![k >> 3], 4u32);
+    transpose_level(part, comptime![k >> 4], 8u32);
+    transpose_level(part, comptime![k >> 5], 16u32);
+    let mut s = part[0];
+    if comptime![k <= 1] {
+        s += plane_shuffle_xor(s, 1u32);
+    }
+    if comptime![k <= 2] {
+        s += plane_shuffle_xor(s, 2u32);
+    }
+    if comptime![k <= 4] {
+        s += plane_shuffle_xor(s, 4u32);
+    }
+    if comptime![k <= 8] {
+        s += plane_shuffle_xor(s, 8u32);
+    }
+    if comptime![k <= 16] {
+        s += plane_shuffle_xor(s, 16u32);
+    }
+    s
+}
+
+/// The frame whose sum lane `lane` holds after [`plane_sums_transposed`]: bit `l` of the lane
+/// chose the upper half at level `l + 1`, worth `k >> (l + 1)` frames.
+#[cube]
+fn transposed_frame(lane: u32, #[comptime] k: usize) -> u32 {
+    let kk = comptime![k as u32];
+    (lane & 1) * (kk >> 1)
+        + ((lane >> 1) & 1) * (kk >> 2)
+        + ((lane >> 2) & 1) * (kk >> 3)
+        + ((lane >> 3) & 1) * (kk >> 4)
+        + ((lane >> 4) & 1) * (kk >> 5)
 }
 
 /// `frames` `[T·K, B, D]`, halt weight `w` `[1, D]` (read flat), bias `[1]` → aggregate `[T, B, D]` and E[K]

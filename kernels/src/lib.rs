@@ -69,7 +69,7 @@ pub use ops::scan::{ScanOps, plif_elem, plif_row};
 pub use ops::snn::{SnnOps, ffn_neurons, norm_plif_train, plif_selective, ponder_agg_train};
 pub use ops::types::AdamStep;
 pub use ops::types::{
-    FfnGrads, FfnInputs, NormPlifInputs, PlifGrads, PlifOutput, PonderInputs, ScanKind,
+    FfnGrads, FfnInputs, GateSkip, NormPlifInputs, PlifGrads, PlifOutput, PonderInputs, ScanKind,
     SelectiveGrads, SelectiveInputs, StepGraph,
 };
 pub use options::{

@@ -83,15 +83,22 @@ fn norm_plif_kernel<O: Float>(
             // Eight loads in flight per round (28 a lane at D = 896: four rounds of waiting,
             // not seven), summed in the same order as one at a time.
             while dd + 224 < dim {
-                let mut xs = Array::<f32>::new(8);
-                #[unroll]
-                for q in 0..8 {
-                    xs[q] = x[base + dd + q * 32];
-                }
-                #[unroll]
-                for q in 0..8 {
-                    ss += xs[q] * xs[q];
-                }
+                let x0 = x[base + dd];
+                let x1 = x[base + dd + 32];
+                let x2 = x[base + dd + 64];
+                let x3 = x[base + dd + 96];
+                let x4 = x[base + dd + 128];
+                let x5 = x[base + dd + 160];
+                let x6 = x[base + dd + 192];
+                let x7 = x[base + dd + 224];
+                ss += x0 * x0;
+                ss += x1 * x1;
+                ss += x2 * x2;
+                ss += x3 * x3;
+                ss += x4 * x4;
+                ss += x5 * x5;
+                ss += x6 * x6;
+                ss += x7 * x7;
                 dd += 256usize;
             }
             while dd < dim {

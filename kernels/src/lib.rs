@@ -73,7 +73,8 @@ pub use ops::types::{
     SelectiveGrads, SelectiveInputs, StepGraph,
 };
 pub use options::{
-    GemmRows, decode_fusion, decoding_gemms, gemm_rows, per_token_gemms, set_decode_fusion,
+    GemmRows, decode_fusion, decoding_gemms, gated_ponder, gemm_rows, per_token_gemms,
+    set_decode_fusion, set_gated_ponder,
 };
 pub use reference::ffn::{ffn_backward_reference, ffn_forward_reference, ffn_param_grads};
 pub use reference::norm_plif::{norm_plif_backward_reference, norm_plif_forward_reference};

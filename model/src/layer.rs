@@ -322,7 +322,11 @@ fn residual_update<B: SnnOps>(
         && proj.bias.is_none()
         && let Some(bias) = &halt.bias
     {
-        let (out, gate) = frames.clone().into_parts();
+        let (out, gate) = if nsactor_kernels::gated_ponder() {
+            frames.clone().into_parts()
+        } else {
+            (frames.clone().gated(), None)
+        };
         if let Some((agg, c, ek)) = nsactor_kernels::ponder_residual_fused(
             ponder_inputs(out, halt, bias, k),
             h.clone(),

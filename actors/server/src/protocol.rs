@@ -131,6 +131,8 @@ pub struct GenSpec {
     pub max_tokens: usize,
     pub sampling: SamplingParams,
     pub stop: Vec<String>,
+    /// Every token in its own delta with its id, its text empty while held back (a WebSocket
+    /// client's `token_ids`, every OpenAI stream).
     pub token_ids: bool,
     pub ignore_eos: bool,
     /// `(token id, bias)` added to the logits before sampling.

@@ -236,3 +236,51 @@ fn chat_logprobs_tokenize_detokenize_and_request_ids() {
         );
     });
 }
+
+#[test]
+fn a_completions_stream_sends_a_chunk_per_token_while_the_text_is_held_back() {
+    let s = serve(4, 8);
+    let (addr, prompt) = (s.addr, s.prompt.clone());
+    s.pipeline.block_on(async move {
+        let n = 4;
+        let req = |stream: bool, stop: Option<String>| {
+            let mut r = json!({"prompt": prompt, "max_tokens": n, "temperature": 0,
+                "ignore_eos": true, "stream": stream});
+            if let Some(stop) = stop {
+                r["stop"] = json!([stop]);
+            }
+            r.to_string()
+        };
+        let (status, body) =
+            http(addr, "POST", "/v1/completions", req(false, None).as_bytes()).await;
+        assert_eq!(status, 200, "{body}");
+        let v: Value = serde_json::from_str(&body).unwrap();
+        let text = v["choices"][0]["text"].as_str().unwrap().to_string();
+        assert!(!text.is_empty());
+        // A stop string that the whole answer is a prefix of: every step's text might be its
+        // start, so the text is held back to the end, yet each token gets its chunk.
+        let stop = format!("{text}\u{1}");
+        let (status, sse) = http(
+            addr,
+            "POST",
+            "/v1/completions",
+            req(true, Some(stop)).as_bytes(),
+        )
+        .await;
+        assert_eq!(status, 200, "{sse}");
+        let (events, done) = sse_events(&sse);
+        assert!(done, "{sse}");
+        let (last, chunks) = events.split_last().unwrap();
+        assert_eq!(last["choices"][0]["finish_reason"], "length", "{sse}");
+        let texts: Vec<&str> = chunks
+            .iter()
+            .map(|c| c["choices"][0]["text"].as_str().unwrap())
+            .collect();
+        assert!(
+            texts.len() > n,
+            "one chunk per token, then the text: {texts:?}"
+        );
+        assert!(texts[..n].iter().all(|t| t.is_empty()), "{texts:?}");
+        assert_eq!(texts.concat(), text);
+    });
+}

@@ -252,7 +252,10 @@ impl OpenAiRequest {
             logprobs,
             prompt_logprobs: self.echo && logprobs.is_some(),
         };
-        let spec = options.validate(prompt, false, limits)?;
+        // A stream gets a chunk per generated token, as vLLM's does: a token whose text is held
+        // back (an incomplete character, a possible stop string) comes with empty text, and the
+        // text follows in a later chunk. So the first chunk marks the first token.
+        let spec = options.validate(prompt, self.stream, limits)?;
         Ok(OpenAiCall {
             spec,
             n,

@@ -69,12 +69,11 @@ pub use ops::scan::{ScanOps, plif_elem, plif_row};
 pub use ops::snn::{SnnOps, ffn_neurons, norm_plif_train, plif_selective, ponder_agg_train};
 pub use ops::types::AdamStep;
 pub use ops::types::{
-    FfnGrads, FfnInputs, GateSkip, NormPlifInputs, PlifGrads, PlifOutput, PonderInputs, ScanKind,
+    FfnGrads, FfnInputs, NormPlifInputs, PlifGrads, PlifOutput, PonderInputs, ScanKind,
     SelectiveGrads, SelectiveInputs, StepGraph,
 };
 pub use options::{
-    GemmRows, decode_fusion, decoding_gemms, gated_ponder, gemm_rows, per_token_gemms,
-    set_decode_fusion, set_gated_ponder,
+    GemmRows, decode_fusion, decoding_gemms, gemm_rows, per_token_gemms, set_decode_fusion,
 };
 pub use reference::ffn::{ffn_backward_reference, ffn_forward_reference, ffn_param_grads};
 pub use reference::norm_plif::{norm_plif_backward_reference, norm_plif_forward_reference};

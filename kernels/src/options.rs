@@ -31,24 +31,6 @@ pub fn set_decode_fusion(on: bool) {
 static DECODE_FUSION: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(true);
 static DECODE_FUSION_ENV: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
 
-/// Whether a decoding pass's SNNBlock output goes into its PonderAgg kernel before its gate and
-/// skip path, which the kernel then applies (one launch fewer per layer where the backend
-/// fuses it): on by default, `NSACTOR_GATED_PONDER=off` at start or [`set_gated_ponder`] runs
-/// the gate/skip kernel first (for A/B runs and the bit-for-bit check in `decode-profile`).
-pub fn gated_ponder() -> bool {
-    GATED_PONDER.load(std::sync::atomic::Ordering::Relaxed)
-        && *GATED_PONDER_ENV
-            .get_or_init(|| std::env::var("NSACTOR_GATED_PONDER").as_deref() != Ok("off"))
-}
-
-/// Turns the gate inside PonderAgg on or off for the process (see [`gated_ponder`]).
-pub fn set_gated_ponder(on: bool) {
-    GATED_PONDER.store(on, std::sync::atomic::Ordering::Relaxed);
-}
-
-static GATED_PONDER: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(true);
-static GATED_PONDER_ENV: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-
 /// What the GEMMs issued on this thread belong to, for batch-invariant kernel choice on CUDA
 /// (`NSACTOR_BATCH_INVARIANT`): set by [`decoding_gemms`] and [`per_token_gemms`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]

@@ -5,10 +5,10 @@ use crate::config::{ModelConfig, PlifOut, consts};
 use crate::init::{Rng, xavier};
 use crate::neurons::{PlifNode, RmsNorm, norm_plif_inputs, param};
 use crate::params::{Derived, Linear, decoding_pass, impl_params};
-use crate::snn_block::{BlockOut, SnnBlock};
+use crate::snn_block::SnnBlock;
 use crate::snn_ffn::SnnFfn;
 use burn::tensor::{Tensor, TensorData, activation::sigmoid, backend::Backend};
-use nsactor_kernels::{GateSkip, PonderInputs, SnnOps};
+use nsactor_kernels::{PonderInputs, SnnOps};
 
 /// Input-neuron threshold base `v0 = 0.5` (τ₀ = 2).
 const INPUT_V_THRESHOLD: f64 = 0.5;
@@ -173,7 +173,7 @@ impl<B: SnnOps> SnnDecoderLayer<B> {
             out,
         );
         let beta = with_beta.then(|| self.snn_block.beta(a1.clone()));
-        let (c1, hidden) = self.snn_block.forward_parts(a1, state.hidden, cfg.v_th_min);
+        let (c1, hidden) = self.snn_block.forward(a1, state.hidden, cfg.v_th_min);
         let (h, ek1) = residual_update(
             h,
             c1,
@@ -194,7 +194,7 @@ impl<B: SnnOps> SnnDecoderLayer<B> {
         let (c2, ffn) = self.snn_ffn.forward(a2, state.ffn, out);
         let (h, ek2) = residual_update(
             h,
-            BlockOut::Gated(c2),
+            c2,
             &self.ffn_halt,
             &self.ffn_out_proj,
             &self.ffn_out_mean,
@@ -306,12 +306,10 @@ pub fn norm_plif_composed<B: SnnOps>(
 /// ([`nsactor_kernels::InferOps::ponder_residual_fused`]), the PonderAgg kernel also writes
 /// `c = h − agg·w̄` (`w̄` = [`Linear::operand_row_means`], so `agg·w̄` is the mean over the
 /// output channels of `agg·Wᵀ`) and the out projection's GEMM adds `c` in its epilogue: two
-/// kernels where the composition has four (the aggregate's cast, the centring kernel). The
-/// SNNBlock's frames may come before their gate and skip path ([`BlockOut::Ungated`]): the
-/// fused kernel applies them as it reads the frames, else they are applied first.
+/// kernels where the composition has four (the aggregate's cast, the centring kernel).
 fn residual_update<B: SnnOps>(
     h: Tensor<B, 3>,
-    frames: BlockOut<B>,
+    frames: Tensor<B, 3>,
     halt: &Linear<B>,
     proj: &Linear<B>,
     mean: &Derived<B>,
@@ -321,26 +319,19 @@ fn residual_update<B: SnnOps>(
     if decoding_pass::<B>(t * b, &h.device())
         && proj.bias.is_none()
         && let Some(bias) = &halt.bias
-    {
-        let (out, gate) = if nsactor_kernels::gated_ponder() {
-            frames.clone().into_parts()
-        } else {
-            (frames.clone().gated(), None)
-        };
-        if let Some((agg, c, ek)) = nsactor_kernels::ponder_residual_fused(
-            ponder_inputs(out, halt, bias, k),
+        && let Some((agg, c, ek)) = nsactor_kernels::ponder_residual_fused(
+            ponder_inputs(frames.clone(), halt, bias, k),
             h.clone(),
             mean.get_or_init(|| proj.operand_row_means()),
-            gate.map(|g| GateSkip::new(g.y, g.gate_col, g.skip_col)),
-        ) {
-            // Over tokens, as every GEMM of the residual update.
-            let x = nsactor_kernels::per_token_gemms(|| {
-                proj.forward_add(agg.reshape([t * b, d]), c.reshape([t * b, d]))
-            });
-            return (x.reshape([t, b, d]), ek);
-        }
+        )
+    {
+        // Over tokens, as every GEMM of the residual update.
+        let x = nsactor_kernels::per_token_gemms(|| {
+            proj.forward_add(agg.reshape([t * b, d]), c.reshape([t * b, d]))
+        });
+        return (x.reshape([t, b, d]), ek);
     }
-    let (agg, ek) = ponder_agg(frames.gated(), halt, k);
+    let (agg, ek) = ponder_agg(frames, halt, k);
     (
         nsactor_kernels::per_token_gemms(|| add_centred(h, proj, agg)),
         ek,

@@ -168,19 +168,6 @@ impl<B: SnnOps> SnnBlock<B> {
         v0: Tensor<B, 2>,
         v_th_min: f64,
     ) -> (Tensor<B, 3>, Tensor<B, 2>) {
-        let (out, last) = self.forward_parts(a, v0, v_th_min);
-        (out.gated(), last)
-    }
-
-    /// [`forward`](Self::forward) with the gate and skip path left to the caller where a
-    /// decoding pass reads them from the merged projection ([`BlockOut::Ungated`]): the
-    /// sublayer's PonderAgg kernel applies them as it reads the frames.
-    pub fn forward_parts(
-        &self,
-        a: Tensor<B, 3>,
-        v0: Tensor<B, 2>,
-        v_th_min: f64,
-    ) -> (BlockOut<B>, Tensor<B, 2>) {
         let [tk, b, d] = a.dims();
         let dn = self.b_beta.dims()[0];
         let flat = a.reshape([tk * b, d]);
@@ -196,13 +183,19 @@ impl<B: SnnOps> SnnBlock<B> {
                 v0.clone(),
                 v_th_min,
             ) {
-                let out = self.W_out.forward(vpost).reshape([tk, b, d]);
-                let gate = BlockGate {
-                    y,
-                    gate_col: 4 * dn,
-                    skip_col: 4 * dn + d,
+                let out = self.W_out.forward(vpost);
+                let out = match nsactor_kernels::gate_skip_fused(
+                    out.clone(),
+                    y.clone(),
+                    4 * dn,
+                    4 * dn + d,
+                ) {
+                    Some(o) => o,
+                    None => {
+                        out * sigmoid(y.clone().narrow(1, 4 * dn, d)) + y.narrow(1, 4 * dn + d, d)
+                    }
                 };
-                return (BlockOut::Ungated { out, gate }, last);
+                return (out.reshape([tk, b, d]), last);
             }
             merged_slices(y, dn, d)
         } else {
@@ -225,64 +218,6 @@ impl<B: SnnOps> SnnBlock<B> {
             v0,
         );
         let out = self.W_out.forward(vpost.reshape([tk * b, dn])) * gate + skip;
-        (BlockOut::Gated(out.reshape([tk, b, d])), last)
-    }
-}
-
-/// Where a decoding pass's SNNBlock reads its gate and skip path: the merged projection `y`
-/// `[TK·B, W]` and the first of the `D` gate and skip columns.
-#[derive(Debug, Clone)]
-pub struct BlockGate<B: Backend> {
-    pub y: Tensor<B, 2>,
-    pub gate_col: usize,
-    pub skip_col: usize,
-}
-
-/// The SNNBlock's output `[TK, B, D]`: gated, or (a fused decoding pass) its out projection
-/// with the gate and skip path still to apply.
-#[derive(Debug, Clone)]
-pub enum BlockOut<B: Backend> {
-    Gated(Tensor<B, 3>),
-    Ungated {
-        out: Tensor<B, 3>,
-        gate: BlockGate<B>,
-    },
-}
-
-impl<B: SnnOps> BlockOut<B> {
-    /// The output, or the out projection with the gate still to apply.
-    pub fn into_parts(self) -> (Tensor<B, 3>, Option<BlockGate<B>>) {
-        match self {
-            BlockOut::Gated(out) => (out, None),
-            BlockOut::Ungated { out, gate } => (out, Some(gate)),
-        }
-    }
-
-    /// The gated output `out·σ(gate) + skip`: one kernel where the backend fuses it.
-    pub fn gated(self) -> Tensor<B, 3> {
-        match self {
-            BlockOut::Gated(out) => out,
-            BlockOut::Ungated { out, gate } => {
-                let [tk, b, d] = out.dims();
-                let flat = out.reshape([tk * b, d]);
-                let BlockGate {
-                    y,
-                    gate_col,
-                    skip_col,
-                } = gate;
-                let g = match nsactor_kernels::gate_skip_fused(
-                    flat.clone(),
-                    y.clone(),
-                    gate_col,
-                    skip_col,
-                ) {
-                    Some(o) => o,
-                    None => {
-                        flat * sigmoid(y.clone().narrow(1, gate_col, d)) + y.narrow(1, skip_col, d)
-                    }
-                };
-                g.reshape([tk, b, d])
-            }
-        }
+        (out.reshape([tk, b, d]), last)
     }
 }

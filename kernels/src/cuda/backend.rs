@@ -17,8 +17,8 @@ use crate::ops::optim::OptimOps;
 use crate::ops::scan::{ScanOps, scan_shape};
 use crate::ops::snn::SnnOps;
 use crate::ops::types::{
-    AdamStep, FfnGrads, FfnInputs, GateSkip, NormPlifInputs, PlifGrads, PlifOutput, PonderInputs,
-    ScanKind, SelectiveGrads, SelectiveInputs, StepGraph,
+    AdamStep, FfnGrads, FfnInputs, NormPlifInputs, PlifGrads, PlifOutput, PonderInputs, ScanKind,
+    SelectiveGrads, SelectiveInputs, StepGraph,
 };
 use crate::reference::ffn::ffn_param_grads;
 use crate::tensor::{prim, through_sigmoid, wrap};
@@ -153,15 +153,9 @@ impl InferOps for Cuda {
         inp: PonderInputs<Self>,
         h: FloatTensor<Self>,
         w_mean: FloatTensor<Self>,
-        gate: Option<GateSkip<Self>>,
     ) -> Option<(FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>)> {
         let ([frames, halt_w, halt_b], k, clamp, eps) = ponder_args(inp);
-        let gate = gate.map(|g| ponder::Gate {
-            y: g.y,
-            gate_col: g.gate_col,
-            skip_col: g.skip_col,
-        });
-        ponder::ponder_residual([frames, halt_w, halt_b, h, w_mean], k, clamp, eps, gate)
+        ponder::ponder_residual([frames, halt_w, halt_b, h, w_mean], k, clamp, eps)
     }
 
     fn norm_plif_mean_fused(

@@ -91,10 +91,3 @@ pub(crate) const FEW_ROWS: usize = 1024;
 pub(crate) fn gemm_input() -> DType {
     input_dtype()
 }
-
-/// `(stride of a row, columns)` of a 2-D f32 tensor whose columns are contiguous, else `None`.
-pub(crate) fn rows_view<R: CubeRuntime>(t: &CubeTensor<R>) -> Option<(usize, usize)> {
-    let (shape, strides) = (t.meta.shape(), t.meta.strides());
-    (t.dtype == DType::F32 && shape.num_dims() == 2 && (strides[1] == 1 || shape[1] <= 1))
-        .then(|| (strides[0].max(shape[1]), shape[1]))
-}

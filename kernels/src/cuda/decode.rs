@@ -9,8 +9,7 @@
 //! [`InferOps::block_scan_fused`]: crate::InferOps::block_scan_fused
 
 use crate::cuda::common::{
-    PLANE, STAGE_COLS, gemm_input, out_like, out_typed, rows_view, sigmoid_burn, softplus,
-    stage_shape,
+    PLANE, STAGE_COLS, gemm_input, out_like, out_typed, sigmoid_burn, softplus, stage_shape,
 };
 use burn::tensor::{DType, Shape};
 use burn_cubecl::CubeRuntime;
@@ -243,6 +242,15 @@ const CENTRED_PLANES: usize = 8;
 /// `(producer planes, steps per chunk)` of [`block_scan`]; `$NSACTOR_STAGE_BLOCK_SCAN` (`PxC`)
 /// overrides it. A decoding step's 16 frames (K at the 0.9B) fit one chunk.
 const STAGE_BLOCK_SCAN: (usize, usize) = (8, 16);
+
+/// `(stride of a row, columns)` of a 2-D f32 tensor whose columns are contiguous, else `None`.
+fn rows_view<R: CubeRuntime>(t: &CubeTensor<R>) -> Option<(usize, usize)> {
+    let (shape, strides) = (t.meta.shape(), t.meta.strides());
+    (t.dtype == burn::tensor::DType::F32
+        && shape.num_dims() == 2
+        && (strides[1] == 1 || shape[1] <= 1))
+        .then(|| (strides[0].max(shape[1]), shape[1]))
+}
 
 /// The SNNBlock's scan on its merged projection `y` `[TK·B, W ≥ 4·DN]` (see
 /// [`block_scan_kernel`]): `(V_post [TK·B, DN], final state [B, DN])`. Biases `[DN]`, `v0`

@@ -7,9 +7,7 @@
 //! projection's GEMM input type (no cast before it), optionally with the sublayer's residual
 //! update prepared. The backward is [`crate::cuda::ponder_backward`].
 
-use crate::cuda::common::{
-    FEW_ROWS, PLANE, gemm_input, out_like, out_typed, rows_view, sigmoid_burn,
-};
+use crate::cuda::common::{FEW_ROWS, PLANE, gemm_input, out_like, out_typed, sigmoid_burn};
 use crate::options::decode_fusion;
 use burn::tensor::Shape;
 use burn_cubecl::CubeRuntime;
@@ -130,11 +128,7 @@ fn ponder_agg_kernel(
 /// channels' K frames once and keeps them in registers, the K halting logits are reduced across
 /// the cube, and one plane computes the halting distribution with a plane-wide prefix sum of
 /// `log(1 − p)` (not a K-step loop in every unit). The aggregate is written in `O` (the type the
-/// out projection's GEMM reads), E[K] in f32. Needs `K ≤ 32`. With `gated`, `frames` is the
-/// SNNBlock's out projection before its gate and each frame is `out·σ(gate) + skip`, the gate
-/// and skip read from the merged projection `gy` (row stride `row_stride`, columns from `gate_col`
-/// and `skip_col`): the block's output never
-/// goes through memory.
+/// out projection's GEMM reads), E[K] in f32. Needs `K ≤ 32`.
 #[allow(clippy::too_many_arguments)]
 #[cube(launch)]
 fn ponder_rows_kernel<O: Float>(
@@ -143,7 +137,6 @@ fn ponder_rows_kernel<O: Float>(
     bias: &Tensor<f32>,
     h: &Tensor<f32>,
     w_mean: &Tensor<f32>,
-    gy: &Tensor<f32>,
     agg: &mut Tensor<O>,
     c: &mut Tensor<f32>,
     ek: &mut Tensor<f32>,
@@ -151,14 +144,10 @@ fn ponder_rows_kernel<O: Float>(
     dim: u32,
     halt_clamp: f32,
     norm_eps: f32,
-    row_stride: u32,
-    gate_col: u32,
-    skip_col: u32,
     #[comptime] k: usize,
     #[comptime] planes: usize,
     #[comptime] per: usize,
     #[comptime] residual: bool,
-    #[comptime] gated: bool,
     #[define(O)] _out: StorageType,
 ) {
     let batch = batch as usize;
@@ -181,15 +170,7 @@ fn ponder_rows_kernel<O: Float>(
             let wd = w[d];
             #[unroll]
             for j in 0..k {
-                let r = (t * k + j) * batch + b;
-                let mut v = frames[r * dim + d];
-                if comptime![gated] {
-                    // The SNNBlock's gate and skip path, as `gate_skip_kernel` computes them.
-                    let base = r * (row_stride as usize) + d;
-                    let g = sigmoid_burn(gy[base + gate_col as usize]);
-                    let prod = v * g;
-                    v = prod + gy[base + skip_col as usize];
-                }
+                let v = frames[((t * k + j) * batch + b) * dim + d];
                 x[q * k + j] = v;
                 part[j] += v * wd;
             }
@@ -388,14 +369,7 @@ fn ponder_agg_with<R: CubeRuntime>(
     if !packed && rows_kernel_fits(t * batch, k) {
         // A decoding step: one unit per channel, the aggregate in the GEMM's input type.
         let [agg, _, ek] = ponder_rows(
-            frames,
-            w,
-            bias,
-            None,
-            None,
-            (t, batch, dim, k),
-            halt_clamp,
-            norm_eps,
+            frames, w, bias, None, t, batch, dim, k, halt_clamp, norm_eps,
         );
         return [agg, ek];
     }
@@ -438,24 +412,17 @@ fn rows_kernel_fits(rows: usize, k: usize) -> bool {
     rows < FEW_ROWS && k <= PLANE as usize && decode_fusion()
 }
 
-/// The SNNBlock's gate and skip path for [`ponder_residual`]: its merged projection `y`
-/// `[TK·B, W]` (f32, columns contiguous) and the first of the `D` gate and skip columns.
-pub struct Gate<R: CubeRuntime> {
-    pub y: CubeTensor<R>,
-    pub gate_col: usize,
-    pub skip_col: usize,
-}
-
-/// [`ponder_rows_kernel`] over `(T, B, D, K)`: `[aggregate, c (a placeholder without
-/// residual), E[K]]`.
+/// [`ponder_rows_kernel`]: `[aggregate, c (a placeholder without residual), E[K]]`.
 #[allow(clippy::too_many_arguments)]
 fn ponder_rows<R: CubeRuntime>(
     frames: CubeTensor<R>,
     w: CubeTensor<R>,
     bias: CubeTensor<R>,
     residual: Option<(CubeTensor<R>, CubeTensor<R>)>,
-    gate: Option<Gate<R>>,
-    (t, batch, dim, k): (usize, usize, usize, usize),
+    t: usize,
+    batch: usize,
+    dim: usize,
+    k: usize,
     halt_clamp: f32,
     norm_eps: f32,
 ) -> [CubeTensor<R>; 3] {
@@ -469,25 +436,6 @@ fn ponder_rows<R: CubeRuntime>(
         // Unread (and unwritten) without the residual.
         None => (w.clone(), w.clone(), out_like(&frames, Shape::new([1]))),
     };
-    let gated = gate.is_some();
-    let (gy, row_stride, gate_col, skip_col) = match gate {
-        Some(g) => {
-            let (row_stride, width) =
-                rows_view(&g.y).expect("ponder gate: y is f32 [TK·B, W], columns contiguous");
-            assert!(
-                g.y.meta.shape()[0] == t * k * batch
-                    && g.gate_col.max(g.skip_col) + dim <= width
-                    && t * k * batch * row_stride <= u32::MAX as usize,
-                "ponder gate: columns {}, {} (+{dim}) outside y {:?}",
-                g.gate_col,
-                g.skip_col,
-                g.y.meta.shape()
-            );
-            (g.y, row_stride, g.gate_col, g.skip_col)
-        }
-        // Unread without the gate.
-        None => (w.clone(), 0, 0, 0),
-    };
     ponder_rows_kernel::launch::<R>(
         &frames.client.clone(),
         CubeCount::Static((t * batch) as u32, 1, 1),
@@ -497,7 +445,6 @@ fn ponder_rows<R: CubeRuntime>(
         bias.into_tensor_arg(),
         h.into_tensor_arg(),
         w_mean.into_tensor_arg(),
-        gy.into_tensor_arg(),
         agg.clone().into_tensor_arg(),
         c.clone().into_tensor_arg(),
         ek.clone().into_tensor_arg(),
@@ -505,14 +452,10 @@ fn ponder_rows<R: CubeRuntime>(
         dim as u32,
         halt_clamp,
         norm_eps,
-        row_stride as u32,
-        gate_col as u32,
-        skip_col as u32,
         k,
         planes,
         per,
         with_residual,
-        gated,
         agg.dtype.into(),
     );
     [agg, c, ek]
@@ -523,14 +466,12 @@ fn ponder_rows<R: CubeRuntime>(
 /// inputs `[frames [T·K, B, D], halt w [1, D], halt b [1], h [T, B, D], w̄ [1, D]]` →
 /// `Some((aggregate in the GEMM's input type, c = h − round(aggregate)·w̄ᵀ, E[K]))`, or `None`
 /// where the rows are not a decoding step's few (or K exceeds a plane, or the decoding fusions
-/// are off). With `gate`, `frames` is the SNNBlock's out projection before its gate (see
-/// [`Gate`]).
+/// are off).
 pub fn ponder_residual<R: CubeRuntime>(
     inputs: [CubeTensor<R>; 5],
     k: usize,
     halt_clamp: f32,
     norm_eps: f32,
-    gate: Option<Gate<R>>,
 ) -> Option<(CubeTensor<R>, CubeTensor<R>, CubeTensor<R>)> {
     let [frames, w, bias, h, w_mean] = inputs;
     let (t, batch, dim) = ponder_geometry(&[&frames, &w, &bias, &h, &w_mean], k);
@@ -553,8 +494,10 @@ pub fn ponder_residual<R: CubeRuntime>(
         w,
         bias,
         Some((h, w_mean)),
-        gate,
-        (t, batch, dim, k),
+        t,
+        batch,
+        dim,
+        k,
         halt_clamp,
         norm_eps,
     );

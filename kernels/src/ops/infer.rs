@@ -3,7 +3,7 @@
 //! residual), and their tensor-level wrappers: `Some` where the backend fuses the op (and, for
 //! the decoding fusions, [`decode_fusion`] is on), else `None` and the model composes it.
 
-use crate::ops::types::{FfnInputs, GateSkip, NormPlifInputs, PonderInputs};
+use crate::ops::types::{FfnInputs, NormPlifInputs, PonderInputs};
 use crate::options::decode_fusion;
 use crate::tensor::{prim, wrap};
 use burn::tensor::{Tensor, backend::Backend, ops::FloatTensor};
@@ -25,17 +25,14 @@ pub trait InferOps: Backend {
     /// update, for decoding passes: with `h` `[T, B, D]` and `w_mean` `[1, D]`, `Some((aggregate
     /// [T, B, D] in the GEMM's input type, c = h − round(aggregate)·w_meanᵀ [T, B, D], E[K]
     /// [T, B]))`, so that `aggregate·Wᵀ + c` is `h` plus the centred out projection when
-    /// `w_mean` holds the column means of `Wᵀ` as the GEMM reads it. With `gate`, the frames
-    /// are the SNNBlock's out projection before its gate and skip path ([`GateSkip`]), which the
-    /// kernel applies as it reads them. `None` (the default, and where the backend has no such
-    /// kernel for these shapes): the model composes it.
+    /// `w_mean` holds the column means of `Wᵀ` as the GEMM reads it. `None` (the default, and
+    /// where the backend has no such kernel for these shapes): the model composes it.
     fn ponder_residual_fused(
         inp: PonderInputs<Self>,
         h: FloatTensor<Self>,
         w_mean: FloatTensor<Self>,
-        gate: Option<GateSkip<Self>>,
     ) -> Option<(FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>)> {
-        let _ = (inp, h, w_mean, gate);
+        let _ = (inp, h, w_mean);
         None
     }
 
@@ -144,12 +141,11 @@ pub fn ponder_residual_fused<B: InferOps>(
     inp: PonderInputs<B>,
     h: Tensor<B, 3>,
     w_mean: Tensor<B, 2>,
-    gate: Option<GateSkip<B>>,
 ) -> Option<(Tensor<B, 3>, Tensor<B, 3>, Tensor<B, 2>)> {
     if !decode_fusion() {
         return None;
     }
-    B::ponder_residual_fused(inp, prim(h), prim(w_mean), gate)
+    B::ponder_residual_fused(inp, prim(h), prim(w_mean))
         .map(|(agg, c, ek)| (wrap(agg), wrap(c), wrap(ek)))
 }
 

@@ -147,27 +147,6 @@ impl<B: Backend> PonderInputs<B> {
     }
 }
 
-/// The SNNBlock's gate and skip path as a decoding pass reads it from the block's merged
-/// projection `y` `[TK·B, W]`: the block's output is `out·σ(y[:, gate_col..gate_col + D]) +
-/// y[:, skip_col..skip_col + D]` for its out projection `out`.
-#[derive(Debug, Clone)]
-pub struct GateSkip<B: Backend> {
-    pub y: FloatTensor<B>,
-    pub gate_col: usize,
-    pub skip_col: usize,
-}
-
-impl<B: Backend> GateSkip<B> {
-    /// From the merged projection `y` `[TK·B, W]` and the first gate and skip columns.
-    pub fn new(y: Tensor<B, 2>, gate_col: usize, skip_col: usize) -> Self {
-        GateSkip {
-            y: prim(y),
-            gate_col,
-            skip_col,
-        }
-    }
-}
-
 /// The inputs of a sublayer's start: RMSNorm of `x` `[T, B, D]` (weight `norm_w` `[D]`, `eps`),
 /// then the input PLIF (β logits `w`, thresholds `v_th` `[D]`, state `v0` `[B, D]`) over the K
 /// frames of each token with input current `(1 − β)·x̂`, output `(1 − β)·V_post` if `leak`.

@@ -24,6 +24,10 @@ pub struct GenerateTimings {
     pub decode_tokens_per_s: f64,
     /// Mean sessions per batched pass while decoding.
     pub mean_cohort: f64,
+    /// The mean step, which the slow steps pull above the median.
+    pub step_mean_ms: f64,
+    /// The first session's five slowest steps: `(step number from 0, ms)`, slowest first.
+    pub slowest: Vec<(usize, f64)>,
 }
 
 /// `sessions` concurrent greedy decoding sessions straight on the pipeline's decoder (no
@@ -67,8 +71,14 @@ pub async fn generate_load(
         .collect();
     let (mut prefills, mut steps) = (Vec::new(), Vec::new());
     let (mut last_prefill, mut end) = (start, start);
+    let mut slowest = Vec::new();
     for r in runs {
         let (p, at, s, done) = r.await??;
+        if slowest.is_empty() {
+            slowest = s.iter().map(|t| t * 1e3).enumerate().collect();
+            slowest.sort_by(|a: &(usize, f64), b| b.1.total_cmp(&a.1));
+            slowest.truncate(5);
+        }
         prefills.push(p);
         steps.extend(s);
         last_prefill = last_prefill.max(at);
@@ -76,8 +86,11 @@ pub async fn generate_load(
     }
     let wall = (end - start).as_secs_f64();
     let (c1, n1) = decoder.batch_counts();
+    let step_mean_ms = steps.iter().sum::<f64>() / steps.len().max(1) as f64 * 1e3;
     Ok(GenerateTimings {
         sessions,
+        step_mean_ms,
+        slowest,
         prefill_p50_ms: pct(&mut prefills, 0.5) * 1e3,
         step_p50_ms: pct(&mut steps, 0.5) * 1e3,
         step_p99_ms: pct(&mut steps, 0.99) * 1e3,
@@ -214,7 +227,7 @@ pub fn run(a: GenerateBenchArgs) -> crate::CliResult {
         for &n in &a.sessions {
             generate_load(&decoder, n, &prompt, 4, on_device).await?;
         }
-        let mut host = Vec::new();
+        let (mut host, mut slow) = (Vec::new(), Vec::new());
         for &n in &a.sessions {
             let (c0, _) = decoder.batch_counts();
             let b0 = l.pipeline.busy();
@@ -253,6 +266,12 @@ pub fn run(a: GenerateBenchArgs) -> crate::CliResult {
                     ms[3] - ms[0] - ms[1] - ms[2]
                 ),
             ));
+            let worst: Vec<String> = t
+                .slowest
+                .iter()
+                .map(|(i, ms)| format!("#{i} {ms:.2}"))
+                .collect();
+            slow.push((n, t.step_mean_ms, worst.join(", ")));
             println!(
                 "{:>9} {:>16.1} {:>14.2} {:>14.2} {:>16.0} {:>18.0} {:>12.1}",
                 t.sessions,
@@ -269,6 +288,10 @@ pub fn run(a: GenerateBenchArgs) -> crate::CliResult {
         );
         for (n, line) in host {
             println!("  {n:>4} sessions: {line}");
+        }
+        println!("mean step, and one session's slowest steps (step number from 0: ms):");
+        for (n, mean, worst) in slow {
+            println!("  {n:>4} sessions: mean {mean:.2} ms; {worst}");
         }
         Ok::<_, crate::CliError>(())
     })?;

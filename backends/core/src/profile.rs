@@ -406,44 +406,59 @@ fn graph_chain<B: SnnOps>(
             .collect()
     };
     let mut graphs: Vec<DecodeGraphs<B>> = (0..n).map(|_| DecodeGraphs::default()).collect();
-    let start: Vec<Vec<Tensor<B, 2>>> = (0..n).map(|l| busy(l as f64 * 1e-3)).collect();
-    let (mut plain, mut captured) = (start.clone(), start);
-    let sessions = [1u64];
     let (mut worst, mut scale) = (0.0f32, 0.0f32);
     let mut compare = |a: &Tensor<B, 3>, b: &Tensor<B, 3>| {
         let (a, b) = (a.clone().cast(DType::F32), b.clone().cast(DType::F32));
         scale = scale.max(b.clone().abs().max().into_scalar().elem::<f32>());
         worst = worst.max((a - b).abs().max().into_scalar().elem::<f32>());
     };
-    for _ in 0..6 {
-        let token =
-            Tensor::<B, 3>::random([1, batch, cfg.d], Distribution::Normal(0.0, 1.0), device);
-        let (mut x, mut y) = (token.clone(), token);
-        for l in 0..n {
-            let (h, st) = step(x, std::mem::take(&mut plain[l]));
-            (x, plain[l]) = (h, st);
-            let (h, st) =
-                graphs[l].step(&sessions, y, std::mem::take(&mut captured[l]), device, step);
-            (y, captured[l]) = (h, st);
+    // Two requests one after the other: the first's graphs are captured; once it has closed,
+    // the second (other sessions, other states) takes them over at its first token.
+    let mut adopted = 0;
+    for (request, tokens) in [(1u64, 6), (2, 3)] {
+        let start: Vec<Vec<Tensor<B, 2>>> = (0..n)
+            .map(|l| busy(l as f64 * 1e-3 + request as f64 * 1e-2))
+            .collect();
+        let (mut plain, mut captured) = (start.clone(), start);
+        let sessions = [request];
+        let free_before: usize = graphs.iter().map(|g| g.free_len()).sum();
+        for _ in 0..tokens {
+            let token =
+                Tensor::<B, 3>::random([1, batch, cfg.d], Distribution::Normal(0.0, 1.0), device);
+            let (mut x, mut y) = (token.clone(), token);
+            for l in 0..n {
+                let (h, st) = step(x, std::mem::take(&mut plain[l]));
+                (x, plain[l]) = (h, st);
+                let (h, st) =
+                    graphs[l].step(&sessions, y, std::mem::take(&mut captured[l]), device, step);
+                (y, captured[l]) = (h, st);
+            }
+            // Read now: the next replay rewrites the graph's output buffer.
+            compare(&y, &x);
         }
-        // Read now: the next replay rewrites the graph's output buffer.
-        compare(&y, &x);
-    }
-    for (p, c) in plain.iter().zip(&captured) {
-        for (a, b) in c.iter().zip(p) {
-            compare(&a.clone().unsqueeze(), &b.clone().unsqueeze());
+        for (p, c) in plain.iter().zip(&captured) {
+            for (a, b) in c.iter().zip(p) {
+                compare(&a.clone().unsqueeze(), &b.clone().unsqueeze());
+            }
+        }
+        adopted = free_before - graphs.iter().map(|g| g.free_len()).sum::<usize>();
+        for g in &mut graphs {
+            g.close(request);
         }
     }
-    let held = graphs.iter().filter(|g| !g.is_empty()).count();
+    let held = graphs.iter().map(|g| g.free_len()).sum::<usize>();
     let rel = worst / scale.max(1e-30);
     out.push_str(&format!(
-        "  {n} layers through decoding graphs ({held} of {n} captured) vs uncaptured, 6 tokens: max error {rel:.2e} of the largest value\n"
+        "  {n} layers through decoding graphs ({held} of {n} captured, {adopted} taken over by the next request) vs uncaptured, 6 + 3 tokens: max error {rel:.2e} of the largest value\n"
     ));
-    if held != n || rel > 1e-6 {
+    if held != n || adopted != n || rel > 1e-6 {
         return Err(EngineError::Backend(format!(
             "{out}the decoding graphs disagree with the uncaptured layers (or were not captured): refusing to go on"
         )));
     }
+    // Timed: a third request on the free graphs.
+    let sessions = [3u64];
+    let mut captured: Vec<Vec<Tensor<B, 2>>> = (0..n).map(|l| busy(l as f64 * 1e-3)).collect();
     let mut submitted = 0.0;
     let sync = || B::sync(device).map_err(|e| EngineError::Backend(format!("{e:?}")));
     sync()?;

@@ -12,14 +12,22 @@
 //! What a graph's buffers hold is rewritten by each replay, so the tensors handed out (the
 //! output, the states put back into the session table) are read before the next call of the
 //! same sessions — as a decoding pass does. New parameters or a load drop every graph. A
-//! session that closes drops the graphs of the sets it was in while others of the set live on
-//! (their states are the graph's buffers); once every session of a set has closed, its graph
-//! is free, and the next new set of the same shape takes it over: its first call copies its
-//! own `h` and states in and replays, so a new request does not pay an uncaptured call and a
-//! capture (≈ 10 ms each at the 0.9B). At most [`GRAPHS`] sets of sessions keep graphs per
-//! layer (least recently used first out), and as many free graphs are kept, each for calls of
-//! at most `NSACTOR_DECODE_GRAPH_ROWS` batch rows (default [`DEFAULT_ROWS`]) and one token;
-//! `NSACTOR_DECODE_GRAPHS=off` turns them off.
+//! session that closes drops the graphs of the sets it was in while other sessions of the set
+//! live on (their states are views of the graph's buffers). A set of one session leaves its
+//! graphs free when it closes, and a later new set of the same shape takes them over: its first
+//! call copies its own `h` and states in and replays, so a new request does not pay an
+//! uncaptured call and a capture (≈ 10 ms each at the 0.9B).
+//!
+//! A layer's graph may read the previous layer's output buffer in place (captured that way when
+//! the previous layer was replayed), so graphs are taken over only as the chains they were
+//! captured in: the first layer a new set reaches picks the most recently freed graph of its
+//! shape (or none), and every later layer takes over the graph of that same freed set or none
+//! ([`TAKEN_OVER`], shared by every layer of the process). Otherwise two sets could come to
+//! share a buffer that one writes while the other reads, on two stages' streams of one GPU.
+//!
+//! At most [`GRAPHS`] sets of sessions keep graphs per layer (least recently used first out),
+//! and as many free graphs are kept, each for calls of at most `NSACTOR_DECODE_GRAPH_ROWS` batch
+//! rows (default [`DEFAULT_ROWS`]) and one token; `NSACTOR_DECODE_GRAPHS=off` turns them off.
 //!
 //! [`SnnOps::capture`]: nsactor_kernels::GraphOps::capture
 
@@ -32,6 +40,13 @@ pub const GRAPHS: usize = 4;
 pub const DEFAULT_ROWS: usize = 16;
 /// Calls between tries after a capture failed.
 const RETRY_AFTER: u32 = 64;
+/// New sets of sessions whose take-over decision is remembered (oldest out).
+const DECISIONS: usize = 64;
+
+/// For each new set of sessions (and shape), the freed set whose graphs it takes over in every
+/// layer, or `None` where the first layer it reached had no free graph of its shape.
+static TAKEN_OVER: std::sync::Mutex<Vec<(Key, Option<Vec<u64>>)>> =
+    std::sync::Mutex::new(Vec::new());
 
 /// Whether decoding steps are captured, and up to how many batch rows: from
 /// `NSACTOR_DECODE_GRAPHS` (`off` disables) and `NSACTOR_DECODE_GRAPH_ROWS`.
@@ -75,6 +90,8 @@ pub struct DecodeGraphs<B: SnnOps> {
     warm: Option<Key>,
     /// Calls left before a failed key is tried again, and the key.
     failed: Option<(Key, u32)>,
+    /// Free graphs taken over so far.
+    taken_over: usize,
 }
 
 impl<B: SnnOps> Default for DecodeGraphs<B> {
@@ -84,6 +101,7 @@ impl<B: SnnOps> Default for DecodeGraphs<B> {
             free: Vec::new(),
             warm: None,
             failed: None,
+            taken_over: 0,
         }
     }
 }
@@ -93,7 +111,7 @@ fn prim<B: SnnOps, const D: usize>(t: Tensor<B, D>) -> B::FloatTensorPrimitive {
 }
 
 impl<B: SnnOps> DecodeGraphs<B> {
-    /// Graphs held.
+    /// Graphs held by open sets of sessions (free ones not counted).
     pub fn len(&self) -> usize {
         self.entries.len()
     }
@@ -115,6 +133,19 @@ impl<B: SnnOps> DecodeGraphs<B> {
         self.free.len()
     }
 
+    /// Free graphs taken over by new sets of sessions so far.
+    pub fn taken_over(&self) -> usize {
+        self.taken_over
+    }
+
+    /// The free graph `key` takes over, if any: the one of the freed set the first layer chose
+    /// for `key` (see the module documentation), choosing now where this is that first layer.
+    fn take_over(&self, key: &Key) -> Option<usize> {
+        let free: Vec<&Key> = self.free.iter().map(|e| &e.key).collect();
+        let mut decisions = TAKEN_OVER.lock().unwrap_or_else(|e| e.into_inner());
+        decide(&mut decisions, &free, key)
+    }
+
     /// Drops the graphs of sets of sessions that include `session` while others of the set
     /// are open; frees those whose sessions have now all closed.
     pub fn close(&mut self, session: u64) {
@@ -131,6 +162,10 @@ impl<B: SnnOps> DecodeGraphs<B> {
         }
         self.entries = kept;
         self.free.truncate(GRAPHS);
+        TAKEN_OVER
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .retain(|(k, _)| !k.sessions.contains(&session));
         if self
             .warm
             .as_ref()
@@ -174,7 +209,7 @@ impl<B: SnnOps> DecodeGraphs<B> {
         }
         // A new set of sessions takes over a free graph of its shape: the copies in and one
         // replay instead of a call uncaptured and a capture.
-        if let Some(i) = self.free.iter().position(|e| e.key.dims == dims) {
+        if let Some(i) = self.take_over(&key) {
             let mut entry = self.free.remove(i);
             entry.key = key;
             entry.open = sessions.to_vec();
@@ -183,6 +218,7 @@ impl<B: SnnOps> DecodeGraphs<B> {
                     let out = (entry.h_out.clone(), entry.state_in.clone());
                     self.entries.insert(0, entry);
                     self.entries.truncate(GRAPHS);
+                    self.taken_over += 1;
                     return out;
                 }
                 Err(e) => {
@@ -280,6 +316,23 @@ impl<B: SnnOps> DecodeGraphs<B> {
     }
 }
 
+/// [`DecodeGraphs::take_over`] on the free graphs' keys (most recently freed first) with the
+/// decisions so far: the index of the free graph `key` takes over, if any.
+fn decide(decisions: &mut Vec<(Key, Option<Vec<u64>>)>, free: &[&Key], key: &Key) -> Option<usize> {
+    if let Some((_, from)) = decisions.iter().find(|(k, _)| k == key) {
+        let from = from.as_ref()?;
+        return free
+            .iter()
+            .position(|k| k.dims == key.dims && &k.sessions == from);
+    }
+    let i = free.iter().position(|k| k.dims == key.dims);
+    decisions.push((key.clone(), i.map(|i| free[i].sessions.clone())));
+    if decisions.len() > DECISIONS {
+        decisions.remove(0);
+    }
+    i
+}
+
 impl<B: SnnOps> Entry<B> {
     /// The buffers a replay rewrites that the caller reads: the output and the states.
     fn written(&self) -> Vec<B::FloatTensorPrimitive> {
@@ -295,6 +348,35 @@ mod tests {
     use burn::tensor::Tensor;
 
     type B = burn_ndarray::NdArray<f32>;
+
+    #[test]
+    fn every_layer_takes_over_the_graphs_of_the_set_the_first_one_chose() {
+        let key = |s: &[u64]| Key {
+            sessions: s.to_vec(),
+            dims: [1, 1, 4],
+        };
+        let other_shape = Key {
+            sessions: vec![9],
+            dims: [1, 2, 4],
+        };
+        let (a, b, n, m) = (key(&[1]), key(&[2]), key(&[5]), key(&[6]));
+        let mut decisions = Vec::new();
+        // Layer 0 has A and B free (B freed last), layer 1 only A so far (B's close not there
+        // yet): the first layer chooses B, so layer 1 takes over nothing rather than A.
+        assert_eq!(decide(&mut decisions, &[&other_shape, &b, &a], &n), Some(1));
+        assert_eq!(decide(&mut decisions, &[&a], &n), None);
+        // Once B is free there too, a later layer follows the decision.
+        assert_eq!(decide(&mut decisions, &[&a, &b], &n), Some(1));
+        // A new set whose first layer had nothing free of its shape takes over nothing anywhere.
+        assert_eq!(decide(&mut decisions, &[&other_shape], &m), None);
+        assert_eq!(decide(&mut decisions, &[&a], &m), None);
+        // The decisions are bounded, oldest out.
+        for s in 100..100 + DECISIONS as u64 {
+            decide(&mut decisions, &[], &key(&[s]));
+        }
+        assert_eq!(decisions.len(), DECISIONS);
+        assert!(decisions.iter().all(|(k, _)| k != &n));
+    }
 
     #[test]
     fn a_backend_that_cannot_capture_runs_every_step_as_it_is() {

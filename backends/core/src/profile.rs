@@ -369,9 +369,11 @@ pub fn decode_profile<B: SnnOps>(device: &B::Device, options: &str) -> Result<St
 }
 
 /// The stage's pass again, each layer through [`DecodeGraphs`] (its own session state, as a
-/// decoding server's layers): first checked against the uncaptured chain over 6 tokens from a
-/// non-resting state (uncaptured, captured, then replayed), output after every token and the
-/// states at the end; then timed per pass, with the calling thread's share.
+/// decoding server's layers): first checked against the uncaptured chain, output after every
+/// token and the states at the end, for two requests one after the other from non-resting
+/// states: 6 tokens of one session (uncaptured, captured, then replayed), then 3 of another,
+/// which takes the first one's freed graphs over; then timed per pass on a third request's
+/// taken-over graphs, with the calling thread's share.
 fn graph_chain<B: SnnOps>(
     out: &mut String,
     layer: &SnnDecoderLayer<B>,
@@ -421,7 +423,7 @@ fn graph_chain<B: SnnOps>(
             .collect();
         let (mut plain, mut captured) = (start.clone(), start);
         let sessions = [request];
-        let free_before: usize = graphs.iter().map(|g| g.free_len()).sum();
+        let taken_before: usize = graphs.iter().map(|g| g.taken_over()).sum();
         for _ in 0..tokens {
             let token =
                 Tensor::<B, 3>::random([1, batch, cfg.d], Distribution::Normal(0.0, 1.0), device);
@@ -441,7 +443,7 @@ fn graph_chain<B: SnnOps>(
                 compare(&a.clone().unsqueeze(), &b.clone().unsqueeze());
             }
         }
-        adopted = free_before - graphs.iter().map(|g| g.free_len()).sum::<usize>();
+        adopted = graphs.iter().map(|g| g.taken_over()).sum::<usize>() - taken_before;
         for g in &mut graphs {
             g.close(request);
         }

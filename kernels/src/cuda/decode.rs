@@ -285,7 +285,16 @@ pub fn block_scan<R: CubeRuntime>(
     let vpost = out_typed(&y, Shape::new([rows, dn]), gemm_input());
     let vpost_dtype = vpost.dtype;
     let last = out_like(&y, Shape::new([batch, dn]));
-    let (producers, chunk) = stage_shape("NSACTOR_STAGE_BLOCK_SCAN", STAGE_BLOCK_SCAN);
+    // Three double-buffered f32 arrays of `chunk` × 32: at most 48 KiB of shared memory.
+    let (producers, chunk) = match stage_shape("NSACTOR_STAGE_BLOCK_SCAN", STAGE_BLOCK_SCAN) {
+        (_, c) if c > 64 => {
+            eprintln!(
+                "nsactor: NSACTOR_STAGE_BLOCK_SCAN takes at most 64 steps per chunk, got {c}; using the default"
+            );
+            STAGE_BLOCK_SCAN
+        }
+        shape => shape,
+    };
     let steps = rows / batch;
     block_scan_kernel::launch::<R>(
         &y.client.clone(),

@@ -71,8 +71,6 @@ struct Key {
 
 struct Entry<B: SnnOps> {
     key: Key,
-    /// The sessions of `key` not closed yet.
-    open: Vec<u64>,
     h_in: Tensor<B, 3>,
     state_in: Vec<Tensor<B, 2>>,
     h_out: Tensor<B, 3>,
@@ -146,18 +144,15 @@ impl<B: SnnOps> DecodeGraphs<B> {
         decide(&mut decisions, &free, key)
     }
 
-    /// Drops the graphs of sets of sessions that include `session` while others of the set
-    /// are open; frees those whose sessions have now all closed.
+    /// Frees the graphs of the set of `session` alone; drops those of sets that include it with
+    /// others (their states are views of the graph's buffers).
     pub fn close(&mut self, session: u64) {
         let mut kept = Vec::with_capacity(self.entries.len());
-        for mut e in std::mem::take(&mut self.entries) {
-            if !e.key.sessions.contains(&session) {
-                kept.push(e);
-                continue;
-            }
-            e.open.retain(|&s| s != session);
-            if e.open.is_empty() {
+        for e in std::mem::take(&mut self.entries) {
+            if e.key.sessions == [session] {
                 self.free.insert(0, e);
+            } else if !e.key.sessions.contains(&session) {
+                kept.push(e);
             }
         }
         self.entries = kept;
@@ -195,39 +190,18 @@ impl<B: SnnOps> DecodeGraphs<B> {
         };
         if let Some(i) = self.entries.iter().position(|e| e.key == key) {
             let entry = self.entries.remove(i);
-            match self.replay(&entry, h.clone(), state.clone()) {
-                Ok(()) => {
-                    let out = (entry.h_out.clone(), entry.state_in.clone());
-                    self.entries.insert(0, entry);
-                    return out;
-                }
-                Err(e) => {
-                    eprintln!("nsactor: decoding graph replay refused, running uncaptured: {e}");
-                    return f(h, state);
-                }
-            }
+            return self
+                .replay_first(entry, h, state, f)
+                .unwrap_or_else(|(h, state, f)| f(h, state));
         }
         // A new set of sessions takes over a free graph of its shape: the copies in and one
         // replay instead of a call uncaptured and a capture.
         if let Some(i) = self.take_over(&key) {
             let mut entry = self.free.remove(i);
             entry.key = key;
-            entry.open = sessions.to_vec();
-            match self.replay(&entry, h.clone(), state.clone()) {
-                Ok(()) => {
-                    let out = (entry.h_out.clone(), entry.state_in.clone());
-                    self.entries.insert(0, entry);
-                    self.entries.truncate(GRAPHS);
-                    self.taken_over += 1;
-                    return out;
-                }
-                Err(e) => {
-                    eprintln!(
-                        "nsactor: a free decoding graph refused the replay, running uncaptured: {e}"
-                    );
-                    return f(h, state);
-                }
-            }
+            let out = self.replay_first(entry, h, state, f);
+            self.taken_over += usize::from(out.is_ok());
+            return out.unwrap_or_else(|(h, state, f)| f(h, state));
         }
         if let Some((k, left)) = self.failed.as_mut()
             && *k == key
@@ -268,6 +242,30 @@ impl<B: SnnOps> DecodeGraphs<B> {
         }
     }
 
+    /// Replays `entry` on `h` and `state` and keeps it as the most recently used; where the
+    /// replay is refused, says so and hands the inputs back to run uncaptured.
+    #[allow(clippy::type_complexity)]
+    fn replay_first<F>(
+        &mut self,
+        entry: Entry<B>,
+        h: Tensor<B, 3>,
+        state: Vec<Tensor<B, 2>>,
+        f: F,
+    ) -> Result<(Tensor<B, 3>, Vec<Tensor<B, 2>>), (Tensor<B, 3>, Vec<Tensor<B, 2>>, F)> {
+        match self.replay(&entry, h.clone(), state.clone()) {
+            Ok(()) => {
+                let out = (entry.h_out.clone(), entry.state_in.clone());
+                self.entries.insert(0, entry);
+                self.entries.truncate(GRAPHS);
+                Ok(out)
+            }
+            Err(e) => {
+                eprintln!("nsactor: decoding graph replay refused, running uncaptured: {e}");
+                Err((h, state, f))
+            }
+        }
+    }
+
     fn replay(
         &self,
         entry: &Entry<B>,
@@ -303,7 +301,6 @@ impl<B: SnnOps> DecodeGraphs<B> {
         })?;
         let h_out = h_out?;
         let entry = Entry {
-            open: key.sessions.clone(),
             key,
             h_in,
             state_in,

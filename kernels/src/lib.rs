@@ -66,7 +66,9 @@ pub use ops::infer::{
 };
 pub use ops::optim::OptimOps;
 pub use ops::scan::{ScanOps, plif_elem, plif_row};
-pub use ops::snn::{SnnOps, ffn_neurons, norm_plif_train, plif_selective, ponder_agg_train};
+pub use ops::snn::{
+    SnnOps, ffn_neurons, gated_out, norm_plif_train, plif_selective, ponder_agg_train,
+};
 pub use ops::types::AdamStep;
 pub use ops::types::{
     FfnGrads, FfnInputs, NormPlifInputs, PlifGrads, PlifOutput, PonderInputs, ScanKind,
@@ -76,6 +78,7 @@ pub use options::{
     GemmRows, decode_fusion, decoding_gemms, gemm_rows, per_token_gemms, set_decode_fusion,
 };
 pub use reference::ffn::{ffn_backward_reference, ffn_forward_reference, ffn_param_grads};
+pub use reference::gated::{gated_out_backward_reference, gated_out_forward_reference};
 pub use reference::norm_plif::{norm_plif_backward_reference, norm_plif_forward_reference};
 pub use reference::ponder::{ponder_backward_reference, ponder_forward_reference};
 pub use reference::selective::{

@@ -146,13 +146,11 @@ impl<B: SnnOps> Linear<B> {
         w.mean_dim(1).reshape([1, inputs])
     }
 
-    /// `forward(x) + c`: in an untracked pass one GEMM that adds `c` itself
-    /// ([`nsactor_kernels::matmul_add`]; `c` may be a column slice of a wider product).
+    /// `forward(x) + c` as one GEMM that adds `c` itself ([`nsactor_kernels::matmul_add`]; in
+    /// an untracked pass `c` may be a column slice of a wider product; under autodiff `c` must
+    /// be a GEMM's output, whose gradient comes in the GEMM's operand type).
     pub fn forward_add(&self, x: Tensor<B, 2>, c: Tensor<B, 2>) -> Tensor<B, 2> {
-        if B::ad_enabled(&x.device()) {
-            return self.forward(x) + c;
-        }
-        let y = nsactor_kernels::matmul_add(x, self.untracked_operand(), c);
+        let y = nsactor_kernels::matmul_add(x.clone(), self.weight_operand(&x), c);
         self.add_bias(y)
     }
 

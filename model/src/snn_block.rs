@@ -202,7 +202,6 @@ impl<B: SnnOps> SnnBlock<B> {
             self.projections(flat, dn)
         };
         let [i, rb, ra, rt, gate, skip] = projected;
-        let gate = sigmoid(gate); // [TK·B, D]
         let seq = |x: Tensor<B, 2>| x.reshape([tk, b, dn]);
         // Modulation (Eq. 5-7): β = σ(·+b_β), α = softplus(·+b_α), V_th = V_min + |·+b_th|,
         // u = α·i, inside the scan kernel where the backend fuses it.
@@ -217,7 +216,9 @@ impl<B: SnnOps> SnnBlock<B> {
             v_th_min,
             v0,
         );
-        let out = self.W_out.forward(vpost.reshape([tk * b, dn])) * gate + skip;
+        // `W_out·V_post · σ(gate) + skip`: one op where the backend fuses it.
+        let out = self.W_out.forward(vpost.reshape([tk * b, dn]));
+        let out = nsactor_kernels::gated_out(out, gate, skip);
         (out.reshape([tk, b, d]), last)
     }
 }

@@ -92,7 +92,8 @@ impl<B: SnnOps> SnnFfn<B> {
         let flat = a.reshape([tk * b, d]);
         let finish = |i_gu: Tensor<B, 3>, skip: Tensor<B, 2>| {
             let (gv, last) = self.gate_up(i_gu, v0.clone(), out);
-            let y = self.down_proj.forward(gv.reshape([tk * b, f])) + skip;
+            // The skip path added in the down projection's GEMM.
+            let y = self.down_proj.forward_add(gv.reshape([tk * b, f]), skip);
             (y.reshape([tk, b, d]), last)
         };
         if decoding_pass::<B>(tk * b, &flat.device()) {

@@ -5,12 +5,13 @@
 //! [`gemm`] checks and times the projection GEMMs.
 //!
 //! [`run`] (here) measures the copy bandwidth and runs the four scans (`scans`); the fused ops
-//! each have their file (`selective`, `ffn`, `ponder`, `norm_plif`, and `optim` for Adam's
-//! update); `report` holds the error measures, the timer and the report lines; `config` the
+//! each have their file (`selective`, `ffn`, `ponder`, `norm_plif`, `gated`, and `optim` for
+//! Adam's update); `report` holds the error measures, the timer and the report lines; `config` the
 //! shapes. Production code never imports this module.
 
 mod config;
 mod ffn;
+mod gated;
 #[cfg(feature = "cuda")]
 pub mod gemm;
 mod norm_plif;
@@ -27,6 +28,7 @@ use crate::ops::snn::SnnOps;
 use crate::ops::types::ScanKind;
 use burn::tensor::{Distribution, Tensor};
 use ffn::{ffn_neurons, ffn_stored};
+use gated::gated_out;
 use norm_plif::norm_plif;
 use ponder::ponder;
 use report::{TOLERANCE, host, time, worst};
@@ -132,6 +134,9 @@ pub fn run<B: SnnOps>(device: &B::Device, cfg: &ScanBench) -> Result<String, Ker
         failed.push(name);
     }
     if let Err(name) = norm_plif::<B>(device, cfg, copy_bw, &mut out) {
+        failed.push(name);
+    }
+    if let Err(name) = gated_out::<B>(device, cfg, copy_bw, &mut out) {
         failed.push(name);
     }
     if let Err(name) = optim::adam::<B>(device, cfg, copy_bw, &mut out) {

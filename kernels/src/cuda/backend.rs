@@ -7,7 +7,7 @@
 
 use crate::KernelError;
 use crate::cuda::{
-    decode, device, ffn, gemm, graph, norm_plif, ponder, ponder_backward, precision, scan,
+    decode, device, ffn, gated, gemm, graph, norm_plif, ponder, ponder_backward, precision, scan,
     selective, timing,
 };
 use crate::ops::device::{DeviceOps, GraphOps};
@@ -356,6 +356,27 @@ impl SnnOps for Cuda {
         let dw = wrap::<Self, 2>(dw_rows).sum_dim(0).reshape([1, d]);
         let db = wrap::<Self, 1>(db_rows).sum();
         [dx, prim(dw), prim(db)]
+    }
+
+    /// `$NSACTOR_GATED_OUT=composed` keeps the composition, for comparison.
+    fn fuses_gated_out() -> bool {
+        std::env::var("NSACTOR_GATED_OUT").map_or(true, |v| v != "composed")
+    }
+
+    fn gated_out_forward(
+        r: FloatTensor<Self>,
+        g: FloatTensor<Self>,
+        s: FloatTensor<Self>,
+    ) -> FloatTensor<Self> {
+        gated::gated_out(r, g, s)
+    }
+
+    fn gated_out_backward(
+        r: FloatTensor<Self>,
+        g: FloatTensor<Self>,
+        dy: FloatTensor<Self>,
+    ) -> [FloatTensor<Self>; 3] {
+        gated::gated_out_backward(r, g, dy)
     }
 
     /// `$NSACTOR_FFN_NEURONS=composed` keeps the composition, for comparison.

@@ -5,6 +5,7 @@
 //! * [`selective`] — the selective scan with the SNNBlock modulation fused in (forward and
 //!   backward through a `cp.async` ring; the register-loading staged kernels as the fallback);
 //! * [`ffn`] — the SNNFFN's gate and up neurons (training and inference);
+//! * [`gated`] — the SNNBlock's gated output `r·σ(g) + s` (training and prefill);
 //! * [`norm_plif`] — RMSNorm then the input PLIF (training and inference);
 //! * [`ponder`], [`ponder_backward`]: PonderNet's halting and aggregation;
 //! * [`decode`] — the decoding fusions (the SNNBlock's scan on its merged projection, its gate
@@ -23,6 +24,7 @@ mod common;
 pub mod decode;
 pub mod device;
 pub mod ffn;
+pub mod gated;
 pub mod gemm;
 mod gemm_invariant;
 mod gemm_lt;

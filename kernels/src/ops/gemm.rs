@@ -16,9 +16,11 @@ pub trait GemmOps: Backend {
         Self::float_matmul(lhs, rhs)
     }
 
-    /// `lhs · rhs + c` (`c` `[M, N]`, possibly a column slice of a wider tensor), for untracked
-    /// passes. Default: [`gemm`](Self::gemm) then an add. CUDA adds `c` in cuBLASLt's
-    /// epilogue (one call instead of two).
+    /// `lhs · rhs + c` (`c` `[M, N]`, possibly a column slice of a wider tensor in an untracked
+    /// pass). Default: [`gemm`](Self::gemm) then an add. CUDA adds `c` in cuBLASLt's epilogue
+    /// (one call instead of two). Under autodiff one node, whose `∂c` comes in the type
+    /// [`gemm_operand`](Self::gemm_operand) rounds to: `c` must be a tensor whose other
+    /// consumers (if any) take that, as a GEMM output's own backward does.
     fn gemm_add(
         lhs: FloatTensor<Self>,
         rhs: FloatTensor<Self>,
@@ -82,8 +84,8 @@ pub fn stored<B: GemmOps, const D: usize>(t: Tensor<B, D>) -> Tensor<B, D> {
     if t.dtype() == dtype { t } else { t.cast(dtype) }
 }
 
-/// `lhs [M, K] · rhs [K, N] + c [M, N]` through [`GemmOps::gemm_add`]: for untracked passes
-/// (on an autodiff backend it is the differentiable GEMM and add).
+/// `lhs [M, K] · rhs [K, N] + c [M, N]` through [`GemmOps::gemm_add`], differentiable (one
+/// node on an autodiff backend).
 pub fn matmul_add<B: GemmOps>(
     lhs: Tensor<B, 2>,
     rhs: Tensor<B, 2>,

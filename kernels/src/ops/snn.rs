@@ -1,8 +1,8 @@
 //! `SnnOps`: the union of the ops traits the model bounds its backends by, with its own methods,
 //! the fused training ops (the selective scan with its modulation, RMSNorm + the input PLIF,
-//! PonderAgg, the SNNFFN's neurons), whose defaults run the compositions of
-//! [`crate::reference`]; and their tensor-level wrappers ([`plif_selective`], [`norm_plif_train`],
-//! [`ponder_agg_train`], [`ffn_neurons`]).
+//! PonderAgg, the SNNFFN's neurons, the SNNBlock's gated output), whose defaults run the
+//! compositions of [`crate::reference`]; and their tensor-level wrappers ([`plif_selective`],
+//! [`norm_plif_train`], [`ponder_agg_train`], [`ffn_neurons`], [`gated_out`]).
 
 use crate::ops::device::{DeviceOps, GraphOps};
 use crate::ops::gemm::GemmOps;
@@ -13,13 +13,14 @@ use crate::ops::types::{
     FfnGrads, FfnInputs, NormPlifInputs, PlifOutput, PonderInputs, SelectiveGrads, SelectiveInputs,
 };
 use crate::reference::ffn::{ffn_backward_reference, ffn_forward_reference};
+use crate::reference::gated::{gated_out_backward_reference, gated_out_forward_reference};
 use crate::reference::norm_plif::{norm_plif_backward_reference, norm_plif_forward_reference};
 use crate::reference::ponder::{ponder_backward_reference, ponder_forward_reference};
 use crate::reference::selective::{
     selective_backward_reference, selective_forward_reference, selective_modulation,
 };
 use crate::tensor::{last_frame, prim, wrap};
-use burn::tensor::{Tensor, ops::FloatTensor};
+use burn::tensor::{Tensor, activation::sigmoid, ops::FloatTensor};
 
 /// Backend extension with the PLIF scans and everything the model runs through its backend
 /// (DESIGN "The seams", point 1): the union of [`GemmOps`] (the GEMM hook), [`ScanOps`] (the
@@ -118,6 +119,33 @@ pub trait SnnOps: GemmOps + ScanOps + InferOps + DeviceOps + GraphOps + OptimOps
     ) -> FfnGrads<Self> {
         ffn_backward_reference(inp, vpost, grad_gv)
     }
+
+    /// Whether the backend runs the SNNBlock's gated output `r·σ(g) + s` as one op
+    /// ([`gated_out`]: the two methods below) instead of the sigmoid, product and sum autodiff
+    /// derives (burn composes σ from five element-wise kernels and recomputes it backward).
+    fn fuses_gated_out() -> bool {
+        false
+    }
+
+    /// Its forward on `[rows, D]` tensors. Default: [`gated_out_forward_reference`].
+    fn gated_out_forward(
+        r: FloatTensor<Self>,
+        g: FloatTensor<Self>,
+        s: FloatTensor<Self>,
+    ) -> FloatTensor<Self> {
+        gated_out_forward_reference::<Self>(r, g, s)
+    }
+
+    /// Its backward: `[∂r, ∂g, ∂s]`. A backend may write them in the type its GEMMs read
+    /// ([`GemmOps::gemm_operand`]: the three are the gradients of GEMM outputs, rounded there
+    /// anyway). Default: [`gated_out_backward_reference`] (f32).
+    fn gated_out_backward(
+        r: FloatTensor<Self>,
+        g: FloatTensor<Self>,
+        dy: FloatTensor<Self>,
+    ) -> [FloatTensor<Self>; 3] {
+        gated_out_backward_reference::<Self>(r, g, dy)
+    }
 }
 
 /// The selective scan with its modulation (SPEC §2.3, Eq. 5–7), differentiable in every input:
@@ -203,4 +231,14 @@ pub fn ponder_agg_train<B: SnnOps>(inp: PonderInputs<B>) -> (Tensor<B, 3>, Tenso
 pub fn ffn_neurons<B: SnnOps>(inp: FfnInputs<B>) -> (Tensor<B, 3>, Tensor<B, 2>) {
     let (gv, vpost) = B::ffn_neurons_forward(inp);
     (wrap(gv), detached_last(vpost))
+}
+
+/// The SNNBlock's output `r·σ(g) + s` (`r` the out projection, `g` the gate logits, `s` the skip
+/// path, each `[rows, D]`), differentiable in all three: one op where the backend fuses it
+/// ([`SnnOps::fuses_gated_out`]), else composed from tensor ops.
+pub fn gated_out<B: SnnOps>(r: Tensor<B, 2>, g: Tensor<B, 2>, s: Tensor<B, 2>) -> Tensor<B, 2> {
+    if B::fuses_gated_out() {
+        return wrap(B::gated_out_forward(prim(r), prim(g), prim(s)));
+    }
+    r * sigmoid(g) + s
 }

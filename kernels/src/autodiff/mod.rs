@@ -1,8 +1,10 @@
 //! The `SnnOps` family for `Autodiff<B>`: forward through `B`, backward through `B`'s backward
-//! methods, one backward node per op (the scans, the GEMM, the fused training ops).
+//! methods, one backward node per op: the scans and the fused training ops here, the GEMMs in
+//! [`gemm`].
+
+mod gemm;
 
 use crate::ops::device::{DeviceOps, GraphOps};
-use crate::ops::gemm::GemmOps;
 use crate::ops::infer::InferOps;
 use crate::ops::scan::ScanOps;
 use crate::ops::snn::SnnOps;
@@ -16,7 +18,7 @@ use burn::backend::autodiff::{
     grads::Gradients,
     ops::{Backward, Ops, OpsKind},
 };
-use burn::tensor::{DType, TensorMetadata, ops::FloatTensor};
+use burn::tensor::ops::FloatTensor;
 
 /// Saved for backward: `beta` and `v0` as graph checkpoints, `V_post` and the spikes as outputs.
 #[derive(Debug, Clone)]
@@ -100,37 +102,6 @@ fn forward<B: SnnOps, C: CheckpointStrategy>(
                 vpost: prep.finish(out.vpost),
                 last: out.last.map(<FloatTensor<Autodiff<B, C>>>::new),
             }
-        }
-    }
-}
-
-/// Backward of `lhs · rhs`: `∂lhs = g · rhsᵀ`, `∂rhs = lhsᵀ · g`, through `B::gemm_out`. The
-/// state holds the operands as the forward's GEMM read them ([`SnnOps::gemm_operand`]: bf16
-/// copies on CUDA in bf16, half the memory of the f32 tensors and no second rounding), and `g`
-/// is rounded once for both products. Each gradient is written in its tensor's type (a bf16
-/// activation gets a bf16 gradient: the scan kernel that made it reads that).
-#[derive(Debug)]
-struct MatmulBackward;
-
-impl<B: SnnOps> Backward<B, 2> for MatmulBackward {
-    type State = (FloatTensor<B>, FloatTensor<B>, [DType; 2]);
-
-    fn backward(
-        self,
-        ops: Ops<Self::State, 2>,
-        grads: &mut Gradients,
-        _checkpointer: &mut Checkpointer,
-    ) {
-        let [node_lhs, node_rhs] = ops.parents;
-        let g = B::gemm_operand(grads.consume::<B>(&ops.node));
-        let (lhs, rhs, [lhs_dtype, rhs_dtype]) = ops.state;
-        if let Some(node) = node_lhs {
-            let d = B::gemm_out(g.clone(), B::float_transpose(rhs), lhs_dtype);
-            grads.register::<B>(node.id, d);
-        }
-        if let Some(node) = node_rhs {
-            let d = B::gemm_out(B::float_transpose(lhs), g, rhs_dtype);
-            grads.register::<B>(node.id, d);
         }
     }
 }
@@ -256,31 +227,27 @@ impl<B: SnnOps> Backward<B, 6> for FfnBackward {
     }
 }
 
-/// The GEMM with its own backward node (`MatmulBackward`).
-impl<B: SnnOps, C: CheckpointStrategy> GemmOps for Autodiff<B, C> {
-    fn gemm(lhs: FloatTensor<Self>, rhs: FloatTensor<Self>) -> FloatTensor<Self> {
-        Self::gemm_out(lhs, rhs, DType::F32)
-    }
+/// Backward of the SNNBlock's gated output: `r` and `g` are saved (σ is recomputed).
+#[derive(Debug)]
+struct GatedOutBackward;
 
-    fn gemm_out(lhs: FloatTensor<Self>, rhs: FloatTensor<Self>, out: DType) -> FloatTensor<Self> {
-        let prep = MatmulBackward
-            .prepare::<C>([lhs.node.clone(), rhs.node.clone()])
-            .compute_bound()
-            .stateful();
-        match prep {
-            OpsKind::Tracked(prep) => {
-                let dtypes = [lhs.primitive.dtype(), rhs.primitive.dtype()];
-                let lhs = B::gemm_operand(lhs.primitive);
-                let rhs = B::gemm_operand(rhs.primitive);
-                let out = B::gemm_out(lhs.clone(), rhs.clone(), out);
-                prep.finish((lhs, rhs, dtypes), out)
+impl<B: SnnOps> Backward<B, 3> for GatedOutBackward {
+    type State = (FloatTensor<B>, FloatTensor<B>);
+
+    fn backward(
+        self,
+        ops: Ops<Self::State, 3>,
+        grads: &mut Gradients,
+        _checkpointer: &mut Checkpointer,
+    ) {
+        let dy = grads.consume::<B>(&ops.node);
+        let (r, g) = ops.state;
+        let d = B::gated_out_backward(r, g, dy);
+        for (node, grad) in ops.parents.into_iter().zip(d) {
+            if let Some(node) = node {
+                grads.register::<B>(node.id, grad);
             }
-            OpsKind::UnTracked(prep) => prep.finish(B::gemm_out(lhs.primitive, rhs.primitive, out)),
         }
-    }
-
-    fn storage_dtype() -> DType {
-        B::storage_dtype()
     }
 }
 
@@ -321,6 +288,31 @@ impl<B: SnnOps, C: CheckpointStrategy> SnnOps for Autodiff<B, C> {
 
     fn fuses_norm_plif() -> bool {
         B::fuses_norm_plif()
+    }
+
+    fn fuses_gated_out() -> bool {
+        B::fuses_gated_out()
+    }
+
+    fn gated_out_forward(
+        r: FloatTensor<Self>,
+        g: FloatTensor<Self>,
+        s: FloatTensor<Self>,
+    ) -> FloatTensor<Self> {
+        let parents = [r.node.clone(), g.node.clone(), s.node.clone()];
+        match GatedOutBackward
+            .prepare::<C>(parents)
+            .compute_bound()
+            .stateful()
+        {
+            OpsKind::Tracked(prep) => {
+                let y = B::gated_out_forward(r.primitive.clone(), g.primitive.clone(), s.primitive);
+                prep.finish((r.primitive, g.primitive), y)
+            }
+            OpsKind::UnTracked(prep) => {
+                prep.finish(B::gated_out_forward(r.primitive, g.primitive, s.primitive))
+            }
+        }
     }
 
     fn norm_plif_forward(inp: NormPlifInputs<Self>) -> (FloatTensor<Self>, FloatTensor<Self>) {

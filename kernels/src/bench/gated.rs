@@ -2,11 +2,11 @@
 //! on the same device, forward and backward, at the 0.9B's `[T·K·B, D]`.
 
 use super::config::ScanBench;
-use super::report::{Pair, TOLERANCE, host, rel_norm, report_pairs, time, worst};
+use super::report::{Pair, TOLERANCE, error_in_type, host, report_pairs, time, worst};
 use crate::ops::snn::SnnOps;
 use crate::reference::gated::{gated_out_backward_reference, gated_out_forward_reference};
-use crate::tensor::{prim, wrap};
-use burn::tensor::{DType, Distribution, Tensor, TensorMetadata, ops::FloatTensor};
+use crate::tensor::prim;
+use burn::tensor::{Distribution, Tensor, TensorMetadata, ops::FloatTensor};
 
 /// `[r, g, s, dy]` of `rows × dim`.
 fn inputs<B: SnnOps>(rows: usize, dim: usize, device: &B::Device) -> [FloatTensor<B>; 4] {
@@ -19,19 +19,8 @@ fn inputs<B: SnnOps>(rows: usize, dim: usize, device: &B::Device) -> [FloatTenso
     })
 }
 
-/// The gradients' error: elementwise against the reference where the backend writes f32;
-/// where it writes them in bf16 (the GEMMs' input type), `‖Δ‖/‖ref‖` against the reference
-/// rounded to bf16 (an f32 last bit may move a rounding).
-fn grad_error<B: SnnOps>(got: &FloatTensor<B>, want: FloatTensor<B>) -> f32 {
-    let dtype = got.dtype();
-    if dtype == DType::F32 {
-        return worst(&host::<B>(got), &host::<B>(&want));
-    }
-    let want = prim(wrap::<B, 2>(want).cast(dtype));
-    rel_norm(&host::<B>(got), &host::<B>(&want))
-}
-
-/// Checked on `check_steps` frames of the batch, timed on `steps` frames (`dim` = D).
+/// Checked on `check_steps` frames of the batch (the gradients against the reference in the
+/// type the backend writes them: [`error_in_type`]), timed on `steps` frames (`dim` = D).
 pub(super) fn gated_out<B: SnnOps>(
     device: &B::Device,
     cfg: &ScanBench,
@@ -48,7 +37,7 @@ pub(super) fn gated_out<B: SnnOps>(
     let err_bwd = got
         .iter()
         .zip(want)
-        .map(|(a, b)| grad_error::<B>(a, b))
+        .map(|(a, b)| error_in_type::<B>(a, &b))
         .fold(0.0f32, f32::max);
     let [r, g, s, dy] = inputs::<B>(cfg.steps * cfg.batch, cfg.dim, device);
     let n = cfg.steps * cfg.batch * cfg.dim;

@@ -2,18 +2,19 @@
 //! same device, in both output modes.
 
 use super::config::ScanBench;
-use super::report::{Pair, TOLERANCE, host, report_pairs, time, worst};
+use super::report::{Pair, TOLERANCE, error_in_type, host, report_pairs, rounded, time, worst};
 use crate::ops::snn::SnnOps;
 use crate::ops::types::NormPlifInputs;
 use crate::reference::norm_plif::{norm_plif_backward_reference, norm_plif_forward_reference};
 use crate::tensor::prim;
-use burn::tensor::{Distribution, Tensor};
+use burn::tensor::{DType, Distribution, Tensor, TensorMetadata};
 
 /// RMSNorm + the input PLIF's training op ([`SnnOps::norm_plif_forward`] / `_backward`)
 /// against the composition ([`norm_plif_forward_reference`] / [`norm_plif_backward_reference`])
 /// on the same device, in both output modes: outputs and gradients within the tolerance (the
-/// kernels reduce `mean(x²)` in another order), then both timed at `steps` frames of `K`
-/// (`dim` = D, leak).
+/// kernels reduce `mean(x²)` in another order; the output in the type the backend writes it,
+/// [`error_in_type`], and the backward also from a gradient in that type), then both timed at
+/// `steps` frames of `K` (`dim` = D, leak).
 pub(super) fn norm_plif<B: SnnOps>(
     device: &B::Device,
     cfg: &ScanBench,
@@ -55,13 +56,26 @@ pub(super) fn norm_plif<B: SnnOps>(
         let (y, vp) = B::norm_plif_forward(small.clone());
         let (y_ref, vp_ref) = norm_plif_forward_reference(&small);
         err_fwd = err_fwd
-            .max(worst(&host::<B>(&y), &host::<B>(&y_ref)))
+            .max(error_in_type::<B>(&y, &y_ref))
             .max(worst(&host::<B>(&vp), &host::<B>(&vp_ref)));
-        err_bwd = B::norm_plif_backward(small.clone(), vp, grad.clone())
-            .iter()
-            .zip(&norm_plif_backward_reference(small, vp_ref, grad))
-            .map(|(a, b)| worst(&host::<B>(a), &host::<B>(b)))
-            .fold(err_bwd, f32::max);
+        // The output's gradient in f32, and in the type the forward wrote the output (what
+        // the projections' summed input gradients come in), against its exact f32 values.
+        let (low, wide) = rounded::<B>(&grad);
+        let grads = [(grad.clone(), grad), (low, wide)];
+        for (g, g_ref) in grads
+            .into_iter()
+            .take(if y.dtype() == DType::F32 { 1 } else { 2 })
+        {
+            err_bwd = B::norm_plif_backward(small.clone(), vp.clone(), g)
+                .iter()
+                .zip(&norm_plif_backward_reference(
+                    small.clone(),
+                    vp_ref.clone(),
+                    g_ref,
+                ))
+                .map(|(a, b)| worst(&host::<B>(a), &host::<B>(b)))
+                .fold(err_bwd, f32::max);
+        }
     }
     let (full, grad) = inputs(cfg.steps, true);
     let frames = cfg.steps.div_ceil(cfg.k) * cfg.k * cfg.batch * cfg.dim;

@@ -76,6 +76,23 @@ pub(super) fn worst_rel_norm<B: Backend>(a: &[FloatTensor<B>], b: &[FloatTensor<
         .fold(0.0f32, f32::max)
 }
 
+/// The error of a kernel's output `got` against the reference `want`: elementwise where the
+/// kernel writes f32; where it writes a narrower type (bf16 storage, the GEMMs' input type),
+/// `‖Δ‖/‖ref‖` against the reference rounded to that type (an f32 last bit may move a
+/// rounding).
+pub(super) fn error_in_type<B: Backend>(got: &FloatTensor<B>, want: &FloatTensor<B>) -> f32 {
+    use burn::tensor::TensorMetadata;
+    let dtype = got.dtype();
+    if dtype == burn::tensor::DType::F32 {
+        return worst(&host::<B>(got), &host::<B>(want));
+    }
+    let want = match want.shape().num_dims() {
+        2 => prim(Tensor::<B, 2>::from_primitive(TensorPrimitive::Float(want.clone())).cast(dtype)),
+        _ => cast3::<B>(want, dtype),
+    };
+    rel_norm(&host::<B>(got), &host::<B>(&want))
+}
+
 /// `t` `[·, ·, ·]` cast to `dtype`.
 fn cast3<B: Backend>(t: &FloatTensor<B>, dtype: burn::tensor::DType) -> FloatTensor<B> {
     prim(Tensor::<B, 3>::from_primitive(TensorPrimitive::Float(t.clone())).cast(dtype))

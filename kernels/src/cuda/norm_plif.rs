@@ -4,8 +4,11 @@
 //! token's K outputs averaged, a decoding step's RMS summed inside the scan kernel) and for
 //! training (saving `V_post`), with the training op's backward.
 
-use crate::cuda::common::{FEW_ROWS, PLANE, gemm_input, out_like, out_typed, sigmoid_burn};
-use burn::tensor::{DType, Shape};
+use crate::cuda::common::{
+    FEW_ROWS, PLANE, gemm_input, out_like, out_typed, sigmoid_burn, stored_dtype,
+};
+use crate::cuda::precision::storage_dtype;
+use burn::tensor::Shape;
 use burn_cubecl::CubeRuntime;
 use burn_cubecl::kernel::into_contiguous;
 use burn_cubecl::tensor::CubeTensor;
@@ -141,7 +144,7 @@ fn norm_plif_kernel<O: Float>(
 /// `(1 − β)` factors'), `∂V_th` and the carried `∂v0`.
 #[allow(clippy::too_many_arguments)]
 #[cube(launch)]
-fn norm_plif_backward_kernel(
+fn norm_plif_backward_kernel<G: Float>(
     x: &Tensor<f32>,
     r: &Tensor<f32>,
     norm_w: &Tensor<f32>,
@@ -149,7 +152,7 @@ fn norm_plif_backward_kernel(
     v_th: &Tensor<f32>,
     v0: &Tensor<f32>,
     vpost: &Tensor<f32>,
-    grad: &Tensor<f32>,
+    grad: &Tensor<G>,
     d_xhat: &mut Tensor<f32>,
     d_beta: &mut Tensor<f32>,
     d_th: &mut Tensor<f32>,
@@ -159,6 +162,7 @@ fn norm_plif_backward_kernel(
     tokens: u32,
     #[comptime] k: usize,
     #[comptime] leak: bool,
+    #[define(G)] _grad_type: StorageType,
 ) {
     let cols = cols as usize;
     let dim = dim as usize;
@@ -187,7 +191,7 @@ fn norm_plif_backward_kernel(
         #[unroll]
         for j in 0..k {
             let f = (t * k + j) * cols + c;
-            gy[j] = grad[f];
+            gy[j] = f32::cast_from(grad[f]);
             vp[j] = vpost[f];
         }
         let before = select(
@@ -301,6 +305,8 @@ pub fn norm_plif_backward<R: CubeRuntime>(
     let (t, batch, dim) = norm_plif_geometry(&inputs.each_ref(), k);
     let [x, norm_w, w, v_th, v0] = inputs.map(into_contiguous);
     let [vpost, grad] = [vpost, grad].map(into_contiguous);
+    // The output's gradient in the type the forward wrote it (see `norm_plif_with`).
+    let grad_dtype = stored_dtype(&grad);
     let r = rms_inv(&x, t, batch, dim, eps);
     let cols = batch * dim;
     let d_xhat = out_like(&x, Shape::new([t, batch, dim]));
@@ -329,6 +335,7 @@ pub fn norm_plif_backward<R: CubeRuntime>(
         t as u32,
         k,
         leak,
+        grad_dtype.into(),
     );
     let d_x = out_like(&x, Shape::new([t, batch, dim]));
     let d_w_rows = out_like(&x, Shape::new([t * batch, dim]));
@@ -412,9 +419,15 @@ fn norm_plif_with<R: CubeRuntime>(
     } else {
         rms_inv(&x, t, batch, dim, eps)
     };
-    // Inference writes the output in the type the projections' GEMM reads; training keeps f32
-    // (autodiff's GEMM node rounds its saved operand itself).
-    let y_dtype = if save_vpost { DType::F32 } else { gemm_input() };
+    // Inference writes the output in the type the projections' GEMM reads; training in the
+    // storage type, which the model rounds the projections' shared input to anyway
+    // (`nsactor_kernels::stored`): bf16 in bf16 precision, so that cast and its backward's
+    // widening of the summed input gradients are gone (the backward reads that sum as it is).
+    let y_dtype = if save_vpost {
+        storage_dtype()
+    } else {
+        gemm_input()
+    };
     let frames = if mean_frames { t } else { t * k };
     let y = out_typed(&x, Shape::new([frames, batch, dim]), y_dtype);
     let last = out_like(&x, Shape::new([batch, dim]));

@@ -64,8 +64,10 @@ pub trait SnnOps: GemmOps + ScanOps + InferOps + DeviceOps + GraphOps + OptimOps
         false
     }
 
-    /// Their forward: `(output [T·K, B, D], V_post [T·K, B, D])`. Default:
-    /// [`norm_plif_forward_reference`].
+    /// Their forward: `(output [T·K, B, D], V_post [T·K, B, D])`. The output may come in
+    /// [`GemmOps::storage_dtype`] (the projections that read it round it so; CUDA in bf16),
+    /// and then its gradient comes in that type to the backward. Default:
+    /// [`norm_plif_forward_reference`] (f32).
     fn norm_plif_forward(inp: NormPlifInputs<Self>) -> (FloatTensor<Self>, FloatTensor<Self>) {
         norm_plif_forward_reference(&inp)
     }

@@ -7,8 +7,8 @@
 
 use crate::KernelError;
 use crate::cuda::{
-    decode, device, ffn, gated, gemm, graph, norm_plif, ponder, ponder_backward, precision, scan,
-    selective, timing,
+    decode, device, ffn, gated, gemm, graph, norm_plif, norm_plif_staged, ponder, ponder_backward,
+    precision, scan, selective, timing,
 };
 use crate::ops::device::{DeviceOps, GraphOps};
 use crate::ops::gemm::GemmOps;
@@ -330,7 +330,7 @@ impl SnnOps for Cuda {
         let device = inp.x.device.clone();
         let (t, eps, k, leak) = norm_plif_args(inp);
         let [dx, dnw_rows, d_beta, d_th, d_v0] = scan_timed(&device, || {
-            norm_plif::norm_plif_backward(t, eps, k, leak, vpost, grad)
+            norm_plif_staged::norm_plif_backward(t, eps, k, leak, vpost, grad)
         });
         let d_nw = wrap::<Self, 2>(dnw_rows).sum_dim(0).reshape([d]);
         let d_beta = wrap::<Self, 2>(d_beta).sum_dim(0).reshape([d]);

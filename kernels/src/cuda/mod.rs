@@ -6,7 +6,8 @@
 //!   backward through a `cp.async` ring; the register-loading staged kernels as the fallback);
 //! * [`ffn`] — the SNNFFN's gate and up neurons (training and inference);
 //! * [`gated`] — the SNNBlock's gated output `r·σ(g) + s` (training and prefill);
-//! * [`norm_plif`] — RMSNorm then the input PLIF (training and inference);
+//! * [`norm_plif`] — RMSNorm then the input PLIF (inference, and the launcher of both), and
+//!   [`norm_plif_staged`], its kernels staged by tokens (training and prefill, and the backward);
 //! * [`ponder`], [`ponder_backward`]: PonderNet's halting and aggregation;
 //! * [`decode`] — the decoding fusions (the SNNBlock's scan on its merged projection, its gate
 //!   and skip, the centred residual, the edge's RMSNorm).
@@ -34,6 +35,7 @@ pub mod graph;
 pub mod naive;
 pub mod nccl;
 pub mod norm_plif;
+pub mod norm_plif_staged;
 pub mod optim;
 pub mod ponder;
 pub mod ponder_backward;

@@ -4,9 +4,8 @@
 //! token's K outputs averaged, a decoding step's RMS summed inside the scan kernel) and for
 //! training (saving `V_post`), with the training op's backward.
 
-use crate::cuda::common::{
-    FEW_ROWS, PLANE, gemm_input, out_like, out_typed, sigmoid_burn, stored_dtype,
-};
+use crate::cuda::common::{FEW_ROWS, PLANE, gemm_input, out_like, out_typed, sigmoid_burn};
+use crate::cuda::norm_plif_staged::{norm_plif_staged_kernel, prefetch};
 use crate::cuda::precision::storage_dtype;
 use burn::tensor::Shape;
 use burn_cubecl::CubeRuntime;
@@ -136,134 +135,6 @@ fn norm_plif_kernel<O: Float>(
     last[c] = v;
 }
 
-/// The backward of [`norm_plif_kernel`]'s neuron, one unit per `(batch row, channel)` walking
-/// the tokens in reverse, each token's K frames loaded together: `∂V_post` from the output
-/// (times `1 − β` with leak), the reverse recurrence with the spikes recomputed exactly as the
-/// forward made them, `∂x̂ = (1 − β)·Σ_k ∂u` per token (the norm's backward follows in
-/// [`rms_norm_backward_kernel`]), and per column the sums `∂β` (the scan's term less both
-/// `(1 − β)` factors'), `∂V_th` and the carried `∂v0`.
-#[allow(clippy::too_many_arguments)]
-#[cube(launch)]
-fn norm_plif_backward_kernel<G: Float>(
-    x: &Tensor<f32>,
-    r: &Tensor<f32>,
-    norm_w: &Tensor<f32>,
-    w: &Tensor<f32>,
-    v_th: &Tensor<f32>,
-    v0: &Tensor<f32>,
-    vpost: &Tensor<f32>,
-    grad: &Tensor<G>,
-    d_xhat: &mut Tensor<f32>,
-    d_beta: &mut Tensor<f32>,
-    d_th: &mut Tensor<f32>,
-    d_v0: &mut Tensor<f32>,
-    cols: u32,
-    dim: u32,
-    tokens: u32,
-    #[comptime] k: usize,
-    #[comptime] leak: bool,
-    #[define(G)] _grad_type: StorageType,
-) {
-    let cols = cols as usize;
-    let dim = dim as usize;
-    let tokens = tokens as usize;
-    let c = ABSOLUTE_POS;
-    if c >= cols {
-        terminate!();
-    }
-    let b = c / dim;
-    let d = c % dim;
-    let beta = sigmoid_burn(w[d]);
-    let one_minus = -beta + 1.0f32;
-    let th = v_th[d];
-    let nw = norm_w[d];
-    let first = v0[c];
-    let mut gy = Array::<f32>::new(k);
-    let mut vp = Array::<f32>::new(k);
-    let mut acc = 0.0f32;
-    let mut s_beta = 0.0f32;
-    let mut s_th = 0.0f32;
-    let mut s_om = 0.0f32;
-    for tq in 0..tokens {
-        let t = tokens - 1 - tq;
-        let xh = x[t * cols + c] * r[t * (cols / dim) + b] * nw;
-        let u = xh * one_minus;
-        #[unroll]
-        for j in 0..k {
-            let f = (t * k + j) * cols + c;
-            gy[j] = f32::cast_from(grad[f]);
-            vp[j] = vpost[f];
-        }
-        let before = select(
-            t > 0,
-            vpost[select(t > 0, (t * k - 1) * cols + c, c)],
-            first,
-        );
-        let mut du = 0.0f32;
-        #[unroll]
-        for q in 0..k {
-            let j = k - 1 - q;
-            // `j` is known when the kernel is expanded: no index below 0 is ever formed.
-            let mut v_prev = before;
-            if j > 0 {
-                v_prev = vp[j - 1];
-            }
-            let mut g_out = gy[j];
-            if comptime![leak] {
-                s_om += gy[j] * vp[j];
-                g_out = gy[j] * one_minus;
-            }
-            let gv = g_out + acc;
-            let s = select(fma(beta, v_prev, u) >= th, 1.0f32, 0.0f32);
-            s_beta += gv * v_prev;
-            s_th += -gv * s;
-            du += gv;
-            acc = gv * beta;
-        }
-        d_xhat[t * cols + c] = du * one_minus;
-        s_om += du * xh;
-    }
-    d_beta[c] = s_beta - s_om;
-    d_th[c] = s_th;
-    d_v0[c] = acc;
-}
-
-/// RMSNorm's backward, one plane per token row: with `g = ∂x̂·w`, `∂x = r·g − x·r³·mean(g·x)`;
-/// writes the row's `∂w` terms `∂x̂·x·r` (summed over rows by the caller).
-#[cube(launch)]
-fn rms_norm_backward_kernel(
-    x: &Tensor<f32>,
-    r: &Tensor<f32>,
-    norm_w: &Tensor<f32>,
-    d_xhat: &Tensor<f32>,
-    d_x: &mut Tensor<f32>,
-    d_w_rows: &mut Tensor<f32>,
-    dim: u32,
-) {
-    let dim = dim as usize;
-    let row = CUBE_POS;
-    let lane = UNIT_POS as usize;
-    let rr = r[row];
-    let mut part = 0.0f32;
-    let mut d = lane;
-    while d < dim {
-        let i = row * dim + d;
-        part += d_xhat[i] * norm_w[d] * x[i];
-        d += 32usize;
-    }
-    let m = plane_sum(part) / (dim as f32);
-    let r3 = rr * rr * rr;
-    let mut d = lane;
-    while d < dim {
-        let i = row * dim + d;
-        let xi = x[i];
-        let gi = d_xhat[i] * norm_w[d];
-        d_x[i] = rr * gi - xi * r3 * m;
-        d_w_rows[i] = d_xhat[i] * xi * rr;
-        d += 32usize;
-    }
-}
-
 /// `x` `[T, B, D]` → RMSNorm (`norm_w`, `eps`) → input PLIF (`w` = the β logits, `v_th`, state
 /// `v0` `[B, D]`) over K frames per token, for inference: the output `[T·K, B, D]`, or with
 /// `mean` each token's K outputs averaged in the kernel (`[T, B, D]` in the GEMM's input type:
@@ -291,71 +162,8 @@ pub fn norm_plif_train<R: CubeRuntime>(
     (y, vpost)
 }
 
-/// Backward of [`norm_plif_train`] from the saved `V_post` and the output's gradient:
-/// `[∂x [T, B, D], per-row ∂norm_w [T·B, D], per-column ∂β, ∂V_th, ∂v0 [B, D]]` (the caller
-/// sums the per-row and per-column terms and applies σ′ to ∂β).
-pub fn norm_plif_backward<R: CubeRuntime>(
-    inputs: [CubeTensor<R>; 5],
-    eps: f32,
-    k: usize,
-    leak: bool,
-    vpost: CubeTensor<R>,
-    grad: CubeTensor<R>,
-) -> [CubeTensor<R>; 5] {
-    let (t, batch, dim) = norm_plif_geometry(&inputs.each_ref(), k);
-    let [x, norm_w, w, v_th, v0] = inputs.map(into_contiguous);
-    let [vpost, grad] = [vpost, grad].map(into_contiguous);
-    // The output's gradient in the type the forward wrote it (see `norm_plif_with`).
-    let grad_dtype = stored_dtype(&grad);
-    let r = rms_inv(&x, t, batch, dim, eps);
-    let cols = batch * dim;
-    let d_xhat = out_like(&x, Shape::new([t, batch, dim]));
-    let d_beta = out_like(&x, Shape::new([batch, dim]));
-    let d_th = out_like(&x, Shape::new([batch, dim]));
-    let d_v0 = out_like(&x, Shape::new([batch, dim]));
-    let client = x.client.clone();
-    norm_plif_backward_kernel::launch::<R>(
-        &client,
-        CubeCount::Static(cols.div_ceil(NORM_PLIF_CUBE as usize) as u32, 1, 1),
-        CubeDim::new_1d(NORM_PLIF_CUBE),
-        x.clone().into_tensor_arg(),
-        r.clone().into_tensor_arg(),
-        norm_w.clone().into_tensor_arg(),
-        w.into_tensor_arg(),
-        v_th.into_tensor_arg(),
-        v0.into_tensor_arg(),
-        vpost.into_tensor_arg(),
-        grad.into_tensor_arg(),
-        d_xhat.clone().into_tensor_arg(),
-        d_beta.clone().into_tensor_arg(),
-        d_th.clone().into_tensor_arg(),
-        d_v0.clone().into_tensor_arg(),
-        cols as u32,
-        dim as u32,
-        t as u32,
-        k,
-        leak,
-        grad_dtype.into(),
-    );
-    let d_x = out_like(&x, Shape::new([t, batch, dim]));
-    let d_w_rows = out_like(&x, Shape::new([t * batch, dim]));
-    rms_norm_backward_kernel::launch::<R>(
-        &client,
-        CubeCount::Static((t * batch) as u32, 1, 1),
-        CubeDim::new_1d(PLANE),
-        x.into_tensor_arg(),
-        r.into_tensor_arg(),
-        norm_w.into_tensor_arg(),
-        d_xhat.into_tensor_arg(),
-        d_x.clone().into_tensor_arg(),
-        d_w_rows.clone().into_tensor_arg(),
-        dim as u32,
-    );
-    [d_x, d_w_rows, d_beta, d_th, d_v0]
-}
-
 /// `(T, B, D)` of `x` `[T, B, D]`, every tensor checked f32.
-fn norm_plif_geometry<R: CubeRuntime>(
+pub(crate) fn norm_plif_geometry<R: CubeRuntime>(
     tensors: &[&CubeTensor<R>],
     k: usize,
 ) -> (usize, usize, usize) {
@@ -373,7 +181,7 @@ fn norm_plif_geometry<R: CubeRuntime>(
 }
 
 /// `1/√(mean_D(x²) + eps)` per token row `[T, B]` of a contiguous `x`.
-fn rms_inv<R: CubeRuntime>(
+pub(crate) fn rms_inv<R: CubeRuntime>(
     x: &CubeTensor<R>,
     t: usize,
     batch: usize,
@@ -395,7 +203,7 @@ fn rms_inv<R: CubeRuntime>(
 
 /// Units per cube of the input neuron's kernels: a few thousand columns (3,584 at the 0.9B
 /// shape) spread over the SMs one plane each.
-const NORM_PLIF_CUBE: u32 = 32;
+pub(crate) const NORM_PLIF_CUBE: u32 = 32;
 
 /// `[output, final state, V_post (empty unless save_vpost)]`; inputs `x, norm_w, w, v_th, v0`.
 fn norm_plif_with<R: CubeRuntime>(
@@ -440,9 +248,38 @@ fn norm_plif_with<R: CubeRuntime>(
         }),
     );
     let cols = batch * dim;
+    let cubes = CubeCount::Static(cols.div_ceil(NORM_PLIF_CUBE as usize) as u32, 1, 1);
+    if !fused_rms {
+        // Many token rows: the kernel staged by tokens.
+        let (group, _) = prefetch();
+        norm_plif_staged_kernel::launch::<R>(
+            &x.client.clone(),
+            cubes,
+            CubeDim::new_1d(NORM_PLIF_CUBE),
+            x.into_tensor_arg(),
+            r.into_tensor_arg(),
+            norm_w.into_tensor_arg(),
+            w.into_tensor_arg(),
+            v_th.into_tensor_arg(),
+            v0.into_tensor_arg(),
+            y.clone().into_tensor_arg(),
+            last.clone().into_tensor_arg(),
+            vpost.clone().into_tensor_arg(),
+            cols as u32,
+            dim as u32,
+            t as u32,
+            k,
+            leak,
+            save_vpost,
+            mean_frames,
+            group,
+            y_dtype.into(),
+        );
+        return [y, last, vpost];
+    }
     norm_plif_kernel::launch::<R>(
         &x.client.clone(),
-        CubeCount::Static(cols.div_ceil(NORM_PLIF_CUBE as usize) as u32, 1, 1),
+        cubes,
         CubeDim::new_1d(NORM_PLIF_CUBE),
         x.into_tensor_arg(),
         r.into_tensor_arg(),

@@ -4,33 +4,16 @@
 //! token's K outputs averaged, a decoding step's RMS summed inside the scan kernel) and for
 //! training (saving `V_post`), with the training op's backward.
 
-use crate::cuda::common::{FEW_ROWS, PLANE, gemm_input, out_like, out_typed, sigmoid_burn};
-use crate::cuda::norm_plif_staged::{norm_plif_staged_kernel, prefetch};
+use crate::cuda::common::{FEW_ROWS, gemm_input, out_like, out_typed, sigmoid_burn};
+use crate::cuda::norm_plif_staged::{
+    NORM_PLIF_CUBE, norm_plif_geometry, norm_plif_staged_kernel, prefetch, rms_inv,
+};
 use crate::cuda::precision::storage_dtype;
 use burn::tensor::Shape;
 use burn_cubecl::CubeRuntime;
 use burn_cubecl::kernel::into_contiguous;
 use burn_cubecl::tensor::CubeTensor;
 use cubecl::prelude::*;
-
-/// `1/√(mean_D(x²) + eps)` of every `(token, batch row)`: one plane per row.
-#[cube(launch)]
-fn rms_inv_kernel(x: &Tensor<f32>, r: &mut Tensor<f32>, dim: u32, eps: f32) {
-    let dim = dim as usize;
-    let row = CUBE_POS;
-    let lane = UNIT_POS as usize;
-    let mut ss = 0.0f32;
-    let mut d = lane;
-    while d < dim {
-        let v = x[row * dim + d];
-        ss += v * v;
-        d += 32usize;
-    }
-    let total = plane_sum(ss);
-    if lane == 0 {
-        r[row] = 1.0f32 / (total / f32::cast_from(dim) + eps).sqrt();
-    }
-}
 
 /// RMSNorm then the row-parameter input PLIF over K frames of each token: one unit per
 /// `(batch row, channel)` walks the tokens and their frames in order. `u = (1 − β)·x̂` is the
@@ -161,49 +144,6 @@ pub fn norm_plif_train<R: CubeRuntime>(
     let [y, _, vpost] = norm_plif_with(inputs, eps, k, leak, true, false);
     (y, vpost)
 }
-
-/// `(T, B, D)` of `x` `[T, B, D]`, every tensor checked f32.
-pub(crate) fn norm_plif_geometry<R: CubeRuntime>(
-    tensors: &[&CubeTensor<R>],
-    k: usize,
-) -> (usize, usize, usize) {
-    for t in tensors {
-        assert_eq!(t.dtype, burn::tensor::DType::F32, "norm_plif takes f32");
-    }
-    let shape = tensors[0].meta.shape();
-    assert_eq!(shape.num_dims(), 3, "norm_plif: x [T, B, D]");
-    let (t, batch, dim) = (shape[0], shape[1], shape[2]);
-    assert!(
-        k > 0 && t * k * batch * dim <= u32::MAX as usize,
-        "norm_plif: 32-bit indexing"
-    );
-    (t, batch, dim)
-}
-
-/// `1/√(mean_D(x²) + eps)` per token row `[T, B]` of a contiguous `x`.
-pub(crate) fn rms_inv<R: CubeRuntime>(
-    x: &CubeTensor<R>,
-    t: usize,
-    batch: usize,
-    dim: usize,
-    eps: f32,
-) -> CubeTensor<R> {
-    let r = out_like(x, Shape::new([t, batch]));
-    rms_inv_kernel::launch::<R>(
-        &x.client,
-        CubeCount::Static((t * batch) as u32, 1, 1),
-        CubeDim::new_1d(PLANE),
-        x.clone().into_tensor_arg(),
-        r.clone().into_tensor_arg(),
-        dim as u32,
-        eps,
-    );
-    r
-}
-
-/// Units per cube of the input neuron's kernels: a few thousand columns (3,584 at the 0.9B
-/// shape) spread over the SMs one plane each.
-pub(crate) const NORM_PLIF_CUBE: u32 = 32;
 
 /// `[output, final state, V_post (empty unless save_vpost)]`; inputs `x, norm_w, w, v_th, v0`.
 fn norm_plif_with<R: CubeRuntime>(

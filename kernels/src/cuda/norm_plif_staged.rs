@@ -1,5 +1,6 @@
 //! RMSNorm + the input PLIF for training and prefill, staged by tokens: the forward (the rows
-//! path, where `1/RMS` comes from its own kernel) and the backward.
+//! path, where `1/RMS` comes from its own kernel, also here) and the backward; and what
+//! [`super::norm_plif`]'s launcher shares with them (geometry, cube width).
 //!
 //! The neuron's recurrence runs one unit per `(batch row, channel)`: only `B·D` units (12,544
 //! at 14 × 511 of the 0.9B, three planes an SM), each walking every token. One token's loads at
@@ -8,14 +9,74 @@
 //! it computes the current one (`NSACTOR_NORM_PLIF_PREFETCH`, forward × backward tokens a
 //! group); the arithmetic is unchanged, op for op.
 
-use crate::cuda::common::PLANE;
-use crate::cuda::common::{out_like, sigmoid_burn, stored_dtype};
-use crate::cuda::norm_plif::{NORM_PLIF_CUBE, norm_plif_geometry, rms_inv};
+use crate::cuda::common::{PLANE, out_like, sigmoid_burn, stored_dtype};
 use burn::tensor::Shape;
 use burn_cubecl::CubeRuntime;
 use burn_cubecl::kernel::into_contiguous;
 use burn_cubecl::tensor::CubeTensor;
 use cubecl::prelude::*;
+
+/// Units per cube of the input neuron's kernels: a few thousand columns (3,584 at the 0.9B
+/// shape) spread over the SMs one plane each.
+pub(crate) const NORM_PLIF_CUBE: u32 = 32;
+
+/// `1/√(mean_D(x²) + eps)` of every `(token, batch row)`: one plane per row.
+#[cube(launch)]
+fn rms_inv_kernel(x: &Tensor<f32>, r: &mut Tensor<f32>, dim: u32, eps: f32) {
+    let dim = dim as usize;
+    let row = CUBE_POS;
+    let lane = UNIT_POS as usize;
+    let mut ss = 0.0f32;
+    let mut d = lane;
+    while d < dim {
+        let v = x[row * dim + d];
+        ss += v * v;
+        d += 32usize;
+    }
+    let total = plane_sum(ss);
+    if lane == 0 {
+        r[row] = 1.0f32 / (total / f32::cast_from(dim) + eps).sqrt();
+    }
+}
+
+/// `1/√(mean_D(x²) + eps)` per token row `[T, B]` of a contiguous `x`.
+pub(crate) fn rms_inv<R: CubeRuntime>(
+    x: &CubeTensor<R>,
+    t: usize,
+    batch: usize,
+    dim: usize,
+    eps: f32,
+) -> CubeTensor<R> {
+    let r = out_like(x, Shape::new([t, batch]));
+    rms_inv_kernel::launch::<R>(
+        &x.client,
+        CubeCount::Static((t * batch) as u32, 1, 1),
+        CubeDim::new_1d(PLANE),
+        x.clone().into_tensor_arg(),
+        r.clone().into_tensor_arg(),
+        dim as u32,
+        eps,
+    );
+    r
+}
+
+/// `(T, B, D)` of `x` `[T, B, D]`, every tensor checked f32.
+pub(crate) fn norm_plif_geometry<R: CubeRuntime>(
+    tensors: &[&CubeTensor<R>],
+    k: usize,
+) -> (usize, usize, usize) {
+    for t in tensors {
+        assert_eq!(t.dtype, burn::tensor::DType::F32, "norm_plif takes f32");
+    }
+    let shape = tensors[0].meta.shape();
+    assert_eq!(shape.num_dims(), 3, "norm_plif: x [T, B, D]");
+    let (t, batch, dim) = (shape[0], shape[1], shape[2]);
+    assert!(
+        k > 0 && t * k * batch * dim <= u32::MAX as usize,
+        "norm_plif: 32-bit indexing"
+    );
+    (t, batch, dim)
+}
 
 /// Tokens a group, `(forward, backward)`: `$NSACTOR_NORM_PLIF_PREFETCH` (`FxB`, each 1–16) or
 /// 8 × 2.

@@ -4,23 +4,47 @@
 use crate::ops::gemm::GemmOps;
 use crate::ops::snn::SnnOps;
 use burn::backend::autodiff::{
-    Autodiff,
+    Autodiff, NodeId,
     checkpoint::{base::Checkpointer, strategy::CheckpointStrategy},
     grads::Gradients,
     ops::{Backward, Ops, OpsKind},
 };
 use burn::tensor::{DType, TensorMetadata, ops::FloatTensor};
 
-/// Backward of `lhs · rhs`: `∂lhs = g · rhsᵀ`, `∂rhs = lhsᵀ · g`, through `B::gemm_out`. The
-/// state holds the operands as the forward's GEMM read them ([`SnnOps::gemm_operand`]: bf16
-/// copies on CUDA in bf16, half the memory of the f32 tensors and no second rounding), and `g`
-/// is rounded once for both products. Each gradient is written in its tensor's type (a bf16
-/// activation gets a bf16 gradient: the scan kernel that made it reads that).
+/// What a GEMM node saves: both operands as its GEMM read them ([`SnnOps::gemm_operand`]: bf16
+/// copies on CUDA in bf16, half the memory of the f32 tensors and no second rounding), and
+/// their own types.
+type GemmState<B> = (FloatTensor<B>, FloatTensor<B>, [DType; 2]);
+
+/// `∂lhs = g · rhsᵀ`, `∂rhs = lhsᵀ · g` through `B::gemm_out`, each registered for its parent
+/// (where it wants one) in its tensor's type (a bf16 activation gets a bf16 gradient: the scan
+/// kernel that made it reads that).
+fn register_products<B: SnnOps>(
+    g: &FloatTensor<B>,
+    (lhs, rhs, [lhs_dtype, rhs_dtype]): GemmState<B>,
+    [lhs_node, rhs_node]: [Option<NodeId>; 2],
+    grads: &mut Gradients,
+) {
+    if let Some(id) = lhs_node {
+        grads.register::<B>(
+            id,
+            B::gemm_out(g.clone(), B::float_transpose(rhs), lhs_dtype),
+        );
+    }
+    if let Some(id) = rhs_node {
+        grads.register::<B>(
+            id,
+            B::gemm_out(B::float_transpose(lhs), g.clone(), rhs_dtype),
+        );
+    }
+}
+
+/// Backward of `lhs · rhs`: the two products on `g` rounded once ([`register_products`]).
 #[derive(Debug)]
 struct MatmulBackward;
 
 impl<B: SnnOps> Backward<B, 2> for MatmulBackward {
-    type State = (FloatTensor<B>, FloatTensor<B>, [DType; 2]);
+    type State = GemmState<B>;
 
     fn backward(
         self,
@@ -28,28 +52,20 @@ impl<B: SnnOps> Backward<B, 2> for MatmulBackward {
         grads: &mut Gradients,
         _checkpointer: &mut Checkpointer,
     ) {
-        let [node_lhs, node_rhs] = ops.parents;
         let g = B::gemm_operand(grads.consume::<B>(&ops.node));
-        let (lhs, rhs, [lhs_dtype, rhs_dtype]) = ops.state;
-        if let Some(node) = node_lhs {
-            let d = B::gemm_out(g.clone(), B::float_transpose(rhs), lhs_dtype);
-            grads.register::<B>(node.id, d);
-        }
-        if let Some(node) = node_rhs {
-            let d = B::gemm_out(B::float_transpose(lhs), g, rhs_dtype);
-            grads.register::<B>(node.id, d);
-        }
+        let nodes = ops.parents.map(|n| n.map(|n| n.id));
+        register_products::<B>(&g, ops.state, nodes, grads);
     }
 }
 
-/// Backward of `lhs · rhs + c`: [`MatmulBackward`]'s two products on `g` rounded once, and
-/// `∂c = g` in that rounded type (bf16 on CUDA in bf16): `c` is a GEMM's output whose own
-/// backward reads it so, which saves that GEMM's cast.
+/// Backward of `lhs · rhs + c`: [`MatmulBackward`]'s two products, and `∂c = g` in the rounded
+/// type (bf16 on CUDA in bf16): `c` is a GEMM's output whose own backward reads it so, which
+/// saves that GEMM's cast.
 #[derive(Debug)]
 struct MatmulAddBackward;
 
 impl<B: SnnOps> Backward<B, 3> for MatmulAddBackward {
-    type State = (FloatTensor<B>, FloatTensor<B>, [DType; 2]);
+    type State = GemmState<B>;
 
     fn backward(
         self,
@@ -57,21 +73,19 @@ impl<B: SnnOps> Backward<B, 3> for MatmulAddBackward {
         grads: &mut Gradients,
         _checkpointer: &mut Checkpointer,
     ) {
-        let [node_lhs, node_rhs, node_c] = ops.parents;
         let g = B::gemm_operand(grads.consume::<B>(&ops.node));
-        let (lhs, rhs, [lhs_dtype, rhs_dtype]) = ops.state;
-        if let Some(node) = node_lhs {
-            let d = B::gemm_out(g.clone(), B::float_transpose(rhs), lhs_dtype);
-            grads.register::<B>(node.id, d);
-        }
-        if let Some(node) = node_rhs {
-            let d = B::gemm_out(B::float_transpose(lhs), g.clone(), rhs_dtype);
-            grads.register::<B>(node.id, d);
-        }
-        if let Some(node) = node_c {
-            grads.register::<B>(node.id, g);
+        let [lhs, rhs, c] = ops.parents.map(|n| n.map(|n| n.id));
+        register_products::<B>(&g, ops.state, [lhs, rhs], grads);
+        if let Some(id) = c {
+            grads.register::<B>(id, g);
         }
     }
+}
+
+/// The operands a tracked GEMM node computes with and saves (rounded once), with their types.
+fn tracked_operands<B: SnnOps>(lhs: FloatTensor<B>, rhs: FloatTensor<B>) -> GemmState<B> {
+    let dtypes = [lhs.dtype(), rhs.dtype()];
+    (B::gemm_operand(lhs), B::gemm_operand(rhs), dtypes)
 }
 
 /// The GEMMs with their own backward nodes (`MatmulBackward`, `MatmulAddBackward`).
@@ -87,11 +101,9 @@ impl<B: SnnOps, C: CheckpointStrategy> GemmOps for Autodiff<B, C> {
             .stateful();
         match prep {
             OpsKind::Tracked(prep) => {
-                let dtypes = [lhs.primitive.dtype(), rhs.primitive.dtype()];
-                let lhs = B::gemm_operand(lhs.primitive);
-                let rhs = B::gemm_operand(rhs.primitive);
-                let out = B::gemm_out(lhs.clone(), rhs.clone(), out);
-                prep.finish((lhs, rhs, dtypes), out)
+                let state = tracked_operands::<B>(lhs.primitive, rhs.primitive);
+                let y = B::gemm_out(state.0.clone(), state.1.clone(), out);
+                prep.finish(state, y)
             }
             OpsKind::UnTracked(prep) => prep.finish(B::gemm_out(lhs.primitive, rhs.primitive, out)),
         }
@@ -108,11 +120,9 @@ impl<B: SnnOps, C: CheckpointStrategy> GemmOps for Autodiff<B, C> {
             .stateful();
         match prep {
             OpsKind::Tracked(prep) => {
-                let dtypes = [lhs.primitive.dtype(), rhs.primitive.dtype()];
-                let lhs = B::gemm_operand(lhs.primitive);
-                let rhs = B::gemm_operand(rhs.primitive);
-                let out = B::gemm_add(lhs.clone(), rhs.clone(), c.primitive);
-                prep.finish((lhs, rhs, dtypes), out)
+                let state = tracked_operands::<B>(lhs.primitive, rhs.primitive);
+                let y = B::gemm_add(state.0.clone(), state.1.clone(), c.primitive);
+                prep.finish(state, y)
             }
             OpsKind::UnTracked(prep) => {
                 prep.finish(B::gemm_add(lhs.primitive, rhs.primitive, c.primitive))

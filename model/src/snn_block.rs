@@ -191,9 +191,11 @@ impl<B: SnnOps> SnnBlock<B> {
                     4 * dn + d,
                 ) {
                     Some(o) => o,
-                    None => {
-                        out * sigmoid(y.clone().narrow(1, 4 * dn, d)) + y.narrow(1, 4 * dn + d, d)
-                    }
+                    None => nsactor_kernels::gated_out(
+                        out,
+                        y.clone().narrow(1, 4 * dn, d),
+                        y.narrow(1, 4 * dn + d, d),
+                    ),
                 };
                 return (out.reshape([tk, b, d]), last);
             }

@@ -20,7 +20,7 @@ use crate::reference::selective::{
     selective_backward_reference, selective_forward_reference, selective_modulation,
 };
 use crate::tensor::{last_frame, prim, wrap};
-use burn::tensor::{Tensor, activation::sigmoid, ops::FloatTensor};
+use burn::tensor::{Tensor, ops::FloatTensor};
 
 /// Backend extension with the PLIF scans and everything the model runs through its backend
 /// (DESIGN "The seams", point 1): the union of [`GemmOps`] (the GEMM hook), [`ScanOps`] (the
@@ -239,8 +239,10 @@ pub fn ffn_neurons<B: SnnOps>(inp: FfnInputs<B>) -> (Tensor<B, 3>, Tensor<B, 2>)
 /// path, each `[rows, D]`), differentiable in all three: one op where the backend fuses it
 /// ([`SnnOps::fuses_gated_out`]), else composed from tensor ops.
 pub fn gated_out<B: SnnOps>(r: Tensor<B, 2>, g: Tensor<B, 2>, s: Tensor<B, 2>) -> Tensor<B, 2> {
-    if B::fuses_gated_out() {
-        return wrap(B::gated_out_forward(prim(r), prim(g), prim(s)));
-    }
-    r * sigmoid(g) + s
+    let (r, g, s) = (prim(r), prim(g), prim(s));
+    wrap(if B::fuses_gated_out() {
+        B::gated_out_forward(r, g, s)
+    } else {
+        gated_out_forward_reference::<B>(r, g, s)
+    })
 }

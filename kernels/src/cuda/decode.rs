@@ -285,6 +285,13 @@ pub fn block_scan<R: CubeRuntime>(
     let vpost = out_typed(&y, Shape::new([rows, dn]), gemm_input());
     let vpost_dtype = vpost.dtype;
     let last = out_like(&y, Shape::new([batch, dn]));
+    let steps = rows / batch;
+    if cols >= crate::cuda::wide::wide_cols() {
+        let geometry = (cols, steps, dn, row_stride);
+        let (out, fin) = (vpost.clone(), last.clone());
+        crate::cuda::wide::block_scan(y, [bb, ba, bt], v0, out, fin, geometry, v_th_min);
+        return (vpost, last);
+    }
     // Three double-buffered f32 arrays of `chunk` × 32: at most 48 KiB of shared memory.
     let (producers, chunk) = match stage_shape("NSACTOR_STAGE_BLOCK_SCAN", STAGE_BLOCK_SCAN) {
         (_, c) if c > 64 => {
@@ -295,7 +302,6 @@ pub fn block_scan<R: CubeRuntime>(
         }
         shape => shape,
     };
-    let steps = rows / batch;
     block_scan_kernel::launch::<R>(
         &y.client.clone(),
         CubeCount::Static(cols.div_ceil(STAGE_COLS as usize) as u32, 1, 1),

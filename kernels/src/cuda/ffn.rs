@@ -429,6 +429,13 @@ fn ffn_forward_with<R: CubeRuntime>(
         DType::F32,
     );
     let last = out_typed(&i_gu, Shape::new([batch, 2 * ff]), DType::F32);
+    if !save_vpost && batch * ff >= crate::cuda::wide::wide_cols() {
+        let params = [w_g, w_u, th_g, th_u];
+        let outs = [gv.clone(), last.clone()];
+        let geometry = (steps, batch, ff, row_stride);
+        crate::cuda::wide::ffn_infer(i_gu, params, v0, outs, geometry, leak);
+        return (gv, vpost, last);
+    }
     let (producers, chunk) = stage_shape("NSACTOR_STAGE_FFN_FORWARD", STAGE_FFN_FORWARD);
     let client = i_gu.client.clone();
     ffn_forward_staged_kernel::launch::<R>(

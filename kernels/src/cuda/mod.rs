@@ -10,7 +10,8 @@
 //!   [`norm_plif_staged`], its kernels staged by tokens (training and prefill, and the backward);
 //! * [`ponder`], [`ponder_backward`]: PonderNet's halting and aggregation;
 //! * [`decode`] — the decoding fusions (the SNNBlock's scan on its merged projection, its gate
-//!   and skip, the centred residual, the edge's RMSNorm).
+//!   and skip, the centred residual, the edge's RMSNorm), and `wide`, the decoding scans for
+//!   passes of many sessions (one unit per column).
 //!
 //! Around them: [`gemm`] (cuBLASLt, with its plans and tuning in `gemm_plan`) in the
 //! [`precision`] the process picked, [`naive`] (cubek's naive fp32 GEMM, the GEMMs' on-device
@@ -44,3 +45,4 @@ pub mod scan;
 pub mod selective;
 mod server;
 pub mod timing;
+mod wide;

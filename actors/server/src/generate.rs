@@ -320,33 +320,51 @@ impl Generator {
             if let Some(raw) = raw {
                 pending.logprobs.push(token_logprob(&raw, next, top));
             }
-            let ids: Vec<u32> = generated.iter().map(|&t| t as u32).collect();
-            text = self
-                .tokenizer
-                .decode(&ids, true)
-                .map_err(|e| ServeError::Internal(e.to_string()))?;
-            // A stop string ends the generation; the text before it is the answer.
-            if let Some(pos) = spec.stop.iter().filter_map(|s| text.find(s.as_str())).min() {
-                text.truncate(pos.max(emitted));
+            // The next step is queued before this token's text is made and delivered, so the
+            // session is back in the batcher at once and cohorts stay whole however slow the
+            // client's connection is. A stop string found below wastes that one step.
+            let more = generated.len() < spec.max_tokens;
+            let feed = async {
+                if more {
+                    let pick = self.pick_request(spec, &history, &generated);
+                    Some(self.decoder.feed_pick(session, vec![next], pick).await)
+                } else {
+                    None
+                }
+            };
+            let deliver = async {
+                let ids: Vec<u32> = generated.iter().map(|&t| t as u32).collect();
+                text = self
+                    .tokenizer
+                    .decode(&ids, true)
+                    .map_err(|e| ServeError::Internal(e.to_string()))?;
+                // A stop string ends the generation; the text before it is the answer.
+                if let Some(pos) = spec.stop.iter().filter_map(|s| text.find(s.as_str())).min() {
+                    text.truncate(pos.max(emitted));
+                    return Ok::<_, ServeError>(true);
+                }
+                // Hold back an incomplete UTF-8 character and a possible stop-string start.
+                let incomplete = text.ends_with('\u{FFFD}');
+                let end = text.len() - held_back(&text, &spec.stop);
+                if !incomplete && end > emitted && text.is_char_boundary(end) {
+                    self.send(tx, &text[emitted..end], &mut pending, spec.token_ids)
+                        .await;
+                    emitted = end;
+                } else if spec.token_ids {
+                    // A client that streams token ids gets each token as it comes; the text
+                    // held back (an incomplete character, a possible stop string) follows later.
+                    self.send(tx, "", &mut pending, true).await;
+                }
+                Ok(false)
+            };
+            let (fed, stopped) = tokio::join!(feed, deliver);
+            if stopped? {
                 break "stop";
             }
-            // Hold back an incomplete UTF-8 character and a possible stop-string start.
-            let incomplete = text.ends_with('\u{FFFD}');
-            let end = text.len() - held_back(&text, &spec.stop);
-            if !incomplete && end > emitted && text.is_char_boundary(end) {
-                self.send(tx, &text[emitted..end], &mut pending, spec.token_ids)
-                    .await;
-                emitted = end;
-            } else if spec.token_ids {
-                // A client that streams token ids gets each token as it comes; the text held
-                // back (an incomplete character, a possible stop string) follows later.
-                self.send(tx, "", &mut pending, true).await;
+            match fed {
+                Some(p) => picked = p?,
+                None => break "length",
             }
-            if generated.len() >= spec.max_tokens {
-                break "length";
-            }
-            let pick = self.pick_request(spec, &history, &generated);
-            picked = self.decoder.feed_pick(session, vec![next], pick).await?;
         };
         // Whatever is still held back (and any tokens not yet sent) goes out now.
         if finish_reason != "cancelled" && (text.len() > emitted || !pending.ids.is_empty()) {

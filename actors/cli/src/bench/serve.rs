@@ -58,19 +58,31 @@ pub async fn serve_load_with(
 ) -> CliResult<ServeTimings> {
     use futures_util::{SinkExt, StreamExt};
     use tokio_tungstenite::tungstenite::Message;
-    let start = Instant::now();
     let extra = usize::from(long.is_some());
+    // Every client connects first; the clock starts when all are connected and they send
+    // together, so the figures are those of `sessions` concurrent streams, not of the ramp
+    // of connections and handshakes (which share the server's runtime here).
+    let ready = std::sync::Arc::new(tokio::sync::Barrier::new(sessions + 1));
     let clients: Vec<_> = (0..sessions + extra)
         .map(|i| {
+            let ready = ready.clone();
             tokio::spawn(async move {
                 let long = long.filter(|_| i == sessions);
                 if let Some((_, after)) = long {
                     tokio::time::sleep(after).await;
                 }
-                let tcp = tokio::net::TcpStream::connect(addr).await?;
-                tcp.set_nodelay(true)?;
-                let (mut ws, _) =
-                    tokio_tungstenite::client_async(format!("ws://{addr}/ws"), tcp).await?;
+                let connect = async {
+                    let tcp = tokio::net::TcpStream::connect(addr).await?;
+                    tcp.set_nodelay(true)?;
+                    let (ws, _) =
+                        tokio_tungstenite::client_async(format!("ws://{addr}/ws"), tcp).await?;
+                    Ok::<_, CliError>(ws)
+                };
+                let ws = connect.await;
+                if long.is_none() {
+                    ready.wait().await;
+                }
+                let mut ws = ws?;
                 let req = match long {
                     Some((n, _)) => serde_json::json!({"type": "generate", "id": "long",
                         "prompt": (0..n).map(|j| 5 + (j * 7919) % 1000).collect::<Vec<_>>(),
@@ -108,6 +120,8 @@ pub async fn serve_load_with(
             })
         })
         .collect();
+    ready.wait().await;
+    let start = Instant::now();
     let (mut ttfts, mut gaps, mut total) = (Vec::new(), Vec::new(), 0usize);
     let mut texts = std::collections::HashSet::new();
     for (i, c) in clients.into_iter().enumerate() {

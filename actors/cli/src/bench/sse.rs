@@ -17,17 +17,21 @@ struct Stream {
 
 /// `sessions` clients of `POST /v1/completions` (`stream: true`, usage in the last event),
 /// each generating `tokens` tokens at `temperature` (client i with seed i), from the server at
-/// `addr`; run on the server's runtime.
+/// `addr`; run on the server's runtime. The clock starts once every client has connected.
 pub async fn sse_load(
     addr: std::net::SocketAddr,
     sessions: usize,
     tokens: usize,
     temperature: f32,
 ) -> CliResult<ServeTimings> {
-    let start = Instant::now();
+    // Every client connects first; the clock starts when all are connected and they send
+    // together (as the WebSocket clients of `bench serve` do).
+    let ready = std::sync::Arc::new(tokio::sync::Barrier::new(sessions + 1));
     let clients: Vec<_> = (0..sessions)
-        .map(|i| tokio::spawn(one(addr, i, tokens, temperature)))
+        .map(|i| tokio::spawn(one(addr, i, tokens, temperature, ready.clone())))
         .collect();
+    ready.wait().await;
+    let start = Instant::now();
     let (mut ttfts, mut gaps, mut total) = (Vec::new(), Vec::new(), 0usize);
     let mut texts = std::collections::HashSet::new();
     for c in clients {
@@ -53,14 +57,21 @@ async fn one(
     seed: usize,
     tokens: usize,
     temperature: f32,
+    ready: std::sync::Arc<tokio::sync::Barrier>,
 ) -> CliResult<Stream> {
-    let tcp = tokio::net::TcpStream::connect(addr).await?;
-    tcp.set_nodelay(true)?;
-    let (mut sender, conn) =
-        hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(tcp))
-            .await
-            .map_err(|e| format!("HTTP handshake: {e}"))?;
-    tokio::spawn(conn);
+    let connect = async {
+        let tcp = tokio::net::TcpStream::connect(addr).await?;
+        tcp.set_nodelay(true)?;
+        let (sender, conn) =
+            hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(tcp))
+                .await
+                .map_err(|e| format!("HTTP handshake: {e}"))?;
+        tokio::spawn(conn);
+        Ok::<_, crate::CliError>(sender)
+    };
+    let sender = connect.await;
+    ready.wait().await;
+    let mut sender = sender?;
     let body = serde_json::json!({"prompt": "Emma was", "max_tokens": tokens,
         "temperature": temperature, "seed": seed, "ignore_eos": true, "stream": true,
         "stream_options": {"include_usage": true}});

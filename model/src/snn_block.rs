@@ -21,24 +21,28 @@ pub struct SnnBlock<B: Backend> {
     pub W_gate: Linear<B>,
     pub W_skip: Linear<B>,
     pub W_out: Linear<B>,
-    /// The six input weights concatenated and transposed, `[D, 4·DN + 2·D]`, as the merged
+    /// The four scan inputs' weights concatenated and transposed, `[D, 4·DN]`, as the merged
     /// GEMM of [`projections`](Self::projections) reads it.
-    pub merged_in: Derived<B>,
+    pub merged_scan: Derived<B>,
+    /// The gate's and skip path's weights the same way, `[D, 2·D]`.
+    pub merged_gate: Derived<B>,
 }
 impl_params!(SnnBlock {
     tensors: [b_beta, b_alpha, b_th],
     modules: [W_in, W_beta_x, W_alpha_x, W_th_x, W_gate, W_skip, W_out],
-    derived: [merged_in]
+    derived: [merged_scan, merged_gate]
 });
 
-/// The merged projection `y` `[rows, 4·DN + 2·D]` as the six projections' column slices.
-fn merged_slices<B: Backend>(y: Tensor<B, 2>, dn: usize, d: usize) -> [Tensor<B, 2>; 6] {
-    let mut start = 0;
-    [dn, dn, dn, dn, d, d].map(|w| {
-        let part = y.clone().narrow(1, start, w);
-        start += w;
-        part
-    })
+/// The merged projections `(y_scan [rows, 4·DN], y_gate [rows, 2·D])` as the six projections'
+/// column slices.
+fn merged_slices<B: Backend>(
+    (y_scan, y_gate): (Tensor<B, 2>, Tensor<B, 2>),
+    dn: usize,
+    d: usize,
+) -> [Tensor<B, 2>; 6] {
+    let scan = |j: usize| y_scan.clone().narrow(1, j * dn, dn);
+    let gate = |j: usize| y_gate.clone().narrow(1, j * d, d);
+    [scan(0), scan(1), scan(2), scan(3), gate(0), gate(1)]
 }
 
 /// `softplus⁻¹(1) = ln(e − 1)`: the `b_alpha` init mean, so `α ≈ 1` at init.
@@ -96,16 +100,17 @@ impl<B: SnnOps> SnnBlock<B> {
             W_gate: linear(w_gate, d, d, device),
             W_skip: linear(w_skip, d, d, device),
             W_out: linear(w_out, d, dn, device),
-            merged_in: Derived::default(),
+            merged_scan: Derived::default(),
+            merged_gate: Derived::default(),
         }
     }
 
     /// The six projections of the input `[TK·B, D]`: `W_in, W_β, W_α, W_th` (`[TK·B, DN]` each),
-    /// `W_gate, W_skip` (`[TK·B, D]`). Six GEMMs; one on the concatenated weights where the
-    /// backend prefers it ([`SnnOps::merges_small_gemms`]) for a small call without autodiff
-    /// (a decoding step), whose outputs are column slices of one product. Otherwise the first
-    /// four, read only by the selective scan, come in the backend's storage type
-    /// ([`SnnOps::storage_dtype`]: bf16 on CUDA in bf16 precision).
+    /// `W_gate, W_skip` (`[TK·B, D]`). The first four, read only by the selective scan, come in
+    /// the backend's storage type ([`SnnOps::storage_dtype`]: bf16 on CUDA in bf16 precision),
+    /// the gate and skip path in f32. Six GEMMs; two on concatenated weights where the backend
+    /// prefers it ([`SnnOps::merges_small_gemms`]) for a small call without autodiff (a
+    /// decoding step), whose outputs are column slices of two products.
     ///
     /// [`SnnOps::merges_small_gemms`]: nsactor_kernels::GemmOps::merges_small_gemms
     /// [`SnnOps::storage_dtype`]: nsactor_kernels::GemmOps::storage_dtype
@@ -139,16 +144,24 @@ impl<B: SnnOps> SnnBlock<B> {
         ]
     }
 
-    /// The six projections of a decoding pass's input `[TK·B, D]` as one GEMM on the
-    /// concatenated weights: `[TK·B, 4·DN + 2·D]`, columns in [`projections`](Self::projections)'
-    /// order.
-    pub fn merged_projection(&self, flat: Tensor<B, 2>) -> Tensor<B, 2> {
-        let w = self.merged_in.get_or_init(|| {
-            let lins = self.input_linears();
+    /// The six projections of a decoding pass's input `[TK·B, D]` as two GEMMs on concatenated
+    /// weights: the scan's four inputs `[TK·B, 4·DN]` in the storage type (as the training
+    /// forward stores them), the gate and skip path `[TK·B, 2·D]` in f32, columns in
+    /// [`projections`](Self::projections)' order.
+    pub fn merged_projection(&self, flat: Tensor<B, 2>) -> (Tensor<B, 2>, Tensor<B, 2>) {
+        let [w_in, w_beta, w_alpha, w_th, w_gate, w_skip] = self.input_linears();
+        let cat = |lins: &[&Linear<B>]| {
             let w = Tensor::cat(lins.iter().map(|l| l.weight.clone()).collect(), 0);
             crate::params::as_operand(w.transpose())
-        });
-        nsactor_kernels::matmul(flat, w)
+        };
+        let w_scan = self
+            .merged_scan
+            .get_or_init(|| cat(&[w_in, w_beta, w_alpha, w_th]));
+        let w_gate = self.merged_gate.get_or_init(|| cat(&[w_gate, w_skip]));
+        (
+            nsactor_kernels::matmul_stored(flat.clone(), w_scan),
+            nsactor_kernels::matmul(flat, w_gate),
+        )
     }
 
     /// The selective decay β(t) = σ(W_β·a + b_β) of every hidden neuron at every frame of `a`
@@ -174,7 +187,7 @@ impl<B: SnnOps> SnnBlock<B> {
         let projected = if decoding_pass::<B>(tk * b, &flat.device()) {
             // A decoding step: the scan and the gated output read the merged product in place
             // where the backend fuses them (five launches instead of ≈ 14).
-            let y = self.merged_projection(flat);
+            let (y, y_gate) = self.merged_projection(flat);
             if let Some((vpost, last)) = nsactor_kernels::block_scan_fused(
                 y.clone(),
                 self.b_beta.clone(),
@@ -184,22 +197,18 @@ impl<B: SnnOps> SnnBlock<B> {
                 v_th_min,
             ) {
                 let out = self.W_out.forward(vpost);
-                let out = match nsactor_kernels::gate_skip_fused(
-                    out.clone(),
-                    y.clone(),
-                    4 * dn,
-                    4 * dn + d,
-                ) {
+                let out = match nsactor_kernels::gate_skip_fused(out.clone(), y_gate.clone(), 0, d)
+                {
                     Some(o) => o,
                     None => nsactor_kernels::gated_out(
                         out,
-                        y.clone().narrow(1, 4 * dn, d),
-                        y.narrow(1, 4 * dn + d, d),
+                        y_gate.clone().narrow(1, 0, d),
+                        y_gate.narrow(1, d, d),
                     ),
                 };
                 return (out.reshape([tk, b, d]), last);
             }
-            merged_slices(y, dn, d)
+            merged_slices((y, y_gate), dn, d)
         } else {
             self.projections(flat, dn)
         };

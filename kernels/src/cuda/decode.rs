@@ -18,8 +18,8 @@ use burn_cubecl::tensor::CubeTensor;
 use cubecl::prelude::*;
 
 /// The SNNBlock's selective scan for a decoding step, read straight from the merged projection
-/// `y` `[TK·B, W]` (row stride `row_stride`; columns `[0, DN)` the input current `i`, then
-/// `r_β, r_α, r_th`): the modulation and recurrence of the training selective forward op for op,
+/// `y` `[TK·B, W]` (f32, or bf16 where the scans' inputs are stored in bf16; row stride
+/// `row_stride`; columns `[0, DN)` the input current `i`, then `r_β, r_α, r_th`): the modulation and recurrence of the training selective forward op for op,
 /// writing `V_post` `[TK·B, DN]` and the final state, no spikes. It replaces the four column
 /// slices' copies, the scan and the final state's copy of the composed path.
 ///
@@ -31,8 +31,8 @@ use cubecl::prelude::*;
 /// each scheduler with less than one plane and its whole dependent chain exposed.
 #[allow(clippy::too_many_arguments)]
 #[cube(launch)]
-fn block_scan_kernel<O: Float>(
-    y: &Tensor<f32>,
+fn block_scan_kernel<I: Float, O: Float>(
+    y: &Tensor<I>,
     b_beta: &Tensor<f32>,
     b_alpha: &Tensor<f32>,
     b_th: &Tensor<f32>,
@@ -47,7 +47,7 @@ fn block_scan_kernel<O: Float>(
     v_th_min: f32,
     #[comptime] chunk: usize,
     #[comptime] producers: usize,
-    #[define(O)] _out: StorageType,
+    #[define(I, O)] _types: [StorageType; 2],
 ) {
     let cols = cols as usize;
     let steps = steps as usize;
@@ -101,10 +101,10 @@ fn block_scan_kernel<O: Float>(
                 let k = k0 + (plane - 1) + r * producers;
                 if k < steps && valid {
                     let base = (k * batch + b) * row_stride + j;
-                    ri[r] = y[base];
-                    rb[r] = y[base + dn];
-                    ra[r] = y[base + 2 * dn];
-                    rt[r] = y[base + 3 * dn];
+                    ri[r] = f32::cast_from(y[base]);
+                    rb[r] = f32::cast_from(y[base + dn]);
+                    ra[r] = f32::cast_from(y[base + 2 * dn]);
+                    rt[r] = f32::cast_from(y[base + 3 * dn]);
                 }
             }
             #[unroll]
@@ -246,7 +246,7 @@ const STAGE_BLOCK_SCAN: (usize, usize) = (8, 16);
 /// `(stride of a row, columns)` of a 2-D f32 tensor whose columns are contiguous, else `None`.
 fn rows_view<R: CubeRuntime>(t: &CubeTensor<R>) -> Option<(usize, usize)> {
     let (shape, strides) = (t.meta.shape(), t.meta.strides());
-    (t.dtype == burn::tensor::DType::F32
+    (matches!(t.dtype, DType::F32 | DType::BF16)
         && shape.num_dims() == 2
         && (strides[1] == 1 || shape[1] <= 1))
         .then(|| (strides[0].max(shape[1]), shape[1]))
@@ -265,7 +265,7 @@ pub fn block_scan<R: CubeRuntime>(
         Some(_) => y,
         None => into_contiguous(y),
     };
-    let (row_stride, width) = rows_view(&y).expect("block scan: y is f32 [TK·B, W]");
+    let (row_stride, width) = rows_view(&y).expect("block scan: y is f32 or bf16 [TK·B, W]");
     let rows = y.meta.shape()[0];
     let [bb, ba, bt] = biases.map(into_contiguous);
     let v0 = into_contiguous(v0);
@@ -284,8 +284,9 @@ pub fn block_scan<R: CubeRuntime>(
     let cols = batch * dn;
     let vpost = out_typed(&y, Shape::new([rows, dn]), gemm_input());
     let vpost_dtype = vpost.dtype;
-    let last = out_like(&y, Shape::new([batch, dn]));
+    let last = out_typed(&y, Shape::new([batch, dn]), DType::F32);
     let steps = rows / batch;
+    let y_dtype = y.dtype;
     if cols >= crate::cuda::wide::wide_cols() {
         let geometry = (cols, steps, dn, row_stride);
         let (out, fin) = (vpost.clone(), last.clone());
@@ -321,7 +322,7 @@ pub fn block_scan<R: CubeRuntime>(
         v_th_min,
         chunk,
         producers,
-        vpost_dtype.into(),
+        [y_dtype.into(), vpost_dtype.into()],
     );
     (vpost, last)
 }
@@ -340,7 +341,8 @@ pub fn gate_skip<R: CubeRuntime>(
     };
     let (row_stride, width) = rows_view(&y).expect("gate/skip: y is f32 [rows, W]");
     let shape = out.meta.shape().clone();
-    assert_eq!(out.dtype, burn::tensor::DType::F32, "gate/skip takes f32");
+    assert_eq!(out.dtype, DType::F32, "gate/skip takes f32");
+    assert_eq!(y.dtype, DType::F32, "gate/skip reads an f32 projection");
     assert_eq!(shape.num_dims(), 2, "gate/skip: out [rows, D]");
     let (rows, dim) = (shape[0], shape[1]);
     assert!(

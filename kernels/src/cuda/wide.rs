@@ -43,8 +43,8 @@ pub fn wide_cols() -> usize {
 /// `u = softplus(r_α + b_α)·i`, `V_th = |r_th + b_th| + V_min`) and the recurrence.
 #[allow(clippy::too_many_arguments)]
 #[cube(launch)]
-fn block_scan_wide_kernel<O: Float>(
-    y: &Tensor<f32>,
+fn block_scan_wide_kernel<I: Float, O: Float>(
+    y: &Tensor<I>,
     b_beta: &Tensor<f32>,
     b_alpha: &Tensor<f32>,
     b_th: &Tensor<f32>,
@@ -57,7 +57,7 @@ fn block_scan_wide_kernel<O: Float>(
     row_stride: u32,
     v_th_min: f32,
     #[comptime] group: usize,
-    #[define(O)] _out: StorageType,
+    #[define(I, O)] _types: [StorageType; 2],
 ) {
     let c = ABSOLUTE_POS;
     let cols = cols as usize;
@@ -83,10 +83,10 @@ fn block_scan_wide_kernel<O: Float>(
             let k = k0 + r;
             if k < steps {
                 let base = (k * batch + b) * row_stride + j;
-                ri[r] = y[base];
-                rb[r] = y[base + dn];
-                ra[r] = y[base + 2 * dn];
-                rt[r] = y[base + 3 * dn];
+                ri[r] = f32::cast_from(y[base]);
+                rb[r] = f32::cast_from(y[base + dn]);
+                ra[r] = f32::cast_from(y[base + 2 * dn]);
+                rt[r] = f32::cast_from(y[base + 3 * dn]);
             }
         }
         #[unroll]
@@ -119,7 +119,7 @@ pub(crate) fn block_scan<R: CubeRuntime>(
     (cols, steps, dn, row_stride): (usize, usize, usize, usize),
     v_th_min: f32,
 ) {
-    let dtype = vpost.dtype;
+    let types = [y.dtype.into(), vpost.dtype.into()];
     block_scan_wide_kernel::launch::<R>(
         &y.client.clone(),
         CubeCount::Static(cols.div_ceil(UNITS as usize) as u32, 1, 1),
@@ -137,7 +137,7 @@ pub(crate) fn block_scan<R: CubeRuntime>(
         row_stride as u32,
         v_th_min,
         GROUP,
-        dtype.into(),
+        types,
     );
 }
 

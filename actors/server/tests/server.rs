@@ -1,7 +1,8 @@
 //! The streaming server end to end on loopback, on the `tiny_a` fixture's weights: greedy
 //! output equals the fixture's, 32 concurrent WebSocket clients get complete and correct
 //! streams, a disconnect frees the session, token ids stream one per delta while text is held
-//! back, bad input gets clear errors, API keys guard the endpoints.
+//! back, a session queues its next step while its client is not reading, bad input gets
+//! clear errors, API keys guard the endpoints.
 
 mod common;
 
@@ -401,5 +402,54 @@ fn token_ids_stream_one_per_delta_while_their_text_is_held_back() {
         // The text is withheld while each token streams, then comes whole.
         assert!(held[..n].iter().all(|d| d.0.is_empty()), "{held:?}");
         assert_eq!(held.iter().map(|d| d.0.as_str()).collect::<String>(), text);
+    });
+}
+
+#[test]
+fn a_session_queues_its_next_step_while_its_client_is_not_reading() {
+    use nsactor_server::protocol::{GenSpec, PromptSpec};
+    use std::sync::atomic::AtomicBool;
+    use std::time::{Duration, Instant};
+    let s = serve(4, 4);
+    let (state, prompt) = (s.state.clone(), s.prompt.clone());
+    s.pipeline.block_on(async move {
+        let (_, n0) = state.generator.decoder.batch_counts();
+        // A client that never reads: its channel takes one delta, the second send waits.
+        let (tx, rx) = tokio::sync::mpsc::channel(1);
+        let spec = GenSpec {
+            prompt: PromptSpec::Ids(prompt),
+            max_tokens: 8,
+            sampling: nsactor_runtime::decode::SamplingParams::greedy(),
+            stop: Vec::new(),
+            token_ids: true,
+            ignore_eos: true,
+            logit_bias: Vec::new(),
+            logprobs: None,
+            prompt_logprobs: false,
+            time_limit: None,
+        };
+        let cancel = std::sync::Arc::new(AtomicBool::new(false));
+        let task = tokio::spawn({
+            let state = state.clone();
+            async move { state.generator.run(spec, tx, cancel).await }
+        });
+        // The prompt, then each token's next step queued before its delta is handed over: the
+        // third input goes in while the second delta waits for the reader. (Feeding only after
+        // the delivery stopped at two inputs.)
+        let deadline = Instant::now() + Duration::from_secs(60);
+        loop {
+            let (_, n) = state.generator.decoder.batch_counts();
+            if n - n0 >= 3 {
+                break;
+            }
+            assert!(Instant::now() < deadline, "{} inputs fed in 60 s", n - n0);
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        // The client goes away: the generation ends as cancelled and frees its session.
+        drop(rx);
+        let done = task.await.unwrap().unwrap();
+        assert_eq!(done.finish_reason, "cancelled");
+        let (_, n1) = state.generator.decoder.batch_counts();
+        assert_eq!(n1 - n0, 3, "nothing fed after the client left");
     });
 }

@@ -240,7 +240,7 @@ pub fn run(a: ServeBenchArgs) -> crate::CliResult {
     );
     let info = l.pipeline.backend().info();
     println!(
-        "serve: {} ({} parameters) on {} {} ({}), pipeline {}; {} tokens per session at temperature {}, on loopback; engine: the same load on the decoder, no network",
+        "serve: {} ({} parameters) on {} {} ({}), pipeline {}; {} tokens per session at temperature {}, on loopback, the clock started once every client has connected; engine: the same load on the decoder, no network",
         l.name,
         l.pipeline.param_count(),
         info.name,

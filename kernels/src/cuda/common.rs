@@ -1,7 +1,9 @@
 //! What the CUDA kernel families share: output allocation and the dtype checks of their
 //! launchers, the modulation's device functions (σ exactly as burn composes it, softplus,
-//! sign), the staged kernels' cube width and shape knob, the plane constants of the inference
-//! kernels, and the element type a GEMM after an inference kernel reads.
+//! sign), the decoding scans' shared step (the SNNBlock's modulation, one PLIF step, the FFN
+//! neurons' per-column constants: the staged and the one-unit-per-column kernels call the same
+//! functions), the staged kernels' cube width and shape knob, the plane constants of the
+//! inference kernels, and the element type a GEMM after an inference kernel reads.
 
 use crate::cuda::precision::input_dtype;
 use burn::tensor::{DType, Shape};
@@ -55,6 +57,93 @@ pub(crate) fn sigmoid_burn(x: f32) -> f32 {
 #[cube]
 pub(crate) fn softplus(x: f32) -> f32 {
     max(x, 0.0f32) + (-(x.abs())).exp().log1p()
+}
+
+/// One PLIF step as the decoding scans take it (the staged and the one-unit-per-column
+/// kernels share it, so their bits agree): `V_pre = fma(β, V, u)`, a spike where
+/// `V_pre ≥ V_th`, the reset `V_pre − V_th·s`. Returns the new membrane.
+#[cube]
+pub(crate) fn plif_step(beta: f32, v: f32, u: f32, th: f32) -> f32 {
+    let v_pre = fma(beta, v, u);
+    v_pre - th * select(v_pre >= th, 1.0f32, 0.0f32)
+}
+
+/// The SNNBlock's modulation of one hidden neuron at one step (Eq. 5–7).
+#[derive(CubeType)]
+pub(crate) struct Modulation {
+    /// `β = σ(r_β + b_β)`.
+    pub beta: f32,
+    /// `u = softplus(r_α + b_α)·i`.
+    pub u: f32,
+    /// `V_th = |r_th + b_th| + V_min`.
+    pub th: f32,
+}
+
+/// [`Modulation`] from the step's four projections `i, r_β, r_α, r_th` and the neuron's
+/// biases `b_β, b_α, b_th`: shared by the decoding block scans.
+#[allow(clippy::too_many_arguments)]
+#[cube]
+pub(crate) fn block_modulation(
+    i: f32,
+    rb: f32,
+    ra: f32,
+    rt: f32,
+    bb: f32,
+    ba: f32,
+    bt: f32,
+    v_th_min: f32,
+) -> Modulation {
+    Modulation {
+        beta: sigmoid_burn(rb + bb),
+        u: softplus(ra + ba) * i,
+        th: (rt + bt).abs() + v_th_min,
+    }
+}
+
+/// What a unit of the FFN neuron kernels works on: its `(batch row b, channel j)` pair
+/// (`valid` where the last units run past `B·D_ff`) and both neurons' constants of channel `j`:
+/// β, `1 − β` and the threshold of the gate (`_g`) and up (`_u`) neuron.
+#[derive(CubeType)]
+pub(crate) struct Pair {
+    pub b: usize,
+    pub j: usize,
+    pub valid: bool,
+    pub beta_g: f32,
+    pub beta_u: f32,
+    pub om_g: f32,
+    pub om_u: f32,
+    pub tg: f32,
+    pub tu: f32,
+}
+
+/// The [`Pair`] of column `c = b·D_ff + j` (the staged kernels: 32 per cube, in order; the
+/// one-unit-per-column kernel: its absolute position).
+#[cube]
+pub(crate) fn pair(
+    w_g: &Tensor<f32>,
+    w_u: &Tensor<f32>,
+    th_g: &Tensor<f32>,
+    th_u: &Tensor<f32>,
+    batch: usize,
+    ff: usize,
+    c: usize,
+) -> Pair {
+    let valid = c < batch * ff;
+    let cc = select(valid, c, 0);
+    let j = cc % ff;
+    let beta_g = sigmoid_burn(w_g[j]);
+    let beta_u = sigmoid_burn(w_u[j]);
+    Pair {
+        b: cc / ff,
+        j,
+        valid,
+        beta_g,
+        beta_u,
+        om_g: -beta_g + 1.0f32,
+        om_u: -beta_u + 1.0f32,
+        tg: th_g[j],
+        tu: th_u[j],
+    }
 }
 
 #[cube]

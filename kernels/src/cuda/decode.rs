@@ -9,7 +9,8 @@
 //! [`InferOps::block_scan_fused`]: crate::InferOps::block_scan_fused
 
 use crate::cuda::common::{
-    PLANE, STAGE_COLS, gemm_input, out_like, out_typed, sigmoid_burn, softplus, stage_shape,
+    PLANE, STAGE_COLS, block_modulation, gemm_input, out_like, out_typed, plif_step, sigmoid_burn,
+    stage_shape,
 };
 use burn::tensor::{DType, Shape};
 use burn_cubecl::CubeRuntime;
@@ -78,10 +79,7 @@ fn block_scan_kernel<I: Float, O: Float>(
                     let k = k0 + q;
                     if k < steps {
                         let s_idx = buf + q * 32 + x;
-                        let th = s_th[s_idx];
-                        let v_pre = fma(s_beta[s_idx], v, s_u[s_idx]);
-                        let s = select(v_pre >= th, 1.0f32, 0.0f32);
-                        v = v_pre - th * s;
+                        v = plif_step(s_beta[s_idx], v, s_u[s_idx], s_th[s_idx]);
                         if valid {
                             vpost[k * cols + c] = O::cast_from(v);
                         }
@@ -112,9 +110,12 @@ fn block_scan_kernel<I: Float, O: Float>(
                 let q = (plane - 1) + r * producers;
                 if k0 + q < steps && valid {
                     let s_idx = buf + q * 32 + x;
-                    s_beta[s_idx] = sigmoid_burn(rb[r] + b_beta[j]);
-                    s_u[s_idx] = softplus(ra[r] + b_alpha[j]) * ri[r];
-                    s_th[s_idx] = (rt[r] + b_th[j]).abs() + v_th_min;
+                    let m = block_modulation(
+                        ri[r], rb[r], ra[r], rt[r], b_beta[j], b_alpha[j], b_th[j], v_th_min,
+                    );
+                    s_beta[s_idx] = m.beta;
+                    s_u[s_idx] = m.u;
+                    s_th[s_idx] = m.th;
                 }
             }
         }

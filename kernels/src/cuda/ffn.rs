@@ -5,7 +5,7 @@
 //! wider product in place); the backward recomputes the spikes exactly.
 
 use crate::cuda::common::{
-    STAGE_COLS, check_f32, out_like, out_typed, sigmoid_burn, stage_shape, stored_dtype,
+    STAGE_COLS, check_f32, out_like, out_typed, pair, plif_step, stage_shape, stored_dtype,
 };
 use crate::cuda::precision::input_dtype;
 use burn::tensor::{DType, Shape};
@@ -18,51 +18,6 @@ use cubecl::prelude::*;
 /// `$NSACTOR_STAGE_FFN_FORWARD` / `$NSACTOR_STAGE_FFN_BACKWARD` override them.
 const STAGE_FFN_FORWARD: (usize, usize) = (8, 32);
 const STAGE_FFN_BACKWARD: (usize, usize) = (8, 16);
-
-/// What a unit of the FFN kernels works on: its `(batch row b, channel j)` pair (`valid`
-/// where the cube's last columns run past `B·D_ff`) and both neurons' constants of channel `j`:
-/// β, `1 − β` and the threshold of the gate (`_g`) and up (`_u`) neuron.
-#[derive(CubeType)]
-struct Pair {
-    b: usize,
-    j: usize,
-    valid: bool,
-    beta_g: f32,
-    beta_u: f32,
-    om_g: f32,
-    om_u: f32,
-    tg: f32,
-    tu: f32,
-}
-
-/// This unit's [`Pair`]: 32 pairs per cube, in order.
-#[cube]
-fn pair(
-    w_g: &Tensor<f32>,
-    w_u: &Tensor<f32>,
-    th_g: &Tensor<f32>,
-    th_u: &Tensor<f32>,
-    batch: usize,
-    ff: usize,
-) -> Pair {
-    let c = CUBE_POS_X as usize * 32 + UNIT_POS_X as usize;
-    let valid = c < batch * ff;
-    let cc = select(valid, c, 0);
-    let j = cc % ff;
-    let beta_g = sigmoid_burn(w_g[j]);
-    let beta_u = sigmoid_burn(w_u[j]);
-    Pair {
-        b: cc / ff,
-        j,
-        valid,
-        beta_g,
-        beta_u,
-        om_g: -beta_g + 1.0f32,
-        om_u: -beta_u + 1.0f32,
-        tg: th_g[j],
-        tu: th_u[j],
-    }
-}
 
 /// The SNNFFN's gate and up neurons for training, staged: a cube holds 32 `(batch row, channel
 /// j)` pairs; producer planes load the gate and up currents `i_gu[·, j]`, `i_gu[·, D_ff + j]` of
@@ -100,7 +55,8 @@ fn ffn_forward_staged_kernel<I: Float, O: Float>(
     let x = UNIT_POS_X as usize;
     let row_stride = row_stride as usize;
     let y = UNIT_POS_Y as usize;
-    let p = pair(w_g, w_u, th_g, th_u, batch, ff);
+    let c = CUBE_POS_X as usize * 32 + UNIT_POS_X as usize;
+    let p = pair(w_g, w_u, th_g, th_u, batch, ff, c);
     let mut s_g = SharedMemory::<f32>::new(comptime!(2 * chunk * 32));
     let mut s_u = SharedMemory::<f32>::new(comptime!(2 * chunk * 32));
     let per = comptime!(chunk / producers);
@@ -119,10 +75,8 @@ fn ffn_forward_staged_kernel<I: Float, O: Float>(
                     let k = k0 + q;
                     if k < steps {
                         let s_idx = buf + q * 32 + x;
-                        let pg = fma(p.beta_g, vg, s_g[s_idx] * p.om_g);
-                        vg = pg - p.tg * select(pg >= p.tg, 1.0f32, 0.0f32);
-                        let pu = fma(p.beta_u, vu, s_u[s_idx] * p.om_u);
-                        vu = pu - p.tu * select(pu >= p.tu, 1.0f32, 0.0f32);
+                        vg = plif_step(p.beta_g, vg, s_g[s_idx] * p.om_g, p.tg);
+                        vu = plif_step(p.beta_u, vu, s_u[s_idx] * p.om_u, p.tu);
                         if p.valid {
                             if comptime![save_vpost] {
                                 let row = (k * batch + p.b) * 2 * ff;
@@ -202,7 +156,8 @@ fn ffn_backward_staged_kernel<I: Float, G: Float>(
     let chunks = chunks as usize;
     let x = UNIT_POS_X as usize;
     let y = UNIT_POS_Y as usize;
-    let p = pair(w_g, w_u, th_g, th_u, batch, ff);
+    let c = CUBE_POS_X as usize * 32 + UNIT_POS_X as usize;
+    let p = pair(w_g, w_u, th_g, th_u, batch, ff, c);
     let first_g = v0[p.b * 2 * ff + p.j];
     let first_u = v0[p.b * 2 * ff + ff + p.j];
     let size = comptime!(2 * chunk * 32);

@@ -9,11 +9,11 @@
 //! (at 256 sessions on the H100, on f32 inputs: the staged block scan 378 µs a layer, this one
 //! 203; the FFN neurons 107 and 52). From [`wide_cols`] columns on, these kernels run instead.
 //!
-//! The arithmetic is the staged kernels' operation for operation (the same device functions,
-//! the same `fma`, the same roundings: the staged kernels' shared-memory values are f32 as the
-//! registers here), so a session's bits do not depend on which kernel its cohort ran.
+//! The arithmetic is the staged kernels': both call the same device functions for the step
+//! ([`block_modulation`], [`plif_step`]; the staged kernels' shared-memory values are f32 as
+//! the registers here), so a session's bits do not depend on which kernel its cohort ran.
 
-use crate::cuda::common::{sigmoid_burn, softplus};
+use crate::cuda::common::{block_modulation, pair, plif_step};
 use burn_cubecl::CubeRuntime;
 use burn_cubecl::tensor::CubeTensor;
 use cubecl::prelude::*;
@@ -31,10 +31,15 @@ const DEFAULT_WIDE_COLS: usize = 1 << 17;
 pub fn wide_cols() -> usize {
     static COLS: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
     *COLS.get_or_init(|| {
-        std::env::var("NSACTOR_DECODE_WIDE_COLS")
-            .ok()
-            .and_then(|v| v.parse().ok())
-            .unwrap_or(DEFAULT_WIDE_COLS)
+        let Ok(v) = std::env::var("NSACTOR_DECODE_WIDE_COLS") else {
+            return DEFAULT_WIDE_COLS;
+        };
+        v.parse().unwrap_or_else(|_| {
+            eprintln!(
+                "nsactor: NSACTOR_DECODE_WIDE_COLS={v:?} is not a column count; using {DEFAULT_WIDE_COLS}"
+            );
+            DEFAULT_WIDE_COLS
+        })
     })
 }
 
@@ -93,12 +98,8 @@ fn block_scan_wide_kernel<I: Float, O: Float>(
         for r in 0..group {
             let k = k0 + r;
             if k < steps {
-                let beta = sigmoid_burn(rb[r] + bb);
-                let u = softplus(ra[r] + ba) * ri[r];
-                let th = (rt[r] + bt).abs() + v_th_min;
-                let v_pre = fma(beta, v, u);
-                let s = select(v_pre >= th, 1.0f32, 0.0f32);
-                v = v_pre - th * s;
+                let m = block_modulation(ri[r], rb[r], ra[r], rt[r], bb, ba, bt, v_th_min);
+                v = plif_step(m.beta, v, m.u, m.th);
                 vpost[k * cols + c] = O::cast_from(v);
             }
         }
@@ -163,21 +164,15 @@ fn ffn_infer_wide_kernel<I: Float, O: Float>(
     #[comptime] group: usize,
     #[define(I, O)] _types: [StorageType; 2],
 ) {
-    let c = ABSOLUTE_POS;
     let batch = batch as usize;
     let ff = ff as usize;
-    if c >= batch * ff {
+    let p = pair(w_g, w_u, th_g, th_u, batch, ff, ABSOLUTE_POS);
+    if !p.valid {
         terminate!();
     }
     let steps = steps as usize;
     let row_stride = row_stride as usize;
-    let b = c / ff;
-    let j = c % ff;
-    let beta_g = sigmoid_burn(w_g[j]);
-    let beta_u = sigmoid_burn(w_u[j]);
-    let om_g = -beta_g + 1.0f32;
-    let om_u = -beta_u + 1.0f32;
-    let (tg, tu) = (th_g[j], th_u[j]);
+    let (b, j) = (p.b, p.j);
     let mut xg = Array::<f32>::new(group);
     let mut xu = Array::<f32>::new(group);
     let mut vg = v0[b * 2 * ff + j];
@@ -197,13 +192,11 @@ fn ffn_infer_wide_kernel<I: Float, O: Float>(
         for r in 0..group {
             let k = k0 + r;
             if k < steps {
-                let pg = fma(beta_g, vg, xg[r] * om_g);
-                vg = pg - tg * select(pg >= tg, 1.0f32, 0.0f32);
-                let pu = fma(beta_u, vu, xu[r] * om_u);
-                vu = pu - tu * select(pu >= tu, 1.0f32, 0.0f32);
+                vg = plif_step(p.beta_g, vg, xg[r] * p.om_g, p.tg);
+                vu = plif_step(p.beta_u, vu, xu[r] * p.om_u, p.tu);
                 let o = (k * batch + b) * ff + j;
                 if comptime![leak] {
-                    gv[o] = O::cast_from((vg * om_g) * (vu * om_u));
+                    gv[o] = O::cast_from((vg * p.om_g) * (vu * p.om_u));
                 } else {
                     gv[o] = O::cast_from(vg * vu);
                 }

@@ -101,7 +101,7 @@ impl Stages {
         let mut picks = PicksBuf::new();
         for _ in sessions {
             // Greedy, logits back: what a feed without a pick gets.
-            picks.push(&crate::pipeline::batcher::row_pick(None));
+            picks.push(&crate::pipeline::cohort::row_pick(None));
         }
         let out = self
             .edge

@@ -279,6 +279,94 @@ fn concurrent_sessions_are_batched_at_each_layer_and_decode_as_they_would_alone(
 }
 
 #[test]
+fn streams_choose_the_tokens_single_feeds_choose_and_run_whole_cohorts() {
+    use nsactor_runtime::decode::SamplingParams;
+    use nsactor_runtime::pipeline::PickRequest;
+    let _serial = serial();
+    // One stage: one cohort in flight (with P stages, P cohorts alternate by design).
+    let p = pipeline(1, None);
+    let d = p.decoder(256);
+    let (sessions, tokens) = (5usize, 12usize);
+    let pick = |history: Vec<i64>, generated: Vec<i64>| PickRequest {
+        sampling: SamplingParams {
+            repetition_penalty: 1.3,
+            ..SamplingParams::greedy()
+        },
+        history,
+        generated,
+        bias: vec![(7, f32::NEG_INFINITY)],
+        want_logits: false,
+    };
+    let prompts: Vec<Vec<i64>> = (0..sessions as u64)
+        .map(|i| batches(300 + i, 1)[0].inputs[..2 + i as usize].to_vec())
+        .collect();
+    // One step at a time, the caller feeding each token back (the penalty's history grows).
+    let alone: Vec<Vec<i64>> = prompts
+        .iter()
+        .map(|pr| {
+            p.block_on(async {
+                let s = d.session();
+                let (mut history, mut out) = (pr.clone(), Vec::new());
+                let mut ids = pr.clone();
+                for _ in 0..tokens {
+                    let t = d
+                        .feed_pick(s, ids, pick(history.clone(), out.clone()))
+                        .await
+                        .unwrap()
+                        .token;
+                    history.push(t);
+                    out.push(t);
+                    ids = vec![t];
+                }
+                d.close(s).await;
+                out
+            })
+        })
+        .collect();
+    let (c0, n0) = d.batch_counts();
+    let streamed: Vec<Vec<i64>> = p.block_on(async {
+        let tasks: Vec<_> = prompts
+            .iter()
+            .map(|pr| {
+                let (d, pr) = (d.clone(), pr.clone());
+                let first = pick(pr.clone(), Vec::new());
+                tokio::spawn(async move {
+                    let s = d.session();
+                    let mut st = d.stream(s, pr, first, tokens - 1, vec![]).await.unwrap();
+                    let mut out = Vec::new();
+                    while let Some(t) = st.next().await {
+                        out.push(t.unwrap().token);
+                    }
+                    d.close(s).await;
+                    out
+                })
+            })
+            .collect();
+        let mut out = Vec::new();
+        for t in tasks {
+            out.push(t.await.unwrap());
+        }
+        out
+    });
+    assert_eq!(streamed, alone, "a stream picks as fed steps do");
+    let (c1, n1) = d.batch_counts();
+    eprintln!(
+        "{} cohorts for {sessions} streams of {tokens} tokens",
+        c1 - c0
+    );
+    assert_eq!(n1 - n0, (sessions * tokens) as u64, "one input per token");
+    // Prompts of different lengths go in separate cohorts (here 5, then 11 steps of all 5);
+    // once every session decodes, the batcher requeues them together and every step is one
+    // cohort of all of them. A session spawned late may split a step or two off first.
+    assert!(
+        c1 - c0 < (tokens + 2 * sessions) as u64,
+        "{} cohorts for {sessions} streams of {tokens} tokens",
+        c1 - c0
+    );
+    assert_eq!(d.open_sessions(), 0);
+}
+
+#[test]
 fn background_checkpoints_write_the_same_files_as_synchronous_ones() {
     let _serial = serial();
     let (a, b) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());

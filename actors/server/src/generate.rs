@@ -1,7 +1,8 @@
 //! One generation: admission (a cap on concurrent sessions, a bounded queue, "busy" past it),
-//! prefill, then one token at a time through the layer actors, streamed as text deltas that
-//! never split a UTF-8 character and never show a stop string. The session's neuron states are
-//! freed however the generation ends: finished, cancelled, or its client gone.
+//! prefill, then one token at a time through the layer actors (a decoding stream: the batcher
+//! feeds each chosen token back itself), turned here into text deltas that never split a UTF-8
+//! character and never show a stop string. The session's neuron states are freed however the
+//! generation ends: finished, cancelled, or its client gone.
 
 use crate::drain::{Drain, FINISH_SHUTDOWN};
 use crate::error::ServeError;
@@ -9,7 +10,7 @@ use crate::logprobs::{TokenLogprob, token_logprob};
 use crate::protocol::{Finished, GenSpec, GenTiming, PromptSpec, Usage};
 use nsactor_data::Tokenizer;
 use nsactor_plugin_api::SessionId;
-use nsactor_runtime::pipeline::{AsyncDecoder, PickRequest, Picked};
+use nsactor_runtime::pipeline::{AsyncDecoder, DecodeStream, PickRequest};
 use nsactor_telemetry::ServingMetrics;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -39,6 +40,14 @@ pub enum GenEvent {
 
 /// The finish reason of a generation that ran out of its time budget.
 pub const FINISH_TIME_LIMIT: &str = "time_limit";
+
+/// How a generation's stream chooses its tokens: the first as `pick` says, then up to `more`
+/// after it, ending after any of `end_tokens`.
+struct Stream {
+    pick: PickRequest,
+    more: usize,
+    end_tokens: Vec<i64>,
+}
 
 /// Tokens chosen but not yet sent, with their log-probabilities when asked for.
 #[derive(Default)]
@@ -206,16 +215,16 @@ impl Generator {
     }
 
     /// Feeds the prompt one token at a time, reporting each token's log-probability given
-    /// the ones before it ([`GenEvent::Prompt`]); the first generated token, chosen as `pick`
-    /// says.
+    /// the ones before it ([`GenEvent::Prompt`]); then streams from its last token as
+    /// [`Stream`] says.
     async fn score_prompt(
         &self,
         session: SessionId,
         prompt: &[i64],
         top: usize,
         tx: &mpsc::Sender<GenEvent>,
-        pick: PickRequest,
-    ) -> Result<Picked, ServeError> {
+        stream: Stream,
+    ) -> Result<DecodeStream, ServeError> {
         let mut logprobs = vec![None];
         let mut logits = Vec::new();
         let (last, head) = prompt.split_last().expect("prompts are never empty");
@@ -228,10 +237,23 @@ impl Generator {
         if !head.is_empty() {
             logprobs.push(Some(token_logprob(&logits, *last, top)));
         }
-        let picked = self.decoder.feed_pick(session, vec![*last], pick).await?;
+        let picked = self.stream(session, vec![*last], stream).await?;
         let ids = prompt.to_vec();
         let _ = tx.send(GenEvent::Prompt { ids, logprobs }).await;
         Ok(picked)
+    }
+
+    /// Feeds `ids` and streams the tokens chosen after them.
+    async fn stream(
+        &self,
+        session: SessionId,
+        ids: Vec<i64>,
+        s: Stream,
+    ) -> Result<DecodeStream, ServeError> {
+        Ok(self
+            .decoder
+            .stream(session, ids, s.pick, s.more, s.end_tokens)
+            .await?)
     }
 
     /// How the next token is chosen on the device: the request's sampling, its logit biases
@@ -272,20 +294,28 @@ impl Generator {
         cancel: &AtomicBool,
         start: Instant,
     ) -> Result<Finished, ServeError> {
-        let mut history = prompt.to_vec();
         let mut generated: Vec<i64> = Vec::new();
         let mut pending = Pending::default();
         let mut emitted = 0usize; // bytes of the decoded text already sent
         let mut first_token_at = None;
         let mut last_token_at: Option<Instant> = None;
         let top = spec.logprobs.unwrap_or(0);
-        let first = self.pick_request(spec, &history, &generated);
-        let mut picked = if spec.prompt_logprobs {
-            self.score_prompt(session, prompt, top, tx, first).await?
+        // The batcher feeds every chosen token back itself: the session is never away from
+        // it between steps, however slow this task or its client. A stop string found below
+        // costs the step already queued.
+        let plan = Stream {
+            pick: self.pick_request(spec, prompt, &[]),
+            more: spec.max_tokens.saturating_sub(1),
+            end_tokens: if spec.ignore_eos {
+                Vec::new()
+            } else {
+                END_TOKENS.to_vec()
+            },
+        };
+        let mut stream = if spec.prompt_logprobs {
+            self.score_prompt(session, prompt, top, tx, plan).await?
         } else {
-            self.decoder
-                .feed_pick(session, prompt.to_vec(), first)
-                .await?
+            self.stream(session, prompt.to_vec(), plan).await?
         };
         let mut text = String::new();
         let finish_reason = loop {
@@ -301,6 +331,15 @@ impl Generator {
             if generated.len() >= spec.max_tokens {
                 break "length"; // max_tokens = 0: the prompt was only scored
             }
+            let mut picked = match stream.next().await {
+                Some(p) => p?,
+                None if self.drain.stopping() => break FINISH_SHUTDOWN,
+                None => {
+                    return Err(ServeError::Internal(
+                        "the decoding stream ended before its last token".into(),
+                    ));
+                }
+            };
             // Chosen on the device; log-probabilities come from the model's own distribution.
             let next = picked.token;
             let raw = picked.logits.take();
@@ -311,7 +350,6 @@ impl Generator {
                     .observe((now - last).as_secs_f64());
             }
             first_token_at.get_or_insert(now);
-            history.push(next);
             if !spec.ignore_eos && END_TOKENS.contains(&next) {
                 break "stop";
             }
@@ -320,50 +358,27 @@ impl Generator {
             if let Some(raw) = raw {
                 pending.logprobs.push(token_logprob(&raw, next, top));
             }
-            // The next step is queued before this token's text is made and delivered, so the
-            // session is back in the batcher at once and cohorts stay whole however slow the
-            // client's connection is. A stop string found below wastes that one step.
-            let more = generated.len() < spec.max_tokens;
-            let feed = async {
-                if more {
-                    let pick = self.pick_request(spec, &history, &generated);
-                    Some(self.decoder.feed_pick(session, vec![next], pick).await)
-                } else {
-                    None
-                }
-            };
-            let deliver = async {
-                let ids: Vec<u32> = generated.iter().map(|&t| t as u32).collect();
-                text = self
-                    .tokenizer
-                    .decode(&ids, true)
-                    .map_err(|e| ServeError::Internal(e.to_string()))?;
-                // A stop string ends the generation; the text before it is the answer.
-                if let Some(pos) = spec.stop.iter().filter_map(|s| text.find(s.as_str())).min() {
-                    text.truncate(pos.max(emitted));
-                    return Ok::<_, ServeError>(true);
-                }
-                // Hold back an incomplete UTF-8 character and a possible stop-string start.
-                let incomplete = text.ends_with('\u{FFFD}');
-                let end = text.len() - held_back(&text, &spec.stop);
-                if !incomplete && end > emitted && text.is_char_boundary(end) {
-                    self.send(tx, &text[emitted..end], &mut pending, spec.token_ids)
-                        .await;
-                    emitted = end;
-                } else if spec.token_ids {
-                    // A client that streams token ids gets each token as it comes; the text
-                    // held back (an incomplete character, a possible stop string) follows later.
-                    self.send(tx, "", &mut pending, true).await;
-                }
-                Ok(false)
-            };
-            let (fed, stopped) = tokio::join!(feed, deliver);
-            if stopped? {
+            let ids: Vec<u32> = generated.iter().map(|&t| t as u32).collect();
+            text = self
+                .tokenizer
+                .decode(&ids, true)
+                .map_err(|e| ServeError::Internal(e.to_string()))?;
+            // A stop string ends the generation; the text before it is the answer.
+            if let Some(pos) = spec.stop.iter().filter_map(|s| text.find(s.as_str())).min() {
+                text.truncate(pos.max(emitted));
                 break "stop";
             }
-            match fed {
-                Some(p) => picked = p?,
-                None => break "length",
+            // Hold back an incomplete UTF-8 character and a possible stop-string start.
+            let incomplete = text.ends_with('\u{FFFD}');
+            let end = text.len() - held_back(&text, &spec.stop);
+            if !incomplete && end > emitted && text.is_char_boundary(end) {
+                self.send(tx, &text[emitted..end], &mut pending, spec.token_ids)
+                    .await;
+                emitted = end;
+            } else if spec.token_ids {
+                // A client that streams token ids gets each token as it comes; the text held
+                // back (an incomplete character, a possible stop string) follows later.
+                self.send(tx, "", &mut pending, true).await;
             }
         };
         // Whatever is still held back (and any tokens not yet sent) goes out now.

@@ -406,7 +406,8 @@ fn token_ids_stream_one_per_delta_while_their_text_is_held_back() {
 }
 
 #[test]
-fn a_session_queues_its_next_step_while_its_client_is_not_reading() {
+fn a_session_runs_ahead_of_a_client_that_is_not_reading_then_parks() {
+    use nsactor_runtime::pipeline::MAX_UNREAD;
     use nsactor_server::protocol::{GenSpec, PromptSpec};
     use std::sync::atomic::AtomicBool;
     use std::time::{Duration, Instant};
@@ -416,9 +417,10 @@ fn a_session_queues_its_next_step_while_its_client_is_not_reading() {
         let (_, n0) = state.generator.decoder.batch_counts();
         // A client that never reads: its channel takes one delta, the second send waits.
         let (tx, rx) = tokio::sync::mpsc::channel(1);
+        let max_tokens = MAX_UNREAD + 40;
         let spec = GenSpec {
             prompt: PromptSpec::Ids(prompt),
-            max_tokens: 8,
+            max_tokens,
             sampling: nsactor_runtime::decode::SamplingParams::greedy(),
             stop: Vec::new(),
             token_ids: true,
@@ -433,23 +435,28 @@ fn a_session_queues_its_next_step_while_its_client_is_not_reading() {
             let state = state.clone();
             async move { state.generator.run(spec, tx, cancel).await }
         });
-        // The prompt, then each token's next step queued before its delta is handed over: the
-        // third input goes in while the second delta waits for the reader. (Feeding only after
-        // the delivery stopped at two inputs.)
+        // The batcher feeds each token back itself: the session steps on while its second
+        // delta waits for the reader (the generator has read two tokens), until it is
+        // MAX_UNREAD tokens ahead of its reader, and then it is parked.
+        let fed = || state.generator.decoder.batch_counts().1 - n0;
+        let want = (2 + MAX_UNREAD) as u64;
         let deadline = Instant::now() + Duration::from_secs(60);
-        loop {
-            let (_, n) = state.generator.decoder.batch_counts();
-            if n - n0 >= 3 {
-                break;
-            }
-            assert!(Instant::now() < deadline, "{} inputs fed in 60 s", n - n0);
+        while fed() < want {
+            assert!(Instant::now() < deadline, "{} inputs fed in 60 s", fed());
             tokio::time::sleep(Duration::from_millis(5)).await;
         }
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        assert_eq!(
+            fed(),
+            want,
+            "parked {MAX_UNREAD} tokens ahead of its reader"
+        );
         // The client goes away: the generation ends as cancelled and frees its session.
         drop(rx);
         let done = task.await.unwrap().unwrap();
         assert_eq!(done.finish_reason, "cancelled");
-        let (_, n1) = state.generator.decoder.batch_counts();
-        assert_eq!(n1 - n0, 3, "nothing fed after the client left");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        assert_eq!(fed(), want, "nothing fed after the client left");
+        assert_eq!(state.generator.decoder.open_sessions(), 0);
     });
 }

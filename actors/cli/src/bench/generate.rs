@@ -53,14 +53,30 @@ pub async fn generate_load(
                 let s = d.session();
                 let t0 = Instant::now();
                 let r = async {
-                    let mut next = greedy(&d, s, prompt, on_device).await?;
-                    let prefilled = Instant::now();
                     let mut steps = Vec::with_capacity(tokens);
-                    for _ in 1..tokens {
-                        let t = Instant::now();
-                        next = greedy(&d, s, vec![next], on_device).await?;
-                        steps.push(t.elapsed().as_secs_f64());
-                    }
+                    let prefilled = if on_device {
+                        // As the server decodes: the batcher feeds each token back itself.
+                        let mut st = d
+                            .stream(s, prompt, greedy_pick(), tokens - 1, vec![])
+                            .await?;
+                        next_token(&mut st).await?;
+                        let prefilled = Instant::now();
+                        for _ in 1..tokens {
+                            let t = Instant::now();
+                            next_token(&mut st).await?;
+                            steps.push(t.elapsed().as_secs_f64());
+                        }
+                        prefilled
+                    } else {
+                        let mut next = argmax_of(&d, s, prompt).await?;
+                        let prefilled = Instant::now();
+                        for _ in 1..tokens {
+                            let t = Instant::now();
+                            next = argmax_of(&d, s, vec![next]).await?;
+                            steps.push(t.elapsed().as_secs_f64());
+                        }
+                        prefilled
+                    };
                     Ok::<_, CliError>(((prefilled - t0).as_secs_f64(), prefilled, steps))
                 }
                 .await;
@@ -140,26 +156,32 @@ pub struct GenerateBenchArgs {
     pick: String,
 }
 
-/// Feeds `ids` to `session`; its greedy next token, chosen on the device or on the host.
-async fn greedy(
+/// Greedy on the device, without logits.
+fn greedy_pick() -> nsactor_runtime::pipeline::PickRequest {
+    nsactor_runtime::pipeline::PickRequest {
+        sampling: nsactor_runtime::decode::SamplingParams::greedy(),
+        history: Vec::new(),
+        generated: Vec::new(),
+        bias: Vec::new(),
+        want_logits: false,
+    }
+}
+
+/// The stream's next token.
+async fn next_token(st: &mut nsactor_runtime::pipeline::DecodeStream) -> CliResult<i64> {
+    match st.next().await {
+        Some(p) => Ok(p?.token),
+        None => Err("the decoding stream ended before its last token".into()),
+    }
+}
+
+/// Feeds `ids` to `session`; the argmax of the logits copied to the host.
+async fn argmax_of(
     d: &nsactor_runtime::pipeline::AsyncDecoder,
     session: nsactor_plugin_api::SessionId,
     ids: Vec<i64>,
-    on_device: bool,
 ) -> CliResult<i64> {
-    use nsactor_runtime::decode::SamplingParams;
-    if on_device {
-        let pick = nsactor_runtime::pipeline::PickRequest {
-            sampling: SamplingParams::greedy(),
-            history: Vec::new(),
-            generated: Vec::new(),
-            bias: Vec::new(),
-            want_logits: false,
-        };
-        Ok(d.feed_pick(session, ids, pick).await?.token)
-    } else {
-        Ok(nsactor_runtime::decode::argmax(&d.feed(session, ids).await?) as i64)
-    }
+    Ok(nsactor_runtime::decode::argmax(&d.feed(session, ids).await?) as i64)
 }
 
 pub fn run(a: GenerateBenchArgs) -> crate::CliResult {

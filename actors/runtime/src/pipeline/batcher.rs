@@ -19,14 +19,21 @@
 //! A cohort is padded up to its bucket ([`CohortBuckets`]) with pad sessions whose answers are
 //! dropped, so a GPU backend meets only the shapes it ran while warming up.
 //!
+//! A session either feeds one input at a time ([`BatcherMsg::Feed`]) or streams
+//! ([`BatcherMsg::Stream`]): then the batcher queues each chosen token as its next input as
+//! soon as its cohort is done (`super::stream`), and the launch never waits for it.
+//!
 //! Closing a session waits for its cohort in flight, then frees its states in every actor.
 
 use super::buckets::{CohortBuckets, pad_session};
-use super::msg::{EdgeMsg, StageControl, ask, control_all};
+use super::cohort::close_everywhere;
+pub use super::cohort::{Answer, Answered, CohortPhases, PickRequest, Picked};
+use super::cohort::{add_ns, run_cohort};
+use super::stream::Continuation;
 use super::topology::Children;
 use crate::decode::SamplingParams;
 use crate::error::RuntimeError;
-use nsactor_plugin_api::{PickParams, PicksBuf, RowPick, SessionId};
+use nsactor_plugin_api::SessionId;
 use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
 use std::collections::{HashSet, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -86,68 +93,6 @@ pub struct BatchStats {
     pub phases: CohortPhases,
 }
 
-/// Where a cohort's time goes, as the batcher sees it: nanoseconds summed over cohorts, each
-/// phase from sending its request to holding the answer (actor messages, the worker's queue
-/// and the stage call; the device work the call waits for included).
-#[derive(Debug, Default)]
-pub struct CohortPhases {
-    /// The edge's `SessionEmbed`.
-    pub embed_ns: AtomicU64,
-    /// Every layer (`session_layers`).
-    pub layers_ns: AtomicU64,
-    /// The edge's `SessionDecode` with the logits' copy to the host.
-    pub decode_ns: AtomicU64,
-    /// From the launch of a cohort to its answers going out.
-    pub cohort_ns: AtomicU64,
-}
-
-impl CohortPhases {
-    /// `[embed, layers, decode, cohort]` in seconds.
-    pub fn seconds(&self) -> [f64; 4] {
-        [
-            &self.embed_ns,
-            &self.layers_ns,
-            &self.decode_ns,
-            &self.cohort_ns,
-        ]
-        .map(|a| a.load(Ordering::Relaxed) as f64 * 1e-9)
-    }
-}
-
-/// How a session's next token is chosen on the device ([`StageCall::SessionSample`]
-/// (nsactor_plugin_api::StageCall)): only the token (and its logits, when asked) come back.
-#[derive(Debug, Clone, PartialEq)]
-pub struct PickRequest {
-    pub sampling: SamplingParams,
-    /// Prompt and generated tokens (the repetition penalty's set).
-    pub history: Vec<i64>,
-    /// Generated tokens (the presence and frequency penalties; their count is the draw's step).
-    pub generated: Vec<i64>,
-    /// Added to logits first; `-inf` bans a token.
-    pub bias: Vec<(u32, f32)>,
-    /// The logits come back too (for log-probabilities beyond the chosen token's).
-    pub want_logits: bool,
-}
-
-/// A token chosen on the device.
-#[derive(Debug, Clone, PartialEq)]
-pub struct Picked {
-    pub token: i64,
-    /// Its log-probability under the model's own distribution (before biases and penalties).
-    pub logprob: f32,
-    pub logits: Option<Vec<f32>>,
-}
-
-/// What a fed session gets back.
-#[derive(Debug, Clone, PartialEq)]
-pub enum Answer {
-    /// The last position's logits (a feed without a [`PickRequest`]).
-    Logits(Vec<f32>),
-    Picked(Picked),
-}
-
-type Answered = Result<Answer, RuntimeError>;
-
 pub enum BatcherMsg {
     /// Runs `ids` through `session`; answers the last position's logits, or with `pick` the
     /// token chosen on the device.
@@ -157,6 +102,15 @@ pub enum BatcherMsg {
         pick: Option<PickRequest>,
         reply: RpcReplyPort<Answered>,
     },
+    /// Runs `ids` through `session`, then every token the stream chooses, each fed back as
+    /// the session's next input until the stream ends (`super::stream`).
+    Stream {
+        session: SessionId,
+        ids: Vec<i64>,
+        cont: Continuation,
+    },
+    /// A parked stream's reader has caught up: queue its next input (`super::stream`).
+    Resume { session: SessionId },
     /// Frees `session`'s states (after its cohort in flight, if any); answers when done.
     Close {
         session: SessionId,
@@ -176,11 +130,19 @@ pub enum BatcherMsg {
 // Local only: the cluster build of ractor asks every message type to say so.
 impl ractor::Message for BatcherMsg {}
 
+/// Where a session's answer goes.
+enum Reply {
+    /// To the caller of one [`BatcherMsg::Feed`].
+    Once(RpcReplyPort<Answered>),
+    /// To a stream, which may queue the session's next input.
+    Stream(Continuation),
+}
+
 struct Waiting {
     session: SessionId,
     ids: Vec<i64>,
     pick: Option<PickRequest>,
-    reply: RpcReplyPort<Answered>,
+    reply: Reply,
     since: Instant,
 }
 
@@ -200,7 +162,9 @@ pub struct BatcherState {
     open: HashSet<SessionId>,
     waiting: VecDeque<Waiting>,
     /// Sessions in cohorts in flight, with the replies they are owed.
-    in_flight: Vec<(SessionId, RpcReplyPort<Answered>)>,
+    in_flight: Vec<(SessionId, Reply)>,
+    /// Streams whose readers lag, with their next inputs held until they catch up.
+    parked: Vec<(SessionId, Vec<i64>, Continuation)>,
     cohorts: usize,
     /// Closes waiting for their session's cohort.
     closing: Vec<(SessionId, RpcReplyPort<()>)>,
@@ -223,13 +187,48 @@ impl BatcherState {
         self.in_flight.iter().any(|(s, _)| *s == session)
     }
 
+    /// Whether `session` may queue `ids`: something to feed, and nothing of its in flight.
+    fn admit(&self, session: SessionId, ids: &[i64]) -> Result<(), RuntimeError> {
+        if ids.is_empty() {
+            Err(RuntimeError::Runtime(format!("{session}: nothing to feed")))
+        } else if self.flying(session)
+            || self.waiting.iter().any(|w| w.session == session)
+            || self.parked.iter().any(|p| p.0 == session)
+        {
+            Err(RuntimeError::Runtime(format!(
+                "{session} already has an input in flight"
+            )))
+        } else {
+            Ok(())
+        }
+    }
+
+    fn queue(
+        &mut self,
+        session: SessionId,
+        ids: Vec<i64>,
+        pick: Option<PickRequest>,
+        reply: Reply,
+    ) {
+        if self.open.insert(session) {
+            self.stats.open.fetch_add(1, Ordering::Relaxed);
+        }
+        self.waiting.push_back(Waiting {
+            session,
+            ids,
+            pick,
+            reply,
+            since: Instant::now(),
+        });
+    }
+
     /// Launches every cohort that may start now; arms the window timer otherwise.
     fn pump(&mut self, myself: &ActorRef<BatcherMsg>) {
         while self.cohorts < self.batching.max_in_flight.max(1) && !self.waiting.is_empty() {
             let absent = self
                 .open
                 .len()
-                .saturating_sub(self.in_flight.len() + self.waiting.len());
+                .saturating_sub(self.in_flight.len() + self.waiting.len() + self.parked.len());
             let since = self.waiting.front().expect("non-empty").since;
             let age = since.max(self.freed_at).elapsed();
             if absent > 0 && age < self.batching.window {
@@ -308,6 +307,7 @@ impl BatcherState {
         self.cohorts -= 1;
         self.freed_at = Instant::now();
         let mut answers = answers.map(|a| a.into_iter().map(Some).collect::<Vec<_>>());
+        let now = Instant::now();
         for (i, s) in sessions.into_iter().enumerate() {
             let Some(k) = self.in_flight.iter().position(|(f, _)| *f == s) else {
                 continue;
@@ -319,7 +319,25 @@ impl BatcherState {
                 }),
                 Err(e) => Err(e.for_each_session()),
             };
-            let _ = reply.send(r);
+            match reply {
+                Reply::Once(port) => {
+                    let _ = port.send(r);
+                }
+                Reply::Stream(c) => {
+                    let closing = self.closing.iter().any(|(c, _)| *c == s);
+                    match c.answer(r).filter(|_| !closing) {
+                        Some((ids, c)) if c.lagging() => self.parked.push((s, ids, c)),
+                        Some((ids, c)) => self.waiting.push_back(Waiting {
+                            session: s,
+                            ids,
+                            pick: Some(c.pick().clone()),
+                            reply: Reply::Stream(c),
+                            since: now,
+                        }),
+                        None => {}
+                    }
+                }
+            }
         }
         let ready: Vec<(SessionId, RpcReplyPort<()>)> = {
             let (ready, wait) = std::mem::take(&mut self.closing)
@@ -347,156 +365,6 @@ impl BatcherState {
     }
 }
 
-/// Embedding, every layer and the decode path for `sessions` (each `len` inputs, back to
-/// back in `ids`): each session's answer, in order. With any [`PickRequest`] the tokens are
-/// chosen on the device (the sessions without one get their logits back beside them).
-pub(super) async fn run_cohort(
-    children: &Children,
-    sessions: &[SessionId],
-    ids: Vec<i64>,
-    len: usize,
-    picks: Vec<Option<PickRequest>>,
-    phases: &CohortPhases,
-) -> Result<Vec<Answer>, RuntimeError> {
-    use super::trace::{Mark, mark};
-    super::trace::start();
-    let t = Instant::now();
-    // The layers' handles are asked while the edge embeds: the two round trips overlap.
-    let (h, holders) = tokio::join!(
-        ask(&children.edge, "edge", |reply| EdgeMsg::SessionEmbed {
-            ids,
-            batch: sessions.len(),
-            seq_len: len,
-            reply,
-        }),
-        super::layers::share_layers(&children.layers)
-    );
-    let t = add_ns(&phases.embed_ns, t);
-    mark(Mark::Embedded);
-    let h = super::layers::run_layers(&holders?, sessions, h?).await?;
-    let t = add_ns(&phases.layers_ns, t);
-    mark(Mark::LayersDone);
-    let n = sessions.len();
-    let answers = if picks.iter().all(Option::is_none) {
-        let logits = ask(&children.edge, "edge", |reply| EdgeMsg::SessionDecode {
-            sessions: sessions.to_vec(),
-            h,
-            reply,
-        })
-        .await;
-        logits.and_then(|all| {
-            let rows = split_rows(&all, n)?;
-            Ok(rows.map(|r| Answer::Logits(r.to_vec())).collect())
-        })
-    } else {
-        let mut buf = PicksBuf::new();
-        for p in &picks {
-            buf.push(&row_pick(p.as_ref()));
-        }
-        let want_logits = picks
-            .iter()
-            .any(|p| p.as_ref().is_none_or(|p| p.want_logits));
-        let sampled = ask(&children.edge, "edge", |reply| EdgeMsg::SessionSample {
-            sessions: sessions.to_vec(),
-            h,
-            picks: buf,
-            want_logits,
-            reply,
-        })
-        .await;
-        sampled.and_then(|(picked, logits)| answers_of(picks, &picked, logits.as_deref()))
-    };
-    add_ns(&phases.decode_ns, t);
-    mark(Mark::Done);
-    answers
-}
-
-/// `all` as `n` equal rows.
-fn split_rows(all: &[f32], n: usize) -> Result<std::slice::Chunks<'_, f32>, RuntimeError> {
-    if n == 0 || !all.len().is_multiple_of(n) {
-        return Err(RuntimeError::Runtime(format!(
-            "a cohort of {n} sessions returned {} values",
-            all.len()
-        )));
-    }
-    Ok(all.chunks(all.len() / n))
-}
-
-/// The device's row for a pick; a session without one is greedy and wants its logits.
-pub(crate) fn row_pick(p: Option<&PickRequest>) -> RowPick<'_> {
-    let greedy = SamplingParams::greedy();
-    let (s, want_logits) = p.map_or((&greedy, true), |p| (&p.sampling, p.want_logits));
-    let params = PickParams {
-        temperature: s.temperature,
-        top_k: u32::try_from(s.top_k).unwrap_or(u32::MAX),
-        top_p: s.top_p,
-        repetition_penalty: s.repetition_penalty,
-        presence_penalty: s.presence_penalty,
-        frequency_penalty: s.frequency_penalty,
-        seed: s.seed,
-        step: p.map_or(0, |p| p.generated.len() as u64),
-        want_logits,
-    };
-    match p {
-        Some(p) => RowPick {
-            params,
-            history: &p.history,
-            generated: &p.generated,
-            bias: &p.bias,
-        },
-        None => RowPick {
-            params,
-            history: &[],
-            generated: &[],
-            bias: &[],
-        },
-    }
-}
-
-/// Each session's answer from the device's `[ids, logprobs]` and the logits, if copied.
-fn answers_of(
-    picks: Vec<Option<PickRequest>>,
-    picked: &[f32],
-    logits: Option<&[f32]>,
-) -> Result<Vec<Answer>, RuntimeError> {
-    let n = picks.len();
-    if picked.len() != 2 * n {
-        return Err(RuntimeError::Runtime(format!(
-            "a cohort of {n} sessions returned {} picked values",
-            picked.len()
-        )));
-    }
-    let mut rows = logits.map(|l| split_rows(l, n)).transpose()?;
-    let mut out = Vec::with_capacity(n);
-    for (i, p) in picks.into_iter().enumerate() {
-        let row = rows.as_mut().and_then(|r| r.next()).map(<[f32]>::to_vec);
-        out.push(match p {
-            Some(p) => Answer::Picked(Picked {
-                token: picked[i] as i64,
-                logprob: picked[n + i],
-                logits: row.filter(|_| p.want_logits),
-            }),
-            None => Answer::Logits(row.ok_or_else(|| {
-                RuntimeError::Runtime("the device's logits were not copied".into())
-            })?),
-        });
-    }
-    Ok(out)
-}
-
-/// Adds the nanoseconds since `since` to `to`; returns now.
-fn add_ns(to: &AtomicU64, since: Instant) -> Instant {
-    let now = Instant::now();
-    to.fetch_add((now - since).as_nanos() as u64, Ordering::Relaxed);
-    now
-}
-
-/// Frees `session`'s neuron states in every actor (errors ignored: a stopped actor has none).
-pub(crate) async fn close_everywhere(c: &Children, session: SessionId) {
-    let close = StageControl::SessionClose { session };
-    let _ = control_all(&c.edge, &c.layers, close, |_| close).await;
-}
-
 impl Actor for BatcherActor {
     type Msg = BatcherMsg;
     type State = BatcherState;
@@ -514,6 +382,7 @@ impl Actor for BatcherActor {
             open: HashSet::new(),
             waiting: VecDeque::new(),
             in_flight: Vec::new(),
+            parked: Vec::new(),
             cohorts: 0,
             closing: Vec::new(),
             tick_armed: false,
@@ -533,31 +402,23 @@ impl Actor for BatcherActor {
                 ids,
                 pick,
                 reply,
-            } => {
-                if ids.is_empty() {
-                    let _ = reply.send(Err(RuntimeError::Runtime(format!(
-                        "{session}: nothing to feed"
-                    ))));
-                } else if s.flying(session) || s.waiting.iter().any(|w| w.session == session) {
-                    let _ = reply.send(Err(RuntimeError::Runtime(format!(
-                        "{session} already has an input in flight"
-                    ))));
-                } else {
-                    if s.open.insert(session) {
-                        s.stats.open.fetch_add(1, Ordering::Relaxed);
-                    }
-                    s.waiting.push_back(Waiting {
-                        session,
-                        ids,
-                        pick,
-                        reply,
-                        since: Instant::now(),
-                    });
+            } => match s.admit(session, &ids) {
+                Ok(()) => s.queue(session, ids, pick, Reply::Once(reply)),
+                Err(e) => {
+                    let _ = reply.send(Err(e));
                 }
-            }
+            },
+            BatcherMsg::Stream { session, ids, cont } => match s.admit(session, &ids) {
+                Ok(()) => {
+                    let pick = Some(cont.pick().clone());
+                    s.queue(session, ids, pick, Reply::Stream(cont));
+                }
+                Err(e) => cont.refuse(e),
+            },
             BatcherMsg::Close { session, reply } => {
                 // An input still waiting is dropped: its caller has gone.
                 s.waiting.retain(|w| w.session != session);
+                s.parked.retain(|p| p.0 != session);
                 if s.flying(session) {
                     s.closing.push((session, reply));
                 } else {
@@ -565,6 +426,13 @@ impl Actor for BatcherActor {
                 }
             }
             BatcherMsg::Done { sessions, answers } => s.done(sessions, answers),
+            BatcherMsg::Resume { session } => {
+                if let Some(k) = s.parked.iter().position(|p| p.0 == session) {
+                    let (_, ids, c) = s.parked.swap_remove(k);
+                    let pick = Some(c.pick().clone());
+                    s.queue(session, ids, pick, Reply::Stream(c));
+                }
+            }
             BatcherMsg::Tick => s.tick_armed = false,
             BatcherMsg::Buckets(b) => s.batching.buckets = b,
         }

@@ -5,6 +5,7 @@ use super::batcher::{Answer, BatchStats, BatcherMsg, PickRequest, Picked};
 use super::buckets::CohortBuckets;
 use super::layers::session_layers;
 use super::msg::{EdgeMsg, ask};
+use super::stream::DecodeStream;
 use super::topology::Children;
 use crate::error::RuntimeError;
 use nsactor_plugin_api::{DeviceTensor, IdAllocator, SessionId};
@@ -96,22 +97,57 @@ impl AsyncDecoder {
         }
     }
 
-    /// Feeds `ids`; a prompt longer than one pass's budget goes in chunks (the neuron states
-    /// carry from one to the next, as they do from token to token), the last with `pick`.
+    /// Runs `ids` through `session` and chooses its next token as `pick` says, then up to
+    /// `more` tokens after it, each fed back by the batcher as the session's next input
+    /// (`super::stream`), stopping after any of `end_tokens`. The tokens come back on the
+    /// stream; closing the session ([`close`](Self::close)) ends it. A long prompt is fed in
+    /// chunks first, as [`feed`](Self::feed) does.
+    pub async fn stream(
+        &self,
+        session: SessionId,
+        ids: Vec<i64>,
+        pick: PickRequest,
+        more: usize,
+        end_tokens: Vec<i64>,
+    ) -> Result<DecodeStream, RuntimeError> {
+        let ids = self.feed_all_but_last_chunk(session, ids).await?;
+        let batcher = self.batcher.clone();
+        let resume = Box::new(move || {
+            let _ = batcher.cast(BatcherMsg::Resume { session });
+        });
+        let (cont, rx) = super::stream::stream(pick, more, end_tokens, resume);
+        self.batcher
+            .cast(BatcherMsg::Stream { session, ids, cont })
+            .map_err(|_| RuntimeError::Broken("the decode batcher stopped".into()))?;
+        Ok(rx)
+    }
+
+    /// Feeds `ids`; a prompt longer than one pass's budget goes in chunks, the last with
+    /// `pick`.
     async fn ask(
         &self,
         session: SessionId,
         ids: Vec<i64>,
         pick: Option<PickRequest>,
     ) -> Result<Answer, RuntimeError> {
+        let ids = self.feed_all_but_last_chunk(session, ids).await?;
+        self.ask_once(session, ids, pick).await
+    }
+
+    /// Feeds `ids` in chunks of one pass's budget but the last, which it returns (the neuron
+    /// states carry from chunk to chunk, as they do from token to token).
+    async fn feed_all_but_last_chunk(
+        &self,
+        session: SessionId,
+        mut ids: Vec<i64>,
+    ) -> Result<Vec<i64>, RuntimeError> {
         let chunk = self.max_tokens.max(1);
-        let mut ids = ids;
         while ids.len() > chunk {
             let rest = ids.split_off(chunk);
             self.ask_once(session, ids, None).await?;
             ids = rest;
         }
-        self.ask_once(session, ids, pick).await
+        Ok(ids)
     }
 
     async fn ask_once(
@@ -144,7 +180,7 @@ impl AsyncDecoder {
     }
 
     /// Seconds the cohorts have spent so far in `[embed, layers, decode, whole cohort]`, as the
-    /// batcher sees them ([`batcher::CohortPhases`]).
+    /// batcher sees them ([`CohortPhases`](super::cohort::CohortPhases)).
     pub fn cohort_phases(&self) -> [f64; 4] {
         self.stats.phases.seconds()
     }

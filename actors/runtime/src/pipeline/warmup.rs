@@ -9,8 +9,8 @@
 //! the bucket sizes, with sessions of their own that are closed afterwards. Nothing else
 //! should feed the decoder meanwhile (a server refuses generations until it is ready).
 
-use super::batcher::{PickRequest, close_everywhere, run_cohort};
 use super::buckets::CohortBuckets;
+use super::cohort::{PickRequest, close_everywhere, run_cohort};
 use super::decoder::AsyncDecoder;
 use crate::decode::SamplingParams;
 use crate::error::RuntimeError;
@@ -121,7 +121,7 @@ impl AsyncDecoder {
         let children = self.children();
         let sessions: Vec<_> = (0..size).map(|_| self.session()).collect();
         let vocab = self.vocab.max(2) as i64;
-        let phases = super::batcher::CohortPhases::default();
+        let phases = super::cohort::CohortPhases::default();
         let fits = (self.max_tokens / size).max(1);
         let greedy = |want_logits| PickRequest {
             sampling: SamplingParams::greedy(),

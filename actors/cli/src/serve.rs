@@ -57,6 +57,10 @@ pub struct ServeArgs {
     /// still running then end with finish reason `shutdown`. A second signal exits at once.
     #[arg(long, default_value_t = 30.0, value_name = "SECONDS")]
     shutdown_grace: f64,
+    /// Worker threads of the server's own runtime (connections, text, events), apart from the
+    /// pipeline's (0: the cores the pipeline leaves, at least 2).
+    #[arg(long, default_value_t = 0, value_name = "N")]
+    http_threads: usize,
     #[command(flatten)]
     limits: LimitArgs,
 }
@@ -182,7 +186,10 @@ pub fn run(a: ServeArgs) -> crate::CliResult {
     );
     let decoder = state.generator.decoder.clone();
     decoder.set_buckets(buckets);
-    l.pipeline.block_on(async {
+    // The server runs on its own runtime; the actors stay on the pipeline's.
+    let front = nsactor_server::front::front_runtime(a.http_threads)
+        .map_err(|e| format!("the server's runtime: {e}"))?;
+    front.block_on(async {
         let listener = tokio::net::TcpListener::bind(&a.addr)
             .await
             .map_err(|e| format!("cannot listen on {}: {e}", a.addr))?;

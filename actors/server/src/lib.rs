@@ -24,6 +24,7 @@ pub mod cors;
 pub mod drain;
 pub mod edge;
 pub mod error;
+pub mod front;
 pub mod generate;
 pub mod listen;
 pub mod logprobs;

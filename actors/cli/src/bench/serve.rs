@@ -195,6 +195,14 @@ pub struct ServeBenchArgs {
     /// `greedy,sampled,long` (for finding what a warm-up changes).
     #[arg(long, default_value = "greedy,sampled,long", value_name = "KINDS")]
     warmup_passes: String,
+    /// Worker threads of the server's runtime (as `nsactor serve --http-threads`; 0: the
+    /// cores the pipeline and the clients leave, at least 2).
+    #[arg(long, default_value_t = 0, value_name = "N")]
+    http_threads: usize,
+    /// Worker threads of the clients' runtime, apart from the server's (as clients in other
+    /// processes would be).
+    #[arg(long, default_value_t = 2, value_name = "N")]
+    client_threads: usize,
 }
 
 /// Bytes in use on every device together, where the backend says (pools keep their peak).
@@ -265,14 +273,32 @@ pub fn run(a: ServeBenchArgs) -> crate::CliResult {
     );
     let decoder = state.generator.decoder.clone();
     decoder.set_buckets(buckets.clone());
-    l.pipeline.block_on(async {
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
-        let addr = listener.local_addr()?;
-        tokio::spawn(nsactor_server::serve(
-            listener,
-            state,
-            std::future::pending(),
-        ));
+    // Three runtimes, as in a deployment: the pipeline's (the actors), the server's, and the
+    // clients' (the load generator and the engine row's sessions).
+    let http_threads = match a.http_threads {
+        0 => nsactor_server::front::front_threads(0)
+            .saturating_sub(a.client_threads)
+            .max(2),
+        n => n,
+    };
+    let front = nsactor_server::front::front_runtime(http_threads)?;
+    let clients = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(a.client_threads.max(1))
+        .thread_name("nsactor-bench-client")
+        .enable_all()
+        .build()?;
+    let listener = front.block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))?;
+    let addr = listener.local_addr()?;
+    front.spawn(nsactor_server::serve(
+        listener,
+        state,
+        std::future::pending(),
+    ));
+    println!(
+        "runtimes: the server's {http_threads} threads, the clients' {}, the pipeline's own",
+        a.client_threads.max(1)
+    );
+    clients.block_on(async {
         if !a.no_warmup {
             let t = Instant::now();
             crate::serve::warm_up(&decoder, &plan, &ready, started).await?;
@@ -325,6 +351,9 @@ pub fn run(a: ServeBenchArgs) -> crate::CliResult {
                     t.distinct,
                     100.0 * pad / (pad + (n1 - n0) as f64).max(1.0)
                 );
+                if let Some(f) = t.first_text_p50_ms {
+                    println!("{:>9} {:>8} first chunk with text p50 {f:.1} ms", n, protocol);
+                }
             }
             // The engine alone under the same load: what the server's path adds shows beside.
             let prompt = [1i64, 40, 41];

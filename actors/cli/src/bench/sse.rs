@@ -8,8 +8,12 @@ use std::time::Instant;
 
 /// What one streaming client saw.
 struct Stream {
+    /// Seconds to the first chunk with a token (its text may be empty, as vLLM's
+    /// `benchmark_serving` counts).
     ttft: f64,
-    /// Seconds between content events.
+    /// Seconds to the first chunk with text.
+    first_text: f64,
+    /// Seconds between the chunks with a token.
     gaps: Vec<f64>,
     tokens: usize,
     text: String,
@@ -33,23 +37,19 @@ pub async fn sse_load(
     ready.wait().await;
     let start = Instant::now();
     let (mut ttfts, mut gaps, mut total) = (Vec::new(), Vec::new(), 0usize);
-    let mut texts = std::collections::HashSet::new();
+    let (mut texts, mut first_texts) = (std::collections::HashSet::new(), Vec::new());
     for c in clients {
         let s = c.await??;
         ttfts.push(s.ttft);
+        first_texts.push(s.first_text);
         gaps.extend(s.gaps);
         total += s.tokens;
         texts.insert(s.text);
     }
     let wall = start.elapsed().as_secs_f64();
-    Ok(ServeTimings::of(
-        sessions,
-        ttfts,
-        gaps,
-        total,
-        texts.len(),
-        wall,
-    ))
+    let mut t = ServeTimings::of(sessions, ttfts, gaps, total, texts.len(), wall);
+    t.first_text_p50_ms = Some(super::stats::pct(&mut first_texts, 0.5) * 1e3);
+    Ok(t)
 }
 
 async fn one(
@@ -94,7 +94,7 @@ async fn one(
     }
     let mut body = resp.into_body();
     let (mut buf, mut text) = (String::new(), String::new());
-    let (mut ttft, mut last, mut events) = (None, sent, Vec::new());
+    let (mut ttft, mut first_text, mut last, mut events) = (None, None, sent, Vec::new());
     let mut usage = None;
     'read: while let Some(frame) = body.frame().await {
         let frame = frame.map_err(|e| format!("reading the stream: {e}"))?;
@@ -114,22 +114,27 @@ async fn one(
             if let Some(n) = v["usage"]["completion_tokens"].as_u64() {
                 usage = Some(n as usize);
             }
-            let piece = v["choices"][0]["text"].as_str().unwrap_or("");
-            if !piece.is_empty() {
+            // A chunk per token: the finish chunk and the usage chunk carry none.
+            let choice = &v["choices"][0];
+            if choice.is_object() && choice["finish_reason"].is_null() {
                 let now = Instant::now();
                 ttft.get_or_insert((now - sent).as_secs_f64());
                 events.push((now - last).as_secs_f64());
                 last = now;
+                let piece = choice["text"].as_str().unwrap_or("");
+                if !piece.is_empty() {
+                    first_text.get_or_insert((now - sent).as_secs_f64());
+                }
                 text.push_str(piece);
             }
         }
     }
     let tokens = usage.ok_or("the stream ended without its usage")?;
-    // The first event's wait is the time to first token; the gaps after it are per event
-    // (one token each, unless a character or a stop-string start was held back).
+    // The first chunk's wait is the time to first token; the gaps after it are per token.
     let gaps = events.into_iter().skip(1).collect();
     Ok(Stream {
         ttft: ttft.unwrap_or(f64::NAN),
+        first_text: first_text.unwrap_or(f64::NAN),
         gaps,
         tokens,
         text,

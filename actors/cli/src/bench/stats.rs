@@ -57,6 +57,9 @@ pub struct ServeTimings {
     pub tokens_per_s: f64,
     /// Different outputs among the clients (1 when greedy clients agree).
     pub distinct: usize,
+    /// The median wait for the first chunk with text, where it can differ from the first
+    /// token's (an OpenAI stream sends a chunk per token, its text empty while held back).
+    pub first_text_p50_ms: Option<f64>,
 }
 
 impl ServeTimings {
@@ -78,6 +81,7 @@ impl ServeTimings {
             itl_p99_ms: pct(&mut gaps, 0.99) * 1e3,
             tokens_per_s: tokens as f64 / wall,
             distinct,
+            first_text_p50_ms: None,
         }
     }
 }

@@ -6,6 +6,11 @@
 //! are the call's state as they are — no copy. Only when the set changes (a session joins,
 //! leaves or is batched with others for the first time) are rows gathered from their groups
 //! with one `narrow` per contiguous run and one `cat` per field.
+//!
+//! Closing a session only marks its rows: they go when its group is next regathered, when
+//! more than half of the group is closed, or with the group once all of it is. Removing each
+//! closed session's rows at once copied the rest of its group every time: 256 sessions ending
+//! together took about 0.3 s of the stage workers' time (BENCHMARKS.md).
 
 use burn::tensor::{Tensor, backend::Backend};
 use nsactor_plugin_api::EngineError;
@@ -33,11 +38,16 @@ enum Source {
 /// The states of every open session of one stage.
 pub struct SessionTable<B: Backend> {
     groups: Vec<Group<B>>,
+    /// Sessions closed whose rows are still in their group.
+    closed: HashSet<u64>,
 }
 
 impl<B: Backend> Default for SessionTable<B> {
     fn default() -> Self {
-        SessionTable { groups: Vec::new() }
+        SessionTable {
+            groups: Vec::new(),
+            closed: HashSet::new(),
+        }
     }
 }
 
@@ -74,18 +84,28 @@ fn cat<B: Backend>(mut pieces: Vec<Tensor<B, 2>>) -> Tensor<B, 2> {
 impl<B: Backend> SessionTable<B> {
     /// Open sessions.
     pub fn len(&self) -> usize {
-        self.groups.iter().map(|g| g.ids.len()).sum()
+        self.groups.iter().map(|g| g.ids.len()).sum::<usize>() - self.closed.len()
     }
 
     pub fn is_empty(&self) -> bool {
-        self.groups.is_empty()
+        self.len() == 0
     }
 
     pub fn clear(&mut self) {
         self.groups.clear();
+        self.closed.clear();
     }
 
+    /// The group and position of an open `session`.
     fn find(&self, session: u64) -> Option<(usize, usize)> {
+        if self.closed.contains(&session) {
+            return None;
+        }
+        self.find_rows(session)
+    }
+
+    /// The group and position of `session`'s rows, open or closed.
+    fn find_rows(&self, session: u64) -> Option<(usize, usize)> {
         self.groups.iter().enumerate().find_map(|(g, grp)| {
             grp.ids
                 .iter()
@@ -107,6 +127,15 @@ impl<B: Backend> SessionTable<B> {
             return Err(EngineError::InvalidInput(format!(
                 "session {dup} appears twice in one call"
             )));
+        }
+        // An id closed and named again (pad sessions reuse theirs) starts afresh.
+        let reopened: Vec<u64> = sessions
+            .iter()
+            .copied()
+            .filter(|s| self.closed.contains(s))
+            .collect();
+        for s in reopened {
+            self.remove_now(s);
         }
         if let Some(g) = self
             .groups
@@ -164,7 +193,7 @@ impl<B: Backend> SessionTable<B> {
     /// Stores the states of `sessions` (as returned by a call that took them).
     pub fn put(&mut self, sessions: &[u64], rows: usize, state: Vec<Tensor<B, 2>>) {
         for &s in sessions {
-            self.close(s);
+            self.remove_now(s);
         }
         self.groups.push(Group {
             ids: sessions.to_vec(),
@@ -173,16 +202,35 @@ impl<B: Backend> SessionTable<B> {
         });
     }
 
-    /// Forgets `session` (nothing happens for an unknown one).
+    /// Forgets `session` (nothing happens for an unknown one): its rows are marked, and go
+    /// with the next regathering of its group, once more than half of the group is closed, or
+    /// with the whole group.
     pub fn close(&mut self, session: u64) {
-        if let Some((group, pos)) = self.find(session) {
+        let Some((group, _)) = self.find(session) else {
+            return;
+        };
+        self.closed.insert(session);
+        let grp = &self.groups[group];
+        let closed = grp.ids.iter().filter(|s| self.closed.contains(s)).count();
+        if 2 * closed > grp.ids.len() {
             let mut taken = vec![Vec::new(); self.groups.len()];
-            taken[group].push(pos);
+            taken[group].push(grp.ids.iter().position(|&s| s == session).expect("found"));
             self.remove_positions(taken);
         }
     }
 
-    /// Drops positions `taken[g]` from each group `g`, keeping the rest in order.
+    /// Removes `session`'s rows now, open or closed.
+    fn remove_now(&mut self, session: u64) {
+        if let Some((group, pos)) = self.find_rows(session) {
+            let mut taken = vec![Vec::new(); self.groups.len()];
+            taken[group].push(pos);
+            self.remove_positions(taken);
+        }
+        self.closed.remove(&session);
+    }
+
+    /// Drops positions `taken[g]` from each group `g`, and with them the rows of its closed
+    /// sessions, keeping the rest in order.
     fn remove_positions(&mut self, mut taken: Vec<Vec<usize>>) {
         let groups = std::mem::take(&mut self.groups);
         for (g, grp) in groups.into_iter().enumerate() {
@@ -192,9 +240,13 @@ impl<B: Backend> SessionTable<B> {
                 continue;
             }
             gone.sort_unstable();
+            let closed = &mut self.closed;
             let keep: Vec<usize> = (0..grp.ids.len())
-                .filter(|p| gone.binary_search(p).is_err())
+                .filter(|&p| gone.binary_search(&p).is_err() && !closed.remove(&grp.ids[p]))
                 .collect();
+            for &p in gone.iter() {
+                closed.remove(&grp.ids[p]);
+            }
             if keep.is_empty() {
                 continue;
             }
@@ -279,6 +331,42 @@ mod tests {
         let s = t.take(&[2, 9, 4, 1], 2, zeros).unwrap();
         assert_eq!(ids_in(&s, 2), [2, 0, 4, 1]);
         assert!(t.is_empty());
+    }
+
+    #[test]
+    fn closing_marks_rows_and_drops_them_at_half_a_group_or_the_next_gather() {
+        let mut t = SessionTable::<B>::default();
+        let ids: Vec<u64> = (1..=6).collect();
+        t.put(&ids, 2, rows_of(&ids, 2));
+        t.close(2);
+        t.close(5);
+        assert_eq!(t.len(), 4);
+        // Two of six closed: the rows are still there, the open ones are found as before.
+        assert_eq!(t.groups[0].ids.len(), 6);
+        assert!(t.find(2).is_none() && t.find(3).is_some());
+        // The next gather of the open sessions leaves the closed rows behind for good.
+        let s = t.take(&[1, 3, 4, 6], 2, zeros).unwrap();
+        assert_eq!(ids_in(&s, 2), [1, 3, 4, 6]);
+        assert!(t.is_empty() && t.groups.is_empty() && t.closed.is_empty());
+        t.put(&[1, 3, 4, 6], 2, s);
+        // More than half closed: the group is rebuilt from its open sessions.
+        t.close(1);
+        t.close(4);
+        assert_eq!(t.groups[0].ids.len(), 4);
+        t.close(6);
+        assert_eq!(t.groups[0].ids, [3]);
+        assert!(t.closed.is_empty());
+        assert_eq!(ids_in(&t.take(&[3], 2, zeros).unwrap(), 2), [3]);
+        // All of a group closed: the group goes.
+        t.put(&[8, 9], 1, rows_of(&[8, 9], 1));
+        t.close(8);
+        t.close(9);
+        assert!(t.groups.is_empty() && t.closed.is_empty());
+        // An id closed and named again starts from zeros.
+        t.put(&[10, 11, 12], 1, rows_of(&[10, 11, 12], 1));
+        t.close(10);
+        let s = t.take(&[10, 11, 12], 1, zeros).unwrap();
+        assert_eq!(ids_in(&s, 1), [0, 11, 12]);
     }
 
     #[test]

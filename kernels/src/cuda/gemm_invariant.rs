@@ -9,8 +9,12 @@
 //!
 //! **How the kernel is chosen.** The candidates are cuBLASLt's heuristic picks at five probe
 //! row counts (the passes of 1, 4, 16, 64 and 256 sessions), kept where they run at all five.
-//! Each is timed on scratch operands at the five sizes; the one with the smallest sum of its
-//! ratios to the fastest candidate at each size wins (ties: the faster at the reference). The
+//! Each is timed on scratch operands at the five sizes; the one with the smallest sum of the
+//! squares of its ratios to the fastest candidate at each size wins (ties: the faster at the
+//! reference), so a kernel far off at one size loses to one a little off at several. (The plain
+//! sum of ratios kept `W_out`'s one-session split-K kernel: 1.92× the best at 256 sessions for
+//! 1.02× at one; on the H200 the squares give 1.35× at one session and 1.23× at 256, 1.2 ms
+//! less in a 256-session step for 0.23 ms more in one session's; BENCHMARKS.md.) The
 //! heuristic's reference pick alone is built for the largest pass (4,096 frame rows, 256 token
 //! rows) and runs a single session's few rows on a handful of multiprocessors; a split-K kernel
 //! built for one session's rows is as slow the other way. `NSACTOR_BATCH_INVARIANT=first` keeps
@@ -373,9 +377,9 @@ unsafe fn time_candidates(
 /// Timed calls per candidate and size.
 const PROBE_REPS: usize = 5;
 
-/// The index of the candidate with the smallest sum over sizes of its ratio to the fastest
-/// candidate at the size (ties: the faster at the reference, the last size); candidates that
-/// failed at some size are never chosen.
+/// The index of the candidate with the smallest sum over sizes of the square of its ratio to
+/// the fastest candidate at the size (ties: the faster at the reference, the last size);
+/// candidates that failed at some size are never chosen.
 fn best_candidate(times: &Times) -> Option<usize> {
     let best: [f32; PROBES] = std::array::from_fn(|i| {
         times
@@ -384,7 +388,7 @@ fn best_candidate(times: &Times) -> Option<usize> {
             .fold(f32::INFINITY, f32::min)
     });
     let regret = |t: &[Option<f32>; PROBES]| -> Option<f32> {
-        (0..PROBES).try_fold(0f32, |w, i| t[i].map(|x| w + x / best[i]))
+        (0..PROBES).try_fold(0f32, |w, i| t[i].map(|x| w + (x / best[i]).powi(2)))
     };
     times
         .iter()
@@ -517,6 +521,22 @@ mod tests {
     }
 
     #[test]
+    fn a_kernel_far_off_at_one_size_loses_to_one_a_little_off_at_several() {
+        // The H200's times for `W_out` (n = 896, k = 7168, µs), three of its 19 candidates: the
+        // one-session split-K kernel (1.02× the best at 16 rows, 1.92× at 4,096), the balanced
+        // one (at most 1.51×) and the reference pick (at most 2.39×). Summed plainly, the
+        // ratios put the first ahead (6.52 against 6.58); their squares do not.
+        let t = times(&[
+            [16.8, 14.6, 15.2, 29.7, 120.1],
+            [22.2, 20.4, 20.3, 21.6, 77.4],
+            [31.9, 32.2, 32.3, 33.3, 62.7],
+            [16.4, 13.5, 13.8, 45.5, 157.6],
+            [35.9, 35.3, 25.1, 21.2, 86.3],
+        ]);
+        assert_eq!(best_candidate(&t), Some(1));
+    }
+
+    #[test]
     fn a_candidate_that_failed_at_a_size_is_never_chosen() {
         let mut t = times(&[[1.0, 1.0, 1.0, 1.0, 1.0], [2.0, 2.0, 2.0, 2.0, 2.0]]);
         t[0][3] = None;
@@ -528,7 +548,7 @@ mod tests {
 
     #[test]
     fn ties_go_to_the_faster_at_the_reference() {
-        // Equal sums of ratios (1 + 2 against 2 + 1 at the two ends, equal between).
+        // Equal sums of squared ratios (1 + 4 against 4 + 1 at the two ends, equal between).
         let t = times(&[[1.0, 1.0, 1.0, 1.0, 2.0], [2.0, 1.0, 1.0, 1.0, 1.0]]);
         assert_eq!(best_candidate(&t), Some(1));
     }

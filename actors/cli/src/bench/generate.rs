@@ -80,8 +80,10 @@ pub async fn generate_load(
                     Ok::<_, CliError>(((prefilled - t0).as_secs_f64(), prefilled, steps))
                 }
                 .await;
+                // The session's last token is in: freeing its states is not decoding time.
+                let last = Instant::now();
                 d.close(s).await;
-                r.map(|(p, at, steps)| (p, at, steps, Instant::now()))
+                r.map(|(p, at, steps)| (p, at, steps, last))
             })
         })
         .collect();

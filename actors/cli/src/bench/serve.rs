@@ -205,6 +205,14 @@ pub struct ServeBenchArgs {
     client_threads: usize,
 }
 
+/// Waits until the last run's sessions are freed (a client has its last event before its
+/// session's states are freed), so each run starts on an idle server.
+async fn idle(d: &nsactor_runtime::pipeline::AsyncDecoder) {
+    while d.open_sessions() > 0 {
+        tokio::time::sleep(std::time::Duration::from_millis(1)).await;
+    }
+}
+
 /// Bytes in use on every device together, where the backend says (pools keep their peak).
 fn device_used(b: &dyn nsactor_plugin_api::ComputeBackend) -> Option<u64> {
     match b.diagnose(&nsactor_plugin_api::Diagnostic::Memory) {
@@ -325,6 +333,7 @@ pub fn run(a: ServeBenchArgs) -> crate::CliResult {
         }
         for &n in &a.sessions {
             for &protocol in &runs {
+                idle(&decoder).await;
                 let (c0, n0) = decoder.batch_counts();
                 let p0 = decoder.padded_rows();
                 let t = match protocol {
@@ -352,10 +361,11 @@ pub fn run(a: ServeBenchArgs) -> crate::CliResult {
                     100.0 * pad / (pad + (n1 - n0) as f64).max(1.0)
                 );
                 if let Some(f) = t.first_text_p50_ms {
-                    println!("{:>9} {:>8} first chunk with text p50 {f:.1} ms", n, protocol);
+                    println!("{:>18} first chunk with text p50 {f:.1} ms)", format!("({protocol}, {n}:"));
                 }
             }
             // The engine alone under the same load: what the server's path adds shows beside.
+            idle(&decoder).await;
             let prompt = [1i64, 40, 41];
             let e = super::generate::generate_load(&decoder, n, &prompt, a.tokens, true).await?;
             println!(

@@ -297,6 +297,10 @@ impl BatcherState {
             let start = Instant::now();
             let answers = run_cohort(&children, &sessions, ids, len, picks, &stats.phases).await;
             add_ns(&stats.phases.cohort_ns, start);
+            tracing::trace!(
+                "cohort of {real} (padded to {size}) × {len} inputs: {:.2} ms",
+                start.elapsed().as_secs_f64() * 1e3
+            );
             // The answers go out from the batcher, after it has counted the cohort done, so a
             // session's next input always finds it no longer in flight.
             let _ = me.cast(BatcherMsg::Done { sessions, answers });

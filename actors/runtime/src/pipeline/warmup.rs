@@ -5,6 +5,11 @@
 //! longest prompt chunk a pass takes on held states — so kernel compilation, GEMM plans,
 //! graph capture and memory-pool growth are paid before the first client, not by it.
 //!
+//! One session's prompt runs alone at whatever length it has, so the one-session size also
+//! prefills every length from 1 to [`SHORT_PROMPTS`] and the powers of two above it: on a
+//! fresh machine (an empty kernel cache) a 3-token prompt otherwise paid 77 ms of kernel
+//! tuning in the first request after ready, against 11 ms in the next process (BENCHMARKS.md).
+//!
 //! Warm-up cohorts go straight to the actors (the batcher's own cohort function), at exactly
 //! the bucket sizes, with sessions of their own that are closed afterwards. Nothing else
 //! should feed the decoder meanwhile (a server refuses generations until it is ready).
@@ -21,6 +26,18 @@ use std::time::Instant;
 const GREEDY_STEPS: usize = 3;
 /// Prompt length of the fresh sessions' prefill (cut to what a pass holds).
 const PROMPT: usize = 8;
+/// The one-session size also prefills every prompt length up to this, then the powers of two.
+const SHORT_PROMPTS: usize = 16;
+
+/// Extra prefill lengths the one-session size warms: 1 to [`SHORT_PROMPTS`], then powers of
+/// two, up to `fits` (what a pass holds), less `done` (the lengths its other passes run).
+fn one_session_prompts(fits: usize, done: &[usize]) -> Vec<usize> {
+    let pow2 = std::iter::successors(Some(SHORT_PROMPTS * 2), |n| n.checked_mul(2));
+    (1..=SHORT_PROMPTS)
+        .chain(pow2.take_while(|&n| n <= fits))
+        .filter(|&n| n <= fits && !done.contains(&n))
+        .collect()
+}
 
 /// The kinds of pass a warm-up runs at each size (all of them by default).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -157,6 +174,12 @@ impl AsyncDecoder {
         if kinds.long && fits > prompt {
             passes.push((fits, vec![greedy(false); size]));
         }
+        if size == 1 {
+            let done: Vec<usize> = passes.iter().map(|p| p.0).collect();
+            for len in one_session_prompts(fits, &done) {
+                passes.push((len, vec![greedy(false); size]));
+            }
+        }
         let mut result = Ok(());
         for (k, (len, picks)) in passes.iter().enumerate() {
             let ids: Vec<i64> = (0..size * len)
@@ -182,6 +205,15 @@ impl AsyncDecoder {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn one_session_prefills_every_short_length_and_the_powers_of_two() {
+        let got = one_session_prompts(256, &[8, 1, 256]);
+        let mut want: Vec<usize> = (2..=16).filter(|&n| n != 8).collect();
+        want.extend([32, 64, 128]);
+        assert_eq!(got, want);
+        assert_eq!(one_session_prompts(5, &[5, 1]), vec![2, 3, 4]);
+    }
 
     #[test]
     fn a_plan_covers_every_bucket_up_to_the_server_s_sessions() {

@@ -53,5 +53,5 @@ pub use handle::Pipeline;
 pub use plan::PipelinePlan;
 pub use probe::{LayerProbe, SequenceProbe};
 pub use step::Ponder;
-pub use stream::{DecodeStream, MAX_UNREAD, StreamItem};
+pub use stream::{DecodeStream, MAX_UNREAD, StreamItem, StreamPlan};
 pub use supervisor::StepReport;

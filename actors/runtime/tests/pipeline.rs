@@ -281,7 +281,7 @@ fn concurrent_sessions_are_batched_at_each_layer_and_decode_as_they_would_alone(
 #[test]
 fn streams_choose_the_tokens_single_feeds_choose_and_run_whole_cohorts() {
     use nsactor_runtime::decode::SamplingParams;
-    use nsactor_runtime::pipeline::PickRequest;
+    use nsactor_runtime::pipeline::{PickRequest, StreamPlan};
     let _serial = serial();
     // One stage: one cohort in flight (with P stages, P cohorts alternate by design).
     let p = pipeline(1, None);
@@ -332,7 +332,12 @@ fn streams_choose_the_tokens_single_feeds_choose_and_run_whole_cohorts() {
                 let first = pick(pr.clone(), Vec::new());
                 tokio::spawn(async move {
                     let s = d.session();
-                    let mut st = d.stream(s, pr, first, tokens - 1, vec![]).await.unwrap();
+                    let plan = StreamPlan {
+                        pick: first,
+                        more: tokens - 1,
+                        end_tokens: Vec::new(),
+                    };
+                    let mut st = d.stream(s, pr, plan).await.unwrap();
                     let mut out = Vec::new();
                     while let Some(t) = st.next().await {
                         out.push(t.unwrap().token);

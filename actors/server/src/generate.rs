@@ -10,7 +10,7 @@ use crate::logprobs::{TokenLogprob, token_logprob};
 use crate::protocol::{Finished, GenSpec, GenTiming, PromptSpec, Usage};
 use nsactor_data::Tokenizer;
 use nsactor_plugin_api::SessionId;
-use nsactor_runtime::pipeline::{AsyncDecoder, DecodeStream, PickRequest};
+use nsactor_runtime::pipeline::{AsyncDecoder, DecodeStream, PickRequest, StreamPlan};
 use nsactor_telemetry::ServingMetrics;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -40,14 +40,6 @@ pub enum GenEvent {
 
 /// The finish reason of a generation that ran out of its time budget.
 pub const FINISH_TIME_LIMIT: &str = "time_limit";
-
-/// How a generation's stream chooses its tokens: the first as `pick` says, then up to `more`
-/// after it, ending after any of `end_tokens`.
-struct Stream {
-    pick: PickRequest,
-    more: usize,
-    end_tokens: Vec<i64>,
-}
 
 /// Tokens chosen but not yet sent, with their log-probabilities when asked for.
 #[derive(Default)]
@@ -222,14 +214,14 @@ impl Generator {
 
     /// Feeds the prompt one token at a time, reporting each token's log-probability given
     /// the ones before it ([`GenEvent::Prompt`]); then streams from its last token as
-    /// [`Stream`] says.
+    /// `plan` says.
     async fn score_prompt(
         &self,
         session: SessionId,
         prompt: &[i64],
         top: usize,
         tx: &mpsc::Sender<GenEvent>,
-        stream: Stream,
+        plan: StreamPlan,
     ) -> Result<DecodeStream, ServeError> {
         let mut logprobs = vec![None];
         let mut logits = Vec::new();
@@ -243,23 +235,10 @@ impl Generator {
         if !head.is_empty() {
             logprobs.push(Some(token_logprob(&logits, *last, top)));
         }
-        let picked = self.stream(session, vec![*last], stream).await?;
+        let picked = self.decoder.stream(session, vec![*last], plan).await?;
         let ids = prompt.to_vec();
         let _ = tx.send(GenEvent::Prompt { ids, logprobs }).await;
         Ok(picked)
-    }
-
-    /// Feeds `ids` and streams the tokens chosen after them.
-    async fn stream(
-        &self,
-        session: SessionId,
-        ids: Vec<i64>,
-        s: Stream,
-    ) -> Result<DecodeStream, ServeError> {
-        Ok(self
-            .decoder
-            .stream(session, ids, s.pick, s.more, s.end_tokens)
-            .await?)
     }
 
     /// How the next token is chosen on the device: the request's sampling, its logit biases
@@ -309,7 +288,7 @@ impl Generator {
         // The batcher feeds every chosen token back itself: the session is never away from
         // it between steps, however slow this task or its client. A stop string found below
         // costs the step already queued.
-        let plan = Stream {
+        let plan = StreamPlan {
             pick: self.pick_request(spec, prompt, &[]),
             more: spec.max_tokens.saturating_sub(1),
             end_tokens: if spec.ignore_eos {
@@ -321,7 +300,7 @@ impl Generator {
         let mut stream = if spec.prompt_logprobs {
             self.score_prompt(session, prompt, top, tx, plan).await?
         } else {
-            self.stream(session, prompt.to_vec(), plan).await?
+            self.decoder.stream(session, prompt.to_vec(), plan).await?
         };
         let streaming = start.elapsed();
         let mut text = String::new();

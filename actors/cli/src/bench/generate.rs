@@ -56,9 +56,7 @@ pub async fn generate_load(
                     let mut steps = Vec::with_capacity(tokens);
                     let prefilled = if on_device {
                         // As the server decodes: the batcher feeds each token back itself.
-                        let mut st = d
-                            .stream(s, prompt, greedy_pick(), tokens - 1, vec![])
-                            .await?;
+                        let mut st = d.stream(s, prompt, greedy_stream(tokens - 1)).await?;
                         next_token(&mut st).await?;
                         let prefilled = Instant::now();
                         for _ in 1..tokens {
@@ -158,14 +156,12 @@ pub struct GenerateBenchArgs {
     pick: String,
 }
 
-/// Greedy on the device, without logits.
-fn greedy_pick() -> nsactor_runtime::pipeline::PickRequest {
-    nsactor_runtime::pipeline::PickRequest {
-        sampling: nsactor_runtime::decode::SamplingParams::greedy(),
-        history: Vec::new(),
-        generated: Vec::new(),
-        bias: Vec::new(),
-        want_logits: false,
+/// Greedy on the device without logits, `more` tokens after the first, end tokens ignored.
+fn greedy_stream(more: usize) -> nsactor_runtime::pipeline::StreamPlan {
+    nsactor_runtime::pipeline::StreamPlan {
+        pick: nsactor_runtime::pipeline::PickRequest::greedy(false),
+        more,
+        end_tokens: Vec::new(),
     }
 }
 

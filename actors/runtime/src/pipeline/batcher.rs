@@ -31,7 +31,6 @@ pub use super::cohort::{Answer, Answered, CohortPhases, PickRequest, Picked};
 use super::cohort::{add_ns, run_cohort};
 use super::stream::Continuation;
 use super::topology::Children;
-use crate::decode::SamplingParams;
 use crate::error::RuntimeError;
 use nsactor_plugin_api::SessionId;
 use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
@@ -132,16 +131,30 @@ impl ractor::Message for BatcherMsg {}
 
 /// Where a session's answer goes.
 enum Reply {
-    /// To the caller of one [`BatcherMsg::Feed`].
-    Once(RpcReplyPort<Answered>),
-    /// To a stream, which may queue the session's next input.
+    /// To the caller of one [`BatcherMsg::Feed`], with how its token is chosen, if on the
+    /// device.
+    Once {
+        port: RpcReplyPort<Answered>,
+        pick: Option<PickRequest>,
+    },
+    /// To a stream, which chooses its tokens on the device and may queue the session's next
+    /// input.
     Stream(Continuation),
+}
+
+impl Reply {
+    /// How the input's token is chosen, for the cohort (a stream keeps its own).
+    fn pick(&mut self) -> Option<PickRequest> {
+        match self {
+            Reply::Once { pick, .. } => pick.take(),
+            Reply::Stream(c) => Some(c.pick().clone()),
+        }
+    }
 }
 
 struct Waiting {
     session: SessionId,
     ids: Vec<i64>,
-    pick: Option<PickRequest>,
     reply: Reply,
     since: Instant,
 }
@@ -203,20 +216,13 @@ impl BatcherState {
         }
     }
 
-    fn queue(
-        &mut self,
-        session: SessionId,
-        ids: Vec<i64>,
-        pick: Option<PickRequest>,
-        reply: Reply,
-    ) {
+    fn queue(&mut self, session: SessionId, ids: Vec<i64>, reply: Reply) {
         if self.open.insert(session) {
             self.stats.open.fetch_add(1, Ordering::Relaxed);
         }
         self.waiting.push_back(Waiting {
             session,
             ids,
-            pick,
             reply,
             since: Instant::now(),
         });
@@ -262,7 +268,7 @@ impl BatcherState {
         let mut sessions: Vec<SessionId> = cohort.iter().map(|w| w.session).collect();
         let mut ids: Vec<i64> = cohort.iter().flat_map(|w| w.ids.iter().copied()).collect();
         let mut picks: Vec<Option<PickRequest>> =
-            cohort.iter_mut().map(|w| w.pick.take()).collect();
+            cohort.iter_mut().map(|w| w.reply.pick()).collect();
         let real = sessions.len();
         let size = self
             .batching
@@ -270,13 +276,8 @@ impl BatcherState {
             .size_for(real, len, self.batching.max_tokens);
         // Pad sessions: token 0, greedy on the device without logits when the others pick
         // there; their answers find no reply and are dropped.
-        let pad_pick = (size > real && picks.iter().any(Option::is_some)).then(|| PickRequest {
-            sampling: SamplingParams::greedy(),
-            history: Vec::new(),
-            generated: Vec::new(),
-            bias: Vec::new(),
-            want_logits: false,
-        });
+        let pad_pick =
+            (size > real && picks.iter().any(Option::is_some)).then(|| PickRequest::greedy(false));
         for i in (0..size - real).rev() {
             sessions.push(pad_session(i));
             ids.extend(std::iter::repeat_n(0, len));
@@ -311,7 +312,6 @@ impl BatcherState {
         self.cohorts -= 1;
         self.freed_at = Instant::now();
         let mut answers = answers.map(|a| a.into_iter().map(Some).collect::<Vec<_>>());
-        let now = Instant::now();
         for (i, s) in sessions.into_iter().enumerate() {
             let Some(k) = self.in_flight.iter().position(|(f, _)| *f == s) else {
                 continue;
@@ -324,20 +324,14 @@ impl BatcherState {
                 Err(e) => Err(e.for_each_session()),
             };
             match reply {
-                Reply::Once(port) => {
+                Reply::Once { port, .. } => {
                     let _ = port.send(r);
                 }
                 Reply::Stream(c) => {
                     let closing = self.closing.iter().any(|(c, _)| *c == s);
                     match c.answer(r).filter(|_| !closing) {
                         Some((ids, c)) if c.lagging() => self.parked.push((s, ids, c)),
-                        Some((ids, c)) => self.waiting.push_back(Waiting {
-                            session: s,
-                            ids,
-                            pick: Some(c.pick().clone()),
-                            reply: Reply::Stream(c),
-                            since: now,
-                        }),
+                        Some((ids, c)) => self.queue(s, ids, Reply::Stream(c)),
                         None => {}
                     }
                 }
@@ -407,16 +401,13 @@ impl Actor for BatcherActor {
                 pick,
                 reply,
             } => match s.admit(session, &ids) {
-                Ok(()) => s.queue(session, ids, pick, Reply::Once(reply)),
+                Ok(()) => s.queue(session, ids, Reply::Once { port: reply, pick }),
                 Err(e) => {
                     let _ = reply.send(Err(e));
                 }
             },
             BatcherMsg::Stream { session, ids, cont } => match s.admit(session, &ids) {
-                Ok(()) => {
-                    let pick = Some(cont.pick().clone());
-                    s.queue(session, ids, pick, Reply::Stream(cont));
-                }
+                Ok(()) => s.queue(session, ids, Reply::Stream(cont)),
                 Err(e) => cont.refuse(e),
             },
             BatcherMsg::Close { session, reply } => {
@@ -433,8 +424,7 @@ impl Actor for BatcherActor {
             BatcherMsg::Resume { session } => {
                 if let Some(k) = s.parked.iter().position(|p| p.0 == session) {
                     let (_, ids, c) = s.parked.swap_remove(k);
-                    let pick = Some(c.pick().clone());
-                    s.queue(session, ids, pick, Reply::Stream(c));
+                    s.queue(session, ids, Reply::Stream(c));
                 }
             }
             BatcherMsg::Tick => s.tick_armed = false,

@@ -55,6 +55,20 @@ pub struct PickRequest {
     pub want_logits: bool,
 }
 
+impl PickRequest {
+    /// The most likely token, with no penalties or biases; the logits come back when
+    /// `want_logits`.
+    pub fn greedy(want_logits: bool) -> Self {
+        PickRequest {
+            sampling: SamplingParams::greedy(),
+            history: Vec::new(),
+            generated: Vec::new(),
+            bias: Vec::new(),
+            want_logits,
+        }
+    }
+}
+
 /// A token chosen on the device.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Picked {

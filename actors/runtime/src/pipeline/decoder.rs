@@ -5,7 +5,7 @@ use super::batcher::{Answer, BatchStats, BatcherMsg, PickRequest, Picked};
 use super::buckets::CohortBuckets;
 use super::layers::session_layers;
 use super::msg::{EdgeMsg, ask};
-use super::stream::DecodeStream;
+use super::stream::{DecodeStream, StreamPlan};
 use super::topology::Children;
 use crate::error::RuntimeError;
 use nsactor_plugin_api::{DeviceTensor, IdAllocator, SessionId};
@@ -97,25 +97,22 @@ impl AsyncDecoder {
         }
     }
 
-    /// Runs `ids` through `session` and chooses its next token as `pick` says, then up to
-    /// `more` tokens after it, each fed back by the batcher as the session's next input
-    /// (`super::stream`), stopping after any of `end_tokens`. The tokens come back on the
+    /// Runs `ids` through `session`, then the tokens `plan` chooses, each fed back by the
+    /// batcher as the session's next input (`super::stream`). The tokens come back on the
     /// stream; closing the session ([`close`](Self::close)) ends it. A long prompt is fed in
     /// chunks first, as [`feed`](Self::feed) does.
     pub async fn stream(
         &self,
         session: SessionId,
         ids: Vec<i64>,
-        pick: PickRequest,
-        more: usize,
-        end_tokens: Vec<i64>,
+        plan: StreamPlan,
     ) -> Result<DecodeStream, RuntimeError> {
         let ids = self.feed_all_but_last_chunk(session, ids).await?;
         let batcher = self.batcher.clone();
         let resume = Box::new(move || {
             let _ = batcher.cast(BatcherMsg::Resume { session });
         });
-        let (cont, rx) = super::stream::stream(pick, more, end_tokens, resume);
+        let (cont, rx) = super::stream::stream(plan, resume);
         self.batcher
             .cast(BatcherMsg::Stream { session, ids, cont })
             .map_err(|_| RuntimeError::Broken("the decode batcher stopped".into()))?;

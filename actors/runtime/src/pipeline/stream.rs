@@ -22,6 +22,15 @@ pub const MAX_UNREAD: usize = 16;
 /// One chosen token, or why the stream stopped early.
 pub type StreamItem = Result<Picked, RuntimeError>;
 
+/// How a stream chooses its tokens: the first as `pick` says, then up to `more` after it,
+/// ending after any of `end_tokens` (which is still sent).
+#[derive(Debug, Clone, PartialEq)]
+pub struct StreamPlan {
+    pub pick: PickRequest,
+    pub more: usize,
+    pub end_tokens: Vec<i64>,
+}
+
 /// The batcher's side of a stream: how the next token is chosen, how many more may be chosen,
 /// and where they go.
 pub struct Continuation {
@@ -103,20 +112,17 @@ impl DecodeStream {
     }
 }
 
-/// A stream that chooses its first token with `pick`, then up to `more` tokens after it, and
-/// stops after any of `end_tokens`; `resume` asks the batcher to take it back when parked.
+/// A stream that runs as `plan` says; `resume` asks the batcher to take it back when parked.
 pub(super) fn stream(
-    pick: PickRequest,
-    more: usize,
-    end_tokens: Vec<i64>,
+    plan: StreamPlan,
     resume: Box<dyn Fn() + Send + Sync>,
 ) -> (Continuation, DecodeStream) {
     let (tx, rx) = mpsc::unbounded_channel();
     let unread = Arc::new(AtomicUsize::new(0));
     let c = Continuation {
-        pick,
-        remaining: more,
-        end_tokens,
+        pick: plan.pick,
+        remaining: plan.more,
+        end_tokens: plan.end_tokens,
         tx,
         unread: unread.clone(),
     };
@@ -126,7 +132,6 @@ pub(super) fn stream(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::decode::SamplingParams;
 
     fn picked(token: i64) -> Answered {
         Ok(Answer::Picked(Picked {
@@ -136,19 +141,20 @@ mod tests {
         }))
     }
 
-    fn greedy() -> PickRequest {
-        PickRequest {
-            sampling: SamplingParams::greedy(),
-            history: vec![7],
-            generated: Vec::new(),
-            bias: Vec::new(),
-            want_logits: false,
+    fn plan(more: usize, end_tokens: Vec<i64>) -> StreamPlan {
+        StreamPlan {
+            pick: PickRequest {
+                history: vec![7],
+                ..PickRequest::greedy(false)
+            },
+            more,
+            end_tokens,
         }
     }
 
     #[tokio::test]
     async fn a_stream_feeds_each_token_back_until_its_budget_or_an_end_token() {
-        let (c, mut rx) = stream(greedy(), 2, vec![2], Box::new(|| ()));
+        let (c, mut rx) = stream(plan(2, vec![2]), Box::new(|| ()));
         let (ids, c) = c.answer(picked(5)).expect("goes on");
         assert_eq!(ids, [5]);
         assert_eq!(
@@ -165,17 +171,17 @@ mod tests {
         assert_eq!(got, [5, 6, 8]);
         assert!(rx.next().await.is_none(), "the stream ended");
 
-        let (c, mut rx) = stream(greedy(), 10, vec![2], Box::new(|| ()));
+        let (c, mut rx) = stream(plan(10, vec![2]), Box::new(|| ()));
         assert!(c.answer(picked(2)).is_none(), "an end token stops it");
         assert_eq!(rx.next().await.unwrap().unwrap().token, 2);
         assert!(rx.next().await.is_none());
 
-        let (c, mut rx) = stream(greedy(), 10, vec![2], Box::new(|| ()));
+        let (c, mut rx) = stream(plan(10, vec![2]), Box::new(|| ()));
         let e = c.answer(Err(RuntimeError::Broken("gone".into())));
         assert!(e.is_none());
         assert!(rx.next().await.unwrap().is_err());
 
-        let (c, rx) = stream(greedy(), 10, vec![], Box::new(|| ()));
+        let (c, rx) = stream(plan(10, vec![]), Box::new(|| ()));
         drop(rx);
         assert!(c.answer(picked(5)).is_none(), "nobody listens");
     }
@@ -189,7 +195,7 @@ mod tests {
         let resume = Box::new(move || {
             a.fetch_add(1, Ordering::SeqCst);
         });
-        let (mut c, mut rx) = stream(greedy(), 100, vec![], resume);
+        let (mut c, mut rx) = stream(plan(100, vec![]), resume);
         for t in 0..MAX_UNREAD {
             assert!(!c.lagging(), "{t} unread");
             c = c.answer(picked(5)).expect("goes on").1;

@@ -140,13 +140,7 @@ impl AsyncDecoder {
         let vocab = self.vocab.max(2) as i64;
         let phases = super::cohort::CohortPhases::default();
         let fits = (self.max_tokens / size).max(1);
-        let greedy = |want_logits| PickRequest {
-            sampling: SamplingParams::greedy(),
-            history: Vec::new(),
-            generated: Vec::new(),
-            bias: Vec::new(),
-            want_logits,
-        };
+        let greedy = PickRequest::greedy;
         let sampled = |i: usize| PickRequest {
             sampling: SamplingParams {
                 temperature: 0.8,

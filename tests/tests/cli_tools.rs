@@ -217,20 +217,20 @@ fn bench_generate_batches_concurrent_sessions_and_decode_profile_splits_a_layer(
             .unwrap_or_else(|| panic!("no `{name}` row in:\n{stdout}"));
         l.split_whitespace().rev().nth(1).unwrap().parse().unwrap()
     };
-    let whole = micros("whole layer");
-    let parts: f64 = [
+    // Every part of the layer is timed. Their sizes are not compared: on a loaded 2-core
+    // machine one scheduling pause inside a 3-rep mean outweighs a whole part (CI saw the
+    // SNNBlock row at 4.1 ms beside a 0.7 ms layer); the comparison is `bench`'s job.
+    for name in [
+        "whole layer",
         "RMSNorm + input PLIF",
         "SNNBlock",
         "PonderAgg",
         "out projection",
         "SNNFFN",
-    ]
-    .iter()
-    .map(|p| micros(p))
-    .sum();
-    assert!(whole > 0.0 && parts > 0.0, "{stdout}");
-    // The parts are most of the layer (the second sublayer repeats the first's norm and PLIF).
-    assert!(parts > 0.3 * whole && parts < 3.0 * whole, "{stdout}");
+    ] {
+        let t = micros(name);
+        assert!(t.is_finite() && t > 0.0, "`{name}` {t}: {stdout}");
+    }
     // Each fused part is checked against its composition (on the CPU they are the same ops).
     for name in [
         "RMSNorm + input PLIF as run",

@@ -121,5 +121,8 @@ fn an_input_read_by_several_gemms_gets_the_sum_of_their_gradients() {
         }
     }
     let got = ours[0][3 * 19 + 4];
-    assert!((got - want).abs() <= 1e-3 * want.abs().max(1.0), "{got} vs {want}");
+    assert!(
+        (got - want).abs() <= 1e-3 * want.abs().max(1.0),
+        "{got} vs {want}"
+    );
 }

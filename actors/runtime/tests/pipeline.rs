@@ -526,3 +526,64 @@ fn a_prompt_longer_than_one_pass_is_fed_in_chunks_that_carry_the_states() {
         .fold(0f32, f32::max);
     assert!(worst <= 1e-5, "chunked prefill differs by {worst}");
 }
+
+/// A stream that has ended while its reader still holds the session open is not waited for:
+/// the other sessions' cohorts launch at once, never when the launch window runs out.
+#[test]
+fn an_ended_stream_whose_session_is_still_open_is_not_waited_for() {
+    use nsactor_runtime::pipeline::{PickRequest, StreamPlan};
+    let _serial = serial();
+    let p = pipeline(1, None);
+    let d = p.decoder(256);
+    let prompt = batches(77, 1)[0].inputs[..3].to_vec();
+    let w0 = d.window_launches();
+    let (short, long) = p.block_on(async {
+        let (finished_tx, finished_rx) = tokio::sync::oneshot::channel::<()>();
+        let stream = |more: usize| {
+            let (d, prompt) = (d.clone(), prompt.clone());
+            async move {
+                let s = d.session();
+                let plan = StreamPlan {
+                    pick: PickRequest::greedy(false),
+                    more,
+                    end_tokens: Vec::new(),
+                };
+                let mut st = d.stream(s, prompt, plan).await.unwrap();
+                let mut n = 0;
+                while let Some(t) = st.next().await {
+                    t.unwrap();
+                    n += 1;
+                }
+                (s, n)
+            }
+        };
+        // The short stream ends after 2 tokens; its session stays open until the long one
+        // has finished, as a server's session does while its client reads the last tokens.
+        let short = tokio::spawn({
+            let (d, one) = (d.clone(), stream(1));
+            async move {
+                let (s, n) = one.await;
+                let _ = finished_rx.await;
+                d.close(s).await;
+                n
+            }
+        });
+        let long = tokio::spawn({
+            let (d, one) = (d.clone(), stream(11));
+            async move {
+                let (s, n) = one.await;
+                d.close(s).await;
+                let _ = finished_tx.send(());
+                n
+            }
+        });
+        (short.await.unwrap(), long.await.unwrap())
+    });
+    assert_eq!((short, long), (2, 12));
+    assert_eq!(
+        d.window_launches() - w0,
+        0,
+        "cohorts waited out the launch window for a stream that had ended"
+    );
+    assert_eq!(d.open_sessions(), 0);
+}

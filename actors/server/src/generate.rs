@@ -190,12 +190,15 @@ impl Generator {
             .await;
         // The client has its last token: its final event goes out, and its place is free for
         // the next request, before the session's states are freed (a free is a job on every
-        // stage's worker; 256 sessions ending together took about 0.3 s of them).
+        // stage's worker; 256 sessions ending together took about 0.3 s of them). The close
+        // is queued at the batcher before the place is given back, so the request admitted in
+        // it is batched after this session has left: cohorts stay within `max_sessions`.
         if let Ok(f) = &r {
             let _ = tx.send(GenEvent::Done(f.clone())).await;
         }
+        let closed = self.decoder.begin_close(session);
         drop(permit);
-        self.decoder.close(session).await;
+        closed.await;
         self.metrics.running.dec();
         let r = r?;
         self.metrics.finished(

@@ -115,6 +115,7 @@ async fn metrics(State(s): State<Shared>) -> impl IntoResponse {
             open_sessions: s.generator.decoder.open_sessions(),
             batches: s.generator.decoder.batch_counts().0,
             batch_inputs: s.generator.decoder.batch_counts().1,
+            window_launches: s.generator.decoder.window_launches(),
         }),
     )
 }

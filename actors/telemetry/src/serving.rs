@@ -53,6 +53,7 @@ pub struct ServingMetrics {
     decode_open_sessions: IntGauge,
     decode_batches: IntCounter,
     decode_batch_inputs: IntCounter,
+    decode_window_launches: IntCounter,
 }
 
 /// What the decoder reports at scrape time.
@@ -65,6 +66,8 @@ pub struct DecoderState {
     /// Batched passes so far and the session inputs they carried.
     pub batches: u64,
     pub batch_inputs: u64,
+    /// Passes launched when the launch window ran out with open sessions still away.
+    pub window_launches: u64,
 }
 
 impl Default for ServingMetrics {
@@ -163,6 +166,11 @@ impl ServingMetrics {
                 "nsactor_decode_batch_inputs_total",
                 "Session inputs carried by those passes (divided by the batches: the mean batch).",
             )?,
+            decode_window_launches: counter(
+                "nsactor_decode_window_launches_total",
+                "Passes launched only when the launch window ran out, with open sessions still away \
+                 (each made the waiting sessions wait the window for them).",
+            )?,
             registry,
         })
     }
@@ -189,6 +197,7 @@ impl ServingMetrics {
         self.decode_open_sessions.set(d.open_sessions as i64);
         raise_to(&self.decode_batches, d.batches);
         raise_to(&self.decode_batch_inputs, d.batch_inputs);
+        raise_to(&self.decode_window_launches, d.window_launches);
         render(&self.registry)
     }
 }

@@ -34,6 +34,7 @@ fn serving_metrics_parse_with_the_vllm_names_and_values() {
         open_sessions: 2,
         batches: 10,
         batch_inputs: 25,
+        window_launches: 3,
     });
     let s = parse(&text);
     assert_eq!(value(&s, "nsactor_requests_total"), Some(3.0));
@@ -42,6 +43,7 @@ fn serving_metrics_parse_with_the_vllm_names_and_values() {
     assert_eq!(value(&s, "nsactor_prompt_tokens_total"), Some(17.0));
     assert_eq!(value(&s, "nsactor_generation_tokens_total"), Some(94.0));
     assert_eq!(value(&s, "nsactor_decode_batches_total"), Some(10.0));
+    assert_eq!(value(&s, "nsactor_decode_window_launches_total"), Some(3.0));
     let stop = s
         .samples
         .iter()

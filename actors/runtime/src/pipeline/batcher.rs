@@ -21,7 +21,9 @@
 //!
 //! A session either feeds one input at a time ([`BatcherMsg::Feed`]) or streams
 //! ([`BatcherMsg::Stream`]): then the batcher queues each chosen token as its next input as
-//! soon as its cohort is done (`super::stream`), and the launch never waits for it.
+//! soon as its cohort is done (`super::stream`), and the launch never waits for it, nor for a
+//! stream that has ended and whose session is not closed yet (its reader is still taking its
+//! last tokens).
 //!
 //! Closing a session waits for its cohort in flight, then frees its states in every actor.
 
@@ -88,6 +90,9 @@ pub struct BatchStats {
     pub padded: AtomicU64,
     /// Sessions that have fed and are not closed yet (their states are held by the actors).
     pub open: AtomicU64,
+    /// Cohorts launched when the window ran out with open sessions still away: each made the
+    /// sessions that were waiting wait [`Batching::window`] for them.
+    pub window_launches: AtomicU64,
     /// Nanoseconds of the cohorts' phases, summed over cohorts ([`CohortPhases`]).
     pub phases: CohortPhases,
 }
@@ -178,6 +183,8 @@ pub struct BatcherState {
     in_flight: Vec<(SessionId, Reply)>,
     /// Streams whose readers lag, with their next inputs held until they catch up.
     parked: Vec<(SessionId, Vec<i64>, Continuation)>,
+    /// Open sessions whose stream has ended: not expected back until they feed or close.
+    ended: HashSet<SessionId>,
     cohorts: usize,
     /// Closes waiting for their session's cohort.
     closing: Vec<(SessionId, RpcReplyPort<()>)>,
@@ -217,6 +224,7 @@ impl BatcherState {
     }
 
     fn queue(&mut self, session: SessionId, ids: Vec<i64>, reply: Reply) {
+        self.ended.remove(&session);
         if self.open.insert(session) {
             self.stats.open.fetch_add(1, Ordering::Relaxed);
         }
@@ -231,10 +239,8 @@ impl BatcherState {
     /// Launches every cohort that may start now; arms the window timer otherwise.
     fn pump(&mut self, myself: &ActorRef<BatcherMsg>) {
         while self.cohorts < self.batching.max_in_flight.max(1) && !self.waiting.is_empty() {
-            let absent = self
-                .open
-                .len()
-                .saturating_sub(self.in_flight.len() + self.waiting.len() + self.parked.len());
+            let here = self.in_flight.len() + self.waiting.len() + self.parked.len();
+            let absent = self.open.len().saturating_sub(here + self.ended.len());
             let since = self.waiting.front().expect("non-empty").since;
             let age = since.max(self.freed_at).elapsed();
             if absent > 0 && age < self.batching.window {
@@ -243,6 +249,9 @@ impl BatcherState {
                     myself.send_after(self.batching.window - age, || BatcherMsg::Tick);
                 }
                 return;
+            }
+            if absent > 0 {
+                self.stats.window_launches.fetch_add(1, Ordering::Relaxed);
             }
             self.launch(myself);
         }
@@ -332,7 +341,11 @@ impl BatcherState {
                     match c.answer(r).filter(|_| !closing) {
                         Some((ids, c)) if c.lagging() => self.parked.push((s, ids, c)),
                         Some((ids, c)) => self.queue(s, ids, Reply::Stream(c)),
-                        None => {}
+                        // Ended (its budget, an end token, an error, a close): the session
+                        // stays open until its reader closes it, but will not feed.
+                        None => {
+                            self.ended.insert(s);
+                        }
                     }
                 }
             }
@@ -350,6 +363,7 @@ impl BatcherState {
     }
 
     fn close_now(&mut self, session: SessionId, reply: RpcReplyPort<()>) {
+        self.ended.remove(&session);
         let was_open = self.open.remove(&session);
         let children = self.children();
         let stats = self.stats.clone();
@@ -381,6 +395,7 @@ impl Actor for BatcherActor {
             waiting: VecDeque::new(),
             in_flight: Vec::new(),
             parked: Vec::new(),
+            ended: HashSet::new(),
             cohorts: 0,
             closing: Vec::new(),
             tick_armed: false,

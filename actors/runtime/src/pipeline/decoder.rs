@@ -200,11 +200,28 @@ impl AsyncDecoder {
         )
     }
 
+    /// Cohorts launched so far when the launch window ran out with open sessions still away
+    /// ([`BatchStats::window_launches`]).
+    pub fn window_launches(&self) -> u64 {
+        self.stats.window_launches.load(Ordering::Relaxed)
+    }
+
     /// Frees `session`'s neuron states in every actor (after its input in flight, if any).
     pub async fn close(&self, session: SessionId) {
-        let _ = self
-            .batcher
-            .call(|reply| BatcherMsg::Close { session, reply }, None)
-            .await;
+        self.begin_close(session).await;
+    }
+
+    /// [`close`](Self::close) in two halves: the close is queued at the batcher now, before
+    /// anything this caller does next (a new session admitted in its place is ordered after
+    /// it), and the returned future finishes when the states are freed.
+    pub fn begin_close(&self, session: SessionId) -> impl Future<Output = ()> + use<> {
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        let _ = self.batcher.cast(BatcherMsg::Close {
+            session,
+            reply: tx.into(),
+        });
+        async move {
+            let _ = rx.await;
+        }
     }
 }

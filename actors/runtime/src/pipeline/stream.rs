@@ -55,8 +55,10 @@ impl Continuation {
         &self.pick
     }
 
-    /// Refuses the stream before it ran: its receiver gets `e`.
+    /// Ends the stream with `e` (before it ran, or in its place of a token). Counted unread
+    /// like a token, so the reader's count of what it took stays exact.
     pub(super) fn refuse(self, e: RuntimeError) {
+        self.unread.fetch_add(1, Ordering::SeqCst);
         let _ = self.tx.send(Err(e));
     }
 
@@ -177,9 +179,13 @@ mod tests {
         assert!(rx.next().await.is_none());
 
         let (c, mut rx) = stream(plan(10, vec![2]), Box::new(|| ()));
+        let (_, c) = c.answer(picked(5)).expect("goes on");
         let e = c.answer(Err(RuntimeError::Broken("gone".into())));
         assert!(e.is_none());
+        assert_eq!(rx.next().await.unwrap().unwrap().token, 5);
         assert!(rx.next().await.unwrap().is_err());
+        // The error counted as sent, so the reader's count ends at zero, not wrapped.
+        assert_eq!(rx.unread.load(Ordering::SeqCst), 0);
 
         let (c, rx) = stream(plan(10, vec![]), Box::new(|| ()));
         drop(rx);

@@ -358,3 +358,23 @@ fn bench_serve_measures_websocket_and_sse_clients_beside_the_engine() {
     let e = run_err(&["bench", "serve", "--protocol", "grpc"]);
     assert!(e.contains("grpc"), "{e}");
 }
+
+/// `bench detokenize` times the server's text per token both ways and checks they agree.
+#[test]
+fn bench_detokenize_times_the_window_against_the_whole_decode_and_they_agree() {
+    let stdout = run_stdout(&["bench", "detokenize", "--tokens", "8,64"]);
+    let rows: Vec<Vec<&str>> = stdout
+        .lines()
+        .map(|l| l.split_whitespace().collect::<Vec<_>>())
+        .filter(|w| w.first().is_some_and(|x| x.parse::<usize>().is_ok()))
+        .collect();
+    assert_eq!(rows.len(), 2, "{stdout}");
+    for (r, n) in rows.iter().zip(["8", "64"]) {
+        assert_eq!(r[0], n, "{stdout}");
+        assert_eq!(r.last(), Some(&"yes"), "{stdout}");
+        let ms: f64 = r[1].parse().unwrap();
+        assert!(ms.is_finite() && ms >= 0.0, "{stdout}");
+    }
+    let err = run_err(&["bench", "detokenize", "--tokens", "0"]);
+    assert!(err.contains("--tokens"), "{err}");
+}

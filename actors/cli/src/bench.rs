@@ -2,6 +2,7 @@
 
 mod breakdown;
 mod cluster;
+mod detok;
 mod echo;
 mod flops;
 mod generate;
@@ -52,6 +53,9 @@ pub enum BenchCommand {
     /// (control plane) and one layer's gradients there and back (transport) at the tiny and
     /// 0.9B layer sizes, and the per-step total.
     Cluster(cluster::ClusterBenchArgs),
+    /// The server's text per generated token: a window of recent tokens decoded
+    /// (incremental detokenizing) against the whole generation decoded again each time.
+    Detokenize(detok::DetokArgs),
 }
 
 /// The plugin option string that sets `precision` on `backend`: the CPU backend has one
@@ -115,5 +119,6 @@ pub fn run(c: BenchCommand) -> crate::CliResult {
         BenchCommand::Generate(a) => generate::run(a),
         BenchCommand::DecodeProfile(a) => generate::decode_profile_cmd(a),
         BenchCommand::Cluster(a) => cluster::run(a),
+        BenchCommand::Detokenize(a) => detok::run(a),
     }
 }

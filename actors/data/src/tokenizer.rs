@@ -2,6 +2,9 @@
 //! a content hash, and the ChatML template (SPEC §9).
 
 mod ascii;
+mod stream;
+
+pub use stream::TextStream;
 
 use crate::error::{DataError, Result};
 use serde::{Deserialize, Serialize};
@@ -151,6 +154,12 @@ impl Tokenizer {
         self.inner
             .decode(ids, skip_special_tokens)
             .map_err(|e| self.err(format!("cannot decode: {e}")))
+    }
+
+    /// Decodes generated tokens one at a time, at the same cost at any length
+    /// ([`TextStream`]).
+    pub fn text_stream(&self, skip_special_tokens: bool) -> TextStream<'_> {
+        TextStream::new(self, skip_special_tokens)
     }
 
     /// The `tokenizer.json` text.

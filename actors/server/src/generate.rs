@@ -100,6 +100,20 @@ pub struct Generator {
     pub ready: Arc<crate::ready::Readiness>,
 }
 
+/// Where the first stop string in `text` starts, given that none was in its first `grown`
+/// bytes: only a match ending past them is new, so only the tail is searched.
+fn first_stop(text: &str, stop: &[String], grown: usize) -> Option<usize> {
+    stop.iter()
+        .filter_map(|s| {
+            let mut from = grown.saturating_sub(s.len().saturating_sub(1));
+            while !text.is_char_boundary(from) {
+                from -= 1;
+            }
+            text[from..].find(s.as_str()).map(|p| from + p)
+        })
+        .min()
+}
+
 /// Longest suffix of `text` that is a proper prefix of a stop string (held back: it may be the
 /// start of one).
 fn held_back(text: &str, stop: &[String]) -> usize {
@@ -306,7 +320,11 @@ impl Generator {
             self.decoder.stream(session, prompt.to_vec(), plan).await?
         };
         let streaming = start.elapsed();
+        // The generation's text, grown a piece per token (a token costs the same at any
+        // length; decoding the whole generation each time cost O(n) a token).
         let mut text = String::new();
+        let mut pieces = self.tokenizer.text_stream(true);
+        let mut stopped_by_string = false;
         let finish_reason = loop {
             if self.drain.stopping() {
                 break FINISH_SHUTDOWN;
@@ -355,20 +373,21 @@ impl Generator {
             if let Some(raw) = raw {
                 pending.logprobs.push(token_logprob(&raw, next, top));
             }
-            let ids: Vec<u32> = generated.iter().map(|&t| t as u32).collect();
-            text = self
-                .tokenizer
-                .decode(&ids, true)
+            // An incomplete UTF-8 character adds nothing until its last byte comes.
+            let grown = text.len();
+            let piece = pieces
+                .step(next as u32)
                 .map_err(|e| ServeError::Internal(e.to_string()))?;
+            text.push_str(piece.as_deref().unwrap_or(""));
             // A stop string ends the generation; the text before it is the answer.
-            if let Some(pos) = spec.stop.iter().filter_map(|s| text.find(s.as_str())).min() {
+            if let Some(pos) = first_stop(&text, &spec.stop, grown) {
                 text.truncate(pos.max(emitted));
+                stopped_by_string = true;
                 break "stop";
             }
-            // Hold back an incomplete UTF-8 character and a possible stop-string start.
-            let incomplete = text.ends_with('\u{FFFD}');
+            // Hold back a possible stop-string start.
             let end = text.len() - held_back(&text, &spec.stop);
-            if !incomplete && end > emitted && text.is_char_boundary(end) {
+            if end > emitted && text.is_char_boundary(end) {
                 self.send(tx, &text[emitted..end], &mut pending, spec.token_ids)
                     .await;
                 emitted = end;
@@ -378,7 +397,14 @@ impl Generator {
                 self.send(tx, "", &mut pending, true).await;
             }
         };
-        // Whatever is still held back (and any tokens not yet sent) goes out now.
+        // Whatever is still held back (and any tokens not yet sent) goes out now, with a
+        // character left incomplete at the end as the replacement character.
+        if !stopped_by_string && finish_reason != "cancelled" {
+            let tail = pieces
+                .finish()
+                .map_err(|e| ServeError::Internal(e.to_string()))?;
+            text.push_str(&tail);
+        }
         if finish_reason != "cancelled" && (text.len() > emitted || !pending.ids.is_empty()) {
             let tail = text.get(emitted..).unwrap_or("");
             self.send(tx, tail, &mut pending, spec.token_ids).await;
@@ -427,7 +453,29 @@ impl Generator {
 
 #[cfg(test)]
 mod tests {
-    use super::held_back;
+    use super::{first_stop, held_back};
+
+    /// Searching the tail finds what searching the whole text finds, as the text grows a piece
+    /// at a time (pieces of several bytes, stop strings spanning pieces and characters).
+    #[test]
+    fn the_tail_search_finds_the_first_stop_string_as_the_whole_search_does() {
+        let stop = vec!["\n\n".to_string(), "é!".to_string(), "東京".to_string()];
+        let pieces = [
+            "Hello", " wor", "ld\n", "\nmore", "caf", "é", "! ", "東", "京", "x\n\n",
+        ];
+        for skip in 0..pieces.len() {
+            let mut text = String::new();
+            for p in pieces.iter().skip(skip) {
+                let grown = text.len();
+                text.push_str(p);
+                let whole = stop.iter().filter_map(|s| text.find(s.as_str())).min();
+                assert_eq!(first_stop(&text, &stop, grown), whole, "{text:?}");
+                if whole.is_some() {
+                    break;
+                }
+            }
+        }
+    }
 
     #[test]
     fn only_possible_stop_string_starts_are_held_back() {

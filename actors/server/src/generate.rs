@@ -105,10 +105,7 @@ pub struct Generator {
 fn first_stop(text: &str, stop: &[String], grown: usize) -> Option<usize> {
     stop.iter()
         .filter_map(|s| {
-            let mut from = grown.saturating_sub(s.len().saturating_sub(1));
-            while !text.is_char_boundary(from) {
-                from -= 1;
-            }
+            let from = text.floor_char_boundary(grown.saturating_sub(s.len().saturating_sub(1)));
             text[from..].find(s.as_str()).map(|p| from + p)
         })
         .min()

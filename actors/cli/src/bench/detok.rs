@@ -28,7 +28,7 @@ pub fn run(a: DetokArgs) -> CliResult {
     // the odd character spelled in byte pieces.
     let longest = a.tokens.iter().copied().max().unwrap_or(0);
     let corpus = nsactor_data::bundled_corpus();
-    let mut ids = tok.encode(&corpus[..corpus.len().min(longest * 16)])?;
+    let mut ids = tok.encode(&corpus[..corpus.floor_char_boundary(longest * 16)])?;
     while ids.len() < longest {
         let again = ids.clone();
         ids.extend(again);

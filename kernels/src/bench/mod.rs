@@ -11,6 +11,7 @@
 
 mod config;
 mod ffn;
+mod flips;
 mod gated;
 #[cfg(feature = "cuda")]
 pub mod gemm;

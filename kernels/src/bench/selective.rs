@@ -2,6 +2,7 @@
 //! f32 and, where the backend stores it, in bf16 storage.
 
 use super::config::ScanBench;
+use super::flips::Flips;
 use super::report::{
     Pair, TOLERANCE, host, rel_norm, report_pairs, rounded, time, worst, worst_rel_norm,
 };
@@ -9,7 +10,7 @@ use crate::ops::snn::SnnOps;
 use crate::ops::types::{SelectiveGrads, SelectiveInputs};
 use crate::reference::selective::{selective_backward_reference, selective_forward_reference};
 use crate::tensor::prim;
-use burn::tensor::{Distribution, Tensor, backend::Backend, ops::FloatTensor};
+use burn::tensor::{Distribution, Tensor, TensorPrimitive, backend::Backend, ops::FloatTensor};
 use std::fmt::Write;
 
 /// The selective scan's gradients in [`SelectiveInputs`]' order.
@@ -53,10 +54,33 @@ fn selective_inputs<B: Backend>(
     (inputs, seq(n(0.0, 1.0)))
 }
 
+/// The fused spikes' flips against the reference's on `inp` (whose thresholds
+/// `|r_th + b_th| + V_min` the reference used), spikes and `V_post` `[steps, B, DN]`.
+fn spike_flips<B: Backend>(
+    inp: &SelectiveInputs<B>,
+    fused_spike: &[f32],
+    ref_spike: &[f32],
+    ref_vpost: &[f32],
+    cols: usize,
+) -> Flips {
+    let r_th = host::<B>(&inp.r_th);
+    let b_th = Tensor::<B, 1>::from_primitive(TensorPrimitive::Float(inp.b_th.clone()))
+        .into_data()
+        .convert::<f32>()
+        .into_vec::<f32>()
+        .expect("f32");
+    let v_min = inp.v_th_min;
+    Flips::find(fused_spike, ref_spike, ref_vpost, cols, |idx| {
+        (r_th[idx] + b_th[(idx % cols) % b_th.len()]).abs() + v_min
+    })
+}
+
 /// The fused selective scan (modulation inside the kernel) against the same computation
 /// composed from tensor ops ([`selective_forward_reference`]) on the same device: outputs and
-/// every gradient checked, then both timed at the 0.9B shape. Reports into `out`; the name of
-/// the failing kernel on a mismatch.
+/// every gradient checked, then both timed at the 0.9B shape. Spikes that flip at a tie with
+/// the threshold ([`Flips`]) leave their columns out of the forward's comparison; the backward
+/// is checked alone, on the reference forward's outputs. Reports into `out`; the name of the
+/// failing kernel on a mismatch.
 pub(super) fn selective<B: SnnOps>(
     device: &B::Device,
     cfg: &ScanBench,
@@ -86,13 +110,39 @@ pub(super) fn selective<B: SnnOps>(
     };
     let (small, grad) = selective_inputs::<B>(cfg.check_steps, cfg, device);
     let (f, r) = (fused_fwd(&small), ref_fwd(&small));
-    let (fs, rs) = (host::<B>(&f.spike), host::<B>(&r.spike));
-    let agree = fs.iter().zip(&rs).filter(|(a, b)| a == b).count() as f64 / rs.len() as f64;
+    let (fs, rs, rv) = (
+        host::<B>(&f.spike),
+        host::<B>(&r.spike),
+        host::<B>(&r.vpost),
+    );
+    let cols = cfg.batch * cfg.elem_dim;
+    let flips = spike_flips(&small, &fs, &rs, &rv, cols);
     let fired = rs.iter().filter(|&&s| s == 1.0).count() as f64 / rs.len() as f64;
-    let err_fwd = worst(&host::<B>(&f.vpost), &host::<B>(&r.vpost));
-    let err_bwd = fused_bwd(&small, &grad)
+    let err_fwd = if flips.are_ties() {
+        worst(
+            &flips.unflipped(&host::<B>(&f.vpost)),
+            &flips.unflipped(&rv),
+        )
+    } else {
+        f32::INFINITY
+    };
+    // The backward alone: both on the reference forward's spikes and `V_post`.
+    let on_reference = |fused: bool| {
+        let args = (
+            small.clone(),
+            r.vpost.clone(),
+            r.spike.clone(),
+            grad.clone(),
+        );
+        grads(if fused {
+            B::plif_selective_backward(args.0, args.1, args.2, args.3)
+        } else {
+            selective_backward_reference(args.0, args.1, args.2, args.3)
+        })
+    };
+    let err_bwd = on_reference(true)
         .iter()
-        .zip(&ref_bwd(&small, &grad))
+        .zip(&on_reference(false))
         .map(|(a, b)| worst(&host::<B>(a), &host::<B>(b)))
         .fold(0.0f32, f32::max);
     drop((small, grad));
@@ -146,7 +196,7 @@ pub(super) fn selective<B: SnnOps>(
             bw / 1e9,
             100.0 * bw / copy_bw,
             if name.ends_with("fwd") {
-                format!("{agree:.6}")
+                flips.describe()
             } else {
                 "-".into()
             },
@@ -165,9 +215,11 @@ pub(super) fn selective<B: SnnOps>(
 /// The selective scan with bf16 storage, where the backend stores it: the four projections
 /// and the upstream gradient rounded to bf16 go in, spikes, `V_post` and the projections'
 /// gradients come out in bf16. Checked against the composed f32 reference on the same rounded
-/// values (spikes and the final state must agree exactly: the arithmetic is f32; `V_post` and
-/// the gradients within [`TOLERANCE_BF16`]), then timed at the 0.9B shape, bytes counted at
-/// their stored width.
+/// values (spikes must agree but for ties at the threshold ([`Flips`]), whose columns are left
+/// out; the final state, kept in f32, within the f32 [`TOLERANCE`]: the arithmetic is f32, with
+/// the modulation's σ and softplus a few ulp from burn's; `V_post` and the gradients within
+/// [`TOLERANCE_BF16`], the backward on the reference forward's outputs), then timed at the 0.9B
+/// shape, bytes counted at their stored width.
 ///
 /// [`TOLERANCE_BF16`]: super::report::TOLERANCE_BF16
 pub(super) fn selective_stored<B: SnnOps>(
@@ -191,31 +243,39 @@ pub(super) fn selective_stored<B: SnnOps>(
         (low, wide, grad_low, grad_wide)
     };
     let grads = selective_grad_list::<B>;
-    let fused_bwd = |inp: &SelectiveInputs<B>, grad: &FloatTensor<B>| {
-        let o = B::plif_selective_forward(inp.clone());
-        grads(B::plif_selective_backward(
-            inp.clone(),
-            o.vpost,
-            o.spike,
-            grad.clone(),
-        ))
-    };
     let (low, wide, grad_low, grad_wide) = prepare(cfg.check_steps);
     let f = B::plif_selective_forward(low.clone());
     let r = selective_forward_reference(wide.clone());
-    let (fs, rs) = (host::<B>(&f.spike), host::<B>(&r.spike));
-    let agree = fs.iter().zip(&rs).filter(|(a, b)| a == b).count() as f64 / rs.len() as f64;
-    let last_exact = f.last.as_ref().is_none_or(|last| {
-        let rv = host::<B>(&r.vpost);
-        host::<B>(last) == rv[rv.len() - cfg.batch * cfg.elem_dim..]
+    let (fs, rs, rv) = (
+        host::<B>(&f.spike),
+        host::<B>(&r.spike),
+        host::<B>(&r.vpost),
+    );
+    let cols = cfg.batch * cfg.elem_dim;
+    let flips = spike_flips(&wide, &fs, &rs, &rv, cols);
+    // The final state `[B, DN]` is the last step's row, column by column.
+    let last_err = f.last.as_ref().map_or(0.0, |last| {
+        let keep = |row: &[f32]| flips.unflipped(row);
+        worst(&keep(&host::<B>(last)), &keep(&rv[rv.len() - cols..]))
     });
-    let err_fwd = if agree == 1.0 && last_exact {
-        rel_norm(&host::<B>(&f.vpost), &host::<B>(&r.vpost))
+    let err_fwd = if flips.are_ties() && last_err <= TOLERANCE {
+        rel_norm(
+            &flips.unflipped(&host::<B>(&f.vpost)),
+            &flips.unflipped(&rv),
+        )
     } else {
         f32::INFINITY
     };
+    // The backward alone, on the reference forward's spikes and `V_post` (stored in bf16 as
+    // the fused forward stores them).
+    let fused = B::plif_selective_backward(
+        low.clone(),
+        rounded::<B>(&r.vpost).0,
+        rounded::<B>(&r.spike).0,
+        grad_low.clone(),
+    );
     let reference = selective_backward_reference(wide, r.vpost, r.spike, grad_wide);
-    let err_bwd = worst_rel_norm::<B>(&fused_bwd(&low, &grad_low), &grads(reference));
+    let err_bwd = worst_rel_norm::<B>(&grads(fused), &grads(reference));
     drop((low, grad_low, f));
     let (full, _, grad, _) = prepare(cfg.steps);
     let (n, c) = (
@@ -236,9 +296,12 @@ pub(super) fn selective_stored<B: SnnOps>(
         );
     });
     let agree = if err_fwd.is_finite() {
-        format!("{agree:.6}")
+        flips.describe()
     } else {
-        format!("spikes agree {agree:.6}, final state exact: {last_exact}")
+        format!(
+            "spikes agree {}, final state off by {last_err:.2e}",
+            flips.describe()
+        )
     };
     // Stored values 2 bytes; biases, v0, the final state and the per-column sums 4.
     report_pairs(

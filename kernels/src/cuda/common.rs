@@ -1,6 +1,6 @@
 //! What the CUDA kernel families share: output allocation and the dtype checks of their
-//! launchers, the modulation's device functions (σ exactly as burn composes it, softplus,
-//! sign), the decoding scans' shared step (the SNNBlock's modulation, one PLIF step, the FFN
+//! launchers, the modulation's device functions (σ exactly as burn composes it, and σ and
+//! softplus at a few instructions for the scans, sign), the decoding scans' shared step (the SNNBlock's modulation, one PLIF step, the FFN
 //! neurons' per-column constants: the staged and the one-unit-per-column kernels call the same
 //! functions), the staged kernels' cube width and shape knob, the plane constants of the
 //! inference kernels, and the element type a GEMM after an inference kernel reads.
@@ -53,10 +53,59 @@ pub(crate) fn sigmoid_burn(x: f32) -> f32 {
     (-((e + 1.0f32).ln())).exp()
 }
 
-/// The model's overflow-free softplus, `max(x, 0) + log1p(e^{−|x|})`.
+/// The modulation's transcendentals at the cost of two `exp`, two reciprocals and one `log` an
+/// element instead of burn's composition (`exp(−ln(e^{−x} + 1))` for σ, `log1p` for softplus):
+/// the scans' producers are bound by instruction issue, and the libm `logf`/`log1pf`
+/// polynomials were most of their instructions (`BENCHMARKS.md`, issue 34). Both start from
+/// `t = e^{−|x|}` (libm `expf`, ≤ 2 ulp, never overflows), so σ and softplus of one argument
+/// share it:
+/// - `σ(x) = (x ≥ 0 ? 1 : t) / (1 + t)` through the hardware reciprocal (`__fdividef`, ≤ 2 ulp
+///   for a divisor in [1, 2]);
+/// - `softplus(x) = max(x, 0) + ln(1 + t)` through the hardware `lg2` (`__logf`): absolute error
+///   ≤ 2e-7 (the rounding of `1 + t` and `lg2.approx`'s 2^-22.6), on values ≥ ln 2 where
+///   `x ≥ 0`.
+///
+/// They differ from burn's σ and softplus by a few f32 ulp, far inside every tolerance the
+/// kernels are checked with (`bench kernels` against the composed reference, the fixtures).
 #[cube]
-pub(crate) fn softplus(x: f32) -> f32 {
-    max(x, 0.0f32) + (-(x.abs())).exp().log1p()
+pub(crate) fn exp_neg_abs(x: f32) -> f32 {
+    (-(x.abs())).exp()
+}
+
+/// `a / b` through the hardware reciprocal (`__fdividef`).
+#[cube(fast_math = FastMath::AllowReciprocal | FastMath::ReducedPrecision | FastMath::UnsignedZero | FastMath::NotInf)]
+fn div_fast(a: f32, b: f32) -> f32 {
+    a / b
+}
+
+/// `ln(x)` through the hardware `lg2` (`__logf`).
+#[cube(fast_math = FastMath::all())]
+fn ln_fast(x: f32) -> f32 {
+    x.ln()
+}
+
+/// `σ(x)` from `t = e^{−|x|}` ([`exp_neg_abs`]).
+#[cube]
+pub(crate) fn sigmoid_of(x: f32, t: f32) -> f32 {
+    div_fast(select(x >= 0.0f32, 1.0f32, t), t + 1.0f32)
+}
+
+/// `softplus(x) = max(x, 0) + ln(1 + e^{−|x|})` from `t = e^{−|x|}` ([`exp_neg_abs`]).
+#[cube]
+pub(crate) fn softplus_of(x: f32, t: f32) -> f32 {
+    max(x, 0.0f32) + ln_fast(t + 1.0f32)
+}
+
+/// `σ(x)` of the modulation (see [`exp_neg_abs`]).
+#[cube]
+pub(crate) fn sigmoid_mod(x: f32) -> f32 {
+    sigmoid_of(x, exp_neg_abs(x))
+}
+
+/// `softplus(x)` of the modulation (see [`exp_neg_abs`]).
+#[cube]
+pub(crate) fn softplus_mod(x: f32) -> f32 {
+    softplus_of(x, exp_neg_abs(x))
 }
 
 /// One PLIF step as the decoding scans take it (the staged and the one-unit-per-column
@@ -94,8 +143,8 @@ pub(crate) fn block_modulation(
     v_th_min: f32,
 ) -> Modulation {
     Modulation {
-        beta: sigmoid_burn(rb + bb),
-        u: softplus(ra + ba) * i,
+        beta: sigmoid_mod(rb + bb),
+        u: softplus_mod(ra + ba) * i,
         th: (rt + bt).abs() + v_th_min,
     }
 }

@@ -26,7 +26,7 @@ const STAGE_FFN_BACKWARD: (usize, usize) = (8, 16);
 /// ([`crate::ffn_forward_reference`]) bit for bit: `u = i·(1 − β)`, `fma(β, v, u)`, the `≥`
 /// test, `(1 − β)·V_post` per neuron with `leak`.
 #[allow(clippy::too_many_arguments)]
-#[cube(launch)]
+#[cube(launch_unchecked)]
 fn ffn_forward_staged_kernel<I: Float, O: Float>(
     i_gu: &Tensor<I>,
     w_g: &Tensor<f32>,
@@ -127,7 +127,7 @@ fn ffn_forward_staged_kernel<I: Float, O: Float>(
 /// recurrences, writes `∂i = ∂u·(1 − β)` and sums per pair over time: `∂β` (the scan's
 /// `Σ gv·V_{k−1}` minus `Σ ∂act·V_post` and `Σ ∂u·i`), `∂V_th`, and the carried `∂v0`.
 #[allow(clippy::too_many_arguments)]
-#[cube(launch)]
+#[cube(launch_unchecked)]
 fn ffn_backward_staged_kernel<I: Float, G: Float>(
     i_gu: &Tensor<I>,
     w_g: &Tensor<f32>,
@@ -287,6 +287,32 @@ fn ffn_backward_staged_kernel<I: Float, G: Float>(
     }
 }
 
+/// Asserts what the unchecked kernels rely on besides `i_gu`'s geometry: the four per-channel
+/// parameters `[D_ff]`, `v0` `[B, 2·D_ff]`, and each of `seqs` (with its width) `[TK, B, width]`.
+fn check_ffn_shapes<R: CubeRuntime>(
+    params: [&CubeTensor<R>; 4],
+    v0: &CubeTensor<R>,
+    (steps, batch, ff): (usize, usize, usize),
+    seqs: &[(&CubeTensor<R>, usize)],
+) {
+    let dims = |t: &CubeTensor<R>| t.meta.shape().as_slice().to_vec();
+    for t in params {
+        assert_eq!(
+            dims(t),
+            [ff],
+            "ffn neurons: per-channel parameters are [D_ff]"
+        );
+    }
+    assert_eq!(dims(v0), [batch, 2 * ff], "ffn neurons: v0 is [B, 2·D_ff]");
+    for (t, width) in seqs {
+        assert_eq!(
+            dims(t),
+            [steps, batch, *width],
+            "ffn neurons: [TK, B, ·] tensors alike"
+        );
+    }
+}
+
 /// `(batch, D_ff, steps)` of the FFN neurons' `i_gu` `[TK, B, 2·D_ff]`, checked.
 fn ffn_geometry<R: CubeRuntime>(i_gu: &CubeTensor<R>) -> (usize, usize, usize) {
     let shape = i_gu.meta.shape();
@@ -363,6 +389,7 @@ fn ffn_forward_with<R: CubeRuntime>(
 ) -> (CubeTensor<R>, CubeTensor<R>, CubeTensor<R>) {
     let [w_g, w_u, th_g, th_u] = params;
     check_f32(&[&w_g, &w_u, &th_g, &th_u, &v0]);
+    check_ffn_shapes([&w_g, &w_u, &th_g, &th_u], &v0, (steps, batch, ff), &[]);
     let stored = stored_dtype(&i_gu);
     assert!(
         steps * batch * row_stride <= u32::MAX as usize,
@@ -393,30 +420,36 @@ fn ffn_forward_with<R: CubeRuntime>(
     }
     let (producers, chunk) = stage_shape("NSACTOR_STAGE_FFN_FORWARD", STAGE_FFN_FORWARD);
     let client = i_gu.client.clone();
-    ffn_forward_staged_kernel::launch::<R>(
-        &client,
-        CubeCount::Static((batch * ff).div_ceil(STAGE_COLS as usize) as u32, 1, 1),
-        CubeDim::new_2d(STAGE_COLS, 1 + producers as u32),
-        i_gu.into_tensor_arg(),
-        w_g.into_tensor_arg(),
-        w_u.into_tensor_arg(),
-        th_g.into_tensor_arg(),
-        th_u.into_tensor_arg(),
-        v0.into_tensor_arg(),
-        gv.clone().into_tensor_arg(),
-        vpost.clone().into_tensor_arg(),
-        last.clone().into_tensor_arg(),
-        batch as u32,
-        ff as u32,
-        steps as u32,
-        steps.div_ceil(chunk) as u32,
-        row_stride as u32,
-        leak,
-        save_vpost,
-        chunk,
-        producers,
-        [stored.into(), gv_dtype.into()],
-    );
+    // SAFETY: launched without CubeCL's per-access bounds checks (a metadata load, a compare
+    // and a select on every global access). The kernel guards each access itself (`valid`
+    // pairs, steps below `steps`) on tensors whose shapes were asserted above or allocated
+    // here; an inference `i_gu` holds `steps·batch` rows of `row_stride`.
+    unsafe {
+        ffn_forward_staged_kernel::launch_unchecked::<R>(
+            &client,
+            CubeCount::Static((batch * ff).div_ceil(STAGE_COLS as usize) as u32, 1, 1),
+            CubeDim::new_2d(STAGE_COLS, 1 + producers as u32),
+            i_gu.into_tensor_arg(),
+            w_g.into_tensor_arg(),
+            w_u.into_tensor_arg(),
+            th_g.into_tensor_arg(),
+            th_u.into_tensor_arg(),
+            v0.into_tensor_arg(),
+            gv.clone().into_tensor_arg(),
+            vpost.clone().into_tensor_arg(),
+            last.clone().into_tensor_arg(),
+            batch as u32,
+            ff as u32,
+            steps as u32,
+            steps.div_ceil(chunk) as u32,
+            row_stride as u32,
+            leak,
+            save_vpost,
+            chunk,
+            producers,
+            [stored.into(), gv_dtype.into()],
+        );
+    }
     (gv, vpost, last)
 }
 
@@ -434,6 +467,12 @@ pub fn ffn_backward<R: CubeRuntime>(
     check_f32(&[&w_g, &w_u, &th_g, &th_u, &v0, &vpost]);
     let types = [stored_dtype(&i_gu).into(), stored_dtype(&grad).into()];
     let (batch, ff, steps) = ffn_geometry(&i_gu);
+    check_ffn_shapes(
+        [&w_g, &w_u, &th_g, &th_u],
+        &v0,
+        (steps, batch, ff),
+        &[(&vpost, 2 * ff), (&grad, ff)],
+    );
     let [i_gu, w_g, w_u, th_g, th_u, v0, vpost, grad] =
         [i_gu, w_g, w_u, th_g, th_u, v0, vpost, grad].map(into_contiguous);
     let state = Shape::new([batch, 2 * ff]);
@@ -444,30 +483,36 @@ pub fn ffn_backward<R: CubeRuntime>(
     let d_v0 = out_typed(&i_gu, state, DType::F32);
     let (producers, chunk) = stage_shape("NSACTOR_STAGE_FFN_BACKWARD", STAGE_FFN_BACKWARD);
     let client = i_gu.client.clone();
-    ffn_backward_staged_kernel::launch::<R>(
-        &client,
-        CubeCount::Static((batch * ff).div_ceil(STAGE_COLS as usize) as u32, 1, 1),
-        CubeDim::new_2d(STAGE_COLS, 1 + producers as u32),
-        i_gu.into_tensor_arg(),
-        w_g.into_tensor_arg(),
-        w_u.into_tensor_arg(),
-        th_g.into_tensor_arg(),
-        th_u.into_tensor_arg(),
-        v0.into_tensor_arg(),
-        vpost.into_tensor_arg(),
-        grad.into_tensor_arg(),
-        d_i.clone().into_tensor_arg(),
-        d_beta.clone().into_tensor_arg(),
-        d_th.clone().into_tensor_arg(),
-        d_v0.clone().into_tensor_arg(),
-        batch as u32,
-        ff as u32,
-        steps as u32,
-        steps.div_ceil(chunk) as u32,
-        leak,
-        chunk,
-        producers,
-        types,
-    );
+    // SAFETY: launched without CubeCL's per-access bounds checks (a metadata load, a compare
+    // and a select on every global access). The kernel guards each access itself (`valid`
+    // pairs, steps below `steps`) on tensors whose shapes were asserted above or allocated
+    // here; an inference `i_gu` holds `steps·batch` rows of `row_stride`.
+    unsafe {
+        ffn_backward_staged_kernel::launch_unchecked::<R>(
+            &client,
+            CubeCount::Static((batch * ff).div_ceil(STAGE_COLS as usize) as u32, 1, 1),
+            CubeDim::new_2d(STAGE_COLS, 1 + producers as u32),
+            i_gu.into_tensor_arg(),
+            w_g.into_tensor_arg(),
+            w_u.into_tensor_arg(),
+            th_g.into_tensor_arg(),
+            th_u.into_tensor_arg(),
+            v0.into_tensor_arg(),
+            vpost.into_tensor_arg(),
+            grad.into_tensor_arg(),
+            d_i.clone().into_tensor_arg(),
+            d_beta.clone().into_tensor_arg(),
+            d_th.clone().into_tensor_arg(),
+            d_v0.clone().into_tensor_arg(),
+            batch as u32,
+            ff as u32,
+            steps as u32,
+            steps.div_ceil(chunk) as u32,
+            leak,
+            chunk,
+            producers,
+            types,
+        );
+    }
     [d_i, d_beta, d_th, d_v0]
 }

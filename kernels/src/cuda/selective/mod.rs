@@ -10,17 +10,21 @@
 //! buffers. The producers load through `cp.async` into a ring of stages in shared memory, each
 //! tracked by an mbarrier (`ring`), so the loads ahead of the recurrence hold no registers.
 //!
-//! The ring copies 4 bytes at a time, two bf16 columns where a type is stored in bf16, which
-//! rows of an odd width cannot keep aligned: there the producers load and store plainly through
-//! the same ring ([`ring::Ring::direct`]). Two earlier generations left the tree (git keeps
+//! The ring copies 16 bytes at a time (4 f32 or 8 bf16 columns) where the row width keeps them
+//! aligned, else 4 bytes; bf16 rows of an odd width keep neither aligned: there the producers
+//! load and store plainly through the same ring ([`ring::Ring::direct`]). Two earlier generations left the tree (git keeps
 //! them), each slower at every measured shape (`BENCHMARKS.md`): one unit per column computing
 //! its own modulation, and the staged kernels whose producers loaded into registers (forward
 //! 77 % of copy against the ring's 84 %; with bf16 storage 2.12 ms against 1.75, backward 3.12
 //! against 2.83, f32 backward 4.18 against 4.15).
 //!
-//! Same recurrence as [`crate::reference`], term for term; the forwards agree with the
-//! per-element scan composed with the modulation ([`crate::selective_forward_reference`]) bit
-//! for bit.
+//! Same recurrence as [`crate::reference`], term for term. The modulation's σ and softplus are
+//! the few-instruction forms of [`crate::cuda::common::exp_neg_abs`], a few f32 ulp from burn's
+//! compositions: the producers are bound by instruction issue, and burn's σ
+//! (`exp(−ln(e^{−x} + 1))`) and libm's `log1pf` were most of their instructions. So the
+//! forwards agree with the per-element scan composed with the modulation
+//! ([`crate::selective_forward_reference`]) to f32 rounding, not bit for bit; the kernels run
+//! without CubeCL's bounds checks, guarding every access themselves.
 
 mod chunk;
 mod ring;
@@ -57,9 +61,31 @@ const STAGE_ASYNC_BF16: (usize, usize, usize, usize) = (4, 12, 3, 32);
 /// the register-loading kernel (removed) 4.184 / 3.118 on the same host.
 const STAGE_ASYNC_BACKWARD: (usize, usize, usize, usize) = (4, 16, 2, 32);
 
-/// Elements per 4-byte asynchronous copy of a stored type (f32 or bf16).
-fn pack_of(dtype: DType) -> usize {
-    if dtype == DType::F32 { 1 } else { 2 }
+/// Elements per asynchronous copy of the selective kernels' inputs of `dtypes`: 16 bytes (8 bf16
+/// columns, one instruction for a quarter of a 32-column row) where every input is stored in
+/// bf16 and `cols` keeps every piece of a row on a 16-byte boundary; else 4 bytes (1 f32, or 2
+/// bf16 where `cols` is even); `None` where a bf16 row of odd width (or a view starting off a
+/// 4-byte boundary) allows neither (the ring
+/// then copies plainly, [`ring::Ring::direct`]). The 16-byte copies took 5 % off the bf16
+/// backward (`BENCHMARKS.md`, issue 34). f32 storage keeps the 4-byte copies: with 16-byte
+/// ones the f32 forward differed from its reference by 0.32 in one `--precision bf16` process
+/// on an H200 while passing in five `--precision fp32` ones (unexplained; see the benchmarks
+/// file), and f32 storage is not the speed path.
+fn packs<R: CubeRuntime, const N: usize>(
+    tensors: [&CubeTensor<R>; N],
+    cols: usize,
+) -> Option<[usize; N]> {
+    let size = |t: &CubeTensor<R>| t.dtype.size();
+    let aligned = |bytes: u64| {
+        tensors
+            .iter()
+            .all(|t| t.handle.offset_start.unwrap_or(0).is_multiple_of(bytes))
+    };
+    if aligned(16) && tensors.iter().all(|t| size(t) == 2) && cols.is_multiple_of(8) {
+        return Some([8; N]);
+    }
+    let narrow = tensors.map(|t| 4 / size(t));
+    (aligned(4) && narrow.iter().all(|&p| cols.is_multiple_of(p))).then_some(narrow)
 }
 
 /// The forward's ring from `$NSACTOR_STAGE_ASYNC` (`PxCxD` or `PxCxDxW`) or the default for
@@ -120,6 +146,27 @@ fn projection_dtype<R: CubeRuntime>(inputs: &[CubeTensor<R>; 8]) -> DType {
     dtype
 }
 
+/// Asserts what the unchecked kernels rely on: the four projections (and `extra`, the
+/// backward's `V_post`, spikes and upstream gradient) `[TK, B, DN]` alike, the biases `[DN]`,
+/// `v0` `[B, DN]`.
+fn check_shapes<R: CubeRuntime>(inputs: &[CubeTensor<R>; 8], extra: &[&CubeTensor<R>]) {
+    let dims = |t: &CubeTensor<R>| t.meta.shape().as_slice().to_vec();
+    let shape = dims(&inputs[0]);
+    assert_eq!(
+        shape.len(),
+        3,
+        "selective scan: projections are [TK, B, DN]"
+    );
+    let (b, dn) = (shape[1], shape[2]);
+    for t in inputs[1..4].iter().chain(extra.iter().copied()) {
+        assert_eq!(dims(t), shape, "selective scan: [TK, B, DN] tensors alike");
+    }
+    for t in &inputs[4..7] {
+        assert_eq!(dims(t), [dn], "selective scan: biases are [DN]");
+    }
+    assert_eq!(dims(&inputs[7]), [b, dn], "selective scan: v0 is [B, DN]");
+}
+
 /// Forward of the fused selective scan: `(spike, vpost, last)`. `inputs`: the projections `i,
 /// r_β, r_α, r_th` `[TK, B, DN]`, the biases `b_β, b_α, b_th` `[DN]`, and `v0` `[B, DN]`.
 /// Spikes and `V_post` are stored in the projections' type (f32, or bf16 storage: the kernel
@@ -130,6 +177,7 @@ pub fn selective_forward<R: CubeRuntime>(
     v_th_min: f32,
 ) -> (CubeTensor<R>, CubeTensor<R>, CubeTensor<R>) {
     let stored = projection_dtype(&inputs);
+    check_shapes(&inputs, &[]);
     let (shape, steps, cols, _, _) = geometry(&inputs[0]);
     let dn = shape[2] as u32;
     let state = Shape::new([shape[1], shape[2]]);
@@ -138,35 +186,42 @@ pub fn selective_forward<R: CubeRuntime>(
     let vpost = out_like(&i, shape);
     let last = out_typed(&i, state, DType::F32);
     let client = i.client.clone();
-    // `cp.async` copies bf16 column pairs (4 bytes), which rows of an even width keep aligned;
-    // odd bf16 rows are copied plainly, one element at a time.
-    let direct = stored != DType::F32 && !(cols as usize).is_multiple_of(2);
-    let pack = if direct { 1 } else { pack_of(stored) };
+    // `cp.async` copies 16 or 4 bytes of a row; odd bf16 rows are copied plainly, one element
+    // at a time.
+    let pack = packs([&i, &rb, &ra, &rt], cols as usize).map(|[p, ..]| p);
+    let direct = pack.is_none();
+    let pack = pack.unwrap_or(1);
     let ring = forward_ring(stored, direct);
-    selective_forward_kernel::launch::<R>(
-        &client,
-        CubeCount::Static(cols.div_ceil(ring.width as u32), 1, 1),
-        CubeDim::new_2d(ring.width as u32, 1 + ring.producers as u32),
-        i.into_tensor_arg(),
-        rb.into_tensor_arg(),
-        ra.into_tensor_arg(),
-        rt.into_tensor_arg(),
-        bb.into_tensor_arg(),
-        ba.into_tensor_arg(),
-        bt.into_tensor_arg(),
-        v0.into_tensor_arg(),
-        spike.clone().into_tensor_arg(),
-        vpost.clone().into_tensor_arg(),
-        last.clone().into_tensor_arg(),
-        cols,
-        steps,
-        steps.div_ceil(ring.chunk as u32),
-        dn,
-        v_th_min,
-        pack,
-        ring,
-        stored.into(),
-    );
+    // SAFETY: launched without CubeCL's per-access bounds checks (a metadata load, a compare
+    // and a branch on every global store). The kernel guards every global access itself:
+    // columns by `c < cols`, steps by the chunk's bounds, biases by `j = c mod DN`, on
+    // tensors whose shapes `check_shapes` asserted or this function allocated.
+    unsafe {
+        selective_forward_kernel::launch_unchecked::<R>(
+            &client,
+            CubeCount::Static(cols.div_ceil(ring.width as u32), 1, 1),
+            CubeDim::new_2d(ring.width as u32, 1 + ring.producers as u32),
+            i.into_tensor_arg(),
+            rb.into_tensor_arg(),
+            ra.into_tensor_arg(),
+            rt.into_tensor_arg(),
+            bb.into_tensor_arg(),
+            ba.into_tensor_arg(),
+            bt.into_tensor_arg(),
+            v0.into_tensor_arg(),
+            spike.clone().into_tensor_arg(),
+            vpost.clone().into_tensor_arg(),
+            last.clone().into_tensor_arg(),
+            cols,
+            steps,
+            steps.div_ceil(ring.chunk as u32),
+            dn,
+            v_th_min,
+            pack,
+            ring,
+            stored.into(),
+        );
+    }
     (spike, vpost, last)
 }
 
@@ -181,6 +236,7 @@ pub fn selective_backward<R: CubeRuntime>(
     grad: CubeTensor<R>,
 ) -> [CubeTensor<R>; 6] {
     let stored = projection_dtype(&inputs);
+    check_shapes(&inputs, &[&vpost, &spike, &grad]);
     assert_eq!(
         vpost.dtype, spike.dtype,
         "selective scan: V_post and spikes are stored alike"
@@ -198,41 +254,49 @@ pub fn selective_backward<R: CubeRuntime>(
     let client = grad.client.clone();
     let g_v0 = out_typed(&grad, state.clone(), DType::F32);
     let g_bias = out_typed(&grad, Shape::new([3, state[0], state[1]]), DType::F32);
-    let packs = (pack_of(stored), pack_of(vpost.dtype), pack_of(grad.dtype));
-    // As in the forward: a type stored in bf16 in rows of odd width is copied plainly.
-    let direct = cols % 2 == 1 && packs != (1, 1, 1);
-    let packs = if direct { (1, 1, 1) } else { packs };
+    // As in the forward: 16- or 4-byte copies, or plain ones where a type stored in bf16 has
+    // rows of odd width.
+    let found = packs([&i, &rb, &ra, &rt, &vpost, &spike, &grad], cols as usize)
+        .map(|p| [p[0], p[4], p[6]]);
+    let direct = found.is_none();
+    let packs = found.map_or((1, 1, 1), |[pi, ps, pg]| (pi, ps, pg));
     let ring = ring_shape("NSACTOR_STAGE_ASYNC_BACKWARD", STAGE_ASYNC_BACKWARD, direct);
     let g = || out_typed(&grad, shape.clone(), stored);
     let [g_i, g_rb, g_ra, g_rt] = [g(), g(), g(), g()];
-    selective_backward_kernel::launch::<R>(
-        &client,
-        CubeCount::Static(cols.div_ceil(ring.width as u32), 1, 1),
-        CubeDim::new_2d(ring.width as u32, 1 + ring.producers as u32),
-        i.into_tensor_arg(),
-        rb.into_tensor_arg(),
-        ra.into_tensor_arg(),
-        rt.into_tensor_arg(),
-        bb.into_tensor_arg(),
-        ba.into_tensor_arg(),
-        bt.into_tensor_arg(),
-        v0.into_tensor_arg(),
-        vpost.into_tensor_arg(),
-        spike.into_tensor_arg(),
-        grad.into_tensor_arg(),
-        g_i.clone().into_tensor_arg(),
-        g_rb.clone().into_tensor_arg(),
-        g_ra.clone().into_tensor_arg(),
-        g_rt.clone().into_tensor_arg(),
-        g_v0.clone().into_tensor_arg(),
-        g_bias.clone().into_tensor_arg(),
-        cols,
-        steps,
-        steps.div_ceil(ring.chunk as u32),
-        dn,
-        packs,
-        ring,
-        types,
-    );
+    // SAFETY: launched without CubeCL's per-access bounds checks (a metadata load, a compare
+    // and a branch on every global store). The kernel guards every global access itself:
+    // columns by `c < cols`, steps by the chunk's bounds, biases by `j = c mod DN`, on
+    // tensors whose shapes `check_shapes` asserted or this function allocated.
+    unsafe {
+        selective_backward_kernel::launch_unchecked::<R>(
+            &client,
+            CubeCount::Static(cols.div_ceil(ring.width as u32), 1, 1),
+            CubeDim::new_2d(ring.width as u32, 1 + ring.producers as u32),
+            i.into_tensor_arg(),
+            rb.into_tensor_arg(),
+            ra.into_tensor_arg(),
+            rt.into_tensor_arg(),
+            bb.into_tensor_arg(),
+            ba.into_tensor_arg(),
+            bt.into_tensor_arg(),
+            v0.into_tensor_arg(),
+            vpost.into_tensor_arg(),
+            spike.into_tensor_arg(),
+            grad.into_tensor_arg(),
+            g_i.clone().into_tensor_arg(),
+            g_rb.clone().into_tensor_arg(),
+            g_ra.clone().into_tensor_arg(),
+            g_rt.clone().into_tensor_arg(),
+            g_v0.clone().into_tensor_arg(),
+            g_bias.clone().into_tensor_arg(),
+            cols,
+            steps,
+            steps.div_ceil(ring.chunk as u32),
+            dn,
+            packs,
+            ring,
+            types,
+        );
+    }
     [g_i, g_rb, g_ra, g_rt, g_v0, g_bias]
 }

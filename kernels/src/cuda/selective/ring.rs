@@ -2,11 +2,11 @@
 //! a chunk's raw inputs `stages − 1` chunks ahead into a ring of stages in shared memory, each
 //! stage tracked by its own mbarrier, then modulate the current chunk from the ring into the
 //! double buffer plane 0 scans. No register holds a load in flight. Where `cp.async` cannot
-//! copy (bf16 rows of odd width: its 4-byte copies would straddle rows), the producers load and
+//! copy (bf16 rows of odd width: even its 4-byte copies would straddle rows), the producers load and
 //! store plainly through the same ring ([`Ring::direct`]): the same arithmetic, bit for bit.
 
 use super::chunk::{scan_forward_chunk, scan_reverse_chunk};
-use crate::cuda::common::{sigmoid_burn, sign, softplus};
+use crate::cuda::common::{exp_neg_abs, sigmoid_mod, sigmoid_of, sign, softplus_mod, softplus_of};
 use cubecl::prelude::barrier::{Barrier, copy_async};
 use cubecl::prelude::*;
 
@@ -123,10 +123,10 @@ fn wait_stage(
 /// planes issue `cp.async` copies of the raw projections `stages − 1` chunks ahead into a ring in shared memory, each
 /// stage tracked by its own mbarrier, then modulate the current chunk from the ring into the
 /// double buffer plane 0 scans. No register holds a load in flight, so the loads ahead are
-/// bounded by shared memory, not by registers. Same arithmetic as the reference
-/// ([`crate::reference`]) term for term.
+/// bounded by shared memory, not by registers. Same recurrence as the reference
+/// ([`crate::reference`]) term for term; σ and softplus as [`exp_neg_abs`] says.
 #[allow(clippy::too_many_arguments)]
-#[cube(launch)]
+#[cube(launch_unchecked)]
 pub(crate) fn selective_forward_kernel<I: Float>(
     i: &Tensor<I>,
     r_beta: &Tensor<I>,
@@ -165,7 +165,7 @@ pub(crate) fn selective_forward_kernel<I: Float>(
     let ba = b_alpha[j];
     let bt = b_th[j];
     let plane = comptime!(chunk * width);
-    let mut raw = SharedMemory::<I>::new(comptime!(stages * 4 * chunk * width));
+    let mut raw = SharedMemory::<I>::new_aligned(comptime!(stages * 4 * chunk * width), 16usize);
     let mut s_beta = SharedMemory::<f32>::new(comptime!(2 * chunk * width));
     let mut s_u = SharedMemory::<f32>::new(comptime!(2 * chunk * width));
     let mut s_th = SharedMemory::<f32>::new(comptime!(2 * chunk * width));
@@ -230,8 +230,8 @@ pub(crate) fn selective_forward_kernel<I: Float>(
                 let q = lane + r * producers;
                 let o = base + q * width + x;
                 let s_idx = buf + q * width + x;
-                s_beta[s_idx] = sigmoid_burn(f32::cast_from(raw[o]) + bb);
-                s_u[s_idx] = softplus(f32::cast_from(raw[o + plane]) + ba)
+                s_beta[s_idx] = sigmoid_mod(f32::cast_from(raw[o]) + bb);
+                s_u[s_idx] = softplus_mod(f32::cast_from(raw[o + plane]) + ba)
                     * f32::cast_from(raw[o + 3 * plane]);
                 s_th[s_idx] = (f32::cast_from(raw[o + 2 * plane]) + bt).abs() + v_th_min;
             }
@@ -261,9 +261,9 @@ struct Span {
 /// `dst_base` (slot `q` at `q·width`). Forward, slot `q` is step `origin + q` (steps past
 /// `steps` are skipped); in reverse (`reverse`), step `origin − 1 − q` (slots past `origin` are
 /// skipped). `shift` 1 reads the row before each step (`V_post` of step `k − 1`; step 0 has
-/// none and is left to the caller). Each `cp.async` moves 4 bytes global → shared without a
-/// register: one f32, or `pack` = 2 neighbouring bf16 columns, in which case a warp copies two
-/// slots' rows per instruction (each half-warp one 64-byte row); with [`Ring::direct`] a plain
+/// none and is left to the caller). Each `cp.async` moves `pack` neighbouring columns global →
+/// shared without a register: 16 bytes (4 f32 or 8 bf16) or 4 (1 f32 or 2 bf16), so a plane
+/// of `width` units copies `pack` slots' rows per instruction; with [`Ring::direct`] a plain
 /// load and store moves one element. A plane copies the slots it later reads; the stage's
 /// barrier makes every unit's copies visible to all.
 #[allow(clippy::too_many_arguments)]
@@ -371,9 +371,9 @@ fn issue_reverse<I: Float, S: Float, G: Float>(
 /// The selective backward, as [`selective_forward_kernel`] is to the forward: producer
 /// planes copy the seven inputs of a chunk `stages − 1` chunks ahead (the reverse order), then
 /// compute everything of a step but the carried gradient from the ring into the double buffer
-/// plane 0 runs the reverse recurrence over. Same arithmetic as the reference's backward.
+/// plane 0 runs the reverse recurrence over. Same recurrence as the reference's backward.
 #[allow(clippy::too_many_arguments)]
-#[cube(launch)]
+#[cube(launch_unchecked)]
 pub(crate) fn selective_backward_kernel<I: Float, S: Float, G: Float>(
     i: &Tensor<I>,
     r_beta: &Tensor<I>,
@@ -418,9 +418,9 @@ pub(crate) fn selective_backward_kernel<I: Float, S: Float, G: Float>(
     let bt = b_th[j];
     let v_first = v0[cc];
     let plane = comptime!(chunk * width);
-    let mut raw_i = SharedMemory::<I>::new(comptime!(stages * 4 * chunk * width));
-    let mut raw_s = SharedMemory::<S>::new(comptime!(stages * 2 * chunk * width));
-    let mut raw_g = SharedMemory::<G>::new(comptime!(stages * chunk * width));
+    let mut raw_i = SharedMemory::<I>::new_aligned(comptime!(stages * 4 * chunk * width), 16usize);
+    let mut raw_s = SharedMemory::<S>::new_aligned(comptime!(stages * 2 * chunk * width), 16usize);
+    let mut raw_g = SharedMemory::<G>::new_aligned(comptime!(stages * chunk * width), 16usize);
     let mut s_be = SharedMemory::<f32>::new(comptime!(2 * chunk * width));
     let mut s_gg = SharedMemory::<f32>::new(comptime!(2 * chunk * width));
     let mut s_vp = SharedMemory::<f32>::new(comptime!(2 * chunk * width));
@@ -504,11 +504,13 @@ pub(crate) fn selective_backward_kernel<I: Float, S: Float, G: Float>(
                 let a = f32::cast_from(raw_i[bi + plane + o]) + ba;
                 let prev = f32::cast_from(raw_s[bs + plane + o]);
                 let first = q + 1 >= top;
-                s_be[s_idx] = sigmoid_burn(f32::cast_from(raw_i[bi + o]) + bb);
+                // σ(a) and softplus(a) share `e^{−|a|}`.
+                let t = exp_neg_abs(a);
+                s_be[s_idx] = sigmoid_mod(f32::cast_from(raw_i[bi + o]) + bb);
                 s_gg[s_idx] = f32::cast_from(raw_g[bg + o]);
                 s_vp[s_idx] = select(first, v_first, prev);
-                s_fa[s_idx] = f32::cast_from(raw_i[bi + 3 * plane + o]) * sigmoid_burn(a);
-                s_al[s_idx] = softplus(a);
+                s_fa[s_idx] = f32::cast_from(raw_i[bi + 3 * plane + o]) * sigmoid_of(a, t);
+                s_al[s_idx] = softplus_of(a, t);
                 s_ts[s_idx] = f32::cast_from(raw_s[bs + o])
                     * sign(f32::cast_from(raw_i[bi + 2 * plane + o]) + bt);
             }

@@ -28,7 +28,9 @@ pub(super) struct Flips {
 
 impl Flips {
     /// Compares spikes laid out `[steps, cols]`; `threshold(idx)` is the reference's `V_th` of
-    /// element `idx` and `ref_vpost` its membrane after the reset (`V_pre = V_post + V_th·s`).
+    /// element `idx` and `ref_vpost` its membrane after the reset. The margin `V_pre − V_th` is
+    /// `V_post` itself where the reference spiked (`V_post = V_pre − V_th`, no rounding added)
+    /// and `V_post − V_th` where it did not.
     pub(super) fn find(
         fused_spike: &[f32],
         ref_spike: &[f32],
@@ -46,9 +48,12 @@ impl Flips {
             let c = idx % cols;
             if !columns[c] {
                 columns[c] = true;
-                let th = threshold(idx);
-                let v_pre = ref_vpost[idx] + th * r;
-                worst_margin = worst_margin.max((v_pre - th).abs());
+                let margin = if *r == 1.0 {
+                    ref_vpost[idx]
+                } else {
+                    ref_vpost[idx] - threshold(idx)
+                };
+                worst_margin = worst_margin.max(margin.abs());
             }
         }
         Flips {
@@ -96,19 +101,19 @@ impl Flips {
 mod tests {
     use super::*;
 
-    /// Two steps of three columns; column 1 flips at step 0.
-    fn case(v_pre_at_flip: f32) -> Flips {
+    /// Two steps of three columns; column 1 flips at step 0, where the reference spiked with
+    /// `V_pre − V_th = margin` (its `V_post`).
+    fn case(margin: f32) -> Flips {
         let th = 0.5;
         let ref_spike = [0.0, 1.0, 0.0, 0.0, 0.0, 1.0];
         let fused_spike = [0.0, 0.0, 0.0, 0.0, 1.0, 1.0];
-        // The reference spiked at (0, 1): its V_post is V_pre − V_th.
-        let ref_vpost = [0.1, v_pre_at_flip - th, 0.2, 0.3, 0.4, 0.0];
+        let ref_vpost = [0.1, margin, 0.2, 0.3, 0.4, 0.0];
         Flips::find(&fused_spike, &ref_spike, &ref_vpost, 3, |_| th)
     }
 
     #[test]
     fn a_flip_at_the_threshold_is_a_tie_and_its_column_is_left_out() {
-        let f = case(0.5 + 3e-6);
+        let f = case(3e-6);
         assert_eq!(f.elements, 2);
         assert_eq!(f.columns, vec![false, true, false]);
         assert!((f.worst_margin - 3e-6).abs() < 1e-7, "{}", f.worst_margin);
@@ -126,8 +131,27 @@ mod tests {
     }
 
     #[test]
+    fn a_margin_far_below_the_thresholds_ulp_is_kept() {
+        // `V_post + V_th − V_th` would round 1e-9 to 0 at V_th = 0.5.
+        let f = case(1e-9);
+        assert!(
+            f.worst_margin > 0.0 && f.worst_margin < 1e-8,
+            "{}",
+            f.worst_margin
+        );
+    }
+
+    #[test]
+    fn where_the_reference_did_not_spike_the_margin_is_its_membrane_below_the_threshold() {
+        let f = Flips::find(&[1.0, 0.0], &[0.0, 0.0], &[0.49999, 0.2], 2, |_| 0.5);
+        assert_eq!(f.columns, vec![true, false]);
+        assert!((f.worst_margin - 1e-5).abs() < 1e-7, "{}", f.worst_margin);
+        assert!(f.are_ties());
+    }
+
+    #[test]
     fn a_flip_far_from_the_threshold_is_not_a_tie() {
-        let f = case(0.9);
+        let f = case(0.4);
         assert!((f.worst_margin - 0.4).abs() < 1e-6, "{}", f.worst_margin);
         assert!(!f.are_ties());
     }

@@ -483,10 +483,7 @@ pub fn ffn_backward<R: CubeRuntime>(
     let d_v0 = out_typed(&i_gu, state, DType::F32);
     let (producers, chunk) = stage_shape("NSACTOR_STAGE_FFN_BACKWARD", STAGE_FFN_BACKWARD);
     let client = i_gu.client.clone();
-    // SAFETY: launched without CubeCL's per-access bounds checks (a metadata load, a compare
-    // and a select on every global access). The kernel guards each access itself (`valid`
-    // pairs, steps below `steps`) on tensors whose shapes were asserted above or allocated
-    // here; an inference `i_gu` holds `steps·batch` rows of `row_stride`.
+    // SAFETY: as for the forward's launch above; the backward guards its accesses alike.
     unsafe {
         ffn_backward_staged_kernel::launch_unchecked::<R>(
             &client,

@@ -263,10 +263,7 @@ pub fn selective_backward<R: CubeRuntime>(
     let ring = ring_shape("NSACTOR_STAGE_ASYNC_BACKWARD", STAGE_ASYNC_BACKWARD, direct);
     let g = || out_typed(&grad, shape.clone(), stored);
     let [g_i, g_rb, g_ra, g_rt] = [g(), g(), g(), g()];
-    // SAFETY: launched without CubeCL's per-access bounds checks (a metadata load, a compare
-    // and a branch on every global store). The kernel guards every global access itself:
-    // columns by `c < cols`, steps by the chunk's bounds, biases by `j = c mod DN`, on
-    // tensors whose shapes `check_shapes` asserted or this function allocated.
+    // SAFETY: as for the forward's launch above; the backward guards its accesses alike.
     unsafe {
         selective_backward_kernel::launch_unchecked::<R>(
             &client,

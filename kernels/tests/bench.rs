@@ -1,5 +1,6 @@
 //! `nsactor bench kernels` on the CPU backend: the check passes for the reference scans (to
-//! the bit) and the option parser refuses what it does not know.
+//! the bit), `only` runs just the parts named, and the option parser refuses what it does not
+//! know.
 
 use burn_ndarray::NdArray;
 use nsactor_kernels::bench::{ScanBench, run};
@@ -41,6 +42,38 @@ fn the_cpu_scans_pass_the_check_and_are_timed() {
         assert_eq!(err, 0.0, "the CPU runs the reference itself: {line}");
         assert!(!line.contains("WRONG"), "{line}");
     }
+}
+
+#[test]
+fn only_the_parts_asked_for_run() {
+    let cfg = ScanBench::model_0_9b()
+        .with_options("steps=40,batch=2,elem_dim=24,row_dim=16,check_steps=13,reps=1,dim=12,k=4")
+        .unwrap()
+        .with_only(&["selective", "optim"])
+        .unwrap();
+    let report = run::<NdArray<f32>>(&Default::default(), &cfg).unwrap();
+    for name in ["selective fused fwd", "selective fused bwd", "adam update"] {
+        assert!(
+            report.lines().any(|l| l.starts_with(name)),
+            "no {name} in\n{report}"
+        );
+    }
+    for name in [
+        "per-element forward",
+        "ffn neurons fwd",
+        "ponder agg fwd",
+        "gated output",
+    ] {
+        assert!(!report.contains(name), "{name} ran in\n{report}");
+    }
+    let e = ScanBench::model_0_9b()
+        .with_only(&["selectiv"])
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("unknown part `selectiv`") && e.contains("selective"),
+        "{e}"
+    );
 }
 
 #[test]

@@ -254,6 +254,43 @@ fn bench_generate_batches_concurrent_sessions_and_decode_profile_splits_a_layer(
     assert!(err.contains("batch"), "{err}");
 }
 
+/// `bench kernels --options only=…` runs just the parts named, through the backend's
+/// diagnostic as users call it, and refuses a part this backend does not have by name.
+#[test]
+fn bench_kernels_runs_only_the_parts_named() {
+    let shapes = "steps=40,batch=2,elem_dim=24,row_dim=16,check_steps=13,reps=1,dim=12,k=4";
+    let kernels = |only: &str| {
+        let options = format!("{shapes},{only}");
+        ["bench", "kernels", "--backend", "embedded", "--options"]
+            .into_iter()
+            .map(str::to_owned)
+            .chain([options])
+            .collect::<Vec<_>>()
+    };
+    let args = kernels("only=ffn+norm");
+    let stdout = run_stdout(&args.iter().map(String::as_str).collect::<Vec<_>>());
+    for name in [
+        "ffn neurons fwd",
+        "ffn neurons bwd",
+        "norm + input plif fwd",
+    ] {
+        assert!(
+            stdout.lines().any(|l| l.starts_with(name)),
+            "no {name} in:\n{stdout}"
+        );
+    }
+    for name in ["per-element forward", "selective fused fwd", "adam update"] {
+        assert!(!stdout.contains(name), "{name} ran:\n{stdout}");
+    }
+    // The CPU backend has no GEMM bench of its own.
+    let args = kernels("only=gemm");
+    let err = run_err(&args.iter().map(String::as_str).collect::<Vec<_>>());
+    assert!(
+        err.contains("unknown part `gemm`") && err.contains("selective"),
+        "{err}"
+    );
+}
+
 #[test]
 fn verify_plif_scan_reports_both_precisions_and_rejects_a_missing_fixture() {
     let fixture = PathBuf::from(env!("CARGO_MANIFEST_DIR"))

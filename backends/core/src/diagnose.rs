@@ -67,9 +67,28 @@ impl<B: SnnOps> BurnBackend<B> {
     }
 
     /// `bench kernels`: options go to the kernel bench whose prefix their key carries; the rest
-    /// to the scans.
+    /// to the scans. `only=A+B` (repeatable) runs just those parts: the scans' [`PARTS`] and
+    /// this backend's kernel benches by prefix; an unknown name is refused with the known ones.
+    ///
+    /// [`PARTS`]: nsactor_kernels::bench::PARTS
     fn kernels(&self, options: &str) -> Result<String, EngineError> {
-        let keys: Vec<&str> = nsactor_kernels::options::option_items(options).collect();
+        let (only, keys): (Vec<&str>, Vec<&str>) =
+            nsactor_kernels::options::option_items(options).partition(|kv| kv.starts_with("only="));
+        let only: Vec<&str> = only
+            .iter()
+            .flat_map(|kv| kv["only=".len()..].split('+'))
+            .filter(|p| !p.is_empty())
+            .collect();
+        let benches: Vec<&str> = self.kernel_benches.iter().map(|(p, _)| *p).collect();
+        let known = |p: &&str| nsactor_kernels::bench::PARTS.contains(p) || benches.contains(p);
+        if let Some(p) = only.iter().find(|p| !known(p)) {
+            let names = nsactor_kernels::bench::PARTS.iter().chain(&benches);
+            return Err(EngineError::InvalidInput(format!(
+                "bench kernels: only: unknown part `{p}` ({})",
+                names.copied().collect::<Vec<_>>().join(", ")
+            )));
+        }
+        let runs = |p: &str| only.is_empty() || only.contains(&p);
         let prefixed = |kv: &str, p: &str| kv.strip_prefix(p).is_some_and(|r| r.starts_with('_'));
         let mine = |prefix: &str| {
             keys.iter()
@@ -83,15 +102,27 @@ impl<B: SnnOps> BurnBackend<B> {
             .copied()
             .collect::<Vec<_>>()
             .join(",");
-        let cfg = nsactor_kernels::bench::ScanBench::model_0_9b().with_options(&scan_options)?;
+        let mut cfg =
+            nsactor_kernels::bench::ScanBench::model_0_9b().with_options(&scan_options)?;
+        let scan_parts: Vec<&str> = only
+            .iter()
+            .copied()
+            .filter(|p| !benches.contains(p))
+            .collect();
+        if !only.is_empty() {
+            cfg = cfg.with_only(&scan_parts)?;
+        }
         let device = self.device(0)?;
         // Every part runs; a part that disagrees with its reference fails the whole report but
         // keeps its text, any other failure (an option, the device) ends it.
         let mut parts = Vec::new();
         let mut wrong = false;
-        let results = std::iter::once(nsactor_kernels::bench::run::<B>(device, &cfg)).chain(
+        let scans = (only.is_empty() || !scan_parts.is_empty())
+            .then(|| nsactor_kernels::bench::run::<B>(device, &cfg));
+        let results = scans.into_iter().chain(
             self.kernel_benches
                 .iter()
+                .filter(|(prefix, _)| runs(prefix))
                 .map(|(prefix, bench)| bench(device, &mine(prefix))),
         );
         for r in results {

@@ -3,6 +3,20 @@
 use crate::KernelError;
 use crate::options::option_items;
 
+/// The parts of the kernel benchmark, in the order they run, for `only=` (a backend may add
+/// its own, such as CUDA's `gemm`): the per-element and row scans, the fused selective scan
+/// (f32 and bf16 storage), the FFN neurons, PonderAgg, RMSNorm + input PLIF, the gated output,
+/// and the optimizer's kernels.
+pub const PARTS: [&str; 7] = [
+    "scans",
+    "selective",
+    "ffn",
+    "ponder",
+    "norm",
+    "gated",
+    "optim",
+];
+
 /// Shapes and repetitions of a run.
 #[derive(Debug, Clone)]
 pub struct ScanBench {
@@ -18,6 +32,8 @@ pub struct ScanBench {
     /// The model width `D` and frames per token `K` of the PonderAgg check.
     pub dim: usize,
     pub k: usize,
+    /// The [`PARTS`] to run; `None` runs them all.
+    pub only: Option<Vec<&'static str>>,
 }
 
 impl ScanBench {
@@ -32,7 +48,30 @@ impl ScanBench {
             reps: 10,
             dim: 896,
             k: 16,
+            only: None,
         }
+    }
+
+    /// Runs only `parts` (names of [`PARTS`]; others are refused by name).
+    pub fn with_only(mut self, parts: &[&str]) -> Result<Self, KernelError> {
+        let named = parts
+            .iter()
+            .map(|p| {
+                PARTS.iter().find(|k| *k == p).copied().ok_or_else(|| {
+                    KernelError::InvalidOption(format!(
+                        "only: unknown part `{p}` ({})",
+                        PARTS.join(", ")
+                    ))
+                })
+            })
+            .collect::<Result<_, _>>()?;
+        self.only = Some(named);
+        Ok(self)
+    }
+
+    /// Whether part `name` of [`PARTS`] runs.
+    pub fn runs(&self, name: &str) -> bool {
+        self.only.as_ref().is_none_or(|o| o.contains(&name))
     }
 
     /// Parses `key=value` pairs separated by commas or whitespace (keys as the fields).

@@ -22,7 +22,7 @@ mod report;
 mod scans;
 mod selective;
 
-pub use config::ScanBench;
+pub use config::{PARTS, ScanBench};
 
 use crate::KernelError;
 use crate::ops::snn::SnnOps;
@@ -65,7 +65,8 @@ pub fn run<B: SnnOps>(device: &B::Device, cfg: &ScanBench) -> Result<String, Ker
         "kernel", "max rel err", "time (ms)", "GB/s", "of copy", "spike agree"
     );
     let mut failed = Vec::new();
-    for scan in Scan::ALL {
+    let scans: &[Scan] = if cfg.runs("scans") { &Scan::ALL } else { &[] };
+    for scan in scans {
         let name = scan.name();
         let dim = match scan.kind {
             ScanKind::Elem => cfg.elem_dim,
@@ -119,32 +120,25 @@ pub fn run<B: SnnOps>(device: &B::Device, cfg: &ScanBench) -> Result<String, Ker
             100.0 * bw / copy_bw
         );
     }
-    if let Err(name) = selective::<B>(device, cfg, copy_bw, &mut out) {
-        failed.push(name);
-    }
-    if let Err(name) = selective_stored::<B>(device, cfg, copy_bw, &mut out) {
-        failed.push(name);
-    }
-    if let Err(name) = ffn_neurons::<B>(device, cfg, copy_bw, &mut out) {
-        failed.push(name);
-    }
-    if let Err(name) = ffn_stored::<B>(device, cfg, copy_bw, &mut out) {
-        failed.push(name);
-    }
-    if let Err(name) = ponder::<B>(device, cfg, copy_bw, &mut out) {
-        failed.push(name);
-    }
-    if let Err(name) = norm_plif::<B>(device, cfg, copy_bw, &mut out) {
-        failed.push(name);
-    }
-    if let Err(name) = gated_out::<B>(device, cfg, copy_bw, &mut out) {
-        failed.push(name);
-    }
-    if let Err(name) = optim::adam::<B>(device, cfg, copy_bw, &mut out) {
-        failed.push(name);
-    }
-    if let Err(name) = optim::square_sums::<B>(device, cfg, copy_bw, &mut out) {
-        failed.push(name);
+    // Each part checks its kernels, times them and reports into `out`; `Err` names a wrong one.
+    type Part<D> = fn(&D, &ScanBench, f64, &mut String) -> Result<(), &'static str>;
+    let parts: [(&str, Part<B::Device>); 9] = [
+        ("selective", selective::<B>),
+        ("selective", selective_stored::<B>),
+        ("ffn", ffn_neurons::<B>),
+        ("ffn", ffn_stored::<B>),
+        ("ponder", ponder::<B>),
+        ("norm", norm_plif::<B>),
+        ("gated", gated_out::<B>),
+        ("optim", optim::adam::<B>),
+        ("optim", optim::square_sums::<B>),
+    ];
+    for (part, check) in parts {
+        if cfg.runs(part)
+            && let Err(name) = check(device, cfg, copy_bw, &mut out)
+        {
+            failed.push(name);
+        }
     }
     if failed.is_empty() {
         Ok(out)

@@ -14,6 +14,8 @@ pub struct KernelsArgs {
     precision: String,
     /// Shapes and repetitions as key=value pairs: steps (T·K), batch, elem_dim (D·N),
     /// row_dim (2·D_ff), check_steps, reps, dim (D), k (K). Default: the 0.9B shapes, 10 reps.
+    /// `only=A+B` runs just those parts: scans, selective, ffn, ponder, norm, gated, optim, and
+    /// the backend's own (CUDA: gemm).
     #[arg(long, default_value = "")]
     options: String,
 }

@@ -11,6 +11,7 @@ pub(super) fn host<B: Backend>(t: &FloatTensor<B>) -> Vec<f32> {
     use burn::tensor::TensorMetadata;
     let t = t.clone();
     let data = match t.shape().num_dims() {
+        1 => Tensor::<B, 1>::from_primitive(TensorPrimitive::Float(t)).into_data(),
         2 => Tensor::<B, 2>::from_primitive(TensorPrimitive::Float(t)).into_data(),
         _ => Tensor::<B, 3>::from_primitive(TensorPrimitive::Float(t)).into_data(),
     };

@@ -10,7 +10,7 @@ use crate::ops::snn::SnnOps;
 use crate::ops::types::{SelectiveGrads, SelectiveInputs};
 use crate::reference::selective::{selective_backward_reference, selective_forward_reference};
 use crate::tensor::prim;
-use burn::tensor::{Distribution, Tensor, TensorPrimitive, backend::Backend, ops::FloatTensor};
+use burn::tensor::{Distribution, Tensor, backend::Backend, ops::FloatTensor};
 use std::fmt::Write;
 
 /// The selective scan's gradients in [`SelectiveInputs`]' order.
@@ -64,11 +64,7 @@ fn spike_flips<B: Backend>(
     cols: usize,
 ) -> Flips {
     let r_th = host::<B>(&inp.r_th);
-    let b_th = Tensor::<B, 1>::from_primitive(TensorPrimitive::Float(inp.b_th.clone()))
-        .into_data()
-        .convert::<f32>()
-        .into_vec::<f32>()
-        .expect("f32");
+    let b_th = host::<B>(&inp.b_th);
     let v_min = inp.v_th_min;
     Flips::find(fused_spike, ref_spike, ref_vpost, cols, |idx| {
         (r_th[idx] + b_th[(idx % cols) % b_th.len()]).abs() + v_min
@@ -127,22 +123,12 @@ pub(super) fn selective<B: SnnOps>(
         f32::INFINITY
     };
     // The backward alone: both on the reference forward's spikes and `V_post`.
-    let on_reference = |fused: bool| {
-        let args = (
-            small.clone(),
-            r.vpost.clone(),
-            r.spike.clone(),
-            grad.clone(),
-        );
-        grads(if fused {
-            B::plif_selective_backward(args.0, args.1, args.2, args.3)
-        } else {
-            selective_backward_reference(args.0, args.1, args.2, args.3)
-        })
-    };
-    let err_bwd = on_reference(true)
+    let (v, s) = (r.vpost.clone(), r.spike.clone());
+    let fused = B::plif_selective_backward(small.clone(), v.clone(), s.clone(), grad.clone());
+    let reference = selective_backward_reference(small.clone(), v, s, grad.clone());
+    let err_bwd = grads(fused)
         .iter()
-        .zip(&on_reference(false))
+        .zip(&grads(reference))
         .map(|(a, b)| worst(&host::<B>(a), &host::<B>(b)))
         .fold(0.0f32, f32::max);
     drop((small, grad));

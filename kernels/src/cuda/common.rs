@@ -1,6 +1,7 @@
 //! What the CUDA kernel families share: output allocation and the dtype checks of their
-//! launchers, the modulation's device functions (σ exactly as burn composes it, and σ and
-//! softplus at a few instructions for the scans, sign), the decoding scans' shared step (the SNNBlock's modulation, one PLIF step, the FFN
+//! launchers, the modulation's device functions (σ exactly as burn composes it; σ and softplus
+//! at a few instructions for the scans; sign), the decoding scans' shared step (the SNNBlock's
+//! modulation, one PLIF step, the FFN
 //! neurons' per-column constants: the staged and the one-unit-per-column kernels call the same
 //! functions), the staged kernels' cube width and shape knob, the plane constants of the
 //! inference kernels, and the element type a GEMM after an inference kernel reads.
@@ -35,6 +36,11 @@ pub(crate) fn check_f32<R: CubeRuntime>(tensors: &[&CubeTensor<R>]) {
     }
 }
 
+/// A tensor's shape as a vector, for the shape assertions the unchecked kernels rely on.
+pub(crate) fn dims<R: CubeRuntime>(t: &CubeTensor<R>) -> Vec<usize> {
+    t.meta.shape().as_slice().to_vec()
+}
+
 /// The dtype of a stored activation a scan kernel reads: f32 or bf16.
 pub(crate) fn stored_dtype<R: CubeRuntime>(t: &CubeTensor<R>) -> DType {
     assert!(
@@ -53,8 +59,8 @@ pub(crate) fn sigmoid_burn(x: f32) -> f32 {
     (-((e + 1.0f32).ln())).exp()
 }
 
-/// The modulation's transcendentals at the cost of two `exp`, two reciprocals and one `log` an
-/// element instead of burn's composition (`exp(−ln(e^{−x} + 1))` for σ, `log1p` for softplus):
+/// The modulation's transcendentals at one `exp` an argument, a hardware reciprocal for σ and a
+/// hardware `lg2` for softplus, instead of burn's composition (`exp(−ln(e^{−x} + 1))` for σ, `log1p` for softplus):
 /// the scans' producers are bound by instruction issue, and the libm `logf`/`log1pf`
 /// polynomials were most of their instructions (`BENCHMARKS.md`, issue 34). Both start from
 /// `t = e^{−|x|}` (libm `expf`, ≤ 2 ulp, never overflows), so σ and softplus of one argument

@@ -5,7 +5,7 @@
 //! wider product in place); the backward recomputes the spikes exactly.
 
 use crate::cuda::common::{
-    STAGE_COLS, check_f32, out_like, out_typed, pair, plif_step, stage_shape, stored_dtype,
+    STAGE_COLS, check_f32, dims, out_like, out_typed, pair, plif_step, stage_shape, stored_dtype,
 };
 use crate::cuda::precision::input_dtype;
 use burn::tensor::{DType, Shape};
@@ -295,7 +295,6 @@ fn check_ffn_shapes<R: CubeRuntime>(
     (steps, batch, ff): (usize, usize, usize),
     seqs: &[(&CubeTensor<R>, usize)],
 ) {
-    let dims = |t: &CubeTensor<R>| t.meta.shape().as_slice().to_vec();
     for t in params {
         assert_eq!(
             dims(t),

@@ -10,10 +10,10 @@
 //! buffers. The producers load through `cp.async` into a ring of stages in shared memory, each
 //! tracked by an mbarrier (`ring`), so the loads ahead of the recurrence hold no registers.
 //!
-//! The ring copies 16 bytes at a time (4 f32 or 8 bf16 columns) where the row width keeps them
-//! aligned, else 4 bytes; bf16 rows of an odd width keep neither aligned: there the producers
-//! load and store plainly through the same ring ([`ring::Ring::direct`]). Two earlier generations left the tree (git keeps
-//! them), each slower at every measured shape (`BENCHMARKS.md`): one unit per column computing
+//! The ring copies 16 bytes at a time (8 bf16 columns) where every input is bf16 and the row
+//! width keeps them aligned, else 4 bytes; bf16 rows of an odd width keep neither aligned:
+//! there the producers load and store plainly through the same ring ([`ring::Ring::direct`]).
+//! Two earlier generations left the tree (git keeps them), each slower at every measured shape (`BENCHMARKS.md`): one unit per column computing
 //! its own modulation, and the staged kernels whose producers loaded into registers (forward
 //! 77 % of copy against the ring's 84 %; with bf16 storage 2.12 ms against 1.75, backward 3.12
 //! against 2.83, f32 backward 4.18 against 4.15).
@@ -29,7 +29,7 @@
 mod chunk;
 mod ring;
 
-use crate::cuda::common::{check_f32, out_like, out_typed, stored_dtype};
+use crate::cuda::common::{check_f32, dims, out_like, out_typed, stored_dtype};
 use crate::cuda::scan::geometry;
 use burn::tensor::{DType, Shape};
 use burn_cubecl::CubeRuntime;
@@ -65,12 +65,10 @@ const STAGE_ASYNC_BACKWARD: (usize, usize, usize, usize) = (4, 16, 2, 32);
 /// columns, one instruction for a quarter of a 32-column row) where every input is stored in
 /// bf16 and `cols` keeps every piece of a row on a 16-byte boundary; else 4 bytes (1 f32, or 2
 /// bf16 where `cols` is even); `None` where a bf16 row of odd width (or a view starting off a
-/// 4-byte boundary) allows neither (the ring
-/// then copies plainly, [`ring::Ring::direct`]). The 16-byte copies took 5 % off the bf16
-/// backward (`BENCHMARKS.md`, issue 34). f32 storage keeps the 4-byte copies: with 16-byte
-/// ones the f32 forward differed from its reference by 0.32 in one `--precision bf16` process
-/// on an H200 while passing in five `--precision fp32` ones (unexplained; see the benchmarks
-/// file), and f32 storage is not the speed path.
+/// 4-byte boundary) allows neither (the ring then copies plainly, [`ring::Ring::direct`]). The
+/// 16-byte copies took 5 % off the bf16 backward (`BENCHMARKS.md`, issue 34). f32 storage keeps
+/// the 4-byte copies: they were withdrawn for a check failure later traced to a spike flipped
+/// at a tie with the threshold, not to the copies, and were not measured again.
 fn packs<R: CubeRuntime, const N: usize>(
     tensors: [&CubeTensor<R>; N],
     cols: usize,
@@ -150,7 +148,6 @@ fn projection_dtype<R: CubeRuntime>(inputs: &[CubeTensor<R>; 8]) -> DType {
 /// backward's `V_post`, spikes and upstream gradient) `[TK, B, DN]` alike, the biases `[DN]`,
 /// `v0` `[B, DN]`.
 fn check_shapes<R: CubeRuntime>(inputs: &[CubeTensor<R>; 8], extra: &[&CubeTensor<R>]) {
-    let dims = |t: &CubeTensor<R>| t.meta.shape().as_slice().to_vec();
     let shape = dims(&inputs[0]);
     assert_eq!(
         shape.len(),

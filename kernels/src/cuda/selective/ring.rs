@@ -2,8 +2,8 @@
 //! a chunk's raw inputs `stages − 1` chunks ahead into a ring of stages in shared memory, each
 //! stage tracked by its own mbarrier, then modulate the current chunk from the ring into the
 //! double buffer plane 0 scans. No register holds a load in flight. Where `cp.async` cannot
-//! copy (bf16 rows of odd width: even its 4-byte copies would straddle rows), the producers load and
-//! store plainly through the same ring ([`Ring::direct`]): the same arithmetic, bit for bit.
+//! copy (bf16 rows of odd width: even its 4-byte copies would straddle rows), the producers
+//! load and store plainly through the same ring ([`Ring::direct`]): the same arithmetic, bit for bit.
 
 use super::chunk::{scan_forward_chunk, scan_reverse_chunk};
 use crate::cuda::common::{exp_neg_abs, sigmoid_mod, sigmoid_of, sign, softplus_mod, softplus_of};
@@ -262,7 +262,7 @@ struct Span {
 /// `steps` are skipped); in reverse (`reverse`), step `origin − 1 − q` (slots past `origin` are
 /// skipped). `shift` 1 reads the row before each step (`V_post` of step `k − 1`; step 0 has
 /// none and is left to the caller). Each `cp.async` moves `pack` neighbouring columns global →
-/// shared without a register: 16 bytes (4 f32 or 8 bf16) or 4 (1 f32 or 2 bf16), so a plane
+/// shared without a register: 16 bytes (8 bf16) or 4 (1 f32 or 2 bf16), so a plane
 /// of `width` units copies `pack` slots' rows per instruction; with [`Ring::direct`] a plain
 /// load and store moves one element. A plane copies the slots it later reads; the stage's
 /// barrier makes every unit's copies visible to all.

@@ -96,7 +96,7 @@ pub async fn connection(socket: WebSocket, s: Shared) {
             });
         }
     };
-    let running: Arc<Mutex<HashMap<String, Arc<AtomicBool>>>> = Arc::default();
+    let running: Arc<Running> = Arc::default();
     loop {
         // A connection with nothing running may stay silent only so long.
         let idle = running.lock().map_or(true, |r| r.is_empty());
@@ -249,11 +249,16 @@ pub async fn connection(socket: WebSocket, s: Shared) {
                     }
                     continue;
                 }
-                let mut rx = start(&s, spec, cancel);
+                let mut rx = start(&s, spec, cancel.clone());
                 let (out, running, with_ids) = (out.clone(), running.clone(), token_ids);
                 let with_logprobs = logprobs.is_some();
                 tokio::spawn(async move {
                     while let Some(e) = rx.recv().await {
+                        // The id is free again once its last event is on its way: a client
+                        // that has read `done` (or the error) may reuse it at once.
+                        if matches!(e, Ok(GenEvent::Done(_)) | Err(_)) {
+                            release(&running, &id, &cancel);
+                        }
                         let m = match e {
                             Ok(GenEvent::Delta {
                                 text,
@@ -278,9 +283,7 @@ pub async fn connection(socket: WebSocket, s: Shared) {
                             break;
                         }
                     }
-                    if let Ok(mut r) = running.lock() {
-                        r.remove(&id);
-                    }
+                    release(&running, &id, &cancel);
                 });
             }
         }
@@ -293,4 +296,17 @@ pub async fn connection(socket: WebSocket, s: Shared) {
     }
     drop(out);
     let _ = writer.await;
+}
+
+/// The requests running on one connection, by client id, with their cancel flags.
+type Running = Mutex<HashMap<String, Arc<AtomicBool>>>;
+
+/// Frees `id` if it still names the request whose flag is `mine`: once freed, the client may
+/// already have started a new request under the same id, which is not this task's to remove.
+fn release(running: &Running, id: &str, mine: &Arc<AtomicBool>) {
+    if let Ok(mut r) = running.lock()
+        && r.get(id).is_some_and(|f| Arc::ptr_eq(f, mine))
+    {
+        r.remove(id);
+    }
 }

@@ -460,3 +460,42 @@ fn a_session_runs_ahead_of_a_client_that_is_not_reading_then_parks() {
         assert_eq!(state.generator.decoder.open_sessions(), 0);
     });
 }
+
+#[test]
+fn an_id_is_free_again_as_soon_as_its_done_arrives() {
+    let s = serve(4, 4);
+    let (prompt, addr) = (s.prompt.clone(), s.addr);
+    s.pipeline.block_on(async move {
+        let mut ws = connect(addr).await;
+        // Back to back under one id, each sent the moment the last `done` is read: none may
+        // be refused as still running (the id used to be freed only after `done` went out).
+        for round in 0..40 {
+            let req = serde_json::json!({"type": "generate", "id": "same", "prompt": prompt,
+                "max_tokens": 1, "temperature": 0, "ignore_eos": true});
+            let (_, done) = deltas(&mut ws, req).await;
+            assert_eq!(done["finish_reason"], "length", "round {round}: {done}");
+        }
+        // A cancelled request frees its id as well.
+        let long = serde_json::json!({"type": "generate", "id": "same", "prompt": prompt,
+            "max_tokens": 4000, "temperature": 0, "ignore_eos": true});
+        ws.send(Message::Text(long.to_string().into()))
+            .await
+            .unwrap();
+        let cancel = serde_json::json!({"type": "cancel", "id": "same"});
+        ws.send(Message::Text(cancel.to_string().into()))
+            .await
+            .unwrap();
+        let done = loop {
+            let m = next_json(&mut ws).await;
+            if m["type"] == "done" {
+                break m;
+            }
+            assert_eq!(m["type"], "delta", "{m}");
+        };
+        assert_eq!(done["finish_reason"], "cancelled", "{done}");
+        let again = serde_json::json!({"type": "generate", "id": "same", "prompt": prompt,
+            "max_tokens": 2, "temperature": 0, "ignore_eos": true});
+        let (_, done) = deltas(&mut ws, again).await;
+        assert_eq!(done["usage"]["completion_tokens"], 2, "{done}");
+    });
+}

@@ -1,6 +1,7 @@
 //! `nsactor serve` as a deployer runs it: behind an API key, and stopped by SIGTERM while a
 //! stream is running: new requests get 503 during the grace period, the running stream ends
-//! with finish reason `shutdown` and `[DONE]`, and the process exits 0.
+//! with finish reason `shutdown` and `[DONE]`, and the process exits 0. A layer that panics
+//! while decoding is rebuilt from the checkpoint, or, past `--max-restarts`, ends the command.
 
 mod common;
 
@@ -51,22 +52,49 @@ fn wait_until_serving(addr: SocketAddr, child: &mut Child) {
     }
 }
 
-#[test]
-fn sigterm_drains_running_streams_refuses_new_ones_and_exits_0() {
-    let dir = temp_dir("serve-drain");
-    let cfg = tiny_with(&dir, "tiny.toml", "");
+/// A run of one training step on the tiny config, under `dir`.
+fn trained_run(dir: &std::path::Path) -> std::path::PathBuf {
+    let cfg = tiny_with(dir, "tiny.toml", "");
     let run = dir.join("run");
     ok(nsactor()
         .args(["train", "--steps", "1", "--config"])
         .arg(&cfg)
         .arg("--out")
         .arg(&run));
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
+    run
+}
+
+/// A loopback address with a port that was free a moment ago.
+fn free_addr() -> SocketAddr {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    l.local_addr().unwrap()
+}
+
+/// How the server exited (within `limit`) and what it logged.
+fn exit_and_log(server: &mut Child, limit: Duration) -> (std::process::ExitStatus, String) {
+    let t = Instant::now();
+    let status = loop {
+        if let Some(s) = server.try_wait().unwrap() {
+            break s;
+        }
+        assert!(t.elapsed() < limit, "serve did not exit");
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let mut log = String::new();
+    server
+        .stderr
+        .take()
         .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
-    let addr: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
+        .read_to_string(&mut log)
+        .unwrap();
+    (status, log)
+}
+
+#[test]
+fn sigterm_drains_running_streams_refuses_new_ones_and_exits_0() {
+    let dir = temp_dir("serve-drain");
+    let run = trained_run(&dir);
+    let addr = free_addr();
     let mut server = nsactor()
         .args(["serve", "--checkpoint"])
         .arg(&run)
@@ -135,24 +163,61 @@ fn sigterm_drains_running_streams_refuses_new_ones_and_exits_0() {
         "the stream ran on during the grace period: {events:?}"
     );
 
-    let t = Instant::now();
-    let status = loop {
-        if let Some(s) = server.try_wait().unwrap() {
-            break s;
-        }
-        assert!(t.elapsed() < Duration::from_secs(30), "serve did not exit");
-        std::thread::sleep(Duration::from_millis(50));
-    };
-    let mut log = String::new();
-    server
-        .stderr
-        .take()
-        .unwrap()
-        .read_to_string(&mut log)
-        .unwrap();
+    let (status, log) = exit_and_log(&mut server, Duration::from_secs(30));
     assert!(status.success(), "exit {status:?}: {log}");
     assert!(log.contains("1 ended by the grace period"), "{log}");
     assert!(!log.contains("sk-drain"), "the key is in the log: {log}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A server whose layer panics mid-stream: that stream ends with an error, `/health` comes
+/// back to 200 after the rebuild (which read the checkpoint again) and the next request is
+/// served; with `--max-restarts 0` the same fault makes the command exit with the cause.
+#[test]
+fn a_panicking_layer_fails_its_stream_and_the_server_heals_or_exits_past_max_restarts() {
+    let dir = temp_dir("serve-heal");
+    let run = trained_run(&dir);
+    for max_restarts in ["1", "0"] {
+        let addr = free_addr();
+        let mut server = nsactor()
+            .args(["serve", "--no-warmup", "--checkpoint"])
+            .arg(&run)
+            .args(["--addr", &addr.to_string(), "--max-restarts", max_restarts])
+            .args(["--inject-fault", "session-panic:1:3"])
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        wait_until_serving(addr, &mut server);
+        // Passes 1 and 2 choose tokens; pass 3 panics in layer 1.
+        let body = r#"{"prompt":[87],"max_tokens":8,"ignore_eos":true,"stream":true}"#;
+        let (status, sse) = answer(send(addr, "POST", "/v1/completions", "", body));
+        assert_eq!(status, 200, "{sse}");
+        assert!(sse.contains("error") && sse.contains("panic"), "{sse}");
+        if max_restarts == "1" {
+            let t = Instant::now();
+            while answer(send(addr, "GET", "/health", "", "")).0 != 200 {
+                assert!(t.elapsed() < Duration::from_secs(60), "never healed");
+                std::thread::sleep(Duration::from_millis(50));
+            }
+            let body = r#"{"prompt":[87],"max_tokens":3,"ignore_eos":true}"#;
+            let (status, done) = answer(send(addr, "POST", "/v1/completions", "", body));
+            assert_eq!(status, 200, "{done}");
+            assert!(done.contains("\"completion_tokens\":3"), "{done}");
+            let (_, metrics) = answer(send(addr, "GET", "/metrics", "", ""));
+            assert!(
+                metrics.contains("nsactor_decode_recoveries_total 1"),
+                "{metrics}"
+            );
+            server.kill().unwrap();
+            server.wait().unwrap();
+            continue;
+        }
+        let (status, log) = exit_and_log(&mut server, Duration::from_secs(60));
+        assert!(!status.success(), "{log}");
+        assert!(log.contains("decoding has failed, exiting"), "{log}");
+        assert!(log.contains("more than 0 rebuild"), "{log}");
+    }
     let _ = std::fs::remove_dir_all(&dir);
 }
 
@@ -174,6 +239,16 @@ fn bad_limits_are_refused_by_name() {
             "--max-body-bytes",
             "10",
             "--max-body-bytes must be at least 1024",
+        ),
+        (
+            "--restart-window",
+            "0",
+            "--restart-window must be seconds > 0",
+        ),
+        (
+            "--inject-fault",
+            "layer-panic:1:1",
+            "a server can only inject `session-panic:LAYER:PASS`",
         ),
     ] {
         let out = nsactor()

@@ -11,7 +11,7 @@
 use crate::group::{GROUP_FLAGS, Group, command, wait_all};
 use crate::{CliError, CliResult};
 use nsactor_runtime::pipeline::checkpoint;
-use std::collections::VecDeque;
+use nsactor_runtime::pipeline::heal::Restarts;
 use std::ffi::OsString;
 use std::io::Write;
 use std::path::Path;
@@ -152,7 +152,7 @@ pub fn supervise(policy: RestartPolicy, out_dir: &Path, group: Option<Group>) ->
     let stopping = Arc::new(AtomicBool::new(false));
     forward_signals(pids.clone(), stopping.clone())?;
     let root = out_dir.join("checkpoints");
-    let mut recent: VecDeque<Instant> = VecDeque::new();
+    let mut recent = Restarts::default();
     let mut restarts = 0u32;
     loop {
         let a = if restarts == 0 { &args } else { &restart_args };
@@ -174,14 +174,7 @@ pub fn supervise(policy: RestartPolicy, out_dir: &Path, group: Option<Group>) ->
         if stopping.load(Ordering::SeqCst) {
             return Err(format!("stopped on request; the training process {cause}").into());
         }
-        let now = Instant::now();
-        while recent
-            .front()
-            .is_some_and(|t| now.duration_since(*t) > policy.window)
-        {
-            recent.pop_front();
-        }
-        if recent.len() as u32 >= policy.max_restarts {
+        if !recent.allow(policy.max_restarts, policy.window, Instant::now()) {
             return Err(format!(
                 "the training process {cause}; giving up after {} restart(s) within {:.0} s \
                  (--max-restarts {}, --restart-window); `nsactor train --resume` continues \
@@ -193,7 +186,6 @@ pub fn supervise(policy: RestartPolicy, out_dir: &Path, group: Option<Group>) ->
             )
             .into());
         }
-        recent.push_back(now);
         restarts += 1;
         let delay = policy.delay(recent.len());
         let to_step = newest_step(&root);

@@ -45,6 +45,7 @@ impl ModelArgs {
             tokenizer: self.tokenizer.clone(),
             precision: self.precision.clone(),
             kernel_cache: self.kernel_cache.clone(),
+            inject_fault: None,
         }
     }
 }

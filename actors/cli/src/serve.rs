@@ -6,6 +6,7 @@ use crate::args::ModelArgs;
 use nsactor_runtime::launch::{self, Loaded};
 use nsactor_runtime::pipeline::AsyncDecoder;
 use nsactor_runtime::pipeline::buckets::CohortBuckets;
+use nsactor_runtime::pipeline::heal::{HealPolicy, Health};
 use nsactor_runtime::pipeline::warmup::WarmupPlan;
 use nsactor_server::ready::Readiness;
 use std::sync::Arc;
@@ -61,6 +62,19 @@ pub struct ServeArgs {
     /// pipeline's (0: the cores the pipeline leaves, at least 2).
     #[arg(long, default_value_t = 0, value_name = "N")]
     http_threads: usize,
+    /// Rebuilds after a lost stage (a panic while decoding, a stopped actor) allowed within
+    /// --restart-window: each fails the generations running then, rebuilds every actor and
+    /// reads the checkpoint again. One more within the window and the command exits with an
+    /// error (for the service manager to restart it).
+    #[arg(long, default_value_t = 3, value_name = "N")]
+    max_restarts: u32,
+    /// Seconds over which --max-restarts counts.
+    #[arg(long, default_value_t = 600.0, value_name = "SECONDS")]
+    restart_window: f64,
+    /// Inject one failure to exercise recovery: `session-panic:LAYER:PASS` (that layer panics
+    /// in its PASS-th decoding pass, the warm-up's included).
+    #[arg(long, value_name = "FAULT")]
+    inject_fault: Option<String>,
     #[command(flatten)]
     limits: LimitArgs,
 }
@@ -121,6 +135,28 @@ impl LimitArgs {
 pub const API_KEY_ENV: &str = "NSACTOR_API_KEY";
 
 impl ServeArgs {
+    fn heal_policy(&self) -> Result<HealPolicy, crate::CliError> {
+        if !(self.restart_window.is_finite() && self.restart_window > 0.0) {
+            return Err(format!(
+                "--restart-window must be seconds > 0, got {}",
+                self.restart_window
+            )
+            .into());
+        }
+        if let Some(f) = &self.inject_fault
+            && !f.starts_with("session-panic:")
+        {
+            return Err(format!(
+                "--inject-fault: a server can only inject `session-panic:LAYER:PASS`, got `{f}`"
+            )
+            .into());
+        }
+        Ok(HealPolicy {
+            max_restarts: self.max_restarts,
+            window: Duration::from_secs_f64(self.restart_window),
+        })
+    }
+
     /// Every configured key: the flags, `$NSACTOR_API_KEY`, then the key file.
     fn keys(&self) -> Result<nsactor_server::auth::ApiKeys, crate::CliError> {
         let mut keys = self.api_keys.clone();
@@ -160,13 +196,17 @@ pub fn run(a: ServeArgs) -> crate::CliResult {
         .into());
     }
     let grace = Duration::from_secs_f64(a.shutdown_grace);
+    let heal = a.heal_policy()?;
     // SIGTERM/SIGINT start the drain; a second signal, or the grace period and the stop wait
     // running out, exits at once.
     let stop = nsactor_runtime::shutdown::stop_on_signals(
         grace + STOP_WAIT + Duration::from_secs(5),
         "refusing new requests and letting running generations finish",
     )?;
-    let l = launch::load_checkpoint(&a.model.options())?;
+    let l = launch::load_checkpoint(&launch::CheckpointOptions {
+        inject_fault: a.inject_fault.clone(),
+        ..a.model.options()
+    })?;
     let name = a.model_name.clone().unwrap_or_else(|| l.name.clone());
     if keys.required() {
         tracing::info!(
@@ -186,6 +226,7 @@ pub fn run(a: ServeArgs) -> crate::CliResult {
     );
     let decoder = state.generator.decoder.clone();
     decoder.set_buckets(buckets);
+    decoder.set_heal_policy(heal);
     // The server runs on its own runtime; the actors stay on the pipeline's.
     let front = nsactor_server::front::front_runtime(a.http_threads)
         .map_err(|e| format!("the server's runtime: {e}"))?;
@@ -220,9 +261,25 @@ pub fn run(a: ServeArgs) -> crate::CliResult {
                 s = &mut server => return Ok(s.map_err(|e| e.to_string())??),
             }
         }
-        server.await.map_err(|e| e.to_string())??;
+        tokio::select! {
+            s = &mut server => s.map_err(|e| e.to_string())??,
+            why = decoding_failed(&decoder) => {
+                return Err(format!("decoding has failed, exiting: {why}").into());
+            }
+        }
         Ok::<_, crate::CliError>(())
     })
+}
+
+/// Resolves once `decoder` has failed for good (past --max-restarts, or a rebuild that
+/// failed), with why.
+async fn decoding_failed(decoder: &AsyncDecoder) -> String {
+    loop {
+        if let Health::Failed { cause } = decoder.health() {
+            return cause;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
 }
 
 /// The cohort buckets `spec` names for a server of `max_sessions`, and the warm-up over them.

@@ -238,7 +238,7 @@ pub struct TrainConfig {
     #[serde(default = "twenty")]
     pub loss_spike_window: usize,
     /// A failure to inject once, to exercise recovery: `layer-panic:LAYER:STEP`,
-    /// `crash-in-checkpoint:STEP`, `enospc-in-checkpoint:STEP`, `nan-grad:STEP` or
+    /// `session-panic:LAYER:PASS`, `crash-in-checkpoint:STEP`, `enospc-in-checkpoint:STEP`, `nan-grad:STEP` or
     /// `loss-spike:STEP` (`--inject-fault`).
     #[serde(default)]
     pub inject_fault: Option<String>,

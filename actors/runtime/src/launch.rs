@@ -7,6 +7,7 @@ use crate::backend;
 use crate::config::RunConfig;
 use crate::engine::StagedModel;
 use crate::error::RuntimeError;
+use crate::pipeline::heal::WeightSource;
 use crate::pipeline::{Pipeline, PipelinePlan, checkpoint};
 use nsactor_data::{Mode, Sampler, ShardSet, Tokenizer};
 use nsactor_plugin_api::{ComputeBackend, OptimizerKind};
@@ -148,6 +149,9 @@ pub struct CheckpointOptions {
     pub precision: Option<String>,
     /// Kernel cache directory (default: the run's `[backend] cache_dir`, else the user's).
     pub kernel_cache: Option<PathBuf>,
+    /// A failure to inject once while decoding, to exercise recovery
+    /// (`session-panic:LAYER:PASS`).
+    pub inject_fault: Option<String>,
 }
 
 /// Opens the newest valid checkpoint that `o` names on the actor pipeline, or the Hugging
@@ -162,7 +166,14 @@ pub fn load_checkpoint(o: &CheckpointOptions) -> Result<Loaded, RuntimeError> {
     let tok = nsactor_data::cli::load_tokenizer(tok_path.as_deref())?;
     ck.manifest.check_tokenizer(&ck.dir, &tok)?;
     let mut pipeline = serving_pipeline(&mut cfg, o)?;
-    pipeline.load_stages(ck.shards)?;
+    // A rebuild after a lost stage reads this checkpoint again (verified anew), not a newer
+    // one that a run may have written since.
+    let dir = ck.dir.clone();
+    let first = ck.shards.into_iter().map(Arc::new).collect();
+    pipeline.load_from(reread(first, move || {
+        let again = crate::export::find_checkpoint(&dir)?;
+        Ok(again.shards.into_iter().map(Arc::new).collect())
+    }))?;
     let vocab = cfg.model.vocab_size;
     let name = ck
         .dir
@@ -200,8 +211,20 @@ fn serving_pipeline(cfg: &mut RunConfig, o: &CheckpointOptions) -> Result<Pipeli
     run.train.pipeline = o.pipeline;
     run.train.devices = o.devices.clone();
     run.train.data_parallel = 1;
-    run.train.inject_fault = None;
+    run.train.inject_fault = o.inject_fault.clone();
     launch(compute, &run, OptimizerKind::Adam, None)
+}
+
+/// A [`WeightSource`] that hands out `first` (already read) once, then calls `read`.
+fn reread(
+    first: Vec<Arc<Vec<u8>>>,
+    read: impl Fn() -> Result<Vec<Arc<Vec<u8>>>, RuntimeError> + Send + Sync + 'static,
+) -> WeightSource {
+    let first = std::sync::Mutex::new(Some(first));
+    Arc::new(move || {
+        let first = first.lock().unwrap_or_else(|e| e.into_inner()).take();
+        first.map_or_else(&read, Ok)
+    })
 }
 
 /// A Hugging Face directory on the actor pipeline: its `config.json` model under the embedded
@@ -217,7 +240,16 @@ fn load_hf(o: &CheckpointOptions) -> Result<Loaded, RuntimeError> {
     cfg.model = hf.model;
     crate::train::check_tokenizer(&cfg, &tok)?;
     let mut pipeline = serving_pipeline(&mut cfg, o)?;
-    pipeline.load_model(hf.weights)?;
+    // Every stage reads its own tensors from the one file: the same buffer for all of them.
+    let stages = pipeline.num_layers() + 1;
+    let every_stage = move |weights: Vec<u8>| {
+        let weights = Arc::new(weights);
+        (0..stages).map(|_| weights.clone()).collect()
+    };
+    let dir = o.checkpoint.clone();
+    pipeline.load_from(reread(every_stage(hf.weights), move || {
+        Ok(every_stage(crate::export::read_hf(&dir)?.weights))
+    }))?;
     let name = o
         .checkpoint
         .file_name()

@@ -28,6 +28,7 @@ pub mod decoder;
 pub mod edge;
 pub mod guard;
 pub mod handle;
+pub mod heal;
 pub mod holder;
 pub mod lanes;
 pub mod layer;

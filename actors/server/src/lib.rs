@@ -9,7 +9,8 @@
 //! * `POST /v1/completions`, `POST /v1/chat/completions` (with and without `stream: true`,
 //!   server-sent events ending in `data: [DONE]`; `n`, log-probabilities, `echo`, usage
 //!   chunks), `GET /v1/models`, `POST /tokenize`, `POST /detokenize`, `GET /health` (503
-//!   `warming` until the warm-up is done: [`ready`]), `GET /metrics` (Prometheus text).
+//!   `warming` until the warm-up is done: [`ready`]; 503 `recovering` while decoding rebuilds
+//!   after a lost stage, `failed` when it cannot), `GET /metrics` (Prometheus text).
 //! * API keys ([`auth`]): with any configured, `/v1/*`, `/ws` and optionally `/metrics` need
 //!   `Authorization: Bearer KEY` (or, on `/ws`, an `auth` message first).
 //! * `GET /`: a small chat page that talks to `/ws`.
@@ -43,10 +44,11 @@ pub use state::ServerState;
 use crate::state::Shared;
 use axum::Router;
 use axum::extract::{DefaultBodyLimit, State};
-use axum::http::header;
+use axum::http::{StatusCode, header};
 use axum::middleware;
 use axum::response::{Html, IntoResponse};
 use axum::routing::{get, post};
+use nsactor_runtime::pipeline::heal::Health;
 use nsactor_telemetry::serving::DecoderState;
 
 /// The router of the server. With API keys, `/v1/*` (and `/metrics` when keyed) answer 401
@@ -99,10 +101,24 @@ async fn index() -> Html<&'static str> {
     Html(include_str!("chat.html"))
 }
 
-/// Readiness (503 `warming` until the warm-up is done, [`ready`]), and whether clients need
-/// an API key (the chat page asks for one then).
+/// Readiness (503 `warming` until the warm-up is done, [`ready`]; then the decoder's health:
+/// 503 `recovering` while it rebuilds after a lost stage, `failed` when it cannot), and
+/// whether clients need an API key (the chat page asks for one then).
 async fn health(State(s): State<Shared>) -> impl IntoResponse {
-    let (status, mut body) = s.generator.ready.health();
+    let (mut status, mut body) = s.generator.ready.health();
+    if status.is_success() {
+        match s.generator.decoder.health() {
+            Health::Serving => {}
+            Health::Recovering { cause } => {
+                status = StatusCode::SERVICE_UNAVAILABLE;
+                body = serde_json::json!({"status": "recovering", "error": cause});
+            }
+            Health::Failed { cause } => {
+                status = StatusCode::SERVICE_UNAVAILABLE;
+                body = serde_json::json!({"status": "failed", "error": cause});
+            }
+        }
+    }
     body["api_key_required"] = s.keys.required().into();
     (status, axum::Json(body))
 }
@@ -116,6 +132,8 @@ async fn metrics(State(s): State<Shared>) -> impl IntoResponse {
             batches: s.generator.decoder.batch_counts().0,
             batch_inputs: s.generator.decoder.batch_counts().1,
             window_launches: s.generator.decoder.window_launches(),
+            recoveries: s.generator.decoder.recoveries(),
+            healthy: s.generator.decoder.health() == Health::Serving,
         }),
     )
 }

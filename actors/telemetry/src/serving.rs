@@ -54,6 +54,8 @@ pub struct ServingMetrics {
     decode_batches: IntCounter,
     decode_batch_inputs: IntCounter,
     decode_window_launches: IntCounter,
+    decode_recoveries: IntCounter,
+    decode_healthy: IntGauge,
 }
 
 /// What the decoder reports at scrape time.
@@ -68,6 +70,10 @@ pub struct DecoderState {
     pub batch_inputs: u64,
     /// Passes launched when the launch window ran out with open sessions still away.
     pub window_launches: u64,
+    /// Rebuilds after a lost stage that brought decoding back.
+    pub recoveries: u64,
+    /// Decoding runs (not rebuilding after a lost stage, not failed).
+    pub healthy: bool,
 }
 
 impl Default for ServingMetrics {
@@ -171,6 +177,15 @@ impl ServingMetrics {
                 "Passes launched only when the launch window ran out, with open sessions still away \
                  (each made the waiting sessions wait the window for them).",
             )?,
+            decode_recoveries: counter(
+                "nsactor_decode_recoveries_total",
+                "Times decoding lost a stage (a panic, a stopped actor), rebuilt every actor and \
+                 reloaded its weights.",
+            )?,
+            decode_healthy: gauge(
+                "nsactor_decode_healthy",
+                "1 while decoding runs; 0 while it rebuilds after a lost stage, or has failed.",
+            )?,
             registry,
         })
     }
@@ -198,6 +213,8 @@ impl ServingMetrics {
         raise_to(&self.decode_batches, d.batches);
         raise_to(&self.decode_batch_inputs, d.batch_inputs);
         raise_to(&self.decode_window_launches, d.window_launches);
+        raise_to(&self.decode_recoveries, d.recoveries);
+        self.decode_healthy.set(i64::from(d.healthy));
         render(&self.registry)
     }
 }

@@ -35,6 +35,8 @@ fn serving_metrics_parse_with_the_vllm_names_and_values() {
         batches: 10,
         batch_inputs: 25,
         window_launches: 3,
+        recoveries: 2,
+        healthy: true,
     });
     let s = parse(&text);
     assert_eq!(value(&s, "nsactor_requests_total"), Some(3.0));
@@ -44,6 +46,8 @@ fn serving_metrics_parse_with_the_vllm_names_and_values() {
     assert_eq!(value(&s, "nsactor_generation_tokens_total"), Some(94.0));
     assert_eq!(value(&s, "nsactor_decode_batches_total"), Some(10.0));
     assert_eq!(value(&s, "nsactor_decode_window_launches_total"), Some(3.0));
+    assert_eq!(value(&s, "nsactor_decode_recoveries_total"), Some(2.0));
+    assert_eq!(value(&s, "nsactor_decode_healthy"), Some(1.0));
     let stop = s
         .samples
         .iter()

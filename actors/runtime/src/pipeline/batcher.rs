@@ -26,17 +26,24 @@
 //! last tokens).
 //!
 //! Closing a session waits for its cohort in flight, then frees its states in every actor.
+//!
+//! A cohort that loses a stage (a panic, a stopped actor) fails every session that has run,
+//! and the batcher holds its inputs while the supervisor rebuilds the actors (`super::heal`).
 
 use super::buckets::{CohortBuckets, pad_session};
 use super::cohort::close_everywhere;
 pub use super::cohort::{Answer, Answered, CohortPhases, PickRequest, Picked};
 use super::cohort::{add_ns, run_cohort};
+use super::heal::{HealPolicy, Health, HealthCell, Restarts, loses_stage, lost_session};
 use super::stream::Continuation;
+use super::supervisor::SupMsg;
 use super::topology::Children;
 use crate::error::RuntimeError;
+use futures_util::FutureExt;
 use nsactor_plugin_api::SessionId;
 use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
-use std::collections::{HashSet, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
+use std::panic::AssertUnwindSafe;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, RwLock};
 use std::time::{Duration, Instant};
@@ -129,6 +136,10 @@ pub enum BatcherMsg {
     Tick,
     /// From now on, cohorts are padded up to these sizes.
     Buckets(CohortBuckets),
+    /// From now on, lost stages are rebuilt as often as this allows.
+    Policy(HealPolicy),
+    /// The supervisor's rebuild after a lost stage ended: the seconds it took, or why not.
+    Healed(Result<f64, RuntimeError>),
 }
 
 // Local only: the cluster build of ractor asks every message type to say so.
@@ -170,6 +181,9 @@ pub struct BatcherArgs {
     pub children: Arc<RwLock<Children>>,
     pub batching: Batching,
     pub stats: Arc<BatchStats>,
+    /// Rebuilds the actors after a lost stage.
+    pub sup: ActorRef<SupMsg>,
+    pub health: Arc<HealthCell>,
 }
 
 pub struct BatcherState {
@@ -193,6 +207,14 @@ pub struct BatcherState {
     /// back, even if inputs have been waiting longer (else two halves of the sessions
     /// alternate in two cohorts forever).
     freed_at: Instant,
+    /// Open sessions that have not run yet (they have no states to lose).
+    fresh: HashSet<SessionId>,
+    /// Sessions whose states were lost with a stage, and how: refused until closed.
+    lost: HashMap<SessionId, String>,
+    sup: ActorRef<SupMsg>,
+    health: Arc<HealthCell>,
+    policy: HealPolicy,
+    restarts: Restarts,
 }
 
 impl BatcherState {
@@ -207,9 +229,16 @@ impl BatcherState {
         self.in_flight.iter().any(|(s, _)| *s == session)
     }
 
-    /// Whether `session` may queue `ids`: something to feed, and nothing of its in flight.
+    /// Whether `session` may queue `ids`: something to feed, nothing of its in flight, its
+    /// states not lost, decoding not failed.
     fn admit(&self, session: SessionId, ids: &[i64]) -> Result<(), RuntimeError> {
-        if ids.is_empty() {
+        if let Some(cause) = self.lost.get(&session) {
+            Err(lost_session(cause))
+        } else if let Health::Failed { cause } = self.health.state() {
+            Err(RuntimeError::Broken(format!(
+                "decoding has failed: {cause}"
+            )))
+        } else if ids.is_empty() {
             Err(RuntimeError::Runtime(format!("{session}: nothing to feed")))
         } else if self.flying(session)
             || self.waiting.iter().any(|w| w.session == session)
@@ -227,6 +256,7 @@ impl BatcherState {
         self.ended.remove(&session);
         if self.open.insert(session) {
             self.stats.open.fetch_add(1, Ordering::Relaxed);
+            self.fresh.insert(session);
         }
         self.waiting.push_back(Waiting {
             session,
@@ -238,6 +268,9 @@ impl BatcherState {
 
     /// Launches every cohort that may start now; arms the window timer otherwise.
     fn pump(&mut self, myself: &ActorRef<BatcherMsg>) {
+        if self.health.state() != Health::Serving {
+            return;
+        }
         while self.cohorts < self.batching.max_in_flight.max(1) && !self.waiting.is_empty() {
             let here = self.in_flight.len() + self.waiting.len() + self.parked.len();
             let absent = self.open.len().saturating_sub(here + self.ended.len());
@@ -274,6 +307,9 @@ impl BatcherState {
         }
         self.waiting = rest;
         cohort.sort_by_key(|w| w.session);
+        for w in &cohort {
+            self.fresh.remove(&w.session);
+        }
         let mut sessions: Vec<SessionId> = cohort.iter().map(|w| w.session).collect();
         let mut ids: Vec<i64> = cohort.iter().flat_map(|w| w.ids.iter().copied()).collect();
         let mut picks: Vec<Option<PickRequest>> =
@@ -305,7 +341,18 @@ impl BatcherState {
         let stats = self.stats.clone();
         tokio::spawn(async move {
             let start = Instant::now();
-            let answers = run_cohort(&children, &sessions, ids, len, picks, &stats.phases).await;
+            // A panic in the cohort's own task still answers its sessions (and, as a lost
+            // stage, rebuilds the actors), never leaves them waiting.
+            let run = run_cohort(&children, &sessions, ids, len, picks, &stats.phases);
+            let answers = AssertUnwindSafe(run)
+                .catch_unwind()
+                .await
+                .unwrap_or_else(|p| {
+                    Err(RuntimeError::Broken(format!(
+                        "a cohort's task panicked: {}",
+                        super::worker::panic_message(&*p)
+                    )))
+                });
             add_ns(&stats.phases.cohort_ns, start);
             tracing::trace!(
                 "cohort of {real} (padded to {size}) × {len} inputs: {:.2} ms",
@@ -317,8 +364,18 @@ impl BatcherState {
         });
     }
 
-    fn done(&mut self, sessions: Vec<SessionId>, answers: Result<Vec<Answer>, RuntimeError>) {
+    fn done(
+        &mut self,
+        myself: &ActorRef<BatcherMsg>,
+        sessions: Vec<SessionId>,
+        answers: Result<Vec<Answer>, RuntimeError>,
+    ) {
         self.cohorts -= 1;
+        let lost_now = answers
+            .as_ref()
+            .err()
+            .filter(|e| loses_stage(e))
+            .map(|e| e.to_string());
         self.freed_at = Instant::now();
         let mut answers = answers.map(|a| a.into_iter().map(Some).collect::<Vec<_>>());
         for (i, s) in sessions.into_iter().enumerate() {
@@ -326,11 +383,13 @@ impl BatcherState {
                 continue;
             };
             let (_, reply) = self.in_flight.swap_remove(k);
-            let r = match &mut answers {
-                Ok(all) => all[i].take().ok_or_else(|| {
+            let r = match (&mut answers, self.lost.get(&s)) {
+                // Answered by actors that are gone: it cannot go on.
+                (_, Some(cause)) => Err(lost_session(cause)),
+                (Ok(all), None) => all[i].take().ok_or_else(|| {
                     RuntimeError::Runtime(format!("{s}: answered twice in one cohort"))
                 }),
-                Err(e) => Err(e.for_each_session()),
+                (Err(e), None) => Err(e.for_each_session()),
             };
             match reply {
                 Reply::Once { port, .. } => {
@@ -360,10 +419,87 @@ impl BatcherState {
         for (s, reply) in ready {
             self.close_now(s, reply);
         }
+        if let Some(cause) = lost_now {
+            self.lose_stage(myself, cause);
+        }
+    }
+
+    /// A cohort lost a stage: every session that has run loses its states, parked streams
+    /// end, and the supervisor rebuilds the actors while inputs wait (within the policy;
+    /// past it decoding fails).
+    fn lose_stage(&mut self, myself: &ActorRef<BatcherMsg>, cause: String) {
+        if self.health.state() != Health::Serving {
+            return; // Already rebuilding (the cohorts of the old actors fail one by one).
+        }
+        tracing::error!("decoding lost a stage: {cause}");
+        let gone: Vec<SessionId> = self.open.difference(&self.fresh).copied().collect();
+        for s in &gone {
+            self.open.remove(s);
+            self.ended.remove(s);
+            self.lost.insert(*s, cause.clone());
+        }
+        self.stats
+            .open
+            .fetch_sub(gone.len() as u64, Ordering::Relaxed);
+        for (_, _, c) in self.parked.drain(..) {
+            c.refuse(lost_session(&cause));
+        }
+        let (max, window) = (self.policy.max_restarts, self.policy.window);
+        if !self.restarts.allow(max, window, Instant::now()) {
+            let why = format!(
+                "{cause}; more than {} rebuild(s) within {} s",
+                self.policy.max_restarts,
+                self.policy.window.as_secs()
+            );
+            self.fail(why);
+            return;
+        }
+        self.health.set(Health::Recovering {
+            cause: cause.clone(),
+        });
+        let (sup, me) = (self.sup.clone(), myself.clone());
+        tokio::spawn(async move {
+            let r = match sup.call(|reply| SupMsg::Heal { reply }, None).await {
+                Ok(ractor::rpc::CallResult::Success(r)) => r,
+                _ => Err(RuntimeError::Broken("the supervisor stopped".into())),
+            };
+            let _ = me.cast(BatcherMsg::Healed(r));
+        });
+    }
+
+    fn healed(&mut self, r: Result<f64, RuntimeError>) {
+        match r {
+            Ok(seconds) => {
+                tracing::warn!("decoding is back after {seconds:.2} s");
+                self.health.set(Health::Serving);
+            }
+            Err(e) => self.fail(format!("rebuilding after a lost stage failed: {e}")),
+        }
+    }
+
+    /// Decoding cannot go on: every waiting input is refused, and every later one.
+    fn fail(&mut self, why: String) {
+        tracing::error!("decoding has failed: {why}");
+        for w in self.waiting.drain(..) {
+            let e = RuntimeError::Broken(format!("decoding has failed: {why}"));
+            match w.reply {
+                Reply::Once { port, .. } => {
+                    let _ = port.send(Err(e));
+                }
+                Reply::Stream(c) => c.refuse(e),
+            }
+        }
+        self.health.set(Health::Failed { cause: why });
     }
 
     fn close_now(&mut self, session: SessionId, reply: RpcReplyPort<()>) {
         self.ended.remove(&session);
+        self.fresh.remove(&session);
+        if self.lost.remove(&session).is_some() {
+            // Its states went with the old actors.
+            let _ = reply.send(());
+            return;
+        }
         let was_open = self.open.remove(&session);
         let children = self.children();
         let stats = self.stats.clone();
@@ -400,6 +536,12 @@ impl Actor for BatcherActor {
             closing: Vec::new(),
             tick_armed: false,
             freed_at: Instant::now(),
+            fresh: HashSet::new(),
+            lost: HashMap::new(),
+            sup: a.sup,
+            health: a.health,
+            policy: HealPolicy::default(),
+            restarts: Restarts::default(),
         })
     }
 
@@ -435,7 +577,7 @@ impl Actor for BatcherActor {
                     s.close_now(session, reply);
                 }
             }
-            BatcherMsg::Done { sessions, answers } => s.done(sessions, answers),
+            BatcherMsg::Done { sessions, answers } => s.done(&myself, sessions, answers),
             BatcherMsg::Resume { session } => {
                 if let Some(k) = s.parked.iter().position(|p| p.0 == session) {
                     let (_, ids, c) = s.parked.swap_remove(k);
@@ -444,6 +586,8 @@ impl Actor for BatcherActor {
             }
             BatcherMsg::Tick => s.tick_armed = false,
             BatcherMsg::Buckets(b) => s.batching.buckets = b,
+            BatcherMsg::Policy(p) => s.policy = p,
+            BatcherMsg::Healed(r) => s.healed(r),
         }
         s.pump(&myself);
         Ok(())

@@ -3,6 +3,7 @@
 
 use super::batcher::{Answer, BatchStats, BatcherMsg, PickRequest, Picked};
 use super::buckets::CohortBuckets;
+use super::heal::{HealPolicy, Health, HealthCell};
 use super::layers::session_layers;
 use super::msg::{EdgeMsg, ask};
 use super::stream::{DecodeStream, StreamPlan};
@@ -21,6 +22,7 @@ pub struct AsyncDecoder {
     pub(crate) children: Arc<RwLock<Children>>,
     pub(crate) batcher: ActorRef<BatcherMsg>,
     pub(crate) stats: Arc<BatchStats>,
+    pub(crate) health: Arc<HealthCell>,
     pub(crate) ids: Arc<IdAllocator>,
     pub(crate) vocab: usize,
     /// Most input tokens of one pass ([`Batching::max_tokens`](super::batcher::Batching)):
@@ -185,6 +187,21 @@ impl AsyncDecoder {
     /// From now on, cohorts are padded up to `buckets`.
     pub fn set_buckets(&self, buckets: CohortBuckets) {
         let _ = self.batcher.cast(BatcherMsg::Buckets(buckets));
+    }
+
+    /// From now on, a lost stage is rebuilt as often as `policy` allows (`super::heal`).
+    pub fn set_heal_policy(&self, policy: HealPolicy) {
+        let _ = self.batcher.cast(BatcherMsg::Policy(policy));
+    }
+
+    /// Where decoding stands: serving, rebuilding after a lost stage, or failed.
+    pub fn health(&self) -> Health {
+        self.health.state()
+    }
+
+    /// Rebuilds after a lost stage that brought decoding back.
+    pub fn recoveries(&self) -> u64 {
+        self.health.recoveries()
     }
 
     /// Pad rows run so far to fill cohorts up to their bucket.

@@ -4,6 +4,7 @@
 use super::batcher::{BatchStats, BatcherActor, BatcherArgs, Batching};
 use super::data::{DataActor, DataMsg};
 use super::decoder::AsyncDecoder;
+use super::heal::{HealthCell, WeightSource};
 use super::msg::{EdgeMsg, ask};
 use super::plan::PipelinePlan;
 use super::supervisor::{StepReport, SupArgs, SupMsg, Supervisor};
@@ -202,6 +203,7 @@ impl Pipeline {
         })?;
         trace::init();
         let stats = Arc::new(BatchStats::default());
+        let health = Arc::new(HealthCell::default());
         let batching = Batching {
             max_in_flight: plan.num_stages(),
             max_tokens: (super::batcher::PASS_FRAME_ROWS / frames).max(1),
@@ -215,6 +217,8 @@ impl Pipeline {
                     children: children.clone(),
                     batching: batching.clone(),
                     stats: stats.clone(),
+                    sup: sup.clone(),
+                    health: health.clone(),
                 },
             ))
             .map_err(|e| RuntimeError::Runtime(e.to_string()))?
@@ -223,6 +227,7 @@ impl Pipeline {
             children: children.clone(),
             batcher,
             stats,
+            health,
             ids,
             vocab: 0,
             max_tokens: batching.max_tokens,
@@ -277,6 +282,13 @@ impl Pipeline {
     pub fn load_stages(&mut self, shards: Vec<Vec<u8>>) -> Result<(), RuntimeError> {
         let shards = shards.into_iter().map(Arc::new).collect();
         self.call_sup(|reply| SupMsg::LoadStages { shards, reply })
+    }
+
+    /// Loads the shards `source` reads (stage order, edge first) into every stage, and keeps
+    /// `source`: decoding that loses a stage rebuilds the actors and reads it again
+    /// (`super::heal`).
+    pub fn load_from(&mut self, source: WeightSource) -> Result<(), RuntimeError> {
+        self.call_sup(|reply| SupMsg::LoadFrom { source, reply })
     }
 
     /// Loads one whole-model safetensors file (every stage reads its own tensors from it;

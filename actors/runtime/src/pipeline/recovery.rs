@@ -1,22 +1,77 @@
-//! Recovery of the supervisor: rebuilding every edge and layer actor after a failure and rolling
-//! the run back to the newest valid checkpoint, rolling back after a loss spike, checkpointing,
+//! Recovery of the supervisor: hearing of its children's failures, rebuilding every edge and
+//! layer actor after one and rolling the run back to the newest valid checkpoint (or, serving,
+//! loading the weights again: `super::heal`), rolling back after a loss spike, checkpointing,
 //! and saving or loading every stage at once.
 
 use super::checkpoint::{self, CheckpointMeta};
 use super::data::DataMsg;
+use super::heal::WeightSource;
 use super::msg::{EdgeMsg, LayerMsg, ask};
 use super::supervisor::{SupMsg, SupState};
+use super::topology::children_cells;
 use super::writer::{CheckpointReport, Job, serialise};
 use crate::error::RuntimeError;
 use futures_util::future::join_all;
 use nsactor_data::Cursor;
 use nsactor_plugin_api::{EngineError, StageSnapshot};
-use ractor::ActorRef;
+use ractor::{ActorCell, ActorRef, SupervisionEvent};
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 impl SupState {
+    /// Every child: the edge and layer actors of every replica, and the data actor.
+    pub(super) fn children(&self) -> impl Iterator<Item = ActorCell> + '_ {
+        std::iter::once(self.edge.get_cell())
+            .chain(self.layers.iter().map(|l| l.get_cell()))
+            .chain(self.others.iter().flat_map(children_cells))
+            .chain(self.data.iter().map(|d| d.get_cell()))
+    }
+
+    /// The first child that is no longer running.
+    pub(super) fn dead_child(&self) -> Option<String> {
+        self.children()
+            .find(|c| c.get_status() > ractor::ActorStatus::Running)
+            .map(|c| name_of(&c))
+    }
+
+    /// Fails when a child has died or stopped: the pipeline must recover first.
+    pub(super) fn check(&self) -> Result<(), RuntimeError> {
+        if let Some(why) = &self.broken {
+            return Err(RuntimeError::Broken(why.clone()));
+        }
+        if let Some(who) = self.dead_child() {
+            return Err(RuntimeError::Broken(format!("{who} stopped")));
+        }
+        Ok(())
+    }
+
+    /// What the supervisor hears of a child: a failure or a stop of a current one breaks the
+    /// pipeline; events of actors a recovery has already replaced are history.
+    pub(super) fn child_event(&mut self, evt: SupervisionEvent) {
+        let current = |c: &ActorCell| self.children().any(|k| k.get_id() == c.get_id());
+        match evt {
+            SupervisionEvent::ActorFailed(cell, _)
+            | SupervisionEvent::ActorTerminated(cell, ..)
+                if !current(&cell) => {}
+            SupervisionEvent::ActorFailed(cell, err) => {
+                let why = format!("{} failed: {err}", name_of(&cell));
+                tracing::error!("{why}");
+                self.broken.get_or_insert(why);
+            }
+            SupervisionEvent::ActorTerminated(cell, _, reason) => {
+                let why = format!(
+                    "{} stopped{}",
+                    name_of(&cell),
+                    reason.map(|r| format!(": {r}")).unwrap_or_default()
+                );
+                tracing::debug!("{why}");
+                self.broken.get_or_insert(why);
+            }
+            _ => {}
+        }
+    }
+
     /// Continue after `step` completed steps, with the data at `cursor`.
     pub(super) async fn set_position(
         &mut self,
@@ -41,6 +96,27 @@ impl SupState {
     /// checkpoint into them (none: the fresh stages are the step-0 state), rewinds the data
     /// and the step counter. Returns the step the run continues after.
     pub(super) async fn recover(&mut self, myself: &ActorRef<SupMsg>) -> Result<u64, RuntimeError> {
+        self.rebuild(myself).await?;
+        let found = self.newest_checkpoint().await?;
+        let (step, cursor) = match found {
+            Some(l) => {
+                tracing::warn!("rolling back to {}", l.dir.display());
+                self.load_stages(l.shards.into_iter().map(Arc::new).collect())
+                    .await?;
+                (l.manifest.step, l.manifest.data_cursor)
+            }
+            None => {
+                tracing::warn!("no checkpoint yet: restarting from the initial weights");
+                (0, self.initial_cursor)
+            }
+        };
+        self.set_position(step, cursor).await?;
+        Ok(step)
+    }
+
+    /// Stops every edge and layer actor and spawns new ones over freshly opened stages (their
+    /// initial weights), linked to the supervisor; the pipeline is no longer broken.
+    pub(super) async fn rebuild(&mut self, myself: &ActorRef<SupMsg>) -> Result<(), RuntimeError> {
         self.restarts += 1;
         let me = myself.get_cell();
         for old in self.replicas() {
@@ -68,21 +144,7 @@ impl SupState {
         self.layers = children.layers.clone();
         *self.shared.write().unwrap_or_else(|e| e.into_inner()) = children;
         self.broken = None;
-        let found = self.newest_checkpoint().await?;
-        let (step, cursor) = match found {
-            Some(l) => {
-                tracing::warn!("rolling back to {}", l.dir.display());
-                self.load_stages(l.shards.into_iter().map(Arc::new).collect())
-                    .await?;
-                (l.manifest.step, l.manifest.data_cursor)
-            }
-            None => {
-                tracing::warn!("no checkpoint yet: restarting from the initial weights");
-                (0, self.initial_cursor)
-            }
-        };
-        self.set_position(step, cursor).await?;
-        Ok(step)
+        Ok(())
     }
 
     /// The newest checkpoint of the run that verifies, after finishing a write in flight;
@@ -243,4 +305,47 @@ impl SupState {
         });
         join_all(loads).await.into_iter().collect()
     }
+}
+
+/// Serving's side of recovery: loading from a [`WeightSource`] and rebuilding from it
+/// (`super::heal`).
+impl SupState {
+    /// Loads what `source` reads into every stage and keeps `source` for [`heal`](Self::heal).
+    pub(super) async fn load_from(&mut self, source: WeightSource) -> Result<(), RuntimeError> {
+        let shards = read(source.clone()).await?;
+        self.load_stages(shards).await?;
+        self.weights = Some(source);
+        Ok(())
+    }
+
+    /// Reads the weights again from their source, then rebuilds every actor and loads them;
+    /// the seconds it took.
+    pub(super) async fn heal(&mut self, myself: &ActorRef<SupMsg>) -> Result<f64, RuntimeError> {
+        let t = Instant::now();
+        let source = self.weights.clone().ok_or_else(|| {
+            RuntimeError::Broken(
+                "the pipeline's weights were not loaded from a source it can read again".into(),
+            )
+        })?;
+        // Read first: a source that fails leaves nothing half rebuilt.
+        let shards = read(source).await?;
+        self.rebuild(myself).await?;
+        self.load_stages(shards).await?;
+        tracing::warn!(
+            "decoding rebuilt every actor and reloaded its weights in {:.2} s",
+            t.elapsed().as_secs_f64()
+        );
+        Ok(t.elapsed().as_secs_f64())
+    }
+}
+
+async fn read(source: WeightSource) -> Result<Vec<Arc<Vec<u8>>>, RuntimeError> {
+    tokio::task::spawn_blocking(move || source())
+        .await
+        .map_err(|e| RuntimeError::Runtime(format!("reading the weights: {e}")))?
+}
+
+fn name_of(cell: &ActorCell) -> String {
+    cell.get_name()
+        .unwrap_or_else(|| format!("actor {}", cell.get_id()))
 }

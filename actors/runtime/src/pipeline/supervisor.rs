@@ -11,9 +11,10 @@
 
 use super::data::{DataMsg, Shape};
 use super::guard::SpikeGuard;
+use super::heal::WeightSource;
 use super::msg::{EdgeMsg, LayerMsg, StageControl};
 use super::step::{Event, StepCtx};
-use super::topology::{Children, Topology, children_cells};
+use super::topology::{Children, Topology};
 use super::writer::{CheckpointReport, WriteDone, Writer};
 use crate::config::TrainConfig;
 use crate::engine::{StepParams, StepStats};
@@ -21,7 +22,7 @@ use crate::error::RuntimeError;
 use futures_util::future::join_all;
 use nsactor_data::Cursor;
 use nsactor_plugin_api::{Batch, EngineError, IdAllocator};
-use ractor::{Actor, ActorCell, ActorProcessingErr, ActorRef, RpcReplyPort, SupervisionEvent};
+use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort, SupervisionEvent};
 use std::path::PathBuf;
 use std::sync::{Arc, RwLock};
 use std::time::Duration;
@@ -71,6 +72,16 @@ pub enum SupMsg {
     /// Waits for the checkpoint write in flight, if any, and says how it ended.
     FinishCheckpoint {
         reply: RpcReplyPort<Result<Option<WriteDone>, RuntimeError>>,
+    },
+    /// Loads what `source` reads into every stage, and keeps `source` for [`SupMsg::Heal`].
+    LoadFrom {
+        source: WeightSource,
+        reply: RpcReplyPort<Result<(), RuntimeError>>,
+    },
+    /// Rebuilds every actor after a lost stage and loads the weights of the last
+    /// [`SupMsg::LoadFrom`] again (`super::heal`); answers the seconds it took.
+    Heal {
+        reply: RpcReplyPort<Result<f64, RuntimeError>>,
     },
     /// Continue after `step` completed steps, with the data at `cursor` (resume).
     SetPosition {
@@ -123,38 +134,11 @@ pub struct SupState {
     pub(super) writer: Writer,
     /// The loss-spike guard and its running mean.
     pub(super) guard: SpikeGuard,
-}
-
-pub(super) fn name_of(cell: &ActorCell) -> String {
-    cell.get_name()
-        .unwrap_or_else(|| format!("actor {}", cell.get_id()))
+    /// Where the weights came from, to load them again after a rebuild (serving).
+    pub(super) weights: Option<WeightSource>,
 }
 
 impl SupState {
-    fn children(&self) -> impl Iterator<Item = ActorCell> + '_ {
-        std::iter::once(self.edge.get_cell())
-            .chain(self.layers.iter().map(|l| l.get_cell()))
-            .chain(self.others.iter().flat_map(children_cells))
-            .chain(self.data.iter().map(|d| d.get_cell()))
-    }
-
-    /// The first child that is no longer running.
-    fn dead_child(&self) -> Option<String> {
-        self.children()
-            .find(|c| c.get_status() > ractor::ActorStatus::Running)
-            .map(|c| name_of(&c))
-    }
-
-    pub(super) fn check(&self) -> Result<(), RuntimeError> {
-        if let Some(why) = &self.broken {
-            return Err(RuntimeError::Broken(why.clone()));
-        }
-        if let Some(who) = self.dead_child() {
-            return Err(RuntimeError::Broken(format!("{who} stopped")));
-        }
-        Ok(())
-    }
-
     async fn zero_grad(&self) -> Result<(), RuntimeError> {
         let zero = StageControl::ZeroGrad;
         self.control_replicas(zero, |_| zero).await.map(drop)
@@ -514,6 +498,7 @@ impl Actor for Supervisor {
             restarts: 0,
             writer: Writer::default(),
             guard,
+            weights: None,
         })
     }
 
@@ -556,6 +541,12 @@ impl Actor for Supervisor {
             SupMsg::FinishCheckpoint { reply } => {
                 let _ = reply.send(s.writer.finish().await.transpose());
             }
+            SupMsg::LoadFrom { source, reply } => {
+                let _ = reply.send(s.load_from(source).await);
+            }
+            SupMsg::Heal { reply } => {
+                let _ = reply.send(s.heal(&myself).await);
+            }
             SupMsg::SetPosition {
                 step,
                 cursor,
@@ -573,28 +564,7 @@ impl Actor for Supervisor {
         evt: SupervisionEvent,
         s: &mut SupState,
     ) -> Result<(), ActorProcessingErr> {
-        // Events of actors a recovery has already replaced are history.
-        let current = |c: &ActorCell| s.children().any(|k| k.get_id() == c.get_id());
-        match evt {
-            SupervisionEvent::ActorFailed(cell, _)
-            | SupervisionEvent::ActorTerminated(cell, ..)
-                if !current(&cell) => {}
-            SupervisionEvent::ActorFailed(cell, err) => {
-                let why = format!("{} failed: {err}", name_of(&cell));
-                tracing::error!("{why}");
-                s.broken.get_or_insert(why);
-            }
-            SupervisionEvent::ActorTerminated(cell, _, reason) => {
-                let why = format!(
-                    "{} stopped{}",
-                    name_of(&cell),
-                    reason.map(|r| format!(": {r}")).unwrap_or_default()
-                );
-                tracing::debug!("{why}");
-                s.broken.get_or_insert(why);
-            }
-            _ => {}
-        }
+        s.child_event(evt);
         Ok(())
     }
 }

@@ -28,6 +28,9 @@ pub struct Children {
 pub enum Fault {
     /// Layer `layer` panics in its forward pass during step `step` (1-based).
     LayerPanic { layer: usize, step: u64 },
+    /// Layer `layer` panics in its `pass`-th decoding pass (1-based, counted over the
+    /// pipeline's life: the rebuilt layer does not panic again).
+    SessionPanic { layer: usize, pass: u64 },
     /// The process aborts while writing the checkpoint of step `step`: after the shards,
     /// before the manifest (a crash mid-checkpoint).
     CrashInCheckpoint { step: u64 },
@@ -46,7 +49,8 @@ pub enum Fault {
 impl std::str::FromStr for Fault {
     type Err = RuntimeError;
 
-    /// `layer-panic:LAYER:STEP`, `crash-in-checkpoint:STEP`, `enospc-in-checkpoint:STEP` or
+    /// `layer-panic:LAYER:STEP`, `session-panic:LAYER:PASS`, `crash-in-checkpoint:STEP`,
+    /// `enospc-in-checkpoint:STEP` or
     /// `nan-grad:STEP`, `loss-spike:STEP` or `kill-rank:RANK:STEP`.
     fn from_str(s: &str) -> Result<Self, RuntimeError> {
         let parts: Vec<&str> = s.split(':').collect();
@@ -59,6 +63,10 @@ impl std::str::FromStr for Fault {
                 layer: num(layer)? as usize,
                 step: num(step)?,
             }),
+            ["session-panic", layer, pass] => Ok(Fault::SessionPanic {
+                layer: num(layer)? as usize,
+                pass: num(pass)?,
+            }),
             ["crash-in-checkpoint", step] => Ok(Fault::CrashInCheckpoint { step: num(step)? }),
             ["enospc-in-checkpoint", step] => Ok(Fault::DiskFullInCheckpoint { step: num(step)? }),
             ["nan-grad", step] => Ok(Fault::NanGrad { step: num(step)? }),
@@ -68,7 +76,8 @@ impl std::str::FromStr for Fault {
                 step: num(step)?,
             }),
             _ => Err(RuntimeError::Invalid(format!(
-                "fault `{s}`: expected `layer-panic:LAYER:STEP`, `crash-in-checkpoint:STEP`, \
+                "fault `{s}`: expected `layer-panic:LAYER:STEP`, `session-panic:LAYER:PASS`, \
+                 `crash-in-checkpoint:STEP`, \
                  `enospc-in-checkpoint:STEP`, `nan-grad:STEP`, `loss-spike:STEP` or \
                  `kill-rank:RANK:STEP`"
             ))),
@@ -82,6 +91,8 @@ pub struct FaultPlan {
     pub fault: Fault,
     step_now: AtomicU64,
     fired: AtomicBool,
+    /// Decoding passes of the faulty layer so far.
+    passes: AtomicU64,
 }
 
 impl FaultPlan {
@@ -90,6 +101,7 @@ impl FaultPlan {
             fault,
             step_now: AtomicU64::new(0),
             fired: AtomicBool::new(false),
+            passes: AtomicU64::new(0),
         }
     }
 
@@ -105,6 +117,17 @@ impl FaultPlan {
     fn layer_panics(&self, layer: usize) -> bool {
         let step = self.step_now.load(Ordering::SeqCst);
         self.fire(Fault::LayerPanic { layer, step })
+    }
+
+    /// Counts a decoding pass of `layer`: whether it panics.
+    fn session_panics(&self, layer: usize) -> bool {
+        match self.fault {
+            Fault::SessionPanic { layer: l, .. } if l == layer => {
+                let pass = self.passes.fetch_add(1, Ordering::SeqCst) + 1;
+                self.fire(Fault::SessionPanic { layer, pass })
+            }
+            _ => false,
+        }
     }
 
     /// Whether to crash while checkpointing `step`.
@@ -147,6 +170,10 @@ impl Stage for FaultyStage {
     fn call(&mut self, call: StageCall<'_>) -> Result<Reply, EngineError> {
         if matches!(call, StageCall::Forward { .. }) && self.plan.layer_panics(self.layer) {
             panic!("injected fault: layer {} panics", self.layer);
+        }
+        if matches!(call, StageCall::SessionForward { .. }) && self.plan.session_panics(self.layer)
+        {
+            panic!("injected fault: layer {} panics while decoding", self.layer);
         }
         self.inner.call(call)
     }
@@ -292,7 +319,8 @@ impl Topology {
             let stage = match &self.fault {
                 Some(plan)
                     if r == 0
-                        && matches!(plan.fault, Fault::LayerPanic { layer, .. } if layer == i) =>
+                        && matches!(plan.fault, Fault::LayerPanic { layer, .. }
+                            | Fault::SessionPanic { layer, .. } if layer == i) =>
                 {
                     Box::new(FaultyStage {
                         inner: stage,
@@ -384,6 +412,16 @@ mod tests {
             "crash-in-checkpoint:4".parse::<Fault>().unwrap(),
             Fault::CrashInCheckpoint { step: 4 }
         );
+        let sf: Fault = "session-panic:1:3".parse().unwrap();
+        assert_eq!(sf, Fault::SessionPanic { layer: 1, pass: 3 });
+        let plan = FaultPlan::new(sf);
+        let fired: Vec<bool> = (0..5).map(|_| plan.session_panics(1)).collect();
+        assert_eq!(
+            fired,
+            [false, false, true, false, false],
+            "the third pass, once"
+        );
+        assert!(!plan.session_panics(0), "another layer never");
         assert!(
             "layer-panic:x:1"
                 .parse::<Fault>()

@@ -37,7 +37,21 @@ pub fn serve_keyed(keys: nsactor_server::auth::ApiKeys) -> Served {
 
 /// `tiny_a` whose server starts warming up (`ready` says when it is done).
 pub fn serve_warming(ready: Arc<nsactor_server::ready::Readiness>) -> Served {
-    serve_full(4, 4, true, Default::default(), (Limits::default(), ready))
+    serve_full(
+        4,
+        4,
+        true,
+        Default::default(),
+        (Limits::default(), ready),
+        None,
+    )
+}
+
+/// `tiny_a` with a fault injected (`session-panic:LAYER:PASS`), its weights loaded from a
+/// source decoding can read again after a rebuild.
+pub fn serve_faulty(fault: &str) -> Served {
+    let ready = (Limits::default(), Arc::default());
+    serve_full(4, 4, true, Default::default(), ready, Some(fault))
 }
 
 /// The embedded tiny config (text prompts) behind API `keys`.
@@ -81,6 +95,7 @@ fn serve_with(
         tiny_a,
         keys,
         (limits, Default::default()),
+        None,
     )
 }
 
@@ -90,6 +105,7 @@ fn serve_full(
     tiny_a: bool,
     keys: nsactor_server::auth::ApiKeys,
     (limits, ready): (Limits, Arc<nsactor_server::ready::Readiness>),
+    fault: Option<&str>,
 ) -> Served {
     let bytes = fixture();
     let fx = TinyAFixture::parse(&bytes).unwrap();
@@ -100,18 +116,22 @@ fn serve_full(
     } else {
         (cfg.model.clone(), 2048)
     };
-    let mut staged = StagedModel::open(backend, &model, 0, OptimizerKind::Adam, None).unwrap();
-    if tiny_a {
-        // The fixture's greedy run decodes with the weights after its training step.
-        staged
-            .load_model_bytes(&fx.weights("after.").unwrap())
-            .unwrap();
-    }
+    let staged = StagedModel::open(backend, &model, 0, OptimizerKind::Adam, None).unwrap();
     let plan = PipelinePlan::balanced(2, 2, &[0]).unwrap();
-    let train = nsactor_runtime::config::RunConfig::load(None)
+    let mut train = nsactor_runtime::config::RunConfig::load(None)
         .unwrap()
         .train;
-    let pipeline = Pipeline::start(staged, plan, train, None).unwrap();
+    train.inject_fault = fault.map(str::to_string);
+    let mut pipeline = Pipeline::start(staged, plan, train, None).unwrap();
+    if tiny_a {
+        // The fixture's greedy run decodes with the weights after its training step; from a
+        // source that a rebuild after a lost stage reads again.
+        let weights = Arc::new(fx.weights("after.").unwrap());
+        let stages = pipeline.num_layers() + 1;
+        pipeline
+            .load_from(Arc::new(move || Ok(vec![weights.clone(); stages])))
+            .unwrap();
+    }
     let state = Arc::new(ServerState {
         generator: Generator {
             decoder: pipeline.decoder(vocab),

@@ -415,3 +415,32 @@ fn bench_detokenize_times_the_window_against_the_whole_decode_and_they_agree() {
     let err = run_err(&["bench", "detokenize", "--tokens", "0"]);
     assert!(err.contains("--tokens"), "{err}");
 }
+
+/// `bench heal` runs the serving path's rebuild (checkpoint on disk, layer panic, reload) and
+/// reports it by phase, with the first pass after it; its scratch directory is gone after.
+#[test]
+fn bench_heal_reports_the_rebuild_by_phase() {
+    let dir = temp_dir("bench-heal");
+    let scratch = dir.join("scratch");
+    let stdout = run_stdout(&["bench", "heal", "--dir", scratch.to_str().unwrap()]);
+    assert!(
+        stdout.contains("layer 1 panics in decoding pass 9"),
+        "{stdout}"
+    );
+    let away = stdout
+        .lines()
+        .find_map(|l| l.trim().strip_prefix("decoding away "))
+        .unwrap_or_else(|| panic!("no recovery time in:\n{stdout}"));
+    let ms: f64 = away.split(' ').next().unwrap().parse().unwrap();
+    assert!(ms > 0.0, "{stdout}");
+    for part in [
+        "read + verify the checkpoint",
+        "rebuild the actors",
+        "load the weights",
+    ] {
+        assert!(away.contains(part), "{stdout}");
+    }
+    assert!(stdout.contains("first decoding pass after it"), "{stdout}");
+    assert!(!scratch.exists(), "the scratch directory was left behind");
+    let _ = std::fs::remove_dir_all(&dir);
+}

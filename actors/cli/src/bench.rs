@@ -6,6 +6,7 @@ mod detok;
 mod echo;
 mod flops;
 mod generate;
+mod heal;
 mod hop;
 mod kernels;
 mod overhead;
@@ -31,6 +32,9 @@ pub enum BenchCommand {
     /// In-process recovery time on the tiny model, checkpoint write/read bandwidth of this
     /// disk, and what they project for the 0.9B model.
     Recovery(recovery::RecoveryArgs),
+    /// How long a server's decoding is away after it loses a stage (a layer panics): the
+    /// rebuild from the checkpoint on disk by phase, and the first pass after it.
+    Heal(heal::HealArgs),
     /// Streaming server under load: time to first token, inter-token latency p50/p99 and
     /// aggregate tokens/s at several numbers of concurrent WebSocket sessions.
     Serve(serve::ServeBenchArgs),
@@ -113,6 +117,7 @@ pub fn run(c: BenchCommand) -> crate::CliResult {
         BenchCommand::PluginOverhead(a) => overhead::run(a),
         BenchCommand::PipelineHop(a) => hop::run(a),
         BenchCommand::Recovery(a) => recovery::run(a),
+        BenchCommand::Heal(a) => heal::run(a),
         BenchCommand::Serve(a) => serve::run(a),
         BenchCommand::Kernels(a) => kernels::run(a),
         BenchCommand::Train(a) => train::run(a),

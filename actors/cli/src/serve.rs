@@ -239,6 +239,7 @@ pub fn run(a: ServeArgs) -> crate::CliResult {
             listener.local_addr()?
         );
         let drain = state.generator.drain.clone();
+        let drain_on_failure = drain.clone();
         let shutdown = async move {
             while stop.requested().is_none() {
                 tokio::time::sleep(Duration::from_millis(50)).await;
@@ -264,6 +265,10 @@ pub fn run(a: ServeArgs) -> crate::CliResult {
         tokio::select! {
             s = &mut server => s.map_err(|e| e.to_string())??,
             why = decoding_failed(&decoder) => {
+                // Refuse new requests and let the errors already on their way reach their
+                // clients before the process goes.
+                drain_on_failure.shutdown(Duration::from_secs(1), STOP_WAIT).await;
+                tokio::time::sleep(Duration::from_millis(200)).await;
                 return Err(format!("decoding has failed, exiting: {why}").into());
             }
         }

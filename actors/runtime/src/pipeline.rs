@@ -19,6 +19,7 @@
 //! [`Pipeline`] is the synchronous handle the CLI and tests use.
 
 pub mod batcher;
+pub mod batching;
 pub mod buckets;
 pub mod checkpoint;
 pub mod cohort;

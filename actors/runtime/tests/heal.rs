@@ -15,10 +15,19 @@ mod common;
 
 use common::*;
 
-/// A pipeline of 4 layers in 2 stages whose layer 1 panics in its `pass`-th decoding pass,
-/// loaded from a source of trained weights (unlike the fresh stages a rebuild opens), and how
-/// many times the source was read.
-fn faulty(pass: u64) -> (Pipeline, Arc<AtomicUsize>) {
+/// How the weight source answers after its first read.
+#[derive(Clone, Copy)]
+enum Again {
+    Reads,
+    /// Reads, after this long (a slow disk: the rebuild takes at least as long).
+    Slowly(Duration),
+    Fails,
+}
+
+/// A pipeline of 4 layers in `stages` stages whose layer 1 panics in its `pass`-th decoding
+/// pass, loaded from a source of trained weights (unlike the fresh stages a rebuild opens)
+/// that answers later reads as `again` says, and how many times the source was read.
+fn faulty(pass: u64, stages: usize, again: Again) -> (Pipeline, Arc<AtomicUsize>) {
     let mut trained = pipeline(1, None);
     trained.train_step(&batches(3, 1), &params(0)).unwrap();
     let shards: Vec<Arc<Vec<u8>>> = trained
@@ -29,12 +38,22 @@ fn faulty(pass: u64) -> (Pipeline, Arc<AtomicUsize>) {
         .collect();
     let mut train = train_cfg();
     train.inject_fault = Some(format!("session-panic:1:{pass}"));
-    let plan = PipelinePlan::balanced(4, 2, &[0]).unwrap();
+    let plan = PipelinePlan::balanced(4, stages, &[0]).unwrap();
     let mut p = Pipeline::start(staged(), plan, train, None).unwrap();
     let reads = Arc::new(AtomicUsize::new(0));
     let counted = reads.clone();
     let source: WeightSource = Arc::new(move || {
-        counted.fetch_add(1, Ordering::SeqCst);
+        if counted.fetch_add(1, Ordering::SeqCst) > 0 {
+            match again {
+                Again::Reads => {}
+                Again::Slowly(d) => std::thread::sleep(d),
+                Again::Fails => {
+                    return Err(nsactor_runtime::RuntimeError::Invalid(
+                        "checkpoint gone".into(),
+                    ));
+                }
+            }
+        }
         Ok(shards.clone())
     });
     p.load_from(source).unwrap();
@@ -69,7 +88,7 @@ fn a_stage_lost_while_decoding_is_rebuilt_and_decoding_goes_on_with_the_same_wei
     let _serial = serial();
     let ids = [5i64, 17, 3];
     // Passes 1–3 are the reference; pass 5, the victim's second input, panics.
-    let (p, reads) = faulty(5);
+    let (p, reads) = faulty(5, 2, Again::Reads);
     let d = p.decoder(256);
     p.block_on(async {
         let before = logits(&d, &ids).await;
@@ -84,10 +103,7 @@ fn a_stage_lost_while_decoding_is_rebuilt_and_decoding_goes_on_with_the_same_wei
             after, before,
             "the rebuilt pipeline decodes with the source's weights"
         );
-        assert_eq!(
-            wait_for(&d, |h| *h == Health::Serving).await,
-            Health::Serving
-        );
+        assert_eq!(d.health(), Health::Serving);
         assert_eq!(d.recoveries(), 1);
         assert_eq!(
             reads.load(Ordering::SeqCst),
@@ -103,10 +119,10 @@ fn a_stage_lost_while_decoding_is_rebuilt_and_decoding_goes_on_with_the_same_wei
 }
 
 #[test]
-fn a_stream_running_when_its_stage_is_lost_ends_with_the_error_and_others_wait_then_run() {
+fn a_stream_running_when_its_stage_is_lost_ends_with_the_error_and_a_new_one_runs() {
     use nsactor_runtime::pipeline::{PickRequest, StreamPlan};
     let _serial = serial();
-    let (p, _) = faulty(3);
+    let (p, _) = faulty(3, 2, Again::Reads);
     let d = p.decoder(256);
     p.block_on(async {
         let plan = StreamPlan {
@@ -148,7 +164,7 @@ fn a_stream_running_when_its_stage_is_lost_ends_with_the_error_and_others_wait_t
 #[test]
 fn past_the_restart_policy_decoding_fails_and_refuses_every_input() {
     let _serial = serial();
-    let (p, reads) = faulty(2);
+    let (p, reads) = faulty(2, 2, Again::Reads);
     let d = p.decoder(256);
     d.set_heal_policy(HealPolicy {
         max_restarts: 0,
@@ -169,6 +185,68 @@ fn past_the_restart_policy_decoding_fails_and_refuses_every_input() {
         let e = d.feed(d.session(), vec![5]).await.unwrap_err().to_string();
         assert!(e.contains("decoding has failed"), "{e}");
         assert_eq!(reads.load(Ordering::SeqCst), 1, "no rebuild was tried");
+        d.close(s).await;
+    });
+}
+
+/// A session's input that waits behind the cohort that loses the stage is refused at once,
+/// while the rebuild is still reading the weights; a new session's input waits and then runs.
+#[test]
+fn an_input_waiting_behind_the_lost_cohort_is_refused_at_once_and_a_new_one_waits() {
+    let _serial = serial();
+    // One stage: one cohort in flight at a time, so A's token waits behind B's prompt.
+    let (p, _) = faulty(2, 1, Again::Slowly(Duration::from_millis(500)));
+    let d = p.decoder(256);
+    p.block_on(async {
+        let a = d.session();
+        d.feed(a, vec![5]).await.unwrap();
+        let b = d.session();
+        // B's prompt is sent first and launches (pass 2 panics); A's token waits behind it.
+        let (eb, ea) = tokio::join!(d.feed(b, vec![3, 4, 6]), async {
+            let r = d.feed(a, vec![17]).await;
+            (r, d.health())
+        });
+        let eb = eb.unwrap_err().to_string();
+        assert!(eb.contains("panic"), "{eb}");
+        let (ea, health) = ea;
+        let ea = ea.unwrap_err().to_string();
+        assert!(ea.contains("states were lost"), "{ea}");
+        assert!(
+            matches!(health, Health::Recovering { .. }),
+            "refused without waiting for the rebuild: {health:?}"
+        );
+        // A new session queued during the rebuild runs after it.
+        let c = d.session();
+        d.feed(c, vec![5]).await.unwrap();
+        assert_eq!(d.health(), Health::Serving);
+        for s in [a, b, c] {
+            d.close(s).await;
+        }
+        assert_eq!(d.open_sessions(), 0);
+    });
+}
+
+#[test]
+fn a_rebuild_whose_weights_cannot_be_read_fails_decoding_with_the_cause() {
+    let _serial = serial();
+    let (p, reads) = faulty(2, 2, Again::Fails);
+    let d = p.decoder(256);
+    p.block_on(async {
+        let s = d.session();
+        d.feed(s, vec![5]).await.unwrap();
+        assert!(d.feed(s, vec![17]).await.is_err());
+        let Health::Failed { cause } = wait_for(&d, |h| matches!(h, Health::Failed { .. })).await
+        else {
+            unreachable!()
+        };
+        assert!(
+            cause.contains("rebuilding after a lost stage failed")
+                && cause.contains("checkpoint gone"),
+            "{cause}"
+        );
+        assert_eq!(reads.load(Ordering::SeqCst), 2);
+        let e = d.feed(d.session(), vec![5]).await.unwrap_err().to_string();
+        assert!(e.contains("decoding has failed"), "{e}");
         d.close(s).await;
     });
 }

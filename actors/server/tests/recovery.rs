@@ -44,8 +44,10 @@ fn a_generation_that_loses_a_stage_fails_alone_and_the_server_heals() {
         assert_eq!(deltas, 2, "{err}");
         assert_eq!(err["id"], "b", "{err}");
         assert!(err["message"].as_str().unwrap().contains("panic"), "{err}");
-        // `/health` is 503 `recovering` until the rebuild is done, then `ok`.
+        // `/health` is 503 `recovering` until the rebuild is done (reading the weights again
+        // takes 300 ms here), then `ok`.
         let deadline = Instant::now() + Duration::from_secs(60);
+        let mut recovering = 0;
         loop {
             let (status, health) = http(addr, "GET", "/health", b"").await;
             if status == 200 {
@@ -54,9 +56,11 @@ fn a_generation_that_loses_a_stage_fails_alone_and_the_server_heals() {
             }
             assert_eq!(status, 503, "{health}");
             assert!(health.contains("recovering"), "{health}");
+            recovering += 1;
             assert!(Instant::now() < deadline, "still {health} after 60 s");
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
+        assert!(recovering > 0, "`/health` never said `recovering`");
         let (_, metrics) = http(addr, "GET", "/metrics", b"").await;
         assert!(
             metrics.contains("nsactor_decode_recoveries_total 1"),

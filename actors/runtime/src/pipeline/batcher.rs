@@ -30,11 +30,14 @@
 //! A cohort that loses a stage (a panic, a stopped actor) fails every session that has run,
 //! and the batcher holds its inputs while the supervisor rebuilds the actors (`super::heal`).
 
+pub use super::batching::{BatchStats, Batching, MAX_BATCH, PASS_FRAME_ROWS};
 use super::buckets::{CohortBuckets, pad_session};
 use super::cohort::close_everywhere;
 pub use super::cohort::{Answer, Answered, CohortPhases, PickRequest, Picked};
 use super::cohort::{add_ns, run_cohort};
-use super::heal::{HealPolicy, Health, HealthCell, Restarts, loses_stage, lost_session};
+use super::heal::{
+    HealPolicy, HealTimings, Health, HealthCell, Restarts, loses_stage, lost_session,
+};
 use super::stream::Continuation;
 use super::supervisor::SupMsg;
 use super::topology::Children;
@@ -44,65 +47,9 @@ use nsactor_plugin_api::SessionId;
 use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::panic::AssertUnwindSafe;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::{Arc, RwLock};
-use std::time::{Duration, Instant};
-
-/// Most frame rows (input tokens × K) of one batched pass: the row count the decoding GEMMs'
-/// batch-invariant plan is referenced at on CUDA (`nsactor_kernels::decoding_gemms`). A pass
-/// with more rows would take other GEMM kernels, and a session's logits would depend on its
-/// cohort.
-pub const PASS_FRAME_ROWS: usize = 4096;
-
-/// Most sessions in one cohort by default.
-pub const MAX_BATCH: usize = 256;
-
-/// How sessions are batched.
-#[derive(Debug, Clone, PartialEq)]
-pub struct Batching {
-    /// Most sessions in one cohort.
-    pub max_batch: usize,
-    /// Most input tokens in one cohort (sessions × input length; at least one session's
-    /// input): [`PASS_FRAME_ROWS`] / K. Longer prompts are fed in chunks of this size
-    /// ([`AsyncDecoder`](super::AsyncDecoder)).
-    pub max_tokens: usize,
-    /// Most cohorts in flight (one per pipeline stage keeps every stage busy).
-    pub max_in_flight: usize,
-    /// Longest an input waits for the sessions not yet back.
-    pub window: Duration,
-    /// The cohort sizes passes run at (padded up to).
-    pub buckets: CohortBuckets,
-}
-
-impl Default for Batching {
-    fn default() -> Self {
-        Batching {
-            max_batch: MAX_BATCH,
-            max_tokens: usize::MAX,
-            max_in_flight: 1,
-            window: Duration::from_millis(2),
-            buckets: CohortBuckets::default(),
-        }
-    }
-}
-
-/// Counters for benchmarks and metrics.
-#[derive(Debug, Default)]
-pub struct BatchStats {
-    /// Cohorts run.
-    pub cohorts: AtomicU64,
-    /// Session inputs run, summed over cohorts.
-    pub inputs: AtomicU64,
-    /// Pad rows run to fill cohorts up to their bucket, summed over cohorts.
-    pub padded: AtomicU64,
-    /// Sessions that have fed and are not closed yet (their states are held by the actors).
-    pub open: AtomicU64,
-    /// Cohorts launched when the window ran out with open sessions still away: each made the
-    /// sessions that were waiting wait [`Batching::window`] for them.
-    pub window_launches: AtomicU64,
-    /// Nanoseconds of the cohorts' phases, summed over cohorts ([`CohortPhases`]).
-    pub phases: CohortPhases,
-}
+use std::time::Instant;
 
 pub enum BatcherMsg {
     /// Runs `ids` through `session`; answers the last position's logits, or with `pick` the
@@ -127,8 +74,10 @@ pub enum BatcherMsg {
         session: SessionId,
         reply: RpcReplyPort<()>,
     },
-    /// A cohort finished: `sessions` in cohort order, and their answers in that order.
+    /// A cohort finished: `sessions` in cohort order, and their answers in that order;
+    /// `generation` is how many times the stages had been lost when it launched.
     Done {
+        generation: u64,
         sessions: Vec<SessionId>,
         answers: Result<Vec<Answer>, RuntimeError>,
     },
@@ -138,8 +87,8 @@ pub enum BatcherMsg {
     Buckets(CohortBuckets),
     /// From now on, lost stages are rebuilt as often as this allows.
     Policy(HealPolicy),
-    /// The supervisor's rebuild after a lost stage ended: the seconds it took, or why not.
-    Healed(Result<f64, RuntimeError>),
+    /// The supervisor's rebuild after a lost stage ended: how long it took, or why not.
+    Healed(Result<HealTimings, RuntimeError>),
 }
 
 // Local only: the cluster build of ractor asks every message type to say so.
@@ -159,6 +108,16 @@ enum Reply {
 }
 
 impl Reply {
+    /// Answers the input with `e` instead of running it.
+    fn refuse(self, e: RuntimeError) {
+        match self {
+            Reply::Once { port, .. } => {
+                let _ = port.send(Err(e));
+            }
+            Reply::Stream(c) => c.refuse(e),
+        }
+    }
+
     /// How the input's token is chosen, for the cohort (a stream keeps its own).
     fn pick(&mut self) -> Option<PickRequest> {
         match self {
@@ -215,6 +174,9 @@ pub struct BatcherState {
     health: Arc<HealthCell>,
     policy: HealPolicy,
     restarts: Restarts,
+    /// Times the stages have been lost: a cohort launched before the last loss ran on actors
+    /// that are gone.
+    generation: u64,
 }
 
 impl BatcherState {
@@ -339,6 +301,7 @@ impl BatcherState {
         let children = self.children();
         let me = myself.clone();
         let stats = self.stats.clone();
+        let generation = self.generation;
         tokio::spawn(async move {
             let start = Instant::now();
             // A panic in the cohort's own task still answers its sessions (and, as a lost
@@ -360,22 +323,33 @@ impl BatcherState {
             );
             // The answers go out from the batcher, after it has counted the cohort done, so a
             // session's next input always finds it no longer in flight.
-            let _ = me.cast(BatcherMsg::Done { sessions, answers });
+            let _ = me.cast(BatcherMsg::Done {
+                generation,
+                sessions,
+                answers,
+            });
         });
     }
 
     fn done(
         &mut self,
         myself: &ActorRef<BatcherMsg>,
+        generation: u64,
         sessions: Vec<SessionId>,
         answers: Result<Vec<Answer>, RuntimeError>,
     ) {
         self.cohorts -= 1;
+        // A cohort of actors already replaced (it ran on while they were rebuilt) loses
+        // nothing more.
         let lost_now = answers
             .as_ref()
             .err()
-            .filter(|e| loses_stage(e))
+            .filter(|e| generation == self.generation && loses_stage(e))
             .map(|e| e.to_string());
+        // Before anyone is answered: a client that has its error sees decoding recovering.
+        if let Some(cause) = lost_now {
+            self.lose_stage(myself, cause);
+        }
         self.freed_at = Instant::now();
         let mut answers = answers.map(|a| a.into_iter().map(Some).collect::<Vec<_>>());
         for (i, s) in sessions.into_iter().enumerate() {
@@ -384,12 +358,12 @@ impl BatcherState {
             };
             let (_, reply) = self.in_flight.swap_remove(k);
             let r = match (&mut answers, self.lost.get(&s)) {
+                (Err(e), _) => Err(e.for_each_session()),
                 // Answered by actors that are gone: it cannot go on.
-                (_, Some(cause)) => Err(lost_session(cause)),
+                (Ok(_), Some(cause)) => Err(lost_session(cause)),
                 (Ok(all), None) => all[i].take().ok_or_else(|| {
                     RuntimeError::Runtime(format!("{s}: answered twice in one cohort"))
                 }),
-                (Err(e), None) => Err(e.for_each_session()),
             };
             match reply {
                 Reply::Once { port, .. } => {
@@ -402,9 +376,10 @@ impl BatcherState {
                         Some((ids, c)) => self.queue(s, ids, Reply::Stream(c)),
                         // Ended (its budget, an end token, an error, a close): the session
                         // stays open until its reader closes it, but will not feed.
-                        None => {
+                        None if self.open.contains(&s) => {
                             self.ended.insert(s);
                         }
+                        None => {}
                     }
                 }
             }
@@ -419,9 +394,6 @@ impl BatcherState {
         for (s, reply) in ready {
             self.close_now(s, reply);
         }
-        if let Some(cause) = lost_now {
-            self.lose_stage(myself, cause);
-        }
     }
 
     /// A cohort lost a stage: every session that has run loses its states, parked streams
@@ -432,6 +404,7 @@ impl BatcherState {
             return; // Already rebuilding (the cohorts of the old actors fail one by one).
         }
         tracing::error!("decoding lost a stage: {cause}");
+        self.generation += 1;
         let gone: Vec<SessionId> = self.open.difference(&self.fresh).copied().collect();
         for s in &gone {
             self.open.remove(s);
@@ -441,8 +414,18 @@ impl BatcherState {
         self.stats
             .open
             .fetch_sub(gone.len() as u64, Ordering::Relaxed);
+        // Their next inputs (a stream's next token, a fed session's next input, a prompt's
+        // next chunk) end now; only the inputs of sessions that have not run wait.
         for (_, _, c) in self.parked.drain(..) {
             c.refuse(lost_session(&cause));
+        }
+        let (waiting, lost): (VecDeque<Waiting>, VecDeque<Waiting>) =
+            std::mem::take(&mut self.waiting)
+                .into_iter()
+                .partition(|w| !self.lost.contains_key(&w.session));
+        self.waiting = waiting;
+        for w in lost {
+            w.reply.refuse(lost_session(&cause));
         }
         let (max, window) = (self.policy.max_restarts, self.policy.window);
         if !self.restarts.allow(max, window, Instant::now()) {
@@ -467,12 +450,9 @@ impl BatcherState {
         });
     }
 
-    fn healed(&mut self, r: Result<f64, RuntimeError>) {
+    fn healed(&mut self, r: Result<HealTimings, RuntimeError>) {
         match r {
-            Ok(seconds) => {
-                tracing::warn!("decoding is back after {seconds:.2} s");
-                self.health.set(Health::Serving);
-            }
+            Ok(t) => self.health.healed(t),
             Err(e) => self.fail(format!("rebuilding after a lost stage failed: {e}")),
         }
     }
@@ -482,12 +462,7 @@ impl BatcherState {
         tracing::error!("decoding has failed: {why}");
         for w in self.waiting.drain(..) {
             let e = RuntimeError::Broken(format!("decoding has failed: {why}"));
-            match w.reply {
-                Reply::Once { port, .. } => {
-                    let _ = port.send(Err(e));
-                }
-                Reply::Stream(c) => c.refuse(e),
-            }
+            w.reply.refuse(e);
         }
         self.health.set(Health::Failed { cause: why });
     }
@@ -542,6 +517,7 @@ impl Actor for BatcherActor {
             health: a.health,
             policy: HealPolicy::default(),
             restarts: Restarts::default(),
+            generation: 0,
         })
     }
 
@@ -577,7 +553,11 @@ impl Actor for BatcherActor {
                     s.close_now(session, reply);
                 }
             }
-            BatcherMsg::Done { sessions, answers } => s.done(&myself, sessions, answers),
+            BatcherMsg::Done {
+                generation,
+                sessions,
+                answers,
+            } => s.done(&myself, generation, sessions, answers),
             BatcherMsg::Resume { session } => {
                 if let Some(k) = s.parked.iter().position(|p| p.0 == session) {
                     let (_, ids, c) = s.parked.swap_remove(k);

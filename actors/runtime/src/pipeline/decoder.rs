@@ -3,7 +3,7 @@
 
 use super::batcher::{Answer, BatchStats, BatcherMsg, PickRequest, Picked};
 use super::buckets::CohortBuckets;
-use super::heal::{HealPolicy, Health, HealthCell};
+use super::heal::{HealPolicy, HealTimings, Health, HealthCell};
 use super::layers::session_layers;
 use super::msg::{EdgeMsg, ask};
 use super::stream::{DecodeStream, StreamPlan};
@@ -202,6 +202,11 @@ impl AsyncDecoder {
     /// Rebuilds after a lost stage that brought decoding back.
     pub fn recoveries(&self) -> u64 {
         self.health.recoveries()
+    }
+
+    /// The last of those rebuilds, by phase.
+    pub fn last_heal(&self) -> Option<HealTimings> {
+        self.health.last_heal()
     }
 
     /// Pad rows run so far to fill cohorts up to their bucket.

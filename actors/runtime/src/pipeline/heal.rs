@@ -32,12 +32,30 @@ pub enum Health {
     Failed { cause: String },
 }
 
+/// How long a rebuild took, by phase.
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct HealTimings {
+    /// Reading the weights again from their source (a checkpoint: read and verified).
+    pub read_s: f64,
+    /// Stopping every actor and spawning new ones over freshly opened stages.
+    pub rebuild_s: f64,
+    /// Loading the weights into the new stages.
+    pub load_s: f64,
+}
+
+impl HealTimings {
+    pub fn total_s(&self) -> f64 {
+        self.read_s + self.rebuild_s + self.load_s
+    }
+}
+
 /// The decoder's [`Health`] and how many times it has healed: written by the batcher, read by
 /// every [`AsyncDecoder`](super::AsyncDecoder) (a server's `/health` and `/metrics`).
 #[derive(Debug, Default)]
 pub struct HealthCell {
     state: RwLock<Health>,
     recoveries: AtomicU64,
+    last: RwLock<Option<HealTimings>>,
 }
 
 impl HealthCell {
@@ -48,6 +66,16 @@ impl HealthCell {
     /// Rebuilds that brought decoding back.
     pub fn recoveries(&self) -> u64 {
         self.recoveries.load(Ordering::Relaxed)
+    }
+
+    /// The last rebuild that brought decoding back, by phase.
+    pub fn last_heal(&self) -> Option<HealTimings> {
+        *self.last.read().unwrap_or_else(|e| e.into_inner())
+    }
+
+    pub(super) fn healed(&self, t: HealTimings) {
+        *self.last.write().unwrap_or_else(|e| e.into_inner()) = Some(t);
+        self.set(Health::Serving);
     }
 
     pub(super) fn set(&self, h: Health) {

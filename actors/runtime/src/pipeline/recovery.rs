@@ -5,7 +5,7 @@
 
 use super::checkpoint::{self, CheckpointMeta};
 use super::data::DataMsg;
-use super::heal::WeightSource;
+use super::heal::{HealTimings, WeightSource};
 use super::msg::{EdgeMsg, LayerMsg, ask};
 use super::supervisor::{SupMsg, SupState};
 use super::topology::children_cells;
@@ -119,13 +119,13 @@ impl SupState {
     pub(super) async fn rebuild(&mut self, myself: &ActorRef<SupMsg>) -> Result<(), RuntimeError> {
         self.restarts += 1;
         let me = myself.get_cell();
-        for old in self.replicas() {
-            for c in super::topology::children_cells(&old) {
-                c.unlink(me.clone());
-                // A live actor finishes the job it is in; a dead one returns at once.
-                let _ = c.stop_and_wait(None, Some(Duration::from_secs(600))).await;
-            }
+        let old: Vec<ActorCell> = self.replicas().iter().flat_map(children_cells).collect();
+        for c in &old {
+            c.unlink(me.clone());
         }
+        // All at once: a live actor finishes the job it is in; a dead one returns at once.
+        let wait = Some(Duration::from_secs(600));
+        join_all(old.iter().map(|c| c.stop_and_wait(None, wait))).await;
         let mut rebuilt = Vec::with_capacity(self.topo.replicas.len());
         for r in 0..self.topo.replicas.len() {
             let (edge, layers) = self.topo.open_fresh(r).await?;
@@ -319,8 +319,11 @@ impl SupState {
     }
 
     /// Reads the weights again from their source, then rebuilds every actor and loads them;
-    /// the seconds it took.
-    pub(super) async fn heal(&mut self, myself: &ActorRef<SupMsg>) -> Result<f64, RuntimeError> {
+    /// how long each took.
+    pub(super) async fn heal(
+        &mut self,
+        myself: &ActorRef<SupMsg>,
+    ) -> Result<HealTimings, RuntimeError> {
         let t = Instant::now();
         let source = self.weights.clone().ok_or_else(|| {
             RuntimeError::Broken(
@@ -329,13 +332,26 @@ impl SupState {
         })?;
         // Read first: a source that fails leaves nothing half rebuilt.
         let shards = read(source).await?;
+        let read_s = t.elapsed().as_secs_f64();
+        let t = Instant::now();
         self.rebuild(myself).await?;
+        let rebuild_s = t.elapsed().as_secs_f64();
+        let t = Instant::now();
         self.load_stages(shards).await?;
+        let took = HealTimings {
+            read_s,
+            rebuild_s,
+            load_s: t.elapsed().as_secs_f64(),
+        };
         tracing::warn!(
-            "decoding rebuilt every actor and reloaded its weights in {:.2} s",
-            t.elapsed().as_secs_f64()
+            "decoding rebuilt every actor and reloaded its weights in {:.2} s (read {:.2} s, \
+             rebuild {:.2} s, load {:.2} s)",
+            took.total_s(),
+            took.read_s,
+            took.rebuild_s,
+            took.load_s
         );
-        Ok(t.elapsed().as_secs_f64())
+        Ok(took)
     }
 }
 

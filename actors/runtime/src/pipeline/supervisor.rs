@@ -11,7 +11,7 @@
 
 use super::data::{DataMsg, Shape};
 use super::guard::SpikeGuard;
-use super::heal::WeightSource;
+use super::heal::{HealTimings, WeightSource};
 use super::msg::{EdgeMsg, LayerMsg, StageControl};
 use super::step::{Event, StepCtx};
 use super::topology::{Children, Topology};
@@ -79,9 +79,9 @@ pub enum SupMsg {
         reply: RpcReplyPort<Result<(), RuntimeError>>,
     },
     /// Rebuilds every actor after a lost stage and loads the weights of the last
-    /// [`SupMsg::LoadFrom`] again (`super::heal`); answers the seconds it took.
+    /// [`SupMsg::LoadFrom`] again (`super::heal`); answers how long each phase took.
     Heal {
-        reply: RpcReplyPort<Result<f64, RuntimeError>>,
+        reply: RpcReplyPort<Result<HealTimings, RuntimeError>>,
     },
     /// Continue after `step` completed steps, with the data at `cursor` (resume).
     SetPosition {

@@ -126,10 +126,18 @@ fn serve_full(
     if tiny_a {
         // The fixture's greedy run decodes with the weights after its training step; from a
         // source that a rebuild after a lost stage reads again.
+        // With a fault, reading them again takes 300 ms, so `/health` has time to say so.
         let weights = Arc::new(fx.weights("after.").unwrap());
         let stages = pipeline.num_layers() + 1;
+        let reads = std::sync::atomic::AtomicUsize::new(0);
+        let slow = fault.is_some();
         pipeline
-            .load_from(Arc::new(move || Ok(vec![weights.clone(); stages])))
+            .load_from(Arc::new(move || {
+                if reads.fetch_add(1, std::sync::atomic::Ordering::SeqCst) > 0 && slow {
+                    std::thread::sleep(std::time::Duration::from_millis(300));
+                }
+                Ok(vec![weights.clone(); stages])
+            }))
             .unwrap();
     }
     let state = Arc::new(ServerState {

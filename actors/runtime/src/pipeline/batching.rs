@@ -1,0 +1,64 @@
+//! How the [`BatcherActor`](super::batcher::BatcherActor) batches decoding sessions
+//! ([`Batching`]: cohort size, tokens per pass, cohorts in flight, the launch window, the
+//! buckets) and what it counts ([`BatchStats`]).
+
+use super::buckets::CohortBuckets;
+use super::cohort::CohortPhases;
+use std::sync::atomic::AtomicU64;
+use std::time::Duration;
+
+/// Most frame rows (input tokens × K) of one batched pass: the row count the decoding GEMMs'
+/// batch-invariant plan is referenced at on CUDA (`nsactor_kernels::decoding_gemms`). A pass
+/// with more rows would take other GEMM kernels, and a session's logits would depend on its
+/// cohort.
+pub const PASS_FRAME_ROWS: usize = 4096;
+
+/// Most sessions in one cohort by default.
+pub const MAX_BATCH: usize = 256;
+
+/// How sessions are batched.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Batching {
+    /// Most sessions in one cohort.
+    pub max_batch: usize,
+    /// Most input tokens in one cohort (sessions × input length; at least one session's
+    /// input): [`PASS_FRAME_ROWS`] / K. Longer prompts are fed in chunks of this size
+    /// ([`AsyncDecoder`](super::AsyncDecoder)).
+    pub max_tokens: usize,
+    /// Most cohorts in flight (one per pipeline stage keeps every stage busy).
+    pub max_in_flight: usize,
+    /// Longest an input waits for the sessions not yet back.
+    pub window: Duration,
+    /// The cohort sizes passes run at (padded up to).
+    pub buckets: CohortBuckets,
+}
+
+impl Default for Batching {
+    fn default() -> Self {
+        Batching {
+            max_batch: MAX_BATCH,
+            max_tokens: usize::MAX,
+            max_in_flight: 1,
+            window: Duration::from_millis(2),
+            buckets: CohortBuckets::default(),
+        }
+    }
+}
+
+/// Counters for benchmarks and metrics.
+#[derive(Debug, Default)]
+pub struct BatchStats {
+    /// Cohorts run.
+    pub cohorts: AtomicU64,
+    /// Session inputs run, summed over cohorts.
+    pub inputs: AtomicU64,
+    /// Pad rows run to fill cohorts up to their bucket, summed over cohorts.
+    pub padded: AtomicU64,
+    /// Sessions that have fed and are not closed yet (their states are held by the actors).
+    pub open: AtomicU64,
+    /// Cohorts launched when the window ran out with open sessions still away: each made the
+    /// sessions that were waiting wait [`Batching::window`] for them.
+    pub window_launches: AtomicU64,
+    /// Nanoseconds of the cohorts' phases, summed over cohorts ([`CohortPhases`]).
+    pub phases: CohortPhases,
+}

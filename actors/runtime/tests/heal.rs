@@ -170,23 +170,27 @@ fn past_the_restart_policy_decoding_fails_and_refuses_every_input() {
         max_restarts: 0,
         window: Duration::from_secs(60),
     });
-    p.block_on(async {
-        let s = d.session();
-        d.feed(s, vec![5]).await.unwrap();
-        assert!(d.feed(s, vec![17]).await.is_err());
-        let Health::Failed { cause } = wait_for(&d, |h| matches!(h, Health::Failed { .. })).await
-        else {
-            unreachable!()
-        };
-        assert!(
-            cause.contains("panic") && cause.contains("0 rebuild"),
-            "{cause}"
-        );
-        let e = d.feed(d.session(), vec![5]).await.unwrap_err().to_string();
-        assert!(e.contains("decoding has failed"), "{e}");
-        assert_eq!(reads.load(Ordering::SeqCst), 1, "no rebuild was tried");
-        d.close(s).await;
-    });
+    let cause = p.block_on(fails_at_pass_2(&d));
+    assert!(
+        cause.contains("panic") && cause.contains("0 rebuild"),
+        "{cause}"
+    );
+    assert_eq!(reads.load(Ordering::SeqCst), 1, "no rebuild was tried");
+}
+
+/// Feeds a session until its second pass panics; waits for decoding to fail, checks that it
+/// refuses a new session, and returns why it failed.
+async fn fails_at_pass_2(d: &AsyncDecoder) -> String {
+    let s = d.session();
+    d.feed(s, vec![5]).await.unwrap();
+    assert!(d.feed(s, vec![17]).await.is_err());
+    let Health::Failed { cause } = wait_for(d, |h| matches!(h, Health::Failed { .. })).await else {
+        unreachable!()
+    };
+    let e = d.feed(d.session(), vec![5]).await.unwrap_err().to_string();
+    assert!(e.contains("decoding has failed"), "{e}");
+    d.close(s).await;
+    cause
 }
 
 /// A session's input that waits behind the cohort that loses the stage is refused at once,
@@ -231,22 +235,10 @@ fn a_rebuild_whose_weights_cannot_be_read_fails_decoding_with_the_cause() {
     let _serial = serial();
     let (p, reads) = faulty(2, 2, Again::Fails);
     let d = p.decoder(256);
-    p.block_on(async {
-        let s = d.session();
-        d.feed(s, vec![5]).await.unwrap();
-        assert!(d.feed(s, vec![17]).await.is_err());
-        let Health::Failed { cause } = wait_for(&d, |h| matches!(h, Health::Failed { .. })).await
-        else {
-            unreachable!()
-        };
-        assert!(
-            cause.contains("rebuilding after a lost stage failed")
-                && cause.contains("checkpoint gone"),
-            "{cause}"
-        );
-        assert_eq!(reads.load(Ordering::SeqCst), 2);
-        let e = d.feed(d.session(), vec![5]).await.unwrap_err().to_string();
-        assert!(e.contains("decoding has failed"), "{e}");
-        d.close(s).await;
-    });
+    let cause = p.block_on(fails_at_pass_2(&d));
+    assert!(
+        cause.contains("rebuilding after a lost stage failed") && cause.contains("checkpoint gone"),
+        "{cause}"
+    );
+    assert_eq!(reads.load(Ordering::SeqCst), 2);
 }

@@ -266,8 +266,9 @@ pub fn run(a: ServeArgs) -> crate::CliResult {
             s = &mut server => s.map_err(|e| e.to_string())??,
             why = decoding_failed(&decoder) => {
                 // Refuse new requests and let the errors already on their way reach their
-                // clients before the process goes.
-                drain_on_failure.shutdown(Duration::from_secs(1), STOP_WAIT).await;
+                // clients before the process goes (nothing decodes any more: a second at most).
+                let second = Duration::from_secs(1);
+                drain_on_failure.shutdown(second, second).await;
                 tokio::time::sleep(Duration::from_millis(200)).await;
                 return Err(format!("decoding has failed, exiting: {why}").into());
             }

@@ -197,7 +197,8 @@ pub fn load_checkpoint(o: &CheckpointOptions) -> Result<Loaded, RuntimeError> {
 }
 
 /// The pipeline a checkpoint is opened on for serving or evaluation: `o`'s precision set in
-/// `cfg`, its backend, pipeline stages and devices, no injected fault, fresh weights.
+/// `cfg`, its backend, pipeline stages and devices, `o`'s injected fault (if any), fresh
+/// weights.
 fn serving_pipeline(cfg: &mut RunConfig, o: &CheckpointOptions) -> Result<Pipeline, RuntimeError> {
     if let Some(p) = &o.precision {
         cfg.backend.precision = Some(p.clone());

@@ -405,6 +405,22 @@ impl BatcherState {
         }
         tracing::error!("decoding lost a stage: {cause}");
         self.generation += 1;
+        // The health first: whoever is answered below already sees it.
+        let (max, window) = (self.policy.max_restarts, self.policy.window);
+        let rebuild = self.restarts.allow(max, window, Instant::now());
+        let past_policy = format!(
+            "{cause}; more than {max} rebuild(s) within {} s",
+            window.as_secs()
+        );
+        self.health.set(if rebuild {
+            Health::Recovering {
+                cause: cause.clone(),
+            }
+        } else {
+            Health::Failed {
+                cause: past_policy.clone(),
+            }
+        });
         let gone: Vec<SessionId> = self.open.difference(&self.fresh).copied().collect();
         for s in &gone {
             self.open.remove(s);
@@ -427,19 +443,10 @@ impl BatcherState {
         for w in lost {
             w.reply.refuse(lost_session(&cause));
         }
-        let (max, window) = (self.policy.max_restarts, self.policy.window);
-        if !self.restarts.allow(max, window, Instant::now()) {
-            let why = format!(
-                "{cause}; more than {} rebuild(s) within {} s",
-                self.policy.max_restarts,
-                self.policy.window.as_secs()
-            );
-            self.fail(why);
+        if !rebuild {
+            self.fail(past_policy);
             return;
         }
-        self.health.set(Health::Recovering {
-            cause: cause.clone(),
-        });
         let (sup, me) = (self.sup.clone(), myself.clone());
         tokio::spawn(async move {
             let r = match sup.call(|reply| SupMsg::Heal { reply }, None).await {
@@ -460,18 +467,22 @@ impl BatcherState {
     /// Decoding cannot go on: every waiting input is refused, and every later one.
     fn fail(&mut self, why: String) {
         tracing::error!("decoding has failed: {why}");
+        self.health.set(Health::Failed { cause: why.clone() });
         for w in self.waiting.drain(..) {
             let e = RuntimeError::Broken(format!("decoding has failed: {why}"));
             w.reply.refuse(e);
         }
-        self.health.set(Health::Failed { cause: why });
     }
 
     fn close_now(&mut self, session: SessionId, reply: RpcReplyPort<()>) {
         self.ended.remove(&session);
-        self.fresh.remove(&session);
-        if self.lost.remove(&session).is_some() {
-            // Its states went with the old actors.
+        let never_ran = self.fresh.remove(&session);
+        if never_ran && self.open.remove(&session) {
+            self.stats.open.fetch_sub(1, Ordering::Relaxed);
+        }
+        if never_ran || self.lost.remove(&session).is_some() {
+            // No actor holds states for it: it never ran, or they went with the old actors
+            // (and the actors now may be the old ones, being stopped).
             let _ = reply.send(());
             return;
         }

@@ -32,9 +32,12 @@ pub enum Health {
     Failed { cause: String },
 }
 
-/// How long a rebuild took, by phase.
+/// How long a rebuild took, by phase, and how long decoding was away.
 #[derive(Debug, Clone, Copy, PartialEq, Default)]
 pub struct HealTimings {
+    /// From the moment the stage was found lost (before any session was answered) until
+    /// decoding served again: the phases below and the messages between them.
+    pub away_s: f64,
     /// Reading the weights again from their source (a checkpoint: read and verified).
     pub read_s: f64,
     /// Stopping every actor and spawning new ones over freshly opened stages.
@@ -44,6 +47,7 @@ pub struct HealTimings {
 }
 
 impl HealTimings {
+    /// The phases' sum.
     pub fn total_s(&self) -> f64 {
         self.read_s + self.rebuild_s + self.load_s
     }
@@ -56,6 +60,8 @@ pub struct HealthCell {
     state: RwLock<Health>,
     recoveries: AtomicU64,
     last: RwLock<Option<HealTimings>>,
+    /// When the state last turned [`Health::Recovering`].
+    since: RwLock<Option<Instant>>,
 }
 
 impl HealthCell {
@@ -74,7 +80,9 @@ impl HealthCell {
     }
 
     pub(super) fn healed(&self, t: HealTimings) {
-        *self.last.write().unwrap_or_else(|e| e.into_inner()) = Some(t);
+        let since = *self.since.read().unwrap_or_else(|e| e.into_inner());
+        let away_s = since.map_or(0.0, |s| s.elapsed().as_secs_f64());
+        *self.last.write().unwrap_or_else(|e| e.into_inner()) = Some(HealTimings { away_s, ..t });
         self.set(Health::Serving);
     }
 
@@ -82,6 +90,9 @@ impl HealthCell {
         let mut state = self.state.write().unwrap_or_else(|e| e.into_inner());
         if h == Health::Serving && matches!(*state, Health::Recovering { .. }) {
             self.recoveries.fetch_add(1, Ordering::Relaxed);
+        }
+        if matches!(h, Health::Recovering { .. }) {
+            *self.since.write().unwrap_or_else(|e| e.into_inner()) = Some(Instant::now());
         }
         *state = h;
     }
@@ -201,9 +212,28 @@ mod tests {
         h.set(Health::Recovering {
             cause: "layer 1 panicked".into(),
         });
-        assert_eq!(h.recoveries(), 0);
-        h.set(Health::Serving);
+        assert_eq!((h.recoveries(), h.last_heal()), (0, None));
+        std::thread::sleep(Duration::from_millis(20));
+        let phases = HealTimings {
+            away_s: 0.0,
+            read_s: 0.001,
+            rebuild_s: 0.002,
+            load_s: 0.003,
+        };
+        h.healed(phases);
         assert_eq!((h.state(), h.recoveries()), (Health::Serving, 1));
+        let last = h.last_heal().unwrap();
+        assert!(
+            last.away_s >= 0.02,
+            "away since it turned recovering: {last:?}"
+        );
+        assert_eq!(
+            HealTimings {
+                away_s: 0.0,
+                ..last
+            },
+            phases
+        );
         h.set(Health::Serving);
         assert_eq!(
             h.recoveries(),

@@ -339,6 +339,7 @@ impl SupState {
         let t = Instant::now();
         self.load_stages(shards).await?;
         let took = HealTimings {
+            away_s: 0.0, // the decoder's to say
             read_s,
             rebuild_s,
             load_s: t.elapsed().as_secs_f64(),

@@ -171,17 +171,25 @@ fn sigterm_drains_running_streams_refuses_new_ones_and_exits_0() {
 }
 
 /// A server whose layer panics mid-stream: that stream ends with an error, `/health` comes
-/// back to 200 after the rebuild (which read the checkpoint again) and the next request is
-/// served; with `--max-restarts 0` the same fault makes the command exit with the cause.
+/// back to 200 after the rebuild (which read the checkpoint, or the Hugging Face export,
+/// again) and the next request is served; with `--max-restarts 0` the same fault makes the
+/// command exit with the cause.
 #[test]
 fn a_panicking_layer_fails_its_stream_and_the_server_heals_or_exits_past_max_restarts() {
     let dir = temp_dir("serve-heal");
     let run = trained_run(&dir);
-    for max_restarts in ["1", "0"] {
+    // The Hugging Face export of the same run: its rebuild reads `model.safetensors` again.
+    let hf = dir.join("hf");
+    ok(nsactor()
+        .args(["export", "--checkpoint"])
+        .arg(&run)
+        .arg("--out")
+        .arg(&hf));
+    for (from, max_restarts) in [(&run, "1"), (&hf, "1"), (&run, "0")] {
         let addr = free_addr();
         let mut server = nsactor()
             .args(["serve", "--no-warmup", "--checkpoint"])
-            .arg(&run)
+            .arg(from)
             .args(["--addr", &addr.to_string(), "--max-restarts", max_restarts])
             .args(["--inject-fault", "session-panic:1:3"])
             .stdout(Stdio::null())

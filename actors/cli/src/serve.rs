@@ -66,10 +66,10 @@ pub struct ServeArgs {
     /// --restart-window: each fails the generations running then, rebuilds every actor and
     /// reads the checkpoint again. One more within the window and the command exits with an
     /// error (for the service manager to restart it).
-    #[arg(long, default_value_t = 3, value_name = "N")]
+    #[arg(long, default_value_t = HealPolicy::default().max_restarts, value_name = "N")]
     max_restarts: u32,
     /// Seconds over which --max-restarts counts.
-    #[arg(long, default_value_t = 600.0, value_name = "SECONDS")]
+    #[arg(long, default_value_t = HealPolicy::default().window.as_secs_f64(), value_name = "SECONDS")]
     restart_window: f64,
     /// Inject one failure to exercise recovery: `session-panic:LAYER:PASS` (that layer panics
     /// in its PASS-th decoding pass, the warm-up's included).
@@ -280,11 +280,16 @@ pub fn run(a: ServeArgs) -> crate::CliResult {
 /// Resolves once `decoder` has failed for good (past --max-restarts, or a rebuild that
 /// failed), with why.
 async fn decoding_failed(decoder: &AsyncDecoder) -> String {
-    loop {
-        if let Health::Failed { cause } = decoder.health() {
-            return cause;
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
+    let mut changes = decoder.health_changes();
+    match changes
+        .wait_for(|h| matches!(h, Health::Failed { .. }))
+        .await
+    {
+        Ok(h) => match &*h {
+            Health::Failed { cause } => cause.clone(),
+            _ => unreachable!("waited for a failure"),
+        },
+        Err(_) => "the decoder stopped".into(),
     }
 }
 

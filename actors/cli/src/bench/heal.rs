@@ -10,7 +10,7 @@ use crate::CliResult;
 use nsactor_runtime::launch::{self, CheckpointOptions};
 use nsactor_runtime::pipeline::heal::Health;
 use std::path::PathBuf;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 /// Decoding passes before the fault: the first ones compile and tune the kernels.
 const PASSES_BEFORE: u64 = 8;
@@ -108,11 +108,14 @@ pub fn measure(a: &HealArgs) -> CliResult<(HealReport, String)> {
         if d.feed(s, vec![1]).await.is_ok() {
             return Err("the injected fault did not fire".into());
         }
-        while d.health() != Health::Serving {
-            if let Health::Failed { cause } = d.health() {
-                return Err(format!("decoding failed instead of healing: {cause}").into());
-            }
-            tokio::time::sleep(Duration::from_millis(1)).await;
+        let mut changes = d.health_changes();
+        let end = changes
+            .wait_for(|h| !matches!(h, Health::Recovering { .. }))
+            .await
+            .map(|h| h.clone())
+            .map_err(|_| "the decoder stopped while it healed")?;
+        if let Health::Failed { cause } = end {
+            return Err(format!("decoding failed instead of healing: {cause}").into());
         }
         d.close(s).await;
         let s = d.session();

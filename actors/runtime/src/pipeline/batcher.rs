@@ -196,7 +196,9 @@ impl BatcherState {
     fn admit(&self, session: SessionId, ids: &[i64]) -> Result<(), RuntimeError> {
         if let Some(cause) = self.lost.get(&session) {
             Err(lost_session(cause))
-        } else if let Health::Failed { cause } = self.health.state() {
+        } else if !self.health.is_serving()
+            && let Health::Failed { cause } = self.health.state()
+        {
             Err(RuntimeError::Broken(format!(
                 "decoding has failed: {cause}"
             )))
@@ -230,7 +232,7 @@ impl BatcherState {
 
     /// Launches every cohort that may start now; arms the window timer otherwise.
     fn pump(&mut self, myself: &ActorRef<BatcherMsg>) {
-        if self.health.state() != Health::Serving {
+        if !self.health.is_serving() {
             return;
         }
         while self.cohorts < self.batching.max_in_flight.max(1) && !self.waiting.is_empty() {
@@ -400,7 +402,7 @@ impl BatcherState {
     /// end, and the supervisor rebuilds the actors while inputs wait (within the policy;
     /// past it decoding fails).
     fn lose_stage(&mut self, myself: &ActorRef<BatcherMsg>, cause: String) {
-        if self.health.state() != Health::Serving {
+        if !self.health.is_serving() {
             return; // Already rebuilding (the cohorts of the old actors fail one by one).
         }
         tracing::error!("decoding lost a stage: {cause}");

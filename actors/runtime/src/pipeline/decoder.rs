@@ -199,6 +199,11 @@ impl AsyncDecoder {
         self.health.state()
     }
 
+    /// Every change of [`health`](Self::health) from now on.
+    pub fn health_changes(&self) -> tokio::sync::watch::Receiver<Health> {
+        self.health.subscribe()
+    }
+
     /// Rebuilds after a lost stage that brought decoding back.
     pub fn recoveries(&self) -> u64 {
         self.health.recoveries()

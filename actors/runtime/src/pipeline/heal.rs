@@ -12,9 +12,9 @@
 use crate::error::RuntimeError;
 use nsactor_plugin_api::EngineError;
 use std::collections::VecDeque;
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, RwLock};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
+use tokio::sync::watch;
 
 /// Where a pipeline's weights come from: its shards in stage order (edge first; one buffer
 /// may feed several stages), read again whenever the pipeline is rebuilt.
@@ -54,47 +54,83 @@ impl HealTimings {
 }
 
 /// The decoder's [`Health`] and how many times it has healed: written by the batcher, read by
-/// every [`AsyncDecoder`](super::AsyncDecoder) (a server's `/health` and `/metrics`).
-#[derive(Debug, Default)]
+/// every [`AsyncDecoder`](super::AsyncDecoder) (a server's `/health` and `/metrics`), and
+/// watched by whoever waits for a change ([`subscribe`](Self::subscribe)).
+#[derive(Debug)]
 pub struct HealthCell {
-    state: RwLock<Health>,
-    recoveries: AtomicU64,
-    last: RwLock<Option<HealTimings>>,
+    state: watch::Sender<Health>,
+    record: Mutex<Record>,
+}
+
+/// What the cell remembers beside the state.
+#[derive(Debug, Default)]
+struct Record {
+    /// Rebuilds that brought decoding back.
+    recoveries: u64,
+    last: Option<HealTimings>,
     /// When the state last turned [`Health::Recovering`].
-    since: RwLock<Option<Instant>>,
+    since: Option<Instant>,
+}
+
+impl Default for HealthCell {
+    /// Serving.
+    fn default() -> Self {
+        HealthCell {
+            state: watch::Sender::new(Health::Serving),
+            record: Mutex::default(),
+        }
+    }
 }
 
 impl HealthCell {
     pub fn state(&self) -> Health {
-        self.state.read().unwrap_or_else(|e| e.into_inner()).clone()
+        self.state.borrow().clone()
+    }
+
+    /// Whether decoding runs (nothing cloned: the batcher asks on every message).
+    pub fn is_serving(&self) -> bool {
+        *self.state.borrow() == Health::Serving
+    }
+
+    /// Every change of the state from now on.
+    pub fn subscribe(&self) -> watch::Receiver<Health> {
+        self.state.subscribe()
+    }
+
+    fn record(&self) -> std::sync::MutexGuard<'_, Record> {
+        self.record.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     /// Rebuilds that brought decoding back.
     pub fn recoveries(&self) -> u64 {
-        self.recoveries.load(Ordering::Relaxed)
+        self.record().recoveries
     }
 
     /// The last rebuild that brought decoding back, by phase.
     pub fn last_heal(&self) -> Option<HealTimings> {
-        *self.last.read().unwrap_or_else(|e| e.into_inner())
+        self.record().last
     }
 
+    /// Serving again after a rebuild that took `t` (its `away_s` measured here).
     pub(super) fn healed(&self, t: HealTimings) {
-        let since = *self.since.read().unwrap_or_else(|e| e.into_inner());
-        let away_s = since.map_or(0.0, |s| s.elapsed().as_secs_f64());
-        *self.last.write().unwrap_or_else(|e| e.into_inner()) = Some(HealTimings { away_s, ..t });
-        self.set(Health::Serving);
+        let mut r = self.record();
+        let away_s = r.since.map_or(0.0, |s| s.elapsed().as_secs_f64());
+        r.last = Some(HealTimings { away_s, ..t });
+        self.set_recorded(&mut r, Health::Serving);
     }
 
     pub(super) fn set(&self, h: Health) {
-        let mut state = self.state.write().unwrap_or_else(|e| e.into_inner());
-        if h == Health::Serving && matches!(*state, Health::Recovering { .. }) {
-            self.recoveries.fetch_add(1, Ordering::Relaxed);
-        }
+        self.set_recorded(&mut self.record(), h);
+    }
+
+    fn set_recorded(&self, r: &mut Record, h: Health) {
         if matches!(h, Health::Recovering { .. }) {
-            *self.since.write().unwrap_or_else(|e| e.into_inner()) = Some(Instant::now());
+            r.since = Some(Instant::now());
         }
-        *state = h;
+        let was = self.state.send_replace(h);
+        if matches!(was, Health::Recovering { .. }) && self.is_serving() {
+            r.recoveries += 1;
+        }
     }
 }
 

@@ -216,7 +216,7 @@ impl<B: SnnOps> SnnBlock<B> {
         let seq = |x: Tensor<B, 2>| x.reshape([tk, b, dn]);
         // Modulation (Eq. 5-7): β = σ(·+b_β), α = softplus(·+b_α), V_th = V_min + |·+b_th|,
         // u = α·i, inside the scan kernel where the backend fuses it.
-        let (_, vpost, last) = plif_selective(
+        let (vpost, last) = plif_selective(
             seq(i),
             seq(rb),
             seq(ra),

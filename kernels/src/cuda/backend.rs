@@ -424,13 +424,25 @@ impl SnnOps for Cuda {
         let v_th_min = inp.v_th_min;
         let device = inp.i.device.clone();
         let (spike, vpost, last) = scan_timed(&device, || {
-            selective::selective_forward(selective_args(inp), v_th_min)
+            selective::selective_forward(selective_args(inp), v_th_min, true)
         });
         PlifOutput {
-            spike,
+            spike: spike.expect("asked for the spikes"),
             vpost,
             last: Some(last),
         }
+    }
+
+    fn plif_selective_untracked(
+        inp: SelectiveInputs<Self>,
+    ) -> (FloatTensor<Self>, Option<FloatTensor<Self>>) {
+        let _ = scan_shape::<Self>(&inp.i, &inp.v0);
+        let v_th_min = inp.v_th_min;
+        let device = inp.i.device.clone();
+        let (_, vpost, last) = scan_timed(&device, || {
+            selective::selective_forward(selective_args(inp), v_th_min, false)
+        });
+        (vpost, Some(last))
     }
 
     fn plif_selective_backward(

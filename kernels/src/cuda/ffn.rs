@@ -122,10 +122,12 @@ fn ffn_forward_staged_kernel<I: Float, O: Float>(
 }
 
 /// Their backward, staged in reverse: producers compute everything of a step but the carried
-/// gradients (the gating's `∂act`, `∂V_post`, the `(1 − β)·V_post` term of `∂β`, the spike
-/// recomputed exactly as the forward made it, `V_{k−1}`), plane 0 runs both neurons' reverse
-/// recurrences, writes `∂i = ∂u·(1 − β)` and sums per pair over time: `∂β` (the scan's
-/// `Σ gv·V_{k−1}` minus `Σ ∂act·V_post` and `Σ ∂u·i`), `∂V_th`, and the carried `∂v0`.
+/// gradients (the gating's `∂act`, `∂V_post`, the spike recomputed exactly as the forward made
+/// it, `V_{k−1} − i`), plane 0 runs both neurons' reverse recurrences, writes
+/// `∂i = ∂u·(1 − β)` and sums per pair over time: `∂β` (the scan's `Σ ∂u·(V_{k−1} − i)` minus
+/// `Σ ∂act·V_post`, the `(1 − β)·V_post` term, which needs no carry: each producer sums its own
+/// steps and plane 0 adds the producers' sums at the end), `∂V_th`, and the carried `∂v0`.
+/// Plane 0 reads six values a step from shared memory.
 #[allow(clippy::too_many_arguments)]
 #[cube(launch_unchecked)]
 fn ffn_backward_staged_kernel<I: Float, G: Float>(
@@ -163,14 +165,10 @@ fn ffn_backward_staged_kernel<I: Float, G: Float>(
     let size = comptime!(2 * chunk * 32);
     let mut s_dvg = SharedMemory::<f32>::new(size);
     let mut s_dvu = SharedMemory::<f32>::new(size);
-    let mut s_pvg = SharedMemory::<f32>::new(size);
-    let mut s_pvu = SharedMemory::<f32>::new(size);
+    let mut s_dbg = SharedMemory::<f32>::new(size);
+    let mut s_dbu = SharedMemory::<f32>::new(size);
     let mut s_sg = SharedMemory::<f32>::new(size);
     let mut s_su = SharedMemory::<f32>::new(size);
-    let mut s_ig = SharedMemory::<f32>::new(size);
-    let mut s_iu = SharedMemory::<f32>::new(size);
-    let mut s_lg = SharedMemory::<f32>::new(size);
-    let mut s_lu = SharedMemory::<f32>::new(size);
     let per = comptime!(chunk / producers);
     let mut xg = Array::<f32>::new(per);
     let mut xig = Array::<f32>::new(per);
@@ -185,8 +183,7 @@ fn ffn_backward_staged_kernel<I: Float, G: Float>(
     let mut sb_u = 0.0f32;
     let mut st_g = 0.0f32;
     let mut st_u = 0.0f32;
-    let mut si_g = 0.0f32;
-    let mut si_u = 0.0f32;
+    // A producer's own sum of `∂act·V_post` over the steps it prepared (leak only).
     let mut sl_g = 0.0f32;
     let mut sl_u = 0.0f32;
     let mut ch = 0usize;
@@ -207,14 +204,10 @@ fn ffn_backward_staged_kernel<I: Float, G: Float>(
                             d_i[row + p.j] = I::cast_from(gg * p.om_g);
                             d_i[row + ff + p.j] = I::cast_from(gu * p.om_u);
                         }
-                        sb_g += gg * s_pvg[s_idx];
-                        sb_u += gu * s_pvu[s_idx];
+                        sb_g += gg * s_dbg[s_idx];
+                        sb_u += gu * s_dbu[s_idx];
                         st_g += -gg * s_sg[s_idx];
                         st_u += -gu * s_su[s_idx];
-                        si_g += gg * s_ig[s_idx];
-                        si_u += gu * s_iu[s_idx];
-                        sl_g += s_lg[s_idx];
-                        sl_u += s_lu[s_idx];
                         acc_g = gg * p.beta_g;
                         acc_u = gu * p.beta_u;
                     }
@@ -237,6 +230,11 @@ fn ffn_backward_staged_kernel<I: Float, G: Float>(
                     let prev = select(k > 0, row - batch * 2 * ff, 0);
                     xpg[r] = select(k > 0, vpost[prev + p.j], first_g);
                     xpu[r] = select(k > 0, vpost[prev + ff + p.j], first_u);
+                } else {
+                    // Past the first step (or an idle pair): nothing to add.
+                    xg[r] = 0.0f32;
+                    xvg[r] = 0.0f32;
+                    xvu[r] = 0.0f32;
                 }
             }
             #[unroll]
@@ -255,20 +253,16 @@ fn ffn_backward_staged_kernel<I: Float, G: Float>(
                 if comptime![leak] {
                     s_dvg[s_idx] = da_g * p.om_g;
                     s_dvu[s_idx] = da_u * p.om_u;
-                    s_lg[s_idx] = da_g * vg;
-                    s_lu[s_idx] = da_u * vu;
+                    sl_g += da_g * vg;
+                    sl_u += da_u * vu;
                 } else {
                     s_dvg[s_idx] = da_g;
                     s_dvu[s_idx] = da_u;
-                    s_lg[s_idx] = 0.0f32;
-                    s_lu[s_idx] = 0.0f32;
                 }
                 let ig = xig[r];
                 let iu = xiu[r];
-                s_ig[s_idx] = ig;
-                s_iu[s_idx] = iu;
-                s_pvg[s_idx] = xpg[r];
-                s_pvu[s_idx] = xpu[r];
+                s_dbg[s_idx] = xpg[r] - ig;
+                s_dbu[s_idx] = xpu[r] - iu;
                 s_sg[s_idx] = select(fma(p.beta_g, xpg[r], ig * p.om_g) >= p.tg, 1.0f32, 0.0f32);
                 s_su[s_idx] = select(fma(p.beta_u, xpu[r], iu * p.om_u) >= p.tu, 1.0f32, 0.0f32);
             }
@@ -276,10 +270,23 @@ fn ffn_backward_staged_kernel<I: Float, G: Float>(
         sync_cube();
         ch += 1;
     }
+    // The producers' `Σ ∂act·V_post` to plane 0 through the (now free) first two buffers.
+    if y > 0 {
+        s_dvg[(y - 1) * 32 + x] = sl_g;
+        s_dvu[(y - 1) * 32 + x] = sl_u;
+    }
+    sync_cube();
     if y == 0 && p.valid {
+        let mut l_g = 0.0f32;
+        let mut l_u = 0.0f32;
+        #[unroll]
+        for r in 0..producers {
+            l_g += s_dvg[r * 32 + x];
+            l_u += s_dvu[r * 32 + x];
+        }
         let o = p.b * 2 * ff + p.j;
-        d_beta[o] = sb_g - sl_g - si_g;
-        d_beta[o + ff] = sb_u - sl_u - si_u;
+        d_beta[o] = sb_g - l_g;
+        d_beta[o + ff] = sb_u - l_u;
         d_th[o] = st_g;
         d_th[o + ff] = st_u;
         d_v0[o] = acc_g;

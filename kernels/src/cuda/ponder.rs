@@ -1,9 +1,9 @@
 //! PonderNet's halting and aggregation as CubeCL kernels (SPEC §2.3). One plane of 32 units per
 //! `(token, batch row)` computes the K halting logits (dot products with the halt weight,
 //! reduced across the plane), the geometric halting distribution and E[K], and the weighted sum
-//! of the K frames (≈ 50 ops composed): the inference op, and the training forward with both
-//! outputs packed in one tensor. A decoding step's few rows get a cube each, one unit per
-//! channel holding its K frames in registers, and the aggregate comes out in the out
+//! of the K frames (≈ 50 ops composed): the inference op over many rows. A decoding step's few
+//! rows, and training's (both outputs packed in one tensor), get a cube each, one unit per
+//! channel holding its K frames in registers; a decoding step's aggregate comes out in the out
 //! projection's GEMM input type (no cast before it), optionally with the sublayer's residual
 //! update prepared. The backward is [`crate::cuda::ponder_backward`].
 
@@ -123,12 +123,14 @@ fn ponder_agg_kernel(
     }
 }
 
-/// [`ponder_agg_kernel`] for a few rows (a decoding step), one cube per `(token, batch row)`
-/// with one unit per channel (`per` channels a unit where `D` exceeds 1,024): each unit loads its
+/// [`ponder_agg_kernel`] one cube per `(token, batch row)` (a decoding step's few rows, and
+/// training's: every frame read once, where the plane kernel reads it twice) with one unit per
+/// channel (`per` channels a unit where `D` exceeds 1,024): each unit loads its
 /// channels' K frames once and keeps them in registers, the K halting logits are reduced across
 /// the cube, and one plane computes the halting distribution with a plane-wide prefix sum of
 /// `log(1 − p)` (not a K-step loop in every unit). The aggregate is written in `O` (the type the
-/// out projection's GEMM reads), E[K] in f32. Needs `K ≤ 32`.
+/// out projection's GEMM reads), E[K] in f32; `packed`, both in one `[T, B, D + 1]` f32
+/// tensor (`agg` and `ek` are that tensor). Needs `K ≤ 32`.
 #[allow(clippy::too_many_arguments)]
 #[cube(launch)]
 fn ponder_rows_kernel<O: Float>(
@@ -148,6 +150,7 @@ fn ponder_rows_kernel<O: Float>(
     #[comptime] planes: usize,
     #[comptime] per: usize,
     #[comptime] residual: bool,
+    #[comptime] packed: bool,
     #[define(O)] _out: StorageType,
 ) {
     let batch = batch as usize;
@@ -222,10 +225,16 @@ fn ponder_rows_kernel<O: Float>(
             lam[j] = ln;
         }
         if lane == 0 {
-            ek[row] = e;
+            if comptime![packed] {
+                agg[row * (dim + 1) + dim] = O::cast_from(e);
+            } else {
+                ek[row] = e;
+            }
         }
     }
     sync_cube();
+    // Packed (training): the aggregate and E[K] in one `[T, B, D + 1]` tensor of f32.
+    let stride = select(packed, dim + 1, dim);
     let mut mean_part = 0.0f32;
     #[unroll]
     for q in 0..per {
@@ -237,7 +246,7 @@ fn ponder_rows_kernel<O: Float>(
                 acc += x[q * k + j] * lam[j];
             }
             let a = O::cast_from(acc);
-            agg[row * dim + d] = a;
+            agg[row * stride + d] = a;
             if comptime![residual] {
                 mean_part += f32::cast_from(a) * w_mean[d];
             }
@@ -289,7 +298,7 @@ fn transpose_level(part: &mut Array<f32>, #[comptime] half: usize, #[comptime] o
 /// `plane_sum` (`acc += shuffle_xor(acc, offset)`, offsets 1 to 16), so the sums are the same
 /// bit for bit. Returns this lane's frame's sum.
 #[cube]
-fn plane_sums_transposed(part: &mut Array<f32>, #[comptime] k: usize) -> f32 {
+pub(crate) fn plane_sums_transposed(part: &mut Array<f32>, #[comptime] k: usize) -> f32 {
     transpose_level(part, comptime![k >> 1], 1u32);
     transpose_level(part, comptime![k >> 2], 2u32);
     transpose_level(part, comptime![k >> 3], 4u32);
@@ -317,7 +326,7 @@ fn plane_sums_transposed(part: &mut Array<f32>, #[comptime] k: usize) -> f32 {
 /// The frame whose sum lane `lane` holds after [`plane_sums_transposed`]: bit `l` of the lane
 /// chose the upper half at level `l + 1`, worth `k >> (l + 1)` frames.
 #[cube]
-fn transposed_frame(lane: u32, #[comptime] k: usize) -> u32 {
+pub(crate) fn transposed_frame(lane: u32, #[comptime] k: usize) -> u32 {
     let kk = comptime![k as u32];
     (lane & 1) * (kk >> 1)
         + ((lane >> 1) & 1) * (kk >> 2)
@@ -369,9 +378,31 @@ fn ponder_agg_with<R: CubeRuntime>(
     if !packed && rows_kernel_fits(t * batch, k) {
         // A decoding step: one unit per channel, the aggregate in the GEMM's input type.
         let [agg, _, ek] = ponder_rows(
-            frames, w, bias, None, t, batch, dim, k, halt_clamp, norm_eps,
+            frames,
+            w,
+            bias,
+            Rows::Decoding(None),
+            (t, batch, dim),
+            k,
+            halt_clamp,
+            norm_eps,
         );
         return [agg, ek];
+    }
+    if packed && k <= PLANE as usize {
+        // Training: the same kernel, every frame read once (into registers), both outputs
+        // packed in f32.
+        let [p, _, _] = ponder_rows(
+            frames,
+            w,
+            bias,
+            Rows::Packed,
+            (t, batch, dim),
+            k,
+            halt_clamp,
+            norm_eps,
+        );
+        return [p.clone(), p];
     }
     let (agg, ek) = if packed {
         let p = out_like(&frames, Shape::new([t, batch, dim + 1]));
@@ -412,24 +443,46 @@ fn rows_kernel_fits(rows: usize, k: usize) -> bool {
     rows < FEW_ROWS && k <= PLANE as usize && decode_fusion()
 }
 
-/// [`ponder_rows_kernel`]: `[aggregate, c (a placeholder without residual), E[K]]`.
+/// What [`ponder_rows_kernel`] writes. Moved once into [`ponder_rows`], so the variants'
+/// sizes do not matter.
+#[allow(clippy::large_enum_variant)]
+enum Rows<R: CubeRuntime> {
+    /// A decoding step: the aggregate in the GEMM's input type and E[K] apart, with the
+    /// residual update prepared from `(h, w̄)` where given.
+    Decoding(Option<(CubeTensor<R>, CubeTensor<R>)>),
+    /// Training's packed `[T, B, D + 1]` f32 tensor (no residual).
+    Packed,
+}
+
+/// [`ponder_rows_kernel`]: `[aggregate, c (a placeholder without residual), E[K]]`; packed,
+/// `[the packed tensor, placeholder, the packed tensor]`. `(t, batch, dim)` as
+/// [`ponder_geometry`] found them.
 #[allow(clippy::too_many_arguments)]
 fn ponder_rows<R: CubeRuntime>(
     frames: CubeTensor<R>,
     w: CubeTensor<R>,
     bias: CubeTensor<R>,
-    residual: Option<(CubeTensor<R>, CubeTensor<R>)>,
-    t: usize,
-    batch: usize,
-    dim: usize,
+    rows: Rows<R>,
+    (t, batch, dim): (usize, usize, usize),
     k: usize,
     halt_clamp: f32,
     norm_eps: f32,
 ) -> [CubeTensor<R>; 3] {
-    let planes = dim.div_ceil(PLANE as usize).clamp(1, 32);
-    let per = dim.div_ceil(planes * PLANE as usize);
-    let agg = out_typed(&frames, Shape::new([t, batch, dim]), gemm_input());
-    let ek = out_like(&frames, Shape::new([t, batch]));
+    let (planes, per) = row_cube(dim);
+    let packed = matches!(rows, Rows::Packed);
+    let residual = match rows {
+        Rows::Decoding(r) => r,
+        Rows::Packed => None,
+    };
+    let (agg, ek) = if packed {
+        let p = out_like(&frames, Shape::new([t, batch, dim + 1]));
+        (p.clone(), p)
+    } else {
+        (
+            out_typed(&frames, Shape::new([t, batch, dim]), gemm_input()),
+            out_like(&frames, Shape::new([t, batch])),
+        )
+    };
     let with_residual = residual.is_some();
     let (h, w_mean, c) = match residual {
         Some((h, w_mean)) => (h, w_mean, out_like(&frames, Shape::new([t, batch, dim]))),
@@ -456,9 +509,17 @@ fn ponder_rows<R: CubeRuntime>(
         planes,
         per,
         with_residual,
+        packed,
         agg.dtype.into(),
     );
     [agg, c, ek]
+}
+
+/// The cube of the one-row kernels for `dim` channels: `(planes, channels per unit)`, one unit
+/// per channel up to 32 planes.
+pub(crate) fn row_cube(dim: usize) -> (usize, usize) {
+    let planes = dim.div_ceil(PLANE as usize).clamp(1, 32);
+    (planes, dim.div_ceil(planes * PLANE as usize))
 }
 
 /// PonderAgg with a sublayer's residual update prepared
@@ -493,10 +554,8 @@ pub fn ponder_residual<R: CubeRuntime>(
         frames,
         w,
         bias,
-        Some((h, w_mean)),
-        t,
-        batch,
-        dim,
+        Rows::Decoding(Some((h, w_mean))),
+        (t, batch, dim),
         k,
         halt_clamp,
         norm_eps,

@@ -47,6 +47,17 @@ pub trait SnnOps: GemmOps + ScanOps + InferOps + DeviceOps + GraphOps + OptimOps
         selective_forward_reference(inp)
     }
 
+    /// [`plif_selective_forward`](Self::plif_selective_forward) where no gradient will be
+    /// taken (an untracked pass, as the pipeline's training forward before its recompute):
+    /// `(V_post, final state)`, no spikes, which only the backward reads. Default: the
+    /// forward, its spikes dropped.
+    fn plif_selective_untracked(
+        inp: SelectiveInputs<Self>,
+    ) -> (FloatTensor<Self>, Option<FloatTensor<Self>>) {
+        let out = Self::plif_selective_forward(inp);
+        (out.vpost, out.last)
+    }
+
     /// Its backward: gradients of `Σ V_post·grad_vpost` for every input. Default:
     /// [`selective_backward_reference`].
     fn plif_selective_backward(
@@ -155,9 +166,10 @@ pub trait SnnOps: GemmOps + ScanOps + InferOps + DeviceOps + GraphOps + OptimOps
 /// [`SnnOps::plif_selective_forward`]), else composed from tensor ops
 /// ([`selective_modulation`]) and [`plif_elem`], whose gradients autodiff derives.
 /// `i, r_beta, r_alpha, r_th`: `[TK, B, DN]`; the biases `[DN]`; `v0`: `[B, DN]`. Returns
-/// `(spike, V_post, last)`; only `V_post` carries gradient. With bf16 inputs
-/// ([`GemmOps::storage_dtype`]) spikes and `V_post` come in bf16 too, while `last`, the final
-/// membrane state `[B, DN]` (detached), is always f32.
+/// `(V_post, last)`; `V_post` carries the gradient. With bf16 inputs
+/// ([`GemmOps::storage_dtype`]) `V_post` comes in bf16 too, while `last`, the final membrane
+/// state `[B, DN]` (detached), is always f32. An untracked pass
+/// ([`SnnOps::plif_selective_untracked`]) writes no spikes: only the backward reads them.
 #[allow(clippy::too_many_arguments)]
 pub fn plif_selective<B: SnnOps>(
     i: Tensor<B, 3>,
@@ -169,7 +181,8 @@ pub fn plif_selective<B: SnnOps>(
     b_th: Tensor<B, 1>,
     v_th_min: f64,
     v0: Tensor<B, 2>,
-) -> (Tensor<B, 3>, Tensor<B, 3>, Tensor<B, 2>) {
+) -> (Tensor<B, 3>, Tensor<B, 2>) {
+    let device = i.device();
     let inp = SelectiveInputs {
         i: prim(i),
         r_beta: prim(r_beta),
@@ -183,17 +196,22 @@ pub fn plif_selective<B: SnnOps>(
     };
     if !B::fuses_modulation() {
         let [beta, _, vth, u] = selective_modulation(&inp);
-        let (spike, vpost) = plif_elem(beta, u, vth, wrap(inp.v0));
+        let (_, vpost) = plif_elem(beta, u, vth, wrap(inp.v0));
         let last = last_frame(&vpost);
-        return (spike, vpost, last);
+        return (vpost, last);
     }
-    let out = B::plif_selective_forward(inp);
-    let vpost = wrap::<B, 3>(out.vpost);
-    let last = match out.last {
+    let (vpost, last) = if B::ad_enabled(&device) {
+        let out = B::plif_selective_forward(inp);
+        (out.vpost, out.last)
+    } else {
+        B::plif_selective_untracked(inp)
+    };
+    let vpost = wrap::<B, 3>(vpost);
+    let last = match last {
         Some(last) => wrap::<B, 2>(last).detach(),
         None => last_frame(&vpost),
     };
-    (wrap(out.spike), vpost, last)
+    (vpost, last)
 }
 
 /// RMSNorm then the input PLIF over the K frames of each token (SPEC §2.3) as one

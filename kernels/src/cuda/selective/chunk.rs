@@ -4,8 +4,8 @@
 use cubecl::prelude::*;
 
 /// Plane 0's part of a staged forward: the recurrence over chunk `ch` (steps `ch·chunk …`) from
-/// the double buffer (`width` columns per step row), writing spikes and `V_post`; returns the
-/// membrane after the chunk.
+/// the double buffer (`width` columns per step row), writing `V_post` and, with `spikes`, the
+/// spikes; returns the membrane after the chunk.
 #[allow(clippy::too_many_arguments)]
 #[cube]
 pub(crate) fn scan_forward_chunk<S: Float>(
@@ -23,6 +23,7 @@ pub(crate) fn scan_forward_chunk<S: Float>(
     steps: usize,
     #[comptime] chunk: usize,
     #[comptime] width: usize,
+    #[comptime] spikes: bool,
 ) -> f32 {
     let mut v = v_in;
     let k0 = ch * chunk;
@@ -38,7 +39,9 @@ pub(crate) fn scan_forward_chunk<S: Float>(
             v = v_pre - th * s;
             if valid {
                 let idx = k * cols + c;
-                spike[idx] = S::cast_from(s);
+                if comptime![spikes] {
+                    spike[idx] = S::cast_from(s);
+                }
                 vpost[idx] = S::cast_from(v);
             }
         }

@@ -1,7 +1,8 @@
 //! The selective scan with the SNNBlock modulation fused in (SPEC §2.3, Eq. 5–7): the kernels
 //! read the four projections once, compute `β = σ(r_β + b_β)`, `u = softplus(r_α + b_α)·i`,
-//! `V_th = V_min + |r_th + b_th|` in registers or shared memory, and write the spikes and
-//! `V_post` (forward), or every input's gradient (backward).
+//! `V_th = V_min + |r_th + b_th|` in registers or shared memory, and write `V_post` and the
+//! spikes (forward; an untracked forward, which no backward follows, leaves the spikes out), or
+//! every input's gradient (backward).
 //!
 //! The 0.9B model has too few columns (28,672) for one unit per column, and the modulation adds
 //! four transcendentals per step to each unit's chain. The kernels are staged: in a cube of
@@ -128,6 +129,7 @@ fn ring_shape(var: &str, default: (usize, usize, usize, usize), direct: bool) ->
         stages: d,
         width: w,
         direct,
+        spikes: true,
     }
 }
 
@@ -164,22 +166,32 @@ fn check_shapes<R: CubeRuntime>(inputs: &[CubeTensor<R>; 8], extra: &[&CubeTenso
     assert_eq!(dims(&inputs[7]), [b, dn], "selective scan: v0 is [B, DN]");
 }
 
-/// Forward of the fused selective scan: `(spike, vpost, last)`. `inputs`: the projections `i,
-/// r_β, r_α, r_th` `[TK, B, DN]`, the biases `b_β, b_α, b_th` `[DN]`, and `v0` `[B, DN]`.
+/// Forward of the fused selective scan: `(spike, vpost, last)`, the spikes only where `spikes`
+/// (what the backward reads; an untracked forward leaves them out). `inputs`: the projections
+/// `i, r_β, r_α, r_th` `[TK, B, DN]`, the biases `b_β, b_α, b_th` `[DN]`, and `v0` `[B, DN]`.
 /// Spikes and `V_post` are stored in the projections' type (f32, or bf16 storage: the kernel
 /// reads bf16, computes in f32 and rounds what it writes); `last`, the final membrane state
 /// `[B, DN]`, is always the f32 state itself.
 pub fn selective_forward<R: CubeRuntime>(
     inputs: [CubeTensor<R>; 8],
     v_th_min: f32,
-) -> (CubeTensor<R>, CubeTensor<R>, CubeTensor<R>) {
+    spikes: bool,
+) -> (Option<CubeTensor<R>>, CubeTensor<R>, CubeTensor<R>) {
     let stored = projection_dtype(&inputs);
     check_shapes(&inputs, &[]);
     let (shape, steps, cols, _, _) = geometry(&inputs[0]);
     let dn = shape[2] as u32;
     let state = Shape::new([shape[1], shape[2]]);
     let [i, rb, ra, rt, bb, ba, bt, v0] = inputs.map(into_contiguous);
-    let spike = out_like(&i, shape.clone());
+    // Without spikes the kernel writes none: a one-element placeholder stands for the argument.
+    let spike = out_like(
+        &i,
+        if spikes {
+            shape.clone()
+        } else {
+            Shape::new([1])
+        },
+    );
     let vpost = out_like(&i, shape);
     let last = out_typed(&i, state, DType::F32);
     let client = i.client.clone();
@@ -188,7 +200,10 @@ pub fn selective_forward<R: CubeRuntime>(
     let pack = packs([&i, &rb, &ra, &rt], cols as usize).map(|[p, ..]| p);
     let direct = pack.is_none();
     let pack = pack.unwrap_or(1);
-    let ring = forward_ring(stored, direct);
+    let ring = Ring {
+        spikes,
+        ..forward_ring(stored, direct)
+    };
     // SAFETY: launched without CubeCL's per-access bounds checks (a metadata load, a compare
     // and a branch on every global store). The kernel guards every global access itself:
     // columns by `c < cols`, steps by the chunk's bounds, biases by `j = c mod DN`, on
@@ -219,7 +234,7 @@ pub fn selective_forward<R: CubeRuntime>(
             stored.into(),
         );
     }
-    (spike, vpost, last)
+    (spikes.then_some(spike), vpost, last)
 }
 
 /// Backward of the fused selective scan: `[∂i, ∂r_β, ∂r_α, ∂r_th, ∂v0, bias sums]`, the last

@@ -23,6 +23,8 @@ pub(crate) struct Ring {
     pub width: usize,
     /// Plain loads and stores into the ring instead of `cp.async` (then every pack is 1).
     pub direct: bool,
+    /// Whether the forward writes the spikes (an untracked forward needs only `V_post`).
+    pub spikes: bool,
 }
 
 /// Issues this producer unit's share of the asynchronous copies of forward chunk `cn` (four
@@ -211,6 +213,7 @@ pub(crate) fn selective_forward_kernel<I: Float>(
                     steps,
                     chunk,
                     width,
+                    comptime!(ring.spikes),
                 );
             }
         } else if ch < chunks {

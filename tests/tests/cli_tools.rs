@@ -242,6 +242,7 @@ fn bench_generate_batches_concurrent_sessions_and_decode_profile_splits_a_layer(
             .find(|l| l.trim_start().starts_with(name))
             .unwrap_or_else(|| panic!("no `{name}` check in:\n{stdout}"));
         assert!(l.contains("max error 0.00e0"), "{l}");
+        assert!(l.contains("(0 of 1 batch rows)"), "{l}");
     }
     let err = run_err(&[
         "bench",

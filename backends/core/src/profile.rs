@@ -36,6 +36,12 @@ pub fn decode_profile<B: SnnOps>(device: &B::Device, options: &str) -> Result<St
     if batch == 0 || reps == 0 {
         return Err(bad("batch and reps must be ≥ 1".into()));
     }
+    // The same random inputs every run. The checks below compare computations that round
+    // differently; a membrane within rounding of its threshold flips a spike there, and the
+    // flip spreads over its batch row: with fresh inputs at batch 64 about one run in seven
+    // found such a row and failed (`BENCHMARKS.md`, session 38). Fixed inputs make a failure
+    // reproducible.
+    B::seed(device, 7);
     let layer = SnnDecoderLayer::<B>::init(&cfg, &mut Rng::new(7), device);
     let (d, k) = (cfg.d, cfg.k);
     let h = Tensor::<B, 3>::random([1, batch, d], Distribution::Normal(0.0, 1.0), device);
@@ -502,6 +508,9 @@ fn check<B: SnnOps>(
 ) -> Result<(), EngineError> {
     let mut worst = 0.0f32;
     let mut off = 0.0f64;
+    // Per batch row, the elements off in any pair (rows are independent in a layer: a tie
+    // flipped in one stays in its row).
+    let mut rows_off: Option<Tensor<B, 1>> = None;
     for (a, b) in pairs {
         // A kernel that feeds a GEMM writes the GEMM's input type (bf16 in bf16 precision):
         // the composition is rounded the same way before the comparison.
@@ -514,16 +523,23 @@ fn check<B: SnnOps>(
         let diff = (a.clone() - b.clone()).abs();
         worst = worst.max(diff.clone().max().into_scalar().elem::<f32>() / scale);
         let n = diff.dims().iter().product::<usize>() as f64;
-        let bad = diff
-            .greater_elem(1e-4 * scale)
-            .int()
-            .sum()
-            .into_scalar()
-            .elem::<i64>() as f64;
+        let [_, rows, _] = diff.dims();
+        let bad_mask = diff.greater_elem(1e-4 * scale).float();
+        let bad = bad_mask.clone().sum().into_scalar().elem::<f64>();
         off = off.max(bad / n);
+        let per_row = bad_mask.sum_dim(2).sum_dim(0).reshape([rows]);
+        rows_off = Some(match rows_off {
+            Some(r) => r + per_row,
+            None => per_row,
+        });
     }
+    let (rows_differ, rows) = rows_off.map_or((0, 0), |r| {
+        let rows = r.dims()[0];
+        let n = r.greater_elem(0.0).int().sum().into_scalar().elem::<i64>();
+        (n, rows)
+    });
     out.push_str(&format!(
-        "  {name} as run vs composed: max error {worst:.2e} of the largest value, {:.4}% of elements off by > 1e-4\n",
+        "  {name} as run vs composed: max error {worst:.2e} of the largest value, {:.4}% of elements off by > 1e-4 ({rows_differ} of {rows} batch rows)\n",
         100.0 * off
     ));
     if off > 1e-3 {

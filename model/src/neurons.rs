@@ -6,12 +6,17 @@ use crate::params::impl_params;
 use burn::tensor::{Tensor, TensorData, activation::sigmoid, backend::Backend};
 use nsactor_kernels::{NormPlifInputs, SnnOps, last_frame, plif_row};
 
-/// Builds a parameter tensor from host values (marked for gradients on autodiff backends).
+/// Builds a parameter tensor from host values (marked for gradients on autodiff backends). No
+/// values for a non-empty shape (what a [`Rng::blank`] draws) make zeros on the device, with
+/// nothing built or copied on the host.
 pub(crate) fn param<B: Backend, const D: usize>(
     values: Vec<f32>,
     shape: [usize; D],
     device: &B::Device,
 ) -> Tensor<B, D> {
+    if values.is_empty() && shape.iter().product::<usize>() > 0 {
+        return Tensor::zeros(shape, device).require_grad();
+    }
     Tensor::from_data(TensorData::new(values, shape), device).require_grad()
 }
 

@@ -502,3 +502,43 @@ fn operand_row_means_give_the_mean_of_the_projection() {
     let means: Vec<f32> = centred.mean_dim(1).into_data().to_vec().unwrap();
     assert!(means.iter().all(|m| m.abs() < 1e-5), "{means:?}");
 }
+
+/// `Rng::blank` draws nothing: a layer and an edge built from it have the seeded ones'
+/// parameters, names and shapes alike, and every weight matrix (the drawn vectors: what took
+/// the time) is zero, made on the device. Per-neuron vectors computed from the init table
+/// with a scalar draw each are whatever the blank state gives: they are overwritten too.
+#[test]
+fn a_blank_generator_gives_the_same_parameters_all_zero() {
+    use nsactor_model::params::{ParamVisitor, Params};
+    struct Collect(Vec<(String, Vec<usize>, Vec<f32>)>);
+    impl ParamVisitor<Inner> for Collect {
+        fn visit<const D: usize>(&mut self, name: &str, p: &Tensor<Inner, D>) {
+            let values = p.to_data().to_vec::<f32>().unwrap();
+            self.0.push((name.to_string(), p.dims().to_vec(), values));
+        }
+    }
+    let dev = Default::default();
+    for cfg in configs() {
+        let params = |blank: bool| {
+            let mut rng = if blank { Rng::blank() } else { Rng::new(9) };
+            let mut c = Collect(Vec::new());
+            nsactor_model::SnnDecoderLayer::<Inner>::init(&cfg, &mut rng, &dev)
+                .visit_params("layers.0.", &mut c);
+            nsactor_model::Edge::<Inner>::init(&cfg, &mut rng, &dev).visit_params("", &mut c);
+            c.0
+        };
+        let (seeded, blank) = (params(false), params(true));
+        assert_eq!(seeded.len(), blank.len());
+        let mut matrices = 0;
+        for ((n, s, v), (bn, bs, bv)) in seeded.iter().zip(&blank) {
+            assert_eq!((n, s), (bn, bs));
+            assert_eq!(bv.len(), v.len(), "{n}");
+            if s.len() == 2 && s[0] > 1 && s[1] > 1 {
+                matrices += 1;
+                assert!(bv.iter().all(|&x| x == 0.0), "{n} drawn: {bv:?}");
+                assert!(v.iter().any(|&x| x != 0.0), "{n} seeded is drawn");
+            }
+        }
+        assert!(matrices >= 12, "{matrices} weight matrices");
+    }
+}

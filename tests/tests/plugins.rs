@@ -5,10 +5,15 @@
 mod common;
 
 use common::*;
+
+// More tests of this binary, by topic.
+#[path = "plugins/loaded.rs"]
+mod loaded;
+
 use nsactor_plugin_abi::host::{Plugin, library_file_name, resolve};
 use nsactor_plugin_api::{
-    ABI_VERSION, Batch, ComputeBackend, EngineError, HostTensor, MicroBatchId, ModelConfig,
-    OptimizerKind, SessionId, StageCall, StageKind, StageSpec,
+    ABI_VERSION, Batch, ComputeBackend, EngineError, HostTensor, InitialWeights, MicroBatchId,
+    ModelConfig, OptimizerKind, SessionId, StageCall, StageKind, StageSpec,
 };
 use nsactor_runtime::config::tiny_model;
 use nsactor_runtime::engine::{StagedModel, StepParams};
@@ -144,6 +149,7 @@ fn a_panic_inside_a_plugin_call_is_reported_and_the_host_keeps_running() {
             model: ModelConfig::neuronspark_0_9b(),
             seed: 0,
             optimizer: OptimizerKind::Adam,
+            weights: InitialWeights::Seeded,
         })
         .unwrap();
     let host = HostTensor {
@@ -288,6 +294,7 @@ fn probe_and_token_losses_cross_the_boundary_bitwise() {
             model: tiny_model(),
             seed: 3,
             optimizer: OptimizerKind::Adam,
+            weights: InitialWeights::Seeded,
         };
         let mut edge = b.open_stage(&spec(StageKind::Edge)).unwrap();
         let mut layer = b.open_stage(&spec(StageKind::Layer(0))).unwrap();
@@ -375,6 +382,7 @@ fn session_sample_crosses_the_boundary_bitwise() {
             model: tiny_model(),
             seed: 4,
             optimizer: OptimizerKind::Adam,
+            weights: InitialWeights::Seeded,
         };
         let mut edge = b.open_stage(&spec(StageKind::Edge)).unwrap();
         let mut layer = b.open_stage(&spec(StageKind::Layer(0))).unwrap();
@@ -479,6 +487,7 @@ fn the_gradient_exchange_crosses_the_boundary_bitwise() {
                 model: model.clone(),
                 seed: 5,
                 optimizer: OptimizerKind::Adam,
+                weights: InitialWeights::Seeded,
             })
             .unwrap()
         };

@@ -7,8 +7,8 @@ pub use crate::pipeline::plan::Placement;
 use nsactor_plugin_api::optim::{clip_factor, phase2_layer_scales};
 use nsactor_plugin_api::{
     Batch, BiasGradNorms, ComputeBackend, DeviceTensor, EngineError, ForwardOut, GradSumSquares,
-    HeadOut, IdAllocator, Loss, ModelConfig, OptimizerKind, SessionId, Stage, StageCall, StageKind,
-    StageSnapshot, StageSpec, Tokens,
+    HeadOut, IdAllocator, InitialWeights, Loss, ModelConfig, OptimizerKind, SessionId, Stage,
+    StageCall, StageKind, StageSnapshot, StageSpec, Tokens,
 };
 use std::sync::Arc;
 
@@ -107,13 +107,35 @@ pub struct StagedModel {
 }
 
 impl StagedModel {
-    /// Opens the edge and every layer. `placement` defaults to everything on device 0.
+    /// Opens the edge and every layer, initialised from `seed`. `placement` defaults to
+    /// everything on device 0.
     pub fn open(
         backend: Arc<dyn ComputeBackend>,
         model: &ModelConfig,
         seed: u64,
         optimizer: OptimizerKind,
         placement: Option<Placement>,
+    ) -> Result<Self, EngineError> {
+        Self::open_with(
+            backend,
+            model,
+            seed,
+            optimizer,
+            placement,
+            InitialWeights::Seeded,
+        )
+    }
+
+    /// [`open`](Self::open) with the stages' first weights chosen: with
+    /// [`InitialWeights::Loaded`] they draw none and refuse every call until they are loaded
+    /// ([`load_stages`](Self::load_stages), or the pipeline's load).
+    pub fn open_with(
+        backend: Arc<dyn ComputeBackend>,
+        model: &ModelConfig,
+        seed: u64,
+        optimizer: OptimizerKind,
+        placement: Option<Placement>,
+        weights: InitialWeights,
     ) -> Result<Self, EngineError> {
         model.validate()?;
         let n = model.num_layers;
@@ -130,6 +152,7 @@ impl StagedModel {
             model: model.clone(),
             seed,
             optimizer,
+            weights,
         };
         let edge = backend.open_stage(&spec(StageKind::Edge, placement.edge))?;
         let layers = (0..n)

@@ -8,8 +8,8 @@
 //! argmax of the logits that came back with it.
 
 use nsactor_plugin_api::{
-    ComputeBackend, DeviceTensor, EngineError, IdAllocator, ModelConfig, OptimizerKind, PicksBuf,
-    SessionId, Stage, StageCall, StageKind, StageSpec, Tokens,
+    ComputeBackend, DeviceTensor, EngineError, IdAllocator, InitialWeights, ModelConfig,
+    OptimizerKind, PicksBuf, SessionId, Stage, StageCall, StageKind, StageSpec, Tokens,
 };
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -64,6 +64,7 @@ impl Stages {
             model: model.clone(),
             seed,
             optimizer: OptimizerKind::Adam,
+            weights: InitialWeights::Seeded,
         };
         let edge = backend.open_stage(&spec(StageKind::Edge))?;
         let layers = (0..model.num_layers)

@@ -10,7 +10,7 @@ use crate::error::RuntimeError;
 use crate::pipeline::heal::WeightSource;
 use crate::pipeline::{Pipeline, PipelinePlan, checkpoint};
 use nsactor_data::{Mode, Sampler, ShardSet, Tokenizer};
-use nsactor_plugin_api::{ComputeBackend, OptimizerKind};
+use nsactor_plugin_api::{ComputeBackend, InitialWeights, OptimizerKind};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
@@ -101,6 +101,26 @@ pub fn launch_in(
     sampler: Option<Sampler>,
     world: Option<Arc<crate::pipeline::world::WorldLink>>,
 ) -> Result<Pipeline, RuntimeError> {
+    launch_with(
+        compute,
+        cfg,
+        optimizer,
+        sampler,
+        world,
+        InitialWeights::Seeded,
+    )
+}
+
+/// [`launch_in`] with the stages' first weights chosen: [`InitialWeights::Loaded`] for a
+/// pipeline whose weights are loaded next ([`Pipeline::load_from`]), which then draws none.
+fn launch_with(
+    compute: Arc<dyn ComputeBackend>,
+    cfg: &RunConfig,
+    optimizer: OptimizerKind,
+    sampler: Option<Sampler>,
+    world: Option<Arc<crate::pipeline::world::WorldLink>>,
+    weights: InitialWeights,
+) -> Result<Pipeline, RuntimeError> {
     let devices = cfg.train.devices.clone().unwrap_or_else(|| vec![0]);
     check_devices(compute.as_ref(), &devices)?;
     // Replica 0's placement; `Pipeline::start` places the other data-parallel replicas.
@@ -111,12 +131,13 @@ pub fn launch_in(
         &devices,
     )?
     .swap_remove(0);
-    let model = StagedModel::open(
+    let model = StagedModel::open_with(
         compute,
         &cfg.model,
         cfg.train.seed,
         optimizer,
         Some(plan.placement()),
+        weights,
     )?;
     Pipeline::start_in(model, plan, cfg.train.clone(), sampler, world)
 }
@@ -197,8 +218,8 @@ pub fn load_checkpoint(o: &CheckpointOptions) -> Result<Loaded, RuntimeError> {
 }
 
 /// The pipeline a checkpoint is opened on for serving or evaluation: `o`'s precision set in
-/// `cfg`, its backend, pipeline stages and devices, `o`'s injected fault (if any), fresh
-/// weights.
+/// `cfg`, its backend, pipeline stages and devices, `o`'s injected fault (if any), stages
+/// waiting for the checkpoint's weights (none drawn).
 fn serving_pipeline(cfg: &mut RunConfig, o: &CheckpointOptions) -> Result<Pipeline, RuntimeError> {
     if let Some(p) = &o.precision {
         cfg.backend.precision = Some(p.clone());
@@ -213,7 +234,14 @@ fn serving_pipeline(cfg: &mut RunConfig, o: &CheckpointOptions) -> Result<Pipeli
     run.train.devices = o.devices.clone();
     run.train.data_parallel = 1;
     run.train.inject_fault = o.inject_fault.clone();
-    launch(compute, &run, OptimizerKind::Adam, None)
+    launch_with(
+        compute,
+        &run,
+        OptimizerKind::Adam,
+        None,
+        None,
+        InitialWeights::Loaded,
+    )
 }
 
 /// A [`WeightSource`] that hands out `first` (already read) once, then calls `read`.

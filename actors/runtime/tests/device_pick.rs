@@ -4,8 +4,8 @@
 //! token at every step; sampled rows stay inside the host's top-k / top-p sets.
 
 use nsactor_plugin_api::{
-    ComputeBackend, IdAllocator, OptimizerKind, PickParams, PicksBuf, RowPick, SessionId, Stage,
-    StageCall, StageKind, StageSpec, Tokens,
+    ComputeBackend, IdAllocator, InitialWeights, OptimizerKind, PickParams, PicksBuf, RowPick,
+    SessionId, Stage, StageCall, StageKind, StageSpec, Tokens,
 };
 use nsactor_runtime::backend::{self, EMBEDDED};
 use nsactor_runtime::config::tiny_model;
@@ -28,6 +28,7 @@ impl Model {
             model: model.clone(),
             seed: 5,
             optimizer: OptimizerKind::Adam,
+            weights: InitialWeights::Seeded,
         };
         let edge = backend.open_stage(&spec(StageKind::Edge)).unwrap();
         let layers = (0..model.num_layers)

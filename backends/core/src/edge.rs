@@ -3,11 +3,13 @@
 use crate::graphs::DecodeGraphs;
 use crate::layer::session_rows;
 use crate::sessions::SessionTable;
-use crate::state::{Trainer, count, load_stage, save_stage, snapshot_stage, sync};
+use crate::state::{
+    Trainer, check_loaded, count, initial_rng, load_stage, save_stage, snapshot_stage, sync,
+};
 use crate::{Ad, act, wrap};
 use burn::tensor::{ElementConversion, Int, Tensor, TensorData};
 use nsactor_kernels::SnnOps;
-use nsactor_model::init::{Rng, part_seed};
+use nsactor_model::init::Rng;
 use nsactor_model::model::cross_entropy_ignore_pad;
 use nsactor_model::train::GradSet;
 use nsactor_model::{Edge, ModelConfig};
@@ -43,13 +45,16 @@ pub struct EdgeStage<B: SnnOps> {
     sessions: SessionTable<B>,
     /// Decoding steps of the head captured per set of sessions (CUDA graphs).
     graphs: DecodeGraphs<B>,
+    /// Opened to load its weights, which have not come yet: every call but the load is
+    /// refused (as [`crate::layer::LayerStage`]'s).
+    awaiting_load: bool,
 }
 
 impl<B: SnnOps> EdgeStage<B> {
     pub fn new(cfg: ModelConfig, spec: &StageSpec, device: B::Device) -> Self {
-        let seed = part_seed(spec.seed, 0);
-        let ad = Edge::<Ad<B>>::init(&cfg, &mut Rng::new(seed), &device);
-        let mut inner = Edge::<B>::init(&cfg, &mut Rng::new(seed), &device);
+        let ad = Edge::<Ad<B>>::init(&cfg, &mut initial_rng(spec, 0), &device);
+        // The untracked twin takes the tracked one's parameters: nothing to draw for it.
+        let mut inner = Edge::<B>::init(&cfg, &mut Rng::blank(), &device);
         sync::<B, _, _>(&ad, &mut inner);
         EdgeStage {
             cfg,
@@ -60,6 +65,7 @@ impl<B: SnnOps> EdgeStage<B> {
             kept: BTreeMap::new(),
             sessions: SessionTable::default(),
             graphs: DecodeGraphs::default(),
+            awaiting_load: spec.weights == nsactor_plugin_api::InitialWeights::Loaded,
         }
     }
 
@@ -247,6 +253,7 @@ impl<B: SnnOps> EdgeStage<B> {
 impl<B: SnnOps> Stage for EdgeStage<B> {
     fn call(&mut self, call: StageCall<'_>) -> Result<Reply, EngineError> {
         let name = call.name();
+        check_loaded(self.awaiting_load, "the edge", name)?;
         let call = match self.trainer.exchange(&self.ad, "", call) {
             Ok(r) => return r,
             Err(other) => other,
@@ -335,10 +342,12 @@ impl<B: SnnOps> Stage for EdgeStage<B> {
     }
 
     fn save(&self) -> Result<Vec<u8>, EngineError> {
+        check_loaded(self.awaiting_load, "the edge", "save")?;
         save_stage(&self.inner, "", &self.trainer.adam, "edge")
     }
 
     fn snapshot(&self) -> Result<Box<dyn StageSnapshot>, EngineError> {
+        check_loaded(self.awaiting_load, "the edge", "snapshot")?;
         Ok(Box::new(snapshot_stage(
             &self.inner,
             "",
@@ -354,6 +363,7 @@ impl<B: SnnOps> Stage for EdgeStage<B> {
         self.kept.clear();
         self.sessions.clear();
         self.graphs.clear();
+        self.awaiting_load = false;
         Ok(())
     }
 

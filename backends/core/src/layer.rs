@@ -2,11 +2,13 @@
 
 use crate::graphs::DecodeGraphs;
 use crate::sessions::SessionTable;
-use crate::state::{Trainer, count, load_stage, norms, save_stage, snapshot_stage, sync};
+use crate::state::{
+    Trainer, check_loaded, count, initial_rng, load_stage, norms, save_stage, snapshot_stage, sync,
+};
 use crate::{Ad, act, wrap};
 use burn::tensor::{ElementConversion, Tensor};
 use nsactor_kernels::SnnOps;
-use nsactor_model::init::{Rng, part_seed};
+use nsactor_model::init::Rng;
 use nsactor_model::train::{GradSet, MODULATION_BIASES, compensate_phase1};
 use nsactor_model::{LayerState, ModelConfig, SnnDecoderLayer};
 use nsactor_plugin_api::{
@@ -53,13 +55,19 @@ pub struct LayerStage<B: SnnOps> {
     sessions: SessionTable<B>,
     /// Decoding steps captured per set of sessions (CUDA graphs).
     graphs: DecodeGraphs<B>,
+    /// Opened to load its weights ([`InitialWeights::Loaded`]), which have not come yet:
+    /// every call but the load is refused.
+    ///
+    /// [`InitialWeights::Loaded`]: nsactor_plugin_api::InitialWeights::Loaded
+    awaiting_load: bool,
 }
 
 impl<B: SnnOps> LayerStage<B> {
     pub fn new(cfg: ModelConfig, index: usize, spec: &StageSpec, device: B::Device) -> Self {
-        let seed = part_seed(spec.seed, index as u64 + 1);
-        let ad = SnnDecoderLayer::<Ad<B>>::init(&cfg, &mut Rng::new(seed), &device);
-        let mut inner = SnnDecoderLayer::<B>::init(&cfg, &mut Rng::new(seed), &device);
+        let ad =
+            SnnDecoderLayer::<Ad<B>>::init(&cfg, &mut initial_rng(spec, index as u64 + 1), &device);
+        // The untracked twin takes the tracked one's parameters: nothing to draw for it.
+        let mut inner = SnnDecoderLayer::<B>::init(&cfg, &mut Rng::blank(), &device);
         sync::<B, _, _>(&ad, &mut inner);
         LayerStage {
             index,
@@ -72,7 +80,12 @@ impl<B: SnnOps> LayerStage<B> {
             kept: BTreeMap::new(),
             sessions: SessionTable::default(),
             graphs: DecodeGraphs::default(),
+            awaiting_load: spec.weights == nsactor_plugin_api::InitialWeights::Loaded,
         }
+    }
+
+    fn label(&self) -> String {
+        format!("layer {}", self.index)
     }
 
     fn check_h(&self, h: &Tensor<B, 3>, what: &str) -> Result<(), EngineError> {
@@ -317,6 +330,7 @@ pub(crate) fn session_rows(
 impl<B: SnnOps> Stage for LayerStage<B> {
     fn call(&mut self, call: StageCall<'_>) -> Result<Reply, EngineError> {
         let name = call.name();
+        check_loaded(self.awaiting_load, &self.label(), name)?;
         let call = match self.trainer.exchange(&self.ad, &self.prefix, call) {
             Ok(r) => return r,
             Err(other) => other,
@@ -372,6 +386,7 @@ impl<B: SnnOps> Stage for LayerStage<B> {
     }
 
     fn save(&self) -> Result<Vec<u8>, EngineError> {
+        check_loaded(self.awaiting_load, &self.label(), "save")?;
         save_stage(
             &self.inner,
             &self.prefix,
@@ -381,6 +396,7 @@ impl<B: SnnOps> Stage for LayerStage<B> {
     }
 
     fn snapshot(&self) -> Result<Box<dyn StageSnapshot>, EngineError> {
+        check_loaded(self.awaiting_load, &self.label(), "snapshot")?;
         Ok(Box::new(snapshot_stage(
             &self.inner,
             &self.prefix,
@@ -403,6 +419,7 @@ impl<B: SnnOps> Stage for LayerStage<B> {
         self.kept.clear();
         self.sessions.clear();
         self.graphs.clear();
+        self.awaiting_load = false;
         Ok(())
     }
 

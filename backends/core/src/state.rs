@@ -5,15 +5,38 @@ use crate::Ad;
 use crate::grads::Streams;
 use burn::tensor::{DType, Tensor, TensorData, TensorPrimitive, Transaction, backend::Backend};
 use nsactor_kernels::SnnOps;
+use nsactor_model::init::{Rng, part_seed};
 use nsactor_model::io::{HF_PREFIX, load_params, view_to_f32};
 use nsactor_model::params::{ParamMapper, ParamVisitor, Params};
 use nsactor_model::train::{Adam, AdamConfig, AdamState, GradSet};
-use nsactor_plugin_api::{EngineError, OptimizerKind, Reply, StageCall, StageSnapshot};
+use nsactor_plugin_api::{
+    EngineError, InitialWeights, OptimizerKind, Reply, StageCall, StageSnapshot, StageSpec,
+};
 use safetensors::{Dtype, SafeTensors, tensor::TensorView};
 use std::collections::BTreeMap;
 
 /// The metadata entry of a stage shard: `{"stage": …, "adam_steps": {name: step}}`.
 pub const META_KEY: &str = "nsactor";
+
+/// The generator of part `part`'s first parameters (`0` the edge, `i + 1` layer `i`): seeded
+/// from the run's seed, or blank where the caller loads the weights
+/// ([`InitialWeights::Loaded`]).
+pub(crate) fn initial_rng(spec: &StageSpec, part: u64) -> Rng {
+    match spec.weights {
+        InitialWeights::Seeded => Rng::new(part_seed(spec.seed, part)),
+        InitialWeights::Loaded => Rng::blank(),
+    }
+}
+
+/// Refuses `call` on `stage` while it waits for the weights it was opened to load.
+pub(crate) fn check_loaded(waiting: bool, stage: &str, call: &str) -> Result<(), EngineError> {
+    if waiting {
+        return Err(EngineError::InvalidInput(format!(
+            "{stage} was opened to load its weights and has none yet; {call} refused"
+        )));
+    }
+    Ok(())
+}
 
 /// Flattens every parameter of `m` (declaration order).
 pub(crate) fn flat_params<B: Backend, P: Params<B>>(m: &P) -> Vec<Tensor<B, 1>> {

@@ -7,8 +7,8 @@
 
 use crate::*;
 use nsactor_plugin_api::{
-    ComputeBackend, DeviceTensor, EngineError, HostTensor, OptimizerKind, Stage, StageKind,
-    StageSpec,
+    ComputeBackend, DeviceTensor, EngineError, HostTensor, InitialWeights, OptimizerKind, Stage,
+    StageKind, StageSpec,
 };
 use std::ffi::CString;
 use std::panic::{AssertUnwindSafe, catch_unwind};
@@ -385,12 +385,22 @@ pub unsafe extern "C" fn stage_open(
             1 => OptimizerKind::AdamW,
             k => return Err(EngineError::InvalidInput(format!("unknown optimizer {k}"))),
         };
+        let weights = match s.weights {
+            0 => InitialWeights::Seeded,
+            1 => InitialWeights::Loaded,
+            w => {
+                return Err(EngineError::InvalidInput(format!(
+                    "unknown initial weights {w}"
+                )));
+            }
+        };
         let spec = StageSpec {
             kind,
             device: s.device as usize,
             model: s.model.get()?,
             seed: s.seed,
             optimizer,
+            weights,
         };
         // SAFETY: live context.
         let stage = unsafe { ctx(c) }.backend.open_stage(&spec)?;

@@ -4,8 +4,8 @@
 use crate::*;
 use nsactor_plugin_api::{
     BackendInfo, CollectiveId, Communicator, ComputeBackend, DeviceTensor, Diagnostic,
-    DiagnosticReport, EngineError, HostTensor, OptimizerKind, Reply, Stage, StageCall, StageKind,
-    StageSnapshot, StageSpec, TensorObject,
+    DiagnosticReport, EngineError, HostTensor, InitialWeights, OptimizerKind, Reply, Stage,
+    StageCall, StageKind, StageSnapshot, StageSpec, TensorObject,
 };
 use std::any::Any;
 use std::ffi::CStr;
@@ -424,6 +424,11 @@ impl ComputeBackend for ForeignBackend {
                 OptimizerKind::Adam => 0,
                 OptimizerKind::AdamW => 1,
             },
+            weights: match spec.weights {
+                InitialWeights::Seeded => 0,
+                InitialWeights::Loaded => 1,
+            },
+            reserved: 0,
             layer,
             device: spec.device as u64,
             seed: spec.seed,

@@ -75,11 +75,15 @@ impl NsBuf {
     };
 }
 
-/// A stage to open. `kind` 0 = edge, 1 = layer `layer`; `optimizer` 0 = Adam, 1 = AdamW.
+/// A stage to open. `kind` 0 = edge, 1 = layer `layer`; `optimizer` 0 = Adam, 1 = AdamW;
+/// `weights` 0 = seeded, 1 = loaded by the caller (ABI 11).
 #[repr(C)]
 pub struct NsStageSpec {
     pub kind: u32,
     pub optimizer: u32,
+    pub weights: u32,
+    /// Zero; keeps the next field on 8 bytes.
+    pub reserved: u32,
     pub layer: u64,
     pub device: u64,
     pub seed: u64,
@@ -289,7 +293,7 @@ const _: () = assert!(std::mem::size_of::<NsArgs>() == 120);
 #[cfg(target_pointer_width = "64")]
 const _: () = assert!(std::mem::size_of::<NsReply>() == 104);
 #[cfg(target_pointer_width = "64")]
-const _: () = assert!(std::mem::size_of::<NsStageSpec>() == 96);
+const _: () = assert!(std::mem::size_of::<NsStageSpec>() == 104);
 #[cfg(target_pointer_width = "64")]
 const _: () = assert!(std::mem::size_of::<NsBuf>() == 24);
 

@@ -39,8 +39,8 @@ pub use reply::{
     BETA_BINS, BiasGradNorms, ForwardOut, GradSumSquares, HeadOut, Loss, Probe, Spread,
 };
 pub use stage::{
-    BackendInfo, ComputeBackend, DeviceTensor, HostTensor, OptimizerKind, Reply, SavedBytes, Stage,
-    StageCall, StageKind, StageSnapshot, StageSpec, TensorObject, Tokens,
+    BackendInfo, ComputeBackend, DeviceTensor, HostTensor, InitialWeights, OptimizerKind, Reply,
+    SavedBytes, Stage, StageCall, StageKind, StageSnapshot, StageSpec, TensorObject, Tokens,
 };
 
 use std::fmt;
@@ -57,8 +57,9 @@ use std::fmt;
 /// added the gradient exchange of data parallelism ([`StageCall::HoldGrads`],
 /// [`StageCall::GradsOut`], [`StageCall::GradsIn`]). Revision 10 added collectives between
 /// processes ([`ComputeBackend::collective_id`], [`ComputeBackend::collective_join`],
-/// [`ComputeBackend::all_reduce_sum`]).
-pub const ABI_VERSION: u32 = 10;
+/// [`ComputeBackend::all_reduce_sum`]). Revision 11 added [`StageSpec::weights`]: a stage opened
+/// to load its weights draws none.
+pub const ABI_VERSION: u32 = 11;
 
 /// One micro-batch of token ids, row-major `[batch, seq_len]`.
 #[derive(Debug, Clone, PartialEq)]

@@ -96,6 +96,17 @@ pub enum OptimizerKind {
     AdamW,
 }
 
+/// Where a stage's first parameters come from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum InitialWeights {
+    /// Drawn from [`StageSpec::seed`]: the step-0 state of a new run.
+    #[default]
+    Seeded,
+    /// Loaded by the caller ([`Stage::load`]) before any other call: the stage draws nothing
+    /// (drawing a 0.9B layer took about a second) and refuses every call until loaded.
+    Loaded,
+}
+
 /// Everything a backend needs to open a stage.
 #[derive(Debug, Clone, PartialEq)]
 pub struct StageSpec {
@@ -108,6 +119,7 @@ pub struct StageSpec {
     /// a stage's initial parameters do not depend on how layers are grouped.
     pub seed: u64,
     pub optimizer: OptimizerKind,
+    pub weights: InitialWeights,
 }
 
 /// Token ids `[batch, seq_len]`, row-major.

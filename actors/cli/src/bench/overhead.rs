@@ -2,8 +2,8 @@
 
 use super::stats::{Spread, time};
 use nsactor_plugin_api::{
-    ComputeBackend, EngineError, HostTensor, OptimizerKind, SessionId, StageCall, StageKind,
-    StageSpec,
+    ComputeBackend, EngineError, HostTensor, InitialWeights, OptimizerKind, SessionId, StageCall,
+    StageKind, StageSpec,
 };
 use nsactor_runtime::backend;
 use std::sync::Arc;
@@ -31,6 +31,7 @@ pub fn boundary(
         model: nsactor_runtime::config::tiny_model(),
         seed: 1,
         optimizer: OptimizerKind::Adam,
+        weights: InitialWeights::Seeded,
     })?;
     let host = HostTensor {
         data: (0..64).map(|i| (i as f32 * 0.37).sin()).collect(),

@@ -165,7 +165,8 @@ impl Pipeline {
             let children = topo.spawn(0, edge_stage, layer_stages, 0).await?;
             let mut others = Vec::new();
             for r in 1..topo.replicas.len() {
-                let (edge, layers) = topo.open_fresh(r).await?;
+                // As replica 0 was opened: seeded, or waiting for the weights loaded next.
+                let (edge, layers) = topo.open_fresh(r, topo.spec.weights).await?;
                 others.push(topo.spawn(r, edge, layers, 0).await?);
             }
             let data = match sampler {

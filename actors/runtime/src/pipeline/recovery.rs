@@ -13,7 +13,7 @@ use super::writer::{CheckpointReport, Job, serialise};
 use crate::error::RuntimeError;
 use futures_util::future::join_all;
 use nsactor_data::Cursor;
-use nsactor_plugin_api::{EngineError, StageSnapshot};
+use nsactor_plugin_api::{EngineError, InitialWeights, StageSnapshot};
 use ractor::{ActorCell, ActorRef, SupervisionEvent};
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -96,8 +96,15 @@ impl SupState {
     /// checkpoint into them (none: the fresh stages are the step-0 state), rewinds the data
     /// and the step counter. Returns the step the run continues after.
     pub(super) async fn recover(&mut self, myself: &ActorRef<SupMsg>) -> Result<u64, RuntimeError> {
-        self.rebuild(myself).await?;
+        self.stop_children(myself).await;
         let found = self.newest_checkpoint().await?;
+        // Stages that will load a checkpoint draw no initial weights.
+        let weights = if found.is_some() {
+            InitialWeights::Loaded
+        } else {
+            InitialWeights::Seeded
+        };
+        self.respawn(myself, weights).await?;
         let (step, cursor) = match found {
             Some(l) => {
                 tracing::warn!("rolling back to {}", l.dir.display());
@@ -114,21 +121,42 @@ impl SupState {
         Ok(step)
     }
 
-    /// Stops every edge and layer actor and spawns new ones over freshly opened stages (their
-    /// initial weights), linked to the supervisor; the pipeline is no longer broken.
-    pub(super) async fn rebuild(&mut self, myself: &ActorRef<SupMsg>) -> Result<(), RuntimeError> {
-        self.restarts += 1;
+    /// Stops every edge and layer actor and spawns new ones over freshly opened stages
+    /// ([`respawn`](Self::respawn)); the pipeline is no longer broken.
+    pub(super) async fn rebuild(
+        &mut self,
+        myself: &ActorRef<SupMsg>,
+        weights: InitialWeights,
+    ) -> Result<(), RuntimeError> {
+        self.stop_children(myself).await;
+        self.respawn(myself, weights).await
+    }
+
+    /// Unlinks and stops every edge and layer actor, all at once: a live actor finishes the job
+    /// it is in; a dead one returns at once.
+    async fn stop_children(&mut self, myself: &ActorRef<SupMsg>) {
         let me = myself.get_cell();
         let old: Vec<ActorCell> = self.replicas().iter().flat_map(children_cells).collect();
         for c in &old {
             c.unlink(me.clone());
         }
-        // All at once: a live actor finishes the job it is in; a dead one returns at once.
         let wait = Some(Duration::from_secs(600));
         join_all(old.iter().map(|c| c.stop_and_wait(None, wait))).await;
+    }
+
+    /// Spawns every edge and layer actor anew over freshly opened stages, linked to the
+    /// supervisor: the step-0 weights ([`InitialWeights::Seeded`]), or none until loaded
+    /// ([`InitialWeights::Loaded`]).
+    async fn respawn(
+        &mut self,
+        myself: &ActorRef<SupMsg>,
+        weights: InitialWeights,
+    ) -> Result<(), RuntimeError> {
+        self.restarts += 1;
+        let me = myself.get_cell();
         let mut rebuilt = Vec::with_capacity(self.topo.replicas.len());
         for r in 0..self.topo.replicas.len() {
-            let (edge, layers) = self.topo.open_fresh(r).await?;
+            let (edge, layers) = self.topo.open_fresh(r, weights).await?;
             let children = self
                 .topo
                 .spawn(r, edge, layers, self.restarts as u64)
@@ -334,7 +362,7 @@ impl SupState {
         let shards = read(source).await?;
         let read_s = t.elapsed().as_secs_f64();
         let t = Instant::now();
-        self.rebuild(myself).await?;
+        self.rebuild(myself, InitialWeights::Loaded).await?;
         let rebuild_s = t.elapsed().as_secs_f64();
         let t = Instant::now();
         self.load_stages(shards).await?;

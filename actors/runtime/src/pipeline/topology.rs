@@ -10,7 +10,8 @@ use super::plan::PipelinePlan;
 use super::worker::{Priority, Worker};
 use crate::error::RuntimeError;
 use nsactor_plugin_api::{
-    ComputeBackend, EngineError, Reply, Stage, StageCall, StageKind, StageSnapshot, StageSpec,
+    ComputeBackend, EngineError, InitialWeights, Reply, Stage, StageCall, StageKind, StageSnapshot,
+    StageSpec,
 };
 use ractor::{Actor, ActorCell, ActorRef};
 use std::sync::Arc;
@@ -234,11 +235,13 @@ impl Topology {
             + r
     }
 
-    /// Replica `r`'s freshly initialised stages (the step-0 state, the same in every
-    /// replica), each opened on its own worker.
+    /// Replica `r`'s freshly opened stages, each on its own worker: the step-0 state (the same
+    /// in every replica) with [`InitialWeights::Seeded`], or stages that draw nothing and wait
+    /// for weights to be loaded with [`InitialWeights::Loaded`].
     pub async fn open_fresh(
         &self,
         r: usize,
+        weights: InitialWeights,
     ) -> Result<(Box<dyn Stage>, Vec<Box<dyn Stage>>), RuntimeError> {
         let Replica { plan, workers } = &self.replicas[r];
         let open = |kind: StageKind, device: usize, worker: &Arc<Worker>| {
@@ -246,6 +249,7 @@ impl Topology {
             let spec = StageSpec {
                 kind,
                 device,
+                weights,
                 ..self.spec.clone()
             };
             worker.run(Priority::Control, move || backend.open_stage(&spec))

@@ -497,10 +497,12 @@ fn graph_chain<B: SnnOps>(
 }
 
 /// What the backend ran against the composition from tensor ops (rounded to the type the run's
-/// output has), output by output: the largest
-/// error over the largest magnitude, and the share of elements off by more than 1e-4 of it (a
-/// spike that flips on a last-bit difference at the threshold changes its element by a whole
-/// threshold; a handful is expected, a wrong kernel changes most). Refuses a wrong kernel.
+/// output has), output by output: the largest error over the largest magnitude, and the share of
+/// elements off by more than 1e-4 of it plus one unit in the last place of a bf16 output (two
+/// f32 sums a rounding apart can round to neighbouring bf16 values: `g95` found one such
+/// aggregate element at batch 1); a spike that flips on a last-bit difference at the threshold
+/// changes its element by a whole threshold. A handful is expected, a wrong kernel changes
+/// most. Refuses a wrong kernel.
 fn check<B: SnnOps>(
     out: &mut String,
     name: &str,
@@ -524,7 +526,13 @@ fn check<B: SnnOps>(
         worst = worst.max(diff.clone().max().into_scalar().elem::<f32>() / scale);
         let n = diff.dims().iter().product::<usize>() as f64;
         let [_, rows, _] = diff.dims();
-        let bad_mask = diff.greater_elem(1e-4 * scale).float();
+        let ulp = match dtype {
+            DType::BF16 => 2f32.powi(-7),
+            DType::F16 => 2f32.powi(-10),
+            _ => 0.0,
+        };
+        let tolerance = b.clone().abs().mul_scalar(ulp).add_scalar(1e-4 * scale);
+        let bad_mask = diff.greater(tolerance).float();
         let bad = bad_mask.clone().sum().into_scalar().elem::<f64>();
         off = off.max(bad / n);
         let per_row = bad_mask.sum_dim(2).sum_dim(0).reshape([rows]);
@@ -539,7 +547,7 @@ fn check<B: SnnOps>(
         (n, rows)
     });
     out.push_str(&format!(
-        "  {name} as run vs composed: max error {worst:.2e} of the largest value, {:.4}% of elements off by > 1e-4 ({rows_differ} of {rows} batch rows)\n",
+        "  {name} as run vs composed: max error {worst:.2e} of the largest value, {:.4}% of elements off by > 1e-4 (+ one bf16 unit) ({rows_differ} of {rows} batch rows)\n",
         100.0 * off
     ));
     if off > 1e-3 {

@@ -121,3 +121,38 @@ fn layouts_that_do_not_fit_are_refused_with_the_reason() {
         .to_string();
     assert!(e.contains("equal blocks"), "{e}");
 }
+
+/// A layer that panics under two replicas (ordered reduction) rolls the run back to its
+/// checkpoint and the run ends as the one without the fault does, bit for bit. The rebuilt
+/// stages wait for the checkpoint (`InitialWeights::Loaded`) and take the gradient hold while
+/// the replicas are wired, before it is loaded.
+#[test]
+fn a_replicated_run_recovers_from_its_checkpoint_exactly() {
+    let _serial = serial();
+    let mut t = train_cfg();
+    t.steps = 6;
+    t.accumulation = 4;
+    t.data_parallel = 2;
+    t.dp_reduce = DpReduce::Ordered;
+    let start = |t: TrainConfig| {
+        let plan = PipelinePlan::balanced(4, 2, &[0]).unwrap();
+        Pipeline::start(staged(), plan, t, Some(sampler())).unwrap()
+    };
+    let straight_dir = tempfile::tempdir().unwrap();
+    let mut straight = t.clone();
+    straight.out_dir = straight_dir.path().to_path_buf();
+    let mut p = start(straight);
+    let (want, none) = run_with_recovery(&mut p, 6, 2, &straight_dir.path().join("checkpoints"));
+    assert!(none.is_empty());
+    let want_shards = p.save_stages().unwrap();
+
+    let dir = tempfile::tempdir().unwrap();
+    let mut faulty = t;
+    faulty.out_dir = dir.path().to_path_buf();
+    faulty.inject_fault = Some("layer-panic:2:5".into());
+    let mut p = start(faulty);
+    let (got, back) = run_with_recovery(&mut p, 6, 2, &dir.path().join("checkpoints"));
+    assert_eq!(back, [4]);
+    assert_eq!(got, want);
+    assert!(p.save_stages().unwrap() == want_shards);
+}

@@ -141,38 +141,6 @@ fn a_checkpoint_resumes_the_run_exactly() {
     assert!(resumed.save_stages().unwrap() == straight.save_stages().unwrap());
 }
 
-/// Runs `cfg.steps` steps, checkpointing every `every` steps under `out_dir/checkpoints` (0:
-/// never); returns each step's loss bits (redone steps overwrite) and the recoveries seen.
-fn run_with_recovery(
-    p: &mut Pipeline,
-    steps: u64,
-    every: u64,
-    root: &std::path::Path,
-) -> (Vec<u64>, Vec<u64>) {
-    let mut losses = Vec::new();
-    let mut rolled_back_to = Vec::new();
-    let mut step = 0;
-    while step < steps {
-        match p.step() {
-            Ok(r) => {
-                step = r.step;
-                losses.truncate(step as usize - 1);
-                losses.push(r.stats.loss.to_bits());
-                if every > 0 && step % every == 0 {
-                    p.checkpoint(root, 0, "cfg".into(), None).unwrap();
-                }
-            }
-            Err(RuntimeError::Recovered { to_step, cause, .. }) => {
-                assert!(cause.contains("injected fault: layer 2"), "{cause}");
-                rolled_back_to.push(to_step);
-                step = to_step;
-            }
-            Err(e) => panic!("{e}"),
-        }
-    }
-    (losses, rolled_back_to)
-}
-
 #[test]
 fn a_panicking_layer_actor_is_rebuilt_and_the_run_ends_as_if_nothing_happened() {
     let _serial = serial();

@@ -5,6 +5,7 @@ use crate::layer::session_rows;
 use crate::sessions::SessionTable;
 use crate::state::{
     Trainer, check_loaded, count, initial_rng, load_stage, save_stage, snapshot_stage, sync,
+    waits_for_weights,
 };
 use crate::{Ad, act, wrap};
 use burn::tensor::{ElementConversion, Int, Tensor, TensorData};
@@ -253,7 +254,11 @@ impl<B: SnnOps> EdgeStage<B> {
 impl<B: SnnOps> Stage for EdgeStage<B> {
     fn call(&mut self, call: StageCall<'_>) -> Result<Reply, EngineError> {
         let name = call.name();
-        check_loaded(self.awaiting_load, "the edge", name)?;
+        check_loaded(
+            self.awaiting_load && waits_for_weights(&call),
+            || "the edge".into(),
+            name,
+        )?;
         let call = match self.trainer.exchange(&self.ad, "", call) {
             Ok(r) => return r,
             Err(other) => other,
@@ -342,12 +347,12 @@ impl<B: SnnOps> Stage for EdgeStage<B> {
     }
 
     fn save(&self) -> Result<Vec<u8>, EngineError> {
-        check_loaded(self.awaiting_load, "the edge", "save")?;
+        check_loaded(self.awaiting_load, || "the edge".into(), "save")?;
         save_stage(&self.inner, "", &self.trainer.adam, "edge")
     }
 
     fn snapshot(&self) -> Result<Box<dyn StageSnapshot>, EngineError> {
-        check_loaded(self.awaiting_load, "the edge", "snapshot")?;
+        check_loaded(self.awaiting_load, || "the edge".into(), "snapshot")?;
         Ok(Box::new(snapshot_stage(
             &self.inner,
             "",

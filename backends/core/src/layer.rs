@@ -4,6 +4,7 @@ use crate::graphs::DecodeGraphs;
 use crate::sessions::SessionTable;
 use crate::state::{
     Trainer, check_loaded, count, initial_rng, load_stage, norms, save_stage, snapshot_stage, sync,
+    waits_for_weights,
 };
 use crate::{Ad, act, wrap};
 use burn::tensor::{ElementConversion, Tensor};
@@ -330,7 +331,11 @@ pub(crate) fn session_rows(
 impl<B: SnnOps> Stage for LayerStage<B> {
     fn call(&mut self, call: StageCall<'_>) -> Result<Reply, EngineError> {
         let name = call.name();
-        check_loaded(self.awaiting_load, &self.label(), name)?;
+        check_loaded(
+            self.awaiting_load && waits_for_weights(&call),
+            || self.label(),
+            name,
+        )?;
         let call = match self.trainer.exchange(&self.ad, &self.prefix, call) {
             Ok(r) => return r,
             Err(other) => other,
@@ -386,7 +391,7 @@ impl<B: SnnOps> Stage for LayerStage<B> {
     }
 
     fn save(&self) -> Result<Vec<u8>, EngineError> {
-        check_loaded(self.awaiting_load, &self.label(), "save")?;
+        check_loaded(self.awaiting_load, || self.label(), "save")?;
         save_stage(
             &self.inner,
             &self.prefix,
@@ -396,7 +401,7 @@ impl<B: SnnOps> Stage for LayerStage<B> {
     }
 
     fn snapshot(&self) -> Result<Box<dyn StageSnapshot>, EngineError> {
-        check_loaded(self.awaiting_load, &self.label(), "snapshot")?;
+        check_loaded(self.awaiting_load, || self.label(), "snapshot")?;
         Ok(Box::new(snapshot_stage(
             &self.inner,
             &self.prefix,

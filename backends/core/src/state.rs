@@ -28,14 +28,27 @@ pub(crate) fn initial_rng(spec: &StageSpec, part: u64) -> Rng {
     }
 }
 
-/// Refuses `call` on `stage` while it waits for the weights it was opened to load.
-pub(crate) fn check_loaded(waiting: bool, stage: &str, call: &str) -> Result<(), EngineError> {
+/// Refuses `call` on the stage `stage` names while it waits for the weights it was opened to
+/// load ([`waits_for_weights`] says which calls wait).
+pub(crate) fn check_loaded(
+    waiting: bool,
+    stage: impl FnOnce() -> String,
+    call: &str,
+) -> Result<(), EngineError> {
     if waiting {
         return Err(EngineError::InvalidInput(format!(
-            "{stage} was opened to load its weights and has none yet; {call} refused"
+            "{} was opened to load its weights and has none yet; {call} refused",
+            stage()
         )));
     }
     Ok(())
+}
+
+/// Whether `call` needs a stage's weights. `HoldGrads` does not: it sets how gradients are
+/// exchanged, and a data-parallel replica's stages get it when they are wired, before a
+/// recovery loads the checkpoint into them.
+pub(crate) fn waits_for_weights(call: &StageCall<'_>) -> bool {
+    !matches!(call, StageCall::HoldGrads { .. })
 }
 
 /// Flattens every parameter of `m` (declaration order).

@@ -6,6 +6,7 @@
 
 use nsactor_data::{MemTokens, Mode, Sampler};
 use nsactor_plugin_api::{Batch, OptimizerKind};
+use nsactor_runtime::RuntimeError;
 use nsactor_runtime::config::{RunConfig, model_from_toml};
 use nsactor_runtime::engine::{StagedModel, StepParams, StepStats};
 use nsactor_runtime::pipeline::{Pipeline, PipelinePlan};
@@ -152,4 +153,36 @@ pub async fn forced(
     }
     d.close(s).await;
     out
+}
+
+/// Runs `cfg.steps` steps, checkpointing every `every` steps under `out_dir/checkpoints` (0:
+/// never); returns each step's loss bits (redone steps overwrite) and the recoveries seen.
+pub fn run_with_recovery(
+    p: &mut Pipeline,
+    steps: u64,
+    every: u64,
+    root: &std::path::Path,
+) -> (Vec<u64>, Vec<u64>) {
+    let mut losses = Vec::new();
+    let mut rolled_back_to = Vec::new();
+    let mut step = 0;
+    while step < steps {
+        match p.step() {
+            Ok(r) => {
+                step = r.step;
+                losses.truncate(step as usize - 1);
+                losses.push(r.stats.loss.to_bits());
+                if every > 0 && step % every == 0 {
+                    p.checkpoint(root, 0, "cfg".into(), None).unwrap();
+                }
+            }
+            Err(RuntimeError::Recovered { to_step, cause, .. }) => {
+                assert!(cause.contains("injected fault: layer 2"), "{cause}");
+                rolled_back_to.push(to_step);
+                step = to_step;
+            }
+            Err(e) => panic!("{e}"),
+        }
+    }
+    (losses, rolled_back_to)
 }

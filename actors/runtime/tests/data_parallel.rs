@@ -138,20 +138,11 @@ fn a_replicated_run_recovers_from_its_checkpoint_exactly() {
         let plan = PipelinePlan::balanced(4, 2, &[0]).unwrap();
         Pipeline::start(staged(), plan, t, Some(sampler())).unwrap()
     };
-    let straight_dir = tempfile::tempdir().unwrap();
-    let mut straight = t.clone();
-    straight.out_dir = straight_dir.path().to_path_buf();
-    let mut p = start(straight);
-    let (want, none) = run_with_recovery(&mut p, 6, 2, &straight_dir.path().join("checkpoints"));
+    let (mut straight, want, none, _dir) = recovery_run(&t, None, 2, start);
     assert!(none.is_empty());
-    let want_shards = p.save_stages().unwrap();
+    let want_shards = straight.save_stages().unwrap();
 
-    let dir = tempfile::tempdir().unwrap();
-    let mut faulty = t;
-    faulty.out_dir = dir.path().to_path_buf();
-    faulty.inject_fault = Some("layer-panic:2:5".into());
-    let mut p = start(faulty);
-    let (got, back) = run_with_recovery(&mut p, 6, 2, &dir.path().join("checkpoints"));
+    let (mut p, got, back, _dir) = recovery_run(&t, Some("layer-panic:2:5"), 2, start);
     assert_eq!(back, [4]);
     assert_eq!(got, want);
     assert!(p.save_stages().unwrap() == want_shards);

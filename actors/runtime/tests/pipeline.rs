@@ -144,27 +144,18 @@ fn a_checkpoint_resumes_the_run_exactly() {
 #[test]
 fn a_panicking_layer_actor_is_rebuilt_and_the_run_ends_as_if_nothing_happened() {
     let _serial = serial();
-    let straight_dir = tempfile::tempdir().unwrap();
     let mut t = train_cfg();
     t.steps = 6;
-    t.out_dir = straight_dir.path().to_path_buf();
     let start = |t: nsactor_runtime::config::TrainConfig| {
         let plan = PipelinePlan::balanced(4, 2, &[0]).unwrap();
         Pipeline::start(staged(), plan, t, Some(sampler())).unwrap()
     };
-    let mut straight = start(t.clone());
-    let root = straight_dir.path().join("checkpoints");
-    let (want, none) = run_with_recovery(&mut straight, 6, 2, &root);
+    let (mut straight, want, none, _dir) = recovery_run(&t, None, 2, start);
     assert!(none.is_empty());
     let want_shards = straight.save_stages().unwrap();
 
     // Layer 2 panics in step 5: back to the step-4 checkpoint.
-    let dir = tempfile::tempdir().unwrap();
-    let mut faulty = t.clone();
-    faulty.out_dir = dir.path().to_path_buf();
-    faulty.inject_fault = Some("layer-panic:2:5".into());
-    let mut p = start(faulty);
-    let (got, back) = run_with_recovery(&mut p, 6, 2, &dir.path().join("checkpoints"));
+    let (mut p, got, back, _dir) = recovery_run(&t, Some("layer-panic:2:5"), 2, start);
     assert_eq!(back, [4]);
     assert_eq!(got, want);
     assert!(p.save_stages().unwrap() == want_shards);
@@ -172,12 +163,7 @@ fn a_panicking_layer_actor_is_rebuilt_and_the_run_ends_as_if_nothing_happened() 
     assert_eq!(p.generate_greedy(&[3, 4], 3, None, &[]).unwrap().len(), 5);
 
     // Before any checkpoint: back to the initial weights and the first batch.
-    let dir = tempfile::tempdir().unwrap();
-    let mut early = t.clone();
-    early.out_dir = dir.path().to_path_buf();
-    early.inject_fault = Some("layer-panic:2:2".into());
-    let mut p = start(early);
-    let (got, back) = run_with_recovery(&mut p, 6, 0, &dir.path().join("checkpoints"));
+    let (mut p, got, back, _dir) = recovery_run(&t, Some("layer-panic:2:2"), 0, start);
     assert_eq!(back, [0]);
     assert_eq!(got, want);
     assert!(p.save_stages().unwrap() == want_shards);

@@ -411,7 +411,7 @@ impl<B: SnnOps> Stage for LayerStage<B> {
     }
 
     fn load(&mut self, bytes: &[u8]) -> Result<(), EngineError> {
-        let label = format!("layer {}", self.index);
+        let label = self.label();
         load_stage::<B, _>(
             &mut self.ad,
             &self.prefix,

@@ -544,7 +544,7 @@ fn check<B: SnnOps>(
             DType::F16 => Some(10),
             _ => None,
         };
-        let tolerance = match mantissa {
+        let is_off = match mantissa {
             Some(bits) => {
                 rounded = true;
                 let ln2 = std::f32::consts::LN_2;
@@ -555,15 +555,16 @@ fn check<B: SnnOps>(
                     .log()
                     .div_scalar(ln2)
                     .floor();
-                exponent
+                let tolerance = exponent
                     .sub_scalar(bits as f32)
                     .mul_scalar(ln2)
                     .exp()
-                    .add_scalar(1e-4 * scale)
+                    .add_scalar(1e-4 * scale);
+                diff.greater(tolerance)
             }
-            None => b.zeros_like().add_scalar(1e-4 * scale),
+            None => diff.greater_elem(1e-4 * scale),
         };
-        let bad_mask = diff.greater(tolerance).float();
+        let bad_mask = is_off.float();
         let bad = bad_mask.clone().sum().into_scalar().elem::<f64>();
         off = off.max(bad / n);
         let per_row = bad_mask.sum_dim(2).sum_dim(0).reshape([rows]);

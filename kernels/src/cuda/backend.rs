@@ -45,6 +45,23 @@ fn selective_args<B: Backend>(inp: SelectiveInputs<B>) -> [FloatTensor<B>; 8] {
     ]
 }
 
+/// The fused selective forward as a timed scan span: `(spikes where asked, V_post, last)`.
+fn selective_forward_timed(
+    inp: SelectiveInputs<Cuda>,
+    spikes: bool,
+) -> (
+    Option<FloatTensor<Cuda>>,
+    FloatTensor<Cuda>,
+    FloatTensor<Cuda>,
+) {
+    let _ = scan_shape::<Cuda>(&inp.i, &inp.v0);
+    let v_th_min = inp.v_th_min;
+    let device = inp.i.device.clone();
+    scan_timed(&device, || {
+        selective::selective_forward(selective_args(inp), v_th_min, spikes)
+    })
+}
+
 /// RMSNorm + the input PLIF's tensors `[x, norm_w, w, v_th, v0]` and `(eps, K, leak)`, as the
 /// kernels take them.
 fn norm_plif_args<B: Backend>(inp: NormPlifInputs<B>) -> ([FloatTensor<B>; 5], f32, usize, bool) {
@@ -420,12 +437,7 @@ impl SnnOps for Cuda {
     }
 
     fn plif_selective_forward(inp: SelectiveInputs<Self>) -> PlifOutput<Self> {
-        let _ = scan_shape::<Self>(&inp.i, &inp.v0);
-        let v_th_min = inp.v_th_min;
-        let device = inp.i.device.clone();
-        let (spike, vpost, last) = scan_timed(&device, || {
-            selective::selective_forward(selective_args(inp), v_th_min, true)
-        });
+        let (spike, vpost, last) = selective_forward_timed(inp, true);
         PlifOutput {
             spike: spike.expect("asked for the spikes"),
             vpost,
@@ -436,12 +448,7 @@ impl SnnOps for Cuda {
     fn plif_selective_untracked(
         inp: SelectiveInputs<Self>,
     ) -> (FloatTensor<Self>, Option<FloatTensor<Self>>) {
-        let _ = scan_shape::<Self>(&inp.i, &inp.v0);
-        let v_th_min = inp.v_th_min;
-        let device = inp.i.device.clone();
-        let (_, vpost, last) = scan_timed(&device, || {
-            selective::selective_forward(selective_args(inp), v_th_min, false)
-        });
+        let (_, vpost, last) = selective_forward_timed(inp, false);
         (vpost, Some(last))
     }
 

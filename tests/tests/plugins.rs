@@ -150,7 +150,7 @@ fn a_panic_inside_a_plugin_call_is_reported_and_the_host_keeps_running() {
             device: 0,
             model: ModelConfig::neuronspark_0_9b(),
             seed: 0,
-            optimizer: OptimizerKind::Adam,
+            optimizer: Some(OptimizerKind::Adam),
             weights: InitialWeights::Seeded,
         })
         .unwrap();
@@ -297,7 +297,7 @@ fn session_sample_crosses_the_boundary_bitwise() {
             device: 0,
             model: tiny_model(),
             seed: 4,
-            optimizer: OptimizerKind::Adam,
+            optimizer: Some(OptimizerKind::Adam),
             weights: InitialWeights::Seeded,
         };
         let mut edge = b.open_stage(&spec(StageKind::Edge)).unwrap();
@@ -402,7 +402,7 @@ fn the_gradient_exchange_crosses_the_boundary_bitwise() {
                 device: 0,
                 model: model.clone(),
                 seed: 5,
-                optimizer: OptimizerKind::Adam,
+                optimizer: Some(OptimizerKind::Adam),
                 weights: InitialWeights::Seeded,
             })
             .unwrap()

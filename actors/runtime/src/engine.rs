@@ -120,20 +120,21 @@ impl StagedModel {
             backend,
             model,
             seed,
-            optimizer,
+            Some(optimizer),
             placement,
             InitialWeights::Seeded,
         )
     }
 
-    /// [`open`](Self::open) with the stages' first weights chosen: with
+    /// [`open`](Self::open) with the stages' optimizer and first weights chosen: without an
+    /// optimizer they serve or evaluate only (a checkpoint's Adam moments stay on disk); with
     /// [`InitialWeights::Loaded`] they draw none and refuse every call until they are loaded
     /// ([`load_stages`](Self::load_stages), or the pipeline's load).
     pub fn open_with(
         backend: Arc<dyn ComputeBackend>,
         model: &ModelConfig,
         seed: u64,
-        optimizer: OptimizerKind,
+        optimizer: Option<OptimizerKind>,
         placement: Option<Placement>,
         weights: InitialWeights,
     ) -> Result<Self, EngineError> {

@@ -63,7 +63,7 @@ impl Stages {
             device: 0,
             model: model.clone(),
             seed,
-            optimizer: OptimizerKind::Adam,
+            optimizer: Some(OptimizerKind::Adam),
             weights: InitialWeights::Seeded,
         };
         let edge = backend.open_stage(&spec(StageKind::Edge))?;

@@ -104,19 +104,20 @@ pub fn launch_in(
     launch_with(
         compute,
         cfg,
-        optimizer,
+        Some(optimizer),
         sampler,
         world,
         InitialWeights::Seeded,
     )
 }
 
-/// [`launch_in`] with the stages' first weights chosen: [`InitialWeights::Loaded`] for a
-/// pipeline whose weights are loaded next ([`Pipeline::load_from`]), which then draws none.
+/// [`launch_in`] with the stages' optimizer (none for a pipeline that only serves or
+/// evaluates) and first weights chosen: [`InitialWeights::Loaded`] for a pipeline whose
+/// weights are loaded next ([`Pipeline::load_from`]), which then draws none.
 fn launch_with(
     compute: Arc<dyn ComputeBackend>,
     cfg: &RunConfig,
-    optimizer: OptimizerKind,
+    optimizer: Option<OptimizerKind>,
     sampler: Option<Sampler>,
     world: Option<Arc<crate::pipeline::world::WorldLink>>,
     weights: InitialWeights,
@@ -219,7 +220,8 @@ pub fn load_checkpoint(o: &CheckpointOptions) -> Result<Loaded, RuntimeError> {
 
 /// The pipeline a checkpoint is opened on for serving or evaluation: `o`'s precision set in
 /// `cfg`, its backend, pipeline stages and devices, `o`'s injected fault (if any), stages
-/// waiting for the checkpoint's weights (none drawn).
+/// waiting for the checkpoint's weights (none drawn) and keeping no optimizer: the
+/// checkpoint's Adam moments, twice the weights' bytes, are neither uploaded nor held.
 fn serving_pipeline(cfg: &mut RunConfig, o: &CheckpointOptions) -> Result<Pipeline, RuntimeError> {
     if let Some(p) = &o.precision {
         cfg.backend.precision = Some(p.clone());
@@ -234,14 +236,7 @@ fn serving_pipeline(cfg: &mut RunConfig, o: &CheckpointOptions) -> Result<Pipeli
     run.train.devices = o.devices.clone();
     run.train.data_parallel = 1;
     run.train.inject_fault = o.inject_fault.clone();
-    launch_with(
-        compute,
-        &run,
-        OptimizerKind::Adam,
-        None,
-        None,
-        InitialWeights::Loaded,
-    )
+    launch_with(compute, &run, None, None, None, InitialWeights::Loaded)
 }
 
 /// A [`WeightSource`] that hands out `first` (already read) once, then calls `read`.

@@ -27,7 +27,7 @@ impl Model {
             device: 0,
             model: model.clone(),
             seed: 5,
-            optimizer: OptimizerKind::Adam,
+            optimizer: Some(OptimizerKind::Adam),
             weights: InitialWeights::Seeded,
         };
         let edge = backend.open_stage(&spec(StageKind::Edge)).unwrap();

@@ -348,7 +348,7 @@ impl<B: SnnOps> Stage for EdgeStage<B> {
 
     fn save(&self) -> Result<Vec<u8>, EngineError> {
         check_loaded(self.awaiting_load, || "the edge".into(), "save")?;
-        save_stage(&self.inner, "", &self.trainer.adam, "edge")
+        save_stage(&self.inner, "", self.trainer.adam.as_ref(), "edge")
     }
 
     fn snapshot(&self) -> Result<Box<dyn StageSnapshot>, EngineError> {
@@ -356,13 +356,13 @@ impl<B: SnnOps> Stage for EdgeStage<B> {
         Ok(Box::new(snapshot_stage(
             &self.inner,
             "",
-            &self.trainer.adam,
+            self.trainer.adam.as_ref(),
             "edge",
         )))
     }
 
     fn load(&mut self, bytes: &[u8]) -> Result<(), EngineError> {
-        load_stage::<B, _>(&mut self.ad, "", &mut self.trainer.adam, bytes, "edge")?;
+        load_stage::<B, _>(&mut self.ad, "", self.trainer.adam.as_mut(), bytes, "edge")?;
         sync::<B, _, _>(&self.ad, &mut self.inner);
         self.trainer.clear();
         self.kept.clear();

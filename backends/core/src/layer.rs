@@ -395,7 +395,7 @@ impl<B: SnnOps> Stage for LayerStage<B> {
         save_stage(
             &self.inner,
             &self.prefix,
-            &self.trainer.adam,
+            self.trainer.adam.as_ref(),
             &format!("layer {}", self.index),
         )
     }
@@ -405,7 +405,7 @@ impl<B: SnnOps> Stage for LayerStage<B> {
         Ok(Box::new(snapshot_stage(
             &self.inner,
             &self.prefix,
-            &self.trainer.adam,
+            self.trainer.adam.as_ref(),
             &format!("layer {}", self.index),
         )))
     }
@@ -415,7 +415,7 @@ impl<B: SnnOps> Stage for LayerStage<B> {
         load_stage::<B, _>(
             &mut self.ad,
             &self.prefix,
-            &mut self.trainer.adam,
+            self.trainer.adam.as_mut(),
             bytes,
             &label,
         )?;

@@ -97,20 +97,23 @@ pub(crate) struct Trainer<B: SnnOps> {
     pub grads: Option<GradSet<B>>,
     /// Micro-batches' gradients as they arrive, in order ([`Streams`]).
     pub streams: Streams<B>,
-    pub adam: Adam<B>,
+    /// `None` in a stage opened without an optimizer ([`StageSpec::optimizer`]): it serves or
+    /// evaluates only, and refuses a step.
+    pub adam: Option<Adam<B>>,
 }
 
 impl<B: SnnOps> Trainer<B> {
-    /// A trainer of `streams` gradient streams (a layer 1, the edge 2).
-    pub fn new(kind: OptimizerKind, streams: usize) -> Self {
-        let cfg = match kind {
+    /// A trainer of `streams` gradient streams (a layer 1, the edge 2), with `kind`'s
+    /// optimizer if any.
+    pub fn new(kind: Option<OptimizerKind>, streams: usize) -> Self {
+        let cfg = kind.map(|k| match k {
             OptimizerKind::Adam => AdamConfig::adam(),
             OptimizerKind::AdamW => AdamConfig::adamw_sft(),
-        };
+        });
         Trainer {
             grads: None,
             streams: Streams::new(streams),
-            adam: Adam::new(cfg),
+            adam: cfg.map(Adam::new),
         }
     }
 
@@ -172,7 +175,13 @@ impl<B: SnnOps> Trainer<B> {
         neuron_lr: f64,
         clip: f64,
     ) -> Result<(), EngineError> {
-        self.flush();
+        let adam = self.adam.as_mut().ok_or_else(|| {
+            EngineError::InvalidInput(
+                "Step refused: this stage was opened without an optimizer (to serve or evaluate)"
+                    .into(),
+            )
+        })?;
+        self.streams.settle(&mut self.grads);
         let grads = self.grads.take().ok_or_else(|| {
             EngineError::InvalidInput("Step without gradients: run a backward pass first".into())
         })?;
@@ -182,8 +191,7 @@ impl<B: SnnOps> Trainer<B> {
             )));
         }
         // The clip is applied inside the update (`AdamStep::grad_scale`): no pass of its own.
-        self.adam
-            .step::<Ad<B>, M>(module, prefix, &grads, lr, neuron_lr, clip);
+        adam.step::<Ad<B>, M>(module, prefix, &grads, lr, neuron_lr, clip);
         Ok(())
     }
 }
@@ -214,11 +222,12 @@ compile_error!(
     "stage shards are written as the host's f32 bytes, which safetensors wants little-endian"
 );
 
-/// Serialises `module`'s parameters (named `{prefix}{name}`) and the Adam state of those names.
+/// Serialises `module`'s parameters (named `{prefix}{name}`) and the Adam state of those names
+/// (none without an optimizer).
 pub(crate) fn save_stage<B: SnnOps, M: Params<B>>(
     module: &M,
     prefix: &str,
-    adam: &Adam<B>,
+    adam: Option<&Adam<B>>,
     stage: &str,
 ) -> Result<Vec<u8>, EngineError> {
     snapshot_stage(module, prefix, adam, stage).serialise()
@@ -231,7 +240,7 @@ pub(crate) fn save_stage<B: SnnOps, M: Params<B>>(
 pub(crate) fn snapshot_stage<B: SnnOps, M: Params<B>>(
     module: &M,
     prefix: &str,
-    adam: &Adam<B>,
+    adam: Option<&Adam<B>>,
     stage: &str,
 ) -> StageSnap<B> {
     struct Dump<B: Backend>(Vec<(String, Vec<usize>, Tensor<B, 1>)>);
@@ -250,7 +259,7 @@ pub(crate) fn snapshot_stage<B: SnnOps, M: Params<B>>(
         stage: stage.to_string(),
     };
     for (name, shape, values) in d.0 {
-        if let Some(st) = adam.state.get(&name) {
+        if let Some(st) = adam.and_then(|a| a.state.get(&name)) {
             snap.adam_steps.insert(name.clone(), st.step);
             for (kind, t) in [("exp_avg", &st.exp_avg), ("exp_avg_sq", &st.exp_avg_sq)] {
                 snap.tensors
@@ -316,12 +325,13 @@ impl<B: Backend> StageSnapshot for StageSnap<B> {
     }
 }
 
-/// Loads `module`'s parameters from `bytes` (plain names or the HF `model.` layout) and the Adam
-/// state when the file has it for every parameter; otherwise the optimizer starts fresh.
+/// Loads `module`'s parameters from `bytes` (plain names or the HF `model.` layout) and, for a
+/// stage with an optimizer, the Adam state when the file has it for every parameter; otherwise
+/// the optimizer starts fresh. Without an optimizer the file's Adam moments are never read.
 pub(crate) fn load_stage<B: SnnOps, M: Params<Ad<B>>>(
     module: &mut M,
     prefix: &str,
-    adam: &mut Adam<B>,
+    adam: Option<&mut Adam<B>>,
     bytes: &[u8],
     stage: &str,
 ) -> Result<(), EngineError> {
@@ -334,7 +344,7 @@ pub(crate) fn load_stage<B: SnnOps, M: Params<Ad<B>>>(
 fn read_stage<B: SnnOps, M: Params<Ad<B>>>(
     module: &mut M,
     prefix: &str,
-    adam: &mut Adam<B>,
+    adam: Option<&mut Adam<B>>,
     bytes: &[u8],
 ) -> Result<(), EngineError> {
     let st = SafeTensors::deserialize(bytes)
@@ -358,6 +368,9 @@ fn read_stage<B: SnnOps, M: Params<Ad<B>>>(
         prefix.to_string()
     };
     load_params(module, &st, &file_prefix).map_err(|e| EngineError::Io(e.to_string()))?;
+    let Some(adam) = adam else {
+        return Ok(());
+    };
 
     let (_, meta) = SafeTensors::read_metadata(bytes)
         .map_err(|e| EngineError::Io(format!("safetensors header: {e}")))?;

@@ -381,8 +381,9 @@ pub unsafe extern "C" fn stage_open(
             k => return Err(EngineError::InvalidInput(format!("unknown stage kind {k}"))),
         };
         let optimizer = match s.optimizer {
-            0 => OptimizerKind::Adam,
-            1 => OptimizerKind::AdamW,
+            0 => Some(OptimizerKind::Adam),
+            1 => Some(OptimizerKind::AdamW),
+            2 => None,
             k => return Err(EngineError::InvalidInput(format!("unknown optimizer {k}"))),
         };
         let weights = match s.weights {

@@ -421,8 +421,9 @@ impl ComputeBackend for ForeignBackend {
         let ns = NsStageSpec {
             kind,
             optimizer: match spec.optimizer {
-                OptimizerKind::Adam => 0,
-                OptimizerKind::AdamW => 1,
+                Some(OptimizerKind::Adam) => 0,
+                Some(OptimizerKind::AdamW) => 1,
+                None => 2,
             },
             weights: match spec.weights {
                 InitialWeights::Seeded => 0,

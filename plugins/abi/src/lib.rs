@@ -75,8 +75,9 @@ impl NsBuf {
     };
 }
 
-/// A stage to open. `kind` 0 = edge, 1 = layer `layer`; `optimizer` 0 = Adam, 1 = AdamW;
-/// `weights` 0 = seeded, 1 = loaded by the caller (ABI 11).
+/// A stage to open. `kind` 0 = edge, 1 = layer `layer`; `optimizer` 0 = Adam, 1 = AdamW,
+/// 2 = none (a stage that only serves, ABI 12); `weights` 0 = seeded, 1 = loaded by the caller
+/// (ABI 11).
 #[repr(C)]
 pub struct NsStageSpec {
     pub kind: u32,

@@ -58,8 +58,9 @@ use std::fmt;
 /// [`StageCall::GradsOut`], [`StageCall::GradsIn`]). Revision 10 added collectives between
 /// processes ([`ComputeBackend::collective_id`], [`ComputeBackend::collective_join`],
 /// [`ComputeBackend::all_reduce_sum`]). Revision 11 added [`StageSpec::weights`]: a stage opened
-/// to load its weights draws none.
-pub const ABI_VERSION: u32 = 11;
+/// to load its weights draws none. Revision 12 made [`StageSpec::optimizer`] optional: a stage
+/// that only serves keeps no optimizer state.
+pub const ABI_VERSION: u32 = 12;
 
 /// One micro-batch of token ids, row-major `[batch, seq_len]`.
 #[derive(Debug, Clone, PartialEq)]

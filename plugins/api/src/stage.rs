@@ -118,7 +118,10 @@ pub struct StageSpec {
     /// Initialisation seed of the whole model; each stage derives its own stream from it, so
     /// a stage's initial parameters do not depend on how layers are grouped.
     pub seed: u64,
-    pub optimizer: OptimizerKind,
+    /// The optimizer of a stage that trains; `None` for one that only serves or evaluates: it
+    /// keeps no optimizer state (a checkpoint's Adam moments are not loaded, about 8 bytes a
+    /// parameter of device memory saved) and refuses [`StageCall::Step`].
+    pub optimizer: Option<OptimizerKind>,
     pub weights: InitialWeights,
 }
 

@@ -17,7 +17,7 @@ fn probe_and_token_losses_cross_the_boundary_bitwise() {
             device: 0,
             model: tiny_model(),
             seed: 3,
-            optimizer: OptimizerKind::Adam,
+            optimizer: Some(OptimizerKind::Adam),
             weights: InitialWeights::Seeded,
         };
         let mut edge = b.open_stage(&spec(StageKind::Edge)).unwrap();

@@ -1,12 +1,14 @@
-//! Stages opened to load their weights (`InitialWeights::Loaded`, ABI 11) through the plugin
-//! boundary.
+//! Stages opened to load their weights (`InitialWeights::Loaded`, ABI 11), and stages opened
+//! without an optimizer to serve (ABI 12), through the plugin boundary.
 
 use super::ndarray_plugin;
 use nsactor_plugin_api::{
-    EngineError, HostTensor, InitialWeights, OptimizerKind, Probe, Stage, StageCall, StageKind,
-    StageSpec,
+    Batch, EngineError, HostTensor, InitialWeights, OptimizerKind, Probe, Stage, StageCall,
+    StageKind, StageSpec,
 };
 use nsactor_runtime::config::tiny_model;
+use nsactor_runtime::engine::{StagedModel, StepParams};
+use safetensors::SafeTensors;
 
 /// A stage opened to load its weights (`InitialWeights::Loaded`, ABI 11) crosses the C
 /// boundary as such: it refuses every call until loaded, with an error that says why, and once
@@ -20,7 +22,7 @@ fn a_stage_opened_to_load_refuses_calls_until_it_is_loaded() {
         device: 0,
         model: tiny_model(),
         seed: 11,
-        optimizer: OptimizerKind::Adam,
+        optimizer: Some(OptimizerKind::Adam),
         weights,
     };
     let seeded = b.open_stage(&spec(InitialWeights::Seeded)).unwrap();
@@ -61,4 +63,84 @@ fn a_stage_opened_to_load_refuses_calls_until_it_is_loaded() {
         out.iter().map(|x| x.to_bits()).collect::<Vec<_>>()
     };
     assert_eq!(probe(&mut waiting), probe(&mut seeded));
+}
+
+/// A model opened without an optimizer (`StageSpec::optimizer: None`, ABI 12: how `serve`,
+/// `eval` and a heal open a checkpoint) takes a trained checkpoint's weights and leaves its Adam
+/// moments unread: it evaluates exactly as the trained model does, saves the same parameters
+/// and no moments, and refuses a step with an error that says why.
+#[test]
+fn a_model_opened_without_an_optimizer_loads_the_weights_only_and_refuses_a_step() {
+    let model = tiny_model();
+    let mut trained =
+        StagedModel::open(ndarray_plugin(), &model, 5, OptimizerKind::Adam, None).expect("open");
+    let (b, t) = (2, 8);
+    let batch = Batch {
+        batch: b,
+        seq_len: t,
+        inputs: (0..b * t).map(|i| (i * 7 % 200) as i64 + 3).collect(),
+        targets: (0..b * t).map(|i| (i * 11 % 200) as i64 + 3).collect(),
+        loss_mask: vec![1.0; b * t],
+    };
+    let params = StepParams {
+        lr: 1e-2,
+        neuron_lr: 1e-1,
+        ponder_weight: 0.01,
+        max_grad_norm: 1.0,
+    };
+    trained
+        .train_step(std::slice::from_ref(&batch), &params)
+        .unwrap();
+    let shards = trained.save_stages().unwrap();
+    let mut frozen = StagedModel::open_with(
+        ndarray_plugin(),
+        &model,
+        5,
+        None,
+        None,
+        InitialWeights::Loaded,
+    )
+    .unwrap();
+    frozen.load_stages(&shards).unwrap();
+    assert_eq!(
+        frozen.eval_ce(&batch).unwrap().to_bits(),
+        trained.eval_ce(&batch).unwrap().to_bits(),
+        "the weights-only load evaluates as the trained model"
+    );
+    let resaved = frozen.save_stages().unwrap();
+    for (full, weights) in shards.iter().zip(&resaved) {
+        let (full, weights) = (
+            SafeTensors::deserialize(full).unwrap(),
+            SafeTensors::deserialize(weights).unwrap(),
+        );
+        let moments = full
+            .names()
+            .into_iter()
+            .filter(|n| n.starts_with("adam."))
+            .count();
+        assert!(moments > 0, "the trained shard holds Adam moments");
+        let mut names = weights.names();
+        names.sort();
+        let mut expected: Vec<_> = full
+            .names()
+            .into_iter()
+            .filter(|n| !n.starts_with("adam."))
+            .collect();
+        expected.sort();
+        assert_eq!(names, expected, "the frozen stage saves parameters only");
+        for n in names {
+            assert!(
+                weights.tensor(n).unwrap().data() == full.tensor(n).unwrap().data(),
+                "{n} differs after the weights-only load"
+            );
+        }
+    }
+    let e = frozen
+        .train_step(std::slice::from_ref(&batch), &params)
+        .unwrap_err();
+    assert!(
+        matches!(e, EngineError::InvalidInput(_))
+            && e.to_string().contains("opened without an optimizer"),
+        "{e}"
+    );
 }

@@ -30,7 +30,7 @@ pub fn boundary(
         device: 0,
         model: nsactor_runtime::config::tiny_model(),
         seed: 1,
-        optimizer: OptimizerKind::Adam,
+        optimizer: Some(OptimizerKind::Adam),
         weights: InitialWeights::Seeded,
     })?;
     let host = HostTensor {

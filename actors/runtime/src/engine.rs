@@ -421,7 +421,8 @@ impl StagedModel {
         result
     }
 
-    /// Every stage's parameters and optimizer state: the edge first, then layer 0, 1, ….
+    /// Every stage's parameters and optimizer state (none for stages opened without an
+    /// optimizer): the edge first, then layer 0, 1, ….
     pub fn save_stages(&self) -> Result<Vec<Vec<u8>>, EngineError> {
         let mut out = vec![self.edge.save()?];
         for l in &self.layers {

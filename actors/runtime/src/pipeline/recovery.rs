@@ -237,6 +237,14 @@ impl SupState {
         tokenizer_sha256: Option<String>,
         background: bool,
     ) -> Result<CheckpointReport, RuntimeError> {
+        if self.topo.spec.optimizer.is_none() {
+            // Its stages hold no Adam moments: a run resumed from it would restart Adam.
+            return Err(RuntimeError::Invalid(
+                "this pipeline was opened to serve or evaluate, without an optimizer: a \
+                 checkpoint of it would have no optimizer state to resume training from"
+                    .into(),
+            ));
+        }
         let t = Instant::now();
         let previous = self.writer.finish().await;
         let waited_seconds = t.elapsed().as_secs_f64();

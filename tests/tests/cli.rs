@@ -28,6 +28,15 @@ fn train_on_the_embedded_default_lowers_the_loss_and_writes_weights() {
         })
         .collect();
     assert_eq!(losses.len(), 24);
+    // Each step's own time and, within it, its wait for batches.
+    for l in metrics.lines() {
+        let v: serde_json::Value = serde_json::from_str(l).unwrap();
+        let (step_s, wait_s) = (
+            v["step_s"].as_f64().unwrap(),
+            v["data_wait_s"].as_f64().unwrap(),
+        );
+        assert!(step_s > 0.0 && (0.0..=step_s).contains(&wait_s), "{l}");
+    }
     let first = losses[..2].iter().sum::<f64>() / 2.0;
     let last = losses[22..].iter().sum::<f64>() / 2.0;
     assert!(last < first - 0.3, "loss did not fall: {losses:?}");

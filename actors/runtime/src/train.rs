@@ -244,6 +244,8 @@ pub fn run(
             }
             Err(e) => return Err(e),
         };
+        // The step's own time, without the logging, evaluation and checkpoints around it.
+        let step_s = step_start.elapsed().as_secs_f64();
         step = r.step;
         let stats = r.stats;
         cursor = r.cursor;
@@ -276,6 +278,7 @@ pub fn run(
             "tokens": tokens, "tokens_per_s": tokens as f64 / elapsed,
             "rss_bytes": mem.map(|m| m.0), "peak_rss_bytes": mem.map(|m| m.1),
             "skipped": stats.skipped,
+            "step_s": step_s, "data_wait_s": r.data_wait_s,
         });
         log(line)?;
         if let Some(m) = live {

@@ -36,6 +36,9 @@ pub struct StepReport {
     pub stats: StepStats,
     /// Where the data continues after this step.
     pub cursor: Option<Cursor>,
+    /// Seconds the step waited for its batches from the `DataActor` (about 0 when they were
+    /// drawn ahead in time), as torchtitan logs its data-loading time.
+    pub data_wait_s: f64,
 }
 
 pub enum SupMsg {
@@ -379,6 +382,7 @@ impl SupState {
             batch_size: t.batch_size,
             seq_len: t.seq_len,
         };
+        let waited = std::time::Instant::now();
         let rows = match data
             .call(|reply| DataMsg::Next { shape, reply }, None)
             .await
@@ -386,6 +390,7 @@ impl SupState {
             Ok(ractor::rpc::CallResult::Success(r)) => r?,
             _ => return Err(RuntimeError::Broken("the data actor stopped".into())),
         };
+        let data_wait_s = waited.elapsed().as_secs_f64();
         // The step uses the LR of the last micro-step of its window (SPEC §7.2).
         let total_micro = t.steps * t.accumulation as u64;
         let lr = t.lr_at((self.step + 1) * t.accumulation as u64 - 1, total_micro);
@@ -410,6 +415,7 @@ impl SupState {
                     lr,
                     stats,
                     cursor: self.cursor,
+                    data_wait_s,
                 })
             }
             Err(e) if self.broken.is_some() || self.dead_child().is_some() => {

@@ -45,6 +45,25 @@ fn ndarray_plugin() -> Arc<dyn ComputeBackend> {
     p.open("").expect("opens")
 }
 
+/// One small training batch of the tiny model (2 × 8 tokens) and the step's parameters.
+fn train_batch() -> (Batch, StepParams) {
+    let (b, t) = (2, 8);
+    let batch = Batch {
+        batch: b,
+        seq_len: t,
+        inputs: (0..b * t).map(|i| (i * 7 % 200) as i64 + 3).collect(),
+        targets: (0..b * t).map(|i| (i * 11 % 200) as i64 + 3).collect(),
+        loss_mask: vec![1.0; b * t],
+    };
+    let params = StepParams {
+        lr: 1e-2,
+        neuron_lr: 1e-1,
+        ponder_weight: 0.01,
+        max_grad_norm: 1.0,
+    };
+    (batch, params)
+}
+
 #[test]
 fn ndarray_plugin_equals_the_embedded_engine_bitwise_and_matches_the_reference() {
     let fx = fixture_bytes("tiny_a.safetensors");
@@ -248,20 +267,7 @@ fn a_stage_snapshot_keeps_its_state_while_training_goes_on_and_serialises_on_ano
         None,
     )
     .unwrap();
-    let (b, t) = (2, 8);
-    let batch = Batch {
-        batch: b,
-        seq_len: t,
-        inputs: (0..b * t).map(|i| (i * 7 % 200) as i64 + 3).collect(),
-        targets: (0..b * t).map(|i| (i * 11 % 200) as i64 + 3).collect(),
-        loss_mask: vec![1.0; b * t],
-    };
-    let params = StepParams {
-        lr: 1e-2,
-        neuron_lr: 1e-1,
-        ponder_weight: 0.01,
-        max_grad_norm: 1.0,
-    };
+    let (batch, params) = train_batch();
     m.train_step(std::slice::from_ref(&batch), &params).unwrap();
     let before = m.save_stages().unwrap();
     let snaps = m.snapshot_stages().unwrap();

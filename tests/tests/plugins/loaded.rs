@@ -1,13 +1,13 @@
 //! Stages opened to load their weights (`InitialWeights::Loaded`, ABI 11), and stages opened
 //! without an optimizer to serve (ABI 12), through the plugin boundary.
 
-use super::ndarray_plugin;
+use super::{ndarray_plugin, train_batch};
 use nsactor_plugin_api::{
-    Batch, EngineError, HostTensor, InitialWeights, OptimizerKind, Probe, Stage, StageCall,
-    StageKind, StageSpec,
+    EngineError, HostTensor, InitialWeights, OptimizerKind, Probe, Stage, StageCall, StageKind,
+    StageSpec,
 };
 use nsactor_runtime::config::tiny_model;
-use nsactor_runtime::engine::{StagedModel, StepParams};
+use nsactor_runtime::engine::StagedModel;
 use safetensors::SafeTensors;
 
 /// A stage opened to load its weights (`InitialWeights::Loaded`, ABI 11) crosses the C
@@ -74,20 +74,7 @@ fn a_model_opened_without_an_optimizer_loads_the_weights_only_and_refuses_a_step
     let model = tiny_model();
     let mut trained =
         StagedModel::open(ndarray_plugin(), &model, 5, OptimizerKind::Adam, None).expect("open");
-    let (b, t) = (2, 8);
-    let batch = Batch {
-        batch: b,
-        seq_len: t,
-        inputs: (0..b * t).map(|i| (i * 7 % 200) as i64 + 3).collect(),
-        targets: (0..b * t).map(|i| (i * 11 % 200) as i64 + 3).collect(),
-        loss_mask: vec![1.0; b * t],
-    };
-    let params = StepParams {
-        lr: 1e-2,
-        neuron_lr: 1e-1,
-        ponder_weight: 0.01,
-        max_grad_norm: 1.0,
-    };
+    let (batch, params) = train_batch();
     trained
         .train_step(std::slice::from_ref(&batch), &params)
         .unwrap();

@@ -290,7 +290,7 @@ pub fn run(
                 grad_norm: stats.grad_norm,
                 tokens: stats.tokens,
                 tokens_per_second: tokens as f64 / elapsed,
-                seconds: step_start.elapsed().as_secs_f64(),
+                seconds: step_s,
                 skipped: stats.skipped,
             });
         }

@@ -134,15 +134,9 @@ fn a_replicated_run_recovers_from_its_checkpoint_exactly() {
     t.accumulation = 4;
     t.data_parallel = 2;
     t.dp_reduce = DpReduce::Ordered;
-    let start = |t: TrainConfig| {
-        let plan = PipelinePlan::balanced(4, 2, &[0]).unwrap();
-        Pipeline::start(staged(), plan, t, Some(sampler())).unwrap()
-    };
-    let (mut straight, want, none, _dir) = recovery_run(&t, None, 2, start);
-    assert!(none.is_empty());
-    let want_shards = straight.save_stages().unwrap();
+    let (want, want_shards) = straight_run(&t);
 
-    let (mut p, got, back, _dir) = recovery_run(&t, Some("layer-panic:2:5"), 2, start);
+    let (mut p, got, back, _dir) = recovery_run(&t, Some("layer-panic:2:5"), 2);
     assert_eq!(back, [4]);
     assert_eq!(got, want);
     assert!(p.save_stages().unwrap() == want_shards);

@@ -146,16 +146,10 @@ fn a_panicking_layer_actor_is_rebuilt_and_the_run_ends_as_if_nothing_happened() 
     let _serial = serial();
     let mut t = train_cfg();
     t.steps = 6;
-    let start = |t: nsactor_runtime::config::TrainConfig| {
-        let plan = PipelinePlan::balanced(4, 2, &[0]).unwrap();
-        Pipeline::start(staged(), plan, t, Some(sampler())).unwrap()
-    };
-    let (mut straight, want, none, _dir) = recovery_run(&t, None, 2, start);
-    assert!(none.is_empty());
-    let want_shards = straight.save_stages().unwrap();
+    let (want, want_shards) = straight_run(&t);
 
     // Layer 2 panics in step 5: back to the step-4 checkpoint.
-    let (mut p, got, back, _dir) = recovery_run(&t, Some("layer-panic:2:5"), 2, start);
+    let (mut p, got, back, _dir) = recovery_run(&t, Some("layer-panic:2:5"), 2);
     assert_eq!(back, [4]);
     assert_eq!(got, want);
     assert!(p.save_stages().unwrap() == want_shards);
@@ -163,7 +157,7 @@ fn a_panicking_layer_actor_is_rebuilt_and_the_run_ends_as_if_nothing_happened() 
     assert_eq!(p.generate_greedy(&[3, 4], 3, None, &[]).unwrap().len(), 5);
 
     // Before any checkpoint: back to the initial weights and the first batch.
-    let (mut p, got, back, _dir) = recovery_run(&t, Some("layer-panic:2:2"), 0, start);
+    let (mut p, got, back, _dir) = recovery_run(&t, Some("layer-panic:2:2"), 0);
     assert_eq!(back, [0]);
     assert_eq!(got, want);
     assert!(p.save_stages().unwrap() == want_shards);

@@ -4,8 +4,8 @@ use crate::graphs::DecodeGraphs;
 use crate::layer::session_rows;
 use crate::sessions::SessionTable;
 use crate::state::{
-    Trainer, check_loaded, count, initial_rng, load_stage, save_stage, snapshot_stage, sync,
-    waits_for_weights,
+    Trainer, check_call_loaded, check_loaded, count, initial_rng, load_stage, save_stage,
+    snapshot_stage, sync,
 };
 use crate::{Ad, act, wrap};
 use burn::tensor::{ElementConversion, Int, Tensor, TensorData};
@@ -254,11 +254,7 @@ impl<B: SnnOps> EdgeStage<B> {
 impl<B: SnnOps> Stage for EdgeStage<B> {
     fn call(&mut self, call: StageCall<'_>) -> Result<Reply, EngineError> {
         let name = call.name();
-        check_loaded(
-            self.awaiting_load && waits_for_weights(&call),
-            || "the edge".into(),
-            name,
-        )?;
+        check_call_loaded(self.awaiting_load, || "the edge".into(), &call)?;
         let call = match self.trainer.exchange(&self.ad, "", call) {
             Ok(r) => return r,
             Err(other) => other,

@@ -3,8 +3,8 @@
 use crate::graphs::DecodeGraphs;
 use crate::sessions::SessionTable;
 use crate::state::{
-    Trainer, check_loaded, count, initial_rng, load_stage, norms, save_stage, snapshot_stage, sync,
-    waits_for_weights,
+    Trainer, check_call_loaded, check_loaded, count, initial_rng, load_stage, norms, save_stage,
+    snapshot_stage, sync,
 };
 use crate::{Ad, act, wrap};
 use burn::tensor::{ElementConversion, Tensor};
@@ -331,11 +331,7 @@ pub(crate) fn session_rows(
 impl<B: SnnOps> Stage for LayerStage<B> {
     fn call(&mut self, call: StageCall<'_>) -> Result<Reply, EngineError> {
         let name = call.name();
-        check_loaded(
-            self.awaiting_load && waits_for_weights(&call),
-            || self.label(),
-            name,
-        )?;
+        check_call_loaded(self.awaiting_load, || self.label(), &call)?;
         let call = match self.trainer.exchange(&self.ad, &self.prefix, call) {
             Ok(r) => return r,
             Err(other) => other,

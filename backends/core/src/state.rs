@@ -29,7 +29,7 @@ pub(crate) fn initial_rng(spec: &StageSpec, part: u64) -> Rng {
 }
 
 /// Refuses `call` on the stage `stage` names while it waits for the weights it was opened to
-/// load ([`waits_for_weights`] says which calls wait).
+/// load.
 pub(crate) fn check_loaded(
     waiting: bool,
     stage: impl FnOnce() -> String,
@@ -44,11 +44,16 @@ pub(crate) fn check_loaded(
     Ok(())
 }
 
-/// Whether `call` needs a stage's weights. `HoldGrads` does not: it sets how gradients are
-/// exchanged, and a data-parallel replica's stages get it when they are wired, before a
-/// recovery loads the checkpoint into them.
-pub(crate) fn waits_for_weights(call: &StageCall<'_>) -> bool {
-    !matches!(call, StageCall::HoldGrads { .. })
+/// [`check_loaded`] for a stage call. `HoldGrads` passes: it sets how gradients are exchanged,
+/// and a data-parallel replica's stages get it when they are wired, before a recovery loads the
+/// checkpoint into them.
+pub(crate) fn check_call_loaded(
+    waiting: bool,
+    stage: impl FnOnce() -> String,
+    call: &StageCall<'_>,
+) -> Result<(), EngineError> {
+    let needs_weights = !matches!(call, StageCall::HoldGrads { .. });
+    check_loaded(waiting && needs_weights, stage, call.name())
 }
 
 /// Flattens every parameter of `m` (declaration order).

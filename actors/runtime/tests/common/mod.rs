@@ -187,22 +187,30 @@ pub fn run_with_recovery(
     (losses, rolled_back_to)
 }
 
-/// A run of `t` in a fresh directory, `fault` injected where given, started by `start` and
-/// stepped through `t.steps` by [`run_with_recovery`] (a checkpoint every `every` steps): the
-/// pipeline, each step's loss bits, the steps it rolled back to, and the directory (kept while
-/// the caller holds it).
+/// A run of `t` on two stages of the 4-layer model over the packed corpus, in a fresh
+/// directory, `fault` injected where given, stepped through `t.steps` by [`run_with_recovery`]
+/// (a checkpoint every `every` steps): the pipeline, each step's loss bits, the steps it rolled
+/// back to, and the directory (kept while the caller holds it).
 pub fn recovery_run(
     t: &nsactor_runtime::config::TrainConfig,
     fault: Option<&str>,
     every: u64,
-    start: impl Fn(nsactor_runtime::config::TrainConfig) -> Pipeline,
 ) -> (Pipeline, Vec<u64>, Vec<u64>, tempfile::TempDir) {
     let dir = tempfile::tempdir().unwrap();
     let mut t = t.clone();
     t.out_dir = dir.path().to_path_buf();
     t.inject_fault = fault.map(str::to_string);
     let steps = t.steps;
-    let mut p = start(t);
+    let plan = PipelinePlan::balanced(4, 2, &[0]).unwrap();
+    let mut p = Pipeline::start(staged(), plan, t, Some(sampler())).unwrap();
     let (losses, back) = run_with_recovery(&mut p, steps, every, &dir.path().join("checkpoints"));
     (p, losses, back, dir)
+}
+
+/// The [`recovery_run`] of `t` without a fault (a checkpoint every 2 steps), which rolls back
+/// nowhere: each step's loss bits and the stages at its end.
+pub fn straight_run(t: &nsactor_runtime::config::TrainConfig) -> (Vec<u64>, Vec<Vec<u8>>) {
+    let (mut straight, want, none, _dir) = recovery_run(t, None, 2);
+    assert!(none.is_empty());
+    (want, straight.save_stages().unwrap())
 }

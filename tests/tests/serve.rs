@@ -1,93 +1,49 @@
 //! `nsactor serve` as a deployer runs it: behind an API key, and stopped by SIGTERM while a
-//! stream is running: new requests get 503 during the grace period, the running stream ends
-//! with finish reason `shutdown` and `[DONE]`, and the process exits 0. A layer that panics
+//! stream is running: `/health` says `draining` and new requests get 503 during the grace
+//! period, the running stream ends with finish reason `shutdown` and `[DONE]`, WebSocket
+//! clients get their final `done` and then a Close frame 1001, and the process exits 0; a
+//! second signal exits at once with 143. A layer that panics
 //! while decoding is rebuilt from the checkpoint, or, past `--max-restarts`, ends the command.
 
 mod common;
 
-use common::cli::{nsactor, ok, temp_dir, tiny_with};
-use std::io::{BufRead, BufReader, Read, Write};
+use common::cli::{nsactor, ok, temp_dir};
+use common::served::{answer, exit_and_log, free_addr, send, trained_run, wait_until_serving};
+use std::io::{BufRead, BufReader};
 use std::net::{SocketAddr, TcpStream};
-use std::process::{Child, Stdio};
+use std::process::Stdio;
 use std::time::{Duration, Instant};
+use tungstenite::client::IntoClientRequest;
+use tungstenite::protocol::frame::coding::CloseCode;
+use tungstenite::{Message, WebSocket};
 
-/// Sends one HTTP/1.1 request; returns the stream positioned after the request.
-fn send(addr: SocketAddr, method: &str, path: &str, headers: &str, body: &str) -> TcpStream {
-    let mut s = TcpStream::connect(addr).unwrap();
-    s.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
-    write!(
-        s,
-        "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\n\
-         Content-Length: {}\r\n{headers}Connection: close\r\n\r\n{body}",
-        body.len()
-    )
-    .unwrap();
-    s
+/// A WebSocket client with `key`, connected to `/ws` of `addr`.
+fn ws_keyed(addr: SocketAddr, key: &str) -> WebSocket<TcpStream> {
+    let tcp = TcpStream::connect(addr).unwrap();
+    tcp.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+    let mut req = format!("ws://{addr}/ws").into_client_request().unwrap();
+    req.headers_mut()
+        .insert("authorization", format!("Bearer {key}").parse().unwrap());
+    tungstenite::client(req, tcp).unwrap().0
 }
 
-/// The status and the whole body of a closed-connection answer.
-fn answer(mut s: TcpStream) -> (u16, String) {
-    let mut text = String::new();
-    s.read_to_string(&mut text).unwrap();
-    let status = text.get(9..12).and_then(|c| c.parse().ok()).unwrap_or(0);
-    (status, text)
-}
-
-fn wait_until_serving(addr: SocketAddr, child: &mut Child) {
-    let t = Instant::now();
+/// Every text event until the server's Close, and the Close's code; panics when the
+/// connection ends without one.
+fn ws_until_close(ws: &mut WebSocket<TcpStream>) -> (Vec<String>, CloseCode) {
+    let mut events = Vec::new();
     loop {
-        if let Ok(s) = TcpStream::connect(addr) {
-            drop(s);
-            let (status, _) = answer(send(addr, "GET", "/health", "", ""));
-            if status == 200 {
-                return;
+        match ws.read() {
+            Ok(Message::Text(t)) => events.push(t.to_string()),
+            Ok(Message::Close(f)) => {
+                let code = f.map_or(CloseCode::Status, |f| f.code);
+                // Answered by the library; read on to the end of the connection.
+                while ws.read().is_ok() {}
+                return (events, code);
             }
+            Ok(_) => {}
+            Err(e) => panic!("the connection ended without a Close frame: {e} after {events:?}"),
         }
-        assert!(child.try_wait().unwrap().is_none(), "serve exited early");
-        assert!(
-            t.elapsed() < Duration::from_secs(120),
-            "serve never listened"
-        );
-        std::thread::sleep(Duration::from_millis(100));
     }
-}
-
-/// A run of one training step on the tiny config, under `dir`.
-fn trained_run(dir: &std::path::Path) -> std::path::PathBuf {
-    let cfg = tiny_with(dir, "tiny.toml", "");
-    let run = dir.join("run");
-    ok(nsactor()
-        .args(["train", "--steps", "1", "--config"])
-        .arg(&cfg)
-        .arg("--out")
-        .arg(&run));
-    run
-}
-
-/// A loopback address with a port that was free a moment ago.
-fn free_addr() -> SocketAddr {
-    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    l.local_addr().unwrap()
-}
-
-/// How the server exited (within `limit`) and what it logged.
-fn exit_and_log(server: &mut Child, limit: Duration) -> (std::process::ExitStatus, String) {
-    let t = Instant::now();
-    let status = loop {
-        if let Some(s) = server.try_wait().unwrap() {
-            break s;
-        }
-        assert!(t.elapsed() < limit, "serve did not exit");
-        std::thread::sleep(Duration::from_millis(50));
-    };
-    let mut log = String::new();
-    server
-        .stderr
-        .take()
-        .unwrap()
-        .read_to_string(&mut log)
-        .unwrap();
-    (status, log)
 }
 
 #[test]
@@ -130,9 +86,28 @@ fn sigterm_drains_running_streams_refuses_new_ones_and_exits_0() {
             events.push(d.to_string());
         }
     }
+    // A WebSocket with a long generation running, and one with nothing running.
+    let mut busy = ws_keyed(addr, "sk-drain");
+    busy.send(Message::text(
+        r#"{"type":"generate","id":"w","prompt":[87],"max_tokens":4096,"ignore_eos":true}"#,
+    ))
+    .unwrap();
+    while !busy
+        .read()
+        .unwrap()
+        .to_string()
+        .contains(r#""type":"delta""#)
+    {}
+    let mut idle = ws_keyed(addr, "sk-drain");
     // SAFETY: kill(2) on the child this test started.
     assert_eq!(unsafe { libc::kill(server.id() as i32, libc::SIGTERM) }, 0);
     std::thread::sleep(Duration::from_millis(300));
+    let (status, health) = answer(send(addr, "GET", "/health", "", ""));
+    assert_eq!(status, 503, "a draining server is not healthy: {health}");
+    assert!(health.contains(r#""status":"draining""#), "{health}");
+    // The idle WebSocket is closed at once: 1001, going away.
+    let (said, code) = ws_until_close(&mut idle);
+    assert_eq!(code, CloseCode::Away, "{said:?}");
     let (status, refused) = answer(send(
         addr,
         "POST",
@@ -163,10 +138,53 @@ fn sigterm_drains_running_streams_refuses_new_ones_and_exits_0() {
         "the stream ran on during the grace period: {events:?}"
     );
 
+    // The running WebSocket generation ends with `shutdown`, its `done`, then Close 1001.
+    let (said, code) = ws_until_close(&mut busy);
+    assert_eq!(code, CloseCode::Away, "{said:?}");
+    let done = said.last().expect("events before the Close");
+    assert!(
+        done.contains(r#""type":"done""#) && done.contains(r#""finish_reason":"shutdown""#),
+        "the final event before the Close: {done}"
+    );
+
     let (status, log) = exit_and_log(&mut server, Duration::from_secs(30));
     assert!(status.success(), "exit {status:?}: {log}");
-    assert!(log.contains("1 ended by the grace period"), "{log}");
+    assert!(log.contains("2 ended by the grace period"), "{log}");
     assert!(!log.contains("sk-drain"), "the key is in the log: {log}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A second SIGTERM during the drain exits at once with 143 (128 + SIGTERM), as a shell
+/// reports a process a signal ended, not 130 (an interrupt).
+#[test]
+fn a_second_sigterm_exits_at_once_with_143() {
+    let dir = temp_dir("serve-twice");
+    let run = trained_run(&dir);
+    let addr = free_addr();
+    let mut server = nsactor()
+        .args(["serve", "--no-warmup", "--checkpoint"])
+        .arg(&run)
+        .args(["--addr", &addr.to_string(), "--shutdown-grace", "60"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    wait_until_serving(addr, &mut server);
+    let body = r#"{"prompt":[87],"max_tokens":4096,"ignore_eos":true,"stream":true}"#;
+    let mut stream = BufReader::new(send(addr, "POST", "/v1/completions", "", body));
+    let mut line = String::new();
+    while !line.starts_with("data: {") {
+        line.clear();
+        assert!(stream.read_line(&mut line).unwrap() > 0, "no first chunk");
+    }
+    for _ in 0..2 {
+        // SAFETY: kill(2) on the child this test started.
+        assert_eq!(unsafe { libc::kill(server.id() as i32, libc::SIGTERM) }, 0);
+        std::thread::sleep(Duration::from_millis(300));
+    }
+    let (status, log) = exit_and_log(&mut server, Duration::from_secs(10));
+    assert_eq!(status.code(), Some(143), "{log}");
+    assert!(log.contains("a second signal (SIGTERM)"), "{log}");
     let _ = std::fs::remove_dir_all(&dir);
 }
 

@@ -8,8 +8,12 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicI32, Ordering};
 use std::time::Duration;
 
-/// Exit code when a second signal or the grace period ends the process before the checkpoint.
-pub const EXIT_INTERRUPTED: i32 = 130;
+/// The exit code of a process a signal ended before it finished: 128 + the signal's number,
+/// the shell's convention (143 for SIGTERM, 130 for SIGINT), so a process manager reads
+/// "terminated" or "interrupted" as the user meant.
+pub fn exit_code(signal: i32) -> i32 {
+    128 + signal
+}
 
 /// Whether a stop was asked for, and by which signal.
 #[derive(Debug, Default)]
@@ -53,7 +57,8 @@ pub fn signal_name(signal: i32) -> &'static str {
 
 /// Listens for SIGTERM and SIGINT on a thread of its own from now on: the first sets the
 /// returned request (the training loop polls it between steps; the server drains); a second,
-/// or `grace` after the first, exits the process with [`EXIT_INTERRUPTED`]. `doing` says in
+/// or `grace` after the first, exits the process with [`exit_code`] of the signal that ended it
+/// (the second, or the first when the grace period ran out). `doing` says in
 /// the log what the process does before it exits (`finishing this step and writing a
 /// checkpoint`).
 pub fn stop_on_signals(
@@ -90,13 +95,13 @@ pub fn stop_on_signals(
                     signal_name(first),
                     grace.as_secs_f64()
                 );
-                let why = tokio::select! {
-                    _ = term.recv() => "a second signal",
-                    _ = int.recv() => "a second signal",
-                    _ = tokio::time::sleep(grace) => "the grace period ran out",
+                let (why, by) = tokio::select! {
+                    _ = term.recv() => ("a second signal (SIGTERM)", 15),
+                    _ = int.recv() => ("a second signal (SIGINT)", 2),
+                    _ = tokio::time::sleep(grace) => ("the grace period ran out", first),
                 };
                 eprintln!("nsactor: {why}: exiting before it finished {doing}");
-                std::process::exit(EXIT_INTERRUPTED);
+                std::process::exit(exit_code(by));
             })
         })
         .map_err(|e| RuntimeError::Runtime(format!("signal listener: {e}")))?;

@@ -5,7 +5,7 @@
 use crate::error::ServeError;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
-use tokio::sync::Notify;
+use tokio::sync::{Notify, watch};
 
 /// The finish reason of a generation the shutdown ended.
 pub const FINISH_SHUTDOWN: &str = "shutdown";
@@ -14,6 +14,8 @@ pub const FINISH_SHUTDOWN: &str = "shutdown";
 #[derive(Debug, Default)]
 pub struct Drain {
     draining: AtomicBool,
+    /// `true` from the start of the shutdown (WebSocket connections close when idle then).
+    draining_tx: watch::Sender<bool>,
     stopping: AtomicBool,
     running: AtomicUsize,
     changed: Notify,
@@ -53,6 +55,16 @@ impl Drain {
         Ok(guard)
     }
 
+    /// Whether the shutdown has begun (new generations are refused).
+    pub fn draining(&self) -> bool {
+        self.draining.load(Ordering::SeqCst)
+    }
+
+    /// Turns `true` when the shutdown begins.
+    pub fn draining_changes(&self) -> watch::Receiver<bool> {
+        self.draining_tx.subscribe()
+    }
+
     /// Whether running generations must end now.
     pub fn stopping(&self) -> bool {
         self.stopping.load(Ordering::SeqCst)
@@ -66,6 +78,7 @@ impl Drain {
     /// (each within one token) and waits up to `stop_wait` for them.
     pub async fn shutdown(&self, grace: Duration, stop_wait: Duration) -> Drained {
         self.draining.store(true, Ordering::SeqCst);
+        self.draining_tx.send_replace(true);
         let running_at_start = self.running();
         let idle = self.wait_idle(grace).await;
         let stopped = if idle { 0 } else { self.running() };

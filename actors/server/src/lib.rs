@@ -9,6 +9,7 @@
 //! * `POST /v1/completions`, `POST /v1/chat/completions` (with and without `stream: true`,
 //!   server-sent events ending in `data: [DONE]`; `n`, log-probabilities, `echo`, usage
 //!   chunks), `GET /v1/models`, `POST /tokenize`, `POST /detokenize`, `GET /health` (503
+//!   `draining` once a shutdown began; 503
 //!   `warming` until the warm-up is done: [`ready`]; 503 `recovering` while decoding rebuilds
 //!   after a lost stage, `failed` when it cannot), `GET /metrics` (Prometheus text).
 //! * API keys ([`auth`]): with any configured, `/v1/*`, `/ws` and optionally `/metrics` need
@@ -101,12 +102,17 @@ async fn index() -> Html<&'static str> {
     Html(include_str!("chat.html"))
 }
 
-/// Readiness (503 `warming` until the warm-up is done, [`ready`]; then the decoder's health:
+/// Readiness (503 `draining` from the first shutdown signal; 503 `warming` until the warm-up
+/// is done, [`ready`]; then the decoder's health:
 /// 503 `recovering` while it rebuilds after a lost stage, `failed` when it cannot), and
 /// whether clients need an API key (the chat page asks for one then).
 async fn health(State(s): State<Shared>) -> impl IntoResponse {
     let (mut status, mut body) = s.generator.ready.health();
-    if status.is_success() {
+    if s.generator.drain.draining() {
+        // From the first signal: a load balancer stops sending what would be refused.
+        status = StatusCode::SERVICE_UNAVAILABLE;
+        body = serde_json::json!({"status": "draining"});
+    } else if status.is_success() {
         match s.generator.decoder.health() {
             Health::Serving => {}
             Health::Recovering { cause } => {

@@ -1,16 +1,46 @@
 //! The accept loop: HTTP/1.1 connections (with upgrades, for `/ws`) under a cap on open
 //! connections, a header timeout that also closes idle keep-alive connections, and a graceful
-//! stop. A connection past the cap gets a 503 with `Retry-After` and is closed.
+//! stop. A connection past the cap gets a 503 with `Retry-After` and is closed. Each
+//! connection holds a [`ConnSlot`] until its socket is closed: an HTTP connection until hyper
+//! lets go of it, one upgraded to a WebSocket until the WebSocket is over.
 
 use crate::error::ServeError;
 use crate::state::Shared;
+use axum::extract::Request;
+use hyper::body::Incoming;
 use hyper_util::rt::{TokioIo, TokioTimer};
 use hyper_util::service::TowerToHyperService;
+use nsactor_telemetry::ServingMetrics;
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::{Semaphore, watch};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore, watch};
+use tower::ServiceExt;
+
+/// A connection's place under `--max-connections`, counted in `nsactor_connections`: both are
+/// given back when the last holder (the HTTP connection, a WebSocket it was upgraded to) drops
+/// it. Every request carries it as an extension.
+pub struct ConnSlot {
+    _permit: OwnedSemaphorePermit,
+    metrics: Arc<ServingMetrics>,
+}
+
+impl ConnSlot {
+    fn new(permit: OwnedSemaphorePermit, metrics: Arc<ServingMetrics>) -> Arc<Self> {
+        metrics.connections.inc();
+        Arc::new(ConnSlot {
+            _permit: permit,
+            metrics,
+        })
+    }
+}
+
+impl Drop for ConnSlot {
+    fn drop(&mut self) {
+        self.metrics.connections.dec();
+    }
+}
 
 /// How long connections get to finish their responses once the server stops.
 const CLOSE_WAIT: Duration = Duration::from_secs(5);
@@ -55,13 +85,18 @@ pub async fn serve(
             tokio::spawn(refuse(tcp, cap));
             continue;
         };
-        let service = TowerToHyperService::new(router.clone());
+        let slot = ConnSlot::new(permit, metrics.clone());
+        let for_requests = slot.clone();
+        let service = router
+            .clone()
+            .map_request(move |mut req: Request<Incoming>| {
+                req.extensions_mut().insert(for_requests.clone());
+                req
+            });
         let conn = http
-            .serve_connection(TokioIo::new(tcp), service)
+            .serve_connection(TokioIo::new(tcp), TowerToHyperService::new(service))
             .with_upgrades();
         let mut stop = stop_rx.clone();
-        let metrics = metrics.clone();
-        metrics.connections.inc();
         tokio::spawn(async move {
             tokio::pin!(conn);
             tokio::select! {
@@ -71,8 +106,7 @@ pub async fn serve(
                     let _ = conn.await;
                 }
             }
-            metrics.connections.dec();
-            drop(permit);
+            drop(slot);
         });
     }
     drop(listener);

@@ -86,10 +86,30 @@ impl Stop {
     }
 }
 
+/// The field a client named its length limit with: errors name it back.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum LengthParam {
+    #[default]
+    MaxTokens,
+    /// OpenAI's newer name on `/v1/chat/completions`.
+    MaxCompletionTokens,
+}
+
+impl LengthParam {
+    pub fn name(self) -> &'static str {
+        match self {
+            LengthParam::MaxTokens => "max_tokens",
+            LengthParam::MaxCompletionTokens => "max_completion_tokens",
+        }
+    }
+}
+
 /// Sampling, length and report fields shared by every request kind.
 #[derive(Debug, Clone, PartialEq, Default)]
 pub struct SamplingOptions {
     pub max_tokens: Option<usize>,
+    /// The name the client gave `max_tokens`.
+    pub length_param: LengthParam,
     pub temperature: Option<f32>,
     pub top_k: Option<usize>,
     pub top_p: Option<f32>,
@@ -169,10 +189,11 @@ impl SamplingOptions {
         // Scoring a prompt (echo with logprobs) may generate nothing.
         let least = usize::from(!self.prompt_logprobs);
         if max_tokens < least || max_tokens > limits.max_new_tokens {
+            let param = self.length_param.name();
             return Err(ServeError::field(
-                "max_tokens",
+                param,
                 format!(
-                    "max_tokens must be in {least}..={}, got {max_tokens}",
+                    "{param} must be in {least}..={}, got {max_tokens}",
                     limits.max_new_tokens
                 ),
             ));

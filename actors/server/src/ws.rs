@@ -1,25 +1,39 @@
 //! The WebSocket front end on `/ws`: `auth` (first, on a keyed server, when the upgrade had no
 //! `Authorization` header), `generate` and `cancel` messages in, `delta`, `done` and `error`
 //! events out, many requests per connection.
+//!
+//! Every way a connection ends closes its socket and ends its tasks ([`connection`]): the
+//! client's Close is answered with one, a reset or end of stream drops the socket, and the
+//! server's own endings (idle, a protocol violation, shutdown) send their events first and then
+//! a Close frame with the code that says why. The connection holds its [`ConnSlot`] (a place
+//! under `--max-connections`, counted in `nsactor_connections`) until its socket is closed.
+
+mod request;
+mod writer;
 
 use crate::auth;
 use crate::error::ServeError;
-use crate::generate::GenEvent;
+use crate::listen::ConnSlot;
 use crate::messages::{ClientMsg, ServerMsg};
-use crate::protocol::{PromptSpec, SamplingOptions};
-use crate::state::{Shared, start};
+use crate::state::Shared;
+use axum::Extension;
 use axum::extract::State;
 use axum::extract::ws::{CloseFrame, Message, WebSocket, WebSocketUpgrade, close_code};
 use axum::http::HeaderMap;
 use axum::response::{IntoResponse, Response};
-use futures_util::{SinkExt, StreamExt};
-use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
+use futures_util::{Sink, SinkExt, Stream, StreamExt};
+use request::Requests;
+use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::{mpsc, oneshot};
+use writer::Ending;
 
-pub async fn ws(State(s): State<Shared>, headers: HeaderMap, up: WebSocketUpgrade) -> Response {
+pub async fn ws(
+    State(s): State<Shared>,
+    slot: Option<Extension<Arc<ConnSlot>>>,
+    headers: HeaderMap,
+    up: WebSocketUpgrade,
+) -> Response {
     let authed = match s.keys.check(&headers) {
         Ok(a) => a,
         Err(e) => return e.into_response(),
@@ -28,14 +42,20 @@ pub async fn ws(State(s): State<Shared>, headers: HeaderMap, up: WebSocketUpgrad
     up.max_message_size(max)
         .max_frame_size(max)
         .on_upgrade(move |socket| async move {
+            // Held until the socket is closed: the connection counts until then.
+            let _slot = slot;
             if let Some(socket) = authenticate(socket, &s, authed).await {
-                connection(socket, s).await;
+                let (sink, stream) = socket.split();
+                connection(sink, stream, s).await;
             }
         })
 }
 
 /// Seconds a keyless connection has to send its `auth` message.
 const AUTH_WAIT_S: u64 = 10;
+
+/// How long the server waits for the client's answer to its own Close frame.
+const CLOSE_ANSWER_WAIT: Duration = Duration::from_secs(2);
 
 /// A connection that came without `Authorization` on a keyed server must send
 /// `{"type":"auth","key":…}` first; otherwise it gets an `error` event and is closed with 1008
@@ -51,7 +71,11 @@ async fn authenticate(mut socket: WebSocket, s: &Shared, authed: bool) -> Option
             Ok(ClientMsg::Auth { .. }) => auth::wrong_key(),
             _ => auth::missing_key(),
         },
-        Ok(_) => return None,
+        // The client closed or broke the connection: answer its Close, if any, and go.
+        Ok(_) => {
+            let _ = socket.close().await;
+            return None;
+        }
         Err(_) => auth::missing_key(),
     };
     let text = serde_json::to_string(&ServerMsg::error(None, &verdict)).expect("serialises");
@@ -65,248 +89,120 @@ async fn authenticate(mut socket: WebSocket, s: &Shared, authed: bool) -> Option
     None
 }
 
-/// One WebSocket connection: any number of requests, each streamed under its `id`.
-pub async fn connection(socket: WebSocket, s: Shared) {
-    let (mut sink, mut stream) = socket.split();
-    let (out, mut out_rx) = mpsc::channel::<ServerMsg>(256);
-    // Why the server ends the connection, when it does: the close frame's code and reason.
-    let (close_tx, close_rx) = oneshot::channel::<CloseFrame>();
-    let writer = tokio::spawn(async move {
-        while let Some(m) = out_rx.recv().await {
-            let text = serde_json::to_string(&m).expect("messages serialise");
-            if sink.send(Message::Text(text.into())).await.is_err() {
-                break;
-            }
-        }
-        match close_rx.await {
-            Ok(frame) => {
-                let _ = sink.send(Message::Close(Some(frame))).await;
-            }
-            Err(_) => {
-                let _ = sink.close().await;
-            }
-        }
-    });
-    let mut close_tx = Some(close_tx);
-    let mut close = |code, reason: String| {
-        if let Some(tx) = close_tx.take() {
-            let _ = tx.send(CloseFrame {
-                code,
-                reason: reason.into(),
-            });
-        }
-    };
-    let running: Arc<Running> = Arc::default();
-    loop {
-        // A connection with nothing running may stay silent only so long.
-        let idle = running.lock().map_or(true, |r| r.is_empty());
-        let frame = if idle {
-            match tokio::time::timeout(s.limits.ws_idle_timeout, stream.next()).await {
-                Ok(f) => f,
-                Err(_) => {
-                    let why = format!(
-                        "closing a connection idle for {} s",
-                        s.limits.ws_idle_timeout.as_secs_f64()
-                    );
-                    let e = ServerMsg::error(None, &ServeError::Invalid(why.clone()));
-                    let _ = out.send(e).await;
-                    close(close_code::AWAY, why);
+/// One WebSocket connection over any message sink and stream (axum's socket halves, or
+/// channels in tests): any number of requests, each streamed under its `id`. Returns once the
+/// connection is over and every task it started has ended.
+pub async fn connection<Tx, Rx>(sink: Tx, mut stream: Rx, s: Shared)
+where
+    Tx: Sink<Message> + Send + Unpin + 'static,
+    Rx: Stream<Item = Result<Message, axum::Error>> + Send + Unpin,
+{
+    let (out, out_rx) = mpsc::channel::<ServerMsg>(256);
+    let (end_tx, end_rx) = oneshot::channel::<Ending>();
+    let writer = tokio::spawn(writer::write(sink, out_rx, end_rx));
+    let requests = Requests::default();
+    let ending = read(&mut stream, &s, &out, &requests).await;
+    // Whatever ended it, the connection's generations stop within one token.
+    requests.cancel_all();
+    drop(out);
+    let server_closed = matches!(ending, Ending::Flush(_));
+    let _ = end_tx.send(ending);
+    let _ = writer.await;
+    if server_closed {
+        // The server sent its Close: read (and drop) until the client answers, briefly.
+        let _ = tokio::time::timeout(CLOSE_ANSWER_WAIT, async {
+            while let Some(Ok(m)) = stream.next().await {
+                if matches!(m, Message::Close(_)) {
                     break;
                 }
             }
+        })
+        .await;
+    }
+}
+
+/// Reads the client's messages until the connection ends; how it ends.
+async fn read<Rx>(
+    stream: &mut Rx,
+    s: &Shared,
+    out: &mpsc::Sender<ServerMsg>,
+    requests: &Requests,
+) -> Ending
+where
+    Rx: Stream<Item = Result<Message, axum::Error>> + Unpin,
+{
+    let mut draining = s.generator.drain.draining_changes();
+    loop {
+        // A connection with nothing running may stay silent only so long.
+        let idle = requests.is_empty();
+        let limit = if idle {
+            s.limits.ws_idle_timeout
         } else {
-            stream.next().await
+            Duration::MAX
         };
-        let Some(frame) = frame else { break };
+        let frame = tokio::select! {
+            f = tokio::time::timeout(limit, stream.next()) => f,
+            // The server is shutting down: once nothing runs here, say goodbye.
+            () = requests.wait_empty(), if *draining.borrow() => {
+                return Ending::server(close_code::AWAY, "the server is shutting down");
+            }
+            _ = draining.changed(), if !*draining.borrow() => continue,
+        };
+        let frame = match frame {
+            Ok(Some(f)) => f,
+            Ok(None) => return Ending::Gone,
+            Err(_) => {
+                let why = format!(
+                    "closing a connection idle for {} s",
+                    s.limits.ws_idle_timeout.as_secs_f64()
+                );
+                let _ = out
+                    .send(ServerMsg::error(None, &ServeError::Invalid(why.clone())))
+                    .await;
+                return Ending::server(close_code::AWAY, why);
+            }
+        };
         let text = match frame {
             Ok(Message::Text(t)) => t,
             Ok(Message::Binary(_)) => {
-                let e = ServerMsg::error(
-                    None,
-                    &ServeError::Invalid("binary frames are not accepted; send JSON text".into()),
-                );
-                if out.send(e).await.is_err() {
-                    break;
+                let e =
+                    ServeError::Invalid("binary frames are not accepted; send JSON text".into());
+                if out.send(ServerMsg::error(None, &e)).await.is_err() {
+                    return Ending::Gone;
                 }
                 continue;
             }
-            Ok(Message::Close(_)) => break,
-            // A protocol violation gets the close code that names it.
-            Err(e) => {
-                let e = e.into_inner();
-                match e.downcast_ref::<tungstenite::Error>() {
-                    Some(tungstenite::Error::Capacity(c)) => {
-                        close(close_code::SIZE, format!("message too big: {c}"));
-                    }
-                    Some(tungstenite::Error::Utf8(_)) => {
-                        close(close_code::INVALID, "text frame is not UTF-8".into());
-                    }
-                    Some(tungstenite::Error::Protocol(p)) => {
-                        close(close_code::PROTOCOL, format!("protocol error: {p}"));
-                    }
-                    _ => {} // the connection is gone
-                }
-                break;
-            }
+            // The client's Close is answered with one (the library queued it), at once.
+            Ok(Message::Close(_)) => return Ending::Answer,
+            Err(e) => return violation(e),
             Ok(_) => continue, // ping/pong are answered by the library
         };
-        let msg = match ClientMsg::parse(text.as_str(), &s.limits) {
-            Ok(m) => m,
-            Err(e) => {
-                if out.send(ServerMsg::error(None, &e)).await.is_err() {
-                    break;
-                }
-                continue;
-            }
+        let reply = match ClientMsg::parse(text.as_str(), &s.limits) {
+            Ok(msg) => requests.handle(msg, s, out),
+            Err(e) => Some(ServerMsg::error(None, &e)),
         };
-        match msg {
-            // Authenticated already (by header or first message), or no key is needed.
-            ClientMsg::Auth { .. } => {}
-            ClientMsg::Cancel { id } => {
-                let flag = running.lock().ok().and_then(|r| r.get(&id).cloned());
-                match flag {
-                    Some(f) => f.store(true, Ordering::SeqCst),
-                    None => {
-                        let e = ServerMsg::error(
-                            Some(id.clone()),
-                            &ServeError::UnknownRequest(format!(
-                                "no request `{id}` is running on this connection"
-                            )),
-                        );
-                        if out.send(e).await.is_err() {
-                            break;
-                        }
-                    }
-                }
-            }
-            ClientMsg::Generate {
-                id,
-                prompt,
-                messages,
-                max_tokens,
-                temperature,
-                top_k,
-                top_p,
-                repetition_penalty,
-                presence_penalty,
-                frequency_penalty,
-                seed,
-                stop,
-                logprobs,
-                token_ids,
-                ignore_eos,
-            } => {
-                let prompt = match (prompt, messages) {
-                    (Some(crate::protocol::Prompt::Text(t)), None) => Ok(PromptSpec::Text(t)),
-                    (Some(crate::protocol::Prompt::Ids(i)), None) => Ok(PromptSpec::Ids(i)),
-                    (None, Some(m)) => Ok(PromptSpec::Chat(m)),
-                    _ => Err(ServeError::Invalid(
-                        "give exactly one of `prompt` and `messages`".into(),
-                    )),
-                };
-                let options = SamplingOptions {
-                    max_tokens,
-                    temperature,
-                    top_k,
-                    top_p,
-                    repetition_penalty,
-                    presence_penalty,
-                    frequency_penalty,
-                    seed,
-                    stop,
-                    ignore_eos,
-                    logprobs,
-                    ..SamplingOptions::default()
-                };
-                let spec = prompt.and_then(|p| options.validate(p, token_ids, &s.limits));
-                let spec = match spec {
-                    Ok(spec) => spec,
-                    Err(e) => {
-                        if out.send(ServerMsg::error(Some(id), &e)).await.is_err() {
-                            break;
-                        }
-                        continue;
-                    }
-                };
-                let cancel = Arc::new(AtomicBool::new(false));
-                let duplicate = match running.lock() {
-                    Ok(r) if r.contains_key(&id) => true,
-                    Ok(mut r) => {
-                        r.insert(id.clone(), cancel.clone());
-                        false
-                    }
-                    Err(_) => break,
-                };
-                if duplicate {
-                    let e = ServerMsg::error(
-                        Some(id.clone()),
-                        &ServeError::Invalid(format!(
-                            "request `{id}` is already running on this connection"
-                        )),
-                    );
-                    if out.send(e).await.is_err() {
-                        break;
-                    }
-                    continue;
-                }
-                let mut rx = start(&s, spec, cancel.clone());
-                let (out, running, with_ids) = (out.clone(), running.clone(), token_ids);
-                let with_logprobs = logprobs.is_some();
-                tokio::spawn(async move {
-                    while let Some(e) = rx.recv().await {
-                        // The id is free again once its last event is on its way: a client
-                        // that has read `done` (or the error) may reuse it at once.
-                        if matches!(e, Ok(GenEvent::Done(_)) | Err(_)) {
-                            release(&running, &id, &cancel);
-                        }
-                        let m = match e {
-                            Ok(GenEvent::Delta {
-                                text,
-                                token_ids,
-                                logprobs,
-                            }) => ServerMsg::Delta {
-                                id: id.clone(),
-                                text,
-                                token_ids: with_ids.then_some(token_ids),
-                                logprobs: with_logprobs.then_some(logprobs),
-                            },
-                            Ok(GenEvent::Prompt { .. }) => continue,
-                            Ok(GenEvent::Done(f)) => ServerMsg::Done {
-                                id: id.clone(),
-                                finish_reason: f.finish_reason.into(),
-                                usage: f.usage,
-                                timing: f.timing,
-                            },
-                            Err(e) => ServerMsg::error(Some(id.clone()), &e),
-                        };
-                        if out.send(m).await.is_err() {
-                            break;
-                        }
-                    }
-                    release(&running, &id, &cancel);
-                });
-            }
+        if let Some(reply) = reply
+            && out.send(reply).await.is_err()
+        {
+            return Ending::Gone;
         }
     }
-    // The client is gone: stop its generations within one token.
-    if let Ok(r) = running.lock() {
-        for f in r.values() {
-            f.store(true, Ordering::SeqCst);
-        }
-    }
-    drop(out);
-    let _ = writer.await;
 }
 
-/// The requests running on one connection, by client id, with their cancel flags.
-type Running = Mutex<HashMap<String, Arc<AtomicBool>>>;
-
-/// Frees `id` if it still names the request whose flag is `mine`: once freed, the client may
-/// already have started a new request under the same id, which is not this task's to remove.
-fn release(running: &Running, id: &str, mine: &Arc<AtomicBool>) {
-    if let Ok(mut r) = running.lock()
-        && r.get(id).is_some_and(|f| Arc::ptr_eq(f, mine))
-    {
-        r.remove(id);
+/// How a read error ends the connection: a protocol violation gets the close code that names
+/// it; anything else means the connection is gone.
+fn violation(e: axum::Error) -> Ending {
+    let e = e.into_inner();
+    match e.downcast_ref::<tungstenite::Error>() {
+        Some(tungstenite::Error::Capacity(c)) => {
+            Ending::server(close_code::SIZE, format!("message too big: {c}"))
+        }
+        Some(tungstenite::Error::Utf8(_)) => {
+            Ending::server(close_code::INVALID, "text frame is not UTF-8")
+        }
+        Some(tungstenite::Error::Protocol(p)) => {
+            Ending::server(close_code::PROTOCOL, format!("protocol error: {p}"))
+        }
+        _ => Ending::Gone,
     }
 }

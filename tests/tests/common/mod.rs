@@ -3,6 +3,7 @@
 #![allow(dead_code)]
 
 pub mod cli;
+pub mod served;
 
 use std::path::PathBuf;
 use std::process::Command;

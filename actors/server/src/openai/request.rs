@@ -4,7 +4,9 @@
 //! field, also refused by name. Errors name the field (`param`).
 
 use crate::error::ServeError;
-use crate::protocol::{ChatMessage, GenSpec, Limits, Prompt, PromptSpec, SamplingOptions, Stop};
+use crate::protocol::{
+    ChatMessage, GenSpec, LengthParam, Limits, Prompt, PromptSpec, SamplingOptions, Stop,
+};
 use serde::Deserialize;
 use std::collections::BTreeMap;
 
@@ -236,8 +238,14 @@ impl OpenAiRequest {
             })?;
             logit_bias.push((id, v));
         }
+        let length_param = if self.max_completion_tokens.is_some() {
+            LengthParam::MaxCompletionTokens
+        } else {
+            LengthParam::MaxTokens
+        };
         let options = SamplingOptions {
             max_tokens: self.max_tokens.or(self.max_completion_tokens),
+            length_param,
             temperature: self.temperature,
             top_k: self.top_k,
             top_p: self.top_p,
@@ -367,6 +375,11 @@ mod tests {
             (r#"{"prompt":"hi","logprobs":true}"#, false, "logprobs"),
             (r#"{"prompt":"hi","logprobs":50}"#, false, "logprobs"),
             (r#"{"prompt":"hi","max_tokens":0}"#, false, "max_tokens"),
+            (
+                r#"{"messages":[{"role":"user","content":"hi"}],"max_completion_tokens":0}"#,
+                true,
+                "max_completion_tokens",
+            ),
             (r#"{"prompt":"hi","suffix":"x"}"#, false, "suffix"),
             (r#"{"prompt":"hi","best_of":3}"#, false, "best_of"),
             (

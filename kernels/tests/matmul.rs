@@ -78,7 +78,7 @@ fn matmul_add_and_its_gradients_equal_the_product_then_the_sum() {
 /// An input that several GEMM nodes read (the SNNBlock's six projections share theirs), beside
 /// an element-wise reader, gets the sum of every reader's gradient, bit for bit as through
 /// burn's matmul. (Adding the sum so far in each GEMM's epilogue instead was tried and left
-/// out: BENCHMARKS.md, session 35.)
+/// out: docs/benchmarks/HISTORY.md, session 35.)
 #[test]
 fn an_input_read_by_several_gemms_gets_the_sum_of_their_gradients() {
     let dev = Default::default();

@@ -4,7 +4,7 @@
 //! documents still occurs in some source, so a removed variable leaves the page too. Every
 //! `CUBECL_*` variable the page documents (our patches to the vendored CubeCL) is still read
 //! there. Every key of the run config's serde structs (`RunConfig`'s tables, `TrainConfig`,
-//! `DataConfig`, `BackendConfig` in `actors/runtime/src/config.rs`, `ModelToml` (the form of `ModelConfig`) in
+//! `DataConfig`, `BackendConfig` in `actors/engine/src/config.rs`, `ModelToml` (the form of `ModelConfig`) in
 //! `model/config/src/lib.rs`, serde renames applied) has a row in its table's section, and every
 //! row's key is a field of that struct. Every file a variable's row says it is read in exists
 //! and names it. Names are extracted with the small scanners below, which a test of their own
@@ -418,10 +418,10 @@ fn documented_keys(section: &str) -> BTreeSet<String> {
 
 #[test]
 fn every_config_key_is_documented_in_its_table_and_every_documented_key_exists() {
-    let runtime = read("actors/runtime/src/config.rs");
+    let runtime = read("actors/engine/src/config.rs");
     let model = read("model/config/src/lib.rs");
     let doc = config_md();
-    let tables = struct_keys(&runtime, "RunConfig", "actors/runtime/src/config.rs");
+    let tables = struct_keys(&runtime, "RunConfig", "actors/engine/src/config.rs");
     let expect = ["model", "train", "backend", "data"];
     assert!(
         tables.iter().all(|t| expect.contains(&t.as_str())),
@@ -431,9 +431,9 @@ fn every_config_key_is_documented_in_its_table_and_every_documented_key_exists()
     for table in &tables {
         let (source, file, strukt) = match table.as_str() {
             "model" => (&model, "model/config/src/lib.rs", "ModelToml"),
-            "train" => (&runtime, "actors/runtime/src/config.rs", "TrainConfig"),
-            "data" => (&runtime, "actors/runtime/src/config.rs", "DataConfig"),
-            "backend" => (&runtime, "actors/runtime/src/config.rs", "BackendConfig"),
+            "train" => (&runtime, "actors/engine/src/config.rs", "TrainConfig"),
+            "data" => (&runtime, "actors/engine/src/config.rs", "DataConfig"),
+            "backend" => (&runtime, "actors/engine/src/config.rs", "BackendConfig"),
             other => unreachable!("checked above: {other}"),
         };
         let keys = struct_keys(source, strukt, file);

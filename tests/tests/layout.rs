@@ -1,9 +1,11 @@
 //! The house rules of docs/DESIGN.md, checked over `cargo metadata` and the sources:
 //! `plugins/api` ← `kernels` ← `model` ← `backends/*`; `plugins/abi` (the C boundary) stays
-//! burn-free; the runtime (`actors/runtime`) reaches burn only through the optional embedded-CPU
-//! backend; the server (`actors/server`) sits on the runtime, never the reverse; nothing depends
-//! on the CLI (`actors/cli`); `actors/data` is burn-free; no file outside the CLI imports its
-//! benchmarks; and no two files of a crate import each other, directly or through others.
+//! burn-free; the actor side reaches burn only through the optional embedded-CPU backend of
+//! `actors/engine`; the actor side's crates stand on floors, each using only those below it
+//! (engine ← checkpoint ← pipeline ← decoding ← training ← launch, [`FLOORS`]); the server
+//! (`actors/server`) sits on the decoding engine, never the reverse; nothing depends on the CLI
+//! (`actors/cli`); `actors/data` is burn-free; no file outside the CLI imports its benchmarks;
+//! and no two files of a crate import each other, directly or through others.
 
 use serde_json::Value;
 use std::collections::{BTreeMap, BTreeSet};
@@ -71,7 +73,12 @@ fn dependency_direction_follows_the_design() {
         "nsactor-backend-cuda",
         "nsactor-plugin-abi",
         "nsactor",
-        "nsactor-runtime",
+        "nsactor-engine",
+        "nsactor-checkpoint",
+        "nsactor-pipeline",
+        "nsactor-decoding",
+        "nsactor-training",
+        "nsactor-launch",
         "nsactor-server",
         "nsactor-data",
         "nsactor-analysis",
@@ -136,8 +143,8 @@ fn dependency_direction_follows_the_design() {
         );
     }
 
-    // The runtime: burn, cubecl and backends only through the optional embedded CPU backend;
-    // the server and the CLI: never.
+    // The actor side: burn, cubecl and backends only through the optional embedded CPU backend
+    // of the engine crate; every other crate above the backends: never.
     let heavy = |dep: &str| {
         dep.starts_with("burn")
             || dep.starts_with("cubecl")
@@ -145,12 +152,17 @@ fn dependency_direction_follows_the_design() {
             || dep == "nsactor-model"
             || dep == "nsactor-kernels"
     };
-    for (dep, optional) in &ws["nsactor-runtime"] {
+    for (dep, optional) in &ws["nsactor-engine"] {
         if heavy(dep) {
             assert!(
                 *optional && dep == "nsactor-backend-ndarray",
-                "the runtime depends on {dep} (optional: {optional})"
+                "the engine depends on {dep} (optional: {optional})"
             );
+        }
+    }
+    for (krate, _) in FLOORS.iter().skip(1) {
+        for (dep, _) in &ws[*krate] {
+            assert!(!heavy(dep), "{krate} depends on {dep}");
         }
     }
     for krate in ["nsactor-server", "nsactor", "nsactor-analysis"] {
@@ -158,12 +170,12 @@ fn dependency_direction_follows_the_design() {
             assert!(!heavy(dep), "{krate} depends on {dep}");
         }
     }
-    // The analysis is a front end beside the server: it drives the runtime and draws with
+    // The analysis is a front end beside the server: it drives the decoder and draws with
     // the plots crate, and neither sees the other.
     let analysis = names(&ws["nsactor-analysis"]);
     assert!(
-        analysis.contains("nsactor-runtime") && analysis.contains("nsactor-plots"),
-        "the analysis drives the runtime and draws its charts: {analysis:?}"
+        analysis.contains("nsactor-decoding") && analysis.contains("nsactor-plots"),
+        "the analysis drives the decoder and draws its charts: {analysis:?}"
     );
     assert!(
         !analysis.contains("nsactor-server")
@@ -182,20 +194,123 @@ fn dependency_direction_follows_the_design() {
         }
     }
 
-    // Upward edges: the runtime never sees the server or the CLI; nothing depends on the CLI.
-    let runtime = names(&ws["nsactor-runtime"]);
+    // Upward edges: no actor-side crate sees a front end (the floors below); nothing depends on
+    // the CLI.
     assert!(
-        !runtime.contains("nsactor-server") && !runtime.contains("nsactor"),
-        "the runtime depends on a front end: {runtime:?}"
-    );
-    assert!(
-        names(&ws["nsactor-server"]).contains("nsactor-runtime"),
-        "the server drives the runtime"
+        names(&ws["nsactor-server"]).contains("nsactor-decoding"),
+        "the server drives the decoding engine"
     );
     for (krate, deps) in &ws {
         assert!(
             !deps.iter().any(|(d, _)| d == "nsactor"),
             "{krate} depends on the CLI crate"
+        );
+    }
+}
+
+/// The actor side's crates, bottom floor first, and the workspace crates each may use: those
+/// on lower floors, and the leaves (the plugin contract, data, plots, telemetry, the control
+/// plane). A crate never reaches a floor above its own, nor a front end.
+const FLOORS: [(&str, &[&str]); 6] = [
+    (
+        "nsactor-engine",
+        &[
+            "nsactor-plugin-api",
+            "nsactor-plugin-abi",
+            "nsactor-model-config",
+            "nsactor-data",
+            "nsactor-backend-ndarray",
+        ],
+    ),
+    (
+        "nsactor-checkpoint",
+        &["nsactor-engine", "nsactor-plugin-api", "nsactor-data"],
+    ),
+    (
+        "nsactor-pipeline",
+        &[
+            "nsactor-engine",
+            "nsactor-checkpoint",
+            "nsactor-plugin-api",
+            "nsactor-data",
+            "nsactor-cluster",
+        ],
+    ),
+    (
+        "nsactor-decoding",
+        &[
+            "nsactor-engine",
+            "nsactor-checkpoint",
+            "nsactor-pipeline",
+            "nsactor-plugin-api",
+            "nsactor-data",
+        ],
+    ),
+    (
+        "nsactor-training",
+        &[
+            "nsactor-engine",
+            "nsactor-checkpoint",
+            "nsactor-pipeline",
+            "nsactor-decoding",
+            "nsactor-plugin-api",
+            "nsactor-data",
+            "nsactor-plots",
+            "nsactor-telemetry",
+        ],
+    ),
+    (
+        "nsactor-launch",
+        &[
+            "nsactor-engine",
+            "nsactor-checkpoint",
+            "nsactor-pipeline",
+            "nsactor-decoding",
+            "nsactor-training",
+            "nsactor-plugin-api",
+            "nsactor-data",
+            "nsactor-cluster",
+            "nsactor-telemetry",
+        ],
+    ),
+];
+
+/// Every workspace dependency of a [`FLOORS`] crate that its floor does not allow.
+fn floor_violations(ws: &BTreeMap<String, Vec<(String, bool)>>) -> Vec<String> {
+    let mut bad = Vec::new();
+    for (krate, allowed) in FLOORS {
+        let Some(deps) = ws.get(krate) else {
+            bad.push(format!("{krate} is missing"));
+            continue;
+        };
+        for (dep, _) in deps {
+            if dep.starts_with("nsactor") && !allowed.contains(&dep.as_str()) {
+                bad.push(format!("{krate} depends on {dep}"));
+            }
+        }
+    }
+    bad
+}
+
+#[test]
+fn the_actor_crates_stand_on_their_floors() {
+    let ws = workspace_deps();
+    let bad = floor_violations(&ws);
+    assert!(bad.is_empty(), "edges the floors forbid: {bad:?}");
+    // The rule bites: an edge up a floor, or to a front end, planted into the real graph.
+    for (from, to) in [
+        ("nsactor-pipeline", "nsactor-decoding"),
+        ("nsactor-engine", "nsactor-checkpoint"),
+        ("nsactor-decoding", "nsactor-server"),
+        ("nsactor-launch", "nsactor"),
+    ] {
+        let mut planted = ws.clone();
+        planted.get_mut(from).unwrap().push((to.to_string(), false));
+        let found = floor_violations(&planted);
+        assert_eq!(
+            found,
+            [format!("{from} depends on {to}")],
+            "the planted edge {from} -> {to} went unseen"
         );
     }
 }
@@ -221,7 +336,7 @@ fn rust_files(dir: &std::path::Path, out: &mut Vec<std::path::PathBuf>) {
 }
 
 /// The library and binary crates the import rules cover: `(name, src directory)`.
-const CRATES: [(&str, &str); 14] = [
+const CRATES: [(&str, &str); 19] = [
     ("plugin-api", "plugins/api/src"),
     ("plugin-abi", "plugins/abi/src"),
     ("kernels", "kernels/src"),
@@ -229,7 +344,12 @@ const CRATES: [(&str, &str); 14] = [
     ("backend-core", "backends/core/src"),
     ("backend-cuda", "backends/cuda/src"),
     ("data", "actors/data/src"),
-    ("runtime", "actors/runtime/src"),
+    ("engine", "actors/engine/src"),
+    ("checkpoint", "actors/checkpoint/src"),
+    ("pipeline", "actors/pipeline/src"),
+    ("decoding", "actors/decoding/src"),
+    ("training", "actors/training/src"),
+    ("launch", "actors/launch/src"),
     ("server", "actors/server/src"),
     ("cli", "actors/cli/src"),
     ("plots", "actors/plots/src"),

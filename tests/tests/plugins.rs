@@ -12,15 +12,15 @@ mod interpretability;
 #[path = "plugins/loaded.rs"]
 mod loaded;
 
+use nsactor_checkpoint::weights::merge_params;
+use nsactor_engine::config::tiny_model;
+use nsactor_engine::engine::{StagedModel, StepParams};
 use nsactor_plugin_abi::host::{Plugin, library_file_name, resolve};
 use nsactor_plugin_api::{
     ABI_VERSION, Batch, ComputeBackend, EngineError, HostTensor, InitialWeights, MicroBatchId,
     ModelConfig, OptimizerKind, SessionId, StageCall, StageKind, StageSpec,
 };
-use nsactor_runtime::config::tiny_model;
-use nsactor_runtime::engine::{StagedModel, StepParams};
-use nsactor_runtime::verify;
-use nsactor_runtime::weights::merge_params;
+use nsactor_training::verify;
 use safetensors::SafeTensors;
 use std::path::PathBuf;
 use std::sync::{Arc, OnceLock};
@@ -113,7 +113,7 @@ fn a_missing_plugin_lists_the_places_searched() {
         "{e}"
     );
     assert!(e.contains("NSACTOR_PLUGIN_PATH"), "{e}");
-    let e = nsactor_runtime::backend::open("/nonexistent/libx.so", &[])
+    let e = nsactor_engine::backend::open("/nonexistent/libx.so", &[])
         .err()
         .unwrap()
         .to_string();

@@ -3,7 +3,7 @@
 //! period, the running stream ends with finish reason `shutdown` and `[DONE]`, WebSocket
 //! clients get their final `done` and then a Close frame 1001, and the process exits 0; a
 //! second signal exits at once with 143. A layer that panics
-//! while decoding is rebuilt from the checkpoint, or, past `--max-restarts`, ends the command.
+//! while decoding is rebuilt from the checkpoint, or, past `--max-rebuilds`, ends the command.
 
 mod common;
 
@@ -190,10 +190,10 @@ fn a_second_sigterm_exits_at_once_with_143() {
 
 /// A server whose layer panics mid-stream: that stream ends with an error, `/health` comes
 /// back to 200 after the rebuild (which read the checkpoint, or the Hugging Face export,
-/// again) and the next request is served; with `--max-restarts 0` the same fault makes the
+/// again) and the next request is served; with `--max-rebuilds 0` the same fault makes the
 /// command exit with the cause.
 #[test]
-fn a_panicking_layer_fails_its_stream_and_the_server_heals_or_exits_past_max_restarts() {
+fn a_panicking_layer_fails_its_stream_and_the_server_heals_or_exits_past_max_rebuilds() {
     let dir = temp_dir("serve-heal");
     let run = trained_run(&dir);
     // The Hugging Face export of the same run: its rebuild reads `model.safetensors` again.
@@ -203,12 +203,18 @@ fn a_panicking_layer_fails_its_stream_and_the_server_heals_or_exits_past_max_res
         .arg(&run)
         .arg("--out")
         .arg(&hf));
-    for (from, max_restarts) in [(&run, "1"), (&hf, "1"), (&run, "0")] {
+    // The last case names the flag by its former name, `--max-restarts`, still accepted.
+    let cases = [
+        (&run, "1", "--max-rebuilds"),
+        (&hf, "1", "--max-rebuilds"),
+        (&run, "0", "--max-restarts"),
+    ];
+    for (from, max_rebuilds, flag) in cases {
         let addr = free_addr();
         let mut server = nsactor()
             .args(["serve", "--no-warmup", "--checkpoint"])
             .arg(from)
-            .args(["--addr", &addr.to_string(), "--max-restarts", max_restarts])
+            .args(["--addr", &addr.to_string(), flag, max_rebuilds])
             .args(["--inject-fault", "session-panic:1:3"])
             .stdout(Stdio::null())
             .stderr(Stdio::piped())
@@ -220,7 +226,7 @@ fn a_panicking_layer_fails_its_stream_and_the_server_heals_or_exits_past_max_res
         let (status, sse) = answer(send(addr, "POST", "/v1/completions", "", body));
         assert_eq!(status, 200, "{sse}");
         assert!(sse.contains("error") && sse.contains("panic"), "{sse}");
-        if max_restarts == "1" {
+        if max_rebuilds == "1" {
             let t = Instant::now();
             while answer(send(addr, "GET", "/health", "", "")).0 != 200 {
                 assert!(t.elapsed() < Duration::from_secs(60), "never healed");
@@ -267,9 +273,9 @@ fn bad_limits_are_refused_by_name() {
             "--max-body-bytes must be at least 1024",
         ),
         (
-            "--restart-window",
+            "--rebuild-window",
             "0",
-            "--restart-window must be seconds > 0",
+            "--rebuild-window must be seconds > 0",
         ),
         (
             "--inject-fault",

@@ -6,7 +6,7 @@ use std::path::PathBuf;
 pub enum AnalysisError {
     /// Opening or running the model failed.
     #[error(transparent)]
-    Runtime(#[from] nsactor_runtime::RuntimeError),
+    Runtime(#[from] nsactor_engine::RuntimeError),
     /// A backend call failed.
     #[error(transparent)]
     Engine(#[from] nsactor_plugin_api::EngineError),

@@ -7,8 +7,8 @@ use crate::sentences::Sentence;
 use crate::tags::{Category, token_categories};
 use nsactor_data::Tokenizer;
 use nsactor_data::tokenizer::SPECIALS;
+use nsactor_decoding::Pipeline;
 use nsactor_plugin_api::BETA_BINS;
-use nsactor_runtime::pipeline::Pipeline;
 
 /// One token as the model saw it.
 #[derive(Debug, Clone, PartialEq)]

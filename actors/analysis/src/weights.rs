@@ -89,11 +89,11 @@ fn gather(files: &[Vec<u8>], want: impl Fn(&str) -> bool) -> Result<BTreeMap<Str
 /// The static β of a `layers`-layer model in the checkpoint, run directory or Hugging Face
 /// directory at `path`.
 pub fn read(path: &Path, layers: usize) -> Result<StaticBetas> {
-    let files = if nsactor_runtime::export::is_hf_dir(path) {
+    let files = if nsactor_checkpoint::export::is_hf_dir(path) {
         let p = path.join("model.safetensors");
         vec![std::fs::read(&p).map_err(|e| AnalysisError::Io(p, e))?]
     } else {
-        nsactor_runtime::export::find_checkpoint(path)?.shards
+        nsactor_checkpoint::checkpoint::find_checkpoint(path)?.shards
     };
     // Parameters only: optimizer moments (`adam.…`) end in the same names.
     let neuron = |n: &str| {

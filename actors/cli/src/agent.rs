@@ -10,8 +10,8 @@
 
 use crate::group::{GROUP_FLAGS, Group, command, wait_all};
 use crate::{CliError, CliResult};
-use nsactor_runtime::pipeline::checkpoint;
-use nsactor_runtime::pipeline::heal::Restarts;
+use nsactor_checkpoint::checkpoint;
+use nsactor_engine::supervision::{RestartPolicy, Restarts};
 use std::ffi::OsString;
 use std::io::Write;
 use std::path::Path;
@@ -22,23 +22,6 @@ use std::time::{Duration, Instant};
 
 /// The agent's flags, taken out of the child's command line.
 const AGENT_FLAGS: [&str; 3] = ["--max-restarts", "--restart-window", "--restart-backoff"];
-
-/// When to restart and when to give up.
-#[derive(Debug, Clone, Copy)]
-pub struct RestartPolicy {
-    /// Restarts allowed within `window`.
-    pub max_restarts: u32,
-    pub window: Duration,
-    /// The first backoff; it doubles with each restart in the window, up to a minute.
-    pub backoff: Duration,
-}
-
-impl RestartPolicy {
-    fn delay(&self, restarts_in_window: usize) -> Duration {
-        let doublings = restarts_in_window.saturating_sub(1).min(16) as u32;
-        (self.backoff * 2u32.pow(doublings)).min(Duration::from_secs(60))
-    }
-}
 
 /// `args` (the agent's own, program name excluded) without the agent's flags and their values.
 pub fn child_args(args: impl IntoIterator<Item = OsString>) -> Vec<OsString> {
@@ -71,7 +54,7 @@ fn describe(status: ExitStatus) -> String {
         (Some(c), _) => format!("exited with code {c}"),
         (None, Some(s)) => format!(
             "was killed by signal {s} ({})",
-            nsactor_runtime::shutdown::signal_name(s)
+            nsactor_training::shutdown::signal_name(s)
         ),
         _ => "ended".into(),
     }
@@ -174,7 +157,7 @@ pub fn supervise(policy: RestartPolicy, out_dir: &Path, group: Option<Group>) ->
         if stopping.load(Ordering::SeqCst) {
             return Err(format!("stopped on request; the training process {cause}").into());
         }
-        if !recent.allow(policy.max_restarts, policy.window, Instant::now()) {
+        let Some(allowed) = recent.allow(&policy, Instant::now()) else {
             return Err(format!(
                 "the training process {cause}; giving up after {} restart(s) within {:.0} s \
                  (--max-restarts {}, --restart-window); `nsactor train --resume` continues \
@@ -185,9 +168,9 @@ pub fn supervise(policy: RestartPolicy, out_dir: &Path, group: Option<Group>) ->
                 newest_step(&root)
             )
             .into());
-        }
+        };
         restarts += 1;
-        let delay = policy.delay(recent.len());
+        let delay = allowed.delay;
         let to_step = newest_step(&root);
         tracing::warn!(
             "the training process {cause}; restart {restarts} ({} of {} within {:.0} s) from \

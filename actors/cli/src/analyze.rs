@@ -36,7 +36,7 @@ pub fn run(a: AnalyzeArgs) -> crate::CliResult {
         (_, Some(p)) => sentences::from_jsonl(p)?,
         _ => sentences::bundled(),
     };
-    let mut l = nsactor_runtime::launch::load_checkpoint(&a.model.options())?;
+    let mut l = nsactor_launch::launch::load_checkpoint(&a.model.options())?;
     let m = l.config.model.clone();
     let betas = weights::read(&a.model.checkpoint, m.num_layers)?;
     let t = std::time::Instant::now();

@@ -1,9 +1,9 @@
 //! Arguments shared by several commands: opening a checkpoint ([`ModelArgs`]) and placing a
 //! model on backend and devices ([`LayoutArgs`]).
 
-use nsactor_runtime::RuntimeError;
-use nsactor_runtime::config::Overrides;
-use nsactor_runtime::launch::CheckpointOptions;
+use nsactor_engine::RuntimeError;
+use nsactor_engine::config::Overrides;
+use nsactor_launch::launch::CheckpointOptions;
 use std::path::PathBuf;
 
 #[derive(clap::Args)]

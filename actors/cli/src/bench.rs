@@ -77,7 +77,7 @@ pub fn open_with_precision(
     backend: &str,
     precision: &str,
 ) -> Result<std::sync::Arc<dyn ComputeBackend>, nsactor_plugin_api::EngineError> {
-    nsactor_runtime::backend::open_with(backend, &[], &precision_option(backend, precision))
+    nsactor_engine::backend::open_with(backend, &[], &precision_option(backend, precision))
 }
 
 /// Runs a diagnostic whose report is text for people, and prints it.

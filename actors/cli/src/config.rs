@@ -1,6 +1,6 @@
 //! `nsactor config`: the run configuration as every command sees it after its layers.
 
-use nsactor_runtime::config::{EnvLayer, RunConfig};
+use nsactor_engine::config::{EnvLayer, RunConfig};
 use std::path::PathBuf;
 
 #[derive(clap::Subcommand)]

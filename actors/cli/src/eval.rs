@@ -1,8 +1,8 @@
 //! `nsactor eval`: held-out loss of a checkpoint.
 
 use crate::args::ModelArgs;
-use nsactor_runtime::heldout::HeldOut;
-use nsactor_runtime::launch::{self};
+use nsactor_launch::launch::{self};
+use nsactor_training::heldout::HeldOut;
 use std::path::PathBuf;
 
 #[derive(clap::Args)]

@@ -1,6 +1,6 @@
 //! `nsactor export` and `nsactor import`: Hugging Face directories in and out.
 
-use nsactor_runtime::backend;
+use nsactor_engine::backend;
 use std::path::PathBuf;
 
 #[derive(clap::Args)]
@@ -36,7 +36,7 @@ pub struct ImportArgs {
 
 /// `nsactor export`.
 pub fn export(a: ExportArgs) -> crate::CliResult {
-    let dir = nsactor_runtime::export::export_hf(&a.checkpoint, &a.out, a.tokenizer.as_deref())?;
+    let dir = nsactor_checkpoint::export::export_hf(&a.checkpoint, &a.out, a.tokenizer.as_deref())?;
     println!("exported {} to {}", dir.display(), a.out.display());
     Ok(())
 }
@@ -44,7 +44,7 @@ pub fn export(a: ExportArgs) -> crate::CliResult {
 /// `nsactor import`.
 pub fn import(a: ImportArgs) -> crate::CliResult {
     let compute = backend::open(&a.backend, &[])?;
-    let dir = nsactor_runtime::export::import_hf(&a.from, &a.out, compute)?;
+    let dir = nsactor_checkpoint::export::import_hf(&a.from, &a.out, compute)?;
     println!(
         "imported {} as {}; continue with: nsactor train --config {} --resume",
         a.from.display(),

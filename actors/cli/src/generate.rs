@@ -1,7 +1,7 @@
 //! `nsactor generate`: streaming generation to stdout, or an interactive chat loop.
 
 use crate::args::ModelArgs;
-use nsactor_runtime::launch::{self};
+use nsactor_launch::launch::{self};
 use std::sync::Arc;
 
 #[derive(clap::Args)]
@@ -32,8 +32,8 @@ pub fn run(a: GenerateArgs) -> crate::CliResult {
     use nsactor_server::protocol::{ChatMessage, PromptSpec, SamplingOptions};
     use std::io::{BufRead, Write};
     let l = launch::load_checkpoint(&a.model.options())?;
-    let state = crate::serve::server_state(
-        &l,
+    let state = nsactor_server::ServerState::new(
+        (l.pipeline.decoder(l.vocab), l.tokenizer.clone()),
         (1, 0),
         l.name.clone(),
         Default::default(),

@@ -1,7 +1,7 @@
 //! `nsactor`: train and serve NeuronSpark spiking language models.
 //!
 //! One module per command; each holds its arguments (clap) and its handler, and reaches the
-//! model only through `nsactor-runtime` (and `nsactor-server` for serving). Benchmarks and
+//! model only through the actor-side crates (`nsactor-launch` and the floors below it; `nsactor-server` for serving). Benchmarks and
 //! their printing live under [`bench`]; nothing outside this crate imports them.
 
 mod agent;
@@ -19,7 +19,6 @@ mod plugins;
 mod serve;
 mod train;
 mod verify;
-mod world;
 
 use clap::{Parser, Subcommand};
 use std::process::ExitCode;

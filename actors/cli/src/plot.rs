@@ -19,7 +19,7 @@ pub fn run(a: PlotArgs) -> crate::CliResult {
     let metrics = a.run.join("metrics.jsonl");
     let out = a.out.unwrap_or_else(|| a.run.join("loss.png"));
     let title = a.title.unwrap_or_else(|| a.run.display().to_string());
-    nsactor_runtime::history::draw(&metrics, &out, title)?;
+    nsactor_training::history::draw(&metrics, &out, title)?;
     println!("{}", out.display());
     Ok(())
 }

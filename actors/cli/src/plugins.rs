@@ -1,6 +1,6 @@
 //! `nsactor plugins`: the backend plugins on the search path.
 
-use nsactor_runtime::backend;
+use nsactor_engine::backend;
 use std::path::PathBuf;
 
 #[derive(clap::Args)]

@@ -3,13 +3,12 @@
 //! requests.
 
 use crate::args::ModelArgs;
-use nsactor_runtime::launch::{self, Loaded};
-use nsactor_runtime::pipeline::AsyncDecoder;
-use nsactor_runtime::pipeline::buckets::CohortBuckets;
-use nsactor_runtime::pipeline::heal::{HealPolicy, Health};
-use nsactor_runtime::pipeline::warmup::WarmupPlan;
+use nsactor_decoding::AsyncDecoder;
+use nsactor_decoding::heal::{Health, RestartPolicy};
+use nsactor_decoding::warmup::WarmupPlan;
+use nsactor_launch::launch;
+use nsactor_server::ServerState;
 use nsactor_server::ready::Readiness;
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 /// How long generations get to end after the grace period (they stop within one token).
@@ -63,14 +62,15 @@ pub struct ServeArgs {
     #[arg(long, default_value_t = 0, value_name = "N")]
     http_threads: usize,
     /// Rebuilds after a lost stage (a panic while decoding, a stopped actor) allowed within
-    /// --restart-window: each fails the generations running then, rebuilds every actor and
+    /// --rebuild-window: each fails the generations running then, rebuilds every actor and
     /// reads the checkpoint again. One more within the window and the command exits with an
     /// error (for the service manager to restart it).
-    #[arg(long, default_value_t = HealPolicy::default().max_restarts, value_name = "N")]
-    max_restarts: u32,
-    /// Seconds over which --max-restarts counts.
-    #[arg(long, default_value_t = HealPolicy::default().window.as_secs_f64(), value_name = "SECONDS")]
-    restart_window: f64,
+    /// (`--max-restarts` is the former name.)
+    #[arg(long, alias = "max-restarts", default_value_t = RestartPolicy::default().max_restarts, value_name = "N")]
+    max_rebuilds: u32,
+    /// Seconds over which --max-rebuilds counts (`--restart-window` is the former name).
+    #[arg(long, alias = "restart-window", default_value_t = RestartPolicy::default().window.as_secs_f64(), value_name = "SECONDS")]
+    rebuild_window: f64,
     /// Inject one failure to exercise recovery: `session-panic:LAYER:PASS` (that layer panics
     /// in its PASS-th decoding pass, the warm-up's included).
     #[arg(long, value_name = "FAULT")]
@@ -135,11 +135,23 @@ impl LimitArgs {
 pub const API_KEY_ENV: &str = "NSACTOR_API_KEY";
 
 impl ServeArgs {
-    fn heal_policy(&self) -> Result<HealPolicy, crate::CliError> {
-        if !(self.restart_window.is_finite() && self.restart_window > 0.0) {
+    /// `--shutdown-grace` as a duration.
+    fn grace(&self) -> Result<Duration, crate::CliError> {
+        if !(self.shutdown_grace.is_finite() && self.shutdown_grace >= 0.0) {
             return Err(format!(
-                "--restart-window must be seconds > 0, got {}",
-                self.restart_window
+                "--shutdown-grace must be seconds >= 0, got {}",
+                self.shutdown_grace
+            )
+            .into());
+        }
+        Ok(Duration::from_secs_f64(self.shutdown_grace))
+    }
+
+    fn heal_policy(&self) -> Result<RestartPolicy, crate::CliError> {
+        if !(self.rebuild_window.is_finite() && self.rebuild_window > 0.0) {
+            return Err(format!(
+                "--rebuild-window must be seconds > 0, got {}",
+                self.rebuild_window
             )
             .into());
         }
@@ -151,10 +163,10 @@ impl ServeArgs {
             )
             .into());
         }
-        Ok(HealPolicy {
-            max_restarts: self.max_restarts,
-            window: Duration::from_secs_f64(self.restart_window),
-        })
+        Ok(RestartPolicy::new(
+            self.max_rebuilds,
+            Duration::from_secs_f64(self.rebuild_window),
+        ))
     }
 
     /// Every configured key: the flags, `$NSACTOR_API_KEY`, then the key file.
@@ -185,21 +197,16 @@ impl ServeArgs {
 
 pub fn run(a: ServeArgs) -> crate::CliResult {
     let started = Instant::now();
+    // Every flag is checked before anything is loaded.
     let keys = a.keys()?;
     let limits = a.limits.limits()?;
-    let cors = nsactor_server::cors::Cors::parse(&a.cors_origins)?;
-    if !(a.shutdown_grace.is_finite() && a.shutdown_grace >= 0.0) {
-        return Err(format!(
-            "--shutdown-grace must be seconds >= 0, got {}",
-            a.shutdown_grace
-        )
-        .into());
-    }
-    let grace = Duration::from_secs_f64(a.shutdown_grace);
     let heal = a.heal_policy()?;
+    let grace = a.grace()?;
+    let cors = nsactor_server::cors::Cors::parse(&a.cors_origins)?;
+    let (buckets, plan) = WarmupPlan::for_spec(&a.cohort_buckets, a.max_sessions)?;
     // SIGTERM/SIGINT start the drain; a second signal, or the grace period and the stop wait
     // running out, exits at once.
-    let stop = nsactor_runtime::shutdown::stop_on_signals(
+    let stop = nsactor_training::shutdown::stop_on_signals(
         grace + STOP_WAIT + Duration::from_secs(5),
         "refusing new requests and letting running generations finish",
     )?;
@@ -207,7 +214,6 @@ pub fn run(a: ServeArgs) -> crate::CliResult {
         inject_fault: a.inject_fault.clone(),
         ..a.model.options()
     })?;
-    let name = a.model_name.clone().unwrap_or_else(|| l.name.clone());
     if keys.required() {
         tracing::info!(
             "{} API key(s) required on /v1/* and /ws{}",
@@ -215,12 +221,11 @@ pub fn run(a: ServeArgs) -> crate::CliResult {
             if keys.metrics { " and /metrics" } else { "" }
         );
     }
-    let (buckets, plan) = cohort_plan(&a.cohort_buckets, a.max_sessions)?;
-    let ready = readiness(a.no_warmup, &plan);
-    let state = crate::serve::server_state(
-        &l,
+    let ready = Readiness::for_plan(a.no_warmup, &plan);
+    let state = ServerState::new(
+        (l.pipeline.decoder(l.vocab), l.tokenizer.clone()),
         (a.max_sessions, a.max_queue),
-        name,
+        a.model_name.clone().unwrap_or_else(|| l.name.clone()),
         (keys, cors),
         (limits, ready.clone()),
     );
@@ -258,7 +263,7 @@ pub fn run(a: ServeArgs) -> crate::CliResult {
         if !a.no_warmup {
             // A signal during the warm-up ends the server, and the command with it.
             tokio::select! {
-                w = warm_up(&decoder, &plan, &ready, started) => w?,
+                w = ready.warm_up(&decoder, &plan, started) => w?,
                 s = &mut server => return Ok(s.map_err(|e| e.to_string())??),
             }
         }
@@ -277,7 +282,7 @@ pub fn run(a: ServeArgs) -> crate::CliResult {
     })
 }
 
-/// Resolves once `decoder` has failed for good (past --max-restarts, or a rebuild that
+/// Resolves once `decoder` has failed for good (past --max-rebuilds, or a rebuild that
 /// failed), with why.
 async fn decoding_failed(decoder: &AsyncDecoder) -> String {
     let mut changes = decoder.health_changes();
@@ -291,96 +296,4 @@ async fn decoding_failed(decoder: &AsyncDecoder) -> String {
         },
         Err(_) => "the decoder stopped".into(),
     }
-}
-
-/// The cohort buckets `spec` names for a server of `max_sessions`, and the warm-up over them.
-pub fn cohort_plan(
-    spec: &str,
-    max_sessions: usize,
-) -> Result<(CohortBuckets, WarmupPlan), crate::CliError> {
-    let most = max_sessions.clamp(1, nsactor_runtime::pipeline::batcher::MAX_BATCH);
-    let buckets = CohortBuckets::parse(spec, most)
-        .map_err(|e| format!("--cohort-buckets: {e}"))?
-        .up_to(most);
-    let plan = WarmupPlan::for_buckets(&buckets, most);
-    Ok((buckets, plan))
-}
-
-/// Ready at once without a warm-up, else warming through `plan`'s sizes.
-pub fn readiness(no_warmup: bool, plan: &WarmupPlan) -> Arc<Readiness> {
-    Arc::new(if no_warmup {
-        Readiness::default()
-    } else {
-        Readiness::warming(plan.sizes.len())
-    })
-}
-
-/// Runs `plan` on `decoder`, reporting progress to `ready` and the log; `ready` says ready
-/// after it, or failed.
-pub async fn warm_up(
-    decoder: &AsyncDecoder,
-    plan: &WarmupPlan,
-    ready: &Readiness,
-    started: Instant,
-) -> crate::CliResult {
-    let t = Instant::now();
-    let sizes: Vec<String> = plan.sizes.iter().map(usize::to_string).collect();
-    tracing::info!(
-        "warming up at {} cohort sizes ({}) before taking requests; /health answers 503 until then",
-        plan.sizes.len(),
-        sizes.join(", ")
-    );
-    let r = decoder
-        .warm_up(plan, |done, total, w| {
-            ready.progress(done);
-            tracing::info!(
-                "warm-up {done}/{total}: {} sessions, {} passes, {:.2} s",
-                w.size,
-                w.passes,
-                w.seconds
-            );
-        })
-        .await;
-    match r {
-        Ok(_) => {
-            ready.set_ready();
-            tracing::info!(
-                "ready {:.1} s after start (warm-up {:.1} s)",
-                started.elapsed().as_secs_f64(),
-                t.elapsed().as_secs_f64()
-            );
-            Ok(())
-        }
-        Err(e) => {
-            ready.fail(e.to_string());
-            Err(format!("the warm-up failed: {e}").into())
-        }
-    }
-}
-
-/// The server over `l`: `(sessions decoding, queue places)`, its name, who may call it (API
-/// keys, browser origins), its limits and its readiness.
-pub fn server_state(
-    l: &Loaded,
-    (max_sessions, max_queue): (usize, usize),
-    name: String,
-    (keys, cors): (nsactor_server::auth::ApiKeys, nsactor_server::cors::Cors),
-    (limits, ready): (nsactor_server::protocol::Limits, Arc<Readiness>),
-) -> Arc<nsactor_server::ServerState> {
-    use nsactor_server::generate::{Admission, Generator};
-    Arc::new(nsactor_server::ServerState {
-        generator: Generator {
-            decoder: l.pipeline.decoder(l.vocab),
-            tokenizer: l.tokenizer.clone(),
-            admission: Admission::new(max_sessions.max(1), max_queue),
-            metrics: Arc::default(),
-            max_prompt_tokens: limits.max_prompt_tokens,
-            drain: Arc::default(),
-            ready,
-        },
-        model_name: name,
-        limits,
-        keys,
-        cors,
-    })
 }

@@ -1,12 +1,8 @@
 //! `nsactor train`: a training run from the command line.
 
 use crate::args::LayoutArgs;
-use nsactor_plugin_api::OptimizerKind;
-use nsactor_runtime::config::{Overrides, RunConfig};
-use nsactor_runtime::heldout::HeldOut;
-use nsactor_runtime::launch::{self};
-use nsactor_runtime::train;
-use nsactor_telemetry::{Exporter, TrainingMetrics};
+use nsactor_engine::config::{Overrides, RunConfig};
+use nsactor_launch::training::{self, TrainOutcome, TrainRequest};
 use std::path::PathBuf;
 
 #[derive(clap::Args)]
@@ -84,6 +80,10 @@ pub struct TrainArgs {
     restart_backoff: f64,
     #[command(flatten)]
     group: crate::group::GroupArgs,
+    /// Text the trained model continues at the end of the run, printed on one line (empty:
+    /// no sample).
+    #[arg(long, default_value = "Emma was", value_name = "TEXT")]
+    sample: String,
 }
 
 pub fn run(args: TrainArgs) -> crate::CliResult {
@@ -107,128 +107,29 @@ pub fn run(args: TrainArgs) -> crate::CliResult {
                 .then(|| std::time::Duration::from_secs_f64(v))
                 .ok_or_else(|| format!("--{name} must be a number of seconds ≥ 0, got {v}"))
         };
-        let policy = crate::agent::RestartPolicy {
+        let policy = nsactor_engine::supervision::RestartPolicy {
             max_restarts,
             window: secs("restart-window", args.restart_window)?,
             backoff: secs("restart-backoff", args.restart_backoff)?,
         };
         return crate::agent::supervise(policy, &cfg.train.out_dir, group);
     }
-    // One rank of several processes (the environment says so), or the whole run.
-    let world = nsactor_cluster::World::from_env()?;
-    let fingerprint = crate::world::fingerprint(&cfg);
-    if let Some(w) = &world {
-        crate::world::local_share(&mut cfg, w)?;
-    }
-    let stop = nsactor_runtime::shutdown::stop_on_signals(
-        std::time::Duration::from_secs_f64(cfg.train.shutdown_grace_s),
-        "finishing this step and writing a checkpoint (a resume starts from the newest complete one)",
-    )?;
-    let init = match &args.init_from {
-        Some(run) => Some(launch::InitFrom::open(run, &mut cfg)?),
-        None => None,
-    };
-    let tok = nsactor_data::cli::load_tokenizer(cfg.data.tokenizer.as_deref())?;
-    train::check_tokenizer(&cfg, &tok)?;
-    let sampler = launch::make_sampler(&cfg, &tok, &args.corpus, args.data.as_deref(), args.sft)?;
-    let (sampler, mut held_out) = HeldOut::split(&cfg, sampler)?;
-    let rank = world.as_ref().map_or(0, |w| w.rank);
-    let live = match (&args.metrics_addr, rank) {
-        (Some(_), 0) => Some(TrainingMetrics::new()?),
-        _ => None,
-    };
-    let _exporter = match (&args.metrics_addr, &live) {
-        (Some(addr), Some(m)) => Some(Exporter::start(addr, m.registry().clone())?),
-        _ => None,
-    };
-    let compute = launch::open_backend(&cfg, args.layout.backend.as_deref())?;
-    let member = match world {
-        Some(w) => {
-            crate::world::place(&mut cfg, &w, compute.as_ref());
-            Some(crate::world::Rank::join(w)?)
-        }
-        None => None,
-    };
-    let optimizer = if args.sft {
-        OptimizerKind::AdamW
-    } else {
-        OptimizerKind::Adam
-    };
-    let link = member.as_ref().map(|m| m.link(&compute)).transpose()?;
-    let mut pipeline = launch::launch_in(compute, &cfg, optimizer, Some(sampler), link)?;
-    let mut first_step = 0;
-    if args.resume {
-        first_step = launch::resume(&cfg, &tok, &mut pipeline)?;
-    }
-    if let Some(init) = init
-        && first_step == 0
+    let outcome = training::train(TrainRequest {
+        config: cfg,
+        corpus: args.corpus,
+        data: args.data,
+        sft: args.sft,
+        backend: args.layout.backend,
+        resume: args.resume,
+        init_from: args.init_from,
+        metrics_addr: args.metrics_addr,
+        sample: Some(args.sample).filter(|s| !s.is_empty()),
+    })?;
+    if let TrainOutcome::Finished {
+        sample: Some(text), ..
+    } = outcome
     {
-        init.load(&tok, &mut pipeline)?;
+        println!("{text}");
     }
-    if let Some(m) = &member {
-        m.agree(fingerprint, first_step)?;
-    }
-    if rank > 0 {
-        // Rank 0 evaluates and writes; a stop request is rank 0's to act on.
-        held_out = None;
-    }
-    let options = train::RunOptions {
-        first_step,
-        tokenizer_sha256: Some(tok.hash().to_string()),
-        stop: (rank == 0).then_some(&stop),
-        held_out,
-        metrics: live.as_ref(),
-        rank,
-    };
-    let summary = match (train::run(&cfg, &mut pipeline, options), &member) {
-        (Ok(s), _) => s,
-        (Err(e), Some(m)) if m.peers.ended() => {
-            // Rank 0 stopped the run on request while this rank was in a step.
-            tracing::warn!("rank 0 ended the run ({e})");
-            return m.finish();
-        }
-        (Err(e), m) => {
-            if let Some(m) = m {
-                m.abort(&e.to_string());
-            }
-            return Err(e.into());
-        }
-    };
-    if let Some(m) = &member {
-        m.finish()?;
-        if m.rank() > 0 {
-            return Ok(());
-        }
-    }
-    if summary.stopped_at.is_some() {
-        return Ok(());
-    }
-    // Steps that scored no token have no loss (NaN).
-    let mut scored = summary.losses.iter().copied().filter(|l| l.is_finite());
-    let first = scored.next().unwrap_or(f64::NAN);
-    let last = scored.next_back().unwrap_or(first);
-    tracing::info!(
-        "loss {first:.4} → {last:.4}; {:.0} tokens/s; weights in {}",
-        summary.tokens_per_s,
-        summary.weights.display()
-    );
-    let mut ids = vec![i64::from(tok.bos_id())];
-    ids.extend(tok.encode("Emma was")?.into_iter().map(i64::from));
-    // The sample: seeded nucleus sampling with a repetition penalty (a small model's greedy
-    // text loops), stopping at the end token, never emitting the other specials.
-    let eos = i64::from(tok.eos_id());
-    let specials: Vec<i64> = (0..5).filter(|&id| id != eos).collect();
-    let sampling = nsactor_runtime::decode::SamplingParams {
-        temperature: 0.8,
-        top_k: 50,
-        top_p: 0.95,
-        repetition_penalty: 1.2,
-        presence_penalty: 0.0,
-        frequency_penalty: 0.0,
-        seed: cfg.train.seed,
-    };
-    let out = pipeline.generate(&ids, 60, Some(eos), &specials, sampling)?;
-    let out: Vec<u32> = out.iter().map(|&t| t as u32).collect();
-    println!("{}", tok.decode(&out, true)?.replace('\n', " "));
     Ok(())
 }

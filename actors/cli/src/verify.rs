@@ -1,9 +1,9 @@
 //! `nsactor verify`: the reference's golden runs replayed on a backend.
 
 use clap::Subcommand;
+use nsactor_engine::backend;
+use nsactor_launch::launch::{self};
 use nsactor_plugin_api::{Diagnostic, DiagnosticReport, ScanPrecisions};
-use nsactor_runtime::backend;
-use nsactor_runtime::launch::{self};
 use std::path::PathBuf;
 
 #[derive(Subcommand)]
@@ -81,7 +81,7 @@ pub fn verify_cmd(args: VerifyArgs) -> crate::CliResult {
     let started = std::time::Instant::now();
     let devices = args.devices.clone().unwrap_or_else(|| vec![0]);
     launch::check_devices(compute.as_ref(), &devices)?;
-    let r = nsactor_runtime::verify::tiny_a(compute, &bytes, args.pipeline, &devices)?;
+    let r = nsactor_training::verify::tiny_a(compute, &bytes, args.pipeline, &devices)?;
     println!(
         "tiny_a on {} {} ({}), {} GEMMs, in {:.2} s",
         info.name,
@@ -107,9 +107,9 @@ pub fn verify_cmd(args: VerifyArgs) -> crate::CliResult {
     let (same, generated) = r.greedy_agreement();
     println!("generated tokens equal to the reference's: {same} of {generated}");
     let bound = if bf16 {
-        nsactor_runtime::verify::BF16_REL
+        nsactor_training::verify::BF16_REL
     } else {
-        nsactor_runtime::verify::PARAM_REL
+        nsactor_training::verify::PARAM_REL
     };
     let mut over: Vec<_> = r.grad_errors.iter().filter(|(_, e)| *e > bound).collect();
     over.sort_by(|a, b| b.1.total_cmp(&a.1));
@@ -189,7 +189,7 @@ pub fn verify_scan_cmd(args: VerifyScanArgs) -> crate::CliResult {
 }
 
 pub fn verify_batch_cmd(a: VerifyBatchArgs) -> crate::CliResult {
-    let mut cfg = nsactor_runtime::config::RunConfig::load(a.config.as_deref())?;
+    let mut cfg = nsactor_engine::config::RunConfig::load(a.config.as_deref())?;
     if a.precision.is_some() {
         cfg.backend.precision = a.precision.clone();
     }
@@ -205,7 +205,7 @@ pub fn verify_batch_cmd(a: VerifyBatchArgs) -> crate::CliResult {
         a.steps
     );
     let t = std::time::Instant::now();
-    let checks = nsactor_runtime::invariance::check(
+    let checks = nsactor_decoding::invariance::check(
         compute,
         &cfg.model,
         cfg.train.seed,

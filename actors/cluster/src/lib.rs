@@ -6,7 +6,7 @@
 //! carries the typed [`wire::Packet`]s ranks exchange: the hello that checks every rank runs
 //! the same configuration from the same step, the gradient parts of a data-parallel
 //! reduction, each step's micro-batch results, and the end of the run. What the packets mean
-//! for training is the runtime's business (`nsactor-runtime`'s `pipeline::world`); this crate
+//! for training is the runtime's business (`nsactor-pipeline`'s `world`); this crate
 //! knows no tensors and no model.
 
 pub mod peers;

@@ -46,14 +46,6 @@ pub struct DataPrepareArgs {
     pub files: Vec<PathBuf>,
 }
 
-/// Loads `path`, or the bundled tokenizer when `None`.
-pub fn load_tokenizer(path: Option<&std::path::Path>) -> Result<Tokenizer> {
-    match path {
-        Some(p) => Tokenizer::load(p),
-        None => Ok(Tokenizer::bundled()),
-    }
-}
-
 /// Trains and writes a tokenizer; reports to stderr.
 pub fn tokenizer_train(args: &TokenizerTrainArgs) -> Result<()> {
     let start = std::time::Instant::now();
@@ -82,7 +74,7 @@ pub fn tokenizer_train(args: &TokenizerTrainArgs) -> Result<()> {
 
 /// Prepares shards; reports to stderr.
 pub fn data_prepare(args: &DataPrepareArgs) -> Result<()> {
-    let tok = load_tokenizer(args.tokenizer.as_deref())?;
+    let tok = Tokenizer::load_or_bundled(args.tokenizer.as_deref())?;
     let dtype = match args.dtype.as_str() {
         "u16" => Some(Dtype::U16),
         "u32" => Some(Dtype::U32),

@@ -53,6 +53,14 @@ impl std::fmt::Debug for Tokenizer {
 }
 
 impl Tokenizer {
+    /// Loads `path`, or the bundled tokenizer when `None`.
+    pub fn load_or_bundled(path: Option<&Path>) -> Result<Self> {
+        match path {
+            Some(p) => Tokenizer::load(p),
+            None => Ok(Tokenizer::bundled()),
+        }
+    }
+
     /// Loads a `tokenizer.json`.
     pub fn load(path: &Path) -> Result<Self> {
         let json = std::fs::read_to_string(path).map_err(|e| DataError::read(path, e))?;

@@ -7,8 +7,8 @@
 
 use axum::http::{StatusCode, header};
 use axum::response::{IntoResponse, Response};
+use nsactor_engine::RuntimeError;
 use nsactor_plugin_api::EngineError;
-use nsactor_runtime::RuntimeError;
 
 /// Why a request failed.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]

@@ -49,7 +49,7 @@ use axum::http::{StatusCode, header};
 use axum::middleware;
 use axum::response::{Html, IntoResponse};
 use axum::routing::{get, post};
-use nsactor_runtime::pipeline::heal::Health;
+use nsactor_decoding::heal::Health;
 use nsactor_telemetry::serving::DecoderState;
 
 /// The router of the server. With API keys, `/v1/*` (and `/metrics` when keyed) answer 401
@@ -108,7 +108,8 @@ async fn index() -> Html<&'static str> {
 /// whether clients need an API key (the chat page asks for one then).
 async fn health(State(s): State<Shared>) -> impl IntoResponse {
     let (mut status, mut body) = s.generator.ready.health();
-    if s.generator.drain.draining() {
+    let failed = matches!(s.generator.decoder.health(), Health::Failed { .. });
+    if s.generator.drain.draining() && !failed {
         // From the first signal: a load balancer stops sending what would be refused.
         status = StatusCode::SERVICE_UNAVAILABLE;
         body = serde_json::json!({"status": "draining"});

@@ -4,7 +4,7 @@
 //! [`openai::request`](crate::openai::request).
 
 use crate::error::ServeError;
-use nsactor_runtime::decode::SamplingParams;
+use nsactor_engine::decode::SamplingParams;
 use serde::{Deserialize, Serialize};
 use std::time::Duration;
 

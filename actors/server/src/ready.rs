@@ -5,8 +5,11 @@
 
 use crate::error::ServeError;
 use axum::http::StatusCode;
-use std::sync::Mutex;
+use nsactor_decoding::AsyncDecoder;
+use nsactor_decoding::warmup::WarmupPlan;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
 
 /// Where a server is between start and ready.
 #[derive(Debug)]
@@ -30,6 +33,58 @@ impl Default for Readiness {
 }
 
 impl Readiness {
+    /// Ready at once without a warm-up, else warming through `plan`'s sizes.
+    pub fn for_plan(no_warmup: bool, plan: &WarmupPlan) -> Arc<Self> {
+        Arc::new(if no_warmup {
+            Readiness::default()
+        } else {
+            Readiness::warming(plan.sizes.len())
+        })
+    }
+
+    /// Runs `plan` on `decoder`, reporting progress here and to the log; ready after it, or
+    /// failed (with why). `started` is when the server started, for the log.
+    pub async fn warm_up(
+        &self,
+        decoder: &AsyncDecoder,
+        plan: &WarmupPlan,
+        started: Instant,
+    ) -> Result<(), String> {
+        let t = Instant::now();
+        let sizes: Vec<String> = plan.sizes.iter().map(usize::to_string).collect();
+        tracing::info!(
+            "warming up at {} cohort sizes ({}) before taking requests; /health answers 503 until then",
+            plan.sizes.len(),
+            sizes.join(", ")
+        );
+        let r = decoder
+            .warm_up(plan, |done, total, w| {
+                self.progress(done);
+                tracing::info!(
+                    "warm-up {done}/{total}: {} sessions, {} passes, {:.2} s",
+                    w.size,
+                    w.passes,
+                    w.seconds
+                );
+            })
+            .await;
+        match r {
+            Ok(_) => {
+                self.set_ready();
+                tracing::info!(
+                    "ready {:.1} s after start (warm-up {:.1} s)",
+                    started.elapsed().as_secs_f64(),
+                    t.elapsed().as_secs_f64()
+                );
+                Ok(())
+            }
+            Err(e) => {
+                self.fail(e.to_string());
+                Err(format!("the warm-up failed: {e}"))
+            }
+        }
+    }
+
     /// Warming up through `total` steps.
     pub fn warming(total: usize) -> Self {
         let r = Readiness::default();

@@ -22,6 +22,38 @@ pub struct ServerState {
 
 pub type Shared = Arc<ServerState>;
 
+/// Who may call a server: its API keys and the browser origins beside its own.
+pub type Callers = (ApiKeys, crate::cors::Cors);
+
+impl ServerState {
+    /// A server over `decoder` with `tokenizer`: `(sessions decoding, queue places)`, its
+    /// model's name, who may call it, its limits and its readiness.
+    pub fn new(
+        (decoder, tokenizer): (nsactor_decoding::AsyncDecoder, Arc<nsactor_data::Tokenizer>),
+        (max_sessions, max_queue): (usize, usize),
+        model_name: String,
+        (keys, cors): Callers,
+        (limits, ready): (Limits, Arc<crate::ready::Readiness>),
+    ) -> Shared {
+        use crate::generate::Admission;
+        Arc::new(ServerState {
+            generator: Generator {
+                decoder,
+                tokenizer,
+                admission: Admission::new(max_sessions.max(1), max_queue),
+                metrics: Arc::default(),
+                max_prompt_tokens: limits.max_prompt_tokens,
+                drain: Arc::default(),
+                ready,
+            },
+            model_name,
+            limits,
+            keys,
+            cors,
+        })
+    }
+}
+
 pub fn now() -> u64 {
     std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)

@@ -99,7 +99,12 @@ where
 {
     let (out, out_rx) = mpsc::channel::<ServerMsg>(256);
     let (end_tx, end_rx) = oneshot::channel::<Ending>();
-    let writer = tokio::spawn(writer::write(sink, out_rx, end_rx));
+    let writer = tokio::spawn(writer::write(
+        sink,
+        out_rx,
+        end_rx,
+        s.limits.ws_idle_timeout,
+    ));
     let requests = Requests::default();
     let ending = read(&mut stream, &s, &out, &requests).await;
     // Whatever ended it, the connection's generations stop within one token.
@@ -133,8 +138,10 @@ where
 {
     let mut draining = s.generator.drain.draining_changes();
     loop {
-        // A connection with nothing running may stay silent only so long.
+        // A connection with nothing running may stay silent only so long (from the moment its
+        // last request ended).
         let idle = requests.is_empty();
+        let shutting_down = *draining.borrow();
         let limit = if idle {
             s.limits.ws_idle_timeout
         } else {
@@ -143,10 +150,12 @@ where
         let frame = tokio::select! {
             f = tokio::time::timeout(limit, stream.next()) => f,
             // The server is shutting down: once nothing runs here, say goodbye.
-            () = requests.wait_empty(), if *draining.borrow() => {
+            () = requests.wait_empty(), if shutting_down => {
                 return Ending::server(close_code::AWAY, "the server is shutting down");
             }
-            _ = draining.changed(), if !*draining.borrow() => continue,
+            // The last request ended: the idle clock starts now.
+            () = requests.wait_empty(), if !idle && !shutting_down => continue,
+            _ = draining.changed(), if !shutting_down => continue,
         };
         let frame = match frame {
             Ok(Some(f)) => f,

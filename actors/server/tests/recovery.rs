@@ -15,7 +15,7 @@ fn a_generation_that_loses_a_stage_fails_alone_and_the_server_heals() {
     // tiny_a has two layers; greedy decoding of n tokens is n passes, so the second
     // generation's third pass panics.
     let bytes = common::fixture();
-    let fx = nsactor_runtime::verify::TinyAFixture::parse(&bytes).unwrap();
+    let fx = nsactor_training::verify::TinyAFixture::parse(&bytes).unwrap();
     let n = fx.i64s("gen.greedy").unwrap().len() - fx.i64s("gen.prompt").unwrap().len();
     let s = serve_faulty(&format!("session-panic:1:{}", n + 3));
     let (prompt, greedy, addr) = (s.prompt.clone(), s.greedy.clone(), s.addr);

@@ -407,7 +407,7 @@ fn token_ids_stream_one_per_delta_while_their_text_is_held_back() {
 
 #[test]
 fn a_session_runs_ahead_of_a_client_that_is_not_reading_then_parks() {
-    use nsactor_runtime::pipeline::MAX_UNREAD;
+    use nsactor_decoding::MAX_UNREAD;
     use nsactor_server::protocol::{GenSpec, PromptSpec};
     use std::sync::atomic::AtomicBool;
     use std::time::{Duration, Instant};
@@ -421,7 +421,7 @@ fn a_session_runs_ahead_of_a_client_that_is_not_reading_then_parks() {
         let spec = GenSpec {
             prompt: PromptSpec::Ids(prompt),
             max_tokens,
-            sampling: nsactor_runtime::decode::SamplingParams::greedy(),
+            sampling: nsactor_engine::decode::SamplingParams::greedy(),
             stop: Vec::new(),
             token_ids: true,
             ignore_eos: true,

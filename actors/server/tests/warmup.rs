@@ -7,7 +7,7 @@ mod common;
 
 use common::{connect, generate, http_head, next_json, serve_warming};
 use futures_util::SinkExt;
-use nsactor_runtime::pipeline::warmup::WarmupPlan;
+use nsactor_decoding::warmup::WarmupPlan;
 use nsactor_server::ready::Readiness;
 use std::sync::Arc;
 use tokio_tungstenite::tungstenite::Message;

@@ -1,7 +1,7 @@
 //! Every way a WebSocket connection ends, driven through channels instead of a socket
 //! (`ws::connection` takes any sink and stream): the client's Close, the end of its stream
-//! mid-generation, idleness, a protocol violation, the server's shutdown, and a Close from a
-//! client that stopped reading. In each, `connection` returns (its tasks have ended, so the
+//! mid-generation, idleness (fresh, and after a request), a client that stopped reading (and
+//! then sent its Close, or said nothing more), a protocol violation and the server's shutdown. In each, `connection` returns (its tasks have ended, so the
 //! socket would be dropped), the server's own endings send a Close frame with their code after
 //! their last event, and the connection's generations stop.
 
@@ -124,6 +124,29 @@ fn every_ending_of_a_websocket_ends_its_tasks() {
         }
         client.send(Ok(Message::Close(None))).await.unwrap();
         ends(conn, &s).await;
+
+        // Idle after a request: the idle clock starts when the last request ends.
+        let (client, stream, sink, mut written) = channels(64);
+        let conn = tokio::spawn(connection(sink, stream, s.state.clone()));
+        let short = r#"{"type":"generate","id":"b","prompt":[1,2,3],"max_tokens":2}"#;
+        client.send(text(short)).await.unwrap();
+        until(&mut written, "done").await;
+        let e = until(&mut written, "error").await;
+        assert!(e["message"].as_str().unwrap().contains("idle"), "{e}");
+        match written.recv().await {
+            Some(Message::Close(Some(f))) => assert_eq!(f.code, close_code::AWAY),
+            other => panic!("expected Close 1001 after the request, got {other:?}"),
+        }
+        client.send(Ok(Message::Close(None))).await.unwrap();
+        ends(conn, &s).await;
+
+        // A client that stops reading and says nothing more: gone once a write stalls past
+        // the idle limit; its generation stops and the connection ends by itself.
+        let (client, stream, sink, written) = channels(1);
+        let conn = tokio::spawn(connection(sink, stream, s.state.clone()));
+        client.send(text(LONG)).await.unwrap();
+        ends(conn, &s).await;
+        drop((client, written));
 
         // A protocol violation mid-generation: Close 1002 after the generation's last event.
         let (client, stream, sink, mut written) = channels(64);

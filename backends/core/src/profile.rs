@@ -39,7 +39,7 @@ pub fn decode_profile<B: SnnOps>(device: &B::Device, options: &str) -> Result<St
     // The same random inputs every run. The checks below compare computations that round
     // differently; a membrane within rounding of its threshold flips a spike there, and the
     // flip spreads over its batch row: with fresh inputs at batch 64 about one run in seven
-    // found such a row and failed (`BENCHMARKS.md`, session 38). Fixed inputs make a failure
+    // found such a row and failed (`docs/benchmarks/HISTORY.md`, session 38). Fixed inputs make a failure
     // reproducible.
     B::seed(device, 7);
     let layer = SnnDecoderLayer::<B>::init(&cfg, &mut Rng::new(7), device);

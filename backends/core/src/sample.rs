@@ -1,7 +1,7 @@
 //! Choosing decoding rows' next tokens on the device (`StageCall::SessionSample`): only token
 //! ids and their log-probabilities cross to the host, not `[B, V]` logits.
 //!
-//! The arithmetic follows the host's reference picker (`nsactor_runtime::decode::TokenPicker`)
+//! The arithmetic follows the host's reference picker (`nsactor_engine::decode::TokenPicker`)
 //! step for step, in f32: logit biases (−∞ bans), then the presence and frequency penalties over
 //! the generated tokens, then the repetition penalty over prompt and generated tokens, then
 //! greedy (`argmax`, bit-identical to the host's on the same logits) or sampling. Sampling

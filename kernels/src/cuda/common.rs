@@ -62,7 +62,7 @@ pub(crate) fn sigmoid_burn(x: f32) -> f32 {
 /// The modulation's transcendentals at one `exp` an argument, a hardware reciprocal for σ and a
 /// hardware `lg2` for softplus, instead of burn's composition (`exp(−ln(e^{−x} + 1))` for σ, `log1p` for softplus):
 /// the scans' producers are bound by instruction issue, and the libm `logf`/`log1pf`
-/// polynomials were most of their instructions (`BENCHMARKS.md`, issue 34). Both start from
+/// polynomials were most of their instructions (`docs/benchmarks/HISTORY.md`, issue 34). Both start from
 /// `t = e^{−|x|}` (libm `expf`, ≤ 2 ulp, never overflows), so σ and softplus of one argument
 /// share it:
 /// - `σ(x) = (x ≥ 0 ? 1 : t) / (1 + t)` through the hardware reciprocal (`__fdividef`, ≤ 2 ulp

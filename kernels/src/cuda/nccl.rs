@@ -11,7 +11,7 @@
 //! copy does; later work on that stream sees the sum, and the host never waits. Call it on the
 //! thread whose stream made the input and will use the sum (the runtime runs it as a job of
 //! the stage's worker): called from another thread while that stream went on computing, the
-//! training losses drifted from one GPU's (2 × H200, BENCHMARKS.md issue 32): presumably the
+//! training losses drifted from one GPU's (2 × H200, docs/benchmarks/HISTORY.md issue 32): presumably the
 //! input's buffer goes back to its pool when it is dropped here, with nothing making the
 //! producer's stream wait for the collective (not verified). Out of place: the input may share
 //! its buffer with another tensor.

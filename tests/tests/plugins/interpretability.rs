@@ -1,10 +1,10 @@
 //! The interpretability calls (`Probe`, `TokenLosses`, ABI 7) through the plugin boundary.
 
 use super::ndarray_plugin;
+use nsactor_engine::config::tiny_model;
 use nsactor_plugin_api::{
     ComputeBackend, InitialWeights, OptimizerKind, StageCall, StageKind, StageSpec,
 };
-use nsactor_runtime::config::tiny_model;
 use std::sync::Arc;
 
 /// The interpretability calls (`Probe`, `TokenLosses`, ABI 7) through the plugin equal the

@@ -2,12 +2,12 @@
 //! without an optimizer to serve (ABI 12), through the plugin boundary.
 
 use super::{ndarray_plugin, train_batch};
+use nsactor_engine::config::tiny_model;
+use nsactor_engine::engine::StagedModel;
 use nsactor_plugin_api::{
     EngineError, HostTensor, InitialWeights, OptimizerKind, Probe, Stage, StageCall, StageKind,
     StageSpec,
 };
-use nsactor_runtime::config::tiny_model;
-use nsactor_runtime::engine::StagedModel;
 use safetensors::SafeTensors;
 
 /// A stage opened to load its weights (`InitialWeights::Loaded`, ABI 11) crosses the C

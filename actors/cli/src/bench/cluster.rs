@@ -11,7 +11,7 @@
 use crate::CliResult;
 use crate::bench::stats::pct;
 use nsactor_cluster::{Body, Kind, MicroResult, Peers, WirePart, World};
-use nsactor_runtime::config::RunConfig;
+use nsactor_engine::config::RunConfig;
 use std::time::{Duration, Instant};
 
 #[derive(clap::Args)]

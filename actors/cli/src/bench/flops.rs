@@ -27,7 +27,7 @@ mod tests {
 
     #[test]
     fn flops_per_token_of_the_0_9b_config() {
-        let cfg = nsactor_runtime::config::RunConfig::from_str(
+        let cfg = nsactor_engine::config::RunConfig::from_str(
             include_str!("../../../../configs/neuronspark-0.9b.toml"),
             "0.9b",
         )

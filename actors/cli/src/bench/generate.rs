@@ -3,8 +3,8 @@
 use super::stats::pct;
 use super::{open_with_precision, print_memory, print_text};
 use crate::{CliError, CliResult};
+use nsactor_launch::launch::{self};
 use nsactor_plugin_api::Diagnostic;
-use nsactor_runtime::launch::{self};
 use std::path::PathBuf;
 use std::time::Instant;
 
@@ -34,7 +34,7 @@ pub struct GenerateTimings {
 /// network), each feeding `prompt` and then generating `tokens` tokens, end tokens ignored.
 /// Run on the pipeline's runtime.
 pub async fn generate_load(
-    decoder: &nsactor_runtime::pipeline::AsyncDecoder,
+    decoder: &nsactor_decoding::AsyncDecoder,
     sessions: usize,
     prompt: &[i64],
     tokens: usize,
@@ -157,16 +157,16 @@ pub struct GenerateBenchArgs {
 }
 
 /// Greedy on the device without logits, `more` tokens after the first, end tokens ignored.
-fn greedy_stream(more: usize) -> nsactor_runtime::pipeline::StreamPlan {
-    nsactor_runtime::pipeline::StreamPlan {
-        pick: nsactor_runtime::pipeline::PickRequest::greedy(false),
+fn greedy_stream(more: usize) -> nsactor_decoding::StreamPlan {
+    nsactor_decoding::StreamPlan {
+        pick: nsactor_decoding::PickRequest::greedy(false),
         more,
         end_tokens: Vec::new(),
     }
 }
 
 /// The stream's next token.
-async fn next_token(st: &mut nsactor_runtime::pipeline::DecodeStream) -> CliResult<i64> {
+async fn next_token(st: &mut nsactor_decoding::DecodeStream) -> CliResult<i64> {
     match st.next().await {
         Some(p) => Ok(p?.token),
         None => Err("the decoding stream ended before its last token".into()),
@@ -175,11 +175,11 @@ async fn next_token(st: &mut nsactor_runtime::pipeline::DecodeStream) -> CliResu
 
 /// Feeds `ids` to `session`; the argmax of the logits copied to the host.
 async fn argmax_of(
-    d: &nsactor_runtime::pipeline::AsyncDecoder,
+    d: &nsactor_decoding::AsyncDecoder,
     session: nsactor_plugin_api::SessionId,
     ids: Vec<i64>,
 ) -> CliResult<i64> {
-    Ok(nsactor_runtime::decode::argmax(&d.feed(session, ids).await?) as i64)
+    Ok(nsactor_engine::decode::argmax(&d.feed(session, ids).await?) as i64)
 }
 
 pub fn run(a: GenerateBenchArgs) -> crate::CliResult {
@@ -252,9 +252,9 @@ pub fn run(a: GenerateBenchArgs) -> crate::CliResult {
             let (c0, _) = decoder.batch_counts();
             let b0 = l.pipeline.busy();
             let p0 = decoder.cohort_phases();
-            let _ = nsactor_runtime::pipeline::trace::take();
+            let _ = nsactor_pipeline::trace::take();
             let t = generate_load(&decoder, n, &prompt, a.tokens, on_device).await?;
-            let timelines = nsactor_runtime::pipeline::trace::take();
+            let timelines = nsactor_pipeline::trace::take();
             let (c1, _) = decoder.batch_counts();
             let p1 = decoder.cohort_phases();
             let per_pass: Vec<String> = l
@@ -268,9 +268,9 @@ pub fn run(a: GenerateBenchArgs) -> crate::CliResult {
                 .collect();
             let passes = (c1 - c0).max(1) as f64;
             let ms: Vec<f64> = p1.iter().zip(&p0).map(|(x, y)| (x - y) * 1e3 / passes).collect();
-            if nsactor_runtime::pipeline::trace::enabled() {
+            if nsactor_pipeline::trace::enabled() {
                 println!("  cohort timeline, median µs from its start ({n} sessions):");
-                for (m, us, count) in nsactor_runtime::pipeline::trace::medians(&timelines) {
+                for (m, us, count) in nsactor_pipeline::trace::medians(&timelines) {
                     println!("    {us:>9.1}  {} ({count} cohorts)", m.name());
                 }
             }

@@ -7,8 +7,8 @@
 //! and the first pass after it against one before.
 
 use crate::CliResult;
-use nsactor_runtime::launch::{self, CheckpointOptions};
-use nsactor_runtime::pipeline::heal::Health;
+use nsactor_decoding::heal::Health;
+use nsactor_launch::launch::{self, CheckpointOptions};
 use std::path::PathBuf;
 use std::time::Instant;
 
@@ -35,7 +35,7 @@ pub struct HealArgs {
 #[derive(Debug, Clone, Copy)]
 pub struct HealReport {
     /// The rebuild's phases, and decoding away from the lost stage until serving again.
-    pub timings: nsactor_runtime::pipeline::heal::HealTimings,
+    pub timings: nsactor_decoding::heal::HealTimings,
     /// One decoding pass before the fault and the first after the rebuild.
     pub pass_before_s: f64,
     pub first_pass_after_s: f64,
@@ -93,7 +93,7 @@ pub fn measure(a: &HealArgs) -> CliResult<(HealReport, String)> {
     let described = format!(
         "heal bench: {name} ({} parameters) on {}; layer 1 panics in decoding pass {}",
         l.pipeline.param_count(),
-        nsactor_runtime::train::describe(l.pipeline.backend().as_ref()),
+        nsactor_training::train::describe(l.pipeline.backend().as_ref()),
         PASSES_BEFORE + 1
     );
     let d = l.pipeline.decoder(l.vocab);

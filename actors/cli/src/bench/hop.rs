@@ -33,18 +33,18 @@ pub fn pipeline_hops(
     micro_batches: usize,
     steps: usize,
     layer_busy_us: u64,
-    schedule: nsactor_runtime::config::Schedule,
+    schedule: nsactor_engine::config::Schedule,
 ) -> CliResult<HopTimings> {
-    use nsactor_runtime::engine::{StagedModel, StepParams};
-    use nsactor_runtime::pipeline::{Pipeline, PipelinePlan};
-    let model = nsactor_runtime::config::ModelConfig {
+    use nsactor_decoding::{Pipeline, PipelinePlan};
+    use nsactor_engine::engine::{StagedModel, StepParams};
+    let model = nsactor_engine::config::ModelConfig {
         num_layers: layers,
-        ..nsactor_runtime::config::tiny_model()
+        ..nsactor_engine::config::tiny_model()
     };
     let backend: Arc<dyn ComputeBackend> = Arc::new(EchoBackend { layer_busy_us });
     let staged = StagedModel::open(backend, &model, 0, OptimizerKind::Adam, None)?;
     let plan = PipelinePlan::balanced(layers, stages, &[0])?;
-    let mut train = nsactor_runtime::config::RunConfig::load(None)?.train;
+    let mut train = nsactor_engine::config::RunConfig::load(None)?.train;
     train.schedule = schedule;
     let mut p = Pipeline::start(staged, plan, train, None)?;
     let batch = nsactor_plugin_api::Batch {

@@ -1,11 +1,11 @@
 //! `nsactor bench plugin-overhead`: the cost of the plugin boundary against the embedded engine.
 
 use super::stats::{Spread, time};
+use nsactor_engine::backend;
 use nsactor_plugin_api::{
     ComputeBackend, EngineError, HostTensor, InitialWeights, OptimizerKind, SessionId, StageCall,
     StageKind, StageSpec,
 };
-use nsactor_runtime::backend;
 use std::sync::Arc;
 
 /// The three calls timed on one backend.
@@ -28,7 +28,7 @@ pub fn boundary(
     let mut stage = backend.open_stage(&StageSpec {
         kind: StageKind::Layer(0),
         device: 0,
-        model: nsactor_runtime::config::tiny_model(),
+        model: nsactor_engine::config::tiny_model(),
         seed: 1,
         optimizer: Some(OptimizerKind::Adam),
         weights: InitialWeights::Seeded,

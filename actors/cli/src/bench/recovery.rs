@@ -1,8 +1,8 @@
 //! `nsactor bench recovery`: recovery time and checkpoint bandwidth.
 
 use crate::CliResult;
+use nsactor_engine::backend;
 use nsactor_plugin_api::OptimizerKind;
-use nsactor_runtime::backend;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Instant;
@@ -26,11 +26,11 @@ pub struct RecoveryTimings {
 /// timing the recovery; then writes and reads back a checkpoint of `synthetic_mb` MB split
 /// like the 0.9B model (an edge shard and 20 equal layer shards) to time the disk.
 pub fn recovery(dir: &std::path::Path, synthetic_mb: usize) -> CliResult<RecoveryTimings> {
-    use nsactor_runtime::RuntimeError;
-    use nsactor_runtime::engine::StagedModel;
-    use nsactor_runtime::pipeline::checkpoint::{self, CheckpointMeta};
-    use nsactor_runtime::pipeline::{Pipeline, PipelinePlan};
-    let mut cfg = nsactor_runtime::config::RunConfig::load(None)?;
+    use nsactor_checkpoint::checkpoint::{self, CheckpointMeta};
+    use nsactor_decoding::{Pipeline, PipelinePlan};
+    use nsactor_engine::RuntimeError;
+    use nsactor_engine::engine::StagedModel;
+    let mut cfg = nsactor_engine::config::RunConfig::load(None)?;
     cfg.train.out_dir = dir.join("run");
     cfg.train.inject_fault = Some("layer-panic:1:3".into());
     let tok = nsactor_data::Tokenizer::bundled();
@@ -55,7 +55,7 @@ pub fn recovery(dir: &std::path::Path, synthetic_mb: usize) -> CliResult<Recover
         cfg.train.seq_len,
         cfg.train.seed,
     )?;
-    let backend = nsactor_runtime::backend::open(nsactor_runtime::backend::default_name(), &[])?;
+    let backend = nsactor_engine::backend::open(nsactor_engine::backend::default_name(), &[])?;
     let staged = StagedModel::open(backend, &cfg.model, 1, OptimizerKind::Adam, None)?;
     let plan = PipelinePlan::balanced(staged.num_layers(), 1, &[0])?;
     let mut p = Pipeline::start(staged, plan, cfg.train.clone(), Some(sampler))?;
@@ -124,7 +124,7 @@ pub fn run(args: RecoveryArgs) -> crate::CliResult {
     let r = r?;
     println!(
         "tiny model, layer 1 panics in step 3, checkpoint at step 2 ({})",
-        nsactor_runtime::train::describe(backend::open(backend::default_name(), &[])?.as_ref())
+        nsactor_training::train::describe(backend::open(backend::default_name(), &[])?.as_ref())
     );
     println!(
         "  recovery (rebuild actors, read + verify + load checkpoint, rewind data): {:.1} ms",

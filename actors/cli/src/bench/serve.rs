@@ -2,7 +2,7 @@
 
 use super::stats::ServeTimings;
 use crate::{CliError, CliResult};
-use nsactor_runtime::launch::{self};
+use nsactor_launch::launch::{self};
 use std::path::PathBuf;
 use std::time::Instant;
 
@@ -207,7 +207,7 @@ pub struct ServeBenchArgs {
 
 /// Waits until the last run's sessions are freed (a client has its last event before its
 /// session's states are freed), so each run starts on an idle server.
-async fn idle(d: &nsactor_runtime::pipeline::AsyncDecoder) {
+async fn idle(d: &nsactor_decoding::AsyncDecoder) {
     while d.open_sessions() > 0 {
         tokio::time::sleep(std::time::Duration::from_millis(1)).await;
     }
@@ -244,11 +244,12 @@ pub fn run(a: ServeBenchArgs) -> crate::CliResult {
         )?,
     };
     let max = a.sessions.iter().copied().max().unwrap_or(1);
-    let (buckets, mut plan) = crate::serve::cohort_plan(&a.cohort_buckets, max)?;
-    plan.passes = nsactor_runtime::pipeline::warmup::Passes::parse(&a.warmup_passes)?;
-    let ready = crate::serve::readiness(a.no_warmup, &plan);
-    let state = crate::serve::server_state(
-        &l,
+    let (buckets, mut plan) =
+        nsactor_decoding::warmup::WarmupPlan::for_spec(&a.cohort_buckets, max)?;
+    plan.passes = nsactor_decoding::warmup::Passes::parse(&a.warmup_passes)?;
+    let ready = nsactor_server::ready::Readiness::for_plan(a.no_warmup, &plan);
+    let state = nsactor_server::ServerState::new(
+        (l.pipeline.decoder(l.vocab), l.tokenizer.clone()),
         (max, max),
         l.name.clone(),
         Default::default(),
@@ -309,7 +310,7 @@ pub fn run(a: ServeBenchArgs) -> crate::CliResult {
     clients.block_on(async {
         if !a.no_warmup {
             let t = Instant::now();
-            crate::serve::warm_up(&decoder, &plan, &ready, started).await?;
+            ready.warm_up(&decoder, &plan, started).await?;
             println!(
                 "warm-up: {} cohort sizes ({buckets}) in {:.1} s; ready {:.1} s after start",
                 plan.sizes.len(),

@@ -5,9 +5,9 @@ use super::flops::train_flops_per_token;
 use super::steps::{TrainBench, TrainStepTiming};
 use crate::CliResult;
 use crate::args::LayoutArgs;
+use nsactor_engine::config::{Overrides, RunConfig};
+use nsactor_launch::launch::{self};
 use nsactor_plugin_api::{Diagnostic, DiagnosticReport, OptimizerKind};
-use nsactor_runtime::config::{Overrides, RunConfig};
-use nsactor_runtime::launch::{self};
 use std::path::PathBuf;
 use std::time::Instant;
 
@@ -51,14 +51,14 @@ pub fn synthetic_batches(
 /// synthetic batches through `pipeline`, timing each step end to end (the step returns once
 /// every stage has finished and the loss is on the host).
 pub fn train_throughput(
-    pipeline: &mut nsactor_runtime::pipeline::Pipeline,
-    train: &nsactor_runtime::config::TrainConfig,
+    pipeline: &mut nsactor_decoding::Pipeline,
+    train: &nsactor_engine::config::TrainConfig,
     vocab: usize,
     warmup: usize,
     steps: usize,
     mut timing: Option<&dyn nsactor_plugin_api::ComputeBackend>,
 ) -> CliResult<TrainBench> {
-    use nsactor_runtime::engine::StepParams;
+    use nsactor_engine::engine::StepParams;
     let params = StepParams {
         lr: train.lr,
         neuron_lr: train.lr * train.neuron_lr_mult,
@@ -81,7 +81,7 @@ pub fn train_throughput(
             vocab,
             train.seed + i as u64,
         );
-        let busy_now = |p: &nsactor_runtime::pipeline::Pipeline| -> Vec<f64> {
+        let busy_now = |p: &nsactor_decoding::Pipeline| -> Vec<f64> {
             p.busy().into_iter().map(|(_, s, _)| s).collect()
         };
         let delta = |now: Vec<f64>, before: Vec<f64>| -> Vec<f64> {

@@ -37,10 +37,13 @@ impl Ending {
 }
 
 /// Writes `out`'s events to `sink` until the connection's end is known on `end`, then ends it.
+/// A client that takes no event for `stall` (it stopped reading) is gone: the writer ends, and
+/// with it every task that writes here.
 pub async fn write<Tx>(
     mut sink: Tx,
     mut out: mpsc::Receiver<ServerMsg>,
     mut end: oneshot::Receiver<Ending>,
+    stall: Duration,
 ) where
     Tx: Sink<Message> + Unpin,
 {
@@ -51,8 +54,8 @@ pub async fn write<Tx>(
             m = out.recv() => match m {
                 // A client that stops reading blocks this send; its end must still get through.
                 Some(m) => tokio::select! {
-                    r = send(&mut sink, &m) => {
-                        if r.is_err() {
+                    r = tokio::time::timeout(stall, send(&mut sink, &m)) => {
+                        if !matches!(r, Ok(Ok(()))) {
                             break Ending::Gone;
                         }
                     }
@@ -64,15 +67,20 @@ pub async fn write<Tx>(
         }
     };
     if let Ending::Flush(frame) = ending {
-        let _ = tokio::time::timeout(FLUSH_WAIT, async {
+        let flushed = tokio::time::timeout(FLUSH_WAIT, async {
             while let Some(m) = out.recv().await {
                 if send(&mut sink, &m).await.is_err() {
-                    return;
+                    return Err(());
                 }
             }
-            let _ = sink.send(Message::Close(Some(frame))).await;
+            Ok(())
         })
         .await;
+        // The Close goes out even when the last events could not all be sent in time.
+        if !matches!(flushed, Ok(Err(_))) {
+            let close = sink.send(Message::Close(Some(frame)));
+            let _ = tokio::time::timeout(CLOSE_WAIT, close).await;
+        }
     }
     // Flushes a queued answer to the client's Close; the socket closes when both halves drop.
     drop(out);

@@ -2,13 +2,13 @@
 #![allow(dead_code)]
 
 use futures_util::{SinkExt, StreamExt};
+use nsactor_decoding::{Pipeline, PipelinePlan};
+use nsactor_engine::engine::StagedModel;
 use nsactor_plugin_api::OptimizerKind;
-use nsactor_runtime::engine::StagedModel;
-use nsactor_runtime::pipeline::{Pipeline, PipelinePlan};
-use nsactor_runtime::verify::TinyAFixture;
 use nsactor_server::generate::{Admission, Generator};
 use nsactor_server::protocol::Limits;
 use nsactor_server::{ServerState, ServingMetrics};
+use nsactor_training::verify::TinyAFixture;
 use std::sync::Arc;
 use tokio_tungstenite::tungstenite::Message;
 
@@ -109,8 +109,8 @@ fn serve_full(
 ) -> Served {
     let bytes = fixture();
     let fx = TinyAFixture::parse(&bytes).unwrap();
-    let backend = nsactor_runtime::backend::open(nsactor_runtime::backend::EMBEDDED, &[]).unwrap();
-    let cfg = nsactor_runtime::config::RunConfig::load(None).unwrap();
+    let backend = nsactor_engine::backend::open(nsactor_engine::backend::EMBEDDED, &[]).unwrap();
+    let cfg = nsactor_engine::config::RunConfig::load(None).unwrap();
     let (model, vocab) = if tiny_a {
         (fx.model().unwrap(), 512)
     } else {
@@ -118,9 +118,7 @@ fn serve_full(
     };
     let staged = StagedModel::open(backend, &model, 0, OptimizerKind::Adam, None).unwrap();
     let plan = PipelinePlan::balanced(2, 2, &[0]).unwrap();
-    let mut train = nsactor_runtime::config::RunConfig::load(None)
-        .unwrap()
-        .train;
+    let mut train = nsactor_engine::config::RunConfig::load(None).unwrap().train;
     train.inject_fault = fault.map(str::to_string);
     let mut pipeline = Pipeline::start(staged, plan, train, None).unwrap();
     if tiny_a {

@@ -67,7 +67,7 @@ const STAGE_ASYNC_BACKWARD: (usize, usize, usize, usize) = (4, 16, 2, 32);
 /// bf16 and `cols` keeps every piece of a row on a 16-byte boundary; else 4 bytes (1 f32, or 2
 /// bf16 where `cols` is even); `None` where a bf16 row of odd width (or a view starting off a
 /// 4-byte boundary) allows neither (the ring then copies plainly, [`ring::Ring::direct`]). The
-/// 16-byte copies took 5 % off the bf16 backward (`BENCHMARKS.md`, issue 34). f32 storage keeps
+/// 16-byte copies took 5 % off the bf16 backward (`docs/benchmarks/HISTORY.md`, issue 34). f32 storage keeps
 /// the 4-byte copies: they were withdrawn for a check failure later traced to a spike flipped
 /// at a tie with the threshold, not to the copies, and were not measured again.
 fn packs<R: CubeRuntime, const N: usize>(

@@ -1,0 +1,212 @@
+//! Moving weights to and from the reference ecosystem: `nsactor export --format hf` writes a
+//! Hugging Face directory (`config.json`, `model.safetensors` with the reference's `model.`-
+//! prefixed names, `tokenizer.json`) from a checkpoint; `nsactor import --format hf` turns
+//! such a directory into a run directory with a step-0 checkpoint that `nsactor train --resume`
+//! continues from.
+
+use crate::checkpoint::{self, CheckpointMeta, find_checkpoint};
+use nsactor_data::Tokenizer;
+use nsactor_engine::config::RunConfig;
+use nsactor_engine::engine::StagedModel;
+use nsactor_engine::error::RuntimeError;
+use nsactor_plugin_api::{ComputeBackend, ModelConfig, OptimizerKind, PlifOut};
+use safetensors::SafeTensors;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+/// Prefix of every tensor name in a Hugging Face NeuronSpark `model.safetensors`.
+pub const HF_PREFIX: &str = "model.";
+
+/// `config.json` of a Hugging Face NeuronSpark directory: the reference's keys, plus
+/// `nsactor_plif_out` (which neuron output the weights were trained with, SPEC §0.1).
+pub fn hf_config(model: &ModelConfig) -> serde_json::Value {
+    serde_json::json!({
+        "model_type": "neuronspark",
+        "architectures": ["NeuronSparkForCausalLM"],
+        "vocab_size": model.vocab_size,
+        "D": model.d,
+        "N": model.n,
+        "K": model.k,
+        "num_layers": model.num_layers,
+        "D_ff": model.d_ff,
+        "v_th_min": model.v_th_min,
+        "nsactor_plif_out": match model.plif_out {
+            PlifOut::Leak => "leak",
+            PlifOut::VPost => "v_post",
+        },
+        "torch_dtype": "float32",
+    })
+}
+
+/// The model of a Hugging Face `config.json`.
+pub fn model_from_hf(config: &serde_json::Value) -> Result<ModelConfig, RuntimeError> {
+    let int = |k: &str| {
+        config[k]
+            .as_u64()
+            .map(|v| v as usize)
+            .ok_or_else(|| RuntimeError::Invalid(format!("config.json: `{k}` must be an integer")))
+    };
+    let plif_out = match config["nsactor_plif_out"].as_str().unwrap_or("leak") {
+        "leak" => PlifOut::Leak,
+        "v_post" => PlifOut::VPost,
+        other => {
+            return Err(RuntimeError::Invalid(format!(
+                "config.json: nsactor_plif_out `{other}` (leak or v_post)"
+            )));
+        }
+    };
+    let model = ModelConfig {
+        vocab_size: int("vocab_size")?,
+        d: int("D")?,
+        n: int("N")?,
+        k: int("K")?,
+        num_layers: int("num_layers")?,
+        d_ff: int("D_ff")?,
+        // Not saved by every exporter; every reference loader uses 0.1 (SPEC §1.1).
+        v_th_min: config["v_th_min"].as_f64().unwrap_or(0.1),
+        plif_out,
+    };
+    model
+        .validate()
+        .map_err(|e| RuntimeError::Invalid(format!("config.json: {e}")))?;
+    Ok(model)
+}
+
+/// Writes `out/{config.json, model.safetensors, tokenizer.json}` from the checkpoint at
+/// `checkpoint` (see [`find_checkpoint`]). The tokenizer is `tokenizer` or the run's, and must
+/// be the one the checkpoint was trained with.
+pub fn export_hf(
+    checkpoint: &Path,
+    out: &Path,
+    tokenizer: Option<&Path>,
+) -> Result<PathBuf, RuntimeError> {
+    let l = find_checkpoint(checkpoint)?;
+    let cfg = RunConfig::from_str(&l.manifest.config, &format!("{}", l.dir.display()))?;
+    let tok_path = tokenizer
+        .map(Path::to_path_buf)
+        .or(cfg.data.tokenizer.clone());
+    let tok = nsactor_data::Tokenizer::load_or_bundled(tok_path.as_deref())?;
+    l.manifest.check_tokenizer(&l.dir, &tok)?;
+    let merged = crate::weights::merge_params(&l.shards)?;
+    let st = SafeTensors::deserialize(&merged).map_err(convert)?;
+    let names: Vec<String> = st
+        .names()
+        .into_iter()
+        .map(|n| format!("{HF_PREFIX}{n}"))
+        .collect();
+    let views: Vec<_> = names
+        .iter()
+        .zip(st.names())
+        .map(|(hf, n)| (hf.as_str(), st.tensor(n).expect("listed")))
+        .collect();
+    let bytes = safetensors::serialize(views, None).map_err(convert)?;
+    std::fs::create_dir_all(out)
+        .map_err(|e| format!("{}: {e}", out.display()))
+        .map_err(convert)?;
+    let write = |name: &str, bytes: &[u8]| {
+        let p = out.join(name);
+        crate::weights::write_atomic(&p, bytes).map_err(|e| format!("{}: {e}", p.display()))
+    };
+    write("model.safetensors", &bytes).map_err(convert)?;
+    write(
+        "config.json",
+        serde_json::to_string_pretty(&hf_config(&cfg.model))
+            .map_err(convert)?
+            .as_bytes(),
+    )
+    .map_err(convert)?;
+    write("tokenizer.json", tok.to_json(true)?.as_bytes()).map_err(convert)?;
+    Ok(l.dir)
+}
+
+/// A Hugging Face NeuronSpark directory as read: its model, weights and tokenizer.
+pub struct HfModel {
+    pub model: ModelConfig,
+    /// `model.safetensors` as it is (`model.`-prefixed names, which every stage reads).
+    pub weights: Vec<u8>,
+    pub tokenizer: Tokenizer,
+}
+
+/// Whether `dir` looks like a Hugging Face directory (`config.json` and `model.safetensors`,
+/// no checkpoint manifest).
+pub fn is_hf_dir(dir: &Path) -> bool {
+    dir.join("config.json").is_file()
+        && dir.join("model.safetensors").is_file()
+        && !dir.join(checkpoint::MANIFEST).exists()
+}
+
+/// Reads the Hugging Face directory `hf` (`config.json`, `model.safetensors`,
+/// `tokenizer.json`).
+pub fn read_hf(hf: &Path) -> Result<HfModel, RuntimeError> {
+    let read = |name: &str| {
+        let p = hf.join(name);
+        std::fs::read(&p).map_err(|e| format!("{}: {e}", p.display()))
+    };
+    let config: serde_json::Value = serde_json::from_slice(&read("config.json").map_err(convert)?)
+        .map_err(|e| format!("{}: {e}", hf.join("config.json").display()))
+        .map_err(convert)?;
+    let tokenizer = Tokenizer::from_json(
+        std::str::from_utf8(&read("tokenizer.json").map_err(convert)?).map_err(convert)?,
+        &hf.join("tokenizer.json").display().to_string(),
+    )?;
+    Ok(HfModel {
+        model: model_from_hf(&config)?,
+        weights: read("model.safetensors").map_err(convert)?,
+        tokenizer,
+    })
+}
+
+/// Makes `out` a run directory from the Hugging Face directory `hf`: `config.toml` (the HF
+/// model with the embedded default `[train]`), `tokenizer.json` and
+/// `checkpoints/step-00000000` (the weights, fresh optimizer state). `nsactor train --config
+/// out/config.toml --resume` then trains on from them.
+pub fn import_hf(
+    hf: &Path,
+    out: &Path,
+    backend: Arc<dyn ComputeBackend>,
+) -> Result<PathBuf, RuntimeError> {
+    let HfModel {
+        model,
+        weights,
+        tokenizer: tok,
+    } = read_hf(hf)?;
+    std::fs::create_dir_all(out)
+        .map_err(|e| format!("{}: {e}", out.display()))
+        .map_err(convert)?;
+    let tok_path = out.join("tokenizer.json");
+    let mut cfg = RunConfig::load(None)?;
+    cfg.model = model;
+    cfg.train.out_dir = out.to_path_buf();
+    cfg.data.tokenizer = Some(tok_path.clone());
+    crate::checkpoint::check_tokenizer(&cfg, &tok)?;
+    let mut model = StagedModel::open(
+        backend,
+        &cfg.model,
+        cfg.train.seed,
+        OptimizerKind::Adam,
+        None,
+    )?;
+    model.load_model_bytes(&weights)?;
+    let shards = model.save_stages()?;
+    let text = toml::to_string(&cfg).map_err(convert)?;
+    let dir = checkpoint::write(
+        &out.join("checkpoints"),
+        &CheckpointMeta {
+            step: 0,
+            data_cursor: None,
+            seed: cfg.train.seed,
+            config: text.clone(),
+            tokenizer_sha256: Some(tok.hash().to_string()),
+        },
+        &shards,
+        0,
+    )?;
+    tok.save(&tok_path)?;
+    crate::weights::write_atomic(&out.join("config.toml"), text.as_bytes()).map_err(convert)?;
+    Ok(dir)
+}
+
+/// A failure reading or writing a Hugging Face directory, as the runtime's error.
+fn convert(e: impl std::fmt::Display) -> RuntimeError {
+    RuntimeError::Convert(e.to_string())
+}

@@ -1,0 +1,584 @@
+//! `BatcherActor`: continuous batching of decoding sessions. Sessions hand it their next
+//! input (a prompt or one token); it runs the waiting ones as a **cohort** — one batched
+//! `SessionEmbed`, one `SessionForward` per layer actor and one `SessionDecode` for all of
+//! them — and answers each session with its logits.
+//!
+//! When to launch: a cohort starts as soon as a pipeline stage is free (at most one cohort per
+//! stage in flight) and every open session that is not already in flight is waiting, or when
+//! the oldest waiting input has waited [`Batching::window`]. Sessions resubmit microseconds
+//! after their answer, so in the steady state every token step is one cohort of all sessions,
+//! without a timer firing; the window only bounds the wait for a session that is slow to come
+//! back (its client, or its sampling).
+//!
+//! A cohort has one input length: the oldest waiting input picks it and every waiting input
+//! of that length joins (at most [`Batching::max_batch`]). Decoding tokens (length 1) batch
+//! together; a prompt runs with the prompts of its length. A cohort's sessions are ordered by
+//! id, so the same sessions arrive at each layer in the same order step after step, and the
+//! layers keep their states without copying (`nsactor_backend_core::SessionTable`).
+//!
+//! A cohort is padded up to its bucket ([`CohortBuckets`]) with pad sessions whose answers are
+//! dropped, so a GPU backend meets only the shapes it ran while warming up.
+//!
+//! A session either feeds one input at a time ([`BatcherMsg::Feed`]) or streams
+//! ([`BatcherMsg::Stream`]): then the batcher queues each chosen token as its next input as
+//! soon as its cohort is done (`super::stream`), and the launch never waits for it, nor for a
+//! stream that has ended and whose session is not closed yet (its reader is still taking its
+//! last tokens).
+//!
+//! Closing a session waits for its cohort in flight, then frees its states in every actor.
+//!
+//! A cohort that loses a stage (a panic, a stopped actor) fails every session that has run,
+//! and the batcher holds its inputs while the supervisor rebuilds the actors (`super::heal`).
+
+pub use super::batching::{BatchStats, Batching, MAX_BATCH, PASS_FRAME_ROWS};
+use super::buckets::{CohortBuckets, pad_session};
+use super::cohort::close_everywhere;
+pub use super::cohort::{Answer, Answered, CohortPhases, PickRequest, Picked};
+use super::cohort::{add_ns, run_cohort};
+use super::heal::{
+    HealTimings, Health, HealthCell, RestartPolicy, Restarts, loses_stage, lost_session,
+};
+use super::stream::Continuation;
+use futures_util::FutureExt;
+use nsactor_engine::error::RuntimeError;
+use nsactor_pipeline::supervisor::SupMsg;
+use nsactor_pipeline::topology::Children;
+use nsactor_plugin_api::SessionId;
+use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
+use std::collections::{HashMap, HashSet, VecDeque};
+use std::panic::AssertUnwindSafe;
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, RwLock};
+use std::time::Instant;
+
+pub enum BatcherMsg {
+    /// Runs `ids` through `session`; answers the last position's logits, or with `pick` the
+    /// token chosen on the device.
+    Feed {
+        session: SessionId,
+        ids: Vec<i64>,
+        pick: Option<PickRequest>,
+        reply: RpcReplyPort<Answered>,
+    },
+    /// Runs `ids` through `session`, then every token the stream chooses, each fed back as
+    /// the session's next input until the stream ends (`super::stream`).
+    Stream {
+        session: SessionId,
+        ids: Vec<i64>,
+        cont: Continuation,
+    },
+    /// A parked stream's reader has caught up: queue its next input (`super::stream`).
+    Resume { session: SessionId },
+    /// Frees `session`'s states (after its cohort in flight, if any); answers when done.
+    Close {
+        session: SessionId,
+        reply: RpcReplyPort<()>,
+    },
+    /// A cohort finished: `sessions` in cohort order, and their answers in that order;
+    /// `generation` is how many times the stages had been lost when it launched.
+    Done {
+        generation: u64,
+        sessions: Vec<SessionId>,
+        answers: Result<Vec<Answer>, RuntimeError>,
+    },
+    /// The launch window of the oldest waiting input may have passed.
+    Tick,
+    /// From now on, cohorts are padded up to these sizes.
+    Buckets(CohortBuckets),
+    /// From now on, lost stages are rebuilt as often as this allows.
+    Policy(RestartPolicy),
+    /// The supervisor's rebuild after a lost stage ended: how long it took, or why not.
+    Healed(Result<HealTimings, RuntimeError>),
+}
+
+// Local only: the cluster build of ractor asks every message type to say so.
+impl ractor::Message for BatcherMsg {}
+
+/// Where a session's answer goes.
+enum Reply {
+    /// To the caller of one [`BatcherMsg::Feed`], with how its token is chosen, if on the
+    /// device.
+    Once {
+        port: RpcReplyPort<Answered>,
+        pick: Option<PickRequest>,
+    },
+    /// To a stream, which chooses its tokens on the device and may queue the session's next
+    /// input.
+    Stream(Continuation),
+}
+
+impl Reply {
+    /// Answers the input with `e` instead of running it.
+    fn refuse(self, e: RuntimeError) {
+        match self {
+            Reply::Once { port, .. } => {
+                let _ = port.send(Err(e));
+            }
+            Reply::Stream(c) => c.refuse(e),
+        }
+    }
+
+    /// How the input's token is chosen, for the cohort (a stream keeps its own).
+    fn pick(&mut self) -> Option<PickRequest> {
+        match self {
+            Reply::Once { pick, .. } => pick.take(),
+            Reply::Stream(c) => Some(c.pick().clone()),
+        }
+    }
+}
+
+struct Waiting {
+    session: SessionId,
+    ids: Vec<i64>,
+    reply: Reply,
+    since: Instant,
+}
+
+pub struct BatcherActor;
+
+pub struct BatcherArgs {
+    pub children: Arc<RwLock<Children>>,
+    pub batching: Batching,
+    pub stats: Arc<BatchStats>,
+    /// Rebuilds the actors after a lost stage.
+    pub sup: ActorRef<SupMsg>,
+    pub health: Arc<HealthCell>,
+}
+
+pub struct BatcherState {
+    children: Arc<RwLock<Children>>,
+    batching: Batching,
+    stats: Arc<BatchStats>,
+    /// Sessions that have fed and not closed.
+    open: HashSet<SessionId>,
+    waiting: VecDeque<Waiting>,
+    /// Sessions in cohorts in flight, with the replies they are owed.
+    in_flight: Vec<(SessionId, Reply)>,
+    /// Streams whose readers lag, with their next inputs held until they catch up.
+    parked: Vec<(SessionId, Vec<i64>, Continuation)>,
+    /// Open sessions whose stream has ended: not expected back until they feed or close.
+    ended: HashSet<SessionId>,
+    cohorts: usize,
+    /// Closes waiting for their session's cohort.
+    closing: Vec<(SessionId, RpcReplyPort<()>)>,
+    tick_armed: bool,
+    /// When a cohort last finished: the sessions it answered get a window from then to come
+    /// back, even if inputs have been waiting longer (else two halves of the sessions
+    /// alternate in two cohorts forever).
+    freed_at: Instant,
+    /// Open sessions that have not run yet (they have no states to lose).
+    fresh: HashSet<SessionId>,
+    /// Sessions whose states were lost with a stage, and how: refused until closed.
+    lost: HashMap<SessionId, String>,
+    sup: ActorRef<SupMsg>,
+    health: Arc<HealthCell>,
+    policy: RestartPolicy,
+    restarts: Restarts,
+    /// Times the stages have been lost: a cohort launched before the last loss ran on actors
+    /// that are gone.
+    generation: u64,
+}
+
+impl BatcherState {
+    fn children(&self) -> Children {
+        self.children
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+
+    fn flying(&self, session: SessionId) -> bool {
+        self.in_flight.iter().any(|(s, _)| *s == session)
+    }
+
+    /// Whether `session` may queue `ids`: something to feed, nothing of its in flight, its
+    /// states not lost, decoding not failed.
+    fn admit(&self, session: SessionId, ids: &[i64]) -> Result<(), RuntimeError> {
+        if let Some(cause) = self.lost.get(&session) {
+            Err(lost_session(cause))
+        } else if !self.health.is_serving()
+            && let Health::Failed { cause } = self.health.state()
+        {
+            Err(RuntimeError::Broken(format!(
+                "decoding has failed: {cause}"
+            )))
+        } else if ids.is_empty() {
+            Err(RuntimeError::Runtime(format!("{session}: nothing to feed")))
+        } else if self.flying(session)
+            || self.waiting.iter().any(|w| w.session == session)
+            || self.parked.iter().any(|p| p.0 == session)
+        {
+            Err(RuntimeError::Runtime(format!(
+                "{session} already has an input in flight"
+            )))
+        } else {
+            Ok(())
+        }
+    }
+
+    fn queue(&mut self, session: SessionId, ids: Vec<i64>, reply: Reply) {
+        self.ended.remove(&session);
+        if self.open.insert(session) {
+            self.stats.open.fetch_add(1, Ordering::Relaxed);
+            self.fresh.insert(session);
+        }
+        self.waiting.push_back(Waiting {
+            session,
+            ids,
+            reply,
+            since: Instant::now(),
+        });
+    }
+
+    /// Launches every cohort that may start now; arms the window timer otherwise.
+    fn pump(&mut self, myself: &ActorRef<BatcherMsg>) {
+        if !self.health.is_serving() {
+            return;
+        }
+        while self.cohorts < self.batching.max_in_flight.max(1) && !self.waiting.is_empty() {
+            let here = self.in_flight.len() + self.waiting.len() + self.parked.len();
+            let absent = self.open.len().saturating_sub(here + self.ended.len());
+            let since = self.waiting.front().expect("non-empty").since;
+            let age = since.max(self.freed_at).elapsed();
+            if absent > 0 && age < self.batching.window {
+                if !self.tick_armed {
+                    self.tick_armed = true;
+                    myself.send_after(self.batching.window - age, || BatcherMsg::Tick);
+                }
+                return;
+            }
+            if absent > 0 {
+                self.stats.window_launches.fetch_add(1, Ordering::Relaxed);
+            }
+            self.launch(myself);
+        }
+    }
+
+    fn launch(&mut self, myself: &ActorRef<BatcherMsg>) {
+        let len = self.waiting.front().expect("non-empty").ids.len();
+        let mut cohort = Vec::new();
+        let mut rest = VecDeque::with_capacity(self.waiting.len());
+        let fits = |n: usize| n == 0 || (n + 1) * len <= self.batching.max_tokens;
+        for w in self.waiting.drain(..) {
+            if w.ids.len() == len
+                && cohort.len() < self.batching.max_batch.max(1)
+                && fits(cohort.len())
+            {
+                cohort.push(w);
+            } else {
+                rest.push_back(w);
+            }
+        }
+        self.waiting = rest;
+        cohort.sort_by_key(|w| w.session);
+        for w in &cohort {
+            self.fresh.remove(&w.session);
+        }
+        let mut sessions: Vec<SessionId> = cohort.iter().map(|w| w.session).collect();
+        let mut ids: Vec<i64> = cohort.iter().flat_map(|w| w.ids.iter().copied()).collect();
+        let mut picks: Vec<Option<PickRequest>> =
+            cohort.iter_mut().map(|w| w.reply.pick()).collect();
+        let real = sessions.len();
+        let size = self
+            .batching
+            .buckets
+            .size_for(real, len, self.batching.max_tokens);
+        // Pad sessions: token 0, greedy on the device without logits when the others pick
+        // there; their answers find no reply and are dropped.
+        let pad_pick =
+            (size > real && picks.iter().any(Option::is_some)).then(|| PickRequest::greedy(false));
+        for i in (0..size - real).rev() {
+            sessions.push(pad_session(i));
+            ids.extend(std::iter::repeat_n(0, len));
+            picks.push(pad_pick.clone());
+        }
+        self.in_flight
+            .extend(cohort.into_iter().map(|w| (w.session, w.reply)));
+        self.cohorts += 1;
+        self.stats.cohorts.fetch_add(1, Ordering::Relaxed);
+        self.stats.inputs.fetch_add(real as u64, Ordering::Relaxed);
+        self.stats
+            .padded
+            .fetch_add((size - real) as u64, Ordering::Relaxed);
+        let children = self.children();
+        let me = myself.clone();
+        let stats = self.stats.clone();
+        let generation = self.generation;
+        tokio::spawn(async move {
+            let start = Instant::now();
+            // A panic in the cohort's own task still answers its sessions (and, as a lost
+            // stage, rebuilds the actors), never leaves them waiting.
+            let run = run_cohort(&children, &sessions, ids, len, picks, &stats.phases);
+            let answers = AssertUnwindSafe(run)
+                .catch_unwind()
+                .await
+                .unwrap_or_else(|p| {
+                    Err(RuntimeError::Broken(format!(
+                        "a cohort's task panicked: {}",
+                        nsactor_pipeline::worker::panic_message(&*p)
+                    )))
+                });
+            add_ns(&stats.phases.cohort_ns, start);
+            tracing::trace!(
+                "cohort of {real} (padded to {size}) × {len} inputs: {:.2} ms",
+                start.elapsed().as_secs_f64() * 1e3
+            );
+            // The answers go out from the batcher, after it has counted the cohort done, so a
+            // session's next input always finds it no longer in flight.
+            let _ = me.cast(BatcherMsg::Done {
+                generation,
+                sessions,
+                answers,
+            });
+        });
+    }
+
+    fn done(
+        &mut self,
+        myself: &ActorRef<BatcherMsg>,
+        generation: u64,
+        sessions: Vec<SessionId>,
+        answers: Result<Vec<Answer>, RuntimeError>,
+    ) {
+        self.cohorts -= 1;
+        // A cohort of actors already replaced (it ran on while they were rebuilt) loses
+        // nothing more.
+        let lost_now = answers
+            .as_ref()
+            .err()
+            .filter(|e| generation == self.generation && loses_stage(e))
+            .map(|e| e.to_string());
+        // Before anyone is answered: a client that has its error sees decoding recovering.
+        if let Some(cause) = lost_now {
+            self.lose_stage(myself, cause);
+        }
+        self.freed_at = Instant::now();
+        let mut answers = answers.map(|a| a.into_iter().map(Some).collect::<Vec<_>>());
+        for (i, s) in sessions.into_iter().enumerate() {
+            let Some(k) = self.in_flight.iter().position(|(f, _)| *f == s) else {
+                continue;
+            };
+            let (_, reply) = self.in_flight.swap_remove(k);
+            let r = match (&mut answers, self.lost.get(&s)) {
+                (Err(e), _) => Err(e.for_each_session()),
+                // Answered by actors that are gone: it cannot go on.
+                (Ok(_), Some(cause)) => Err(lost_session(cause)),
+                (Ok(all), None) => all[i].take().ok_or_else(|| {
+                    RuntimeError::Runtime(format!("{s}: answered twice in one cohort"))
+                }),
+            };
+            match reply {
+                Reply::Once { port, .. } => {
+                    let _ = port.send(r);
+                }
+                Reply::Stream(c) => {
+                    let closing = self.closing.iter().any(|(c, _)| *c == s);
+                    match c.answer(r).filter(|_| !closing) {
+                        Some((ids, c)) if c.lagging() => self.parked.push((s, ids, c)),
+                        Some((ids, c)) => self.queue(s, ids, Reply::Stream(c)),
+                        // Ended (its budget, an end token, an error, a close): the session
+                        // stays open until its reader closes it, but will not feed.
+                        None if self.open.contains(&s) => {
+                            self.ended.insert(s);
+                        }
+                        None => {}
+                    }
+                }
+            }
+        }
+        let ready: Vec<(SessionId, RpcReplyPort<()>)> = {
+            let (ready, wait) = std::mem::take(&mut self.closing)
+                .into_iter()
+                .partition(|(s, _)| !self.flying(*s));
+            self.closing = wait;
+            ready
+        };
+        for (s, reply) in ready {
+            self.close_now(s, reply);
+        }
+    }
+
+    /// A cohort lost a stage: every session that has run loses its states, parked streams
+    /// end, and the supervisor rebuilds the actors while inputs wait (within the policy;
+    /// past it decoding fails).
+    fn lose_stage(&mut self, myself: &ActorRef<BatcherMsg>, cause: String) {
+        if !self.health.is_serving() {
+            return; // Already rebuilding (the cohorts of the old actors fail one by one).
+        }
+        tracing::error!("decoding lost a stage: {cause}");
+        self.generation += 1;
+        // The health first: whoever is answered below already sees it.
+        let rebuild = self.restarts.allow(&self.policy, Instant::now()).is_some();
+        let past_policy = format!("{cause}; more than {}", self.policy.describe("rebuild"));
+        self.health.set(if rebuild {
+            Health::Recovering {
+                cause: cause.clone(),
+            }
+        } else {
+            Health::Failed {
+                cause: past_policy.clone(),
+            }
+        });
+        let gone: Vec<SessionId> = self.open.difference(&self.fresh).copied().collect();
+        for s in &gone {
+            self.open.remove(s);
+            self.ended.remove(s);
+            self.lost.insert(*s, cause.clone());
+        }
+        self.stats
+            .open
+            .fetch_sub(gone.len() as u64, Ordering::Relaxed);
+        // Their next inputs (a stream's next token, a fed session's next input, a prompt's
+        // next chunk) end now; only the inputs of sessions that have not run wait.
+        for (_, _, c) in self.parked.drain(..) {
+            c.refuse(lost_session(&cause));
+        }
+        let (waiting, lost): (VecDeque<Waiting>, VecDeque<Waiting>) =
+            std::mem::take(&mut self.waiting)
+                .into_iter()
+                .partition(|w| !self.lost.contains_key(&w.session));
+        self.waiting = waiting;
+        for w in lost {
+            w.reply.refuse(lost_session(&cause));
+        }
+        if !rebuild {
+            self.fail(past_policy);
+            return;
+        }
+        let (sup, me) = (self.sup.clone(), myself.clone());
+        tokio::spawn(async move {
+            let r = match sup.call(|reply| SupMsg::Heal { reply }, None).await {
+                Ok(ractor::rpc::CallResult::Success(r)) => r,
+                _ => Err(RuntimeError::Broken("the supervisor stopped".into())),
+            };
+            let _ = me.cast(BatcherMsg::Healed(r));
+        });
+    }
+
+    fn healed(&mut self, r: Result<HealTimings, RuntimeError>) {
+        match r {
+            Ok(t) => self.health.healed(t),
+            Err(e) => self.fail(format!("rebuilding after a lost stage failed: {e}")),
+        }
+    }
+
+    /// Decoding cannot go on: every waiting input is refused, and every later one.
+    fn fail(&mut self, why: String) {
+        tracing::error!("decoding has failed: {why}");
+        self.health.set(Health::Failed { cause: why.clone() });
+        for w in self.waiting.drain(..) {
+            let e = RuntimeError::Broken(format!("decoding has failed: {why}"));
+            w.reply.refuse(e);
+        }
+    }
+
+    fn close_now(&mut self, session: SessionId, reply: RpcReplyPort<()>) {
+        self.ended.remove(&session);
+        let never_ran = self.fresh.remove(&session);
+        if never_ran && self.open.remove(&session) {
+            self.stats.open.fetch_sub(1, Ordering::Relaxed);
+        }
+        if never_ran || self.lost.remove(&session).is_some() {
+            // No actor holds states for it: it never ran, or they went with the old actors
+            // (and the actors now may be the old ones, being stopped).
+            let _ = reply.send(());
+            return;
+        }
+        let was_open = self.open.remove(&session);
+        let children = self.children();
+        let stats = self.stats.clone();
+        tokio::spawn(async move {
+            close_everywhere(&children, session).await;
+            if was_open {
+                stats.open.fetch_sub(1, Ordering::Relaxed);
+            }
+            let _ = reply.send(());
+        });
+    }
+}
+
+impl Actor for BatcherActor {
+    type Msg = BatcherMsg;
+    type State = BatcherState;
+    type Arguments = BatcherArgs;
+
+    async fn pre_start(
+        &self,
+        _myself: ActorRef<BatcherMsg>,
+        a: BatcherArgs,
+    ) -> Result<BatcherState, ActorProcessingErr> {
+        Ok(BatcherState {
+            children: a.children,
+            batching: a.batching,
+            stats: a.stats,
+            open: HashSet::new(),
+            waiting: VecDeque::new(),
+            in_flight: Vec::new(),
+            parked: Vec::new(),
+            ended: HashSet::new(),
+            cohorts: 0,
+            closing: Vec::new(),
+            tick_armed: false,
+            freed_at: Instant::now(),
+            fresh: HashSet::new(),
+            lost: HashMap::new(),
+            sup: a.sup,
+            health: a.health,
+            policy: RestartPolicy::default(),
+            restarts: Restarts::default(),
+            generation: 0,
+        })
+    }
+
+    async fn handle(
+        &self,
+        myself: ActorRef<BatcherMsg>,
+        msg: BatcherMsg,
+        s: &mut BatcherState,
+    ) -> Result<(), ActorProcessingErr> {
+        match msg {
+            BatcherMsg::Feed {
+                session,
+                ids,
+                pick,
+                reply,
+            } => match s.admit(session, &ids) {
+                Ok(()) => s.queue(session, ids, Reply::Once { port: reply, pick }),
+                Err(e) => {
+                    let _ = reply.send(Err(e));
+                }
+            },
+            BatcherMsg::Stream { session, ids, cont } => match s.admit(session, &ids) {
+                Ok(()) => s.queue(session, ids, Reply::Stream(cont)),
+                Err(e) => cont.refuse(e),
+            },
+            BatcherMsg::Close { session, reply } => {
+                // An input still waiting is dropped: its caller has gone.
+                s.waiting.retain(|w| w.session != session);
+                s.parked.retain(|p| p.0 != session);
+                if s.flying(session) {
+                    s.closing.push((session, reply));
+                } else {
+                    s.close_now(session, reply);
+                }
+            }
+            BatcherMsg::Done {
+                generation,
+                sessions,
+                answers,
+            } => s.done(&myself, generation, sessions, answers),
+            BatcherMsg::Resume { session } => {
+                if let Some(k) = s.parked.iter().position(|p| p.0 == session) {
+                    let (_, ids, c) = s.parked.swap_remove(k);
+                    s.queue(session, ids, Reply::Stream(c));
+                }
+            }
+            BatcherMsg::Tick => s.tick_armed = false,
+            BatcherMsg::Buckets(b) => s.batching.buckets = b,
+            BatcherMsg::Policy(p) => s.policy = p,
+            BatcherMsg::Healed(r) => s.healed(r),
+        }
+        s.pump(&myself);
+        Ok(())
+    }
+}

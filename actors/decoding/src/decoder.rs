@@ -1,0 +1,254 @@
+//! [`AsyncDecoder`]: asynchronous decoding sessions through the layer actors, for servers on
+//! the pipeline's runtime.
+
+use super::batcher::{Answer, BatchStats, BatcherMsg, PickRequest, Picked};
+use super::buckets::CohortBuckets;
+use super::heal::{HealTimings, Health, HealthCell, RestartPolicy};
+use super::stream::{DecodeStream, StreamPlan};
+use nsactor_engine::error::RuntimeError;
+use nsactor_pipeline::layers::session_layers;
+use nsactor_pipeline::msg::{EdgeMsg, ask};
+use nsactor_pipeline::topology::Children;
+use nsactor_plugin_api::{DeviceTensor, IdAllocator, SessionId};
+use ractor::ActorRef;
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, RwLock};
+
+/// Asynchronous decoding through the layer actors, for servers running on the pipeline's
+/// runtime ([`Pipeline::decoder`]). Cheap to clone; every method is a chain of actor calls, so
+/// many sessions decode concurrently, each at its own layer.
+#[derive(Clone)]
+pub struct AsyncDecoder {
+    pub(crate) children: Arc<RwLock<Children>>,
+    pub(crate) batcher: ActorRef<BatcherMsg>,
+    pub(crate) stats: Arc<BatchStats>,
+    pub(crate) health: Arc<HealthCell>,
+    pub(crate) ids: Arc<IdAllocator>,
+    pub(crate) vocab: usize,
+    /// Most input tokens of one pass ([`Batching::max_tokens`](super::batcher::Batching)):
+    /// a longer prompt is fed in chunks of this size.
+    pub(crate) max_tokens: usize,
+}
+
+impl AsyncDecoder {
+    pub(crate) fn children(&self) -> Children {
+        self.children
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+
+    /// Vocabulary size of the model (length of a logits vector).
+    pub fn vocab(&self) -> usize {
+        self.vocab
+    }
+
+    /// A new session id.
+    pub fn session(&self) -> SessionId {
+        self.ids.session()
+    }
+
+    /// Embeds `ids` (row-major `[batch, seq_len]`) for decoding or evaluation.
+    pub(crate) async fn embed(
+        &self,
+        ids: Vec<i64>,
+        batch: usize,
+        seq_len: usize,
+    ) -> Result<DeviceTensor, RuntimeError> {
+        ask(&self.children().edge, "edge", |reply| {
+            EdgeMsg::SessionEmbed {
+                ids,
+                batch,
+                seq_len,
+                reply,
+            }
+        })
+        .await
+    }
+
+    /// `h` through every layer of `session` (all of `h`'s rows), outside any cohort.
+    pub(crate) async fn layers(
+        &self,
+        session: SessionId,
+        h: DeviceTensor,
+    ) -> Result<DeviceTensor, RuntimeError> {
+        let layers = self.children().layers.clone();
+        session_layers(&layers, &[session], h).await
+    }
+
+    /// Runs `ids` through `session` (a prompt, or one token); the last position's logits.
+    /// Concurrent sessions are batched together at every layer (see [`batcher`]).
+    pub async fn feed(&self, session: SessionId, ids: Vec<i64>) -> Result<Vec<f32>, RuntimeError> {
+        match self.ask(session, ids, None).await? {
+            Answer::Logits(l) => Ok(l),
+            Answer::Picked(_) => Err(RuntimeError::Runtime("a token instead of logits".into())),
+        }
+    }
+
+    /// Runs `ids` through `session` and chooses its next token on the device as `pick` says:
+    /// only the token (and the logits, when `pick.want_logits`) cross to the host.
+    pub async fn feed_pick(
+        &self,
+        session: SessionId,
+        ids: Vec<i64>,
+        pick: PickRequest,
+    ) -> Result<Picked, RuntimeError> {
+        match self.ask(session, ids, Some(pick)).await? {
+            Answer::Picked(p) => Ok(p),
+            Answer::Logits(_) => Err(RuntimeError::Runtime("logits instead of a token".into())),
+        }
+    }
+
+    /// Runs `ids` through `session`, then the tokens `plan` chooses, each fed back by the
+    /// batcher as the session's next input (`super::stream`). The tokens come back on the
+    /// stream; closing the session ([`close`](Self::close)) ends it. A long prompt is fed in
+    /// chunks first, as [`feed`](Self::feed) does.
+    pub async fn stream(
+        &self,
+        session: SessionId,
+        ids: Vec<i64>,
+        plan: StreamPlan,
+    ) -> Result<DecodeStream, RuntimeError> {
+        let ids = self.feed_all_but_last_chunk(session, ids).await?;
+        let batcher = self.batcher.clone();
+        let resume = Box::new(move || {
+            let _ = batcher.cast(BatcherMsg::Resume { session });
+        });
+        let (cont, rx) = super::stream::stream(plan, resume);
+        self.batcher
+            .cast(BatcherMsg::Stream { session, ids, cont })
+            .map_err(|_| RuntimeError::Broken("the decode batcher stopped".into()))?;
+        Ok(rx)
+    }
+
+    /// Feeds `ids`; a prompt longer than one pass's budget goes in chunks, the last with
+    /// `pick`.
+    async fn ask(
+        &self,
+        session: SessionId,
+        ids: Vec<i64>,
+        pick: Option<PickRequest>,
+    ) -> Result<Answer, RuntimeError> {
+        let ids = self.feed_all_but_last_chunk(session, ids).await?;
+        self.ask_once(session, ids, pick).await
+    }
+
+    /// Feeds `ids` in chunks of one pass's budget but the last, which it returns (the neuron
+    /// states carry from chunk to chunk, as they do from token to token).
+    async fn feed_all_but_last_chunk(
+        &self,
+        session: SessionId,
+        mut ids: Vec<i64>,
+    ) -> Result<Vec<i64>, RuntimeError> {
+        let chunk = self.max_tokens.max(1);
+        while ids.len() > chunk {
+            let rest = ids.split_off(chunk);
+            self.ask_once(session, ids, None).await?;
+            ids = rest;
+        }
+        Ok(ids)
+    }
+
+    async fn ask_once(
+        &self,
+        session: SessionId,
+        ids: Vec<i64>,
+        pick: Option<PickRequest>,
+    ) -> Result<Answer, RuntimeError> {
+        match self
+            .batcher
+            .call(
+                |reply| BatcherMsg::Feed {
+                    session,
+                    ids,
+                    pick,
+                    reply,
+                },
+                None,
+            )
+            .await
+        {
+            Ok(ractor::rpc::CallResult::Success(r)) => r,
+            _ => Err(RuntimeError::Broken("the decode batcher stopped".into())),
+        }
+    }
+
+    /// Sessions whose neuron states the actors hold (fed, and not closed yet).
+    pub fn open_sessions(&self) -> u64 {
+        self.stats.open.load(Ordering::Relaxed)
+    }
+
+    /// Seconds the cohorts have spent so far in `[embed, layers, decode, whole cohort]`, as the
+    /// batcher sees them ([`CohortPhases`](super::cohort::CohortPhases)).
+    pub fn cohort_phases(&self) -> [f64; 4] {
+        self.stats.phases.seconds()
+    }
+
+    /// From now on, cohorts are padded up to `buckets`.
+    pub fn set_buckets(&self, buckets: CohortBuckets) {
+        let _ = self.batcher.cast(BatcherMsg::Buckets(buckets));
+    }
+
+    /// From now on, a lost stage is rebuilt as often as `policy` allows (`super::heal`).
+    pub fn set_heal_policy(&self, policy: RestartPolicy) {
+        let _ = self.batcher.cast(BatcherMsg::Policy(policy));
+    }
+
+    /// Where decoding stands: serving, rebuilding after a lost stage, or failed.
+    pub fn health(&self) -> Health {
+        self.health.state()
+    }
+
+    /// Every change of [`health`](Self::health) from now on.
+    pub fn health_changes(&self) -> tokio::sync::watch::Receiver<Health> {
+        self.health.subscribe()
+    }
+
+    /// Rebuilds after a lost stage that brought decoding back.
+    pub fn recoveries(&self) -> u64 {
+        self.health.recoveries()
+    }
+
+    /// The last of those rebuilds, by phase.
+    pub fn last_heal(&self) -> Option<HealTimings> {
+        self.health.last_heal()
+    }
+
+    /// Pad rows run so far to fill cohorts up to their bucket.
+    pub fn padded_rows(&self) -> u64 {
+        self.stats.padded.load(Ordering::Relaxed)
+    }
+
+    /// Cohorts run so far and the session inputs they carried (their ratio is the mean batch).
+    pub fn batch_counts(&self) -> (u64, u64) {
+        (
+            self.stats.cohorts.load(Ordering::Relaxed),
+            self.stats.inputs.load(Ordering::Relaxed),
+        )
+    }
+
+    /// Cohorts launched so far when the launch window ran out with open sessions still away
+    /// ([`BatchStats::window_launches`]).
+    pub fn window_launches(&self) -> u64 {
+        self.stats.window_launches.load(Ordering::Relaxed)
+    }
+
+    /// Frees `session`'s neuron states in every actor (after its input in flight, if any).
+    pub async fn close(&self, session: SessionId) {
+        self.begin_close(session).await;
+    }
+
+    /// [`close`](Self::close) in two halves: the close is queued at the batcher now, before
+    /// anything this caller does next (a new session admitted in its place is ordered after
+    /// it), and the returned future finishes when the states are freed.
+    pub fn begin_close(&self, session: SessionId) -> impl Future<Output = ()> + use<> {
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        let _ = self.batcher.cast(BatcherMsg::Close {
+            session,
+            reply: tx.into(),
+        });
+        async move {
+            let _ = rx.await;
+        }
+    }
+}

@@ -1,0 +1,527 @@
+//! [`Pipeline`]: the synchronous handle on a running actor pipeline, which the CLI, the server
+//! and the tests use: start, train steps, checkpoints, save/load, evaluation and generation.
+
+use super::batcher::{BatchStats, BatcherActor, BatcherArgs, Batching};
+use super::decoder::AsyncDecoder;
+use super::heal::{HealthCell, WeightSource};
+use nsactor_checkpoint::writer::{CheckpointReport, WriteDone};
+use nsactor_data::{Cursor, Sampler};
+use nsactor_engine::config::TrainConfig;
+use nsactor_engine::engine::{DecodeSession, StagedModel, StepParams, StepStats};
+use nsactor_engine::error::RuntimeError;
+use nsactor_pipeline::data::{DataActor, DataMsg};
+use nsactor_pipeline::msg::{EdgeMsg, ask};
+use nsactor_pipeline::plan::PipelinePlan;
+use nsactor_pipeline::supervisor::{StepReport, SupArgs, SupMsg, Supervisor};
+use nsactor_pipeline::topology::Children;
+use nsactor_pipeline::topology::{self, children_cells};
+use nsactor_pipeline::worker::Worker;
+use nsactor_pipeline::{trace, worker};
+use nsactor_plugin_api::{Batch, ComputeBackend, EngineError, IdAllocator, SessionId};
+use ractor::RpcReplyPort;
+use ractor::{Actor, ActorCell, ActorRef};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, RwLock};
+
+/// Distinguishes the actor names of pipelines living in one process (ractor names are global).
+static PIPELINES: AtomicU64 = AtomicU64::new(0);
+
+/// A running actor pipeline: supervisor, data, edge and layer actors, and their workers.
+pub struct Pipeline {
+    rt: tokio::runtime::Runtime,
+    sup: ActorRef<SupMsg>,
+    /// The current edge and layer actors, shared with the supervisor, which replaces them
+    /// when it recovers from a failure.
+    children: Arc<RwLock<Children>>,
+    data: Option<ActorRef<DataMsg>>,
+    /// The edge's worker, then one per pipeline stage.
+    workers: Vec<Arc<Worker>>,
+    plan: PipelinePlan,
+    /// Every data-parallel replica's placement, replica 0's (`plan`) first.
+    replica_plans: Vec<PipelinePlan>,
+    backend: Arc<dyn ComputeBackend>,
+    param_count: u64,
+    /// Decoding sessions of `generate`/`eval_ce` (and, through [`decoder`](Self::decoder),
+    /// of servers), sharing one session counter.
+    sessions: AsyncDecoder,
+}
+
+impl Pipeline {
+    /// Starts the actors over `model`'s stages, grouped and placed as `plan` says (open
+    /// `model` with `plan.placement()`). `train` gives the LR schedule and step shape of
+    /// [`step`](Self::step); `sampler` feeds it.
+    pub fn start(
+        model: StagedModel,
+        plan: PipelinePlan,
+        train: TrainConfig,
+        sampler: Option<Sampler>,
+    ) -> Result<Self, RuntimeError> {
+        Pipeline::start_in(model, plan, train, sampler, None)
+    }
+
+    /// [`Pipeline::start`] as one rank of a world of processes: `train.data_parallel`
+    /// replicas here, reduced with the other ranks' ([`nsactor_pipeline::world`]).
+    pub fn start_in(
+        model: StagedModel,
+        plan: PipelinePlan,
+        train: TrainConfig,
+        sampler: Option<Sampler>,
+        world: Option<Arc<nsactor_pipeline::world::WorldLink>>,
+    ) -> Result<Self, RuntimeError> {
+        if plan.num_layers() != model.num_layers() {
+            return Err(RuntimeError::Runtime(format!(
+                "the plan places {} layers, the model has {}",
+                plan.num_layers(),
+                model.num_layers()
+            )));
+        }
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .thread_name("nsactor-rt")
+            .enable_all()
+            .build()
+            .map_err(|e| RuntimeError::Runtime(e.to_string()))?;
+        let param_count = model.param_count();
+        let mut train = train;
+        train.schedule = train.schedule.resolve(&model.backend().info().name);
+        let nsactor_engine::engine::StageParts {
+            backend,
+            spec,
+            edge: edge_stage,
+            layers: layer_stages,
+        } = model.into_parts();
+        // Frames per token: a pass's GEMM rows are its input tokens × K.
+        let frames = spec.model.k.max(1);
+        let spin = worker::idle_spin(&backend.info().name);
+        let spawn = |name: String| {
+            Worker::spawn_spinning(name, spin)
+                .map(Arc::new)
+                .map_err(|e| RuntimeError::Runtime(format!("worker thread: {e}")))
+        };
+        // Replica r ≥ 1 runs on its own block of devices (`[train] devices`), with its own
+        // workers; replica 0 is `plan`.
+        let plans = match train.data_parallel {
+            1 => vec![plan.clone()],
+            d => PipelinePlan::replicas(
+                plan.num_layers(),
+                plan.num_stages(),
+                d,
+                &train.devices.clone().unwrap_or_else(|| vec![0]),
+            )?,
+        };
+        if plans[0] != plan {
+            return Err(RuntimeError::Runtime(format!(
+                "replica 0 is placed {}, `[train] devices` puts it at {}",
+                plan.describe(),
+                plans[0].describe()
+            )));
+        }
+        let mut replicas = Vec::with_capacity(plans.len());
+        for (r, plan) in plans.into_iter().enumerate() {
+            let tag = if r == 0 {
+                String::new()
+            } else {
+                format!("r{r}-")
+            };
+            let mut workers = vec![spawn(format!("nsactor-{tag}edge"))?];
+            for s in 0..plan.num_stages() {
+                workers.push(spawn(format!("nsactor-{tag}stage{s}"))?);
+            }
+            replicas.push(topology::Replica { plan, workers });
+        }
+        let workers = replicas[0].workers.clone();
+        let replica_plans = replicas.iter().map(|r| r.plan.clone()).collect();
+        let fault = train
+            .inject_fault
+            .as_deref()
+            .map(|f| f.parse::<topology::Fault>())
+            .transpose()?
+            .map(|f| Arc::new(topology::FaultPlan::new(f)));
+        let id = PIPELINES.fetch_add(1, Ordering::Relaxed);
+        let dp_reduce = train.dp_reduce.resolve(&backend.info().name);
+        let collectives = match &world {
+            Some(w) => w.collectives(),
+            None => {
+                replicas.len() > 1
+                    && !nsactor_pipeline::world::host_forced()?
+                    && rt.block_on(nsactor_pipeline::world::collectives_available(&backend))
+            }
+        };
+        let topo = topology::Topology {
+            backend: backend.clone(),
+            spec,
+            replicas,
+            hold_grads: dp_reduce == nsactor_engine::schedule::DpReduce::Ordered,
+            prefix: format!("pipeline{id}"),
+            fault,
+            keep_activations: train.keep_activations,
+            world,
+            collectives: collectives.then(Default::default),
+        };
+        let ids = Arc::new(IdAllocator::new());
+        let (sup, children, data) = rt.block_on(async {
+            let rt_err = |e: ractor::SpawnErr| RuntimeError::Runtime(e.to_string());
+            let children = topo.spawn(0, edge_stage, layer_stages, 0).await?;
+            let mut others = Vec::new();
+            for r in 1..topo.replicas.len() {
+                // As replica 0 was opened: seeded, or waiting for the weights loaded next.
+                let (edge, layers) = topo.open_fresh(r, topo.spec.weights).await?;
+                others.push(topo.spawn(r, edge, layers, 0).await?);
+            }
+            let data = match sampler {
+                Some(sampler) => Some(
+                    Actor::spawn(Some(format!("pipeline{id}/data")), DataActor, sampler)
+                        .await
+                        .map_err(rt_err)?
+                        .0,
+                ),
+                None => None,
+            };
+            let shared = Arc::new(RwLock::new(children.clone()));
+            let (sup, _) = Actor::spawn(
+                Some(format!("pipeline{id}/supervisor")),
+                Supervisor,
+                SupArgs {
+                    topo,
+                    children: shared.clone(),
+                    others: others.clone(),
+                    data: data.clone(),
+                    train,
+                    ids: ids.clone(),
+                },
+            )
+            .await
+            .map_err(rt_err)?;
+            // The supervisor hears of every child's failure.
+            let cells = children_cells(&children)
+                .chain(others.iter().flat_map(children_cells))
+                .chain(data.iter().map(|d| d.get_cell()));
+            for c in cells {
+                c.link(sup.get_cell());
+            }
+            Ok::<_, RuntimeError>((sup, shared, data))
+        })?;
+        trace::init();
+        let stats = Arc::new(BatchStats::default());
+        let health = Arc::new(HealthCell::default());
+        let batching = Batching {
+            max_in_flight: plan.num_stages(),
+            max_tokens: (super::batcher::PASS_FRAME_ROWS / frames).max(1),
+            ..Batching::default()
+        };
+        let batcher = rt
+            .block_on(Actor::spawn(
+                Some(format!("pipeline{id}/batcher")),
+                BatcherActor,
+                BatcherArgs {
+                    children: children.clone(),
+                    batching: batching.clone(),
+                    stats: stats.clone(),
+                    sup: sup.clone(),
+                    health: health.clone(),
+                },
+            ))
+            .map_err(|e| RuntimeError::Runtime(e.to_string()))?
+            .0;
+        let sessions = AsyncDecoder {
+            children: children.clone(),
+            batcher,
+            stats,
+            health,
+            ids,
+            vocab: 0,
+            max_tokens: batching.max_tokens,
+        };
+        Ok(Pipeline {
+            rt,
+            sup,
+            children,
+            data,
+            workers,
+            plan,
+            replica_plans,
+            backend,
+            param_count,
+            sessions,
+        })
+    }
+
+    fn call_sup<T: Send + 'static>(
+        &self,
+        build: impl FnOnce(RpcReplyPort<Result<T, RuntimeError>>) -> SupMsg,
+    ) -> Result<T, RuntimeError> {
+        match self.rt.block_on(self.sup.call(build, None)) {
+            Ok(ractor::rpc::CallResult::Success(r)) => r,
+            _ => Err(RuntimeError::Broken("the supervisor stopped".into())),
+        }
+    }
+
+    /// The run's next step (data from the sampler, LR from the schedule).
+    pub fn step(&mut self) -> Result<StepReport, RuntimeError> {
+        self.call_sup(|reply| SupMsg::Step { reply })
+    }
+
+    /// One step on `batches` with `params`.
+    pub fn train_step(
+        &mut self,
+        batches: &[Batch],
+        params: &StepParams,
+    ) -> Result<StepStats, RuntimeError> {
+        let (batches, params) = (batches.to_vec(), *params);
+        self.call_sup(|reply| SupMsg::StepWith {
+            batches,
+            params,
+            reply,
+        })
+    }
+
+    pub fn save_stages(&mut self) -> Result<Vec<Vec<u8>>, RuntimeError> {
+        self.call_sup(|reply| SupMsg::SaveStages { reply })
+    }
+
+    pub fn load_stages(&mut self, shards: Vec<Vec<u8>>) -> Result<(), RuntimeError> {
+        let shards = shards.into_iter().map(Arc::new).collect();
+        self.call_sup(|reply| SupMsg::LoadStages { shards, reply })
+    }
+
+    /// Loads the shards `source` reads (stage order, edge first) into every stage, and keeps
+    /// `source`: decoding that loses a stage rebuilds the actors and reads it again
+    /// (`super::heal`).
+    pub fn load_from(&mut self, source: WeightSource) -> Result<(), RuntimeError> {
+        self.call_sup(|reply| SupMsg::LoadFrom { source, reply })
+    }
+
+    /// Loads one whole-model safetensors file (every stage reads its own tensors from it;
+    /// Hugging Face `model.`-prefixed names too) into every stage.
+    pub fn load_model(&mut self, bytes: Vec<u8>) -> Result<(), RuntimeError> {
+        let bytes = Arc::new(bytes);
+        let shards = vec![bytes; self.num_layers() + 1];
+        self.call_sup(|reply| SupMsg::LoadStages { shards, reply })
+    }
+
+    /// Writes a checkpoint of the current step under `root` before returning (after any
+    /// background write in flight); keeps the newest `keep`.
+    pub fn checkpoint(
+        &mut self,
+        root: &Path,
+        keep: usize,
+        config: String,
+        tokenizer_sha256: Option<String>,
+    ) -> Result<PathBuf, RuntimeError> {
+        let r = self.checkpoint_with(root, keep, config, tokenizer_sha256, false)?;
+        if let Some(Err(e)) = r.previous {
+            tracing::warn!("an earlier checkpoint write failed: {e}");
+        }
+        Ok(r.dir)
+    }
+
+    /// Checkpoints the current step under `root`, keeping the newest `keep`: waits for the
+    /// write in flight, snapshots every stage, then writes the files in the `background`
+    /// (the report's `written` is then `None`; [`finish_checkpoint`](Self::finish_checkpoint)
+    /// or the next checkpoint says how it ended) or before returning.
+    pub fn checkpoint_with(
+        &mut self,
+        root: &Path,
+        keep: usize,
+        config: String,
+        tokenizer_sha256: Option<String>,
+        background: bool,
+    ) -> Result<CheckpointReport, RuntimeError> {
+        let root = root.to_path_buf();
+        self.call_sup(|reply| SupMsg::Checkpoint {
+            root,
+            keep,
+            config,
+            tokenizer_sha256,
+            background,
+            reply,
+        })
+    }
+
+    /// Waits for the background checkpoint write in flight, if any, and says how it ended.
+    pub fn finish_checkpoint(&mut self) -> Result<Option<WriteDone>, RuntimeError> {
+        self.call_sup(|reply| SupMsg::FinishCheckpoint { reply })
+    }
+
+    /// Continues after `step` completed steps with the data at `cursor`.
+    pub fn set_position(&mut self, step: u64, cursor: Option<Cursor>) -> Result<(), RuntimeError> {
+        self.call_sup(|reply| SupMsg::SetPosition {
+            step,
+            cursor,
+            reply,
+        })
+    }
+
+    pub fn plan(&self) -> &PipelinePlan {
+        &self.plan
+    }
+
+    /// Every data-parallel replica's placement (one without data parallelism).
+    pub fn replica_plans(&self) -> &[PipelinePlan] {
+        &self.replica_plans
+    }
+
+    pub fn backend(&self) -> &Arc<dyn ComputeBackend> {
+        &self.backend
+    }
+
+    pub fn param_count(&self) -> u64 {
+        self.param_count
+    }
+
+    pub fn num_layers(&self) -> usize {
+        self.plan.num_layers()
+    }
+
+    fn children(&self) -> Children {
+        self.children
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+
+    /// An asynchronous decoder over this pipeline's actors; `vocab` is the model's vocabulary.
+    pub fn decoder(&self, vocab: usize) -> AsyncDecoder {
+        AsyncDecoder {
+            vocab,
+            ..self.sessions.clone()
+        }
+    }
+
+    /// Runs `f` on the pipeline's runtime (where its actors live).
+    pub fn block_on<F: Future>(&self, f: F) -> F::Output {
+        self.rt.block_on(f)
+    }
+
+    /// Seconds each worker has spent in `to_device` of its inputs (edge first, then stages).
+    pub fn transfers(&self) -> Vec<f64> {
+        self.workers.iter().map(|w| w.transfer_s()).collect()
+    }
+
+    /// Seconds each worker has spent computing (edge first, then stages), and its job count.
+    pub fn busy(&self) -> Vec<(String, f64, u64)> {
+        self.workers
+            .iter()
+            .map(|w| {
+                let (s, n) = w.busy();
+                (w.name().to_string(), s, n)
+            })
+            .collect()
+    }
+
+    fn block<T>(&self, f: impl Future<Output = Result<T, RuntimeError>>) -> Result<T, EngineError> {
+        self.rt.block_on(f).map_err(EngineError::from)
+    }
+
+    /// Greedy continuation of `prompt` through the layer actors (see
+    /// [`nsactor_engine::engine::greedy`]).
+    pub fn generate_greedy(
+        &mut self,
+        prompt: &[i64],
+        max_new_tokens: usize,
+        eos: Option<i64>,
+        suppress: &[i64],
+    ) -> Result<Vec<i64>, EngineError> {
+        self.generate(
+            prompt,
+            max_new_tokens,
+            eos,
+            suppress,
+            nsactor_engine::decode::SamplingParams::greedy(),
+        )
+    }
+
+    /// Continuation of `prompt` through the layer actors, tokens chosen by `sampling` (see
+    /// [`nsactor_engine::engine::generate`]).
+    pub fn generate(
+        &mut self,
+        prompt: &[i64],
+        max_new_tokens: usize,
+        eos: Option<i64>,
+        suppress: &[i64],
+        sampling: nsactor_engine::decode::SamplingParams,
+    ) -> Result<Vec<i64>, EngineError> {
+        let mut d = PipelineSession {
+            p: self,
+            session: self.sessions.session(),
+            open: false,
+        };
+        nsactor_engine::engine::generate(&mut d, prompt, max_new_tokens, eos, suppress, sampling)
+    }
+
+    /// Masked mean cross entropy of `b` (no gradients).
+    pub fn eval_ce(&mut self, b: &Batch) -> Result<f64, EngineError> {
+        b.validate()?;
+        let d = &self.sessions;
+        let session = d.session();
+        let r = self.block(async {
+            let h = d.embed(b.inputs.clone(), b.batch, b.seq_len).await?;
+            let h = d.layers(session, h).await?;
+            let batch = Arc::new(b.clone());
+            ask(&d.children().edge, "edge", |reply| EdgeMsg::HeadEval {
+                h,
+                batch,
+                reply,
+            })
+            .await
+        });
+        self.rt.block_on(d.close(session));
+        r
+    }
+}
+
+impl Pipeline {
+    /// One sequence through every layer and the edge for the interpretability study: each
+    /// layer's E[K] per token and β(t) distribution, and the surprisal of every next token.
+    pub fn probe(&mut self, ids: &[i64]) -> Result<super::probe::SequenceProbe, EngineError> {
+        self.block(super::probe::probe_sequence(&self.sessions, ids))
+    }
+}
+
+struct PipelineSession<'a> {
+    p: &'a Pipeline,
+    session: SessionId,
+    open: bool,
+}
+
+impl DecodeSession for PipelineSession<'_> {
+    fn prefill(&mut self, prompt: &[i64]) -> Result<Vec<f32>, EngineError> {
+        self.open = true;
+        self.p
+            .block(self.p.sessions.feed(self.session, prompt.to_vec()))
+    }
+
+    fn next(&mut self, token: i64) -> Result<Vec<f32>, EngineError> {
+        self.p
+            .block(self.p.sessions.feed(self.session, vec![token]))
+    }
+
+    fn close(&mut self) {
+        if self.open {
+            self.p.rt.block_on(self.p.sessions.close(self.session));
+        }
+    }
+}
+
+impl Drop for Pipeline {
+    /// Stops every actor, then joins the worker threads.
+    fn drop(&mut self) {
+        // The supervisor first, so no recovery starts while the children stop.
+        let _ = self
+            .rt
+            .block_on(self.sup.get_cell().stop_and_wait(None, None));
+        let children = self.children();
+        let cells: Vec<ActorCell> = std::iter::once(self.sessions.batcher.get_cell())
+            .chain(children_cells(&children))
+            .chain(self.data.iter().map(|d| d.get_cell()))
+            .chain(std::iter::once(self.sup.get_cell()))
+            .collect();
+        self.rt.block_on(async {
+            for c in &cells {
+                let _ = c.stop_and_wait(None, None).await;
+            }
+        });
+        self.workers.clear();
+    }
+}

@@ -1,0 +1,391 @@
+//! Opening a run: its backend, its pipeline of actors over freshly initialised or
+//! checkpointed stages, its data source, and resuming from its newest checkpoint. Every
+//! command that needs a model goes through here, so the sequence "open the stages with the
+//! plan's placement, then start the actors with the same plan" is written once.
+
+use nsactor_checkpoint::checkpoint;
+use nsactor_checkpoint::source::ModelSource;
+use nsactor_data::{Mode, Sampler, ShardSet, Tokenizer};
+use nsactor_decoding::{Pipeline, PipelinePlan};
+use nsactor_engine::backend;
+use nsactor_engine::config::RunConfig;
+use nsactor_engine::engine::StagedModel;
+use nsactor_engine::error::RuntimeError;
+use nsactor_plugin_api::{ComputeBackend, InitialWeights, OptimizerKind};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+/// The run's backend — `arg` (the command line's `--backend`), else `[backend] name`, else
+/// the default — opened with the config's plugin options.
+pub fn open_backend(
+    cfg: &RunConfig,
+    arg: Option<&str>,
+) -> Result<Arc<dyn ComputeBackend>, RuntimeError> {
+    let name = backend_name(cfg, arg);
+    let mut options = cfg.backend.plugin_options();
+    // The plugins' kernel cache (the embedded CPU backend compiles nothing and takes no options).
+    if name != backend::EMBEDDED
+        && let Some(dir) = cfg.backend.kernel_cache()
+    {
+        if dir.to_string_lossy().contains([',', ' ', '\t', '\n']) {
+            return Err(RuntimeError::Invalid(format!(
+                "the kernel cache directory `{}` has a comma or a space; set [backend] cache_dir (or --kernel-cache) to a path without",
+                dir.display()
+            )));
+        }
+        if !options.is_empty() {
+            options.push(',');
+        }
+        options.push_str(&format!("cache={}", dir.display()));
+    }
+    Ok(backend::open_with(
+        &name,
+        &cfg.backend.plugin_path,
+        &options,
+    )?)
+}
+
+/// The backend `arg` (the command line's `--backend`) names, else `[backend] name`, else the
+/// default.
+fn backend_name(cfg: &RunConfig, arg: Option<&str>) -> String {
+    arg.map(str::to_string)
+        .or_else(|| cfg.backend.name.clone())
+        .unwrap_or_else(|| backend::default_name().to_string())
+}
+
+/// Decoding and evaluation put each GPU's worker threads on one stream (`streams = shared`)
+/// unless `[backend] streams` says otherwise. A decoding cohort runs through the edge and the
+/// stages one after another anyway (the same throughput, BENCHMARKS.md), and with a stream per
+/// thread the hand-offs between them race: on an H200, greedy texts of 1,024 concurrent
+/// clients after a warm-up differed (15 distinct) with per-thread streams and agreed (1) with
+/// one stream or with every launch blocking. The embedded backend takes no options.
+fn decoding_streams(cfg: &mut RunConfig, arg: Option<&str>) {
+    if backend_name(cfg, arg) != backend::EMBEDDED && cfg.backend.streams.is_none() {
+        cfg.backend.streams = Some("shared".into());
+    }
+}
+
+/// Every one of `devices` exists on `compute`.
+pub fn check_devices(
+    compute: &dyn nsactor_plugin_api::ComputeBackend,
+    devices: &[usize],
+) -> Result<(), RuntimeError> {
+    let info = compute.info();
+    match devices.iter().find(|&&d| d >= info.devices.len()) {
+        Some(bad) => Err(RuntimeError::Invalid(format!(
+            "device {bad} does not exist: {} has {} device(s)",
+            info.name,
+            info.devices.len()
+        ))),
+        None => Ok(()),
+    }
+}
+
+/// Opens `cfg`'s model on `compute` — its layers split over `[train] pipeline` stages on
+/// `[train] devices` — freshly initialised from `[train] seed`, and starts the actors over it;
+/// `sampler` feeds [`Pipeline::step`].
+pub fn launch(
+    compute: Arc<dyn ComputeBackend>,
+    cfg: &RunConfig,
+    optimizer: OptimizerKind,
+    sampler: Option<Sampler>,
+) -> Result<Pipeline, RuntimeError> {
+    launch_in(compute, cfg, optimizer, sampler, None)
+}
+
+/// [`launch`] as one rank of a world of processes (`cfg.train.data_parallel` is this
+/// process's share of the replicas).
+pub fn launch_in(
+    compute: Arc<dyn ComputeBackend>,
+    cfg: &RunConfig,
+    optimizer: OptimizerKind,
+    sampler: Option<Sampler>,
+    world: Option<Arc<nsactor_pipeline::world::WorldLink>>,
+) -> Result<Pipeline, RuntimeError> {
+    launch_with(
+        compute,
+        cfg,
+        Some(optimizer),
+        sampler,
+        world,
+        InitialWeights::Seeded,
+    )
+}
+
+/// [`launch_in`] with the stages' optimizer (none for a pipeline that only serves or
+/// evaluates) and first weights chosen: [`InitialWeights::Loaded`] for a pipeline whose
+/// weights are loaded next ([`Pipeline::load_from`]), which then draws none.
+fn launch_with(
+    compute: Arc<dyn ComputeBackend>,
+    cfg: &RunConfig,
+    optimizer: Option<OptimizerKind>,
+    sampler: Option<Sampler>,
+    world: Option<Arc<nsactor_pipeline::world::WorldLink>>,
+    weights: InitialWeights,
+) -> Result<Pipeline, RuntimeError> {
+    let devices = cfg.train.devices.clone().unwrap_or_else(|| vec![0]);
+    check_devices(compute.as_ref(), &devices)?;
+    // Replica 0's placement; `Pipeline::start` places the other data-parallel replicas.
+    let plan = PipelinePlan::replicas(
+        cfg.model.num_layers,
+        cfg.train.pipeline,
+        cfg.train.data_parallel,
+        &devices,
+    )?
+    .swap_remove(0);
+    let model = StagedModel::open_with(
+        compute,
+        &cfg.model,
+        cfg.train.seed,
+        optimizer,
+        Some(plan.placement()),
+        weights,
+    )?;
+    Pipeline::start_in(model, plan, cfg.train.clone(), sampler, world)
+}
+
+/// A model on the actor pipeline, ready to serve or evaluate, with its tokenizer.
+pub struct Loaded {
+    pub pipeline: Pipeline,
+    pub tokenizer: Arc<Tokenizer>,
+    pub vocab: usize,
+    /// The run's name (its directory), or the config's.
+    pub name: String,
+    /// The run's configuration (from the checkpoint's manifest).
+    pub config: RunConfig,
+}
+
+/// Where and how to open a checkpoint for serving or evaluation.
+#[derive(Debug, Clone, Default)]
+pub struct CheckpointOptions {
+    /// A checkpoint directory, a checkpoints root or a run directory (newest valid one).
+    pub checkpoint: PathBuf,
+    /// Backend name or plugin path (default: the run's).
+    pub backend: Option<String>,
+    /// Pipeline stages (at least 1).
+    pub pipeline: usize,
+    /// Devices for the stages (default `[0]`).
+    pub devices: Option<Vec<usize>>,
+    /// tokenizer.json (default: the run's).
+    pub tokenizer: Option<PathBuf>,
+    /// GEMM precision (default: the run's).
+    pub precision: Option<String>,
+    /// Kernel cache directory (default: the run's `[backend] cache_dir`, else the user's).
+    pub kernel_cache: Option<PathBuf>,
+    /// A failure to inject once while decoding, to exercise recovery
+    /// (`session-panic:LAYER:PASS`).
+    pub inject_fault: Option<String>,
+}
+
+/// Opens the model that `o` names (a checkpoint, the newest valid one of a run, or a Hugging
+/// Face directory: [`ModelSource::open`]) on the actor pipeline.
+pub fn load_checkpoint(o: &CheckpointOptions) -> Result<Loaded, RuntimeError> {
+    let mut source = ModelSource::open(&o.checkpoint, o.tokenizer.as_deref())?;
+    let mut cfg = source.config.clone();
+    let mut pipeline = serving_pipeline(&mut cfg, o)?;
+    pipeline.load_from(source.weights(pipeline.num_layers() + 1))?;
+    tracing::info!(
+        "loaded {} ({} parameters)",
+        source.origin,
+        pipeline.param_count()
+    );
+    Ok(Loaded {
+        pipeline,
+        tokenizer: Arc::new(source.tokenizer),
+        vocab: cfg.model.vocab_size,
+        name: source.name,
+        config: cfg,
+    })
+}
+
+/// The pipeline a checkpoint is opened on for serving or evaluation: `o`'s precision set in
+/// `cfg`, its backend, pipeline stages and devices, `o`'s injected fault (if any), stages
+/// waiting for the checkpoint's weights (none drawn) and keeping no optimizer: the
+/// checkpoint's Adam moments, twice the weights' bytes, are neither uploaded nor held.
+fn serving_pipeline(cfg: &mut RunConfig, o: &CheckpointOptions) -> Result<Pipeline, RuntimeError> {
+    if let Some(p) = &o.precision {
+        cfg.backend.precision = Some(p.clone());
+    }
+    if let Some(d) = &o.kernel_cache {
+        cfg.backend.cache_dir = Some(d.clone());
+    }
+    decoding_streams(cfg, o.backend.as_deref());
+    let compute = open_backend(cfg, o.backend.as_deref())?;
+    let mut run = cfg.clone();
+    run.train.pipeline = o.pipeline;
+    run.train.devices = o.devices.clone();
+    run.train.data_parallel = 1;
+    run.train.inject_fault = o.inject_fault.clone();
+    launch_with(compute, &run, None, None, None, InitialWeights::Loaded)
+}
+
+/// A freshly initialised model of `config` (default: the embedded tiny one) behind a started
+/// pipeline with the bundled tokenizer, for the benchmarks that need no checkpoint.
+pub fn load_fresh(
+    config: Option<&Path>,
+    backend: Option<&str>,
+    precision: Option<String>,
+    pipeline: usize,
+    devices: Option<&[usize]>,
+) -> Result<Loaded, RuntimeError> {
+    let mut cfg = RunConfig::load(config)?;
+    if precision.is_some() {
+        cfg.backend.precision = precision;
+    }
+    cfg.train.pipeline = pipeline;
+    cfg.train.devices = devices.map(<[usize]>::to_vec);
+    decoding_streams(&mut cfg, backend);
+    let compute = open_backend(&cfg, backend)?;
+    Ok(Loaded {
+        pipeline: launch(compute, &cfg, OptimizerKind::Adam, None)?,
+        tokenizer: Arc::new(Tokenizer::bundled()),
+        vocab: cfg.model.vocab_size,
+        name: config.map_or("embedded configs/tiny.toml".into(), |p| {
+            p.display().to_string()
+        }),
+        config: cfg,
+    })
+}
+
+/// Loads the newest valid checkpoint of the run into `pipeline`; returns its step (0 when
+/// there is none).
+pub fn resume(
+    cfg: &RunConfig,
+    tok: &Tokenizer,
+    pipeline: &mut Pipeline,
+) -> Result<u64, RuntimeError> {
+    let root = nsactor_training::train::checkpoint_root(cfg);
+    let (found, skipped) = checkpoint::latest_valid(&root);
+    for s in &skipped {
+        tracing::warn!("{s}");
+    }
+    let Some(checkpoint::Loaded {
+        dir,
+        manifest,
+        shards,
+    }) = found
+    else {
+        tracing::warn!(
+            "--resume: no valid checkpoint in {}; starting from step 0",
+            root.display()
+        );
+        return Ok(0);
+    };
+    manifest.check_tokenizer(&dir, tok)?;
+    pipeline.load_stages(shards)?;
+    pipeline.set_position(manifest.step, manifest.data_cursor)?;
+    tracing::info!("resuming from {} (step {})", dir.display(), manifest.step);
+    Ok(manifest.step)
+}
+
+/// The weights a run starts from (`--init-from`): the newest valid checkpoint of a run
+/// directory, checkpoints root or checkpoint directory. The new run takes that model's
+/// `[model]` table (its weights fix the shapes) and starts at step 0 with fresh optimizer
+/// state; [`InitFrom::load`] puts the weights into the started pipeline.
+pub struct InitFrom {
+    found: checkpoint::Loaded,
+}
+
+impl InitFrom {
+    /// Finds the checkpoint under `path` and sets `cfg.model` to its model.
+    pub fn open(path: &Path, cfg: &mut RunConfig) -> Result<Self, RuntimeError> {
+        let found = checkpoint::find_checkpoint(path)?;
+        let source = RunConfig::from_str(&found.manifest.config, &found.dir.display().to_string())?;
+        if source.model != cfg.model {
+            tracing::info!(
+                "--init-from: the model is {}'s (its [model] table replaces this run's)",
+                found.dir.display()
+            );
+        }
+        cfg.model = source.model;
+        Ok(InitFrom { found })
+    }
+
+    /// Loads the weights into `pipeline` (started from the configuration [`InitFrom::open`]
+    /// set) after checking the checkpoint was trained with `tok`.
+    pub fn load(self, tok: &Tokenizer, pipeline: &mut Pipeline) -> Result<(), RuntimeError> {
+        let checkpoint::Loaded {
+            dir,
+            manifest,
+            shards,
+        } = self.found;
+        manifest.check_tokenizer(&dir, tok)?;
+        pipeline.load_stages(shards)?;
+        tracing::info!(
+            "initialised from {} (its step {}); this run starts at step 0 with fresh optimizer state",
+            dir.display(),
+            manifest.step
+        );
+        Ok(())
+    }
+}
+
+/// The batch source of a run: prepared shards, corpus files, or the bundled corpus; SFT rows
+/// from conversation files with `--sft --corpus`.
+pub fn make_sampler(
+    cfg: &RunConfig,
+    tok: &Tokenizer,
+    corpus: &[PathBuf],
+    data: Option<&Path>,
+    sft: bool,
+) -> Result<Sampler, RuntimeError> {
+    let (seq_len, seed) = (cfg.train.seq_len, cfg.train.seed);
+    let mode = if cfg.data.packing {
+        Mode::Packed
+    } else {
+        Mode::Padded
+    };
+    if let Some(dir) = data {
+        let shards = ShardSet::open(dir, tok, true)?;
+        return Ok(Sampler::pretrain(Arc::new(shards), mode, seq_len, seed)?);
+    }
+    if sft && !corpus.is_empty() {
+        let (sampler, report) = nsactor_data::sampler::sft_sampler(
+            tok,
+            corpus,
+            None,
+            (seq_len, cfg.data.sft_overflow),
+            seed,
+        )?;
+        if report.unscored > 0 {
+            tracing::warn!(
+                "{report} ([data] sft_overflow = {:?})",
+                cfg.data.sft_overflow
+            );
+        } else {
+            tracing::info!("{report}");
+        }
+        return Ok(sampler);
+    }
+    let tokens = if corpus.is_empty() {
+        let mut m = nsactor_data::MemTokens::default();
+        let text = nsactor_data::bundled_corpus();
+        let name = Path::new("bundled-gutenberg-en.txt");
+        nsactor_data::shards::tokenize_text(tok, name, &text, &cfg.data.text_field, &mut m)?;
+        m
+    } else {
+        nsactor_data::shards::tokenize_files(tok, corpus, &cfg.data.text_field)?
+    };
+    Ok(Sampler::pretrain(Arc::new(tokens), mode, seq_len, seed)?)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn decoding_puts_a_plugin_on_one_stream_unless_the_config_says_otherwise() {
+        let base = RunConfig::load(None).unwrap();
+        let mut cfg = base.clone();
+        decoding_streams(&mut cfg, Some("cuda"));
+        assert_eq!(cfg.backend.streams.as_deref(), Some("shared"));
+        let mut cfg = base.clone();
+        cfg.backend.streams = Some("per-thread".into());
+        decoding_streams(&mut cfg, Some("cuda"));
+        assert_eq!(cfg.backend.streams.as_deref(), Some("per-thread"));
+        // The embedded backend takes no options at all.
+        let mut cfg = base;
+        decoding_streams(&mut cfg, Some(backend::EMBEDDED));
+        assert_eq!(cfg.backend.streams, None);
+    }
+}

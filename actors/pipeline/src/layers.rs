@@ -1,0 +1,98 @@
+//! A decoding pass through the layer actors: each lends its stage, and the layers that share a
+//! worker run as one job there.
+
+use super::holder::StageHolder;
+use super::msg::{LayerMsg, ask};
+use super::trace;
+use super::worker::{JobPanicked, Priority};
+use nsactor_engine::error::RuntimeError;
+use nsactor_plugin_api::{DeviceTensor, EngineError, SessionId};
+use ractor::ActorRef;
+use std::sync::Arc;
+
+/// `h` through `layers` for decoding `sessions` (batch rows split evenly among them, in order).
+/// Each layer actor lends its stage ([`LayerMsg::Share`], all asked at once), and the layers
+/// that share a worker (one pipeline stage's) run as one job there, one after another: a
+/// decoding pass makes one round trip per worker instead of two thread hops per layer, which
+/// at one token per pass took longer than the layers' own work. The layers' states stay in
+/// their stages; an error names the layer it came from.
+pub async fn session_layers(
+    layers: &[ActorRef<LayerMsg>],
+    sessions: &[SessionId],
+    h: DeviceTensor,
+) -> Result<DeviceTensor, RuntimeError> {
+    let holders = share_layers(layers).await?;
+    run_layers(&holders, sessions, h).await
+}
+
+/// Every layer actor's stage handle, asked all at once (the first half of
+/// [`session_layers`], which a cohort overlaps with its embedding).
+pub async fn share_layers(layers: &[ActorRef<LayerMsg>]) -> Result<Vec<StageHolder>, RuntimeError> {
+    futures_util::future::try_join_all(
+        layers
+            .iter()
+            .enumerate()
+            .map(|(i, l)| ask(l, format!("layer {i}"), |reply| LayerMsg::Share { reply })),
+    )
+    .await
+}
+
+/// The second half of [`session_layers`]: `h` through the shared layers, one job per run of
+/// layers on the same worker.
+pub async fn run_layers(
+    holders: &[StageHolder],
+    sessions: &[SessionId],
+    mut h: DeviceTensor,
+) -> Result<DeviceTensor, RuntimeError> {
+    let mut start = 0;
+    while start < holders.len() {
+        let worker = &holders[start].worker;
+        let end = (start..holders.len())
+            .find(|&j| !Arc::ptr_eq(&holders[j].worker, worker))
+            .unwrap_or(holders.len());
+        let group = holders[start..end].to_vec();
+        let sessions = sessions.to_vec();
+        let job = worker.run_then(Priority::FORWARD_UNTRAINED, None, move || {
+            trace::mark(trace::Mark::LayersJob);
+            let mut h = h;
+            for holder in &group {
+                h = holder
+                    .run(Some(h), |st, h| {
+                        st.call(nsactor_plugin_api::StageCall::SessionForward {
+                            sessions: &sessions,
+                            h: h.expect("moved"),
+                        })?
+                        .into_tensor("SessionForward")
+                    })
+                    .map_err(|error| RuntimeError::Stage {
+                        who: holder.who.clone(),
+                        error,
+                    })?;
+            }
+            trace::mark(trace::Mark::LayersQueued);
+            if trace::syncing()
+                && let Some(last) = group.last()
+            {
+                last.backend
+                    .ready(&h)
+                    .map_err(|error| RuntimeError::Stage {
+                        who: last.who.clone(),
+                        error,
+                    })?;
+                trace::mark(trace::Mark::LayersOnDevice);
+            }
+            Ok::<_, RuntimeError>(h)
+        });
+        h = match job.await {
+            Ok(r) => r?,
+            Err(JobPanicked(m)) => {
+                return Err(RuntimeError::Stage {
+                    who: format!("layers {start}..{end}"),
+                    error: EngineError::Panic(m),
+                });
+            }
+        };
+        start = end;
+    }
+    Ok(h)
+}

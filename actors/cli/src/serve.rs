@@ -96,7 +96,8 @@ struct LimitArgs {
     /// (0: no limit).
     #[arg(long, default_value_t = 600.0, value_name = "SECONDS")]
     request_timeout: f64,
-    /// Seconds a WebSocket with nothing running may stay silent before it is closed.
+    /// Seconds a WebSocket with nothing running (since its last request ended) may stay silent
+    /// before it is closed; also how long a client may take no event before it counts as gone.
     #[arg(long, default_value_t = 300.0, value_name = "SECONDS")]
     ws_idle_timeout: f64,
 }

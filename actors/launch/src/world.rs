@@ -15,7 +15,7 @@ use nsactor_pipeline::world::WorldLink;
 
 /// A control-plane failure before or after the run (joining, agreeing, leaving): said as the
 /// control plane says it.
-fn broken(e: nsactor_cluster::ClusterError) -> RuntimeError {
+fn control_plane(e: nsactor_cluster::ClusterError) -> RuntimeError {
     RuntimeError::Invalid(e.to_string())
 }
 use nsactor_plugin_api::ComputeBackend;
@@ -78,7 +78,7 @@ impl Rank {
             .enable_all()
             .build()
             .map_err(|e| RuntimeError::Runtime(format!("the control plane's runtime: {e}")))?;
-        let peers = Arc::new(rt.block_on(Peers::join(world)).map_err(broken)?);
+        let peers = Arc::new(rt.block_on(Peers::join(world)).map_err(control_plane)?);
         Ok(Rank { peers, rt })
     }
 
@@ -90,7 +90,7 @@ impl Rank {
     pub fn agree(&self, fingerprint: u64, first_step: u64) -> Result<(), RuntimeError> {
         self.rt
             .block_on(self.peers.agree(fingerprint, first_step))
-            .map_err(broken)
+            .map_err(control_plane)
     }
 
     /// The pipeline's side of the connections: through `backend`'s collectives when rank 0's
@@ -104,7 +104,7 @@ impl Rank {
 
     /// Ends the run with every rank (rank 0 leaves last).
     pub fn finish(&self) -> Result<(), RuntimeError> {
-        self.rt.block_on(self.peers.finish()).map_err(broken)
+        self.rt.block_on(self.peers.finish()).map_err(control_plane)
     }
 
     /// Tells the other ranks this one failed, so they stop waiting for it.

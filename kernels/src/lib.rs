@@ -55,6 +55,7 @@ pub mod options;
 pub mod parity;
 pub mod reference;
 mod tensor;
+pub mod tuning;
 
 pub use error::KernelError;
 pub use ops::device::{DeviceOps, GraphOps};

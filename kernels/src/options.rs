@@ -10,17 +10,16 @@ pub fn option_items(options: &str) -> impl Iterator<Item = &str> {
 
 /// Whether the decoding fusions ([`block_scan_fused`], [`gate_skip_fused`],
 /// [`centred_residual_fused`], the CUDA PonderAgg's one-unit-per-channel kernel for a few rows)
-/// run where the backend has them: on by default,
-/// `NSACTOR_DECODE_FUSION=off` at start or [`set_decode_fusion`] turns them off (the composed
-/// path, for A/B runs and to check them against it).
+/// run where the backend has them: on by default; the `decode_fusion` knob of the
+/// [`crate::tuning`] (`NSACTOR_DECODE_FUSION=off`) or [`set_decode_fusion`] turns them off (the
+/// composed path, for A/B runs and to check them against it).
 ///
 /// [`block_scan_fused`]: crate::block_scan_fused
 /// [`gate_skip_fused`]: crate::gate_skip_fused
 /// [`centred_residual_fused`]: crate::centred_residual_fused
 pub fn decode_fusion() -> bool {
     DECODE_FUSION.load(std::sync::atomic::Ordering::Relaxed)
-        && *DECODE_FUSION_ENV
-            .get_or_init(|| std::env::var("NSACTOR_DECODE_FUSION").as_deref() != Ok("off"))
+        && crate::tuning::current().decode_fusion
 }
 
 /// Turns the decoding fusions on or off for the process (see [`decode_fusion`]).
@@ -29,7 +28,6 @@ pub fn set_decode_fusion(on: bool) {
 }
 
 static DECODE_FUSION: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(true);
-static DECODE_FUSION_ENV: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
 
 /// What the GEMMs issued on this thread belong to, for batch-invariant kernel choice on CUDA
 /// (`NSACTOR_BATCH_INVARIANT`): set by [`decoding_gemms`] and [`per_token_gemms`].

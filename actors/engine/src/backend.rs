@@ -20,12 +20,12 @@ pub fn default_name() -> &'static str {
 }
 
 #[cfg(feature = "embedded-cpu")]
-fn embedded() -> Result<Arc<dyn ComputeBackend>, EngineError> {
-    Ok(Arc::new(nsactor_backend_ndarray::backend()))
+fn embedded(options: &str) -> Result<Arc<dyn ComputeBackend>, EngineError> {
+    Ok(Arc::new(nsactor_backend_ndarray::backend_with(options)?))
 }
 
 #[cfg(not(feature = "embedded-cpu"))]
-fn embedded() -> Result<Arc<dyn ComputeBackend>, EngineError> {
+fn embedded(_options: &str) -> Result<Arc<dyn ComputeBackend>, EngineError> {
     Err(EngineError::Plugin(
         "this nsactor was built without the embedded CPU backend (feature `embedded-cpu`); \
          choose a plugin with --backend ndarray|cuda|<path>"
@@ -47,13 +47,21 @@ pub fn open_with(
     options: &str,
 ) -> Result<Arc<dyn ComputeBackend>, EngineError> {
     if name == EMBEDDED {
-        if !options.trim().is_empty() {
+        let other: Vec<&str> = options
+            .split(',')
+            .map(str::trim)
+            .filter(|kv| {
+                !kv.is_empty() && !kv.starts_with(nsactor_plugin_api::tuning::OPTION_PREFIX)
+            })
+            .collect();
+        if !other.is_empty() {
             return Err(EngineError::InvalidInput(format!(
-                "the embedded CPU backend takes no options, got `{options}` (bf16 GEMMs need \
-                 --backend cuda)"
+                "the embedded CPU backend takes no options but the kernel knobs, got `{}` (bf16 \
+                 GEMMs need --backend cuda)",
+                other.join(",")
             )));
         }
-        return embedded();
+        return embedded(options);
     }
     let path = host::resolve(name, &host::search_dirs(extra_dirs))?;
     let plugin = Plugin::load(&path)?;

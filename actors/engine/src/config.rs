@@ -6,6 +6,7 @@
 
 use crate::error::RuntimeError;
 pub use nsactor_model_config::{ModelConfig, ModelToml, from_toml_str as model_from_toml};
+use nsactor_plugin_api::KernelTuning;
 use serde::{Deserialize, Serialize};
 use std::path::{Path, PathBuf};
 
@@ -69,6 +70,12 @@ pub struct BackendConfig {
     /// backends compile nothing and ignore it.
     #[serde(default)]
     pub cache_dir: Option<PathBuf>,
+    /// `[backend.kernels]`: the kernels' tuning knobs by key (`scan_cube = 64`,
+    /// `stage_row_forward = "8x64"`; docs/CONFIG.md lists them), read into one typed
+    /// [`KernelTuning`] by [`BackendConfig::kernel_tuning`]. A knob's `NSACTOR_*` variable
+    /// overrides the file.
+    #[serde(default, skip_serializing_if = "std::collections::BTreeMap::is_empty")]
+    pub kernels: std::collections::BTreeMap<String, String>,
 }
 
 impl BackendConfig {
@@ -82,6 +89,18 @@ impl BackendConfig {
         .flatten()
         .collect::<Vec<_>>()
         .join(",")
+    }
+
+    /// The kernels' tuning: the defaults, then `[backend.kernels]`, then the environment's
+    /// knob variables. The error names the key or variable and what it takes.
+    pub fn kernel_tuning(&self) -> Result<KernelTuning, String> {
+        let mut t = KernelTuning::default();
+        for (k, v) in &self.kernels {
+            t.set(k, v)
+                .map_err(|e| format!("[backend.kernels] {k}: {e}"))?;
+        }
+        t.with_vars(|name| std::env::var(name).ok())
+            .map_err(|e| e.to_string())
     }
 
     /// The kernel cache directory ([`cache_dir`](Self::cache_dir), else the user's cache
@@ -400,6 +419,7 @@ fn layered(text: &str, origin: &str, env: &EnvLayer) -> Result<RunConfig, Runtim
             "[backend] streams = `{s}`: expected `shared` or `per-thread`"
         )));
     }
+    cfg.backend.kernel_tuning().map_err(parse)?;
     if let Some(d) = &cfg.backend.cache_dir
         && d.to_string_lossy().contains([',', ' ', '\t', '\n'])
     {
@@ -538,5 +558,28 @@ mod backend_tests {
         assert_eq!(with("").unwrap().backend.plugin_options(), "");
         let e = with("streams = \"two\"\n").unwrap_err().to_string();
         assert!(e.contains("streams") && e.contains("per-thread"), "{e}");
+    }
+
+    #[test]
+    fn kernel_knobs_are_typed_at_load_and_a_bad_one_is_named() {
+        let cfg = with("[backend.kernels]\nscan_cube = 64\nstage_row_forward = \"8x32\"\ndecode_fusion = false\n")
+            .unwrap();
+        let t = cfg.backend.kernel_tuning().unwrap();
+        assert_eq!(t.scan_cube, 64);
+        assert!(!t.decode_fusion);
+        assert_eq!(t.stage_row_forward.unwrap().chunk, 32);
+        let back = RunConfig::from_str(&cfg.to_toml(), "manifest").unwrap();
+        assert_eq!(back.backend.kernels, cfg.backend.kernels);
+        let e = with("[backend.kernels]\nscan_cubes = 64\n")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("[backend.kernels] scan_cubes") && e.contains("scan_cube,"),
+            "{e}"
+        );
+        let e = with("[backend.kernels]\nstage_async = \"4x12\"\n")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("stage_async") && e.contains("PxCxD"), "{e}");
     }
 }

@@ -23,7 +23,19 @@ pub fn open_backend(
 ) -> Result<Arc<dyn ComputeBackend>, RuntimeError> {
     let name = backend_name(cfg, arg);
     let mut options = cfg.backend.plugin_options();
-    // The plugins' kernel cache (the embedded CPU backend compiles nothing and takes no options).
+    // The kernels' tuning: the knobs that differ from their defaults.
+    let tuning = cfg
+        .backend
+        .kernel_tuning()
+        .map_err(RuntimeError::Invalid)?
+        .to_options();
+    if !tuning.is_empty() {
+        if !options.is_empty() {
+            options.push(',');
+        }
+        options.push_str(&tuning);
+    }
+    // The plugins' kernel cache (the embedded CPU backend compiles nothing and ignores it).
     if name != backend::EMBEDDED
         && let Some(dir) = cfg.backend.kernel_cache()
     {

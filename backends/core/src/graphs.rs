@@ -27,7 +27,7 @@
 //!
 //! At most [`GRAPHS`] sets of sessions keep graphs per layer (least recently used first out),
 //! and as many free graphs are kept, each for calls of at most `NSACTOR_DECODE_GRAPH_ROWS` batch
-//! rows (default [`DEFAULT_ROWS`]) and one token; `NSACTOR_DECODE_GRAPHS=off` turns them off.
+//! rows (the `decode_graph_rows` knob, 64 by default) and one token; `NSACTOR_DECODE_GRAPHS=off` turns them off.
 //!
 //! [`SnnOps::capture`]: nsactor_kernels::GraphOps::capture
 
@@ -36,11 +36,6 @@ use nsactor_kernels::{KernelError, SnnOps, StepGraph};
 
 /// Sets of sessions with a graph, per layer.
 pub const GRAPHS: usize = 4;
-/// Default largest batch (rows of `h`) captured. At 64 sessions of the 0.9B an uncaptured step
-/// is bound by its launches (13.0 ms against 5.9–6.2 replayed, H100); at 256 the GPU's work
-/// sets the pace either way (19.0 against 18.9–19.2 ms), and 20 layers' graphs of one set of 256
-/// would hold ≈ 7 GB.
-pub const DEFAULT_ROWS: usize = 64;
 /// Calls between tries after a capture failed.
 const RETRY_AFTER: u32 = 64;
 /// New sets of sessions whose take-over decision is remembered (oldest out).
@@ -52,18 +47,15 @@ static TAKEN_OVER: std::sync::Mutex<Vec<(Key, Option<Vec<u64>>)>> =
     std::sync::Mutex::new(Vec::new());
 
 /// Whether decoding steps are captured, and up to how many batch rows: from
-/// `NSACTOR_DECODE_GRAPHS` (`off` disables) and `NSACTOR_DECODE_GRAPH_ROWS`.
+/// the `decode_graphs` and `decode_graph_rows` knobs of [`nsactor_kernels::tuning`]
+/// (`NSACTOR_DECODE_GRAPHS=off` disables, `NSACTOR_DECODE_GRAPH_ROWS`).
 pub fn graph_rows() -> usize {
-    static ROWS: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    *ROWS.get_or_init(|| {
-        if std::env::var("NSACTOR_DECODE_GRAPHS").as_deref() == Ok("off") {
-            return 0;
-        }
-        std::env::var("NSACTOR_DECODE_GRAPH_ROWS")
-            .ok()
-            .and_then(|v| v.parse().ok())
-            .unwrap_or(DEFAULT_ROWS)
-    })
+    let t = nsactor_kernels::tuning::current();
+    if t.decode_graphs {
+        t.decode_graph_rows
+    } else {
+        0
+    }
 }
 
 #[derive(Clone, PartialEq, Eq, Debug)]

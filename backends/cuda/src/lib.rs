@@ -10,7 +10,8 @@
 //! Depends on burn-cuda, cudarc (device discovery), `nsactor-backend-core`, `nsactor-kernels`
 //! and the plugin crates.
 //!
-//! Options (`[backend]` in the run config; `--precision` on the command line):
+//! Options (`[backend]` in the run config; `--precision` on the command line; the kernel
+//! knobs `kernel.KEY=VALUE` from `[backend.kernels]` and their `NSACTOR_*` variables):
 //! `precision=fp32|bf16`, `streams=per-thread|shared`, and `cache=DIR`: CubeCL's compiled
 //! kernels and autotune results kept in `DIR` between runs (`nsactor_kernels::cuda::cache`). `per-thread` (the default, CubeCL's
 //! own) gives each worker thread its own CUDA stream and memory pool, so the stages and the edge
@@ -25,7 +26,7 @@ use nsactor_kernels::KernelError;
 use nsactor_kernels::bench::gemm::{self as kernel_bench, GemmBench};
 use nsactor_kernels::cuda::precision::{GemmPrecision, set_precision};
 use nsactor_plugin_api::timing::{DeviceTime, SpanKind};
-use nsactor_plugin_api::{ComputeBackend, DeviceMemory, EngineError};
+use nsactor_plugin_api::{ComputeBackend, DeviceMemory, EngineError, KernelTuning};
 use std::panic::{AssertUnwindSafe, catch_unwind};
 
 pub type Gpu = Cuda<f32, i32>;
@@ -81,6 +82,8 @@ pub struct Options {
     pub streams: Streams,
     /// Directory of the kernel and autotune caches (none: CubeCL's defaults).
     pub cache: Option<std::path::PathBuf>,
+    /// The kernels' tuning (`kernel.KEY=VALUE` options over the environment).
+    pub tuning: KernelTuning,
 }
 
 impl Default for Options {
@@ -89,6 +92,7 @@ impl Default for Options {
             precision: GemmPrecision::Fp32,
             streams: Streams::PerThread,
             cache: None,
+            tuning: KernelTuning::default(),
         }
     }
 }
@@ -96,6 +100,7 @@ impl Default for Options {
 /// The CUDA backend over every GPU the driver reports, with its projection GEMMs in `precision`
 /// (a process-wide setting) and its threads' streams as `options.streams` says.
 pub fn backend(options: Options) -> Result<BurnBackend<Gpu>, EngineError> {
+    nsactor_kernels::tuning::install(options.tuning.clone())?;
     let devices = probe(options.precision)?;
     if let Some(dir) = &options.cache {
         nsactor_kernels::cuda::cache::set_dir(dir)?;
@@ -171,16 +176,20 @@ fn timing_report(devices: &[CudaDevice]) -> Result<Vec<DeviceTime>, EngineError>
 }
 
 /// Parses the plugin options: `precision=fp32|bf16` (default fp32), `streams=per-thread|shared`
-/// (default per-thread).
+/// (default per-thread), `cache=DIR`, and the kernel knobs `kernel.KEY=VALUE` (over the
+/// environment's, [`KernelTuning::from_options`]).
 fn parse_options(options: &str) -> Result<Options, EngineError> {
     let mut o = Options::default();
     let unknown = |kv: &str| {
         EngineError::InvalidInput(format!(
             "the cuda backend does not take the option `{kv}` (it takes precision=fp32|bf16, \
-             streams=shared|per-thread, cache=DIR)"
+             streams=shared|per-thread, cache=DIR, kernel.KEY=VALUE)"
         ))
     };
-    for kv in nsactor_kernels::options::option_items(options) {
+    let (tuning, rest) =
+        KernelTuning::from_options(nsactor_kernels::options::option_items(options))?;
+    o.tuning = tuning;
+    for kv in rest {
         match kv.split_once('=') {
             Some(("precision", v)) => {
                 o.precision = GemmPrecision::parse(v)
@@ -222,7 +231,15 @@ mod tests {
                 precision: GemmPrecision::Bf16,
                 streams: Streams::Shared,
                 cache: None,
+                tuning: KernelTuning::default(),
             }
+        );
+        let o = parse_options("kernel.scan_cube=64,precision=bf16").unwrap();
+        assert_eq!((o.tuning.scan_cube, o.precision), (64, GemmPrecision::Bf16));
+        let e = parse_options("kernel.scan_cube=0").unwrap_err().to_string();
+        assert!(
+            e.contains("kernel.scan_cube=0") && e.contains("1 to 1024"),
+            "{e}"
         );
         assert_eq!(
             parse_options("cache=/var/cache/nsactor").unwrap().cache,

@@ -23,22 +23,33 @@ pub fn backend() -> BurnBackend<Cpu> {
     )
 }
 
-/// Plugin constructor; the ndarray backend takes no options but the GPU ones a run's config
-/// may carry wherever it runs — `cache=DIR` (kernel cache) and `streams=…` — which it ignores:
-/// it compiles nothing at run time and has no streams.
-fn open(options: &str) -> Result<Box<dyn ComputeBackend>, EngineError> {
-    let other: Vec<&str> = options
+/// The CPU backend opened with `options`: the kernel knobs (`kernel.KEY=VALUE`, of which the
+/// CPU honours `decode_fusion`; the rest tune GPU kernels and change nothing here) and the GPU
+/// options a run's config may carry wherever it runs, `cache=DIR` (kernel cache) and
+/// `streams=…`, which it ignores: it compiles nothing at run time and has no streams.
+pub fn backend_with(options: &str) -> Result<BurnBackend<Cpu>, EngineError> {
+    let items = options
         .split(',')
         .map(str::trim)
-        .filter(|kv| !kv.is_empty() && !kv.starts_with("cache=") && !kv.starts_with("streams="))
+        .filter(|kv| !kv.is_empty());
+    let (tuning, rest) = nsactor_plugin_api::KernelTuning::from_options(items)?;
+    let other: Vec<&str> = rest
+        .into_iter()
+        .filter(|kv| !kv.starts_with("cache=") && !kv.starts_with("streams="))
         .collect();
     if !other.is_empty() {
         return Err(EngineError::InvalidInput(format!(
-            "the ndarray backend takes no options (other than the GPU ones it ignores: cache, streams), got `{}`",
+            "the ndarray backend takes no options (other than kernel.KEY=VALUE and the GPU ones it ignores: cache, streams), got `{}`",
             other.join(",")
         )));
     }
-    Ok(Box::new(backend()))
+    nsactor_kernels::tuning::install(tuning)?;
+    Ok(backend())
+}
+
+/// Plugin constructor ([`backend_with`]).
+fn open(options: &str) -> Result<Box<dyn ComputeBackend>, EngineError> {
+    Ok(Box::new(backend_with(options)?))
 }
 
 nsactor_plugin_abi::export_plugin!("ndarray", env!("CARGO_PKG_VERSION"), open);

@@ -326,9 +326,10 @@ impl SnnOps for Cuda {
         true
     }
 
-    /// `$NSACTOR_NORM_PLIF=composed` keeps the composition, for comparison.
+    /// The `norm_plif` knob `composed` (`NSACTOR_NORM_PLIF=composed`) keeps the composition, for
+    /// comparison.
     fn fuses_norm_plif() -> bool {
-        std::env::var("NSACTOR_NORM_PLIF").map_or(true, |v| v != "composed")
+        crate::tuning::current().fused_norm_plif
     }
 
     fn norm_plif_forward(inp: NormPlifInputs<Self>) -> (FloatTensor<Self>, FloatTensor<Self>) {
@@ -356,9 +357,10 @@ impl SnnOps for Cuda {
         [dx, prim(d_nw), prim(d_w), prim(d_th), d_v0]
     }
 
-    /// `$NSACTOR_PONDER=composed` keeps the composition, for comparison.
+    /// The `ponder` knob `composed` (`NSACTOR_PONDER=composed`) keeps the composition, for
+    /// comparison.
     fn fuses_ponder() -> bool {
-        std::env::var("NSACTOR_PONDER").map_or(true, |v| v != "composed")
+        crate::tuning::current().fused_ponder
     }
 
     fn ponder_forward(inp: PonderInputs<Self>) -> FloatTensor<Self> {
@@ -375,9 +377,10 @@ impl SnnOps for Cuda {
         [dx, prim(dw), prim(db)]
     }
 
-    /// `$NSACTOR_GATED_OUT=composed` keeps the composition, for comparison.
+    /// The `gated_out` knob `composed` (`NSACTOR_GATED_OUT=composed`) keeps the composition, for
+    /// comparison.
     fn fuses_gated_out() -> bool {
-        std::env::var("NSACTOR_GATED_OUT").map_or(true, |v| v != "composed")
+        crate::tuning::current().fused_gated_out
     }
 
     fn gated_out_forward(
@@ -396,9 +399,10 @@ impl SnnOps for Cuda {
         gated::gated_out_backward(r, g, dy)
     }
 
-    /// `$NSACTOR_FFN_NEURONS=composed` keeps the composition, for comparison.
+    /// The `ffn_neurons` knob `composed` (`NSACTOR_FFN_NEURONS=composed`) keeps the composition, for
+    /// comparison.
     fn fuses_ffn_neurons() -> bool {
-        std::env::var("NSACTOR_FFN_NEURONS").map_or(true, |v| v != "composed")
+        crate::tuning::current().fused_ffn_neurons
     }
 
     fn ffn_neurons_forward(inp: FfnInputs<Self>) -> (FloatTensor<Self>, FloatTensor<Self>) {

@@ -114,15 +114,6 @@ pub(crate) fn softplus_mod(x: f32) -> f32 {
     softplus_of(x, exp_neg_abs(x))
 }
 
-/// One PLIF step as the decoding scans take it (the staged and the one-unit-per-column
-/// kernels share it, so their bits agree): `V_pre = fma(β, V, u)`, a spike where
-/// `V_pre ≥ V_th`, the reset `V_pre − V_th·s`. Returns the new membrane.
-#[cube]
-pub(crate) fn plif_step(beta: f32, v: f32, u: f32, th: f32) -> f32 {
-    let v_pre = fma(beta, v, u);
-    v_pre - th * select(v_pre >= th, 1.0f32, 0.0f32)
-}
-
 /// The SNNBlock's modulation of one hidden neuron at one step (Eq. 5–7).
 #[derive(CubeType)]
 pub(crate) struct Modulation {
@@ -210,17 +201,13 @@ pub(crate) fn sign(x: f32) -> f32 {
 /// wide, so each step's loads and stores are one coalesced 128-byte line.
 pub(crate) const STAGE_COLS: u32 = 32;
 
-/// `(producers, chunk)` of a staged kernel from `$var` (`PxC`) or the default; `chunk` is
-/// rounded up to a multiple of `producers`.
-pub(crate) fn stage_shape(var: &str, default: (usize, usize)) -> (usize, usize) {
-    let (p, c) = std::env::var(var)
-        .ok()
-        .and_then(|v| {
-            let (p, c) = v.split_once('x')?;
-            Some((p.parse().ok()?, c.parse().ok()?))
-        })
-        .filter(|&(p, c): &(usize, usize)| (1..=31).contains(&p) && (1..=128).contains(&c))
-        .unwrap_or(default);
+/// `(producers, chunk)` of a staged kernel: its knob's shape (`PxC`, [`crate::tuning`]) or
+/// `default`; `chunk` is rounded up to a multiple of `producers`.
+pub(crate) fn stage_shape(
+    knob: Option<nsactor_plugin_api::tuning::StageShape>,
+    default: (usize, usize),
+) -> (usize, usize) {
+    let (p, c) = knob.map_or(default, |s| (s.producers, s.chunk));
     (p, c.div_ceil(p) * p)
 }
 

@@ -9,9 +9,9 @@
 //! [`InferOps::block_scan_fused`]: crate::InferOps::block_scan_fused
 
 use crate::cuda::common::{
-    PLANE, STAGE_COLS, block_modulation, gemm_input, out_like, out_typed, plif_step, sigmoid_burn,
-    stage_shape,
+    PLANE, STAGE_COLS, block_modulation, gemm_input, out_like, out_typed, sigmoid_burn, stage_shape,
 };
+use crate::cuda::plif::plif_step;
 use burn::tensor::{DType, Shape};
 use burn_cubecl::CubeRuntime;
 use burn_cubecl::kernel::into_contiguous;
@@ -295,7 +295,10 @@ pub fn block_scan<R: CubeRuntime>(
         return (vpost, last);
     }
     // Three double-buffered f32 arrays of `chunk` × 32: at most 48 KiB of shared memory.
-    let (producers, chunk) = match stage_shape("NSACTOR_STAGE_BLOCK_SCAN", STAGE_BLOCK_SCAN) {
+    let (producers, chunk) = match stage_shape(
+        crate::tuning::current().stage_block_scan,
+        STAGE_BLOCK_SCAN,
+    ) {
         (_, c) if c > 64 => {
             eprintln!(
                 "nsactor: NSACTOR_STAGE_BLOCK_SCAN takes at most 64 steps per chunk, got {c}; using the default"

@@ -5,8 +5,9 @@
 //! wider product in place); the backward recomputes the spikes exactly.
 
 use crate::cuda::common::{
-    STAGE_COLS, check_f32, dims, out_like, out_typed, pair, plif_step, stage_shape, stored_dtype,
+    STAGE_COLS, check_f32, dims, out_like, out_typed, pair, stage_shape, stored_dtype,
 };
+use crate::cuda::plif::{plif_reverse, plif_step, spike_of};
 use crate::cuda::precision::input_dtype;
 use burn::tensor::{DType, Shape};
 use burn_cubecl::CubeRuntime;
@@ -121,6 +122,72 @@ fn ffn_forward_staged_kernel<I: Float, O: Float>(
     }
 }
 
+/// One neuron's step prepared by a producer for the reverse pass (see
+/// [`ffn_backward_staged_kernel`]).
+#[derive(CubeType)]
+struct Prepared {
+    /// `∂V_post` from the gating: `∂act`, times `1 − β` with `leak`.
+    dv: f32,
+    /// `∂V_pre/∂β = V_{k−1} − i` (with `u = i·(1 − β)`).
+    dbeta: f32,
+    /// The step's spike, recomputed as the forward made it.
+    spike: f32,
+    /// `∂act·V_post`, the `(1 − β)·V_post` term's part of `∂β` (`leak` only).
+    leak: f32,
+}
+
+/// One FFN neuron's constants: β, `1 − β` and its threshold.
+#[derive(CubeType)]
+struct Neuron {
+    beta: f32,
+    one_minus: f32,
+    th: f32,
+}
+
+/// [`Neuron`] from its three constants.
+#[cube]
+fn neuron(beta: f32, one_minus: f32, th: f32) -> Neuron {
+    Neuron {
+        beta,
+        one_minus,
+        th,
+    }
+}
+
+/// A neuron's activation as the gating reads it: `(1 − β)·V_post` with `leak`, else `V_post`.
+#[cube]
+fn activation(v: f32, one_minus: f32, #[comptime] leak: bool) -> f32 {
+    let mut act = v;
+    if comptime![leak] {
+        act = v * one_minus;
+    }
+    act
+}
+
+/// [`Prepared`] from the neuron's `∂act`, `V_post`, `V_{k−1}` and input `i` at one step.
+#[cube]
+fn prepare_step(
+    d_act: f32,
+    v: f32,
+    v_prev: f32,
+    i: f32,
+    n: &Neuron,
+    #[comptime] leak: bool,
+) -> Prepared {
+    let mut dv = d_act;
+    let mut leak_part = 0.0f32;
+    if comptime![leak] {
+        dv = d_act * n.one_minus;
+        leak_part = d_act * v;
+    }
+    Prepared {
+        dv,
+        dbeta: v_prev - i,
+        spike: spike_of(n.beta, v_prev, i * n.one_minus, n.th),
+        leak: leak_part,
+    }
+}
+
 /// Their backward, staged in reverse: producers compute everything of a step but the carried
 /// gradients (the gating's `∂act`, `∂V_post`, the spike recomputed exactly as the forward made
 /// it, `V_{k−1} − i`), plane 0 runs both neurons' reverse recurrences, writes
@@ -186,6 +253,8 @@ fn ffn_backward_staged_kernel<I: Float, G: Float>(
     // A producer's own sum of `∂act·V_post` over the steps it prepared (leak only).
     let mut sl_g = 0.0f32;
     let mut sl_u = 0.0f32;
+    let gate = neuron(p.beta_g, p.om_g, p.tg);
+    let up = neuron(p.beta_u, p.om_u, p.tu);
     let mut ch = 0usize;
     while ch <= chunks {
         if y == 0 {
@@ -196,20 +265,20 @@ fn ffn_backward_staged_kernel<I: Float, G: Float>(
                 for q in 0..chunk {
                     if q < top {
                         let k = top - 1 - q;
-                        let s_idx = buf + q * 32 + x;
-                        let gg = s_dvg[s_idx] + acc_g;
-                        let gu = s_dvu[s_idx] + acc_u;
+                        let at = buf + q * 32 + x;
+                        let rg = plif_reverse(s_dvg[at], acc_g, p.beta_g, s_dbg[at], s_sg[at]);
+                        let ru = plif_reverse(s_dvu[at], acc_u, p.beta_u, s_dbu[at], s_su[at]);
                         if p.valid {
                             let row = (k * batch + p.b) * 2 * ff;
-                            d_i[row + p.j] = I::cast_from(gg * p.om_g);
-                            d_i[row + ff + p.j] = I::cast_from(gu * p.om_u);
+                            d_i[row + p.j] = I::cast_from(rg.gv * p.om_g);
+                            d_i[row + ff + p.j] = I::cast_from(ru.gv * p.om_u);
                         }
-                        sb_g += gg * s_dbg[s_idx];
-                        sb_u += gu * s_dbu[s_idx];
-                        st_g += -gg * s_sg[s_idx];
-                        st_u += -gu * s_su[s_idx];
-                        acc_g = gg * p.beta_g;
-                        acc_u = gu * p.beta_u;
+                        sb_g += rg.g_beta;
+                        sb_u += ru.g_beta;
+                        st_g += rg.g_th;
+                        st_u += ru.g_th;
+                        acc_g = rg.acc;
+                        acc_u = ru.acc;
                     }
                 }
             }
@@ -240,31 +309,20 @@ fn ffn_backward_staged_kernel<I: Float, G: Float>(
             #[unroll]
             for r in 0..per {
                 let s_idx = buf + ((y - 1) + r * producers) * 32 + x;
-                let vg = xvg[r];
-                let vu = xvu[r];
-                let mut act_g = vg;
-                let mut act_u = vu;
+                let act_g = activation(xvg[r], p.om_g, leak);
+                let act_u = activation(xvu[r], p.om_u, leak);
+                let g = prepare_step(xg[r] * act_u, xvg[r], xpg[r], xig[r], &gate, leak);
+                let u = prepare_step(xg[r] * act_g, xvu[r], xpu[r], xiu[r], &up, leak);
+                s_dvg[s_idx] = g.dv;
+                s_dvu[s_idx] = u.dv;
                 if comptime![leak] {
-                    act_g = vg * p.om_g;
-                    act_u = vu * p.om_u;
+                    sl_g += g.leak;
+                    sl_u += u.leak;
                 }
-                let da_g = xg[r] * act_u;
-                let da_u = xg[r] * act_g;
-                if comptime![leak] {
-                    s_dvg[s_idx] = da_g * p.om_g;
-                    s_dvu[s_idx] = da_u * p.om_u;
-                    sl_g += da_g * vg;
-                    sl_u += da_u * vu;
-                } else {
-                    s_dvg[s_idx] = da_g;
-                    s_dvu[s_idx] = da_u;
-                }
-                let ig = xig[r];
-                let iu = xiu[r];
-                s_dbg[s_idx] = xpg[r] - ig;
-                s_dbu[s_idx] = xpu[r] - iu;
-                s_sg[s_idx] = select(fma(p.beta_g, xpg[r], ig * p.om_g) >= p.tg, 1.0f32, 0.0f32);
-                s_su[s_idx] = select(fma(p.beta_u, xpu[r], iu * p.om_u) >= p.tu, 1.0f32, 0.0f32);
+                s_dbg[s_idx] = g.dbeta;
+                s_dbu[s_idx] = u.dbeta;
+                s_sg[s_idx] = g.spike;
+                s_su[s_idx] = u.spike;
             }
         }
         sync_cube();
@@ -277,14 +335,9 @@ fn ffn_backward_staged_kernel<I: Float, G: Float>(
     }
     sync_cube();
     if y == 0 && p.valid {
-        let mut l_g = 0.0f32;
-        let mut l_u = 0.0f32;
-        #[unroll]
-        for r in 0..producers {
-            l_g += s_dvg[r * 32 + x];
-            l_u += s_dvu[r * 32 + x];
-        }
         let o = p.b * 2 * ff + p.j;
+        let l_g = producers_sum(&s_dvg, x, producers);
+        let l_u = producers_sum(&s_dvu, x, producers);
         d_beta[o] = sb_g - l_g;
         d_beta[o + ff] = sb_u - l_u;
         d_th[o] = st_g;
@@ -292,6 +345,18 @@ fn ffn_backward_staged_kernel<I: Float, G: Float>(
         d_v0[o] = acc_g;
         d_v0[o + ff] = acc_u;
     }
+}
+
+/// The producers' partial sums (one a producer, in the first rows of `buf`) for column `x`,
+/// added in producer order.
+#[cube]
+fn producers_sum(buf: &SharedMemory<f32>, x: usize, #[comptime] producers: usize) -> f32 {
+    let mut sum = 0.0f32;
+    #[unroll]
+    for r in 0..producers {
+        sum += buf[r * 32 + x];
+    }
+    sum
 }
 
 /// Asserts what the unchecked kernels rely on besides `i_gu`'s geometry: the four per-channel
@@ -424,7 +489,10 @@ fn ffn_forward_with<R: CubeRuntime>(
         crate::cuda::wide::ffn_infer(i_gu, params, v0, outs, geometry, leak);
         return (gv, vpost, last);
     }
-    let (producers, chunk) = stage_shape("NSACTOR_STAGE_FFN_FORWARD", STAGE_FFN_FORWARD);
+    let (producers, chunk) = stage_shape(
+        crate::tuning::current().stage_ffn_forward,
+        STAGE_FFN_FORWARD,
+    );
     let client = i_gu.client.clone();
     // SAFETY: launched without CubeCL's per-access bounds checks (a metadata load, a compare
     // and a select on every global access). The kernel guards each access itself (`valid`
@@ -487,7 +555,10 @@ pub fn ffn_backward<R: CubeRuntime>(
     let d_beta = out_typed(&i_gu, state.clone(), DType::F32);
     let d_th = out_typed(&i_gu, state.clone(), DType::F32);
     let d_v0 = out_typed(&i_gu, state, DType::F32);
-    let (producers, chunk) = stage_shape("NSACTOR_STAGE_FFN_BACKWARD", STAGE_FFN_BACKWARD);
+    let (producers, chunk) = stage_shape(
+        crate::tuning::current().stage_ffn_backward,
+        STAGE_FFN_BACKWARD,
+    );
     let client = i_gu.client.clone();
     // SAFETY: as for the forward's launch above; the backward guards its accesses alike.
     unsafe {

@@ -260,13 +260,13 @@ pub enum Submit {
     Blocking,
 }
 
-/// The process's [`Submit`] mode, read once from `NSACTOR_GEMM_SUBMIT` (`queued`, `blocking`).
+/// The process's [`Submit`] mode: the `gemm_submit` knob (`NSACTOR_GEMM_SUBMIT`: `queued`,
+/// `blocking`).
 pub fn submit_mode() -> Submit {
-    static MODE: std::sync::OnceLock<Submit> = std::sync::OnceLock::new();
-    *MODE.get_or_init(|| match std::env::var("NSACTOR_GEMM_SUBMIT").as_deref() {
-        Ok("blocking") => Submit::Blocking,
-        _ => Submit::Queued,
-    })
+    match crate::tuning::current().gemm_submit {
+        nsactor_plugin_api::tuning::GemmSubmit::Queued => Submit::Queued,
+        nsactor_plugin_api::tuning::GemmSubmit::Blocking => Submit::Blocking,
+    }
 }
 
 /// Queued GEMM tasks run on CubeCL's server thread, and their time there (the whole task, and

@@ -57,22 +57,15 @@ pub(crate) enum Invariance {
     Off,
 }
 
-/// Read once from `NSACTOR_BATCH_INVARIANT`: `on` (the default), `first` or `off`.
+/// The `batch_invariant` knob (`NSACTOR_BATCH_INVARIANT`): `on` (the default), `first` or
+/// `off`.
 pub(crate) fn invariance() -> Invariance {
-    static MODE: std::sync::OnceLock<Invariance> = std::sync::OnceLock::new();
-    *MODE.get_or_init(
-        || match std::env::var("NSACTOR_BATCH_INVARIANT").as_deref() {
-            Ok("off") => Invariance::Off,
-            Ok("first") => Invariance::First,
-            Ok("on") | Err(_) => Invariance::Timed,
-            Ok(other) => {
-                eprintln!(
-                    "nsactor: NSACTOR_BATCH_INVARIANT={other:?} is not one of on, first, off; using on"
-                );
-                Invariance::Timed
-            }
-        },
-    )
+    use nsactor_plugin_api::tuning::BatchInvariance;
+    match crate::tuning::current().batch_invariant {
+        BatchInvariance::On => Invariance::Timed,
+        BatchInvariance::First => Invariance::First,
+        BatchInvariance::Off => Invariance::Off,
+    }
 }
 
 /// Whether a decoding pass's GEMMs are batch-invariant (`NSACTOR_BATCH_INVARIANT` is not `off`).
@@ -409,7 +402,7 @@ fn choose(
     started: std::time::Instant,
 ) -> Option<sys::cublasLtMatmulAlgo_t> {
     let chosen = best_candidate(times)?;
-    let trace = std::env::var_os("NSACTOR_GEMM_TRACE").is_some_and(|v| v != "0");
+    let trace = crate::tuning::current().gemm_trace;
     let first_at = first.and_then(|f| candidates.iter().position(|c| same(c, f)));
     if trace || first_at != Some(chosen) {
         let show = |i: usize| {

@@ -241,9 +241,8 @@ const TUNE_REPS: usize = 5;
 /// How much faster than the heuristic's first pick a candidate must be to replace it.
 const TUNE_MARGIN: f32 = 0.02;
 
-/// Whether GEMMs are tuned ([`Plan::tune`]), read once from `NSACTOR_GEMM_TUNE` (`on`, the
+/// Whether GEMMs are tuned ([`Plan::tune`]): the `gemm_tune` knob (`NSACTOR_GEMM_TUNE`; on by
 /// default; `off`: the heuristic's first pick everywhere, as before).
 pub fn tuning() -> bool {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| std::env::var("NSACTOR_GEMM_TUNE").as_deref() != Ok("off"))
+    crate::tuning::current().gemm_tune
 }

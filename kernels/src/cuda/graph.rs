@@ -142,10 +142,10 @@ pub fn copy(src: CudaTensor, dst: &CudaTensor) -> Result<(), KernelError> {
 }
 
 /// Hands the tasks queued on `device`'s server to its thread now (CubeCL's server thread takes
-/// them 32 at a time or at a flush). `NSACTOR_FLUSH=off` leaves them queued, for comparison.
+/// them 32 at a time or at a flush). The `flush` knob off (`NSACTOR_FLUSH=off`) leaves them
+/// queued, for comparison.
 pub fn flush(device: &CudaDevice) {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    if *ON.get_or_init(|| std::env::var("NSACTOR_FLUSH").as_deref() != Ok("off")) {
+    if crate::tuning::current().flush {
         device_server(device).flush_queue();
     }
 }

@@ -1,6 +1,7 @@
 //! The CUDA backend's kernels and plumbing (feature `cuda`).
 //!
-//! Kernel families, one file each (CubeCL kernels and their launchers):
+//! Kernel families, one file each (CubeCL kernels and their launchers), all taking the PLIF
+//! neuron's step from `plif` (charge, fire, soft reset and the reverse step, written once):
 //! * [`scan`] — the per-element and row-parameter PLIF scans;
 //! * [`selective`] — the selective scan with the SNNBlock modulation fused in (forward and
 //!   backward through a `cp.async` ring; the register-loading staged kernels as the fallback);
@@ -38,6 +39,7 @@ pub mod nccl;
 pub mod norm_plif;
 pub mod norm_plif_staged;
 pub mod optim;
+mod plif;
 pub mod ponder;
 pub mod ponder_backward;
 pub mod precision;

@@ -6,7 +6,8 @@
 
 use crate::cuda::common::{FEW_ROWS, gemm_input, out_like, out_typed, sigmoid_burn};
 use crate::cuda::norm_plif_staged::{
-    NORM_PLIF_CUBE, norm_plif_geometry, norm_plif_staged_kernel, prefetch, rms_inv,
+    Frames, NORM_PLIF_CUBE, norm_plif_geometry, norm_plif_staged_kernel, prefetch, rms_inv,
+    token_frames,
 };
 use crate::cuda::precision::storage_dtype;
 use burn::tensor::Shape;
@@ -95,25 +96,15 @@ fn norm_plif_kernel<O: Float>(
             rr = 1.0f32 / (total / f32::cast_from(dim) + eps).sqrt();
         }
         let u = x[t * cols + c] * rr * nw * one_minus;
-        let mut sum = 0.0f32;
-        #[unroll]
-        for j in 0..k {
-            let v_pre = fma(beta, v, u);
-            let s = select(v_pre >= th, 1.0f32, 0.0f32);
-            v = v_pre - th * s;
-            let out = select(leak, v * one_minus, v);
-            if comptime![mean_frames] {
-                sum += out;
-            } else {
-                y[(t * k + j) * cols + c] = O::cast_from(out);
-            }
-            if comptime![save_vpost] {
-                vpost[(t * k + j) * cols + c] = v;
-            }
-        }
-        if comptime![mean_frames] {
-            y[t * cols + c] = O::cast_from(sum / f32::cast_from(k));
-        }
+        let frames = Frames {
+            beta,
+            one_minus,
+            th,
+            t,
+            c,
+            cols,
+        };
+        v = token_frames::<O>(&frames, v, u, y, vpost, k, leak, save_vpost, mean_frames);
     }
     last[c] = v;
 }

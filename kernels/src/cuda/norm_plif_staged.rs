@@ -10,6 +10,7 @@
 //! group); the arithmetic is unchanged, op for op.
 
 use crate::cuda::common::{PLANE, out_like, sigmoid_burn, stored_dtype};
+use crate::cuda::plif::{plif_reverse, plif_step, spike_of};
 use burn::tensor::Shape;
 use burn_cubecl::CubeRuntime;
 use burn_cubecl::kernel::into_contiguous;
@@ -78,20 +79,10 @@ pub(crate) fn norm_plif_geometry<R: CubeRuntime>(
     (t, batch, dim)
 }
 
-/// Tokens a group, `(forward, backward)`: `$NSACTOR_NORM_PLIF_PREFETCH` (`FxB`, each 1–16) or
-/// 8 × 2.
+/// Tokens a group, `(forward, backward)`: the `norm_plif_prefetch` knob
+/// (`NSACTOR_NORM_PLIF_PREFETCH`, `FxB`, each 1–16; 8 × 2 by default).
 pub(crate) fn prefetch() -> (usize, usize) {
-    static SHAPE: std::sync::OnceLock<(usize, usize)> = std::sync::OnceLock::new();
-    *SHAPE.get_or_init(|| {
-        std::env::var("NSACTOR_NORM_PLIF_PREFETCH")
-            .ok()
-            .and_then(|v| {
-                let (f, b) = v.split_once('x')?;
-                Some((f.parse().ok()?, b.parse().ok()?))
-            })
-            .filter(|&(f, b): &(usize, usize)| (1..=16).contains(&f) && (1..=16).contains(&b))
-            .unwrap_or((8, 2))
-    })
+    crate::tuning::current().norm_plif_prefetch
 }
 
 /// The forward's rows path of `norm_plif_kernel` (`1/RMS` read from `r`), a group of `group`
@@ -164,29 +155,70 @@ pub(crate) fn norm_plif_staged_kernel<O: Float>(
             let t = gi * group + q;
             if t < tokens {
                 let u = xs[q] * rs[q] * nw * one_minus;
-                let mut sum = 0.0f32;
-                #[unroll]
-                for j in 0..k {
-                    let v_pre = fma(beta, v, u);
-                    let s = select(v_pre >= th, 1.0f32, 0.0f32);
-                    v = v_pre - th * s;
-                    let out = select(leak, v * one_minus, v);
-                    if comptime![mean_frames] {
-                        sum += out;
-                    } else {
-                        y[(t * k + j) * cols + c] = O::cast_from(out);
-                    }
-                    if comptime![save_vpost] {
-                        vpost[(t * k + j) * cols + c] = v;
-                    }
-                }
-                if comptime![mean_frames] {
-                    y[t * cols + c] = O::cast_from(sum / f32::cast_from(k));
-                }
+                let frames = Frames {
+                    beta,
+                    one_minus,
+                    th,
+                    t,
+                    c,
+                    cols,
+                };
+                v = token_frames::<O>(&frames, v, u, y, vpost, k, leak, save_vpost, mean_frames);
             }
         }
     }
     last[c] = v;
+}
+
+/// Where one token's K frames of the input PLIF go: the neuron's constants (β, `1 − β`,
+/// `V_th`), the token `t` and the column `c` of `cols`.
+#[derive(CubeType)]
+pub(crate) struct Frames {
+    pub beta: f32,
+    pub one_minus: f32,
+    pub th: f32,
+    pub t: usize,
+    pub c: usize,
+    pub cols: usize,
+}
+
+/// One token's K frames of the input PLIF from membrane `v_in` with the token's input `u`
+/// (the same in every frame, SPEC §3): writes each frame's output `(1 − β)·V_post` (`leak`)
+/// or `V_post`, or their mean over the frames (`mean_frames`), and `V_post` itself
+/// (`save_vpost`); returns the membrane after the last frame. Shared by the one-token and the
+/// staged kernels, so their bits agree.
+#[allow(clippy::too_many_arguments)]
+#[cube]
+pub(crate) fn token_frames<O: Float>(
+    f: &Frames,
+    v_in: f32,
+    u: f32,
+    y: &mut Tensor<O>,
+    vpost: &mut Tensor<f32>,
+    #[comptime] k: usize,
+    #[comptime] leak: bool,
+    #[comptime] save_vpost: bool,
+    #[comptime] mean_frames: bool,
+) -> f32 {
+    let mut v = v_in;
+    let mut sum = 0.0f32;
+    #[unroll]
+    for j in 0..k {
+        v = plif_step(f.beta, v, u, f.th);
+        let out = select(leak, v * f.one_minus, v);
+        if comptime![mean_frames] {
+            sum += out;
+        } else {
+            y[(f.t * k + j) * f.cols + f.c] = O::cast_from(out);
+        }
+        if comptime![save_vpost] {
+            vpost[(f.t * k + j) * f.cols + f.c] = v;
+        }
+    }
+    if comptime![mean_frames] {
+        y[f.t * f.cols + f.c] = O::cast_from(sum / f32::cast_from(k));
+    }
+    v
 }
 
 /// One group's loads for the backward: token `t = tokens − 1 − (gi·group + q)` (clamped) in
@@ -352,12 +384,11 @@ fn norm_plif_backward_staged_kernel<G: Float>(
                         s_om += gy[q * k + j] * vp[q * k + j];
                         g_out = gy[q * k + j] * one_minus;
                     }
-                    let gv = g_out + acc;
-                    let s = select(fma(beta, v_prev, u) >= th, 1.0f32, 0.0f32);
-                    s_beta += gv * v_prev;
-                    s_th += -gv * s;
-                    du += gv;
-                    acc = gv * beta;
+                    let r = plif_reverse(g_out, acc, beta, v_prev, spike_of(beta, v_prev, u, th));
+                    s_beta += r.g_beta;
+                    s_th += r.g_th;
+                    du += r.gv;
+                    acc = r.acc;
                 }
                 d_xhat[t * cols + c] = du * one_minus;
                 s_om += du * xh;

@@ -49,12 +49,12 @@ pub fn input_dtype() -> burn::tensor::DType {
 }
 
 /// The type the scans' large activations are stored in ([`GemmOps::storage_dtype`]):
-/// the GEMMs' input type, unless `$NSACTOR_BF16_STORAGE=off` (read once) keeps f32.
+/// the GEMMs' input type, unless the `bf16_storage` knob is off (`NSACTOR_BF16_STORAGE=off`):
+/// f32.
 ///
 /// [`GemmOps::storage_dtype`]: crate::GemmOps::storage_dtype
 pub fn storage_dtype() -> burn::tensor::DType {
-    static OFF: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    if *OFF.get_or_init(|| std::env::var("NSACTOR_BF16_STORAGE").as_deref() == Ok("off")) {
+    if !crate::tuning::current().bf16_storage {
         burn::tensor::DType::F32
     } else {
         input_dtype()

@@ -16,44 +16,41 @@
 //! `acc = gV·β` as its own rounded product like the reference.
 
 use crate::cuda::common::{STAGE_COLS, check_f32, out_like, stage_shape};
+use crate::cuda::plif::{plif, plif_reverse};
 use burn::tensor::Shape;
 use burn_cubecl::CubeRuntime;
 use burn_cubecl::kernel::into_contiguous;
 use burn_cubecl::tensor::CubeTensor;
 use cubecl::prelude::*;
 
-/// Units per cube. Small cubes spread the few thousand columns over every SM evenly (at the
-/// 0.9B shapes 21,504–28,672 units: 128-unit cubes would leave a third of the SMs with one
-/// cube and the rest with two). `$NSACTOR_SCAN_CUBE` overrides it.
-const CUBE: u32 = 32;
-
 /// Steps whose loads are issued together before their recurrence runs: the loads do not
 /// depend on the membrane, so reading that many steps ahead keeps that many requests per unit
 /// in flight instead of one. Measured on the H100 at the 0.9B shapes: the forward kernels gain
 /// up to 32; the backward kernels hold four such buffers, the per-element one is fastest at 16
-/// and the row one at 8. `$NSACTOR_SCAN_UNROLL` overrides them all.
+/// and the row one at 8. The `scan_unroll` knob (`NSACTOR_SCAN_UNROLL`) overrides them all.
 const UNROLL_FORWARD: usize = 32;
 const UNROLL_BACKWARD_ELEM: usize = 16;
 const UNROLL_BACKWARD_ROW: usize = 8;
 
-fn env_or(name: &str, default: usize) -> usize {
-    std::env::var(name)
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .filter(|&u| (1..=1024).contains(&u))
-        .unwrap_or(default)
-}
-
+/// The steps issued together: the `scan_unroll` knob (`NSACTOR_SCAN_UNROLL`, capped at 64), or
+/// the kernel's `default`.
 pub(crate) fn unroll(default: usize) -> usize {
-    env_or("NSACTOR_SCAN_UNROLL", default).min(64)
+    crate::tuning::current()
+        .scan_unroll
+        .unwrap_or(default)
+        .min(64)
 }
 
+/// Units per cube: the `scan_cube` knob (`NSACTOR_SCAN_CUBE`), 32 by default. Small cubes
+/// spread the few thousand columns over every SM evenly (at the 0.9B shapes 21,504–28,672
+/// units: 128-unit cubes would leave a third of the SMs with one cube and the rest with two).
 fn cube() -> u32 {
-    env_or("NSACTOR_SCAN_CUBE", CUBE as usize) as u32
+    crate::tuning::current().scan_cube as u32
 }
 
 /// `(producer planes, steps per chunk)` of the staged row-parameter kernels.
-/// `$NSACTOR_STAGE_ROW_FORWARD` / `$NSACTOR_STAGE_ROW_BACKWARD` override them. Measured on the
+/// The `stage_row_forward` / `stage_row_backward` knobs (`NSACTOR_STAGE_ROW_FORWARD` /
+/// `NSACTOR_STAGE_ROW_BACKWARD`) override them. Measured on the
 /// H100 at T·K = 8176 and 21,504 columns (forward / backward ms): 8×64 / 8×32 0.89 / 1.89,
 /// 4×32 / 4×64 0.97 / 1.50, 16×64 / 16×64 1.50 / 1.61, 8×128 / 8×16 1.60 / 1.21; one unit per
 /// column 0.97 / 1.54.
@@ -65,10 +62,10 @@ const STAGE_ROW_BACKWARD: (usize, usize) = (8, 16);
 /// and the rest with one scanning plane), while the backward still gained (1.11 → 0.76 ms).
 const STAGE_ROW_FORWARD_MIN_COLS: u32 = 8192;
 
-/// Whether the row-parameter scans run staged; `$NSACTOR_ROW_SCAN=per-unit` selects one unit per
-/// column, for comparison.
+/// Whether the row-parameter scans run staged; the `row_scan` knob `per-unit`
+/// (`NSACTOR_ROW_SCAN=per-unit`) selects one unit per column, for comparison.
 fn staged_rows() -> bool {
-    std::env::var("NSACTOR_ROW_SCAN").map_or(true, |v| v != "per-unit")
+    crate::tuning::current().staged_row_scan
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -114,10 +111,9 @@ fn forward_kernel(
             let i = (k0 + j) * cols + c;
             let b = select(row, b_row, bb[j]);
             let th = select(row, th_row, tt[j]);
-            let v_pre = fma(b, v, uu[j]);
-            let s = select(v_pre >= th, 1.0f32, 0.0f32);
-            v = v_pre - th * s;
-            spike[i] = s;
+            let f = plif(b, v, uu[j], th);
+            v = f.v;
+            spike[i] = f.spike;
             vpost[i] = v;
         }
         k0 += unroll;
@@ -126,10 +122,9 @@ fn forward_kernel(
         let i = k * cols + c;
         let b = select(row, b_row, beta[select(row, c, i)]);
         let th = select(row, th_row, vth[select(row, c, i)]);
-        let v_pre = fma(b, v, u[i]);
-        let s = select(v_pre >= th, 1.0f32, 0.0f32);
-        v = v_pre - th * s;
-        spike[i] = s;
+        let f = plif(b, v, u[i], th);
+        v = f.v;
+        spike[i] = f.spike;
         vpost[i] = v;
     }
 }
@@ -187,17 +182,17 @@ fn backward_kernel(
         for j in 0..unroll {
             let k = base + unroll - 1 - j;
             let i = k * cols + c;
-            let gv = gg[j] + acc;
-            g_u[i] = gv;
+            let b = select(row, b_row, bb[j]);
+            let r = plif_reverse(gg[j], acc, b, vp[j], ss[j]);
+            g_u[i] = r.gv;
             if comptime![row] {
-                sum_beta += gv * vp[j];
-                sum_vth += -gv * ss[j];
-                acc = gv * b_row;
+                sum_beta += r.g_beta;
+                sum_vth += r.g_th;
             } else {
-                g_beta[i] = gv * vp[j];
-                g_vth[i] = -gv * ss[j];
-                acc = gv * bb[j];
+                g_beta[i] = r.g_beta;
+                g_vth[i] = r.g_th;
             }
+            acc = r.acc;
         }
         end = base;
     }
@@ -206,17 +201,17 @@ fn backward_kernel(
         let k = end;
         let i = k * cols + c;
         let v_prev = select(k > 0, vpost[select(k > 0, i - cols, c)], v_first);
-        let gv = grad[i] + acc;
-        g_u[i] = gv;
+        let b = select(row, b_row, beta[select(row, c, i)]);
+        let r = plif_reverse(grad[i], acc, b, v_prev, spike[i]);
+        g_u[i] = r.gv;
         if comptime![row] {
-            sum_beta += gv * v_prev;
-            sum_vth += -gv * spike[i];
-            acc = gv * b_row;
+            sum_beta += r.g_beta;
+            sum_vth += r.g_th;
         } else {
-            g_beta[i] = gv * v_prev;
-            g_vth[i] = -gv * spike[i];
-            acc = gv * beta[i];
+            g_beta[i] = r.g_beta;
+            g_vth[i] = r.g_th;
         }
+        acc = r.acc;
     }
     if comptime![row] {
         g_beta[c] = sum_beta;
@@ -269,12 +264,11 @@ fn row_forward_staged_kernel(
                 for q in 0..chunk {
                     let k = k0 + q;
                     if k < steps {
-                        let v_pre = fma(b, v, s_u[buf + q * 32 + x]);
-                        let s = select(v_pre >= th, 1.0f32, 0.0f32);
-                        v = v_pre - th * s;
+                        let f = plif(b, v, s_u[buf + q * 32 + x], th);
+                        v = f.v;
                         if valid {
                             let idx = k * cols + c;
-                            spike[idx] = s;
+                            spike[idx] = f.spike;
                             vpost[idx] = v;
                         }
                     }
@@ -352,13 +346,13 @@ fn row_backward_staged_kernel(
                     if q < top {
                         let k = top - 1 - q;
                         let s_idx = buf + q * 32 + x;
-                        let gv = s_g[s_idx] + acc;
+                        let r = plif_reverse(s_g[s_idx], acc, b_row, s_v[s_idx], s_s[s_idx]);
                         if valid {
-                            g_u[k * cols + c] = gv;
+                            g_u[k * cols + c] = r.gv;
                         }
-                        sum_beta += gv * s_v[s_idx];
-                        sum_vth += -gv * s_s[s_idx];
-                        acc = gv * b_row;
+                        sum_beta += r.g_beta;
+                        sum_vth += r.g_th;
+                        acc = r.acc;
                     }
                 }
             }
@@ -437,7 +431,10 @@ pub fn forward<R: CubeRuntime>(
     let vpost = out_like(&u, shape);
     let client = u.client.clone();
     if row && staged_rows() && cols >= STAGE_ROW_FORWARD_MIN_COLS {
-        let (producers, chunk) = stage_shape("NSACTOR_STAGE_ROW_FORWARD", STAGE_ROW_FORWARD);
+        let (producers, chunk) = stage_shape(
+            crate::tuning::current().stage_row_forward,
+            STAGE_ROW_FORWARD,
+        );
         row_forward_staged_kernel::launch::<R>(
             &client,
             CubeCount::Static(cols.div_ceil(STAGE_COLS), 1, 1),
@@ -495,7 +492,10 @@ pub fn backward<R: CubeRuntime>(
     let g_v0 = out_like(&grad, state);
     let client = grad.client.clone();
     if row && staged_rows() {
-        let (producers, chunk) = stage_shape("NSACTOR_STAGE_ROW_BACKWARD", STAGE_ROW_BACKWARD);
+        let (producers, chunk) = stage_shape(
+            crate::tuning::current().stage_row_backward,
+            STAGE_ROW_BACKWARD,
+        );
         row_backward_staged_kernel::launch::<R>(
             &client,
             CubeCount::Static(cols.div_ceil(STAGE_COLS), 1, 1),

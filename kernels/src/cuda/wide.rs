@@ -13,7 +13,8 @@
 //! ([`block_modulation`], [`plif_step`]; the staged kernels' shared-memory values are f32 as
 //! the registers here), so a session's bits do not depend on which kernel its cohort ran.
 
-use crate::cuda::common::{block_modulation, pair, plif_step};
+use crate::cuda::common::{block_modulation, pair};
+use crate::cuda::plif::plif_step;
 use burn_cubecl::CubeRuntime;
 use burn_cubecl::tensor::CubeTensor;
 use cubecl::prelude::*;
@@ -22,25 +23,12 @@ use cubecl::prelude::*;
 const UNITS: u32 = 256;
 /// Steps whose loads a unit issues before computing them.
 const GROUP: usize = 4;
-/// Default of [`wide_cols`]: about half of an H100's resident units (132 × 2,048).
-const DEFAULT_WIDE_COLS: usize = 1 << 17;
-
 /// Columns (batch rows × channels) from which the decoding scans run one unit per column:
-/// `$NSACTOR_DECODE_WIDE_COLS`, default 131,072 (the block scan from 19 sessions at the 0.9B,
-/// the FFN neurons from 49).
+/// the `decode_wide_cols` knob (`NSACTOR_DECODE_WIDE_COLS`), by default 131,072, about half of
+/// an H100's resident units (132 × 2,048): the block scan from 19 sessions at the 0.9B, the FFN
+/// neurons from 49.
 pub fn wide_cols() -> usize {
-    static COLS: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    *COLS.get_or_init(|| {
-        let Ok(v) = std::env::var("NSACTOR_DECODE_WIDE_COLS") else {
-            return DEFAULT_WIDE_COLS;
-        };
-        v.parse().unwrap_or_else(|_| {
-            eprintln!(
-                "nsactor: NSACTOR_DECODE_WIDE_COLS={v:?} is not a column count; using {DEFAULT_WIDE_COLS}"
-            );
-            DEFAULT_WIDE_COLS
-        })
-    })
+    crate::tuning::current().decode_wide_cols
 }
 
 /// [`crate::cuda::decode`]'s block scan, one unit per column `c = b·DN + j`: for each group of

@@ -12,7 +12,7 @@
 //! arithmetic the supervisor applies between stages (natural-gradient phase 2, clipping);
 //! [`timing`] the device-time breakdown backends report; [`files`] the atomic write both sides
 //! use for the files the other reads; [`collective`] the names of communication groups between
-//! processes. [`ABI_VERSION`] names the revision of
+//! processes; [`tuning`] the kernels' tuning knobs, one typed value sent in the plugin's options. [`ABI_VERSION`] names the revision of
 //! the contract.
 //!
 //! Depends on nothing but `std`.
@@ -28,6 +28,7 @@ pub mod picks;
 pub mod reply;
 pub mod stage;
 pub mod timing;
+pub mod tuning;
 
 pub use collective::{CollectiveId, Communicator};
 pub use diagnose::{DeviceMemory, Diagnostic, DiagnosticReport, ScanPrecisions};
@@ -42,6 +43,7 @@ pub use stage::{
     BackendInfo, ComputeBackend, DeviceTensor, HostTensor, InitialWeights, OptimizerKind, Reply,
     SavedBytes, Stage, StageCall, StageKind, StageSnapshot, StageSpec, TensorObject, Tokens,
 };
+pub use tuning::KernelTuning;
 
 use std::fmt;
 

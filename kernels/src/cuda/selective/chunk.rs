@@ -1,6 +1,7 @@
 //! Plane 0's part of the selective kernels ([`super::ring`]): the recurrence over one chunk of
 //! steps from the double buffer the producers filled, forward and in reverse.
 
+use crate::cuda::plif::{plif, plif_reverse};
 use cubecl::prelude::*;
 
 /// Plane 0's part of a staged forward: the recurrence over chunk `ch` (steps `ch·chunk …`) from
@@ -34,13 +35,12 @@ pub(crate) fn scan_forward_chunk<S: Float>(
         if k < steps {
             let s_idx = buf + q * width + x;
             let th = s_th[s_idx];
-            let v_pre = fma(s_beta[s_idx], v, s_u[s_idx]);
-            let s = select(v_pre >= th, 1.0f32, 0.0f32);
-            v = v_pre - th * s;
+            let f = plif(s_beta[s_idx], v, s_u[s_idx], th);
+            v = f.v;
             if valid {
                 let idx = k * cols + c;
                 if comptime![spikes] {
-                    spike[idx] = S::cast_from(s);
+                    spike[idx] = S::cast_from(f.spike);
                 }
                 vpost[idx] = S::cast_from(v);
             }
@@ -88,13 +88,13 @@ pub(crate) fn scan_reverse_chunk<I: Float>(
             let k = top - 1 - q;
             let s_idx = buf + q * width + x;
             let beta = s_be[s_idx];
-            let gv = s_gg[s_idx] + acc;
-            let d_rb = (beta * (1.0f32 - beta)) * (gv * s_vp[s_idx]);
-            let d_ra = gv * s_fa[s_idx];
-            let d_rt = -gv * s_ts[s_idx];
+            let r = plif_reverse(s_gg[s_idx], acc, beta, s_vp[s_idx], s_ts[s_idx]);
+            let d_rb = (beta * (1.0f32 - beta)) * r.g_beta;
+            let d_ra = r.gv * s_fa[s_idx];
+            let d_rt = r.g_th;
             if valid {
                 let idx = k * cols + c;
-                g_i[idx] = I::cast_from(gv * s_al[s_idx]);
+                g_i[idx] = I::cast_from(r.gv * s_al[s_idx]);
                 g_rb[idx] = I::cast_from(d_rb);
                 g_ra[idx] = I::cast_from(d_ra);
                 g_rt[idx] = I::cast_from(d_rt);
@@ -102,7 +102,7 @@ pub(crate) fn scan_reverse_chunk<I: Float>(
             sum_b += d_rb;
             sum_a += d_ra;
             sum_t += d_rt;
-            acc = gv * beta;
+            acc = r.acc;
         }
     }
     carry[0] = acc;

@@ -40,7 +40,7 @@ use cubecl::prelude::*;
 use ring::{Ring, selective_backward_kernel, selective_forward_kernel};
 
 /// `(producer planes, steps per chunk, ring stages)` of the asynchronous forward (f32 storage).
-/// `$NSACTOR_STAGE_ASYNC` (`PxCxD`) overrides it. Measured on the H100 at the 0.9B shape (ms):
+/// The `stage_async` knob (`NSACTOR_STAGE_ASYNC`, `PxCxD`) overrides it. Measured on the H100 at the 0.9B shape (ms):
 /// 4×12×3 2.314–2.317, 4×12×2 2.307, 4×16×2 2.306, 6×12×3 2.324, 4×8×4 2.340, 4×24×3 2.341,
 /// 3×12×3 2.365, 8×16×3 2.389, 4×16×3 2.410, 2×12×3 2.436, 4×12×4 2.441; the staged kernel
 /// loading into registers took 2.519 on the same host. Three stages keep two chunks of loads
@@ -55,7 +55,7 @@ const STAGE_ASYNC: (usize, usize, usize, usize) = (4, 12, 3, 32);
 const STAGE_ASYNC_BF16: (usize, usize, usize, usize) = (4, 12, 3, 32);
 
 /// `(producer planes, steps per chunk, ring stages, columns per cube)` of the asynchronous
-/// backward; `$NSACTOR_STAGE_ASYNC_BACKWARD` overrides it. Measured on the H100 at the 0.9B
+/// backward; the `stage_async_backward` knob (`NSACTOR_STAGE_ASYNC_BACKWARD`) overrides it. Measured on the H100 at the 0.9B
 /// shape (ms, f32 / bf16 storage): 4×16×2 4.149 / 2.826, 4×8×2 4.132 / 2.919, 4×8×3 4.177 /
 /// 2.886, 8×16×2 4.207 / 3.076, 4×12×3 4.244 / 3.370, 2×4×3 4.325 / 3.513, 2×8×3 5.162 /
 /// 3.532, 8×8×2 4.182 / 3.759, 4×4×4 4.200 / 3.806, 8×8×4 4.276 / 4.033, 8×8×3 4.317 / 4.053;
@@ -87,42 +87,25 @@ fn packs<R: CubeRuntime, const N: usize>(
     (aligned(4) && narrow.iter().all(|&p| cols.is_multiple_of(p))).then_some(narrow)
 }
 
-/// The forward's ring from `$NSACTOR_STAGE_ASYNC` (`PxCxD` or `PxCxDxW`) or the default for
-/// the storage type; `chunk` is rounded up to a multiple of `producers`, `stages` is 2 to 4,
-/// the width 32, 64 or 128.
+/// The forward's ring: the `stage_async` knob (`NSACTOR_STAGE_ASYNC`, `PxCxD` or `PxCxDxW`) or
+/// the default for the storage type.
 fn forward_ring(stored: DType, direct: bool) -> Ring {
     let default = if stored == DType::F32 {
         STAGE_ASYNC
     } else {
         STAGE_ASYNC_BF16
     };
-    ring_shape("NSACTOR_STAGE_ASYNC", default, direct)
+    ring_shape(crate::tuning::current().stage_async, default, direct)
 }
 
-/// A ring kernel's shape from `$var` (`PxCxD` or `PxCxDxW`) or `default`, copying plainly
-/// where `direct`.
-fn ring_shape(var: &str, default: (usize, usize, usize, usize), direct: bool) -> Ring {
-    let (p, c, d, w) = std::env::var(var)
-        .ok()
-        .and_then(|v| {
-            let n: Vec<usize> = v
-                .split('x')
-                .map(|n| n.parse().ok())
-                .collect::<Option<_>>()?;
-            match n[..] {
-                [p, c, d] => Some((p, c, d, 32)),
-                [p, c, d, w] => Some((p, c, d, w)),
-                _ => None,
-            }
-        })
-        .filter(|&(p, c, d, w)| {
-            (1..=31).contains(&p)
-                && (1..=128).contains(&c)
-                && (2..=4).contains(&d)
-                && [32, 64, 128].contains(&w)
-                && w * (1 + p) <= 1024
-        })
-        .unwrap_or(default);
+/// A ring kernel's shape from its knob or `default`, copying plainly where `direct`; `chunk`
+/// is rounded up to a multiple of `producers`.
+fn ring_shape(
+    knob: Option<nsactor_plugin_api::tuning::RingShape>,
+    default: (usize, usize, usize, usize),
+    direct: bool,
+) -> Ring {
+    let (p, c, d, w) = knob.map_or(default, |r| (r.producers, r.chunk, r.stages, r.width));
     Ring {
         chunk: c.div_ceil(p) * p,
         producers: p,
@@ -272,7 +255,11 @@ pub fn selective_backward<R: CubeRuntime>(
         .map(|p| [p[0], p[4], p[6]]);
     let direct = found.is_none();
     let packs = found.map_or((1, 1, 1), |[pi, ps, pg]| (pi, ps, pg));
-    let ring = ring_shape("NSACTOR_STAGE_ASYNC_BACKWARD", STAGE_ASYNC_BACKWARD, direct);
+    let ring = ring_shape(
+        crate::tuning::current().stage_async_backward,
+        STAGE_ASYNC_BACKWARD,
+        direct,
+    );
     let g = || out_typed(&grad, shape.clone(), stored);
     let [g_i, g_rb, g_ra, g_rt] = [g(), g(), g(), g()];
     // SAFETY: as for the forward's launch above; the backward guards its accesses alike.

@@ -5,12 +5,12 @@
 
 use super::holder::StageHolder;
 use super::layer::{answer, fail};
-use super::msg::{EdgeMsg, Hop, Sampled, StageControl};
+use super::msg::{EdgeMsg, GradOp, Hop, Sampled, StageControl};
 use super::step::{Event, Ponder, StepCtx};
 use super::worker::Priority;
 use nsactor_plugin_api::{
-    Batch, DeviceTensor, EngineError, HeadOut, Loss, MicroBatchId, PicksBuf, SessionId, StageCall,
-    Tokens,
+    Batch, DeviceTensor, EngineError, GradPart, HeadOut, Loss, MicroBatchId, PicksBuf, Reply,
+    SessionId, StageCall, Tokens,
 };
 use ractor::{Actor, ActorProcessingErr, ActorRef};
 use std::collections::{BTreeMap, HashMap};
@@ -184,6 +184,29 @@ impl EdgeState {
             (Err(e), _) => return fail(WHO.into(), micro, e, &ctx).await,
         }
         Ok(())
+    }
+
+    /// A control call on the stage; zeroing the gradients also forgets the micro-batches in
+    /// flight.
+    async fn control(&mut self, call: StageControl) -> Result<Reply, EngineError> {
+        if matches!(call, StageControl::ZeroGrad) {
+            self.in_flight.clear();
+            self.pending_heads.clear();
+        }
+        self.stage
+            .compute(Priority::Control, None, move |st, _| st.call(call.call()))
+            .await
+    }
+
+    /// One operation of the gradient exchange of data parallelism.
+    async fn grads(&mut self, op: GradOp) -> Result<Option<GradPart>, EngineError> {
+        let (job, input) = op.into_job();
+        let backend = self.stage.backend().clone();
+        self.stage
+            .compute(Priority::GRADS, input, move |st, t| {
+                job.run(st, t, &*backend)
+            })
+            .await
     }
 
     /// Embeds tokens for decoding or evaluation.
@@ -369,25 +392,11 @@ impl Actor for EdgeActor {
                 return s.embed_backward(micro, grad, ctx).await;
             }
             EdgeMsg::Control { call, reply } => {
-                if matches!(call, StageControl::ZeroGrad) {
-                    s.in_flight.clear();
-                    s.pending_heads.clear();
-                }
-                let r = s
-                    .stage
-                    .compute(Priority::Control, None, move |st, _| st.call(call.call()))
-                    .await;
+                let r = s.control(call).await;
                 return answer(WHO.into(), reply, r);
             }
             EdgeMsg::Grads { op, reply } => {
-                let (job, input) = op.into_job();
-                let backend = s.stage.backend().clone();
-                let r = s
-                    .stage
-                    .compute(Priority::GRADS, input, move |st, t| {
-                        job.run(st, t, &*backend)
-                    })
-                    .await;
+                let r = s.grads(op).await;
                 return answer(WHO.into(), reply, r);
             }
             EdgeMsg::SessionEmbed {

@@ -33,10 +33,10 @@ pub(super) fn norm_plif_part<B: SnnOps>(
         ("RMSNorm + input PLIF (K frames)", true),
         ("RMSNorm + input PLIF composed from tensor ops", false),
     ] {
-        let s = t.time(t.reps, &mut || {
+        let secs = t.time(t.reps, &mut || {
             let _ = np(&s.h, &s.state.input1, fused);
         })?;
-        row(out, name, s);
+        row(out, name, secs);
     }
     // As run against the composition, over 3 tokens from a non-resting state.
     let h3 = Tensor::<B, 3>::random([3, batch, d], Distribution::Normal(0.0, 1.0), device);
@@ -108,10 +108,10 @@ pub(super) fn block_part<B: SnnOps>(
         ("PonderAgg (halt + weighted sum)", true),
         ("PonderAgg composed from tensor ops", false),
     ] {
-        let s = t.time(reps, &mut || {
+        let secs = t.time(reps, &mut || {
             let _ = pa(fused);
         })?;
-        row(out, name, s);
+        row(out, name, secs);
     }
     let ((agg, ek), (agg_ref, ek_ref)) = (pa(true), pa(false));
     check(
@@ -170,10 +170,10 @@ pub(super) fn ffn_part<B: SnnOps>(
         ("  of it: FFN neurons and gating, as run", true),
         ("  of it: FFN neurons and gating, composed", false),
     ] {
-        let s = t.time(reps, &mut || {
+        let secs = t.time(reps, &mut || {
             let _ = gu(fused);
         })?;
-        row(out, name, s);
+        row(out, name, secs);
     }
     let ((gv, last), (gv_ref, last_ref)) = (gu(true), gu(false));
     check(

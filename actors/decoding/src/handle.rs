@@ -1,31 +1,26 @@
 //! [`Pipeline`]: the synchronous handle on a running actor pipeline, which the CLI, the server
 //! and the tests use: start, train steps, checkpoints, save/load, evaluation and generation.
 
-use super::batcher::{BatchStats, BatcherActor, BatcherArgs, Batching};
+mod start;
+
 use super::decoder::AsyncDecoder;
-use super::heal::{HealthCell, WeightSource};
+use super::heal::WeightSource;
 use nsactor_checkpoint::writer::{CheckpointReport, WriteDone};
 use nsactor_data::{Cursor, Sampler};
 use nsactor_engine::config::TrainConfig;
 use nsactor_engine::engine::{DecodeSession, StagedModel, StepParams, StepStats};
 use nsactor_engine::error::RuntimeError;
-use nsactor_pipeline::data::{DataActor, DataMsg};
+use nsactor_pipeline::data::DataMsg;
 use nsactor_pipeline::msg::{EdgeMsg, ask};
 use nsactor_pipeline::plan::PipelinePlan;
-use nsactor_pipeline::supervisor::{StepReport, SupArgs, SupMsg, Supervisor};
-use nsactor_pipeline::topology::Children;
-use nsactor_pipeline::topology::{self, children_cells};
+use nsactor_pipeline::supervisor::{StepReport, SupMsg};
+use nsactor_pipeline::topology::{Children, children_cells};
 use nsactor_pipeline::worker::Worker;
-use nsactor_pipeline::{trace, worker};
-use nsactor_plugin_api::{Batch, ComputeBackend, EngineError, IdAllocator, SessionId};
+use nsactor_plugin_api::{Batch, ComputeBackend, EngineError, SessionId};
 use ractor::RpcReplyPort;
-use ractor::{Actor, ActorCell, ActorRef};
+use ractor::{ActorCell, ActorRef};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, RwLock};
-
-/// Distinguishes the actor names of pipelines living in one process (ractor names are global).
-static PIPELINES: AtomicU64 = AtomicU64::new(0);
 
 /// A running actor pipeline: supervisor, data, edge and layer actors, and their workers.
 pub struct Pipeline {
@@ -58,193 +53,6 @@ impl Pipeline {
         sampler: Option<Sampler>,
     ) -> Result<Self, RuntimeError> {
         Pipeline::start_in(model, plan, train, sampler, None)
-    }
-
-    /// [`Pipeline::start`] as one rank of a world of processes: `train.data_parallel`
-    /// replicas here, reduced with the other ranks' ([`nsactor_pipeline::world`]).
-    pub fn start_in(
-        model: StagedModel,
-        plan: PipelinePlan,
-        train: TrainConfig,
-        sampler: Option<Sampler>,
-        world: Option<Arc<nsactor_pipeline::world::WorldLink>>,
-    ) -> Result<Self, RuntimeError> {
-        if plan.num_layers() != model.num_layers() {
-            return Err(RuntimeError::Runtime(format!(
-                "the plan places {} layers, the model has {}",
-                plan.num_layers(),
-                model.num_layers()
-            )));
-        }
-        let rt = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(2)
-            .thread_name("nsactor-rt")
-            .enable_all()
-            .build()
-            .map_err(|e| RuntimeError::Runtime(e.to_string()))?;
-        let param_count = model.param_count();
-        let mut train = train;
-        train.schedule = train.schedule.resolve(&model.backend().info().name);
-        let nsactor_engine::engine::StageParts {
-            backend,
-            spec,
-            edge: edge_stage,
-            layers: layer_stages,
-        } = model.into_parts();
-        // Frames per token: a pass's GEMM rows are its input tokens × K.
-        let frames = spec.model.k.max(1);
-        let spin = worker::idle_spin(&backend.info().name);
-        let spawn = |name: String| {
-            Worker::spawn_spinning(name, spin)
-                .map(Arc::new)
-                .map_err(|e| RuntimeError::Runtime(format!("worker thread: {e}")))
-        };
-        // Replica r ≥ 1 runs on its own block of devices (`[train] devices`), with its own
-        // workers; replica 0 is `plan`.
-        let plans = match train.data_parallel {
-            1 => vec![plan.clone()],
-            d => PipelinePlan::replicas(
-                plan.num_layers(),
-                plan.num_stages(),
-                d,
-                &train.devices.clone().unwrap_or_else(|| vec![0]),
-            )?,
-        };
-        if plans[0] != plan {
-            return Err(RuntimeError::Runtime(format!(
-                "replica 0 is placed {}, `[train] devices` puts it at {}",
-                plan.describe(),
-                plans[0].describe()
-            )));
-        }
-        let mut replicas = Vec::with_capacity(plans.len());
-        for (r, plan) in plans.into_iter().enumerate() {
-            let tag = if r == 0 {
-                String::new()
-            } else {
-                format!("r{r}-")
-            };
-            let mut workers = vec![spawn(format!("nsactor-{tag}edge"))?];
-            for s in 0..plan.num_stages() {
-                workers.push(spawn(format!("nsactor-{tag}stage{s}"))?);
-            }
-            replicas.push(topology::Replica { plan, workers });
-        }
-        let workers = replicas[0].workers.clone();
-        let replica_plans = replicas.iter().map(|r| r.plan.clone()).collect();
-        let fault = train
-            .inject_fault
-            .as_deref()
-            .map(|f| f.parse::<topology::Fault>())
-            .transpose()?
-            .map(|f| Arc::new(topology::FaultPlan::new(f)));
-        let id = PIPELINES.fetch_add(1, Ordering::Relaxed);
-        let dp_reduce = train.dp_reduce.resolve(&backend.info().name);
-        let collectives = match &world {
-            Some(w) => w.collectives(),
-            None => {
-                replicas.len() > 1
-                    && !nsactor_pipeline::world::host_forced()?
-                    && rt.block_on(nsactor_pipeline::world::collectives_available(&backend))
-            }
-        };
-        let topo = topology::Topology {
-            backend: backend.clone(),
-            spec,
-            replicas,
-            hold_grads: dp_reduce == nsactor_engine::schedule::DpReduce::Ordered,
-            prefix: format!("pipeline{id}"),
-            fault,
-            keep_activations: train.keep_activations,
-            world,
-            collectives: collectives.then(Default::default),
-        };
-        let ids = Arc::new(IdAllocator::new());
-        let (sup, children, data) = rt.block_on(async {
-            let rt_err = |e: ractor::SpawnErr| RuntimeError::Runtime(e.to_string());
-            let children = topo.spawn(0, edge_stage, layer_stages, 0).await?;
-            let mut others = Vec::new();
-            for r in 1..topo.replicas.len() {
-                // As replica 0 was opened: seeded, or waiting for the weights loaded next.
-                let (edge, layers) = topo.open_fresh(r, topo.spec.weights).await?;
-                others.push(topo.spawn(r, edge, layers, 0).await?);
-            }
-            let data = match sampler {
-                Some(sampler) => Some(
-                    Actor::spawn(Some(format!("pipeline{id}/data")), DataActor, sampler)
-                        .await
-                        .map_err(rt_err)?
-                        .0,
-                ),
-                None => None,
-            };
-            let shared = Arc::new(RwLock::new(children.clone()));
-            let (sup, _) = Actor::spawn(
-                Some(format!("pipeline{id}/supervisor")),
-                Supervisor,
-                SupArgs {
-                    topo,
-                    children: shared.clone(),
-                    others: others.clone(),
-                    data: data.clone(),
-                    train,
-                    ids: ids.clone(),
-                },
-            )
-            .await
-            .map_err(rt_err)?;
-            // The supervisor hears of every child's failure.
-            let cells = children_cells(&children)
-                .chain(others.iter().flat_map(children_cells))
-                .chain(data.iter().map(|d| d.get_cell()));
-            for c in cells {
-                c.link(sup.get_cell());
-            }
-            Ok::<_, RuntimeError>((sup, shared, data))
-        })?;
-        trace::init();
-        let stats = Arc::new(BatchStats::default());
-        let health = Arc::new(HealthCell::default());
-        let batching = Batching {
-            max_in_flight: plan.num_stages(),
-            max_tokens: (super::batcher::PASS_FRAME_ROWS / frames).max(1),
-            ..Batching::default()
-        };
-        let batcher = rt
-            .block_on(Actor::spawn(
-                Some(format!("pipeline{id}/batcher")),
-                BatcherActor,
-                BatcherArgs {
-                    children: children.clone(),
-                    batching: batching.clone(),
-                    stats: stats.clone(),
-                    sup: sup.clone(),
-                    health: health.clone(),
-                },
-            ))
-            .map_err(|e| RuntimeError::Runtime(e.to_string()))?
-            .0;
-        let sessions = AsyncDecoder {
-            children: children.clone(),
-            batcher,
-            stats,
-            health,
-            ids,
-            vocab: 0,
-            max_tokens: batching.max_tokens,
-        };
-        Ok(Pipeline {
-            rt,
-            sup,
-            children,
-            data,
-            workers,
-            plan,
-            replica_plans,
-            backend,
-            param_count,
-            sessions,
-        })
     }
 
     fn call_sup<T: Send + 'static>(

@@ -5,11 +5,12 @@
 
 use super::holder::StageHolder;
 use super::layer::{answer, fail};
-use super::msg::{EdgeMsg, Hop, StageControl};
+use super::msg::{EdgeMsg, GradOp, Hop, Sampled, StageControl};
 use super::step::{Event, Ponder, StepCtx};
 use super::worker::Priority;
 use nsactor_plugin_api::{
-    Batch, DeviceTensor, EngineError, HeadOut, Loss, MicroBatchId, StageCall, Tokens,
+    Batch, DeviceTensor, EngineError, GradPart, HeadOut, Loss, MicroBatchId, PicksBuf, Reply,
+    SessionId, StageCall, Tokens,
 };
 use ractor::{Actor, ActorProcessingErr, ActorRef};
 use std::collections::{BTreeMap, HashMap};
@@ -43,7 +44,301 @@ pub struct EdgeState {
     pending_heads: BTreeMap<MicroBatchId, (DeviceTensor, Ponder, StepCtx)>,
 }
 
-impl EdgeState {}
+impl EdgeState {
+    /// Starts micro-batch `micro`: embeds its tokens and sends them to layer 0.
+    async fn embed(
+        &mut self,
+        micro: MicroBatchId,
+        batch: Arc<Batch>,
+        loss_scale: f64,
+        ponder_weight: f64,
+        ctx: StepCtx,
+    ) -> Result<(), ActorProcessingErr> {
+        let b = batch.clone();
+        let r = self
+            .stage
+            .train_job(true, micro, &ctx, None, move |st, _| {
+                b.validate()?;
+                let tokens = Tokens {
+                    ids: &b.inputs,
+                    batch: b.batch,
+                    seq_len: b.seq_len,
+                };
+                let r = st.call(StageCall::Embed { micro, tokens })?;
+                Ok((r.into_tensor("Embed")?, ()))
+            })
+            .await;
+        match r {
+            Ok((h, ())) => {
+                self.in_flight.insert(
+                    micro,
+                    InFlight {
+                        batch,
+                        loss_scale,
+                        ponder_weight,
+                        result: None,
+                    },
+                );
+                let first = self.first.as_ref().ok_or("edge actor not wired")?;
+                first.forward(micro, h, Ponder::default(), ctx);
+            }
+            Err(e) => return fail(WHO.into(), micro, e, &ctx).await,
+        }
+        Ok(())
+    }
+
+    /// The last layer's output of `micro` has come: the heads now due run in micro-batch
+    /// order, each sending its gradient back to the last layer.
+    async fn head(
+        &mut self,
+        micro: MicroBatchId,
+        h: DeviceTensor,
+        ponder: Ponder,
+        ctx: StepCtx,
+    ) -> Result<(), ActorProcessingErr> {
+        if !self.in_flight.contains_key(&micro) {
+            let e = EngineError::InvalidInput(format!(
+                "Head for {micro}, which has no Embed in flight"
+            ));
+            return fail(WHO.into(), micro, e, &ctx).await;
+        }
+        self.pending_heads.insert(micro, (h, ponder, ctx));
+        // The smallest micro-batch in flight without a head result goes next, once
+        // its last-layer output is here.
+        while let Some(micro) = self
+            .in_flight
+            .iter()
+            .filter(|(_, f)| f.result.is_none())
+            .map(|(m, _)| *m)
+            .min()
+        {
+            let Some((h, ponder, ctx)) = self.pending_heads.remove(&micro) else {
+                break;
+            };
+            let f = &self.in_flight[&micro];
+            let (b, loss_scale) = (f.batch.clone(), f.loss_scale);
+            // loss = ce + λ·Σ_l pc_l / L, scaled by `loss_scale`.
+            let ponder_grad = f.ponder_weight * loss_scale / self.num_layers as f64;
+            let r = self
+                .stage
+                .train_job(false, micro, &ctx, Some(h), move |st, h| {
+                    let r = HeadOut::try_from(st.call(StageCall::Head {
+                        micro,
+                        h: h.expect("moved"),
+                        targets: &b.targets,
+                        mask: &b.loss_mask,
+                        loss_scale,
+                    })?)?;
+                    Ok((r.grad, r.loss.ce))
+                })
+                .await;
+            match r {
+                Ok((grad, ce)) => {
+                    if let Some(f) = self.in_flight.get_mut(&micro) {
+                        f.result = Some((ce, ponder));
+                    }
+                    let last = self.last.as_ref().ok_or("edge actor not wired")?;
+                    last.backward(micro, grad, ponder_grad, ctx);
+                }
+                Err(e) => return fail(WHO.into(), micro, e, &ctx).await,
+            }
+        }
+        Ok(())
+    }
+
+    /// Finishes micro-batch `micro`: the embedding's backward, then its loss to the step.
+    async fn embed_backward(
+        &mut self,
+        micro: MicroBatchId,
+        grad: DeviceTensor,
+        ctx: StepCtx,
+    ) -> Result<(), ActorProcessingErr> {
+        let r = self
+            .stage
+            .compute(
+                Priority::Backward(ctx.key(micro)),
+                Some(grad),
+                move |st, g| {
+                    st.call(StageCall::EmbedBackward {
+                        micro,
+                        grad: g.expect("moved"),
+                    })
+                    .map(drop)
+                },
+            )
+            .await;
+        match (r, self.in_flight.remove(&micro)) {
+            (
+                Ok(()),
+                Some(InFlight {
+                    result: Some((ce, ponder)),
+                    ..
+                }),
+            ) => ctx.send(Event::Done { micro, ce, ponder }).await,
+            (Ok(()), _) => {
+                let e = EngineError::InvalidInput(format!(
+                    "EmbedBackward for {micro}, which has no Head result"
+                ));
+                return fail(WHO.into(), micro, e, &ctx).await;
+            }
+            (Err(e), _) => return fail(WHO.into(), micro, e, &ctx).await,
+        }
+        Ok(())
+    }
+
+    /// A control call on the stage; zeroing the gradients also forgets the micro-batches in
+    /// flight.
+    async fn control(&mut self, call: StageControl) -> Result<Reply, EngineError> {
+        if matches!(call, StageControl::ZeroGrad) {
+            self.in_flight.clear();
+            self.pending_heads.clear();
+        }
+        self.stage
+            .compute(Priority::Control, None, move |st, _| st.call(call.call()))
+            .await
+    }
+
+    /// One operation of the gradient exchange of data parallelism.
+    async fn grads(&mut self, op: GradOp) -> Result<Option<GradPart>, EngineError> {
+        let (job, input) = op.into_job();
+        let backend = self.stage.backend().clone();
+        self.stage
+            .compute(Priority::GRADS, input, move |st, t| {
+                job.run(st, t, &*backend)
+            })
+            .await
+    }
+
+    /// Embeds tokens for decoding or evaluation.
+    async fn session_embed(
+        &mut self,
+        ids: Vec<i64>,
+        batch: usize,
+        seq_len: usize,
+    ) -> Result<DeviceTensor, EngineError> {
+        let backend = self.stage.backend().clone();
+        self.stage
+            .compute(Priority::FORWARD_UNTRAINED, None, move |st, _| {
+                use super::trace::{Mark, mark};
+                mark(Mark::EmbedJob);
+                let h = st
+                    .call(StageCall::SessionEmbed {
+                        tokens: Tokens {
+                            ids: &ids,
+                            batch,
+                            seq_len,
+                        },
+                    })?
+                    .into_tensor("SessionEmbed")?;
+                if super::trace::syncing() {
+                    backend.ready(&h)?;
+                    mark(Mark::EmbedOnDevice);
+                }
+                Ok(h)
+            })
+            .await
+    }
+
+    /// Last-position logits of `sessions`, copied to the host.
+    async fn session_decode(
+        &mut self,
+        sessions: Vec<SessionId>,
+        h: DeviceTensor,
+    ) -> Result<Vec<f32>, EngineError> {
+        let backend = self.stage.backend().clone();
+        self.stage
+            .compute(Priority::FORWARD_UNTRAINED, Some(h), move |st, h| {
+                use super::trace::{Mark, mark};
+                mark(Mark::DecodeJob);
+                let logits = st
+                    .call(StageCall::SessionDecode {
+                        sessions: &sessions,
+                        h: h.expect("moved"),
+                    })?
+                    .into_tensor("SessionDecode")?;
+                mark(Mark::DecodeQueued);
+                let host = backend.to_host(&logits)?.data;
+                mark(Mark::Copied);
+                Ok(host)
+            })
+            .await
+    }
+
+    /// Every row's next token of `sessions` chosen on the device as `picks` says, copied to the
+    /// host with the logits when `want_logits`.
+    async fn session_sample(
+        &mut self,
+        sessions: Vec<SessionId>,
+        h: DeviceTensor,
+        mut picks: PicksBuf,
+        want_logits: bool,
+    ) -> Result<Sampled, EngineError> {
+        let backend = self.stage.backend().clone();
+        self.stage
+            .compute(Priority::FORWARD_UNTRAINED, Some(h), move |st, h| {
+                use super::trace::{Mark, mark};
+                mark(Mark::DecodeJob);
+                let mut out = st
+                    .call(StageCall::SessionSample {
+                        sessions: &sessions,
+                        h: h.expect("moved"),
+                        picks: picks.picks(),
+                    })?
+                    .tensors;
+                if out.len() != 2 {
+                    return Err(EngineError::Backend(format!(
+                        "SessionSample answered {} tensors, not [picked, logits]",
+                        out.len()
+                    )));
+                }
+                mark(Mark::DecodeQueued);
+                let logits = out.pop().expect("two");
+                let picked = backend.to_host(&out.pop().expect("two"))?.data;
+                let logits = if want_logits {
+                    Some(backend.to_host(&logits)?.data)
+                } else {
+                    None
+                };
+                mark(Mark::Copied);
+                Ok((picked, logits))
+            })
+            .await
+    }
+
+    /// Masked mean CE of `h` against `batch`, without gradients.
+    async fn head_eval(&mut self, h: DeviceTensor, batch: Arc<Batch>) -> Result<f64, EngineError> {
+        self.stage
+            .compute(Priority::FORWARD_UNTRAINED, Some(h), move |st, h| {
+                let l = Loss::try_from(st.call(StageCall::HeadEval {
+                    h: h.expect("moved"),
+                    targets: &batch.targets,
+                    mask: &batch.loss_mask,
+                })?)?;
+                Ok(l.ce)
+            })
+            .await
+    }
+
+    /// `−ln p(target)` of every position of `h`, copied to the host.
+    async fn token_losses(
+        &mut self,
+        h: DeviceTensor,
+        targets: Vec<i64>,
+    ) -> Result<Vec<f32>, EngineError> {
+        let backend = self.stage.backend().clone();
+        self.stage
+            .compute(Priority::FORWARD_UNTRAINED, Some(h), move |st, h| {
+                let ce = st
+                    .call(StageCall::TokenLosses {
+                        h: h.expect("moved"),
+                        targets: &targets,
+                    })?
+                    .into_tensor("TokenLosses")?;
+                Ok(backend.to_host(&ce)?.data)
+            })
+            .await
+    }
+}
 
 const WHO: &str = "edge";
 
@@ -85,143 +380,23 @@ impl Actor for EdgeActor {
                 ponder_weight,
                 ctx,
             } => {
-                let b = batch.clone();
-                let r = s
-                    .stage
-                    .train_job(true, micro, &ctx, None, move |st, _| {
-                        b.validate()?;
-                        let tokens = Tokens {
-                            ids: &b.inputs,
-                            batch: b.batch,
-                            seq_len: b.seq_len,
-                        };
-                        let r = st.call(StageCall::Embed { micro, tokens })?;
-                        Ok((r.into_tensor("Embed")?, ()))
-                    })
-                    .await;
-                match r {
-                    Ok((h, ())) => {
-                        s.in_flight.insert(
-                            micro,
-                            InFlight {
-                                batch,
-                                loss_scale,
-                                ponder_weight,
-                                result: None,
-                            },
-                        );
-                        let first = s.first.as_ref().ok_or("edge actor not wired")?;
-                        first.forward(micro, h, Ponder::default(), ctx);
-                    }
-                    Err(e) => return fail(WHO.into(), micro, e, &ctx).await,
-                }
+                return s.embed(micro, batch, loss_scale, ponder_weight, ctx).await;
             }
             EdgeMsg::Head {
                 micro,
                 h,
                 ponder,
                 ctx,
-            } => {
-                if !s.in_flight.contains_key(&micro) {
-                    let e = EngineError::InvalidInput(format!(
-                        "Head for {micro}, which has no Embed in flight"
-                    ));
-                    return fail(WHO.into(), micro, e, &ctx).await;
-                }
-                s.pending_heads.insert(micro, (h, ponder, ctx));
-                // The smallest micro-batch in flight without a head result goes next, once
-                // its last-layer output is here.
-                while let Some(micro) = s
-                    .in_flight
-                    .iter()
-                    .filter(|(_, f)| f.result.is_none())
-                    .map(|(m, _)| *m)
-                    .min()
-                {
-                    let Some((h, ponder, ctx)) = s.pending_heads.remove(&micro) else {
-                        break;
-                    };
-                    let f = &s.in_flight[&micro];
-                    let (b, loss_scale) = (f.batch.clone(), f.loss_scale);
-                    // loss = ce + λ·Σ_l pc_l / L, scaled by `loss_scale`.
-                    let ponder_grad = f.ponder_weight * loss_scale / s.num_layers as f64;
-                    let r = s
-                        .stage
-                        .train_job(false, micro, &ctx, Some(h), move |st, h| {
-                            let r = HeadOut::try_from(st.call(StageCall::Head {
-                                micro,
-                                h: h.expect("moved"),
-                                targets: &b.targets,
-                                mask: &b.loss_mask,
-                                loss_scale,
-                            })?)?;
-                            Ok((r.grad, r.loss.ce))
-                        })
-                        .await;
-                    match r {
-                        Ok((grad, ce)) => {
-                            if let Some(f) = s.in_flight.get_mut(&micro) {
-                                f.result = Some((ce, ponder));
-                            }
-                            let last = s.last.as_ref().ok_or("edge actor not wired")?;
-                            last.backward(micro, grad, ponder_grad, ctx);
-                        }
-                        Err(e) => return fail(WHO.into(), micro, e, &ctx).await,
-                    }
-                }
-            }
+            } => return s.head(micro, h, ponder, ctx).await,
             EdgeMsg::EmbedBackward { micro, grad, ctx } => {
-                let r = s
-                    .stage
-                    .compute(
-                        Priority::Backward(ctx.key(micro)),
-                        Some(grad),
-                        move |st, g| {
-                            st.call(StageCall::EmbedBackward {
-                                micro,
-                                grad: g.expect("moved"),
-                            })
-                            .map(drop)
-                        },
-                    )
-                    .await;
-                match (r, s.in_flight.remove(&micro)) {
-                    (
-                        Ok(()),
-                        Some(InFlight {
-                            result: Some((ce, ponder)),
-                            ..
-                        }),
-                    ) => ctx.send(Event::Done { micro, ce, ponder }).await,
-                    (Ok(()), _) => {
-                        let e = EngineError::InvalidInput(format!(
-                            "EmbedBackward for {micro}, which has no Head result"
-                        ));
-                        return fail(WHO.into(), micro, e, &ctx).await;
-                    }
-                    (Err(e), _) => return fail(WHO.into(), micro, e, &ctx).await,
-                }
+                return s.embed_backward(micro, grad, ctx).await;
             }
             EdgeMsg::Control { call, reply } => {
-                if matches!(call, StageControl::ZeroGrad) {
-                    s.in_flight.clear();
-                    s.pending_heads.clear();
-                }
-                let r = s
-                    .stage
-                    .compute(Priority::Control, None, move |st, _| st.call(call.call()))
-                    .await;
+                let r = s.control(call).await;
                 return answer(WHO.into(), reply, r);
             }
             EdgeMsg::Grads { op, reply } => {
-                let (job, input) = op.into_job();
-                let backend = s.stage.backend().clone();
-                let r = s
-                    .stage
-                    .compute(Priority::GRADS, input, move |st, t| {
-                        job.run(st, t, &*backend)
-                    })
-                    .await;
+                let r = s.grads(op).await;
                 return answer(WHO.into(), reply, r);
             }
             EdgeMsg::SessionEmbed {
@@ -230,119 +405,29 @@ impl Actor for EdgeActor {
                 seq_len,
                 reply,
             } => {
-                let backend = s.stage.backend().clone();
-                let r = s
-                    .stage
-                    .compute(Priority::FORWARD_UNTRAINED, None, move |st, _| {
-                        use super::trace::{Mark, mark};
-                        mark(Mark::EmbedJob);
-                        let h = st
-                            .call(StageCall::SessionEmbed {
-                                tokens: Tokens {
-                                    ids: &ids,
-                                    batch,
-                                    seq_len,
-                                },
-                            })?
-                            .into_tensor("SessionEmbed")?;
-                        if super::trace::syncing() {
-                            backend.ready(&h)?;
-                            mark(Mark::EmbedOnDevice);
-                        }
-                        Ok(h)
-                    })
-                    .await;
+                let r = s.session_embed(ids, batch, seq_len).await;
                 return answer(WHO.into(), reply, r);
             }
             EdgeMsg::SessionDecode { sessions, h, reply } => {
-                let backend = s.stage.backend().clone();
-                let r = s
-                    .stage
-                    .compute(Priority::FORWARD_UNTRAINED, Some(h), move |st, h| {
-                        use super::trace::{Mark, mark};
-                        mark(Mark::DecodeJob);
-                        let logits = st
-                            .call(StageCall::SessionDecode {
-                                sessions: &sessions,
-                                h: h.expect("moved"),
-                            })?
-                            .into_tensor("SessionDecode")?;
-                        mark(Mark::DecodeQueued);
-                        let host = backend.to_host(&logits)?.data;
-                        mark(Mark::Copied);
-                        Ok(host)
-                    })
-                    .await;
+                let r = s.session_decode(sessions, h).await;
                 return answer(WHO.into(), reply, r);
             }
             EdgeMsg::SessionSample {
                 sessions,
                 h,
-                mut picks,
+                picks,
                 want_logits,
                 reply,
             } => {
-                let backend = s.stage.backend().clone();
-                let r = s
-                    .stage
-                    .compute(Priority::FORWARD_UNTRAINED, Some(h), move |st, h| {
-                        use super::trace::{Mark, mark};
-                        mark(Mark::DecodeJob);
-                        let mut out = st
-                            .call(StageCall::SessionSample {
-                                sessions: &sessions,
-                                h: h.expect("moved"),
-                                picks: picks.picks(),
-                            })?
-                            .tensors;
-                        if out.len() != 2 {
-                            return Err(EngineError::Backend(format!(
-                                "SessionSample answered {} tensors, not [picked, logits]",
-                                out.len()
-                            )));
-                        }
-                        mark(Mark::DecodeQueued);
-                        let logits = out.pop().expect("two");
-                        let picked = backend.to_host(&out.pop().expect("two"))?.data;
-                        let logits = if want_logits {
-                            Some(backend.to_host(&logits)?.data)
-                        } else {
-                            None
-                        };
-                        mark(Mark::Copied);
-                        Ok((picked, logits))
-                    })
-                    .await;
+                let r = s.session_sample(sessions, h, picks, want_logits).await;
                 return answer(WHO.into(), reply, r);
             }
             EdgeMsg::HeadEval { h, batch, reply } => {
-                let r = s
-                    .stage
-                    .compute(Priority::FORWARD_UNTRAINED, Some(h), move |st, h| {
-                        let l = Loss::try_from(st.call(StageCall::HeadEval {
-                            h: h.expect("moved"),
-                            targets: &batch.targets,
-                            mask: &batch.loss_mask,
-                        })?)?;
-                        Ok(l.ce)
-                    })
-                    .await;
+                let r = s.head_eval(h, batch).await;
                 return answer(WHO.into(), reply, r);
             }
             EdgeMsg::TokenLosses { h, targets, reply } => {
-                let backend = s.stage.backend().clone();
-                let r = s
-                    .stage
-                    .compute(Priority::FORWARD_UNTRAINED, Some(h), move |st, h| {
-                        let ce = st
-                            .call(StageCall::TokenLosses {
-                                h: h.expect("moved"),
-                                targets: &targets,
-                            })?
-                            .into_tensor("TokenLosses")?;
-                        Ok(backend.to_host(&ce)?.data)
-                    })
-                    .await;
+                let r = s.token_losses(h, targets).await;
                 return answer(WHO.into(), reply, r);
             }
             EdgeMsg::Snapshot { reply } => {

@@ -35,6 +35,7 @@ pub mod plan;
 pub mod probe;
 pub mod recovery;
 pub mod replicas;
+pub mod round;
 pub mod step;
 pub mod supervisor;
 pub mod topology;

@@ -13,20 +13,17 @@ use super::data::{DataMsg, Shape};
 use super::guard::SpikeGuard;
 use super::heal::{HealTimings, WeightSource};
 use super::msg::{EdgeMsg, LayerMsg, StageControl};
-use super::step::{Event, StepCtx};
 use super::topology::{Children, Topology};
-use futures_util::future::join_all;
 use nsactor_checkpoint::writer::{CheckpointReport, WriteDone, Writer};
 use nsactor_data::Cursor;
 use nsactor_engine::config::TrainConfig;
 use nsactor_engine::engine::{StepParams, StepStats};
 use nsactor_engine::error::RuntimeError;
 use nsactor_engine::supervision::Restarts;
-use nsactor_plugin_api::{Batch, EngineError, IdAllocator};
+use nsactor_plugin_api::{Batch, IdAllocator};
 use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort, SupervisionEvent};
 use std::path::PathBuf;
 use std::sync::{Arc, RwLock};
-use std::time::Duration;
 
 /// What one step of the run reported.
 #[derive(Debug, Clone, PartialEq)]
@@ -145,7 +142,8 @@ pub struct SupState {
 }
 
 impl SupState {
-    async fn zero_grad(&self) -> Result<(), RuntimeError> {
+    /// Clears every replica's accumulated gradients.
+    pub(super) async fn zero_grad(&self) -> Result<(), RuntimeError> {
         let zero = StageControl::ZeroGrad;
         self.control_replicas(zero, |_| zero).await.map(drop)
     }
@@ -169,211 +167,6 @@ impl SupState {
             }
         }
         r
-    }
-
-    async fn train_step_inner(
-        &mut self,
-        batches: Vec<Batch>,
-        p: &StepParams,
-        guarded: bool,
-    ) -> Result<StepStats, RuntimeError> {
-        if batches.is_empty() {
-            return Err(
-                EngineError::InvalidInput("a step needs at least one micro-batch".into()).into(),
-            );
-        }
-        let m = batches.len();
-        // Consecutive ids: micro-batch `i` of the step is `micro[0] + i`.
-        let micro = self.ids.micro_batches(m);
-        let base = micro[0].0;
-        let tokens: u64 = batches
-            .iter()
-            .map(nsactor_engine::engine::scored_tokens)
-            .sum();
-        // Replica r runs a contiguous share of the micro-batches, each with its own window;
-        // in a world, of the world's replicas, this rank's being `first .. first + d`.
-        let d = 1 + self.others.len();
-        let num_layers = self.layers.len();
-        let (first, all) = self.world_replicas();
-        let owner = |i: usize| super::step::owner(i, m, all).checked_sub(first);
-        let mine = |i: usize| owner(i).filter(|&r| r < d);
-        let step_no = self.step + 1;
-        // At most one event per micro-batch, and one per layer of each replica, is in the
-        // channel at a time.
-        let (tx, mut rx) = tokio::sync::mpsc::channel(m + 1 + d * num_layers);
-        // Data parallelism: each layer reports when its replica's share is through its
-        // backward, and its reduction starts while the other layers go on.
-        let tallies: Vec<Option<Arc<super::step::Tally>>> = (0..d)
-            .map(|r| {
-                let share = (0..m).filter(|&i| mine(i) == Some(r)).count();
-                (all > 1).then(|| Arc::new(super::step::Tally::new(r, share, num_layers)))
-            })
-            .collect();
-        let mut ready = vec![0usize; num_layers];
-        let mut reductions = Vec::new();
-        let lanes = Self::reduction_lanes(num_layers);
-        let mut pending: Vec<std::collections::VecDeque<(usize, Arc<Batch>)>> =
-            vec![Default::default(); d];
-        for (i, b) in batches.into_iter().enumerate() {
-            if let Some(r) = mine(i) {
-                pending[r].push_back((i, Arc::new(b)));
-            }
-        }
-        let local = pending.iter().map(|q| q.len()).sum::<usize>();
-        let edges: Vec<ActorRef<EdgeMsg>> = std::iter::once(self.edge.clone())
-            .chain(self.others.iter().map(|c| c.edge.clone()))
-            .collect();
-        let mut in_flight = 0usize;
-        let mut results: Vec<Option<(f64, super::step::Ponder)>> = vec![None; m];
-        let mut failure: Option<RuntimeError> = None;
-        let mut finished = 0usize;
-        let depth_first = self.train.schedule == nsactor_engine::config::Schedule::DepthFirst;
-        let window = if depth_first { 2 } else { 1 };
-        // `nan-grad:STEP`: the loss scaled by NaN makes every gradient of the step NaN.
-        let poison = self.topo.fault.as_ref().is_some_and(|f| f.nan_grad_now());
-        let loss_scale = if poison { f64::NAN } else { 1.0 / m as f64 };
-        let spiked = self.topo.fault.as_ref().is_some_and(|f| f.loss_spike_now());
-        let admit = |pending: &mut std::collections::VecDeque<(usize, Arc<Batch>)>,
-                     in_flight: &mut usize|
-         -> Result<(), RuntimeError> {
-            if let Some((i, batch)) = pending.pop_front() {
-                let r = mine(i).expect("a local micro-batch");
-                edges[r]
-                    .cast(EdgeMsg::Embed {
-                        micro: micro[i],
-                        batch,
-                        loss_scale,
-                        ponder_weight: p.ponder_weight,
-                        ctx: StepCtx {
-                            events: tx.clone(),
-                            depth_first,
-                            tally: tallies[r].clone(),
-                        },
-                    })
-                    .map_err(|_| RuntimeError::Broken("edge stopped".into()))?;
-                *in_flight += 1;
-            }
-            Ok(())
-        };
-        // `depth-first`: a window of 2P micro-batches in flight. With P the stages starved
-        // while a newly admitted micro-batch crossed the first stage while layer actors awaited
-        // their jobs; since they hand jobs to the worker without waiting, 2P and 8P measure the
-        // same (`bench pipeline-hop --layer-busy-us 2000`, 20 layers, P = 2, M = 16: 1.435 s
-        // and 1.428 s; 1F1B ideal 1.36 s). The price is P more micro-batches of kept layer
-        // inputs per stage.
-        for share in &mut pending {
-            for _ in 0..window * self.stages {
-                admit(share, &mut in_flight)?;
-            }
-        }
-        while in_flight > 0 {
-            let event = tokio::select! {
-                e = rx.recv() => e,
-                _ = tokio::time::sleep(Duration::from_millis(500)) => {
-                    if let Some(who) = self.dead_child() {
-                        let why = format!("{who} stopped during a step");
-                        self.broken = Some(why.clone());
-                        return Err(failure.take().unwrap_or(RuntimeError::Broken(why)));
-                    }
-                    continue;
-                }
-            };
-            let Some(event) = event else { break };
-            let micro_done = match event {
-                Event::LayerReady { layer, .. } => {
-                    self.die_if_injected();
-                    ready[layer] += 1;
-                    if ready[layer] == d && failure.is_none() {
-                        let k = 1 + layer;
-                        reductions.push(self.spawn_reduce(k, lanes.clone(), step_no, base));
-                    }
-                    continue;
-                }
-                Event::Done { micro, .. } | Event::Failed { micro, .. } => micro,
-            };
-            in_flight -= 1;
-            finished += 1;
-            let i = (micro_done.0 - base) as usize;
-            match event {
-                Event::LayerReady { .. } => unreachable!("handled above"),
-                Event::Done { ce, ponder, .. } => {
-                    results[i] = Some((ce, ponder));
-                }
-                Event::Failed { who, micro, error } => {
-                    tracing::error!("{micro} failed in {who}: {error}");
-                    if matches!(error, EngineError::Panic(_)) {
-                        // The actor is gone with its stage: nothing left to drain for.
-                        self.broken = Some(format!("{who} panicked"));
-                        return Err(RuntimeError::Stage { who, error });
-                    }
-                    failure.get_or_insert(RuntimeError::Stage { who, error });
-                }
-            }
-            if failure.is_none() {
-                admit(&mut pending[mine(i).expect("local")], &mut in_flight)?;
-            }
-        }
-        if all > 1 {
-            // The edge's share is done with the last micro-batch; then every reduction ends.
-            match failure {
-                None => reductions.push(self.spawn_reduce(0, lanes.clone(), step_no, base)),
-                Some(_) => lanes.abandon(),
-            }
-            for r in join_all(reductions).await {
-                let r = r.map_err(|e| RuntimeError::Runtime(format!("a reduction task: {e}")))?;
-                if let Err(e) = r {
-                    failure.get_or_insert(e);
-                }
-            }
-        }
-        if let Some(f) = failure {
-            return Err(f);
-        }
-        debug_assert_eq!(finished, local);
-        let results = self.world_results(step_no, results).await?;
-        let l = self.layers.len() as f64;
-        let mf = m as f64;
-        let mut s = StepStats {
-            tokens,
-            ..StepStats::empty()
-        };
-        for r in &results {
-            let (ce, pd) = r.expect("every micro-batch finished");
-            s.add_micro(ce, pd.sum / l, pd.min, pd.max, mf, p.ponder_weight);
-        }
-        if spiked {
-            s.loss *= 100.0;
-        }
-        if let Some(mean) = self.guard.judge(s.loss).filter(|_| guarded) {
-            // No update: `train_step` drops the gradients, `next_step` rolls back.
-            return Err(RuntimeError::LossSpike {
-                step: self.step + 1,
-                loss: s.loss,
-                mean,
-                factor: self.guard.factor(),
-                to_step: self.step,
-            });
-        }
-        // A non-finite loss or gradient norm skips the step: the gradients are dropped and no
-        // parameter or optimizer state changes; the data moves on past its batches.
-        let norm = match s.loss.is_finite() {
-            true => self.apply_step(p).await?,
-            false => None,
-        };
-        match norm {
-            Some(n) => {
-                s.grad_norm = n;
-                if guarded {
-                    self.guard.record(s.loss);
-                }
-            }
-            None => {
-                self.zero_grad().await?;
-                s.skipped = true;
-                s.grad_norm = f64::NAN;
-            }
-        }
-        Ok(s)
     }
 
     async fn next_step(&mut self, myself: &ActorRef<SupMsg>) -> Result<StepReport, RuntimeError> {

@@ -208,44 +208,7 @@ impl SamplingOptions {
             frequency_penalty: self.frequency_penalty.unwrap_or(0.0),
             seed: self.seed.unwrap_or_else(rand_seed),
         };
-        let p = &sampling;
-        let checks = [
-            (
-                "temperature",
-                p.temperature,
-                (0.0..=100.0).contains(&p.temperature),
-                "[0, 100]",
-            ),
-            ("top_p", p.top_p, p.top_p > 0.0 && p.top_p <= 1.0, "(0, 1]"),
-            (
-                "repetition_penalty",
-                p.repetition_penalty,
-                p.repetition_penalty.is_finite() && p.repetition_penalty > 0.0,
-                "(0, ∞)",
-            ),
-            (
-                "presence_penalty",
-                p.presence_penalty,
-                (-2.0..=2.0).contains(&p.presence_penalty),
-                "[-2, 2]",
-            ),
-            (
-                "frequency_penalty",
-                p.frequency_penalty,
-                (-2.0..=2.0).contains(&p.frequency_penalty),
-                "[-2, 2]",
-            ),
-        ];
-        if let Some((f, v, _, range)) = checks.iter().find(|c| !c.2) {
-            return Err(ServeError::field(
-                f,
-                format!("{f} must be in {range}, got {v}"),
-            ));
-        }
-        // The sampler's own check stays the last word on what it accepts.
-        sampling
-            .validate()
-            .map_err(|e| ServeError::Invalid(e.to_string()))?;
+        check_sampling(&sampling)?;
         if let Some(k) = self.logprobs.filter(|&k| k > limits.max_logprobs) {
             return Err(ServeError::field(
                 "logprobs",
@@ -255,68 +218,9 @@ impl SamplingOptions {
                 ),
             ));
         }
-        let mut logit_bias = Vec::with_capacity(self.logit_bias.len());
-        for (id, bias) in self.logit_bias {
-            if !(-100.0..=100.0).contains(&bias) {
-                return Err(ServeError::field(
-                    "logit_bias",
-                    format!("biases must be in [-100, 100], got {bias} for token {id}"),
-                ));
-            }
-            let id = usize::try_from(id).map_err(|_| {
-                ServeError::field("logit_bias", format!("token id {id} is negative"))
-            })?;
-            logit_bias.push((id, bias));
-        }
-        let stop = self.stop.map(Stop::into_vec).unwrap_or_default();
-        if stop.len() > limits.max_stop {
-            return Err(ServeError::field(
-                "stop",
-                format!(
-                    "at most {} stop strings, got {}",
-                    limits.max_stop,
-                    stop.len()
-                ),
-            ));
-        }
-        if let Some(s) = stop
-            .iter()
-            .find(|s| s.is_empty() || s.len() > limits.max_stop_bytes)
-        {
-            return Err(ServeError::field(
-                "stop",
-                format!(
-                    "stop strings must be 1..={} bytes, got {:?}",
-                    limits.max_stop_bytes, s
-                ),
-            ));
-        }
-        match &prompt {
-            PromptSpec::Text(t) if t.is_empty() => {
-                return Err(ServeError::field("prompt", "the prompt is empty"));
-            }
-            PromptSpec::Ids(ids) if ids.is_empty() => {
-                return Err(ServeError::field("prompt", "the prompt is empty"));
-            }
-            PromptSpec::Chat(m) if m.is_empty() => {
-                return Err(ServeError::field("messages", "`messages` is empty"));
-            }
-            PromptSpec::Chat(m) => {
-                if let Some(bad) = m
-                    .iter()
-                    .find(|m| !matches!(m.role.as_str(), "system" | "user" | "assistant"))
-                {
-                    return Err(ServeError::field(
-                        "messages",
-                        format!(
-                            "message role must be system, user or assistant, got {:?}",
-                            bad.role
-                        ),
-                    ));
-                }
-            }
-            _ => {}
-        }
+        let logit_bias = logit_biases(self.logit_bias)?;
+        let stop = stop_strings(self.stop, limits)?;
+        check_prompt(&prompt)?;
         Ok(GenSpec {
             prompt,
             max_tokens,
@@ -330,6 +234,121 @@ impl SamplingOptions {
             time_limit: limits.request_time_limit,
         })
     }
+}
+
+/// The sampling parameters' ranges, each error naming its field; then the sampler's own check.
+fn check_sampling(p: &SamplingParams) -> Result<(), ServeError> {
+    let checks = [
+        (
+            "temperature",
+            p.temperature,
+            (0.0..=100.0).contains(&p.temperature),
+            "[0, 100]",
+        ),
+        ("top_p", p.top_p, p.top_p > 0.0 && p.top_p <= 1.0, "(0, 1]"),
+        (
+            "repetition_penalty",
+            p.repetition_penalty,
+            p.repetition_penalty.is_finite() && p.repetition_penalty > 0.0,
+            "(0, ∞)",
+        ),
+        (
+            "presence_penalty",
+            p.presence_penalty,
+            (-2.0..=2.0).contains(&p.presence_penalty),
+            "[-2, 2]",
+        ),
+        (
+            "frequency_penalty",
+            p.frequency_penalty,
+            (-2.0..=2.0).contains(&p.frequency_penalty),
+            "[-2, 2]",
+        ),
+    ];
+    if let Some((f, v, _, range)) = checks.iter().find(|c| !c.2) {
+        return Err(ServeError::field(
+            f,
+            format!("{f} must be in {range}, got {v}"),
+        ));
+    }
+    // The sampler's own check stays the last word on what it accepts.
+    p.validate().map_err(|e| ServeError::Invalid(e.to_string()))
+}
+
+/// `logit_bias` as the generator takes it: each bias in [-100, 100], each token id ≥ 0.
+fn logit_biases(biases: Vec<(i64, f32)>) -> Result<Vec<(usize, f32)>, ServeError> {
+    let mut logit_bias = Vec::with_capacity(biases.len());
+    for (id, bias) in biases {
+        if !(-100.0..=100.0).contains(&bias) {
+            return Err(ServeError::field(
+                "logit_bias",
+                format!("biases must be in [-100, 100], got {bias} for token {id}"),
+            ));
+        }
+        let id = usize::try_from(id)
+            .map_err(|_| ServeError::field("logit_bias", format!("token id {id} is negative")))?;
+        logit_bias.push((id, bias));
+    }
+    Ok(logit_bias)
+}
+
+/// `stop` as a list, within the limits on how many and how long.
+fn stop_strings(stop: Option<Stop>, limits: &Limits) -> Result<Vec<String>, ServeError> {
+    let stop = stop.map(Stop::into_vec).unwrap_or_default();
+    if stop.len() > limits.max_stop {
+        return Err(ServeError::field(
+            "stop",
+            format!(
+                "at most {} stop strings, got {}",
+                limits.max_stop,
+                stop.len()
+            ),
+        ));
+    }
+    if let Some(s) = stop
+        .iter()
+        .find(|s| s.is_empty() || s.len() > limits.max_stop_bytes)
+    {
+        return Err(ServeError::field(
+            "stop",
+            format!(
+                "stop strings must be 1..={} bytes, got {:?}",
+                limits.max_stop_bytes, s
+            ),
+        ));
+    }
+    Ok(stop)
+}
+
+/// A prompt is not empty; a chat's messages have known roles.
+fn check_prompt(prompt: &PromptSpec) -> Result<(), ServeError> {
+    match prompt {
+        PromptSpec::Text(t) if t.is_empty() => {
+            return Err(ServeError::field("prompt", "the prompt is empty"));
+        }
+        PromptSpec::Ids(ids) if ids.is_empty() => {
+            return Err(ServeError::field("prompt", "the prompt is empty"));
+        }
+        PromptSpec::Chat(m) if m.is_empty() => {
+            return Err(ServeError::field("messages", "`messages` is empty"));
+        }
+        PromptSpec::Chat(m) => {
+            if let Some(bad) = m
+                .iter()
+                .find(|m| !matches!(m.role.as_str(), "system" | "user" | "assistant"))
+            {
+                return Err(ServeError::field(
+                    "messages",
+                    format!(
+                        "message role must be system, user or assistant, got {:?}",
+                        bad.role
+                    ),
+                ));
+            }
+        }
+        _ => {}
+    }
+    Ok(())
 }
 
 fn rand_seed() -> u64 {

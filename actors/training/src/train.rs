@@ -1,16 +1,17 @@
 //! The training loop behind `nsactor train`: steps on the actor pipeline, logging, metrics,
 //! checkpoints, weights.
 
+mod records;
+
 use crate::heldout::HeldOut;
-use crate::history::previous_metrics;
 use crate::shutdown::StopRequest;
-use nsactor_checkpoint::writer::WriteDone;
-use nsactor_decoding::Pipeline;
+use nsactor_data::Cursor;
+use nsactor_decoding::{Pipeline, StepReport};
 use nsactor_engine::config::RunConfig;
 use nsactor_engine::error::RuntimeError;
 use nsactor_telemetry::TrainingMetrics;
 use nsactor_telemetry::training::StepSample;
-use std::io::Write;
+use records::{MetricsLog, draw_curves, evaluate, log_shape, written};
 use std::path::PathBuf;
 use std::time::Instant;
 
@@ -79,174 +80,212 @@ pub fn run(
     pipeline: &mut Pipeline,
     o: RunOptions<'_>,
 ) -> Result<RunSummary, RuntimeError> {
-    let RunOptions {
-        first_step,
-        tokenizer_sha256,
-        stop,
-        mut held_out,
-        metrics: live,
-        rank,
-    } = o;
-    let leader = rank == 0;
-    let t = &cfg.train;
-    let out_dir = t.out_dir.clone();
-    std::fs::create_dir_all(&out_dir).map_err(|e| RuntimeError::Io(out_dir.clone(), e))?;
-    let metrics_path = out_dir.join("metrics.jsonl");
-    // Resuming: keep the metrics of the steps the checkpoint holds, drop any logged after it.
-    let mut losses = Vec::new();
-    if first_step > 0 && leader {
-        let (kept, text) = previous_metrics(&metrics_path, first_step);
-        losses = kept;
-        nsactor_checkpoint::weights::write_atomic(&metrics_path, text.as_bytes())
-            .map_err(|e| RuntimeError::Io(metrics_path.clone(), e))?;
-    }
-    let mut metrics: Box<dyn Write> = match leader {
-        true => Box::new(
-            std::fs::OpenOptions::new()
-                .create(true)
-                .write(true)
-                .append(first_step > 0)
-                .truncate(first_step == 0)
-                .open(&metrics_path)
-                .map_err(|e| RuntimeError::Io(metrics_path.clone(), e))?,
-        ),
-        false => Box::new(std::io::sink()),
-    };
-    tracing::info!(
-        "{} parameters on {}; {} steps × {} micro-batches × {}×{} tokens; pipeline {} [{}], imbalance {:.2} (devices {:.2})",
-        pipeline.param_count(),
-        describe(pipeline.backend().as_ref()),
-        t.steps,
-        t.accumulation,
-        t.batch_size,
-        t.seq_len,
-        pipeline.plan().num_stages(),
-        pipeline.plan().describe(),
-        pipeline.plan().imbalance(),
-        pipeline.plan().device_imbalance()
-    );
-    let replicas = pipeline.replica_plans();
-    if replicas.len() > 1 {
-        let layouts: Vec<String> = replicas
-            .iter()
-            .map(|p| format!("[{}]", p.describe()))
-            .collect();
-        tracing::info!(
-            "data parallelism: {} replicas {}, {:?} reduction",
-            replicas.len(),
-            layouts.join(" "),
-            t.dp_reduce.resolve(&pipeline.backend().info().name)
-        );
-    }
-    // Drawn only on a terminal; otherwise the log lines below are the progress.
-    let bar = indicatif::ProgressBar::new(t.steps);
-    bar.set_style(
-        indicatif::ProgressStyle::with_template("{bar:30} {pos}/{len} {msg} [{elapsed} < {eta}]")
-            .expect("a valid template"),
-    );
-    bar.set_position(first_step);
-    let start = Instant::now();
-    let mut tokens = 0u64;
-    let config_text = cfg.to_toml();
-    let ckpt_root = checkpoint_root(cfg);
-    let mut last_saved = first_step;
-    let mut cursor = None;
-    let mut recoveries = Vec::new();
-    let mut skipped_steps = 0u64;
-    let mut spike_rollbacks = 0u64;
-    let mut stopped_at = None;
-    let mut log = |line: serde_json::Value| {
-        writeln!(metrics, "{line}").map_err(|e| RuntimeError::Io(metrics_path.clone(), e))
-    };
-    let title = format!(
-        "{} · {} parameters · {}",
-        out_dir.display(),
-        pipeline.param_count(),
-        describe(pipeline.backend().as_ref())
-    );
-    if first_step == 0
-        && let Some(h) = held_out.as_mut()
+    let mut run = Run::start(cfg, pipeline, o)?;
+    if run.first_step == 0
+        && let Some(h) = run.held_out.as_mut()
     {
         // The starting point, for the before/after of a fine-tune.
-        evaluate(h, pipeline, 0, &bar, &mut log, live)?;
+        evaluate(
+            h,
+            pipeline,
+            0,
+            &run.bar,
+            &mut |l| run.metrics.log(l),
+            run.live,
+        )?;
     }
-    let mut step = first_step;
-    while step < t.steps {
-        let step_start = Instant::now();
-        let r = match pipeline.step() {
-            Ok(r) => r,
-            Err(RuntimeError::Recovered {
-                cause,
-                to_step,
-                seconds,
-            }) => {
-                bar.suspend(|| {
-                    tracing::warn!(
-                        "{cause}; actors rebuilt and rolled back to step {to_step} in {seconds:.2} s"
-                    )
-                });
-                log(serde_json::json!({
-                    "event": "recovered", "failed_step": step + 1, "to_step": to_step,
-                    "seconds": seconds, "cause": cause,
-                }))?;
-                recoveries.push(seconds);
-                if let Some(m) = live {
-                    m.recoveries.inc();
+    run.steps(pipeline)?;
+    run.finish(pipeline)
+}
+
+/// A run's state from its start to its summary.
+struct Run<'a> {
+    cfg: &'a RunConfig,
+    first_step: u64,
+    tokenizer_sha256: Option<String>,
+    stop: Option<&'a StopRequest>,
+    held_out: Option<HeldOut>,
+    live: Option<&'a TrainingMetrics>,
+    leader: bool,
+    out_dir: PathBuf,
+    metrics: MetricsLog,
+    losses: Vec<f64>,
+    bar: indicatif::ProgressBar,
+    start: Instant,
+    tokens: u64,
+    config_text: String,
+    ckpt_root: PathBuf,
+    last_saved: u64,
+    cursor: Option<Cursor>,
+    recoveries: Vec<f64>,
+    skipped_steps: u64,
+    spike_rollbacks: u64,
+    stopped_at: Option<u64>,
+    /// The title of `loss.png`.
+    title: String,
+}
+
+impl<'a> Run<'a> {
+    /// Creates `out_dir`, opens `metrics.jsonl`, logs the run's shape and starts the progress
+    /// bar and the clock.
+    fn start(
+        cfg: &'a RunConfig,
+        pipeline: &Pipeline,
+        o: RunOptions<'a>,
+    ) -> Result<Self, RuntimeError> {
+        let RunOptions {
+            first_step,
+            tokenizer_sha256,
+            stop,
+            held_out,
+            metrics: live,
+            rank,
+        } = o;
+        let leader = rank == 0;
+        let t = &cfg.train;
+        let out_dir = t.out_dir.clone();
+        std::fs::create_dir_all(&out_dir).map_err(|e| RuntimeError::Io(out_dir.clone(), e))?;
+        let (metrics, losses) =
+            MetricsLog::open(out_dir.join("metrics.jsonl"), first_step, leader)?;
+        log_shape(cfg, pipeline);
+        // Drawn only on a terminal; otherwise the log lines below are the progress.
+        let bar = indicatif::ProgressBar::new(t.steps);
+        bar.set_style(
+            indicatif::ProgressStyle::with_template(
+                "{bar:30} {pos}/{len} {msg} [{elapsed} < {eta}]",
+            )
+            .expect("a valid template"),
+        );
+        bar.set_position(first_step);
+        let start = Instant::now();
+        let title = format!(
+            "{} · {} parameters · {}",
+            out_dir.display(),
+            pipeline.param_count(),
+            describe(pipeline.backend().as_ref())
+        );
+        Ok(Run {
+            cfg,
+            first_step,
+            tokenizer_sha256,
+            stop,
+            held_out,
+            live,
+            leader,
+            out_dir,
+            metrics,
+            losses,
+            bar,
+            start,
+            tokens: 0,
+            config_text: cfg.to_toml(),
+            ckpt_root: checkpoint_root(cfg),
+            last_saved: first_step,
+            cursor: None,
+            recoveries: Vec::new(),
+            skipped_steps: 0,
+            spike_rollbacks: 0,
+            stopped_at: None,
+            title,
+        })
+    }
+
+    /// The steps up to `[train] steps`, or to a stop request: each step's record, then the
+    /// held-out evaluation and checkpoint due after it. A recovery or a loss spike rolls the
+    /// count back.
+    fn steps(&mut self, pipeline: &mut Pipeline) -> Result<(), RuntimeError> {
+        let mut step = self.first_step;
+        while step < self.cfg.train.steps {
+            let step_start = Instant::now();
+            let r = match pipeline.step() {
+                Ok(r) => r,
+                Err(RuntimeError::Recovered {
+                    cause,
+                    to_step,
+                    seconds,
+                }) => {
+                    self.bar.suspend(|| {
+                        tracing::warn!(
+                            "{cause}; actors rebuilt and rolled back to step {to_step} in {seconds:.2} s"
+                        )
+                    });
+                    self.metrics.log(serde_json::json!({
+                        "event": "recovered", "failed_step": step + 1, "to_step": to_step,
+                        "seconds": seconds, "cause": cause,
+                    }))?;
+                    self.recoveries.push(seconds);
+                    if let Some(m) = self.live {
+                        m.recoveries.inc();
+                    }
+                    step = self.roll_back(to_step);
+                    continue;
                 }
-                losses.truncate(to_step as usize);
-                step = to_step;
-                bar.set_position(step);
-                continue;
-            }
-            Err(RuntimeError::LossSpike {
-                step: failed,
-                loss,
-                mean,
-                factor,
-                to_step,
-            }) => {
-                bar.suspend(|| {
-                    tracing::warn!(
-                        "step {failed}: loss {loss:.4} is over {factor} × the running mean \
-                         {mean:.4}: no update; rolled back to step {to_step}, the batches of \
-                         steps {}..={failed} are skipped",
-                        to_step + 1
-                    )
-                });
-                log(serde_json::json!({
-                    "event": "loss_spike", "step": failed, "loss": loss, "mean": mean,
-                    "factor": factor, "to_step": to_step,
-                }))?;
-                spike_rollbacks += 1;
-                if let Some(m) = live {
-                    m.loss_spikes.inc();
+                Err(RuntimeError::LossSpike {
+                    step: failed,
+                    loss,
+                    mean,
+                    factor,
+                    to_step,
+                }) => {
+                    self.bar.suspend(|| {
+                        tracing::warn!(
+                            "step {failed}: loss {loss:.4} is over {factor} × the running mean \
+                             {mean:.4}: no update; rolled back to step {to_step}, the batches of \
+                             steps {}..={failed} are skipped",
+                            to_step + 1
+                        )
+                    });
+                    self.metrics.log(serde_json::json!({
+                        "event": "loss_spike", "step": failed, "loss": loss, "mean": mean,
+                        "factor": factor, "to_step": to_step,
+                    }))?;
+                    self.spike_rollbacks += 1;
+                    if let Some(m) = self.live {
+                        m.loss_spikes.inc();
+                    }
+                    step = self.roll_back(to_step);
+                    continue;
                 }
-                losses.truncate(to_step as usize);
-                step = to_step;
-                bar.set_position(step);
-                continue;
+                Err(e) => return Err(e),
+            };
+            // The step's own time, without the logging, evaluation and checkpoints around it.
+            let step_s = step_start.elapsed().as_secs_f64();
+            step = r.step;
+            self.record(&r, step_s)?;
+            self.cursor = r.cursor;
+            if self.after_step(pipeline, r.step)? {
+                break;
             }
-            Err(e) => return Err(e),
-        };
-        // The step's own time, without the logging, evaluation and checkpoints around it.
-        let step_s = step_start.elapsed().as_secs_f64();
-        step = r.step;
+        }
+        Ok(())
+    }
+
+    /// Drops the losses after `to_step`, the step the run goes on from; returns it.
+    fn roll_back(&mut self, to_step: u64) -> u64 {
+        self.losses.truncate(to_step as usize);
+        self.bar.set_position(to_step);
+        to_step
+    }
+
+    /// A finished step's record: its loss, its `metrics.jsonl` line, the live registry, the
+    /// warnings it calls for, the progress bar and, every `log_interval` steps, a log line.
+    fn record(&mut self, r: &StepReport, step_s: f64) -> Result<(), RuntimeError> {
         let stats = r.stats;
-        cursor = r.cursor;
-        tokens += stats.tokens;
+        self.tokens += stats.tokens;
+        let tokens = self.tokens;
         // A step whose batch has no loss-mask token (SFT rows that score nothing) has no
         // cross entropy: its loss is the ponder term alone, logged as null (NaN in the
         // curve), never as ~0.
         let scored = stats.tokens > 0;
-        losses.push(if scored { stats.loss } else { f64::NAN });
-        let elapsed = start.elapsed().as_secs_f64();
+        self.losses.push(if scored { stats.loss } else { f64::NAN });
+        let elapsed = self.start.elapsed().as_secs_f64();
         let mem = memory();
         let (loss, ce, ppl) = match scored {
             true => (Some(stats.loss), Some(stats.ce), Some(stats.ce.exp())),
             false => (None, None, None),
         };
         if !scored {
-            bar.suspend(|| {
+            self.bar.suspend(|| {
                 tracing::warn!(
                     "step {}: no token of the batch is scored (loss mask empty); its loss is \
                      logged as null",
@@ -264,8 +303,8 @@ pub fn run(
             "skipped": stats.skipped,
             "step_s": step_s, "data_wait_s": r.data_wait_s,
         });
-        log(line)?;
-        if let Some(m) = live {
+        self.metrics.log(line)?;
+        if let Some(m) = self.live {
             m.record(&StepSample {
                 step: r.step,
                 loss,
@@ -279,8 +318,9 @@ pub fn run(
             });
         }
         if stats.skipped {
-            skipped_steps += 1;
-            bar.suspend(|| {
+            self.skipped_steps += 1;
+            let skipped_steps = self.skipped_steps;
+            self.bar.suspend(|| {
                 tracing::warn!(
                     "step {}: loss {} and gradient norm {} are not all finite: step skipped (no \
                      parameter or optimizer change; {skipped_steps} skipped so far)",
@@ -290,14 +330,25 @@ pub fn run(
                 )
             });
         }
-        bar.set_position(r.step);
-        bar.set_message(format!(
+        self.progress(r, elapsed);
+        Ok(())
+    }
+
+    /// The progress bar after a step, and its log line every `log_interval` steps (and at the
+    /// first and the last).
+    fn progress(&self, r: &StepReport, elapsed: f64) {
+        let (t, tokens, stats) = (&self.cfg.train, self.tokens, r.stats);
+        self.bar.set_position(r.step);
+        self.bar.set_message(format!(
             "loss {:.4} | {:.0} tok/s | E[K] {:.2}",
             stats.loss,
             tokens as f64 / elapsed,
             stats.expected_k
         ));
-        if r.step % t.log_interval == 0 || r.step == first_step + 1 || r.step == t.steps {
+        if r.step.is_multiple_of(t.log_interval)
+            || r.step == self.first_step + 1
+            || r.step == t.steps
+        {
             let line = format!(
                 "step {:>6}/{} loss {:.4} ppl {:>8.2} lr {:.2e} E[K] {:.3} [{:.2}, {:.2}] |g| {:.3} {:.0} tok/s",
                 r.step,
@@ -311,159 +362,118 @@ pub fn run(
                 stats.grad_norm,
                 tokens as f64 / elapsed
             );
-            bar.suspend(|| tracing::info!("{line}"));
+            self.bar.suspend(|| tracing::info!("{line}"));
         }
-        if let Some(h) = held_out.as_mut()
-            && (r.step % t.eval_every == 0 || r.step == t.steps)
+    }
+
+    /// What is due after step `step`: the held-out evaluation, a checkpoint (periodic, or on a
+    /// stop request), and the stop itself. True when the run stops here.
+    fn after_step(&mut self, pipeline: &mut Pipeline, step: u64) -> Result<bool, RuntimeError> {
+        let t = &self.cfg.train;
+        if let Some(h) = self.held_out.as_mut()
+            && (step.is_multiple_of(t.eval_every) || step == t.steps)
         {
-            evaluate(h, pipeline, r.step, &bar, &mut log, live)?;
+            evaluate(
+                h,
+                pipeline,
+                step,
+                &self.bar,
+                &mut |l| self.metrics.log(l),
+                self.live,
+            )?;
         }
-        let signal = stop.and_then(StopRequest::requested);
-        let periodic = t.checkpoint_every > 0 && r.step % t.checkpoint_every == 0;
-        if leader && (periodic || signal.is_some()) && r.step < t.steps {
+        let signal = self.stop.and_then(StopRequest::requested);
+        let periodic = t.checkpoint_every > 0 && step.is_multiple_of(t.checkpoint_every);
+        if self.leader && (periodic || signal.is_some()) && step < t.steps {
             // On a stop the checkpoint is written before returning, whatever the mode.
             let background = t.async_checkpoint && signal.is_none();
             let c = pipeline.checkpoint_with(
-                &ckpt_root,
+                &self.ckpt_root,
                 t.keep_checkpoints,
-                config_text.clone(),
-                tokenizer_sha256.clone(),
+                self.config_text.clone(),
+                self.tokenizer_sha256.clone(),
                 background,
             )?;
-            log(serde_json::json!({
+            self.metrics.log(serde_json::json!({
                 "event": "checkpoint", "step": c.step, "background": background,
                 "snapshot_s": c.snapshot_seconds, "waited_s": c.waited_seconds,
             }))?;
             for w in c.previous.into_iter().chain(c.written.map(Ok)) {
-                bar.suspend(|| written(w, &mut log))?;
+                self.bar
+                    .suspend(|| written(w, &mut |l| self.metrics.log(l)))?;
             }
-            last_saved = r.step;
+            self.last_saved = step;
         }
         if let Some(sig) = signal
-            && r.step < t.steps
+            && step < t.steps
         {
-            log(serde_json::json!({
-                "event": "stopped", "step": r.step, "signal": crate::shutdown::signal_name(sig),
+            self.metrics.log(serde_json::json!({
+                "event": "stopped", "step": step, "signal": crate::shutdown::signal_name(sig),
             }))?;
-            stopped_at = Some(r.step);
-            break;
+            self.stopped_at = Some(step);
+            return Ok(true);
+        }
+        Ok(false)
+    }
+
+    /// What a run reports, with its weights at `weights`.
+    fn summary(&self, weights: PathBuf) -> RunSummary {
+        RunSummary {
+            losses: self.losses.clone(),
+            tokens_per_s: self.tokens as f64 / self.start.elapsed().as_secs_f64(),
+            weights,
+            recoveries: self.recoveries.clone(),
+            skipped_steps: self.skipped_steps,
+            spike_rollbacks: self.spike_rollbacks,
+            stopped_at: self.stopped_at,
         }
     }
-    bar.finish_and_clear();
-    let summary = |weights| RunSummary {
-        losses: losses.clone(),
-        tokens_per_s: tokens as f64 / start.elapsed().as_secs_f64(),
-        weights,
-        recoveries: recoveries.clone(),
-        skipped_steps,
-        spike_rollbacks,
-        stopped_at,
-    };
-    if !leader {
-        return Ok(summary(PathBuf::new()));
-    }
-    if let Some(w) = pipeline.finish_checkpoint().transpose() {
-        written(w, &mut log)?;
-    }
-    if stopped_at.is_none() && (last_saved < t.steps || first_step == t.steps) {
-        let dir = pipeline.checkpoint(
-            &ckpt_root,
-            t.keep_checkpoints,
-            config_text.clone(),
-            tokenizer_sha256,
-        )?;
-        tracing::info!("checkpoint {}", dir.display());
-    }
-    if let Some(s) = stopped_at {
-        tracing::warn!(
-            "stopped after step {s} on request; its checkpoint is in {}: `--resume` continues",
-            ckpt_root.display()
-        );
-        draw_curves(&metrics_path, &out_dir.join("loss.png"), title);
-        return Ok(summary(PathBuf::new()));
-    }
-    draw_curves(&metrics_path, &out_dir.join("loss.png"), title);
-    let weights = out_dir.join("model.safetensors");
-    let merged = nsactor_checkpoint::weights::merge_params(&pipeline.save_stages()?)?;
-    nsactor_checkpoint::weights::write_atomic(&weights, &merged)
-        .map_err(|e| RuntimeError::Io(weights.clone(), e))?;
-    let config_path = out_dir.join("config.toml");
-    nsactor_checkpoint::weights::write_atomic(&config_path, config_text.as_bytes())
-        .map_err(|e| RuntimeError::Io(config_path, e))?;
-    if let Some(c) = cursor {
-        let cursor_path = out_dir.join("data_cursor.json");
-        let text = serde_json::to_string(&c).expect("a cursor serialises");
-        nsactor_checkpoint::weights::write_atomic(&cursor_path, text.as_bytes())
-            .map_err(|e| RuntimeError::Io(cursor_path, e))?;
-    }
-    Ok(summary(weights))
-}
 
-/// Evaluates the held-out set after `step` steps: a log line, an `eval` event in
-/// `metrics.jsonl` and the live gauge.
-fn evaluate(
-    h: &mut HeldOut,
-    pipeline: &mut Pipeline,
-    step: u64,
-    bar: &indicatif::ProgressBar,
-    log: &mut impl FnMut(serde_json::Value) -> Result<(), RuntimeError>,
-    live: Option<&TrainingMetrics>,
-) -> Result<(), RuntimeError> {
-    let e = h.evaluate(pipeline)?;
-    let (batches, rows) = h.shape();
-    bar.suspend(|| match e.ce {
-        Some(ce) => tracing::info!(
-            "step {step:>6} held-out CE {ce:.4} ppl {:.2} over {} tokens ({batches} × {rows} rows, {:.2} s)",
-            ce.exp(),
-            e.tokens,
-            e.seconds
-        ),
-        None => tracing::warn!("step {step}: the held-out set scores no token"),
-    });
-    log(serde_json::json!({
-        "event": "eval", "step": step, "eval_loss": e.ce,
-        "eval_ppl": e.ce.map(f64::exp), "eval_tokens": e.tokens, "seconds": e.seconds,
-    }))?;
-    if let (Some(m), Some(ce)) = (live, e.ce) {
-        m.eval_loss.set(ce);
-    }
-    Ok(())
-}
-
-/// Draws `loss.png`; a picture that cannot be drawn or written is a warning: the run's
-/// results are the weights and the metrics.
-fn draw_curves(metrics: &std::path::Path, png: &std::path::Path, title: String) {
-    match crate::history::draw(metrics, png, title) {
-        Ok(()) => tracing::info!("training curves in {}", png.display()),
-        Err(e) => tracing::warn!("{} not drawn: {e}", png.display()),
-    }
-}
-
-/// Logs how a checkpoint write ended: written (with its throughput) or failed. A failed write
-/// leaves the previous checkpoints as they were; training goes on.
-fn written(
-    w: Result<WriteDone, RuntimeError>,
-    log: &mut impl FnMut(serde_json::Value) -> Result<(), RuntimeError>,
-) -> Result<(), RuntimeError> {
-    match w {
-        Ok(w) => {
-            tracing::info!(
-                "checkpoint {} ({:.1} MB in {:.2} s)",
-                w.dir.display(),
-                w.bytes as f64 / 1e6,
-                w.seconds
+    /// After the last step (rank 0 only): the background checkpoint write waited for, the
+    /// final checkpoint, `loss.png`, then — unless a stop ended the run — the weights, the
+    /// config and the data cursor.
+    fn finish(mut self, pipeline: &mut Pipeline) -> Result<RunSummary, RuntimeError> {
+        self.bar.finish_and_clear();
+        if !self.leader {
+            return Ok(self.summary(PathBuf::new()));
+        }
+        let t = &self.cfg.train;
+        if let Some(w) = pipeline.finish_checkpoint().transpose() {
+            written(w, &mut |l| self.metrics.log(l))?;
+        }
+        if self.stopped_at.is_none() && (self.last_saved < t.steps || self.first_step == t.steps) {
+            let dir = pipeline.checkpoint(
+                &self.ckpt_root,
+                t.keep_checkpoints,
+                self.config_text.clone(),
+                self.tokenizer_sha256.take(),
+            )?;
+            tracing::info!("checkpoint {}", dir.display());
+        }
+        let (metrics_path, png) = (&self.metrics.path, self.out_dir.join("loss.png"));
+        if let Some(s) = self.stopped_at {
+            tracing::warn!(
+                "stopped after step {s} on request; its checkpoint is in {}: `--resume` continues",
+                self.ckpt_root.display()
             );
-            log(serde_json::json!({
-                "event": "checkpoint_written", "step": w.step, "bytes": w.bytes,
-                "write_s": w.seconds, "mb_per_s": w.bytes as f64 / 1e6 / w.seconds.max(1e-9),
-            }))
+            draw_curves(metrics_path, &png, self.title.clone());
+            return Ok(self.summary(PathBuf::new()));
         }
-        Err(e) => {
-            tracing::error!(
-                "checkpoint write failed: {e}; the previous checkpoints are kept, training goes on"
-            );
-            log(serde_json::json!({"event": "checkpoint_failed", "cause": e.to_string()}))
+        draw_curves(metrics_path, &png, self.title.clone());
+        let weights = self.out_dir.join("model.safetensors");
+        let merged = nsactor_checkpoint::weights::merge_params(&pipeline.save_stages()?)?;
+        nsactor_checkpoint::weights::write_atomic(&weights, &merged)
+            .map_err(|e| RuntimeError::Io(weights.clone(), e))?;
+        let config_path = self.out_dir.join("config.toml");
+        nsactor_checkpoint::weights::write_atomic(&config_path, self.config_text.as_bytes())
+            .map_err(|e| RuntimeError::Io(config_path, e))?;
+        if let Some(c) = &self.cursor {
+            let cursor_path = self.out_dir.join("data_cursor.json");
+            let text = serde_json::to_string(c).expect("a cursor serialises");
+            nsactor_checkpoint::weights::write_atomic(&cursor_path, text.as_bytes())
+                .map_err(|e| RuntimeError::Io(cursor_path, e))?;
         }
+        Ok(self.summary(weights))
     }
 }
 

@@ -3,17 +3,61 @@
 //! bound it from below — the host cost of one tiny elementwise op (launch overhead) and one
 //! decode-shaped projection GEMM.
 
+mod parts;
+
 use crate::graphs::DecodeGraphs;
 use burn::tensor::{DType, Distribution, ElementConversion, Tensor};
 use nsactor_kernels::SnnOps;
 use nsactor_model::init::Rng;
-use nsactor_model::layer::{norm_plif, norm_plif_composed, ponder_agg, ponder_agg_composed};
 use nsactor_model::{LayerState, ModelConfig, SnnDecoderLayer};
 use nsactor_plugin_api::EngineError;
 use std::time::Instant;
 
 /// Options: `batch` (sessions, default 1), `reps` (default 20), `config=tiny` for a small layer.
 pub fn decode_profile<B: SnnOps>(device: &B::Device, options: &str) -> Result<String, EngineError> {
+    let (batch, reps, cfg) = parse_options(options)?;
+    // The same random inputs every run. The checks below compare computations that round
+    // differently; a membrane within rounding of its threshold flips a spike there, and the
+    // flip spreads over its batch row: with fresh inputs at batch 64 about one run in seven
+    // found such a row and failed (`docs/benchmarks/HISTORY.md`, session 38). Fixed inputs make a failure
+    // reproducible.
+    B::seed(device, 7);
+    let layer = SnnDecoderLayer::<B>::init(&cfg, &mut Rng::new(7), device);
+    let d = cfg.d;
+    let h = Tensor::<B, 3>::random([1, batch, d], Distribution::Normal(0.0, 1.0), device);
+    let state = LayerState::zeros(&cfg, batch, device);
+    let s = Setup {
+        cfg,
+        layer,
+        h,
+        state,
+        batch,
+    };
+    let t = Timer::<B> { device, reps };
+    let mut out = format!(
+        "decode step of one layer (D = {d}, N = {}, K = {}, D_ff = {}), batch {batch}, {reps} reps:\n",
+        s.cfg.n, s.cfg.k, s.cfg.d_ff
+    );
+    let whole = t.time(reps, &mut || {
+        let _ = s.layer.forward(s.h.clone(), s.state.clone(), &s.cfg);
+    })?;
+    row(&mut out, "whole layer (forward of one token)", whole);
+    fusions(&mut out, &t, &s)?;
+    stage_pass(&mut out, &t, &s)?;
+    let a1 = parts::norm_plif_part(&mut out, &t, &s)?;
+    parts::block_part(&mut out, &t, &s, &a1)?;
+    parts::ffn_part(&mut out, &t, &s, &a1)?;
+    let add = parts::launch_probes(&mut out, &t, &s)?;
+    parts::host_probes(&mut out, &t, &s)?;
+    out.push_str(&format!(
+        "  whole layer ≈ {:.0} elementwise-op launches\n",
+        whole / add
+    ));
+    Ok(out)
+}
+
+/// The profile's options, parsed: `(batch, reps, config)`.
+fn parse_options(options: &str) -> Result<(usize, usize, ModelConfig), EngineError> {
     let bad = EngineError::InvalidInput;
     let (mut batch, mut reps, mut cfg) = (1usize, 20usize, ModelConfig::neuronspark_0_9b());
     for kv in nsactor_kernels::options::option_items(options) {
@@ -36,45 +80,71 @@ pub fn decode_profile<B: SnnOps>(device: &B::Device, options: &str) -> Result<St
     if batch == 0 || reps == 0 {
         return Err(bad("batch and reps must be ≥ 1".into()));
     }
-    // The same random inputs every run. The checks below compare computations that round
-    // differently; a membrane within rounding of its threshold flips a spike there, and the
-    // flip spreads over its batch row: with fresh inputs at batch 64 about one run in seven
-    // found such a row and failed (`docs/benchmarks/HISTORY.md`, session 38). Fixed inputs make a failure
-    // reproducible.
-    B::seed(device, 7);
-    let layer = SnnDecoderLayer::<B>::init(&cfg, &mut Rng::new(7), device);
-    let (d, k) = (cfg.d, cfg.k);
-    let h = Tensor::<B, 3>::random([1, batch, d], Distribution::Normal(0.0, 1.0), device);
-    let state = LayerState::zeros(&cfg, batch, device);
-    let sync = || B::sync(device).map_err(|e| EngineError::Backend(format!("{e:?}")));
-    // Each probe runs once untimed (compilation, autotuning), then `reps` times; per call.
-    let time = |n: usize, f: &mut dyn FnMut()| -> Result<f64, EngineError> {
+    Ok((batch, reps, cfg))
+}
+
+/// What every part of the profile runs on: the layer, its config, one token's input and a
+/// resting state, at the profile's batch.
+struct Setup<B: SnnOps> {
+    cfg: ModelConfig,
+    layer: SnnDecoderLayer<B>,
+    h: Tensor<B, 3>,
+    state: LayerState<B>,
+    batch: usize,
+}
+
+/// The device the probes run on and how many times each is timed.
+struct Timer<'a, B: SnnOps> {
+    device: &'a B::Device,
+    reps: usize,
+}
+
+impl<B: SnnOps> Timer<'_, B> {
+    /// Waits for the device's queued work.
+    fn sync(&self) -> Result<(), EngineError> {
+        B::sync(self.device).map_err(|e| EngineError::Backend(format!("{e:?}")))
+    }
+
+    /// Each probe runs once untimed (compilation, autotuning), then `n` times; per call.
+    fn time(&self, n: usize, f: &mut dyn FnMut()) -> Result<f64, EngineError> {
         f();
-        sync()?;
+        self.sync()?;
         let t = Instant::now();
         for _ in 0..n {
             f();
         }
-        sync()?;
+        self.sync()?;
         Ok(t.elapsed().as_secs_f64() / n as f64)
-    };
-    let mut out = format!(
-        "decode step of one layer (D = {d}, N = {}, K = {k}, D_ff = {}), batch {batch}, {reps} reps:\n",
-        cfg.n, cfg.d_ff
-    );
-    let row = |out: &mut String, name: &str, s: f64| {
-        out.push_str(&format!("  {name:<44} {:>9.1} µs\n", s * 1e6));
-    };
-    let whole = time(reps, &mut || {
-        let _ = layer.forward(h.clone(), state.clone(), &cfg);
-    })?;
-    row(&mut out, "whole layer (forward of one token)", whole);
-    // The decoding fusions (the block's scan and gated output read from the merged product, the
-    // FFN's gate/up/skip as one GEMM, the centred residual updates) against the same layer
-    // without them: timed, then checked over 3 tokens from a non-resting state.
+    }
+
+    /// The median of single calls (at least 21), each from an idle device.
+    fn median(&self, f: &mut dyn FnMut() -> Result<(), EngineError>) -> Result<f64, EngineError> {
+        let reps = self.reps;
+        let mut v = Vec::with_capacity(reps.max(21));
+        for _ in 0..reps.max(21) {
+            self.sync()?;
+            let t = Instant::now();
+            f()?;
+            v.push(t.elapsed().as_secs_f64());
+        }
+        v.sort_by(f64::total_cmp);
+        Ok(v[v.len() / 2])
+    }
+}
+
+/// One timed line of the report, in µs.
+fn row(out: &mut String, name: &str, s: f64) {
+    out.push_str(&format!("  {name:<44} {:>9.1} µs\n", s * 1e6));
+}
+
+/// The decoding fusions (the block's scan and gated output read from the merged product, the
+/// FFN's gate/up/skip as one GEMM, the centred residual updates) against the same layer
+/// without them: timed, then checked over 3 tokens from a non-resting state.
+fn fusions<B: SnnOps>(out: &mut String, t: &Timer<B>, s: &Setup<B>) -> Result<(), EngineError> {
+    let (cfg, layer, batch, d, device) = (&s.cfg, &s.layer, s.batch, s.cfg.d, t.device);
     nsactor_kernels::set_decode_fusion(false);
-    let unfused = time(reps, &mut || {
-        let _ = layer.forward(h.clone(), state.clone(), &cfg);
+    let unfused = t.time(t.reps, &mut || {
+        let _ = layer.forward(s.h.clone(), s.state.clone(), cfg);
     });
     let busy = LayerState {
         input1: Tensor::random([batch, d], Distribution::Normal(0.0, 0.2), device),
@@ -87,14 +157,10 @@ pub fn decode_profile<B: SnnOps>(device: &B::Device, options: &str) -> Result<St
         ),
     };
     let tokens = Tensor::<B, 3>::random([3, batch, d], Distribution::Normal(0.0, 1.0), device);
-    let reference = layer.forward(tokens.clone(), busy.clone(), &cfg);
+    let reference = layer.forward(tokens.clone(), busy.clone(), cfg);
     nsactor_kernels::set_decode_fusion(true);
-    row(
-        &mut out,
-        "  the same without the decoding fusions",
-        unfused?,
-    );
-    let fused = layer.forward(tokens, busy, &cfg);
+    row(out, "  the same without the decoding fusions", unfused?);
+    let fused = layer.forward(tokens, busy, cfg);
     let pairs = [
         (fused.h, reference.h),
         (
@@ -112,25 +178,30 @@ pub fn decode_profile<B: SnnOps>(device: &B::Device, options: &str) -> Result<St
         (fused.state.ffn.unsqueeze(), reference.state.ffn.unsqueeze()),
     ];
     check(
-        &mut out,
+        out,
         "decoding fusions (3 tokens, output and states)",
         &pairs,
-    )?;
-    // A decoding pass's stage without actors: the layer applied num_layers times in a row,
-    // with the host time to submit it and the submission thread's counters where kept.
+    )
+}
+
+/// A decoding pass's stage without actors: the layer applied num_layers times in a row,
+/// with the host time to submit it and the submission thread's counters where kept; then the
+/// same through decoding graphs where the backend captures steps.
+fn stage_pass<B: SnnOps>(out: &mut String, t: &Timer<B>, s: &Setup<B>) -> Result<(), EngineError> {
+    let (cfg, layer, reps) = (&s.cfg, &s.layer, t.reps);
     let before = B::submission_stats();
     let mut submitted = 0.0;
-    let chain = time(reps, &mut || {
+    let chain = t.time(reps, &mut || {
         let t = Instant::now();
-        let mut x = h.clone();
+        let mut x = s.h.clone();
         for _ in 0..cfg.num_layers {
-            x = layer.forward(x, state.clone(), &cfg).h;
+            x = layer.forward(x, s.state.clone(), cfg).h;
         }
         submitted += t.elapsed().as_secs_f64();
     })?;
     let after = B::submission_stats();
     row(
-        &mut out,
+        out,
         &format!(
             "{} layers in a row (a stage's pass, no actors)",
             cfg.num_layers
@@ -138,7 +209,7 @@ pub fn decode_profile<B: SnnOps>(device: &B::Device, options: &str) -> Result<St
         chain,
     );
     row(
-        &mut out,
+        out,
         "  of it the calling thread's time to submit",
         submitted / (reps + 1) as f64,
     );
@@ -155,229 +226,10 @@ pub fn decode_profile<B: SnnOps>(device: &B::Device, options: &str) -> Result<St
             per(4) / 1e3
         ));
     }
-    if B::captures_steps() && batch <= crate::graphs::graph_rows() {
-        graph_chain(&mut out, &layer, &cfg, batch, reps, device)?;
+    if B::captures_steps() && s.batch <= crate::graphs::graph_rows() {
+        graph_chain(out, layer, cfg, s.batch, reps, t.device)?;
     }
-    // The sublayer's start as run (fused where the backend fuses it) or composed.
-    let np = |h: &Tensor<B, 3>, v0: &Tensor<B, 2>, fused: bool| {
-        let f = if fused { norm_plif } else { norm_plif_composed };
-        f(
-            &layer.block_norm,
-            &layer.input_neuron1,
-            h.clone(),
-            k,
-            v0.clone(),
-            cfg.plif_out,
-        )
-    };
-    for (name, fused) in [
-        ("RMSNorm + input PLIF (K frames)", true),
-        ("RMSNorm + input PLIF composed from tensor ops", false),
-    ] {
-        let s = time(reps, &mut || {
-            let _ = np(&h, &state.input1, fused);
-        })?;
-        row(&mut out, name, s);
-    }
-    // As run against the composition, over 3 tokens from a non-resting state.
-    let h3 = Tensor::<B, 3>::random([3, batch, d], Distribution::Normal(0.0, 1.0), device);
-    let v0 = Tensor::<B, 2>::random([batch, d], Distribution::Normal(0.0, 0.2), device);
-    let ((y, last), (y_ref, last_ref)) = (np(&h3, &v0, true), np(&h3, &v0, false));
-    check(
-        &mut out,
-        "RMSNorm + input PLIF",
-        &[(y, y_ref), (last.unsqueeze(), last_ref.unsqueeze())],
-    )?;
-    let (a1, _) = np(&h, &state.input1, true);
-    row(
-        &mut out,
-        "SNNBlock (7 projections + selective scan)",
-        time(reps, &mut || {
-            let _ = layer
-                .snn_block
-                .forward(a1.clone(), state.hidden.clone(), cfg.v_th_min);
-        })?,
-    );
-    // The projections as run (one GEMM on concatenated weights where the backend merges them)
-    // against six separate GEMMs.
-    let flat = a1.clone().reshape([k * batch, d]);
-    let blk = &layer.snn_block;
-    let merged = blk.projections(flat.clone(), cfg.dn());
-    let separate = [
-        &blk.W_in,
-        &blk.W_beta_x,
-        &blk.W_alpha_x,
-        &blk.W_th_x,
-        &blk.W_gate,
-        &blk.W_skip,
-    ]
-    .map(|l| l.forward(flat.clone()));
-    let pairs: Vec<_> = merged
-        .into_iter()
-        .zip(separate)
-        .map(|(m, s)| {
-            let w = m.dims()[1];
-            (m.reshape([k, batch, w]), s.reshape([k, batch, w]))
-        })
-        .collect();
-    check(&mut out, "SNNBlock projections", &pairs)?;
-    let (c1, _) = layer
-        .snn_block
-        .forward(a1.clone(), state.hidden.clone(), cfg.v_th_min);
-    let pa = |fused: bool| {
-        let f = if fused {
-            ponder_agg
-        } else {
-            ponder_agg_composed
-        };
-        f(c1.clone(), &layer.block_halt, k)
-    };
-    for (name, fused) in [
-        ("PonderAgg (halt + weighted sum)", true),
-        ("PonderAgg composed from tensor ops", false),
-    ] {
-        let s = time(reps, &mut || {
-            let _ = pa(fused);
-        })?;
-        row(&mut out, name, s);
-    }
-    let ((agg, ek), (agg_ref, ek_ref)) = (pa(true), pa(false));
-    check(
-        &mut out,
-        "PonderAgg",
-        &[
-            (agg.clone(), agg_ref),
-            (ek.unsqueeze_dim(2), ek_ref.unsqueeze_dim(2)),
-        ],
-    )?;
-    row(
-        &mut out,
-        "out projection + centring",
-        time(reps, &mut || {
-            let r = layer
-                .block_out_proj
-                .forward(agg.clone().reshape([batch, d]));
-            let _ = r.clone() - r.mean_dim(1);
-        })?,
-    );
-    row(
-        &mut out,
-        "SNNFFN (gate/up + row scan + down)",
-        time(reps, &mut || {
-            let _ = layer
-                .snn_ffn
-                .forward(a1.clone(), state.ffn.clone(), cfg.plif_out);
-        })?,
-    );
-    let f2 = 2 * cfg.d_ff;
-    let i_gu = Tensor::<B, 3>::random([3 * k, batch, f2], Distribution::Normal(0.0, 1.0), device);
-    let v0 = Tensor::<B, 2>::random([batch, f2], Distribution::Normal(0.0, 0.1), device);
-    let gu = |fused: bool| {
-        let ffn = &layer.snn_ffn;
-        let (i, v) = (i_gu.clone(), v0.clone());
-        if fused {
-            ffn.gate_up(i, v, cfg.plif_out)
-        } else {
-            ffn.gate_up_composed(i, v, cfg.plif_out)
-        }
-    };
-    for (name, fused) in [
-        ("  of it: FFN neurons and gating, as run", true),
-        ("  of it: FFN neurons and gating, composed", false),
-    ] {
-        let s = time(reps, &mut || {
-            let _ = gu(fused);
-        })?;
-        row(&mut out, name, s);
-    }
-    let ((gv, last), (gv_ref, last_ref)) = (gu(true), gu(false));
-    check(
-        &mut out,
-        "FFN neurons and gating",
-        &[(gv, gv_ref), (last.unsqueeze(), last_ref.unsqueeze())],
-    )?;
-    let small = Tensor::<B, 2>::zeros([k * batch, d], device);
-    let launches = 200;
-    let mut y = small.clone();
-    let add = time(1, &mut || {
-        for _ in 0..launches {
-            y = y.clone() + 1.0;
-        }
-    })? / launches as f64;
-    row(
-        &mut out,
-        &format!("probe: one elementwise op on [{}, {d}]", k * batch),
-        add,
-    );
-    // The weight as decoding keeps it (rounded once, as the GEMM reads it); the input f32
-    // (rounded by the call, as a layer's inputs are where no kernel writes them rounded) or
-    // already rounded.
-    let w = nsactor_kernels::gemm_operand(Tensor::<B, 2>::random(
-        [d, cfg.dn()],
-        Distribution::Normal(0.0, 0.02),
-        device,
-    ));
-    let small_op = nsactor_kernels::gemm_operand(small.clone());
-    for (name, x) in [("f32 input", &small), ("input already rounded", &small_op)] {
-        row(
-            &mut out,
-            &format!(
-                "probe: GEMM [{}, {d}] × [{d}, {}], {name}",
-                k * batch,
-                cfg.dn()
-            ),
-            time(reps, &mut || {
-                let _ = nsactor_kernels::matmul(x.clone(), w.clone());
-            })?,
-        );
-    }
-    // Host round trips: what reading a decoding step's logits costs beyond the work itself
-    // (median of single calls, each from an idle device, as a decoding step meets it).
-    let logits = Tensor::<B, 2>::random([batch, cfg.vocab_size], Distribution::Default, device);
-    let median = |f: &mut dyn FnMut() -> Result<(), EngineError>| -> Result<f64, EngineError> {
-        let mut v = Vec::with_capacity(reps.max(21));
-        for _ in 0..reps.max(21) {
-            sync()?;
-            let t = Instant::now();
-            f()?;
-            v.push(t.elapsed().as_secs_f64());
-        }
-        v.sort_by(f64::total_cmp);
-        Ok(v[v.len() / 2])
-    };
-    row(
-        &mut out,
-        "probe: sync of an idle device",
-        median(&mut || sync())?,
-    );
-    row(
-        &mut out,
-        &format!("probe: read [{batch}, {}] f32 to the host", cfg.vocab_size),
-        median(&mut || {
-            logits
-                .clone()
-                .into_data()
-                .to_vec::<f32>()
-                .map(|_| ())
-                .map_err(|e| EngineError::Backend(format!("{e:?}")))
-        })?,
-    );
-    row(
-        &mut out,
-        "probe: one elementwise op, then read it",
-        median(&mut || {
-            (logits.clone() + 1.0)
-                .into_data()
-                .to_vec::<f32>()
-                .map(|_| ())
-                .map_err(|e| EngineError::Backend(format!("{e:?}")))
-        })?,
-    );
-    out.push_str(&format!(
-        "  whole layer ≈ {:.0} elementwise-op launches\n",
-        whole / add
-    ));
-    Ok(out)
+    Ok(())
 }
 
 /// The stage's pass again, each layer through [`DecodeGraphs`] (its own session state, as a

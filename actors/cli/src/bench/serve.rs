@@ -223,9 +223,9 @@ fn device_used(b: &dyn nsactor_plugin_api::ComputeBackend) -> Option<u64> {
     }
 }
 
-pub fn run(a: ServeBenchArgs) -> crate::CliResult {
-    let started = Instant::now();
-    let l = match &a.checkpoint {
+/// The model to serve: `--checkpoint`'s, or a fresh one of `--config`.
+fn load(a: &ServeBenchArgs) -> CliResult<launch::Loaded> {
+    Ok(match &a.checkpoint {
         Some(c) => launch::load_checkpoint(&launch::CheckpointOptions {
             checkpoint: c.clone(),
             backend: a.backend.clone(),
@@ -242,19 +242,11 @@ pub fn run(a: ServeBenchArgs) -> crate::CliResult {
             a.pipeline,
             None,
         )?,
-    };
-    let max = a.sessions.iter().copied().max().unwrap_or(1);
-    let (buckets, mut plan) =
-        nsactor_decoding::warmup::WarmupPlan::for_spec(&a.cohort_buckets, max)?;
-    plan.passes = nsactor_decoding::warmup::Passes::parse(&a.warmup_passes)?;
-    let ready = nsactor_server::ready::Readiness::for_plan(a.no_warmup, &plan);
-    let state = nsactor_server::ServerState::new(
-        (l.pipeline.decoder(l.vocab), l.tokenizer.clone()),
-        (max, max),
-        l.name.clone(),
-        Default::default(),
-        (Default::default(), ready.clone()),
-    );
+    })
+}
+
+/// The run's description and the table's header.
+fn print_header(a: &ServeBenchArgs, l: &launch::Loaded) {
     let info = l.pipeline.backend().info();
     println!(
         "serve: {} ({} parameters) on {} {} ({}), pipeline {}; {} tokens per session at temperature {}, on loopback, the clock started once every client has connected; engine: the same load on the decoder, no network",
@@ -280,6 +272,24 @@ pub fn run(a: ServeBenchArgs) -> crate::CliResult {
         "distinct",
         "pad %"
     );
+}
+
+pub fn run(a: ServeBenchArgs) -> crate::CliResult {
+    let started = Instant::now();
+    let l = load(&a)?;
+    let max = a.sessions.iter().copied().max().unwrap_or(1);
+    let (buckets, mut plan) =
+        nsactor_decoding::warmup::WarmupPlan::for_spec(&a.cohort_buckets, max)?;
+    plan.passes = nsactor_decoding::warmup::Passes::parse(&a.warmup_passes)?;
+    let ready = nsactor_server::ready::Readiness::for_plan(a.no_warmup, &plan);
+    let state = nsactor_server::ServerState::new(
+        (l.pipeline.decoder(l.vocab), l.tokenizer.clone()),
+        (max, max),
+        l.name.clone(),
+        Default::default(),
+        (Default::default(), ready.clone()),
+    );
+    print_header(&a, &l);
     let decoder = state.generator.decoder.clone();
     decoder.set_buckets(buckets.clone());
     // Three runtimes, as in a deployment: the pipeline's (the actors), the server's, and the
@@ -334,63 +344,92 @@ pub fn run(a: ServeBenchArgs) -> crate::CliResult {
         }
         for &n in &a.sessions {
             for &protocol in &runs {
-                idle(&decoder).await;
-                let (c0, n0) = decoder.batch_counts();
-                let p0 = decoder.padded_rows();
-                let t = match protocol {
-                    "sse" => super::sse::sse_load(addr, n, a.tokens, a.temperature).await?,
-                    "ws+long" => {
-                        let after = std::time::Duration::from_millis(200);
-                        let long = Some((a.long_prompt, after));
-                        serve_load_with(addr, n, a.tokens, a.temperature, long).await?
-                    }
-                    _ => serve_load(addr, n, a.tokens, a.temperature).await?,
-                };
-                let (c1, n1) = decoder.batch_counts();
-                let pad = (decoder.padded_rows() - p0) as f64;
-                println!(
-                    "{:>9} {:>8} {:>14.1} {:>14.1} {:>13.2} {:>13.2} {:>16.0} {:>12.1} {:>9} {:>6.1}",
-                    t.sessions,
-                    protocol,
-                    t.ttft_p50_ms,
-                    t.ttft_p99_ms,
-                    t.itl_p50_ms,
-                    t.itl_p99_ms,
-                    t.tokens_per_s,
-                    (n1 - n0) as f64 / (c1 - c0).max(1) as f64,
-                    t.distinct,
-                    100.0 * pad / (pad + (n1 - n0) as f64).max(1.0)
-                );
-                if let Some(f) = t.first_text_p50_ms {
-                    println!("{:>18} first chunk with text p50 {f:.1} ms)", format!("({protocol}, {n}:"));
-                }
+                protocol_row(&a, addr, &decoder, n, protocol).await?;
             }
-            // The engine alone under the same load: what the server's path adds shows beside.
-            idle(&decoder).await;
-            let prompt = [1i64, 40, 41];
-            let e = super::generate::generate_load(&decoder, n, &prompt, a.tokens, true).await?;
-            println!(
-                "{:>9} {:>8} {:>14.1} {:>14} {:>13.2} {:>13.2} {:>16.0} {:>12.1} {:>9}",
-                n,
-                "engine",
-                e.prefill_p50_ms,
-                "",
-                e.step_p50_ms,
-                e.step_p99_ms,
-                e.tokens_per_s,
-                e.mean_cohort,
-                ""
-            );
-            if let (Some(u0), Some(u1)) = (used0, device_used(backend.as_ref())) {
-                println!(
-                    "{:>9} device memory {:.2} GiB after the warm-up, {:.2} GiB now: at most {:.2} MiB per session (pools keep their peak: states and the passes' activations)",
-                    n,
-                    u0 as f64 / GIB,
-                    u1 as f64 / GIB,
-                    u1.saturating_sub(u0) as f64 / n as f64 / (1 << 20) as f64
-                );
-            }
+            engine_row(&a, &decoder, n, backend.as_ref(), used0).await?;
         }
         Ok::<_, crate::CliError>(())
     })
+}
+
+/// One measured run of `n` clients through `protocol` (`ws`, `sse`, or `ws+long`), from an
+/// idle server: a row of the table, with the decoder's mean cohort and padding over the run.
+async fn protocol_row(
+    a: &ServeBenchArgs,
+    addr: std::net::SocketAddr,
+    decoder: &nsactor_decoding::AsyncDecoder,
+    n: usize,
+    protocol: &str,
+) -> CliResult {
+    idle(decoder).await;
+    let (c0, n0) = decoder.batch_counts();
+    let p0 = decoder.padded_rows();
+    let t = match protocol {
+        "sse" => super::sse::sse_load(addr, n, a.tokens, a.temperature).await?,
+        "ws+long" => {
+            let after = std::time::Duration::from_millis(200);
+            let long = Some((a.long_prompt, after));
+            serve_load_with(addr, n, a.tokens, a.temperature, long).await?
+        }
+        _ => serve_load(addr, n, a.tokens, a.temperature).await?,
+    };
+    let (c1, n1) = decoder.batch_counts();
+    let pad = (decoder.padded_rows() - p0) as f64;
+    println!(
+        "{:>9} {:>8} {:>14.1} {:>14.1} {:>13.2} {:>13.2} {:>16.0} {:>12.1} {:>9} {:>6.1}",
+        t.sessions,
+        protocol,
+        t.ttft_p50_ms,
+        t.ttft_p99_ms,
+        t.itl_p50_ms,
+        t.itl_p99_ms,
+        t.tokens_per_s,
+        (n1 - n0) as f64 / (c1 - c0).max(1) as f64,
+        t.distinct,
+        100.0 * pad / (pad + (n1 - n0) as f64).max(1.0)
+    );
+    if let Some(f) = t.first_text_p50_ms {
+        println!(
+            "{:>18} first chunk with text p50 {f:.1} ms)",
+            format!("({protocol}, {n}:")
+        );
+    }
+    Ok(())
+}
+
+/// The engine alone under the same load as the rows above it (what the server's path adds
+/// shows beside), then the device memory in use against `used0`, after the warm-up.
+async fn engine_row(
+    a: &ServeBenchArgs,
+    decoder: &nsactor_decoding::AsyncDecoder,
+    n: usize,
+    backend: &dyn nsactor_plugin_api::ComputeBackend,
+    used0: Option<u64>,
+) -> CliResult {
+    // The engine alone under the same load: what the server's path adds shows beside.
+    idle(decoder).await;
+    let prompt = [1i64, 40, 41];
+    let e = super::generate::generate_load(decoder, n, &prompt, a.tokens, true).await?;
+    println!(
+        "{:>9} {:>8} {:>14.1} {:>14} {:>13.2} {:>13.2} {:>16.0} {:>12.1} {:>9}",
+        n,
+        "engine",
+        e.prefill_p50_ms,
+        "",
+        e.step_p50_ms,
+        e.step_p99_ms,
+        e.tokens_per_s,
+        e.mean_cohort,
+        ""
+    );
+    if let (Some(u0), Some(u1)) = (used0, device_used(backend)) {
+        println!(
+            "{:>9} device memory {:.2} GiB after the warm-up, {:.2} GiB now: at most {:.2} MiB per session (pools keep their peak: states and the passes' activations)",
+            n,
+            u0 as f64 / GIB,
+            u1 as f64 / GIB,
+            u1.saturating_sub(u0) as f64 / n as f64 / (1 << 20) as f64
+        );
+    }
+    Ok(())
 }

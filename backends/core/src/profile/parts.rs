@@ -1,0 +1,270 @@
+//! The decode profile's later parts: the layer's sublayers one by one (each as run against its
+//! composition from tensor ops, timed and checked), then the probes that bound a decoding
+//! step from below — one tiny elementwise op, one decode-shaped GEMM, and the host round trips
+//! that reading a step's logits costs.
+
+use super::{Setup, Timer, check, row};
+use burn::tensor::{Distribution, Tensor};
+use nsactor_kernels::SnnOps;
+use nsactor_model::layer::{norm_plif, norm_plif_composed, ponder_agg, ponder_agg_composed};
+use nsactor_plugin_api::EngineError;
+
+/// The sublayer's start as run (fused where the backend fuses it) or composed: timed, then
+/// checked over 3 tokens from a non-resting state. Returns its spikes for the resting input,
+/// which the block and the FFN parts read.
+pub(super) fn norm_plif_part<B: SnnOps>(
+    out: &mut String,
+    t: &Timer<B>,
+    s: &Setup<B>,
+) -> Result<Tensor<B, 3>, EngineError> {
+    let (cfg, layer, batch, d, k, device) = (&s.cfg, &s.layer, s.batch, s.cfg.d, s.cfg.k, t.device);
+    let np = |h: &Tensor<B, 3>, v0: &Tensor<B, 2>, fused: bool| {
+        let f = if fused { norm_plif } else { norm_plif_composed };
+        f(
+            &layer.block_norm,
+            &layer.input_neuron1,
+            h.clone(),
+            k,
+            v0.clone(),
+            cfg.plif_out,
+        )
+    };
+    for (name, fused) in [
+        ("RMSNorm + input PLIF (K frames)", true),
+        ("RMSNorm + input PLIF composed from tensor ops", false),
+    ] {
+        let secs = t.time(t.reps, &mut || {
+            let _ = np(&s.h, &s.state.input1, fused);
+        })?;
+        row(out, name, secs);
+    }
+    // As run against the composition, over 3 tokens from a non-resting state.
+    let h3 = Tensor::<B, 3>::random([3, batch, d], Distribution::Normal(0.0, 1.0), device);
+    let v0 = Tensor::<B, 2>::random([batch, d], Distribution::Normal(0.0, 0.2), device);
+    let ((y, last), (y_ref, last_ref)) = (np(&h3, &v0, true), np(&h3, &v0, false));
+    check(
+        out,
+        "RMSNorm + input PLIF",
+        &[(y, y_ref), (last.unsqueeze(), last_ref.unsqueeze())],
+    )?;
+    let (a1, _) = np(&s.h, &s.state.input1, true);
+    Ok(a1)
+}
+
+/// The SNN block on the input spikes `a1`: timed whole; its projections as run (one GEMM on
+/// concatenated weights where the backend merges them) checked against six separate GEMMs;
+/// PonderAgg as run against its composition; then the out projection with its centring.
+pub(super) fn block_part<B: SnnOps>(
+    out: &mut String,
+    t: &Timer<B>,
+    s: &Setup<B>,
+    a1: &Tensor<B, 3>,
+) -> Result<(), EngineError> {
+    let (cfg, layer, batch, d, k, reps) = (&s.cfg, &s.layer, s.batch, s.cfg.d, s.cfg.k, t.reps);
+    row(
+        out,
+        "SNNBlock (7 projections + selective scan)",
+        t.time(reps, &mut || {
+            let _ = layer
+                .snn_block
+                .forward(a1.clone(), s.state.hidden.clone(), cfg.v_th_min);
+        })?,
+    );
+    // The projections as run (one GEMM on concatenated weights where the backend merges them)
+    // against six separate GEMMs.
+    let flat = a1.clone().reshape([k * batch, d]);
+    let blk = &layer.snn_block;
+    let merged = blk.projections(flat.clone(), cfg.dn());
+    let separate = [
+        &blk.W_in,
+        &blk.W_beta_x,
+        &blk.W_alpha_x,
+        &blk.W_th_x,
+        &blk.W_gate,
+        &blk.W_skip,
+    ]
+    .map(|l| l.forward(flat.clone()));
+    let pairs: Vec<_> = merged
+        .into_iter()
+        .zip(separate)
+        .map(|(m, s)| {
+            let w = m.dims()[1];
+            (m.reshape([k, batch, w]), s.reshape([k, batch, w]))
+        })
+        .collect();
+    check(out, "SNNBlock projections", &pairs)?;
+    let (c1, _) = layer
+        .snn_block
+        .forward(a1.clone(), s.state.hidden.clone(), cfg.v_th_min);
+    let pa = |fused: bool| {
+        let f = if fused {
+            ponder_agg
+        } else {
+            ponder_agg_composed
+        };
+        f(c1.clone(), &layer.block_halt, k)
+    };
+    for (name, fused) in [
+        ("PonderAgg (halt + weighted sum)", true),
+        ("PonderAgg composed from tensor ops", false),
+    ] {
+        let secs = t.time(reps, &mut || {
+            let _ = pa(fused);
+        })?;
+        row(out, name, secs);
+    }
+    let ((agg, ek), (agg_ref, ek_ref)) = (pa(true), pa(false));
+    check(
+        out,
+        "PonderAgg",
+        &[
+            (agg.clone(), agg_ref),
+            (ek.unsqueeze_dim(2), ek_ref.unsqueeze_dim(2)),
+        ],
+    )?;
+    row(
+        out,
+        "out projection + centring",
+        t.time(reps, &mut || {
+            let r = layer
+                .block_out_proj
+                .forward(agg.clone().reshape([batch, d]));
+            let _ = r.clone() - r.mean_dim(1);
+        })?,
+    );
+    Ok(())
+}
+
+/// The SNN FFN on the input spikes `a1`, timed whole; then its neurons and gating as run
+/// against their composition, timed and checked on a non-resting state.
+pub(super) fn ffn_part<B: SnnOps>(
+    out: &mut String,
+    t: &Timer<B>,
+    s: &Setup<B>,
+    a1: &Tensor<B, 3>,
+) -> Result<(), EngineError> {
+    let (cfg, layer, batch, k, reps, device) =
+        (&s.cfg, &s.layer, s.batch, s.cfg.k, t.reps, t.device);
+    row(
+        out,
+        "SNNFFN (gate/up + row scan + down)",
+        t.time(reps, &mut || {
+            let _ = layer
+                .snn_ffn
+                .forward(a1.clone(), s.state.ffn.clone(), cfg.plif_out);
+        })?,
+    );
+    let f2 = 2 * cfg.d_ff;
+    let i_gu = Tensor::<B, 3>::random([3 * k, batch, f2], Distribution::Normal(0.0, 1.0), device);
+    let v0 = Tensor::<B, 2>::random([batch, f2], Distribution::Normal(0.0, 0.1), device);
+    let gu = |fused: bool| {
+        let ffn = &layer.snn_ffn;
+        let (i, v) = (i_gu.clone(), v0.clone());
+        if fused {
+            ffn.gate_up(i, v, cfg.plif_out)
+        } else {
+            ffn.gate_up_composed(i, v, cfg.plif_out)
+        }
+    };
+    for (name, fused) in [
+        ("  of it: FFN neurons and gating, as run", true),
+        ("  of it: FFN neurons and gating, composed", false),
+    ] {
+        let secs = t.time(reps, &mut || {
+            let _ = gu(fused);
+        })?;
+        row(out, name, secs);
+    }
+    let ((gv, last), (gv_ref, last_ref)) = (gu(true), gu(false));
+    check(
+        out,
+        "FFN neurons and gating",
+        &[(gv, gv_ref), (last.unsqueeze(), last_ref.unsqueeze())],
+    )
+}
+
+/// The probes on launches: one tiny elementwise op (per launch, returned), and a decode-shaped
+/// projection GEMM with its input in f32 or already rounded.
+pub(super) fn launch_probes<B: SnnOps>(
+    out: &mut String,
+    t: &Timer<B>,
+    s: &Setup<B>,
+) -> Result<f64, EngineError> {
+    let (cfg, batch, d, k, reps, device) = (&s.cfg, s.batch, s.cfg.d, s.cfg.k, t.reps, t.device);
+    let small = Tensor::<B, 2>::zeros([k * batch, d], device);
+    let launches = 200;
+    let mut y = small.clone();
+    let add = t.time(1, &mut || {
+        for _ in 0..launches {
+            y = y.clone() + 1.0;
+        }
+    })? / launches as f64;
+    row(
+        out,
+        &format!("probe: one elementwise op on [{}, {d}]", k * batch),
+        add,
+    );
+    // The weight as decoding keeps it (rounded once, as the GEMM reads it); the input f32
+    // (rounded by the call, as a layer's inputs are where no kernel writes them rounded) or
+    // already rounded.
+    let w = nsactor_kernels::gemm_operand(Tensor::<B, 2>::random(
+        [d, cfg.dn()],
+        Distribution::Normal(0.0, 0.02),
+        device,
+    ));
+    let small_op = nsactor_kernels::gemm_operand(small.clone());
+    for (name, x) in [("f32 input", &small), ("input already rounded", &small_op)] {
+        row(
+            out,
+            &format!(
+                "probe: GEMM [{}, {d}] × [{d}, {}], {name}",
+                k * batch,
+                cfg.dn()
+            ),
+            t.time(reps, &mut || {
+                let _ = nsactor_kernels::matmul(x.clone(), w.clone());
+            })?,
+        );
+    }
+    Ok(add)
+}
+
+/// Host round trips: what reading a decoding step's logits costs beyond the work itself
+/// (median of single calls, each from an idle device, as a decoding step meets it).
+pub(super) fn host_probes<B: SnnOps>(
+    out: &mut String,
+    t: &Timer<B>,
+    s: &Setup<B>,
+) -> Result<(), EngineError> {
+    let (cfg, batch) = (&s.cfg, s.batch);
+    let logits = Tensor::<B, 2>::random([batch, cfg.vocab_size], Distribution::Default, t.device);
+    row(
+        out,
+        "probe: sync of an idle device",
+        t.median(&mut || t.sync())?,
+    );
+    row(
+        out,
+        &format!("probe: read [{batch}, {}] f32 to the host", cfg.vocab_size),
+        t.median(&mut || {
+            logits
+                .clone()
+                .into_data()
+                .to_vec::<f32>()
+                .map(|_| ())
+                .map_err(|e| EngineError::Backend(format!("{e:?}")))
+        })?,
+    );
+    row(
+        out,
+        "probe: one elementwise op, then read it",
+        t.median(&mut || {
+            (logits.clone() + 1.0)
+                .into_data()
+                .to_vec::<f32>()
+                .map(|_| ())
+                .map_err(|e| EngineError::Backend(format!("{e:?}")))
+        })?,
+    );
+    Ok(())
+}

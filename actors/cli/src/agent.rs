@@ -9,7 +9,7 @@
 //! restarted as one: a rank that dies takes the others down with it.
 
 use crate::group::{GROUP_FLAGS, Group, command, wait_all};
-use crate::{CliError, CliResult};
+use crate::result::{CliError, CliResult};
 use nsactor_checkpoint::checkpoint;
 use nsactor_engine::supervision::{RestartPolicy, Restarts};
 use std::ffi::OsString;

@@ -27,7 +27,7 @@ pub struct AnalyzeArgs {
     max_tokens: usize,
 }
 
-pub fn run(a: AnalyzeArgs) -> crate::CliResult {
+pub fn run(a: AnalyzeArgs) -> crate::result::CliResult {
     if a.max_tokens == 0 {
         return Err("--max-tokens must be at least 1".into());
     }

@@ -18,13 +18,13 @@ pub struct ShowArgs {
     config: Option<PathBuf>,
 }
 
-pub fn run(c: ConfigCommand) -> crate::CliResult {
+pub fn run(c: ConfigCommand) -> crate::result::CliResult {
     match c {
         ConfigCommand::Show(a) => show(a),
     }
 }
 
-fn show(a: ShowArgs) -> crate::CliResult {
+fn show(a: ShowArgs) -> crate::result::CliResult {
     let env = EnvLayer::from_env();
     let cfg = RunConfig::load_with(a.config.as_deref(), &env)?;
     let file = a.config.as_ref().map_or_else(

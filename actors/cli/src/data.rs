@@ -16,14 +16,14 @@ pub enum DataCommand {
 }
 
 /// Runs a `tokenizer` subcommand.
-pub fn tokenizer(c: TokenizerCommand) -> crate::CliResult {
+pub fn tokenizer(c: TokenizerCommand) -> crate::result::CliResult {
     match c {
         TokenizerCommand::Train(a) => Ok(nsactor_data::cli::tokenizer_train(&a)?),
     }
 }
 
 /// Runs a `data` subcommand.
-pub fn data(c: DataCommand) -> crate::CliResult {
+pub fn data(c: DataCommand) -> crate::result::CliResult {
     match c {
         DataCommand::Prepare(a) => Ok(nsactor_data::cli::data_prepare(&a)?),
     }

@@ -26,7 +26,7 @@ pub struct EvalArgs {
     seq_len: Option<usize>,
 }
 
-pub fn run(a: EvalArgs) -> crate::CliResult {
+pub fn run(a: EvalArgs) -> crate::result::CliResult {
     if a.batches == 0 {
         return Err("--batches must be at least 1".into());
     }

@@ -35,14 +35,14 @@ pub struct ImportArgs {
 }
 
 /// `nsactor export`.
-pub fn export(a: ExportArgs) -> crate::CliResult {
+pub fn export(a: ExportArgs) -> crate::result::CliResult {
     let dir = nsactor_checkpoint::export::export_hf(&a.checkpoint, &a.out, a.tokenizer.as_deref())?;
     println!("exported {} to {}", dir.display(), a.out.display());
     Ok(())
 }
 
 /// `nsactor import`.
-pub fn import(a: ImportArgs) -> crate::CliResult {
+pub fn import(a: ImportArgs) -> crate::result::CliResult {
     let compute = backend::open(&a.backend, &[])?;
     let dir = nsactor_checkpoint::export::import_hf(&a.from, &a.out, compute)?;
     println!(

@@ -27,7 +27,7 @@ pub struct GenerateArgs {
     seed: Option<u64>,
 }
 
-pub fn run(a: GenerateArgs) -> crate::CliResult {
+pub fn run(a: GenerateArgs) -> crate::result::CliResult {
     use nsactor_server::generate::GenEvent;
     use nsactor_server::protocol::{ChatMessage, PromptSpec, SamplingOptions};
     use std::io::{BufRead, Write};
@@ -49,7 +49,7 @@ pub fn run(a: GenerateArgs) -> crate::CliResult {
         ..SamplingOptions::default()
     };
     // Streams one answer to stdout; returns its text.
-    let run = |prompt: PromptSpec| -> crate::CliResult<String> {
+    let run = |prompt: PromptSpec| -> crate::result::CliResult<String> {
         let spec = options().validate(prompt, false, &state.limits)?;
         let (tx, mut rx) = tokio::sync::mpsc::channel(64);
         let g = state.clone();

@@ -10,7 +10,7 @@
 //! free one unless given; with several, every host must be given the same `NSACTOR_SECRET`
 //! (or `NSACTOR_SECRET_FILE`) and `--master-addr`.
 
-use crate::CliError;
+use crate::result::CliError;
 use nsactor_cluster::World;
 use std::ffi::OsString;
 use std::os::unix::process::CommandExt;

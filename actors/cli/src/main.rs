@@ -16,19 +16,13 @@ mod generate;
 mod group;
 mod plot;
 mod plugins;
+mod result;
 mod serve;
 mod train;
 mod verify;
 
 use clap::{Parser, Subcommand};
 use std::process::ExitCode;
-
-/// What a command returns: its error is printed as `error: …` and the exit code is 1.
-pub type CliResult<T = ()> = Result<T, CliError>;
-
-/// The CLI's top-level error: whatever a command failed with (each library's own error type,
-/// or a message of the CLI's), sendable across the benchmarks' tasks.
-pub type CliError = Box<dyn std::error::Error + Send + Sync>;
 
 #[derive(Parser)]
 #[command(

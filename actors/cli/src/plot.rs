@@ -15,7 +15,7 @@ pub struct PlotArgs {
     title: Option<String>,
 }
 
-pub fn run(a: PlotArgs) -> crate::CliResult {
+pub fn run(a: PlotArgs) -> crate::result::CliResult {
     let metrics = a.run.join("metrics.jsonl");
     let out = a.out.unwrap_or_else(|| a.run.join("loss.png"));
     let title = a.title.unwrap_or_else(|| a.run.display().to_string());

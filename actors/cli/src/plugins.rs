@@ -10,7 +10,7 @@ pub struct PluginsArgs {
     plugin_dirs: Vec<PathBuf>,
 }
 
-pub fn run(args: PluginsArgs) -> crate::CliResult {
+pub fn run(args: PluginsArgs) -> crate::result::CliResult {
     let (dirs, found) = backend::list(&args.plugin_dirs);
     println!(
         "ABI version of this nsactor: {}",

@@ -103,7 +103,7 @@ struct LimitArgs {
 }
 
 impl LimitArgs {
-    fn limits(&self) -> Result<nsactor_server::protocol::Limits, crate::CliError> {
+    fn limits(&self) -> Result<nsactor_server::protocol::Limits, crate::result::CliError> {
         let secs = |name: &str, v: f64| {
             if v.is_finite() && v >= 0.0 {
                 Ok(Duration::from_secs_f64(v))
@@ -137,7 +137,7 @@ pub const API_KEY_ENV: &str = "NSACTOR_API_KEY";
 
 impl ServeArgs {
     /// `--shutdown-grace` as a duration.
-    fn grace(&self) -> Result<Duration, crate::CliError> {
+    fn grace(&self) -> Result<Duration, crate::result::CliError> {
         if !(self.shutdown_grace.is_finite() && self.shutdown_grace >= 0.0) {
             return Err(format!(
                 "--shutdown-grace must be seconds >= 0, got {}",
@@ -148,7 +148,7 @@ impl ServeArgs {
         Ok(Duration::from_secs_f64(self.shutdown_grace))
     }
 
-    fn heal_policy(&self) -> Result<RestartPolicy, crate::CliError> {
+    fn heal_policy(&self) -> Result<RestartPolicy, crate::result::CliError> {
         if !(self.rebuild_window.is_finite() && self.rebuild_window > 0.0) {
             return Err(format!(
                 "--rebuild-window must be seconds > 0, got {}",
@@ -171,7 +171,7 @@ impl ServeArgs {
     }
 
     /// Every configured key: the flags, `$NSACTOR_API_KEY`, then the key file.
-    fn keys(&self) -> Result<nsactor_server::auth::ApiKeys, crate::CliError> {
+    fn keys(&self) -> Result<nsactor_server::auth::ApiKeys, crate::result::CliError> {
         let mut keys = self.api_keys.clone();
         if let Ok(k) = std::env::var(API_KEY_ENV) {
             keys.push(k);
@@ -196,7 +196,7 @@ impl ServeArgs {
     }
 }
 
-pub fn run(a: ServeArgs) -> crate::CliResult {
+pub fn run(a: ServeArgs) -> crate::result::CliResult {
     let started = Instant::now();
     // Every flag is checked before anything is loaded.
     let keys = a.keys()?;
@@ -279,7 +279,7 @@ pub fn run(a: ServeArgs) -> crate::CliResult {
                 return Err(format!("decoding has failed, exiting: {why}").into());
             }
         }
-        Ok::<_, crate::CliError>(())
+        Ok::<_, crate::result::CliError>(())
     })
 }
 

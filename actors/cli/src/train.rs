@@ -86,7 +86,7 @@ pub struct TrainArgs {
     sample: String,
 }
 
-pub fn run(args: TrainArgs) -> crate::CliResult {
+pub fn run(args: TrainArgs) -> crate::result::CliResult {
     let mut cfg = RunConfig::load(args.config.as_deref())?;
     cfg.apply(&Overrides {
         steps: args.steps,

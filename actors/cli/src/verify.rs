@@ -71,7 +71,7 @@ pub struct VerifyScanArgs {
     precision: String,
 }
 
-pub fn verify_cmd(args: VerifyArgs) -> crate::CliResult {
+pub fn verify_cmd(args: VerifyArgs) -> crate::result::CliResult {
     let bytes = std::fs::read(&args.fixture)
         .map_err(|e| format!("cannot read fixture {}: {e}", args.fixture.display()))?;
     let bf16 = args.precision == "bf16";
@@ -142,7 +142,7 @@ pub fn verify_cmd(args: VerifyArgs) -> crate::CliResult {
     }
 }
 
-pub fn verify_scan_cmd(args: VerifyScanArgs) -> crate::CliResult {
+pub fn verify_scan_cmd(args: VerifyScanArgs) -> crate::result::CliResult {
     // The plugin reads the file itself; read it here first so a bad path is our error.
     std::fs::metadata(&args.fixture)
         .map_err(|e| format!("cannot read fixture {}: {e}", args.fixture.display()))?;
@@ -188,7 +188,7 @@ pub fn verify_scan_cmd(args: VerifyScanArgs) -> crate::CliResult {
     }
 }
 
-pub fn verify_batch_cmd(a: VerifyBatchArgs) -> crate::CliResult {
+pub fn verify_batch_cmd(a: VerifyBatchArgs) -> crate::result::CliResult {
     let mut cfg = nsactor_engine::config::RunConfig::load(a.config.as_deref())?;
     if a.precision.is_some() {
         cfg.backend.precision = a.precision.clone();
@@ -235,7 +235,7 @@ pub fn verify_batch_cmd(a: VerifyBatchArgs) -> crate::CliResult {
 }
 
 /// Runs a `verify` subcommand.
-pub fn run(c: VerifyCommand) -> crate::CliResult {
+pub fn run(c: VerifyCommand) -> crate::result::CliResult {
     match c {
         VerifyCommand::TinyA(a) => verify_cmd(a),
         VerifyCommand::PlifScan(a) => verify_scan_cmd(a),

@@ -9,28 +9,15 @@
 //! for training is the runtime's business (`nsactor-pipeline`'s `world`); this crate
 //! knows no tensors and no model.
 
+pub mod error;
 pub mod peers;
 pub mod wire;
 pub mod world;
 
+pub use error::ClusterError;
 pub use peers::Peers;
 pub use wire::{Body, Kind, MicroResult, Packet, WirePart};
 pub use world::World;
-
-/// What went wrong between ranks.
-#[derive(Debug, thiserror::Error)]
-pub enum ClusterError {
-    /// The world cannot form: bad variables, a port in use, a rank that never came, a refusal.
-    #[error("{0}")]
-    World(String),
-    /// Another rank is gone or gave up.
-    #[error("the world broke: {0}")]
-    Broken(String),
-    #[error("waited {seconds:.0} s for {what} (NSACTOR_TIMEOUT_S)")]
-    Timeout { what: String, seconds: f64 },
-    #[error("{0}")]
-    Wire(String),
-}
 
 /// FNV-1a over `bytes`: the same on every host and build, for configuration fingerprints.
 pub fn fingerprint(bytes: &[u8]) -> u64 {

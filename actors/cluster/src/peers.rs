@@ -10,8 +10,9 @@
 //! A closed connection (a process that died) or an [`Body::Abort`] breaks every wait with the
 //! reason, and so does a wait longer than the world's timeout.
 
+use crate::error::ClusterError;
 use crate::wire::{Body, Kind, Packet};
-use crate::{ClusterError, World};
+use crate::world::World;
 use ractor::message::{BoxedDowncastErr, SerializedMessage};
 use ractor::{Actor, ActorProcessingErr, ActorRef, Message};
 use ractor_cluster::node::{NodeConnectionMode, NodeServerSessionInformation};

@@ -7,7 +7,7 @@
 //! still add them in the same order. Decoding checks every length against the bytes present:
 //! a truncated or foreign packet is an error naming what was wrong, never a panic.
 
-use crate::ClusterError;
+use crate::error::ClusterError;
 
 const MAGIC: &[u8; 4] = b"NSX1";
 

@@ -9,7 +9,7 @@
 //! `nsactor train --nproc-per-node` makes one up for its own children. A world of one process
 //! is no world: training runs in-process as before.
 
-use crate::ClusterError;
+use crate::error::ClusterError;
 use std::time::Duration;
 
 /// How long a rank waits for another before it gives the run up: as long as NCCL's default.

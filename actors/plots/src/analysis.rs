@@ -3,7 +3,7 @@
 //! distribution of the hidden neurons' β with the fast/slow split, and surprisal against E[K].
 //! Each takes plain numbers and returns PNG bytes.
 
-use crate::{Area, FONT, PlotError, draw_err, render_png};
+use crate::canvas::{Area, FONT, PlotError, draw_err, render_png};
 use plotters::coord::ranged1d::SegmentValue;
 use plotters::prelude::*;
 use std::ops::Range;
@@ -538,20 +538,20 @@ mod tests {
         };
         let bars = [("bos".to_string(), s(3.2)), ("punct".into(), s(5.7))];
         let png = categories_png(&bars, &[0, 2]).unwrap();
-        let (_, _, rgb) = crate::decode_png(&png).unwrap();
+        let (_, _, rgb) = crate::canvas::decode_png(&png).unwrap();
         assert!(has(&rgb, PALETTE[0]) > 1000 && has(&rgb, PALETTE[2]) > 1000);
         let png = layers_png(&[s(4.0), s(8.0), s(12.0)], &[s(7.5); 3]).unwrap();
-        let (_, _, rgb) = crate::decode_png(&png).unwrap();
+        let (_, _, rgb) = crate::canvas::decode_png(&png).unwrap();
         assert!(has(&rgb, BLOCK) > 300 && has(&rgb, FFN) > 300);
         let mut hist = vec![0.0; 50];
         hist[40] = 3.0;
         hist[47] = 1.0;
         let png = beta_png(&hist, &hist, 0.9, [(75.0, 25.0); 2]).unwrap();
-        let (_, _, rgb) = crate::decode_png(&png).unwrap();
+        let (_, _, rgb) = crate::canvas::decode_png(&png).unwrap();
         assert!(has(&rgb, FFN) > 100, "the data line");
         let points = [(8.9, 3.2, true), (2.0, 7.5, false), (4.0, 7.9, false)];
         let png = surprisal_png(&points, (Some(-0.5), None), &[(0.0..1.0, s(7.5))]).unwrap();
-        let (_, _, rgb) = crate::decode_png(&png).unwrap();
+        let (_, _, rgb) = crate::canvas::decode_png(&png).unwrap();
         assert!(has(&rgb, FFN) > 50, "the binned means");
         let tokens = vec![TokenBar {
             label: "的".into(),

@@ -4,7 +4,7 @@
 //! learning-rate panel the schedule; the ponder panel E[K], the mean number of PLIF steps per
 //! token, with the band from the layer with the fewest to the layer with the most.
 
-use crate::{Area, FONT, PlotError, draw_err, render_png};
+use crate::canvas::{Area, FONT, PlotError, draw_err, render_png};
 use plotters::prelude::*;
 use std::ops::Range;
 
@@ -320,7 +320,7 @@ mod tests {
     #[test]
     fn a_falling_loss_is_drawn_falling_with_every_panel() {
         let png = falling(300).to_png((960, 900)).expect("drawn");
-        let (w, h, rgb) = crate::decode_png(&png).expect("a PNG");
+        let (w, h, rgb) = crate::canvas::decode_png(&png).expect("a PNG");
         assert_eq!((w, h), (960, 900));
         let avg = pixels(&rgb, w, AVERAGE);
         assert!(

@@ -10,37 +10,14 @@ use axum::extract::Request;
 use hyper::body::Incoming;
 use hyper_util::rt::{TokioIo, TokioTimer};
 use hyper_util::service::TowerToHyperService;
-use nsactor_telemetry::ServingMetrics;
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::{OwnedSemaphorePermit, Semaphore, watch};
+use tokio::sync::{Semaphore, watch};
 use tower::ServiceExt;
 
-/// A connection's place under `--max-connections`, counted in `nsactor_connections`: both are
-/// given back when the last holder (the HTTP connection, a WebSocket it was upgraded to) drops
-/// it. Every request carries it as an extension.
-pub struct ConnSlot {
-    _permit: OwnedSemaphorePermit,
-    metrics: Arc<ServingMetrics>,
-}
-
-impl ConnSlot {
-    fn new(permit: OwnedSemaphorePermit, metrics: Arc<ServingMetrics>) -> Arc<Self> {
-        metrics.connections.inc();
-        Arc::new(ConnSlot {
-            _permit: permit,
-            metrics,
-        })
-    }
-}
-
-impl Drop for ConnSlot {
-    fn drop(&mut self) {
-        self.metrics.connections.dec();
-    }
-}
+use crate::slot::ConnSlot;
 
 /// How long connections get to finish their responses once the server stops.
 const CLOSE_WAIT: Duration = Duration::from_secs(5);
@@ -52,7 +29,7 @@ pub async fn serve(
     state: Shared,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
-    let router = crate::router(state.clone());
+    let router = crate::routes::router(state.clone());
     let cap = state.limits.max_connections.max(1);
     let permits = Arc::new(Semaphore::new(cap));
     let (stop_tx, stop_rx) = watch::channel(false);

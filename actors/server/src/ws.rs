@@ -13,8 +13,8 @@ mod writer;
 
 use crate::auth;
 use crate::error::ServeError;
-use crate::listen::ConnSlot;
 use crate::messages::{ClientMsg, ServerMsg};
+use crate::slot::ConnSlot;
 use crate::state::Shared;
 use axum::Extension;
 use axum::extract::State;

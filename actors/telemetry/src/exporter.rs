@@ -2,7 +2,7 @@
 //! in the text exposition format, 404 for any other path, on hyper in a thread of its own so
 //! the training loop never waits on a scrape. It stops when the [`Exporter`] is dropped.
 
-use crate::{CONTENT_TYPE, TelemetryError, render};
+use crate::registry::{CONTENT_TYPE, TelemetryError, render};
 use http_body_util::Full;
 use hyper::body::{Bytes, Incoming};
 use hyper::{Request, Response, StatusCode};

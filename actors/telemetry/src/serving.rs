@@ -3,7 +3,7 @@
 //! time to first token, inter-token latency and end-to-end latency histograms, plus the
 //! connection limits and the decoder's batching.
 
-use crate::{TelemetryError, raise_to, registered, render};
+use crate::registry::{TelemetryError, raise_to, registered, render};
 use prometheus::{Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge, Opts, Registry};
 
 /// Time to first token buckets, seconds (vLLM's).

@@ -3,7 +3,7 @@
 //! seen and of the recoveries, skipped steps and loss spikes. `metrics.jsonl` keeps the
 //! per-step history; this is its live view for a dashboard.
 
-use crate::{TelemetryError, registered, render};
+use crate::registry::{TelemetryError, registered, render};
 use prometheus::{Gauge, Histogram, HistogramOpts, IntCounter, IntGauge, Registry};
 
 /// Step time buckets, seconds.

@@ -8,8 +8,8 @@
 //!   and the 0.9B config's layer sizes (every projection weight of one layer, f32), and what
 //!   that makes per step (every layer and the edge, one after another).
 
-use crate::CliResult;
 use crate::bench::stats::pct;
+use crate::result::CliResult;
 use nsactor_cluster::{Body, Kind, MicroResult, Peers, WirePart, World};
 use nsactor_engine::config::RunConfig;
 use std::time::{Duration, Instant};
@@ -25,7 +25,7 @@ pub struct ClusterBenchArgs {
 }
 
 /// (label, layer gradient values, edge gradient values, layers) of a config.
-fn shapes() -> Result<Vec<(&'static str, usize, usize, usize)>, crate::CliError> {
+fn shapes() -> Result<Vec<(&'static str, usize, usize, usize)>, crate::result::CliError> {
     let mut out = Vec::new();
     for (label, text) in [
         ("tiny", include_str!("../../../../configs/tiny.toml")),

@@ -2,7 +2,7 @@
 //! recent tokens ([`nsactor_data::TextStream`]) against decoding the whole generation again at
 //! every token (what the server did before).
 
-use crate::CliResult;
+use crate::result::CliResult;
 use std::path::PathBuf;
 use std::time::Instant;
 

@@ -1,8 +1,8 @@
 //! `nsactor bench generate` and `bench decode-profile`: decoding without the network.
 
+use super::open::{open_with_precision, print_memory, print_text};
 use super::stats::pct;
-use super::{open_with_precision, print_memory, print_text};
-use crate::{CliError, CliResult};
+use crate::result::{CliError, CliResult};
 use nsactor_launch::launch::{self};
 use nsactor_plugin_api::Diagnostic;
 use std::path::PathBuf;
@@ -182,7 +182,7 @@ async fn argmax_of(
     Ok(nsactor_engine::decode::argmax(&d.feed(session, ids).await?) as i64)
 }
 
-pub fn run(a: GenerateBenchArgs) -> crate::CliResult {
+pub fn run(a: GenerateBenchArgs) -> crate::result::CliResult {
     if a.tokens < 2 || a.prompt_len == 0 || a.sessions.contains(&0) {
         return Err("--tokens must be ≥ 2, --prompt-len ≥ 1 and every --sessions ≥ 1".into());
     }
@@ -313,7 +313,7 @@ pub fn run(a: GenerateBenchArgs) -> crate::CliResult {
         for (n, mean, worst) in slow {
             println!("  {n:>4} sessions: mean {mean:.2} ms; {worst}");
         }
-        Ok::<_, crate::CliError>(())
+        Ok::<_, crate::result::CliError>(())
     })?;
     print_memory(l.pipeline.backend().as_ref());
     Ok(())
@@ -332,7 +332,7 @@ pub struct DecodeProfileArgs {
     options: String,
 }
 
-pub fn decode_profile_cmd(a: DecodeProfileArgs) -> crate::CliResult {
+pub fn decode_profile_cmd(a: DecodeProfileArgs) -> crate::result::CliResult {
     let b = open_with_precision(&a.backend, &a.precision)?;
     print_text(b.as_ref(), Diagnostic::DecodeProfile { options: a.options })
 }

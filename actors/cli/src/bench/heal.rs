@@ -6,7 +6,7 @@
 //! the rebuild's phases (read + verify the checkpoint, rebuild the actors, load the weights),
 //! and the first pass after it against one before.
 
-use crate::CliResult;
+use crate::result::CliResult;
 use nsactor_decoding::heal::Health;
 use nsactor_launch::launch::{self, CheckpointOptions};
 use std::path::PathBuf;
@@ -124,7 +124,7 @@ pub fn measure(a: &HealArgs) -> CliResult<(HealReport, String)> {
         let first_pass_after_s = t.elapsed().as_secs_f64();
         d.close(s).await;
         let timings = d.last_heal().ok_or("healed without timings")?;
-        Ok::<_, crate::CliError>(HealReport {
+        Ok::<_, crate::result::CliError>(HealReport {
             timings,
             pass_before_s,
             first_pass_after_s,

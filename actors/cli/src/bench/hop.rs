@@ -1,7 +1,7 @@
 //! `nsactor bench pipeline-hop`: an actor hop against a 0.9B layer's compute.
 
 use super::echo::EchoBackend;
-use crate::CliResult;
+use crate::result::CliResult;
 use nsactor_plugin_api::{ComputeBackend, OptimizerKind};
 use std::sync::Arc;
 use std::time::Instant;
@@ -100,7 +100,7 @@ pub struct HopArgs {
     schedule: Option<String>,
 }
 
-pub fn run(args: HopArgs) -> crate::CliResult {
+pub fn run(args: HopArgs) -> crate::result::CliResult {
     // 0.9B, one layer, one micro-batch of 4 × 511 tokens: ≈107 GFLOP per trained token with
     // per-layer recompute over 20 layers (DESIGN.md performance model).
     let layer_flop = 107e9 / 20.0 * 4.0 * 511.0;

@@ -1,6 +1,6 @@
 //! `nsactor bench kernels`: the backend's own kernel benchmark.
 
-use super::{open_with_precision, print_text};
+use super::open::{open_with_precision, print_text};
 use nsactor_plugin_api::Diagnostic;
 
 #[derive(clap::Args)]
@@ -20,7 +20,7 @@ pub struct KernelsArgs {
     options: String,
 }
 
-pub fn run(args: KernelsArgs) -> crate::CliResult {
+pub fn run(args: KernelsArgs) -> crate::result::CliResult {
     let b = open_with_precision(&args.backend, &args.precision)?;
     let info = b.info();
     println!(

@@ -75,7 +75,7 @@ pub struct OverheadArgs {
     reps: usize,
 }
 
-pub fn run(args: OverheadArgs) -> crate::CliResult {
+pub fn run(args: OverheadArgs) -> crate::result::CliResult {
     let plugin = backend::open(&args.backend, &[])?;
     let info = plugin.info();
     let p = boundary(&plugin, args.iters, args.reps)?;

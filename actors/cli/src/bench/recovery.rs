@@ -1,6 +1,6 @@
 //! `nsactor bench recovery`: recovery time and checkpoint bandwidth.
 
-use crate::CliResult;
+use crate::result::CliResult;
 use nsactor_engine::backend;
 use nsactor_plugin_api::OptimizerKind;
 use std::path::PathBuf;
@@ -117,7 +117,7 @@ pub struct RecoveryArgs {
     size_mb: usize,
 }
 
-pub fn run(args: RecoveryArgs) -> crate::CliResult {
+pub fn run(args: RecoveryArgs) -> crate::result::CliResult {
     let _ = std::fs::remove_dir_all(&args.dir);
     let r = recovery(&args.dir, args.size_mb);
     let _ = std::fs::remove_dir_all(&args.dir);

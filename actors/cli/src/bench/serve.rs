@@ -1,7 +1,7 @@
 //! `nsactor bench serve`: TTFT, inter-token latency and tokens/s through the real server on loopback.
 
 use super::stats::ServeTimings;
-use crate::{CliError, CliResult};
+use crate::result::{CliError, CliResult};
 use nsactor_launch::launch::{self};
 use std::path::PathBuf;
 use std::time::Instant;
@@ -274,7 +274,7 @@ fn print_header(a: &ServeBenchArgs, l: &launch::Loaded) {
     );
 }
 
-pub fn run(a: ServeBenchArgs) -> crate::CliResult {
+pub fn run(a: ServeBenchArgs) -> crate::result::CliResult {
     let started = Instant::now();
     let l = load(&a)?;
     let max = a.sessions.iter().copied().max().unwrap_or(1);
@@ -348,7 +348,7 @@ pub fn run(a: ServeBenchArgs) -> crate::CliResult {
             }
             engine_row(&a, &decoder, n, backend.as_ref(), used0).await?;
         }
-        Ok::<_, crate::CliError>(())
+        Ok::<_, crate::result::CliError>(())
     })
 }
 

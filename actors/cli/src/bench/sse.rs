@@ -2,7 +2,7 @@
 //! (Server-Sent Events) over hyper on loopback, as an OpenAI client would call the server.
 
 use super::stats::ServeTimings;
-use crate::CliResult;
+use crate::result::CliResult;
 use http_body_util::BodyExt;
 use std::time::Instant;
 
@@ -67,7 +67,7 @@ async fn one(
                 .await
                 .map_err(|e| format!("HTTP handshake: {e}"))?;
         tokio::spawn(conn);
-        Ok::<_, crate::CliError>(sender)
+        Ok::<_, crate::result::CliError>(sender)
     };
     let sender = connect.await;
     ready.wait().await;

@@ -3,8 +3,8 @@
 use super::breakdown::print_device_breakdown;
 use super::flops::train_flops_per_token;
 use super::steps::{TrainBench, TrainStepTiming};
-use crate::CliResult;
 use crate::args::LayoutArgs;
+use crate::result::CliResult;
 use nsactor_engine::config::{Overrides, RunConfig};
 use nsactor_launch::launch::{self};
 use nsactor_plugin_api::{Diagnostic, DiagnosticReport, OptimizerKind};
@@ -162,7 +162,7 @@ pub struct TrainBenchArgs {
     no_breakdown: bool,
 }
 
-pub fn run(a: TrainBenchArgs) -> crate::CliResult {
+pub fn run(a: TrainBenchArgs) -> crate::result::CliResult {
     if a.steps == 0 {
         return Err("--steps must be at least 1".into());
     }
@@ -299,7 +299,7 @@ pub fn run(a: TrainBenchArgs) -> crate::CliResult {
         100.0 * (p - 1.0) / (m + p - 1.0)
     );
     print_device_breakdown(&r, &info, executed_flops, a.no_breakdown);
-    super::print_memory(compute.as_ref());
+    super::open::print_memory(compute.as_ref());
     Ok(())
 }
 

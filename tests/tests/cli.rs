@@ -219,6 +219,33 @@ fn killed_crashed_and_failing_runs_end_exactly_like_an_uninterrupted_one() {
         .len();
     let header = String::from_utf8_lossy(&st[8..200]).into_owned();
     assert!(header.contains("\"model."), "{header}");
+    // The tokenizer says what it is: BOS, EOS, pad and the ChatML template, as Hugging Face
+    // tools (AutoTokenizer, lm-evaluation-harness) read them.
+    let read_json = |name: &str| -> serde_json::Value {
+        serde_json::from_slice(&std::fs::read(hf.join(name)).unwrap()).unwrap()
+    };
+    let tc = read_json("tokenizer_config.json");
+    assert_eq!(
+        (
+            tc["bos_token"].as_str(),
+            tc["eos_token"].as_str(),
+            tc["pad_token"].as_str()
+        ),
+        (Some("<|im_start|>"), Some("<|im_end|>"), Some("<unk>")),
+        "{tc}"
+    );
+    assert!(
+        tc["chat_template"]
+            .as_str()
+            .unwrap()
+            .contains("<|im_start|>assistant"),
+        "{tc}"
+    );
+    let gc = read_json("generation_config.json");
+    assert_eq!(
+        (gc["bos_token_id"].as_u64(), gc["eos_token_id"].as_u64()),
+        (Some(3), Some(4))
+    );
     let imported = dir.join("imported");
     run_ok(&[
         "import",

@@ -72,7 +72,8 @@ pub fn model_from_hf(config: &serde_json::Value) -> Result<ModelConfig, RuntimeE
     Ok(model)
 }
 
-/// Writes `out/{config.json, model.safetensors, tokenizer.json}` from the checkpoint at
+/// Writes `out/{config.json, model.safetensors, tokenizer.json, tokenizer_config.json,
+/// generation_config.json}` from the checkpoint at
 /// `checkpoint` (see [`find_checkpoint`]). The tokenizer is `tokenizer` or the run's, and must
 /// be the one the checkpoint was trained with.
 pub fn export_hf(
@@ -116,7 +117,33 @@ pub fn export_hf(
     )
     .map_err(convert)?;
     write("tokenizer.json", tok.to_json(true)?.as_bytes()).map_err(convert)?;
+    let json = |v: serde_json::Value| serde_json::to_string_pretty(&v).map_err(convert);
+    write(
+        "tokenizer_config.json",
+        json(tok.hf_tokenizer_config(MODEL_MAX_LENGTH))?.as_bytes(),
+    )
+    .map_err(convert)?;
+    write(
+        "generation_config.json",
+        json(generation_config(&tok))?.as_bytes(),
+    )
+    .map_err(convert)?;
     Ok(l.dir)
+}
+
+/// The longest input an export's tokenizer configuration names. The model itself has no
+/// context limit (its state is the same size after any number of tokens); this is the figure
+/// tools that read `model_max_length` get, far above the training windows.
+pub const MODEL_MAX_LENGTH: usize = 131_072;
+
+/// `generation_config.json`: the ids generation starts and stops with (`transformers`'
+/// `GenerationConfig`).
+pub fn generation_config(tok: &nsactor_data::Tokenizer) -> serde_json::Value {
+    serde_json::json!({
+        "bos_token_id": tok.bos_id(),
+        "eos_token_id": tok.eos_id(),
+        "pad_token_id": nsactor_data::tokenizer::PAD_ID,
+    })
 }
 
 /// A Hugging Face NeuronSpark directory as read: its model, weights and tokenizer.

@@ -139,6 +139,30 @@ impl Tokenizer {
         self.inner.token_to_id(token)
     }
 
+    /// What a Hugging Face `tokenizer_config.json` says of this tokenizer, and what vLLM's
+    /// `GET /tokenizer_info` answers: the BOS, EOS and pad tokens (with their ids), the ChatML
+    /// chat template ([`CHAT_TEMPLATE_JINJA`]) and the longest input, `model_max_length`. No
+    /// token is added by the tokenizer itself (`add_bos_token: false`): a server or trainer
+    /// puts the BOS in front where the model reads one.
+    pub fn hf_tokenizer_config(&self, model_max_length: usize) -> serde_json::Value {
+        let token = |id: u32| self.inner.id_to_token(id).unwrap_or_default();
+        serde_json::json!({
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "bos_token": token(self.bos),
+            "eos_token": token(self.eos),
+            "pad_token": token(PAD_ID),
+            "unk_token": token(PAD_ID),
+            "bos_token_id": self.bos,
+            "eos_token_id": self.eos,
+            "pad_token_id": PAD_ID,
+            "add_bos_token": false,
+            "add_eos_token": false,
+            "clean_up_tokenization_spaces": false,
+            "chat_template": CHAT_TEMPLATE_JINJA,
+            "model_max_length": model_max_length,
+        })
+    }
+
     /// `encode(text, add_special_tokens=false)` ids; special tokens written in `text` are
     /// recognised (the ChatML template relies on it).
     pub fn encode(&self, text: &str) -> Result<Vec<u32>> {
@@ -282,6 +306,11 @@ impl Message {
         }
     }
 }
+
+/// [`chat_template`] as the Jinja template of a Hugging Face `tokenizer_config.json`
+/// (`transformers`' `apply_chat_template`, vLLM, lm-evaluation-harness read it): the same text
+/// for the same messages.
+pub const CHAT_TEMPLATE_JINJA: &str = "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}";
 
 /// The reference's ChatML template (SPEC §9): `<|im_start|>{role}\n{content}<|im_end|>\n` per
 /// message, then `<|im_start|>assistant\n` if `add_generation_prompt`.

@@ -285,3 +285,35 @@ fn spans_give_the_same_ids_and_cover_the_text_in_order() {
         assert_eq!(spanned[0].1.start, 0);
     }
 }
+
+#[test]
+fn the_hugging_face_config_names_the_special_tokens_and_the_chatml_template() {
+    let tok = reference();
+    let c = tok.hf_tokenizer_config(131_072);
+    assert_eq!(c["bos_token"], "<|im_start|>");
+    assert_eq!(c["eos_token"], "<|im_end|>");
+    assert_eq!(c["pad_token"], "<unk>");
+    assert_eq!(
+        (c["bos_token_id"].as_u64(), c["eos_token_id"].as_u64()),
+        (Some(3), Some(4))
+    );
+    assert_eq!(c["pad_token_id"], 0);
+    assert_eq!(c["model_max_length"], 131_072);
+    assert_eq!(c["add_bos_token"], false);
+    let template = c["chat_template"].as_str().unwrap();
+    assert_eq!(template, nsactor_data::CHAT_TEMPLATE_JINJA);
+    // The Jinja text spells the same turn layout as `chat_template`, piece by piece (Python's
+    // jinja2 renders it to exactly `chat_template`'s text; no Jinja engine is linked here).
+    let turn = chat_template(&[Message::new("user", "hi")], true);
+    assert_eq!(
+        turn,
+        "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    );
+    for piece in [
+        "'<|im_start|>' + message['role'] + '\\n'",
+        "'<|im_end|>' + '\\n'",
+        "'<|im_start|>assistant\\n'",
+    ] {
+        assert!(template.contains(piece), "{piece} not in {template}");
+    }
+}

@@ -23,6 +23,7 @@ pub fn router(state: Shared) -> Router {
         .route("/v1/models", get(openai::models))
         .route("/tokenize", post(openai::tokenize::tokenize))
         .route("/detokenize", post(openai::tokenize::detokenize))
+        .route("/tokenizer_info", get(openai::tokenize::tokenizer_info))
         .route_layer(key());
     let mut metrics_route = Router::new().route("/metrics", get(metrics));
     if state.keys.metrics {

@@ -225,6 +225,26 @@ fn chat_logprobs_tokenize_detokenize_and_request_ids() {
         let (status, body) = http(addr, "POST", "/detokenize", br#"{"tokens":[99999]}"#).await;
         assert_eq!(status, 400, "{body}");
         assert!(body.contains("\"param\":\"tokens\""), "{body}");
+        // /tokenizer_info as lm-evaluation-harness's remote tokenizer reads it, and /tokenize
+        // as it calls it (no special tokens: the ids of the text alone).
+        let (status, body) = http(addr, "GET", "/tokenizer_info", b"").await;
+        assert_eq!(status, 200, "{body}");
+        let info: Value = serde_json::from_str(&body).unwrap();
+        assert_eq!(info["bos_token_id"], bos, "{info}");
+        assert_eq!(info["bos_token"], "<|im_start|>", "{info}");
+        assert_eq!(info["eos_token"], "<|im_end|>", "{info}");
+        assert_eq!(info["model_max_length"], 64, "{info}");
+        assert!(info["chat_template"].as_str().unwrap().contains("message['role']"), "{info}");
+        let (status, body) = http(
+            addr,
+            "POST",
+            "/tokenize",
+            br#"{"prompt":"Hello world","add_special_tokens":false}"#,
+        )
+        .await;
+        assert_eq!(status, 200, "{body}");
+        let plain: Value = serde_json::from_str(&body).unwrap();
+        assert_eq!(plain["tokens"].as_array().unwrap()[..], ids[1..], "{plain}");
         let chat = json!({"messages": [{"role": "user", "content": "Hi"}]});
         let (status, body) = http(addr, "POST", "/tokenize", chat.to_string().as_bytes()).await;
         assert_eq!(status, 200, "{body}");

@@ -1,5 +1,7 @@
 //! vLLM's `POST /tokenize` (a prompt or chat messages to token ids, as the server would feed
-//! them) and `POST /detokenize` (token ids to text).
+//! them), `POST /detokenize` (token ids to text) and `GET /tokenizer_info` (the tokenizer's
+//! special tokens, chat template and the longest prompt: what lm-evaluation-harness's remote
+//! tokenizer reads).
 
 use super::request::{OpenAiMessage, chat_messages, check_model, read_json};
 use crate::error::ServeError;
@@ -91,4 +93,12 @@ pub async fn detokenize(State(s): State<Shared>, bytes: Bytes) -> Response {
         Ok(v) => Json(v).into_response(),
         Err(e) => e.into_response(),
     }
+}
+
+/// `GET /tokenizer_info`: the served tokenizer as a Hugging Face `tokenizer_config.json` says
+/// it ([`nsactor_data::Tokenizer::hf_tokenizer_config`]), with the prompt limit as
+/// `model_max_length`.
+pub async fn tokenizer_info(State(s): State<Shared>) -> Response {
+    let g = &s.generator;
+    Json(g.tokenizer.hf_tokenizer_config(g.max_prompt_tokens)).into_response()
 }

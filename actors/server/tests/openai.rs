@@ -305,7 +305,8 @@ fn chat_logprobs_tokenize_detokenize_and_request_ids() {
         assert_eq!(status, 200, "{body}");
         assert_eq!(
             serde_json::from_str::<Value>(&body).unwrap()["prompt"],
-            "Hello world"
+            "<|im_start|>Hello world",
+            "lossless: the BOS is written out"
         );
         let (status, body) = http(addr, "POST", "/detokenize", br#"{"tokens":[99999]}"#).await;
         assert_eq!(status, 400, "{body}");

@@ -162,9 +162,10 @@ impl Generator {
         })
     }
 
-    /// Token ids of the request's prompt, checked against the length limit and vocabulary.
-    pub fn prompt_ids(&self, p: &PromptSpec) -> Result<Vec<i64>, ServeError> {
-        let ids = self.token_ids(p, true, true)?;
+    /// Token ids of the request's prompt (a text one after the BOS where `bos`), checked
+    /// against the length limit and vocabulary.
+    pub fn prompt_ids(&self, p: &PromptSpec, bos: bool) -> Result<Vec<i64>, ServeError> {
+        let ids = self.token_ids(p, bos, true)?;
         if ids.len() > self.max_prompt_tokens {
             return Err(ServeError::Invalid(format!(
                 "the prompt has {} tokens; the limit is {}",
@@ -192,7 +193,7 @@ impl Generator {
         let start = Instant::now();
         self.ready.check()?;
         let _running = self.drain.enter()?;
-        let prompt = self.prompt_ids(&spec.prompt)?;
+        let prompt = self.prompt_ids(&spec.prompt, spec.add_special_tokens)?;
         let permit = self.admission.enter().await?;
         let session = self.decoder.session();
         self.metrics.running.inc();

@@ -32,6 +32,7 @@ pub mod listen;
 pub mod logprobs;
 pub mod messages;
 pub mod openai;
+pub mod prompts;
 pub mod protocol;
 pub mod ready;
 pub mod routes;

@@ -54,13 +54,7 @@ impl Default for Limits {
     }
 }
 
-/// A prompt: text, or token ids (as OpenAI's `prompt` accepts).
-#[derive(Debug, Clone, PartialEq, Deserialize)]
-#[serde(untagged)]
-pub enum Prompt {
-    Text(String),
-    Ids(Vec<i64>),
-}
+pub use crate::prompts::Prompt;
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -163,6 +157,9 @@ pub struct GenSpec {
     ///
     /// [`GenEvent::Prompt`]: crate::generate::GenEvent::Prompt
     pub prompt_logprobs: bool,
+    /// The BOS before a text prompt (`add_special_tokens`, on by default: the model was trained
+    /// with one in front). Token ids and chat messages are read as they come.
+    pub add_special_tokens: bool,
     /// Wall-clock budget of the generation.
     pub time_limit: Option<Duration>,
 }
@@ -231,6 +228,7 @@ impl SamplingOptions {
             logit_bias,
             logprobs: self.logprobs,
             prompt_logprobs: self.prompt_logprobs,
+            add_special_tokens: true,
             time_limit: limits.request_time_limit,
         })
     }

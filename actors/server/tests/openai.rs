@@ -133,6 +133,91 @@ fn n_logprobs_echo_and_usage_chunks_on_completions() {
 }
 
 #[test]
+fn a_batch_of_prompts_gives_each_its_own_choices_in_index_order() {
+    let s = serve(8, 16);
+    let (addr, prompt, greedy) = (s.addr, s.prompt.clone(), s.greedy.clone());
+    s.pipeline.block_on(async move {
+        let n_new = greedy.len() - prompt.len();
+        let post = |req: Value| async move {
+            let (status, body) =
+                http(addr, "POST", "/v1/completions", req.to_string().as_bytes()).await;
+            assert_eq!(status, 200, "{body}");
+            serde_json::from_str::<Value>(&body).unwrap()
+        };
+        // A list of token-id lists, n = 2: choice index = prompt × n + j; each prompt's
+        // greedy text is the one it gets alone; the usage counts each prompt once.
+        let short: Vec<i64> = prompt[..prompt.len() - 1].to_vec();
+        let alone = post(
+            json!({"prompt": short, "max_tokens": n_new, "temperature": 0,
+            "ignore_eos": true}),
+        )
+        .await;
+        let v = post(
+            json!({"prompt": [prompt, short], "max_tokens": n_new, "temperature": 0,
+            "n": 2, "ignore_eos": true}),
+        )
+        .await;
+        let choices = v["choices"].as_array().unwrap();
+        let idx: Vec<u64> = choices
+            .iter()
+            .map(|c| c["index"].as_u64().unwrap())
+            .collect();
+        assert_eq!(idx, [0, 1, 2, 3], "{v}");
+        assert_eq!(choices[0]["text"], choices[1]["text"]);
+        assert_eq!(choices[2]["text"], alone["choices"][0]["text"], "{v}");
+        assert_eq!(choices[3]["text"], alone["choices"][0]["text"], "{v}");
+        assert_eq!(
+            v["usage"]["prompt_tokens"],
+            prompt.len() + short.len(),
+            "{v}"
+        );
+        assert_eq!(v["usage"]["completion_tokens"], 4 * n_new, "{v}");
+        // Scoring a batch (echo, max_tokens 0): each choice scores its own prompt.
+        let v = post(
+            json!({"prompt": [greedy, prompt], "max_tokens": 0, "echo": true,
+            "logprobs": 0}),
+        )
+        .await;
+        let scored = |i: usize| {
+            v["choices"][i]["logprobs"]["token_logprobs"]
+                .as_array()
+                .unwrap()
+                .len()
+        };
+        assert_eq!((scored(0), scored(1)), (greedy.len(), prompt.len()), "{v}");
+        // Streamed: every index finishes once.
+        let req = json!({"prompt": [prompt, short], "max_tokens": 2, "stream": true,
+            "ignore_eos": true, "stream_options": {"include_usage": true}});
+        let (status, body) =
+            http(addr, "POST", "/v1/completions", req.to_string().as_bytes()).await;
+        assert_eq!(status, 200, "{body}");
+        let (events, done) = sse_events(&body);
+        assert!(done, "{body}");
+        let (last, chunks) = events.split_last().unwrap();
+        assert_eq!(
+            last["usage"]["prompt_tokens"],
+            prompt.len() + short.len(),
+            "{last}"
+        );
+        let mut finished = [0, 0];
+        for c in chunks {
+            if !c["choices"][0]["finish_reason"].is_null() {
+                finished[c["choices"][0]["index"].as_u64().unwrap() as usize] += 1;
+            }
+        }
+        assert_eq!(finished, [1, 1], "{body}");
+        // A prompt of no accepted form names the field and the forms.
+        let (status, body) =
+            http(addr, "POST", "/v1/completions", br#"{"prompt":[[1],"a"]}"#).await;
+        assert_eq!(status, 400, "{body}");
+        let e: Value = serde_json::from_str(&body).unwrap();
+        assert_eq!(e["error"]["param"], "prompt", "{e}");
+        assert!(!body.contains("untagged"), "{body}");
+        assert!(body.contains("list of token-id lists"), "{body}");
+    });
+}
+
+#[test]
 fn chat_logprobs_tokenize_detokenize_and_request_ids() {
     let s = serve_model(4, 8, false);
     let (addr, bos) = (s.addr, s.state.generator.tokenizer.bos_id());
@@ -220,7 +305,8 @@ fn chat_logprobs_tokenize_detokenize_and_request_ids() {
         assert_eq!(status, 200, "{body}");
         assert_eq!(
             serde_json::from_str::<Value>(&body).unwrap()["prompt"],
-            "Hello world"
+            "<|im_start|>Hello world",
+            "lossless: the BOS is written out"
         );
         let (status, body) = http(addr, "POST", "/detokenize", br#"{"tokens":[99999]}"#).await;
         assert_eq!(status, 400, "{body}");
@@ -245,6 +331,29 @@ fn chat_logprobs_tokenize_detokenize_and_request_ids() {
         assert_eq!(status, 200, "{body}");
         let plain: Value = serde_json::from_str(&body).unwrap();
         assert_eq!(plain["tokens"].as_array().unwrap()[..], ids[1..], "{plain}");
+        // Scoring a text prompt: the BOS the server puts in front is context, not echoed, so
+        // the echoed positions are the client's tokens (the first scored after the BOS), the
+        // same numbers as scoring the ids with the BOS sent by hand; without the BOS
+        // (`add_special_tokens: false`) the first token has no context.
+        let score = |req: Value| async move {
+            let (status, body) =
+                http(addr, "POST", "/v1/completions", req.to_string().as_bytes()).await;
+            assert_eq!(status, 200, "{body}");
+            let v: Value = serde_json::from_str(&body).unwrap();
+            v["choices"][0]["logprobs"]["token_logprobs"].as_array().unwrap().clone()
+        };
+        let text = score(json!({"prompt": "Hello world", "max_tokens": 0, "echo": true,
+            "logprobs": 0}))
+        .await;
+        let by_hand = score(json!({"prompt": ids, "max_tokens": 0, "echo": true, "logprobs": 0})).await;
+        assert_eq!(text.len(), ids.len() - 1);
+        assert!(text[0].is_number(), "{text:?}");
+        assert_eq!(text[..], by_hand[1..], "text scoring lines up with the ids sent");
+        let bare = score(json!({"prompt": "Hello world", "max_tokens": 0, "echo": true,
+            "logprobs": 0, "add_special_tokens": false}))
+        .await;
+        assert_eq!(bare.len(), ids.len() - 1);
+        assert!(bare[0].is_null(), "{bare:?}");
         let chat = json!({"messages": [{"role": "user", "content": "Hi"}]});
         let (status, body) = http(addr, "POST", "/tokenize", chat.to_string().as_bytes()).await;
         assert_eq!(status, 200, "{body}");

@@ -428,6 +428,7 @@ fn a_session_runs_ahead_of_a_client_that_is_not_reading_then_parks() {
             logit_bias: Vec::new(),
             logprobs: None,
             prompt_logprobs: false,
+            add_special_tokens: true,
             time_limit: None,
         };
         let cancel = std::sync::Arc::new(AtomicBool::new(false));

@@ -3,8 +3,9 @@
 //! `POST /tokenize` and `POST /detokenize` ([`tokenize`]).
 //!
 //! A request with `n` > 1 runs one session per choice (the batcher decodes them together),
-//! seeded `seed + index`; the usage counts the prompt once. A client that goes away cancels
-//! every choice within one token.
+//! seeded `seed + j` for a prompt's `j`-th; the usage counts each prompt once. A batch of
+//! prompts (`/v1/completions`) gives each its `n` choices, `index` = prompt × `n` + `j`. A
+//! client that goes away cancels every choice within one token.
 
 pub mod request;
 pub mod response;
@@ -52,21 +53,25 @@ impl Drop for CancelOnDrop {
 /// An event of choice `index`.
 type Tagged = (usize, Result<GenEvent, ServeError>);
 
-/// Starts the call's `n` generations; their events arrive tagged with the choice index.
+/// Starts the call's generations, `n` per prompt; their events arrive tagged with the choice
+/// index.
 fn launch(s: &Shared, call: &OpenAiCall, cancel: &Arc<AtomicBool>) -> mpsc::Receiver<Tagged> {
     let (tx, rx) = mpsc::channel(64);
-    for i in 0..call.n {
-        let mut spec = call.spec.clone();
-        spec.sampling.seed = spec.sampling.seed.wrapping_add(i as u64);
-        let mut events = start(s, spec, cancel.clone());
-        let tx = tx.clone();
-        tokio::spawn(async move {
-            while let Some(e) = events.recv().await {
-                if tx.send((i, e)).await.is_err() {
-                    break;
+    for (p, prompt_spec) in call.specs.iter().enumerate() {
+        for j in 0..call.n {
+            let i = p * call.n + j;
+            let mut spec = prompt_spec.clone();
+            spec.sampling.seed = spec.sampling.seed.wrapping_add(j as u64);
+            let mut events = start(s, spec, cancel.clone());
+            let tx = tx.clone();
+            tokio::spawn(async move {
+                while let Some(e) = events.recv().await {
+                    if tx.send((i, e)).await.is_err() {
+                        break;
+                    }
                 }
-            }
-        });
+            });
+        }
     }
     rx
 }
@@ -83,16 +88,28 @@ struct Choice {
     offset: usize,
 }
 
+/// A choice's echoed prompt (`echo`): its text, and how many tokens the server put in front
+/// of it (the BOS before a text prompt), which are context and not echoed, so the echoed
+/// tokens and their log-probabilities line up with what the client sent.
+#[derive(Debug, Clone, Default)]
+struct Echo {
+    text: String,
+    lead: usize,
+}
+
 /// The pieces an event adds to its choice: the echoed prompt first when asked for (with its
 /// tokens when the prompt was scored, as its own text otherwise).
-fn pieces(e: GenEvent, choice: &Choice, echo: Option<&str>) -> Vec<Piece> {
+fn pieces(e: GenEvent, choice: &Choice, echo: Option<&Echo>) -> Vec<Piece> {
     let mut out = Vec::new();
-    let echo = echo.filter(|_| choice.fresh).unwrap_or_default();
+    let (echo, lead) = match echo.filter(|_| choice.fresh) {
+        Some(e) => (e.text.as_str(), e.lead),
+        None => ("", 0),
+    };
     match e {
         GenEvent::Prompt { ids, logprobs } => {
             return vec![Piece {
                 text: echo.to_string(),
-                tokens: ids.into_iter().zip(logprobs).collect(),
+                tokens: ids.into_iter().zip(logprobs).skip(lead).collect(),
             }];
         }
         _ if !echo.is_empty() => out.push(Piece {
@@ -125,34 +142,47 @@ pub async fn openai(s: Shared, body: Bytes, chat: bool) -> Response {
         Ok(c) => c,
         Err(e) => return e.into_response(),
     };
-    let echo = call.echo.then(|| match &call.spec.prompt {
-        PromptSpec::Text(t) => t.clone(),
-        PromptSpec::Ids(ids) => {
-            let ids: Vec<u32> = ids.iter().map(|&t| t as u32).collect();
-            s.generator.tokenizer.decode(&ids, true).unwrap_or_default()
-        }
-        PromptSpec::Chat(_) => String::new(),
-    });
+    // Each prompt's echoed text (`echo`), by choice: choice `i` echoes prompt `i / n`.
+    let echo: Vec<Option<Echo>> = call
+        .specs
+        .iter()
+        .flat_map(|spec| {
+            let echo = call.echo.then(|| match &spec.prompt {
+                PromptSpec::Text(t) => Echo {
+                    text: t.clone(),
+                    lead: usize::from(spec.add_special_tokens),
+                },
+                PromptSpec::Ids(ids) => {
+                    let ids: Vec<u32> = ids.iter().map(|&t| t as u32).collect();
+                    let text = s.generator.tokenizer.decode(&ids, true).unwrap_or_default();
+                    Echo { text, lead: 0 }
+                }
+                PromptSpec::Chat(_) => Echo::default(),
+            });
+            std::iter::repeat_n(echo, call.n)
+        })
+        .collect();
     let shape = Shape {
         chat,
         id: format!("{}-{:x}", if chat { "chatcmpl" } else { "cmpl" }, rand_id()),
         created: now(),
         model: s.model_name.clone(),
-        logprobs: call.spec.logprobs.is_some(),
+        logprobs: call.specs[0].logprobs.is_some(),
         include_usage: call.include_usage,
         tokenizer: s.generator.tokenizer.clone(),
     };
     let cancel = Arc::new(AtomicBool::new(false));
     let mut rx = launch(&s, &call, &cancel);
     let guard = CancelOnDrop(cancel);
-    let choices = (0..call.n)
+    let choices = (0..call.n * call.specs.len())
         .map(|_| Choice {
             fresh: true,
             ..Choice::default()
         })
         .collect();
+    let prompts = PromptTokens::new(call.n, call.specs.len());
     if !call.stream {
-        return whole(rx, shape, choices, echo).await;
+        return whole(rx, shape, choices, echo, prompts).await;
     }
     // The first event decides between an SSE stream and an error status.
     let first = rx.recv().await;
@@ -165,6 +195,7 @@ pub async fn openai(s: Shared, body: Bytes, chat: bool) -> Response {
         shape,
         choices,
         echo,
+        prompts,
         usage: Usage {
             prompt_tokens: 0,
             completion_tokens: 0,
@@ -189,9 +220,10 @@ async fn whole(
     mut rx: mpsc::Receiver<Tagged>,
     shape: Shape,
     mut choices: Vec<Choice>,
-    echo: Option<String>,
+    echo: Vec<Option<Echo>>,
+    mut prompts: PromptTokens,
 ) -> Response {
-    let (mut prompt, mut completion) = (0, 0);
+    let mut completion = 0;
     while let Some((i, e)) = rx.recv().await {
         let c = &mut choices[i];
         let e = match e {
@@ -200,10 +232,10 @@ async fn whole(
         };
         if let GenEvent::Done(f) = &e {
             c.finish = Some(f.finish_reason);
-            prompt = f.usage.prompt_tokens;
+            prompts.record(i, f.usage.prompt_tokens);
             completion += f.usage.completion_tokens;
         }
-        for p in pieces(e, c, echo.as_deref()) {
+        for p in pieces(e, c, echo[i].as_ref()) {
             c.whole.text.push_str(&p.text);
             c.whole.tokens.extend(p.tokens);
         }
@@ -216,12 +248,37 @@ async fn whole(
             None => return ServeError::Internal("a generation stopped".into()).into_response(),
         }
     }
+    let prompt = prompts.total();
     let usage = Usage {
         prompt_tokens: prompt,
         completion_tokens: completion,
         total_tokens: prompt + completion,
     };
     axum::Json(shape.answer(done, usage)).into_response()
+}
+
+/// The usage's prompt tokens: each prompt of the request counted once, from any of its
+/// choices' reports (choice `i` is of prompt `i / n`).
+struct PromptTokens {
+    n: usize,
+    per_prompt: Vec<usize>,
+}
+
+impl PromptTokens {
+    fn new(n: usize, prompts: usize) -> Self {
+        PromptTokens {
+            n,
+            per_prompt: vec![0; prompts],
+        }
+    }
+
+    fn record(&mut self, choice: usize, tokens: usize) {
+        self.per_prompt[choice / self.n] = tokens;
+    }
+
+    fn total(&self) -> usize {
+        self.per_prompt.iter().sum()
+    }
 }
 
 /// A streamed answer: chunks as the choices' events come, then the usage chunk when asked
@@ -231,7 +288,9 @@ struct Streamer {
     pending: Option<Tagged>,
     shape: Shape,
     choices: Vec<Choice>,
-    echo: Option<String>,
+    /// Each choice's echoed prompt (`echo`).
+    echo: Vec<Option<Echo>>,
+    prompts: PromptTokens,
     usage: Usage,
     finished: bool,
     _guard: CancelOnDrop,
@@ -262,14 +321,15 @@ impl Streamer {
         let c = &mut self.choices[i];
         let finish = match &e {
             GenEvent::Done(f) => {
-                self.usage.prompt_tokens = f.usage.prompt_tokens;
+                self.prompts.record(i, f.usage.prompt_tokens);
+                self.usage.prompt_tokens = self.prompts.total();
                 self.usage.completion_tokens += f.usage.completion_tokens;
                 Some(f.finish_reason)
             }
             _ => None,
         };
         let mut out = Vec::new();
-        for p in pieces(e, c, self.echo.as_deref()) {
+        for p in pieces(e, c, self.echo[i].as_ref()) {
             out.push(data(self.shape.chunk(
                 i,
                 Some(&p),

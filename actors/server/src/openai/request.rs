@@ -4,8 +4,9 @@
 //! field, also refused by name. Errors name the field (`param`).
 
 use crate::error::ServeError;
+use crate::prompts::{Prompt, Prompts};
 use crate::protocol::{
-    ChatMessage, GenSpec, LengthParam, Limits, Prompt, PromptSpec, SamplingOptions, Stop,
+    ChatMessage, GenSpec, LengthParam, Limits, PromptSpec, SamplingOptions, Stop,
 };
 use serde::Deserialize;
 use std::collections::BTreeMap;
@@ -15,7 +16,8 @@ use std::collections::BTreeMap;
 #[serde(deny_unknown_fields)]
 pub struct OpenAiRequest {
     pub model: Option<String>,
-    pub prompt: Option<Prompt>,
+    /// One prompt or a batch ([`Prompts`]).
+    pub prompt: Option<Prompts>,
     pub messages: Option<Vec<OpenAiMessage>>,
     pub max_tokens: Option<usize>,
     pub max_completion_tokens: Option<usize>,
@@ -40,6 +42,8 @@ pub struct OpenAiRequest {
     pub top_logprobs: Option<usize>,
     #[serde(default)]
     pub echo: bool,
+    /// The BOS before a text prompt (vLLM's field; default true).
+    pub add_special_tokens: Option<bool>,
     pub suffix: Option<String>,
     /// Accepted and ignored.
     pub user: Option<String>,
@@ -87,11 +91,16 @@ pub struct OpenAiMessage {
     pub tool_calls: Option<Vec<serde_json::Value>>,
 }
 
-/// A checked request: the generation spec of each choice and how to answer.
+/// Choices one request may ask for in all (its prompts × `n`).
+pub const MAX_CHOICES: usize = 1024;
+
+/// A checked request: the generation spec of each prompt and how to answer.
 #[derive(Debug, Clone)]
 pub struct OpenAiCall {
-    pub spec: GenSpec,
-    /// Choices (`n`): each its own session, seeded `seed + index`.
+    /// One per prompt (a chat has one; `/v1/completions` one or a batch).
+    pub specs: Vec<GenSpec>,
+    /// Choices per prompt (`n`): each its own session, seeded `seed + j` for the prompt's
+    /// `j`-th; choice `index` = prompt × `n` + `j`, as OpenAI numbers a batch's.
     pub n: usize,
     pub chat: bool,
     pub stream: bool,
@@ -136,10 +145,15 @@ pub fn parse(
 impl OpenAiRequest {
     fn check(self, limits: &Limits, served: &str, chat: bool) -> Result<OpenAiCall, ServeError> {
         check_model(self.model.as_deref(), served)?;
-        let prompt = match (chat, self.prompt, self.messages) {
-            (false, Some(Prompt::Text(t)), None) => PromptSpec::Text(t),
-            (false, Some(Prompt::Ids(ids)), None) => PromptSpec::Ids(ids),
-            (true, None, Some(m)) => PromptSpec::Chat(chat_messages(m)?),
+        let prompts: Vec<PromptSpec> = match (chat, self.prompt, self.messages) {
+            (false, Some(Prompts(p)), None) => p
+                .into_iter()
+                .map(|p| match p {
+                    Prompt::Text(t) => PromptSpec::Text(t),
+                    Prompt::Ids(ids) => PromptSpec::Ids(ids),
+                })
+                .collect(),
+            (true, None, Some(m)) => vec![PromptSpec::Chat(chat_messages(m)?)],
             (false, _, _) => {
                 return Err(refuse(
                     "prompt",
@@ -158,6 +172,16 @@ impl OpenAiRequest {
             return Err(refuse(
                 "n",
                 format!("n must be in 1..={}, got {n}", limits.max_n),
+            ));
+        }
+        if prompts.len() * n > MAX_CHOICES {
+            return Err(refuse(
+                "prompt",
+                format!(
+                    "{} prompts × n = {n} make {} choices; a request may ask for {MAX_CHOICES}",
+                    prompts.len(),
+                    prompts.len() * n
+                ),
             ));
         }
         if self.best_of.is_some_and(|b| b != n) {
@@ -263,9 +287,17 @@ impl OpenAiRequest {
         // A stream gets a chunk per generated token, as vLLM's does: a token whose text is held
         // back (an incomplete character, a possible stop string) comes with empty text, and the
         // text follows in a later chunk. So the first chunk marks the first token.
-        let spec = options.validate(prompt, self.stream, limits)?;
+        let bos = self.add_special_tokens.unwrap_or(true);
+        let specs = prompts
+            .into_iter()
+            .map(|p| {
+                let mut spec = options.clone().validate(p, self.stream, limits)?;
+                spec.add_special_tokens = bos;
+                Ok(spec)
+            })
+            .collect::<Result<_, ServeError>>()?;
         Ok(OpenAiCall {
-            spec,
+            specs,
             n,
             chat,
             stream: self.stream,
@@ -346,10 +378,10 @@ mod tests {
             (c.n, c.stream, c.include_usage, c.echo),
             (2, true, true, true)
         );
-        assert_eq!(c.spec.logprobs, Some(3));
-        assert!(c.spec.prompt_logprobs && c.spec.max_tokens == 0);
-        assert_eq!(c.spec.logit_bias, [(7, -100.0)]);
-        assert_eq!(c.spec.sampling.seed, u64::MAX);
+        assert_eq!(c.specs[0].logprobs, Some(3));
+        assert!(c.specs[0].prompt_logprobs && c.specs[0].max_tokens == 0);
+        assert_eq!(c.specs[0].logit_bias, [(7, -100.0)]);
+        assert_eq!(c.specs[0].sampling.seed, u64::MAX);
         let chat = call(
             r#"{"messages":[{"role":"developer","content":[{"type":"text","text":"be brief"}]},
                 {"role":"user","content":"hi","name":"ann"}],"logprobs":true,"top_logprobs":2,
@@ -357,9 +389,9 @@ mod tests {
             true,
         )
         .unwrap();
-        assert_eq!(chat.spec.logprobs, Some(2));
-        assert_eq!(chat.spec.max_tokens, 5);
-        let PromptSpec::Chat(m) = &chat.spec.prompt else {
+        assert_eq!(chat.specs[0].logprobs, Some(2));
+        assert_eq!(chat.specs[0].max_tokens, 5);
+        let PromptSpec::Chat(m) = &chat.specs[0].prompt else {
             panic!("chat")
         };
         assert_eq!(
@@ -502,8 +534,8 @@ mod tests {
             match parse(body.as_bytes(), &limits, "m", chat) {
                 Ok(c) => {
                     prop_assert!(c.n >= 1 && c.n <= limits.max_n);
-                    prop_assert!(c.spec.max_tokens <= limits.max_new_tokens);
-                    prop_assert!(c.spec.logprobs.unwrap_or(0) <= limits.max_logprobs);
+                    prop_assert!(c.specs[0].max_tokens <= limits.max_new_tokens);
+                    prop_assert!(c.specs[0].logprobs.unwrap_or(0) <= limits.max_logprobs);
                 }
                 Err(e) => prop_assert!(e.status().is_client_error() && !e.to_string().is_empty(), "{body}: {e}"),
             }

@@ -1,5 +1,5 @@
 //! vLLM's `POST /tokenize` (a prompt or chat messages to token ids, as the server would feed
-//! them), `POST /detokenize` (token ids to text) and `GET /tokenizer_info` (the tokenizer's
+//! them), `POST /detokenize` (token ids to text, special tokens written out) and `GET /tokenizer_info` (the tokenizer's
 //! special tokens, chat template and the longest prompt: what lm-evaluation-harness's remote
 //! tokenizer reads).
 
@@ -82,10 +82,12 @@ pub async fn detokenize(State(s): State<Shared>, bytes: Bytes) -> Response {
             ));
         }
         let ids: Vec<u32> = r.tokens.iter().map(|&t| t as u32).collect();
+        // Lossless, as vLLM's: special tokens are written out, so the text tokenizes back to
+        // the same ids (lm-evaluation-harness sends such text back as a prompt).
         let text = s
             .generator
             .tokenizer
-            .decode(&ids, true)
+            .decode(&ids, false)
             .map_err(|e| ServeError::Internal(e.to_string()))?;
         Ok(serde_json::json!({ "prompt": text }))
     };

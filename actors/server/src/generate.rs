@@ -126,8 +126,25 @@ fn held_back(text: &str, stop: &[String]) -> usize {
 }
 
 impl Generator {
+    /// Whether a text prompt's own first token is the BOS (a ChatML text, or text a client
+    /// detokenized with it): then no second BOS is put in front of it.
+    fn starts_with_bos(&self, text_ids: &[i64]) -> bool {
+        text_ids.first() == Some(&i64::from(self.tokenizer.bos_id()))
+    }
+
+    /// How many tokens the server puts in front of text prompt `t` (the BOS where `bos` and
+    /// the text does not begin with one): context the model reads but the client did not send.
+    pub fn leading_tokens(&self, t: &str, bos: bool) -> usize {
+        let first = self
+            .tokenizer
+            .encode(t)
+            .ok()
+            .and_then(|ids| ids.first().copied());
+        usize::from(bos && first != Some(self.tokenizer.bos_id()))
+    }
+
     /// Token ids of `p` as the model would read them, unchecked: `bos` starts a text prompt
-    /// with the beginning-of-text token, `generation_prompt` ends chat messages with the
+    /// with the beginning-of-text token (unless its text begins with one), `generation_prompt` ends chat messages with the
     /// assistant's turn opening (generation does both; `/tokenize` lets the client choose).
     pub fn token_ids(
         &self,
@@ -145,11 +162,12 @@ impl Generator {
         Ok(match p {
             PromptSpec::Ids(ids) => ids.clone(),
             PromptSpec::Text(t) => {
-                let mut ids = Vec::new();
-                if bos {
+                let text = encode(t)?;
+                let mut ids = Vec::with_capacity(text.len() + 1);
+                if bos && !self.starts_with_bos(&text) {
                     ids.push(i64::from(self.tokenizer.bos_id()));
                 }
-                ids.extend(encode(t)?);
+                ids.extend(text);
                 ids
             }
             PromptSpec::Chat(m) => {

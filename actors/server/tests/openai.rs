@@ -354,6 +354,20 @@ fn chat_logprobs_tokenize_detokenize_and_request_ids() {
         .await;
         assert_eq!(bare.len(), ids.len() - 1);
         assert!(bare[0].is_null(), "{bare:?}");
+        // A text that begins with the BOS (ChatML, or what /detokenize wrote) gets no second.
+        let (status, body) = http(
+            addr,
+            "POST",
+            "/tokenize",
+            br#"{"prompt":"<|im_start|>Hello world"}"#,
+        )
+        .await;
+        assert_eq!(status, 200, "{body}");
+        assert_eq!(serde_json::from_str::<Value>(&body).unwrap()["tokens"], json!(ids));
+        let led = score(json!({"prompt": "<|im_start|>Hello world", "max_tokens": 0,
+            "echo": true, "logprobs": 0}))
+        .await;
+        assert_eq!(led, by_hand, "the client's own BOS is echoed and scored as sent");
         let chat = json!({"messages": [{"role": "user", "content": "Hi"}]});
         let (status, body) = http(addr, "POST", "/tokenize", chat.to_string().as_bytes()).await;
         assert_eq!(status, 200, "{body}");

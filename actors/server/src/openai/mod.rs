@@ -150,7 +150,7 @@ pub async fn openai(s: Shared, body: Bytes, chat: bool) -> Response {
             let echo = call.echo.then(|| match &spec.prompt {
                 PromptSpec::Text(t) => Echo {
                     text: t.clone(),
-                    lead: usize::from(spec.add_special_tokens),
+                    lead: s.generator.leading_tokens(t, spec.add_special_tokens),
                 },
                 PromptSpec::Ids(ids) => {
                     let ids: Vec<u32> = ids.iter().map(|&t| t as u32).collect();

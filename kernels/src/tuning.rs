@@ -28,13 +28,14 @@ pub fn install(tuning: KernelTuning) -> Result<(), EngineError> {
     }
 }
 
-/// The process's tuning (the environment's when none was installed).
+/// The process's tuning (the environment's when none was installed; a variable that does not
+/// read is reported and skipped, the others still apply).
 pub fn current() -> &'static KernelTuning {
     TUNING.get_or_init(|| {
-        KernelTuning::from_env().unwrap_or_else(|e| {
-            eprintln!("nsactor: {e}; the kernels keep their default tuning");
-            KernelTuning::default()
-        })
+        KernelTuning::default().with_vars_lenient(
+            |name| std::env::var(name).ok(),
+            |w| eprintln!("nsactor: {w}"),
+        )
     })
 }
 

@@ -94,13 +94,20 @@ impl BackendConfig {
     /// The kernels' tuning: the defaults, then `[backend.kernels]`, then the environment's
     /// knob variables. The error names the key or variable and what it takes.
     pub fn kernel_tuning(&self) -> Result<KernelTuning, String> {
+        self.kernel_table()?
+            .with_vars(|name| std::env::var(name).ok())
+            .map_err(|e| e.to_string())
+    }
+
+    /// The defaults with `[backend.kernels]` applied: what loading a config checks (the
+    /// environment's knobs are read when a backend opens).
+    pub fn kernel_table(&self) -> Result<KernelTuning, String> {
         let mut t = KernelTuning::default();
         for (k, v) in &self.kernels {
             t.set(k, v)
                 .map_err(|e| format!("[backend.kernels] {k}: {e}"))?;
         }
-        t.with_vars(|name| std::env::var(name).ok())
-            .map_err(|e| e.to_string())
+        Ok(t)
     }
 
     /// The kernel cache directory ([`cache_dir`](Self::cache_dir), else the user's cache
@@ -419,7 +426,7 @@ fn layered(text: &str, origin: &str, env: &EnvLayer) -> Result<RunConfig, Runtim
             "[backend] streams = `{s}`: expected `shared` or `per-thread`"
         )));
     }
-    cfg.backend.kernel_tuning().map_err(parse)?;
+    cfg.backend.kernel_table().map_err(parse)?;
     if let Some(d) = &cfg.backend.cache_dir
         && d.to_string_lossy().contains([',', ' ', '\t', '\n'])
     {
@@ -564,7 +571,7 @@ mod backend_tests {
     fn kernel_knobs_are_typed_at_load_and_a_bad_one_is_named() {
         let cfg = with("[backend.kernels]\nscan_cube = 64\nstage_row_forward = \"8x32\"\ndecode_fusion = false\n")
             .unwrap();
-        let t = cfg.backend.kernel_tuning().unwrap();
+        let t = cfg.backend.kernel_table().unwrap();
         assert_eq!(t.scan_cube, 64);
         assert!(!t.decode_fusion);
         assert_eq!(t.stage_row_forward.unwrap().chunk, 32);

@@ -92,7 +92,9 @@ impl Default for Options {
             precision: GemmPrecision::Fp32,
             streams: Streams::PerThread,
             cache: None,
-            tuning: KernelTuning::default(),
+            // The environment's knobs, as every kernel read them before they were typed; a
+            // host's `kernel.` options go over them ([`parse_options`]).
+            tuning: KernelTuning::from_env().unwrap_or_default(),
         }
     }
 }
@@ -215,7 +217,11 @@ mod tests {
 
     #[test]
     fn options_pick_the_precision_and_unknown_options_are_refused() {
-        assert_eq!(parse_options("").unwrap(), Options::default());
+        let (parsed, default) = (parse_options("").unwrap(), Options::default());
+        assert_eq!(
+            (parsed.precision, parsed.streams, parsed.cache),
+            (default.precision, default.streams, default.cache)
+        );
         assert_eq!(parse_options("").unwrap().streams, Streams::PerThread);
         assert_eq!(
             parse_options("precision=bf16").unwrap().precision,
@@ -231,7 +237,7 @@ mod tests {
                 precision: GemmPrecision::Bf16,
                 streams: Streams::Shared,
                 cache: None,
-                tuning: KernelTuning::default(),
+                tuning: KernelTuning::from_env().unwrap_or_default(),
             }
         );
         let o = parse_options("kernel.scan_cube=64,precision=bf16").unwrap();

@@ -168,12 +168,30 @@ impl KernelTuning {
     /// the variable `name`, if set).
     pub fn with_vars(mut self, var: impl Fn(&str) -> Option<String>) -> Result<Self, EngineError> {
         for k in KNOBS {
-            if let Some(v) = var(k.env) {
+            // An empty value (`NSACTOR_X= cmd`) is no value.
+            if let Some(v) = var(k.env).filter(|v| !v.trim().is_empty()) {
                 self.set(k.key, &v)
                     .map_err(|e| EngineError::InvalidInput(format!("${}: {e}", k.env)))?;
             }
         }
         Ok(self)
+    }
+
+    /// [`KernelTuning::with_vars`] that skips a variable it cannot read (and says so through
+    /// `warn`) instead of refusing them all: for a process no host configured.
+    pub fn with_vars_lenient(
+        mut self,
+        var: impl Fn(&str) -> Option<String>,
+        warn: impl Fn(&str),
+    ) -> Self {
+        for k in KNOBS {
+            if let Some(v) = var(k.env).filter(|v| !v.trim().is_empty())
+                && let Err(e) = self.set(k.key, &v)
+            {
+                warn(&format!("${}: {e}; that knob keeps its default", k.env));
+            }
+        }
+        self
     }
 
     /// Sets one knob from its text; the error says what the knob takes.
@@ -219,10 +237,18 @@ impl KernelTuning {
             "stage_async_backward" => self.stage_async_backward = Some(ring(v)?),
             "stage_row_forward" => self.stage_row_forward = Some(stage(v)?),
             "stage_row_backward" => self.stage_row_backward = Some(stage(v)?),
-            "stage_block_scan" => self.stage_block_scan = Some(stage(v)?),
+            "stage_block_scan" => {
+                let shape = stage(v)?;
+                if shape.chunk > 64 {
+                    return Err(format!(
+                        "`{v}`: the block scan takes at most 64 steps a chunk"
+                    ));
+                }
+                self.stage_block_scan = Some(shape);
+            }
             "stage_ffn_forward" => self.stage_ffn_forward = Some(stage(v)?),
             "stage_ffn_backward" => self.stage_ffn_backward = Some(stage(v)?),
-            "decode_wide_cols" => self.decode_wide_cols = count(v, 1, usize::MAX)?,
+            "decode_wide_cols" => self.decode_wide_cols = count(v, 0, usize::MAX)?,
             "norm_plif_prefetch" => {
                 let [f, b] = dims::<2>(v, "FxB")?;
                 if !(1..=16).contains(&f) || !(1..=16).contains(&b) {
@@ -510,10 +536,38 @@ mod tests {
             .with_vars(|n| (n == "NSACTOR_ROW_SCAN").then(|| "rows".to_string()))
             .unwrap_err();
         assert!(e.to_string().contains("$NSACTOR_ROW_SCAN: `rows`"), "{e}");
+        let e = t.set("stage_block_scan", "8x96").unwrap_err();
+        assert!(e.contains("at most 64"), "{e}");
         assert_eq!(
             t,
             KernelTuning::default(),
             "a refused value changes nothing"
+        );
+        let empty = KernelTuning::default()
+            .with_vars(|n| (n == "NSACTOR_DECODE_FUSION").then(String::new))
+            .unwrap();
+        assert_eq!(
+            empty,
+            KernelTuning::default(),
+            "an empty variable is no value"
+        );
+        let warned = std::cell::RefCell::new(Vec::new());
+        let lenient = KernelTuning::default().with_vars_lenient(
+            |n| match n {
+                "NSACTOR_SCAN_CUBE" => Some("0".into()),
+                "NSACTOR_DECODE_FUSION" => Some("off".into()),
+                _ => None,
+            },
+            |w| warned.borrow_mut().push(w.to_string()),
+        );
+        assert!(
+            !lenient.decode_fusion && lenient.scan_cube == 32,
+            "{lenient:?}"
+        );
+        assert!(
+            warned.borrow()[0].contains("$NSACTOR_SCAN_CUBE"),
+            "{:?}",
+            warned.borrow()
         );
     }
 

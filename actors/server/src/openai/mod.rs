@@ -154,7 +154,12 @@ pub async fn openai(s: Shared, body: Bytes, chat: bool) -> Response {
                 },
                 PromptSpec::Ids(ids) => {
                     let ids: Vec<u32> = ids.iter().map(|&t| t as u32).collect();
-                    let text = s.generator.tokenizer.decode(&ids, true).unwrap_or_default();
+                    // Special tokens written out, as the echoed tokens and their offsets are.
+                    let text = s
+                        .generator
+                        .tokenizer
+                        .decode(&ids, false)
+                        .unwrap_or_default();
                     Echo { text, lead: 0 }
                 }
                 PromptSpec::Chat(_) => Echo::default(),

@@ -168,7 +168,7 @@ impl KernelTuning {
     /// the variable `name`, if set).
     pub fn with_vars(mut self, var: impl Fn(&str) -> Option<String>) -> Result<Self, EngineError> {
         for k in KNOBS {
-            // An empty value (`NSACTOR_X= cmd`) is no value.
+            // An empty value (a shell's `VAR= command`) is no value.
             if let Some(v) = var(k.env).filter(|v| !v.trim().is_empty()) {
                 self.set(k.key, &v)
                     .map_err(|e| EngineError::InvalidInput(format!("${}: {e}", k.env)))?;

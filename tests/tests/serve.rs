@@ -272,6 +272,7 @@ fn bad_limits_are_refused_by_name() {
             "10",
             "--max-body-bytes must be at least 1024",
         ),
+        ("--max-prompt-tokens", "0", "--max-prompt-tokens at least 1"),
         (
             "--rebuild-window",
             "0",

@@ -11,6 +11,7 @@ mod hop;
 mod kernels;
 mod open;
 mod overhead;
+mod prefill;
 mod recovery;
 mod serve;
 mod sse;
@@ -49,6 +50,11 @@ pub enum BenchCommand {
     /// decoder (no network); prefill time, per-step latency p50/p99, aggregate tokens/s and the
     /// weight-streaming ceiling.
     Generate(generate::GenerateBenchArgs),
+    /// Prompts through the real server on loopback: one client's time to first token at
+    /// several prompt lengths and concurrent prompts' prompt tokens/s against the compute
+    /// ceiling, a scored prompt (echo) beside its prefill, and the device memory after a short
+    /// and a long prompt.
+    Prefill(prefill::PrefillBenchArgs),
     /// One decoder layer's decoding step on the backend's device without actors: the whole
     /// step, its parts, and the launch-overhead and GEMM probes that bound it.
     DecodeProfile(generate::DecodeProfileArgs),
@@ -73,6 +79,7 @@ pub fn run(c: BenchCommand) -> crate::result::CliResult {
         BenchCommand::Train(a) => train::run(a),
         BenchCommand::Generate(a) => generate::run(a),
         BenchCommand::DecodeProfile(a) => generate::decode_profile_cmd(a),
+        BenchCommand::Prefill(a) => prefill::run(a),
         BenchCommand::Cluster(a) => cluster::run(a),
         BenchCommand::Detokenize(a) => detok::run(a),
     }

@@ -83,8 +83,13 @@ pub struct ServeArgs {
 #[derive(clap::Args)]
 struct LimitArgs {
     /// Largest request body or WebSocket message; a bigger body gets a 413.
-    #[arg(long, default_value_t = 1 << 20, value_name = "BYTES")]
+    #[arg(long, default_value_t = nsactor_server::protocol::DEFAULT_MAX_MESSAGE_BYTES, value_name = "BYTES")]
     max_body_bytes: usize,
+    /// Most tokens of one prompt (a longer one is refused with a 400 naming both). The
+    /// model's state is the same size after any number of tokens and a prompt is fed a pass
+    /// at a time, so this bounds only the time a request may take to prefill.
+    #[arg(long, default_value_t = nsactor_server::protocol::DEFAULT_MAX_PROMPT_TOKENS, value_name = "TOKENS")]
+    max_prompt_tokens: usize,
     /// Open connections; past it a new one gets a 503 with Retry-After.
     #[arg(long, default_value_t = 1024)]
     max_connections: usize,
@@ -115,14 +120,15 @@ impl LimitArgs {
             d if d.is_zero() => Err(format!("--{name} must be more than 0 seconds")),
             d => Ok(d),
         };
-        if self.max_body_bytes < 1024 || self.max_connections == 0 {
+        if self.max_body_bytes < 1024 || self.max_connections == 0 || self.max_prompt_tokens == 0 {
             return Err(
-                "--max-body-bytes must be at least 1024 and --max-connections at least 1".into(),
+                "--max-body-bytes must be at least 1024, --max-connections and --max-prompt-tokens at least 1".into(),
             );
         }
         let request = secs("request-timeout", self.request_timeout)?;
         Ok(nsactor_server::protocol::Limits {
             max_message_bytes: self.max_body_bytes,
+            max_prompt_tokens: self.max_prompt_tokens,
             max_connections: self.max_connections,
             header_timeout: positive("header-timeout", self.header_timeout)?,
             request_time_limit: (!request.is_zero()).then_some(request),

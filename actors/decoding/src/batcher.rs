@@ -52,12 +52,13 @@ use std::sync::{Arc, RwLock};
 use std::time::Instant;
 
 pub enum BatcherMsg {
-    /// Runs `ids` through `session`; answers the last position's logits, or with `pick` the
-    /// token chosen on the device.
+    /// Runs `ids` through `session`; answers the last position's logits, with `every` every
+    /// position's ([`Answer::Every`]), or with `pick` the token chosen on the device.
     Feed {
         session: SessionId,
         ids: Vec<i64>,
         pick: Option<PickRequest>,
+        every: bool,
         reply: RpcReplyPort<Answered>,
     },
     /// Runs `ids` through `session`, then every token the stream chooses, each fed back as
@@ -97,10 +98,11 @@ impl ractor::Message for BatcherMsg {}
 /// Where a session's answer goes.
 enum Reply {
     /// To the caller of one [`BatcherMsg::Feed`], with how its token is chosen, if on the
-    /// device.
+    /// device, and whether it wants every position's logits.
     Once {
         port: RpcReplyPort<Answered>,
         pick: Option<PickRequest>,
+        every: bool,
     },
     /// To a stream, which chooses its tokens on the device and may queue the session's next
     /// input.
@@ -116,6 +118,12 @@ impl Reply {
             }
             Reply::Stream(c) => c.refuse(e),
         }
+    }
+
+    /// Whether the input wants every position's logits (a prompt being scored): it runs only
+    /// with inputs that want the same.
+    fn every(&self) -> bool {
+        matches!(self, Reply::Once { every: true, .. })
     }
 
     /// How the input's token is chosen, for the cohort (a stream keeps its own).
@@ -255,12 +263,14 @@ impl BatcherState {
     }
 
     fn launch(&mut self, myself: &ActorRef<BatcherMsg>) {
-        let len = self.waiting.front().expect("non-empty").ids.len();
+        let front = self.waiting.front().expect("non-empty");
+        let (len, every) = (front.ids.len(), front.reply.every());
         let mut cohort = Vec::new();
         let mut rest = VecDeque::with_capacity(self.waiting.len());
         let fits = |n: usize| n == 0 || (n + 1) * len <= self.batching.max_tokens;
         for w in self.waiting.drain(..) {
             if w.ids.len() == len
+                && w.reply.every() == every
                 && cohort.len() < self.batching.max_batch.max(1)
                 && fits(cohort.len())
             {
@@ -308,7 +318,8 @@ impl BatcherState {
             let start = Instant::now();
             // A panic in the cohort's own task still answers its sessions (and, as a lost
             // stage, rebuilds the actors), never leaves them waiting.
-            let run = run_cohort(&children, &sessions, ids, len, picks, &stats.phases);
+            let shape = super::cohort::CohortShape { len, every };
+            let run = run_cohort(&children, &sessions, ids, shape, picks, &stats.phases);
             let answers = AssertUnwindSafe(run)
                 .catch_unwind()
                 .await
@@ -541,9 +552,18 @@ impl Actor for BatcherActor {
                 session,
                 ids,
                 pick,
+                every,
                 reply,
             } => match s.admit(session, &ids) {
-                Ok(()) => s.queue(session, ids, Reply::Once { port: reply, pick }),
+                Ok(()) => s.queue(
+                    session,
+                    ids,
+                    Reply::Once {
+                        port: reply,
+                        pick,
+                        every,
+                    },
+                ),
                 Err(e) => {
                     let _ = reply.send(Err(e));
                 }

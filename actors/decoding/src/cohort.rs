@@ -83,11 +83,23 @@ pub struct Picked {
 pub enum Answer {
     /// The last position's logits (a feed without a [`PickRequest`]).
     Logits(Vec<f32>),
+    /// Every position's logits, position after position (`len × V`): a prompt scored in one
+    /// pass.
+    Every(Vec<f32>),
     Picked(Picked),
 }
 
 /// A session's answer, or why its cohort failed.
 pub type Answered = Result<Answer, RuntimeError>;
+
+/// What every input of a cohort has in common.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) struct CohortShape {
+    /// Input tokens of each session.
+    pub len: usize,
+    /// Every position's logits come back ([`Answer::Every`]), not only the last one's.
+    pub every: bool,
+}
 
 /// Embedding, every layer and the decode path for `sessions` (each `len` inputs, back to
 /// back in `ids`): each session's answer, in order. With any [`PickRequest`] the tokens are
@@ -96,7 +108,7 @@ pub(super) async fn run_cohort(
     children: &Children,
     sessions: &[SessionId],
     ids: Vec<i64>,
-    len: usize,
+    CohortShape { len, every }: CohortShape,
     picks: Vec<Option<PickRequest>>,
     phases: &CohortPhases,
 ) -> Result<Vec<Answer>, RuntimeError> {
@@ -123,10 +135,14 @@ pub(super) async fn run_cohort(
         let logits = ask(&children.edge, "edge", |reply| EdgeMsg::SessionDecode {
             sessions: sessions.to_vec(),
             h,
+            every,
             reply,
         })
         .await;
         logits.and_then(|all| {
+            if every {
+                return every_position(&all, n, len);
+            }
             let rows = split_rows(&all, n)?;
             Ok(rows.map(|r| Answer::Logits(r.to_vec())).collect())
         })
@@ -162,6 +178,15 @@ fn split_rows(all: &[f32], n: usize) -> Result<std::slice::Chunks<'_, f32>, Runt
         )));
     }
     Ok(all.chunks(all.len() / n))
+}
+
+/// Each of `n` sessions' logits of its `len` positions, out of `all` laid `[len, n, V]`.
+fn every_position(all: &[f32], n: usize, len: usize) -> Result<Vec<Answer>, RuntimeError> {
+    let rows = split_rows(all, n * len)?;
+    let rows: Vec<&[f32]> = rows.collect();
+    Ok((0..n)
+        .map(|i| Answer::Every((0..len).flat_map(|t| rows[t * n + i]).copied().collect()))
+        .collect())
 }
 
 /// The device's row for a pick; a session without one is greedy and wants its logits.

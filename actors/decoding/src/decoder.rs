@@ -81,7 +81,35 @@ impl AsyncDecoder {
     pub async fn feed(&self, session: SessionId, ids: Vec<i64>) -> Result<Vec<f32>, RuntimeError> {
         match self.ask(session, ids, None).await? {
             Answer::Logits(l) => Ok(l),
-            Answer::Picked(_) => Err(RuntimeError::Runtime("a token instead of logits".into())),
+            other => Err(unexpected(&other, "logits")),
+        }
+    }
+
+    /// Most input tokens of one pass: [`feed_every`](Self::feed_every) takes at most this
+    /// many.
+    pub fn pass_tokens(&self) -> usize {
+        self.max_tokens.max(1)
+    }
+
+    /// Runs `ids` (at most [`pass_tokens`](Self::pass_tokens)) through `session` in one pass
+    /// and answers every position's logits, position after position (`ids.len() × V`): the
+    /// logits after each input, equal to those of feeding the inputs one at a time. Scoring
+    /// inputs batch with each other, never with other inputs.
+    pub async fn feed_every(
+        &self,
+        session: SessionId,
+        ids: Vec<i64>,
+    ) -> Result<Vec<f32>, RuntimeError> {
+        if ids.len() > self.pass_tokens() {
+            return Err(RuntimeError::Runtime(format!(
+                "{} inputs to score in one pass; a pass takes at most {}",
+                ids.len(),
+                self.pass_tokens()
+            )));
+        }
+        match self.ask_once(session, ids, None, true).await? {
+            Answer::Every(l) => Ok(l),
+            other => Err(unexpected(&other, "every position's logits")),
         }
     }
 
@@ -95,7 +123,7 @@ impl AsyncDecoder {
     ) -> Result<Picked, RuntimeError> {
         match self.ask(session, ids, Some(pick)).await? {
             Answer::Picked(p) => Ok(p),
-            Answer::Logits(_) => Err(RuntimeError::Runtime("logits instead of a token".into())),
+            other => Err(unexpected(&other, "a token")),
         }
     }
 
@@ -130,7 +158,7 @@ impl AsyncDecoder {
         pick: Option<PickRequest>,
     ) -> Result<Answer, RuntimeError> {
         let ids = self.feed_all_but_last_chunk(session, ids).await?;
-        self.ask_once(session, ids, pick).await
+        self.ask_once(session, ids, pick, false).await
     }
 
     /// Feeds `ids` in chunks of one pass's budget but the last, which it returns (the neuron
@@ -143,7 +171,7 @@ impl AsyncDecoder {
         let chunk = self.max_tokens.max(1);
         while ids.len() > chunk {
             let rest = ids.split_off(chunk);
-            self.ask_once(session, ids, None).await?;
+            self.ask_once(session, ids, None, false).await?;
             ids = rest;
         }
         Ok(ids)
@@ -154,6 +182,7 @@ impl AsyncDecoder {
         session: SessionId,
         ids: Vec<i64>,
         pick: Option<PickRequest>,
+        every: bool,
     ) -> Result<Answer, RuntimeError> {
         match self
             .batcher
@@ -162,6 +191,7 @@ impl AsyncDecoder {
                     session,
                     ids,
                     pick,
+                    every,
                     reply,
                 },
                 None,
@@ -251,4 +281,14 @@ impl AsyncDecoder {
             let _ = rx.await;
         }
     }
+}
+
+/// The error for an answer of another kind than the one asked for.
+fn unexpected(got: &Answer, wanted: &str) -> RuntimeError {
+    let got = match got {
+        Answer::Logits(_) => "the last position's logits",
+        Answer::Every(_) => "every position's logits",
+        Answer::Picked(_) => "a token",
+    };
+    RuntimeError::Runtime(format!("{got} instead of {wanted}"))
 }

@@ -67,7 +67,7 @@ impl Continuation {
     pub(super) fn answer(mut self, answer: Answered) -> Option<(Vec<i64>, Continuation)> {
         let picked = match answer {
             Ok(Answer::Picked(p)) => p,
-            Ok(Answer::Logits(_)) => {
+            Ok(Answer::Logits(_) | Answer::Every(_)) => {
                 self.refuse(RuntimeError::Runtime(
                     "a decoding stream got logits instead of a token".into(),
                 ));

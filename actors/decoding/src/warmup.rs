@@ -15,7 +15,7 @@
 //! should feed the decoder meanwhile (a server refuses generations until it is ready).
 
 use super::buckets::CohortBuckets;
-use super::cohort::{PickRequest, close_everywhere, run_cohort};
+use super::cohort::{CohortShape, PickRequest, close_everywhere, run_cohort};
 use super::decoder::AsyncDecoder;
 use nsactor_engine::decode::SamplingParams;
 use nsactor_engine::error::RuntimeError;
@@ -191,7 +191,11 @@ impl AsyncDecoder {
                 .map(|j| ((j * 31 + k * 7 + 3) as i64) % vocab)
                 .collect();
             let picks = picks.iter().cloned().map(Some).collect();
-            if let Err(e) = run_cohort(&children, &sessions, ids, *len, picks, &phases).await {
+            let shape = CohortShape {
+                len: *len,
+                every: false,
+            };
+            if let Err(e) = run_cohort(&children, &sessions, ids, shape, picks, &phases).await {
                 result = Err(e);
                 break;
             }

@@ -239,23 +239,26 @@ impl EdgeState {
             .await
     }
 
-    /// Last-position logits of `sessions`, copied to the host.
+    /// Last-position logits of `sessions` (with `every`, every position's), copied to the
+    /// host.
     async fn session_decode(
         &mut self,
         sessions: Vec<SessionId>,
         h: DeviceTensor,
+        every: bool,
     ) -> Result<Vec<f32>, EngineError> {
         let backend = self.stage.backend().clone();
         self.stage
             .compute(Priority::FORWARD_UNTRAINED, Some(h), move |st, h| {
                 use super::trace::{Mark, mark};
                 mark(Mark::DecodeJob);
-                let logits = st
-                    .call(StageCall::SessionDecode {
-                        sessions: &sessions,
-                        h: h.expect("moved"),
-                    })?
-                    .into_tensor("SessionDecode")?;
+                let (sessions, h) = (&sessions, h.expect("moved"));
+                let call = if every {
+                    StageCall::SessionDecodeAll { sessions, h }
+                } else {
+                    StageCall::SessionDecode { sessions, h }
+                };
+                let logits = st.call(call)?.into_tensor("SessionDecode")?;
                 mark(Mark::DecodeQueued);
                 let host = backend.to_host(&logits)?.data;
                 mark(Mark::Copied);
@@ -408,8 +411,13 @@ impl Actor for EdgeActor {
                 let r = s.session_embed(ids, batch, seq_len).await;
                 return answer(WHO.into(), reply, r);
             }
-            EdgeMsg::SessionDecode { sessions, h, reply } => {
-                let r = s.session_decode(sessions, h).await;
+            EdgeMsg::SessionDecode {
+                sessions,
+                h,
+                every,
+                reply,
+            } => {
+                let r = s.session_decode(sessions, h, every).await;
                 return answer(WHO.into(), reply, r);
             }
             EdgeMsg::SessionSample {

@@ -361,10 +361,11 @@ pub enum EdgeMsg {
         reply: RpcReplyPort<Result<DeviceTensor, EngineError>>,
     },
     /// Last-position logits `[1, B, V]` of `sessions` (batch rows split evenly among them, in
-    /// order), copied to the host.
+    /// order), or with `every` every position's `[T, B, V]`, copied to the host.
     SessionDecode {
         sessions: Vec<SessionId>,
         h: DeviceTensor,
+        every: bool,
         reply: RpcReplyPort<Result<Vec<f32>, EngineError>>,
     },
     /// `SessionDecode` with every row's next token chosen on the device as `picks` says:

@@ -186,7 +186,7 @@ impl Generator {
         let ids = self.token_ids(p, bos, true)?;
         if ids.len() > self.max_prompt_tokens {
             return Err(ServeError::Invalid(format!(
-                "the prompt has {} tokens; the limit is {}",
+                "the prompt has {} tokens; the limit is {} (`nsactor serve --max-prompt-tokens`)",
                 ids.len(),
                 self.max_prompt_tokens
             )));
@@ -245,9 +245,10 @@ impl Generator {
         Ok(r)
     }
 
-    /// Feeds the prompt one token at a time, reporting each token's log-probability given
-    /// the ones before it ([`GenEvent::Prompt`]); then streams from its last token as
-    /// `plan` says.
+    /// Scores the prompt: every token's log-probability given the ones before it
+    /// ([`GenEvent::Prompt`]), from one prefill of all but its last token (every position's
+    /// logits, a pass at a time); then streams from its last token as `plan` says. The
+    /// numbers equal those of feeding the prompt one token at a time.
     async fn score_prompt(
         &self,
         session: SessionId,
@@ -257,16 +258,24 @@ impl Generator {
         plan: StreamPlan,
     ) -> Result<DecodeStream, ServeError> {
         let mut logprobs = vec![None];
-        let mut logits = Vec::new();
         let (last, head) = prompt.split_last().expect("prompts are never empty");
-        for (i, &t) in head.iter().enumerate() {
-            if i > 0 {
-                logprobs.push(Some(token_logprob(&logits, t, top)));
-            }
-            logits = self.decoder.feed(session, vec![t]).await?;
-        }
-        if !head.is_empty() {
-            logprobs.push(Some(token_logprob(&logits, *last, top)));
+        let vocab = self.decoder.vocab();
+        let mut scored = 0;
+        for chunk in head.chunks(self.decoder.pass_tokens()) {
+            let logits = self.decoder.feed_every(session, chunk.to_vec()).await?;
+            // Position i's logits score the token after it.
+            let targets = prompt[scored + 1..=scored + chunk.len()].to_vec();
+            scored += chunk.len();
+            let rows = tokio::task::spawn_blocking(move || {
+                logits
+                    .chunks(vocab)
+                    .zip(targets)
+                    .map(|(row, t)| Some(token_logprob(row, t, top)))
+                    .collect::<Vec<_>>()
+            })
+            .await
+            .map_err(|e| ServeError::Internal(format!("scoring a prompt failed: {e}")))?;
+            logprobs.extend(rows);
         }
         let picked = self.decoder.stream(session, vec![*last], plan).await?;
         let ids = prompt.to_vec();

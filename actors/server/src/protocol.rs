@@ -36,12 +36,21 @@ pub struct Limits {
     pub ws_idle_timeout: Duration,
 }
 
+/// Prompt tokens a request may send by default: far past the 512-token windows the model
+/// trained on, as its state is the same size after any number of tokens (a prompt is fed a
+/// pass at a time, so a long one holds no more device memory than a short one).
+pub const DEFAULT_MAX_PROMPT_TOKENS: usize = 131_072;
+
+/// Largest request body or WebSocket message by default: a prompt of
+/// [`DEFAULT_MAX_PROMPT_TOKENS`] as text or token ids fits.
+pub const DEFAULT_MAX_MESSAGE_BYTES: usize = 4 << 20;
+
 impl Default for Limits {
     fn default() -> Self {
         Limits {
-            max_prompt_tokens: 4096,
+            max_prompt_tokens: DEFAULT_MAX_PROMPT_TOKENS,
             max_new_tokens: 4096,
-            max_message_bytes: 1 << 20,
+            max_message_bytes: DEFAULT_MAX_MESSAGE_BYTES,
             max_stop: 8,
             max_stop_bytes: 128,
             max_n: 16,

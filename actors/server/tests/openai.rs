@@ -60,7 +60,7 @@ fn n_logprobs_echo_and_usage_chunks_on_completions() {
             .collect();
         assert!(offsets.windows(2).all(|w| w[0] <= w[1]), "{offsets:?}");
 
-        // Scoring prompt + continuation (echo, max_tokens 0) feeds the tokens one at a time;
+        // Scoring prompt + continuation (echo, max_tokens 0) is one prefill of every position;
         // the continuation's logprobs must equal the ones reported while generating.
         let req = json!({"prompt": greedy, "max_tokens": 0, "echo": true, "logprobs": 0});
         let (status, body) =

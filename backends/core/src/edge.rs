@@ -190,11 +190,12 @@ impl<B: SnnOps> EdgeStage<B> {
     }
 
     /// The decode path of `sessions`' rows from their output-neuron states: the last
-    /// position's logits `[1, B, V]`.
+    /// position's logits `[1, B, V]`, or with `every` every position's `[T, B, V]`.
     fn session_decode(
         &mut self,
         sessions: &[u64],
         h: Tensor<B, 3>,
+        every: bool,
     ) -> Result<Tensor<B, 3>, EngineError> {
         let [t, b, d] = h.dims();
         if d != self.cfg.d || t == 0 || b == 0 {
@@ -220,6 +221,10 @@ impl<B: SnnOps> EdgeStage<B> {
         });
         self.sessions.put(sessions, rows, v);
         let vocab = self.cfg.vocab_size;
+        if every {
+            // `[B, T, V]` → `[T, B, V]`, as the activations run.
+            return Ok(logits.reshape([b, t, vocab]).swap_dims(0, 1));
+        }
         Ok(logits.narrow(1, t - 1, 1).reshape([1, b, vocab]))
     }
 
@@ -242,7 +247,7 @@ impl<B: SnnOps> EdgeStage<B> {
                 rows.len()
             )));
         }
-        let last = self.session_decode(sessions, h)?;
+        let last = self.session_decode(sessions, h, false)?;
         let picked = crate::sample::pick(last.clone().reshape([b, vocab]), &rows);
         Ok(Reply {
             tensors: vec![wrap(picked.unsqueeze::<3>()), wrap(last)],
@@ -322,7 +327,10 @@ impl<B: SnnOps> Stage for EdgeStage<B> {
                 Ok(Reply::tensor(wrap(h)))
             }
             StageCall::SessionDecode { sessions, h } => Ok(Reply::tensor(wrap(
-                self.session_decode(SessionId::raw(sessions), act(h, name)?)?,
+                self.session_decode(SessionId::raw(sessions), act(h, name)?, false)?,
+            ))),
+            StageCall::SessionDecodeAll { sessions, h } => Ok(Reply::tensor(wrap(
+                self.session_decode(SessionId::raw(sessions), act(h, name)?, true)?,
             ))),
             StageCall::SessionSample { sessions, h, picks } => {
                 self.session_sample(SessionId::raw(sessions), act(h, name)?, picks)

@@ -61,8 +61,9 @@ use std::fmt;
 /// processes ([`ComputeBackend::collective_id`], [`ComputeBackend::collective_join`],
 /// [`ComputeBackend::all_reduce_sum`]). Revision 11 added [`StageSpec::weights`]: a stage opened
 /// to load its weights draws none. Revision 12 made [`StageSpec::optimizer`] optional: a stage
-/// that only serves keeps no optimizer state.
-pub const ABI_VERSION: u32 = 12;
+/// that only serves keeps no optimizer state. Revision 13 added [`StageCall::SessionDecodeAll`]:
+/// every position's logits of a prefill (a prompt scored in one pass).
+pub const ABI_VERSION: u32 = 13;
 
 /// One micro-batch of token ids, row-major `[batch, seq_len]`.
 #[derive(Debug, Clone, PartialEq)]

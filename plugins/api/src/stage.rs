@@ -225,6 +225,12 @@ pub enum StageCall<'a> {
         sessions: &'a [SessionId],
         h: DeviceTensor,
     },
+    /// Edge: `SessionDecode` with every position's logits: `[T, B, V]` (a prompt scored in one
+    /// pass; position `t` holds the logits after the row's input `t`).
+    SessionDecodeAll {
+        sessions: &'a [SessionId],
+        h: DeviceTensor,
+    },
     /// Edge: `SessionDecode`, then every row's next token chosen on the device as its
     /// [`Picks`](crate::Picks) row says (one row per batch row). Reply: `[picked, logits]`:
     /// `picked` `[1, 2, B]` f32 holds each row's token id (exact: vocabularies stay under 2²⁴)
@@ -287,6 +293,7 @@ impl StageCall<'_> {
             StageCall::HoldGrads { .. } => 18,
             StageCall::GradsOut { .. } => 19,
             StageCall::GradsIn { .. } => 20,
+            StageCall::SessionDecodeAll { .. } => 21,
         }
     }
 
@@ -305,6 +312,7 @@ impl StageCall<'_> {
             StageCall::SessionEmbed { .. } => "SessionEmbed",
             StageCall::SessionForward { .. } => "SessionForward",
             StageCall::SessionDecode { .. } => "SessionDecode",
+            StageCall::SessionDecodeAll { .. } => "SessionDecodeAll",
             StageCall::SessionClose { .. } => "SessionClose",
             StageCall::Probe { .. } => "Probe",
             StageCall::TokenLosses { .. } => "TokenLosses",

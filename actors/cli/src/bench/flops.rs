@@ -21,6 +21,14 @@ pub fn train_flops_per_token(model: &ModelConfig, recomputed: usize) -> f64 {
     passes * k * layer_macs_per_frame(model) + 6.0 * d * v
 }
 
+/// Forward FLOPs per token (a prompt's prefill): every layer's projections for each of the `K`
+/// frames, and the tied head.
+pub fn forward_flops_per_token(model: &ModelConfig) -> f64 {
+    let (k, l) = (model.k as f64, model.num_layers as f64);
+    let (d, v) = (model.d as f64, model.vocab_size as f64);
+    2.0 * l * k * layer_macs_per_frame(model) + 2.0 * d * v
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -44,6 +52,10 @@ mod tests {
             train_flops_per_token(&cfg.model, 0),
             6.0 * 16.0 * 20.0 * 40_943_616.0 + 6.0 * 896.0 * 6144.0
         );
+        // A prefill's forward: 26.2 GFLOP per token.
+        let fwd = forward_flops_per_token(&cfg.model);
+        assert_eq!(fwd, 2.0 * 16.0 * 20.0 * 40_943_616.0 + 2.0 * 896.0 * 6144.0);
+        assert!((fwd / 1e9 - 26.21).abs() < 0.01, "{fwd}");
         assert_eq!(
             train_flops_per_token(&cfg.model, 14),
             (6.0 * 20.0 + 2.0 * 14.0) * 16.0 * 40_943_616.0 + 6.0 * 896.0 * 6144.0

@@ -145,8 +145,9 @@ pub async fn serve_load_with(
     ))
 }
 
+/// The model a serving benchmark serves.
 #[derive(clap::Args)]
-pub struct ServeBenchArgs {
+pub struct ServedModel {
     /// Checkpoint to serve (default: a fresh model of --config).
     #[arg(long)]
     checkpoint: Option<PathBuf>,
@@ -155,7 +156,19 @@ pub struct ServeBenchArgs {
     config: Option<PathBuf>,
     /// Projection GEMM arithmetic of the fresh model: fp32 or bf16 (CUDA).
     #[arg(long, value_parser = ["fp32", "bf16"])]
-    precision: Option<String>,
+    pub precision: Option<String>,
+    /// Backend (with --checkpoint: default the run's).
+    #[arg(long)]
+    backend: Option<String>,
+    /// Pipeline stages.
+    #[arg(long, default_value_t = 1)]
+    pub pipeline: usize,
+}
+
+#[derive(clap::Args)]
+pub struct ServeBenchArgs {
+    #[command(flatten)]
+    model: ServedModel,
     /// Sampling temperature of every client (0: greedy, and the clients should all agree).
     #[arg(long, default_value_t = 0.8)]
     temperature: f32,
@@ -163,18 +176,12 @@ pub struct ServeBenchArgs {
     /// (`/v1/completions` streamed as Server-Sent Events).
     #[arg(long, value_delimiter = ',', value_parser = ["ws", "sse"], default_value = "ws,sse")]
     protocol: Vec<String>,
-    /// Backend (with --checkpoint: default the run's).
-    #[arg(long)]
-    backend: Option<String>,
     /// Concurrent sessions to measure (comma-separated).
     #[arg(long, value_delimiter = ',', default_value = "1,8,32")]
     sessions: Vec<usize>,
     /// Tokens each session generates.
     #[arg(long, default_value_t = 64)]
     tokens: usize,
-    /// Pipeline stages.
-    #[arg(long, default_value_t = 1)]
-    pipeline: usize,
     /// Cohort sizes the server pads to and warms up (as `nsactor serve --cohort-buckets`).
     #[arg(long, default_value = "ladder", value_name = "SIZES")]
     cohort_buckets: String,
@@ -207,14 +214,14 @@ pub struct ServeBenchArgs {
 
 /// Waits until the last run's sessions are freed (a client has its last event before its
 /// session's states are freed), so each run starts on an idle server.
-async fn idle(d: &nsactor_decoding::AsyncDecoder) {
+pub(super) async fn idle(d: &nsactor_decoding::AsyncDecoder) {
     while d.open_sessions() > 0 {
         tokio::time::sleep(std::time::Duration::from_millis(1)).await;
     }
 }
 
 /// Bytes in use on every device together, where the backend says (pools keep their peak).
-fn device_used(b: &dyn nsactor_plugin_api::ComputeBackend) -> Option<u64> {
+pub(super) fn device_used(b: &dyn nsactor_plugin_api::ComputeBackend) -> Option<u64> {
     match b.diagnose(&nsactor_plugin_api::Diagnostic::Memory) {
         Ok(nsactor_plugin_api::DiagnosticReport::Memory(d)) => {
             Some(d.iter().map(|m| m.used_bytes).sum())
@@ -224,7 +231,7 @@ fn device_used(b: &dyn nsactor_plugin_api::ComputeBackend) -> Option<u64> {
 }
 
 /// The model to serve: `--checkpoint`'s, or a fresh one of `--config`.
-fn load(a: &ServeBenchArgs) -> CliResult<launch::Loaded> {
+pub(super) fn load(a: &ServedModel) -> CliResult<launch::Loaded> {
     Ok(match &a.checkpoint {
         Some(c) => launch::load_checkpoint(&launch::CheckpointOptions {
             checkpoint: c.clone(),
@@ -255,7 +262,7 @@ fn print_header(a: &ServeBenchArgs, l: &launch::Loaded) {
         info.name,
         info.version,
         info.devices.join(", "),
-        a.pipeline,
+        a.model.pipeline,
         a.tokens,
         a.temperature
     );
@@ -276,7 +283,7 @@ fn print_header(a: &ServeBenchArgs, l: &launch::Loaded) {
 
 pub fn run(a: ServeBenchArgs) -> crate::result::CliResult {
     let started = Instant::now();
-    let l = load(&a)?;
+    let l = load(&a.model)?;
     let max = a.sessions.iter().copied().max().unwrap_or(1);
     let (buckets, mut plan) =
         nsactor_decoding::warmup::WarmupPlan::for_spec(&a.cohort_buckets, max)?;
@@ -292,32 +299,9 @@ pub fn run(a: ServeBenchArgs) -> crate::result::CliResult {
     print_header(&a, &l);
     let decoder = state.generator.decoder.clone();
     decoder.set_buckets(buckets.clone());
-    // Three runtimes, as in a deployment: the pipeline's (the actors), the server's, and the
-    // clients' (the load generator and the engine row's sessions).
-    let http_threads = match a.http_threads {
-        0 => nsactor_server::front::front_threads(0)
-            .saturating_sub(a.client_threads)
-            .max(2),
-        n => n,
-    };
-    let front = nsactor_server::front::front_runtime(http_threads)?;
-    let clients = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(a.client_threads.max(1))
-        .thread_name("nsactor-bench-client")
-        .enable_all()
-        .build()?;
-    let listener = front.block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))?;
-    let addr = listener.local_addr()?;
-    front.spawn(nsactor_server::serve(
-        listener,
-        state,
-        std::future::pending(),
-    ));
-    println!(
-        "runtimes: the server's {http_threads} threads, the clients' {}, the pipeline's own",
-        a.client_threads.max(1)
-    );
-    clients.block_on(async {
+    let loopback = Loopback::start(state, a.http_threads, a.client_threads)?;
+    let addr = loopback.addr;
+    loopback.clients.block_on(async {
         if !a.no_warmup {
             let t = Instant::now();
             ready.warm_up(&decoder, &plan, started).await?;
@@ -350,6 +334,54 @@ pub fn run(a: ServeBenchArgs) -> crate::result::CliResult {
         }
         Ok::<_, crate::result::CliError>(())
     })
+}
+
+/// A server on loopback and its clients, on three runtimes as in a deployment: the
+/// pipeline's (the actors), the server's, and the clients' (the load generator).
+pub(super) struct Loopback {
+    pub addr: std::net::SocketAddr,
+    pub clients: tokio::runtime::Runtime,
+    /// Kept for the server's tasks.
+    _front: tokio::runtime::Runtime,
+}
+
+impl Loopback {
+    /// Serves `state` on a loopback port with `http_threads` (0: the cores the pipeline and
+    /// the clients leave, at least 2) and builds a runtime of `client_threads` for clients.
+    pub fn start(
+        state: nsactor_server::state::Shared,
+        http_threads: usize,
+        client_threads: usize,
+    ) -> CliResult<Loopback> {
+        let client_threads = client_threads.max(1);
+        let http_threads = match http_threads {
+            0 => nsactor_server::front::front_threads(0)
+                .saturating_sub(client_threads)
+                .max(2),
+            n => n,
+        };
+        let front = nsactor_server::front::front_runtime(http_threads)?;
+        let clients = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(client_threads)
+            .thread_name("nsactor-bench-client")
+            .enable_all()
+            .build()?;
+        let listener = front.block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))?;
+        let addr = listener.local_addr()?;
+        front.spawn(nsactor_server::serve(
+            listener,
+            state,
+            std::future::pending(),
+        ));
+        println!(
+            "runtimes: the server's {http_threads} threads, the clients' {client_threads}, the pipeline's own"
+        );
+        Ok(Loopback {
+            addr,
+            clients,
+            _front: front,
+        })
+    }
 }
 
 /// One measured run of `n` clients through `protocol` (`ws`, `sse`, or `ws+long`), from an

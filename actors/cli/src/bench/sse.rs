@@ -52,6 +52,49 @@ pub async fn sse_load(
     Ok(t)
 }
 
+/// One HTTP/1 connection's request side.
+pub(super) type Sender =
+    hyper::client::conn::http1::SendRequest<http_body_util::Full<hyper::body::Bytes>>;
+
+/// An HTTP/1 connection to the server at `addr` (no Nagle delay, as a client on another host
+/// would have none to wait for).
+pub(super) async fn connect(addr: std::net::SocketAddr) -> CliResult<Sender> {
+    let tcp = tokio::net::TcpStream::connect(addr).await?;
+    tcp.set_nodelay(true)?;
+    let (sender, conn) = hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(tcp))
+        .await
+        .map_err(|e| format!("HTTP handshake: {e}"))?;
+    tokio::spawn(conn);
+    Ok(sender)
+}
+
+/// `POST path` with the JSON `body` on `sender`: the response's body, or an error with the
+/// server's answer when it is not a success.
+pub(super) async fn post(
+    sender: &mut Sender,
+    addr: std::net::SocketAddr,
+    path: &str,
+    body: &serde_json::Value,
+) -> CliResult<hyper::body::Incoming> {
+    let req = hyper::Request::post(path)
+        .header("host", addr.to_string())
+        .header("content-type", "application/json")
+        .body(http_body_util::Full::new(hyper::body::Bytes::from(
+            body.to_string(),
+        )))
+        .map_err(|e| format!("request: {e}"))?;
+    let resp = sender
+        .send_request(req)
+        .await
+        .map_err(|e| format!("POST {path}: {e}"))?;
+    if !resp.status().is_success() {
+        let status = resp.status();
+        let body = resp.into_body().collect().await.map(|b| b.to_bytes());
+        return Err(format!("server answered {status}: {body:?}").into());
+    }
+    Ok(resp.into_body())
+}
+
 async fn one(
     addr: std::net::SocketAddr,
     seed: usize,
@@ -59,40 +102,14 @@ async fn one(
     temperature: f32,
     ready: std::sync::Arc<tokio::sync::Barrier>,
 ) -> CliResult<Stream> {
-    let connect = async {
-        let tcp = tokio::net::TcpStream::connect(addr).await?;
-        tcp.set_nodelay(true)?;
-        let (sender, conn) =
-            hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(tcp))
-                .await
-                .map_err(|e| format!("HTTP handshake: {e}"))?;
-        tokio::spawn(conn);
-        Ok::<_, crate::result::CliError>(sender)
-    };
-    let sender = connect.await;
+    let sender = connect(addr).await;
     ready.wait().await;
     let mut sender = sender?;
     let body = serde_json::json!({"prompt": "Emma was", "max_tokens": tokens,
         "temperature": temperature, "seed": seed, "ignore_eos": true, "stream": true,
         "stream_options": {"include_usage": true}});
-    let req = hyper::Request::post("/v1/completions")
-        .header("host", addr.to_string())
-        .header("content-type", "application/json")
-        .body(http_body_util::Full::new(hyper::body::Bytes::from(
-            body.to_string(),
-        )))
-        .map_err(|e| format!("request: {e}"))?;
     let sent = Instant::now();
-    let resp = sender
-        .send_request(req)
-        .await
-        .map_err(|e| format!("POST /v1/completions: {e}"))?;
-    if !resp.status().is_success() {
-        let status = resp.status();
-        let body = resp.into_body().collect().await.map(|b| b.to_bytes());
-        return Err(format!("server answered {status}: {body:?}").into());
-    }
-    let mut body = resp.into_body();
+    let mut body = post(&mut sender, addr, "/v1/completions", &body).await?;
     let (mut buf, mut text) = (String::new(), String::new());
     let (mut ttft, mut first_text, mut last, mut events) = (None, None, sent, Vec::new());
     let mut usage = None;

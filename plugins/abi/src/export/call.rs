@@ -88,6 +88,10 @@ pub(super) fn decode_call<'a>(
             sessions,
             h: tensor("SessionDecode")?,
         },
+        21 => StageCall::SessionDecodeAll {
+            sessions,
+            h: tensor("SessionDecodeAll")?,
+        },
         17 => StageCall::SessionSample {
             sessions,
             h: tensor("SessionSample")?,

@@ -76,7 +76,9 @@ pub(super) fn encode(
             clip,
         } => a.f[..3].copy_from_slice(&[lr, neuron_lr, clip]),
         StageCall::SessionEmbed { tokens: t } => tokens(&mut a, t),
-        StageCall::SessionForward { sessions, h } | StageCall::SessionDecode { sessions, h } => {
+        StageCall::SessionForward { sessions, h }
+        | StageCall::SessionDecode { sessions, h }
+        | StageCall::SessionDecodeAll { sessions, h } => {
             a.sessions = SessionId::raw(sessions).as_ptr();
             a.sessions_len = sessions.len();
             input = Some(h);

@@ -1,0 +1,287 @@
+//! `nsactor bench prefill`: prompts through the real server on loopback, as clients send them
+//! to `/v1/completions`. One client's time to first token at several prompt lengths and
+//! concurrent prompts' aggregate prompt tokens/s, each against the compute ceiling (the model's
+//! forward FLOPs per token at the device's dense peak); a scored prompt (`echo` with
+//! log-probabilities, nothing generated) beside the prefill of the same prompt; and the device
+//! memory in use after a short prompt and after a long one (a session's state is the same size
+//! after any number of tokens, and a prompt is fed a pass at a time).
+
+use super::serve::{Loopback, ServedModel, device_used, idle, load};
+use super::sse::{Sender, connect, post};
+use crate::result::{CliError, CliResult};
+use http_body_util::BodyExt;
+use std::net::SocketAddr;
+use std::time::Instant;
+
+#[derive(clap::Args)]
+pub struct PrefillBenchArgs {
+    #[command(flatten)]
+    model: ServedModel,
+    /// Prompt lengths one client sends, one request at a time.
+    #[arg(long, value_delimiter = ',', default_value = "512,2048,4000")]
+    lengths: Vec<usize>,
+    /// Concurrent prompts as `CLIENTSxTOKENS` (comma-separated), each set sent together.
+    #[arg(long, value_delimiter = ',', default_value = "8x512,64x2000")]
+    concurrent: Vec<String>,
+    /// Length of the prompt scored with `echo` and log-probabilities (0: none).
+    #[arg(long, default_value_t = 512)]
+    score: usize,
+    /// Prompt lengths after each of which the device memory in use is read, the first the
+    /// baseline (empty: none).
+    #[arg(long, value_delimiter = ',', default_value = "1024,131072")]
+    memory: Vec<usize>,
+    /// Measured repetitions of each one-client figure (medians printed), after one unmeasured.
+    #[arg(long, default_value_t = 3)]
+    reps: usize,
+    /// The device's dense peak in TFLOP/s for the ratio to the compute ceiling (default: on a
+    /// CUDA backend 989 in bf16 and 67 in fp32, as an H100/H200 SXM; none on the CPU).
+    #[arg(long)]
+    peak_tflops: Option<f64>,
+}
+
+/// `CLIENTSxTOKENS`.
+fn parse_concurrent(s: &str) -> CliResult<(usize, usize)> {
+    let bad = || {
+        CliError::from(format!(
+            "--concurrent {s:?}: expected CLIENTSxTOKENS, like 64x2000"
+        ))
+    };
+    let (n, len) = s.split_once('x').ok_or_else(bad)?;
+    let (n, len) = (
+        n.trim().parse().map_err(|_| bad())?,
+        len.trim().parse().map_err(|_| bad())?,
+    );
+    if n == 0 || len == 0 {
+        return Err(bad());
+    }
+    Ok((n, len))
+}
+
+/// A prompt of `len` ids that no two clients share (`salt`), past the special tokens.
+fn prompt(len: usize, salt: usize, vocab: usize) -> Vec<i64> {
+    let span = vocab.saturating_sub(5).max(1) as u64;
+    let mut x = 0x9E37_79B9_7F4A_7C15u64 ^ (salt as u64).wrapping_mul(0xD1B5_4A32_D192_ED03);
+    (0..len)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            5 + (x % span) as i64
+        })
+        .collect()
+}
+
+/// Seconds from sending `ids` (streamed, one token generated) to the first chunk with a
+/// token, on a connection of its own made before the clock starts (the server closes a
+/// stream's connection after it); the rest of the answer is read before it returns.
+async fn first_token(addr: SocketAddr, ids: &[i64]) -> CliResult<f64> {
+    first_token_on(connect(addr).await?, addr, ids).await
+}
+
+/// [`first_token`] on the connection `sender`.
+async fn first_token_on(mut sender: Sender, addr: SocketAddr, ids: &[i64]) -> CliResult<f64> {
+    let body = serde_json::json!({"prompt": ids, "max_tokens": 1, "temperature": 0,
+        "ignore_eos": true, "stream": true});
+    let sent = Instant::now();
+    let mut body = post(&mut sender, addr, "/v1/completions", &body).await?;
+    let mut ttft = None;
+    while let Some(frame) = body.frame().await {
+        let frame = frame.map_err(|e| format!("reading the stream: {e}"))?;
+        if frame
+            .data_ref()
+            .is_some_and(|d| d.windows(5).any(|w| w == b"data:"))
+        {
+            ttft.get_or_insert(sent.elapsed().as_secs_f64());
+        }
+    }
+    ttft.ok_or_else(|| "the stream ended without a token".into())
+}
+
+/// Seconds to score `ids` (`echo`, log-probabilities, no token generated), and how many
+/// positions came back scored.
+async fn scored(addr: SocketAddr, ids: &[i64]) -> CliResult<(f64, usize)> {
+    let mut sender = connect(addr).await?;
+    let body = serde_json::json!({"prompt": ids, "max_tokens": 0, "echo": true, "logprobs": 1});
+    let sent = Instant::now();
+    let body = post(&mut sender, addr, "/v1/completions", &body).await?;
+    let bytes = body
+        .collect()
+        .await
+        .map_err(|e| format!("reading the answer: {e}"))?
+        .to_bytes();
+    let took = sent.elapsed().as_secs_f64();
+    let v: serde_json::Value = serde_json::from_slice(&bytes)?;
+    let n = v["choices"][0]["logprobs"]["token_logprobs"]
+        .as_array()
+        .map_or(0, |a| a.iter().filter(|x| x.is_number()).count());
+    Ok((took, n))
+}
+
+/// The median time to first token of `reps` requests of `ids` after one unmeasured.
+async fn ttft(reps: usize, addr: SocketAddr, ids: &[i64]) -> CliResult<f64> {
+    first_token(addr, ids).await?;
+    let mut v = Vec::with_capacity(reps);
+    for _ in 0..reps.max(1) {
+        v.push(first_token(addr, ids).await?);
+    }
+    Ok(super::stats::pct(&mut v, 0.5))
+}
+
+/// What the rows compare against: FLOPs per prompt token and the device's peak.
+struct Ceiling {
+    flops_per_token: f64,
+    peak_tflops: Option<f64>,
+}
+
+impl Ceiling {
+    /// `tokens/s` as TFLOP/s and, where the peak is known, its share of it.
+    fn describe(&self, tokens_per_s: f64) -> String {
+        let tflops = tokens_per_s * self.flops_per_token / 1e12;
+        match self.peak_tflops {
+            Some(p) => format!("{tflops:.1} TFLOP/s, {:.1}% of {p}", 100.0 * tflops / p),
+            None => format!("{tflops:.3} TFLOP/s"),
+        }
+    }
+}
+
+pub fn run(a: PrefillBenchArgs) -> CliResult {
+    let l = load(&a.model)?;
+    let concurrent = a
+        .concurrent
+        .iter()
+        .map(|s| parse_concurrent(s))
+        .collect::<CliResult<Vec<_>>>()?;
+    let longest = (a.lengths.iter().chain(&a.memory).copied())
+        .chain(concurrent.iter().map(|c| c.1))
+        .chain([a.score])
+        .max()
+        .unwrap_or(1);
+    let max_sessions = concurrent.iter().map(|c| c.0).max().unwrap_or(1);
+    let limits = nsactor_server::protocol::Limits {
+        max_prompt_tokens: longest.max(1),
+        // Token ids as JSON text: at most 7 bytes each.
+        max_message_bytes: (longest * 8).max(nsactor_server::protocol::DEFAULT_MAX_MESSAGE_BYTES),
+        ..Default::default()
+    };
+    let state = nsactor_server::ServerState::new(
+        (l.pipeline.decoder(l.vocab), l.tokenizer.clone()),
+        (max_sessions, max_sessions),
+        l.name.clone(),
+        Default::default(),
+        (limits, Default::default()),
+    );
+    let decoder = state.generator.decoder.clone();
+    let info = l.pipeline.backend().info();
+    let cuda = info.name.to_lowercase().contains("cuda");
+    let precision = a.model.precision.as_deref();
+    let bf16 = precision.or(l.config.backend.precision.as_deref()) == Some("bf16");
+    let ceiling = Ceiling {
+        flops_per_token: super::flops::forward_flops_per_token(&l.config.model),
+        peak_tflops: a
+            .peak_tflops
+            .or(cuda.then_some(if bf16 { 989.0 } else { 67.0 })),
+    };
+    println!(
+        "prefill: {} ({} parameters) on {} {} ({}); {:.2} GFLOP per prompt token forward; passes of at most {} tokens; through /v1/completions on loopback",
+        l.name,
+        l.pipeline.param_count(),
+        info.name,
+        info.version,
+        info.devices.join(", "),
+        ceiling.flops_per_token / 1e9,
+        decoder.pass_tokens()
+    );
+    let loopback = Loopback::start(state, 0, 2)?;
+    let addr = loopback.addr;
+    let backend = l.pipeline.backend().clone();
+    loopback.clients.block_on(async {
+        for &len in &a.lengths {
+            let ids = prompt(len, len, l.vocab);
+            let t = ttft(a.reps, addr, &ids).await?;
+            println!(
+                "one client, {len:>7} prompt tokens: time to first token {:.1} ms, {:.0} prompt tokens/s ({})",
+                t * 1e3,
+                len as f64 / t,
+                ceiling.describe(len as f64 / t)
+            );
+        }
+        for &(n, len) in &concurrent {
+            idle(&decoder).await;
+            let tps = concurrent_prompts(addr, n, len, l.vocab).await?;
+            println!(
+                "{n:>4} clients × {len} prompt tokens together: {tps:.0} prompt tokens/s ({})",
+                ceiling.describe(tps)
+            );
+        }
+        if a.score > 0 {
+            let ids = prompt(a.score, 7 * a.score, l.vocab);
+            let prefill = ttft(a.reps, addr, &ids).await?;
+            let (_, positions) = scored(addr, &ids).await?;
+            let mut runs = Vec::with_capacity(a.reps);
+            for _ in 0..a.reps.max(1) {
+                runs.push(scored(addr, &ids).await?.0);
+            }
+            let t = super::stats::pct(&mut runs, 0.5);
+            println!(
+                "scoring a {}-token prompt (echo, log-probabilities, {positions} positions scored): {:.1} ms, against {:.1} ms to its first token",
+                a.score,
+                t * 1e3,
+                prefill * 1e3
+            );
+        }
+        memory_rows(&a.memory, addr, l.vocab, backend.as_ref()).await
+    })
+}
+
+/// `n` clients each sending a `len`-token prompt at once (one token generated): the prompt
+/// tokens of all over the time from sending to the last first token.
+async fn concurrent_prompts(
+    addr: SocketAddr,
+    n: usize,
+    len: usize,
+    vocab: usize,
+) -> CliResult<f64> {
+    let mut senders = Vec::with_capacity(n);
+    for _ in 0..n {
+        senders.push(connect(addr).await?);
+    }
+    let start = Instant::now();
+    let tasks: Vec<_> = senders
+        .into_iter()
+        .enumerate()
+        .map(|(i, c)| {
+            let ids = prompt(len, 1_000_003 * (i + 1) + len, vocab);
+            tokio::spawn(async move { first_token_on(c, addr, &ids).await })
+        })
+        .collect();
+    for t in tasks {
+        t.await.map_err(|e| format!("a client failed: {e}"))??;
+    }
+    Ok((n * len) as f64 / start.elapsed().as_secs_f64())
+}
+
+/// The device memory in use after a prompt of each of `lengths` (pools keep their peak, so a
+/// long prompt that needed more would show).
+async fn memory_rows(
+    lengths: &[usize],
+    addr: SocketAddr,
+    vocab: usize,
+    backend: &dyn nsactor_plugin_api::ComputeBackend,
+) -> CliResult {
+    let mut base = None;
+    for &len in lengths.iter().filter(|&&l| l > 0) {
+        let t = first_token(addr, &prompt(len, 3 * len + 1, vocab)).await?;
+        let Some(used) = device_used(backend) else {
+            println!("the backend does not report its memory: no memory figures");
+            return Ok(());
+        };
+        let gib = used as f64 / (1u64 << 30) as f64;
+        let b = *base.get_or_insert(used);
+        println!(
+            "after a {len}-token prompt (first token in {:.1} ms): device memory in use {gib:.3} GiB, {:+.2}% against after the first",
+            t * 1e3,
+            100.0 * (used as f64 - b as f64) / b.max(1) as f64
+        );
+    }
+    Ok(())
+}

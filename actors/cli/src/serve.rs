@@ -32,6 +32,8 @@ pub struct ServeArgs {
     /// --max-sessions), `exact` (no padding) or a list such as `1,8,64`.
     #[arg(long, default_value = "ladder", value_name = "SIZES")]
     cohort_buckets: String,
+    #[command(flatten)]
+    passes: PassArgs,
     /// Take requests at once, without warming up: the first requests at each new batch shape
     /// then pay for kernel compilation and tuning.
     #[arg(long)]
@@ -77,6 +79,35 @@ pub struct ServeArgs {
     inject_fault: Option<String>,
     #[command(flatten)]
     limits: LimitArgs,
+}
+
+/// How prompts are cut into passes (chunked prefill).
+#[derive(clap::Args)]
+pub struct PassArgs {
+    /// Most input tokens of one pass (vLLM's name): a prompt prefilled while no other session
+    /// is open goes in passes of this size, and prompts of one length prefill together up to
+    /// it. 0: 16,384 / K (1,024 for the 0.9B, whose passes then hold ~13 GiB of activations on
+    /// the GPU whatever the prompt's length).
+    #[arg(long, default_value_t = 0, value_name = "TOKENS")]
+    max_num_batched_tokens: usize,
+    /// Most tokens of one chunk of a prompt prefilled while other sessions decode: their steps
+    /// run between its chunks, each waiting for one chunk at most. 0: 2,048 / K (128 for the
+    /// 0.9B).
+    #[arg(long, default_value_t = 0, value_name = "TOKENS")]
+    prefill_chunk_tokens: usize,
+}
+
+impl PassArgs {
+    /// `d` with these budgets, where set.
+    pub fn apply(&self, mut d: nsactor_decoding::AsyncDecoder) -> nsactor_decoding::AsyncDecoder {
+        if self.max_num_batched_tokens > 0 {
+            d = d.with_pass_tokens(self.max_num_batched_tokens);
+        }
+        if self.prefill_chunk_tokens > 0 {
+            d = d.with_chunk_tokens(self.prefill_chunk_tokens);
+        }
+        d
+    }
 }
 
 /// What one client may take.
@@ -229,8 +260,9 @@ pub fn run(a: ServeArgs) -> crate::result::CliResult {
         );
     }
     let ready = Readiness::for_plan(a.no_warmup, &plan);
+    let decoder = a.passes.apply(l.pipeline.decoder(l.vocab));
     let state = ServerState::new(
-        (l.pipeline.decoder(l.vocab), l.tokenizer.clone()),
+        (decoder, l.tokenizer.clone()),
         (a.max_sessions, a.max_queue),
         a.model_name.clone().unwrap_or_else(|| l.name.clone()),
         (keys, cors),

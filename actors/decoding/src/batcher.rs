@@ -30,7 +30,9 @@
 //! A cohort that loses a stage (a panic, a stopped actor) fails every session that has run,
 //! and the batcher holds its inputs while the supervisor rebuilds the actors (`super::heal`).
 
-pub use super::batching::{BatchStats, Batching, MAX_BATCH, PASS_FRAME_ROWS};
+pub use super::batching::{
+    BatchStats, Batching, CHUNK_FRAME_ROWS, MAX_BATCH, PASS_FRAME_ROWS, PREFILL_PASS_FRAME_ROWS,
+};
 use super::buckets::{CohortBuckets, pad_session};
 use super::cohort::close_everywhere;
 pub use super::cohort::{Answer, Answered, CohortPhases, PickRequest, Picked};
@@ -86,6 +88,8 @@ pub enum BatcherMsg {
     Tick,
     /// From now on, cohorts are padded up to these sizes.
     Buckets(CohortBuckets),
+    /// From now on, a cohort carries at most this many input tokens ([`Batching::max_tokens`]).
+    PassTokens(usize),
     /// From now on, lost stages are rebuilt as often as this allows.
     Policy(RestartPolicy),
     /// The supervisor's rebuild after a lost stage ended: how long it took, or why not.
@@ -595,6 +599,7 @@ impl Actor for BatcherActor {
             }
             BatcherMsg::Tick => s.tick_armed = false,
             BatcherMsg::Buckets(b) => s.batching.buckets = b,
+            BatcherMsg::PassTokens(n) => s.batching.max_tokens = n.max(1),
             BatcherMsg::Policy(p) => s.policy = p,
             BatcherMsg::Healed(r) => s.healed(r),
         }

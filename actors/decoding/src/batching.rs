@@ -13,6 +13,20 @@ use std::time::Duration;
 /// cohort.
 pub const PASS_FRAME_ROWS: usize = 4096;
 
+/// Most frame rows of one pass by default ([`Batching::max_tokens`] = this / K): a prompt
+/// prefilled alone goes in passes this large (on the H200 a 4,000-token prompt of the 0.9B
+/// took 708 ms in passes of 4,096 rows and 459 ms in passes of 16,384; BENCHMARKS.md). The
+/// GEMMs of a pass past [`PASS_FRAME_ROWS`] run the kernels chosen there where they fit, so a
+/// prompt's logits stay those of any other way of cutting it.
+pub const PREFILL_PASS_FRAME_ROWS: usize = 16_384;
+
+/// Most frame rows of one chunk of a prompt prefilled while other sessions decode, by default
+/// (this / K tokens): each of their steps waits for one chunk at most. On the H200, 64 streams
+/// of the 0.9B beside a 32k-token prompt had an inter-token p99 of 52.7 ms in chunks of 4,096
+/// rows, 30.8 ms in chunks of 2,048 and 19.8 ms (p50 too) in chunks of 1,024, against 6.6 ms
+/// alone (BENCHMARKS.md).
+pub const CHUNK_FRAME_ROWS: usize = 2048;
+
 /// Most sessions in one cohort by default.
 pub const MAX_BATCH: usize = 256;
 

@@ -26,8 +26,11 @@ pub struct AsyncDecoder {
     pub(crate) ids: Arc<IdAllocator>,
     pub(crate) vocab: usize,
     /// Most input tokens of one pass ([`Batching::max_tokens`](super::batcher::Batching)):
-    /// a longer prompt is fed in chunks of this size.
+    /// a longer prompt fed while no other session is open goes in chunks of this size.
     pub(crate) max_tokens: usize,
+    /// Most input tokens of one chunk of a prompt fed while other sessions are open: their
+    /// decoding steps run between its chunks (chunked prefill), each waiting at most one chunk.
+    pub(crate) chunk_tokens: usize,
 }
 
 impl AsyncDecoder {
@@ -89,6 +92,30 @@ impl AsyncDecoder {
     /// many.
     pub fn pass_tokens(&self) -> usize {
         self.max_tokens.max(1)
+    }
+
+    /// This decoder, and from now on every pass of the pipeline's batcher, with at most
+    /// `tokens` input tokens per pass (by default [`PASS_FRAME_ROWS`](crate::batcher::PASS_FRAME_ROWS) /
+    /// K, the rows the decoding GEMMs' batch-invariant kernels are chosen at; a larger pass
+    /// runs the same kernels where they fit). Longer prompts are fed in passes of this size.
+    pub fn with_pass_tokens(mut self, tokens: usize) -> Self {
+        self.max_tokens = tokens.max(1);
+        let _ = self.batcher.cast(BatcherMsg::PassTokens(self.max_tokens));
+        self
+    }
+
+    /// This decoder with a prompt fed while other sessions are open cut into chunks of at most
+    /// `tokens` (by default [`CHUNK_FRAME_ROWS`](crate::batcher::CHUNK_FRAME_ROWS) / K): the
+    /// others' decoding steps run between its chunks, each waiting for one chunk at most.
+    pub fn with_chunk_tokens(mut self, tokens: usize) -> Self {
+        self.chunk_tokens = tokens.max(1);
+        self
+    }
+
+    /// Most input tokens of one chunk of a prompt fed while other sessions are open
+    /// ([`with_chunk_tokens`](Self::with_chunk_tokens)).
+    pub fn chunk_tokens(&self) -> usize {
+        self.chunk_tokens.clamp(1, self.pass_tokens())
     }
 
     /// Runs `ids` (at most [`pass_tokens`](Self::pass_tokens)) through `session` in one pass
@@ -161,20 +188,33 @@ impl AsyncDecoder {
         self.ask_once(session, ids, pick, false).await
     }
 
-    /// Feeds `ids` in chunks of one pass's budget but the last, which it returns (the neuron
-    /// states carry from chunk to chunk, as they do from token to token).
+    /// Feeds `ids` in chunks but the last, which it returns (the neuron states carry from
+    /// chunk to chunk, as they do from token to token): of one pass's budget while no other
+    /// session is open, else of [`chunk_tokens`](Self::chunk_tokens), so the others' decoding
+    /// steps run between the chunks (chunked prefill). How a prompt is cut changes none of its
+    /// numbers.
     async fn feed_all_but_last_chunk(
         &self,
         session: SessionId,
         mut ids: Vec<i64>,
     ) -> Result<Vec<i64>, RuntimeError> {
-        let chunk = self.max_tokens.max(1);
-        while ids.len() > chunk {
+        let mut fed = false;
+        loop {
+            // Open sessions count this one once it has fed.
+            let others = self.open_sessions().saturating_sub(u64::from(fed));
+            let chunk = if others > 0 {
+                self.chunk_tokens()
+            } else {
+                self.pass_tokens()
+            };
+            if ids.len() <= chunk {
+                return Ok(ids);
+            }
             let rest = ids.split_off(chunk);
             self.ask_once(session, ids, None, false).await?;
+            fed = true;
             ids = rest;
         }
-        Ok(ids)
     }
 
     async fn ask_once(

@@ -266,9 +266,12 @@ impl Generator {
             // Position i's logits score the token after it.
             let targets = prompt[scored + 1..=scored + chunk.len()].to_vec();
             scored += chunk.len();
+            // Each position on its own (a 512-token prompt's 3M logits of the 0.9B took ~60 ms
+            // on one core).
             let rows = tokio::task::spawn_blocking(move || {
+                use rayon::prelude::*;
                 logits
-                    .chunks(vocab)
+                    .par_chunks(vocab)
                     .zip(targets)
                     .map(|(row, t)| Some(token_logprob(row, t, top)))
                     .collect::<Vec<_>>()

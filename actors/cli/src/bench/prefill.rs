@@ -26,6 +26,10 @@ pub struct PrefillBenchArgs {
     /// Length of the prompt scored with `echo` and log-probabilities (0: none).
     #[arg(long, default_value_t = 512)]
     score: usize,
+    /// Tokens of a prompt whose every position's logits from one prefill are compared with
+    /// those of feeding it one token at a time (0: no check).
+    #[arg(long, default_value_t = 64)]
+    check: usize,
     /// Prompt lengths after each of which the device memory in use is read, the first the
     /// baseline (empty: none).
     #[arg(long, value_delimiter = ',', default_value = "1024,131072")]
@@ -33,6 +37,8 @@ pub struct PrefillBenchArgs {
     /// Measured repetitions of each one-client figure (medians printed), after one unmeasured.
     #[arg(long, default_value_t = 3)]
     reps: usize,
+    #[command(flatten)]
+    passes: crate::serve::PassArgs,
     /// The device's dense peak in TFLOP/s for the ratio to the compute ceiling (default: on a
     /// CUDA backend 989 in bf16 and 67 in fp32, as an H100/H200 SXM; none on the CPU).
     #[arg(long)]
@@ -163,8 +169,9 @@ pub fn run(a: PrefillBenchArgs) -> CliResult {
         max_message_bytes: (longest * 8).max(nsactor_server::protocol::DEFAULT_MAX_MESSAGE_BYTES),
         ..Default::default()
     };
+    let decoder = a.passes.apply(l.pipeline.decoder(l.vocab));
     let state = nsactor_server::ServerState::new(
-        (l.pipeline.decoder(l.vocab), l.tokenizer.clone()),
+        (decoder, l.tokenizer.clone()),
         (max_sessions, max_sessions),
         l.name.clone(),
         Default::default(),
@@ -182,14 +189,15 @@ pub fn run(a: PrefillBenchArgs) -> CliResult {
             .or(cuda.then_some(if bf16 { 989.0 } else { 67.0 })),
     };
     println!(
-        "prefill: {} ({} parameters) on {} {} ({}); {:.2} GFLOP per prompt token forward; passes of at most {} tokens; through /v1/completions on loopback",
+        "prefill: {} ({} parameters) on {} {} ({}); {:.2} GFLOP per prompt token forward; passes of at most {} tokens (chunks of {} while others decode); through /v1/completions on loopback",
         l.name,
         l.pipeline.param_count(),
         info.name,
         info.version,
         info.devices.join(", "),
         ceiling.flops_per_token / 1e9,
-        decoder.pass_tokens()
+        decoder.pass_tokens(),
+        decoder.chunk_tokens()
     );
     let loopback = Loopback::start(state, 0, 2)?;
     let addr = loopback.addr;
@@ -197,12 +205,19 @@ pub fn run(a: PrefillBenchArgs) -> CliResult {
     loopback.clients.block_on(async {
         for &len in &a.lengths {
             let ids = prompt(len, len, l.vocab);
+            let (p0, c0) = (decoder.cohort_phases(), decoder.batch_counts().0);
             let t = ttft(a.reps, addr, &ids).await?;
+            let (p1, c1) = (decoder.cohort_phases(), decoder.batch_counts().0);
+            let per_pass = |i: usize| 1e3 * (p1[i] - p0[i]) / (c1 - c0).max(1) as f64;
             println!(
-                "one client, {len:>7} prompt tokens: time to first token {:.1} ms, {:.0} prompt tokens/s ({})",
+                "one client, {len:>7} prompt tokens: time to first token {:.1} ms, {:.0} prompt tokens/s ({}); {} passes, each embed {:.2} ms, layers {:.2} ms, decode {:.2} ms",
                 t * 1e3,
                 len as f64 / t,
-                ceiling.describe(len as f64 / t)
+                ceiling.describe(len as f64 / t),
+                (c1 - c0) / (a.reps.max(1) as u64 + 1),
+                per_pass(0),
+                per_pass(1),
+                per_pass(2)
             );
         }
         for &(n, len) in &concurrent {
@@ -228,6 +243,9 @@ pub fn run(a: PrefillBenchArgs) -> CliResult {
                 t * 1e3,
                 prefill * 1e3
             );
+        }
+        if a.check > 1 {
+            check(&decoder, &prompt(a.check, 11, l.vocab)).await?;
         }
         memory_rows(&a.memory, addr, l.vocab, backend.as_ref()).await
     })
@@ -283,5 +301,47 @@ async fn memory_rows(
             100.0 * (used as f64 - b as f64) / b.max(1) as f64
         );
     }
+    Ok(())
+}
+
+/// Every position's logits of `ids` from one prefill ([`feed_every`]) against those of
+/// feeding it one token at a time: how many are bit for bit the same, and the largest
+/// difference (on the CPU they are all the same; a GPU runs other kernels for one token).
+///
+/// [`feed_every`]: nsactor_decoding::AsyncDecoder::feed_every
+async fn check(d: &nsactor_decoding::AsyncDecoder, ids: &[i64]) -> CliResult {
+    let ids = &ids[..ids.len().min(d.pass_tokens())];
+    let s = d.session();
+    let every = d.feed_every(s, ids.to_vec()).await;
+    d.close(s).await;
+    let every = every?;
+    let s = d.session();
+    let mut one = Vec::with_capacity(every.len());
+    for &t in ids {
+        match d.feed(s, vec![t]).await {
+            Ok(l) => one.extend(l),
+            Err(e) => {
+                d.close(s).await;
+                return Err(e.into());
+            }
+        }
+    }
+    d.close(s).await;
+    let same = every
+        .iter()
+        .zip(&one)
+        .filter(|(a, b)| a.to_bits() == b.to_bits())
+        .count();
+    let worst = every
+        .iter()
+        .zip(&one)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0f32, f32::max);
+    let scale = one.iter().map(|x| x.abs()).fold(0f32, f32::max);
+    println!(
+        "one prefill against one token at a time, {} positions: {same} of {} logits bit for bit the same, largest difference {worst:.3e} (logits up to {scale:.2})",
+        ids.len(),
+        one.len()
+    );
     Ok(())
 }

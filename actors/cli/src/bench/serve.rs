@@ -169,6 +169,8 @@ pub struct ServedModel {
 pub struct ServeBenchArgs {
     #[command(flatten)]
     model: ServedModel,
+    #[command(flatten)]
+    passes: crate::serve::PassArgs,
     /// Sampling temperature of every client (0: greedy, and the clients should all agree).
     #[arg(long, default_value_t = 0.8)]
     temperature: f32,
@@ -284,13 +286,18 @@ fn print_header(a: &ServeBenchArgs, l: &launch::Loaded) {
 pub fn run(a: ServeBenchArgs) -> crate::result::CliResult {
     let started = Instant::now();
     let l = load(&a.model)?;
-    let max = a.sessions.iter().copied().max().unwrap_or(1);
+    // The long prompt's client is one more session (else it waits for a place until the
+    // others have finished, and their gaps show nothing of its prefill).
+    let max = a.sessions.iter().copied().max().unwrap_or(1) + usize::from(a.long_prompt > 0);
     let (buckets, mut plan) =
         nsactor_decoding::warmup::WarmupPlan::for_spec(&a.cohort_buckets, max)?;
     plan.passes = nsactor_decoding::warmup::Passes::parse(&a.warmup_passes)?;
     let ready = nsactor_server::ready::Readiness::for_plan(a.no_warmup, &plan);
     let state = nsactor_server::ServerState::new(
-        (l.pipeline.decoder(l.vocab), l.tokenizer.clone()),
+        (
+            a.passes.apply(l.pipeline.decoder(l.vocab)),
+            l.tokenizer.clone(),
+        ),
         (max, max),
         l.name.clone(),
         Default::default(),

@@ -105,10 +105,12 @@ impl Pipeline {
         trace::init();
         let batching = Batching {
             max_in_flight: plan.num_stages(),
-            max_tokens: (crate::batcher::PASS_FRAME_ROWS / frames).max(1),
+            max_tokens: (crate::batcher::PREFILL_PASS_FRAME_ROWS / frames).max(1),
             ..Batching::default()
         };
-        let sessions = start_sessions(&rt, &children, &sup, ids, batching, id)?;
+        // While other sessions decode, a prompt goes in smaller chunks.
+        let chunk = (crate::batcher::CHUNK_FRAME_ROWS / frames).max(1);
+        let sessions = start_sessions(&rt, &children, &sup, ids, (batching, chunk), id)?;
         Ok(Pipeline {
             rt,
             sup,
@@ -251,7 +253,7 @@ fn start_sessions(
     children: &Arc<RwLock<Children>>,
     sup: &ActorRef<SupMsg>,
     ids: Arc<IdAllocator>,
-    batching: Batching,
+    (batching, chunk_tokens): (Batching, usize),
     id: u64,
 ) -> Result<AsyncDecoder, RuntimeError> {
     let stats = Arc::new(BatchStats::default());
@@ -278,5 +280,6 @@ fn start_sessions(
         ids,
         vocab: 0,
         max_tokens: batching.max_tokens,
+        chunk_tokens,
     })
 }

@@ -4,6 +4,10 @@
 //! u32 ids: every document stored as `BOS ids… EOS`, documents back to back) and
 //! `shard-NNNNN.idx` (little-endian u64 start of each document in the shard). The manifest
 //! records the tokenizer's hash, the counts and each file's sha256.
+//!
+//! `prepare` streams: one thread reads a file's documents a batch at a time
+//! ([`crate::stream`]) while the batch before is encoded in parallel (rayon) and appended to
+//! the open shard, so memory holds a couple of batches and one shard whatever the corpus size.
 
 use crate::corpus;
 use crate::error::{DataError, Result};
@@ -112,12 +116,19 @@ impl Default for PrepareOptions {
 pub struct PrepareReport {
     pub manifest: ShardManifest,
     pub seconds: f64,
+    /// Bytes of the input files on disk (compressed, or Parquet, as stored).
+    pub input_bytes: u64,
 }
 
 impl PrepareReport {
     /// Text throughput in MB/s (10⁶ bytes).
     pub fn mb_per_s(&self) -> f64 {
         self.manifest.text_bytes as f64 / 1e6 / self.seconds
+    }
+
+    /// Input throughput in MB/s: bytes of the files as stored.
+    pub fn input_mb_per_s(&self) -> f64 {
+        self.input_bytes as f64 / 1e6 / self.seconds
     }
 }
 
@@ -132,14 +143,12 @@ pub fn encode_documents<S: AsRef<str> + Sync>(
         .collect()
 }
 
-/// Tokenizes `files` into memory (for `--corpus` and the bundled corpus).
+/// Tokenizes `files` (folders expanded) into memory (for `--corpus` and the bundled corpus).
 pub fn tokenize_files(tok: &Tokenizer, files: &[PathBuf], text_field: &str) -> Result<MemTokens> {
     let mut out = MemTokens::default();
-    for (path, text) in corpus::read_all(files)? {
-        tokenize_text(tok, &path, &text, text_field, &mut out)?;
-    }
-    if out.doc_starts.is_empty() {
-        return Err(DataError::EmptyCorpus(corpus::list(files)));
+    let docs = crate::stream::read_all_documents(files, text_field)?;
+    for ids in encode_documents(tok, &docs)? {
+        out.push(tok.bos_id(), &ids, tok.eos_id());
     }
     Ok(out)
 }
@@ -209,7 +218,66 @@ impl ShardWriter {
     }
 }
 
-/// Tokenizes `files` into shards under `out` and writes the manifest.
+/// The bar of `prepare`: bytes of the input files read, drawn on a terminal only.
+fn progress_bar(on: bool, total: u64) -> ProgressBar {
+    if !on {
+        return ProgressBar::hidden();
+    }
+    // indicatif draws on stderr only when it is a terminal; a log gets the closing summary.
+    let b = ProgressBar::new(total);
+    b.set_style(
+        ProgressStyle::with_template(
+            "{msg} {wide_bar} {binary_bytes}/{binary_total_bytes} {binary_bytes_per_sec} eta {eta}",
+        )
+        .expect("a valid template"),
+    );
+    b
+}
+
+/// Reads `path`'s documents on a thread of its own and hands each batch to `consume` on this
+/// one, so that reading (decompressing, decoding Parquet pages) overlaps encoding. A panic of
+/// the reader (a corrupt file a decoder does not guard against) is an error naming the file.
+fn read_overlapped(
+    path: &Path,
+    text_field: &str,
+    consume: &mut dyn FnMut(crate::stream::Batch) -> Result<()>,
+) -> Result<crate::stream::FileStats> {
+    std::thread::scope(|s| {
+        let (tx, rx) = std::sync::mpsc::sync_channel(1);
+        let reader = s.spawn(move || {
+            crate::stream::read_documents(path, text_field, &mut |b| {
+                // The receiver is gone only when consuming failed; that error is the one told.
+                tx.send(b).map_err(|_| DataError::Invalid("stopped".into()))
+            })
+        });
+        let mut failed = None;
+        for b in rx.iter() {
+            if let Err(e) = consume(b) {
+                failed = Some(e);
+                break;
+            }
+        }
+        drop(rx);
+        let read = reader.join().map_err(|p| {
+            let msg = p
+                .downcast_ref::<String>()
+                .map(String::as_str)
+                .or_else(|| p.downcast_ref::<&str>().copied())
+                .unwrap_or("a panic");
+            DataError::Invalid(format!(
+                "{}: cannot be read, the file looks corrupt ({msg})",
+                path.display()
+            ))
+        });
+        match (failed, read) {
+            (Some(e), _) => Err(e),
+            (None, r) => r?,
+        }
+    })
+}
+
+/// Tokenizes `files` (folders expanded, [`corpus::expand`]) into shards under `out` and writes
+/// the manifest.
 pub fn prepare(
     tok: &Tokenizer,
     files: &[PathBuf],
@@ -224,29 +292,19 @@ pub fn prepare(
             vocab: tok.vocab_size(),
         });
     }
-    if files.is_empty() {
-        return Err(DataError::EmptyCorpus("(no files given)".into()));
-    }
     if opts.shard_tokens == 0 {
         return Err(DataError::Invalid("--shard-tokens must be positive".into()));
     }
     // Fail on a missing input before writing anything.
-    for f in files {
-        std::fs::metadata(f).map_err(|e| DataError::read(f, e))?;
+    let files = corpus::expand(files)?;
+    let mut input_bytes = 0;
+    for f in &files {
+        input_bytes += std::fs::metadata(f)
+            .map_err(|e| DataError::read(f, e))?
+            .len();
     }
     std::fs::create_dir_all(out).map_err(|e| DataError::write(out, e))?;
-    let bar = if opts.progress {
-        let b = ProgressBar::new(0);
-        b.set_style(
-            ProgressStyle::with_template(
-                "{msg} {wide_bar} {binary_bytes}/{binary_total_bytes} {binary_bytes_per_sec} eta {eta}",
-            )
-            .expect("a valid template"),
-        );
-        b
-    } else {
-        ProgressBar::hidden()
-    };
+    let bar = progress_bar(opts.progress, input_bytes);
     let mut w = ShardWriter {
         dir: out.to_path_buf(),
         dtype,
@@ -256,35 +314,23 @@ pub fn prepare(
         tokens: 0,
     };
     let (bos, eos) = (tok.bos_id(), tok.eos_id());
-    let mut sources = Vec::new();
-    for path in files {
-        bar.set_message(format!("reading {}", path.display()));
-        let text = corpus::read_text(path)?;
-        bar.inc_length(text.len() as u64);
-        bar.set_message(format!("encoding {}", path.display()));
-        let docs = corpus::documents(path, &text, &opts.text_field)?;
-        // Encode ~4 MB of text at a time: parallel within a chunk, written in order.
-        let (mut i, mut done) = (0, 0u64);
-        while i < docs.len() {
-            let (mut j, mut bytes) = (i, 0usize);
-            while j < docs.len() && bytes < 4 << 20 {
-                bytes += docs[j].len();
-                j += 1;
-            }
-            for ids in encode_documents(tok, &docs[i..j])? {
+    let (mut sources, mut done) = (Vec::new(), 0u64);
+    for path in &files {
+        bar.set_message(path.display().to_string());
+        let stats = read_overlapped(path, &opts.text_field, &mut |batch| {
+            for ids in encode_documents(tok, &batch.docs)? {
                 let all = std::iter::once(bos).chain(ids.iter().copied()).chain([eos]);
                 w.push(all, ids.len() + 2, opts.shard_tokens)?;
             }
-            bar.inc(bytes as u64);
-            done += bytes as u64;
-            i = j;
-        }
-        // Blank lines and JSON syntax are not in any document.
-        bar.inc((text.len() as u64).saturating_sub(done));
+            bar.set_position(done + batch.file_read);
+            Ok(())
+        })?;
+        done += stats.file_bytes;
+        bar.set_position(done);
         sources.push(SourceInfo {
             path: path.display().to_string(),
-            text_bytes: text.len() as u64,
-            documents: docs.len() as u64,
+            text_bytes: stats.text_bytes,
+            documents: stats.documents,
         });
     }
     w.finish()?;
@@ -304,7 +350,7 @@ pub fn prepare(
         shards: w.shards,
     };
     if manifest.documents == 0 {
-        return Err(DataError::EmptyCorpus(corpus::list(files)));
+        return Err(DataError::EmptyCorpus(corpus::list(&files)));
     }
     let path = out.join(MANIFEST);
     let json = serde_json::to_string_pretty(&manifest).expect("a manifest serialises");
@@ -312,6 +358,7 @@ pub fn prepare(
     Ok(PrepareReport {
         manifest,
         seconds: start.elapsed().as_secs_f64(),
+        input_bytes,
     })
 }
 

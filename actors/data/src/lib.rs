@@ -20,6 +20,7 @@ pub mod cli;
 pub mod corpus;
 pub mod error;
 pub mod parquet_docs;
+pub mod prepare;
 pub mod sample;
 pub mod sampler;
 pub mod shards;

@@ -11,6 +11,7 @@ mod hop;
 mod kernels;
 mod open;
 mod overhead;
+mod prepare;
 mod recovery;
 mod serve;
 mod sse;
@@ -59,6 +60,10 @@ pub enum BenchCommand {
     /// The server's text per generated token: a window of recent tokens decoded
     /// (incremental detokenizing) against the whole generation decoded again each time.
     Detokenize(detok::DetokArgs),
+    /// `nsactor data prepare` on a generated folder of Parquet shards (1 GB by default): MB/s
+    /// of Parquet and of text, tokens/s and the ratio to the 50 MB/s target, on this machine's
+    /// cores.
+    Prepare(prepare::PrepareBenchArgs),
 }
 
 /// Runs a `bench` subcommand.
@@ -75,5 +80,6 @@ pub fn run(c: BenchCommand) -> crate::result::CliResult {
         BenchCommand::DecodeProfile(a) => generate::decode_profile_cmd(a),
         BenchCommand::Cluster(a) => cluster::run(a),
         BenchCommand::Detokenize(a) => detok::run(a),
+        BenchCommand::Prepare(a) => prepare::run(a),
     }
 }

@@ -6,6 +6,8 @@
 //! every Unicode normal form is the identity, the GPT-2 split regex reduces to the byte classes
 //! below, and the result is the concatenation of the BPE of each piece. This module computes
 //! exactly that with a per-thread word cache, and declines (returns `None`) for anything else.
+//! [`can_cut`] says where other text may be cut so that only the stretches around the
+//! characters it declines go the general way (`Tokenizer::encode`).
 //! Tests compare it with the full pipeline on the bundled corpus and on random tricky strings.
 
 use std::cell::RefCell;
@@ -23,6 +25,24 @@ pub(crate) struct AsciiBpe {
     added: Vec<String>,
     /// Identifies the tokenizer's word cache (clones share it: same content).
     id: u64,
+}
+
+/// Bytes the fast path takes: printable ASCII, `\t`, `\n`, `\r`.
+pub(crate) fn fast_byte(b: u8) -> bool {
+    (0x20..0x7f).contains(&b) || matches!(b, b'\t' | b'\n' | b'\r')
+}
+
+/// Where text may be cut so that the pipeline's ids of the whole are those of the two parts
+/// put together: at a space between two printable ASCII characters that are not spaces
+/// (`"a| b"`). No pre-tokenizer piece of the GPT-2 regex spans a non-space followed by a space
+/// (`\s+(?!\S)` looks ahead only, and only from whitespace), and a Unicode normal form composes
+/// nothing across an ASCII space, so both parts are normalized and split as within the whole.
+pub(crate) fn can_cut(b: &[u8], i: usize) -> bool {
+    i > 0
+        && i + 1 < b.len()
+        && b[i] == b' '
+        && b[i - 1].is_ascii_graphic()
+        && b[i + 1].is_ascii_graphic()
 }
 
 static NEXT_ID: AtomicU64 = AtomicU64::new(1);
@@ -69,6 +89,14 @@ impl AsciiBpe {
 
     /// Appends the ids of `text` to `out`, or returns `None` (leaving `out` as it was) when the
     /// text needs the general pipeline.
+    /// Whether `text` holds one of the tokenizer's added tokens (which the fast path leaves to
+    /// the general one), or an added token could straddle a split at a space.
+    pub(crate) fn has_added(&self, text: &str) -> bool {
+        self.added
+            .iter()
+            .any(|a| text.contains(a.as_str()) || a.contains(char::is_whitespace))
+    }
+
     pub(crate) fn encode(
         &self,
         model: &ModelWrapper,
@@ -76,9 +104,7 @@ impl AsciiBpe {
         out: &mut Vec<u32>,
     ) -> Option<tokenizers::Result<()>> {
         let bytes = text.as_bytes();
-        if !bytes
-            .iter()
-            .all(|&b| (0x20..0x7f).contains(&b) || matches!(b, b'\t' | b'\n' | b'\r'))
+        if !bytes.iter().all(|&b| fast_byte(b))
             || self.added.iter().any(|a| text.contains(a.as_str()))
         {
             return None;

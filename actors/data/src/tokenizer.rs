@@ -205,7 +205,7 @@ impl Tokenizer {
             };
             // Cuts are at ASCII spaces: char boundaries.
             self.encode_part(fast, &text[start..lo], &mut ids)?;
-            ids.extend(self.encode_unoptimised(&text[lo..hi])?);
+            fast.stretch(&text[lo..hi], &mut ids, |t| self.encode_unoptimised(t))?;
             (start, pos) = (hi, hi);
         }
         self.encode_part(fast, &text[start..], &mut ids)?;

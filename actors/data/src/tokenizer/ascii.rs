@@ -51,8 +51,15 @@ const CACHE_CAP: usize = 1 << 19;
 
 type Cache = HashMap<Box<[u8]>, Box<[u32]>, BuildHasherDefault<FxHasher>>;
 
+/// Stretches cached per thread before the cache is cleared, and the longest one cached.
+const STRETCH_CAP: usize = 1 << 16;
+const STRETCH_MAX: usize = 64;
+
+type StretchCache = HashMap<Box<str>, Box<[u32]>, BuildHasherDefault<FxHasher>>;
+
 thread_local! {
     static CACHE: RefCell<(u64, Cache)> = RefCell::new((0, Cache::default()));
+    static STRETCHES: RefCell<(u64, StretchCache)> = RefCell::new((0, StretchCache::default()));
 }
 
 impl AsciiBpe {
@@ -95,6 +102,41 @@ impl AsciiBpe {
         self.added
             .iter()
             .any(|a| text.contains(a.as_str()) || a.contains(char::is_whitespace))
+    }
+
+    /// Appends the ids of `stretch`, text between two cuts ([`can_cut`]) that the fast path
+    /// declines: from a per-thread cache (web text repeats its ` don’t` and ` —`), or from
+    /// `encode`, the full pipeline, then cached when short.
+    pub(crate) fn stretch<E>(
+        &self,
+        stretch: &str,
+        out: &mut Vec<u32>,
+        encode: impl FnOnce(&str) -> Result<Vec<u32>, E>,
+    ) -> Result<(), E> {
+        let short = stretch.len() <= STRETCH_MAX;
+        let hit = short
+            && STRETCHES.with(|c| {
+                let mut c = c.borrow_mut();
+                let (owner, cache) = &mut *c;
+                if *owner != self.id || cache.len() > STRETCH_CAP {
+                    cache.clear();
+                    *owner = self.id;
+                }
+                cache
+                    .get(stretch)
+                    .map(|ids| out.extend_from_slice(ids))
+                    .is_some()
+            });
+        if hit {
+            return Ok(());
+        }
+        // Encoded outside the cache's borrow: nothing the pipeline runs can find it taken.
+        let ids = encode(stretch)?;
+        out.extend_from_slice(&ids);
+        if short {
+            STRETCHES.with(|c| c.borrow_mut().1.insert(stretch.into(), ids.into()));
+        }
+        Ok(())
     }
 
     pub(crate) fn encode(

@@ -5,7 +5,8 @@
 //! column); a folder stands for the data files under it ([`crate::corpus::expand`]).
 
 use crate::error::Result;
-use crate::shards::{self, Dtype, PrepareOptions};
+use crate::prepare::{self, PrepareOptions};
+use crate::shards::Dtype;
 use crate::tokenizer::{self, Tokenizer};
 use std::path::PathBuf;
 
@@ -88,7 +89,7 @@ pub fn data_prepare(args: &DataPrepareArgs) -> Result<()> {
         dtype,
         progress: true,
     };
-    let r = shards::prepare(&tok, &args.files, &args.out, &opts)?;
+    let r = prepare::prepare(&tok, &args.files, &args.out, &opts)?;
     let m = &r.manifest;
     eprintln!(
         "{} documents, {} tokens ({:?}, {} shards) from {:.1} MB of text ({:.1} MB of files) in {:.2} s: {:.2} MB/s of text, {:.2} MB/s of files, {:.2} bytes/token → {}",

@@ -4,7 +4,7 @@
 //! u32 ids: every document stored as `BOS ids… EOS`, documents back to back) and
 //! `shard-NNNNN.idx` (little-endian u64 start of each document in the shard). The manifest
 //! records the tokenizer's hash, the counts and each file's sha256.
-//! [`prepare`] (in [`crate::prepare`]) writes them.
+//! [`crate::prepare::prepare`] writes them.
 
 use crate::error::{DataError, Result};
 use crate::sampler::{MemTokens, TokenSource};
@@ -14,8 +14,6 @@ use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 use std::ops::Range;
 use std::path::{Path, PathBuf};
-
-pub use crate::prepare::{PrepareOptions, PrepareReport, prepare};
 
 /// `format` of manifests this crate writes and reads.
 pub const FORMAT: &str = "nsactor-shards/1";

@@ -5,7 +5,7 @@
 
 use nsactor_data::corpus::{self, Compression, Format};
 use nsactor_data::parquet_docs::StringsWriter;
-use nsactor_data::shards::{self, PrepareOptions};
+use nsactor_data::prepare::{self, PrepareOptions, PrepareReport};
 use nsactor_data::stream;
 use nsactor_data::{Message, Tokenizer};
 use std::path::{Path, PathBuf};
@@ -79,7 +79,7 @@ fn a_folder_stands_for_its_data_files_in_path_order() {
     }
     std::fs::write(root.join("README.md"), "# A dataset").unwrap();
     std::fs::write(root.join("dataset_info.json"), "{}").unwrap();
-    let got = corpus::expand(&[root.clone()]).unwrap();
+    let got = corpus::expand(std::slice::from_ref(&root)).unwrap();
     let want: Vec<PathBuf> = [names[2], names[1], names[0]]
         .iter()
         .map(|n| root.join(n))
@@ -180,11 +180,11 @@ fn parquet_and_zst_give_the_documents_of_the_same_rows_as_jsonl() {
             shard_tokens: 400_000,
             ..Default::default()
         };
-        shards::prepare(&tok, &[p(f)], &p(&format!("out-{f}")), &opts).unwrap()
+        prepare::prepare(&tok, &[p(f)], &p(&format!("out-{f}")), &opts).unwrap()
     };
     let (j, q) = (prep("a.jsonl", "text"), prep("a-zstd.parquet", "text"));
     assert!(j.manifest.shards.len() >= 2);
-    let sums = |r: &shards::PrepareReport| -> Vec<String> {
+    let sums = |r: &PrepareReport| -> Vec<String> {
         r.manifest.shards.iter().map(|s| s.sha256.clone()).collect()
     };
     assert_eq!(sums(&j), sums(&q));
@@ -275,7 +275,7 @@ fn wrong_columns_and_corrupt_files_get_errors_naming_them() {
     }
     std::fs::write(&f, &bytes).unwrap();
     let tok = Tokenizer::bundled();
-    let e = shards::prepare(&tok, &[f], &p("out"), &PrepareOptions::default())
+    let e = prepare::prepare(&tok, &[f], &p("out"), &PrepareOptions::default())
         .unwrap_err()
         .to_string();
     assert!(e.contains("noisy.parquet"), "{e}");

@@ -7,13 +7,13 @@
 //! those (`--non-ascii 0` leaves them out). The files are laid out as `datasets` writes a
 //! dataset (`data/train-0000N-of-0000M.parquet`, a `text` column, row groups of a few thousand
 //! rows). The timed part is the library call behind `nsactor data prepare`
-//! ([`nsactor_data::shards::prepare`]) on that folder; it prints MB/s of Parquet read and of
+//! ([`nsactor_data::prepare::prepare`]) on that folder; it prints MB/s of Parquet read and of
 //! text, tokens/s, the CPU time, the machine's cores and the ratio to the target.
 
 use crate::result::CliResult;
 use nsactor_data::SplitMix64;
 use nsactor_data::parquet_docs::StringsWriter;
-use nsactor_data::shards::{self, PrepareOptions};
+use nsactor_data::prepare::{self, PrepareOptions};
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
@@ -150,7 +150,7 @@ pub fn run(a: PrepareBenchArgs) -> CliResult {
     );
     let opts = PrepareOptions::default();
     let cpu0 = cpu_seconds();
-    let r = shards::prepare(&tok, &[dir.clone()], &out, &opts)?;
+    let r = prepare::prepare(&tok, std::slice::from_ref(&dir), &out, &opts)?;
     let cpu = cpu_seconds() - cpu0;
     let m = &r.manifest;
     let mb_s = r.input_mb_per_s();

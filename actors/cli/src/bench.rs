@@ -12,6 +12,7 @@ mod kernels;
 mod open;
 mod overhead;
 mod prefill;
+mod prepare;
 mod recovery;
 mod serve;
 mod sse;
@@ -65,6 +66,10 @@ pub enum BenchCommand {
     /// The server's text per generated token: a window of recent tokens decoded
     /// (incremental detokenizing) against the whole generation decoded again each time.
     Detokenize(detok::DetokArgs),
+    /// `nsactor data prepare` on a generated folder of Parquet shards (1 GB by default): MB/s
+    /// of Parquet and of text, tokens/s and the ratio to the 50 MB/s target, on this machine's
+    /// cores.
+    Prepare(prepare::PrepareBenchArgs),
 }
 
 /// Runs a `bench` subcommand.
@@ -82,5 +87,6 @@ pub fn run(c: BenchCommand) -> crate::result::CliResult {
         BenchCommand::Prefill(a) => prefill::run(a),
         BenchCommand::Cluster(a) => cluster::run(a),
         BenchCommand::Detokenize(a) => detok::run(a),
+        BenchCommand::Prepare(a) => prepare::run(a),
     }
 }

@@ -8,8 +8,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     }
     let tok = nsactor_data::Tokenizer::load(args[0].as_ref())?;
     let files: Vec<_> = args[2..].iter().map(std::path::PathBuf::from).collect();
-    let opts = nsactor_data::shards::PrepareOptions::default();
-    let r = nsactor_data::shards::prepare(&tok, &files, args[1].as_ref(), &opts)?;
+    let opts = nsactor_data::prepare::PrepareOptions::default();
+    let r = nsactor_data::prepare::prepare(&tok, &files, args[1].as_ref(), &opts)?;
     println!(
         "{} tokens from {} bytes in {:.2} s: {:.2} MB/s",
         r.manifest.tokens,

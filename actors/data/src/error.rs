@@ -15,11 +15,19 @@ pub enum DataError {
         path: PathBuf,
         source: std::io::Error,
     },
+    #[error("cannot decompress {path} ({codec}): {source}; is the file truncated or corrupt?")]
+    Decompress {
+        path: PathBuf,
+        codec: &'static str,
+        source: std::io::Error,
+    },
+    #[error("{path}: {msg}")]
+    Parquet { path: PathBuf, msg: String },
     #[error("{path}: invalid UTF-8 at byte offset {offset}{note}")]
     Utf8 {
         path: PathBuf,
         offset: usize,
-        /// Says the offset counts decompressed bytes, for `.xz`/`.gz` inputs.
+        /// Says the offset counts decompressed bytes, for compressed inputs.
         note: &'static str,
     },
     #[error("{path}: {what}: {msg}")]
@@ -59,6 +67,25 @@ impl DataError {
         DataError::Read {
             path: path.into(),
             source,
+        }
+    }
+
+    pub(crate) fn decompress(
+        path: impl Into<PathBuf>,
+        comp: crate::corpus::Compression,
+        source: std::io::Error,
+    ) -> Self {
+        DataError::Decompress {
+            path: path.into(),
+            codec: comp.name(),
+            source,
+        }
+    }
+
+    pub(crate) fn parquet(path: impl Into<PathBuf>, msg: impl std::fmt::Display) -> Self {
+        DataError::Parquet {
+            path: path.into(),
+            msg: msg.to_string(),
         }
     }
 

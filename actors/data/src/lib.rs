@@ -1,7 +1,8 @@
 //! Tokenizer and data pipeline of nsactor: corpora to deterministic, resumable token streams.
 //!
 //! It loads or trains byte-level BPE tokenizers (HF `tokenizers`, SPEC §9) and applies the
-//! ChatML template; reads plain-text, JSONL and JSON corpora, `.xz`/`.gz` compressed; writes
+//! ChatML template; reads plain-text, JSONL and JSON corpora, `.xz`/`.gz`/`.zst` compressed, and
+//! Parquet files or folders of them (streamed, a batch of documents at a time); writes
 //! them as u16/u32 token shards with a checksummed manifest and memory-maps them back; builds
 //! the reference's pretraining and SFT rows (SPEC §8) or packed windows; and samples batches with
 //! a seeded shuffle whose [`Cursor`] resumes exactly. It produces the burn-free
@@ -18,9 +19,12 @@
 pub mod cli;
 pub mod corpus;
 pub mod error;
+pub mod parquet_docs;
+pub mod prepare;
 pub mod sample;
 pub mod sampler;
 pub mod shards;
+pub mod stream;
 pub mod tokenizer;
 
 pub use error::{DataError, Result};

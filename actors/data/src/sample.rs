@@ -225,17 +225,24 @@ pub fn shift(rows: &[Row]) -> Batch {
 /// `{"messages":[{"role","content"}…]}`; ShareGPT `{"conversations":[{"from","value"}…]}`
 /// (`human`/`user` → user, `gpt`/`assistant` → assistant, `system`); alpaca
 /// `{"instruction","input","output"}` (user = instruction, plus `\n` + input when non-empty).
-/// `.json` files hold an array of records, `.jsonl` one per line; `.xz`/`.gz` are read through.
-/// `system`, when given, is prepended to conversations that have no system message.
+/// `.json` files hold an array of records, `.jsonl` one per line; `.xz`/`.gz`/`.zst` are read
+/// through. A `.parquet` file's rows are records too, its columns their fields: a `messages`
+/// column of lists of `{role, content}` structs (as `datasets` writes chat data), a
+/// `conversations` column, or alpaca's string columns. `system`, when given, is prepended to
+/// conversations that have no system message.
 pub fn read_conversations(path: &Path, system: Option<&str>) -> Result<Vec<Vec<Message>>> {
-    let text = corpus::read_text(path)?;
     let (_, format) = corpus::detect(path);
     let jerr = |what: String, msg: String| DataError::Json {
         path: path.to_path_buf(),
         what,
         msg,
     };
+    let text = match format {
+        corpus::Format::Parquet => String::new(),
+        _ => corpus::read_text(path)?,
+    };
     let records: Vec<(String, serde_json::Value)> = match format {
+        corpus::Format::Parquet => crate::parquet_docs::records(path)?,
         corpus::Format::Json => {
             let v: serde_json::Value =
                 serde_json::from_str(&text).map_err(|e| jerr("JSON".into(), e.to_string()))?;
@@ -327,7 +334,8 @@ pub fn read_conversations(path: &Path, system: Option<&str>) -> Result<Vec<Vec<M
     Ok(out)
 }
 
-/// SFT rows of every conversation in `files` (see [`read_conversations`]), built in parallel
+/// SFT rows of every conversation in `files` (folders expanded by [`corpus::expand`]; see
+/// [`read_conversations`]), built in parallel
 /// under `overflow`, and how they fitted. No row scoring a token is an error.
 pub fn sft_rows(
     tok: &Tokenizer,
@@ -338,7 +346,7 @@ pub fn sft_rows(
 ) -> Result<(Vec<Row>, SftReport)> {
     use rayon::prelude::*;
     let mut convs = Vec::new();
-    for f in files {
+    for f in &corpus::expand(files)? {
         convs.extend(read_conversations(f, system)?);
     }
     let fitted = convs

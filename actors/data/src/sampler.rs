@@ -366,7 +366,7 @@ impl SplitMix64 {
     }
 
     /// Uniform in `0..n` (Lemire's multiply-shift; the bias is < n/2⁶⁴, irrelevant here).
-    fn below(&mut self, n: u64) -> u64 {
+    pub fn below(&mut self, n: u64) -> u64 {
         ((u128::from(self.next_u64()) * u128::from(n)) >> 64) as u64
     }
 }

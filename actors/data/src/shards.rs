@@ -4,18 +4,16 @@
 //! u32 ids: every document stored as `BOS ids… EOS`, documents back to back) and
 //! `shard-NNNNN.idx` (little-endian u64 start of each document in the shard). The manifest
 //! records the tokenizer's hash, the counts and each file's sha256.
+//! [`crate::prepare::prepare`] writes them.
 
-use crate::corpus;
 use crate::error::{DataError, Result};
 use crate::sampler::{MemTokens, TokenSource};
 use crate::tokenizer::Tokenizer;
-use indicatif::{ProgressBar, ProgressStyle};
 use rayon::prelude::*;
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 use std::ops::Range;
 use std::path::{Path, PathBuf};
-use std::time::Instant;
 
 /// `format` of manifests this crate writes and reads.
 pub const FORMAT: &str = "nsactor-shards/1";
@@ -84,43 +82,6 @@ pub struct ShardManifest {
     pub shards: Vec<ShardInfo>,
 }
 
-/// Options of [`prepare`].
-#[derive(Debug, Clone)]
-pub struct PrepareOptions {
-    /// JSON field holding the text.
-    pub text_field: String,
-    /// A shard is closed at the first document boundary past this many tokens.
-    pub shard_tokens: u64,
-    /// `None`: the narrowest width for the vocabulary.
-    pub dtype: Option<Dtype>,
-    pub progress: bool,
-}
-
-impl Default for PrepareOptions {
-    fn default() -> Self {
-        PrepareOptions {
-            text_field: "text".into(),
-            shard_tokens: 1 << 26,
-            dtype: None,
-            progress: false,
-        }
-    }
-}
-
-/// What [`prepare`] did.
-#[derive(Debug, Clone)]
-pub struct PrepareReport {
-    pub manifest: ShardManifest,
-    pub seconds: f64,
-}
-
-impl PrepareReport {
-    /// Text throughput in MB/s (10⁶ bytes).
-    pub fn mb_per_s(&self) -> f64 {
-        self.manifest.text_bytes as f64 / 1e6 / self.seconds
-    }
-}
-
 /// Encodes documents in parallel (rayon), in input order.
 pub fn encode_documents<S: AsRef<str> + Sync>(
     tok: &Tokenizer,
@@ -132,14 +93,12 @@ pub fn encode_documents<S: AsRef<str> + Sync>(
         .collect()
 }
 
-/// Tokenizes `files` into memory (for `--corpus` and the bundled corpus).
+/// Tokenizes `files` (folders expanded) into memory (for `--corpus` and the bundled corpus).
 pub fn tokenize_files(tok: &Tokenizer, files: &[PathBuf], text_field: &str) -> Result<MemTokens> {
     let mut out = MemTokens::default();
-    for (path, text) in corpus::read_all(files)? {
-        tokenize_text(tok, &path, &text, text_field, &mut out)?;
-    }
-    if out.doc_starts.is_empty() {
-        return Err(DataError::EmptyCorpus(corpus::list(files)));
+    let docs = crate::stream::read_all_documents(files, text_field)?;
+    for ids in encode_documents(tok, &docs)? {
+        out.push(tok.bos_id(), &ids, tok.eos_id());
     }
     Ok(out)
 }
@@ -152,167 +111,11 @@ pub fn tokenize_text(
     text_field: &str,
     out: &mut MemTokens,
 ) -> Result<()> {
-    let docs = corpus::documents(path, text, text_field)?;
+    let docs = crate::corpus::documents(path, text, text_field)?;
     for ids in encode_documents(tok, &docs)? {
         out.push(tok.bos_id(), &ids, tok.eos_id());
     }
     Ok(())
-}
-
-struct ShardWriter {
-    dir: PathBuf,
-    dtype: Dtype,
-    shards: Vec<ShardInfo>,
-    buf: Vec<u8>,
-    starts: Vec<u64>,
-    tokens: u64,
-}
-
-impl ShardWriter {
-    fn push(&mut self, ids: impl Iterator<Item = u32>, len: usize, limit: u64) -> Result<()> {
-        if self.tokens > 0 && self.tokens + len as u64 > limit {
-            self.finish()?;
-        }
-        self.starts.push(self.tokens);
-        self.tokens += len as u64;
-        match self.dtype {
-            // Ids fit: the dtype was checked against the vocabulary.
-            Dtype::U16 => ids.for_each(|t| self.buf.extend_from_slice(&(t as u16).to_le_bytes())),
-            Dtype::U32 => ids.for_each(|t| self.buf.extend_from_slice(&t.to_le_bytes())),
-        }
-        Ok(())
-    }
-
-    fn finish(&mut self) -> Result<()> {
-        if self.starts.is_empty() {
-            return Ok(());
-        }
-        let n = self.shards.len();
-        let (file, index) = (format!("shard-{n:05}.bin"), format!("shard-{n:05}.idx"));
-        let idx: Vec<u8> = self.starts.iter().flat_map(|s| s.to_le_bytes()).collect();
-        for (name, bytes) in [(&file, &self.buf), (&index, &idx)] {
-            let p = self.dir.join(name);
-            std::fs::write(&p, bytes).map_err(|e| DataError::write(&p, e))?;
-        }
-        self.shards.push(ShardInfo {
-            file,
-            index,
-            tokens: self.tokens,
-            documents: self.starts.len() as u64,
-            sha256: format!("{:x}", Sha256::digest(&self.buf)),
-            index_sha256: format!("{:x}", Sha256::digest(&idx)),
-        });
-        self.buf.clear();
-        self.starts.clear();
-        self.tokens = 0;
-        Ok(())
-    }
-}
-
-/// Tokenizes `files` into shards under `out` and writes the manifest.
-pub fn prepare(
-    tok: &Tokenizer,
-    files: &[PathBuf],
-    out: &Path,
-    opts: &PrepareOptions,
-) -> Result<PrepareReport> {
-    let start = Instant::now();
-    let dtype = opts.dtype.unwrap_or_else(|| Dtype::for_vocab(tok));
-    if dtype == Dtype::U16 && tok.vocab_size() > 1 << 16 {
-        return Err(DataError::VocabTooLargeForU16 {
-            origin: tok.origin().into(),
-            vocab: tok.vocab_size(),
-        });
-    }
-    if files.is_empty() {
-        return Err(DataError::EmptyCorpus("(no files given)".into()));
-    }
-    if opts.shard_tokens == 0 {
-        return Err(DataError::Invalid("--shard-tokens must be positive".into()));
-    }
-    // Fail on a missing input before writing anything.
-    for f in files {
-        std::fs::metadata(f).map_err(|e| DataError::read(f, e))?;
-    }
-    std::fs::create_dir_all(out).map_err(|e| DataError::write(out, e))?;
-    let bar = if opts.progress {
-        let b = ProgressBar::new(0);
-        b.set_style(
-            ProgressStyle::with_template(
-                "{msg} {wide_bar} {binary_bytes}/{binary_total_bytes} {binary_bytes_per_sec} eta {eta}",
-            )
-            .expect("a valid template"),
-        );
-        b
-    } else {
-        ProgressBar::hidden()
-    };
-    let mut w = ShardWriter {
-        dir: out.to_path_buf(),
-        dtype,
-        shards: Vec::new(),
-        buf: Vec::new(),
-        starts: Vec::new(),
-        tokens: 0,
-    };
-    let (bos, eos) = (tok.bos_id(), tok.eos_id());
-    let mut sources = Vec::new();
-    for path in files {
-        bar.set_message(format!("reading {}", path.display()));
-        let text = corpus::read_text(path)?;
-        bar.inc_length(text.len() as u64);
-        bar.set_message(format!("encoding {}", path.display()));
-        let docs = corpus::documents(path, &text, &opts.text_field)?;
-        // Encode ~4 MB of text at a time: parallel within a chunk, written in order.
-        let (mut i, mut done) = (0, 0u64);
-        while i < docs.len() {
-            let (mut j, mut bytes) = (i, 0usize);
-            while j < docs.len() && bytes < 4 << 20 {
-                bytes += docs[j].len();
-                j += 1;
-            }
-            for ids in encode_documents(tok, &docs[i..j])? {
-                let all = std::iter::once(bos).chain(ids.iter().copied()).chain([eos]);
-                w.push(all, ids.len() + 2, opts.shard_tokens)?;
-            }
-            bar.inc(bytes as u64);
-            done += bytes as u64;
-            i = j;
-        }
-        // Blank lines and JSON syntax are not in any document.
-        bar.inc((text.len() as u64).saturating_sub(done));
-        sources.push(SourceInfo {
-            path: path.display().to_string(),
-            text_bytes: text.len() as u64,
-            documents: docs.len() as u64,
-        });
-    }
-    w.finish()?;
-    bar.finish_and_clear();
-    let manifest = ShardManifest {
-        format: FORMAT.into(),
-        tokenizer_sha256: tok.hash().into(),
-        tokenizer_origin: tok.origin().into(),
-        vocab_size: tok.vocab_size(),
-        dtype,
-        bos_id: bos,
-        eos_id: eos,
-        documents: w.shards.iter().map(|s| s.documents).sum(),
-        tokens: w.shards.iter().map(|s| s.tokens).sum(),
-        text_bytes: sources.iter().map(|s| s.text_bytes).sum(),
-        sources,
-        shards: w.shards,
-    };
-    if manifest.documents == 0 {
-        return Err(DataError::EmptyCorpus(corpus::list(files)));
-    }
-    let path = out.join(MANIFEST);
-    let json = serde_json::to_string_pretty(&manifest).expect("a manifest serialises");
-    std::fs::write(&path, json).map_err(|e| DataError::write(&path, e))?;
-    Ok(PrepareReport {
-        manifest,
-        seconds: start.elapsed().as_secs_f64(),
-    })
 }
 
 struct Shard {

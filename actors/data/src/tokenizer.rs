@@ -165,15 +165,62 @@ impl Tokenizer {
 
     /// `encode(text, add_special_tokens=false)` ids; special tokens written in `text` are
     /// recognised (the ChatML template relies on it).
+    ///
+    /// Text in printable ASCII takes the fast path ([`ascii`]); other text is cut at spaces
+    /// where cutting changes no id ([`ascii::can_cut`]) and only the stretches around the
+    /// characters the fast path declines go through the full pipeline (web text's curly
+    /// apostrophes and dashes would otherwise send whole documents there).
     pub fn encode(&self, text: &str) -> Result<Vec<u32>> {
-        if let Some(fast) = &self.ascii {
-            let mut ids = Vec::with_capacity(text.len() / 3);
-            if let Some(r) = fast.encode(self.inner.get_model(), text, &mut ids) {
-                r.map_err(|e| self.err(format!("cannot encode: {e}")))?;
-                return Ok(ids);
+        let Some(fast) = &self.ascii else {
+            return self.encode_unoptimised(text);
+        };
+        let model = self.inner.get_model();
+        let mut ids = Vec::with_capacity(text.len() / 3);
+        let err = |e: tokenizers::Error| self.err(format!("cannot encode: {e}"));
+        if let Some(r) = fast.encode(model, text, &mut ids) {
+            r.map_err(err)?;
+            return Ok(ids);
+        }
+        if fast.has_added(text) {
+            return self.encode_unoptimised(text);
+        }
+        let b = text.as_bytes();
+        let (mut start, mut pos) = (0, 0);
+        while let Some(k) = b[pos..].iter().position(|&c| !ascii::fast_byte(c)) {
+            let mut bad = pos + k;
+            // From the last cut before the declined byte to the first cut after the last
+            // declined byte before it.
+            let lo = (start..=bad)
+                .rev()
+                .find(|&i| ascii::can_cut(b, i))
+                .unwrap_or(start);
+            let hi = loop {
+                let cut = (bad + 1..b.len())
+                    .find(|&i| ascii::can_cut(b, i))
+                    .unwrap_or(b.len());
+                match b[bad + 1..cut].iter().rposition(|&c| !ascii::fast_byte(c)) {
+                    Some(j) => bad += 1 + j,
+                    None => break cut,
+                }
+            };
+            // Cuts are at ASCII spaces: char boundaries.
+            self.encode_part(fast, &text[start..lo], &mut ids)?;
+            fast.stretch(&text[lo..hi], &mut ids, |t| self.encode_unoptimised(t))?;
+            (start, pos) = (hi, hi);
+        }
+        self.encode_part(fast, &text[start..], &mut ids)?;
+        Ok(ids)
+    }
+
+    /// `part`'s ids appended to `ids`, the fast way when it takes it.
+    fn encode_part(&self, fast: &ascii::AsciiBpe, part: &str, ids: &mut Vec<u32>) -> Result<()> {
+        match fast.encode(self.inner.get_model(), part, ids) {
+            Some(r) => r.map_err(|e| self.err(format!("cannot encode: {e}"))),
+            None => {
+                ids.extend(self.encode_unoptimised(part)?);
+                Ok(())
             }
         }
-        self.encode_unoptimised(text)
     }
 
     /// Whether [`encode`](Self::encode) has the ASCII fast path for this tokenizer.

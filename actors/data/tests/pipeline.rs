@@ -1,7 +1,8 @@
 //! Corpora → shards → sampler: equality of the paths, resume, and the error messages.
 
+use nsactor_data::prepare::{PrepareOptions, prepare};
 use nsactor_data::sample;
-use nsactor_data::shards::{self, Dtype, PrepareOptions};
+use nsactor_data::shards::{self, Dtype};
 use nsactor_data::tokenizer::Message;
 use nsactor_data::{Cursor, DataError, MemTokens, Mode, Sampler, ShardSet, TokenSource, Tokenizer};
 use std::io::Write;
@@ -68,7 +69,7 @@ fn shards_hold_exactly_the_in_memory_stream() {
             dtype: Some(dtype),
             ..Default::default()
         };
-        let r = shards::prepare(&tok, &files, &out, &opts).unwrap();
+        let r = prepare(&tok, &files, &out, &opts).unwrap();
         let m = &r.manifest;
         assert!(m.shards.len() >= 3, "{} shards", m.shards.len());
         assert_eq!(
@@ -312,7 +313,7 @@ fn bad_inputs_get_clear_errors() {
 
     // Missing file: named, and nothing written.
     let missing = d.join("nope.txt");
-    let e = err(shards::prepare(
+    let e = err(prepare(
         &tok,
         std::slice::from_ref(&missing),
         &d.join("o1"),
@@ -331,7 +332,7 @@ fn bad_inputs_get_clear_errors() {
 
     // Empty corpus.
     let blank = write(&d.join("blank.txt"), b"\n   \n\t\n");
-    let e = err(shards::prepare(
+    let e = err(prepare(
         &tok,
         std::slice::from_ref(&blank),
         &d.join("o2"),
@@ -344,7 +345,7 @@ fn bad_inputs_get_clear_errors() {
     // Invalid UTF-8, plain and compressed: file and byte offset.
     let bytes = b"good text\n\nbad \xff here";
     let plain = write(&d.join("bad.txt"), bytes);
-    let e = err(shards::prepare(&tok, &[plain], &d.join("o3"), &opts));
+    let e = err(prepare(&tok, &[plain], &d.join("o3"), &opts));
     assert_eq!(
         e,
         format!(
@@ -361,13 +362,13 @@ fn bad_inputs_get_clear_errors() {
     let broken = write(&d.join("broken.txt.xz"), b"not xz at all");
     let e = err(nsactor_data::corpus::read_text(&broken));
     assert!(
-        e.contains("cannot read") && e.contains("broken.txt.xz"),
+        e.contains("cannot decompress") && e.contains("broken.txt.xz (xz)"),
         "{e}"
     );
 
     // Shards made with another tokenizer.
     let good = write(&d.join("good.txt"), bundled_text(30).as_bytes());
-    shards::prepare(&tok, std::slice::from_ref(&good), &d.join("o4"), &opts).unwrap();
+    prepare(&tok, std::slice::from_ref(&good), &d.join("o4"), &opts).unwrap();
     let c = nsactor_data::bundled_corpus();
     let docs: Vec<&str> = nsactor_data::corpus::paragraphs(&c).take(100).collect();
     let other = nsactor_data::tokenizer::train(docs.iter(), 300).unwrap();
@@ -437,7 +438,7 @@ fn bad_inputs_get_clear_errors() {
         dtype: Some(Dtype::U16),
         ..Default::default()
     };
-    let e = err(shards::prepare(
+    let e = err(prepare(
         &big,
         std::slice::from_ref(&good),
         &d.join("o5"),
@@ -447,7 +448,7 @@ fn bad_inputs_get_clear_errors() {
         e.contains("big.json has 66000 tokens") && e.contains("u16"),
         "{e}"
     );
-    let m = shards::prepare(&big, &[good], &d.join("o6"), &PrepareOptions::default()).unwrap();
+    let m = prepare(&big, &[good], &d.join("o6"), &PrepareOptions::default()).unwrap();
     assert_eq!(m.manifest.dtype, Dtype::U32);
 
     // Too little data for one row.

@@ -6,6 +6,8 @@
 //! every Unicode normal form is the identity, the GPT-2 split regex reduces to the byte classes
 //! below, and the result is the concatenation of the BPE of each piece. This module computes
 //! exactly that with a per-thread word cache, and declines (returns `None`) for anything else.
+//! [`can_cut`] says where other text may be cut so that only the stretches around the
+//! characters it declines go the general way (`Tokenizer::encode`).
 //! Tests compare it with the full pipeline on the bundled corpus and on random tricky strings.
 
 use std::cell::RefCell;
@@ -25,14 +27,39 @@ pub(crate) struct AsciiBpe {
     id: u64,
 }
 
+/// Bytes the fast path takes: printable ASCII, `\t`, `\n`, `\r`.
+pub(crate) fn fast_byte(b: u8) -> bool {
+    (0x20..0x7f).contains(&b) || matches!(b, b'\t' | b'\n' | b'\r')
+}
+
+/// Where text may be cut so that the pipeline's ids of the whole are those of the two parts
+/// put together: at a space between two printable ASCII characters that are not spaces
+/// (`"a| b"`). No pre-tokenizer piece of the GPT-2 regex spans a non-space followed by a space
+/// (`\s+(?!\S)` looks ahead only, and only from whitespace), and a Unicode normal form composes
+/// nothing across an ASCII space, so both parts are normalized and split as within the whole.
+pub(crate) fn can_cut(b: &[u8], i: usize) -> bool {
+    i > 0
+        && i + 1 < b.len()
+        && b[i] == b' '
+        && b[i - 1].is_ascii_graphic()
+        && b[i + 1].is_ascii_graphic()
+}
+
 static NEXT_ID: AtomicU64 = AtomicU64::new(1);
 /// Words cached per thread before the cache is cleared.
 const CACHE_CAP: usize = 1 << 19;
 
 type Cache = HashMap<Box<[u8]>, Box<[u32]>, BuildHasherDefault<FxHasher>>;
 
+/// Stretches cached per thread before the cache is cleared, and the longest one cached.
+const STRETCH_CAP: usize = 1 << 16;
+const STRETCH_MAX: usize = 64;
+
+type StretchCache = HashMap<Box<str>, Box<[u32]>, BuildHasherDefault<FxHasher>>;
+
 thread_local! {
     static CACHE: RefCell<(u64, Cache)> = RefCell::new((0, Cache::default()));
+    static STRETCHES: RefCell<(u64, StretchCache)> = RefCell::new((0, StretchCache::default()));
 }
 
 impl AsciiBpe {
@@ -69,6 +96,49 @@ impl AsciiBpe {
 
     /// Appends the ids of `text` to `out`, or returns `None` (leaving `out` as it was) when the
     /// text needs the general pipeline.
+    /// Whether `text` holds one of the tokenizer's added tokens (which the fast path leaves to
+    /// the general one), or an added token could straddle a split at a space.
+    pub(crate) fn has_added(&self, text: &str) -> bool {
+        self.added
+            .iter()
+            .any(|a| text.contains(a.as_str()) || a.contains(char::is_whitespace))
+    }
+
+    /// Appends the ids of `stretch`, text between two cuts ([`can_cut`]) that the fast path
+    /// declines: from a per-thread cache (web text repeats its ` don’t` and ` —`), or from
+    /// `encode`, the full pipeline, then cached when short.
+    pub(crate) fn stretch<E>(
+        &self,
+        stretch: &str,
+        out: &mut Vec<u32>,
+        encode: impl FnOnce(&str) -> Result<Vec<u32>, E>,
+    ) -> Result<(), E> {
+        let short = stretch.len() <= STRETCH_MAX;
+        let hit = short
+            && STRETCHES.with(|c| {
+                let mut c = c.borrow_mut();
+                let (owner, cache) = &mut *c;
+                if *owner != self.id || cache.len() > STRETCH_CAP {
+                    cache.clear();
+                    *owner = self.id;
+                }
+                cache
+                    .get(stretch)
+                    .map(|ids| out.extend_from_slice(ids))
+                    .is_some()
+            });
+        if hit {
+            return Ok(());
+        }
+        // Encoded outside the cache's borrow: nothing the pipeline runs can find it taken.
+        let ids = encode(stretch)?;
+        out.extend_from_slice(&ids);
+        if short {
+            STRETCHES.with(|c| c.borrow_mut().1.insert(stretch.into(), ids.into()));
+        }
+        Ok(())
+    }
+
     pub(crate) fn encode(
         &self,
         model: &ModelWrapper,
@@ -76,9 +146,7 @@ impl AsciiBpe {
         out: &mut Vec<u32>,
     ) -> Option<tokenizers::Result<()>> {
         let bytes = text.as_bytes();
-        if !bytes
-            .iter()
-            .all(|&b| (0x20..0x7f).contains(&b) || matches!(b, b'\t' | b'\n' | b'\r'))
+        if !bytes.iter().all(|&b| fast_byte(b))
             || self.added.iter().any(|a| text.contains(a.as_str()))
         {
             return None;

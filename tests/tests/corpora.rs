@@ -1,0 +1,122 @@
+//! Corpora as the ecosystem hands them over, through the `nsactor` binary: a folder of Parquet
+//! shards laid out as `datasets` and the Hub write them (several files, snappy and zstd, the
+//! text in a column not named `text`) and a `.jsonl.zst` file of the same rows, prepared into
+//! shards by `nsactor data prepare` and trained on for two steps; a missing column is refused,
+//! naming the columns there are.
+
+mod common;
+
+use common::cli::{run_err, run_ok, temp_dir};
+use nsactor_data::parquet_docs::StringsWriter;
+
+fn manifest(dir: &std::path::Path) -> serde_json::Value {
+    serde_json::from_str(&std::fs::read_to_string(dir.join("manifest.json")).unwrap()).unwrap()
+}
+
+#[test]
+fn parquet_folders_and_zst_files_prepare_and_train() {
+    let dir = temp_dir("corpora");
+    let p = |name: &str| dir.join(name).to_str().unwrap().to_owned();
+    let corpus = nsactor_data::bundled_corpus();
+    let rows: Vec<&str> = nsactor_data::corpus::paragraphs(&corpus)
+        .take(600)
+        .collect();
+
+    // ds/data/train-0000N-of-00003.parquet, 200 rows each in row groups of 64, beside the
+    // metadata a dataset folder holds.
+    let data = dir.join("ds/data");
+    std::fs::create_dir_all(&data).unwrap();
+    for (n, codec) in ["snappy", "zstd", "snappy"].iter().enumerate() {
+        let path = data.join(format!("train-{n:05}-of-00003.parquet"));
+        let mut w = StringsWriter::create(&path, "content", codec).unwrap();
+        let part: Vec<Option<&str>> = rows[200 * n..200 * (n + 1)]
+            .iter()
+            .map(|r| Some(*r))
+            .collect();
+        for g in part.chunks(64) {
+            w.write_group(g).unwrap();
+        }
+        w.close().unwrap();
+    }
+    std::fs::write(dir.join("ds/README.md"), "---\nlicense: cc0\n---\n").unwrap();
+    std::fs::write(dir.join("ds/dataset_info.json"), "{}").unwrap();
+    let jsonl: String = rows
+        .iter()
+        .map(|r| serde_json::json!({ "text": r }).to_string() + "\n")
+        .collect();
+    let zst = zstd::stream::encode_all(jsonl.as_bytes(), 3).unwrap();
+    std::fs::write(p("rows.jsonl.zst"), zst).unwrap();
+
+    let log = run_ok(&[
+        "data",
+        "prepare",
+        "--out",
+        &p("pq"),
+        "--text-column",
+        "content",
+        &p("ds"),
+    ]);
+    assert!(
+        log.contains("600 documents") && log.contains("MB/s of files"),
+        "{log}"
+    );
+    let m = manifest(&dir.join("pq"));
+    let sources: Vec<&str> = m["sources"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| s["path"].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        sources.len(),
+        3,
+        "the three shards, not the metadata: {sources:?}"
+    );
+    assert!(
+        sources[2].ends_with("ds/data/train-00002-of-00003.parquet"),
+        "{sources:?}"
+    );
+
+    let log = run_ok(&["data", "prepare", "--out", &p("zst"), &p("rows.jsonl.zst")]);
+    assert!(log.contains("600 documents"), "{log}");
+    let z = manifest(&dir.join("zst"));
+    assert_eq!(
+        z["shards"], m["shards"],
+        "the same rows make the same shards"
+    );
+
+    // The default column is `text`: refused, naming the file and the columns it has.
+    let e = run_err(&["data", "prepare", "--out", &p("none"), &p("ds")]);
+    assert!(
+        e.contains("train-00000-of-00003.parquet: no column `text`")
+            && e.contains("`content` (string)"),
+        "{e}"
+    );
+    assert!(!dir.join("none/manifest.json").exists());
+
+    // Two steps on the Parquet shards; and on the .zst file read straight into memory.
+    run_ok(&[
+        "train",
+        "--steps",
+        "2",
+        "--data",
+        &p("pq"),
+        "--out",
+        &p("run"),
+    ]);
+    let cursor: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("run/data_cursor.json")).unwrap())
+            .unwrap();
+    assert_eq!(cursor["position"], 8, "2 steps × batch 4: {cursor}");
+    let log = run_ok(&[
+        "train",
+        "--steps",
+        "2",
+        "--corpus",
+        &p("rows.jsonl.zst"),
+        "--out",
+        &p("run2"),
+    ]);
+    assert!(dir.join("run2/model.safetensors").exists(), "{log}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}

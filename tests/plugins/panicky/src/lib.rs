@@ -1,5 +1,6 @@
 //! A misbehaving backend for the boundary tests: open options `fail` make device initialisation
-//! fail and `panic` make it panic; its stages panic on `Forward` and echo inputs otherwise, so a
+//! fail and `panic` make it panic (empty options: `$NSACTOR_TEST_PANICKY` says which, for the
+//! command line, which opens plugins with none); its stages panic on `Forward` and echo inputs otherwise, so a
 //! test can check that the host survives a panic and keeps using the plugin.
 
 use nsactor_plugin_api::{
@@ -74,6 +75,13 @@ impl Stage for PanickyStage {
 }
 
 fn open(options: &str) -> Result<Box<dyn ComputeBackend>, EngineError> {
+    // The command line opens plugins with empty options: $NSACTOR_TEST_PANICKY stands in.
+    let env = std::env::var("NSACTOR_TEST_PANICKY").unwrap_or_default();
+    let options = if options.is_empty() {
+        env.as_str()
+    } else {
+        options
+    };
     match options {
         "fail" => Err(EngineError::Backend(
             "device 0 is unavailable (injected failure)".into(),

@@ -461,6 +461,10 @@ fn a_plugin_that_cannot_initialise_says_so_in_one_line_without_a_panic_dump() {
     ]);
     let panicky = library(&dir, "nsactor_testplugin_panicky");
     let dir = temp_dir("plugin-panics");
+    // `nsactor plugins` lists `*nsactor_backend_*` libraries: a copy under that name.
+    let listed = dir.join("found");
+    std::fs::create_dir_all(&listed).unwrap();
+    std::fs::copy(&panicky, library(&listed, "nsactor_backend_panicky")).unwrap();
     let run = |args: &[&str]| {
         let o = nsactor()
             .args(args)
@@ -477,7 +481,7 @@ fn a_plugin_that_cannot_initialise_says_so_in_one_line_without_a_panic_dump() {
             "{stderr}"
         );
     };
-    let (ok, stdout, stderr) = run(&["plugins"]);
+    let (ok, stdout, stderr) = run(&["plugins", "--plugin-dir", listed.to_str().unwrap()]);
     assert!(ok, "{stderr}");
     clean(&stderr);
     let line = stdout

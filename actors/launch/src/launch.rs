@@ -302,7 +302,7 @@ pub fn resume(
 pub enum InitFrom {
     Checkpoint(checkpoint::Loaded),
     /// A Hugging Face directory: its path and its model as read.
-    HuggingFace(PathBuf, HfModel),
+    HuggingFace(PathBuf, Box<HfModel>),
 }
 
 impl InitFrom {
@@ -316,7 +316,7 @@ impl InitFrom {
             }
             (
                 hf.model.clone(),
-                InitFrom::HuggingFace(path.to_path_buf(), hf),
+                InitFrom::HuggingFace(path.to_path_buf(), Box::new(hf)),
             )
         } else {
             let found = checkpoint::find_checkpoint(path)?;

@@ -1,9 +1,10 @@
 //! The `nsactor` command line beyond training, run as a user runs it: tokenizer and data
-//! preparation, the benchmarks and `verify`.
+//! preparation, the benchmarks and `verify`, and a plugin that cannot initialise.
 
 mod common;
 
 use common::cli::{nsactor, ok, run_err, run_ok, run_stdout, temp_dir};
+use common::{cargo_build, library};
 use std::path::PathBuf;
 
 #[test]
@@ -444,4 +445,68 @@ fn bench_heal_reports_the_rebuild_by_phase() {
     assert!(stdout.contains("first decoding pass after it"), "{stdout}");
     assert!(!scratch.exists(), "the scratch directory was left behind");
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A plugin that cannot initialise (here the panicky one told to panic when it opens; in a
+/// workspace build on a machine without a GPU, the CUDA plugin beside the binary too) says so
+/// in one line: no `panicked at`, no backtrace, even with `RUST_BACKTRACE=1`, on any command.
+#[test]
+fn a_plugin_that_cannot_initialise_says_so_in_one_line_without_a_panic_dump() {
+    // Beside the binary, built with the same packages as `nsactor()` builds (the panicky plugin
+    // adds no feature to them, so nothing is built twice).
+    let dir = cargo_build(&[
+        "nsactor",
+        "nsactor-backend-ndarray",
+        "nsactor-testplugin-panicky",
+    ]);
+    let panicky = library(&dir, "nsactor_testplugin_panicky");
+    let dir = temp_dir("plugin-panics");
+    // `nsactor plugins` lists `*nsactor_backend_*` libraries: a copy under that name.
+    let listed = dir.join("found");
+    std::fs::create_dir_all(&listed).unwrap();
+    std::fs::copy(&panicky, library(&listed, "nsactor_backend_panicky")).unwrap();
+    let run = |args: &[&str]| {
+        let o = nsactor()
+            .args(args)
+            .env("NSACTOR_TEST_PANICKY", "panic")
+            .env("RUST_BACKTRACE", "1")
+            .output()
+            .unwrap();
+        let text = |b: &[u8]| String::from_utf8_lossy(b).into_owned();
+        (o.status.success(), text(&o.stdout), text(&o.stderr))
+    };
+    let clean = |stderr: &str| {
+        assert!(
+            !stderr.contains("panicked at") && !stderr.contains("stack backtrace"),
+            "{stderr}"
+        );
+    };
+    let (ok, stdout, stderr) = run(&["plugins", "--plugin-dir", listed.to_str().unwrap()]);
+    assert!(ok, "{stderr}");
+    clean(&stderr);
+    let line = stdout
+        .lines()
+        .find(|l| l.starts_with("panicky "))
+        .unwrap_or_else(|| panic!("no panicky plugin listed:\n{stdout}"));
+    assert!(
+        line.contains("unusable here") && line.contains("injected panic while opening"),
+        "{line}"
+    );
+    let (ok, _, stderr) = run(&[
+        "train",
+        "--steps",
+        "1",
+        "--backend",
+        panicky.to_str().unwrap(),
+        "--out",
+        dir.join("run").to_str().unwrap(),
+    ]);
+    assert!(!ok);
+    clean(&stderr);
+    let errors: Vec<_> = stderr.lines().filter(|l| l.starts_with("error:")).collect();
+    assert!(
+        errors.len() == 1 && errors[0].contains("injected panic while opening"),
+        "{stderr}"
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
 }

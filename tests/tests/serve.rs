@@ -4,8 +4,15 @@
 //! clients get their final `done` and then a Close frame 1001, and the process exits 0; a
 //! second signal exits at once with 143. A layer that panics
 //! while decoding is rebuilt from the checkpoint, or, past `--max-rebuilds`, ends the command.
+//! Models by Hugging Face Hub name, against a loopback Hub: `serve/hub.rs`.
 
 mod common;
+
+// More tests of this binary, by topic.
+#[path = "serve/hub.rs"]
+mod hub;
+#[path = "serve/loopback_hub.rs"]
+mod loopback_hub;
 
 use common::cli::{nsactor, ok, temp_dir};
 use common::served::{answer, exit_and_log, free_addr, send, trained_run, wait_until_serving};

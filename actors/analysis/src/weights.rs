@@ -90,8 +90,7 @@ fn gather(files: &[Vec<u8>], want: impl Fn(&str) -> bool) -> Result<BTreeMap<Str
 /// directory at `path`.
 pub fn read(path: &Path, layers: usize) -> Result<StaticBetas> {
     let files = if nsactor_checkpoint::export::is_hf_dir(path) {
-        let p = path.join("model.safetensors");
-        vec![std::fs::read(&p).map_err(|e| AnalysisError::Io(p, e))?]
+        vec![nsactor_checkpoint::export::read_hf_weights(path)?]
     } else {
         nsactor_checkpoint::checkpoint::find_checkpoint(path)?.shards
     };

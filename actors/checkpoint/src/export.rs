@@ -5,6 +5,7 @@
 //! continues from.
 
 use crate::checkpoint::{self, CheckpointMeta, find_checkpoint};
+use crate::hub::{WEIGHTS, WEIGHTS_INDEX};
 use nsactor_data::Tokenizer;
 use nsactor_engine::config::RunConfig;
 use nsactor_engine::engine::StagedModel;
@@ -155,14 +156,36 @@ pub struct HfModel {
 }
 
 /// Whether `dir` looks like a Hugging Face directory (`config.json` and `model.safetensors`,
-/// no checkpoint manifest).
+/// or the shards' `model.safetensors.index.json`; no checkpoint manifest).
 pub fn is_hf_dir(dir: &Path) -> bool {
     dir.join("config.json").is_file()
-        && dir.join("model.safetensors").is_file()
+        && (dir.join(WEIGHTS).is_file() || dir.join(WEIGHTS_INDEX).is_file())
         && !dir.join(checkpoint::MANIFEST).exists()
 }
 
-/// Reads the Hugging Face directory `hf` (`config.json`, `model.safetensors`,
+/// The weights of the Hugging Face directory `hf` as one safetensors buffer: its
+/// `model.safetensors`, or the shards its `model.safetensors.index.json` names, joined.
+pub fn read_hf_weights(hf: &Path) -> Result<Vec<u8>, RuntimeError> {
+    let read = |p: PathBuf| std::fs::read(&p).map_err(|e| convert(format!("{}: {e}", p.display())));
+    if hf.join(WEIGHTS).is_file() || !hf.join(WEIGHTS_INDEX).is_file() {
+        return read(hf.join(WEIGHTS));
+    }
+    let files = crate::hub::shards(hf)?
+        .into_iter()
+        .map(|f| read(hf.join(f)))
+        .collect::<Result<Vec<_>, _>>()?;
+    let parsed = files
+        .iter()
+        .map(|b| SafeTensors::deserialize(b).map_err(convert))
+        .collect::<Result<Vec<_>, _>>()?;
+    let mut views = Vec::new();
+    for st in &parsed {
+        views.extend(st.tensors());
+    }
+    safetensors::serialize(views, None).map_err(convert)
+}
+
+/// Reads the Hugging Face directory `hf` (`config.json`, `model.safetensors` or its shards,
 /// `tokenizer.json`).
 pub fn read_hf(hf: &Path) -> Result<HfModel, RuntimeError> {
     let read = |name: &str| {
@@ -178,7 +201,7 @@ pub fn read_hf(hf: &Path) -> Result<HfModel, RuntimeError> {
     )?;
     Ok(HfModel {
         model: model_from_hf(&config)?,
-        weights: read("model.safetensors").map_err(convert)?,
+        weights: read_hf_weights(hf)?,
         tokenizer,
     })
 }

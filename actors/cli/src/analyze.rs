@@ -36,14 +36,18 @@ pub fn run(a: AnalyzeArgs) -> crate::result::CliResult {
         (_, Some(p)) => sentences::from_jsonl(p)?,
         _ => sentences::bundled(),
     };
-    let mut l = nsactor_launch::launch::load_checkpoint(&a.model.options())?;
+    let opts = a.model.options()?;
+    let mut l = nsactor_launch::launch::load_checkpoint(&opts)?;
     let m = l.config.model.clone();
-    let betas = weights::read(&a.model.checkpoint, m.num_layers)?;
+    let betas = weights::read(&opts.checkpoint, m.num_layers)?;
     let t = std::time::Instant::now();
     let seen = observe::observe(&mut l.pipeline, &l.tokenizer, &set, a.max_tokens, m.k)?;
     let info = l.pipeline.backend().info();
     let model = ModelInfo {
-        checkpoint: a.model.checkpoint.display().to_string(),
+        checkpoint: opts
+            .name
+            .clone()
+            .unwrap_or_else(|| opts.checkpoint.display().to_string()),
         backend: format!(
             "{} {} [{}]",
             info.name,

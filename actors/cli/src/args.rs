@@ -1,16 +1,39 @@
-//! Arguments shared by several commands: opening a checkpoint ([`ModelArgs`]) and placing a
-//! model on backend and devices ([`LayoutArgs`]).
+//! Arguments shared by several commands: opening a model ([`ModelArgs`]: `--checkpoint`,
+//! a run, a Hugging Face directory or a Hub name, and [`OpenArgs`]) and placing a model on
+//! backend and devices ([`LayoutArgs`]).
 
+use nsactor_checkpoint::hub;
 use nsactor_engine::RuntimeError;
 use nsactor_engine::config::Overrides;
 use nsactor_launch::launch::CheckpointOptions;
 use std::path::PathBuf;
 
+/// The model a command opens (`--checkpoint`) and how ([`OpenArgs`]).
 #[derive(clap::Args)]
 pub struct ModelArgs {
-    /// A checkpoint directory, a checkpoints root or a run directory (newest valid checkpoint).
-    #[arg(long)]
-    pub checkpoint: PathBuf,
+    /// The model: a checkpoint directory, a checkpoints root, a run directory (its newest
+    /// valid checkpoint), a Hugging Face directory, or a Hugging Face Hub name
+    /// `owner/name[@revision]` (fetched into the Hub cache; an existing path wins).
+    #[arg(long, value_name = "PATH|OWNER/NAME")]
+    pub checkpoint: String,
+    #[command(flatten)]
+    pub open: OpenArgs,
+}
+
+impl ModelArgs {
+    /// What the runtime needs to open the model.
+    pub fn options(&self) -> Result<CheckpointOptions, RuntimeError> {
+        self.open.options(&self.checkpoint)
+    }
+}
+
+/// How a model is opened: its Hub revision, backend, stages, devices, tokenizer, precision.
+#[derive(clap::Args)]
+pub struct OpenArgs {
+    /// Revision of a Hub model: a branch, tag or commit (default `main`; `owner/name@REV`
+    /// says the same).
+    #[arg(long, value_name = "REV")]
+    pub revision: Option<String>,
     /// Backend: `embedded`, a plugin name or a plugin path (default: the run's).
     #[arg(long)]
     pub backend: Option<String>,
@@ -34,11 +57,14 @@ pub struct ModelArgs {
     pub kernel_cache: Option<PathBuf>,
 }
 
-impl ModelArgs {
-    /// What the runtime needs to open the checkpoint.
-    pub fn options(&self) -> CheckpointOptions {
-        CheckpointOptions {
-            checkpoint: self.checkpoint.clone(),
+impl OpenArgs {
+    /// What the runtime needs to open `model`: resolved to a directory (a Hub name fetched
+    /// into the Hub cache, see `nsactor_checkpoint::hub`).
+    pub fn options(&self, model: &str) -> Result<CheckpointOptions, RuntimeError> {
+        let resolved = hub::resolve(model, self.revision.as_deref())?;
+        Ok(CheckpointOptions {
+            name: hub::display_name(&resolved),
+            checkpoint: resolved.path,
             backend: self.backend.clone(),
             pipeline: self.pipeline,
             devices: self.devices.clone(),
@@ -46,7 +72,7 @@ impl ModelArgs {
             precision: self.precision.clone(),
             kernel_cache: self.kernel_cache.clone(),
             inject_fault: None,
-        }
+        })
     }
 }
 

@@ -30,7 +30,7 @@ pub fn run(a: EvalArgs) -> crate::result::CliResult {
     if a.batches == 0 {
         return Err("--batches must be at least 1".into());
     }
-    let mut l = launch::load_checkpoint(&a.model.options())?;
+    let mut l = launch::load_checkpoint(&a.model.options()?)?;
     let mut cfg = l.config.clone();
     if let Some(t) = a.seq_len {
         cfg.train.seq_len = t;
@@ -54,6 +54,7 @@ pub fn run(a: EvalArgs) -> crate::result::CliResult {
         info.version,
         info.devices.first().map_or("", String::as_str),
         a.model
+            .open
             .precision
             .as_deref()
             .or(cfg.backend.precision.as_deref())

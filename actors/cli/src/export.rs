@@ -21,9 +21,13 @@ pub struct ExportArgs {
 
 #[derive(clap::Args)]
 pub struct ImportArgs {
-    /// A Hugging Face NeuronSpark directory.
-    #[arg(long)]
-    from: PathBuf,
+    /// A Hugging Face NeuronSpark directory, or a Hub name `owner/name[@revision]` (fetched
+    /// into the Hub cache; an existing path wins).
+    #[arg(long, value_name = "DIR|OWNER/NAME")]
+    from: String,
+    /// Revision of a Hub model: a branch, tag or commit (default `main`).
+    #[arg(long, value_name = "REV")]
+    revision: Option<String>,
     #[arg(long, default_value = "hf", value_parser = ["hf"])]
     format: String,
     /// The run directory to create.
@@ -44,10 +48,11 @@ pub fn export(a: ExportArgs) -> crate::result::CliResult {
 /// `nsactor import`.
 pub fn import(a: ImportArgs) -> crate::result::CliResult {
     let compute = backend::open(&a.backend, &[])?;
-    let dir = nsactor_checkpoint::export::import_hf(&a.from, &a.out, compute)?;
+    let from = nsactor_checkpoint::hub::resolve(&a.from, a.revision.as_deref())?;
+    let dir = nsactor_checkpoint::export::import_hf(&from.path, &a.out, compute)?;
     println!(
         "imported {} as {}; continue with: nsactor train --config {} --resume",
-        a.from.display(),
+        a.from,
         dir.display(),
         a.out.join("config.toml").display()
     );

@@ -31,7 +31,7 @@ pub fn run(a: GenerateArgs) -> crate::result::CliResult {
     use nsactor_server::generate::GenEvent;
     use nsactor_server::protocol::{ChatMessage, PromptSpec, SamplingOptions};
     use std::io::{BufRead, Write};
-    let l = launch::load_checkpoint(&a.model.options())?;
+    let l = launch::load_checkpoint(&a.model.options()?)?;
     let state = nsactor_server::ServerState::new(
         (l.pipeline.decoder(l.vocab), l.tokenizer.clone()),
         (1, 0),

@@ -2,7 +2,7 @@
 //! every cohort size it will run (`/health` answers 503 `warming` meanwhile), then takes
 //! requests.
 
-use crate::args::ModelArgs;
+use crate::args::OpenArgs;
 use nsactor_decoding::AsyncDecoder;
 use nsactor_decoding::heal::{Health, RestartPolicy};
 use nsactor_decoding::warmup::WarmupPlan;
@@ -16,8 +16,17 @@ const STOP_WAIT: Duration = Duration::from_secs(10);
 
 #[derive(clap::Args)]
 pub struct ServeArgs {
+    /// The model to serve, as --checkpoint takes it: a run or Hugging Face directory, or a Hub
+    /// name `owner/name[@revision]` (`nsactor serve Brain2nd/NeuronSpark-0.9B-Chat`).
+    #[arg(value_name = "MODEL", required_unless_present = "checkpoint")]
+    model: Option<String>,
+    /// The model, by option (the same as MODEL): a checkpoint directory, a checkpoints root, a
+    /// run directory (its newest valid checkpoint), a Hugging Face directory, or a Hub name
+    /// `owner/name[@revision]` (fetched into the Hub cache; an existing path wins).
+    #[arg(long, value_name = "PATH|OWNER/NAME", conflicts_with = "model")]
+    checkpoint: Option<String>,
     #[command(flatten)]
-    model: ModelArgs,
+    open: OpenArgs,
     /// Address to listen on (loopback by default).
     #[arg(long, default_value = "127.0.0.1:8080")]
     addr: String,
@@ -235,6 +244,11 @@ impl ServeArgs {
 
 pub fn run(a: ServeArgs) -> crate::result::CliResult {
     let started = Instant::now();
+    let model = a
+        .model
+        .as_deref()
+        .or(a.checkpoint.as_deref())
+        .ok_or("no model to serve")?;
     // Every flag is checked before anything is loaded.
     let keys = a.keys()?;
     let limits = a.limits.limits()?;
@@ -250,7 +264,7 @@ pub fn run(a: ServeArgs) -> crate::result::CliResult {
     )?;
     let l = launch::load_checkpoint(&launch::CheckpointOptions {
         inject_fault: a.inject_fault.clone(),
-        ..a.model.options()
+        ..a.open.options(model)?
     })?;
     if keys.required() {
         tracing::info!(

@@ -39,10 +39,13 @@ pub struct TrainArgs {
     #[arg(long)]
     resume: bool,
     /// Start from the weights of another run's newest valid checkpoint (a run directory,
-    /// its checkpoints root or one checkpoint): its [model] table, step 0, fresh optimizer
-    /// state. With --resume it applies only while this run has no checkpoint of its own.
-    #[arg(long, value_name = "RUN")]
-    init_from: Option<PathBuf>,
+    /// its checkpoints root or one checkpoint), of a Hugging Face directory, or of a Hub model
+    /// `owner/name[@revision]` (fetched into the Hub cache; an existing path wins): its [model]
+    /// table (and a Hugging Face model's tokenizer, unless the run names one), step 0, fresh
+    /// optimizer state. With --resume it applies only while this run has no checkpoint of
+    /// its own.
+    #[arg(long, value_name = "RUN|OWNER/NAME")]
+    init_from: Option<String>,
     /// Override [train].eval_every: steps between held-out evaluations.
     #[arg(long)]
     eval_every: Option<u64>,
@@ -121,7 +124,11 @@ pub fn run(args: TrainArgs) -> crate::result::CliResult {
         sft: args.sft,
         backend: args.layout.backend,
         resume: args.resume,
-        init_from: args.init_from,
+        init_from: args
+            .init_from
+            .as_deref()
+            .map(|m| nsactor_checkpoint::hub::resolve(m, None).map(|r| r.path))
+            .transpose()?,
         metrics_addr: args.metrics_addr,
         sample: Some(args.sample).filter(|s| !s.is_empty()),
     })?;

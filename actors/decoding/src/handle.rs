@@ -89,7 +89,12 @@ impl Pipeline {
     }
 
     pub fn load_stages(&mut self, shards: Vec<Vec<u8>>) -> Result<(), RuntimeError> {
-        let shards = shards.into_iter().map(Arc::new).collect();
+        self.load_shared(shards.into_iter().map(Arc::new).collect())
+    }
+
+    /// [`Pipeline::load_stages`] from shared buffers: one whole-model file may feed every stage
+    /// (each reads its own tensors) without a copy per stage.
+    pub fn load_shared(&mut self, shards: Vec<Arc<Vec<u8>>>) -> Result<(), RuntimeError> {
         self.call_sup(|reply| SupMsg::LoadStages { shards, reply })
     }
 

@@ -4,6 +4,7 @@
 //! plan's placement, then start the actors with the same plan" is written once.
 
 use nsactor_checkpoint::checkpoint;
+use nsactor_checkpoint::export::{HfModel, is_hf_dir, read_hf};
 use nsactor_checkpoint::source::ModelSource;
 use nsactor_data::{Mode, Sampler, ShardSet, Tokenizer};
 use nsactor_decoding::{Pipeline, PipelinePlan};
@@ -170,8 +171,11 @@ pub struct Loaded {
 /// Where and how to open a checkpoint for serving or evaluation.
 #[derive(Debug, Clone, Default)]
 pub struct CheckpointOptions {
-    /// A checkpoint directory, a checkpoints root or a run directory (newest valid one).
+    /// A checkpoint directory, a checkpoints root or a run directory (newest valid one), or a
+    /// Hugging Face directory.
     pub checkpoint: PathBuf,
+    /// The model's name to report (a Hub name); default: its directory's.
+    pub name: Option<String>,
     /// Backend name or plugin path (default: the run's).
     pub backend: Option<String>,
     /// Pipeline stages (at least 1).
@@ -205,7 +209,7 @@ pub fn load_checkpoint(o: &CheckpointOptions) -> Result<Loaded, RuntimeError> {
         pipeline,
         tokenizer: Arc::new(source.tokenizer),
         vocab: cfg.model.vocab_size,
-        name: source.name,
+        name: o.name.clone().unwrap_or(source.name),
         config: cfg,
     })
 }
@@ -291,42 +295,76 @@ pub fn resume(
 }
 
 /// The weights a run starts from (`--init-from`): the newest valid checkpoint of a run
-/// directory, checkpoints root or checkpoint directory. The new run takes that model's
-/// `[model]` table (its weights fix the shapes) and starts at step 0 with fresh optimizer
-/// state; [`InitFrom::load`] puts the weights into the started pipeline.
-pub struct InitFrom {
-    found: checkpoint::Loaded,
+/// directory, checkpoints root or checkpoint directory, or a Hugging Face directory (a Hub
+/// name is resolved to one before). The new run takes that model's `[model]` table (its
+/// weights fix the shapes) and starts at step 0 with fresh optimizer state; [`InitFrom::load`]
+/// puts the weights into the started pipeline.
+pub enum InitFrom {
+    Checkpoint(checkpoint::Loaded),
+    /// A Hugging Face directory: its path and its model as read.
+    HuggingFace(PathBuf, Box<HfModel>),
 }
 
 impl InitFrom {
-    /// Finds the checkpoint under `path` and sets `cfg.model` to its model.
+    /// Finds the model under `path` and sets `cfg.model` to its model; a Hugging Face
+    /// model's tokenizer becomes the run's unless the run names one.
     pub fn open(path: &Path, cfg: &mut RunConfig) -> Result<Self, RuntimeError> {
-        let found = checkpoint::find_checkpoint(path)?;
-        let source = RunConfig::from_str(&found.manifest.config, &found.dir.display().to_string())?;
-        if source.model != cfg.model {
+        let (model, from) = if is_hf_dir(path) {
+            let hf = read_hf(path)?;
+            if cfg.data.tokenizer.is_none() {
+                cfg.data.tokenizer = Some(path.join("tokenizer.json"));
+            }
+            (
+                hf.model.clone(),
+                InitFrom::HuggingFace(path.to_path_buf(), Box::new(hf)),
+            )
+        } else {
+            let found = checkpoint::find_checkpoint(path)?;
+            let source =
+                RunConfig::from_str(&found.manifest.config, &found.dir.display().to_string())?;
+            (source.model, InitFrom::Checkpoint(found))
+        };
+        if model != cfg.model {
             tracing::info!(
                 "--init-from: the model is {}'s (its [model] table replaces this run's)",
-                found.dir.display()
+                path.display()
             );
         }
-        cfg.model = source.model;
-        Ok(InitFrom { found })
+        cfg.model = model;
+        Ok(from)
     }
 
     /// Loads the weights into `pipeline` (started from the configuration [`InitFrom::open`]
-    /// set) after checking the checkpoint was trained with `tok`.
+    /// set) after checking the model was trained with `tok`.
     pub fn load(self, tok: &Tokenizer, pipeline: &mut Pipeline) -> Result<(), RuntimeError> {
-        let checkpoint::Loaded {
-            dir,
-            manifest,
-            shards,
-        } = self.found;
-        manifest.check_tokenizer(&dir, tok)?;
-        pipeline.load_stages(shards)?;
+        let (dir, step) = match self {
+            InitFrom::Checkpoint(checkpoint::Loaded {
+                dir,
+                manifest,
+                shards,
+            }) => {
+                manifest.check_tokenizer(&dir, tok)?;
+                pipeline.load_stages(shards)?;
+                (dir, manifest.step)
+            }
+            InitFrom::HuggingFace(dir, hf) => {
+                if hf.tokenizer.hash() != tok.hash() {
+                    return Err(RuntimeError::Invalid(format!(
+                        "--init-from: {} was trained with its own tokenizer.json, not this run's \
+                         (leave [data].tokenizer unset to use the model's)",
+                        dir.display()
+                    )));
+                }
+                // Every stage reads its own tensors from the one weights file.
+                let stages = pipeline.num_layers() + 1;
+                let one = Arc::new(hf.weights);
+                pipeline.load_shared(vec![one; stages])?;
+                (dir, 0)
+            }
+        };
         tracing::info!(
-            "initialised from {} (its step {}); this run starts at step 0 with fresh optimizer state",
-            dir.display(),
-            manifest.step
+            "initialised from {} (its step {step}); this run starts at step 0 with fresh optimizer state",
+            dir.display()
         );
         Ok(())
     }

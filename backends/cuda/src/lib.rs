@@ -41,6 +41,11 @@ fn panic_text(p: &(dyn std::any::Any + Send)) -> String {
 /// Lists the GPUs the driver reports, or says why there are none.
 fn probe(precision: GemmPrecision) -> Result<Vec<(CudaDevice, String)>, EngineError> {
     let no_driver = |why: String| {
+        // cudarc lists every library name it tried: the first clause says enough.
+        let why = why
+            .split(" - searched for library names")
+            .next()
+            .unwrap_or_default();
         EngineError::Backend(format!(
             "cannot use CUDA: {why}. The cuda backend needs an NVIDIA GPU with its driver \
              (libcuda.so); on CPU-only hosts use --backend ndarray"

@@ -3,7 +3,8 @@
 //!
 //! Handles are `Box`es turned into raw pointers: the context is a `Box<Ctx>`, a stage a
 //! `Box<Box<dyn Stage>>`, a tensor a `Box<DeviceTensor>`, a snapshot a
-//! `Box<Box<dyn StageSnapshot>>`. Every entry runs inside `catch_unwind`: a panic is [`NS_PANIC`].
+//! `Box<Box<dyn StageSnapshot>>`. Every entry runs inside `catch_unwind` (`unwind`): a panic is
+//! [`NS_PANIC`] with its message and place, and the plugin's panic hook prints nothing.
 
 use crate::*;
 use nsactor_plugin_api::{
@@ -11,11 +12,13 @@ use nsactor_plugin_api::{
     StageKind, StageSpec,
 };
 use std::ffi::CString;
-use std::panic::{AssertUnwindSafe, catch_unwind};
 
 mod call;
 pub mod collective;
 pub mod snapshot;
+mod unwind;
+
+pub(crate) use unwind::{catch, quietly};
 
 use call::decode_call;
 
@@ -111,17 +114,15 @@ fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
 
 /// Runs `f`, turning errors and panics into a status and an owned message.
 fn guard(err: ErrOut, f: impl FnOnce() -> Result<(), EngineError>) -> i32 {
-    match catch_unwind(AssertUnwindSafe(f)) {
+    match catch(f) {
         Ok(Ok(())) => NS_OK,
         Ok(Err(e)) => {
             let (code, msg) = status(&e);
             set_err(err, msg);
             code
         }
-        Err(payload) => {
-            set_err(err, &panic_message(payload.as_ref()));
-            // A payload whose own Drop panicked would unwind out of this extern "C" fn.
-            std::mem::forget(payload);
+        Err(message) => {
+            set_err(err, &message);
             NS_PANIC
         }
     }
@@ -197,9 +198,9 @@ pub unsafe extern "C" fn buf_free(b: NsBuf) {
 pub unsafe extern "C" fn close(ctx: *mut c_void) {
     if !ctx.is_null() {
         // SAFETY: made by `open`; the host frees it once.
-        let _ = catch_unwind(AssertUnwindSafe(|| {
+        quietly("closing the backend", || {
             drop(unsafe { Box::from_raw(ctx as *mut Ctx) })
-        }));
+        });
     }
 }
 
@@ -315,11 +316,11 @@ pub unsafe extern "C" fn tensor_shape(
     shape: *mut usize,
     ndim: *mut usize,
 ) {
-    let _ = catch_unwind(AssertUnwindSafe(|| {
+    quietly("reading a tensor's shape", || {
         // SAFETY: live tensor handle.
         let t = unsafe { &*(t as *const DeviceTensor) };
         let _ = write_shape(&t.shape(), shape, ndim);
-    }));
+    });
 }
 
 /// # Safety
@@ -358,9 +359,9 @@ pub unsafe extern "C" fn tensor_to_device(
 pub unsafe extern "C" fn tensor_free(_c: *mut c_void, t: *mut c_void) {
     if !t.is_null() {
         // SAFETY: made by this plugin; the host frees it once.
-        let _ = catch_unwind(AssertUnwindSafe(|| {
+        quietly("freeing a tensor", || {
             drop(unsafe { Box::from_raw(t as *mut DeviceTensor) })
-        }));
+        });
     }
 }
 
@@ -416,9 +417,9 @@ pub unsafe extern "C" fn stage_open(
 pub unsafe extern "C" fn stage_free(_c: *mut c_void, s: *mut c_void) {
     if !s.is_null() {
         // SAFETY: made by `stage_open`; the host frees it once.
-        let _ = catch_unwind(AssertUnwindSafe(|| {
+        quietly("freeing a stage", || {
             drop(unsafe { Box::from_raw(s as *mut Box<dyn Stage>) })
-        }));
+        });
     }
 }
 
@@ -517,11 +518,8 @@ pub unsafe extern "C" fn stage_load(
 /// A live stage handle.
 pub unsafe extern "C" fn stage_param_count(_c: *mut c_void, s: *mut c_void) -> u64 {
     // SAFETY: live stage handle.
-    match catch_unwind(AssertUnwindSafe(|| unsafe { stage_ref(s) }.param_count())) {
-        Ok(n) => n,
-        Err(payload) => {
-            std::mem::forget(payload);
-            0
-        }
-    }
+    catch(|| unsafe { stage_ref(s) }.param_count()).unwrap_or_else(|m| {
+        eprintln!("error: a backend plugin panicked while counting parameters: {m}");
+        0
+    })
 }

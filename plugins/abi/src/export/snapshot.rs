@@ -6,7 +6,6 @@ use super::{bytes_out, guard, stage_ref};
 use crate::{ErrOut, NsBuf};
 use nsactor_plugin_api::StageSnapshot;
 use std::ffi::c_void;
-use std::panic::{AssertUnwindSafe, catch_unwind};
 
 /// # Safety
 /// Live handles and a writable out-pointer.
@@ -47,7 +46,5 @@ pub unsafe extern "C" fn snapshot_bytes(
 pub unsafe extern "C" fn snapshot_free(_c: *mut c_void, snap: *mut c_void) {
     // SAFETY: a handle made by `stage_snapshot`, given back once.
     let snap = unsafe { Box::from_raw(snap as *mut Box<dyn StageSnapshot>) };
-    if let Err(payload) = catch_unwind(AssertUnwindSafe(move || drop(snap))) {
-        std::mem::forget(payload);
-    }
+    super::quietly("freeing a snapshot", move || drop(snap));
 }

@@ -1,6 +1,7 @@
 //! A misbehaving backend for the boundary tests: open options `fail` make device initialisation
-//! fail and `panic` make it panic; its stages panic on `Forward` and echo inputs otherwise, so a
-//! test can check that the host survives a panic and keeps using the plugin.
+//! fail and `panic` make it panic (`$NSACTOR_TEST_PANICKY`, when set, stands in for the
+//! options: the command line passes its own); its stages panic on `Forward` and echo inputs
+//! otherwise, so a test can check that the host survives a panic and keeps using the plugin.
 
 use nsactor_plugin_api::{
     BackendInfo, ComputeBackend, DeviceTensor, EngineError, HostTensor, Reply, Stage, StageCall,
@@ -74,6 +75,14 @@ impl Stage for PanickyStage {
 }
 
 fn open(options: &str) -> Result<Box<dyn ComputeBackend>, EngineError> {
+    // The command line opens plugins with options of its own: $NSACTOR_TEST_PANICKY, when
+    // set, stands in for them.
+    let env = std::env::var("NSACTOR_TEST_PANICKY").unwrap_or_default();
+    let options = if env.is_empty() {
+        options
+    } else {
+        env.as_str()
+    };
     match options {
         "fail" => Err(EngineError::Backend(
             "device 0 is unavailable (injected failure)".into(),

@@ -2,8 +2,9 @@
 //! written atomically, newest valid one found on resume; [`checkpoint`]), the background
 //! [`writer`] that keeps a step from waiting on the disk, merged parameter files ([`weights`]),
 //! finding a checkpoint from a run directory and exporting to / importing from a Hugging Face
-//! directory ([`export`]), and models by Hugging Face Hub name ([`hub`]). It knows the model only through `nsactor-engine`'s configuration and
-//! staged engine; the actor pipeline writes through it.
+//! directory ([`export`]), and models by Hugging Face Hub name ([`hub`]). It knows the model
+//! only through `nsactor-engine`'s configuration and staged engine; the actor pipeline writes
+//! through it.
 
 pub mod checkpoint;
 pub mod export;

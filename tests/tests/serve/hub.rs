@@ -141,11 +141,11 @@ fn a_model_by_hub_name_is_fetched_served_and_then_loaded_offline_from_the_cache(
     assert!(models.contains("\"nsactor/tiny\""), "{models}");
 
     // Errors: a missing repository, a missing revision, a gated one without a token.
-    let e = fails(&mut online().args(["generate", "--checkpoint", "nsactor/missing", "x"]));
+    let e = fails(online().args(["generate", "--checkpoint", "nsactor/missing", "x"]));
     assert!(e.contains("no model repository `nsactor/missing`"), "{e}");
-    let e = fails(&mut online().args(["generate", "--checkpoint", "nsactor/tiny@v9", "x"]));
+    let e = fails(online().args(["generate", "--checkpoint", "nsactor/tiny@v9", "x"]));
     assert!(e.contains("no revision `v9`"), "{e}");
-    let e = fails(&mut online().args(["generate", "--checkpoint", "nsactor/gated", "x"]));
+    let e = fails(online().args(["generate", "--checkpoint", "nsactor/gated", "x"]));
     assert!(
         e.contains("gated or private (HTTP 401)") && e.contains("set HF_TOKEN"),
         "{e}"
@@ -211,12 +211,12 @@ fn a_model_by_hub_name_is_fetched_served_and_then_loaded_offline_from_the_cache(
     assert!(tuned.join("checkpoints").is_dir());
 
     // Nothing cached: offline, and with the Hub unreachable.
-    let e = fails(&mut offline().args(["generate", "--checkpoint", "nsactor/other", "x"]));
+    let e = fails(offline().args(["generate", "--checkpoint", "nsactor/other", "x"]));
     assert!(
         e.contains("HF_HUB_OFFLINE is set, and nsactor/other@main is not cached"),
         "{e}"
     );
-    let e = fails(&mut online().args(["generate", "--checkpoint", "nsactor/other", "x"]));
+    let e = fails(online().args(["generate", "--checkpoint", "nsactor/other", "x"]));
     assert!(
         e.contains("cannot reach") && e.contains("is not cached"),
         "{e}"

@@ -499,9 +499,15 @@ fn a_prompt_beside_an_open_session_is_fed_in_smaller_chunks_with_the_same_logits
         d.close(other).await;
         (logits, c1 - c0)
     });
-    assert_eq!(passes, 5, "beside an open session, 450 tokens in chunks of 100");
+    assert_eq!(
+        passes, 5,
+        "beside an open session, 450 tokens in chunks of 100"
+    );
     let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-    assert!(bits(&alone) == bits(&beside), "the chunks changed the logits");
+    assert!(
+        bits(&alone) == bits(&beside),
+        "the chunks changed the logits"
+    );
 }
 
 /// A stream that has ended while its reader still holds the session open is not waited for:

@@ -89,7 +89,7 @@ pub fn decoder<'a>(
         Compression::Gzip => Box::new(flate2::read::MultiGzDecoder::new(inner)),
         Compression::Zstd => Box::new(
             zstd::stream::read::Decoder::new(inner)
-                .map_err(|e| DataError::decompress(path, comp, e))?,
+                .map_err(|e| DataError::decompress(path, comp.name(), e))?,
         ),
     })
 }
@@ -102,7 +102,7 @@ pub fn decompress(path: &Path, comp: Compression, bytes: Vec<u8>) -> Result<Vec<
     let mut out = Vec::with_capacity(bytes.len() * 4);
     decoder(path, comp, &bytes[..])?
         .read_to_end(&mut out)
-        .map_err(|e| DataError::decompress(path, comp, e))?;
+        .map_err(|e| DataError::decompress(path, comp.name(), e))?;
     Ok(out)
 }
 

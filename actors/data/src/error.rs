@@ -72,12 +72,12 @@ impl DataError {
 
     pub(crate) fn decompress(
         path: impl Into<PathBuf>,
-        comp: crate::corpus::Compression,
+        codec: &'static str,
         source: std::io::Error,
     ) -> Self {
         DataError::Decompress {
             path: path.into(),
-            codec: comp.name(),
+            codec,
             source,
         }
     }

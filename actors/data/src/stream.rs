@@ -147,7 +147,7 @@ fn io_err(path: &Path, comp: Compression, e: std::io::Error) -> DataError {
     if comp == Compression::None {
         DataError::read(path, e)
     } else {
-        DataError::decompress(path, comp, e)
+        DataError::decompress(path, comp.name(), e)
     }
 }
 

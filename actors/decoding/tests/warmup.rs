@@ -81,10 +81,10 @@ fn a_warm_up_runs_every_size_of_its_plan_and_changes_no_later_decoding() {
         .unwrap();
     assert_eq!(seen, vec![(1, 3, 1), (2, 3, 3), (3, 3, 8)]);
     // A prefill, three greedy steps, a sampled one and a long chunk (this model's pass holds
-    // 4,096 / K = 1,365 tokens, more than the 8-token prompt) per size; one session also
-    // prefills lengths 2 to 16 (8 is the prompt's) and the powers of two from 32 to 1,024.
+    // 16,384 / K = 5,461 tokens, more than the 8-token prompt) per size; one session also
+    // prefills lengths 2 to 16 (8 is the prompt's) and the powers of two from 32 to 4,096.
     let passes: Vec<(usize, usize)> = warmed.iter().map(|w| (w.size, w.passes)).collect();
-    assert_eq!(passes, vec![(1, 6 + 14 + 6), (3, 6), (8, 6)], "{warmed:?}");
+    assert_eq!(passes, vec![(1, 6 + 14 + 8), (3, 6), (8, 6)], "{warmed:?}");
     let after = p.block_on(concurrent(&d));
     assert!(bits(&before) == bits(&after));
 }

@@ -208,7 +208,8 @@ mod tests {
             assert_eq!(c, code, "{text}: {m}");
             assert!(m.contains(needle), "{text}: {m}");
         }
-        let big = format!(r#"{{"type":"cancel","id":"{}"}}"#, "x".repeat(2 << 20));
+        // Past the default limit (4 MiB).
+        let big = format!(r#"{{"type":"cancel","id":"{}"}}"#, "x".repeat(5 << 20));
         assert!(
             ClientMsg::parse(&big, &limits())
                 .unwrap_err()

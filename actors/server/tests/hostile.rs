@@ -43,7 +43,8 @@ fn oversized_bodies_get_a_413_the_client_can_read() {
         let head = "POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n";
         tcp.write_all(head.as_bytes()).await.unwrap();
         let chunk = format!("{:x}\r\n{}\r\n", 1 << 16, "y".repeat(1 << 16));
-        for _ in 0..20 {
+        // 5 MiB, past the default limit (4 MiB).
+        for _ in 0..80 {
             if tcp.write_all(chunk.as_bytes()).await.is_err() {
                 break;
             }

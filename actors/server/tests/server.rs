@@ -180,7 +180,8 @@ fn bad_input_gets_clear_errors_and_the_server_keeps_serving() {
         assert_eq!(next_json(&mut ws).await["code"], "invalid_request");
         // Oversized frames close the connection; the server goes on.
         let mut big = connect(addr).await;
-        let _ = big.send(Message::Text("x".repeat(2 << 20).into())).await;
+        // Past the default limit (4 MiB).
+        let _ = big.send(Message::Text("x".repeat(5 << 20).into())).await;
         let closed = loop {
             match big.next().await {
                 Some(Ok(Message::Close(f))) => break f,

@@ -30,9 +30,7 @@
 //! A cohort that loses a stage (a panic, a stopped actor) fails every session that has run,
 //! and the batcher holds its inputs while the supervisor rebuilds the actors (`super::heal`).
 
-pub use super::batching::{
-    BatchStats, Batching, CHUNK_FRAME_ROWS, MAX_BATCH, PASS_FRAME_ROWS, PREFILL_PASS_FRAME_ROWS,
-};
+pub use super::batching::{BatchStats, Batching, MAX_BATCH, PASS_FRAME_ROWS};
 use super::buckets::{CohortBuckets, pad_session};
 use super::cohort::close_everywhere;
 pub use super::cohort::{Answer, Answered, CohortPhases, PickRequest, Picked};
@@ -61,7 +59,7 @@ pub enum BatcherMsg {
         ids: Vec<i64>,
         pick: Option<PickRequest>,
         every: bool,
-        reply: RpcReplyPort<Answered>,
+        port: RpcReplyPort<Answered>,
     },
     /// Runs `ids` through `session`, then every token the stream chooses, each fed back as
     /// the session's next input until the stream ends (`super::stream`).
@@ -124,8 +122,7 @@ impl Reply {
         }
     }
 
-    /// Whether the input wants every position's logits (a prompt being scored): it runs only
-    /// with inputs that want the same.
+    /// Whether the input wants every position's logits (scoring runs only with scoring).
     fn every(&self) -> bool {
         matches!(self, Reply::Once { every: true, .. })
     }
@@ -557,19 +554,11 @@ impl Actor for BatcherActor {
                 ids,
                 pick,
                 every,
-                reply,
+                port,
             } => match s.admit(session, &ids) {
-                Ok(()) => s.queue(
-                    session,
-                    ids,
-                    Reply::Once {
-                        port: reply,
-                        pick,
-                        every,
-                    },
-                ),
+                Ok(()) => s.queue(session, ids, Reply::Once { port, pick, every }),
                 Err(e) => {
-                    let _ = reply.send(Err(e));
+                    let _ = port.send(Err(e));
                 }
             },
             BatcherMsg::Stream { session, ids, cont } => match s.admit(session, &ids) {

@@ -105,7 +105,7 @@ impl AsyncDecoder {
     }
 
     /// This decoder with a prompt fed while other sessions are open cut into chunks of at most
-    /// `tokens` (by default [`CHUNK_FRAME_ROWS`](crate::batcher::CHUNK_FRAME_ROWS) / K): the
+    /// `tokens` (by default [`CHUNK_FRAME_ROWS`](crate::batching::CHUNK_FRAME_ROWS) / K): the
     /// others' decoding steps run between its chunks, each waiting for one chunk at most.
     pub fn with_chunk_tokens(mut self, tokens: usize) -> Self {
         self.chunk_tokens = tokens.max(1);
@@ -232,7 +232,7 @@ impl AsyncDecoder {
                     ids,
                     pick,
                     every,
-                    reply,
+                    port: reply,
                 },
                 None,
             )

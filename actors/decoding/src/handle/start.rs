@@ -105,11 +105,11 @@ impl Pipeline {
         trace::init();
         let batching = Batching {
             max_in_flight: plan.num_stages(),
-            max_tokens: (crate::batcher::PREFILL_PASS_FRAME_ROWS / frames).max(1),
+            max_tokens: (crate::batching::PREFILL_PASS_FRAME_ROWS / frames).max(1),
             ..Batching::default()
         };
         // While other sessions decode, a prompt goes in smaller chunks.
-        let chunk = (crate::batcher::CHUNK_FRAME_ROWS / frames).max(1);
+        let chunk = (crate::batching::CHUNK_FRAME_ROWS / frames).max(1);
         let sessions = start_sessions(&rt, &children, &sup, ids, (batching, chunk), id)?;
         Ok(Pipeline {
             rt,

@@ -451,7 +451,6 @@ fn bench_heal_reports_the_rebuild_by_phase() {
 /// workspace build on a machine without a GPU, the CUDA plugin beside the binary too) says so
 /// in one line: no `panicked at`, no backtrace, even with `RUST_BACKTRACE=1`, on any command.
 #[test]
-#[ignore = "open (issue 64): with the CUDA plugin beside the binary, cudarc's panic on a thread the plugin spawns still prints"]
 fn a_plugin_that_cannot_initialise_says_so_in_one_line_without_a_panic_dump() {
     // Beside the binary, built with the same packages as `nsactor()` builds (the panicky plugin
     // adds no feature to them, so nothing is built twice).

@@ -115,6 +115,7 @@ pub fn backend(options: Options) -> Result<BurnBackend<Gpu>, EngineError> {
     set_precision(options.precision);
     let b = BurnBackend::new("cuda", env!("CARGO_PKG_VERSION"), devices)
         .with_kernel_bench("gemm", gemm_bench)
+        .with_kernel_bench("prefill", prefill_bench)
         .with_memory(memory_report)
         .with_timing(TimingHooks {
             start: timing_start,
@@ -130,6 +131,13 @@ pub fn backend(options: Options) -> Result<BurnBackend<Gpu>, EngineError> {
 fn gemm_bench(device: &CudaDevice, options: &str) -> Result<String, KernelError> {
     let cfg = GemmBench::model_0_9b().with_options(options)?;
     kernel_bench::bench(device, &cfg)
+}
+
+/// `bench kernels`' prefill part: one session's long-pass scans cut in time chunks against
+/// one walk, bit for bit, then timed.
+fn prefill_bench(device: &CudaDevice, options: &str) -> Result<String, KernelError> {
+    use nsactor_kernels::bench::prefill::{PrefillBench, bench};
+    bench(device, &PrefillBench::model_0_9b().with_options(options)?)
 }
 
 /// `Diagnostic::Memory`: each GPU's memory in use (driver view: total − free, which includes

@@ -18,6 +18,8 @@ pub mod gemm;
 mod norm_plif;
 mod optim;
 mod ponder;
+#[cfg(feature = "cuda")]
+pub mod prefill;
 mod report;
 mod scans;
 mod selective;

@@ -222,3 +222,41 @@ pub(crate) const FEW_ROWS: usize = 1024;
 pub(crate) fn gemm_input() -> DType {
     input_dtype()
 }
+
+/// Asserts what the unchecked kernels rely on besides `i_gu`'s geometry: the four per-channel
+/// parameters `[D_ff]`, `v0` `[B, 2·D_ff]`, and each of `seqs` (with its width) `[TK, B, width]`.
+pub(crate) fn check_ffn_shapes<R: CubeRuntime>(
+    params: [&CubeTensor<R>; 4],
+    v0: &CubeTensor<R>,
+    (steps, batch, ff): (usize, usize, usize),
+    seqs: &[(&CubeTensor<R>, usize)],
+) {
+    for t in params {
+        assert_eq!(
+            dims(t),
+            [ff],
+            "ffn neurons: per-channel parameters are [D_ff]"
+        );
+    }
+    assert_eq!(dims(v0), [batch, 2 * ff], "ffn neurons: v0 is [B, 2·D_ff]");
+    for (t, width) in seqs {
+        assert_eq!(
+            dims(t),
+            [steps, batch, *width],
+            "ffn neurons: [TK, B, ·] tensors alike"
+        );
+    }
+}
+
+/// `(batch, D_ff, steps)` of the FFN neurons' `i_gu` `[TK, B, 2·D_ff]`, checked.
+pub(crate) fn ffn_geometry<R: CubeRuntime>(i_gu: &CubeTensor<R>) -> (usize, usize, usize) {
+    let shape = i_gu.meta.shape();
+    assert_eq!(shape.num_dims(), 3, "ffn neurons: i_gu [TK, B, 2·D_ff]");
+    let (steps, batch, two_f) = (shape[0], shape[1], shape[2]);
+    assert!(two_f % 2 == 0, "ffn neurons: odd gate/up width {two_f}");
+    assert!(
+        steps * batch * two_f <= u32::MAX as usize,
+        "ffn neurons: {steps}×{batch}×{two_f} elements exceed 32-bit indexing"
+    );
+    (batch, two_f / 2, steps)
+}

@@ -262,6 +262,19 @@ pub fn block_scan<R: CubeRuntime>(
     v0: CubeTensor<R>,
     v_th_min: f32,
 ) -> (CubeTensor<R>, CubeTensor<R>) {
+    let chunk = crate::cuda::speculative::time_chunk_block();
+    block_scan_cut(y, biases, v0, v_th_min, chunk)
+}
+
+/// [`block_scan`] with `chunk` steps per time chunk where the pass is cut
+/// ([`crate::cuda::speculative`]; 0: never).
+pub(crate) fn block_scan_cut<R: CubeRuntime>(
+    y: CubeTensor<R>,
+    biases: [CubeTensor<R>; 3],
+    v0: CubeTensor<R>,
+    v_th_min: f32,
+    chunk: usize,
+) -> (CubeTensor<R>, CubeTensor<R>) {
     let y = match rows_view(&y) {
         Some(_) => y,
         None => into_contiguous(y),
@@ -292,6 +305,14 @@ pub fn block_scan<R: CubeRuntime>(
         let geometry = (cols, steps, dn, row_stride);
         let (out, fin) = (vpost.clone(), last.clone());
         crate::cuda::wide::block_scan(y, [bb, ba, bt], v0, out, fin, geometry, v_th_min);
+        return (vpost, last);
+    }
+    if let Some(chunks) = crate::cuda::speculative::chunks_for(steps, cols, chunk) {
+        let geometry = (cols, steps, dn, row_stride);
+        let (out, fin) = (vpost.clone(), last.clone());
+        let biases = [bb, ba, bt];
+        let cut = (chunk, chunks);
+        crate::cuda::speculative::block_scan(y, biases, v0, out, fin, geometry, v_th_min, cut);
         return (vpost, last);
     }
     // Three double-buffered f32 arrays of `chunk` × 32: at most 48 KiB of shared memory.

@@ -5,10 +5,12 @@
 //! wider product in place); the backward recomputes the spikes exactly.
 
 use crate::cuda::common::{
-    STAGE_COLS, check_f32, dims, out_like, out_typed, pair, stage_shape, stored_dtype,
+    STAGE_COLS, check_f32, check_ffn_shapes, ffn_geometry, out_like, out_typed, pair, stage_shape,
+    stored_dtype,
 };
 use crate::cuda::plif::{plif_reverse, plif_step, spike_of};
 use crate::cuda::precision::input_dtype;
+use crate::cuda::speculative;
 use burn::tensor::{DType, Shape};
 use burn_cubecl::CubeRuntime;
 use burn_cubecl::kernel::into_contiguous;
@@ -359,44 +361,6 @@ fn producers_sum(buf: &SharedMemory<f32>, x: usize, #[comptime] producers: usize
     sum
 }
 
-/// Asserts what the unchecked kernels rely on besides `i_gu`'s geometry: the four per-channel
-/// parameters `[D_ff]`, `v0` `[B, 2·D_ff]`, and each of `seqs` (with its width) `[TK, B, width]`.
-fn check_ffn_shapes<R: CubeRuntime>(
-    params: [&CubeTensor<R>; 4],
-    v0: &CubeTensor<R>,
-    (steps, batch, ff): (usize, usize, usize),
-    seqs: &[(&CubeTensor<R>, usize)],
-) {
-    for t in params {
-        assert_eq!(
-            dims(t),
-            [ff],
-            "ffn neurons: per-channel parameters are [D_ff]"
-        );
-    }
-    assert_eq!(dims(v0), [batch, 2 * ff], "ffn neurons: v0 is [B, 2·D_ff]");
-    for (t, width) in seqs {
-        assert_eq!(
-            dims(t),
-            [steps, batch, *width],
-            "ffn neurons: [TK, B, ·] tensors alike"
-        );
-    }
-}
-
-/// `(batch, D_ff, steps)` of the FFN neurons' `i_gu` `[TK, B, 2·D_ff]`, checked.
-fn ffn_geometry<R: CubeRuntime>(i_gu: &CubeTensor<R>) -> (usize, usize, usize) {
-    let shape = i_gu.meta.shape();
-    assert_eq!(shape.num_dims(), 3, "ffn neurons: i_gu [TK, B, 2·D_ff]");
-    let (steps, batch, two_f) = (shape[0], shape[1], shape[2]);
-    assert!(two_f % 2 == 0, "ffn neurons: odd gate/up width {two_f}");
-    assert!(
-        steps * batch * two_f <= u32::MAX as usize,
-        "ffn neurons: {steps}×{batch}×{two_f} elements exceed 32-bit indexing"
-    );
-    (batch, two_f / 2, steps)
-}
-
 /// Forward of the FFN neurons for training: `(g·v [TK, B, D_ff], V_post [TK, B, 2·D_ff])`.
 /// `params`: `w_gate, w_up, th_gate, th_up` `[D_ff]`; `v0` `[B, 2·D_ff]`.
 pub fn ffn_forward<R: CubeRuntime>(
@@ -408,7 +372,7 @@ pub fn ffn_forward<R: CubeRuntime>(
     let (batch, ff, steps) = ffn_geometry(&i_gu);
     let i_gu = into_contiguous(i_gu);
     let geometry = (steps, batch, ff, 2 * ff);
-    let (gv, vpost, _) = ffn_forward_with(i_gu, params, v0, leak, true, geometry);
+    let (gv, vpost, _) = ffn_forward_with(i_gu, params, v0, leak, true, geometry, 0);
     (gv, vpost)
 }
 
@@ -420,6 +384,17 @@ pub fn ffn_infer<R: CubeRuntime>(
     params: [CubeTensor<R>; 4],
     v0: CubeTensor<R>,
     leak: bool,
+) -> (CubeTensor<R>, CubeTensor<R>) {
+    ffn_infer_cut(i_gu, params, v0, leak, speculative::time_chunk())
+}
+
+/// [`ffn_infer`] cut in time chunks of `chunk` steps where it is cut at all (0: never).
+pub(crate) fn ffn_infer_cut<R: CubeRuntime>(
+    i_gu: CubeTensor<R>,
+    params: [CubeTensor<R>; 4],
+    v0: CubeTensor<R>,
+    leak: bool,
+    chunk: usize,
 ) -> (CubeTensor<R>, CubeTensor<R>) {
     let shape = i_gu.meta.shape().clone();
     if shape.num_dims() == 2 {
@@ -437,19 +412,19 @@ pub fn ffn_infer<R: CubeRuntime>(
         };
         let row_stride = i_gu.meta.strides()[0].max(shape[1]);
         let geometry = (shape[0] / batch, batch, ff, row_stride);
-        let (gv, _, last) = ffn_forward_with(i_gu, params, v0, leak, false, geometry);
+        let (gv, _, last) = ffn_forward_with(i_gu, params, v0, leak, false, geometry, chunk);
         return (gv, last);
     }
     let (batch, ff, steps) = ffn_geometry(&i_gu);
     let i_gu = into_contiguous(i_gu);
     let geometry = (steps, batch, ff, 2 * ff);
-    let (gv, _, last) = ffn_forward_with(i_gu, params, v0, leak, false, geometry);
+    let (gv, _, last) = ffn_forward_with(i_gu, params, v0, leak, false, geometry, chunk);
     (gv, last)
 }
 
 /// `(g·v, V_post (empty unless save_vpost), final state)` for an `i_gu` of `steps·batch` rows
 /// of `row_stride` values each, the first `2·ff` of them the currents (`geometry`: steps,
-/// batch, ff, row_stride).
+/// batch, ff, row_stride); inference in time chunks of `chunk` steps where it is cut.
 fn ffn_forward_with<R: CubeRuntime>(
     i_gu: CubeTensor<R>,
     params: [CubeTensor<R>; 4],
@@ -457,6 +432,7 @@ fn ffn_forward_with<R: CubeRuntime>(
     leak: bool,
     save_vpost: bool,
     (steps, batch, ff, row_stride): (usize, usize, usize, usize),
+    chunk: usize,
 ) -> (CubeTensor<R>, CubeTensor<R>, CubeTensor<R>) {
     let [w_g, w_u, th_g, th_u] = params;
     check_f32(&[&w_g, &w_u, &th_g, &th_u, &v0]);
@@ -482,11 +458,15 @@ fn ffn_forward_with<R: CubeRuntime>(
         DType::F32,
     );
     let last = out_typed(&i_gu, Shape::new([batch, 2 * ff]), DType::F32);
-    if !save_vpost && batch * ff >= crate::cuda::wide::wide_cols() {
-        let params = [w_g, w_u, th_g, th_u];
-        let outs = [gv.clone(), last.clone()];
-        let geometry = (steps, batch, ff, row_stride);
-        crate::cuda::wide::ffn_infer(i_gu, params, v0, outs, geometry, leak);
+    // Many sessions: one unit per column; one session's long pass: cut in time chunks.
+    let cut = crate::cuda::speculative::chunks_for(steps, batch * ff, chunk);
+    if !save_vpost && (batch * ff >= crate::cuda::wide::wide_cols() || cut.is_some()) {
+        let (params, outs) = ([w_g, w_u, th_g, th_u], [gv.clone(), last.clone()]);
+        let g = (steps, batch, ff, row_stride);
+        match cut {
+            Some(n) => speculative::ffn_infer(i_gu, params, v0, outs, g, leak, (chunk, n)),
+            None => crate::cuda::wide::ffn_infer(i_gu, params, v0, outs, g, leak),
+        }
         return (gv, vpost, last);
     }
     let (producers, chunk) = stage_shape(

@@ -46,5 +46,6 @@ pub mod precision;
 pub mod scan;
 pub mod selective;
 mod server;
+mod speculative;
 pub mod timing;
 mod wide;

@@ -121,7 +121,20 @@ pub fn norm_plif<R: CubeRuntime>(
     leak: bool,
     mean: bool,
 ) -> (CubeTensor<R>, CubeTensor<R>) {
-    let [y, last, _] = norm_plif_with(inputs, eps, k, leak, false, mean);
+    let chunk = crate::cuda::speculative::time_chunk_norm();
+    norm_plif_cut(inputs, eps, k, leak, mean, chunk)
+}
+
+/// [`norm_plif`] cut in time chunks of `chunk` frames where it is cut at all (0: never).
+pub(crate) fn norm_plif_cut<R: CubeRuntime>(
+    inputs: [CubeTensor<R>; 5],
+    eps: f32,
+    k: usize,
+    leak: bool,
+    mean: bool,
+    chunk: usize,
+) -> (CubeTensor<R>, CubeTensor<R>) {
+    let [y, last, _] = norm_plif_with(inputs, eps, k, leak, false, mean, chunk);
     (y, last)
 }
 
@@ -132,11 +145,12 @@ pub fn norm_plif_train<R: CubeRuntime>(
     k: usize,
     leak: bool,
 ) -> (CubeTensor<R>, CubeTensor<R>) {
-    let [y, _, vpost] = norm_plif_with(inputs, eps, k, leak, true, false);
+    let [y, _, vpost] = norm_plif_with(inputs, eps, k, leak, true, false, 0);
     (y, vpost)
 }
 
-/// `[output, final state, V_post (empty unless save_vpost)]`; inputs `x, norm_w, w, v_th, v0`.
+/// `[output, final state, V_post (empty unless save_vpost)]`; inputs `x, norm_w, w, v_th, v0`;
+/// inference in time chunks of `chunk` frames where it is cut.
 fn norm_plif_with<R: CubeRuntime>(
     inputs: [CubeTensor<R>; 5],
     eps: f32,
@@ -144,6 +158,7 @@ fn norm_plif_with<R: CubeRuntime>(
     leak: bool,
     save_vpost: bool,
     mean_frames: bool,
+    chunk: usize,
 ) -> [CubeTensor<R>; 3] {
     let (t, batch, dim) = norm_plif_geometry(&inputs.each_ref(), k);
     let [x, norm_w, w, v_th, v0] = inputs.map(into_contiguous);
@@ -180,6 +195,17 @@ fn norm_plif_with<R: CubeRuntime>(
     );
     let cols = batch * dim;
     let cubes = CubeCount::Static(cols.div_ceil(NORM_PLIF_CUBE as usize) as u32, 1, 1);
+    let cut = crate::cuda::speculative::chunks_for(t * k, cols, chunk).filter(|_| !save_vpost);
+    if let (false, Some(_)) = (fused_rms, cut) {
+        // One session's long pass: cut in chunks of whole tokens.
+        let per = chunk.div_ceil(k);
+        let ins = [x, r, norm_w, w, v_th, v0];
+        let outs = [y.clone(), last.clone()];
+        let geometry = (cols, dim, t, k);
+        let cut = (per, t.div_ceil(per));
+        crate::cuda::speculative::norm_plif(ins, outs, geometry, leak, mean_frames, cut);
+        return [y, last, vpost];
+    }
     if !fused_rms {
         // Many token rows: the kernel staged by tokens.
         let (group, _) = prefetch();

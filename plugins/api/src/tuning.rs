@@ -78,6 +78,11 @@ pub struct KernelTuning {
     pub stage_ffn_forward: Option<StageShape>,
     pub stage_ffn_backward: Option<StageShape>,
     pub decode_wide_cols: usize,
+    /// Steps per time chunk of the speculative inference scans of a long pass over few columns
+    /// (0: one walk): the FFN neurons, the input neurons (RMSNorm + PLIF) and the block scan.
+    pub time_chunk: usize,
+    pub time_chunk_norm: usize,
+    pub time_chunk_block: usize,
     /// Tokens a group of the RMSNorm + input PLIF kernels: `(forward, backward)`.
     pub norm_plif_prefetch: (usize, usize),
 }
@@ -109,6 +114,9 @@ impl Default for KernelTuning {
             stage_ffn_forward: None,
             stage_ffn_backward: None,
             decode_wide_cols: 1 << 17,
+            time_chunk: 512,
+            time_chunk_norm: 2048,
+            time_chunk_block: 0,
             norm_plif_prefetch: (8, 2),
         }
     }
@@ -127,7 +135,7 @@ const fn knob(key: &'static str, env: &'static str) -> Knob {
 }
 
 /// Every knob, in the order `docs/CONFIG.md` lists them.
-pub const KNOBS: [Knob; 25] = [
+pub const KNOBS: [Knob; 28] = [
     knob("decode_graphs", "NSACTOR_DECODE_GRAPHS"),
     knob("decode_graph_rows", "NSACTOR_DECODE_GRAPH_ROWS"),
     knob("decode_fusion", "NSACTOR_DECODE_FUSION"),
@@ -150,6 +158,9 @@ pub const KNOBS: [Knob; 25] = [
     knob("stage_row_backward", "NSACTOR_STAGE_ROW_BACKWARD"),
     knob("stage_block_scan", "NSACTOR_STAGE_BLOCK_SCAN"),
     knob("decode_wide_cols", "NSACTOR_DECODE_WIDE_COLS"),
+    knob("time_chunk", "NSACTOR_TIME_CHUNK"),
+    knob("time_chunk_norm", "NSACTOR_TIME_CHUNK_NORM"),
+    knob("time_chunk_block", "NSACTOR_TIME_CHUNK_BLOCK"),
     knob("norm_plif_prefetch", "NSACTOR_NORM_PLIF_PREFETCH"),
     knob("stage_ffn_forward", "NSACTOR_STAGE_FFN_FORWARD"),
     knob("stage_ffn_backward", "NSACTOR_STAGE_FFN_BACKWARD"),
@@ -249,6 +260,9 @@ impl KernelTuning {
             "stage_ffn_forward" => self.stage_ffn_forward = Some(stage(v)?),
             "stage_ffn_backward" => self.stage_ffn_backward = Some(stage(v)?),
             "decode_wide_cols" => self.decode_wide_cols = count(v, 0, usize::MAX)?,
+            "time_chunk" => self.time_chunk = count(v, 0, 1 << 20)?,
+            "time_chunk_norm" => self.time_chunk_norm = count(v, 0, 1 << 20)?,
+            "time_chunk_block" => self.time_chunk_block = count(v, 0, 1 << 20)?,
             "norm_plif_prefetch" => {
                 let [f, b] = dims::<2>(v, "FxB")?;
                 if !(1..=16).contains(&f) || !(1..=16).contains(&b) {
@@ -347,6 +361,9 @@ impl KernelTuning {
             "stage_ffn_forward" => shape(self.stage_ffn_forward),
             "stage_ffn_backward" => shape(self.stage_ffn_backward),
             "decode_wide_cols" => self.decode_wide_cols.to_string(),
+            "time_chunk" => self.time_chunk.to_string(),
+            "time_chunk_norm" => self.time_chunk_norm.to_string(),
+            "time_chunk_block" => self.time_chunk_block.to_string(),
             "norm_plif_prefetch" => {
                 format!(
                     "{}x{}",

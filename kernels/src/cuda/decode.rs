@@ -243,8 +243,9 @@ const CENTRED_PLANES: usize = 8;
 /// `(producer planes, steps per chunk)` of [`block_scan`]; `$NSACTOR_STAGE_BLOCK_SCAN` (`PxC`)
 /// overrides it. A decoding step's 16 frames (K at the 0.9B) fit one chunk.
 const STAGE_BLOCK_SCAN: (usize, usize) = (8, 16);
-/// The same for a prefill pass (more than 64 steps): chunks of 64 steps, 1.61 against 1.74 ms
-/// at one session's 16,384 frames on an H200 (fewer producers ran far slower: 4 × 64 2.73 ms).
+/// The same for a longer pass (more than 64 steps: prefill chunks beside running sessions,
+/// short prompts): chunks of 64 steps, 1.61 against 1.74 ms at one session's 16,384 frames on
+/// an H200 (fewer producers ran far slower: 4 × 64 2.73 ms).
 const STAGE_BLOCK_SCAN_LONG: (usize, usize) = (8, 64);
 
 /// `(stride of a row, columns)` of a 2-D f32 tensor whose columns are contiguous, else `None`.

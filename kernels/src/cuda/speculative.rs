@@ -23,13 +23,13 @@
 //! walks meet within tens of steps and the fix-ups cost little. Where β is near 1 (the
 //! SNNBlock's selective β, 0.80–0.99 before modulation) they stay apart for thousands of
 //! steps, the fix-ups walk whole chunks one pass after another, and the cut is slower than one
-//! walk: off by default there. The passes read
-//! finals from one buffer and write the other, with no host round trip between them.
+//! walk: off by default there. The passes read finals from one buffer and write the other,
+//! with no host round trip between them.
 //!
 //! The step is [`crate::cuda::wide`]'s ([`block_modulation`], [`plif_step`]) and the input
 //! neuron's [`token_frames`] (whose walks meet at token ends): the same bits as the staged
-//! and the wide kernels, so a prompt's logits do not depend on how its pass was
-//! cut (`bench kernels`' `prefill` part checks it on the device).
+//! and the wide kernels, so a prompt's logits do not depend on how its pass was cut
+//! (`bench kernels`' `prefill` part checks it on the device).
 
 use crate::cuda::common::{block_modulation, out_typed, pair, sigmoid_burn};
 use crate::cuda::norm_plif_staged::{Frames, token_frames};
@@ -76,6 +76,55 @@ fn same(a: f32, b: f32) -> bool {
     u32::reinterpret(a) == u32::reinterpret(b)
 }
 
+/// Where unit `u` (chunk `ch`; its predecessor's unit `u − cols`) starts a pass: the walk
+/// written so far (`old`, fix-ups only) and the one this pass writes (`new`); `done` where it
+/// has nothing to walk (chunk 0, or a fix-up whose start did not change: its final is carried
+/// over). Records the start it walks from.
+#[derive(CubeType)]
+struct Start {
+    old: f32,
+    new: f32,
+    done: bool,
+}
+
+#[allow(clippy::too_many_arguments)]
+#[cube]
+fn start(
+    v0: f32,
+    starts: &mut Tensor<f32>,
+    finals_in: &Tensor<f32>,
+    finals_out: &mut Tensor<f32>,
+    u: usize,
+    ch: usize,
+    cols: usize,
+    #[comptime] fixup: bool,
+) -> Start {
+    let mut old = 0.0f32;
+    let mut new = v0;
+    let mut done = false;
+    if comptime![fixup] {
+        if ch == 0 {
+            done = true;
+        } else {
+            let from = finals_in[u - cols];
+            let had = starts[u];
+            if same(from, had) {
+                done = true;
+            } else {
+                starts[u] = from;
+                old = had;
+                new = from;
+            }
+        }
+        if done {
+            finals_out[u] = finals_in[u];
+        }
+    } else {
+        starts[u] = v0;
+    }
+    Start { old, new, done }
+}
+
 /// One pass of the block scan over `(chunk, column)` units `u = ch·cols + c`, `c = b·DN + j`
 /// (see the module docs): pass 0 when not `fixup`. `starts`, `finals_in` and `finals_out` are
 /// `[chunks·cols]`.
@@ -111,26 +160,13 @@ fn block_scan_chunk_kernel<I: Float, O: Float>(
     }
     let ch = u / cols;
     let c = u % cols;
-    // The walk written so far (`va`, fix-ups only) and the one this pass writes (`vb`).
-    let mut va = 0.0f32;
-    let mut vb = v0[c];
-    if comptime![fixup] {
-        if ch == 0 {
-            finals_out[u] = finals_in[u];
-            terminate!();
-        }
-        let new = finals_in[u - cols];
-        let old = starts[u];
-        if same(new, old) {
-            finals_out[u] = finals_in[u];
-            terminate!();
-        }
-        starts[u] = new;
-        va = old;
-        vb = new;
-    } else {
-        starts[u] = vb;
+    let st = start(v0[c], starts, finals_in, finals_out, u, ch, cols, fixup);
+    if st.done {
+        terminate!();
     }
+    // The walk written so far (`va`, fix-ups only) and the one this pass writes (`vb`).
+    let mut va = st.old;
+    let mut vb = st.new;
     let steps = steps as usize;
     let dn = dn as usize;
     let row_stride = row_stride as usize;
@@ -345,25 +381,13 @@ fn norm_plif_chunk_kernel<O: Float>(
     }
     let ch = u / cols;
     let c = u % cols;
-    let mut va = 0.0f32;
-    let mut vb = v0[c];
-    if comptime![fixup] {
-        if ch == 0 {
-            finals_out[u] = finals_in[u];
-            terminate!();
-        }
-        let new = finals_in[u - cols];
-        let old = starts[u];
-        if same(new, old) {
-            finals_out[u] = finals_in[u];
-            terminate!();
-        }
-        starts[u] = new;
-        va = old;
-        vb = new;
-    } else {
-        starts[u] = vb;
+    let st = start(v0[c], starts, finals_in, finals_out, u, ch, cols, fixup);
+    if st.done {
+        terminate!();
     }
+    // The walk written so far (`va`, fix-ups only) and the one this pass writes (`vb`).
+    let mut va = st.old;
+    let mut vb = st.new;
     let dim = dim as usize;
     let tokens = tokens as usize;
     let rows = cols / dim;

@@ -1,6 +1,6 @@
-//! `bench kernels`' `prefill` part on CUDA: the inference block scan, FFN neurons and RMSNorm
-//! + input PLIF of one session's long pass walked in one chunk and cut in time chunks
-//! ([`crate::cuda::speculative`]), held bit for bit against each other, then timed.
+//! `bench kernels`' `prefill` part on CUDA: the inference block scan, FFN neurons and the
+//! RMSNorm with the input PLIF of one session's long pass walked in one chunk and cut in time
+//! chunks ([`crate::cuda::speculative`]), held bit for bit against each other, then timed.
 //!
 //! The inputs imitate a fresh 0.9B layer: `b_β` the logits of β from 0.80 to 0.99 (SPEC's
 //! initialisation), projections `N(0, σ)`, FFN `w` from `N(0, 0.5)`. How far a chunk's two

@@ -91,7 +91,6 @@ fn bits(t: Tensor<B, 2>) -> Vec<u32> {
 pub fn bench(device: &CudaDevice, cfg: &PrefillBench) -> Result<String, KernelError> {
     let prim = |t: Tensor<B, 2>| t.into_primitive().tensor();
     let wrap = |t| Tensor::<B, 2>::from_primitive(TensorPrimitive::Float(t));
-    let sync = || <B as burn::tensor::backend::Backend>::sync(device).expect("device sync");
     let rows = cfg.steps * cfg.batch;
     let normal = |shape: [usize; 2], s: f64| {
         Tensor::<B, 2>::random(shape, Distribution::Normal(0.0, s), device)
@@ -156,16 +155,7 @@ pub fn bench(device: &CudaDevice, cfg: &PrefillBench) -> Result<String, KernelEr
         let y = Tensor::<B, 3>::from_primitive(TensorPrimitive::Float(y));
         (y.reshape([cfg.steps, cfg.batch * D]), wrap(last))
     };
-    let time = |f: &dyn Fn()| {
-        f();
-        sync();
-        let t = std::time::Instant::now();
-        for _ in 0..cfg.reps {
-            f();
-        }
-        sync();
-        t.elapsed().as_secs_f64() / cfg.reps as f64
-    };
+    let time = |f: &dyn Fn()| super::report::time::<B>(device, cfg.reps, f);
     let mut out = String::new();
     let _ = writeln!(
         out,

@@ -3,7 +3,7 @@
 
 mod common;
 
-use common::cli::{nsactor, ok, run_err, run_ok, run_stdout, temp_dir};
+use common::cli::{nsactor, ok, run_err, run_ok, run_stdout, temp_dir, trains_two_steps_on};
 use common::{cargo_build, library};
 use std::path::PathBuf;
 
@@ -55,19 +55,7 @@ fn tokenizer_train_data_prepare_and_train_on_shards() {
             .unwrap();
     assert_eq!(manifest["dtype"], "u16");
     assert_eq!(manifest["documents"], 350);
-    run_ok(&[
-        "train",
-        "--steps",
-        "2",
-        "--data",
-        &p("shards"),
-        "--out",
-        &p("run"),
-    ]);
-    let cursor: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(dir.join("run/data_cursor.json")).unwrap())
-            .unwrap();
-    assert_eq!(cursor["position"], 8, "2 steps × batch 4: {cursor}");
+    trains_two_steps_on(&p("shards"), &p("run"));
 
     // The same shards under another tokenizer: refused, naming both hashes.
     let e = run_err(&[

@@ -6,7 +6,7 @@
 
 mod common;
 
-use common::cli::{run_err, run_ok, temp_dir};
+use common::cli::{run_err, run_ok, temp_dir, trains_two_steps_on};
 use nsactor_data::parquet_docs::StringsWriter;
 
 fn manifest(dir: &std::path::Path) -> serde_json::Value {
@@ -95,19 +95,7 @@ fn parquet_folders_and_zst_files_prepare_and_train() {
     assert!(!dir.join("none/manifest.json").exists());
 
     // Two steps on the Parquet shards; and on the .zst file read straight into memory.
-    run_ok(&[
-        "train",
-        "--steps",
-        "2",
-        "--data",
-        &p("pq"),
-        "--out",
-        &p("run"),
-    ]);
-    let cursor: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(dir.join("run/data_cursor.json")).unwrap())
-            .unwrap();
-    assert_eq!(cursor["position"], 8, "2 steps × batch 4: {cursor}");
+    trains_two_steps_on(&p("pq"), &p("run"));
     let log = run_ok(&[
         "train",
         "--steps",

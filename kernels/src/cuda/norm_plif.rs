@@ -195,8 +195,10 @@ fn norm_plif_with<R: CubeRuntime>(
     );
     let cols = batch * dim;
     let cubes = CubeCount::Static(cols.div_ceil(NORM_PLIF_CUBE as usize) as u32, 1, 1);
-    let cut = crate::cuda::speculative::chunks_for(t * k, cols, chunk).filter(|_| !save_vpost);
-    if let (false, Some(_)) = (fused_rms, cut) {
+    if !save_vpost
+        && !fused_rms
+        && crate::cuda::speculative::chunks_for(t * k, cols, chunk).is_some()
+    {
         // One session's long pass: cut in chunks of whole tokens.
         let per = chunk.div_ceil(k);
         let ins = [x, r, norm_w, w, v_th, v0];

@@ -96,3 +96,14 @@ pub fn losses(dir: &std::path::Path) -> Vec<(u64, f64)> {
     }
     by_step.into_iter().collect()
 }
+
+/// Trains two steps of the tiny default (batch 4) on the shards in `data` into `out`, and checks
+/// that the run's data cursor then stands at 8 sequences.
+pub fn trains_two_steps_on(data: &str, out: &str) {
+    run_ok(&["train", "--steps", "2", "--data", data, "--out", out]);
+    let cursor: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(std::path::Path::new(out).join("data_cursor.json")).unwrap(),
+    )
+    .unwrap();
+    assert_eq!(cursor["position"], 8, "2 steps × batch 4: {cursor}");
+}

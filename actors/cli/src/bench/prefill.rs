@@ -6,7 +6,7 @@
 //! memory in use after a short prompt and after a long one (a session's state is the same size
 //! after any number of tokens, and a prompt is fed a pass at a time).
 
-use super::serve::{Loopback, ServedModel, device_used, idle, load};
+use super::serve::{Loopback, ServedModel, describe, device_used, idle, load};
 use super::sse::{Sender, connect, post};
 use crate::result::{CliError, CliResult};
 use http_body_util::BodyExt;
@@ -190,12 +190,8 @@ pub fn run(a: PrefillBenchArgs) -> CliResult {
             .or(cuda.then_some(if bf16 { 989.0 } else { 67.0 })),
     };
     println!(
-        "prefill: {} ({} parameters) on {} {} ({}); {:.2} GFLOP per prompt token forward; passes of at most {} tokens (chunks of {} while others decode); through /v1/completions on loopback",
-        l.name,
-        l.pipeline.param_count(),
-        info.name,
-        info.version,
-        info.devices.join(", "),
+        "prefill: {}; {:.2} GFLOP per prompt token forward; passes of at most {} tokens (chunks of {} while others decode); through /v1/completions on loopback",
+        describe(&l),
         ceiling.flops_per_token / 1e9,
         decoder.pass_tokens(),
         decoder.chunk_tokens()

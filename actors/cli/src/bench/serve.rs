@@ -254,16 +254,25 @@ pub(super) fn load(a: &ServedModel) -> CliResult<launch::Loaded> {
     })
 }
 
-/// The run's description and the table's header.
-fn print_header(a: &ServeBenchArgs, l: &launch::Loaded) {
+/// `NAME (N parameters) on BACKEND VERSION (DEVICES)`: the model and where it runs, as the
+/// serving benchmarks' first line says it.
+pub(super) fn describe(l: &launch::Loaded) -> String {
     let info = l.pipeline.backend().info();
-    println!(
-        "serve: {} ({} parameters) on {} {} ({}), pipeline {}; {} tokens per session at temperature {}, on loopback, the clock started once every client has connected; engine: the same load on the decoder, no network",
+    format!(
+        "{} ({} parameters) on {} {} ({})",
         l.name,
         l.pipeline.param_count(),
         info.name,
         info.version,
-        info.devices.join(", "),
+        info.devices.join(", ")
+    )
+}
+
+/// The run's description and the table's header.
+fn print_header(a: &ServeBenchArgs, l: &launch::Loaded) {
+    println!(
+        "serve: {}, pipeline {}; {} tokens per session at temperature {}, on loopback, the clock started once every client has connected; engine: the same load on the decoder, no network",
+        describe(l),
         a.model.pipeline,
         a.tokens,
         a.temperature

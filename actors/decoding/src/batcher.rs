@@ -32,7 +32,6 @@
 
 pub use super::batching::{BatchStats, Batching, MAX_BATCH, PASS_FRAME_ROWS};
 use super::buckets::{CohortBuckets, pad_session};
-use super::cohort::close_everywhere;
 pub use super::cohort::{Answer, Answered, CohortPhases, PickRequest, Picked};
 use super::cohort::{add_ns, run_cohort};
 use super::heal::{
@@ -43,13 +42,16 @@ use futures_util::FutureExt;
 use nsactor_engine::error::RuntimeError;
 use nsactor_pipeline::supervisor::SupMsg;
 use nsactor_pipeline::topology::Children;
-use nsactor_plugin_api::SessionId;
+use nsactor_plugin_api::{SessionId, SnapshotId};
 use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::panic::AssertUnwindSafe;
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, RwLock};
 use std::time::Instant;
+
+mod sessions;
+pub use sessions::{Closing, Keep};
 
 pub enum BatcherMsg {
     /// Runs `ids` through `session`; answers the last position's logits, with `every` every
@@ -70,10 +72,15 @@ pub enum BatcherMsg {
     },
     /// A parked stream's reader has caught up: queue its next input (`super::stream`).
     Resume { session: SessionId },
-    /// Frees `session`'s states (after its cohort in flight, if any); answers when done.
-    Close {
+    /// Frees a session's states (after its cohort in flight, if any), keeping a snapshot of
+    /// them first if asked ([`Closing`]).
+    Close(Closing),
+    /// New `session` starts from `snapshot`, having seen `depth` inputs.
+    Restore {
         session: SessionId,
-        reply: RpcReplyPort<()>,
+        snapshot: SnapshotId,
+        depth: usize,
+        reply: RpcReplyPort<Result<(), RuntimeError>>,
     },
     /// A cohort finished: `sessions` in cohort order, and their answers in that order;
     /// `generation` is how many times the stages had been lost when it launched.
@@ -169,7 +176,9 @@ pub struct BatcherState {
     ended: HashSet<SessionId>,
     cohorts: usize,
     /// Closes waiting for their session's cohort.
-    closing: Vec<(SessionId, RpcReplyPort<()>)>,
+    closing: Vec<Closing>,
+    /// Inputs each open session has seen (the prefix cache's snapshots say how deep they are).
+    fed: HashMap<SessionId, usize>,
     tick_armed: bool,
     /// When a cohort last finished: the sessions it answered get a window from then to come
     /// back, even if inputs have been waiting longer (else two halves of the sessions
@@ -284,6 +293,7 @@ impl BatcherState {
         cohort.sort_by_key(|w| w.session);
         for w in &cohort {
             self.fresh.remove(&w.session);
+            *self.fed.entry(w.session).or_default() += w.ids.len();
         }
         let mut sessions: Vec<SessionId> = cohort.iter().map(|w| w.session).collect();
         let mut ids: Vec<i64> = cohort.iter().flat_map(|w| w.ids.iter().copied()).collect();
@@ -384,7 +394,7 @@ impl BatcherState {
                     let _ = port.send(r);
                 }
                 Reply::Stream(c) => {
-                    let closing = self.closing.iter().any(|(c, _)| *c == s);
+                    let closing = self.closing.iter().any(|c| c.session == s);
                     match c.answer(r).filter(|_| !closing) {
                         Some((ids, c)) if c.lagging() => self.parked.push((s, ids, c)),
                         Some((ids, c)) => self.queue(s, ids, Reply::Stream(c)),
@@ -398,15 +408,15 @@ impl BatcherState {
                 }
             }
         }
-        let ready: Vec<(SessionId, RpcReplyPort<()>)> = {
+        let ready: Vec<Closing> = {
             let (ready, wait) = std::mem::take(&mut self.closing)
                 .into_iter()
-                .partition(|(s, _)| !self.flying(*s));
+                .partition(|c| !self.flying(c.session));
             self.closing = wait;
             ready
         };
-        for (s, reply) in ready {
-            self.close_now(s, reply);
+        for c in ready {
+            self.close_now(c);
         }
     }
 
@@ -483,30 +493,6 @@ impl BatcherState {
             w.reply.refuse(e);
         }
     }
-
-    fn close_now(&mut self, session: SessionId, reply: RpcReplyPort<()>) {
-        self.ended.remove(&session);
-        let never_ran = self.fresh.remove(&session);
-        if never_ran && self.open.remove(&session) {
-            self.stats.open.fetch_sub(1, Ordering::Relaxed);
-        }
-        if never_ran || self.lost.remove(&session).is_some() {
-            // No actor holds states for it: it never ran, or they went with the old actors
-            // (and the actors now may be the old ones, being stopped).
-            let _ = reply.send(());
-            return;
-        }
-        let was_open = self.open.remove(&session);
-        let children = self.children();
-        let stats = self.stats.clone();
-        tokio::spawn(async move {
-            close_everywhere(&children, session).await;
-            if was_open {
-                stats.open.fetch_sub(1, Ordering::Relaxed);
-            }
-            let _ = reply.send(());
-        });
-    }
 }
 
 impl Actor for BatcherActor {
@@ -530,6 +516,7 @@ impl Actor for BatcherActor {
             ended: HashSet::new(),
             cohorts: 0,
             closing: Vec::new(),
+            fed: HashMap::new(),
             tick_armed: false,
             freed_at: Instant::now(),
             fresh: HashSet::new(),
@@ -565,16 +552,13 @@ impl Actor for BatcherActor {
                 Ok(()) => s.queue(session, ids, Reply::Stream(cont)),
                 Err(e) => cont.refuse(e),
             },
-            BatcherMsg::Close { session, reply } => {
-                // An input still waiting is dropped: its caller has gone.
-                s.waiting.retain(|w| w.session != session);
-                s.parked.retain(|p| p.0 != session);
-                if s.flying(session) {
-                    s.closing.push((session, reply));
-                } else {
-                    s.close_now(session, reply);
-                }
-            }
+            BatcherMsg::Close(c) => s.close(c),
+            BatcherMsg::Restore {
+                session,
+                snapshot,
+                depth,
+                reply,
+            } => s.restore(session, snapshot, depth, reply),
             BatcherMsg::Done {
                 generation,
                 sessions,

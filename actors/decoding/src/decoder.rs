@@ -1,7 +1,7 @@
 //! [`AsyncDecoder`]: asynchronous decoding sessions through the layer actors, for servers on
 //! the pipeline's runtime.
 
-use super::batcher::{Answer, BatchStats, BatcherMsg, PickRequest, Picked};
+use super::batcher::{Answer, BatchStats, BatcherMsg, Closing, PickRequest, Picked};
 use super::buckets::CohortBuckets;
 use super::heal::{HealTimings, Health, HealthCell, RestartPolicy};
 use super::stream::{DecodeStream, StreamPlan};
@@ -313,10 +313,11 @@ impl AsyncDecoder {
     /// it), and the returned future finishes when the states are freed.
     pub fn begin_close(&self, session: SessionId) -> impl Future<Output = ()> + use<> {
         let (tx, rx) = tokio::sync::oneshot::channel();
-        let _ = self.batcher.cast(BatcherMsg::Close {
+        let _ = self.batcher.cast(BatcherMsg::Close(Closing {
             session,
             reply: tx.into(),
-        });
+            keep: None,
+        }));
         async move {
             let _ = rx.await;
         }

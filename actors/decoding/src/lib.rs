@@ -19,7 +19,9 @@ pub mod decoder;
 pub mod handle;
 pub mod heal;
 pub mod invariance;
+pub mod prefix;
 pub mod probe;
+pub mod snapshot;
 pub mod stream;
 pub mod warmup;
 

@@ -402,6 +402,16 @@ impl Actor for EdgeActor {
                 let r = s.grads(op).await;
                 return answer(WHO.into(), reply, r);
             }
+            EdgeMsg::State { op, reply } => {
+                let (backend, device) = (s.stage.backend().clone(), s.stage.device);
+                let r = s
+                    .stage
+                    .compute(Priority::Control, None, move |st, _| {
+                        op.run(st, &*backend, device)
+                    })
+                    .await;
+                return answer(WHO.into(), reply, r);
+            }
             EdgeMsg::SessionEmbed {
                 ids,
                 batch,

@@ -155,6 +155,16 @@ impl Actor for LayerActor {
                     .await;
                 return answer(s.who(), reply, r);
             }
+            LayerMsg::State { op, reply } => {
+                let (backend, device) = (s.stage.backend().clone(), s.stage.device);
+                let r = s
+                    .stage
+                    .compute(Priority::Control, None, move |st, _| {
+                        op.run(st, &*backend, device)
+                    })
+                    .await;
+                return answer(s.who(), reply, r);
+            }
             LayerMsg::Share { reply } => {
                 let _ = reply.send(Ok(s.stage.clone()));
             }

@@ -36,6 +36,7 @@ pub mod probe;
 pub mod recovery;
 pub mod replicas;
 pub mod round;
+pub mod state;
 pub mod step;
 pub mod supervisor;
 pub mod topology;

@@ -298,6 +298,11 @@ pub enum LayerMsg {
     },
     /// The gradient exchange of data parallelism.
     Grads { op: GradOp, reply: GradReply },
+    /// A prefix-cache snapshot op ([`super::state`]).
+    State {
+        op: super::state::StateOp,
+        reply: super::state::StateReply,
+    },
     /// Lends the layer's stage (a handle on it and its worker) for a decoding pass that runs
     /// several layers in one worker job ([`super::layers::session_layers`]).
     Share {
@@ -352,6 +357,11 @@ pub enum EdgeMsg {
     Grads {
         op: GradOp,
         reply: GradReply,
+    },
+    /// A prefix-cache snapshot op ([`super::state`]).
+    State {
+        op: super::state::StateOp,
+        reply: super::state::StateReply,
     },
     /// Embeds tokens for decoding or evaluation (row-major `[batch, seq_len]`).
     SessionEmbed {

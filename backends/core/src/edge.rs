@@ -1,6 +1,7 @@
 //! The edge as a stage: embedding, decode path and the tied head (one matrix, one owner).
 
 use crate::graphs::DecodeGraphs;
+use crate::kept::Snapshots;
 use crate::layer::session_rows;
 use crate::sessions::SessionTable;
 use crate::state::{
@@ -44,6 +45,8 @@ pub struct EdgeStage<B: SnnOps> {
     kept: BTreeMap<MicroBatchId, Tensor<B, 2, Int>>,
     /// Output-neuron membranes of decoding sessions.
     sessions: SessionTable<B>,
+    /// Copies of sessions' states kept for the prefix cache.
+    snapshots: Snapshots<B>,
     /// Decoding steps of the head captured per set of sessions (CUDA graphs).
     graphs: DecodeGraphs<B>,
     /// Opened to load its weights, which have not come yet: every call but the load is
@@ -57,6 +60,7 @@ impl<B: SnnOps> EdgeStage<B> {
         // The untracked twin takes the tracked one's parameters: nothing to draw for it.
         let mut inner = Edge::<B>::init(&cfg, &mut Rng::blank(), &device);
         sync::<B, _, _>(&ad, &mut inner);
+        let widths = vec![cfg.d];
         EdgeStage {
             cfg,
             device,
@@ -65,6 +69,7 @@ impl<B: SnnOps> EdgeStage<B> {
             trainer: Trainer::new(spec.optimizer, 2),
             kept: BTreeMap::new(),
             sessions: SessionTable::default(),
+            snapshots: Snapshots::new(widths),
             graphs: DecodeGraphs::default(),
             awaiting_load: spec.weights == nsactor_plugin_api::InitialWeights::Loaded,
         }
@@ -264,6 +269,10 @@ impl<B: SnnOps> Stage for EdgeStage<B> {
             Ok(r) => return r,
             Err(other) => other,
         };
+        let call = match self.snapshots.call(&mut self.sessions, call) {
+            Ok(r) => return r,
+            Err(other) => other,
+        };
         match call {
             StageCall::Embed { micro, tokens } => {
                 if self.kept.contains_key(&micro) {
@@ -371,6 +380,7 @@ impl<B: SnnOps> Stage for EdgeStage<B> {
         self.trainer.clear();
         self.kept.clear();
         self.sessions.clear();
+        self.snapshots.clear();
         self.graphs.clear();
         self.awaiting_load = false;
         Ok(())

@@ -1,6 +1,7 @@
 //! One decoder layer as a stage.
 
 use crate::graphs::DecodeGraphs;
+use crate::kept::Snapshots;
 use crate::sessions::SessionTable;
 use crate::state::{
     Trainer, check_call_loaded, check_loaded, count, initial_rng, load_stage, norms, save_stage,
@@ -54,6 +55,8 @@ pub struct LayerStage<B: SnnOps> {
     /// Training micro-batches awaiting their backward.
     kept: BTreeMap<MicroBatchId, Kept<B>>,
     sessions: SessionTable<B>,
+    /// Copies of sessions' states kept for the prefix cache.
+    snapshots: Snapshots<B>,
     /// Decoding steps captured per set of sessions (CUDA graphs).
     graphs: DecodeGraphs<B>,
     /// Opened to load its weights ([`InitialWeights::Loaded`]), which have not come yet:
@@ -70,6 +73,7 @@ impl<B: SnnOps> LayerStage<B> {
         // The untracked twin takes the tracked one's parameters: nothing to draw for it.
         let mut inner = SnnDecoderLayer::<B>::init(&cfg, &mut Rng::blank(), &device);
         sync::<B, _, _>(&ad, &mut inner);
+        let widths = vec![cfg.d, cfg.dn(), cfg.d, 2 * cfg.d_ff];
         LayerStage {
             index,
             prefix: format!("layers.{index}."),
@@ -80,6 +84,7 @@ impl<B: SnnOps> LayerStage<B> {
             trainer: Trainer::new(spec.optimizer, 1),
             kept: BTreeMap::new(),
             sessions: SessionTable::default(),
+            snapshots: Snapshots::new(widths),
             graphs: DecodeGraphs::default(),
             awaiting_load: spec.weights == nsactor_plugin_api::InitialWeights::Loaded,
         }
@@ -336,6 +341,10 @@ impl<B: SnnOps> Stage for LayerStage<B> {
             Ok(r) => return r,
             Err(other) => other,
         };
+        let call = match self.snapshots.call(&mut self.sessions, call) {
+            Ok(r) => return r,
+            Err(other) => other,
+        };
         match call {
             StageCall::Forward {
                 micro,
@@ -419,6 +428,7 @@ impl<B: SnnOps> Stage for LayerStage<B> {
         self.trainer.clear();
         self.kept.clear();
         self.sessions.clear();
+        self.snapshots.clear();
         self.graphs.clear();
         self.awaiting_load = false;
         Ok(())

@@ -14,6 +14,7 @@ pub mod diagnose;
 mod edge;
 mod grads;
 pub mod graphs;
+mod kept;
 mod layer;
 mod probe;
 pub mod profile;

@@ -73,6 +73,11 @@ fn runs(sources: &[Source]) -> Vec<(Source, usize)> {
     out
 }
 
+/// A copy of `t` in a new buffer, equal bit for bit (`x · 1` is `x` for every float).
+pub(crate) fn fresh<B: Backend, const D: usize>(t: Tensor<B, D>) -> Tensor<B, D> {
+    t.mul_scalar(1.0)
+}
+
 fn cat<B: Backend>(mut pieces: Vec<Tensor<B, 2>>) -> Tensor<B, 2> {
     if pieces.len() == 1 {
         pieces.pop().expect("one")
@@ -188,6 +193,39 @@ impl<B: Backend> SessionTable<B> {
         }
         self.remove_positions(taken);
         Ok(state)
+    }
+
+    /// Copies of open `session`'s rows of every state field (`[rows, width]` each), leaving
+    /// them as they are. The copies are new buffers: a captured decoding step writes its
+    /// states back into the buffers the table holds (`super::graphs`).
+    pub fn copy_of(&self, session: u64) -> Result<Vec<Tensor<B, 2>>, EngineError> {
+        let (group, pos) = self.find(session).ok_or_else(|| {
+            EngineError::InvalidInput(format!("session {session} holds no states"))
+        })?;
+        let g = &self.groups[group];
+        Ok(g.state
+            .iter()
+            .map(|t| fresh(t.clone().narrow(0, pos * g.rows, g.rows)))
+            .collect())
+    }
+
+    /// `session`, which holds no states, starts from copies of `state` (`[rows, width]` each,
+    /// one per state field).
+    pub fn start_from(&mut self, session: u64, state: &[Tensor<B, 2>]) -> Result<(), EngineError> {
+        if self.find(session).is_some() {
+            return Err(EngineError::InvalidInput(format!(
+                "session {session} already holds states"
+            )));
+        }
+        let rows = state.first().map_or(0, |t| t.dims()[0]);
+        if rows == 0 || state.iter().any(|t| t.dims()[0] != rows) {
+            return Err(EngineError::InvalidInput(format!(
+                "session {session}: states of {:?} rows",
+                state.iter().map(|t| t.dims()[0]).collect::<Vec<_>>()
+            )));
+        }
+        self.put(&[session], rows, state.iter().cloned().map(fresh).collect());
+        Ok(())
     }
 
     /// Stores the states of `sessions` (as returned by a call that took them).

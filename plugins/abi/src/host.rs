@@ -469,16 +469,17 @@ impl Stage for ForeignStage {
     fn call(&mut self, call: StageCall<'_>) -> Result<Reply, EngineError> {
         let op = call.opcode();
         let name = call.name();
-        // Backs `a.sessions` for `SessionClose`; lives across the foreign call.
-        let mut closing = [0u64; 1];
+        // Backs `a.sessions` for the calls naming one session or snapshot, or a session and a
+        // snapshot; lives across the foreign call.
+        let mut named = [0u64; 2];
         // Backs `a.ids` for `GradsIn`'s parameter mask.
         let mut mask = Vec::new();
-        let (a, input) = call::encode(call, &mut closing, &mut mask);
-        // Ownership of the input moves to the plugin from here on.
-        let raw: Vec<*mut c_void> = match input {
-            Some(t) => vec![self.backend.own(t, name)?.into_raw()],
-            None => Vec::new(),
-        };
+        let (a, inputs) = call::encode(call, &mut named, &mut mask);
+        // Ownership of the inputs moves to the plugin from here on.
+        let raw: Vec<*mut c_void> = inputs
+            .into_iter()
+            .map(|t| Ok(self.backend.own(t, name)?.into_raw()))
+            .collect::<Result<_, EngineError>>()?;
         let c = &self.backend.ctx;
         let mut reply = NsReply::empty();
         let mut err = std::ptr::null_mut();

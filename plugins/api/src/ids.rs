@@ -1,5 +1,6 @@
 //! Typed numbers for what a stage keeps between calls: a training micro-batch's kept inputs
-//! ([`MicroBatchId`]) and a decoding session's membrane states ([`SessionId`]).
+//! ([`MicroBatchId`]), a decoding session's membrane states ([`SessionId`]) and a copy of
+//! those states kept for the prefix cache ([`SnapshotId`]).
 //!
 //! Both come from one [`IdAllocator`], so within a run no two things a stage keeps share a
 //! number, whichever kind they are, and a micro-batch id can never be passed where a session is
@@ -17,6 +18,18 @@ pub struct SessionId(pub u64);
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 #[repr(transparent)]
 pub struct MicroBatchId(pub u64);
+
+/// A copy of one session's states as they were after some prefix of its inputs, kept by each
+/// stage until dropped (the prefix state cache).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+#[repr(transparent)]
+pub struct SnapshotId(pub u64);
+
+impl fmt::Display for SnapshotId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "snapshot {}", self.0)
+    }
+}
 
 impl fmt::Display for SessionId {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -60,6 +73,11 @@ impl IdAllocator {
     /// A fresh session id.
     pub fn session(&self) -> SessionId {
         SessionId(self.next.fetch_add(1, Ordering::Relaxed))
+    }
+
+    /// A fresh snapshot id.
+    pub fn snapshot(&self) -> SnapshotId {
+        SnapshotId(self.next.fetch_add(1, Ordering::Relaxed))
     }
 
     /// A fresh micro-batch id.

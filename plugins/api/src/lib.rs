@@ -33,7 +33,7 @@ pub mod tuning;
 pub use collective::{CollectiveId, Communicator};
 pub use diagnose::{DeviceMemory, Diagnostic, DiagnosticReport, ScanPrecisions};
 pub use grads::{GradPart, GradStream, ParamMask};
-pub use ids::{IdAllocator, MicroBatchId, SessionId};
+pub use ids::{IdAllocator, MicroBatchId, SessionId, SnapshotId};
 pub use model::{ModelConfig, PlifOut};
 pub use picks::{PickParams, PickRow, Picks, PicksBuf, RowPick};
 pub use reply::{
@@ -62,8 +62,10 @@ use std::fmt;
 /// [`ComputeBackend::all_reduce_sum`]). Revision 11 added [`StageSpec::weights`]: a stage opened
 /// to load its weights draws none. Revision 12 made [`StageSpec::optimizer`] optional: a stage
 /// that only serves keeps no optimizer state. Revision 13 added [`StageCall::SessionDecodeAll`]:
-/// every position's logits of a prefill (a prompt scored in one pass).
-pub const ABI_VERSION: u32 = 13;
+/// every position's logits of a prefill (a prompt scored in one pass). Revision 14 added the
+/// prefix cache's state snapshots ([`StageCall::StateSave`], `StateRestore`, `StateDrop`,
+/// `StateRead`, `StateWrite`).
+pub const ABI_VERSION: u32 = 14;
 
 /// One micro-batch of token ids, row-major `[batch, seq_len]`.
 #[derive(Debug, Clone, PartialEq)]

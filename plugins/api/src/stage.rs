@@ -16,7 +16,7 @@
 //! sum of squares) → one global clip factor → `Step` on every stage.
 
 use crate::diagnose::{Diagnostic, DiagnosticReport};
-use crate::{EngineError, MicroBatchId, ModelConfig, SessionId};
+use crate::{EngineError, MicroBatchId, ModelConfig, SessionId, SnapshotId};
 use std::any::Any;
 use std::fmt;
 
@@ -243,6 +243,30 @@ pub enum StageCall<'a> {
     },
     /// Layer or edge: forgets `session`'s states. Reply: none.
     SessionClose { session: SessionId },
+    /// Layer or edge: keeps a copy of `session`'s states as they are now under `snapshot`
+    /// (replacing one kept there); the session goes on unchanged. Reply: one scalar, the bytes
+    /// the copy holds on the device.
+    StateSave {
+        session: SessionId,
+        snapshot: SnapshotId,
+    },
+    /// Layer or edge: `session`, which holds no states, starts from a copy of `snapshot`'s.
+    /// Reply: none.
+    StateRestore {
+        session: SessionId,
+        snapshot: SnapshotId,
+    },
+    /// Layer or edge: forgets `snapshot` (nothing happens for an unknown one). Reply: none.
+    StateDrop { snapshot: SnapshotId },
+    /// Layer or edge: copies of `snapshot`'s states, one `[1, rows, width]` tensor per state
+    /// field in field order (a layer's four, the edge's one), to take to the host. Reply: them.
+    StateRead { snapshot: SnapshotId },
+    /// Layer or edge: keeps `states` (as `StateRead` gave them, of this stage's shapes) under
+    /// `snapshot`, replacing one kept there. Reply: as `StateSave`.
+    StateWrite {
+        snapshot: SnapshotId,
+        states: Vec<DeviceTensor>,
+    },
     /// Layer: forward of `h` from membranes at rest, keeping nothing, with what the
     /// interpretability study reads (`nsactor analyze`). Reply: [`Probe`](crate::Probe).
     Probe { h: DeviceTensor },
@@ -294,6 +318,11 @@ impl StageCall<'_> {
             StageCall::GradsOut { .. } => 19,
             StageCall::GradsIn { .. } => 20,
             StageCall::SessionDecodeAll { .. } => 21,
+            StageCall::StateSave { .. } => 22,
+            StageCall::StateRestore { .. } => 23,
+            StageCall::StateDrop { .. } => 24,
+            StageCall::StateRead { .. } => 25,
+            StageCall::StateWrite { .. } => 26,
         }
     }
 
@@ -320,6 +349,11 @@ impl StageCall<'_> {
             StageCall::HoldGrads { .. } => "HoldGrads",
             StageCall::GradsOut { .. } => "GradsOut",
             StageCall::GradsIn { .. } => "GradsIn",
+            StageCall::StateSave { .. } => "StateSave",
+            StageCall::StateRestore { .. } => "StateRestore",
+            StageCall::StateDrop { .. } => "StateDrop",
+            StageCall::StateRead { .. } => "StateRead",
+            StageCall::StateWrite { .. } => "StateWrite",
         }
     }
 }

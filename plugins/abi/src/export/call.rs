@@ -4,7 +4,8 @@
 use super::slice;
 use crate::{ABI_VERSION, NsArgs};
 use nsactor_plugin_api::{
-    DeviceTensor, EngineError, GradStream, MicroBatchId, ParamMask, SessionId, StageCall, Tokens,
+    DeviceTensor, EngineError, GradStream, MicroBatchId, ParamMask, SessionId, SnapshotId,
+    StageCall, Tokens,
 };
 
 /// Rebuilds the call from its flat form.
@@ -28,6 +29,14 @@ pub(super) fn decode_call<'a>(
         *mask_out = ParamMask::from_words(ids)?;
     }
     let mask_out: &'a ParamMask = mask_out;
+    let raw = SessionId::raw(sessions);
+    if op == 26 {
+        let [snapshot] = named::<1>(raw, "StateWrite")?;
+        return Ok(StageCall::StateWrite {
+            snapshot: SnapshotId(snapshot),
+            states: inputs,
+        });
+    }
     let mut tensor = |name: &str| {
         if inputs.len() == 1 {
             Ok(inputs.pop().expect("one"))
@@ -108,15 +117,30 @@ pub(super) fn decode_call<'a>(
             h: tensor("TokenLosses")?,
             targets,
         },
-        14 => match sessions {
-            [session] => StageCall::SessionClose { session: *session },
-            _ => {
-                return Err(EngineError::InvalidInput(format!(
-                    "SessionClose takes one session, got {}",
-                    sessions.len()
-                )));
+        14 => {
+            let [session] = named::<1>(raw, "SessionClose")?;
+            StageCall::SessionClose {
+                session: SessionId(session),
             }
-        },
+        }
+        22 | 23 => {
+            let [session, snapshot] = named::<2>(raw, "StateSave and StateRestore")?;
+            let (session, snapshot) = (SessionId(session), SnapshotId(snapshot));
+            if op == 22 {
+                StageCall::StateSave { session, snapshot }
+            } else {
+                StageCall::StateRestore { session, snapshot }
+            }
+        }
+        24 | 25 => {
+            let [snapshot] = named::<1>(raw, "StateDrop and StateRead")?;
+            let snapshot = SnapshotId(snapshot);
+            if op == 24 {
+                StageCall::StateDrop { snapshot }
+            } else {
+                StageCall::StateRead { snapshot }
+            }
+        }
         18 => StageCall::HoldGrads {
             hold: a.f[0] != 0.0,
         },
@@ -134,5 +158,12 @@ pub(super) fn decode_call<'a>(
                 "unknown stage opcode {other} (this plugin speaks ABI {ABI_VERSION})"
             )));
         }
+    })
+}
+
+/// The `N` ids a call names (sessions, then snapshots).
+fn named<const N: usize>(ids: &[u64], call: &str) -> Result<[u64; N], EngineError> {
+    ids.try_into().map_err(|_| {
+        EngineError::InvalidInput(format!("{call}: {N} ids expected, got {}", ids.len()))
     })
 }

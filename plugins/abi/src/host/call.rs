@@ -4,15 +4,23 @@
 use crate::NsArgs;
 use nsactor_plugin_api::{DeviceTensor, SessionId, StageCall};
 
-/// `call` as `NsArgs` (pointers borrowed from `call`, from `closing` for `SessionClose` and
-/// from `mask` for `GradsIn`: all must outlive the foreign call) and its input tensor, if it takes one.
+/// `call` as `NsArgs` (pointers borrowed from `call`, from `named` for the calls that name one
+/// session or a session and a snapshot, and from `mask` for `GradsIn`: all must outlive the
+/// foreign call) and its input tensors.
 pub(super) fn encode(
     call: StageCall<'_>,
-    closing: &mut [u64; 1],
+    named: &mut [u64; 2],
     mask: &mut Vec<i64>,
-) -> (NsArgs, Option<DeviceTensor>) {
+) -> (NsArgs, Vec<DeviceTensor>) {
     let mut a = zero_args();
     let mut input: Option<DeviceTensor> = None;
+    let mut inputs: Vec<DeviceTensor> = Vec::new();
+    // `ids` of a call that names one or two sessions or snapshots.
+    let mut name = |a: &mut NsArgs, ids: &[u64]| {
+        named[..ids.len()].copy_from_slice(ids);
+        a.sessions = named.as_ptr();
+        a.sessions_len = ids.len();
+    };
     let tokens = |a: &mut NsArgs, t: nsactor_plugin_api::Tokens<'_>| {
         a.batch = t.batch as u64;
         a.seq_len = t.seq_len as u64;
@@ -98,10 +106,17 @@ pub(super) fn encode(
             head(&mut a, targets, &[]);
             input = Some(h);
         }
-        StageCall::SessionClose { session } => {
-            closing[0] = session.0;
-            a.sessions = closing.as_ptr();
-            a.sessions_len = 1;
+        StageCall::SessionClose { session } => name(&mut a, &[session.0]),
+        StageCall::StateSave { session, snapshot }
+        | StageCall::StateRestore { session, snapshot } => {
+            name(&mut a, &[session.0, snapshot.0]);
+        }
+        StageCall::StateDrop { snapshot } | StageCall::StateRead { snapshot } => {
+            name(&mut a, &[snapshot.0]);
+        }
+        StageCall::StateWrite { snapshot, states } => {
+            name(&mut a, &[snapshot.0]);
+            inputs = states;
         }
         StageCall::HoldGrads { hold } => a.f[0] = if hold { 1.0 } else { 0.0 },
         StageCall::GradsOut { keep } => a.f[0] = if keep { 1.0 } else { 0.0 },
@@ -119,7 +134,8 @@ pub(super) fn encode(
             input = Some(grad);
         }
     }
-    (a, input)
+    inputs.extend(input);
+    (a, inputs)
 }
 
 fn zero_args() -> NsArgs {

@@ -1,0 +1,172 @@
+//! A prompt fed through the cache: restored from the deepest snapshot on its path, then fed
+//! the rest a stretch at a time, a snapshot kept at the end of each stretch.
+
+use super::{Entry, PrefixCache, Tier};
+use crate::decoder::AsyncDecoder;
+use crate::snapshot::Snapshot;
+use nsactor_engine::error::RuntimeError;
+use nsactor_plugin_api::SessionId;
+use std::sync::atomic::Ordering;
+
+/// What a lookup pinned: the node, its depth, and its snapshot where it is.
+enum Hit {
+    Device(usize, usize, Snapshot),
+    Host(usize, usize, std::sync::Arc<crate::snapshot::HostSnapshot>),
+}
+
+impl PrefixCache {
+    /// Feeds all of `prompt` but its last token to new `session`: restored from the deepest
+    /// snapshot on the prompt's path, the rest fed with snapshots kept along it. Answers how
+    /// many tokens the session has seen (`prompt.len() − 1`, or 0 for a one-token prompt);
+    /// the caller feeds the rest. Without the cache it feeds nothing.
+    pub async fn prefill(
+        &self,
+        dec: &AsyncDecoder,
+        session: SessionId,
+        prompt: &[i64],
+    ) -> Result<usize, RuntimeError> {
+        if !self.enabled() || prompt.len() < 2 {
+            return Ok(0);
+        }
+        self.check_recoveries(dec);
+        let limit = prompt.len() - 1;
+        let (hit, common) = self.lookup(prompt, limit);
+        let mut fed = 0;
+        if let Some(hit) = hit {
+            fed = self.restore(dec, session, hit).await?;
+            self.stats.hits.fetch_add(1, Ordering::Relaxed);
+            self.stats
+                .tokens_saved
+                .fetch_add(fed as u64, Ordering::Relaxed);
+        } else {
+            self.stats.misses.fetch_add(1, Ordering::Relaxed);
+        }
+        for end in stops(fed, common, limit, self.every(dec)) {
+            dec.feed(session, prompt[fed..end].to_vec()).await?;
+            fed = end;
+            match dec.save(session).await {
+                Ok(snap) => self.put(dec, &prompt[..end], snap).await,
+                Err(e) => tracing::warn!("{session}: no prefix snapshot at {end} tokens: {e}"),
+            }
+        }
+        Ok(fed)
+    }
+
+    fn every(&self, dec: &AsyncDecoder) -> usize {
+        match self.cfg.every {
+            0 => dec.pass_tokens(),
+            n => n,
+        }
+    }
+
+    /// The deepest usable entry on `prompt`'s path at most `limit` deep, pinned, and how far
+    /// the path runs in the tree.
+    fn lookup(&self, prompt: &[i64], limit: usize) -> (Option<Hit>, usize) {
+        let mut g = self.lock();
+        let usable = |e: &Entry| matches!(e.tier, Tier::Device(_) | Tier::Host(_));
+        let found = g.tree.find(prompt, limit, usable);
+        let Some(node) = found.node else {
+            return (None, found.common);
+        };
+        g.tree.touch(node);
+        let e = g.tree.entry_mut(node).expect("found");
+        e.pins += 1;
+        let hit = match &e.tier {
+            Tier::Device(s) => Hit::Device(node, found.depth, *s),
+            Tier::Host(h) => Hit::Host(node, found.depth, h.clone()),
+            Tier::Moving => unreachable!("not usable"),
+        };
+        (Some(hit), found.common)
+    }
+
+    /// Starts `session` from the pinned hit (brought back to the devices first if on the
+    /// host), then unpins it; answers its depth.
+    async fn restore(
+        &self,
+        dec: &AsyncDecoder,
+        session: SessionId,
+        hit: Hit,
+    ) -> Result<usize, RuntimeError> {
+        let (node, depth, snap) = match hit {
+            Hit::Device(node, depth, s) => (node, depth, Ok((s, false))),
+            Hit::Host(node, depth, h) => (node, depth, self.promote(dec, node, &h).await),
+        };
+        let r = match snap {
+            Ok((s, once)) => {
+                let r = dec.restore(session, &s, depth).await;
+                if once {
+                    dec.drop_snapshot(&s).await;
+                }
+                r
+            }
+            Err(e) => Err(e),
+        };
+        let mut g = self.lock();
+        if let Some(e) = g.tree.entry_mut(node) {
+            e.pins = e.pins.saturating_sub(1);
+        }
+        r.map(|()| depth)
+    }
+
+    /// Writes the host copy at `node` back to the devices; the entry becomes a device one.
+    /// Answers the snapshot, and whether it is the caller's to drop once used (the entry went
+    /// meanwhile, or another request brought it back first).
+    async fn promote(
+        &self,
+        dec: &AsyncDecoder,
+        node: usize,
+        host: &crate::snapshot::HostSnapshot,
+    ) -> Result<(Snapshot, bool), RuntimeError> {
+        let s = dec.write_snapshot(host).await?;
+        let work = {
+            let mut g = self.lock();
+            let Some(e) = g.tree.entry_mut(node) else {
+                return Ok((s, true));
+            };
+            let Tier::Host(h) = &e.tier else {
+                return Ok((s, true));
+            };
+            let freed = h.bytes();
+            e.tier = Tier::Device(s);
+            g.host_bytes -= freed;
+            g.device_bytes += s.bytes;
+            self.enforce(&mut g)
+        };
+        self.run(dec, work).await;
+        Ok((s, false))
+    }
+}
+
+/// Where to keep snapshots while feeding from `fed` to `limit`: where the prompt parts from
+/// the tree's paths (`common`), every `every` tokens, and at `limit`; in order, past `fed`.
+fn stops(fed: usize, common: usize, limit: usize, every: usize) -> Vec<usize> {
+    let mut at: Vec<usize> = (1..)
+        .map(|k| k * every.max(1))
+        .skip_while(|&p| p <= fed)
+        .take_while(|&p| p < limit)
+        .collect();
+    if common > fed && common < limit {
+        at.push(common);
+    }
+    if limit > fed {
+        at.push(limit);
+    }
+    at.sort_unstable();
+    at.dedup();
+    at
+}
+
+#[cfg(test)]
+mod tests {
+    use super::stops;
+
+    #[test]
+    fn snapshots_go_where_the_prompt_parts_on_the_grid_and_before_its_last_token() {
+        assert_eq!(stops(0, 0, 9, 4), vec![4, 8, 9]);
+        assert_eq!(stops(0, 6, 9, 4), vec![4, 6, 8, 9]);
+        assert_eq!(stops(5, 6, 9, 4), vec![6, 8, 9]);
+        assert_eq!(stops(8, 8, 9, 100), vec![9]);
+        assert_eq!(stops(9, 20, 9, 4), Vec::<usize>::new());
+        assert_eq!(stops(0, 9, 9, 100), vec![9]);
+    }
+}

@@ -1,0 +1,306 @@
+//! The exact prefix state cache. A NeuronSpark session's whole state is its neurons'
+//! membranes, the same size after ten tokens or a hundred thousand, so a prefix is cached as
+//! one snapshot of them ([`crate::snapshot`]), and a request whose prompt starts with a
+//! cached prefix starts from its snapshot and feeds only the rest.
+//!
+//! Snapshots sit in a radix tree over token ids ([`tree`]) at the depths they were taken:
+//! * where a prompt parts from every path the tree holds (so the next prompt sharing that
+//!   much, a shared system prompt, finds it),
+//! * every [`PrefixConfig::every`] tokens of a long prompt,
+//! * before a prompt's last token (the same prompt again feeds one token), and
+//! * at a generation's end (the next turn of a conversation finds its whole history).
+//!
+//! A hit restores the deepest snapshot at most one token short of the prompt. Snapshots live
+//! on the devices under a byte budget, least recently used out first to a host tier (its own
+//! budget), from which a hit brings them back. A snapshot being restored is pinned; a new
+//! request starts from a copy, so concurrent requests share one. The cache is exact: a
+//! session restored and fed the rest computes what one fed from the start does, bit for bit
+//! (the batch-invariant passes make a prompt's numbers independent of how it is cut).
+
+mod feed;
+pub mod tree;
+
+use crate::decoder::AsyncDecoder;
+use crate::snapshot::{HostSnapshot, Kept, Snapshot};
+use nsactor_engine::error::RuntimeError;
+use nsactor_plugin_api::SessionId;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use tree::Tree;
+
+/// How much the cache keeps.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PrefixConfig {
+    /// Device bytes its snapshots may hold, over every stage (0: the cache is off).
+    pub device_bytes: u64,
+    /// Host bytes of snapshots moved off the devices (0: evicted snapshots are dropped).
+    pub host_bytes: u64,
+    /// A long prompt keeps a snapshot every this many tokens (0: every pass of the decoder's
+    /// budget, its prefill chunks).
+    pub every: usize,
+    /// Tokens the tree's paths may hold (its host memory: 8 bytes a token and a little more).
+    pub max_tokens: usize,
+}
+
+impl Default for PrefixConfig {
+    fn default() -> Self {
+        PrefixConfig {
+            device_bytes: 2 << 30,
+            host_bytes: 8 << 30,
+            every: 0,
+            max_tokens: 1 << 24,
+        }
+    }
+}
+
+/// Where an entry's snapshot is.
+enum Tier {
+    Device(Snapshot),
+    Host(Arc<HostSnapshot>),
+    /// Being copied to the host; not usable until it is there.
+    Moving,
+}
+
+struct Entry {
+    tier: Tier,
+    /// Requests restoring it: not evicted meanwhile.
+    pins: usize,
+}
+
+/// What the cache has done, for `/metrics`.
+#[derive(Debug, Default)]
+pub struct PrefixStats {
+    pub hits: AtomicU64,
+    pub misses: AtomicU64,
+    /// Prompt tokens not fed thanks to hits.
+    pub tokens_saved: AtomicU64,
+    /// Snapshots moved from the devices to the host, and dropped (from either tier).
+    pub to_host: AtomicU64,
+    pub evicted: AtomicU64,
+}
+
+/// The cache's state now, for `/metrics`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct PrefixUsage {
+    pub device_bytes: u64,
+    pub host_bytes: u64,
+    pub entries: u64,
+    pub tokens: u64,
+}
+
+struct Inner {
+    tree: Tree<Entry>,
+    device_bytes: u64,
+    host_bytes: u64,
+    /// The decoder's rebuilds when the device snapshots were taken: a rebuild loses them.
+    recoveries: u64,
+}
+
+/// Work to do outside the lock after the budgets were enforced.
+enum Work {
+    Drop(Snapshot),
+    /// Copy the snapshot of `node` to the host, then drop it from the devices.
+    ToHost(usize, Snapshot),
+}
+
+/// The prefix state cache of one decoder.
+pub struct PrefixCache {
+    cfg: PrefixConfig,
+    inner: Mutex<Inner>,
+    pub stats: PrefixStats,
+}
+
+impl PrefixCache {
+    pub fn new(cfg: PrefixConfig) -> Self {
+        PrefixCache {
+            cfg,
+            inner: Mutex::new(Inner {
+                tree: Tree::default(),
+                device_bytes: 0,
+                host_bytes: 0,
+                recoveries: 0,
+            }),
+            stats: PrefixStats::default(),
+        }
+    }
+
+    pub fn config(&self) -> PrefixConfig {
+        self.cfg
+    }
+
+    pub fn enabled(&self) -> bool {
+        self.cfg.device_bytes > 0
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
+        self.inner.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    pub fn usage(&self) -> PrefixUsage {
+        let g = self.lock();
+        PrefixUsage {
+            device_bytes: g.device_bytes,
+            host_bytes: g.host_bytes,
+            entries: g.tree.entries().count() as u64,
+            tokens: g.tree.tokens() as u64,
+        }
+    }
+
+    /// Forgets the device snapshots if the decoder has rebuilt its stages since they were
+    /// taken (they went with the old stages); host copies stay.
+    fn check_recoveries(&self, dec: &AsyncDecoder) {
+        let now = dec.recoveries();
+        let mut g = self.lock();
+        if g.recoveries == now {
+            return;
+        }
+        g.recoveries = now;
+        let gone: Vec<usize> = g
+            .tree
+            .entries()
+            .filter(|(_, e)| !matches!(e.tier, Tier::Host(_)))
+            .map(|(i, _)| i)
+            .collect();
+        for i in gone {
+            g.tree.remove(i);
+        }
+        g.device_bytes = 0;
+    }
+
+    /// Keeps `snap`, a snapshot of the states after `path`; a snapshot already kept there
+    /// stays, and `snap` is dropped.
+    async fn put(&self, dec: &AsyncDecoder, path: &[i64], snap: Snapshot) {
+        self.check_recoveries(dec);
+        let work = {
+            let mut g = self.lock();
+            let node = g.tree.insert(path);
+            if g.tree.entry(node).is_some() {
+                g.tree.touch(node);
+                vec![Work::Drop(snap)]
+            } else {
+                let tier = Tier::Device(snap);
+                g.tree.set(node, Entry { tier, pins: 0 });
+                g.device_bytes += snap.bytes;
+                self.enforce(&mut g)
+            }
+        };
+        self.run(dec, work).await;
+    }
+
+    /// Brings the budgets back within bounds: the work to do outside the lock.
+    fn enforce(&self, g: &mut Inner) -> Vec<Work> {
+        let mut work = Vec::new();
+        let free = |e: &Entry| e.pins == 0;
+        while g.device_bytes > self.cfg.device_bytes || g.tree.tokens() > self.cfg.max_tokens {
+            let over_tokens = g.tree.tokens() > self.cfg.max_tokens;
+            let pick = |e: &Entry| free(e) && (over_tokens || matches!(e.tier, Tier::Device(_)));
+            let Some(node) = g.tree.oldest(pick) else {
+                break;
+            };
+            let entry = g.tree.entry_mut(node).expect("picked");
+            match std::mem::replace(&mut entry.tier, Tier::Moving) {
+                Tier::Device(s) => {
+                    g.device_bytes -= s.bytes;
+                    if self.cfg.host_bytes > 0 && !over_tokens {
+                        work.push(Work::ToHost(node, s));
+                        self.stats.to_host.fetch_add(1, Ordering::Relaxed);
+                        continue;
+                    }
+                    work.push(Work::Drop(s));
+                }
+                Tier::Host(h) => g.host_bytes -= h.bytes(),
+                Tier::Moving => unreachable!("a moving entry is never picked"),
+            }
+            g.tree.remove(node);
+            self.stats.evicted.fetch_add(1, Ordering::Relaxed);
+        }
+        while g.host_bytes > self.cfg.host_bytes {
+            let host = |e: &Entry| free(e) && matches!(e.tier, Tier::Host(_));
+            let Some(node) = g.tree.oldest(host) else {
+                break;
+            };
+            if let Some(Entry {
+                tier: Tier::Host(h),
+                ..
+            }) = g.tree.remove(node)
+            {
+                g.host_bytes -= h.bytes();
+            }
+            self.stats.evicted.fetch_add(1, Ordering::Relaxed);
+        }
+        work
+    }
+
+    async fn run(&self, dec: &AsyncDecoder, work: Vec<Work>) {
+        for w in work {
+            match w {
+                Work::Drop(s) => dec.drop_snapshot(&s).await,
+                Work::ToHost(node, s) => {
+                    let host = dec.read_snapshot(&s).await;
+                    dec.drop_snapshot(&s).await;
+                    let more = {
+                        let mut g = self.lock();
+                        let moving = g
+                            .tree
+                            .entry(node)
+                            .is_some_and(|e| matches!(e.tier, Tier::Moving));
+                        match host {
+                            Ok(h) if moving => {
+                                g.host_bytes += h.bytes();
+                                let e = g.tree.entry_mut(node).expect("moving");
+                                e.tier = Tier::Host(Arc::new(h));
+                                self.enforce(&mut g)
+                            }
+                            _ => {
+                                if moving {
+                                    g.tree.remove(node);
+                                }
+                                Vec::new()
+                            }
+                        }
+                    };
+                    // Only host entries can be dropped now: nothing more to move.
+                    for w in more {
+                        if let Work::Drop(s) = w {
+                            dec.drop_snapshot(&s).await;
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// Closes `session`, keeping its states under the tokens it has seen: `known` are the
+    /// tokens fed to it as far as the caller knows (prompt, then generated); the close is
+    /// queued at once, the snapshot kept when it is done. Without the cache, a plain close.
+    pub fn close(
+        self: &Arc<Self>,
+        dec: &AsyncDecoder,
+        session: SessionId,
+        known: Vec<i64>,
+    ) -> impl Future<Output = ()> + use<> {
+        let keep = self.enabled().then(|| dec.close_keeping(session));
+        let plain = keep.is_none().then(|| dec.begin_close(session));
+        let (me, dec) = (self.clone(), dec.clone());
+        async move {
+            if let Some(p) = plain {
+                p.await;
+            }
+            if let Some(k) = keep {
+                me.keep(&dec, k.await, &known).await;
+            }
+        }
+    }
+
+    async fn keep(&self, dec: &AsyncDecoder, kept: Result<Kept, RuntimeError>, known: &[i64]) {
+        let Ok(Kept { snapshot, fed }) = kept else {
+            return;
+        };
+        if fed == 0 || fed > known.len() {
+            // A token fed that the caller never saw (its stream ran one step past the end).
+            dec.drop_snapshot(&snapshot).await;
+            return;
+        }
+        self.put(dec, &known[..fed], snapshot).await;
+    }
+}

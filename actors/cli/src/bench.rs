@@ -19,6 +19,7 @@ mod sse;
 mod stats;
 mod steps;
 mod train;
+mod turns;
 
 use clap::Subcommand;
 

@@ -33,7 +33,11 @@ pub fn run(a: GenerateArgs) -> crate::result::CliResult {
     use std::io::{BufRead, Write};
     let l = launch::load_checkpoint(&a.model.options()?)?;
     let state = nsactor_server::ServerState::new(
-        (l.pipeline.decoder(l.vocab), l.tokenizer.clone()),
+        (
+            l.pipeline.decoder(l.vocab),
+            l.tokenizer.clone(),
+            Default::default(),
+        ),
         (1, 0),
         l.name.clone(),
         Default::default(),

@@ -43,6 +43,8 @@ pub struct ServeArgs {
     cohort_buckets: String,
     #[command(flatten)]
     passes: PassArgs,
+    #[command(flatten)]
+    prefix: PrefixArgs,
     /// Take requests at once, without warming up: the first requests at each new batch shape
     /// then pay for kernel compilation and tuning.
     #[arg(long)]
@@ -116,6 +118,40 @@ impl PassArgs {
             d = d.with_chunk_tokens(self.prefill_chunk_tokens);
         }
         d
+    }
+}
+
+/// The prefix state cache: snapshots of sessions' states by the tokens they saw.
+#[derive(clap::Args, Clone)]
+pub struct PrefixArgs {
+    /// MiB of device memory the prefix cache's snapshots may hold, over every device (one
+    /// snapshot of the 0.9B is ~1.15 MB whatever the context). 0 turns the cache off.
+    #[arg(long, default_value_t = 2048, value_name = "MIB")]
+    pub prefix_cache_mib: u64,
+    /// MiB of host memory for snapshots moved off the devices (0: evicted ones are dropped).
+    #[arg(long, default_value_t = 8192, value_name = "MIB")]
+    pub prefix_cache_host_mib: u64,
+    /// A long prompt keeps a snapshot every this many tokens (0: at each prefill chunk).
+    #[arg(long, default_value_t = 0, value_name = "TOKENS")]
+    pub prefix_snapshot_every: usize,
+    /// Turns the prefix cache off (as --prefix-cache-mib 0).
+    #[arg(long)]
+    pub no_prefix_cache: bool,
+}
+
+impl PrefixArgs {
+    pub fn config(&self) -> nsactor_decoding::prefix::PrefixConfig {
+        let mib = |m: u64| m.saturating_mul(1 << 20);
+        nsactor_decoding::prefix::PrefixConfig {
+            device_bytes: if self.no_prefix_cache {
+                0
+            } else {
+                mib(self.prefix_cache_mib)
+            },
+            host_bytes: mib(self.prefix_cache_host_mib),
+            every: self.prefix_snapshot_every,
+            ..Default::default()
+        }
     }
 }
 
@@ -276,7 +312,7 @@ pub fn run(a: ServeArgs) -> crate::result::CliResult {
     let ready = Readiness::for_plan(a.no_warmup, &plan);
     let decoder = a.passes.apply(l.pipeline.decoder(l.vocab));
     let state = ServerState::new(
-        (decoder, l.tokenizer.clone()),
+        (decoder, l.tokenizer.clone(), a.prefix.config()),
         (a.max_sessions, a.max_queue),
         a.model_name.clone().unwrap_or_else(|| l.name.clone()),
         (keys, cors),

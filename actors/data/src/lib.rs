@@ -30,7 +30,9 @@ pub mod tokenizer;
 pub use error::{DataError, Result};
 pub use sampler::{Cursor, MemTokens, Mode, Sampler, SplitMix64, TokenSource};
 pub use shards::ShardSet;
-pub use tokenizer::{CHAT_TEMPLATE_JINJA, Message, TextStream, Tokenizer, chat_template};
+pub use tokenizer::{
+    BOS_TOKEN, CHAT_TEMPLATE_JINJA, EOS_TOKEN, Message, TextStream, Tokenizer, chat_template,
+};
 
 /// The bundled corpus, xz-compressed.
 pub const BUNDLED_CORPUS_XZ: &[u8] = include_bytes!("../assets/gutenberg-en.txt.xz");

@@ -9,6 +9,7 @@ use crate::error::ServeError;
 use crate::logprobs::{TokenLogprob, token_logprob};
 use crate::protocol::{Finished, GenSpec, GenTiming, PromptSpec, Usage};
 use nsactor_data::Tokenizer;
+use nsactor_decoding::prefix::PrefixCache;
 use nsactor_decoding::{AsyncDecoder, DecodeStream, PickRequest, StreamPlan};
 use nsactor_plugin_api::SessionId;
 use nsactor_telemetry::ServingMetrics;
@@ -90,6 +91,8 @@ impl Admission {
 /// The model side of the server.
 pub struct Generator {
     pub decoder: AsyncDecoder,
+    /// Snapshots of sessions' states by the tokens they saw ([`PrefixCache`]).
+    pub prefix: Arc<PrefixCache>,
     pub tokenizer: Arc<Tokenizer>,
     pub admission: Admission,
     pub metrics: Arc<ServingMetrics>,
@@ -222,11 +225,17 @@ impl Generator {
         // the next request, before the session's states are freed (a free is a job on every
         // stage's worker; 256 sessions ending together took about 0.3 s of them). The close
         // is queued at the batcher before the place is given back, so the request admitted in
-        // it is batched after this session has left: cohorts stay within `max_sessions`.
+        // it is batched after this session has left: cohorts stay within `max_sessions`. A
+        // request through the prefix cache keeps a snapshot of its states first.
         if let Ok(f) = &r {
             let _ = tx.send(GenEvent::Done(f.clone())).await;
         }
-        let closed = self.decoder.begin_close(session);
+        let closed: std::pin::Pin<Box<dyn Future<Output = ()> + Send>> = match &r {
+            Ok(f) if self.caches(&spec) => {
+                Box::pin(self.prefix.close(&self.decoder, session, f.tokens.clone()))
+            }
+            _ => Box::pin(self.decoder.begin_close(session)),
+        };
         drop(permit);
         closed.await;
         self.metrics.running.dec();
@@ -243,6 +252,12 @@ impl Generator {
             ),
         );
         Ok(r)
+    }
+
+    /// Whether `spec` goes through the prefix cache: asked for (by default), the cache on,
+    /// and not scoring the prompt (which needs every position's logits).
+    fn caches(&self, spec: &GenSpec) -> bool {
+        spec.cache_prompt && !spec.prompt_logprobs && self.prefix.enabled()
     }
 
     /// Scores the prompt: every token's log-probability given the ones before it
@@ -345,7 +360,14 @@ impl Generator {
         let mut stream = if spec.prompt_logprobs {
             self.score_prompt(session, prompt, top, tx, plan).await?
         } else {
-            self.decoder.stream(session, prompt.to_vec(), plan).await?
+            let fed = if self.caches(spec) {
+                self.prefix.prefill(&self.decoder, session, prompt).await?
+            } else {
+                0
+            };
+            self.decoder
+                .stream(session, prompt[fed..].to_vec(), plan)
+                .await?
         };
         let streaming = start.elapsed();
         // The generation's text, grown a piece per token (a token costs the same at any
@@ -456,6 +478,7 @@ impl Generator {
                     0.0
                 },
             },
+            tokens: prompt.iter().chain(&generated).copied().collect(),
         })
     }
 

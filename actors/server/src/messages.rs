@@ -34,7 +34,15 @@ pub enum ClientMsg {
         /// raw choices (vLLM's `ignore_eos`).
         #[serde(default)]
         ignore_eos: bool,
+        /// Go on from this conversation of the connection: the prompt (text, without a BOS)
+        /// or messages (after the last answer's end) are appended to its history, and only
+        /// they are prefilled (`ws::conversation`). The first turn of a name starts it.
+        conversation: Option<String>,
+        /// Start from the prefix cache and keep snapshots of this request (default true).
+        cache_prompt: Option<bool>,
     },
+    /// Forgets a conversation of the connection.
+    Forget { conversation: String },
     /// Stop generation `id` within one token.
     Cancel { id: String },
     /// The API key, as the first message of a connection whose upgrade carried no
@@ -63,6 +71,9 @@ pub enum ServerMsg {
         finish_reason: String,
         usage: Usage,
         timing: GenTiming,
+        /// Tokens in the conversation's history now, when the request named one.
+        #[serde(skip_serializing_if = "Option::is_none")]
+        conversation_tokens: Option<usize>,
     },
     Error {
         #[serde(skip_serializing_if = "Option::is_none")]
@@ -135,7 +146,7 @@ fn wrong_field(v: &serde_json::Value) -> Option<String> {
         })
     };
     type Check<'a> = (&'a str, &'a dyn Fn(&Value) -> bool, &'a str);
-    let checks: [Check; 15] = [
+    let checks: [Check; 17] = [
         ("id", &string, "a string"),
         ("prompt", &prompt, "a string or a list of token ids"),
         ("messages", &messages, "a list of {role, content} objects"),
@@ -151,6 +162,8 @@ fn wrong_field(v: &serde_json::Value) -> Option<String> {
         ("stop", &stop, "a string or a list of strings"),
         ("token_ids", &boolean, "true or false"),
         ("ignore_eos", &boolean, "true or false"),
+        ("conversation", &string, "a string"),
+        ("cache_prompt", &boolean, "true or false"),
     ];
     checks.iter().find_map(|(name, ok, want)| {
         let v = obj.get(*name)?;

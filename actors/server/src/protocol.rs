@@ -169,6 +169,9 @@ pub struct GenSpec {
     /// The BOS before a text prompt (`add_special_tokens`, on by default: the model was trained
     /// with one in front). Token ids and chat messages are read as they come.
     pub add_special_tokens: bool,
+    /// Start from the prefix cache's deepest snapshot of the prompt and keep snapshots of this
+    /// request (`cache_prompt`, on by default; llama-server's name).
+    pub cache_prompt: bool,
     /// Wall-clock budget of the generation.
     pub time_limit: Option<Duration>,
 }
@@ -238,6 +241,7 @@ impl SamplingOptions {
             logprobs: self.logprobs,
             prompt_logprobs: self.prompt_logprobs,
             add_special_tokens: true,
+            cache_prompt: true,
             time_limit: limits.request_time_limit,
         })
     }
@@ -375,6 +379,9 @@ pub struct Finished {
     pub finish_reason: &'static str,
     pub usage: Usage,
     pub timing: GenTiming,
+    /// The prompt's tokens, then the generated ones (without an end token): the history a
+    /// conversation's next turn goes on from.
+    pub tokens: Vec<i64>,
 }
 
 #[cfg(test)]

@@ -103,6 +103,21 @@ async fn metrics(State(s): State<Shared>) -> impl IntoResponse {
             window_launches: s.generator.decoder.window_launches(),
             recoveries: s.generator.decoder.recoveries(),
             healthy: s.generator.decoder.health() == Health::Serving,
+            prefix: prefix_state(s.generator.prefix.report()),
         }),
     )
+}
+
+/// The prefix cache's report as `/metrics` takes it.
+fn prefix_state(r: nsactor_decoding::prefix::PrefixReport) -> nsactor_telemetry::PrefixCacheState {
+    nsactor_telemetry::PrefixCacheState {
+        hits: r.hits,
+        misses: r.misses,
+        tokens_saved: r.tokens_saved,
+        evictions: r.evicted,
+        to_host: r.to_host,
+        device_bytes: r.usage.device_bytes,
+        host_bytes: r.usage.host_bytes,
+        entries: r.usage.entries,
+    }
 }

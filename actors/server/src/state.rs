@@ -26,10 +26,15 @@ pub type Shared = Arc<ServerState>;
 pub type Callers = (ApiKeys, crate::cors::Cors);
 
 impl ServerState {
-    /// A server over `decoder` with `tokenizer`: `(sessions decoding, queue places)`, its
-    /// model's name, who may call it, its limits and its readiness.
+    /// A server over `decoder` with `tokenizer` and its prefix cache's budgets: `(sessions
+    /// decoding, queue places)`, its model's name, who may call it, its limits and its
+    /// readiness.
     pub fn new(
-        (decoder, tokenizer): (nsactor_decoding::AsyncDecoder, Arc<nsactor_data::Tokenizer>),
+        (decoder, tokenizer, prefix): (
+            nsactor_decoding::AsyncDecoder,
+            Arc<nsactor_data::Tokenizer>,
+            nsactor_decoding::prefix::PrefixConfig,
+        ),
         (max_sessions, max_queue): (usize, usize),
         model_name: String,
         (keys, cors): Callers,
@@ -39,6 +44,7 @@ impl ServerState {
         Arc::new(ServerState {
             generator: Generator {
                 decoder,
+                prefix: Arc::new(nsactor_decoding::prefix::PrefixCache::new(prefix)),
                 tokenizer,
                 admission: Admission::new(max_sessions.max(1), max_queue),
                 metrics: Arc::default(),

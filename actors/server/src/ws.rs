@@ -1,6 +1,6 @@
 //! The WebSocket front end on `/ws`: `auth` (first, on a keyed server, when the upgrade had no
-//! `Authorization` header), `generate` and `cancel` messages in, `delta`, `done` and `error`
-//! events out, many requests per connection.
+//! `Authorization` header), `generate`, `cancel` and `forget` messages in, `delta`, `done` and
+//! `error` events out, many requests and conversations ([`conversation`]) per connection.
 //!
 //! Every way a connection ends closes its socket and ends its tasks ([`connection`]): the
 //! client's Close is answered with one, a reset or end of stream drops the socket, and the
@@ -8,6 +8,7 @@
 //! a Close frame with the code that says why. The connection holds its [`ConnSlot`] (a place
 //! under `--max-connections`, counted in `nsactor_connections`) until its socket is closed.
 
+pub mod conversation;
 mod request;
 mod writer;
 

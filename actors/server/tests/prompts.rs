@@ -39,6 +39,7 @@ async fn scored(g: Arc<Generator>, prompt: Vec<i64>, top: usize) -> Vec<TokenLog
         logprobs: Some(top),
         prompt_logprobs: true,
         add_special_tokens: false,
+        cache_prompt: true,
         time_limit: None,
     };
     let (tx, mut rx) = tokio::sync::mpsc::channel(64);
@@ -77,6 +78,7 @@ fn a_scored_prompt_is_one_prefill_with_the_numbers_of_one_token_at_a_time() {
     // A generator over the same model whose prompts may span several passes.
     let g = Arc::new(Generator {
         decoder: s.pipeline.decoder(512),
+        prefix: Arc::default(),
         tokenizer: Arc::new(nsactor_data::Tokenizer::bundled()),
         admission: Admission::new(4, 8),
         metrics: Arc::default(),

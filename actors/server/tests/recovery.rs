@@ -12,12 +12,14 @@ use tokio_tungstenite::tungstenite::Message;
 
 #[test]
 fn a_generation_that_loses_a_stage_fails_alone_and_the_server_heals() {
-    // tiny_a has two layers; greedy decoding of n tokens is n passes, so the second
-    // generation's third pass panics.
+    // tiny_a has two layers; greedy decoding of n tokens is n passes after the prompt's
+    // prefix cache pass (all of the prompt but its last token, kept as a snapshot): the first
+    // generation takes n + 1 passes, the second starts from that snapshot, and its third pass
+    // panics. The third generation comes after the rebuild, which lost the snapshots.
     let bytes = common::fixture();
     let fx = nsactor_training::verify::TinyAFixture::parse(&bytes).unwrap();
     let n = fx.i64s("gen.greedy").unwrap().len() - fx.i64s("gen.prompt").unwrap().len();
-    let s = serve_faulty(&format!("session-panic:1:{}", n + 3));
+    let s = serve_faulty(&format!("session-panic:1:{}", n + 4));
     let (prompt, greedy, addr) = (s.prompt.clone(), s.greedy.clone(), s.addr);
     let p = prompt.clone();
     let req = move |id: &str| {
@@ -67,6 +69,10 @@ fn a_generation_that_loses_a_stage_fails_alone_and_the_server_heals() {
             "{metrics}"
         );
         assert!(metrics.contains("nsactor_decode_healthy 1"), "{metrics}");
+        assert!(
+            metrics.contains("nsactor_prefix_cache_hits_total 1"),
+            "{metrics}"
+        );
         // The same connection, and a new one, decode the fixture's greedy tokens again.
         let (_, ids, done) = generate(&mut ws, req("c")).await;
         assert_eq!([&prompt[..], &ids[..]].concat(), greedy, "{done}");

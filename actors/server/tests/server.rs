@@ -430,6 +430,9 @@ fn a_session_runs_ahead_of_a_client_that_is_not_reading_then_parks() {
             logprobs: None,
             prompt_logprobs: false,
             add_special_tokens: true,
+            // One input for the prompt (the cache would feed all of it but its last token
+            // first, one input more).
+            cache_prompt: false,
             time_limit: None,
         };
         let cancel = std::sync::Arc::new(AtomicBool::new(false));

@@ -12,5 +12,5 @@ pub mod training;
 
 pub use exporter::Exporter;
 pub use registry::{CONTENT_TYPE, TelemetryError, render};
-pub use serving::ServingMetrics;
+pub use serving::{PrefixCacheState, ServingMetrics};
 pub use training::TrainingMetrics;

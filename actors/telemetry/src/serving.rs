@@ -56,6 +56,23 @@ pub struct ServingMetrics {
     decode_window_launches: IntCounter,
     decode_recoveries: IntCounter,
     decode_healthy: IntGauge,
+    prefix_counters: [IntCounter; 5],
+    prefix_gauges: [IntGauge; 3],
+}
+
+/// What the prefix state cache reports at scrape time (`nsactor_decoding::prefix`).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct PrefixCacheState {
+    pub hits: u64,
+    pub misses: u64,
+    /// Prompt tokens not prefilled thanks to hits.
+    pub tokens_saved: u64,
+    /// Snapshots dropped, and moved from the devices to the host.
+    pub evictions: u64,
+    pub to_host: u64,
+    pub device_bytes: u64,
+    pub host_bytes: u64,
+    pub entries: u64,
 }
 
 /// What the decoder reports at scrape time.
@@ -74,6 +91,7 @@ pub struct DecoderState {
     pub recoveries: u64,
     /// Decoding runs (not rebuilding after a lost stage, not failed).
     pub healthy: bool,
+    pub prefix: PrefixCacheState,
 }
 
 impl Default for ServingMetrics {
@@ -186,6 +204,42 @@ impl ServingMetrics {
                 "nsactor_decode_healthy",
                 "1 while decoding runs; 0 while it rebuilds after a lost stage, or has failed.",
             )?,
+            prefix_counters: [
+                counter(
+                    "nsactor_prefix_cache_hits_total",
+                    "Requests that started from a cached snapshot of their prompt's prefix.",
+                )?,
+                counter(
+                    "nsactor_prefix_cache_misses_total",
+                    "Requests through the prefix cache that found no snapshot.",
+                )?,
+                counter(
+                    "nsactor_prefix_cache_tokens_saved_total",
+                    "Prompt tokens not prefilled because a snapshot covered them.",
+                )?,
+                counter(
+                    "nsactor_prefix_cache_evictions_total",
+                    "Snapshots dropped to stay within the cache's budgets.",
+                )?,
+                counter(
+                    "nsactor_prefix_cache_to_host_total",
+                    "Snapshots moved from the devices to the host tier.",
+                )?,
+            ],
+            prefix_gauges: [
+                gauge(
+                    "nsactor_prefix_cache_device_bytes",
+                    "Device bytes the prefix cache's snapshots hold.",
+                )?,
+                gauge(
+                    "nsactor_prefix_cache_host_bytes",
+                    "Host bytes the prefix cache's snapshots hold.",
+                )?,
+                gauge(
+                    "nsactor_prefix_cache_entries",
+                    "Snapshots the prefix cache holds.",
+                )?,
+            ],
             registry,
         })
     }
@@ -215,6 +269,18 @@ impl ServingMetrics {
         raise_to(&self.decode_window_launches, d.window_launches);
         raise_to(&self.decode_recoveries, d.recoveries);
         self.decode_healthy.set(i64::from(d.healthy));
+        let p = d.prefix;
+        let counts = [p.hits, p.misses, p.tokens_saved, p.evictions, p.to_host];
+        for (c, v) in self.prefix_counters.iter().zip(counts) {
+            raise_to(c, v);
+        }
+        for (g, v) in self
+            .prefix_gauges
+            .iter()
+            .zip([p.device_bytes, p.host_bytes, p.entries])
+        {
+            g.set(v as i64);
+        }
         render(&self.registry)
     }
 }

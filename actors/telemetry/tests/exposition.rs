@@ -37,8 +37,28 @@ fn serving_metrics_parse_with_the_vllm_names_and_values() {
         window_launches: 3,
         recoveries: 2,
         healthy: true,
+        prefix: nsactor_telemetry::PrefixCacheState {
+            hits: 7,
+            misses: 2,
+            tokens_saved: 900,
+            device_bytes: 1 << 20,
+            entries: 3,
+            ..Default::default()
+        },
     });
     let s = parse(&text);
+    assert_eq!(value(&s, "nsactor_prefix_cache_hits_total"), Some(7.0));
+    assert_eq!(value(&s, "nsactor_prefix_cache_misses_total"), Some(2.0));
+    assert_eq!(
+        value(&s, "nsactor_prefix_cache_tokens_saved_total"),
+        Some(900.0)
+    );
+    assert_eq!(value(&s, "nsactor_prefix_cache_evictions_total"), Some(0.0));
+    assert_eq!(
+        value(&s, "nsactor_prefix_cache_device_bytes"),
+        Some(1048576.0)
+    );
+    assert_eq!(value(&s, "nsactor_prefix_cache_entries"), Some(3.0));
     assert_eq!(value(&s, "nsactor_requests_total"), Some(3.0));
     assert_eq!(value(&s, "nsactor_num_requests_running"), Some(2.0));
     assert_eq!(value(&s, "nsactor_num_requests_waiting"), Some(4.0));

@@ -171,8 +171,13 @@ pub fn run(a: PrefillBenchArgs) -> CliResult {
         ..Default::default()
     };
     let decoder = a.passes.apply(l.pipeline.decoder(l.vocab));
+    // Off: each prompt is sent twice (once to warm up), and the cache would serve the second.
+    let no_cache = nsactor_decoding::prefix::PrefixConfig {
+        device_bytes: 0,
+        ..Default::default()
+    };
     let state = nsactor_server::ServerState::new(
-        (decoder, l.tokenizer.clone()),
+        (decoder, l.tokenizer.clone(), no_cache),
         (max_sessions, max_sessions),
         l.name.clone(),
         Default::default(),

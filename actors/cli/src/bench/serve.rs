@@ -212,6 +212,16 @@ pub struct ServeBenchArgs {
     /// processes would be).
     #[arg(long, default_value_t = 2, value_name = "N")]
     client_threads: usize,
+    /// Multi-turn mode: each of --sessions' clients holds a conversation of this many turns
+    /// through /v1/chat/completions, answers of --tokens tokens; a row per turn (0: the
+    /// decoding table instead).
+    #[arg(long, default_value_t = 0, value_name = "N")]
+    turns: usize,
+    /// Bytes of each user message in --turns mode (English words).
+    #[arg(long, default_value_t = 100, value_name = "BYTES")]
+    turn_bytes: usize,
+    #[command(flatten)]
+    prefix: crate::serve::PrefixArgs,
 }
 
 /// Waits until the last run's sessions are freed (a client has its last event before its
@@ -306,6 +316,7 @@ pub fn run(a: ServeBenchArgs) -> crate::result::CliResult {
         (
             a.passes.apply(l.pipeline.decoder(l.vocab)),
             l.tokenizer.clone(),
+            a.prefix.config(),
         ),
         (max, max),
         l.name.clone(),
@@ -314,6 +325,7 @@ pub fn run(a: ServeBenchArgs) -> crate::result::CliResult {
     );
     print_header(&a, &l);
     let decoder = state.generator.decoder.clone();
+    let cache = state.generator.prefix.clone();
     decoder.set_buckets(buckets.clone());
     let loopback = Loopback::start(state, a.http_threads, a.client_threads)?;
     let addr = loopback.addr;
@@ -327,6 +339,20 @@ pub fn run(a: ServeBenchArgs) -> crate::result::CliResult {
                 t.elapsed().as_secs_f64(),
                 started.elapsed().as_secs_f64()
             );
+        }
+        if a.turns > 0 {
+            for &clients in &a.sessions {
+                idle(&decoder).await;
+                let t = super::turns::Turns {
+                    clients,
+                    turns: a.turns,
+                    user_bytes: a.turn_bytes,
+                    answer_tokens: a.tokens,
+                    temperature: a.temperature,
+                };
+                super::turns::run(addr, t, &cache).await?;
+            }
+            return Ok(());
         }
         if a.after_ready > 0 {
             after_ready(addr, a.after_ready, a.temperature).await?;

@@ -88,6 +88,18 @@ pub struct PrefixUsage {
     pub tokens: u64,
 }
 
+/// [`PrefixStats`] read at one moment, with the [`PrefixUsage`].
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct PrefixReport {
+    pub hits: u64,
+    pub misses: u64,
+    pub tokens_saved: u64,
+    pub evicted: u64,
+    pub to_host: u64,
+    pub usage: PrefixUsage,
+}
+
+#[derive(Default)]
 struct Inner {
     tree: Tree<Entry>,
     device_bytes: u64,
@@ -104,6 +116,7 @@ enum Work {
 }
 
 /// The prefix state cache of one decoder.
+#[derive(Default)]
 pub struct PrefixCache {
     cfg: PrefixConfig,
     inner: Mutex<Inner>,
@@ -134,6 +147,20 @@ impl PrefixCache {
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
         self.inner.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Counters and usage together, as `/metrics` reports them.
+    pub fn report(&self) -> PrefixReport {
+        let s = &self.stats;
+        let load = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        PrefixReport {
+            hits: load(&s.hits),
+            misses: load(&s.misses),
+            tokens_saved: load(&s.tokens_saved),
+            evicted: load(&s.evicted),
+            to_host: load(&s.to_host),
+            usage: self.usage(),
+        }
     }
 
     pub fn usage(&self) -> PrefixUsage {

@@ -44,6 +44,9 @@ pub struct OpenAiRequest {
     pub echo: bool,
     /// The BOS before a text prompt (vLLM's field; default true).
     pub add_special_tokens: Option<bool>,
+    /// Start from the prefix cache and keep snapshots of this request (llama-server's field;
+    /// default true).
+    pub cache_prompt: Option<bool>,
     pub suffix: Option<String>,
     /// Accepted and ignored.
     pub user: Option<String>,
@@ -293,6 +296,7 @@ impl OpenAiRequest {
             .map(|p| {
                 let mut spec = options.clone().validate(p, self.stream, limits)?;
                 spec.add_special_tokens = bos;
+                spec.cache_prompt = self.cache_prompt.unwrap_or(true);
                 Ok(spec)
             })
             .collect::<Result<_, ServeError>>()?;

@@ -7,6 +7,7 @@ use crate::generate::GenEvent;
 use crate::messages::{ClientMsg, ServerMsg};
 use crate::protocol::{Prompt, PromptSpec, SamplingOptions};
 use crate::state::{Shared, start};
+use crate::ws::conversation::Conversations;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
@@ -19,6 +20,7 @@ pub struct Requests(Arc<Inner>);
 #[derive(Default)]
 struct Inner {
     running: Mutex<HashMap<String, Arc<AtomicBool>>>,
+    conversations: Conversations,
     /// Told whenever the last running request ends.
     emptied: Notify,
 }
@@ -90,6 +92,13 @@ impl Requests {
                 }
             }
             generate @ ClientMsg::Generate { .. } => self.generate(generate, s, out),
+            ClientMsg::Forget { conversation } => {
+                if self.0.conversations.forget(&conversation) {
+                    return None;
+                }
+                let why = format!("no conversation `{conversation}` is kept on this connection");
+                Some(ServerMsg::error(None, &ServeError::UnknownRequest(why)))
+            }
         }
     }
 
@@ -100,7 +109,7 @@ impl Requests {
         s: &Shared,
         out: &mpsc::Sender<ServerMsg>,
     ) -> Option<ServerMsg> {
-        let (id, spec) = match validate(msg, s) {
+        let (id, mut spec, conversation) = match validate(msg, s) {
             Ok(v) => v,
             Err((id, e)) => return Some(ServerMsg::error(id, &e)),
         };
@@ -113,6 +122,13 @@ impl Requests {
                 let why = format!("request `{id}` is already running on this connection");
                 return Some(ServerMsg::error(Some(id), &ServeError::Invalid(why)));
             }
+            if let Some(c) = &conversation {
+                let conv = &self.0.conversations;
+                match conv.begin(c, &s.generator, &spec.prompt, spec.add_special_tokens) {
+                    Ok(p) => spec.prompt = p,
+                    Err(e) => return Some(ServerMsg::error(Some(id), &e)),
+                }
+            }
             r.insert(id.clone(), cancel.clone());
         }
         let mut rx = start(s, spec, cancel.clone());
@@ -122,6 +138,13 @@ impl Requests {
                 // The id is free again once its last event is on its way: a client that has
                 // read `done` (or the error) may reuse it at once.
                 if matches!(e, Ok(GenEvent::Done(_)) | Err(_)) {
+                    if let Some(c) = &conversation {
+                        let history = match &e {
+                            Ok(GenEvent::Done(f)) => Some(f.tokens.clone()),
+                            _ => None,
+                        };
+                        requests.0.conversations.end(c, history);
+                    }
                     requests.release(&id, &cancel);
                 }
                 let m = match e {
@@ -141,6 +164,7 @@ impl Requests {
                         finish_reason: f.finish_reason.into(),
                         usage: f.usage,
                         timing: f.timing,
+                        conversation_tokens: conversation.as_ref().map(|_| f.tokens.len()),
                     },
                     Err(e) => ServerMsg::error(Some(id.clone()), &e),
                 };
@@ -161,7 +185,7 @@ impl Requests {
 fn validate(
     msg: ClientMsg,
     s: &Shared,
-) -> Result<(String, crate::protocol::GenSpec), (Option<String>, ServeError)> {
+) -> Result<(String, crate::protocol::GenSpec, Option<String>), (Option<String>, ServeError)> {
     let ClientMsg::Generate {
         id,
         prompt,
@@ -178,6 +202,8 @@ fn validate(
         logprobs,
         token_ids,
         ignore_eos,
+        conversation,
+        cache_prompt,
     } = msg
     else {
         unreachable!("only generate messages are validated")
@@ -206,7 +232,10 @@ fn validate(
         ..SamplingOptions::default()
     };
     match options.validate(prompt, token_ids, &s.limits) {
-        Ok(spec) => Ok((id, spec)),
+        Ok(mut spec) => {
+            spec.cache_prompt = cache_prompt.unwrap_or(true);
+            Ok((id, spec, conversation))
+        }
         Err(e) => Err((Some(id), e)),
     }
 }

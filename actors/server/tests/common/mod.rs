@@ -141,10 +141,15 @@ fn serve_full(
     let state = Arc::new(ServerState {
         generator: Generator {
             decoder: pipeline.decoder(vocab),
+            prefix: Arc::default(),
             tokenizer: Arc::new(nsactor_data::Tokenizer::bundled()),
             admission: Admission::new(max_sessions, max_queue),
             metrics: Arc::new(ServingMetrics::default()),
-            max_prompt_tokens: 64,
+            // 64 unless the limits name another.
+            max_prompt_tokens: match limits.max_prompt_tokens {
+                nsactor_server::protocol::DEFAULT_MAX_PROMPT_TOKENS => 64,
+                n => n,
+            },
             drain: Arc::default(),
             ready,
         },

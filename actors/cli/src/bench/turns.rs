@@ -1,0 +1,146 @@
+//! `nsactor bench serve --turns N`: clients each holding an N-turn conversation through
+//! `POST /v1/chat/completions` (streamed), as a chat front end does: every turn resends the
+//! whole history, the assistant's answers included. It prints the time to first token of
+//! each turn over the clients, and what the prefix state cache did: with it, a turn's first
+//! token should not wait for the history before it.
+
+use super::sse::{connect, post};
+use crate::result::CliResult;
+use http_body_util::BodyExt;
+use nsactor_decoding::prefix::PrefixCache;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::Instant;
+
+/// What the conversations are made of.
+#[derive(Debug, Clone, Copy)]
+pub struct Turns {
+    pub clients: usize,
+    pub turns: usize,
+    /// Bytes of each user message (English words).
+    pub user_bytes: usize,
+    /// Tokens each answer may have.
+    pub answer_tokens: usize,
+    pub temperature: f32,
+}
+
+/// One turn of one client: seconds to its first token, and its prompt's tokens.
+type Turn = (f64, usize);
+
+/// Runs the conversations against the server at `addr` and prints a row per turn, then the
+/// cache's counters over the run.
+pub async fn run(addr: std::net::SocketAddr, t: Turns, cache: &Arc<PrefixCache>) -> CliResult {
+    let s0 = counters(cache);
+    let start = Instant::now();
+    let clients: Vec<_> = (0..t.clients)
+        .map(|i| tokio::spawn(conversation(addr, i, t)))
+        .collect();
+    let mut per_turn: Vec<Vec<Turn>> = vec![Vec::new(); t.turns];
+    for c in clients {
+        for (k, turn) in c.await??.into_iter().enumerate() {
+            per_turn[k].push(turn);
+        }
+    }
+    let wall = start.elapsed().as_secs_f64();
+    println!(
+        "{:>6} {:>8} {:>14} {:>14} {:>16}",
+        "turn", "clients", "TTFT p50 (ms)", "TTFT p99 (ms)", "prompt tokens"
+    );
+    for (k, rows) in per_turn.iter().enumerate() {
+        let mut ttft: Vec<f64> = rows.iter().map(|r| r.0 * 1e3).collect();
+        let tokens = rows.iter().map(|r| r.1).sum::<usize>() / rows.len().max(1);
+        println!(
+            "{:>6} {:>8} {:>14.1} {:>14.1} {:>16}",
+            k + 1,
+            rows.len(),
+            super::stats::pct(&mut ttft, 0.5),
+            super::stats::pct(&mut ttft, 0.99),
+            tokens
+        );
+    }
+    let s1 = counters(cache);
+    let [hits, misses, saved] = [0, 1, 2].map(|i| s1[i] - s0[i]);
+    let u = cache.usage();
+    println!(
+        "prefix cache: {hits} hits, {misses} misses ({:.1} % hit rate), {saved} prompt tokens not prefilled; {} snapshots, {:.1} MiB on the devices, {:.1} MiB on the host; {} conversations of {} turns in {wall:.1} s",
+        100.0 * hits as f64 / (hits + misses).max(1) as f64,
+        u.entries,
+        u.device_bytes as f64 / (1 << 20) as f64,
+        u.host_bytes as f64 / (1 << 20) as f64,
+        t.clients,
+        t.turns
+    );
+    Ok(())
+}
+
+fn counters(c: &PrefixCache) -> [u64; 3] {
+    let s = &c.stats;
+    [&s.hits, &s.misses, &s.tokens_saved].map(|a| a.load(Ordering::Relaxed))
+}
+
+/// `bytes` of English words, different for each `(client, turn)`.
+fn user_text(client: usize, turn: usize, bytes: usize) -> String {
+    const WORDS: [&str; 16] = [
+        "the", "river", "quiet", "morning", "found", "a", "small", "garden", "where", "light",
+        "fell", "on", "old", "stones", "and", "birds",
+    ];
+    let mut x = (client as u64 * 7919 + turn as u64 * 104_729) | 1;
+    let mut s = format!("Question {turn} from client {client}:");
+    while s.len() < bytes {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        s.push(' ');
+        s.push_str(WORDS[(x % 16) as usize]);
+    }
+    s.push('?');
+    s
+}
+
+/// One client's conversation: each turn's time to first token and prompt tokens.
+async fn conversation(addr: std::net::SocketAddr, client: usize, t: Turns) -> CliResult<Vec<Turn>> {
+    let mut sender = connect(addr).await?;
+    let mut messages = vec![serde_json::json!({"role": "system",
+        "content": "You are a helpful assistant who answers briefly."})];
+    let mut out = Vec::with_capacity(t.turns);
+    for turn in 0..t.turns {
+        messages.push(serde_json::json!({"role": "user",
+            "content": user_text(client, turn, t.user_bytes)}));
+        let body = serde_json::json!({"messages": messages, "max_tokens": t.answer_tokens,
+            "temperature": t.temperature, "seed": client, "stream": true,
+            "stream_options": {"include_usage": true}});
+        let sent = Instant::now();
+        let mut body = post(&mut sender, addr, "/v1/chat/completions", &body).await?;
+        let (mut buf, mut answer) = (String::new(), String::new());
+        let (mut ttft, mut prompt_tokens) = (None, None);
+        'read: while let Some(frame) = body.frame().await {
+            let frame = frame.map_err(|e| format!("reading the stream: {e}"))?;
+            let Some(data) = frame.data_ref() else {
+                continue;
+            };
+            buf.push_str(&String::from_utf8_lossy(data));
+            while let Some(end) = buf.find("\n\n") {
+                let event: String = buf.drain(..end + 2).collect();
+                let Some(payload) = event.trim().strip_prefix("data:").map(str::trim) else {
+                    continue;
+                };
+                if payload == "[DONE]" {
+                    break 'read;
+                }
+                let v: serde_json::Value = serde_json::from_str(payload)?;
+                if let Some(n) = v["usage"]["prompt_tokens"].as_u64() {
+                    prompt_tokens = Some(n as usize);
+                }
+                let choice = &v["choices"][0];
+                if choice.is_object() && choice["finish_reason"].is_null() {
+                    ttft.get_or_insert(sent.elapsed().as_secs_f64());
+                    answer.push_str(choice["delta"]["content"].as_str().unwrap_or(""));
+                }
+            }
+        }
+        let prompt_tokens = prompt_tokens.ok_or("the stream ended without its usage")?;
+        out.push((ttft.unwrap_or(f64::NAN), prompt_tokens));
+        messages.push(serde_json::json!({"role": "assistant", "content": answer}));
+    }
+    Ok(out)
+}

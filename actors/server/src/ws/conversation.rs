@@ -1,0 +1,102 @@
+//! A WebSocket connection's conversations: each one's history, the tokens its session saw
+//! (its prompts, then its answers), kept between turns. A `generate` that names a
+//! conversation goes on from its history: a text prompt is appended as it is (no BOS), chat
+//! messages after the end of the last answer. The prefix cache holds the state after the
+//! history (kept at each generation's end), so only the new tokens are prefilled; if the cache
+//! has let it go, the history is prefilled again, and the numbers are the same.
+
+use crate::error::ServeError;
+use crate::generate::Generator;
+use crate::protocol::PromptSpec;
+use std::sync::{Arc, Mutex, PoisonError};
+
+/// Conversations one connection may keep; starting one more forgets the least recently used.
+pub const MAX_CONVERSATIONS: usize = 16;
+
+/// A connection's conversations, most recently used last.
+#[derive(Clone, Default)]
+pub struct Conversations(Arc<Mutex<Conversation>>);
+
+#[derive(Default)]
+struct Conversation {
+    kept: Vec<(String, Vec<i64>)>,
+    /// Names with a turn running.
+    running: Vec<String>,
+}
+
+impl Conversations {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Conversation> {
+        self.0.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Starts a turn of `name`: the prompt it goes on from, or an error if a turn of it is
+    /// running. The turn ends with [`end`](Self::end).
+    pub fn begin(
+        &self,
+        name: &str,
+        g: &Generator,
+        prompt: &PromptSpec,
+        bos: bool,
+    ) -> Result<PromptSpec, ServeError> {
+        let mut c = self.lock();
+        if c.running.iter().any(|r| r == name) {
+            return Err(ServeError::Invalid(format!(
+                "conversation `{name}` has a turn running; wait for its `done`"
+            )));
+        }
+        let history = c.kept.iter().find(|(n, _)| n == name).map(|(_, h)| h);
+        let ids = match history {
+            None => g.token_ids(prompt, bos, true)?,
+            Some(h) => {
+                let mut ids = h.clone();
+                ids.extend(continuation(g, prompt)?);
+                ids
+            }
+        };
+        c.running.push(name.to_string());
+        Ok(PromptSpec::Ids(ids))
+    }
+
+    /// Ends the running turn of `name`; with `history`, it is the conversation's history now.
+    pub fn end(&self, name: &str, history: Option<Vec<i64>>) {
+        let mut c = self.lock();
+        c.running.retain(|r| r != name);
+        let Some(h) = history else {
+            return;
+        };
+        c.kept.retain(|(n, _)| n != name);
+        if c.kept.len() >= MAX_CONVERSATIONS {
+            c.kept.remove(0);
+        }
+        c.kept.push((name.to_string(), h));
+    }
+
+    /// Forgets `name`; whether it was kept.
+    pub fn forget(&self, name: &str) -> bool {
+        let mut c = self.lock();
+        let before = c.kept.len();
+        c.kept.retain(|(n, _)| n != name);
+        c.kept.len() < before
+    }
+}
+
+/// The tokens a turn appends to a history: a text as it is, chat messages after the end token
+/// that closes the last answer (the model stopped before feeding it), then the assistant's
+/// turn opening; token ids as they are.
+fn continuation(g: &Generator, prompt: &PromptSpec) -> Result<Vec<i64>, ServeError> {
+    Ok(match prompt {
+        PromptSpec::Text(_) | PromptSpec::Ids(_) => g.token_ids(prompt, false, false)?,
+        PromptSpec::Chat(m) => {
+            let msgs: Vec<nsactor_data::Message> = m
+                .iter()
+                .map(|m| nsactor_data::Message::new(&m.role, &m.content))
+                .collect();
+            let text = format!(
+                "{}\n{}",
+                nsactor_data::EOS_TOKEN,
+                nsactor_data::chat_template(&msgs, true)
+            );
+            g.token_ids(&PromptSpec::Text(text), false, false)?
+        }
+    })
+}

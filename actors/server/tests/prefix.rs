@@ -1,0 +1,197 @@
+//! The prefix state cache through the real server (issue 61): a chat resent turn after turn
+//! over `/v1/chat/completions`, a prompt whose cached part ends inside a multi-byte
+//! character, and WebSocket conversations that go on from their state give the tokens and
+//! log-probabilities of the same requests with the cache off (`cache_prompt: false`), bit for
+//! bit; `/metrics` counts the hits.
+
+mod common;
+
+use common::{connect, generate, http, serve_limited};
+use nsactor_server::protocol::Limits;
+use serde_json::{Value, json};
+
+fn limits() -> Limits {
+    Limits {
+        max_prompt_tokens: 4096,
+        ..Limits::default()
+    }
+}
+
+/// A chat completion's answer, its token log-probabilities (as bits) and prompt tokens.
+async fn chat(
+    addr: std::net::SocketAddr,
+    messages: &[Value],
+    cache: bool,
+) -> (String, Vec<u64>, u64) {
+    let req = json!({"messages": messages, "max_tokens": 6, "temperature": 0,
+        "logprobs": true, "top_logprobs": 2, "cache_prompt": cache});
+    let (status, body) = http(
+        addr,
+        "POST",
+        "/v1/chat/completions",
+        req.to_string().as_bytes(),
+    )
+    .await;
+    assert_eq!(status, 200, "{body}");
+    let v: Value = serde_json::from_str(&body).unwrap();
+    let choice = &v["choices"][0];
+    let lps = choice["logprobs"]["content"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t["logprob"].as_f64().unwrap().to_bits())
+        .collect();
+    let text = choice["message"]["content"].as_str().unwrap().to_string();
+    (text, lps, v["usage"]["prompt_tokens"].as_u64().unwrap())
+}
+
+fn metric(text: &str, name: &str) -> f64 {
+    text.lines()
+        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.parse().ok())
+        .unwrap_or_else(|| panic!("no {name} in /metrics"))
+}
+
+#[test]
+fn a_chat_resent_turn_after_turn_gives_the_numbers_of_one_without_the_cache() {
+    let s = serve_limited(4, false, limits());
+    let addr = s.addr;
+    s.pipeline.block_on(async move {
+        let mut messages = vec![json!({"role": "system", "content": "You answer in French."})];
+        for turn in 0..4 {
+            messages.push(json!({"role": "user", "content": format!("Question {turn}: où est le café «noir»?")}));
+            let off = chat(addr, &messages, false).await;
+            let on = chat(addr, &messages, true).await;
+            assert_eq!(on, off, "turn {turn}");
+            messages.push(json!({"role": "assistant", "content": on.0}));
+        }
+        // A prompt whose cached part (all but its last token) ends inside a character: its
+        // last character is several tokens.
+        let prompt = "Le thé est prêt: 龍";
+        let short = tokenize(addr, "Le thé est prêt: ", true).await;
+        assert!(tokenize(addr, prompt, true).await.len() >= short.len() + 2);
+        let mut answers = Vec::new();
+        for cache in [true, true, false] {
+            let req = json!({"prompt": prompt, "max_tokens": 5, "temperature": 0,
+                "logprobs": 1, "cache_prompt": cache});
+            let (status, body) =
+                http(addr, "POST", "/v1/completions", req.to_string().as_bytes()).await;
+            assert_eq!(status, 200, "{body}");
+            let v: Value = serde_json::from_str(&body).unwrap();
+            let c = &v["choices"][0];
+            answers.push((c["text"].clone(), c["logprobs"]["token_logprobs"].clone()));
+        }
+        assert_eq!(answers[0], answers[2]);
+        assert_eq!(answers[1], answers[2]);
+        let (_, body) = http(addr, "GET", "/metrics", b"").await;
+        let hits = metric(&body, "nsactor_prefix_cache_hits_total");
+        let saved = metric(&body, "nsactor_prefix_cache_tokens_saved_total");
+        // Turns 2 to 4 find the previous turn's history; the repeated prompt its own.
+        assert!(hits >= 4.0, "{hits} hits");
+        assert!(metric(&body, "nsactor_prefix_cache_misses_total") >= 2.0);
+        assert!(saved > 0.0);
+        assert!(metric(&body, "nsactor_prefix_cache_entries") > 0.0);
+        assert!(metric(&body, "nsactor_prefix_cache_device_bytes") > 0.0);
+    });
+}
+
+/// The token ids `/tokenize` gives `text` (with the BOS where `bos`).
+async fn tokenize(addr: std::net::SocketAddr, text: &str, bos: bool) -> Vec<i64> {
+    let req = json!({"prompt": text, "add_special_tokens": bos});
+    let (status, body) = http(addr, "POST", "/tokenize", req.to_string().as_bytes()).await;
+    assert_eq!(status, 200, "{body}");
+    let v: Value = serde_json::from_str(&body).unwrap();
+    v["tokens"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t.as_i64().unwrap())
+        .collect()
+}
+
+/// A WebSocket `generate` of 5 greedy tokens: the generated ids and the `done` event.
+async fn turn(ws: &mut common::Ws, id: &str, extra: Value) -> (Vec<i64>, Value) {
+    let mut req = json!({"type": "generate", "id": id, "max_tokens": 5, "temperature": 0,
+        "token_ids": true, "ignore_eos": true});
+    for (k, v) in extra.as_object().unwrap() {
+        req[k] = v.clone();
+    }
+    let (_, ids, done) = generate(ws, req).await;
+    assert_eq!(done["finish_reason"], "length", "{done}");
+    (ids, done)
+}
+
+#[test]
+fn a_websocket_conversation_goes_on_from_its_state() {
+    let s = serve_limited(4, false, limits());
+    let addr = s.addr;
+    s.pipeline.block_on(async move {
+        let mut ws = connect(addr).await;
+        let (gen1, done1) = turn(
+            &mut ws,
+            "a",
+            json!({"conversation": "c", "prompt": "Once upon a time"}),
+        )
+        .await;
+        let mut history = tokenize(addr, "Once upon a time", true).await;
+        history.extend(&gen1);
+        assert_eq!(done1["conversation_tokens"], history.len());
+        // A text turn: appended as it is.
+        let (gen2, done2) = turn(
+            &mut ws,
+            "b",
+            json!({"conversation": "c", "prompt": " and then"}),
+        )
+        .await;
+        history.extend(tokenize(addr, " and then", false).await);
+        let (want2, _) = turn(
+            &mut ws,
+            "ref2",
+            json!({"prompt": history, "cache_prompt": false}),
+        )
+        .await;
+        assert_eq!(gen2, want2);
+        history.extend(&gen2);
+        assert_eq!(done2["conversation_tokens"], history.len());
+        // A chat turn: after the end of the last answer.
+        let (gen3, _) = turn(
+            &mut ws,
+            "c",
+            json!({"conversation": "c",
+            "messages": [{"role": "user", "content": "Go on."}]}),
+        )
+        .await;
+        let cont = "<|im_end|>\n<|im_start|>user\nGo on.<|im_end|>\n<|im_start|>assistant\n";
+        history.extend(tokenize(addr, cont, false).await);
+        let (want3, _) = turn(
+            &mut ws,
+            "ref3",
+            json!({"prompt": history, "cache_prompt": false}),
+        )
+        .await;
+        assert_eq!(gen3, want3);
+        // Forgotten, a conversation starts again; an unknown one is an error.
+        ws_send(&mut ws, json!({"type": "forget", "conversation": "c"})).await;
+        let (again, done) = turn(
+            &mut ws,
+            "d",
+            json!({"conversation": "c", "prompt": "Once upon a time"}),
+        )
+        .await;
+        assert_eq!(
+            (again, done["conversation_tokens"].clone()),
+            (gen1, done1["conversation_tokens"].clone())
+        );
+        ws_send(&mut ws, json!({"type": "forget", "conversation": "nope"})).await;
+        let e = common::next_json(&mut ws).await;
+        assert_eq!(e["code"], "unknown_request", "{e}");
+    });
+}
+
+async fn ws_send(ws: &mut common::Ws, v: Value) {
+    use futures_util::SinkExt;
+    ws.send(tokio_tungstenite::tungstenite::Message::Text(
+        v.to_string().into(),
+    ))
+    .await
+    .unwrap();
+}

@@ -4,8 +4,12 @@
 //! prompt length.
 //!
 //! * `GET /ws`: JSON messages — `generate` (prompt or ChatML messages, sampling options, stop
-//!   strings), `cancel`; events `delta`, `done` (finish reason, usage, timing), `error`; several
-//!   requests per connection, each with its own `id`.
+//!   strings; a named conversation goes on from its state), `cancel`, `forget`, `export`,
+//!   `import`; events `delta`, `done` (finish reason, usage, timing), `state`, `imported`,
+//!   `error`; several requests per connection, each with its own `id`.
+//! * The prefix state cache (`nsactor_decoding::prefix`): every request starts from the
+//!   deepest snapshot of its prompt's prefix; `POST /v1/state/export` and `/v1/state/import`
+//!   carry a conversation's state between servers ([`carry`], [`saved`]).
 //! * `POST /v1/completions`, `POST /v1/chat/completions` (with and without `stream: true`,
 //!   server-sent events ending in `data: [DONE]`; `n`, log-probabilities, `echo`, usage
 //!   chunks), `GET /v1/models`, `POST /tokenize`, `POST /detokenize`, `GET /health` (503
@@ -22,6 +26,7 @@
 //! Bad input never crashes the server and always gets an error naming what was wrong.
 
 pub mod auth;
+pub mod carry;
 pub mod cors;
 pub mod drain;
 pub mod edge;
@@ -36,6 +41,7 @@ pub mod prompts;
 pub mod protocol;
 pub mod ready;
 pub mod routes;
+pub mod saved;
 pub mod slot;
 pub mod state;
 pub mod ws;

@@ -43,6 +43,16 @@ pub enum ClientMsg {
     },
     /// Forgets a conversation of the connection.
     Forget { conversation: String },
+    /// The state after a conversation's history, as a state file (`crate::saved`, base64):
+    /// answered with a `state` event.
+    Export { id: String, conversation: String },
+    /// Starts (or replaces) a conversation from a state file (base64), as `export` gave it,
+    /// here or on another server of the same model: answered with an `imported` event.
+    Import {
+        id: String,
+        conversation: String,
+        state: String,
+    },
     /// Stop generation `id` within one token.
     Cancel { id: String },
     /// The API key, as the first message of a connection whose upgrade carried no
@@ -74,6 +84,19 @@ pub enum ServerMsg {
         /// Tokens in the conversation's history now, when the request named one.
         #[serde(skip_serializing_if = "Option::is_none")]
         conversation_tokens: Option<usize>,
+    },
+    /// A conversation's state file (base64), answering `export`.
+    State {
+        id: String,
+        conversation: String,
+        tokens: usize,
+        state: String,
+    },
+    /// A conversation started from a state file, answering `import`.
+    Imported {
+        id: String,
+        conversation: String,
+        tokens: usize,
     },
     Error {
         #[serde(skip_serializing_if = "Option::is_none")]

@@ -3,7 +3,7 @@
 //! `/metrics`).
 
 use crate::state::Shared;
-use crate::{auth, edge, openai, ws};
+use crate::{auth, carry, edge, openai, ws};
 use axum::Router;
 use axum::extract::{DefaultBodyLimit, State};
 use axum::http::{StatusCode, header};
@@ -24,6 +24,8 @@ pub fn router(state: Shared) -> Router {
         .route("/tokenize", post(openai::tokenize::tokenize))
         .route("/detokenize", post(openai::tokenize::detokenize))
         .route("/tokenizer_info", get(openai::tokenize::tokenizer_info))
+        .route("/v1/state/export", post(carry::export))
+        .route("/v1/state/import", post(carry::import))
         .route_layer(key());
     let mut metrics_route = Router::new().route("/metrics", get(metrics));
     if state.keys.metrics {

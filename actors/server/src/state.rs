@@ -44,7 +44,12 @@ impl ServerState {
         Arc::new(ServerState {
             generator: Generator {
                 decoder,
-                prefix: Arc::new(nsactor_decoding::prefix::PrefixCache::new(prefix)),
+                prefix: Arc::new(nsactor_decoding::prefix::PrefixCache::new(
+                    nsactor_decoding::prefix::PrefixConfig {
+                        boundary: Some(i64::from(tokenizer.bos_id())),
+                        ..prefix
+                    },
+                )),
                 tokenizer,
                 admission: Admission::new(max_sessions.max(1), max_queue),
                 metrics: Arc::default(),

@@ -220,6 +220,9 @@ pub struct ServeBenchArgs {
     /// Bytes of each user message in --turns mode (English words).
     #[arg(long, default_value_t = 100, value_name = "BYTES")]
     turn_bytes: usize,
+    /// Bytes of the system prompt every --turns conversation starts with (shared by them).
+    #[arg(long, default_value_t = 0, value_name = "BYTES")]
+    system_bytes: usize,
     #[command(flatten)]
     prefix: crate::serve::PrefixArgs,
 }
@@ -347,6 +350,7 @@ pub fn run(a: ServeBenchArgs) -> crate::result::CliResult {
                     clients,
                     turns: a.turns,
                     user_bytes: a.turn_bytes,
+                    system_bytes: a.system_bytes,
                     answer_tokens: a.tokens,
                     temperature: a.temperature,
                 };

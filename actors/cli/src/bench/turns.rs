@@ -19,6 +19,9 @@ pub struct Turns {
     pub turns: usize,
     /// Bytes of each user message (English words).
     pub user_bytes: usize,
+    /// Bytes of the system prompt every conversation starts with (at least its first
+    /// sentence).
+    pub system_bytes: usize,
     /// Tokens each answer may have.
     pub answer_tokens: usize,
     pub temperature: f32,
@@ -100,8 +103,11 @@ fn user_text(client: usize, turn: usize, bytes: usize) -> String {
 /// One client's conversation: each turn's time to first token and prompt tokens.
 async fn conversation(addr: std::net::SocketAddr, client: usize, t: Turns) -> CliResult<Vec<Turn>> {
     let mut sender = connect(addr).await?;
-    let mut messages = vec![serde_json::json!({"role": "system",
-        "content": "You are a helpful assistant who answers briefly."})];
+    let mut system = "You are a helpful assistant who answers briefly.".to_string();
+    while system.len() < t.system_bytes {
+        system.push_str(" Keep to the facts of the garden and the river.");
+    }
+    let mut messages = vec![serde_json::json!({"role": "system", "content": system})];
     let mut out = Vec::with_capacity(t.turns);
     for turn in 0..t.turns {
         messages.push(serde_json::json!({"role": "user",

@@ -41,7 +41,13 @@ impl PrefixCache {
         } else {
             self.stats.misses.fetch_add(1, Ordering::Relaxed);
         }
-        for end in stops(fed, common, limit, self.every(dec)) {
+        let opens = self.cfg.boundary.map_or(Vec::new(), |b| {
+            let at = prompt[..limit].iter().enumerate();
+            at.filter(|&(i, &t)| t == b && i > fed)
+                .map(|(i, _)| i)
+                .collect()
+        });
+        for end in stops(fed, common, limit, self.every(dec), &opens) {
             dec.feed(session, prompt[fed..end].to_vec()).await?;
             fed = end;
             match dec.save(session).await {
@@ -138,8 +144,9 @@ impl PrefixCache {
 }
 
 /// Where to keep snapshots while feeding from `fed` to `limit`: where the prompt parts from
-/// the tree's paths (`common`), every `every` tokens, and at `limit`; in order, past `fed`.
-fn stops(fed: usize, common: usize, limit: usize, every: usize) -> Vec<usize> {
+/// the tree's paths (`common`), every `every` tokens, before each message (`opens`, past
+/// `fed` and before `limit`), and at `limit`; in order, past `fed`.
+fn stops(fed: usize, common: usize, limit: usize, every: usize, opens: &[usize]) -> Vec<usize> {
     let mut at: Vec<usize> = (1..)
         .map(|k| k * every.max(1))
         .skip_while(|&p| p <= fed)
@@ -148,6 +155,7 @@ fn stops(fed: usize, common: usize, limit: usize, every: usize) -> Vec<usize> {
     if common > fed && common < limit {
         at.push(common);
     }
+    at.extend(opens);
     if limit > fed {
         at.push(limit);
     }
@@ -162,11 +170,12 @@ mod tests {
 
     #[test]
     fn snapshots_go_where_the_prompt_parts_on_the_grid_and_before_its_last_token() {
-        assert_eq!(stops(0, 0, 9, 4), vec![4, 8, 9]);
-        assert_eq!(stops(0, 6, 9, 4), vec![4, 6, 8, 9]);
-        assert_eq!(stops(5, 6, 9, 4), vec![6, 8, 9]);
-        assert_eq!(stops(8, 8, 9, 100), vec![9]);
-        assert_eq!(stops(9, 20, 9, 4), Vec::<usize>::new());
-        assert_eq!(stops(0, 9, 9, 100), vec![9]);
+        assert_eq!(stops(0, 0, 9, 4, &[]), vec![4, 8, 9]);
+        assert_eq!(stops(0, 6, 9, 4, &[]), vec![4, 6, 8, 9]);
+        assert_eq!(stops(5, 6, 9, 4, &[]), vec![6, 8, 9]);
+        assert_eq!(stops(8, 8, 9, 100, &[]), vec![9]);
+        assert_eq!(stops(9, 20, 9, 4, &[]), Vec::<usize>::new());
+        assert_eq!(stops(0, 9, 9, 100, &[]), vec![9]);
+        assert_eq!(stops(2, 0, 9, 100, &[3, 8]), vec![3, 8, 9]);
     }
 }

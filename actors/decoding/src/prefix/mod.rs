@@ -5,7 +5,9 @@
 //!
 //! Snapshots sit in a radix tree over token ids ([`tree`]) at the depths they were taken:
 //! * where a prompt parts from every path the tree holds (so the next prompt sharing that
-//!   much, a shared system prompt, finds it),
+//!   much finds it),
+//! * before each message of a chat prompt ([`PrefixConfig::boundary`]: a shared system prompt
+//!   is found by prompts that arrive together),
 //! * every [`PrefixConfig::every`] tokens of a long prompt,
 //! * before a prompt's last token (the same prompt again feeds one token), and
 //! * at a generation's end (the next turn of a conversation finds its whole history).
@@ -17,6 +19,7 @@
 //! session restored and fed the rest computes what one fed from the start does, bit for bit
 //! (the batch-invariant passes make a prompt's numbers independent of how it is cut).
 
+mod carry;
 mod feed;
 pub mod tree;
 
@@ -40,6 +43,10 @@ pub struct PrefixConfig {
     pub every: usize,
     /// Tokens the tree's paths may hold (its host memory: 8 bytes a token and a little more).
     pub max_tokens: usize,
+    /// A token that opens a message (ChatML's `<|im_start|>`): a snapshot is kept before each
+    /// one in a prompt, so prompts that share their first messages (a system prompt) share a
+    /// snapshot even when they arrive together.
+    pub boundary: Option<i64>,
 }
 
 impl Default for PrefixConfig {
@@ -49,6 +56,7 @@ impl Default for PrefixConfig {
             host_bytes: 8 << 30,
             every: 0,
             max_tokens: 1 << 24,
+            boundary: None,
         }
     }
 }

@@ -7,8 +7,12 @@
 
 use crate::error::ServeError;
 use crate::generate::Generator;
+use crate::messages::ServerMsg;
 use crate::protocol::PromptSpec;
+use crate::state::Shared;
+use base64::Engine;
 use std::sync::{Arc, Mutex, PoisonError};
+use tokio::sync::mpsc;
 
 /// Conversations one connection may keep; starting one more forgets the least recently used.
 pub const MAX_CONVERSATIONS: usize = 16;
@@ -69,6 +73,86 @@ impl Conversations {
             c.kept.remove(0);
         }
         c.kept.push((name.to_string(), h));
+    }
+
+    /// The history of `name`, if kept and no turn of it runs.
+    fn history(&self, name: &str) -> Result<Vec<i64>, ServeError> {
+        let c = self.lock();
+        if c.running.iter().any(|r| r == name) {
+            return Err(ServeError::Invalid(format!(
+                "conversation `{name}` has a turn running; wait for its `done`"
+            )));
+        }
+        c.kept
+            .iter()
+            .find(|(n, _)| n == name)
+            .map(|(_, h)| h.clone())
+            .ok_or_else(|| {
+                ServeError::UnknownRequest(format!(
+                    "no conversation `{name}` is kept on this connection"
+                ))
+            })
+    }
+
+    /// Answers `export` (`state` is `None`) or `import` of `name` from a task of its own: the
+    /// event goes to `out`. An error found at once is the answer.
+    pub fn carry(
+        &self,
+        (id, name, state): (String, String, Option<String>),
+        s: &Shared,
+        out: &mpsc::Sender<ServerMsg>,
+    ) -> Option<ServerMsg> {
+        let b64 = base64::engine::general_purpose::STANDARD;
+        let (me, s, out) = (self.clone(), s.clone(), out.clone());
+        let answer = match state {
+            None => {
+                let history = match self.history(&name) {
+                    Ok(h) => h,
+                    Err(e) => return Some(ServerMsg::error(Some(id), &e)),
+                };
+                tokio::spawn(async move {
+                    let tokens = history.len();
+                    match crate::carry::export_tokens(&s, history).await {
+                        Ok(file) => ServerMsg::State {
+                            id,
+                            conversation: name,
+                            tokens,
+                            state: b64.encode(file),
+                        },
+                        Err(e) => ServerMsg::error(Some(id), &e),
+                    }
+                })
+            }
+            Some(text) => {
+                let bytes = match b64.decode(text.trim()) {
+                    Ok(b) => b,
+                    Err(e) => {
+                        let e = ServeError::Invalid(format!("`state` is not base64: {e}"));
+                        return Some(ServerMsg::error(Some(id), &e));
+                    }
+                };
+                tokio::spawn(async move {
+                    match crate::carry::import_bytes(&s, &bytes).await {
+                        Ok(tokens) => {
+                            let n = tokens.len();
+                            me.end(&name, Some(tokens));
+                            ServerMsg::Imported {
+                                id,
+                                conversation: name,
+                                tokens: n,
+                            }
+                        }
+                        Err(e) => ServerMsg::error(Some(id), &e),
+                    }
+                })
+            }
+        };
+        tokio::spawn(async move {
+            if let Ok(m) = answer.await {
+                let _ = out.send(m).await;
+            }
+        });
+        None
     }
 
     /// Forgets `name`; whether it was kept.

@@ -92,6 +92,17 @@ impl Requests {
                 }
             }
             generate @ ClientMsg::Generate { .. } => self.generate(generate, s, out),
+            ClientMsg::Export { id, conversation } => {
+                self.0.conversations.carry((id, conversation, None), s, out)
+            }
+            ClientMsg::Import {
+                id,
+                conversation,
+                state,
+            } => self
+                .0
+                .conversations
+                .carry((id, conversation, Some(state)), s, out),
             ClientMsg::Forget { conversation } => {
                 if self.0.conversations.forget(&conversation) {
                     return None;

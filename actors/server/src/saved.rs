@@ -1,0 +1,219 @@
+//! A conversation's state as a file, to take to another server or past a restart: the tokens
+//! the state has seen and the neurons' membranes after them (one snapshot,
+//! `nsactor_decoding::snapshot::HostSnapshot`), with what it belongs to.
+//!
+//! ```text
+//! "NSSTATE\0"  u32 version  u32 header length  header (JSON)
+//! tokens (i64 LE)  state fields (f32 LE: the edge's, then each layer's, as the header's shapes)
+//! SHA-256 of everything before it (32 bytes)
+//! ```
+//!
+//! The header names the model (its served name and vocabulary), the tokenizer (its hash) and
+//! the shapes. A file is refused, saying why, when its magic, version or checksum is wrong,
+//! when it is cut short, or when it belongs to another model or tokenizer.
+
+use crate::error::ServeError;
+use nsactor_decoding::snapshot::HostSnapshot;
+use nsactor_plugin_api::HostTensor;
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+
+pub const MAGIC: &[u8; 8] = b"NSSTATE\0";
+/// The format this server writes and reads.
+pub const VERSION: u32 = 1;
+
+/// What a state file holds.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Saved {
+    /// The model's served name and vocabulary.
+    pub model: String,
+    pub vocab: usize,
+    /// The tokenizer's hash (`Tokenizer::hash`).
+    pub tokenizer: String,
+    pub tokens: Vec<i64>,
+    pub state: HostSnapshot,
+}
+
+#[derive(Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Header {
+    model: String,
+    vocab: usize,
+    tokenizer: String,
+    tokens: usize,
+    edge: Vec<Vec<usize>>,
+    layers: Vec<Vec<Vec<usize>>>,
+}
+
+fn bad(why: impl std::fmt::Display) -> ServeError {
+    ServeError::Invalid(format!("the state file {why}"))
+}
+
+/// The file's bytes.
+pub fn encode(s: &Saved) -> Vec<u8> {
+    let shapes = |f: &[HostTensor]| f.iter().map(|t| t.shape.clone()).collect::<Vec<_>>();
+    let header = Header {
+        model: s.model.clone(),
+        vocab: s.vocab,
+        tokenizer: s.tokenizer.clone(),
+        tokens: s.tokens.len(),
+        edge: shapes(&s.state.edge),
+        layers: s.state.layers.iter().map(|l| shapes(l)).collect(),
+    };
+    let header = serde_json::to_vec(&header).expect("a header always serialises");
+    let mut out = Vec::with_capacity(64 + header.len() + 8 * s.tokens.len());
+    out.extend_from_slice(MAGIC);
+    out.extend_from_slice(&VERSION.to_le_bytes());
+    out.extend_from_slice(&(header.len() as u32).to_le_bytes());
+    out.extend_from_slice(&header);
+    for t in &s.tokens {
+        out.extend_from_slice(&t.to_le_bytes());
+    }
+    for t in s.state.edge.iter().chain(s.state.layers.iter().flatten()) {
+        for x in &t.data {
+            out.extend_from_slice(&x.to_le_bytes());
+        }
+    }
+    let sum = Sha256::digest(&out);
+    out.extend_from_slice(&sum);
+    out
+}
+
+/// Reads a file, checking its magic, version, checksum and lengths.
+pub fn decode(bytes: &[u8]) -> Result<Saved, ServeError> {
+    if bytes.len() < 16 || &bytes[..8] != MAGIC {
+        return Err(bad(
+            "is not an nsactor state file (its first bytes are not `NSSTATE`)",
+        ));
+    }
+    let version = u32::from_le_bytes(bytes[8..12].try_into().expect("4 bytes"));
+    if version != VERSION {
+        return Err(bad(format!(
+            "has format version {version}; this server reads version {VERSION}"
+        )));
+    }
+    if bytes.len() < 16 + 32 {
+        return Err(bad("is cut short"));
+    }
+    let (body, sum) = bytes.split_at(bytes.len() - 32);
+    if Sha256::digest(body).as_slice() != sum {
+        return Err(bad(
+            "is corrupt or cut short: its SHA-256 does not match its contents",
+        ));
+    }
+    let header_len = u32::from_le_bytes(body[12..16].try_into().expect("4 bytes")) as usize;
+    let rest = &body[16..];
+    if rest.len() < header_len {
+        return Err(bad("is cut short inside its header"));
+    }
+    let h: Header = serde_json::from_slice(&rest[..header_len])
+        .map_err(|e| bad(format!("has a header this server cannot read: {e}")))?;
+    let mut at = &rest[header_len..];
+    let mut take = |n: usize, what: &str| -> Result<&[u8], ServeError> {
+        if at.len() < n {
+            return Err(bad(format!("is cut short in its {what}")));
+        }
+        let (now, later) = at.split_at(n);
+        at = later;
+        Ok(now)
+    };
+    let tokens = take(8 * h.tokens, "tokens")?
+        .chunks_exact(8)
+        .map(|c| i64::from_le_bytes(c.try_into().expect("8 bytes")))
+        .collect();
+    let mut field = |shape: &Vec<usize>| -> Result<HostTensor, ServeError> {
+        let n: usize = shape.iter().product();
+        let data = take(4 * n, "states")?
+            .chunks_exact(4)
+            .map(|c| f32::from_le_bytes(c.try_into().expect("4 bytes")))
+            .collect();
+        Ok(HostTensor {
+            data,
+            shape: shape.clone(),
+        })
+    };
+    let edge = h.edge.iter().map(&mut field).collect::<Result<_, _>>()?;
+    let layers = h
+        .layers
+        .iter()
+        .map(|l| l.iter().map(&mut field).collect::<Result<_, _>>())
+        .collect::<Result<_, _>>()?;
+    if !at.is_empty() {
+        return Err(bad(format!("has {} bytes past its states", at.len())));
+    }
+    Ok(Saved {
+        model: h.model,
+        vocab: h.vocab,
+        tokenizer: h.tokenizer,
+        tokens,
+        state: HostSnapshot { edge, layers },
+    })
+}
+
+impl Saved {
+    /// Refuses a state of another model or tokenizer than the server's.
+    pub fn check(&self, model: &str, vocab: usize, tokenizer: &str) -> Result<(), ServeError> {
+        if self.model != model || self.vocab != vocab {
+            return Err(bad(format!(
+                "belongs to model `{}` (vocabulary {}); this server serves `{model}` (vocabulary {vocab})",
+                self.model, self.vocab
+            )));
+        }
+        if self.tokenizer != tokenizer {
+            return Err(bad(format!(
+                "was made with tokenizer {}; this server's is {tokenizer}",
+                self.tokenizer
+            )));
+        }
+        if self.tokens.is_empty() {
+            return Err(bad("holds no tokens"));
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn saved() -> Saved {
+        let t = |n: usize, x: f32| HostTensor {
+            data: (0..n).map(|i| x + i as f32).collect(),
+            shape: vec![1, 1, n],
+        };
+        Saved {
+            model: "tiny".into(),
+            vocab: 512,
+            tokenizer: "abc".into(),
+            tokens: vec![1, 7, 300],
+            state: HostSnapshot {
+                edge: vec![t(4, 0.5)],
+                layers: vec![vec![t(4, 1.0), t(8, -2.0)], vec![t(4, 3.0), t(8, 1e-9)]],
+            },
+        }
+    }
+
+    #[test]
+    fn a_file_reads_back_as_written_and_every_damage_is_named() {
+        let s = saved();
+        let bytes = encode(&s);
+        assert_eq!(decode(&bytes).unwrap(), s);
+        let err = |b: &[u8]| decode(b).unwrap_err().to_string();
+        assert!(err(b"hello world, this is json").contains("not an nsactor state file"));
+        let mut v2 = bytes.clone();
+        v2[8] = 2;
+        assert!(err(&v2).contains("format version 2"));
+        let mut flipped = bytes.clone();
+        let mid = bytes.len() / 2;
+        flipped[mid] ^= 1;
+        assert!(err(&flipped).contains("SHA-256"));
+        assert!(err(&bytes[..bytes.len() - 10]).contains("SHA-256"));
+        assert!(err(&bytes[..20]).contains("cut short"));
+        // Checked against the server's model and tokenizer.
+        s.check("tiny", 512, "abc").unwrap();
+        let other = s.check("big", 512, "abc").unwrap_err().to_string();
+        assert!(other.contains("belongs to model `tiny`"), "{other}");
+        let tok = s.check("tiny", 512, "xyz").unwrap_err().to_string();
+        assert!(tok.contains("tokenizer abc"), "{tok}");
+    }
+}

@@ -404,9 +404,12 @@ impl Actor for EdgeActor {
             }
             EdgeMsg::State { op, reply } => {
                 let (backend, device) = (s.stage.backend().clone(), s.stage.device);
+                // At a decoding pass's priority, in turn with them: a snapshot op takes
+                // microseconds, and at the lowest priority it waited for a gap between a
+                // busy server's passes.
                 let r = s
                     .stage
-                    .compute(Priority::Control, None, move |st, _| {
+                    .compute(Priority::FORWARD_UNTRAINED, None, move |st, _| {
                         op.run(st, &*backend, device)
                     })
                     .await;

@@ -223,6 +223,12 @@ pub struct ServeBenchArgs {
     /// Bytes of the system prompt every --turns conversation starts with (shared by them).
     #[arg(long, default_value_t = 0, value_name = "BYTES")]
     system_bytes: usize,
+    /// With --turns: a conversation of about this many tokens is answered, its state
+    /// exported (`/v1/state/export`) and imported on a second server of the same model with an
+    /// empty cache (a restart), and its next turn timed there beside a third server that
+    /// prefills it all (0: none).
+    #[arg(long, default_value_t = 0, value_name = "TOKENS")]
+    carry: usize,
     #[command(flatten)]
     prefix: crate::serve::PrefixArgs,
 }
@@ -330,6 +336,20 @@ pub fn run(a: ServeBenchArgs) -> crate::result::CliResult {
     let decoder = state.generator.decoder.clone();
     let cache = state.generator.prefix.clone();
     decoder.set_buckets(buckets.clone());
+    // For --carry: two more servers of the same model, their caches empty.
+    let spare = |_| -> CliResult<Loopback> {
+        let state = nsactor_server::ServerState::new(
+            (decoder.clone(), l.tokenizer.clone(), a.prefix.config()),
+            (max, max),
+            l.name.clone(),
+            Default::default(),
+            Default::default(),
+        );
+        Loopback::start(state, 2, 1)
+    };
+    let spares = (0..2 * usize::from(a.carry > 0))
+        .map(spare)
+        .collect::<CliResult<Vec<_>>>()?;
     let loopback = Loopback::start(state, a.http_threads, a.client_threads)?;
     let addr = loopback.addr;
     loopback.clients.block_on(async {
@@ -355,6 +375,11 @@ pub fn run(a: ServeBenchArgs) -> crate::result::CliResult {
                     temperature: a.temperature,
                 };
                 super::turns::run(addr, t, &cache).await?;
+            }
+            if let [b, c] = &spares[..] {
+                super::turns::carry([addr, b.addr, c.addr], a.carry, a.tokens).await?;
+                // Every session closed (and its snapshot kept) before the servers go.
+                idle(&decoder).await;
             }
             return Ok(());
         }

@@ -27,8 +27,8 @@ pub struct Turns {
     pub temperature: f32,
 }
 
-/// One turn of one client: seconds to its first token, and its prompt's tokens.
-type Turn = (f64, usize);
+/// One turn of one client: seconds to its first token, its prompt's tokens, its answer.
+type Turn = (f64, usize, String);
 
 /// Runs the conversations against the server at `addr` and prints a row per turn, then the
 /// cache's counters over the run.
@@ -39,8 +39,12 @@ pub async fn run(addr: std::net::SocketAddr, t: Turns, cache: &Arc<PrefixCache>)
         .map(|i| tokio::spawn(conversation(addr, i, t)))
         .collect();
     let mut per_turn: Vec<Vec<Turn>> = vec![Vec::new(); t.turns];
+    // Every answer in (client, turn) order: equal digests, equal conversations (a run with the
+    // cache against one without it).
+    let mut digest = std::collections::hash_map::DefaultHasher::new();
     for c in clients {
         for (k, turn) in c.await??.into_iter().enumerate() {
+            std::hash::Hash::hash(&turn.2, &mut digest);
             per_turn[k].push(turn);
         }
     }
@@ -65,13 +69,14 @@ pub async fn run(addr: std::net::SocketAddr, t: Turns, cache: &Arc<PrefixCache>)
     let [hits, misses, saved] = [0, 1, 2].map(|i| s1[i] - s0[i]);
     let u = cache.usage();
     println!(
-        "prefix cache: {hits} hits, {misses} misses ({:.1} % hit rate), {saved} prompt tokens not prefilled; {} snapshots, {:.1} MiB on the devices, {:.1} MiB on the host; {} conversations of {} turns in {wall:.1} s",
+        "prefix cache: {hits} hits, {misses} misses ({:.1} % hit rate), {saved} prompt tokens not prefilled; {} snapshots, {:.1} MiB on the devices, {:.1} MiB on the host; {} conversations of {} turns in {wall:.1} s; answers' digest {:016x}",
         100.0 * hits as f64 / (hits + misses).max(1) as f64,
         u.entries,
         u.device_bytes as f64 / (1 << 20) as f64,
         u.host_bytes as f64 / (1 << 20) as f64,
         t.clients,
-        t.turns
+        t.turns,
+        std::hash::Hasher::finish(&digest)
     );
     Ok(())
 }
@@ -119,7 +124,7 @@ async fn conversation(addr: std::net::SocketAddr, client: usize, t: Turns) -> Cl
         let mut body = post(&mut sender, addr, "/v1/chat/completions", &body).await?;
         let (mut buf, mut answer) = (String::new(), String::new());
         let (mut ttft, mut prompt_tokens) = (None, None);
-        'read: while let Some(frame) = body.frame().await {
+        while let Some(frame) = body.frame().await {
             let frame = frame.map_err(|e| format!("reading the stream: {e}"))?;
             let Some(data) = frame.data_ref() else {
                 continue;
@@ -130,8 +135,9 @@ async fn conversation(addr: std::net::SocketAddr, client: usize, t: Turns) -> Cl
                 let Some(payload) = event.trim().strip_prefix("data:").map(str::trim) else {
                     continue;
                 };
+                // Read on to the body's end: the connection carries the next turn.
                 if payload == "[DONE]" {
-                    break 'read;
+                    continue;
                 }
                 let v: serde_json::Value = serde_json::from_str(payload)?;
                 if let Some(n) = v["usage"]["prompt_tokens"].as_u64() {
@@ -145,8 +151,135 @@ async fn conversation(addr: std::net::SocketAddr, client: usize, t: Turns) -> Cl
             }
         }
         let prompt_tokens = prompt_tokens.ok_or("the stream ended without its usage")?;
-        out.push((ttft.unwrap_or(f64::NAN), prompt_tokens));
-        messages.push(serde_json::json!({"role": "assistant", "content": answer}));
+        messages.push(serde_json::json!({"role": "assistant", "content": answer.clone()}));
+        out.push((ttft.unwrap_or(f64::NAN), prompt_tokens, answer));
     }
     Ok(out)
+}
+
+/// `POST path` of raw `body` (`content_type`) on a new connection: the answer's bytes, or an
+/// error with the server's answer when it is not a success.
+async fn post_bytes(
+    addr: std::net::SocketAddr,
+    path: &str,
+    content_type: &str,
+    body: Vec<u8>,
+) -> CliResult<Vec<u8>> {
+    let mut sender = connect(addr).await?;
+    let req = hyper::Request::post(path)
+        .header("host", addr.to_string())
+        .header("content-type", content_type)
+        .body(http_body_util::Full::new(hyper::body::Bytes::from(body)))
+        .map_err(|e| format!("request: {e}"))?;
+    let resp = sender
+        .send_request(req)
+        .await
+        .map_err(|e| format!("POST {path}: {e}"))?;
+    let status = resp.status();
+    let bytes = resp
+        .into_body()
+        .collect()
+        .await
+        .map_err(|e| format!("reading {path}: {e}"))?
+        .to_bytes()
+        .to_vec();
+    if !status.is_success() {
+        return Err(format!("{path}: {status} {}", String::from_utf8_lossy(&bytes)).into());
+    }
+    Ok(bytes)
+}
+
+/// A streamed chat turn: seconds to its first token, its answer, its prompt tokens.
+async fn timed_turn(
+    addr: std::net::SocketAddr,
+    messages: &[serde_json::Value],
+    tokens: usize,
+) -> CliResult<(f64, String, u64)> {
+    let body = serde_json::json!({"messages": messages, "max_tokens": tokens,
+        "temperature": 0, "stream": true, "stream_options": {"include_usage": true}});
+    let mut sender = connect(addr).await?;
+    let sent = Instant::now();
+    let mut stream = post(&mut sender, addr, "/v1/chat/completions", &body).await?;
+    let (mut ttft, mut answer, mut prompt) = (None, String::new(), 0);
+    let mut buf = String::new();
+    while let Some(frame) = stream.frame().await {
+        let frame = frame.map_err(|e| format!("reading the stream: {e}"))?;
+        let Some(data) = frame.data_ref() else {
+            continue;
+        };
+        buf.push_str(&String::from_utf8_lossy(data));
+        while let Some(end) = buf.find("\n\n") {
+            let event: String = buf.drain(..end + 2).collect();
+            let Some(p) = event.trim().strip_prefix("data:").map(str::trim) else {
+                continue;
+            };
+            if p == "[DONE]" {
+                continue;
+            }
+            let v: serde_json::Value = serde_json::from_str(p)?;
+            prompt = v["usage"]["prompt_tokens"].as_u64().unwrap_or(prompt);
+            let c = &v["choices"][0];
+            if c.is_object() && c["finish_reason"].is_null() {
+                ttft.get_or_insert(sent.elapsed().as_secs_f64());
+                answer.push_str(c["delta"]["content"].as_str().unwrap_or(""));
+            }
+        }
+    }
+    Ok((ttft.unwrap_or(f64::NAN), answer, prompt))
+}
+
+/// `--carry N`: a conversation of about `n` tokens (a long system prompt and a question) is
+/// answered on the server at `a`, and its state exported; the server at `b` (the same model,
+/// its cache empty: a restarted server) imports it, and the conversation's next turn is timed
+/// there, beside the same turn on the server at `c`, which prefills it all. Greedy, so the two
+/// answers must agree.
+pub async fn carry(
+    [a, b, c]: [std::net::SocketAddr; 3],
+    n: usize,
+    answer_tokens: usize,
+) -> CliResult {
+    let mut system = String::from("You are a careful assistant.");
+    let filler = " The garden by the river keeps its old stones, and the birds come at dawn.";
+    // The 0.9B's tokenizer cuts English into about 1.1 bytes a token.
+    while system.len() < n * 11 / 10 {
+        system.push_str(filler);
+    }
+    let mut messages = vec![
+        serde_json::json!({"role": "system", "content": system}),
+        serde_json::json!({"role": "user", "content": "What do the birds do?"}),
+    ];
+    let (first, answer, prompt) = timed_turn(a, &messages, answer_tokens).await?;
+    messages.push(serde_json::json!({"role": "assistant", "content": answer}));
+    let t = Instant::now();
+    let body = serde_json::json!({"messages": messages})
+        .to_string()
+        .into_bytes();
+    let file = post_bytes(a, "/v1/state/export", "application/json", body).await?;
+    let export_ms = t.elapsed().as_secs_f64() * 1e3;
+    let t = Instant::now();
+    let imported = post_bytes(
+        b,
+        "/v1/state/import",
+        "application/octet-stream",
+        file.clone(),
+    )
+    .await?;
+    let import_ms = t.elapsed().as_secs_f64() * 1e3;
+    let imported: serde_json::Value = serde_json::from_slice(&imported)?;
+    messages.push(serde_json::json!({"role": "user", "content": "And then?"}));
+    let (warm, on_b, tokens_b) = timed_turn(b, &messages, answer_tokens).await?;
+    let (cold, on_c, tokens_c) = timed_turn(c, &messages, answer_tokens).await?;
+    println!(
+        "carry: a conversation of {} tokens (first turn {prompt} prompt tokens, TTFT {:.1} ms); export {export_ms:.1} ms, {:.2} MB file; import on a server with an empty cache {import_ms:.1} ms",
+        imported["tokens"],
+        first * 1e3,
+        file.len() as f64 / 1e6,
+    );
+    println!(
+        "carry: next turn ({tokens_b} prompt tokens) TTFT {:.1} ms after the import, {:.1} ms prefilling it all ({tokens_c} tokens); answers {}",
+        warm * 1e3,
+        cold * 1e3,
+        if on_b == on_c { "equal" } else { "DIFFER" }
+    );
+    Ok(())
 }

@@ -8,6 +8,10 @@ use nsactor_engine::error::RuntimeError;
 use nsactor_plugin_api::SessionId;
 use std::sync::atomic::Ordering;
 
+/// Tokens past a hit and before a prompt's end within which a message opening keeps no
+/// snapshot of its own.
+const NEAR: usize = 8;
+
 /// What a lookup pinned: the node, its depth, and its snapshot where it is.
 enum Hit {
     Device(usize, usize, Snapshot),
@@ -41,9 +45,12 @@ impl PrefixCache {
         } else {
             self.stats.misses.fetch_add(1, Ordering::Relaxed);
         }
+        // A message opening a few tokens before the prompt's end (the assistant's turn) is
+        // covered by the snapshot at its end, and one a few tokens past the hit (the next
+        // turn's, after the last answer's end) by the hit: neither is worth a pass of its own.
         let opens = self.cfg.boundary.map_or(Vec::new(), |b| {
-            let at = prompt[..limit].iter().enumerate();
-            at.filter(|&(i, &t)| t == b && i > fed)
+            let at = prompt[..limit.saturating_sub(NEAR)].iter().enumerate();
+            at.filter(|&(i, &t)| t == b && i >= fed + NEAR)
                 .map(|(i, _)| i)
                 .collect()
         });

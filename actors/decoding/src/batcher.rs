@@ -80,7 +80,7 @@ pub enum BatcherMsg {
         session: SessionId,
         snapshot: SnapshotId,
         depth: usize,
-        reply: RpcReplyPort<Result<(), RuntimeError>>,
+        reply: RpcReplyPort<Result<bool, RuntimeError>>,
     },
     /// A cohort finished: `sessions` in cohort order, and their answers in that order;
     /// `generation` is how many times the stages had been lost when it launched.
@@ -293,7 +293,8 @@ impl BatcherState {
         cohort.sort_by_key(|w| w.session);
         for w in &cohort {
             self.fresh.remove(&w.session);
-            *self.fed.entry(w.session).or_default() += w.ids.len();
+            let fed = self.fed.entry(w.session).or_default();
+            *fed = fed.saturating_add(w.ids.len());
         }
         let mut sessions: Vec<SessionId> = cohort.iter().map(|w| w.session).collect();
         let mut ids: Vec<i64> = cohort.iter().flat_map(|w| w.ids.iter().copied()).collect();
@@ -389,6 +390,10 @@ impl BatcherState {
                     RuntimeError::Runtime(format!("{s}: answered twice in one cohort"))
                 }),
             };
+            if r.is_err() {
+                // Its states may have moved in some stages and not in others: never kept.
+                self.fed.insert(s, usize::MAX);
+            }
             match reply {
                 Reply::Once { port, .. } => {
                     let _ = port.send(r);

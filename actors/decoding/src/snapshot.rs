@@ -98,13 +98,14 @@ impl AsyncDecoder {
     }
 
     /// New `session` (never fed) starts from `snapshot`, having seen `depth` inputs (what
-    /// [`close_keeping`](Self::close_keeping) counts from).
+    /// [`close_keeping`](Self::close_keeping) counts from). `false`, with nothing done, while
+    /// decoding rebuilds its stages (they will not have the snapshot).
     pub async fn restore(
         &self,
         session: SessionId,
         snapshot: &Snapshot,
         depth: usize,
-    ) -> Result<(), RuntimeError> {
+    ) -> Result<bool, RuntimeError> {
         let r = self
             .batcher
             .call(

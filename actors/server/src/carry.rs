@@ -27,22 +27,33 @@ struct ExportRequest {
     add_special_tokens: Option<bool>,
 }
 
-/// The state file of the states after `tokens`.
+/// The state file of the states after `tokens`. It may run a session, so it waits for a
+/// place among the sessions as a generation does, and runs in a task of its own: a client
+/// that goes away meanwhile leaves no session, pin or snapshot behind.
 pub async fn export_tokens(s: &Shared, tokens: Vec<i64>) -> Result<Vec<u8>, ServeError> {
-    let g = &s.generator;
-    let state = g.prefix.state_after(&g.decoder, &tokens).await?;
-    Ok(saved::encode(&Saved {
-        model: s.model_name.clone(),
-        vocab: g.decoder.vocab(),
-        tokenizer: g.tokenizer.hash().to_string(),
-        tokens,
-        state,
-    }))
+    let s = s.clone();
+    let work = tokio::spawn(async move {
+        let g = &s.generator;
+        g.ready.check()?;
+        let _running = g.drain.enter()?;
+        let _permit = g.admission.enter().await?;
+        let state = g.prefix.state_after(&g.decoder, &tokens).await?;
+        Ok(saved::encode(&Saved {
+            model: s.model_name.clone(),
+            vocab: g.decoder.vocab(),
+            tokenizer: g.tokenizer.hash().to_string(),
+            tokens,
+            state,
+        }))
+    });
+    work.await
+        .map_err(|e| ServeError::Internal(format!("exporting a state failed: {e}")))?
 }
 
 /// Reads, checks and keeps a state file; its tokens.
 pub async fn import_bytes(s: &Shared, bytes: &[u8]) -> Result<Vec<i64>, ServeError> {
     let g = &s.generator;
+    g.ready.check()?;
     let f = saved::decode(bytes)?;
     f.check(&s.model_name, g.decoder.vocab(), g.tokenizer.hash())?;
     if f.tokens.len() > g.max_prompt_tokens {

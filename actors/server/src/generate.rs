@@ -67,7 +67,8 @@ impl Admission {
         }
     }
 
-    async fn enter(&self) -> Result<tokio::sync::OwnedSemaphorePermit, ServeError> {
+    /// A place among the sessions decoding, waiting in the queue if need be; "busy" past it.
+    pub(crate) async fn enter(&self) -> Result<tokio::sync::OwnedSemaphorePermit, ServeError> {
         if let Ok(p) = self.permits.clone().try_acquire_owned() {
             return Ok(p);
         }
@@ -226,18 +227,25 @@ impl Generator {
         // stage's worker; 256 sessions ending together took about 0.3 s of them). The close
         // is queued at the batcher before the place is given back, so the request admitted in
         // it is batched after this session has left: cohorts stay within `max_sessions`. A
-        // request through the prefix cache keeps a snapshot of its states first.
-        if let Ok(f) = &r {
-            let _ = tx.send(GenEvent::Done(f.clone())).await;
-        }
-        let closed: std::pin::Pin<Box<dyn Future<Output = ()> + Send>> = match &r {
+        // request through the prefix cache files the snapshot of its states before its final
+        // event goes out, so a conversation's next turn, sent on that event, finds it.
+        match &r {
             Ok(f) if self.caches(&spec) => {
-                Box::pin(self.prefix.close(&self.decoder, session, f.tokens.clone()))
+                self.prefix
+                    .close(&self.decoder, session, f.tokens.clone())
+                    .await;
+                let _ = tx.send(GenEvent::Done(f.clone())).await;
+                drop(permit);
             }
-            _ => Box::pin(self.decoder.begin_close(session)),
-        };
-        drop(permit);
-        closed.await;
+            _ => {
+                if let Ok(f) = &r {
+                    let _ = tx.send(GenEvent::Done(f.clone())).await;
+                }
+                let closed = self.decoder.begin_close(session);
+                drop(permit);
+                closed.await;
+            }
+        }
         self.metrics.running.dec();
         let r = r?;
         self.metrics.finished(

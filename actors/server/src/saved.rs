@@ -21,6 +21,8 @@ use sha2::{Digest, Sha256};
 pub const MAGIC: &[u8; 8] = b"NSSTATE\0";
 /// The format this server writes and reads.
 pub const VERSION: u32 = 1;
+/// Widest state field a file may hold (the 0.9B's widest is 2 · D_ff = 5,376).
+const MAX_WIDTH: usize = 1 << 20;
 
 /// What a state file holds.
 #[derive(Debug, Clone, PartialEq)]
@@ -117,16 +119,27 @@ pub fn decode(bytes: &[u8]) -> Result<Saved, ServeError> {
         at = later;
         Ok(now)
     };
-    let tokens = take(8 * h.tokens, "tokens")?
+    let tokens = take(h.tokens.saturating_mul(8), "tokens")?
         .chunks_exact(8)
         .map(|c| i64::from_le_bytes(c.try_into().expect("8 bytes")))
         .collect();
     let mut field = |shape: &Vec<usize>| -> Result<HostTensor, ServeError> {
-        let n: usize = shape.iter().product();
-        let data = take(4 * n, "states")?
+        // One session's row of one state field: `[1, 1, width]`.
+        let n = match shape[..] {
+            [1, 1, w] if w > 0 && w <= MAX_WIDTH => w,
+            _ => {
+                return Err(bad(format!(
+                    "has a state field of shape {shape:?}; one session's fields are [1, 1, width]"
+                )));
+            }
+        };
+        let data: Vec<f32> = take(4 * n, "states")?
             .chunks_exact(4)
             .map(|c| f32::from_le_bytes(c.try_into().expect("4 bytes")))
             .collect();
+        if let Some(x) = data.iter().find(|x| !x.is_finite()) {
+            return Err(bad(format!("holds a state value of {x}")));
+        }
         Ok(HostTensor {
             data,
             shape: shape.clone(),
@@ -209,6 +222,28 @@ mod tests {
         assert!(err(&flipped).contains("SHA-256"));
         assert!(err(&bytes[..bytes.len() - 10]).contains("SHA-256"));
         assert!(err(&bytes[..20]).contains("cut short"));
+        // A hostile header with a good checksum: no overflow, no huge allocation, no panic.
+        let forge = |header: &str, body: &[u8]| {
+            let mut out = MAGIC.to_vec();
+            out.extend_from_slice(&VERSION.to_le_bytes());
+            out.extend_from_slice(&(header.len() as u32).to_le_bytes());
+            out.extend_from_slice(header.as_bytes());
+            out.extend_from_slice(body);
+            let sum = Sha256::digest(&out);
+            out.extend_from_slice(&sum);
+            out
+        };
+        let head = |tokens: usize, edge: &str| {
+            format!(
+                r#"{{"model":"tiny","vocab":512,"tokenizer":"abc","tokens":{tokens},"edge":{edge},"layers":[]}}"#
+            )
+        };
+        let huge = forge(&head(usize::MAX / 2, "[]"), &[0; 16]);
+        assert!(err(&huge).contains("cut short in its tokens"));
+        let rows = forge(&head(0, "[[1, 18014398509481984, 1024]]"), &[]);
+        assert!(err(&rows).contains("[1, 1, width]"));
+        let nan = forge(&head(0, "[[1, 1, 2]]"), &[0, 0, 0, 0, 0, 0, 0xc0, 0x7f]);
+        assert!(err(&nan).contains("state value of NaN"), "{}", err(&nan));
         // Checked against the server's model and tokenizer.
         s.check("tiny", 512, "abc").unwrap();
         let other = s.check("big", 512, "abc").unwrap_err().to_string();

@@ -195,3 +195,113 @@ async fn ws_send(ws: &mut common::Ws, v: Value) {
     .await
     .unwrap();
 }
+
+/// POST `body` to `path`: the status and the raw body.
+async fn http_bytes(addr: std::net::SocketAddr, path: &str, body: &[u8]) -> (u16, Vec<u8>) {
+    use tokio::io::AsyncReadExt;
+    let mut s = common::send_request(addr, "POST", path, "Connection: close\r\n", body).await;
+    let mut out = Vec::new();
+    s.read_to_end(&mut out).await.unwrap();
+    let split = out.windows(4).position(|w| w == b"\r\n\r\n").unwrap();
+    let head = String::from_utf8_lossy(&out[..split]).to_string();
+    let status = head.split_whitespace().nth(1).unwrap().parse().unwrap();
+    (status, out[split + 4..].to_vec())
+}
+
+#[test]
+fn a_conversation_s_state_carried_to_another_server_goes_on_there_as_it_would_have() {
+    // Two servers of the same model (the embedded tiny config, seed 0).
+    let (a, b) = (
+        serve_limited(4, false, limits()),
+        serve_limited(4, false, limits()),
+    );
+    let (at_a, at_b) = (a.addr, b.addr);
+    a.pipeline.block_on(async move {
+        let mut messages = vec![
+            json!({"role": "system", "content": "Answer in one word."}),
+            json!({"role": "user", "content": "Where is the café?"}),
+        ];
+        let (answer, _, _) = chat(at_a, &messages, true).await;
+        messages.push(json!({"role": "assistant", "content": answer}));
+        let body = json!({"messages": messages}).to_string();
+        let (status, file) = http_bytes(at_a, "/v1/state/export", body.as_bytes()).await;
+        assert_eq!(status, 200, "{}", String::from_utf8_lossy(&file));
+        assert_eq!(&file[..8], b"NSSTATE\0");
+        let (status, ok) = http_bytes(at_b, "/v1/state/import", &file).await;
+        assert_eq!(status, 200, "{}", String::from_utf8_lossy(&ok));
+        let ok: Value = serde_json::from_slice(&ok).unwrap();
+        let tokens = ok["tokens"].as_u64().unwrap();
+        messages.push(json!({"role": "user", "content": "And the tea?"}));
+        // On B the next turn starts from the imported state; on A, with the cache off, from
+        // nothing: the same answer and log-probabilities.
+        let (_, before) = http(at_b, "GET", "/metrics", b"").await;
+        let on_b = chat(at_b, &messages, true).await;
+        let on_a = chat(at_a, &messages, false).await;
+        assert_eq!(on_b, on_a);
+        let (_, after) = http(at_b, "GET", "/metrics", b"").await;
+        let saved = |m: &str| metric(m, "nsactor_prefix_cache_tokens_saved_total");
+        assert!(
+            saved(&after) - saved(&before) >= tokens as f64,
+            "{tokens} tokens imported"
+        );
+        // Bad files are refused, saying why; the server serves on.
+        let (status, e) = http_bytes(at_b, "/v1/state/import", b"{\"prompt\": \"hi\"}").await;
+        assert_eq!(status, 400);
+        assert!(String::from_utf8_lossy(&e).contains("not an nsactor state file"));
+        let mut cut = file.clone();
+        cut.truncate(file.len() - 100);
+        let (status, e) = http_bytes(at_b, "/v1/state/import", &cut).await;
+        assert_eq!(status, 400);
+        assert!(String::from_utf8_lossy(&e).contains("SHA-256"));
+        // Over the WebSocket: exported from one connection's conversation, imported into
+        // another's, whose next turn equals a fresh request of the whole history.
+        let mut ws = connect(at_a).await;
+        let (gen1, _) = turn(
+            &mut ws,
+            "a",
+            json!({"conversation": "c", "prompt": "Tea or"}),
+        )
+        .await;
+        ws_send(
+            &mut ws,
+            json!({"type": "export", "id": "x", "conversation": "c"}),
+        )
+        .await;
+        let state = common::next_json(&mut ws).await;
+        assert_eq!(state["type"], "state", "{state}");
+        let mut other = connect(at_b).await;
+        ws_send(
+            &mut other,
+            json!({"type": "import", "id": "y", "conversation": "d",
+            "state": state["state"]}),
+        )
+        .await;
+        let imported = common::next_json(&mut other).await;
+        assert_eq!(imported["type"], "imported", "{imported}");
+        assert_eq!(imported["tokens"], state["tokens"]);
+        let (gen2, _) = turn(
+            &mut other,
+            "b",
+            json!({"conversation": "d", "prompt": " coffee"}),
+        )
+        .await;
+        let mut history = tokenize(at_a, "Tea or", true).await;
+        history.extend(&gen1);
+        history.extend(tokenize(at_a, " coffee", false).await);
+        let (want, _) = turn(
+            &mut ws,
+            "ref",
+            json!({"prompt": history, "cache_prompt": false}),
+        )
+        .await;
+        assert_eq!(gen2, want);
+        ws_send(
+            &mut other,
+            json!({"type": "import", "id": "z", "conversation": "e", "state": "%%%"}),
+        )
+        .await;
+        let e = common::next_json(&mut other).await;
+        assert!(e["message"].as_str().unwrap().contains("base64"), "{e}");
+    });
+    drop(b);
+}

@@ -76,14 +76,20 @@ impl BatcherState {
     }
 
     /// New `session` starts from `snapshot` in every stage: from now on it holds states (a
-    /// close frees them, a lost stage loses them) and has seen `depth` inputs.
+    /// close frees them, a lost stage loses them) and has seen `depth` inputs. Answers `false`,
+    /// touching nothing, while decoding is not serving: the stages being rebuilt are not the
+    /// ones that kept the snapshot.
     pub(super) fn restore(
         &mut self,
         session: SessionId,
         snapshot: SnapshotId,
         depth: usize,
-        reply: RpcReplyPort<Result<(), RuntimeError>>,
+        reply: RpcReplyPort<Result<bool, RuntimeError>>,
     ) {
+        if !self.health.is_serving() {
+            let _ = reply.send(Ok(false));
+            return;
+        }
         if self.open.contains(&session) || self.lost.contains_key(&session) {
             let _ = reply.send(Err(RuntimeError::Runtime(format!(
                 "{session} has already run: only a new session starts from a snapshot"
@@ -99,7 +105,8 @@ impl BatcherState {
         self.fed.insert(session, depth);
         let children = self.children();
         tokio::spawn(async move {
-            let _ = reply.send(snapshot::restore(&children, session, snapshot).await);
+            let r = snapshot::restore(&children, session, snapshot).await;
+            let _ = reply.send(r.map(|()| true));
         });
     }
 }

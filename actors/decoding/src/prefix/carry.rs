@@ -52,7 +52,7 @@ impl PrefixCache {
             match &e.tier {
                 Tier::Device(s) => {
                     e.pins += 1;
-                    Ok((node, *s))
+                    Ok((node, e.serial, *s))
                 }
                 Tier::Host(h) => Err(h.clone()),
                 Tier::Moving => unreachable!("not usable"),
@@ -60,9 +60,9 @@ impl PrefixCache {
         };
         match tier {
             Err(host) => Some((*host).clone()),
-            Ok((node, s)) => {
+            Ok((node, serial, s)) => {
                 let host = dec.read_snapshot(&s).await.ok();
-                if let Some(e) = self.lock().tree.entry_mut(node) {
+                if let Some(e) = self.lock().entry_mut(node, serial) {
                     e.pins = e.pins.saturating_sub(1);
                 }
                 host

@@ -12,10 +12,15 @@ use std::sync::atomic::Ordering;
 /// snapshot of its own.
 const NEAR: usize = 8;
 
-/// What a lookup pinned: the node, its depth, and its snapshot where it is.
+/// What a lookup pinned: the node and its entry's serial, its depth, and its snapshot where
+/// it is.
 enum Hit {
-    Device(usize, usize, Snapshot),
-    Host(usize, usize, std::sync::Arc<crate::snapshot::HostSnapshot>),
+    Device((usize, u64), usize, Snapshot),
+    Host(
+        (usize, u64),
+        usize,
+        std::sync::Arc<crate::snapshot::HostSnapshot>,
+    ),
 }
 
 impl PrefixCache {
@@ -36,8 +41,12 @@ impl PrefixCache {
         let limit = prompt.len() - 1;
         let (hit, common) = self.lookup(prompt, limit);
         let mut fed = 0;
-        if let Some(hit) = hit {
-            fed = self.restore(dec, session, hit).await?;
+        let restored = match hit {
+            Some(hit) => self.restore(dec, session, hit).await?,
+            None => None,
+        };
+        if let Some(depth) = restored {
+            fed = depth;
             self.stats.hits.fetch_add(1, Ordering::Relaxed);
             self.stats
                 .tokens_saved
@@ -84,56 +93,71 @@ impl PrefixCache {
         g.tree.touch(node);
         let e = g.tree.entry_mut(node).expect("found");
         e.pins += 1;
+        let at = (node, e.serial);
         let hit = match &e.tier {
-            Tier::Device(s) => Hit::Device(node, found.depth, *s),
-            Tier::Host(h) => Hit::Host(node, found.depth, h.clone()),
+            Tier::Device(s) => Hit::Device(at, found.depth, *s),
+            Tier::Host(h) => Hit::Host(at, found.depth, h.clone()),
             Tier::Moving => unreachable!("not usable"),
         };
         (Some(hit), found.common)
     }
 
     /// Starts `session` from the pinned hit (brought back to the devices first if on the
-    /// host), then unpins it; answers its depth.
+    /// host), then unpins it; answers its depth, or `None` where decoding is not serving now
+    /// (rebuilding its stages: the session is then fed from the start). A restore that fails
+    /// takes the entry out of the cache.
     async fn restore(
         &self,
         dec: &AsyncDecoder,
         session: SessionId,
         hit: Hit,
-    ) -> Result<usize, RuntimeError> {
-        let (node, depth, snap) = match hit {
-            Hit::Device(node, depth, s) => (node, depth, Ok((s, false))),
-            Hit::Host(node, depth, h) => (node, depth, self.promote(dec, node, &h).await),
+    ) -> Result<Option<usize>, RuntimeError> {
+        let (at, depth, snap) = match hit {
+            Hit::Device(at, depth, s) => (at, depth, Ok((s, false))),
+            Hit::Host(at, depth, h) => (at, depth, self.promote(dec, at, &h).await),
         };
-        let r = match snap {
-            Ok((s, once)) => {
-                let r = dec.restore(session, &s, depth).await;
-                if once {
-                    dec.drop_snapshot(&s).await;
-                }
-                r
-            }
-            Err(e) => Err(e),
+        let (r, used_once) = match snap {
+            Ok((s, once)) => (dec.restore(session, &s, depth).await, once.then_some(s)),
+            Err(e) => (Err(e), None),
         };
-        let mut g = self.lock();
-        if let Some(e) = g.tree.entry_mut(node) {
-            e.pins = e.pins.saturating_sub(1);
+        if let Some(s) = used_once {
+            dec.drop_snapshot(&s).await;
         }
-        r.map(|()| depth)
+        let mut work = Vec::new();
+        {
+            let mut g = self.lock();
+            if let Some(e) = g.entry_mut(at.0, at.1) {
+                e.pins = e.pins.saturating_sub(1);
+                if r.is_err() && e.pins == 0 {
+                    if let Some(Entry {
+                        tier: Tier::Device(s),
+                        ..
+                    }) = g.tree.remove(at.0)
+                    {
+                        g.device_bytes -= s.bytes;
+                        work.push(super::Work::Drop(s));
+                    }
+                    self.stats.evicted.fetch_add(1, Ordering::Relaxed);
+                }
+            }
+        }
+        self.run(dec, work).await;
+        Ok(r?.then_some(depth))
     }
 
-    /// Writes the host copy at `node` back to the devices; the entry becomes a device one.
-    /// Answers the snapshot, and whether it is the caller's to drop once used (the entry went
-    /// meanwhile, or another request brought it back first).
+    /// Writes the host copy of the entry `at` back to the devices; the entry becomes a device
+    /// one. Answers the snapshot, and whether it is the caller's to drop once used (the entry
+    /// went meanwhile, or another request brought it back first).
     async fn promote(
         &self,
         dec: &AsyncDecoder,
-        node: usize,
+        (node, serial): (usize, u64),
         host: &crate::snapshot::HostSnapshot,
     ) -> Result<(Snapshot, bool), RuntimeError> {
         let s = dec.write_snapshot(host).await?;
         let work = {
             let mut g = self.lock();
-            let Some(e) = g.tree.entry_mut(node) else {
+            let Some(e) = g.entry_mut(node, serial) else {
                 return Ok((s, true));
             };
             let Tier::Host(h) = &e.tier else {

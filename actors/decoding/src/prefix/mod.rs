@@ -73,6 +73,9 @@ struct Entry {
     tier: Tier,
     /// Requests restoring it: not evicted meanwhile.
     pins: usize,
+    /// Unique among the cache's entries: a node named across an `await` may have been
+    /// removed and reused by then, and is acted on only if it still holds this entry.
+    serial: u64,
 }
 
 /// What the cache has done, for `/metrics`.
@@ -114,13 +117,29 @@ struct Inner {
     host_bytes: u64,
     /// The decoder's rebuilds when the device snapshots were taken: a rebuild loses them.
     recoveries: u64,
+    /// The next entry's serial.
+    serials: u64,
+}
+
+impl Inner {
+    /// `node`'s entry, if it is still the one with `serial`.
+    fn entry_mut(&mut self, node: usize, serial: u64) -> Option<&mut Entry> {
+        self.tree.entry_mut(node).filter(|e| e.serial == serial)
+    }
+
+    /// A new entry's serial.
+    fn serial(&mut self) -> u64 {
+        self.serials += 1;
+        self.serials
+    }
 }
 
 /// Work to do outside the lock after the budgets were enforced.
 enum Work {
     Drop(Snapshot),
-    /// Copy the snapshot of `node` to the host, then drop it from the devices.
-    ToHost(usize, Snapshot),
+    /// Copy the snapshot of `node`'s entry (of that serial) to the host, then drop it from the
+    /// devices.
+    ToHost(usize, u64, Snapshot),
 }
 
 /// The prefix state cache of one decoder.
@@ -135,12 +154,7 @@ impl PrefixCache {
     pub fn new(cfg: PrefixConfig) -> Self {
         PrefixCache {
             cfg,
-            inner: Mutex::new(Inner {
-                tree: Tree::default(),
-                device_bytes: 0,
-                host_bytes: 0,
-                recoveries: 0,
-            }),
+            inner: Mutex::default(),
             stats: PrefixStats::default(),
         }
     }
@@ -213,8 +227,15 @@ impl PrefixCache {
                 g.tree.touch(node);
                 vec![Work::Drop(snap)]
             } else {
-                let tier = Tier::Device(snap);
-                g.tree.set(node, Entry { tier, pins: 0 });
+                let (tier, serial) = (Tier::Device(snap), g.serial());
+                g.tree.set(
+                    node,
+                    Entry {
+                        tier,
+                        pins: 0,
+                        serial,
+                    },
+                );
                 g.device_bytes += snap.bytes;
                 self.enforce(&mut g)
             }
@@ -228,16 +249,25 @@ impl PrefixCache {
         let free = |e: &Entry| e.pins == 0;
         while g.device_bytes > self.cfg.device_bytes || g.tree.tokens() > self.cfg.max_tokens {
             let over_tokens = g.tree.tokens() > self.cfg.max_tokens;
-            let pick = |e: &Entry| free(e) && (over_tokens || matches!(e.tier, Tier::Device(_)));
+            // A moving entry is never picked: its copy to the host is under way.
+            let pick = |e: &Entry| {
+                free(e)
+                    && match e.tier {
+                        Tier::Device(_) => true,
+                        Tier::Host(_) => over_tokens,
+                        Tier::Moving => false,
+                    }
+            };
             let Some(node) = g.tree.oldest(pick) else {
                 break;
             };
             let entry = g.tree.entry_mut(node).expect("picked");
+            let serial = entry.serial;
             match std::mem::replace(&mut entry.tier, Tier::Moving) {
                 Tier::Device(s) => {
                     g.device_bytes -= s.bytes;
                     if self.cfg.host_bytes > 0 && !over_tokens {
-                        work.push(Work::ToHost(node, s));
+                        work.push(Work::ToHost(node, serial, s));
                         self.stats.to_host.fetch_add(1, Ordering::Relaxed);
                         continue;
                     }
@@ -266,39 +296,32 @@ impl PrefixCache {
         work
     }
 
+    /// Does the work, and the work that doing it brings (a copy that lands on the host may
+    /// push the host tier over its budget).
     async fn run(&self, dec: &AsyncDecoder, work: Vec<Work>) {
-        for w in work {
+        let mut work: std::collections::VecDeque<Work> = work.into();
+        while let Some(w) = work.pop_front() {
             match w {
                 Work::Drop(s) => dec.drop_snapshot(&s).await,
-                Work::ToHost(node, s) => {
+                Work::ToHost(node, serial, s) => {
                     let host = dec.read_snapshot(&s).await;
                     dec.drop_snapshot(&s).await;
-                    let more = {
-                        let mut g = self.lock();
-                        let moving = g
-                            .tree
-                            .entry(node)
-                            .is_some_and(|e| matches!(e.tier, Tier::Moving));
-                        match host {
-                            Ok(h) if moving => {
-                                g.host_bytes += h.bytes();
-                                let e = g.tree.entry_mut(node).expect("moving");
-                                e.tier = Tier::Host(Arc::new(h));
-                                self.enforce(&mut g)
-                            }
-                            _ => {
-                                if moving {
-                                    g.tree.remove(node);
-                                }
-                                Vec::new()
-                            }
+                    let mut g = self.lock();
+                    let moving = g
+                        .entry_mut(node, serial)
+                        .is_some_and(|e| matches!(e.tier, Tier::Moving));
+                    match host {
+                        Ok(h) if moving => {
+                            g.host_bytes += h.bytes();
+                            let e = g.entry_mut(node, serial).expect("moving");
+                            e.tier = Tier::Host(Arc::new(h));
+                            work.extend(self.enforce(&mut g));
                         }
-                    };
-                    // Only host entries can be dropped now: nothing more to move.
-                    for w in more {
-                        if let Work::Drop(s) = w {
-                            dec.drop_snapshot(&s).await;
+                        _ if moving => {
+                            g.tree.remove(node);
+                            self.stats.evicted.fetch_add(1, Ordering::Relaxed);
                         }
+                        _ => {}
                     }
                 }
             }
@@ -332,7 +355,8 @@ impl PrefixCache {
             return;
         };
         if fed == 0 || fed > known.len() {
-            // A token fed that the caller never saw (its stream ran one step past the end).
+            // A token fed that the caller never saw (its stream ran one step past the end), or
+            // a pass that failed on the way (`usize::MAX`).
             dec.drop_snapshot(&snapshot).await;
             return;
         }

@@ -63,27 +63,37 @@ impl Conversations {
 
     /// Ends the running turn of `name`; with `history`, it is the conversation's history now.
     pub fn end(&self, name: &str, history: Option<Vec<i64>>) {
+        self.lock().running.retain(|r| r != name);
+        if let Some(h) = history {
+            self.keep(name, h);
+        }
+    }
+
+    /// `history` is `name`'s history now.
+    fn keep(&self, name: &str, history: Vec<i64>) {
         let mut c = self.lock();
-        c.running.retain(|r| r != name);
-        let Some(h) = history else {
-            return;
-        };
         c.kept.retain(|(n, _)| n != name);
         if c.kept.len() >= MAX_CONVERSATIONS {
             c.kept.remove(0);
         }
-        c.kept.push((name.to_string(), h));
+        c.kept.push((name.to_string(), history));
     }
 
-    /// The history of `name`, if kept and no turn of it runs.
-    fn history(&self, name: &str) -> Result<Vec<i64>, ServeError> {
-        let c = self.lock();
-        if c.running.iter().any(|r| r == name) {
+    /// An error if a turn of `name` is running.
+    fn idle(&self, name: &str) -> Result<(), ServeError> {
+        if self.lock().running.iter().any(|r| r == name) {
             return Err(ServeError::Invalid(format!(
                 "conversation `{name}` has a turn running; wait for its `done`"
             )));
         }
-        c.kept
+        Ok(())
+    }
+
+    /// The history of `name`, if kept and no turn of it runs.
+    fn history(&self, name: &str) -> Result<Vec<i64>, ServeError> {
+        self.idle(name)?;
+        self.lock()
+            .kept
             .iter()
             .find(|(n, _)| n == name)
             .map(|(_, h)| h.clone())
@@ -124,6 +134,9 @@ impl Conversations {
                 })
             }
             Some(text) => {
+                if let Err(e) = self.idle(&name) {
+                    return Some(ServerMsg::error(Some(id), &e));
+                }
                 let bytes = match b64.decode(text.trim()) {
                     Ok(b) => b,
                     Err(e) => {
@@ -135,7 +148,7 @@ impl Conversations {
                     match crate::carry::import_bytes(&s, &bytes).await {
                         Ok(tokens) => {
                             let n = tokens.len();
-                            me.end(&name, Some(tokens));
+                            me.keep(&name, tokens);
                             ServerMsg::Imported {
                                 id,
                                 conversation: name,

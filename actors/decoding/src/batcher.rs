@@ -55,12 +55,15 @@ pub use sessions::{Closing, Keep};
 
 pub enum BatcherMsg {
     /// Runs `ids` through `session`; answers the last position's logits, with `every` every
-    /// position's ([`Answer::Every`]), or with `pick` the token chosen on the device.
+    /// position's ([`Answer::Every`]), or with `pick` the token chosen on the device. With
+    /// `keep`, every stage keeps a snapshot of the session's states as the pass leaves them,
+    /// in the pass's own jobs.
     Feed {
         session: SessionId,
         ids: Vec<i64>,
         pick: Option<PickRequest>,
         every: bool,
+        keep: Option<Keep>,
         port: RpcReplyPort<Answered>,
     },
     /// Runs `ids` through `session`, then every token the stream chooses, each fed back as
@@ -107,11 +110,12 @@ impl ractor::Message for BatcherMsg {}
 /// Where a session's answer goes.
 enum Reply {
     /// To the caller of one [`BatcherMsg::Feed`], with how its token is chosen, if on the
-    /// device, and whether it wants every position's logits.
+    /// device, whether it wants every position's logits, and the snapshot it keeps.
     Once {
         port: RpcReplyPort<Answered>,
         pick: Option<PickRequest>,
         every: bool,
+        keep: Option<Keep>,
     },
     /// To a stream, which chooses its tokens on the device and may queue the session's next
     /// input.
@@ -122,7 +126,10 @@ impl Reply {
     /// Answers the input with `e` instead of running it.
     fn refuse(self, e: RuntimeError) {
         match self {
-            Reply::Once { port, .. } => {
+            Reply::Once { port, keep, .. } => {
+                if let Some((_, k)) = keep {
+                    let _ = k.send(Err(e.for_each_session()));
+                }
                 let _ = port.send(Err(e));
             }
             Reply::Stream(c) => c.refuse(e),
@@ -300,6 +307,7 @@ impl BatcherState {
         let mut ids: Vec<i64> = cohort.iter().flat_map(|w| w.ids.iter().copied()).collect();
         let mut picks: Vec<Option<PickRequest>> =
             cohort.iter_mut().map(|w| w.reply.pick()).collect();
+        let keeps = self.keeps(&mut cohort);
         let real = sessions.len();
         let size = self
             .batching
@@ -331,7 +339,16 @@ impl BatcherState {
             // A panic in the cohort's own task still answers its sessions (and, as a lost
             // stage, rebuilds the actors), never leaves them waiting.
             let shape = super::cohort::CohortShape { len, every };
-            let run = run_cohort(&children, &sessions, ids, shape, picks, &stats.phases);
+            let saves = keeps.saves();
+            let run = run_cohort(
+                &children,
+                &sessions,
+                ids,
+                shape,
+                picks,
+                &saves,
+                &stats.phases,
+            );
             let answers = AssertUnwindSafe(run)
                 .catch_unwind()
                 .await
@@ -341,6 +358,7 @@ impl BatcherState {
                         nsactor_pipeline::worker::panic_message(&*p)
                     )))
                 });
+            let answers = keeps.answer(&children, answers);
             add_ns(&stats.phases.cohort_ns, start);
             tracing::trace!(
                 "cohort of {real} (padded to {size}) × {len} inputs: {:.2} ms",
@@ -546,13 +564,20 @@ impl Actor for BatcherActor {
                 ids,
                 pick,
                 every,
+                keep,
                 port,
-            } => match s.admit(session, &ids) {
-                Ok(()) => s.queue(session, ids, Reply::Once { port, pick, every }),
-                Err(e) => {
-                    let _ = port.send(Err(e));
+            } => {
+                let reply = Reply::Once {
+                    port,
+                    pick,
+                    every,
+                    keep,
+                };
+                match s.admit(session, &ids) {
+                    Ok(()) => s.queue(session, ids, reply),
+                    Err(e) => reply.refuse(e),
                 }
-            },
+            }
             BatcherMsg::Stream { session, ids, cont } => match s.admit(session, &ids) {
                 Ok(()) => s.queue(session, ids, Reply::Stream(cont)),
                 Err(e) => cont.refuse(e),

@@ -7,8 +7,9 @@
 use nsactor_engine::decode::SamplingParams;
 use nsactor_engine::error::RuntimeError;
 use nsactor_pipeline::msg::{EdgeMsg, StageControl, ask, control_all};
+use nsactor_pipeline::state::SaveTally;
 use nsactor_pipeline::topology::Children;
-use nsactor_plugin_api::{PickParams, PicksBuf, RowPick, SessionId};
+use nsactor_plugin_api::{PickParams, PicksBuf, RowPick, SessionId, SnapshotId};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;
 
@@ -104,14 +105,17 @@ pub(super) struct CohortShape {
 /// Embedding, every layer and the decode path for `sessions` (each `len` inputs, back to
 /// back in `ids`): each session's answer, in order. With any [`PickRequest`] the tokens are
 /// chosen on the device (the sessions without one get their logits back beside them).
+/// Every stage keeps a snapshot of the sessions of `saves` as the pass leaves them, in the
+/// pass's own jobs: the tally says what each holds, or why not.
 pub(super) async fn run_cohort(
     children: &Children,
     sessions: &[SessionId],
     ids: Vec<i64>,
     CohortShape { len, every }: CohortShape,
     picks: Vec<Option<PickRequest>>,
+    saves: &[(SessionId, SnapshotId)],
     phases: &CohortPhases,
-) -> Result<Vec<Answer>, RuntimeError> {
+) -> Result<(Vec<Answer>, SaveTally), RuntimeError> {
     use nsactor_pipeline::trace::{Mark, mark};
     nsactor_pipeline::trace::start();
     let t = Instant::now();
@@ -127,7 +131,8 @@ pub(super) async fn run_cohort(
     );
     let t = add_ns(&phases.embed_ns, t);
     mark(Mark::Embedded);
-    let h = nsactor_pipeline::layers::run_layers(&holders?, sessions, h?).await?;
+    let (h, mut tally) =
+        nsactor_pipeline::layers::run_layers_saving(&holders?, sessions, h?, saves).await?;
     let t = add_ns(&phases.layers_ns, t);
     mark(Mark::LayersDone);
     let n = sessions.len();
@@ -136,10 +141,12 @@ pub(super) async fn run_cohort(
             sessions: sessions.to_vec(),
             h,
             every,
+            saves: saves.to_vec(),
             reply,
         })
         .await;
-        logits.and_then(|all| {
+        logits.and_then(|(all, saved)| {
+            tally.add("edge", saved);
             if every {
                 return every_position(&all, n, len);
             }
@@ -159,14 +166,18 @@ pub(super) async fn run_cohort(
             h,
             picks: buf,
             want_logits,
+            saves: saves.to_vec(),
             reply,
         })
         .await;
-        sampled.and_then(|(picked, logits)| answers_of(picks, &picked, logits.as_deref()))
+        sampled.and_then(|((picked, logits), saved)| {
+            tally.add("edge", saved);
+            answers_of(picks, &picked, logits.as_deref())
+        })
     };
     add_ns(&phases.decode_ns, t);
     mark(Mark::Done);
-    answers
+    answers.map(|a| (a, tally))
 }
 
 /// `all` as `n` equal rows.

@@ -134,7 +134,7 @@ impl AsyncDecoder {
                 self.pass_tokens()
             )));
         }
-        match self.ask_once(session, ids, None, true).await? {
+        match self.ask_once(session, ids, None, true, None).await? {
             Answer::Every(l) => Ok(l),
             other => Err(unexpected(&other, "every position's logits")),
         }
@@ -185,15 +185,15 @@ impl AsyncDecoder {
         pick: Option<PickRequest>,
     ) -> Result<Answer, RuntimeError> {
         let ids = self.feed_all_but_last_chunk(session, ids).await?;
-        self.ask_once(session, ids, pick, false).await
+        self.ask_once(session, ids, pick, false, None).await
     }
 
-    /// Feeds `ids` in chunks but the last, which it returns (the neuron states carry from
-    /// chunk to chunk, as they do from token to token): of one pass's budget while no other
-    /// session is open, else of [`chunk_tokens`](Self::chunk_tokens), so the others' decoding
-    /// steps run between the chunks (chunked prefill). How a prompt is cut changes none of its
-    /// numbers.
-    async fn feed_all_but_last_chunk(
+    /// Feeds `ids` in pieces but the last, which it returns (the neuron states carry from
+    /// piece to piece, as they do from token to token): of one pass's budget while no other
+    /// session is open, else as [`next_piece`] cuts them, so the others' decoding steps run
+    /// between the pieces (chunked prefill) and other sessions' prompts batch with them. How
+    /// a prompt is cut changes none of its numbers.
+    pub(crate) async fn feed_all_but_last_chunk(
         &self,
         session: SessionId,
         mut ids: Vec<i64>,
@@ -202,27 +202,29 @@ impl AsyncDecoder {
         loop {
             // Open sessions count this one once it has fed.
             let others = self.open_sessions().saturating_sub(u64::from(fed));
-            let chunk = if others > 0 {
-                self.chunk_tokens()
-            } else {
-                self.pass_tokens()
-            };
-            if ids.len() <= chunk {
+            let piece = next_piece(
+                ids.len(),
+                others > 0,
+                self.chunk_tokens(),
+                self.pass_tokens(),
+            );
+            if piece >= ids.len() {
                 return Ok(ids);
             }
-            let rest = ids.split_off(chunk);
-            self.ask_once(session, ids, None, false).await?;
+            let rest = ids.split_off(piece);
+            self.ask_once(session, ids, None, false, None).await?;
             fed = true;
             ids = rest;
         }
     }
 
-    async fn ask_once(
+    pub(crate) async fn ask_once(
         &self,
         session: SessionId,
         ids: Vec<i64>,
         pick: Option<PickRequest>,
         every: bool,
+        keep: Option<crate::batcher::Keep>,
     ) -> Result<Answer, RuntimeError> {
         match self
             .batcher
@@ -232,6 +234,7 @@ impl AsyncDecoder {
                     ids,
                     pick,
                     every,
+                    keep,
                     port: reply,
                 },
                 None,
@@ -332,4 +335,49 @@ fn unexpected(got: &Answer, wanted: &str) -> RuntimeError {
         Answer::Picked(_) => "a token",
     };
     RuntimeError::Runtime(format!("{got} instead of {wanted}"))
+}
+
+/// The length of the next piece of `left` prompt tokens. Alone, a pass's budget (`pass`).
+/// Beside other open sessions, `chunk` tokens while more are left, then the largest power of
+/// two that fits: prompts of different lengths then go through the same few lengths (a
+/// remainder of 100 as 64, 32 and 4), and a cohort holds one input length, so sessions that
+/// prefill at once share their passes instead of each taking its own; every such length is
+/// one the warm-up ran.
+pub(crate) fn next_piece(left: usize, others: bool, chunk: usize, pass: usize) -> usize {
+    if !others {
+        return left.min(pass.max(1));
+    }
+    let chunk = chunk.max(1);
+    if left > chunk {
+        chunk
+    } else if left <= 1 {
+        left
+    } else {
+        1 << left.ilog2()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::next_piece;
+
+    fn cut(mut left: usize, others: bool) -> Vec<usize> {
+        let mut out = Vec::new();
+        while left > 0 {
+            let p = next_piece(left, others, 128, 1024);
+            out.push(p);
+            left -= p;
+        }
+        out
+    }
+
+    #[test]
+    fn a_prompt_beside_others_goes_in_chunks_then_powers_of_two_and_alone_in_passes() {
+        assert_eq!(cut(100, true), vec![64, 32, 4]);
+        assert_eq!(cut(300, true), vec![128, 128, 32, 8, 4]);
+        assert_eq!(cut(128, true), vec![128]);
+        assert_eq!(cut(1, true), vec![1]);
+        assert_eq!(cut(3000, false), vec![1024, 1024, 952]);
+        assert_eq!(cut(100, false), vec![100]);
+    }
 }

@@ -90,6 +90,25 @@ pub(crate) async fn drop_everywhere(c: &Children, snapshot: SnapshotId) {
 }
 
 impl AsyncDecoder {
+    /// Feeds `ids` to `session` as [`feed`](Self::feed) does (its next token is not asked
+    /// for) and keeps a snapshot of its states as that leaves them, taken by each stage in
+    /// the last pass's own job: no round trip of its own, and no other pass runs between.
+    /// The outer error is the feed's; the inner one says why only the snapshot was not kept.
+    pub async fn feed_keeping(
+        &self,
+        session: SessionId,
+        ids: Vec<i64>,
+    ) -> Result<Result<Kept, RuntimeError>, RuntimeError> {
+        let ids = self.feed_all_but_last_chunk(session, ids).await?;
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        let keep = Some((self.ids.snapshot(), tx.into()));
+        let pick = Some(crate::cohort::PickRequest::greedy(false));
+        self.ask_once(session, ids, pick, false, keep).await?;
+        Ok(rx
+            .await
+            .unwrap_or_else(|_| Err(RuntimeError::Broken("the decode batcher stopped".into()))))
+    }
+
     /// A copy of `session`'s states, kept by every stage until
     /// [`drop_snapshot`](Self::drop_snapshot). The session must be idle (no input of its in
     /// flight: its last feed answered); it goes on unchanged.

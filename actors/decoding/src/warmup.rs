@@ -195,7 +195,8 @@ impl AsyncDecoder {
                 len: *len,
                 every: false,
             };
-            if let Err(e) = run_cohort(&children, &sessions, ids, shape, picks, &phases).await {
+            if let Err(e) = run_cohort(&children, &sessions, ids, shape, picks, &[], &phases).await
+            {
                 result = Err(e);
                 break;
             }

@@ -5,12 +5,13 @@
 
 use super::holder::StageHolder;
 use super::layer::{answer, fail};
-use super::msg::{EdgeMsg, GradOp, Hop, Sampled, StageControl};
+use super::msg::{EdgeMsg, EdgeSaved, GradOp, Hop, Sampled, StageControl};
+use super::state::save_all;
 use super::step::{Event, Ponder, StepCtx};
 use super::worker::Priority;
 use nsactor_plugin_api::{
     Batch, DeviceTensor, EngineError, GradPart, HeadOut, Loss, MicroBatchId, PicksBuf, Reply,
-    SessionId, StageCall, Tokens,
+    SessionId, SnapshotId, StageCall, Tokens,
 };
 use ractor::{Actor, ActorProcessingErr, ActorRef};
 use std::collections::{BTreeMap, HashMap};
@@ -246,7 +247,8 @@ impl EdgeState {
         sessions: Vec<SessionId>,
         h: DeviceTensor,
         every: bool,
-    ) -> Result<Vec<f32>, EngineError> {
+        saves: Vec<(SessionId, SnapshotId)>,
+    ) -> Result<(Vec<f32>, EdgeSaved), EngineError> {
         let backend = self.stage.backend().clone();
         self.stage
             .compute(Priority::FORWARD_UNTRAINED, Some(h), move |st, h| {
@@ -259,10 +261,11 @@ impl EdgeState {
                     StageCall::SessionDecode { sessions, h }
                 };
                 let logits = st.call(call)?.into_tensor("SessionDecode")?;
+                let saved = save_all(st, &saves);
                 mark(Mark::DecodeQueued);
                 let host = backend.to_host(&logits)?.data;
                 mark(Mark::Copied);
-                Ok(host)
+                Ok((host, saved))
             })
             .await
     }
@@ -275,7 +278,8 @@ impl EdgeState {
         h: DeviceTensor,
         mut picks: PicksBuf,
         want_logits: bool,
-    ) -> Result<Sampled, EngineError> {
+        saves: Vec<(SessionId, SnapshotId)>,
+    ) -> Result<(Sampled, EdgeSaved), EngineError> {
         let backend = self.stage.backend().clone();
         self.stage
             .compute(Priority::FORWARD_UNTRAINED, Some(h), move |st, h| {
@@ -294,6 +298,7 @@ impl EdgeState {
                         out.len()
                     )));
                 }
+                let saved = save_all(st, &saves);
                 mark(Mark::DecodeQueued);
                 let logits = out.pop().expect("two");
                 let picked = backend.to_host(&out.pop().expect("two"))?.data;
@@ -303,7 +308,7 @@ impl EdgeState {
                     None
                 };
                 mark(Mark::Copied);
-                Ok((picked, logits))
+                Ok(((picked, logits), saved))
             })
             .await
     }
@@ -428,9 +433,10 @@ impl Actor for EdgeActor {
                 sessions,
                 h,
                 every,
+                saves,
                 reply,
             } => {
-                let r = s.session_decode(sessions, h, every).await;
+                let r = s.session_decode(sessions, h, every, saves).await;
                 return answer(WHO.into(), reply, r);
             }
             EdgeMsg::SessionSample {
@@ -438,9 +444,12 @@ impl Actor for EdgeActor {
                 h,
                 picks,
                 want_logits,
+                saves,
                 reply,
             } => {
-                let r = s.session_sample(sessions, h, picks, want_logits).await;
+                let r = s
+                    .session_sample(sessions, h, picks, want_logits, saves)
+                    .await;
                 return answer(WHO.into(), reply, r);
             }
             EdgeMsg::HeadEval { h, batch, reply } => {

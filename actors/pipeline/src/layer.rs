@@ -155,19 +155,6 @@ impl Actor for LayerActor {
                     .await;
                 return answer(s.who(), reply, r);
             }
-            LayerMsg::State { op, reply } => {
-                let (backend, device) = (s.stage.backend().clone(), s.stage.device);
-                // At a decoding pass's priority, in turn with them: a snapshot op takes
-                // microseconds, and at the lowest priority it waited for a gap between a
-                // busy server's passes.
-                let r = s
-                    .stage
-                    .compute(Priority::FORWARD_UNTRAINED, None, move |st, _| {
-                        op.run(st, &*backend, device)
-                    })
-                    .await;
-                return answer(s.who(), reply, r);
-            }
             LayerMsg::Share { reply } => {
                 let _ = reply.send(Ok(s.stage.clone()));
             }

@@ -3,10 +3,11 @@
 
 use super::holder::StageHolder;
 use super::msg::{LayerMsg, ask};
+use super::state::{SaveTally, save_all};
 use super::trace;
 use super::worker::{JobPanicked, Priority};
 use nsactor_engine::error::RuntimeError;
-use nsactor_plugin_api::{DeviceTensor, EngineError, SessionId};
+use nsactor_plugin_api::{DeviceTensor, EngineError, SessionId, SnapshotId};
 use ractor::ActorRef;
 use std::sync::Arc;
 
@@ -42,8 +43,23 @@ pub async fn share_layers(layers: &[ActorRef<LayerMsg>]) -> Result<Vec<StageHold
 pub async fn run_layers(
     holders: &[StageHolder],
     sessions: &[SessionId],
-    mut h: DeviceTensor,
+    h: DeviceTensor,
 ) -> Result<DeviceTensor, RuntimeError> {
+    run_layers_saving(holders, sessions, h, &[])
+        .await
+        .map(|(h, _)| h)
+}
+
+/// [`run_layers`], then in the same jobs each layer keeps a snapshot of the sessions of
+/// `saves` as the pass left them ([`save_all`]): what each save holds over the layers, or
+/// why not (a failed save fails neither the pass nor the other saves).
+pub async fn run_layers_saving(
+    holders: &[StageHolder],
+    sessions: &[SessionId],
+    mut h: DeviceTensor,
+    saves: &[(SessionId, SnapshotId)],
+) -> Result<(DeviceTensor, SaveTally), RuntimeError> {
+    let mut tally = SaveTally::new(saves.len());
     let mut start = 0;
     while start < holders.len() {
         let worker = &holders[start].worker;
@@ -52,22 +68,30 @@ pub async fn run_layers(
             .unwrap_or(holders.len());
         let group = holders[start..end].to_vec();
         let sessions = sessions.to_vec();
+        let saves = saves.to_vec();
         let job = worker.run_then(Priority::FORWARD_UNTRAINED, None, move || {
             trace::mark(trace::Mark::LayersJob);
             let mut h = h;
+            let mut kept = Vec::with_capacity(if saves.is_empty() { 0 } else { group.len() });
             for holder in &group {
-                h = holder
+                let (out, saved) = holder
                     .run(Some(h), |st, h| {
-                        st.call(nsactor_plugin_api::StageCall::SessionForward {
-                            sessions: &sessions,
-                            h: h.expect("moved"),
-                        })?
-                        .into_tensor("SessionForward")
+                        let out = st
+                            .call(nsactor_plugin_api::StageCall::SessionForward {
+                                sessions: &sessions,
+                                h: h.expect("moved"),
+                            })?
+                            .into_tensor("SessionForward")?;
+                        Ok((out, save_all(st, &saves)))
                     })
                     .map_err(|error| RuntimeError::Stage {
                         who: holder.who.clone(),
                         error,
                     })?;
+                h = out;
+                if !saves.is_empty() {
+                    kept.push((holder.who.clone(), saved));
+                }
             }
             trace::mark(trace::Mark::LayersQueued);
             if trace::syncing()
@@ -81,9 +105,10 @@ pub async fn run_layers(
                     })?;
                 trace::mark(trace::Mark::LayersOnDevice);
             }
-            Ok::<_, RuntimeError>(h)
+            Ok::<_, RuntimeError>((h, kept))
         });
-        h = match job.await {
+        let kept;
+        (h, kept) = match job.await {
             Ok(r) => r?,
             Err(JobPanicked(m)) => {
                 return Err(RuntimeError::Stage {
@@ -92,7 +117,10 @@ pub async fn run_layers(
                 });
             }
         };
+        for (who, saved) in kept {
+            tally.add(&who, saved);
+        }
         start = end;
     }
-    Ok(h)
+    Ok((h, tally))
 }

@@ -298,11 +298,6 @@ pub enum LayerMsg {
     },
     /// The gradient exchange of data parallelism.
     Grads { op: GradOp, reply: GradReply },
-    /// A prefix-cache snapshot op ([`super::state`]).
-    State {
-        op: super::state::StateOp,
-        reply: super::state::StateReply,
-    },
     /// Lends the layer's stage (a handle on it and its worker) for a decoding pass that runs
     /// several layers in one worker job ([`super::layers::session_layers`]).
     Share {
@@ -320,6 +315,9 @@ impl ractor::Message for LayerMsg {}
 /// What `SessionSample` brings to the host: `[ids, logprobs]` (`2·B` values) and the logits
 /// when they were asked for.
 pub type Sampled = (Vec<f32>, Option<Vec<f32>>);
+
+/// The edge's answer for each save of a decoding pass: the bytes it keeps, or why not.
+pub type EdgeSaved = Vec<Result<u64, EngineError>>;
 
 /// Optimizer-phase and decoding calls, answered by reply.
 pub enum EdgeMsg {
@@ -376,7 +374,10 @@ pub enum EdgeMsg {
         sessions: Vec<SessionId>,
         h: DeviceTensor,
         every: bool,
-        reply: RpcReplyPort<Result<Vec<f32>, EngineError>>,
+        /// Snapshots kept once the pass has run (the stage's answer per save beside the
+        /// logits; [`super::state::save_all`]).
+        saves: Vec<(SessionId, nsactor_plugin_api::SnapshotId)>,
+        reply: RpcReplyPort<Result<(Vec<f32>, EdgeSaved), EngineError>>,
     },
     /// `SessionDecode` with every row's next token chosen on the device as `picks` says:
     /// `[ids, logprobs]` back to back (`2·B` values), and the logits when `want_logits`.
@@ -385,7 +386,9 @@ pub enum EdgeMsg {
         h: DeviceTensor,
         picks: nsactor_plugin_api::PicksBuf,
         want_logits: bool,
-        reply: RpcReplyPort<Result<Sampled, EngineError>>,
+        /// As in `SessionDecode`.
+        saves: Vec<(SessionId, nsactor_plugin_api::SnapshotId)>,
+        reply: RpcReplyPort<Result<(Sampled, EdgeSaved), EngineError>>,
     },
     /// Masked mean CE of `h` against `batch` (no gradients).
     HeadEval {

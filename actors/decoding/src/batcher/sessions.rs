@@ -2,10 +2,12 @@
 //! snapshot of the session's states, and a new session started from a snapshot (the prefix
 //! state cache, `crate::snapshot`).
 
-use super::BatcherState;
-use crate::cohort::close_everywhere;
-use crate::snapshot::{self, Kept};
+use super::{BatcherState, Reply, Waiting};
+use crate::cohort::{Answer, close_everywhere};
+use crate::snapshot::{self, Kept, Snapshot};
 use nsactor_engine::error::RuntimeError;
+use nsactor_pipeline::state::SaveTally;
+use nsactor_pipeline::topology::Children;
 use nsactor_plugin_api::{SessionId, SnapshotId};
 use ractor::RpcReplyPort;
 use std::sync::atomic::Ordering;
@@ -22,7 +24,59 @@ pub struct Closing {
     pub keep: Option<Keep>,
 }
 
+/// The snapshots a cohort keeps for the feeds that asked (`BatcherMsg::Feed`'s `keep`): each
+/// session, its snapshot's id, the inputs it will have seen, and where its [`Kept`] goes.
+pub(super) struct Keeps(Vec<(SessionId, Keep, usize)>);
+
+impl Keeps {
+    /// The cohort's saves, for `run_cohort`.
+    pub(super) fn saves(&self) -> Vec<(SessionId, SnapshotId)> {
+        self.0.iter().map(|(s, (id, _), _)| (*s, *id)).collect()
+    }
+
+    /// Answers each keep from the cohort's outcome (a snapshot that some stage could not keep
+    /// is dropped from the others); hands the sessions' answers on.
+    pub(super) fn answer(
+        self,
+        children: &Children,
+        r: Result<(Vec<Answer>, SaveTally), RuntimeError>,
+    ) -> Result<Vec<Answer>, RuntimeError> {
+        let (answers, tally) = match r {
+            Ok((a, t)) => (Ok(a), t.0),
+            Err(e) => {
+                let each = self.0.iter().map(|_| Err(e.for_each_session())).collect();
+                (Err(e), each)
+            }
+        };
+        for ((_, (id, port), fed), saved) in self.0.into_iter().zip(tally) {
+            let kept = saved.map(|bytes| Kept {
+                snapshot: Snapshot { id, bytes },
+                fed,
+            });
+            if kept.is_err() {
+                let children = children.clone();
+                tokio::spawn(async move { snapshot::drop_everywhere(&children, id).await });
+            }
+            let _ = port.send(kept);
+        }
+        answers
+    }
+}
+
 impl BatcherState {
+    /// Takes the keeps of `cohort`'s feeds (after their inputs are counted in `fed`).
+    pub(super) fn keeps(&self, cohort: &mut [Waiting]) -> Keeps {
+        let mut out = Vec::new();
+        for w in cohort {
+            if let Reply::Once { keep, .. } = &mut w.reply
+                && let Some(k) = keep.take()
+            {
+                out.push((w.session, k, self.fed.get(&w.session).copied().unwrap_or(0)));
+            }
+        }
+        Keeps(out)
+    }
+
     pub(super) fn close(&mut self, c: Closing) {
         // An input still waiting is dropped: its caller has gone.
         self.waiting.retain(|w| w.session != c.session);

@@ -40,6 +40,7 @@ impl PrefixCache {
         self.check_recoveries(dec);
         let limit = prompt.len() - 1;
         let (hit, common) = self.lookup(prompt, limit);
+        let started = std::time::Instant::now();
         let mut fed = 0;
         let restored = match hit {
             Some(hit) => self.restore(dec, session, hit).await?,
@@ -63,14 +64,26 @@ impl PrefixCache {
                 .map(|(i, _)| i)
                 .collect()
         });
-        for end in stops(fed, common, limit, self.every(dec), &opens) {
-            dec.feed(session, prompt[fed..end].to_vec()).await?;
+        let (restored_at, depth) = (started.elapsed(), fed);
+        let stops = stops(fed, common, limit, self.every(dec), &opens);
+        for &end in &stops {
+            // The snapshot is taken in the pass's own jobs; a failed one fails only itself.
+            let kept = dec.feed_keeping(session, prompt[fed..end].to_vec()).await?;
             fed = end;
-            match dec.save(session).await {
-                Ok(snap) => self.put(dec, &prompt[..end], snap).await,
+            match kept {
+                Ok(k) => self.put(dec, &prompt[..end], k.snapshot).await,
                 Err(e) => tracing::warn!("{session}: no prefix snapshot at {end} tokens: {e}"),
             }
         }
+        tracing::debug!(
+            "{session}: a prompt of {} tokens from a snapshot of {depth} ({:.2} ms), then {} \
+             fed in {} passes keeping snapshots at {stops:?} ({:.2} ms)",
+            prompt.len(),
+            restored_at.as_secs_f64() * 1e3,
+            fed - depth,
+            stops.len(),
+            (started.elapsed() - restored_at).as_secs_f64() * 1e3,
+        );
         Ok(fed)
     }
 

@@ -306,7 +306,14 @@ fn streams_choose_the_tokens_single_feeds_choose_and_run_whole_cohorts() {
         "{} cohorts for {sessions} streams of {tokens} tokens",
         c1 - c0
     );
-    assert_eq!(n1 - n0, (sessions * tokens) as u64, "one input per token");
+    // One input per token, but that a prompt fed beside open sessions goes in power-of-two
+    // pieces: those of 3, 5 and 6 tokens in two each (which ones meet others open is timing).
+    let least = (sessions * tokens) as u64;
+    assert!(
+        (least..=least + 3).contains(&(n1 - n0)),
+        "{} inputs for {sessions} streams of {tokens} tokens",
+        n1 - n0
+    );
     // Prompts of different lengths go in separate cohorts (here 5, then 11 steps of all 5);
     // once every session decodes, the batcher requeues them together and every step is one
     // cohort of all of them. A session spawned late may split a step or two off first.

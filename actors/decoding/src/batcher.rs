@@ -50,7 +50,9 @@ use std::sync::atomic::Ordering;
 use std::sync::{Arc, RwLock};
 use std::time::Instant;
 
+mod reply;
 mod sessions;
+use reply::Reply;
 pub use sessions::{Closing, Keep};
 
 pub enum BatcherMsg {
@@ -106,49 +108,6 @@ pub enum BatcherMsg {
 
 // Local only: the cluster build of ractor asks every message type to say so.
 impl ractor::Message for BatcherMsg {}
-
-/// Where a session's answer goes.
-enum Reply {
-    /// To the caller of one [`BatcherMsg::Feed`], with how its token is chosen, if on the
-    /// device, whether it wants every position's logits, and the snapshot it keeps.
-    Once {
-        port: RpcReplyPort<Answered>,
-        pick: Option<PickRequest>,
-        every: bool,
-        keep: Option<Keep>,
-    },
-    /// To a stream, which chooses its tokens on the device and may queue the session's next
-    /// input.
-    Stream(Continuation),
-}
-
-impl Reply {
-    /// Answers the input with `e` instead of running it.
-    fn refuse(self, e: RuntimeError) {
-        match self {
-            Reply::Once { port, keep, .. } => {
-                if let Some((_, k)) = keep {
-                    let _ = k.send(Err(e.for_each_session()));
-                }
-                let _ = port.send(Err(e));
-            }
-            Reply::Stream(c) => c.refuse(e),
-        }
-    }
-
-    /// Whether the input wants every position's logits (scoring runs only with scoring).
-    fn every(&self) -> bool {
-        matches!(self, Reply::Once { every: true, .. })
-    }
-
-    /// How the input's token is chosen, for the cohort (a stream keeps its own).
-    fn pick(&mut self) -> Option<PickRequest> {
-        match self {
-            Reply::Once { pick, .. } => pick.take(),
-            Reply::Stream(c) => Some(c.pick().clone()),
-        }
-    }
-}
 
 struct Waiting {
     session: SessionId,

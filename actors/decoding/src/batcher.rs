@@ -87,6 +87,8 @@ pub enum BatcherMsg {
         depth: usize,
         reply: RpcReplyPort<Result<bool, RuntimeError>>,
     },
+    /// The restores in flight are done: the next queued ones go.
+    Restored,
     /// A cohort finished: `sessions` in cohort order, and their answers in that order;
     /// `generation` is how many times the stages had been lost when it launched.
     Done {
@@ -145,6 +147,9 @@ pub struct BatcherState {
     closing: Vec<Closing>,
     /// Inputs each open session has seen (the prefix cache's snapshots say how deep they are).
     fed: HashMap<SessionId, usize>,
+    /// Restores waiting for the ones in flight (`restore_busy`) to finish.
+    restoring: Vec<sessions::Restoring>,
+    restore_busy: bool,
     tick_armed: bool,
     /// When a cohort last finished: the sessions it answered get a window from then to come
     /// back, even if inputs have been waiting longer (else two halves of the sessions
@@ -437,6 +442,9 @@ impl BatcherState {
         for (_, _, c) in self.parked.drain(..) {
             c.refuse(lost_session(&cause));
         }
+        for (_, _, reply) in self.restoring.drain(..) {
+            let _ = reply.send(Err(lost_session(&cause)));
+        }
         let (waiting, lost): (VecDeque<Waiting>, VecDeque<Waiting>) =
             std::mem::take(&mut self.waiting)
                 .into_iter()
@@ -499,6 +507,8 @@ impl Actor for BatcherActor {
             cohorts: 0,
             closing: Vec::new(),
             fed: HashMap::new(),
+            restoring: Vec::new(),
+            restore_busy: false,
             tick_armed: false,
             freed_at: Instant::now(),
             fresh: HashSet::new(),
@@ -547,7 +557,11 @@ impl Actor for BatcherActor {
                 snapshot,
                 depth,
                 reply,
-            } => s.restore(session, snapshot, depth, reply),
+            } => s.restore(&myself, session, snapshot, depth, reply),
+            BatcherMsg::Restored => {
+                s.restore_busy = false;
+                s.restore_queued(&myself);
+            }
             BatcherMsg::Done {
                 generation,
                 sessions,

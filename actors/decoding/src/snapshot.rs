@@ -73,15 +73,43 @@ pub(crate) async fn save(
     }
 }
 
-/// `session` starts from `snapshot` in every stage.
-pub(crate) async fn restore(
+/// Each session of `items` starts from its snapshot in every stage, all in one op per stage:
+/// each one's outcome, in order (an item fails where any stage failed it).
+pub(crate) async fn restore_many(
     c: &Children,
-    session: SessionId,
-    snapshot: SnapshotId,
-) -> Result<(), RuntimeError> {
-    everywhere(c, |_| StateOp::Restore { session, snapshot })
-        .await
-        .map(drop)
+    items: Vec<(SessionId, SnapshotId)>,
+) -> Vec<Result<(), RuntimeError>> {
+    let n = items.len();
+    let (e, ls) = state_all(&c.edge, &c.layers, StateOp::Restore(items.clone()), |_| {
+        StateOp::Restore(items.clone())
+    })
+    .await;
+    let mut out: Vec<Result<(), RuntimeError>> = (0..n).map(|_| Ok(())).collect();
+    let stages = std::iter::once(("edge".to_string(), e)).chain(
+        ls.into_iter()
+            .enumerate()
+            .map(|(i, r)| (format!("layer {i}"), r)),
+    );
+    for (who, r) in stages {
+        match r {
+            Ok(o) => {
+                for (slot, r) in out.iter_mut().zip(o.each) {
+                    if let (Ok(()), Err(error)) = (&slot, r) {
+                        *slot = Err(RuntimeError::Stage {
+                            who: who.clone(),
+                            error,
+                        });
+                    }
+                }
+            }
+            Err(e) => {
+                for slot in out.iter_mut().filter(|s| s.is_ok()) {
+                    *slot = Err(e.for_each_session());
+                }
+            }
+        }
+    }
+    out
 }
 
 /// Forgets `snapshot` in every stage (errors ignored: a stopped stage keeps nothing).

@@ -87,7 +87,8 @@ fn requests_through_the_cache_give_the_logits_of_requests_fed_from_the_start() {
         .iter()
         .map(|(pr, f)| p.block_on(request(&d, None, pr, f)))
         .collect();
-    // The last run also keeps a snapshot before each "message" (a token that opens one).
+    // The last run also keeps a snapshot before the first "message" past the start (a token
+    // that opens one).
     let budgets = [
         (64 * SNAPSHOT, 0, None),
         (3 * SNAPSHOT, 4 * SNAPSHOT, None),

@@ -21,11 +21,9 @@ pub enum StateOp {
         session: SessionId,
         snapshot: SnapshotId,
     },
-    /// `session`, which holds no states, starts from a copy of `snapshot`'s.
-    Restore {
-        session: SessionId,
-        snapshot: SnapshotId,
-    },
+    /// Each `session`, which holds no states, starts from a copy of its `snapshot`'s; each
+    /// one's outcome in [`StateOut::each`].
+    Restore(Vec<(SessionId, SnapshotId)>),
     Drop(SnapshotId),
     /// A host copy of `snapshot`'s states.
     Read(SnapshotId),
@@ -40,6 +38,8 @@ pub struct StateOut {
     pub bytes: u64,
     /// Host copies of the state fields (`Read`).
     pub host: Vec<HostTensor>,
+    /// Each item's outcome (`Restore`), in order.
+    pub each: Vec<Result<(), EngineError>>,
 }
 
 /// Keeps a snapshot of each session of `saves` on `st` as it is now ([`StageCall::StateSave`]),
@@ -99,7 +99,7 @@ impl StateOp {
         let bytes = |r: nsactor_plugin_api::Reply, call: &str| -> Result<StateOut, EngineError> {
             Ok(StateOut {
                 bytes: r.scalar(0, call)? as u64,
-                host: Vec::new(),
+                ..StateOut::default()
             })
         };
         match self {
@@ -107,21 +107,28 @@ impl StateOp {
                 st.call(StageCall::StateSave { session, snapshot })?,
                 "StateSave",
             ),
-            StateOp::Restore { session, snapshot } => st
-                .call(StageCall::StateRestore { session, snapshot })
-                .map(|_| StateOut::default()),
+            StateOp::Restore(items) => Ok(StateOut {
+                each: items
+                    .into_iter()
+                    .map(|(session, snapshot)| {
+                        st.call(StageCall::StateRestore { session, snapshot })
+                            .map(drop)
+                    })
+                    .collect(),
+                ..StateOut::default()
+            }),
             StateOp::Drop(snapshot) => st
                 .call(StageCall::StateDrop { snapshot })
                 .map(|_| StateOut::default()),
             StateOp::Read(snapshot) => {
                 let r = st.call(StageCall::StateRead { snapshot })?;
                 Ok(StateOut {
-                    bytes: 0,
                     host: r
                         .tensors
                         .iter()
                         .map(|t| backend.to_host(t))
                         .collect::<Result<_, _>>()?,
+                    ..StateOut::default()
                 })
             }
             StateOp::Write(snapshot, host) => {

@@ -2,19 +2,26 @@
 //! snapshot of the session's states, and a new session started from a snapshot (the prefix
 //! state cache, `crate::snapshot`).
 
-use super::{BatcherState, Reply, Waiting};
+use super::{BatcherMsg, BatcherState, Reply, Waiting};
 use crate::cohort::{Answer, close_everywhere};
 use crate::snapshot::{self, Kept, Snapshot};
 use nsactor_engine::error::RuntimeError;
 use nsactor_pipeline::state::SaveTally;
 use nsactor_pipeline::topology::Children;
 use nsactor_plugin_api::{SessionId, SnapshotId};
-use ractor::RpcReplyPort;
+use ractor::{ActorRef, RpcReplyPort};
 use std::sync::atomic::Ordering;
 
 /// A close's request to keep the session's states: the snapshot's id, and where the
 /// snapshot (or why not) goes.
 pub type Keep = (SnapshotId, RpcReplyPort<Result<Kept, RuntimeError>>);
+
+/// A restore waiting to run: the new session, its snapshot, and who waits for it.
+pub(super) type Restoring = (
+    SessionId,
+    SnapshotId,
+    RpcReplyPort<Result<bool, RuntimeError>>,
+);
 
 /// A close: `session`'s states are freed once it has no cohort in flight (after a snapshot of
 /// them is kept, with `keep`); `reply` answers when they are.
@@ -135,6 +142,7 @@ impl BatcherState {
     /// ones that kept the snapshot.
     pub(super) fn restore(
         &mut self,
+        myself: &ActorRef<BatcherMsg>,
         session: SessionId,
         snapshot: SnapshotId,
         depth: usize,
@@ -157,10 +165,27 @@ impl BatcherState {
         self.open.insert(session);
         self.stats.open.fetch_add(1, Ordering::Relaxed);
         self.fed.insert(session, depth);
-        let children = self.children();
+        self.restoring.push((session, snapshot, reply));
+        self.restore_queued(myself);
+    }
+
+    /// Runs the restores queued so far as one op per stage, unless one is running (then they
+    /// go when it is done: `BatcherMsg::Restored`). Many requests that arrive at once (a
+    /// shared system prompt) restore in a few ops, not one each.
+    pub(super) fn restore_queued(&mut self, myself: &ActorRef<BatcherMsg>) {
+        if self.restore_busy || self.restoring.is_empty() {
+            return;
+        }
+        self.restore_busy = true;
+        let batch = std::mem::take(&mut self.restoring);
+        let (children, me) = (self.children(), myself.clone());
         tokio::spawn(async move {
-            let r = snapshot::restore(&children, session, snapshot).await;
-            let _ = reply.send(r.map(|()| true));
+            let items = batch.iter().map(|(s, id, _)| (*s, *id)).collect();
+            let outcomes = snapshot::restore_many(&children, items).await;
+            for ((_, _, reply), r) in batch.into_iter().zip(outcomes) {
+                let _ = reply.send(r.map(|()| true));
+            }
+            let _ = me.cast(BatcherMsg::Restored);
         });
     }
 }

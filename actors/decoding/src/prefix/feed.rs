@@ -55,13 +55,15 @@ impl PrefixCache {
         } else {
             self.stats.misses.fetch_add(1, Ordering::Relaxed);
         }
-        // A message opening a few tokens before the prompt's end (the assistant's turn) is
-        // covered by the snapshot at its end, and one a few tokens past the hit (the next
-        // turn's, after the last answer's end) by the hit: neither is worth a pass of its own.
-        let opens = self.cfg.boundary.map_or(Vec::new(), |b| {
-            let at = prompt[..limit.saturating_sub(NEAR)].iter().enumerate();
-            at.filter(|&(i, &t)| t == b && i >= fed + NEAR)
-                .map(|(i, _)| i)
+        // Only the first message's end (a system prompt others share) keeps a snapshot of its
+        // own: a later turn's messages are covered by the snapshot at the prompt's end, which
+        // the next turn finds. Each stop costs a pass of its own, so none within a few tokens
+        // past the hit or before the end either.
+        let opens: Vec<usize> = self.cfg.boundary.map_or(Vec::new(), |b| {
+            let first = prompt.iter().skip(1).position(|&t| t == b).map(|i| i + 1);
+            first
+                .filter(|&i| i >= fed + NEAR && i + NEAR <= limit)
+                .into_iter()
                 .collect()
         });
         let (restored_at, depth) = (started.elapsed(), fed);
@@ -188,15 +190,16 @@ impl PrefixCache {
 }
 
 /// Where to keep snapshots while feeding from `fed` to `limit`: where the prompt parts from
-/// the tree's paths (`common`), every `every` tokens, before each message (`opens`, past
-/// `fed` and before `limit`), and at `limit`; in order, past `fed`.
+/// the tree's paths (`common`, unless within [`NEAR`] tokens past `fed`: the hit covers it),
+/// every `every` tokens, before the messages in `opens` (past `fed` and before `limit`), and
+/// at `limit`; in order, past `fed`.
 fn stops(fed: usize, common: usize, limit: usize, every: usize, opens: &[usize]) -> Vec<usize> {
     let mut at: Vec<usize> = (1..)
         .map(|k| k * every.max(1))
         .skip_while(|&p| p <= fed)
         .take_while(|&p| p < limit)
         .collect();
-    if common > fed && common < limit {
+    if common >= fed + NEAR && common < limit {
         at.push(common);
     }
     at.extend(opens);
@@ -215,8 +218,11 @@ mod tests {
     #[test]
     fn snapshots_go_where_the_prompt_parts_on_the_grid_and_before_its_last_token() {
         assert_eq!(stops(0, 0, 9, 4, &[]), vec![4, 8, 9]);
-        assert_eq!(stops(0, 6, 9, 4, &[]), vec![4, 6, 8, 9]);
-        assert_eq!(stops(5, 6, 9, 4, &[]), vec![6, 8, 9]);
+        assert_eq!(stops(0, 6, 9, 4, &[]), vec![4, 8, 9], "6 is near the hit");
+        assert_eq!(stops(0, 20, 30, 4, &[]), vec![4, 8, 12, 16, 20, 24, 28, 30]);
+        assert_eq!(stops(10, 20, 30, 100, &[]), vec![20, 30]);
+        assert_eq!(stops(15, 20, 30, 100, &[]), vec![30], "20 is near the hit");
+        assert_eq!(stops(5, 6, 9, 4, &[]), vec![8, 9]);
         assert_eq!(stops(8, 8, 9, 100, &[]), vec![9]);
         assert_eq!(stops(9, 20, 9, 4, &[]), Vec::<usize>::new());
         assert_eq!(stops(0, 9, 9, 100, &[]), vec![9]);

@@ -6,7 +6,7 @@
 
 use nsactor_engine::decode::SamplingParams;
 use nsactor_engine::error::RuntimeError;
-use nsactor_pipeline::msg::{EdgeMsg, StageControl, ask, control_all};
+use nsactor_pipeline::msg::{EdgeMsg, ask};
 use nsactor_pipeline::state::SaveTally;
 use nsactor_pipeline::topology::Children;
 use nsactor_plugin_api::{PickParams, PicksBuf, RowPick, SessionId, SnapshotId};
@@ -271,6 +271,7 @@ pub(super) fn add_ns(to: &AtomicU64, since: Instant) -> Instant {
 
 /// Frees `session`'s neuron states in every actor (errors ignored: a stopped actor has none).
 pub(crate) async fn close_everywhere(c: &Children, session: SessionId) {
-    let close = StageControl::SessionClose { session };
-    let _ = control_all(&c.edge, &c.layers, close, |_| close).await;
+    use nsactor_pipeline::state::{StateOp, state_all};
+    let close = || StateOp::Close(session);
+    let _ = state_all(&c.edge, &c.layers, close(), |_| close()).await;
 }

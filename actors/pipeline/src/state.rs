@@ -25,6 +25,9 @@ pub enum StateOp {
     /// one's outcome in [`StateOut::each`].
     Restore(Vec<(SessionId, SnapshotId)>),
     Drop(SnapshotId),
+    /// Frees the states of `session` (a decoding session's end; not a snapshot op, but run
+    /// the same way, so that no layer actor waits on its worker for it).
+    Close(SessionId),
     /// A host copy of `snapshot`'s states.
     Read(SnapshotId),
     /// Keeps the host states under `snapshot` (as `Read` gave them, from the same stage).
@@ -117,6 +120,9 @@ impl StateOp {
                     .collect(),
                 ..StateOut::default()
             }),
+            StateOp::Close(session) => st
+                .call(StageCall::SessionClose { session })
+                .map(|_| StateOut::default()),
             StateOp::Drop(snapshot) => st
                 .call(StageCall::StateDrop { snapshot })
                 .map(|_| StateOut::default()),

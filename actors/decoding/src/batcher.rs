@@ -50,6 +50,7 @@ use std::sync::atomic::Ordering;
 use std::sync::{Arc, RwLock};
 use std::time::Instant;
 
+mod loss;
 mod reply;
 mod sessions;
 use reply::Reply;
@@ -142,6 +143,11 @@ pub struct BatcherState {
     parked: Vec<(SessionId, Vec<i64>, Continuation)>,
     /// Open sessions whose stream has ended: not expected back until they feed or close.
     ended: HashSet<SessionId>,
+    /// Open sessions whose caller feeds them one token at a time (its last input was one
+    /// token of a single feed): the launch window waits for these, and only these, when they
+    /// are away. A stream is queued again by the batcher itself; a prompt's caller, between
+    /// its pieces or busy with the prefix cache, may be away longer than the window.
+    steppers: HashSet<SessionId>,
     cohorts: usize,
     /// Closes waiting for their session's cohort.
     closing: Vec<Closing>,
@@ -174,6 +180,21 @@ impl BatcherState {
             .read()
             .unwrap_or_else(|e| e.into_inner())
             .clone()
+    }
+
+    /// Steppers not back yet ([`BatcherState::steppers`]).
+    fn absent(&self) -> usize {
+        if self.steppers.is_empty() {
+            return 0;
+        }
+        let flying = self.in_flight.iter().map(|f| &f.0);
+        let queued = self.waiting.iter().map(|w| &w.session);
+        let here: HashSet<&SessionId> = flying
+            .chain(queued)
+            .chain(self.parked.iter().map(|p| &p.0))
+            .collect();
+        let away = self.steppers.iter().filter(|s| !here.contains(s));
+        away.filter(|s| !self.ended.contains(s)).count()
     }
 
     fn flying(&self, session: SessionId) -> bool {
@@ -225,8 +246,7 @@ impl BatcherState {
             return;
         }
         while self.cohorts < self.batching.max_in_flight.max(1) && !self.waiting.is_empty() {
-            let here = self.in_flight.len() + self.waiting.len() + self.parked.len();
-            let absent = self.open.len().saturating_sub(here + self.ended.len());
+            let absent = self.absent();
             let since = self.waiting.front().expect("non-empty").since;
             let age = since.max(self.freed_at).elapsed();
             if absent > 0 && age < self.batching.window {
@@ -264,6 +284,11 @@ impl BatcherState {
         cohort.sort_by_key(|w| w.session);
         for w in &cohort {
             self.fresh.remove(&w.session);
+            if matches!(w.reply, Reply::Once { .. }) && len == 1 {
+                self.steppers.insert(w.session);
+            } else {
+                self.steppers.remove(&w.session);
+            }
             let fed = self.fed.entry(w.session).or_default();
             *fed = fed.saturating_add(w.ids.len());
         }
@@ -406,83 +431,6 @@ impl BatcherState {
             self.close_now(c);
         }
     }
-
-    /// A cohort lost a stage: every session that has run loses its states, parked streams
-    /// end, and the supervisor rebuilds the actors while inputs wait (within the policy;
-    /// past it decoding fails).
-    fn lose_stage(&mut self, myself: &ActorRef<BatcherMsg>, cause: String) {
-        if !self.health.is_serving() {
-            return; // Already rebuilding (the cohorts of the old actors fail one by one).
-        }
-        tracing::error!("decoding lost a stage: {cause}");
-        self.generation += 1;
-        // The health first: whoever is answered below already sees it.
-        let rebuild = self.restarts.allow(&self.policy, Instant::now()).is_some();
-        let past_policy = format!("{cause}; more than {}", self.policy.describe("rebuild"));
-        self.health.set(if rebuild {
-            Health::Recovering {
-                cause: cause.clone(),
-            }
-        } else {
-            Health::Failed {
-                cause: past_policy.clone(),
-            }
-        });
-        let gone: Vec<SessionId> = self.open.difference(&self.fresh).copied().collect();
-        for s in &gone {
-            self.open.remove(s);
-            self.ended.remove(s);
-            self.lost.insert(*s, cause.clone());
-        }
-        self.stats
-            .open
-            .fetch_sub(gone.len() as u64, Ordering::Relaxed);
-        // Their next inputs (a stream's next token, a fed session's next input, a prompt's
-        // next chunk) end now; only the inputs of sessions that have not run wait.
-        for (_, _, c) in self.parked.drain(..) {
-            c.refuse(lost_session(&cause));
-        }
-        for (_, _, reply) in self.restoring.drain(..) {
-            let _ = reply.send(Err(lost_session(&cause)));
-        }
-        let (waiting, lost): (VecDeque<Waiting>, VecDeque<Waiting>) =
-            std::mem::take(&mut self.waiting)
-                .into_iter()
-                .partition(|w| !self.lost.contains_key(&w.session));
-        self.waiting = waiting;
-        for w in lost {
-            w.reply.refuse(lost_session(&cause));
-        }
-        if !rebuild {
-            self.fail(past_policy);
-            return;
-        }
-        let (sup, me) = (self.sup.clone(), myself.clone());
-        tokio::spawn(async move {
-            let r = match sup.call(|reply| SupMsg::Heal { reply }, None).await {
-                Ok(ractor::rpc::CallResult::Success(r)) => r,
-                _ => Err(RuntimeError::Broken("the supervisor stopped".into())),
-            };
-            let _ = me.cast(BatcherMsg::Healed(r));
-        });
-    }
-
-    fn healed(&mut self, r: Result<HealTimings, RuntimeError>) {
-        match r {
-            Ok(t) => self.health.healed(t),
-            Err(e) => self.fail(format!("rebuilding after a lost stage failed: {e}")),
-        }
-    }
-
-    /// Decoding cannot go on: every waiting input is refused, and every later one.
-    fn fail(&mut self, why: String) {
-        tracing::error!("decoding has failed: {why}");
-        self.health.set(Health::Failed { cause: why.clone() });
-        for w in self.waiting.drain(..) {
-            let e = RuntimeError::Broken(format!("decoding has failed: {why}"));
-            w.reply.refuse(e);
-        }
-    }
 }
 
 impl Actor for BatcherActor {
@@ -504,6 +452,7 @@ impl Actor for BatcherActor {
             in_flight: Vec::new(),
             parked: Vec::new(),
             ended: HashSet::new(),
+            steppers: HashSet::new(),
             cohorts: 0,
             closing: Vec::new(),
             fed: HashMap::new(),

@@ -102,6 +102,7 @@ impl BatcherState {
             keep,
         } = c;
         self.ended.remove(&session);
+        self.steppers.remove(&session);
         let fed = self.fed.remove(&session).unwrap_or(0);
         let never_ran = self.fresh.remove(&session);
         if never_ran && self.open.remove(&session) {

@@ -16,6 +16,12 @@ use std::sync::atomic::Ordering;
 /// snapshot (or why not) goes.
 pub type Keep = (SnapshotId, RpcReplyPort<Result<Kept, RuntimeError>>);
 
+/// Most restores in one op per stage. A restore still copies each state field of each
+/// session on its own (on the H200 a batch of 256 took 1.77 s, every request waiting for all
+/// of them: TTFT p50 5.9 s against 2.7 s one by one), so a batch stays small enough that the
+/// first requests go on and the passes run between batches.
+const RESTORES_AT_ONCE: usize = 16;
+
 /// A restore waiting to run: the new session, its snapshot, and who waits for it.
 pub(super) type Restoring = (
     SessionId,
@@ -170,15 +176,17 @@ impl BatcherState {
         self.restore_queued(myself);
     }
 
-    /// Runs the restores queued so far as one op per stage, unless one is running (then they
-    /// go when it is done: `BatcherMsg::Restored`). Many requests that arrive at once (a
-    /// shared system prompt) restore in a few ops, not one each.
+    /// Runs the restores queued so far (at most [`RESTORES_AT_ONCE`]) as one op per stage,
+    /// unless one is running (then they go when it is done: `BatcherMsg::Restored`). Many
+    /// requests that arrive at once (a shared system prompt) restore in a few ops, not one
+    /// each.
     pub(super) fn restore_queued(&mut self, myself: &ActorRef<BatcherMsg>) {
         if self.restore_busy || self.restoring.is_empty() {
             return;
         }
         self.restore_busy = true;
-        let batch = std::mem::take(&mut self.restoring);
+        let n = self.restoring.len().min(RESTORES_AT_ONCE);
+        let batch: Vec<Restoring> = self.restoring.drain(..n).collect();
         let (children, me) = (self.children(), myself.clone());
         tokio::spawn(async move {
             let items = batch.iter().map(|(s, id, _)| (*s, *id)).collect();

@@ -306,14 +306,7 @@ fn streams_choose_the_tokens_single_feeds_choose_and_run_whole_cohorts() {
         "{} cohorts for {sessions} streams of {tokens} tokens",
         c1 - c0
     );
-    // One input per token, but that a prompt fed beside open sessions goes in power-of-two
-    // pieces: those of 3, 5 and 6 tokens in two each (which ones meet others open is timing).
-    let least = (sessions * tokens) as u64;
-    assert!(
-        (least..=least + 3).contains(&(n1 - n0)),
-        "{} inputs for {sessions} streams of {tokens} tokens",
-        n1 - n0
-    );
+    assert_eq!(n1 - n0, (sessions * tokens) as u64, "one input per token");
     // Prompts of different lengths go in separate cohorts (here 5, then 11 steps of all 5);
     // once every session decodes, the batcher requeues them together and every step is one
     // cohort of all of them. A session spawned late may split a step or two off first.
@@ -482,8 +475,8 @@ fn a_prompt_longer_than_one_pass_is_fed_in_chunks_that_carry_the_states() {
 }
 
 /// Chunked prefill: a prompt fed while another session is open goes in chunks of
-/// `chunk_tokens` (the other's steps run between them) and its rest in powers of two, alone in
-/// passes of the pass budget; its logits are bit for bit the same either way.
+/// `chunk_tokens` (the other's steps run between them), alone in passes of the pass budget; its
+/// logits are bit for bit the same either way.
 #[test]
 fn a_prompt_beside_an_open_session_is_fed_in_smaller_chunks_with_the_same_logits() {
     let _serial = serial();
@@ -507,8 +500,8 @@ fn a_prompt_beside_an_open_session_is_fed_in_smaller_chunks_with_the_same_logits
         (logits, c1 - c0)
     });
     assert_eq!(
-        passes, 7,
-        "beside an open session, 450 tokens in chunks of 100, then 32, 16 and 2"
+        passes, 5,
+        "beside an open session, 450 tokens in chunks of 100"
     );
     let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
     assert!(

@@ -45,6 +45,11 @@ pub struct ServeArgs {
     passes: PassArgs,
     #[command(flatten)]
     prefix: PrefixArgs,
+    /// Keep the prefix cache past a restart: when the server stops, every snapshot it holds
+    /// is written to a folder of DIR named for the model and tokenizer; when a server of the
+    /// same model starts on DIR, they come back into the host tier, the most recent first.
+    #[arg(long, value_name = "DIR")]
+    prefix_cache_dir: Option<std::path::PathBuf>,
     /// Take requests at once, without warming up: the first requests at each new batch shape
     /// then pay for kernel compilation and tuning.
     #[arg(long)]
@@ -348,6 +353,17 @@ pub fn run(a: ServeArgs) -> crate::result::CliResult {
             // The final events are queued; give the connections' writers a moment to send them.
             tokio::time::sleep(Duration::from_millis(200)).await;
         };
+        if let Some(dir) = &a.prefix_cache_dir {
+            let l = nsactor_server::persist::load(&state, dir).await?;
+            tracing::info!(
+                "prefix cache: {} snapshot(s) from {} in the host tier, {} left out for room, {} refused",
+                l.adopted,
+                nsactor_server::persist::folder(&state, dir).display(),
+                l.left,
+                l.refused.len()
+            );
+        }
+        let kept = state.clone();
         let mut server = tokio::spawn(nsactor_server::serve(listener, state, shutdown));
         if !a.no_warmup {
             // A signal during the warm-up ends the server, and the command with it.
@@ -357,7 +373,18 @@ pub fn run(a: ServeArgs) -> crate::result::CliResult {
             }
         }
         tokio::select! {
-            s = &mut server => s.map_err(|e| e.to_string())??,
+            s = &mut server => {
+                s.map_err(|e| e.to_string())??;
+                if let Some(dir) = &a.prefix_cache_dir {
+                    let w = nsactor_server::persist::save(&kept, dir).await?;
+                    tracing::info!(
+                        "prefix cache: {} snapshot(s), {:.1} MiB, written to {}",
+                        w.files,
+                        w.bytes as f64 / (1 << 20) as f64,
+                        w.folder.display()
+                    );
+                }
+            }
             why = decoding_failed(&decoder) => {
                 // Refuse new requests and let the errors already on their way reach their
                 // clients before the process goes (nothing decodes any more: a second at most).

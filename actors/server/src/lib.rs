@@ -37,6 +37,7 @@ pub mod listen;
 pub mod logprobs;
 pub mod messages;
 pub mod openai;
+pub mod persist;
 pub mod prompts;
 pub mod protocol;
 pub mod ready;

@@ -305,3 +305,66 @@ fn a_conversation_s_state_carried_to_another_server_goes_on_there_as_it_would_ha
     });
     drop(b);
 }
+
+/// `serve --prefix-cache-dir`: the cache written when a server stops comes back into another
+/// server's host tier, whose next turn then prefills only what is new and answers as a server
+/// without the cache does; a damaged file is set aside, named, and the others load.
+#[test]
+fn a_cache_written_to_a_folder_comes_back_in_another_server() {
+    use nsactor_server::persist;
+    let dir = std::env::temp_dir().join(format!("nsactor-persist-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let (a, b) = (
+        serve_limited(4, false, limits()),
+        serve_limited(4, false, limits()),
+    );
+    let (at_a, at_b) = (a.addr, b.addr);
+    let (state_a, state_b) = (a.state.clone(), b.state.clone());
+    let d = dir.clone();
+    a.pipeline.block_on(async move {
+        let mut messages = vec![
+            json!({"role": "system", "content": "Answer in one word."}),
+            json!({"role": "user", "content": "Where is the station?"}),
+        ];
+        let (answer, _, _) = chat(at_a, &messages, true).await;
+        let w = persist::save(&state_a, &d).await.unwrap();
+        assert!(w.files >= 2 && w.bytes > 0, "{w:?}");
+        // Written again over the first set: the old files make way.
+        let again = persist::save(&state_a, &d).await.unwrap();
+        assert_eq!(again.files, w.files);
+        let names = |f: &std::path::Path| {
+            let mut n: Vec<String> = std::fs::read_dir(f)
+                .unwrap()
+                .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+                .collect();
+            n.sort();
+            n
+        };
+        assert_eq!(names(&w.folder).len(), w.files, "{:?}", names(&w.folder));
+        // One damaged file among them.
+        let last = w.folder.join(format!("{:06}.nsstate", w.files - 1));
+        let mut bytes = std::fs::read(&last).unwrap();
+        let mid = bytes.len() / 2;
+        bytes[mid] ^= 1;
+        std::fs::write(&last, bytes).unwrap();
+        let l = persist::load(&state_b, &d).await.unwrap();
+        assert_eq!((l.adopted, l.left), (w.files - 1, 0), "{l:?}");
+        assert_eq!(l.refused.len(), 1, "{l:?}");
+        assert!(l.refused[0].1.contains("SHA-256"), "{l:?}");
+        assert!(last.with_extension("refused").exists());
+        messages.push(json!({"role": "assistant", "content": answer}));
+        messages.push(json!({"role": "user", "content": "And the port?"}));
+        let (_, before) = http(at_b, "GET", "/metrics", b"").await;
+        let on_b = chat(at_b, &messages, true).await;
+        let on_a = chat(at_a, &messages, false).await;
+        assert_eq!(on_b, on_a);
+        let (_, after) = http(at_b, "GET", "/metrics", b"").await;
+        let hits = |m: &str| metric(m, "nsactor_prefix_cache_hits_total");
+        assert_eq!(
+            hits(&after) - hits(&before),
+            1.0,
+            "the loaded snapshot was hit"
+        );
+    });
+    let _ = std::fs::remove_dir_all(&dir);
+}

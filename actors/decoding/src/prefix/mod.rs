@@ -6,21 +6,23 @@
 //! Snapshots sit in a radix tree over token ids ([`tree`]) at the depths they were taken:
 //! * where a prompt parts from every path the tree holds (so the next prompt sharing that
 //!   much finds it),
-//! * before each message of a chat prompt ([`PrefixConfig::boundary`]: a shared system prompt
-//!   is found by prompts that arrive together),
+//! * at the end of a chat prompt's first message ([`PrefixConfig::boundary`]: a shared system
+//!   prompt is found by prompts that arrive together),
 //! * every [`PrefixConfig::every`] tokens of a long prompt,
 //! * before a prompt's last token (the same prompt again feeds one token), and
 //! * at a generation's end (the next turn of a conversation finds its whole history).
 //!
 //! A hit restores the deepest snapshot at most one token short of the prompt. Snapshots live
 //! on the devices under a byte budget, least recently used out first to a host tier (its own
-//! budget), from which a hit brings them back. A snapshot being restored is pinned; a new
+//! budget), from which a hit brings them back. [`PrefixCache::held`] and
+//! [`PrefixCache::adopt`] take them out and back in across a restart. A snapshot being restored is pinned; a new
 //! request starts from a copy, so concurrent requests share one. The cache is exact: a
 //! session restored and fed the rest computes what one fed from the start does, bit for bit
 //! (the batch-invariant passes make a prompt's numbers independent of how it is cut).
 
 mod carry;
 mod feed;
+mod persist;
 pub mod tree;
 
 use crate::decoder::AsyncDecoder;
@@ -43,9 +45,9 @@ pub struct PrefixConfig {
     pub every: usize,
     /// Tokens the tree's paths may hold (its host memory: 8 bytes a token and a little more).
     pub max_tokens: usize,
-    /// A token that opens a message (ChatML's `<|im_start|>`): a snapshot is kept before each
-    /// one in a prompt, so prompts that share their first messages (a system prompt) share a
-    /// snapshot even when they arrive together.
+    /// A token that opens a message (ChatML's `<|im_start|>`): a snapshot is kept before the
+    /// first one after a prompt's start, so prompts that share their first message (a system
+    /// prompt) share a snapshot even when they arrive together.
     pub boundary: Option<i64>,
 }
 

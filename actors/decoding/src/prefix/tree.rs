@@ -178,6 +178,23 @@ impl<E> Tree<E> {
         self.node(node).depth
     }
 
+    /// The tokens from the root to `node`.
+    pub fn path(&self, node: usize) -> Vec<i64> {
+        let mut parts = Vec::new();
+        let mut at = node;
+        while at != ROOT {
+            let n = self.node(at);
+            parts.push(n.label.as_slice());
+            at = n.parent;
+        }
+        parts.into_iter().rev().flatten().copied().collect()
+    }
+
+    /// When `node`'s entry was last used (a larger tick is more recent).
+    pub fn used(&self, node: usize) -> u64 {
+        self.node(node).used
+    }
+
     pub fn entry(&self, node: usize) -> Option<&E> {
         self.nodes.get(node)?.as_ref()?.entry.as_ref()
     }
@@ -278,6 +295,9 @@ mod tests {
         assert_eq!(t.tokens(), 6);
         assert_eq!(t.find(&[1, 2, 3, 4], 9, all).node, Some(a));
         assert_eq!(t.find(&[1, 2, 7, 8], 9, all).node, Some(b));
+        // Each node's path is read back across the split.
+        assert_eq!((t.path(a), t.path(b)), (vec![1, 2, 3, 4], vec![1, 2, 7, 8]));
+        assert!(t.used(b) > t.used(a));
         let f = t.find(&[1, 2, 7, 9], 9, all);
         assert_eq!((f.node, f.common), (None, 3));
         // Inserting the same path again finds the same node.

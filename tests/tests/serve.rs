@@ -58,9 +58,12 @@ fn sigterm_drains_running_streams_refuses_new_ones_and_exits_0() {
     let dir = temp_dir("serve-drain");
     let run = trained_run(&dir);
     let addr = free_addr();
+    let cache = dir.join("prefix-cache");
     let mut server = nsactor()
         .args(["serve", "--checkpoint"])
         .arg(&run)
+        .arg("--prefix-cache-dir")
+        .arg(&cache)
         .args(["--addr", &addr.to_string(), "--shutdown-grace", "2"])
         .args(["--api-key", "sk-drain"])
         .stdout(Stdio::null())
@@ -157,6 +160,18 @@ fn sigterm_drains_running_streams_refuses_new_ones_and_exits_0() {
     let (status, log) = exit_and_log(&mut server, Duration::from_secs(30));
     assert!(status.success(), "exit {status:?}: {log}");
     assert!(log.contains("2 ended by the grace period"), "{log}");
+    // The prefix cache was looked for at the start and written after the drain.
+    assert!(log.contains("in the host tier"), "{log}");
+    let written = log
+        .lines()
+        .find(|l| l.contains("written to"))
+        .expect("the cache written");
+    let folder = written.rsplit("written to ").next().unwrap().trim();
+    assert!(
+        std::path::Path::new(folder).starts_with(&cache),
+        "{written}"
+    );
+    assert!(std::fs::read_dir(folder).is_ok(), "{written}");
     assert!(!log.contains("sk-drain"), "the key is in the log: {log}");
     let _ = std::fs::remove_dir_all(&dir);
 }

@@ -153,9 +153,10 @@ pub struct BatcherState {
     closing: Vec<Closing>,
     /// Inputs each open session has seen (the prefix cache's snapshots say how deep they are).
     fed: HashMap<SessionId, usize>,
-    /// Restores waiting for the ones in flight (`restore_busy`) to finish.
+    /// Restores waiting for the one running (`restoring_now`) to finish.
     restoring: Vec<sessions::Restoring>,
-    restore_busy: bool,
+    /// The sessions of the restore running now (a close waits for it).
+    restoring_now: Vec<SessionId>,
     tick_armed: bool,
     /// When a cohort last finished: the sessions it answered get a window from then to come
     /// back, even if inputs have been waiting longer (else two halves of the sessions
@@ -197,8 +198,9 @@ impl BatcherState {
         away.filter(|s| !self.ended.contains(s)).count()
     }
 
+    /// Whether `session` is in a cohort or a restore now running.
     fn flying(&self, session: SessionId) -> bool {
-        self.in_flight.iter().any(|(s, _)| *s == session)
+        self.in_flight.iter().any(|(s, _)| *s == session) || self.restoring_now.contains(&session)
     }
 
     /// Whether `session` may queue `ids`: something to feed, nothing of its in flight, its
@@ -420,6 +422,11 @@ impl BatcherState {
                 }
             }
         }
+        self.close_ready();
+    }
+
+    /// Closes the sessions whose close waited for a cohort or a restore that is now done.
+    fn close_ready(&mut self) {
         let ready: Vec<Closing> = {
             let (ready, wait) = std::mem::take(&mut self.closing)
                 .into_iter()
@@ -457,7 +464,7 @@ impl Actor for BatcherActor {
             closing: Vec::new(),
             fed: HashMap::new(),
             restoring: Vec::new(),
-            restore_busy: false,
+            restoring_now: Vec::new(),
             tick_armed: false,
             freed_at: Instant::now(),
             fresh: HashSet::new(),
@@ -508,7 +515,8 @@ impl Actor for BatcherActor {
                 reply,
             } => s.restore(&myself, session, snapshot, depth, reply),
             BatcherMsg::Restored => {
-                s.restore_busy = false;
+                s.restoring_now.clear();
+                s.close_ready();
                 s.restore_queued(&myself);
             }
             BatcherMsg::Done {

@@ -175,5 +175,24 @@ fn snapshots_refuse_what_they_cannot_do() {
         let e = d.write_snapshot(&bad).await.unwrap_err().to_string();
         assert!(e.contains("state fields"), "{e}");
         d.close(s).await;
+        // Restores queue behind the one running; a session closed while its restore waits is
+        // not restored after its close (its states would be held by nobody), and one closed
+        // while its restore runs is closed once it is done.
+        let open = d.open_sessions();
+        let (a, b, c) = (d.session(), d.session(), d.session());
+        let (ra, rb, rc, (), ()) = futures_util::join!(
+            d.restore(a, &again, 3),
+            d.restore(b, &again, 3),
+            d.restore(c, &again, 3),
+            d.close(c),
+            d.close(a),
+        );
+        assert!(ra.unwrap() && rb.unwrap());
+        let e = rc.unwrap_err().to_string();
+        assert!(e.contains("closed before its restore began"), "{e}");
+        let logits = d.feed(b, vec![8]).await.unwrap();
+        assert!(logits.iter().all(|x| x.is_finite()));
+        d.close(b).await;
+        assert_eq!(d.open_sessions(), open, "every restored session closed");
     });
 }

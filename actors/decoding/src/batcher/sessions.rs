@@ -91,9 +91,14 @@ impl BatcherState {
     }
 
     pub(super) fn close(&mut self, c: Closing) {
-        // An input still waiting is dropped: its caller has gone.
+        // An input still waiting is dropped: its caller has gone; so is a restore not begun.
         self.waiting.retain(|w| w.session != c.session);
         self.parked.retain(|p| p.0 != c.session);
+        if let Some(k) = self.restoring.iter().position(|r| r.0 == c.session) {
+            let (_, _, reply) = self.restoring.remove(k);
+            let why = format!("{} was closed before its restore began", c.session);
+            let _ = reply.send(Err(RuntimeError::Runtime(why)));
+        }
         if self.flying(c.session) {
             self.closing.push(c);
         } else {
@@ -177,16 +182,17 @@ impl BatcherState {
     }
 
     /// Runs the restores queued so far (at most [`RESTORES_AT_ONCE`]) as one op per stage,
-    /// unless one is running (then they go when it is done: `BatcherMsg::Restored`). Many
+    /// unless one is running (then they go when it is done: `BatcherMsg::Restored`; a close
+    /// of one of its sessions waits for it, as for a cohort). Many
     /// requests that arrive at once (a shared system prompt) restore in a few ops, not one
     /// each.
     pub(super) fn restore_queued(&mut self, myself: &ActorRef<BatcherMsg>) {
-        if self.restore_busy || self.restoring.is_empty() {
+        if !self.restoring_now.is_empty() || self.restoring.is_empty() {
             return;
         }
-        self.restore_busy = true;
         let n = self.restoring.len().min(RESTORES_AT_ONCE);
         let batch: Vec<Restoring> = self.restoring.drain(..n).collect();
+        self.restoring_now = batch.iter().map(|r| r.0).collect();
         let (children, me) = (self.children(), myself.clone());
         tokio::spawn(async move {
             let items = batch.iter().map(|(s, id, _)| (*s, *id)).collect();

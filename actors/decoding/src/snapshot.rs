@@ -9,7 +9,8 @@
 use super::batcher::{BatcherMsg, Closing};
 use super::decoder::AsyncDecoder;
 use nsactor_engine::error::RuntimeError;
-use nsactor_pipeline::state::{StateOp, StateOut, state_all};
+use nsactor_pipeline::layers::state_all;
+use nsactor_pipeline::state::{StateOp, StateOut};
 use nsactor_pipeline::topology::Children;
 use nsactor_plugin_api::{HostTensor, SessionId, SnapshotId};
 

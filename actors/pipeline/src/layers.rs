@@ -1,9 +1,9 @@
-//! A decoding pass through the layer actors: each lends its stage, and the layers that share a
-//! worker run as one job there.
+//! Work on the layer actors' stages, each lent for it: a decoding pass (the layers that share
+//! a worker run as one job there) and the prefix cache's state ops ([`state_all`]).
 
 use super::holder::StageHolder;
-use super::msg::{LayerMsg, ask};
-use super::state::{SaveTally, save_all};
+use super::msg::{EdgeMsg, LayerMsg, ask};
+use super::state::{SaveTally, StateOp, StateOut, save_all};
 use super::trace;
 use super::worker::{JobPanicked, Priority};
 use nsactor_engine::error::RuntimeError;
@@ -123,4 +123,78 @@ pub async fn run_layers_saving(
         start = end;
     }
     Ok((h, tally))
+}
+
+/// Runs `edge_op` on the edge and `layer_op(i)` on layer `i`, all at once; the edge's answer
+/// and the layers' in layer order. The layers lend their stages ([`share_layers`]) and the
+/// ops of the layers that share a worker run as one job there, at a decoding pass's priority
+/// and in turn with the passes: no layer actor waits for the worker meanwhile (a waiting
+/// actor would hold up the next pass's share).
+pub async fn state_all(
+    edge: &ActorRef<EdgeMsg>,
+    layers: &[ActorRef<LayerMsg>],
+    edge_op: StateOp,
+    layer_op: impl FnMut(usize) -> StateOp,
+) -> (
+    Result<StateOut, RuntimeError>,
+    Vec<Result<StateOut, RuntimeError>>,
+) {
+    let e = ask(edge, "edge", |reply| EdgeMsg::State { op: edge_op, reply });
+    let ls = async {
+        match share_layers(layers).await {
+            Ok(holders) => on_layers(&holders, layer_op).await,
+            Err(e) => (0..layers.len())
+                .map(|_| Err(e.for_each_session()))
+                .collect(),
+        }
+    };
+    futures_util::join!(e, ls)
+}
+
+/// `layer_op(i)` on layer `i` of `holders`, one job per run of layers on the same worker.
+async fn on_layers(
+    holders: &[StageHolder],
+    mut layer_op: impl FnMut(usize) -> StateOp,
+) -> Vec<Result<StateOut, RuntimeError>> {
+    let mut jobs = Vec::new();
+    let mut start = 0;
+    while start < holders.len() {
+        let worker = holders[start].worker.clone();
+        let end = (start..holders.len())
+            .find(|&j| !Arc::ptr_eq(&holders[j].worker, &worker))
+            .unwrap_or(holders.len());
+        let group: Vec<(StageHolder, StateOp)> = (start..end)
+            .map(|i| (holders[i].clone(), layer_op(i)))
+            .collect();
+        let job = worker.run_then(Priority::FORWARD_UNTRAINED, None, move || {
+            group
+                .into_iter()
+                .map(|(h, op)| {
+                    h.run(None, |st, _| op.run(st, &*h.backend, h.device))
+                        .map_err(|error| RuntimeError::Stage {
+                            who: h.who.clone(),
+                            error,
+                        })
+                })
+                .collect::<Vec<_>>()
+        });
+        jobs.push(async move {
+            job.await.unwrap_or_else(|JobPanicked(m)| {
+                (start..end)
+                    .map(|i| {
+                        Err(RuntimeError::Stage {
+                            who: format!("layer {i}"),
+                            error: EngineError::Panic(m.clone()),
+                        })
+                    })
+                    .collect()
+            })
+        });
+        start = end;
+    }
+    futures_util::future::join_all(jobs)
+        .await
+        .into_iter()
+        .flatten()
+        .collect()
 }

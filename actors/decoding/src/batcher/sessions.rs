@@ -197,10 +197,12 @@ impl BatcherState {
         tokio::spawn(async move {
             let items = batch.iter().map(|(s, id, _)| (*s, *id)).collect();
             let outcomes = snapshot::restore_many(&children, items).await;
+            // The batcher hears first: a session's next input, sent once it has its answer,
+            // then finds its restore done.
+            let _ = me.cast(BatcherMsg::Restored);
             for ((_, _, reply), r) in batch.into_iter().zip(outcomes) {
                 let _ = reply.send(r.map(|()| true));
             }
-            let _ = me.cast(BatcherMsg::Restored);
         });
     }
 }

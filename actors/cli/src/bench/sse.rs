@@ -53,6 +53,20 @@ pub async fn sse_load(
 }
 
 /// One HTTP/1 connection's request side.
+/// Appends `bytes` of an event stream to `buf`: the `data:` payloads of the events it
+/// completes (trimmed), in order; a partial event stays in `buf`.
+pub(super) fn data_events(buf: &mut String, bytes: &[u8]) -> Vec<String> {
+    buf.push_str(&String::from_utf8_lossy(bytes));
+    let mut out = Vec::new();
+    while let Some(end) = buf.find("\n\n") {
+        let event: String = buf.drain(..end + 2).collect();
+        if let Some(p) = event.trim().strip_prefix("data:") {
+            out.push(p.trim().to_string());
+        }
+    }
+    out
+}
+
 pub(super) type Sender =
     hyper::client::conn::http1::SendRequest<http_body_util::Full<hyper::body::Bytes>>;
 
@@ -118,16 +132,11 @@ async fn one(
         let Some(data) = frame.data_ref() else {
             continue;
         };
-        buf.push_str(&String::from_utf8_lossy(data));
-        while let Some(end) = buf.find("\n\n") {
-            let event: String = buf.drain(..end + 2).collect();
-            let Some(payload) = event.trim().strip_prefix("data:").map(str::trim) else {
-                continue;
-            };
+        for payload in data_events(&mut buf, data) {
             if payload == "[DONE]" {
                 break 'read;
             }
-            let v: serde_json::Value = serde_json::from_str(payload)?;
+            let v: serde_json::Value = serde_json::from_str(&payload)?;
             if let Some(n) = v["usage"]["completion_tokens"].as_u64() {
                 usage = Some(n as usize);
             }

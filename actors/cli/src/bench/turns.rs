@@ -4,7 +4,7 @@
 //! each turn over the clients, and what the prefix state cache did: with it, a turn's first
 //! token should not wait for the history before it.
 
-use super::sse::{connect, post};
+use super::sse::{Sender, connect, data_events, post};
 use crate::result::CliResult;
 use http_body_util::BodyExt;
 use nsactor_decoding::prefix::PrefixCache;
@@ -120,39 +120,10 @@ async fn conversation(addr: std::net::SocketAddr, client: usize, t: Turns) -> Cl
         let body = serde_json::json!({"messages": messages, "max_tokens": t.answer_tokens,
             "temperature": t.temperature, "seed": client, "stream": true,
             "stream_options": {"include_usage": true}});
-        let sent = Instant::now();
-        let mut body = post(&mut sender, addr, "/v1/chat/completions", &body).await?;
-        let (mut buf, mut answer) = (String::new(), String::new());
-        let (mut ttft, mut prompt_tokens) = (None, None);
-        while let Some(frame) = body.frame().await {
-            let frame = frame.map_err(|e| format!("reading the stream: {e}"))?;
-            let Some(data) = frame.data_ref() else {
-                continue;
-            };
-            buf.push_str(&String::from_utf8_lossy(data));
-            while let Some(end) = buf.find("\n\n") {
-                let event: String = buf.drain(..end + 2).collect();
-                let Some(payload) = event.trim().strip_prefix("data:").map(str::trim) else {
-                    continue;
-                };
-                // Read on to the body's end: the connection carries the next turn.
-                if payload == "[DONE]" {
-                    continue;
-                }
-                let v: serde_json::Value = serde_json::from_str(payload)?;
-                if let Some(n) = v["usage"]["prompt_tokens"].as_u64() {
-                    prompt_tokens = Some(n as usize);
-                }
-                let choice = &v["choices"][0];
-                if choice.is_object() && choice["finish_reason"].is_null() {
-                    ttft.get_or_insert(sent.elapsed().as_secs_f64());
-                    answer.push_str(choice["delta"]["content"].as_str().unwrap_or(""));
-                }
-            }
-        }
-        let prompt_tokens = prompt_tokens.ok_or("the stream ended without its usage")?;
+        let (ttft, answer, prompt_tokens) = chat_turn(&mut sender, addr, &body).await?;
+        let prompt_tokens = prompt_tokens.ok_or("the stream ended without its usage")? as usize;
         messages.push(serde_json::json!({"role": "assistant", "content": answer.clone()}));
-        out.push((ttft.unwrap_or(f64::NAN), prompt_tokens, answer));
+        out.push((ttft, prompt_tokens, answer));
     }
     Ok(out)
 }
@@ -198,26 +169,33 @@ async fn timed_turn(
     let body = serde_json::json!({"messages": messages, "max_tokens": tokens,
         "temperature": 0, "stream": true, "stream_options": {"include_usage": true}});
     let mut sender = connect(addr).await?;
+    let (ttft, answer, prompt) = chat_turn(&mut sender, addr, &body).await?;
+    Ok((ttft, answer, prompt.unwrap_or(0)))
+}
+
+/// Sends one streamed chat completion on `sender` and reads it to its end: seconds to its
+/// first token (NaN without one), its answer, and the prompt tokens its usage names.
+async fn chat_turn(
+    sender: &mut Sender,
+    addr: std::net::SocketAddr,
+    body: &serde_json::Value,
+) -> CliResult<(f64, String, Option<u64>)> {
     let sent = Instant::now();
-    let mut stream = post(&mut sender, addr, "/v1/chat/completions", &body).await?;
-    let (mut ttft, mut answer, mut prompt) = (None, String::new(), 0);
+    let mut stream = post(sender, addr, "/v1/chat/completions", body).await?;
+    let (mut ttft, mut answer, mut prompt) = (None, String::new(), None);
     let mut buf = String::new();
     while let Some(frame) = stream.frame().await {
         let frame = frame.map_err(|e| format!("reading the stream: {e}"))?;
         let Some(data) = frame.data_ref() else {
             continue;
         };
-        buf.push_str(&String::from_utf8_lossy(data));
-        while let Some(end) = buf.find("\n\n") {
-            let event: String = buf.drain(..end + 2).collect();
-            let Some(p) = event.trim().strip_prefix("data:").map(str::trim) else {
-                continue;
-            };
+        for p in data_events(&mut buf, data) {
+            // Read on to the body's end: the connection carries the next turn.
             if p == "[DONE]" {
                 continue;
             }
-            let v: serde_json::Value = serde_json::from_str(p)?;
-            prompt = v["usage"]["prompt_tokens"].as_u64().unwrap_or(prompt);
+            let v: serde_json::Value = serde_json::from_str(&p)?;
+            prompt = v["usage"]["prompt_tokens"].as_u64().or(prompt);
             let c = &v["choices"][0];
             if c.is_object() && c["finish_reason"].is_null() {
                 ttft.get_or_insert(sent.elapsed().as_secs_f64());

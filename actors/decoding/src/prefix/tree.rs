@@ -20,6 +20,11 @@ struct Node<E> {
     used: u64,
 }
 
+/// How many first tokens `label` and `rest` share.
+fn shared(label: &[i64], rest: &[i64]) -> usize {
+    label.iter().zip(rest).take_while(|(a, b)| a == b).count()
+}
+
 /// What a path finds in the tree.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Found {
@@ -92,11 +97,7 @@ impl<E> Tree<E> {
                 break;
             };
             let label = &self.node(child).label;
-            let same = label
-                .iter()
-                .zip(&path[pos..])
-                .take_while(|(a, b)| a == b)
-                .count();
+            let same = shared(label, &path[pos..]);
             pos += same;
             if same < label.len() {
                 break;
@@ -116,11 +117,7 @@ impl<E> Tree<E> {
                 return leaf;
             };
             let label = &self.node(child).label;
-            let same = label
-                .iter()
-                .zip(&path[pos..])
-                .take_while(|(a, b)| a == b)
-                .count();
+            let same = shared(label, &path[pos..]);
             if same < label.len() {
                 // The path parts (or ends) inside the edge: a node where it does.
                 let middle = self.split(child, same);

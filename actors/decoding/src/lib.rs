@@ -19,6 +19,7 @@ pub mod decoder;
 pub mod handle;
 pub mod heal;
 pub mod invariance;
+mod kept;
 pub mod prefix;
 pub mod probe;
 pub mod snapshot;

@@ -4,7 +4,7 @@
 
 use super::{BatcherMsg, BatcherState, Reply, Waiting};
 use crate::cohort::{Answer, close_everywhere};
-use crate::snapshot::{self, Kept, Snapshot};
+use crate::kept::{self as snapshot, Kept, Snapshot};
 use nsactor_engine::error::RuntimeError;
 use nsactor_pipeline::state::SaveTally;
 use nsactor_pipeline::topology::Children;

@@ -119,7 +119,8 @@ impl AsyncDecoder {
 
     /// [`begin_close`](Self::begin_close), keeping a snapshot of the session's states as they
     /// are once its input in flight is done (before they are freed): the close is queued now;
-    /// the future answers with the snapshot and how many inputs it has seen.
+    /// the future answers with the snapshot and how many inputs it has seen, once the states
+    /// are freed too.
     pub fn close_keeping(
         &self,
         session: SessionId,

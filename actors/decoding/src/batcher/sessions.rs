@@ -136,13 +136,19 @@ impl BatcherState {
         let children = self.children();
         let stats = self.stats.clone();
         tokio::spawn(async move {
+            let mut kept = None;
             if let Some((id, port)) = keep {
-                let kept = snapshot::save(&children, session, id).await;
-                let _ = port.send(kept.map(|snapshot| Kept { snapshot, fed }));
+                let k = snapshot::save(&children, session, id).await;
+                kept = Some((port, k.map(|snapshot| Kept { snapshot, fed })));
             }
             close_everywhere(&children, session).await;
             if was_open {
                 stats.open.fetch_sub(1, Ordering::Relaxed);
+            }
+            // The snapshot is answered once the states are freed too: a caller that waits for
+            // it (the server, before a request's place is given back) sees the session gone.
+            if let Some((port, k)) = kept {
+                let _ = port.send(k);
             }
             let _ = reply.send(());
         });

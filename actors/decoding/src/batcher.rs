@@ -90,6 +90,8 @@ pub enum BatcherMsg {
     },
     /// The restores in flight are done: the next queued ones go.
     Restored,
+    /// The close job in flight is done: the next closes go.
+    Ended,
     /// A cohort finished: `sessions` in cohort order, and their answers in that order;
     /// `generation` is how many times the stages had been lost when it launched.
     Done {
@@ -157,6 +159,10 @@ pub struct BatcherState {
     restoring: Vec<sessions::Restoring>,
     /// The sessions of the restore running now (a close waits for it).
     restoring_now: Vec<SessionId>,
+    /// Closed sessions whose states the next close job frees.
+    ending: Vec<sessions::Ending>,
+    /// Whether a close job runs.
+    ending_now: bool,
     tick_armed: bool,
     /// When a cohort last finished: the sessions it answered get a window from then to come
     /// back, even if inputs have been waiting longer (else two halves of the sessions
@@ -465,6 +471,8 @@ impl Actor for BatcherActor {
             fed: HashMap::new(),
             restoring: Vec::new(),
             restoring_now: Vec::new(),
+            ending: Vec::new(),
+            ending_now: false,
             tick_armed: false,
             freed_at: Instant::now(),
             fresh: HashSet::new(),
@@ -519,6 +527,7 @@ impl Actor for BatcherActor {
                 s.close_ready();
                 s.restore_queued(&myself);
             }
+            BatcherMsg::Ended => s.ending_now = false,
             BatcherMsg::Done {
                 generation,
                 sessions,
@@ -536,6 +545,7 @@ impl Actor for BatcherActor {
             BatcherMsg::Policy(p) => s.policy = p,
             BatcherMsg::Healed(r) => s.healed(r),
         }
+        s.end_queued(&myself);
         s.pump(&myself);
         Ok(())
     }

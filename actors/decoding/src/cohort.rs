@@ -270,9 +270,9 @@ pub(super) fn add_ns(to: &AtomicU64, since: Instant) -> Instant {
 }
 
 /// Frees `session`'s neuron states in every actor (errors ignored: a stopped actor has none).
-pub(crate) async fn close_everywhere(c: &Children, session: SessionId) {
+pub(crate) async fn close_everywhere(c: &Children, sessions: &[SessionId]) {
     use nsactor_pipeline::layers::state_all;
     use nsactor_pipeline::state::StateOp;
-    let close = || StateOp::Close(session);
+    let close = || StateOp::Close(sessions.to_vec());
     let _ = state_all(&c.edge, &c.layers, close(), |_| close()).await;
 }

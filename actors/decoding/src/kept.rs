@@ -56,16 +56,68 @@ pub(crate) async fn save(
     session: SessionId,
     snapshot: SnapshotId,
 ) -> Result<Snapshot, RuntimeError> {
-    match everywhere(c, |_| StateOp::Save { session, snapshot }).await {
-        Ok(outs) => Ok(Snapshot {
-            id: snapshot,
-            bytes: outs.iter().map(|o| o.bytes).sum(),
-        }),
-        Err(e) => {
-            drop_everywhere(c, snapshot).await;
-            Err(e)
+    save_many(c, vec![(session, snapshot)])
+        .await
+        .pop()
+        .expect("one answer")
+}
+
+/// Keeps a copy of each idle session of `items` under its snapshot id in every stage, all in
+/// one op per stage: each one's snapshot, in order; one that some stage could not keep is
+/// dropped from the others.
+pub(crate) async fn save_many(
+    c: &Children,
+    items: Vec<(SessionId, SnapshotId)>,
+) -> Vec<Result<Snapshot, RuntimeError>> {
+    let (e, ls) = state_all(&c.edge, &c.layers, StateOp::Save(items.clone()), |_| {
+        StateOp::Save(items.clone())
+    })
+    .await;
+    let mut out: Vec<Result<Snapshot, RuntimeError>> = items
+        .iter()
+        .map(|&(_, id)| Ok(Snapshot { id, bytes: 0 }))
+        .collect();
+    for (who, r) in stages(e, ls) {
+        match r {
+            Ok(o) => {
+                for (slot, r) in out.iter_mut().zip(o.saved) {
+                    match (&mut *slot, r) {
+                        (Ok(s), Ok(bytes)) => s.bytes += bytes,
+                        (Ok(_), Err(error)) => {
+                            *slot = Err(RuntimeError::Stage {
+                                who: who.clone(),
+                                error,
+                            })
+                        }
+                        (Err(_), _) => {}
+                    }
+                }
+            }
+            Err(e) => {
+                for slot in out.iter_mut().filter(|s| s.is_ok()) {
+                    *slot = Err(e.for_each_session());
+                }
+            }
         }
     }
+    for ((_, id), r) in items.iter().zip(&out) {
+        if r.is_err() {
+            drop_everywhere(c, *id).await;
+        }
+    }
+    out
+}
+
+/// Each stage's answer to one op, named: the edge's, then each layer's.
+fn stages(
+    e: Result<StateOut, RuntimeError>,
+    ls: Vec<Result<StateOut, RuntimeError>>,
+) -> impl Iterator<Item = (String, Result<StateOut, RuntimeError>)> {
+    std::iter::once(("edge".to_string(), e)).chain(
+        ls.into_iter()
+            .enumerate()
+            .map(|(i, r)| (format!("layer {i}"), r)),
+    )
 }
 
 /// Each session of `items` starts from its snapshot in every stage, all in one op per stage:
@@ -80,12 +132,7 @@ pub(crate) async fn restore_many(
     })
     .await;
     let mut out: Vec<Result<(), RuntimeError>> = (0..n).map(|_| Ok(())).collect();
-    let stages = std::iter::once(("edge".to_string(), e)).chain(
-        ls.into_iter()
-            .enumerate()
-            .map(|(i, r)| (format!("layer {i}"), r)),
-    );
-    for (who, r) in stages {
+    for (who, r) in stages(e, ls) {
         match r {
             Ok(o) => {
                 for (slot, r) in out.iter_mut().zip(o.each) {

@@ -201,9 +201,7 @@ impl AsyncDecoder {
                 break;
             }
         }
-        for &s in &sessions {
-            close_everywhere(&children, s).await;
-        }
+        close_everywhere(&children, &sessions).await;
         result.map(|()| Warmed {
             size,
             passes: passes.len(),

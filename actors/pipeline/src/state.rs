@@ -13,18 +13,16 @@ use ractor::RpcReplyPort;
 /// One snapshot op on one stage.
 #[derive(Debug)]
 pub enum StateOp {
-    /// Keeps a copy of `session`'s states under `snapshot`.
-    Save {
-        session: SessionId,
-        snapshot: SnapshotId,
-    },
+    /// Keeps a copy of each `session`'s states under its `snapshot`; each one's device bytes
+    /// in [`StateOut::saved`].
+    Save(Vec<(SessionId, SnapshotId)>),
     /// Each `session`, which holds no states, starts from a copy of its `snapshot`'s; each
     /// one's outcome in [`StateOut::each`].
     Restore(Vec<(SessionId, SnapshotId)>),
     Drop(SnapshotId),
-    /// Frees the states of `session` (a decoding session's end; not a snapshot op, but run
-    /// the same way, so that no layer actor waits on its worker for it).
-    Close(SessionId),
+    /// Frees the states of these sessions (decoding sessions' ends; not a snapshot op, but
+    /// run the same way, so that no layer actor waits on its worker for it).
+    Close(Vec<SessionId>),
     /// A host copy of `snapshot`'s states.
     Read(SnapshotId),
     /// Keeps the host states under `snapshot` (as `Read` gave them, from the same stage).
@@ -34,8 +32,10 @@ pub enum StateOp {
 /// What a [`StateOp`] answers.
 #[derive(Debug, Default)]
 pub struct StateOut {
-    /// Device bytes the snapshot holds (`Save`, `Write`).
+    /// Device bytes the snapshot holds (`Write`).
     pub bytes: u64,
+    /// Each item's device bytes, or why it was not kept (`Save`), in order.
+    pub saved: Vec<Result<u64, EngineError>>,
     /// Host copies of the state fields (`Read`).
     pub host: Vec<HostTensor>,
     /// Each item's outcome (`Restore`), in order.
@@ -43,15 +43,32 @@ pub struct StateOut {
 }
 
 /// Keeps a snapshot of each session of `saves` on `st` as it is now ([`StageCall::StateSave`]),
-/// inside a decoding pass's job: each one's device bytes, or why not.
+/// inside a decoding pass's job: each one's device bytes, or why not. One call for all of
+/// them; where it fails (it then keeps nothing), one call each, for each one's own answer.
 pub(crate) fn save_all(
     st: &mut dyn Stage,
     saves: &[(SessionId, SnapshotId)],
 ) -> Vec<Result<u64, EngineError>> {
+    if saves.is_empty() {
+        return Vec::new();
+    }
+    let (sessions, snapshots): (Vec<SessionId>, Vec<SnapshotId>) = saves.iter().copied().unzip();
+    let all = st.call(StageCall::StateSave {
+        sessions: &sessions,
+        snapshots: &snapshots,
+    });
+    if let Ok(r) = all
+        && r.scalars.len() == saves.len()
+    {
+        return r.scalars.iter().map(|&b| Ok(b as u64)).collect();
+    }
     saves
         .iter()
-        .map(|&(session, snapshot)| {
-            let r = st.call(StageCall::StateSave { session, snapshot })?;
+        .map(|(session, snapshot)| {
+            let r = st.call(StageCall::StateSave {
+                sessions: std::slice::from_ref(session),
+                snapshots: std::slice::from_ref(snapshot),
+            })?;
             Ok(r.scalar(0, "StateSave")? as u64)
         })
         .collect()
@@ -85,6 +102,35 @@ impl SaveTally {
     }
 }
 
+/// Starts each session of `items` from its snapshot on `st`: one call for all of them, and
+/// where it fails (it then starts none), one call each, for each one's own outcome.
+fn restore_all(
+    st: &mut dyn Stage,
+    items: &[(SessionId, SnapshotId)],
+) -> Vec<Result<(), EngineError>> {
+    if items.is_empty() {
+        return Vec::new();
+    }
+    let (sessions, snapshots): (Vec<SessionId>, Vec<SnapshotId>) = items.iter().copied().unzip();
+    let all = st.call(StageCall::StateRestore {
+        sessions: &sessions,
+        snapshots: &snapshots,
+    });
+    if all.is_ok() {
+        return items.iter().map(|_| Ok(())).collect();
+    }
+    items
+        .iter()
+        .map(|(session, snapshot)| {
+            st.call(StageCall::StateRestore {
+                sessions: std::slice::from_ref(session),
+                snapshots: std::slice::from_ref(snapshot),
+            })
+            .map(drop)
+        })
+        .collect()
+}
+
 /// A stage actor's reply port for a [`StateOp`].
 pub type StateReply = RpcReplyPort<Result<StateOut, EngineError>>;
 
@@ -103,23 +149,24 @@ impl StateOp {
             })
         };
         match self {
-            StateOp::Save { session, snapshot } => bytes(
-                st.call(StageCall::StateSave { session, snapshot })?,
-                "StateSave",
-            ),
-            StateOp::Restore(items) => Ok(StateOut {
-                each: items
-                    .into_iter()
-                    .map(|(session, snapshot)| {
-                        st.call(StageCall::StateRestore { session, snapshot })
-                            .map(drop)
-                    })
-                    .collect(),
+            StateOp::Save(items) => Ok(StateOut {
+                saved: save_all(st, &items),
                 ..StateOut::default()
             }),
-            StateOp::Close(session) => st
-                .call(StageCall::SessionClose { session })
-                .map(|_| StateOut::default()),
+            StateOp::Restore(items) => Ok(StateOut {
+                each: restore_all(st, &items),
+                ..StateOut::default()
+            }),
+            StateOp::Close(sessions) => {
+                // Every one is closed; the first failure is told.
+                let outs: Vec<_> = sessions
+                    .into_iter()
+                    .map(|session| st.call(StageCall::SessionClose { session }))
+                    .collect();
+                outs.into_iter()
+                    .find_map(Result::err)
+                    .map_or(Ok(StateOut::default()), Err)
+            }
             StateOp::Drop(snapshot) => st
                 .call(StageCall::StateDrop { snapshot })
                 .map(|_| StateOut::default()),

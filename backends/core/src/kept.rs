@@ -1,17 +1,37 @@
-//! The prefix cache's snapshots of one stage: copies of a session's states, kept under a
-//! [`SnapshotId`] until dropped ([`StageCall::StateSave`] and the calls after it). A
+//! The prefix cache's snapshots of one stage: copies of sessions' states, kept under
+//! [`SnapshotId`]s until dropped ([`StageCall::StateSave`] and the calls after it). A
 //! snapshot is taken from a session and given to new ones as copies, so the session it came
 //! from and every session started from it go on without touching it.
+//!
+//! Snapshots taken together sit side by side in one slab, one tensor per state field, as a
+//! session table keeps sessions: saving or restoring many sessions is one gather per field,
+//! whatever their number (one copy per field and session took ~85 µs each on an H200, 1.77 s
+//! for 256 restores of the 0.9B model). A slab whose snapshots are mostly dropped is copied
+//! down to the live ones, so the device holds at most twice the bytes its snapshots report.
 
-use crate::sessions::{SessionTable, fresh};
+use crate::sessions::{SessionTable, fresh, gather};
 use crate::{act, wrap};
 use burn::tensor::{Tensor, backend::Backend};
-use nsactor_plugin_api::{DeviceTensor, EngineError, Reply, StageCall};
-use std::collections::HashMap;
+use nsactor_plugin_api::{DeviceTensor, EngineError, Reply, SessionId, SnapshotId, StageCall};
+use std::collections::{HashMap, HashSet};
+
+/// Snapshots taken together.
+struct Slab<B: Backend> {
+    /// One tensor per state field, `[members.len() · rows, width]`.
+    fields: Vec<Tensor<B, 2>>,
+    /// Batch rows per snapshot.
+    rows: usize,
+    /// The snapshot at each position; `None` once dropped.
+    members: Vec<Option<u64>>,
+    live: usize,
+}
 
 /// One stage's snapshots.
 pub(crate) struct Snapshots<B: Backend> {
-    kept: HashMap<u64, Vec<Tensor<B, 2>>>,
+    slabs: HashMap<u64, Slab<B>>,
+    next_slab: u64,
+    /// Each snapshot's slab and position in it.
+    kept: HashMap<u64, (u64, usize)>,
     /// The state fields a session of this stage has, and their widths.
     widths: Vec<usize>,
 }
@@ -20,12 +40,15 @@ impl<B: Backend> Snapshots<B> {
     /// The snapshots of a stage whose sessions have state fields of `widths` columns.
     pub(crate) fn new(widths: Vec<usize>) -> Self {
         Snapshots {
+            slabs: HashMap::new(),
+            next_slab: 0,
             kept: HashMap::new(),
             widths,
         }
     }
 
     pub(crate) fn clear(&mut self) {
+        self.slabs.clear();
         self.kept.clear();
     }
 
@@ -37,36 +60,161 @@ impl<B: Backend> Snapshots<B> {
         call: StageCall<'a>,
     ) -> Result<Result<Reply, EngineError>, StageCall<'a>> {
         Ok(match call {
-            StageCall::StateSave { session, snapshot } => table.copy_of(session.0).map(|state| {
-                let bytes = held(&state);
-                self.kept.insert(snapshot.0, state);
-                bytes_reply(bytes)
-            }),
-            StageCall::StateRestore { session, snapshot } => match self.kept.get(&snapshot.0) {
-                Some(state) => table.start_from(session.0, state).map(|()| Reply::none()),
-                None => Err(EngineError::InvalidInput(format!("no {snapshot} is kept"))),
-            },
+            StageCall::StateSave {
+                sessions,
+                snapshots,
+            } => self.save(table, sessions, snapshots),
+            StageCall::StateRestore {
+                sessions,
+                snapshots,
+            } => self.restore(table, sessions, snapshots),
             StageCall::StateDrop { snapshot } => {
-                self.kept.remove(&snapshot.0);
+                self.remove(snapshot.0);
                 Ok(Reply::none())
             }
-            StageCall::StateRead { snapshot } => match self.kept.get(&snapshot.0) {
-                Some(state) => Ok(Reply {
-                    tensors: state
-                        .iter()
-                        .map(|t| wrap(fresh(t.clone()).unsqueeze_dim(0)))
-                        .collect(),
-                    scalars: Vec::new(),
-                }),
-                None => Err(EngineError::InvalidInput(format!("no {snapshot} is kept"))),
-            },
+            StageCall::StateRead { snapshot } => self.read(snapshot).map(|state| Reply {
+                tensors: state
+                    .into_iter()
+                    .map(|t| wrap(fresh(t).unsqueeze_dim(0)))
+                    .collect(),
+                scalars: Vec::new(),
+            }),
             StageCall::StateWrite { snapshot, states } => self.written(states).map(|state| {
-                let bytes = held(&state);
-                self.kept.insert(snapshot.0, state);
-                bytes_reply(bytes)
+                let rows = state[0].dims()[0];
+                let bytes = self.insert(&[snapshot], rows, state);
+                Reply {
+                    tensors: Vec::new(),
+                    scalars: vec![bytes as f64],
+                }
             }),
             other => return Err(other),
         })
+    }
+
+    /// Keeps copies of `sessions`' states under `snapshots`; all or none.
+    fn save(
+        &mut self,
+        table: &SessionTable<B>,
+        sessions: &[SessionId],
+        snapshots: &[SnapshotId],
+    ) -> Result<Reply, EngineError> {
+        pairs("StateSave", sessions, snapshots)?;
+        distinct("StateSave", SnapshotId::raw(snapshots), "snapshot")?;
+        let (rows, state) = table.copies_of(SessionId::raw(sessions))?;
+        let bytes = self.insert(snapshots, rows, state);
+        Ok(Reply {
+            tensors: Vec::new(),
+            scalars: vec![bytes as f64; snapshots.len()],
+        })
+    }
+
+    /// Starts each of `sessions` from its snapshot; all or none.
+    fn restore(
+        &mut self,
+        table: &mut SessionTable<B>,
+        sessions: &[SessionId],
+        snapshots: &[SnapshotId],
+    ) -> Result<Reply, EngineError> {
+        pairs("StateRestore", sessions, snapshots)?;
+        let mut at = Vec::with_capacity(snapshots.len());
+        for p in snapshots {
+            at.push(
+                *self
+                    .kept
+                    .get(&p.0)
+                    .ok_or_else(|| EngineError::InvalidInput(format!("no {p} is kept")))?,
+            );
+        }
+        let rows = self.slabs[&at[0].0].rows;
+        if let Some(i) = at.iter().position(|(s, _)| self.slabs[s].rows != rows) {
+            return Err(EngineError::InvalidInput(format!(
+                "StateRestore: {} has batch {}, {} {rows}",
+                snapshots[i], self.slabs[&at[i].0].rows, snapshots[0]
+            )));
+        }
+        let mut pieces: Vec<Vec<Tensor<B, 2>>> = vec![Vec::new(); self.widths.len()];
+        for run in at.chunk_by(|a, b| a.0 == b.0) {
+            let positions: Vec<usize> = run.iter().map(|&(_, p)| p).collect();
+            let part = gather(&self.slabs[&run[0].0].fields, &positions, rows);
+            for (f, t) in part.into_iter().enumerate() {
+                pieces[f].push(t);
+            }
+        }
+        let state = pieces
+            .into_iter()
+            .map(|mut p| {
+                if p.len() == 1 {
+                    p.pop().expect("one piece")
+                } else {
+                    Tensor::cat(p, 0)
+                }
+            })
+            .collect();
+        table.start_many(SessionId::raw(sessions), rows, state)?;
+        Ok(Reply::none())
+    }
+
+    /// `snapshot`'s rows of every field (views of its slab).
+    fn read(&self, snapshot: SnapshotId) -> Result<Vec<Tensor<B, 2>>, EngineError> {
+        let &(slab, pos) = self
+            .kept
+            .get(&snapshot.0)
+            .ok_or_else(|| EngineError::InvalidInput(format!("no {snapshot} is kept")))?;
+        let s = &self.slabs[&slab];
+        Ok(s.fields
+            .iter()
+            .map(|t| t.clone().narrow(0, pos * s.rows, s.rows))
+            .collect())
+    }
+
+    /// Keeps `state` (`[n · rows, width]` per field, new buffers) as `snapshots`, replacing
+    /// any kept under those ids: the device bytes each one holds.
+    fn insert(&mut self, snapshots: &[SnapshotId], rows: usize, state: Vec<Tensor<B, 2>>) -> usize {
+        for p in snapshots {
+            self.remove(p.0);
+        }
+        let slab = self.next_slab;
+        self.next_slab += 1;
+        for (pos, p) in snapshots.iter().enumerate() {
+            self.kept.insert(p.0, (slab, pos));
+        }
+        let bytes = state
+            .iter()
+            .map(|t| t.dims()[1] * rows * t.dtype().size())
+            .sum();
+        self.slabs.insert(
+            slab,
+            Slab {
+                fields: state,
+                rows,
+                members: snapshots.iter().map(|p| Some(p.0)).collect(),
+                live: snapshots.len(),
+            },
+        );
+        bytes
+    }
+
+    /// Forgets `snapshot` (nothing happens for an unknown one). A slab goes with its last
+    /// snapshot, and is copied down to its live ones once fewer than half are.
+    fn remove(&mut self, snapshot: u64) {
+        let Some((id, pos)) = self.kept.remove(&snapshot) else {
+            return;
+        };
+        let slab = self.slabs.get_mut(&id).expect("a kept snapshot's slab");
+        slab.members[pos] = None;
+        slab.live -= 1;
+        if slab.live == 0 {
+            self.slabs.remove(&id);
+        } else if 2 * slab.live < slab.members.len() {
+            let positions: Vec<usize> = (0..slab.members.len())
+                .filter(|&p| slab.members[p].is_some())
+                .collect();
+            slab.fields = gather(&slab.fields, &positions, slab.rows);
+            slab.members = positions.iter().map(|&p| slab.members[p]).collect();
+            for (p, m) in slab.members.iter().enumerate() {
+                self.kept.insert(m.expect("live"), (id, p));
+            }
+        }
     }
 
     /// `states` as `StateRead` gave them, checked against this stage's fields.
@@ -97,18 +245,195 @@ impl<B: Backend> Snapshots<B> {
     }
 }
 
-/// `StateSave`'s and `StateWrite`'s reply.
-fn bytes_reply(bytes: usize) -> Reply {
-    Reply {
-        tensors: Vec::new(),
-        scalars: vec![bytes as f64],
+/// Checks that a call names as many snapshots as sessions, at least one.
+fn pairs(call: &str, sessions: &[SessionId], snapshots: &[SnapshotId]) -> Result<(), EngineError> {
+    if sessions.len() != snapshots.len() || sessions.is_empty() {
+        return Err(EngineError::InvalidInput(format!(
+            "{call}: {} sessions and {} snapshots (one snapshot per session, at least one)",
+            sessions.len(),
+            snapshots.len()
+        )));
+    }
+    Ok(())
+}
+
+/// Checks that no id is named twice.
+fn distinct(call: &str, ids: &[u64], what: &str) -> Result<(), EngineError> {
+    let mut seen = HashSet::with_capacity(ids.len());
+    match ids.iter().find(|s| !seen.insert(**s)) {
+        Some(dup) => Err(EngineError::InvalidInput(format!(
+            "{call}: {what} {dup} named twice"
+        ))),
+        None => Ok(()),
     }
 }
 
-/// Bytes a copy of states holds.
-fn held<B: Backend>(state: &[Tensor<B, 2>]) -> usize {
-    state
-        .iter()
-        .map(|t| t.shape().num_elements() * t.dtype().size())
-        .sum()
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use burn::tensor::TensorData;
+    use burn_ndarray::NdArray;
+
+    type B = NdArray<f32>;
+
+    /// `rows` rows per session of width 2 carrying the session's id.
+    fn rows_of(ids: &[u64], rows: usize) -> Vec<Tensor<B, 2>> {
+        let v: Vec<f32> = ids
+            .iter()
+            .flat_map(|&id| std::iter::repeat_n([id as f32, -(id as f32)], rows))
+            .flatten()
+            .collect();
+        vec![Tensor::from_data(
+            TensorData::new(v, [ids.len() * rows, 2]),
+            &Default::default(),
+        )]
+    }
+
+    /// The id each `rows` rows of a state carry.
+    fn ids_in(t: &Tensor<B, 2>, rows: usize) -> Vec<u64> {
+        let v = t.to_data().to_vec::<f32>().unwrap();
+        v.chunks(2 * rows).map(|c| c[0] as u64).collect()
+    }
+
+    fn sessions(ids: &[u64]) -> Vec<SessionId> {
+        ids.iter().map(|&i| SessionId(i)).collect()
+    }
+
+    fn snaps(ids: &[u64]) -> Vec<SnapshotId> {
+        ids.iter().map(|&i| SnapshotId(i)).collect()
+    }
+
+    fn run(
+        k: &mut Snapshots<B>,
+        t: &mut SessionTable<B>,
+        call: StageCall<'_>,
+    ) -> Result<Reply, EngineError> {
+        k.call(t, call)
+            .unwrap_or_else(|_| panic!("a snapshot call"))
+    }
+
+    fn save(
+        k: &mut Snapshots<B>,
+        t: &mut SessionTable<B>,
+        s: &[u64],
+        p: &[u64],
+    ) -> Result<Reply, EngineError> {
+        let (s, p) = (sessions(s), snaps(p));
+        run(
+            k,
+            t,
+            StageCall::StateSave {
+                sessions: &s,
+                snapshots: &p,
+            },
+        )
+    }
+
+    fn restore(
+        k: &mut Snapshots<B>,
+        t: &mut SessionTable<B>,
+        s: &[u64],
+        p: &[u64],
+    ) -> Result<Reply, EngineError> {
+        let (s, p) = (sessions(s), snaps(p));
+        run(
+            k,
+            t,
+            StageCall::StateRestore {
+                sessions: &s,
+                snapshots: &p,
+            },
+        )
+    }
+
+    /// The id snapshot `p` carries, read as `StateRead` gives it.
+    fn read(k: &mut Snapshots<B>, t: &mut SessionTable<B>, p: u64) -> Result<u64, EngineError> {
+        let r = run(
+            k,
+            t,
+            StageCall::StateRead {
+                snapshot: SnapshotId(p),
+            },
+        )?;
+        let x = act::<B>(r.tensors.into_iter().next().unwrap(), "test")?;
+        assert_eq!(x.dims(), [1, 2, 2]);
+        Ok(ids_in(&x.squeeze_dim(0), 2)[0])
+    }
+
+    #[test]
+    fn many_sessions_saved_and_restored_at_once_keep_each_ones_rows() {
+        let (mut k, mut t) = (Snapshots::<B>::new(vec![2]), SessionTable::<B>::default());
+        t.put(&[1, 2, 3, 4], 2, rows_of(&[1, 2, 3, 4], 2));
+        let r = save(&mut k, &mut t, &[4, 1, 3], &[10, 11, 12]).unwrap();
+        assert_eq!(r.scalars, [16.0; 3], "2 rows of 2 f32 each");
+        // One snapshot serves several sessions; they form one group, in the call's order.
+        restore(&mut k, &mut t, &[20, 21, 22, 23], &[11, 12, 11, 10]).unwrap();
+        let s = t.take(&[20, 21, 22, 23], 2, |_| unreachable!()).unwrap();
+        assert_eq!(ids_in(&s[0], 2), [1, 3, 1, 4]);
+        // The restored states are copies: changing them leaves the snapshots as they were.
+        t.put(&[20, 21, 22, 23], 2, vec![s[0].clone().mul_scalar(0.0)]);
+        assert_eq!(read(&mut k, &mut t, 11).unwrap(), 1);
+        // Two of the slab's three dropped: it is copied down, and what is left is intact.
+        for p in [11, 10, 99] {
+            run(
+                &mut k,
+                &mut t,
+                StageCall::StateDrop {
+                    snapshot: SnapshotId(p),
+                },
+            )
+            .unwrap();
+        }
+        assert_eq!(k.slabs.len(), 1);
+        assert_eq!(k.slabs.values().next().unwrap().members, [Some(12)]);
+        assert!(read(&mut k, &mut t, 11).is_err());
+        restore(&mut k, &mut t, &[30], &[12]).unwrap();
+        assert_eq!(
+            ids_in(&t.take(&[30], 2, |_| unreachable!()).unwrap()[0], 2),
+            [3]
+        );
+        // Saving under a kept id replaces it; the last drop takes the slab.
+        save(&mut k, &mut t, &[2], &[12]).unwrap();
+        assert_eq!(read(&mut k, &mut t, 12).unwrap(), 2);
+        run(
+            &mut k,
+            &mut t,
+            StageCall::StateDrop {
+                snapshot: SnapshotId(12),
+            },
+        )
+        .unwrap();
+        assert!(k.slabs.is_empty() && k.kept.is_empty());
+    }
+
+    #[test]
+    fn a_call_that_cannot_do_one_does_none() {
+        let (mut k, mut t) = (Snapshots::<B>::new(vec![2]), SessionTable::<B>::default());
+        t.put(&[1, 2], 2, rows_of(&[1, 2], 2));
+        let e = save(&mut k, &mut t, &[1, 7], &[10, 11])
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("session 7 holds no states"), "{e}");
+        assert!(k.kept.is_empty() && k.slabs.is_empty());
+        let e = save(&mut k, &mut t, &[1, 2], &[10, 10])
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("named twice"), "{e}");
+        let e = save(&mut k, &mut t, &[1, 2], &[10])
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("2 sessions and 1 snapshots"), "{e}");
+        save(&mut k, &mut t, &[1], &[10]).unwrap();
+        // A session that holds states, a snapshot not kept, a session named twice: nothing
+        // starts.
+        for (s, p, why) in [
+            (&[5, 2][..], &[10, 10][..], "session 2 already holds states"),
+            (&[5, 6], &[10, 77], "no snapshot 77 is kept"),
+            (&[5, 5], &[10, 10], "session 5 appears twice"),
+        ] {
+            let e = restore(&mut k, &mut t, s, p).unwrap_err().to_string();
+            assert!(e.contains(why), "{e}");
+            assert_eq!(t.len(), 2);
+        }
+    }
 }

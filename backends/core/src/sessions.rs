@@ -12,7 +12,7 @@
 //! closed session's rows at once copied the rest of its group every time: 256 sessions ending
 //! together took about 0.3 s of the stage workers' time (BENCHMARKS.md).
 
-use burn::tensor::{Tensor, backend::Backend};
+use burn::tensor::{Int, Tensor, TensorData, backend::Backend};
 use nsactor_plugin_api::EngineError;
 use std::collections::HashSet;
 
@@ -76,6 +76,28 @@ fn runs(sources: &[Source]) -> Vec<(Source, usize)> {
 /// A copy of `t` in a new buffer, equal bit for bit (`x · 1` is `x` for every float).
 pub(crate) fn fresh<B: Backend, const D: usize>(t: Tensor<B, D>) -> Tensor<B, D> {
     t.mul_scalar(1.0)
+}
+
+/// The rows of positions `positions` (`rows` batch rows each) of every tensor of `state`, in
+/// that order, as new tensors: one gather per field.
+pub(crate) fn gather<B: Backend>(
+    state: &[Tensor<B, 2>],
+    positions: &[usize],
+    rows: usize,
+) -> Vec<Tensor<B, 2>> {
+    let Some(device) = state.first().map(|t| t.device()) else {
+        return Vec::new();
+    };
+    let idx: Vec<i64> = positions
+        .iter()
+        .flat_map(|&p| (p * rows..(p + 1) * rows).map(|r| r as i64))
+        .collect();
+    let n = idx.len();
+    let idx = Tensor::<B, 1, Int>::from_data(TensorData::new(idx, [n]), &device);
+    state
+        .iter()
+        .map(|t| t.clone().select(0, idx.clone()))
+        .collect()
 }
 
 fn cat<B: Backend>(mut pieces: Vec<Tensor<B, 2>>) -> Tensor<B, 2> {
@@ -195,36 +217,71 @@ impl<B: Backend> SessionTable<B> {
         Ok(state)
     }
 
-    /// Copies of open `session`'s rows of every state field (`[rows, width]` each), leaving
-    /// them as they are. The copies are new buffers: a captured decoding step writes its
-    /// states back into the buffers the table holds (`super::graphs`).
-    pub fn copy_of(&self, session: u64) -> Result<Vec<Tensor<B, 2>>, EngineError> {
-        let (group, pos) = self.find(session).ok_or_else(|| {
-            EngineError::InvalidInput(format!("session {session} holds no states"))
-        })?;
-        let g = &self.groups[group];
-        Ok(g.state
-            .iter()
-            .map(|t| fresh(t.clone().narrow(0, pos * g.rows, g.rows)))
-            .collect())
-    }
-
-    /// `session`, which holds no states, starts from copies of `state` (`[rows, width]` each,
-    /// one per state field).
-    pub fn start_from(&mut self, session: u64, state: &[Tensor<B, 2>]) -> Result<(), EngineError> {
-        if self.find(session).is_some() {
+    /// Copies of the rows of open `sessions` (each of the same batch rows), stacked in that
+    /// order: the batch rows per session and one `[n · rows, width]` tensor per state field.
+    /// The copies are new buffers (a captured decoding step writes its states back into the
+    /// buffers the table holds: `super::graphs`), made with one gather per field for each
+    /// run of sessions that sit in one group, so many sessions cost as few copies as one.
+    pub fn copies_of(&self, sessions: &[u64]) -> Result<(usize, Vec<Tensor<B, 2>>), EngineError> {
+        let mut at = Vec::with_capacity(sessions.len());
+        for &s in sessions {
+            let (group, pos) = self
+                .find(s)
+                .ok_or_else(|| EngineError::InvalidInput(format!("session {s} holds no states")))?;
+            at.push((group, pos));
+        }
+        let Some(&(first, _)) = at.first() else {
+            return Err(EngineError::InvalidInput("no sessions named".into()));
+        };
+        let rows = self.groups[first].rows;
+        if let Some(i) = at.iter().position(|&(g, _)| self.groups[g].rows != rows) {
             return Err(EngineError::InvalidInput(format!(
-                "session {session} already holds states"
+                "session {} has batch {}, session {} {rows}",
+                sessions[i], self.groups[at[i].0].rows, sessions[0]
             )));
         }
-        let rows = state.first().map_or(0, |t| t.dims()[0]);
-        if rows == 0 || state.iter().any(|t| t.dims()[0] != rows) {
+        let mut pieces: Vec<Vec<Tensor<B, 2>>> = Vec::new();
+        for run in at.chunk_by(|a, b| a.0 == b.0) {
+            let g = &self.groups[run[0].0];
+            let positions: Vec<usize> = run.iter().map(|&(_, p)| p).collect();
+            let part = gather(&g.state, &positions, rows);
+            if pieces.is_empty() {
+                pieces.resize(part.len(), Vec::new());
+            }
+            for (f, t) in part.into_iter().enumerate() {
+                pieces[f].push(t);
+            }
+        }
+        Ok((rows, pieces.into_iter().map(cat).collect()))
+    }
+
+    /// `sessions`, none of which holds states, start from `state` (`[n · rows, width]` per
+    /// state field, theirs in order; kept as given, so new buffers the caller gives up).
+    pub fn start_many(
+        &mut self,
+        sessions: &[u64],
+        rows: usize,
+        state: Vec<Tensor<B, 2>>,
+    ) -> Result<(), EngineError> {
+        if let Some(s) = sessions.iter().find(|&&s| self.find(s).is_some()) {
             return Err(EngineError::InvalidInput(format!(
-                "session {session}: states of {:?} rows",
+                "session {s} already holds states"
+            )));
+        }
+        let mut seen = HashSet::with_capacity(sessions.len());
+        if let Some(dup) = sessions.iter().find(|s| !seen.insert(**s)) {
+            return Err(EngineError::InvalidInput(format!(
+                "session {dup} appears twice in one call"
+            )));
+        }
+        if rows == 0 || state.iter().any(|t| t.dims()[0] != sessions.len() * rows) {
+            return Err(EngineError::InvalidInput(format!(
+                "{} sessions of {rows} rows: states of {:?} rows",
+                sessions.len(),
                 state.iter().map(|t| t.dims()[0]).collect::<Vec<_>>()
             )));
         }
-        self.put(&[session], rows, state.iter().cloned().map(fresh).collect());
+        self.put(sessions, rows, state);
         Ok(())
     }
 

@@ -469,9 +469,27 @@ impl Stage for ForeignStage {
     fn call(&mut self, call: StageCall<'_>) -> Result<Reply, EngineError> {
         let op = call.opcode();
         let name = call.name();
-        // Backs `a.sessions` for the calls naming one session or snapshot, or a session and a
-        // snapshot; lives across the foreign call.
-        let mut named = [0u64; 2];
+        // The C form carries sessions then snapshots in one list, split in half on the other
+        // side.
+        if let StageCall::StateSave {
+            sessions,
+            snapshots,
+        }
+        | StageCall::StateRestore {
+            sessions,
+            snapshots,
+        } = &call
+            && sessions.len() != snapshots.len()
+        {
+            return Err(EngineError::InvalidInput(format!(
+                "{name}: {} sessions and {} snapshots",
+                sessions.len(),
+                snapshots.len()
+            )));
+        }
+        // Backs `a.sessions` for the calls naming sessions or snapshots; lives across the
+        // foreign call.
+        let mut named = Vec::new();
         // Backs `a.ids` for `GradsIn`'s parameter mask.
         let mut mask = Vec::new();
         let (a, inputs) = call::encode(call, &mut named, &mut mask);

@@ -57,6 +57,20 @@ impl SessionId {
     }
 }
 
+impl SnapshotId {
+    /// The ids as the C boundary carries them.
+    pub fn raw(ids: &[SnapshotId]) -> &[u64] {
+        // SAFETY: `SnapshotId` is `#[repr(transparent)]` over `u64`.
+        unsafe { std::slice::from_raw_parts(ids.as_ptr().cast::<u64>(), ids.len()) }
+    }
+
+    /// Ids received over the C boundary.
+    pub fn from_raw(ids: &[u64]) -> &[SnapshotId] {
+        // SAFETY: `SnapshotId` is `#[repr(transparent)]` over `u64`.
+        unsafe { std::slice::from_raw_parts(ids.as_ptr().cast::<SnapshotId>(), ids.len()) }
+    }
+}
+
 /// The one source of session and micro-batch ids of a run; shared by reference (`&self`).
 #[derive(Debug, Default)]
 pub struct IdAllocator {

@@ -64,8 +64,9 @@ use std::fmt;
 /// that only serves keeps no optimizer state. Revision 13 added [`StageCall::SessionDecodeAll`]:
 /// every position's logits of a prefill (a prompt scored in one pass). Revision 14 added the
 /// prefix cache's state snapshots ([`StageCall::StateSave`], `StateRestore`, `StateDrop`,
-/// `StateRead`, `StateWrite`).
-pub const ABI_VERSION: u32 = 14;
+/// `StateRead`, `StateWrite`). Revision 15 made `StateSave` and `StateRestore` name many
+/// sessions at once (one copy per state field for all of them).
+pub const ABI_VERSION: u32 = 15;
 
 /// One micro-batch of token ids, row-major `[batch, seq_len]`.
 #[derive(Debug, Clone, PartialEq)]

@@ -243,18 +243,20 @@ pub enum StageCall<'a> {
     },
     /// Layer or edge: forgets `session`'s states. Reply: none.
     SessionClose { session: SessionId },
-    /// Layer or edge: keeps a copy of `session`'s states as they are now under `snapshot`
-    /// (replacing one kept there); the session goes on unchanged. Reply: one scalar, the bytes
-    /// the copy holds on the device.
+    /// Layer or edge: keeps a copy of each of `sessions`' states as they are now under the
+    /// snapshot beside it in `snapshots` (same length; replacing one kept there); the sessions
+    /// go on unchanged. All of them or none: a call that cannot keep one keeps nothing. Reply:
+    /// one scalar per session, the device bytes its copy holds.
     StateSave {
-        session: SessionId,
-        snapshot: SnapshotId,
+        sessions: &'a [SessionId],
+        snapshots: &'a [SnapshotId],
     },
-    /// Layer or edge: `session`, which holds no states, starts from a copy of `snapshot`'s.
-    /// Reply: none.
+    /// Layer or edge: each of `sessions`, which hold no states, starts from a copy of the
+    /// snapshot beside it in `snapshots` (same length; one snapshot may serve many). All of
+    /// them or none. Reply: none.
     StateRestore {
-        session: SessionId,
-        snapshot: SnapshotId,
+        sessions: &'a [SessionId],
+        snapshots: &'a [SnapshotId],
     },
     /// Layer or edge: forgets `snapshot` (nothing happens for an unknown one). Reply: none.
     StateDrop { snapshot: SnapshotId },

@@ -16,11 +16,11 @@ use std::sync::atomic::Ordering;
 /// snapshot (or why not) goes.
 pub type Keep = (SnapshotId, RpcReplyPort<Result<Kept, RuntimeError>>);
 
-/// Most restores in one op per stage. A restore still copies each state field of each
-/// session on its own (on the H200 a batch of 256 took 1.77 s, every request waiting for all
-/// of them: TTFT p50 5.9 s against 2.7 s one by one), so a batch stays small enough that the
-/// first requests go on and the passes run between batches.
-const RESTORES_AT_ONCE: usize = 16;
+/// Most restores in one op per stage. A stage restores a batch with one gather per state
+/// field, whatever its size (ABI 15; before it, one copy per field and session: 256 restores
+/// took 1.77 s on the H200 and batches were kept to 16), so this only bounds the work of one
+/// job: as many as a cohort of the largest bucket holds.
+const RESTORES_AT_ONCE: usize = 256;
 
 /// A restore waiting to run: the new session, its snapshot, and who waits for it.
 pub(super) type Restoring = (
@@ -28,6 +28,16 @@ pub(super) type Restoring = (
     SnapshotId,
     RpcReplyPort<Result<bool, RuntimeError>>,
 );
+
+/// A closed session whose states are freed in the next close job
+/// ([`BatcherState::end_queued`]), after a snapshot of them if asked (with the inputs they
+/// have seen).
+pub(super) struct Ending {
+    session: SessionId,
+    keep: Option<(Keep, usize)>,
+    reply: RpcReplyPort<()>,
+    was_open: bool,
+}
 
 /// A close: `session`'s states are freed once it has no cohort in flight (after a snapshot of
 /// them is kept, with `keep`); `reply` answers when they are.
@@ -133,24 +143,52 @@ impl BatcherState {
             return;
         }
         let was_open = self.open.remove(&session);
-        let children = self.children();
-        let stats = self.stats.clone();
+        self.ending.push(Ending {
+            session,
+            keep: keep.map(|k| (k, fed)),
+            reply,
+            was_open,
+        });
+    }
+
+    /// Frees the states of the sessions closed so far, after keeping the snapshots asked for,
+    /// as one save and one close op per stage, unless such a job is running (then they go
+    /// when it is done: `BatcherMsg::Ended`). Many sessions that end together (a cohort's
+    /// last tokens) cost a few ops, not two each.
+    pub(super) fn end_queued(&mut self, myself: &ActorRef<BatcherMsg>) {
+        if self.ending_now || self.ending.is_empty() {
+            return;
+        }
+        self.ending_now = true;
+        let batch = std::mem::take(&mut self.ending);
+        let (children, stats, me) = (self.children(), self.stats.clone(), myself.clone());
         tokio::spawn(async move {
-            let mut kept = None;
-            if let Some((id, port)) = keep {
-                let k = snapshot::save(&children, session, id).await;
-                kept = Some((port, k.map(|snapshot| Kept { snapshot, fed })));
+            let saves: Vec<(SessionId, SnapshotId)> = batch
+                .iter()
+                .filter_map(|e| e.keep.as_ref().map(|((id, _), _)| (e.session, *id)))
+                .collect();
+            let mut saved = if saves.is_empty() {
+                Vec::new()
+            } else {
+                snapshot::save_many(&children, saves).await
             }
-            close_everywhere(&children, session).await;
-            if was_open {
-                stats.open.fetch_sub(1, Ordering::Relaxed);
+            .into_iter();
+            let sessions: Vec<SessionId> = batch.iter().map(|e| e.session).collect();
+            close_everywhere(&children, &sessions).await;
+            let _ = me.cast(BatcherMsg::Ended);
+            for e in batch {
+                if e.was_open {
+                    stats.open.fetch_sub(1, Ordering::Relaxed);
+                }
+                // A snapshot is answered once the states are freed too: a caller that waits
+                // for it (the server, before a request's place is given back) sees the
+                // session gone.
+                if let Some(((_, port), fed)) = e.keep {
+                    let k = saved.next().expect("one snapshot per keep");
+                    let _ = port.send(k.map(|snapshot| Kept { snapshot, fed }));
+                }
+                let _ = e.reply.send(());
             }
-            // The snapshot is answered once the states are freed too: a caller that waits for
-            // it (the server, before a request's place is given back) sees the session gone.
-            if let Some((port, k)) = kept {
-                let _ = port.send(k);
-            }
-            let _ = reply.send(());
         });
     }
 

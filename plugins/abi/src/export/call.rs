@@ -124,12 +124,25 @@ pub(super) fn decode_call<'a>(
             }
         }
         22 | 23 => {
-            let [session, snapshot] = named::<2>(raw, "StateSave and StateRestore")?;
-            let (session, snapshot) = (SessionId(session), SnapshotId(snapshot));
+            if raw.len() % 2 != 0 {
+                return Err(EngineError::InvalidInput(format!(
+                    "StateSave and StateRestore: sessions then as many snapshots expected, got \
+                     {} ids",
+                    raw.len()
+                )));
+            }
+            let (s, p) = raw.split_at(raw.len() / 2);
+            let (sessions, snapshots) = (SessionId::from_raw(s), SnapshotId::from_raw(p));
             if op == 22 {
-                StageCall::StateSave { session, snapshot }
+                StageCall::StateSave {
+                    sessions,
+                    snapshots,
+                }
             } else {
-                StageCall::StateRestore { session, snapshot }
+                StageCall::StateRestore {
+                    sessions,
+                    snapshots,
+                }
             }
         }
         24 | 25 => {

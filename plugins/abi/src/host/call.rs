@@ -2,22 +2,25 @@
 //! takes, and the input tensor it hands over.
 
 use crate::NsArgs;
-use nsactor_plugin_api::{DeviceTensor, SessionId, StageCall};
+use nsactor_plugin_api::{DeviceTensor, SessionId, SnapshotId, StageCall};
 
-/// `call` as `NsArgs` (pointers borrowed from `call`, from `named` for the calls that name one
-/// session or a session and a snapshot, and from `mask` for `GradsIn`: all must outlive the
-/// foreign call) and its input tensors.
+/// `call` as `NsArgs` (pointers borrowed from `call`, from `named` for the calls that name
+/// sessions and snapshots (sessions first), and from `mask` for `GradsIn`: all must outlive
+/// the foreign call) and its input tensors.
 pub(super) fn encode(
     call: StageCall<'_>,
-    named: &mut [u64; 2],
+    named: &mut Vec<u64>,
     mask: &mut Vec<i64>,
 ) -> (NsArgs, Vec<DeviceTensor>) {
     let mut a = zero_args();
     let mut input: Option<DeviceTensor> = None;
     let mut inputs: Vec<DeviceTensor> = Vec::new();
-    // `ids` of a call that names one or two sessions or snapshots.
-    let mut name = |a: &mut NsArgs, ids: &[u64]| {
-        named[..ids.len()].copy_from_slice(ids);
+    // `ids` of a call that names sessions or snapshots.
+    let mut name = |a: &mut NsArgs, ids: &[&[u64]]| {
+        named.clear();
+        for part in ids {
+            named.extend_from_slice(part);
+        }
         a.sessions = named.as_ptr();
         a.sessions_len = ids.len();
     };
@@ -106,16 +109,25 @@ pub(super) fn encode(
             head(&mut a, targets, &[]);
             input = Some(h);
         }
-        StageCall::SessionClose { session } => name(&mut a, &[session.0]),
-        StageCall::StateSave { session, snapshot }
-        | StageCall::StateRestore { session, snapshot } => {
-            name(&mut a, &[session.0, snapshot.0]);
+        StageCall::SessionClose { session } => name(&mut a, &[&[session.0]]),
+        StageCall::StateSave {
+            sessions,
+            snapshots,
+        }
+        | StageCall::StateRestore {
+            sessions,
+            snapshots,
+        } => {
+            name(
+                &mut a,
+                &[SessionId::raw(sessions), SnapshotId::raw(snapshots)],
+            );
         }
         StageCall::StateDrop { snapshot } | StageCall::StateRead { snapshot } => {
-            name(&mut a, &[snapshot.0]);
+            name(&mut a, &[&[snapshot.0]]);
         }
         StageCall::StateWrite { snapshot, states } => {
-            name(&mut a, &[snapshot.0]);
+            name(&mut a, &[&[snapshot.0]]);
             inputs = states;
         }
         StageCall::HoldGrads { hold } => a.f[0] = if hold { 1.0 } else { 0.0 },

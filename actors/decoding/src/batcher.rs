@@ -337,7 +337,7 @@ impl BatcherState {
             // stage, rebuilds the actors), never leaves them waiting.
             let shape = super::cohort::CohortShape { len, every };
             let saves = keeps.saves();
-            let run = run_cohort(
+            let run = crate::order::pass(run_cohort(
                 &children,
                 &sessions,
                 ids,
@@ -345,7 +345,7 @@ impl BatcherState {
                 picks,
                 &saves,
                 &stats.phases,
-            );
+            ));
             let answers = AssertUnwindSafe(run)
                 .catch_unwind()
                 .await

@@ -274,5 +274,5 @@ pub(crate) async fn close_everywhere(c: &Children, sessions: &[SessionId]) {
     use nsactor_pipeline::layers::state_all;
     use nsactor_pipeline::state::StateOp;
     let close = || StateOp::Close(sessions.to_vec());
-    let _ = state_all(&c.edge, &c.layers, close(), |_| close()).await;
+    let _ = crate::order::state(state_all(&c.edge, &c.layers, close(), |_| close())).await;
 }

@@ -58,14 +58,13 @@ impl AsyncDecoder {
         batch: usize,
         seq_len: usize,
     ) -> Result<DeviceTensor, RuntimeError> {
-        ask(&self.children().edge, "edge", |reply| {
-            EdgeMsg::SessionEmbed {
-                ids,
-                batch,
-                seq_len,
-                reply,
-            }
-        })
+        let edge = self.children().edge;
+        crate::order::pass(ask(&edge, "edge", |reply| EdgeMsg::SessionEmbed {
+            ids,
+            batch,
+            seq_len,
+            reply,
+        }))
         .await
     }
 
@@ -76,7 +75,7 @@ impl AsyncDecoder {
         h: DeviceTensor,
     ) -> Result<DeviceTensor, RuntimeError> {
         let layers = self.children().layers.clone();
-        session_layers(&layers, &[session], h).await
+        crate::order::pass(session_layers(&layers, &[session], h)).await
     }
 
     /// Runs `ids` through `session` (a prompt, or one token); the last position's logits.

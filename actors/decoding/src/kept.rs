@@ -45,7 +45,8 @@ pub(crate) async fn everywhere(
     mut op: impl FnMut(Option<usize>) -> StateOp,
 ) -> Result<Vec<StateOut>, RuntimeError> {
     let edge_op = op(None);
-    let (e, ls) = state_all(&c.edge, &c.layers, edge_op, |i| op(Some(i))).await;
+    let (e, ls) =
+        crate::order::state(state_all(&c.edge, &c.layers, edge_op, |i| op(Some(i)))).await;
     std::iter::once(e).chain(ls).collect()
 }
 
@@ -69,9 +70,12 @@ pub(crate) async fn save_many(
     c: &Children,
     items: Vec<(SessionId, SnapshotId)>,
 ) -> Vec<Result<Snapshot, RuntimeError>> {
-    let (e, ls) = state_all(&c.edge, &c.layers, StateOp::Save(items.clone()), |_| {
-        StateOp::Save(items.clone())
-    })
+    let (e, ls) = crate::order::state(state_all(
+        &c.edge,
+        &c.layers,
+        StateOp::Save(items.clone()),
+        |_| StateOp::Save(items.clone()),
+    ))
     .await;
     let mut out: Vec<Result<Snapshot, RuntimeError>> = items
         .iter()
@@ -127,9 +131,12 @@ pub(crate) async fn restore_many(
     items: Vec<(SessionId, SnapshotId)>,
 ) -> Vec<Result<(), RuntimeError>> {
     let n = items.len();
-    let (e, ls) = state_all(&c.edge, &c.layers, StateOp::Restore(items.clone()), |_| {
-        StateOp::Restore(items.clone())
-    })
+    let (e, ls) = crate::order::state(state_all(
+        &c.edge,
+        &c.layers,
+        StateOp::Restore(items.clone()),
+        |_| StateOp::Restore(items.clone()),
+    ))
     .await;
     let mut out: Vec<Result<(), RuntimeError>> = (0..n).map(|_| Ok(())).collect();
     for (who, r) in stages(e, ls) {
@@ -156,5 +163,10 @@ pub(crate) async fn restore_many(
 
 /// Forgets `snapshot` in every stage (errors ignored: a stopped stage keeps nothing).
 pub(crate) async fn drop_everywhere(c: &Children, snapshot: SnapshotId) {
-    let _ = everywhere(c, |_| StateOp::Drop(snapshot)).await;
+    drop_many(c, vec![snapshot]).await;
+}
+
+/// Forgets `snapshots` in every stage, in one op per stage (errors ignored).
+pub(crate) async fn drop_many(c: &Children, snapshots: Vec<SnapshotId>) {
+    let _ = everywhere(c, |_| StateOp::Drop(snapshots.clone())).await;
 }

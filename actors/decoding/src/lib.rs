@@ -20,6 +20,7 @@ pub mod handle;
 pub mod heal;
 pub mod invariance;
 mod kept;
+mod order;
 pub mod prefix;
 pub mod probe;
 pub mod snapshot;

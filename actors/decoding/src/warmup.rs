@@ -195,18 +195,49 @@ impl AsyncDecoder {
                 len: *len,
                 every: false,
             };
-            if let Err(e) = run_cohort(&children, &sessions, ids, shape, picks, &[], &phases).await
-            {
+            let run = run_cohort(&children, &sessions, ids, shape, picks, &[], &phases);
+            if let Err(e) = crate::order::pass(run).await {
                 result = Err(e);
                 break;
             }
         }
+        let mut restored = Vec::new();
+        if result.is_ok() {
+            result = self.warm_states(&sessions, &mut restored).await;
+        }
         close_everywhere(&children, &sessions).await;
+        close_everywhere(&children, &restored).await;
         result.map(|()| Warmed {
             size,
             passes: passes.len(),
             seconds: start.elapsed().as_secs_f64(),
         })
+    }
+}
+
+impl AsyncDecoder {
+    /// The prefix cache's state ops at this size: `sessions` saved together, new sessions
+    /// (put in `restored`, for the caller to close) started from those snapshots, the
+    /// snapshots dropped; so their kernels are compiled before the first client.
+    async fn warm_states(
+        &self,
+        sessions: &[nsactor_plugin_api::SessionId],
+        restored: &mut Vec<nsactor_plugin_api::SessionId>,
+    ) -> Result<(), RuntimeError> {
+        let children = self.children();
+        let saves: Vec<_> = sessions.iter().map(|&s| (s, self.ids.snapshot())).collect();
+        let saved = crate::kept::save_many(&children, saves.clone()).await;
+        let mut result = saved.into_iter().collect::<Result<Vec<_>, _>>().map(drop);
+        if result.is_ok() {
+            let items: Vec<_> = saves.iter().map(|&(_, id)| (self.session(), id)).collect();
+            restored.extend(items.iter().map(|&(s, _)| s));
+            result = crate::kept::restore_many(&children, items)
+                .await
+                .into_iter()
+                .collect();
+        }
+        crate::kept::drop_many(&children, saves.iter().map(|&(_, id)| id).collect()).await;
+        result
     }
 }
 

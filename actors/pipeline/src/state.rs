@@ -19,7 +19,8 @@ pub enum StateOp {
     /// Each `session`, which holds no states, starts from a copy of its `snapshot`'s; each
     /// one's outcome in [`StateOut::each`].
     Restore(Vec<(SessionId, SnapshotId)>),
-    Drop(SnapshotId),
+    /// Forgets these snapshots.
+    Drop(Vec<SnapshotId>),
     /// Frees the states of these sessions (decoding sessions' ends; not a snapshot op, but
     /// run the same way, so that no layer actor waits on its worker for it).
     Close(Vec<SessionId>),
@@ -167,9 +168,12 @@ impl StateOp {
                     .find_map(Result::err)
                     .map_or(Ok(StateOut::default()), Err)
             }
-            StateOp::Drop(snapshot) => st
-                .call(StageCall::StateDrop { snapshot })
-                .map(|_| StateOut::default()),
+            StateOp::Drop(snapshots) => {
+                for snapshot in snapshots {
+                    st.call(StageCall::StateDrop { snapshot })?;
+                }
+                Ok(StateOut::default())
+            }
             StateOp::Read(snapshot) => {
                 let r = st.call(StageCall::StateRead { snapshot })?;
                 Ok(StateOut {

@@ -18,7 +18,15 @@ static ORDER: RwLock<()> = RwLock::const_new(());
 
 /// Runs a decoding pass: beside other passes, never beside a state op.
 pub(crate) async fn pass<R>(f: impl Future<Output = R>) -> R {
+    let asked = std::time::Instant::now();
     let _hold = ORDER.read().await;
+    let waited = asked.elapsed();
+    if waited.as_micros() > 500 {
+        tracing::trace!(
+            "a pass waited {:.2} ms for a state op",
+            waited.as_secs_f64() * 1e3
+        );
+    }
     f.await
 }
 

@@ -58,10 +58,12 @@ pub(crate) fn save_all(
         sessions: &sessions,
         snapshots: &snapshots,
     });
-    if let Ok(r) = all
-        && r.scalars.len() == saves.len()
-    {
-        return r.scalars.iter().map(|&b| Ok(b as u64)).collect();
+    match all.and_then(|r| r.scalar(0, "StateSave")) {
+        Ok(bytes) => return saves.iter().map(|_| Ok(bytes as u64)).collect(),
+        Err(e) => tracing::warn!(
+            "StateSave of {} sessions at once failed ({e}); saving one at a time",
+            saves.len()
+        ),
     }
     saves
         .iter()
@@ -117,8 +119,12 @@ fn restore_all(
         sessions: &sessions,
         snapshots: &snapshots,
     });
-    if all.is_ok() {
-        return items.iter().map(|_| Ok(())).collect();
+    match all {
+        Ok(_) => return items.iter().map(|_| Ok(())).collect(),
+        Err(e) => tracing::warn!(
+            "StateRestore of {} sessions at once failed ({e}); restoring one at a time",
+            items.len()
+        ),
     }
     items
         .iter()
@@ -138,6 +144,29 @@ pub type StateReply = RpcReplyPort<Result<StateOut, EngineError>>;
 impl StateOp {
     /// Runs the op on `st`, whose device is `device` of `backend` (on the stage's worker).
     pub(crate) fn run(
+        self,
+        st: &mut dyn Stage,
+        backend: &dyn ComputeBackend,
+        device: usize,
+    ) -> Result<StateOut, EngineError> {
+        let what = match &self {
+            StateOp::Save(items) => format!("save of {}", items.len()),
+            StateOp::Restore(items) => format!("restore of {}", items.len()),
+            StateOp::Drop(ids) => format!("drop of {}", ids.len()),
+            StateOp::Close(ids) => format!("close of {}", ids.len()),
+            StateOp::Read(_) => "read".into(),
+            StateOp::Write(..) => "write".into(),
+        };
+        let started = std::time::Instant::now();
+        let out = self.run_here(st, backend, device);
+        tracing::debug!(
+            "a stage's {what}: {:.2} ms",
+            started.elapsed().as_secs_f64() * 1e3
+        );
+        out
+    }
+
+    fn run_here(
         self,
         st: &mut dyn Stage,
         backend: &dyn ComputeBackend,

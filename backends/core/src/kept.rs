@@ -104,7 +104,7 @@ impl<B: Backend> Snapshots<B> {
         let bytes = self.insert(snapshots, rows, state);
         Ok(Reply {
             tensors: Vec::new(),
-            scalars: vec![bytes as f64; snapshots.len()],
+            scalars: vec![bytes as f64],
         })
     }
 
@@ -365,7 +365,7 @@ mod tests {
         let (mut k, mut t) = (Snapshots::<B>::new(vec![2]), SessionTable::<B>::default());
         t.put(&[1, 2, 3, 4], 2, rows_of(&[1, 2, 3, 4], 2));
         let r = save(&mut k, &mut t, &[4, 1, 3], &[10, 11, 12]).unwrap();
-        assert_eq!(r.scalars, [16.0; 3], "2 rows of 2 f32 each");
+        assert_eq!(r.scalars, [16.0], "2 rows of 2 f32 each");
         // One snapshot serves several sessions; they form one group, in the call's order.
         restore(&mut k, &mut t, &[20, 21, 22, 23], &[11, 12, 11, 10]).unwrap();
         let s = t.take(&[20, 21, 22, 23], 2, |_| unreachable!()).unwrap();

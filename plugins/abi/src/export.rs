@@ -13,7 +13,7 @@ use nsactor_plugin_api::{
 };
 use std::ffi::CString;
 
-mod call;
+pub(crate) mod call;
 pub mod collective;
 pub mod snapshot;
 mod unwind;

@@ -12,7 +12,7 @@ use std::ffi::CStr;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-mod call;
+pub(crate) mod call;
 mod collective;
 mod snapshot;
 pub use snapshot::ForeignSnapshot;

@@ -246,7 +246,7 @@ pub enum StageCall<'a> {
     /// Layer or edge: keeps a copy of each of `sessions`' states as they are now under the
     /// snapshot beside it in `snapshots` (same length; replacing one kept there); the sessions
     /// go on unchanged. All of them or none: a call that cannot keep one keeps nothing. Reply:
-    /// one scalar per session, the device bytes its copy holds.
+    /// one scalar, the device bytes each copy holds (all hold the same).
     StateSave {
         sessions: &'a [SessionId],
         snapshots: &'a [SnapshotId],

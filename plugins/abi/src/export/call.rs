@@ -9,7 +9,7 @@ use nsactor_plugin_api::{
 };
 
 /// Rebuilds the call from its flat form.
-pub(super) fn decode_call<'a>(
+pub(crate) fn decode_call<'a>(
     op: u32,
     a: &'a NsArgs,
     mut inputs: Vec<DeviceTensor>,
@@ -179,4 +179,41 @@ fn named<const N: usize>(ids: &[u64], call: &str) -> Result<[u64; N], EngineErro
     ids.try_into().map_err(|_| {
         EngineError::InvalidInput(format!("{call}: {N} ids expected, got {}", ids.len()))
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::host::call::encode;
+    use nsactor_plugin_api::{ParamMask, SessionId, SnapshotId, StageCall};
+
+    /// Each snapshot call comes out of the C form as it went in, many sessions and all.
+    #[test]
+    fn snapshot_calls_cross_the_c_form_whole() {
+        let sessions = [SessionId(7), SessionId(9), SessionId(11)];
+        let snapshots = [SnapshotId(70), SnapshotId(90), SnapshotId(110)];
+        let calls = [
+            StageCall::StateSave {
+                sessions: &sessions,
+                snapshots: &snapshots,
+            },
+            StageCall::StateRestore {
+                sessions: &sessions[..1],
+                snapshots: &snapshots[..1],
+            },
+            StageCall::StateDrop {
+                snapshot: SnapshotId(5),
+            },
+            StageCall::SessionClose {
+                session: SessionId(3),
+            },
+        ];
+        for call in calls {
+            let (op, want) = (call.opcode(), format!("{call:?}"));
+            let (mut named, mut mask) = (Vec::new(), Vec::new());
+            let (args, inputs) = encode(call, &mut named, &mut mask);
+            let mut mask_out = ParamMask::default();
+            let back = super::decode_call(op, &args, inputs, &mut mask_out).unwrap();
+            assert_eq!(format!("{back:?}"), want);
+        }
+    }
 }

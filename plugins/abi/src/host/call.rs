@@ -7,7 +7,7 @@ use nsactor_plugin_api::{DeviceTensor, SessionId, SnapshotId, StageCall};
 /// `call` as `NsArgs` (pointers borrowed from `call`, from `named` for the calls that name
 /// sessions and snapshots (sessions first), and from `mask` for `GradsIn`: all must outlive
 /// the foreign call) and its input tensors.
-pub(super) fn encode(
+pub(crate) fn encode(
     call: StageCall<'_>,
     named: &mut Vec<u64>,
     mask: &mut Vec<i64>,
@@ -22,7 +22,7 @@ pub(super) fn encode(
             named.extend_from_slice(part);
         }
         a.sessions = named.as_ptr();
-        a.sessions_len = ids.len();
+        a.sessions_len = named.len();
     };
     let tokens = |a: &mut NsArgs, t: nsactor_plugin_api::Tokens<'_>| {
         a.batch = t.batch as u64;

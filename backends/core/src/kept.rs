@@ -271,29 +271,10 @@ fn distinct(call: &str, ids: &[u64], what: &str) -> Result<(), EngineError> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use burn::tensor::TensorData;
+    use crate::sessions::tests::{ids_in, rows_of};
     use burn_ndarray::NdArray;
 
     type B = NdArray<f32>;
-
-    /// `rows` rows per session of width 2 carrying the session's id.
-    fn rows_of(ids: &[u64], rows: usize) -> Vec<Tensor<B, 2>> {
-        let v: Vec<f32> = ids
-            .iter()
-            .flat_map(|&id| std::iter::repeat_n([id as f32, -(id as f32)], rows))
-            .flatten()
-            .collect();
-        vec![Tensor::from_data(
-            TensorData::new(v, [ids.len() * rows, 2]),
-            &Default::default(),
-        )]
-    }
-
-    /// The id each `rows` rows of a state carry.
-    fn ids_in(t: &Tensor<B, 2>, rows: usize) -> Vec<u64> {
-        let v = t.to_data().to_vec::<f32>().unwrap();
-        v.chunks(2 * rows).map(|c| c[0] as u64).collect()
-    }
 
     fn sessions(ids: &[u64]) -> Vec<SessionId> {
         ids.iter().map(|&i| SessionId(i)).collect()
@@ -357,7 +338,7 @@ mod tests {
         )?;
         let x = act::<B>(r.tensors.into_iter().next().unwrap(), "test")?;
         assert_eq!(x.dims(), [1, 2, 2]);
-        Ok(ids_in(&x.squeeze_dim(0), 2)[0])
+        Ok(ids_in(&[x.squeeze_dim(0)], 2)[0])
     }
 
     #[test]
@@ -369,7 +350,7 @@ mod tests {
         // One snapshot serves several sessions; they form one group, in the call's order.
         restore(&mut k, &mut t, &[20, 21, 22, 23], &[11, 12, 11, 10]).unwrap();
         let s = t.take(&[20, 21, 22, 23], 2, |_| unreachable!()).unwrap();
-        assert_eq!(ids_in(&s[0], 2), [1, 3, 1, 4]);
+        assert_eq!(ids_in(&s, 2), [1, 3, 1, 4]);
         // The restored states are copies: changing them leaves the snapshots as they were.
         t.put(&[20, 21, 22, 23], 2, vec![s[0].clone().mul_scalar(0.0)]);
         assert_eq!(read(&mut k, &mut t, 11).unwrap(), 1);
@@ -389,7 +370,7 @@ mod tests {
         assert!(read(&mut k, &mut t, 11).is_err());
         restore(&mut k, &mut t, &[30], &[12]).unwrap();
         assert_eq!(
-            ids_in(&t.take(&[30], 2, |_| unreachable!()).unwrap()[0], 2),
+            ids_in(&t.take(&[30], 2, |_| unreachable!()).unwrap(), 2),
             [3]
         );
         // Saving under a kept id replaces it; the last drop takes the slab.

@@ -366,7 +366,7 @@ impl<B: Backend> SessionTable<B> {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use burn::tensor::TensorData;
     use burn_ndarray::NdArray;
@@ -374,7 +374,7 @@ mod tests {
     type B = NdArray<f32>;
 
     /// A state whose rows carry their session id, so every move can be checked.
-    fn rows_of(ids: &[u64], rows: usize) -> Vec<Tensor<B, 2>> {
+    pub(crate) fn rows_of(ids: &[u64], rows: usize) -> Vec<Tensor<B, 2>> {
         let v: Vec<f32> = ids
             .iter()
             .flat_map(|&id| std::iter::repeat_n([id as f32, -(id as f32)], rows))
@@ -390,7 +390,7 @@ mod tests {
         vec![Tensor::zeros([k, 2], &Default::default())]
     }
 
-    fn ids_in(state: &[Tensor<B, 2>], rows: usize) -> Vec<u64> {
+    pub(crate) fn ids_in(state: &[Tensor<B, 2>], rows: usize) -> Vec<u64> {
         let v = state[0].to_data().to_vec::<f32>().unwrap();
         v.chunks(2 * rows).map(|c| c[0] as u64).collect()
     }

@@ -2,7 +2,7 @@
 //! import/export, optimizer state and parameter groups all work by name in one fixed order.
 
 use burn::tensor::{Tensor, backend::Backend};
-use nsactor_kernels::SnnOps;
+use nsactor_kernels::{GemmRows, SnnOps};
 
 /// Reads parameters in declaration order.
 pub trait ParamVisitor<B: Backend> {
@@ -47,20 +47,28 @@ macro_rules! impl_params {
 }
 pub(crate) use impl_params;
 
-/// Largest `TK·B` of a decoding pass: a step of up to 256 sessions at K = 16 (or a prompt of
-/// up to 4096 frames). Passes this small and untracked merge the projections that share an
-/// input into one GEMM and read its column slices in place ([`decoding_pass`]); above it (the
-/// pipeline's untracked forward in training) each projection is its own GEMM.
+/// Largest `TK·B` of an untracked pass outside a decoding server's that counts as a decoding
+/// pass ([`decoding_pass`]): a step of up to 256 sessions at K = 16. Above it (the pipeline's
+/// untracked forward in training) each projection is its own GEMM and the training forward's
+/// kernels run.
 pub const MERGED_GEMM_ROWS: usize = 4096;
 
-/// Whether a pass over `rows = TK·B` rows on `device` is a decoding pass: untracked, at most
-/// [`MERGED_GEMM_ROWS`] rows, on a backend that merges small GEMMs
-/// ([`SnnOps::merges_small_gemms`]: the CUDA backend, where host time per call sets a
-/// decoding step's speed).
+/// Whether a pass over `rows = TK·B` rows on `device` is a decoding pass: untracked, on a
+/// backend that merges small GEMMs ([`SnnOps::merges_small_gemms`]: the CUDA backend, where
+/// host time per call sets a decoding step's speed), and either a decoding server's pass
+/// (inside [`nsactor_kernels::decoding_gemms`]) of any length or at most [`MERGED_GEMM_ROWS`]
+/// rows. Decoding passes merge the projections that share an input into one GEMM, read its
+/// column slices in place and run the decoding kernels. Every pass of a session, a prompt's
+/// 1,024-token prefill as much as a one-token step, so runs the same kernels, and its GEMMs the
+/// same batch-invariant ones (in pieces of 4,096 rows on CUDA). Until s47 passes past 4,096
+/// frame rows ran the training forward's kernels with tuned GEMMs, and a prompt's logits
+/// depended on how its passes were cut (11 of 6,291,456 logits equal at 1,024 tokens, issue 60).
 ///
 /// [`SnnOps::merges_small_gemms`]: nsactor_kernels::GemmOps::merges_small_gemms
 pub fn decoding_pass<B: SnnOps>(rows: usize, device: &B::Device) -> bool {
-    B::merges_small_gemms() && !B::ad_enabled(device) && rows <= MERGED_GEMM_ROWS
+    B::merges_small_gemms()
+        && !B::ad_enabled(device)
+        && (rows <= MERGED_GEMM_ROWS || nsactor_kernels::gemm_rows() != GemmRows::Other)
 }
 
 /// A tensor derived from a module's parameters (weights concatenated for one GEMM), computed on

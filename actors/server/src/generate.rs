@@ -284,8 +284,13 @@ impl Generator {
         let (last, head) = prompt.split_last().expect("prompts are never empty");
         let vocab = self.decoder.vocab();
         let mut scored = 0;
+        let started = Instant::now();
+        let (mut fed, mut scoring) = (0.0, 0.0);
         for chunk in head.chunks(self.decoder.pass_tokens()) {
+            let t = Instant::now();
             let logits = self.decoder.feed_every(session, chunk.to_vec()).await?;
+            fed += t.elapsed().as_secs_f64();
+            let t = Instant::now();
             // Position i's logits score the token after it.
             let targets = prompt[scored + 1..=scored + chunk.len()].to_vec();
             scored += chunk.len();
@@ -302,10 +307,18 @@ impl Generator {
             .await
             .map_err(|e| ServeError::Internal(format!("scoring a prompt failed: {e}")))?;
             logprobs.extend(rows);
+            scoring += t.elapsed().as_secs_f64();
         }
         let picked = self.decoder.stream(session, vec![*last], plan).await?;
         let ids = prompt.to_vec();
         let _ = tx.send(GenEvent::Prompt { ids, logprobs }).await;
+        tracing::debug!(
+            "{session}: {} prompt tokens scored in {:.2} ms: passes {:.2} ms, log-probabilities {:.2} ms",
+            prompt.len(),
+            started.elapsed().as_secs_f64() * 1e3,
+            fed * 1e3,
+            scoring * 1e3
+        );
         Ok(picked)
     }
 

@@ -35,10 +35,12 @@
 //! run it is fixed. Decoding steps are not tuned: each decoding problem takes one
 //! batch-invariant kernel, chosen on the first plan of the problem in the process (stored with
 //! the kernel caches, else timed there: that plan's creation blocks for the timing, about 0.1–0.4
-//! s, during the server's warm-up; `gemm_invariant`).
+//! s, during the server's warm-up; `gemm_invariant`). A decoding pass longer than the pick's
+//! reference (a prompt's) runs it in pieces of the reference's rows.
 
 use crate::KernelError;
 use crate::cuda::device::make_current;
+use crate::cuda::gemm_invariant;
 use crate::cuda::gemm_lt::{Operand, PlanKey, Queue, WORKSPACE_BYTES, operand};
 use crate::cuda::gemm_plan::{Plan, tuning};
 use crate::cuda::precision::{GemmPrecision, precision};
@@ -407,7 +409,7 @@ pub fn run(op: &Prepared) -> CudaTensor {
 /// the key adds none), with this thread's cuBLASLt handle and plan cache.
 fn enqueue(
     key: &PlanKey,
-    [a, b, c, d]: [u64; 4],
+    ptrs: [u64; 4],
     workspace_ptr: u64,
     stream: cudarc::driver::sys::CUstream,
 ) -> Result<(), KernelError> {
@@ -417,6 +419,11 @@ fn enqueue(
         ));
     }
     make_current(key.device);
+    // A decoding GEMM longer than its batch-invariant reference runs in pieces of it.
+    let pieces = match gemm_invariant::invariant_rows(key).filter(|&r| key.m > r) {
+        Some(limit) => key.pieces(limit, ptrs),
+        None => vec![(*key, ptrs)],
+    };
     STATE.with(|state| {
         let mut state = state.borrow_mut();
         let state = state.get_or_insert_with(|| ThreadState {
@@ -424,37 +431,43 @@ fn enqueue(
             plans: HashMap::new(),
         });
         let handle = state.handle;
-        let plan = state
-            .plans
-            .entry(*key)
-            // SAFETY: `stream` is CubeCL's live stream of the current context (checked non-null
-            // above) and the workspace is this thread's, as for the calls below.
-            .or_insert_with(|| unsafe {
-                let queue = Queue {
-                    stream,
-                    workspace_ptr,
-                };
-                Plan::new(handle, key, queue)
-            });
-        let ptrs = [a, b, c, d];
-        // SAFETY (both calls): the pointers are live device buffers of the sizes the layouts
-        // describe (the caller holds their resources or bindings until after the call, and
-        // their memory is recycled only in order on `stream`); `stream` is CubeCL's stream of
-        // the submitting thread on the device whose context is current.
-        if !plan.tuned {
-            if tuning() && key.tuned() && plan.candidates.len() > 1 {
-                unsafe { plan.tune(handle, ptrs, workspace_ptr, stream) }?;
-            }
-            plan.tuned = true;
-        }
-        let algo = plan.algo;
         // Timed (`bench train`'s breakdown) with events on the GEMM's own stream.
         let span = timing::on().then(timing::next_id);
         if let Some(id) = span {
             timing::begin_on(key.device, id, timing::Kind::Gemm, stream);
         }
-        let r = unsafe { plan.matmul(handle, &algo, ptrs, workspace_ptr, stream) }
-            .map_err(|e| KernelError::Device(format!("cuBLASLt matmul {key:?}: {e:?}")));
+        let mut r = Ok(());
+        for (key, ptrs) in pieces {
+            let plan = state
+                .plans
+                .entry(key)
+                // SAFETY: `stream` is CubeCL's live stream of the current context (checked
+                // non-null above) and the workspace is this thread's, as for the calls below.
+                .or_insert_with(|| unsafe {
+                    let queue = Queue {
+                        stream,
+                        workspace_ptr,
+                    };
+                    Plan::new(handle, &key, queue)
+                });
+            // SAFETY (both calls): the pointers are live device buffers of the sizes the
+            // layouts describe (the caller holds their resources or bindings until after the
+            // call, and their memory is recycled only in order on `stream`; a piece's pointers
+            // lie inside the whole problem's buffers); `stream` is CubeCL's stream of the
+            // submitting thread on the device whose context is current.
+            if !plan.tuned {
+                if tuning() && key.tuned() && plan.candidates.len() > 1 {
+                    unsafe { plan.tune(handle, ptrs, workspace_ptr, stream) }?;
+                }
+                plan.tuned = true;
+            }
+            let algo = plan.algo;
+            r = unsafe { plan.matmul(handle, &algo, ptrs, workspace_ptr, stream) }
+                .map_err(|e| KernelError::Device(format!("cuBLASLt matmul {key:?}: {e:?}")));
+            if r.is_err() {
+                break;
+            }
+        }
         if let Some(id) = span {
             timing::end_on(key.device, id, stream);
         }

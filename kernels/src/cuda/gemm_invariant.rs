@@ -22,9 +22,10 @@
 //! kept with the kernel caches ([`gemm_store`]): a restart, or a process started later on the
 //! host, takes it instead of timing again, so a request gets the same logits after a restart.
 //!
-//! A problem whose pass is larger than the reference (a model with K < 16 frames has more token
-//! rows) runs the same pick where it fits, else the heuristic's own, with a warning: it is not
-//! invariant there. Timing needs the thread's stream free of a graph capture: a problem first
+//! A problem whose pass is larger than the reference (a prompt's pass of up to 16,384 frame rows)
+//! runs in pieces of the reference's rows with the same pick ([`invariant_rows`]). Until s47
+//! such a pass of 8,192 rows or more was tuned like a training projection instead, and a
+//! prompt's logits depended on how its passes were cut (issue 60). Timing needs the thread's stream free of a graph capture: a problem first
 //! seen while its stream is captured takes its stored pick, else the reference pick, untimed
 //! (the decoding graphs are captured only after the same work ran once uncaptured, so this does
 //! not happen in `serve`).
@@ -80,6 +81,15 @@ pub(crate) fn reference_rows(rows: GemmRows) -> Option<u64> {
         GemmRows::DecodeTokens => Some(INVARIANT_TOKEN_ROWS),
         GemmRows::Other => None,
     }
+}
+
+/// The reference row count of `key`'s batch-invariant kernel where its GEMM takes one: a
+/// decoding pass's, with `NSACTOR_BATCH_INVARIANT` not `off`. Such a GEMM is never tuned, and
+/// one longer than its reference (a prompt's pass of up to 16,384 frame rows) runs in pieces of
+/// the reference's rows ([`PlanKey::pieces`]), so its kernel is one checked at every size it
+/// runs and a prompt's logits do not depend on how its passes were cut.
+pub(crate) fn invariant_rows(key: &PlanKey) -> Option<u64> {
+    reference_rows(key.rows).filter(|_| batch_invariant())
 }
 
 /// How many row counts a candidate is timed at.

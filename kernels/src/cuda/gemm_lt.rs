@@ -120,6 +120,47 @@ impl PlanKey {
         if self.out_bf16 { 2 } else { 4 }
     }
 
+    /// This problem as problems of at most `limit` rows of `M`, one after another, each with
+    /// its pointers `[A, B, C, D]` moved to its first row (`ptrs` are the whole problem's; `C`
+    /// is `D`'s where the key adds none, and moves with it). A decoding pass longer than its
+    /// batch-invariant reference runs so ([`crate::cuda::gemm_invariant`]): every piece is a
+    /// problem its kernel was checked at, so a row's result is the same in a prompt's long
+    /// pass as in a one-token step.
+    pub(crate) fn pieces(&self, limit: u64, ptrs: [u64; 4]) -> Vec<(PlanKey, [u64; 4])> {
+        let limit = limit.max(1);
+        let [a, b, c, d] = ptrs;
+        let mut out = Vec::with_capacity(self.m.div_ceil(limit) as usize);
+        let mut start = 0;
+        while start < self.m {
+            let rows = limit.min(self.m - start);
+            // `B` is `lhsᵀ`: a row of `lhs` is a column of `B` (ld apart), or, used transposed,
+            // a row of it (one element apart).
+            let (operand, b_step) = if self.b.trans {
+                (Operand { rows, ..self.b }, 1)
+            } else {
+                (
+                    Operand {
+                        cols: rows,
+                        ..self.b
+                    },
+                    self.b.ld.max(0) as u64,
+                )
+            };
+            let b_off = start * b_step * self.input_bytes() as u64;
+            let d_off = start * self.n * self.output_bytes() as u64;
+            // An addend is f32 with rows `c_ld` apart.
+            let c_off = self.c_ld.map_or(d_off, |ld| start * ld * 4);
+            let key = PlanKey {
+                m: rows,
+                b: operand,
+                ..*self
+            };
+            out.push((key, [a, b + b_off, c + c_off, d + d_off]));
+            start += rows;
+        }
+        out
+    }
+
     /// `M·N·K`.
     fn macs(&self) -> u64 {
         self.m * self.n * self.k()
@@ -127,9 +168,10 @@ impl PlanKey {
 
     /// Whether [`crate::cuda::gemm_plan::Plan::tune`] times this problem's candidates: a large
     /// product over a long token axis (`M` for `x·Wᵀ` and `∂x`, `K` for `∂W`): every projection
-    /// of a training micro-batch. Decoding steps (at most 4,096 rows) are not: they take their
-    /// problem's batch-invariant pick, timed once per problem ([`crate::cuda::gemm_invariant`]),
-    /// so a new cohort size never waits for tuning.
+    /// of a training micro-batch. A decoding pass's GEMMs are not, however long (a prompt's
+    /// pass has up to 16,384 rows): they take their problem's batch-invariant pick, timed once
+    /// per problem ([`crate::cuda::gemm_invariant`]), so a new cohort size never waits for
+    /// tuning and a row's result does not depend on the pass's length.
     pub(crate) fn tuned(&self) -> bool {
         self.macs() >= TUNE_MIN_MACS && self.m.max(self.k()) >= TUNE_MIN_ROWS
     }
@@ -332,5 +374,46 @@ mod tests {
             );
             assert!(!projection_key(rows, 7168, 896).tuned(), "{rows} rows");
         }
+    }
+
+    #[test]
+    fn a_long_problem_runs_as_pieces_of_the_reference_rows() {
+        let ptrs = [1 << 40, 2 << 40, 3 << 40, 3 << 40];
+        // Row-major lhs [10,000, 896] in bf16, f32 output [10,000, 7168]: three pieces.
+        let key = projection_key(10_000, 896, 7168);
+        let p = key.pieces(4096, ptrs);
+        assert_eq!(
+            p.iter().map(|(k, _)| k.m).collect::<Vec<_>>(),
+            [4096, 4096, 1808]
+        );
+        for (i, (k, [a, b, c, d])) in p.iter().enumerate() {
+            let start = 4096 * i as u64;
+            assert_eq!((k.b.cols, k.b.rows, k.b.ld), (k.m, 896, 896));
+            assert_eq!((k.a, k.n, k.c_ld), (key.a, key.n, None));
+            assert_eq!(*a, ptrs[0], "the weight does not move");
+            assert_eq!(*b, ptrs[1] + start * 896 * 2);
+            assert_eq!(*d, ptrs[3] + start * 7168 * 4);
+            assert_eq!(c, d, "without an addend C is D");
+        }
+        // lhs used transposed (column-major, ld 12,000), a bf16 output and an f32 addend
+        // whose rows are 8,000 apart.
+        let key = PlanKey {
+            b: operand([10_000, 896], [1, 12_000]).unwrap(),
+            out_bf16: true,
+            c_ld: Some(8000),
+            ..projection_key(10_000, 896, 7168)
+        };
+        let p = key.pieces(4096, ptrs);
+        let (k, [_, b, c, d]) = p[2];
+        assert_eq!(
+            (k.b.rows, k.b.cols, k.b.ld, k.b.trans),
+            (1808, 896, 12_000, true)
+        );
+        assert_eq!(b, ptrs[1] + 8192 * 2);
+        assert_eq!(c, ptrs[2] + 8192 * 8000 * 4);
+        assert_eq!(d, ptrs[3] + 8192 * 7168 * 2);
+        // A problem within the limit is itself.
+        let key = projection_key(4096, 896, 7168);
+        assert_eq!(key.pieces(4096, ptrs), vec![(key, ptrs)]);
     }
 }

@@ -90,8 +90,7 @@ impl Plan {
         let pref =
             lt::create_matmul_pref().unwrap_or_else(|e| panic!("cuBLASLt preference: {e:?}"));
         let ws = WORKSPACE_BYTES as u64;
-        let reference = gemm_invariant::reference_rows(key.rows)
-            .filter(|_| gemm_invariant::batch_invariant() && !key.tuned());
+        let reference = gemm_invariant::invariant_rows(key);
         let layouts = [a, b, c.unwrap_or(d), d];
         // SAFETY: live handles and descriptors; the preference values outlive the calls; the
         // stream and workspace as the caller's.

@@ -8,6 +8,7 @@ mod agent;
 mod analyze;
 mod args;
 mod bench;
+mod capacity;
 mod config;
 mod data;
 mod eval;

@@ -30,9 +30,11 @@ pub struct ServeArgs {
     /// Address to listen on (loopback by default).
     #[arg(long, default_value = "127.0.0.1:8080")]
     addr: String,
-    /// Sessions decoding at once; more wait in the queue.
-    #[arg(long, default_value_t = 64)]
-    max_sessions: usize,
+    /// Sessions decoding at once; more wait in the queue. `auto`: the batcher's largest
+    /// cohort (256) on a device with room for their states, else what its free memory holds;
+    /// 64 on the CPU. The log says what was chosen and why.
+    #[arg(long, default_value = "auto", value_name = "N|auto")]
+    max_sessions: crate::capacity::MaxSessions,
     /// Requests that may wait for a session; past it the answer is "busy".
     #[arg(long, default_value_t = 256)]
     max_queue: usize,
@@ -296,7 +298,8 @@ pub fn run(a: ServeArgs) -> crate::result::CliResult {
     let heal = a.heal_policy()?;
     let grace = a.grace()?;
     let cors = nsactor_server::cors::Cors::parse(&a.cors_origins)?;
-    let (buckets, plan) = WarmupPlan::for_spec(&a.cohort_buckets, a.max_sessions)?;
+    // Checked now; cut at the sessions chosen once the model is on its device.
+    WarmupPlan::for_spec(&a.cohort_buckets, nsactor_decoding::batcher::MAX_BATCH)?;
     // SIGTERM/SIGINT start the drain; a second signal, or the grace period and the stop wait
     // running out, exits at once.
     let stop = nsactor_training::shutdown::stop_on_signals(
@@ -307,6 +310,23 @@ pub fn run(a: ServeArgs) -> crate::result::CliResult {
         inject_fault: a.inject_fault.clone(),
         ..a.open.options(model)?
     })?;
+    let max_sessions = {
+        use nsactor_plugin_api::{Diagnostic, DiagnosticReport};
+        let memory = match l.pipeline.backend().diagnose(&Diagnostic::Memory) {
+            Ok(DiagnosticReport::Memory(d)) => Some(
+                d.iter()
+                    .map(|m| (m.used_bytes, m.total_bytes))
+                    .collect::<Vec<_>>(),
+            ),
+            _ => None,
+        };
+        let cache = a.prefix.prefix_cache_mib << 20;
+        let (n, why) =
+            crate::capacity::sessions(a.max_sessions, memory.as_deref(), &l.config.model, cache);
+        tracing::info!("--max-sessions {n} ({why})");
+        n
+    };
+    let (buckets, plan) = WarmupPlan::for_spec(&a.cohort_buckets, max_sessions)?;
     if keys.required() {
         tracing::info!(
             "{} API key(s) required on /v1/* and /ws{}",
@@ -318,7 +338,7 @@ pub fn run(a: ServeArgs) -> crate::result::CliResult {
     let decoder = a.passes.apply(l.pipeline.decoder(l.vocab));
     let state = ServerState::new(
         (decoder, l.tokenizer.clone(), a.prefix.config()),
-        (a.max_sessions, a.max_queue),
+        (max_sessions, a.max_queue),
         a.model_name.clone().unwrap_or_else(|| l.name.clone()),
         (keys, cors),
         (limits, ready.clone()),

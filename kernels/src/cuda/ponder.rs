@@ -1,9 +1,9 @@
 //! PonderNet's halting and aggregation as CubeCL kernels (SPEC §2.3). One plane of 32 units per
 //! `(token, batch row)` computes the K halting logits (dot products with the halt weight,
 //! reduced across the plane), the geometric halting distribution and E[K], and the weighted sum
-//! of the K frames (≈ 50 ops composed): the inference op over many rows. A decoding step's few
-//! rows, and training's (both outputs packed in one tensor), get a cube each, one unit per
-//! channel holding its K frames in registers; a decoding step's aggregate comes out in the out
+//! of the K frames (≈ 50 ops composed): the inference op with the decoding fusions off. Every
+//! inference pass's rows otherwise, and training's (both outputs packed in one tensor), get a
+//! cube each, one unit per channel holding its K frames in registers; the aggregate comes out in the out
 //! projection's GEMM input type (no cast before it), optionally with the sublayer's residual
 //! update prepared. The backward is [`crate::cuda::ponder_backward`].
 
@@ -375,8 +375,8 @@ fn ponder_agg_with<R: CubeRuntime>(
 ) -> [CubeTensor<R>; 2] {
     let (t, batch, dim) = ponder_geometry(&[&frames, &w, &bias], k);
     let [frames, w, bias] = [frames, w, bias].map(into_contiguous);
-    if !packed && rows_kernel_fits(t * batch, k) {
-        // A decoding step: one unit per channel, the aggregate in the GEMM's input type.
+    if !packed && rows_kernel_fits(k) {
+        // Inference: one unit per channel, the aggregate in the GEMM's input type.
         let [agg, _, ek] = ponder_rows(
             frames,
             w,
@@ -437,10 +437,14 @@ fn ponder_agg_with<R: CubeRuntime>(
     [agg, ek]
 }
 
-/// Whether [`ponder_rows_kernel`] takes `rows` token rows at this `k`: a decoding step's few
-/// rows, K within a plane, the decoding fusions on.
-fn rows_kernel_fits(rows: usize, k: usize) -> bool {
-    rows < FEW_ROWS && k <= PLANE as usize && decode_fusion()
+/// Whether [`ponder_rows_kernel`] takes an inference pass's rows at this `k`: K within a plane,
+/// the decoding fusions on, whatever the row count. A decoding step and a prompt's long pass
+/// so share one arithmetic (the halting distribution as a plane's prefix sum, where
+/// [`ponder_agg_kernel`] walks it): until s47 passes of 1,024 token rows or more took the plane
+/// kernel, and a prompt's logits depended on how its passes were cut (issue 60). Training's
+/// packed forward runs the same kernel at 32k rows, so it serves long passes too.
+fn rows_kernel_fits(k: usize) -> bool {
+    k <= PLANE as usize && decode_fusion()
 }
 
 /// What [`ponder_rows_kernel`] writes. Moved once into [`ponder_rows`], so the variants'
@@ -546,7 +550,7 @@ pub fn ponder_residual<R: CubeRuntime>(
         dim,
         "ponder_residual: w̄ has D values"
     );
-    if !rows_kernel_fits(t * batch, k) {
+    if !rows_kernel_fits(k) {
         return None;
     }
     let [frames, w, bias, h, w_mean] = [frames, w, bias, h, w_mean].map(into_contiguous);

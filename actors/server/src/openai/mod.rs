@@ -220,7 +220,9 @@ pub async fn openai(s: Shared, body: Bytes, chat: bool) -> Response {
         .into_response()
 }
 
-/// Waits for every choice and answers with one JSON body.
+/// Waits for every choice and answers with one JSON body, as soon as the last one is done: a
+/// generation's states are freed after its final event (`Generator::run`), and the answer does
+/// not wait for that (an echo-scored prompt's answer waited ~15 ms for it on an H200).
 async fn whole(
     mut rx: mpsc::Receiver<Tagged>,
     shape: Shape,
@@ -245,6 +247,9 @@ async fn whole(
             c.whole.tokens.extend(p.tokens);
         }
         c.fresh = false;
+        if choices.iter().all(|c| c.finish.is_some()) {
+            break;
+        }
     }
     let mut done = Vec::with_capacity(choices.len());
     for c in choices {

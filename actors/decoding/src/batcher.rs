@@ -8,7 +8,9 @@
 //! the oldest waiting input has waited [`Batching::window`]. Sessions resubmit microseconds
 //! after their answer, so in the steady state every token step is one cohort of all sessions,
 //! without a timer firing; the window only bounds the wait for a session that is slow to come
-//! back (its client, or its sampling).
+//! back (its client, or its sampling). A prompt also waits, at most [`RESTORE_HOLD`] and never
+//! while a decoding step waits, for the restores queued or running, so that the sessions they
+//! start join its cohort instead of their restore waiting for its pass.
 //!
 //! A cohort has one input length: the oldest waiting input picks it and every waiting input
 //! of that length joins (at most [`Batching::max_batch`]). Decoding tokens (length 1) batch
@@ -30,7 +32,7 @@
 //! A cohort that loses a stage (a panic, a stopped actor) fails every session that has run,
 //! and the batcher holds its inputs while the supervisor rebuilds the actors (`super::heal`).
 
-pub use super::batching::{BatchStats, Batching, MAX_BATCH, PASS_FRAME_ROWS};
+pub use super::batching::{BatchStats, Batching, MAX_BATCH, PASS_FRAME_ROWS, RESTORE_HOLD};
 use super::buckets::{CohortBuckets, pad_session};
 pub use super::cohort::{Answer, Answered, CohortPhases, PickRequest, Picked};
 use super::cohort::{add_ns, run_cohort};
@@ -255,7 +257,25 @@ impl BatcherState {
         }
         while self.cohorts < self.batching.max_in_flight.max(1) && !self.waiting.is_empty() {
             let absent = self.absent();
-            let since = self.waiting.front().expect("non-empty").since;
+            let front = self.waiting.front().expect("non-empty");
+            let since = front.since;
+            // A prompt waits a moment for the restores queued or running: the sessions they
+            // start send their prompts right after, and a restore would wait for the pass in
+            // flight (`crate::order`) while every session it starts waits with it.
+            // Never while a decoding step waits: running streams are not held up.
+            let restores = !self.restoring.is_empty() || !self.restoring_now.is_empty();
+            let held = since.elapsed();
+            if restores
+                && front.ids.len() > 1
+                && held < RESTORE_HOLD
+                && !self.waiting.iter().any(|w| w.ids.len() == 1)
+            {
+                if !self.tick_armed {
+                    self.tick_armed = true;
+                    myself.send_after(RESTORE_HOLD - held, || BatcherMsg::Tick);
+                }
+                return;
+            }
             let age = since.max(self.freed_at).elapsed();
             if absent > 0 && age < self.batching.window {
                 if !self.tick_armed {

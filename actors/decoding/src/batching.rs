@@ -30,6 +30,12 @@ pub const CHUNK_FRAME_ROWS: usize = 2048;
 /// Most sessions in one cohort by default.
 pub const MAX_BATCH: usize = 256;
 
+/// Longest a prompt waits for the restores queued or running before its cohort launches
+/// anyway. A restore of 256 sessions takes ~8 ms on an H200, but waits for the pass in flight;
+/// when 256 clients sharing a system prompt arrived together, the first few restored launched a
+/// 200 ms pass and the other 248 restores waited for it (BENCHMARKS.md, session 47).
+pub const RESTORE_HOLD: Duration = Duration::from_millis(20);
+
 /// How sessions are batched.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Batching {

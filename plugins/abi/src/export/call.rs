@@ -124,7 +124,7 @@ pub(crate) fn decode_call<'a>(
             }
         }
         22 | 23 => {
-            if raw.len() % 2 != 0 {
+            if !raw.len().is_multiple_of(2) {
                 return Err(EngineError::InvalidInput(format!(
                     "StateSave and StateRestore: sessions then as many snapshots expected, got \
                      {} ids",

@@ -270,16 +270,17 @@ impl Generator {
 
     /// Scores the prompt: every token's log-probability given the ones before it
     /// ([`GenEvent::Prompt`]), from one prefill of all but its last token (every position's
-    /// logits, a pass at a time); then streams from its last token as `plan` says. The
-    /// numbers equal those of feeding the prompt one token at a time.
+    /// logits, a pass at a time); then, unless nothing is to be generated (`plan` is `None`:
+    /// `max_tokens` 0, lm-evaluation-harness's scoring), streams from its last token as `plan`
+    /// says. The numbers equal those of feeding the prompt one token at a time.
     async fn score_prompt(
         &self,
         session: SessionId,
         prompt: &[i64],
         top: usize,
         tx: &mpsc::Sender<GenEvent>,
-        plan: StreamPlan,
-    ) -> Result<DecodeStream, ServeError> {
+        plan: Option<StreamPlan>,
+    ) -> Result<Option<DecodeStream>, ServeError> {
         let mut logprobs = vec![None];
         let (last, head) = prompt.split_last().expect("prompts are never empty");
         let vocab = self.decoder.vocab();
@@ -309,7 +310,10 @@ impl Generator {
             logprobs.extend(rows);
             scoring += t.elapsed().as_secs_f64();
         }
-        let picked = self.decoder.stream(session, vec![*last], plan).await?;
+        let picked = match plan {
+            Some(plan) => Some(self.decoder.stream(session, vec![*last], plan).await?),
+            None => None,
+        };
         let ids = prompt.to_vec();
         let _ = tx.send(GenEvent::Prompt { ids, logprobs }).await;
         tracing::debug!(
@@ -378,7 +382,9 @@ impl Generator {
                 END_TOKENS.to_vec()
             },
         };
+        // `None` when the prompt is only scored: its last token needs no pass.
         let mut stream = if spec.prompt_logprobs {
+            let plan = (spec.max_tokens > 0).then_some(plan);
             self.score_prompt(session, prompt, top, tx, plan).await?
         } else {
             let fed = if self.caches(spec) {
@@ -386,9 +392,11 @@ impl Generator {
             } else {
                 0
             };
-            self.decoder
-                .stream(session, prompt[fed..].to_vec(), plan)
-                .await?
+            Some(
+                self.decoder
+                    .stream(session, prompt[fed..].to_vec(), plan)
+                    .await?,
+            )
         };
         let streaming = start.elapsed();
         // The generation's text, grown a piece per token (a token costs the same at any
@@ -409,6 +417,9 @@ impl Generator {
             if generated.len() >= spec.max_tokens {
                 break "length"; // max_tokens = 0: the prompt was only scored
             }
+            let Some(stream) = stream.as_mut() else {
+                break "length";
+            };
             let mut picked = match stream.next().await {
                 Some(p) => p?,
                 None if self.drain.stopping() => break FINISH_SHUTDOWN,

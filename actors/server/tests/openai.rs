@@ -15,6 +15,7 @@ fn num(v: &Value) -> f64 {
 fn n_logprobs_echo_and_usage_chunks_on_completions() {
     let s = serve(4, 8);
     let (addr, prompt, greedy) = (s.addr, s.prompt.clone(), s.greedy.clone());
+    let state = s.state.clone();
     s.pipeline.block_on(async move {
         let n_new = greedy.len() - prompt.len();
         // n = 2 greedy choices: both are the fixture's continuation; the prompt counts once.
@@ -62,10 +63,18 @@ fn n_logprobs_echo_and_usage_chunks_on_completions() {
 
         // Scoring prompt + continuation (echo, max_tokens 0) is one prefill of every position;
         // the continuation's logprobs must equal the ones reported while generating.
+        // It is one pass, of every position but the last: nothing is generated, so the last
+        // token is not fed.
+        while state.generator.metrics.running.get() != 0 {
+            tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+        }
+        let inputs = || state.generator.decoder.batch_counts().1;
+        let before = inputs();
         let req = json!({"prompt": greedy, "max_tokens": 0, "echo": true, "logprobs": 0});
         let (status, body) =
             http(addr, "POST", "/v1/completions", req.to_string().as_bytes()).await;
         assert_eq!(status, 200, "{body}");
+        assert_eq!(inputs() - before, 1, "inputs fed to score the prompt");
         let v: Value = serde_json::from_str(&body).unwrap();
         let c = &v["choices"][0];
         assert_eq!(c["finish_reason"], "length");

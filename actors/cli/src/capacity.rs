@@ -11,7 +11,7 @@
 //! its cohort and more would only slow everyone.
 
 use nsactor_decoding::batcher::MAX_BATCH;
-use nsactor_plugin_api::ModelConfig;
+use nsactor_plugin_api::{ComputeBackend, Diagnostic, DiagnosticReport, ModelConfig};
 
 /// `--max-sessions`: `auto` or a number of sessions.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -98,11 +98,19 @@ pub fn sessions(
     }
 }
 
-/// Bytes of one session's state: every layer's four membranes (input neurons `D` before each
-/// sublayer, hidden `D·N`, the FFN's gate and up `2·D_ff`) and the output neurons' `D`, in f32.
+/// Bytes of one session's state, in f32 ([`ModelConfig::session_state_values`]).
 pub fn state_bytes(m: &ModelConfig) -> u64 {
-    let layer = 2 * m.d + m.d * m.n + 2 * m.d_ff;
-    ((m.num_layers * layer + m.d) * 4) as u64
+    (m.session_state_values() * 4) as u64
+}
+
+/// Each device's memory as `backend` reports it, or `None` where it reports none (the CPU).
+pub fn device_memory(backend: &dyn ComputeBackend) -> Option<Vec<Memory>> {
+    match backend.diagnose(&Diagnostic::Memory) {
+        Ok(DiagnosticReport::Memory(d)) => {
+            Some(d.iter().map(|m| (m.used_bytes, m.total_bytes)).collect())
+        }
+        _ => None,
+    }
 }
 
 #[cfg(test)]

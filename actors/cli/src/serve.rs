@@ -311,15 +311,7 @@ pub fn run(a: ServeArgs) -> crate::result::CliResult {
         ..a.open.options(model)?
     })?;
     let max_sessions = {
-        use nsactor_plugin_api::{Diagnostic, DiagnosticReport};
-        let memory = match l.pipeline.backend().diagnose(&Diagnostic::Memory) {
-            Ok(DiagnosticReport::Memory(d)) => Some(
-                d.iter()
-                    .map(|m| (m.used_bytes, m.total_bytes))
-                    .collect::<Vec<_>>(),
-            ),
-            _ => None,
-        };
+        let memory = crate::capacity::device_memory(l.pipeline.backend().as_ref());
         let cache = a.prefix.prefix_cache_mib << 20;
         let (n, why) =
             crate::capacity::sessions(a.max_sessions, memory.as_deref(), &l.config.model, cache);

@@ -419,11 +419,10 @@ fn enqueue(
         ));
     }
     make_current(key.device);
-    // A decoding GEMM longer than its batch-invariant reference runs in pieces of it.
-    let pieces = match gemm_invariant::invariant_rows(key).filter(|&r| key.m > r) {
-        Some(limit) => key.pieces(limit, ptrs),
-        None => vec![(*key, ptrs)],
-    };
+    // A decoding GEMM longer than its batch-invariant reference runs in pieces of it; any
+    // other GEMM is one piece.
+    let limit = gemm_invariant::invariant_rows(key).unwrap_or(key.m);
+    let pieces = key.pieces(limit, ptrs);
     STATE.with(|state| {
         let mut state = state.borrow_mut();
         let state = state.get_or_insert_with(|| ThreadState {

@@ -126,39 +126,40 @@ impl PlanKey {
     /// batch-invariant reference runs so ([`crate::cuda::gemm_invariant`]): every piece is a
     /// problem its kernel was checked at, so a row's result is the same in a prompt's long
     /// pass as in a one-token step.
-    pub(crate) fn pieces(&self, limit: u64, ptrs: [u64; 4]) -> Vec<(PlanKey, [u64; 4])> {
-        let limit = limit.max(1);
+    pub(crate) fn pieces(
+        &self,
+        limit: u64,
+        ptrs: [u64; 4],
+    ) -> impl Iterator<Item = (PlanKey, [u64; 4])> + use<> {
+        let (whole, limit) = (*self, limit.max(1));
         let [a, b, c, d] = ptrs;
-        let mut out = Vec::with_capacity(self.m.div_ceil(limit) as usize);
-        let mut start = 0;
-        while start < self.m {
-            let rows = limit.min(self.m - start);
+        (0..whole.m.div_ceil(limit)).map(move |i| {
+            let start = i * limit;
+            let rows = limit.min(whole.m - start);
             // `B` is `lhsᵀ`: a row of `lhs` is a column of `B` (ld apart), or, used transposed,
             // a row of it (one element apart).
-            let (operand, b_step) = if self.b.trans {
-                (Operand { rows, ..self.b }, 1)
+            let (operand, b_step) = if whole.b.trans {
+                (Operand { rows, ..whole.b }, 1)
             } else {
                 (
                     Operand {
                         cols: rows,
-                        ..self.b
+                        ..whole.b
                     },
-                    self.b.ld.max(0) as u64,
+                    whole.b.ld.max(0) as u64,
                 )
             };
-            let b_off = start * b_step * self.input_bytes() as u64;
-            let d_off = start * self.n * self.output_bytes() as u64;
+            let b_off = start * b_step * whole.input_bytes() as u64;
+            let d_off = start * whole.n * whole.output_bytes() as u64;
             // An addend is f32 with rows `c_ld` apart.
-            let c_off = self.c_ld.map_or(d_off, |ld| start * ld * 4);
+            let c_off = whole.c_ld.map_or(d_off, |ld| start * ld * 4);
             let key = PlanKey {
                 m: rows,
                 b: operand,
-                ..*self
+                ..whole
             };
-            out.push((key, [a, b + b_off, c + c_off, d + d_off]));
-            start += rows;
-        }
-        out
+            (key, [a, b + b_off, c + c_off, d + d_off])
+        })
     }
 
     /// `M·N·K`.
@@ -381,7 +382,7 @@ mod tests {
         let ptrs = [1 << 40, 2 << 40, 3 << 40, 3 << 40];
         // Row-major lhs [10,000, 896] in bf16, f32 output [10,000, 7168]: three pieces.
         let key = projection_key(10_000, 896, 7168);
-        let p = key.pieces(4096, ptrs);
+        let p: Vec<_> = key.pieces(4096, ptrs).collect();
         assert_eq!(
             p.iter().map(|(k, _)| k.m).collect::<Vec<_>>(),
             [4096, 4096, 1808]
@@ -403,7 +404,7 @@ mod tests {
             c_ld: Some(8000),
             ..projection_key(10_000, 896, 7168)
         };
-        let p = key.pieces(4096, ptrs);
+        let p: Vec<_> = key.pieces(4096, ptrs).collect();
         let (k, [_, b, c, d]) = p[2];
         assert_eq!(
             (k.b.rows, k.b.cols, k.b.ld, k.b.trans),
@@ -414,6 +415,9 @@ mod tests {
         assert_eq!(d, ptrs[3] + 8192 * 7168 * 2);
         // A problem within the limit is itself.
         let key = projection_key(4096, 896, 7168);
-        assert_eq!(key.pieces(4096, ptrs), vec![(key, ptrs)]);
+        assert_eq!(
+            key.pieces(4096, ptrs).collect::<Vec<_>>(),
+            vec![(key, ptrs)]
+        );
     }
 }

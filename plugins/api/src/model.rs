@@ -68,6 +68,13 @@ impl ModelConfig {
         self.d * self.n
     }
 
+    /// Values of one decoding session's state: every layer's four membranes (input neurons
+    /// `D` before each sublayer, hidden `D·N`, the FFN's gate and up `2·D_ff`) and the output
+    /// neurons' `D` (~288k at 0.9B, whatever the context).
+    pub fn session_state_values(&self) -> usize {
+        self.num_layers * (2 * self.d + self.dn() + 2 * self.d_ff) + self.d
+    }
+
     /// Checks the values make a model; called once wherever a config enters the program.
     pub fn validate(&self) -> Result<(), EngineError> {
         let bad = |m: String| {

@@ -243,12 +243,7 @@ pub(super) async fn idle(d: &nsactor_decoding::AsyncDecoder) {
 
 /// Bytes in use on every device together, where the backend says (pools keep their peak).
 pub(super) fn device_used(b: &dyn nsactor_plugin_api::ComputeBackend) -> Option<u64> {
-    match b.diagnose(&nsactor_plugin_api::Diagnostic::Memory) {
-        Ok(nsactor_plugin_api::DiagnosticReport::Memory(d)) => {
-            Some(d.iter().map(|m| m.used_bytes).sum())
-        }
-        _ => None,
-    }
+    crate::capacity::device_memory(b).map(|d| d.iter().map(|&(used, _)| used).sum())
 }
 
 /// The model to serve: `--checkpoint`'s, or a fresh one of `--config`.

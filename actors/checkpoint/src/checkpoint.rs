@@ -1,10 +1,11 @@
-//! Checkpoints on disk: one safetensors shard per stage (parameters and optimizer state) and a
-//! JSON manifest (step, data cursor, config, tokenizer hash, a sha256 per shard).
+//! Checkpoints on disk: one safetensors shard per stage (parameters and optimizer state) and a JSON
+//! manifest (step, data cursor, config, tokenizer hash, a sha256 per shard).
 //!
 //! Layout: `<root>/step-<step:08>/{edge,layer-000,…}.safetensors` + `manifest.json`. Shards are
-//! written in parallel, each atomically (temporary file, fsync, rename); the manifest is written
-//! last, so a directory without a valid manifest is an unfinished checkpoint. After a write,
-//! only the newest `keep` checkpoints (by step number) stay. Reading verifies every checksum.
+//! written in parallel ([`crate::stream`]), each atomically (temporary file, fsync, rename) and
+//! hashed as it is written; the manifest is written last, so a directory without a valid manifest
+//! is an unfinished checkpoint. After a write, only the newest `keep` checkpoints (by step number)
+//! stay. Reading verifies every checksum.
 
 use nsactor_data::{Cursor, Tokenizer};
 use nsactor_engine::config::RunConfig;
@@ -110,38 +111,40 @@ pub fn write_with(
     keep: usize,
     before_manifest: &dyn Fn(),
 ) -> Result<PathBuf, RuntimeError> {
-    let dir = step_dir(root, meta.step);
+    let dir = begin(root, meta.step)?;
+    let written = crate::stream::write_stages(
+        &dir,
+        shards.iter().collect(),
+        &|b: &Vec<u8>| Ok(b.as_slice()),
+        None,
+    )?;
+    seal(root, &dir, meta, written.entries, keep, before_manifest)?;
+    Ok(dir)
+}
+
+/// Creates step `step`'s directory under `root` for new shards, removing a manifest an earlier
+/// attempt at the step left (it must not vouch for the new shards).
+pub fn begin(root: &Path, step: u64) -> Result<PathBuf, RuntimeError> {
+    let dir = step_dir(root, step);
     std::fs::create_dir_all(&dir).map_err(|e| RuntimeError::CheckpointIo(dir.clone(), e))?;
-    // A manifest from an earlier attempt at this step must not vouch for new shards.
     match std::fs::remove_file(dir.join(MANIFEST)) {
         Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
-            return Err(RuntimeError::CheckpointIo(dir.join(MANIFEST), e));
+            Err(RuntimeError::CheckpointIo(dir.join(MANIFEST), e))
         }
-        _ => {}
+        _ => Ok(dir),
     }
-    let entries = std::thread::scope(|scope| {
-        let jobs: Vec<_> = shards
-            .iter()
-            .enumerate()
-            .map(|(i, bytes)| {
-                let dir = &dir;
-                scope.spawn(move || {
-                    let file = shard_file(i);
-                    let path = dir.join(&file);
-                    crate::weights::write_atomic(&path, bytes)
-                        .map_err(|e| RuntimeError::CheckpointIo(path, e))?;
-                    Ok(ShardEntry {
-                        file,
-                        bytes: bytes.len() as u64,
-                        sha256: sha256(bytes),
-                    })
-                })
-            })
-            .collect();
-        jobs.into_iter()
-            .map(|j| j.join().expect("a shard writer does not panic"))
-            .collect::<Result<Vec<_>, RuntimeError>>()
-    })?;
+}
+
+/// Finishes checkpoint `dir` (made by [`begin`], its shards written as `entries`): calls
+/// `before_manifest`, writes the manifest, then keeps the newest `keep` under `root`.
+pub fn seal(
+    root: &Path,
+    dir: &Path,
+    meta: &CheckpointMeta,
+    entries: Vec<ShardEntry>,
+    keep: usize,
+    before_manifest: &dyn Fn(),
+) -> Result<(), RuntimeError> {
     let manifest = CheckpointManifest {
         format: FORMAT.into(),
         step: meta.step,
@@ -158,7 +161,7 @@ pub fn write_with(
     if keep > 0 {
         prune(root, keep);
     }
-    Ok(dir)
+    Ok(())
 }
 
 /// Step directories under `root`, newest first.

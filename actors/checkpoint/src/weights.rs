@@ -9,12 +9,12 @@ const OPTIMIZER_PREFIX: &str = "adam.";
 
 /// One safetensors file with every stage's parameters (optimizer state dropped), under the
 /// reference names — the `model.safetensors` a run leaves behind.
-pub fn merge_params(shards: &[Vec<u8>]) -> Result<Vec<u8>, RuntimeError> {
+pub fn merge_params<B: AsRef<[u8]>>(shards: &[B]) -> Result<Vec<u8>, RuntimeError> {
     let parsed = shards
         .iter()
         .enumerate()
         .map(|(i, b)| {
-            SafeTensors::deserialize(b)
+            SafeTensors::deserialize(b.as_ref())
                 .map_err(|e| RuntimeError::Weights(format!("stage shard {i}: {e}")))
         })
         .collect::<Result<Vec<_>, _>>()?;

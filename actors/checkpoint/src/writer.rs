@@ -5,9 +5,11 @@
 //! the background mode the supervisor hands the snapshot to a blocking task and goes on with
 //! the next step; the next checkpoint (or a recovery, or the end of the run) first waits for
 //! the write in flight, so at most one snapshot is held besides the live stages. Both modes
-//! write the same files through [`checkpoint::write_with`].
+//! write the same files, stage by stage as they are read back ([`crate::stream`]); the run's
+//! last checkpoint can also write the run's merged weights from the same read.
 
 use super::checkpoint::{self, CheckpointMeta};
+use super::stream;
 use nsactor_engine::error::RuntimeError;
 use nsactor_plugin_api::{EngineError, StageSnapshot};
 use std::path::PathBuf;
@@ -22,6 +24,11 @@ pub struct WriteDone {
     pub bytes: u64,
     /// From the snapshot being handed over to the manifest being on disk.
     pub seconds: f64,
+    /// Time the stages spent being read back and serialised, summed over stages (the
+    /// workers overlap them with each other and with the files).
+    pub read_seconds: f64,
+    /// The merged weights written with this checkpoint, and their size.
+    pub export: Option<(PathBuf, u64)>,
 }
 
 /// What a checkpoint request did.
@@ -60,6 +67,9 @@ pub struct Job {
     pub crash: bool,
     /// `enospc-in-checkpoint:STEP`: fail the first shard as a full disk would.
     pub disk_full: bool,
+    /// Also write the stages' parameters as one whole-model file here (the run's final
+    /// weights), from the same read of the stages.
+    pub export: Option<PathBuf>,
 }
 
 impl Job {
@@ -74,19 +84,34 @@ impl Job {
                 std::io::Error::from_raw_os_error(28), // ENOSPC, injected
             ));
         }
-        let shards = serialise(self.shards)?;
-        let bytes = shards.iter().map(|s| s.len() as u64).sum();
-        let dir = checkpoint::write_with(&self.root, &self.meta, &shards, self.keep, &|| {
-            if crash {
-                eprintln!("injected fault: crashing before the manifest");
-                std::process::abort();
-            }
-        })?;
+        let dir = checkpoint::begin(&self.root, self.meta.step)?;
+        let written = stream::write_stages(
+            &dir,
+            self.shards,
+            &|s: Box<dyn StageSnapshot>| Ok(s.bytes()?),
+            self.export.as_deref(),
+        )?;
+        let bytes = written.entries.iter().map(|e| e.bytes).sum();
+        checkpoint::seal(
+            &self.root,
+            &dir,
+            &self.meta,
+            written.entries,
+            self.keep,
+            &|| {
+                if crash {
+                    eprintln!("injected fault: crashing before the manifest");
+                    std::process::abort();
+                }
+            },
+        )?;
         Ok(WriteDone {
             step: self.meta.step,
             dir,
             bytes,
             seconds: t.elapsed().as_secs_f64(),
+            read_seconds: written.read_seconds,
+            export: self.export.zip(written.export_bytes),
         })
     }
 }

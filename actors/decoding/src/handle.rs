@@ -129,6 +129,35 @@ impl Pipeline {
         Ok(r.dir)
     }
 
+    /// [`checkpoint`](Self::checkpoint), also writing the stages' parameters as one
+    /// whole-model file at `weights` (a run's final weights) from the same read of the
+    /// stages; returns how the write went.
+    pub fn checkpoint_exporting(
+        &mut self,
+        root: &Path,
+        keep: usize,
+        config: String,
+        tokenizer_sha256: Option<String>,
+        weights: &Path,
+    ) -> Result<WriteDone, RuntimeError> {
+        let (root, export) = (root.to_path_buf(), Some(weights.to_path_buf()));
+        let r = self.call_sup(|reply| SupMsg::Checkpoint {
+            root,
+            keep,
+            config,
+            tokenizer_sha256,
+            background: false,
+            export,
+            reply,
+        })?;
+        if let Some(Err(e)) = r.previous {
+            tracing::warn!("an earlier checkpoint write failed: {e}");
+        }
+        r.written.ok_or_else(|| {
+            RuntimeError::Runtime("a synchronous checkpoint reported no write".into())
+        })
+    }
+
     /// Checkpoints the current step under `root`, keeping the newest `keep`: waits for the
     /// write in flight, snapshots every stage, then writes the files in the `background`
     /// (the report's `written` is then `None`; [`finish_checkpoint`](Self::finish_checkpoint)
@@ -148,6 +177,7 @@ impl Pipeline {
             config,
             tokenizer_sha256,
             background,
+            export: None,
             reply,
         })
     }

@@ -14,6 +14,7 @@ use nsactor_engine::error::RuntimeError;
 use nsactor_plugin_api::OptimizerKind;
 use nsactor_telemetry::{Exporter, TrainingMetrics};
 use nsactor_training::heldout::HeldOut;
+use nsactor_training::startup::Startup;
 use nsactor_training::train::{self, RunSummary};
 use std::path::PathBuf;
 
@@ -58,6 +59,7 @@ pub enum TrainOutcome {
 /// Runs the training `req` describes in this process (one rank of a world when the
 /// environment names one).
 pub fn train(req: TrainRequest) -> Result<TrainOutcome, RuntimeError> {
+    let mut startup = Startup::new();
     let mut cfg = req.config.clone();
     let world =
         nsactor_cluster::World::from_env().map_err(|e| RuntimeError::Invalid(e.to_string()))?;
@@ -77,6 +79,7 @@ pub fn train(req: TrainRequest) -> Result<TrainOutcome, RuntimeError> {
     nsactor_checkpoint::checkpoint::check_tokenizer(&cfg, &tok)?;
     let sampler = launch::make_sampler(&cfg, &tok, &req.corpus, req.data.as_deref(), req.sft)?;
     let (sampler, mut held_out) = HeldOut::split(&cfg, sampler)?;
+    startup.mark("tokenizer and data");
     let rank = world.as_ref().map_or(0, |w| w.rank);
     let telemetry = |e: nsactor_telemetry::TelemetryError| RuntimeError::Invalid(e.to_string());
     let live = match (&req.metrics_addr, rank) {
@@ -90,6 +93,7 @@ pub fn train(req: TrainRequest) -> Result<TrainOutcome, RuntimeError> {
         _ => None,
     };
     let compute = launch::open_backend(&cfg, req.backend.as_deref())?;
+    startup.mark("backend");
     let member = match world {
         Some(w) => {
             world::place(&mut cfg, &w, compute.as_ref());
@@ -104,6 +108,7 @@ pub fn train(req: TrainRequest) -> Result<TrainOutcome, RuntimeError> {
     };
     let link = member.as_ref().map(|m| m.link(&compute)).transpose()?;
     let mut pipeline = launch::launch_in(compute, &cfg, optimizer, Some(sampler), link)?;
+    startup.mark("stages");
     let mut first_step = 0;
     if req.resume {
         first_step = launch::resume(&cfg, &tok, &mut pipeline)?;
@@ -113,6 +118,7 @@ pub fn train(req: TrainRequest) -> Result<TrainOutcome, RuntimeError> {
     {
         init.load(&tok, &mut pipeline)?;
     }
+    startup.mark("resume or initial weights");
     if let Some(m) = &member {
         m.agree(fingerprint, first_step)?;
     }
@@ -127,6 +133,7 @@ pub fn train(req: TrainRequest) -> Result<TrainOutcome, RuntimeError> {
         held_out,
         metrics: live.as_ref(),
         rank,
+        startup: Some(startup),
     };
     let summary = match (train::run(&cfg, &mut pipeline, options), &member) {
         (Ok(s), _) => s,

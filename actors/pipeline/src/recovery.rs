@@ -236,6 +236,7 @@ impl SupState {
         config: String,
         tokenizer_sha256: Option<String>,
         background: bool,
+        export: Option<PathBuf>,
     ) -> Result<CheckpointReport, RuntimeError> {
         if self.topo.spec.optimizer.is_none() {
             // Its stages hold no Adam moments: a run resumed from it would restart Adam.
@@ -266,6 +267,7 @@ impl SupState {
                 tokenizer_sha256,
             },
             shards,
+            export,
         };
         let written = self.writer.write(job, background).await?;
         Ok(CheckpointReport {

@@ -68,6 +68,8 @@ pub enum SupMsg {
         config: String,
         tokenizer_sha256: Option<String>,
         background: bool,
+        /// Also write the stages' parameters as one whole-model file here, from the same read.
+        export: Option<PathBuf>,
         reply: RpcReplyPort<Result<CheckpointReport, RuntimeError>>,
     },
     /// Waits for the checkpoint write in flight, if any, and says how it ended.
@@ -342,10 +344,11 @@ impl Actor for Supervisor {
                 config,
                 tokenizer_sha256,
                 background,
+                export,
                 reply,
             } => {
                 let r = s
-                    .checkpoint(root, keep, config, tokenizer_sha256, background)
+                    .checkpoint(root, keep, config, tokenizer_sha256, background, export)
                     .await;
                 let _ = reply.send(r);
             }

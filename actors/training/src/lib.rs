@@ -7,5 +7,6 @@
 pub mod heldout;
 pub mod history;
 pub mod shutdown;
+pub mod startup;
 pub mod train;
 pub mod verify;

@@ -5,6 +5,7 @@ mod records;
 
 use crate::heldout::HeldOut;
 use crate::shutdown::StopRequest;
+use crate::startup::Startup;
 use nsactor_data::Cursor;
 use nsactor_decoding::{Pipeline, StepReport};
 use nsactor_engine::config::RunConfig;
@@ -67,6 +68,9 @@ pub struct RunOptions<'a> {
     /// This process's rank in a world of several: only rank 0 writes metrics, checkpoints
     /// and weights; the others train alongside.
     pub rank: usize,
+    /// The phases timed before the run (from the process's start): the run adds the step-0
+    /// evaluation and the first step, then logs them.
+    pub startup: Option<Startup>,
 }
 
 /// Runs the steps after `o.first_step` completed ones up to `cfg.train.steps` on `pipeline`
@@ -94,6 +98,9 @@ pub fn run(
             run.live,
         )?;
     }
+    if let Some(s) = run.startup.as_mut() {
+        s.mark("run setup and step-0 evaluation");
+    }
     run.steps(pipeline)?;
     run.finish(pipeline)
 }
@@ -115,7 +122,6 @@ struct Run<'a> {
     tokens: u64,
     config_text: String,
     ckpt_root: PathBuf,
-    last_saved: u64,
     cursor: Option<Cursor>,
     recoveries: Vec<f64>,
     skipped_steps: u64,
@@ -123,6 +129,7 @@ struct Run<'a> {
     stopped_at: Option<u64>,
     /// The title of `loss.png`.
     title: String,
+    startup: Option<Startup>,
 }
 
 impl<'a> Run<'a> {
@@ -140,6 +147,7 @@ impl<'a> Run<'a> {
             held_out,
             metrics: live,
             rank,
+            startup,
         } = o;
         let leader = rank == 0;
         let t = &cfg.train;
@@ -180,13 +188,13 @@ impl<'a> Run<'a> {
             tokens: 0,
             config_text: cfg.to_toml(),
             ckpt_root: checkpoint_root(cfg),
-            last_saved: first_step,
             cursor: None,
             recoveries: Vec::new(),
             skipped_steps: 0,
             spike_rollbacks: 0,
             stopped_at: None,
             title,
+            startup,
         })
     }
 
@@ -252,6 +260,11 @@ impl<'a> Run<'a> {
             let step_s = step_start.elapsed().as_secs_f64();
             step = r.step;
             self.record(&r, step_s)?;
+            if let Some(mut s) = self.startup.take() {
+                s.mark("first step");
+                self.bar.suspend(|| tracing::info!("{}", s.line()));
+                self.metrics.log(s.event())?;
+            }
             self.cursor = r.cursor;
             if self.after_step(pipeline, r.step)? {
                 break;
@@ -402,7 +415,6 @@ impl<'a> Run<'a> {
                 self.bar
                     .suspend(|| written(w, &mut |l| self.metrics.log(l)))?;
             }
-            self.last_saved = step;
         }
         if let Some(sig) = signal
             && step < t.steps
@@ -429,9 +441,9 @@ impl<'a> Run<'a> {
         }
     }
 
-    /// After the last step (rank 0 only): the background checkpoint write waited for, the
-    /// final checkpoint, `loss.png`, then — unless a stop ended the run — the weights, the
-    /// config and the data cursor.
+    /// After the last step (rank 0 only): the background checkpoint write waited for,
+    /// `loss.png`, then — unless a stop ended the run, whose checkpoint is written — the final
+    /// checkpoint and the weights from one read of the stages, the config and the data cursor.
     fn finish(mut self, pipeline: &mut Pipeline) -> Result<RunSummary, RuntimeError> {
         self.bar.finish_and_clear();
         if !self.leader {
@@ -440,15 +452,6 @@ impl<'a> Run<'a> {
         let t = &self.cfg.train;
         if let Some(w) = pipeline.finish_checkpoint().transpose() {
             written(w, &mut |l| self.metrics.log(l))?;
-        }
-        if self.stopped_at.is_none() && (self.last_saved < t.steps || self.first_step == t.steps) {
-            let dir = pipeline.checkpoint(
-                &self.ckpt_root,
-                t.keep_checkpoints,
-                self.config_text.clone(),
-                self.tokenizer_sha256.take(),
-            )?;
-            tracing::info!("checkpoint {}", dir.display());
         }
         let (metrics_path, png) = (&self.metrics.path, self.out_dir.join("loss.png"));
         if let Some(s) = self.stopped_at {
@@ -460,10 +463,16 @@ impl<'a> Run<'a> {
             return Ok(self.summary(PathBuf::new()));
         }
         draw_curves(metrics_path, &png, self.title.clone());
+        // The last checkpoint and the run's weights from one read of the stages.
         let weights = self.out_dir.join("model.safetensors");
-        let merged = nsactor_checkpoint::weights::merge_params(&pipeline.save_stages()?)?;
-        nsactor_checkpoint::weights::write_atomic(&weights, &merged)
-            .map_err(|e| RuntimeError::Io(weights.clone(), e))?;
+        let done = pipeline.checkpoint_exporting(
+            &self.ckpt_root,
+            t.keep_checkpoints,
+            self.config_text.clone(),
+            self.tokenizer_sha256.take(),
+            &weights,
+        )?;
+        written(Ok(done), &mut |l| self.metrics.log(l))?;
         let config_path = self.out_dir.join("config.toml");
         nsactor_checkpoint::weights::write_atomic(&config_path, self.config_text.as_bytes())
             .map_err(|e| RuntimeError::Io(config_path, e))?;

@@ -9,6 +9,15 @@ use std::path::Path;
 /// rename over `path`, fsync the directory. On failure the temporary file is removed and
 /// `path` is untouched.
 pub fn write_atomic(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
+    write_atomic_with(path, |f| f.write_all(bytes))
+}
+
+/// [`write_atomic`] with the contents written by `fill` (for files written in pieces, hashed
+/// on the way, or too large to build in memory first); returns what `fill` returned.
+pub fn write_atomic_with<T>(
+    path: &Path,
+    fill: impl FnOnce(&mut std::fs::File) -> std::io::Result<T>,
+) -> std::io::Result<T> {
     let dir = path
         .parent()
         .filter(|p| !p.as_os_str().is_empty())
@@ -23,13 +32,13 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
     ));
     let result = (|| {
         let mut f = std::fs::File::create(&tmp)?;
-        f.write_all(bytes)?;
+        let out = fill(&mut f)?;
         f.sync_all()?;
         std::fs::rename(&tmp, path)?;
         if let Ok(d) = std::fs::File::open(dir) {
             let _ = d.sync_all();
         }
-        Ok(())
+        Ok(out)
     })();
     if result.is_err() {
         let _ = std::fs::remove_file(&tmp);

@@ -137,15 +137,31 @@ pub(super) fn written(
 ) -> Result<(), RuntimeError> {
     match w {
         Ok(w) => {
-            tracing::info!(
-                "checkpoint {} ({:.1} MB in {:.2} s)",
-                w.dir.display(),
-                w.bytes as f64 / 1e6,
-                w.seconds
-            );
+            let mb_per_s = w.bytes as f64 / 1e6 / w.seconds.max(1e-9);
+            match &w.export {
+                Some((path, bytes)) => tracing::info!(
+                    "checkpoint {} ({:.1} MB in {:.2} s, {mb_per_s:.0} MB/s; reading the stages \
+                     {:.2} s summed) and weights {} ({:.1} MB) from the same read",
+                    w.dir.display(),
+                    w.bytes as f64 / 1e6,
+                    w.seconds,
+                    w.read_seconds,
+                    path.display(),
+                    *bytes as f64 / 1e6
+                ),
+                None => tracing::info!(
+                    "checkpoint {} ({:.1} MB in {:.2} s, {mb_per_s:.0} MB/s; reading the stages \
+                     {:.2} s summed)",
+                    w.dir.display(),
+                    w.bytes as f64 / 1e6,
+                    w.seconds,
+                    w.read_seconds
+                ),
+            }
             log(serde_json::json!({
                 "event": "checkpoint_written", "step": w.step, "bytes": w.bytes,
-                "write_s": w.seconds, "mb_per_s": w.bytes as f64 / 1e6 / w.seconds.max(1e-9),
+                "write_s": w.seconds, "mb_per_s": mb_per_s, "read_s": w.read_seconds,
+                "export_bytes": w.export.as_ref().map(|e| e.1),
             }))
         }
         Err(e) => {

@@ -19,23 +19,45 @@ fn train_on_the_embedded_default_lowers_the_loss_and_writes_weights() {
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "train failed: {stderr}");
     let metrics = std::fs::read_to_string(dir.join("metrics.jsonl")).unwrap();
-    let losses: Vec<f64> = metrics
+    // Step lines; the events (startup, the final checkpoint) are their own lines.
+    let records: Vec<serde_json::Value> = metrics
         .lines()
-        .map(|l| {
-            serde_json::from_str::<serde_json::Value>(l).unwrap()["loss"]
-                .as_f64()
-                .unwrap()
-        })
+        .map(|l| serde_json::from_str(l).unwrap())
         .collect();
+    let (steps, events): (Vec<_>, Vec<_>) = records.iter().partition(|v| v.get("event").is_none());
+    let losses: Vec<f64> = steps.iter().map(|v| v["loss"].as_f64().unwrap()).collect();
     assert_eq!(losses.len(), 24);
+    // The start is accounted for phase by phase, and the final checkpoint wrote the weights
+    // from the same read of the stages.
+    let startup = events
+        .iter()
+        .find(|v| v["event"] == "startup")
+        .expect("a startup event");
+    let phases = startup["phases"].as_object().unwrap();
+    let sum: f64 = phases.values().map(|s| s.as_f64().unwrap()).sum();
+    assert!(
+        (sum - startup["seconds"].as_f64().unwrap()).abs() < 1e-6,
+        "{startup}"
+    );
+    for p in ["tokenizer and data", "backend", "stages", "first step"] {
+        assert!(phases.contains_key(p), "{p} missing: {startup}");
+    }
+    let last = events
+        .iter()
+        .rfind(|v| v["event"] == "checkpoint_written")
+        .expect("the final checkpoint");
+    assert_eq!(last["step"], 24);
+    let weights_len = std::fs::metadata(dir.join("model.safetensors"))
+        .unwrap()
+        .len();
+    assert_eq!(last["export_bytes"].as_u64(), Some(weights_len));
     // Each step's own time and, within it, its wait for batches.
-    for l in metrics.lines() {
-        let v: serde_json::Value = serde_json::from_str(l).unwrap();
+    for v in &steps {
         let (step_s, wait_s) = (
             v["step_s"].as_f64().unwrap(),
             v["data_wait_s"].as_f64().unwrap(),
         );
-        assert!(step_s > 0.0 && (0.0..=step_s).contains(&wait_s), "{l}");
+        assert!(step_s > 0.0 && (0.0..=step_s).contains(&wait_s), "{v}");
     }
     let first = losses[..2].iter().sum::<f64>() / 2.0;
     let last = losses[22..].iter().sum::<f64>() / 2.0;
@@ -118,8 +140,8 @@ fn killed_crashed_and_failing_runs_end_exactly_like_an_uninterrupted_one() {
         .spawn()
         .unwrap();
     let t = std::time::Instant::now();
-    while std::fs::read_to_string(killed.join("metrics.jsonl")).map_or(0, |m| m.lines().count()) < 5
-    {
+    let step_lines = |m: String| m.lines().filter(|l| !l.contains("\"event\"")).count();
+    while std::fs::read_to_string(killed.join("metrics.jsonl")).map_or(0, step_lines) < 5 {
         assert!(t.elapsed().as_secs() < 120, "the run never reached step 5");
         std::thread::sleep(std::time::Duration::from_millis(5));
     }
@@ -548,6 +570,7 @@ fn train_runs_through_the_ndarray_plugin_and_unknown_backends_fail_clearly() {
         std::fs::read_to_string(dir.join("metrics.jsonl"))
             .unwrap()
             .lines()
+            .filter(|l| !l.contains("\"event\""))
             .count(),
         3
     );

@@ -155,6 +155,37 @@ fn bench_train_reports_throughput_busy_time_and_flops() {
 }
 
 #[test]
+fn bench_checkpoint_times_the_parts_and_cleans_up() {
+    let work = temp_dir("bench-checkpoint").join("bench");
+    let stdout = run_stdout(&[
+        "bench",
+        "checkpoint",
+        "--steps",
+        "1",
+        "--dir",
+        work.to_str().unwrap(),
+    ]);
+    for needle in [
+        "read back one stage after another",
+        "disk: ",
+        "checkpoint (synchronous)",
+        "checkpoint (background)",
+        "steps beside it",
+        "final checkpoint and weights",
+        "of the 2 GB/s target",
+    ] {
+        assert!(stdout.contains(needle), "no `{needle}` in:\n{stdout}");
+    }
+    // Every rate printed is a finite, positive number.
+    for w in stdout.split(" GB/s").filter_map(|s| s.rsplit(' ').next()) {
+        if let Ok(v) = w.trim_start_matches('=').parse::<f64>() {
+            assert!(v.is_finite() && v > 0.0, "{w} in:\n{stdout}");
+        }
+    }
+    assert!(!work.exists(), "the bench left {}", work.display());
+}
+
+#[test]
 fn bench_generate_batches_concurrent_sessions_and_decode_profile_splits_a_layer() {
     let stdout = run_stdout(&[
         "bench",

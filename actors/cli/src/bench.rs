@@ -1,6 +1,7 @@
 //! `nsactor bench …`: programs that print a figure, the device and the comparison it is about.
 
 mod breakdown;
+mod checkpoint;
 mod cluster;
 mod detok;
 mod echo;
@@ -48,6 +49,10 @@ pub enum BenchCommand {
     /// through the actor pipeline; tokens/s, step time, model TFLOP/s and MFU, per-stage busy
     /// time, device memory.
     Train(train::TrainBenchArgs),
+    /// A training run's checkpoint by part: the snapshot, the stages read back, the write as a
+    /// run does it (synchronous and beside training steps, with their slowdown), the final
+    /// checkpoint with the weights, and the disk's own write rate on the same bytes.
+    Checkpoint(checkpoint::CheckpointBenchArgs),
     /// Greedy decoding throughput: concurrent sessions straight on the pipeline's batched
     /// decoder (no network); prefill time, per-step latency p50/p99, aggregate tokens/s and the
     /// weight-streaming ceiling.
@@ -83,6 +88,7 @@ pub fn run(c: BenchCommand) -> crate::result::CliResult {
         BenchCommand::Serve(a) => serve::run(a),
         BenchCommand::Kernels(a) => kernels::run(a),
         BenchCommand::Train(a) => train::run(a),
+        BenchCommand::Checkpoint(a) => checkpoint::run(a),
         BenchCommand::Generate(a) => generate::run(a),
         BenchCommand::DecodeProfile(a) => generate::decode_profile_cmd(a),
         BenchCommand::Prefill(a) => prefill::run(a),

@@ -169,7 +169,12 @@ pub fn train(req: TrainRequest) -> Result<TrainOutcome, RuntimeError> {
         summary.weights.display()
     );
     let sample = match &req.sample {
-        Some(prompt) => Some(sample(&mut pipeline, &tok, prompt, cfg.train.seed)?),
+        Some(prompt) => {
+            let t = std::time::Instant::now();
+            let text = sample(&mut pipeline, &tok, prompt, cfg.train.seed)?;
+            tracing::info!("sample in {:.2} s", t.elapsed().as_secs_f64());
+            Some(text)
+        }
         None => None,
     };
     Ok(TrainOutcome::Finished { summary, sample })

@@ -1,7 +1,7 @@
 //! Where a run's start goes: the phases from the process's start to the end of its first
 //! step (tokenizer and data, the backend, the stages, a resume, the step-0 evaluation, the
 //! step itself), timed one after another and logged once as a line and a `startup` event, so
-//! a slow start says what it waited for.
+//! a slow start says what it waited for. The end of a run is timed the same way.
 
 use std::time::Instant;
 
@@ -38,6 +38,11 @@ impl Startup {
         self.last = now;
     }
 
+    /// When the clock started.
+    pub fn origin(&self) -> Instant {
+        self.origin
+    }
+
     /// Seconds from the start to the last mark.
     pub fn total(&self) -> f64 {
         self.last.duration_since(self.origin).as_secs_f64()
@@ -50,16 +55,21 @@ impl Startup {
 
     /// `"first step 7.9 s after the start: tokenizer and data 0.31 s, …"`.
     pub fn line(&self) -> String {
+        format!(
+            "first step {:.1} s after the start: {}",
+            self.total(),
+            self.phases_line()
+        )
+    }
+
+    /// `"7.9 s: tokenizer and data 0.31 s, …"`: the total, then every phase.
+    pub fn phases_line(&self) -> String {
         let parts: Vec<String> = self
             .phases
             .iter()
             .map(|(n, s)| format!("{n} {s:.2} s"))
             .collect();
-        format!(
-            "first step {:.1} s after the start: {}",
-            self.total(),
-            parts.join(", ")
-        )
+        format!("{:.2} s: {}", self.total(), parts.join(", "))
     }
 
     /// The `metrics.jsonl` record: the total and every phase by name.
@@ -88,6 +98,7 @@ mod tests {
         assert!((sum - s.total()).abs() < 1e-9, "{sum} vs {}", s.total());
         assert!(s.phases()[0].1 >= 0.02 && s.phases()[1].1 >= 0.03);
         assert!(s.line().starts_with("first step 0.") && s.line().contains("a 0.0"));
+        assert!(s.phases_line().contains(", b 0.0"));
         let e = s.event();
         assert_eq!(e["event"], "startup");
         assert!(e["phases"]["b"].as_f64().unwrap() >= 0.03);

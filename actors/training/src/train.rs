@@ -119,6 +119,8 @@ struct Run<'a> {
     losses: Vec<f64>,
     bar: indicatif::ProgressBar,
     start: Instant,
+    /// The process's start (the startup clock's origin), or the run's when not given.
+    origin: Instant,
     tokens: u64,
     config_text: String,
     ckpt_root: PathBuf,
@@ -166,6 +168,7 @@ impl<'a> Run<'a> {
         );
         bar.set_position(first_step);
         let start = Instant::now();
+        let origin = startup.as_ref().map_or(start, Startup::origin);
         let title = format!(
             "{} · {} parameters · {}",
             out_dir.display(),
@@ -185,6 +188,7 @@ impl<'a> Run<'a> {
             losses,
             bar,
             start,
+            origin,
             tokens: 0,
             config_text: cfg.to_toml(),
             ckpt_root: checkpoint_root(cfg),
@@ -315,6 +319,7 @@ impl<'a> Run<'a> {
             "rss_bytes": mem.map(|m| m.0), "peak_rss_bytes": mem.map(|m| m.1),
             "skipped": stats.skipped,
             "step_s": step_s, "data_wait_s": r.data_wait_s,
+            "wall_s": self.origin.elapsed().as_secs_f64(),
         });
         self.metrics.log(line)?;
         if let Some(m) = self.live {
@@ -450,9 +455,12 @@ impl<'a> Run<'a> {
             return Ok(self.summary(PathBuf::new()));
         }
         let t = &self.cfg.train;
+        // Where the time after the last step goes, phase by phase (as the start's).
+        let mut end = Startup::new();
         if let Some(w) = pipeline.finish_checkpoint().transpose() {
             written(w, &mut |l| self.metrics.log(l))?;
         }
+        end.mark("the background write in flight");
         let (metrics_path, png) = (&self.metrics.path, self.out_dir.join("loss.png"));
         if let Some(s) = self.stopped_at {
             tracing::warn!(
@@ -463,6 +471,7 @@ impl<'a> Run<'a> {
             return Ok(self.summary(PathBuf::new()));
         }
         draw_curves(metrics_path, &png, self.title.clone());
+        end.mark("loss.png");
         // The last checkpoint and the run's weights from one read of the stages.
         let weights = self.out_dir.join("model.safetensors");
         let done = pipeline.checkpoint_exporting(
@@ -482,6 +491,8 @@ impl<'a> Run<'a> {
             nsactor_checkpoint::weights::write_atomic(&cursor_path, text.as_bytes())
                 .map_err(|e| RuntimeError::Io(cursor_path, e))?;
         }
+        end.mark("the final checkpoint and weights");
+        tracing::info!("after the last step: {}", end.phases_line());
         Ok(self.summary(weights))
     }
 }

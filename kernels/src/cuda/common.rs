@@ -90,28 +90,39 @@ fn ln_fast(x: f32) -> f32 {
     x.ln()
 }
 
-/// `σ(x)` from `t = e^{−|x|}` ([`exp_neg_abs`]).
+/// `σ(x)` from `t = e^{−|x|}` ([`exp_neg_abs`]); where `exact` (the `modulation = exact`
+/// knob), burn's composition ([`sigmoid_burn`]) instead, as the scans computed it before the
+/// few-instruction forms.
 #[cube]
-pub(crate) fn sigmoid_of(x: f32, t: f32) -> f32 {
-    div_fast(select(x >= 0.0f32, 1.0f32, t), t + 1.0f32)
+pub(crate) fn sigmoid_of(x: f32, t: f32, #[comptime] exact: bool) -> f32 {
+    if comptime!(exact) {
+        sigmoid_burn(x)
+    } else {
+        div_fast(select(x >= 0.0f32, 1.0f32, t), t + 1.0f32)
+    }
 }
 
-/// `softplus(x) = max(x, 0) + ln(1 + e^{−|x|})` from `t = e^{−|x|}` ([`exp_neg_abs`]).
+/// `softplus(x) = max(x, 0) + ln(1 + e^{−|x|})` from `t = e^{−|x|}` ([`exp_neg_abs`]); where
+/// `exact`, with libm's `log1p` instead of the hardware `lg2`.
 #[cube]
-pub(crate) fn softplus_of(x: f32, t: f32) -> f32 {
-    max(x, 0.0f32) + ln_fast(t + 1.0f32)
+pub(crate) fn softplus_of(x: f32, t: f32, #[comptime] exact: bool) -> f32 {
+    if comptime!(exact) {
+        max(x, 0.0f32) + t.log1p()
+    } else {
+        max(x, 0.0f32) + ln_fast(t + 1.0f32)
+    }
 }
 
-/// `σ(x)` of the modulation (see [`exp_neg_abs`]).
+/// `σ(x)` of the modulation (see [`exp_neg_abs`], [`sigmoid_of`]).
 #[cube]
-pub(crate) fn sigmoid_mod(x: f32) -> f32 {
-    sigmoid_of(x, exp_neg_abs(x))
+pub(crate) fn sigmoid_mod(x: f32, #[comptime] exact: bool) -> f32 {
+    sigmoid_of(x, exp_neg_abs(x), exact)
 }
 
-/// `softplus(x)` of the modulation (see [`exp_neg_abs`]).
+/// `softplus(x)` of the modulation (see [`exp_neg_abs`], [`softplus_of`]).
 #[cube]
-pub(crate) fn softplus_mod(x: f32) -> f32 {
-    softplus_of(x, exp_neg_abs(x))
+pub(crate) fn softplus_mod(x: f32, #[comptime] exact: bool) -> f32 {
+    softplus_of(x, exp_neg_abs(x), exact)
 }
 
 /// The SNNBlock's modulation of one hidden neuron at one step (Eq. 5–7).
@@ -140,8 +151,9 @@ pub(crate) fn block_modulation(
     v_th_min: f32,
 ) -> Modulation {
     Modulation {
-        beta: sigmoid_mod(rb + bb),
-        u: softplus_mod(ra + ba) * i,
+        // The decoding scans keep the fast forms (the knob is the training scans').
+        beta: sigmoid_mod(rb + bb, false),
+        u: softplus_mod(ra + ba, false) * i,
         th: (rt + bt).abs() + v_th_min,
     }
 }

@@ -85,6 +85,9 @@ pub struct KernelTuning {
     pub time_chunk_block: usize,
     /// Tokens a group of the RMSNorm + input PLIF kernels: `(forward, backward)`.
     pub norm_plif_prefetch: (usize, usize),
+    /// The training scans' σ and softplus as burn composes them (libm `exp`/`log`/`log1p`)
+    /// instead of the few-instruction forms (hardware reciprocal and `lg2`).
+    pub exact_modulation: bool,
 }
 
 impl Default for KernelTuning {
@@ -118,6 +121,7 @@ impl Default for KernelTuning {
             time_chunk_norm: 2048,
             time_chunk_block: 0,
             norm_plif_prefetch: (8, 2),
+            exact_modulation: false,
         }
     }
 }
@@ -135,7 +139,7 @@ const fn knob(key: &'static str, env: &'static str) -> Knob {
 }
 
 /// Every knob, in the order `docs/CONFIG.md` lists them.
-pub const KNOBS: [Knob; 28] = [
+pub const KNOBS: [Knob; 29] = [
     knob("decode_graphs", "NSACTOR_DECODE_GRAPHS"),
     knob("decode_graph_rows", "NSACTOR_DECODE_GRAPH_ROWS"),
     knob("decode_fusion", "NSACTOR_DECODE_FUSION"),
@@ -164,6 +168,7 @@ pub const KNOBS: [Knob; 28] = [
     knob("norm_plif_prefetch", "NSACTOR_NORM_PLIF_PREFETCH"),
     knob("stage_ffn_forward", "NSACTOR_STAGE_FFN_FORWARD"),
     knob("stage_ffn_backward", "NSACTOR_STAGE_FFN_BACKWARD"),
+    knob("modulation", "NSACTOR_MODULATION"),
 ];
 
 /// The prefix of a kernel knob in a plugin's option string.
@@ -256,6 +261,13 @@ impl KernelTuning {
                     ));
                 }
                 self.stage_block_scan = Some(shape);
+            }
+            "modulation" => {
+                self.exact_modulation = match v {
+                    "fast" => false,
+                    "exact" => true,
+                    _ => return Err(format!("`{v}`: expected fast or exact")),
+                }
             }
             "stage_ffn_forward" => self.stage_ffn_forward = Some(stage(v)?),
             "stage_ffn_backward" => self.stage_ffn_backward = Some(stage(v)?),
@@ -358,6 +370,12 @@ impl KernelTuning {
             "stage_row_forward" => shape(self.stage_row_forward),
             "stage_row_backward" => shape(self.stage_row_backward),
             "stage_block_scan" => shape(self.stage_block_scan),
+            "modulation" => if self.exact_modulation {
+                "exact"
+            } else {
+                "fast"
+            }
+            .into(),
             "stage_ffn_forward" => shape(self.stage_ffn_forward),
             "stage_ffn_backward" => shape(self.stage_ffn_backward),
             "decode_wide_cols" => self.decode_wide_cols.to_string(),

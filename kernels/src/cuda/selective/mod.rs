@@ -113,6 +113,7 @@ fn ring_shape(
         width: w,
         direct,
         spikes: true,
+        exact: crate::tuning::current().exact_modulation,
     }
 }
 

@@ -25,6 +25,8 @@ pub(crate) struct Ring {
     pub direct: bool,
     /// Whether the forward writes the spikes (an untracked forward needs only `V_post`).
     pub spikes: bool,
+    /// σ and softplus as burn composes them (the `modulation = exact` knob).
+    pub exact: bool,
 }
 
 /// Issues this producer unit's share of the asynchronous copies of forward chunk `cn` (four
@@ -233,9 +235,10 @@ pub(crate) fn selective_forward_kernel<I: Float>(
                 let q = lane + r * producers;
                 let o = base + q * width + x;
                 let s_idx = buf + q * width + x;
-                s_beta[s_idx] = sigmoid_mod(f32::cast_from(raw[o]) + bb);
-                s_u[s_idx] = softplus_mod(f32::cast_from(raw[o + plane]) + ba)
-                    * f32::cast_from(raw[o + 3 * plane]);
+                s_beta[s_idx] = sigmoid_mod(f32::cast_from(raw[o]) + bb, comptime!(ring.exact));
+                s_u[s_idx] =
+                    softplus_mod(f32::cast_from(raw[o + plane]) + ba, comptime!(ring.exact))
+                        * f32::cast_from(raw[o + 3 * plane]);
                 s_th[s_idx] = (f32::cast_from(raw[o + 2 * plane]) + bt).abs() + v_th_min;
             }
         }
@@ -509,11 +512,13 @@ pub(crate) fn selective_backward_kernel<I: Float, S: Float, G: Float>(
                 let first = q + 1 >= top;
                 // σ(a) and softplus(a) share `e^{−|a|}`.
                 let t = exp_neg_abs(a);
-                s_be[s_idx] = sigmoid_mod(f32::cast_from(raw_i[bi + o]) + bb);
+                s_be[s_idx] =
+                    sigmoid_mod(f32::cast_from(raw_i[bi + o]) + bb, comptime!(ring.exact));
                 s_gg[s_idx] = f32::cast_from(raw_g[bg + o]);
                 s_vp[s_idx] = select(first, v_first, prev);
-                s_fa[s_idx] = f32::cast_from(raw_i[bi + 3 * plane + o]) * sigmoid_of(a, t);
-                s_al[s_idx] = softplus_of(a, t);
+                s_fa[s_idx] = f32::cast_from(raw_i[bi + 3 * plane + o])
+                    * sigmoid_of(a, t, comptime!(ring.exact));
+                s_al[s_idx] = softplus_of(a, t, comptime!(ring.exact));
                 s_ts[s_idx] = f32::cast_from(raw_s[bs + o])
                     * sign(f32::cast_from(raw_i[bi + 2 * plane + o]) + bt);
             }

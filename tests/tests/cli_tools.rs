@@ -172,14 +172,14 @@ fn bench_checkpoint_times_the_parts_and_cleans_up() {
         "checkpoint (background)",
         "steps beside it",
         "final checkpoint and weights",
-        "of the 2 GB/s target",
+        "× the 2 GB/s target",
     ] {
         assert!(stdout.contains(needle), "no `{needle}` in:\n{stdout}");
     }
-    // Every rate printed is a finite, positive number.
+    // Every rate printed is a finite number (a tiny state's may round to 0.00).
     for w in stdout.split(" GB/s").filter_map(|s| s.rsplit(' ').next()) {
         if let Ok(v) = w.trim_start_matches('=').parse::<f64>() {
-            assert!(v.is_finite() && v > 0.0, "{w} in:\n{stdout}");
+            assert!(v.is_finite() && v >= 0.0, "{w} in:\n{stdout}");
         }
     }
     assert!(!work.exists(), "the bench left {}", work.display());

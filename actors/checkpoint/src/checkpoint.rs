@@ -7,23 +7,15 @@
 //! is an unfinished checkpoint. After a write, only the newest `keep` checkpoints (by step number)
 //! stay. Reading verifies every checksum.
 
+pub use crate::stream::{ShardEntry, sha256, shard_file};
 use nsactor_data::{Cursor, Tokenizer};
 use nsactor_engine::config::RunConfig;
 use nsactor_engine::error::RuntimeError;
 use serde::{Deserialize, Serialize};
-use sha2::{Digest, Sha256};
 use std::path::{Path, PathBuf};
 
 pub const MANIFEST: &str = "manifest.json";
 const FORMAT: &str = "nsactor-checkpoint/1";
-
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct ShardEntry {
-    pub file: String,
-    pub bytes: u64,
-    pub sha256: String,
-}
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -73,19 +65,6 @@ pub struct CheckpointMeta {
     pub seed: u64,
     pub config: String,
     pub tokenizer_sha256: Option<String>,
-}
-
-pub fn sha256(bytes: &[u8]) -> String {
-    format!("{:x}", Sha256::digest(bytes))
-}
-
-/// File name of stage `i` (0 = edge, i = layer i − 1).
-pub fn shard_file(i: usize) -> String {
-    if i == 0 {
-        "edge.safetensors".into()
-    } else {
-        format!("layer-{:03}.safetensors", i - 1)
-    }
 }
 
 pub fn step_dir(root: &Path, step: u64) -> PathBuf {

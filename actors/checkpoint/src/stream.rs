@@ -7,7 +7,6 @@
 //! exporter merges the stages' parameters into one file once every stage has been read, while
 //! the shard files are still being written, so the end of a run reads the device once.
 
-use crate::checkpoint::{ShardEntry, shard_file};
 use nsactor_engine::error::RuntimeError;
 use nsactor_plugin_api::files::write_atomic_with;
 use sha2::{Digest, Sha256};
@@ -16,6 +15,29 @@ use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, mpsc};
 use std::time::{Duration, Instant};
+
+/// One shard as the manifest records it: its file name, size and sha256.
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ShardEntry {
+    pub file: String,
+    pub bytes: u64,
+    pub sha256: String,
+}
+
+/// The sha256 of `bytes`, in lowercase hex.
+pub fn sha256(bytes: &[u8]) -> String {
+    format!("{:x}", Sha256::digest(bytes))
+}
+
+/// File name of stage `i` (0 = edge, i = layer i − 1).
+pub fn shard_file(i: usize) -> String {
+    if i == 0 {
+        "edge.safetensors".into()
+    } else {
+        format!("layer-{:03}.safetensors", i - 1)
+    }
+}
 
 /// Bytes per write (and per hash update): large enough that a write is a few system calls per
 /// shard, small enough that hashing a piece keeps it in the cache.
@@ -221,7 +243,7 @@ mod tests {
         for (i, (e, s)) in w.entries.iter().zip(&shards).enumerate() {
             assert_eq!(e.file, shard_file(i));
             assert_eq!(e.bytes, s.len() as u64);
-            assert_eq!(e.sha256, crate::checkpoint::sha256(s));
+            assert_eq!(e.sha256, sha256(s));
             assert_eq!(&std::fs::read(dir.path().join(&e.file)).unwrap(), s);
         }
         let merged = std::fs::read(&export).unwrap();

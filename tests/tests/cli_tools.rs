@@ -471,13 +471,8 @@ fn bench_heal_reports_the_rebuild_by_phase() {
 /// in one line: no `panicked at`, no backtrace, even with `RUST_BACKTRACE=1`, on any command.
 #[test]
 fn a_plugin_that_cannot_initialise_says_so_in_one_line_without_a_panic_dump() {
-    // Beside the binary, built with the same packages as `nsactor()` builds (the panicky plugin
-    // adds no feature to them, so nothing is built twice).
-    let dir = cargo_build(&[
-        "nsactor",
-        "nsactor-backend-ndarray",
-        "nsactor-testplugin-panicky",
-    ]);
+    // Beside the binary, built with the rest of the workspace.
+    let dir = cargo_build();
     let panicky = library(&dir, "nsactor_testplugin_panicky");
     let dir = temp_dir("plugin-panics");
     // `nsactor plugins` lists `*nsactor_backend_*` libraries: a copy under that name.

@@ -28,14 +28,7 @@ use std::sync::{Arc, OnceLock};
 /// The ndarray plugin and the faulty test plugins, built once per test binary.
 fn plugins() -> &'static PathBuf {
     static DIR: OnceLock<PathBuf> = OnceLock::new();
-    DIR.get_or_init(|| {
-        cargo_build(&[
-            "nsactor-backend-ndarray",
-            "nsactor-testplugin-bad-abi",
-            "nsactor-testplugin-no-symbol",
-            "nsactor-testplugin-panicky",
-        ])
-    })
+    DIR.get_or_init(|| cargo_build())
 }
 
 fn ndarray_plugin() -> Arc<dyn ComputeBackend> {
@@ -236,7 +229,7 @@ fn tensors_of_one_backend_are_refused_by_another() {
 /// is no GPU; where there is one it must list it.
 #[test]
 fn the_cuda_plugin_loads_and_opens_or_says_why_not() {
-    let dir = cargo_build(&["nsactor-backend-cuda"]);
+    let dir = cargo_build();
     let p = Plugin::load(&library(&dir, "nsactor_backend_cuda")).expect("the cuda plugin loads");
     assert_eq!(p.name, "cuda");
     match p.open("") {

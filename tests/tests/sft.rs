@@ -192,9 +192,22 @@ fn sft_from_init_weights_evaluates_held_out_rows_plots_and_serves_metrics() {
     assert_eq!(u32::from_be_bytes(png[16..20].try_into().unwrap()), 960);
     assert_eq!(u32::from_be_bytes(png[20..24].try_into().unwrap()), 900);
 
-    // The same run from scratch starts from other weights: its first loss differs.
+    // The same run from scratch starts from other weights: its first loss differs. A fresh
+    // model is not evaluated before its first step (`eval_at_start` unset), unless asked.
     ok(&mut sft(&fresh));
     let first = |r: &Path| metrics(r).0[0]["loss"].as_f64().unwrap();
     assert_ne!(first(&run), first(&fresh), "--init-from loaded no weights");
+    let eval_steps = |r: &Path| {
+        metrics(r)
+            .1
+            .iter()
+            .filter(|e| e["event"] == "eval")
+            .map(|e| e["step"].as_u64().unwrap())
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(eval_steps(&fresh), [2, 4]);
+    let asked = dir.join("asked");
+    ok(sft(&asked).env("NSACTOR_TRAIN__EVAL_AT_START", "true"));
+    assert_eq!(eval_steps(&asked), [0, 2, 4]);
     std::fs::remove_dir_all(&dir).unwrap();
 }

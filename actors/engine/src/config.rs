@@ -279,13 +279,19 @@ pub struct TrainConfig {
     /// Steps between held-out evaluations (0: none). `eval_batches × batch_size` rows spread
     /// evenly over the data (before shuffling) are held out of training; every evaluation reads
     /// all of them, in the same order, and logs their cross entropy (`"event": "eval"` in
-    /// `metrics.jsonl`, orange points in `loss.png`). A fresh run is evaluated before its first
-    /// step, and the last step too.
+    /// `metrics.jsonl`, orange points in `loss.png`). The last step is evaluated too, and the
+    /// start as [`eval_at_start`](Self::eval_at_start) says.
     #[serde(default)]
     pub eval_every: u64,
     /// Batches of `batch_size` rows in the held-out set.
     #[serde(default = "four")]
     pub eval_batches: usize,
+    /// Whether a run that is not a resume evaluates before its first step. Unset: when it
+    /// starts from loaded weights (`--init-from`, a fine-tune's "before"); a fresh model's
+    /// cross entropy is its initialisation's (≈ ln V), and measuring it delays the first step
+    /// by the evaluation and its kernels' first compile.
+    #[serde(default)]
+    pub eval_at_start: Option<bool>,
 }
 
 fn four() -> usize {

@@ -113,10 +113,12 @@ pub fn train(req: TrainRequest) -> Result<TrainOutcome, RuntimeError> {
     if req.resume {
         first_step = launch::resume(&cfg, &tok, &mut pipeline)?;
     }
+    let mut loaded_weights = false;
     if let Some(init) = init
         && first_step == 0
     {
         init.load(&tok, &mut pipeline)?;
+        loaded_weights = true;
     }
     startup.mark("resume or initial weights");
     if let Some(m) = &member {
@@ -134,6 +136,7 @@ pub fn train(req: TrainRequest) -> Result<TrainOutcome, RuntimeError> {
         metrics: live.as_ref(),
         rank,
         startup: Some(startup),
+        loaded_weights,
     };
     let summary = match (train::run(&cfg, &mut pipeline, options), &member) {
         (Ok(s), _) => s,

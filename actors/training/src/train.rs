@@ -71,6 +71,9 @@ pub struct RunOptions<'a> {
     /// The phases timed before the run (from the process's start): the run adds the step-0
     /// evaluation and the first step, then logs them.
     pub startup: Option<Startup>,
+    /// The run starts from loaded weights (`--init-from`): unless `[train] eval_at_start`
+    /// says otherwise, it is evaluated before its first step.
+    pub loaded_weights: bool,
 }
 
 /// Runs the steps after `o.first_step` completed ones up to `cfg.train.steps` on `pipeline`
@@ -84,8 +87,10 @@ pub fn run(
     pipeline: &mut Pipeline,
     o: RunOptions<'_>,
 ) -> Result<RunSummary, RuntimeError> {
+    let at_start = cfg.train.eval_at_start.unwrap_or(o.loaded_weights);
     let mut run = Run::start(cfg, pipeline, o)?;
     if run.first_step == 0
+        && at_start
         && let Some(h) = run.held_out.as_mut()
     {
         // The starting point, for the before/after of a fine-tune.
@@ -99,7 +104,11 @@ pub fn run(
         )?;
     }
     if let Some(s) = run.startup.as_mut() {
-        s.mark("run setup and step-0 evaluation");
+        s.mark(if at_start {
+            "run setup and step-0 evaluation"
+        } else {
+            "run setup"
+        });
     }
     run.steps(pipeline)?;
     run.finish(pipeline)
@@ -150,6 +159,7 @@ impl<'a> Run<'a> {
             metrics: live,
             rank,
             startup,
+            loaded_weights: _,
         } = o;
         let leader = rank == 0;
         let t = &cfg.train;

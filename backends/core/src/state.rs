@@ -3,7 +3,7 @@
 
 use crate::Ad;
 use crate::grads::Streams;
-use burn::tensor::{DType, Tensor, TensorData, TensorPrimitive, Transaction, backend::Backend};
+use burn::tensor::{Tensor, TensorData, TensorPrimitive, backend::Backend};
 use nsactor_kernels::SnnOps;
 use nsactor_model::init::{Rng, part_seed};
 use nsactor_model::io::{HF_PREFIX, load_params, view_to_f32};
@@ -12,7 +12,7 @@ use nsactor_model::train::{Adam, AdamConfig, AdamState, GradSet};
 use nsactor_plugin_api::{
     EngineError, InitialWeights, OptimizerKind, Reply, StageCall, StageSnapshot, StageSpec,
 };
-use safetensors::{Dtype, SafeTensors, tensor::TensorView};
+use safetensors::{Dtype, SafeTensors};
 use std::collections::BTreeMap;
 
 /// The metadata entry of a stage shard: `{"stage": …, "adam_steps": {name: step}}`.
@@ -284,47 +284,74 @@ pub(crate) struct StageSnap<B: Backend> {
     stage: String,
 }
 
-impl<B: Backend> StageSnap<B> {
-    /// The safetensors bytes of [`save_stage`]. Every tensor is read back in one transaction
-    /// (one wait for the device, not one per tensor) and its f32 bytes go into the file as
-    /// they arrived: at the 0.9B shape the stages hold 10.5 GB.
+impl<B: SnnOps> StageSnap<B> {
+    /// The safetensors bytes of [`save_stage`], byte for byte what `safetensors::serialize`
+    /// makes of the same tensors. The file is laid out first ([`layout`]) and each tensor read
+    /// straight into its place ([`SnnOps::read_f32_into`]): one host copy of the state, no
+    /// second buffer, at the 0.9B shape's 10.5 GB of stages.
     pub(crate) fn serialise(self) -> Result<Vec<u8>, EngineError> {
-        let mut read = Transaction::default();
-        let mut names = Vec::with_capacity(self.tensors.len());
-        for (name, shape, t) in self.tensors {
-            names.push((name, shape));
-            read = read.register(t);
-        }
-        let data: Vec<TensorData> = read
-            .execute()
-            .into_iter()
-            .map(|d| match d.dtype {
-                DType::F32 => d,
-                _ => d.convert::<f32>(),
-            })
-            .collect();
-        let views = names
-            .iter()
-            .zip(&data)
-            .map(|((n, s), d)| {
-                TensorView::new(Dtype::F32, s.clone(), d.as_bytes())
-                    .map(|v| (n.clone(), v))
-                    .map_err(|e| EngineError::Backend(format!("serialise {n}: {e}")))
-            })
-            .collect::<Result<Vec<_>, _>>()?;
-        // One metadata entry: safetensors keeps metadata in a HashMap, whose order would make
-        // the bytes of identical states differ.
         let mut meta = std::collections::HashMap::new();
         meta.insert(
             META_KEY.to_string(),
             serde_json::json!({ "stage": self.stage, "adam_steps": self.adam_steps }).to_string(),
         );
-        safetensors::serialize(views, Some(meta))
-            .map_err(|e| EngineError::Backend(format!("serialise {}: {e}", self.stage)))
+        let mut tensors = self.tensors;
+        // safetensors' order: by dtype (all f32 here), then by name.
+        tensors.sort_by(|a, b| a.0.cmp(&b.0));
+        let shapes: Vec<_> = tensors
+            .iter()
+            .map(|(n, s, _)| (n.clone(), s.clone()))
+            .collect();
+        let (header, spans) = layout(&shapes, meta)
+            .map_err(|e| EngineError::Backend(format!("serialise {}: {e}", self.stage)))?;
+        let data_len = spans.last().map_or(0, |s| s.1);
+        let mut out = Vec::with_capacity(header.len() + data_len);
+        out.extend_from_slice(&header);
+        out.resize(header.len() + data_len, 0);
+        let body = &mut out[header.len()..];
+        for ((name, _, t), (at, end)) in tensors.into_iter().zip(spans) {
+            B::read_f32_into(t.into_primitive().tensor(), &mut body[at..end])
+                .map_err(|e| EngineError::Backend(format!("serialise {name}: {e}")))?;
+        }
+        Ok(out)
     }
 }
 
-impl<B: Backend> StageSnapshot for StageSnap<B> {
+/// A safetensors file of `f32` tensors laid out as `safetensors::serialize` lays it out: the
+/// header (its length, then the JSON padded with spaces to 8 bytes) and each tensor's byte span
+/// in the data, in the order given (which must be safetensors' own: by name).
+fn layout(
+    tensors: &[(String, Vec<usize>)],
+    meta: std::collections::HashMap<String, String>,
+) -> Result<(Vec<u8>, Vec<(usize, usize)>), String> {
+    let mut at = 0;
+    let mut infos = Vec::with_capacity(tensors.len());
+    let mut spans = Vec::with_capacity(tensors.len());
+    for (name, shape) in tensors {
+        let end = at + shape.iter().product::<usize>() * 4;
+        infos.push((
+            name.clone(),
+            safetensors::tensor::TensorInfo {
+                dtype: Dtype::F32,
+                shape: shape.clone(),
+                data_offsets: (at, end),
+            },
+        ));
+        spans.push((at, end));
+        at = end;
+    }
+    let metadata =
+        safetensors::tensor::Metadata::new(Some(meta), infos).map_err(|e| e.to_string())?;
+    let mut json = serde_json::to_string(&metadata)
+        .map_err(|e| e.to_string())?
+        .into_bytes();
+    json.resize(json.len().next_multiple_of(8), b' ');
+    let mut header = (json.len() as u64).to_le_bytes().to_vec();
+    header.extend_from_slice(&json);
+    Ok((header, spans))
+}
+
+impl<B: SnnOps> StageSnapshot for StageSnap<B> {
     fn bytes(self: Box<Self>) -> Result<Vec<u8>, EngineError> {
         self.serialise()
     }
@@ -427,4 +454,56 @@ fn read_stage<B: SnnOps, M: Params<Ad<B>>>(
         );
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use burn_ndarray::NdArray;
+    use safetensors::tensor::TensorView;
+
+    type B = NdArray<f32>;
+
+    /// The shard laid out by hand and read in place is, byte for byte, the file
+    /// `safetensors::serialize` writes from the same tensors (names out of order, an empty one,
+    /// Adam moments and their steps in the metadata).
+    #[test]
+    fn a_serialised_stage_is_what_safetensors_writes() {
+        let device = Default::default();
+        let values = |n: usize, k: f32| (0..n).map(|i| i as f32 * k - 1.5).collect::<Vec<_>>();
+        let parts: Vec<(String, Vec<usize>, Vec<f32>)> = vec![
+            ("w.b".into(), vec![2, 3], values(6, 0.25)),
+            ("adam.exp_avg.w.b".into(), vec![2, 3], values(6, -0.5)),
+            ("a".into(), vec![5], values(5, 1e-3)),
+            ("z.empty".into(), vec![0], vec![]),
+        ];
+        let snap = StageSnap::<B> {
+            tensors: parts
+                .iter()
+                .map(|(n, s, v)| {
+                    let t = Tensor::from_data(TensorData::new(v.clone(), [v.len()]), &device);
+                    (n.clone(), s.clone(), t)
+                })
+                .collect(),
+            adam_steps: BTreeMap::from([("w.b".to_string(), 7)]),
+            stage: "layer-000".into(),
+        };
+        let bytes: Vec<Vec<u8>> = parts
+            .iter()
+            .map(|(_, _, v)| v.iter().flat_map(|x| x.to_le_bytes()).collect())
+            .collect();
+        let views = parts.iter().zip(&bytes).map(|((n, s, _), b)| {
+            (
+                n.clone(),
+                TensorView::new(Dtype::F32, s.clone(), b).unwrap(),
+            )
+        });
+        let mut meta = std::collections::HashMap::new();
+        meta.insert(
+            META_KEY.to_string(),
+            serde_json::json!({ "stage": "layer-000", "adam_steps": {"w.b": 7} }).to_string(),
+        );
+        let expected = safetensors::serialize(views, Some(meta)).unwrap();
+        assert_eq!(snap.serialise().unwrap(), expected);
+    }
 }

@@ -7,8 +7,8 @@
 
 use crate::KernelError;
 use crate::cuda::{
-    decode, device, ffn, gated, gemm, graph, norm_plif, norm_plif_staged, ponder, ponder_backward,
-    precision, scan, selective, timing,
+    decode, device, ffn, gated, gemm, graph, host_read, norm_plif, norm_plif_staged, ponder,
+    ponder_backward, precision, scan, selective, timing,
 };
 use crate::ops::device::{DeviceOps, GraphOps};
 use crate::ops::gemm::GemmOps;
@@ -259,6 +259,15 @@ impl DeviceOps for Cuda {
 
     fn flush(device: &Self::Device) {
         graph::flush(device);
+    }
+
+    fn read_f32_into(t: FloatTensor<Self>, out: &mut [u8]) -> Result<(), KernelError> {
+        use burn::tensor::ops::FloatTensorOps;
+        let t = match t.dtype {
+            DType::F32 => t,
+            _ => Self::float_cast(t, burn::tensor::FloatDType::F32),
+        };
+        host_read::read_f32_into(t, out)
     }
 
     fn timed_call<R>(device: &Self::Device, name: &'static str, f: impl FnOnce() -> R) -> R {

@@ -1,10 +1,13 @@
-//! `DeviceOps` (moving tensors between devices, handing queued work to the device, timing a
-//! stage call's work, submission counters) and `GraphOps` (capturing a decoding step's work once
-//! and replaying it with one launch): the backend's devices and its queue of work.
+//! `DeviceOps` (moving tensors between devices, reading them back to the host, handing queued
+//! work to the device, timing a stage call's work, submission counters) and `GraphOps`
+//! (capturing a decoding step's work once and replaying it with one launch): the backend's
+//! devices and its queue of work.
 
 use crate::KernelError;
 use crate::ops::types::StepGraph;
-use burn::tensor::{backend::Backend, ops::FloatTensor};
+use burn::tensor::{
+    Shape, Tensor, TensorMetadata, TensorPrimitive, backend::Backend, ops::FloatTensor,
+};
 
 /// The backend's devices and its submission of work: moves between devices, flushes, timed
 /// calls and submission counters. One of the jobs of `SnnOps`; every method has a default.
@@ -61,6 +64,32 @@ pub trait DeviceOps: Backend {
     /// nothing to do.
     fn flush(device: &Self::Device) {
         let _ = device;
+    }
+
+    /// Copies `t`'s values as little-endian `f32` into `out`, which holds exactly their bytes:
+    /// how checkpoints read a stage's state back. Default: the backend's own read, converted to
+    /// `f32` where stored otherwise. CUDA overrides it for `f32` tensors with transfers through
+    /// pinned staging buffers kept for the process ([`crate::cuda::host_read`], feature `cuda`).
+    fn read_f32_into(t: FloatTensor<Self>, out: &mut [u8]) -> Result<(), KernelError> {
+        let n = t.shape().num_elements();
+        let flat = Tensor::<Self, 1>::from_primitive(TensorPrimitive::Float(Self::float_reshape(
+            t,
+            Shape::new([n]),
+        )));
+        let data = flat
+            .try_into_data()
+            .map_err(|e| KernelError::Device(format!("read back: {e:?}")))?
+            .convert::<f32>();
+        let bytes = data.as_bytes();
+        if bytes.len() != out.len() {
+            return Err(KernelError::Misuse(format!(
+                "read back {} bytes into a buffer of {}",
+                bytes.len(),
+                out.len()
+            )));
+        }
+        out.copy_from_slice(bytes);
+        Ok(())
     }
 
     /// Runs `f` — one stage call's work on `device`, the call named `name` — with its device

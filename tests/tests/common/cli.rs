@@ -13,7 +13,7 @@ pub fn nsactor() -> Command {
         .unwrap_or_else(|| {
             // The binary and the ndarray plugin, built with this test's own profile into this
             // test's own target directory: the plugin lands next to the binary.
-            cargo_build(&["nsactor", "nsactor-backend-ndarray"]).join("nsactor")
+            cargo_build().join("nsactor")
         });
     let mut c = Command::new(exe);
     // Runs are compared bit for bit (crash and resume against an uninterrupted run): one rayon

@@ -18,24 +18,39 @@ pub fn profile_dir() -> PathBuf {
         .to_path_buf()
 }
 
-/// Builds `packages` with this test's profile into this test's target directory, so their
-/// binaries and plugin libraries land in [`profile_dir`].
-pub fn cargo_build(packages: &[&str]) -> PathBuf {
-    let profile = profile_dir();
-    let release = profile.file_name().is_some_and(|n| n == "release");
-    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..");
-    let mut build = Command::new(env!("CARGO"));
-    build.args(["build", "--quiet"]).current_dir(&root);
-    for p in packages {
-        build.args(["-p", p]);
-    }
-    build.env("CARGO_TARGET_DIR", profile.parent().unwrap());
-    if release {
-        build.arg("--release");
-    }
-    let status = build.status().expect("cargo build runs");
-    assert!(status.success(), "building {packages:?} failed");
-    profile
+/// Builds the workspace's binaries and plugin libraries with this test's profile into this
+/// test's target directory and returns where they land ([`profile_dir`]). The build asks for
+/// the very targets the suite's `cargo test --workspace --lib --bins --tests` builds, so cargo
+/// resolves the same features and finds everything already built. A build of a few packages
+/// (`-p nsactor -p …`) would resolve their features apart from the workspace's and compile
+/// much of the workspace a second time: eight minutes of the suite on two cores.
+pub fn cargo_build() -> PathBuf {
+    static BUILT: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
+    BUILT
+        .get_or_init(|| {
+            let profile = profile_dir();
+            let release = profile.file_name().is_some_and(|n| n == "release");
+            let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..");
+            let mut build = Command::new(env!("CARGO"));
+            build
+                .args([
+                    "build",
+                    "--quiet",
+                    "--workspace",
+                    "--lib",
+                    "--bins",
+                    "--tests",
+                ])
+                .current_dir(&root)
+                .env("CARGO_TARGET_DIR", profile.parent().unwrap());
+            if release {
+                build.arg("--release");
+            }
+            let status = build.status().expect("cargo build runs");
+            assert!(status.success(), "building the workspace failed");
+            profile
+        })
+        .clone()
 }
 
 /// `lib<name>.so` (platform naming) in `dir`.

@@ -19,11 +19,16 @@ pub fn profile_dir() -> PathBuf {
 }
 
 /// Builds the workspace's binaries and plugin libraries with this test's profile into this
-/// test's target directory and returns where they land ([`profile_dir`]). The build asks for
-/// the very targets the suite's `cargo test --workspace --lib --bins --tests` builds, so cargo
-/// resolves the same features and finds everything already built. A build of a few packages
-/// (`-p nsactor -p …`) would resolve their features apart from the workspace's and compile
-/// much of the workspace a second time: eight minutes of the suite on two cores.
+/// test's target directory and returns where they land ([`profile_dir`]), finding everything
+/// the suite's own build made, so nothing is compiled twice:
+/// * it asks for the very targets the suite's `cargo test --workspace --lib --bins --tests`
+///   builds, so cargo resolves the same features (a build of a few packages, `-p nsactor -p …`,
+///   resolves theirs apart and compiles much of the workspace again);
+/// * it runs without the variables cargo sets for a test process (`CARGO_MANIFEST_DIR`,
+///   `CARGO_PKG_*`, …): `ring`'s build script reruns when `CARGO_MANIFEST_DIR` changes, and
+///   with it every crate above `ring`.
+///
+/// Either one cost the suite eight minutes on two cores.
 pub fn cargo_build() -> PathBuf {
     static BUILT: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
     BUILT
@@ -43,6 +48,23 @@ pub fn cargo_build() -> PathBuf {
                 ])
                 .current_dir(&root)
                 .env("CARGO_TARGET_DIR", profile.parent().unwrap());
+            for (name, _) in std::env::vars_os() {
+                let n = name.to_string_lossy();
+                if n.starts_with("CARGO_PKG_")
+                    || n.starts_with("CARGO_BIN_")
+                    || [
+                        "CARGO_MANIFEST_DIR",
+                        "CARGO_MANIFEST_PATH",
+                        "CARGO_CRATE_NAME",
+                        "CARGO_PRIMARY_PACKAGE",
+                        "CARGO_TARGET_TMPDIR",
+                        "OUT_DIR",
+                    ]
+                    .contains(&n.as_ref())
+                {
+                    build.env_remove(&name);
+                }
+            }
             if release {
                 build.arg("--release");
             }

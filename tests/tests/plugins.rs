@@ -28,7 +28,7 @@ use std::sync::{Arc, OnceLock};
 /// The ndarray plugin and the faulty test plugins, built once per test binary.
 fn plugins() -> &'static PathBuf {
     static DIR: OnceLock<PathBuf> = OnceLock::new();
-    DIR.get_or_init(|| cargo_build())
+    DIR.get_or_init(cargo_build)
 }
 
 fn ndarray_plugin() -> Arc<dyn ComputeBackend> {

@@ -317,13 +317,16 @@ impl<B: SnnOps> StageSnap<B> {
     }
 }
 
+/// A tensor's bytes in a file's data: `(start, end)`.
+type Span = (usize, usize);
+
 /// A safetensors file of `f32` tensors laid out as `safetensors::serialize` lays it out: the
 /// header (its length, then the JSON padded with spaces to 8 bytes) and each tensor's byte span
 /// in the data, in the order given (which must be safetensors' own: by name).
 fn layout(
     tensors: &[(String, Vec<usize>)],
     meta: std::collections::HashMap<String, String>,
-) -> Result<(Vec<u8>, Vec<(usize, usize)>), String> {
+) -> Result<(Vec<u8>, Vec<Span>), String> {
     let mut at = 0;
     let mut infos = Vec::with_capacity(tensors.len());
     let mut spans = Vec::with_capacity(tensors.len());

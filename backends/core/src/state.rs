@@ -290,6 +290,8 @@ impl<B: SnnOps> StageSnap<B> {
     /// straight into its place ([`SnnOps::read_f32_into`]): one host copy of the state, no
     /// second buffer, at the 0.9B shape's 10.5 GB of stages.
     pub(crate) fn serialise(self) -> Result<Vec<u8>, EngineError> {
+        // One metadata entry: safetensors keeps metadata in a HashMap, whose order would make
+        // the bytes of identical states differ.
         let mut meta = std::collections::HashMap::new();
         meta.insert(
             META_KEY.to_string(),
@@ -298,11 +300,8 @@ impl<B: SnnOps> StageSnap<B> {
         let mut tensors = self.tensors;
         // safetensors' order: by dtype (all f32 here), then by name.
         tensors.sort_by(|a, b| a.0.cmp(&b.0));
-        let shapes: Vec<_> = tensors
-            .iter()
-            .map(|(n, s, _)| (n.clone(), s.clone()))
-            .collect();
-        let (header, spans) = layout(&shapes, meta)
+        let shapes = tensors.iter().map(|(n, s, _)| (n.as_str(), s.as_slice()));
+        let (header, spans) = layout(shapes, meta)
             .map_err(|e| EngineError::Backend(format!("serialise {}: {e}", self.stage)))?;
         let data_len = spans.last().map_or(0, |s| s.1);
         let mut out = Vec::with_capacity(header.len() + data_len);
@@ -323,20 +322,20 @@ type Span = (usize, usize);
 /// A safetensors file of `f32` tensors laid out as `safetensors::serialize` lays it out: the
 /// header (its length, then the JSON padded with spaces to 8 bytes) and each tensor's byte span
 /// in the data, in the order given (which must be safetensors' own: by name).
-fn layout(
-    tensors: &[(String, Vec<usize>)],
+fn layout<'a>(
+    tensors: impl Iterator<Item = (&'a str, &'a [usize])>,
     meta: std::collections::HashMap<String, String>,
 ) -> Result<(Vec<u8>, Vec<Span>), String> {
     let mut at = 0;
-    let mut infos = Vec::with_capacity(tensors.len());
-    let mut spans = Vec::with_capacity(tensors.len());
+    let mut infos = Vec::new();
+    let mut spans = Vec::new();
     for (name, shape) in tensors {
         let end = at + shape.iter().product::<usize>() * 4;
         infos.push((
-            name.clone(),
+            name.to_string(),
             safetensors::tensor::TensorInfo {
                 dtype: Dtype::F32,
-                shape: shape.clone(),
+                shape: shape.to_vec(),
                 data_offsets: (at, end),
             },
         ));

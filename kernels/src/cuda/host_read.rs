@@ -93,7 +93,7 @@ pub fn read_f32_into(t: CudaTensor, out: &mut [u8]) -> Result<(), KernelError> {
     }
     make_current(device);
     let staging = Lease(Some(take()?));
-    let events = Events([event()?, event()?]);
+    let events = Events::new()?;
     let pair = &staging.0.as_ref().expect("held until dropped").0;
     let pieces = bytes.div_ceil(PIECE);
     let span = |i: usize| (i * PIECE, (bytes - i * PIECE).min(PIECE));
@@ -163,6 +163,21 @@ fn event() -> Result<sys::CUevent, KernelError> {
 
 /// Two events, destroyed when dropped.
 struct Events([sys::CUevent; 2]);
+
+impl Events {
+    /// Two new events of the current context (the first destroyed if the second fails).
+    fn new() -> Result<Self, KernelError> {
+        let first = event()?;
+        match event() {
+            Ok(second) => Ok(Events([first, second])),
+            Err(e) => {
+                // SAFETY: an event created above and never used.
+                unsafe { sys::cuEventDestroy_v2(first) };
+                Err(e)
+            }
+        }
+    }
+}
 
 impl Drop for Events {
     fn drop(&mut self) {

@@ -1,13 +1,17 @@
 //! The CPU backend (burn-ndarray) takes every default of the `SnnOps` family: the exact host
-//! scans, the compositions from tensor ops and burn's own matmul.
+//! scans, the compositions from tensor ops and burn's own matmul; a checkpoint's read-back
+//! copies each tensor's values straight from its array into the shard (no `TensorData` between).
 
+use crate::error::KernelError;
+use crate::ops::device::default_read_f32_into;
 use crate::ops::device::{DeviceOps, GraphOps};
 use crate::ops::gemm::GemmOps;
 use crate::ops::infer::InferOps;
 use crate::ops::optim::OptimOps;
 use crate::ops::scan::ScanOps;
 use crate::ops::snn::SnnOps;
-use burn_ndarray::NdArray;
+use burn::tensor::ops::FloatTensor;
+use burn_ndarray::{NdArray, NdArrayTensor};
 
 impl GemmOps for NdArray<f32> {}
 
@@ -15,7 +19,39 @@ impl ScanOps for NdArray<f32> {}
 
 impl InferOps for NdArray<f32> {}
 
-impl DeviceOps for NdArray<f32> {}
+impl DeviceOps for NdArray<f32> {
+    fn read_f32_into(t: FloatTensor<Self>, out: &mut [u8]) -> Result<(), KernelError> {
+        let NdArrayTensor::F32(storage) = &t else {
+            return default_read_f32_into::<Self>(t, out);
+        };
+        let view = storage.view();
+        if view.len() * 4 != out.len() {
+            return Err(KernelError::Misuse(format!(
+                "read back {} bytes into a buffer of {}",
+                view.len() * 4,
+                out.len()
+            )));
+        }
+        match view.as_slice() {
+            Some(values) => out.copy_from_slice(bytemuck_f32(values)),
+            // Not in standard order (a transposed view): element by element, logical order.
+            None => {
+                for (o, v) in out.chunks_exact_mut(4).zip(view.iter()) {
+                    o.copy_from_slice(&v.to_le_bytes());
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// `values`' bytes (f32 in the machine's order: little-endian on every target nsactor builds).
+fn bytemuck_f32(values: &[f32]) -> &[u8] {
+    // SAFETY: f32 has no padding and every byte pattern is a valid u8; the length is exact.
+    unsafe {
+        std::slice::from_raw_parts(values.as_ptr().cast::<u8>(), std::mem::size_of_val(values))
+    }
+}
 
 impl GraphOps for NdArray<f32> {}
 

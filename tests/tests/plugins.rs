@@ -278,8 +278,9 @@ fn a_stage_snapshot_keeps_its_state_while_training_goes_on_and_serialises_on_ano
     .join()
     .unwrap()
     .unwrap();
+    // The plugin's buffers are read in place (no copy across the boundary), then freed there.
     assert!(
-        got == before,
+        got.iter().map(|b| &b[..]).eq(before.iter().map(|v| &v[..])),
         "a snapshot taken before the second step serialised to other bytes than save()"
     );
 }

@@ -11,7 +11,7 @@
 use super::checkpoint::{self, CheckpointMeta};
 use super::stream;
 use nsactor_engine::error::RuntimeError;
-use nsactor_plugin_api::{EngineError, StageSnapshot};
+use nsactor_plugin_api::{EngineError, ShardBytes, StageSnapshot};
 use std::path::PathBuf;
 use std::time::Instant;
 
@@ -148,7 +148,7 @@ impl Writer {
 }
 
 /// The bytes of every snapshot, in order.
-pub fn serialise(snaps: Vec<Box<dyn StageSnapshot>>) -> Result<Vec<Vec<u8>>, RuntimeError> {
+pub fn serialise(snaps: Vec<Box<dyn StageSnapshot>>) -> Result<Vec<ShardBytes>, RuntimeError> {
     Ok(snaps
         .into_iter()
         .map(|s| s.bytes())

@@ -16,7 +16,9 @@ use nsactor_pipeline::plan::PipelinePlan;
 use nsactor_pipeline::supervisor::{StepReport, SupMsg};
 use nsactor_pipeline::topology::{Children, children_cells};
 use nsactor_pipeline::worker::Worker;
-use nsactor_plugin_api::{Batch, ComputeBackend, EngineError, SessionId};
+use nsactor_plugin_api::{
+    Batch, ComputeBackend, EngineError, SessionId, ShardBytes, StageSnapshot,
+};
 use ractor::RpcReplyPort;
 use ractor::{ActorCell, ActorRef};
 use std::path::{Path, PathBuf};
@@ -84,8 +86,26 @@ impl Pipeline {
         })
     }
 
+    /// Every stage's parameters and optimizer state as safetensors bytes, edge first.
     pub fn save_stages(&mut self) -> Result<Vec<Vec<u8>>, RuntimeError> {
+        Ok(self
+            .stage_bytes()?
+            .into_iter()
+            .map(ShardBytes::into_vec)
+            .collect())
+    }
+
+    /// [`save_stages`](Self::save_stages) in the buffers the stages were serialised into (a
+    /// plugin's read in place): what a checkpoint writes, without a copy.
+    pub fn stage_bytes(&mut self) -> Result<Vec<ShardBytes>, RuntimeError> {
         self.call_sup(|reply| SupMsg::SaveStages { reply })
+    }
+
+    /// Every stage's snapshot, edge first ([`nsactor_plugin_api::Stage::snapshot`]), taken
+    /// once each stage has finished the work queued before it (a step's last updates):
+    /// serialised later, from any thread.
+    pub fn snapshot_stages(&mut self) -> Result<Vec<Box<dyn StageSnapshot>>, RuntimeError> {
+        self.call_sup(|reply| SupMsg::SnapshotStages { reply })
     }
 
     pub fn load_stages(&mut self, shards: Vec<Vec<u8>>) -> Result<(), RuntimeError> {
@@ -155,6 +175,30 @@ impl Pipeline {
         }
         r.written.ok_or_else(|| {
             RuntimeError::Runtime("a synchronous checkpoint reported no write".into())
+        })
+    }
+
+    /// A run's final checkpoint under `root` (keeping the newest `keep`) and its whole-model
+    /// weights at `weights`, from one read of the stages, written in the background: returns
+    /// once every stage is snapshot; [`finish_checkpoint`](Self::finish_checkpoint) waits for
+    /// the files and says how the write went.
+    pub fn checkpoint_final(
+        &mut self,
+        root: &Path,
+        keep: usize,
+        config: String,
+        tokenizer_sha256: Option<String>,
+        weights: &Path,
+    ) -> Result<CheckpointReport, RuntimeError> {
+        let (root, export) = (root.to_path_buf(), Some(weights.to_path_buf()));
+        self.call_sup(|reply| SupMsg::Checkpoint {
+            root,
+            keep,
+            config,
+            tokenizer_sha256,
+            background: true,
+            export,
+            reply,
         })
     }
 

@@ -137,6 +137,16 @@ pub fn train(req: TrainRequest) -> Result<TrainOutcome, RuntimeError> {
         rank,
         startup: Some(startup),
         loaded_weights,
+        // The sample runs on the device while the final checkpoint is written.
+        after_last_step: req.sample.clone().map(|prompt| {
+            let (tok, seed) = (&tok, cfg.train.seed);
+            Box::new(move |p: &mut Pipeline| {
+                let t = std::time::Instant::now();
+                let text = sample(p, tok, &prompt, seed)?;
+                tracing::info!("sample in {:.2} s", t.elapsed().as_secs_f64());
+                Ok(text)
+            }) as train::AfterLastStep<'_>
+        }),
     };
     let summary = match (train::run(&cfg, &mut pipeline, options), &member) {
         (Ok(s), _) => s,
@@ -171,15 +181,7 @@ pub fn train(req: TrainRequest) -> Result<TrainOutcome, RuntimeError> {
         summary.tokens_per_s,
         summary.weights.display()
     );
-    let sample = match &req.sample {
-        Some(prompt) => {
-            let t = std::time::Instant::now();
-            let text = sample(&mut pipeline, &tok, prompt, cfg.train.seed)?;
-            tracing::info!("sample in {:.2} s", t.elapsed().as_secs_f64());
-            Some(text)
-        }
-        None => None,
-    };
+    let sample = summary.after_last_step.clone();
     Ok(TrainOutcome::Finished { summary, sample })
 }
 

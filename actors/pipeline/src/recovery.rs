@@ -13,7 +13,7 @@ use nsactor_checkpoint::checkpoint::{self, CheckpointMeta};
 use nsactor_checkpoint::writer::{CheckpointReport, Job, serialise};
 use nsactor_data::Cursor;
 use nsactor_engine::error::RuntimeError;
-use nsactor_plugin_api::{EngineError, InitialWeights, StageSnapshot};
+use nsactor_plugin_api::{EngineError, InitialWeights, ShardBytes, StageSnapshot};
 use ractor::{ActorCell, ActorRef, SupervisionEvent};
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -301,7 +301,7 @@ impl SupState {
     }
 
     /// Every stage's bytes (edge first), serialised off the actor threads.
-    pub(super) async fn save_stages(&self) -> Result<Vec<Vec<u8>>, RuntimeError> {
+    pub(super) async fn save_stages(&self) -> Result<Vec<ShardBytes>, RuntimeError> {
         let snaps = self.snapshot_stages().await?;
         tokio::task::spawn_blocking(move || serialise(snaps))
             .await

@@ -20,7 +20,7 @@ use nsactor_engine::config::TrainConfig;
 use nsactor_engine::engine::{StepParams, StepStats};
 use nsactor_engine::error::RuntimeError;
 use nsactor_engine::supervision::Restarts;
-use nsactor_plugin_api::{Batch, IdAllocator};
+use nsactor_plugin_api::{Batch, IdAllocator, ShardBytes, StageSnapshot};
 use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort, SupervisionEvent};
 use std::path::PathBuf;
 use std::sync::{Arc, RwLock};
@@ -50,9 +50,13 @@ pub enum SupMsg {
         params: StepParams,
         reply: RpcReplyPort<Result<StepStats, RuntimeError>>,
     },
-    /// Every stage's bytes, edge first.
+    /// Every stage's bytes, edge first, in the buffers they were serialised into.
     SaveStages {
-        reply: RpcReplyPort<Result<Vec<Vec<u8>>, RuntimeError>>,
+        reply: RpcReplyPort<Result<Vec<ShardBytes>, RuntimeError>>,
+    },
+    /// Every stage's snapshot, edge first, taken once each stage has finished its queued work.
+    SnapshotStages {
+        reply: RpcReplyPort<Result<Vec<Box<dyn StageSnapshot>>, RuntimeError>>,
     },
     /// Every stage's bytes, edge first (one buffer may feed several stages).
     LoadStages {
@@ -334,6 +338,9 @@ impl Actor for Supervisor {
             }
             SupMsg::SaveStages { reply } => {
                 let _ = reply.send(s.save_stages().await);
+            }
+            SupMsg::SnapshotStages { reply } => {
+                let _ = reply.send(s.snapshot_stages().await);
             }
             SupMsg::LoadStages { shards, reply } => {
                 let _ = reply.send(s.load_stages(shards).await);

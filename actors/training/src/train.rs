@@ -31,6 +31,8 @@ pub struct RunSummary {
     /// Set when a stop was asked for (SIGTERM, SIGINT): the step the run stopped after, with
     /// its checkpoint written; the final weights were not.
     pub stopped_at: Option<u64>,
+    /// What [`RunOptions::after_last_step`] returned.
+    pub after_last_step: Option<String>,
 }
 
 /// Resident memory of this process: (now, peak) in bytes, where the OS reports it.
@@ -74,7 +76,13 @@ pub struct RunOptions<'a> {
     /// The run starts from loaded weights (`--init-from`): unless `[train] eval_at_start`
     /// says otherwise, it is evaluated before its first step.
     pub loaded_weights: bool,
+    /// Run on the trained model after the last step, while the final checkpoint and weights are
+    /// written (a sample's text, returned in [`RunSummary::after_last_step`]).
+    pub after_last_step: Option<AfterLastStep<'a>>,
 }
+
+/// Work on the trained pipeline after the last step ([`RunOptions::after_last_step`]).
+pub type AfterLastStep<'a> = Box<dyn FnOnce(&mut Pipeline) -> Result<String, RuntimeError> + 'a>;
 
 /// Runs the steps after `o.first_step` completed ones up to `cfg.train.steps` on `pipeline`
 /// (whose data actor feeds them), logging every `log_interval` steps and every step to
@@ -141,6 +149,10 @@ struct Run<'a> {
     /// The title of `loss.png`.
     title: String,
     startup: Option<Startup>,
+    after_last_step: Option<AfterLastStep<'a>>,
+    /// The final checkpoint (with the weights) is being written in the background: started
+    /// after the last step, before its evaluation, so the two overlap.
+    final_in_flight: bool,
 }
 
 impl<'a> Run<'a> {
@@ -160,6 +172,7 @@ impl<'a> Run<'a> {
             rank,
             startup,
             loaded_weights: _,
+            after_last_step,
         } = o;
         let leader = rank == 0;
         let t = &cfg.train;
@@ -209,6 +222,8 @@ impl<'a> Run<'a> {
             stopped_at: None,
             title,
             startup,
+            after_last_step,
+            final_in_flight: false,
         })
     }
 
@@ -398,6 +413,9 @@ impl<'a> Run<'a> {
     /// stop request), and the stop itself. True when the run stops here.
     fn after_step(&mut self, pipeline: &mut Pipeline, step: u64) -> Result<bool, RuntimeError> {
         let t = &self.cfg.train;
+        if self.leader && step == t.steps {
+            self.start_final(pipeline)?;
+        }
         if let Some(h) = self.held_out.as_mut()
             && (step.is_multiple_of(t.eval_every) || step == t.steps)
         {
@@ -443,6 +461,30 @@ impl<'a> Run<'a> {
         Ok(false)
     }
 
+    /// After the last step: the final checkpoint and the run's weights, from one read of the
+    /// stages, written in the background while the last evaluation and the work after the last
+    /// step run on the device; [`finish`](Self::finish) waits for them.
+    fn start_final(&mut self, pipeline: &mut Pipeline) -> Result<(), RuntimeError> {
+        let t = &self.cfg.train;
+        let c = pipeline.checkpoint_final(
+            &self.ckpt_root,
+            t.keep_checkpoints,
+            self.config_text.clone(),
+            self.tokenizer_sha256.clone(),
+            &self.out_dir.join("model.safetensors"),
+        )?;
+        self.final_in_flight = true;
+        self.metrics.log(serde_json::json!({
+            "event": "checkpoint", "step": c.step, "background": true, "final": true,
+            "snapshot_s": c.snapshot_seconds, "waited_s": c.waited_seconds,
+        }))?;
+        if let Some(w) = c.previous {
+            self.bar
+                .suspend(|| written(w, &mut |l| self.metrics.log(l)))?;
+        }
+        Ok(())
+    }
+
     /// What a run reports, with its weights at `weights`.
     fn summary(&self, weights: PathBuf) -> RunSummary {
         RunSummary {
@@ -453,12 +495,14 @@ impl<'a> Run<'a> {
             skipped_steps: self.skipped_steps,
             spike_rollbacks: self.spike_rollbacks,
             stopped_at: self.stopped_at,
+            after_last_step: None,
         }
     }
 
-    /// After the last step (rank 0 only): the background checkpoint write waited for,
-    /// `loss.png`, then — unless a stop ended the run, whose checkpoint is written — the final
-    /// checkpoint and the weights from one read of the stages, the config and the data cursor.
+    /// After the last step (rank 0 only): `loss.png`, the work after the last step, then —
+    /// unless a stop ended the run, whose checkpoint is written — the final checkpoint and the
+    /// weights (started after the last step; written here when this process ran no step), the
+    /// config and the data cursor.
     fn finish(mut self, pipeline: &mut Pipeline) -> Result<RunSummary, RuntimeError> {
         self.bar.finish_and_clear();
         if !self.leader {
@@ -467,10 +511,12 @@ impl<'a> Run<'a> {
         let t = &self.cfg.train;
         // Where the time after the last step goes, phase by phase (as the start's).
         let mut end = Startup::new();
-        if let Some(w) = pipeline.finish_checkpoint().transpose() {
-            written(w, &mut |l| self.metrics.log(l))?;
+        if !self.final_in_flight {
+            if let Some(w) = pipeline.finish_checkpoint().transpose() {
+                written(w, &mut |l| self.metrics.log(l))?;
+            }
+            end.mark("the background write in flight");
         }
-        end.mark("the background write in flight");
         let (metrics_path, png) = (&self.metrics.path, self.out_dir.join("loss.png"));
         if let Some(s) = self.stopped_at {
             tracing::warn!(
@@ -482,15 +528,25 @@ impl<'a> Run<'a> {
         }
         draw_curves(metrics_path, &png, self.title.clone());
         end.mark("loss.png");
-        // The last checkpoint and the run's weights from one read of the stages.
+        // On the device while the host writes; its failure is reported once the write ended.
+        let after = self.after_last_step.take().map(|f| f(pipeline));
+        if after.is_some() {
+            end.mark("work on the trained model");
+        }
         let weights = self.out_dir.join("model.safetensors");
-        let done = pipeline.checkpoint_exporting(
-            &self.ckpt_root,
-            t.keep_checkpoints,
-            self.config_text.clone(),
-            self.tokenizer_sha256.take(),
-            &weights,
-        )?;
+        let done = if self.final_in_flight {
+            pipeline.finish_checkpoint()?.ok_or_else(|| {
+                RuntimeError::Runtime("the final checkpoint's write was not in flight".into())
+            })?
+        } else {
+            pipeline.checkpoint_exporting(
+                &self.ckpt_root,
+                t.keep_checkpoints,
+                self.config_text.clone(),
+                self.tokenizer_sha256.take(),
+                &weights,
+            )?
+        };
         written(Ok(done), &mut |l| self.metrics.log(l))?;
         let config_path = self.out_dir.join("config.toml");
         nsactor_checkpoint::weights::write_atomic(&config_path, self.config_text.as_bytes())
@@ -501,9 +557,17 @@ impl<'a> Run<'a> {
             nsactor_checkpoint::weights::write_atomic(&cursor_path, text.as_bytes())
                 .map_err(|e| RuntimeError::Io(cursor_path, e))?;
         }
-        end.mark("the final checkpoint and weights");
+        end.mark(if self.final_in_flight {
+            "the rest of the final checkpoint and weights"
+        } else {
+            "the final checkpoint and weights"
+        });
         tracing::info!("after the last step: {}", end.phases_line());
-        Ok(self.summary(weights))
+        let after_last_step = after.transpose()?;
+        Ok(RunSummary {
+            after_last_step,
+            ..self.summary(weights)
+        })
     }
 }
 

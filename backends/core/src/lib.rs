@@ -14,6 +14,7 @@ pub mod diagnose;
 mod edge;
 mod grads;
 pub mod graphs;
+mod hostbuf;
 mod kept;
 mod layer;
 mod probe;
@@ -32,8 +33,8 @@ use burn::tensor::{Tensor, TensorData, backend::Backend};
 use nsactor_kernels::SnnOps;
 use nsactor_plugin_api::{
     BackendInfo, CollectiveId, Communicator, ComputeBackend, DeviceTensor, Diagnostic,
-    DiagnosticReport, EngineError, HostTensor, Reply, Stage, StageCall, StageKind, StageSnapshot,
-    StageSpec, TensorObject,
+    DiagnosticReport, EngineError, HostTensor, Reply, ShardBytes, Stage, StageCall, StageKind,
+    StageSnapshot, StageSpec, TensorObject,
 };
 use std::any::Any;
 
@@ -123,7 +124,7 @@ struct EnteredSnapshot {
 }
 
 impl StageSnapshot for EnteredSnapshot {
-    fn bytes(self: Box<Self>) -> Result<Vec<u8>, EngineError> {
+    fn bytes(self: Box<Self>) -> Result<ShardBytes, EngineError> {
         (self.enter)();
         self.inner.bytes()
     }

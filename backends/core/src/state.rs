@@ -10,7 +10,8 @@ use nsactor_model::io::{HF_PREFIX, load_params, view_to_f32};
 use nsactor_model::params::{ParamMapper, ParamVisitor, Params};
 use nsactor_model::train::{Adam, AdamConfig, AdamState, GradSet};
 use nsactor_plugin_api::{
-    EngineError, InitialWeights, OptimizerKind, Reply, StageCall, StageSnapshot, StageSpec,
+    EngineError, InitialWeights, OptimizerKind, Reply, ShardBytes, StageCall, StageSnapshot,
+    StageSpec,
 };
 use safetensors::{Dtype, SafeTensors};
 use std::collections::BTreeMap;
@@ -304,9 +305,8 @@ impl<B: SnnOps> StageSnap<B> {
         let (header, spans) = layout(shapes, meta)
             .map_err(|e| EngineError::Backend(format!("serialise {}: {e}", self.stage)))?;
         let data_len = spans.last().map_or(0, |s| s.1);
-        let mut out = Vec::with_capacity(header.len() + data_len);
-        out.extend_from_slice(&header);
-        out.resize(header.len() + data_len, 0);
+        let mut out = crate::hostbuf::zeroed(header.len() + data_len);
+        out[..header.len()].copy_from_slice(&header);
         let body = &mut out[header.len()..];
         for ((name, _, t), (at, end)) in tensors.into_iter().zip(spans) {
             B::read_f32_into(t.into_primitive().tensor(), &mut body[at..end])
@@ -354,8 +354,8 @@ fn layout<'a>(
 }
 
 impl<B: SnnOps> StageSnapshot for StageSnap<B> {
-    fn bytes(self: Box<Self>) -> Result<Vec<u8>, EngineError> {
-        self.serialise()
+    fn bytes(self: Box<Self>) -> Result<ShardBytes, EngineError> {
+        Ok(self.serialise()?.into())
     }
 }
 

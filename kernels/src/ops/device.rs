@@ -71,25 +71,7 @@ pub trait DeviceOps: Backend {
     /// `f32` where stored otherwise. CUDA overrides it for `f32` tensors with transfers through
     /// pinned staging buffers kept for the process ([`crate::cuda::host_read`], feature `cuda`).
     fn read_f32_into(t: FloatTensor<Self>, out: &mut [u8]) -> Result<(), KernelError> {
-        let n = t.shape().num_elements();
-        let flat = Tensor::<Self, 1>::from_primitive(TensorPrimitive::Float(Self::float_reshape(
-            t,
-            Shape::new([n]),
-        )));
-        let data = flat
-            .try_into_data()
-            .map_err(|e| KernelError::Device(format!("read back: {e:?}")))?
-            .convert::<f32>();
-        let bytes = data.as_bytes();
-        if bytes.len() != out.len() {
-            return Err(KernelError::Misuse(format!(
-                "read back {} bytes into a buffer of {}",
-                bytes.len(),
-                out.len()
-            )));
-        }
-        out.copy_from_slice(bytes);
-        Ok(())
+        default_read_f32_into::<Self>(t, out)
     }
 
     /// Runs `f` — one stage call's work on `device`, the call named `name` — with its device
@@ -146,4 +128,31 @@ pub trait GraphOps: Backend {
         let _ = (graph, inputs, written);
         Err(KernelError::Unsupported("capture work"))
     }
+}
+
+/// [`DeviceOps::read_f32_into`] through the backend's own `into_data` (a copy, then a copy into
+/// `out`): the default, and the fallback of an override for a tensor it does not handle.
+pub fn default_read_f32_into<B: Backend>(
+    t: FloatTensor<B>,
+    out: &mut [u8],
+) -> Result<(), KernelError> {
+    let n = t.shape().num_elements();
+    let flat = Tensor::<B, 1>::from_primitive(TensorPrimitive::Float(B::float_reshape(
+        t,
+        Shape::new([n]),
+    )));
+    let data = flat
+        .try_into_data()
+        .map_err(|e| KernelError::Device(format!("read back: {e:?}")))?
+        .convert::<f32>();
+    let bytes = data.as_bytes();
+    if bytes.len() != out.len() {
+        return Err(KernelError::Misuse(format!(
+            "read back {} bytes into a buffer of {}",
+            bytes.len(),
+            out.len()
+        )));
+    }
+    out.copy_from_slice(bytes);
+    Ok(())
 }

@@ -12,11 +12,12 @@
 //! arithmetic the supervisor applies between stages (natural-gradient phase 2, clipping);
 //! [`timing`] the device-time breakdown backends report; [`files`] the atomic write both sides
 //! use for the files the other reads; [`collective`] the names of communication groups between
-//! processes; [`tuning`] the kernels' tuning knobs, one typed value sent in the plugin's options. [`ABI_VERSION`] names the revision of
+//! processes; [`bytes`] a stage's serialised state, owned where it was made; [`tuning`] the kernels' tuning knobs, one typed value sent in the plugin's options. [`ABI_VERSION`] names the revision of
 //! the contract.
 //!
 //! Depends on nothing but `std`.
 
+pub mod bytes;
 pub mod collective;
 pub mod diagnose;
 pub mod files;
@@ -30,6 +31,7 @@ pub mod stage;
 pub mod timing;
 pub mod tuning;
 
+pub use bytes::ShardBytes;
 pub use collective::{CollectiveId, Communicator};
 pub use diagnose::{DeviceMemory, Diagnostic, DiagnosticReport, ScanPrecisions};
 pub use grads::{GradPart, GradStream, ParamMask};

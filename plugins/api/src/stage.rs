@@ -16,7 +16,7 @@
 //! sum of squares) → one global clip factor → `Step` on every stage.
 
 use crate::diagnose::{Diagnostic, DiagnosticReport};
-use crate::{EngineError, MicroBatchId, ModelConfig, SessionId, SnapshotId};
+use crate::{EngineError, MicroBatchId, ModelConfig, SessionId, ShardBytes, SnapshotId};
 use std::any::Any;
 use std::fmt;
 
@@ -428,16 +428,17 @@ pub trait Stage: Send {
 
 /// A stage's state at one instant ([`Stage::snapshot`]), not yet serialised.
 pub trait StageSnapshot: Send {
-    /// The bytes [`Stage::save`] would have returned when the snapshot was taken.
-    fn bytes(self: Box<Self>) -> Result<Vec<u8>, EngineError>;
+    /// The bytes [`Stage::save`] would have returned when the snapshot was taken, in the
+    /// buffer they were serialised into (a plugin's is read in place, not copied).
+    fn bytes(self: Box<Self>) -> Result<ShardBytes, EngineError>;
 }
 
 /// A snapshot that is already bytes.
 pub struct SavedBytes(pub Vec<u8>);
 
 impl StageSnapshot for SavedBytes {
-    fn bytes(self: Box<Self>) -> Result<Vec<u8>, EngineError> {
-        Ok(self.0)
+    fn bytes(self: Box<Self>) -> Result<ShardBytes, EngineError> {
+        Ok(self.0.into())
     }
 }
 

@@ -36,7 +36,8 @@ pub unsafe extern "C" fn snapshot_bytes(
     // SAFETY: a handle made by `stage_snapshot`, given back once.
     let snap = unsafe { Box::from_raw(snap as *mut Box<dyn StageSnapshot>) };
     guard(err, move || {
-        bytes_out(out, (*snap).bytes()?);
+        // A backend's bytes are its `Vec`: handed over as they are, not copied.
+        bytes_out(out, (*snap).bytes()?.into_vec());
         Ok(())
     })
 }

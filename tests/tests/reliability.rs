@@ -276,6 +276,28 @@ fn a_full_disk_during_a_checkpoint_keeps_the_previous_one() {
     let o = ok(train(&sync, 8, &["--resume", "--config"]).arg(&cfg));
     assert!(String::from_utf8_lossy(&o.stderr).contains("step-00000002"));
     same_as(&sync, &full);
+    // The last step's checkpoint (with the weights, written beside the last evaluation and the
+    // sample): the run fails with the cause named, never reports a finished run, and step 6's
+    // checkpoint stays the newest complete one.
+    let last = dir.join("last");
+    let o = train(&last, 8, &["--inject-fault", "enospc-in-checkpoint:8"])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success(), "{stderr}");
+    assert!(
+        stderr.contains("No space left on device") && stderr.contains("step-00000008"),
+        "{stderr}"
+    );
+    assert!(
+        last.join("checkpoints/step-00000006/manifest.json")
+            .is_file()
+    );
+    assert!(
+        !last
+            .join("checkpoints/step-00000008/manifest.json")
+            .exists()
+    );
     std::fs::remove_dir_all(&dir).unwrap();
 }
 

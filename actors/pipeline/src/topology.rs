@@ -1,4 +1,4 @@
-//! Building the actor graph: opening stages (side by side, on host threads), spawning the edge and layer
+//! Building the actor graph: opening stages on their workers, spawning the edge and layer
 //! actors and wiring the chain. The supervisor keeps a [`Topology`] so it can rebuild the graph
 //! after a failure; [`Fault`] injects failures to prove that it does.
 
@@ -7,14 +7,13 @@ use super::holder::StageHolder;
 use super::layer::{LayerActor, LayerArgs};
 use super::msg::{EdgeMsg, GradOp, Hop, LayerMsg};
 use super::plan::PipelinePlan;
-use super::worker::{Worker, panic_message};
+use super::worker::{Priority, Worker};
 use nsactor_engine::error::RuntimeError;
 use nsactor_plugin_api::{
     ComputeBackend, EngineError, InitialWeights, Reply, Stage, StageCall, StageKind, StageSnapshot,
     StageSpec,
 };
 use ractor::{Actor, ActorCell, ActorRef};
-use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
@@ -176,23 +175,16 @@ impl Topology {
             + r
     }
 
-    /// Replica `r`'s freshly opened stages: the step-0 state (the same in every replica) with
-    /// [`InitialWeights::Seeded`], or stages that draw nothing and wait for weights to be
-    /// loaded with [`InitialWeights::Loaded`]. Opening is host work (drawing a 0.9B layer's 43 M
-    /// initial values, making its tensors), so the stages open side by side on blocking
-    /// threads, as many at once as the machine has cores, rather than one after another on
-    /// their worker (20 layers of one GPU share one worker): each stage draws from its own
-    /// seed, so the order changes nothing. The stages' tensors are then used from their
-    /// workers, as a checkpoint's reader threads use them, the backend ordering the two.
+    /// Replica `r`'s freshly opened stages, each on its own worker: the step-0 state (the same
+    /// in every replica) with [`InitialWeights::Seeded`], or stages that draw nothing and wait
+    /// for weights to be loaded with [`InitialWeights::Loaded`].
     pub async fn open_fresh(
         &self,
         r: usize,
         weights: InitialWeights,
     ) -> Result<(Box<dyn Stage>, Vec<Box<dyn Stage>>), RuntimeError> {
-        let plan = &self.replicas[r].plan;
-        let cores = std::thread::available_parallelism().map_or(4, |n| n.get());
-        let limit = Arc::new(tokio::sync::Semaphore::new(cores));
-        let open = |kind: StageKind, device: usize| {
+        let Replica { plan, workers } = &self.replicas[r];
+        let open = |kind: StageKind, device: usize, worker: &Arc<Worker>| {
             let backend = self.backend.clone();
             let spec = StageSpec {
                 kind,
@@ -200,24 +192,25 @@ impl Topology {
                 weights,
                 ..self.spec.clone()
             };
-            let limit = limit.clone();
-            async move {
-                let _permit = limit.acquire_owned().await.map_err(rt)?;
-                let opened = tokio::task::spawn_blocking(move || {
-                    catch_unwind(AssertUnwindSafe(|| backend.open_stage(&spec)))
-                        .map_err(|p| rt(format!("opening {kind:?}: {}", panic_message(&*p))))
-                })
-                .await
-                .map_err(rt)??;
-                Ok::<_, RuntimeError>(opened?)
-            }
+            worker.run(Priority::Control, move || backend.open_stage(&spec))
         };
+        let edge = open(StageKind::Edge, plan.edge_device(), &workers[0]);
         let devices = plan.layer_devices();
-        let edge = open(StageKind::Edge, plan.edge_device());
-        let layers = (0..plan.num_layers()).map(|i| open(StageKind::Layer(i), devices[i]));
-        let (edge, layers) = futures_util::join!(edge, futures_util::future::join_all(layers));
-        let layers = layers.into_iter().collect::<Result<Vec<_>, _>>()?;
-        Ok((edge?, layers))
+        let layers: Vec<_> = (0..plan.num_layers())
+            .map(|i| {
+                open(
+                    StageKind::Layer(i),
+                    devices[i],
+                    &workers[1 + plan.stage_of(i)],
+                )
+            })
+            .collect();
+        let edge = edge.await.map_err(|p| rt(p.0))??;
+        let mut out = Vec::with_capacity(layers.len());
+        for l in layers {
+            out.push(l.await.map_err(|p| rt(p.0))??);
+        }
+        Ok((edge, out))
     }
 
     /// Spawns and wires replica `r`'s edge and layer actors over the given stages;

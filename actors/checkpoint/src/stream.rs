@@ -321,7 +321,10 @@ mod tests {
         .unwrap_err();
         assert!(err.to_string().contains(".safetensors"), "{err}");
         let reads = reads.load(Ordering::SeqCst);
-        assert!(reads < 40, "{reads} of 40 stages read after every write failed");
+        assert!(
+            reads < 40,
+            "{reads} of 40 stages read after every write failed"
+        );
     }
 
     #[test]

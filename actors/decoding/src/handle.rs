@@ -160,16 +160,8 @@ impl Pipeline {
         tokenizer_sha256: Option<String>,
         weights: &Path,
     ) -> Result<WriteDone, RuntimeError> {
-        let (root, export) = (root.to_path_buf(), Some(weights.to_path_buf()));
-        let r = self.call_sup(|reply| SupMsg::Checkpoint {
-            root,
-            keep,
-            config,
-            tokenizer_sha256,
-            background: false,
-            export,
-            reply,
-        })?;
+        let r =
+            self.request_checkpoint(root, keep, config, tokenizer_sha256, false, Some(weights))?;
         if let Some(Err(e)) = r.previous {
             tracing::warn!("an earlier checkpoint write failed: {e}");
         }
@@ -190,16 +182,7 @@ impl Pipeline {
         tokenizer_sha256: Option<String>,
         weights: &Path,
     ) -> Result<CheckpointReport, RuntimeError> {
-        let (root, export) = (root.to_path_buf(), Some(weights.to_path_buf()));
-        self.call_sup(|reply| SupMsg::Checkpoint {
-            root,
-            keep,
-            config,
-            tokenizer_sha256,
-            background: true,
-            export,
-            reply,
-        })
+        self.request_checkpoint(root, keep, config, tokenizer_sha256, true, Some(weights))
     }
 
     /// Checkpoints the current step under `root`, keeping the newest `keep`: waits for the
@@ -214,14 +197,27 @@ impl Pipeline {
         tokenizer_sha256: Option<String>,
         background: bool,
     ) -> Result<CheckpointReport, RuntimeError> {
-        let root = root.to_path_buf();
+        self.request_checkpoint(root, keep, config, tokenizer_sha256, background, None)
+    }
+
+    /// The supervisor's checkpoint request ([`SupMsg::Checkpoint`]).
+    fn request_checkpoint(
+        &mut self,
+        root: &Path,
+        keep: usize,
+        config: String,
+        tokenizer_sha256: Option<String>,
+        background: bool,
+        export: Option<&Path>,
+    ) -> Result<CheckpointReport, RuntimeError> {
+        let (root, export) = (root.to_path_buf(), export.map(Path::to_path_buf));
         self.call_sup(|reply| SupMsg::Checkpoint {
             root,
             keep,
             config,
             tokenizer_sha256,
             background,
-            export: None,
+            export,
             reply,
         })
     }

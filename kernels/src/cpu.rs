@@ -33,7 +33,7 @@ impl DeviceOps for NdArray<f32> {
             )));
         }
         match view.as_slice() {
-            Some(values) => out.copy_from_slice(bytemuck_f32(values)),
+            Some(values) => out.copy_from_slice(bytemuck::cast_slice(values)),
             // Not in standard order (a transposed view): element by element, logical order.
             None => {
                 for (o, v) in out.chunks_exact_mut(4).zip(view.iter()) {
@@ -42,14 +42,6 @@ impl DeviceOps for NdArray<f32> {
             }
         }
         Ok(())
-    }
-}
-
-/// `values`' bytes (f32 in the machine's order: little-endian on every target nsactor builds).
-fn bytemuck_f32(values: &[f32]) -> &[u8] {
-    // SAFETY: f32 has no padding and every byte pattern is a valid u8; the length is exact.
-    unsafe {
-        std::slice::from_raw_parts(values.as_ptr().cast::<u8>(), std::mem::size_of_val(values))
     }
 }
 

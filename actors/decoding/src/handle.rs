@@ -88,17 +88,8 @@ impl Pipeline {
 
     /// Every stage's parameters and optimizer state as safetensors bytes, edge first.
     pub fn save_stages(&mut self) -> Result<Vec<Vec<u8>>, RuntimeError> {
-        Ok(self
-            .stage_bytes()?
-            .into_iter()
-            .map(ShardBytes::into_vec)
-            .collect())
-    }
-
-    /// [`save_stages`](Self::save_stages) in the buffers the stages were serialised into (a
-    /// plugin's read in place): what a checkpoint writes, without a copy.
-    pub fn stage_bytes(&mut self) -> Result<Vec<ShardBytes>, RuntimeError> {
-        self.call_sup(|reply| SupMsg::SaveStages { reply })
+        let shards = self.call_sup(|reply| SupMsg::SaveStages { reply })?;
+        Ok(shards.into_iter().map(ShardBytes::into_vec).collect())
     }
 
     /// Every stage's snapshot, edge first ([`nsactor_plugin_api::Stage::snapshot`]), taken

@@ -148,7 +148,7 @@ pub fn train(req: TrainRequest) -> Result<TrainOutcome, RuntimeError> {
             }) as train::AfterLastStep<'_>
         }),
     };
-    let summary = match (train::run(&cfg, &mut pipeline, options), &member) {
+    let mut summary = match (train::run(&cfg, &mut pipeline, options), &member) {
         (Ok(s), _) => s,
         (Err(e), Some(m)) if m.peers.ended() => {
             // Rank 0 stopped the run on request while this rank was in a step.
@@ -181,7 +181,7 @@ pub fn train(req: TrainRequest) -> Result<TrainOutcome, RuntimeError> {
         summary.tokens_per_s,
         summary.weights.display()
     );
-    let sample = summary.after_last_step.clone();
+    let sample = summary.after_last_step.take();
     Ok(TrainOutcome::Finished { summary, sample })
 }
 

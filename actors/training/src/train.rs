@@ -499,16 +499,15 @@ impl<'a> Run<'a> {
         }
     }
 
-    /// After the last step (rank 0 only): `loss.png`, the work after the last step, then —
-    /// unless a stop ended the run, whose checkpoint is written — the final checkpoint and the
-    /// weights (started after the last step; written here when this process ran no step), the
+    /// After the last step (rank 0 only): `loss.png`, then — unless a stop ended the run,
+    /// whose checkpoint is written — the work after the last step beside the final checkpoint
+    /// and weights (started after the last step, or here when this process ran no step), the
     /// config and the data cursor.
     fn finish(mut self, pipeline: &mut Pipeline) -> Result<RunSummary, RuntimeError> {
         self.bar.finish_and_clear();
         if !self.leader {
             return Ok(self.summary(PathBuf::new()));
         }
-        let t = &self.cfg.train;
         // Where the time after the last step goes, phase by phase (as the start's).
         let mut end = Startup::new();
         if !self.final_in_flight {
@@ -528,25 +527,19 @@ impl<'a> Run<'a> {
         }
         draw_curves(metrics_path, &png, self.title.clone());
         end.mark("loss.png");
+        // A process that ran no step (resumed at the end) starts the final write here.
+        let started_here = !self.final_in_flight;
+        if started_here {
+            self.start_final(pipeline)?;
+        }
         // On the device while the host writes; its failure is reported once the write ended.
         let after = self.after_last_step.take().map(|f| f(pipeline));
         if after.is_some() {
             end.mark("work on the trained model");
         }
-        let weights = self.out_dir.join("model.safetensors");
-        let done = if self.final_in_flight {
-            pipeline.finish_checkpoint()?.ok_or_else(|| {
-                RuntimeError::Runtime("the final checkpoint's write was not in flight".into())
-            })?
-        } else {
-            pipeline.checkpoint_exporting(
-                &self.ckpt_root,
-                t.keep_checkpoints,
-                self.config_text.clone(),
-                self.tokenizer_sha256.take(),
-                &weights,
-            )?
-        };
+        let done = pipeline.finish_checkpoint()?.ok_or_else(|| {
+            RuntimeError::Runtime("the final checkpoint's write was not in flight".into())
+        })?;
         written(Ok(done), &mut |l| self.metrics.log(l))?;
         let config_path = self.out_dir.join("config.toml");
         nsactor_checkpoint::weights::write_atomic(&config_path, self.config_text.as_bytes())
@@ -557,16 +550,16 @@ impl<'a> Run<'a> {
             nsactor_checkpoint::weights::write_atomic(&cursor_path, text.as_bytes())
                 .map_err(|e| RuntimeError::Io(cursor_path, e))?;
         }
-        end.mark(if self.final_in_flight {
-            "the rest of the final checkpoint and weights"
-        } else {
+        end.mark(if started_here {
             "the final checkpoint and weights"
+        } else {
+            "the rest of the final checkpoint and weights"
         });
         tracing::info!("after the last step: {}", end.phases_line());
         let after_last_step = after.transpose()?;
         Ok(RunSummary {
             after_last_step,
-            ..self.summary(weights)
+            ..self.summary(self.out_dir.join("model.safetensors"))
         })
     }
 }

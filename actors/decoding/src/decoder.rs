@@ -6,7 +6,6 @@ use super::buckets::CohortBuckets;
 use super::heal::{HealTimings, Health, HealthCell, RestartPolicy};
 use super::stream::{DecodeStream, StreamPlan};
 use nsactor_engine::error::RuntimeError;
-use nsactor_pipeline::layers::session_layers;
 use nsactor_pipeline::msg::{EdgeMsg, ask};
 use nsactor_pipeline::topology::Children;
 use nsactor_plugin_api::{DeviceTensor, IdAllocator, SessionId};
@@ -66,16 +65,6 @@ impl AsyncDecoder {
             reply,
         }))
         .await
-    }
-
-    /// `h` through every layer of `session` (all of `h`'s rows), outside any cohort.
-    pub(crate) async fn layers(
-        &self,
-        session: SessionId,
-        h: DeviceTensor,
-    ) -> Result<DeviceTensor, RuntimeError> {
-        let layers = self.children().layers.clone();
-        crate::order::pass(session_layers(&layers, &[session], h)).await
     }
 
     /// Runs `ids` through `session` (a prompt, or one token); the last position's logits.

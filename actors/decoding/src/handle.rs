@@ -11,6 +11,7 @@ use nsactor_engine::config::TrainConfig;
 use nsactor_engine::engine::{DecodeSession, StagedModel, StepParams, StepStats};
 use nsactor_engine::error::RuntimeError;
 use nsactor_pipeline::data::DataMsg;
+use nsactor_pipeline::layers::evaluate_layers;
 use nsactor_pipeline::msg::{EdgeMsg, ask};
 use nsactor_pipeline::plan::PipelinePlan;
 use nsactor_pipeline::supervisor::{StepReport, SupMsg};
@@ -324,24 +325,24 @@ impl Pipeline {
         nsactor_engine::engine::generate(&mut d, prompt, max_new_tokens, eos, suppress, sampling)
     }
 
-    /// Masked mean cross entropy of `b` (no gradients).
+    /// Masked mean cross entropy of `b` (no gradients, no session): each layer's training
+    /// forward ([`evaluate_layers`]), so a held-out evaluation runs the kernels the training
+    /// steps compiled and chose at their shapes.
     pub fn eval_ce(&mut self, b: &Batch) -> Result<f64, EngineError> {
         b.validate()?;
         let d = &self.sessions;
-        let session = d.session();
-        let r = self.block(async {
+        self.block(async {
             let h = d.embed(b.inputs.clone(), b.batch, b.seq_len).await?;
-            let h = d.layers(session, h).await?;
+            let children = d.children();
+            let h = evaluate_layers(&children.layers, h).await?;
             let batch = Arc::new(b.clone());
-            ask(&d.children().edge, "edge", |reply| EdgeMsg::HeadEval {
+            ask(&children.edge, "edge", |reply| EdgeMsg::HeadEval {
                 h,
                 batch,
                 reply,
             })
             .await
-        });
-        self.rt.block_on(d.close(session));
-        r
+        })
     }
 }
 

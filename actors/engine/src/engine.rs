@@ -397,28 +397,30 @@ impl StagedModel {
         greedy(&mut d, prompt, max_new_tokens, eos, suppress)
     }
 
-    /// Masked mean cross entropy of `b` without touching gradients.
+    /// Masked mean cross entropy of `b` without touching gradients or sessions: each layer's
+    /// training forward (`StageCall::Evaluate`), as the actor pipeline's evaluation runs it.
     pub fn eval_ce(&mut self, b: &Batch) -> Result<f64, EngineError> {
         b.validate()?;
-        let s = self.ids.session();
-        let result = (|| {
-            let h = self.session_embed(Tokens {
-                ids: &b.inputs,
-                batch: b.batch,
-                seq_len: b.seq_len,
-            })?;
-            let h = self.session_layers(s, h)?;
-            self.edge
-                .call(StageCall::HeadEval {
-                    h,
-                    targets: &b.targets,
-                    mask: &b.loss_mask,
-                })?
-                .try_into()
-                .map(|l: Loss| l.ce)
-        })();
-        self.session_close(s);
-        result
+        let mut h = self.session_embed(Tokens {
+            ids: &b.inputs,
+            batch: b.batch,
+            seq_len: b.seq_len,
+        })?;
+        for i in 0..self.layers.len() {
+            let h_in = self.to(h, self.placement.layers[i])?;
+            h = self.layers[i]
+                .call(StageCall::Evaluate { h: h_in })?
+                .into_tensor("Evaluate")?;
+        }
+        let h = self.to(h, self.placement.edge)?;
+        self.edge
+            .call(StageCall::HeadEval {
+                h,
+                targets: &b.targets,
+                mask: &b.loss_mask,
+            })?
+            .try_into()
+            .map(|l: Loss| l.ce)
     }
 
     /// Every stage's parameters and optimizer state (none for stages opened without an

@@ -1,5 +1,6 @@
-//! Work on the layer actors' stages, each lent for it: a decoding pass (the layers that share
-//! a worker run as one job there) and the prefix cache's state ops ([`state_all`]).
+//! Work on the layer actors' stages, each lent for it: a decoding pass or a held-out
+//! evaluation (the layers that share a worker run as one job there) and the prefix cache's
+//! state ops ([`state_all`]).
 
 use super::holder::StageHolder;
 use super::msg::{EdgeMsg, LayerMsg, ask};
@@ -7,9 +8,32 @@ use super::state::{SaveTally, StateOp, StateOut, save_all};
 use super::trace;
 use super::worker::{JobPanicked, Priority};
 use nsactor_engine::error::RuntimeError;
-use nsactor_plugin_api::{DeviceTensor, EngineError, SessionId, SnapshotId};
+use nsactor_plugin_api::{DeviceTensor, EngineError, SessionId, SnapshotId, StageCall};
 use ractor::ActorRef;
 use std::sync::Arc;
+
+/// What each layer of a lent pass does with its input.
+#[derive(Clone)]
+enum PassCall {
+    /// A decoding pass of these sessions (`StageCall::SessionForward`).
+    Sessions(Vec<SessionId>),
+    /// A held-out evaluation (`StageCall::Evaluate`): the training forward, nothing kept.
+    Evaluate,
+}
+
+/// `h` through every layer for a held-out evaluation: each layer's training forward from
+/// membranes at rest, keeping nothing (no session, no gradient touched), lent and grouped per
+/// worker as a decoding pass is. The kernels are the training step's, already compiled and
+/// chosen at its shapes, where a decoding pass's batch-invariant ones would be chosen anew.
+pub async fn evaluate_layers(
+    layers: &[ActorRef<LayerMsg>],
+    h: DeviceTensor,
+) -> Result<DeviceTensor, RuntimeError> {
+    let holders = share_layers(layers).await?;
+    run_pass(&holders, PassCall::Evaluate, h, &[])
+        .await
+        .map(|(h, _)| h)
+}
 
 /// `h` through `layers` for decoding `sessions` (batch rows split evenly among them, in order).
 /// Each layer actor lends its stage ([`LayerMsg::Share`], all asked at once), and the layers
@@ -56,6 +80,16 @@ pub async fn run_layers(
 pub async fn run_layers_saving(
     holders: &[StageHolder],
     sessions: &[SessionId],
+    h: DeviceTensor,
+    saves: &[(SessionId, SnapshotId)],
+) -> Result<(DeviceTensor, SaveTally), RuntimeError> {
+    run_pass(holders, PassCall::Sessions(sessions.to_vec()), h, saves).await
+}
+
+/// `h` through the lent layers, `call` at each; the layers of one worker run as one job.
+async fn run_pass(
+    holders: &[StageHolder],
+    call: PassCall,
     mut h: DeviceTensor,
     saves: &[(SessionId, SnapshotId)],
 ) -> Result<(DeviceTensor, SaveTally), RuntimeError> {
@@ -67,7 +101,7 @@ pub async fn run_layers_saving(
             .find(|&j| !Arc::ptr_eq(&holders[j].worker, worker))
             .unwrap_or(holders.len());
         let group = holders[start..end].to_vec();
-        let sessions = sessions.to_vec();
+        let call = call.clone();
         let saves = saves.to_vec();
         let job = worker.run_then(Priority::FORWARD_UNTRAINED, None, move || {
             trace::mark(trace::Mark::LayersJob);
@@ -76,12 +110,15 @@ pub async fn run_layers_saving(
             for holder in &group {
                 let (out, saved) = holder
                     .run(Some(h), |st, h| {
-                        let out = st
-                            .call(nsactor_plugin_api::StageCall::SessionForward {
-                                sessions: &sessions,
-                                h: h.expect("moved"),
-                            })?
-                            .into_tensor("SessionForward")?;
+                        let h = h.expect("moved");
+                        let out = match &call {
+                            PassCall::Sessions(sessions) => st
+                                .call(StageCall::SessionForward { sessions, h })?
+                                .into_tensor("SessionForward")?,
+                            PassCall::Evaluate => st
+                                .call(StageCall::Evaluate { h })?
+                                .into_tensor("Evaluate")?,
+                        };
                         Ok((out, save_all(st, &saves)))
                     })
                     .map_err(|error| RuntimeError::Stage {

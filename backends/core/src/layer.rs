@@ -382,6 +382,13 @@ impl<B: SnnOps> Stage for LayerStage<B> {
                 self.graphs.close(session.0);
                 Ok(Reply::none())
             }
+            StageCall::Evaluate { h } => {
+                let h = act(h, name)?;
+                self.check_h(&h, "Evaluate")?;
+                let state = LayerState::zeros(&self.cfg, h.dims()[1], &self.device);
+                let out = self.inner.forward(h, state, &self.cfg);
+                Ok(Reply::tensor(wrap(out.h)))
+            }
             StageCall::Probe { h } => {
                 let h = act(h, name)?;
                 self.check_h(&h, "Probe")?;

@@ -67,8 +67,9 @@ use std::fmt;
 /// every position's logits of a prefill (a prompt scored in one pass). Revision 14 added the
 /// prefix cache's state snapshots ([`StageCall::StateSave`], `StateRestore`, `StateDrop`,
 /// `StateRead`, `StateWrite`). Revision 15 made `StateSave` and `StateRestore` name many
-/// sessions at once (one copy per state field for all of them).
-pub const ABI_VERSION: u32 = 15;
+/// sessions at once (one copy per state field for all of them). Revision 16 added
+/// [`StageCall::Evaluate`]: a layer's training forward that keeps nothing.
+pub const ABI_VERSION: u32 = 16;
 
 /// One micro-batch of token ids, row-major `[batch, seq_len]`.
 #[derive(Debug, Clone, PartialEq)]

@@ -272,6 +272,10 @@ pub enum StageCall<'a> {
     /// Layer: forward of `h` from membranes at rest, keeping nothing, with what the
     /// interpretability study reads (`nsactor analyze`). Reply: [`Probe`](crate::Probe).
     Probe { h: DeviceTensor },
+    /// Layer: the training forward of `h` from membranes at rest, keeping nothing (a held-out
+    /// evaluation: the training step's kernels at its shapes, none compiled or chosen anew).
+    /// Reply: `[h_out]`.
+    Evaluate { h: DeviceTensor },
     /// Edge: the decode path and the cross entropy of every position of `h` against `targets`
     /// (`[B, T]` row-major; id 0 is padding and scores 0), nothing kept. Reply: `[ce]`
     /// `[1, B, T]` in nats: the surprisal `−ln p(target)` of each position.
@@ -325,6 +329,7 @@ impl StageCall<'_> {
             StageCall::StateDrop { .. } => 24,
             StageCall::StateRead { .. } => 25,
             StageCall::StateWrite { .. } => 26,
+            StageCall::Evaluate { .. } => 27,
         }
     }
 
@@ -356,6 +361,7 @@ impl StageCall<'_> {
             StageCall::StateDrop { .. } => "StateDrop",
             StageCall::StateRead { .. } => "StateRead",
             StageCall::StateWrite { .. } => "StateWrite",
+            StageCall::Evaluate { .. } => "Evaluate",
         }
     }
 }

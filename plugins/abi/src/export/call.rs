@@ -113,6 +113,9 @@ pub(crate) fn decode_call<'a>(
         15 => StageCall::Probe {
             h: tensor("Probe")?,
         },
+        27 => StageCall::Evaluate {
+            h: tensor("Evaluate")?,
+        },
         16 => StageCall::TokenLosses {
             h: tensor("TokenLosses")?,
             targets,

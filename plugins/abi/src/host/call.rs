@@ -104,7 +104,7 @@ pub(crate) fn encode(
             a.mask_len = picks.floats.len();
             input = Some(h);
         }
-        StageCall::Probe { h } => input = Some(h),
+        StageCall::Probe { h } | StageCall::Evaluate { h } => input = Some(h),
         StageCall::TokenLosses { h, targets } => {
             head(&mut a, targets, &[]);
             input = Some(h);

@@ -5,7 +5,8 @@
 //! are dropped once written, so the host holds a few stages at a time, not the whole 10.5 GB
 //! of a 0.9B checkpoint. When the run's final weights are asked for, the same bytes feed them: an
 //! exporter merges the stages' parameters into one file once every stage has been read, while
-//! the shard files are still being written, so the end of a run reads the device once.
+//! the shard files are still being written, so the end of a run reads the device once. The
+//! reader, writers and exporter run below the training threads' CPU priority.
 
 use nsactor_engine::error::RuntimeError;
 use nsactor_plugin_api::files::write_atomic_with;
@@ -15,6 +16,22 @@ use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, mpsc};
 use std::time::{Duration, Instant};
+
+/// How far below the training threads the checkpoint's own threads run (`nice` +10): a
+/// background write takes the cores the step leaves idle, not the step's.
+const NICE: i32 = 10;
+
+/// Lowers the calling thread's CPU priority by [`NICE`] (Linux: a thread has its own nice
+/// value). Best effort: a refusal leaves the thread as it was.
+fn lower_priority() {
+    #[cfg(target_os = "linux")]
+    // SAFETY: plain syscalls on the calling thread's own id.
+    unsafe {
+        let tid = libc::gettid() as libc::id_t;
+        let now = libc::getpriority(libc::PRIO_PROCESS, tid);
+        libc::setpriority(libc::PRIO_PROCESS, tid, (now + NICE).min(19));
+    }
+}
 
 /// One shard as the manifest records it: its file name, size and sha256.
 #[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
@@ -114,10 +131,16 @@ where
     // and it stops too.
     let ready = Arc::new(Mutex::new(ready));
     std::thread::scope(|scope| {
-        let exporter = export.map(|path| scope.spawn(move || export_from(path, n, exported)));
+        let exporter = export.map(|path| {
+            scope.spawn(move || {
+                lower_priority();
+                export_from(path, n, exported)
+            })
+        });
         let to_export = export.is_some().then_some(to_export);
         let failed = &failed;
         let reader = scope.spawn(move || {
+            lower_priority();
             for (i, source) in sources.into_iter().enumerate() {
                 if failed.load(Ordering::Relaxed) {
                     break;
@@ -144,6 +167,7 @@ where
             .map(|_| {
                 let ready = ready.clone();
                 scope.spawn(move || {
+                    lower_priority();
                     let mut done = Vec::new();
                     loop {
                         let next = ready.lock().expect("the queue").recv();

@@ -516,27 +516,33 @@ impl<'a> Run<'a> {
             }
             end.mark("the background write in flight");
         }
-        let (metrics_path, png) = (&self.metrics.path, self.out_dir.join("loss.png"));
+        let (metrics_path, png) = (self.metrics.path.clone(), self.out_dir.join("loss.png"));
         if let Some(s) = self.stopped_at {
             tracing::warn!(
                 "stopped after step {s} on request; its checkpoint is in {}: `--resume` continues",
                 self.ckpt_root.display()
             );
-            draw_curves(metrics_path, &png, self.title.clone());
+            draw_curves(&metrics_path, &png, self.title.clone());
             return Ok(self.summary(PathBuf::new()));
         }
-        draw_curves(metrics_path, &png, self.title.clone());
-        end.mark("loss.png");
         // A process that ran no step (resumed at the end) starts the final write here.
         let started_here = !self.final_in_flight;
         if started_here {
             self.start_final(pipeline)?;
         }
-        // On the device while the host writes; its failure is reported once the write ended.
-        let after = self.after_last_step.take().map(|f| f(pipeline));
-        if after.is_some() {
-            end.mark("work on the trained model");
-        }
+        // `loss.png` on a host thread beside the work on the device, both while the host
+        // writes; the work's failure is reported once the write ended.
+        let after_last_step = self.after_last_step.take();
+        let title = self.title.clone();
+        let after = std::thread::scope(|s| {
+            s.spawn(|| draw_curves(&metrics_path, &png, title));
+            after_last_step.map(|f| f(pipeline))
+        });
+        end.mark(if after.is_some() {
+            "loss.png beside the work on the trained model"
+        } else {
+            "loss.png"
+        });
         let done = pipeline.finish_checkpoint()?.ok_or_else(|| {
             RuntimeError::Runtime("the final checkpoint's write was not in flight".into())
         })?;

@@ -12,6 +12,7 @@ use nsactor_engine::engine::StagedModel;
 use nsactor_engine::error::RuntimeError;
 use nsactor_plugin_api::{ComputeBackend, ModelConfig, OptimizerKind, PlifOut};
 use safetensors::SafeTensors;
+use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
@@ -89,27 +90,22 @@ pub fn export_hf(
         .or(cfg.data.tokenizer.clone());
     let tok = nsactor_data::Tokenizer::load_or_bundled(tok_path.as_deref())?;
     l.manifest.check_tokenizer(&l.dir, &tok)?;
-    let merged = crate::weights::merge_params(&l.shards)?;
-    let st = SafeTensors::deserialize(&merged).map_err(convert)?;
-    let names: Vec<String> = st
-        .names()
-        .into_iter()
-        .map(|n| format!("{HF_PREFIX}{n}"))
-        .collect();
-    let views: Vec<_> = names
-        .iter()
-        .zip(st.names())
-        .map(|(hf, n)| (hf.as_str(), st.tensor(n).expect("listed")))
-        .collect();
-    let bytes = safetensors::serialize(views, None).map_err(convert)?;
+    let merged = crate::weights::MergedParams::new(&l.shards, HF_PREFIX)?;
     std::fs::create_dir_all(out)
         .map_err(|e| format!("{}: {e}", out.display()))
         .map_err(convert)?;
+    let weights = out.join("model.safetensors");
+    crate::weights::write_atomic_with(&weights, |f| {
+        let mut w = std::io::BufWriter::with_capacity(8 << 20, f);
+        merged.write_to(&mut w)?;
+        w.flush()
+    })
+    .map_err(|e| format!("{}: {e}", weights.display()))
+    .map_err(convert)?;
     let write = |name: &str, bytes: &[u8]| {
         let p = out.join(name);
         crate::weights::write_atomic(&p, bytes).map_err(|e| format!("{}: {e}", p.display()))
     };
-    write("model.safetensors", &bytes).map_err(convert)?;
     write(
         "config.json",
         serde_json::to_string_pretty(&hf_config(&cfg.model))

@@ -256,11 +256,15 @@ fn export_from<B: AsRef<[u8]>>(
         return Ok(None);
     };
     let views: Vec<&[u8]> = shards.iter().map(|b| (**b).as_ref()).collect();
-    let merged = crate::weights::merge_params(&views)?;
-    drop(shards);
-    crate::weights::write_atomic(path, &merged)
-        .map_err(|e| RuntimeError::Io(path.to_path_buf(), e))?;
-    Ok(Some(merged.len() as u64))
+    let merged = crate::weights::MergedParams::new(&views, "")?;
+    let bytes = write_atomic_with(path, |f| {
+        let mut w = std::io::BufWriter::with_capacity(PIECE, f);
+        let n = merged.write_to(&mut w)?;
+        w.flush()?;
+        Ok(n)
+    })
+    .map_err(|e| RuntimeError::Io(path.to_path_buf(), e))?;
+    Ok(Some(bytes))
 }
 
 #[cfg(test)]

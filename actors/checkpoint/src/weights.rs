@@ -2,38 +2,155 @@
 
 use nsactor_engine::error::RuntimeError;
 use safetensors::SafeTensors;
-use safetensors::tensor::TensorView;
+use safetensors::tensor::{Metadata, TensorInfo};
+use std::io::Write;
 
 /// Prefix of optimizer-state tensors inside a stage shard.
 const OPTIMIZER_PREFIX: &str = "adam.";
 
-/// One safetensors file with every stage's parameters (optimizer state dropped), under the
-/// reference names — the `model.safetensors` a run leaves behind.
-pub fn merge_params<B: AsRef<[u8]>>(shards: &[B]) -> Result<Vec<u8>, RuntimeError> {
-    let parsed = shards
-        .iter()
-        .enumerate()
-        .map(|(i, b)| {
-            SafeTensors::deserialize(b.as_ref())
-                .map_err(|e| RuntimeError::Weights(format!("stage shard {i}: {e}")))
-        })
-        .collect::<Result<Vec<_>, _>>()?;
-    let mut views: Vec<(String, TensorView<'_>)> = Vec::new();
-    for st in &parsed {
-        for (name, view) in st.tensors() {
-            if name.starts_with(OPTIMIZER_PREFIX) {
-                continue;
-            }
-            if views.iter().any(|(n, _)| *n == name) {
-                return Err(RuntimeError::Weights(format!(
-                    "tensor `{name}` appears in two stage shards"
-                )));
-            }
-            views.push((name, view));
-        }
-    }
-    safetensors::serialize(views, None)
-        .map_err(|e| RuntimeError::Weights(format!("serialise: {e}")))
+/// Every stage's parameters laid out as one safetensors file, borrowing the shards' bytes: the
+/// header, then the tensors' bytes in file order. Written out piece by piece
+/// ([`write_to`](Self::write_to)), a whole-model file costs no merged copy in memory.
+pub struct MergedParams<'a> {
+    header: Vec<u8>,
+    pieces: Vec<&'a [u8]>,
 }
 
-pub use nsactor_plugin_api::files::write_atomic;
+impl<'a> MergedParams<'a> {
+    /// The parameters of `shards` (optimizer state dropped) under the reference names with
+    /// `prefix` before each (`model.` for a Hugging Face export, else empty), in the order
+    /// and with the header `safetensors::serialize` gives them (dtype alignment descending,
+    /// then name), so the file is byte for byte the one it would write.
+    pub fn new<B: AsRef<[u8]>>(shards: &'a [B], prefix: &str) -> Result<Self, RuntimeError> {
+        let mut tensors: Vec<(String, TensorInfo, &'a [u8])> = Vec::new();
+        for (i, b) in shards.iter().enumerate() {
+            let st = SafeTensors::deserialize(b.as_ref())
+                .map_err(|e| RuntimeError::Weights(format!("stage shard {i}: {e}")))?;
+            for (name, view) in st.tensors() {
+                if name.starts_with(OPTIMIZER_PREFIX) {
+                    continue;
+                }
+                if tensors.iter().any(|(n, ..)| n[prefix.len()..] == name) {
+                    return Err(RuntimeError::Weights(format!(
+                        "tensor `{name}` appears in two stage shards"
+                    )));
+                }
+                let info = TensorInfo {
+                    dtype: view.dtype(),
+                    shape: view.shape().to_vec(),
+                    data_offsets: (0, 0),
+                };
+                tensors.push((format!("{prefix}{name}"), info, view.data()));
+            }
+        }
+        tensors.sort_by(|(ln, li, _), (rn, ri, _)| ri.dtype.cmp(&li.dtype).then(ln.cmp(rn)));
+        let mut offset = 0;
+        let mut infos = Vec::with_capacity(tensors.len());
+        let mut pieces = Vec::with_capacity(tensors.len());
+        for (name, mut info, data) in tensors {
+            info.data_offsets = (offset, offset + data.len());
+            offset += data.len();
+            infos.push((name, info));
+            pieces.push(data);
+        }
+        let bad = |e: &dyn std::fmt::Display| RuntimeError::Weights(format!("serialise: {e}"));
+        let metadata = Metadata::new(None, infos).map_err(|e| bad(&e))?;
+        let mut json = serde_json::to_vec(&metadata).map_err(|e| bad(&e))?;
+        json.resize(json.len().next_multiple_of(8), b' ');
+        let mut header = (json.len() as u64).to_le_bytes().to_vec();
+        header.extend(json);
+        Ok(MergedParams { header, pieces })
+    }
+
+    /// The file's size in bytes.
+    pub fn len(&self) -> u64 {
+        (self.header.len() + self.pieces.iter().map(|p| p.len()).sum::<usize>()) as u64
+    }
+
+    /// Whether the file would hold nothing (never: it has a header).
+    pub fn is_empty(&self) -> bool {
+        false
+    }
+
+    /// Writes the file to `w` (large pieces go straight through a `BufWriter`).
+    pub fn write_to(&self, w: &mut impl Write) -> std::io::Result<u64> {
+        w.write_all(&self.header)?;
+        for p in &self.pieces {
+            w.write_all(p)?;
+        }
+        Ok(self.len())
+    }
+}
+
+/// One safetensors file with every stage's parameters (optimizer state dropped), under the
+/// reference names — the `model.safetensors` a run leaves behind — built in memory.
+pub fn merge_params<B: AsRef<[u8]>>(shards: &[B]) -> Result<Vec<u8>, RuntimeError> {
+    let m = MergedParams::new(shards, "")?;
+    let mut out = Vec::with_capacity(m.len() as usize);
+    m.write_to(&mut out)
+        .expect("writing to a Vec does not fail");
+    Ok(out)
+}
+
+pub use nsactor_plugin_api::files::{write_atomic, write_atomic_with};
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use safetensors::tensor::TensorView;
+    use safetensors::{Dtype, serialize};
+
+    fn shard(tensors: &[(&str, Dtype, Vec<usize>, Vec<u8>)]) -> Vec<u8> {
+        let views: Vec<_> = tensors
+            .iter()
+            .map(|(n, d, s, b)| (n.to_string(), TensorView::new(*d, s.clone(), b).unwrap()))
+            .collect();
+        serialize(views, None).unwrap()
+    }
+
+    /// The merged file equals what `safetensors::serialize` writes for the parameters alone
+    /// (mixed dtypes, so the order by alignment shows), and refuses a name in two shards.
+    #[test]
+    fn merged_params_are_byte_for_byte_safetensors_own_file() {
+        let a = shard(&[
+            ("layers.0.w", Dtype::F32, vec![2, 3], (0..24).collect()),
+            ("adam.layers.0.w.m", Dtype::F32, vec![6], vec![9; 24]),
+            ("layers.0.b", Dtype::BF16, vec![3], vec![1, 2, 3, 4, 5, 6]),
+        ]);
+        let b = shard(&[("embed", Dtype::F32, vec![1, 1], vec![7, 7, 7, 7])]);
+        let merged = merge_params(&[&a, &b]).unwrap();
+        let want = shard(&[
+            ("layers.0.w", Dtype::F32, vec![2, 3], (0..24).collect()),
+            ("layers.0.b", Dtype::BF16, vec![3], vec![1, 2, 3, 4, 5, 6]),
+            ("embed", Dtype::F32, vec![1, 1], vec![7, 7, 7, 7]),
+        ]);
+        assert_eq!(merged, want);
+        assert_eq!(
+            MergedParams::new(&[&a, &b], "").unwrap().len(),
+            want.len() as u64
+        );
+        let mut prefixed = Vec::new();
+        MergedParams::new(&[&a, &b], "model.")
+            .unwrap()
+            .write_to(&mut prefixed)
+            .unwrap();
+        let want = shard(&[
+            (
+                "model.layers.0.w",
+                Dtype::F32,
+                vec![2, 3],
+                (0..24).collect(),
+            ),
+            (
+                "model.layers.0.b",
+                Dtype::BF16,
+                vec![3],
+                vec![1, 2, 3, 4, 5, 6],
+            ),
+            ("model.embed", Dtype::F32, vec![1, 1], vec![7, 7, 7, 7]),
+        ]);
+        assert_eq!(prefixed, want);
+        let e = merge_params(&[&b, &b]).unwrap_err().to_string();
+        assert!(e.contains("`embed` appears in two"), "{e}");
+    }
+}

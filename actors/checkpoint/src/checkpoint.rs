@@ -96,6 +96,7 @@ pub fn write_with(
         shards.iter().collect(),
         &|b: &Vec<u8>| Ok(b.as_slice()),
         None,
+        None,
     )?;
     seal(root, &dir, meta, written.entries, keep, before_manifest)?;
     Ok(dir)

@@ -45,6 +45,10 @@ pub struct CheckpointReport {
     pub previous: Option<Result<WriteDone, RuntimeError>>,
     /// This checkpoint's write, when it was written before the reply (not in the background).
     pub written: Option<WriteDone>,
+    /// A background write's signal that every stage has been read back: from then on the
+    /// write is the disk's alone and work on the device no longer slows its reads. Closed
+    /// unheard if the write failed first.
+    pub reads_done: Option<std::sync::mpsc::Receiver<()>>,
 }
 
 /// The write in flight, if any.
@@ -70,6 +74,8 @@ pub struct Job {
     /// Also write the stages' parameters as one whole-model file here (the run's final
     /// weights), from the same read of the stages.
     pub export: Option<PathBuf>,
+    /// Hears once every stage has been read back (the device is free of the write).
+    pub reads_done: Option<std::sync::mpsc::Sender<()>>,
 }
 
 impl Job {
@@ -90,6 +96,7 @@ impl Job {
             self.shards,
             &|s: Box<dyn StageSnapshot>| Ok(s.bytes()?),
             self.export.as_deref(),
+            self.reads_done,
         )?;
         let bytes = written.entries.iter().map(|e| e.bytes).sum();
         checkpoint::seal(

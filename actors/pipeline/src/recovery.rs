@@ -254,6 +254,7 @@ impl SupState {
         let snapshot_seconds = t.elapsed().as_secs_f64();
         let step = self.step;
         let fault = self.topo.fault.as_ref();
+        let (reads_tx, reads_rx) = std::sync::mpsc::channel();
         let job = Job {
             crash: fault.is_some_and(|f| f.crash_in_checkpoint(step)),
             disk_full: fault.is_some_and(|f| f.disk_full_in_checkpoint(step)),
@@ -268,6 +269,7 @@ impl SupState {
             },
             shards,
             export,
+            reads_done: background.then_some(reads_tx),
         };
         let written = self.writer.write(job, background).await?;
         Ok(CheckpointReport {
@@ -277,6 +279,7 @@ impl SupState {
             snapshot_seconds,
             previous,
             written,
+            reads_done: background.then_some(reads_rx),
         })
     }
 

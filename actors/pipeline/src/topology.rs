@@ -192,7 +192,10 @@ impl Topology {
                 weights,
                 ..self.spec.clone()
             };
-            worker.run(Priority::Control, move || backend.open_stage(&spec))
+            worker.run(Priority::Control, move || {
+                let t = std::time::Instant::now();
+                backend.open_stage(&spec).map(|s| (s, t.elapsed()))
+            })
         };
         let edge = open(StageKind::Edge, plan.edge_device(), &workers[0]);
         let devices = plan.layer_devices();
@@ -205,10 +208,24 @@ impl Topology {
                 )
             })
             .collect();
-        let edge = edge.await.map_err(|p| rt(p.0))??;
+        let (edge, edge_took) = edge.await.map_err(|p| rt(p.0))??;
         let mut out = Vec::with_capacity(layers.len());
+        let mut took = Vec::with_capacity(layers.len());
         for l in layers {
-            out.push(l.await.map_err(|p| rt(p.0))??);
+            let (stage, t) = l.await.map_err(|p| rt(p.0))??;
+            out.push(stage);
+            took.push(t.as_secs_f64());
+        }
+        // Where a slow start's stage time goes: the first layer pays the device's first
+        // allocations and kernel compiles, the others their own parameters.
+        if let Some((first, rest)) = took.split_first() {
+            tracing::info!(
+                "replica {r}'s stages opened ({weights:?}): edge {:.3} s, layer 0 {first:.3} s, \
+                 the other {} layers {:.3} s each on average",
+                edge_took.as_secs_f64(),
+                rest.len(),
+                rest.iter().sum::<f64>() / rest.len().max(1) as f64
+            );
         }
         Ok((edge, out))
     }

@@ -151,8 +151,12 @@ struct Run<'a> {
     startup: Option<Startup>,
     after_last_step: Option<AfterLastStep<'a>>,
     /// The final checkpoint (with the weights) is being written in the background: started
-    /// after the last step, before its evaluation, so the two overlap.
+    /// after the last step, before its evaluation, which waits for its reads only, so the
+    /// evaluation overlaps its disk writes.
     final_in_flight: bool,
+    /// Heard once the final write has read every stage back: the last evaluation and the
+    /// work after the last step wait for it rather than slow its reads (and be slowed).
+    final_reads: Option<std::sync::mpsc::Receiver<()>>,
 }
 
 impl<'a> Run<'a> {
@@ -224,6 +228,7 @@ impl<'a> Run<'a> {
             startup,
             after_last_step,
             final_in_flight: false,
+            final_reads: None,
         })
     }
 
@@ -415,6 +420,7 @@ impl<'a> Run<'a> {
         let t = &self.cfg.train;
         if self.leader && step == t.steps {
             self.start_final(pipeline)?;
+            self.wait_final_reads();
         }
         if let Some(h) = self.held_out.as_mut()
             && (step.is_multiple_of(t.eval_every) || step == t.steps)
@@ -463,7 +469,10 @@ impl<'a> Run<'a> {
 
     /// After the last step: the final checkpoint and the run's weights, from one read of the
     /// stages, written in the background while the last evaluation and the work after the last
-    /// step run on the device; [`finish`](Self::finish) waits for them.
+    /// step run on the device (once the stages are read back: [`wait_final_reads`]);
+    /// [`finish`](Self::finish) waits for them.
+    ///
+    /// [`wait_final_reads`]: Self::wait_final_reads
     fn start_final(&mut self, pipeline: &mut Pipeline) -> Result<(), RuntimeError> {
         let t = &self.cfg.train;
         let c = pipeline.checkpoint_final(
@@ -474,6 +483,7 @@ impl<'a> Run<'a> {
             &self.out_dir.join("model.safetensors"),
         )?;
         self.final_in_flight = true;
+        self.final_reads = c.reads_done;
         self.metrics.log(serde_json::json!({
             "event": "checkpoint", "step": c.step, "background": true, "final": true,
             "snapshot_s": c.snapshot_seconds, "waited_s": c.waited_seconds,
@@ -483,6 +493,21 @@ impl<'a> Run<'a> {
                 .suspend(|| written(w, &mut |l| self.metrics.log(l)))?;
         }
         Ok(())
+    }
+
+    /// Waits until the final write has read every stage back (on the H200 its reads took 15 s
+    /// beside the last evaluation and the sample, 4–5 s alone, and slowed them as much); the
+    /// disk's part goes on beside what follows. A failed write ends the wait at once.
+    fn wait_final_reads(&mut self) {
+        if let Some(rx) = self.final_reads.take() {
+            let t = Instant::now();
+            let _ = rx.recv();
+            tracing::info!(
+                "the final checkpoint's stages read back in {:.2} s; its files are written \
+                 beside what follows",
+                t.elapsed().as_secs_f64()
+            );
+        }
     }
 
     /// What a run reports, with its weights at `weights`.
@@ -529,6 +554,7 @@ impl<'a> Run<'a> {
         let started_here = !self.final_in_flight;
         if started_here {
             self.start_final(pipeline)?;
+            self.wait_final_reads();
         }
         // `loss.png` on a host thread beside the work on the device, both while the host
         // writes; the work's failure is reported once the write ended.

@@ -104,9 +104,16 @@ pub struct StagedModel {
     layers: Vec<Box<dyn Stage>>,
     /// Session and micro-batch ids.
     ids: IdAllocator,
+    /// Seconds the edge and each layer took to open ([`open_seconds`](Self::open_seconds)).
+    open_seconds: (f64, Vec<f64>),
 }
 
 impl StagedModel {
+    /// Seconds the edge and each layer (in order) took to open.
+    pub fn open_seconds(&self) -> (f64, &[f64]) {
+        (self.open_seconds.0, &self.open_seconds.1)
+    }
+
     /// Opens the edge and every layer, initialised from `seed`. `placement` defaults to
     /// everything on device 0.
     pub fn open(
@@ -155,11 +162,21 @@ impl StagedModel {
             optimizer,
             weights,
         };
+        let t = std::time::Instant::now();
         let edge = backend.open_stage(&spec(StageKind::Edge, placement.edge))?;
+        let edge_took = t.elapsed().as_secs_f64();
+        let mut took = Vec::with_capacity(n);
         let layers = (0..n)
-            .map(|i| backend.open_stage(&spec(StageKind::Layer(i), placement.layers[i])))
+            .map(|i| {
+                let t = std::time::Instant::now();
+                let stage = backend.open_stage(&spec(StageKind::Layer(i), placement.layers[i]));
+                took.push(t.elapsed().as_secs_f64());
+                stage
+            })
             .collect::<Result<_, _>>()?;
+
         Ok(StagedModel {
+            open_seconds: (edge_took, took),
             backend,
             spec: spec(StageKind::Edge, placement.edge),
             placement,

@@ -154,6 +154,8 @@ fn launch_with(
         Some(plan.placement()),
         weights,
     )?;
+    let (edge, layers) = model.open_seconds();
+    nsactor_pipeline::topology::log_open_times("the stages", weights, edge, layers);
     Pipeline::start_in(model, plan, cfg.train.clone(), sampler, world)
 }
 

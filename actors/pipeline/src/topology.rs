@@ -162,6 +162,19 @@ pub struct Topology {
     pub collectives: Option<Arc<super::collective::Collectives>>,
 }
 
+/// Logs where the opening of a model's stages went (`what` names them): the first layer pays
+/// the device's first allocations and kernel compiles, the others their own parameters.
+pub fn log_open_times(what: &str, weights: InitialWeights, edge: f64, layers: &[f64]) {
+    if let Some((first, rest)) = layers.split_first() {
+        tracing::info!(
+            "{what} opened ({weights:?}): edge {edge:.3} s, layer 0 {first:.3} s, the other {} \
+             layers {:.3} s each on average",
+            rest.len(),
+            rest.iter().sum::<f64>() / rest.len().max(1) as f64
+        );
+    }
+}
+
 fn rt(e: impl std::fmt::Display) -> RuntimeError {
     RuntimeError::Runtime(e.to_string())
 }
@@ -216,17 +229,12 @@ impl Topology {
             out.push(stage);
             took.push(t.as_secs_f64());
         }
-        // Where a slow start's stage time goes: the first layer pays the device's first
-        // allocations and kernel compiles, the others their own parameters.
-        if let Some((first, rest)) = took.split_first() {
-            tracing::info!(
-                "replica {r}'s stages opened ({weights:?}): edge {:.3} s, layer 0 {first:.3} s, \
-                 the other {} layers {:.3} s each on average",
-                edge_took.as_secs_f64(),
-                rest.len(),
-                rest.iter().sum::<f64>() / rest.len().max(1) as f64
-            );
-        }
+        log_open_times(
+            &format!("replica {r}'s stages"),
+            weights,
+            edge_took.as_secs_f64(),
+            &took,
+        );
         Ok((edge, out))
     }
 

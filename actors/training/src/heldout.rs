@@ -17,9 +17,8 @@ pub struct HeldOut {
     batch_size: usize,
     /// Sequences per forward ([`forward_rows`]).
     rows: usize,
-    /// The batches, read once ([`batches`](Self::batches)): an evaluation never waits for the
-    /// disk (the run's last one runs beside the final checkpoint's writes, which kept the
-    /// set's first read from a saturated disk waiting 7.7 s on the H200 where it takes 1.8).
+    /// The batches, read once ([`batches`](Self::batches)): an evaluation never reads the
+    /// data (one may run while a checkpoint's writes fill the disk).
     read: Option<Vec<Batch>>,
 }
 
@@ -32,7 +31,9 @@ pub struct HeldOut {
 /// config, T = 256: batch 32 gave 4.84 where batch 8 gives 3.96 on the same rows; with
 /// `[backend] streams = "shared"` batch 32 gives 3.96 too). Training is not affected (its
 /// losses agree bit for bit across the two stream modes). Batch 8 agreed with batch 1 in
-/// every run; `dn` is kept for a limit that depends on the model.
+/// every run; `dn` is kept for a limit that depends on the model. That was the decoding
+/// sessions' pass the evaluation ran before `StageCall::Evaluate`; the limit stays until the
+/// training forward it runs now is measured at larger batches on CUDA.
 pub fn forward_rows(dn: usize) -> usize {
     (65_535 / dn.max(1)).clamp(1, 8)
 }

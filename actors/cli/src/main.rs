@@ -119,8 +119,34 @@ fn main() -> ExitCode {
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("error: {e}");
+            let text = e.to_string();
+            eprintln!("error: {text}");
+            if let Some(h) = hint(&text) {
+                eprintln!("hint: {h}");
+            }
             ExitCode::FAILURE
         }
+    }
+}
+
+/// What to do about an error whose text says the device ran out of memory (CubeCL's
+/// allocator panics with "can't allocate buffer of size N" on its server thread, which the
+/// stage reports as a backend panic).
+fn hint(error: &str) -> Option<&'static str> {
+    (error.contains("can't allocate buffer") || error.contains("out of memory")).then_some(
+        "the device ran out of memory: lower [train] batch_size (`bench`: --batch-size) or \
+         keep_activations (--keep-activations; at 0.9B and 14 × 511 each kept layer past the \
+         first holds ~14 GiB), or serve fewer --max-sessions",
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn an_allocation_failure_gets_a_hint_and_other_errors_none() {
+        let oom = "step 0: layer 7: backend panicked: gemm: a queued GEMM panicked: called \
+                   `Result::unwrap()` on an `Err` value: can't allocate buffer of size: 9381867520";
+        assert!(super::hint(oom).is_some_and(|h| h.contains("--keep-activations")));
+        assert!(super::hint("config: unknown key `foo`").is_none());
     }
 }

@@ -104,12 +104,11 @@ pub struct StagedModel {
     layers: Vec<Box<dyn Stage>>,
     /// Session and micro-batch ids.
     ids: IdAllocator,
-    /// Seconds the edge and each layer took to open ([`open_seconds`](Self::open_seconds)).
     open_seconds: (f64, Vec<f64>),
 }
 
 impl StagedModel {
-    /// Seconds the edge and each layer (in order) took to open.
+    /// Seconds the edge and each layer (in order) took to open (logged by the launcher).
     pub fn open_seconds(&self) -> (f64, &[f64]) {
         (self.open_seconds.0, &self.open_seconds.1)
     }
@@ -162,19 +161,18 @@ impl StagedModel {
             optimizer,
             weights,
         };
-        let t = std::time::Instant::now();
-        let edge = backend.open_stage(&spec(StageKind::Edge, placement.edge))?;
-        let edge_took = t.elapsed().as_secs_f64();
-        let mut took = Vec::with_capacity(n);
-        let layers = (0..n)
-            .map(|i| {
-                let t = std::time::Instant::now();
-                let stage = backend.open_stage(&spec(StageKind::Layer(i), placement.layers[i]));
-                took.push(t.elapsed().as_secs_f64());
-                stage
-            })
-            .collect::<Result<_, _>>()?;
-
+        let timed = |kind, device| {
+            let t = std::time::Instant::now();
+            backend
+                .open_stage(&spec(kind, device))
+                .map(|s| (s, t.elapsed().as_secs_f64()))
+        };
+        let (edge, edge_took) = timed(StageKind::Edge, placement.edge)?;
+        let (layers, took): (Vec<_>, Vec<_>) = (0..n)
+            .map(|i| timed(StageKind::Layer(i), placement.layers[i]))
+            .collect::<Result<Vec<_>, _>>()?
+            .into_iter()
+            .unzip();
         Ok(StagedModel {
             open_seconds: (edge_took, took),
             backend,
@@ -414,8 +412,8 @@ impl StagedModel {
         greedy(&mut d, prompt, max_new_tokens, eos, suppress)
     }
 
-    /// Masked mean cross entropy of `b` without touching gradients or sessions: each layer's
-    /// training forward (`StageCall::Evaluate`), as the actor pipeline's evaluation runs it.
+    /// Masked mean cross entropy of `b`, no gradients or sessions: each layer's training
+    /// forward (`StageCall::Evaluate`).
     pub fn eval_ce(&mut self, b: &Batch) -> Result<f64, EngineError> {
         b.validate()?;
         let mut h = self.session_embed(Tokens {

@@ -1,0 +1,141 @@
+//! The end of a training run: the final checkpoint and weights started after the last step's
+//! evaluation (the work after the last step waits for their reads and runs beside their disk
+//! writes), the run's summary, and `loss.png`, the config and the data cursor written last.
+
+use super::records::{draw_curves, written};
+use super::{Run, RunSummary};
+use crate::startup::Startup;
+use nsactor_decoding::Pipeline;
+use nsactor_engine::error::RuntimeError;
+use std::path::PathBuf;
+use std::time::Instant;
+
+impl Run<'_> {
+    /// After the last step and its evaluation: the final checkpoint and the run's weights, from
+    /// one read of the stages, written in the background while the work after the last step
+    /// runs on the device (once the stages are read back: [`wait_final_reads`]);
+    /// [`finish`](Self::finish) waits for them.
+    ///
+    /// [`wait_final_reads`]: Self::wait_final_reads
+    pub(super) fn start_final(&mut self, pipeline: &mut Pipeline) -> Result<(), RuntimeError> {
+        let t = &self.cfg.train;
+        let c = pipeline.checkpoint_final(
+            &self.ckpt_root,
+            t.keep_checkpoints,
+            self.config_text.clone(),
+            self.tokenizer_sha256.clone(),
+            &self.out_dir.join("model.safetensors"),
+        )?;
+        self.final_in_flight = true;
+        self.final_reads = c.reads_done;
+        self.metrics.log(serde_json::json!({
+            "event": "checkpoint", "step": c.step, "background": true, "final": true,
+            "snapshot_s": c.snapshot_seconds, "waited_s": c.waited_seconds,
+        }))?;
+        if let Some(w) = c.previous {
+            self.bar
+                .suspend(|| written(w, &mut |l| self.metrics.log(l)))?;
+        }
+        Ok(())
+    }
+
+    /// Waits until the final write has read every stage back (on the H200 its reads took 15 s
+    /// beside the last evaluation and the sample, 4–7 s alone, and slowed them as much); the
+    /// disk's part goes on beside what follows. A failed write ends the wait at once.
+    pub(super) fn wait_final_reads(&mut self) {
+        if let Some(rx) = self.final_reads.take() {
+            let t = Instant::now();
+            let _ = rx.recv();
+            tracing::info!(
+                "the final checkpoint's stages read back in {:.2} s; its files are written \
+                 beside what follows",
+                t.elapsed().as_secs_f64()
+            );
+        }
+    }
+
+    /// What a run reports, with its weights at `weights`.
+    pub(super) fn summary(&self, weights: PathBuf) -> RunSummary {
+        RunSummary {
+            losses: self.losses.clone(),
+            tokens_per_s: self.tokens as f64 / self.start.elapsed().as_secs_f64(),
+            weights,
+            recoveries: self.recoveries.clone(),
+            skipped_steps: self.skipped_steps,
+            spike_rollbacks: self.spike_rollbacks,
+            stopped_at: self.stopped_at,
+            after_last_step: None,
+        }
+    }
+
+    /// After the last step (rank 0 only): `loss.png`, then — unless a stop ended the run,
+    /// whose checkpoint is written — the work after the last step beside the final checkpoint
+    /// and weights (started after the last step, or here when this process ran no step), the
+    /// config and the data cursor.
+    pub(super) fn finish(mut self, pipeline: &mut Pipeline) -> Result<RunSummary, RuntimeError> {
+        self.bar.finish_and_clear();
+        if !self.leader {
+            return Ok(self.summary(PathBuf::new()));
+        }
+        // Where the time after the last step goes, phase by phase (as the start's).
+        let mut end = Startup::new();
+        if !self.final_in_flight {
+            if let Some(w) = pipeline.finish_checkpoint().transpose() {
+                written(w, &mut |l| self.metrics.log(l))?;
+            }
+            end.mark("the background write in flight");
+        }
+        let (metrics_path, png) = (self.metrics.path.clone(), self.out_dir.join("loss.png"));
+        if let Some(s) = self.stopped_at {
+            tracing::warn!(
+                "stopped after step {s} on request; its checkpoint is in {}: `--resume` continues",
+                self.ckpt_root.display()
+            );
+            draw_curves(&metrics_path, &png, self.title.clone());
+            return Ok(self.summary(PathBuf::new()));
+        }
+        // A process that ran no step (resumed at the end) starts the final write here.
+        let started_here = !self.final_in_flight;
+        if started_here {
+            self.start_final(pipeline)?;
+            self.wait_final_reads();
+        }
+        // `loss.png` on a host thread beside the work on the device, both while the host
+        // writes; the work's failure is reported once the write ended.
+        let after_last_step = self.after_last_step.take();
+        let title = self.title.clone();
+        let after = std::thread::scope(|s| {
+            s.spawn(|| draw_curves(&metrics_path, &png, title));
+            after_last_step.map(|f| f(pipeline))
+        });
+        end.mark(if after.is_some() {
+            "loss.png beside the work on the trained model"
+        } else {
+            "loss.png"
+        });
+        let done = pipeline.finish_checkpoint()?.ok_or_else(|| {
+            RuntimeError::Runtime("the final checkpoint's write was not in flight".into())
+        })?;
+        written(Ok(done), &mut |l| self.metrics.log(l))?;
+        let config_path = self.out_dir.join("config.toml");
+        nsactor_checkpoint::weights::write_atomic(&config_path, self.config_text.as_bytes())
+            .map_err(|e| RuntimeError::Io(config_path, e))?;
+        if let Some(c) = &self.cursor {
+            let cursor_path = self.out_dir.join("data_cursor.json");
+            let text = serde_json::to_string(c).expect("a cursor serialises");
+            nsactor_checkpoint::weights::write_atomic(&cursor_path, text.as_bytes())
+                .map_err(|e| RuntimeError::Io(cursor_path, e))?;
+        }
+        end.mark(if started_here {
+            "the final checkpoint and weights"
+        } else {
+            "the rest of the final checkpoint and weights"
+        });
+        tracing::info!("after the last step: {}", end.phases_line());
+        let after_last_step = after.transpose()?;
+        Ok(RunSummary {
+            after_last_step,
+            ..self.summary(self.out_dir.join("model.safetensors"))
+        })
+    }
+}

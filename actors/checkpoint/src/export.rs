@@ -12,7 +12,6 @@ use nsactor_engine::engine::StagedModel;
 use nsactor_engine::error::RuntimeError;
 use nsactor_plugin_api::{ComputeBackend, ModelConfig, OptimizerKind, PlifOut};
 use safetensors::SafeTensors;
-use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
@@ -95,13 +94,10 @@ pub fn export_hf(
         .map_err(|e| format!("{}: {e}", out.display()))
         .map_err(convert)?;
     let weights = out.join("model.safetensors");
-    crate::weights::write_atomic_with(&weights, |f| {
-        let mut w = std::io::BufWriter::with_capacity(8 << 20, f);
-        merged.write_to(&mut w)?;
-        w.flush()
-    })
-    .map_err(|e| format!("{}: {e}", weights.display()))
-    .map_err(convert)?;
+    merged
+        .write_file(&weights)
+        .map_err(|e| format!("{}: {e}", weights.display()))
+        .map_err(convert)?;
     let write = |name: &str, bytes: &[u8]| {
         let p = out.join(name);
         crate::weights::write_atomic(&p, bytes).map_err(|e| format!("{}: {e}", p.display()))

@@ -267,7 +267,8 @@ fn export_from<B: AsRef<[u8]>>(
     let views: Vec<&[u8]> = shards.iter().map(|b| (**b).as_ref()).collect();
     let merged = crate::weights::MergedParams::new(&views, "")?;
     let t = Instant::now();
-    let bytes = write_atomic_with(path, |f| merged.write_at_parallel(f, MAX_WORKERS, PIECE))
+    let bytes = merged
+        .write_file(path)
         .map_err(|e| RuntimeError::Io(path.to_path_buf(), e))?;
     let took = t.elapsed().as_secs_f64();
     tracing::info!(

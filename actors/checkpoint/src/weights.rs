@@ -10,7 +10,7 @@ const OPTIMIZER_PREFIX: &str = "adam.";
 
 /// Every stage's parameters laid out as one safetensors file, borrowing the shards' bytes: the
 /// header, then the tensors' bytes in file order. Written out piece by piece
-/// ([`write_to`](Self::write_to)), a whole-model file costs no merged copy in memory.
+/// ([`write_file`](Self::write_file)), a whole-model file costs no merged copy in memory.
 pub struct MergedParams<'a> {
     header: Vec<u8>,
     pieces: Vec<&'a [u8]>,
@@ -63,13 +63,14 @@ impl<'a> MergedParams<'a> {
     }
 
     /// The file's size in bytes.
-    pub fn len(&self) -> u64 {
+    pub fn file_len(&self) -> u64 {
         (self.header.len() + self.pieces.iter().map(|p| p.len()).sum::<usize>()) as u64
     }
 
-    /// Whether the file would hold nothing (never: it has a header).
-    pub fn is_empty(&self) -> bool {
-        false
+    /// Writes the file atomically at `path` by eight writers in 8 MB pieces
+    /// ([`write_at_parallel`](Self::write_at_parallel)); its size in bytes.
+    pub fn write_file(&self, path: &std::path::Path) -> std::io::Result<u64> {
+        write_atomic_with(path, |f| self.write_at_parallel(f, 8, 8 << 20))
     }
 
     /// Writes the file into `f` (set to its length first) in pieces of at most `piece` bytes
@@ -83,7 +84,7 @@ impl<'a> MergedParams<'a> {
     ) -> std::io::Result<u64> {
         use std::os::unix::fs::FileExt;
         use std::sync::atomic::{AtomicUsize, Ordering};
-        let len = self.len();
+        let len = self.file_len();
         f.set_len(len)?;
         let mut chunks: Vec<(u64, &[u8])> = Vec::new();
         let mut at = 0u64;
@@ -113,13 +114,13 @@ impl<'a> MergedParams<'a> {
         Ok(len)
     }
 
-    /// Writes the file to `w` (large pieces go straight through a `BufWriter`).
+    /// Writes the file to `w`, piece after piece.
     pub fn write_to(&self, w: &mut impl Write) -> std::io::Result<u64> {
         w.write_all(&self.header)?;
         for p in &self.pieces {
             w.write_all(p)?;
         }
-        Ok(self.len())
+        Ok(self.file_len())
     }
 }
 
@@ -127,7 +128,7 @@ impl<'a> MergedParams<'a> {
 /// reference names — the `model.safetensors` a run leaves behind — built in memory.
 pub fn merge_params<B: AsRef<[u8]>>(shards: &[B]) -> Result<Vec<u8>, RuntimeError> {
     let m = MergedParams::new(shards, "")?;
-    let mut out = Vec::with_capacity(m.len() as usize);
+    let mut out = Vec::with_capacity(m.file_len() as usize);
     m.write_to(&mut out)
         .expect("writing to a Vec does not fail");
     Ok(out)
@@ -167,7 +168,7 @@ mod tests {
         ]);
         assert_eq!(merged, want);
         assert_eq!(
-            MergedParams::new(&[&a, &b], "").unwrap().len(),
+            MergedParams::new(&[&a, &b], "").unwrap().file_len(),
             want.len() as u64
         );
         let mut prefixed = Vec::new();

@@ -17,8 +17,9 @@ pub struct HeldOut {
     batch_size: usize,
     /// Sequences per forward ([`forward_rows`]).
     rows: usize,
-    /// The batches, read once ([`batches`](Self::batches)): an evaluation never reads the
-    /// data (one may run while a checkpoint's writes fill the disk).
+    /// The batches, read once and cut into forwards of `rows` ([`forwards`](Self::forwards)):
+    /// an evaluation never reads the data (one may run while a checkpoint's writes fill the
+    /// disk) nor copies it.
     read: Option<Vec<Batch>>,
 }
 
@@ -60,15 +61,17 @@ impl HeldOut {
         }
     }
 
-    /// The set's batches, read from the data the first time ([`split`](Self::split) reads
-    /// them before training starts).
-    pub fn batches(&mut self) -> Result<&[Batch], RuntimeError> {
+    /// The set's batches cut into forwards of at most `rows` sequences, in order, read from
+    /// the data the first time ([`split`](Self::split) reads them before training starts).
+    pub fn forwards(&mut self) -> Result<&[Batch], RuntimeError> {
         if self.read.is_none() {
             self.sampler.resume(Cursor::default())?;
             let seq_len = self.sampler.seq_len();
-            let read = (0..self.batches)
-                .map(|_| self.sampler.next_batch(self.batch_size, seq_len))
-                .collect::<Result<Vec<_>, _>>()?;
+            let mut read = Vec::new();
+            for _ in 0..self.batches {
+                let b = self.sampler.next_batch(self.batch_size, seq_len)?;
+                read.extend(pieces(&b, self.rows));
+            }
             self.read = Some(read);
         }
         Ok(self.read.as_deref().unwrap_or_default())
@@ -99,7 +102,7 @@ impl HeldOut {
         }
         let (train, held) = sampler.hold_out(rows)?;
         let mut held = HeldOut::new(held, t.eval_batches, t.batch_size, cfg.model.dn());
-        held.batches()?;
+        held.forwards()?;
         tracing::info!(
             "{rows} of {} rows held out for evaluation every {} steps ({} batches of {})",
             rows + train.rows_per_epoch(),
@@ -113,19 +116,16 @@ impl HeldOut {
     /// The set's cross entropy under the pipeline's current weights.
     pub fn evaluate(&mut self, pipeline: &mut Pipeline) -> Result<Evaluation, RuntimeError> {
         let start = Instant::now();
-        let rows = self.rows;
         let (mut weighted, mut tokens) = (0.0f64, 0u64);
-        for (i, b) in self.batches()?.iter().enumerate() {
-            for piece in pieces(b, rows) {
-                let n = nsactor_engine::engine::scored_tokens(&piece);
-                if n == 0 {
-                    continue;
-                }
-                let ce = pipeline.eval_ce(&piece)?;
-                tracing::debug!("held-out batch {i}: CE {ce:.5} over {n} tokens");
-                weighted += ce * n as f64;
-                tokens += n;
+        for (i, piece) in self.forwards()?.iter().enumerate() {
+            let n = nsactor_engine::engine::scored_tokens(piece);
+            if n == 0 {
+                continue;
             }
+            let ce = pipeline.eval_ce(piece)?;
+            tracing::debug!("held-out forward {i}: CE {ce:.5} over {n} tokens");
+            weighted += ce * n as f64;
+            tokens += n;
         }
         Ok(Evaluation {
             ce: (tokens > 0).then(|| weighted / tokens as f64),

@@ -121,11 +121,16 @@ impl<B: SnnOps> LayerStage<B> {
         if keep_graph {
             return self.forward_kept(micro, h);
         }
-        let b = h.dims()[1];
-        let state = LayerState::zeros(&self.cfg, b, &self.device);
-        let out = self.inner.forward(h.clone(), state, &self.cfg);
+        let out = self.forward_at_rest(h.clone());
         self.kept.insert(micro, Kept::Input(h));
         Self::forward_reply(out.ponder_cost(), &out.expected_k, out.h)
+    }
+
+    /// The untracked forward of `h` from membranes at rest (a training forward that keeps its
+    /// input, or an evaluation).
+    fn forward_at_rest(&self, h: Tensor<B, 3>) -> nsactor_model::LayerOutput<B> {
+        let state = LayerState::zeros(&self.cfg, h.dims()[1], &self.device);
+        self.inner.forward(h, state, &self.cfg)
     }
 
     /// [`forward`](Self::forward) under autodiff, keeping the graph for the backward.
@@ -385,9 +390,7 @@ impl<B: SnnOps> Stage for LayerStage<B> {
             StageCall::Evaluate { h } => {
                 let h = act(h, name)?;
                 self.check_h(&h, "Evaluate")?;
-                let state = LayerState::zeros(&self.cfg, h.dims()[1], &self.device);
-                let out = self.inner.forward(h, state, &self.cfg);
-                Ok(Reply::tensor(wrap(out.h)))
+                Ok(Reply::tensor(wrap(self.forward_at_rest(h).h)))
             }
             StageCall::Probe { h } => {
                 let h = act(h, name)?;

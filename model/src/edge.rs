@@ -2,7 +2,7 @@
 
 use crate::config::{ModelConfig, consts};
 use crate::init::{Rng, xavier};
-use crate::neurons::{LateralInhibition, PlifNode, RmsNorm, norm_plif_inputs, param};
+use crate::neurons::{LateralInhibition, PlifNode, RmsNorm, norm_plif_inputs, param, weight};
 use crate::params::{Derived, Linear, as_operand, decoding_pass, impl_params};
 use burn::tensor::{Int, Tensor, backend::Backend};
 use nsactor_kernels::SnnOps;
@@ -56,12 +56,12 @@ impl<B: SnnOps> Edge<B> {
         let decode_w = xavier(rng, d, d);
         Edge {
             embed_tokens: Embedding {
-                weight: param(embed, [v, d], device),
+                weight: weight(embed, [v, d], device),
                 head: Derived::default(),
             },
             norm: LateralInhibition::init(d, device),
             decode_proj: Linear::new(
-                param(decode_w, [d, d], device),
+                weight(decode_w, [d, d], device),
                 Some(param(vec![0.0; d], [d], device)),
             ),
             output_norm: RmsNorm::init(d, device),

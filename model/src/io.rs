@@ -3,7 +3,8 @@
 
 use crate::ModelError;
 use crate::params::{ParamMapper, ParamVisitor, Params};
-use burn::tensor::{Tensor, TensorData, backend::Backend};
+use burn::tensor::{Tensor, backend::Backend};
+use nsactor_kernels::SnnOps;
 use safetensors::{Dtype, SafeTensors, tensor::TensorView};
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
@@ -56,7 +57,7 @@ pub fn view_to_f32(name: &str, view: &TensorView<'_>) -> Result<Vec<f32>, ModelE
 
 /// Loads every parameter of `module` from `st`, named `{prefix}{name}`. Every parameter must be
 /// present with its exact shape; extra keys are ignored here (see [`load_file`] for strictness).
-pub fn load_params<B: Backend, P: Params<B>>(
+pub fn load_params<B: SnnOps, P: Params<B>>(
     module: &mut P,
     st: &SafeTensors<'_>,
     prefix: &str,
@@ -66,7 +67,7 @@ pub fn load_params<B: Backend, P: Params<B>>(
         prefix: &'a str,
         error: Option<ModelError>,
     }
-    impl<B: Backend> ParamMapper<B> for Load<'_, '_> {
+    impl<B: SnnOps> ParamMapper<B> for Load<'_, '_> {
         fn map<const D: usize>(&mut self, name: &str, p: Tensor<B, D>) -> Tensor<B, D> {
             if self.error.is_some() {
                 return p;
@@ -89,8 +90,7 @@ pub fn load_params<B: Backend, P: Params<B>>(
             match result {
                 Ok(values) => {
                     let device = p.device();
-                    Tensor::<B, D>::from_data(TensorData::new(values, p.dims()), &device)
-                        .require_grad()
+                    crate::neurons::upload::<B, D>(values, p.dims(), &device).require_grad()
                 }
                 Err(e) => {
                     self.error = Some(e);
@@ -110,7 +110,7 @@ pub fn load_params<B: Backend, P: Params<B>>(
 
 /// Loads a model file, detecting the plain or HF layout, and rejects files with tensors the model
 /// does not have (a different architecture or config).
-pub fn load_file<B: Backend, P: Params<B>>(
+pub fn load_file<B: SnnOps, P: Params<B>>(
     module: &mut P,
     path: &Path,
 ) -> Result<Layout, ModelError> {

@@ -3,7 +3,7 @@
 
 use crate::config::{ModelConfig, PlifOut, consts};
 use crate::init::{Rng, xavier};
-use crate::neurons::{PlifNode, RmsNorm, norm_plif_inputs, param};
+use crate::neurons::{PlifNode, RmsNorm, norm_plif_inputs, param, weight};
 use crate::params::{Derived, Linear, decoding_pass, impl_params};
 use crate::snn_block::SnnBlock;
 use crate::snn_ffn::SnnFfn;
@@ -96,7 +96,7 @@ impl<B: SnnOps> SnnDecoderLayer<B> {
         let out_std = 0.02 / ((2 * cfg.num_layers) as f64).sqrt();
         let lin = |w, out, inp, bias: Option<Vec<f32>>| {
             Linear::new(
-                param(w, [out, inp], device),
+                weight(w, [out, inp], device),
                 bias.map(|b| param(b, [out], device)),
             )
         };

@@ -6,7 +6,7 @@ use crate::params::impl_params;
 use burn::tensor::{Tensor, TensorData, activation::sigmoid, backend::Backend};
 use nsactor_kernels::{NormPlifInputs, SnnOps, last_frame, plif_row};
 
-/// Builds a parameter tensor from host values (marked for gradients on autodiff backends). No
+/// Builds a small parameter tensor from host values (marked for gradients on autodiff backends). No
 /// values for a non-empty shape (what a [`Rng::blank`] draws) make zeros on the device, with
 /// nothing built or copied on the host.
 pub(crate) fn param<B: Backend, const D: usize>(
@@ -18,6 +18,33 @@ pub(crate) fn param<B: Backend, const D: usize>(
         return Tensor::zeros(shape, device).require_grad();
     }
     Tensor::from_data(TensorData::new(values, shape), device).require_grad()
+}
+
+/// [`param`] for a large one (a projection's or the embedding's weights): uploaded through
+/// the backend's [`SnnOps::upload_f32`] (pinned staging on CUDA).
+pub(crate) fn weight<B: SnnOps, const D: usize>(
+    values: Vec<f32>,
+    shape: [usize; D],
+    device: &B::Device,
+) -> Tensor<B, D> {
+    if values.is_empty() && shape.iter().product::<usize>() > 0 {
+        return Tensor::zeros(shape, device).require_grad();
+    }
+    upload(values, shape, device).require_grad()
+}
+
+/// `values` as a tensor of `shape` on `device`, through the backend's upload
+/// ([`SnnOps::upload_f32`]: pinned staging on CUDA).
+pub(crate) fn upload<B: SnnOps, const D: usize>(
+    values: Vec<f32>,
+    shape: [usize; D],
+    device: &B::Device,
+) -> Tensor<B, D> {
+    Tensor::from_primitive(burn::tensor::TensorPrimitive::Float(B::upload_f32(
+        values,
+        burn::tensor::Shape::new(shape),
+        device,
+    )))
 }
 
 /// Repeats a per-token tensor `[T, B, C]` over the K frames of each token → `[T·K, B, C]`

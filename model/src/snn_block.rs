@@ -2,7 +2,7 @@
 
 use crate::config::ModelConfig;
 use crate::init::{BlockInitTable, Rng, kaiming};
-use crate::neurons::param;
+use crate::neurons::{param, weight};
 use crate::params::{Derived, Linear, decoding_pass, impl_params};
 use burn::tensor::{Tensor, activation::sigmoid, backend::Backend};
 use nsactor_kernels::{SnnOps, plif_selective};
@@ -48,8 +48,8 @@ fn merged_slices<B: Backend>(
 /// `softplus⁻¹(1) = ln(e − 1)`: the `b_alpha` init mean, so `α ≈ 1` at init.
 const B_ALPHA_MEAN: f64 = 0.541_324_854_612_918;
 
-fn linear<B: Backend>(w: Vec<f32>, out: usize, inp: usize, device: &B::Device) -> Linear<B> {
-    Linear::new(param(w, [out, inp], device), None)
+fn linear<B: SnnOps>(w: Vec<f32>, out: usize, inp: usize, device: &B::Device) -> Linear<B> {
+    Linear::new(weight(w, [out, inp], device), None)
 }
 
 impl<B: SnnOps> SnnBlock<B> {

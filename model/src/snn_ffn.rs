@@ -2,7 +2,7 @@
 
 use crate::config::{ModelConfig, PlifOut};
 use crate::init::{Rng, kaiming};
-use crate::neurons::{PlifNode, param};
+use crate::neurons::{PlifNode, weight};
 use crate::params::{Derived, Linear, decoding_pass, impl_params};
 use burn::tensor::{Tensor, activation::sigmoid, backend::Backend};
 use nsactor_kernels::last_frame;
@@ -40,7 +40,7 @@ const FFN_V_THRESHOLD: f64 = 0.15;
 impl<B: SnnOps> SnnFfn<B> {
     pub fn init(cfg: &ModelConfig, rng: &mut Rng, device: &B::Device) -> Self {
         let (d, f) = (cfg.d, cfg.d_ff);
-        let lin = |w, out, inp| Linear::new(param(w, [out, inp], device), None);
+        let lin = |w, out, inp| Linear::new(weight(w, [out, inp], device), None);
         let gate = kaiming(rng, f, d);
         let up = kaiming(rng, f, d);
         let down_scale = 1.0 / (cfg.num_layers as f32).sqrt();

@@ -106,6 +106,18 @@ fn train_on_the_embedded_default_lowers_the_loss_and_writes_weights() {
         again.starts_with(&format!("held-out CE {ce:.5} ")),
         "eval is deterministic: {stdout} then {again}"
     );
+    // One sequence per forward instead of the whole batch: the same CE up to rounding.
+    let (ok, one_row, stderr) = eval(&["--forward-rows", "1"]);
+    assert!(ok, "eval --forward-rows 1 failed: {stderr}");
+    let ce_one: f64 = one_row
+        .split("held-out CE ")
+        .nth(1)
+        .and_then(|s| s.split_whitespace().next())
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| panic!("no CE in {one_row}"));
+    assert!((ce_one - ce).abs() < 1e-4, "CE {ce} by batches, {ce_one} by rows");
+    let (ok, _, stderr) = eval(&["--forward-rows", "0"]);
+    assert!(!ok && stderr.contains("--forward-rows"), "{stderr}");
     let (ok, _, stderr) = eval(&["--precision", "bf16"]);
     assert!(!ok && stderr.contains("bf16"), "{stderr}");
     let (ok, _, stderr) = eval(&["--batches", "0"]);

@@ -6,7 +6,8 @@
 //! of a 0.9B checkpoint. When the run's final weights are asked for, the same bytes feed them: an
 //! exporter merges the stages' parameters into one file once every stage has been read, while
 //! the shard files are still being written, so the end of a run reads the device once. The
-//! reader, writers and exporter run below the training threads' CPU priority.
+//! reader, writers and exporter run below the training threads' CPU priority. The reads run
+//! on one thread kept for the process ([`reader`]), not a new one per checkpoint.
 
 use nsactor_engine::error::RuntimeError;
 use nsactor_plugin_api::files::write_atomic_with;
@@ -31,6 +32,23 @@ fn lower_priority() {
         let now = libc::getpriority(libc::PRIO_PROCESS, tid);
         libc::setpriority(libc::PRIO_PROCESS, tid, (now + NICE).min(19));
     }
+}
+
+/// The thread every checkpoint's stages are read back on, started with the first checkpoint
+/// and kept for the process (at [`NICE`]). A device backend may give each new thread its own
+/// queue and memory pools (CubeCL's CUDA runtime makes each thread a stream of its own, up to
+/// 128, with its own pools that outlive the thread); a new reader per checkpoint would add one
+/// each time.
+fn reader() -> &'static rayon::ThreadPool {
+    static READER: std::sync::OnceLock<rayon::ThreadPool> = std::sync::OnceLock::new();
+    READER.get_or_init(|| {
+        rayon::ThreadPoolBuilder::new()
+            .num_threads(1)
+            .thread_name(|_| "nsactor-ckpt-read".into())
+            .start_handler(|_| lower_priority())
+            .build()
+            .expect("a thread for checkpoint reads")
+    })
 }
 
 /// One shard as the manifest records it: its file name, size and sha256.
@@ -104,7 +122,7 @@ const AHEAD: usize = 2;
 /// A stage read back: its order, its bytes and how long the read took.
 type Read<B> = (usize, Arc<B>, Duration);
 
-/// Reads every source with `read`, one after another in stage order on one reader thread, and
+/// Reads every source with `read`, one after another in stage order on the [`reader`] thread, and
 /// writes each as shard `i` in `dir` on up to [`MAX_WORKERS`] writer threads, returning the
 /// entries for the manifest. Reading and writing are apart: a writer never waits for a read
 /// of its own, so the disk sees every writer busy while the reader goes on (when each worker
@@ -142,32 +160,33 @@ where
         let to_export = export.is_some().then_some(to_export);
         let failed = &failed;
         let reader = scope.spawn(move || {
-            lower_priority();
-            for (i, source) in sources.into_iter().enumerate() {
-                if failed.load(Ordering::Relaxed) {
-                    return Ok(());
-                }
-                let t = Instant::now();
-                let bytes = match read(source) {
-                    Ok(b) => Arc::new(b),
-                    Err(e) => {
-                        failed.store(true, Ordering::Relaxed);
-                        return Err(e);
+            reader().install(move || {
+                for (i, source) in sources.into_iter().enumerate() {
+                    if failed.load(Ordering::Relaxed) {
+                        return Ok(());
                     }
-                };
-                if let Some(tx) = &to_export {
-                    // The exporter is gone only when it failed; its error is reported.
-                    let _ = tx.send((i, bytes.clone()));
+                    let t = Instant::now();
+                    let bytes = match read(source) {
+                        Ok(b) => Arc::new(b),
+                        Err(e) => {
+                            failed.store(true, Ordering::Relaxed);
+                            return Err(e);
+                        }
+                    };
+                    if let Some(tx) = &to_export {
+                        // The exporter is gone only when it failed; its error is reported.
+                        let _ = tx.send((i, bytes.clone()));
+                    }
+                    if to_write.send((i, bytes, t.elapsed())).is_err() {
+                        return Ok(());
+                    }
                 }
-                if to_write.send((i, bytes, t.elapsed())).is_err() {
-                    return Ok(());
+                // Every stage is off the device: whoever waits to use it may go on.
+                if let Some(tx) = reads_done {
+                    let _ = tx.send(());
                 }
-            }
-            // Every stage is off the device: whoever waits to use it may go on.
-            if let Some(tx) = reads_done {
-                let _ = tx.send(());
-            }
-            Ok(())
+                Ok(())
+            })
         });
         let writers: Vec<_> = (0..workers(n))
             .map(|_| {

@@ -24,6 +24,10 @@ pub struct EvalArgs {
     /// Tokens per sequence (default: the run's seq_len).
     #[arg(long)]
     seq_len: Option<usize>,
+    /// Sequences per forward pass (default: the batch size): lower it when a batch's forward
+    /// does not fit the device; the cross entropy is the same up to floating-point rounding.
+    #[arg(long)]
+    forward_rows: Option<usize>,
 }
 
 pub fn run(a: EvalArgs) -> crate::result::CliResult {
@@ -36,11 +40,12 @@ pub fn run(a: EvalArgs) -> crate::result::CliResult {
         cfg.train.seq_len = t;
     }
     let batch = a.batch_size.unwrap_or(cfg.train.batch_size);
-    if batch == 0 || cfg.train.seq_len == 0 {
-        return Err("--batch-size and --seq-len must be at least 1".into());
+    let rows = a.forward_rows.unwrap_or(batch);
+    if batch == 0 || cfg.train.seq_len == 0 || rows == 0 {
+        return Err("--batch-size, --seq-len and --forward-rows must be at least 1".into());
     }
     let sampler = launch::make_sampler(&cfg, &l.tokenizer, &a.corpus, a.data.as_deref(), false)?;
-    let e = HeldOut::new(sampler, a.batches, batch, cfg.model.dn()).evaluate(&mut l.pipeline)?;
+    let e = HeldOut::new(sampler, a.batches, batch, rows).evaluate(&mut l.pipeline)?;
     let (Some(ce), scored) = (e.ce, e.tokens) else {
         return Err("the batches hold no scored tokens".into());
     };

@@ -15,28 +15,13 @@ pub struct HeldOut {
     sampler: Sampler,
     batches: usize,
     batch_size: usize,
-    /// Sequences per forward ([`forward_rows`]).
+    /// Sequences per forward: a training run's `batch_size`, so an evaluation runs the
+    /// shapes the steps already tuned their kernels for (HISTORY, session 53).
     rows: usize,
     /// The batches, read once and cut into forwards of `rows` ([`forwards`](Self::forwards)):
     /// an evaluation never reads the data (one may run while a checkpoint's writes fill the
     /// disk) nor copies it.
     read: Option<Vec<Batch>>,
-}
-
-/// Sequences per evaluation forward: at most 8.
-///
-/// A workaround for a race measured on the H100 (docs/benchmarks/HISTORY.md, session 21): with the CUDA
-/// plugin's per-thread streams, the untracked full-sequence forward behind
-/// [`Pipeline::eval_ce`] reads an activation another worker's stream has not finished
-/// writing when the batch is large, and its cross entropy changes from run to run (small
-/// config, T = 256: batch 32 gave 4.84 where batch 8 gives 3.96 on the same rows; with
-/// `[backend] streams = "shared"` batch 32 gives 3.96 too). Training is not affected (its
-/// losses agree bit for bit across the two stream modes). Batch 8 agreed with batch 1 in
-/// every run; `dn` is kept for a limit that depends on the model. That was the decoding
-/// sessions' pass the evaluation ran before `StageCall::Evaluate`; the limit stays until the
-/// training forward it runs now is measured at larger batches on CUDA.
-pub fn forward_rows(dn: usize) -> usize {
-    (65_535 / dn.max(1)).clamp(1, 8)
 }
 
 /// One evaluation's result.
@@ -49,14 +34,14 @@ pub struct Evaluation {
 }
 
 impl HeldOut {
-    /// `batches` batches of `batch_size` rows drawn from `sampler` from its start.
-    /// `dn` (`D·N` of the model) sets the sequences per forward ([`forward_rows`]).
-    pub fn new(sampler: Sampler, batches: usize, batch_size: usize, dn: usize) -> Self {
+    /// `batches` batches of `batch_size` rows drawn from `sampler` from its start, evaluated
+    /// in forwards of at most `rows` sequences (at least 1).
+    pub fn new(sampler: Sampler, batches: usize, batch_size: usize, rows: usize) -> Self {
         HeldOut {
             sampler,
             batches,
             batch_size,
-            rows: forward_rows(dn),
+            rows: rows.max(1),
             read: None,
         }
     }
@@ -101,7 +86,7 @@ impl HeldOut {
             return Ok((sampler, None));
         }
         let (train, held) = sampler.hold_out(rows)?;
-        let mut held = HeldOut::new(held, t.eval_batches, t.batch_size, cfg.model.dn());
+        let mut held = HeldOut::new(held, t.eval_batches, t.batch_size, t.batch_size);
         held.forwards()?;
         tracing::info!(
             "{rows} of {} rows held out for evaluation every {} steps ({} batches of {})",
@@ -182,8 +167,5 @@ mod tests {
                 .collect::<Vec<_>>(),
             b.loss_mask
         );
-        assert_eq!(forward_rows(2048), 8);
-        assert_eq!(forward_rows(7168), 8);
-        assert_eq!(forward_rows(100_000), 1);
     }
 }

@@ -267,7 +267,17 @@ impl<B: SnnOps, C: CheckpointStrategy> ScanOps for Autodiff<B, C> {
 /// The inference fusions are never used under autodiff: the defaults (`None`).
 impl<B: SnnOps, C: CheckpointStrategy> InferOps for Autodiff<B, C> {}
 
-impl<B: SnnOps, C: CheckpointStrategy> DeviceOps for Autodiff<B, C> {}
+/// Uploads go through the inner backend's ([`DeviceOps::upload_f32`]); the rest are defaults.
+impl<B: SnnOps, C: CheckpointStrategy> DeviceOps for Autodiff<B, C> {
+    fn upload_f32(
+        values: Vec<f32>,
+        shape: burn::tensor::Shape,
+        device: &Self::Device,
+    ) -> burn::tensor::ops::FloatTensor<Self> {
+        use burn::tensor::backend::AutodiffBackend;
+        <Self as AutodiffBackend>::from_inner(B::upload_f32(values, shape, device))
+    }
+}
 
 impl<B: SnnOps, C: CheckpointStrategy> GraphOps for Autodiff<B, C> {}
 

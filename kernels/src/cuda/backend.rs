@@ -7,7 +7,7 @@
 
 use crate::KernelError;
 use crate::cuda::{
-    decode, device, ffn, gated, gemm, graph, host_read, norm_plif, norm_plif_staged, ponder,
+    decode, device, ffn, gated, gemm, graph, host_read, host_write, norm_plif, norm_plif_staged, ponder,
     ponder_backward, precision, scan, selective, timing,
 };
 use crate::ops::device::{DeviceOps, GraphOps};
@@ -22,7 +22,7 @@ use crate::ops::types::{
 };
 use crate::reference::ffn::ffn_param_grads;
 use crate::tensor::{prim, through_sigmoid, wrap};
-use burn::tensor::{DType, activation::sigmoid, backend::Backend, ops::FloatTensor};
+use burn::tensor::{DType, Shape, activation::sigmoid, backend::Backend, ops::FloatTensor};
 
 type Cuda = burn_cuda::Cuda<f32, i32>;
 
@@ -259,6 +259,20 @@ impl DeviceOps for Cuda {
 
     fn flush(device: &Self::Device) {
         graph::flush(device);
+    }
+
+    /// Through [`host_write`] unless the upload is small ([`host_write::MIN_BYTES`]), the
+    /// `pinned_upload` knob is off or it fails (a pinned allocation refused, say): then
+    /// CubeCL's own write, as the default.
+    fn upload_f32(values: Vec<f32>, shape: Shape, device: &Self::Device) -> FloatTensor<Self> {
+        use burn::tensor::ops::FloatTensorOps;
+        if crate::tuning::current().pinned_upload && values.len() * 4 >= host_write::MIN_BYTES {
+            match host_write::upload_f32(&values, shape.clone(), device) {
+                Ok(t) => return t,
+                Err(e) => eprintln!("nsactor: pinned upload failed ({e}); using CubeCL's write"),
+            }
+        }
+        Self::float_from_data(burn::tensor::TensorData::new(values, shape), device)
     }
 
     fn read_f32_into(t: FloatTensor<Self>, out: &mut [u8]) -> Result<(), KernelError> {

@@ -1,4 +1,5 @@
-//! Whole tensors read back to host memory for checkpoints, fast and beside training.
+//! Whole tensors read back to host memory for checkpoints, fast and beside training. The
+//! staging pairs are shared with the uploads ([`super::host_write`]).
 //!
 //! CubeCL's own read (`read_async`) stages every tensor through pinned memory taken from the
 //! calling thread's stream pool; a checkpoint's worker threads are new each time, so their pools
@@ -28,7 +29,7 @@ pub const PIECE: usize = 8 << 20;
 
 /// A pair of pinned host buffers of [`PIECE`] bytes (addresses kept as integers so the pool is
 /// `Send`; the memory is portable, usable from every context).
-struct Staging([usize; 2]);
+pub(crate) struct Staging(pub(crate) [usize; 2]);
 
 /// Staging pairs not in use, for any thread to take.
 fn pool() -> &'static Mutex<Vec<Staging>> {
@@ -36,7 +37,7 @@ fn pool() -> &'static Mutex<Vec<Staging>> {
     POOL.get_or_init(Default::default)
 }
 
-fn check(what: &str, r: sys::CUresult) -> Result<(), KernelError> {
+pub(crate) fn check(what: &str, r: sys::CUresult) -> Result<(), KernelError> {
     if r == sys::CUresult::CUDA_SUCCESS {
         Ok(())
     } else {
@@ -45,7 +46,7 @@ fn check(what: &str, r: sys::CUresult) -> Result<(), KernelError> {
 }
 
 /// A staging pair from the pool, or two new pinned buffers when every pair is in use.
-fn take() -> Result<Staging, KernelError> {
+pub(crate) fn take() -> Result<Staging, KernelError> {
     if let Some(s) = pool().lock().unwrap_or_else(|e| e.into_inner()).pop() {
         return Ok(s);
     }
@@ -162,11 +163,11 @@ fn event() -> Result<sys::CUevent, KernelError> {
 }
 
 /// Two events, destroyed when dropped.
-struct Events([sys::CUevent; 2]);
+pub(crate) struct Events(pub(crate) [sys::CUevent; 2]);
 
 impl Events {
     /// Two new events of the current context (the first destroyed if the second fails).
-    fn new() -> Result<Self, KernelError> {
+    pub(crate) fn new() -> Result<Self, KernelError> {
         let first = event()?;
         match event() {
             Ok(second) => Ok(Events([first, second])),
@@ -190,7 +191,7 @@ impl Drop for Events {
 }
 
 /// A staging pair taken from the pool, returned to it when dropped.
-struct Lease(Option<Staging>);
+pub(crate) struct Lease(pub(crate) Option<Staging>);
 
 impl Drop for Lease {
     fn drop(&mut self) {

@@ -16,7 +16,7 @@
 //!
 //! Around them: [`gemm`] (cuBLASLt, with its plans and tuning in `gemm_plan`) in the
 //! [`precision`] the process picked, [`naive`] (cubek's naive fp32 GEMM, the GEMMs' on-device
-//! reference), [`device`] (contexts and peer copies), [`host_read`] (tensors read back for checkpoints), [`graph`] (CUDA graphs of decoding steps),
+//! reference), [`device`] (contexts and peer copies), [`host_read`] (tensors read back for checkpoints), [`host_write`] (host values uploaded), [`graph`] (CUDA graphs of decoding steps),
 //! [`timing`] (device time from CUDA events), [`cache`] (the kernel and autotune caches on disk), `server` (CubeCL's server thread, where queued work
 //! runs), `common` (what the kernel families share) and `backend` (the `SnnOps` family for
 //! `burn_cuda::Cuda`).
@@ -35,6 +35,7 @@ mod gemm_plan;
 mod gemm_store;
 pub mod graph;
 pub mod host_read;
+pub mod host_write;
 pub mod naive;
 pub mod nccl;
 pub mod norm_plif;

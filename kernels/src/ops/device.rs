@@ -1,4 +1,4 @@
-//! `DeviceOps` (moving tensors between devices, reading them back to the host, handing queued
+//! `DeviceOps` (moving tensors between devices, uploading host values, reading them back to the host, handing queued
 //! work to the device, timing a stage call's work, submission counters) and `GraphOps`
 //! (capturing a decoding step's work once and replaying it with one launch): the backend's
 //! devices and its queue of work.
@@ -6,7 +6,8 @@
 use crate::KernelError;
 use crate::ops::types::StepGraph;
 use burn::tensor::{
-    Shape, Tensor, TensorMetadata, TensorPrimitive, backend::Backend, ops::FloatTensor,
+    Shape, Tensor, TensorData, TensorMetadata, TensorPrimitive, backend::Backend,
+    ops::FloatTensor,
 };
 
 /// The backend's devices and its submission of work: moves between devices, flushes, timed
@@ -64,6 +65,14 @@ pub trait DeviceOps: Backend {
     /// nothing to do.
     fn flush(device: &Self::Device) {
         let _ = device;
+    }
+
+    /// A tensor of `shape` holding `values` (row-major, `f32`) on `device`: how a stage's
+    /// parameters get there, drawn or loaded. Default: the backend's own `from_data`. CUDA
+    /// overrides it with transfers through pinned staging buffers kept for the process
+    /// ([`crate::cuda::host_write`], feature `cuda`).
+    fn upload_f32(values: Vec<f32>, shape: Shape, device: &Self::Device) -> FloatTensor<Self> {
+        Self::float_from_data(TensorData::new(values, shape), device)
     }
 
     /// Copies `t`'s values as little-endian `f32` into `out`, which holds exactly their bytes:

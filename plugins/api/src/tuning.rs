@@ -88,6 +88,9 @@ pub struct KernelTuning {
     /// The training scans' σ and softplus as burn composes them (libm `exp`/`log`/`log1p`)
     /// instead of the few-instruction forms (hardware reciprocal and `lg2`).
     pub exact_modulation: bool,
+    /// Host values uploaded through pinned staging buffers kept for the process (`true`) or
+    /// by the runtime's own write from pageable memory.
+    pub pinned_upload: bool,
 }
 
 impl Default for KernelTuning {
@@ -122,6 +125,7 @@ impl Default for KernelTuning {
             time_chunk_block: 0,
             norm_plif_prefetch: (8, 2),
             exact_modulation: false,
+            pinned_upload: true,
         }
     }
 }
@@ -139,7 +143,7 @@ const fn knob(key: &'static str, env: &'static str) -> Knob {
 }
 
 /// Every knob, in the order `docs/CONFIG.md` lists them.
-pub const KNOBS: [Knob; 29] = [
+pub const KNOBS: [Knob; 30] = [
     knob("decode_graphs", "NSACTOR_DECODE_GRAPHS"),
     knob("decode_graph_rows", "NSACTOR_DECODE_GRAPH_ROWS"),
     knob("decode_fusion", "NSACTOR_DECODE_FUSION"),
@@ -169,6 +173,7 @@ pub const KNOBS: [Knob; 29] = [
     knob("stage_ffn_forward", "NSACTOR_STAGE_FFN_FORWARD"),
     knob("stage_ffn_backward", "NSACTOR_STAGE_FFN_BACKWARD"),
     knob("modulation", "NSACTOR_MODULATION"),
+    knob("pinned_upload", "NSACTOR_PINNED_UPLOAD"),
 ];
 
 /// The prefix of a kernel knob in a plugin's option string.
@@ -269,6 +274,7 @@ impl KernelTuning {
                     _ => return Err(format!("`{v}`: expected fast or exact")),
                 }
             }
+            "pinned_upload" => self.pinned_upload = switch(v)?,
             "stage_ffn_forward" => self.stage_ffn_forward = Some(stage(v)?),
             "stage_ffn_backward" => self.stage_ffn_backward = Some(stage(v)?),
             "decode_wide_cols" => self.decode_wide_cols = count(v, 0, usize::MAX)?,
@@ -376,6 +382,7 @@ impl KernelTuning {
                 "fast"
             }
             .into(),
+            "pinned_upload" => on(self.pinned_upload),
             "stage_ffn_forward" => shape(self.stage_ffn_forward),
             "stage_ffn_backward" => shape(self.stage_ffn_backward),
             "decode_wide_cols" => self.decode_wide_cols.to_string(),

@@ -24,6 +24,65 @@ fn mix(mut x: u64) -> u64 {
 /// Vectors at least this long are drawn on several threads.
 const PARALLEL_MIN: usize = 1 << 20;
 
+/// Host buffers of this many bytes at most are kept for reuse ([`recycle`]).
+const SPARE_BYTES: usize = 256 << 20;
+
+thread_local! {
+    /// Buffers of drawn values already uploaded ([`recycle`]), for the next draws.
+    static SPARES: std::cell::RefCell<Vec<Vec<f32>>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// A buffer of `n` values for a draw: for a large draw, a recycled one where one is large enough (its pages
+/// already in place), else new. A 0.9B layer's 43 M fresh values were page-faulted in one
+/// 4 KB page at a time, which on the GPU machines took longer than drawing them (HISTORY,
+/// session 53).
+fn spare(n: usize) -> Vec<f32> {
+    if n < PARALLEL_MIN {
+        // Small values may be kept by their tensor (a host backend's storage): never hand
+        // them a large buffer.
+        return vec![0f32; n];
+    }
+    let found = SPARES.with_borrow_mut(|s| {
+        let best = s
+            .iter()
+            .enumerate()
+            .filter(|(_, v)| v.capacity() >= n)
+            .min_by_key(|(_, v)| v.capacity())
+            .map(|(i, _)| i)?;
+        Some(s.swap_remove(best))
+    });
+    match found {
+        Some(mut v) => {
+            v.clear();
+            v.resize(n, 0.0);
+            v
+        }
+        None => vec![0f32; n],
+    }
+}
+
+/// Keeps `v` (drawn values, uploaded) for the next draws on this thread; large buffers only,
+/// [`SPARE_BYTES`] in all, the largest kept. [`release_spares`] frees them.
+pub fn recycle(v: Vec<f32>) {
+    if v.capacity() < PARALLEL_MIN {
+        return;
+    }
+    SPARES.with_borrow_mut(|s| {
+        s.push(v);
+        s.sort_by_key(|v| std::cmp::Reverse(v.capacity()));
+        let mut total = 0;
+        s.retain(|v| {
+            total += v.capacity() * 4;
+            total <= SPARE_BYTES
+        });
+    });
+}
+
+/// Frees this thread's kept buffers (once the last stage is drawn).
+pub fn release_spares() {
+    SPARES.with_borrow_mut(Vec::clear);
+}
+
 /// Counter-based SplitMix64: draw `k` of a stream is `mix(key + k·γ)`, a function of its
 /// position alone, so a long vector is drawn on every core in slices and comes out the same
 /// whatever the thread count (a 0.9B layer's 43 M values took ~0.2 s on one core).
@@ -103,7 +162,7 @@ impl Rng {
         let base = self.counter;
         self.counter += per * n as u64;
         let this = &*self;
-        let mut out = vec![0f32; n];
+        let mut out = spare(n);
         let fill = |start: usize, slice: &mut [f32]| {
             for (i, v) in slice.iter_mut().enumerate() {
                 *v = value(this, base + per * (start + i) as u64);
@@ -323,5 +382,27 @@ mod tests {
         );
         assert_ne!(Rng::new(1).next_u64(), Rng::new(2).next_u64());
         assert!(Rng::blank().uniform_vec(10, 0.0, 1.0).is_empty());
+    }
+
+    /// A draw into a recycled buffer (larger than it, holding old values) equals a draw into a
+    /// fresh one; small buffers are not kept, and releasing empties the pool.
+    #[test]
+    fn recycled_buffers_give_the_same_draws() {
+        let n = PARALLEL_MIN + 7;
+        let fresh = Rng::new(5).uniform_vec(n, 0.0, 1.0);
+        recycle(vec![9.0; n + 1000]);
+        recycle(vec![1.0; 10]);
+        assert_eq!(
+            SPARES.with_borrow(Vec::len),
+            1,
+            "a small buffer is not kept"
+        );
+        let again = Rng::new(5).uniform_vec(n, 0.0, 1.0);
+        assert_eq!(again, fresh);
+        assert!(again.capacity() >= n + 1000, "the kept buffer was taken");
+        assert_eq!(SPARES.with_borrow(Vec::len), 0);
+        recycle(again);
+        release_spares();
+        assert_eq!(SPARES.with_borrow(Vec::len), 0);
     }
 }

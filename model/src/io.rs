@@ -90,7 +90,7 @@ pub fn load_params<B: SnnOps, P: Params<B>>(
             match result {
                 Ok(values) => {
                     let device = p.device();
-                    crate::neurons::upload::<B, D>(values, p.dims(), &device).require_grad()
+                    crate::neurons::upload::<B, D>(&values, p.dims(), &device).require_grad()
                 }
                 Err(e) => {
                     self.error = Some(e);

@@ -21,7 +21,8 @@ pub(crate) fn param<B: Backend, const D: usize>(
 }
 
 /// [`param`] for a large one (a projection's or the embedding's weights): uploaded through
-/// the backend's [`SnnOps::upload_f32`] (pinned staging on CUDA).
+/// the backend's [`SnnOps::upload_f32`] (pinned staging on CUDA), its host buffer then kept for
+/// the next draw ([`crate::init::recycle`]).
 pub(crate) fn weight<B: SnnOps, const D: usize>(
     values: Vec<f32>,
     shape: [usize; D],
@@ -30,13 +31,15 @@ pub(crate) fn weight<B: SnnOps, const D: usize>(
     if values.is_empty() && shape.iter().product::<usize>() > 0 {
         return Tensor::zeros(shape, device).require_grad();
     }
-    upload(values, shape, device).require_grad()
+    let t = upload(&values, shape, device).require_grad();
+    crate::init::recycle(values);
+    t
 }
 
 /// `values` as a tensor of `shape` on `device`, through the backend's upload
 /// ([`SnnOps::upload_f32`]: pinned staging on CUDA).
 pub(crate) fn upload<B: SnnOps, const D: usize>(
-    values: Vec<f32>,
+    values: &[f32],
     shape: [usize; D],
     device: &B::Device,
 ) -> Tensor<B, D> {

@@ -115,7 +115,10 @@ fn train_on_the_embedded_default_lowers_the_loss_and_writes_weights() {
         .and_then(|s| s.split_whitespace().next())
         .and_then(|s| s.parse().ok())
         .unwrap_or_else(|| panic!("no CE in {one_row}"));
-    assert!((ce_one - ce).abs() < 1e-4, "CE {ce} by batches, {ce_one} by rows");
+    assert!(
+        (ce_one - ce).abs() < 1e-4,
+        "CE {ce} by batches, {ce_one} by rows"
+    );
     let (ok, _, stderr) = eval(&["--forward-rows", "0"]);
     assert!(!ok && stderr.contains("--forward-rows"), "{stderr}");
     let (ok, _, stderr) = eval(&["--precision", "bf16"]);

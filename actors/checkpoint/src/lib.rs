@@ -11,5 +11,6 @@ pub mod export;
 pub mod hub;
 pub mod source;
 pub mod stream;
+pub mod streamed;
 pub mod weights;
 pub mod writer;

@@ -4,8 +4,9 @@
 //! on the way (one pass over the bytes instead of a write and a separate hash). A shard's bytes
 //! are dropped once written, so the host holds a few stages at a time, not the whole 10.5 GB
 //! of a 0.9B checkpoint. When the run's final weights are asked for, the same bytes feed them: an
-//! exporter merges the stages' parameters into one file once every stage has been read, while
-//! the shard files are still being written, so the end of a run reads the device once. The
+//! exporter writes each stage's parameters into one file as the stage is read
+//! ([`crate::streamed`]), beside the shard files' writers, so the end of a run reads the device
+//! once. The
 //! reader, writers and exporter run below the training threads' CPU priority. The reads run
 //! on one thread kept for the process ([`reader`]), not a new one per checkpoint.
 
@@ -128,8 +129,8 @@ type Read<B> = (usize, Arc<B>, Duration);
 /// of its own, so the disk sees every writer busy while the reader goes on (when each worker
 /// read its next stage itself, the reads stalled a writer each and contended with each other:
 /// 8.2 s for a 0.9B checkpoint on a disk that takes it in 5.0 s). With `export`, the stages'
-/// parameters are also merged into that one whole-model file
-/// ([`crate::weights::merge_params`]). The first failure stops the reader and the writers
+/// parameters also go into that one whole-model file as they are read
+/// ([`crate::streamed::write_streamed`]). The first failure stops the reader and the writers
 /// from taking further stages and is returned (a failed export too). `reads_done` hears once
 /// every stage has been read (it is dropped unheard when the reading stopped early).
 pub fn write_stages<S, B>(
@@ -266,38 +267,44 @@ fn write_one(dir: &Path, i: usize, data: &[u8]) -> Result<ShardEntry, RuntimeErr
     })
 }
 
-/// Collects the `n` stages' bytes and writes their merged parameters to `path` as soon as the
-/// last arrives, by several writers at once, straight from the stages' bytes; `None` when a
-/// stage never came (its read failed, which the workers report).
+/// Writes the `n` stages' parameters to `path` as each stage arrives, by several writers at
+/// once, straight from the stages' bytes; `None` (and no file) when a stage never came (its
+/// read failed, which the workers report).
 fn export_from<B: AsRef<[u8]>>(
     path: &Path,
     n: usize,
     rx: mpsc::Receiver<(usize, Arc<B>)>,
 ) -> Result<Option<u64>, RuntimeError> {
     let t = Instant::now();
-    let mut got: Vec<Option<Arc<B>>> = (0..n).map(|_| None).collect();
-    for (i, b) in rx {
-        got[i] = Some(b);
-    }
-    let Some(shards) = got.into_iter().collect::<Option<Vec<_>>>() else {
+    let last = std::cell::Cell::new(t);
+    let stages = rx.into_iter().map(|(_, b)| {
+        last.set(Instant::now());
+        b
+    });
+    let Some(bytes) = crate::streamed::write_streamed(path, n, stages.map(ArcBytes))? else {
         return Ok(None);
     };
-    let gathered = t.elapsed().as_secs_f64();
-    let views: Vec<&[u8]> = shards.iter().map(|b| (**b).as_ref()).collect();
-    let merged = crate::weights::MergedParams::new(&views, "")?;
-    let t = Instant::now();
-    let bytes = merged
-        .write_file(path)
-        .map_err(|e| RuntimeError::Io(path.to_path_buf(), e))?;
-    let took = t.elapsed().as_secs_f64();
+    let (took, after) = (
+        t.elapsed().as_secs_f64(),
+        last.get().elapsed().as_secs_f64(),
+    );
     tracing::info!(
-        "weights {}: every stage read {gathered:.2} s after the start, then {:.1} MB written in \
-         {took:.2} s ({:.2} GB/s)",
+        "weights {}: {:.1} MB written in {took:.2} s as the stages were read ({:.2} GB/s), \
+         {after:.2} s of it after the last stage came",
         path.display(),
         bytes as f64 / 1e6,
         bytes as f64 / 1e9 / took.max(1e-9)
     );
     Ok(Some(bytes))
+}
+
+/// A stage's shared bytes as a byte slice.
+struct ArcBytes<B>(Arc<B>);
+
+impl<B: AsRef<[u8]>> AsRef<[u8]> for ArcBytes<B> {
+    fn as_ref(&self) -> &[u8] {
+        (*self.0).as_ref()
+    }
 }
 
 #[cfg(test)]
@@ -340,9 +347,13 @@ mod tests {
         }
         let merged = std::fs::read(&export).unwrap();
         assert_eq!(w.export_bytes, Some(merged.len() as u64));
-        assert_eq!(merged, crate::weights::merge_params(&shards).unwrap());
         let st = safetensors::SafeTensors::deserialize(&merged).unwrap();
         assert_eq!(st.len(), 11, "the optimizer's tensors are left out");
+        let whole = crate::weights::merge_params(&shards).unwrap();
+        let whole = safetensors::SafeTensors::deserialize(&whole).unwrap();
+        for (name, view) in whole.tensors() {
+            assert_eq!(st.tensor(&name).unwrap().data(), view.data(), "{name}");
+        }
     }
 
     #[test]

@@ -125,6 +125,7 @@ pub(super) async fn run_cohort(
             ids,
             batch: sessions.len(),
             seq_len: len,
+            ready: false,
             reply,
         }),
         nsactor_pipeline::layers::share_layers(&children.layers)

@@ -50,7 +50,8 @@ impl AsyncDecoder {
         self.ids.session()
     }
 
-    /// Embeds `ids` (row-major `[batch, seq_len]`) for decoding or evaluation.
+    /// Embeds `ids` (row-major `[batch, seq_len]`) for an evaluation or a probe, computed
+    /// before it is handed on ([`nsactor_pipeline::layers::evaluate_layers`] says why).
     pub(crate) async fn embed(
         &self,
         ids: Vec<i64>,
@@ -62,6 +63,7 @@ impl AsyncDecoder {
             ids,
             batch,
             seq_len,
+            ready: true,
             reply,
         }))
         .await

@@ -210,12 +210,13 @@ impl EdgeState {
             .await
     }
 
-    /// Embeds tokens for decoding or evaluation.
+    /// Embeds tokens for decoding or evaluation; with `ready`, returns once they are computed.
     async fn session_embed(
         &mut self,
         ids: Vec<i64>,
         batch: usize,
         seq_len: usize,
+        ready: bool,
     ) -> Result<DeviceTensor, EngineError> {
         let backend = self.stage.backend().clone();
         self.stage
@@ -231,7 +232,7 @@ impl EdgeState {
                         },
                     })?
                     .into_tensor("SessionEmbed")?;
-                if super::trace::syncing() {
+                if ready || super::trace::syncing() {
                     backend.ready(&h)?;
                     mark(Mark::EmbedOnDevice);
                 }
@@ -424,9 +425,10 @@ impl Actor for EdgeActor {
                 ids,
                 batch,
                 seq_len,
+                ready,
                 reply,
             } => {
-                let r = s.session_embed(ids, batch, seq_len).await;
+                let r = s.session_embed(ids, batch, seq_len, ready).await;
                 return answer(WHO.into(), reply, r);
             }
             EdgeMsg::SessionDecode {

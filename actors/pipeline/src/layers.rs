@@ -25,6 +25,15 @@ enum PassCall {
 /// membranes at rest, keeping nothing (no session, no gradient touched), lent and grouped per
 /// worker as a decoding pass is. The kernels are the training step's, already compiled and
 /// chosen at its shapes, where a decoding pass's batch-invariant ones would be chosen anew.
+///
+/// Each worker's job returns only once its layers' work is computed, and the caller hands in
+/// an embedding already computed (the edge's `SessionEmbed` with `ready`): under a backend
+/// with a queue per thread (the CUDA plugin's per-thread streams, which training uses) a
+/// tensor handed from one worker to the next while its work was still queued gave wrong
+/// evaluations — 4.84 against 3.96 at 32 rows in session 21, and NaN at 14 rows of the 0.9B
+/// in session 53, where a shared stream gave the right figure at any size (HISTORY). A
+/// training step does not meet it: each layer keeps its input until the backward. Waiting at
+/// the two hand-offs costs an evaluation two device round trips per forward.
 pub async fn evaluate_layers(
     layers: &[ActorRef<LayerMsg>],
     h: DeviceTensor,
@@ -102,6 +111,7 @@ async fn run_pass(
             .unwrap_or(holders.len());
         let group = holders[start..end].to_vec();
         let call = call.clone();
+        let evaluating = matches!(call, PassCall::Evaluate);
         let saves = saves.to_vec();
         let job = worker.run_then(Priority::FORWARD_UNTRAINED, None, move || {
             trace::mark(trace::Mark::LayersJob);
@@ -131,7 +141,7 @@ async fn run_pass(
                 }
             }
             trace::mark(trace::Mark::LayersQueued);
-            if trace::syncing()
+            if (evaluating || trace::syncing())
                 && let Some(last) = group.last()
             {
                 last.backend

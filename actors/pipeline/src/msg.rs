@@ -361,11 +361,14 @@ pub enum EdgeMsg {
         op: super::state::StateOp,
         reply: super::state::StateReply,
     },
-    /// Embeds tokens for decoding or evaluation (row-major `[batch, seq_len]`).
+    /// Embeds tokens for decoding or evaluation (row-major `[batch, seq_len]`). With `ready`
+    /// the reply waits until the embedding is computed ([`crate::layers::evaluate_layers`]
+    /// says why an evaluation asks for it).
     SessionEmbed {
         ids: Vec<i64>,
         batch: usize,
         seq_len: usize,
+        ready: bool,
         reply: RpcReplyPort<Result<DeviceTensor, EngineError>>,
     },
     /// Last-position logits `[1, B, V]` of `sessions` (batch rows split evenly among them, in

@@ -73,6 +73,11 @@ impl<B: SnnOps> LayerStage<B> {
         // The untracked twin takes the tracked one's parameters: nothing to draw for it.
         let mut inner = SnnDecoderLayer::<B>::init(&cfg, &mut Rng::blank(), &device);
         sync::<B, _, _>(&ad, &mut inner);
+        if index + 1 == cfg.num_layers {
+            // The model's last layer: no more draws on this thread (a pipeline stage's process
+            // that ends before it keeps its few buffers, `init::recycle`'s cap).
+            nsactor_model::init::release_spares();
+        }
         let widths = vec![cfg.d, cfg.dn(), cfg.d, 2 * cfg.d_ff];
         LayerStage {
             index,

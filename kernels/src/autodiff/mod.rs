@@ -270,7 +270,7 @@ impl<B: SnnOps, C: CheckpointStrategy> InferOps for Autodiff<B, C> {}
 /// Uploads go through the inner backend's ([`DeviceOps::upload_f32`]); the rest are defaults.
 impl<B: SnnOps, C: CheckpointStrategy> DeviceOps for Autodiff<B, C> {
     fn upload_f32(
-        values: Vec<f32>,
+        values: &[f32],
         shape: burn::tensor::Shape,
         device: &Self::Device,
     ) -> burn::tensor::ops::FloatTensor<Self> {

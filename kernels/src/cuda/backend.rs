@@ -7,8 +7,8 @@
 
 use crate::KernelError;
 use crate::cuda::{
-    decode, device, ffn, gated, gemm, graph, host_read, host_write, norm_plif, norm_plif_staged, ponder,
-    ponder_backward, precision, scan, selective, timing,
+    decode, device, ffn, gated, gemm, graph, host_read, host_write, norm_plif, norm_plif_staged,
+    ponder, ponder_backward, precision, scan, selective, timing,
 };
 use crate::ops::device::{DeviceOps, GraphOps};
 use crate::ops::gemm::GemmOps;
@@ -264,15 +264,18 @@ impl DeviceOps for Cuda {
     /// Through [`host_write`] unless the upload is small ([`host_write::MIN_BYTES`]), the
     /// `pinned_upload` knob is off or it fails (a pinned allocation refused, say): then
     /// CubeCL's own write, as the default.
-    fn upload_f32(values: Vec<f32>, shape: Shape, device: &Self::Device) -> FloatTensor<Self> {
+    fn upload_f32(values: &[f32], shape: Shape, device: &Self::Device) -> FloatTensor<Self> {
         use burn::tensor::ops::FloatTensorOps;
         if crate::tuning::current().pinned_upload && values.len() * 4 >= host_write::MIN_BYTES {
-            match host_write::upload_f32(&values, shape.clone(), device) {
+            match host_write::upload_f32(values, shape.clone(), device) {
                 Ok(t) => return t,
                 Err(e) => eprintln!("nsactor: pinned upload failed ({e}); using CubeCL's write"),
             }
         }
-        Self::float_from_data(burn::tensor::TensorData::new(values, shape), device)
+        Self::float_from_data(
+            burn::tensor::TensorData::new(values.to_vec(), shape),
+            device,
+        )
     }
 
     fn read_f32_into(t: FloatTensor<Self>, out: &mut [u8]) -> Result<(), KernelError> {

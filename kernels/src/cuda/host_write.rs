@@ -48,7 +48,12 @@ pub fn upload_f32(
     let client = <CudaRuntime as cubecl::Runtime>::client(device);
     let src: &[u8] = bytemuck::cast_slice(values);
     if src.is_empty() {
-        return Ok(empty_device_contiguous_dtype(client, device.clone(), shape, DType::F32));
+        return Ok(empty_device_contiguous_dtype(
+            client,
+            device.clone(),
+            shape,
+            DType::F32,
+        ));
     }
     let out = empty_device_contiguous_dtype(client, device.clone(), shape, DType::F32);
     let managed = out

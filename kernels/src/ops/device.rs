@@ -6,8 +6,7 @@
 use crate::KernelError;
 use crate::ops::types::StepGraph;
 use burn::tensor::{
-    Shape, Tensor, TensorData, TensorMetadata, TensorPrimitive, backend::Backend,
-    ops::FloatTensor,
+    Shape, Tensor, TensorData, TensorMetadata, TensorPrimitive, backend::Backend, ops::FloatTensor,
 };
 
 /// The backend's devices and its submission of work: moves between devices, flushes, timed
@@ -71,8 +70,8 @@ pub trait DeviceOps: Backend {
     /// parameters get there, drawn or loaded. Default: the backend's own `from_data`. CUDA
     /// overrides it with transfers through pinned staging buffers kept for the process
     /// ([`crate::cuda::host_write`], feature `cuda`).
-    fn upload_f32(values: Vec<f32>, shape: Shape, device: &Self::Device) -> FloatTensor<Self> {
-        Self::float_from_data(TensorData::new(values, shape), device)
+    fn upload_f32(values: &[f32], shape: Shape, device: &Self::Device) -> FloatTensor<Self> {
+        Self::float_from_data(TensorData::new(values.to_vec(), shape), device)
     }
 
     /// Copies `t`'s values as little-endian `f32` into `out`, which holds exactly their bytes:

@@ -30,9 +30,10 @@
 //! Plans (descriptors, layouts, the algorithm: `gemm_plan`) are cached per thread and shape. A
 //! training projection (a large product over a long token axis) is tuned on its first call: each
 //! of cuBLASLt's first sixteen heuristic candidates is timed on the real operands and the fastest
-//! kept if it beats the first pick by 2 % (`NSACTOR_GEMM_TUNE=off` keeps the first pick). The
-//! pick can differ between runs, so two runs' results may differ in their last bits; within a
-//! run it is fixed. Decoding steps are not tuned: each decoding problem takes one
+//! kept if it beats the first pick by 2 % (`NSACTOR_GEMM_TUNE=off` keeps the first pick), and
+//! stored with the kernel caches, so a later run on the host takes it without timing
+//! (`gemm_store`). Timed anew, the pick can differ, so two runs' results may differ in their
+//! last bits; within a run it is fixed. Decoding steps are not tuned: each decoding problem takes one
 //! batch-invariant kernel, chosen on the first plan of the problem in the process (stored with
 //! the kernel caches, else timed there: that plan's creation blocks for the timing, about 0.1–0.4
 //! s, during the server's warm-up; `gemm_invariant`). A decoding pass longer than the pick's
@@ -456,7 +457,7 @@ fn enqueue(
             // submitting thread on the device whose context is current.
             if !plan.tuned {
                 if tuning() && key.tuned() && plan.candidates.len() > 1 {
-                    unsafe { plan.tune(handle, ptrs, workspace_ptr, stream) }?;
+                    unsafe { plan.tune_or_stored(&key, handle, ptrs, workspace_ptr, stream) }?;
                 }
                 plan.tuned = true;
             }

@@ -202,7 +202,7 @@ pub(crate) unsafe fn pick(
             .into_iter()
             .map(|h| h.algo)
             .find(|algo| fits(algo));
-        let stored_as = store_key(&rkey);
+        let stored_as = store_key("", &rkey);
         let stored = stored_as
             .as_deref()
             .and_then(gemm_store::lookup)
@@ -263,17 +263,18 @@ pub(crate) unsafe fn pick(
     Some(chosen)
 }
 
-/// The stored picks' key of the reference problem `rkey`: the device's name and cuBLASLt's
-/// version (a stored algorithm is valid for that library only), then the problem without the
-/// device's ordinal (which may name another GPU in another process). `None` if the device's
-/// name cannot be read.
-fn store_key(rkey: &PlanKey) -> Option<String> {
+/// The stored picks' key of the problem `rkey`: `kind` (empty for a batch-invariant pick,
+/// `train ` for a tuned training projection's), the device's name and cuBLASLt's version (a
+/// stored algorithm is valid for that library only), then the problem without the device's
+/// ordinal (which may name another GPU in another process). `None` if the device's name
+/// cannot be read.
+pub(crate) fn store_key(kind: &str, rkey: &PlanKey) -> Option<String> {
     let device = drv::device::get(rkey.device as i32).ok()?;
     let name = drv::device::get_name(device).ok()?;
     // SAFETY: a query of the loaded library's version, no arguments.
     let version = unsafe { sys::cublasLtGetVersion() };
     Some(format!(
-        "v1 {name} cublasLt {version} {:?}",
+        "v1 {kind}{name} cublasLt {version} {:?}",
         PlanKey { device: 0, ..*rkey }
     ))
 }

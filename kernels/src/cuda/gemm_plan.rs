@@ -7,6 +7,7 @@ use crate::cuda::gemm_invariant;
 use crate::cuda::gemm_lt::{
     Operand, PlanKey, Queue, WORKSPACE_BYTES, algo_fits, check, heuristic, set_pref, time_calls,
 };
+use crate::cuda::gemm_store;
 use cudarc::cublaslt::{result as lt, sys};
 use std::ffi::c_void;
 
@@ -192,6 +193,39 @@ impl Plan {
                 stream as sys::cudaStream_t,
             )
         }
+    }
+
+    /// [`tune`](Self::tune) unless the pick store ([`gemm_store`], beside the kernel caches)
+    /// holds this problem's pick from an earlier tuning and it is still one of the heuristic's
+    /// candidates: a run's first step then skips timing its projections, and a run takes the
+    /// same algorithms as the run before it on the host. A new pick is stored.
+    ///
+    /// # Safety
+    /// As [`tune`](Self::tune).
+    pub(crate) unsafe fn tune_or_stored(
+        &mut self,
+        key: &PlanKey,
+        handle: sys::cublasLtHandle_t,
+        ptrs: [u64; 4],
+        workspace_ptr: u64,
+        stream: cudarc::driver::sys::CUstream,
+    ) -> Result<(), KernelError> {
+        let stored_as = gemm_invariant::store_key("train ", key);
+        let stored = stored_as
+            .as_deref()
+            .and_then(gemm_store::lookup)
+            .and_then(|words| self.candidates.iter().find(|c| c.data == words).copied());
+        if let Some(algo) = stored {
+            self.algo = algo;
+            self.tuned = true;
+            return Ok(());
+        }
+        // SAFETY: the caller's contract.
+        unsafe { self.tune(handle, ptrs, workspace_ptr, stream) }?;
+        if let Some(k) = &stored_as {
+            gemm_store::record(k, self.algo.data);
+        }
+        Ok(())
     }
 
     /// Times each of the heuristic's candidates on the real operands (`D` is overwritten, and

@@ -1,8 +1,11 @@
-//! The batch-invariant decoding GEMMs' picks ([`crate::cuda::gemm_invariant`]) kept on disk
-//! beside the kernel caches, `<cache dir>/gemm/invariant-picks.tsv`: a restart, or a process
-//! started later on the host, takes them instead of timing again, so the same request gives the
-//! same logits after a restart or in a later replica. (Two processes that time the same problem
-//! at once may keep different picks; the one written last stays in the file.)
+//! The batch-invariant decoding GEMMs' picks ([`crate::cuda::gemm_invariant`]) and the tuned
+//! training projections' (`Plan::tune_or_stored`, keys beginning `v1 train `) kept on disk
+//! beside the kernel caches, `<cache dir>/gemm/invariant-picks.tsv` (the name from before the
+//! training picks joined): a restart, or a process started later on the host, takes them
+//! instead of timing again, so the same request gives the same logits after a restart or in a
+//! later replica, and a run's first step does not time its projections again. (Two processes
+//! that time the same problem at once may keep different picks; the one written last stays in
+//! the file.)
 //!
 //! One line per problem: its key (a format version, device name, cuBLASLt version, problem), a
 //! tab, and the algorithm's eight 64-bit words in hex. cuBLASLt's algorithm structures may be
@@ -40,7 +43,7 @@ fn with_store<R>(f: impl FnOnce(&mut Store) -> R) -> R {
         let picks = path.as_deref().map(load).unwrap_or_default();
         if let Some(p) = path.as_deref().filter(|_| !picks.is_empty()) {
             eprintln!(
-                "nsactor: {} batch-invariant GEMM pick(s) from {}",
+                "nsactor: {} stored GEMM pick(s) from {}",
                 picks.len(),
                 p.display()
             );
@@ -63,7 +66,7 @@ pub(crate) fn record(key: &str, words: Words) {
         let Some(path) = &s.path else { return };
         if let Err(e) = merge_into(path, &s.picks, key) {
             eprintln!(
-                "nsactor: warning: the batch-invariant GEMM picks cannot be written to {}: {e}",
+                "nsactor: warning: the GEMM picks cannot be written to {}: {e}",
                 path.display()
             );
         }

@@ -1,5 +1,6 @@
 //! The end of a training run: the final checkpoint and weights started after the last step's
-//! evaluation (the work after the last step runs beside their reads and disk writes), the
+//! evaluation (the work after the last step waits for their reads and runs beside their disk
+//! writes), the
 //! run's summary, and `loss.png`, the config and the data cursor written last.
 
 use super::records::{draw_curves, written};
@@ -13,7 +14,8 @@ use std::time::Instant;
 impl Run<'_> {
     /// After the last step and its evaluation: the final checkpoint and the run's weights, from
     /// one read of the stages, written in the background while the work after the last step
-    /// runs; [`finish`](Self::finish) waits for them.
+    /// runs (once the stages are read back: [`wait_final_reads`](Self::wait_final_reads));
+    /// [`finish`](Self::finish) waits for them.
     pub(super) fn start_final(&mut self, pipeline: &mut Pipeline) -> Result<(), RuntimeError> {
         let t = &self.cfg.train;
         let c = pipeline.checkpoint_final(
@@ -36,14 +38,16 @@ impl Run<'_> {
         Ok(())
     }
 
-    /// Waits until the final write has read every stage back, and logs how long that took from
-    /// the wait (the disk's part goes on). A failed write ends the wait at once.
+    /// Waits until the final write has read every stage back (on the H200 its reads took 15 s
+    /// beside the last evaluation and the sample, 4–7 s alone, and slowed them as much); the
+    /// disk's part goes on beside what follows. A failed write ends the wait at once.
     pub(super) fn wait_final_reads(&mut self) {
         if let Some(rx) = self.final_reads.take() {
             let t = Instant::now();
             let _ = rx.recv();
             tracing::info!(
-                "the final checkpoint's stages read back {:.2} s after the wait began",
+                "the final checkpoint's stages read back in {:.2} s; its files are written \
+                 beside what follows",
                 t.elapsed().as_secs_f64()
             );
         }
@@ -93,6 +97,7 @@ impl Run<'_> {
         let started_here = !self.final_in_flight;
         if started_here {
             self.start_final(pipeline)?;
+            self.wait_final_reads();
         }
         // `loss.png` on a host thread beside the work on the device, both while the host
         // writes; the work's failure is reported once the write ended.
@@ -107,8 +112,6 @@ impl Run<'_> {
         } else {
             "loss.png"
         });
-        self.wait_final_reads();
-        end.mark("the rest of the final reads");
         let done = pipeline.finish_checkpoint()?.ok_or_else(|| {
             RuntimeError::Runtime("the final checkpoint's write was not in flight".into())
         })?;

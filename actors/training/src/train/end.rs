@@ -1,7 +1,6 @@
 //! The end of a training run: the final checkpoint and weights started after the last step's
 //! evaluation (the work after the last step waits for their reads and runs beside their disk
-//! writes), the
-//! run's summary, and `loss.png`, the config and the data cursor written last.
+//! writes), the run's summary, and `loss.png`, the config and the data cursor written last.
 
 use super::records::{draw_curves, written};
 use super::{Run, RunSummary};
@@ -14,8 +13,10 @@ use std::time::Instant;
 impl Run<'_> {
     /// After the last step and its evaluation: the final checkpoint and the run's weights, from
     /// one read of the stages, written in the background while the work after the last step
-    /// runs (once the stages are read back: [`wait_final_reads`](Self::wait_final_reads));
+    /// runs on the device (once the stages are read back: [`wait_final_reads`]);
     /// [`finish`](Self::finish) waits for them.
+    ///
+    /// [`wait_final_reads`]: Self::wait_final_reads
     pub(super) fn start_final(&mut self, pipeline: &mut Pipeline) -> Result<(), RuntimeError> {
         let t = &self.cfg.train;
         let c = pipeline.checkpoint_final(

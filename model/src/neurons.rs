@@ -14,10 +14,18 @@ pub(crate) fn param<B: Backend, const D: usize>(
     shape: [usize; D],
     device: &B::Device,
 ) -> Tensor<B, D> {
-    if values.is_empty() && shape.iter().product::<usize>() > 0 {
-        return Tensor::zeros(shape, device).require_grad();
-    }
-    Tensor::from_data(TensorData::new(values, shape), device).require_grad()
+    blank(&values, shape, device)
+        .unwrap_or_else(|| Tensor::from_data(TensorData::new(values, shape), device))
+        .require_grad()
+}
+
+/// Zeros made on the device for a non-empty shape given no values (a [`Rng::blank`] draw).
+fn blank<B: Backend, const D: usize>(
+    values: &[f32],
+    shape: [usize; D],
+    device: &B::Device,
+) -> Option<Tensor<B, D>> {
+    (values.is_empty() && shape.iter().product::<usize>() > 0).then(|| Tensor::zeros(shape, device))
 }
 
 /// [`param`] for a large one (a projection's or the embedding's weights): uploaded through
@@ -28,8 +36,8 @@ pub(crate) fn weight<B: SnnOps, const D: usize>(
     shape: [usize; D],
     device: &B::Device,
 ) -> Tensor<B, D> {
-    if values.is_empty() && shape.iter().product::<usize>() > 0 {
-        return Tensor::zeros(shape, device).require_grad();
+    if let Some(zeros) = blank(&values, shape, device) {
+        return zeros.require_grad();
     }
     let t = upload(&values, shape, device).require_grad();
     crate::init::recycle(values);

@@ -90,12 +90,15 @@ fn train_on_the_embedded_default_lowers_the_loss_and_writes_weights() {
     };
     let (ok, stdout, stderr) = eval(&[]);
     assert!(ok, "eval failed: {stderr}");
-    let ce: f64 = stdout
-        .split("held-out CE ")
-        .nth(1)
-        .and_then(|s| s.split_whitespace().next())
-        .and_then(|s| s.parse().ok())
-        .unwrap_or_else(|| panic!("no CE in {stdout}"));
+    let ce_of = |stdout: &str| -> f64 {
+        stdout
+            .split("held-out CE ")
+            .nth(1)
+            .and_then(|s| s.split_whitespace().next())
+            .and_then(|s| s.parse().ok())
+            .unwrap_or_else(|| panic!("no CE in {stdout}"))
+    };
+    let ce = ce_of(&stdout);
     assert!(
         ce.is_finite() && ce < losses[0] - 0.3,
         "CE {ce} vs first loss {}",
@@ -109,12 +112,7 @@ fn train_on_the_embedded_default_lowers_the_loss_and_writes_weights() {
     // One sequence per forward instead of the whole batch: the same CE up to rounding.
     let (ok, one_row, stderr) = eval(&["--forward-rows", "1"]);
     assert!(ok, "eval --forward-rows 1 failed: {stderr}");
-    let ce_one: f64 = one_row
-        .split("held-out CE ")
-        .nth(1)
-        .and_then(|s| s.split_whitespace().next())
-        .and_then(|s| s.parse().ok())
-        .unwrap_or_else(|| panic!("no CE in {one_row}"));
+    let ce_one = ce_of(&one_row);
     assert!(
         (ce_one - ce).abs() < 1e-4,
         "CE {ce} by batches, {ce_one} by rows"

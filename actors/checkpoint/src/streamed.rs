@@ -123,27 +123,13 @@ fn invalid(msg: String) -> std::io::Error {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use safetensors::tensor::TensorView;
-    use safetensors::{Dtype, serialize};
-
-    fn shard(tensors: &[(&str, Dtype, Vec<usize>, Vec<u8>)]) -> Vec<u8> {
-        let views: Vec<_> = tensors
-            .iter()
-            .map(|(n, d, s, b)| (n.to_string(), TensorView::new(*d, s.clone(), b).unwrap()))
-            .collect();
-        serialize(views, None).unwrap()
-    }
+    use crate::weights::tests::two_stages;
 
     /// The streamed file holds the same tensors, with the same bytes, as the file ordered by
     /// name (optimizer state left out, mixed dtypes), and safetensors reads it.
     #[test]
     fn streamed_weights_hold_the_merged_files_tensors() {
-        let a = shard(&[
-            ("layers.0.w", Dtype::F32, vec![2, 3], (0..24).collect()),
-            ("adam.layers.0.w.m", Dtype::F32, vec![6], vec![9; 24]),
-            ("layers.0.b", Dtype::BF16, vec![3], vec![1, 2, 3, 4, 5, 6]),
-        ]);
-        let b = shard(&[("embed", Dtype::F32, vec![1, 1], vec![7, 7, 7, 7])]);
+        let (a, b) = two_stages();
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("w.safetensors");
         let n = write_streamed(&path, 2, [&a, &b].into_iter())

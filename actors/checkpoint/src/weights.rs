@@ -155,12 +155,13 @@ pub fn merge_params<B: AsRef<[u8]>>(shards: &[B]) -> Result<Vec<u8>, RuntimeErro
 pub use nsactor_plugin_api::files::{write_atomic, write_atomic_with};
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use safetensors::tensor::TensorView;
     use safetensors::{Dtype, serialize};
 
-    fn shard(tensors: &[(&str, Dtype, Vec<usize>, Vec<u8>)]) -> Vec<u8> {
+    /// A safetensors file of `tensors` (name, dtype, shape, bytes).
+    pub(crate) fn shard(tensors: &[(&str, Dtype, Vec<usize>, Vec<u8>)]) -> Vec<u8> {
         let views: Vec<_> = tensors
             .iter()
             .map(|(n, d, s, b)| (n.to_string(), TensorView::new(*d, s.clone(), b).unwrap()))
@@ -168,16 +169,24 @@ mod tests {
         serialize(views, None).unwrap()
     }
 
-    /// The merged file equals what `safetensors::serialize` writes for the parameters alone
-    /// (mixed dtypes, so the order by alignment shows), and refuses a name in two shards.
-    #[test]
-    fn merged_params_are_byte_for_byte_safetensors_own_file() {
+    /// Two stage shards: a layer's (two dtypes, one optimizer tensor) and the edge's.
+    pub(crate) fn two_stages() -> (Vec<u8>, Vec<u8>) {
         let a = shard(&[
             ("layers.0.w", Dtype::F32, vec![2, 3], (0..24).collect()),
             ("adam.layers.0.w.m", Dtype::F32, vec![6], vec![9; 24]),
             ("layers.0.b", Dtype::BF16, vec![3], vec![1, 2, 3, 4, 5, 6]),
         ]);
-        let b = shard(&[("embed", Dtype::F32, vec![1, 1], vec![7, 7, 7, 7])]);
+        (
+            a,
+            shard(&[("embed", Dtype::F32, vec![1, 1], vec![7, 7, 7, 7])]),
+        )
+    }
+
+    /// The merged file equals what `safetensors::serialize` writes for the parameters alone
+    /// (mixed dtypes, so the order by alignment shows), and refuses a name in two shards.
+    #[test]
+    fn merged_params_are_byte_for_byte_safetensors_own_file() {
+        let (a, b) = two_stages();
         let merged = merge_params(&[&a, &b]).unwrap();
         let want = shard(&[
             ("layers.0.w", Dtype::F32, vec![2, 3], (0..24).collect()),

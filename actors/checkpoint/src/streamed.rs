@@ -11,7 +11,9 @@
 //! [`crate::weights::MergedParams`]). A header that outgrows its place (a model of some ten
 //! thousand tensors) is written the whole-file way from the stages held.
 
-use crate::weights::{MergedParams, write_at_parallel, write_atomic_with};
+use crate::weights::{
+    MergedParams, OPTIMIZER_PREFIX, WRITE_PIECE, WRITERS, write_at_parallel, write_atomic_with,
+};
 use nsactor_engine::error::RuntimeError;
 use safetensors::SafeTensors;
 use safetensors::tensor::{Metadata, TensorInfo};
@@ -20,14 +22,25 @@ use std::path::Path;
 /// Bytes kept for the header before the data: room for ~10,000 tensors' entries.
 pub const RESERVED: usize = 1 << 20;
 
-/// Prefix of optimizer-state tensors inside a stage shard.
-const OPTIMIZER_PREFIX: &str = "adam.";
+/// Why the streamed file was given up (its temporary file removed, nothing renamed).
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Abandoned {
+    /// Fewer stages came than asked for: their reading failed.
+    Incomplete,
+    /// The header is longer than [`RESERVED`].
+    HeaderTooLong,
+}
 
-/// Writers per stage's parameters (the disk took 1.3 GB/s from one, 2 GB/s from eight).
-const WRITERS: usize = 8;
+impl std::fmt::Display for Abandoned {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Abandoned::Incomplete => "the stages stopped coming",
+            Abandoned::HeaderTooLong => "the header outgrew its reserved place",
+        })
+    }
+}
 
-/// Bytes per positioned write.
-const PIECE: usize = 8 << 20;
+impl std::error::Error for Abandoned {}
 
 /// Writes the parameters of the `n` stages `stages` yields, in that order, as one safetensors
 /// file at `path` (atomically), each stage's as it arrives; the file's size in bytes, or
@@ -40,13 +53,9 @@ pub fn write_streamed<B: AsRef<[u8]>>(
 ) -> Result<Option<u64>, RuntimeError> {
     let io = |e: std::io::Error| RuntimeError::Io(path.to_path_buf(), e);
     let mut held = Vec::new();
-    let mut infos: Vec<(String, TensorInfo)> = Vec::new();
-    let mut names = std::collections::HashSet::new();
-    let mut fitted = None;
     let written = write_atomic_with(path, |f| {
-        let mut end = 0usize;
+        let (mut infos, mut names, mut end) = (Vec::new(), std::collections::HashSet::new(), 0);
         for (i, b) in stages.enumerate() {
-            let mut pieces = Vec::new();
             {
                 let st = SafeTensors::deserialize(b.as_ref())
                     .map_err(|e| invalid(format!("stage shard {i}: {e}")))?;
@@ -56,6 +65,7 @@ pub fn write_streamed<B: AsRef<[u8]>>(
                     .filter(|(name, _)| !name.starts_with(OPTIMIZER_PREFIX))
                     .collect();
                 tensors.sort_by(|a, b| a.0.cmp(&b.0));
+                let mut pieces = Vec::with_capacity(tensors.len());
                 for (name, view) in tensors {
                     if !names.insert(name.clone()) {
                         return Err(invalid(format!(
@@ -63,58 +73,56 @@ pub fn write_streamed<B: AsRef<[u8]>>(
                         )));
                     }
                     let data = view.data();
-                    infos.push((
-                        name,
-                        TensorInfo {
-                            dtype: view.dtype(),
-                            shape: view.shape().to_vec(),
-                            data_offsets: (end, end + data.len()),
-                        },
-                    ));
+                    let info = TensorInfo {
+                        dtype: view.dtype(),
+                        shape: view.shape().to_vec(),
+                        data_offsets: (end, end + data.len()),
+                    };
+                    infos.push((name, info));
                     pieces.push(((8 + RESERVED + end) as u64, data));
                     end += data.len();
                 }
-                write_at_parallel(f, pieces.drain(..), WRITERS, PIECE)?;
+                write_at_parallel(f, pieces, WRITERS, WRITE_PIECE)?;
             }
             held.push(b);
         }
         if held.len() < n {
-            return Err(std::io::Error::other(INCOMPLETE));
+            return Err(std::io::Error::other(Abandoned::Incomplete));
         }
-        let metadata = Metadata::new(None, infos.clone()).map_err(|e| invalid(e.to_string()))?;
+        let metadata = Metadata::new(None, infos).map_err(|e| invalid(e.to_string()))?;
         let mut json = serde_json::to_vec(&metadata).map_err(|e| invalid(e.to_string()))?;
         if json.len() > RESERVED {
-            // Left to the caller: the whole file rewritten from the stages held.
-            return Ok(0);
+            return Err(std::io::Error::other(Abandoned::HeaderTooLong));
         }
         json.resize(RESERVED, b' ');
         let mut header = (RESERVED as u64).to_le_bytes().to_vec();
         header.extend(json);
         let len = (8 + RESERVED + end) as u64;
         f.set_len(len)?;
-        write_at_parallel(f, std::iter::once((0u64, header.as_slice())), 1, PIECE)?;
-        fitted = Some(len);
+        write_at_parallel(f, [(0u64, header.as_slice())], 1, WRITE_PIECE)?;
         Ok(len)
     });
+    let abandoned = |e: &std::io::Error| {
+        e.get_ref()
+            .and_then(|x| x.downcast_ref::<Abandoned>())
+            .copied()
+    };
     match written {
-        Err(e) if e.to_string() == INCOMPLETE => return Ok(None),
-        Err(e) => return Err(io(e)),
-        Ok(_) => {}
-    }
-    match fitted {
-        Some(len) => Ok(Some(len)),
-        None => {
-            let views: Vec<&[u8]> = held.iter().map(|b| b.as_ref()).collect();
-            let len = MergedParams::new(&views, "")?
-                .write_file(path)
-                .map_err(io)?;
-            Ok(Some(len))
-        }
+        Ok(len) => Ok(Some(len)),
+        Err(e) => match abandoned(&e) {
+            Some(Abandoned::Incomplete) => Ok(None),
+            // The by-name layout, from the stages held: its header is known before the data.
+            Some(Abandoned::HeaderTooLong) => {
+                let views: Vec<&[u8]> = held.iter().map(|b| b.as_ref()).collect();
+                let len = MergedParams::new(&views, "")?
+                    .write_file(path)
+                    .map_err(io)?;
+                Ok(Some(len))
+            }
+            None => Err(io(e)),
+        },
     }
 }
-
-/// The error that ends a file whose stages did not all come.
-const INCOMPLETE: &str = "the stages stopped coming";
 
 fn invalid(msg: String) -> std::io::Error {
     std::io::Error::new(std::io::ErrorKind::InvalidData, msg)
@@ -163,5 +171,31 @@ mod tests {
             None
         );
         assert!(!path.exists(), "an incomplete set leaves no file");
+    }
+
+    /// A header past [`RESERVED`] (thousands of long names) gives the by-name file instead.
+    #[test]
+    fn a_header_past_its_place_falls_back_to_the_by_name_file() {
+        let data = vec![3u8; 4];
+        let names: Vec<String> = (0..9_000)
+            .map(|i| format!("{}{i}", "x".repeat(120)))
+            .collect();
+        let views: Vec<_> = names
+            .iter()
+            .map(|n| {
+                let v =
+                    safetensors::tensor::TensorView::new(safetensors::Dtype::F32, vec![1], &data);
+                (n.clone(), v.unwrap())
+            })
+            .collect();
+        let big = safetensors::serialize(views, None).unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("w.safetensors");
+        let n = write_streamed(&path, 1, std::iter::once(&big))
+            .unwrap()
+            .unwrap();
+        let file = std::fs::read(&path).unwrap();
+        assert_eq!(n, file.len() as u64);
+        assert_eq!(file, crate::weights::merge_params(&[&big]).unwrap());
     }
 }

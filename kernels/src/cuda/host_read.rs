@@ -143,17 +143,21 @@ pub fn read_f32_into(t: CudaTensor, out: &mut [u8]) -> Result<(), KernelError> {
         }
         Ok(())
     })();
-    // A failed read may leave a transfer in flight into the staging pair: wait for the stream
-    // before the pair goes back to the pool.
-    if result.is_err() {
-        // SAFETY: the stream of a live buffer of the current context.
-        unsafe { sys::cuStreamSynchronize(res.stream) };
-    }
+    settle(&result, res.stream);
     drop(events);
     drop(staging);
     drop(managed);
     drop(t);
     result
+}
+
+/// After a transfer loop that failed, waits for `stream`: a transfer may still be in flight
+/// from or into the staging pair, which must be idle before it goes back to the pool.
+pub(crate) fn settle<T>(result: &Result<T, KernelError>, stream: sys::CUstream) {
+    if result.is_err() {
+        // SAFETY: the stream of a live buffer of the current context (the caller's).
+        unsafe { sys::cuStreamSynchronize(stream) };
+    }
 }
 
 /// A new event of the current context, without timing.

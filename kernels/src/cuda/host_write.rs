@@ -15,7 +15,7 @@
 //! every piece before it returns, so a staging buffer goes back to the pool idle.
 
 use super::device::make_current;
-use super::host_read::{Events, Lease, PIECE, check, take};
+use super::host_read::{Events, Lease, PIECE, check, settle, take};
 use crate::KernelError;
 use burn::tensor::{DType, Shape};
 use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
@@ -114,12 +114,7 @@ pub fn upload_f32(
         }
         Ok(())
     })();
-    if result.is_err() {
-        // A failed upload may leave a transfer in flight from the staging pair: wait for the
-        // stream before the pair goes back to the pool.
-        // SAFETY: the stream of a live buffer of the current context.
-        unsafe { sys::cuStreamSynchronize(res.stream) };
-    }
+    settle(&result, res.stream);
     drop(events);
     drop(staging);
     drop(managed);

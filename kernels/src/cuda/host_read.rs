@@ -29,7 +29,7 @@ pub const PIECE: usize = 8 << 20;
 
 /// A pair of pinned host buffers of [`PIECE`] bytes (addresses kept as integers so the pool is
 /// `Send`; the memory is portable, usable from every context).
-pub(crate) struct Staging(pub(crate) [usize; 2]);
+struct Staging([usize; 2]);
 
 /// Staging pairs not in use, for any thread to take.
 fn pool() -> &'static Mutex<Vec<Staging>> {
@@ -46,7 +46,7 @@ pub(crate) fn check(what: &str, r: sys::CUresult) -> Result<(), KernelError> {
 }
 
 /// A staging pair from the pool, or two new pinned buffers when every pair is in use.
-pub(crate) fn take() -> Result<Staging, KernelError> {
+fn take() -> Result<Staging, KernelError> {
     if let Some(s) = pool().lock().unwrap_or_else(|e| e.into_inner()).pop() {
         return Ok(s);
     }
@@ -87,15 +87,8 @@ pub fn read_f32_into(t: CudaTensor, out: &mut [u8]) -> Result<(), KernelError> {
         .get_resource(t.handle.clone())
         .map_err(|e| KernelError::Device(format!("read back: buffer unavailable: {e:?}")))?;
     let res = managed.resource();
-    if res.stream.is_null() {
-        return Err(KernelError::Device(
-            "the patched cubecl-cuda reports no stream".into(),
-        ));
-    }
-    make_current(device);
-    let staging = Lease(Some(take()?));
-    let events = Events::new()?;
-    let pair = &staging.0.as_ref().expect("held until dropped").0;
+    let (staging, events) = begin(device, res.stream)?;
+    let pair = staging.pair();
     let pieces = bytes.div_ceil(PIECE);
     let span = |i: usize| (i * PIECE, (bytes - i * PIECE).min(PIECE));
     let enqueue = |i: usize| -> Result<(), KernelError> {
@@ -151,6 +144,18 @@ pub fn read_f32_into(t: CudaTensor, out: &mut [u8]) -> Result<(), KernelError> {
     result
 }
 
+/// For one transfer on `stream` (a buffer's, as the patched cubecl-cuda reports it): the
+/// calling thread on `device`'s context, a staging pair and two events.
+pub(crate) fn begin(device: usize, stream: sys::CUstream) -> Result<(Lease, Events), KernelError> {
+    if stream.is_null() {
+        return Err(KernelError::Device(
+            "the patched cubecl-cuda reports no stream".into(),
+        ));
+    }
+    make_current(device);
+    Ok((Lease(Some(take()?)), Events::new()?))
+}
+
 /// After a transfer loop that failed, waits for `stream`: a transfer may still be in flight
 /// from or into the staging pair, which must be idle before it goes back to the pool.
 pub(crate) fn settle<T>(result: &Result<T, KernelError>, stream: sys::CUstream) {
@@ -195,7 +200,14 @@ impl Drop for Events {
 }
 
 /// A staging pair taken from the pool, returned to it when dropped.
-pub(crate) struct Lease(pub(crate) Option<Staging>);
+pub(crate) struct Lease(Option<Staging>);
+
+impl Lease {
+    /// The pair's two buffers.
+    pub(crate) fn pair(&self) -> [usize; 2] {
+        self.0.as_ref().expect("held until dropped").0
+    }
+}
 
 impl Drop for Lease {
     fn drop(&mut self) {

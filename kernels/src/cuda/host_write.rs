@@ -14,8 +14,7 @@
 //! memory runs first and every later launch on the stream sees the values. The host waits for
 //! every piece before it returns, so a staging buffer goes back to the pool idle.
 
-use super::device::make_current;
-use super::host_read::{Events, Lease, PIECE, check, settle, take};
+use super::host_read::{PIECE, begin, check, settle};
 use crate::KernelError;
 use burn::tensor::{DType, Shape};
 use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
@@ -61,15 +60,8 @@ pub fn upload_f32(
         .get_resource(out.handle.clone())
         .map_err(|e| KernelError::Device(format!("upload: buffer unavailable: {e:?}")))?;
     let res = managed.resource();
-    if res.stream.is_null() {
-        return Err(KernelError::Device(
-            "the patched cubecl-cuda reports no stream".into(),
-        ));
-    }
-    make_current(device.index);
-    let staging = Lease(Some(take()?));
-    let events = Events::new()?;
-    let pair = &staging.0.as_ref().expect("held until dropped").0;
+    let (staging, events) = begin(device.index, res.stream)?;
+    let pair = staging.pair();
     let bytes = src.len();
     let pieces = bytes.div_ceil(PIECE);
     let result = (|| {

@@ -186,6 +186,17 @@ fn sft_from_init_weights_evaluates_held_out_rows_plots_and_serves_metrics() {
         );
     }
     assert!(log.contains("held-out CE"), "{log}");
+    // After the last step the final checkpoint is started (and its stages read back) before
+    // the last evaluation, which runs beside its disk writes.
+    let at = |pred: &dyn Fn(&serde_json::Value) -> bool| {
+        events
+            .iter()
+            .position(pred)
+            .unwrap_or_else(|| panic!("{events:?}"))
+    };
+    let last_eval = at(&|e| e["event"] == "eval" && e["step"] == 4);
+    let final_ckpt = at(&|e| e["event"] == "checkpoint" && e["final"] == true);
+    assert!(final_ckpt < last_eval, "{events:?}");
     // loss.png: a PNG of 960 × 900 (its IHDR).
     let png = std::fs::read(run.join("loss.png")).unwrap();
     assert_eq!(&png[..8], b"\x89PNG\r\n\x1a\n");

@@ -95,6 +95,7 @@ pub fn write_with(
         &dir,
         shards.iter().collect(),
         &|b: &Vec<u8>| Ok(b.as_slice()),
+        crate::stream::ReadAhead::BESIDE,
         None,
         None,
     )?;

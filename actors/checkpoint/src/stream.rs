@@ -1,14 +1,16 @@
-//! A checkpoint's shards written as they come off the device. One reader reads the stages back
+//! A checkpoint's shards written as they come off the device. A reader reads the stages back
 //! in order (a snapshot's device copy and serialising) a little ahead of a few writers, each
 //! of which takes the next stage read and writes its file in large pieces, hashing each piece
 //! on the way (one pass over the bytes instead of a write and a separate hash). A shard's bytes
-//! are dropped once written, so the host holds a few stages at a time, not the whole 10.5 GB
-//! of a 0.9B checkpoint. When the run's final weights are asked for, the same bytes feed them: an
-//! exporter writes each stage's parameters into one file as the stage is read
-//! ([`crate::streamed`]), beside the shard files' writers, so the end of a run reads the device
-//! once. The
-//! reader, writers and exporter run below the training threads' CPU priority. The reads run
-//! on one thread kept for the process ([`reader`]), not a new one per checkpoint.
+//! are dropped once written, so beside training the host holds a few stages at a time, not
+//! the whole 10.5 GB of a 0.9B checkpoint. When nothing else waits on the device (the end of a
+//! run, a synchronous checkpoint) two readers read at once and run ahead of the disk as far
+//! as the host's memory allows ([`ReadAhead`]), so the device is free at read speed. When the
+//! run's final weights are asked for, the same bytes feed them: an exporter writes each
+//! stage's parameters into one file as the stage is read ([`crate::streamed`]), beside the
+//! shard files' writers, so the end of a run reads the device once. The readers, writers and
+//! exporter run below the training threads' CPU priority; the reads run on threads kept for
+//! the process ([`reader`]), not new ones per checkpoint.
 
 use nsactor_engine::error::RuntimeError;
 use nsactor_plugin_api::files::write_atomic_with;
@@ -16,7 +18,7 @@ use sha2::{Digest, Sha256};
 use std::io::Write;
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, mpsc};
+use std::sync::{Arc, Condvar, Mutex, mpsc};
 use std::time::{Duration, Instant};
 
 /// How far below the training threads the checkpoint's own threads run (`nice` +10): a
@@ -35,17 +37,17 @@ fn lower_priority() {
     }
 }
 
-/// The thread every checkpoint's stages are read back on, started with the first checkpoint
-/// and kept for the process (at [`NICE`]). A device backend may give each new thread its own
-/// queue and memory pools (CubeCL's CUDA runtime makes each thread a stream of its own, up to
-/// 128, with its own pools that outlive the thread); a new reader per checkpoint would add one
-/// each time.
+/// The [`READERS`] threads every checkpoint's stages are read back on, started with the first
+/// checkpoint and kept for the process (at [`NICE`]). A device backend may give each new
+/// thread its own queue and memory pools (CubeCL's CUDA runtime makes each thread a stream of
+/// its own, up to 128, with its own pools that outlive the thread); new readers per checkpoint
+/// would add more each time.
 fn reader() -> &'static rayon::ThreadPool {
     static READER: std::sync::OnceLock<rayon::ThreadPool> = std::sync::OnceLock::new();
     READER.get_or_init(|| {
         rayon::ThreadPoolBuilder::new()
-            .num_threads(1)
-            .thread_name(|_| "nsactor-ckpt-read".into())
+            .num_threads(READERS)
+            .thread_name(|i| format!("nsactor-ckpt-read-{i}"))
             .start_handler(|_| lower_priority())
             .build()
             .expect("a thread for checkpoint reads")
@@ -115,28 +117,164 @@ pub fn workers(n: usize) -> usize {
         .min(n.max(1))
 }
 
-/// Stages read and not yet taken by a writer: the reader runs this far ahead of the writers,
-/// so a writer that finishes a file finds the next stage ready, while the host holds at most
-/// this many stages besides the ones being written.
+/// Stages read and not yet taken by a writer beside training: the reader runs this far ahead
+/// of the writers, so a writer that finishes a file finds the next stage ready, while the host
+/// holds at most this many stages besides the ones being written.
 const AHEAD: usize = 2;
+
+/// Readers when the device is the write's alone ([`ReadAhead::alone`]): the host's part of a
+/// read (populating the buffer, copying out of the staging pair) runs on one core per reader.
+pub const READERS: usize = 2;
+
+/// How a checkpoint's stages are read back: by how many readers, and how far ahead of the
+/// writers.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct ReadAhead {
+    /// Readers at once (each a thread of [`reader`]'s pool).
+    pub readers: usize,
+    /// Bytes of stages read and not yet taken by a writer, besides [`AHEAD`] stages, that the
+    /// readers may hold: 0 beside training, where reads slow the steps and the host keeps
+    /// little.
+    pub bytes: u64,
+}
+
+impl ReadAhead {
+    /// Beside training steps: one reader, [`AHEAD`] stages ahead (a read slows the step
+    /// beside it; the writers set the pace).
+    pub const BESIDE: ReadAhead = ReadAhead {
+        readers: 1,
+        bytes: 0,
+    };
+
+    /// Nothing else waits on the device (a synchronous checkpoint, the end of a run, whose
+    /// next work waits for the reads): [`READERS`] readers, ahead of the disk by up to a
+    /// quarter of the host's available memory, so the reads end at read speed rather than
+    /// the disk's.
+    pub fn alone() -> Self {
+        ReadAhead {
+            readers: READERS,
+            bytes: host_available().map_or(0, |b| b / 4),
+        }
+    }
+}
+
+/// The host's available memory in bytes (`MemAvailable` of `/proc/meminfo`; `None` elsewhere).
+fn host_available() -> Option<u64> {
+    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = text.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kb * 1024)
+}
 
 /// A stage read back: its order, its bytes and how long the read took.
 type Read<B> = (usize, Arc<B>, Duration);
 
-/// Reads every source with `read`, one after another in stage order on the [`reader`] thread, and
-/// writes each as shard `i` in `dir` on up to [`MAX_WORKERS`] writer threads, returning the
-/// entries for the manifest. Reading and writing are apart: a writer never waits for a read
-/// of its own, so the disk sees every writer busy while the reader goes on (when each worker
-/// read its next stage itself, the reads stalled a writer each and contended with each other:
-/// 8.2 s for a 0.9B checkpoint on a disk that takes it in 5.0 s). With `export`, the stages'
-/// parameters also go into that one whole-model file as they are read
-/// ([`crate::streamed::write_streamed`]). The first failure stops the reader and the writers
+/// Stages read and waiting for a writer, with who is still at work on either side.
+struct Queue<B> {
+    ready: std::collections::VecDeque<Read<B>>,
+    /// Bytes of `ready`.
+    bytes: u64,
+    /// Readers not yet done.
+    readers: usize,
+    /// Writers still taking stages.
+    writers: usize,
+}
+
+impl<B> Queue<B> {
+    /// Whether a reader may add a stage: fewer than [`AHEAD`] wait, or fewer bytes than
+    /// `ahead.bytes`.
+    fn has_room(&self, ahead: ReadAhead) -> bool {
+        self.ready.len() < AHEAD || self.bytes < ahead.bytes
+    }
+}
+
+/// [`Queue`] and its wake-ups.
+struct Flow<B> {
+    queue: Mutex<Queue<B>>,
+    changed: Condvar,
+    failed: AtomicBool,
+    ahead: ReadAhead,
+}
+
+impl<B: AsRef<[u8]>> Flow<B> {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Queue<B>> {
+        self.queue.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Waits until a reader may read another stage; false when it must stop (a failure, or
+    /// every writer gone).
+    fn may_read(&self) -> bool {
+        let mut q = self.lock();
+        loop {
+            if self.failed.load(Ordering::Relaxed) || q.writers == 0 {
+                return false;
+            }
+            if q.has_room(self.ahead) {
+                return true;
+            }
+            q = self.changed.wait(q).unwrap_or_else(|e| e.into_inner());
+        }
+    }
+
+    /// Hands a stage read to the writers.
+    fn push(&self, r: Read<B>) {
+        let mut q = self.lock();
+        q.bytes += (*r.1).as_ref().len() as u64;
+        q.ready.push_back(r);
+        self.changed.notify_all();
+    }
+
+    /// The next stage for a writer; `None` once the readers are done and nothing waits, or on
+    /// a failure.
+    fn take(&self) -> Option<Read<B>> {
+        let mut q = self.lock();
+        loop {
+            if self.failed.load(Ordering::Relaxed) {
+                return None;
+            }
+            if let Some(r) = q.ready.pop_front() {
+                q.bytes -= (*r.1).as_ref().len() as u64;
+                self.changed.notify_all();
+                return Some(r);
+            }
+            if q.readers == 0 {
+                return None;
+            }
+            q = self.changed.wait(q).unwrap_or_else(|e| e.into_inner());
+        }
+    }
+
+    /// A reader or writer is done (or failed, which stops the others).
+    fn leave(&self, reader: bool, failed: bool) {
+        let mut q = self.lock();
+        if failed {
+            self.failed.store(true, Ordering::Relaxed);
+        }
+        if reader {
+            q.readers -= 1;
+        } else {
+            q.writers -= 1;
+        }
+        self.changed.notify_all();
+    }
+}
+
+/// Reads every source with `read` on [`reader`]'s threads (`ahead.readers` at once, taking the
+/// stages in order) and writes each as shard `i` in `dir` on up to [`MAX_WORKERS`] writer
+/// threads, returning the entries for the manifest. Reading and writing are apart: a writer
+/// never waits for a read of its own, so the disk sees every writer busy while the readers go
+/// on (when each worker read its next stage itself, the reads stalled a writer each and
+/// contended with each other: 8.2 s for a 0.9B checkpoint on a disk that takes it in 5.0 s).
+/// The readers stay [`AHEAD`] stages, or `ahead.bytes`, ahead of the writers. With `export`,
+/// the stages' parameters also go into that one whole-model file as they are read
+/// ([`crate::streamed::write_streamed`]). The first failure stops the readers and the writers
 /// from taking further stages and is returned (a failed export too). `reads_done` hears once
 /// every stage has been read (it is dropped unheard when the reading stopped early).
 pub fn write_stages<S, B>(
     dir: &Path,
     sources: Vec<S>,
     read: &(dyn Fn(S) -> Result<B, RuntimeError> + Sync),
+    ahead: ReadAhead,
     export: Option<&Path>,
     reads_done: Option<mpsc::Sender<()>>,
 ) -> Result<Written, RuntimeError>
@@ -145,12 +283,21 @@ where
     B: AsRef<[u8]> + Send + Sync,
 {
     let n = sources.len();
-    let failed = AtomicBool::new(false);
+    let readers = ahead.readers.clamp(1, READERS).min(n.max(1));
+    let writers = workers(n);
+    let flow = Flow {
+        queue: Mutex::new(Queue {
+            ready: Default::default(),
+            bytes: 0,
+            readers,
+            writers,
+        }),
+        changed: Condvar::new(),
+        failed: AtomicBool::new(false),
+        ahead,
+    };
     let (to_export, exported) = mpsc::channel::<(usize, Arc<B>)>();
-    let (to_write, ready) = mpsc::sync_channel::<Read<B>>(AHEAD);
-    // Shared by the writers only: once they have all stopped, the reader's next send fails
-    // and it stops too.
-    let ready = Arc::new(Mutex::new(ready));
+    let sources = Mutex::new(sources.into_iter().enumerate());
     std::thread::scope(|scope| {
         let exporter = export.map(|path| {
             scope.spawn(move || {
@@ -159,65 +306,78 @@ where
             })
         });
         let to_export = export.is_some().then_some(to_export);
-        let failed = &failed;
-        let reader = scope.spawn(move || {
-            reader().install(move || {
-                for (i, source) in sources.into_iter().enumerate() {
-                    if failed.load(Ordering::Relaxed) {
-                        return Ok(());
-                    }
-                    let t = Instant::now();
-                    let bytes = match read(source) {
-                        Ok(b) => Arc::new(b),
-                        Err(e) => {
-                            failed.store(true, Ordering::Relaxed);
-                            return Err(e);
+        let (flow, sources) = (&flow, &sources);
+        let reading = scope.spawn(move || {
+            let first_err = Mutex::new(None);
+            let all_read = AtomicBool::new(true);
+            let read_all = || {
+                let result = (|| {
+                    while flow.may_read() {
+                        let next = sources.lock().unwrap_or_else(|e| e.into_inner()).next();
+                        let Some((i, source)) = next else {
+                            return Ok(());
+                        };
+                        let t = Instant::now();
+                        let bytes = Arc::new(read(source)?);
+                        if let Some(tx) = &to_export {
+                            // The exporter is gone only when it failed; its error is reported.
+                            let _ = tx.send((i, bytes.clone()));
                         }
-                    };
-                    if let Some(tx) = &to_export {
-                        // The exporter is gone only when it failed; its error is reported.
-                        let _ = tx.send((i, bytes.clone()));
+                        flow.push((i, bytes, t.elapsed()));
                     }
-                    if to_write.send((i, bytes, t.elapsed())).is_err() {
-                        return Ok(());
-                    }
+                    // Stopped early: not every stage was read.
+                    all_read.store(false, Ordering::Relaxed);
+                    Ok(())
+                })();
+                flow.leave(true, result.is_err());
+                if let Err(e) = result {
+                    all_read.store(false, Ordering::Relaxed);
+                    first_err
+                        .lock()
+                        .unwrap_or_else(|e| e.into_inner())
+                        .get_or_insert(e);
                 }
-                // Every stage is off the device: whoever waits to use it may go on.
-                if let Some(tx) = reads_done {
-                    let _ = tx.send(());
+            };
+            reader().scope(|s| {
+                for _ in 0..readers {
+                    s.spawn(|_| read_all());
                 }
-                Ok(())
-            })
+            });
+            drop(to_export);
+            if let Some(e) = first_err.into_inner().unwrap_or_else(|e| e.into_inner()) {
+                return Err(e);
+            }
+            // Every stage is off the device: whoever waits to use it may go on.
+            if all_read.load(Ordering::Relaxed)
+                && let Some(tx) = reads_done
+            {
+                let _ = tx.send(());
+            }
+            Ok(())
         });
-        let writers: Vec<_> = (0..workers(n))
+        let writers: Vec<_> = (0..writers)
             .map(|_| {
-                let ready = ready.clone();
                 scope.spawn(move || {
                     lower_priority();
                     let mut done = Vec::new();
-                    loop {
-                        let next = ready.lock().expect("the queue").recv();
-                        let Ok((i, bytes, took)) = next else { break };
-                        if failed.load(Ordering::Relaxed) {
-                            break;
-                        }
+                    while let Some((i, bytes, took)) = flow.take() {
                         match write_one(dir, i, (*bytes).as_ref()) {
                             Ok(entry) => done.push((i, entry, took)),
                             Err(e) => {
-                                failed.store(true, Ordering::Relaxed);
+                                flow.leave(false, true);
                                 return Err(e);
                             }
                         }
                     }
+                    flow.leave(false, false);
                     Ok(done)
                 })
             })
             .collect();
-        drop(ready);
         let mut entries: Vec<Option<ShardEntry>> = vec![None; n];
         let mut read = Duration::ZERO;
         let mut first_err = None;
-        if let Err(e) = reader.join().expect("the shard reader does not panic") {
+        if let Err(e) = reading.join().expect("the shard readers do not panic") {
             first_err = Some(e);
         }
         for w in writers {
@@ -325,35 +485,75 @@ mod tests {
     }
 
     #[test]
-    fn stages_are_written_hashed_in_order_and_exported_once() {
-        let dir = tempfile::tempdir().unwrap();
-        let shards: Vec<Vec<u8>> = (0..11u8).map(|t| shard(t, 1000 + t as usize)).collect();
-        let export = dir.path().join("model.safetensors");
-        let (done_tx, done_rx) = mpsc::channel();
-        let w = write_stages(
-            dir.path(),
-            shards.clone(),
-            &|b: Vec<u8>| Ok(b),
-            Some(&export),
-            Some(done_tx),
-        )
-        .unwrap();
-        assert_eq!(done_rx.try_recv(), Ok(()), "every stage was read");
-        for (i, (e, s)) in w.entries.iter().zip(&shards).enumerate() {
-            assert_eq!(e.file, shard_file(i));
-            assert_eq!(e.bytes, s.len() as u64);
-            assert_eq!(e.sha256, sha256(s));
-            assert_eq!(&std::fs::read(dir.path().join(&e.file)).unwrap(), s);
+    fn stages_are_written_hashed_in_order_and_exported_once_by_one_reader_or_two() {
+        // Beside training (one reader, two stages ahead), alone (two readers, ahead by the
+        // host's memory), and two readers held to two stages ahead.
+        let both = ReadAhead {
+            readers: 2,
+            bytes: 0,
+        };
+        for ahead in [ReadAhead::BESIDE, ReadAhead::alone(), both] {
+            let dir = tempfile::tempdir().unwrap();
+            let shards: Vec<Vec<u8>> = (0..11u8).map(|t| shard(t, 1000 + t as usize)).collect();
+            let export = dir.path().join("model.safetensors");
+            let (done_tx, done_rx) = mpsc::channel();
+            let w = write_stages(
+                dir.path(),
+                shards.clone(),
+                &|b: Vec<u8>| Ok(b),
+                ahead,
+                Some(&export),
+                Some(done_tx),
+            )
+            .unwrap();
+            assert_eq!(done_rx.try_recv(), Ok(()), "every stage was read");
+            for (i, (e, s)) in w.entries.iter().zip(&shards).enumerate() {
+                assert_eq!(e.file, shard_file(i));
+                assert_eq!(e.bytes, s.len() as u64);
+                assert_eq!(e.sha256, sha256(s));
+                assert_eq!(&std::fs::read(dir.path().join(&e.file)).unwrap(), s);
+            }
+            let merged = std::fs::read(&export).unwrap();
+            assert_eq!(w.export_bytes, Some(merged.len() as u64));
+            let st = safetensors::SafeTensors::deserialize(&merged).unwrap();
+            assert_eq!(st.len(), 11, "the optimizer's tensors are left out");
+            let whole = crate::weights::merge_params(&shards).unwrap();
+            let whole = safetensors::SafeTensors::deserialize(&whole).unwrap();
+            for (name, view) in whole.tensors() {
+                assert_eq!(st.tensor(&name).unwrap().data(), view.data(), "{name}");
+            }
         }
-        let merged = std::fs::read(&export).unwrap();
-        assert_eq!(w.export_bytes, Some(merged.len() as u64));
-        let st = safetensors::SafeTensors::deserialize(&merged).unwrap();
-        assert_eq!(st.len(), 11, "the optimizer's tensors are left out");
-        let whole = crate::weights::merge_params(&shards).unwrap();
-        let whole = safetensors::SafeTensors::deserialize(&whole).unwrap();
-        for (name, view) in whole.tensors() {
-            assert_eq!(st.tensor(&name).unwrap().data(), view.data(), "{name}");
+    }
+
+    #[test]
+    fn readers_alone_run_ahead_by_bytes_and_beside_training_by_two_stages() {
+        let mut q = Queue::<Vec<u8>> {
+            ready: Default::default(),
+            bytes: 0,
+            readers: 1,
+            writers: 1,
+        };
+        let alone = ReadAhead {
+            readers: 2,
+            bytes: 3_000,
+        };
+        for i in 0..AHEAD {
+            assert!(
+                q.has_room(ReadAhead::BESIDE) && q.has_room(alone),
+                "{i} waiting"
+            );
+            q.ready
+                .push_back((i, Arc::new(vec![0; 1_000]), Duration::ZERO));
+            q.bytes += 1_000;
         }
+        assert!(
+            !q.has_room(ReadAhead::BESIDE),
+            "beside training: two stages ahead"
+        );
+        assert!(q.has_room(alone), "2,000 of 3,000 bytes ahead");
+        q.bytes += 1_000;
+        assert!(!q.has_room(alone), "3,000 of 3,000 bytes ahead");
+        assert!(ReadAhead::alone().readers > 1);
     }
 
     #[test]
@@ -371,6 +571,7 @@ mod tests {
                     Ok(shard(i as u8, 10))
                 }
             },
+            ReadAhead::alone(),
             Some(&export),
             Some(done_tx),
         )
@@ -397,6 +598,7 @@ mod tests {
                 reads.fetch_add(1, Ordering::SeqCst);
                 Ok(shard(t, 8))
             },
+            ReadAhead::BESIDE,
             None,
             None,
         )
@@ -413,8 +615,15 @@ mod tests {
     fn a_failed_write_names_the_file() {
         let dir = tempfile::tempdir().unwrap();
         let gone = dir.path().join("missing");
-        let err =
-            write_stages(&gone, vec![shard(1, 4)], &|b: Vec<u8>| Ok(b), None, None).unwrap_err();
+        let err = write_stages(
+            &gone,
+            vec![shard(1, 4)],
+            &|b: Vec<u8>| Ok(b),
+            ReadAhead::BESIDE,
+            None,
+            None,
+        )
+        .unwrap_err();
         assert!(err.to_string().contains("edge.safetensors"), "{err}");
     }
 }

@@ -76,11 +76,15 @@ pub struct Job {
     pub export: Option<PathBuf>,
     /// Hears once every stage has been read back (the device is free of the write).
     pub reads_done: Option<std::sync::mpsc::Sender<()>>,
+    /// Nothing runs on the device until the stages are read (a synchronous write, the end of a
+    /// run): read them at the device's pace ([`stream::ReadAhead::alone`]) rather than
+    /// the disk's, one reader beside the steps.
+    pub alone: bool,
 }
 
 impl Job {
-    /// Writes the checkpoint (blocking).
-    fn run(self) -> Result<WriteDone, RuntimeError> {
+    /// Writes the checkpoint (blocking), its stages read back as `ahead` says.
+    fn run(self, ahead: stream::ReadAhead) -> Result<WriteDone, RuntimeError> {
         let t = Instant::now();
         let crash = self.crash;
         if self.disk_full {
@@ -95,6 +99,7 @@ impl Job {
             &dir,
             self.shards,
             &|s: Box<dyn StageSnapshot>| Ok(s.bytes()?),
+            ahead,
             self.export.as_deref(),
             self.reads_done,
         )?;
@@ -142,7 +147,12 @@ impl Writer {
         background: bool,
     ) -> Result<Option<WriteDone>, RuntimeError> {
         let step = job.meta.step;
-        let handle = tokio::task::spawn_blocking(move || job.run());
+        let ahead = if job.alone || !background {
+            stream::ReadAhead::alone()
+        } else {
+            stream::ReadAhead::BESIDE
+        };
+        let handle = tokio::task::spawn_blocking(move || job.run(ahead));
         if background {
             self.pending = Some((step, handle));
             return Ok(None);

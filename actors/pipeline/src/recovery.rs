@@ -268,6 +268,8 @@ impl SupState {
                 tokenizer_sha256,
             },
             shards,
+            // The run's final checkpoint (with its weights): the run waits for its reads.
+            alone: export.is_some(),
             export,
             reads_done: background.then_some(reads_tx),
         };

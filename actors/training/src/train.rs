@@ -152,8 +152,8 @@ struct Run<'a> {
     startup: Option<Startup>,
     after_last_step: Option<AfterLastStep<'a>>,
     /// The final checkpoint (with the weights) is being written in the background: started
-    /// after the last step's evaluation; the work after the last step waits for its reads and
-    /// goes on beside its disk writes.
+    /// right after the last step; the last evaluation and the work after the last step wait
+    /// for its reads and go on beside its disk writes.
     final_in_flight: bool,
     /// Heard once the final write has read every stage back: the last evaluation and the
     /// work after the last step wait for it rather than slow its reads (and be slowed).
@@ -419,6 +419,15 @@ impl<'a> Run<'a> {
     /// stop request), and the stop itself. True when the run stops here.
     fn after_step(&mut self, pipeline: &mut Pipeline, step: u64) -> Result<bool, RuntimeError> {
         let t = &self.cfg.train;
+        if self.leader && step == t.steps {
+            // The final checkpoint and weights first, read back with the device to
+            // themselves (two readers, ahead of the disk); the last evaluation and the work
+            // after the last step then run beside their disk writes. Beside the reads, the
+            // evaluation slowed them to 15 s against 4 s alone, and a sample that compiled
+            // its kernels took the run's end to 22 s against 12 s (sessions 52 and 53).
+            self.start_final(pipeline)?;
+            self.wait_final_reads();
+        }
         if let Some(h) = self.held_out.as_mut()
             && (step.is_multiple_of(t.eval_every) || step == t.steps)
         {
@@ -430,15 +439,6 @@ impl<'a> Run<'a> {
                 &mut |l| self.metrics.log(l),
                 self.live,
             )?;
-        }
-        if self.leader && step == t.steps {
-            // After the last evaluation, which would otherwise share the device with the final
-            // write's reads (both slowed: reads 15 s against 4 s alone on the H200); the work
-            // after the last step goes on beside the disk part only (beside the reads, a
-            // sample that compiled its kernels took 7.9 s and the run's end 22 s against 12 s,
-            // session 53).
-            self.start_final(pipeline)?;
-            self.wait_final_reads();
         }
         let signal = self.stop.and_then(StopRequest::requested);
         let periodic = t.checkpoint_every > 0 && step.is_multiple_of(t.checkpoint_every);

@@ -1,6 +1,7 @@
-//! The end of a training run: the final checkpoint and weights started after the last step's
-//! evaluation (the work after the last step waits for their reads and runs beside their disk
-//! writes), the run's summary, and `loss.png`, the config and the data cursor written last.
+//! The end of a training run: the final checkpoint and weights started right after the last
+//! step (the last evaluation and the work after the last step wait for their reads and run
+//! beside their disk writes), the run's summary, and `loss.png`, the config and the data
+//! cursor written last.
 
 use super::records::{draw_curves, written};
 use super::{Run, RunSummary};
@@ -11,9 +12,9 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 impl Run<'_> {
-    /// After the last step and its evaluation: the final checkpoint and the run's weights, from
-    /// one read of the stages, written in the background while the work after the last step
-    /// runs on the device (once the stages are read back: [`wait_final_reads`]);
+    /// Right after the last step: the final checkpoint and the run's weights, from one read of
+    /// the stages, written in the background while the last evaluation and the work after the
+    /// last step run on the device (once the stages are read back: [`wait_final_reads`]);
     /// [`finish`](Self::finish) waits for them.
     ///
     /// [`wait_final_reads`]: Self::wait_final_reads
@@ -40,8 +41,9 @@ impl Run<'_> {
     }
 
     /// Waits until the final write has read every stage back (on the H200 its reads took 15 s
-    /// beside the last evaluation and the sample, 4–7 s alone, and slowed them as much); the
-    /// disk's part goes on beside what follows. A failed write ends the wait at once.
+    /// beside the last evaluation and the sample, 4–7 s alone with one reader at the disk's
+    /// pace, and slowed them as much); the disk's part goes on beside what follows. A failed
+    /// write ends the wait at once.
     pub(super) fn wait_final_reads(&mut self) {
         if let Some(rx) = self.final_reads.take() {
             let t = Instant::now();

@@ -1,12 +1,13 @@
 //! Checkpoints, the run's memory: the on-disk format (a manifest with every shard's digest, written
 //! atomically, newest valid one found on resume; [`checkpoint`]), shards written as they are read
-//! back ([`stream`]), the background [`writer`] that keeps a step from waiting on the disk, merged
+//! back ([`stream`]) with the disk kept busy ([`disk`]), the background [`writer`] that keeps a step from waiting on the disk, merged
 //! parameter files ([`weights`]), finding a checkpoint from a run directory and exporting to /
 //! importing from a Hugging Face directory ([`export`]), and models by Hugging Face Hub name
 //! ([`hub`]). It knows the model only through `nsactor-engine`'s configuration and staged engine;
 //! the actor pipeline writes through it.
 
 pub mod checkpoint;
+pub mod disk;
 pub mod export;
 pub mod hub;
 pub mod source;

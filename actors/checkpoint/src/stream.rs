@@ -15,7 +15,6 @@
 use nsactor_engine::error::RuntimeError;
 use nsactor_plugin_api::files::write_atomic_with;
 use sha2::{Digest, Sha256};
-use std::io::Write;
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex, mpsc};
@@ -96,13 +95,13 @@ pub struct Written {
 }
 
 /// Writes `bytes` atomically to `path` and returns their sha256, hashing each piece as it is
-/// written.
+/// written and starting its write-out to the disk ([`crate::disk`]).
 pub fn write_hashed(path: &Path, bytes: &[u8]) -> std::io::Result<String> {
     write_atomic_with(path, |f| {
-        let mut h = Sha256::new();
+        let (mut h, mut at) = (Sha256::new(), 0);
         for piece in bytes.chunks(PIECE) {
             h.update(piece);
-            f.write_all(piece)?;
+            crate::disk::append(f, &mut at, piece)?;
         }
         Ok(format!("{:x}", h.finalize()))
     })

@@ -14,7 +14,6 @@ use nsactor_engine::config::{Overrides, RunConfig};
 use nsactor_engine::engine::StepParams;
 use nsactor_launch::launch;
 use nsactor_plugin_api::OptimizerKind;
-use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
@@ -43,7 +42,8 @@ fn gbps(bytes: u64, seconds: f64) -> f64 {
 }
 
 /// The disk's own rate: `total` bytes written as `files` files by as many threads, each in
-/// 8 MB pieces, fsynced and renamed as a checkpoint's shards are. Returns seconds.
+/// 8 MB pieces with their write-out started as they go, fsynced and renamed, as a
+/// checkpoint's shards are. Returns seconds.
 pub fn disk_write(dir: &Path, total: u64, files: usize) -> CliResult<f64> {
     std::fs::create_dir_all(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
     let piece = vec![0x5au8; 8 << 20];
@@ -55,10 +55,10 @@ pub fn disk_write(dir: &Path, total: u64, files: usize) -> CliResult<f64> {
                 let (path, piece) = (dir.join(format!("probe-{i}.bin")), &piece);
                 s.spawn(move || {
                     nsactor_plugin_api::files::write_atomic_with(&path, |f| {
-                        let mut left = per_file;
+                        let (mut left, mut at) = (per_file, 0);
                         while left > 0 {
                             let n = left.min(piece.len() as u64) as usize;
-                            f.write_all(&piece[..n])?;
+                            nsactor_checkpoint::disk::append(f, &mut at, &piece[..n])?;
                             left -= n as u64;
                         }
                         Ok(())

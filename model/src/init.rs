@@ -32,15 +32,16 @@ thread_local! {
     static SPARES: std::cell::RefCell<Vec<Vec<f32>>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
-/// A buffer of `n` values for a draw: for a large draw, a recycled one where one is large enough (its pages
-/// already in place), else new. A 0.9B layer's 43 M fresh values were page-faulted in one
-/// 4 KB page at a time, which on the GPU machines took longer than drawing them (HISTORY,
-/// session 53).
+/// An empty buffer with room for `n` values for a draw, which writes every one of them (so
+/// nothing is zeroed first: a memset of a 0.9B layer's 172 MB on one core cost ~20 ms a
+/// layer): for a large draw, a recycled one where one is large enough (its pages already in
+/// place), else new. A 0.9B layer's 43 M fresh values were page-faulted in one 4 KB page at a
+/// time, which on the GPU machines took longer than drawing them (HISTORY, session 53).
 fn spare(n: usize) -> Vec<f32> {
     if n < PARALLEL_MIN {
         // Small values may be kept by their tensor (a host backend's storage): never hand
         // them a large buffer.
-        return vec![0f32; n];
+        return Vec::with_capacity(n);
     }
     let found = SPARES.with_borrow_mut(|s| {
         let best = s
@@ -54,10 +55,9 @@ fn spare(n: usize) -> Vec<f32> {
     match found {
         Some(mut v) => {
             v.clear();
-            v.resize(n, 0.0);
             v
         }
-        None => vec![0f32; n],
+        None => Vec::with_capacity(n),
     }
 }
 
@@ -163,27 +163,31 @@ impl Rng {
         self.counter += per * n as u64;
         let this = &*self;
         let mut out = spare(n);
-        let fill = |start: usize, slice: &mut [f32]| {
+        let fill = |start: usize, slice: &mut [std::mem::MaybeUninit<f32>]| {
             for (i, v) in slice.iter_mut().enumerate() {
-                *v = value(this, base + per * (start + i) as u64);
+                v.write(value(this, base + per * (start + i) as u64));
             }
         };
+        let room = &mut out.spare_capacity_mut()[..n];
         let threads = if n >= PARALLEL_MIN {
             std::thread::available_parallelism().map_or(1, |t| t.get().min(32))
         } else {
             1
         };
         if threads == 1 {
-            fill(0, &mut out);
+            fill(0, room);
         } else {
             let chunk = n.div_ceil(threads);
             std::thread::scope(|s| {
-                for (c, slice) in out.chunks_mut(chunk).enumerate() {
+                for (c, slice) in room.chunks_mut(chunk).enumerate() {
                     let fill = &fill;
                     s.spawn(move || fill(c * chunk, slice));
                 }
             });
         }
+        // SAFETY: the first `n` values of the capacity (`spare` made room for them) were each
+        // written above, by exactly one of the fills.
+        unsafe { out.set_len(n) };
         out
     }
 

@@ -6,6 +6,7 @@
 //! ([`hub`]). It knows the model only through `nsactor-engine`'s configuration and staged engine;
 //! the actor pipeline writes through it.
 
+mod ahead;
 pub mod checkpoint;
 pub mod disk;
 pub mod export;

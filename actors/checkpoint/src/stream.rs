@@ -12,7 +12,7 @@
 //! exporter run below the training threads' CPU priority; the reads run on threads kept for
 //! the process ([`reader`]), not new ones per checkpoint.
 
-use crate::ahead::{Flow, Queue, Read};
+use crate::ahead::{Flow, Queue};
 pub use crate::ahead::{READERS, ReadAhead};
 use nsactor_engine::error::RuntimeError;
 use nsactor_plugin_api::files::write_atomic_with;
@@ -288,7 +288,9 @@ fn write_one(dir: &Path, i: usize, data: &[u8]) -> Result<ShardEntry, RuntimeErr
 
 /// Writes the `n` stages' parameters to `path` as each stage arrives, by several writers at
 /// once, straight from the stages' bytes; `None` (and no file) when a stage never came (its
-/// read failed, which the workers report).
+/// read failed, which the workers report). The stages go into the file in stage order
+/// whatever order several readers deliver them in (one held back until those before it
+/// came), so the same weights give the same file, byte for byte.
 fn export_from<B: AsRef<[u8]>>(
     path: &Path,
     n: usize,
@@ -296,9 +298,18 @@ fn export_from<B: AsRef<[u8]>>(
 ) -> Result<Option<u64>, RuntimeError> {
     let t = Instant::now();
     let last = std::cell::Cell::new(t);
-    let stages = rx.into_iter().map(|(_, b)| {
-        last.set(Instant::now());
-        b
+    let (mut early, mut next) = (std::collections::BTreeMap::new(), 0);
+    let stages = std::iter::from_fn(|| {
+        loop {
+            if let Some(b) = early.remove(&next) {
+                next += 1;
+                return Some(b);
+            }
+            // A closed channel with `next` missing: its read failed; the file is given up.
+            let (i, b) = rx.recv().ok()?;
+            last.set(Instant::now());
+            early.insert(i, b);
+        }
     });
     let Some(bytes) = crate::streamed::write_streamed(path, n, stages.map(ArcBytes))? else {
         return Ok(None);
@@ -382,6 +393,39 @@ mod tests {
                 assert_eq!(st.tensor(&name).unwrap().data(), view.data(), "{name}");
             }
         }
+    }
+
+    #[test]
+    fn the_weights_file_is_the_same_whatever_order_two_readers_deliver_in() {
+        let shards: Vec<Vec<u8>> = (0..6u8).map(|t| shard(t, 500 + t as usize)).collect();
+        let export = |ahead: ReadAhead, slow: Option<u8>| {
+            let dir = tempfile::tempdir().unwrap();
+            let path = dir.path().join("model.safetensors");
+            write_stages(
+                dir.path(),
+                shards.clone(),
+                &|b: Vec<u8>| {
+                    // A stage's tag fills its data (`shard`), so its bytes end with it: hold
+                    // that stage back while the other reader delivers the next ones.
+                    if slow.is_some_and(|t| b.ends_with(&[t; 4])) {
+                        std::thread::sleep(std::time::Duration::from_millis(150));
+                    }
+                    Ok(b)
+                },
+                ahead,
+                Some(&path),
+                None,
+            )
+            .unwrap();
+            std::fs::read(&path).unwrap()
+        };
+        let one = export(ReadAhead::BESIDE, None);
+        let two = ReadAhead {
+            readers: 2,
+            bytes: u64::MAX,
+        };
+        assert_eq!(export(two, Some(0)), one, "stage 0 delivered last");
+        assert_eq!(export(two, Some(3)), one, "stage 3 delivered late");
     }
 
     #[test]

@@ -144,34 +144,6 @@ fn analyze_a_trained_tiny_run_its_hugging_face_export_and_bad_input() {
     check_study(&a, k);
     check_charts(&out);
 
-    // At initialisation (one step at LR 0 changes nothing) every halt unit sits near its bias,
-    // p = σ(−3.5) at every frame, so every token's E[K] is the geometric expectation
-    // Σ k·p(1−p)^(k−1) / Σ p(1−p)^(k−1) over the K frames (SPEC §2.3: 7.870 at K = 16).
-    let init = dir.join("init");
-    let mut c = nsactor();
-    c.env("NSACTOR_TRAIN__LR", "0")
-        .env("NSACTOR_TRAIN__CHECKPOINT_EVERY", "1")
-        .args(["train", "--steps", "1", "--out", init.to_str().unwrap()]);
-    ok(&mut c);
-    let (_, at_init) = analyze(&init, &dir.join("study-init"), &[]);
-    let p = 1.0 / (1.0 + 3.5f64.exp());
-    let lambda: Vec<f64> = (0..k as i32).map(|i| p * (1.0 - p).powi(i)).collect();
-    let want: f64 = lambda
-        .iter()
-        .enumerate()
-        .map(|(i, l)| (i + 1) as f64 * l)
-        .sum::<f64>()
-        / lambda.iter().sum::<f64>();
-    for s in at_init["per_token"].as_array().unwrap() {
-        for t in s["tokens"].as_array().unwrap() {
-            let e = t["expected_k"].as_f64().unwrap();
-            assert!(
-                (e - want).abs() < 0.01,
-                "E[K] {e} at init, want {want:.4}: {t}"
-            );
-        }
-    }
-
     // The same weights as a Hugging Face directory give the same numbers.
     let hf = dir.join("hf");
     run_ok(&[
@@ -245,4 +217,38 @@ fn analyze_a_trained_tiny_run_its_hugging_face_export_and_bad_input() {
         dir.join("x").to_str().unwrap(),
     ]);
     assert!(e.contains("no valid checkpoint"), "{e}");
+}
+
+/// Apart from the trained run's test, so the two run side by side.
+#[test]
+fn analyze_at_initialisation_gives_every_token_the_geometric_expectation() {
+    // At initialisation (one step at LR 0 changes nothing) every halt unit sits near its bias,
+    // p = σ(−3.5) at every frame, so every token's E[K] is the geometric expectation
+    // Σ k·p(1−p)^(k−1) / Σ p(1−p)^(k−1) over the K frames (SPEC §2.3: 7.870 at K = 16).
+    let dir = temp_dir("analyze-init");
+    let init = dir.join("init");
+    let mut c = nsactor();
+    c.env("NSACTOR_TRAIN__LR", "0")
+        .env("NSACTOR_TRAIN__CHECKPOINT_EVERY", "1")
+        .args(["train", "--steps", "1", "--out", init.to_str().unwrap()]);
+    ok(&mut c);
+    let (_, at_init) = analyze(&init, &dir.join("study-init"), &[]);
+    let k = at_init["model"]["k"].as_f64().unwrap();
+    let p = 1.0 / (1.0 + 3.5f64.exp());
+    let lambda: Vec<f64> = (0..k as i32).map(|i| p * (1.0 - p).powi(i)).collect();
+    let want: f64 = lambda
+        .iter()
+        .enumerate()
+        .map(|(i, l)| (i + 1) as f64 * l)
+        .sum::<f64>()
+        / lambda.iter().sum::<f64>();
+    for s in at_init["per_token"].as_array().unwrap() {
+        for t in s["tokens"].as_array().unwrap() {
+            let e = t["expected_k"].as_f64().unwrap();
+            assert!(
+                (e - want).abs() < 0.01,
+                "E[K] {e} at init, want {want:.4}: {t}"
+            );
+        }
+    }
 }

@@ -60,14 +60,14 @@ fn host_available() -> Option<u64> {
 pub(crate) type Read<B> = (usize, Arc<B>, Duration);
 
 /// Stages read and waiting for a writer, with who is still at work on either side.
-pub(crate) struct Queue<B> {
-    pub(crate) ready: std::collections::VecDeque<Read<B>>,
+struct Queue<B> {
+    ready: std::collections::VecDeque<Read<B>>,
     /// Bytes of `ready`.
-    pub(crate) bytes: u64,
+    bytes: u64,
     /// Readers not yet done.
-    pub(crate) readers: usize,
+    readers: usize,
     /// Writers still taking stages.
-    pub(crate) writers: usize,
+    writers: usize,
 }
 
 impl<B> Queue<B> {
@@ -80,13 +80,28 @@ impl<B> Queue<B> {
 
 /// [`Queue`] and its wake-ups.
 pub(crate) struct Flow<B> {
-    pub(crate) queue: Mutex<Queue<B>>,
-    pub(crate) changed: Condvar,
-    pub(crate) failed: AtomicBool,
-    pub(crate) ahead: ReadAhead,
+    queue: Mutex<Queue<B>>,
+    changed: Condvar,
+    failed: AtomicBool,
+    ahead: ReadAhead,
 }
 
 impl<B: AsRef<[u8]>> Flow<B> {
+    /// An empty queue between `readers` readers and `writers` writers, read as `ahead` says.
+    pub(crate) fn new(readers: usize, writers: usize, ahead: ReadAhead) -> Self {
+        Flow {
+            queue: Mutex::new(Queue {
+                ready: Default::default(),
+                bytes: 0,
+                readers,
+                writers,
+            }),
+            changed: Condvar::new(),
+            failed: AtomicBool::new(false),
+            ahead,
+        }
+    }
+
     fn lock(&self) -> std::sync::MutexGuard<'_, Queue<B>> {
         self.queue.lock().unwrap_or_else(|e| e.into_inner())
     }

@@ -12,14 +12,13 @@
 //! exporter run below the training threads' CPU priority; the reads run on threads kept for
 //! the process ([`reader`]), not new ones per checkpoint.
 
-use crate::ahead::{Flow, Queue};
+use crate::ahead::Flow;
 pub use crate::ahead::{READERS, ReadAhead};
 use nsactor_engine::error::RuntimeError;
 use nsactor_plugin_api::files::write_atomic_with;
 use sha2::{Digest, Sha256};
 use std::path::Path;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Condvar, Mutex, mpsc};
+use std::sync::{Arc, Mutex, mpsc};
 use std::time::{Duration, Instant};
 
 /// How far below the training threads the checkpoint's own threads run (`nice` +10): a
@@ -144,17 +143,7 @@ where
     let n = sources.len();
     let readers = ahead.readers.clamp(1, READERS).min(n.max(1));
     let writers = workers(n);
-    let flow = Flow {
-        queue: Mutex::new(Queue {
-            ready: Default::default(),
-            bytes: 0,
-            readers,
-            writers,
-        }),
-        changed: Condvar::new(),
-        failed: AtomicBool::new(false),
-        ahead,
-    };
+    let flow = Flow::new(readers, writers, ahead);
     let (to_export, exported) = mpsc::channel::<(usize, Arc<B>)>();
     let sources = Mutex::new(sources.into_iter().enumerate());
     std::thread::scope(|scope| {
@@ -168,7 +157,6 @@ where
         let (flow, sources) = (&flow, &sources);
         let reading = scope.spawn(move || {
             let first_err = Mutex::new(None);
-            let all_read = AtomicBool::new(true);
             let read_all = || {
                 let result = (|| {
                     while flow.may_read() {
@@ -184,13 +172,10 @@ where
                         }
                         flow.push((i, bytes, t.elapsed()));
                     }
-                    // Stopped early: not every stage was read.
-                    all_read.store(false, Ordering::Relaxed);
                     Ok(())
                 })();
                 flow.leave(true, result.is_err());
                 if let Err(e) = result {
-                    all_read.store(false, Ordering::Relaxed);
                     first_err
                         .lock()
                         .unwrap_or_else(|e| e.into_inner())
@@ -206,10 +191,10 @@ where
             if let Some(e) = first_err.into_inner().unwrap_or_else(|e| e.into_inner()) {
                 return Err(e);
             }
-            // Every stage is off the device: whoever waits to use it may go on.
-            if all_read.load(Ordering::Relaxed)
-                && let Some(tx) = reads_done
-            {
+            // Every stage is off the device (none was left untaken: the readers stop early
+            // only on a failure or when every writer is gone): whoever waits may go on.
+            let all_read = sources.lock().unwrap_or_else(|e| e.into_inner()).len() == 0;
+            if all_read && let Some(tx) = reads_done {
                 let _ = tx.send(());
             }
             Ok(())
@@ -340,6 +325,7 @@ impl<B: AsRef<[u8]>> AsRef<[u8]> for ArcBytes<B> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::sync::atomic::Ordering;
 
     fn shard(tag: u8, n: usize) -> Vec<u8> {
         let data = vec![tag; n * 4];

@@ -113,6 +113,23 @@ pub struct PassArgs {
     /// 0.9B).
     #[arg(long, default_value_t = 0, value_name = "TOKENS")]
     prefill_chunk_tokens: usize,
+    /// Longest a chunk's pass may take beside decoding streams, as a share of one of their
+    /// steps: chunks are halved (down to 8 tokens) while a pass takes longer and doubled (up
+    /// to --prefill-chunk-tokens) while twice one fits, so the streams' inter-token gaps stay
+    /// within (1 + share) × a step. 0: every chunk --prefill-chunk-tokens long.
+    #[arg(long, default_value_t = nsactor_decoding::pacer::DEFAULT_SHARE, value_name = "SHARE",
+          value_parser = share)]
+    prefill_chunk_share: f64,
+}
+
+/// A share: a finite number ≥ 0.
+fn share(s: &str) -> Result<f64, String> {
+    match s.parse::<f64>() {
+        Ok(v) if v.is_finite() && v >= 0.0 => Ok(v),
+        _ => Err(format!(
+            "`{s}` is not a share ≥ 0 (for example 0.75; 0 turns pacing off)"
+        )),
+    }
 }
 
 impl PassArgs {
@@ -124,7 +141,7 @@ impl PassArgs {
         if self.prefill_chunk_tokens > 0 {
             d = d.with_chunk_tokens(self.prefill_chunk_tokens);
         }
-        d
+        d.with_chunk_share(self.prefill_chunk_share)
     }
 }
 

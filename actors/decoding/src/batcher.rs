@@ -377,6 +377,9 @@ impl BatcherState {
                 });
             let answers = keeps.answer(&children, answers);
             add_ns(&stats.phases.cohort_ns, start);
+            if answers.is_ok() && !every {
+                stats.pacer.observe(len, start.elapsed());
+            }
             tracing::trace!(
                 "cohort of {real} (padded to {size}) × {len} inputs: {:.2} ms",
                 start.elapsed().as_secs_f64() * 1e3

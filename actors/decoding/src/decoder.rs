@@ -27,9 +27,6 @@ pub struct AsyncDecoder {
     /// Most input tokens of one pass ([`Batching::max_tokens`](super::batcher::Batching)):
     /// a longer prompt fed while no other session is open goes in chunks of this size.
     pub(crate) max_tokens: usize,
-    /// Most input tokens of one chunk of a prompt fed while other sessions are open: their
-    /// decoding steps run between its chunks (chunked prefill), each waiting at most one chunk.
-    pub(crate) chunk_tokens: usize,
 }
 
 impl AsyncDecoder {
@@ -94,18 +91,36 @@ impl AsyncDecoder {
         self
     }
 
-    /// This decoder with a prompt fed while other sessions are open cut into chunks of at most
-    /// `tokens` (by default [`CHUNK_FRAME_ROWS`](crate::batching::CHUNK_FRAME_ROWS) / K): the
-    /// others' decoding steps run between its chunks, each waiting for one chunk at most.
-    pub fn with_chunk_tokens(mut self, tokens: usize) -> Self {
-        self.chunk_tokens = tokens.max(1);
+    /// This decoder, and from now on every handle of the pipeline's decoder, with a prompt fed
+    /// while other sessions are open cut into chunks of at most `tokens` (by default
+    /// [`CHUNK_FRAME_ROWS`](crate::batching::CHUNK_FRAME_ROWS) / K): the others' decoding steps
+    /// run between its chunks, each waiting for one chunk at most. The chunks are shorter
+    /// where a pass of this many would take more than the pacer's share of a decoding step
+    /// ([`with_chunk_share`](Self::with_chunk_share)).
+    pub fn with_chunk_tokens(self, tokens: usize) -> Self {
+        self.stats.pacer.set_max(tokens);
         self
     }
 
-    /// Most input tokens of one chunk of a prompt fed while other sessions are open
-    /// ([`with_chunk_tokens`](Self::with_chunk_tokens)).
+    /// This decoder, and every handle of the pipeline's decoder, with a prompt's chunk beside
+    /// decoding streams held to `share` of one decoding step's time (its length halved or
+    /// doubled between [`MIN_CHUNK`](crate::pacer::MIN_CHUNK) tokens and
+    /// [`with_chunk_tokens`](Self::with_chunk_tokens)'s; [`crate::pacer`]). 0: every chunk
+    /// that long.
+    pub fn with_chunk_share(self, share: f64) -> Self {
+        self.stats.pacer.set_share(share);
+        self
+    }
+
+    /// Most input tokens of the next chunk of a prompt fed while other sessions are open
+    /// ([`with_chunk_tokens`](Self::with_chunk_tokens), paced by [`crate::pacer`]).
     pub fn chunk_tokens(&self) -> usize {
-        self.chunk_tokens.clamp(1, self.pass_tokens())
+        self.stats.pacer.chunk().clamp(1, self.pass_tokens())
+    }
+
+    /// What paces the chunks of prompts fed beside decoding streams (shared by every handle).
+    pub fn pacer(&self) -> &crate::pacer::ChunkPacer {
+        &self.stats.pacer
     }
 
     /// Runs `ids` (at most [`pass_tokens`](Self::pass_tokens)) through `session` in one pass

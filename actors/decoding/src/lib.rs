@@ -2,7 +2,8 @@
 //! edge actors. The [`batcher`] gathers every running session into one cohort per pass
 //! ([`cohort`], padded to [`buckets`] sizes: [`batching`]); [`decoder`] is the asynchronous
 //! handle servers hold (`AsyncDecoder`), [`stream`] a session's tokens as they come; [`heal`]
-//! rebuilds the actors when a stage is lost, within a restart policy; [`warmup`] compiles every
+//! rebuilds the actors when a stage is lost, within a restart policy; [`pacer`] sizes a prompt's
+//! chunks beside decoding streams by time; [`warmup`] compiles every
 //! cohort size before serving; [`probe`] records what each layer did for one sequence
 //! (interpretability) and [`invariance`] checks that a session's logits do not depend on its
 //! cohort.
@@ -21,6 +22,7 @@ pub mod heal;
 pub mod invariance;
 mod kept;
 mod order;
+pub mod pacer;
 pub mod prefix;
 pub mod probe;
 pub mod snapshot;

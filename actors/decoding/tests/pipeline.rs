@@ -474,42 +474,6 @@ fn a_prompt_longer_than_one_pass_is_fed_in_chunks_that_carry_the_states() {
     assert!(worst <= 1e-5, "chunked prefill differs by {worst}");
 }
 
-/// Chunked prefill: a prompt fed while another session is open goes in chunks of
-/// `chunk_tokens` (the other's steps run between them), alone in passes of the pass budget; its
-/// logits are bit for bit the same either way.
-#[test]
-fn a_prompt_beside_an_open_session_is_fed_in_smaller_chunks_with_the_same_logits() {
-    let _serial = serial();
-    let p = pipeline(1, None);
-    let d = p.decoder(256).with_pass_tokens(1024).with_chunk_tokens(100);
-    assert_eq!((d.pass_tokens(), d.chunk_tokens()), (1024, 100));
-    let prompt: Vec<i64> = (0..450).map(|i| 5 + (i * 29 % 200) as i64).collect();
-    let (c0, _) = d.batch_counts();
-    let alone = p.block_on(forced(&d, prompt.clone(), Vec::new())).remove(0);
-    let (c1, _) = d.batch_counts();
-    assert_eq!(c1 - c0, 1, "alone, 450 tokens are one pass");
-    let (beside, passes) = p.block_on(async {
-        let other = d.session();
-        d.feed(other, vec![7, 8]).await.unwrap();
-        let (c0, _) = d.batch_counts();
-        let s = d.session();
-        let logits = d.feed(s, prompt.clone()).await.unwrap();
-        let (c1, _) = d.batch_counts();
-        d.close(s).await;
-        d.close(other).await;
-        (logits, c1 - c0)
-    });
-    assert_eq!(
-        passes, 5,
-        "beside an open session, 450 tokens in chunks of 100"
-    );
-    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-    assert!(
-        bits(&alone) == bits(&beside),
-        "the chunks changed the logits"
-    );
-}
-
 /// A stream that has ended while its reader still holds the session open is not waited for:
 /// the other sessions' cohorts launch at once, never when the launch window runs out.
 #[test]

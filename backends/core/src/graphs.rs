@@ -26,8 +26,12 @@
 //! share a buffer that one writes while the other reads, on two stages' streams of one GPU.
 //!
 //! At most [`GRAPHS`] sets of sessions keep graphs per layer (least recently used first out),
-//! and as many free graphs are kept, each for calls of at most `NSACTOR_DECODE_GRAPH_ROWS` batch
-//! rows (the `decode_graph_rows` knob, 64 by default) and one token; `NSACTOR_DECODE_GRAPHS=off` turns them off.
+//! and as many free graphs are kept, each for calls of at most `NSACTOR_DECODE_GRAPH_ROWS` token
+//! rows (sessions × input tokens; the `decode_graph_rows` knob, 64 by default);
+//! `NSACTOR_DECODE_GRAPHS=off` turns them off. So the chunks of a prompt fed beside decoding
+//! streams (`nsactor_decoding::pacer`: 8–64 tokens of one session, call after call with the
+//! same key) replay too: one graph launch a layer where the pass uncaptured launches each of its
+//! kernels from the host.
 //!
 //! [`SnnOps::capture`]: nsactor_kernels::GraphOps::capture
 
@@ -46,7 +50,8 @@ const DECISIONS: usize = 64;
 static TAKEN_OVER: std::sync::Mutex<Vec<(Key, Option<Vec<u64>>)>> =
     std::sync::Mutex::new(Vec::new());
 
-/// Whether decoding steps are captured, and up to how many batch rows: from
+/// Whether decoding steps are captured, and up to how many token rows (sessions × input
+/// tokens): from
 /// the `decode_graphs` and `decode_graph_rows` knobs of [`nsactor_kernels::tuning`]
 /// (`NSACTOR_DECODE_GRAPHS=off` disables, `NSACTOR_DECODE_GRAPH_ROWS`).
 pub fn graph_rows() -> usize {
@@ -176,7 +181,8 @@ impl<B: SnnOps> DecodeGraphs<B> {
         f: impl Fn(Tensor<B, 3>, Vec<Tensor<B, 2>>) -> (Tensor<B, 3>, Vec<Tensor<B, 2>>),
     ) -> (Tensor<B, 3>, Vec<Tensor<B, 2>>) {
         let dims = h.dims();
-        if !B::captures_steps() || dims[0] != 1 || dims[1] > graph_rows() {
+        // Token rows: a decoding step of B sessions has B, a prompt's chunk of T tokens T.
+        if !B::captures_steps() || dims[0] * dims[1] > graph_rows() {
             return f(h, state);
         }
         let key = Key {

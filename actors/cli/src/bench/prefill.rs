@@ -195,11 +195,12 @@ pub fn run(a: PrefillBenchArgs) -> CliResult {
             .or(cuda.then_some(if bf16 { 989.0 } else { 67.0 })),
     };
     println!(
-        "prefill: {}; {:.2} GFLOP per prompt token forward; passes of at most {} tokens (chunks of {} while others decode); through /v1/completions on loopback",
+        "prefill: {}; {:.2} GFLOP per prompt token forward; passes of at most {} tokens (chunks of at most {} while others decode, paced to {:.2} of a step); through /v1/completions on loopback",
         describe(&l),
         ceiling.flops_per_token / 1e9,
         decoder.pass_tokens(),
-        decoder.chunk_tokens()
+        decoder.pacer().max(),
+        decoder.pacer().share()
     );
     let loopback = Loopback::start(state, 0, 2)?;
     let addr = loopback.addr;

@@ -1,6 +1,6 @@
 //! `nsactor bench serve`: TTFT, inter-token latency and tokens/s through the real server on loopback.
 
-use super::stats::ServeTimings;
+use super::stats::{LongPrompt, ServeTimings};
 use crate::result::{CliError, CliResult};
 use nsactor_launch::launch::{self};
 use std::path::PathBuf;
@@ -84,9 +84,7 @@ pub async fn serve_load_with(
                 }
                 let mut ws = ws?;
                 let req = match long {
-                    Some((n, _)) => serde_json::json!({"type": "generate", "id": "long",
-                        "prompt": (0..n).map(|j| 5 + (j * 7919) % 1000).collect::<Vec<_>>(),
-                        "max_tokens": 4, "temperature": 0, "ignore_eos": true, "token_ids": true}),
+                    Some((n, _)) => long_request(n),
                     None => serde_json::json!({"type": "generate", "id": "b", "prompt": "Emma was",
                         "max_tokens": tokens, "temperature": temperature, "seed": i,
                         "ignore_eos": true, "token_ids": true}),
@@ -94,6 +92,7 @@ pub async fn serve_load_with(
                 let sent = Instant::now();
                 ws.send(Message::Text(req.to_string().into())).await?;
                 let (mut ttft, mut gaps, mut ids) = (None, Vec::new(), Vec::new());
+                let mut logprobs = Vec::new();
                 let mut last = sent;
                 while let Some(m) = ws.next().await {
                     let Ok(Message::Text(t)) = m else { continue };
@@ -110,13 +109,16 @@ pub async fn serve_load_with(
                                 gaps.extend(std::iter::repeat_n(gap, k));
                             }
                             ids.extend(got.iter().filter_map(|t| t.as_i64()));
+                            if let Some(l) = v["logprobs"].as_array() {
+                                logprobs.extend(l.iter().map(|x| x.to_string()));
+                            }
                             last = now;
                         }
                         Some("done") => break,
                         _ => return Err(format!("server: {v}").into()),
                     }
                 }
-                Ok::<_, CliError>((ttft.unwrap_or(f64::NAN), gaps, ids))
+                Ok::<_, CliError>((ttft.unwrap_or(f64::NAN), gaps, (ids, logprobs)))
             })
         })
         .collect();
@@ -124,9 +126,15 @@ pub async fn serve_load_with(
     let start = Instant::now();
     let (mut ttfts, mut gaps, mut total) = (Vec::new(), Vec::new(), 0usize);
     let mut texts = std::collections::HashSet::new();
+    let mut long_out = None;
     for (i, c) in clients.into_iter().enumerate() {
-        let (t, g, ids) = c.await??;
+        let (t, g, (ids, logprobs)) = c.await??;
         if i == sessions {
+            long_out = Some(LongPrompt {
+                ttft_ms: t * 1e3,
+                ids,
+                logprobs,
+            });
             continue;
         }
         ttfts.push(t);
@@ -135,14 +143,45 @@ pub async fn serve_load_with(
         texts.insert(ids);
     }
     let wall = start.elapsed().as_secs_f64();
-    Ok(ServeTimings::of(
-        sessions,
-        ttfts,
-        gaps,
-        total,
-        texts.len(),
-        wall,
-    ))
+    let mut t = ServeTimings::of(sessions, ttfts, gaps, total, texts.len(), wall);
+    t.long = long_out;
+    Ok(t)
+}
+
+/// The long prompt's request: `n` token ids, 4 greedy tokens with their log-probabilities,
+/// fed from its first token (not from the prefix cache, which the first sending fills).
+fn long_request(n: usize) -> serde_json::Value {
+    serde_json::json!({"type": "generate", "id": "long",
+        "prompt": (0..n).map(|j| 5 + (j * 7919) % 1000).collect::<Vec<_>>(),
+        "max_tokens": 4, "temperature": 0, "ignore_eos": true, "token_ids": true,
+        "logprobs": 1, "cache_prompt": false})
+}
+
+/// The long prompt sent alone (nothing else open: passes of the whole budget): its tokens and
+/// log-probabilities, as JSON text.
+async fn long_alone(addr: std::net::SocketAddr, n: usize) -> CliResult<(Vec<i64>, Vec<String>)> {
+    use futures_util::{SinkExt, StreamExt};
+    use tokio_tungstenite::tungstenite::Message;
+    let (mut ws, _) = tokio_tungstenite::connect_async(format!("ws://{addr}/ws")).await?;
+    ws.send(Message::Text(long_request(n).to_string().into()))
+        .await?;
+    let (mut ids, mut logprobs) = (Vec::new(), Vec::new());
+    while let Some(m) = ws.next().await {
+        let Ok(Message::Text(t)) = m else { continue };
+        let v: serde_json::Value = serde_json::from_str(&t)?;
+        match v["type"].as_str() {
+            Some("delta") => {
+                let got = v["token_ids"].as_array().cloned().unwrap_or_default();
+                ids.extend(got.iter().filter_map(|t| t.as_i64()));
+                if let Some(l) = v["logprobs"].as_array() {
+                    logprobs.extend(l.iter().map(|x| x.to_string()));
+                }
+            }
+            Some("done") => break,
+            _ => return Err(format!("server: {v}").into()),
+        }
+    }
+    Ok((ids, logprobs))
 }
 
 /// The model a serving benchmark serves.
@@ -486,6 +525,40 @@ async fn protocol_row(
         t.distinct,
         100.0 * pad / (pad + (n1 - n0) as f64).max(1.0)
     );
+    if let Some(long) = &t.long {
+        println!(
+            "{:>18} the {}-token prompt's first token after {:.1} ms; chunks beside decoding \
+             of at most {} tokens, paced to {:.2} of a step)",
+            format!("({protocol}, {n}:"),
+            a.long_prompt,
+            long.ttft_ms,
+            decoder.pacer().max(),
+            decoder.pacer().share()
+        );
+        // Cut in chunks beside the streams or in whole passes alone, the prompt's numbers are
+        // the same bit for bit (the passes are batch invariant).
+        idle(decoder).await;
+        let alone = long_alone(addr, a.long_prompt).await?;
+        let same = (&long.ids, &long.logprobs) == (&alone.0, &alone.1);
+        println!(
+            "{:>18} the same prompt alone: {} tokens {:?}, {})",
+            format!("({protocol}, {n}:"),
+            alone.0.len(),
+            alone.0,
+            if same {
+                "the same tokens and log-probabilities bit for bit as beside the streams"
+            } else {
+                "DIFFERENT from beside the streams"
+            }
+        );
+        if !same || long.logprobs.is_empty() {
+            return Err(format!(
+                "the long prompt beside the streams gave {:?} {:?}, alone {:?} {:?}",
+                long.ids, long.logprobs, alone.0, alone.1
+            )
+            .into());
+        }
+    }
     if let Some(f) = t.first_text_p50_ms {
         println!(
             "{:>18} first chunk with text p50 {f:.1} ms)",

@@ -60,6 +60,18 @@ pub struct ServeTimings {
     /// The median wait for the first chunk with text, where it can differ from the first
     /// token's (an OpenAI stream sends a chunk per token, its text empty while held back).
     pub first_text_p50_ms: Option<f64>,
+    /// The long prompt sent beside the clients, where one was
+    /// ([`serve_load_with`](super::serve::serve_load_with)).
+    pub long: Option<LongPrompt>,
+}
+
+/// What the long prompt sent beside a benchmark's clients got.
+#[derive(Debug, Clone)]
+pub struct LongPrompt {
+    pub ttft_ms: f64,
+    pub ids: Vec<i64>,
+    /// Each generated token's log-probability entry, as the server's JSON.
+    pub logprobs: Vec<String>,
 }
 
 impl ServeTimings {
@@ -82,6 +94,7 @@ impl ServeTimings {
             tokens_per_s: tokens as f64 / wall,
             distinct,
             first_text_p50_ms: None,
+            long: None,
         }
     }
 }

@@ -257,6 +257,7 @@ fn start_sessions(
     id: u64,
 ) -> Result<AsyncDecoder, RuntimeError> {
     let stats = Arc::new(BatchStats::default());
+    stats.pacer.set_max(chunk_tokens);
     let health = Arc::new(HealthCell::default());
     let batcher = rt
         .block_on(Actor::spawn(
@@ -280,6 +281,5 @@ fn start_sessions(
         ids,
         vocab: 0,
         max_tokens: batching.max_tokens,
-        chunk_tokens,
     })
 }

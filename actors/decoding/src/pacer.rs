@@ -1,0 +1,289 @@
+//! [`ChunkPacer`]: how long a prompt's chunk may be while other sessions decode, set by time.
+//!
+//! A prompt fed beside decoding streams goes in chunks, and each of the streams' steps waits
+//! for one chunk's pass: their inter-token gap is a step plus a chunk. A fixed chunk length
+//! makes that gap a property of the model and the card (on the H200 a 128-token chunk of the
+//! 0.9B took ~25 ms beside 64 streams whose step takes ~6 ms: their gaps grew 5×). The pacer
+//! instead holds a chunk's pass to a share of one decoding step's time: it watches the passes
+//! the batcher runs, keeps a running mean of the decoding steps (passes of one token a
+//! session), and after each chunk's pass halves the chunk length when the pass took longer
+//! than `share` × a step, or doubles it when twice the pass would still fit. Lengths stay
+//! powers of two from [`MIN_CHUNK`] up to the configured ceiling (the warm-up prefills those
+//! lengths, so no chunk meets a shape the backend has not run), and a long prompt always moves
+//! on by at least [`MIN_CHUNK`] tokens a pass. Without a decoding step in the last [`STALE`]
+//! (or two chunk passes, where those are longer), a chunk is the ceiling. How a prompt is cut changes none of its numbers (the passes are
+//! batch invariant), only when the streams beside it get their tokens.
+
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+/// The shortest chunk the pacer cuts (tokens).
+pub const MIN_CHUNK: usize = 8;
+
+/// A chunk's pass may take this share of a decoding step by default, so the streams' gaps
+/// stay under twice their value without the prompt (a step plus at most 0.75 of one).
+pub const DEFAULT_SHARE: f64 = 0.75;
+
+/// Decoding steps older than this say nothing about the streams now.
+pub const STALE: Duration = Duration::from_millis(250);
+
+/// The chunk length of prompts fed beside decoding streams (module docs). Shared by every
+/// handle of one pipeline's decoder; the batcher reports each pass to it.
+#[derive(Debug)]
+pub struct ChunkPacer {
+    pace: Mutex<Pace>,
+}
+
+#[derive(Debug, Clone)]
+struct Pace {
+    /// The ceiling: the configured chunk length.
+    max: usize,
+    /// A chunk's pass may take this share of a step; 0 keeps every chunk at `max`.
+    share: f64,
+    /// The chunk length now.
+    chunk: usize,
+    /// Running mean of the decoding steps' seconds, and when the last one ended.
+    step: Option<(f64, Instant)>,
+    /// The last chunk pass's seconds: streams count as running while their last step is no
+    /// older than [`STALE`] or two such passes.
+    pass: f64,
+}
+
+impl Pace {
+    /// Whether the decoding streams ran a step recently enough, at `now`, that a pass is
+    /// judged against it and chunks are paced.
+    fn streaming(&self, now: Instant) -> Option<f64> {
+        let (step, at) = self.step?;
+        let within = STALE.as_secs_f64().max(2.0 * self.pass);
+        (self.share > 0.0 && now.saturating_duration_since(at).as_secs_f64() <= within)
+            .then_some(step)
+    }
+}
+
+impl Default for ChunkPacer {
+    fn default() -> Self {
+        ChunkPacer::new(128, DEFAULT_SHARE)
+    }
+}
+
+impl ChunkPacer {
+    /// Chunks of at most `max` tokens, a chunk's pass held to `share` of a step (0: always
+    /// `max`).
+    pub fn new(max: usize, share: f64) -> Self {
+        let max = max.max(1);
+        ChunkPacer {
+            pace: Mutex::new(Pace {
+                max,
+                share: share.max(0.0),
+                chunk: max,
+                step: None,
+                pass: 0.0,
+            }),
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Pace> {
+        self.pace.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Chunks of at most `max` tokens from now on (the pacer starts again from there).
+    pub fn set_max(&self, max: usize) {
+        let mut p = self.lock();
+        p.max = max.max(1);
+        p.chunk = p.max;
+    }
+
+    /// A chunk's pass held to `share` of a decoding step from now on (0: chunks of the
+    /// ceiling, as configured).
+    pub fn set_share(&self, share: f64) {
+        self.lock().share = share.max(0.0);
+    }
+
+    /// The ceiling ([`set_max`](Self::set_max)).
+    pub fn max(&self) -> usize {
+        self.lock().max
+    }
+
+    /// The share of a step a chunk may take ([`set_share`](Self::set_share)).
+    pub fn share(&self) -> f64 {
+        self.lock().share
+    }
+
+    /// The length of the next chunk of a prompt fed beside other sessions.
+    pub fn chunk(&self) -> usize {
+        self.chunk_at(Instant::now())
+    }
+
+    fn chunk_at(&self, now: Instant) -> usize {
+        let p = self.lock();
+        match p.streaming(now) {
+            Some(_) => p.chunk,
+            None => p.max,
+        }
+    }
+
+    /// The running mean of the decoding steps, in seconds (none seen yet: `None`).
+    pub fn step_seconds(&self) -> Option<f64> {
+        self.lock().step.map(|(s, _)| s)
+    }
+
+    /// One pass of `len` input tokens a session took `took`, ending now.
+    pub fn observe(&self, len: usize, took: Duration) {
+        self.observe_at(len, took, Instant::now());
+    }
+
+    fn observe_at(&self, len: usize, took: Duration, now: Instant) {
+        let t = took.as_secs_f64();
+        let mut p = self.lock();
+        if len == 1 {
+            let mean = p.step.map_or(t, |(s, _)| 0.8 * s + 0.2 * t);
+            p.step = Some((mean, now));
+            return;
+        }
+        // Only a pass of the chunk length now, while the streams are running (a step ended
+        // shortly before it began), says whether that length fits.
+        if len != p.chunk {
+            return;
+        }
+        let Some(step) = p.streaming(now.checked_sub(took).unwrap_or(now)) else {
+            return;
+        };
+        p.pass = t;
+        let target = p.share * step;
+        let before = p.chunk;
+        let floor = MIN_CHUNK.min(p.max);
+        if t > target && p.chunk > floor {
+            p.chunk = below(p.chunk).max(floor);
+        } else if 2.0 * t <= target && p.chunk < p.max {
+            p.chunk = above(p.chunk).min(p.max);
+        }
+        if p.chunk != before {
+            tracing::debug!(
+                "prefill chunks beside decoding: {before} → {} tokens (a {before}-token pass \
+                 took {:.2} ms, a decoding step {:.2} ms, the share {:.2})",
+                p.chunk,
+                t * 1e3,
+                step * 1e3,
+                p.share
+            );
+        }
+    }
+}
+
+/// The largest power of two below `n` (1 for 1).
+fn below(n: usize) -> usize {
+    if n <= 1 {
+        1
+    } else {
+        1 << (usize::BITS - 1 - (n - 1).leading_zeros())
+    }
+}
+
+/// The smallest power of two above `n`.
+fn above(n: usize) -> usize {
+    (n + 1).next_power_of_two()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MS: fn(u64) -> Duration = Duration::from_millis;
+
+    #[test]
+    fn powers_of_two_either_side() {
+        assert_eq!(
+            [1, 2, 3, 64, 100, 128].map(below),
+            [1, 1, 2, 32, 64, 64],
+            "below"
+        );
+        assert_eq!([1, 2, 3, 64, 100].map(above), [2, 4, 4, 128, 128], "above");
+    }
+
+    #[test]
+    fn without_decoding_steps_a_chunk_is_the_ceiling() {
+        let p = ChunkPacer::new(128, 0.75);
+        let t0 = Instant::now();
+        assert_eq!(p.chunk_at(t0), 128);
+        // A chunk's pass with no step seen changes nothing.
+        p.observe_at(128, MS(50), t0);
+        assert_eq!(p.chunk_at(t0), 128);
+        assert_eq!(p.step_seconds(), None);
+    }
+
+    #[test]
+    fn a_chunk_slower_than_its_share_of_a_step_halves_down_to_the_floor() {
+        let p = ChunkPacer::new(128, 0.75);
+        let t0 = Instant::now();
+        p.observe_at(1, MS(8), t0);
+        // Target 6 ms at 0.4 ms a token: 51.2 ms → 64, 25.6 → 32, 12.8 → 16, 6.4 → 8, then
+        // the floor holds (3.2 ms fits, twice it does not).
+        let mut lengths = Vec::new();
+        for _ in 0..5 {
+            let c = p.chunk_at(t0);
+            p.observe_at(c, Duration::from_secs_f64(c as f64 * 0.4e-3), t0);
+            lengths.push(p.chunk_at(t0));
+        }
+        assert_eq!(lengths, [64, 32, 16, 8, 8]);
+        assert_eq!(MIN_CHUNK, 8);
+    }
+
+    #[test]
+    fn a_chunk_well_inside_its_share_doubles_up_to_the_ceiling() {
+        let p = ChunkPacer::new(100, 0.75);
+        let t0 = Instant::now();
+        p.observe_at(1, MS(20), t0);
+        p.observe_at(100, MS(40), t0);
+        assert_eq!(
+            p.chunk_at(t0),
+            64,
+            "40 ms against 15: down to a power of two"
+        );
+        p.observe_at(64, MS(7), t0);
+        assert_eq!(
+            p.chunk_at(t0),
+            100,
+            "twice 7 ms fits 15: up, to the ceiling at most"
+        );
+        // Twice 7.6 ms does not fit 15 ms, 7.6 does: it stays.
+        p.observe_at(100, Duration::from_micros(7_600), t0);
+        assert_eq!(p.chunk_at(t0), 100);
+        // Passes of other lengths (a prompt's last piece) and lone prompts say nothing.
+        p.observe_at(37, MS(900), t0);
+        assert_eq!(p.chunk_at(t0), 100);
+    }
+
+    #[test]
+    fn the_step_is_a_running_mean_and_goes_stale() {
+        let p = ChunkPacer::new(128, 0.75);
+        let t0 = Instant::now();
+        p.observe_at(1, MS(10), t0);
+        p.observe_at(1, MS(20), t0);
+        assert!((p.step_seconds().unwrap() - 0.012).abs() < 1e-12);
+        p.observe_at(128, MS(30), t0);
+        assert_eq!(p.chunk_at(t0), 64);
+        // Streams gone quiet: the ceiling, and a pass then teaches nothing.
+        let later = t0 + STALE + MS(50);
+        assert_eq!(p.chunk_at(later), 128);
+        p.observe_at(64, MS(30), later);
+        assert_eq!(
+            p.chunk_at(t0),
+            64,
+            "the learned length comes back with the streams"
+        );
+    }
+
+    #[test]
+    fn share_zero_keeps_the_configured_chunk() {
+        let p = ChunkPacer::new(128, 0.0);
+        let t0 = Instant::now();
+        p.observe_at(1, MS(5), t0);
+        p.observe_at(128, MS(500), t0);
+        assert_eq!(p.chunk_at(t0), 128);
+        p.set_share(0.5);
+        p.observe_at(128, MS(500), t0);
+        assert_eq!(p.chunk_at(t0), 64);
+        p.set_max(32);
+        assert_eq!((p.chunk_at(t0), p.max()), (32, 32));
+    }
+}

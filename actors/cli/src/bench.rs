@@ -10,6 +10,7 @@ mod generate;
 mod heal;
 mod hop;
 mod kernels;
+mod long;
 mod open;
 mod overhead;
 mod prefill;

@@ -84,7 +84,7 @@ pub async fn serve_load_with(
                 }
                 let mut ws = ws?;
                 let req = match long {
-                    Some((n, _)) => long_request(n),
+                    Some((n, _)) => super::long::request(n),
                     None => serde_json::json!({"type": "generate", "id": "b", "prompt": "Emma was",
                         "max_tokens": tokens, "temperature": temperature, "seed": i,
                         "ignore_eos": true, "token_ids": true}),
@@ -146,42 +146,6 @@ pub async fn serve_load_with(
     let mut t = ServeTimings::of(sessions, ttfts, gaps, total, texts.len(), wall);
     t.long = long_out;
     Ok(t)
-}
-
-/// The long prompt's request: `n` token ids, 4 greedy tokens with their log-probabilities,
-/// fed from its first token (not from the prefix cache, which the first sending fills).
-fn long_request(n: usize) -> serde_json::Value {
-    serde_json::json!({"type": "generate", "id": "long",
-        "prompt": (0..n).map(|j| 5 + (j * 7919) % 1000).collect::<Vec<_>>(),
-        "max_tokens": 4, "temperature": 0, "ignore_eos": true, "token_ids": true,
-        "logprobs": 1, "cache_prompt": false})
-}
-
-/// The long prompt sent alone (nothing else open: passes of the whole budget): its tokens and
-/// log-probabilities, as JSON text.
-async fn long_alone(addr: std::net::SocketAddr, n: usize) -> CliResult<(Vec<i64>, Vec<String>)> {
-    use futures_util::{SinkExt, StreamExt};
-    use tokio_tungstenite::tungstenite::Message;
-    let (mut ws, _) = tokio_tungstenite::connect_async(format!("ws://{addr}/ws")).await?;
-    ws.send(Message::Text(long_request(n).to_string().into()))
-        .await?;
-    let (mut ids, mut logprobs) = (Vec::new(), Vec::new());
-    while let Some(m) = ws.next().await {
-        let Ok(Message::Text(t)) = m else { continue };
-        let v: serde_json::Value = serde_json::from_str(&t)?;
-        match v["type"].as_str() {
-            Some("delta") => {
-                let got = v["token_ids"].as_array().cloned().unwrap_or_default();
-                ids.extend(got.iter().filter_map(|t| t.as_i64()));
-                if let Some(l) = v["logprobs"].as_array() {
-                    logprobs.extend(l.iter().map(|x| x.to_string()));
-                }
-            }
-            Some("done") => break,
-            _ => return Err(format!("server: {v}").into()),
-        }
-    }
-    Ok((ids, logprobs))
 }
 
 /// The model a serving benchmark serves.
@@ -535,29 +499,8 @@ async fn protocol_row(
             decoder.pacer().max(),
             decoder.pacer().share()
         );
-        // Cut in chunks beside the streams or in whole passes alone, the prompt's numbers are
-        // the same bit for bit (the passes are batch invariant).
         idle(decoder).await;
-        let alone = long_alone(addr, a.long_prompt).await?;
-        let same = (&long.ids, &long.logprobs) == (&alone.0, &alone.1);
-        println!(
-            "{:>18} the same prompt alone: {} tokens {:?}, {})",
-            format!("({protocol}, {n}:"),
-            alone.0.len(),
-            alone.0,
-            if same {
-                "the same tokens and log-probabilities bit for bit as beside the streams"
-            } else {
-                "DIFFERENT from beside the streams"
-            }
-        );
-        if !same || long.logprobs.is_empty() {
-            return Err(format!(
-                "the long prompt beside the streams gave {:?} {:?}, alone {:?} {:?}",
-                long.ids, long.logprobs, alone.0, alone.1
-            )
-            .into());
-        }
+        super::long::check_alone(addr, a.long_prompt, long, &format!("({protocol}, {n}:")).await?;
     }
     if let Some(f) = t.first_text_p50_ms {
         println!(

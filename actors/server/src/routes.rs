@@ -105,6 +105,8 @@ async fn metrics(State(s): State<Shared>) -> impl IntoResponse {
             window_launches: s.generator.decoder.window_launches(),
             recoveries: s.generator.decoder.recoveries(),
             healthy: s.generator.decoder.health() == Health::Serving,
+            chunk_tokens: s.generator.decoder.chunk_tokens() as u64,
+            step_seconds: s.generator.decoder.pacer().step_seconds().unwrap_or(0.0),
             prefix: prefix_state(s.generator.prefix.report()),
         }),
     )

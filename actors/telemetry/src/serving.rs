@@ -4,7 +4,9 @@
 //! connection limits and the decoder's batching.
 
 use crate::registry::{TelemetryError, raise_to, registered, render};
-use prometheus::{Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge, Opts, Registry};
+use prometheus::{
+    Gauge, Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge, Opts, Registry,
+};
 
 /// Time to first token buckets, seconds (vLLM's).
 const TTFT: &[f64] = &[
@@ -56,6 +58,8 @@ pub struct ServingMetrics {
     decode_window_launches: IntCounter,
     decode_recoveries: IntCounter,
     decode_healthy: IntGauge,
+    prefill_chunk_tokens: IntGauge,
+    decode_step_seconds: Gauge,
     prefix_counters: [IntCounter; 5],
     prefix_gauges: [IntGauge; 3],
 }
@@ -91,6 +95,11 @@ pub struct DecoderState {
     pub recoveries: u64,
     /// Decoding runs (not rebuilding after a lost stage, not failed).
     pub healthy: bool,
+    /// Tokens of the next chunk of a prompt fed beside decoding streams
+    /// (`nsactor_decoding::pacer`).
+    pub chunk_tokens: u64,
+    /// Running mean of a decoding step's seconds (0 before the first).
+    pub step_seconds: f64,
     pub prefix: PrefixCacheState,
 }
 
@@ -204,6 +213,19 @@ impl ServingMetrics {
                 "nsactor_decode_healthy",
                 "1 while decoding runs; 0 while it rebuilds after a lost stage, or has failed.",
             )?,
+            prefill_chunk_tokens: gauge(
+                "nsactor_prefill_chunk_tokens",
+                "Tokens of the next chunk of a prompt fed beside decoding streams: paced so its \
+                 pass takes at most --prefill-chunk-share of a decoding step.",
+            )?,
+            decode_step_seconds: registered(
+                &registry,
+                Gauge::new(
+                    "nsactor_decode_step_seconds",
+                    "Running mean of one decoding step's seconds (a pass of one token for every \
+                     running session).",
+                )?,
+            )?,
             prefix_counters: [
                 counter(
                     "nsactor_prefix_cache_hits_total",
@@ -269,6 +291,8 @@ impl ServingMetrics {
         raise_to(&self.decode_window_launches, d.window_launches);
         raise_to(&self.decode_recoveries, d.recoveries);
         self.decode_healthy.set(i64::from(d.healthy));
+        self.prefill_chunk_tokens.set(d.chunk_tokens as i64);
+        self.decode_step_seconds.set(d.step_seconds);
         let p = d.prefix;
         let counts = [p.hits, p.misses, p.tokens_saved, p.evictions, p.to_host];
         for (c, v) in self.prefix_counters.iter().zip(counts) {

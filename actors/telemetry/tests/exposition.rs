@@ -37,6 +37,8 @@ fn serving_metrics_parse_with_the_vllm_names_and_values() {
         window_launches: 3,
         recoveries: 2,
         healthy: true,
+        chunk_tokens: 16,
+        step_seconds: 0.0055,
         prefix: nsactor_telemetry::PrefixCacheState {
             hits: 7,
             misses: 2,
@@ -47,6 +49,8 @@ fn serving_metrics_parse_with_the_vllm_names_and_values() {
         },
     });
     let s = parse(&text);
+    assert_eq!(value(&s, "nsactor_prefill_chunk_tokens"), Some(16.0));
+    assert_eq!(value(&s, "nsactor_decode_step_seconds"), Some(0.0055));
     assert_eq!(value(&s, "nsactor_prefix_cache_hits_total"), Some(7.0));
     assert_eq!(value(&s, "nsactor_prefix_cache_misses_total"), Some(2.0));
     assert_eq!(

@@ -378,7 +378,7 @@ impl BatcherState {
             let answers = keeps.answer(&children, answers);
             add_ns(&stats.phases.cohort_ns, start);
             if answers.is_ok() && !every {
-                stats.pacer.observe(len, start.elapsed());
+                stats.pacer.observe(len, real, start.elapsed());
             }
             tracing::trace!(
                 "cohort of {real} (padded to {size}) × {len} inputs: {:.2} ms",

@@ -11,7 +11,8 @@
 //! powers of two from [`MIN_CHUNK`] up to the configured ceiling (the warm-up prefills those
 //! lengths, so no chunk meets a shape the backend has not run), and a long prompt always moves
 //! on by at least [`MIN_CHUNK`] tokens a pass. Without a decoding step in the last [`STALE`]
-//! (or two chunk passes, where those are longer), a chunk is the ceiling. How a prompt is cut changes none of its numbers (the passes are
+//! (or two chunk passes, where those are longer), or while the prompts being fed outnumber the
+//! sessions decoding (a burst of prompts beside a few streams), a chunk is the ceiling. How a prompt is cut changes none of its numbers (the passes are
 //! batch invariant), only when the streams beside it get their tokens.
 
 use std::sync::Mutex;
@@ -47,6 +48,10 @@ struct Pace {
     /// The last chunk pass's seconds: streams count as running while their last step is no
     /// older than [`STALE`] or two such passes.
     pass: f64,
+    /// Sessions of the last decoding step, and prompts of the last chunk pass: chunks are
+    /// paced only while the streams are at least as many as the prompts.
+    streams: usize,
+    prompts: usize,
 }
 
 impl Pace {
@@ -55,7 +60,9 @@ impl Pace {
     fn streaming(&self, now: Instant) -> Option<f64> {
         let (step, at) = self.step?;
         let within = STALE.as_secs_f64().max(2.0 * self.pass);
-        (self.share > 0.0 && now.saturating_duration_since(at).as_secs_f64() <= within)
+        (self.share > 0.0
+            && self.streams >= self.prompts
+            && now.saturating_duration_since(at).as_secs_f64() <= within)
             .then_some(step)
     }
 }
@@ -78,6 +85,8 @@ impl ChunkPacer {
                 chunk: max,
                 step: None,
                 pass: 0.0,
+                streams: 0,
+                prompts: 0,
             }),
         }
     }
@@ -127,21 +136,28 @@ impl ChunkPacer {
         self.lock().step.map(|(s, _)| s)
     }
 
-    /// One pass of `len` input tokens a session took `took`, ending now.
-    pub fn observe(&self, len: usize, took: Duration) {
-        self.observe_at(len, took, Instant::now());
+    /// One pass of `len` input tokens for each of `sessions` sessions took `took`, ending now.
+    pub fn observe(&self, len: usize, sessions: usize, took: Duration) {
+        self.observe_at(len, sessions, took, Instant::now());
     }
 
-    fn observe_at(&self, len: usize, took: Duration, now: Instant) {
+    fn observe_at(&self, len: usize, sessions: usize, took: Duration, now: Instant) {
         let t = took.as_secs_f64();
         let mut p = self.lock();
         if len == 1 {
             let mean = p.step.map_or(t, |(s, _)| 0.8 * s + 0.2 * t);
             p.step = Some((mean, now));
+            p.streams = sessions;
             return;
         }
         // Only a pass of the chunk length now, while the streams are running (a step ended
-        // shortly before it began), says whether that length fits.
+        // shortly before it began) and outnumber the prompts, says whether that length fits.
+        // Prompts that outnumber the streams (a burst arriving beside a few) go in chunks of
+        // the ceiling: slowing many prompts to spare a few streams would be the worse trade.
+        if len != p.chunk && len != p.max {
+            return;
+        }
+        p.prompts = sessions;
         if len != p.chunk {
             return;
         }
@@ -206,7 +222,7 @@ mod tests {
         let t0 = Instant::now();
         assert_eq!(p.chunk_at(t0), 128);
         // A chunk's pass with no step seen changes nothing.
-        p.observe_at(128, MS(50), t0);
+        p.observe_at(128, 1, MS(50), t0);
         assert_eq!(p.chunk_at(t0), 128);
         assert_eq!(p.step_seconds(), None);
     }
@@ -215,13 +231,13 @@ mod tests {
     fn a_chunk_slower_than_its_share_of_a_step_halves_down_to_the_floor() {
         let p = ChunkPacer::new(128, 0.75);
         let t0 = Instant::now();
-        p.observe_at(1, MS(8), t0);
+        p.observe_at(1, 1, MS(8), t0);
         // Target 6 ms at 0.4 ms a token: 51.2 ms → 64, 25.6 → 32, 12.8 → 16, 6.4 → 8, then
         // the floor holds (3.2 ms fits, twice it does not).
         let mut lengths = Vec::new();
         for _ in 0..5 {
             let c = p.chunk_at(t0);
-            p.observe_at(c, Duration::from_secs_f64(c as f64 * 0.4e-3), t0);
+            p.observe_at(c, 1, Duration::from_secs_f64(c as f64 * 0.4e-3), t0);
             lengths.push(p.chunk_at(t0));
         }
         assert_eq!(lengths, [64, 32, 16, 8, 8]);
@@ -232,24 +248,24 @@ mod tests {
     fn a_chunk_well_inside_its_share_doubles_up_to_the_ceiling() {
         let p = ChunkPacer::new(100, 0.75);
         let t0 = Instant::now();
-        p.observe_at(1, MS(20), t0);
-        p.observe_at(100, MS(40), t0);
+        p.observe_at(1, 1, MS(20), t0);
+        p.observe_at(100, 1, MS(40), t0);
         assert_eq!(
             p.chunk_at(t0),
             64,
             "40 ms against 15: down to a power of two"
         );
-        p.observe_at(64, MS(7), t0);
+        p.observe_at(64, 1, MS(7), t0);
         assert_eq!(
             p.chunk_at(t0),
             100,
             "twice 7 ms fits 15: up, to the ceiling at most"
         );
         // Twice 7.6 ms does not fit 15 ms, 7.6 does: it stays.
-        p.observe_at(100, Duration::from_micros(7_600), t0);
+        p.observe_at(100, 1, Duration::from_micros(7_600), t0);
         assert_eq!(p.chunk_at(t0), 100);
         // Passes of other lengths (a prompt's last piece) and lone prompts say nothing.
-        p.observe_at(37, MS(900), t0);
+        p.observe_at(37, 1, MS(900), t0);
         assert_eq!(p.chunk_at(t0), 100);
     }
 
@@ -257,15 +273,15 @@ mod tests {
     fn the_step_is_a_running_mean_and_goes_stale() {
         let p = ChunkPacer::new(128, 0.75);
         let t0 = Instant::now();
-        p.observe_at(1, MS(10), t0);
-        p.observe_at(1, MS(20), t0);
+        p.observe_at(1, 1, MS(10), t0);
+        p.observe_at(1, 1, MS(20), t0);
         assert!((p.step_seconds().unwrap() - 0.012).abs() < 1e-12);
-        p.observe_at(128, MS(30), t0);
+        p.observe_at(128, 1, MS(30), t0);
         assert_eq!(p.chunk_at(t0), 64);
         // Streams gone quiet: the ceiling, and a pass then teaches nothing.
         let later = t0 + STALE + MS(50);
         assert_eq!(p.chunk_at(later), 128);
-        p.observe_at(64, MS(30), later);
+        p.observe_at(64, 1, MS(30), later);
         assert_eq!(
             p.chunk_at(t0),
             64,
@@ -274,14 +290,33 @@ mod tests {
     }
 
     #[test]
+    fn prompts_that_outnumber_the_streams_go_in_chunks_of_the_ceiling() {
+        let p = ChunkPacer::new(128, 0.75);
+        let t0 = Instant::now();
+        p.observe_at(1, 64, MS(6), t0);
+        p.observe_at(128, 1, MS(25), t0);
+        assert_eq!(p.chunk_at(t0), 64, "one prompt beside 64 streams: paced");
+        // Seven prompts' chunks beside one stream: the ceiling, and their passes teach nothing.
+        p.observe_at(1, 1, MS(2), t0);
+        p.observe_at(64, 7, MS(40), t0);
+        assert_eq!(p.chunk_at(t0), 128);
+        p.observe_at(128, 7, MS(60), t0);
+        assert_eq!(p.chunk_at(t0), 128);
+        // One prompt again beside 64 streams: paced from where it was.
+        p.observe_at(1, 64, MS(6), t0);
+        p.observe_at(128, 1, MS(25), t0);
+        assert_eq!(p.chunk_at(t0), 64);
+    }
+
+    #[test]
     fn share_zero_keeps_the_configured_chunk() {
         let p = ChunkPacer::new(128, 0.0);
         let t0 = Instant::now();
-        p.observe_at(1, MS(5), t0);
-        p.observe_at(128, MS(500), t0);
+        p.observe_at(1, 1, MS(5), t0);
+        p.observe_at(128, 1, MS(500), t0);
         assert_eq!(p.chunk_at(t0), 128);
         p.set_share(0.5);
-        p.observe_at(128, MS(500), t0);
+        p.observe_at(128, 1, MS(500), t0);
         assert_eq!(p.chunk_at(t0), 64);
         p.set_max(32);
         assert_eq!((p.chunk_at(t0), p.max()), (32, 32));

@@ -40,6 +40,8 @@ use nsactor_kernels::{KernelError, SnnOps, StepGraph};
 
 /// Sets of sessions with a graph, per layer.
 pub const GRAPHS: usize = 4;
+/// Keys remembered as having run once uncaptured.
+const WARM: usize = 4;
 /// Calls between tries after a capture failed.
 const RETRY_AFTER: u32 = 64;
 /// New sets of sessions whose take-over decision is remembered (oldest out).
@@ -84,8 +86,10 @@ pub struct DecodeGraphs<B: SnnOps> {
     /// Graphs whose sessions have all closed, most recently freed first: a new set of sessions
     /// of the same shape takes one over.
     free: Vec<Entry<B>>,
-    /// The last call that ran uncaptured: the next call with the same key is captured.
-    warm: Option<Key>,
+    /// The last [`WARM`] keys that ran uncaptured, most recent first: the next call with one of
+    /// them is captured. More than one, so a decoding cohort's next step still finds its key
+    /// after a prompt's pass ran between.
+    warm: Vec<Key>,
     /// Calls left before a failed key is tried again, and the key.
     failed: Option<(Key, u32)>,
     /// Free graphs taken over so far.
@@ -97,7 +101,7 @@ impl<B: SnnOps> Default for DecodeGraphs<B> {
         DecodeGraphs {
             entries: Vec::new(),
             free: Vec::new(),
-            warm: None,
+            warm: Vec::new(),
             failed: None,
             taken_over: 0,
         }
@@ -122,7 +126,7 @@ impl<B: SnnOps> DecodeGraphs<B> {
     pub fn clear(&mut self) {
         self.entries.clear();
         self.free.clear();
-        self.warm = None;
+        self.warm.clear();
         self.failed = None;
     }
 
@@ -156,18 +160,15 @@ impl<B: SnnOps> DecodeGraphs<B> {
             }
         }
         self.entries = kept;
+        // One-token graphs first (a new client's steps take them over), then most recently
+        // freed first within each kind.
+        self.free.sort_by_key(|e| e.key.dims[0] != 1);
         self.free.truncate(GRAPHS);
         TAKEN_OVER
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .retain(|(k, _)| !k.sessions.contains(&session));
-        if self
-            .warm
-            .as_ref()
-            .is_some_and(|k| k.sessions.contains(&session))
-        {
-            self.warm = None;
-        }
+        self.warm.retain(|k| !k.sessions.contains(&session));
     }
 
     /// `f(h, state)` — the layer's step — replayed, captured or run as it is (see the module
@@ -213,11 +214,16 @@ impl<B: SnnOps> DecodeGraphs<B> {
             }
             self.failed = None;
         }
-        if self.warm.as_ref() != Some(&key) {
-            self.warm = Some(key);
-            return f(h, state);
+        match self.warm.iter().position(|k| *k == key) {
+            Some(i) => {
+                self.warm.remove(i);
+            }
+            None => {
+                self.warm.insert(0, key);
+                self.warm.truncate(WARM);
+                return f(h, state);
+            }
         }
-        self.warm = None;
         // The graph's input buffers are copied into whole: contiguous ones.
         let contiguous = |t| B::contiguous(t);
         let h_in = Tensor::from_primitive(TensorPrimitive::Float(contiguous(prim(h.clone()))));

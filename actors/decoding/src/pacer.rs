@@ -7,13 +7,16 @@
 //! instead holds a chunk's pass to a share of one decoding step's time: it watches the passes
 //! the batcher runs, keeps a running mean of the decoding steps (passes of one token a
 //! session), and after each chunk's pass halves the chunk length when the pass took longer
-//! than `share` × a step, or doubles it when twice the pass would still fit. Lengths stay
+//! than `share` × a step, or doubles it when twice the pass would still fit. Lengths are
 //! powers of two from [`MIN_CHUNK`] up to the configured ceiling (the warm-up prefills those
-//! lengths, so no chunk meets a shape the backend has not run), and a long prompt always moves
-//! on by at least [`MIN_CHUNK`] tokens a pass. Without a decoding step in the last [`STALE`]
-//! (or two chunk passes, where those are longer), or while the prompts being fed outnumber the
-//! sessions decoding (a burst of prompts beside a few streams), a chunk is the ceiling. How a prompt is cut changes none of its numbers (the passes are
-//! batch invariant), only when the streams beside it get their tokens.
+//! lengths, so no chunk meets a shape the backend has not run). They start at the floor and
+//! climb, so the streams never wait for a chunk too long while the pacer learns (starting at
+//! the ceiling, the first few chunks cost the 64 streams ~1 % of their gaps: their p99); a long
+//! prompt always moves on by at least [`MIN_CHUNK`] tokens a pass. Without a decoding step in
+//! the last [`STALE`] (or two chunk passes, where those are longer), or while the prompts being
+//! fed outnumber the sessions decoding (a burst of prompts beside a few streams), a chunk is
+//! the ceiling. How a prompt is cut changes none of its numbers (the passes are batch
+//! invariant), only when the streams beside it get their tokens.
 
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
@@ -82,7 +85,7 @@ impl ChunkPacer {
             pace: Mutex::new(Pace {
                 max,
                 share: share.max(0.0),
-                chunk: max,
+                chunk: MIN_CHUNK.min(max),
                 step: None,
                 pass: 0.0,
                 streams: 0,
@@ -95,11 +98,11 @@ impl ChunkPacer {
         self.pace.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Chunks of at most `max` tokens from now on (the pacer starts again from there).
+    /// Chunks of at most `max` tokens from now on (the pacer starts again from the floor).
     pub fn set_max(&self, max: usize) {
         let mut p = self.lock();
         p.max = max.max(1);
-        p.chunk = p.max;
+        p.chunk = MIN_CHUNK.min(p.max);
     }
 
     /// A chunk's pass held to `share` of a decoding step from now on (0: chunks of the
@@ -227,46 +230,49 @@ mod tests {
         assert_eq!(p.step_seconds(), None);
     }
 
+    /// The lengths after each pass of the chunk length, at `ms_per_token` (1 ms more a pass).
+    fn climb(p: &ChunkPacer, t0: Instant, passes: usize, ms_per_token: f64) -> Vec<usize> {
+        (0..passes)
+            .map(|_| {
+                let c = p.chunk_at(t0);
+                let took = Duration::from_secs_f64((1.0 + c as f64 * ms_per_token) * 1e-3);
+                p.observe_at(c, 1, took, t0);
+                p.chunk_at(t0)
+            })
+            .collect()
+    }
+
+    #[test]
+    fn beside_streams_chunks_start_at_the_floor_and_double_while_twice_a_pass_fits() {
+        let p = ChunkPacer::new(128, 0.75);
+        let t0 = Instant::now();
+        p.observe_at(1, 64, MS(20), t0);
+        assert_eq!(p.chunk_at(t0), MIN_CHUNK);
+        // Target 15 ms: 8 tokens 1.8 ms, 16 2.6, 32 4.2, 64 7.4 (twice fits), 128 13.8 (stays).
+        assert_eq!(climb(&p, t0, 5, 0.1), [16, 32, 64, 128, 128]);
+        // A ceiling that is no power of two is reached too.
+        let p = ChunkPacer::new(100, 0.75);
+        p.observe_at(1, 64, MS(20), t0);
+        assert_eq!(climb(&p, t0, 5, 0.1), [16, 32, 64, 100, 100]);
+        // Passes of other lengths (a prompt's last piece, a whole short prompt) say nothing.
+        p.observe_at(37, 1, MS(900), t0);
+        assert_eq!(p.chunk_at(t0), 100);
+    }
+
     #[test]
     fn a_chunk_slower_than_its_share_of_a_step_halves_down_to_the_floor() {
         let p = ChunkPacer::new(128, 0.75);
         let t0 = Instant::now();
-        p.observe_at(1, 1, MS(8), t0);
-        // Target 6 ms at 0.4 ms a token: 51.2 ms → 64, 25.6 → 32, 12.8 → 16, 6.4 → 8, then
-        // the floor holds (3.2 ms fits, twice it does not).
-        let mut lengths = Vec::new();
-        for _ in 0..5 {
-            let c = p.chunk_at(t0);
-            p.observe_at(c, 1, Duration::from_secs_f64(c as f64 * 0.4e-3), t0);
-            lengths.push(p.chunk_at(t0));
+        p.observe_at(1, 64, MS(400), t0);
+        assert_eq!(climb(&p, t0, 4, 0.4), [16, 32, 64, 128]);
+        // The steps get fast: the running mean follows them to ~8 ms, a target of ~6.
+        for _ in 0..40 {
+            p.observe_at(1, 64, MS(8), t0);
         }
-        assert_eq!(lengths, [64, 32, 16, 8, 8]);
+        assert!((p.step_seconds().unwrap() - 0.008).abs() < 1e-4);
+        // 128 tokens 52.2 ms, 64 26.6, 32 13.8, 16 7.4: down; 8 4.2 fits, twice it does not.
+        assert_eq!(climb(&p, t0, 5, 0.4), [64, 32, 16, 8, 8]);
         assert_eq!(MIN_CHUNK, 8);
-    }
-
-    #[test]
-    fn a_chunk_well_inside_its_share_doubles_up_to_the_ceiling() {
-        let p = ChunkPacer::new(100, 0.75);
-        let t0 = Instant::now();
-        p.observe_at(1, 1, MS(20), t0);
-        p.observe_at(100, 1, MS(40), t0);
-        assert_eq!(
-            p.chunk_at(t0),
-            64,
-            "40 ms against 15: down to a power of two"
-        );
-        p.observe_at(64, 1, MS(7), t0);
-        assert_eq!(
-            p.chunk_at(t0),
-            100,
-            "twice 7 ms fits 15: up, to the ceiling at most"
-        );
-        // Twice 7.6 ms does not fit 15 ms, 7.6 does: it stays.
-        p.observe_at(100, 1, Duration::from_micros(7_600), t0);
-        assert_eq!(p.chunk_at(t0), 100);
-        // Passes of other lengths (a prompt's last piece) and lone prompts say nothing.
-        p.observe_at(37, 1, MS(900), t0);
-        assert_eq!(p.chunk_at(t0), 100);
     }
 
     #[test]
@@ -276,15 +282,14 @@ mod tests {
         p.observe_at(1, 1, MS(10), t0);
         p.observe_at(1, 1, MS(20), t0);
         assert!((p.step_seconds().unwrap() - 0.012).abs() < 1e-12);
-        p.observe_at(128, 1, MS(30), t0);
-        assert_eq!(p.chunk_at(t0), 64);
+        assert_eq!(p.chunk_at(t0), MIN_CHUNK);
         // Streams gone quiet: the ceiling, and a pass then teaches nothing.
         let later = t0 + STALE + MS(50);
         assert_eq!(p.chunk_at(later), 128);
-        p.observe_at(64, 1, MS(30), later);
+        p.observe_at(MIN_CHUNK, 1, MS(1), later);
         assert_eq!(
             p.chunk_at(t0),
-            64,
+            MIN_CHUNK,
             "the learned length comes back with the streams"
         );
     }
@@ -294,18 +299,21 @@ mod tests {
         let p = ChunkPacer::new(128, 0.75);
         let t0 = Instant::now();
         p.observe_at(1, 64, MS(6), t0);
-        p.observe_at(128, 1, MS(25), t0);
-        assert_eq!(p.chunk_at(t0), 64, "one prompt beside 64 streams: paced");
+        assert_eq!(
+            p.chunk_at(t0),
+            MIN_CHUNK,
+            "a prompt beside 64 streams: paced"
+        );
         // Seven prompts' chunks beside one stream: the ceiling, and their passes teach nothing.
         p.observe_at(1, 1, MS(2), t0);
-        p.observe_at(64, 7, MS(40), t0);
+        p.observe_at(MIN_CHUNK, 7, MS(40), t0);
         assert_eq!(p.chunk_at(t0), 128);
         p.observe_at(128, 7, MS(60), t0);
         assert_eq!(p.chunk_at(t0), 128);
         // One prompt again beside 64 streams: paced from where it was.
         p.observe_at(1, 64, MS(6), t0);
         p.observe_at(128, 1, MS(25), t0);
-        assert_eq!(p.chunk_at(t0), 64);
+        assert_eq!(p.chunk_at(t0), MIN_CHUNK);
     }
 
     #[test]
@@ -316,9 +324,10 @@ mod tests {
         p.observe_at(128, 1, MS(500), t0);
         assert_eq!(p.chunk_at(t0), 128);
         p.set_share(0.5);
-        p.observe_at(128, 1, MS(500), t0);
-        assert_eq!(p.chunk_at(t0), 64);
+        assert_eq!(p.chunk_at(t0), MIN_CHUNK);
         p.set_max(32);
-        assert_eq!((p.chunk_at(t0), p.max()), (32, 32));
+        assert_eq!((p.chunk_at(t0), p.max()), (MIN_CHUNK, 32));
+        p.set_share(0.0);
+        assert_eq!(p.chunk_at(t0), 32);
     }
 }

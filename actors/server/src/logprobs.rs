@@ -1,6 +1,6 @@
 //! Log-probabilities of tokens: the chosen token's and the most likely alternatives, from the
 //! model's own distribution (the log-softmax of its raw logits, before temperature, penalties,
-//! biases and the special-token mask: what vLLM reports by default), computed in f64.
+//! biases and the special-token mask: what vLLM reports by default), normalised in f64.
 
 use serde::{Deserialize, Serialize};
 
@@ -15,39 +15,54 @@ pub struct TokenLogprob {
 }
 
 /// `token`'s log-probability under `logits`, with the `top` most likely tokens.
+///
+/// The normaliser is the log-sum-exp of the finite logits: each term `exp(l − max)` in f32
+/// (within an ulp or so), summed in f64, so 6,144 terms lose nothing to the sum (a scored
+/// 512-token prompt's 3.1 M terms took ~4 ms on 16 cores with every term in f64). The `top`
+/// are kept as they come (at most `top` held), not sorted out of the whole vocabulary.
 pub fn token_logprob(logits: &[f32], token: i64, top: usize) -> TokenLogprob {
     let max = logits
         .iter()
         .copied()
         .filter(|l| l.is_finite())
-        .fold(f32::NEG_INFINITY, f32::max) as f64;
+        .fold(f32::NEG_INFINITY, f32::max);
     let sum: f64 = logits
         .iter()
         .filter(|l| l.is_finite())
-        .map(|&l| (l as f64 - max).exp())
+        .map(|&l| (l - max).exp() as f64)
         .sum();
-    let norm = max + sum.ln();
+    let norm = max as f64 + sum.ln();
     let lp = |i: usize| {
         logits
             .get(i)
             .map_or(f64::NEG_INFINITY, |&l| l as f64 - norm) as f32
     };
-    let mut best: Vec<usize> = Vec::new();
-    if top > 0 {
-        best = (0..logits.len()).collect();
-        let k = top.min(best.len());
-        let by_rank = |a: &usize, b: &usize| logits[*b].total_cmp(&logits[*a]).then(a.cmp(b));
-        if k < best.len() {
-            best.select_nth_unstable_by(k, by_rank);
-            best.truncate(k);
-        }
-        best.sort_by(by_rank);
-    }
     TokenLogprob {
         token_id: token,
         logprob: usize::try_from(token).map_or(f32::NEG_INFINITY, lp),
-        top: best.into_iter().map(|i| (i as i64, lp(i))).collect(),
+        top: most_likely(logits, top)
+            .into_iter()
+            .map(|i| (i as i64, lp(i)))
+            .collect(),
     }
+}
+
+/// The `k` most likely ids of `logits`, most likely first, ties by id.
+fn most_likely(logits: &[f32], k: usize) -> Vec<usize> {
+    let before = |a: usize, b: usize| logits[b].total_cmp(&logits[a]).then(a.cmp(&b));
+    let mut best: Vec<usize> = Vec::with_capacity(k + 1);
+    if k == 0 {
+        return best;
+    }
+    for i in 0..logits.len() {
+        if best.len() == k && before(i, best[k - 1]).is_ge() {
+            continue;
+        }
+        let at = best.partition_point(|&b| before(b, i).is_lt());
+        best.insert(at, i);
+        best.truncate(k);
+    }
+    best
 }
 
 #[cfg(test)]
@@ -72,5 +87,32 @@ mod tests {
         assert_eq!(t.top.len(), 2);
         assert_eq!(t.logprob, f32::NEG_INFINITY);
         assert_eq!(token_logprob(&masked, 0, 0).logprob, 0.0);
+    }
+
+    #[test]
+    fn the_top_tokens_are_those_a_full_sort_gives() {
+        let mut x = 0x2545_f491_4f6c_dd1du64;
+        let logits: Vec<f32> = (0..6144)
+            .map(|_| {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                // Few distinct values: many ties, broken by id.
+                (x % 97) as f32 * 0.25 - 12.0
+            })
+            .collect();
+        let mut sorted: Vec<usize> = (0..logits.len()).collect();
+        sorted.sort_by(|&a, &b| logits[b].total_cmp(&logits[a]).then(a.cmp(&b)));
+        for k in [0, 1, 2, 5, 20, 6144, 7000] {
+            let got = most_likely(&logits, k);
+            assert_eq!(got, sorted[..k.min(logits.len())], "k = {k}");
+        }
+        // The log-probabilities still sum to one, in f64 over the f32 results.
+        let t = token_logprob(&logits, 3, 20);
+        let total: f64 = (0..logits.len())
+            .map(|i| (token_logprob(&logits, i as i64, 0).logprob as f64).exp())
+            .sum();
+        assert!((total - 1.0).abs() < 1e-4, "{total}");
+        assert!(t.top.windows(2).all(|w| w[0].1 >= w[1].1));
     }
 }

@@ -114,9 +114,9 @@ pub struct PassArgs {
     #[arg(long, default_value_t = 0, value_name = "TOKENS")]
     prefill_chunk_tokens: usize,
     /// Longest a chunk's pass may take beside decoding streams, as a share of one of their
-    /// steps: chunks are halved (down to 8 tokens) while a pass takes longer and doubled (up
-    /// to --prefill-chunk-tokens) while twice one fits, so the streams' inter-token gaps stay
-    /// within (1 + share) × a step. 0: every chunk --prefill-chunk-tokens long.
+    /// steps: chunks start at 8 tokens, are doubled (up to --prefill-chunk-tokens) while twice
+    /// one fits and halved (down to 8) when one does not, so the streams' inter-token gaps
+    /// stay within (1 + share) × a step. 0: every chunk --prefill-chunk-tokens long.
     #[arg(long, default_value_t = nsactor_decoding::pacer::DEFAULT_SHARE, value_name = "SHARE",
           value_parser = share)]
     prefill_chunk_share: f64,

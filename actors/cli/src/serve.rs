@@ -116,7 +116,8 @@ pub struct PassArgs {
     /// Longest a chunk's pass may take beside decoding streams, as a share of one of their
     /// steps: chunks start at 8 tokens, are doubled (up to --prefill-chunk-tokens) while twice
     /// one fits and halved (down to 8) when one does not, so the streams' inter-token gaps
-    /// stay within (1 + share) × a step. 0: every chunk --prefill-chunk-tokens long.
+    /// stay within (1 + share) × a step where an 8-token chunk fits the share. 0: every chunk
+    /// --prefill-chunk-tokens long.
     #[arg(long, default_value_t = nsactor_decoding::pacer::DEFAULT_SHARE, value_name = "SHARE",
           value_parser = share)]
     prefill_chunk_share: f64,

@@ -357,15 +357,24 @@ impl BatcherState {
             // stage, rebuilds the actors), never leaves them waiting.
             let shape = super::cohort::CohortShape { len, every };
             let saves = keeps.saves();
-            let run = crate::order::pass(run_cohort(
-                &children,
-                &sessions,
-                ids,
-                shape,
-                picks,
-                &saves,
-                &stats.phases,
-            ));
+            // The pass's own time, from when it holds the devices (not its wait for a state
+            // op), for the chunk pacer.
+            let ran = std::sync::Mutex::new(None);
+            let run = crate::order::pass(async {
+                let t = Instant::now();
+                let r = run_cohort(
+                    &children,
+                    &sessions,
+                    ids,
+                    shape,
+                    picks,
+                    &saves,
+                    &stats.phases,
+                )
+                .await;
+                *ran.lock().unwrap_or_else(|e| e.into_inner()) = Some(t.elapsed());
+                r
+            });
             let answers = AssertUnwindSafe(run)
                 .catch_unwind()
                 .await
@@ -377,8 +386,12 @@ impl BatcherState {
                 });
             let answers = keeps.answer(&children, answers);
             add_ns(&stats.phases.cohort_ns, start);
-            if answers.is_ok() && !every {
-                stats.pacer.observe(len, real, start.elapsed());
+            // Passes that also kept snapshots took longer than their tokens: they teach the
+            // pacer nothing.
+            let ran = ran.into_inner().unwrap_or_else(|e| e.into_inner());
+            if let (true, false, true, Some(took)) = (answers.is_ok(), every, saves.is_empty(), ran)
+            {
+                stats.pacer.observe(len, real, took);
             }
             tracing::trace!(
                 "cohort of {real} (padded to {size}) × {len} inputs: {:.2} ms",

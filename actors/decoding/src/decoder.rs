@@ -87,6 +87,7 @@ impl AsyncDecoder {
     /// runs the same kernels where they fit). Longer prompts are fed in passes of this size.
     pub fn with_pass_tokens(mut self, tokens: usize) -> Self {
         self.max_tokens = tokens.max(1);
+        self.stats.pacer.cap(self.max_tokens);
         let _ = self.batcher.cast(BatcherMsg::PassTokens(self.max_tokens));
         self
     }
@@ -99,6 +100,7 @@ impl AsyncDecoder {
     /// ([`with_chunk_share`](Self::with_chunk_share)).
     pub fn with_chunk_tokens(self, tokens: usize) -> Self {
         self.stats.pacer.set_max(tokens);
+        self.stats.pacer.cap(self.pass_tokens());
         self
     }
 

@@ -7,16 +7,22 @@
 //! instead holds a chunk's pass to a share of one decoding step's time: it watches the passes
 //! the batcher runs, keeps a running mean of the decoding steps (passes of one token a
 //! session), and after each chunk's pass halves the chunk length when the pass took longer
-//! than `share` × a step, or doubles it when twice the pass would still fit. Lengths are
-//! powers of two from [`MIN_CHUNK`] up to the configured ceiling (the warm-up prefills those
-//! lengths, so no chunk meets a shape the backend has not run). They start at the floor and
-//! climb, so the streams never wait for a chunk too long while the pacer learns (starting at
-//! the ceiling, the first few chunks cost the 64 streams ~1 % of their gaps: their p99); a long
-//! prompt always moves on by at least [`MIN_CHUNK`] tokens a pass. Without a decoding step in
-//! the last [`STALE`] (or two chunk passes, where those are longer), or while the prompts being
-//! fed outnumber the sessions decoding (a burst of prompts beside a few streams), a chunk is
-//! the ceiling. How a prompt is cut changes none of its numbers (the passes are batch
-//! invariant), only when the streams beside it get their tokens.
+//! than `share` × a step, or doubles it when twice the pass would still fit. A pass is timed
+//! from when it holds the devices (not its wait for a state op), and passes that also keep
+//! prefix snapshots are not judged. Lengths are powers of two from [`MIN_CHUNK`] up to the
+//! configured ceiling, itself at most a pass's budget (the warm-up prefills every length to 16
+//! and the powers of two, so no chunk below a ceiling of 1,024 meets a shape the backend has
+//! not run). They start at the floor and climb, and start again from the floor when streams
+//! come back after a quiet spell, so the streams never wait for a chunk too long while the
+//! pacer learns (starting at the ceiling, the first few chunks cost 64 streams ~1 % of their
+//! gaps: their p99); a long prompt moves on by at least [`MIN_CHUNK`] tokens a pass (the
+//! ceiling, where that is less). Where even the floor's pass takes more than the share, the
+//! gaps grow by that pass. Without a decoding step in the last [`STALE`] (or two chunk
+//! passes, where those are longer), or while the prompts being fed outnumber the sessions
+//! decoding (a burst of prompts beside a few streams; as many of each is paced), a chunk is
+//! the ceiling. With pipeline stages, passes overlap and each pass's time includes its
+//! neighbours' (judged as it comes). How a prompt is cut changes none of its numbers (the
+//! passes are batch invariant), only when the streams beside it get their tokens.
 
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
@@ -105,6 +111,14 @@ impl ChunkPacer {
         p.chunk = MIN_CHUNK.min(p.max);
     }
 
+    /// Chunks of at most `limit` tokens (a pass's budget), whatever the ceiling asked: a chunk
+    /// longer than a pass would be cut, and its passes would never be judged.
+    pub fn cap(&self, limit: usize) {
+        let mut p = self.lock();
+        p.max = p.max.min(limit.max(1));
+        p.chunk = p.chunk.min(p.max);
+    }
+
     /// A chunk's pass held to `share` of a decoding step from now on (0: chunks of the
     /// ceiling, as configured).
     pub fn set_share(&self, share: f64) {
@@ -148,7 +162,21 @@ impl ChunkPacer {
         let t = took.as_secs_f64();
         let mut p = self.lock();
         if len == 1 {
-            let mean = p.step.map_or(t, |(s, _)| 0.8 * s + 0.2 * t);
+            // After a quiet spell the streams are new: their mean starts again, and so do the
+            // chunks, from the floor.
+            let quiet = p.step.is_none_or(|(_, at)| {
+                now.checked_sub(took)
+                    .unwrap_or(now)
+                    .saturating_duration_since(at)
+                    > STALE
+            });
+            let mean = match p.step {
+                Some((s, _)) if !quiet => 0.8 * s + 0.2 * t,
+                _ => t,
+            };
+            if quiet {
+                p.chunk = MIN_CHUNK.min(p.max);
+            }
             p.step = Some((mean, now));
             p.streams = sessions;
             return;
@@ -276,22 +304,40 @@ mod tests {
     }
 
     #[test]
-    fn the_step_is_a_running_mean_and_goes_stale() {
+    fn the_step_is_a_running_mean_and_after_a_quiet_spell_everything_starts_again() {
         let p = ChunkPacer::new(128, 0.75);
         let t0 = Instant::now();
         p.observe_at(1, 1, MS(10), t0);
         p.observe_at(1, 1, MS(20), t0);
         assert!((p.step_seconds().unwrap() - 0.012).abs() < 1e-12);
-        assert_eq!(p.chunk_at(t0), MIN_CHUNK);
+        assert_eq!(climb(&p, t0, 2, 0.1), [16, 32]);
         // Streams gone quiet: the ceiling, and a pass then teaches nothing.
         let later = t0 + STALE + MS(50);
         assert_eq!(p.chunk_at(later), 128);
-        p.observe_at(MIN_CHUNK, 1, MS(1), later);
+        p.observe_at(32, 1, MS(1), later);
+        assert_eq!(p.chunk_at(t0), 32, "a stale pass changed the length");
+        // New streams: their own mean, and chunks from the floor again.
+        p.observe_at(1, 1, MS(40), later);
+        assert!((p.step_seconds().unwrap() - 0.040).abs() < 1e-12);
+        assert_eq!(p.chunk_at(later), MIN_CHUNK);
+    }
+
+    #[test]
+    fn the_ceiling_is_capped_by_the_pass_budget() {
+        let p = ChunkPacer::new(128, 0.75);
+        let t0 = Instant::now();
+        p.observe_at(1, 1, MS(100), t0);
+        assert_eq!(climb(&p, t0, 4, 0.1), [16, 32, 64, 128]);
+        p.cap(48);
+        assert_eq!((p.max(), p.chunk_at(t0)), (48, 48));
         assert_eq!(
-            p.chunk_at(t0),
-            MIN_CHUNK,
-            "the learned length comes back with the streams"
+            p.chunk_at(t0 + STALE * 3),
+            48,
+            "the ceiling without streams"
         );
+        // Judged at 48 tokens, it can still halve.
+        p.observe_at(48, 1, MS(200), t0);
+        assert_eq!(p.chunk_at(t0), 32);
     }
 
     #[test]
@@ -304,9 +350,10 @@ mod tests {
             MIN_CHUNK,
             "a prompt beside 64 streams: paced"
         );
-        // Seven prompts' chunks beside one stream: the ceiling, and their passes teach nothing.
+        // Seven prompts' chunks beside one stream: the ceiling, and their passes (fast enough
+        // to double the length, were they judged) teach nothing.
         p.observe_at(1, 1, MS(2), t0);
-        p.observe_at(MIN_CHUNK, 7, MS(40), t0);
+        p.observe_at(MIN_CHUNK, 7, Duration::from_micros(100), t0);
         assert_eq!(p.chunk_at(t0), 128);
         p.observe_at(128, 7, MS(60), t0);
         assert_eq!(p.chunk_at(t0), 128);
@@ -321,6 +368,8 @@ mod tests {
         let p = ChunkPacer::new(128, 0.0);
         let t0 = Instant::now();
         p.observe_at(1, 1, MS(5), t0);
+        // Passes of the paced length (the floor) or of the ceiling, fast or slow: unjudged.
+        p.observe_at(MIN_CHUNK, 1, Duration::from_micros(10), t0);
         p.observe_at(128, 1, MS(500), t0);
         assert_eq!(p.chunk_at(t0), 128);
         p.set_share(0.5);

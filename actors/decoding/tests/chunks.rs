@@ -3,7 +3,7 @@
 //! (`nsactor_decoding::pacer`), and its logits are bit for bit those of the prompt fed alone.
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 mod common;
 
@@ -48,59 +48,84 @@ fn a_prompt_beside_an_open_session_is_fed_in_smaller_chunks_with_the_same_logits
     );
 }
 
-/// Beside a session that decodes token after token, a prompt's chunks are paced: held to a
-/// share of a step no pass can meet, they halve from the ceiling to the floor (8 tokens) as
-/// the batcher reports their passes, and the prompt's logits are still those of feeding it
-/// alone. Without the streams, the ceiling again.
+/// Beside a session that decodes token after token, a prompt's chunks are paced by the passes
+/// the batcher reports: with a share of a step every pass meets, they climb from the floor
+/// (8 tokens) to the ceiling (128); with a share no pass can meet, they halve back down to
+/// the floor; the prompt's logits are those of feeding it alone either way. Without the
+/// stream, the ceiling again.
 #[test]
-fn chunks_beside_a_decoding_stream_are_paced_down_to_the_floor_with_the_same_logits() {
+fn chunks_beside_a_decoding_stream_climb_and_fall_with_their_share_and_keep_the_logits() {
     let _serial = serial();
     let p = pipeline(1, None);
     let d = p
         .decoder(256)
         .with_pass_tokens(1024)
         .with_chunk_tokens(128)
-        .with_chunk_share(1e-6);
+        .with_chunk_share(1e6);
     let prompt: Vec<i64> = (0..600).map(|i| 5 + (i * 31 % 200) as i64).collect();
     let alone = p.block_on(forced(&d, prompt.clone(), Vec::new())).remove(0);
-    let (beside, paced, steps) = p.block_on(async {
+    let (runs, steps) = p.block_on(async {
         let other = d.session();
         d.feed(other, vec![7, 8]).await.unwrap();
         let done = Arc::new(AtomicBool::new(false));
+        let stepped = Arc::new(AtomicU64::new(0));
         let stream = {
-            let (d, done) = (d.clone(), done.clone());
+            let (d, done, stepped) = (d.clone(), done.clone(), stepped.clone());
             tokio::spawn(async move {
-                let mut steps = 0u32;
                 while !done.load(Ordering::Relaxed) {
                     d.feed(other, vec![9]).await.unwrap();
-                    steps += 1;
+                    stepped.fetch_add(1, Ordering::Relaxed);
                 }
-                steps
             })
         };
         while d.pacer().step_seconds().is_none() {
             tokio::time::sleep(std::time::Duration::from_millis(1)).await;
         }
-        let s = d.session();
-        let logits = d.feed(s, prompt.clone()).await.unwrap();
-        let paced = d.chunk_tokens();
+        let mut runs = Vec::new();
+        for share in [1e6, 1e-6] {
+            d.pacer().set_share(share);
+            let (c0, s0) = (d.batch_counts().0, stepped.load(Ordering::Relaxed));
+            let s = d.session();
+            let logits = d.feed(s, prompt.clone()).await.unwrap();
+            let paced = d.chunk_tokens();
+            // Cohorts launched meanwhile less the stream's steps answered (one step may be in
+            // flight at either end): the prompt's passes, give or take one.
+            let (c1, s1) = (d.batch_counts().0, stepped.load(Ordering::Relaxed));
+            let passes = (c1 - c0).saturating_sub(s1 - s0);
+            d.close(s).await;
+            runs.push((logits, paced, passes));
+        }
         done.store(true, Ordering::Relaxed);
-        let steps = stream.await.unwrap();
-        d.close(s).await;
+        stream.await.unwrap();
         d.close(other).await;
-        (logits, paced, steps)
+        (runs, stepped.load(Ordering::Relaxed))
     });
+    // Climbing: 8, 16, 32, 64, then 128 × 3 and the last 96 tokens: 8 passes.
+    let floor = nsactor_decoding::pacer::MIN_CHUNK;
     assert_eq!(
-        paced,
-        nsactor_decoding::pacer::MIN_CHUNK,
-        "chunks paced down to the floor ({steps} steps beside)"
+        runs[0].1, 128,
+        "chunks climbed to the ceiling ({steps} steps beside)"
     );
-    assert!(steps >= 4, "the stream stepped between the chunks: {steps}");
     assert!(
-        bits(&alone) == bits(&beside),
-        "the paced chunks changed the logits"
+        (7..=9).contains(&runs[0].2),
+        "8 passes climbing: {}",
+        runs[0].2
     );
-    // The streams gone quiet: the ceiling again, after STALE (or two chunk passes).
+    // Falling: 128, 64, 32, 16, then 45 × 8: 49 passes.
+    assert_eq!(runs[1].1, floor, "chunks fell to the floor");
+    assert!(
+        (48..=50).contains(&runs[1].2),
+        "49 passes falling: {}",
+        runs[1].2
+    );
+    assert!(steps >= 8, "the stream stepped between the chunks: {steps}");
+    for (logits, _, _) in &runs {
+        assert!(
+            bits(&alone) == bits(logits),
+            "the paced chunks changed the logits"
+        );
+    }
+    // The stream stopped: the ceiling again, after STALE (or two chunk passes).
     let quiet = std::time::Instant::now();
     while d.chunk_tokens() != 128 && quiet.elapsed().as_secs() < 10 {
         std::thread::sleep(std::time::Duration::from_millis(10));

@@ -258,6 +258,7 @@ fn start_sessions(
 ) -> Result<AsyncDecoder, RuntimeError> {
     let stats = Arc::new(BatchStats::default());
     stats.pacer.set_max(chunk_tokens);
+    stats.pacer.cap(batching.max_tokens);
     let health = Arc::new(HealthCell::default());
     let batcher = rt
         .block_on(Actor::spawn(

@@ -67,12 +67,16 @@ impl Pace {
     /// Whether the decoding streams ran a step recently enough, at `now`, that a pass is
     /// judged against it and chunks are paced.
     fn streaming(&self, now: Instant) -> Option<f64> {
-        let (step, at) = self.step?;
+        let (step, _) = self.step?;
+        (self.share > 0.0 && self.streams >= self.prompts && self.recent(now)).then_some(step)
+    }
+
+    /// Whether the last decoding step ended at most [`STALE`] (or two chunk passes) before
+    /// `now`.
+    fn recent(&self, now: Instant) -> bool {
         let within = STALE.as_secs_f64().max(2.0 * self.pass);
-        (self.share > 0.0
-            && self.streams >= self.prompts
-            && now.saturating_duration_since(at).as_secs_f64() <= within)
-            .then_some(step)
+        self.step
+            .is_some_and(|(_, at)| now.saturating_duration_since(at).as_secs_f64() <= within)
     }
 }
 
@@ -164,12 +168,7 @@ impl ChunkPacer {
         if len == 1 {
             // After a quiet spell the streams are new: their mean starts again, and so do the
             // chunks, from the floor.
-            let quiet = p.step.is_none_or(|(_, at)| {
-                now.checked_sub(took)
-                    .unwrap_or(now)
-                    .saturating_duration_since(at)
-                    > STALE
-            });
+            let quiet = !p.recent(now.checked_sub(took).unwrap_or(now));
             let mean = match p.step {
                 Some((s, _)) if !quiet => 0.8 * s + 0.2 * t,
                 _ => t,

@@ -443,3 +443,16 @@ async fn decoding_failed(decoder: &AsyncDecoder) -> String {
         Err(_) => "the decoder stopped".into(),
     }
 }
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn a_chunk_share_is_a_finite_number_at_least_zero() {
+        assert_eq!(super::share("0.75"), Ok(0.75));
+        assert_eq!(super::share("0"), Ok(0.0));
+        for bad in ["-0.1", "nan", "inf", "abc", ""] {
+            let e = super::share(bad).unwrap_err();
+            assert!(e.contains("is not a share ≥ 0"), "{bad}: {e}");
+        }
+    }
+}

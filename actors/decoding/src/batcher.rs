@@ -359,7 +359,6 @@ impl BatcherState {
             let saves = keeps.saves();
             // The pass's own time, from when it holds the devices (not its wait for a state
             // op), for the chunk pacer.
-            let ran = std::sync::Mutex::new(None);
             let run = crate::order::pass(async {
                 let t = Instant::now();
                 let r = run_cohort(
@@ -372,24 +371,24 @@ impl BatcherState {
                     &stats.phases,
                 )
                 .await;
-                *ran.lock().unwrap_or_else(|e| e.into_inner()) = Some(t.elapsed());
-                r
+                (r, Some(t.elapsed()))
             });
-            let answers = AssertUnwindSafe(run)
+            let (answers, ran) = AssertUnwindSafe(run)
                 .catch_unwind()
                 .await
                 .unwrap_or_else(|p| {
-                    Err(RuntimeError::Broken(format!(
-                        "a cohort's task panicked: {}",
-                        nsactor_pipeline::worker::panic_message(&*p)
-                    )))
+                    let why = nsactor_pipeline::worker::panic_message(&*p);
+                    let e = RuntimeError::Broken(format!("a cohort's task panicked: {why}"));
+                    (Err(e), None)
                 });
             let answers = keeps.answer(&children, answers);
             add_ns(&stats.phases.cohort_ns, start);
-            // Passes that also kept snapshots took longer than their tokens: they teach the
-            // pacer nothing.
-            let ran = ran.into_inner().unwrap_or_else(|e| e.into_inner());
-            if let (true, false, true, Some(took)) = (answers.is_ok(), every, saves.is_empty(), ran)
+            // Scoring passes, and passes that also kept snapshots (longer than their tokens),
+            // teach the pacer nothing.
+            if let Some(took) = ran
+                && answers.is_ok()
+                && !every
+                && saves.is_empty()
             {
                 stats.pacer.observe(len, real, took);
             }

@@ -64,6 +64,11 @@ struct Pace {
 }
 
 impl Pace {
+    /// The shortest chunk: [`MIN_CHUNK`], or the ceiling where that is less.
+    fn floor(&self) -> usize {
+        MIN_CHUNK.min(self.max)
+    }
+
     /// Whether the decoding streams ran a step recently enough, at `now`, that a pass is
     /// judged against it and chunks are paced.
     fn streaming(&self, now: Instant) -> Option<f64> {
@@ -112,7 +117,7 @@ impl ChunkPacer {
     pub fn set_max(&self, max: usize) {
         let mut p = self.lock();
         p.max = max.max(1);
-        p.chunk = MIN_CHUNK.min(p.max);
+        p.chunk = p.floor();
     }
 
     /// Chunks of at most `limit` tokens (a pass's budget), whatever the ceiling asked: a chunk
@@ -164,17 +169,18 @@ impl ChunkPacer {
 
     fn observe_at(&self, len: usize, sessions: usize, took: Duration, now: Instant) {
         let t = took.as_secs_f64();
+        let began = now.checked_sub(took).unwrap_or(now);
         let mut p = self.lock();
         if len == 1 {
             // After a quiet spell the streams are new: their mean starts again, and so do the
             // chunks, from the floor.
-            let quiet = !p.recent(now.checked_sub(took).unwrap_or(now));
+            let quiet = !p.recent(began);
             let mean = match p.step {
                 Some((s, _)) if !quiet => 0.8 * s + 0.2 * t,
                 _ => t,
             };
             if quiet {
-                p.chunk = MIN_CHUNK.min(p.max);
+                p.chunk = p.floor();
             }
             p.step = Some((mean, now));
             p.streams = sessions;
@@ -191,13 +197,12 @@ impl ChunkPacer {
         if len != p.chunk {
             return;
         }
-        let Some(step) = p.streaming(now.checked_sub(took).unwrap_or(now)) else {
+        let Some(step) = p.streaming(began) else {
             return;
         };
         p.pass = t;
         let target = p.share * step;
-        let before = p.chunk;
-        let floor = MIN_CHUNK.min(p.max);
+        let (before, floor) = (p.chunk, p.floor());
         if t > target && p.chunk > floor {
             p.chunk = below(p.chunk).max(floor);
         } else if 2.0 * t <= target && p.chunk < p.max {

@@ -13,31 +13,46 @@ pub fn request(n: usize) -> serde_json::Value {
         "logprobs": 1, "cache_prompt": false})
 }
 
-/// The long prompt sent alone (nothing else open: passes of the whole budget): its tokens and
-/// log-probabilities, as JSON text.
-async fn alone(addr: std::net::SocketAddr, n: usize) -> CliResult<(Vec<i64>, Vec<String>)> {
+/// A WebSocket generation's tokens and their log-probabilities (each entry as the server's
+/// JSON), gathered from its `delta` events.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Generated {
+    pub ids: Vec<i64>,
+    pub logprobs: Vec<String>,
+}
+
+impl Generated {
+    /// Takes a `delta` event's tokens and log-probabilities; how many tokens it carried.
+    pub fn take(&mut self, delta: &serde_json::Value) -> usize {
+        let ids = delta["token_ids"].as_array().map_or(&[][..], Vec::as_slice);
+        self.ids.extend(ids.iter().filter_map(|t| t.as_i64()));
+        if let Some(l) = delta["logprobs"].as_array() {
+            self.logprobs.extend(l.iter().map(|x| x.to_string()));
+        }
+        ids.len()
+    }
+}
+
+/// The long prompt sent alone (nothing else open: passes of the whole budget).
+async fn alone(addr: std::net::SocketAddr, n: usize) -> CliResult<Generated> {
     use futures_util::{SinkExt, StreamExt};
     use tokio_tungstenite::tungstenite::Message;
     let (mut ws, _) = tokio_tungstenite::connect_async(format!("ws://{addr}/ws")).await?;
     ws.send(Message::Text(request(n).to_string().into()))
         .await?;
-    let (mut ids, mut logprobs) = (Vec::new(), Vec::new());
+    let mut got = Generated::default();
     while let Some(m) = ws.next().await {
         let Ok(Message::Text(t)) = m else { continue };
         let v: serde_json::Value = serde_json::from_str(&t)?;
         match v["type"].as_str() {
             Some("delta") => {
-                let got = v["token_ids"].as_array().cloned().unwrap_or_default();
-                ids.extend(got.iter().filter_map(|t| t.as_i64()));
-                if let Some(l) = v["logprobs"].as_array() {
-                    logprobs.extend(l.iter().map(|x| x.to_string()));
-                }
+                got.take(&v);
             }
             Some("done") => break,
             _ => return Err(format!("server: {v}").into()),
         }
     }
-    Ok((ids, logprobs))
+    Ok(got)
 }
 
 /// Sends the `n`-token prompt again with nothing else running and fails unless it gets what
@@ -50,21 +65,22 @@ pub async fn check_alone(
     beside: &LongPrompt,
     label: &str,
 ) -> CliResult {
-    let (ids, logprobs) = alone(addr, n).await?;
-    let same = (&beside.ids, &beside.logprobs) == (&ids, &logprobs);
+    let got = alone(addr, n).await?;
+    let same = beside.got == got;
     println!(
-        "{label:>18} the same prompt alone: {} tokens {ids:?}, {})",
-        ids.len(),
+        "{label:>18} the same prompt alone: {} tokens {:?}, {})",
+        got.ids.len(),
+        got.ids,
         if same {
             "the same tokens and log-probabilities bit for bit as beside the streams"
         } else {
             "DIFFERENT from beside the streams"
         }
     );
-    if !same || beside.logprobs.is_empty() {
+    if !same || beside.got.logprobs.is_empty() {
         return Err(format!(
-            "the long prompt beside the streams gave {:?} {:?}, alone {ids:?} {logprobs:?}",
-            beside.ids, beside.logprobs
+            "the long prompt beside the streams gave {:?}, alone {got:?}",
+            beside.got
         )
         .into());
     }

@@ -91,8 +91,8 @@ pub async fn serve_load_with(
                 };
                 let sent = Instant::now();
                 ws.send(Message::Text(req.to_string().into())).await?;
-                let (mut ttft, mut gaps, mut ids) = (None, Vec::new(), Vec::new());
-                let mut logprobs = Vec::new();
+                let (mut ttft, mut gaps) = (None, Vec::new());
+                let mut got = super::long::Generated::default();
                 let mut last = sent;
                 while let Some(m) = ws.next().await {
                     let Ok(Message::Text(t)) = m else { continue };
@@ -100,17 +100,12 @@ pub async fn serve_load_with(
                     match v["type"].as_str() {
                         Some("delta") => {
                             let now = Instant::now();
-                            let got = v["token_ids"].as_array().cloned().unwrap_or_default();
-                            let k = got.len().max(1);
+                            let k = got.take(&v).max(1);
                             if ttft.is_none() {
                                 ttft = Some((now - sent).as_secs_f64());
                             } else {
                                 let gap = (now - last).as_secs_f64() / k as f64;
                                 gaps.extend(std::iter::repeat_n(gap, k));
-                            }
-                            ids.extend(got.iter().filter_map(|t| t.as_i64()));
-                            if let Some(l) = v["logprobs"].as_array() {
-                                logprobs.extend(l.iter().map(|x| x.to_string()));
                             }
                             last = now;
                         }
@@ -118,7 +113,7 @@ pub async fn serve_load_with(
                         _ => return Err(format!("server: {v}").into()),
                     }
                 }
-                Ok::<_, CliError>((ttft.unwrap_or(f64::NAN), gaps, (ids, logprobs)))
+                Ok::<_, CliError>((ttft.unwrap_or(f64::NAN), gaps, got))
             })
         })
         .collect();
@@ -128,15 +123,15 @@ pub async fn serve_load_with(
     let mut texts = std::collections::HashSet::new();
     let mut long_out = None;
     for (i, c) in clients.into_iter().enumerate() {
-        let (t, g, (ids, logprobs)) = c.await??;
+        let (t, g, got) = c.await??;
         if i == sessions {
             long_out = Some(LongPrompt {
                 ttft_ms: t * 1e3,
-                ids,
-                logprobs,
+                got,
             });
             continue;
         }
+        let ids = got.ids;
         ttfts.push(t);
         gaps.extend(g);
         total += ids.len();

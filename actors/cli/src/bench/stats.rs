@@ -69,9 +69,7 @@ pub struct ServeTimings {
 #[derive(Debug, Clone)]
 pub struct LongPrompt {
     pub ttft_ms: f64,
-    pub ids: Vec<i64>,
-    /// Each generated token's log-probability entry, as the server's JSON.
-    pub logprobs: Vec<String>,
+    pub got: super::long::Generated,
 }
 
 impl ServeTimings {

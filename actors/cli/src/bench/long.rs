@@ -1,7 +1,6 @@
 //! `bench serve --long-prompt`'s long prompt: its request, and the check that the prompt cut
 //! in chunks beside decoding streams gives the numbers it gives alone, bit for bit.
 
-use super::stats::LongPrompt;
 use crate::result::CliResult;
 
 /// The long prompt's request: `n` token ids, 4 greedy tokens with their log-probabilities,
@@ -11,6 +10,13 @@ pub fn request(n: usize) -> serde_json::Value {
         "prompt": (0..n).map(|j| 5 + (j * 7919) % 1000).collect::<Vec<_>>(),
         "max_tokens": 4, "temperature": 0, "ignore_eos": true, "token_ids": true,
         "logprobs": 1, "cache_prompt": false})
+}
+
+/// What the long prompt sent beside a benchmark's clients got.
+#[derive(Debug, Clone)]
+pub struct LongPrompt {
+    pub ttft_ms: f64,
+    pub got: Generated,
 }
 
 /// A WebSocket generation's tokens and their log-probabilities (each entry as the server's

@@ -1,6 +1,7 @@
 //! `nsactor bench serve`: TTFT, inter-token latency and tokens/s through the real server on loopback.
 
-use super::stats::{LongPrompt, ServeTimings};
+use super::long::LongPrompt;
+use super::stats::ServeTimings;
 use crate::result::{CliError, CliResult};
 use nsactor_launch::launch::{self};
 use std::path::PathBuf;

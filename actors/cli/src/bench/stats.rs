@@ -62,14 +62,7 @@ pub struct ServeTimings {
     pub first_text_p50_ms: Option<f64>,
     /// The long prompt sent beside the clients, where one was
     /// ([`serve_load_with`](super::serve::serve_load_with)).
-    pub long: Option<LongPrompt>,
-}
-
-/// What the long prompt sent beside a benchmark's clients got.
-#[derive(Debug, Clone)]
-pub struct LongPrompt {
-    pub ttft_ms: f64,
-    pub got: super::long::Generated,
+    pub long: Option<super::long::LongPrompt>,
 }
 
 impl ServeTimings {

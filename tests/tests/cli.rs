@@ -55,6 +55,16 @@ fn train_on_the_embedded_default_lowers_the_loss_and_writes_weights() {
         .unwrap()
         .len();
     assert_eq!(last["export_bytes"].as_u64(), Some(weights_len));
+    // The run's weights are the final checkpoint's weights file, linked: written once.
+    {
+        use std::os::unix::fs::MetadataExt;
+        let ckpt = dir.join("checkpoints/step-00000024/model.safetensors");
+        let (run, kept) = (
+            std::fs::metadata(dir.join("model.safetensors")).unwrap(),
+            std::fs::metadata(&ckpt).unwrap(),
+        );
+        assert_eq!((run.dev(), run.ino()), (kept.dev(), kept.ino()), "{ckpt:?}");
+    }
     // Each step's own time and, within it, its wait for batches.
     for v in &steps {
         let (step_s, wait_s) = (

@@ -1,12 +1,17 @@
-//! Checkpoints on disk: one safetensors shard per stage (parameters and optimizer state) and a JSON
-//! manifest (step, data cursor, config, tokenizer hash, a sha256 per shard).
+//! Checkpoints on disk: every stage's parameters in one whole-model weights file, one safetensors
+//! shard per stage with its optimizer state, and a JSON manifest (step, data cursor, config,
+//! tokenizer hash, a sha256 per shard and per stage's parameters).
 //!
-//! Layout: `<root>/step-<step:08>/{edge,layer-000,…}.safetensors` + `manifest.json`. Shards are
-//! written in parallel ([`crate::stream`]), each atomically (temporary file, fsync, rename) and
-//! hashed as it is written; the manifest is written last, so a directory without a valid manifest
-//! is an unfinished checkpoint. After a write, only the newest `keep` checkpoints (by step number)
-//! stay. Reading verifies every checksum.
+//! Layout (format 2): `<root>/step-<step:08>/model.safetensors`,
+//! `{edge,layer-000,…}.safetensors` + `manifest.json`. The weights file is the one a run exports:
+//! the run's final weights are that file linked, not written again ([`crate::split`]). Format 1
+//! (each shard a stage's parameters and optimizer state, no weights file) is still read. Files
+//! are written in parallel ([`crate::stream`]), each atomically (temporary file, fsync, rename)
+//! and hashed as it is written; the manifest is written last, so a directory without a valid
+//! manifest is an unfinished checkpoint. After a write, only the newest `keep` checkpoints (by
+//! step number) stay. Reading verifies every checksum.
 
+pub use crate::split::WeightsEntry;
 pub use crate::stream::{ShardEntry, sha256, shard_file};
 use nsactor_data::{Cursor, Tokenizer};
 use nsactor_engine::config::RunConfig;
@@ -15,7 +20,10 @@ use serde::{Deserialize, Serialize};
 use std::path::{Path, PathBuf};
 
 pub const MANIFEST: &str = "manifest.json";
-const FORMAT: &str = "nsactor-checkpoint/1";
+/// The format written.
+const FORMAT: &str = "nsactor-checkpoint/2";
+/// The format before the weights file (still read).
+const FORMAT_1: &str = "nsactor-checkpoint/1";
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -34,6 +42,9 @@ pub struct CheckpointManifest {
     pub tokenizer_sha256: Option<String>,
     /// Stage shards in stage order: the edge, then layers 0, 1, ….
     pub shards: Vec<ShardEntry>,
+    /// Format 2: the weights file holding every stage's parameters.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub weights: Option<WeightsEntry>,
 }
 
 impl CheckpointManifest {
@@ -97,9 +108,15 @@ pub fn write_with(
         &|b: &Vec<u8>| Ok(b.as_slice()),
         crate::stream::ReadAhead::BESIDE,
         None,
-        None,
     )?;
-    seal(root, &dir, meta, written.entries, keep, before_manifest)?;
+    seal(
+        root,
+        &dir,
+        meta,
+        (written.entries, written.weights),
+        keep,
+        before_manifest,
+    )?;
     Ok(dir)
 }
 
@@ -116,16 +133,18 @@ pub fn begin(root: &Path, step: u64) -> Result<PathBuf, RuntimeError> {
     }
 }
 
-/// Finishes checkpoint `dir` (made by [`begin`], its shards written as `entries`): calls
-/// `before_manifest`, writes the manifest, then keeps the newest `keep` under `root`.
+/// Finishes checkpoint `dir` (made by [`begin`], its shards and weights file written as
+/// `files` say): calls `before_manifest`, writes the manifest, then keeps the newest `keep`
+/// under `root`.
 pub fn seal(
     root: &Path,
     dir: &Path,
     meta: &CheckpointMeta,
-    entries: Vec<ShardEntry>,
+    files: (Vec<ShardEntry>, WeightsEntry),
     keep: usize,
     before_manifest: &dyn Fn(),
 ) -> Result<(), RuntimeError> {
+    let (entries, weights) = files;
     let manifest = CheckpointManifest {
         format: FORMAT.into(),
         step: meta.step,
@@ -134,6 +153,7 @@ pub fn seal(
         config: meta.config.clone(),
         tokenizer_sha256: meta.tokenizer_sha256.clone(),
         shards: entries,
+        weights: Some(weights),
     };
     before_manifest();
     let text = serde_json::to_vec_pretty(&manifest).expect("a manifest serialises");
@@ -170,24 +190,56 @@ fn prune(root: &Path, keep: usize) {
     }
 }
 
-/// Reads and verifies checkpoint `dir`: its manifest and every shard's size and checksum.
+/// Reads and verifies checkpoint `dir`: its manifest and every shard's size and checksum (and,
+/// format 2, every stage's parameters in the weights file). Returns each stage's bytes as the
+/// stage gave them.
 pub fn read(dir: &Path) -> Result<(CheckpointManifest, Vec<Vec<u8>>), RuntimeError> {
     let path = dir.join(MANIFEST);
     let text = std::fs::read(&path).map_err(|e| RuntimeError::CheckpointIo(path.clone(), e))?;
     let m: CheckpointManifest = serde_json::from_slice(&text)
         .map_err(|e| RuntimeError::Checkpoint(path.clone(), format!("unreadable manifest: {e}")))?;
-    if m.format != FORMAT {
-        return Err(RuntimeError::Checkpoint(
-            path,
-            format!("format `{}`, this nsactor reads `{FORMAT}`", m.format),
-        ));
-    }
-    // Shards are read and hashed in parallel.
+    let weights = match (m.format.as_str(), &m.weights) {
+        (FORMAT_1, None) => None,
+        (FORMAT, Some(w)) => Some((dir.join(&w.file), map_weights(&dir.join(&w.file), w.bytes)?)),
+        (FORMAT | FORMAT_1, w) => {
+            let (has, wants) = match w {
+                Some(_) => ("names", "has none"),
+                None => ("names no", "has one"),
+            };
+            return Err(RuntimeError::Checkpoint(
+                path,
+                format!(
+                    "format `{}` {has} weights file (the format {wants})",
+                    m.format
+                ),
+            ));
+        }
+        _ => {
+            return Err(RuntimeError::Checkpoint(
+                path,
+                format!(
+                    "format `{}`, this nsactor reads `{FORMAT}` and `{FORMAT_1}`",
+                    m.format
+                ),
+            ));
+        }
+    };
+    let view = match &weights {
+        Some((p, map)) => Some((
+            p,
+            safetensors::SafeTensors::deserialize(map).map_err(|e| {
+                RuntimeError::Checkpoint(p.clone(), format!("unreadable weights file: {e}"))
+            })?,
+        )),
+        None => None,
+    };
+    // Shards are read, hashed and put together with their parameters in parallel.
     let shards = std::thread::scope(|scope| {
         let jobs: Vec<_> = m
             .shards
             .iter()
             .map(|s| {
+                let (view, format) = (view.as_ref(), m.format.as_str());
                 scope.spawn(move || {
                     let p = dir.join(&s.file);
                     let bytes =
@@ -208,7 +260,20 @@ pub fn read(dir: &Path) -> Result<(CheckpointManifest, Vec<Vec<u8>>), RuntimeErr
                             "checksum mismatch: the shard is corrupt".into(),
                         ));
                     }
-                    Ok(bytes)
+                    match (view, &s.params) {
+                        (None, None) => Ok(bytes),
+                        (Some((wp, w)), Some(params)) => crate::split::rebuild(w, &bytes, params)
+                            .map_err(|e| {
+                                RuntimeError::Checkpoint(
+                                    (*wp).clone(),
+                                    format!("the parameters of {}: {e}", s.file),
+                                )
+                            }),
+                        _ => Err(RuntimeError::Checkpoint(
+                            p,
+                            format!("the manifest's entry does not fit format `{format}`"),
+                        )),
+                    }
                 })
             })
             .collect();
@@ -217,6 +282,26 @@ pub fn read(dir: &Path) -> Result<(CheckpointManifest, Vec<Vec<u8>>), RuntimeErr
             .collect::<Result<Vec<_>, _>>()
     })?;
     Ok((m, shards))
+}
+
+/// The weights file at `path`, mapped, after checking its size against the manifest's.
+fn map_weights(path: &Path, bytes: u64) -> Result<memmap2::Mmap, RuntimeError> {
+    let f = std::fs::File::open(path).map_err(|e| RuntimeError::CheckpointIo(path.into(), e))?;
+    let len = f
+        .metadata()
+        .map_err(|e| RuntimeError::CheckpointIo(path.into(), e))?
+        .len();
+    if len != bytes {
+        return Err(RuntimeError::Checkpoint(
+            path.into(),
+            format!("{len} bytes, the manifest says {bytes} (truncated?)"),
+        ));
+    }
+    // SAFETY: the checkpoint's files are written once, atomically, and never modified in
+    // place; a file changed by another program while mapped is outside what a reader can
+    // guard against (every safetensors loader maps its file the same way). Every stage's
+    // parameters are checked against their sha256 before use.
+    unsafe { memmap2::Mmap::map(&f) }.map_err(|e| RuntimeError::CheckpointIo(path.into(), e))
 }
 
 /// A checkpoint read back and verified.
@@ -307,10 +392,37 @@ mod tests {
         }
     }
 
+    /// Three stages' bytes as a stage gives them: parameters, Adam moments, metadata.
+    fn stages() -> Vec<Vec<u8>> {
+        (1..=3u8)
+            .map(|tag| {
+                let data = vec![tag; 40 * tag as usize];
+                let view = || {
+                    safetensors::tensor::TensorView::new(
+                        safetensors::Dtype::F32,
+                        vec![10 * tag as usize],
+                        &data,
+                    )
+                    .unwrap()
+                };
+                let meta = [("nsactor".to_string(), format!("{{\"stage\":{tag}}}"))];
+                safetensors::serialize(
+                    [
+                        (format!("layers.{tag}.w"), view()),
+                        (format!("layers.{tag}.b"), view()),
+                        (format!("adam.layers.{tag}.w.m"), view()),
+                    ],
+                    Some(meta.into_iter().collect()),
+                )
+                .unwrap()
+            })
+            .collect()
+    }
+
     #[test]
     fn writes_verifies_prunes_and_skips_damaged_checkpoints() {
         let root = tempfile::tempdir().unwrap();
-        let shards = vec![vec![1u8; 100], vec![2u8; 50], vec![3u8; 70]];
+        let shards = stages();
         for step in [2, 4, 6] {
             write(root.path(), &meta(step), &shards, 2).unwrap();
         }
@@ -340,5 +452,74 @@ mod tests {
         std::fs::write(dir4.join(MANIFEST), &text[..text.len() / 2]).unwrap();
         let (_, skipped) = latest_valid(root.path());
         assert!(skipped[1].contains("unreadable manifest"), "{skipped:?}");
+    }
+
+    /// Format 2's weights file is verified too: a flipped parameter byte, a truncated file,
+    /// a missing one are each refused with the file named.
+    #[test]
+    fn a_damaged_weights_file_is_refused_with_its_name() {
+        let root = tempfile::tempdir().unwrap();
+        let shards = stages();
+        let dir = write(root.path(), &meta(3), &shards, 0).unwrap();
+        let weights = dir.join(crate::split::WEIGHTS_FILE);
+        let good = std::fs::read(&weights).unwrap();
+        let mut flipped = good.clone();
+        let last = flipped.len() - 1;
+        flipped[last] ^= 0x40;
+        std::fs::write(&weights, &flipped).unwrap();
+        let err = read(&dir).unwrap_err().to_string();
+        assert!(
+            err.contains("model.safetensors") && err.contains("corrupt"),
+            "{err}"
+        );
+        std::fs::write(&weights, &good[..good.len() - 4]).unwrap();
+        let err = read(&dir).unwrap_err().to_string();
+        assert!(err.contains("truncated"), "{err}");
+        std::fs::remove_file(&weights).unwrap();
+        let err = read(&dir).unwrap_err().to_string();
+        assert!(err.contains("model.safetensors"), "{err}");
+        std::fs::write(&weights, &good).unwrap();
+        assert_eq!(read(&dir).unwrap().1, shards);
+    }
+
+    /// A format-1 checkpoint (each shard a stage's whole bytes, no weights file) still reads;
+    /// an unknown format is refused naming both that are read.
+    #[test]
+    fn format_one_checkpoints_still_read() {
+        let root = tempfile::tempdir().unwrap();
+        let shards = stages();
+        let dir = begin(root.path(), 5).unwrap();
+        let entries = shards
+            .iter()
+            .enumerate()
+            .map(|(i, b)| {
+                std::fs::write(dir.join(shard_file(i)), b).unwrap();
+                ShardEntry {
+                    file: shard_file(i),
+                    bytes: b.len() as u64,
+                    sha256: sha256(b),
+                    params: None,
+                }
+            })
+            .collect();
+        let mut m = CheckpointManifest {
+            format: FORMAT_1.into(),
+            step: 5,
+            data_cursor: None,
+            seed: 1,
+            config: String::new(),
+            tokenizer_sha256: None,
+            shards: entries,
+            weights: None,
+        };
+        std::fs::write(dir.join(MANIFEST), serde_json::to_vec(&m).unwrap()).unwrap();
+        assert_eq!(read(&dir).unwrap().1, shards);
+        m.format = "nsactor-checkpoint/9".into();
+        std::fs::write(dir.join(MANIFEST), serde_json::to_vec(&m).unwrap()).unwrap();
+        let err = read(&dir).unwrap_err().to_string();
+        assert!(
+            err.contains("/9") && err.contains("/1") && err.contains("/2"),
+            "{err}"
+        );
     }
 }

@@ -14,6 +14,7 @@
 
 use crate::ahead::Flow;
 pub use crate::ahead::{READERS, ReadAhead};
+use crate::split::{StageParams, WEIGHTS_FILE, WeightsEntry};
 use nsactor_engine::error::RuntimeError;
 use nsactor_plugin_api::files::write_atomic_with;
 use sha2::{Digest, Sha256};
@@ -54,13 +55,16 @@ fn reader() -> &'static rayon::ThreadPool {
     })
 }
 
-/// One shard as the manifest records it: its file name, size and sha256.
+/// One shard as the manifest records it: its file name, size and sha256, and (format 2) the
+/// stage's parameters, which are in the checkpoint's weights file ([`crate::split`]).
 #[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ShardEntry {
     pub file: String,
     pub bytes: u64,
     pub sha256: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub params: Option<StageParams>,
 }
 
 /// The sha256 of `bytes`, in lowercase hex.
@@ -91,8 +95,8 @@ pub struct Written {
     pub entries: Vec<ShardEntry>,
     /// Time the stages spent being read (device copies and serialising), summed over stages.
     pub read_seconds: f64,
-    /// Bytes of the merged weights file, when one was asked for.
-    pub export_bytes: Option<u64>,
+    /// The checkpoint's weights file (every stage's parameters).
+    pub weights: WeightsEntry,
 }
 
 /// Writes `bytes` atomically to `path` and returns their sha256, hashing each piece as it is
@@ -118,22 +122,22 @@ pub fn workers(n: usize) -> usize {
 }
 
 /// Reads every source with `read` on [`reader`]'s threads (`ahead.readers` at once, taking the
-/// stages in order) and writes each as shard `i` in `dir` on up to [`MAX_WORKERS`] writer
-/// threads, returning the entries for the manifest. Reading and writing are apart: a writer
-/// never waits for a read of its own, so the disk sees every writer busy while the readers go
-/// on (when each worker read its next stage itself, the reads stalled a writer each and
-/// contended with each other: 8.2 s for a 0.9B checkpoint on a disk that takes it in 5.0 s).
-/// The readers stay two stages, or `ahead.bytes`, ahead of the writers ([`ReadAhead`]). With
-/// `export`, the stages' parameters also go into that one whole-model file as they are read
-/// ([`crate::streamed::write_streamed`]). The first failure stops the readers and the writers
-/// from taking further stages and is returned (a failed export too). `reads_done` hears once
-/// every stage has been read (it is dropped unheard when the reading stopped early).
+/// stages in order) and writes each stage's optimizer state as shard `i` in `dir` on up to
+/// [`MAX_WORKERS`] writer threads, returning the entries for the manifest. Reading and writing
+/// are apart: a writer never waits for a read of its own, so the disk sees every writer busy
+/// while the readers go on (when each worker read its next stage itself, the reads stalled a
+/// writer each and contended with each other: 8.2 s for a 0.9B checkpoint on a disk that takes
+/// it in 5.0 s). The readers stay two stages, or `ahead.bytes`, ahead of the writers
+/// ([`ReadAhead`]). The stages' parameters go into the checkpoint's one weights file
+/// ([`WEIGHTS_FILE`]) as they are read ([`crate::streamed::write_streamed`], format 2:
+/// [`crate::split`]). The first failure stops the readers and the writers from taking further
+/// stages and is returned. `reads_done` hears once every stage has been read (it is dropped
+/// unheard when the reading stopped early).
 pub fn write_stages<S, B>(
     dir: &Path,
     sources: Vec<S>,
     read: &(dyn Fn(S) -> Result<B, RuntimeError> + Sync),
     ahead: ReadAhead,
-    export: Option<&Path>,
     reads_done: Option<mpsc::Sender<()>>,
 ) -> Result<Written, RuntimeError>
 where
@@ -147,13 +151,12 @@ where
     let (to_export, exported) = mpsc::channel::<(usize, Arc<B>)>();
     let sources = Mutex::new(sources.into_iter().enumerate());
     std::thread::scope(|scope| {
-        let exporter = export.map(|path| {
-            scope.spawn(move || {
-                lower_priority();
-                export_from(path, n, exported)
-            })
+        let weights = dir.join(WEIGHTS_FILE);
+        let exporter = scope.spawn(move || {
+            lower_priority();
+            export_from(&weights, n, exported)
         });
-        let to_export = export.is_some().then_some(to_export);
+        let to_export = Some(to_export);
         let (flow, sources) = (&flow, &sources);
         let reading = scope.spawn(move || {
             let first_err = Mutex::new(None);
@@ -237,37 +240,48 @@ where
                 }
             }
         }
-        let export_bytes = match exporter.map(|h| h.join().expect("the exporter does not panic")) {
-            Some(Ok(b)) => b,
-            Some(Err(e)) => {
+        let weights_bytes = match exporter.join().expect("the exporter does not panic") {
+            Ok(b) => b,
+            Err(e) => {
                 first_err.get_or_insert(e);
                 None
             }
-            None => None,
         };
         if let Some(e) = first_err {
             return Err(e);
         }
+        let Some(bytes) = weights_bytes else {
+            return Err(RuntimeError::Runtime(
+                "the weights file was given up with every stage read".into(),
+            ));
+        };
         Ok(Written {
             entries: entries
                 .into_iter()
                 .map(|e| e.expect("every stage was written"))
                 .collect(),
             read_seconds: read.as_secs_f64(),
-            export_bytes,
+            weights: WeightsEntry {
+                file: WEIGHTS_FILE.into(),
+                bytes,
+            },
         })
     })
 }
 
-/// Writes stage `i`'s shard in `dir` and returns its manifest entry.
-fn write_one(dir: &Path, i: usize, data: &[u8]) -> Result<ShardEntry, RuntimeError> {
+/// Writes stage `i`'s shard in `dir` (its optimizer state; its parameters go to the weights
+/// file) and returns its manifest entry.
+fn write_one(dir: &Path, i: usize, stage: &[u8]) -> Result<ShardEntry, RuntimeError> {
     let file = shard_file(i);
     let path = dir.join(&file);
-    let sha256 = write_hashed(&path, data).map_err(|e| RuntimeError::CheckpointIo(path, e))?;
+    let (data, params) = crate::split::optimizer_part(stage)
+        .map_err(|e| RuntimeError::Checkpoint(path.clone(), format!("stage {i}: {e}")))?;
+    let sha256 = write_hashed(&path, &data).map_err(|e| RuntimeError::CheckpointIo(path, e))?;
     Ok(ShardEntry {
         file,
         bytes: data.len() as u64,
         sha256,
+        params: Some(params),
     })
 }
 
@@ -358,20 +372,20 @@ mod tests {
                 shards.clone(),
                 &|b: Vec<u8>| Ok(b),
                 ahead,
-                Some(&export),
                 Some(done_tx),
             )
             .unwrap();
             assert_eq!(done_rx.try_recv(), Ok(()), "every stage was read");
+            let merged = std::fs::read(&export).unwrap();
+            assert_eq!(w.weights.bytes, merged.len() as u64);
+            let st = safetensors::SafeTensors::deserialize(&merged).unwrap();
             for (i, (e, s)) in w.entries.iter().zip(&shards).enumerate() {
                 assert_eq!(e.file, shard_file(i));
-                assert_eq!(e.bytes, s.len() as u64);
-                assert_eq!(e.sha256, sha256(s));
-                assert_eq!(&std::fs::read(dir.path().join(&e.file)).unwrap(), s);
+                let file = std::fs::read(dir.path().join(&e.file)).unwrap();
+                assert_eq!((e.bytes, &e.sha256), (file.len() as u64, &sha256(&file)));
+                let params = e.params.as_ref().unwrap();
+                assert_eq!(&crate::split::rebuild(&st, &file, params).unwrap(), s);
             }
-            let merged = std::fs::read(&export).unwrap();
-            assert_eq!(w.export_bytes, Some(merged.len() as u64));
-            let st = safetensors::SafeTensors::deserialize(&merged).unwrap();
             assert_eq!(st.len(), 11, "the optimizer's tensors are left out");
             let whole = crate::weights::merge_params(&shards).unwrap();
             let whole = safetensors::SafeTensors::deserialize(&whole).unwrap();
@@ -399,7 +413,6 @@ mod tests {
                     Ok(b)
                 },
                 ahead,
-                Some(&path),
                 None,
             )
             .unwrap();
@@ -430,7 +443,6 @@ mod tests {
                 }
             },
             ReadAhead::alone(),
-            Some(&export),
             Some(done_tx),
         )
         .unwrap_err();
@@ -458,7 +470,6 @@ mod tests {
             },
             ReadAhead::BESIDE,
             None,
-            None,
         )
         .unwrap_err();
         assert!(err.to_string().contains(".safetensors"), "{err}");
@@ -478,7 +489,6 @@ mod tests {
             vec![shard(1, 4)],
             &|b: Vec<u8>| Ok(b),
             ReadAhead::BESIDE,
-            None,
             None,
         )
         .unwrap_err();

@@ -12,7 +12,7 @@
 //! thousand tensors) is written the whole-file way from the stages held.
 
 use crate::weights::{
-    MergedParams, OPTIMIZER_PREFIX, WRITE_PIECE, WRITERS, write_at_parallel, write_atomic_with,
+    OPTIMIZER_PREFIX, WRITE_PIECE, WRITERS, write_at_parallel, write_atomic_with,
 };
 use nsactor_engine::error::RuntimeError;
 use safetensors::SafeTensors;
@@ -22,106 +22,105 @@ use std::path::Path;
 /// Bytes kept for the header before the data: room for ~10,000 tensors' entries.
 pub const RESERVED: usize = 1 << 20;
 
-/// Why the streamed file was given up (its temporary file removed, nothing renamed).
+/// Why the streamed file was given up (its temporary file removed, nothing renamed): fewer
+/// stages came than asked for (their reading failed).
 #[derive(Debug, Clone, Copy, PartialEq)]
-enum Abandoned {
-    /// Fewer stages came than asked for: their reading failed.
-    Incomplete,
-    /// The header is longer than [`RESERVED`].
-    HeaderTooLong,
-}
+struct Incomplete;
 
-impl std::fmt::Display for Abandoned {
+impl std::fmt::Display for Incomplete {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(match self {
-            Abandoned::Incomplete => "the stages stopped coming",
-            Abandoned::HeaderTooLong => "the header outgrew its reserved place",
-        })
+        f.write_str("the stages stopped coming")
     }
 }
 
-impl std::error::Error for Abandoned {}
+impl std::error::Error for Incomplete {}
 
 /// Writes the parameters of the `n` stages `stages` yields, in that order, as one safetensors
 /// file at `path` (atomically), each stage's as it arrives; the file's size in bytes, or
-/// `None` (and no file) when fewer than `n` came (their reading failed). Every stage's bytes
-/// are kept until the end for the rare header that does not fit [`RESERVED`].
+/// `None` (and no file) when fewer than `n` came (their reading failed). No stage is kept once
+/// written: a header that outgrows its place moves the data after it ([`shift`]).
 pub fn write_streamed<B: AsRef<[u8]>>(
     path: &Path,
     n: usize,
     stages: impl Iterator<Item = B>,
 ) -> Result<Option<u64>, RuntimeError> {
     let io = |e: std::io::Error| RuntimeError::Io(path.to_path_buf(), e);
-    let mut held = Vec::new();
     let written = write_atomic_with(path, |f| {
-        let (mut infos, mut names, mut end) = (Vec::new(), std::collections::HashSet::new(), 0);
+        let (mut infos, mut names, mut end, mut came) =
+            (Vec::new(), std::collections::HashSet::new(), 0, 0);
         for (i, b) in stages.enumerate() {
-            {
-                let st = SafeTensors::deserialize(b.as_ref())
-                    .map_err(|e| invalid(format!("stage shard {i}: {e}")))?;
-                let mut tensors: Vec<_> = st
-                    .tensors()
-                    .into_iter()
-                    .filter(|(name, _)| !name.starts_with(OPTIMIZER_PREFIX))
-                    .collect();
-                tensors.sort_by(|a, b| a.0.cmp(&b.0));
-                let mut pieces = Vec::with_capacity(tensors.len());
-                for (name, view) in tensors {
-                    if !names.insert(name.clone()) {
-                        return Err(invalid(format!(
-                            "tensor `{name}` appears in two stage shards"
-                        )));
-                    }
-                    let data = view.data();
-                    let info = TensorInfo {
-                        dtype: view.dtype(),
-                        shape: view.shape().to_vec(),
-                        data_offsets: (end, end + data.len()),
-                    };
-                    infos.push((name, info));
-                    pieces.push(((8 + RESERVED + end) as u64, data));
-                    end += data.len();
+            let st = SafeTensors::deserialize(b.as_ref())
+                .map_err(|e| invalid(format!("stage shard {i}: {e}")))?;
+            let mut tensors: Vec<_> = st
+                .tensors()
+                .into_iter()
+                .filter(|(name, _)| !name.starts_with(OPTIMIZER_PREFIX))
+                .collect();
+            tensors.sort_by(|a, b| a.0.cmp(&b.0));
+            let mut pieces = Vec::with_capacity(tensors.len());
+            for (name, view) in tensors {
+                if !names.insert(name.clone()) {
+                    return Err(invalid(format!(
+                        "tensor `{name}` appears in two stage shards"
+                    )));
                 }
-                write_at_parallel(f, pieces, WRITERS, WRITE_PIECE)?;
+                let data = view.data();
+                let info = TensorInfo {
+                    dtype: view.dtype(),
+                    shape: view.shape().to_vec(),
+                    data_offsets: (end, end + data.len()),
+                };
+                infos.push((name, info));
+                pieces.push(((8 + RESERVED + end) as u64, data));
+                end += data.len();
             }
-            held.push(b);
+            write_at_parallel(f, pieces, WRITERS, WRITE_PIECE)?;
+            came += 1;
         }
-        if held.len() < n {
-            return Err(std::io::Error::other(Abandoned::Incomplete));
+        if came < n {
+            return Err(std::io::Error::other(Incomplete));
         }
         let metadata = Metadata::new(None, infos).map_err(|e| invalid(e.to_string()))?;
         let mut json = serde_json::to_vec(&metadata).map_err(|e| invalid(e.to_string()))?;
-        if json.len() > RESERVED {
-            return Err(std::io::Error::other(Abandoned::HeaderTooLong));
+        let room = json.len().next_multiple_of(8).max(RESERVED);
+        if room > RESERVED {
+            shift(
+                f,
+                (8 + RESERVED) as u64,
+                end as u64,
+                (room - RESERVED) as u64,
+            )?;
         }
-        json.resize(RESERVED, b' ');
-        let mut header = (RESERVED as u64).to_le_bytes().to_vec();
+        json.resize(room, b' ');
+        let mut header = (room as u64).to_le_bytes().to_vec();
         header.extend(json);
-        let len = (8 + RESERVED + end) as u64;
+        let len = (8 + room + end) as u64;
         f.set_len(len)?;
         write_at_parallel(f, [(0u64, header.as_slice())], 1, WRITE_PIECE)?;
         Ok(len)
     });
-    let abandoned = |e: &std::io::Error| {
-        e.get_ref()
-            .and_then(|x| x.downcast_ref::<Abandoned>())
-            .copied()
-    };
     match written {
         Ok(len) => Ok(Some(len)),
-        Err(e) => match abandoned(&e) {
-            Some(Abandoned::Incomplete) => Ok(None),
-            // The by-name layout, from the stages held: its header is known before the data.
-            Some(Abandoned::HeaderTooLong) => {
-                let views: Vec<&[u8]> = held.iter().map(|b| b.as_ref()).collect();
-                let len = MergedParams::new(&views, "")?
-                    .write_file(path)
-                    .map_err(io)?;
-                Ok(Some(len))
-            }
-            None => Err(io(e)),
-        },
+        Err(e) if e.get_ref().is_some_and(|x| x.is::<Incomplete>()) => Ok(None),
+        Err(e) => Err(io(e)),
     }
+}
+
+/// Moves the `len` bytes at `from` in `f` up by `by` bytes (the data, for a header longer than
+/// its reserved place: a model of some ten thousand tensors), last piece first so nothing is
+/// overwritten before it moved.
+fn shift(f: &std::fs::File, from: u64, len: u64, by: u64) -> std::io::Result<()> {
+    use std::os::unix::fs::FileExt;
+    let mut buf = vec![0u8; WRITE_PIECE.min(len as usize).max(1)];
+    let mut left = len;
+    while left > 0 {
+        let take = (buf.len() as u64).min(left);
+        left -= take;
+        let piece = &mut buf[..take as usize];
+        f.read_exact_at(piece, from + left)?;
+        f.write_all_at(piece, from + left + by)?;
+    }
+    Ok(())
 }
 
 fn invalid(msg: String) -> std::io::Error {
@@ -173,18 +172,19 @@ mod tests {
         assert!(!path.exists(), "an incomplete set leaves no file");
     }
 
-    /// A header past [`RESERVED`] (thousands of long names) gives the by-name file instead.
+    /// A header past [`RESERVED`] (thousands of long names) gets more room: the file holds
+    /// every tensor with its bytes and safetensors reads it.
     #[test]
-    fn a_header_past_its_place_falls_back_to_the_by_name_file() {
-        let data = vec![3u8; 4];
+    fn a_header_past_its_place_moves_the_data_after_it() {
+        let data: Vec<Vec<u8>> = (0..9_000u32).map(|i| i.to_le_bytes().to_vec()).collect();
         let names: Vec<String> = (0..9_000)
             .map(|i| format!("{}{i}", "x".repeat(120)))
             .collect();
         let views: Vec<_> = names
             .iter()
-            .map(|n| {
-                let v =
-                    safetensors::tensor::TensorView::new(safetensors::Dtype::F32, vec![1], &data);
+            .zip(&data)
+            .map(|(n, d)| {
+                let v = safetensors::tensor::TensorView::new(safetensors::Dtype::F32, vec![1], d);
                 (n.clone(), v.unwrap())
             })
             .collect();
@@ -196,6 +196,18 @@ mod tests {
             .unwrap();
         let file = std::fs::read(&path).unwrap();
         assert_eq!(n, file.len() as u64);
-        assert_eq!(file, crate::weights::merge_params(&[&big]).unwrap());
+        let header = u64::from_le_bytes(file[..8].try_into().unwrap()) as usize;
+        assert!(header > RESERVED, "{header}");
+        let (got, want) = (
+            SafeTensors::deserialize(&file).unwrap(),
+            SafeTensors::deserialize(&big).unwrap(),
+        );
+        assert_eq!(got.len(), names.len());
+        for name in &names {
+            assert_eq!(
+                got.tensor(name).unwrap().data(),
+                want.tensor(name).unwrap().data()
+            );
+        }
     }
 }

@@ -6,7 +6,7 @@
 //! the next step; the next checkpoint (or a recovery, or the end of the run) first waits for
 //! the write in flight, so at most one snapshot is held besides the live stages. Both modes
 //! write the same files, stage by stage as they are read back ([`crate::stream`]); the run's
-//! last checkpoint can also write the run's merged weights from the same read.
+//! last checkpoint also gives the run its weights: the checkpoint's weights file, linked.
 
 use super::checkpoint::{self, CheckpointMeta};
 use super::stream;
@@ -20,14 +20,15 @@ use std::time::Instant;
 pub struct WriteDone {
     pub step: u64,
     pub dir: PathBuf,
-    /// Bytes of stage shards written.
+    /// Bytes of files written: the stage shards and the weights file.
     pub bytes: u64,
     /// From the snapshot being handed over to the manifest being on disk.
     pub seconds: f64,
     /// Time the stages spent being read back and serialised, summed over stages (the
     /// workers overlap them with each other and with the files).
     pub read_seconds: f64,
-    /// The merged weights written with this checkpoint, and their size.
+    /// The run's weights given with this checkpoint (its weights file linked there, or copied
+    /// where no link can be made), and their size.
     pub export: Option<(PathBuf, u64)>,
 }
 
@@ -71,8 +72,8 @@ pub struct Job {
     pub crash: bool,
     /// `enospc-in-checkpoint:STEP`: fail the first shard as a full disk would.
     pub disk_full: bool,
-    /// Also write the stages' parameters as one whole-model file here (the run's final
-    /// weights), from the same read of the stages.
+    /// Also make this path hold the checkpoint's weights file (the run's final weights): a
+    /// hard link, so the weights are written once.
     pub export: Option<PathBuf>,
     /// Hears once every stage has been read back (the device is free of the write).
     pub reads_done: Option<std::sync::mpsc::Sender<()>>,
@@ -100,15 +101,15 @@ impl Job {
             self.shards,
             &|s: Box<dyn StageSnapshot>| Ok(s.bytes()?),
             ahead,
-            self.export.as_deref(),
             self.reads_done,
         )?;
-        let bytes = written.entries.iter().map(|e| e.bytes).sum();
+        let weights = written.weights.clone();
+        let bytes = written.entries.iter().map(|e| e.bytes).sum::<u64>() + weights.bytes;
         checkpoint::seal(
             &self.root,
             &dir,
             &self.meta,
-            written.entries,
+            (written.entries, written.weights),
             self.keep,
             &|| {
                 if crash {
@@ -117,13 +118,25 @@ impl Job {
                 }
             },
         )?;
+        if let Some(to) = &self.export {
+            let from = dir.join(&weights.file);
+            let linked = crate::split::link_or_copy(&from, to)
+                .map_err(|e| RuntimeError::Io(to.clone(), e))?;
+            if !linked {
+                tracing::info!(
+                    "{} is a copy of {}: no hard link across the two file systems",
+                    to.display(),
+                    from.display()
+                );
+            }
+        }
         Ok(WriteDone {
             step: self.meta.step,
             dir,
             bytes,
             seconds: t.elapsed().as_secs_f64(),
             read_seconds: written.read_seconds,
-            export: self.export.zip(written.export_bytes),
+            export: self.export.map(|p| (p, weights.bytes)),
         })
     }
 }

@@ -13,7 +13,8 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
 }
 
 /// [`write_atomic`] with the contents written by `fill` (for files written in pieces, hashed
-/// on the way, or too large to build in memory first); returns what `fill` returned.
+/// on the way, or too large to build in memory first); returns what `fill` returned. The file
+/// `fill` gets is open for reading too (a writer may move what it wrote).
 pub fn write_atomic_with<T>(
     path: &Path,
     fill: impl FnOnce(&mut std::fs::File) -> std::io::Result<T>,
@@ -31,7 +32,12 @@ pub fn write_atomic_with<T>(
         std::process::id()
     ));
     let result = (|| {
-        let mut f = std::fs::File::create(&tmp)?;
+        let mut f = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .open(&tmp)?;
         let out = fill(&mut f)?;
         f.sync_all()?;
         std::fs::rename(&tmp, path)?;

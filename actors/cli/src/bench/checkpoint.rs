@@ -227,21 +227,22 @@ pub fn run(a: CheckpointBenchArgs) -> CliResult {
         100.0 * (worst / base_step - 1.0)
     );
 
-    // The run's end: its last checkpoint and its weights from one read.
+    // The run's end: its last checkpoint, whose weights file becomes the run's weights.
     let weights = a.dir.join("model.safetensors");
     let t = Instant::now();
     let w = pipeline.checkpoint_exporting(&root, 2, config, None, &weights)?;
     let end = t.elapsed().as_secs_f64();
     let exported = w.export.as_ref().map_or(0, |e| e.1);
     println!(
-        "final checkpoint and weights: {:.2} GB + {:.2} GB in {end:.2} s ({:.2} GB/s of files); \
-         the checkpoint alone took {:.2} s above",
+        "final checkpoint with the run's weights: {:.2} GB (of which the weights file {:.2} GB, \
+         linked as {}) in {end:.2} s ({:.2} GB/s of files); the checkpoint alone took {:.2} s above",
         w.bytes as f64 / 1e9,
         exported as f64 / 1e9,
-        gbps(w.bytes + exported, end),
+        weights.display(),
+        gbps(w.bytes, end),
         w.seconds
     );
-    let files = gbps(w.bytes + exported, end);
+    let files = gbps(w.bytes, end);
     println!(
         "checkpoint write rate {synchronous:.2} GB/s synchronous: {:.2}× the 2 GB/s target, {:.0}% \
          of this disk (in the background beside steps {background:.2} GB/s; the final checkpoint \

@@ -141,7 +141,7 @@ pub(super) fn written(
             match &w.export {
                 Some((path, bytes)) => tracing::info!(
                     "checkpoint {} ({:.1} MB in {:.2} s, {mb_per_s:.0} MB/s; reading the stages \
-                     {:.2} s summed) and weights {} ({:.1} MB) from the same read",
+                     {:.2} s summed); the run's weights {} are its weights file ({:.1} MB)",
                     w.dir.display(),
                     w.bytes as f64 / 1e6,
                     w.seconds,

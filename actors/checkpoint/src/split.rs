@@ -1,0 +1,191 @@
+//! Format 2 of a checkpoint: a stage's parameters live in the checkpoint's one whole-model
+//! weights file ([`WEIGHTS_FILE`], the same file a run exports), its optimizer state and
+//! metadata in the stage's own shard. A run's final weights are then written once: the
+//! checkpoint's weights file is linked as the run's `model.safetensors` instead of the same
+//! 3.5 GB (0.9B) being written a second time beside it.
+//!
+//! This file splits a stage's bytes into the two parts on the way to disk and puts them back
+//! together on the way in, byte for byte the bytes the stage gave (both are what
+//! `safetensors::serialize` makes of the tensors and metadata). A stage's parameters are
+//! verified by a sha256 over their data, tensor after tensor in name order, recorded in the
+//! manifest: it does not depend on where the weights file puts them.
+
+use crate::weights::OPTIMIZER_PREFIX;
+use safetensors::SafeTensors;
+use safetensors::tensor::TensorView;
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+use std::path::Path;
+
+/// The whole-model weights file in a format-2 checkpoint directory.
+pub const WEIGHTS_FILE: &str = "model.safetensors";
+
+/// A stage's parameters as a format-2 manifest records them: their names in the weights file
+/// (in name order) and the sha256 of their data, one tensor after another in that order.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct StageParams {
+    pub names: Vec<String>,
+    pub sha256: String,
+}
+
+/// The weights file of a format-2 checkpoint, as its manifest records it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct WeightsEntry {
+    pub file: String,
+    pub bytes: u64,
+}
+
+/// Splits a stage's bytes: the shard to write (its optimizer tensors and its metadata, as
+/// `safetensors::serialize` lays them out) and the record of its parameters, which go to the
+/// weights file.
+pub fn optimizer_part(stage: &[u8]) -> Result<(Vec<u8>, StageParams), String> {
+    let (_, meta) =
+        SafeTensors::read_metadata(stage).map_err(|e| format!("not a stage's bytes: {e}"))?;
+    let st = SafeTensors::deserialize(stage).map_err(|e| format!("not a stage's bytes: {e}"))?;
+    let (mut params, optimizer): (Vec<_>, Vec<_>) = st
+        .tensors()
+        .into_iter()
+        .partition(|(name, _)| !name.starts_with(OPTIMIZER_PREFIX));
+    params.sort_by(|a, b| a.0.cmp(&b.0));
+    let shard = safetensors::serialize(optimizer, meta.metadata().clone())
+        .map_err(|e| format!("the optimizer shard: {e}"))?;
+    Ok((shard, record(params)))
+}
+
+/// The record of `params` (sorted by name).
+fn record(params: Vec<(String, TensorView<'_>)>) -> StageParams {
+    let mut h = Sha256::new();
+    for (_, v) in &params {
+        h.update(v.data());
+    }
+    StageParams {
+        names: params.into_iter().map(|(n, _)| n).collect(),
+        sha256: format!("{:x}", h.finalize()),
+    }
+}
+
+/// A stage's bytes put back together from its shard and its parameters in `weights`, after
+/// checking them against `params`.
+pub fn rebuild(
+    weights: &SafeTensors<'_>,
+    shard: &[u8],
+    params: &StageParams,
+) -> Result<Vec<u8>, String> {
+    let (_, meta) = SafeTensors::read_metadata(shard).map_err(|e| format!("the shard: {e}"))?;
+    let st = SafeTensors::deserialize(shard).map_err(|e| format!("the shard: {e}"))?;
+    let mut views = st.tensors();
+    let mut own = Vec::with_capacity(params.names.len());
+    for name in &params.names {
+        let v = weights
+            .tensor(name)
+            .map_err(|_| format!("the weights file has no tensor `{name}`"))?;
+        own.push((name.clone(), v));
+    }
+    if record(own.clone()).sha256 != params.sha256 {
+        return Err(
+            "checksum mismatch: the weights file's parameters of this stage are corrupt".into(),
+        );
+    }
+    views.extend(own);
+    safetensors::serialize(views, meta.metadata().clone()).map_err(|e| e.to_string())
+}
+
+/// Makes `to` hold the same file as `from` (a finished checkpoint's weights file): a hard
+/// link when both are on one file system (no bytes written), else a copy; atomically either
+/// way (a temporary name renamed over `to`). Returns whether it linked.
+pub fn link_or_copy(from: &Path, to: &Path) -> std::io::Result<bool> {
+    let dir = to
+        .parent()
+        .filter(|p| !p.as_os_str().is_empty())
+        .unwrap_or(Path::new("."));
+    let name = to
+        .file_name()
+        .ok_or_else(|| std::io::Error::other("no file name"))?;
+    let tmp = dir.join(format!(
+        ".{}.link-{}",
+        name.to_string_lossy(),
+        std::process::id()
+    ));
+    let _ = std::fs::remove_file(&tmp);
+    let linked = match std::fs::hard_link(from, &tmp) {
+        Ok(()) => true,
+        Err(_) => {
+            let copied = (|| {
+                std::fs::copy(from, &tmp)?;
+                std::fs::File::open(&tmp)?.sync_all()
+            })();
+            if let Err(e) = copied {
+                let _ = std::fs::remove_file(&tmp);
+                return Err(e);
+            }
+            false
+        }
+    };
+    if let Err(e) = std::fs::rename(&tmp, to) {
+        let _ = std::fs::remove_file(&tmp);
+        return Err(e);
+    }
+    if let Ok(d) = std::fs::File::open(dir) {
+        let _ = d.sync_all();
+    }
+    Ok(linked)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::weights::tests::two_stages;
+
+    /// A stage split into its shard and its parameters, the parameters written as the weights
+    /// file is, comes back byte for byte; a changed parameter is caught.
+    #[test]
+    fn a_split_stage_comes_back_byte_for_byte_and_a_changed_parameter_is_caught() {
+        let (a, b) = two_stages();
+        let weights = crate::weights::merge_params(&[&a, &b]).unwrap();
+        let w = SafeTensors::deserialize(&weights).unwrap();
+        for stage in [&a, &b] {
+            let (shard, params) = optimizer_part(stage).unwrap();
+            assert!(!params.names.is_empty());
+            let st = SafeTensors::deserialize(&shard).unwrap();
+            assert!(st.names().iter().all(|n| n.starts_with(OPTIMIZER_PREFIX)));
+            assert_eq!(&rebuild(&w, &shard, &params).unwrap(), stage);
+        }
+        let (shard, params) = optimizer_part(&a).unwrap();
+        let mut bad = weights.clone();
+        let last = bad.len() - 1;
+        bad[last] ^= 1;
+        // The flipped byte is the last tensor's: whichever stage holds it fails.
+        let wb = SafeTensors::deserialize(&bad).unwrap();
+        let (shard_b, params_b) = optimizer_part(&b).unwrap();
+        let errs = [
+            rebuild(&wb, &shard, &params).err(),
+            rebuild(&wb, &shard_b, &params_b).err(),
+        ];
+        assert_eq!(errs.iter().flatten().count(), 1, "{errs:?}");
+        assert!(errs.iter().flatten().all(|e| e.contains("corrupt")));
+        let mut missing = params.clone();
+        missing.names.push("nope".into());
+        assert!(
+            rebuild(&w, &shard, &missing)
+                .unwrap_err()
+                .contains("`nope`")
+        );
+        assert!(optimizer_part(b"not safetensors").is_err());
+    }
+
+    #[test]
+    fn the_link_replaces_an_older_file_atomically() {
+        let dir = tempfile::tempdir().unwrap();
+        let (from, to) = (dir.path().join("a"), dir.path().join("b"));
+        std::fs::write(&from, b"new weights").unwrap();
+        std::fs::write(&to, b"old").unwrap();
+        assert!(link_or_copy(&from, &to).unwrap());
+        assert_eq!(std::fs::read(&to).unwrap(), b"new weights");
+        let left: Vec<_> = std::fs::read_dir(dir.path()).unwrap().collect();
+        assert_eq!(left.len(), 2, "no temporary file is left");
+        assert!(link_or_copy(&dir.path().join("absent"), &to).is_err());
+        assert_eq!(std::fs::read(&to).unwrap(), b"new weights");
+    }
+}

@@ -12,7 +12,7 @@
 
 use crate::weights::OPTIMIZER_PREFIX;
 use safetensors::SafeTensors;
-use safetensors::tensor::TensorView;
+use safetensors::tensor::{Metadata, TensorInfo, TensorView};
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 use std::path::Path;
@@ -37,31 +37,84 @@ pub struct WeightsEntry {
     pub bytes: u64,
 }
 
-/// Splits a stage's bytes: the shard to write (its optimizer tensors and its metadata, as
-/// `safetensors::serialize` lays them out) and the record of its parameters, which go to the
-/// weights file.
-pub fn optimizer_part(stage: &[u8]) -> Result<(Vec<u8>, StageParams), String> {
+/// A stage's bytes split: its shard (its optimizer tensors and metadata) as the header and the
+/// data pieces to write one after another, and its parameters (sorted by name), which go to
+/// the weights file.
+pub struct Split<'a> {
+    /// The shard's first bytes: its header's length and the header, as `safetensors::serialize`
+    /// writes them.
+    pub header: Vec<u8>,
+    /// The shard's data, tensor after tensor.
+    pub pieces: Vec<&'a [u8]>,
+    pub params: Vec<(String, TensorView<'a>)>,
+}
+
+impl Split<'_> {
+    /// The record of the stage's parameters (a pass over their bytes).
+    pub fn record(&self) -> StageParams {
+        record(&self.params)
+    }
+}
+
+/// Splits a stage's bytes without copying them: the shard is laid out as
+/// `safetensors::serialize` lays out the same tensors and metadata (by dtype, largest
+/// alignment first, then by name), so putting it back together gives the stage's bytes.
+pub fn split(stage: &[u8]) -> Result<Split<'_>, String> {
     let (_, meta) =
         SafeTensors::read_metadata(stage).map_err(|e| format!("not a stage's bytes: {e}"))?;
     let st = SafeTensors::deserialize(stage).map_err(|e| format!("not a stage's bytes: {e}"))?;
-    let (mut params, optimizer): (Vec<_>, Vec<_>) = st
+    let (mut params, mut optimizer): (Vec<_>, Vec<_>) = st
         .tensors()
         .into_iter()
         .partition(|(name, _)| !name.starts_with(OPTIMIZER_PREFIX));
     params.sort_by(|a, b| a.0.cmp(&b.0));
-    let shard = safetensors::serialize(optimizer, meta.metadata().clone())
+    optimizer.sort_by(|(a, x), (b, y)| y.dtype().cmp(&x.dtype()).then(a.cmp(b)));
+    let mut at = 0;
+    let mut infos = Vec::with_capacity(optimizer.len());
+    let mut pieces = Vec::with_capacity(optimizer.len());
+    for (name, v) in optimizer {
+        let data = v.data();
+        let info = TensorInfo {
+            dtype: v.dtype(),
+            shape: v.shape().to_vec(),
+            data_offsets: (at, at + data.len()),
+        };
+        at += data.len();
+        infos.push((name, info));
+        pieces.push(data);
+    }
+    let metadata = Metadata::new(meta.metadata().clone(), infos)
         .map_err(|e| format!("the optimizer shard: {e}"))?;
-    Ok((shard, record(params)))
+    let mut json =
+        serde_json::to_vec(&metadata).map_err(|e| format!("the optimizer shard: {e}"))?;
+    json.resize(json.len().next_multiple_of(8), b' ');
+    let mut header = (json.len() as u64).to_le_bytes().to_vec();
+    header.extend(json);
+    Ok(Split {
+        header,
+        pieces,
+        params,
+    })
+}
+
+/// [`split`], the shard's bytes in one buffer.
+pub fn optimizer_part(stage: &[u8]) -> Result<(Vec<u8>, StageParams), String> {
+    let s = split(stage)?;
+    let mut shard = s.header.clone();
+    for p in &s.pieces {
+        shard.extend_from_slice(p);
+    }
+    Ok((shard, s.record()))
 }
 
 /// The record of `params` (sorted by name).
-fn record(params: Vec<(String, TensorView<'_>)>) -> StageParams {
+fn record(params: &[(String, TensorView<'_>)]) -> StageParams {
     let mut h = Sha256::new();
-    for (_, v) in &params {
+    for (_, v) in params {
         h.update(v.data());
     }
     StageParams {
-        names: params.into_iter().map(|(n, _)| n).collect(),
+        names: params.iter().map(|(n, _)| n.clone()).collect(),
         sha256: format!("{:x}", h.finalize()),
     }
 }
@@ -83,7 +136,7 @@ pub fn rebuild(
             .map_err(|_| format!("the weights file has no tensor `{name}`"))?;
         own.push((name.clone(), v));
     }
-    if record(own.clone()).sha256 != params.sha256 {
+    if record(&own).sha256 != params.sha256 {
         return Err(
             "checksum mismatch: the weights file's parameters of this stage are corrupt".into(),
         );
@@ -147,6 +200,15 @@ mod tests {
         let w = SafeTensors::deserialize(&weights).unwrap();
         for stage in [&a, &b] {
             let (shard, params) = optimizer_part(stage).unwrap();
+            let st = SafeTensors::deserialize(stage).unwrap();
+            let (_, meta) = SafeTensors::read_metadata(stage).unwrap();
+            let own: Vec<_> = st
+                .tensors()
+                .into_iter()
+                .filter(|(n, _)| n.starts_with(OPTIMIZER_PREFIX))
+                .collect();
+            let want = safetensors::serialize(own, meta.metadata().clone()).unwrap();
+            assert_eq!(shard, want, "the shard is safetensors' own layout");
             assert!(!params.names.is_empty());
             let st = SafeTensors::deserialize(&shard).unwrap();
             assert!(st.names().iter().all(|n| n.starts_with(OPTIMIZER_PREFIX)));

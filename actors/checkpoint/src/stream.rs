@@ -99,12 +99,12 @@ pub struct Written {
     pub weights: WeightsEntry,
 }
 
-/// Writes `bytes` atomically to `path` and returns their sha256, hashing each piece as it is
-/// written and starting its write-out to the disk ([`crate::disk`]).
-pub fn write_hashed(path: &Path, bytes: &[u8]) -> std::io::Result<String> {
+/// Writes `parts`, one after another, atomically to `path` and returns their sha256, hashing
+/// each piece as it is written and starting its write-out to the disk ([`crate::disk`]).
+pub fn write_hashed(path: &Path, parts: &[&[u8]]) -> std::io::Result<String> {
     write_atomic_with(path, |f| {
         let (mut h, mut at) = (Sha256::new(), 0);
-        for piece in bytes.chunks(PIECE) {
+        for piece in parts.iter().flat_map(|p| p.chunks(PIECE)) {
             h.update(piece);
             crate::disk::append(f, &mut at, piece)?;
         }
@@ -269,17 +269,29 @@ where
     })
 }
 
-/// Writes stage `i`'s shard in `dir` (its optimizer state; its parameters go to the weights
-/// file) and returns its manifest entry.
+/// Writes stage `i`'s shard in `dir` (its optimizer state, straight from the stage's bytes;
+/// its parameters go to the weights file and are hashed for the manifest beside the write)
+/// and returns its manifest entry.
 fn write_one(dir: &Path, i: usize, stage: &[u8]) -> Result<ShardEntry, RuntimeError> {
     let file = shard_file(i);
     let path = dir.join(&file);
-    let (data, params) = crate::split::optimizer_part(stage)
+    let s = crate::split::split(stage)
         .map_err(|e| RuntimeError::Checkpoint(path.clone(), format!("stage {i}: {e}")))?;
-    let sha256 = write_hashed(&path, &data).map_err(|e| RuntimeError::CheckpointIo(path, e))?;
+    let parts: Vec<&[u8]> = std::iter::once(s.header.as_slice())
+        .chain(s.pieces.iter().copied())
+        .collect();
+    let (written, params) = std::thread::scope(|scope| {
+        let params = scope.spawn(|| {
+            lower_priority();
+            s.record()
+        });
+        let written = write_hashed(&path, &parts);
+        (written, params.join().expect("hashing does not panic"))
+    });
+    let sha256 = written.map_err(|e| RuntimeError::CheckpointIo(path, e))?;
     Ok(ShardEntry {
         file,
-        bytes: data.len() as u64,
+        bytes: parts.iter().map(|p| p.len() as u64).sum(),
         sha256,
         params: Some(params),
     })

@@ -355,7 +355,11 @@ fn background_checkpoints_write_the_same_files_as_synchronous_ones() {
             .map(|e| e.unwrap().file_name())
             .collect();
         names.sort();
-        assert_eq!(names.len(), 6, "five shards and a manifest: {names:?}");
+        assert_eq!(
+            names.len(),
+            7,
+            "five shards, the weights file and a manifest: {names:?}"
+        );
         for n in names {
             let (x, y) = (std::fs::read(da.join(&n)), std::fs::read(db.join(&n)));
             assert!(x.unwrap() == y.unwrap(), "step {step}: {n:?} differs");

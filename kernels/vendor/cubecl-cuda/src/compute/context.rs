@@ -158,6 +158,13 @@ impl CudaContext {
         if cccl_include_path.exists() {
             options.push(&cccl_include_option);
         }
+        // nsactor patch: NVRTC's automatic precompiled headers. Every kernel's source begins
+        // with the same CUDA headers (`cuda_runtime.h`, `cuda_bf16.h`, …); with `--pch` NVRTC
+        // parses them once per process and reuses the result, instead of once per kernel.
+        // `CUBECL_NVRTC_PCH=0` turns it off.
+        if nvrtc_pch() {
+            options.push("--pch");
+        }
 
         logger.log_compilation(&kernel_compiled);
 
@@ -341,4 +348,11 @@ impl CudaContext {
             Ok(())
         }
     }
+}
+
+/// nsactor patch: whether NVRTC compiles with automatic precompiled headers
+/// (`CUBECL_NVRTC_PCH`, on unless `0`).
+fn nvrtc_pch() -> bool {
+    static PCH: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *PCH.get_or_init(|| std::env::var("CUBECL_NVRTC_PCH").map_or(true, |v| v != "0"))
 }

@@ -1,7 +1,8 @@
 //! How a checkpoint's stages flow from the readers to the writers ([`crate::stream`]): how
 //! many readers read at once and how far ahead of the disk they may run ([`ReadAhead`]), and
 //! the queue between them ([`Flow`]), which stops both sides at the first failure or once
-//! every writer has gone.
+//! every writer has gone. The weights file's writer (the exporter) holds each stage too until
+//! it has written its parameters; the readers wait for it as they wait for the shard writers.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
@@ -68,13 +69,19 @@ struct Queue<B> {
     readers: usize,
     /// Writers still taking stages.
     writers: usize,
+    /// Stages the exporter holds (sent to it, their parameters not yet written), and their
+    /// bytes.
+    exporting: usize,
+    export_bytes: u64,
 }
 
 impl<B> Queue<B> {
-    /// Whether a reader may add a stage: fewer than [`AHEAD`] wait, or fewer bytes than
-    /// `ahead.bytes`.
+    /// Whether a reader may add a stage: fewer than [`AHEAD`] wait for a writer, or fewer
+    /// bytes than `ahead.bytes`; and the exporter holds at most one more than that (the stage
+    /// it writes), or fewer bytes than `ahead.bytes`.
     fn has_room(&self, ahead: ReadAhead) -> bool {
-        self.ready.len() < AHEAD || self.bytes < ahead.bytes
+        (self.ready.len() < AHEAD || self.bytes < ahead.bytes)
+            && (self.exporting <= AHEAD || self.export_bytes < ahead.bytes)
     }
 }
 
@@ -95,6 +102,8 @@ impl<B: AsRef<[u8]>> Flow<B> {
                 bytes: 0,
                 readers,
                 writers,
+                exporting: 0,
+                export_bytes: 0,
             }),
             changed: Condvar::new(),
             failed: AtomicBool::new(false),
@@ -149,6 +158,21 @@ impl<B: AsRef<[u8]>> Flow<B> {
         }
     }
 
+    /// A stage of `bytes` bytes is handed to the exporter: [`Self::exported`] when it lets go.
+    pub(crate) fn to_export(&self, bytes: u64) {
+        let mut q = self.lock();
+        q.exporting += 1;
+        q.export_bytes += bytes;
+    }
+
+    /// The exporter let go of a stage of `bytes` bytes (written, or dropped on a failure).
+    pub(crate) fn exported(&self, bytes: u64) {
+        let mut q = self.lock();
+        q.exporting -= 1;
+        q.export_bytes -= bytes;
+        self.changed.notify_all();
+    }
+
     /// A reader or writer is done (or failed, which stops the others).
     pub(crate) fn leave(&self, reader: bool, failed: bool) {
         let mut q = self.lock();
@@ -175,6 +199,8 @@ mod tests {
             bytes: 0,
             readers: 1,
             writers: 1,
+            exporting: 0,
+            export_bytes: 0,
         };
         let alone = ReadAhead {
             readers: 2,
@@ -197,5 +223,19 @@ mod tests {
         q.bytes += 1_000;
         assert!(!q.has_room(alone), "3,000 of 3,000 bytes ahead");
         assert!(ReadAhead::alone().readers > 1);
+        // The writers took every stage; the exporter still holds them.
+        q.ready.clear();
+        q.bytes = 0;
+        (q.exporting, q.export_bytes) = (AHEAD, 2_000);
+        assert!(q.has_room(ReadAhead::BESIDE) && q.has_room(alone));
+        (q.exporting, q.export_bytes) = (AHEAD + 1, 3_000);
+        assert!(
+            !q.has_room(ReadAhead::BESIDE),
+            "beside training: the exporter at most three stages behind"
+        );
+        assert!(
+            !q.has_room(alone),
+            "3,000 of 3,000 bytes held by the exporter"
+        );
     }
 }

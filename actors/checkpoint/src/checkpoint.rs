@@ -8,8 +8,8 @@
 //! (each shard a stage's parameters and optimizer state, no weights file) is still read. Files
 //! are written in parallel ([`crate::stream`]), each atomically (temporary file, fsync, rename)
 //! and hashed as it is written; the manifest is written last, so a directory without a valid
-//! manifest is an unfinished checkpoint. After a write, only the newest `keep` checkpoints (by
-//! step number) stay. Reading verifies every checksum.
+//! manifest is an unfinished checkpoint. After a write, `keep` checkpoints stay: the one just
+//! written and the newest others by step number ([`prune`]). Reading verifies every checksum.
 
 pub use crate::split::WeightsEntry;
 pub use crate::stream::{ShardEntry, sha256, shard_file};
@@ -82,8 +82,8 @@ pub fn step_dir(root: &Path, step: u64) -> PathBuf {
     root.join(format!("step-{step:08}"))
 }
 
-/// Writes checkpoint `meta.step` under `root` from per-stage bytes, then keeps the newest
-/// `keep` (0 keeps all). Returns its directory.
+/// Writes checkpoint `meta.step` under `root` from per-stage bytes, then keeps `keep` of them
+/// ([`prune`]; 0 keeps all). Returns its directory.
 pub fn write(
     root: &Path,
     meta: &CheckpointMeta,
@@ -110,13 +110,12 @@ pub fn write_with(
         None,
     )?;
     seal(
-        root,
         &dir,
         meta,
         (written.entries, written.weights),
-        keep,
         before_manifest,
     )?;
+    prune(root, keep, &dir);
     Ok(dir)
 }
 
@@ -134,14 +133,12 @@ pub fn begin(root: &Path, step: u64) -> Result<PathBuf, RuntimeError> {
 }
 
 /// Finishes checkpoint `dir` (made by [`begin`], its shards and weights file written as
-/// `files` say): calls `before_manifest`, writes the manifest, then keeps the newest `keep`
-/// under `root`.
+/// `files` say): calls `before_manifest`, then writes the manifest. The caller prunes the
+/// older ones ([`prune`]) once nothing more is taken from this one.
 pub fn seal(
-    root: &Path,
     dir: &Path,
     meta: &CheckpointMeta,
     files: (Vec<ShardEntry>, WeightsEntry),
-    keep: usize,
     before_manifest: &dyn Fn(),
 ) -> Result<(), RuntimeError> {
     let (entries, weights) = files;
@@ -159,9 +156,6 @@ pub fn seal(
     let text = serde_json::to_vec_pretty(&manifest).expect("a manifest serialises");
     let path = dir.join(MANIFEST);
     crate::weights::write_atomic(&path, &text).map_err(|e| RuntimeError::CheckpointIo(path, e))?;
-    if keep > 0 {
-        prune(root, keep);
-    }
     Ok(())
 }
 
@@ -181,9 +175,15 @@ pub fn list(root: &Path) -> Vec<(u64, PathBuf)> {
     found
 }
 
-/// Removes all but the newest `keep` checkpoints (by step number).
-fn prune(root: &Path, keep: usize) {
-    for (_, dir) in list(root).into_iter().skip(keep) {
+/// Removes all but `keep` checkpoints under `root` (0: keeps all): `sealed`, the one just
+/// written, and the newest others by step number. The one just written is kept even when a
+/// run started afresh where an earlier run left checkpoints of later steps.
+pub fn prune(root: &Path, keep: usize, sealed: &Path) {
+    if keep == 0 {
+        return;
+    }
+    let others = list(root).into_iter().filter(|(_, d)| d != sealed);
+    for (_, dir) in others.skip(keep - 1) {
         if let Err(e) = std::fs::remove_dir_all(&dir) {
             tracing::warn!("could not remove old checkpoint {}: {e}", dir.display());
         }
@@ -200,7 +200,14 @@ pub fn read(dir: &Path) -> Result<(CheckpointManifest, Vec<Vec<u8>>), RuntimeErr
         .map_err(|e| RuntimeError::Checkpoint(path.clone(), format!("unreadable manifest: {e}")))?;
     let weights = match (m.format.as_str(), &m.weights) {
         (FORMAT_1, None) => None,
-        (FORMAT, Some(w)) => Some((dir.join(&w.file), map_weights(&dir.join(&w.file), w.bytes)?)),
+        (FORMAT, Some(w)) => {
+            let p = dir.join(&w.file);
+            let opened = crate::split::WeightsFile::open(&p, w.bytes).map_err(|e| match e {
+                crate::split::WeightsError::Io(e) => RuntimeError::CheckpointIo(p.clone(), e),
+                crate::split::WeightsError::Bad(m) => RuntimeError::Checkpoint(p.clone(), m),
+            })?;
+            Some((p, opened))
+        }
         (FORMAT | FORMAT_1, w) => {
             let (has, wants) = match w {
                 Some(_) => ("names", "has none"),
@@ -224,15 +231,7 @@ pub fn read(dir: &Path) -> Result<(CheckpointManifest, Vec<Vec<u8>>), RuntimeErr
             ));
         }
     };
-    let view = match &weights {
-        Some((p, map)) => Some((
-            p,
-            safetensors::SafeTensors::deserialize(map).map_err(|e| {
-                RuntimeError::Checkpoint(p.clone(), format!("unreadable weights file: {e}"))
-            })?,
-        )),
-        None => None,
-    };
+    let view = weights.as_ref().map(|(p, w)| (p, w));
     // Shards are read, hashed and put together with their parameters in parallel.
     let shards = std::thread::scope(|scope| {
         let jobs: Vec<_> = m
@@ -282,26 +281,6 @@ pub fn read(dir: &Path) -> Result<(CheckpointManifest, Vec<Vec<u8>>), RuntimeErr
             .collect::<Result<Vec<_>, _>>()
     })?;
     Ok((m, shards))
-}
-
-/// The weights file at `path`, mapped, after checking its size against the manifest's.
-fn map_weights(path: &Path, bytes: u64) -> Result<memmap2::Mmap, RuntimeError> {
-    let f = std::fs::File::open(path).map_err(|e| RuntimeError::CheckpointIo(path.into(), e))?;
-    let len = f
-        .metadata()
-        .map_err(|e| RuntimeError::CheckpointIo(path.into(), e))?
-        .len();
-    if len != bytes {
-        return Err(RuntimeError::Checkpoint(
-            path.into(),
-            format!("{len} bytes, the manifest says {bytes} (truncated?)"),
-        ));
-    }
-    // SAFETY: the checkpoint's files are written once, atomically, and never modified in
-    // place; a file changed by another program while mapped is outside what a reader can
-    // guard against (every safetensors loader maps its file the same way). Every stage's
-    // parameters are checked against their sha256 before use.
-    unsafe { memmap2::Mmap::map(&f) }.map_err(|e| RuntimeError::CheckpointIo(path.into(), e))
 }
 
 /// A checkpoint read back and verified.
@@ -452,6 +431,24 @@ mod tests {
         std::fs::write(dir4.join(MANIFEST), &text[..text.len() / 2]).unwrap();
         let (_, skipped) = latest_valid(root.path());
         assert!(skipped[1].contains("unreadable manifest"), "{skipped:?}");
+    }
+
+    /// A run started afresh where an earlier, longer run left checkpoints keeps the one it
+    /// just wrote (its weights are the run's), whatever the step numbers.
+    #[test]
+    fn the_checkpoint_just_written_is_kept_beside_later_steps_of_an_earlier_run() {
+        let root = tempfile::tempdir().unwrap();
+        let shards = stages();
+        for step in [90, 99] {
+            write(root.path(), &meta(step), &shards, 0).unwrap();
+        }
+        let dir = write(root.path(), &meta(2), &shards, 2).unwrap();
+        let steps: Vec<u64> = list(root.path()).iter().map(|(s, _)| *s).collect();
+        assert_eq!(steps, [99, 2], "the one just written and the newest other");
+        assert_eq!(read(&dir).unwrap().1, shards);
+        write(root.path(), &meta(4), &shards, 1).unwrap();
+        let steps: Vec<u64> = list(root.path()).iter().map(|(s, _)| *s).collect();
+        assert_eq!(steps, [4]);
     }
 
     /// Format 2's weights file is verified too: a flipped parameter byte, a truncated file,

@@ -7,21 +7,24 @@
 //! This file splits a stage's bytes into the two parts on the way to disk and puts them back
 //! together on the way in, byte for byte the bytes the stage gave (both are what
 //! `safetensors::serialize` makes of the tensors and metadata). A stage's parameters are
-//! verified by a sha256 over their data, tensor after tensor in name order, recorded in the
-//! manifest: it does not depend on where the weights file puts them.
+//! verified by a sha256 over each one's name, dtype, shape and data, in name order, recorded
+//! in the manifest: it does not depend on where the weights file puts them. The weights file
+//! is read with positioned reads, never mapped, so a file another program truncates under a
+//! reader gives an error, not a crash.
 
 use crate::weights::OPTIMIZER_PREFIX;
 use safetensors::SafeTensors;
 use safetensors::tensor::{Metadata, TensorInfo, TensorView};
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
+use std::os::unix::fs::FileExt;
 use std::path::Path;
 
 /// The whole-model weights file in a format-2 checkpoint directory.
 pub const WEIGHTS_FILE: &str = "model.safetensors";
 
 /// A stage's parameters as a format-2 manifest records them: their names in the weights file
-/// (in name order) and the sha256 of their data, one tensor after another in that order.
+/// (in name order) and the sha256 of each one's name, dtype, shape and data in that order.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct StageParams {
@@ -107,10 +110,18 @@ pub fn optimizer_part(stage: &[u8]) -> Result<(Vec<u8>, StageParams), String> {
     Ok((shard, s.record()))
 }
 
-/// The record of `params` (sorted by name).
+/// The record of `params` (sorted by name): a tensor's name, dtype and shape are hashed with
+/// its data, so a header changed in the weights file is caught as a changed value is.
 fn record(params: &[(String, TensorView<'_>)]) -> StageParams {
     let mut h = Sha256::new();
-    for (_, v) in params {
+    for (name, v) in params {
+        h.update((name.len() as u64).to_le_bytes());
+        h.update(name.as_bytes());
+        h.update(format!("{:?}", v.dtype()).as_bytes());
+        h.update((v.shape().len() as u64).to_le_bytes());
+        for &d in v.shape() {
+            h.update((d as u64).to_le_bytes());
+        }
         h.update(v.data());
     }
     StageParams {
@@ -119,21 +130,94 @@ fn record(params: &[(String, TensorView<'_>)]) -> StageParams {
     }
 }
 
+/// A format-2 checkpoint's weights file opened for reading: its header parsed and checked
+/// against the file's length; tensors are read with positioned reads ([`Self::read`]).
+pub struct WeightsFile {
+    file: std::fs::File,
+    /// Where the data starts: the header's length and the header.
+    data_start: u64,
+    meta: Metadata,
+}
+
+impl WeightsFile {
+    /// Opens `path`, which the manifest says holds `bytes` bytes.
+    pub fn open(path: &Path, bytes: u64) -> Result<Self, WeightsError> {
+        let file = std::fs::File::open(path).map_err(WeightsError::Io)?;
+        let len = file.metadata().map_err(WeightsError::Io)?.len();
+        if len != bytes {
+            return Err(WeightsError::Bad(format!(
+                "{len} bytes, the manifest says {bytes} (truncated?)"
+            )));
+        }
+        let bad = |e: String| WeightsError::Bad(format!("unreadable weights file: {e}"));
+        let mut n = [0u8; 8];
+        file.read_exact_at(&mut n, 0)
+            .map_err(|e| bad(format!("its header's length: {e}")))?;
+        let n = u64::from_le_bytes(n);
+        if n > len.saturating_sub(8) || n > 100 << 20 {
+            return Err(bad(format!("a header of {n} bytes in a file of {len}")));
+        }
+        let mut header = vec![0u8; n as usize];
+        file.read_exact_at(&mut header, 8)
+            .map_err(|e| bad(format!("its header: {e}")))?;
+        let meta: Metadata = serde_json::from_slice(&header).map_err(|e| bad(e.to_string()))?;
+        let data_start = 8 + n;
+        if data_start + meta.data_len() as u64 != len {
+            return Err(bad(format!(
+                "its header covers {} bytes of data, the file has {}",
+                meta.data_len(),
+                len - data_start
+            )));
+        }
+        Ok(WeightsFile {
+            file,
+            data_start,
+            meta,
+        })
+    }
+
+    /// The tensors `names` as `(name, info, bytes)`, each read from the file.
+    fn read(&self, names: &[String]) -> Result<Vec<(String, TensorInfo, Vec<u8>)>, String> {
+        names
+            .iter()
+            .map(|name| {
+                let info = self
+                    .meta
+                    .info(name)
+                    .ok_or_else(|| format!("the weights file has no tensor `{name}`"))?;
+                let (a, b) = info.data_offsets;
+                let mut data = vec![0u8; b - a];
+                self.file
+                    .read_exact_at(&mut data, self.data_start + a as u64)
+                    .map_err(|e| format!("reading `{name}`: {e}"))?;
+                Ok((name.clone(), info.clone(), data))
+            })
+            .collect()
+    }
+}
+
+/// Why a weights file could not be opened: the file system's error, or what is wrong with it.
+#[derive(Debug)]
+pub enum WeightsError {
+    Io(std::io::Error),
+    Bad(String),
+}
+
 /// A stage's bytes put back together from its shard and its parameters in `weights`, after
 /// checking them against `params`.
 pub fn rebuild(
-    weights: &SafeTensors<'_>,
+    weights: &WeightsFile,
     shard: &[u8],
     params: &StageParams,
 ) -> Result<Vec<u8>, String> {
     let (_, meta) = SafeTensors::read_metadata(shard).map_err(|e| format!("the shard: {e}"))?;
     let st = SafeTensors::deserialize(shard).map_err(|e| format!("the shard: {e}"))?;
     let mut views = st.tensors();
-    let mut own = Vec::with_capacity(params.names.len());
-    for name in &params.names {
-        let v = weights
-            .tensor(name)
-            .map_err(|_| format!("the weights file has no tensor `{name}`"))?;
+    let read = weights.read(&params.names)?;
+    let mut own = Vec::with_capacity(read.len());
+    for (name, info, data) in &read {
+        let v = TensorView::new(info.dtype, info.shape.clone(), data)
+            .map_err(|e| format!("the weights file's `{name}`: {e}"))?;
         own.push((name.clone(), v));
     }
     if record(&own).sha256 != params.sha256 {
@@ -156,11 +240,8 @@ pub fn link_or_copy(from: &Path, to: &Path) -> std::io::Result<bool> {
     let name = to
         .file_name()
         .ok_or_else(|| std::io::Error::other("no file name"))?;
-    let tmp = dir.join(format!(
-        ".{}.link-{}",
-        name.to_string_lossy(),
-        std::process::id()
-    ));
+    // One fixed name, so a link a crashed process left half-made is replaced, not kept.
+    let tmp = dir.join(format!(".{}.link", name.to_string_lossy()));
     let _ = std::fs::remove_file(&tmp);
     let linked = match std::fs::hard_link(from, &tmp) {
         Ok(()) => true,
@@ -197,7 +278,13 @@ mod tests {
     fn a_split_stage_comes_back_byte_for_byte_and_a_changed_parameter_is_caught() {
         let (a, b) = two_stages();
         let weights = crate::weights::merge_params(&[&a, &b]).unwrap();
-        let w = SafeTensors::deserialize(&weights).unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let open = |bytes: &[u8], name: &str| {
+            let p = dir.path().join(name);
+            std::fs::write(&p, bytes).unwrap();
+            WeightsFile::open(&p, bytes.len() as u64).unwrap()
+        };
+        let w = open(&weights, "w");
         for stage in [&a, &b] {
             let (shard, params) = optimizer_part(stage).unwrap();
             let st = SafeTensors::deserialize(stage).unwrap();
@@ -219,7 +306,7 @@ mod tests {
         let last = bad.len() - 1;
         bad[last] ^= 1;
         // The flipped byte is the last tensor's: whichever stage holds it fails.
-        let wb = SafeTensors::deserialize(&bad).unwrap();
+        let wb = open(&bad, "bad");
         let (shard_b, params_b) = optimizer_part(&b).unwrap();
         let errs = [
             rebuild(&wb, &shard, &params).err(),
@@ -235,6 +322,32 @@ mod tests {
                 .contains("`nope`")
         );
         assert!(optimizer_part(b"not safetensors").is_err());
+        // A header changed without changing the data (a tensor's shape permuted) is caught.
+        let st = SafeTensors::deserialize(&weights).unwrap();
+        let mut tensors = st.tensors();
+        let (_, v) = tensors
+            .iter_mut()
+            .find(|(n, v)| params.names.contains(n) && v.shape() == [2, 3])
+            .expect("stage a has a 2 × 3 parameter");
+        *v = TensorView::new(v.dtype(), vec![3, 2], v.data()).unwrap();
+        let permuted = safetensors::serialize(tensors, None).unwrap();
+        let e = rebuild(&open(&permuted, "permuted"), &shard, &params).unwrap_err();
+        assert!(e.contains("corrupt"), "{e}");
+        // A file whose length is not the manifest's, or whose header is not safetensors'.
+        let p = dir.path().join("w");
+        let short = WeightsFile::open(&p, weights.len() as u64 + 1)
+            .err()
+            .unwrap();
+        assert!(matches!(short, WeightsError::Bad(m) if m.contains("truncated")));
+        std::fs::write(&p, b"\xff\xff\xff\xff\xff\xff\xff\x7fjunk").unwrap();
+        assert!(matches!(
+            WeightsFile::open(&p, 12),
+            Err(WeightsError::Bad(_))
+        ));
+        assert!(matches!(
+            WeightsFile::open(&dir.path().join("absent"), 0),
+            Err(WeightsError::Io(_))
+        ));
     }
 
     #[test]

@@ -5,10 +5,12 @@
 //! are dropped once written, so beside training the host holds a few stages at a time, not
 //! the whole 10.5 GB of a 0.9B checkpoint. When nothing else waits on the device (the end of a
 //! run, a synchronous checkpoint) two readers read at once and run ahead of the disk as far
-//! as the host's memory allows ([`ReadAhead`]), so the device is free at read speed. When the
-//! run's final weights are asked for, the same bytes feed them: an exporter writes each
-//! stage's parameters into one file as the stage is read ([`crate::streamed`]), beside the
-//! shard files' writers, so the end of a run reads the device once. The readers, writers and
+//! as the host's memory allows ([`ReadAhead`]), so the device is free at read speed. The same
+//! bytes feed the checkpoint's weights file (format 2, [`crate::split`]): an exporter writes
+//! each stage's parameters into one file as the stage is read ([`crate::streamed`]), beside
+//! the shard files' writers, and the readers wait for it as for them; so every checkpoint
+//! reads the device once, and a run's final weights are its last checkpoint's weights file
+//! (linked, not written again). The readers, writers and
 //! exporter run below the training threads' CPU priority; the reads run on threads kept for
 //! the process ([`reader`]), not new ones per checkpoint.
 
@@ -148,7 +150,7 @@ where
     let readers = ahead.readers.clamp(1, READERS).min(n.max(1));
     let writers = workers(n);
     let flow = Flow::new(readers, writers, ahead);
-    let (to_export, exported) = mpsc::channel::<(usize, Arc<B>)>();
+    let (to_export, exported) = mpsc::channel::<(usize, Held<'_, B>)>();
     let sources = Mutex::new(sources.into_iter().enumerate());
     std::thread::scope(|scope| {
         let weights = dir.join(WEIGHTS_FILE);
@@ -171,7 +173,7 @@ where
                         let bytes = Arc::new(read(source)?);
                         if let Some(tx) = &to_export {
                             // The exporter is gone only when it failed; its error is reported.
-                            let _ = tx.send((i, bytes.clone()));
+                            let _ = tx.send((i, Held::new(bytes.clone(), flow)));
                         }
                         flow.push((i, bytes, t.elapsed()));
                     }
@@ -305,7 +307,7 @@ fn write_one(dir: &Path, i: usize, stage: &[u8]) -> Result<ShardEntry, RuntimeEr
 fn export_from<B: AsRef<[u8]>>(
     path: &Path,
     n: usize,
-    rx: mpsc::Receiver<(usize, Arc<B>)>,
+    rx: mpsc::Receiver<(usize, Held<'_, B>)>,
 ) -> Result<Option<u64>, RuntimeError> {
     let t = Instant::now();
     let last = std::cell::Cell::new(t);
@@ -322,7 +324,7 @@ fn export_from<B: AsRef<[u8]>>(
             early.insert(i, b);
         }
     });
-    let Some(bytes) = crate::streamed::write_streamed(path, n, stages.map(ArcBytes))? else {
+    let Some(bytes) = crate::streamed::write_streamed(path, n, stages)? else {
         return Ok(None);
     };
     let (took, after) = (
@@ -339,12 +341,29 @@ fn export_from<B: AsRef<[u8]>>(
     Ok(Some(bytes))
 }
 
-/// A stage's shared bytes as a byte slice.
-struct ArcBytes<B>(Arc<B>);
+/// A stage's shared bytes as the exporter holds them: counted in the readers' [`Flow`] until
+/// dropped, so the readers stay within their bound of the exporter as of the shard writers.
+struct Held<'f, B: AsRef<[u8]>> {
+    bytes: Arc<B>,
+    flow: &'f Flow<B>,
+}
 
-impl<B: AsRef<[u8]>> AsRef<[u8]> for ArcBytes<B> {
+impl<'f, B: AsRef<[u8]>> Held<'f, B> {
+    fn new(bytes: Arc<B>, flow: &'f Flow<B>) -> Self {
+        flow.to_export((*bytes).as_ref().len() as u64);
+        Held { bytes, flow }
+    }
+}
+
+impl<B: AsRef<[u8]>> AsRef<[u8]> for Held<'_, B> {
     fn as_ref(&self) -> &[u8] {
-        (*self.0).as_ref()
+        (*self.bytes).as_ref()
+    }
+}
+
+impl<B: AsRef<[u8]>> Drop for Held<'_, B> {
+    fn drop(&mut self) {
+        self.flow.exported((*self.bytes).as_ref().len() as u64);
     }
 }
 
@@ -391,12 +410,13 @@ mod tests {
             let merged = std::fs::read(&export).unwrap();
             assert_eq!(w.weights.bytes, merged.len() as u64);
             let st = safetensors::SafeTensors::deserialize(&merged).unwrap();
+            let wf = crate::split::WeightsFile::open(&export, w.weights.bytes).unwrap();
             for (i, (e, s)) in w.entries.iter().zip(&shards).enumerate() {
                 assert_eq!(e.file, shard_file(i));
                 let file = std::fs::read(dir.path().join(&e.file)).unwrap();
                 assert_eq!((e.bytes, &e.sha256), (file.len() as u64, &sha256(&file)));
                 let params = e.params.as_ref().unwrap();
-                assert_eq!(&crate::split::rebuild(&st, &file, params).unwrap(), s);
+                assert_eq!(&crate::split::rebuild(&wf, &file, params).unwrap(), s);
             }
             assert_eq!(st.len(), 11, "the optimizer's tensors are left out");
             let whole = crate::weights::merge_params(&shards).unwrap();

@@ -9,7 +9,8 @@
 //! the file; it is not byte for byte what `safetensors::serialize` would write for the same
 //! tensors (that orders the data by name: `nsactor export` still writes that form,
 //! [`crate::weights::MergedParams`]). A header that outgrows its place (a model of some ten
-//! thousand tensors) is written the whole-file way from the stages held.
+//! thousand tensors) is written in a larger one once the data is in: the data is moved up in
+//! place, last piece first (`shift`), instead of the stages being held for a second pass.
 
 use crate::weights::{
     OPTIMIZER_PREFIX, WRITE_PIECE, WRITERS, write_at_parallel, write_atomic_with,

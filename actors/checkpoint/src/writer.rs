@@ -106,11 +106,9 @@ impl Job {
         let weights = written.weights.clone();
         let bytes = written.entries.iter().map(|e| e.bytes).sum::<u64>() + weights.bytes;
         checkpoint::seal(
-            &self.root,
             &dir,
             &self.meta,
             (written.entries, written.weights),
-            self.keep,
             &|| {
                 if crash {
                     eprintln!("injected fault: crashing before the manifest");
@@ -120,8 +118,12 @@ impl Job {
         )?;
         if let Some(to) = &self.export {
             let from = dir.join(&weights.file);
-            let linked = crate::split::link_or_copy(&from, to)
-                .map_err(|e| RuntimeError::Io(to.clone(), e))?;
+            let linked = crate::split::link_or_copy(&from, to).map_err(|e| {
+                RuntimeError::Io(
+                    to.clone(),
+                    std::io::Error::new(e.kind(), format!("from {}: {e}", from.display())),
+                )
+            })?;
             if !linked {
                 tracing::info!(
                     "{} is a copy of {}: no hard link across the two file systems",
@@ -130,6 +132,8 @@ impl Job {
                 );
             }
         }
+        // Older checkpoints go only now: the run's weights are linked from this one first.
+        checkpoint::prune(&self.root, self.keep, &dir);
         Ok(WriteDone {
             step: self.meta.step,
             dir,

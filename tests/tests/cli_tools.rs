@@ -171,7 +171,8 @@ fn bench_checkpoint_times_the_parts_and_cleans_up() {
         "checkpoint (synchronous)",
         "checkpoint (background)",
         "steps beside it",
-        "final checkpoint and weights",
+        "final checkpoint with the run's weights",
+        "linked as",
         "× the 2 GB/s target",
     ] {
         assert!(stdout.contains(needle), "no `{needle}` in:\n{stdout}");

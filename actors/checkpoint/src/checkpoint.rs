@@ -202,10 +202,7 @@ pub fn read(dir: &Path) -> Result<(CheckpointManifest, Vec<Vec<u8>>), RuntimeErr
         (FORMAT_1, None) => None,
         (FORMAT, Some(w)) => {
             let p = dir.join(&w.file);
-            let opened = crate::split::WeightsFile::open(&p, w.bytes).map_err(|e| match e {
-                crate::split::WeightsError::Io(e) => RuntimeError::CheckpointIo(p.clone(), e),
-                crate::split::WeightsError::Bad(m) => RuntimeError::Checkpoint(p.clone(), m),
-            })?;
+            let opened = crate::split::WeightsFile::open(&p, w.bytes)?;
             Some((p, opened))
         }
         (FORMAT | FORMAT_1, w) => {
@@ -231,14 +228,13 @@ pub fn read(dir: &Path) -> Result<(CheckpointManifest, Vec<Vec<u8>>), RuntimeErr
             ));
         }
     };
-    let view = weights.as_ref().map(|(p, w)| (p, w));
     // Shards are read, hashed and put together with their parameters in parallel.
     let shards = std::thread::scope(|scope| {
         let jobs: Vec<_> = m
             .shards
             .iter()
             .map(|s| {
-                let (view, format) = (view.as_ref(), m.format.as_str());
+                let (weights, format) = (weights.as_ref(), m.format.as_str());
                 scope.spawn(move || {
                     let p = dir.join(&s.file);
                     let bytes =
@@ -259,7 +255,7 @@ pub fn read(dir: &Path) -> Result<(CheckpointManifest, Vec<Vec<u8>>), RuntimeErr
                             "checksum mismatch: the shard is corrupt".into(),
                         ));
                     }
-                    match (view, &s.params) {
+                    match (weights, &s.params) {
                         (None, None) => Ok(bytes),
                         (Some((wp, w)), Some(params)) => crate::split::rebuild(w, &bytes, params)
                             .map_err(|e| {

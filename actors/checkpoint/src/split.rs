@@ -13,6 +13,7 @@
 //! reader gives an error, not a crash.
 
 use crate::weights::OPTIMIZER_PREFIX;
+use nsactor_engine::error::RuntimeError;
 use safetensors::SafeTensors;
 use safetensors::tensor::{Metadata, TensorInfo, TensorView};
 use serde::{Deserialize, Serialize};
@@ -100,16 +101,6 @@ pub fn split(stage: &[u8]) -> Result<Split<'_>, String> {
     })
 }
 
-/// [`split`], the shard's bytes in one buffer.
-pub fn optimizer_part(stage: &[u8]) -> Result<(Vec<u8>, StageParams), String> {
-    let s = split(stage)?;
-    let mut shard = s.header.clone();
-    for p in &s.pieces {
-        shard.extend_from_slice(p);
-    }
-    Ok((shard, s.record()))
-}
-
 /// The record of `params` (sorted by name): a tensor's name, dtype and shape are hashed with
 /// its data, so a header changed in the weights file is caught as a changed value is.
 fn record(params: &[(String, TensorView<'_>)]) -> StageParams {
@@ -140,30 +131,35 @@ pub struct WeightsFile {
 }
 
 impl WeightsFile {
-    /// Opens `path`, which the manifest says holds `bytes` bytes.
-    pub fn open(path: &Path, bytes: u64) -> Result<Self, WeightsError> {
-        let file = std::fs::File::open(path).map_err(WeightsError::Io)?;
-        let len = file.metadata().map_err(WeightsError::Io)?.len();
+    /// Opens `path`, which the manifest says holds `bytes` bytes; errors name the file.
+    pub fn open(path: &Path, bytes: u64) -> Result<Self, RuntimeError> {
+        let io = |e| RuntimeError::CheckpointIo(path.into(), e);
+        let file = std::fs::File::open(path).map_err(io)?;
+        let len = file.metadata().map_err(io)?.len();
+        let bad = |m: String| RuntimeError::Checkpoint(path.into(), m);
         if len != bytes {
-            return Err(WeightsError::Bad(format!(
+            return Err(bad(format!(
                 "{len} bytes, the manifest says {bytes} (truncated?)"
             )));
         }
-        let bad = |e: String| WeightsError::Bad(format!("unreadable weights file: {e}"));
+        let unreadable = |e: String| bad(format!("unreadable weights file: {e}"));
         let mut n = [0u8; 8];
         file.read_exact_at(&mut n, 0)
-            .map_err(|e| bad(format!("its header's length: {e}")))?;
+            .map_err(|e| unreadable(format!("its header's length: {e}")))?;
         let n = u64::from_le_bytes(n);
         if n > len.saturating_sub(8) || n > 100 << 20 {
-            return Err(bad(format!("a header of {n} bytes in a file of {len}")));
+            return Err(unreadable(format!(
+                "a header of {n} bytes in a file of {len}"
+            )));
         }
         let mut header = vec![0u8; n as usize];
         file.read_exact_at(&mut header, 8)
-            .map_err(|e| bad(format!("its header: {e}")))?;
-        let meta: Metadata = serde_json::from_slice(&header).map_err(|e| bad(e.to_string()))?;
+            .map_err(|e| unreadable(format!("its header: {e}")))?;
+        let meta: Metadata =
+            serde_json::from_slice(&header).map_err(|e| unreadable(e.to_string()))?;
         let data_start = 8 + n;
         if data_start + meta.data_len() as u64 != len {
-            return Err(bad(format!(
+            return Err(unreadable(format!(
                 "its header covers {} bytes of data, the file has {}",
                 meta.data_len(),
                 len - data_start
@@ -194,13 +190,6 @@ impl WeightsFile {
             })
             .collect()
     }
-}
-
-/// Why a weights file could not be opened: the file system's error, or what is wrong with it.
-#[derive(Debug)]
-pub enum WeightsError {
-    Io(std::io::Error),
-    Bad(String),
 }
 
 /// A stage's bytes put back together from its shard and its parameters in `weights`, after
@@ -272,6 +261,16 @@ mod tests {
     use super::*;
     use crate::weights::tests::two_stages;
 
+    /// [`split`], the shard's bytes in one buffer.
+    fn optimizer_part(stage: &[u8]) -> Result<(Vec<u8>, StageParams), String> {
+        let s = split(stage)?;
+        let mut shard = s.header.clone();
+        for p in &s.pieces {
+            shard.extend_from_slice(p);
+        }
+        Ok((shard, s.record()))
+    }
+
     /// A stage split into its shard and its parameters, the parameters written as the weights
     /// file is, comes back byte for byte; a changed parameter is caught.
     #[test]
@@ -338,15 +337,15 @@ mod tests {
         let short = WeightsFile::open(&p, weights.len() as u64 + 1)
             .err()
             .unwrap();
-        assert!(matches!(short, WeightsError::Bad(m) if m.contains("truncated")));
+        assert!(matches!(short, RuntimeError::Checkpoint(_, m) if m.contains("truncated")));
         std::fs::write(&p, b"\xff\xff\xff\xff\xff\xff\xff\x7fjunk").unwrap();
         assert!(matches!(
             WeightsFile::open(&p, 12),
-            Err(WeightsError::Bad(_))
+            Err(RuntimeError::Checkpoint(..))
         ));
         assert!(matches!(
             WeightsFile::open(&dir.path().join("absent"), 0),
-            Err(WeightsError::Io(_))
+            Err(RuntimeError::CheckpointIo(..))
         ));
     }
 

@@ -4,7 +4,7 @@
 
 use nsactor_checkpoint::hub;
 use nsactor_engine::RuntimeError;
-use nsactor_engine::config::Overrides;
+use nsactor_engine::config::{KeepActivations, Overrides};
 use nsactor_launch::launch::CheckpointOptions;
 use std::path::PathBuf;
 
@@ -102,10 +102,11 @@ pub struct LayoutArgs {
     #[arg(long, value_delimiter = ',')]
     pub devices: Option<Vec<usize>>,
     /// Layers per pipeline stage (from its last) that keep their forward's autodiff graph
-    /// instead of recomputing it in the backward: faster, more memory. Overrides
+    /// instead of recomputing it in the backward: faster, more memory; `auto` measures the
+    /// first two steps' device memory and keeps what fits. Overrides
     /// [train].keep_activations.
     #[arg(long)]
-    pub keep_activations: Option<usize>,
+    pub keep_activations: Option<KeepActivations>,
     /// Micro-batch order on the stage workers: `auto`, `fifo` or `depth-first` (overlaps
     /// stages of several layers; see [train].schedule). Overrides [train].schedule.
     #[arg(long, value_parser = ["auto", "fifo", "depth-first"])]

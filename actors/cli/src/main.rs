@@ -136,7 +136,8 @@ fn hint(error: &str) -> Option<&'static str> {
     (error.contains("can't allocate buffer") || error.contains("out of memory")).then_some(
         "the device ran out of memory: lower [train] batch_size (`bench`: --batch-size) or \
          keep_activations (--keep-activations; at 0.9B and 14 × 511 each kept layer past the \
-         first holds ~14 GiB), or serve fewer --max-sessions",
+         first holds ~14 GiB; `auto` keeps what fits under [train] memory_budget_gib), or \
+         serve fewer --max-sessions",
     )
 }
 

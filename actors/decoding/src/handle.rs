@@ -43,6 +43,9 @@ pub struct Pipeline {
     /// Decoding sessions of `generate`/`eval_ce` (and, through [`decoder`](Self::decoder),
     /// of servers), sharing one session counter.
     sessions: AsyncDecoder,
+    /// Layers per stage whose training forwards keep their graph (`[train] keep_activations`;
+    /// `auto` sets it after its measured steps).
+    keep: nsactor_pipeline::keep::KeepLayers,
 }
 
 impl Pipeline {
@@ -243,6 +246,24 @@ impl Pipeline {
 
     pub fn param_count(&self) -> u64 {
         self.param_count
+    }
+
+    /// Layers per stage, counted from its last, that the next training step keeps the graph
+    /// of (`auto`: what it chose, once its two measured steps have run).
+    pub fn keep_activations(&self) -> usize {
+        self.keep.get()
+    }
+
+    /// Whether [`keep_activations`](Self::keep_activations) is final: a fixed number, or
+    /// `auto` done measuring.
+    pub fn keep_activations_settled(&self) -> bool {
+        self.keep.settled()
+    }
+
+    /// Sets the layers per stage that keep their graph from the next step on (a fixed
+    /// number: `auto`, while it measures, sets its own before each step).
+    pub fn set_keep_activations(&self, n: usize) {
+        self.keep.set(n);
     }
 
     pub fn num_layers(&self) -> usize {

@@ -48,7 +48,7 @@ fn layers_that_keep_their_graphs_train_exactly_as_layers_that_recompute() {
     for keep in [1, 2, 9] {
         let plan = PipelinePlan::balanced(4, 2, &[0]).unwrap();
         let mut train = train_cfg();
-        train.keep_activations = keep;
+        train.keep_activations = keep.into();
         let mut pl = Pipeline::start(staged(), plan, train, None).unwrap();
         for (i, b) in steps.iter().enumerate() {
             let got = pl.train_step(b, &params(i)).unwrap();
@@ -59,6 +59,18 @@ fn layers_that_keep_their_graphs_train_exactly_as_layers_that_recompute() {
             "keep {keep}: parameters or optimizer state differ from recomputing"
         );
     }
+    // The number changed between steps, as `keep_activations = "auto"` changes it.
+    let plan = PipelinePlan::balanced(4, 2, &[0]).unwrap();
+    let mut train = train_cfg();
+    train.keep_activations = 0.into();
+    let mut pl = Pipeline::start(staged(), plan, train, None).unwrap();
+    for (i, (b, keep)) in steps.iter().zip([0, 2]).enumerate() {
+        pl.set_keep_activations(keep);
+        assert_eq!(pl.keep_activations(), keep);
+        let got = pl.train_step(b, &params(i)).unwrap();
+        assert_eq!(bits(&got), want[i], "kept {keep} at step {i}: {got:?}");
+    }
+    assert!(pl.save_stages().unwrap() == want_shards);
 }
 
 #[test]

@@ -11,8 +11,10 @@ use serde::{Deserialize, Serialize};
 use std::path::{Path, PathBuf};
 
 mod env;
+mod keep;
 use env::env_override;
 pub use env::{ENV_PREFIX, ENV_SEPARATOR, EnvLayer};
+pub use keep::KeepActivations;
 
 /// The embedded default: `configs/tiny.toml`.
 pub const DEFAULT_CONFIG: &str = include_str!("../../../configs/tiny.toml");
@@ -168,7 +170,7 @@ pub struct Overrides {
     pub data_parallel: Option<usize>,
     pub devices: Option<Vec<usize>>,
     pub schedule: Option<Schedule>,
-    pub keep_activations: Option<usize>,
+    pub keep_activations: Option<KeepActivations>,
     pub checkpoint_every: Option<u64>,
     pub inject_fault: Option<String>,
     pub loss_spike_factor: Option<f64>,
@@ -227,12 +229,23 @@ pub struct TrainConfig {
     #[serde(default)]
     pub schedule: Schedule,
     /// Layers per pipeline stage, counted from its last, that keep their forward's autodiff
-    /// graph until their backward instead of recomputing the forward there (`0`, the default:
-    /// every layer recomputes, i.e. activation checkpointing per layer). Each kept layer saves
-    /// one forward pass per micro-batch and holds its activations meanwhile: at the 0.9B shape
-    /// with batch 4 in bf16, a few GB per layer and micro-batch in flight.
+    /// graph until their backward instead of recomputing the forward there (`0`: every layer
+    /// recomputes, i.e. activation checkpointing per layer). Each kept layer saves one forward
+    /// pass per micro-batch and holds its activations meanwhile: at the 0.9B shape in bf16
+    /// about 2 MB per token of the micro-batch (14 GiB at 14 × 511). `auto`, the default,
+    /// measures the device memory the first two steps take with 1 and then 3 kept layers per
+    /// stage and keeps as many as fit under [`memory_budget_gib`](Self::memory_budget_gib) from
+    /// the third step on (the log says what it measured and chose); on a backend that reports
+    /// no device memory (the CPU) `auto` keeps none.
     #[serde(default)]
-    pub keep_activations: usize,
+    pub keep_activations: KeepActivations,
+    /// The device memory in use (GiB per device, as the driver counts it: everything
+    /// allocated on the device) that `keep_activations = "auto"` may fill. Default: the
+    /// device's total less a reserve (2 % of it, at least 2 GiB), less the stages' parameters
+    /// and optimizer state again when checkpoints are written during the run (a background
+    /// checkpoint holds the old values while the next step's update writes new ones).
+    #[serde(default)]
+    pub memory_budget_gib: Option<f64>,
     /// Devices the stages are spread over (`--devices 0,1`); default: device 0. With D
     /// replicas, D equal blocks, one per replica (`--data-parallel 2 --pipeline 2 --devices
     /// 0,1,2,3`: replica 0 on 0–1, replica 1 on 2–3), or one device for all.
@@ -482,6 +495,7 @@ impl TrainConfig {
         if let Some((name, v)) = finite.iter().find(|(_, v)| !v.is_finite() || *v < 0.0) {
             return Err(bad(format!("`{name}` must be finite and ≥ 0, got {v}")));
         }
+        keep::check_budget(self.memory_budget_gib).map_err(bad)?;
         if self.restart_window_s == 0.0 {
             return Err(bad("`restart_window_s` must be more than 0".into()));
         }

@@ -3,6 +3,7 @@
 //! activations arrive in its mailbox and leave for the next hop when the worker is done.
 
 use super::holder::StageHolder;
+use super::keep::KeepLayers;
 use super::msg::{Hop, LayerMsg};
 use super::step::{Event, StepCtx};
 use super::worker::Priority;
@@ -14,15 +15,18 @@ pub struct LayerActor;
 pub struct LayerArgs {
     pub index: usize,
     pub stage: StageHolder,
-    /// Whether training forwards keep their autodiff graph for the backward
-    /// (`[train] keep_activations`) instead of recomputing it.
-    pub keep_graph: bool,
+    /// The layer's place from its stage's end (1: the last).
+    pub from_end: usize,
+    /// Whether training forwards keep their autodiff graph for the backward instead of
+    /// recomputing it (`[train] keep_activations`): read before each forward.
+    pub keep: KeepLayers,
 }
 
 pub struct LayerActorState {
     index: usize,
     stage: StageHolder,
-    keep_graph: bool,
+    from_end: usize,
+    keep: KeepLayers,
     prev: Option<Hop>,
     next: Option<Hop>,
 }
@@ -46,7 +50,8 @@ impl Actor for LayerActor {
         Ok(LayerActorState {
             index: a.index,
             stage: a.stage,
-            keep_graph: a.keep_graph,
+            from_end: a.from_end,
+            keep: a.keep,
             prev: None,
             next: None,
         })
@@ -70,7 +75,7 @@ impl Actor for LayerActor {
                 ctx,
             } => {
                 let next = s.next.clone().ok_or("layer actor not wired")?;
-                let keep_graph = s.keep_graph;
+                let keep_graph = s.keep.keeps(s.from_end);
                 let job = s.stage.train_job(true, micro, &ctx, Some(h), move |st, h| {
                     let r = ForwardOut::try_from(st.call(StageCall::Forward {
                         micro,

@@ -27,6 +27,8 @@ pub mod edge;
 pub mod guard;
 pub mod heal;
 pub mod holder;
+pub mod keep;
+mod keep_run;
 pub mod lanes;
 pub mod layer;
 pub mod layers;

@@ -12,6 +12,7 @@
 use super::data::{DataMsg, Shape};
 use super::guard::SpikeGuard;
 use super::heal::{HealTimings, WeightSource};
+use super::keep::AutoKeep;
 use super::msg::{EdgeMsg, LayerMsg, StageControl};
 use super::topology::{Children, Topology};
 use nsactor_checkpoint::writer::{CheckpointReport, WriteDone, Writer};
@@ -113,6 +114,8 @@ pub struct SupArgs {
     pub train: TrainConfig,
     /// The pipeline's one source of micro-batch (and session) ids.
     pub ids: Arc<IdAllocator>,
+    /// The model's parameters (what a checkpoint holds, for `keep_activations = "auto"`).
+    pub param_count: u64,
 }
 
 pub struct SupState {
@@ -145,6 +148,8 @@ pub struct SupState {
     pub(super) guard: SpikeGuard,
     /// Where the weights came from, to load them again after a rebuild (serving).
     pub(super) weights: Option<WeightSource>,
+    /// `keep_activations = "auto"` while it measures and checks (`super::keep_run`).
+    pub(super) auto_keep: Option<AutoKeep>,
 }
 
 impl SupState {
@@ -162,7 +167,11 @@ impl SupState {
         guarded: bool,
     ) -> Result<StepStats, RuntimeError> {
         self.check()?;
+        self.keep_before();
         let r = self.train_step_inner(batches, p, guarded).await;
+        if r.is_ok() {
+            self.keep_after();
+        }
         if let Err(e) = &r {
             self.world_failed(e);
         }
@@ -297,6 +306,8 @@ impl Actor for Supervisor {
         let c = a.children.read().unwrap_or_else(|e| e.into_inner()).clone();
         let others = a.others;
         let guard = SpikeGuard::new(a.train.loss_spike_factor, a.train.loss_spike_window);
+        let auto_keep = super::keep_run::auto_keep(&a.topo, &a.train, a.param_count);
+        a.topo.keep.set_settled(auto_keep.is_none());
         Ok(SupState {
             stages: a.topo.replicas[0].plan.num_stages(),
             topo: a.topo,
@@ -316,6 +327,7 @@ impl Actor for Supervisor {
             writer: Writer::default(),
             guard,
             weights: None,
+            auto_keep,
         })
     }
 

@@ -153,8 +153,8 @@ pub struct Topology {
     pub prefix: String,
     pub fault: Option<Arc<FaultPlan>>,
     /// Layers per stage, counted from its last, whose training forwards keep their autodiff
-    /// graph (`[train] keep_activations`).
-    pub keep_activations: usize,
+    /// graph (`[train] keep_activations`; the supervisor may change it between steps).
+    pub keep: super::keep::KeepLayers,
     /// The other processes of the run, when it has several ([`super::world`]).
     pub world: Option<Arc<super::world::WorldLink>>,
     /// Stage reductions go through the backend's collectives ([`super::collective`]): with a
@@ -304,7 +304,8 @@ impl Topology {
                 LayerActor,
                 LayerArgs {
                     index: i,
-                    keep_graph: plan.stages[stage_of(i)].layers.end - i <= self.keep_activations,
+                    from_end: plan.stages[stage_of(i)].layers.end - i,
+                    keep: self.keep.clone(),
                     stage: StageHolder::new(
                         format!("layer {i}"),
                         stage,

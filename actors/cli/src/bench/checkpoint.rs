@@ -111,6 +111,9 @@ pub fn run(a: CheckpointBenchArgs) -> CliResult {
         batch_size: a.batch_size,
         ..a.layout.overrides()?
     })?;
+    // Checkpoints are taken beside steps here: `keep_activations = "auto"` leaves room for
+    // the snapshot as in a run that checkpoints.
+    cfg.train.checkpoint_every = cfg.train.checkpoint_every.max(1);
     let compute = launch::open_backend(&cfg, a.layout.backend.as_deref())?;
     let info = compute.info();
     let mut pipeline = launch::launch(compute.clone(), &cfg, OptimizerKind::Adam, None)?;

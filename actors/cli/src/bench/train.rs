@@ -73,7 +73,10 @@ pub fn train_throughput(
         workers,
         device_note: None,
     };
-    for i in 0..warmup + steps {
+    // Steps are warm-up while `keep_activations = "auto"` is still measuring, too.
+    let mut i = 0;
+    while out.steps.len() < steps {
+        let warm = i < warmup || !pipeline.keep_activations_settled();
         let batches = synthetic_batches(
             train.batch_size,
             train.seq_len,
@@ -89,7 +92,7 @@ pub fn train_throughput(
         };
         let (before, before_t) = (busy_now(pipeline), pipeline.transfers());
         // The device-time window brackets the timed steps only (it waits for the device first).
-        let timed = i >= warmup && timing.is_some();
+        let timed = !warm && timing.is_some();
         if timed && let Some(Err(e)) = timing.map(|c| c.diagnose(&Diagnostic::TimingStart)) {
             out.device_note = Some(e.to_string());
             timing = None;
@@ -120,11 +123,12 @@ pub fn train_throughput(
             transfer,
             device,
         };
-        if i < warmup {
+        if warm {
             out.warmup.push(record);
         } else {
             out.steps.push(record);
         }
+        i += 1;
     }
     Ok(out)
 }
@@ -145,7 +149,8 @@ pub struct TrainBenchArgs {
     /// Override [train].accumulation (micro-batches per step).
     #[arg(long)]
     accumulation: Option<usize>,
-    /// Untimed steps first (kernel compilation, autotuning, pool growth).
+    /// Untimed steps first (kernel compilation, autotuning, pool growth), and any more
+    /// that `--keep-activations auto` measures.
     #[arg(long, default_value_t = 2)]
     warmup: usize,
     /// Timed steps (the median is reported).
@@ -181,15 +186,7 @@ pub fn run(a: TrainBenchArgs) -> crate::result::CliResult {
     let mut pipeline = launch::launch(compute.clone(), &cfg, OptimizerKind::Adam, None)?;
     let params = pipeline.param_count();
     let plan = pipeline.plan().clone();
-    // Layers that recompute their forward in the backward: all but the last `keep_activations`
-    // of each stage.
-    let recomputed: usize = plan
-        .stages
-        .iter()
-        .map(|s| s.layers.len().saturating_sub(cfg.train.keep_activations))
-        .sum();
     let model_flops = train_flops_per_token(&cfg.model, 0);
-    let executed_flops = train_flops_per_token(&cfg.model, recomputed);
     let open_s = t_open.elapsed().as_secs_f64();
     let precision = cfg.backend.precision.as_deref().unwrap_or("fp32");
     let used: Vec<&str> = devices.iter().map(|&d| info.devices[d].as_str()).collect();
@@ -236,6 +233,10 @@ pub fn run(a: TrainBenchArgs) -> crate::result::CliResult {
         .flat_map(|p| p.stages.iter().map(|s| s.device))
         .collect::<std::collections::BTreeSet<_>>()
         .len();
+    // `auto` chooses from device memory where the backend reports it (elsewhere it keeps
+    // none at once); its measuring steps are warm-up.
+    let auto = cfg.train.keep_activations.is_auto()
+        && crate::capacity::device_memory(compute.as_ref()).is_some();
     let r = train_throughput(
         &mut pipeline,
         &cfg.train,
@@ -262,6 +263,25 @@ pub fn run(a: TrainBenchArgs) -> crate::result::CliResult {
             }
         );
     }
+    // Layers that recompute their forward in the backward: all but the last `keep` of each
+    // stage (`auto`: what it chose).
+    let keep = pipeline.keep_activations();
+    let recomputed: usize = plan
+        .stages
+        .iter()
+        .map(|s| s.layers.len().saturating_sub(keep))
+        .sum();
+    println!(
+        "kept layers: the last {keep} of each stage keep their forward's graph ({})",
+        match cfg.train.keep_activations {
+            _ if auto => "auto: chosen from the device memory of the warm-up steps",
+            nsactor_engine::config::KeepActivations::Auto => {
+                "auto: this backend reports no device memory"
+            }
+            _ => "keep_activations",
+        }
+    );
+    let executed_flops = train_flops_per_token(&cfg.model, recomputed);
     let step = r.median_step_s();
     let tflops = r.tokens_per_s() * model_flops / 1e12;
     let executed = r.tokens_per_s() * executed_flops / 1e12;

@@ -11,6 +11,7 @@ use nsactor_engine::config::TrainConfig;
 use nsactor_engine::engine::StagedModel;
 use nsactor_engine::error::RuntimeError;
 use nsactor_pipeline::data::{DataActor, DataMsg};
+use nsactor_pipeline::keep::KeepLayers;
 use nsactor_pipeline::plan::PipelinePlan;
 use nsactor_pipeline::supervisor::{SupArgs, SupMsg, Supervisor};
 use nsactor_pipeline::topology::{self, Children, children_cells};
@@ -78,6 +79,7 @@ impl Pipeline {
                     && rt.block_on(nsactor_pipeline::world::collectives_available(&backend))
             }
         };
+        let keep = KeepLayers::new(train.keep_activations.fixed().unwrap_or(0));
         let topo = topology::Topology {
             backend: backend.clone(),
             spec,
@@ -85,7 +87,7 @@ impl Pipeline {
             hold_grads: dp_reduce == nsactor_engine::schedule::DpReduce::Ordered,
             prefix: format!("pipeline{id}"),
             fault,
-            keep_activations: train.keep_activations,
+            keep: keep.clone(),
             world,
             collectives: collectives.then(Default::default),
         };
@@ -99,6 +101,7 @@ impl Pipeline {
                 train,
                 ids: ids.clone(),
                 id,
+                param_count,
             }
             .actors(),
         )?;
@@ -122,6 +125,7 @@ impl Pipeline {
             backend,
             param_count,
             sessions,
+            keep,
         })
     }
 }
@@ -182,6 +186,7 @@ struct Spawn {
     train: TrainConfig,
     ids: Arc<IdAllocator>,
     id: u64,
+    param_count: u64,
 }
 
 /// The supervisor, the current edge and layer actors (shared with it), and the data actor.
@@ -203,6 +208,7 @@ impl Spawn {
             train,
             ids,
             id,
+            param_count,
         } = self;
         let rt_err = |e: ractor::SpawnErr| RuntimeError::Runtime(e.to_string());
         let children = topo.spawn(0, edge_stage, layer_stages, 0).await?;
@@ -232,6 +238,7 @@ impl Spawn {
                 data: data.clone(),
                 train,
                 ids,
+                param_count,
             },
         )
         .await

@@ -1,0 +1,151 @@
+//! The run's side of `keep_activations = "auto"`: the planner built from the pipeline's
+//! placement and the run's configuration ([`auto_keep`]), and the supervisor setting the kept
+//! layers before each step and measuring device memory after it ([`SupState::keep_before`],
+//! [`SupState::keep_after`]). The choice itself is [`super::keep::AutoKeep`].
+
+use super::keep::{AutoKeep, DeviceNeeds, Observed, gib};
+use super::supervisor::SupState;
+use super::topology::Topology;
+use nsactor_engine::config::TrainConfig;
+use nsactor_plugin_api::{DeviceMemory, Diagnostic, DiagnosticReport};
+use std::collections::BTreeMap;
+
+/// Bytes a parameter holds in a stage that trains with Adam: its f32 value and two f32
+/// moments (a checkpoint's 10.49 GB for the 0.9B's 874 M parameters).
+const STATE_BYTES_PER_PARAM: u64 = 12;
+
+/// The planner for a run whose `keep_activations` is `auto`, where the backend reports device
+/// memory; `None` otherwise (a fixed number, or the CPU: then the layers keep what
+/// [`Topology::keep`] started with).
+pub fn auto_keep(topo: &Topology, train: &TrainConfig, param_count: u64) -> Option<AutoKeep> {
+    if !train.keep_activations.is_auto() {
+        return None;
+    }
+    if device_memory(topo).is_none() {
+        tracing::info!(
+            "keep_activations auto: the {} backend reports no device memory, so every layer \
+             recomputes its forward in the backward",
+            topo.backend.info().name
+        );
+        return None;
+    }
+    let m = &topo.spec.model;
+    let num_layers = topo.replicas[0].plan.num_layers().max(1) as u64;
+    // Per device: (stages, layers) of every replica placed there.
+    let mut placed: BTreeMap<usize, (u64, u64)> = BTreeMap::new();
+    let mut max_layers = 0;
+    for r in &topo.replicas {
+        for s in &r.plan.stages {
+            let e = placed.entry(s.device).or_default();
+            e.0 += 1;
+            e.1 += s.layers.len() as u64;
+            max_layers = max_layers.max(s.layers.len());
+        }
+    }
+    // The four scan inputs of one micro-batch in bf16: what a kept layer holds at the least.
+    let frames = (train.batch_size * train.seq_len * m.k) as u64;
+    let scan_inputs = 4 * m.dn() as u64 * frames * 2;
+    let needs = placed
+        .into_iter()
+        .map(|(device, (stages, layers))| DeviceNeeds {
+            device,
+            floor_per_layer: stages * scan_inputs,
+            held_for_checkpoints: if train.checkpoint_every > 0 {
+                STATE_BYTES_PER_PARAM * param_count * layers / num_layers
+            } else {
+                0
+            },
+        })
+        .collect();
+    let cap = train
+        .memory_budget_gib
+        .map(|g| (g * (1u64 << 30) as f64) as u64);
+    Some(
+        AutoKeep::new(max_layers, cap, needs)
+            .with_spare_layers(usize::from(train.accumulation > 1)),
+    )
+}
+
+/// Each device's memory as the backend reports it, or `None` where it reports none.
+fn device_memory(topo: &Topology) -> Option<Vec<DeviceMemory>> {
+    match topo.backend.diagnose(&Diagnostic::Memory) {
+        Ok(DiagnosticReport::Memory(m)) => Some(m),
+        _ => None,
+    }
+}
+
+impl SupState {
+    /// Sets the layers the next step keeps, where `auto` is choosing them.
+    pub(super) fn keep_before(&mut self) {
+        if let Some(a) = &self.auto_keep {
+            self.topo.keep.set(a.next());
+        }
+    }
+
+    /// After a step that succeeded: measures, and logs a choice and how it came out.
+    pub(super) fn keep_after(&mut self) {
+        let Some(a) = self.auto_keep.as_mut() else {
+            return;
+        };
+        let ran = a.next();
+        let Some(memory) = device_memory(&self.topo) else {
+            return;
+        };
+        match a.observe(&memory) {
+            Observed::Measuring => tracing::info!(
+                "keep_activations auto: measured {} with {ran} kept layer(s) per stage",
+                render(&memory)
+            ),
+            Observed::Chose { keep, devices } => {
+                let why: Vec<String> = devices
+                    .iter()
+                    .map(|d| {
+                        format!(
+                            "device {}: {:.2} GiB in use at the step before, {:.2} after \
+                             this one with {ran} kept, so {:.2} GiB a layer; {:.2} of {:.2} \
+                             GiB allowed: {} fit",
+                            d.device,
+                            gib(d.first),
+                            gib(d.second),
+                            gib(d.per_layer),
+                            gib(d.allowed),
+                            gib(d.total),
+                            d.fits
+                        )
+                    })
+                    .collect();
+                tracing::info!(
+                    "keep_activations auto: {keep} layer(s) per stage keep their forward's \
+                     graph from the next step on ({})",
+                    why.join("; ")
+                );
+                if keep == ran {
+                    // Measured at what it keeps: nothing left to learn.
+                    self.topo.keep.set_settled(true);
+                    self.auto_keep = None;
+                }
+            }
+            Observed::Settled(v) => {
+                for (device, used, predicted) in v {
+                    tracing::info!(
+                        "keep_activations auto: settled on {ran} kept layer(s) per stage; \
+                         device {device}: {:.2} GiB in use with them (predicted {:.2})",
+                        gib(used),
+                        gib(predicted)
+                    );
+                }
+                self.topo.keep.set_settled(true);
+                self.auto_keep = None;
+            }
+            Observed::Done => self.auto_keep = None,
+        }
+    }
+}
+
+fn render(memory: &[DeviceMemory]) -> String {
+    let v: Vec<String> = memory
+        .iter()
+        .map(|m| format!("device {}: {:.2} GiB", m.device, gib(m.used_bytes)))
+        .collect();
+    v.join(", ")
+}

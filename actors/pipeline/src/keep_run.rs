@@ -1,10 +1,9 @@
 //! The run's side of `keep_activations = "auto"`: the planner built from the pipeline's
-//! placement and the run's configuration ([`auto_keep`]), and the supervisor setting the kept
-//! layers before each step and measuring device memory after it ([`SupState::keep_before`],
-//! [`SupState::keep_after`]). The choice itself is [`super::keep::AutoKeep`].
+//! placement and the run's configuration ([`auto_keep`]), and what the supervisor does around
+//! each step: set the kept layers before it ([`before_step`]), measure device memory after it
+//! and log ([`after_step`]). The choice itself is [`super::keep::AutoKeep`].
 
 use super::keep::{AutoKeep, DeviceNeeds, Observed, gib};
-use super::supervisor::SupState;
 use super::topology::Topology;
 use nsactor_engine::config::TrainConfig;
 use nsactor_plugin_api::{DeviceMemory, Diagnostic, DiagnosticReport};
@@ -74,71 +73,70 @@ fn device_memory(topo: &Topology) -> Option<Vec<DeviceMemory>> {
     }
 }
 
-impl SupState {
-    /// Sets the layers the next step keeps, where `auto` is choosing them.
-    pub(super) fn keep_before(&mut self) {
-        if let Some(a) = &self.auto_keep {
-            self.topo.keep.set(a.next());
-        }
+/// Sets the layers the next step keeps, where `auto` is choosing them.
+pub fn before_step(auto: &Option<AutoKeep>, topo: &Topology) {
+    if let Some(a) = auto {
+        topo.keep.set(a.next());
     }
+}
 
-    /// After a step that succeeded: measures, and logs a choice and how it came out.
-    pub(super) fn keep_after(&mut self) {
-        let Some(a) = self.auto_keep.as_mut() else {
-            return;
-        };
-        let ran = a.next();
-        let Some(memory) = device_memory(&self.topo) else {
-            return;
-        };
-        match a.observe(&memory) {
-            Observed::Measuring => tracing::info!(
-                "keep_activations auto: measured {} with {ran} kept layer(s) per stage",
-                render(&memory)
-            ),
-            Observed::Chose { keep, devices } => {
-                let why: Vec<String> = devices
-                    .iter()
-                    .map(|d| {
-                        format!(
-                            "device {}: {:.2} GiB in use at the step before, {:.2} after \
-                             this one with {ran} kept, so {:.2} GiB a layer; {:.2} of {:.2} \
-                             GiB allowed: {} fit",
-                            d.device,
-                            gib(d.first),
-                            gib(d.second),
-                            gib(d.per_layer),
-                            gib(d.allowed),
-                            gib(d.total),
-                            d.fits
-                        )
-                    })
-                    .collect();
-                tracing::info!(
-                    "keep_activations auto: {keep} layer(s) per stage keep their forward's \
-                     graph from the next step on ({})",
-                    why.join("; ")
-                );
-                if keep == ran {
-                    // Measured at what it keeps: nothing left to learn.
-                    self.topo.keep.set_settled(true);
-                    self.auto_keep = None;
-                }
+/// After a step that succeeded: measures, and logs a choice and how it came out; `auto`
+/// becomes `None` once the choice is settled.
+pub fn after_step(auto: &mut Option<AutoKeep>, topo: &Topology) {
+    let Some(a) = auto.as_mut() else {
+        return;
+    };
+    let ran = a.next();
+    let Some(memory) = device_memory(topo) else {
+        return;
+    };
+    match a.observe(&memory) {
+        Observed::Measuring => tracing::info!(
+            "keep_activations auto: measured {} with {ran} kept layer(s) per stage",
+            render(&memory)
+        ),
+        Observed::Chose { keep, devices } => {
+            let why: Vec<String> = devices
+                .iter()
+                .map(|d| {
+                    format!(
+                        "device {}: {:.2} GiB in use at the step before, {:.2} after \
+                         this one with {ran} kept, so {:.2} GiB a layer; {:.2} of {:.2} \
+                         GiB allowed: {} fit",
+                        d.device,
+                        gib(d.first),
+                        gib(d.second),
+                        gib(d.per_layer),
+                        gib(d.allowed),
+                        gib(d.total),
+                        d.fits
+                    )
+                })
+                .collect();
+            tracing::info!(
+                "keep_activations auto: {keep} layer(s) per stage keep their forward's \
+                 graph from the next step on ({})",
+                why.join("; ")
+            );
+            if keep == ran {
+                // Measured at what it keeps: nothing left to learn.
+                topo.keep.set_settled(true);
+                *auto = None;
             }
-            Observed::Settled(v) => {
-                for (device, used, predicted) in v {
-                    tracing::info!(
-                        "keep_activations auto: settled on {ran} kept layer(s) per stage; \
-                         device {device}: {:.2} GiB in use with them (predicted {:.2})",
-                        gib(used),
-                        gib(predicted)
-                    );
-                }
-                self.topo.keep.set_settled(true);
-                self.auto_keep = None;
-            }
-            Observed::Done => self.auto_keep = None,
         }
+        Observed::Settled(v) => {
+            for (device, used, predicted) in v {
+                tracing::info!(
+                    "keep_activations auto: settled on {ran} kept layer(s) per stage; \
+                     device {device}: {:.2} GiB in use with them (predicted {:.2})",
+                    gib(used),
+                    gib(predicted)
+                );
+            }
+            topo.keep.set_settled(true);
+            *auto = None;
+        }
+        Observed::Done => *auto = None,
     }
 }
 

@@ -13,6 +13,7 @@ use super::data::{DataMsg, Shape};
 use super::guard::SpikeGuard;
 use super::heal::{HealTimings, WeightSource};
 use super::keep::AutoKeep;
+use super::keep_run;
 use super::msg::{EdgeMsg, LayerMsg, StageControl};
 use super::topology::{Children, Topology};
 use nsactor_checkpoint::writer::{CheckpointReport, WriteDone, Writer};
@@ -148,7 +149,7 @@ pub struct SupState {
     pub(super) guard: SpikeGuard,
     /// Where the weights came from, to load them again after a rebuild (serving).
     pub(super) weights: Option<WeightSource>,
-    /// `keep_activations = "auto"` while it measures and checks (`super::keep_run`).
+    /// `keep_activations = "auto"` while it measures and checks ([`keep_run`]).
     pub(super) auto_keep: Option<AutoKeep>,
 }
 
@@ -167,10 +168,10 @@ impl SupState {
         guarded: bool,
     ) -> Result<StepStats, RuntimeError> {
         self.check()?;
-        self.keep_before();
+        keep_run::before_step(&self.auto_keep, &self.topo);
         let r = self.train_step_inner(batches, p, guarded).await;
         if r.is_ok() {
-            self.keep_after();
+            keep_run::after_step(&mut self.auto_keep, &self.topo);
         }
         if let Err(e) = &r {
             self.world_failed(e);
@@ -306,7 +307,7 @@ impl Actor for Supervisor {
         let c = a.children.read().unwrap_or_else(|e| e.into_inner()).clone();
         let others = a.others;
         let guard = SpikeGuard::new(a.train.loss_spike_factor, a.train.loss_spike_window);
-        let auto_keep = super::keep_run::auto_keep(&a.topo, &a.train, a.param_count);
+        let auto_keep = keep_run::auto_keep(&a.topo, &a.train, a.param_count);
         a.topo.keep.set_settled(auto_keep.is_none());
         Ok(SupState {
             stages: a.topo.replicas[0].plan.num_stages(),

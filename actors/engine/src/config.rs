@@ -232,7 +232,7 @@ pub struct TrainConfig {
     /// graph until their backward instead of recomputing the forward there (`0`: every layer
     /// recomputes, i.e. activation checkpointing per layer). Each kept layer saves one forward
     /// pass per micro-batch and holds its activations meanwhile: at the 0.9B shape in bf16
-    /// about 2 MB per token of the micro-batch (14 GiB at 14 × 511). `auto`, the default,
+    /// about 2 MB per token of the micro-batch (14–15 GiB at 14 × 511). `auto`, the default,
     /// measures the device memory the first two steps take with 1 and then 3 kept layers per
     /// stage and keeps as many as fit under [`memory_budget_gib`](Self::memory_budget_gib) from
     /// the third step on (the log says what it measured and chose); on a backend that reports
@@ -240,10 +240,11 @@ pub struct TrainConfig {
     #[serde(default)]
     pub keep_activations: KeepActivations,
     /// The device memory in use (GiB per device, as the driver counts it: everything
-    /// allocated on the device) that `keep_activations = "auto"` may fill. Default: the
-    /// device's total less a reserve (2 % of it, at least 2 GiB), less the stages' parameters
-    /// and optimizer state again when checkpoints are written during the run (a background
-    /// checkpoint holds the old values while the next step's update writes new ones).
+    /// allocated on the device) that `keep_activations = "auto"` may fill, at most the
+    /// device's total less a reserve (2 % of it, at least 2 GiB; that is the default). From
+    /// either, the stages' parameters and optimizer state are held back again when checkpoints
+    /// are written during the run (a background checkpoint holds the old values while the
+    /// next step's update writes new ones).
     #[serde(default)]
     pub memory_budget_gib: Option<f64>,
     /// Devices the stages are spread over (`--devices 0,1`); default: device 0. With D

@@ -13,8 +13,10 @@
 //! budget with a tenth of a layer's cost to spare per layer (and a whole layer's where a step
 //! runs several micro-batches). The step after a choice measures again over the longer span
 //! and may raise it (never with a cost per layer below the largest measured), at most
-//! [`MAX_ROUNDS`] times. A step that fails is measured again; each choice is logged with its
-//! figures, and the last with its prediction beside the memory measured.
+//! [`MAX_ROUNDS`] times; a choice below what just ran is final (pools never shrink, so memory
+//! measured after it could only lower it again). A step that fails while it chooses sets the
+//! number back to the last that ran a step, for good ([`AutoKeep::failed`]). Each choice is
+//! logged with its figures, and the last with its prediction beside the memory measured.
 
 use nsactor_plugin_api::DeviceMemory;
 use std::sync::Arc;
@@ -22,7 +24,7 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 
 /// The number of layers per stage, counted from its last, whose training forwards keep their
 /// graph; shared by the supervisor and every layer actor.
-#[derive(Debug, Clone, Default)]
+#[derive(Debug, Clone)]
 pub struct KeepLayers {
     n: Arc<AtomicUsize>,
     /// `false` while `auto` is still measuring and may change `n`.
@@ -145,10 +147,13 @@ pub struct DeviceChoice {
 pub enum Observed {
     /// Still measuring.
     Measuring,
-    /// The choice, from the third step on: `keep` layers per stage, and why.
+    /// The choice, from the third step on: `keep` layers per stage, and why; `last` when it
+    /// is final (no more than what just ran: memory in use never comes back down, so a
+    /// measurement after lowering it could only lower it again).
     Chose {
         keep: usize,
         devices: Vec<DeviceChoice>,
+        last: bool,
     },
     /// The choice stands: each device's memory in the step that ran it, against its
     /// prediction (`device, used, predicted`). Nothing more is measured.
@@ -181,6 +186,19 @@ impl AutoKeep {
             Phase::Second { .. } => SECOND.min(self.max_layers),
             Phase::Chosen { keep, .. } | Phase::Done { keep } => *keep,
         }
+    }
+
+    /// After a step that failed while choosing (out of memory, say): the number falls back to
+    /// the last one that ran a step (none while the first is measured) and stays there.
+    pub fn failed(&mut self) -> usize {
+        let keep = match &self.phase {
+            Phase::First => 0,
+            Phase::Second { .. } => FIRST.min(self.max_layers),
+            Phase::Chosen { keep, from, .. } => (*keep).min(*from),
+            Phase::Done { keep } => *keep,
+        };
+        self.phase = Phase::Done { keep };
+        keep
     }
 
     /// After a step that ran with [`next`](Self::next) kept layers: each device's memory now.
@@ -268,15 +286,24 @@ impl AutoKeep {
                 (d.device, d.second + grow)
             })
             .collect();
-        self.phase = Phase::Chosen {
-            keep,
-            from: k2,
-            base: b.to_vec(),
-            per_layer: devices.iter().map(|d| (d.device, d.per_layer)).collect(),
-            predicted,
-            rounds,
+        let last = keep <= k2;
+        self.phase = if last {
+            Phase::Done { keep }
+        } else {
+            Phase::Chosen {
+                keep,
+                from: k2,
+                base: b.to_vec(),
+                per_layer: devices.iter().map(|d| (d.device, d.per_layer)).collect(),
+                predicted,
+                rounds,
+            }
         };
-        Observed::Chose { keep, devices }
+        Observed::Chose {
+            keep,
+            devices,
+            last,
+        }
     }
 
     /// How many layers per stage fit on one device, from its memory after `k1` and `k2` kept
@@ -395,7 +422,12 @@ mod tests {
         let mut kept = Vec::new();
         for &used in steps {
             match a.observe(&[mem(0, used)]) {
-                Observed::Chose { keep, .. } => kept.push(keep),
+                Observed::Chose { keep, last, .. } => {
+                    kept.push(keep);
+                    if last {
+                        return (kept, true);
+                    }
+                }
                 Observed::Settled(_) => return (kept, true),
                 other => panic!("{other:?}"),
             }
@@ -431,6 +463,29 @@ mod tests {
         let (kept, settled) = rounds(&mut a, &[68.5, 99.5, 116.5, 125.0]);
         assert!(kept.windows(2).all(|w| w[0] < w[1]), "{kept:?}");
         assert_eq!((kept.len(), settled), (MAX_ROUNDS, true), "{kept:?}");
+    }
+
+    #[test]
+    fn a_choice_below_what_ran_is_final_and_a_failed_step_falls_back_to_what_ran() {
+        // Under a 100 GiB cap the 0.9B at batch 14 chooses 4 (96.7 GiB predicted); 101 GiB
+        // measured gives one layer back, and that is the end: the pools never shrink, so the
+        // same reading would otherwise take another layer each round.
+        let mut a = AutoKeep::new(20, Some(100 * GIB), vec![needs(0, 0)]);
+        assert_eq!(chose(&mut a, &[mem(0, 53.46)], &[mem(0, 82.26)]), 4);
+        assert_eq!(rounds(&mut a, &[101.0]), (vec![3], true));
+        assert_eq!(a.observe(&[mem(0, 101.0)]), Observed::Done);
+        assert_eq!(a.next(), 3);
+        // A failed step while measuring, or at a raised number, goes back to what last ran.
+        let mut a = AutoKeep::new(20, None, vec![needs(0, 0)]);
+        assert_eq!(a.failed(), 0);
+        assert_eq!(a.next(), 0);
+        let mut a = AutoKeep::new(20, None, vec![needs(0, 0)]);
+        a.observe(&[mem(0, 53.46)]);
+        assert_eq!((a.failed(), a.next()), (1, 1));
+        let mut a = AutoKeep::new(20, None, vec![needs(0, 0)]);
+        assert_eq!(chose(&mut a, &[mem(0, 53.46)], &[mem(0, 82.26)]), 6);
+        assert_eq!((a.failed(), a.next()), (3, 3));
+        assert_eq!(a.observe(&[mem(0, 90.0)]), Observed::Done);
     }
 
     #[test]
@@ -479,7 +534,7 @@ mod tests {
         let second = [mem(0, 60.0), mem(1, 100.0), mem(7, 139.0)];
         // Device 0: 10 GiB a layer, 77 GiB free → 3 + 7 = 10; device 1: 20 GiB, 37 free → 4.
         match (a.observe(&first), a.observe(&second)) {
-            (Observed::Measuring, Observed::Chose { keep, devices }) => {
+            (Observed::Measuring, Observed::Chose { keep, devices, .. }) => {
                 assert_eq!(keep, 4);
                 assert_eq!(devices.iter().map(|d| d.fits).collect::<Vec<_>>(), [10, 4]);
             }

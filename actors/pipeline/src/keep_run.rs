@@ -30,14 +30,17 @@ pub fn auto_keep(topo: &Topology, train: &TrainConfig, param_count: u64) -> Opti
     }
     let m = &topo.spec.model;
     let num_layers = topo.replicas[0].plan.num_layers().max(1) as u64;
-    // Per device: (stages, layers) of every replica placed there.
+    // Per device: the stages of every replica placed there, and the layers of replica 0's
+    // (a checkpoint's snapshot holds replica 0's state only).
     let mut placed: BTreeMap<usize, (u64, u64)> = BTreeMap::new();
     let mut max_layers = 0;
-    for r in &topo.replicas {
+    for (i, r) in topo.replicas.iter().enumerate() {
         for s in &r.plan.stages {
             let e = placed.entry(s.device).or_default();
             e.0 += 1;
-            e.1 += s.layers.len() as u64;
+            if i == 0 {
+                e.1 += s.layers.len() as u64;
+            }
             max_layers = max_layers.max(s.layers.len());
         }
     }
@@ -88,6 +91,11 @@ pub fn after_step(auto: &mut Option<AutoKeep>, topo: &Topology) {
     };
     let ran = a.next();
     let Some(memory) = device_memory(topo) else {
+        tracing::warn!(
+            "keep_activations auto: the device memory report failed; {ran} kept layer(s) per \
+             stage from now on"
+        );
+        settle(auto, topo);
         return;
     };
     match a.observe(&memory) {
@@ -95,7 +103,11 @@ pub fn after_step(auto: &mut Option<AutoKeep>, topo: &Topology) {
             "keep_activations auto: measured {} with {ran} kept layer(s) per stage",
             render(&memory)
         ),
-        Observed::Chose { keep, devices } => {
+        Observed::Chose {
+            keep,
+            devices,
+            last,
+        } => {
             let why: Vec<String> = devices
                 .iter()
                 .map(|d| {
@@ -118,10 +130,8 @@ pub fn after_step(auto: &mut Option<AutoKeep>, topo: &Topology) {
                  graph from the next step on ({})",
                 why.join("; ")
             );
-            if keep == ran {
-                // Measured at what it keeps: nothing left to learn.
-                topo.keep.set_settled(true);
-                *auto = None;
+            if last {
+                settle(auto, topo);
             }
         }
         Observed::Settled(v) => {
@@ -133,11 +143,31 @@ pub fn after_step(auto: &mut Option<AutoKeep>, topo: &Topology) {
                     gib(predicted)
                 );
             }
-            topo.keep.set_settled(true);
-            *auto = None;
+            settle(auto, topo);
         }
-        Observed::Done => *auto = None,
+        Observed::Done => settle(auto, topo),
     }
+}
+
+/// After a step that failed: while `auto` is choosing, the number falls back to the last that
+/// ran a step and stays there ([`AutoKeep::failed`]).
+pub fn step_failed(auto: &mut Option<AutoKeep>, topo: &Topology) {
+    let Some(a) = auto.as_mut() else {
+        return;
+    };
+    let (ran, keep) = (a.next(), a.failed());
+    tracing::warn!(
+        "keep_activations auto: a step with {ran} kept layer(s) per stage failed; {keep} from \
+         now on"
+    );
+    topo.keep.set(keep);
+    settle(auto, topo);
+}
+
+/// The number is final: the layers keep what is set, and `auto` is done.
+fn settle(auto: &mut Option<AutoKeep>, topo: &Topology) {
+    topo.keep.set_settled(true);
+    *auto = None;
 }
 
 fn render(memory: &[DeviceMemory]) -> String {

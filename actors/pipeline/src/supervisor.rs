@@ -170,8 +170,9 @@ impl SupState {
         self.check()?;
         keep_run::before_step(&self.auto_keep, &self.topo);
         let r = self.train_step_inner(batches, p, guarded).await;
-        if r.is_ok() {
-            keep_run::after_step(&mut self.auto_keep, &self.topo);
+        match &r {
+            Ok(_) => keep_run::after_step(&mut self.auto_keep, &self.topo),
+            Err(_) => keep_run::step_failed(&mut self.auto_keep, &self.topo),
         }
         if let Err(e) = &r {
             self.world_failed(e);

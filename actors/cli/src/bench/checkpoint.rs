@@ -133,11 +133,14 @@ pub fn run(a: CheckpointBenchArgs) -> CliResult {
         info.devices.first().map_or("", String::as_str),
         a.dir.display()
     );
-    // Two steps: kernels compiled, every Adam moment written.
+    // Two steps: kernels compiled, every Adam moment written; more while `keep_activations =
+    // "auto"` is still choosing, so every timed step keeps the same layers.
     let mut seed = cfg.train.seed;
-    for _ in 0..2 {
+    let mut warm = 0;
+    while warm < 2 || !pipeline.keep_activations_settled() {
         step(&mut pipeline, &cfg, seed)?;
         seed += 1;
+        warm += 1;
     }
     let base: Vec<f64> = (0..a.steps)
         .map(|_| {

@@ -141,6 +141,26 @@ mod tests {
     }
 
     #[test]
+    fn a_checkpoints_config_text_reads_back_the_same() {
+        for lines in [
+            "",
+            "keep_activations = 7",
+            "keep_activations = \"auto\"\nmemory_budget_gib = 96.5",
+        ] {
+            let c = with_train(lines).unwrap();
+            let back = RunConfig::from_str(&c.to_toml(), "manifest").unwrap();
+            assert_eq!(
+                back.train.keep_activations, c.train.keep_activations,
+                "{lines}"
+            );
+            assert_eq!(
+                back.train.memory_budget_gib, c.train.memory_budget_gib,
+                "{lines}"
+            );
+        }
+    }
+
+    #[test]
     fn bad_values_are_refused_naming_the_key_and_what_it_takes() {
         let e = with_train("keep_activations = \"all\"")
             .unwrap_err()

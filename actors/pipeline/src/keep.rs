@@ -179,11 +179,16 @@ impl AutoKeep {
         self
     }
 
+    /// The kept layers per stage of the two measured steps (fewer where stages are short).
+    fn measured(&self) -> (usize, usize) {
+        (FIRST.min(self.max_layers), SECOND.min(self.max_layers))
+    }
+
     /// Layers per stage the next step should keep.
     pub fn next(&self) -> usize {
         match &self.phase {
-            Phase::First => FIRST.min(self.max_layers),
-            Phase::Second { .. } => SECOND.min(self.max_layers),
+            Phase::First => self.measured().0,
+            Phase::Second { .. } => self.measured().1,
             Phase::Chosen { keep, .. } | Phase::Done { keep } => *keep,
         }
     }
@@ -193,7 +198,7 @@ impl AutoKeep {
     pub fn failed(&mut self) -> usize {
         let keep = match &self.phase {
             Phase::First => 0,
-            Phase::Second { .. } => FIRST.min(self.max_layers),
+            Phase::Second { .. } => self.measured().0,
             Phase::Chosen { keep, from, .. } => (*keep).min(*from),
             Phase::Done { keep } => *keep,
         };
@@ -211,14 +216,15 @@ impl AutoKeep {
         match std::mem::replace(&mut self.phase, Phase::First) {
             Phase::First => {
                 self.phase = Phase::Second { first: mine };
-                if SECOND.min(self.max_layers) == FIRST.min(self.max_layers) {
+                let (k1, k2) = self.measured();
+                if k1 == k2 {
                     // Nothing more to measure: keep what fits of the one or no layer.
                     return self.observe(memory);
                 }
                 Observed::Measuring
             }
             Phase::Second { first } => {
-                let (k1, k2) = (FIRST.min(self.max_layers), SECOND.min(self.max_layers));
+                let (k1, k2) = self.measured();
                 self.choose(&first, &mine, k1, k2, &[], 0)
             }
             Phase::Chosen {

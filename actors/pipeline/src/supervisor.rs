@@ -172,10 +172,10 @@ impl SupState {
         let r = self.train_step_inner(batches, p, guarded).await;
         match &r {
             Ok(_) => keep_run::after_step(&mut self.auto_keep, &self.topo),
-            Err(_) => keep_run::step_failed(&mut self.auto_keep, &self.topo),
-        }
-        if let Err(e) = &r {
-            self.world_failed(e);
+            Err(e) => {
+                keep_run::step_failed(&mut self.auto_keep, &self.topo);
+                self.world_failed(e);
+            }
         }
         if r.is_err() && self.dead_child().is_none() && self.broken.is_none() {
             // Leave no half-accumulated gradients behind; the step is skipped.

@@ -21,8 +21,14 @@ fn mix(mut x: u64) -> u64 {
     x ^ (x >> 31)
 }
 
-/// Vectors at least this long are drawn on several threads.
+/// Vectors at least this long are large: drawn on several threads, and their buffers kept for
+/// the next draws ([`recycle`]).
 const PARALLEL_MIN: usize = 1 << 20;
+
+/// Normal draws (a logarithm, a square root and a cosine each) at least this long are drawn on
+/// several threads too: a 0.9B layer's two `D × D` output projections (0.8 M values each) took
+/// ~50 ms on one core, a quarter of the layer's opening on the H200 (HISTORY, session 58).
+const PARALLEL_MIN_NORMAL: usize = 1 << 16;
 
 /// Host buffers of this many bytes at most are kept for reuse ([`recycle`]).
 const SPARE_BYTES: usize = 256 << 20;
@@ -154,8 +160,15 @@ impl Rng {
     }
 
     /// `n` values, value `i` made from the draws after the first `per·i` of those left
-    /// (`per` draws each); the stream moves on by `per·n`.
-    fn vec(&mut self, n: usize, per: u64, value: impl Fn(&Rng, u64) -> f32 + Sync) -> Vec<f32> {
+    /// (`per` draws each) and its index; the stream moves on by `per·n`. At least `parallel`
+    /// values are drawn on several threads.
+    fn vec(
+        &mut self,
+        n: usize,
+        per: u64,
+        parallel: usize,
+        value: impl Fn(&Rng, u64, usize) -> f32 + Sync,
+    ) -> Vec<f32> {
         if self.blank {
             return Vec::new();
         }
@@ -165,11 +178,12 @@ impl Rng {
         let mut out = spare(n);
         let fill = |start: usize, slice: &mut [std::mem::MaybeUninit<f32>]| {
             for (i, v) in slice.iter_mut().enumerate() {
-                v.write(value(this, base + per * (start + i) as u64));
+                let i = start + i;
+                v.write(value(this, base + per * i as u64, i));
             }
         };
         let room = &mut out.spare_capacity_mut()[..n];
-        let threads = if n >= PARALLEL_MIN {
+        let threads = if n >= parallel {
             std::thread::available_parallelism().map_or(1, |t| t.get().min(32))
         } else {
             1
@@ -192,13 +206,26 @@ impl Rng {
     }
 
     pub fn uniform_vec(&mut self, n: usize, lo: f64, hi: f64) -> Vec<f32> {
-        self.vec(n, 1, |r, k| {
-            (lo + (hi - lo) * Self::unit(r.at(k + 1))) as f32
+        self.uniform_vec_then(n, lo, hi, |_, x| x)
+    }
+
+    /// [`uniform_vec`](Self::uniform_vec) with `then(i, x)` applied to value `i` as it is
+    /// drawn (a per-row or per-column scaling), on the drawing threads: the same values as
+    /// applying it afterwards, without another pass over the vector on one core.
+    pub fn uniform_vec_then(
+        &mut self,
+        n: usize,
+        lo: f64,
+        hi: f64,
+        then: impl Fn(usize, f32) -> f32 + Sync,
+    ) -> Vec<f32> {
+        self.vec(n, 1, PARALLEL_MIN, |r, k, i| {
+            then(i, (lo + (hi - lo) * Self::unit(r.at(k + 1))) as f32)
         })
     }
 
     pub fn normal_vec(&mut self, n: usize, mean: f64, std: f64) -> Vec<f32> {
-        self.vec(n, 2, |r, k| {
+        self.vec(n, 2, PARALLEL_MIN_NORMAL, |r, k, _| {
             let z = Self::box_muller(Self::unit(r.at(k + 1)), Self::unit(r.at(k + 2)));
             (mean + std * z) as f32
         })
@@ -207,8 +234,19 @@ impl Rng {
 
 /// `kaiming_uniform_(a=√5)` on a `(out, in)` weight: `U(±1/√fan_in)`.
 pub fn kaiming(rng: &mut Rng, out: usize, fan_in: usize) -> Vec<f32> {
+    kaiming_then(rng, out, fan_in, |_, x| x)
+}
+
+/// [`kaiming`] with `then(i, x)` applied to value `i` (row-major) as it is drawn
+/// ([`Rng::uniform_vec_then`]).
+pub fn kaiming_then(
+    rng: &mut Rng,
+    out: usize,
+    fan_in: usize,
+    then: impl Fn(usize, f32) -> f32 + Sync,
+) -> Vec<f32> {
     let bound = 1.0 / (fan_in as f64).sqrt();
-    rng.uniform_vec(out * fan_in, -bound, bound)
+    rng.uniform_vec_then(out * fan_in, -bound, bound, then)
 }
 
 /// `xavier_uniform_` on a `(out, in)` weight: `U(±√(6/(in+out)))`.
@@ -353,7 +391,7 @@ mod tests {
     /// where the vector left it.
     #[test]
     fn vectors_equal_scalar_draws_on_any_thread_count() {
-        for n in [5, PARALLEL_MIN + 3] {
+        for n in [5, PARALLEL_MIN_NORMAL + 3, PARALLEL_MIN + 3] {
             let (mut a, mut b) = (Rng::new(11), Rng::new(11));
             let u = a.uniform_vec(n, -0.5, 2.0);
             let want: Vec<f32> = (0..n).map(|_| b.uniform(-0.5, 2.0) as f32).collect();
@@ -362,6 +400,22 @@ mod tests {
             let want: Vec<f32> = (0..n).map(|_| (1.0 + 0.25 * b.normal()) as f32).collect();
             assert_eq!(g, want, "normal, n = {n}");
             assert_eq!(a.next_u64(), b.next_u64());
+        }
+    }
+
+    /// A function applied as the values are drawn gives the values of applying it afterwards,
+    /// on one thread or many.
+    #[test]
+    fn a_function_applied_while_drawing_equals_it_applied_after() {
+        for n in [7, PARALLEL_MIN + 5] {
+            let scale = |i: usize, x: f32| x * (1.0 + (i % 3) as f32 * 0.25);
+            let drawn = kaiming_then(&mut Rng::new(4), 1, n, scale);
+            let after: Vec<f32> = kaiming(&mut Rng::new(4), 1, n)
+                .into_iter()
+                .enumerate()
+                .map(|(i, x)| scale(i, x))
+                .collect();
+            assert_eq!(drawn, after, "n = {n}");
         }
     }
 

@@ -1,7 +1,7 @@
 //! SNNBlock: seven projections, fused modulation and the selective hidden PLIF scan (SPEC §2.3).
 
 use crate::config::ModelConfig;
-use crate::init::{BlockInitTable, Rng, kaiming};
+use crate::init::{BlockInitTable, Rng, kaiming, kaiming_then};
 use crate::neurons::{param, weight};
 use crate::params::{Derived, Linear, decoding_pass, impl_params};
 use burn::tensor::{Tensor, activation::sigmoid, backend::Backend};
@@ -67,28 +67,17 @@ impl<B: SnnOps> SnnBlock<B> {
         let b_th = (0..dn)
             .map(|r| (table.b_th[r % n] + 0.02 * rng.normal()) as f32)
             .collect();
-        let mut w_in = kaiming(rng, dn, d);
-        for (r, row) in w_in.chunks_exact_mut(d).enumerate() {
-            let s = table.w_in_scale[r % n] as f32;
-            row.iter_mut().for_each(|x| *x *= s);
-        }
-        let small = |rng: &mut Rng| {
-            kaiming(rng, dn, d)
-                .into_iter()
-                .map(|x| x * 0.1)
-                .collect::<Vec<_>>()
-        };
+        // The scalings are applied as the values are drawn, on the drawing threads.
+        let w_in_scale: Vec<f32> = table.w_in_scale.iter().map(|&s| s as f32).collect();
+        let w_in = kaiming_then(rng, dn, d, |i, x| x * w_in_scale[(i / d) % n]);
+        let small = |rng: &mut Rng| kaiming_then(rng, dn, d, |_, x| x * 0.1);
         let w_beta_x = small(rng);
         let w_alpha_x = small(rng);
         let w_th_x = small(rng);
         let w_gate = kaiming(rng, d, d);
         let w_skip = kaiming(rng, d, d);
-        let mut w_out = kaiming(rng, d, dn);
-        for row in w_out.chunks_exact_mut(dn) {
-            for (r, x) in row.iter_mut().enumerate() {
-                *x *= table.w_out_scale[r % n] as f32;
-            }
-        }
+        let w_out_scale: Vec<f32> = table.w_out_scale.iter().map(|&s| s as f32).collect();
+        let w_out = kaiming_then(rng, d, dn, |i, x| x * w_out_scale[(i % dn) % n]);
         SnnBlock {
             b_beta: param(b_beta, [dn], device),
             b_alpha: param(b_alpha, [dn], device),

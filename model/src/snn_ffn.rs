@@ -1,7 +1,7 @@
 //! SNNFFN: merged gate/up projection, one merged row-parameter scan, leak × leak gating (SPEC §2.3).
 
 use crate::config::{ModelConfig, PlifOut};
-use crate::init::{Rng, kaiming};
+use crate::init::{Rng, kaiming, kaiming_then};
 use crate::neurons::{PlifNode, weight};
 use crate::params::{Derived, Linear, decoding_pass, impl_params};
 use burn::tensor::{Tensor, activation::sigmoid, backend::Backend};
@@ -44,10 +44,7 @@ impl<B: SnnOps> SnnFfn<B> {
         let gate = kaiming(rng, f, d);
         let up = kaiming(rng, f, d);
         let down_scale = 1.0 / (cfg.num_layers as f32).sqrt();
-        let down: Vec<f32> = kaiming(rng, d, f)
-            .into_iter()
-            .map(|x| x * down_scale)
-            .collect();
+        let down = kaiming_then(rng, d, f, |_, x| x * down_scale);
         let skip = kaiming(rng, d, d);
         SnnFfn {
             gate_proj: lin(gate, f, d),

@@ -74,12 +74,17 @@ impl Startup {
 
     /// The `metrics.jsonl` record: the total and every phase by name.
     pub fn event(&self) -> serde_json::Value {
+        self.event_named("startup")
+    }
+
+    /// [`event`](Self::event) under another event name (the end of a run's is `end`).
+    pub fn event_named(&self, event: &str) -> serde_json::Value {
         let phases: serde_json::Map<String, serde_json::Value> = self
             .phases
             .iter()
             .map(|(n, s)| (n.to_string(), serde_json::json!(s)))
             .collect();
-        serde_json::json!({"event": "startup", "seconds": self.total(), "phases": phases})
+        serde_json::json!({"event": event, "seconds": self.total(), "phases": phases})
     }
 }
 
@@ -101,6 +106,7 @@ mod tests {
         assert!(s.phases_line().contains(", b 0.0"));
         let e = s.event();
         assert_eq!(e["event"], "startup");
+        assert_eq!(s.event_named("end")["event"], "end");
         assert!(e["phases"]["b"].as_f64().unwrap() >= 0.03);
     }
 }

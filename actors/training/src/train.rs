@@ -158,6 +158,9 @@ struct Run<'a> {
     /// Heard once the final write has read every stage back: the last evaluation and the
     /// work after the last step wait for it rather than slow its reads (and be slowed).
     final_reads: Option<std::sync::mpsc::Receiver<()>>,
+    /// The end's clock, started when the last step ended: its phases (the final reads, the
+    /// last evaluation, then [`finish`](Self::finish)'s) are logged as one line.
+    end: Option<Startup>,
 }
 
 impl<'a> Run<'a> {
@@ -230,6 +233,7 @@ impl<'a> Run<'a> {
             after_last_step,
             final_in_flight: false,
             final_reads: None,
+            end: None,
         })
     }
 
@@ -425,8 +429,11 @@ impl<'a> Run<'a> {
             // after the last step then run beside their disk writes. Beside the reads, the
             // evaluation slowed them to 15 s against 4 s alone, and a sample that compiled
             // its kernels took the run's end to 22 s against 12 s (sessions 52 and 53).
+            let mut end = Startup::new();
             self.start_final(pipeline)?;
             self.wait_final_reads();
+            end.mark("the final checkpoint's reads");
+            self.end = Some(end);
         }
         if let Some(h) = self.held_out.as_mut()
             && (step.is_multiple_of(t.eval_every) || step == t.steps)
@@ -439,6 +446,9 @@ impl<'a> Run<'a> {
                 &mut |l| self.metrics.log(l),
                 self.live,
             )?;
+            if let Some(end) = self.end.as_mut().filter(|_| step == t.steps) {
+                end.mark("the last evaluation");
+            }
         }
         let signal = self.stop.and_then(StopRequest::requested);
         let periodic = t.checkpoint_every > 0 && step.is_multiple_of(t.checkpoint_every);

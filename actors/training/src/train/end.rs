@@ -5,7 +5,6 @@
 
 use super::records::{draw_curves, written};
 use super::{Run, RunSummary};
-use crate::startup::Startup;
 use nsactor_decoding::Pipeline;
 use nsactor_engine::error::RuntimeError;
 use std::path::PathBuf;
@@ -79,8 +78,9 @@ impl Run<'_> {
         if !self.leader {
             return Ok(self.summary(PathBuf::new()));
         }
-        // Where the time after the last step goes, phase by phase (as the start's).
-        let mut end = Startup::new();
+        // Where the time after the last step goes, phase by phase (as the start's), from the
+        // end of the last step (or from here in a process that ran none).
+        let mut end = self.end.take().unwrap_or_default();
         if !self.final_in_flight {
             if let Some(w) = pipeline.finish_checkpoint().transpose() {
                 written(w, &mut |l| self.metrics.log(l))?;
@@ -134,6 +134,7 @@ impl Run<'_> {
             "the rest of the final checkpoint and weights"
         });
         tracing::info!("after the last step: {}", end.phases_line());
+        self.metrics.log(end.event_named("end"))?;
         let after_last_step = after.transpose()?;
         Ok(RunSummary {
             after_last_step,

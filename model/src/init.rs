@@ -160,8 +160,8 @@ impl Rng {
     }
 
     /// `n` values, value `i` made from the draws after the first `per·i` of those left
-    /// (`per` draws each) and its index; the stream moves on by `per·n`. At least `parallel`
-    /// values are drawn on several threads.
+    /// (`per` draws each) and its index; the stream moves on by `per·n`. Vectors of at least
+    /// `parallel` values are drawn on several threads.
     fn vec(
         &mut self,
         n: usize,
@@ -387,8 +387,8 @@ mod tests {
     use super::*;
 
     /// A vector is the same draws as the scalar calls one after another, on one thread or
-    /// many (a vector past `PARALLEL_MIN` is drawn in slices), and the stream goes on from
-    /// where the vector left it.
+    /// many (a vector past `PARALLEL_MIN`, or a normal one past `PARALLEL_MIN_NORMAL`, is
+    /// drawn in slices), and the stream goes on from where the vector left it.
     #[test]
     fn vectors_equal_scalar_draws_on_any_thread_count() {
         for n in [5, PARALLEL_MIN_NORMAL + 3, PARALLEL_MIN + 3] {

@@ -158,8 +158,9 @@ struct Run<'a> {
     /// Heard once the final write has read every stage back: the last evaluation and the
     /// work after the last step wait for it rather than slow its reads (and be slowed).
     final_reads: Option<std::sync::mpsc::Receiver<()>>,
-    /// The end's clock, started when the last step ended: its phases (the final reads, the
-    /// last evaluation, then [`finish`](Self::finish)'s) are logged as one line.
+    /// The end's clock, started when the last step ended: its phases (the final checkpoint's
+    /// start and reads, the last evaluation, then [`finish`](Self::finish)'s) are logged as one
+    /// line and a `metrics.jsonl` `end` event.
     end: Option<Startup>,
 }
 
@@ -431,6 +432,9 @@ impl<'a> Run<'a> {
             // its kernels took the run's end to 22 s against 12 s (sessions 52 and 53).
             let mut end = Startup::new();
             self.start_final(pipeline)?;
+            // Any earlier background write still in flight is waited for here (the
+            // checkpoint event's `waited_s`), then the stages are snapshot.
+            end.mark("the previous write and the final snapshot");
             self.wait_final_reads();
             end.mark("the final checkpoint's reads");
             self.end = Some(end);

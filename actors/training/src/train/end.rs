@@ -100,7 +100,9 @@ impl Run<'_> {
         let started_here = !self.final_in_flight;
         if started_here {
             self.start_final(pipeline)?;
+            end.mark("the previous write and the final snapshot");
             self.wait_final_reads();
+            end.mark("the final checkpoint's reads");
         }
         // `loss.png` on a host thread beside the work on the device, both while the host
         // writes; the work's failure is reported once the write ended.
@@ -134,8 +136,12 @@ impl Run<'_> {
             "the rest of the final checkpoint and weights"
         });
         tracing::info!("after the last step: {}", end.phases_line());
-        self.metrics.log(end.event_named("end"))?;
         let after_last_step = after.transpose()?;
+        // Logged once the run has ended well, with its last step (a resumed run keeps the
+        // event lines of the runs before it).
+        let mut event = end.event_named("end");
+        event["step"] = serde_json::json!(self.cfg.train.steps);
+        self.metrics.log(event)?;
         Ok(RunSummary {
             after_last_step,
             ..self.summary(self.out_dir.join("model.safetensors"))

@@ -68,16 +68,16 @@ impl<B: SnnOps> SnnBlock<B> {
             .map(|r| (table.b_th[r % n] + 0.02 * rng.normal()) as f32)
             .collect();
         // The scalings are applied as the values are drawn, on the drawing threads.
-        let w_in_scale: Vec<f32> = table.w_in_scale.iter().map(|&s| s as f32).collect();
-        let w_in = kaiming_then(rng, dn, d, |i, x| x * w_in_scale[(i / d) % n]);
+        let w_in = kaiming_then(rng, dn, d, |i, x| x * table.w_in_scale[(i / d) % n] as f32);
         let small = |rng: &mut Rng| kaiming_then(rng, dn, d, |_, x| x * 0.1);
         let w_beta_x = small(rng);
         let w_alpha_x = small(rng);
         let w_th_x = small(rng);
         let w_gate = kaiming(rng, d, d);
         let w_skip = kaiming(rng, d, d);
-        let w_out_scale: Vec<f32> = table.w_out_scale.iter().map(|&s| s as f32).collect();
-        let w_out = kaiming_then(rng, d, dn, |i, x| x * w_out_scale[(i % dn) % n]);
+        let w_out = kaiming_then(rng, d, dn, |i, x| {
+            x * table.w_out_scale[(i % dn) % n] as f32
+        });
         SnnBlock {
             b_beta: param(b_beta, [dn], device),
             b_alpha: param(b_alpha, [dn], device),

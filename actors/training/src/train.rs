@@ -155,9 +155,6 @@ struct Run<'a> {
     /// right after the last step; the last evaluation and the work after the last step wait
     /// for its reads and go on beside its disk writes.
     final_in_flight: bool,
-    /// Heard once the final write has read every stage back: the last evaluation and the
-    /// work after the last step wait for it rather than slow its reads (and be slowed).
-    final_reads: Option<std::sync::mpsc::Receiver<()>>,
     /// The end's clock, started when the last step ended: its phases (the final checkpoint's
     /// start and reads, the last evaluation, then [`finish`](Self::finish)'s) are logged as one
     /// line and a `metrics.jsonl` `end` event.
@@ -233,7 +230,6 @@ impl<'a> Run<'a> {
             startup,
             after_last_step,
             final_in_flight: false,
-            final_reads: None,
             end: None,
         })
     }
@@ -431,12 +427,7 @@ impl<'a> Run<'a> {
             // evaluation slowed them to 15 s against 4 s alone, and a sample that compiled
             // its kernels took the run's end to 22 s against 12 s (sessions 52 and 53).
             let mut end = Startup::new();
-            self.start_final(pipeline)?;
-            // Any earlier background write still in flight is waited for here (the
-            // checkpoint event's `waited_s`), then the stages are snapshot.
-            end.mark("the previous write and the final snapshot");
-            self.wait_final_reads();
-            end.mark("the final checkpoint's reads");
+            self.start_final(pipeline, &mut end)?;
             self.end = Some(end);
         }
         if let Some(h) = self.held_out.as_mut()

@@ -5,6 +5,7 @@
 
 use super::records::{draw_curves, written};
 use super::{Run, RunSummary};
+use crate::startup::Startup;
 use nsactor_decoding::Pipeline;
 use nsactor_engine::error::RuntimeError;
 use std::path::PathBuf;
@@ -12,12 +13,17 @@ use std::time::Instant;
 
 impl Run<'_> {
     /// Right after the last step: the final checkpoint and the run's weights, from one read of
-    /// the stages, written in the background while the last evaluation and the work after the
-    /// last step run on the device (once the stages are read back: [`wait_final_reads`]);
-    /// [`finish`](Self::finish) waits for them.
-    ///
-    /// [`wait_final_reads`]: Self::wait_final_reads
-    pub(super) fn start_final(&mut self, pipeline: &mut Pipeline) -> Result<(), RuntimeError> {
+    /// the stages, written in the background; returns once the stages are read back, so the
+    /// last evaluation and the work after the last step run on the device beside the disk's
+    /// part (on the H200 the reads took 15 s beside the evaluation and the sample, 4–7 s alone
+    /// with one reader at the disk's pace, and slowed them as much). [`finish`](Self::finish)
+    /// waits for the files. `end` times the start (any earlier background write still in
+    /// flight, then the snapshot) and the reads; a failed write ends the wait at once.
+    pub(super) fn start_final(
+        &mut self,
+        pipeline: &mut Pipeline,
+        end: &mut Startup,
+    ) -> Result<(), RuntimeError> {
         let t = &self.cfg.train;
         let c = pipeline.checkpoint_final(
             &self.ckpt_root,
@@ -27,7 +33,6 @@ impl Run<'_> {
             &self.out_dir.join("model.safetensors"),
         )?;
         self.final_in_flight = true;
-        self.final_reads = c.reads_done;
         self.metrics.log(serde_json::json!({
             "event": "checkpoint", "step": c.step, "background": true, "final": true,
             "snapshot_s": c.snapshot_seconds, "waited_s": c.waited_seconds,
@@ -36,15 +41,8 @@ impl Run<'_> {
             self.bar
                 .suspend(|| written(w, &mut |l| self.metrics.log(l)))?;
         }
-        Ok(())
-    }
-
-    /// Waits until the final write has read every stage back (on the H200 its reads took 15 s
-    /// beside the last evaluation and the sample, 4–7 s alone with one reader at the disk's
-    /// pace, and slowed them as much); the disk's part goes on beside what follows. A failed
-    /// write ends the wait at once.
-    pub(super) fn wait_final_reads(&mut self) {
-        if let Some(rx) = self.final_reads.take() {
+        end.mark("the previous write and the final snapshot");
+        if let Some(rx) = c.reads_done {
             let t = Instant::now();
             let _ = rx.recv();
             tracing::info!(
@@ -53,6 +51,8 @@ impl Run<'_> {
                 t.elapsed().as_secs_f64()
             );
         }
+        end.mark("the final checkpoint's reads");
+        Ok(())
     }
 
     /// What a run reports, with its weights at `weights`.
@@ -99,10 +99,7 @@ impl Run<'_> {
         // A process that ran no step (resumed at the end) starts the final write here.
         let started_here = !self.final_in_flight;
         if started_here {
-            self.start_final(pipeline)?;
-            end.mark("the previous write and the final snapshot");
-            self.wait_final_reads();
-            end.mark("the final checkpoint's reads");
+            self.start_final(pipeline, &mut end)?;
         }
         // `loss.png` on a host thread beside the work on the device, both while the host
         // writes; the work's failure is reported once the write ended.

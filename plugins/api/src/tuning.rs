@@ -15,8 +15,11 @@ use std::fmt;
 /// Whether a decoding pass's GEMMs are batch-invariant, and how their kernel is chosen.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum BatchInvariance {
-    /// One kernel per problem, chosen by timing the candidates at five sizes (the default).
+    /// Kernels that give the same bits at every row count (checked on random operands), one
+    /// per size class, chosen by timing the candidates at five sizes (the default).
     On,
+    /// One kernel per problem at every row count, chosen by timing (the rule before s59).
+    Single,
     /// The heuristic's first pick at the largest size that runs at all five, untimed.
     First,
     /// The heuristic's pick per row count (results vary with the cohort).
@@ -227,9 +230,10 @@ impl KernelTuning {
             "batch_invariant" => {
                 self.batch_invariant = match v {
                     "on" => BatchInvariance::On,
+                    "single" => BatchInvariance::Single,
                     "first" => BatchInvariance::First,
                     "off" => BatchInvariance::Off,
-                    _ => return Err(format!("`{v}`: expected on, first or off")),
+                    _ => return Err(format!("`{v}`: expected on, single, first or off")),
                 }
             }
             "gemm_trace" => self.gemm_trace = !matches!(v, "0" | "off" | "false" | ""),
@@ -348,6 +352,7 @@ impl KernelTuning {
             "bf16_storage" => on(self.bf16_storage),
             "batch_invariant" => match self.batch_invariant {
                 BatchInvariance::On => "on",
+                BatchInvariance::Single => "single",
                 BatchInvariance::First => "first",
                 BatchInvariance::Off => "off",
             }

@@ -2,8 +2,8 @@
 //! every candidate kernel run on scratch operands of random values at the probe row counts,
 //! timed ([`time_candidates`]) and its output's bits read back ([`signatures`]).
 //!
-//! A candidate's **signature** is what it writes for a few sampled rows of the largest probe:
-//! the first 16 rows and the last 16 rows of every checked row count. The candidate is kept only
+//! A candidate's **signature** is what it writes for sampled rows of the largest probe: its first
+//! 256 rows, and the first 16 and the last 16 rows of every checked row count. The candidate is kept only
 //! where the same rows come out bit for bit the same when it runs the smaller row counts (the
 //! probes and three odd counts between them, the passes of 3, 17 and 100 sessions): its results
 //! do not depend on the cohort. Two candidates with equal signatures sum every dot product in
@@ -85,6 +85,9 @@ const PROBE_REPS: usize = 5;
 
 /// Rows sampled at each end of a checked row count.
 const SAMPLE_ROWS: u64 = 16;
+
+/// Rows of the largest count read into a signature from its start.
+const SIGNATURE_ROWS: u64 = 256;
 
 impl<'a> Bench<'a> {
     /// Scratch operands for `key`'s problem at up to `rows` rows, filled with random values.
@@ -185,7 +188,12 @@ impl<'a> Bench<'a> {
         candidates: &[sys::cublasLtMatmulAlgo_t],
     ) -> Result<Vec<Option<Vec<u8>>>, String> {
         let (full, smaller) = layouts.split_last().ok_or("no layouts")?;
-        let ranges: Vec<(u64, u64)> = layouts.iter().flat_map(|l| sampled(l.rows)).collect();
+        // The first rows of the largest count too: a bf16 output hides most differences in the
+        // f32 sums (a value changes only where it sits at a rounding boundary), so classes are
+        // told apart on many rows.
+        let ranges: Vec<(u64, u64)> = std::iter::once((0, full.rows.min(SIGNATURE_ROWS)))
+            .chain(layouts.iter().flat_map(|l| sampled(l.rows)))
+            .collect();
         let mut out = Vec::with_capacity(candidates.len());
         for algo in candidates {
             let Some(reference) = self.run_and_read(full, algo, &ranges)? else {

@@ -29,6 +29,32 @@ pub fn forward_flops_per_token(model: &ModelConfig) -> f64 {
     2.0 * l * k * layer_macs_per_frame(model) + 2.0 * d * v
 }
 
+/// What a throughput is compared against: FLOPs per token and the device's dense peak.
+pub struct Ceiling {
+    pub flops_per_token: f64,
+    pub peak_tflops: Option<f64>,
+}
+
+impl Ceiling {
+    /// A forward pass's FLOPs per token against `peak_tflops`, else, on a CUDA backend, 989
+    /// TFLOP/s in bf16 and 67 in fp32 (an H100/H200 SXM's dense peaks); none on the CPU.
+    pub fn forward(model: &ModelConfig, peak_tflops: Option<f64>, cuda: bool, bf16: bool) -> Self {
+        Ceiling {
+            flops_per_token: forward_flops_per_token(model),
+            peak_tflops: peak_tflops.or(cuda.then_some(if bf16 { 989.0 } else { 67.0 })),
+        }
+    }
+
+    /// `tokens/s` as TFLOP/s and, where the peak is known, its share of it.
+    pub fn describe(&self, tokens_per_s: f64) -> String {
+        let tflops = tokens_per_s * self.flops_per_token / 1e12;
+        match self.peak_tflops {
+            Some(p) => format!("{tflops:.1} TFLOP/s, {:.1}% of {p}", 100.0 * tflops / p),
+            None => format!("{tflops:.3} TFLOP/s"),
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

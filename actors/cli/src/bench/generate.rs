@@ -150,6 +150,10 @@ pub struct GenerateBenchArgs {
     /// SXM's measured copy bandwidth, 2,852).
     #[arg(long, default_value_t = 2852.0)]
     bandwidth_gbs: f64,
+    /// The device's dense peak in TFLOP/s for the ratio to the compute ceiling (default: on a
+    /// CUDA backend 989 in bf16 and 67 in fp32, as an H100/H200 SXM; none on the CPU).
+    #[arg(long)]
+    peak_tflops: Option<f64>,
     /// Where the greedy token is chosen: `device` (as the server does: only ids cross) or
     /// `host` (the logits are copied and the host takes their argmax).
     #[arg(long, value_parser = ["device", "host"], default_value = "device")]
@@ -209,7 +213,10 @@ pub fn run(a: GenerateBenchArgs) -> crate::result::CliResult {
     let precision = l.config.backend.precision.clone().unwrap_or("fp32".into());
     let bytes = if precision == "bf16" { 2.0 } else { 4.0 };
     // Batch-1 decoding reads every weight once per token.
-    let ceiling = a.bandwidth_gbs * 1e9 / (params as f64 * bytes);
+    let weight_read = a.bandwidth_gbs * 1e9 / (params as f64 * bytes);
+    let cuda = info.name.to_lowercase().contains("cuda");
+    let ceiling =
+        super::flops::Ceiling::forward(&l.config.model, a.peak_tflops, cuda, precision == "bf16");
     println!(
         "generate bench: {} ({params} parameters) on {} {} ({}), GEMMs {precision}, pipeline {}; prompt {} tokens, {} tokens per session, greedy (picked on the {})",
         l.name,
@@ -222,7 +229,7 @@ pub fn run(a: GenerateBenchArgs) -> crate::result::CliResult {
         a.pick
     );
     println!(
-        "batch-1 ceiling: {:.2} GB of {precision} weights per token at {} GB/s = {ceiling:.0} tokens/s",
+        "batch-1 ceiling: {:.2} GB of {precision} weights per token at {} GB/s = {weight_read:.0} tokens/s",
         params as f64 * bytes / 1e9,
         a.bandwidth_gbs
     );
@@ -247,7 +254,7 @@ pub fn run(a: GenerateBenchArgs) -> crate::result::CliResult {
         for &n in &a.sessions {
             generate_load(&decoder, n, &prompt, 4, on_device).await?;
         }
-        let (mut host, mut slow) = (Vec::new(), Vec::new());
+        let (mut host, mut slow, mut compute) = (Vec::new(), Vec::new(), Vec::new());
         for &n in &a.sessions {
             let (c0, _) = decoder.batch_counts();
             let b0 = l.pipeline.busy();
@@ -292,6 +299,7 @@ pub fn run(a: GenerateBenchArgs) -> crate::result::CliResult {
                 .map(|(i, ms)| format!("#{i} {ms:.2}"))
                 .collect();
             slow.push((n, t.step_mean_ms, worst.join(", ")));
+            compute.push((n, ceiling.describe(t.decode_tokens_per_s)));
             println!(
                 "{:>9} {:>16.1} {:>14.2} {:>14.2} {:>16.0} {:>18.0} {:>12.1}",
                 t.sessions,
@@ -307,6 +315,13 @@ pub fn run(a: GenerateBenchArgs) -> crate::result::CliResult {
             "host time inside stage calls per batched pass (prefill and decode passes alike):"
         );
         for (n, line) in host {
+            println!("  {n:>4} sessions: {line}");
+        }
+        println!(
+            "decoding against the compute ceiling ({:.2} GFLOP a token forward):",
+            ceiling.flops_per_token / 1e9
+        );
+        for (n, line) in compute {
             println!("  {n:>4} sessions: {line}");
         }
         println!("mean step, and one session's slowest steps (step number from 0: ms):");

@@ -6,6 +6,7 @@
 //! memory in use after a short prompt and after a long one (a session's state is the same size
 //! after any number of tokens, and a prompt is fed a pass at a time).
 
+use super::flops::Ceiling;
 use super::serve::{Loopback, ServedModel, describe, device_used, idle, load};
 use super::sse::{Sender, connect, post};
 use crate::result::{CliError, CliResult};
@@ -134,23 +135,6 @@ async fn ttft(reps: usize, addr: SocketAddr, ids: &[i64]) -> CliResult<f64> {
     Ok(super::stats::pct(&mut v, 0.5))
 }
 
-/// What the rows compare against: FLOPs per prompt token and the device's peak.
-struct Ceiling {
-    flops_per_token: f64,
-    peak_tflops: Option<f64>,
-}
-
-impl Ceiling {
-    /// `tokens/s` as TFLOP/s and, where the peak is known, its share of it.
-    fn describe(&self, tokens_per_s: f64) -> String {
-        let tflops = tokens_per_s * self.flops_per_token / 1e12;
-        match self.peak_tflops {
-            Some(p) => format!("{tflops:.1} TFLOP/s, {:.1}% of {p}", 100.0 * tflops / p),
-            None => format!("{tflops:.3} TFLOP/s"),
-        }
-    }
-}
-
 pub fn run(a: PrefillBenchArgs) -> CliResult {
     let l = load(&a.model)?;
     let concurrent = a
@@ -188,12 +172,7 @@ pub fn run(a: PrefillBenchArgs) -> CliResult {
     let cuda = info.name.to_lowercase().contains("cuda");
     let precision = a.model.precision.as_deref();
     let bf16 = precision.or(l.config.backend.precision.as_deref()) == Some("bf16");
-    let ceiling = Ceiling {
-        flops_per_token: super::flops::forward_flops_per_token(&l.config.model),
-        peak_tflops: a
-            .peak_tflops
-            .or(cuda.then_some(if bf16 { 989.0 } else { 67.0 })),
-    };
+    let ceiling = Ceiling::forward(&l.config.model, a.peak_tflops, cuda, bf16);
     println!(
         "prefill: {}; {:.2} GFLOP per prompt token forward; passes of at most {} tokens (chunks of at most {} while others decode, paced to {:.2} of a step); through /v1/completions on loopback",
         describe(&l),

@@ -3,9 +3,8 @@
 //! ([`classes`]), the class that is fastest over the probe sizes and the member each size runs
 //! ([`best_tiers`]), and the line that says what was chosen ([`Shown`]).
 
-use crate::cuda::gemm_invariant::{PROBES, same};
-use crate::cuda::gemm_lt::PlanKey;
-use crate::cuda::gemm_probe::Times;
+use crate::cuda::gemm_lt::{PlanKey, same};
+use crate::cuda::gemm_probe::{PROBES, Times};
 use cudarc::cublaslt::sys;
 
 /// The class of each candidate from its signature: equal signatures, equal class; `None` for

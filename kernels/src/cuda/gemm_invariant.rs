@@ -36,8 +36,8 @@
 //! not happen in `serve`).
 
 use crate::cuda::gemm_choice::{Shown, classes};
-use crate::cuda::gemm_lt::{Operand, PlanKey, Queue, algo_fits, heuristic};
-use crate::cuda::gemm_probe::{Bench, Layouts};
+use crate::cuda::gemm_lt::{PlanKey, Queue, algo_fits, heuristic, reference_key, same};
+use crate::cuda::gemm_probe::{Bench, Layouts, PROBES};
 use crate::cuda::gemm_store;
 use crate::options::GemmRows;
 use cudarc::cublaslt::sys;
@@ -102,28 +102,10 @@ pub(crate) fn invariant_rows(key: &PlanKey) -> Option<u64> {
     reference_rows(key.rows).filter(|_| batch_invariant())
 }
 
-/// How many row counts a candidate is timed at.
-pub(crate) const PROBES: usize = 5;
-
 /// The row counts a candidate is timed at: the reference divided by 256, 64, 16 and 4, and the
 /// reference (at K = 16 frames, the passes of 1, 4, 16, 64 and 256 sessions).
 fn probe_rows(reference: u64) -> [u64; PROBES] {
     [256, 64, 16, 4, 1].map(|d| (reference / d).max(1))
-}
-
-/// `key`'s problem at `rows` rows, as [`layouts`] lays it out.
-pub(crate) fn reference_key(key: &PlanKey, rows: u64) -> PlanKey {
-    let o = key.b;
-    let b = if o.trans {
-        Operand {
-            rows,
-            ld: o.ld.max(rows as i64),
-            ..o
-        }
-    } else {
-        Operand { cols: rows, ..o }
-    };
-    PlanKey { m: rows, b, ..*key }
 }
 
 /// A problem's kernels: the one each probe row count runs, all giving the same bits (one
@@ -373,10 +355,6 @@ fn not_in_place(algo: &sys::cublasLtMatmulAlgo_t) -> bool {
     };
     status == sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS
         && scheme != sys::cublasLtReductionScheme_t::CUBLASLT_REDUCTION_SCHEME_INPLACE as u32
-}
-
-pub(crate) fn same(x: &sys::cublasLtMatmulAlgo_t, y: &sys::cublasLtMatmulAlgo_t) -> bool {
-    x.data == y.data
 }
 
 #[cfg(test)]

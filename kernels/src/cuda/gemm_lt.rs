@@ -178,6 +178,27 @@ impl PlanKey {
     }
 }
 
+/// `key`'s problem at `rows` rows of `M` (`B`'s rows or columns with it), as a plan of that
+/// many rows lays it out.
+pub(crate) fn reference_key(key: &PlanKey, rows: u64) -> PlanKey {
+    let o = key.b;
+    let b = if o.trans {
+        Operand {
+            rows,
+            ld: o.ld.max(rows as i64),
+            ..o
+        }
+    } else {
+        Operand { cols: rows, ..o }
+    };
+    PlanKey { m: rows, b, ..*key }
+}
+
+/// Whether two algorithms are the same (their words equal).
+pub(crate) fn same(x: &sys::cublasLtMatmulAlgo_t, y: &sys::cublasLtMatmulAlgo_t) -> bool {
+    x.data == y.data
+}
+
 pub(crate) fn check(what: &str, r: Result<(), lt::CublasError>) {
     if let Err(e) = r {
         panic!("cuBLASLt {what}: {e:?}");

@@ -11,8 +11,7 @@
 //! the same order (on random operands a different order changes some of the sampled values
 //! almost surely), so a problem may run either of them at any row count and give the same bits.
 
-use crate::cuda::gemm_invariant::reference_key;
-use crate::cuda::gemm_lt::{PlanKey, WORKSPACE_BYTES};
+use crate::cuda::gemm_lt::{PlanKey, WORKSPACE_BYTES, reference_key};
 use cudarc::cublaslt::{result as lt, sys};
 use cudarc::driver::result as drv;
 use std::ffi::c_void;
@@ -80,6 +79,9 @@ pub(crate) struct Bench<'a> {
 /// Microseconds per call of each candidate (rows) at each probe size (columns); `None` where a
 /// call failed.
 pub(crate) type Times<const P: usize> = Vec<[Option<f32>; P]>;
+
+/// How many row counts a candidate is timed at.
+pub(crate) const PROBES: usize = 5;
 
 /// Timed calls per candidate and size.
 const PROBE_REPS: usize = 5;

@@ -19,6 +19,14 @@ pub(crate) fn classes(signatures: &[Option<u64>]) -> Vec<Option<usize>> {
         .collect()
 }
 
+/// The classes that have a member, ascending.
+fn class_ids(classes: &[Option<usize>]) -> Vec<usize> {
+    let mut ids: Vec<usize> = classes.iter().flatten().copied().collect();
+    ids.sort_unstable();
+    ids.dedup();
+    ids
+}
+
 /// For each probe size, the candidate to run there: all of one class, the class whose fastest
 /// member at each size has the smallest sum over sizes of the square of its ratio to the fastest
 /// usable candidate at the size (ties: the faster at the reference, the last size). Candidates
@@ -35,10 +43,8 @@ pub(crate) fn best_tiers(
             .filter_map(|i| times[i][s])
             .fold(f32::INFINITY, f32::min)
     });
-    let mut ids: Vec<usize> = classes.iter().flatten().copied().collect();
-    ids.sort_unstable();
-    ids.dedup();
-    ids.into_iter()
+    class_ids(classes)
+        .into_iter()
         .filter_map(|class| {
             let members: Vec<usize> = (0..times.len())
                 .filter(|&i| classes.get(i) == Some(&Some(class)))
@@ -98,12 +104,7 @@ impl Shown<'_> {
         kernels.sort_unstable();
         kernels.dedup();
         let kept = self.classes.iter().flatten().count();
-        let count = {
-            let mut c: Vec<usize> = self.classes.iter().flatten().copied().collect();
-            c.sort_unstable();
-            c.dedup();
-            c.len()
-        };
+        let count = class_ids(self.classes).len();
         if trace || first_at.is_none_or(|f| tiers != [f; PROBES]) {
             eprintln!(
                 "nsactor: batch-invariant GEMM n={} k={} ({} candidates, {kept} with row-count-free bits in {count} classes, probed in {} ms): at {:?} rows {} with {} kernel(s) (one kernel: {}; heuristic's reference pick: {})",

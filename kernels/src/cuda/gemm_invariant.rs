@@ -165,12 +165,13 @@ pub(crate) unsafe fn pick(
     let mut picks = PICKS
         .lock()
         .unwrap_or_else(std::sync::PoisonError::into_inner);
-    if let Some(tiers) = picks.get_or_insert_with(HashMap::new).get(&rkey) {
+    let picks = picks.get_or_insert_with(HashMap::new);
+    if let Some(tiers) = picks.get(&rkey) {
         return Some(tiers.at(key.m));
     }
     // SAFETY: upheld by the caller.
     let chosen = unsafe { choose_tiers(handle, desc, a, pref, key, &rkey, reference, queue) }?;
-    picks.get_or_insert_with(HashMap::new).insert(rkey, chosen);
+    picks.insert(rkey, chosen);
     Some(chosen.at(key.m))
 }
 
@@ -196,46 +197,50 @@ unsafe fn choose_tiers(
     } = queue;
     let sizes = probe_rows(reference);
     let started = std::time::Instant::now();
-    let layouts = sizes.map(|r| Layouts::new(key, r));
-    // The bits are checked at the odd counts too, ascending, the reference last.
-    let mut checked: Vec<Layouts> = odd_rows(reference)
+    // Every row count the candidates must run at, ascending, the reference last: the probes
+    // (timed) and the odd counts between them (their bits checked too).
+    let checked: Vec<Layouts> = odd_rows(reference)
         .into_iter()
         .chain(sizes)
         .collect::<std::collections::BTreeSet<u64>>()
         .into_iter()
         .map(|r| Layouts::new(key, r))
         .collect();
-    checked.sort_by_key(|l| l.rows);
+    let probes: [&Layouts; PROBES] = sizes.map(|r| {
+        checked
+            .iter()
+            .find(|l| l.rows == r)
+            .expect("every probe size is checked")
+    });
     let tiered = invariance() == Invariance::Timed;
     // SAFETY: upheld by the caller; the layouts are live until dropped at the end.
     unsafe {
         let fits = |algo: &sys::cublasLtMatmulAlgo_t| {
-            layouts
+            checked
                 .iter()
-                .chain(&checked)
                 .all(|l| algo_fits(handle, desc, l.with_a(a), algo))
         };
-        let first = heuristic(handle, desc, layouts[PROBES - 1].with_a(a), pref)
+        let first = heuristic(handle, desc, probes[PROBES - 1].with_a(a), pref)
             .into_iter()
             .map(|h| h.algo)
             .find(|algo| fits(algo));
+        let fallback = || first.map(|f| Tiers::one(f, sizes));
+        if invariance() == Invariance::First {
+            return fallback();
+        }
         let usable = |algo: &sys::cublasLtMatmulAlgo_t| not_in_place(algo) && fits(algo);
-        let stored = stored_tiers(rkey, tiered, &usable).map(|algos| Tiers { algos, sizes });
+        if let Some(algos) = stored_tiers(rkey, tiered, &usable) {
+            return Some(Tiers { algos, sizes });
+        }
         let capturing = !matches!(
             drv::stream::is_capturing(stream),
             Ok(cudarc::driver::sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE)
         );
-        if invariance() == Invariance::First {
-            return first.map(|f| Tiers::one(f, sizes));
-        }
-        if stored.is_some() {
-            return stored;
-        }
         if capturing {
-            return first.map(|f| Tiers::one(f, sizes));
+            return fallback();
         }
         let mut candidates: Vec<sys::cublasLtMatmulAlgo_t> = Vec::new();
-        for l in &layouts {
+        for l in probes {
             for h in heuristic(handle, desc, l.with_a(a), pref) {
                 if !candidates.iter().any(|c| same(c, &h.algo)) && fits(&h.algo) {
                     candidates.push(h.algo);
@@ -244,7 +249,7 @@ unsafe fn choose_tiers(
         }
         let probed = Bench::new(handle, desc, a, key, reference, (workspace_ptr, stream)).and_then(
             |bench| {
-                let times = bench.time_candidates(&layouts, &candidates)?;
+                let times = bench.time_candidates(&probes, &candidates)?;
                 let classes = if tiered {
                     classes(&bench.signatures(&checked, &candidates)?)
                 } else {
@@ -269,21 +274,26 @@ unsafe fn choose_tiers(
                         record_tiers(rkey, tiered, &algos);
                         Some(Tiers { algos, sizes })
                     }
-                    None => first.map(|f| Tiers::one(f, sizes)),
+                    None => fallback(),
                 }
             }
             Err(e) => {
                 eprintln!(
                     "nsactor: batch-invariant GEMM {key:?}: probing failed ({e}); taking the heuristic's pick"
                 );
-                first.map(|f| Tiers::one(f, sizes))
+                fallback()
             }
         }
     }
 }
 
-/// The store's kind of tier `i`'s line (`tiered`), or of the one kernel's (`single`: the line
-/// the rule before tiers wrote).
+/// The store's lines of a problem's kernels: one per size class (`tiered`), or one kernel's.
+fn store_lines(tiered: bool) -> usize {
+    if tiered { PROBES } else { 1 }
+}
+
+/// The store's kind of line `i` (`tiered`), or of the one kernel's (`single`: the line the
+/// rule before tiers wrote).
 fn store_kind(tiered: bool, i: usize) -> String {
     if tiered {
         format!("tier{i} ")
@@ -292,29 +302,31 @@ fn store_kind(tiered: bool, i: usize) -> String {
     }
 }
 
-/// The stored kernels of `rkey`, where every one is there and `usable`.
+/// The stored kernels of `rkey`, where every line is there and `usable` (one kernel fills
+/// every size class).
 fn stored_tiers(
     rkey: &PlanKey,
     tiered: bool,
     usable: &dyn Fn(&sys::cublasLtMatmulAlgo_t) -> bool,
 ) -> Option<[sys::cublasLtMatmulAlgo_t; PROBES]> {
-    let mut algos = [sys::cublasLtMatmulAlgo_t { data: [0; 8] }; PROBES];
-    for (i, algo) in algos.iter_mut().enumerate() {
+    let lines = store_lines(tiered);
+    let mut found = Vec::with_capacity(lines);
+    for i in 0..lines {
         let k = store_key(&store_kind(tiered, i), rkey)?;
-        *algo = sys::cublasLtMatmulAlgo_t {
+        let algo = sys::cublasLtMatmulAlgo_t {
             data: gemm_store::lookup(&k)?,
         };
-        if !usable(algo) {
+        if !usable(&algo) {
             return None;
         }
+        found.push(algo);
     }
-    Some(algos)
+    Some(std::array::from_fn(|i| found[i.min(lines - 1)]))
 }
 
 /// Keeps `algos` as `rkey`'s kernels in the store.
 fn record_tiers(rkey: &PlanKey, tiered: bool, algos: &[sys::cublasLtMatmulAlgo_t; PROBES]) {
-    let count = if tiered { PROBES } else { 1 };
-    for (i, algo) in algos.iter().enumerate().take(count) {
+    for (i, algo) in algos.iter().enumerate().take(store_lines(tiered)) {
         if let Some(k) = store_key(&store_kind(tiered, i), rkey) {
             gemm_store::record(&k, algo.data);
         }

@@ -36,9 +36,16 @@ pub struct Ceiling {
 }
 
 impl Ceiling {
-    /// A forward pass's FLOPs per token against `peak_tflops`, else, on a CUDA backend, 989
-    /// TFLOP/s in bf16 and 67 in fp32 (an H100/H200 SXM's dense peaks); none on the CPU.
-    pub fn forward(model: &ModelConfig, peak_tflops: Option<f64>, cuda: bool, bf16: bool) -> Self {
+    /// A forward pass's FLOPs per token against `peak_tflops`, else, on a CUDA backend (by its
+    /// name, `backend`), 989 TFLOP/s in bf16 and 67 in fp32 (an H100/H200 SXM's dense peaks);
+    /// none on the CPU.
+    pub fn forward(
+        model: &ModelConfig,
+        peak_tflops: Option<f64>,
+        backend: &str,
+        bf16: bool,
+    ) -> Self {
+        let cuda = backend.to_lowercase().contains("cuda");
         Ceiling {
             flops_per_token: forward_flops_per_token(model),
             peak_tflops: peak_tflops.or(cuda.then_some(if bf16 { 989.0 } else { 67.0 })),

@@ -214,9 +214,12 @@ pub fn run(a: GenerateBenchArgs) -> crate::result::CliResult {
     let bytes = if precision == "bf16" { 2.0 } else { 4.0 };
     // Batch-1 decoding reads every weight once per token.
     let weight_read = a.bandwidth_gbs * 1e9 / (params as f64 * bytes);
-    let cuda = info.name.to_lowercase().contains("cuda");
-    let ceiling =
-        super::flops::Ceiling::forward(&l.config.model, a.peak_tflops, cuda, precision == "bf16");
+    let ceiling = super::flops::Ceiling::forward(
+        &l.config.model,
+        a.peak_tflops,
+        &info.name,
+        precision == "bf16",
+    );
     println!(
         "generate bench: {} ({params} parameters) on {} {} ({}), GEMMs {precision}, pipeline {}; prompt {} tokens, {} tokens per session, greedy (picked on the {})",
         l.name,

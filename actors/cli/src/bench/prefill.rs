@@ -169,10 +169,9 @@ pub fn run(a: PrefillBenchArgs) -> CliResult {
     );
     let decoder = state.generator.decoder.clone();
     let info = l.pipeline.backend().info();
-    let cuda = info.name.to_lowercase().contains("cuda");
     let precision = a.model.precision.as_deref();
     let bf16 = precision.or(l.config.backend.precision.as_deref()) == Some("bf16");
-    let ceiling = Ceiling::forward(&l.config.model, a.peak_tflops, cuda, bf16);
+    let ceiling = Ceiling::forward(&l.config.model, a.peak_tflops, &info.name, bf16);
     println!(
         "prefill: {}; {:.2} GFLOP per prompt token forward; passes of at most {} tokens (chunks of at most {} while others decode, paced to {:.2} of a step); through /v1/completions on loopback",
         describe(&l),

@@ -82,16 +82,26 @@ pub(super) fn worst_rel_norm<B: Backend>(a: &[FloatTensor<B>], b: &[FloatTensor<
 /// `‖Δ‖/‖ref‖` against the reference rounded to that type (an f32 last bit may move a
 /// rounding).
 pub(super) fn error_in_type<B: Backend>(got: &FloatTensor<B>, want: &FloatTensor<B>) -> f32 {
+    error_in_type_over::<B>(got, want, |v| v)
+}
+
+/// [`error_in_type`] over the elements `keep` leaves of both (the columns a spike did not
+/// flip in, [`super::flips::Flips::unflipped`]).
+pub(super) fn error_in_type_over<B: Backend>(
+    got: &FloatTensor<B>,
+    want: &FloatTensor<B>,
+    keep: impl Fn(Vec<f32>) -> Vec<f32>,
+) -> f32 {
     use burn::tensor::TensorMetadata;
     let dtype = got.dtype();
     if dtype == burn::tensor::DType::F32 {
-        return worst(&host::<B>(got), &host::<B>(want));
+        return worst(&keep(host::<B>(got)), &keep(host::<B>(want)));
     }
     let want = match want.shape().num_dims() {
         2 => prim(Tensor::<B, 2>::from_primitive(TensorPrimitive::Float(want.clone())).cast(dtype)),
         _ => cast3::<B>(want, dtype),
     };
-    rel_norm(&host::<B>(got), &host::<B>(&want))
+    rel_norm(&keep(host::<B>(got)), &keep(host::<B>(&want)))
 }
 
 /// `t` `[·, ·, ·]` cast to `dtype`.
@@ -141,6 +151,11 @@ impl Pair {
             bytes,
             agree: "-".into(),
         }
+    }
+
+    /// The same pair with its spike-agreement column ([`super::flips::Flips::describe`]).
+    pub(super) fn agreeing(self, agree: String) -> Self {
+        Pair { agree, ..self }
     }
 
     /// A bf16-storage kernel against the f32 reference on the same rounded inputs.

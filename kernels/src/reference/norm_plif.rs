@@ -66,6 +66,22 @@ pub fn norm_plif_forward_reference<B: ScanOps>(
     (prim(y), prim(vpost))
 }
 
+/// The composition's spikes and the scan's inputs that decide them: `[spike, β, u, V_th]`,
+/// `spike` and `u` `[T·K, B, D]`, `β` and `V_th` `[B, D]`: what a check needs to tell a spike
+/// that flipped at a tie with the threshold from a wrong kernel.
+pub fn norm_plif_spikes_reference<B: ScanOps>(inp: &NormPlifInputs<B>) -> [FloatTensor<B>; 4] {
+    let [beta, u, vth] = norm_plif_parts(inp).scan;
+    let spike = B::plif_forward(
+        ScanKind::Row,
+        beta.clone(),
+        u.clone(),
+        vth.clone(),
+        inp.v0.clone(),
+    )
+    .spike;
+    [spike, beta, u, vth]
+}
+
 /// Their backward composed from tensor ops and [`ScanOps::plif_row_backward`] (spikes
 /// recomputed): `∂V_post = ∂y·(1 − β)` with leak; the scan's backward; `∂x̂ = (1 − β)·Σ_k ∂u`;
 /// `∂β` = the scan's term less `Σ ∂y·V_post` (leak) and `Σ ∂u·x̂`, `∂w = ∂β·β(1 − β)`; the

@@ -9,7 +9,8 @@ mod runtime;
 pub use device::*;
 
 /// nsactor patch: how much of the server thread's time kernel launches take (count and total
-/// nanoseconds since the process started), for `nsactor bench decode-profile`.
+/// nanoseconds since the process started), for `nsactor bench decode-profile`; and, with
+/// `CUBECL_COMPILE_LOG=1`, a line for each kernel compiled.
 pub mod nsactor_stats {
     use core::sync::atomic::{AtomicU64, Ordering};
 
@@ -24,6 +25,29 @@ pub mod nsactor_stats {
     /// `(launches, nanoseconds)` so far.
     pub fn launches() -> (u64, u64) {
         (LAUNCHES.load(Ordering::Relaxed), LAUNCH_NS.load(Ordering::Relaxed))
+    }
+
+    /// With `CUBECL_COMPILE_LOG=1`, prints a kernel brought in on the server thread (compiled,
+    /// or its PTX taken from the on-disk cache, then loaded): when, which, how long, whether the
+    /// cache had it.
+    pub(crate) fn record_compile(name: &str, cached: bool, took: std::time::Duration) {
+        static LOG: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        if *LOG.get_or_init(|| std::env::var("CUBECL_COMPILE_LOG").is_ok_and(|v| v == "1")) {
+            let base = name.split('<').next().unwrap_or(name);
+            let short = base.rsplit("::").next().unwrap_or(base);
+            let now = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .unwrap_or_default();
+            let (s, ms) = (now.as_secs() % 86_400, now.subsec_millis());
+            eprintln!(
+                "{:02}:{:02}:{:02}.{ms:03} nsactor: kernel {short} {} in {:.1} ms",
+                s / 3600,
+                s / 60 % 60,
+                s % 60,
+                if cached { "loaded from the cache" } else { "compiled" },
+                took.as_secs_f64() * 1e3
+            );
+        }
     }
 }
 pub use runtime::*;

@@ -101,6 +101,9 @@ impl CudaContext {
         mode: ExecutionMode,
         logger: Arc<ServerLogger>,
     ) -> Result<(), LaunchError> {
+        // nsactor patch: every kernel brought in is timed and counted (`nsactor_stats`).
+        let started = std::time::Instant::now();
+        let name = kernel.name();
         let hash = if let Some(cache) = &self.ptx_cache {
             let hash = kernel_id.stable_hash();
 
@@ -114,6 +117,7 @@ impl CudaContext {
                     kernel_id.cube_dim,
                     entry.shared_mem_bytes,
                 )?;
+                crate::nsactor_stats::record_compile(name, true, started.elapsed());
                 return Ok(());
             }
             Some(hash)
@@ -240,6 +244,7 @@ impl CudaContext {
             cube_dim,
             repr.shared_memory_size(),
         )?;
+        crate::nsactor_stats::record_compile(name, false, started.elapsed());
         Ok(())
     }
 

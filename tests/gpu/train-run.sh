@@ -1,0 +1,88 @@
+#!/usr/bin/env bash
+# Issue 63 on the GPU: the 30-step `nsactor train` of sessions 49-59 (0.9B, bf16, batch 14 x 511,
+# a checkpoint every 10, `keep_checkpoints = 2`, shards of the first 6.0 MB of corpus/en.txt with
+# the reference tokenizer), each run cold (its own empty kernel, pick and driver caches) with
+# every kernel compile logged (CUBECL_COMPILE_LOG=1); `bench train` beside it; and a server's
+# cold start to ready. Run from the repository root on the device machine, with `.device/`
+# carried, holding:
+#   new/nsactor.xz, new/libnsactor_backend_cuda.so.xz   stripped release builds, xz'd
+#   en6m.txt.xz        head -c 6000000 of corpus/en.txt, xz'd (1.5 MB)
+#   tokenizer.json     the reference tokenizer (shared/reference/tokenizer.json)
+# PART: any of run, bench, serve (default run). ENVS: one cold run per item, `;`-separated, each
+# item the extra environment of its run (`none` for none; e.g. ENVS="none;NSACTOR_BATCH_INVARIANT=off":
+# the second run's sample decodes without timing the batch-invariant GEMMs, which a run's
+# training never uses). What each run wrote comes back under $OUT: its log, metrics.jsonl, the device's
+# memory in use every 100 ms beside it, and a table printed last (8 files with PART="run bench
+# serve" and two runs: the device tool's limit).
+set -uo pipefail
+ROOT=$PWD; D=$ROOT/.device; B=/tmp/bin; OUT=${OUT:-/tmp/out}; mkdir -p $B $OUT
+for f in nsactor libnsactor_backend_cuda.so; do xz -dc $D/new/$f.xz > $B/$f; done
+chmod +x $B/nsactor
+export NSACTOR_PLUGIN_PATH=$B PATH=$B:$PATH XDG_CACHE_HOME=/tmp/cache
+W=/tmp/w; mkdir -p $W; cd $W
+cp $D/tokenizer.json .
+xz -dc $D/en6m.txt.xz > en.txt
+sed -e 's/^steps = .*/steps = 30/' -e 's/^batch_size = .*/batch_size = 14/' \
+    -e 's/^accumulation = .*/accumulation = 1/' -e 's/^log_interval = .*/log_interval = 1/' \
+    $ROOT/configs/neuronspark-0.9b.toml > b14.toml
+echo 'keep_checkpoints = 2' >> b14.toml
+nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv
+cold() { export XDG_CACHE_HOME=/tmp/cache-$1 CUDA_CACHE_PATH=/tmp/cache-$1/nv; }
+if [[ "${PART:-run}" == *run* ]]; then
+  t=$(date +%s.%N)
+  nsactor data prepare --tokenizer tokenizer.json --out shards en.txt > prep.log 2>&1 || tail prep.log
+  echo "prepare $(echo "$(date +%s.%N) - $t" | bc) s"
+  IFS=';' read -ra envs <<< "${ENVS:-none}"
+  for r in $(seq 1 ${#envs[@]}); do
+    e=${envs[$((r-1))]}; [ "$e" = none ] && e=""
+    rm -rf runs; cold run$r
+    t=$(date +%s.%N)
+    echo "== run $r: ${e:-no extra environment}"
+    # Device memory in use beside the run, every 100 ms (does the first checkpoint grow it?).
+    nvidia-smi --query-gpu=timestamp,memory.used --format=csv,noheader -lms 100 \
+      > $OUT/mem-run$r.csv 2>/dev/null &
+    mon=$!
+    env $e CUBECL_COMPILE_LOG=1 nsactor train --config b14.toml --backend cuda --precision bf16 \
+      --data shards --tokenizer tokenizer.json --checkpoint-every 10 > $OUT/run$r.log 2>&1
+    rc=$?
+    kill $mon 2>/dev/null
+    echo "== run $r: rc $rc wall $(echo "$(date +%s.%N) - $t" | bc) s;" \
+      "$(grep -c ' compiled in' $OUT/run$r.log) kernels compiled"
+    m=$(find runs -name metrics.jsonl | head -1); cp "$m" $OUT/run$r-metrics.jsonl
+    grep -E "after the last step|sample in|startup|tokens/s; weights|probed in" $OUT/run$r.log \
+      | cut -c1-300
+    python3 - $OUT/run$r-metrics.jsonl $OUT/run$r.log <<'PY'
+import json, re, sys
+rows = [json.loads(l) for l in open(sys.argv[1])]
+for d in rows:
+    if 'step_s' in d:
+        print(f"{d['step']} {d['step_s']:.3f} {d['wall_s']:.2f}", end=' | ')
+    elif d.get('event') in ('startup', 'end'):
+        print('\n', d)
+print()
+# compile time by second of the log (time of day), to set beside the steps
+ms = {}
+for l in open(sys.argv[2]):
+    m = re.match(r'(\d\d:\d\d:\d\d)\.\d+ nsactor: kernel (\S+) (compiled|loaded from the cache) in ([\d.]+) ms', l)
+    if m:
+        ms.setdefault(m.group(1), [0, 0.0])
+        ms[m.group(1)][0] += 1
+        ms[m.group(1)][1] += float(m.group(4))
+print('compiles by second (count, ms):', ' '.join(f"{k}:{n}/{t:.0f}" for k, (n, t) in sorted(ms.items())))
+PY
+  done
+fi
+if [[ "${PART:-run}" == *bench* ]]; then
+  nsactor bench train --config b14.toml --backend cuda --precision bf16 --keep-activations auto \
+    --steps 3 --no-breakdown 2>&1 | tail -15 | tee $OUT/bench.txt
+fi
+if [[ "${PART:-run}" == *serve* ]]; then
+  cold serve
+  t=$(date +%s.%N)
+  CUBECL_COMPILE_LOG=1 nsactor bench serve --config $ROOT/configs/neuronspark-0.9b.toml \
+    --backend cuda --precision bf16 --temperature 0 --sessions 1 --tokens 16 --protocol ws \
+    --after-ready 3 > $OUT/serve.log 2>&1
+  echo "== serve: rc $? wall $(echo "$(date +%s.%N) - $t" | bc) s;" \
+    "$(grep -c ' compiled in' $OUT/serve.log) kernels compiled"
+  grep -iE "ready|warm|TTFT|tokens/s|probed in" $OUT/serve.log | tail -12 | cut -c1-250
+fi

@@ -4,17 +4,17 @@
 //! check; the backward is checked alone, both sides on the composition's `V_post`.
 
 use super::config::ScanBench;
-use super::flips::Flips;
+use super::flips::{FLIP_MARGIN, Flips};
 use super::report::{
     Pair, TOLERANCE, error_in_type_over, host, report_pairs, rounded, time, worst,
 };
 use crate::ops::snn::SnnOps;
 use crate::ops::types::NormPlifInputs;
 use crate::reference::norm_plif::{
-    norm_plif_backward_reference, norm_plif_forward_reference, norm_plif_spikes_reference,
+    NormPlifRun, norm_plif_backward_reference, norm_plif_forward_reference, norm_plif_reference_run,
 };
 use crate::tensor::prim;
-use burn::tensor::{DType, Distribution, Tensor, TensorMetadata, ops::FloatTensor};
+use burn::tensor::{DType, Distribution, Tensor, TensorMetadata};
 
 /// The fused forward's spikes, read off its `V_post` (`[frames, cols]` on the host, `cols` =
 /// B·D neurons): each frame charges the fused membrane of the frame before with the
@@ -47,12 +47,51 @@ fn spikes_of(
         .collect()
 }
 
-/// Where the fused forward's spikes (read off `vpost`) differ from the composition's on `inp`.
-fn spike_flips<B: SnnOps>(inp: &NormPlifInputs<B>, vpost: &[f32], ref_vpost: &[f32]) -> Flips {
-    let [spike, beta, u, vth] = norm_plif_spikes_reference(inp).map(|t| host::<B>(&t));
-    let cols = beta.len();
-    let fused = spikes_of(vpost, &host::<B>(&inp.v0), &beta, &u, &vth, cols);
-    Flips::find(&fused, &spike, ref_vpost, cols, |idx| vth[idx % cols])
+/// The composition's run on the host: spikes, `V_post`, `β`, `u`, `V_th`.
+struct HostRun {
+    spike: Vec<f32>,
+    vpost: Vec<f32>,
+    beta: Vec<f32>,
+    u: Vec<f32>,
+    vth: Vec<f32>,
+}
+
+impl HostRun {
+    fn of<B: SnnOps>(r: &NormPlifRun<B>) -> Self {
+        HostRun {
+            spike: host::<B>(&r.spike),
+            vpost: host::<B>(&r.vpost),
+            beta: host::<B>(&r.beta),
+            u: host::<B>(&r.u),
+            vth: host::<B>(&r.vth),
+        }
+    }
+
+    /// Where the fused forward's spikes (read off its `vpost`, from membranes `v0`) differ
+    /// from these.
+    fn flips(&self, vpost: &[f32], v0: &[f32]) -> Flips {
+        let cols = self.beta.len();
+        let fused = spikes_of(vpost, v0, &self.beta, &self.u, &self.vth, cols);
+        Flips::find(&fused, &self.spike, &self.vpost, cols, |idx| {
+            self.vth[idx % cols]
+        })
+    }
+
+    /// The channels (of `dim`) where some frame's `V_pre` lies within [`FLIP_MARGIN`] of
+    /// `V_th`: there a backward that decides the spikes again from `V_post` with its own `β`
+    /// and `u` may decide otherwise, and only `∂V_th` (`−gV·s` summed) moves by it.
+    fn tied_channels(&self, dim: usize) -> Vec<bool> {
+        let cols = self.beta.len();
+        let mut tied = vec![false; dim];
+        for (idx, (&s, &v)) in self.spike.iter().zip(&self.vpost).enumerate() {
+            let th = self.vth[idx % cols];
+            let margin = if s == 1.0 { v } else { v - th };
+            if margin.abs() <= FLIP_MARGIN {
+                tied[idx % cols % dim] = true;
+            }
+        }
+        tied
+    }
 }
 
 /// RMSNorm + the input PLIF's training op ([`SnnOps::norm_plif_forward`] / `_backward`)
@@ -99,40 +138,53 @@ pub(super) fn norm_plif<B: SnnOps>(
         (inp, grad)
     };
     let (mut err_fwd, mut err_bwd) = (0.0f32, 0.0f32);
-    let mut agree = Vec::new();
+    let (mut agree, mut tied_most) = (Vec::new(), 0);
     for leak in [true, false] {
         let (small, grad) = inputs(cfg.check_steps.max(cfg.k), leak);
         let (y, vp) = B::norm_plif_forward(small.clone());
-        let (y_ref, vp_ref) = norm_plif_forward_reference(&small);
-        let (vp_h, vp_ref_h) = (host::<B>(&vp), host::<B>(&vp_ref));
-        let flips = spike_flips(&small, &vp_h, &vp_ref_h);
+        let reference = norm_plif_reference_run(&small);
+        let run = HostRun::of(&reference);
+        let vp_h = host::<B>(&vp);
+        let flips = run.flips(&vp_h, &host::<B>(&small.v0));
         err_fwd = if flips.are_ties() {
             let keep = |v: Vec<f32>| flips.unflipped(&v);
             err_fwd
-                .max(error_in_type_over::<B>(&y, &y_ref, keep))
-                .max(worst(&keep(vp_h), &keep(vp_ref_h)))
+                .max(error_in_type_over::<B>(&y, &reference.y, keep))
+                .max(worst(&keep(vp_h), &keep(run.vpost.clone())))
         } else {
             f32::INFINITY
         };
         agree.push(flips.describe());
-        // The backward alone, both on the composition's `V_post`. The output's gradient in
+        // The backward alone, both on the composition's `V_post`, `∂V_th` but in channels
+        // where a spike sits at a tie ([`HostRun::tied_channels`]). The output's gradient in
         // f32, and in the type the forward wrote the output (what the projections' summed
         // input gradients come in), against its exact f32 values.
-        let vp: FloatTensor<B> = vp_ref.clone();
+        let tied = run.tied_channels(cfg.dim);
+        tied_most = tied_most.max(tied.iter().filter(|&&t| t).count());
+        let untied = |v: Vec<f32>| -> Vec<f32> {
+            v.into_iter()
+                .zip(&tied)
+                .filter(|(_, t)| !**t)
+                .map(|(x, _)| x)
+                .collect()
+        };
         let mut grads = vec![(grad.clone(), grad.clone())];
         if y.dtype() != DType::F32 {
             grads.push(rounded::<B>(&grad));
         }
         for (g, g_ref) in grads {
-            err_bwd = B::norm_plif_backward(small.clone(), vp.clone(), g)
-                .iter()
-                .zip(&norm_plif_backward_reference(
-                    small.clone(),
-                    vp_ref.clone(),
-                    g_ref,
-                ))
-                .map(|(a, b)| worst(&host::<B>(a), &host::<B>(b)))
-                .fold(err_bwd, f32::max);
+            let fused = B::norm_plif_backward(small.clone(), reference.vpost.clone(), g);
+            let want = norm_plif_backward_reference(small.clone(), reference.vpost.clone(), g_ref);
+            for (i, (a, b)) in fused.iter().zip(&want).enumerate() {
+                let (a, b) = (host::<B>(a), host::<B>(b));
+                // [∂x, ∂norm_w, ∂w, ∂v_th, ∂v0]
+                let (a, b) = if i == 3 {
+                    (untied(a), untied(b))
+                } else {
+                    (a, b)
+                };
+                err_bwd = err_bwd.max(worst(&a, &b));
+            }
         }
     }
     let (full, grad) = inputs(cfg.steps, true);
@@ -172,42 +224,101 @@ pub(super) fn norm_plif<B: SnnOps>(
                 t_bwd,
                 t_ref_bwd,
                 4 * 2 * frames,
-            ),
+            )
+            .agreeing(if tied_most > 0 {
+                format!("∂v_th but {tied_most} of {} channels at a tie", cfg.dim)
+            } else {
+                "-".into()
+            }),
         ],
     )
 }
 
 #[cfg(test)]
 mod tests {
-    use super::spikes_of;
+    use super::{HostRun, spikes_of};
 
-    /// Two neurons over six frames, one spiking often with a small threshold: the spikes read
-    /// off `V_post` are the ones the trajectory fired.
-    #[test]
-    fn spikes_read_off_the_membrane_are_the_fired_ones() {
-        let (beta, vth, v0) = ([0.9f32, 0.5], [1.0f32, 0.05], [0.2f32, -0.1]);
-        let u = [
-            0.5f32, 0.3, 0.6, 0.02, 0.1, 0.0, 0.2, 0.04, 0.7, 0.1, -0.3, 0.2,
-        ];
-        let (mut v, mut vpost, mut fired) = (v0, Vec::new(), Vec::new());
+    /// The trajectory from `v0` with inputs `u` (`[frames, cols]`) and per-column `β`, `V_th`:
+    /// `(V_post, spikes)`.
+    fn run(v0: &[f32], beta: &[f32], u: &[f32], vth: &[f32]) -> (Vec<f32>, Vec<f32>) {
+        let (cols, mut v) = (v0.len(), v0.to_vec());
+        let (mut vpost, mut fired) = (Vec::new(), Vec::new());
         for (idx, &u) in u.iter().enumerate() {
-            let c = idx % 2;
+            let c = idx % cols;
             let pre = beta[c].mul_add(v[c], u);
             let s = if pre >= vth[c] { 1.0 } else { 0.0 };
             v[c] = pre - vth[c] * s;
             vpost.push(v[c]);
             fired.push(s);
         }
-        assert!(fired.contains(&1.0) && fired.contains(&0.0));
-        assert_eq!(spikes_of(&vpost, &v0, &beta, &u, &vth, 2), fired);
+        (vpost, fired)
     }
 
-    /// A membrane whose frame after a flip differs from the composition's by rounding only is
-    /// still read as the spike it fired.
+    /// Three neurons over six frames, one with a negative threshold (it spikes at every frame
+    /// whose `V_pre` is above it) and one with a small one: the spikes read off `V_post` are
+    /// the ones the trajectory fired.
     #[test]
-    fn rounding_in_the_membrane_does_not_move_the_reading() {
-        let vpost = [0.25f32 + 1e-6, 0.975 - 2e-6];
-        let got = spikes_of(&vpost, &[0.0], &[0.5], &[1.25, 0.85], &[1.0], 1);
-        assert_eq!(got, vec![1.0, 0.0]);
+    fn spikes_read_off_the_membrane_are_the_fired_ones() {
+        let (beta, vth, v0) = (
+            [0.9f32, 0.5, 0.7],
+            [1.0f32, 0.05, -0.2],
+            [0.2f32, -0.1, 0.0],
+        );
+        let u = [
+            0.5f32, 0.3, -0.5, 0.6, 0.02, 0.1, 0.1, 0.0, -0.4, 0.2, 0.04, 0.3, 0.7, 0.1, -0.1,
+            -0.3, 0.2, 0.05,
+        ];
+        let (vpost, fired) = run(&v0, &beta, &u, &vth);
+        for c in 0..3 {
+            let col: Vec<f32> = fired.iter().skip(c).step_by(3).copied().collect();
+            assert!(
+                col.contains(&1.0) && col.contains(&0.0),
+                "column {c}: {col:?}"
+            );
+        }
+        assert_eq!(spikes_of(&vpost, &v0, &beta, &u, &vth, 3), fired);
+    }
+
+    /// Two neurons; in the second the reference's `V_pre` meets `V_th` within `tie` at frame 1
+    /// and the fused run stays below it there (a flipped spike). A flip at a tie is accepted
+    /// with its column left out and its channel's `∂V_th` too; one far from the threshold is
+    /// not.
+    fn flipped(tie: f32) -> (super::Flips, Vec<bool>) {
+        let (beta, vth, v0) = ([0.5f32, 0.5], [1.0f32, 1.0], [0.0f32, 0.0]);
+        // Column 1: V_pre = 0.5 at frame 0, then 0.25 + 0.75 + tie at frame 1.
+        let u = [0.2f32, 0.5, 0.3, 0.75 + tie, 0.9, 0.1];
+        let (vpost, spike) = run(&v0, &beta, &u, &vth);
+        assert_eq!(spike[3], 1.0);
+        let reference = HostRun {
+            spike,
+            vpost: vpost.clone(),
+            beta: beta.to_vec(),
+            u: u.to_vec(),
+            vth: vth.to_vec(),
+        };
+        // The fused run: the same until column 1's spike at frame 1, which it did not fire.
+        let mut fused_u = u;
+        fused_u[3] = 0.75 - 1e-7;
+        let (fused_vpost, _) = run(&v0, &beta, &fused_u, &vth);
+        (
+            reference.flips(&fused_vpost, &v0),
+            reference.tied_channels(2),
+        )
+    }
+
+    #[test]
+    fn a_flip_at_a_tie_is_accepted_and_its_channel_left_out() {
+        let (flips, tied) = flipped(1e-6);
+        assert_eq!(flips.columns, vec![false, true]);
+        assert!(flips.are_ties(), "{}", flips.describe());
+        assert_eq!(tied, vec![false, true]);
+    }
+
+    #[test]
+    fn a_flip_far_from_the_threshold_fails() {
+        let (flips, tied) = flipped(0.2);
+        assert_eq!(flips.columns, vec![false, true]);
+        assert!(!flips.are_ties(), "{}", flips.describe());
+        assert_eq!(tied, vec![false, false]);
     }
 }

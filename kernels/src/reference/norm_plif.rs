@@ -47,39 +47,57 @@ fn norm_plif_parts<B: ScanOps>(inp: &NormPlifInputs<B>) -> NormPlifParts<B> {
     }
 }
 
-/// RMSNorm and the input PLIF composed from tensor ops and [`ScanOps::plif_row_forward`]:
-/// `(output, V_post)`.
-pub fn norm_plif_forward_reference<B: ScanOps>(
-    inp: &NormPlifInputs<B>,
-) -> (FloatTensor<B>, FloatTensor<B>) {
+/// One run of the composed forward, with what decides its spikes: the output and `V_post`,
+/// the spikes, and the scan's inputs `β`, `u` and `V_th` (`[T·K, B, D]` but `β` and `V_th`
+/// `[B, D]`): what a check needs to tell a spike that flipped at a tie with the threshold
+/// from a wrong kernel, all from the same run.
+pub struct NormPlifRun<B: Backend> {
+    pub y: FloatTensor<B>,
+    pub vpost: FloatTensor<B>,
+    pub spike: FloatTensor<B>,
+    pub beta: FloatTensor<B>,
+    pub u: FloatTensor<B>,
+    pub vth: FloatTensor<B>,
+}
+
+/// RMSNorm and the input PLIF composed from tensor ops and [`ScanOps::plif_row_forward`],
+/// with its spikes and the scan's inputs ([`NormPlifRun`]).
+pub fn norm_plif_reference_run<B: ScanOps>(inp: &NormPlifInputs<B>) -> NormPlifRun<B> {
     let NormPlifParts {
         one_minus,
         scan: [beta, u, vth],
         ..
     } = norm_plif_parts(inp);
-    let vpost = wrap::<B, 3>(B::plif_forward(ScanKind::Row, beta, u, vth, inp.v0.clone()).vpost);
-    let y = if inp.leak {
-        vpost.clone() * one_minus.unsqueeze::<3>()
-    } else {
-        vpost.clone()
-    };
-    (prim(y), prim(vpost))
-}
-
-/// The composition's spikes and the scan's inputs that decide them: `[spike, β, u, V_th]`,
-/// `spike` and `u` `[T·K, B, D]`, `β` and `V_th` `[B, D]`: what a check needs to tell a spike
-/// that flipped at a tie with the threshold from a wrong kernel.
-pub fn norm_plif_spikes_reference<B: ScanOps>(inp: &NormPlifInputs<B>) -> [FloatTensor<B>; 4] {
-    let [beta, u, vth] = norm_plif_parts(inp).scan;
-    let spike = B::plif_forward(
+    let out = B::plif_forward(
         ScanKind::Row,
         beta.clone(),
         u.clone(),
         vth.clone(),
         inp.v0.clone(),
-    )
-    .spike;
-    [spike, beta, u, vth]
+    );
+    let vpost = wrap::<B, 3>(out.vpost);
+    let y = if inp.leak {
+        vpost.clone() * one_minus.unsqueeze::<3>()
+    } else {
+        vpost.clone()
+    };
+    NormPlifRun {
+        y: prim(y),
+        vpost: prim(vpost),
+        spike: out.spike,
+        beta,
+        u,
+        vth,
+    }
+}
+
+/// RMSNorm and the input PLIF composed from tensor ops and [`ScanOps::plif_row_forward`]:
+/// `(output, V_post)`.
+pub fn norm_plif_forward_reference<B: ScanOps>(
+    inp: &NormPlifInputs<B>,
+) -> (FloatTensor<B>, FloatTensor<B>) {
+    let r = norm_plif_reference_run(inp);
+    (r.y, r.vpost)
 }
 
 /// Their backward composed from tensor ops and [`ScanOps::plif_row_backward`] (spikes

@@ -12,6 +12,12 @@
 /// 5e-5 for β = 0.99.
 pub(super) const FLIP_MARGIN: f32 = 1e-4;
 
+/// A reference step's `V_pre − V_th` from its `V_post` and spike: `V_post` itself where it
+/// spiked (`V_post = V_pre − V_th`, no rounding added), `V_post − V_th` where it did not.
+pub(super) fn margin(spiked: bool, vpost: f32, th: f32) -> f32 {
+    if spiked { vpost } else { vpost - th }
+}
+
 /// Where the fused spikes differ from the reference's.
 #[derive(Debug, Clone, PartialEq)]
 pub(super) struct Flips {
@@ -48,11 +54,7 @@ impl Flips {
             let c = idx % cols;
             if !columns[c] {
                 columns[c] = true;
-                let margin = if *r == 1.0 {
-                    ref_vpost[idx]
-                } else {
-                    ref_vpost[idx] - threshold(idx)
-                };
+                let margin = margin(*r == 1.0, ref_vpost[idx], threshold(idx));
                 worst_margin = worst_margin.max(margin.abs());
             }
         }

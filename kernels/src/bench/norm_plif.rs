@@ -4,7 +4,7 @@
 //! check; the backward is checked alone, both sides on the composition's `V_post`.
 
 use super::config::ScanBench;
-use super::flips::{FLIP_MARGIN, Flips};
+use super::flips::{FLIP_MARGIN, Flips, margin};
 use super::report::{
     Pair, TOLERANCE, error_in_type_over, host, report_pairs, rounded, time, worst,
 };
@@ -84,9 +84,7 @@ impl HostRun {
         let cols = self.beta.len();
         let mut tied = vec![false; dim];
         for (idx, (&s, &v)) in self.spike.iter().zip(&self.vpost).enumerate() {
-            let th = self.vth[idx % cols];
-            let margin = if s == 1.0 { v } else { v - th };
-            if margin.abs() <= FLIP_MARGIN {
+            if margin(s == 1.0, v, self.vth[idx % cols]).abs() <= FLIP_MARGIN {
                 tied[idx % cols % dim] = true;
             }
         }
@@ -238,20 +236,11 @@ pub(super) fn norm_plif<B: SnnOps>(
 mod tests {
     use super::{HostRun, spikes_of};
 
-    /// The trajectory from `v0` with inputs `u` (`[frames, cols]`) and per-column `β`, `V_th`:
-    /// `(V_post, spikes)`.
+    /// The reference scan's trajectory from `v0` with inputs `u` (`[frames, cols]`) and
+    /// per-column `β`, `V_th`: `(V_post, spikes)`.
     fn run(v0: &[f32], beta: &[f32], u: &[f32], vth: &[f32]) -> (Vec<f32>, Vec<f32>) {
-        let (cols, mut v) = (v0.len(), v0.to_vec());
-        let (mut vpost, mut fired) = (Vec::new(), Vec::new());
-        for (idx, &u) in u.iter().enumerate() {
-            let c = idx % cols;
-            let pre = beta[c].mul_add(v[c], u);
-            let s = if pre >= vth[c] { 1.0 } else { 0.0 };
-            v[c] = pre - vth[c] * s;
-            vpost.push(v[c]);
-            fired.push(s);
-        }
-        (vpost, fired)
+        let out = crate::reference::row_forward(beta, u, vth, v0, v0.len());
+        (out.vpost, out.spike)
     }
 
     /// Three neurons over six frames, one with a negative threshold (it spikes at every frame

@@ -8,12 +8,13 @@
 #   new/nsactor.xz, new/libnsactor_backend_cuda.so.xz   stripped release builds, xz'd
 #   en6m.txt.xz        head -c 6000000 of corpus/en.txt, xz'd (1.5 MB)
 #   tokenizer.json     the reference tokenizer (shared/reference/tokenizer.json)
-# PART: any of run, bench, serve (default run). ENVS: one cold run per item, `;`-separated, each
-# item the extra environment of its run (`none` for none; e.g. ENVS="none;NSACTOR_BATCH_INVARIANT=off":
-# the second run's sample decodes without timing the batch-invariant GEMMs, which a run's
-# training never uses). What each run wrote comes back under $OUT: its log, metrics.jsonl, the device's
-# memory in use every 100 ms beside it, and a table printed last (8 files with PART="run bench
-# serve" and two runs: the device tool's limit).
+# PART: any of run, bench, serve (default run). ENVS: one run per item, `;`-separated, each
+# item the extra environment of its run (`none` for none; e.g. ENVS="none;NSACTOR_BATCH_INVARIANT=on":
+# the second run's sample times the batch-invariant GEMMs' candidates first, as every run did
+# before s61). Each run is cold unless CACHE=shared (see `cold` below). What each run wrote comes
+# back under $OUT: its log, metrics.jsonl, the device's memory in use every 100 ms beside it,
+# and a table printed last (8 files with PART="run bench serve" and two runs: the device tool's
+# limit).
 set -uo pipefail
 ROOT=$PWD; D=$ROOT/.device; B=/tmp/bin; OUT=${OUT:-/tmp/out}; mkdir -p $B $OUT
 for f in nsactor libnsactor_backend_cuda.so; do xz -dc $D/new/$f.xz > $B/$f; done
@@ -27,11 +28,18 @@ sed -e 's/^steps = .*/steps = 30/' -e 's/^batch_size = .*/batch_size = 14/' \
     $ROOT/configs/neuronspark-0.9b.toml > b14.toml
 echo 'keep_checkpoints = 2' >> b14.toml
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv
-cold() { export XDG_CACHE_HOME=/tmp/cache-$1 CUDA_CACHE_PATH=/tmp/cache-$1/nv; }
+# Seconds since the time of day $1 (the device machine has no `bc`).
+since() { python3 -c "import sys, time; print(f'{time.time() - float(sys.argv[1]):.2f}')" "$1"; }
+# A run's own empty kernel, pick and driver caches; with CACHE=shared every run (and `bench
+# train` after them) shares one, so the first run is cold and those after it warm.
+cold() {
+  local c=/tmp/cache-$1; [ "${CACHE:-}" = shared ] && c=/tmp/cache-shared
+  export XDG_CACHE_HOME=$c CUDA_CACHE_PATH=$c/nv
+}
 if [[ "${PART:-run}" == *run* ]]; then
   t=$(date +%s.%N)
   nsactor data prepare --tokenizer tokenizer.json --out shards en.txt > prep.log 2>&1 || tail prep.log
-  echo "prepare $(echo "$(date +%s.%N) - $t" | bc) s"
+  echo "prepare $(since $t) s"
   IFS=';' read -ra envs <<< "${ENVS:-none}"
   for r in $(seq 1 ${#envs[@]}); do
     e=${envs[$((r-1))]}; [ "$e" = none ] && e=""
@@ -46,7 +54,7 @@ if [[ "${PART:-run}" == *run* ]]; then
       --data shards --tokenizer tokenizer.json --checkpoint-every 10 > $OUT/run$r.log 2>&1
     rc=$?
     kill $mon 2>/dev/null
-    echo "== run $r: rc $rc wall $(echo "$(date +%s.%N) - $t" | bc) s;" \
+    echo "== run $r: rc $rc wall $(since $t) s;" \
       "$(grep -c ' compiled in' $OUT/run$r.log) kernels compiled"
     m=$(find runs -name metrics.jsonl | head -1); cp "$m" $OUT/run$r-metrics.jsonl
     grep -E "after the last step|sample in|startup|tokens/s; weights|probed in" $OUT/run$r.log \
@@ -82,7 +90,7 @@ if [[ "${PART:-run}" == *serve* ]]; then
   CUBECL_COMPILE_LOG=1 nsactor bench serve --config $ROOT/configs/neuronspark-0.9b.toml \
     --backend cuda --precision bf16 --temperature 0 --sessions 1 --tokens 16 --protocol ws \
     --after-ready 3 > $OUT/serve.log 2>&1
-  echo "== serve: rc $? wall $(echo "$(date +%s.%N) - $t" | bc) s;" \
+  echo "== serve: rc $? wall $(since $t) s;" \
     "$(grep -c ' compiled in' $OUT/serve.log) kernels compiled"
   grep -iE "ready|warm|TTFT|tokens/s|probed in" $OUT/serve.log | tail -12 | cut -c1-250
 fi

@@ -66,6 +66,38 @@ fn backend_name(cfg: &RunConfig, arg: Option<&str>) -> String {
         .unwrap_or_else(|| backend::default_name().to_string())
 }
 
+/// The backend of a training process: [`open_backend`] with the decoding GEMMs' batch
+/// invariance `off` unless `[backend.kernels] batch_invariant` or `NSACTOR_BATCH_INVARIANT`
+/// names it. A training process decodes one session at most (the sample after the last step),
+/// so no cohort can change its logits, and the training's own GEMMs never take the invariant
+/// kernels; with them on, the sample first timed the nine decoding problems' candidates, 2.1 s
+/// of a run's end on a machine's first decoding (s61). `cfg` itself is left as it is: the
+/// run's saved `config.toml`, which a later `serve` may read, keeps what the user wrote.
+pub fn open_training_backend(
+    cfg: &RunConfig,
+    arg: Option<&str>,
+) -> Result<Arc<dyn ComputeBackend>, RuntimeError> {
+    let mut cfg = cfg.clone();
+    training_kernels(&mut cfg, |name| std::env::var(name).ok());
+    open_backend(&cfg, arg)
+}
+
+/// Sets `[backend.kernels] batch_invariant = "off"` where neither the table nor the variable
+/// `var` reads (`NSACTOR_BATCH_INVARIANT`) names a value ([`open_training_backend`]).
+fn training_kernels(cfg: &mut RunConfig, var: impl Fn(&str) -> Option<String>) {
+    use nsactor_plugin_api::tuning::KNOBS;
+    let key = "batch_invariant";
+    let env = KNOBS
+        .iter()
+        .find(|k| k.key == key)
+        .map(|k| k.env)
+        .expect("batch_invariant is a knob");
+    let in_env = var(env).is_some_and(|v| !v.trim().is_empty());
+    if !in_env && !cfg.backend.kernels.contains_key(key) {
+        cfg.backend.kernels.insert(key.into(), "off".into());
+    }
+}
+
 /// Decoding and evaluation put each GPU's worker threads on one stream (`streams = shared`)
 /// unless `[backend] streams` says otherwise. A decoding cohort runs through the edge and the
 /// stages one after another anyway (the same throughput, BENCHMARKS.md), and with a stream per
@@ -439,5 +471,41 @@ mod tests {
         let mut cfg = base;
         decoding_streams(&mut cfg, Some(backend::EMBEDDED));
         assert_eq!(cfg.backend.streams, None);
+    }
+
+    #[test]
+    fn training_turns_batch_invariance_off_unless_the_config_or_the_environment_names_it() {
+        use nsactor_plugin_api::tuning::BatchInvariance;
+        let base = RunConfig::load(None).unwrap();
+        let none = |_: &str| None;
+        let invariance = |cfg: &RunConfig, var: &dyn Fn(&str) -> Option<String>| {
+            cfg.backend
+                .kernel_table()
+                .unwrap()
+                .with_vars(var)
+                .unwrap()
+                .batch_invariant
+        };
+        // Nothing named: off.
+        let mut cfg = base.clone();
+        training_kernels(&mut cfg, none);
+        assert_eq!(invariance(&cfg, &none), BatchInvariance::Off);
+        // The file's value is kept.
+        let mut cfg = base.clone();
+        cfg.backend
+            .kernels
+            .insert("batch_invariant".into(), "single".into());
+        training_kernels(&mut cfg, none);
+        assert_eq!(invariance(&cfg, &none), BatchInvariance::Single);
+        // The environment's value is kept (and still wins over the file), an empty one is none.
+        let on = |n: &str| (n == "NSACTOR_BATCH_INVARIANT").then(|| "on".to_string());
+        let mut cfg = base.clone();
+        training_kernels(&mut cfg, on);
+        assert!(!cfg.backend.kernels.contains_key("batch_invariant"));
+        assert_eq!(invariance(&cfg, &on), BatchInvariance::On);
+        let empty = |n: &str| (n == "NSACTOR_BATCH_INVARIANT").then(String::new);
+        let mut cfg = base;
+        training_kernels(&mut cfg, empty);
+        assert_eq!(invariance(&cfg, &empty), BatchInvariance::Off);
     }
 }

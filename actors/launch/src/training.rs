@@ -92,7 +92,7 @@ pub fn train(req: TrainRequest) -> Result<TrainOutcome, RuntimeError> {
         }
         _ => None,
     };
-    let compute = launch::open_backend(&cfg, req.backend.as_deref())?;
+    let compute = launch::open_training_backend(&cfg, req.backend.as_deref())?;
     startup.mark("backend");
     let member = match world {
         Some(w) => {

@@ -503,6 +503,13 @@ mod tests {
         training_kernels(&mut cfg, on);
         assert!(!cfg.backend.kernels.contains_key("batch_invariant"));
         assert_eq!(invariance(&cfg, &on), BatchInvariance::On);
+        let mut cfg = base.clone();
+        cfg.backend
+            .kernels
+            .insert("batch_invariant".into(), "single".into());
+        training_kernels(&mut cfg, on);
+        assert_eq!(cfg.backend.kernels["batch_invariant"], "single");
+        assert_eq!(invariance(&cfg, &on), BatchInvariance::On);
         let empty = |n: &str| (n == "NSACTOR_BATCH_INVARIANT").then(String::new);
         let mut cfg = base;
         training_kernels(&mut cfg, empty);

@@ -486,15 +486,20 @@ mod tests {
                 .unwrap()
                 .batch_invariant
         };
+        // A config whose `[backend.kernels]` names `batch_invariant = "single"`.
+        let single = || {
+            let mut cfg = base.clone();
+            cfg.backend
+                .kernels
+                .insert("batch_invariant".into(), "single".into());
+            cfg
+        };
         // Nothing named: off.
         let mut cfg = base.clone();
         training_kernels(&mut cfg, none);
         assert_eq!(invariance(&cfg, &none), BatchInvariance::Off);
         // The file's value is kept.
-        let mut cfg = base.clone();
-        cfg.backend
-            .kernels
-            .insert("batch_invariant".into(), "single".into());
+        let mut cfg = single();
         training_kernels(&mut cfg, none);
         assert_eq!(invariance(&cfg, &none), BatchInvariance::Single);
         // The environment's value is kept (and still wins over the file), an empty one is none.
@@ -503,15 +508,12 @@ mod tests {
         training_kernels(&mut cfg, on);
         assert!(!cfg.backend.kernels.contains_key("batch_invariant"));
         assert_eq!(invariance(&cfg, &on), BatchInvariance::On);
-        let mut cfg = base.clone();
-        cfg.backend
-            .kernels
-            .insert("batch_invariant".into(), "single".into());
+        let mut cfg = single();
         training_kernels(&mut cfg, on);
         assert_eq!(cfg.backend.kernels["batch_invariant"], "single");
         assert_eq!(invariance(&cfg, &on), BatchInvariance::On);
         let empty = |n: &str| (n == "NSACTOR_BATCH_INVARIANT").then(String::new);
-        let mut cfg = base;
+        let mut cfg = base.clone();
         training_kernels(&mut cfg, empty);
         assert_eq!(invariance(&cfg, &empty), BatchInvariance::Off);
     }

@@ -16,6 +16,7 @@
 
 use crate::ahead::Flow;
 pub use crate::ahead::{READERS, ReadAhead};
+use crate::disk::DiskMode;
 use crate::split::{StageParams, WEIGHTS_FILE, WeightsEntry};
 use nsactor_engine::error::RuntimeError;
 use nsactor_plugin_api::files::write_atomic_with;
@@ -103,13 +104,15 @@ pub struct Written {
 
 /// Writes `parts`, one after another, atomically to `path` and returns their sha256, hashing
 /// each piece as it is written and starting its write-out to the disk ([`crate::disk`]).
-pub fn write_hashed(path: &Path, parts: &[&[u8]]) -> std::io::Result<String> {
+pub fn write_hashed(path: &Path, parts: &[&[u8]], mode: DiskMode) -> std::io::Result<String> {
     write_atomic_with(path, |f| {
-        let (mut h, mut at) = (Sha256::new(), 0);
+        let mut h = Sha256::new();
+        let mut out = crate::disk::Appender::new(f, mode);
         for piece in parts.iter().flat_map(|p| p.chunks(PIECE)) {
             h.update(piece);
-            crate::disk::append(f, &mut at, piece)?;
+            out.put(piece)?;
         }
+        out.finish()?;
         Ok(format!("{:x}", h.finalize()))
     })
 }
@@ -147,6 +150,7 @@ where
     B: AsRef<[u8]> + Send + Sync,
 {
     let n = sources.len();
+    let mode = DiskMode::from_env().map_err(RuntimeError::Runtime)?;
     let readers = ahead.readers.clamp(1, READERS).min(n.max(1));
     let writers = workers(n);
     let flow = Flow::new(readers, writers, ahead);
@@ -210,7 +214,7 @@ where
                     lower_priority();
                     let mut done = Vec::new();
                     while let Some((i, bytes, took)) = flow.take() {
-                        match write_one(dir, i, (*bytes).as_ref()) {
+                        match write_one(dir, i, (*bytes).as_ref(), mode) {
                             Ok(entry) => done.push((i, entry, took)),
                             Err(e) => {
                                 flow.leave(false, true);
@@ -274,7 +278,12 @@ where
 /// Writes stage `i`'s shard in `dir` (its optimizer state, straight from the stage's bytes;
 /// its parameters go to the weights file and are hashed for the manifest beside the write)
 /// and returns its manifest entry.
-fn write_one(dir: &Path, i: usize, stage: &[u8]) -> Result<ShardEntry, RuntimeError> {
+fn write_one(
+    dir: &Path,
+    i: usize,
+    stage: &[u8],
+    mode: DiskMode,
+) -> Result<ShardEntry, RuntimeError> {
     let file = shard_file(i);
     let path = dir.join(&file);
     let s = crate::split::split(stage)
@@ -287,7 +296,7 @@ fn write_one(dir: &Path, i: usize, stage: &[u8]) -> Result<ShardEntry, RuntimeEr
             lower_priority();
             s.record()
         });
-        let written = write_hashed(&path, &parts);
+        let written = write_hashed(&path, &parts, mode);
         (written, params.join().expect("hashing does not panic"))
     });
     let sha256 = written.map_err(|e| RuntimeError::CheckpointIo(path, e))?;

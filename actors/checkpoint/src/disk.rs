@@ -47,7 +47,7 @@ impl DiskMode {
 const ALIGN: usize = 4096;
 
 /// Bytes a direct [`Appender`] gathers before one write.
-const BLOCK: usize = 8 << 20;
+pub const BLOCK: usize = 8 << 20;
 
 /// A zeroed, [`ALIGN`]-aligned heap buffer of [`BLOCK`] bytes.
 struct Aligned(std::ptr::NonNull<u8>);
@@ -77,29 +77,108 @@ impl Drop for Aligned {
     }
 }
 
-/// Sets or clears `O_DIRECT` on `f`; false where the system refuses it.
-fn set_direct(f: &File, on: bool) -> bool {
-    #[cfg(target_os = "linux")]
-    {
-        use std::os::fd::AsRawFd;
-        // SAFETY: plain fcntl calls on an open descriptor.
-        unsafe {
-            let flags = libc::fcntl(f.as_raw_fd(), libc::F_GETFL);
-            if flags < 0 {
-                return false;
-            }
-            let want = match on {
-                true => flags | libc::O_DIRECT,
-                false => flags & !libc::O_DIRECT,
-            };
-            libc::fcntl(f.as_raw_fd(), libc::F_SETFL, want) == 0
+/// A second descriptor on a file, open for direct writes (`O_DIRECT`): the aligned blocks go
+/// through it while the unaligned rest goes through the page cache on the first.
+pub struct DirectTwin(File);
+
+impl DirectTwin {
+    /// A direct descriptor on `f`'s file (Linux, through `/proc/self/fd`); `None` where the
+    /// system or the file system refuses one.
+    pub fn open(f: &File) -> Option<Self> {
+        #[cfg(target_os = "linux")]
+        {
+            use std::os::fd::AsRawFd;
+            use std::os::unix::fs::OpenOptionsExt;
+            std::fs::OpenOptions::new()
+                .write(true)
+                .custom_flags(libc::O_DIRECT)
+                .open(format!("/proc/self/fd/{}", f.as_raw_fd()))
+                .ok()
+                .map(DirectTwin)
+        }
+        #[cfg(not(target_os = "linux"))]
+        {
+            let _ = f;
+            None
         }
     }
-    #[cfg(not(target_os = "linux"))]
-    {
-        let _ = (f, on);
-        !on
+
+    /// Writes `data` at `at` in the file: straight to the disk when `data`'s address, length
+    /// and `at` are [`ALIGN`]ed and the file system takes it; what it refuses (`EINVAL`) or
+    /// leaves after a short write goes through `f`'s page cache.
+    pub fn write_at(&self, f: &File, data: &[u8], at: u64) -> std::io::Result<()> {
+        use std::os::unix::fs::FileExt;
+        let aligned = (data.as_ptr() as usize).is_multiple_of(ALIGN)
+            && data.len().is_multiple_of(ALIGN)
+            && at.is_multiple_of(ALIGN as u64);
+        let mut done = 0;
+        while aligned && done < data.len() {
+            match self.0.write_at(&data[done..], at + done as u64) {
+                Ok(0) => return Err(std::io::ErrorKind::WriteZero.into()),
+                Ok(n) => {
+                    done += n;
+                    if !done.is_multiple_of(ALIGN) {
+                        break;
+                    }
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(e) if e.raw_os_error() == Some(libc::EINVAL) => break,
+                Err(e) => return Err(e),
+            }
+        }
+        buffered_at(f, &data[done..], at + done as u64)
     }
+}
+
+/// Writes `data` at `at` through the page cache and starts its write-out.
+pub fn buffered_at(f: &File, data: &[u8], at: u64) -> std::io::Result<()> {
+    use std::os::unix::fs::FileExt;
+    if data.is_empty() {
+        return Ok(());
+    }
+    f.write_all_at(data, at)?;
+    start_writeback(f, at, data.len());
+    Ok(())
+}
+
+/// An [`ALIGN`]ed bounce buffer of [`BLOCK`] bytes for direct writes, one per thread, kept.
+pub fn with_bounce<T>(f: impl FnOnce(&mut [u8]) -> T) -> T {
+    thread_local! {
+        static BOUNCE: std::cell::RefCell<Option<Aligned>> = const { std::cell::RefCell::new(None) };
+    }
+    BOUNCE.with(|b| f(b.borrow_mut().get_or_insert_with(Aligned::new).bytes()))
+}
+
+/// Writes `data` at `at` in `f`: with a [`DirectTwin`], its [`ALIGN`]ed middle straight to
+/// the disk in blocks of up to [`BLOCK`] bytes copied through the thread's bounce buffer, the
+/// unaligned head and tail through the page cache; without one, all through the page cache.
+pub fn write_span(
+    f: &File,
+    direct: Option<&DirectTwin>,
+    data: &[u8],
+    at: u64,
+) -> std::io::Result<()> {
+    let Some(twin) = direct else {
+        return buffered_at(f, data, at);
+    };
+    let end = at + data.len() as u64;
+    let (lo, hi) = (
+        at.next_multiple_of(ALIGN as u64),
+        end / ALIGN as u64 * ALIGN as u64,
+    );
+    if lo >= hi {
+        return buffered_at(f, data, at);
+    }
+    let (head, rest) = data.split_at((lo - at) as usize);
+    let (middle, tail) = rest.split_at((hi - lo) as usize);
+    buffered_at(f, head, at)?;
+    for (k, block) in middle.chunks(BLOCK).enumerate() {
+        with_bounce(|b| {
+            b[..block.len()].copy_from_slice(block);
+            twin.write_at(f, &b[..block.len()], lo + (k * BLOCK) as u64)
+        })?;
+    }
+    buffered_at(f, tail, hi)
 }
 
 /// Appends pieces to a file opened empty, in the chosen [`DiskMode`].
@@ -107,15 +186,19 @@ pub struct Appender<'f> {
     f: &'f mut File,
     /// Bytes handed to the file so far (the gathered ones not counted).
     at: u64,
-    /// Direct mode's buffer and how much of it is filled; `None` when buffered.
-    direct: Option<(Aligned, usize)>,
+    /// Direct mode's descriptor, buffer and how much of the buffer is filled; `None` when
+    /// buffered.
+    direct: Option<(DirectTwin, Aligned, usize)>,
 }
 
 impl<'f> Appender<'f> {
     /// An appender for `f` (empty, at offset 0). Direct mode falls back to buffered where the
     /// file system refuses `O_DIRECT`.
     pub fn new(f: &'f mut File, mode: DiskMode) -> Self {
-        let direct = (mode == DiskMode::Direct && set_direct(f, true)).then(|| (Aligned::new(), 0));
+        let direct = match mode {
+            DiskMode::Direct => DirectTwin::open(f).map(|t| (t, Aligned::new(), 0)),
+            DiskMode::Buffered => None,
+        };
         Appender { f, at: 0, direct }
     }
 
@@ -126,67 +209,31 @@ impl<'f> Appender<'f> {
 
     /// Appends `piece`.
     pub fn put(&mut self, mut piece: &[u8]) -> std::io::Result<()> {
+        let Some((twin, buf, used)) = self.direct.as_mut() else {
+            return append(self.f, &mut self.at, piece);
+        };
         while !piece.is_empty() {
-            // A fallback in `flush_block` leaves the rest to the page cache.
-            let Some((buf, used)) = self.direct.as_mut() else {
-                return append(self.f, &mut self.at, piece);
-            };
             let n = (BLOCK - *used).min(piece.len());
             buf.bytes()[*used..*used + n].copy_from_slice(&piece[..n]);
             *used += n;
             piece = &piece[n..];
             if *used == BLOCK {
-                self.flush_block()?;
+                twin.write_at(self.f, buf.bytes(), self.at)?;
+                self.at += BLOCK as u64;
+                *used = 0;
             }
         }
         Ok(())
     }
 
-    /// Writes the full block gathered. A file system that refuses the direct write (`EINVAL`)
-    /// gets it, and every later piece, through the page cache.
-    fn flush_block(&mut self) -> std::io::Result<()> {
-        let Some((buf, used)) = self.direct.as_mut() else {
-            return Ok(());
-        };
-        let mut done = 0;
-        while done < *used {
-            match self.f.write(&buf.bytes()[done..*used]) {
-                Ok(0) => return Err(std::io::ErrorKind::WriteZero.into()),
-                Ok(n) if (done + n) % ALIGN == 0 || done + n == *used => done += n,
-                Ok(n) => {
-                    // A short write off the alignment: the rest goes buffered.
-                    done += n;
-                    break;
-                }
-                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
-                Err(e) if e.raw_os_error() == Some(libc::EINVAL) => break,
-                Err(e) => return Err(e),
-            }
-        }
-        self.at += done as u64;
-        if done < *used {
-            let rest = buf.bytes()[done..*used].to_vec();
-            self.direct = None;
-            set_direct(self.f, false);
-            return append(self.f, &mut self.at, &rest);
-        }
-        *used = 0;
-        Ok(())
-    }
-
-    /// Writes what is left (a direct appender's unaligned tail through the page cache) and
-    /// returns the file's length. The caller still syncs the file.
+    /// Writes what is left (a direct appender's aligned part straight to the disk, its tail
+    /// through the page cache) and returns the file's length. The caller still syncs the file.
     pub fn finish(mut self) -> std::io::Result<u64> {
-        if let Some((buf, used)) = self.direct.as_mut() {
+        if let Some((twin, buf, used)) = self.direct.as_mut() {
             let whole = *used / ALIGN * ALIGN;
-            let tail = buf.bytes()[whole..*used].to_vec();
-            *used = whole;
-            self.flush_block()?;
-            if self.direct.is_some() {
-                set_direct(self.f, false);
-                self.direct = None;
-            }
-            append(self.f, &mut self.at, &tail)?;
+            twin.write_at(self.f, &buf.bytes()[..whole], self.at)?;
+            buffered_at(self.f, &buf.bytes()[whole..*used], self.at + whole as u64)?;
+            self.at += *used as u64;
         }
         Ok(self.at)
     }
@@ -260,6 +307,43 @@ mod tests {
         a.put(b"abc").unwrap();
         assert_eq!(a.finish().unwrap(), 3);
         assert_eq!(std::fs::read(&path).unwrap(), b"abc");
+    }
+
+    /// Spans at odd offsets, across 8 MB marks, written by several threads at once through
+    /// `write_span` (the weights file's way): the file holds each where it belongs.
+    #[test]
+    fn spans_at_odd_offsets_land_in_place_in_both_modes() {
+        let dir = tempfile::tempdir().unwrap();
+        let data: Vec<u8> = (0..(BLOCK * 2 + 777_777))
+            .map(|i| (i * 13 % 241) as u8)
+            .collect();
+        let cuts = [
+            0,
+            3,
+            4096,
+            4099,
+            BLOCK - 1,
+            BLOCK + 5000,
+            2 * BLOCK + 1,
+            data.len(),
+        ];
+        for mode in [DiskMode::Buffered, DiskMode::Direct] {
+            let path = dir.path().join(format!("{mode:?}"));
+            let f = File::create(&path).unwrap();
+            f.set_len(data.len() as u64).unwrap();
+            let twin = match mode {
+                DiskMode::Direct => DirectTwin::open(&f),
+                DiskMode::Buffered => None,
+            };
+            std::thread::scope(|s| {
+                for w in cuts.windows(2) {
+                    let (f, twin, data) = (&f, twin.as_ref(), &data);
+                    s.spawn(move || write_span(f, twin, &data[w[0]..w[1]], w[0] as u64).unwrap());
+                }
+            });
+            f.sync_all().unwrap();
+            assert_eq!(std::fs::read(&path).unwrap(), data, "{mode:?}");
+        }
     }
 
     #[test]

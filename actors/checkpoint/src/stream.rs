@@ -160,7 +160,7 @@ where
         let weights = dir.join(WEIGHTS_FILE);
         let exporter = scope.spawn(move || {
             lower_priority();
-            export_from(&weights, n, exported)
+            export_from(&weights, n, exported, mode)
         });
         let to_export = Some(to_export);
         let (flow, sources) = (&flow, &sources);
@@ -317,6 +317,7 @@ fn export_from<B: AsRef<[u8]>>(
     path: &Path,
     n: usize,
     rx: mpsc::Receiver<(usize, Held<'_, B>)>,
+    mode: DiskMode,
 ) -> Result<Option<u64>, RuntimeError> {
     let t = Instant::now();
     let last = std::cell::Cell::new(t);
@@ -333,7 +334,7 @@ fn export_from<B: AsRef<[u8]>>(
             early.insert(i, b);
         }
     });
-    let Some(bytes) = crate::streamed::write_streamed(path, n, stages)? else {
+    let Some(bytes) = crate::streamed::write_streamed(path, n, stages, mode)? else {
         return Ok(None);
     };
     let (took, after) = (

@@ -12,6 +12,7 @@
 //! thousand tensors) is written in a larger one once the data is in: the data is moved up in
 //! place, last piece first (`shift`), instead of the stages being held for a second pass.
 
+use crate::disk::DiskMode;
 use crate::weights::{
     OPTIMIZER_PREFIX, WRITE_PIECE, WRITERS, write_at_parallel, write_atomic_with,
 };
@@ -44,6 +45,7 @@ pub fn write_streamed<B: AsRef<[u8]>>(
     path: &Path,
     n: usize,
     stages: impl Iterator<Item = B>,
+    mode: DiskMode,
 ) -> Result<Option<u64>, RuntimeError> {
     let io = |e: std::io::Error| RuntimeError::Io(path.to_path_buf(), e);
     let written = write_atomic_with(path, |f| {
@@ -75,7 +77,7 @@ pub fn write_streamed<B: AsRef<[u8]>>(
                 pieces.push(((8 + RESERVED + end) as u64, data));
                 end += data.len();
             }
-            write_at_parallel(f, pieces, WRITERS, WRITE_PIECE)?;
+            write_at_parallel(f, pieces, WRITERS, WRITE_PIECE, mode)?;
             came += 1;
         }
         if came < n {
@@ -97,7 +99,7 @@ pub fn write_streamed<B: AsRef<[u8]>>(
         header.extend(json);
         let len = (8 + room + end) as u64;
         f.set_len(len)?;
-        write_at_parallel(f, [(0u64, header.as_slice())], 1, WRITE_PIECE)?;
+        write_at_parallel(f, [(0u64, header.as_slice())], 1, WRITE_PIECE, mode)?;
         Ok(len)
     });
     match written {
@@ -140,11 +142,15 @@ mod tests {
         let (a, b) = two_stages();
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("w.safetensors");
-        let n = write_streamed(&path, 2, [&a, &b].into_iter())
+        let n = write_streamed(&path, 2, [&a, &b].into_iter(), DiskMode::Buffered)
             .unwrap()
             .unwrap();
         let streamed = std::fs::read(&path).unwrap();
         assert_eq!(n, streamed.len() as u64);
+        // Past the page cache: the same file.
+        let direct = dir.path().join("direct.safetensors");
+        write_streamed(&direct, 2, [&a, &b].into_iter(), DiskMode::Direct).unwrap();
+        assert_eq!(std::fs::read(&direct).unwrap(), streamed);
         let merged = crate::weights::merge_params(&[&a, &b]).unwrap();
         let (s, m) = (
             SafeTensors::deserialize(&streamed).unwrap(),
@@ -163,11 +169,11 @@ mod tests {
                 "{name}"
             );
         }
-        let dup = write_streamed(&path, 2, [&a, &a].into_iter()).unwrap_err();
+        let dup = write_streamed(&path, 2, [&a, &a].into_iter(), DiskMode::Buffered).unwrap_err();
         assert!(dup.to_string().contains("two stage shards"), "{dup}");
         std::fs::remove_file(&path).unwrap();
         assert_eq!(
-            write_streamed(&path, 3, [&a, &b].into_iter()).unwrap(),
+            write_streamed(&path, 3, [&a, &b].into_iter(), DiskMode::Buffered).unwrap(),
             None
         );
         assert!(!path.exists(), "an incomplete set leaves no file");
@@ -192,7 +198,7 @@ mod tests {
         let big = safetensors::serialize(views, None).unwrap();
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("w.safetensors");
-        let n = write_streamed(&path, 1, std::iter::once(&big))
+        let n = write_streamed(&path, 1, std::iter::once(&big), DiskMode::Direct)
             .unwrap()
             .unwrap();
         let file = std::fs::read(&path).unwrap();

@@ -170,7 +170,8 @@ fn bench_checkpoint_times_the_parts_and_cleans_up() {
     ]);
     for needle in [
         "read back one stage after another",
-        "disk: ",
+        "disk (page cache, the run's): ",
+        "disk (direct): ",
         "checkpoint (synchronous)",
         "checkpoint (background)",
         "steps beside it",

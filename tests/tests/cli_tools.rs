@@ -171,7 +171,7 @@ fn bench_checkpoint_times_the_parts_and_cleans_up() {
     for needle in [
         "read back one stage after another",
         "disk (page cache, the run's): ",
-        "disk (direct): ",
+        "disk (direct",
         "checkpoint (synchronous)",
         "checkpoint (background)",
         "steps beside it",

@@ -42,19 +42,31 @@ impl DiskMode {
     }
 }
 
-/// Alignment of a direct write's memory, length and file offset (the largest logical block
-/// size in common use).
-const ALIGN: usize = 4096;
+/// Alignment of a direct write's memory, length and file offset, and so the boundary between
+/// what goes direct and what goes through the page cache: 4 KiB (the largest logical block
+/// size in common use) or the page size where that is larger (64 KiB pages on some arm64
+/// kernels), so a cached page never holds part of a block written direct.
+fn align() -> usize {
+    static ALIGN: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *ALIGN.get_or_init(|| {
+        #[cfg(unix)]
+        // SAFETY: sysconf has no preconditions.
+        let page = usize::try_from(unsafe { libc::sysconf(libc::_SC_PAGESIZE) }).unwrap_or(0);
+        #[cfg(not(unix))]
+        let page = 0;
+        page.max(4096)
+    })
+}
 
 /// Bytes a direct [`Appender`] gathers before one write.
 pub const BLOCK: usize = 8 << 20;
 
-/// A zeroed, [`ALIGN`]-aligned heap buffer of [`BLOCK`] bytes.
+/// A zeroed, [`align`]ed heap buffer of [`BLOCK`] bytes.
 struct Aligned(std::ptr::NonNull<u8>);
 
 impl Aligned {
     fn layout() -> std::alloc::Layout {
-        std::alloc::Layout::from_size_align(BLOCK, ALIGN).expect("a valid layout")
+        std::alloc::Layout::from_size_align(BLOCK, align()).expect("a valid layout")
     }
     fn new() -> Self {
         // SAFETY: a non-zero size.
@@ -104,20 +116,21 @@ impl DirectTwin {
     }
 
     /// Writes `data` at `at` in the file: straight to the disk when `data`'s address, length
-    /// and `at` are [`ALIGN`]ed and the file system takes it; what it refuses (`EINVAL`) or
+    /// and `at` are [`align`]ed and the file system takes it; what it refuses (`EINVAL`) or
     /// leaves after a short write goes through `f`'s page cache.
     pub fn write_at(&self, f: &File, data: &[u8], at: u64) -> std::io::Result<()> {
         use std::os::unix::fs::FileExt;
-        let aligned = (data.as_ptr() as usize).is_multiple_of(ALIGN)
-            && data.len().is_multiple_of(ALIGN)
-            && at.is_multiple_of(ALIGN as u64);
+        let align = align();
+        let aligned = (data.as_ptr() as usize).is_multiple_of(align)
+            && data.len().is_multiple_of(align)
+            && at.is_multiple_of(align as u64);
         let mut done = 0;
         while aligned && done < data.len() {
             match self.0.write_at(&data[done..], at + done as u64) {
                 Ok(0) => return Err(std::io::ErrorKind::WriteZero.into()),
                 Ok(n) => {
                     done += n;
-                    if !done.is_multiple_of(ALIGN) {
+                    if !done.is_multiple_of(align) {
                         break;
                     }
                 }
@@ -141,7 +154,7 @@ pub fn buffered_at(f: &File, data: &[u8], at: u64) -> std::io::Result<()> {
     Ok(())
 }
 
-/// An [`ALIGN`]ed bounce buffer of [`BLOCK`] bytes for direct writes, one per thread, kept.
+/// An [`align`]ed bounce buffer of [`BLOCK`] bytes for direct writes, one per thread, kept.
 pub fn with_bounce<T>(f: impl FnOnce(&mut [u8]) -> T) -> T {
     thread_local! {
         static BOUNCE: std::cell::RefCell<Option<Aligned>> = const { std::cell::RefCell::new(None) };
@@ -149,7 +162,7 @@ pub fn with_bounce<T>(f: impl FnOnce(&mut [u8]) -> T) -> T {
     BOUNCE.with(|b| f(b.borrow_mut().get_or_insert_with(Aligned::new).bytes()))
 }
 
-/// Writes `data` at `at` in `f`: with a [`DirectTwin`], its [`ALIGN`]ed middle straight to
+/// Writes `data` at `at` in `f`: with a [`DirectTwin`], its [`align`]ed middle straight to
 /// the disk in blocks of up to [`BLOCK`] bytes copied through the thread's bounce buffer, the
 /// unaligned head and tail through the page cache; without one, all through the page cache.
 pub fn write_span(
@@ -163,8 +176,8 @@ pub fn write_span(
     };
     let end = at + data.len() as u64;
     let (lo, hi) = (
-        at.next_multiple_of(ALIGN as u64),
-        end / ALIGN as u64 * ALIGN as u64,
+        at.next_multiple_of(align() as u64),
+        end / align() as u64 * align() as u64,
     );
     if lo >= hi {
         return buffered_at(f, data, at);
@@ -230,7 +243,7 @@ impl<'f> Appender<'f> {
     /// through the page cache) and returns the file's length. The caller still syncs the file.
     pub fn finish(mut self) -> std::io::Result<u64> {
         if let Some((twin, buf, used)) = self.direct.as_mut() {
-            let whole = *used / ALIGN * ALIGN;
+            let whole = *used / align() * align();
             twin.write_at(self.f, &buf.bytes()[..whole], self.at)?;
             buffered_at(self.f, &buf.bytes()[whole..*used], self.at + whole as u64)?;
             self.at += *used as u64;

@@ -115,6 +115,14 @@ impl DirectTwin {
         }
     }
 
+    /// [`open`](Self::open) in [`DiskMode::Direct`]; `None` in [`DiskMode::Buffered`].
+    pub fn for_mode(f: &File, mode: DiskMode) -> Option<Self> {
+        match mode {
+            DiskMode::Direct => Self::open(f),
+            DiskMode::Buffered => None,
+        }
+    }
+
     /// Writes `data` at `at` in the file: straight to the disk when `data`'s address, length
     /// and `at` are [`align`]ed and the file system takes it; what it refuses (`EINVAL`) or
     /// leaves after a short write goes through `f`'s page cache.
@@ -174,11 +182,8 @@ pub fn write_span(
     let Some(twin) = direct else {
         return buffered_at(f, data, at);
     };
-    let end = at + data.len() as u64;
-    let (lo, hi) = (
-        at.next_multiple_of(align() as u64),
-        end / align() as u64 * align() as u64,
-    );
+    let (end, align) = (at + data.len() as u64, align() as u64);
+    let (lo, hi) = (at.next_multiple_of(align), end / align * align);
     if lo >= hi {
         return buffered_at(f, data, at);
     }
@@ -208,10 +213,7 @@ impl<'f> Appender<'f> {
     /// An appender for `f` (empty, at offset 0). Direct mode falls back to buffered where the
     /// file system refuses `O_DIRECT`.
     pub fn new(f: &'f mut File, mode: DiskMode) -> Self {
-        let direct = match mode {
-            DiskMode::Direct => DirectTwin::open(f).map(|t| (t, Aligned::new(), 0)),
-            DiskMode::Buffered => None,
-        };
+        let direct = DirectTwin::for_mode(f, mode).map(|t| (t, Aligned::new(), 0));
         Appender { f, at: 0, direct }
     }
 
@@ -344,10 +346,7 @@ mod tests {
             let path = dir.path().join(format!("{mode:?}"));
             let f = File::create(&path).unwrap();
             f.set_len(data.len() as u64).unwrap();
-            let twin = match mode {
-                DiskMode::Direct => DirectTwin::open(&f),
-                DiskMode::Buffered => None,
-            };
+            let twin = DirectTwin::for_mode(&f, mode);
             std::thread::scope(|s| {
                 for w in cuts.windows(2) {
                     let (f, twin, data) = (&f, twin.as_ref(), &data);

@@ -130,10 +130,7 @@ pub fn write_at_parallel<'a>(
     mode: DiskMode,
 ) -> std::io::Result<()> {
     use std::sync::atomic::{AtomicUsize, Ordering};
-    let twin = match mode {
-        DiskMode::Direct => crate::disk::DirectTwin::open(f),
-        DiskMode::Buffered => None,
-    };
+    let twin = crate::disk::DirectTwin::for_mode(f, mode);
     let mut chunks: Vec<(u64, &[u8])> = Vec::new();
     for (mut at, mut p) in spans {
         while !p.is_empty() {

@@ -51,7 +51,7 @@ pub fn disk_write(dir: &Path, total: u64, files: usize, mode: DiskMode) -> CliRe
     let piece = vec![0x5au8; 8 << 20];
     let per_file = total / files as u64;
     let t = Instant::now();
-    std::thread::scope(|s| {
+    let direct = std::thread::scope(|s| {
         let jobs: Vec<_> = (0..files)
             .map(|i| {
                 let (path, piece) = (dir.join(format!("probe-{i}.bin")), &piece);
@@ -76,14 +76,12 @@ pub fn disk_write(dir: &Path, total: u64, files: usize, mode: DiskMode) -> CliRe
                 .expect("a probe writer does not panic")
                 .map(|d| all && d)
         })
-    })
-    .map(|direct| (t.elapsed().as_secs_f64(), direct))
-    .inspect(|_| {
-        for i in 0..files {
-            let _ = std::fs::remove_file(dir.join(format!("probe-{i}.bin")));
-        }
-    })
-    .map_err(Into::into)
+    })?;
+    let seconds = t.elapsed().as_secs_f64();
+    for i in 0..files {
+        let _ = std::fs::remove_file(dir.join(format!("probe-{i}.bin")));
+    }
+    Ok((seconds, direct))
 }
 
 /// One optimizer step on synthetic batches of the config's shape; returns its seconds.

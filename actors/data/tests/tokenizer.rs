@@ -78,8 +78,15 @@ fn tricky_strings(n: usize) -> Vec<String> {
         "😀",
         "\u{2028}",
         "<|im_end|>",
+        "<|im_start|>",
+        "<s>",
+        "</s>",
+        "<unk>",
+        "<|im_",
         "<",
         "|",
+        ">",
+        "s>",
     ];
     let mut state = 0x1234_5678_9abc_def0u64;
     let mut next = move || {
@@ -113,9 +120,22 @@ fn the_ascii_fast_path_gives_the_full_pipelines_ids() {
             "ﬁve ﬁ ligatures (NFKC folds them) and ①",
             "",
             "control \u{1} and \u{b} and \u{7f}",
+            "<|im_start|><|im_end|><s></s><unk>",
+            "<|im_<|im_end|>|im_end|>",
+            " <|im_start|> spaced <|im_end|> ",
+            "’<|im_end|>’ and ﬁ<s>ﬁ",
         ]
         .map(str::to_owned),
     );
+    // Chat prompts as the server builds them (the ChatML template's specials between texts).
+    for (i, t) in tricky_strings(200).into_iter().enumerate() {
+        let msgs = [
+            Message::new("system", "You are a helpful assistant who answers briefly."),
+            Message::new("user", &t),
+            Message::new("assistant", &format!("Answer {i}: {t}")),
+        ];
+        texts.push(chat_template(&msgs, i % 2 == 0));
+    }
     for tok in [reference(), Tokenizer::bundled()] {
         assert!(tok.has_fast_path());
         for t in &texts {

@@ -43,13 +43,21 @@ impl CohortPhases {
 
 /// How a session's next token is chosen on the device ([`StageCall::SessionSample`]
 /// (nsactor_plugin_api::StageCall)): only the token (and its logits, when asked) come back.
+///
+/// The penalties' token sets are carried only while their penalties are on ([`new`](Self::new)):
+/// a stream's request goes to the device at every step, and a prompt of 131,072 tokens carried
+/// as the repetition penalty's history would cost every step of that session a megabyte of
+/// copies when no penalty reads it.
 #[derive(Debug, Clone, PartialEq)]
 pub struct PickRequest {
     pub sampling: SamplingParams,
-    /// Prompt and generated tokens (the repetition penalty's set).
+    /// The repetition penalty's set: prompt and generated tokens, each once. Empty while that
+    /// penalty is off (1).
     pub history: Vec<i64>,
-    /// Generated tokens (the presence and frequency penalties; their count is the draw's step).
+    /// Generated tokens, for the presence and frequency penalties. Empty while both are off.
     pub generated: Vec<i64>,
+    /// Tokens drawn before this one: with the seed, the key of a sampled draw.
+    pub step: u64,
     /// Added to logits first; `-inf` bans a token.
     pub bias: Vec<(u32, f32)>,
     /// The logits come back too (for log-probabilities beyond the chosen token's).
@@ -57,6 +65,34 @@ pub struct PickRequest {
 }
 
 impl PickRequest {
+    /// The request for a session that has seen `history` (prompt and generated tokens) and
+    /// generated `generated`: the sets kept are those the sampling's penalties read.
+    pub fn new(
+        sampling: SamplingParams,
+        history: &[i64],
+        generated: &[i64],
+        bias: Vec<(u32, f32)>,
+        want_logits: bool,
+    ) -> Self {
+        let mut history_set = Vec::new();
+        if repeats(&sampling) {
+            let mut seen = std::collections::HashSet::with_capacity(history.len());
+            history_set.extend(history.iter().copied().filter(|t| seen.insert(*t)));
+        }
+        PickRequest {
+            sampling,
+            history: history_set,
+            generated: if counts(&sampling) {
+                generated.to_vec()
+            } else {
+                Vec::new()
+            },
+            step: generated.len() as u64,
+            bias,
+            want_logits,
+        }
+    }
+
     /// The most likely token, with no penalties or biases; the logits come back when
     /// `want_logits`.
     pub fn greedy(want_logits: bool) -> Self {
@@ -64,10 +100,33 @@ impl PickRequest {
             sampling: SamplingParams::greedy(),
             history: Vec::new(),
             generated: Vec::new(),
+            step: 0,
             bias: Vec::new(),
             want_logits,
         }
     }
+
+    /// The request for the next token once `token` has been drawn: the step advanced and the
+    /// token added to the sets the penalties read.
+    pub fn advance(&mut self, token: i64) {
+        self.step += 1;
+        if repeats(&self.sampling) && !self.history.contains(&token) {
+            self.history.push(token);
+        }
+        if counts(&self.sampling) {
+            self.generated.push(token);
+        }
+    }
+}
+
+/// Whether the repetition penalty reads the history.
+fn repeats(s: &SamplingParams) -> bool {
+    s.repetition_penalty != 1.0
+}
+
+/// Whether the presence or frequency penalty reads the generated tokens.
+fn counts(s: &SamplingParams) -> bool {
+    s.presence_penalty != 0.0 || s.frequency_penalty != 0.0
 }
 
 /// A token chosen on the device.
@@ -218,14 +277,15 @@ pub(crate) fn row_pick(p: Option<&PickRequest>) -> RowPick<'_> {
         presence_penalty: s.presence_penalty,
         frequency_penalty: s.frequency_penalty,
         seed: s.seed,
-        step: p.map_or(0, |p| p.generated.len() as u64),
+        step: p.map_or(0, |p| p.step),
         want_logits,
     };
     match p {
+        // A set no penalty reads stays behind, however the request was made.
         Some(p) => RowPick {
             params,
-            history: &p.history,
-            generated: &p.generated,
+            history: if repeats(s) { &p.history } else { &[] },
+            generated: if counts(s) { &p.generated } else { &[] },
             bias: &p.bias,
         },
         None => RowPick {
@@ -281,4 +341,55 @@ pub(crate) async fn close_everywhere(c: &Children, sessions: &[SessionId]) {
     use nsactor_pipeline::state::StateOp;
     let close = || StateOp::Close(sessions.to_vec());
     let _ = crate::order::state(state_all(&c.edge, &c.layers, close(), |_| close())).await;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sampling(repetition: f32, presence: f32, frequency: f32) -> SamplingParams {
+        SamplingParams {
+            repetition_penalty: repetition,
+            presence_penalty: presence,
+            frequency_penalty: frequency,
+            ..SamplingParams::greedy()
+        }
+    }
+
+    #[test]
+    fn a_request_carries_only_the_sets_its_penalties_read() {
+        let prompt: Vec<i64> = (0..100_000).map(|i| i % 7).collect();
+        // No penalty: nothing of the prompt is carried, however long; the step still counts.
+        let mut off = PickRequest::new(sampling(1.0, 0.0, 0.0), &prompt, &[3, 4], vec![], false);
+        assert!(off.history.is_empty() && off.generated.is_empty());
+        assert_eq!(off.step, 2);
+        off.advance(5);
+        assert!(off.history.is_empty() && off.generated.is_empty());
+        assert_eq!(off.step, 3);
+        let row = row_pick(Some(&off));
+        assert_eq!((row.params.step, row.history.len()), (3, 0));
+        // The repetition penalty reads each token once: the set, not the text.
+        let mut rep = PickRequest::new(sampling(1.2, 0.0, 0.0), &prompt, &[3], vec![], false);
+        assert_eq!(rep.history, [0, 1, 2, 3, 4, 5, 6]);
+        assert!(rep.generated.is_empty());
+        rep.advance(3);
+        rep.advance(9);
+        assert_eq!(rep.history, [0, 1, 2, 3, 4, 5, 6, 9]);
+        assert_eq!(rep.step, 3);
+        // Presence and frequency count every generated token.
+        let mut freq = PickRequest::new(sampling(1.0, 0.0, 0.3), &prompt, &[3, 3], vec![], false);
+        assert!(freq.history.is_empty());
+        freq.advance(3);
+        assert_eq!(freq.generated, [3, 3, 3]);
+        let row = row_pick(Some(&freq));
+        assert_eq!((row.params.step, row.generated.len()), (3, 3));
+        // A request built by hand with a set its penalty does not read sends none of it.
+        let by_hand = PickRequest {
+            history: prompt.clone(),
+            generated: vec![1, 2],
+            ..PickRequest::greedy(false)
+        };
+        let row = row_pick(Some(&by_hand));
+        assert!(row.history.is_empty() && row.generated.is_empty());
+    }
 }

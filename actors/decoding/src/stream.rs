@@ -85,8 +85,7 @@ impl Continuation {
             return None;
         }
         self.remaining -= 1;
-        self.pick.history.push(token);
-        self.pick.generated.push(token);
+        self.pick.advance(token);
         Some((vec![token], self))
     }
 }
@@ -134,6 +133,7 @@ pub(super) fn stream(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use nsactor_engine::decode::SamplingParams;
 
     fn picked(token: i64) -> Answered {
         Ok(Answer::Picked(Picked {
@@ -145,10 +145,17 @@ mod tests {
 
     fn plan(more: usize, end_tokens: Vec<i64>) -> StreamPlan {
         StreamPlan {
-            pick: PickRequest {
-                history: vec![7],
-                ..PickRequest::greedy(false)
-            },
+            pick: PickRequest::new(
+                SamplingParams {
+                    repetition_penalty: 1.2,
+                    frequency_penalty: 0.5,
+                    ..SamplingParams::greedy()
+                },
+                &[7],
+                &[],
+                Vec::new(),
+                false,
+            ),
             more,
             end_tokens,
         }
@@ -163,6 +170,7 @@ mod tests {
             (c.pick().history.clone(), c.pick().generated.clone()),
             (vec![7, 5], vec![5])
         );
+        assert_eq!(c.pick().step, 1);
         let (_, c) = c.answer(picked(6)).expect("one more");
         // The budget is spent: the third token is sent and the stream stops.
         assert!(c.answer(picked(8)).is_none());

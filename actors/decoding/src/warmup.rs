@@ -152,8 +152,8 @@ impl AsyncDecoder {
         let phases = super::cohort::CohortPhases::default();
         let fits = (self.max_tokens / size).max(1);
         let greedy = PickRequest::greedy;
-        let sampled = |i: usize| PickRequest {
-            sampling: SamplingParams {
+        let sampled = |i: usize| {
+            let sampling = SamplingParams {
                 temperature: 0.8,
                 top_k: 40,
                 top_p: 0.95,
@@ -161,11 +161,14 @@ impl AsyncDecoder {
                 presence_penalty: 0.1,
                 frequency_penalty: 0.1,
                 seed: i as u64,
-            },
-            history: vec![1, 2, 3],
-            generated: vec![2],
-            bias: vec![(1, 0.5)],
-            want_logits: i.is_multiple_of(2),
+            };
+            PickRequest::new(
+                sampling,
+                &[1, 2, 3],
+                &[2],
+                vec![(1, 0.5)],
+                i.is_multiple_of(2),
+            )
         };
         let prompt = PROMPT.min(fits);
         // (input length, picks) of each pass, in order.

@@ -246,15 +246,18 @@ fn streams_choose_the_tokens_single_feeds_choose_and_run_whole_cohorts() {
     let p = pipeline(1, None);
     let d = p.decoder(256);
     let (sessions, tokens) = (5usize, 12usize);
-    let pick = |history: Vec<i64>, generated: Vec<i64>| PickRequest {
-        sampling: SamplingParams {
+    let pick = |history: Vec<i64>, generated: Vec<i64>| {
+        let sampling = SamplingParams {
             repetition_penalty: 1.3,
             ..SamplingParams::greedy()
-        },
-        history,
-        generated,
-        bias: vec![(7, f32::NEG_INFINITY)],
-        want_logits: false,
+        };
+        PickRequest::new(
+            sampling,
+            &history,
+            &generated,
+            vec![(7, f32::NEG_INFINITY)],
+            false,
+        )
     };
     let prompts: Vec<Vec<i64>> = (0..sessions as u64)
         .map(|i| batches(300 + i, 1)[0].inputs[..2 + i as usize].to_vec())

@@ -346,13 +346,13 @@ impl Generator {
                 }
             }
         }
-        PickRequest {
-            sampling: spec.sampling,
-            history: history.to_vec(),
-            generated: generated.to_vec(),
+        PickRequest::new(
+            spec.sampling,
+            history,
+            generated,
             bias,
-            want_logits: spec.logprobs.is_some(),
-        }
+            spec.logprobs.is_some(),
+        )
     }
 
     async fn decode(

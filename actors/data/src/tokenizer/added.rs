@@ -162,7 +162,12 @@ mod tests {
 
     #[test]
     fn cuts_leftmost_then_longest() {
-        let toks = [("<s>", 1), ("</s>", 2), ("<|im_start|>", 3), ("<|im_end|>", 4)];
+        let toks = [
+            ("<s>", 1),
+            ("</s>", 2),
+            ("<|im_start|>", 3),
+            ("<|im_end|>", 4),
+        ];
         assert_eq!(
             split(&toks, "<|im_start|>user\nhi<|im_end|>\n"),
             ["#3", "t:user\nhi", "#4", "t:\n"]
@@ -173,8 +178,14 @@ mod tests {
         assert_eq!(split(&toks, "<|im_<|im_end|>"), ["t:<|im_", "#4"]);
         // Overlapping candidates: the one starting first wins, then the longest there.
         assert_eq!(split(&[("ab", 1), ("bcd", 2)], "abcd"), ["#1", "t:cd"]);
-        assert_eq!(split(&[("ab", 1), ("abc", 2)], "xabcab"), ["t:x", "#2", "#1"]);
+        assert_eq!(
+            split(&[("ab", 1), ("abc", 2)], "xabcab"),
+            ["t:x", "#2", "#1"]
+        );
         // A token found before the cursor moved past it is searched again.
-        assert_eq!(split(&[("aa", 1), ("b", 2)], "aaab aa"), ["#1", "t:a", "#2", "t: ", "#1"]);
+        assert_eq!(
+            split(&[("aa", 1), ("b", 2)], "aaab aa"),
+            ["#1", "t:a", "#2", "t: ", "#1"]
+        );
     }
 }

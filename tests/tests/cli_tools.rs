@@ -442,6 +442,32 @@ fn bench_detokenize_times_the_window_against_the_whole_decode_and_they_agree() {
     assert!(err.contains("--tokens"), "{err}");
 }
 
+/// `bench host` times a ChatML prompt's encoding both ways (refusing unequal ids) and a
+/// decoding step's pick block: with the penalties off it carries the same ids at any prompt
+/// length; the repetition penalty's set grows with the prompt's distinct tokens.
+#[test]
+fn bench_host_shows_a_steps_picks_flat_in_the_prompt_without_penalties() {
+    let stdout = run_stdout(&["bench", "host", "--tokens", "100,3000", "--sessions", "8"]);
+    let rows: Vec<Vec<&str>> = stdout
+        .lines()
+        .map(|l| l.split_whitespace().collect::<Vec<_>>())
+        .filter(|w| w.first().is_some_and(|x| x.parse::<usize>().is_ok()))
+        .collect();
+    assert_eq!(rows.len(), 2, "{stdout}");
+    let ids = |r: &Vec<&str>, i: usize| r[i].parse::<usize>().unwrap();
+    for r in &rows {
+        assert_eq!(r.len(), 13, "{stdout}");
+        let (fast, full): (f64, f64) = (r[1].parse().unwrap(), r[2].parse().unwrap());
+        assert!(fast > 0.0 && full > 0.0, "{stdout}");
+        // 7 head integers a row and the one banned token's id, for each of the 8 sessions.
+        assert_eq!(ids(r, 7), 8 * 8, "{stdout}");
+    }
+    assert!(ids(&rows[1], 11) > ids(&rows[0], 11), "{stdout}");
+    assert!(ids(&rows[0], 11) > ids(&rows[0], 7), "{stdout}");
+    let err = run_err(&["bench", "host", "--sessions", "0"]);
+    assert!(err.contains("--sessions"), "{err}");
+}
+
 /// `bench heal` runs the serving path's rebuild (checkpoint on disk, layer panic, reload) and
 /// reports it by phase, with the first pass after it; its scratch directory is gone after.
 #[test]

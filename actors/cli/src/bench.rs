@@ -9,6 +9,7 @@ mod flops;
 mod generate;
 mod heal;
 mod hop;
+mod host;
 mod kernels;
 mod long;
 mod open;
@@ -73,6 +74,10 @@ pub enum BenchCommand {
     /// The server's text per generated token: a window of recent tokens decoded
     /// (incremental detokenizing) against the whole generation decoded again each time.
     Detokenize(detok::DetokArgs),
+    /// The host's work for a request that could grow with its prompt: encoding a ChatML
+    /// prompt (the fast path against the full pipeline) and a decoding step's pick block for
+    /// a cohort of sessions, with the penalties off and on.
+    Host(host::HostArgs),
     /// `nsactor data prepare` on a generated folder of Parquet shards (1 GB by default): MB/s
     /// of Parquet and of text, tokens/s and the ratio to the 50 MB/s target, on this machine's
     /// cores.
@@ -95,6 +100,7 @@ pub fn run(c: BenchCommand) -> crate::result::CliResult {
         BenchCommand::Prefill(a) => prefill::run(a),
         BenchCommand::Cluster(a) => cluster::run(a),
         BenchCommand::Detokenize(a) => detok::run(a),
+        BenchCommand::Host(a) => host::run(a),
         BenchCommand::Prepare(a) => prepare::run(a),
     }
 }

@@ -214,10 +214,7 @@ pub(super) async fn run_cohort(
             Ok(rows.map(|r| Answer::Logits(r.to_vec())).collect())
         })
     } else {
-        let mut buf = PicksBuf::new();
-        for p in &picks {
-            buf.push(&row_pick(p.as_ref()));
-        }
+        let buf = pick_block(&picks);
         let want_logits = picks
             .iter()
             .any(|p| p.as_ref().is_none_or(|p| p.want_logits));
@@ -263,6 +260,16 @@ fn every_position(all: Vec<f32>, n: usize, len: usize) -> Result<Vec<Answer>, Ru
     Ok((0..n)
         .map(|i| Answer::Every((0..len).flat_map(|t| rows[t * n + i]).copied().collect()))
         .collect())
+}
+
+/// The block a cohort's picks cross to the device in, one row per session: the host's work
+/// for every decoding step (`nsactor bench host` times it).
+pub fn pick_block(picks: &[Option<PickRequest>]) -> PicksBuf {
+    let mut buf = PicksBuf::new();
+    for p in picks {
+        buf.push(&row_pick(p.as_ref()));
+    }
+    buf
 }
 
 /// The device's row for a pick; a session without one is greedy and wants its logits.

@@ -9,6 +9,9 @@
 #           its time went (NSACTOR_TRACE_COHORTS=1)
 #   plain   the same wave untraced (the figure BENCHMARKS.md records)
 #   decode  1 and 256 streaming clients, 128 tokens each, greedy (issue 62's two figures)
+#   chunks  64 concurrent 2,000-token prompts (issue 60) at chunks of CHUNKS tokens (default
+#           "128 32 16"; 128 is the 0.9B's default): a pass holds 1,024 tokens, so 8 prompts ×
+#           128 (each scan 2,048 frames long) or 64 × 16 (256 frames, 8× the rows side by side)
 # (default "plain wave"). What each part wrote comes back under $OUT with a summary printed.
 set -uo pipefail
 ROOT=$PWD; D=$ROOT/.device; B=/tmp/bin; OUT=${OUT:-/tmp/out}; mkdir -p $B $OUT
@@ -53,4 +56,14 @@ if [[ "$PARTS" == *decode* ]]; then
     --temperature 0 --sessions 1,256 --tokens 128 --protocol ws,sse --after-ready 0 > $OUT/decode.log 2>&1
   echo "== decode: rc $? wall $(since $t) s"
   grep -E "tokens/s|TTFT|clients|ws |sse " $OUT/decode.log | tail -12 | cut -c1-250
+fi
+if [[ "$PARTS" == *chunks* ]]; then
+  for c in ${CHUNKS:-128 32 16}; do
+    t=$(date +%s.%N)
+    nsactor bench prefill --config $ROOT/configs/neuronspark-0.9b.toml --backend cuda --precision bf16 \
+      --lengths 1024 --concurrent 64x2000 --score 0 --check 0 --memory "" --reps 1 \
+      --prefill-chunk-tokens $c > $OUT/chunks-$c.log 2>&1
+    echo "== chunks of $c: rc $? wall $(since $t) s"
+    grep -E "64 ?x ?2000|64 × 2|tokens/s" $OUT/chunks-$c.log | tail -3 | cut -c1-250
+  done
 fi

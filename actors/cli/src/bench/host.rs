@@ -3,9 +3,9 @@
 //!
 //! The encoding takes the ASCII fast path between the template's special tokens; it is timed
 //! against the full pipeline, and the ids must be equal. The pick block is timed as a stream's
-//! step builds it: each session's request cloned, then laid out for the device. It is timed
-//! with the penalties off (no token set is carried, whatever the prompt) and with the
-//! repetition penalty on (the prompt's distinct tokens are carried).
+//! step builds it: each session's request advanced by its token and cloned, then laid out for
+//! the device. It is timed with the penalties off (no token set is carried, whatever the
+//! prompt) and with the repetition penalty on (the prompt's distinct tokens are carried).
 
 use crate::result::CliResult;
 use nsactor_decoding::PickRequest;
@@ -97,9 +97,13 @@ pub fn run(a: HostArgs) -> CliResult {
                 ..SamplingParams::greedy()
             };
             let one = PickRequest::new(sampling, &ids, &[], vec![(0, f32::NEG_INFINITY)], false);
-            let cohort = vec![one; a.sessions];
+            let mut cohort = vec![one; a.sessions];
             timed(|| {
-                // As a stream's step: each request cloned for the cohort, then laid out.
+                // As a stream's step: each request advanced by its drawn token, cloned for
+                // the cohort, then laid out.
+                for p in cohort.iter_mut() {
+                    p.advance(7);
+                }
                 let picks: Vec<Option<PickRequest>> = cohort.iter().cloned().map(Some).collect();
                 Ok(pick_block(&picks).picks().ints.len())
             })

@@ -61,7 +61,7 @@ if [[ "$PARTS" == *chunks* ]]; then
   for c in ${CHUNKS:-128 32 16}; do
     t=$(date +%s.%N)
     nsactor bench prefill --config $ROOT/configs/neuronspark-0.9b.toml --backend cuda --precision bf16 \
-      --lengths 1024 --concurrent 64x2000 --score 0 --check 0 --memory "" --reps 1 \
+      --lengths 1024 --concurrent 64x2000 --score 0 --check 0 --reps 1 --memory \
       --prefill-chunk-tokens $c > $OUT/chunks-$c.log 2>&1
     echo "== chunks of $c: rc $? wall $(since $t) s"
     grep -E "64 ?x ?2000|64 × 2|tokens/s" $OUT/chunks-$c.log | tail -3 | cut -c1-250

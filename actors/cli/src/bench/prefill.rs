@@ -33,8 +33,8 @@ pub struct PrefillBenchArgs {
     #[arg(long, default_value_t = 64)]
     check: usize,
     /// Prompt lengths after each of which the device memory in use is read, the first the
-    /// baseline (empty: none).
-    #[arg(long, value_delimiter = ',', default_value = "1024,131072")]
+    /// baseline (`--memory` with no value: none).
+    #[arg(long, value_delimiter = ',', num_args = 0.., default_value = "1024,131072")]
     memory: Vec<usize>,
     /// Measured repetitions of each one-client figure (medians printed), after one unmeasured.
     #[arg(long, default_value_t = 3)]

@@ -215,10 +215,24 @@ impl CudaContext {
                     backtrace: BackTrace::capture(),
                 })?;
             };
-            cudarc::nvrtc::result::get_ptx(program).map_err(|err| CompilationError::Generic {
-                reason: format!("{err:?}"),
-                backtrace: BackTrace::capture(),
-            })?
+            // nsactor patch: for a real architecture NVRTC has already run the assembler and
+            // holds the machine code (CUBIN); loading that skips the driver's second assembly
+            // of the PTX (its JIT), which an empty driver cache pays for every kernel.
+            // `CUBECL_NVRTC_CUBIN=0` loads the PTX as upstream does.
+            let image = if nvrtc_cubin() { get_cubin(program) } else { None };
+            let image = match image {
+                Some(cubin) => Ok(cubin),
+                None => cudarc::nvrtc::result::get_ptx(program).map_err(|err| {
+                    CompilationError::Generic {
+                        reason: format!("{err:?}"),
+                        backtrace: BackTrace::capture(),
+                    }
+                }),
+            };
+            // nsactor patch: the program is released once its output is taken (upstream kept
+            // every program of the process).
+            let _ = cudarc::nvrtc::result::destroy_program(program);
+            image?
         };
 
         let repr = kernel_compiled.repr.unwrap();
@@ -353,6 +367,33 @@ impl CudaContext {
             Ok(())
         }
     }
+}
+
+/// nsactor patch: the CUBIN NVRTC made for `program` (compiled for a real architecture), or
+/// `None` where it made none (a virtual architecture, an NVRTC without `nvrtcGetCUBIN`).
+///
+/// # Safety
+///
+/// `program` must be a program NVRTC compiled and that has not been destroyed.
+unsafe fn get_cubin(program: cudarc::nvrtc::sys::nvrtcProgram) -> Option<Vec<c_char>> {
+    use cudarc::nvrtc::sys::{nvrtcGetCUBIN, nvrtcGetCUBINSize, nvrtcResult};
+    let mut size = 0usize;
+    // SAFETY: `program` is live (the caller's contract); `size` is a valid out-pointer.
+    let sized = unsafe { nvrtcGetCUBINSize(program, &mut size) };
+    if sized != nvrtcResult::NVRTC_SUCCESS || size == 0 {
+        return None;
+    }
+    let mut cubin: Vec<c_char> = vec![0; size];
+    // SAFETY: `cubin` holds the `size` bytes NVRTC reported for this program.
+    let got = unsafe { nvrtcGetCUBIN(program, cubin.as_mut_ptr()) };
+    (got == nvrtcResult::NVRTC_SUCCESS).then_some(cubin)
+}
+
+/// nsactor patch: whether kernels are loaded from NVRTC's CUBIN rather than its PTX
+/// (`CUBECL_NVRTC_CUBIN`, on unless `0`).
+fn nvrtc_cubin() -> bool {
+    static CUBIN: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *CUBIN.get_or_init(|| std::env::var("CUBECL_NVRTC_CUBIN").map_or(true, |v| v != "0"))
 }
 
 /// nsactor patch: whether NVRTC compiles with automatic precompiled headers

@@ -53,7 +53,7 @@ if [[ "${PART:-run}" == *run* ]]; then
     mon=$!
     t0=$(date +%s.%N)
     env $e CUBECL_COMPILE_LOG=1 nsactor train --config b14.toml --backend cuda --precision bf16 \
-      --data shards --tokenizer tokenizer.json --checkpoint-every 10 > $OUT/run$r.log 2>&1
+      --data shards --tokenizer tokenizer.json --checkpoint-every 10 ${TRAIN_ARGS:-} > $OUT/run$r.log 2>&1
     rc=$?
     kill $mon 2>/dev/null
     echo "== run $r: rc $rc wall $(since $t) s;" \

@@ -6,12 +6,18 @@
 //! between steps, so a step runs with one value throughout; a rebuilt actor reads the same one.
 //!
 //! [`AutoKeep`] chooses `n` the way a user would by hand, from the device memory the driver
-//! reports (allocator pools included, so it is each device's high-water mark): the first step
-//! runs with one kept layer per stage, the second with three; the growth between them is what
-//! a kept layer costs on each device at this batch (never taken below the four scan inputs it
-//! must hold), and from the third step on each stage keeps as many layers as fit under the
-//! budget with a tenth of a layer's cost to spare per layer (and a whole layer's where a step
-//! runs several micro-batches). The step after a choice measures again over the longer span
+//! reports (allocator pools included, so it is each device's high-water mark): the first two
+//! steps run with one kept layer per stage, the third with three; the growth between the second
+//! and the third is what a kept layer costs on each device at this batch (never taken below the
+//! four scan inputs it must hold), and from the fourth step on each stage keeps as many layers
+//! as fit under the budget with a tenth of a layer's cost to spare per layer (and a whole
+//! layer's where a step runs several micro-batches). The second step measures the memory a
+//! step holds once it runs steadily: the first step's reading misses what the second adds (on an
+//! H100 at 0.9B, batch 14: 42 GiB after the first step, 50.5 GiB during the second, with no
+//! kept layer). The third step keeps three layers only where they fit at [`PESSIMISM`] times
+//! their scan inputs each; fewer where only fewer do, and where not even a second layer does,
+//! `auto` stays at one without trying more: a step that runs out of device memory leaves the
+//! CUDA backend unable to go on (an H100 tried three at batch 14 and the run ended). The step after a choice measures again over the longer span
 //! and may raise it (never with a cost per layer below the largest measured), at most
 //! [`MAX_ROUNDS`] times; a choice below what just ran is final (pools never shrink, so memory
 //! measured after it could only lower it again). A step that fails while it chooses sets the
@@ -71,9 +77,12 @@ const MARGIN: f64 = 1.10;
 /// The part of a device left unused by default, and at least [`MIN_RESERVE`].
 const RESERVE_SHARE: f64 = 0.02;
 const MIN_RESERVE: u64 = 2 << 30;
-/// Kept layers per stage in the two measured steps.
+/// Kept layers per stage in the measured steps: the first two, then the third at most.
 const FIRST: usize = 1;
 const SECOND: usize = 3;
+/// Before a kept layer's cost is measured, it is taken to be at most this many times its four
+/// scan inputs (measured at 0.9B, batch 14: 14.4 GiB against 6.1 GiB of scan inputs, 2.4×).
+pub const PESSIMISM: f64 = 2.5;
 
 /// What `auto` knows of one device the run uses.
 #[derive(Debug, Clone, PartialEq)]
@@ -106,8 +115,12 @@ pub struct AutoKeep {
 #[derive(Debug, Clone, PartialEq)]
 enum Phase {
     First,
+    /// The second step, with the first's kept layers: what a step holds running steadily.
+    Steady,
+    /// The third step, with `keep` kept layers, measured against `first` (the second step's).
     Second {
         first: Vec<DeviceMemory>,
+        keep: usize,
     },
     /// Running `keep`, chosen from the memory at `from` kept layers (`base`); the next
     /// measurement checks `predicted` and may raise `keep` (a span of more layers measures
@@ -155,6 +168,13 @@ pub enum Observed {
         devices: Vec<DeviceChoice>,
         last: bool,
     },
+    /// After the second step: not even one more kept layer per stage fits at [`PESSIMISM`]
+    /// times its scan inputs (`devices`' `per_layer`), so `keep` (what ran, or fewer where
+    /// the budget is already exceeded) is final without a measurement.
+    NoRoom {
+        keep: usize,
+        devices: Vec<DeviceChoice>,
+    },
     /// The choice stands: each device's memory in the step that ran it, against its
     /// prediction (`device, used, predicted`). Nothing more is measured.
     Settled(Vec<(usize, u64, u64)>),
@@ -179,7 +199,8 @@ impl AutoKeep {
         self
     }
 
-    /// The kept layers per stage of the two measured steps (fewer where stages are short).
+    /// The kept layers per stage of the first measured steps and the most of the third (fewer
+    /// where stages are short).
     fn measured(&self) -> (usize, usize) {
         (FIRST.min(self.max_layers), SECOND.min(self.max_layers))
     }
@@ -187,9 +208,8 @@ impl AutoKeep {
     /// Layers per stage the next step should keep.
     pub fn next(&self) -> usize {
         match &self.phase {
-            Phase::First => self.measured().0,
-            Phase::Second { .. } => self.measured().1,
-            Phase::Chosen { keep, .. } | Phase::Done { keep } => *keep,
+            Phase::First | Phase::Steady => self.measured().0,
+            Phase::Second { keep, .. } | Phase::Chosen { keep, .. } | Phase::Done { keep } => *keep,
         }
     }
 
@@ -198,7 +218,7 @@ impl AutoKeep {
     pub fn failed(&mut self) -> usize {
         let keep = match &self.phase {
             Phase::First => 0,
-            Phase::Second { .. } => self.measured().0,
+            Phase::Steady | Phase::Second { .. } => self.measured().0,
             Phase::Chosen { keep, from, .. } => (*keep).min(*from),
             Phase::Done { keep } => *keep,
         };
@@ -215,17 +235,22 @@ impl AutoKeep {
             .collect();
         match std::mem::replace(&mut self.phase, Phase::First) {
             Phase::First => {
-                self.phase = Phase::Second { first: mine };
                 let (k1, k2) = self.measured();
                 if k1 == k2 {
                     // Nothing more to measure: keep what fits of the one or no layer.
+                    self.phase = Phase::Second {
+                        first: mine,
+                        keep: k1,
+                    };
                     return self.observe(memory);
                 }
+                self.phase = Phase::Steady;
                 Observed::Measuring
             }
-            Phase::Second { first } => {
-                let (k1, k2) = self.measured();
-                self.choose(&first, &mine, k1, k2, &[], 0)
+            Phase::Steady => self.gate(mine),
+            Phase::Second { first, keep } => {
+                let k1 = self.measured().0;
+                self.choose(&first, &mine, k1, keep, &[], 0)
             }
             Phase::Chosen {
                 keep,
@@ -255,6 +280,32 @@ impl AutoKeep {
                 self.phase = Phase::Done { keep };
                 Observed::Done
             }
+        }
+    }
+
+    /// After the second step (`steady`: each device's memory): the third step's kept layers,
+    /// as many as fit up to the measured steps' most at [`PESSIMISM`] times their scan inputs
+    /// each, or the end of the choice where not even one more does.
+    fn gate(&mut self, steady: Vec<DeviceMemory>) -> Observed {
+        let (k1, k2) = self.measured();
+        let prior: Vec<(usize, u64)> = self
+            .needs
+            .iter()
+            .map(|n| (n.device, (n.floor_per_layer as f64 * PESSIMISM) as u64))
+            .collect();
+        match self.choose(&steady, &steady, k1, k1, &prior, 0) {
+            Observed::Chose { keep, devices, .. } if keep <= k1 => {
+                self.phase = Phase::Done { keep };
+                Observed::NoRoom { keep, devices }
+            }
+            Observed::Chose { keep, .. } => {
+                self.phase = Phase::Second {
+                    first: steady,
+                    keep: keep.min(k2),
+                };
+                Observed::Measuring
+            }
+            other => other,
         }
     }
 
@@ -367,207 +418,4 @@ pub fn gib(b: u64) -> f64 {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    const GIB: u64 = 1 << 30;
-
-    fn mem(device: usize, used_gib: f64) -> DeviceMemory {
-        DeviceMemory {
-            device,
-            used_bytes: (used_gib * GIB as f64) as u64,
-            total_bytes: (139.8 * GIB as f64) as u64,
-        }
-    }
-
-    fn needs(device: usize, held: u64) -> DeviceNeeds {
-        DeviceNeeds {
-            device,
-            floor_per_layer: 6 * GIB,
-            held_for_checkpoints: held,
-        }
-    }
-
-    fn chose(a: &mut AutoKeep, first: &[DeviceMemory], second: &[DeviceMemory]) -> usize {
-        assert_eq!(a.next(), 1);
-        assert_eq!(a.observe(first), Observed::Measuring);
-        assert_eq!(a.next(), 3);
-        match a.observe(second) {
-            Observed::Chose { keep, .. } => {
-                assert_eq!(a.next(), keep);
-                keep
-            }
-            other => panic!("{other:?}"),
-        }
-    }
-
-    #[test]
-    fn the_measured_0_9b_at_batch_14_keeps_the_six_layers_that_fitted_on_an_h200() {
-        // Session 52 on an H200: 53.46 GiB with one kept layer, ~14.4 GiB for each more; six
-        // ran in 127.24 GiB and eight ran out of memory.
-        let mut a = AutoKeep::new(20, None, vec![needs(0, 0)]);
-        assert_eq!(chose(&mut a, &[mem(0, 53.46)], &[mem(0, 82.26)]), 6);
-        // The step with six measures 15.0 GiB a layer over three: a seventh does not fit, and
-        // the choice settles with its prediction (82.26 + 3 × 14.4 GiB) beside the figure.
-        match a.observe(&[mem(0, 127.24)]) {
-            Observed::Settled(v) => {
-                let (d, used, predicted) = v[0];
-                assert_eq!(d, 0);
-                assert_eq!(used, mem(0, 127.24).used_bytes);
-                assert!((gib(predicted) - 125.46).abs() < 0.01, "{}", gib(predicted));
-            }
-            other => panic!("{other:?}"),
-        }
-        assert_eq!(a.observe(&[mem(0, 127.24)]), Observed::Done);
-        assert_eq!(a.next(), 6);
-    }
-
-    /// The choices `a` makes from `steps` (each step's memory after the first two), and
-    /// whether it settled.
-    fn rounds(a: &mut AutoKeep, steps: &[f64]) -> (Vec<usize>, bool) {
-        let mut kept = Vec::new();
-        for &used in steps {
-            match a.observe(&[mem(0, used)]) {
-                Observed::Chose { keep, last, .. } => {
-                    kept.push(keep);
-                    if last {
-                        return (kept, true);
-                    }
-                }
-                Observed::Settled(_) => return (kept, true),
-                other => panic!("{other:?}"),
-            }
-        }
-        (kept, false)
-    }
-
-    #[test]
-    fn a_longer_span_measures_a_layer_better_and_raises_the_choice() {
-        // This session's H200 at batch 14: 48.55 → 85.71 GiB from one kept layer to three
-        // (18.6 GiB a layer: the pools' first growth), 116.30 with five (15.3 a layer).
-        let mut a = AutoKeep::new(20, None, vec![needs(0, 0)]);
-        // Five left 20.7 GiB: one more layer at the first span's 18.58 GiB (the largest
-        // measured is what a layer is taken to cost); six took 127.24 GiB.
-        assert_eq!(chose(&mut a, &[mem(0, 48.55)], &[mem(0, 85.71)]), 5);
-        assert_eq!(rounds(&mut a, &[116.30, 127.24]), (vec![6], true));
-        assert_eq!(a.next(), 6);
-        // At 4 × 511 × 4, without the spare layer: 33.43 → 47.77 GiB (7.2 a layer) chose 14;
-        // 99.24 GiB with 14 leaves room for 18 at 7.2 a layer; 118 with 18 for all 20, which
-        // ran in 131.05 GiB when asked for by hand.
-        let mut a = AutoKeep::new(20, None, vec![needs(0, 0)]);
-        a.needs[0].floor_per_layer = GIB;
-        assert_eq!(chose(&mut a, &[mem(0, 33.43)], &[mem(0, 47.77)]), 14);
-        assert_eq!(
-            rounds(&mut a, &[99.24, 118.0, 131.05]),
-            (vec![18, 20], true)
-        );
-        // A choice that keeps rising (each layer costing less than the first span measured)
-        // settles after a few rounds.
-        let mut a = AutoKeep::new(10_000, None, vec![needs(0, 0)]);
-        a.needs[0].floor_per_layer = GIB / 1024;
-        assert_eq!(chose(&mut a, &[mem(0, 10.0)], &[mem(0, 12.0)]), 116);
-        let (kept, settled) = rounds(&mut a, &[68.5, 99.5, 116.5, 125.0]);
-        assert!(kept.windows(2).all(|w| w[0] < w[1]), "{kept:?}");
-        assert_eq!((kept.len(), settled), (MAX_ROUNDS, true), "{kept:?}");
-    }
-
-    #[test]
-    fn a_choice_below_what_ran_is_final_and_a_failed_step_falls_back_to_what_ran() {
-        // Under a 100 GiB cap the 0.9B at batch 14 chooses 4 (96.7 GiB predicted); 101 GiB
-        // measured gives one layer back, and that is the end: the pools never shrink, so the
-        // same reading would otherwise take another layer each round.
-        let mut a = AutoKeep::new(20, Some(100 * GIB), vec![needs(0, 0)]);
-        assert_eq!(chose(&mut a, &[mem(0, 53.46)], &[mem(0, 82.26)]), 4);
-        assert_eq!(rounds(&mut a, &[101.0]), (vec![3], true));
-        assert_eq!(a.observe(&[mem(0, 101.0)]), Observed::Done);
-        assert_eq!(a.next(), 3);
-        // A failed step while measuring, or at a raised number, goes back to what last ran.
-        let mut a = AutoKeep::new(20, None, vec![needs(0, 0)]);
-        assert_eq!(a.failed(), 0);
-        assert_eq!(a.next(), 0);
-        let mut a = AutoKeep::new(20, None, vec![needs(0, 0)]);
-        a.observe(&[mem(0, 53.46)]);
-        assert_eq!((a.failed(), a.next()), (1, 1));
-        let mut a = AutoKeep::new(20, None, vec![needs(0, 0)]);
-        assert_eq!(chose(&mut a, &[mem(0, 53.46)], &[mem(0, 82.26)]), 6);
-        assert_eq!((a.failed(), a.next()), (3, 3));
-        assert_eq!(a.observe(&[mem(0, 90.0)]), Observed::Done);
-    }
-
-    #[test]
-    fn steps_of_several_micro_batches_leave_a_layer_spare() {
-        // 5 × 511 × 3 on an H200: 30.33 → 50.96 GiB from one kept layer to three. Without
-        // the spare layer this chose 10 and then 19, which ran out of memory.
-        let spare = |n| AutoKeep::new(20, None, vec![needs(0, 0)]).with_spare_layers(n);
-        assert_eq!(chose(&mut spare(0), &[mem(0, 30.33)], &[mem(0, 50.96)]), 10);
-        let mut a = spare(1);
-        assert_eq!(chose(&mut a, &[mem(0, 30.33)], &[mem(0, 50.96)]), 9);
-        // Within a layer of the budget it stays where it is rather than give layers back.
-        assert_eq!(rounds(&mut a, &[128.0]), (vec![], true));
-        assert_eq!(a.next(), 9);
-    }
-
-    #[test]
-    fn checkpoints_during_the_run_and_a_cap_leave_room_and_keep_fewer() {
-        let ckpt = (9.77 * GIB as f64) as u64;
-        let mut a = AutoKeep::new(20, None, vec![needs(0, ckpt)]);
-        assert_eq!(chose(&mut a, &[mem(0, 53.46)], &[mem(0, 82.26)]), 5);
-        let mut a = AutoKeep::new(20, Some(100 * GIB), vec![needs(0, 0)]);
-        assert_eq!(chose(&mut a, &[mem(0, 53.46)], &[mem(0, 82.26)]), 4);
-        // A cap below what three layers took gives layers back (one layer's 14.4 GiB covers
-        // 12.26 over); below what one took, all of them.
-        let mut a = AutoKeep::new(20, Some(70 * GIB), vec![needs(0, 0)]);
-        assert_eq!(chose(&mut a, &[mem(0, 53.46)], &[mem(0, 82.26)]), 2);
-        let mut a = AutoKeep::new(20, Some(40 * GIB), vec![needs(0, 0)]);
-        assert_eq!(chose(&mut a, &[mem(0, 53.46)], &[mem(0, 82.26)]), 0);
-    }
-
-    #[test]
-    fn growth_under_the_scan_inputs_is_not_believed_and_every_layer_fits_a_roomy_device() {
-        // The pools had room: no growth measured. The floor (6 GiB a layer) decides.
-        let mut a = AutoKeep::new(20, None, vec![needs(0, 0)]);
-        // (137.0 − 50) GiB / 6.6 GiB = 13 layers past the three measured.
-        assert_eq!(chose(&mut a, &[mem(0, 50.0)], &[mem(0, 50.0)]), 16);
-        // A small model: all of its layers.
-        let mut a = AutoKeep::new(4, None, vec![needs(0, 0)]);
-        assert_eq!(chose(&mut a, &[mem(0, 5.0)], &[mem(0, 5.1)]), 4);
-    }
-
-    #[test]
-    fn the_tightest_device_decides_and_other_devices_reports_are_ignored() {
-        let mut a = AutoKeep::new(10, None, vec![needs(0, 0), needs(1, 0)]);
-        let first = [mem(0, 40.0), mem(1, 60.0), mem(7, 1.0)];
-        let second = [mem(0, 60.0), mem(1, 100.0), mem(7, 139.0)];
-        // Device 0: 10 GiB a layer, 77 GiB free → 3 + 7 = 10; device 1: 20 GiB, 37 free → 4.
-        match (a.observe(&first), a.observe(&second)) {
-            (Observed::Measuring, Observed::Chose { keep, devices, .. }) => {
-                assert_eq!(keep, 4);
-                assert_eq!(devices.iter().map(|d| d.fits).collect::<Vec<_>>(), [10, 4]);
-            }
-            other => panic!("{other:?}"),
-        }
-    }
-
-    #[test]
-    fn a_stage_of_one_layer_is_measured_once() {
-        let mut a = AutoKeep::new(1, None, vec![needs(0, 0)]);
-        assert_eq!(a.next(), 1);
-        match a.observe(&[mem(0, 10.0)]) {
-            Observed::Chose { keep, .. } => assert_eq!(keep, 1),
-            other => panic!("{other:?}"),
-        }
-        let mut a = AutoKeep::new(1, Some(5 * GIB), vec![needs(0, 0)]);
-        match a.observe(&[mem(0, 10.0)]) {
-            Observed::Chose { keep, .. } => assert_eq!(keep, 0),
-            other => panic!("{other:?}"),
-        }
-    }
-
-    #[test]
-    fn the_shared_number_is_read_per_layer() {
-        let k = KeepLayers::new(2);
-        assert!(k.keeps(1) && k.keeps(2) && !k.keeps(3));
-        k.clone().set(0);
-        assert!(!k.keeps(1));
-    }
-}
+mod tests;

@@ -134,6 +134,30 @@ pub fn after_step(auto: &mut Option<AutoKeep>, topo: &Topology) {
                 settle(auto, topo);
             }
         }
+        Observed::NoRoom { keep, devices } => {
+            let why: Vec<String> = devices
+                .iter()
+                .map(|d| {
+                    format!(
+                        "device {}: {:.2} GiB in use after two steps with {ran} kept; a layer \
+                         more may take up to {:.2} GiB ({} × its scan inputs, not measured), \
+                         {:.2} of {:.2} GiB allowed",
+                        d.device,
+                        gib(d.second),
+                        gib(d.per_layer),
+                        super::keep::PESSIMISM,
+                        gib(d.allowed),
+                        gib(d.total),
+                    )
+                })
+                .collect();
+            tracing::info!(
+                "keep_activations auto: {keep} layer(s) per stage keep their forward's graph, \
+                 with no step tried at more: a step out of device memory would end the run ({})",
+                why.join("; ")
+            );
+            settle(auto, topo);
+        }
         Observed::Settled(v) => {
             for (device, used, predicted) in v {
                 tracing::info!(
@@ -164,8 +188,12 @@ pub fn step_failed(auto: &mut Option<AutoKeep>, topo: &Topology) {
     settle(auto, topo);
 }
 
-/// The number is final: the layers keep what is set, and `auto` is done.
+/// The number is final: the layers keep `auto`'s last choice from the next step on (a choice
+/// below what just ran included), and `auto` is done.
 fn settle(auto: &mut Option<AutoKeep>, topo: &Topology) {
+    if let Some(a) = auto.as_ref() {
+        topo.keep.set(a.next());
+    }
     topo.keep.set_settled(true);
     *auto = None;
 }

@@ -73,7 +73,7 @@ impl KeepLayers {
 
 /// Each kept layer may take this much more than the measured growth per layer (the measured
 /// 0.9B growth rose ~6 % from the first kept layers to the sixth).
-const MARGIN: f64 = 1.10;
+pub(crate) const MARGIN: f64 = 1.10;
 /// The part of a device left unused by default, and at least [`MIN_RESERVE`].
 const RESERVE_SHARE: f64 = 0.02;
 const MIN_RESERVE: u64 = 2 << 30;
@@ -124,7 +124,7 @@ enum Phase {
     },
     /// Running `keep`, chosen from the memory at `from` kept layers (`base`); the next
     /// measurement checks `predicted` and may raise `keep` (a span of more layers measures
-    /// their cost better than the first two steps' span of two).
+    /// their cost better than the measured steps' span of one or two).
     Chosen {
         keep: usize,
         from: usize,
@@ -249,8 +249,15 @@ impl AutoKeep {
             }
             Phase::Steady => self.gate(mine),
             Phase::Second { first, keep } => {
+                // A span of one layer may show no growth at all (the pools grow in pages), so
+                // below two the unmeasured estimate stays the least a layer is taken to cost.
                 let k1 = self.measured().0;
-                self.choose(&first, &mine, k1, keep, &[], 0)
+                let prior = if keep >= k1 + 2 {
+                    Vec::new()
+                } else {
+                    self.pessimistic()
+                };
+                self.choose(&first, &mine, k1, keep, &prior, 0)
             }
             Phase::Chosen {
                 keep,
@@ -288,11 +295,7 @@ impl AutoKeep {
     /// each, or the end of the choice where not even one more does.
     fn gate(&mut self, steady: Vec<DeviceMemory>) -> Observed {
         let (k1, k2) = self.measured();
-        let prior: Vec<(usize, u64)> = self
-            .needs
-            .iter()
-            .map(|n| (n.device, (n.floor_per_layer as f64 * PESSIMISM) as u64))
-            .collect();
+        let prior = self.pessimistic();
         match self.choose(&steady, &steady, k1, k1, &prior, 0) {
             Observed::Chose { keep, devices, .. } if keep <= k1 => {
                 self.phase = Phase::Done { keep };
@@ -305,8 +308,18 @@ impl AutoKeep {
                 };
                 Observed::Measuring
             }
+            // `choose` answers nothing else.
             other => other,
         }
+    }
+
+    /// Each device's cost of a kept layer before one is measured: [`PESSIMISM`] times its
+    /// scan inputs.
+    fn pessimistic(&self) -> Vec<(usize, u64)> {
+        self.needs
+            .iter()
+            .map(|n| (n.device, (n.floor_per_layer as f64 * PESSIMISM) as u64))
+            .collect()
     }
 
     /// The choice from each device's memory `a` at `k1` kept layers and `b` at `k2`

@@ -140,11 +140,11 @@ pub fn after_step(auto: &mut Option<AutoKeep>, topo: &Topology) {
                 .map(|d| {
                     format!(
                         "device {}: {:.2} GiB in use after two steps with {ran} kept; a layer \
-                         more may take up to {:.2} GiB ({} × its scan inputs, not measured), \
-                         {:.2} of {:.2} GiB allowed",
+                         more is taken to need {:.2} GiB ({} × its scan inputs, not measured, \
+                         and a tenth more), {:.2} of {:.2} GiB allowed",
                         d.device,
                         gib(d.second),
-                        gib(d.per_layer),
+                        gib(d.per_layer) * super::keep::MARGIN,
                         super::keep::PESSIMISM,
                         gib(d.allowed),
                         gib(d.total),

@@ -1,5 +1,6 @@
 //! The persistent caches of a process's CUDA work, in one directory: CubeCL's compiled kernels
-//! (PTX keyed by each kernel's stable hash, `<dir>/cubecl/ptx`) and its autotune results
+//! (each kernel's machine code, CUBIN, keyed by its stable hash, per architecture:
+//! `<dir>/cubecl/cuda-sm90/…`) and its autotune results
 //! (`<dir>/cubecl/autotune`), so a restarted server or run skips compilation and tuning. The
 //! driver's own cache of PTX compiled to machine code is `$CUDA_CACHE_PATH` (the driver's
 //! default `~/.nv/ComputeCache` otherwise).

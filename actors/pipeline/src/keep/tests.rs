@@ -273,4 +273,28 @@ fn an_h100_at_batch_14_keeps_one_layer_without_trying_three() {
     assert_eq!(a.next(), 2);
     // A failed step there falls back to the one that ran.
     assert_eq!((a.failed(), a.next()), (1, 1));
+    // A span of one layer that shows no growth (the pools had room) does not make a layer
+    // cheap: it is still taken at 2.5 × its scan inputs, so 24.35 GiB left take one more
+    // (at the scan inputs alone, three more: five, ~96 GiB).
+    let steps = |third: f64| {
+        let mut a = AutoKeep::new(
+            20,
+            None,
+            vec![DeviceNeeds {
+                held_for_checkpoints: 0,
+                ..needs()
+            }],
+        );
+        for _ in 0..2 {
+            a.observe(&[mem_of(79.65, 53.3)]);
+        }
+        assert_eq!(a.next(), 2);
+        match a.observe(&[mem_of(79.65, third)]) {
+            Observed::Chose { keep, .. } => keep,
+            other => panic!("{other:?}"),
+        }
+    };
+    assert_eq!(steps(53.3), 3);
+    // Measured growth above the estimate wins: 14.7 GiB for the second layer leaves no room.
+    assert_eq!(steps(68.0), 2);
 }

@@ -72,9 +72,15 @@ impl CudaContext {
                 let config = cubecl_runtime::config::CubeClRuntimeConfig::get();
                 if let Some(cache) = &config.compilation.cache {
                     let root = cache.root();
+                    // nsactor patch: one cache per architecture. Its entries are CUBINs made for
+                    // the device's own architecture (and PTX for `sm_90a` is no more portable),
+                    // and their keys do not name it, so a cache directory shared by machines
+                    // with other GPUs must not hand one architecture's kernels to another.
                     Some(CompilationCache::new(
                         "ptx",
-                        CacheOption::default().name("cuda").root(root),
+                        CacheOption::default()
+                            .name(format!("cuda-sm{arch}"))
+                            .root(root),
                     ))
                 } else {
                     None
@@ -107,18 +113,26 @@ impl CudaContext {
         let hash = if let Some(cache) = &self.ptx_cache {
             let hash = kernel_id.stable_hash();
 
-            if let Some(entry) = cache.get(&hash) {
+            if let Some(entry) = cache.get(&hash).cloned() {
                 log::trace!("Using PTX cache");
 
-                self.load_ptx(
-                    entry.ptx.clone(),
+                // nsactor patch: an entry the driver refuses (made by another toolkit, say) is
+                // compiled again rather than failing the launch.
+                match self.load_ptx(
+                    entry.ptx,
                     kernel_id.clone(),
-                    entry.entrypoint_name.clone(),
+                    entry.entrypoint_name,
                     kernel_id.cube_dim,
                     entry.shared_mem_bytes,
-                )?;
-                crate::nsactor_stats::record_compile(name, true, started.elapsed());
-                return Ok(());
+                ) {
+                    Ok(()) => {
+                        crate::nsactor_stats::record_compile(name, true, started.elapsed());
+                        return Ok(());
+                    }
+                    Err(err) => {
+                        log::warn!("the cached kernel {name} did not load ({err:?}); compiling it")
+                    }
+                }
             }
             Some(hash)
         } else {
@@ -271,12 +285,13 @@ impl CudaContext {
         shared_mem_bytes: usize,
     ) -> Result<(), CompilationError> {
         let func_name = CString::new(entrypoint_name).unwrap();
-        // SAFETY: `ptx` is a valid null-terminated PTX binary from NVRTC. `func_name` is a
+        // SAFETY: `ptx` is an image from NVRTC: a null-terminated PTX text or (nsactor patch) a
+        // CUBIN, whose ELF header gives its size. `func_name` is a
         // null-terminated `CString` matching the kernel entry point in the compiled module.
         let func = unsafe {
             let module = cudarc::driver::result::module::load_data(ptx.as_ptr() as *const _)
                 .map_err(|err| CompilationError::Generic {
-                    reason: format!("Unable to load the PTX: {err:?}"),
+                    reason: format!("Unable to load the kernel image: {err:?}"),
                     backtrace: BackTrace::capture(),
                 })?;
 
@@ -370,7 +385,8 @@ impl CudaContext {
 }
 
 /// nsactor patch: the CUBIN NVRTC made for `program` (compiled for a real architecture), or
-/// `None` where it made none (a virtual architecture, an NVRTC without `nvrtcGetCUBIN`).
+/// `None` where it made none (a virtual architecture). NVRTC has had `nvrtcGetCUBIN` since
+/// CUDA 11.1; cudarc panics on an NVRTC without it.
 ///
 /// # Safety
 ///

@@ -422,15 +422,20 @@ fn bench_serve_measures_websocket_and_sse_clients_beside_the_engine() {
     assert!(e.contains("grpc"), "{e}");
 }
 
+/// The rows of a table printed by a bench whose first column is a number, split on whitespace.
+fn numbered_rows(stdout: &str) -> Vec<Vec<&str>> {
+    stdout
+        .lines()
+        .map(|l| l.split_whitespace().collect::<Vec<_>>())
+        .filter(|w| w.first().is_some_and(|x| x.parse::<usize>().is_ok()))
+        .collect()
+}
+
 /// `bench detokenize` times the server's text per token both ways and checks they agree.
 #[test]
 fn bench_detokenize_times_the_window_against_the_whole_decode_and_they_agree() {
     let stdout = run_stdout(&["bench", "detokenize", "--tokens", "8,64"]);
-    let rows: Vec<Vec<&str>> = stdout
-        .lines()
-        .map(|l| l.split_whitespace().collect::<Vec<_>>())
-        .filter(|w| w.first().is_some_and(|x| x.parse::<usize>().is_ok()))
-        .collect();
+    let rows = numbered_rows(&stdout);
     assert_eq!(rows.len(), 2, "{stdout}");
     for (r, n) in rows.iter().zip(["8", "64"]) {
         assert_eq!(r[0], n, "{stdout}");
@@ -448,11 +453,7 @@ fn bench_detokenize_times_the_window_against_the_whole_decode_and_they_agree() {
 #[test]
 fn bench_host_shows_a_steps_picks_flat_in_the_prompt_without_penalties() {
     let stdout = run_stdout(&["bench", "host", "--tokens", "100,3000", "--sessions", "8"]);
-    let rows: Vec<Vec<&str>> = stdout
-        .lines()
-        .map(|l| l.split_whitespace().collect::<Vec<_>>())
-        .filter(|w| w.first().is_some_and(|x| x.parse::<usize>().is_ok()))
-        .collect();
+    let rows = numbered_rows(&stdout);
     assert_eq!(rows.len(), 2, "{stdout}");
     let ids = |r: &Vec<&str>, i: usize| r[i].parse::<usize>().unwrap();
     for r in &rows {

@@ -244,6 +244,13 @@ fn an_h100_at_batch_14_keeps_one_layer_without_trying_three() {
         held_for_checkpoints: ckpt,
     };
     let mut a = AutoKeep::new(20, None, vec![needs()]);
+    let without_checkpoints = || {
+        let needs = DeviceNeeds {
+            held_for_checkpoints: 0,
+            ..needs()
+        };
+        AutoKeep::new(20, None, vec![needs])
+    };
     assert_eq!(a.observe(&[mem_of(79.65, 44.77)]), Observed::Measuring);
     assert_eq!(a.next(), 1);
     match a.observe(&[mem_of(79.65, 53.3)]) {
@@ -259,14 +266,7 @@ fn an_h100_at_batch_14_keeps_one_layer_without_trying_three() {
     assert_eq!(a.next(), 1);
     assert_eq!(a.observe(&[mem_of(79.65, 60.0)]), Observed::Done);
     // Without checkpoints one more layer fits at that cost, and the third step tries two.
-    let mut a = AutoKeep::new(
-        20,
-        None,
-        vec![DeviceNeeds {
-            held_for_checkpoints: 0,
-            ..needs()
-        }],
-    );
+    let mut a = without_checkpoints();
     for _ in 0..2 {
         assert_eq!(a.observe(&[mem_of(79.65, 53.3)]), Observed::Measuring);
     }
@@ -277,14 +277,7 @@ fn an_h100_at_batch_14_keeps_one_layer_without_trying_three() {
     // cheap: it is still taken at 2.5 × its scan inputs, so 24.35 GiB left take one more
     // (at the scan inputs alone, three more: five, ~96 GiB).
     let steps = |third: f64| {
-        let mut a = AutoKeep::new(
-            20,
-            None,
-            vec![DeviceNeeds {
-                held_for_checkpoints: 0,
-                ..needs()
-            }],
-        );
+        let mut a = without_checkpoints();
         for _ in 0..2 {
             a.observe(&[mem_of(79.65, 53.3)]);
         }

@@ -117,10 +117,11 @@ struct ThreadState {
 }
 
 thread_local! {
-    /// This thread's cuBLASLt workspace per device: the buffer (held, so never recycled) and
-    /// its device address. Its GEMMs run in order on this thread's stream, so one workspace
-    /// serves them all, and a GEMM needs no allocation or address lookup for it.
-    static WORKSPACES: RefCell<HashMap<usize, (cubecl::server::Handle, u64)>> =
+    /// This thread's cuBLASLt workspace per device (held, so never recycled). Its GEMMs run in
+    /// order on this thread's stream, so one workspace serves them all. Its device address is
+    /// looked up on the server thread with the operands': a lookup from this thread would wait
+    /// for every launch queued before it (kernels compiled ahead among them).
+    static WORKSPACES: RefCell<HashMap<usize, cubecl::server::Handle>> =
         RefCell::new(HashMap::new());
 }
 
@@ -328,16 +329,11 @@ pub fn run(op: &Prepared) -> CudaTensor {
             .get_resource(h.clone())
             .unwrap_or_else(|e| panic!("gemm: device buffer unavailable: {e:?}"))
     };
-    // Looked up once per thread and device (the only blocking round trip of queued GEMMs).
-    let workspace_ptr = WORKSPACES.with(|w| {
+    let workspace = WORKSPACES.with(|w| {
         w.borrow_mut()
             .entry(device.index)
-            .or_insert_with(|| {
-                let h = client.empty(WORKSPACE_BYTES);
-                let ptr = resource(&h).resource().ptr;
-                (h, ptr)
-            })
-            .1
+            .or_insert_with(|| client.empty(WORKSPACE_BYTES))
+            .clone()
     });
     if submit_mode() == Submit::Blocking {
         let (ra, rb, rc, rd) = (
@@ -346,11 +342,12 @@ pub fn run(op: &Prepared) -> CudaTensor {
             resource(&addend.handle),
             resource(&out.handle),
         );
+        let rw = resource(&workspace);
         let (ra, rb, rc, rd) = (ra.resource(), rb.resource(), rc.resource(), rd.resource());
         enqueue(
             &key,
             [ra.ptr, rb.ptr, rc.ptr, rd.ptr],
-            workspace_ptr,
+            rw.resource().ptr,
             rd.stream,
         )
         .unwrap_or_else(|e| panic!("{e}"));
@@ -363,12 +360,30 @@ pub fn run(op: &Prepared) -> CudaTensor {
         op.lhs.handle.clone().binding(),
         addend.handle.clone().binding(),
         out.handle.clone().binding(),
+        workspace.binding(),
     ];
     let server = device_server(&device);
     server.submit(move |server: &mut Server| {
-        use cubecl::server::ComputeServer;
-        // The task runs under the submitting thread's stream id.
+        // The task runs under the submitting thread's stream id; in order with the launches
+        // that wait for kernels compiled ahead, so maybe later, during another thread's call.
         let stream_id = cubecl::stream_id::StreamId::current();
+        server.nsactor_in_order(Box::new(move |server: &mut Server| {
+            queued_gemm(server, stream_id, bindings, key)
+        }));
+    });
+    out
+}
+
+/// The body of a queued GEMM, on CubeCL's server thread: the operands' device pointers looked
+/// up on `stream_id` (`[A, B, C, D, workspace]`) and the cuBLASLt call enqueued there.
+fn queued_gemm(
+    server: &mut Server,
+    stream_id: cubecl::stream_id::StreamId,
+    bindings: [cubecl::server::Binding; 5],
+    key: PlanKey,
+) {
+    {
+        use cubecl::server::ComputeServer;
         let started = std::time::Instant::now();
         let task = || -> Result<(), KernelError> {
             // Held until the GEMM is enqueued, like the blocking path's resources.
@@ -377,9 +392,9 @@ pub fn run(op: &Prepared) -> CudaTensor {
                 .map(|b| server.get_resource(b, stream_id))
                 .collect::<Result<Vec<_>, _>>()
                 .map_err(|e| KernelError::device("gemm: device buffer unavailable", e))?;
-            let [a, b, c, d] = [0, 1, 2, 3].map(|i| held[i].resource());
+            let [a, b, c, d, w] = [0, 1, 2, 3, 4].map(|i| held[i].resource());
             let lt = std::time::Instant::now();
-            let r = enqueue(&key, [a.ptr, b.ptr, c.ptr, d.ptr], workspace_ptr, d.stream);
+            let r = enqueue(&key, [a.ptr, b.ptr, c.ptr, d.ptr], w.ptr, d.stream);
             QUEUED_LT_NS.fetch_add(lt.elapsed().as_nanos() as u64, Ordering::Relaxed);
             r
         };
@@ -402,8 +417,7 @@ pub fn run(op: &Prepared) -> CudaTensor {
         {
             record_queued_failure(e);
         }
-    });
-    out
+    }
 }
 
 /// Enqueues `D = A · B (+ C)` of `key` on `stream` (pointers `[A, B, C, D]`; `C` unused where

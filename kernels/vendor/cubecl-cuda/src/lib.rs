@@ -31,23 +31,46 @@ pub mod nsactor_stats {
     /// or its PTX taken from the on-disk cache, then loaded): when, which, how long, whether the
     /// cache had it.
     pub(crate) fn record_compile(name: &str, cached: bool, took: std::time::Duration) {
-        static LOG: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-        if *LOG.get_or_init(|| std::env::var("CUBECL_COMPILE_LOG").is_ok_and(|v| v == "1")) {
+        if logging() {
             let base = name.split('<').next().unwrap_or(name);
             let short = base.rsplit("::").next().unwrap_or(base);
-            let now = std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .unwrap_or_default();
-            let (s, ms) = (now.as_secs() % 86_400, now.subsec_millis());
             eprintln!(
-                "{:02}:{:02}:{:02}.{ms:03} nsactor: kernel {short} {} in {:.1} ms",
-                s / 3600,
-                s / 60 % 60,
-                s % 60,
+                "{} nsactor: kernel {short} {} in {:.1} ms",
+                time_of_day(),
                 if cached { "loaded from the cache" } else { "compiled" },
                 took.as_secs_f64() * 1e3
             );
         }
+    }
+
+    /// With `CUBECL_COMPILE_LOG=1`, prints a drain of the compile-ahead queue
+    /// (`compute/server/ahead.rs`): what made it, how much waited, how long it took.
+    pub(crate) fn record_drain(
+        cause: &str,
+        entries: usize,
+        compiling: usize,
+        took: std::time::Duration,
+    ) {
+        if logging() {
+            eprintln!(
+                "{} nsactor: compile-ahead queue of {entries} ({compiling} compiling) drained for {cause} in {:.1} ms",
+                time_of_day(),
+                took.as_secs_f64() * 1e3
+            );
+        }
+    }
+
+    fn logging() -> bool {
+        static LOG: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        *LOG.get_or_init(|| std::env::var("CUBECL_COMPILE_LOG").is_ok_and(|v| v == "1"))
+    }
+
+    fn time_of_day() -> String {
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap_or_default();
+        let (s, ms) = (now.as_secs() % 86_400, now.subsec_millis());
+        format!("{:02}:{:02}:{:02}.{ms:03}", s / 3600, s / 60 % 60, s % 60)
     }
 }
 pub use runtime::*;

@@ -107,172 +107,144 @@ impl CudaContext {
         mode: ExecutionMode,
         logger: Arc<ServerLogger>,
     ) -> Result<(), LaunchError> {
-        // nsactor patch: every kernel brought in is timed and counted (`nsactor_stats`).
+        // nsactor patch: every kernel brought in is timed and counted (`nsactor_stats`); the
+        // cache lookup, the compilation and what follows it are pieces that
+        // `server/ahead.rs` also runs apart (the compilation on a worker thread).
         let started = std::time::Instant::now();
         let name = kernel.name();
-        let hash = if let Some(cache) = &self.ptx_cache {
-            let hash = kernel_id.stable_hash();
-
-            if let Some(entry) = cache.get(&hash).cloned() {
-                log::trace!("Using PTX cache");
-
-                // nsactor patch: an entry the driver refuses (made by another toolkit, say) is
-                // compiled again rather than failing the launch.
-                match self.load_ptx(
-                    entry.ptx,
-                    kernel_id.clone(),
-                    entry.entrypoint_name,
-                    kernel_id.cube_dim,
-                    entry.shared_mem_bytes,
-                ) {
-                    Ok(()) => {
-                        crate::nsactor_stats::record_compile(name, true, started.elapsed());
-                        return Ok(());
-                    }
-                    Err(err) => {
-                        log::warn!("the cached kernel {name} did not load ({err:?}); compiling it")
-                    }
-                }
-            }
-            Some(hash)
-        } else {
-            None
-        };
-
+        if self.load_cached(kernel_id, name, started) {
+            return Ok(());
+        }
         log::trace!("Compiling kernel");
+        self.validate(kernel_id)?;
+        let setup = self.nvrtc_setup(logger.compilation_activated());
+        let (compiled, image) = setup.compile(&*kernel, kernel_id, mode)?;
+        self.finish_compile(kernel_id, name, compiled, image, &logger, started.elapsed())
+    }
 
-        validate_cube_dim(&self.properties, kernel_id)?;
-        validate_units(&self.properties, kernel_id)?;
-
-        let mut kernel_compiled = kernel.compile(
-            &mut Default::default(),
-            &self.compilation_options,
-            mode,
-            kernel.address_type(),
-        )?;
-
-        self.validate_shared(&kernel_compiled.repr)?;
-
-        if logger.compilation_activated() {
-            kernel_compiled.debug_info = Some(DebugInformation::new("cpp", kernel_id.clone()));
-
-            if let Ok(formatted) = format_cpp(&kernel_compiled.source) {
-                kernel_compiled.source = formatted;
+    /// nsactor patch: loads `kernel_id` from the on-disk cache; false where the cache lacks it
+    /// or the driver refuses the entry (made by another toolkit, say: it is compiled again).
+    pub(crate) fn load_cached(
+        &mut self,
+        kernel_id: &KernelId,
+        name: &str,
+        started: std::time::Instant,
+    ) -> bool {
+        let Some(entry) = self
+            .ptx_cache
+            .as_ref()
+            .and_then(|cache| cache.get(&kernel_id.stable_hash()).cloned())
+        else {
+            return false;
+        };
+        log::trace!("Using PTX cache");
+        match self.load_ptx(
+            entry.ptx,
+            kernel_id.clone(),
+            entry.entrypoint_name,
+            kernel_id.cube_dim,
+            entry.shared_mem_bytes,
+        ) {
+            Ok(()) => {
+                crate::nsactor_stats::record_compile(name, true, started.elapsed());
+                true
+            }
+            Err(err) => {
+                log::warn!("the cached kernel {name} did not load ({err:?}); compiling it");
+                false
             }
         }
+    }
 
-        let cube_dim = kernel_compiled.cube_dim;
+    /// nsactor patch: whether the on-disk cache holds an entry for `kernel_id`.
+    pub(crate) fn in_cache(&self, kernel_id: &KernelId) -> bool {
+        self.ptx_cache
+            .as_ref()
+            .is_some_and(|cache| cache.get(&kernel_id.stable_hash()).is_some())
+    }
+
+    /// nsactor patch: the checks made before compiling `kernel_id` for this device.
+    pub(crate) fn validate(&self, kernel_id: &KernelId) -> Result<(), LaunchError> {
+        validate_cube_dim(&self.properties, kernel_id)?;
+        validate_units(&self.properties, kernel_id)?;
+        Ok(())
+    }
+
+    /// nsactor patch: what a compilation for this device needs, apart from the device (so a
+    /// worker thread can run it).
+    pub(crate) fn nvrtc_setup(&self, debug: bool) -> NvrtcSetup {
         let arch = if self.arch.version >= 90 {
             format!("--gpu-architecture=sm_{}a", self.arch)
         } else {
             format!("--gpu-architecture=sm_{}", self.arch)
         };
-
         let include_path = include_path();
-        let include_option = format!("--include-path={}", include_path.to_str().unwrap());
         let cccl_include_path = cccl_include_path();
-        let cccl_include_option = format!("--include-path={}", cccl_include_path.to_str().unwrap());
-        let mut options = vec![arch.as_str(), include_option.as_str(), "-lineinfo"];
+        let mut flags = vec![
+            arch,
+            format!("--include-path={}", include_path.to_str().unwrap()),
+            "-lineinfo".to_string(),
+        ];
         if cccl_include_path.exists() {
-            options.push(&cccl_include_option);
+            flags.push(format!(
+                "--include-path={}",
+                cccl_include_path.to_str().unwrap()
+            ));
         }
         // nsactor patch: NVRTC's automatic precompiled headers. Every kernel's source begins
         // with the same CUDA headers (`cuda_runtime.h`, `cuda_bf16.h`, …); with `--pch` NVRTC
         // parses them once per process and reuses the result, instead of once per kernel.
         // `CUBECL_NVRTC_PCH=0` turns it off.
         if nvrtc_pch() {
-            options.push("--pch");
+            flags.push("--pch".to_string());
         }
+        // nsactor patch: `CUBECL_NVRTC_SPLIT=N` lets NVRTC run its optimisation passes on N
+        // threads (`--split-compile`; 0: as many as the host has). Off by default.
+        if let Some(n) = nvrtc_split() {
+            flags.push(format!("--split-compile={n}"));
+        }
+        NvrtcSetup {
+            options: self.compilation_options.clone(),
+            flags,
+            debug,
+        }
+    }
 
-        logger.log_compilation(&kernel_compiled);
-
-        // SAFETY: Calling NVRTC FFI to create, compile, and extract PTX from a program.
-        // The `CString` source is null-terminated and outlives the program. On compilation
-        // failure, the error log is retrieved and reported before returning.
-        let ptx = unsafe {
-            // I'd like to set the name to the kernel name, but keep getting UTF-8 errors so let's
-            // leave it `None` for now
-            let source = CString::from_str(&kernel_compiled.source).unwrap();
-            let program =
-                cudarc::nvrtc::result::create_program(source.as_c_str(), None).map_err(|err| {
-                    CompilationError::Generic {
-                        reason: format!("{err:?}"),
-                        backtrace: BackTrace::capture(),
-                    }
-                })?;
-            if cudarc::nvrtc::result::compile_program(program, &options).is_err() {
-                let log_raw = cudarc::nvrtc::result::get_program_log(program).map_err(|err| {
-                    CompilationError::Generic {
-                        reason: format!("{err:?}"),
-                        backtrace: BackTrace::capture(),
-                    }
-                })?;
-
-                let log_ptr = log_raw.as_ptr();
-                let log = CStr::from_ptr(log_ptr).to_str().unwrap();
-                let mut message = "[Compilation Error] ".to_string();
-                for line in log.split('\n') {
-                    if !line.is_empty() {
-                        message += format!("\n    {line}").as_str();
-                    }
-                }
-                let source = kernel
-                    .compile(
-                        &mut Default::default(),
-                        &self.compilation_options,
-                        mode,
-                        kernel.address_type(),
-                    )?
-                    .source;
-                Err(CompilationError::Generic {
-                    reason: format!("{message}\n[Source]  \n{source}"),
-                    backtrace: BackTrace::capture(),
-                })?;
-            };
-            // nsactor patch: for a real architecture NVRTC has already run the assembler and
-            // holds the machine code (CUBIN); loading that skips the driver's second assembly
-            // of the PTX (its JIT), which an empty driver cache pays for every kernel.
-            // `CUBECL_NVRTC_CUBIN=0` loads the PTX as upstream does.
-            let image = if nvrtc_cubin() { get_cubin(program) } else { None };
-            let image = match image {
-                Some(cubin) => Ok(cubin),
-                None => cudarc::nvrtc::result::get_ptx(program).map_err(|err| {
-                    CompilationError::Generic {
-                        reason: format!("{err:?}"),
-                        backtrace: BackTrace::capture(),
-                    }
-                }),
-            };
-            // nsactor patch: the program is released once its output is taken (upstream kept
-            // every program of the process).
-            let _ = cudarc::nvrtc::result::destroy_program(program);
-            image?
-        };
-
-        let repr = kernel_compiled.repr.unwrap();
-
+    /// nsactor patch: the end of a compilation, on the server thread: the shared-memory check,
+    /// the compilation log, the on-disk cache and the module load.
+    pub(crate) fn finish_compile(
+        &mut self,
+        kernel_id: &KernelId,
+        name: &str,
+        compiled: KernelSource,
+        image: Vec<c_char>,
+        logger: &ServerLogger,
+        took: std::time::Duration,
+    ) -> Result<(), LaunchError> {
+        self.validate_shared(&compiled.repr)?;
+        logger.log_compilation(&compiled);
+        let repr = compiled.repr.unwrap();
         if let Some(cache) = &mut self.ptx_cache {
             let result = cache.insert(
-                hash.unwrap(),
+                kernel_id.stable_hash(),
                 PtxCacheEntry {
-                    entrypoint_name: kernel_compiled.entrypoint_name.clone(),
+                    entrypoint_name: compiled.entrypoint_name.clone(),
                     shared_mem_bytes: repr.shared_memory_size(),
-                    ptx: ptx.clone(),
+                    ptx: image.clone(),
                 },
             );
             if let Err(err) = result {
                 log::warn!("Unable to save the ptx {err:?}");
             }
         }
-
         self.load_ptx(
-            ptx,
+            image,
             kernel_id.clone(),
-            kernel_compiled.entrypoint_name,
-            cube_dim,
+            compiled.entrypoint_name,
+            compiled.cube_dim,
             repr.shared_memory_size(),
         )?;
-        crate::nsactor_stats::record_compile(name, false, started.elapsed());
+        crate::nsactor_stats::record_compile(name, false, took);
         Ok(())
     }
 
@@ -384,6 +356,93 @@ impl CudaContext {
     }
 }
 
+/// nsactor patch: a kernel compiled by CubeCL, before NVRTC.
+pub(crate) type KernelSource = cubecl_runtime::kernel::CompiledKernel<CudaCompiler>;
+
+/// nsactor patch: how kernels are compiled for one device (CubeCL's options, NVRTC's flags),
+/// apart from the device, so that a worker thread can compile (`server/ahead.rs`).
+#[derive(Clone, Debug)]
+pub(crate) struct NvrtcSetup {
+    options: CompilationOptions,
+    flags: Vec<String>,
+    /// Whether the source is formatted and carries debug information (compilation logging).
+    debug: bool,
+}
+
+impl NvrtcSetup {
+    /// CubeCL's source for `kernel`, then NVRTC's image of it (a CUBIN, or PTX with
+    /// `CUBECL_NVRTC_CUBIN=0`).
+    pub(crate) fn compile(
+        &self,
+        kernel: &dyn CubeTask<CudaCompiler>,
+        kernel_id: &KernelId,
+        mode: ExecutionMode,
+    ) -> Result<(KernelSource, Vec<c_char>), LaunchError> {
+        let mut compiled = kernel.compile(
+            &mut Default::default(),
+            &self.options,
+            mode,
+            kernel.address_type(),
+        )?;
+        if self.debug {
+            compiled.debug_info = Some(DebugInformation::new("cpp", kernel_id.clone()));
+            if let Ok(formatted) = format_cpp(&compiled.source) {
+                compiled.source = formatted;
+            }
+        }
+        let image = nvrtc_image(&compiled.source, &self.flags)?;
+        Ok((compiled, image))
+    }
+}
+
+/// NVRTC's image of `source` compiled with `flags`; a failed compilation's error holds
+/// NVRTC's log and the source.
+fn nvrtc_image(source: &str, flags: &[String]) -> Result<Vec<c_char>, CompilationError> {
+    let generic = |err: &dyn std::fmt::Debug| CompilationError::Generic {
+        reason: format!("{err:?}"),
+        backtrace: BackTrace::capture(),
+    };
+    let options: Vec<&str> = flags.iter().map(String::as_str).collect();
+    let text = CString::from_str(source).map_err(|e| generic(&e))?;
+    // SAFETY: NVRTC FFI: the null-terminated source outlives the program, which is destroyed
+    // once its output is taken (or its log read).
+    unsafe {
+        // I'd like to set the name to the kernel name, but keep getting UTF-8 errors so let's
+        // leave it `None` for now
+        let program =
+            cudarc::nvrtc::result::create_program(text.as_c_str(), None).map_err(|e| generic(&e))?;
+        if cudarc::nvrtc::result::compile_program(program, &options).is_err() {
+            let log_raw = cudarc::nvrtc::result::get_program_log(program);
+            let _ = cudarc::nvrtc::result::destroy_program(program);
+            let log_raw = log_raw.map_err(|e| generic(&e))?;
+            let log = CStr::from_ptr(log_raw.as_ptr()).to_string_lossy();
+            let mut message = "[Compilation Error] ".to_string();
+            for line in log.split('\n') {
+                if !line.is_empty() {
+                    message += format!("\n    {line}").as_str();
+                }
+            }
+            return Err(CompilationError::Generic {
+                reason: format!("{message}\n[Source]  \n{source}"),
+                backtrace: BackTrace::capture(),
+            });
+        }
+        // nsactor patch: for a real architecture NVRTC has already run the assembler and
+        // holds the machine code (CUBIN); loading that skips the driver's second assembly
+        // of the PTX (its JIT), which an empty driver cache pays for every kernel.
+        // `CUBECL_NVRTC_CUBIN=0` loads the PTX as upstream does.
+        let image = if nvrtc_cubin() { get_cubin(program) } else { None };
+        let image = match image {
+            Some(cubin) => Ok(cubin),
+            None => cudarc::nvrtc::result::get_ptx(program).map_err(|e| generic(&e)),
+        };
+        // nsactor patch: the program is released once its output is taken (upstream kept
+        // every program of the process).
+        let _ = cudarc::nvrtc::result::destroy_program(program);
+        image
+    }
+}
+
 /// nsactor patch: the CUBIN NVRTC made for `program` (compiled for a real architecture), or
 /// `None` where it made none (a virtual architecture). NVRTC has had `nvrtcGetCUBIN` since
 /// CUDA 11.1; cudarc panics on an NVRTC without it.
@@ -417,4 +476,14 @@ fn nvrtc_cubin() -> bool {
 fn nvrtc_pch() -> bool {
     static PCH: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *PCH.get_or_init(|| std::env::var("CUBECL_NVRTC_PCH").map_or(true, |v| v != "0"))
+}
+
+/// nsactor patch: NVRTC's `--split-compile` thread count (`CUBECL_NVRTC_SPLIT`), if set.
+fn nvrtc_split() -> Option<u32> {
+    static SPLIT: std::sync::OnceLock<Option<u32>> = std::sync::OnceLock::new();
+    *SPLIT.get_or_init(|| {
+        std::env::var("CUBECL_NVRTC_SPLIT")
+            .ok()
+            .and_then(|v| v.trim().parse().ok())
+    })
 }

@@ -47,6 +47,9 @@ use std::{
 
 pub(crate) const MB: usize = 1024 * 1024;
 
+/// nsactor patch: kernels compiled ahead on worker threads (`server/ahead.rs`).
+mod ahead;
+
 #[derive(Debug)]
 pub struct CudaServer {
     ctx: CudaContext,
@@ -63,6 +66,8 @@ pub struct CudaServer {
     metadata_cache: HashMap<u64, HashMap<Vec<u8>, Handle>>,
     /// nsactor patch: the CUDA-graph capture in progress, if any (`nsactor_capture_begin`).
     capture: Option<Capture>,
+    /// nsactor patch: launches waiting for kernels compiled ahead (`server/ahead.rs`).
+    ahead: ahead::Ahead,
 }
 
 /// nsactor patch: a stream being captured into a CUDA graph.
@@ -137,6 +142,7 @@ impl ComputeServer for CudaServer {
         descriptors: Vec<CopyDescriptor>,
         stream_id: StreamId,
     ) -> DynFut<Result<Vec<Bytes>, ServerError>> {
+        self.drain_for("read");
         self.nsactor_taint(stream_id, "a read to the host");
         match self.command(
             stream_id,
@@ -152,6 +158,8 @@ impl ComputeServer for CudaServer {
     }
 
     fn initialize_memory(&mut self, memory: ManagedMemoryHandle, size: u64, stream_id: StreamId) {
+        // nsactor patch: memory taken while launches wait for their kernels is bounded.
+        self.ahead_allocating(size);
         // nsactor patch: a buffer allocated during a capture belongs to the graph.
         if let Some(c) = self.capture.as_mut().filter(|c| c.stream == stream_id) {
             c.retained
@@ -173,6 +181,7 @@ impl ComputeServer for CudaServer {
     }
 
     fn write(&mut self, descriptors: Vec<(CopyDescriptor, Bytes)>, stream_id: StreamId) {
+        self.drain_for("write");
         self.nsactor_taint(stream_id, "a write from the host");
         let mut command = match self.command(
             stream_id,
@@ -202,20 +211,13 @@ impl ComputeServer for CudaServer {
         mode: ExecutionMode,
         stream_id: StreamId,
     ) {
-        // nsactor patch: the server thread's time in launches (`crate::nsactor_stats`).
-        let started = std::time::Instant::now();
-        let launched = self.launch_checked(kernel, count, bindings, mode, stream_id);
-        crate::nsactor_stats::record_launch(started.elapsed());
-        if let Err(err) = launched {
-            let mut stream = match self.streams.resolve(stream_id, [].into_iter(), false) {
-                Ok(stream) => stream,
-                Err(err) => unreachable!("{err:?}"),
-            };
-            stream.current().errors.push(err);
-        }
+        // nsactor patch: a kernel not yet compiled is compiled on a worker thread while its
+        // launch waits in order (`server/ahead.rs`).
+        self.launch_or_queue(kernel, count, bindings, mode, stream_id);
     }
 
     fn flush(&mut self, stream_id: StreamId) -> Result<(), ServerError> {
+        self.drain_for("flush");
         // nsactor patch: freeing memory on a captured stream would add nodes to the graph.
         if self.nsactor_taint(stream_id, "a flush") {
             return Ok(());
@@ -236,6 +238,7 @@ impl ComputeServer for CudaServer {
     }
 
     fn sync(&mut self, stream_id: StreamId) -> DynFut<Result<(), ServerError>> {
+        self.drain_for("sync");
         self.nsactor_taint(stream_id, "a synchronisation");
         let command = self.command_no_inputs(
             stream_id,
@@ -274,6 +277,7 @@ impl ComputeServer for CudaServer {
         binding: Binding,
         stream_id: StreamId,
     ) -> Result<ManagedResource<GpuResource>, ServerError> {
+        self.drain_for("get_resource");
         // nsactor patch: work outside CubeCL (cuBLASLt) captured on this buffer keeps it.
         if let Some(c) = self.capture.as_mut().filter(|c| c.stream == stream_id) {
             c.retained.push(binding.clone());
@@ -293,6 +297,7 @@ impl ComputeServer for CudaServer {
     }
 
     fn memory_usage(&mut self, stream_id: StreamId) -> Result<MemoryUsage, ServerError> {
+        self.drain_for("memory_usage");
         let mut command = self.command_no_inputs(
             stream_id,
             StreamErrorMode {
@@ -304,6 +309,7 @@ impl ComputeServer for CudaServer {
     }
 
     fn memory_cleanup(&mut self, stream_id: StreamId) {
+        self.drain_for("memory_cleanup");
         if self.nsactor_taint(stream_id, "a memory cleanup") {
             return;
         }
@@ -321,6 +327,7 @@ impl ComputeServer for CudaServer {
     }
 
     fn allocation_mode(&mut self, mode: MemoryAllocationMode, stream_id: StreamId) {
+        self.drain_for("allocation_mode");
         self.nsactor_taint(stream_id, "a change of allocation mode");
         let mut command = match self.command_no_inputs(
             stream_id,
@@ -340,6 +347,7 @@ impl ServerCommunication for CudaServer {
     const SERVER_COMM_ENABLED: bool = true;
 
     fn comm_init(&mut self, device_ids: Vec<DeviceId>) -> Result<(), ServerError> {
+        self.drain_for("comm_init");
         let id = CommunicationId::from(device_ids.clone());
         if let Entry::Vacant(e) = self.communicators.entry(id.clone()) {
             let mut comm = MaybeUninit::uninit();
@@ -384,6 +392,7 @@ impl ServerCommunication for CudaServer {
         op: ReduceOperation,
         device_ids: Vec<DeviceId>,
     ) -> Result<(), ServerError> {
+        self.drain_for("all_reduce");
         // We create a command on the server to retrieve the correct resource of the source and the destination
         // from the memory pools.
         if src.stream != dst.stream {
@@ -453,6 +462,7 @@ impl ServerCommunication for CudaServer {
     }
 
     fn sync_collective(&mut self, stream_id: StreamId) -> Result<(), ServerError> {
+        self.drain_for("sync_collective");
         let mut command = self.command_no_inputs(
             stream_id,
             StreamErrorMode {
@@ -477,6 +487,7 @@ impl ServerCommunication for CudaServer {
         stream_id: StreamId,
         device_id_dst: DeviceId,
     ) -> Result<(), ServerError> {
+        self.drain_for("send");
         let binding = desc.handle.clone();
 
         // We create a command on the source server to retrieve the correct resource from the
@@ -544,6 +555,7 @@ impl ServerCommunication for CudaServer {
         stream_id: StreamId,
         device_id_src: DeviceId,
     ) -> Result<(), ServerError> {
+        self.drain_for("recv");
         // We create a new command on the destination server to reserve the necessary GPU memory.
         let mut command_dst = self.command_no_inputs(
             stream_id,
@@ -612,6 +624,8 @@ impl CudaServer {
         let max_streams = config.streaming.max_streams;
 
         ctx.unsafe_set_current().unwrap();
+        // nsactor patch: the device's memory, for the compile-ahead queue's budget.
+        let device_bytes = cudarc::driver::result::mem_get_info().map_or(0, |(_, total)| total as u64);
 
         let comm_stream = cudarc::driver::result::stream::create(
             cudarc::driver::result::stream::StreamKind::NonBlocking,
@@ -636,6 +650,7 @@ impl CudaServer {
             communicators: HashMap::default(),
             metadata_cache: HashMap::default(),
             capture: None,
+            ahead: ahead::Ahead::from_env(device_bytes),
         }
     }
 
@@ -694,6 +709,28 @@ impl CudaServer {
 
         core::mem::drop(stream);
         errors
+    }
+
+    /// nsactor patch: upstream's `launch` (the launch of a kernel, compiled here if needed).
+    fn launch_now(
+        &mut self,
+        kernel: Box<dyn CubeTask<CudaCompiler>>,
+        count: CubeCount,
+        bindings: KernelArguments,
+        mode: ExecutionMode,
+        stream_id: StreamId,
+    ) {
+        // nsactor patch: the server thread's time in launches (`crate::nsactor_stats`).
+        let started = std::time::Instant::now();
+        let launched = self.launch_checked(kernel, count, bindings, mode, stream_id);
+        crate::nsactor_stats::record_launch(started.elapsed());
+        if let Err(err) = launched {
+            let mut stream = match self.streams.resolve(stream_id, [].into_iter(), false) {
+                Ok(stream) => stream,
+                Err(err) => unreachable!("{err:?}"),
+            };
+            stream.current().errors.push(err);
+        }
     }
 
     /// nsactor patch: `launch_unpatched`, and while the stream is captured, the buffers the
@@ -1051,6 +1088,7 @@ impl CudaServer {
         &mut self,
         stream_id: StreamId,
     ) -> Result<cudarc::driver::sys::CUstream, ServerError> {
+        self.drain_for("nsactor_stream");
         let mut command = self.command_no_inputs(
             stream_id,
             StreamErrorMode {
@@ -1074,6 +1112,7 @@ impl CudaServer {
         stream_id: StreamId,
         inputs: Vec<Binding>,
     ) -> Result<(), String> {
+        self.drain_for("nsactor_capture_begin");
         if self.capture.is_some() {
             return Err("a CUDA-graph capture is already in progress on this device".into());
         }
@@ -1117,6 +1156,7 @@ impl CudaServer {
     /// graph; an error (nothing to launch) when the capture was invalidated or noted something
     /// it cannot replay. Either way, the stream runs work again.
     pub fn nsactor_capture_end(&mut self, stream_id: StreamId) -> Result<CapturedGraph, String> {
+        self.drain_for("nsactor_capture_end");
         let capture = match self.capture.take() {
             Some(c) if c.stream == stream_id => c,
             other => {
@@ -1192,6 +1232,7 @@ impl CudaServer {
         written: &[Handle],
         stream_id: StreamId,
     ) -> Result<(), String> {
+        self.drain_for("nsactor_graph_launch");
         let mut command = self
             .command_no_inputs(
                 stream_id,
@@ -1224,6 +1265,7 @@ impl CudaServer {
         bytes: u64,
         stream_id: StreamId,
     ) -> Result<(), String> {
+        self.drain_for("nsactor_copy");
         let s = self
             .get_resource(src, stream_id)
             .map_err(|e| format!("{e:?}"))?;
@@ -1252,6 +1294,7 @@ impl CudaServer {
     /// nsactor patch: destroys `graph` (after the replays enqueued before, which the driver
     /// lets finish); its buffers return to their pool in stream order.
     pub fn nsactor_graph_destroy(&mut self, graph: CapturedGraph) {
+        self.drain_for("nsactor_graph_destroy");
         // SAFETY: destroyed once, on the thread that launches it.
         unsafe { cudarc::driver::sys::cuGraphExecDestroy(graph.exec) };
         core::mem::drop(graph.retained);

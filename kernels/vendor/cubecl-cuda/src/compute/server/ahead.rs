@@ -1,0 +1,386 @@
+//! nsactor patch: kernels compiled ahead, on worker threads, while their launches wait in order.
+//!
+//! Upstream compiles a kernel on the server thread when it is first launched, so a cold process
+//! compiles its kernels one after another while the device idles (a 0.9B training step: ~175
+//! kernels, ~14 s). Here a launch whose kernel is neither loaded nor in the on-disk cache starts
+//! its compilation (CubeCL's source, then NVRTC) on a worker thread and waits in a queue; the
+//! server thread goes on to the next task. Launches and queued tasks (`nsactor_in_order`) that
+//! come while the queue is not empty join it, so the device sees every launch in the order it
+//! was submitted. The queue's head is launched as soon as its kernel is ready; every other
+//! server operation (reads, writes, syncs, resources handed out, captures, collectives) first
+//! launches the whole queue, waiting for the compilations it needs. Compilations started
+//! together therefore run side by side.
+//!
+//! A queued launch holds its buffers (its bindings), so memory the host frees while it waits is
+//! reused only after it, and the buffers allocated meanwhile are new memory (a 0.9B training
+//! step's first layers took 10.8 GiB more on an H100 with an unbounded queue of 64 launches, and
+//! ran out of memory with no bound). So the queue is drained before an allocation that would
+//! take what was allocated while it waited past `CUBECL_COMPILE_AHEAD_MIB` (default a tenth of
+//! the device's memory, at most 12 GiB; measured: +6.2 GiB after that step with 4 or 12), and
+//! before a launch of a loaded kernel that finds `CUBECL_COMPILE_AHEAD` entries queued (default
+//! 64; `0` turns the whole mechanism off, as upstream). Nothing is queued while a stream is being
+//! captured into a graph.
+
+use super::CudaServer;
+use crate::CudaCompiler;
+use crate::compute::context::KernelSource;
+use cubecl_common::stream_id::StreamId;
+use cubecl_core::{
+    prelude::*,
+    server::{KernelArguments, LaunchError, ServerError},
+};
+use cubecl_runtime::compiler::CubeTask;
+use std::collections::{HashMap, VecDeque};
+use std::ffi::c_char;
+use std::sync::mpsc::{Receiver, TryRecvError, sync_channel};
+use std::sync::{Mutex, OnceLock};
+use std::time::{Duration, Instant};
+
+/// A task queued behind the launches that wait for their kernels (see `nsactor_in_order`).
+pub type InOrderTask = Box<dyn FnOnce(&mut CudaServer) + Send>;
+
+/// The queue of launches and tasks waiting for kernels compiled ahead.
+#[derive(Default)]
+pub(super) struct Ahead {
+    /// Most entries queued before a launch of a loaded kernel drains the queue; 0: off.
+    limit: usize,
+    queue: VecDeque<Deferred>,
+    /// Compilations running on worker threads, by kernel.
+    running: HashMap<KernelId, Compiling>,
+    /// Set while the queue is being launched (a queued task's own server calls must not
+    /// drain it again).
+    draining: bool,
+    /// Bytes allocated since the queue was last empty, and the most allowed.
+    allocated: u64,
+    budget: u64,
+}
+
+impl std::fmt::Debug for Ahead {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Ahead")
+            .field("limit", &self.limit)
+            .field("queued", &self.queue.len())
+            .field("compiling", &self.running.len())
+            .finish()
+    }
+}
+
+impl Ahead {
+    /// The queue's length from `CUBECL_COMPILE_AHEAD` (default 64; `0`: off) and its memory
+    /// budget from `CUBECL_COMPILE_AHEAD_MIB` (default: a tenth of the device's memory, at
+    /// most 12 GiB; `device_bytes` 0 where unknown: 4 GiB).
+    pub(super) fn from_env(device_bytes: u64) -> Self {
+        let limit = std::env::var("CUBECL_COMPILE_AHEAD")
+            .ok()
+            .and_then(|v| v.trim().parse().ok())
+            .unwrap_or(64);
+        let default_mib = match device_bytes >> 20 {
+            0 => 4096,
+            mib => (mib / 10).min(12 * 1024),
+        };
+        let mib: u64 = std::env::var("CUBECL_COMPILE_AHEAD_MIB")
+            .ok()
+            .and_then(|v| v.trim().parse().ok())
+            .unwrap_or(default_mib);
+        Self {
+            limit,
+            budget: mib << 20,
+            ..Self::default()
+        }
+    }
+}
+
+/// Something submitted to the server that waits for an earlier launch's kernel.
+enum Deferred {
+    Launch {
+        /// `None` where the kernel went to a worker thread with its compilation (it comes back
+        /// with the result).
+        kernel: Option<Box<dyn CubeTask<CudaCompiler>>>,
+        id: KernelId,
+        count: CubeCount,
+        bindings: KernelArguments,
+        mode: ExecutionMode,
+        stream_id: StreamId,
+    },
+    Task(InOrderTask),
+}
+
+/// A compilation's result, with the kernel it was run for.
+struct Done {
+    kernel: Box<dyn CubeTask<CudaCompiler>>,
+    result: Result<(KernelSource, Vec<c_char>), LaunchError>,
+    took: Duration,
+}
+
+type Job = Box<dyn FnOnce() + Send>;
+
+/// The worker threads that compile: one fewer than the host's cores (at most 16), at least 1.
+fn workers() -> &'static Mutex<std::sync::mpsc::Sender<Job>> {
+    static POOL: OnceLock<Mutex<std::sync::mpsc::Sender<Job>>> = OnceLock::new();
+    POOL.get_or_init(|| {
+        let (tx, rx) = std::sync::mpsc::channel::<Job>();
+        let rx = std::sync::Arc::new(Mutex::new(rx));
+        let n = std::thread::available_parallelism()
+            .map_or(1, |n| n.get().saturating_sub(1))
+            .clamp(1, 16);
+        for i in 0..n {
+            let rx = rx.clone();
+            let spawned = std::thread::Builder::new()
+                .name(format!("cubecl-compile-{i}"))
+                .spawn(move || {
+                    loop {
+                        let job = rx.lock().unwrap_or_else(|e| e.into_inner()).recv();
+                        match job {
+                            Ok(job) => job(),
+                            Err(_) => return,
+                        }
+                    }
+                });
+            if let Err(e) = spawned {
+                log::warn!("a kernel compilation thread did not start: {e}");
+            }
+        }
+        Mutex::new(tx)
+    })
+}
+
+impl CudaServer {
+    /// nsactor patch: launches now, or queues the launch behind earlier ones whose kernels are
+    /// being compiled (starting its own kernel's compilation where it needs one).
+    pub(super) fn launch_or_queue(
+        &mut self,
+        kernel: Box<dyn CubeTask<CudaCompiler>>,
+        count: CubeCount,
+        bindings: KernelArguments,
+        mode: ExecutionMode,
+        stream_id: StreamId,
+    ) {
+        if self.ahead.limit == 0 || self.ahead.draining || self.capture.is_some() {
+            return self.launch_now(kernel, count, bindings, mode, stream_id);
+        }
+        let mut id = kernel.id();
+        id.mode(mode);
+        let loaded = self.ctx.module_names.contains_key(&id);
+        let new = !loaded
+            && !self.ahead.running.contains_key(&id)
+            && !self.ctx.in_cache(&id)
+            && self.ctx.validate(&id).is_ok();
+        if new {
+            let setup = self.ctx.nvrtc_setup(self.streams.logger.compilation_activated());
+            let (tx, rx) = sync_channel(1);
+            let job_id = id.clone();
+            let job: Job = Box::new(move || {
+                let started = Instant::now();
+                let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                    setup.compile(&*kernel, &job_id, mode)
+                }))
+                .unwrap_or_else(|_| {
+                    Err(LaunchError::Unknown {
+                        reason: "the kernel's compilation panicked".into(),
+                        backtrace: cubecl_common::backtrace::BackTrace::capture(),
+                    })
+                });
+                let _ = tx.send(Done {
+                    kernel,
+                    result,
+                    took: started.elapsed(),
+                });
+            });
+            let sent = workers()
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .send(job);
+            if let Err(std::sync::mpsc::SendError(job)) = sent {
+                // No worker: compile here, as upstream.
+                job();
+            }
+            self.ahead.running.insert(id.clone(), Compiling { rx, done: None });
+            self.ahead.queue.push_back(Deferred::Launch {
+                kernel: None,
+                id,
+                count,
+                bindings,
+                mode,
+                stream_id,
+            });
+            return self.launch_ready();
+        }
+        if self.ahead.queue.is_empty() {
+            return self.launch_now(kernel, count, bindings, mode, stream_id);
+        }
+        if loaded && self.ahead.queue.len() >= self.ahead.limit {
+            self.drain_for("the queue's length");
+            return self.launch_now(kernel, count, bindings, mode, stream_id);
+        }
+        self.ahead.queue.push_back(Deferred::Launch {
+            kernel: Some(kernel),
+            id,
+            count,
+            bindings,
+            mode,
+            stream_id,
+        });
+        self.launch_ready();
+    }
+
+    /// nsactor patch: runs `task` now, or behind the launches queued for their kernels (see
+    /// `ahead.rs`), so that work outside CubeCL (a cuBLASLt GEMM) keeps its place among the
+    /// launches. `task` must name its stream itself: it may run during another thread's call.
+    pub fn nsactor_in_order(&mut self, task: InOrderTask) {
+        if self.ahead.queue.is_empty() || self.ahead.draining {
+            return task(self);
+        }
+        self.ahead.queue.push_back(Deferred::Task(task));
+        self.launch_ready();
+    }
+
+    /// nsactor patch: launches every queued launch and runs every queued task, waiting for the
+    /// compilations they need. Every server operation other than a launch calls it first;
+    /// `cause` names it in the compilation log (`CUBECL_COMPILE_LOG=1`).
+    pub(super) fn drain_for(&mut self, cause: &'static str) {
+        if self.ahead.queue.is_empty() || self.ahead.draining {
+            return;
+        }
+        let (entries, compiling) = (self.ahead.queue.len(), self.ahead.running.len());
+        let started = Instant::now();
+        self.drain_queue(true);
+        crate::nsactor_stats::record_drain(cause, entries, compiling, started.elapsed());
+    }
+
+    /// nsactor patch: called before `size` bytes are allocated: drains the queue first where
+    /// what was allocated while it waited would pass the budget.
+    pub(super) fn ahead_allocating(&mut self, size: u64) {
+        if self.ahead.queue.is_empty() || self.ahead.draining {
+            return;
+        }
+        self.ahead.allocated += size;
+        if self.ahead.allocated > self.ahead.budget {
+            self.drain_for("the memory budget");
+        }
+    }
+
+    /// Launches the queue's head while its kernels are ready, without waiting.
+    fn launch_ready(&mut self) {
+        self.drain_queue(false);
+    }
+
+    fn drain_queue(&mut self, wait: bool) {
+        if self.ahead.draining {
+            return;
+        }
+        self.ahead.draining = true;
+        while let Some(front) = self.ahead.queue.front() {
+            if let Deferred::Launch {
+                kernel: None, id, ..
+            } = front
+                && !wait
+            {
+                let ready = self.ahead.running.get_mut(id).is_none_or(Compiling::ready);
+                if !ready {
+                    break;
+                }
+            }
+            let Some(next) = self.ahead.queue.pop_front() else {
+                break;
+            };
+            match next {
+                Deferred::Task(task) => task(self),
+                Deferred::Launch {
+                    kernel,
+                    id,
+                    count,
+                    bindings,
+                    mode,
+                    stream_id,
+                } => {
+                    let kernel = match kernel {
+                        Some(kernel) => Some(kernel),
+                        None => self.finish_ahead(&id, stream_id),
+                    };
+                    if let Some(kernel) = kernel {
+                        self.launch_now(kernel, count, bindings, mode, stream_id);
+                    }
+                }
+            }
+        }
+        self.ahead.draining = false;
+        if self.ahead.queue.is_empty() {
+            self.ahead.allocated = 0;
+        }
+    }
+
+    /// The compilation of `id` taken from its worker (waiting for it) and loaded; the kernel
+    /// back for its launch, or `None` where it failed (the error goes to the stream, as a
+    /// failed launch's does).
+    fn finish_ahead(
+        &mut self,
+        id: &KernelId,
+        stream_id: StreamId,
+    ) -> Option<Box<dyn CubeTask<CudaCompiler>>> {
+        let done = self.ahead.running.remove(id).and_then(Compiling::take);
+        let Some(done) = done else {
+            self.launch_failed(
+                stream_id,
+                LaunchError::Unknown {
+                    reason: "a kernel compilation thread stopped".into(),
+                    backtrace: cubecl_common::backtrace::BackTrace::capture(),
+                },
+            );
+            return None;
+        };
+        let logger = self.streams.logger.clone();
+        let loaded = done.result.and_then(|(compiled, image)| {
+            self.ctx.finish_compile(
+                id,
+                done.kernel.name(),
+                compiled,
+                image,
+                &logger,
+                done.took,
+            )
+        });
+        match loaded {
+            Ok(()) => Some(done.kernel),
+            Err(err) => {
+                self.launch_failed(stream_id, err);
+                None
+            }
+        }
+    }
+
+    fn launch_failed(&mut self, stream_id: StreamId, err: LaunchError) {
+        let err: ServerError = err.into();
+        match self.streams.resolve(stream_id, [].into_iter(), false) {
+            Ok(mut stream) => stream.current().errors.push(err),
+            Err(e) => log::error!("a kernel launch failed ({err:?}) on a stream not found ({e:?})"),
+        }
+    }
+}
+
+/// A compilation on a worker thread: its channel, and its result once taken from it.
+struct Compiling {
+    rx: Receiver<Done>,
+    done: Option<Done>,
+}
+
+impl Compiling {
+    /// Whether the result is in (or the worker gone), without waiting.
+    fn ready(&mut self) -> bool {
+        if self.done.is_some() {
+            return true;
+        }
+        match self.rx.try_recv() {
+            Ok(done) => {
+                self.done = Some(done);
+                true
+            }
+            Err(TryRecvError::Empty) => false,
+            Err(TryRecvError::Disconnected) => true,
+        }
+    }
+
+    /// The result, waiting for it; `None` where the worker went without one.
+    fn take(mut self) -> Option<Done> {
+        self.done.take().or_else(|| self.rx.recv().ok())
+    }
+}

@@ -30,10 +30,12 @@ echo 'keep_checkpoints = 2' >> b14.toml
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv
 # Seconds since the time of day $1 (the device machine has no `bc`).
 since() { python3 -c "import sys, time; print(f'{time.time() - float(sys.argv[1]):.2f}')" "$1"; }
-# A run's own empty kernel, pick and driver caches; with CACHE=shared every run (and `bench
-# train` after them) shares one, so the first run is cold and those after it warm.
+# A run's own empty kernel, pick and driver caches (emptied first: a warm machine may hold an
+# earlier call's); with CACHE=shared every run (and `bench train` after them) shares one, so the
+# first run is cold and those after it warm.
 cold() {
-  local c=/tmp/cache-$1; [ "${CACHE:-}" = shared ] && c=/tmp/cache-shared
+  local c=/tmp/cache-$1
+  if [ "${CACHE:-}" = shared ]; then c=/tmp/cache-shared; else rm -rf $c; fi
   export XDG_CACHE_HOME=$c CUDA_CACHE_PATH=$c/nv
 }
 if [[ "${PART:-run}" == *run* ]]; then

@@ -119,6 +119,7 @@ impl ComputeServer for CudaServer {
     }
 
     fn staging(&mut self, sizes: &[usize], stream_id: StreamId) -> Result<Vec<Bytes>, ServerError> {
+        self.drain_for("staging");
         let mut command = self.command_no_inputs(
             stream_id,
             StreamErrorMode {
@@ -158,8 +159,14 @@ impl ComputeServer for CudaServer {
     }
 
     fn initialize_memory(&mut self, memory: ManagedMemoryHandle, size: u64, stream_id: StreamId) {
-        // nsactor patch: memory taken while launches wait for their kernels is bounded.
-        self.ahead_allocating(size);
+        // nsactor patch: behind the launches waiting for their kernels, the allocation waits
+        // too (`server/ahead.rs`): its stream cursor and the memory it reuses are then those of
+        // its place in the submitted order.
+        if self.ahead_queued() {
+            return self.nsactor_in_order(Box::new(move |server: &mut CudaServer| {
+                server.initialize_memory(memory, size, stream_id)
+            }));
+        }
         // nsactor patch: a buffer allocated during a capture belongs to the graph.
         if let Some(c) = self.capture.as_mut().filter(|c| c.stream == stream_id) {
             c.retained
@@ -624,8 +631,6 @@ impl CudaServer {
         let max_streams = config.streaming.max_streams;
 
         ctx.unsafe_set_current().unwrap();
-        // nsactor patch: the device's memory, for the compile-ahead queue's budget.
-        let device_bytes = cudarc::driver::result::mem_get_info().map_or(0, |(_, total)| total as u64);
 
         let comm_stream = cudarc::driver::result::stream::create(
             cudarc::driver::result::stream::StreamKind::NonBlocking,
@@ -650,7 +655,7 @@ impl CudaServer {
             communicators: HashMap::default(),
             metadata_cache: HashMap::default(),
             capture: None,
-            ahead: ahead::Ahead::from_env(device_bytes),
+            ahead: ahead::Ahead::from_env(),
         }
     }
 

@@ -11,15 +11,16 @@
 //! launches the whole queue, waiting for the compilations it needs. Compilations started
 //! together therefore run side by side.
 //!
-//! A queued launch holds its buffers (its bindings), so memory the host frees while it waits is
-//! reused only after it, and the buffers allocated meanwhile are new memory (a 0.9B training
-//! step's first layers took 10.8 GiB more on an H100 with an unbounded queue of 64 launches, and
-//! ran out of memory with no bound). So the queue is drained before an allocation that would
-//! take what was allocated while it waited past `CUBECL_COMPILE_AHEAD_MIB` (default a tenth of
-//! the device's memory, at most 12 GiB; measured: +6.2 GiB after that step with 4 or 12), and
-//! before a launch of a loaded kernel that finds `CUBECL_COMPILE_AHEAD` entries queued (default
-//! 64; `0` turns the whole mechanism off, as upstream). Nothing is queued while a stream is being
-//! captured into a graph.
+//! Allocations (`initialize_memory`) that come while the queue is not empty wait in it too: a
+//! stream's cursor then advances, and a freed buffer is reused, in the submitted order, as
+//! upstream. (With allocations made at once, a stream that synchronised with another while
+//! draining would record that stream's later allocations as synchronised, and skip waiting for
+//! the kernels that write them; and memory freed behind queued launches could not be reused,
+//! so a first training step grew by up to 10.8 GiB and, unbounded, ran out of memory.) A
+//! launch of a loaded kernel drains the queue first once it holds `CUBECL_COMPILE_AHEAD` entries
+//! (default 1,024, a bound on the host's side only; `0` turns the whole mechanism off, as
+//! upstream). Nothing is queued while a
+//! stream is being captured into a graph.
 
 use super::CudaServer;
 use crate::CudaCompiler;
@@ -50,9 +51,6 @@ pub(super) struct Ahead {
     /// Set while the queue is being launched (a queued task's own server calls must not
     /// drain it again).
     draining: bool,
-    /// Bytes allocated since the queue was last empty, and the most allowed.
-    allocated: u64,
-    budget: u64,
 }
 
 impl std::fmt::Debug for Ahead {
@@ -66,25 +64,14 @@ impl std::fmt::Debug for Ahead {
 }
 
 impl Ahead {
-    /// The queue's length from `CUBECL_COMPILE_AHEAD` (default 64; `0`: off) and its memory
-    /// budget from `CUBECL_COMPILE_AHEAD_MIB` (default: a tenth of the device's memory, at
-    /// most 12 GiB; `device_bytes` 0 where unknown: 4 GiB).
-    pub(super) fn from_env(device_bytes: u64) -> Self {
+    /// The queue's length from `CUBECL_COMPILE_AHEAD` (default 1,024; `0`: off).
+    pub(super) fn from_env() -> Self {
         let limit = std::env::var("CUBECL_COMPILE_AHEAD")
             .ok()
             .and_then(|v| v.trim().parse().ok())
-            .unwrap_or(64);
-        let default_mib = match device_bytes >> 20 {
-            0 => 4096,
-            mib => (mib / 10).min(12 * 1024),
-        };
-        let mib: u64 = std::env::var("CUBECL_COMPILE_AHEAD_MIB")
-            .ok()
-            .and_then(|v| v.trim().parse().ok())
-            .unwrap_or(default_mib);
+            .unwrap_or(1024);
         Self {
             limit,
-            budget: mib << 20,
             ..Self::default()
         }
     }
@@ -247,16 +234,10 @@ impl CudaServer {
         crate::nsactor_stats::record_drain(cause, entries, compiling, started.elapsed());
     }
 
-    /// nsactor patch: called before `size` bytes are allocated: drains the queue first where
-    /// what was allocated while it waited would pass the budget.
-    pub(super) fn ahead_allocating(&mut self, size: u64) {
-        if self.ahead.queue.is_empty() || self.ahead.draining {
-            return;
-        }
-        self.ahead.allocated += size;
-        if self.ahead.allocated > self.ahead.budget {
-            self.drain_for("the memory budget");
-        }
+    /// nsactor patch: whether work waits in the queue (and it is not being drained), so that
+    /// what is submitted now must wait behind it.
+    pub(super) fn ahead_queued(&self) -> bool {
+        !self.ahead.queue.is_empty() && !self.ahead.draining
     }
 
     /// Launches the queue's head while its kernels are ready, without waiting.
@@ -268,7 +249,18 @@ impl CudaServer {
         if self.ahead.draining {
             return;
         }
+        // Cleared however the drain ends: a panicking task or launch (the device's thread
+        // survives it) leaves the rest queued for the next drain, in order.
         self.ahead.draining = true;
+        let drained =
+            std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.drain_entries(wait)));
+        self.ahead.draining = false;
+        if let Err(panic) = drained {
+            std::panic::resume_unwind(panic);
+        }
+    }
+
+    fn drain_entries(&mut self, wait: bool) {
         while let Some(front) = self.ahead.queue.front() {
             if let Deferred::Launch {
                 kernel: None, id, ..
@@ -302,10 +294,6 @@ impl CudaServer {
                     }
                 }
             }
-        }
-        self.ahead.draining = false;
-        if self.ahead.queue.is_empty() {
-            self.ahead.allocated = 0;
         }
     }
 

@@ -19,8 +19,7 @@
 //! so a first training step grew by up to 10.8 GiB and, unbounded, ran out of memory.) A
 //! launch of a loaded kernel drains the queue first once it holds `CUBECL_COMPILE_AHEAD` entries
 //! (default 1,024, a bound on the host's side only; `0` turns the whole mechanism off, as
-//! upstream). Nothing is queued while a
-//! stream is being captured into a graph.
+//! upstream). Nothing is queued while a stream is being captured into a graph.
 
 use super::CudaServer;
 use crate::CudaCompiler;

@@ -213,8 +213,19 @@ impl CudaServer {
     /// `ahead.rs`), so that work outside CubeCL (a cuBLASLt GEMM) keeps its place among the
     /// launches. `task` must name its stream itself: it may run during another thread's call.
     pub fn nsactor_in_order(&mut self, task: InOrderTask) {
-        if self.ahead.queue.is_empty() || self.ahead.draining {
+        if self.ahead.draining {
             return task(self);
+        }
+        if self.ahead.queue.is_empty() {
+            // Run as a drained entry would: whatever it submits runs at once, at its place. A
+            // panic goes on to the channel, which logs it, as upstream.
+            self.ahead.draining = true;
+            let ran = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| task(self)));
+            self.ahead.draining = false;
+            if let Err(panic) = ran {
+                std::panic::resume_unwind(panic);
+            }
+            return;
         }
         self.ahead.queue.push_back(Deferred::Task(task));
         self.launch_ready();
@@ -274,8 +285,16 @@ impl CudaServer {
             let Some(next) = self.ahead.queue.pop_front() else {
                 break;
             };
+            // A panicking entry is its own submitter's failure, as upstream (where it panicked
+            // in that thread's task): a launch's goes to its stream as a launch error, a task's
+            // to the log, and the drain goes on; it never reaches the thread whose call drains.
             match next {
-                Deferred::Task(task) => task(self),
+                Deferred::Task(task) => {
+                    let ran = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| task(self)));
+                    if let Err(panic) = ran {
+                        log::error!("a queued server task panicked: {}", panic_message(&*panic));
+                    }
+                }
                 Deferred::Launch {
                     kernel,
                     id,
@@ -284,12 +303,24 @@ impl CudaServer {
                     mode,
                     stream_id,
                 } => {
-                    let kernel = match kernel {
-                        Some(kernel) => Some(kernel),
-                        None => self.finish_ahead(&id, stream_id),
-                    };
-                    if let Some(kernel) = kernel {
-                        self.launch_now(kernel, count, bindings, mode, stream_id);
+                    let ran = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                        let kernel = match kernel {
+                            Some(kernel) => Some(kernel),
+                            None => self.finish_ahead(&id, stream_id),
+                        };
+                        if let Some(kernel) = kernel {
+                            self.launch_now(kernel, count, bindings, mode, stream_id);
+                        }
+                    }));
+                    if let Err(panic) = ran {
+                        let reason = format!("the launch panicked: {}", panic_message(&*panic));
+                        self.launch_failed(
+                            stream_id,
+                            LaunchError::Unknown {
+                                reason,
+                                backtrace: cubecl_common::backtrace::BackTrace::capture(),
+                            },
+                        );
                     }
                 }
             }
@@ -342,6 +373,15 @@ impl CudaServer {
             Err(e) => log::error!("a kernel launch failed ({err:?}) on a stream not found ({e:?})"),
         }
     }
+}
+
+/// A panic's message, where it has one.
+fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
+    panic
+        .downcast_ref::<String>()
+        .cloned()
+        .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
+        .unwrap_or_else(|| "a panic without a message".into())
 }
 
 /// A compilation on a worker thread: its channel, and its result once taken from it.

@@ -382,41 +382,39 @@ fn queued_gemm(
     bindings: [cubecl::server::Binding; 5],
     key: PlanKey,
 ) {
+    use cubecl::server::ComputeServer;
+    let started = std::time::Instant::now();
+    let task = || -> Result<(), KernelError> {
+        // Held until the GEMM is enqueued, like the blocking path's resources.
+        let held = bindings
+            .into_iter()
+            .map(|b| server.get_resource(b, stream_id))
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(|e| KernelError::device("gemm: device buffer unavailable", e))?;
+        let [a, b, c, d, w] = [0, 1, 2, 3, 4].map(|i| held[i].resource());
+        let lt = std::time::Instant::now();
+        let r = enqueue(&key, [a.ptr, b.ptr, c.ptr, d.ptr], w.ptr, d.stream);
+        QUEUED_LT_NS.fetch_add(lt.elapsed().as_nanos() as u64, Ordering::Relaxed);
+        r
+    };
+    // A panic (a plan cuBLASLt refuses) is recorded too, not only logged by the server.
+    let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(task)).unwrap_or_else(|p| {
+        Err(KernelError::Panicked {
+            what: "a queued GEMM",
+            message: p
+                .downcast_ref::<String>()
+                .cloned()
+                .or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()))
+                .unwrap_or_else(|| "a panic without a message".into()),
+        })
+    });
+    QUEUED_TASKS.fetch_add(1, Ordering::Relaxed);
+    QUEUED_TASK_NS.fetch_add(started.elapsed().as_nanos() as u64, Ordering::Relaxed);
+    // A GEMM that failed while its stream was captured only fails the capture.
+    if let Err(e) = r.map_err(|e| e.to_string())
+        && !server.nsactor_capture_taint(stream_id, &e)
     {
-        use cubecl::server::ComputeServer;
-        let started = std::time::Instant::now();
-        let task = || -> Result<(), KernelError> {
-            // Held until the GEMM is enqueued, like the blocking path's resources.
-            let held = bindings
-                .into_iter()
-                .map(|b| server.get_resource(b, stream_id))
-                .collect::<Result<Vec<_>, _>>()
-                .map_err(|e| KernelError::device("gemm: device buffer unavailable", e))?;
-            let [a, b, c, d, w] = [0, 1, 2, 3, 4].map(|i| held[i].resource());
-            let lt = std::time::Instant::now();
-            let r = enqueue(&key, [a.ptr, b.ptr, c.ptr, d.ptr], w.ptr, d.stream);
-            QUEUED_LT_NS.fetch_add(lt.elapsed().as_nanos() as u64, Ordering::Relaxed);
-            r
-        };
-        // A panic (a plan cuBLASLt refuses) is recorded too, not only logged by the server.
-        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(task)).unwrap_or_else(|p| {
-            Err(KernelError::Panicked {
-                what: "a queued GEMM",
-                message: p
-                    .downcast_ref::<String>()
-                    .cloned()
-                    .or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()))
-                    .unwrap_or_else(|| "a panic without a message".into()),
-            })
-        });
-        QUEUED_TASKS.fetch_add(1, Ordering::Relaxed);
-        QUEUED_TASK_NS.fetch_add(started.elapsed().as_nanos() as u64, Ordering::Relaxed);
-        // A GEMM that failed while its stream was captured only fails the capture.
-        if let Err(e) = r.map_err(|e| e.to_string())
-            && !server.nsactor_capture_taint(stream_id, &e)
-        {
-            record_queued_failure(e);
-        }
+        record_queued_failure(e);
     }
 }
 

@@ -716,10 +716,12 @@ impl CudaServer {
         errors
     }
 
-    /// nsactor patch: upstream's `launch` (the launch of a kernel, compiled here if needed).
+    /// nsactor patch: upstream's `launch` (the launch of a kernel, compiled here if needed);
+    /// `id`: the kernel's id with `mode` applied, where the caller has it.
     fn launch_now(
         &mut self,
         kernel: Box<dyn CubeTask<CudaCompiler>>,
+        id: Option<KernelId>,
         count: CubeCount,
         bindings: KernelArguments,
         mode: ExecutionMode,
@@ -727,7 +729,7 @@ impl CudaServer {
     ) {
         // nsactor patch: the server thread's time in launches (`crate::nsactor_stats`).
         let started = std::time::Instant::now();
-        let launched = self.launch_checked(kernel, count, bindings, mode, stream_id);
+        let launched = self.launch_checked(kernel, id, count, bindings, mode, stream_id);
         crate::nsactor_stats::record_launch(started.elapsed());
         if let Err(err) = launched {
             let mut stream = match self.streams.resolve(stream_id, [].into_iter(), false) {
@@ -743,13 +745,14 @@ impl CudaServer {
     fn launch_checked(
         &mut self,
         kernel: Box<dyn CubeTask<CudaCompiler>>,
+        id: Option<KernelId>,
         count: CubeCount,
         bindings: KernelArguments,
         mode: ExecutionMode,
         stream_id: StreamId,
     ) -> Result<(), ServerError> {
         if !self.capture.as_ref().is_some_and(|c| c.stream == stream_id) {
-            return self.launch_unpatched(kernel, count, bindings, mode, stream_id);
+            return self.launch_unpatched(kernel, id, count, bindings, mode, stream_id);
         }
         let mut retained: Vec<Binding> = bindings.buffers.to_vec();
         retained.extend(bindings.tensor_maps.iter().map(|t| t.binding.clone()));
@@ -776,7 +779,7 @@ impl CudaServer {
         if matches!(count, CubeCount::Dynamic(_)) {
             self.nsactor_taint(stream_id, "a kernel with a dynamic cube count");
         }
-        let launched = self.launch_unpatched(kernel, count, bindings, mode, stream_id);
+        let launched = self.launch_unpatched(kernel, id, count, bindings, mode, stream_id);
         if let Some(m) = metadata {
             if let Some(h) = cached(self, &m) {
                 retained.push(h.binding());
@@ -797,19 +800,24 @@ impl CudaServer {
     fn launch_unpatched(
         &mut self,
         kernel: Box<dyn CubeTask<CudaCompiler>>,
+        id: Option<KernelId>,
         count: CubeCount,
         bindings: KernelArguments,
         mode: ExecutionMode,
         stream_id: StreamId,
     ) -> Result<(), ServerError> {
-        let mut kernel_id = kernel.id();
+        // nsactor patch: the id the compile-ahead queue already made, where it made one.
+        let kernel_id = id.unwrap_or_else(|| {
+            let mut id = kernel.id();
+            id.mode(mode);
+            id
+        });
         let logger = self.streams.logger.clone();
         // nsactor patch: taken out of `self` while `command` borrows it; put back below.
         let mut metadata_cache = core::mem::take(&mut self.metadata_cache);
         if metadata_cache.values().map(HashMap::len).sum::<usize>() >= METADATA_CACHE_ENTRIES {
             metadata_cache.clear();
         }
-        kernel_id.mode(mode);
         let grid_constants = self
             .ctx
             .compilation_options

@@ -142,7 +142,7 @@ impl CudaServer {
         stream_id: StreamId,
     ) {
         if self.ahead.limit == 0 || self.ahead.draining || self.capture.is_some() {
-            return self.launch_now(kernel, count, bindings, mode, stream_id);
+            return self.launch_now(kernel, None, count, bindings, mode, stream_id);
         }
         let mut id = kernel.id();
         id.mode(mode);
@@ -192,11 +192,11 @@ impl CudaServer {
             return self.launch_ready();
         }
         if self.ahead.queue.is_empty() {
-            return self.launch_now(kernel, count, bindings, mode, stream_id);
+            return self.launch_now(kernel, Some(id), count, bindings, mode, stream_id);
         }
         if loaded && self.ahead.queue.len() >= self.ahead.limit {
             self.drain_for("the queue's length");
-            return self.launch_now(kernel, count, bindings, mode, stream_id);
+            return self.launch_now(kernel, Some(id), count, bindings, mode, stream_id);
         }
         self.ahead.queue.push_back(Deferred::Launch {
             kernel: Some(kernel),
@@ -309,7 +309,7 @@ impl CudaServer {
                             None => self.finish_ahead(&id, stream_id),
                         };
                         if let Some(kernel) = kernel {
-                            self.launch_now(kernel, count, bindings, mode, stream_id);
+                            self.launch_now(kernel, Some(id), count, bindings, mode, stream_id);
                         }
                     }));
                     if let Err(panic) = ran {

@@ -519,3 +519,59 @@ fn a_backend_without_collectives_says_so_across_the_boundary() {
         .expect_err("nor all-reduce");
     assert!(e.to_string().contains("collectives"), "{e}");
 }
+
+/// `prewarm` (ABI 17) crosses the boundary: the CPU backend has no compile-only mode and says
+/// so (`false`, nothing run), bad requests come back as errors naming what is wrong, and the
+/// backend serves on afterwards.
+#[test]
+fn prewarm_crosses_the_boundary_and_a_backend_without_the_mode_says_so() {
+    let b = ndarray_plugin();
+    let spec = StageSpec {
+        kind: StageKind::Layer(0),
+        device: 0,
+        model: tiny_model(),
+        seed: 1,
+        optimizer: None,
+        weights: InitialWeights::Loaded,
+    };
+    assert!(!b.prewarm(&spec, 1, 8).expect("a CPU prewarm is no error"));
+    let e = b.prewarm(&spec, 0, 8).expect_err("an empty input");
+    assert!(
+        matches!(e, EngineError::InvalidInput(_)) && e.to_string().contains("prewarm"),
+        "{e}"
+    );
+    let e = b
+        .prewarm(
+            &StageSpec {
+                device: 7,
+                ..spec.clone()
+            },
+            1,
+            8,
+        )
+        .expect_err("no device 7");
+    assert!(e.to_string().contains("device 7"), "{e}");
+    let layers = tiny_model().num_layers;
+    let e = b
+        .prewarm(
+            &StageSpec {
+                kind: StageKind::Layer(layers),
+                ..spec.clone()
+            },
+            1,
+            8,
+        )
+        .expect_err("no such layer");
+    assert!(e.to_string().contains("does not exist"), "{e}");
+    let back = b
+        .from_host(
+            0,
+            &HostTensor {
+                data: vec![2.0; 4],
+                shape: vec![1, 1, 4],
+            },
+        )
+        .and_then(|t| b.to_host(&t))
+        .expect("the backend works on");
+    assert_eq!(back.data, vec![2.0; 4]);
+}

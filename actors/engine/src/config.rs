@@ -270,6 +270,13 @@ pub struct TrainConfig {
     /// `false` writes each checkpoint before the next step. The files are the same either way.
     #[serde(default = "yes")]
     pub async_checkpoint: bool,
+    /// Compile the first step's kernels while the stages are set up: a thread per device runs
+    /// one layer's training step at one row with the backend in compile-only mode (nothing
+    /// runs; CUDA with its compile-ahead queue only), so that a process with cold kernel
+    /// caches finds most of them compiled when its first step reaches them. `false` leaves
+    /// every kernel to be compiled when first launched.
+    #[serde(default = "yes")]
+    pub prewarm: bool,
     /// Seconds a run has after SIGTERM or SIGINT to finish its step and write a checkpoint
     /// before it exits anyway (then `--resume` starts from the newest complete checkpoint).
     #[serde(default = "two_minutes")]

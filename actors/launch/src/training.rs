@@ -5,6 +5,7 @@
 //! trained model. `nsactor train` parses its flags and makes this one call.
 
 use crate::launch::{self, InitFrom};
+use crate::prewarm::Prewarm;
 use crate::world::{self, Rank};
 use nsactor_data::Tokenizer;
 use nsactor_decoding::Pipeline;
@@ -106,6 +107,8 @@ pub fn train(req: TrainRequest) -> Result<TrainOutcome, RuntimeError> {
     } else {
         OptimizerKind::Adam
     };
+    // The first step's kernels compiled beside the stages' opening and the first step.
+    let _prewarm = Prewarm::start(&compute, &cfg);
     let link = member.as_ref().map(|m| m.link(&compute)).transpose()?;
     let mut pipeline = launch::launch_in(compute, &cfg, optimizer, Some(sampler), link)?;
     startup.mark("stages");

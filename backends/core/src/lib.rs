@@ -17,6 +17,7 @@ pub mod graphs;
 mod hostbuf;
 mod kept;
 mod layer;
+mod prewarm;
 mod probe;
 pub mod profile;
 pub mod sample;
@@ -279,6 +280,28 @@ impl<B: SnnOps> ComputeBackend for BurnBackend<B> {
     fn diagnose(&self, what: &Diagnostic) -> Result<DiagnosticReport, EngineError> {
         (self.enter)();
         self.run_diagnostic(what)
+    }
+
+    /// A layer's step (see [`prewarm`]); the edge has nothing here. Without `enter`: the
+    /// calling thread keeps a stream of its own, the one put in compile-only mode.
+    fn prewarm(&self, spec: &StageSpec, batch: usize, seq_len: usize) -> Result<bool, EngineError> {
+        let dev = self.device(spec.device)?.clone();
+        spec.model.validate()?;
+        if batch == 0 || seq_len == 0 {
+            return Err(EngineError::InvalidInput(format!(
+                "prewarm: a [{seq_len}, {batch}, D] input is empty"
+            )));
+        }
+        match spec.kind {
+            StageKind::Layer(i) if i >= spec.model.num_layers => {
+                Err(EngineError::InvalidInput(format!(
+                    "prewarm: layer {i} does not exist; the model has {} layers",
+                    spec.model.num_layers
+                )))
+            }
+            StageKind::Layer(_) => Ok(prewarm::layer::<B>(&spec.model, batch, seq_len, &dev)),
+            StageKind::Edge => Ok(false),
+        }
     }
 
     fn open_stage(&self, spec: &StageSpec) -> Result<Box<dyn Stage>, EngineError> {

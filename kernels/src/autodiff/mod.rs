@@ -277,6 +277,10 @@ impl<B: SnnOps, C: CheckpointStrategy> DeviceOps for Autodiff<B, C> {
         use burn::tensor::backend::AutodiffBackend;
         <Self as AutodiffBackend>::from_inner(B::upload_f32(values, shape, device))
     }
+
+    fn compile_only(device: &Self::Device, on: bool) -> bool {
+        B::compile_only(device, on)
+    }
 }
 
 impl<B: SnnOps, C: CheckpointStrategy> GraphOps for Autodiff<B, C> {}

@@ -261,6 +261,10 @@ impl DeviceOps for Cuda {
         graph::flush(device);
     }
 
+    fn compile_only(device: &Self::Device, on: bool) -> bool {
+        super::server::compile_only(device, on)
+    }
+
     /// Through [`host_write`] unless the upload is small ([`host_write::MIN_BYTES`]), the
     /// `pinned_upload` knob is off or it fails (a pinned allocation refused, say): then
     /// CubeCL's own write, as the default.

@@ -153,10 +153,17 @@ pub fn to_device(t: CudaTensor, device: &CudaDevice) -> CudaTensor {
     out
 }
 
+/// Whether some thread has put its work on the shared stream 0 ([`share_stream`]): then no
+/// stream may be put in compile-only mode ([`crate::cuda::server::compile_only`]), since it
+/// could be every thread's.
+pub(crate) static SHARED_STREAM: std::sync::atomic::AtomicBool =
+    std::sync::atomic::AtomicBool::new(false);
+
 /// Puts the calling thread's CubeCL work on stream 0 of each device, the stream every thread
 /// that calls this shares (CubeCL otherwise gives each thread its own stream and memory pool).
 pub fn share_stream() {
     use cubecl::stream_id::StreamId;
+    SHARED_STREAM.store(true, std::sync::atomic::Ordering::Relaxed);
     // SAFETY: only sets this thread's stream id. CubeCL's device server runs each stream's work
     // in submission order, so threads sharing a stream stay ordered among themselves, and a
     // tensor made by one of them is used by another without a cross-stream event.

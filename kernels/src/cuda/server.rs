@@ -31,6 +31,27 @@ pub(crate) fn device_server(device: &CudaDevice) -> cubecl::device_handle::Devic
     })
 }
 
+/// Puts the calling thread's stream on `device` in compile-only mode (`on`) or back, on the
+/// server and in the thread's own flag (which the autotuner and [`crate::cuda::gemm`] read);
+/// whether the mode is available (it needs CubeCL's compile-ahead queue). Turning it off also
+/// frees the memory the stream's pool holds unused (the prewarm's step, already dropped).
+pub(crate) fn compile_only(device: &CudaDevice, on: bool) -> bool {
+    if on && super::device::SHARED_STREAM.load(std::sync::atomic::Ordering::Relaxed) {
+        // Threads share stream 0 (`device::share_stream`): the calling thread's may be theirs.
+        return false;
+    }
+    let set = device_server(device).submit_blocking(move |server: &mut Server| {
+        server.nsactor_compile_only(cubecl::stream_id::StreamId::current(), on)
+    });
+    let available = set.unwrap_or(false);
+    cubecl::cuda::nsactor_compile_only::set(on && available);
+    if !on {
+        // What the step allocated is free now: give the stream's pool back to the device.
+        <CudaRuntime as cubecl::Runtime>::client(device).memory_cleanup();
+    }
+    available
+}
+
 /// Records the first failure of a task queued on a server thread; the next GEMM raises it.
 pub(crate) fn record_queued_failure(e: String) {
     QUEUED_FAILURE

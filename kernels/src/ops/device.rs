@@ -82,6 +82,16 @@ pub trait DeviceOps: Backend {
         default_read_f32_into::<Self>(t, out)
     }
 
+    /// Puts the calling thread in compile-only mode on `device` (`on`), or back: the kernels it
+    /// launches there are compiled (in the background) and not run, GEMMs are skipped, and the
+    /// tensors they would write hold whatever their memory held. For warming a cold process's
+    /// kernels with a small step of the real model while the run is being set up. Returns
+    /// whether the backend has the mode. Default: no (nothing to compile).
+    fn compile_only(device: &Self::Device, on: bool) -> bool {
+        let _ = (device, on);
+        false
+    }
+
     /// Runs `f` — one stage call's work on `device`, the call named `name` — with its device
     /// time measured as a call span when the backend's timing is on (`bench("timing")`,
     /// `nsactor bench train`'s breakdown). Default: just runs it.

@@ -73,6 +73,7 @@ macro_rules! export_plugin {
             collective_id: $crate::export::collective::collective_id,
             collective_join: $crate::export::collective::collective_join,
             collective_all_reduce: $crate::export::collective::collective_all_reduce,
+            prewarm: $crate::export::prewarm,
         });
 
         /// The plugin's entry point.
@@ -365,6 +366,38 @@ pub unsafe extern "C" fn tensor_free(_c: *mut c_void, t: *mut c_void) {
     }
 }
 
+/// The spec the host sent, read back into its typed form.
+fn stage_spec(s: &NsStageSpec) -> Result<StageSpec, EngineError> {
+    let kind = match s.kind {
+        0 => StageKind::Edge,
+        1 => StageKind::Layer(s.layer as usize),
+        k => return Err(EngineError::InvalidInput(format!("unknown stage kind {k}"))),
+    };
+    let optimizer = match s.optimizer {
+        0 => Some(OptimizerKind::Adam),
+        1 => Some(OptimizerKind::AdamW),
+        2 => None,
+        k => return Err(EngineError::InvalidInput(format!("unknown optimizer {k}"))),
+    };
+    let weights = match s.weights {
+        0 => InitialWeights::Seeded,
+        1 => InitialWeights::Loaded,
+        w => {
+            return Err(EngineError::InvalidInput(format!(
+                "unknown initial weights {w}"
+            )));
+        }
+    };
+    Ok(StageSpec {
+        kind,
+        device: s.device as usize,
+        model: s.model.get()?,
+        seed: s.seed,
+        optimizer,
+        weights,
+    })
+}
+
 /// # Safety
 /// Live handles, a readable spec, a writable out-pointer.
 pub unsafe extern "C" fn stage_open(
@@ -375,39 +408,35 @@ pub unsafe extern "C" fn stage_open(
 ) -> i32 {
     guard(err, || {
         // SAFETY: the host passes a readable spec whose text it owns for the call.
-        let s = unsafe { &*spec };
-        let kind = match s.kind {
-            0 => StageKind::Edge,
-            1 => StageKind::Layer(s.layer as usize),
-            k => return Err(EngineError::InvalidInput(format!("unknown stage kind {k}"))),
-        };
-        let optimizer = match s.optimizer {
-            0 => Some(OptimizerKind::Adam),
-            1 => Some(OptimizerKind::AdamW),
-            2 => None,
-            k => return Err(EngineError::InvalidInput(format!("unknown optimizer {k}"))),
-        };
-        let weights = match s.weights {
-            0 => InitialWeights::Seeded,
-            1 => InitialWeights::Loaded,
-            w => {
-                return Err(EngineError::InvalidInput(format!(
-                    "unknown initial weights {w}"
-                )));
-            }
-        };
-        let spec = StageSpec {
-            kind,
-            device: s.device as usize,
-            model: s.model.get()?,
-            seed: s.seed,
-            optimizer,
-            weights,
-        };
+        let spec = stage_spec(unsafe { &*spec })?;
         // SAFETY: live context.
         let stage = unsafe { ctx(c) }.backend.open_stage(&spec)?;
         // SAFETY: `out` is writable.
         unsafe { *out = Box::into_raw(Box::new(stage)) as *mut c_void };
+        Ok(())
+    })
+}
+
+/// # Safety
+/// A live context, a readable spec, a writable `did`.
+pub unsafe extern "C" fn prewarm(
+    c: *mut c_void,
+    spec: *const NsStageSpec,
+    batch: u64,
+    seq_len: u64,
+    did: *mut u32,
+    err: ErrOut,
+) -> i32 {
+    guard(err, || {
+        // SAFETY: the host passes a readable spec whose text it owns for the call.
+        let spec = stage_spec(unsafe { &*spec })?;
+        // SAFETY: live context.
+        let compiled =
+            unsafe { ctx(c) }
+                .backend
+                .prewarm(&spec, batch as usize, seq_len as usize)?;
+        // SAFETY: `did` is writable.
+        unsafe { *did = u32::from(compiled) };
         Ok(())
     })
 }

@@ -414,27 +414,7 @@ impl ComputeBackend for ForeignBackend {
 
     fn open_stage(&self, spec: &StageSpec) -> Result<Box<dyn Stage>, EngineError> {
         let c = &self.ctx;
-        let (kind, layer) = match spec.kind {
-            StageKind::Edge => (0, 0),
-            StageKind::Layer(i) => (1, i as u64),
-        };
-        let ns = NsStageSpec {
-            kind,
-            optimizer: match spec.optimizer {
-                Some(OptimizerKind::Adam) => 0,
-                Some(OptimizerKind::AdamW) => 1,
-                None => 2,
-            },
-            weights: match spec.weights {
-                InitialWeights::Seeded => 0,
-                InitialWeights::Loaded => 1,
-            },
-            reserved: 0,
-            layer,
-            device: spec.device as u64,
-            seed: spec.seed,
-            model: crate::NsModelConfig::new(&spec.model),
-        };
+        let ns = ns_stage_spec(spec);
         let mut out = std::ptr::null_mut();
         let mut err = std::ptr::null_mut();
         // SAFETY: live context; the spec and its text live for the call.
@@ -444,6 +424,44 @@ impl ComputeBackend for ForeignBackend {
             ptr: out,
             backend: ForeignBackend { ctx: c.clone() },
         }))
+    }
+
+    fn prewarm(&self, spec: &StageSpec, batch: usize, seq_len: usize) -> Result<bool, EngineError> {
+        let c = &self.ctx;
+        let ns = ns_stage_spec(spec);
+        let mut did = 0u32;
+        let mut err = std::ptr::null_mut();
+        // SAFETY: live context; the spec and its text live for the call; writable out-pointers.
+        let code = unsafe {
+            (c.table.prewarm)(c.ctx, &ns, batch as u64, seq_len as u64, &mut did, &mut err)
+        };
+        c.check(code, err)?;
+        Ok(did != 0)
+    }
+}
+
+/// `spec` as the C table takes it.
+fn ns_stage_spec(spec: &StageSpec) -> NsStageSpec {
+    let (kind, layer) = match spec.kind {
+        StageKind::Edge => (0, 0),
+        StageKind::Layer(i) => (1, i as u64),
+    };
+    NsStageSpec {
+        kind,
+        optimizer: match spec.optimizer {
+            Some(OptimizerKind::Adam) => 0,
+            Some(OptimizerKind::AdamW) => 1,
+            None => 2,
+        },
+        weights: match spec.weights {
+            InitialWeights::Seeded => 0,
+            InitialWeights::Loaded => 1,
+        },
+        reserved: 0,
+        layer,
+        device: spec.device as u64,
+        seed: spec.seed,
+        model: crate::NsModelConfig::new(&spec.model),
     }
 }
 

@@ -285,6 +285,10 @@ pub struct NsPluginTable {
     /// ABI 10.
     pub collective_all_reduce:
         unsafe extern "C" fn(*mut c_void, u64, *mut c_void, *mut *mut c_void, ErrOut) -> i32,
+    /// `(ctx, spec, batch, seq_len, out did (0 or 1), err)`: a step's kernels compiled, not run
+    /// ([`ComputeBackend::prewarm`](nsactor_plugin_api::ComputeBackend::prewarm)). ABI 17.
+    pub prewarm:
+        unsafe extern "C" fn(*mut c_void, *const NsStageSpec, u64, u64, *mut u32, ErrOut) -> i32,
 }
 
 // Layouts the ABI version stands for (64-bit targets): a change here must bump `ABI_VERSION`

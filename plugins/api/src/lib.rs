@@ -68,8 +68,9 @@ use std::fmt;
 /// prefix cache's state snapshots ([`StageCall::StateSave`], `StateRestore`, `StateDrop`,
 /// `StateRead`, `StateWrite`). Revision 15 made `StateSave` and `StateRestore` name many
 /// sessions at once (one copy per state field for all of them). Revision 16 added
-/// [`StageCall::Evaluate`]: a layer's training forward that keeps nothing.
-pub const ABI_VERSION: u32 = 16;
+/// [`StageCall::Evaluate`]: a layer's training forward that keeps nothing. Revision 17 added
+/// [`ComputeBackend::prewarm`]: a step's kernels compiled without running them.
+pub const ABI_VERSION: u32 = 17;
 
 /// One micro-batch of token ids, row-major `[batch, seq_len]`.
 #[derive(Debug, Clone, PartialEq)]

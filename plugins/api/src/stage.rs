@@ -497,6 +497,19 @@ pub trait ComputeBackend: Send + Sync {
         let _ = (comm, t);
         Err(crate::collective::unsupported(&self.info().name))
     }
+    /// Compiles, without running them, the kernels a training step of `spec`'s stage launches
+    /// (a layer's forward and backward of a `[seq_len, batch, D]` input on a throwaway copy of
+    /// the layer whose weights are never drawn), on the calling thread, in the backend's
+    /// compile-only mode; the step's results are thrown away and nothing else changes. A cold
+    /// process calls it on a thread of its own while its stages are set up, so that its first
+    /// step finds most kernels compiled. Returns whether the backend compiled anything this
+    /// way (`false`: it has no such mode, or nothing to compile for this kind of stage).
+    /// Default: `false`.
+    fn prewarm(&self, spec: &StageSpec, batch: usize, seq_len: usize) -> Result<bool, EngineError> {
+        let _ = (spec, batch, seq_len);
+        Ok(false)
+    }
+
     /// Runs one of the backend's diagnostics (kernel benchmarks and checks, memory, device
     /// time). Default: the backend has none.
     fn diagnose(&self, what: &Diagnostic) -> Result<DiagnosticReport, EngineError> {

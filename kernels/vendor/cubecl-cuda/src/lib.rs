@@ -8,6 +8,9 @@ mod runtime;
 
 pub use device::*;
 
+/// nsactor patch: the calling thread's compile-only flag (see `compute/server/ahead.rs`).
+pub use cubecl_runtime::nsactor_compile_only;
+
 /// nsactor patch: how much of the server thread's time kernel launches take (count and total
 /// nanoseconds since the process started), for `nsactor bench decode-profile`; and, with
 /// `CUBECL_COMPILE_LOG=1`, a line for each kernel compiled.

@@ -49,6 +49,8 @@ pub(crate) const MB: usize = 1024 * 1024;
 
 /// nsactor patch: kernels compiled ahead on worker threads (`server/ahead.rs`).
 mod ahead;
+/// nsactor patch: the threads that compile ahead, urgent work first (`server/compile_pool.rs`).
+mod compile_pool;
 
 #[derive(Debug)]
 pub struct CudaServer {

@@ -20,8 +20,15 @@
 //! launch of a loaded kernel drains the queue first once it holds `CUBECL_COMPILE_AHEAD` entries
 //! (default 1,024, a bound on the host's side only; `0` turns the whole mechanism off, as
 //! upstream). Nothing is queued while a stream is being captured into a graph.
+//!
+//! A stream in compile-only mode (`nsactor_compile_only`; nsactor's prewarm runs one layer's
+//! training step on it at a small batch while the real run is being set up) has each kernel it
+//! launches compiled on the workers and nothing run: its launches never join the queue. Such a
+//! compilation waits, finished or not, until a real launch of the same kernel claims it (that
+//! launch then waits in the queue as if it had started it), so a kernel is compiled once.
 
 use super::CudaServer;
+use super::compile_pool;
 use crate::CudaCompiler;
 use crate::compute::context::KernelSource;
 use cubecl_common::stream_id::StreamId;
@@ -33,7 +40,6 @@ use cubecl_runtime::compiler::CubeTask;
 use std::collections::{HashMap, VecDeque};
 use std::ffi::c_char;
 use std::sync::mpsc::{Receiver, TryRecvError, sync_channel};
-use std::sync::{Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 /// A task queued behind the launches that wait for their kernels (see `nsactor_in_order`).
@@ -50,6 +56,8 @@ pub(super) struct Ahead {
     /// Set while the queue is being launched (a queued task's own server calls must not
     /// drain it again).
     draining: bool,
+    /// Streams in compile-only mode: their launches are compiled ahead, never run.
+    compile_only: std::collections::HashSet<StreamId>,
 }
 
 impl std::fmt::Debug for Ahead {
@@ -58,6 +66,7 @@ impl std::fmt::Debug for Ahead {
             .field("limit", &self.limit)
             .field("queued", &self.queue.len())
             .field("compiling", &self.running.len())
+            .field("compile_only", &self.compile_only.len())
             .finish()
     }
 }
@@ -100,36 +109,6 @@ struct Done {
 
 type Job = Box<dyn FnOnce() + Send>;
 
-/// The worker threads that compile: one fewer than the host's cores (at most 16), at least 1.
-fn workers() -> &'static Mutex<std::sync::mpsc::Sender<Job>> {
-    static POOL: OnceLock<Mutex<std::sync::mpsc::Sender<Job>>> = OnceLock::new();
-    POOL.get_or_init(|| {
-        let (tx, rx) = std::sync::mpsc::channel::<Job>();
-        let rx = std::sync::Arc::new(Mutex::new(rx));
-        let n = std::thread::available_parallelism()
-            .map_or(1, |n| n.get().saturating_sub(1))
-            .clamp(1, 16);
-        for i in 0..n {
-            let rx = rx.clone();
-            let spawned = std::thread::Builder::new()
-                .name(format!("cubecl-compile-{i}"))
-                .spawn(move || {
-                    loop {
-                        let job = rx.lock().unwrap_or_else(|e| e.into_inner()).recv();
-                        match job {
-                            Ok(job) => job(),
-                            Err(_) => return,
-                        }
-                    }
-                });
-            if let Err(e) = spawned {
-                log::warn!("a kernel compilation thread did not start: {e}");
-            }
-        }
-        Mutex::new(tx)
-    })
-}
-
 impl CudaServer {
     /// nsactor patch: launches now, or queues the launch behind earlier ones whose kernels are
     /// being compiled (starting its own kernel's compilation where it needs one).
@@ -141,46 +120,39 @@ impl CudaServer {
         mode: ExecutionMode,
         stream_id: StreamId,
     ) {
+        if self.ahead.compile_only.contains(&stream_id) {
+            return self.compile_only(kernel, mode);
+        }
         if self.ahead.limit == 0 || self.ahead.draining || self.capture.is_some() {
             return self.launch_now(kernel, None, count, bindings, mode, stream_id);
         }
         let mut id = kernel.id();
         id.mode(mode);
         let loaded = self.ctx.module_names.contains_key(&id);
+        if !loaded
+            && let Some(compiling) = self.ahead.running.get_mut(&id)
+            && !compiling.claimed
+        {
+            // A compile-only stream's compilation: this launch takes it over and waits for it
+            // in the queue (its own kernel object is the same kernel; the worker's comes back).
+            compiling.claimed = true;
+            compile_pool::Pool::get().hurry(&compiling.slot);
+            self.ahead.queue.push_back(Deferred::Launch {
+                kernel: None,
+                id,
+                count,
+                bindings,
+                mode,
+                stream_id,
+            });
+            return self.launch_ready();
+        }
         let new = !loaded
             && !self.ahead.running.contains_key(&id)
             && !self.ctx.in_cache(&id)
             && self.ctx.validate(&id).is_ok();
         if new {
-            let setup = self.ctx.nvrtc_setup(self.streams.logger.compilation_activated());
-            let (tx, rx) = sync_channel(1);
-            let job_id = id.clone();
-            let job: Job = Box::new(move || {
-                let started = Instant::now();
-                let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                    setup.compile(&*kernel, &job_id, mode)
-                }))
-                .unwrap_or_else(|_| {
-                    Err(LaunchError::Unknown {
-                        reason: "the kernel's compilation panicked".into(),
-                        backtrace: cubecl_common::backtrace::BackTrace::capture(),
-                    })
-                });
-                let _ = tx.send(Done {
-                    kernel,
-                    result,
-                    took: started.elapsed(),
-                });
-            });
-            let sent = workers()
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .send(job);
-            if let Err(std::sync::mpsc::SendError(job)) = sent {
-                // No worker: compile here, as upstream.
-                job();
-            }
-            self.ahead.running.insert(id.clone(), Compiling { rx, done: None });
+            self.compile_on_worker(kernel, id.clone(), mode, true);
             self.ahead.queue.push_back(Deferred::Launch {
                 kernel: None,
                 id,
@@ -207,6 +179,83 @@ impl CudaServer {
             stream_id,
         });
         self.launch_ready();
+    }
+
+    /// A compile-only stream's launch: its kernel compiled on a worker unless loaded, being
+    /// compiled or in the on-disk cache; nothing runs, and the bindings go.
+    fn compile_only(&mut self, kernel: Box<dyn CubeTask<CudaCompiler>>, mode: ExecutionMode) {
+        let mut id = kernel.id();
+        id.mode(mode);
+        if !self.ctx.module_names.contains_key(&id)
+            && !self.ahead.running.contains_key(&id)
+            && !self.ctx.in_cache(&id)
+            && self.ctx.validate(&id).is_ok()
+        {
+            self.compile_on_worker(kernel, id, mode, false);
+        }
+    }
+
+    /// Hands `kernel`'s compilation to a worker thread; `claimed`: a launch waits for it (a
+    /// compile-only stream's waits unclaimed until one does).
+    fn compile_on_worker(
+        &mut self,
+        kernel: Box<dyn CubeTask<CudaCompiler>>,
+        id: KernelId,
+        mode: ExecutionMode,
+        claimed: bool,
+    ) {
+        let setup = self
+            .ctx
+            .nvrtc_setup(self.streams.logger.compilation_activated());
+        let (tx, rx) = sync_channel(1);
+        let job_id = id.clone();
+        let job: Job = Box::new(move || {
+            let started = Instant::now();
+            let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                setup.compile(&*kernel, &job_id, mode)
+            }))
+            .unwrap_or_else(|_| {
+                Err(LaunchError::Unknown {
+                    reason: "the kernel's compilation panicked".into(),
+                    backtrace: cubecl_common::backtrace::BackTrace::capture(),
+                })
+            });
+            let _ = tx.send(Done {
+                kernel,
+                result,
+                took: started.elapsed(),
+            });
+        });
+        let slot = compile_pool::Slot::new(job);
+        if let Err(slot) = compile_pool::Pool::get().submit(slot.clone(), claimed) {
+            // No worker: compile here, as upstream.
+            compile_pool::run_here(&slot);
+        }
+        self.ahead.running.insert(
+            id,
+            Compiling {
+                rx,
+                done: None,
+                claimed,
+                slot,
+            },
+        );
+    }
+
+    /// nsactor patch: puts the calling thread's stream in compile-only mode (`on`) or back.
+    /// Returns whether the mode is available: it needs the compile-ahead queue
+    /// (`CUBECL_COMPILE_AHEAD` not 0). The thread sets its own side,
+    /// `cubecl_runtime::nsactor_compile_only::set`, too.
+    pub fn nsactor_compile_only(&mut self, stream_id: StreamId, on: bool) -> bool {
+        if !on {
+            self.ahead.compile_only.remove(&stream_id);
+            return true;
+        }
+        if self.ahead.limit == 0 {
+            return false;
+        }
+        self.ahead.compile_only.insert(stream_id);
+        true
     }
 
     /// nsactor patch: runs `task` now, or behind the launches queued for their kernels (see
@@ -348,14 +397,8 @@ impl CudaServer {
         };
         let logger = self.streams.logger.clone();
         let loaded = done.result.and_then(|(compiled, image)| {
-            self.ctx.finish_compile(
-                id,
-                done.kernel.name(),
-                compiled,
-                image,
-                &logger,
-                done.took,
-            )
+            self.ctx
+                .finish_compile(id, done.kernel.name(), compiled, image, &logger, done.took)
         });
         match loaded {
             Ok(()) => Some(done.kernel),
@@ -388,6 +431,10 @@ fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
 struct Compiling {
     rx: Receiver<Done>,
     done: Option<Done>,
+    /// Whether a launch waits for it (false: a compile-only stream's, not yet taken over).
+    claimed: bool,
+    /// Its job, to move it ahead when a launch takes it over before it started.
+    slot: std::sync::Arc<compile_pool::Slot>,
 }
 
 impl Compiling {

@@ -1,0 +1,5 @@
+mod policy;
+mod queue;
+
+pub use policy::FlushingPolicy;
+pub use queue::{Fence, PendingDropQueue};

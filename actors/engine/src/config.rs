@@ -271,10 +271,10 @@ pub struct TrainConfig {
     #[serde(default = "yes")]
     pub async_checkpoint: bool,
     /// Compile the first step's kernels while the stages are set up: a thread per device runs
-    /// one layer's training step at one row with the backend in compile-only mode (nothing
-    /// runs; CUDA with its compile-ahead queue only), so that a process with cold kernel
-    /// caches finds most of them compiled when its first step reaches them. `false` leaves
-    /// every kernel to be compiled when first launched.
+    /// one layer's training step at the micro-batch's shape with the backend in compile-only
+    /// mode (nothing runs; CUDA with its compile-ahead queue only), so that a process with cold
+    /// kernel caches finds most of them compiled when its first step reaches them. `false`
+    /// leaves every kernel to be compiled when first launched.
     #[serde(default = "yes")]
     pub prewarm: bool,
     /// Seconds a run has after SIGTERM or SIGINT to finish its step and write a checkpoint

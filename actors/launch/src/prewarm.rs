@@ -1,7 +1,10 @@
 //! A cold run's first-step kernels compiled while its stages are set up (`[train] prewarm`).
 //!
 //! One thread per device the run uses asks the backend for [`ComputeBackend::prewarm`]: one
-//! layer's training step at one row of the run's sequence length, compiled and not run. The
+//! layer's training step at the run's micro-batch shape, compiled and not run (the shape
+//! itself: several kernels and every autotuned operation's key depend on it, so a smaller one
+//! compiled mostly other kernels; its memory is only reserved while the step is handed over,
+//! then given back). The
 //! threads start right after the backend opens and run beside the stages' opening and the
 //! first step; nothing waits for them but the end of the run (dropping [`Prewarm`]), and a
 //! failure only costs the head start (it is logged, the run goes on).
@@ -41,10 +44,10 @@ impl Prewarm {
                     optimizer: None,
                     weights: InitialWeights::Loaded,
                 };
-                let seq_len = cfg.train.seq_len;
+                let (batch, seq_len) = (cfg.train.batch_size, cfg.train.seq_len);
                 std::thread::Builder::new()
                     .name(format!("prewarm-{device}"))
-                    .spawn(move || run(compute.as_ref(), &spec, seq_len))
+                    .spawn(move || run(compute.as_ref(), &spec, batch, seq_len))
                     .map_err(|e| tracing::warn!("prewarm: no thread for device {device}: {e}"))
                     .ok()
             })
@@ -61,10 +64,10 @@ impl Drop for Prewarm {
     }
 }
 
-fn run(compute: &dyn ComputeBackend, spec: &StageSpec, seq_len: usize) {
+fn run(compute: &dyn ComputeBackend, spec: &StageSpec, batch: usize, seq_len: usize) {
     let started = Instant::now();
     let ran = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-        compute.prewarm(spec, 1, seq_len)
+        compute.prewarm(spec, batch, seq_len)
     }));
     let took = started.elapsed().as_secs_f64();
     match ran {

@@ -4,7 +4,9 @@
 //! prewarm's, which nothing waits for yet) in the other. A worker takes urgent work first, so
 //! a prewarm that hands over a whole step's kernels at once never holds up a kernel the run
 //! needs now; when a launch takes over a prewarm's compilation that has not started, the
-//! compilation moves to the urgent queue ([`Pool::hurry`]).
+//! compilation moves to the urgent queue ([`Pool::hurry`]). Two workers (one where there are
+//! two or three) never take work from the second queue, so urgent work starts at once even
+//! while a prewarm's compilations, some of seconds, hold the others.
 
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -29,6 +31,8 @@ impl Slot {
 struct Queues {
     urgent: VecDeque<Arc<Slot>>,
     later: VecDeque<Arc<Slot>>,
+    /// Workers busy with work from `later`.
+    running_later: usize,
 }
 
 /// The workers: one fewer than the host's cores (at most 16), at least 1.
@@ -90,19 +94,42 @@ impl Pool {
         self.work.notify_one();
     }
 
+    /// Workers that may take work from the second queue at once: all but two (one of two or
+    /// three; the only one of one).
+    fn later_workers(&self) -> usize {
+        let n = self.workers.load(Ordering::Relaxed);
+        match n {
+            0 | 1 => 1,
+            2 | 3 => n - 1,
+            _ => n - 2,
+        }
+    }
+
     fn work_loop(&self) {
         loop {
-            let slot = {
+            let (slot, later) = {
                 let mut q = self.queues.lock().unwrap_or_else(|e| e.into_inner());
                 loop {
-                    if let Some(s) = q.urgent.pop_front().or_else(|| q.later.pop_front()) {
-                        break s;
+                    if let Some(s) = q.urgent.pop_front() {
+                        break (s, false);
+                    }
+                    if q.running_later < self.later_workers()
+                        && let Some(s) = q.later.pop_front()
+                    {
+                        q.running_later += 1;
+                        break (s, true);
                     }
                     q = self.work.wait(q).unwrap_or_else(|e| e.into_inner());
                 }
             };
             if let Some(job) = slot.take() {
                 job();
+            }
+            if later {
+                let mut q = self.queues.lock().unwrap_or_else(|e| e.into_inner());
+                q.running_later -= 1;
+                // A worker that waits for later work may take it now.
+                self.work.notify_all();
             }
         }
     }

@@ -188,8 +188,13 @@ fn snapshots_refuse_what_they_cannot_do() {
             d.close(a),
         );
         assert!(ra.unwrap() && rb.unwrap());
-        let e = rc.unwrap_err().to_string();
-        assert!(e.contains("closed before its restore began"), "{e}");
+        // Restores that reach the batcher together run as one op: on a loaded machine `c`'s
+        // may have begun with `a`'s before its close arrived (s66 saw it once in a suite run);
+        // then the close waited for it, and the count of open sessions below still holds.
+        if let Err(e) = rc {
+            let e = e.to_string();
+            assert!(e.contains("closed before its restore began"), "{e}");
+        }
         let logits = d.feed(b, vec![8]).await.unwrap();
         assert!(logits.iter().all(|x| x.is_finite()));
         d.close(b).await;

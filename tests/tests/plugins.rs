@@ -505,15 +505,7 @@ fn a_backend_without_collectives_says_so_across_the_boundary() {
         .collective_join(&CollectiveId(vec![0; 128]), 0, 2, 0)
         .expect_err("nor can it join a group");
     assert!(e.to_string().contains("collectives"), "{e}");
-    let t = b
-        .from_host(
-            0,
-            &HostTensor {
-                data: vec![1.0; 4],
-                shape: vec![1, 1, 4],
-            },
-        )
-        .unwrap();
+    let t = b.from_host(0, &row4(1.0)).unwrap();
     let e = b
         .all_reduce_sum(Communicator(0), t)
         .expect_err("nor all-reduce");
@@ -564,14 +556,16 @@ fn prewarm_crosses_the_boundary_and_a_backend_without_the_mode_says_so() {
         .expect_err("no such layer");
     assert!(e.to_string().contains("does not exist"), "{e}");
     let back = b
-        .from_host(
-            0,
-            &HostTensor {
-                data: vec![2.0; 4],
-                shape: vec![1, 1, 4],
-            },
-        )
+        .from_host(0, &row4(2.0))
         .and_then(|t| b.to_host(&t))
         .expect("the backend works on");
     assert_eq!(back.data, vec![2.0; 4]);
+}
+
+/// A `[1, 1, 4]` tensor of `v`s.
+fn row4(v: f32) -> HostTensor {
+    HostTensor {
+        data: vec![v; 4],
+        shape: vec![1, 1, 4],
+    }
 }

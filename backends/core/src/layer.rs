@@ -169,16 +169,7 @@ impl<B: SnnOps> LayerStage<B> {
         expected_k: &[Tensor<B, 2>],
         out: Tensor<B, 3>,
     ) -> Result<Reply, EngineError> {
-        let ek = Tensor::cat(
-            expected_k
-                .iter()
-                .map(|e| {
-                    let n = e.shape().num_elements();
-                    e.clone().reshape([n])
-                })
-                .collect(),
-            0,
-        );
+        let ek = flat_expected_k(expected_k);
         Ok(ForwardOut {
             h: wrap(out),
             ponder_cost: ponder_cost.into_scalar().elem::<f64>(),
@@ -452,4 +443,31 @@ impl<B: SnnOps> Stage for LayerStage<B> {
     fn param_count(&self) -> u64 {
         count(&self.inner)
     }
+}
+
+/// Every `E[K]` of a layer's forward in one vector (what its reply's spread is taken over).
+pub(crate) fn flat_expected_k<B: burn::tensor::backend::Backend>(
+    expected_k: &[Tensor<B, 2>],
+) -> Tensor<B, 1> {
+    Tensor::cat(
+        expected_k
+            .iter()
+            .map(|e| {
+                let n = e.shape().num_elements();
+                e.clone().reshape([n])
+            })
+            .collect(),
+        0,
+    )
+}
+
+/// Refuses a layer the model does not have.
+pub(crate) fn check_layer(cfg: &ModelConfig, i: usize) -> Result<(), EngineError> {
+    if i >= cfg.num_layers {
+        return Err(EngineError::InvalidInput(format!(
+            "layer {i} does not exist; the model has {} layers",
+            cfg.num_layers
+        )));
+    }
+    Ok(())
 }

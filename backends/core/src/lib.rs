@@ -293,13 +293,10 @@ impl<B: SnnOps> ComputeBackend for BurnBackend<B> {
             )));
         }
         match spec.kind {
-            StageKind::Layer(i) if i >= spec.model.num_layers => {
-                Err(EngineError::InvalidInput(format!(
-                    "prewarm: layer {i} does not exist; the model has {} layers",
-                    spec.model.num_layers
-                )))
+            StageKind::Layer(i) => {
+                layer::check_layer(&spec.model, i)?;
+                Ok(prewarm::layer::<B>(&spec.model, batch, seq_len, &dev))
             }
-            StageKind::Layer(_) => Ok(prewarm::layer::<B>(&spec.model, batch, seq_len, &dev)),
             StageKind::Edge => Ok(false),
         }
     }
@@ -312,12 +309,7 @@ impl<B: SnnOps> ComputeBackend for BurnBackend<B> {
         let stage: Box<dyn Stage> = match spec.kind {
             StageKind::Edge => Box::new(EdgeStage::<B>::new(cfg, spec, dev.clone())),
             StageKind::Layer(i) => {
-                if i >= cfg.num_layers {
-                    return Err(EngineError::InvalidInput(format!(
-                        "layer {i} does not exist; the model has {} layers",
-                        cfg.num_layers
-                    )));
-                }
+                layer::check_layer(&cfg, i)?;
                 Box::new(LayerStage::<B>::new(cfg, i, spec, dev.clone()))
             }
         };

@@ -51,16 +51,7 @@ pub(crate) fn layer<B: SnnOps>(
     let inner = SnnDecoderLayer::<B>::init(cfg, &mut Rng::blank(), device);
     let h = Tensor::<B, 3>::zeros([seq_len, batch, cfg.d], device);
     let out = inner.forward(h.clone(), LayerState::zeros(cfg, batch, device), cfg);
-    let ek = Tensor::cat(
-        out.expected_k
-            .iter()
-            .map(|e| {
-                let n = e.shape().num_elements();
-                e.clone().reshape([n])
-            })
-            .collect(),
-        0,
-    );
+    let ek = crate::layer::flat_expected_k(&out.expected_k);
     drop((
         out.ponder_cost(),
         ek.clone().mean(),

@@ -22,7 +22,7 @@
 //! upstream). Nothing is queued while a stream is being captured into a graph.
 //!
 //! A stream in compile-only mode (`nsactor_compile_only`; nsactor's prewarm runs one layer's
-//! training step on it at a small batch while the real run is being set up) has each kernel it
+//! training step on it while the real run is being set up) has each kernel it
 //! launches compiled on the workers and nothing run: its launches never join the queue. Such a
 //! compilation waits, finished or not, until a real launch of the same kernel claims it (that
 //! launch then waits in the queue as if it had started it), so a kernel is compiled once.
@@ -147,11 +147,7 @@ impl CudaServer {
             });
             return self.launch_ready();
         }
-        let new = !loaded
-            && !self.ahead.running.contains_key(&id)
-            && !self.ctx.in_cache(&id)
-            && self.ctx.validate(&id).is_ok();
-        if new {
+        if !loaded && self.to_compile(&id) {
             self.compile_on_worker(kernel, id.clone(), mode, true);
             self.ahead.queue.push_back(Deferred::Launch {
                 kernel: None,
@@ -186,13 +182,17 @@ impl CudaServer {
     fn compile_only(&mut self, kernel: Box<dyn CubeTask<CudaCompiler>>, mode: ExecutionMode) {
         let mut id = kernel.id();
         id.mode(mode);
-        if !self.ctx.module_names.contains_key(&id)
-            && !self.ahead.running.contains_key(&id)
-            && !self.ctx.in_cache(&id)
-            && self.ctx.validate(&id).is_ok()
-        {
+        if !self.ctx.module_names.contains_key(&id) && self.to_compile(&id) {
             self.compile_on_worker(kernel, id, mode, false);
         }
+    }
+
+    /// Whether a kernel not loaded needs compiling: not being compiled, not in the on-disk
+    /// cache, and valid on this device (an invalid one fails at its launch, as upstream).
+    fn to_compile(&self, id: &KernelId) -> bool {
+        !self.ahead.running.contains_key(id)
+            && !self.ctx.in_cache(id)
+            && self.ctx.validate(id).is_ok()
     }
 
     /// Hands `kernel`'s compilation to a worker thread; `claimed`: a launch waits for it (a

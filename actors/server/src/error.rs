@@ -150,6 +150,45 @@ impl IntoResponse for ServeError {
     }
 }
 
+/// A JSON error in a client's words: no parser position (`at line 1 column 20`: a request is
+/// not a file the client edits by line), Rust's integer and float type names as what they
+/// accept (`usize` is "a non-negative integer"), and "got" for serde's "invalid type/value".
+pub fn plain_json_error(e: &serde_json::Error) -> String {
+    let mut s = e.to_string();
+    if e.line() > 0
+        && let Some(at) = s.rfind(" at line ")
+    {
+        s.truncate(at);
+    }
+    for (rust, words) in [
+        ("usize", "a non-negative integer"),
+        ("u64", "a non-negative integer"),
+        ("u32", "a non-negative integer"),
+        ("u16", "a non-negative integer"),
+        ("u8", "a non-negative integer"),
+        ("isize", "an integer"),
+        ("i64", "an integer"),
+        ("i32", "an integer"),
+        ("f64", "a number"),
+        ("f32", "a number"),
+    ] {
+        let typed = format!("expected {rust}");
+        if let Some(at) = s.find(&typed) {
+            let end = at + typed.len();
+            // Only the whole name (`u8` is not the start of `u80`).
+            if !s[end..].starts_with(|c: char| c.is_ascii_alphanumeric()) {
+                s.replace_range(at..end, &format!("expected {words}"));
+            }
+        }
+    }
+    for serde_words in ["invalid type: ", "invalid value: "] {
+        if let Some(rest) = s.strip_prefix(serde_words) {
+            s = format!("got {rest}");
+        }
+    }
+    s
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -206,5 +245,42 @@ mod tests {
         let busy = ServeError::Busy("full".into()).into_response();
         assert_eq!(busy.status(), StatusCode::SERVICE_UNAVAILABLE);
         assert_eq!(busy.headers()[header::RETRY_AFTER], "1");
+    }
+
+    #[test]
+    fn json_errors_reach_the_client_in_its_words() {
+        #[derive(Debug, serde::Deserialize)]
+        #[serde(deny_unknown_fields)]
+        #[allow(dead_code)]
+        struct R {
+            max_tokens: Option<usize>,
+            top_p: Option<f32>,
+            seed: Option<i64>,
+        }
+        let plain = |t: &str| plain_json_error(&serde_json::from_str::<R>(t).unwrap_err());
+        assert_eq!(
+            plain(r#"{"max_tokens": -1}"#),
+            "got integer `-1`, expected a non-negative integer"
+        );
+        assert_eq!(
+            plain(r#"{"max_tokens": 2.5}"#),
+            "got floating point `2.5`, expected a non-negative integer"
+        );
+        assert_eq!(
+            plain(r#"{"top_p": "x"}"#),
+            r#"got string "x", expected a number"#
+        );
+        assert_eq!(
+            plain(r#"{"seed": true}"#),
+            "got boolean `true`, expected an integer"
+        );
+        let unknown = plain(r#"{"frobnicate": 1}"#);
+        assert!(
+            unknown.starts_with("unknown field `frobnicate`, expected one of"),
+            "{unknown}"
+        );
+        assert!(!unknown.contains("line"), "{unknown}");
+        // Broken JSON keeps its words, without the position either.
+        assert_eq!(plain("{"), "EOF while parsing an object");
     }
 }

@@ -131,13 +131,13 @@ impl ClientMsg {
         }
         serde_json::from_str(text).map_err(|e| {
             if e.is_syntax() || e.is_eof() {
-                return ServeError::InvalidJson(e.to_string());
+                return ServeError::InvalidJson(crate::error::plain_json_error(&e));
             }
             // serde cannot name the field of a type error inside a tagged enum: find it.
             let named = serde_json::from_str::<serde_json::Value>(text)
                 .ok()
                 .and_then(|v| wrong_field(&v));
-            ServeError::Invalid(named.unwrap_or_else(|| e.to_string()))
+            ServeError::Invalid(named.unwrap_or_else(|| crate::error::plain_json_error(&e)))
         })
     }
 }

@@ -124,13 +124,14 @@ pub fn read_json<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, Serve
     serde_path_to_error::deserialize(de).map_err(|e| {
         let path = e.path().to_string();
         let inner = e.into_inner();
+        let words = crate::error::plain_json_error(&inner);
         if inner.is_syntax() || inner.is_eof() {
-            ServeError::InvalidJson(format!("invalid JSON: {inner}"))
+            ServeError::InvalidJson(format!("invalid JSON: {words}"))
         } else if path == "." {
-            ServeError::Invalid(format!("invalid request body: {inner}"))
+            ServeError::Invalid(format!("invalid request body: {words}"))
         } else {
             let field = path.split(['.', '[']).next().unwrap_or(&path).to_string();
-            refuse(&field, format!("`{path}`: {inner}"))
+            refuse(&field, format!("`{path}`: {words}"))
         }
     })
 }

@@ -115,7 +115,9 @@ pub fn wrong_key() -> ServeError {
 /// The answer to a request without a key.
 pub fn missing_key() -> ServeError {
     ServeError::Unauthorized(
-        "this server needs an API key: send `Authorization: Bearer <API key>`".into(),
+        "this server needs an API key: send `Authorization: Bearer <API key>` (on a WebSocket \
+         without that header, `{\"type\":\"auth\",\"key\":\"<API key>\"}` as the first message)"
+            .into(),
     )
 }
 

@@ -8,8 +8,12 @@ use crate::protocol::{ChatMessage, GenTiming, Limits, Prompt, Stop, Usage};
 use serde::{Deserialize, Serialize};
 
 /// Client → server over the WebSocket.
+///
+/// On the wire a message is one JSON object whose `type` names the variant
+/// (`{"type":"cancel","id":"a"}`); [`ClientMsg::parse`] reads the `type` and then the variant's
+/// fields, so that an error names the field it is about.
 #[derive(Debug, Clone, PartialEq, Deserialize)]
-#[serde(tag = "type", rename_all = "snake_case", deny_unknown_fields)]
+#[serde(rename_all = "snake_case", deny_unknown_fields)]
 pub enum ClientMsg {
     /// Start a generation: `prompt` (text or ids) or `messages` (rendered with ChatML).
     Generate {
@@ -28,21 +32,28 @@ pub enum ClientMsg {
         /// Send each token's log-probability and this many alternatives with the deltas.
         logprobs: Option<usize>,
         /// Send each delta's token ids too.
-        #[serde(default)]
+        #[serde(default, deserialize_with = "null_is_false")]
         token_ids: bool,
         /// Neither stop at the end tokens nor keep the other special tokens out: the model's
         /// raw choices (vLLM's `ignore_eos`).
-        #[serde(default)]
+        #[serde(default, deserialize_with = "null_is_false")]
         ignore_eos: bool,
         /// Go on from this conversation of the connection: the prompt (text, without a BOS)
         /// or messages (after the last answer's end) are appended to its history, and only
         /// they are prefilled (`ws::conversation`). The first turn of a name starts it.
         conversation: Option<String>,
+        /// With `conversation`: `true` refuses the turn when the connection keeps no such
+        /// conversation (never kept, forgotten, or let go for a newer one) instead of starting
+        /// it afresh; `false` refuses it when one is kept. Absent: either.
+        conversation_continue: Option<bool>,
         /// Start from the prefix cache and keep snapshots of this request (default true).
         cache_prompt: Option<bool>,
     },
-    /// Forgets a conversation of the connection.
-    Forget { conversation: String },
+    /// Forgets a conversation of the connection; an error (for a name not kept) carries `id`.
+    Forget {
+        id: Option<String>,
+        conversation: String,
+    },
     /// The state after a conversation's history, as a state file (`crate::saved`, base64):
     /// answered with a `state` event.
     Export { id: String, conversation: String },
@@ -84,6 +95,10 @@ pub enum ServerMsg {
         /// Tokens in the conversation's history now, when the request named one.
         #[serde(skip_serializing_if = "Option::is_none")]
         conversation_tokens: Option<usize>,
+        /// When the request named a conversation: whether this turn started it (no history
+        /// was kept under its name), so a client that meant to go on can tell.
+        #[serde(skip_serializing_if = "Option::is_none")]
+        conversation_started: Option<bool>,
     },
     /// A conversation's state file (base64), answering `export`.
     State {
@@ -119,80 +134,159 @@ impl ServerMsg {
     }
 }
 
-impl ClientMsg {
-    /// Parses one WebSocket text message.
-    pub fn parse(text: &str, limits: &Limits) -> Result<ClientMsg, ServeError> {
-        if text.len() > limits.max_message_bytes {
-            return Err(ServeError::Invalid(format!(
-                "message of {} bytes exceeds {} bytes",
-                text.len(),
-                limits.max_message_bytes
-            )));
+/// A flag that may also be `null` (not given, as for every other optional field).
+fn null_is_false<'de, D: serde::Deserializer<'de>>(d: D) -> Result<bool, D::Error> {
+    Ok(Option::<bool>::deserialize(d)?.unwrap_or(false))
+}
+
+/// A JSON value in which no object names a key twice (`serde_json::Value` keeps the last
+/// silently, where a message read straight into its type is refused).
+struct Strict(serde_json::Value);
+
+impl<'de> Deserialize<'de> for Strict {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        d.deserialize_any(StrictVisitor).map(Strict)
+    }
+}
+
+struct StrictVisitor;
+
+impl<'de> serde::de::Visitor<'de> for StrictVisitor {
+    type Value = serde_json::Value;
+
+    fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+        f.write_str("a JSON value")
+    }
+    fn visit_bool<E>(self, v: bool) -> Result<Self::Value, E> {
+        Ok(v.into())
+    }
+    fn visit_i64<E>(self, v: i64) -> Result<Self::Value, E> {
+        Ok(v.into())
+    }
+    fn visit_u64<E>(self, v: u64) -> Result<Self::Value, E> {
+        Ok(v.into())
+    }
+    fn visit_f64<E>(self, v: f64) -> Result<Self::Value, E> {
+        Ok(v.into())
+    }
+    fn visit_str<E>(self, v: &str) -> Result<Self::Value, E> {
+        Ok(v.into())
+    }
+    fn visit_string<E>(self, v: String) -> Result<Self::Value, E> {
+        Ok(v.into())
+    }
+    fn visit_unit<E>(self) -> Result<Self::Value, E> {
+        Ok(serde_json::Value::Null)
+    }
+    fn visit_seq<A: serde::de::SeqAccess<'de>>(self, mut seq: A) -> Result<Self::Value, A::Error> {
+        let mut items = Vec::new();
+        while let Some(Strict(v)) = seq.next_element()? {
+            items.push(v);
         }
-        serde_json::from_str(text).map_err(|e| {
-            if e.is_syntax() || e.is_eof() {
-                return ServeError::InvalidJson(crate::error::plain_json_error(&e));
+        Ok(items.into())
+    }
+    fn visit_map<A: serde::de::MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
+        let mut fields = serde_json::Map::new();
+        while let Some(key) = map.next_key::<String>()? {
+            if fields.contains_key(&key) {
+                return Err(serde::de::Error::custom(format!("duplicate field `{key}`")));
             }
-            // serde cannot name the field of a type error inside a tagged enum: find it.
-            let named = serde_json::from_str::<serde_json::Value>(text)
-                .ok()
-                .and_then(|v| wrong_field(&v));
-            ServeError::Invalid(named.unwrap_or_else(|| crate::error::plain_json_error(&e)))
+            let Strict(v) = map.next_value()?;
+            fields.insert(key, v);
+        }
+        Ok(fields.into())
+    }
+}
+
+/// The message types, as `type` names them.
+const TYPES: &str = "generate, cancel, export, import, forget or auth";
+
+/// A message refused at the edge: why, and the request it was about when it named one (a
+/// string `id`), so that a client waiting for that request's end gets it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Refused {
+    pub id: Option<String>,
+    pub error: ServeError,
+}
+
+impl Refused {
+    fn new(id: Option<String>, error: ServeError) -> Self {
+        Refused { id, error }
+    }
+}
+
+impl ClientMsg {
+    /// Parses one WebSocket text message. An error names the field it is about (a wrong
+    /// type, an unknown or missing field) in the client's words, and keeps the message's
+    /// `id` when it has one.
+    pub fn parse(text: &str, limits: &Limits) -> Result<ClientMsg, Refused> {
+        use serde_json::Value;
+        if text.len() > limits.max_message_bytes {
+            return Err(Refused::new(
+                None,
+                ServeError::Invalid(format!(
+                    "message of {} bytes exceeds {} bytes",
+                    text.len(),
+                    limits.max_message_bytes
+                )),
+            ));
+        }
+        let v = serde_json::from_str::<Strict>(text).map_err(|e| {
+            let words = crate::error::plain_json_error(&e);
+            let error = if e.is_data() {
+                ServeError::Invalid(words)
+            } else {
+                ServeError::InvalidJson(words)
+            };
+            Refused::new(None, error)
+        })?;
+        let Value::Object(mut fields) = v.0 else {
+            let why = format!("a message is a JSON object with a `type` ({TYPES})");
+            return Err(Refused::new(None, ServeError::Invalid(why)));
+        };
+        let id = fields.get("id").and_then(Value::as_str).map(str::to_owned);
+        let refuse =
+            |param: &str, why: String| Refused::new(id.clone(), ServeError::field(param, why));
+        let kind = match fields.remove("type") {
+            Some(Value::String(t)) => t,
+            Some(other) => {
+                return Err(refuse(
+                    "type",
+                    format!("`type` must be a string ({TYPES}), got {other}"),
+                ));
+            }
+            None => return Err(refuse("type", format!("`type` is missing ({TYPES})"))),
+        };
+        // The variant's fields under its name: serde's externally tagged form, through which
+        // `serde_path_to_error` follows the fields (an internally tagged enum hides them).
+        let tagged = Value::Object(serde_json::Map::from_iter([(
+            kind.clone(),
+            Value::Object(fields),
+        )]));
+        serde_path_to_error::deserialize::<_, ClientMsg>(tagged).map_err(|e| {
+            let path = e.path().to_string();
+            let inner = e.into_inner();
+            if path == "." && inner.to_string().starts_with("unknown variant") {
+                return refuse(
+                    "type",
+                    format!("unknown message type `{kind}` (the types: {TYPES})"),
+                );
+            }
+            let words = crate::error::plain_json_error(&inner);
+            match path.split_once('.') {
+                Some((_, field)) => {
+                    let param = field.split(['.', '[']).next().unwrap_or(field);
+                    refuse(param, format!("`{field}`: {words}"))
+                }
+                None => Refused::new(
+                    id.clone(),
+                    ServeError::Invalid(format!("a `{kind}` message: {words}")),
+                ),
+            }
         })
     }
 }
 
-/// The first field of a `generate` message whose JSON type is wrong, described.
-fn wrong_field(v: &serde_json::Value) -> Option<String> {
-    use serde_json::Value;
-    let obj = v.as_object()?;
-    let uint = |v: &Value| v.as_u64().is_some();
-    let num = |v: &Value| v.is_number();
-    let string = |v: &Value| v.is_string();
-    let boolean = |v: &Value| v.is_boolean();
-    let prompt = |v: &Value| {
-        v.is_string()
-            || v.as_array()
-                .is_some_and(|a| a.iter().all(|x| x.as_i64().is_some()))
-    };
-    let stop =
-        |v: &Value| v.is_string() || v.as_array().is_some_and(|a| a.iter().all(Value::is_string));
-    let messages = |v: &Value| {
-        v.as_array().is_some_and(|a| {
-            a.iter().all(|m| {
-                m.as_object().is_some_and(|o| {
-                    o.len() == 2
-                        && o.get("role").is_some_and(Value::is_string)
-                        && o.get("content").is_some_and(Value::is_string)
-                })
-            })
-        })
-    };
-    type Check<'a> = (&'a str, &'a dyn Fn(&Value) -> bool, &'a str);
-    let checks: [Check; 17] = [
-        ("id", &string, "a string"),
-        ("prompt", &prompt, "a string or a list of token ids"),
-        ("messages", &messages, "a list of {role, content} objects"),
-        ("max_tokens", &uint, "a non-negative integer"),
-        ("temperature", &num, "a number"),
-        ("top_k", &uint, "a non-negative integer"),
-        ("top_p", &num, "a number"),
-        ("repetition_penalty", &num, "a number"),
-        ("presence_penalty", &num, "a number"),
-        ("frequency_penalty", &num, "a number"),
-        ("seed", &uint, "a non-negative integer"),
-        ("logprobs", &uint, "a non-negative integer"),
-        ("stop", &stop, "a string or a list of strings"),
-        ("token_ids", &boolean, "true or false"),
-        ("ignore_eos", &boolean, "true or false"),
-        ("conversation", &string, "a string"),
-        ("cache_prompt", &boolean, "true or false"),
-    ];
-    checks.iter().find_map(|(name, ok, want)| {
-        let v = obj.get(*name)?;
-        (!v.is_null() && !ok(v)).then(|| format!("`{name}` must be {want}, got {v}"))
-    })
-}
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -239,7 +333,7 @@ mod tests {
             (r#"[1,2]"#, "invalid_request", ""),
         ];
         for (text, code, needle) in cases {
-            let e = ClientMsg::parse(text, &limits()).unwrap_err();
+            let e = ClientMsg::parse(text, &limits()).unwrap_err().error;
             let (c, m) = (e.code(), e.to_string());
             assert_eq!(c, code, "{text}: {m}");
             assert!(m.contains(needle), "{text}: {m}");
@@ -249,8 +343,130 @@ mod tests {
         assert!(
             ClientMsg::parse(&big, &limits())
                 .unwrap_err()
+                .error
                 .to_string()
                 .contains("exceeds")
+        );
+    }
+
+    /// Whatever is wrong with a message, the error names the field in the client's words (no
+    /// serde type names, no parser position) and keeps the message's `id`, so a client
+    /// waiting for that request's end gets one.
+    #[test]
+    fn a_refused_message_names_its_field_and_keeps_its_id() {
+        let refused = |t: &str| ClientMsg::parse(t, &limits()).unwrap_err();
+        for (text, id, param, needle) in [
+            (
+                r#"{"type":"generate","id":"a","prompt":"hi","temperature":"hot"}"#,
+                Some("a"),
+                Some("temperature"),
+                r#"`temperature`: got string "hot", expected a number"#,
+            ),
+            (
+                r#"{"type":"generate","id":"a","prompt":"hi","max_tokens":-1}"#,
+                Some("a"),
+                Some("max_tokens"),
+                "expected a non-negative integer",
+            ),
+            (
+                r#"{"type":"import","id":"x","conversation":"c","state":5}"#,
+                Some("x"),
+                Some("state"),
+                "`state`: got integer `5`, expected a string",
+            ),
+            (
+                r#"{"type":"generate","id":"b","messages":[{"role":"user","content":1}]}"#,
+                Some("b"),
+                Some("messages"),
+                "`messages[0].content`",
+            ),
+            (
+                r#"{"type":"generate","id":"b","prompt":"x","stop":5}"#,
+                Some("b"),
+                Some("stop"),
+                "expected a string or a list of strings",
+            ),
+            (
+                r#"{"type":"explode","id":"e"}"#,
+                Some("e"),
+                Some("type"),
+                "unknown message type `explode` (the types: generate, cancel",
+            ),
+            (
+                r#"{"type":5}"#,
+                None,
+                Some("type"),
+                "`type` must be a string",
+            ),
+            (
+                r#"{"id":"q"}"#,
+                Some("q"),
+                Some("type"),
+                "`type` is missing",
+            ),
+            (
+                r#"{"type":"cancel"}"#,
+                None,
+                None,
+                "a `cancel` message: missing field `id`",
+            ),
+            (
+                r#"null"#,
+                None,
+                None,
+                "a message is a JSON object with a `type`",
+            ),
+            (
+                r#"[1,2]"#,
+                None,
+                None,
+                "a message is a JSON object with a `type`",
+            ),
+            (
+                r#"{"type":"auth","key":5}"#,
+                None,
+                Some("key"),
+                "`key`: got integer `5`",
+            ),
+            (
+                r#"{"type":"generate","id":"a","prompt":"x","prompt":"y"}"#,
+                None,
+                None,
+                "duplicate field `prompt`",
+            ),
+        ] {
+            let r = refused(text);
+            assert_eq!(r.id.as_deref(), id, "{text}");
+            assert_eq!(r.error.param(), param, "{text}");
+            let m = r.error.to_string();
+            assert!(m.contains(needle), "{text}: {m}");
+            for serde_words in [
+                "line 1",
+                "usize",
+                "f32",
+                "variant identifier",
+                "untagged",
+                "invalid type",
+            ] {
+                assert!(!m.contains(serde_words), "{text}: {m}");
+            }
+        }
+        // `null` is "not given" for every optional field, the flags too.
+        let ok = ClientMsg::parse(
+            r#"{"type":"generate","id":"n","prompt":"hi","token_ids":null,"ignore_eos":null,"temperature":null}"#,
+            &limits(),
+        );
+        assert!(
+            matches!(
+                ok,
+                Ok(ClientMsg::Generate {
+                    token_ids: false,
+                    ignore_eos: false,
+                    temperature: None,
+                    ..
+                })
+            ),
+            "{ok:?}"
         );
     }
 
@@ -269,7 +485,7 @@ mod tests {
             if name.starts_with("ok-") {
                 assert!(r.is_ok(), "{name}: {r:?}");
             } else {
-                let m = r.expect_err(&name).to_string();
+                let m = r.expect_err(&name).error.to_string();
                 assert!(!m.is_empty(), "{name}");
             }
             n += 1;

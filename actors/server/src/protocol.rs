@@ -73,11 +73,34 @@ pub struct ChatMessage {
 }
 
 /// `stop`: one string or a list.
-#[derive(Debug, Clone, PartialEq, Deserialize)]
-#[serde(untagged)]
+#[derive(Debug, Clone, PartialEq)]
 pub enum Stop {
     One(String),
     Many(Vec<String>),
+}
+
+impl<'de> Deserialize<'de> for Stop {
+    /// One string or a list of strings; anything else is refused in those words (an
+    /// untagged enum's error would name the Rust type).
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        use serde_json::Value;
+        let want = "expected a string or a list of strings";
+        match Value::deserialize(d)? {
+            Value::String(s) => Ok(Stop::One(s)),
+            Value::Array(items) => items
+                .into_iter()
+                .enumerate()
+                .map(|(i, v)| match v {
+                    Value::String(s) => Ok(s),
+                    other => Err(serde::de::Error::custom(format!(
+                        "[{i}] is {other}; {want}"
+                    ))),
+                })
+                .collect::<Result<_, _>>()
+                .map(Stop::Many),
+            other => Err(serde::de::Error::custom(format!("got {other}; {want}"))),
+        }
+    }
 }
 
 impl Stop {

@@ -83,10 +83,17 @@ pub fn encode(s: &Saved) -> Vec<u8> {
 
 /// Reads a file, checking its magic, version, checksum and lengths.
 pub fn decode(bytes: &[u8]) -> Result<Saved, ServeError> {
-    if bytes.len() < 16 || &bytes[..8] != MAGIC {
+    if bytes.is_empty() {
+        return Err(bad("is empty"));
+    }
+    let head = &bytes[..bytes.len().min(MAGIC.len())];
+    if !MAGIC.starts_with(head) {
         return Err(bad(
             "is not an nsactor state file (its first bytes are not `NSSTATE`)",
         ));
+    }
+    if bytes.len() < 16 {
+        return Err(bad(format!("is cut short ({} bytes)", bytes.len())));
     }
     let version = u32::from_le_bytes(bytes[8..12].try_into().expect("4 bytes"));
     if version != VERSION {
@@ -222,6 +229,10 @@ mod tests {
         assert!(err(&flipped).contains("SHA-256"));
         assert!(err(&bytes[..bytes.len() - 10]).contains("SHA-256"));
         assert!(err(&bytes[..20]).contains("cut short"));
+        assert!(err(&bytes[..10]).contains("is cut short (10 bytes)"));
+        assert!(err(&bytes[..3]).contains("is cut short (3 bytes)"));
+        assert!(err(b"").contains("is empty"));
+        assert!(err(b"NSX").contains("not an nsactor state file"));
         // A hostile header with a good checksum: no overflow, no huge allocation, no panic.
         let forge = |header: &str, body: &[u8]| {
             let mut out = MAGIC.to_vec();

@@ -70,6 +70,8 @@ async fn authenticate(mut socket: WebSocket, s: &Shared, authed: bool) -> Option
         Ok(Some(Ok(Message::Text(t)))) => match ClientMsg::parse(t.as_str(), &s.limits) {
             Ok(ClientMsg::Auth { key }) if s.keys.accepts(&key) => return Some(socket),
             Ok(ClientMsg::Auth { .. }) => auth::wrong_key(),
+            // An `auth` message that is not right says what is wrong with it.
+            Err(r) if r.error.param() == Some("key") => r.error,
             _ => auth::missing_key(),
         },
         // The client closed or broke the connection: answer its Close, if any, and go.
@@ -189,7 +191,7 @@ where
         };
         let reply = match ClientMsg::parse(text.as_str(), &s.limits) {
             Ok(msg) => requests.handle(msg, s, out),
-            Err(e) => Some(ServerMsg::error(None, &e)),
+            Err(r) => Some(ServerMsg::error(r.id, &r.error)),
         };
         if let Some(reply) = reply
             && out.send(reply).await.is_err()

@@ -135,6 +135,20 @@ fn a_websocket_conversation_goes_on_from_its_state() {
         let mut history = tokenize(addr, "Once upon a time", true).await;
         history.extend(&gen1);
         assert_eq!(done1["conversation_tokens"], history.len());
+        assert_eq!(done1["conversation_started"], true, "{done1}");
+        // A turn that means to start the conversation afresh is refused while it is kept.
+        ws_send(
+            &mut ws,
+            json!({"type": "generate", "id": "x", "prompt": "x", "conversation": "c",
+                "conversation_continue": false}),
+        )
+        .await;
+        let e = common::next_json(&mut ws).await;
+        assert_eq!(
+            (&e["id"], &e["code"]),
+            (&json!("x"), &json!("invalid_request")),
+            "{e}"
+        );
         // A text turn: appended as it is.
         let (gen2, done2) = turn(
             &mut ws,
@@ -152,6 +166,7 @@ fn a_websocket_conversation_goes_on_from_its_state() {
         assert_eq!(gen2, want2);
         history.extend(&gen2);
         assert_eq!(done2["conversation_tokens"], history.len());
+        assert_eq!(done2["conversation_started"], false, "{done2}");
         // A chat turn: after the end of the last answer.
         let (gen3, _) = turn(
             &mut ws,
@@ -169,8 +184,21 @@ fn a_websocket_conversation_goes_on_from_its_state() {
         )
         .await;
         assert_eq!(gen3, want3);
-        // Forgotten, a conversation starts again; an unknown one is an error.
+        // Forgotten, a conversation starts again; an unknown one is an error, and a turn
+        // that means to go on from one is refused rather than started afresh.
         ws_send(&mut ws, json!({"type": "forget", "conversation": "c"})).await;
+        ws_send(
+            &mut ws,
+            json!({"type": "generate", "id": "y", "prompt": " more", "conversation": "c",
+                "conversation_continue": true}),
+        )
+        .await;
+        let e = common::next_json(&mut ws).await;
+        assert_eq!(
+            (&e["id"], &e["code"]),
+            (&json!("y"), &json!("unknown_request")),
+            "{e}"
+        );
         let (again, done) = turn(
             &mut ws,
             "d",
@@ -181,9 +209,17 @@ fn a_websocket_conversation_goes_on_from_its_state() {
             (again, done["conversation_tokens"].clone()),
             (gen1, done1["conversation_tokens"].clone())
         );
-        ws_send(&mut ws, json!({"type": "forget", "conversation": "nope"})).await;
+        ws_send(
+            &mut ws,
+            json!({"type": "forget", "id": "f", "conversation": "nope"}),
+        )
+        .await;
         let e = common::next_json(&mut ws).await;
-        assert_eq!(e["code"], "unknown_request", "{e}");
+        assert_eq!(
+            (&e["id"], &e["code"]),
+            (&json!("f"), &json!("unknown_request")),
+            "{e}"
+        );
     });
 }
 

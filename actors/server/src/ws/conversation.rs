@@ -33,15 +33,18 @@ impl Conversations {
         self.0.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    /// Starts a turn of `name`: the prompt it goes on from, or an error if a turn of it is
-    /// running. The turn ends with [`end`](Self::end).
+    /// Starts a turn of `name`: the prompt it goes on from and whether this turn starts the
+    /// conversation, or an error if a turn of it is running or the conversation is not as
+    /// `want` says (`Some(true)`: kept, `Some(false)`: not kept). The turn ends with
+    /// [`end`](Self::end).
     pub fn begin(
         &self,
         name: &str,
+        want: Option<bool>,
         g: &Generator,
         prompt: &PromptSpec,
         bos: bool,
-    ) -> Result<PromptSpec, ServeError> {
+    ) -> Result<(PromptSpec, bool), ServeError> {
         let mut c = self.lock();
         if c.running.iter().any(|r| r == name) {
             return Err(ServeError::Invalid(format!(
@@ -49,6 +52,26 @@ impl Conversations {
             )));
         }
         let history = c.kept.iter().find(|(n, _)| n == name).map(|(_, h)| h);
+        match (want, history) {
+            (Some(true), None) => {
+                return Err(ServeError::UnknownRequest(format!(
+                    "no conversation `{name}` is kept on this connection (`conversation_continue`: \
+                     true); a connection keeps its {MAX_CONVERSATIONS} most recently used, and \
+                     `import` brings one back from its state file"
+                )));
+            }
+            (Some(false), Some(_)) => {
+                return Err(ServeError::field(
+                    "conversation_continue",
+                    format!(
+                        "conversation `{name}` is kept on this connection (`conversation_continue`: \
+                         false); `forget` it first to start it afresh"
+                    ),
+                ));
+            }
+            _ => {}
+        }
+        let started = history.is_none();
         let ids = match history {
             None => g.token_ids(prompt, bos, true)?,
             Some(h) => {
@@ -58,7 +81,7 @@ impl Conversations {
             }
         };
         c.running.push(name.to_string());
-        Ok(PromptSpec::Ids(ids))
+        Ok((PromptSpec::Ids(ids), started))
     }
 
     /// Ends the running turn of `name`; with `history`, it is the conversation's history now.

@@ -103,12 +103,12 @@ impl Requests {
                 .0
                 .conversations
                 .carry((id, conversation, Some(state)), s, out),
-            ClientMsg::Forget { conversation } => {
+            ClientMsg::Forget { id, conversation } => {
                 if self.0.conversations.forget(&conversation) {
                     return None;
                 }
                 let why = format!("no conversation `{conversation}` is kept on this connection");
-                Some(ServerMsg::error(None, &ServeError::UnknownRequest(why)))
+                Some(ServerMsg::error(id, &ServeError::UnknownRequest(why)))
             }
         }
     }
@@ -120,13 +120,14 @@ impl Requests {
         s: &Shared,
         out: &mpsc::Sender<ServerMsg>,
     ) -> Option<ServerMsg> {
-        let (id, mut spec, conversation) = match validate(msg, s) {
+        let (id, mut spec, conversation, want) = match validate(msg, s) {
             Ok(v) => v,
             Err((id, e)) => return Some(ServerMsg::error(id, &e)),
         };
         let with_ids = spec.token_ids;
         let with_logprobs = spec.logprobs.is_some();
         let cancel = Arc::new(AtomicBool::new(false));
+        let mut started = None;
         {
             let mut r = self.map();
             if r.contains_key(&id) {
@@ -135,8 +136,12 @@ impl Requests {
             }
             if let Some(c) = &conversation {
                 let conv = &self.0.conversations;
-                match conv.begin(c, &s.generator, &spec.prompt, spec.add_special_tokens) {
-                    Ok(p) => spec.prompt = p,
+                let bos = spec.add_special_tokens;
+                match conv.begin(c, want, &s.generator, &spec.prompt, bos) {
+                    Ok((p, new)) => {
+                        spec.prompt = p;
+                        started = Some(new);
+                    }
                     Err(e) => return Some(ServerMsg::error(Some(id), &e)),
                 }
             }
@@ -176,6 +181,7 @@ impl Requests {
                         usage: f.usage,
                         timing: f.timing,
                         conversation_tokens: conversation.as_ref().map(|_| f.tokens.len()),
+                        conversation_started: started,
                     },
                     Err(e) => ServerMsg::error(Some(id.clone()), &e),
                 };
@@ -191,12 +197,16 @@ impl Requests {
     }
 }
 
+/// A valid `generate`: its id, spec, conversation and `conversation_continue`.
+type Valid = (
+    String,
+    crate::protocol::GenSpec,
+    Option<String>,
+    Option<bool>,
+);
+
 /// A `generate` message's id and validated spec, or the error to answer it with.
-#[allow(clippy::type_complexity)]
-fn validate(
-    msg: ClientMsg,
-    s: &Shared,
-) -> Result<(String, crate::protocol::GenSpec, Option<String>), (Option<String>, ServeError)> {
+fn validate(msg: ClientMsg, s: &Shared) -> Result<Valid, (Option<String>, ServeError)> {
     let ClientMsg::Generate {
         id,
         prompt,
@@ -214,11 +224,19 @@ fn validate(
         token_ids,
         ignore_eos,
         conversation,
+        conversation_continue,
         cache_prompt,
     } = msg
     else {
         unreachable!("only generate messages are validated")
     };
+    if conversation.is_none() && conversation_continue.is_some() {
+        let e = ServeError::field(
+            "conversation_continue",
+            "`conversation_continue` goes with `conversation` (the name of the conversation)",
+        );
+        return Err((Some(id), e));
+    }
     let prompt = match (prompt, messages) {
         (Some(Prompt::Text(t)), None) => PromptSpec::Text(t),
         (Some(Prompt::Ids(i)), None) => PromptSpec::Ids(i),
@@ -245,7 +263,7 @@ fn validate(
     match options.validate(prompt, token_ids, &s.limits) {
         Ok(mut spec) => {
             spec.cache_prompt = cache_prompt.unwrap_or(true);
-            Ok((id, spec, conversation))
+            Ok((id, spec, conversation, conversation_continue))
         }
         Err(e) => Err((Some(id), e)),
     }

@@ -3,6 +3,7 @@
 
 mod added;
 mod ascii;
+mod bytes;
 mod stream;
 
 pub use stream::TextStream;

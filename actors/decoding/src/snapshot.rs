@@ -90,7 +90,8 @@ impl AsyncDecoder {
     pub async fn write_snapshot(&self, host: &HostSnapshot) -> Result<Snapshot, RuntimeError> {
         let c = self.children();
         if host.layers.len() != c.layers.len() {
-            return Err(RuntimeError::Runtime(format!(
+            // The file's fault (checked before any device work), not the server's.
+            return Err(RuntimeError::Invalid(format!(
                 "a snapshot of {} layers; this model has {}",
                 host.layers.len(),
                 c.layers.len()

@@ -4,9 +4,9 @@
 //! read.
 
 use crate::error::ServeError;
-use axum::http::{HeaderName, HeaderValue, Method, header};
+use axum::http::{HeaderName, HeaderValue, Method};
 use std::time::Duration;
-use tower_http::cors::{AllowOrigin, CorsLayer};
+use tower_http::cors::{AllowHeaders, AllowOrigin, CorsLayer};
 
 /// Which origins may call the server from a browser.
 #[derive(Debug, Clone, Default, PartialEq)]
@@ -57,7 +57,9 @@ impl Cors {
             CorsLayer::new()
                 .allow_origin(origin)
                 .allow_methods([Method::GET, Method::POST])
-                .allow_headers([header::AUTHORIZATION, header::CONTENT_TYPE, id.clone()])
+                // Whatever headers the browser asks for: the origins are the gate, and the
+                // OpenAI SDKs send their own (`x-stainless-*`), which a fixed list refused.
+                .allow_headers(AllowHeaders::mirror_request())
                 .expose_headers([id])
                 .max_age(Duration::from_secs(600)),
         )

@@ -181,6 +181,16 @@ pub fn plain_json_error(e: &serde_json::Error) -> String {
             }
         }
     }
+    // serde's names for JSON's shapes, and a struct's Rust name, in JSON's words.
+    if let Some(at) = s.find("expected struct ") {
+        let end = s[at + 16..]
+            .find(|c: char| !c.is_ascii_alphanumeric() && c != '_')
+            .map_or(s.len(), |e| at + 16 + e);
+        s.replace_range(at..end, "expected an object");
+    }
+    s = s
+        .replace("expected a map", "expected an object")
+        .replace("expected a sequence", "expected a list");
     for serde_words in ["invalid type: ", "invalid value: "] {
         if let Some(rest) = s.strip_prefix(serde_words) {
             s = format!("got {rest}");
@@ -280,6 +290,16 @@ mod tests {
             "{unknown}"
         );
         assert!(!unknown.contains("line"), "{unknown}");
+        #[derive(Debug, serde::Deserialize)]
+        #[allow(dead_code)]
+        struct Format {
+            kind: String,
+        }
+        let shape = serde_json::from_str::<Format>(r#""text""#).unwrap_err();
+        assert_eq!(
+            plain_json_error(&shape),
+            r#"got string "text", expected an object"#
+        );
         // Broken JSON keeps its words, without the position either.
         assert_eq!(plain("{"), "EOF while parsing an object");
     }

@@ -84,6 +84,11 @@ impl Admission {
         p.map_err(|_| ServeError::Unavailable("the server is shutting down".into()))
     }
 
+    /// Sessions the server holds at once: decoding and queued.
+    pub fn capacity(&self) -> usize {
+        self.max_sessions + self.max_queue
+    }
+
     pub fn queued(&self) -> usize {
         self.waiting.load(Ordering::SeqCst)
     }
@@ -188,18 +193,26 @@ impl Generator {
     /// against the length limit and vocabulary.
     pub fn prompt_ids(&self, p: &PromptSpec, bos: bool) -> Result<Vec<i64>, ServeError> {
         let ids = self.token_ids(p, bos, true)?;
+        let field = match p {
+            PromptSpec::Chat(_) => "messages",
+            _ => "prompt",
+        };
         if ids.len() > self.max_prompt_tokens {
-            return Err(ServeError::Invalid(format!(
-                "the prompt has {} tokens; the limit is {} (`nsactor serve --max-prompt-tokens`)",
-                ids.len(),
-                self.max_prompt_tokens
-            )));
+            return Err(ServeError::field(
+                field,
+                format!(
+                    "the prompt has {} tokens; the limit is {} (`nsactor serve --max-prompt-tokens`)",
+                    ids.len(),
+                    self.max_prompt_tokens
+                ),
+            ));
         }
         let vocab = self.decoder.vocab() as i64;
         if let Some(bad) = ids.iter().find(|&&t| t < 0 || t >= vocab) {
-            return Err(ServeError::Invalid(format!(
-                "token id {bad} is outside the vocabulary (0..{vocab})"
-            )));
+            return Err(ServeError::field(
+                field,
+                format!("token id {bad} is outside the vocabulary (0..{vocab})"),
+            ));
         }
         Ok(ids)
     }
@@ -216,6 +229,13 @@ impl Generator {
         self.ready.check()?;
         let _running = self.drain.enter()?;
         let prompt = self.prompt_ids(&spec.prompt, spec.add_special_tokens)?;
+        let vocab = self.decoder.vocab();
+        if let Some((id, _)) = spec.logit_bias.iter().find(|(id, _)| *id >= vocab) {
+            return Err(ServeError::field(
+                "logit_bias",
+                format!("token id {id} is outside the vocabulary (0..{vocab})"),
+            ));
+        }
         let permit = self.admission.enter().await?;
         let session = self.decoder.session();
         self.metrics.running.inc();
@@ -330,7 +350,7 @@ impl Generator {
     /// and (unless `ignore_eos`) the bans on tokens never generated.
     fn pick_request(&self, spec: &GenSpec, history: &[i64], generated: &[i64]) -> PickRequest {
         let mut bias: Vec<(u32, f32)> = Vec::new();
-        // Ids past the vocabulary name no logit: nothing to bias.
+        // Ids past the vocabulary were refused before admission (`run`).
         let vocab = self.decoder.vocab();
         for &(id, b) in spec.logit_bias.iter().filter(|(id, _)| *id < vocab) {
             match bias.iter_mut().find(|(t, _)| *t as usize == id) {

@@ -32,11 +32,11 @@ pub enum ClientMsg {
         /// Send each token's log-probability and this many alternatives with the deltas.
         logprobs: Option<usize>,
         /// Send each delta's token ids too.
-        #[serde(default, deserialize_with = "null_is_false")]
+        #[serde(default, deserialize_with = "crate::protocol::null_is_false")]
         token_ids: bool,
         /// Neither stop at the end tokens nor keep the other special tokens out: the model's
         /// raw choices (vLLM's `ignore_eos`).
-        #[serde(default, deserialize_with = "null_is_false")]
+        #[serde(default, deserialize_with = "crate::protocol::null_is_false")]
         ignore_eos: bool,
         /// Go on from this conversation of the connection: the prompt (text, without a BOS)
         /// or messages (after the last answer's end) are appended to its history, and only
@@ -132,11 +132,6 @@ impl ServerMsg {
             message: e.to_string(),
         }
     }
-}
-
-/// A flag that may also be `null` (not given, as for every other optional field).
-fn null_is_false<'de, D: serde::Deserializer<'de>>(d: D) -> Result<bool, D::Error> {
-    Ok(Option::<bool>::deserialize(d)?.unwrap_or(false))
 }
 
 /// A JSON value in which no object names a key twice (`serde_json::Value` keeps the last

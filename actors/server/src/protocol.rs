@@ -72,6 +72,11 @@ pub struct ChatMessage {
     pub content: String,
 }
 
+/// A flag that may also be `null` (not given, as for every other optional field).
+pub(crate) fn null_is_false<'de, D: serde::Deserializer<'de>>(d: D) -> Result<bool, D::Error> {
+    Ok(Option::<bool>::deserialize(d)?.unwrap_or(false))
+}
+
 /// `stop`: one string or a list.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Stop {

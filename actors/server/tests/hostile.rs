@@ -124,7 +124,8 @@ fn generations_end_at_their_time_limit_and_idle_websockets_close() {
         let (status, body) = http(addr, "POST", "/v1/completions", req).await;
         assert_eq!(status, 200, "{body}");
         let v: serde_json::Value = serde_json::from_str(&body).unwrap();
-        assert_eq!(v["choices"][0]["finish_reason"], "time_limit", "{v}");
+        // `length` on OpenAI's endpoint: its reasons are a closed set.
+        assert_eq!(v["choices"][0]["finish_reason"], "length", "{v}");
         assert!(v["usage"]["completion_tokens"].as_u64().unwrap() < 4096);
         assert!(t.elapsed() < Duration::from_secs(5), "{:?}", t.elapsed());
         // A WebSocket with nothing running and nothing said is told and closed.

@@ -278,15 +278,29 @@ fn chat_logprobs_tokenize_detokenize_and_request_ids() {
         );
         // CORS: the configured origin gets a preflight answer (before any key check) and its
         // responses carry the header; another origin gets neither.
-        let pre = "Origin: https://app.example\r\nAccess-Control-Request-Method: POST\r\nAccess-Control-Request-Headers: authorization,content-type\r\n";
+        let pre = "Origin: https://app.example\r\nAccess-Control-Request-Method: POST\r\nAccess-Control-Request-Headers: authorization,content-type,x-stainless-os\r\n";
         let (status, head, _) = http_head(addr, "OPTIONS", "/v1/completions", pre, b"").await;
         let head = head.to_ascii_lowercase();
         assert!(status == 200 && head.contains("access-control-allow-origin: https://app.example"), "{head}");
-        assert!(head.contains("authorization"), "{head}");
+        // Whatever headers the browser asks for (the OpenAI SDKs send `x-stainless-*`).
+        assert!(head.contains("authorization") && head.contains("x-stainless-os"), "{head}");
         let (_, head, _) = http_head(addr, "GET", "/v1/models", "Origin: https://app.example\r\n", b"").await;
         assert!(head.to_ascii_lowercase().contains("access-control-expose-headers: x-request-id"), "{head}");
         let (_, head, _) = http_head(addr, "GET", "/v1/models", "Origin: https://evil.example\r\n", b"").await;
         assert!(!head.to_ascii_lowercase().contains("access-control-allow-origin"), "{head}");
+        // What the server can never do is the client's 400, naming the field: more choices
+        // than it holds at once (4 decoding + 8 queued), a bias or a prompt token outside the
+        // vocabulary (2,048).
+        for (req, param) in [
+            (json!({"prompt": "hi", "n": 13, "max_tokens": 1}), "n"),
+            (json!({"prompt": "hi", "max_tokens": 1, "logit_bias": {"99999": 5}}), "logit_bias"),
+            (json!({"prompt": [5, 99999], "max_tokens": 1}), "prompt"),
+        ] {
+            let (status, body) =
+                http(addr, "POST", "/v1/completions", req.to_string().as_bytes()).await;
+            let v: Value = serde_json::from_str(&body).unwrap();
+            assert_eq!((status, &v["error"]["param"]), (400, &json!(param)), "{req}: {body}");
+        }
         // Without the header the server names the request itself.
         let (_, head, _) = http_head(addr, "GET", "/v1/models", "", b"").await;
         assert!(

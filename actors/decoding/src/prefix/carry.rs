@@ -79,12 +79,13 @@ impl PrefixCache {
         state: &HostSnapshot,
     ) -> Result<(), RuntimeError> {
         if !self.enabled() {
-            return Err(RuntimeError::Runtime(
-                "the prefix cache is off (--prefix-cache-mib 0): an imported state has nowhere to go".into(),
+            // The server's setting, not a passing state: the client's request cannot be met here.
+            return Err(RuntimeError::Invalid(
+                "this server keeps no prefix cache (--no-prefix-cache or --prefix-cache-mib 0): an imported state has nowhere to go".into(),
             ));
         }
         if tokens.is_empty() {
-            return Err(RuntimeError::Runtime("a state of no tokens".into()));
+            return Err(RuntimeError::Invalid("a state of no tokens".into()));
         }
         let snap = dec.write_snapshot(state).await?;
         self.put(dec, tokens, snap).await;

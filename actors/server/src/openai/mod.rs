@@ -142,6 +142,23 @@ pub async fn openai(s: Shared, body: Bytes, chat: bool) -> Response {
         Ok(c) => c,
         Err(e) => return e.into_response(),
     };
+    // More choices than the server ever holds at once would be "busy" however long the
+    // client waited: its mistake, not a passing state.
+    let holds = s.generator.admission.capacity();
+    let choices = call.n * call.specs.len();
+    if choices > holds {
+        let param = if call.n > 1 { "n" } else { "prompt" };
+        return ServeError::field(
+            param,
+            format!(
+                "{} prompt(s) × n = {} make {choices} choices; this server holds at most {holds} \
+                 sessions at once, running and queued (`--max-sessions`, `--max-queue`)",
+                call.specs.len(),
+                call.n
+            ),
+        )
+        .into_response();
+    }
     // Each prompt's echoed text (`echo`), by choice: choice `i` echoes prompt `i / n`.
     let echo: Vec<Option<Echo>> = call
         .specs
@@ -238,7 +255,7 @@ async fn whole(
             Err(e) => return e.into_response(),
         };
         if let GenEvent::Done(f) = &e {
-            c.finish = Some(f.finish_reason);
+            c.finish = Some(openai_finish(f.finish_reason));
             prompts.record(i, f.usage.prompt_tokens);
             completion += f.usage.completion_tokens;
         }
@@ -334,7 +351,7 @@ impl Streamer {
                 self.prompts.record(i, f.usage.prompt_tokens);
                 self.usage.prompt_tokens = self.prompts.total();
                 self.usage.completion_tokens += f.usage.completion_tokens;
-                Some(f.finish_reason)
+                Some(openai_finish(f.finish_reason))
             }
             _ => None,
         };
@@ -370,5 +387,15 @@ impl Streamer {
             }
         }
         Some(out)
+    }
+}
+/// A generation's finish reason as OpenAI's endpoints say it. Their reasons are a closed set
+/// (`stop`, `length`, …; typed clients such as async-openai refuse others), so a generation
+/// cut by the server's time limit or its shutdown ends as `length`: cut before its natural
+/// end. The WebSocket and `/metrics` keep the server's own reason.
+fn openai_finish(reason: &'static str) -> &'static str {
+    match reason {
+        crate::generate::FINISH_TIME_LIMIT | crate::drain::FINISH_SHUTDOWN => "length",
+        other => other,
     }
 }

@@ -30,9 +30,9 @@ pub struct OpenAiRequest {
     pub logit_bias: Option<BTreeMap<String, f32>>,
     pub seed: Option<i64>,
     pub stop: Option<Stop>,
-    #[serde(default)]
+    #[serde(default, deserialize_with = "crate::protocol::null_is_false")]
     pub ignore_eos: bool,
-    #[serde(default)]
+    #[serde(default, deserialize_with = "crate::protocol::null_is_false")]
     pub stream: bool,
     pub stream_options: Option<StreamOptions>,
     pub n: Option<usize>,
@@ -40,7 +40,7 @@ pub struct OpenAiRequest {
     /// An integer (alternatives per token) on `/v1/completions`, a boolean on chat.
     pub logprobs: Option<Logprobs>,
     pub top_logprobs: Option<usize>,
-    #[serde(default)]
+    #[serde(default, deserialize_with = "crate::protocol::null_is_false")]
     pub echo: bool,
     /// The BOS before a text prompt (vLLM's field; default true).
     pub add_special_tokens: Option<bool>,
@@ -61,11 +61,28 @@ pub struct OpenAiRequest {
     pub service_tier: Option<String>,
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Deserialize)]
-#[serde(untagged)]
+#[derive(Debug, Clone, Copy, PartialEq)]
 pub enum Logprobs {
     Flag(bool),
     Count(usize),
+}
+
+impl<'de> Deserialize<'de> for Logprobs {
+    /// `true`/`false` (chat) or a count of alternatives (completions); anything else is
+    /// refused in those words.
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        use serde_json::Value;
+        match Value::deserialize(d)? {
+            Value::Bool(b) => Ok(Logprobs::Flag(b)),
+            Value::Number(n) if n.as_u64().is_some() => Ok(Logprobs::Count(
+                usize::try_from(n.as_u64().unwrap_or(u64::MAX)).unwrap_or(usize::MAX),
+            )),
+            other => Err(serde::de::Error::custom(format!(
+                "got {other}; expected true or false (/v1/chat/completions) or a number of \
+                 alternatives per token, 0 or more (/v1/completions)"
+            ))),
+        }
+    }
 }
 
 #[derive(Debug, Clone, Copy, Default, Deserialize)]
@@ -82,6 +99,8 @@ pub struct ResponseFormat {
 }
 
 /// A chat message as OpenAI clients send it: `content` a string or a list of text parts.
+/// An answer appended to the history as the client library gave it (`message.model_dump()`)
+/// carries more: accepted while they say nothing (null or empty).
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct OpenAiMessage {
@@ -92,6 +111,12 @@ pub struct OpenAiMessage {
     /// Accepted when empty (assistant turns echoed back by clients).
     pub refusal: Option<String>,
     pub tool_calls: Option<Vec<serde_json::Value>>,
+    /// Accepted when empty or null (an echoed answer's).
+    pub annotations: Option<Vec<serde_json::Value>>,
+    pub audio: Option<serde_json::Value>,
+    pub function_call: Option<serde_json::Value>,
+    /// A `tool` message's; refused with its role (no tools are run).
+    pub tool_call_id: Option<String>,
 }
 
 /// Choices one request may ask for in all (its prompts × `n`).
@@ -120,20 +145,40 @@ fn refuse(param: &str, message: impl Into<String>) -> ServeError {
 /// Reads a JSON body into `T`; a wrong field is named (`param`), broken JSON is
 /// `invalid_json`.
 pub fn read_json<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, ServeError> {
+    let first = body.iter().find(|b| !b.is_ascii_whitespace());
+    if first.is_some_and(|&b| b != b'{')
+        && serde_json::from_slice::<serde_json::Value>(body).is_ok()
+    {
+        return Err(ServeError::Invalid(
+            "the request body must be a JSON object".into(),
+        ));
+    }
     let de = &mut serde_json::Deserializer::from_slice(body);
-    serde_path_to_error::deserialize(de).map_err(|e| {
+    let value = serde_path_to_error::deserialize(&mut *de).map_err(|e| {
         let path = e.path().to_string();
         let inner = e.into_inner();
         let words = crate::error::plain_json_error(&inner);
         if inner.is_syntax() || inner.is_eof() {
             ServeError::InvalidJson(format!("invalid JSON: {words}"))
         } else if path == "." {
-            ServeError::Invalid(format!("invalid request body: {words}"))
+            // serde says which key came twice, not where: the key is the field.
+            match words
+                .strip_prefix("duplicate field `")
+                .and_then(|r| r.split_once('`'))
+            {
+                Some((field, _)) => refuse(field, format!("`{field}` is given twice")),
+                None => ServeError::Invalid(format!("invalid request body: {words}")),
+            }
         } else {
             let field = path.split(['.', '[']).next().unwrap_or(&path).to_string();
             refuse(&field, format!("`{path}`: {words}"))
         }
-    })
+    })?;
+    // One JSON value and nothing after it (whitespace aside).
+    de.end().map_err(|_| {
+        ServeError::InvalidJson("invalid JSON: more after the body's object".into())
+    })?;
+    Ok(value)
 }
 
 /// Parses and checks a body for the server of model `served`.
@@ -224,6 +269,15 @@ impl OpenAiRequest {
         let logprobs = match (chat, self.logprobs, self.top_logprobs) {
             (_, None | Some(Logprobs::Flag(false)), None) => None,
             (false, Some(Logprobs::Count(k)), None) => Some(k),
+            (true, Some(Logprobs::Flag(true)), Some(top)) if top > limits.max_logprobs => {
+                return Err(refuse(
+                    "top_logprobs",
+                    format!(
+                        "at most {} alternatives per token, got {top}",
+                        limits.max_logprobs
+                    ),
+                ));
+            }
             (true, Some(Logprobs::Flag(true)), top) => Some(top.unwrap_or(0)),
             (true, _, Some(_)) => {
                 return Err(refuse("top_logprobs", "top_logprobs needs logprobs: true"));
@@ -331,6 +385,18 @@ pub fn chat_messages(m: Vec<OpenAiMessage>) -> Result<Vec<ChatMessage>, ServeErr
             if m.tool_calls.as_ref().is_some_and(|t| !t.is_empty()) {
                 return Err(at("tool_calls are not supported"));
             }
+            if m.role == "tool" || m.tool_call_id.is_some() {
+                return Err(at("tool messages are not supported (no tools are run)"));
+            }
+            if m.function_call.as_ref().is_some_and(|f| !f.is_null()) {
+                return Err(at("function_call is not supported (no tools are run)"));
+            }
+            if m.audio.as_ref().is_some_and(|a| !a.is_null()) {
+                return Err(at("audio is not supported"));
+            }
+            if m.annotations.as_ref().is_some_and(|a| !a.is_empty()) {
+                return Err(at("annotations are not supported"));
+            }
             let content = match m.content {
                 Some(serde_json::Value::String(s)) => s,
                 Some(serde_json::Value::Array(parts)) => {
@@ -348,7 +414,13 @@ pub fn chat_messages(m: Vec<OpenAiMessage>) -> Result<Vec<ChatMessage>, ServeErr
                     }
                     text
                 }
-                Some(other) => return Err(at(&format!("content must be text, got {other}"))),
+                Some(serde_json::Value::Null) | None if m.role == "assistant" => String::new(),
+                Some(other @ serde_json::Value::Null)
+                | Some(other @ serde_json::Value::Bool(_))
+                | Some(other @ serde_json::Value::Number(_))
+                | Some(other @ serde_json::Value::Object(_)) => {
+                    return Err(at(&format!("content must be text, got {other}")));
+                }
                 None => return Err(at("content is missing")),
             };
             let role = if m.role == "developer" {
@@ -470,6 +542,94 @@ mod tests {
             assert_eq!(e.status(), 400, "{body}: {e}");
             assert_eq!(e.param().unwrap_or(""), param, "{body}: {e}");
         }
+        // Errors in the client's words: the field named, no serde or Rust type names.
+        for (body, chat, param, words) in [
+            (
+                r#"{"prompt":"hi","logprobs":-1}"#,
+                false,
+                "logprobs",
+                "got -1; expected true or false",
+            ),
+            (
+                r#"{"prompt":"hi","stop":5}"#,
+                false,
+                "stop",
+                "expected a string or a list of strings",
+            ),
+            (
+                r#"{"messages":[{"role":"user","content":"x"}],"response_format":"text"}"#,
+                true,
+                "response_format",
+                r#"got string "text", expected an object"#,
+            ),
+            (
+                r#"{"prompt":"x","prompt":"y"}"#,
+                false,
+                "prompt",
+                "`prompt` is given twice",
+            ),
+            (
+                r#"{"messages":[{"role":"user","content":"x"}],"logprobs":true,"top_logprobs":21}"#,
+                true,
+                "top_logprobs",
+                "at most 20 alternatives per token, got 21",
+            ),
+            (
+                r#"{"messages":[{"role":"tool","content":"x","tool_call_id":"c1"}]}"#,
+                true,
+                "messages",
+                "tool messages are not supported",
+            ),
+        ] {
+            let e = call(body, chat).unwrap_err();
+            assert_eq!(
+                (e.status(), e.param()),
+                (400.try_into().unwrap(), Some(param)),
+                "{body}: {e}"
+            );
+            let m = e.to_string();
+            assert!(m.contains(words), "{body}: {m}");
+            for serde_words in ["untagged", "struct", "usize", "line 1"] {
+                assert!(!m.contains(serde_words), "{body}: {m}");
+            }
+        }
+        // A body that is not one JSON object: refused as such, trailing bytes too.
+        for (body, code) in [
+            ("[]", "invalid_request"),
+            ("5", "invalid_request"),
+            (
+                r#"{"prompt":"hi","max_tokens":1}{"garbage":"#,
+                "invalid_json",
+            ),
+            (r#"{"prompt":"hi"} xyz"#, "invalid_json"),
+        ] {
+            let e = call(body, false).unwrap_err();
+            assert_eq!(e.code(), code, "{body}: {e}");
+        }
+        assert!(call("{\"prompt\":\"hi\"}\n ", false).is_ok());
+        // `null` is "not given" for the flags too.
+        let nulls = call(
+            r#"{"prompt":"hi","stream":null,"echo":null,"ignore_eos":null}"#,
+            false,
+        )
+        .unwrap();
+        assert!(!nulls.stream && !nulls.echo);
+        // An answer appended to the history as the OpenAI client dumps it.
+        let dumped = call(
+            r#"{"messages":[{"role":"user","content":"hi"},
+                {"role":"assistant","content":null,"refusal":null,"annotations":[],"audio":null,
+                 "function_call":null,"tool_calls":null},
+                {"role":"user","content":"again"}]}"#,
+            true,
+        )
+        .unwrap();
+        let PromptSpec::Chat(m) = &dumped.specs[0].prompt else {
+            panic!("chat")
+        };
+        assert_eq!(
+            (m[1].role.as_str(), m[1].content.as_str()),
+            ("assistant", "")
+        );
         let unknown = call(r#"{"prompt":"hi","frobnicate":1}"#, false).unwrap_err();
         assert!(unknown.to_string().contains("frobnicate"), "{unknown}");
         let wrong = call(r#"{"model":"gpt-4","prompt":"hi"}"#, false).unwrap_err();

@@ -127,9 +127,14 @@ impl Shape {
         }
         let lp = |l: f32| if l.is_finite() { l } else { NEG_INF_LOGPROB };
         if self.chat {
+            // `bytes` are the token's own (a piece of a character too), `token` its text.
             let entry = |id: i64, l: f32| {
                 let t = self.token_text(id);
-                json!({"token": t, "logprob": lp(l), "bytes": t.as_bytes()})
+                let bytes = u32::try_from(id)
+                    .ok()
+                    .and_then(|id| self.tokenizer.token_bytes(id))
+                    .unwrap_or_else(|| t.as_bytes().to_vec());
+                json!({"token": t, "logprob": lp(l), "bytes": bytes})
             };
             let content: Vec<Value> = tokens
                 .iter()
@@ -146,8 +151,9 @@ impl Shape {
         let (mut text, mut logp, mut top, mut offsets) = (vec![], vec![], vec![], vec![]);
         for (id, l) in tokens {
             let t = self.token_text(*id);
+            // In characters of the tokens' text, as OpenAI's and vLLM's are.
             offsets.push(*offset);
-            *offset += t.len();
+            *offset += t.chars().count();
             text.push(Value::from(t));
             logp.push(l.as_ref().map_or(Value::Null, |l| lp(l.logprob).into()));
             top.push(l.as_ref().map_or(Value::Null, |l| {

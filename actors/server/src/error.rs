@@ -34,6 +34,12 @@ pub enum ServeError {
     /// A `cancel` names no request running on its connection.
     #[error("{0}")]
     UnknownRequest(String),
+    /// No route has this path.
+    #[error("{0}")]
+    NotFound(String),
+    /// The path's route takes other methods.
+    #[error("{0}")]
+    MethodNotAllowed(String),
     /// Every session and queue place is taken.
     #[error("{0}")]
     Busy(String),
@@ -55,6 +61,8 @@ impl ServeError {
             ServeError::ModelNotFound(_) => "model_not_found",
             ServeError::Unauthorized(_) => "invalid_api_key",
             ServeError::UnknownRequest(_) => "unknown_request",
+            ServeError::NotFound(_) => "not_found",
+            ServeError::MethodNotAllowed(_) => "method_not_allowed",
             ServeError::Busy(_) => "busy",
             ServeError::Unavailable(_) => "unavailable",
             ServeError::Internal(_) => "internal",
@@ -68,7 +76,10 @@ impl ServeError {
                 StatusCode::BAD_REQUEST
             }
             ServeError::Unauthorized(_) => StatusCode::UNAUTHORIZED,
-            ServeError::UnknownRequest(_) | ServeError::ModelNotFound(_) => StatusCode::NOT_FOUND,
+            ServeError::UnknownRequest(_)
+            | ServeError::ModelNotFound(_)
+            | ServeError::NotFound(_) => StatusCode::NOT_FOUND,
+            ServeError::MethodNotAllowed(_) => StatusCode::METHOD_NOT_ALLOWED,
             ServeError::TooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,
             ServeError::Busy(_) | ServeError::Unavailable(_) => StatusCode::SERVICE_UNAVAILABLE,
             ServeError::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,

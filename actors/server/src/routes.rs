@@ -21,6 +21,7 @@ pub fn router(state: Shared) -> Router {
         .route("/v1/completions", post(openai::completions))
         .route("/v1/chat/completions", post(openai::chat_completions))
         .route("/v1/models", get(openai::models))
+        .route("/v1/models/{model}", get(openai::model))
         .route("/tokenize", post(openai::tokenize::tokenize))
         .route("/detokenize", post(openai::tokenize::detokenize))
         .route("/tokenizer_info", get(openai::tokenize::tokenizer_info))
@@ -38,6 +39,9 @@ pub fn router(state: Shared) -> Router {
         .route("/health", get(health))
         .merge(keyed)
         .merge(metrics_route)
+        // Paths and methods no route takes get OpenAI's error body too, not an empty one.
+        .fallback(not_found)
+        .method_not_allowed_fallback(method_not_allowed)
         .layer(middleware::from_fn_with_state(state.clone(), edge::edge))
         // The edge reads bodies within the limit itself (413 with OpenAI's error body).
         .layer(DefaultBodyLimit::disable())
@@ -60,6 +64,20 @@ async fn require_key(
         Ok(false) => auth::missing_key().into_response(),
         Err(e) => e.into_response(),
     }
+}
+
+async fn not_found(uri: axum::http::Uri) -> axum::response::Response {
+    let path = uri.path();
+    crate::error::ServeError::NotFound(format!("no route `{path}` on this server (the routes: /v1/completions, /v1/chat/completions, /v1/models, /tokenize, /detokenize, /tokenizer_info, /v1/state/export, /v1/state/import, /ws, /health, /metrics, /)")).into_response()
+}
+
+async fn method_not_allowed(
+    method: axum::http::Method,
+    uri: axum::http::Uri,
+) -> axum::response::Response {
+    let path = uri.path();
+    crate::error::ServeError::MethodNotAllowed(format!("`{path}` does not take {method}"))
+        .into_response()
 }
 
 async fn index() -> Html<&'static str> {

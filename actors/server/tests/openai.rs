@@ -230,7 +230,22 @@ fn a_batch_of_prompts_gives_each_its_own_choices_in_index_order() {
 fn chat_logprobs_tokenize_detokenize_and_request_ids() {
     let s = serve_model(4, 8, false);
     let (addr, bos) = (s.addr, s.state.generator.tokenizer.bos_id());
+    let name = s.state.model_name.clone();
     s.pipeline.block_on(async move {
+        // The model by its id (the client's `models.retrieve`); paths and methods no route
+        // takes get OpenAI's error body.
+        let (status, body) = http(addr, "GET", &format!("/v1/models/{name}"), b"").await;
+        let v: Value = serde_json::from_str(&body).unwrap();
+        assert_eq!((status, v["id"].as_str()), (200, Some(name.as_str())), "{body}");
+        for (method, path, want, code) in [
+            ("GET", "/v1/models/gpt-4", 404, "model_not_found"),
+            ("GET", "/v1/nothing", 404, "not_found"),
+            ("GET", "/v1/completions", 405, "method_not_allowed"),
+        ] {
+            let (status, body) = http(addr, method, path, b"").await;
+            let v: Value = serde_json::from_str(&body).unwrap_or_default();
+            assert_eq!((status, &v["error"]["code"]), (want, &json!(code)), "{path}: {body}");
+        }
         let req = json!({"messages": [{"role": "developer", "content": "Be brief."},
             {"role": "user", "content": [{"type": "text", "text": "Hello"}]}],
             "max_completion_tokens": 4, "logprobs": true, "top_logprobs": 3, "ignore_eos": true,

@@ -27,10 +27,30 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use tokio::sync::mpsc;
 
 pub async fn models(State(s): State<Shared>) -> impl IntoResponse {
-    axum::Json(serde_json::json!({"object": "list", "data": [{
+    axum::Json(serde_json::json!({"object": "list", "data": [model_card(&s)]}))
+}
+
+/// `GET /v1/models/{model}`: the served model, or OpenAI's `model_not_found`.
+pub async fn model(
+    State(s): State<Shared>,
+    axum::extract::Path(model): axum::extract::Path<String>,
+) -> Response {
+    if model != s.model_name {
+        return ServeError::ModelNotFound(format!(
+            "the model `{model}` does not exist; this server serves `{}`",
+            s.model_name
+        ))
+        .into_response();
+    }
+    axum::Json(model_card(&s)).into_response()
+}
+
+/// The served model as `/v1/models` lists it.
+fn model_card(s: &Shared) -> serde_json::Value {
+    serde_json::json!({
         "id": s.model_name, "object": "model", "created": now(), "owned_by": "nsactor",
         "max_model_len": s.generator.max_prompt_tokens,
-    }]}))
+    })
 }
 
 pub async fn completions(State(s): State<Shared>, body: Bytes) -> Response {

@@ -70,6 +70,13 @@ pub struct ServeArgs {
     /// `https://app.example.com`, or `*` for any. Without it, only the server's own pages can.
     #[arg(long = "cors-origin", value_name = "ORIGIN")]
     cors_origins: Vec<String>,
+    /// The key that signs the state files this server exports (`/v1/state/export`, the
+    /// WebSocket's `export`, `--prefix-cache-dir`) and that those it takes back must carry:
+    /// servers that exchange state files share it. `$NSACTOR_STATE_KEY` (a secret of 16 bytes
+    /// or more) comes first; else this file, made with a random key when missing (default
+    /// `$XDG_CONFIG_HOME/nsactor/state-key`, else `~/.config/nsactor/state-key`).
+    #[arg(long, value_name = "PATH")]
+    state_key_file: Option<std::path::PathBuf>,
     /// /metrics needs an API key too (by default it stays open for scrapers).
     #[arg(long)]
     metrics_need_key: bool,
@@ -241,6 +248,8 @@ impl LimitArgs {
 
 /// The environment variable that adds one API key.
 pub const API_KEY_ENV: &str = "NSACTOR_API_KEY";
+/// The secret state files are signed with, before any key file.
+pub const STATE_KEY_ENV: &str = "NSACTOR_STATE_KEY";
 
 impl ServeArgs {
     /// `--shutdown-grace` as a duration.
@@ -275,6 +284,36 @@ impl ServeArgs {
             self.max_rebuilds,
             Duration::from_secs_f64(self.rebuild_window),
         ))
+    }
+
+    /// The key state files are signed with, and where it came from (for the log).
+    fn state_key(
+        &self,
+    ) -> Result<(nsactor_server::state_key::StateKey, String), crate::result::CliError> {
+        use nsactor_server::state_key::StateKey;
+        if let Ok(secret) = std::env::var(STATE_KEY_ENV) {
+            if secret.trim().len() < 16 {
+                return Err(format!(
+                    "${STATE_KEY_ENV} holds {} bytes; a key is at least 16",
+                    secret.trim().len()
+                )
+                .into());
+            }
+            return Ok((
+                StateKey::from_secret(secret.trim().as_bytes()),
+                format!("${STATE_KEY_ENV}"),
+            ));
+        }
+        match self.state_key_file.clone().or_else(StateKey::default_path) {
+            Some(path) => {
+                let key = StateKey::load_or_create(&path)?;
+                Ok((key, path.display().to_string()))
+            }
+            None => Ok((
+                StateKey::process(),
+                "a key of this process alone (no $HOME or $XDG_CONFIG_HOME for a key file)".into(),
+            )),
+        }
     }
 
     /// Every configured key: the flags, `$NSACTOR_API_KEY`, then the key file.
@@ -316,6 +355,8 @@ pub fn run(a: ServeArgs) -> crate::result::CliResult {
     let heal = a.heal_policy()?;
     let grace = a.grace()?;
     let cors = nsactor_server::cors::Cors::parse(&a.cors_origins)?;
+    let (state_key, key_from) = a.state_key()?;
+    tracing::info!("state files are signed with the key of {key_from}");
     // Checked now; cut at the sessions chosen once the model is on its device.
     WarmupPlan::for_spec(&a.cohort_buckets, nsactor_decoding::batcher::MAX_BATCH)?;
     // SIGTERM/SIGINT start the drain; a second signal, or the grace period and the stop wait
@@ -350,7 +391,7 @@ pub fn run(a: ServeArgs) -> crate::result::CliResult {
         (decoder, l.tokenizer.clone(), a.prefix.config()),
         (max_sessions, a.max_queue),
         a.model_name.clone().unwrap_or_else(|| l.name.clone()),
-        (keys, cors),
+        (keys, cors, state_key),
         (limits, ready.clone()),
     );
     let decoder = state.generator.decoder.clone();

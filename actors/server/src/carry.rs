@@ -38,13 +38,16 @@ pub async fn export_tokens(s: &Shared, tokens: Vec<i64>) -> Result<Vec<u8>, Serv
         let _running = g.drain.enter()?;
         let _permit = g.admission.enter().await?;
         let state = g.prefix.state_after(&g.decoder, &tokens).await?;
-        Ok(saved::encode(&Saved {
-            model: s.model_name.clone(),
-            vocab: g.decoder.vocab(),
-            tokenizer: g.tokenizer.hash().to_string(),
-            tokens,
-            state,
-        }))
+        Ok(saved::encode(
+            &Saved {
+                model: s.model_name.clone(),
+                vocab: g.decoder.vocab(),
+                tokenizer: g.tokenizer.hash().to_string(),
+                tokens,
+                state,
+            },
+            &s.state_key,
+        ))
     });
     work.await
         .map_err(|e| ServeError::Internal(format!("exporting a state failed: {e}")))?
@@ -54,7 +57,7 @@ pub async fn export_tokens(s: &Shared, tokens: Vec<i64>) -> Result<Vec<u8>, Serv
 pub async fn import_bytes(s: &Shared, bytes: &[u8]) -> Result<Vec<i64>, ServeError> {
     let g = &s.generator;
     g.ready.check()?;
-    let f = saved::decode(bytes)?;
+    let f = saved::decode(bytes, &s.state_key)?;
     f.check(&s.model_name, g.decoder.vocab(), g.tokenizer.hash())?;
     if f.tokens.len() > g.max_prompt_tokens {
         return Err(ServeError::Invalid(format!(

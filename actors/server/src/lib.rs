@@ -45,6 +45,7 @@ pub mod routes;
 pub mod saved;
 pub mod slot;
 pub mod state;
+pub mod state_key;
 pub mod ws;
 
 pub use error::ServeError;

@@ -68,18 +68,22 @@ pub async fn save(s: &Shared, dir: &Path) -> Result<Written, ServeError> {
         g.tokenizer.hash().to_string(),
     );
     let to = folder.clone();
+    let key = s.state_key.clone();
     tokio::task::spawn_blocking(move || {
         std::fs::create_dir_all(&to).map_err(|e| io("cannot create", &to, e))?;
         let mut written = Vec::with_capacity(held.len());
         let mut bytes = 0;
         for (rank, (tokens, state)) in held.into_iter().enumerate() {
-            let file = saved::encode(&Saved {
-                model: model.clone(),
-                vocab,
-                tokenizer: tokenizer.clone(),
-                tokens,
-                state: (*state).clone(),
-            });
+            let file = saved::encode(
+                &Saved {
+                    model: model.clone(),
+                    vocab,
+                    tokenizer: tokenizer.clone(),
+                    tokens,
+                    state: (*state).clone(),
+                },
+                &key,
+            );
             let tmp = to.join(format!("{rank:06}.{EXT}.tmp"));
             if let Err(e) = std::fs::write(&tmp, &file) {
                 for t in written.iter().chain([&tmp]) {
@@ -132,10 +136,12 @@ pub async fn load(s: &Shared, dir: &Path) -> Result<Loaded, ServeError> {
     let mut shapes: Option<Vec<Vec<usize>>> = None;
     for path in files_in(&folder)? {
         let read = std::fs::read(&path).map_err(|e| ServeError::Invalid(e.to_string()));
-        let f = read.and_then(|b| saved::decode(&b)).and_then(|f| {
-            f.check(&s.model_name, g.decoder.vocab(), g.tokenizer.hash())?;
-            Ok(f)
-        });
+        let f = read
+            .and_then(|b| saved::decode(&b, &s.state_key))
+            .and_then(|f| {
+                f.check(&s.model_name, g.decoder.vocab(), g.tokenizer.hash())?;
+                Ok(f)
+            });
         let f = match f {
             Ok(f) => f,
             Err(e) => {

@@ -6,21 +6,25 @@
 //! "NSSTATE\0"  u32 version  u32 header length  header (JSON)
 //! tokens (i64 LE)  state fields (f32 LE: the edge's, then each layer's, as the header's shapes)
 //! SHA-256 of everything before it (32 bytes)
+//! HMAC-SHA256 of the same bytes under the server's state key (32 bytes)
 //! ```
 //!
 //! The header names the model (its served name and vocabulary), the tokenizer (its hash) and
 //! the shapes. A file is refused, saying why, when its magic, version or checksum is wrong,
-//! when it is cut short, or when it belongs to another model or tokenizer.
+//! when it is cut short, when it is not signed with this server's key
+//! ([`crate::state_key`]: its membranes would reach other clients' requests through the
+//! prefix cache), or when it belongs to another model or tokenizer.
 
 use crate::error::ServeError;
+use crate::state_key::StateKey;
 use nsactor_decoding::snapshot::HostSnapshot;
 use nsactor_plugin_api::HostTensor;
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
 pub const MAGIC: &[u8; 8] = b"NSSTATE\0";
-/// The format this server writes and reads.
-pub const VERSION: u32 = 1;
+/// The format this server writes and reads (1 had no signature).
+pub const VERSION: u32 = 2;
 /// Widest state field a file may hold (the 0.9B's widest is 2 · D_ff = 5,376).
 const MAX_WIDTH: usize = 1 << 20;
 
@@ -51,8 +55,8 @@ fn bad(why: impl std::fmt::Display) -> ServeError {
     ServeError::Invalid(format!("the state file {why}"))
 }
 
-/// The file's bytes.
-pub fn encode(s: &Saved) -> Vec<u8> {
+/// The file's bytes, signed with `key`.
+pub fn encode(s: &Saved, key: &StateKey) -> Vec<u8> {
     let shapes = |f: &[HostTensor]| f.iter().map(|t| t.shape.clone()).collect::<Vec<_>>();
     let header = Header {
         model: s.model.clone(),
@@ -76,13 +80,15 @@ pub fn encode(s: &Saved) -> Vec<u8> {
             out.extend_from_slice(&x.to_le_bytes());
         }
     }
+    let tag = key.sign(&out);
     let sum = Sha256::digest(&out);
     out.extend_from_slice(&sum);
+    out.extend_from_slice(&tag);
     out
 }
 
 /// Reads a file, checking its magic, version, checksum and lengths.
-pub fn decode(bytes: &[u8]) -> Result<Saved, ServeError> {
+pub fn decode(bytes: &[u8], key: &StateKey) -> Result<Saved, ServeError> {
     if bytes.is_empty() {
         return Err(bad("is empty"));
     }
@@ -96,18 +102,31 @@ pub fn decode(bytes: &[u8]) -> Result<Saved, ServeError> {
         return Err(bad(format!("is cut short ({} bytes)", bytes.len())));
     }
     let version = u32::from_le_bytes(bytes[8..12].try_into().expect("4 bytes"));
+    if version == 1 {
+        return Err(bad(
+            "has format version 1, which carries no signature; this server reads version 2: \
+             export the state again from a server of this version",
+        ));
+    }
     if version != VERSION {
         return Err(bad(format!(
             "has format version {version}; this server reads version {VERSION}"
         )));
     }
-    if bytes.len() < 16 + 32 {
+    if bytes.len() < 16 + 64 {
         return Err(bad("is cut short"));
     }
-    let (body, sum) = bytes.split_at(bytes.len() - 32);
+    let (signed, tag) = bytes.split_at(bytes.len() - 32);
+    let (body, sum) = signed.split_at(signed.len() - 32);
     if Sha256::digest(body).as_slice() != sum {
         return Err(bad(
             "is corrupt or cut short: its SHA-256 does not match its contents",
+        ));
+    }
+    if !key.verify(body, tag) {
+        return Err(bad(
+            "is not signed with this server's state key: servers that exchange state files \
+             share one (`$NSACTOR_STATE_KEY` or `nsactor serve --state-key-file`)",
         ));
     }
     let header_len = u32::from_le_bytes(body[12..16].try_into().expect("4 bytes")) as usize;
@@ -216,13 +235,28 @@ mod tests {
     #[test]
     fn a_file_reads_back_as_written_and_every_damage_is_named() {
         let s = saved();
-        let bytes = encode(&s);
-        assert_eq!(decode(&bytes).unwrap(), s);
-        let err = |b: &[u8]| decode(b).unwrap_err().to_string();
+        let key = StateKey::from_secret(b"this server's secret");
+        let bytes = encode(&s, &key);
+        assert_eq!(decode(&bytes, &key).unwrap(), s);
+        let err = |b: &[u8]| decode(b, &key).unwrap_err().to_string();
         assert!(err(b"hello world, this is json").contains("not an nsactor state file"));
-        let mut v2 = bytes.clone();
-        v2[8] = 2;
-        assert!(err(&v2).contains("format version 2"));
+        let mut v3 = bytes.clone();
+        v3[8] = 3;
+        assert!(err(&v3).contains("format version 3"));
+        let mut v1 = bytes.clone();
+        v1[8] = 1;
+        assert!(err(&v1).contains("carries no signature"), "{}", err(&v1));
+        // A good file under another key: not trusted, and said so (not "corrupt").
+        let other = encode(&s, &StateKey::from_secret(b"another server's secret"));
+        let e = err(&other);
+        assert!(e.contains("not signed with this server's state key"), "{e}");
+        // A client that forges membranes and fixes the checksum cannot sign them.
+        let mut forged = bytes.clone();
+        let n = forged.len();
+        forged[n - 80] ^= 1;
+        let sum = Sha256::digest(&forged[..n - 64]);
+        forged[n - 64..n - 32].copy_from_slice(&sum);
+        assert!(err(&forged).contains("not signed with this server's state key"));
         let mut flipped = bytes.clone();
         let mid = bytes.len() / 2;
         flipped[mid] ^= 1;
@@ -240,8 +274,10 @@ mod tests {
             out.extend_from_slice(&(header.len() as u32).to_le_bytes());
             out.extend_from_slice(header.as_bytes());
             out.extend_from_slice(body);
+            let tag = key.sign(&out);
             let sum = Sha256::digest(&out);
             out.extend_from_slice(&sum);
+            out.extend_from_slice(&tag);
             out
         };
         let head = |tokens: usize, edge: &str| {

@@ -18,12 +18,15 @@ pub struct ServerState {
     pub keys: ApiKeys,
     /// Browser origins other than the server's own that may call it.
     pub cors: crate::cors::Cors,
+    /// Signs the state files it exports and checks those it imports ([`crate::state_key`]).
+    pub state_key: crate::state_key::StateKey,
 }
 
 pub type Shared = Arc<ServerState>;
 
-/// Who may call a server: its API keys and the browser origins beside its own.
-pub type Callers = (ApiKeys, crate::cors::Cors);
+/// Who may call a server: its API keys, the browser origins beside its own, and whose state
+/// files it trusts (the key they are signed with).
+pub type Callers = (ApiKeys, crate::cors::Cors, crate::state_key::StateKey);
 
 impl ServerState {
     /// A server over `decoder` with `tokenizer` and its prefix cache's budgets: `(sessions
@@ -37,7 +40,7 @@ impl ServerState {
         ),
         (max_sessions, max_queue): (usize, usize),
         model_name: String,
-        (keys, cors): Callers,
+        (keys, cors, state_key): Callers,
         (limits, ready): (Limits, Arc<crate::ready::Readiness>),
     ) -> Shared {
         use crate::generate::Admission;
@@ -61,6 +64,7 @@ impl ServerState {
             limits,
             keys,
             cors,
+            state_key,
         })
     }
 }

@@ -289,6 +289,16 @@ fn a_conversation_s_state_carried_to_another_server_goes_on_there_as_it_would_ha
         let (status, e) = http_bytes(at_b, "/v1/state/import", &cut).await;
         assert_eq!(status, 400);
         assert!(String::from_utf8_lossy(&e).contains("SHA-256"));
+        // The same file signed with another server's key: its membranes would reach other
+        // clients' requests through the cache, so it is refused, saying so.
+        use nsactor_server::saved;
+        use nsactor_server::state_key::StateKey;
+        let read = saved::decode(&file, &StateKey::process()).unwrap();
+        let elsewhere = saved::encode(&read, &StateKey::from_secret(b"another server's secret"));
+        let (status, e) = http_bytes(at_b, "/v1/state/import", &elsewhere).await;
+        let e = String::from_utf8_lossy(&e);
+        assert_eq!(status, 400, "{e}");
+        assert!(e.contains("not signed with this server's state key"), "{e}");
         // Over the WebSocket: exported from one connection's conversation, imported into
         // another's, whose next turn equals a fresh request of the whole history.
         let mut ws = connect(at_a).await;

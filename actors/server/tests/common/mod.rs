@@ -157,6 +157,7 @@ fn serve_full(
         limits,
         keys: keys.clone(),
         cors: nsactor_server::cors::Cors::parse(&["https://app.example".into()]).unwrap(),
+        state_key: Default::default(),
     });
     let s = state.clone();
     let addr = pipeline.block_on(async move {

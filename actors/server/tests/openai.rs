@@ -60,6 +60,21 @@ fn n_logprobs_echo_and_usage_chunks_on_completions() {
             .map(|o| o.as_u64().unwrap())
             .collect();
         assert!(offsets.windows(2).all(|w| w[0] <= w[1]), "{offsets:?}");
+        // `logprobs: 0`: each position's alternatives are the chosen token alone, with its
+        // log-probability (OpenAI and vLLM always add the chosen token).
+        let req = json!({"prompt": prompt, "max_tokens": 3, "logprobs": 0, "seed": 7,
+            "temperature": 1.0, "ignore_eos": true});
+        let (status, body) =
+            http(addr, "POST", "/v1/completions", req.to_string().as_bytes()).await;
+        assert_eq!(status, 200, "{body}");
+        let v: Value = serde_json::from_str(&body).unwrap();
+        let lp = &v["choices"][0]["logprobs"];
+        for i in 0..3 {
+            let top = lp["top_logprobs"][i].as_object().unwrap();
+            let token = lp["tokens"][i].as_str().unwrap();
+            assert_eq!(top.len(), 1, "{lp}");
+            assert_eq!(top[token], lp["token_logprobs"][i], "{lp}");
+        }
 
         // Scoring prompt + continuation (echo, max_tokens 0) is one prefill of every position;
         // the continuation's logprobs must equal the ones reported while generating.

@@ -156,12 +156,16 @@ impl Shape {
             *offset += t.chars().count();
             text.push(Value::from(t));
             logp.push(l.as_ref().map_or(Value::Null, |l| lp(l.logprob).into()));
+            // The `logprobs` most likely tokens and, as OpenAI's and vLLM's do, the chosen one
+            // (up to `logprobs` + 1 entries; at `logprobs: 0`, the chosen token alone).
             top.push(l.as_ref().map_or(Value::Null, |l| {
-                let m: Map<String, Value> = l
+                let mut m: Map<String, Value> = l
                     .top
                     .iter()
                     .map(|&(id, l)| (self.token_text(id), lp(l).into()))
                     .collect();
+                m.entry(self.token_text(l.token_id))
+                    .or_insert_with(|| lp(l.logprob).into());
                 Value::Object(m)
             }));
         }

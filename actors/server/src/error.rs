@@ -207,6 +207,17 @@ pub fn plain_json_error(e: &serde_json::Error) -> String {
             s = format!("got {rest}");
         }
     }
+    for (serde_words, words) in [("got sequence", "got a list"), ("got map", "got an object")] {
+        if let Some(rest) = s.strip_prefix(serde_words) {
+            s = format!("{words}{rest}");
+        }
+    }
+    if s.contains("hex escape") || s.contains("surrogate") {
+        s.push_str(
+            " (a string's `\\uXXXX` escapes must make whole characters; a lone surrogate such \
+             as `\\ud800` is not one)",
+        );
+    }
     s
 }
 
@@ -310,6 +321,19 @@ mod tests {
         assert_eq!(
             plain_json_error(&shape),
             r#"got string "text", expected an object"#
+        );
+        #[derive(Debug, serde::Deserialize)]
+        #[allow(dead_code)]
+        struct Text {
+            text: String,
+        }
+        let list = serde_json::from_str::<Text>(r#"{"text": [1]}"#).unwrap_err();
+        assert_eq!(plain_json_error(&list), "got a list, expected a string");
+        let lone = serde_json::from_str::<Text>(r#"{"text": "\ud800"}"#).unwrap_err();
+        assert!(
+            plain_json_error(&lone).contains("a lone surrogate"),
+            "{}",
+            plain_json_error(&lone)
         );
         // Broken JSON keeps its words, without the position either.
         assert_eq!(plain("{"), "EOF while parsing an object");

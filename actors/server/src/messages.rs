@@ -193,6 +193,15 @@ impl<'de> serde::de::Visitor<'de> for StrictVisitor {
     }
 }
 
+/// "a" or "an" before a message type's name.
+fn article(kind: &str) -> &'static str {
+    if kind.starts_with(['a', 'e', 'i', 'o', 'u']) {
+        "an"
+    } else {
+        "a"
+    }
+}
+
 /// The message types, as `type` names them.
 const TYPES: &str = "generate, cancel, export, import, forget or auth";
 
@@ -233,7 +242,11 @@ impl ClientMsg {
             } else {
                 ServeError::InvalidJson(words)
             };
-            Refused::new(None, error)
+            // Valid JSON refused for a key given twice still names its request.
+            let id = serde_json::from_str::<Value>(text)
+                .ok()
+                .and_then(|v| v.get("id")?.as_str().map(str::to_owned));
+            Refused::new(id, error)
         })?;
         let Value::Object(mut fields) = v.0 else {
             let why = format!("a message is a JSON object with a `type` ({TYPES})");
@@ -275,7 +288,7 @@ impl ClientMsg {
                 }
                 None => Refused::new(
                     id.clone(),
-                    ServeError::Invalid(format!("a `{kind}` message: {words}")),
+                    ServeError::Invalid(format!("{} `{kind}` message: {words}", article(&kind))),
                 ),
             }
         })
@@ -425,9 +438,15 @@ mod tests {
             ),
             (
                 r#"{"type":"generate","id":"a","prompt":"x","prompt":"y"}"#,
-                None,
+                Some("a"),
                 None,
                 "duplicate field `prompt`",
+            ),
+            (
+                r#"{"type":"import","id":"i","conversation":"c"}"#,
+                Some("i"),
+                None,
+                "an `import` message: missing field `state`",
             ),
         ] {
             let r = refused(text);

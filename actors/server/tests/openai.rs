@@ -246,6 +246,7 @@ fn chat_logprobs_tokenize_detokenize_and_request_ids() {
     let s = serve_model(4, 8, false);
     let (addr, bos) = (s.addr, s.state.generator.tokenizer.bos_id());
     let name = s.state.model_name.clone();
+    let metrics = s.state.generator.metrics.clone();
     s.pipeline.block_on(async move {
         // The model by its id (the client's `models.retrieve`); paths and methods no route
         // takes get OpenAI's error body.
@@ -331,6 +332,13 @@ fn chat_logprobs_tokenize_detokenize_and_request_ids() {
             let v: Value = serde_json::from_str(&body).unwrap();
             assert_eq!((status, &v["error"]["param"]), (400, &json!(param)), "{req}: {body}");
         }
+        // A batch with one bad prompt starts none of its generations.
+        let before = metrics.requests.get();
+        let req = json!({"prompt": [[5], [99999]], "max_tokens": 1});
+        let (status, body) =
+            http(addr, "POST", "/v1/completions", req.to_string().as_bytes()).await;
+        assert_eq!(status, 400, "{body}");
+        assert_eq!(metrics.requests.get(), before, "{body}");
         // Without the header the server names the request itself.
         let (_, head, _) = http_head(addr, "GET", "/v1/models", "", b"").await;
         assert!(

@@ -105,7 +105,7 @@ struct Choice {
     /// Nothing sent yet (the chat role goes with the first chunk; echo text first).
     fresh: bool,
     /// Its completions `text_offset` so far.
-    offset: usize,
+    offset: response::TextOffset,
 }
 
 /// A choice's echoed prompt (`echo`): its text, and how many tokens the server put in front
@@ -213,6 +213,20 @@ pub async fn openai(s: Shared, body: Bytes, chat: bool) -> Response {
         include_usage: call.include_usage,
         tokenizer: s.generator.tokenizer.clone(),
     };
+    // A batch's prompts are all read and checked before any generation starts: a bad one
+    // must not leave the others' sessions started (and counted) for nothing.
+    let mut call = call;
+    if call.specs.len() > 1 {
+        for spec in &mut call.specs {
+            match s
+                .generator
+                .prompt_ids(&spec.prompt, spec.add_special_tokens)
+            {
+                Ok(ids) => spec.prompt = PromptSpec::Ids(ids),
+                Err(e) => return e.into_response(),
+            }
+        }
+    }
     let cancel = Arc::new(AtomicBool::new(false));
     let mut rx = launch(&s, &call, &cancel);
     let guard = CancelOnDrop(cancel);

@@ -58,7 +58,7 @@ impl Shape {
             .into_iter()
             .enumerate()
             .map(|(i, (p, finish))| {
-                let lp = self.logprobs_json(&p.tokens, &mut 0);
+                let lp = self.logprobs_json(&p.tokens, &mut TextOffset::default());
                 let mut c = json!({"index": i, "finish_reason": finish, "logprobs": lp});
                 if self.chat {
                     c["message"] = json!({"role": "assistant", "content": p.text});
@@ -81,7 +81,7 @@ impl Shape {
         piece: Option<&Piece>,
         finish: Option<&str>,
         first: bool,
-        offset: &mut usize,
+        offset: &mut TextOffset,
     ) -> Value {
         let lp = piece.map_or(Value::Null, |p| self.logprobs_json(&p.tokens, offset));
         let text = piece.map(|p| p.text.as_str());
@@ -121,7 +121,11 @@ impl Shape {
 
     /// The endpoint's log-probability object for `tokens` (null when not asked for);
     /// `offset` advances over the tokens' text (completions' `text_offset`).
-    fn logprobs_json(&self, tokens: &[(i64, Option<TokenLogprob>)], offset: &mut usize) -> Value {
+    fn logprobs_json(
+        &self,
+        tokens: &[(i64, Option<TokenLogprob>)],
+        offset: &mut TextOffset,
+    ) -> Value {
         if !self.logprobs {
             return Value::Null;
         }
@@ -151,9 +155,12 @@ impl Shape {
         let (mut text, mut logp, mut top, mut offsets) = (vec![], vec![], vec![], vec![]);
         for (id, l) in tokens {
             let t = self.token_text(*id);
-            // In characters of the tokens' text, as OpenAI's and vLLM's are.
-            offsets.push(*offset);
-            *offset += t.chars().count();
+            offsets.push(offset.chars);
+            let bytes = u32::try_from(*id)
+                .ok()
+                .and_then(|id| self.tokenizer.token_bytes(id))
+                .unwrap_or_else(|| t.as_bytes().to_vec());
+            offset.advance(&bytes);
             text.push(Value::from(t));
             logp.push(l.as_ref().map_or(Value::Null, |l| lp(l.logprob).into()));
             // The `logprobs` most likely tokens and, as OpenAI's and vLLM's do, the chosen one
@@ -170,5 +177,77 @@ impl Shape {
             }));
         }
         json!({"tokens": text, "token_logprobs": logp, "top_logprobs": top, "text_offset": offsets})
+    }
+}
+/// Where the next token starts in a choice's text, in characters (OpenAI's `text_offset`):
+/// the tokens' own bytes are joined, so a token that ends inside a character leaves the count
+/// where that character starts, and the next token's offset is past it once it is whole.
+#[derive(Debug, Default, Clone)]
+pub struct TextOffset {
+    pub chars: usize,
+    /// The bytes of a character not whole yet.
+    pending: Vec<u8>,
+}
+
+impl TextOffset {
+    /// Past `bytes`: the whole characters they end are counted (a byte that can never be part
+    /// of one counts as one, as the text's U+FFFD does).
+    pub fn advance(&mut self, bytes: &[u8]) {
+        self.pending.extend_from_slice(bytes);
+        let mut at = 0;
+        loop {
+            match std::str::from_utf8(&self.pending[at..]) {
+                Ok(s) => {
+                    self.chars += s.chars().count();
+                    at = self.pending.len();
+                    break;
+                }
+                Err(e) => {
+                    let good = e.valid_up_to();
+                    let s = std::str::from_utf8(&self.pending[at..at + good]).expect("valid");
+                    self.chars += s.chars().count();
+                    at += good;
+                    match e.error_len() {
+                        Some(bad) => {
+                            self.chars += 1;
+                            at += bad;
+                        }
+                        None => break, // a character still to be completed
+                    }
+                }
+            }
+        }
+        self.pending.drain(..at);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::TextOffset;
+
+    #[test]
+    fn offsets_count_characters_and_wait_for_a_split_one() {
+        let mut o = TextOffset::default();
+        let mut at = Vec::new();
+        // "café au" with é (C3 A9) split over two tokens, then 日 (E6 97 A5) over three.
+        for t in [
+            &b"caf"[..],
+            b"\xC3",
+            b"\xA9",
+            b" au",
+            b"\xE6",
+            b"\x97",
+            b"\xA5",
+            b"!",
+        ] {
+            at.push(o.chars);
+            o.advance(t);
+        }
+        assert_eq!(at, [0, 3, 3, 4, 7, 7, 7, 8]);
+        assert_eq!(o.chars, "café au日!".chars().count());
+        // A byte that can never start a character counts as the U+FFFD the text shows.
+        let mut bad = TextOffset::default();
+        bad.advance(b"a\xFFb");
+        assert_eq!(bad.chars, 3);
     }
 }

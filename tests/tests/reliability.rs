@@ -373,3 +373,37 @@ fn a_loss_spike_rolls_back_and_skips_the_batches_since_the_checkpoint() {
     assert_eq!(cursor(&spiky), cursor(&clean));
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// `--resume` on a run whose every checkpoint was written whole and is now damaged refuses,
+/// naming them, and removes nothing: starting from step 0 would have pruned the run's work.
+#[test]
+fn resume_refuses_when_every_whole_checkpoint_is_damaged_and_keeps_them() {
+    let dir = temp_dir("all-damaged");
+    let run = dir.join("run");
+    ok(&mut train(&run, 4, &[]));
+    let mut damaged = Vec::new();
+    for e in std::fs::read_dir(run.join("checkpoints")).unwrap() {
+        let manifest = e.unwrap().path().join("manifest.json");
+        if manifest.exists() {
+            std::fs::write(&manifest, "{bad").unwrap();
+            damaged.push(manifest);
+        }
+    }
+    assert!(damaged.len() >= 2, "{damaged:?}");
+    let o = train(&run, 6, &["--resume"]).output().unwrap();
+    let stderr = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success(), "{stderr}");
+    assert!(
+        stderr.contains("every checkpoint in") && stderr.contains("none is removed"),
+        "{stderr}"
+    );
+    for m in &damaged {
+        assert_eq!(
+            std::fs::read_to_string(m).unwrap(),
+            "{bad",
+            "{}",
+            m.display()
+        );
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}

@@ -59,7 +59,13 @@ fn sigterm_drains_running_streams_refuses_new_ones_and_exits_0() {
     let run = trained_run(&dir);
     let addr = free_addr();
     let cache = dir.join("prefix-cache");
+    // Where the default state key would go cannot hold a folder (a file is there): the server
+    // serves on with a key of its own, and says so.
+    let no_config = dir.join("config-is-a-file");
+    std::fs::write(&no_config, "").unwrap();
     let mut server = nsactor()
+        .env("XDG_CONFIG_HOME", &no_config)
+        .env_remove("NSACTOR_STATE_KEY")
         .args(["serve", "--checkpoint"])
         .arg(&run)
         .arg("--prefix-cache-dir")
@@ -161,6 +167,10 @@ fn sigterm_drains_running_streams_refuses_new_ones_and_exits_0() {
     let (status, log) = exit_and_log(&mut server, Duration::from_secs(30));
     assert!(status.success(), "exit {status:?}: {log}");
     assert!(log.contains("2 ended by the grace period"), "{log}");
+    assert!(
+        log.contains("state files are signed with a key of this process alone"),
+        "{log}"
+    );
     // The prefix cache was looked for at the start and written after the drain.
     assert!(log.contains("in the host tier"), "{log}");
     let written = log

@@ -304,11 +304,23 @@ impl ServeArgs {
                 format!("${STATE_KEY_ENV}"),
             ));
         }
-        match self.state_key_file.clone().or_else(StateKey::default_path) {
-            Some(path) => {
-                let key = StateKey::load_or_create(&path)?;
-                Ok((key, path.display().to_string()))
-            }
+        if let Some(path) = &self.state_key_file {
+            let key = StateKey::load_or_create(path)?;
+            return Ok((key, path.display().to_string()));
+        }
+        match StateKey::default_path() {
+            Some(path) => match StateKey::load_or_create(&path) {
+                Ok(key) => Ok((key, path.display().to_string())),
+                // The default place may be read-only (a container's home): the server still
+                // serves, its files trusted by itself alone, and the log says so.
+                Err(e) => {
+                    tracing::warn!(
+                        "{e}; state files are signed with a key of this process alone (set \
+                         ${STATE_KEY_ENV} or --state-key-file to keep them valid past a restart)"
+                    );
+                    Ok((StateKey::process(), "this process alone".into()))
+                }
+            },
             None => Ok((
                 StateKey::process(),
                 "a key of this process alone (no $HOME or $XDG_CONFIG_HOME for a key file)".into(),

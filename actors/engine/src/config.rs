@@ -377,7 +377,47 @@ impl RunConfig {
             precision => self.backend.precision,
             tokenizer => self.data.tokenizer,
         }
-        self.train.validate("after the command-line options")
+        self.train.validate("after the command-line options")?;
+        self.check_toml("after the command-line options")
+    }
+
+    /// An error naming the first value TOML cannot hold (an integer past 2^63 − 1): every
+    /// checkpoint's manifest stores the configuration as TOML, so such a value is refused here
+    /// rather than when the first checkpoint is written.
+    fn check_toml(&self, origin: &str) -> Result<(), RuntimeError> {
+        /// The path of the first integer past `i64::MAX` in `v`.
+        fn too_big(v: &serde_json::Value, path: &str) -> Option<String> {
+            match v {
+                serde_json::Value::Number(n) => n
+                    .as_u64()
+                    .filter(|&x| x > i64::MAX as u64)
+                    .map(|x| format!("[{path}] = {x}")),
+                serde_json::Value::Object(m) => m.iter().find_map(|(k, v)| {
+                    too_big(
+                        v,
+                        &if path.is_empty() {
+                            k.clone()
+                        } else {
+                            format!("{path}.{k}")
+                        },
+                    )
+                }),
+                serde_json::Value::Array(a) => a
+                    .iter()
+                    .enumerate()
+                    .find_map(|(i, v)| too_big(v, &format!("{path}[{i}]"))),
+                _ => None,
+            }
+        }
+        let v = serde_json::to_value(self)
+            .map_err(|e| RuntimeError::ConfigInvalid(origin.to_string(), e.to_string()))?;
+        match too_big(&v, "") {
+            Some(at) => Err(RuntimeError::ConfigInvalid(
+                origin.to_string(),
+                format!("{at}: a configuration's integers are at most {}", i64::MAX),
+            )),
+            None => Ok(()),
+        }
     }
 
     /// A config from TOML `text` alone (a checkpoint's manifest): `origin` names it in errors.
@@ -433,6 +473,7 @@ fn layered(text: &str, origin: &str, env: &EnvLayer) -> Result<RunConfig, Runtim
             _ => parse(format!("[{path}]: {}", e.inner())),
         }
     })?;
+    cfg.check_toml(&origin)?;
     cfg.model
         .validate()
         .map_err(|e| RuntimeError::ConfigInvalid(origin.clone(), e.to_string()))?;

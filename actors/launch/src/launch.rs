@@ -315,6 +315,23 @@ pub fn resume(
         shards,
     }) = found
     else {
+        // Checkpoints that were written whole (their manifest is there) and no longer read
+        // back are a run's work, damaged: starting over would prune them. Only a run with
+        // none, or with only writes a crash cut short (no manifest), starts from step 0.
+        let whole: Vec<String> = checkpoint::list(&root)
+            .into_iter()
+            .filter(|(_, dir)| dir.join(checkpoint::MANIFEST).exists())
+            .map(|(_, dir)| dir.display().to_string())
+            .collect();
+        if !whole.is_empty() {
+            return Err(RuntimeError::Invalid(format!(
+                "--resume: every checkpoint in {} is damaged ({}; the log says how); none was \
+                 loaded and none is removed: repair or move them, or start a new run with \
+                 another --out",
+                root.display(),
+                whole.join(", ")
+            )));
+        }
         tracing::warn!(
             "--resume: no valid checkpoint in {}; starting from step 0",
             root.display()

@@ -65,3 +65,44 @@ mod backend_tests {
         assert!(e.contains("stage_async") && e.contains("PxCxD"), "{e}");
     }
 }
+
+mod toml_range_tests {
+    use crate::config::{DEFAULT_CONFIG, EnvLayer, Overrides, RunConfig};
+
+    /// A value TOML cannot hold (past 2^63 − 1) is refused naming its key, from the
+    /// environment, the file or the command line, instead of panicking when the first
+    /// checkpoint's manifest is written.
+    #[test]
+    fn integers_past_what_toml_holds_are_refused_by_name() {
+        let env = EnvLayer::from_vars([(
+            "NSACTOR_TRAIN__SEED".to_string(),
+            "9223372036854775808".to_string(),
+        )]);
+        let e = RunConfig::load_with(None, &env).unwrap_err().to_string();
+        assert!(
+            e.contains("train.seed") && e.contains("9223372036854775807"),
+            "{e}"
+        );
+        // A float in the file read into an integer key: refused, naming it.
+        let text = DEFAULT_CONFIG.replace("steps = 300", "steps = 1e20");
+        assert_ne!(text, DEFAULT_CONFIG);
+        let e = RunConfig::from_str(&text, "big.toml")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("big.toml"), "{e}");
+        let mut cfg = RunConfig::from_str(DEFAULT_CONFIG, "embedded").unwrap();
+        let o = Overrides {
+            seed: Some(u64::MAX),
+            ..Overrides::default()
+        };
+        let e = cfg.apply(&o).unwrap_err().to_string();
+        assert!(e.contains("train.seed"), "{e}");
+        // The largest value TOML holds is taken.
+        let o = Overrides {
+            seed: Some(i64::MAX as u64),
+            ..Overrides::default()
+        };
+        cfg.apply(&o).unwrap();
+        assert!(cfg.to_toml().contains("seed = 9223372036854775807"));
+    }
+}

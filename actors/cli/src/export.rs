@@ -38,8 +38,31 @@ pub struct ImportArgs {
     backend: String,
 }
 
+/// An error when `out` holds a training run or a checkpoint, which writing there would
+/// damage (an export or import into a folder of its own kind is a re-export: allowed).
+fn not_a_run(out: &std::path::Path, flag: &str) -> crate::result::CliResult {
+    let held = [
+        "manifest.json",
+        "checkpoints",
+        "metrics.jsonl",
+        "data_cursor.json",
+    ]
+    .into_iter()
+    .find(|name| out.join(name).exists());
+    match held {
+        Some(name) => Err(format!(
+            "{flag} {} holds a training run or checkpoint (its `{name}`), which this would \
+             overwrite: write to a folder of its own",
+            out.display()
+        )
+        .into()),
+        None => Ok(()),
+    }
+}
+
 /// `nsactor export`.
 pub fn export(a: ExportArgs) -> crate::result::CliResult {
+    not_a_run(&a.out, "--out")?;
     let dir = nsactor_checkpoint::export::export_hf(&a.checkpoint, &a.out, a.tokenizer.as_deref())?;
     println!("exported {} to {}", dir.display(), a.out.display());
     Ok(())
@@ -47,6 +70,7 @@ pub fn export(a: ExportArgs) -> crate::result::CliResult {
 
 /// `nsactor import`.
 pub fn import(a: ImportArgs) -> crate::result::CliResult {
+    not_a_run(&a.out, "--out")?;
     let compute = backend::open(&a.backend, &[])?;
     let from = nsactor_checkpoint::hub::resolve(&a.from, a.revision.as_deref())?;
     let dir = nsactor_checkpoint::export::import_hf(&from.path, &a.out, compute)?;

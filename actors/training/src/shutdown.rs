@@ -100,7 +100,7 @@ pub fn stop_on_signals(
                     _ = int.recv() => ("a second signal (SIGINT)", 2),
                     _ = tokio::time::sleep(grace) => ("the grace period ran out", first),
                 };
-                eprintln!("nsactor: {why}: exiting before it finished {doing}");
+                eprintln!("nsactor: {why}: exiting at once; it was {doing}");
                 std::process::exit(exit_code(by));
             })
         })

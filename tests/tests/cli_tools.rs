@@ -556,3 +556,36 @@ fn a_plugin_that_cannot_initialise_says_so_in_one_line_without_a_panic_dump() {
     );
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// `export` and `import` into a folder that holds a training run or a checkpoint would
+/// overwrite it: refused before anything is read or written, the folder untouched.
+#[test]
+fn export_and_import_refuse_to_write_over_a_run() {
+    let dir = temp_dir("over-a-run");
+    let run = dir.join("run");
+    std::fs::create_dir_all(run.join("checkpoints")).unwrap();
+    std::fs::write(run.join("metrics.jsonl"), "{}\n").unwrap();
+    let missing = dir.join("no-such-model");
+    for (cmd, from_flag) in [("export", "--checkpoint"), ("import", "--from")] {
+        let o = nsactor()
+            .args([cmd, from_flag])
+            .arg(&missing)
+            .arg("--out")
+            .arg(&run)
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&o.stderr);
+        assert!(!o.status.success(), "{cmd}: {stderr}");
+        assert!(
+            stderr.contains("holds a training run or checkpoint"),
+            "{cmd}: {stderr}"
+        );
+    }
+    assert_eq!(
+        std::fs::read_to_string(run.join("metrics.jsonl")).unwrap(),
+        "{}\n"
+    );
+    let entries = std::fs::read_dir(&run).unwrap().count();
+    assert_eq!(entries, 2);
+    std::fs::remove_dir_all(&dir).unwrap();
+}

@@ -59,11 +59,8 @@ pub async fn import_bytes(s: &Shared, bytes: &[u8]) -> Result<Vec<i64>, ServeErr
     g.ready.check()?;
     let f = saved::decode(bytes, &s.state_key)?;
     f.check(&s.model_name, g.decoder.vocab(), g.tokenizer.hash())?;
-    let vocab = g.decoder.vocab() as i64;
-    if let Some(t) = f.tokens.iter().find(|&&t| t < 0 || t >= vocab) {
-        return Err(ServeError::Invalid(format!(
-            "the state file holds token id {t}, outside the vocabulary (0..{vocab})"
-        )));
+    if let Some(why) = g.outside_vocab(&f.tokens) {
+        return Err(ServeError::Invalid(format!("the state file's {why}")));
     }
     if f.tokens.len() > g.max_prompt_tokens {
         return Err(ServeError::Invalid(format!(

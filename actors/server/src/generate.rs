@@ -191,6 +191,15 @@ impl Generator {
 
     /// Token ids of the request's prompt (a text one after the BOS where `bos`), checked
     /// against the length limit and vocabulary.
+    /// What is wrong with the first of `ids` outside the vocabulary, if one is.
+    pub fn outside_vocab(&self, ids: &[i64]) -> Option<String> {
+        let vocab = self.decoder.vocab() as i64;
+        let bad = ids.iter().find(|&&t| t < 0 || t >= vocab)?;
+        Some(format!(
+            "token id {bad} is outside the vocabulary (0..{vocab})"
+        ))
+    }
+
     pub fn prompt_ids(&self, p: &PromptSpec, bos: bool) -> Result<Vec<i64>, ServeError> {
         let ids = self.token_ids(p, bos, true)?;
         let field = match p {
@@ -207,12 +216,8 @@ impl Generator {
                 ),
             ));
         }
-        let vocab = self.decoder.vocab() as i64;
-        if let Some(bad) = ids.iter().find(|&&t| t < 0 || t >= vocab) {
-            return Err(ServeError::field(
-                field,
-                format!("token id {bad} is outside the vocabulary (0..{vocab})"),
-            ));
+        if let Some(why) = self.outside_vocab(&ids) {
+            return Err(ServeError::field(field, why));
         }
         Ok(ids)
     }

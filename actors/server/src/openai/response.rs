@@ -112,6 +112,14 @@ impl Shape {
         Value::Object(m)
     }
 
+    /// The token's own bytes (a piece of a character too), else those of its text `t`.
+    fn token_bytes(&self, id: i64, t: &str) -> Vec<u8> {
+        u32::try_from(id)
+            .ok()
+            .and_then(|id| self.tokenizer.token_bytes(id))
+            .unwrap_or_else(|| t.as_bytes().to_vec())
+    }
+
     fn token_text(&self, id: i64) -> String {
         u32::try_from(id)
             .ok()
@@ -134,11 +142,7 @@ impl Shape {
             // `bytes` are the token's own (a piece of a character too), `token` its text.
             let entry = |id: i64, l: f32| {
                 let t = self.token_text(id);
-                let bytes = u32::try_from(id)
-                    .ok()
-                    .and_then(|id| self.tokenizer.token_bytes(id))
-                    .unwrap_or_else(|| t.as_bytes().to_vec());
-                json!({"token": t, "logprob": lp(l), "bytes": bytes})
+                json!({"token": t, "logprob": lp(l), "bytes": self.token_bytes(id, &t)})
             };
             let content: Vec<Value> = tokens
                 .iter()
@@ -156,11 +160,7 @@ impl Shape {
         for (id, l) in tokens {
             let t = self.token_text(*id);
             offsets.push(offset.chars);
-            let bytes = u32::try_from(*id)
-                .ok()
-                .and_then(|id| self.tokenizer.token_bytes(id))
-                .unwrap_or_else(|| t.as_bytes().to_vec());
-            offset.advance(&bytes);
+            offset.advance(&self.token_bytes(*id, &t));
             text.push(Value::from(t));
             logp.push(l.as_ref().map_or(Value::Null, |l| lp(l.logprob).into()));
             // The `logprobs` most likely tokens and, as OpenAI's and vLLM's do, the chosen one

@@ -42,7 +42,7 @@
 use crate::KernelError;
 use crate::cuda::device::make_current;
 use crate::cuda::gemm_invariant;
-use crate::cuda::gemm_lt::{Operand, PlanKey, Queue, WORKSPACE_BYTES, operand};
+use crate::cuda::gemm_lt::{Operand, PlanKey, Queue, operand, workspace_bytes};
 use crate::cuda::gemm_plan::{Plan, tuning};
 use crate::cuda::precision::{GemmPrecision, precision};
 use crate::cuda::server::{QUEUED_FAILURE, Server, device_server, record_queued_failure};
@@ -337,7 +337,7 @@ pub fn run(op: &Prepared) -> CudaTensor {
     let workspace = WORKSPACES.with(|w| {
         w.borrow_mut()
             .entry(device.index)
-            .or_insert_with(|| client.empty(WORKSPACE_BYTES))
+            .or_insert_with(|| client.empty(workspace_bytes()))
             .clone()
     });
     if submit_mode() == Submit::Blocking {

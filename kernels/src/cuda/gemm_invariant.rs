@@ -38,6 +38,7 @@
 use crate::cuda::gemm_choice::{Shown, classes};
 use crate::cuda::gemm_lt::{PlanKey, Queue, algo_fits, heuristic, reference_key, same};
 use crate::cuda::gemm_probe::{Bench, Layouts, PROBES};
+use crate::cuda::gemm_split;
 use crate::cuda::gemm_store;
 use crate::options::GemmRows;
 use cudarc::cublaslt::sys;
@@ -247,6 +248,12 @@ unsafe fn choose_tiers(
                 }
             }
         }
+        // Kernels built for many rows, offered again with K split (`NSACTOR_GEMM_SPLITS`).
+        for v in gemm_split::variants(&candidates, &split_counts()) {
+            if !candidates.iter().any(|c| same(c, &v)) && usable(&v) {
+                candidates.push(v);
+            }
+        }
         let probed = Bench::new(handle, desc, a, key, reference, (workspace_ptr, stream)).and_then(
             |bench| {
                 let times = bench.time_candidates(&probes, &candidates)?;
@@ -295,11 +302,20 @@ fn store_lines(tiered: bool) -> usize {
 /// The store's kind of line `i` (`tiered`), or of the one kernel's (`single`: the line the
 /// rule before tiers wrote).
 fn store_kind(tiered: bool, i: usize) -> String {
+    let splits = match split_counts().last() {
+        Some(max) => format!("splits{max} "),
+        None => String::new(),
+    };
     if tiered {
-        format!("tier{i} ")
+        format!("tier{i} {splits}")
     } else {
-        String::new()
+        splits
     }
+}
+
+/// The split-K counts offered beside the heuristic's picks (`NSACTOR_GEMM_SPLITS`).
+fn split_counts() -> Vec<u32> {
+    gemm_split::split_counts(crate::tuning::current().gemm_splits)
 }
 
 /// The stored kernels of `rkey`, where every line is there and `usable` (one kernel fills

@@ -7,8 +7,19 @@ use crate::cuda::precision::GemmPrecision;
 use cudarc::cublaslt::{result as lt, sys};
 use std::ffi::c_void;
 
-/// cuBLASLt workspace per thread and device (NVIDIA's recommendation for Hopper).
-pub(crate) const WORKSPACE_BYTES: usize = 32 << 20;
+/// cuBLASLt workspace the heuristic may ask for (NVIDIA's recommendation for Hopper).
+pub(crate) const HEURISTIC_WORKSPACE_BYTES: usize = 32 << 20;
+
+/// cuBLASLt workspace per thread and device: the heuristic's, or twice it where split-K
+/// variants of the decoding GEMMs are offered (`NSACTOR_GEMM_SPLITS`: a split's f32 partial
+/// sums of 4,096 rows × 896 columns take 14.7 MB each).
+pub(crate) fn workspace_bytes() -> usize {
+    if crate::tuning::current().gemm_splits >= 2 {
+        2 * HEURISTIC_WORKSPACE_BYTES
+    } else {
+        HEURISTIC_WORKSPACE_BYTES
+    }
+}
 
 /// How cuBLASLt sees one operand: a column-major matrix `rows × cols` with leading dimension
 /// `ld`, to be used transposed or not.
@@ -59,7 +70,7 @@ pub(crate) fn operand(shape: [usize; 2], strides: [usize; 2]) -> Option<Operand>
 pub(crate) struct Queue {
     /// A live stream of the current context.
     pub(crate) stream: cudarc::driver::sys::CUstream,
-    /// A live buffer of [`WORKSPACE_BYTES`], used in order on `stream`.
+    /// A live buffer of [`workspace_bytes`], used in order on `stream`.
     pub(crate) workspace_ptr: u64,
 }
 
@@ -314,7 +325,7 @@ pub(crate) unsafe fn algo_fits(
         let mut result = std::mem::zeroed::<sys::cublasLtMatmulHeuristicResult_t>();
         sys::cublasLtMatmulAlgoCheck(handle, desc, a, b, c, d, algo, &mut result)
             == sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS
-            && result.workspaceSize <= WORKSPACE_BYTES
+            && result.workspaceSize <= workspace_bytes()
     }
 }
 

@@ -5,7 +5,8 @@
 use crate::KernelError;
 use crate::cuda::gemm_invariant;
 use crate::cuda::gemm_lt::{
-    Operand, PlanKey, Queue, WORKSPACE_BYTES, algo_fits, check, heuristic, set_pref, time_calls,
+    HEURISTIC_WORKSPACE_BYTES, Operand, PlanKey, Queue, algo_fits, check, heuristic, set_pref,
+    time_calls, workspace_bytes,
 };
 use crate::cuda::gemm_store;
 use cudarc::cublaslt::{result as lt, sys};
@@ -90,7 +91,7 @@ impl Plan {
         });
         let pref =
             lt::create_matmul_pref().unwrap_or_else(|e| panic!("cuBLASLt preference: {e:?}"));
-        let ws = WORKSPACE_BYTES as u64;
+        let ws = HEURISTIC_WORKSPACE_BYTES as u64;
         let reference = gemm_invariant::invariant_rows(key);
         let layouts = [a, b, c.unwrap_or(d), d];
         // SAFETY: live handles and descriptors; the preference values outlive the calls; the
@@ -189,7 +190,7 @@ impl Plan {
                 self.d,
                 algo,
                 workspace_ptr as *mut c_void,
-                WORKSPACE_BYTES,
+                workspace_bytes(),
                 stream as sys::cudaStream_t,
             )
         }

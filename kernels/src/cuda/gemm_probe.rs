@@ -11,7 +11,7 @@
 //! the same order (on random operands a different order changes some of the sampled values
 //! almost surely), so a problem may run either of them at any row count and give the same bits.
 
-use crate::cuda::gemm_lt::{PlanKey, WORKSPACE_BYTES, reference_key};
+use crate::cuda::gemm_lt::{PlanKey, reference_key, workspace_bytes};
 use cudarc::cublaslt::{result as lt, sys};
 use cudarc::driver::result as drv;
 use std::ffi::c_void;
@@ -153,7 +153,7 @@ impl<'a> Bench<'a> {
                 ld,
                 algo,
                 self.workspace_ptr as *mut c_void,
-                WORKSPACE_BYTES,
+                workspace_bytes(),
                 self.stream as sys::cudaStream_t,
             )
         }

@@ -34,6 +34,7 @@ mod gemm_invariant;
 mod gemm_lt;
 mod gemm_plan;
 mod gemm_probe;
+mod gemm_split;
 mod gemm_store;
 pub mod graph;
 pub mod host_read;

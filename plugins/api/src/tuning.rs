@@ -63,6 +63,9 @@ pub struct KernelTuning {
     pub bf16_storage: bool,
     pub batch_invariant: BatchInvariance,
     pub gemm_trace: bool,
+    /// The largest split-K count tried beside cuBLASLt's heuristic picks when a batch-invariant
+    /// decoding GEMM's kernels are chosen (powers of two from 2; 0 or 1: none).
+    pub gemm_splits: usize,
     pub gemm_tune: bool,
     pub gemm_submit: GemmSubmit,
     pub fused_norm_plif: bool,
@@ -106,6 +109,7 @@ impl Default for KernelTuning {
             bf16_storage: true,
             batch_invariant: BatchInvariance::On,
             gemm_trace: false,
+            gemm_splits: 0,
             gemm_tune: true,
             gemm_submit: GemmSubmit::Queued,
             fused_norm_plif: true,
@@ -146,7 +150,7 @@ const fn knob(key: &'static str, env: &'static str) -> Knob {
 }
 
 /// Every knob, in the order `docs/CONFIG.md` lists them.
-pub const KNOBS: [Knob; 30] = [
+pub const KNOBS: [Knob; 31] = [
     knob("decode_graphs", "NSACTOR_DECODE_GRAPHS"),
     knob("decode_graph_rows", "NSACTOR_DECODE_GRAPH_ROWS"),
     knob("decode_fusion", "NSACTOR_DECODE_FUSION"),
@@ -154,6 +158,7 @@ pub const KNOBS: [Knob; 30] = [
     knob("bf16_storage", "NSACTOR_BF16_STORAGE"),
     knob("batch_invariant", "NSACTOR_BATCH_INVARIANT"),
     knob("gemm_trace", "NSACTOR_GEMM_TRACE"),
+    knob("gemm_splits", "NSACTOR_GEMM_SPLITS"),
     knob("gemm_tune", "NSACTOR_GEMM_TUNE"),
     knob("gemm_submit", "NSACTOR_GEMM_SUBMIT"),
     knob("norm_plif", "NSACTOR_NORM_PLIF"),
@@ -237,6 +242,7 @@ impl KernelTuning {
                 }
             }
             "gemm_trace" => self.gemm_trace = !matches!(v, "0" | "off" | "false" | ""),
+            "gemm_splits" => self.gemm_splits = count(v, 0, 64)?,
             "gemm_tune" => self.gemm_tune = switch(v)?,
             "gemm_submit" => {
                 self.gemm_submit = match v {
@@ -358,6 +364,7 @@ impl KernelTuning {
             }
             .into(),
             "gemm_trace" => on(self.gemm_trace),
+            "gemm_splits" => self.gemm_splits.to_string(),
             "gemm_tune" => on(self.gemm_tune),
             "gemm_submit" => match self.gemm_submit {
                 GemmSubmit::Queued => "queued",

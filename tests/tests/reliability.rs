@@ -204,11 +204,40 @@ fn a_run_killed_again_and_again_under_max_restarts_ends_like_an_uninterrupted_on
 #[test]
 fn the_agent_gives_up_after_max_restarts_with_a_clear_message() {
     let dir = temp_dir("give-up");
-    // A tokenizer that does not exist: every start fails with exit code 1.
+    // A fault in the config (not the flag, which only the first child gets): every start
+    // aborts in step 2's checkpoint, before any checkpoint is whole.
+    let config = tiny_with(
+        &dir,
+        "crash.toml",
+        "inject_fault = \"crash-in-checkpoint:2\"\n",
+    );
+    let o = train(
+        &dir.join("run"),
+        4,
+        &["--max-restarts", "2", "--restart-backoff", "0"],
+    )
+    .arg("--config")
+    .arg(&config)
+    .output()
+    .unwrap();
+    let stderr = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success());
+    assert!(
+        stderr.contains("giving up after 2 restart(s)") && stderr.contains("SIGABRT"),
+        "{stderr}"
+    );
+    assert_eq!(events(&dir.join("run"), "restarted").len(), 2);
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn a_run_that_refuses_its_input_is_not_restarted() {
+    let dir = temp_dir("refused");
+    // A tokenizer that does not exist: the child exits 78 and the agent stops at once.
     let o = train(
         &dir.join("run"),
         2,
-        &["--max-restarts", "2", "--restart-backoff", "0"],
+        &["--max-restarts", "3", "--restart-backoff", "0"],
     )
     .arg("--tokenizer")
     .arg(dir.join("missing-tokenizer.json"))
@@ -217,10 +246,60 @@ fn the_agent_gives_up_after_max_restarts_with_a_clear_message() {
     let stderr = String::from_utf8_lossy(&o.stderr);
     assert!(!o.status.success());
     assert!(
-        stderr.contains("giving up after 2 restart(s)") && stderr.contains("exited with code 1"),
+        stderr.contains("missing-tokenizer.json")
+            && stderr.contains("exited with code 78")
+            && stderr.contains("not restarted"),
         "{stderr}"
     );
-    assert_eq!(events(&dir.join("run"), "restarted").len(), 2);
+    assert!(events(&dir.join("run"), "restarted").is_empty(), "{stderr}");
+    // Without the agent the same refusal is the process's own exit status.
+    let o = train(&dir.join("run"), 2, &[])
+        .arg("--tokenizer")
+        .arg(dir.join("missing-tokenizer.json"))
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(78));
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn a_new_run_is_not_mixed_into_an_old_one() {
+    let dir = temp_dir("rerun");
+    let run = dir.join("run");
+    ok(&mut train(&run, 4, &[]));
+    let metrics = std::fs::read_to_string(run.join("metrics.jsonl")).unwrap();
+    let weights = std::fs::read(run.join("model.safetensors")).unwrap();
+    // Started again without --resume: refused, the old run untouched.
+    let o = train(&run, 2, &[]).output().unwrap();
+    let stderr = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(78), "{stderr}");
+    assert!(
+        stderr.contains("already holds a training run")
+            && stderr.contains("--resume")
+            && stderr.contains("--overwrite"),
+        "{stderr}"
+    );
+    assert_eq!(
+        std::fs::read_to_string(run.join("metrics.jsonl")).unwrap(),
+        metrics
+    );
+    assert_eq!(
+        std::fs::read(run.join("model.safetensors")).unwrap(),
+        weights
+    );
+    // --overwrite starts over: the same 2-step run as in a fresh directory, nothing of the
+    // old one left (its step-4 checkpoint would otherwise be what a resume takes).
+    ok(&mut train(&run, 2, &["--overwrite"]));
+    let fresh = dir.join("fresh");
+    ok(&mut train(&fresh, 2, &[]));
+    assert_eq!(losses(&run), losses(&fresh));
+    assert!(!run.join("checkpoints/step-00000004").exists());
+    assert!(run.join("checkpoints/step-00000002").is_dir());
+    // --overwrite and --resume contradict each other.
+    let o = train(&run, 2, &["--overwrite", "--resume"])
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(2));
     std::fs::remove_dir_all(&dir).unwrap();
 }
 

@@ -1,6 +1,7 @@
 //! `nsactor train --max-restarts N`: the run in a child process that this one watches and
 //! restarts, like torchrun's agent. When the child dies from a signal or exits non-zero it
-//! is started again with `--resume` (from the newest valid checkpoint) after a backoff that
+//! is started again (unless it refused its input: exit 78, or 2 for arguments that did not
+//! parse, which the same command would meet again) with `--resume` (from the newest valid checkpoint) after a backoff that
 //! doubles per restart; each restart is logged with its cause and the step rolled back to, and
 //! written to `metrics.jsonl` as an `{"event":"restarted",…}` line. More than N restarts within
 //! the window and the agent gives up with a clear message. SIGTERM or SIGINT to the agent is
@@ -58,6 +59,12 @@ fn describe(status: ExitStatus) -> String {
         ),
         _ => "ended".into(),
     }
+}
+
+/// Whether a child's exit says it refused its input ([`crate::result::EXIT_REFUSED`], or 2:
+/// its arguments did not parse), which no restart can mend.
+fn refused(status: ExitStatus) -> bool {
+    matches!(status.code(), Some(2)) || status.code() == Some(crate::result::EXIT_REFUSED.into())
 }
 
 /// The step of the newest checkpoint under `root` with a manifest (what a resume starts from;
@@ -127,7 +134,11 @@ pub fn supervise(policy: RestartPolicy, out_dir: &Path, group: Option<Group>) ->
     let exe = std::env::current_exe()?;
     let args = child_args(std::env::args_os().skip(1));
     // An injected fault fires once per run: the first child only.
-    let mut restart_args = without(args.clone(), &["--inject-fault"]);
+    // The first child cleared the directory it was told to overwrite; restarts resume.
+    let mut restart_args: Vec<OsString> = without(args.clone(), &["--inject-fault"])
+        .into_iter()
+        .filter(|a| a != "--overwrite")
+        .collect();
     if !restart_args.iter().any(|a| a == "--resume") {
         restart_args.push("--resume".into());
     }
@@ -147,13 +158,21 @@ pub fn supervise(policy: RestartPolicy, out_dir: &Path, group: Option<Group>) ->
             children.iter().map(|(_, c)| c.id() as i32).collect();
         let ended = wait_all(&mut children)?;
         pids.lock().unwrap_or_else(|e| e.into_inner()).clear();
-        let cause = match ended {
+        let (cause, refused) = match ended {
             Ok(()) => return Ok(()),
-            Err((rank, status)) if group.is_some() => {
-                format!("(rank {rank}) {}", describe(status))
-            }
-            Err((_, status)) => describe(status),
+            Err((rank, status)) if group.is_some() => (
+                format!("(rank {rank}) {}", describe(status)),
+                refused(status),
+            ),
+            Err((_, status)) => (describe(status), refused(status)),
         };
+        if refused {
+            return Err(format!(
+                "the training process {cause}: it refused its input (see its error above), \
+                 and the same command would fail the same way, so it is not restarted"
+            )
+            .into());
+        }
         if stopping.load(Ordering::SeqCst) {
             return Err(format!("stopped on request; the training process {cause}").into());
         }

@@ -124,7 +124,7 @@ fn main() -> ExitCode {
             if let Some(h) = hint(&text) {
                 eprintln!("hint: {h}");
             }
-            ExitCode::FAILURE
+            ExitCode::from(result::exit_code(&e))
         }
     }
 }

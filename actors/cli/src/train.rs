@@ -38,6 +38,10 @@ pub struct TrainArgs {
     /// or --init-from, when there is none).
     #[arg(long)]
     resume: bool,
+    /// Start from step 0 in a directory that holds another run: remove its checkpoints,
+    /// metrics, weights and plot first (without it such a directory is refused).
+    #[arg(long, conflicts_with = "resume")]
+    overwrite: bool,
     /// Start from the weights of another run's newest valid checkpoint (a run directory,
     /// its checkpoints root or one checkpoint), of a Hugging Face directory, or of a Hub model
     /// `owner/name[@revision]` (fetched into the Hub cache; an existing path wins): its [model]
@@ -124,6 +128,7 @@ pub fn run(args: TrainArgs) -> crate::result::CliResult {
         sft: args.sft,
         backend: args.layout.backend,
         resume: args.resume,
+        overwrite: args.overwrite,
         init_from: args
             .init_from
             .as_deref()

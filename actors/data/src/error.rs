@@ -63,6 +63,18 @@ pub enum DataError {
 pub type Result<T, E = DataError> = std::result::Result<T, E>;
 
 impl DataError {
+    /// Whether trying again cannot help: the input itself is wrong (a file that is not there,
+    /// not readable, or not what it says it is). A read or write that failed otherwise (an
+    /// interrupted network filesystem, a full disk) may succeed later.
+    pub fn refuses_input(&self) -> bool {
+        use std::io::ErrorKind::{NotFound, PermissionDenied};
+        match self {
+            DataError::Read { source, .. } => matches!(source.kind(), NotFound | PermissionDenied),
+            DataError::Write { .. } => false,
+            _ => true,
+        }
+    }
+
     pub(crate) fn read(path: impl Into<PathBuf>, source: std::io::Error) -> Self {
         DataError::Read {
             path: path.into(),

@@ -10,6 +10,7 @@ use nsactor_plugin_api::KernelTuning;
 use serde::{Deserialize, Serialize};
 use std::path::{Path, PathBuf};
 
+mod coerce;
 mod env;
 mod keep;
 use env::env_override;
@@ -281,6 +282,12 @@ pub struct TrainConfig {
     /// before it exits anyway (then `--resume` starts from the newest complete checkpoint).
     #[serde(default = "two_minutes")]
     pub shutdown_grace_s: f64,
+    /// Seconds the end of a run keeps trying to write its final checkpoint when the write
+    /// fails (a full disk, a lost mount): the trained state is still in memory, so it is read
+    /// again and written again with a doubling wait (1 s up to 30 s) until this much time has
+    /// passed or a signal asks it to stop. `0` gives up at the first failure.
+    #[serde(default = "fifteen_minutes")]
+    pub final_write_wait_s: f64,
     /// The loss-spike guard: a step whose loss exceeds this factor × the mean loss of the
     /// previous `loss_spike_window` updated steps makes no update; the run rolls back to the
     /// newest checkpoint and skips the batches from it through the offending step (PaLM's
@@ -335,6 +342,10 @@ fn two_minutes() -> f64 {
     120.0
 }
 
+fn fifteen_minutes() -> f64 {
+    900.0
+}
+
 fn an_hour() -> f64 {
     3600.0
 }
@@ -385,33 +396,9 @@ impl RunConfig {
     /// checkpoint's manifest stores the configuration as TOML, so such a value is refused here
     /// rather than when the first checkpoint is written.
     fn check_toml(&self, origin: &str) -> Result<(), RuntimeError> {
-        /// The path of the first integer past `i64::MAX` in `v`.
-        fn too_big(v: &serde_json::Value, path: &str) -> Option<String> {
-            match v {
-                serde_json::Value::Number(n) => n
-                    .as_u64()
-                    .filter(|&x| x > i64::MAX as u64)
-                    .map(|x| format!("[{path}] = {x}")),
-                serde_json::Value::Object(m) => m.iter().find_map(|(k, v)| {
-                    too_big(
-                        v,
-                        &if path.is_empty() {
-                            k.clone()
-                        } else {
-                            format!("{path}.{k}")
-                        },
-                    )
-                }),
-                serde_json::Value::Array(a) => a
-                    .iter()
-                    .enumerate()
-                    .find_map(|(i, v)| too_big(v, &format!("{path}[{i}]"))),
-                _ => None,
-            }
-        }
         let v = serde_json::to_value(self)
             .map_err(|e| RuntimeError::ConfigInvalid(origin.to_string(), e.to_string()))?;
-        match too_big(&v, "") {
+        match coerce::past_i64_max(&v, "") {
             Some(at) => Err(RuntimeError::ConfigInvalid(
                 origin.to_string(),
                 format!("{at}: a configuration's integers are at most {}", i64::MAX),
@@ -466,6 +453,7 @@ fn layered(text: &str, origin: &str, env: &EnvLayer) -> Result<RunConfig, Runtim
         builder = env_override(builder, var).map_err(|e| parse(e.to_string()))?;
     }
     let built = builder.build().map_err(|e| parse(e.to_string()))?;
+    let source: Option<serde_json::Value> = built.clone().try_deserialize().ok();
     let cfg: RunConfig = serde_path_to_error::deserialize(built).map_err(|e| {
         let path = e.path().to_string();
         match path.as_str() {
@@ -473,6 +461,11 @@ fn layered(text: &str, origin: &str, env: &EnvLayer) -> Result<RunConfig, Runtim
             _ => parse(format!("[{path}]: {}", e.inner())),
         }
     })?;
+    if let (Some(source), Ok(parsed)) = (&source, serde_json::to_value(&cfg))
+        && let Some(at) = coerce::fraction_into_integer(source, &parsed)
+    {
+        return Err(parse(format!("{at}: expected an integer")));
+    }
     cfg.check_toml(&origin)?;
     cfg.model
         .validate()
@@ -538,6 +531,7 @@ impl TrainConfig {
             ("ponder_weight", self.ponder_weight),
             ("max_grad_norm", self.max_grad_norm),
             ("shutdown_grace_s", self.shutdown_grace_s),
+            ("final_write_wait_s", self.final_write_wait_s),
             ("restart_window_s", self.restart_window_s),
             ("loss_spike_factor", self.loss_spike_factor),
         ];

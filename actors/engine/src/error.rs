@@ -77,6 +77,32 @@ pub enum RuntimeError {
 }
 
 impl RuntimeError {
+    /// Whether the error refuses what the run was given (its configuration, arguments, data,
+    /// a checkpoint or weights that do not fit): starting the same command again fails the same
+    /// way, so a supervising agent must not restart it. Device faults, lost actors, failed
+    /// writes and the like are not refusals.
+    pub fn refuses_input(&self) -> bool {
+        let engine =
+            |e: &EngineError| matches!(e, EngineError::InvalidInput(_) | EngineError::Plugin(_));
+        match self {
+            RuntimeError::Engine(e) | RuntimeError::Stage { error: e, .. } => engine(e),
+            RuntimeError::Data(e) => e.refuses_input(),
+            RuntimeError::ConfigRead(..)
+            | RuntimeError::ConfigParse(..)
+            | RuntimeError::ConfigInvalid(..)
+            | RuntimeError::Checkpoint(..)
+            | RuntimeError::Weights(_)
+            | RuntimeError::Convert(_)
+            | RuntimeError::Invalid(_) => true,
+            RuntimeError::CheckpointIo(..)
+            | RuntimeError::Io(..)
+            | RuntimeError::Broken(_)
+            | RuntimeError::Runtime(_)
+            | RuntimeError::Recovered { .. }
+            | RuntimeError::LossSpike { .. } => false,
+        }
+    }
+
     /// A copy of this error for each session of a failed decoding cohort: engine and stage
     /// errors exactly (the server tells a refused input from a fault by them), the rest by
     /// their message.

@@ -8,5 +8,6 @@
 
 pub mod launch;
 pub mod prewarm;
+pub mod run_dir;
 pub mod training;
 pub mod world;

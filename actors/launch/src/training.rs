@@ -34,6 +34,9 @@ pub struct TrainRequest {
     pub backend: Option<String>,
     /// Continue from the run's newest valid checkpoint.
     pub resume: bool,
+    /// Without `resume`: remove a previous run's files from the run directory instead of
+    /// refusing to start there ([`crate::run_dir::claim`]).
+    pub overwrite: bool,
     /// Start from another run's weights (while this run has no checkpoint of its own).
     pub init_from: Option<PathBuf>,
     /// Serve the run's Prometheus metrics here.
@@ -65,6 +68,10 @@ pub fn train(req: TrainRequest) -> Result<TrainOutcome, RuntimeError> {
     let world =
         nsactor_cluster::World::from_env().map_err(|e| RuntimeError::Invalid(e.to_string()))?;
     let fingerprint = world::fingerprint(&cfg);
+    // Rank 0 writes the run's files, so it alone looks at (and clears) its directory.
+    if !req.resume && world.as_ref().is_none_or(|w| w.rank == 0) {
+        crate::run_dir::claim(&cfg.train.out_dir, req.overwrite)?;
+    }
     if let Some(w) = &world {
         world::local_share(&mut cfg, w)?;
     }

@@ -340,7 +340,12 @@ impl OpenAiRequest {
             stop: self.stop,
             ignore_eos: self.ignore_eos,
             logprobs,
-            prompt_logprobs: self.echo && logprobs.is_some(),
+            // A prompt echoed with nothing generated (`max_tokens: 0`) is scored, as with
+            // logprobs, so the request runs the one pass OpenAI's legacy endpoint and vLLM
+            // run for it; its log-probabilities are sent only where asked for.
+            prompt_logprobs: self.echo
+                && (logprobs.is_some()
+                    || self.max_tokens.or(self.max_completion_tokens) == Some(0)),
         };
         // A stream gets a chunk per generated token, as vLLM's does: a token whose text is held
         // back (an incomplete character, a possible stop string) comes with empty text, and the

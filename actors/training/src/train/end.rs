@@ -55,6 +55,56 @@ impl Run<'_> {
         Ok(())
     }
 
+    /// Waits for the final checkpoint's write; where it fails on the disk's side (a full
+    /// disk, a lost mount), the trained state is still on the devices, so it is read back and
+    /// written again after a doubling wait, for up to `[train] final_write_wait_s` or until a
+    /// signal asks the run to stop. Anything else, or the last failure, is the run's error.
+    fn final_written(
+        &mut self,
+        pipeline: &mut Pipeline,
+        end: &mut Startup,
+    ) -> Result<nsactor_checkpoint::writer::WriteDone, RuntimeError> {
+        let limit = std::time::Duration::from_secs_f64(self.cfg.train.final_write_wait_s);
+        let started = Instant::now();
+        let mut wait = std::time::Duration::from_secs(1);
+        loop {
+            let e = match pipeline.finish_checkpoint() {
+                Ok(Some(done)) => return Ok(done),
+                Ok(None) => {
+                    return Err(RuntimeError::Runtime(
+                        "the final checkpoint's write was not in flight".into(),
+                    ));
+                }
+                Err(e) => e,
+            };
+            let disk = matches!(e, RuntimeError::CheckpointIo(..) | RuntimeError::Io(..));
+            let stopping = || self.stop.and_then(|s| s.requested()).is_some();
+            if !disk || started.elapsed() + wait > limit || stopping() {
+                return Err(e);
+            }
+            tracing::error!(
+                "the final checkpoint was not written: {e}. The trained model is still in \
+                 memory: writing it again in {:.0} s (for up to {:.0} s more; free space \
+                 there, or stop the run with a signal to give up)",
+                wait.as_secs_f64(),
+                (limit.saturating_sub(started.elapsed())).as_secs_f64()
+            );
+            self.metrics.log(serde_json::json!({
+                "event": "final_write_failed", "error": e.to_string(),
+                "retry_in_s": wait.as_secs_f64(),
+            }))?;
+            let until = Instant::now() + wait;
+            while Instant::now() < until {
+                if stopping() {
+                    return Err(e);
+                }
+                std::thread::sleep(std::time::Duration::from_millis(50));
+            }
+            wait = (wait * 2).min(std::time::Duration::from_secs(30));
+            self.start_final(pipeline, end)?;
+        }
+    }
+
     /// What a run reports, with its weights at `weights`.
     pub(super) fn summary(&self, weights: PathBuf) -> RunSummary {
         RunSummary {
@@ -114,9 +164,7 @@ impl Run<'_> {
         } else {
             "loss.png"
         });
-        let done = pipeline.finish_checkpoint()?.ok_or_else(|| {
-            RuntimeError::Runtime("the final checkpoint's write was not in flight".into())
-        })?;
+        let done = self.final_written(pipeline, &mut end)?;
         written(Ok(done), &mut |l| self.metrics.log(l))?;
         let config_path = self.out_dir.join("config.toml");
         nsactor_checkpoint::weights::write_atomic(&config_path, self.config_text.as_bytes())

@@ -271,3 +271,18 @@ proptest! {
         }
     }
 }
+
+#[test]
+fn an_echo_with_nothing_generated_needs_no_logprobs() {
+    // OpenAI's legacy endpoint returns the prompt itself; it is scored (one pass), and its
+    // log-probabilities are not asked for.
+    let c = call(r#"{"prompt":"hi","echo":true,"max_tokens":0}"#, false).unwrap();
+    assert!(c.echo && c.specs[0].prompt_logprobs && c.specs[0].max_tokens == 0);
+    assert_eq!(c.specs[0].logprobs, None);
+    // An echo that generates runs as before: no scoring pass without logprobs.
+    let c = call(r#"{"prompt":"hi","echo":true,"max_tokens":2}"#, false).unwrap();
+    assert!(!c.specs[0].prompt_logprobs);
+    // Nothing to generate and nothing echoed is still refused, naming the field.
+    let e = call(r#"{"prompt":"hi","max_tokens":0}"#, false).unwrap_err();
+    assert!(e.to_string().contains("max_tokens must be in 1..="), "{e}");
+}

@@ -205,15 +205,16 @@ fn a_run_killed_again_and_again_under_max_restarts_ends_like_an_uninterrupted_on
 fn the_agent_gives_up_after_max_restarts_with_a_clear_message() {
     let dir = temp_dir("give-up");
     // A fault in the config (not the flag, which only the first child gets): every start
-    // aborts in step 2's checkpoint, before any checkpoint is whole.
+    // aborts in step 4's checkpoint, after step 2's is whole (a restart from step 0 would
+    // start the metrics again, and with them the restart events).
     let config = tiny_with(
         &dir,
         "crash.toml",
-        "inject_fault = \"crash-in-checkpoint:2\"\n",
+        "inject_fault = \"crash-in-checkpoint:4\"\n",
     );
     let o = train(
         &dir.join("run"),
-        4,
+        6,
         &["--max-restarts", "2", "--restart-backoff", "0"],
     )
     .arg("--config")
@@ -356,12 +357,35 @@ fn a_full_disk_during_a_checkpoint_keeps_the_previous_one() {
     assert!(String::from_utf8_lossy(&o.stderr).contains("step-00000002"));
     same_as(&sync, &full);
     // The last step's checkpoint (with the weights, written beside the last evaluation and the
-    // sample): the run fails with the cause named, never reports a finished run, and step 6's
-    // checkpoint stays the newest complete one.
+    // sample): its state exists nowhere else, so a failed write is tried again (the injected
+    // fault fails one attempt) and the run ends as the uninterrupted one, the failure logged.
     let last = dir.join("last");
-    let o = train(&last, 8, &["--inject-fault", "enospc-in-checkpoint:8"])
-        .output()
-        .unwrap();
+    let o = ok(&mut train(
+        &last,
+        8,
+        &["--inject-fault", "enospc-in-checkpoint:8"],
+    ));
+    let stderr = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        stderr.contains("the final checkpoint was not written")
+            && stderr.contains("No space left on device")
+            && stderr.contains("writing it again in 1 s"),
+        "{stderr}"
+    );
+    assert_eq!(events(&last, "final_write_failed").len(), 1);
+    same_as(&last, &full);
+    // With `final_write_wait_s = 0` the run gives up at once: it fails with the cause named,
+    // never reports a finished run, and step 6's checkpoint stays the newest complete one.
+    let once = tiny_with(&dir, "once.toml", "final_write_wait_s = 0\n");
+    let given_up = dir.join("given-up");
+    let o = train(
+        &given_up,
+        8,
+        &["--inject-fault", "enospc-in-checkpoint:8", "--config"],
+    )
+    .arg(&once)
+    .output()
+    .unwrap();
     let stderr = String::from_utf8_lossy(&o.stderr);
     assert!(!o.status.success(), "{stderr}");
     assert!(
@@ -369,11 +393,12 @@ fn a_full_disk_during_a_checkpoint_keeps_the_previous_one() {
         "{stderr}"
     );
     assert!(
-        last.join("checkpoints/step-00000006/manifest.json")
+        given_up
+            .join("checkpoints/step-00000006/manifest.json")
             .is_file()
     );
     assert!(
-        !last
+        !given_up
             .join("checkpoints/step-00000008/manifest.json")
             .exists()
     );

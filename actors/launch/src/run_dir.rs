@@ -26,7 +26,8 @@ const MARKS: [&str; 4] = [
 ];
 
 /// Makes `out_dir` ready for a run from step 0: refuses when it holds another run's files,
-/// or removes them first with `overwrite`. An empty `checkpoints/` does not count.
+/// or removes them first with `overwrite`. A `checkpoints/` without a checkpoint's directory
+/// does not count.
 pub fn claim(out_dir: &Path, overwrite: bool) -> Result<(), RuntimeError> {
     let held: Vec<&str> = MARKS
         .into_iter()
@@ -64,10 +65,13 @@ pub fn claim(out_dir: &Path, overwrite: bool) -> Result<(), RuntimeError> {
     Ok(())
 }
 
-/// Whether `path` exists, and is not an empty directory.
+/// Whether `path` holds a run's file: a directory (`checkpoints/`) holding a directory (a
+/// checkpoint, whole or not), or any other path that exists.
 fn holds(path: &Path) -> bool {
     match std::fs::read_dir(path) {
-        Ok(mut entries) => entries.next().is_some(),
+        Ok(entries) => entries
+            .flatten()
+            .any(|e| e.file_type().is_ok_and(|t| t.is_dir())),
         Err(_) => path.exists(),
     }
 }
@@ -83,6 +87,7 @@ mod tests {
         // Missing, then empty (with an empty `checkpoints/`): a fresh run may start.
         claim(&out, false).unwrap();
         std::fs::create_dir_all(out.join("checkpoints")).unwrap();
+        std::fs::write(out.join("checkpoints/stray"), "not a checkpoint").unwrap();
         std::fs::write(out.join("notes.txt"), "mine").unwrap();
         claim(&out, false).unwrap();
 

@@ -68,10 +68,6 @@ pub fn train(req: TrainRequest) -> Result<TrainOutcome, RuntimeError> {
     let world =
         nsactor_cluster::World::from_env().map_err(|e| RuntimeError::Invalid(e.to_string()))?;
     let fingerprint = world::fingerprint(&cfg);
-    // Rank 0 writes the run's files, so it alone looks at (and clears) its directory.
-    if !req.resume && world.as_ref().is_none_or(|w| w.rank == 0) {
-        crate::run_dir::claim(&cfg.train.out_dir, req.overwrite)?;
-    }
     if let Some(w) = &world {
         world::local_share(&mut cfg, w)?;
     }
@@ -102,6 +98,11 @@ pub fn train(req: TrainRequest) -> Result<TrainOutcome, RuntimeError> {
     };
     let compute = launch::open_training_backend(&cfg, req.backend.as_deref())?;
     startup.mark("backend");
+    // Rank 0 writes the run's files, so it alone looks at (and clears) its directory; after
+    // the configuration, data and backend are known good, before anything is written.
+    if !req.resume && rank == 0 {
+        crate::run_dir::claim(&cfg.train.out_dir, req.overwrite)?;
+    }
     let member = match world {
         Some(w) => {
             world::place(&mut cfg, &w, compute.as_ref());

@@ -322,6 +322,15 @@ fn killed_crashed_and_failing_runs_end_exactly_like_an_uninterrupted_one() {
         (gc["bos_token_id"].as_u64(), gc["eos_token_id"].as_u64()),
         (Some(3), Some(4))
     );
+    let cj = read_json("config.json");
+    let ids = |v: &serde_json::Value| {
+        [&v["bos_token_id"], &v["eos_token_id"], &v["pad_token_id"]].map(|x| x.as_u64())
+    };
+    assert_eq!(
+        ids(&cj),
+        ids(&gc),
+        "config.json names the tokenizer's ids: {cj}"
+    );
     let imported = dir.join("imported");
     run_ok(&[
         "import",

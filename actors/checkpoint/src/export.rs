@@ -104,7 +104,7 @@ pub fn export_hf(
     };
     write(
         "config.json",
-        serde_json::to_string_pretty(&hf_config(&cfg.model))
+        serde_json::to_string_pretty(&with_token_ids(hf_config(&cfg.model), &tok))
             .map_err(convert)?
             .as_bytes(),
     )
@@ -137,6 +137,20 @@ pub fn generation_config(tok: &nsactor_data::Tokenizer) -> serde_json::Value {
         "eos_token_id": tok.eos_id(),
         "pad_token_id": nsactor_data::tokenizer::PAD_ID,
     })
+}
+
+/// `config` with the tokenizer's special ids beside the model's keys, as `transformers`'
+/// `PretrainedConfig` carries them (its defaults are not this tokenizer's).
+pub fn with_token_ids(
+    mut config: serde_json::Value,
+    tok: &nsactor_data::Tokenizer,
+) -> serde_json::Value {
+    if let (Some(c), serde_json::Value::Object(ids)) =
+        (config.as_object_mut(), generation_config(tok))
+    {
+        c.extend(ids);
+    }
+    config
 }
 
 /// A Hugging Face NeuronSpark directory as read: its model, weights and tokenizer.

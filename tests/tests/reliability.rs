@@ -245,7 +245,9 @@ fn a_run_that_refuses_its_input_is_not_restarted() {
     .output()
     .unwrap();
     let stderr = String::from_utf8_lossy(&o.stderr);
-    assert!(!o.status.success());
+    // The agent passes the refusal's status on (a service manager's
+    // `RestartPreventExitStatus=78` sees it).
+    assert_eq!(o.status.code(), Some(78), "{stderr}");
     assert!(
         stderr.contains("missing-tokenizer.json")
             && stderr.contains("exited with code 78")
@@ -253,7 +255,7 @@ fn a_run_that_refuses_its_input_is_not_restarted() {
         "{stderr}"
     );
     assert!(events(&dir.join("run"), "restarted").is_empty(), "{stderr}");
-    // Without the agent the same refusal is the process's own exit status.
+    // Without the agent the same refusal is the process's own exit status too.
     let o = train(&dir.join("run"), 2, &[])
         .arg("--tokenizer")
         .arg(dir.join("missing-tokenizer.json"))

@@ -167,11 +167,10 @@ pub fn supervise(policy: RestartPolicy, out_dir: &Path, group: Option<Group>) ->
             Err((_, status)) => (describe(status), refused(status)),
         };
         if refused {
-            return Err(format!(
+            return Err(Box::new(crate::result::Refused(format!(
                 "the training process {cause}: it refused its input (see its error above), \
                  and the same command would fail the same way, so it is not restarted"
-            )
-            .into());
+            ))));
         }
         if stopping.load(Ordering::SeqCst) {
             return Err(format!("stopped on request; the training process {cause}").into());

@@ -100,6 +100,27 @@ fn init_logging(format: &str) {
 fn main() -> ExitCode {
     let cli = Cli::parse();
     init_logging(&cli.log_format);
+    // The commands that print results end quietly when their reader goes (`| head`), as
+    // `cat` does, instead of panicking on a broken pipe. (Sockets are written with
+    // MSG_NOSIGNAL by std, so a client that hangs up raises no signal; the commands that
+    // serve, train or supervise children keep Rust's default of ignoring SIGPIPE.)
+    if matches!(
+        cli.command,
+        Command::Generate(_)
+            | Command::Config(_)
+            | Command::Analyze(_)
+            | Command::Eval(_)
+            | Command::Plot(_)
+            | Command::Verify(_)
+            | Command::Export(_)
+            | Command::Import(_)
+            | Command::Plugins(_)
+            | Command::Tokenizer(_)
+            | Command::Data(_)
+    ) {
+        // SAFETY: restores the default disposition of one signal; nothing handles SIGPIPE.
+        unsafe { libc::signal(libc::SIGPIPE, libc::SIG_DFL) };
+    }
     let result = match cli.command {
         Command::Train(a) => train::run(a),
         Command::Plugins(a) => plugins::run(a),

@@ -18,6 +18,17 @@ pub struct PlotArgs {
 pub fn run(a: PlotArgs) -> crate::result::CliResult {
     let metrics = a.run.join("metrics.jsonl");
     let out = a.out.unwrap_or_else(|| a.run.join("loss.png"));
+    // The picture is a PNG; a name that says otherwise (or the metrics file itself, which
+    // the run's history would be lost to) is refused before anything is written.
+    let png = out
+        .extension()
+        .is_some_and(|e| e.eq_ignore_ascii_case("png"));
+    if !png {
+        return Err(Box::new(crate::result::Refused(format!(
+            "--out {}: the picture is a PNG; name it `….png`",
+            out.display()
+        ))));
+    }
     let title = a.title.unwrap_or_else(|| a.run.display().to_string());
     nsactor_training::history::draw(&metrics, &out, title)?;
     println!("{}", out.display());

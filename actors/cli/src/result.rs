@@ -20,7 +20,9 @@ pub const EXIT_REFUSED: u8 = 78;
 pub fn exit_code(error: &CliError) -> u8 {
     use nsactor_engine::error::RuntimeError;
     use nsactor_plugin_api::EngineError;
-    let refused = if let Some(e) = error.downcast_ref::<RuntimeError>() {
+    let refused = if error.downcast_ref::<Refused>().is_some() {
+        true
+    } else if let Some(e) = error.downcast_ref::<RuntimeError>() {
         e.refuses_input()
     } else if let Some(e) = error.downcast_ref::<EngineError>() {
         matches!(e, EngineError::InvalidInput(_) | EngineError::Plugin(_))
@@ -31,3 +33,16 @@ pub fn exit_code(error: &CliError) -> u8 {
     };
     if refused { EXIT_REFUSED } else { 1 }
 }
+
+/// A refusal the CLI words itself (such as a supervised child's exit 78, passed on): exits
+/// [`EXIT_REFUSED`].
+#[derive(Debug)]
+pub struct Refused(pub String);
+
+impl std::fmt::Display for Refused {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for Refused {}

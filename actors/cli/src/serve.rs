@@ -198,6 +198,12 @@ struct LimitArgs {
     /// at a time, so this bounds only the time a request may take to prefill.
     #[arg(long, default_value_t = nsactor_server::protocol::DEFAULT_MAX_PROMPT_TOKENS, value_name = "TOKENS")]
     max_prompt_tokens: usize,
+    /// Most tokens one request may generate (`max_tokens` or `max_completion_tokens` past it
+    /// is refused with a 400 naming this limit; a request naming none gets 128). Generating
+    /// costs no memory per token, so this bounds only a request's time (with
+    /// --request-timeout).
+    #[arg(long, default_value_t = nsactor_server::protocol::DEFAULT_MAX_NEW_TOKENS, value_name = "TOKENS")]
+    max_new_tokens: usize,
     /// Open connections; past it a new one gets a 503 with Retry-After.
     #[arg(long, default_value_t = 1024)]
     max_connections: usize,
@@ -228,15 +234,20 @@ impl LimitArgs {
             d if d.is_zero() => Err(format!("--{name} must be more than 0 seconds")),
             d => Ok(d),
         };
-        if self.max_body_bytes < 1024 || self.max_connections == 0 || self.max_prompt_tokens == 0 {
+        if self.max_body_bytes < 1024
+            || self.max_connections == 0
+            || self.max_prompt_tokens == 0
+            || self.max_new_tokens == 0
+        {
             return Err(
-                "--max-body-bytes must be at least 1024, --max-connections and --max-prompt-tokens at least 1".into(),
+                "--max-body-bytes must be at least 1024, --max-connections, --max-prompt-tokens and --max-new-tokens at least 1".into(),
             );
         }
         let request = secs("request-timeout", self.request_timeout)?;
         Ok(nsactor_server::protocol::Limits {
             max_message_bytes: self.max_body_bytes,
             max_prompt_tokens: self.max_prompt_tokens,
+            max_new_tokens: self.max_new_tokens,
             max_connections: self.max_connections,
             header_timeout: positive("header-timeout", self.header_timeout)?,
             request_time_limit: (!request.is_zero()).then_some(request),

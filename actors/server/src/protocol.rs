@@ -41,6 +41,9 @@ pub struct Limits {
 /// pass at a time, so a long one holds no more device memory than a short one).
 pub const DEFAULT_MAX_PROMPT_TOKENS: usize = 131_072;
 
+/// Tokens one request may generate by default (`nsactor serve --max-new-tokens`).
+pub const DEFAULT_MAX_NEW_TOKENS: usize = 4096;
+
 /// Largest request body or WebSocket message by default: a prompt of
 /// [`DEFAULT_MAX_PROMPT_TOKENS`] as text or token ids fits.
 pub const DEFAULT_MAX_MESSAGE_BYTES: usize = 4 << 20;
@@ -49,7 +52,7 @@ impl Default for Limits {
     fn default() -> Self {
         Limits {
             max_prompt_tokens: DEFAULT_MAX_PROMPT_TOKENS,
-            max_new_tokens: 4096,
+            max_new_tokens: DEFAULT_MAX_NEW_TOKENS,
             max_message_bytes: DEFAULT_MAX_MESSAGE_BYTES,
             max_stop: 8,
             max_stop_bytes: 128,
@@ -230,7 +233,7 @@ impl SamplingOptions {
             return Err(ServeError::field(
                 param,
                 format!(
-                    "{param} must be in {least}..={}, got {max_tokens}",
+                    "{param} must be in {least}..={} (the server's --max-new-tokens), got {max_tokens}",
                     limits.max_new_tokens
                 ),
             ));

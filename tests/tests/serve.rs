@@ -305,7 +305,16 @@ fn bad_limits_are_refused_by_name() {
             "10",
             "--max-body-bytes must be at least 1024",
         ),
-        ("--max-prompt-tokens", "0", "--max-prompt-tokens at least 1"),
+        (
+            "--max-prompt-tokens",
+            "0",
+            "--max-prompt-tokens must be at least 1",
+        ),
+        (
+            "--max-new-tokens",
+            "0",
+            "--max-new-tokens must be at least 1",
+        ),
         (
             "--rebuild-window",
             "0",

@@ -234,14 +234,17 @@ impl LimitArgs {
             d if d.is_zero() => Err(format!("--{name} must be more than 0 seconds")),
             d => Ok(d),
         };
-        if self.max_body_bytes < 1024
-            || self.max_connections == 0
-            || self.max_prompt_tokens == 0
-            || self.max_new_tokens == 0
-        {
-            return Err(
-                "--max-body-bytes must be at least 1024, --max-connections, --max-prompt-tokens and --max-new-tokens at least 1".into(),
-            );
+        if self.max_body_bytes < 1024 {
+            return Err("--max-body-bytes must be at least 1024".into());
+        }
+        for (flag, v) in [
+            ("max-connections", self.max_connections),
+            ("max-prompt-tokens", self.max_prompt_tokens),
+            ("max-new-tokens", self.max_new_tokens),
+        ] {
+            if v == 0 {
+                return Err(format!("--{flag} must be at least 1").into());
+            }
         }
         let request = secs("request-timeout", self.request_timeout)?;
         Ok(nsactor_server::protocol::Limits {

@@ -218,8 +218,28 @@ pub async fn carry(
 ) -> CliResult {
     let mut system = String::from("You are a careful assistant.");
     let filler = " The garden by the river keeps its old stones, and the birds come at dawn.";
-    // The 0.9B's tokenizer cuts English into about 1.1 bytes a token.
-    while system.len() < n * 11 / 10 {
+    // Bytes a token of the served model's tokenizer, counted by the server on the filler
+    // (the 0.9B's cuts English into about 1.1 bytes a token, the bundled one into ~2.5).
+    let sample = filler.repeat(32);
+    let body = serde_json::json!({"prompt": sample, "add_special_tokens": false});
+    let counted = post_bytes(
+        a,
+        "/tokenize",
+        "application/json",
+        body.to_string().into_bytes(),
+    )
+    .await?;
+    let counted: serde_json::Value = serde_json::from_slice(&counted)?;
+    let tokens = counted["count"]
+        .as_u64()
+        .filter(|&c| c > 0)
+        .ok_or_else(|| {
+            format!(
+                "the server's /tokenize answered no count for the carried conversation: {counted}"
+            )
+        })?;
+    let bytes_per_token = sample.len() as f64 / tokens as f64;
+    while (system.len() as f64) < n as f64 * bytes_per_token {
         system.push_str(filler);
     }
     let mut messages = vec![

@@ -381,8 +381,13 @@ fn verify_batch_invariance_passes_on_the_cpu_and_refuses_an_empty_cohort() {
         "{stdout}"
     );
     assert!(stdout.ends_with("PASS\n"), "{stdout}");
-    let e = run_err(&["verify", "batch-invariance", "--cohorts", "0"]);
-    assert!(e.contains("cohorts of at least one session"), "{e}");
+    for cohorts in ["0", "1", "3,1"] {
+        let e = run_err(&["verify", "batch-invariance", "--cohorts", cohorts]);
+        assert!(
+            e.contains("cohorts of at least two sessions"),
+            "{cohorts}: {e}"
+        );
+    }
 }
 
 /// `bench serve` drives the real server over loopback with WebSocket and HTTP/SSE clients and

@@ -194,9 +194,12 @@ pub fn check(
     cohorts: &[usize],
     steps: usize,
 ) -> Result<Vec<CohortCheck>, EngineError> {
-    if steps == 0 || cohorts.contains(&0) {
+    // A cohort of one is the prompt alone, compared with itself: it proves nothing.
+    if steps == 0 || cohorts.iter().any(|&c| c < 2) {
         return Err(EngineError::InvalidInput(
-            "batch invariance needs at least one step and cohorts of at least one session".into(),
+            "batch invariance needs at least one step and cohorts of at least two sessions \
+             (ours and another; a cohort of one is the prompt alone, compared with itself)"
+                .into(),
         ));
     }
     let v = model.vocab_size;

@@ -25,7 +25,7 @@ pub fn exit_code(error: &CliError) -> u8 {
     } else if let Some(e) = error.downcast_ref::<RuntimeError>() {
         e.refuses_input()
     } else if let Some(e) = error.downcast_ref::<EngineError>() {
-        matches!(e, EngineError::InvalidInput(_) | EngineError::Plugin(_))
+        RuntimeError::from(e.clone()).refuses_input()
     } else if let Some(e) = error.downcast_ref::<nsactor_data::DataError>() {
         e.refuses_input()
     } else {

@@ -44,7 +44,6 @@ use crate::options::GemmRows;
 use cudarc::cublaslt::sys;
 use cudarc::driver::result as drv;
 use std::collections::HashMap;
-use std::ffi::c_void;
 use std::sync::Mutex;
 
 /// The row count whose kernel a decoding pass's GEMM over frames uses at every row count up
@@ -369,20 +368,13 @@ pub(crate) fn store_key(kind: &str, rkey: &PlanKey) -> Option<String> {
 /// whatever order they land would make a row's sum depend on timing): checked on stored
 /// picks, which come from a file.
 fn not_in_place(algo: &sys::cublasLtMatmulAlgo_t) -> bool {
-    let mut scheme = 0u32;
-    let mut written = 0usize;
-    // SAFETY: reads one 32-bit attribute of a plain algorithm structure into `scheme`.
-    let status = unsafe {
-        sys::cublasLtMatmulAlgoConfigGetAttribute(
-            algo,
-            sys::cublasLtMatmulAlgoConfigAttributes_t::CUBLASLT_ALGO_CONFIG_REDUCTION_SCHEME,
-            &mut scheme as *mut u32 as *mut c_void,
-            std::mem::size_of_val(&scheme),
-            &mut written,
-        )
-    };
-    status == sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS
-        && scheme != sys::cublasLtReductionScheme_t::CUBLASLT_REDUCTION_SCHEME_INPLACE as u32
+    gemm_split::config::<u32>(
+        algo,
+        sys::cublasLtMatmulAlgoConfigAttributes_t::CUBLASLT_ALGO_CONFIG_REDUCTION_SCHEME,
+    )
+    .is_some_and(|scheme| {
+        scheme != sys::cublasLtReductionScheme_t::CUBLASLT_REDUCTION_SCHEME_INPLACE as u32
+    })
 }
 
 #[cfg(test)]

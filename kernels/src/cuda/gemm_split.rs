@@ -24,24 +24,30 @@ pub(crate) fn split_counts(max: usize) -> Vec<u32> {
         .collect()
 }
 
-/// One 32-bit configuration attribute of `algo`, if it can be read.
-fn config<T: Copy + Default>(
-    algo: &Algo,
-    attr: sys::cublasLtMatmulAlgoConfigAttributes_t,
+/// One attribute of `algo` read by `get` (cuBLASLt's configuration or capability getter, with
+/// the attribute bound), if it can be read.
+fn read<T: Copy + Default>(
+    get: impl FnOnce(*mut c_void, usize, *mut usize) -> sys::cublasStatus_t,
 ) -> Option<T> {
     let mut value = T::default();
     let mut written = 0usize;
-    // SAFETY: reads one attribute of a plain algorithm structure into `value`, of its size.
-    let status = unsafe {
-        sys::cublasLtMatmulAlgoConfigGetAttribute(
-            algo,
-            attr,
-            &mut value as *mut T as *mut c_void,
-            std::mem::size_of::<T>(),
-            &mut written,
-        )
-    };
+    let status = get(
+        &mut value as *mut T as *mut c_void,
+        std::mem::size_of::<T>(),
+        &mut written,
+    );
     (status == sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS).then_some(value)
+}
+
+/// One configuration attribute of `algo`, if it can be read.
+pub(crate) fn config<T: Copy + Default>(
+    algo: &Algo,
+    attr: sys::cublasLtMatmulAlgoConfigAttributes_t,
+) -> Option<T> {
+    // SAFETY: reads one attribute of a plain algorithm structure into a buffer of its size.
+    read(|buf, size, written| unsafe {
+        sys::cublasLtMatmulAlgoConfigGetAttribute(algo, attr, buf, size, written)
+    })
 }
 
 /// One capability attribute of `algo`, if it can be read.
@@ -49,19 +55,10 @@ fn capability<T: Copy + Default>(
     algo: &Algo,
     attr: sys::cublasLtMatmulAlgoCapAttributes_t,
 ) -> Option<T> {
-    let mut value = T::default();
-    let mut written = 0usize;
     // SAFETY: as `config`, for a capability attribute.
-    let status = unsafe {
-        sys::cublasLtMatmulAlgoCapGetAttribute(
-            algo,
-            attr,
-            &mut value as *mut T as *mut c_void,
-            std::mem::size_of::<T>(),
-            &mut written,
-        )
-    };
-    (status == sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS).then_some(value)
+    read(|buf, size, written| unsafe {
+        sys::cublasLtMatmulAlgoCapGetAttribute(algo, attr, buf, size, written)
+    })
 }
 
 /// Sets one 32-bit configuration attribute of `algo`; whether cuBLASLt took it.

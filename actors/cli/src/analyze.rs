@@ -29,7 +29,7 @@ pub struct AnalyzeArgs {
 
 pub fn run(a: AnalyzeArgs) -> crate::result::CliResult {
     if a.max_tokens == 0 {
-        return Err("--max-tokens must be at least 1".into());
+        return Err(crate::result::refuse("--max-tokens must be at least 1"));
     }
     let set = match (&a.text, &a.jsonl) {
         (Some(p), _) => sentences::from_text(p)?,

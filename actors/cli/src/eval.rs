@@ -32,7 +32,7 @@ pub struct EvalArgs {
 
 pub fn run(a: EvalArgs) -> crate::result::CliResult {
     if a.batches == 0 {
-        return Err("--batches must be at least 1".into());
+        return Err(crate::result::refuse("--batches must be at least 1"));
     }
     let mut l = launch::load_checkpoint(&a.model.options()?)?;
     let mut cfg = l.config.clone();
@@ -42,7 +42,9 @@ pub fn run(a: EvalArgs) -> crate::result::CliResult {
     let batch = a.batch_size.unwrap_or(cfg.train.batch_size);
     let rows = a.forward_rows.unwrap_or(batch);
     if batch == 0 || cfg.train.seq_len == 0 || rows == 0 {
-        return Err("--batch-size, --seq-len and --forward-rows must be at least 1".into());
+        return Err(crate::result::refuse(
+            "--batch-size, --seq-len and --forward-rows must be at least 1",
+        ));
     }
     let sampler = launch::make_sampler(&cfg, &l.tokenizer, &a.corpus, a.data.as_deref(), false)?;
     let e = HeldOut::new(sampler, a.batches, batch, rows).evaluate(&mut l.pipeline)?;

@@ -50,12 +50,11 @@ fn not_a_run(out: &std::path::Path, flag: &str) -> crate::result::CliResult {
     .into_iter()
     .find(|name| out.join(name).exists());
     match held {
-        Some(name) => Err(format!(
+        Some(name) => Err(crate::result::refuse(format!(
             "{flag} {} holds a training run or checkpoint (its `{name}`), which this would \
              overwrite: write to a folder of its own",
             out.display()
-        )
-        .into()),
+        ))),
         None => Ok(()),
     }
 }

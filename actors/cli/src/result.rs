@@ -46,3 +46,8 @@ impl std::fmt::Display for Refused {
 }
 
 impl std::error::Error for Refused {}
+
+/// A command's refusal of its input, worded by the CLI: exits [`EXIT_REFUSED`].
+pub fn refuse(why: impl Into<String>) -> CliError {
+    Box::new(Refused(why.into()))
+}

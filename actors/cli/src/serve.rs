@@ -3,6 +3,7 @@
 //! requests.
 
 use crate::args::OpenArgs;
+use crate::result::refuse;
 use nsactor_decoding::AsyncDecoder;
 use nsactor_decoding::heal::{Health, RestartPolicy};
 use nsactor_decoding::warmup::WarmupPlan;
@@ -227,15 +228,15 @@ impl LimitArgs {
             if v.is_finite() && v >= 0.0 {
                 Ok(Duration::from_secs_f64(v))
             } else {
-                Err(format!("--{name} must be seconds >= 0, got {v}"))
+                Err(refuse(format!("--{name} must be seconds >= 0, got {v}")))
             }
         };
         let positive = |name: &str, v: f64| match secs(name, v)? {
-            d if d.is_zero() => Err(format!("--{name} must be more than 0 seconds")),
+            d if d.is_zero() => Err(refuse(format!("--{name} must be more than 0 seconds"))),
             d => Ok(d),
         };
         if self.max_body_bytes < 1024 {
-            return Err("--max-body-bytes must be at least 1024".into());
+            return Err(refuse("--max-body-bytes must be at least 1024"));
         }
         for (flag, v) in [
             ("max-connections", self.max_connections),
@@ -243,7 +244,7 @@ impl LimitArgs {
             ("max-new-tokens", self.max_new_tokens),
         ] {
             if v == 0 {
-                return Err(format!("--{flag} must be at least 1").into());
+                return Err(refuse(format!("--{flag} must be at least 1")));
             }
         }
         let request = secs("request-timeout", self.request_timeout)?;
@@ -269,30 +270,27 @@ impl ServeArgs {
     /// `--shutdown-grace` as a duration.
     fn grace(&self) -> Result<Duration, crate::result::CliError> {
         if !(self.shutdown_grace.is_finite() && self.shutdown_grace >= 0.0) {
-            return Err(format!(
+            return Err(refuse(format!(
                 "--shutdown-grace must be seconds >= 0, got {}",
                 self.shutdown_grace
-            )
-            .into());
+            )));
         }
         Ok(Duration::from_secs_f64(self.shutdown_grace))
     }
 
     fn heal_policy(&self) -> Result<RestartPolicy, crate::result::CliError> {
         if !(self.rebuild_window.is_finite() && self.rebuild_window > 0.0) {
-            return Err(format!(
+            return Err(refuse(format!(
                 "--rebuild-window must be seconds > 0, got {}",
                 self.rebuild_window
-            )
-            .into());
+            )));
         }
         if let Some(f) = &self.inject_fault
             && !f.starts_with("session-panic:")
         {
-            return Err(format!(
+            return Err(refuse(format!(
                 "--inject-fault: a server can only inject `session-panic:LAYER:PASS`, got `{f}`"
-            )
-            .into());
+            )));
         }
         Ok(RestartPolicy::new(
             self.max_rebuilds,
@@ -307,11 +305,10 @@ impl ServeArgs {
         use nsactor_server::state_key::StateKey;
         if let Ok(secret) = std::env::var(STATE_KEY_ENV) {
             if secret.trim().len() < 16 {
-                return Err(format!(
+                return Err(refuse(format!(
                     "${STATE_KEY_ENV} holds {} bytes; a key is at least 16",
                     secret.trim().len()
-                )
-                .into());
+                )));
             }
             return Ok((
                 StateKey::from_secret(secret.trim().as_bytes()),
@@ -359,7 +356,9 @@ impl ServeArgs {
             );
         }
         if keys.is_empty() && self.metrics_need_key {
-            return Err("--metrics-need-key needs an API key (--api-key, $NSACTOR_API_KEY or --api-key-file)".into());
+            return Err(refuse(
+                "--metrics-need-key needs an API key (--api-key, $NSACTOR_API_KEY or --api-key-file)",
+            ));
         }
         Ok(nsactor_server::auth::ApiKeys::new(
             keys,

@@ -13,7 +13,10 @@
 //! start join its cohort instead of their restore waiting for its pass.
 //!
 //! A cohort has one input length: the oldest waiting input picks it and every waiting input
-//! of that length joins (at most [`Batching::max_batch`]). Decoding tokens (length 1) batch
+//! of that length joins (at most [`Batching::max_batch`]), except that after a cohort of
+//! prompts the decoding steps waiting go first (prompts and steps take turns, so a burst of
+//! prompts holds no stream's next token, a prompt's last token included, for more than one
+//! prompt cohort). Decoding tokens (length 1) batch
 //! together; a prompt runs with the prompts of its length. A cohort's sessions are ordered by
 //! id, so the same sessions arrive at each layer in the same order step after step, and the
 //! layers keep their states without copying (`nsactor_backend_core::SessionTable`).
@@ -166,6 +169,9 @@ pub struct BatcherState {
     /// Whether a close job runs.
     ending_now: bool,
     tick_armed: bool,
+    /// Whether the last cohort launched was of prompts (inputs of more than one token): the
+    /// decoding steps waiting then go next, whatever their age.
+    after_prompts: bool,
     /// When a cohort last finished: the sessions it answered get a window from then to come
     /// back, even if inputs have been waiting longer (else two halves of the sessions
     /// alternate in two cohorts forever).
@@ -293,7 +299,22 @@ impl BatcherState {
 
     fn launch(&mut self, myself: &ActorRef<BatcherMsg>) {
         let front = self.waiting.front().expect("non-empty");
-        let (len, every) = (front.ids.len(), front.reply.every());
+        let (mut len, mut every) = (front.ids.len(), front.reply.every());
+        // Prompt cohorts and decoding steps take turns: after a cohort of prompts, the steps
+        // waiting go first, though prompts queued before them are older. A burst of prompts
+        // (256 clients at once) otherwise ran every prompt cohort before any step, and a
+        // stream's first token (its prompt's last input, fed as a step) waited for all of
+        // them: every client's first token came at the end of the burst.
+        if self.after_prompts
+            && len > 1
+            && self
+                .waiting
+                .iter()
+                .any(|w| w.ids.len() == 1 && !w.reply.every())
+        {
+            (len, every) = (1, false);
+        }
+        self.after_prompts = len > 1;
         let mut cohort = Vec::new();
         let mut rest = VecDeque::with_capacity(self.waiting.len());
         let fits = |n: usize| n == 0 || (n + 1) * len <= self.batching.max_tokens;
@@ -393,8 +414,9 @@ impl BatcherState {
                 stats.pacer.observe(len, real, took);
             }
             tracing::trace!(
-                "cohort of {real} (padded to {size}) × {len} inputs: {:.2} ms",
-                start.elapsed().as_secs_f64() * 1e3
+                "cohort of {real} (padded to {size}) × {len} inputs: {:.2} ms ({:.2} ms holding the devices)",
+                start.elapsed().as_secs_f64() * 1e3,
+                ran.map_or(f64::NAN, |d| d.as_secs_f64() * 1e3)
             );
             // The answers go out from the batcher, after it has counted the cohort done, so a
             // session's next input always finds it no longer in flight.
@@ -509,6 +531,7 @@ impl Actor for BatcherActor {
             ending: Vec::new(),
             ending_now: false,
             tick_armed: false,
+            after_prompts: false,
             freed_at: Instant::now(),
             fresh: HashSet::new(),
             lost: HashMap::new(),

@@ -206,6 +206,7 @@ impl AsyncDecoder {
         mut ids: Vec<i64>,
     ) -> Result<Vec<i64>, RuntimeError> {
         let mut fed = false;
+        let _feeding = self.stats.pacer.feeding();
         loop {
             // Open sessions count this one once it has fed.
             let others = self.open_sessions().saturating_sub(u64::from(fed));

@@ -18,13 +18,14 @@
 //! gaps: their p99); a long prompt moves on by at least [`MIN_CHUNK`] tokens a pass (the
 //! ceiling, where that is less). Where even the floor's pass takes more than the share, the
 //! gaps grow by that pass. Without a decoding step in the last [`STALE`] (or two chunk
-//! passes, where those are longer), or while the prompts being fed outnumber the sessions
-//! decoding (a burst of prompts beside a few streams; as many of each is paced), a chunk is
-//! the ceiling. With pipeline stages, passes overlap and each pass's time includes its
+//! passes, where those are longer), or while the prompts being fed (now, or in the last chunk
+//! pass) outnumber the sessions decoding (a burst of prompts beside a few streams; as many of
+//! each is paced), a chunk is the ceiling. With pipeline stages, passes overlap and each pass's time includes its
 //! neighbours' (judged as it comes). How a prompt is cut changes none of its numbers (the
 //! passes are batch invariant), only when the streams beside it get their tokens.
 
 use std::sync::Mutex;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 /// The shortest chunk the pacer cuts (tokens).
@@ -42,6 +43,19 @@ pub const STALE: Duration = Duration::from_millis(250);
 #[derive(Debug)]
 pub struct ChunkPacer {
     pace: Mutex<Pace>,
+    /// Prompts being fed now ([`ChunkPacer::feeding`]): with the last chunk pass's, what the
+    /// streams are weighed against. A burst arriving together is known as it arrives, not
+    /// only after its first pass (whose prompts would all have been cut at the floor).
+    feeding: AtomicUsize,
+}
+
+/// A prompt being fed: counted by its pacer until dropped.
+pub struct Feeding<'a>(&'a AtomicUsize);
+
+impl Drop for Feeding<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::Relaxed);
+    }
 }
 
 #[derive(Debug, Clone)]
@@ -71,9 +85,10 @@ impl Pace {
 
     /// Whether the decoding streams ran a step recently enough, at `now`, that a pass is
     /// judged against it and chunks are paced.
-    fn streaming(&self, now: Instant) -> Option<f64> {
+    fn streaming(&self, now: Instant, feeding: usize) -> Option<f64> {
         let (step, _) = self.step?;
-        (self.share > 0.0 && self.streams >= self.prompts && self.recent(now)).then_some(step)
+        let prompts = self.prompts.max(feeding);
+        (self.share > 0.0 && self.streams >= prompts && self.recent(now)).then_some(step)
     }
 
     /// Whether the last decoding step ended at most [`STALE`] (or two chunk passes) before
@@ -106,6 +121,7 @@ impl ChunkPacer {
                 streams: 0,
                 prompts: 0,
             }),
+            feeding: AtomicUsize::new(0),
         }
     }
 
@@ -151,10 +167,16 @@ impl ChunkPacer {
 
     fn chunk_at(&self, now: Instant) -> usize {
         let p = self.lock();
-        match p.streaming(now) {
+        match p.streaming(now, self.feeding.load(Ordering::Relaxed)) {
             Some(_) => p.chunk,
             None => p.max,
         }
+    }
+
+    /// Counts a prompt as being fed until the guard drops.
+    pub fn feeding(&self) -> Feeding<'_> {
+        self.feeding.fetch_add(1, Ordering::Relaxed);
+        Feeding(&self.feeding)
     }
 
     /// The running mean of the decoding steps, in seconds (none seen yet: `None`).
@@ -197,7 +219,7 @@ impl ChunkPacer {
         if len != p.chunk {
             return;
         }
-        let Some(step) = p.streaming(began) else {
+        let Some(step) = p.streaming(began, self.feeding.load(Ordering::Relaxed)) else {
             return;
         };
         p.pass = t;
@@ -260,6 +282,31 @@ mod tests {
         p.observe_at(128, 1, MS(50), t0);
         assert_eq!(p.chunk_at(t0), 128);
         assert_eq!(p.step_seconds(), None);
+    }
+
+    /// A burst of prompts beside one stream is known as it arrives: while more prompts are
+    /// being fed than sessions decode, a chunk is the ceiling, before any of their passes.
+    #[test]
+    fn prompts_being_fed_that_outnumber_the_streams_take_the_ceiling_at_once() {
+        let p = ChunkPacer::new(128, 0.75);
+        let t0 = Instant::now();
+        p.observe_at(1, 1, MS(5), t0);
+        let one = p.feeding();
+        assert_eq!(
+            p.chunk_at(t0),
+            MIN_CHUNK,
+            "one prompt beside one stream: paced"
+        );
+        let burst: Vec<_> = (0..4).map(|_| p.feeding()).collect();
+        assert_eq!(
+            p.chunk_at(t0),
+            128,
+            "five prompts beside one stream: the ceiling"
+        );
+        drop(burst);
+        assert_eq!(p.chunk_at(t0), MIN_CHUNK, "paced again once they are fed");
+        drop(one);
+        assert_eq!(p.feeding.load(Ordering::Relaxed), 0);
     }
 
     /// The lengths after each pass of the chunk length, at `ms_per_token` (1 ms more a pass).

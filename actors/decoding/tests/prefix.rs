@@ -143,6 +143,14 @@ fn requests_through_the_cache_give_the_logits_of_requests_fed_from_the_start() {
     ));
     assert_eq!(together, alone);
     assert!(cache.stats.hits.load(Ordering::Relaxed) >= 6);
+    // They all part from request 0's path at 40 tokens, past its snapshot at 32: the first
+    // claims the snapshot at 40 and feeds 32..40 once; the other five wait for it and start
+    // there (before claims each fed the same 8 tokens: 6 × 32 saved).
+    assert_eq!(
+        cache.stats.tokens_saved.load(Ordering::Relaxed),
+        32 + 5 * 40,
+        "concurrent requests fed their shared stretch once"
+    );
 }
 
 #[test]

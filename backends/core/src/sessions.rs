@@ -104,6 +104,60 @@ fn cat<B: Backend>(mut pieces: Vec<Tensor<B, 2>>) -> Tensor<B, 2> {
     }
 }
 
+/// The states of the sessions whose rows come from `sources` (one per session, in the call's
+/// order), stacked in that order: `part(source, positions)` gives the rows of one source's
+/// sessions (their positions in it, in call order), one piece per source in the order the
+/// sources first appear, and where the pieces' order is not the call's, one gather per field
+/// puts the rows in place.
+fn assemble<B: Backend>(
+    sources: &[Source],
+    rows: usize,
+    mut part: impl FnMut(Source, &[usize]) -> Vec<Tensor<B, 2>>,
+) -> Vec<Tensor<B, 2>> {
+    let key = |s: &Source| match *s {
+        Source::Held { group, .. } => Some(group),
+        Source::New => None,
+    };
+    // Sources in order of first appearance, each with its sessions' call indices.
+    let mut order: Vec<(Source, Vec<usize>)> = Vec::new();
+    for (i, src) in sources.iter().enumerate() {
+        match order.iter_mut().find(|(s, _)| key(s) == key(src)) {
+            Some((_, members)) => members.push(i),
+            None => order.push((*src, vec![i])),
+        }
+    }
+    let mut pieces: Vec<Vec<Tensor<B, 2>>> = Vec::new();
+    // Where each call index sits in the pieces stacked in order.
+    let mut slot = vec![0usize; sources.len()];
+    let mut next = 0;
+    for (src, members) in &order {
+        let positions: Vec<usize> = members
+            .iter()
+            .map(|&i| match sources[i] {
+                Source::Held { pos, .. } => pos,
+                Source::New => i,
+            })
+            .collect();
+        let fields = part(*src, &positions);
+        if pieces.is_empty() {
+            pieces.resize(fields.len(), Vec::new());
+        }
+        for (f, t) in fields.into_iter().enumerate() {
+            pieces[f].push(t);
+        }
+        for &i in members {
+            slot[i] = next;
+            next += 1;
+        }
+    }
+    let stacked: Vec<Tensor<B, 2>> = pieces.into_iter().map(cat).collect();
+    if slot.iter().enumerate().all(|(i, &s)| s == i) {
+        stacked
+    } else {
+        gather(&stacked, &slot, rows)
+    }
+}
+
 impl<B: Backend> SessionTable<B> {
     /// Open sessions.
     pub fn len(&self) -> usize {
@@ -184,39 +238,17 @@ impl<B: Backend> SessionTable<B> {
                 )));
             }
         }
-        // One piece per stretch of sessions from one group (a gather of its rows, or a view
-        // where they are contiguous) or of new ones: a cohort that takes 20 sessions spread
-        // through a group of 256 costs one copy per field, not one per session (s46: 81 fields
-        // × ~250 pieces, ~0.5 s a pass on the H200).
+        // One piece per source (a group, or the new sessions), then one reordering gather
+        // where the cohort interleaves them. Prompts batched by length leave a decoding
+        // cohort's sessions spread over many groups in id order; a piece per stretch of one
+        // group cost ~150 stretches × 81 fields of small copies and index uploads, ~150 ms
+        // for the first 256-session step after such a wave on an H100 (s69). A cohort that
+        // takes 20 sessions spread through one group of 256 still costs one gather per field.
         // (Never a zero-row tensor: some devices cannot launch an empty fill.)
-        let mut pieces: Vec<Vec<Tensor<B, 2>>> = Vec::new();
-        let same = |a: &Source, b: &Source| match (a, b) {
-            (Source::New, Source::New) => true,
-            (Source::Held { group: g0, .. }, Source::Held { group, .. }) => g0 == group,
-            _ => false,
-        };
-        for stretch in sources.chunk_by(same) {
-            let part = match stretch[0] {
-                Source::New => zeros(stretch.len() * rows),
-                Source::Held { group, .. } => {
-                    let positions: Vec<usize> = stretch
-                        .iter()
-                        .map(|s| match s {
-                            Source::Held { pos, .. } => *pos,
-                            Source::New => unreachable!("one kind per stretch"),
-                        })
-                        .collect();
-                    rows_at(&self.groups[group].state, &positions, rows)
-                }
-            };
-            if pieces.is_empty() {
-                pieces.resize(part.len(), Vec::new());
-            }
-            for (f, t) in part.into_iter().enumerate() {
-                pieces[f].push(t);
-            }
-        }
-        let state = pieces.into_iter().map(cat).collect();
+        let state = assemble(&sources, rows, |src, positions| match src {
+            Source::New => zeros(positions.len() * rows),
+            Source::Held { group, .. } => rows_at(&self.groups[group].state, positions, rows),
+        });
         let mut taken: Vec<Vec<usize>> = vec![Vec::new(); self.groups.len()];
         for src in &sources {
             if let Source::Held { group, pos } = *src {
@@ -250,19 +282,16 @@ impl<B: Backend> SessionTable<B> {
                 sessions[i], self.groups[at[i].0].rows, sessions[0]
             )));
         }
-        let mut pieces: Vec<Vec<Tensor<B, 2>>> = Vec::new();
-        for run in at.chunk_by(|a, b| a.0 == b.0) {
-            let g = &self.groups[run[0].0];
-            let positions: Vec<usize> = run.iter().map(|&(_, p)| p).collect();
-            let part = gather(&g.state, &positions, rows);
-            if pieces.is_empty() {
-                pieces.resize(part.len(), Vec::new());
-            }
-            for (f, t) in part.into_iter().enumerate() {
-                pieces[f].push(t);
-            }
-        }
-        Ok((rows, pieces.into_iter().map(cat).collect()))
+        let sources: Vec<Source> = at
+            .iter()
+            .map(|&(group, pos)| Source::Held { group, pos })
+            .collect();
+        // New buffers in every case: a gather even where the rows are consecutive.
+        let state = assemble(&sources, rows, |src, positions| match src {
+            Source::Held { group, .. } => gather(&self.groups[group].state, positions, rows),
+            Source::New => unreachable!("copies are of held sessions"),
+        });
+        Ok((rows, state))
     }
 
     /// `sessions`, none of which holds states, start from `state` (`[n · rows, width]` per
@@ -453,6 +482,51 @@ pub(crate) mod tests {
         t.close(10);
         let s = t.take(&[10, 11, 12], 1, zeros).unwrap();
         assert_eq!(ids_in(&s, 1), [0, 11, 12]);
+    }
+
+    /// Prompts batched by length leave a decoding cohort's sessions interleaved over many
+    /// groups in id order: each group is read once (one piece per source), and the rows still
+    /// come out in the call's order, new sessions included, for `take` and `copies_of` alike.
+    #[test]
+    fn interleaved_groups_are_read_once_each_and_stacked_in_call_order() {
+        let mut t = SessionTable::<B>::default();
+        let groups: [Vec<u64>; 3] = [vec![1, 4, 7, 10], vec![2, 5, 8], vec![3, 6, 9]];
+        for g in &groups {
+            t.put(g, 2, rows_of(g, 2));
+        }
+        let call: Vec<u64> = (1..=11).collect();
+        let copies = t.copies_of(&call[..10]).unwrap();
+        assert_eq!(copies.0, 2);
+        assert_eq!(ids_in(&copies.1, 2), (1..=10).collect::<Vec<u64>>());
+        let sources: Vec<Source> = call
+            .iter()
+            .map(|&s| match t.find(s) {
+                Some((group, pos)) => Source::Held { group, pos },
+                None => Source::New,
+            })
+            .collect();
+        let mut parts = Vec::new();
+        let stacked = assemble::<B>(&sources, 2, |src, positions| {
+            parts.push(positions.to_vec());
+            match src {
+                Source::New => zeros(positions.len() * 2),
+                Source::Held { group, .. } => rows_at(&t.groups[group].state, positions, 2),
+            }
+        });
+        assert_eq!(
+            parts,
+            [vec![0, 1, 2, 3], vec![0, 1, 2], vec![0, 1, 2], vec![10]]
+        );
+        assert_eq!(ids_in(&stacked, 2), [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 0]);
+        let s = t.take(&call, 2, zeros).unwrap();
+        assert_eq!(ids_in(&s, 2), [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 0]);
+        assert!(t.is_empty() && t.groups.is_empty());
+        // One source in the call's order: no reordering gather, the group's rows as they are.
+        t.put(&call, 2, s);
+        let s = t.take(&[3, 4, 5], 2, zeros).unwrap();
+        assert_eq!(ids_in(&s, 2), [3, 4, 5]);
+        let s = t.take(&[9, 1], 2, zeros).unwrap();
+        assert_eq!(ids_in(&s, 2), [9, 1]);
     }
 
     #[test]

@@ -53,6 +53,8 @@ impl Plugin {
     /// anything else.
     pub fn load(path: &Path) -> Result<Plugin, EngineError> {
         let shown = path.display();
+        // A file cut short would map and then kill the process on its first missing page.
+        crate::file_check::check_library_file(path)?;
         // SAFETY: loading runs the library's initialisers; plugins are trusted code chosen by
         // the deployer.
         let lib = unsafe { libloading::Library::new(path) }

@@ -35,6 +35,7 @@
 pub mod diagnostic;
 pub mod discovery;
 pub mod export;
+pub mod file_check;
 pub mod host;
 
 use std::ffi::{c_char, c_void};

@@ -358,10 +358,12 @@ pub fn run(a: ServeBenchArgs) -> crate::result::CliResult {
             );
         }
         if a.turns > 0 {
+            let mut first = 0;
             for &clients in &a.sessions {
                 idle(&decoder).await;
                 let t = super::turns::Turns {
                     clients,
+                    first,
                     turns: a.turns,
                     user_bytes: a.turn_bytes,
                     system_bytes: a.system_bytes,
@@ -369,6 +371,7 @@ pub fn run(a: ServeBenchArgs) -> crate::result::CliResult {
                     temperature: a.temperature,
                 };
                 super::turns::run(addr, t, &cache).await?;
+                first += clients;
             }
             if let [b, c] = &spares[..] {
                 super::turns::carry([addr, b.addr, c.addr], a.carry, a.tokens).await?;

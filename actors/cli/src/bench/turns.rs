@@ -16,6 +16,10 @@ use std::time::Instant;
 #[derive(Debug, Clone, Copy)]
 pub struct Turns {
     pub clients: usize,
+    /// The first client's number: each run of `--sessions` numbers its clients after the
+    /// runs before it, so a run's conversations are new to the cache (a second wave of the
+    /// same size shows what the first one's new shapes cost).
+    pub first: usize,
     pub turns: usize,
     /// Bytes of each user message (English words).
     pub user_bytes: usize,
@@ -36,7 +40,7 @@ pub async fn run(addr: std::net::SocketAddr, t: Turns, cache: &Arc<PrefixCache>)
     let s0 = counters(cache);
     let start = Instant::now();
     let clients: Vec<_> = (0..t.clients)
-        .map(|i| tokio::spawn(conversation(addr, i, t)))
+        .map(|i| tokio::spawn(conversation(addr, t.first + i, t)))
         .collect();
     let mut per_turn: Vec<Vec<Turn>> = vec![Vec::new(); t.turns];
     // Every answer in (client, turn) order: equal digests, equal conversations (a run with the

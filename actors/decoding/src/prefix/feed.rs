@@ -1,6 +1,7 @@
 //! A prompt fed through the cache: restored from the deepest snapshot on its path, then fed
 //! the rest a stretch at a time, a snapshot kept at the end of each stretch.
 
+use super::claims::{self, MAX_WAIT};
 use super::{Entry, PrefixCache, Tier};
 use crate::decoder::AsyncDecoder;
 use crate::snapshot::Snapshot;
@@ -23,6 +24,20 @@ enum Hit {
     ),
 }
 
+impl Hit {
+    fn at(&self) -> (usize, u64) {
+        match self {
+            Hit::Device(at, ..) | Hit::Host(at, ..) => *at,
+        }
+    }
+
+    fn depth(&self) -> usize {
+        match self {
+            Hit::Device(_, d, _) | Hit::Host(_, d, _) => *d,
+        }
+    }
+}
+
 impl PrefixCache {
     /// Feeds all of `prompt` but its last token to new `session`: restored from the deepest
     /// snapshot on the prompt's path, the rest fed with snapshots kept along it. Answers how
@@ -39,8 +54,31 @@ impl PrefixCache {
         }
         self.check_recoveries(dec);
         let limit = prompt.len() - 1;
-        let (hit, common) = self.lookup(prompt, limit);
+        let every = self.every(dec);
         let started = std::time::Instant::now();
+        // Stops another request is making are waited for, then found as hits (`claims`).
+        let mut waited = std::time::Duration::ZERO;
+        let (hit, common, mut claim) = loop {
+            let (hit, common) = self.lookup(prompt, limit);
+            let depth = hit.as_ref().map_or(0, Hit::depth);
+            let planned = stops(
+                depth,
+                common,
+                limit,
+                every,
+                &self.opens(prompt, depth, limit),
+            );
+            match self.claims.claim(prompt, &planned) {
+                Ok(claim) => break (hit, common, Some(claim)),
+                Err(done) if waited < MAX_WAIT => {
+                    if let Some(h) = &hit {
+                        self.unpin(h);
+                    }
+                    waited += claims::wait(done, MAX_WAIT - waited).await;
+                }
+                Err(_) => break (hit, common, None),
+            }
+        };
         let mut fed = 0;
         let restored = match hit {
             Some(hit) => self.restore(dec, session, hit).await?,
@@ -55,19 +93,9 @@ impl PrefixCache {
         } else {
             self.stats.misses.fetch_add(1, Ordering::Relaxed);
         }
-        // Only the first message's end (a system prompt others share) keeps a snapshot of its
-        // own: a later turn's messages are covered by the snapshot at the prompt's end, which
-        // the next turn finds. Each stop costs a pass of its own, so none within a few tokens
-        // past the hit or before the end either.
-        let opens: Vec<usize> = self.cfg.boundary.map_or(Vec::new(), |b| {
-            let first = prompt.iter().skip(1).position(|&t| t == b).map(|i| i + 1);
-            first
-                .filter(|&i| i >= fed + NEAR && i + NEAR <= limit)
-                .into_iter()
-                .collect()
-        });
+        let opens = self.opens(prompt, fed, limit);
         let (restored_at, depth) = (started.elapsed(), fed);
-        let stops = stops(fed, common, limit, self.every(dec), &opens);
+        let stops = stops(fed, common, limit, every, &opens);
         for &end in &stops {
             // The snapshot is taken in the pass's own jobs; a failed one fails only itself.
             let kept = dec.feed_keeping(session, prompt[fed..end].to_vec()).await?;
@@ -76,17 +104,45 @@ impl PrefixCache {
                 Ok(k) => self.put(dec, &prompt[..end], k.snapshot).await,
                 Err(e) => tracing::warn!("{session}: no prefix snapshot at {end} tokens: {e}"),
             }
+            if let Some(c) = claim.as_mut() {
+                c.kept(end);
+            }
         }
+        drop(claim);
         tracing::debug!(
-            "{session}: a prompt of {} tokens from a snapshot of {depth} ({:.2} ms), then {} \
-             fed in {} passes keeping snapshots at {stops:?} ({:.2} ms)",
+            "{session}: a prompt of {} tokens from a snapshot of {depth} ({:.2} ms, {:.2} of \
+             them waiting for snapshots others made), then {} fed in {} passes keeping \
+             snapshots at {stops:?} ({:.2} ms)",
             prompt.len(),
             restored_at.as_secs_f64() * 1e3,
+            waited.as_secs_f64() * 1e3,
             fed - depth,
             stops.len(),
             (started.elapsed() - restored_at).as_secs_f64() * 1e3,
         );
         Ok(fed)
+    }
+
+    /// Only the first message's end (a system prompt others share) keeps a snapshot of its
+    /// own: a later turn's messages are covered by the snapshot at the prompt's end, which
+    /// the next turn finds. Each stop costs a pass of its own, so none within a few tokens
+    /// past `fed` or before `limit` either.
+    fn opens(&self, prompt: &[i64], fed: usize, limit: usize) -> Vec<usize> {
+        self.cfg.boundary.map_or(Vec::new(), |b| {
+            let first = prompt.iter().skip(1).position(|&t| t == b).map(|i| i + 1);
+            first
+                .filter(|&i| i >= fed + NEAR && i + NEAR <= limit)
+                .into_iter()
+                .collect()
+        })
+    }
+
+    /// Gives back a lookup's pin without restoring it.
+    fn unpin(&self, hit: &Hit) {
+        let (node, serial) = hit.at();
+        if let Some(e) = self.lock().entry_mut(node, serial) {
+            e.pins = e.pins.saturating_sub(1);
+        }
     }
 
     fn every(&self, dec: &AsyncDecoder) -> usize {

@@ -16,11 +16,13 @@
 //! on the devices under a byte budget, least recently used out first to a host tier (its own
 //! budget), from which a hit brings them back. [`PrefixCache::held`] and
 //! [`PrefixCache::adopt`] take them out and back in across a restart. A snapshot being restored is pinned; a new
-//! request starts from a copy, so concurrent requests share one. The cache is exact: a
+//! request starts from a copy, so concurrent requests share one; a request whose prompt runs
+//! through a snapshot another is making waits for it instead of making it again ([`claims`]). The cache is exact: a
 //! session restored and fed the rest computes what one fed from the start does, bit for bit
 //! (the batch-invariant passes make a prompt's numbers independent of how it is cut).
 
 mod carry;
+pub mod claims;
 mod feed;
 mod persist;
 pub mod tree;
@@ -149,6 +151,8 @@ enum Work {
 pub struct PrefixCache {
     cfg: PrefixConfig,
     inner: Mutex<Inner>,
+    /// Snapshots being made by requests feeding now.
+    claims: claims::Claims,
     pub stats: PrefixStats,
 }
 
@@ -157,6 +161,7 @@ impl PrefixCache {
         PrefixCache {
             cfg,
             inner: Mutex::default(),
+            claims: claims::Claims::default(),
             stats: PrefixStats::default(),
         }
     }

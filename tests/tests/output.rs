@@ -1,7 +1,9 @@
 //! What the commands that print do when their output goes away or would overwrite the run: a
 //! reader that hangs up (`| head`) ends `generate` as it ends `cat` (SIGPIPE), not with a panic
 //! dump; `plot --out` refuses a name that is not a PNG's (the run's own `metrics.jsonl`, which
-//! it used to overwrite with the picture). Through the `nsactor` binary.
+//! it used to overwrite with the picture). And how they end on bad input: argument values
+//! refused with exit 78, the last line a JSON object under `--log-format json`, a plugin file
+//! cut short named and refused instead of crashing the process. Through the `nsactor` binary.
 
 mod common;
 
@@ -56,5 +58,113 @@ fn a_closed_pipe_ends_the_printing_quietly_and_plot_keeps_the_run() {
         .arg("--out")
         .arg(dir.join("curves.PNG")));
     assert!(dir.join("curves.PNG").is_file());
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn refused_arguments_exit_78_and_json_logs_end_in_json() {
+    let dir = temp_dir("refusals");
+    let run = dir.join("run");
+    ok(nsactor()
+        .args(["train", "--steps", "1", "--sample", "", "--out"])
+        .arg(&run));
+    let cases: [(&[&str], &str); 3] = [
+        (
+            &["eval", "--batches", "0", "--checkpoint"],
+            "--batches must be at least 1",
+        ),
+        (
+            &[
+                "analyze",
+                "--max-tokens",
+                "0",
+                "--out",
+                "/nonexistent/analysis",
+                "--checkpoint",
+            ],
+            "--max-tokens must be at least 1",
+        ),
+        (
+            &["serve", "--max-body-bytes", "10", "--checkpoint"],
+            "--max-body-bytes must be at least 1024",
+        ),
+    ];
+    for (args, want) in cases {
+        let o = nsactor().args(args).arg(&run).output().unwrap();
+        let stderr = String::from_utf8_lossy(&o.stderr);
+        assert_eq!(o.status.code(), Some(78), "{args:?}: {stderr}");
+        assert!(stderr.contains(want), "{args:?}: {stderr}");
+    }
+    let o = nsactor()
+        .args([
+            "--log-format",
+            "json",
+            "eval",
+            "--batches",
+            "0",
+            "--checkpoint",
+        ])
+        .arg(&run)
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(78), "{stderr}");
+    let last: serde_json::Value =
+        serde_json::from_str(stderr.lines().last().expect("a line")).expect("a JSON line");
+    assert_eq!(last["level"], "ERROR", "{last}");
+    assert_eq!(last["fields"]["exit_code"], 78, "{last}");
+    assert!(
+        last["fields"]["message"]
+            .as_str()
+            .is_some_and(|m| m.contains("--batches")),
+        "{last}"
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// A plugin file cut short (an interrupted copy) used to be mapped by the loader and kill the
+/// process with SIGBUS on its first missing page; it is now named and refused.
+#[test]
+fn a_plugin_file_cut_short_is_refused_not_a_crash() {
+    let dir = temp_dir("cut-plugin");
+    let me = std::fs::read(std::env::current_exe().unwrap()).unwrap();
+    let cut = dir.join("libnsactor_backend_cut.so");
+    std::fs::write(&cut, &me[..me.len() / 3]).unwrap();
+    let o = nsactor()
+        .arg("plugins")
+        .env("NSACTOR_PLUGIN_PATH", &dir)
+        .output()
+        .unwrap();
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    );
+    assert!(
+        o.status.code().is_some(),
+        "killed by a signal: {:?}: {text}",
+        o.status
+    );
+    assert!(
+        text.contains("libnsactor_backend_cut.so") && text.contains("cut short"),
+        "{text}"
+    );
+    let o = nsactor()
+        .args(["train", "--steps", "1", "--backend"])
+        .arg(&cut)
+        .arg("--out")
+        .arg(dir.join("run"))
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        o.status.code().is_some(),
+        "killed by a signal: {:?}: {stderr}",
+        o.status
+    );
+    assert!(
+        !o.status.success() && stderr.contains("cut short"),
+        "{stderr}"
+    );
     std::fs::remove_dir_all(&dir).unwrap();
 }

@@ -100,6 +100,7 @@ fn init_logging(format: &str) {
 fn main() -> ExitCode {
     let cli = Cli::parse();
     init_logging(&cli.log_format);
+    let json = cli.log_format == "json";
     // The commands that print results end quietly when their reader goes (`| head`), as
     // `cat` does, instead of panicking on a broken pipe. (Sockets are written with
     // MSG_NOSIGNAL by std, so a client that hangs up raises no signal; the commands that
@@ -140,12 +141,21 @@ fn main() -> ExitCode {
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            let text = e.to_string();
-            eprintln!("error: {text}");
-            if let Some(h) = hint(&text) {
-                eprintln!("hint: {h}");
+            let (text, code) = (e.to_string(), result::exit_code(&e));
+            if json {
+                // The last line is a log object too, for whatever reads the others.
+                let line = serde_json::json!({
+                    "level": "ERROR",
+                    "fields": {"message": text, "exit_code": code, "hint": hint(&text)},
+                });
+                eprintln!("{line}");
+            } else {
+                eprintln!("error: {text}");
+                if let Some(h) = hint(&text) {
+                    eprintln!("hint: {h}");
+                }
             }
-            ExitCode::from(result::exit_code(&e))
+            ExitCode::from(code)
         }
     }
 }

@@ -58,6 +58,7 @@ use std::time::Instant;
 mod loss;
 mod reply;
 mod sessions;
+mod turns;
 use reply::Reply;
 pub use sessions::{Closing, Keep};
 
@@ -298,22 +299,7 @@ impl BatcherState {
     }
 
     fn launch(&mut self, myself: &ActorRef<BatcherMsg>) {
-        let front = self.waiting.front().expect("non-empty");
-        let (mut len, mut every) = (front.ids.len(), front.reply.every());
-        // Prompt cohorts and decoding steps take turns: after a cohort of prompts, the steps
-        // waiting go first, though prompts queued before them are older. A burst of prompts
-        // (256 clients at once) otherwise ran every prompt cohort before any step, and a
-        // stream's first token (its prompt's last input, fed as a step) waited for all of
-        // them: every client's first token came at the end of the burst.
-        if self.after_prompts
-            && len > 1
-            && self
-                .waiting
-                .iter()
-                .any(|w| w.ids.len() == 1 && !w.reply.every())
-        {
-            (len, every) = (1, false);
-        }
+        let (len, every) = turns::next_input(&self.waiting, self.after_prompts);
         self.after_prompts = len > 1;
         let mut cohort = Vec::new();
         let mut rest = VecDeque::with_capacity(self.waiting.len());

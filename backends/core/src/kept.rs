@@ -3,19 +3,26 @@
 //! snapshot is taken from a session and given to new ones as copies, so the session it came
 //! from and every session started from it go on without touching it.
 //!
-//! Snapshots taken together sit side by side in one slab, one tensor per state field, as a
-//! session table keeps sessions: saving or restoring many sessions is one gather per field,
-//! whatever their number (one copy per field and session took ~85 µs each on an H200, 1.77 s
-//! for 256 restores of the 0.9B model). A slab whose snapshots are mostly dropped is copied
-//! down to the live ones, so the device holds at most twice the bytes its snapshots report.
+//! Snapshots sit side by side in slabs, one tensor per state field, as a session table keeps
+//! sessions: saving or restoring many sessions is one gather per field and slab, whatever
+//! their number (one copy per field and session took ~85 µs each on an H200, 1.77 s for 256
+//! restores of the 0.9B model). A save fills the free places of the slabs of its rows first
+//! (one in-place write per field and run of places), and only then makes a slab of at least
+//! [`PLACES`] places; a slab goes with its last snapshot. So the device holds a few large
+//! buffers, not one small buffer per snapshot and field: CubeCL's pools look for room by
+//! walking every slice they hold, and the ~30,000 small buffers of 371 snapshots of the 0.9B
+//! (81 fields each) slowed every allocation of every pass (s69).
 
-use crate::sessions::{SessionTable, fresh, gather};
+use crate::sessions::{SessionTable, Source, assemble, fresh};
 use crate::{act, wrap};
 use burn::tensor::{Tensor, backend::Backend};
 use nsactor_plugin_api::{DeviceTensor, EngineError, Reply, SessionId, SnapshotId, StageCall};
 use std::collections::{HashMap, HashSet};
 
-/// Snapshots taken together.
+/// Places of a slab made for fewer snapshots.
+pub(crate) const PLACES: usize = 64;
+
+/// Snapshots side by side.
 struct Slab<B: Backend> {
     /// One tensor per state field, `[members.len() · rows, width]`.
     fields: Vec<Tensor<B, 2>>,
@@ -132,24 +139,24 @@ impl<B: Backend> Snapshots<B> {
                 snapshots[i], self.slabs[&at[i].0].rows, snapshots[0]
             )));
         }
-        let mut pieces: Vec<Vec<Tensor<B, 2>>> = vec![Vec::new(); self.widths.len()];
-        for run in at.chunk_by(|a, b| a.0 == b.0) {
-            let positions: Vec<usize> = run.iter().map(|&(_, p)| p).collect();
-            let part = gather(&self.slabs[&run[0].0].fields, &positions, rows);
-            for (f, t) in part.into_iter().enumerate() {
-                pieces[f].push(t);
-            }
-        }
-        let state = pieces
-            .into_iter()
-            .map(|mut p| {
-                if p.len() == 1 {
-                    p.pop().expect("one piece")
-                } else {
-                    Tensor::cat(p, 0)
-                }
+        // One gather per slab, then one that puts the rows in the sessions' order.
+        let mut slabs: Vec<u64> = Vec::new();
+        let sources: Vec<Source> = at
+            .iter()
+            .map(|&(slab, pos)| {
+                let group = slabs.iter().position(|&s| s == slab).unwrap_or_else(|| {
+                    slabs.push(slab);
+                    slabs.len() - 1
+                });
+                Source::Held { group, pos }
             })
             .collect();
+        let state = assemble(&sources, rows, |src, positions| match src {
+            Source::Held { group, .. } => {
+                crate::sessions::gather(&self.slabs[&slabs[group]].fields, positions, rows)
+            }
+            Source::New => unreachable!("every snapshot is kept"),
+        });
         table.start_many(SessionId::raw(sessions), rows, state)?;
         Ok(Reply::none())
     }
@@ -168,34 +175,113 @@ impl<B: Backend> Snapshots<B> {
     }
 
     /// Keeps `state` (`[n · rows, width]` per field, new buffers) as `snapshots`, replacing
-    /// any kept under those ids: the device bytes each one holds.
+    /// any kept under those ids: the device bytes each one holds. Free places of the slabs of
+    /// `rows` are filled first, in slab and place order; the rest go to a new slab.
     fn insert(&mut self, snapshots: &[SnapshotId], rows: usize, state: Vec<Tensor<B, 2>>) -> usize {
         for p in snapshots {
             self.remove(p.0);
         }
-        let slab = self.next_slab;
-        self.next_slab += 1;
-        for (pos, p) in snapshots.iter().enumerate() {
-            self.kept.insert(p.0, (slab, pos));
-        }
+        let n = snapshots.len();
         let bytes = state
             .iter()
             .map(|t| t.dims()[1] * rows * t.dtype().size())
             .sum();
-        self.slabs.insert(
-            slab,
-            Slab {
-                fields: state,
-                rows,
-                members: snapshots.iter().map(|p| Some(p.0)).collect(),
-                live: snapshots.len(),
-            },
-        );
+        let fits = |s: &Slab<B>| {
+            s.rows == rows
+                && s.live < s.members.len()
+                && s.fields
+                    .iter()
+                    .zip(&state)
+                    .all(|(a, b)| a.dtype() == b.dtype())
+        };
+        let mut ids: Vec<u64> = self
+            .slabs
+            .iter()
+            .filter(|(_, s)| fits(s))
+            .map(|(&id, _)| id)
+            .collect();
+        ids.sort_unstable();
+        let mut places: Vec<(u64, usize)> = Vec::with_capacity(n);
+        for id in ids {
+            let free = self.slabs[&id].members.iter().enumerate();
+            let free = free.filter(|(_, m)| m.is_none()).map(|(pos, _)| (id, pos));
+            places.extend(free.take(n - places.len()));
+            if places.len() == n {
+                break;
+            }
+        }
+        let rest = n - places.len();
+        if rest > 0 {
+            let id = self.next_slab;
+            self.next_slab += 1;
+            let places_made = rest.max(PLACES);
+            let fields = if places.is_empty() && rest == places_made {
+                // A slab of exactly these snapshots: the state as it is, no copy.
+                state.clone()
+            } else {
+                state
+                    .iter()
+                    .map(|t| {
+                        let device = t.device();
+                        Tensor::<B, 2>::zeros([places_made * rows, t.dims()[1]], &device)
+                            .cast(t.dtype())
+                    })
+                    .collect()
+            };
+            let whole = places.is_empty() && rest == places_made;
+            self.slabs.insert(
+                id,
+                Slab {
+                    fields,
+                    rows,
+                    members: vec![None; places_made],
+                    live: 0,
+                },
+            );
+            if whole {
+                let slab = self.slabs.get_mut(&id).expect("made");
+                for (pos, p) in snapshots.iter().enumerate() {
+                    slab.members[pos] = Some(p.0);
+                    self.kept.insert(p.0, (id, pos));
+                }
+                slab.live = n;
+                return bytes;
+            }
+            places.extend((0..rest).map(|pos| (id, pos)));
+        }
+        // Each run of consecutive places of one slab takes the next rows of `state`.
+        let mut next = 0;
+        for run in places.chunk_by(|a, b| a.0 == b.0 && b.1 == a.1 + 1) {
+            let (id, first) = run[0];
+            let len = run.len();
+            let slab = self.slabs.get_mut(&id).expect("a slab with room");
+            let to = first * rows..(first + len) * rows;
+            let fields = std::mem::take(&mut slab.fields);
+            slab.fields = fields
+                .into_iter()
+                .zip(&state)
+                .map(|(t, s)| {
+                    let w = t.dims()[1];
+                    // In place where the slab's buffer is not shared (a read's view is not).
+                    t.slice_assign(
+                        [to.clone(), 0..w],
+                        s.clone().narrow(0, next * rows, len * rows),
+                    )
+                })
+                .collect();
+            for (k, &(_, pos)) in run.iter().enumerate() {
+                let p = snapshots[next + k].0;
+                slab.members[pos] = Some(p);
+                self.kept.insert(p, (id, pos));
+            }
+            slab.live += len;
+            next += len;
+        }
         bytes
     }
 
-    /// Forgets `snapshot` (nothing happens for an unknown one). A slab goes with its last
-    /// snapshot, and is copied down to its live ones once fewer than half are.
+    /// Forgets `snapshot` (nothing happens for an unknown one): its place is free for the next
+    /// save, and a slab goes with its last snapshot.
     fn remove(&mut self, snapshot: u64) {
         let Some((id, pos)) = self.kept.remove(&snapshot) else {
             return;
@@ -205,15 +291,6 @@ impl<B: Backend> Snapshots<B> {
         slab.live -= 1;
         if slab.live == 0 {
             self.slabs.remove(&id);
-        } else if 2 * slab.live < slab.members.len() {
-            let positions: Vec<usize> = (0..slab.members.len())
-                .filter(|&p| slab.members[p].is_some())
-                .collect();
-            slab.fields = gather(&slab.fields, &positions, slab.rows);
-            slab.members = positions.iter().map(|&p| slab.members[p]).collect();
-            for (p, m) in slab.members.iter().enumerate() {
-                self.kept.insert(m.expect("live"), (id, p));
-            }
         }
     }
 
@@ -354,7 +431,7 @@ mod tests {
         // The restored states are copies: changing them leaves the snapshots as they were.
         t.put(&[20, 21, 22, 23], 2, vec![s[0].clone().mul_scalar(0.0)]);
         assert_eq!(read(&mut k, &mut t, 11).unwrap(), 1);
-        // Two of the slab's three dropped: it is copied down, and what is left is intact.
+        // Two of the slab's three dropped: their places are free, what is left is intact.
         for p in [11, 10, 99] {
             run(
                 &mut k,
@@ -366,7 +443,9 @@ mod tests {
             .unwrap();
         }
         assert_eq!(k.slabs.len(), 1);
-        assert_eq!(k.slabs.values().next().unwrap().members, [Some(12)]);
+        let slab = k.slabs.values().next().unwrap();
+        assert_eq!((slab.live, slab.members.len()), (1, PLACES));
+        assert_eq!(slab.members[..3], [None, None, Some(12)]);
         assert!(read(&mut k, &mut t, 11).is_err());
         restore(&mut k, &mut t, &[30], &[12]).unwrap();
         assert_eq!(
@@ -385,6 +464,49 @@ mod tests {
         )
         .unwrap();
         assert!(k.slabs.is_empty() && k.kept.is_empty());
+    }
+
+    /// Snapshots saved one at a time share slabs: each save fills a free place (the lowest),
+    /// a save of more than the free places fills them and makes a slab for the rest, and each
+    /// snapshot still restores its own rows.
+    #[test]
+    fn saves_fill_free_places_before_making_slabs() {
+        let (mut k, mut t) = (Snapshots::<B>::new(vec![2]), SessionTable::<B>::default());
+        let ids: Vec<u64> = (1..=100).collect();
+        t.put(&ids, 2, rows_of(&ids, 2));
+        for s in 1..=10 {
+            save(&mut k, &mut t, &[s], &[1000 + s]).unwrap();
+        }
+        assert_eq!(k.slabs.len(), 1, "ten saves, one slab");
+        for p in [1003, 1004, 1007] {
+            run(
+                &mut k,
+                &mut t,
+                StageCall::StateDrop {
+                    snapshot: SnapshotId(p),
+                },
+            )
+            .unwrap();
+        }
+        // 3 free places among the first 10, 54 after: 60 snapshots fill 57, 3 go to a new slab.
+        let many: Vec<u64> = (11..=70).collect();
+        let snaps_many: Vec<u64> = many.iter().map(|s| 1000 + s).collect();
+        save(&mut k, &mut t, &many, &snaps_many).unwrap();
+        assert_eq!(k.slabs.len(), 2);
+        assert_eq!(k.kept[&1011].1, 2, "the lowest free place first");
+        for (s, p) in many
+            .iter()
+            .zip(&snaps_many)
+            .chain([(&1, &1001), (&10, &1010)])
+        {
+            assert_eq!(read(&mut k, &mut t, *p).unwrap(), *s, "snapshot {p}");
+        }
+        let back: Vec<u64> = (200..260).collect();
+        restore(&mut k, &mut t, &back, &snaps_many).unwrap();
+        assert_eq!(
+            ids_in(&t.take(&back, 2, |_| unreachable!()).unwrap(), 2),
+            many
+        );
     }
 
     #[test]

@@ -26,7 +26,7 @@ struct Group<B: Backend> {
 
 /// Where a session's rows are.
 #[derive(Clone, Copy, PartialEq, Eq)]
-enum Source {
+pub(crate) enum Source {
     /// Position `pos` of group `group`.
     Held {
         group: usize,
@@ -109,7 +109,7 @@ fn cat<B: Backend>(mut pieces: Vec<Tensor<B, 2>>) -> Tensor<B, 2> {
 /// sessions (their positions in it, in call order), one piece per source in the order the
 /// sources first appear, and where the pieces' order is not the call's, one gather per field
 /// puts the rows in place.
-fn assemble<B: Backend>(
+pub(crate) fn assemble<B: Backend>(
     sources: &[Source],
     rows: usize,
     mut part: impl FnMut(Source, &[usize]) -> Vec<Tensor<B, 2>>,

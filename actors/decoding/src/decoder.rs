@@ -171,7 +171,10 @@ impl AsyncDecoder {
         ids: Vec<i64>,
         plan: StreamPlan,
     ) -> Result<DecodeStream, RuntimeError> {
+        // Counted by the pacer while its chunks are fed (its last goes with the stream).
+        let feeding = self.stats.pacer.feeding();
         let ids = self.feed_all_but_last_chunk(session, ids).await?;
+        drop(feeding);
         let batcher = self.batcher.clone();
         let resume = Box::new(move || {
             let _ = batcher.cast(BatcherMsg::Resume { session });
@@ -191,6 +194,8 @@ impl AsyncDecoder {
         ids: Vec<i64>,
         pick: Option<PickRequest>,
     ) -> Result<Answer, RuntimeError> {
+        // Counted by the pacer as a prompt being fed until its last pass is answered.
+        let _feeding = (ids.len() > 1).then(|| self.stats.pacer.feeding());
         let ids = self.feed_all_but_last_chunk(session, ids).await?;
         self.ask_once(session, ids, pick, false, None).await
     }
@@ -206,7 +211,6 @@ impl AsyncDecoder {
         mut ids: Vec<i64>,
     ) -> Result<Vec<i64>, RuntimeError> {
         let mut fed = false;
-        let _feeding = self.stats.pacer.feeding();
         loop {
             // Open sessions count this one once it has fed.
             let others = self.open_sessions().saturating_sub(u64::from(fed));

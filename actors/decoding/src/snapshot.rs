@@ -24,6 +24,8 @@ impl AsyncDecoder {
         session: SessionId,
         ids: Vec<i64>,
     ) -> Result<Result<Kept, RuntimeError>, RuntimeError> {
+        // Counted by the pacer as a prompt being fed until its last pass is answered.
+        let _feeding = (ids.len() > 1).then(|| self.stats.pacer.feeding());
         let ids = self.feed_all_but_last_chunk(session, ids).await?;
         let (tx, rx) = tokio::sync::oneshot::channel();
         let keep = Some((self.ids.snapshot(), tx.into()));

@@ -19,8 +19,14 @@ use burn::tensor::{Tensor, backend::Backend};
 use nsactor_plugin_api::{DeviceTensor, EngineError, Reply, SessionId, SnapshotId, StageCall};
 use std::collections::{HashMap, HashSet};
 
-/// Places of a slab made for fewer snapshots.
+/// Places of a slab made for fewer snapshots: at most this many, and at most
+/// [`SLAB_BYTES`] of them (a model with large states gets slabs of fewer places).
 pub(crate) const PLACES: usize = 64;
+/// Bytes a slab made for fewer snapshots may hold, over its fields.
+const SLAB_BYTES: usize = 16 << 20;
+/// Runs of free places one save writes at most (one write per field and run); the rest go
+/// to a new slab, so a save into scattered places costs no more than a few copies a field.
+const MAX_RUNS: usize = 8;
 
 /// Snapshots side by side.
 struct Slab<B: Backend> {
@@ -182,7 +188,7 @@ impl<B: Backend> Snapshots<B> {
             self.remove(p.0);
         }
         let n = snapshots.len();
-        let bytes = state
+        let bytes: usize = state
             .iter()
             .map(|t| t.dims()[1] * rows * t.dtype().size())
             .sum();
@@ -202,19 +208,30 @@ impl<B: Backend> Snapshots<B> {
             .collect();
         ids.sort_unstable();
         let mut places: Vec<(u64, usize)> = Vec::with_capacity(n);
-        for id in ids {
-            let free = self.slabs[&id].members.iter().enumerate();
-            let free = free.filter(|(_, m)| m.is_none()).map(|(pos, _)| (id, pos));
-            places.extend(free.take(n - places.len()));
-            if places.len() == n {
-                break;
+        let mut runs = 0;
+        'slabs: for id in ids {
+            for (pos, m) in self.slabs[&id].members.iter().enumerate() {
+                if places.len() == n {
+                    break 'slabs;
+                }
+                if m.is_some() {
+                    continue;
+                }
+                if places.last() != Some(&(id, pos.wrapping_sub(1))) {
+                    if runs == MAX_RUNS {
+                        break 'slabs;
+                    }
+                    runs += 1;
+                }
+                places.push((id, pos));
             }
         }
         let rest = n - places.len();
         if rest > 0 {
             let id = self.next_slab;
             self.next_slab += 1;
-            let places_made = rest.max(PLACES);
+            let fit = SLAB_BYTES / bytes.max(1);
+            let places_made = rest.max(fit.clamp(1, PLACES));
             let fields = if places.is_empty() && rest == places_made {
                 // A slab of exactly these snapshots: the state as it is, no copy.
                 state.clone()
@@ -222,9 +239,8 @@ impl<B: Backend> Snapshots<B> {
                 state
                     .iter()
                     .map(|t| {
-                        let device = t.device();
-                        Tensor::<B, 2>::zeros([places_made * rows, t.dims()[1]], &device)
-                            .cast(t.dtype())
+                        let shape = [places_made * rows, t.dims()[1]];
+                        Tensor::<B, 2>::zeros(shape, (&t.device(), t.dtype()))
                     })
                     .collect()
             };
@@ -507,6 +523,43 @@ mod tests {
             ids_in(&t.take(&back, 2, |_| unreachable!()).unwrap(), 2),
             many
         );
+    }
+
+    /// Free places scattered one by one: a save writes at most `MAX_RUNS` runs of them and
+    /// puts the rest in a new slab, each snapshot still its own rows.
+    #[test]
+    fn a_save_into_scattered_places_writes_a_few_runs() {
+        let (mut k, mut t) = (Snapshots::<B>::new(vec![2]), SessionTable::<B>::default());
+        let ids: Vec<u64> = (1..=100).collect();
+        t.put(&ids, 2, rows_of(&ids, 2));
+        for s in 1..=PLACES as u64 {
+            save(&mut k, &mut t, &[s], &[1000 + s]).unwrap();
+        }
+        assert_eq!(k.slabs.len(), 1);
+        for p in (1..=PLACES as u64).step_by(2) {
+            let drop = StageCall::StateDrop {
+                snapshot: SnapshotId(1000 + p),
+            };
+            run(&mut k, &mut t, drop).unwrap();
+        }
+        let many: Vec<u64> = (71..=90).collect();
+        let snaps_many: Vec<u64> = many.iter().map(|s| 1000 + s).collect();
+        save(&mut k, &mut t, &many, &snaps_many).unwrap();
+        assert_eq!(
+            k.slabs.len(),
+            2,
+            "eight scattered places, a new slab for the other 12"
+        );
+        let first = *k.slabs.keys().min().unwrap();
+        let in_first = snaps_many.iter().filter(|p| k.kept[p].0 == first).count();
+        assert_eq!(in_first, MAX_RUNS);
+        for (s, p) in many
+            .iter()
+            .zip(&snaps_many)
+            .chain([(&2, &1002), (&64, &1064)])
+        {
+            assert_eq!(read(&mut k, &mut t, *p).unwrap(), *s, "snapshot {p}");
+        }
     }
 
     #[test]

@@ -62,7 +62,7 @@ pub fn check_library_file(path: &Path) -> Result<(), EngineError> {
     let phoff = header.e_phoff(endian);
     let phnum = usize::from(header.e_phnum(endian));
     let entry = std::mem::size_of::<ProgramHeader64<Endianness>>();
-    if usize::from(header.e_phentsize(endian)) != entry {
+    if phnum > 0 && usize::from(header.e_phentsize(endian)) != entry {
         return Err(refuse(format!(
             "its program headers are {} bytes each, not ELF64's {entry}",
             header.e_phentsize(endian)
@@ -79,7 +79,8 @@ pub fn check_library_file(path: &Path) -> Result<(), EngineError> {
     let (segments, _) = pod::slice_from_bytes::<ProgramHeader64<Endianness>>(&table, phnum)
         .map_err(|()| refuse("its program headers cannot be read".into()))?;
     for (i, seg) in segments.iter().enumerate() {
-        if seg.p_type(endian) != PT_LOAD {
+        // A segment with no file bytes (all of it zero-filled memory) maps none.
+        if seg.p_type(endian) != PT_LOAD || seg.p_filesz(endian) == 0 {
             continue;
         }
         let end = seg.p_offset(endian).saturating_add(seg.p_filesz(endian));

@@ -2,9 +2,6 @@
 //! chunks (their steps run between), paced by time beside decoding streams
 //! (`nsactor_decoding::pacer`), and its logits are bit for bit those of the prompt fed alone.
 
-use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-
 mod common;
 
 use common::*;
@@ -65,40 +62,25 @@ fn chunks_beside_a_decoding_stream_climb_and_fall_with_their_share_and_keep_the_
     let prompt: Vec<i64> = (0..600).map(|i| 5 + (i * 31 % 200) as i64).collect();
     let alone = p.block_on(forced(&d, prompt.clone(), Vec::new())).remove(0);
     let (runs, steps) = p.block_on(async {
-        let other = d.session();
-        d.feed(other, vec![7, 8]).await.unwrap();
-        let done = Arc::new(AtomicBool::new(false));
-        let stepped = Arc::new(AtomicU64::new(0));
-        let stream = {
-            let (d, done, stepped) = (d.clone(), done.clone(), stepped.clone());
-            tokio::spawn(async move {
-                while !done.load(Ordering::Relaxed) {
-                    d.feed(other, vec![9]).await.unwrap();
-                    stepped.fetch_add(1, Ordering::Relaxed);
-                }
-            })
-        };
+        let stream = Stepper::start(&d).await;
         while d.pacer().step_seconds().is_none() {
             tokio::time::sleep(std::time::Duration::from_millis(1)).await;
         }
         let mut runs = Vec::new();
         for share in [1e6, 1e-6] {
             d.pacer().set_share(share);
-            let (c0, s0) = (d.batch_counts().0, stepped.load(Ordering::Relaxed));
+            let (c0, s0) = (d.batch_counts().0, stream.steps());
             let s = d.session();
             let logits = d.feed(s, prompt.clone()).await.unwrap();
             let paced = d.chunk_tokens();
             // Cohorts launched meanwhile less the stream's steps answered (one step may be in
             // flight at either end): the prompt's passes, give or take one.
-            let (c1, s1) = (d.batch_counts().0, stepped.load(Ordering::Relaxed));
+            let (c1, s1) = (d.batch_counts().0, stream.steps());
             let passes = (c1 - c0).saturating_sub(s1 - s0);
             d.close(s).await;
             runs.push((logits, paced, passes));
         }
-        done.store(true, Ordering::Relaxed);
-        stream.await.unwrap();
-        d.close(other).await;
-        (runs, stepped.load(Ordering::Relaxed))
+        (runs, stream.stop(&d).await)
     });
     // Climbing: 8, 16, 32, 64, then 128 × 3 and the last 96 tokens: 8 passes.
     let floor = nsactor_decoding::pacer::MIN_CHUNK;

@@ -3,9 +3,6 @@
 //! decoding stream's next token until the whole burst is prefilled. On the embedded CPU
 //! backend.
 
-use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-
 mod common;
 
 use common::*;
@@ -17,25 +14,13 @@ fn a_burst_of_prompts_lets_a_decoding_stream_step_between_its_cohorts() {
     let d = p.decoder(256).with_pass_tokens(1024);
     const BURST: usize = 6;
     let (during, alone) = p.block_on(async {
-        let other = d.session();
-        d.feed(other, vec![7, 8]).await.unwrap();
-        let done = Arc::new(AtomicBool::new(false));
-        let stepped = Arc::new(AtomicU64::new(0));
-        let stream = {
-            let (d, done, stepped) = (d.clone(), done.clone(), stepped.clone());
-            tokio::spawn(async move {
-                while !done.load(Ordering::Relaxed) {
-                    d.feed(other, vec![9]).await.unwrap();
-                    stepped.fetch_add(1, Ordering::Relaxed);
-                }
-            })
-        };
-        while stepped.load(Ordering::Relaxed) < 2 {
+        let stream = Stepper::start(&d).await;
+        while stream.steps() < 2 {
             tokio::time::sleep(std::time::Duration::from_millis(1)).await;
         }
         // Six prompts of six lengths at once: six prompt cohorts.
         let sessions: Vec<_> = (0..BURST).map(|_| d.session()).collect();
-        let (c0, s0) = (d.batch_counts().0, stepped.load(Ordering::Relaxed));
+        let (c0, s0) = (d.batch_counts().0, stream.steps());
         let feeds: Vec<_> = sessions
             .iter()
             .enumerate()
@@ -48,13 +33,11 @@ fn a_burst_of_prompts_lets_a_decoding_stream_step_between_its_cohorts() {
         for f in feeds {
             f.await.unwrap();
         }
-        let (c1, s1) = (d.batch_counts().0, stepped.load(Ordering::Relaxed));
-        done.store(true, Ordering::Relaxed);
-        stream.await.unwrap();
+        let (c1, s1) = (d.batch_counts().0, stream.steps());
+        stream.stop(&d).await;
         for s in sessions {
             d.close(s).await;
         }
-        d.close(other).await;
         // The prompts' cohorts: those launched less the steps answered meanwhile.
         let prompts = (c1 - c0).saturating_sub(s1 - s0);
         (s1 - s0, prompts)

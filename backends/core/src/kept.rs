@@ -232,7 +232,8 @@ impl<B: Backend> Snapshots<B> {
             self.next_slab += 1;
             let fit = SLAB_BYTES / bytes.max(1);
             let places_made = rest.max(fit.clamp(1, PLACES));
-            let fields = if places.is_empty() && rest == places_made {
+            let whole = places.is_empty() && rest == places_made;
+            let fields = if whole {
                 // A slab of exactly these snapshots: the state as it is, no copy.
                 state.clone()
             } else {
@@ -244,7 +245,6 @@ impl<B: Backend> Snapshots<B> {
                     })
                     .collect()
             };
-            let whole = places.is_empty() && rest == places_made;
             self.slabs.insert(
                 id,
                 Slab {
@@ -420,6 +420,17 @@ mod tests {
         )
     }
 
+    fn drop_snapshot(k: &mut Snapshots<B>, t: &mut SessionTable<B>, p: u64) {
+        run(
+            k,
+            t,
+            StageCall::StateDrop {
+                snapshot: SnapshotId(p),
+            },
+        )
+        .unwrap();
+    }
+
     /// The id snapshot `p` carries, read as `StateRead` gives it.
     fn read(k: &mut Snapshots<B>, t: &mut SessionTable<B>, p: u64) -> Result<u64, EngineError> {
         let r = run(
@@ -449,14 +460,7 @@ mod tests {
         assert_eq!(read(&mut k, &mut t, 11).unwrap(), 1);
         // Two of the slab's three dropped: their places are free, what is left is intact.
         for p in [11, 10, 99] {
-            run(
-                &mut k,
-                &mut t,
-                StageCall::StateDrop {
-                    snapshot: SnapshotId(p),
-                },
-            )
-            .unwrap();
+            drop_snapshot(&mut k, &mut t, p);
         }
         assert_eq!(k.slabs.len(), 1);
         let slab = k.slabs.values().next().unwrap();
@@ -471,14 +475,7 @@ mod tests {
         // Saving under a kept id replaces it; the last drop takes the slab.
         save(&mut k, &mut t, &[2], &[12]).unwrap();
         assert_eq!(read(&mut k, &mut t, 12).unwrap(), 2);
-        run(
-            &mut k,
-            &mut t,
-            StageCall::StateDrop {
-                snapshot: SnapshotId(12),
-            },
-        )
-        .unwrap();
+        drop_snapshot(&mut k, &mut t, 12);
         assert!(k.slabs.is_empty() && k.kept.is_empty());
     }
 
@@ -495,14 +492,7 @@ mod tests {
         }
         assert_eq!(k.slabs.len(), 1, "ten saves, one slab");
         for p in [1003, 1004, 1007] {
-            run(
-                &mut k,
-                &mut t,
-                StageCall::StateDrop {
-                    snapshot: SnapshotId(p),
-                },
-            )
-            .unwrap();
+            drop_snapshot(&mut k, &mut t, p);
         }
         // 3 free places among the first 10, 54 after: 60 snapshots fill 57, 3 go to a new slab.
         let many: Vec<u64> = (11..=70).collect();
@@ -537,10 +527,7 @@ mod tests {
         }
         assert_eq!(k.slabs.len(), 1);
         for p in (1..=PLACES as u64).step_by(2) {
-            let drop = StageCall::StateDrop {
-                snapshot: SnapshotId(1000 + p),
-            };
-            run(&mut k, &mut t, drop).unwrap();
+            drop_snapshot(&mut k, &mut t, 1000 + p);
         }
         let many: Vec<u64> = (71..=90).collect();
         let snaps_many: Vec<u64> = many.iter().map(|s| 1000 + s).collect();

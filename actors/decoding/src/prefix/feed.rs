@@ -58,25 +58,19 @@ impl PrefixCache {
         let started = std::time::Instant::now();
         // Stops another request is making are waited for, then found as hits (`claims`).
         let mut waited = std::time::Duration::ZERO;
-        let (hit, common, mut claim) = loop {
+        let (hit, common, planned, mut claim) = loop {
             let (hit, common) = self.lookup(prompt, limit);
             let depth = hit.as_ref().map_or(0, Hit::depth);
-            let planned = stops(
-                depth,
-                common,
-                limit,
-                every,
-                &self.opens(prompt, depth, limit),
-            );
-            match self.claims.claim(prompt, &planned) {
-                Ok(claim) => break (hit, common, Some(claim)),
+            let planned = (depth, self.plan(prompt, depth, common, limit, every));
+            match self.claims.claim(prompt, &planned.1) {
+                Ok(claim) => break (hit, common, planned, Some(claim)),
                 Err(done) if waited < MAX_WAIT => {
                     if let Some(h) = &hit {
                         self.unpin(h);
                     }
                     waited += claims::wait(done, MAX_WAIT - waited).await;
                 }
-                Err(_) => break (hit, common, None),
+                Err(_) => break (hit, common, planned, None),
             }
         };
         let mut fed = 0;
@@ -93,9 +87,13 @@ impl PrefixCache {
         } else {
             self.stats.misses.fetch_add(1, Ordering::Relaxed);
         }
-        let opens = self.opens(prompt, fed, limit);
         let (restored_at, depth) = (started.elapsed(), fed);
-        let stops = stops(fed, common, limit, every, &opens);
+        // As planned, unless the restore did not happen (decoding rebuilding its stages).
+        let stops = if planned.0 == fed {
+            planned.1
+        } else {
+            self.plan(prompt, fed, common, limit, every)
+        };
         for &end in &stops {
             // The snapshot is taken in the pass's own jobs; a failed one fails only itself.
             let kept = dec.feed_keeping(session, prompt[fed..end].to_vec()).await?;
@@ -123,18 +121,27 @@ impl PrefixCache {
         Ok(fed)
     }
 
-    /// Only the first message's end (a system prompt others share) keeps a snapshot of its
-    /// own: a later turn's messages are covered by the snapshot at the prompt's end, which
-    /// the next turn finds. Each stop costs a pass of its own, so none within a few tokens
-    /// past `fed` or before `limit` either.
-    fn opens(&self, prompt: &[i64], fed: usize, limit: usize) -> Vec<usize> {
-        self.cfg.boundary.map_or(Vec::new(), |b| {
+    /// Where a prompt fed from `fed` keeps snapshots ([`stops`]). Of the messages, only the
+    /// first one's end (a system prompt others share) keeps one of its own: a later turn's
+    /// messages are covered by the snapshot at the prompt's end, which the next turn finds.
+    /// Each stop costs a pass of its own, so none within a few tokens past `fed` or before
+    /// `limit` either.
+    fn plan(
+        &self,
+        prompt: &[i64],
+        fed: usize,
+        common: usize,
+        limit: usize,
+        every: usize,
+    ) -> Vec<usize> {
+        let opens: Vec<usize> = self.cfg.boundary.map_or(Vec::new(), |b| {
             let first = prompt.iter().skip(1).position(|&t| t == b).map(|i| i + 1);
             first
                 .filter(|&i| i >= fed + NEAR && i + NEAR <= limit)
                 .into_iter()
                 .collect()
-        })
+        });
+        stops(fed, common, limit, every, &opens)
     }
 
     /// Gives back a lookup's pin without restoring it.

@@ -214,3 +214,53 @@ pub fn straight_run(t: &nsactor_engine::config::TrainConfig) -> (Vec<u64>, Vec<V
     assert!(none.is_empty());
     (want, straight.save_stages().unwrap())
 }
+
+/// A session fed one token at a time in a loop of its own (as a client that steps), counting
+/// the steps answered, until [`Stepper::stop`].
+pub struct Stepper {
+    pub session: nsactor_plugin_api::SessionId,
+    pub stepped: Arc<std::sync::atomic::AtomicU64>,
+    done: Arc<std::sync::atomic::AtomicBool>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Stepper {
+    /// Opens a session on `d` (fed two tokens) and starts its steps; call from inside the
+    /// pipeline's runtime.
+    pub async fn start(d: &nsactor_decoding::AsyncDecoder) -> Stepper {
+        use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+        let session = d.session();
+        d.feed(session, vec![7, 8]).await.unwrap();
+        let done = Arc::new(AtomicBool::new(false));
+        let stepped = Arc::new(AtomicU64::new(0));
+        let task = {
+            let (d, done, stepped) = (d.clone(), done.clone(), stepped.clone());
+            tokio::spawn(async move {
+                while !done.load(Ordering::Relaxed) {
+                    d.feed(session, vec![9]).await.unwrap();
+                    stepped.fetch_add(1, Ordering::Relaxed);
+                }
+            })
+        };
+        Stepper {
+            session,
+            stepped,
+            done,
+            task,
+        }
+    }
+
+    /// Steps answered so far.
+    pub fn steps(&self) -> u64 {
+        self.stepped.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Ends the loop and closes the session: the steps answered in all.
+    pub async fn stop(self, d: &nsactor_decoding::AsyncDecoder) -> u64 {
+        self.done.store(true, std::sync::atomic::Ordering::Relaxed);
+        let steps = self.stepped.clone();
+        self.task.await.unwrap();
+        d.close(self.session).await;
+        steps.load(std::sync::atomic::Ordering::Relaxed)
+    }
+}

@@ -278,6 +278,47 @@ fn bench_generate_batches_concurrent_sessions_and_decode_profile_splits_a_layer(
         "batch=0",
     ]);
     assert!(err.contains("batch"), "{err}");
+
+    // A prompt pass (4 tokens of 2 sessions): the same parts at its shapes, and the layer's
+    // GEMMs alone beside the rest.
+    let stdout = run_stdout(&[
+        "bench",
+        "decode-profile",
+        "--backend",
+        "embedded",
+        "--options",
+        "config=tiny,reps=3,tokens=4,batch=2",
+    ]);
+    assert!(
+        stdout.contains("batch 2 × 4 token(s) (32 frame rows)"),
+        "{stdout}"
+    );
+    for name in [
+        "whole layer (forward of 4 token(s))",
+        "the layer's projection GEMMs alone",
+    ] {
+        let l = stdout
+            .lines()
+            .find(|l| l.trim_start().starts_with(name))
+            .unwrap_or_else(|| panic!("no `{name}` row in:\n{stdout}"));
+        let t: f64 = l.split_whitespace().rev().nth(1).unwrap().parse().unwrap();
+        assert!(t.is_finite() && t > 0.0, "`{name}` {t}: {stdout}");
+    }
+    assert!(stdout.contains("the rest of the layer"), "{stdout}");
+    let l = stdout
+        .lines()
+        .find(|l| l.trim_start().starts_with("SNNBlock projections as run"))
+        .unwrap_or_else(|| panic!("no projections check in:\n{stdout}"));
+    assert!(l.contains("(0 of 2 batch rows)"), "{l}");
+    let err = run_err(&[
+        "bench",
+        "decode-profile",
+        "--backend",
+        "embedded",
+        "--options",
+        "tokens=0",
+    ]);
+    assert!(err.contains("tokens"), "{err}");
 }
 
 /// `bench kernels --options only=…` runs just the parts named, through the backend's

@@ -64,8 +64,9 @@ pub enum BenchCommand {
     /// ceiling, a scored prompt (echo) beside its prefill, and the device memory after a short
     /// and a long prompt.
     Prefill(prefill::PrefillBenchArgs),
-    /// One decoder layer's decoding step on the backend's device without actors: the whole
-    /// step, its parts, and the launch-overhead and GEMM probes that bound it.
+    /// One decoder layer's decoding pass on the backend's device without actors (a step, or a
+    /// prompt pass with `--options tokens=T`): the whole pass, its parts, its GEMMs alone, and
+    /// the launch-overhead and GEMM probes that bound it.
     DecodeProfile(generate::DecodeProfileArgs),
     /// What crossing processes costs: two ranks over loopback; a step's results exchange
     /// (control plane) and one layer's gradients there and back (transport) at the tiny and

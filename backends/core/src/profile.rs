@@ -1,7 +1,9 @@
-//! `bench("decode-profile")`: where one decoder layer's decoding step spends its time, on the
-//! backend's own device, without actors: the whole step, its four parts, and two probes that
-//! bound it from below — the host cost of one tiny elementwise op (launch overhead) and one
-//! decode-shaped projection GEMM.
+//! `bench("decode-profile")`: where one decoder layer's decoding pass spends its time, on the
+//! backend's own device, without actors: the whole pass, its four parts, the layer's projection
+//! GEMMs alone, and two probes that bound it from below — the host cost of one tiny elementwise
+//! op (launch overhead) and one decode-shaped projection GEMM. A pass is one token per session
+//! by default (a decoding step); `tokens=T` profiles a prompt pass of T tokens per session, as
+//! a server's prompt cohort runs it (its GEMMs the server's batch-invariant decoding ones).
 
 mod parts;
 
@@ -13,9 +15,20 @@ use nsactor_model::{LayerState, ModelConfig, SnnDecoderLayer};
 use nsactor_plugin_api::EngineError;
 use std::time::Instant;
 
-/// Options: `batch` (sessions, default 1), `reps` (default 20), `config=tiny` for a small layer.
+/// Options: `batch` (sessions, default 1), `tokens` (per session, default 1), `reps` (default
+/// 20), `config=tiny` for a small layer. Runs as a decoding server's pass does (its GEMMs the
+/// decoding ones, [`nsactor_kernels::decoding_gemms`]).
 pub fn decode_profile<B: SnnOps>(device: &B::Device, options: &str) -> Result<String, EngineError> {
-    let (batch, reps, cfg) = parse_options(options)?;
+    nsactor_kernels::decoding_gemms(|| profile::<B>(device, options))
+}
+
+fn profile<B: SnnOps>(device: &B::Device, options: &str) -> Result<String, EngineError> {
+    let Options {
+        batch,
+        tokens,
+        reps,
+        cfg,
+    } = parse_options(options)?;
     // The same random inputs every run. The checks below compare computations that round
     // differently; a membrane within rounding of its threshold flips a spike there, and the
     // flip spreads over its batch row: with fresh inputs at batch 64 about one run in seven
@@ -24,7 +37,7 @@ pub fn decode_profile<B: SnnOps>(device: &B::Device, options: &str) -> Result<St
     B::seed(device, 7);
     let layer = SnnDecoderLayer::<B>::init(&cfg, &mut Rng::new(7), device);
     let d = cfg.d;
-    let h = Tensor::<B, 3>::random([1, batch, d], Distribution::Normal(0.0, 1.0), device);
+    let h = Tensor::<B, 3>::random([tokens, batch, d], Distribution::Normal(0.0, 1.0), device);
     let state = LayerState::zeros(&cfg, batch, device);
     let s = Setup {
         cfg,
@@ -32,18 +45,27 @@ pub fn decode_profile<B: SnnOps>(device: &B::Device, options: &str) -> Result<St
         h,
         state,
         batch,
+        tokens,
     };
     let t = Timer::<B> { device, reps };
     let mut out = format!(
-        "decode step of one layer (D = {d}, N = {}, K = {}, D_ff = {}), batch {batch}, {reps} reps:\n",
-        s.cfg.n, s.cfg.k, s.cfg.d_ff
+        "decoding pass of one layer (D = {d}, N = {}, K = {}, D_ff = {}), batch {batch} × {tokens} token(s) ({} frame rows), {reps} reps:\n",
+        s.cfg.n,
+        s.cfg.k,
+        s.cfg.d_ff,
+        s.rows()
     );
     let whole = t.time(reps, &mut || {
         let _ = s.layer.forward(s.h.clone(), s.state.clone(), &s.cfg);
     })?;
-    row(&mut out, "whole layer (forward of one token)", whole);
+    row(
+        &mut out,
+        &format!("whole layer (forward of {tokens} token(s))"),
+        whole,
+    );
     fusions(&mut out, &t, &s)?;
     stage_pass(&mut out, &t, &s)?;
+    parts::gemms_alone(&mut out, &t, &s, whole)?;
     let a1 = parts::norm_plif_part(&mut out, &t, &s)?;
     parts::block_part(&mut out, &t, &s, &a1)?;
     parts::ffn_part(&mut out, &t, &s, &a1)?;
@@ -56,14 +78,27 @@ pub fn decode_profile<B: SnnOps>(device: &B::Device, options: &str) -> Result<St
     Ok(out)
 }
 
-/// The profile's options, parsed: `(batch, reps, config)`.
-fn parse_options(options: &str) -> Result<(usize, usize, ModelConfig), EngineError> {
+/// The profile's options, parsed.
+struct Options {
+    batch: usize,
+    tokens: usize,
+    reps: usize,
+    cfg: ModelConfig,
+}
+
+fn parse_options(options: &str) -> Result<Options, EngineError> {
     let bad = EngineError::InvalidInput;
-    let (mut batch, mut reps, mut cfg) = (1usize, 20usize, ModelConfig::neuronspark_0_9b());
+    let (mut batch, mut tokens, mut reps) = (1usize, 1usize, 20usize);
+    let mut cfg = ModelConfig::neuronspark_0_9b();
+    let number = |key: &str, v: &str| {
+        v.parse::<usize>()
+            .map_err(|_| bad(format!("bad {key} `{v}`")))
+    };
     for kv in nsactor_kernels::options::option_items(options) {
         match kv.split_once('=') {
-            Some(("batch", v)) => batch = v.parse().map_err(|_| bad(format!("bad batch `{v}`")))?,
-            Some(("reps", v)) => reps = v.parse().map_err(|_| bad(format!("bad reps `{v}`")))?,
+            Some(("batch", v)) => batch = number("batch", v)?,
+            Some(("tokens", v)) => tokens = number("tokens", v)?,
+            Some(("reps", v)) => reps = number("reps", v)?,
             Some(("config", "tiny")) => {
                 cfg = nsactor_model::config::from_toml_str(
                     "[model]\nvocab_size = 64\nD = 64\nN = 4\nK = 4\nnum_layers = 2\nD_ff = 128\n",
@@ -72,25 +107,38 @@ fn parse_options(options: &str) -> Result<(usize, usize, ModelConfig), EngineErr
             }
             _ => {
                 return Err(bad(format!(
-                    "decode-profile takes batch=, reps=, config=tiny; got `{kv}`"
+                    "decode-profile takes batch=, tokens=, reps=, config=tiny; got `{kv}`"
                 )));
             }
         }
     }
-    if batch == 0 || reps == 0 {
-        return Err(bad("batch and reps must be ≥ 1".into()));
+    if batch == 0 || tokens == 0 || reps == 0 {
+        return Err(bad("batch, tokens and reps must be ≥ 1".into()));
     }
-    Ok((batch, reps, cfg))
+    Ok(Options {
+        batch,
+        tokens,
+        reps,
+        cfg,
+    })
 }
 
-/// What every part of the profile runs on: the layer, its config, one token's input and a
-/// resting state, at the profile's batch.
+/// What every part of the profile runs on: the layer, its config, the pass's input `[tokens,
+/// batch, D]` and a resting state, at the profile's batch.
 struct Setup<B: SnnOps> {
     cfg: ModelConfig,
     layer: SnnDecoderLayer<B>,
     h: Tensor<B, 3>,
     state: LayerState<B>,
     batch: usize,
+    tokens: usize,
+}
+
+impl<B: SnnOps> Setup<B> {
+    /// Frame rows of the pass (`T·K·B`): the block's and the FFN's GEMM rows.
+    fn rows(&self) -> usize {
+        self.tokens * self.cfg.k * self.batch
+    }
 }
 
 /// The device the probes run on and how many times each is timed.
@@ -226,7 +274,7 @@ fn stage_pass<B: SnnOps>(out: &mut String, t: &Timer<B>, s: &Setup<B>) -> Result
             per(4) / 1e3
         ));
     }
-    if B::captures_steps() && s.batch <= crate::graphs::graph_rows() {
+    if B::captures_steps() && s.tokens == 1 && s.batch <= crate::graphs::graph_rows() {
         graph_chain(out, layer, cfg, s.batch, reps, t.device)?;
     }
     Ok(())

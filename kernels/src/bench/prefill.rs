@@ -7,7 +7,7 @@
 //! walks run before they meet depends on β, so the trained model's timings may differ.
 
 use crate::KernelError;
-use crate::cuda::decode::block_scan_cut;
+use crate::cuda::decode::{BlockScanKernel, block_scan_by, block_scan_cut};
 use crate::cuda::ffn::ffn_infer_cut;
 use crate::cuda::norm_plif::norm_plif_cut;
 use crate::options::option_items;
@@ -210,6 +210,54 @@ pub fn bench(device: &CudaDevice, cfg: &PrefillBench) -> Result<String, KernelEr
                 base / s
             );
         }
+    }
+    // The block scan's kernels side by side at this shape, each held bit for bit against the
+    // staged one: a session's bits must not depend on which kernel its cohort's size chose.
+    let by = |kernel: BlockScanKernel| {
+        let (vpost, last) = block_scan_by(
+            prim(y.clone()),
+            [p1(&b_beta), p1(&b_alpha), p1(&b_th)],
+            prim(v0.clone()),
+            0.1,
+            0,
+            kernel,
+        );
+        (wrap(vpost), wrap(last))
+    };
+    let (want_out, want_last) = by(BlockScanKernel::Staged);
+    let (want_out, want_last) = (bits(want_out), bits(want_last));
+    let _ = writeln!(
+        out,
+        "block scan kernels at {} columns ({} frames × batch {}), against the staged one:",
+        cfg.batch * DN,
+        cfg.steps,
+        cfg.batch
+    );
+    let bytes = (rows * 4 * DN * 2 + rows * DN * 2) as f64;
+    for (name, kernel) in [
+        ("staged", BlockScanKernel::Staged),
+        ("wide, a column a unit", BlockScanKernel::Wide),
+        ("wide, 4 columns a unit", BlockScanKernel::WideVector),
+    ] {
+        let (got_out, got_last) = by(kernel);
+        let differ = bits(got_out)
+            .iter()
+            .zip(&want_out)
+            .chain(bits(got_last).iter().zip(&want_last))
+            .filter(|(a, b)| a != b)
+            .count();
+        if differ > 0 {
+            wrong.push(format!("the {name} block scan"));
+        }
+        let s = time(&|| drop(by(kernel)));
+        let _ = writeln!(
+            out,
+            "  {name:<24} {:>10.3} ms {:>8.0} GB/s (bf16 projections in, V_post out) {:>10} bits differing{}",
+            s * 1e3,
+            bytes / s / 1e9,
+            differ,
+            if differ > 0 { "  WRONG" } else { "" }
+        );
     }
     if wrong.is_empty() {
         Ok(out)

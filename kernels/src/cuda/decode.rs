@@ -279,6 +279,31 @@ pub(crate) fn block_scan_cut<R: CubeRuntime>(
     v_th_min: f32,
     chunk: usize,
 ) -> (CubeTensor<R>, CubeTensor<R>) {
+    block_scan_by(y, biases, v0, v_th_min, chunk, BlockScanKernel::ByShape)
+}
+
+/// Which kernel runs a decoding block scan: the one the pass's shape and the tuning choose, or
+/// one named (`bench kernels`' prefill part holds them bit for bit against each other).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum BlockScanKernel {
+    ByShape,
+    /// The staged kernel (one walk, never cut in time chunks).
+    Staged,
+    /// The wide kernel, one column per unit.
+    Wide,
+    /// The wide kernel, four columns per unit as vectors (where the shapes allow).
+    WideVector,
+}
+
+/// [`block_scan_cut`] on the kernel `kernel` names.
+pub(crate) fn block_scan_by<R: CubeRuntime>(
+    y: CubeTensor<R>,
+    biases: [CubeTensor<R>; 3],
+    v0: CubeTensor<R>,
+    v_th_min: f32,
+    chunk: usize,
+    kernel: BlockScanKernel,
+) -> (CubeTensor<R>, CubeTensor<R>) {
     let y = match rows_view(&y) {
         Some(_) => y,
         None => into_contiguous(y),
@@ -305,12 +330,25 @@ pub(crate) fn block_scan_cut<R: CubeRuntime>(
     let last = out_typed(&y, Shape::new([batch, dn]), DType::F32);
     let steps = rows / batch;
     let y_dtype = y.dtype;
-    if cols >= crate::cuda::wide::wide_cols() {
+    let vector = match kernel {
+        BlockScanKernel::ByShape if cols >= crate::cuda::wide::wide_cols() => {
+            Some(crate::tuning::current().decode_wide_vector)
+        }
+        BlockScanKernel::Wide => Some(false),
+        BlockScanKernel::WideVector => Some(true),
+        _ => None,
+    };
+    if let Some(vector) = vector {
         let geometry = (cols, steps, dn, row_stride);
         let (out, fin) = (vpost.clone(), last.clone());
-        crate::cuda::wide::block_scan(y, [bb, ba, bt], v0, out, fin, geometry, v_th_min);
+        crate::cuda::wide::block_scan(y, [bb, ba, bt], v0, out, fin, geometry, v_th_min, vector);
         return (vpost, last);
     }
+    let chunk = if kernel == BlockScanKernel::Staged {
+        0
+    } else {
+        chunk
+    };
     if let Some(chunks) = crate::cuda::speculative::chunks_for(steps, cols, chunk) {
         let geometry = (cols, steps, dn, row_stride);
         let (out, fin) = (vpost.clone(), last.clone());

@@ -84,6 +84,9 @@ pub struct KernelTuning {
     pub stage_ffn_forward: Option<StageShape>,
     pub stage_ffn_backward: Option<StageShape>,
     pub decode_wide_cols: usize,
+    /// The wide decoding block scan reads and writes four adjacent columns per unit as vectors
+    /// (`true`) or one column per unit; the same bits either way.
+    pub decode_wide_vector: bool,
     /// Steps per time chunk of the speculative inference scans of a long pass over few columns
     /// (0: one walk): the FFN neurons, the input neurons (RMSNorm + PLIF) and the block scan.
     pub time_chunk: usize,
@@ -127,6 +130,7 @@ impl Default for KernelTuning {
             stage_ffn_forward: None,
             stage_ffn_backward: None,
             decode_wide_cols: 1 << 17,
+            decode_wide_vector: true,
             time_chunk: 512,
             time_chunk_norm: 2048,
             time_chunk_block: 0,
@@ -150,7 +154,7 @@ const fn knob(key: &'static str, env: &'static str) -> Knob {
 }
 
 /// Every knob, in the order `docs/CONFIG.md` lists them.
-pub const KNOBS: [Knob; 31] = [
+pub const KNOBS: [Knob; 32] = [
     knob("decode_graphs", "NSACTOR_DECODE_GRAPHS"),
     knob("decode_graph_rows", "NSACTOR_DECODE_GRAPH_ROWS"),
     knob("decode_fusion", "NSACTOR_DECODE_FUSION"),
@@ -174,6 +178,7 @@ pub const KNOBS: [Knob; 31] = [
     knob("stage_row_backward", "NSACTOR_STAGE_ROW_BACKWARD"),
     knob("stage_block_scan", "NSACTOR_STAGE_BLOCK_SCAN"),
     knob("decode_wide_cols", "NSACTOR_DECODE_WIDE_COLS"),
+    knob("decode_wide_vector", "NSACTOR_DECODE_WIDE_VECTOR"),
     knob("time_chunk", "NSACTOR_TIME_CHUNK"),
     knob("time_chunk_norm", "NSACTOR_TIME_CHUNK_NORM"),
     knob("time_chunk_block", "NSACTOR_TIME_CHUNK_BLOCK"),
@@ -288,6 +293,7 @@ impl KernelTuning {
             "stage_ffn_forward" => self.stage_ffn_forward = Some(stage(v)?),
             "stage_ffn_backward" => self.stage_ffn_backward = Some(stage(v)?),
             "decode_wide_cols" => self.decode_wide_cols = count(v, 0, usize::MAX)?,
+            "decode_wide_vector" => self.decode_wide_vector = switch(v)?,
             "time_chunk" => self.time_chunk = count(v, 0, 1 << 20)?,
             "time_chunk_norm" => self.time_chunk_norm = count(v, 0, 1 << 20)?,
             "time_chunk_block" => self.time_chunk_block = count(v, 0, 1 << 20)?,
@@ -398,6 +404,7 @@ impl KernelTuning {
             "stage_ffn_forward" => shape(self.stage_ffn_forward),
             "stage_ffn_backward" => shape(self.stage_ffn_backward),
             "decode_wide_cols" => self.decode_wide_cols.to_string(),
+            "decode_wide_vector" => on(self.decode_wide_vector),
             "time_chunk" => self.time_chunk.to_string(),
             "time_chunk_norm" => self.time_chunk_norm.to_string(),
             "time_chunk_block" => self.time_chunk_block.to_string(),

@@ -345,7 +345,8 @@ pub struct DecodeProfileArgs {
     /// Projection GEMM arithmetic: fp32 or bf16 (CUDA).
     #[arg(long, value_parser = ["fp32", "bf16"], default_value = "fp32")]
     precision: String,
-    /// `batch=` (sessions), `reps=`, `config=tiny`.
+    /// `batch=` (sessions), `tokens=` (per session: 1 is a decoding step, more a prompt pass),
+    /// `reps=`, `config=tiny`.
     #[arg(long, default_value = "")]
     options: String,
 }

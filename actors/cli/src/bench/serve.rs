@@ -327,6 +327,13 @@ pub fn run(a: ServeBenchArgs) -> crate::result::CliResult {
         (Default::default(), ready.clone()),
     );
     print_header(&a, &l);
+    let precision = l.config.backend.precision.clone().unwrap_or("fp32".into());
+    let ceiling = super::flops::Ceiling::forward(
+        &l.config.model,
+        None,
+        &l.pipeline.backend().info().name,
+        precision == "bf16",
+    );
     let decoder = state.generator.decoder.clone();
     let cache = state.generator.prefix.clone();
     decoder.set_buckets(buckets.clone());
@@ -370,7 +377,7 @@ pub fn run(a: ServeBenchArgs) -> crate::result::CliResult {
                     answer_tokens: a.tokens,
                     temperature: a.temperature,
                 };
-                super::turns::run(addr, t, &cache).await?;
+                super::turns::run(addr, t, &cache, &ceiling).await?;
                 first += clients;
             }
             if let [b, c] = &spares[..] {

@@ -35,8 +35,14 @@ pub struct Turns {
 type Turn = (f64, usize, String);
 
 /// Runs the conversations against the server at `addr` and prints a row per turn, then the
-/// cache's counters over the run.
-pub async fn run(addr: std::net::SocketAddr, t: Turns, cache: &Arc<PrefixCache>) -> CliResult {
+/// cache's counters over the run, and, for a burst of one-turn clients, the least time its
+/// prefill could take at the `ceiling` (where its peak is known).
+pub async fn run(
+    addr: std::net::SocketAddr,
+    t: Turns,
+    cache: &Arc<PrefixCache>,
+    ceiling: &super::flops::Ceiling,
+) -> CliResult {
     let s0 = counters(cache);
     let start = Instant::now();
     let clients: Vec<_> = (0..t.clients)
@@ -82,7 +88,56 @@ pub async fn run(addr: std::net::SocketAddr, t: Turns, cache: &Arc<PrefixCache>)
         t.turns,
         std::hash::Hasher::finish(&digest)
     );
+    if t.turns == 1 && t.clients > 1 {
+        let prompts: usize = per_turn[0].iter().map(|r| r.1).sum();
+        if let Some(line) = burst_floor(ceiling, prompts.saturating_sub(saved as usize), t.clients)
+        {
+            println!("{line}");
+        }
+    }
     Ok(())
+}
+
+/// What a burst of `clients` prompts arriving together needs, `fed` prompt tokens prefilled
+/// among them (the rest came from the cache): its FLOPs, and the least time for all of them
+/// and for the median client's first token at the device's dense peak (no first token before
+/// its prompt is through the model; half the clients' tokens, those of the shortest, must be
+/// prefilled before half of them have theirs). `None` without a known peak.
+fn burst_floor(ceiling: &super::flops::Ceiling, fed: usize, clients: usize) -> Option<String> {
+    let peak = ceiling.peak_tflops?;
+    let all_ms = fed as f64 * ceiling.flops_per_token / (peak * 1e12) * 1e3;
+    let per_client = fed as f64 / clients as f64;
+    Some(format!(
+        "burst floor: {fed} prompt tokens prefilled ({per_client:.1} a client), {:.1} TFLOP: {all_ms:.1} ms for all and ≥ {:.1} ms to the median client's first token at the dense peak ({peak} TFLOP/s)",
+        fed as f64 * ceiling.flops_per_token / 1e12,
+        all_ms / 2.0
+    ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_burst_floor_counts_half_the_tokens_for_the_median() {
+        let c = super::super::flops::Ceiling {
+            flops_per_token: 26.2e9,
+            peak_tflops: Some(989.0),
+        };
+        // 256 clients × 22 new tokens: 147.6 TFLOP, 149.2 ms at 989, the median ≥ 74.6 ms.
+        let line = burst_floor(&c, 5632, 256).unwrap();
+        assert!(
+            line.contains("5632 prompt tokens prefilled (22.0 a client)"),
+            "{line}"
+        );
+        assert!(line.contains("147.6 TFLOP: 149.2 ms for all"), "{line}");
+        assert!(line.contains("≥ 74.6 ms to the median"), "{line}");
+        let cpu = super::super::flops::Ceiling {
+            flops_per_token: 1.0,
+            peak_tflops: None,
+        };
+        assert!(burst_floor(&cpu, 10, 2).is_none());
+    }
 }
 
 fn counters(c: &PrefixCache) -> [u64; 3] {

@@ -7,7 +7,87 @@ use super::{Setup, Timer, check, row};
 use burn::tensor::{Distribution, Tensor};
 use nsactor_kernels::SnnOps;
 use nsactor_model::layer::{norm_plif, norm_plif_composed, ponder_agg, ponder_agg_composed};
+use nsactor_model::params::decoding_pass;
 use nsactor_plugin_api::EngineError;
+
+/// The layer's projection GEMMs alone, at the pass's shapes and as a decoding pass issues them
+/// (the block's merged input, `W_out`, the FFN's merged gate/up/skip and its down projection
+/// over the frame rows; the two out projections over the token rows), on operands already in
+/// the GEMMs' input type: their time, their rate, and what the rest of `whole` (the layer as
+/// run) is. The layer's other kernels (norms, scans, PonderAgg, gating) and its gaps make up
+/// that rest.
+pub(super) fn gemms_alone<B: SnnOps>(
+    out: &mut String,
+    t: &Timer<B>,
+    s: &Setup<B>,
+    whole: f64,
+) -> Result<(), EngineError> {
+    let (cfg, layer, device) = (&s.cfg, &s.layer, t.device);
+    let (rows, token_rows) = (s.rows(), s.tokens * s.batch);
+    let (d, dn, f) = (cfg.d, cfg.dn(), cfg.d_ff);
+    let operand = |r: usize, w: usize| {
+        nsactor_kernels::gemm_operand(Tensor::<B, 2>::random(
+            [r, w],
+            Distribution::Normal(0.0, 0.5),
+            device,
+        ))
+    };
+    let (a, v, gv, agg) = (
+        operand(rows, d),
+        operand(rows, dn),
+        operand(rows, f),
+        operand(token_rows, d),
+    );
+    let skip = Tensor::<B, 2>::zeros([rows, d], device);
+    let ffn = &layer.snn_ffn;
+    let merged = decoding_pass::<B>(rows, device);
+    let w_gus = nsactor_kernels::gemm_operand(
+        Tensor::cat(
+            vec![
+                ffn.gate_proj.weight.clone(),
+                ffn.up_proj.weight.clone(),
+                ffn.skip_proj.weight.clone(),
+            ],
+            0,
+        )
+        .transpose(),
+    );
+    let gemms = t.time(t.reps, &mut || {
+        let _ = layer.snn_block.projections(a.clone(), dn);
+        let _ = layer.snn_block.W_out.forward(v.clone());
+        if merged {
+            let _ = nsactor_kernels::matmul(a.clone(), w_gus.clone());
+        } else {
+            let _ = ffn.gate_proj.forward(a.clone());
+            let _ = ffn.up_proj.forward(a.clone());
+            let _ = ffn.skip_proj.forward(a.clone());
+        }
+        let _ = ffn.down_proj.forward_add(gv.clone(), skip.clone());
+        nsactor_kernels::per_token_gemms(|| {
+            let _ = layer.block_out_proj.forward(agg.clone());
+            let _ = layer.ffn_out_proj.forward(agg.clone());
+        });
+    })?;
+    // Multiply-adds: the block's six projections and W_out, the FFN's three and its down
+    // projection, over the frame rows; the two out projections over the token rows.
+    let macs =
+        rows * (d * (4 * dn + 2 * d) + dn * d + d * (2 * f + d) + f * d) + token_rows * 2 * d * d;
+    let tflops = 2.0 * macs as f64 / gemms / 1e12;
+    row(
+        out,
+        &format!("the layer's projection GEMMs alone ({tflops:.2} TFLOP/s)"),
+        gemms,
+    );
+    row(
+        out,
+        &format!(
+            "  the rest of the layer ({:.0} % of it: norms, scans, PonderAgg, gating, gaps)",
+            100.0 * (whole - gemms).max(0.0) / whole
+        ),
+        (whole - gemms).max(0.0),
+    );
+    Ok(())
+}
 
 /// The sublayer's start as run (fused where the backend fuses it) or composed: timed, then
 /// checked over 3 tokens from a non-resting state. Returns its spikes for the resting input,
@@ -61,6 +141,7 @@ pub(super) fn block_part<B: SnnOps>(
     a1: &Tensor<B, 3>,
 ) -> Result<(), EngineError> {
     let (cfg, layer, batch, d, k, reps) = (&s.cfg, &s.layer, s.batch, s.cfg.d, s.cfg.k, t.reps);
+    let tokens = s.tokens;
     row(
         out,
         "SNNBlock (7 projections + selective scan)",
@@ -72,7 +153,8 @@ pub(super) fn block_part<B: SnnOps>(
     );
     // The projections as run (one GEMM on concatenated weights where the backend merges them)
     // against six separate GEMMs.
-    let flat = a1.clone().reshape([k * batch, d]);
+    let rows = s.rows();
+    let flat = a1.clone().reshape([rows, d]);
     let blk = &layer.snn_block;
     let merged = blk.projections(flat.clone(), cfg.dn());
     let separate = [
@@ -89,10 +171,35 @@ pub(super) fn block_part<B: SnnOps>(
         .zip(separate)
         .map(|(m, s)| {
             let w = m.dims()[1];
-            (m.reshape([k, batch, w]), s.reshape([k, batch, w]))
+            (
+                m.reshape([rows / batch, batch, w]),
+                s.reshape([rows / batch, batch, w]),
+            )
         })
         .collect();
     check(out, "SNNBlock projections", &pairs)?;
+    if decoding_pass::<B>(rows, t.device) {
+        let (y, _) = blk.merged_projection(flat.clone());
+        let scan = || {
+            nsactor_kernels::block_scan_fused(
+                y.clone(),
+                blk.b_beta.clone(),
+                blk.b_alpha.clone(),
+                blk.b_th.clone(),
+                s.state.hidden.clone(),
+                cfg.v_th_min,
+            )
+        };
+        if scan().is_some() {
+            row(
+                out,
+                "  of it: the selective scan on the merged product",
+                t.time(reps, &mut || {
+                    let _ = scan();
+                })?,
+            );
+        }
+    }
     let (c1, _) = layer
         .snn_block
         .forward(a1.clone(), s.state.hidden.clone(), cfg.v_th_min);
@@ -128,7 +235,7 @@ pub(super) fn block_part<B: SnnOps>(
         t.time(reps, &mut || {
             let r = layer
                 .block_out_proj
-                .forward(agg.clone().reshape([batch, d]));
+                .forward(agg.clone().reshape([tokens * batch, d]));
             let _ = r.clone() - r.mean_dim(1);
         })?,
     );
@@ -190,8 +297,9 @@ pub(super) fn launch_probes<B: SnnOps>(
     t: &Timer<B>,
     s: &Setup<B>,
 ) -> Result<f64, EngineError> {
-    let (cfg, batch, d, k, reps, device) = (&s.cfg, s.batch, s.cfg.d, s.cfg.k, t.reps, t.device);
-    let small = Tensor::<B, 2>::zeros([k * batch, d], device);
+    let (cfg, d, reps, device) = (&s.cfg, s.cfg.d, t.reps, t.device);
+    let rows = s.rows();
+    let small = Tensor::<B, 2>::zeros([rows, d], device);
     let launches = 200;
     let mut y = small.clone();
     let add = t.time(1, &mut || {
@@ -201,7 +309,7 @@ pub(super) fn launch_probes<B: SnnOps>(
     })? / launches as f64;
     row(
         out,
-        &format!("probe: one elementwise op on [{}, {d}]", k * batch),
+        &format!("probe: one elementwise op on [{rows}, {d}]"),
         add,
     );
     // The weight as decoding keeps it (rounded once, as the GEMM reads it); the input f32
@@ -216,11 +324,7 @@ pub(super) fn launch_probes<B: SnnOps>(
     for (name, x) in [("f32 input", &small), ("input already rounded", &small_op)] {
         row(
             out,
-            &format!(
-                "probe: GEMM [{}, {d}] × [{d}, {}], {name}",
-                k * batch,
-                cfg.dn()
-            ),
+            &format!("probe: GEMM [{rows}, {d}] × [{d}, {}], {name}", cfg.dn()),
             t.time(reps, &mut || {
                 let _ = nsactor_kernels::matmul(x.clone(), w.clone());
             })?,

@@ -17,6 +17,7 @@ fn every_knob_round_trips_through_its_option() {
         ("stage_async", "4x12x3"),
         ("stage_row_forward", "8x64"),
         ("decode_wide_cols", "4096"),
+        ("decode_wide_vector", "off"),
         ("norm_plif_prefetch", "4x4"),
     ] {
         t.set(k, v).unwrap();

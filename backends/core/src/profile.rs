@@ -409,7 +409,8 @@ fn graph_chain<B: SnnOps>(
 /// neighbouring bf16 values: `g95` found one such aggregate element at batch 1), and the batch
 /// rows with any. A spike that flips on a last-bit difference at the threshold changes its
 /// element by a whole threshold, and its row after it; a handful is expected, a wrong kernel
-/// changes most. Refuses a wrong kernel.
+/// changes most. Refuses a wrong kernel: more than 0.1 % of the elements off, in more than an
+/// eighth of the batch rows.
 fn check<B: SnnOps>(
     out: &mut String,
     name: &str,
@@ -483,7 +484,9 @@ fn check<B: SnnOps>(
         100.0 * off,
         if rounded { " and a bf16 unit" } else { "" },
     ));
-    if off > 1e-3 {
+    // A wrong kernel changes most rows; ties flipped by random states stay in a few (11 of
+    // 256 rows, 0.74 % of the elements, at batch 256 on an H100, s70).
+    if off > 1e-3 && rows_differ * 8 > rows as i64 {
         return Err(EngineError::Backend(format!(
             "{out}{name} disagrees with its composition: refusing to go on"
         )));

@@ -114,32 +114,6 @@ fn burst_floor(ceiling: &super::flops::Ceiling, fed: usize, clients: usize) -> O
     ))
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn a_burst_floor_counts_half_the_tokens_for_the_median() {
-        let c = super::super::flops::Ceiling {
-            flops_per_token: 26.2e9,
-            peak_tflops: Some(989.0),
-        };
-        // 256 clients × 22 new tokens: 147.6 TFLOP, 149.2 ms at 989, the median ≥ 74.6 ms.
-        let line = burst_floor(&c, 5632, 256).unwrap();
-        assert!(
-            line.contains("5632 prompt tokens prefilled (22.0 a client)"),
-            "{line}"
-        );
-        assert!(line.contains("147.6 TFLOP: 149.2 ms for all"), "{line}");
-        assert!(line.contains("≥ 74.6 ms to the median"), "{line}");
-        let cpu = super::super::flops::Ceiling {
-            flops_per_token: 1.0,
-            peak_tflops: None,
-        };
-        assert!(burst_floor(&cpu, 10, 2).is_none());
-    }
-}
-
 fn counters(c: &PrefixCache) -> [u64; 3] {
     let s = &c.stats;
     [&s.hits, &s.misses, &s.tokens_saved].map(|a| a.load(Ordering::Relaxed))
@@ -339,4 +313,30 @@ pub async fn carry(
         if on_b == on_c { "equal" } else { "DIFFER" }
     );
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_burst_floor_counts_half_the_tokens_for_the_median() {
+        let c = super::super::flops::Ceiling {
+            flops_per_token: 26.2e9,
+            peak_tflops: Some(989.0),
+        };
+        // 256 clients × 22 new tokens: 147.6 TFLOP, 149.2 ms at 989, the median ≥ 74.6 ms.
+        let line = burst_floor(&c, 5632, 256).unwrap();
+        assert!(
+            line.contains("5632 prompt tokens prefilled (22.0 a client)"),
+            "{line}"
+        );
+        assert!(line.contains("147.6 TFLOP: 149.2 ms for all"), "{line}");
+        assert!(line.contains("≥ 74.6 ms to the median"), "{line}");
+        let cpu = super::super::flops::Ceiling {
+            flops_per_token: 1.0,
+            peak_tflops: None,
+        };
+        assert!(burst_floor(&cpu, 10, 2).is_none());
+    }
 }

@@ -89,28 +89,38 @@ pub async fn run(
         std::hash::Hasher::finish(&digest)
     );
     if t.turns == 1 && t.clients > 1 {
-        let prompts: usize = per_turn[0].iter().map(|r| r.1).sum();
-        if let Some(line) = burst_floor(ceiling, prompts.saturating_sub(saved as usize), t.clients)
-        {
+        // Every client's prompt less its share of what the cache saved (the system prompt
+        // they all start with: the same for each).
+        let share = saved as f64 / t.clients as f64;
+        let fed: Vec<f64> = per_turn[0]
+            .iter()
+            .map(|r| (r.1 as f64 - share).max(0.0))
+            .collect();
+        if let Some(line) = burst_floor(ceiling, &fed) {
             println!("{line}");
         }
     }
     Ok(())
 }
 
-/// What a burst of `clients` prompts arriving together needs, `fed` prompt tokens prefilled
-/// among them (the rest came from the cache): its FLOPs, and the least time for all of them
-/// and for the median client's first token at the device's dense peak (no first token before
-/// its prompt is through the model; half the clients' tokens, those of the shortest, must be
-/// prefilled before half of them have theirs). `None` without a known peak.
-fn burst_floor(ceiling: &super::flops::Ceiling, fed: usize, clients: usize) -> Option<String> {
+/// What a burst of prompts arriving together needs, `fed` the tokens each client's prompt has
+/// prefilled (the rest came from the cache): their FLOPs, and the least time at the device's
+/// dense peak for all of them and for the median client's first token (no first token before
+/// its prompt is through the model, so half the clients' prompts must be: at best the half
+/// with the fewest tokens). `None` without a known peak.
+fn burst_floor(ceiling: &super::flops::Ceiling, fed: &[f64]) -> Option<String> {
     let peak = ceiling.peak_tflops?;
-    let all_ms = fed as f64 * ceiling.flops_per_token / (peak * 1e12) * 1e3;
-    let per_client = fed as f64 / clients as f64;
+    let ms = |tokens: f64| tokens * ceiling.flops_per_token / (peak * 1e12) * 1e3;
+    let mut sorted = fed.to_vec();
+    sorted.sort_by(f64::total_cmp);
+    let all: f64 = sorted.iter().sum();
+    let half: f64 = sorted[..fed.len().div_ceil(2)].iter().sum();
     Some(format!(
-        "burst floor: {fed} prompt tokens prefilled ({per_client:.1} a client), {:.1} TFLOP: {all_ms:.1} ms for all and ≥ {:.1} ms to the median client's first token at the dense peak ({peak} TFLOP/s)",
-        fed as f64 * ceiling.flops_per_token / 1e12,
-        all_ms / 2.0
+        "burst floor: {all:.0} prompt tokens prefilled ({:.1} a client), {:.1} TFLOP: {:.1} ms for all and ≥ {:.1} ms to the median client's first token (the half with the fewest tokens first) at the dense peak ({peak} TFLOP/s)",
+        all / fed.len().max(1) as f64,
+        all * ceiling.flops_per_token / 1e12,
+        ms(all),
+        ms(half)
     ))
 }
 
@@ -320,23 +330,27 @@ mod tests {
     use super::*;
 
     #[test]
-    fn a_burst_floor_counts_half_the_tokens_for_the_median() {
+    fn a_burst_floor_counts_the_shortest_half_for_the_median() {
         let c = super::super::flops::Ceiling {
             flops_per_token: 26.2e9,
             peak_tflops: Some(989.0),
         };
-        // 256 clients × 22 new tokens: 147.6 TFLOP, 149.2 ms at 989, the median ≥ 74.6 ms.
-        let line = burst_floor(&c, 5632, 256).unwrap();
+        // 256 clients, half with 18 new tokens and half with 26 (5,632 in all): 147.6 TFLOP,
+        // 149.2 ms at 989; the median client waits at least for the 128 shortest, 2,304 tokens.
+        let fed: Vec<f64> = (0..256)
+            .map(|i| if i % 2 == 0 { 26.0 } else { 18.0 })
+            .collect();
+        let line = burst_floor(&c, &fed).unwrap();
         assert!(
             line.contains("5632 prompt tokens prefilled (22.0 a client)"),
             "{line}"
         );
         assert!(line.contains("147.6 TFLOP: 149.2 ms for all"), "{line}");
-        assert!(line.contains("≥ 74.6 ms to the median"), "{line}");
+        assert!(line.contains("≥ 61.0 ms to the median"), "{line}");
         let cpu = super::super::flops::Ceiling {
             flops_per_token: 1.0,
             peak_tflops: None,
         };
-        assert!(burst_floor(&cpu, 10, 2).is_none());
+        assert!(burst_floor(&cpu, &[10.0, 2.0]).is_none());
     }
 }

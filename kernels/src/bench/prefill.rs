@@ -7,7 +7,7 @@
 //! walks run before they meet depends on β, so the trained model's timings may differ.
 
 use crate::KernelError;
-use crate::cuda::decode::{BlockScanKernel, block_scan_by, block_scan_cut};
+use crate::cuda::decode::{BlockScanKernel, block_scan_by};
 use crate::cuda::ffn::ffn_infer_cut;
 use crate::cuda::norm_plif::norm_plif_cut;
 use crate::options::option_items;
@@ -87,6 +87,16 @@ fn bits(t: Tensor<B, 2>) -> Vec<u32> {
         .collect()
 }
 
+/// Values whose bits differ between two runs' outputs and final states (`want` as [`bits`]).
+fn differing(got: (Tensor<B, 2>, Tensor<B, 2>), want: &(Vec<u32>, Vec<u32>)) -> usize {
+    let (out, last) = (bits(got.0), bits(got.1));
+    out.iter()
+        .zip(&want.0)
+        .chain(last.iter().zip(&want.1))
+        .filter(|(a, b)| a != b)
+        .count()
+}
+
 /// Runs the checks and timings; fails when a cut run's bits differ from the one walk's.
 pub fn bench(device: &CudaDevice, cfg: &PrefillBench) -> Result<String, KernelError> {
     let prim = |t: Tensor<B, 2>| t.into_primitive().tensor();
@@ -107,16 +117,19 @@ pub fn bench(device: &CudaDevice, cfg: &PrefillBench) -> Result<String, KernelEr
     let b_th = Tensor::<B, 1>::random([DN], Distribution::Normal(0.3, 0.1), device);
     let v0 = Tensor::<B, 2>::zeros([cfg.batch, DN], device);
     let p1 = |t: &Tensor<B, 1>| t.clone().into_primitive().tensor();
-    let block = |chunk: usize| {
-        let (vpost, last) = block_scan_cut(
+    // The block scan on a named kernel (`ByShape`: as a pass of this shape runs it).
+    let by = |chunk: usize, kernel: BlockScanKernel| {
+        let (vpost, last) = block_scan_by(
             prim(y.clone()),
             [p1(&b_beta), p1(&b_alpha), p1(&b_th)],
             prim(v0.clone()),
             0.1,
             chunk,
+            kernel,
         );
         (wrap(vpost), wrap(last))
     };
+    let block = |chunk: usize| by(chunk, BlockScanKernel::ByShape);
     // FFN neurons: currents [rows, 2·D_ff], w ~ N(0, 0.5), thresholds around 0.5.
     let i_gu = bf16(normal([rows, 2 * FF], 1.0));
     let w = |s| Tensor::<B, 1>::random([FF], Distribution::Normal(0.0, s), device);
@@ -176,7 +189,7 @@ pub fn bench(device: &CudaDevice, cfg: &PrefillBench) -> Result<String, KernelEr
     ];
     for (name, run) in kernels {
         let (want_out, want_last) = run(0);
-        let (want_out, want_last) = (bits(want_out), bits(want_last));
+        let want = (bits(want_out), bits(want_last));
         let base = time(&|| drop(run(0)));
         let _ = writeln!(
             out,
@@ -187,13 +200,7 @@ pub fn bench(device: &CudaDevice, cfg: &PrefillBench) -> Result<String, KernelEr
             "-"
         );
         for &chunk in &cfg.chunks {
-            let (got_out, got_last) = run(chunk);
-            let differ = bits(got_out)
-                .iter()
-                .zip(&want_out)
-                .chain(bits(got_last).iter().zip(&want_last))
-                .filter(|(a, b)| a != b)
-                .count();
+            let differ = differing(run(chunk), &want);
             let s = time(&|| drop(run(chunk)));
             let verdict = if differ == 0 {
                 "0".to_string()
@@ -213,19 +220,8 @@ pub fn bench(device: &CudaDevice, cfg: &PrefillBench) -> Result<String, KernelEr
     }
     // The block scan's kernels side by side at this shape, each held bit for bit against the
     // staged one: a session's bits must not depend on which kernel its cohort's size chose.
-    let by = |kernel: BlockScanKernel| {
-        let (vpost, last) = block_scan_by(
-            prim(y.clone()),
-            [p1(&b_beta), p1(&b_alpha), p1(&b_th)],
-            prim(v0.clone()),
-            0.1,
-            0,
-            kernel,
-        );
-        (wrap(vpost), wrap(last))
-    };
-    let (want_out, want_last) = by(BlockScanKernel::Staged);
-    let (want_out, want_last) = (bits(want_out), bits(want_last));
+    let (want_out, want_last) = by(0, BlockScanKernel::Staged);
+    let want = (bits(want_out), bits(want_last));
     let _ = writeln!(
         out,
         "block scan kernels at {} columns ({} frames × batch {}), against the staged one:",
@@ -239,17 +235,11 @@ pub fn bench(device: &CudaDevice, cfg: &PrefillBench) -> Result<String, KernelEr
         ("wide, a column a unit", BlockScanKernel::Wide),
         ("wide, 4 columns a unit", BlockScanKernel::WideVector),
     ] {
-        let (got_out, got_last) = by(kernel);
-        let differ = bits(got_out)
-            .iter()
-            .zip(&want_out)
-            .chain(bits(got_last).iter().zip(&want_last))
-            .filter(|(a, b)| a != b)
-            .count();
+        let differ = differing(by(0, kernel), &want);
         if differ > 0 {
             wrong.push(format!("the {name} block scan"));
         }
-        let s = time(&|| drop(by(kernel)));
+        let s = time(&|| drop(by(0, kernel)));
         let _ = writeln!(
             out,
             "  {name:<24} {:>10.3} ms {:>8.0} GB/s (bf16 projections in, V_post out) {:>10} bits differing{}",

@@ -455,16 +455,26 @@ fn layered(text: &str, origin: &str, env: &EnvLayer) -> Result<RunConfig, Runtim
     let built = builder.build().map_err(|e| parse(e.to_string()))?;
     let source: Option<serde_json::Value> = built.clone().try_deserialize().ok();
     let cfg: RunConfig = serde_path_to_error::deserialize(built).map_err(|e| {
-        let path = e.path().to_string();
+        // The same layers through serde's own deserializer: its messages name an enum's
+        // values (config-rs's name the Rust type); config-rs's where serde's pass.
+        let (path, message) = source
+            .as_ref()
+            .and_then(|s| serde_path_to_error::deserialize::<_, RunConfig>(s).err())
+            .map(|j| (j.path().to_string(), j.inner().to_string()))
+            .unwrap_or_else(|| (e.path().to_string(), e.inner().to_string()));
+        let message = nsactor_model_config::words::plain(&message);
         match path.as_str() {
-            "." | "" => parse(e.inner().to_string()),
-            _ => parse(format!("[{path}]: {}", e.inner())),
+            "." | "" => parse(message),
+            _ => parse(format!("[{path}]: {message}")),
         }
     })?;
-    if let (Some(source), Ok(parsed)) = (&source, serde_json::to_value(&cfg))
-        && let Some(at) = coerce::fraction_into_integer(source, &parsed)
-    {
-        return Err(parse(format!("{at}: expected an integer")));
+    if let (Some(source), Ok(parsed)) = (&source, serde_json::to_value(&cfg)) {
+        if let Some(at) = coerce::fraction_into_integer(source, &parsed) {
+            return Err(parse(format!("{at}: expected an integer")));
+        }
+        if let Some((at, expected)) = coerce::string_into_scalar(source, &parsed) {
+            return Err(parse(format!("{at}: expected {expected}, not a string")));
+        }
     }
     cfg.check_toml(&origin)?;
     cfg.model

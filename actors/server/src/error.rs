@@ -171,47 +171,7 @@ pub fn plain_json_error(e: &serde_json::Error) -> String {
     {
         s.truncate(at);
     }
-    for (rust, words) in [
-        ("usize", "a non-negative integer"),
-        ("u64", "a non-negative integer"),
-        ("u32", "a non-negative integer"),
-        ("u16", "a non-negative integer"),
-        ("u8", "a non-negative integer"),
-        ("isize", "an integer"),
-        ("i64", "an integer"),
-        ("i32", "an integer"),
-        ("f64", "a number"),
-        ("f32", "a number"),
-    ] {
-        let typed = format!("expected {rust}");
-        if let Some(at) = s.find(&typed) {
-            let end = at + typed.len();
-            // Only the whole name (`u8` is not the start of `u80`).
-            if !s[end..].starts_with(|c: char| c.is_ascii_alphanumeric()) {
-                s.replace_range(at..end, &format!("expected {words}"));
-            }
-        }
-    }
-    // serde's names for JSON's shapes, and a struct's Rust name, in JSON's words.
-    if let Some(at) = s.find("expected struct ") {
-        let end = s[at + 16..]
-            .find(|c: char| !c.is_ascii_alphanumeric() && c != '_')
-            .map_or(s.len(), |e| at + 16 + e);
-        s.replace_range(at..end, "expected an object");
-    }
-    s = s
-        .replace("expected a map", "expected an object")
-        .replace("expected a sequence", "expected a list");
-    for serde_words in ["invalid type: ", "invalid value: "] {
-        if let Some(rest) = s.strip_prefix(serde_words) {
-            s = format!("got {rest}");
-        }
-    }
-    for (serde_words, words) in [("got sequence", "got a list"), ("got map", "got an object")] {
-        if let Some(rest) = s.strip_prefix(serde_words) {
-            s = format!("{words}{rest}");
-        }
-    }
+    s = nsactor_model_config::words::plain(&s);
     if s.contains("hex escape") || s.contains("surrogate") {
         s.push_str(
             " (a string's `\\uXXXX` escapes must make whole characters; a lone surrogate such \

@@ -10,6 +10,8 @@ pub use nsactor_plugin_api::model::{ModelConfig, PlifOut, consts};
 use serde::{Deserialize, Serialize};
 use std::path::Path;
 
+pub mod words;
+
 /// What reading a model config can go wrong with.
 #[derive(Debug, thiserror::Error)]
 pub enum ModelConfigError {

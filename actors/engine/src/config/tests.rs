@@ -106,3 +106,82 @@ mod toml_range_tests {
         assert!(cfg.to_toml().contains("seed = 9223372036854775807"));
     }
 }
+
+mod wording_tests {
+    use crate::config::{DEFAULT_CONFIG, RunConfig};
+
+    /// The error for the embedded default with `key`'s line set to `key = value`.
+    fn refused(key: &str, value: &str) -> String {
+        let prefix = format!("{key} = ");
+        let text: Vec<String> = DEFAULT_CONFIG
+            .lines()
+            .map(|l| match l.starts_with(&prefix) {
+                true => format!("{prefix}{value}"),
+                false => l.to_string(),
+            })
+            .collect();
+        assert_ne!(text.join("\n"), DEFAULT_CONFIG.trim_end(), "{key}");
+        RunConfig::from_str(&text.join("\n"), "test.toml")
+            .err()
+            .unwrap_or_else(|| panic!("`{key} = {value}` was taken"))
+            .to_string()
+    }
+
+    #[test]
+    fn bad_values_are_named_by_key_in_the_users_words_never_by_rust_type() {
+        let cases = [
+            (
+                "plif_out",
+                "\"bogus\"",
+                "[model.plif_out]: unknown variant `bogus`, expected `leak` or `v_post`",
+            ),
+            (
+                "plif_out",
+                "3",
+                "[model.plif_out]: got integer `3`, expected a string",
+            ),
+            (
+                "lr",
+                "\"fast\"",
+                "[train.lr]: got string \"fast\", expected a number",
+            ),
+            (
+                "steps",
+                "-2",
+                "[train.steps]: got integer `-2`, expected a non-negative integer",
+            ),
+            (
+                "steps",
+                "\"2\"",
+                "[train] steps = \"2\": expected a number, not a string",
+            ),
+        ];
+        for (key, value, expected) in cases {
+            let e = refused(key, value);
+            assert!(
+                e.contains(expected),
+                "`{key} = {value}` gave {e:?}, expected {expected:?}"
+            );
+            for rust in [
+                "Toml",
+                "enum ",
+                "u64",
+                "f64",
+                "floating point",
+                " for key `",
+            ] {
+                assert!(!e.contains(rust), "`{key} = {value}` gave {e:?}");
+            }
+        }
+        // config-rs reads `"yes"` as true; a boolean key takes only a boolean.
+        let text = DEFAULT_CONFIG.replacen("[train]\n", "[train]\nasync_checkpoint = \"yes\"\n", 1);
+        let e = RunConfig::from_str(&text, "test.toml")
+            .err()
+            .expect("taken")
+            .to_string();
+        assert!(
+            e.contains("[train] async_checkpoint = \"yes\": expected `true` or `false`"),
+            "{e}"
+        );
+    }
+}

@@ -173,6 +173,79 @@ fn read_overlapped(
     })
 }
 
+/// A folder inside the output directory that a run writes its shards into
+/// (`.prepare-<pid>`), removed when the run ends either way.
+struct Staging {
+    out: PathBuf,
+    dir: PathBuf,
+}
+
+impl Staging {
+    fn new(out: &Path) -> Result<Self> {
+        // A killed run's folder (its process gone) is removed; a live run's is left alone.
+        let entries = std::fs::read_dir(out).map_err(|e| DataError::read(out, e))?;
+        for entry in entries.flatten() {
+            let name = entry.file_name().to_string_lossy().into_owned();
+            let Some(pid) = name.strip_prefix(".prepare-") else {
+                continue;
+            };
+            let alive = Path::new("/proc").is_dir() && Path::new("/proc").join(pid).exists();
+            if !alive || pid == std::process::id().to_string() {
+                let p = entry.path();
+                std::fs::remove_dir_all(&p).map_err(|e| DataError::write(&p, e))?;
+            }
+        }
+        let dir = out.join(format!(".prepare-{}", std::process::id()));
+        std::fs::create_dir(&dir).map_err(|e| DataError::write(&dir, e))?;
+        Ok(Staging {
+            out: out.to_path_buf(),
+            dir,
+        })
+    }
+
+    /// Makes the staged `shards` and `manifest` the output directory's dataset: the old
+    /// manifest goes first (a directory caught between two datasets has none, and readers say
+    /// so), then the shards move in, the manifest is written, and shards of an earlier run
+    /// that the new manifest does not name are removed.
+    fn commit(&self, shards: &[ShardInfo], manifest: &[u8]) -> Result<()> {
+        let old = self.out.join(MANIFEST);
+        match std::fs::remove_file(&old) {
+            Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+                return Err(DataError::write(&old, e));
+            }
+            _ => {}
+        }
+        let mut named = std::collections::HashSet::new();
+        for s in shards {
+            for name in [&s.file, &s.index] {
+                let (from, to) = (self.dir.join(name), self.out.join(name));
+                std::fs::rename(&from, &to).map_err(|e| DataError::write(&to, e))?;
+                named.insert(name.as_str());
+            }
+        }
+        let staged = self.dir.join(MANIFEST);
+        std::fs::write(&staged, manifest).map_err(|e| DataError::write(&staged, e))?;
+        std::fs::rename(&staged, &old).map_err(|e| DataError::write(&old, e))?;
+        let entries = std::fs::read_dir(&self.out).map_err(|e| DataError::read(&self.out, e))?;
+        for entry in entries.flatten() {
+            let name = entry.file_name().to_string_lossy().into_owned();
+            let shard =
+                name.starts_with("shard-") && (name.ends_with(".bin") || name.ends_with(".idx"));
+            if shard && !named.contains(name.as_str()) {
+                let p = entry.path();
+                std::fs::remove_file(&p).map_err(|e| DataError::write(&p, e))?;
+            }
+        }
+        Ok(())
+    }
+}
+
+impl Drop for Staging {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
 /// A panic's message.
 fn panic_message(p: &(dyn std::any::Any + Send)) -> &str {
     p.downcast_ref::<String>()
@@ -209,9 +282,12 @@ pub fn prepare(
             .len();
     }
     std::fs::create_dir_all(out).map_err(|e| DataError::write(out, e))?;
+    // Shards are written beside `out`'s contents and moved in only when all of them are: a
+    // failed run leaves an earlier dataset in `out` as it was, and none of its own files.
+    let staging = Staging::new(out)?;
     let bar = progress_bar(opts.progress, input_bytes);
     let mut w = ShardWriter {
-        dir: out.to_path_buf(),
+        dir: staging.dir.clone(),
         dtype,
         shards: Vec::new(),
         buf: Vec::new(),
@@ -279,9 +355,8 @@ pub fn prepare(
     if manifest.documents == 0 {
         return Err(DataError::EmptyCorpus(corpus::list(&files)));
     }
-    let path = out.join(MANIFEST);
     let json = serde_json::to_string_pretty(&manifest).expect("a manifest serialises");
-    std::fs::write(&path, json).map_err(|e| DataError::write(&path, e))?;
+    staging.commit(&manifest.shards, json.as_bytes())?;
     Ok(PrepareReport {
         manifest,
         seconds: start.elapsed().as_secs_f64(),

@@ -36,8 +36,26 @@ pub fn hf_config(model: &ModelConfig) -> serde_json::Value {
             PlifOut::VPost => "v_post",
         },
         "torch_dtype": "float32",
+        "auto_map": {
+            "AutoConfig": "configuration_neuronspark.NeuronSparkConfig",
+            "AutoModelForCausalLM": "modeling_neuronspark.NeuronSparkForCausalLM",
+        },
     })
 }
+
+/// The model code an export carries for `transformers` (`trust_remote_code=True` loads it
+/// through `config.json`'s `auto_map`): nsactor's own PyTorch reference implementation,
+/// written from the specification (`hf_python/`), by file name.
+pub const HF_MODEL_CODE: [(&str, &str); 2] = [
+    (
+        "configuration_neuronspark.py",
+        include_str!("hf_python/configuration_neuronspark.py"),
+    ),
+    (
+        "modeling_neuronspark.py",
+        include_str!("hf_python/modeling_neuronspark.py"),
+    ),
+];
 
 /// The model of a Hugging Face `config.json`.
 pub fn model_from_hf(config: &serde_json::Value) -> Result<ModelConfig, RuntimeError> {
@@ -74,7 +92,7 @@ pub fn model_from_hf(config: &serde_json::Value) -> Result<ModelConfig, RuntimeE
 }
 
 /// Writes `out/{config.json, model.safetensors, tokenizer.json, tokenizer_config.json,
-/// generation_config.json}` from the checkpoint at
+/// generation_config.json}` and the model code ([`HF_MODEL_CODE`]) from the checkpoint at
 /// `checkpoint` (see [`find_checkpoint`]). The tokenizer is `tokenizer` or the run's, and must
 /// be the one the checkpoint was trained with.
 pub fn export_hf(
@@ -121,6 +139,9 @@ pub fn export_hf(
         json(generation_config(&tok))?.as_bytes(),
     )
     .map_err(convert)?;
+    for (name, code) in HF_MODEL_CODE {
+        write(name, code.as_bytes()).map_err(convert)?;
+    }
     Ok(l.dir)
 }
 

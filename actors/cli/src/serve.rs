@@ -31,6 +31,12 @@ pub struct ServeArgs {
     /// Address to listen on (loopback by default).
     #[arg(long, default_value = "127.0.0.1:8080")]
     addr: String,
+    /// The host part of --addr (vLLM's and llama-server's name), e.g. `0.0.0.0`.
+    #[arg(long)]
+    host: Option<String>,
+    /// The port part of --addr (vLLM's and llama-server's name).
+    #[arg(long)]
+    port: Option<u16>,
     /// Sessions decoding at once; more wait in the queue. `auto`: the batcher's largest
     /// cohort (256) on a device with room for their states, else what its free memory holds;
     /// 64 on the CPU. The log says what was chosen and why.
@@ -426,9 +432,10 @@ pub fn run(a: ServeArgs) -> crate::result::CliResult {
     let front = nsactor_server::front::front_runtime(a.http_threads)
         .map_err(|e| format!("the server's runtime: {e}"))?;
     front.block_on(async {
-        let listener = tokio::net::TcpListener::bind(&a.addr)
+        let addr = listen_addr(&a.addr, a.host.as_deref(), a.port);
+        let listener = tokio::net::TcpListener::bind(&addr)
             .await
-            .map_err(|e| format!("cannot listen on {}: {e}", a.addr))?;
+            .map_err(|e| format!("cannot listen on {addr}: {e}"))?;
         tracing::info!(
             "serving on http://{} (WebSocket /ws, OpenAI /v1/completions and /v1/chat/completions, chat page /)",
             listener.local_addr()?
@@ -510,8 +517,38 @@ async fn decoding_failed(decoder: &AsyncDecoder) -> String {
     }
 }
 
+/// `addr` with its host and port replaced by `host` and `port` where given (an IPv6 host
+/// goes in brackets).
+fn listen_addr(addr: &str, host: Option<&str>, port: Option<u16>) -> String {
+    let (h, p) = addr.rsplit_once(':').unwrap_or((addr, "8080"));
+    let h = host.map_or_else(
+        || h.to_string(),
+        |h| match h.contains(':') && !h.starts_with('[') {
+            true => format!("[{h}]"),
+            false => h.to_string(),
+        },
+    );
+    let p = port.map_or_else(|| p.to_string(), |p| p.to_string());
+    format!("{h}:{p}")
+}
+
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn host_and_port_replace_their_parts_of_addr() {
+        use super::listen_addr;
+        assert_eq!(listen_addr("127.0.0.1:8080", None, None), "127.0.0.1:8080");
+        assert_eq!(
+            listen_addr("127.0.0.1:8080", None, Some(8000)),
+            "127.0.0.1:8000"
+        );
+        assert_eq!(
+            listen_addr("127.0.0.1:8080", Some("0.0.0.0"), None),
+            "0.0.0.0:8080"
+        );
+        assert_eq!(listen_addr("[::1]:9", Some("::"), Some(80)), "[::]:80");
+    }
+
     #[test]
     fn a_chunk_share_is_a_finite_number_at_least_zero() {
         assert_eq!(super::share("0.75"), Ok(0.75));

@@ -145,6 +145,13 @@ impl Tokenizer {
         self.inner.token_to_id(token)
     }
 
+    /// The vocabulary's own string for `id` (`transformers`' `convert_ids_to_tokens`: a
+    /// byte-level token's bytes in the byte-to-character alphabet, `Ġc` for " c"), where
+    /// decoding one token of a multi-byte character alone gives U+FFFD.
+    pub fn id_to_token(&self, id: u32) -> Option<String> {
+        self.inner.id_to_token(id)
+    }
+
     /// What a Hugging Face `tokenizer_config.json` says of this tokenizer, and what vLLM's
     /// `GET /tokenizer_info` answers: the BOS, EOS and pad tokens (with their ids), the ChatML
     /// chat template ([`CHAT_TEMPLATE_JINJA`]) and the longest input, `model_max_length`. No

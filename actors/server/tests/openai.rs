@@ -361,6 +361,23 @@ fn chat_logprobs_tokenize_detokenize_and_request_ids() {
         assert_eq!(t["max_model_len"], 64, "{t}");
         assert_eq!(t["count"], ids.len());
         assert_eq!(t["token_strs"].as_array().unwrap().len(), ids.len());
+        // Token strings are the vocabulary's (as `convert_ids_to_tokens`), whole even where a
+        // token holds part of a character.
+        let (_, body) = http(
+            addr,
+            "POST",
+            "/tokenize",
+            r#"{"prompt":"é café ü","return_token_strs":true}"#.as_bytes(),
+        )
+        .await;
+        let t: Value = serde_json::from_str(&body).unwrap();
+        let strs = t["token_strs"].as_array().unwrap();
+        assert_eq!(strs.len(), t["tokens"].as_array().unwrap().len());
+        assert_eq!(strs[0], "<|im_start|>", "{t}");
+        assert!(
+            strs.iter().all(|s| !s.as_str().unwrap().contains('\u{FFFD}')),
+            "{t}"
+        );
         let (status, body) = http(
             addr,
             "POST",

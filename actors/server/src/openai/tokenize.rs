@@ -58,7 +58,7 @@ pub async fn tokenize(State(s): State<Shared>, bytes: Bytes) -> Response {
         if r.return_token_strs {
             let strs: Vec<String> = ids
                 .iter()
-                .map(|&t| tok.decode(&[t as u32], false).unwrap_or_default())
+                .map(|&t| tok.id_to_token(t as u32).unwrap_or_default())
                 .collect();
             out["token_strs"] = strs.into();
         }

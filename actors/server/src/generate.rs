@@ -429,6 +429,7 @@ impl Generator {
         let mut text = String::new();
         let mut pieces = self.tokenizer.text_stream(true);
         let mut stopped_by_string = false;
+        let mut end_token = 0;
         let finish_reason = loop {
             if self.drain.stopping() {
                 break FINISH_SHUTDOWN;
@@ -473,6 +474,8 @@ impl Generator {
                 first_token_at = Some(now);
             }
             if !spec.ignore_eos && END_TOKENS.contains(&next) {
+                // Generated though not shown: usage counts it, as OpenAI and vLLM do.
+                end_token = 1;
                 break "stop";
             }
             generated.push(next);
@@ -523,8 +526,8 @@ impl Generator {
             finish_reason,
             usage: Usage {
                 prompt_tokens: prompt.len(),
-                completion_tokens: n,
-                total_tokens: prompt.len() + n,
+                completion_tokens: n + end_token,
+                total_tokens: prompt.len() + n + end_token,
             },
             timing: GenTiming {
                 time_to_first_token_ms: ttft * 1e3,

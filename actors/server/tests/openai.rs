@@ -94,6 +94,16 @@ fn n_logprobs_echo_and_usage_chunks_on_completions() {
         let c = &v["choices"][0];
         assert_eq!(c["finish_reason"], "length");
         assert_eq!(v["usage"]["completion_tokens"], 0);
+        // An end token ends the text unshown and counts in usage (OpenAI, vLLM).
+        let req = json!({"prompt": greedy, "max_tokens": 5, "logit_bias": {"4": 100}});
+        let (_, body) = http(addr, "POST", "/v1/completions", req.to_string().as_bytes()).await;
+        let e: Value = serde_json::from_str(&body).unwrap();
+        assert_eq!(
+            (&e["choices"][0]["finish_reason"], &e["choices"][0]["text"]),
+            (&json!("stop"), &json!("")),
+            "{e}"
+        );
+        assert_eq!(e["usage"]["completion_tokens"], 1, "{e}");
         let scored = c["logprobs"]["token_logprobs"].as_array().unwrap();
         assert_eq!(scored.len(), greedy.len());
         assert!(

@@ -62,6 +62,9 @@ pub struct PickRequest {
     pub bias: Vec<(u32, f32)>,
     /// The logits come back too (for log-probabilities beyond the chosen token's).
     pub want_logits: bool,
+    /// The biases from this step on, where they change (the bans of vLLM's `min_tokens`
+    /// lifted): `(step, bias)`.
+    pub later: Option<(u64, Vec<(u32, f32)>)>,
 }
 
 impl PickRequest {
@@ -90,7 +93,24 @@ impl PickRequest {
             step: generated.len() as u64,
             bias,
             want_logits,
+            later: None,
         }
+    }
+
+    /// The same request with `tokens` banned until `steps` tokens have been drawn (vLLM's
+    /// `min_tokens`: no end token before then); their biases as they were from then on.
+    pub fn banning_until(mut self, tokens: &[u32], steps: u64) -> Self {
+        if self.step >= steps || tokens.is_empty() {
+            return self;
+        }
+        self.later = Some((steps, self.bias.clone()));
+        for &t in tokens {
+            match self.bias.iter_mut().find(|(b, _)| *b == t) {
+                Some((_, x)) => *x = f32::NEG_INFINITY,
+                None => self.bias.push((t, f32::NEG_INFINITY)),
+            }
+        }
+        self
     }
 
     /// The most likely token, with no penalties or biases; the logits come back when
@@ -103,6 +123,7 @@ impl PickRequest {
             step: 0,
             bias: Vec::new(),
             want_logits,
+            later: None,
         }
     }
 
@@ -110,6 +131,9 @@ impl PickRequest {
     /// token added to the sets the penalties read.
     pub fn advance(&mut self, token: i64) {
         self.step += 1;
+        if self.later.as_ref().is_some_and(|(at, _)| self.step >= *at) {
+            self.bias = self.later.take().expect("checked").1;
+        }
         if repeats(&self.sampling) && !self.history.contains(&token) {
             self.history.push(token);
         }
@@ -398,5 +422,29 @@ mod tests {
         };
         let row = row_pick(Some(&by_hand));
         assert!(row.history.is_empty() && row.generated.is_empty());
+    }
+
+    /// `min_tokens`' bans hold for the first steps only, and the request's own biases (one
+    /// on a banned token among them) come back after.
+    #[test]
+    fn bans_until_a_step_lift_to_the_biases_as_they_were() {
+        let own = vec![(4, 2.0), (9, -1.0)];
+        let mut p = PickRequest::new(sampling(1.0, 0.0, 0.0), &[], &[], own.clone(), false)
+            .banning_until(&[2, 4], 2);
+        let banned = |p: &PickRequest, t: u32| {
+            p.bias
+                .iter()
+                .any(|&(b, x)| b == t && x == f32::NEG_INFINITY)
+        };
+        assert!(banned(&p, 2) && banned(&p, 4) && !banned(&p, 9));
+        p.advance(7);
+        assert!(banned(&p, 2) && banned(&p, 4), "one token drawn of two");
+        p.advance(8);
+        assert_eq!(p.bias, own);
+        assert!(p.later.is_none());
+        // Already past the step: nothing banned.
+        let q = PickRequest::new(sampling(1.0, 0.0, 0.0), &[], &[1, 2, 3], own.clone(), false)
+            .banning_until(&[2], 3);
+        assert_eq!(q.bias, own);
     }
 }

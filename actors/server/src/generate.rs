@@ -18,6 +18,9 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::Instant;
 use tokio::sync::{Semaphore, mpsc};
 
+mod stops;
+use stops::{first_stop, held_back};
+
 /// Token ids 0–4: `<unk> <s> </s> <|im_start|> <|im_end|>` (SPEC §9).
 const END_TOKENS: [i64; 2] = [2, 4];
 const NEVER_GENERATED: [i64; 3] = [0, 1, 3];
@@ -109,31 +112,6 @@ pub struct Generator {
     pub ready: Arc<crate::ready::Readiness>,
 }
 
-/// Where the first stop string in `text` starts, given that none was in its first `grown`
-/// bytes: only a match ending past them is new, so only the tail is searched.
-fn first_stop(text: &str, stop: &[String], grown: usize) -> Option<usize> {
-    stop.iter()
-        .filter_map(|s| {
-            let from = text.floor_char_boundary(grown.saturating_sub(s.len().saturating_sub(1)));
-            text[from..].find(s.as_str()).map(|p| from + p)
-        })
-        .min()
-}
-
-/// Longest suffix of `text` that is a proper prefix of a stop string (held back: it may be the
-/// start of one).
-fn held_back(text: &str, stop: &[String]) -> usize {
-    let mut hold = 0;
-    for s in stop {
-        for (i, _) in s.char_indices().skip(1) {
-            if text.ends_with(&s[..i]) {
-                hold = hold.max(i);
-            }
-        }
-    }
-    hold
-}
-
 impl Generator {
     /// Whether a text prompt's own first token is the BOS (a ChatML text, or text a client
     /// detokenized with it): then no second BOS is put in front of it.
@@ -200,8 +178,12 @@ impl Generator {
         ))
     }
 
-    pub fn prompt_ids(&self, p: &PromptSpec, bos: bool) -> Result<Vec<i64>, ServeError> {
-        let ids = self.token_ids(p, bos, true)?;
+    pub fn prompt_ids(&self, spec: &GenSpec) -> Result<Vec<i64>, ServeError> {
+        let p = &spec.prompt;
+        let mut ids = self.token_ids(p, spec.add_special_tokens, true)?;
+        if let Some(k) = spec.extras.truncate_prompt_tokens {
+            ids.drain(..ids.len().saturating_sub(k));
+        }
         let field = match p {
             PromptSpec::Chat(_) => "messages",
             _ => "prompt",
@@ -233,13 +215,25 @@ impl Generator {
         let start = Instant::now();
         self.ready.check()?;
         let _running = self.drain.enter()?;
-        let prompt = self.prompt_ids(&spec.prompt, spec.add_special_tokens)?;
+        let prompt = self.prompt_ids(&spec)?;
         let vocab = self.decoder.vocab();
         if let Some((id, _)) = spec.logit_bias.iter().find(|(id, _)| *id >= vocab) {
             return Err(ServeError::field(
                 "logit_bias",
                 format!("token id {id} is outside the vocabulary (0..{vocab})"),
             ));
+        }
+        let x = &spec.extras;
+        for (field, ids) in [
+            ("stop_token_ids", &x.stop_token_ids[..]),
+            (
+                "allowed_token_ids",
+                x.allowed_token_ids.as_deref().unwrap_or(&[]),
+            ),
+        ] {
+            if let Some(why) = self.outside_vocab(ids) {
+                return Err(ServeError::field(field, why));
+            }
         }
         let permit = self.admission.enter().await?;
         let session = self.decoder.session();
@@ -363,14 +357,24 @@ impl Generator {
                 None => bias.push((id as u32, b)),
             }
         }
+        let mut ban = |t: u32| match bias.iter_mut().find(|(b, _)| *b == t) {
+            Some((_, x)) => *x = f32::NEG_INFINITY,
+            None => bias.push((t, f32::NEG_INFINITY)),
+        };
         if !spec.ignore_eos {
-            for t in NEVER_GENERATED {
-                match bias.iter_mut().find(|(b, _)| *b as i64 == t) {
-                    Some((_, x)) => *x = f32::NEG_INFINITY,
-                    None => bias.push((t as u32, f32::NEG_INFINITY)),
-                }
-            }
+            NEVER_GENERATED.iter().for_each(|&t| ban(t as u32));
         }
+        if let Some(allowed) = &spec.extras.allowed_token_ids {
+            (0..vocab as u32)
+                .filter(|t| !allowed.contains(&i64::from(*t)))
+                .for_each(ban);
+        }
+        // `min_tokens`: no token that would end the generation before then.
+        let ends: Vec<u32> = self
+            .end_tokens(spec)
+            .into_iter()
+            .map(|t| t as u32)
+            .collect();
         PickRequest::new(
             spec.sampling,
             history,
@@ -378,6 +382,18 @@ impl Generator {
             bias,
             spec.logprobs.is_some(),
         )
+        .banning_until(&ends, spec.extras.min_tokens as u64)
+    }
+
+    /// The tokens that end `spec`'s generation when chosen: the end tokens (unless
+    /// `ignore_eos`) and `stop_token_ids`.
+    fn end_tokens(&self, spec: &GenSpec) -> Vec<i64> {
+        let mut ends = match spec.ignore_eos {
+            true => Vec::new(),
+            false => END_TOKENS.to_vec(),
+        };
+        ends.extend(&spec.extras.stop_token_ids);
+        ends
     }
 
     async fn decode(
@@ -401,11 +417,7 @@ impl Generator {
         let plan = StreamPlan {
             pick: self.pick_request(spec, prompt, &[]),
             more: spec.max_tokens.saturating_sub(1),
-            end_tokens: if spec.ignore_eos {
-                Vec::new()
-            } else {
-                END_TOKENS.to_vec()
-            },
+            end_tokens: self.end_tokens(spec),
         };
         // `None` when the prompt is only scored: its last token needs no pass.
         let mut stream = if spec.prompt_logprobs {
@@ -427,7 +439,7 @@ impl Generator {
         // The generation's text, grown a piece per token (a token costs the same at any
         // length; decoding the whole generation each time cost O(n) a token).
         let mut text = String::new();
-        let mut pieces = self.tokenizer.text_stream(true);
+        let mut pieces = self.tokenizer.text_stream(spec.extras.skip_special_tokens);
         let mut stopped_by_string = false;
         let mut end_token = 0;
         let finish_reason = loop {
@@ -489,10 +501,20 @@ impl Generator {
                 .step(next as u32)
                 .map_err(|e| ServeError::Internal(e.to_string()))?;
             text.push_str(piece.as_deref().unwrap_or(""));
-            // A stop string ends the generation; the text before it is the answer.
-            if let Some(pos) = first_stop(&text, &spec.stop, grown) {
-                text.truncate(pos.max(emitted));
+            // A stop string ends the generation; the text before it is the answer (with it,
+            // where `include_stop_str_in_output`). Before `min_tokens`, nothing stops it.
+            let armed = generated.len() >= spec.extras.min_tokens;
+            if let Some((pos, len)) = first_stop(&text, &spec.stop, grown).filter(|_| armed) {
+                let end = match spec.extras.include_stop_str_in_output {
+                    true => pos + len,
+                    false => pos,
+                };
+                text.truncate(end.max(emitted));
                 stopped_by_string = true;
+                break "stop";
+            }
+            // A stop token id ends it after its text, as vLLM's does.
+            if armed && spec.extras.stop_token_ids.contains(&next) {
                 break "stop";
             }
             // Hold back a possible stop-string start.
@@ -559,42 +581,5 @@ impl Generator {
                 logprobs,
             })
             .await;
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::{first_stop, held_back};
-
-    /// Searching the tail finds what searching the whole text finds, as the text grows a piece
-    /// at a time (pieces of several bytes, stop strings spanning pieces and characters).
-    #[test]
-    fn the_tail_search_finds_the_first_stop_string_as_the_whole_search_does() {
-        let stop = vec!["\n\n".to_string(), "é!".to_string(), "東京".to_string()];
-        let pieces = [
-            "Hello", " wor", "ld\n", "\nmore", "caf", "é", "! ", "東", "京", "x\n\n",
-        ];
-        for skip in 0..pieces.len() {
-            let mut text = String::new();
-            for p in pieces.iter().skip(skip) {
-                let grown = text.len();
-                text.push_str(p);
-                let whole = stop.iter().filter_map(|s| text.find(s.as_str())).min();
-                assert_eq!(first_stop(&text, &stop, grown), whole, "{text:?}");
-                if whole.is_some() {
-                    break;
-                }
-            }
-        }
-    }
-
-    #[test]
-    fn only_possible_stop_string_starts_are_held_back() {
-        let stop = vec!["\n\n".to_string(), "END".to_string()];
-        assert_eq!(held_back("hello\n", &stop), 1);
-        assert_eq!(held_back("hello EN", &stop), 2);
-        assert_eq!(held_back("hello E", &stop), 1);
-        assert_eq!(held_back("hello", &stop), 0);
-        assert_eq!(held_back("héllo", &["é!".to_string()]), 0);
     }
 }

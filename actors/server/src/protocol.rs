@@ -160,6 +160,84 @@ pub struct SamplingOptions {
     /// Report the prompt tokens' log-probabilities too (OpenAI's `echo` with `logprobs`);
     /// `max_tokens` may then be 0 (score the prompt, generate nothing).
     pub prompt_logprobs: bool,
+    pub extras: Extras,
+}
+
+/// vLLM's extra sampling parameters, by its names.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Extras {
+    /// Tokens that end the generation when chosen (`stop_token_ids`); the text shows the
+    /// token unless it is a special one, as vLLM's does.
+    pub stop_token_ids: Vec<i64>,
+    /// End tokens, `stop_token_ids` and stop strings take effect only once this many tokens
+    /// are generated (`min_tokens`; the end tokens are banned until then).
+    pub min_tokens: usize,
+    /// Special tokens are left out of the text (`skip_special_tokens`, default true).
+    pub skip_special_tokens: bool,
+    /// The stop string that ended a generation stays at the end of its text
+    /// (`include_stop_str_in_output`).
+    pub include_stop_str_in_output: bool,
+    /// Only the prompt's last this many tokens are read (`truncate_prompt_tokens`; the BOS
+    /// put in front of a text prompt counts among them).
+    pub truncate_prompt_tokens: Option<usize>,
+    /// Only these tokens may be chosen (`allowed_token_ids`).
+    pub allowed_token_ids: Option<Vec<i64>>,
+}
+
+impl Default for Extras {
+    fn default() -> Self {
+        Extras {
+            stop_token_ids: Vec::new(),
+            min_tokens: 0,
+            skip_special_tokens: true,
+            include_stop_str_in_output: false,
+            truncate_prompt_tokens: None,
+            allowed_token_ids: None,
+        }
+    }
+}
+
+impl Extras {
+    /// Checks what can be checked without the model: `max_tokens` is the request's.
+    fn validate(self, max_tokens: usize, length_param: LengthParam) -> Result<Self, ServeError> {
+        if self.min_tokens > max_tokens {
+            return Err(ServeError::field(
+                "min_tokens",
+                format!(
+                    "min_tokens ({}) must be at most {} ({max_tokens})",
+                    self.min_tokens,
+                    length_param.name()
+                ),
+            ));
+        }
+        if self.truncate_prompt_tokens == Some(0) {
+            return Err(ServeError::field(
+                "truncate_prompt_tokens",
+                "truncate_prompt_tokens must be at least 1 (or -1: no truncation)",
+            ));
+        }
+        if self.allowed_token_ids.as_ref().is_some_and(Vec::is_empty) {
+            return Err(ServeError::field(
+                "allowed_token_ids",
+                "allowed_token_ids must name at least one token",
+            ));
+        }
+        for (field, ids) in [
+            ("stop_token_ids", &self.stop_token_ids[..]),
+            (
+                "allowed_token_ids",
+                self.allowed_token_ids.as_deref().unwrap_or(&[]),
+            ),
+        ] {
+            if let Some(id) = ids.iter().find(|&&id| id < 0) {
+                return Err(ServeError::field(
+                    field,
+                    format!("token id {id} is negative"),
+                ));
+            }
+        }
+        Ok(self)
+    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
@@ -205,6 +283,7 @@ pub struct GenSpec {
     pub cache_prompt: bool,
     /// Wall-clock budget of the generation.
     pub time_limit: Option<Duration>,
+    pub extras: Extras,
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -258,6 +337,7 @@ impl SamplingOptions {
                 ),
             ));
         }
+        let extras = self.extras.validate(max_tokens, self.length_param)?;
         let logit_bias = logit_biases(self.logit_bias)?;
         let stop = stop_strings(self.stop, limits)?;
         check_prompt(&prompt)?;
@@ -274,6 +354,7 @@ impl SamplingOptions {
             add_special_tokens: true,
             cache_prompt: true,
             time_limit: limits.request_time_limit,
+            extras,
         })
     }
 }

@@ -41,6 +41,7 @@ async fn scored(g: Arc<Generator>, prompt: Vec<i64>, top: usize) -> Vec<TokenLog
         add_special_tokens: false,
         cache_prompt: true,
         time_limit: None,
+        extras: Default::default(),
     };
     let (tx, mut rx) = tokio::sync::mpsc::channel(64);
     let run = tokio::spawn(async move {

@@ -434,6 +434,7 @@ fn a_session_runs_ahead_of_a_client_that_is_not_reading_then_parks() {
             // first, one input more).
             cache_prompt: false,
             time_limit: None,
+            extras: Default::default(),
         };
         let cancel = std::sync::Arc::new(AtomicBool::new(false));
         let task = tokio::spawn({

@@ -218,10 +218,7 @@ pub async fn openai(s: Shared, body: Bytes, chat: bool) -> Response {
     let mut call = call;
     if call.specs.len() > 1 {
         for spec in &mut call.specs {
-            match s
-                .generator
-                .prompt_ids(&spec.prompt, spec.add_special_tokens)
-            {
+            match s.generator.prompt_ids(spec) {
                 Ok(ids) => spec.prompt = PromptSpec::Ids(ids),
                 Err(e) => return e.into_response(),
             }

@@ -6,7 +6,7 @@
 use crate::error::ServeError;
 use crate::prompts::{Prompt, Prompts};
 use crate::protocol::{
-    ChatMessage, GenSpec, LengthParam, Limits, PromptSpec, SamplingOptions, Stop,
+    ChatMessage, Extras, GenSpec, LengthParam, Limits, PromptSpec, SamplingOptions, Stop,
 };
 use serde::Deserialize;
 use std::collections::BTreeMap;
@@ -47,6 +47,16 @@ pub struct OpenAiRequest {
     /// Start from the prefix cache and keep snapshots of this request (llama-server's field;
     /// default true).
     pub cache_prompt: Option<bool>,
+    /// vLLM's extra sampling parameters ([`Extras`](crate::protocol::Extras)).
+    pub stop_token_ids: Option<Vec<i64>>,
+    pub min_tokens: Option<usize>,
+    pub skip_special_tokens: Option<bool>,
+    pub include_stop_str_in_output: Option<bool>,
+    /// `-1` or a count ≥ 1.
+    pub truncate_prompt_tokens: Option<i64>,
+    pub allowed_token_ids: Option<Vec<i64>>,
+    /// Accepted at 0 only (the sampler has no min-p cut).
+    pub min_p: Option<f32>,
     pub suffix: Option<String>,
     /// Accepted and ignored.
     pub user: Option<String>,
@@ -310,6 +320,27 @@ impl OpenAiRequest {
                 "give max_tokens or max_completion_tokens, not both",
             ));
         }
+        if self.min_p.is_some_and(|p| p != 0.0) {
+            return Err(refuse("min_p", "min_p is not supported (only 0)"));
+        }
+        let truncate_prompt_tokens = match self.truncate_prompt_tokens {
+            None | Some(-1) => None,
+            Some(k) if k >= 1 => Some(usize::try_from(k).unwrap_or(usize::MAX)),
+            Some(k) => {
+                return Err(refuse(
+                    "truncate_prompt_tokens",
+                    format!("truncate_prompt_tokens must be -1 or at least 1, got {k}"),
+                ));
+            }
+        };
+        let extras = Extras {
+            stop_token_ids: self.stop_token_ids.unwrap_or_default(),
+            min_tokens: self.min_tokens.unwrap_or(0),
+            skip_special_tokens: self.skip_special_tokens.unwrap_or(true),
+            include_stop_str_in_output: self.include_stop_str_in_output.unwrap_or(false),
+            truncate_prompt_tokens,
+            allowed_token_ids: self.allowed_token_ids,
+        };
         let mut logit_bias = Vec::new();
         for (k, v) in self.logit_bias.unwrap_or_default() {
             let id: i64 = k.parse().map_err(|_| {
@@ -346,6 +377,7 @@ impl OpenAiRequest {
             prompt_logprobs: self.echo
                 && (logprobs.is_some()
                     || self.max_tokens.or(self.max_completion_tokens) == Some(0)),
+            extras,
         };
         // A stream gets a chunk per generated token, as vLLM's does: a token whose text is held
         // back (an incomplete character, a possible stop string) comes with empty text, and the

@@ -333,6 +333,7 @@ fn session_sample_crosses_the_boundary_bitwise() {
             temperature,
             top_k: 7,
             top_p: 0.9,
+            min_p: 0.0,
             repetition_penalty: 1.2,
             presence_penalty: 0.3,
             frequency_penalty: 0.1,

@@ -21,6 +21,9 @@ pub struct GenerateArgs {
     top_k: usize,
     #[arg(long, default_value_t = 0.95)]
     top_p: f32,
+    /// Only tokens at least this fraction as likely as the most likely one (0: off).
+    #[arg(long, default_value_t = 0.0)]
+    min_p: f32,
     #[arg(long, default_value_t = 1.1)]
     repetition_penalty: f32,
     #[arg(long)]
@@ -48,6 +51,7 @@ pub fn run(a: GenerateArgs) -> crate::result::CliResult {
         temperature: Some(a.temperature),
         top_k: Some(a.top_k),
         top_p: Some(a.top_p),
+        min_p: Some(a.min_p),
         repetition_penalty: Some(a.repetition_penalty),
         seed: a.seed,
         ..SamplingOptions::default()

@@ -304,6 +304,7 @@ pub(crate) fn row_pick(p: Option<&PickRequest>) -> RowPick<'_> {
         temperature: s.temperature,
         top_k: u32::try_from(s.top_k).unwrap_or(u32::MAX),
         top_p: s.top_p,
+        min_p: s.min_p,
         repetition_penalty: s.repetition_penalty,
         presence_penalty: s.presence_penalty,
         frequency_penalty: s.frequency_penalty,

@@ -157,6 +157,7 @@ impl AsyncDecoder {
                 temperature: 0.8,
                 top_k: 40,
                 top_p: 0.95,
+                min_p: 0.0,
                 repetition_penalty: 1.1,
                 presence_penalty: 0.1,
                 frequency_penalty: 0.1,

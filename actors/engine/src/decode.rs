@@ -15,6 +15,9 @@ pub struct SamplingParams {
     pub top_k: usize,
     /// Keep the smallest set of tokens whose probability reaches p (1: all).
     pub top_p: f32,
+    /// Keep only tokens at least this fraction as likely as the most likely one (vLLM's and
+    /// llama.cpp's `min_p`; 0: all).
+    pub min_p: f32,
     /// Divides positive logits of tokens already in the text and multiplies negative ones
     /// (1: off).
     pub repetition_penalty: f32,
@@ -33,6 +36,7 @@ impl SamplingParams {
             temperature: 0.0,
             top_k: 0,
             top_p: 1.0,
+            min_p: 0.0,
             repetition_penalty: 1.0,
             presence_penalty: 0.0,
             frequency_penalty: 0.0,
@@ -51,6 +55,9 @@ impl SamplingParams {
         }
         if !(self.top_p > 0.0 && self.top_p <= 1.0) {
             return Err(bad(format!("top_p must be in (0, 1], got {}", self.top_p)));
+        }
+        if !(0.0..=1.0).contains(&self.min_p) {
+            return Err(bad(format!("min_p must be in [0, 1], got {}", self.min_p)));
         }
         if !(self.repetition_penalty.is_finite() && self.repetition_penalty > 0.0) {
             return Err(bad(format!(
@@ -139,6 +146,12 @@ impl TokenPicker {
             .iter()
             .map(|&i| ((logits[i] as f64 - max) / p.temperature as f64).exp())
             .collect();
+        if p.min_p > 0.0 {
+            // Relative to the most likely token's (the first, at 1): most likely first.
+            let keep = probs.iter().take_while(|&&q| q >= p.min_p as f64).count();
+            order.truncate(keep.max(1));
+            probs.truncate(keep.max(1));
+        }
         let total: f64 = probs.iter().sum();
         probs.iter_mut().for_each(|q| *q /= total);
         if p.top_p < 1.0 {
@@ -186,6 +199,7 @@ mod tests {
             temperature,
             top_k,
             top_p,
+            min_p: 0.0,
             repetition_penalty: rep,
             presence_penalty: 0.0,
             frequency_penalty: 0.0,
@@ -244,6 +258,25 @@ mod tests {
         // top_p small enough keeps only the best token.
         let mut s = TokenPicker::new(params(1.0, 0, 0.1, 1.0));
         assert!((0..200).all(|_| s.pick(&mut logits.clone(), &[]) == 1));
+        // min_p: at T = 1, token 4 (e^-0.1 ≈ 0.905 of the best) and 2 (e^-1 ≈ 0.368) stay at
+        // 0.3, only 4 beside the best at 0.5, only the best at 0.95.
+        for (min_p, kept) in [(0.3, vec![1, 2, 4]), (0.5, vec![1, 4]), (0.95, vec![1])] {
+            let mut s = TokenPicker::new(SamplingParams {
+                min_p,
+                ..params(1.0, 0, 1.0, 1.0)
+            });
+            let mut seen: Vec<i64> = (0..3000)
+                .map(|_| s.pick(&mut logits.clone(), &[]))
+                .collect();
+            seen.sort_unstable();
+            seen.dedup();
+            assert_eq!(seen, kept, "min_p {min_p}");
+        }
+        let bad = SamplingParams {
+            min_p: 1.5,
+            ..SamplingParams::greedy()
+        };
+        assert!(bad.validate().unwrap_err().to_string().contains("min_p"));
         // Same seed, same choices.
         let run = || {
             let mut s = TokenPicker::new(params(0.8, 0, 1.0, 1.0));

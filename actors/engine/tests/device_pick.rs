@@ -100,6 +100,7 @@ fn params(s: &SamplingParams, step: u64) -> PickParams {
         temperature: s.temperature,
         top_k: s.top_k as u32,
         top_p: s.top_p,
+        min_p: s.min_p,
         repetition_penalty: s.repetition_penalty,
         presence_penalty: s.presence_penalty,
         frequency_penalty: s.frequency_penalty,
@@ -184,7 +185,7 @@ fn device_samples_stay_inside_the_host_sets_and_repeat_with_their_seed() {
     let run = || {
         let mut m = Model::open();
         let ids = IdAllocator::default();
-        let sessions: Vec<SessionId> = (0..3).map(|_| ids.session()).collect();
+        let sessions: Vec<SessionId> = (0..4).map(|_| ids.session()).collect();
         let settings = [
             SamplingParams {
                 temperature: 1.0,
@@ -205,8 +206,15 @@ fn device_samples_stay_inside_the_host_sets_and_repeat_with_their_seed() {
                 seed: 3,
                 ..SamplingParams::greedy()
             },
+            SamplingParams {
+                temperature: 1.5,
+                min_p: 0.2,
+                top_p: 0.95,
+                seed: 4,
+                ..SamplingParams::greedy()
+            },
         ];
-        let mut feed: Vec<i64> = [9, 10, 11].repeat(3);
+        let mut feed: Vec<i64> = [9, 10, 11].repeat(4);
         let mut t = 3;
         let mut tokens = Vec::new();
         for step in 0..12 {
@@ -222,7 +230,7 @@ fn device_samples_stay_inside_the_host_sets_and_repeat_with_their_seed() {
             let out = m.pass(&sessions, &feed, t, &rows);
             for (i, (token, _, l)) in out.iter().enumerate() {
                 let s = &settings[i];
-                let allowed = allowed(l, s.temperature, s.top_k, s.top_p);
+                let allowed = allowed(l, s.temperature, s.top_k, s.top_p, s.min_p);
                 assert!(
                     allowed.contains(&(*token as usize)),
                     "row {i}: {token} not in {allowed:?}"
@@ -237,18 +245,25 @@ fn device_samples_stay_inside_the_host_sets_and_repeat_with_their_seed() {
     assert_eq!(run(), run());
 }
 
-/// The host's kept set: the top k by logit, then the smallest prefix reaching p.
-fn allowed(l: &[f32], temperature: f32, top_k: usize, top_p: f32) -> Vec<usize> {
+/// The host's kept set: the top k by logit, those at least `min_p` as likely as the best
+/// (with a little slack for the device's f32), then the smallest prefix reaching p.
+fn allowed(l: &[f32], temperature: f32, top_k: usize, top_p: f32, min_p: f32) -> Vec<usize> {
     let mut order: Vec<usize> = (0..l.len()).collect();
     order.sort_by(|&a, &b| l[b].total_cmp(&l[a]).then(a.cmp(&b)));
     if top_k > 0 {
         order.truncate(top_k);
     }
     let max = l[order[0]] as f64;
-    let w: Vec<f64> = order
+    let mut w: Vec<f64> = order
         .iter()
         .map(|&i| ((l[i] as f64 - max) / temperature as f64).exp())
         .collect();
+    let keep = w
+        .iter()
+        .take_while(|&&q| q >= min_p as f64 * (1.0 - 1e-5))
+        .count();
+    order.truncate(keep);
+    w.truncate(keep);
     let total: f64 = w.iter().sum();
     let mut acc = 0.0;
     let keep = w

@@ -213,6 +213,7 @@ fn sample(
         temperature: 0.8,
         top_k: 50,
         top_p: 0.95,
+        min_p: 0.0,
         repetition_penalty: 1.2,
         presence_penalty: 0.0,
         frequency_penalty: 0.0,

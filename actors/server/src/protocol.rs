@@ -147,6 +147,8 @@ pub struct SamplingOptions {
     pub temperature: Option<f32>,
     pub top_k: Option<usize>,
     pub top_p: Option<f32>,
+    /// Only tokens at least this fraction as likely as the most likely one (vLLM's `min_p`).
+    pub min_p: Option<f32>,
     pub repetition_penalty: Option<f32>,
     pub presence_penalty: Option<f32>,
     pub frequency_penalty: Option<f32>,
@@ -322,6 +324,7 @@ impl SamplingOptions {
             temperature: self.temperature.unwrap_or(1.0),
             top_k: self.top_k.unwrap_or(0),
             top_p: self.top_p.unwrap_or(1.0),
+            min_p: self.min_p.unwrap_or(0.0),
             repetition_penalty: self.repetition_penalty.unwrap_or(1.0),
             presence_penalty: self.presence_penalty.unwrap_or(0.0),
             frequency_penalty: self.frequency_penalty.unwrap_or(0.0),
@@ -369,6 +372,7 @@ fn check_sampling(p: &SamplingParams) -> Result<(), ServeError> {
             "[0, 100]",
         ),
         ("top_p", p.top_p, p.top_p > 0.0 && p.top_p <= 1.0, "(0, 1]"),
+        ("min_p", p.min_p, (0.0..=1.0).contains(&p.min_p), "[0, 1]"),
         (
             "repetition_penalty",
             p.repetition_penalty,

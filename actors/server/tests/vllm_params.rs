@@ -1,6 +1,6 @@
 //! vLLM's extra sampling parameters on `/v1/completions`, over loopback: `stop_token_ids`,
 //! `min_tokens`, `include_stop_str_in_output`, `skip_special_tokens`, `truncate_prompt_tokens`,
-//! `allowed_token_ids`, and `min_p` at 0; the refusals name their field.
+//! `allowed_token_ids` and `min_p`; the refusals name their field.
 
 mod common;
 
@@ -134,8 +134,25 @@ fn vllm_sampling_extras_do_what_vllm_says() {
                 "{t} not in {allowed:?}: {v}"
             );
         }
-        let v = complete(addr, json!({"prompt": prompt, "max_tokens": 1, "min_p": 0})).await;
-        assert_eq!(ended(&v).1, 1);
+        // min_p = 1 keeps only the most likely token: sampling hot gives the greedy text.
+        let v = complete(
+            addr,
+            json!({"prompt": prompt, "max_tokens": n_new, "temperature": 1.8, "seed": 3,
+                "ignore_eos": true, "min_p": 1.0}),
+        )
+        .await;
+        assert_eq!(v["choices"][0]["text"], text.as_str(), "{v}");
+        let hot = complete(
+            addr,
+            json!({"prompt": prompt, "max_tokens": n_new, "temperature": 1.8, "seed": 3,
+                "ignore_eos": true}),
+        )
+        .await;
+        assert_ne!(
+            hot["choices"][0]["text"],
+            text.as_str(),
+            "hot sampling strays: {hot}"
+        );
 
         // Refusals name their field.
         for (req, param, says) in [
@@ -164,11 +181,7 @@ fn vllm_sampling_extras_do_what_vllm_says() {
                 "allowed_token_ids",
                 "negative",
             ),
-            (
-                json!({"prompt": prompt, "min_p": 0.1}),
-                "min_p",
-                "not supported",
-            ),
+            (json!({"prompt": prompt, "min_p": 1.5}), "min_p", "[0, 1]"),
         ] {
             let e = refused(addr, req, param).await;
             assert!(e.contains(says), "{param}: {e}");

@@ -6,7 +6,8 @@
 //! the generated tokens, then the repetition penalty over prompt and generated tokens, then
 //! greedy (`argmax`, bit-identical to the host's on the same logits) or sampling. Sampling
 //! divides by the temperature, keeps the top k (a 32-step bisection for the k-th largest value
-//! per row) and the top p (the same for the probability threshold whose mass reaches p), and
+//! per row), the tokens at least `min_p` times as likely as the most likely one, and the top p
+//! (the same for the probability threshold whose mass reaches p), and
 //! draws by Gumbel-max: `argmax(l/T + g)` with `g = −ln(−ln u)`, which picks token i with
 //! probability `softmax(l/T)_i`. `u` comes from a counter-based generator — a four-round
 //! Feistel permutation of the token index keyed by the row's seed and step, in 16-bit halves so
@@ -45,10 +46,11 @@ pub fn pick<B: Backend>(logits: Tensor<B, 2>, rows: &[PickRow<'_>]) -> Tensor<B,
                 r.repetition_penalty,
                 r.presence_penalty,
                 r.frequency_penalty,
+                r.min_p.ln(),
             ]
         })
         .collect();
-    let params = Tensor::<B, 2>::from_data(TensorData::new(params, [b, 6]), &device);
+    let params = Tensor::<B, 2>::from_data(TensorData::new(params, [b, 7]), &device);
     let col = |i: usize| params.clone().narrow(1, i, 1).expand([b, v]);
     let mut l = logits;
 
@@ -115,6 +117,11 @@ fn sample<B: Backend>(
         // Rows without a top-k keep everything.
         let tau = tau.mask_fill(k.equal_elem(0.0), neg_inf);
         s = s.clone().mask_fill(s.lower(tau), neg_inf);
+    }
+    if rows.iter().any(|r| r.min_p > 0.0) {
+        // p / p_max ≥ min_p, as logits: s − max(s) ≥ ln(min_p) (−∞ keeps every token).
+        let max = s.clone().max_dim(1).expand([b, v]);
+        s = s.clone().mask_fill(s.sub(max).lower(col(6)), neg_inf);
     }
     if rows.iter().any(|r| r.top_p < 1.0) {
         let p = activation::softmax(s.clone(), 1);
@@ -264,6 +271,7 @@ mod tests {
             temperature,
             top_k,
             top_p,
+            min_p: 0.0,
             repetition_penalty: 1.0,
             presence_penalty: 0.0,
             frequency_penalty: 0.0,
@@ -452,6 +460,7 @@ mod tests {
             temperature: 1.0,
             top_k: 0,
             top_p: 1.0,
+            min_p: 0.0,
             repetition_penalty: 1.0,
             presence_penalty: 0.0,
             frequency_penalty: 0.0,

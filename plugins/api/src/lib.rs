@@ -69,8 +69,9 @@ use std::fmt;
 /// `StateRead`, `StateWrite`). Revision 15 made `StateSave` and `StateRestore` name many
 /// sessions at once (one copy per state field for all of them). Revision 16 added
 /// [`StageCall::Evaluate`]: a layer's training forward that keeps nothing. Revision 17 added
-/// [`ComputeBackend::prewarm`]: a step's kernels compiled without running them.
-pub const ABI_VERSION: u32 = 17;
+/// [`ComputeBackend::prewarm`]: a step's kernels compiled without running them. Revision 18
+/// added `min_p` to each row of [`Picks`].
+pub const ABI_VERSION: u32 = 18;
 
 /// One micro-batch of token ids, row-major `[batch, seq_len]`.
 #[derive(Debug, Clone, PartialEq)]

@@ -1,5 +1,5 @@
 //! What [`StageCall::SessionSample`](crate::StageCall::SessionSample) carries: how each batch row
-//! chooses its next token on the device (greedy or sampled with temperature, top-k, top-p, the
+//! chooses its next token on the device (greedy or sampled with temperature, top-k, min-p, top-p, the
 //! repetition, presence and frequency penalties, logit biases and banned tokens), as one flat
 //! block of floats and one of integers, so the C boundary moves two slices and both sides read
 //! them through this one codec.
@@ -17,6 +17,8 @@ pub struct PickParams {
     pub top_k: u32,
     /// Keep the smallest set of most likely tokens whose probability reaches p (1: all).
     pub top_p: f32,
+    /// Keep only tokens at least this fraction as likely as the most likely one (0: all).
+    pub min_p: f32,
     /// CTRL's penalty on tokens of `history` (1: off).
     pub repetition_penalty: f32,
     /// Subtracted once from every token of `generated` (0: off).
@@ -43,14 +45,15 @@ pub struct RowPick<'a> {
 }
 
 /// Floats per row at the head of [`Picks::floats`].
-const FLOATS: usize = 7;
+const FLOATS: usize = 8;
 /// Integers per row at the head of [`Picks::ints`]: four 16-bit round keys and three lengths.
 const INTS: usize = 7;
 
 /// Rows of picks, borrowed: what the call carries.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Picks<'a> {
-    /// Per row `[temperature, top_k, top_p, repetition, presence, frequency, want_logits]`,
+    /// Per row `[temperature, top_k, top_p, repetition, presence, frequency, want_logits,
+    /// min_p]`,
     /// then every row's bias values in row order.
     pub floats: &'a [f32],
     /// Per row `[key0, key1, key2, key3, n_history, n_generated, n_bias]`, then every row's
@@ -65,6 +68,7 @@ pub struct PickRow<'a> {
     pub temperature: f32,
     pub top_k: u32,
     pub top_p: f32,
+    pub min_p: f32,
     pub repetition_penalty: f32,
     pub presence_penalty: f32,
     pub frequency_penalty: f32,
@@ -122,6 +126,7 @@ impl PicksBuf {
             p.presence_penalty,
             p.frequency_penalty,
             if p.want_logits { 1.0 } else { 0.0 },
+            p.min_p,
         ]);
         let keys = row_key(p.seed, p.step);
         self.head_i.extend(keys.iter().map(|&k| k as i64));
@@ -200,6 +205,7 @@ impl<'a> Picks<'a> {
                 presence_penalty: f[4],
                 frequency_penalty: f[5],
                 want_logits: f[6] != 0.0,
+                min_p: f[7],
                 keys: [key(h[0])?, key(h[1])?, key(h[2])?, key(h[3])?],
                 history,
                 generated,
@@ -210,6 +216,7 @@ impl<'a> Picks<'a> {
                 && row.temperature >= 0.0
                 && row.top_p > 0.0
                 && row.top_p <= 1.0
+                && (0.0..=1.0).contains(&row.min_p)
                 && row.repetition_penalty.is_finite()
                 && row.repetition_penalty > 0.0
                 && row.presence_penalty.is_finite()
@@ -239,6 +246,7 @@ mod tests {
             temperature: 0.7,
             top_k: 40,
             top_p: 0.9,
+            min_p: 0.05,
             repetition_penalty: 1.1,
             presence_penalty: 0.2,
             frequency_penalty: -0.1,
@@ -271,7 +279,10 @@ mod tests {
         assert_eq!(rows[0].bias_ids, [3, 9]);
         assert_eq!(rows[0].bias, [-f32::INFINITY, 2.5]);
         assert!(rows[0].want_logits && !rows[1].want_logits);
-        assert_eq!((rows[1].top_k, rows[1].top_p), (40, 0.9));
+        assert_eq!(
+            (rows[1].top_k, rows[1].top_p, rows[1].min_p),
+            (40, 0.9, 0.05)
+        );
         assert_eq!(rows[0].keys, row_key(1, 3));
         assert_ne!(rows[0].keys, rows[1].keys);
         // A token outside the vocabulary and a truncated block are refused.

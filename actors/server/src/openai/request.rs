@@ -55,7 +55,6 @@ pub struct OpenAiRequest {
     /// `-1` or a count ≥ 1.
     pub truncate_prompt_tokens: Option<i64>,
     pub allowed_token_ids: Option<Vec<i64>>,
-    /// Accepted at 0 only (the sampler has no min-p cut).
     pub min_p: Option<f32>,
     pub suffix: Option<String>,
     /// Accepted and ignored.
@@ -320,9 +319,6 @@ impl OpenAiRequest {
                 "give max_tokens or max_completion_tokens, not both",
             ));
         }
-        if self.min_p.is_some_and(|p| p != 0.0) {
-            return Err(refuse("min_p", "min_p is not supported (only 0)"));
-        }
         let truncate_prompt_tokens = match self.truncate_prompt_tokens {
             None | Some(-1) => None,
             Some(k) if k >= 1 => Some(usize::try_from(k).unwrap_or(usize::MAX)),
@@ -362,6 +358,7 @@ impl OpenAiRequest {
             temperature: self.temperature,
             top_k: self.top_k,
             top_p: self.top_p,
+            min_p: self.min_p,
             repetition_penalty: self.repetition_penalty,
             presence_penalty: self.presence_penalty,
             frequency_penalty: self.frequency_penalty,

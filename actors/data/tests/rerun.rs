@@ -65,8 +65,8 @@ fn a_rerun_leaves_its_own_shards_and_a_failed_one_leaves_the_earlier_dataset() {
     std::fs::write(&bad, b"good text\n\nbad \xff here").unwrap();
     let before = names(&out);
     let e = prepare(&tok, &[big.clone(), bad], &out, &opts)
-        .err()
-        .expect("invalid UTF-8 is refused");
+        .map(|r| r.manifest.tokens)
+        .expect_err("invalid UTF-8 is refused");
     assert!(e.to_string().contains("invalid UTF-8"), "{e}");
     assert_eq!(names(&out), before);
     let set = ShardSet::open(&out, &tok, true).unwrap();

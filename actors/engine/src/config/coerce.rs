@@ -31,6 +31,10 @@ pub(super) fn string_into_scalar(source: &Value, parsed: &Value) -> Option<(Stri
     })
 }
 
+/// What [`walk`] asks of a leaf pair: something found at it, given a formatter of its key
+/// with a value.
+type Leaf<'a, T> = &'a dyn Fn(&Value, &Value, &dyn Fn(&str) -> String) -> Option<T>;
+
 /// `[table] key = value` for the key at `path`.
 fn key(path: &[String], value: &str) -> String {
     match path {
@@ -42,12 +46,7 @@ fn key(path: &[String], value: &str) -> String {
 
 /// The first leaf pair (the same key in `source` and `parsed`) that `leaf` finds something
 /// at; `leaf` gets a formatter of the key with a value.
-fn walk<T>(
-    source: &Value,
-    parsed: &Value,
-    path: &mut Vec<String>,
-    leaf: &dyn Fn(&Value, &Value, &dyn Fn(&str) -> String) -> Option<T>,
-) -> Option<T> {
+fn walk<T>(source: &Value, parsed: &Value, path: &mut Vec<String>, leaf: Leaf<'_, T>) -> Option<T> {
     match (source, parsed) {
         (Value::Object(s), Value::Object(p)) => s.iter().find_map(|(k, sv)| {
             let pv = p.get(k)?;

@@ -176,8 +176,8 @@ mod wording_tests {
         // config-rs reads `"yes"` as true; a boolean key takes only a boolean.
         let text = DEFAULT_CONFIG.replacen("[train]\n", "[train]\nasync_checkpoint = \"yes\"\n", 1);
         let e = RunConfig::from_str(&text, "test.toml")
-            .err()
-            .expect("taken")
+            .map(|c| c.train.async_checkpoint)
+            .expect_err("taken")
             .to_string();
         assert!(
             e.contains("[train] async_checkpoint = \"yes\": expected `true` or `false`"),

@@ -348,23 +348,28 @@ impl Generator {
     /// How the next token is chosen on the device: the request's sampling, its logit biases
     /// and (unless `ignore_eos`) the bans on tokens never generated.
     fn pick_request(&self, spec: &GenSpec, history: &[i64], generated: &[i64]) -> PickRequest {
+        // Each token once, in first-named order; `at` finds a token's entry (a ban of the
+        // whole vocabulary but a few, `allowed_token_ids`, stays linear).
         let mut bias: Vec<(u32, f32)> = Vec::new();
+        let mut at: std::collections::HashMap<u32, usize> = std::collections::HashMap::new();
+        let mut set = |t: u32, f: &dyn Fn(&mut f32), new: f32| match at.get(&t) {
+            Some(&i) => f(&mut bias[i].1),
+            None => {
+                at.insert(t, bias.len());
+                bias.push((t, new));
+            }
+        };
         // Ids past the vocabulary were refused before admission (`run`).
         let vocab = self.decoder.vocab();
         for &(id, b) in spec.logit_bias.iter().filter(|(id, _)| *id < vocab) {
-            match bias.iter_mut().find(|(t, _)| *t as usize == id) {
-                Some((_, x)) => *x += b,
-                None => bias.push((id as u32, b)),
-            }
+            set(id as u32, &|x| *x += b, b);
         }
-        let mut ban = |t: u32| match bias.iter_mut().find(|(b, _)| *b == t) {
-            Some((_, x)) => *x = f32::NEG_INFINITY,
-            None => bias.push((t, f32::NEG_INFINITY)),
-        };
+        let mut ban = |t: u32| set(t, &|x| *x = f32::NEG_INFINITY, f32::NEG_INFINITY);
         if !spec.ignore_eos {
             NEVER_GENERATED.iter().for_each(|&t| ban(t as u32));
         }
         if let Some(allowed) = &spec.extras.allowed_token_ids {
+            let allowed: std::collections::HashSet<i64> = allowed.iter().copied().collect();
             (0..vocab as u32)
                 .filter(|t| !allowed.contains(&i64::from(*t)))
                 .for_each(ban);

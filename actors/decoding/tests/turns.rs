@@ -11,7 +11,9 @@ use common::*;
 fn a_burst_of_prompts_lets_a_decoding_stream_step_between_its_cohorts() {
     let _serial = serial();
     let p = pipeline(1, None);
-    let d = p.decoder(256).with_pass_tokens(1024);
+    // Chunks at their ceiling: the pacer would cut a prompt that started before the rest of
+    // the burst was counted as feeding (one stream, one prompt) at its floor, a cohort more.
+    let d = p.decoder(256).with_pass_tokens(1024).with_chunk_share(0.0);
     const BURST: usize = 6;
     let (during, alone) = p.block_on(async {
         let stream = Stepper::start(&d).await;

@@ -14,6 +14,9 @@ print("completions n=2 logprobs=2:", [ch.text for ch in r.choices], r.usage.comp
       len(r.choices[0].logprobs.tokens), r.choices[0].logprobs.top_logprobs[0])
 r = c.completions.create(model=m, prompt="Emma was a girl", max_tokens=0, echo=True, logprobs=0)
 print("echo score:", r.choices[0].logprobs.token_logprobs, r.choices[0].finish_reason)
+r = c.completions.create(model=m, prompt="Emma was a girl", max_tokens=0,
+        extra_body={"prompt_logprobs": 1})
+print("vLLM prompt_logprobs:", r.choices[0].model_extra["prompt_logprobs"][:3])
 s = c.chat.completions.create(model=m, messages=[{"role": "user", "content": "Hi"}], max_tokens=6,
         stream=True, stream_options={"include_usage": True}, logprobs=True, top_logprobs=2)
 chunks = list(s)

@@ -284,7 +284,7 @@ impl Generator {
     /// Whether `spec` goes through the prefix cache: asked for (by default), the cache on,
     /// and not scoring the prompt (which needs every position's logits).
     fn caches(&self, spec: &GenSpec) -> bool {
-        spec.cache_prompt && !spec.prompt_logprobs && self.prefix.enabled()
+        spec.cache_prompt && spec.prompt_logprobs.is_none() && self.prefix.enabled()
     }
 
     /// Scores the prompt: every token's log-probability given the ones before it
@@ -425,9 +425,10 @@ impl Generator {
             end_tokens: self.end_tokens(spec),
         };
         // `None` when the prompt is only scored: its last token needs no pass.
-        let mut stream = if spec.prompt_logprobs {
+        let mut stream = if let Some(prompt_top) = spec.prompt_logprobs {
             let plan = (spec.max_tokens > 0).then_some(plan);
-            self.score_prompt(session, prompt, top, tx, plan).await?
+            self.score_prompt(session, prompt, prompt_top, tx, plan)
+                .await?
         } else {
             let fed = if self.caches(spec) {
                 self.prefix.prefill(&self.decoder, session, prompt).await?

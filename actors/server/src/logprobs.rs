@@ -12,6 +12,10 @@ pub struct TokenLogprob {
     /// `(token id, log-probability)`, most likely first (ties by id).
     #[serde(skip_serializing_if = "Vec::is_empty", default)]
     pub top: Vec<(i64, f32)>,
+    /// 1 + the tokens more likely than this one (vLLM's `rank`; a token the model rules out
+    /// ranks after every finite one). Not sent on the WebSocket.
+    #[serde(skip)]
+    pub rank: u32,
 }
 
 /// `token`'s log-probability under `logits`, with the `top` most likely tokens.
@@ -37,8 +41,16 @@ pub fn token_logprob(logits: &[f32], token: i64, top: usize) -> TokenLogprob {
             .get(i)
             .map_or(f64::NEG_INFINITY, |&l| l as f64 - norm) as f32
     };
+    let own = usize::try_from(token)
+        .ok()
+        .and_then(|i| logits.get(i))
+        .copied()
+        .filter(|l| !l.is_nan())
+        .unwrap_or(f32::NEG_INFINITY);
+    let above = logits.iter().filter(|&&l| l > own).count();
     TokenLogprob {
         token_id: token,
+        rank: u32::try_from(above + 1).unwrap_or(u32::MAX),
         logprob: usize::try_from(token).map_or(f32::NEG_INFINITY, lp),
         top: most_likely(logits, top)
             .into_iter()
@@ -77,6 +89,10 @@ mod tests {
         assert!((t.logprob as f64 - (2.0 - z.ln())).abs() < 1e-6, "{t:?}");
         let ids: Vec<i64> = t.top.iter().map(|p| p.0).collect();
         assert_eq!(ids, [1, 3, 2]);
+        // Two tokens (1 and 3) are more likely than token 2; tied ones share a rank.
+        assert_eq!(t.rank, 3);
+        assert_eq!(token_logprob(&logits, 3, 0).rank, 1);
+        assert_eq!(token_logprob(&logits, 0, 0).rank, 4);
         let total: f64 = (0..4)
             .map(|i| (token_logprob(&logits, i, 0).logprob as f64).exp())
             .sum();

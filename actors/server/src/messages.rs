@@ -48,6 +48,21 @@ pub enum ClientMsg {
         conversation_continue: Option<bool>,
         /// Start from the prefix cache and keep snapshots of this request (default true).
         cache_prompt: Option<bool>,
+        /// The BOS before a text prompt (default true), as on `/v1/completions`.
+        add_special_tokens: Option<bool>,
+        /// Added to the logits of token ids (keys) before sampling, −100..100.
+        logit_bias: Option<std::collections::BTreeMap<String, f32>>,
+        /// Send the prompt's log-probabilities first (a `prompt` event), with this many
+        /// alternatives a token; `max_tokens` may then be 0 (score the prompt).
+        prompt_logprobs: Option<usize>,
+        /// vLLM's extra sampling parameters, as on the OpenAI endpoints.
+        min_p: Option<f32>,
+        stop_token_ids: Option<Vec<i64>>,
+        min_tokens: Option<usize>,
+        skip_special_tokens: Option<bool>,
+        include_stop_str_in_output: Option<bool>,
+        truncate_prompt_tokens: Option<i64>,
+        allowed_token_ids: Option<Vec<i64>>,
     },
     /// Forgets a conversation of the connection; an error (for a name not kept) carries `id`.
     Forget {
@@ -84,6 +99,14 @@ pub enum ServerMsg {
         /// The delta's tokens' log-probabilities, when the request asked for them.
         #[serde(skip_serializing_if = "Option::is_none")]
         logprobs: Option<Vec<TokenLogprob>>,
+    },
+    /// The prompt's tokens as the model read them (the BOS put before a text prompt first)
+    /// and their log-probabilities (the first has none), before any delta, when the
+    /// request asked for `prompt_logprobs`.
+    Prompt {
+        id: String,
+        token_ids: Vec<i64>,
+        logprobs: Vec<Option<TokenLogprob>>,
     },
     Done {
         id: String,

@@ -159,9 +159,10 @@ pub struct SamplingOptions {
     pub ignore_eos: bool,
     /// Report each generated token's log-probability and this many alternatives.
     pub logprobs: Option<usize>,
-    /// Report the prompt tokens' log-probabilities too (OpenAI's `echo` with `logprobs`);
-    /// `max_tokens` may then be 0 (score the prompt, generate nothing).
-    pub prompt_logprobs: bool,
+    /// Report the prompt tokens' log-probabilities too, with this many alternatives each
+    /// (OpenAI's `echo` with `logprobs`, vLLM's `prompt_logprobs`); `max_tokens` may then be
+    /// 0 (score the prompt, generate nothing).
+    pub prompt_logprobs: Option<usize>,
     pub extras: Extras,
 }
 
@@ -197,6 +198,63 @@ impl Default for Extras {
             allowed_token_ids: None,
         }
     }
+}
+
+/// vLLM's extra fields as a request names them (the OpenAI bodies and the WebSocket's
+/// `generate` alike), before [`ExtraFields::read`] makes them [`Extras`].
+#[derive(Debug, Clone, Default)]
+pub struct ExtraFields {
+    pub stop_token_ids: Option<Vec<i64>>,
+    pub min_tokens: Option<usize>,
+    pub skip_special_tokens: Option<bool>,
+    pub include_stop_str_in_output: Option<bool>,
+    /// `-1` or a count ≥ 1.
+    pub truncate_prompt_tokens: Option<i64>,
+    pub allowed_token_ids: Option<Vec<i64>>,
+}
+
+impl ExtraFields {
+    /// The extras with their defaults; `truncate_prompt_tokens` other than `-1` or a count is
+    /// refused by name (the rest is checked with the request's length, in [`SamplingOptions::validate`]).
+    pub fn read(self) -> Result<Extras, ServeError> {
+        let truncate_prompt_tokens = match self.truncate_prompt_tokens {
+            None | Some(-1) => None,
+            Some(k) if k >= 1 => Some(usize::try_from(k).unwrap_or(usize::MAX)),
+            Some(k) => {
+                return Err(ServeError::field(
+                    "truncate_prompt_tokens",
+                    format!("truncate_prompt_tokens must be -1 or at least 1, got {k}"),
+                ));
+            }
+        };
+        Ok(Extras {
+            stop_token_ids: self.stop_token_ids.unwrap_or_default(),
+            min_tokens: self.min_tokens.unwrap_or(0),
+            skip_special_tokens: self.skip_special_tokens.unwrap_or(true),
+            include_stop_str_in_output: self.include_stop_str_in_output.unwrap_or(false),
+            truncate_prompt_tokens,
+            allowed_token_ids: self.allowed_token_ids,
+        })
+    }
+}
+
+/// OpenAI's `logit_bias` (token ids written as strings, each with its bias) as pairs; a key
+/// that is not a token id is refused by name.
+pub fn logit_bias_pairs(
+    map: Option<std::collections::BTreeMap<String, f32>>,
+) -> Result<Vec<(i64, f32)>, ServeError> {
+    map.unwrap_or_default()
+        .into_iter()
+        .map(|(k, v)| {
+            let id: i64 = k.parse().map_err(|_| {
+                ServeError::field(
+                    "logit_bias",
+                    format!("logit_bias keys are token ids, got {k:?}"),
+                )
+            })?;
+            Ok((id, v))
+        })
+        .collect()
 }
 
 impl Extras {
@@ -273,10 +331,11 @@ pub struct GenSpec {
     pub logit_bias: Vec<(usize, f32)>,
     /// Alternatives to report per generated token (`None`: no log-probabilities).
     pub logprobs: Option<usize>,
-    /// Report the prompt's log-probabilities first ([`GenEvent::Prompt`]).
+    /// Report the prompt's log-probabilities first, with this many alternatives a token
+    /// ([`GenEvent::Prompt`]).
     ///
     /// [`GenEvent::Prompt`]: crate::generate::GenEvent::Prompt
-    pub prompt_logprobs: bool,
+    pub prompt_logprobs: Option<usize>,
     /// The BOS before a text prompt (`add_special_tokens`, on by default: the model was trained
     /// with one in front). Token ids and chat messages are read as they come.
     pub add_special_tokens: bool,
@@ -308,7 +367,7 @@ impl SamplingOptions {
     ) -> Result<GenSpec, ServeError> {
         let max_tokens = self.max_tokens.unwrap_or(DEFAULT_MAX_TOKENS);
         // Scoring a prompt (echo with logprobs) may generate nothing.
-        let least = usize::from(!self.prompt_logprobs);
+        let least = usize::from(self.prompt_logprobs.is_none());
         if max_tokens < least || max_tokens > limits.max_new_tokens {
             let param = self.length_param.name();
             return Err(ServeError::field(
@@ -331,14 +390,19 @@ impl SamplingOptions {
             seed: self.seed.unwrap_or_else(rand_seed),
         };
         check_sampling(&sampling)?;
-        if let Some(k) = self.logprobs.filter(|&k| k > limits.max_logprobs) {
-            return Err(ServeError::field(
-                "logprobs",
-                format!(
-                    "at most {} alternatives per token, got {k}",
-                    limits.max_logprobs
-                ),
-            ));
+        for (field, k) in [
+            ("logprobs", self.logprobs),
+            ("prompt_logprobs", self.prompt_logprobs),
+        ] {
+            if let Some(k) = k.filter(|&k| k > limits.max_logprobs) {
+                return Err(ServeError::field(
+                    field,
+                    format!(
+                        "{field}: at most {} alternatives per token, got {k}",
+                        limits.max_logprobs
+                    ),
+                ));
+            }
         }
         let extras = self.extras.validate(max_tokens, self.length_param)?;
         let logit_bias = logit_biases(self.logit_bias)?;

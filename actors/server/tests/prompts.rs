@@ -37,7 +37,7 @@ async fn scored(g: Arc<Generator>, prompt: Vec<i64>, top: usize) -> Vec<TokenLog
         ignore_eos: true,
         logit_bias: Vec::new(),
         logprobs: Some(top),
-        prompt_logprobs: true,
+        prompt_logprobs: Some(top),
         add_special_tokens: false,
         cache_prompt: true,
         time_limit: None,

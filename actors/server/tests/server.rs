@@ -428,7 +428,7 @@ fn a_session_runs_ahead_of_a_client_that_is_not_reading_then_parks() {
             ignore_eos: true,
             logit_bias: Vec::new(),
             logprobs: None,
-            prompt_logprobs: false,
+            prompt_logprobs: None,
             add_special_tokens: true,
             // One input for the prompt (the cache would feed all of it but its last token
             // first, one input more).

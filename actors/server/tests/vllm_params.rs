@@ -188,3 +188,171 @@ fn vllm_sampling_extras_do_what_vllm_says() {
         }
     });
 }
+
+/// The prompt's log-probabilities in vLLM's shape (`prompt_logprobs`) on both endpoints, the
+/// same numbers as `echo`'s; and the WebSocket takes the same extras as the OpenAI bodies.
+#[test]
+fn prompt_logprobs_and_the_websocket_extras() {
+    use common::{connect, generate, next_json};
+    use futures_util::SinkExt;
+    use tokio_tungstenite::tungstenite::Message;
+    let s = serve(4, 8);
+    let (addr, prompt, greedy) = (s.addr, s.prompt.clone(), s.greedy.clone());
+    s.pipeline.block_on(async move {
+        // Scored alone: no text, no generated tokens, every prompt token with its rank.
+        let v = complete(
+            addr,
+            json!({"prompt": prompt, "max_tokens": 0, "prompt_logprobs": 2}),
+        )
+        .await;
+        let c = &v["choices"][0];
+        assert_eq!(
+            (c["text"].as_str(), &c["logprobs"]),
+            (Some(""), &Value::Null),
+            "{v}"
+        );
+        let plp = c["prompt_logprobs"].as_array().unwrap();
+        assert_eq!(plp.len(), prompt.len(), "{v}");
+        assert!(plp[0].is_null());
+        let echo = complete(
+            addr,
+            json!({"prompt": prompt, "max_tokens": 0, "echo": true, "logprobs": 2}),
+        )
+        .await;
+        let echoed = echo["choices"][0]["logprobs"]["token_logprobs"]
+            .as_array()
+            .unwrap()
+            .clone();
+        for (i, pos) in plp.iter().enumerate().skip(1) {
+            let m = pos.as_object().unwrap();
+            let own = &m[&prompt[i].to_string()];
+            assert_eq!(own["logprob"], echoed[i], "position {i}: {pos}");
+            assert!(own["rank"].as_u64().unwrap() >= 1, "{pos}");
+            assert!(own["decoded_token"].is_string(), "{pos}");
+            // The token and two alternatives at most; the most likely ranks first.
+            assert!((2..=3).contains(&m.len()), "{pos}");
+            assert!(m.values().any(|e| e["rank"] == 1), "{pos}");
+            let best = m.values().filter_map(|e| e["logprob"].as_f64());
+            let best = best.fold(f64::NEG_INFINITY, f64::max);
+            for e in m.values() {
+                let r = e["rank"].as_u64().unwrap();
+                assert_eq!(r == 1, e["logprob"].as_f64().unwrap() == best, "{pos}");
+            }
+        }
+        let e = refused(
+            addr,
+            json!({"prompt": prompt, "prompt_logprobs": 1, "stream": true}),
+            "prompt_logprobs",
+        )
+        .await;
+        assert!(e.contains("not streamed"), "{e}");
+
+        // The WebSocket: a `prompt` event with the same numbers, before `done`.
+        let mut ws = connect(addr).await;
+        let req = json!({"type": "generate", "id": "p", "prompt": prompt, "max_tokens": 0,
+            "prompt_logprobs": 2});
+        ws.send(Message::Text(req.to_string().into()))
+            .await
+            .unwrap();
+        let m = next_json(&mut ws).await;
+        assert_eq!(m["type"], "prompt", "{m}");
+        assert_eq!(m["token_ids"], json!(prompt), "{m}");
+        let lps = m["logprobs"].as_array().unwrap();
+        assert!(lps[0].is_null(), "{m}");
+        for (i, l) in lps.iter().enumerate().skip(1) {
+            assert_eq!(l["token_id"], prompt[i], "{m}");
+            // The same f32 (JSON writes it shorter here than OpenAI's f64 form).
+            let f32_of = |v: &Value| v.as_f64().unwrap() as f32;
+            assert_eq!(
+                f32_of(&l["logprob"]),
+                f32_of(&echoed[i]),
+                "position {i}: {m}"
+            );
+            assert_eq!(l["top"].as_array().unwrap().len(), 2, "{m}");
+        }
+        let done = next_json(&mut ws).await;
+        assert_eq!(done["type"], "done", "{done}");
+        assert_eq!(done["usage"]["completion_tokens"], 0, "{done}");
+
+        // A forced stop token is banned until `min_tokens`, then ends the generation.
+        let x = greedy[prompt.len()];
+        let (_, ids, done) = generate(
+            &mut ws,
+            json!({"type": "generate", "id": "f", "prompt": prompt, "max_tokens": 8,
+                "ignore_eos": true, "logit_bias": {x.to_string(): 100}, "stop_token_ids": [x],
+                "min_tokens": 3, "token_ids": true}),
+        )
+        .await;
+        assert_eq!(done["finish_reason"], "stop", "{done}");
+        assert_eq!(ids.len(), 4, "{ids:?}");
+        assert!(ids[3] == x && !ids[..3].contains(&x), "{ids:?}");
+        let n_new = greedy.len() - prompt.len();
+        let (_, ids, _) = generate(
+            &mut ws,
+            json!({"type": "generate", "id": "h", "prompt": prompt, "max_tokens": n_new,
+                "temperature": 1.8, "seed": 3, "ignore_eos": true, "min_p": 1.0,
+                "token_ids": true}),
+        )
+        .await;
+        assert_eq!(ids, greedy[prompt.len()..], "min_p 1 over the WebSocket");
+        // Refusals name their field, as on HTTP.
+        for (req, says) in [
+            (
+                json!({"truncate_prompt_tokens": 0}),
+                "truncate_prompt_tokens",
+            ),
+            (json!({"logit_bias": {"x": 1}}), "logit_bias"),
+            (json!({"min_tokens": 9, "max_tokens": 2}), "min_tokens"),
+            (json!({"prompt_logprobs": 50}), "prompt_logprobs"),
+        ] {
+            let mut r = json!({"type": "generate", "id": "e", "prompt": prompt});
+            r.as_object_mut()
+                .unwrap()
+                .extend(req.as_object().unwrap().clone());
+            ws.send(Message::Text(r.to_string().into())).await.unwrap();
+            let m = next_json(&mut ws).await;
+            assert_eq!(m["type"], "error", "{m}");
+            assert!(m["message"].as_str().unwrap().contains(says), "{says}: {m}");
+        }
+    });
+}
+
+/// With text prompts (the embedded tiny config and the bundled tokenizer): a chat's
+/// `prompt_logprobs` is the answer's, and the WebSocket leaves the BOS out where asked.
+#[test]
+fn text_prompts_take_prompt_logprobs_and_the_bos_choice() {
+    use common::{connect, generate};
+    let s = common::serve_model(4, 8, false);
+    let addr = s.addr;
+    s.pipeline.block_on(async move {
+        // On chat, the answer's.
+        let (status, body) = http(
+            addr,
+            "POST",
+            "/v1/chat/completions",
+            json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1,
+                "prompt_logprobs": 0})
+            .to_string()
+            .as_bytes(),
+        )
+        .await;
+        assert_eq!(status, 200, "{body}");
+        let chat: Value = serde_json::from_str(&body).unwrap();
+        let plp_chat = chat["prompt_logprobs"].as_array().unwrap();
+        assert!(plp_chat.len() > 3 && plp_chat[0].is_null(), "{chat}");
+        assert!(plp_chat[1].as_object().unwrap().len() == 1, "{chat}");
+        let mut ws = connect(addr).await;
+        // A text prompt without its BOS reads one token fewer.
+        let mut read = Vec::new();
+        for bos in [true, false] {
+            let (_, _, done) = generate(
+                &mut ws,
+                json!({"type": "generate", "id": "b", "prompt": "Emma was", "max_tokens": 1,
+                    "add_special_tokens": bos}),
+            )
+            .await;
+            read.push(done["usage"]["prompt_tokens"].as_u64().unwrap());
+        }
+        assert_eq!(read[0], read[1] + 1, "{read:?}");
+    });
+}

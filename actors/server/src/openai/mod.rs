@@ -106,6 +106,8 @@ struct Choice {
     fresh: bool,
     /// Its completions `text_offset` so far.
     offset: response::TextOffset,
+    /// The prompt's tokens and log-probabilities, for vLLM's `prompt_logprobs`.
+    prompt: Option<response::Scored>,
 }
 
 /// A choice's echoed prompt (`echo`): its text, and how many tokens the server put in front
@@ -126,6 +128,8 @@ fn pieces(e: GenEvent, choice: &Choice, echo: Option<&Echo>) -> Vec<Piece> {
         None => ("", 0),
     };
     match e {
+        // Scored for vLLM's `prompt_logprobs` alone: nothing of it in the choice's text.
+        GenEvent::Prompt { .. } if echo.is_empty() => return out,
         GenEvent::Prompt { ids, logprobs } => {
             return vec![Piece {
                 text: echo.to_string(),
@@ -210,6 +214,7 @@ pub async fn openai(s: Shared, body: Bytes, chat: bool) -> Response {
         created: now(),
         model: s.model_name.clone(),
         logprobs: call.specs[0].logprobs.is_some(),
+        prompt_logprobs: call.prompt_logprobs,
         include_usage: call.include_usage,
         tokenizer: s.generator.tokenizer.clone(),
     };
@@ -290,6 +295,9 @@ async fn whole(
             prompts.record(i, f.usage.prompt_tokens);
             completion += f.usage.completion_tokens;
         }
+        if let (true, GenEvent::Prompt { ids, logprobs }) = (shape.prompt_logprobs, &e) {
+            c.prompt = Some(ids.iter().copied().zip(logprobs.iter().cloned()).collect());
+        }
         for p in pieces(e, c, echo[i].as_ref()) {
             c.whole.text.push_str(&p.text);
             c.whole.tokens.extend(p.tokens);
@@ -302,7 +310,7 @@ async fn whole(
     let mut done = Vec::with_capacity(choices.len());
     for c in choices {
         match c.finish {
-            Some(f) => done.push((c.whole, f)),
+            Some(f) => done.push((c.whole, f, c.prompt)),
             None => return ServeError::Internal("a generation stopped".into()).into_response(),
         }
     }

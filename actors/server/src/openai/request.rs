@@ -6,7 +6,8 @@
 use crate::error::ServeError;
 use crate::prompts::{Prompt, Prompts};
 use crate::protocol::{
-    ChatMessage, Extras, GenSpec, LengthParam, Limits, PromptSpec, SamplingOptions, Stop,
+    ChatMessage, ExtraFields, GenSpec, LengthParam, Limits, PromptSpec, SamplingOptions, Stop,
+    logit_bias_pairs,
 };
 use serde::Deserialize;
 use std::collections::BTreeMap;
@@ -56,6 +57,9 @@ pub struct OpenAiRequest {
     pub truncate_prompt_tokens: Option<i64>,
     pub allowed_token_ids: Option<Vec<i64>>,
     pub min_p: Option<f32>,
+    /// The prompt tokens' log-probabilities with this many alternatives each, in vLLM's
+    /// shape (not streamed).
+    pub prompt_logprobs: Option<i64>,
     pub suffix: Option<String>,
     /// Accepted and ignored.
     pub user: Option<String>,
@@ -145,6 +149,9 @@ pub struct OpenAiCall {
     pub include_usage: bool,
     /// `/v1/completions` `echo`: the prompt's text starts each choice.
     pub echo: bool,
+    /// vLLM's `prompt_logprobs` was asked for: the answer carries the prompt's
+    /// log-probabilities in vLLM's shape (each choice's on completions, the answer's on chat).
+    pub prompt_logprobs: bool,
 }
 
 fn refuse(param: &str, message: impl Into<String>) -> ServeError {
@@ -319,34 +326,35 @@ impl OpenAiRequest {
                 "give max_tokens or max_completion_tokens, not both",
             ));
         }
-        let truncate_prompt_tokens = match self.truncate_prompt_tokens {
-            None | Some(-1) => None,
-            Some(k) if k >= 1 => Some(usize::try_from(k).unwrap_or(usize::MAX)),
-            Some(k) => {
+        let prompt_logprobs = match self.prompt_logprobs {
+            None => None,
+            Some(_) if self.stream => {
                 return Err(refuse(
-                    "truncate_prompt_tokens",
-                    format!("truncate_prompt_tokens must be -1 or at least 1, got {k}"),
+                    "prompt_logprobs",
+                    "prompt_logprobs is not streamed (as in vLLM): ask without stream, or with \
+                     echo and logprobs",
                 ));
             }
-        };
-        let extras = Extras {
-            stop_token_ids: self.stop_token_ids.unwrap_or_default(),
-            min_tokens: self.min_tokens.unwrap_or(0),
-            skip_special_tokens: self.skip_special_tokens.unwrap_or(true),
-            include_stop_str_in_output: self.include_stop_str_in_output.unwrap_or(false),
-            truncate_prompt_tokens,
-            allowed_token_ids: self.allowed_token_ids,
-        };
-        let mut logit_bias = Vec::new();
-        for (k, v) in self.logit_bias.unwrap_or_default() {
-            let id: i64 = k.parse().map_err(|_| {
+            Some(k) => Some(usize::try_from(k).map_err(|_| {
                 refuse(
-                    "logit_bias",
-                    format!("logit_bias keys are token ids, got {k:?}"),
+                    "prompt_logprobs",
+                    format!(
+                        "prompt_logprobs is a number of alternatives per token, 0..={}, got {k}",
+                        limits.max_logprobs
+                    ),
                 )
-            })?;
-            logit_bias.push((id, v));
+            })?),
+        };
+        let extras = ExtraFields {
+            stop_token_ids: self.stop_token_ids,
+            min_tokens: self.min_tokens,
+            skip_special_tokens: self.skip_special_tokens,
+            include_stop_str_in_output: self.include_stop_str_in_output,
+            truncate_prompt_tokens: self.truncate_prompt_tokens,
+            allowed_token_ids: self.allowed_token_ids,
         }
+        .read()?;
+        let logit_bias = logit_bias_pairs(self.logit_bias)?;
         let length_param = if self.max_completion_tokens.is_some() {
             LengthParam::MaxCompletionTokens
         } else {
@@ -370,10 +378,14 @@ impl OpenAiRequest {
             logprobs,
             // A prompt echoed with nothing generated (`max_tokens: 0`) is scored, as with
             // logprobs, so the request runs the one pass OpenAI's legacy endpoint and vLLM
-            // run for it; its log-probabilities are sent only where asked for.
-            prompt_logprobs: self.echo
-                && (logprobs.is_some()
-                    || self.max_tokens.or(self.max_completion_tokens) == Some(0)),
+            // run for it; its log-probabilities are sent only where asked for. vLLM's
+            // `prompt_logprobs` names the alternatives itself (the echo's too, as in vLLM).
+            prompt_logprobs: prompt_logprobs.or_else(|| {
+                (self.echo
+                    && (logprobs.is_some()
+                        || self.max_tokens.or(self.max_completion_tokens) == Some(0)))
+                .then(|| logprobs.unwrap_or(0))
+            }),
             extras,
         };
         // A stream gets a chunk per generated token, as vLLM's does: a token whose text is held
@@ -396,6 +408,7 @@ impl OpenAiRequest {
             stream: self.stream,
             include_usage: self.stream_options.is_some_and(|o| o.include_usage),
             echo: self.echo,
+            prompt_logprobs: prompt_logprobs.is_some(),
         })
     }
 }

@@ -20,6 +20,9 @@ pub struct Piece {
     pub tokens: Vec<(i64, Option<TokenLogprob>)>,
 }
 
+/// A scored prompt: its tokens, each with its log-probability (the first has none).
+pub type Scored = Vec<(i64, Option<TokenLogprob>)>;
+
 /// What every body of one request shares.
 pub struct Shape {
     pub chat: bool,
@@ -28,6 +31,9 @@ pub struct Shape {
     pub model: String,
     /// Requests with `logprobs`: every choice carries them.
     pub logprobs: bool,
+    /// Requests with vLLM's `prompt_logprobs`: each choice carries the prompt's (the answer
+    /// on chat).
+    pub prompt_logprobs: bool,
     /// Streamed with `include_usage`: chunks carry `"usage": null`, a last one the usage.
     pub include_usage: bool,
     pub tokenizer: Arc<Tokenizer>,
@@ -52,12 +58,14 @@ impl Shape {
         m
     }
 
-    /// A whole answer: one choice per `(piece, finish reason)`, in index order.
-    pub fn answer(&self, choices: Vec<(Piece, &str)>, usage: Usage) -> Value {
+    /// A whole answer: one choice per `(piece, finish reason, scored prompt)`, in index
+    /// order.
+    pub fn answer(&self, choices: Vec<(Piece, &str, Option<Scored>)>, usage: Usage) -> Value {
+        let mut prompt = Value::Null;
         let choices = choices
             .into_iter()
             .enumerate()
-            .map(|(i, (p, finish))| {
+            .map(|(i, (p, finish, scored))| {
                 let lp = self.logprobs_json(&p.tokens, &mut TextOffset::default());
                 let mut c = json!({"index": i, "finish_reason": finish, "logprobs": lp});
                 if self.chat {
@@ -65,12 +73,53 @@ impl Shape {
                 } else {
                     c["text"] = p.text.into();
                 }
+                if self.prompt_logprobs {
+                    let v = scored.map_or(Value::Null, |t| self.vllm_prompt_logprobs(&t));
+                    // vLLM puts a chat's on the answer (its one prompt), a completion's on
+                    // each choice.
+                    if self.chat {
+                        prompt = v;
+                    } else {
+                        c["prompt_logprobs"] = v;
+                    }
+                }
                 c
             })
             .collect();
         let mut m = self.envelope(false, choices);
         m.insert("usage".into(), json!(usage));
+        if self.prompt_logprobs && self.chat {
+            m.insert("prompt_logprobs".into(), prompt);
+        }
         Value::Object(m)
+    }
+
+    /// vLLM's `prompt_logprobs`: `null` for the first token, then at each position a map from
+    /// token id to `{logprob, rank, decoded_token}` holding the prompt's token and the most
+    /// likely alternatives.
+    fn vllm_prompt_logprobs(&self, tokens: &[(i64, Option<TokenLogprob>)]) -> Value {
+        let lp = |l: f32| if l.is_finite() { l } else { NEG_INF_LOGPROB };
+        let entry = |id: i64, l: f32, rank: usize| json!({"logprob": lp(l), "rank": rank, "decoded_token": self.token_text(id)});
+        tokens
+            .iter()
+            .map(|(_, l)| {
+                l.as_ref().map_or(Value::Null, |l| {
+                    let mut m = Map::new();
+                    m.insert(
+                        l.token_id.to_string(),
+                        entry(l.token_id, l.logprob, l.rank as usize),
+                    );
+                    for (i, &(id, p)) in l.top.iter().enumerate() {
+                        // Every token more likely than an alternative is an alternative too
+                        // (most likely first), so its rank is counted among them: ties share.
+                        let rank = 1 + l.top[..i].iter().filter(|t| t.1 > p).count();
+                        m.entry(id.to_string())
+                            .or_insert_with(|| entry(id, p, rank));
+                    }
+                    Value::Object(m)
+                })
+            })
+            .collect()
     }
 
     /// One streamed chunk of choice `index`: its new piece (the chat role on its first), or

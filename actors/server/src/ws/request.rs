@@ -5,7 +5,7 @@
 use crate::error::ServeError;
 use crate::generate::GenEvent;
 use crate::messages::{ClientMsg, ServerMsg};
-use crate::protocol::{Prompt, PromptSpec, SamplingOptions};
+use crate::protocol::{ExtraFields, Prompt, PromptSpec, SamplingOptions, logit_bias_pairs};
 use crate::state::{Shared, start};
 use crate::ws::conversation::Conversations;
 use std::collections::HashMap;
@@ -174,7 +174,11 @@ impl Requests {
                         token_ids: with_ids.then_some(token_ids),
                         logprobs: with_logprobs.then_some(logprobs),
                     },
-                    Ok(GenEvent::Prompt { .. }) => continue,
+                    Ok(GenEvent::Prompt { ids, logprobs }) => ServerMsg::Prompt {
+                        id: id.clone(),
+                        token_ids: ids,
+                        logprobs,
+                    },
                     Ok(GenEvent::Done(f)) => ServerMsg::Done {
                         id: id.clone(),
                         finish_reason: f.finish_reason.into(),
@@ -226,6 +230,16 @@ fn validate(msg: ClientMsg, s: &Shared) -> Result<Valid, (Option<String>, ServeE
         conversation,
         conversation_continue,
         cache_prompt,
+        add_special_tokens,
+        logit_bias,
+        prompt_logprobs,
+        min_p,
+        stop_token_ids,
+        min_tokens,
+        skip_special_tokens,
+        include_stop_str_in_output,
+        truncate_prompt_tokens,
+        allowed_token_ids,
     } = msg
     else {
         unreachable!("only generate messages are validated")
@@ -246,8 +260,27 @@ fn validate(msg: ClientMsg, s: &Shared) -> Result<Valid, (Option<String>, ServeE
             return Err((Some(id), e));
         }
     };
+    let extras = ExtraFields {
+        stop_token_ids,
+        min_tokens,
+        skip_special_tokens,
+        include_stop_str_in_output,
+        truncate_prompt_tokens,
+        allowed_token_ids,
+    };
+    let (extras, logit_bias) = match extras
+        .read()
+        .and_then(|x| Ok((x, logit_bias_pairs(logit_bias)?)))
+    {
+        Ok(v) => v,
+        Err(e) => return Err((Some(id), e)),
+    };
     let options = SamplingOptions {
         max_tokens,
+        min_p,
+        logit_bias,
+        prompt_logprobs,
+        extras,
         temperature,
         top_k,
         top_p,
@@ -263,6 +296,7 @@ fn validate(msg: ClientMsg, s: &Shared) -> Result<Valid, (Option<String>, ServeE
     match options.validate(prompt, token_ids, &s.limits) {
         Ok(mut spec) => {
             spec.cache_prompt = cache_prompt.unwrap_or(true);
+            spec.add_special_tokens = add_special_tokens.unwrap_or(true);
             Ok((id, spec, conversation, conversation_continue))
         }
         Err(e) => Err((Some(id), e)),

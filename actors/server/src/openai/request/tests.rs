@@ -21,7 +21,7 @@ fn fields_clients_send_are_read_and_bad_ones_named() {
         (2, true, true, true)
     );
     assert_eq!(c.specs[0].logprobs, Some(3));
-    assert!(c.specs[0].prompt_logprobs && c.specs[0].max_tokens == 0);
+    assert!(c.specs[0].prompt_logprobs == Some(3) && c.specs[0].max_tokens == 0);
     assert_eq!(c.specs[0].logit_bias, [(7, -100.0)]);
     assert_eq!(c.specs[0].sampling.seed, u64::MAX);
     let chat = call(
@@ -277,12 +277,42 @@ fn an_echo_with_nothing_generated_needs_no_logprobs() {
     // OpenAI's legacy endpoint returns the prompt itself; it is scored (one pass), and its
     // log-probabilities are not asked for.
     let c = call(r#"{"prompt":"hi","echo":true,"max_tokens":0}"#, false).unwrap();
-    assert!(c.echo && c.specs[0].prompt_logprobs && c.specs[0].max_tokens == 0);
+    assert!(c.echo && c.specs[0].prompt_logprobs == Some(0) && c.specs[0].max_tokens == 0);
     assert_eq!(c.specs[0].logprobs, None);
     // An echo that generates runs as before: no scoring pass without logprobs.
     let c = call(r#"{"prompt":"hi","echo":true,"max_tokens":2}"#, false).unwrap();
-    assert!(!c.specs[0].prompt_logprobs);
+    assert_eq!(c.specs[0].prompt_logprobs, None);
     // Nothing to generate and nothing echoed is still refused, naming the field.
     let e = call(r#"{"prompt":"hi","max_tokens":0}"#, false).unwrap_err();
     assert!(e.to_string().contains("max_tokens must be in 1..="), "{e}");
+}
+
+#[test]
+fn vllm_prompt_logprobs_are_read_and_bad_ones_named() {
+    // Its own count of alternatives, on completions and chat; the echo's follow it, as vLLM's.
+    let c = call(
+        r#"{"prompt":"hi","max_tokens":0,"prompt_logprobs":2,"echo":true,"logprobs":5}"#,
+        false,
+    )
+    .unwrap();
+    assert!(c.prompt_logprobs && c.specs[0].prompt_logprobs == Some(2));
+    assert_eq!(c.specs[0].logprobs, Some(5));
+    let c = call(
+        r#"{"messages":[{"role":"user","content":"hi"}],"prompt_logprobs":0}"#,
+        true,
+    )
+    .unwrap();
+    assert!(c.prompt_logprobs && c.specs[0].prompt_logprobs == Some(0));
+    // Without it nothing changes.
+    let c = call(r#"{"prompt":"hi"}"#, false).unwrap();
+    assert!(!c.prompt_logprobs && c.specs[0].prompt_logprobs.is_none());
+    for body in [
+        r#"{"prompt":"hi","prompt_logprobs":-1}"#,
+        r#"{"prompt":"hi","prompt_logprobs":21}"#,
+        r#"{"prompt":"hi","prompt_logprobs":1,"stream":true}"#,
+        r#"{"prompt":"hi","prompt_logprobs":"1"}"#,
+    ] {
+        let e = call(body, false).unwrap_err();
+        assert_eq!(e.param(), Some("prompt_logprobs"), "{body}: {e}");
+    }
 }

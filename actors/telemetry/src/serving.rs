@@ -31,7 +31,8 @@ const TOKENS: &[f64] = &[
 /// The counters, gauges and histograms behind the server's `GET /metrics`.
 pub struct ServingMetrics {
     registry: Registry,
-    /// Generation requests received (`nsactor_requests_total`).
+    /// Generations started, one per choice (`nsactor_requests_total`): with the finished
+    /// and failed counts, every generation is counted once at its start and once at its end.
     pub requests: IntCounter,
     /// Requests that finished, by `finished_reason` (stop, length, cancelled, …).
     pub request_success: IntCounterVec,
@@ -136,7 +137,10 @@ impl ServingMetrics {
         )?;
         registry.register(Box::new(request_success.clone()))?;
         Ok(ServingMetrics {
-            requests: counter("nsactor_requests_total", "Generation requests received.")?,
+            requests: counter(
+                "nsactor_requests_total",
+                "Generations started (one per choice: an OpenAI request with n = 4 or a batch of 4 prompts counts 4; one per WebSocket generate).",
+            )?,
             request_success,
             requests_failed: counter(
                 "nsactor_requests_failed_total",

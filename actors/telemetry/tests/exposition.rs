@@ -106,7 +106,9 @@ fn serving_metrics_parse_with_the_vllm_names_and_values() {
     }
     assert_eq!(
         s.docs.get("nsactor_requests_total").map(String::as_str),
-        Some("Generation requests received.")
+        Some(
+            "Generations started (one per choice: an OpenAI request with n = 4 or a batch of 4 prompts counts 4; one per WebSocket generate)."
+        )
     );
     // Counters read from the decoder never go down.
     let again = parse(&m.render(DecoderState {

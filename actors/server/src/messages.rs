@@ -14,6 +14,9 @@ use serde::{Deserialize, Serialize};
 /// fields, so that an error names the field it is about.
 #[derive(Debug, Clone, PartialEq, Deserialize)]
 #[serde(rename_all = "snake_case", deny_unknown_fields)]
+// A message is parsed and consumed at once, one at a time: `generate`'s size costs nothing,
+// and a box would only add an allocation to every message.
+#[allow(clippy::large_enum_variant)]
 pub enum ClientMsg {
     /// Start a generation: `prompt` (text or ids) or `messages` (rendered with ChatML).
     Generate {

@@ -447,7 +447,7 @@ impl Generator {
         let mut text = String::new();
         let mut pieces = self.tokenizer.text_stream(spec.extras.skip_special_tokens);
         let mut stopped_by_string = false;
-        let mut end_token = 0;
+        let mut end_token = None;
         let finish_reason = loop {
             if self.drain.stopping() {
                 break FINISH_SHUTDOWN;
@@ -493,7 +493,7 @@ impl Generator {
             }
             if !spec.ignore_eos && END_TOKENS.contains(&next) {
                 // Generated though not shown: usage counts it, as OpenAI and vLLM do.
-                end_token = 1;
+                end_token = Some(next);
                 break "stop";
             }
             generated.push(next);
@@ -554,8 +554,8 @@ impl Generator {
             finish_reason,
             usage: Usage {
                 prompt_tokens: prompt.len(),
-                completion_tokens: n + end_token,
-                total_tokens: prompt.len() + n + end_token,
+                completion_tokens: n + usize::from(end_token.is_some()),
+                total_tokens: prompt.len() + n + usize::from(end_token.is_some()),
             },
             timing: GenTiming {
                 time_to_first_token_ms: ttft * 1e3,
@@ -567,6 +567,7 @@ impl Generator {
                 },
             },
             tokens: prompt.iter().chain(&generated).copied().collect(),
+            end_token,
         })
     }
 

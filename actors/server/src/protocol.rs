@@ -431,6 +431,8 @@ pub struct Finished {
     /// The prompt's tokens, then the generated ones (without an end token): the history a
     /// conversation's next turn goes on from.
     pub tokens: Vec<i64>,
+    /// The end token that stopped the generation (generated, counted, never shown).
+    pub end_token: Option<i64>,
 }
 
 #[cfg(test)]

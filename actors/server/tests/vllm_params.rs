@@ -341,6 +341,23 @@ fn text_prompts_take_prompt_logprobs_and_the_bos_choice() {
         let plp_chat = chat["prompt_logprobs"].as_array().unwrap();
         assert!(plp_chat.len() > 3 && plp_chat[0].is_null(), "{chat}");
         assert!(plp_chat[1].as_object().unwrap().len() == 1, "{chat}");
+        // `return_token_ids` on chat: the prompt's on the answer, the choice's own.
+        let (status, body) = http(
+            addr,
+            "POST",
+            "/v1/chat/completions",
+            json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3,
+                "return_token_ids": true})
+            .to_string()
+            .as_bytes(),
+        )
+        .await;
+        assert_eq!(status, 200, "{body}");
+        let chat: Value = serde_json::from_str(&body).unwrap();
+        let ids = chat["prompt_token_ids"].as_array().unwrap();
+        assert_eq!(ids.len() as u64, chat["usage"]["prompt_tokens"], "{chat}");
+        let own = chat["choices"][0]["token_ids"].as_array().unwrap();
+        assert_eq!(own.len() as u64, chat["usage"]["completion_tokens"], "{chat}");
         let mut ws = connect(addr).await;
         // A text prompt without its BOS reads one token fewer.
         let mut read = Vec::new();
@@ -354,5 +371,80 @@ fn text_prompts_take_prompt_logprobs_and_the_bos_choice() {
             read.push(done["usage"]["prompt_tokens"].as_u64().unwrap());
         }
         assert_eq!(read[0], read[1] + 1, "{read:?}");
+    });
+}
+
+/// vLLM's `return_token_ids`: the prompt's ids and each choice's generated ones (the end
+/// token that stopped it included), whole and streamed.
+#[test]
+fn return_token_ids_gives_the_prompt_and_the_generated_ids() {
+    let s = serve(4, 8);
+    let (addr, prompt, greedy) = (s.addr, s.prompt.clone(), s.greedy.clone());
+    s.pipeline.block_on(async move {
+        let n_new = greedy.len() - prompt.len();
+        let want = &greedy[prompt.len()..];
+        let v = complete(
+            addr,
+            json!({"prompt": prompt, "max_tokens": n_new, "temperature": 0,
+                "ignore_eos": true, "return_token_ids": true}),
+        )
+        .await;
+        let c = &v["choices"][0];
+        assert_eq!(c["prompt_token_ids"], json!(prompt), "{v}");
+        assert_eq!(c["token_ids"], json!(want), "{v}");
+        // Without it, neither field.
+        let v = complete(addr, json!({"prompt": prompt, "max_tokens": 2})).await;
+        let c = v["choices"][0].as_object().unwrap();
+        assert!(!c.contains_key("token_ids") && !c.contains_key("prompt_token_ids"));
+        // An end token forced: counted, never shown, and among the ids.
+        let v = complete(
+            addr,
+            json!({"prompt": prompt, "max_tokens": 4, "logit_bias": {"4": 100},
+                "return_token_ids": true}),
+        )
+        .await;
+        let c = &v["choices"][0];
+        assert_eq!((c["text"].as_str(), &c["token_ids"]), (Some(""), &json!([4])), "{v}");
+        assert_eq!(ended(&v), ("stop".into(), 1), "{v}");
+        // A batch of two prompts with two choices each: each choice its prompt's ids.
+        let other: Vec<i64> = prompt.iter().rev().copied().collect();
+        let v = complete(
+            addr,
+            json!({"prompt": [prompt, other], "n": 2, "max_tokens": 2,
+                "return_token_ids": true}),
+        )
+        .await;
+        for (i, c) in v["choices"].as_array().unwrap().iter().enumerate() {
+            let p = if c["index"].as_u64().unwrap() < 2 { &prompt } else { &other };
+            assert_eq!(c["prompt_token_ids"], json!(p), "choice {i}: {v}");
+            assert_eq!(c["token_ids"].as_array().unwrap().len(), 2, "{v}");
+        }
+        // Streamed: the prompt's ids on the first chunk only, each chunk its own tokens.
+        let (status, body) = http(
+            addr,
+            "POST",
+            "/v1/completions",
+            json!({"prompt": prompt, "max_tokens": n_new, "temperature": 0,
+                "ignore_eos": true, "stream": true, "return_token_ids": true})
+            .to_string()
+            .as_bytes(),
+        )
+        .await;
+        assert_eq!(status, 200, "{body}");
+        let (events, done) = common::sse_events(&body);
+        assert!(done, "{body}");
+        let with_prompt: Vec<&Value> = events
+            .iter()
+            .filter(|e| e["choices"][0].get("prompt_token_ids").is_some())
+            .collect();
+        assert_eq!(with_prompt.len(), 1, "{body}");
+        assert_eq!(with_prompt[0]["choices"][0]["prompt_token_ids"], json!(prompt));
+        assert!(std::ptr::eq(with_prompt[0], &events[0]), "{body}");
+        let streamed: Vec<i64> = events
+            .iter()
+            .flat_map(|e| e["choices"][0]["token_ids"].as_array().unwrap().clone())
+            .map(|t| t.as_i64().unwrap())
+            .collect();
+        assert_eq!(streamed, want, "{body}");
     });
 }

@@ -108,6 +108,8 @@ struct Choice {
     offset: response::TextOffset,
     /// The prompt's tokens and log-probabilities, for vLLM's `prompt_logprobs`.
     prompt: Option<response::Scored>,
+    /// The prompt's token ids, for vLLM's `return_token_ids` (a stream sends them once).
+    prompt_ids: Option<Vec<i64>>,
 }
 
 /// A choice's echoed prompt (`echo`): its text, and how many tokens the server put in front
@@ -123,22 +125,24 @@ struct Echo {
 /// tokens when the prompt was scored, as its own text otherwise).
 fn pieces(e: GenEvent, choice: &Choice, echo: Option<&Echo>) -> Vec<Piece> {
     let mut out = Vec::new();
-    let (echo, lead) = match echo.filter(|_| choice.fresh) {
+    let echoing = echo.filter(|_| choice.fresh);
+    let (echo, lead) = match echoing {
         Some(e) => (e.text.as_str(), e.lead),
         None => ("", 0),
     };
     match e {
         // Scored for vLLM's `prompt_logprobs` alone: nothing of it in the choice's text.
-        GenEvent::Prompt { .. } if echo.is_empty() => return out,
+        GenEvent::Prompt { .. } if echoing.is_none() => return out,
         GenEvent::Prompt { ids, logprobs } => {
             return vec![Piece {
                 text: echo.to_string(),
                 tokens: ids.into_iter().zip(logprobs).skip(lead).collect(),
+                ids: Vec::new(),
             }];
         }
         _ if !echo.is_empty() => out.push(Piece {
             text: echo.to_string(),
-            tokens: Vec::new(),
+            ..Piece::default()
         }),
         _ => {}
     }
@@ -152,11 +156,16 @@ fn pieces(e: GenEvent, choice: &Choice, echo: Option<&Echo>) -> Vec<Piece> {
             Vec::new()
         } else {
             token_ids
-                .into_iter()
+                .iter()
+                .copied()
                 .zip(logprobs.into_iter().map(Some))
                 .collect()
         };
-        out.push(Piece { text, tokens });
+        out.push(Piece {
+            text,
+            tokens,
+            ids: token_ids,
+        });
     }
     out
 }
@@ -215,13 +224,15 @@ pub async fn openai(s: Shared, body: Bytes, chat: bool) -> Response {
         model: s.model_name.clone(),
         logprobs: call.specs[0].logprobs.is_some(),
         prompt_logprobs: call.prompt_logprobs,
+        return_token_ids: call.return_token_ids,
         include_usage: call.include_usage,
         tokenizer: s.generator.tokenizer.clone(),
     };
     // A batch's prompts are all read and checked before any generation starts: a bad one
-    // must not leave the others' sessions started (and counted) for nothing.
+    // must not leave the others' sessions started (and counted) for nothing. Token ids to
+    // return are known before the first chunk the same way.
     let mut call = call;
-    if call.specs.len() > 1 {
+    if call.specs.len() > 1 || call.return_token_ids {
         for spec in &mut call.specs {
             match s.generator.prompt_ids(spec) {
                 Ok(ids) => spec.prompt = PromptSpec::Ids(ids),
@@ -233,8 +244,12 @@ pub async fn openai(s: Shared, body: Bytes, chat: bool) -> Response {
     let mut rx = launch(&s, &call, &cancel);
     let guard = CancelOnDrop(cancel);
     let choices = (0..call.n * call.specs.len())
-        .map(|_| Choice {
+        .map(|i| Choice {
             fresh: true,
+            prompt_ids: match &call.specs[i / call.n].prompt {
+                PromptSpec::Ids(ids) if call.return_token_ids => Some(ids.clone()),
+                _ => None,
+            },
             ..Choice::default()
         })
         .collect();
@@ -294,6 +309,11 @@ async fn whole(
             c.finish = Some(openai_finish(f.finish_reason));
             prompts.record(i, f.usage.prompt_tokens);
             completion += f.usage.completion_tokens;
+            if shape.return_token_ids {
+                // The generated tokens, and the end token that stopped them, as vLLM's.
+                let generated = f.tokens.get(f.usage.prompt_tokens..).unwrap_or(&[]);
+                c.whole.ids = generated.iter().copied().chain(f.end_token).collect();
+            }
         }
         if let (true, GenEvent::Prompt { ids, logprobs }) = (shape.prompt_logprobs, &e) {
             c.prompt = Some(ids.iter().copied().zip(logprobs.iter().cloned()).collect());
@@ -308,9 +328,18 @@ async fn whole(
         }
     }
     let mut done = Vec::with_capacity(choices.len());
-    for c in choices {
+    for mut c in choices {
         match c.finish {
-            Some(f) => done.push((c.whole, f, c.prompt)),
+            Some(f) => {
+                let token_ids = std::mem::take(&mut c.whole.ids);
+                done.push(response::Answered {
+                    piece: c.whole,
+                    finish: f,
+                    scored: c.prompt,
+                    prompt_ids: c.prompt_ids,
+                    token_ids,
+                });
+            }
             None => return ServeError::Internal("a generation stopped".into()).into_response(),
         }
     }
@@ -390,29 +419,44 @@ impl Streamer {
                 self.prompts.record(i, f.usage.prompt_tokens);
                 self.usage.prompt_tokens = self.prompts.total();
                 self.usage.completion_tokens += f.usage.completion_tokens;
-                Some(openai_finish(f.finish_reason))
+                Some((openai_finish(f.finish_reason), f.end_token))
             }
             _ => None,
         };
         let mut out = Vec::new();
         for p in pieces(e, c, self.echo[i].as_ref()) {
+            // The prompt's ids go with the choice's first chunk.
+            let prompt = c.prompt_ids.take();
+            let ids = response::ChunkIds {
+                prompt: prompt.as_deref(),
+                tokens: &p.ids,
+            };
             out.push(data(self.shape.chunk(
                 i,
                 Some(&p),
                 None,
                 c.fresh,
                 &mut c.offset,
+                ids,
             )));
             c.fresh = false;
         }
-        if let Some(f) = finish {
+        if let Some((f, end)) = finish {
             c.finish = Some(f);
+            // The end token that stopped the choice is its last chunk's (vLLM's).
+            let prompt = c.prompt_ids.take();
+            let end: Vec<i64> = end.into_iter().collect();
+            let ids = response::ChunkIds {
+                prompt: prompt.as_deref(),
+                tokens: &end,
+            };
             out.push(data(self.shape.chunk(
                 i,
                 None,
                 Some(f),
                 c.fresh,
                 &mut c.offset,
+                ids,
             )));
             c.fresh = false;
             if self.choices.iter().all(|c| c.finish.is_some()) {

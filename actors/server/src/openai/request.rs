@@ -60,6 +60,9 @@ pub struct OpenAiRequest {
     /// The prompt tokens' log-probabilities with this many alternatives each, in vLLM's
     /// shape (not streamed).
     pub prompt_logprobs: Option<i64>,
+    /// The prompt's token ids and each choice's generated ones beside the text (vLLM's).
+    #[serde(default, deserialize_with = "crate::protocol::null_is_false")]
+    pub return_token_ids: bool,
     pub suffix: Option<String>,
     /// Accepted and ignored.
     pub user: Option<String>,
@@ -152,6 +155,11 @@ pub struct OpenAiCall {
     /// vLLM's `prompt_logprobs` was asked for: the answer carries the prompt's
     /// log-probabilities in vLLM's shape (each choice's on completions, the answer's on chat).
     pub prompt_logprobs: bool,
+    /// vLLM's `return_token_ids`: `prompt_token_ids` (each choice's on completions, the
+    /// answer's on chat; a stream's first chunk of each choice) and `token_ids` (the
+    /// choice's generated tokens, the end token that stopped it included; a stream's chunk,
+    /// its own).
+    pub return_token_ids: bool,
 }
 
 fn refuse(param: &str, message: impl Into<String>) -> ServeError {
@@ -409,6 +417,7 @@ impl OpenAiRequest {
             include_usage: self.stream_options.is_some_and(|o| o.include_usage),
             echo: self.echo,
             prompt_logprobs: prompt_logprobs.is_some(),
+            return_token_ids: self.return_token_ids,
         })
     }
 }

@@ -18,6 +18,26 @@ const NEG_INF_LOGPROB: f32 = -9999.0;
 pub struct Piece {
     pub text: String,
     pub tokens: Vec<(i64, Option<TokenLogprob>)>,
+    /// The generated tokens behind `text` (streams; vLLM's `token_ids`).
+    pub ids: Vec<i64>,
+}
+
+/// A whole choice: its text and tokens, why it ended, its scored prompt (vLLM's
+/// `prompt_logprobs`), and its prompt's and generated token ids (vLLM's `return_token_ids`).
+pub struct Answered<'a> {
+    pub piece: Piece,
+    pub finish: &'a str,
+    pub scored: Option<Scored>,
+    pub prompt_ids: Option<Vec<i64>>,
+    pub token_ids: Vec<i64>,
+}
+
+/// vLLM's token ids on a streamed chunk (`return_token_ids`): the prompt's on a choice's
+/// first chunk, and the chunk's own tokens.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct ChunkIds<'a> {
+    pub prompt: Option<&'a [i64]>,
+    pub tokens: &'a [i64],
 }
 
 /// A scored prompt: its tokens, each with its log-probability (the first has none).
@@ -34,6 +54,8 @@ pub struct Shape {
     /// Requests with vLLM's `prompt_logprobs`: each choice carries the prompt's (the answer
     /// on chat).
     pub prompt_logprobs: bool,
+    /// Requests with vLLM's `return_token_ids`.
+    pub return_token_ids: bool,
     /// Streamed with `include_usage`: chunks carry `"usage": null`, a last one the usage.
     pub include_usage: bool,
     pub tokenizer: Arc<Tokenizer>,
@@ -58,20 +80,30 @@ impl Shape {
         m
     }
 
-    /// A whole answer: one choice per `(piece, finish reason, scored prompt)`, in index
-    /// order.
-    pub fn answer(&self, choices: Vec<(Piece, &str, Option<Scored>)>, usage: Usage) -> Value {
+    /// A whole answer: its choices in index order.
+    pub fn answer(&self, choices: Vec<Answered>, usage: Usage) -> Value {
         let mut prompt = Value::Null;
+        let mut prompt_ids = Value::Null;
         let choices = choices
             .into_iter()
             .enumerate()
-            .map(|(i, (p, finish, scored))| {
+            .map(|(i, a)| {
+                let (p, finish, scored) = (a.piece, a.finish, a.scored);
                 let lp = self.logprobs_json(&p.tokens, &mut TextOffset::default());
                 let mut c = json!({"index": i, "finish_reason": finish, "logprobs": lp});
                 if self.chat {
                     c["message"] = json!({"role": "assistant", "content": p.text});
                 } else {
                     c["text"] = p.text.into();
+                }
+                if self.return_token_ids {
+                    c["token_ids"] = json!(a.token_ids);
+                    // vLLM's: each choice's on completions, the answer's on chat.
+                    if self.chat {
+                        prompt_ids = json!(a.prompt_ids);
+                    } else {
+                        c["prompt_token_ids"] = json!(a.prompt_ids);
+                    }
                 }
                 if self.prompt_logprobs {
                     let v = scored.map_or(Value::Null, |t| self.vllm_prompt_logprobs(&t));
@@ -90,6 +122,9 @@ impl Shape {
         m.insert("usage".into(), json!(usage));
         if self.prompt_logprobs && self.chat {
             m.insert("prompt_logprobs".into(), prompt);
+        }
+        if self.return_token_ids && self.chat {
+            m.insert("prompt_token_ids".into(), prompt_ids);
         }
         Value::Object(m)
     }
@@ -123,7 +158,8 @@ impl Shape {
     }
 
     /// One streamed chunk of choice `index`: its new piece (the chat role on its first), or
-    /// its finish reason. `offset` is the choice's text offset so far (completions).
+    /// its finish reason. `offset` is the choice's text offset so far (completions); `ids`
+    /// go on it where `return_token_ids` asked for them.
     pub fn chunk(
         &self,
         index: usize,
@@ -131,10 +167,11 @@ impl Shape {
         finish: Option<&str>,
         first: bool,
         offset: &mut TextOffset,
+        ids: ChunkIds,
     ) -> Value {
         let lp = piece.map_or(Value::Null, |p| self.logprobs_json(&p.tokens, offset));
         let text = piece.map(|p| p.text.as_str());
-        let choice = if self.chat {
+        let mut choice = if self.chat {
             let mut d = Map::new();
             if first {
                 d.insert("role".into(), "assistant".into());
@@ -147,7 +184,18 @@ impl Shape {
             json!({"index": index, "text": text.unwrap_or(""), "finish_reason": finish,
                 "logprobs": lp})
         };
+        if self.return_token_ids {
+            choice["token_ids"] = json!(ids.tokens);
+            if !self.chat {
+                if let Some(p) = ids.prompt {
+                    choice["prompt_token_ids"] = json!(p);
+                }
+            }
+        }
         let mut m = self.envelope(true, vec![choice]);
+        if let (true, true, Some(p)) = (self.return_token_ids, self.chat, ids.prompt) {
+            m.insert("prompt_token_ids".into(), json!(p));
+        }
         if self.include_usage {
             m.insert("usage".into(), Value::Null);
         }

@@ -357,7 +357,11 @@ fn text_prompts_take_prompt_logprobs_and_the_bos_choice() {
         let ids = chat["prompt_token_ids"].as_array().unwrap();
         assert_eq!(ids.len() as u64, chat["usage"]["prompt_tokens"], "{chat}");
         let own = chat["choices"][0]["token_ids"].as_array().unwrap();
-        assert_eq!(own.len() as u64, chat["usage"]["completion_tokens"], "{chat}");
+        assert_eq!(
+            own.len() as u64,
+            chat["usage"]["completion_tokens"],
+            "{chat}"
+        );
         let mut ws = connect(addr).await;
         // A text prompt without its BOS reads one token fewer.
         let mut read = Vec::new();
@@ -404,7 +408,11 @@ fn return_token_ids_gives_the_prompt_and_the_generated_ids() {
         )
         .await;
         let c = &v["choices"][0];
-        assert_eq!((c["text"].as_str(), &c["token_ids"]), (Some(""), &json!([4])), "{v}");
+        assert_eq!(
+            (c["text"].as_str(), &c["token_ids"]),
+            (Some(""), &json!([4])),
+            "{v}"
+        );
         assert_eq!(ended(&v), ("stop".into(), 1), "{v}");
         // A batch of two prompts with two choices each: each choice its prompt's ids.
         let other: Vec<i64> = prompt.iter().rev().copied().collect();
@@ -415,7 +423,11 @@ fn return_token_ids_gives_the_prompt_and_the_generated_ids() {
         )
         .await;
         for (i, c) in v["choices"].as_array().unwrap().iter().enumerate() {
-            let p = if c["index"].as_u64().unwrap() < 2 { &prompt } else { &other };
+            let p = if c["index"].as_u64().unwrap() < 2 {
+                &prompt
+            } else {
+                &other
+            };
             assert_eq!(c["prompt_token_ids"], json!(p), "choice {i}: {v}");
             assert_eq!(c["token_ids"].as_array().unwrap().len(), 2, "{v}");
         }
@@ -438,7 +450,10 @@ fn return_token_ids_gives_the_prompt_and_the_generated_ids() {
             .filter(|e| e["choices"][0].get("prompt_token_ids").is_some())
             .collect();
         assert_eq!(with_prompt.len(), 1, "{body}");
-        assert_eq!(with_prompt[0]["choices"][0]["prompt_token_ids"], json!(prompt));
+        assert_eq!(
+            with_prompt[0]["choices"][0]["prompt_token_ids"],
+            json!(prompt)
+        );
         assert!(std::ptr::eq(with_prompt[0], &events[0]), "{body}");
         let streamed: Vec<i64> = events
             .iter()

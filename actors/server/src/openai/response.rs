@@ -186,10 +186,8 @@ impl Shape {
         };
         if self.return_token_ids {
             choice["token_ids"] = json!(ids.tokens);
-            if !self.chat {
-                if let Some(p) = ids.prompt {
-                    choice["prompt_token_ids"] = json!(p);
-                }
+            if let (false, Some(p)) = (self.chat, ids.prompt) {
+                choice["prompt_token_ids"] = json!(p);
             }
         }
         let mut m = self.envelope(true, vec![choice]);

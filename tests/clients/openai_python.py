@@ -17,6 +17,10 @@ print("echo score:", r.choices[0].logprobs.token_logprobs, r.choices[0].finish_r
 r = c.completions.create(model=m, prompt="Emma was a girl", max_tokens=0,
         extra_body={"prompt_logprobs": 1})
 print("vLLM prompt_logprobs:", r.choices[0].model_extra["prompt_logprobs"][:3])
+r = c.completions.create(model=m, prompt="Emma was", max_tokens=4,
+        extra_body={"return_token_ids": True})
+print("vLLM return_token_ids:", r.choices[0].model_extra["prompt_token_ids"],
+      r.choices[0].model_extra["token_ids"], repr(r.choices[0].text))
 s = c.chat.completions.create(model=m, messages=[{"role": "user", "content": "Hi"}], max_tokens=6,
         stream=True, stream_options={"include_usage": True}, logprobs=True, top_logprobs=2)
 chunks = list(s)

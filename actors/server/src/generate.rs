@@ -7,7 +7,7 @@
 use crate::drain::{Drain, FINISH_SHUTDOWN};
 use crate::error::ServeError;
 use crate::logprobs::{TokenLogprob, token_logprob};
-use crate::protocol::{Finished, GenSpec, GenTiming, PromptSpec, Usage};
+use crate::protocol::{Finished, GenSpec, GenTiming, PromptSpec, StopReason, Usage};
 use nsactor_data::Tokenizer;
 use nsactor_decoding::prefix::PrefixCache;
 use nsactor_decoding::{AsyncDecoder, DecodeStream, PickRequest, StreamPlan};
@@ -447,6 +447,7 @@ impl Generator {
         let mut text = String::new();
         let mut pieces = self.tokenizer.text_stream(spec.extras.skip_special_tokens);
         let mut stopped_by_string = false;
+        let mut stop_reason = None;
         let mut end_token = None;
         let finish_reason = loop {
             if self.drain.stopping() {
@@ -515,12 +516,14 @@ impl Generator {
                     true => pos + len,
                     false => pos,
                 };
-                text.truncate(end.max(emitted));
                 stopped_by_string = true;
+                stop_reason = Some(StopReason::Text(text[pos..pos + len].to_string()));
+                text.truncate(end.max(emitted));
                 break "stop";
             }
             // A stop token id ends it after its text, as vLLM's does.
             if armed && spec.extras.stop_token_ids.contains(&next) {
+                stop_reason = Some(StopReason::Token(next));
                 break "stop";
             }
             // Hold back a possible stop-string start.
@@ -568,6 +571,7 @@ impl Generator {
             },
             tokens: prompt.iter().chain(&generated).copied().collect(),
             end_token,
+            stop_reason,
         })
     }
 

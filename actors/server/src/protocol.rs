@@ -433,6 +433,26 @@ pub struct Finished {
     pub tokens: Vec<i64>,
     /// The end token that stopped the generation (generated, counted, never shown).
     pub end_token: Option<i64>,
+    /// The request's stop string or stop token id that ended it (vLLM's `stop_reason`; none
+    /// for an end token or any other ending).
+    pub stop_reason: Option<StopReason>,
+}
+
+/// What of the request's own stops ended a generation.
+#[derive(Debug, Clone, PartialEq)]
+pub enum StopReason {
+    Text(String),
+    Token(i64),
+}
+
+impl StopReason {
+    /// As vLLM writes it: the string, or the token id.
+    pub fn json(&self) -> serde_json::Value {
+        match self {
+            StopReason::Text(t) => t.clone().into(),
+            StopReason::Token(id) => (*id).into(),
+        }
+    }
 }
 
 #[cfg(test)]

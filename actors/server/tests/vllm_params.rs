@@ -52,6 +52,8 @@ fn vllm_sampling_extras_do_what_vllm_says() {
         };
         let v = complete(addr, forced(json!({}))).await;
         assert_eq!(ended(&v), ("stop".into(), 1), "{v}");
+        // vLLM's `stop_reason` names the stop token id.
+        assert_eq!(v["choices"][0]["stop_reason"], x, "{v}");
         let v = complete(addr, forced(json!({"min_tokens": 3}))).await;
         assert_eq!(ended(&v), ("stop".into(), 4), "{v}");
         let v = complete(addr, forced(json!({"stop_token_ids": []}))).await;
@@ -81,6 +83,7 @@ fn vllm_sampling_extras_do_what_vllm_says() {
             .await;
             assert_eq!(v["choices"][0]["text"], want, "include {include}: {v}");
             assert_eq!(v["choices"][0]["finish_reason"], "stop");
+            assert_eq!(v["choices"][0]["stop_reason"], stop, "{v}");
         }
 
         // Special tokens in the text only where asked: `<|im_end|>` (4), forced.
@@ -413,6 +416,8 @@ fn return_token_ids_gives_the_prompt_and_the_generated_ids() {
             (Some(""), &json!([4])),
             "{v}"
         );
+        // An end token is not one of the request's stops: no `stop_reason`, as in vLLM.
+        assert_eq!(c["stop_reason"], Value::Null, "{v}");
         assert_eq!(ended(&v), ("stop".into(), 1), "{v}");
         // A batch of two prompts with two choices each: each choice its prompt's ids.
         let other: Vec<i64> = prompt.iter().rev().copied().collect();
@@ -461,5 +466,38 @@ fn return_token_ids_gives_the_prompt_and_the_generated_ids() {
             .map(|t| t.as_i64().unwrap())
             .collect();
         assert_eq!(streamed, want, "{body}");
+        let last = &events.last().unwrap()["choices"][0];
+        assert_eq!(last["finish_reason"], "length", "{body}");
+        assert!(
+            last.get("stop_reason").is_some_and(Value::is_null),
+            "{body}"
+        );
+        // A streamed stop string ends the last chunk's `stop_reason`.
+        let text = complete(
+            addr,
+            json!({"prompt": prompt, "max_tokens": n_new, "temperature": 0, "ignore_eos": true}),
+        )
+        .await["choices"][0]["text"]
+            .as_str()
+            .unwrap()
+            .to_string();
+        let stop: String = text.chars().skip(2).take(2).collect();
+        let (_, body) = http(
+            addr,
+            "POST",
+            "/v1/completions",
+            json!({"prompt": prompt, "max_tokens": n_new, "temperature": 0,
+                "ignore_eos": true, "stream": true, "stop": [stop]})
+            .to_string()
+            .as_bytes(),
+        )
+        .await;
+        let (events, _) = common::sse_events(&body);
+        let last = &events.last().unwrap()["choices"][0];
+        assert_eq!(
+            (&last["finish_reason"], &last["stop_reason"]),
+            (&json!("stop"), &json!(stop)),
+            "{body}"
+        );
     });
 }

@@ -13,7 +13,7 @@ pub mod tokenize;
 
 use crate::error::ServeError;
 use crate::generate::GenEvent;
-use crate::protocol::{PromptSpec, Usage};
+use crate::protocol::{PromptSpec, StopReason, Usage};
 use crate::state::{Shared, now, rand_id, start};
 use axum::body::Bytes;
 use axum::extract::State;
@@ -22,6 +22,7 @@ use axum::response::{IntoResponse, Response};
 use futures_util::StreamExt;
 use request::OpenAiCall;
 use response::{Piece, Shape};
+use serde_json::Value;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use tokio::sync::mpsc;
@@ -110,6 +111,8 @@ struct Choice {
     prompt: Option<response::Scored>,
     /// The prompt's token ids, for vLLM's `return_token_ids` (a stream sends them once).
     prompt_ids: Option<Vec<i64>>,
+    /// vLLM's `stop_reason` (whole answers).
+    stop_reason: serde_json::Value,
 }
 
 /// A choice's echoed prompt (`echo`): its text, and how many tokens the server put in front
@@ -307,6 +310,7 @@ async fn whole(
         };
         if let GenEvent::Done(f) = &e {
             c.finish = Some(openai_finish(f.finish_reason));
+            c.stop_reason = f.stop_reason.as_ref().map_or(Value::Null, StopReason::json);
             prompts.record(i, f.usage.prompt_tokens);
             completion += f.usage.completion_tokens;
             if shape.return_token_ids {
@@ -338,6 +342,7 @@ async fn whole(
                     scored: c.prompt,
                     prompt_ids: c.prompt_ids,
                     token_ids,
+                    stop_reason: c.stop_reason,
                 });
             }
             None => return ServeError::Internal("a generation stopped".into()).into_response(),
@@ -419,7 +424,8 @@ impl Streamer {
                 self.prompts.record(i, f.usage.prompt_tokens);
                 self.usage.prompt_tokens = self.prompts.total();
                 self.usage.completion_tokens += f.usage.completion_tokens;
-                Some((openai_finish(f.finish_reason), f.end_token))
+                let why = f.stop_reason.as_ref().map_or(Value::Null, StopReason::json);
+                Some((openai_finish(f.finish_reason), f.end_token, why))
             }
             _ => None,
         };
@@ -441,7 +447,7 @@ impl Streamer {
             )));
             c.fresh = false;
         }
-        if let Some((f, end)) = finish {
+        if let Some((f, end, why)) = finish {
             c.finish = Some(f);
             // The end token that stopped the choice is its last chunk's (vLLM's).
             let prompt = c.prompt_ids.take();
@@ -450,14 +456,11 @@ impl Streamer {
                 prompt: prompt.as_deref(),
                 tokens: &end,
             };
-            out.push(data(self.shape.chunk(
-                i,
-                None,
-                Some(f),
-                c.fresh,
-                &mut c.offset,
-                ids,
-            )));
+            let mut chunk = self
+                .shape
+                .chunk(i, None, Some(f), c.fresh, &mut c.offset, ids);
+            chunk["choices"][0]["stop_reason"] = why;
+            out.push(data(chunk));
             c.fresh = false;
             if self.choices.iter().all(|c| c.finish.is_some()) {
                 if self.shape.include_usage {

@@ -30,6 +30,8 @@ pub struct Answered<'a> {
     pub scored: Option<Scored>,
     pub prompt_ids: Option<Vec<i64>>,
     pub token_ids: Vec<i64>,
+    /// The stop string or token id of the request's that ended it (vLLM's `stop_reason`).
+    pub stop_reason: Value,
 }
 
 /// vLLM's token ids on a streamed chunk (`return_token_ids`): the prompt's on a choice's
@@ -90,7 +92,8 @@ impl Shape {
             .map(|(i, a)| {
                 let (p, finish, scored) = (a.piece, a.finish, a.scored);
                 let lp = self.logprobs_json(&p.tokens, &mut TextOffset::default());
-                let mut c = json!({"index": i, "finish_reason": finish, "logprobs": lp});
+                let mut c = json!({"index": i, "finish_reason": finish, "logprobs": lp,
+                    "stop_reason": a.stop_reason});
                 if self.chat {
                     c["message"] = json!({"role": "assistant", "content": p.text});
                 } else {

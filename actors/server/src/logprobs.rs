@@ -30,24 +30,28 @@ pub fn token_logprob(logits: &[f32], token: i64, top: usize) -> TokenLogprob {
         .copied()
         .filter(|l| l.is_finite())
         .fold(f32::NEG_INFINITY, f32::max);
-    let sum: f64 = logits
-        .iter()
-        .filter(|l| l.is_finite())
-        .map(|&l| (l - max).exp() as f64)
-        .sum();
-    let norm = max as f64 + sum.ln();
-    let lp = |i: usize| {
-        logits
-            .get(i)
-            .map_or(f64::NEG_INFINITY, |&l| l as f64 - norm) as f32
-    };
     let own = usize::try_from(token)
         .ok()
         .and_then(|i| logits.get(i))
         .copied()
         .filter(|l| !l.is_nan())
         .unwrap_or(f32::NEG_INFINITY);
-    let above = logits.iter().filter(|&&l| l > own).count();
+    // One pass for the normaliser's terms (in order, as `Iterator::sum` adds them) and the
+    // token's rank: the tokens more likely than it.
+    let (sum, above) = logits.iter().fold((-0.0f64, 0usize), |(sum, above), &l| {
+        let term = if l.is_finite() {
+            (l - max).exp() as f64
+        } else {
+            -0.0
+        };
+        (sum + term, above + usize::from(l > own))
+    });
+    let norm = max as f64 + sum.ln();
+    let lp = |i: usize| {
+        logits
+            .get(i)
+            .map_or(f64::NEG_INFINITY, |&l| l as f64 - norm) as f32
+    };
     TokenLogprob {
         token_id: token,
         rank: u32::try_from(above + 1).unwrap_or(u32::MAX),

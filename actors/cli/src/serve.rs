@@ -173,6 +173,11 @@ pub struct PrefixArgs {
     /// A long prompt keeps a snapshot every this many tokens (0: at each prefill chunk).
     #[arg(long, default_value_t = 0, value_name = "TOKENS")]
     pub prefix_snapshot_every: usize,
+    /// MiB of host memory for scored prompts' log-probabilities, kept beside their
+    /// snapshots so that a prompt scored past a prefix scored before (lm-evaluation-harness's
+    /// answers to one question) is fed only past it. 0: scoring does not use the cache.
+    #[arg(long, default_value_t = 256, value_name = "MIB")]
+    pub prefix_cache_score_mib: u64,
     /// Turns the prefix cache off (as --prefix-cache-mib 0).
     #[arg(long)]
     pub no_prefix_cache: bool,
@@ -189,6 +194,7 @@ impl PrefixArgs {
             },
             host_bytes: mib(self.prefix_cache_host_mib),
             every: self.prefix_snapshot_every,
+            score_bytes: mib(self.prefix_cache_score_mib),
             ..Default::default()
         }
     }

@@ -21,6 +21,7 @@ pub mod handle;
 pub mod heal;
 pub mod invariance;
 mod kept;
+pub mod logprobs;
 mod order;
 pub mod pacer;
 pub mod prefix;

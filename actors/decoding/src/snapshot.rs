@@ -36,6 +36,38 @@ impl AsyncDecoder {
             .unwrap_or_else(|_| Err(RuntimeError::Broken("the decode batcher stopped".into()))))
     }
 
+    /// [`feed_every`](Self::feed_every) (every position's logits, one pass of at most
+    /// [`pass_tokens`](Self::pass_tokens)) that also keeps a snapshot of the session's
+    /// states as the pass leaves them, in the pass's own jobs. The outer error is the feed's;
+    /// the inner one says why only the snapshot was not kept.
+    pub async fn feed_every_keeping(
+        &self,
+        session: SessionId,
+        ids: Vec<i64>,
+    ) -> Result<(Vec<f32>, Result<Kept, RuntimeError>), RuntimeError> {
+        if ids.len() > self.pass_tokens() {
+            return Err(RuntimeError::Runtime(format!(
+                "{} inputs to score in one pass; a pass takes at most {}",
+                ids.len(),
+                self.pass_tokens()
+            )));
+        }
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        let keep = Some((self.ids.snapshot(), tx.into()));
+        let logits = match self.ask_once(session, ids, None, true, keep).await? {
+            crate::batcher::Answer::Every(l) => l,
+            _ => {
+                return Err(RuntimeError::Runtime(
+                    "a scoring pass answered no logits".into(),
+                ));
+            }
+        };
+        let kept = rx
+            .await
+            .unwrap_or_else(|_| Err(RuntimeError::Broken("the decode batcher stopped".into())));
+        Ok((logits, kept))
+    }
+
     /// A copy of `session`'s states, kept by every stage until
     /// [`drop_snapshot`](Self::drop_snapshot). The session must be idle (no input of its in
     /// flight: its last feed answered); it goes on unchanged.

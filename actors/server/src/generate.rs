@@ -281,66 +281,46 @@ impl Generator {
         Ok(r)
     }
 
-    /// Whether `spec` goes through the prefix cache: asked for (by default), the cache on,
-    /// and not scoring the prompt (which needs every position's logits).
+    /// Whether `spec`'s prompt is fed through the prefix cache and its states kept at its
+    /// end: asked for (by default), the cache on, and not scoring the prompt (which goes
+    /// through the cache in its own way, [`PrefixCache::score`]).
     fn caches(&self, spec: &GenSpec) -> bool {
         spec.cache_prompt && spec.prompt_logprobs.is_none() && self.prefix.enabled()
     }
 
     /// Scores the prompt: every token's log-probability given the ones before it
     /// ([`GenEvent::Prompt`]), from one prefill of all but its last token (every position's
-    /// logits, a pass at a time); then, unless nothing is to be generated (`plan` is `None`:
-    /// `max_tokens` 0, lm-evaluation-harness's scoring), streams from its last token as `plan`
-    /// says. The numbers equal those of feeding the prompt one token at a time.
+    /// logits, a pass at a time; through the prefix cache unless the request opts out: a
+    /// prefix scored before is not fed again); then, unless nothing is to be generated
+    /// (`plan` is `None`: `max_tokens` 0, lm-evaluation-harness's scoring), streams from its
+    /// last token as `plan` says. The numbers equal those of feeding the prompt one token at
+    /// a time.
     async fn score_prompt(
         &self,
         session: SessionId,
-        prompt: &[i64],
+        (prompt, spec): (&[i64], &GenSpec),
         top: usize,
         tx: &mpsc::Sender<GenEvent>,
         plan: Option<StreamPlan>,
     ) -> Result<Option<DecodeStream>, ServeError> {
-        let mut logprobs = vec![None];
-        let (last, head) = prompt.split_last().expect("prompts are never empty");
-        let vocab = self.decoder.vocab();
-        let mut scored = 0;
         let started = Instant::now();
-        let (mut fed, mut scoring) = (0.0, 0.0);
-        for chunk in head.chunks(self.decoder.pass_tokens()) {
-            let t = Instant::now();
-            let logits = self.decoder.feed_every(session, chunk.to_vec()).await?;
-            fed += t.elapsed().as_secs_f64();
-            let t = Instant::now();
-            // Position i's logits score the token after it.
-            let targets = prompt[scored + 1..=scored + chunk.len()].to_vec();
-            scored += chunk.len();
-            // Each position on its own (a 512-token prompt's 3M logits of the 0.9B took ~60 ms
-            // on one core).
-            let rows = tokio::task::spawn_blocking(move || {
-                use rayon::prelude::*;
-                logits
-                    .par_chunks(vocab)
-                    .zip(targets)
-                    .map(|(row, t)| Some(token_logprob(row, t, top)))
-                    .collect::<Vec<_>>()
-            })
-            .await
-            .map_err(|e| ServeError::Internal(format!("scoring a prompt failed: {e}")))?;
-            logprobs.extend(rows);
-            scoring += t.elapsed().as_secs_f64();
-        }
+        let cached = (&spec.parts[..], spec.cache_prompt);
+        let logprobs = self
+            .prefix
+            .score(&self.decoder, session, prompt, top, cached)
+            .await?;
+        let scored = started.elapsed();
+        let last = *prompt.last().expect("prompts are never empty");
         let picked = match plan {
-            Some(plan) => Some(self.decoder.stream(session, vec![*last], plan).await?),
+            Some(plan) => Some(self.decoder.stream(session, vec![last], plan).await?),
             None => None,
         };
         let ids = prompt.to_vec();
         let _ = tx.send(GenEvent::Prompt { ids, logprobs }).await;
         tracing::debug!(
-            "{session}: {} prompt tokens scored in {:.2} ms: passes {:.2} ms, log-probabilities {:.2} ms",
+            "{session}: {} prompt tokens scored in {:.2} ms",
             prompt.len(),
-            started.elapsed().as_secs_f64() * 1e3,
-            fed * 1e3,
-            scoring * 1e3
+            scored.as_secs_f64() * 1e3,
         );
         Ok(picked)
     }
@@ -427,7 +407,7 @@ impl Generator {
         // `None` when the prompt is only scored: its last token needs no pass.
         let mut stream = if let Some(prompt_top) = spec.prompt_logprobs {
             let plan = (spec.max_tokens > 0).then_some(plan);
-            self.score_prompt(session, prompt, prompt_top, tx, plan)
+            self.score_prompt(session, (prompt, spec), prompt_top, tx, plan)
                 .await?
         } else {
             let fed = if self.caches(spec) {

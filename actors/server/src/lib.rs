@@ -34,7 +34,6 @@ pub mod error;
 pub mod front;
 pub mod generate;
 pub mod listen;
-pub mod logprobs;
 pub mod messages;
 pub mod openai;
 pub mod persist;
@@ -50,6 +49,8 @@ pub mod ws;
 
 pub use error::ServeError;
 pub use listen::serve;
+/// Token log-probabilities (computed where prompts are scored, in the decoding crate).
+pub use nsactor_decoding::logprobs;
 pub use nsactor_telemetry::ServingMetrics;
 pub use routes::router;
 pub use state::ServerState;

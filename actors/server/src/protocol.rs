@@ -214,6 +214,9 @@ pub struct GenSpec {
     /// Wall-clock budget of the generation.
     pub time_limit: Option<Duration>,
     pub extras: Extras,
+    /// Depths where a scored prompt parts from the other prompts of its request (set by the
+    /// front end): the cache keeps its scores there, so those prompts start from them.
+    pub parts: Vec<usize>,
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -291,6 +294,7 @@ impl SamplingOptions {
             cache_prompt: true,
             time_limit: limits.request_time_limit,
             extras,
+            parts: Vec::new(),
         })
     }
 }

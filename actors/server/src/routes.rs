@@ -141,5 +141,6 @@ fn prefix_state(r: nsactor_decoding::prefix::PrefixReport) -> nsactor_telemetry:
         device_bytes: r.usage.device_bytes,
         host_bytes: r.usage.host_bytes,
         entries: r.usage.entries,
+        score_bytes: r.usage.score_bytes,
     }
 }

@@ -6,72 +6,9 @@
 
 mod common;
 
-use common::{http, serve};
-use nsactor_server::generate::{Admission, GenEvent, Generator};
-use nsactor_server::logprobs::{TokenLogprob, token_logprob};
-use nsactor_server::protocol::{GenSpec, PromptSpec};
+use common::{bits, http, scored, serve, token_at_a_time};
+use nsactor_server::generate::{Admission, Generator};
 use std::sync::Arc;
-use std::sync::atomic::AtomicBool;
-
-/// The old way: one decoder pass per token, each position's logits scoring the next token.
-async fn token_at_a_time(g: &Generator, prompt: &[i64], top: usize) -> Vec<TokenLogprob> {
-    let s = g.decoder.session();
-    let mut out = Vec::new();
-    let mut logits = g.decoder.feed(s, vec![prompt[0]]).await.unwrap();
-    for &t in &prompt[1..] {
-        out.push(token_logprob(&logits, t, top));
-        logits = g.decoder.feed(s, vec![t]).await.unwrap();
-    }
-    g.decoder.close(s).await;
-    out
-}
-
-/// The server's way: a scoring request (`max_tokens` 1, prompt log-probabilities).
-async fn scored(g: Arc<Generator>, prompt: Vec<i64>, top: usize) -> Vec<TokenLogprob> {
-    let spec = GenSpec {
-        prompt: PromptSpec::Ids(prompt),
-        max_tokens: 1,
-        sampling: nsactor_engine::decode::SamplingParams::greedy(),
-        stop: Vec::new(),
-        token_ids: true,
-        ignore_eos: true,
-        logit_bias: Vec::new(),
-        logprobs: Some(top),
-        prompt_logprobs: Some(top),
-        add_special_tokens: false,
-        cache_prompt: true,
-        time_limit: None,
-        extras: Default::default(),
-    };
-    let (tx, mut rx) = tokio::sync::mpsc::channel(64);
-    let run = tokio::spawn(async move {
-        g.run(spec, tx, Arc::new(AtomicBool::new(false)))
-            .await
-            .unwrap()
-    });
-    let mut prompt_lps = None;
-    while let Some(e) = rx.recv().await {
-        if let GenEvent::Prompt { logprobs, .. } = e {
-            prompt_lps = Some(logprobs);
-        }
-    }
-    run.await.unwrap();
-    let lps = prompt_lps.expect("the prompt's log-probabilities");
-    assert!(lps[0].is_none(), "the first token has no context");
-    lps.into_iter().skip(1).map(Option::unwrap).collect()
-}
-
-/// A scored position's token, its log-probability's bits and its alternatives'.
-type Bits = (i64, u32, Vec<(i64, u32)>);
-
-fn bits(lps: &[TokenLogprob]) -> Vec<Bits> {
-    lps.iter()
-        .map(|l| {
-            let top = l.top.iter().map(|(t, p)| (*t, p.to_bits())).collect();
-            (l.token_id, l.logprob.to_bits(), top)
-        })
-        .collect()
-}
 
 #[test]
 fn a_scored_prompt_is_one_prefill_with_the_numbers_of_one_token_at_a_time() {
@@ -107,7 +44,7 @@ fn a_scored_prompt_is_one_prefill_with_the_numbers_of_one_token_at_a_time() {
         let (c0, n0) = g.decoder.batch_counts();
         let tasks: Vec<_> = prompts
             .iter()
-            .map(|p| tokio::spawn(scored(g.clone(), p.clone(), 3)))
+            .map(|p| tokio::spawn(scored(g.clone(), p.clone(), 3, Vec::new())))
             .collect();
         let mut got = Vec::new();
         for t in tasks {

@@ -435,6 +435,7 @@ fn a_session_runs_ahead_of_a_client_that_is_not_reading_then_parks() {
             cache_prompt: false,
             time_limit: None,
             extras: Default::default(),
+            parts: Vec::new(),
         };
         let cancel = std::sync::Arc::new(AtomicBool::new(false));
         let task = tokio::spawn({

@@ -62,7 +62,7 @@ pub struct ServingMetrics {
     prefill_chunk_tokens: IntGauge,
     decode_step_seconds: Gauge,
     prefix_counters: [IntCounter; 5],
-    prefix_gauges: [IntGauge; 3],
+    prefix_gauges: [IntGauge; 4],
 }
 
 /// What the prefix state cache reports at scrape time (`nsactor_decoding::prefix`).
@@ -78,6 +78,8 @@ pub struct PrefixCacheState {
     pub device_bytes: u64,
     pub host_bytes: u64,
     pub entries: u64,
+    /// Host bytes of scored prompts' log-probabilities kept beside snapshots.
+    pub score_bytes: u64,
 }
 
 /// What the decoder reports at scrape time.
@@ -265,6 +267,10 @@ impl ServingMetrics {
                     "nsactor_prefix_cache_entries",
                     "Snapshots the prefix cache holds.",
                 )?,
+                gauge(
+                    "nsactor_prefix_cache_score_bytes",
+                    "Host bytes of scored prompts' log-probabilities kept beside snapshots.",
+                )?,
             ],
             registry,
         })
@@ -302,10 +308,10 @@ impl ServingMetrics {
         for (c, v) in self.prefix_counters.iter().zip(counts) {
             raise_to(c, v);
         }
-        for (g, v) in self
-            .prefix_gauges
-            .iter()
-            .zip([p.device_bytes, p.host_bytes, p.entries])
+        for (g, v) in
+            self.prefix_gauges
+                .iter()
+                .zip([p.device_bytes, p.host_bytes, p.entries, p.score_bytes])
         {
             g.set(v as i64);
         }

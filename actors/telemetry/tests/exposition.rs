@@ -45,6 +45,7 @@ fn serving_metrics_parse_with_the_vllm_names_and_values() {
             tokens_saved: 900,
             device_bytes: 1 << 20,
             entries: 3,
+            score_bytes: 4096,
             ..Default::default()
         },
     });
@@ -63,6 +64,7 @@ fn serving_metrics_parse_with_the_vllm_names_and_values() {
         Some(1048576.0)
     );
     assert_eq!(value(&s, "nsactor_prefix_cache_entries"), Some(3.0));
+    assert_eq!(value(&s, "nsactor_prefix_cache_score_bytes"), Some(4096.0));
     assert_eq!(value(&s, "nsactor_requests_total"), Some(3.0));
     assert_eq!(value(&s, "nsactor_num_requests_running"), Some(2.0));
     assert_eq!(value(&s, "nsactor_num_requests_waiting"), Some(4.0));

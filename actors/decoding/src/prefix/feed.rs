@@ -2,11 +2,12 @@
 //! the rest a stretch at a time, a snapshot kept at the end of each stretch.
 
 use super::claims::{self, MAX_WAIT};
-use super::{Entry, PrefixCache, Tier};
+use super::{Entry, PrefixCache, Scores, Tier};
 use crate::decoder::AsyncDecoder;
 use crate::snapshot::Snapshot;
 use nsactor_engine::error::RuntimeError;
 use nsactor_plugin_api::SessionId;
+use std::sync::Arc;
 use std::sync::atomic::Ordering;
 
 /// Tokens past a hit and before a prompt's end within which a message opening keeps no
@@ -15,7 +16,7 @@ const NEAR: usize = 8;
 
 /// What a lookup pinned: the node and its entry's serial, its depth, and its snapshot where
 /// it is.
-enum Hit {
+pub(super) enum Hit {
     Device((usize, u64), usize, Snapshot),
     Host(
         (usize, u64),
@@ -24,6 +25,9 @@ enum Hit {
     ),
 }
 
+/// A hit, with the scores its entry keeps (if any).
+pub(super) type ScoredHit = (Hit, Option<Arc<Scores>>);
+
 impl Hit {
     fn at(&self) -> (usize, u64) {
         match self {
@@ -31,7 +35,7 @@ impl Hit {
         }
     }
 
-    fn depth(&self) -> usize {
+    pub(super) fn depth(&self) -> usize {
         match self {
             Hit::Device(_, d, _) | Hit::Host(_, d, _) => *d,
         }
@@ -126,7 +130,7 @@ impl PrefixCache {
     /// messages are covered by the snapshot at the prompt's end, which the next turn finds.
     /// Each stop costs a pass of its own, so none within a few tokens past `fed` or before
     /// `limit` either.
-    fn plan(
+    pub(super) fn plan(
         &self,
         prompt: &[i64],
         fed: usize,
@@ -145,14 +149,14 @@ impl PrefixCache {
     }
 
     /// Gives back a lookup's pin without restoring it.
-    fn unpin(&self, hit: &Hit) {
+    pub(super) fn unpin(&self, hit: &Hit) {
         let (node, serial) = hit.at();
         if let Some(e) = self.lock().entry_mut(node, serial) {
             e.pins = e.pins.saturating_sub(1);
         }
     }
 
-    fn every(&self, dec: &AsyncDecoder) -> usize {
+    pub(super) fn every(&self, dec: &AsyncDecoder) -> usize {
         match self.cfg.every {
             0 => dec.pass_tokens(),
             n => n,
@@ -162,8 +166,19 @@ impl PrefixCache {
     /// The deepest usable entry on `prompt`'s path at most `limit` deep, pinned, and how far
     /// the path runs in the tree.
     fn lookup(&self, prompt: &[i64], limit: usize) -> (Option<Hit>, usize) {
+        let (hit, common) = self.lookup_where(prompt, limit, |_| true);
+        (hit.map(|h| h.0), common)
+    }
+
+    /// [`lookup`](Self::lookup) among the entries `also` accepts, with the entry's scores.
+    pub(super) fn lookup_where(
+        &self,
+        prompt: &[i64],
+        limit: usize,
+        also: impl Fn(&Entry) -> bool,
+    ) -> (Option<ScoredHit>, usize) {
         let mut g = self.lock();
-        let usable = |e: &Entry| matches!(e.tier, Tier::Device(_) | Tier::Host(_));
+        let usable = |e: &Entry| matches!(e.tier, Tier::Device(_) | Tier::Host(_)) && also(e);
         let found = g.tree.find(prompt, limit, usable);
         let Some(node) = found.node else {
             return (None, found.common);
@@ -177,14 +192,14 @@ impl PrefixCache {
             Tier::Host(h) => Hit::Host(at, found.depth, h.clone()),
             Tier::Moving => unreachable!("not usable"),
         };
-        (Some(hit), found.common)
+        (Some((hit, e.scores.clone())), found.common)
     }
 
     /// Starts `session` from the pinned hit (brought back to the devices first if on the
     /// host), then unpins it; answers its depth, or `None` where decoding is not serving now
     /// (rebuilding its stages: the session is then fed from the start). A restore that fails
     /// takes the entry out of the cache.
-    async fn restore(
+    pub(super) async fn restore(
         &self,
         dec: &AsyncDecoder,
         session: SessionId,
@@ -210,7 +225,7 @@ impl PrefixCache {
                     if let Some(Entry {
                         tier: Tier::Device(s),
                         ..
-                    }) = g.tree.remove(at.0)
+                    }) = g.take(at.0)
                     {
                         g.device_bytes -= s.bytes;
                         work.push(super::Work::Drop(s));

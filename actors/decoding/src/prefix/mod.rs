@@ -25,7 +25,10 @@ mod carry;
 pub mod claims;
 mod feed;
 mod persist;
+mod score;
 pub mod tree;
+
+pub use score::{Scores, parting_depths};
 
 use crate::decoder::AsyncDecoder;
 use crate::snapshot::{HostSnapshot, Kept, Snapshot};
@@ -51,6 +54,10 @@ pub struct PrefixConfig {
     /// first one after a prompt's start, so prompts that share their first message (a system
     /// prompt) share a snapshot even when they arrive together.
     pub boundary: Option<i64>,
+    /// Host bytes of scored prompts' log-probabilities kept beside their snapshots, so a
+    /// prompt scored again past a cached prefix is scored from it ([`score`]; 0: scoring
+    /// requests do not use the cache).
+    pub score_bytes: u64,
 }
 
 impl Default for PrefixConfig {
@@ -61,6 +68,7 @@ impl Default for PrefixConfig {
             every: 0,
             max_tokens: 1 << 24,
             boundary: None,
+            score_bytes: 256 << 20,
         }
     }
 }
@@ -80,6 +88,8 @@ struct Entry {
     /// Unique among the cache's entries: a node named across an `await` may have been
     /// removed and reused by then, and is acted on only if it still holds this entry.
     serial: u64,
+    /// The log-probabilities of the prefix's tokens, where a scoring request kept them.
+    scores: Option<Arc<Scores>>,
 }
 
 /// What the cache has done, for `/metrics`.
@@ -101,6 +111,8 @@ pub struct PrefixUsage {
     pub host_bytes: u64,
     pub entries: u64,
     pub tokens: u64,
+    /// Host bytes of scored prompts' log-probabilities.
+    pub score_bytes: u64,
 }
 
 /// [`PrefixStats`] read at one moment, with the [`PrefixUsage`].
@@ -119,6 +131,7 @@ struct Inner {
     tree: Tree<Entry>,
     device_bytes: u64,
     host_bytes: u64,
+    score_bytes: u64,
     /// The decoder's rebuilds when the device snapshots were taken: a rebuild loses them.
     recoveries: u64,
     /// The next entry's serial.
@@ -135,6 +148,13 @@ impl Inner {
     fn serial(&mut self) -> u64 {
         self.serials += 1;
         self.serials
+    }
+
+    /// Takes `node`'s entry out of the tree, with its scores' bytes.
+    fn take(&mut self, node: usize) -> Option<Entry> {
+        let e = self.tree.remove(node)?;
+        self.score_bytes -= e.scores.as_ref().map_or(0, |s| s.bytes());
+        Some(e)
     }
 }
 
@@ -199,6 +219,7 @@ impl PrefixCache {
             host_bytes: g.host_bytes,
             entries: g.tree.entries().count() as u64,
             tokens: g.tree.tokens() as u64,
+            score_bytes: g.score_bytes,
         }
     }
 
@@ -218,7 +239,7 @@ impl PrefixCache {
             .map(|(i, _)| i)
             .collect();
         for i in gone {
-            g.tree.remove(i);
+            g.take(i);
         }
         g.device_bytes = 0;
     }
@@ -241,6 +262,7 @@ impl PrefixCache {
                         tier,
                         pins: 0,
                         serial,
+                        scores: None,
                     },
                 );
                 g.device_bytes += snap.bytes;
@@ -283,7 +305,7 @@ impl PrefixCache {
                 Tier::Host(h) => g.host_bytes -= h.bytes(),
                 Tier::Moving => unreachable!("a moving entry is never picked"),
             }
-            g.tree.remove(node);
+            g.take(node);
             self.stats.evicted.fetch_add(1, Ordering::Relaxed);
         }
         while g.host_bytes > self.cfg.host_bytes {
@@ -294,11 +316,20 @@ impl PrefixCache {
             if let Some(Entry {
                 tier: Tier::Host(h),
                 ..
-            }) = g.tree.remove(node)
+            }) = g.take(node)
             {
                 g.host_bytes -= h.bytes();
             }
             self.stats.evicted.fetch_add(1, Ordering::Relaxed);
+        }
+        // Scores go before their snapshots: the oldest first, the snapshot staying.
+        while g.score_bytes > self.cfg.score_bytes {
+            let Some(node) = g.tree.oldest(|e| e.scores.is_some()) else {
+                break;
+            };
+            let e = g.tree.entry_mut(node).expect("picked");
+            let freed = e.scores.take().map_or(0, |s| s.bytes());
+            g.score_bytes -= freed;
         }
         work
     }
@@ -325,7 +356,7 @@ impl PrefixCache {
                             work.extend(self.enforce(&mut g));
                         }
                         _ if moving => {
-                            g.tree.remove(node);
+                            g.take(node);
                             self.stats.evicted.fetch_add(1, Ordering::Relaxed);
                         }
                         _ => {}

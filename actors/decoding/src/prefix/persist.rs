@@ -83,6 +83,7 @@ impl PrefixCache {
             tier: Tier::Host(Arc::new(state)),
             pins: 0,
             serial,
+            scores: None,
         };
         g.tree.set(node, entry);
         g.host_bytes += bytes;

@@ -243,6 +243,24 @@ pub async fn openai(s: Shared, body: Bytes, chat: bool) -> Response {
             }
         }
     }
+    // Scored prompts that share a context (a question's answers, a few-shot prefix) keep it
+    // once in the prefix cache, and the others start from it.
+    if call.specs.len() > 1 && call.specs.iter().any(|s| s.prompt_logprobs.is_some()) {
+        let parts = {
+            let ids: Vec<&[i64]> = call
+                .specs
+                .iter()
+                .map(|s| match &s.prompt {
+                    PromptSpec::Ids(ids) => ids.as_slice(),
+                    _ => &[],
+                })
+                .collect();
+            nsactor_decoding::prefix::parting_depths(&ids)
+        };
+        for (spec, parts) in call.specs.iter_mut().zip(parts) {
+            spec.parts = parts;
+        }
+    }
     let cancel = Arc::new(AtomicBool::new(false));
     let mut rx = launch(&s, &call, &cancel);
     let guard = CancelOnDrop(cancel);

@@ -5,11 +5,15 @@ use futures_util::{SinkExt, StreamExt};
 use nsactor_decoding::{Pipeline, PipelinePlan};
 use nsactor_engine::engine::StagedModel;
 use nsactor_plugin_api::OptimizerKind;
+use nsactor_server::generate::GenEvent;
 use nsactor_server::generate::{Admission, Generator};
+use nsactor_server::logprobs::{TokenLogprob, token_logprob};
 use nsactor_server::protocol::Limits;
+use nsactor_server::protocol::{GenSpec, PromptSpec};
 use nsactor_server::{ServerState, ServingMetrics};
 use nsactor_training::verify::TinyAFixture;
 use std::sync::Arc;
+use std::sync::atomic::AtomicBool;
 use tokio_tungstenite::tungstenite::Message;
 
 pub fn fixture() -> Vec<u8> {
@@ -319,4 +323,71 @@ pub async fn http_head(
     tokio::time::timeout(std::time::Duration::from_secs(60), exchange)
         .await
         .unwrap_or_else(|_| panic!("{method} {path}: no complete answer in 60 s"))
+}
+
+/// The old way: one decoder pass per token, each position's logits scoring the next token.
+pub async fn token_at_a_time(g: &Generator, prompt: &[i64], top: usize) -> Vec<TokenLogprob> {
+    let s = g.decoder.session();
+    let mut out = Vec::new();
+    let mut logits = g.decoder.feed(s, vec![prompt[0]]).await.unwrap();
+    for &t in &prompt[1..] {
+        out.push(token_logprob(&logits, t, top));
+        logits = g.decoder.feed(s, vec![t]).await.unwrap();
+    }
+    g.decoder.close(s).await;
+    out
+}
+
+/// The server's way: a scoring request (`max_tokens` 1, prompt log-probabilities) through the
+/// prefix cache, parting from the prompts scored beside it at `parts`.
+pub async fn scored(
+    g: Arc<Generator>,
+    prompt: Vec<i64>,
+    top: usize,
+    parts: Vec<usize>,
+) -> Vec<TokenLogprob> {
+    let spec = GenSpec {
+        prompt: PromptSpec::Ids(prompt),
+        max_tokens: 1,
+        sampling: nsactor_engine::decode::SamplingParams::greedy(),
+        stop: Vec::new(),
+        token_ids: true,
+        ignore_eos: true,
+        logit_bias: Vec::new(),
+        logprobs: Some(top),
+        prompt_logprobs: Some(top),
+        add_special_tokens: false,
+        cache_prompt: true,
+        time_limit: None,
+        extras: Default::default(),
+        parts,
+    };
+    let (tx, mut rx) = tokio::sync::mpsc::channel(64);
+    let run = tokio::spawn(async move {
+        g.run(spec, tx, Arc::new(AtomicBool::new(false)))
+            .await
+            .unwrap()
+    });
+    let mut prompt_lps = None;
+    while let Some(e) = rx.recv().await {
+        if let GenEvent::Prompt { logprobs, .. } = e {
+            prompt_lps = Some(logprobs);
+        }
+    }
+    run.await.unwrap();
+    let lps = prompt_lps.expect("the prompt's log-probabilities");
+    assert!(lps[0].is_none(), "the first token has no context");
+    lps.into_iter().skip(1).map(Option::unwrap).collect()
+}
+
+/// A scored position's token, its log-probability's bits and its alternatives'.
+pub type Bits = (i64, u32, Vec<(i64, u32)>);
+
+pub fn bits(lps: &[TokenLogprob]) -> Vec<Bits> {
+    lps.iter()
+        .map(|l| {
+            let top = l.top.iter().map(|(t, p)| (*t, p.to_bits())).collect();
+            (l.token_id, l.logprob.to_bits(), top)
+        })
+        .collect()
 }

@@ -546,3 +546,36 @@ fn export_and_import_refuse_to_write_over_a_run() {
     assert_eq!(entries, 2);
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// `bench prefill` through the real server: one prefill equals one token at a time, and a
+/// multiple-choice question's answers scored in one request feed their context once through
+/// the prefix cache (the three other answers start from its snapshot).
+#[test]
+fn bench_prefill_scores_a_question_from_one_pass_over_its_context() {
+    let stdout = run_stdout(&[
+        "bench",
+        "prefill",
+        "--lengths",
+        "32",
+        "--concurrent",
+        "2x32",
+        "--score",
+        "120",
+        "--choices",
+        "4",
+        "--check",
+        "16",
+        "--memory",
+        "--reps",
+        "1",
+    ]);
+    let line = stdout
+        .lines()
+        .find(|l| l.starts_with("a 4-answer question on a 120-token context"))
+        .unwrap_or_else(|| panic!("no question line: {stdout}"));
+    assert!(
+        line.ends_with("the cache saved 360 prompt tokens a question"),
+        "{line}"
+    );
+    assert!(stdout.contains("bit for bit the same"), "{stdout}");
+}

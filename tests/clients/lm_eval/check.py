@@ -2,6 +2,8 @@
 #   python3 check.py OUT_DIR URL MODE   (MODE: tokenized or text)
 # tokenized: the harness sends the text's ids without a BOS, so the server scores the text with
 # add_special_tokens false; text: the harness sends text, which the server leads with its BOS.
+# The harness's requests go through the prefix cache (a question's answers share its context);
+# the server's own scoring here does not (cache_prompt false), so the two paths are compared.
 import glob, json, sys, urllib.request
 
 out, url, mode = sys.argv[1], sys.argv[2].rstrip("/"), sys.argv[3]
@@ -20,7 +22,8 @@ for f in glob.glob(f"{out}/*/samples_my_mc_*.jsonl"):
         for key, resp in zip(sorted(s["arguments"]), s["resps"]):
             ctx, cont = s["arguments"][key]["arg_0"], s["arguments"][key]["arg_1"]
             ctx_len = len(post("/tokenize", {"prompt": ctx, "add_special_tokens": False})["tokens"])
-            body = {"prompt": ctx + cont, "max_tokens": 0, "echo": True, "logprobs": 0}
+            body = {"prompt": ctx + cont, "max_tokens": 0, "echo": True, "logprobs": 0,
+                    "cache_prompt": False}
             if mode == "tokenized":
                 body["add_special_tokens"] = False
             lp = post("/v1/completions", body)["choices"][0]["logprobs"]["token_logprobs"]

@@ -4,7 +4,10 @@
 //! forward FLOPs per token at the device's dense peak); a scored prompt (`echo` with
 //! log-probabilities, nothing generated) beside the prefill of the same prompt; and the device
 //! memory in use after a short prompt and after a long one (a session's state is the same size
-//! after any number of tokens, and a prompt is fed a pass at a time).
+//! after any number of tokens, and a prompt is fed a pass at a time); and a multiple-choice
+//! question's answers scored in one request as lm-evaluation-harness sends them, through the
+//! prefix cache against without it. Every other request opts out of the cache
+//! (`cache_prompt: false`): each is sent more than once.
 
 use super::flops::Ceiling;
 use super::serve::{Loopback, ServedModel, describe, device_used, idle, load};
@@ -36,6 +39,10 @@ pub struct PrefillBenchArgs {
     /// baseline (`--memory` with no value: none).
     #[arg(long, value_delimiter = ',', num_args = 0.., default_value = "1024,131072")]
     memory: Vec<usize>,
+    /// Answers of the multiple-choice question scored on a `--score`-token context (one
+    /// token each, all in one request), through the prefix cache and without (0: none).
+    #[arg(long, default_value_t = 4)]
+    choices: usize,
     /// Measured repetitions of each one-client figure (medians printed), after one unmeasured.
     #[arg(long, default_value_t = 3)]
     reps: usize,
@@ -89,7 +96,7 @@ async fn first_token(addr: SocketAddr, ids: &[i64]) -> CliResult<f64> {
 /// [`first_token`] on the connection `sender`.
 async fn first_token_on(mut sender: Sender, addr: SocketAddr, ids: &[i64]) -> CliResult<f64> {
     let body = serde_json::json!({"prompt": ids, "max_tokens": 1, "temperature": 0,
-        "ignore_eos": true, "stream": true});
+        "ignore_eos": true, "stream": true, "cache_prompt": false});
     let sent = Instant::now();
     let mut body = post(&mut sender, addr, "/v1/completions", &body).await?;
     let mut ttft = None;
@@ -108,8 +115,14 @@ async fn first_token_on(mut sender: Sender, addr: SocketAddr, ids: &[i64]) -> Cl
 /// Seconds to score `ids` (`echo`, log-probabilities, no token generated), and how many
 /// positions came back scored.
 async fn scored(addr: SocketAddr, ids: &[i64]) -> CliResult<(f64, usize)> {
+    let body = serde_json::json!({"prompt": ids, "max_tokens": 0, "echo": true, "logprobs": 1,
+        "cache_prompt": false});
+    scored_body(addr, body).await
+}
+
+/// [`scored`] of a request's `body`: the seconds, and the positions of its first choice.
+async fn scored_body(addr: SocketAddr, body: serde_json::Value) -> CliResult<(f64, usize)> {
     let mut sender = connect(addr).await?;
-    let body = serde_json::json!({"prompt": ids, "max_tokens": 0, "echo": true, "logprobs": 1});
     let sent = Instant::now();
     let body = post(&mut sender, addr, "/v1/completions", &body).await?;
     let bytes = body
@@ -119,6 +132,9 @@ async fn scored(addr: SocketAddr, ids: &[i64]) -> CliResult<(f64, usize)> {
         .to_bytes();
     let took = sent.elapsed().as_secs_f64();
     let v: serde_json::Value = serde_json::from_slice(&bytes)?;
+    if v["choices"].as_array().is_none() {
+        return Err(format!("scoring failed: {v}").into());
+    }
     let n = v["choices"][0]["logprobs"]["token_logprobs"]
         .as_array()
         .map_or(0, |a| a.iter().filter(|x| x.is_number()).count());
@@ -144,7 +160,8 @@ pub fn run(a: PrefillBenchArgs) -> CliResult {
         .collect::<CliResult<Vec<_>>>()?;
     let longest = (a.lengths.iter().chain(&a.memory).copied())
         .chain(concurrent.iter().map(|c| c.1))
-        .chain([a.score])
+        // A question's answers are a token past its context.
+        .chain([a.score + usize::from(a.choices > 1)])
         .max()
         .unwrap_or(1);
     let max_sessions = concurrent.iter().map(|c| c.0).max().unwrap_or(1);
@@ -155,19 +172,17 @@ pub fn run(a: PrefillBenchArgs) -> CliResult {
         ..Default::default()
     };
     let decoder = a.passes.apply(l.pipeline.decoder(l.vocab));
-    // Off: each prompt is sent twice (once to warm up), and the cache would serve the second.
-    let no_cache = nsactor_decoding::prefix::PrefixConfig {
-        device_bytes: 0,
-        ..Default::default()
-    };
     let state = nsactor_server::ServerState::new(
-        (decoder, l.tokenizer.clone(), no_cache),
+        (decoder, l.tokenizer.clone(), Default::default()),
         (max_sessions, max_sessions),
         l.name.clone(),
         Default::default(),
         (limits, Default::default()),
     );
-    let decoder = state.generator.decoder.clone();
+    let (decoder, prefix) = (
+        state.generator.decoder.clone(),
+        state.generator.prefix.clone(),
+    );
     let info = l.pipeline.backend().info();
     let precision = a.model.precision.as_deref();
     let bf16 = precision.or(l.config.backend.precision.as_deref()) == Some("bf16");
@@ -229,11 +244,62 @@ pub fn run(a: PrefillBenchArgs) -> CliResult {
                 prefill * 1e3
             );
         }
+        if a.score > 0 && a.choices > 1 {
+            multiple_choice(addr, (a.score, a.choices, a.reps), l.vocab, &prefix).await?;
+        }
         if a.check > 1 {
             check(&decoder, &prompt(a.check, 11, l.vocab)).await?;
         }
         memory_rows(&a.memory, addr, l.vocab, backend.as_ref()).await
     })
+}
+
+/// A question of `choices` one-token answers on a `context`-token context, scored in one
+/// request (as lm-evaluation-harness sends a batch), `reps` times without the prefix cache and
+/// through it (a new context each time): the median times, and the prompt tokens the cache
+/// saved.
+async fn multiple_choice(
+    addr: SocketAddr,
+    (context, choices, reps): (usize, usize, usize),
+    vocab: usize,
+    prefix: &nsactor_decoding::prefix::PrefixCache,
+) -> CliResult {
+    let question = |salt: usize| -> Vec<Vec<i64>> {
+        let ctx = prompt(context, salt, vocab);
+        (0..choices)
+            .map(|k| ctx.iter().copied().chain([5 + k as i64]).collect())
+            .collect()
+    };
+    let mut times = [Vec::new(), Vec::new()];
+    let saved0 = prefix.report().tokens_saved;
+    for rep in 0..=reps.max(1) {
+        for (i, cache) in [false, true].into_iter().enumerate() {
+            let body = serde_json::json!({"prompt": question(31 * rep + 17 * i + 3),
+                "max_tokens": 0, "echo": true, "logprobs": 1, "cache_prompt": cache});
+            let (t, positions) = scored_body(addr, body).await?;
+            if positions != context {
+                return Err(format!("{positions} positions scored of {context}").into());
+            }
+            // The first round is unmeasured (new shapes compile).
+            if rep > 0 {
+                times[i].push(t);
+            }
+        }
+    }
+    let saved = prefix.report().tokens_saved - saved0;
+    let [mut off, mut on] = times;
+    let (off, on) = (
+        super::stats::pct(&mut off, 0.5),
+        super::stats::pct(&mut on, 0.5),
+    );
+    println!(
+        "a {choices}-answer question on a {context}-token context, scored in one request: {:.1} ms through the prefix cache against {:.1} ms without ({:.2}×); the cache saved {} prompt tokens a question",
+        on * 1e3,
+        off * 1e3,
+        off / on,
+        saved / (reps.max(1) as u64 + 1)
+    );
+    Ok(())
 }
 
 /// `n` clients each sending a `len`-token prompt at once (one token generated): the prompt

@@ -6,8 +6,9 @@
 //! memory in use after a short prompt and after a long one (a session's state is the same size
 //! after any number of tokens, and a prompt is fed a pass at a time); and a multiple-choice
 //! question's answers scored in one request as lm-evaluation-harness sends them, through the
-//! prefix cache against without it. Every other request opts out of the cache
-//! (`cache_prompt: false`): each is sent more than once.
+//! prefix cache against without it. The prompts timed for their first token opt out of the
+//! cache (`cache_prompt: false`): each is sent more than once; scored prompts are new each
+//! time.
 
 use super::flops::Ceiling;
 use super::serve::{Loopback, ServedModel, describe, device_used, idle, load};
@@ -112,11 +113,11 @@ async fn first_token_on(mut sender: Sender, addr: SocketAddr, ids: &[i64]) -> Cl
     ttft.ok_or_else(|| "the stream ended without a token".into())
 }
 
-/// Seconds to score `ids` (`echo`, log-probabilities, no token generated), and how many
-/// positions came back scored.
+/// Seconds to score `ids` (`echo`, log-probabilities, no token generated) as clients do, the
+/// prefix cache keeping what it keeps (the prompt is new to it), and how many positions came
+/// back scored.
 async fn scored(addr: SocketAddr, ids: &[i64]) -> CliResult<(f64, usize)> {
-    let body = serde_json::json!({"prompt": ids, "max_tokens": 0, "echo": true, "logprobs": 1,
-        "cache_prompt": false});
+    let body = serde_json::json!({"prompt": ids, "max_tokens": 0, "echo": true, "logprobs": 1});
     scored_body(addr, body).await
 }
 
@@ -231,10 +232,12 @@ pub fn run(a: PrefillBenchArgs) -> CliResult {
         if a.score > 0 {
             let ids = prompt(a.score, 7 * a.score, l.vocab);
             let prefill = ttft(a.reps, addr, &ids).await?;
-            let (_, positions) = scored(addr, &ids).await?;
+            // A new prompt each time: none is found in the cache.
+            let fresh = |rep: usize| prompt(a.score, 7 * a.score + 1 + rep, l.vocab);
+            let (_, positions) = scored(addr, &fresh(0)).await?;
             let mut runs = Vec::with_capacity(a.reps);
-            for _ in 0..a.reps.max(1) {
-                runs.push(scored(addr, &ids).await?.0);
+            for rep in 1..=a.reps.max(1) {
+                runs.push(scored(addr, &fresh(rep)).await?.0);
             }
             let t = super::stats::pct(&mut runs, 0.5);
             println!(

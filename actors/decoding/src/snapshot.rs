@@ -54,18 +54,21 @@ impl AsyncDecoder {
         }
         let (tx, rx) = tokio::sync::oneshot::channel();
         let keep = Some((self.ids.snapshot(), tx.into()));
-        let logits = match self.ask_once(session, ids, None, true, keep).await? {
-            crate::batcher::Answer::Every(l) => l,
-            _ => {
-                return Err(RuntimeError::Runtime(
-                    "a scoring pass answered no logits".into(),
-                ));
-            }
-        };
+        let answer = self.ask_once(session, ids, None, true, keep).await?;
         let kept = rx
             .await
             .unwrap_or_else(|_| Err(RuntimeError::Broken("the decode batcher stopped".into())));
-        Ok((logits, kept))
+        match answer {
+            crate::batcher::Answer::Every(l) => Ok((l, kept)),
+            _ => {
+                if let Ok(k) = kept {
+                    self.drop_snapshot(&k.snapshot).await;
+                }
+                Err(RuntimeError::Runtime(
+                    "a scoring pass answered no logits".into(),
+                ))
+            }
+        }
     }
 
     /// A copy of `session`'s states, kept by every stage until

@@ -222,13 +222,14 @@ impl PrefixCache {
             if let Some(e) = g.entry_mut(at.0, at.1) {
                 e.pins = e.pins.saturating_sub(1);
                 if r.is_err() && e.pins == 0 {
-                    if let Some(Entry {
-                        tier: Tier::Device(s),
-                        ..
-                    }) = g.take(at.0)
-                    {
-                        g.device_bytes -= s.bytes;
-                        work.push(super::Work::Drop(s));
+                    match g.tree.remove(at.0).map(|e| e.tier) {
+                        Some(Tier::Device(s)) => {
+                            g.device_bytes -= s.bytes;
+                            work.push(super::Work::Drop(s));
+                        }
+                        // A promotion that failed leaves the entry on the host.
+                        Some(Tier::Host(h)) => g.host_bytes -= h.bytes(),
+                        _ => {}
                     }
                     self.stats.evicted.fetch_add(1, Ordering::Relaxed);
                 }

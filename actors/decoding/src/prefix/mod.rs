@@ -131,7 +131,6 @@ struct Inner {
     tree: Tree<Entry>,
     device_bytes: u64,
     host_bytes: u64,
-    score_bytes: u64,
     /// The decoder's rebuilds when the device snapshots were taken: a rebuild loses them.
     recoveries: u64,
     /// The next entry's serial.
@@ -148,13 +147,6 @@ impl Inner {
     fn serial(&mut self) -> u64 {
         self.serials += 1;
         self.serials
-    }
-
-    /// Takes `node`'s entry out of the tree, with its scores' bytes.
-    fn take(&mut self, node: usize) -> Option<Entry> {
-        let e = self.tree.remove(node)?;
-        self.score_bytes -= e.scores.as_ref().map_or(0, |s| s.bytes());
-        Some(e)
     }
 }
 
@@ -173,6 +165,10 @@ pub struct PrefixCache {
     inner: Mutex<Inner>,
     /// Snapshots being made by requests feeding now.
     claims: claims::Claims,
+    /// The same for scoring requests, which wait only for snapshots made with scores.
+    score_claims: claims::Claims,
+    /// Host bytes of scores alive ([`Scores`]).
+    score_bytes: Arc<AtomicU64>,
     pub stats: PrefixStats,
 }
 
@@ -182,6 +178,8 @@ impl PrefixCache {
             cfg,
             inner: Mutex::default(),
             claims: claims::Claims::default(),
+            score_claims: claims::Claims::default(),
+            score_bytes: Arc::default(),
             stats: PrefixStats::default(),
         }
     }
@@ -219,7 +217,7 @@ impl PrefixCache {
             host_bytes: g.host_bytes,
             entries: g.tree.entries().count() as u64,
             tokens: g.tree.tokens() as u64,
-            score_bytes: g.score_bytes,
+            score_bytes: self.score_bytes.load(Ordering::Relaxed),
         }
     }
 
@@ -239,7 +237,7 @@ impl PrefixCache {
             .map(|(i, _)| i)
             .collect();
         for i in gone {
-            g.take(i);
+            g.tree.remove(i);
         }
         g.device_bytes = 0;
     }
@@ -305,7 +303,7 @@ impl PrefixCache {
                 Tier::Host(h) => g.host_bytes -= h.bytes(),
                 Tier::Moving => unreachable!("a moving entry is never picked"),
             }
-            g.take(node);
+            g.tree.remove(node);
             self.stats.evicted.fetch_add(1, Ordering::Relaxed);
         }
         while g.host_bytes > self.cfg.host_bytes {
@@ -316,20 +314,20 @@ impl PrefixCache {
             if let Some(Entry {
                 tier: Tier::Host(h),
                 ..
-            }) = g.take(node)
+            }) = g.tree.remove(node)
             {
                 g.host_bytes -= h.bytes();
             }
             self.stats.evicted.fetch_add(1, Ordering::Relaxed);
         }
-        // Scores go before their snapshots: the oldest first, the snapshot staying.
-        while g.score_bytes > self.cfg.score_bytes {
+        // Scores go before their snapshots: the oldest first, the snapshot staying. Their
+        // bytes are those alive (a piece shared with other entries, or read by a request now,
+        // is freed with its last holder), so this may drop more than one entry's.
+        while self.score_bytes.load(Ordering::Relaxed) > self.cfg.score_bytes {
             let Some(node) = g.tree.oldest(|e| e.scores.is_some()) else {
                 break;
             };
-            let e = g.tree.entry_mut(node).expect("picked");
-            let freed = e.scores.take().map_or(0, |s| s.bytes());
-            g.score_bytes -= freed;
+            g.tree.entry_mut(node).expect("picked").scores = None;
         }
         work
     }
@@ -356,7 +354,7 @@ impl PrefixCache {
                             work.extend(self.enforce(&mut g));
                         }
                         _ if moving => {
-                            g.take(node);
+                            g.tree.remove(node);
                             self.stats.evicted.fetch_add(1, Ordering::Relaxed);
                         }
                         _ => {}

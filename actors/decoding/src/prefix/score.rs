@@ -20,7 +20,42 @@ use crate::logprobs::{TokenLogprob, token_logprob};
 use nsactor_engine::error::RuntimeError;
 use nsactor_plugin_api::SessionId;
 use std::sync::Arc;
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+/// Host bytes of scores alive, shared by the cache and every [`Piece`] and [`Scores`] it made:
+/// each adds its bytes when made and takes them off when its last holder lets it go (an entry,
+/// a deeper entry sharing it, a request reading it), so the count is the memory held.
+type Counter = Arc<AtomicU64>;
+
+/// A stretch of positions' log-probabilities, shared by the entries scored past it.
+struct Piece {
+    rows: Box<[Option<TokenLogprob>]>,
+    bytes: u64,
+    counter: Counter,
+}
+
+impl Piece {
+    fn new(rows: &[Option<TokenLogprob>], counter: &Counter) -> Arc<Self> {
+        let position = |l: &Option<TokenLogprob>| {
+            size_of::<Option<TokenLogprob>>()
+                + l.as_ref()
+                    .map_or(0, |l| l.top.len() * size_of::<(i64, f32)>())
+        };
+        let bytes = rows.iter().map(position).sum::<usize>() as u64;
+        counter.fetch_add(bytes, Ordering::Relaxed);
+        Arc::new(Piece {
+            rows: rows.into(),
+            bytes,
+            counter: counter.clone(),
+        })
+    }
+}
+
+impl Drop for Piece {
+    fn drop(&mut self) {
+        self.counter.fetch_sub(self.bytes, Ordering::Relaxed);
+    }
+}
 
 /// A prefix's scores: its tokens' log-probabilities and what scores the next token.
 pub struct Scores {
@@ -28,34 +63,21 @@ pub struct Scores {
     top: usize,
     /// Tokens `0..depth`'s log-probabilities (the first `None`), in pieces shared with the
     /// shallower entries they were scored from.
-    pieces: Vec<Arc<[Option<TokenLogprob>]>>,
+    pieces: Vec<Arc<Piece>>,
     /// The logits after the prefix's last token: they score whichever token comes next.
-    next: Arc<[f32]>,
-    bytes: u64,
+    next: Box<[f32]>,
+    counter: Counter,
 }
 
 impl Scores {
-    fn new(top: usize, pieces: Vec<Arc<[Option<TokenLogprob>]>>, next: Arc<[f32]>) -> Self {
-        let position = |l: &Option<TokenLogprob>| {
-            size_of::<Option<TokenLogprob>>()
-                + l.as_ref()
-                    .map_or(0, |l| l.top.len() * size_of::<(i64, f32)>())
-        };
-        // Each entry counts all of its pieces (a piece shared by several counts in each):
-        // the budget bounds more than the memory held.
-        let held: usize = pieces.iter().flat_map(|p| p.iter()).map(position).sum();
-        let bytes = (held + std::mem::size_of_val(&*next)) as u64;
+    fn new(top: usize, pieces: Vec<Arc<Piece>>, next: &[f32], counter: &Counter) -> Self {
+        counter.fetch_add(std::mem::size_of_val(next) as u64, Ordering::Relaxed);
         Scores {
             top,
             pieces,
-            next,
-            bytes,
+            next: next.into(),
+            counter: counter.clone(),
         }
-    }
-
-    /// Host bytes the scores take.
-    pub fn bytes(&self) -> u64 {
-        self.bytes
     }
 
     /// Tokens `0..depth`'s log-probabilities with `top` alternatives (at most those kept).
@@ -66,7 +88,18 @@ impl Scores {
                 ..l.clone()
             })
         };
-        self.pieces.iter().flat_map(|p| p.iter()).map(cut).collect()
+        self.pieces
+            .iter()
+            .flat_map(|p| p.rows.iter())
+            .map(cut)
+            .collect()
+    }
+}
+
+impl Drop for Scores {
+    fn drop(&mut self) {
+        let bytes = std::mem::size_of_val(&*self.next) as u64;
+        self.counter.fetch_sub(bytes, Ordering::Relaxed);
     }
 }
 
@@ -129,7 +162,7 @@ impl PrefixCache {
             let hit = hit.map(|(h, s)| (h, s.expect("usable entries hold scores")));
             let depth = hit.as_ref().map_or(0, |h| h.0.depth());
             let planned = (depth, stops_from(depth, common));
-            match self.claims.claim(prompt, &planned.1) {
+            match self.score_claims.claim(prompt, &planned.1) {
                 Ok(claim) => break (hit, common, planned, Some(claim)),
                 Err(done) if waited < MAX_WAIT => {
                     if let Some((h, _)) = &hit {
@@ -208,7 +241,15 @@ impl PrefixCache {
             };
             // Position i's logits score the token after it.
             let targets = prompt[fed + 1..=end].to_vec();
-            let (rows, logits) = score_rows(logits, vocab, targets, top).await?;
+            let (rows, logits) = match score_rows(logits, vocab, targets, top).await {
+                Ok(r) => r,
+                Err(e) => {
+                    if let Some(Ok(k)) = kept {
+                        dec.drop_snapshot(&k.snapshot).await;
+                    }
+                    return Err(e);
+                }
+            };
             out.extend(rows);
             fed = end;
             let Some((pieces, claim)) = keep.as_mut() else {
@@ -217,10 +258,10 @@ impl PrefixCache {
             if end != stop {
                 continue;
             }
-            pieces.push(out[last_kept..end].into());
+            pieces.push(Piece::new(&out[last_kept..end], &self.score_bytes));
             last_kept = end;
-            let next: Arc<[f32]> = logits[logits.len() - vocab..].into();
-            let scores = Arc::new(Scores::new(top, pieces.clone(), next));
+            let next = &logits[logits.len() - vocab..];
+            let scores = Arc::new(Scores::new(top, pieces.clone(), next, &self.score_bytes));
             let snapshot = match kept {
                 Some(Ok(k)) => Some(k.snapshot),
                 Some(Err(e)) => {
@@ -237,11 +278,12 @@ impl PrefixCache {
         Ok(())
     }
 
-    /// Whether `path` has an entry whose scores serve `top` alternatives.
+    /// Whether `path` has a usable entry whose scores serve `top` alternatives.
     fn holds(&self, path: &[i64], top: usize) -> bool {
         let g = self.lock();
         let f = g.tree.find(path, path.len(), |e: &Entry| {
-            e.scores.as_ref().is_some_and(|s| s.top >= top)
+            matches!(e.tier, Tier::Device(_) | Tier::Host(_))
+                && e.scores.as_ref().is_some_and(|s| s.top >= top)
         });
         f.node.is_some() && f.depth == path.len()
     }
@@ -260,17 +302,12 @@ impl PrefixCache {
         let (work, unused) = {
             let mut g = self.lock();
             let node = g.tree.insert(path);
-            let bytes = scores.bytes();
             match (g.tree.entry(node).is_some(), snapshot) {
                 (true, snap) => {
                     g.tree.touch(node);
                     let e = g.tree.entry_mut(node).expect("there");
-                    let old = match &e.scores {
-                        Some(s) if s.top >= scores.top => None,
-                        _ => Some(e.scores.replace(scores).map_or(0, |s| s.bytes())),
-                    };
-                    if let Some(old) = old {
-                        g.score_bytes = g.score_bytes - old + bytes;
+                    if e.scores.as_ref().is_none_or(|s| s.top < scores.top) {
+                        e.scores = Some(scores);
                     }
                     (self.enforce(&mut g), snap)
                 }
@@ -284,7 +321,6 @@ impl PrefixCache {
                     };
                     g.tree.set(node, entry);
                     g.device_bytes += snap.bytes;
-                    g.score_bytes += bytes;
                     (self.enforce(&mut g), None)
                 }
                 (false, None) => {
@@ -302,10 +338,7 @@ impl PrefixCache {
 }
 
 /// What a scoring feed keeps as it goes: the pieces of its scores so far, and its claim.
-type Keeping<'p, 'c> = (
-    &'p mut Vec<Arc<[Option<TokenLogprob>]>>,
-    &'p mut Option<claims::Claim<'c>>,
-);
+type Keeping<'p, 'c> = (&'p mut Vec<Arc<Piece>>, &'p mut Option<claims::Claim<'c>>);
 
 /// Shared prefixes shorter than this keep no snapshot of their own (a stop costs a pass).
 const PART_MIN: usize = 8;

@@ -165,7 +165,10 @@ pub fn run(a: PrefillBenchArgs) -> CliResult {
         .chain([a.score + usize::from(a.choices > 1)])
         .max()
         .unwrap_or(1);
-    let max_sessions = concurrent.iter().map(|c| c.0).max().unwrap_or(1);
+    // A question's answers are one request's choices, all admitted at once.
+    let max_sessions = (concurrent.iter().map(|c| c.0).max())
+        .unwrap_or(1)
+        .max(a.choices);
     let limits = nsactor_server::protocol::Limits {
         max_prompt_tokens: longest.max(1),
         // Token ids as JSON text: at most 7 bytes each.

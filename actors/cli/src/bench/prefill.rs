@@ -44,6 +44,10 @@ pub struct PrefillBenchArgs {
     /// token each, all in one request), through the prefix cache and without (0: none).
     #[arg(long, default_value_t = 4)]
     choices: usize,
+    /// Tokens before every question's own context that all questions share (as MMLU's subject
+    /// line and fixed few-shot examples): fed once through the cache for all of them.
+    #[arg(long, default_value_t = 0)]
+    shared: usize,
     /// Measured repetitions of each one-client figure (medians printed), after one unmeasured.
     #[arg(long, default_value_t = 3)]
     reps: usize,
@@ -162,7 +166,7 @@ pub fn run(a: PrefillBenchArgs) -> CliResult {
     let longest = (a.lengths.iter().chain(&a.memory).copied())
         .chain(concurrent.iter().map(|c| c.1))
         // A question's answers are a token past its context.
-        .chain([a.score + usize::from(a.choices > 1)])
+        .chain([a.shared + a.score + usize::from(a.choices > 1)])
         .max()
         .unwrap_or(1);
     // A question's answers are one request's choices, all admitted at once.
@@ -251,7 +255,8 @@ pub fn run(a: PrefillBenchArgs) -> CliResult {
             );
         }
         if a.score > 0 && a.choices > 1 {
-            multiple_choice(addr, (a.score, a.choices, a.reps), l.vocab, &prefix).await?;
+            let shape = (a.shared, a.score, a.choices, a.reps);
+            multiple_choice(addr, shape, l.vocab, &prefix).await?;
         }
         if a.check > 1 {
             check(&decoder, &prompt(a.check, 11, l.vocab)).await?;
@@ -260,18 +265,22 @@ pub fn run(a: PrefillBenchArgs) -> CliResult {
     })
 }
 
-/// A question of `choices` one-token answers on a `context`-token context, scored in one
-/// request (as lm-evaluation-harness sends a batch), `reps` times without the prefix cache and
-/// through it (a new context each time): the median times, and the prompt tokens the cache
-/// saved.
+/// A question of `choices` one-token answers on a `context`-token context (after `shared`
+/// tokens every question has), scored in one request (as lm-evaluation-harness sends a batch),
+/// `reps` times without the prefix cache and through it (a new context each time): the median
+/// times, and the prompt tokens the cache saved.
 async fn multiple_choice(
     addr: SocketAddr,
-    (context, choices, reps): (usize, usize, usize),
+    (shared, context, choices, reps): (usize, usize, usize, usize),
     vocab: usize,
     prefix: &nsactor_decoding::prefix::PrefixCache,
 ) -> CliResult {
     let question = |salt: usize| -> Vec<Vec<i64>> {
-        let ctx = prompt(context, salt, vocab);
+        let ctx = prompt(shared, 1_000_033, vocab);
+        let ctx: Vec<i64> = ctx
+            .into_iter()
+            .chain(prompt(context, salt, vocab))
+            .collect();
         (0..choices)
             .map(|k| ctx.iter().copied().chain([5 + k as i64]).collect())
             .collect()
@@ -283,8 +292,8 @@ async fn multiple_choice(
             let body = serde_json::json!({"prompt": question(31 * rep + 17 * i + 3),
                 "max_tokens": 0, "echo": true, "logprobs": 1, "cache_prompt": cache});
             let (t, positions) = scored_body(addr, body).await?;
-            if positions != context {
-                return Err(format!("{positions} positions scored of {context}").into());
+            if positions != shared + context {
+                return Err(format!("{positions} positions scored of {}", shared + context).into());
             }
             // The first round is unmeasured (new shapes compile).
             if rep > 0 {
@@ -298,8 +307,12 @@ async fn multiple_choice(
         super::stats::pct(&mut off, 0.5),
         super::stats::pct(&mut on, 0.5),
     );
+    let behind = match shared {
+        0 => String::new(),
+        s => format!(" behind {s} tokens every question shares"),
+    };
     println!(
-        "a {choices}-answer question on a {context}-token context, scored in one request: {:.1} ms through the prefix cache against {:.1} ms without ({:.2}×); the cache saved {} prompt tokens a question",
+        "a {choices}-answer question on a {context}-token context{behind}, scored in one request: {:.1} ms through the prefix cache against {:.1} ms without ({:.2}×); the cache saved {} prompt tokens a question",
         on * 1e3,
         off * 1e3,
         off / on,

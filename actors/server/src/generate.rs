@@ -411,7 +411,9 @@ impl Generator {
                 .await?
         } else {
             let fed = if self.caches(spec) {
-                self.prefix.prefill(&self.decoder, session, prompt).await?
+                self.prefix
+                    .prefill_parting(&self.decoder, session, prompt, &spec.parts)
+                    .await?
             } else {
                 0
             };

@@ -214,8 +214,9 @@ pub struct GenSpec {
     /// Wall-clock budget of the generation.
     pub time_limit: Option<Duration>,
     pub extras: Extras,
-    /// Depths where a scored prompt parts from the other prompts of its request (set by the
-    /// front end): the cache keeps its scores there, so those prompts start from them.
+    /// Depths where the prompt parts from the other prompts of its request (set by the front
+    /// end): the prefix cache keeps a snapshot there (with the scores, when scored), so those
+    /// prompts start from it.
     pub parts: Vec<usize>,
 }
 

@@ -414,3 +414,61 @@ fn a_cache_written_to_a_folder_comes_back_in_another_server() {
     });
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// A request's prompts that share a few-shot prefix are generated from one pass over it: the
+/// first feeds it and keeps a snapshot where the prompts part, the others wait for it and
+/// start there; each text and its log-probabilities are those of the prompt alone without
+/// the cache.
+#[test]
+fn a_batch_of_prompts_sharing_a_prefix_feeds_it_once() {
+    let s = serve_limited(8, true, limits());
+    let (addr, state) = (s.addr, s.state.clone());
+    let shared: Vec<i64> = (0..50).map(|i| 5 + (i * 13) % 400).collect();
+    let prompts: Vec<Vec<i64>> = (0..4)
+        .map(|k| {
+            shared
+                .iter()
+                .copied()
+                .chain([100 + k, 200 + k, 7])
+                .collect()
+        })
+        .collect();
+    s.pipeline.block_on(async move {
+        let body = |prompt: Value, cache: bool| {
+            json!({"prompt": prompt, "max_tokens": 3, "temperature": 0, "ignore_eos": true,
+                "logprobs": 1, "cache_prompt": cache})
+            .to_string()
+        };
+        let answers = |v: &Value| -> Vec<Value> {
+            let mut c = v["choices"].as_array().unwrap().clone();
+            c.sort_by_key(|c| c["index"].as_u64());
+            c.iter()
+                .map(|c| json!([c["text"], c["logprobs"]["token_logprobs"]]))
+                .collect()
+        };
+        let mut alone = Vec::new();
+        for p in &prompts {
+            let (st, b) = http(
+                addr,
+                "POST",
+                "/v1/completions",
+                body(json!(p), false).as_bytes(),
+            )
+            .await;
+            assert_eq!(st, 200, "{b}");
+            alone.extend(answers(&serde_json::from_str(&b).unwrap()));
+        }
+        let saved0 = state.generator.prefix.report().tokens_saved;
+        let (st, b) = http(
+            addr,
+            "POST",
+            "/v1/completions",
+            body(json!(prompts), true).as_bytes(),
+        )
+        .await;
+        assert_eq!(st, 200, "{b}");
+        assert_eq!(answers(&serde_json::from_str(&b).unwrap()), alone);
+        let saved = state.generator.prefix.report().tokens_saved - saved0;
+        assert_eq!(saved, 3 * shared.len() as u64, "the shared prefix fed once");
+    });
+}

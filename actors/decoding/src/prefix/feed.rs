@@ -53,6 +53,19 @@ impl PrefixCache {
         session: SessionId,
         prompt: &[i64],
     ) -> Result<usize, RuntimeError> {
+        self.prefill_parting(dec, session, prompt, &[]).await
+    }
+
+    /// [`prefill`](Self::prefill), keeping snapshots also at `parts`: depths where the prompt
+    /// parts from prompts fed beside it (a request's other prompts, [`super::parting_depths`]),
+    /// so that those wait for the shared stretch and start from it.
+    pub async fn prefill_parting(
+        &self,
+        dec: &AsyncDecoder,
+        session: SessionId,
+        prompt: &[i64],
+        parts: &[usize],
+    ) -> Result<usize, RuntimeError> {
         if !self.enabled() || prompt.len() < 2 {
             return Ok(0);
         }
@@ -65,7 +78,10 @@ impl PrefixCache {
         let (hit, common, planned, mut claim) = loop {
             let (hit, common) = self.lookup(prompt, limit);
             let depth = hit.as_ref().map_or(0, Hit::depth);
-            let planned = (depth, self.plan(prompt, depth, common, limit, every));
+            let planned = (
+                depth,
+                self.plan(prompt, (depth, common, limit), every, parts),
+            );
             match self.claims.claim(prompt, &planned.1) {
                 Ok(claim) => break (hit, common, planned, Some(claim)),
                 Err(done) if waited < MAX_WAIT => {
@@ -96,7 +112,7 @@ impl PrefixCache {
         let stops = if planned.0 == fed {
             planned.1
         } else {
-            self.plan(prompt, fed, common, limit, every)
+            self.plan(prompt, (fed, common, limit), every, parts)
         };
         for &end in &stops {
             // The snapshot is taken in the pass's own jobs; a failed one fails only itself.
@@ -129,22 +145,23 @@ impl PrefixCache {
     /// first one's end (a system prompt others share) keeps one of its own: a later turn's
     /// messages are covered by the snapshot at the prompt's end, which the next turn finds.
     /// Each stop costs a pass of its own, so none within a few tokens past `fed` or before
-    /// `limit` either.
+    /// `limit` either; `parts` (where prompts fed beside it part from it) are kept wherever
+    /// they fall past `fed` and before `limit`.
     pub(super) fn plan(
         &self,
         prompt: &[i64],
-        fed: usize,
-        common: usize,
-        limit: usize,
+        (fed, common, limit): (usize, usize, usize),
         every: usize,
+        parts: &[usize],
     ) -> Vec<usize> {
-        let opens: Vec<usize> = self.cfg.boundary.map_or(Vec::new(), |b| {
+        let mut opens: Vec<usize> = self.cfg.boundary.map_or(Vec::new(), |b| {
             let first = prompt.iter().skip(1).position(|&t| t == b).map(|i| i + 1);
             first
                 .filter(|&i| i >= fed + NEAR && i + NEAR <= limit)
                 .into_iter()
                 .collect()
         });
+        opens.extend(parts.iter().filter(|&&p| p > fed && p < limit));
         stops(fed, common, limit, every, &opens)
     }
 

@@ -149,13 +149,8 @@ impl PrefixCache {
         self.check_recoveries(dec);
         let every = self.every(dec);
         let usable = |e: &Entry| e.scores.as_ref().is_some_and(|s| s.top >= top);
-        let stops_from = |depth: usize, common: usize| {
-            let mut stops = self.plan(prompt, depth, common, limit, every);
-            stops.extend(parts.iter().filter(|&&p| p > depth && p < limit));
-            stops.sort_unstable();
-            stops.dedup();
-            stops
-        };
+        let stops_from =
+            |depth: usize, common: usize| self.plan(prompt, (depth, common, limit), every, parts);
         let mut waited = std::time::Duration::ZERO;
         let (hit, common, planned, claim) = loop {
             let (hit, common) = self.lookup_where(prompt, limit, usable);

@@ -243,9 +243,9 @@ pub async fn openai(s: Shared, body: Bytes, chat: bool) -> Response {
             }
         }
     }
-    // Scored prompts that share a context (a question's answers, a few-shot prefix) keep it
-    // once in the prefix cache, and the others start from it.
-    if call.specs.len() > 1 && call.specs.iter().any(|s| s.prompt_logprobs.is_some()) {
+    // Prompts of one request that share a context (a question's answers, a few-shot prefix)
+    // keep it once in the prefix cache, and the others start from it.
+    if call.specs.len() > 1 {
         let parts = {
             let ids: Vec<&[i64]> = call
                 .specs

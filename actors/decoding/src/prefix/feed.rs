@@ -14,6 +14,17 @@ use std::sync::atomic::Ordering;
 /// snapshot of its own.
 const NEAR: usize = 8;
 
+/// What [`PrefixCache::claim_plan`] found and claimed: the hit (pinned), how far the prompt
+/// runs in the tree, the depth planned from and the stops, the claim on them (none after the
+/// longest wait), and the time spent waiting for others' snapshots.
+pub(super) struct Planned<'a> {
+    pub hit: Option<ScoredHit>,
+    pub common: usize,
+    pub planned: (usize, Vec<usize>),
+    pub claim: Option<claims::Claim<'a>>,
+    pub waited: std::time::Duration,
+}
+
 /// What a lookup pinned: the node and its entry's serial, its depth, and its snapshot where
 /// it is.
 pub(super) enum Hit {
@@ -73,40 +84,16 @@ impl PrefixCache {
         let limit = prompt.len() - 1;
         let every = self.every(dec);
         let started = std::time::Instant::now();
-        // Stops another request is making are waited for, then found as hits (`claims`).
-        let mut waited = std::time::Duration::ZERO;
-        let (hit, common, planned, mut claim) = loop {
-            let (hit, common) = self.lookup(prompt, limit);
-            let depth = hit.as_ref().map_or(0, Hit::depth);
-            let planned = (
-                depth,
-                self.plan(prompt, (depth, common, limit), every, parts),
-            );
-            match self.claims.claim(prompt, &planned.1) {
-                Ok(claim) => break (hit, common, planned, Some(claim)),
-                Err(done) if waited < MAX_WAIT => {
-                    if let Some(h) = &hit {
-                        self.unpin(h);
-                    }
-                    waited += claims::wait(done, MAX_WAIT - waited).await;
-                }
-                Err(_) => break (hit, common, planned, None),
-            }
-        };
-        let mut fed = 0;
-        let restored = match hit {
-            Some(hit) => self.restore(dec, session, hit).await?,
+        let p = self
+            .claim_plan(&self.claims, prompt, (every, parts), |_| true)
+            .await;
+        let (common, planned, mut claim, waited) = (p.common, p.planned, p.claim, p.waited);
+        let restored = match p.hit {
+            Some((hit, _)) => self.restore(dec, session, hit).await?,
             None => None,
         };
-        if let Some(depth) = restored {
-            fed = depth;
-            self.stats.hits.fetch_add(1, Ordering::Relaxed);
-            self.stats
-                .tokens_saved
-                .fetch_add(fed as u64, Ordering::Relaxed);
-        } else {
-            self.stats.misses.fetch_add(1, Ordering::Relaxed);
-        }
+        self.count(restored);
+        let mut fed = restored.unwrap_or(0);
         let (restored_at, depth) = (started.elapsed(), fed);
         // As planned, unless the restore did not happen (decoding rebuilding its stages).
         let stops = if planned.0 == fed {
@@ -139,6 +126,61 @@ impl PrefixCache {
             (started.elapsed() - restored_at).as_secs_f64() * 1e3,
         );
         Ok(fed)
+    }
+
+    /// Looks `prompt` up among the entries `usable` accepts and plans its stops from the hit,
+    /// then claims them in `claims`; while another request is making one of them, waits for
+    /// it (at most [`MAX_WAIT`] all told) and looks up again, since it will then be a hit.
+    pub(super) async fn claim_plan<'a>(
+        &self,
+        claims: &'a claims::Claims,
+        prompt: &[i64],
+        (every, parts): (usize, &[usize]),
+        usable: impl Fn(&Entry) -> bool,
+    ) -> Planned<'a> {
+        let limit = prompt.len() - 1;
+        let mut waited = std::time::Duration::ZERO;
+        loop {
+            let (hit, common) = self.lookup_where(prompt, limit, &usable);
+            let depth = hit.as_ref().map_or(0, |h| h.0.depth());
+            let planned = (
+                depth,
+                self.plan(prompt, (depth, common, limit), every, parts),
+            );
+            let claim = match claims.claim(prompt, &planned.1) {
+                Ok(claim) => Some(claim),
+                Err(done) if waited < MAX_WAIT => {
+                    if let Some((h, _)) = &hit {
+                        self.unpin(h);
+                    }
+                    waited += claims::wait(done, MAX_WAIT - waited).await;
+                    continue;
+                }
+                Err(_) => None,
+            };
+            return Planned {
+                hit,
+                common,
+                planned,
+                claim,
+                waited,
+            };
+        }
+    }
+
+    /// Counts a lookup's outcome: a hit restored at its depth (the tokens it saved), or a miss.
+    pub(super) fn count(&self, restored: Option<usize>) {
+        match restored {
+            Some(depth) => {
+                self.stats.hits.fetch_add(1, Ordering::Relaxed);
+                self.stats
+                    .tokens_saved
+                    .fetch_add(depth as u64, Ordering::Relaxed);
+            }
+            None => {
+                self.stats.misses.fetch_add(1, Ordering::Relaxed);
+            }
+        }
     }
 
     /// Where a prompt fed from `fed` keeps snapshots ([`stops`]). Of the messages, only the
@@ -180,15 +222,9 @@ impl PrefixCache {
         }
     }
 
-    /// The deepest usable entry on `prompt`'s path at most `limit` deep, pinned, and how far
-    /// the path runs in the tree.
-    fn lookup(&self, prompt: &[i64], limit: usize) -> (Option<Hit>, usize) {
-        let (hit, common) = self.lookup_where(prompt, limit, |_| true);
-        (hit.map(|h| h.0), common)
-    }
-
-    /// [`lookup`](Self::lookup) among the entries `also` accepts, with the entry's scores.
-    pub(super) fn lookup_where(
+    /// The deepest usable entry on `prompt`'s path at most `limit` deep that `also` accepts,
+    /// pinned, with its scores; and how far the path runs in the tree.
+    fn lookup_where(
         &self,
         prompt: &[i64],
         limit: usize,

@@ -13,7 +13,7 @@
 //! `k` alternatives serve requests asking for `k` or fewer (the alternatives come most
 //! likely first, ties by id, so the first `j` of `k` are those a request for `j` gets).
 
-use super::claims::{self, MAX_WAIT};
+use super::claims;
 use super::{Entry, PrefixCache, Tier};
 use crate::decoder::AsyncDecoder;
 use crate::logprobs::{TokenLogprob, token_logprob};
@@ -149,27 +149,14 @@ impl PrefixCache {
         self.check_recoveries(dec);
         let every = self.every(dec);
         let usable = |e: &Entry| e.scores.as_ref().is_some_and(|s| s.top >= top);
-        let stops_from =
-            |depth: usize, common: usize| self.plan(prompt, (depth, common, limit), every, parts);
-        let mut waited = std::time::Duration::ZERO;
-        let (hit, common, planned, claim) = loop {
-            let (hit, common) = self.lookup_where(prompt, limit, usable);
-            let hit = hit.map(|(h, s)| (h, s.expect("usable entries hold scores")));
-            let depth = hit.as_ref().map_or(0, |h| h.0.depth());
-            let planned = (depth, stops_from(depth, common));
-            match self.score_claims.claim(prompt, &planned.1) {
-                Ok(claim) => break (hit, common, planned, Some(claim)),
-                Err(done) if waited < MAX_WAIT => {
-                    if let Some((h, _)) = &hit {
-                        self.unpin(h);
-                    }
-                    waited += claims::wait(done, MAX_WAIT - waited).await;
-                }
-                Err(_) => break (hit, common, planned, None),
-            }
-        };
-        let mut fed = 0;
-        let mut pieces = Vec::new();
+        let p = self
+            .claim_plan(&self.score_claims, prompt, (every, parts), usable)
+            .await;
+        let (common, planned, claim) = (p.common, p.planned, p.claim);
+        let (mut fed, mut pieces) = (0, Vec::new());
+        let hit = p
+            .hit
+            .map(|(h, s)| (h, s.expect("usable entries hold scores")));
         if let Some((hit, scores)) = hit
             && let Some(depth) = self.restore(dec, session, hit).await?
         {
@@ -177,17 +164,14 @@ impl PrefixCache {
             out = scores.read(top);
             out.push(Some(token_logprob(&scores.next, prompt[depth], top)));
             pieces = scores.pieces.clone();
-            self.stats.hits.fetch_add(1, Ordering::Relaxed);
-            self.stats
-                .tokens_saved
-                .fetch_add(fed as u64, Ordering::Relaxed);
+            self.count(Some(depth));
         } else {
-            self.stats.misses.fetch_add(1, Ordering::Relaxed);
+            self.count(None);
         }
         let stops = if planned.0 == fed {
             planned.1
         } else {
-            stops_from(fed, common)
+            self.plan(prompt, (fed, common, limit), every, parts)
         };
         let mut claim = claim;
         self.score_from(

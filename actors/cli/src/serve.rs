@@ -87,6 +87,11 @@ pub struct ServeArgs {
     /// /metrics needs an API key too (by default it stays open for scrapers).
     #[arg(long)]
     metrics_need_key: bool,
+    /// /tokenize, /detokenize and /tokenizer_info need an API key too (by default they stay
+    /// open, as vLLM leaves them: lm-evaluation-harness's remote tokenizer calls them without
+    /// the completions' key unless given `auth_token=KEY`).
+    #[arg(long)]
+    tokenizer_need_key: bool,
     /// Seconds that running generations may take to finish after SIGTERM or SIGINT; those
     /// still running then end with finish reason `shutdown`. A second signal exits at once.
     #[arg(long, default_value_t = 30.0, value_name = "SECONDS")]
@@ -367,15 +372,19 @@ impl ServeArgs {
                     .map(String::from),
             );
         }
-        if keys.is_empty() && self.metrics_need_key {
-            return Err(refuse(
-                "--metrics-need-key needs an API key (--api-key, $NSACTOR_API_KEY or --api-key-file)",
-            ));
+        for (asked, flag) in [
+            (self.metrics_need_key, "--metrics-need-key"),
+            (self.tokenizer_need_key, "--tokenizer-need-key"),
+        ] {
+            if keys.is_empty() && asked {
+                return Err(refuse(format!(
+                    "{flag} needs an API key (--api-key, $NSACTOR_API_KEY or --api-key-file)"
+                )));
+            }
         }
-        Ok(nsactor_server::auth::ApiKeys::new(
-            keys,
-            self.metrics_need_key,
-        )?)
+        let mut keys = nsactor_server::auth::ApiKeys::new(keys, self.metrics_need_key)?;
+        keys.tokenizer = self.tokenizer_need_key;
+        Ok(keys)
     }
 }
 

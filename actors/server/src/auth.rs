@@ -1,5 +1,5 @@
-//! API keys: with any configured, `/v1/*`, `/ws` (and `/metrics` when asked) need
-//! `Authorization: Bearer KEY`. A browser cannot set that header on a WebSocket, so a `/ws`
+//! API keys: with any configured, `/v1/*`, `/ws` (and `/metrics` or the tokenizer's routes
+//! when asked) need `Authorization: Bearer KEY`. A browser cannot set that header on a WebSocket, so a `/ws`
 //! connection without it must send `{"type":"auth","key":…}` first ([`crate::ws`]). A wrong or
 //! missing key is a 401 with OpenAI's error body; keys are compared in constant time and never
 //! logged or echoed.
@@ -13,6 +13,10 @@ pub struct ApiKeys {
     keys: Vec<Vec<u8>>,
     /// `/metrics` needs a key too.
     pub metrics: bool,
+    /// `/tokenize`, `/detokenize` and `/tokenizer_info` need a key too. Open by default, as
+    /// vLLM leaves them: they tell only what the served tokenizer does, and
+    /// lm-evaluation-harness's remote tokenizer calls them without the completions' key.
+    pub tokenizer: bool,
 }
 
 impl std::fmt::Debug for ApiKeys {
@@ -20,9 +24,10 @@ impl std::fmt::Debug for ApiKeys {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(
             f,
-            "ApiKeys({} keys, metrics keyed: {})",
+            "ApiKeys({} keys, metrics keyed: {}, tokenizer keyed: {})",
             self.keys.len(),
-            self.metrics
+            self.metrics,
+            self.tokenizer
         )
     }
 }
@@ -47,7 +52,11 @@ impl ApiKeys {
                 out.push(k.as_bytes().to_vec());
             }
         }
-        Ok(ApiKeys { keys: out, metrics })
+        Ok(ApiKeys {
+            keys: out,
+            metrics,
+            tokenizer: false,
+        })
     }
 
     /// Whether clients must present a key.

@@ -13,8 +13,9 @@ use axum::routing::{get, post};
 use nsactor_decoding::heal::Health;
 use nsactor_telemetry::serving::DecoderState;
 
-/// The router of the server. With API keys, `/v1/*` (and `/metrics` when keyed) answer 401
-/// without one, `/ws` checks its own ([`crate::ws::ws`]); `/`, `/health` stay open.
+/// The router of the server. With API keys, `/v1/*` (and `/metrics` and the tokenizer's routes
+/// when keyed) answer 401 without one, `/ws` checks its own ([`crate::ws::ws`]); `/`, `/health`
+/// stay open.
 pub fn router(state: Shared) -> Router {
     let key = || middleware::from_fn_with_state(state.clone(), require_key);
     let keyed = Router::new()
@@ -22,15 +23,19 @@ pub fn router(state: Shared) -> Router {
         .route("/v1/chat/completions", post(openai::chat_completions))
         .route("/v1/models", get(openai::models))
         .route("/v1/models/{model}", get(openai::model))
-        .route("/tokenize", post(openai::tokenize::tokenize))
-        .route("/detokenize", post(openai::tokenize::detokenize))
-        .route("/tokenizer_info", get(openai::tokenize::tokenizer_info))
         .route("/v1/state/export", post(carry::export))
         .route("/v1/state/import", post(carry::import))
         .route_layer(key());
     let mut metrics_route = Router::new().route("/metrics", get(metrics));
     if state.keys.metrics {
         metrics_route = metrics_route.route_layer(key());
+    }
+    let mut tokenizer_routes = Router::new()
+        .route("/tokenize", post(openai::tokenize::tokenize))
+        .route("/detokenize", post(openai::tokenize::detokenize))
+        .route("/tokenizer_info", get(openai::tokenize::tokenizer_info));
+    if state.keys.tokenizer {
+        tokenizer_routes = tokenizer_routes.route_layer(key());
     }
     let cors = state.cors.layer(edge::REQUEST_ID);
     let router = Router::new()
@@ -39,6 +44,7 @@ pub fn router(state: Shared) -> Router {
         .route("/health", get(health))
         .merge(keyed)
         .merge(metrics_route)
+        .merge(tokenizer_routes)
         // Paths and methods no route takes get OpenAI's error body too, not an empty one.
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)

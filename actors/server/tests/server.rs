@@ -265,7 +265,8 @@ fn chat_and_text_prompts_stream_over_http_and_websocket() {
 
 /// With API keys, `/v1/*` and `/ws` need one (header, or an `auth` message first on `/ws`);
 /// a wrong or missing key is a 401 (HTTP) or an `invalid_api_key` error and close 1008
-/// (WebSocket); `/health` and `/metrics` stay open; the key never shows in an answer.
+/// (WebSocket); `/health`, `/metrics` and the tokenizer's routes stay open (unless keyed: the
+/// next test); the key never shows in an answer.
 #[test]
 fn api_keys_guard_the_http_and_websocket_endpoints() {
     use nsactor_server::auth::ApiKeys;
@@ -294,6 +295,11 @@ fn api_keys_guard_the_http_and_websocket_endpoints() {
         assert_eq!(status, 200);
         assert!(health.contains(r#""api_key_required":true"#), "{health}");
         assert_eq!(http(addr, "GET", "/metrics", b"").await.0, 200);
+        // The tokenizer's routes stay open, as vLLM leaves them (lm-evaluation-harness's
+        // remote tokenizer calls them without the completions' key).
+        assert_eq!(http(addr, "GET", "/tokenizer_info", b"").await.0, 200);
+        let (status, answer) = http(addr, "POST", "/tokenize", br#"{"prompt":"hi"}"#).await;
+        assert_eq!(status, 200, "{answer}");
 
         // WebSocket with the header.
         let mut req = format!("ws://{addr}/ws").into_client_request().unwrap();
@@ -338,6 +344,32 @@ fn api_keys_guard_the_http_and_websocket_endpoints() {
             };
             assert_eq!(u16::from(close.unwrap().code), 1008);
         }
+    });
+}
+
+/// `--metrics-need-key` and `--tokenizer-need-key`: `/metrics`, `/tokenize`, `/detokenize`
+/// and `/tokenizer_info` then answer 401 without the key and work with it; `/health` stays open.
+#[test]
+fn keyed_metrics_and_tokenizer_routes() {
+    use nsactor_server::auth::ApiKeys;
+    let mut keys = ApiKeys::new(["sk-test-1".to_string()], true).unwrap();
+    keys.tokenizer = true;
+    let s = serve_keyed(keys);
+    let addr = s.addr;
+    s.pipeline.block_on(async move {
+        let key = "Authorization: Bearer sk-test-1\r\n";
+        for (method, path, body) in [
+            ("GET", "/metrics", &b""[..]),
+            ("GET", "/tokenizer_info", b""),
+            ("POST", "/tokenize", br#"{"prompt":"hi"}"#),
+            ("POST", "/detokenize", br#"{"tokens":[87]}"#),
+        ] {
+            let (status, answer) = http_with(addr, method, path, "", body).await;
+            assert_eq!(status, 401, "{path} without the key: {answer}");
+            let (status, answer) = http_with(addr, method, path, key, body).await;
+            assert_eq!(status, 200, "{path} with the key: {answer}");
+        }
+        assert_eq!(http(addr, "GET", "/health", b"").await.0, 200);
     });
 }
 

@@ -4,14 +4,16 @@
 # add_special_tokens false; text: the harness sends text, which the server leads with its BOS.
 # The harness's requests go through the prefix cache (a question's answers share its context);
 # the server's own scoring here does not (cache_prompt false), so the two paths are compared.
-import glob, json, sys, urllib.request
+import glob, json, os, sys, urllib.request
 
 out, url, mode = sys.argv[1], sys.argv[2].rstrip("/"), sys.argv[3]
 
 
 def post(path, body):
-    req = urllib.request.Request(url + path, data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
+    headers = {"Content-Type": "application/json"}
+    if os.environ.get("NSACTOR_CHECK_KEY"):
+        headers["Authorization"] = "Bearer " + os.environ["NSACTOR_CHECK_KEY"]
+    req = urllib.request.Request(url + path, data=json.dumps(body).encode(), headers=headers)
     return json.load(urllib.request.urlopen(req))
 
 

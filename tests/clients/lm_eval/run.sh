@@ -11,7 +11,11 @@ work=$(mktemp -d)
 trap 'kill $server 2>/dev/null || true; rm -rf "$work"' EXIT
 "$bin" train --steps 30 --out "$work/run" > "$work/train.log" 2>&1
 port=18190
-"$bin" serve --checkpoint "$work/run" --addr 127.0.0.1:$port > "$work/serve.log" 2>&1 &
+# With an API key, as a shared server runs: the harness sends it (OPENAI_API_KEY) on the
+# completions; its remote tokenizer calls /tokenizer_info, /tokenize and /detokenize without it,
+# which stay open as vLLM leaves them.
+export OPENAI_API_KEY=sk-lm-eval NSACTOR_CHECK_KEY=sk-lm-eval
+"$bin" serve --checkpoint "$work/run" --addr 127.0.0.1:$port --api-key "$OPENAI_API_KEY" > "$work/serve.log" 2>&1 &
 server=$!
 python3 - "$port" <<'PY'
 import sys, time, urllib.request

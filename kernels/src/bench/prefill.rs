@@ -234,6 +234,7 @@ pub fn bench(device: &CudaDevice, cfg: &PrefillBench) -> Result<String, KernelEr
         ("staged", BlockScanKernel::Staged),
         ("wide, a column a unit", BlockScanKernel::Wide),
         ("wide, 4 columns a unit", BlockScanKernel::WideVector),
+        ("staged, loads ahead", BlockScanKernel::Ahead),
     ] {
         let differ = differing(by(0, kernel), &want);
         if differ > 0 {

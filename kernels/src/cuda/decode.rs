@@ -31,7 +31,7 @@ use cubecl::prelude::*;
 /// 0.9B for one session), so one unit per column walking every step's modulation itself leaves
 /// each scheduler with less than one plane and its whole dependent chain exposed.
 #[allow(clippy::too_many_arguments)]
-#[cube(launch)]
+#[cube(launch, launch_unchecked)]
 fn block_scan_kernel<I: Float, O: Float>(
     y: &Tensor<I>,
     b_beta: &Tensor<f32>,
@@ -247,6 +247,18 @@ const STAGE_BLOCK_SCAN: (usize, usize) = (8, 16);
 /// short prompts): chunks of 64 steps, 1.61 against 1.74 ms at one session's 16,384 frames on
 /// an H200 (fewer producers ran far slower: 4 × 64 2.73 ms).
 const STAGE_BLOCK_SCAN_LONG: (usize, usize) = (8, 64);
+/// The same for [`BlockScanKernel::Ahead`] (one session's pass of more than 64 steps).
+const STAGE_BLOCK_SCAN_AHEAD: (usize, usize) = (16, 32);
+
+/// Whether one session's long pass takes [`BlockScanKernel::Ahead`]
+/// (`NSACTOR_BLOCK_SCAN_AHEAD=0`: the staged kernel).
+fn ahead_on() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| {
+        std::env::var("NSACTOR_BLOCK_SCAN_AHEAD")
+            .map_or(true, |v| !matches!(v.as_str(), "0" | "off"))
+    })
+}
 
 /// `(stride of a row, columns)` of a 2-D f32 tensor whose columns are contiguous, else `None`.
 fn rows_view<R: CubeRuntime>(t: &CubeTensor<R>) -> Option<(usize, usize)> {
@@ -293,6 +305,9 @@ pub(crate) enum BlockScanKernel {
     Wide,
     /// The wide kernel, four columns per unit as vectors (where the shapes allow).
     WideVector,
+    /// The staged kernel with its producers' loads a chunk ahead
+    /// ([`crate::cuda::long_scan`]).
+    Ahead,
 }
 
 /// [`block_scan_cut`] on the kernel `kernel` names.
@@ -324,6 +339,14 @@ pub(crate) fn block_scan_by<R: CubeRuntime>(
     for t in [&bb, &ba, &bt, &v0] {
         assert_eq!(t.dtype, burn::tensor::DType::F32, "block scan takes f32");
     }
+    for t in [&bb, &ba, &bt] {
+        assert_eq!(
+            t.meta.shape().num_elements(),
+            dn,
+            "block scan: a bias of {:?} for {dn} columns",
+            t.meta.shape()
+        );
+    }
     let cols = batch * dn;
     let vpost = out_typed(&y, Shape::new([rows, dn]), gemm_input());
     let vpost_dtype = vpost.dtype;
@@ -344,7 +367,7 @@ pub(crate) fn block_scan_by<R: CubeRuntime>(
         crate::cuda::wide::block_scan(y, [bb, ba, bt], v0, out, fin, geometry, v_th_min, vector);
         return (vpost, last);
     }
-    let chunk = if kernel == BlockScanKernel::Staged {
+    let chunk = if matches!(kernel, BlockScanKernel::Staged | BlockScanKernel::Ahead) {
         0
     } else {
         chunk
@@ -357,8 +380,17 @@ pub(crate) fn block_scan_by<R: CubeRuntime>(
         crate::cuda::speculative::block_scan(y, biases, v0, out, fin, geometry, v_th_min, cut);
         return (vpost, last);
     }
+    // One session's long pass: the producers' loads a chunk ahead.
+    let kernel = match kernel {
+        BlockScanKernel::ByShape if steps > 64 && batch == 1 && ahead_on() => {
+            BlockScanKernel::Ahead
+        }
+        k => k,
+    };
     // Three double-buffered f32 arrays of `chunk` × 32: at most 48 KiB of shared memory.
-    let default = if steps > 64 {
+    let default = if kernel == BlockScanKernel::Ahead {
+        STAGE_BLOCK_SCAN_AHEAD
+    } else if steps > 64 {
         STAGE_BLOCK_SCAN_LONG
     } else {
         STAGE_BLOCK_SCAN
@@ -372,27 +404,45 @@ pub(crate) fn block_scan_by<R: CubeRuntime>(
         }
         shape => shape,
     };
-    block_scan_kernel::launch::<R>(
-        &y.client.clone(),
-        CubeCount::Static(cols.div_ceil(STAGE_COLS as usize) as u32, 1, 1),
-        CubeDim::new_2d(STAGE_COLS, 1 + producers as u32),
-        y.into_tensor_arg(),
-        bb.into_tensor_arg(),
-        ba.into_tensor_arg(),
-        bt.into_tensor_arg(),
-        v0.into_tensor_arg(),
-        vpost.clone().into_tensor_arg(),
-        last.clone().into_tensor_arg(),
-        cols as u32,
-        steps as u32,
-        steps.div_ceil(chunk) as u32,
-        dn as u32,
-        row_stride as u32,
-        v_th_min,
-        chunk,
-        producers,
-        [y_dtype.into(), vpost_dtype.into()],
-    );
+    macro_rules! launch {
+        ($kernel:ident, $how:ident) => {
+            $kernel::$how::<R>(
+                &y.client.clone(),
+                CubeCount::Static(cols.div_ceil(STAGE_COLS as usize) as u32, 1, 1),
+                CubeDim::new_2d(STAGE_COLS, 1 + producers as u32),
+                y.into_tensor_arg(),
+                bb.into_tensor_arg(),
+                ba.into_tensor_arg(),
+                bt.into_tensor_arg(),
+                v0.into_tensor_arg(),
+                vpost.clone().into_tensor_arg(),
+                last.clone().into_tensor_arg(),
+                cols as u32,
+                steps as u32,
+                steps.div_ceil(chunk) as u32,
+                dn as u32,
+                row_stride as u32,
+                v_th_min,
+                chunk,
+                producers,
+                [y_dtype.into(), vpost_dtype.into()],
+            )
+        };
+    }
+    use crate::cuda::long_scan::block_scan_ahead_kernel;
+    let ahead = kernel == BlockScanKernel::Ahead;
+    match (ahead, crate::cuda::common::bounds_checked()) {
+        (false, true) => launch!(block_scan_kernel, launch),
+        (true, true) => launch!(block_scan_ahead_kernel, launch),
+        // SAFETY: without CubeCL's per-access bounds checks. Each kernel guards its accesses
+        // itself: `y` at steps below `steps` of valid columns (rows `steps·batch` of stride
+        // `row_stride` holding the four `dn`-wide projections, asserted above), the biases at
+        // `j < dn` (their length asserted above), `v0`, `vpost` and `last` at valid columns
+        // (`v0` asserted `[batch, dn]`, the outputs allocated here), shared memory within its
+        // double-buffered `chunk × 32`.
+        (false, false) => unsafe { launch!(block_scan_kernel, launch_unchecked) },
+        (true, false) => unsafe { launch!(block_scan_ahead_kernel, launch_unchecked) },
+    }
     (vpost, last)
 }
 

@@ -39,6 +39,7 @@ mod gemm_store;
 pub mod graph;
 pub mod host_read;
 pub mod host_write;
+mod long_scan;
 pub mod naive;
 pub mod nccl;
 pub mod norm_plif;

@@ -35,7 +35,7 @@ pub fn wide_cols() -> usize {
 /// steps, the four projections' loads, then per step the modulation (`β = σ(r_β + b_β)`,
 /// `u = softplus(r_α + b_α)·i`, `V_th = |r_th + b_th| + V_min`) and the recurrence.
 #[allow(clippy::too_many_arguments)]
-#[cube(launch)]
+#[cube(launch, launch_unchecked)]
 fn block_scan_wide_kernel<I: Float, O: Float>(
     y: &Tensor<I>,
     b_beta: &Tensor<f32>,
@@ -102,7 +102,7 @@ fn block_scan_wide_kernel<I: Float, O: Float>(
 /// Each lane's arithmetic is the scalar kernel's, in the same order ([`block_modulation`],
 /// [`plif_step`] on f32 scalars), so the bits are the same.
 #[allow(clippy::too_many_arguments)]
-#[cube(launch)]
+#[cube(launch, launch_unchecked)]
 fn block_scan_wide_vec_kernel<I: Float, O: Float, N: Size>(
     y: &Tensor<Vector<I, N>>,
     b_beta: &Tensor<Vector<f32, N>>,
@@ -207,48 +207,53 @@ pub(crate) fn block_scan<R: CubeRuntime>(
     vector: bool,
 ) {
     let types = [y.dtype.into(), vpost.dtype.into()];
+    let checked = crate::cuda::common::bounds_checked();
+    macro_rules! launch {
+        ($kernel:ident, $how:ident, $units:expr $(, $vec:expr)?) => {
+            $kernel::$how::<R>(
+                &y.client.clone(),
+                CubeCount::Static($units.div_ceil(UNITS as usize) as u32, 1, 1),
+                CubeDim::new_1d(UNITS),
+                $($vec,)?
+                y.into_tensor_arg(),
+                bb.into_tensor_arg(),
+                ba.into_tensor_arg(),
+                bt.into_tensor_arg(),
+                v0.into_tensor_arg(),
+                vpost.into_tensor_arg(),
+                last.into_tensor_arg(),
+                cols as u32,
+                steps as u32,
+                dn as u32,
+                row_stride as u32,
+                v_th_min,
+                GROUP,
+                types,
+            )
+        };
+    }
+    // SAFETY (the unchecked launches): each unit past the columns terminates; the rest read
+    // `y` at steps below `steps` (the launcher asserted its rows and the four `dn`-wide
+    // projections in each), the biases at `j < dn` (their length asserted), `v0`, `vpost` and
+    // `last` at their own column (the launcher asserted and allocated them).
     if vector && vector_fits(&y, dn, row_stride) {
-        block_scan_wide_vec_kernel::launch::<R>(
-            &y.client.clone(),
-            CubeCount::Static((cols / VEC).div_ceil(UNITS as usize) as u32, 1, 1),
-            CubeDim::new_1d(UNITS),
-            VEC,
-            y.into_tensor_arg(),
-            bb.into_tensor_arg(),
-            ba.into_tensor_arg(),
-            bt.into_tensor_arg(),
-            v0.into_tensor_arg(),
-            vpost.into_tensor_arg(),
-            last.into_tensor_arg(),
-            cols as u32,
-            steps as u32,
-            dn as u32,
-            row_stride as u32,
-            v_th_min,
-            GROUP,
-            types,
-        );
+        match checked {
+            true => launch!(block_scan_wide_vec_kernel, launch, cols / VEC, VEC),
+            false => unsafe {
+                launch!(
+                    block_scan_wide_vec_kernel,
+                    launch_unchecked,
+                    cols / VEC,
+                    VEC
+                )
+            },
+        }
         return;
     }
-    block_scan_wide_kernel::launch::<R>(
-        &y.client.clone(),
-        CubeCount::Static(cols.div_ceil(UNITS as usize) as u32, 1, 1),
-        CubeDim::new_1d(UNITS),
-        y.into_tensor_arg(),
-        bb.into_tensor_arg(),
-        ba.into_tensor_arg(),
-        bt.into_tensor_arg(),
-        v0.into_tensor_arg(),
-        vpost.into_tensor_arg(),
-        last.into_tensor_arg(),
-        cols as u32,
-        steps as u32,
-        dn as u32,
-        row_stride as u32,
-        v_th_min,
-        GROUP,
-        types,
-    );
+    match checked {
+        true => launch!(block_scan_wide_kernel, launch, cols),
+        false => unsafe { launch!(block_scan_wide_kernel, launch_unchecked, cols) },
+    }
 }
 
 /// [`crate::cuda::ffn`]'s neurons for inference, one unit per `(batch row b, channel j)`:

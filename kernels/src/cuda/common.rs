@@ -235,6 +235,43 @@ pub(crate) fn bounds_checked() -> bool {
     })
 }
 
+/// Launches `kernel` (declared `#[cube(launch, launch_unchecked)]`) with CubeCL's per-access
+/// bounds checks only where [`bounds_checked`] asks for them. The caller states, in a
+/// `SAFETY` comment at the call, why every access of the kernel stays inside its tensors: the
+/// kernel's own guards and the shapes the launcher asserted or allocated.
+macro_rules! launch_guarded {
+    ($kernel:ident :: < $($g:ty),* > ( $($arg:expr),* $(,)? )) => {
+        if $crate::cuda::common::bounds_checked() {
+            $kernel::launch::<$($g),*>($($arg),*)
+        } else {
+            // SAFETY: stated by the caller (see the macro).
+            unsafe { $kernel::launch_unchecked::<$($g),*>($($arg),*) }
+        }
+    };
+}
+pub(crate) use launch_guarded;
+
+/// Asserts the shapes the norm + PLIF kernels index by without bounds checks: `T > 0` tokens,
+/// the three per-channel parameters `[D]` and `v0` `[B, D]`.
+pub(crate) fn check_norm_plif_params<R: CubeRuntime>(
+    [norm_w, w, v_th, v0]: [&CubeTensor<R>; 4],
+    (t, batch, dim): (usize, usize, usize),
+) {
+    assert!(t > 0, "norm_plif: no tokens");
+    for (name, p) in [("norm_w", norm_w), ("w", w), ("v_th", v_th)] {
+        assert_eq!(
+            p.meta.shape().num_elements(),
+            dim,
+            "norm_plif: {name} has D values"
+        );
+    }
+    assert_eq!(
+        v0.meta.shape().num_elements(),
+        batch * dim,
+        "norm_plif: v0 [B, D]"
+    );
+}
+
 /// Units per cube: one plane.
 pub(crate) const PLANE: u32 = 32;
 

@@ -9,7 +9,8 @@
 //! [`InferOps::block_scan_fused`]: crate::InferOps::block_scan_fused
 
 use crate::cuda::common::{
-    PLANE, STAGE_COLS, block_modulation, gemm_input, out_like, out_typed, sigmoid_burn, stage_shape,
+    PLANE, STAGE_COLS, block_modulation, gemm_input, launch_guarded, out_like, out_typed,
+    sigmoid_burn, stage_shape,
 };
 use crate::cuda::plif::plif_step;
 use burn::tensor::{DType, Shape};
@@ -131,7 +132,7 @@ fn block_scan_kernel<I: Float, O: Float>(
 /// `[skip_col, skip_col + D)` of `y` (row stride `row_stride`): the SNNBlock's output in one
 /// launch instead of three.
 #[allow(clippy::too_many_arguments)]
-#[cube(launch)]
+#[cube(launch, launch_unchecked)]
 fn gate_skip_kernel(
     out: &Tensor<f32>,
     y: &Tensor<f32>,
@@ -155,7 +156,7 @@ fn gate_skip_kernel(
 
 /// `h + (r − mean_D(r))` per row, one cube of `planes` planes per row: the residual update with the centred
 /// out-projection in one launch instead of three.
-#[cube(launch)]
+#[cube(launch, launch_unchecked)]
 fn centred_residual_kernel(
     h: &Tensor<f32>,
     r: &Tensor<f32>,
@@ -197,7 +198,7 @@ fn centred_residual_kernel(
 
 /// RMSNorm of each row with a gain, one cube per row: `x` `[rows, D]` f32 →
 /// `x / √(mean(x²) + eps) · gain` in `O` (the GEMM's input type).
-#[cube(launch)]
+#[cube(launch, launch_unchecked)]
 fn rms_norm_kernel<O: Float>(
     x: &Tensor<f32>,
     gain: &Tensor<f32>,
@@ -475,7 +476,9 @@ pub fn gate_skip<R: CubeRuntime>(
     );
     let res = out_like(&out, shape);
     let n = rows * dim;
-    gate_skip_kernel::launch::<R>(
+    // SAFETY: units at or past `n = rows·D` end; `out` and `res` `[rows, D]`, `y` rows of
+    // `row_stride` holding both column ranges (asserted above).
+    launch_guarded!(gate_skip_kernel::<R>(
         &out.client.clone(),
         CubeCount::Static(n.div_ceil(256) as u32, 1, 1),
         CubeDim::new_1d(256),
@@ -487,7 +490,7 @@ pub fn gate_skip<R: CubeRuntime>(
         row_stride as u32,
         gate_col as u32,
         skip_col as u32,
-    );
+    ));
     res
 }
 
@@ -510,7 +513,9 @@ pub fn centred_residual<R: CubeRuntime>(h: CubeTensor<R>, r: CubeTensor<R>) -> C
     }
     let (rows, dim) = (shape[0], shape[1]);
     let out = out_like(&h, shape);
-    centred_residual_kernel::launch::<R>(
+    // SAFETY: one cube per row of `h`, `r`, `out` `[rows, D]` (asserted equal above),
+    // lanes below `D`.
+    launch_guarded!(centred_residual_kernel::<R>(
         &h.client.clone(),
         CubeCount::Static(rows as u32, 1, 1),
         CubeDim::new_1d(PLANE * CENTRED_PLANES as u32),
@@ -520,7 +525,7 @@ pub fn centred_residual<R: CubeRuntime>(h: CubeTensor<R>, r: CubeTensor<R>) -> C
         dim as u32,
         dim as f32,
         CENTRED_PLANES,
-    );
+    ));
     out
 }
 
@@ -541,7 +546,8 @@ pub fn rms_norm<R: CubeRuntime>(x: CubeTensor<R>, gain: CubeTensor<R>, eps: f32)
     let [x, gain] = [x, gain].map(into_contiguous);
     let y = out_typed(&x, Shape::new([rows, dim]), gemm_input());
     let planes = dim.div_ceil(PLANE as usize).clamp(1, 8);
-    rms_norm_kernel::launch::<R>(
+    // SAFETY: one cube per row of `x`, `y` `[rows, D]`, lanes below `D`, `gain` `[D]` (asserted).
+    launch_guarded!(rms_norm_kernel::<R>(
         &x.client.clone(),
         CubeCount::Static(rows as u32, 1, 1),
         CubeDim::new_1d(PLANE * planes as u32),
@@ -552,6 +558,6 @@ pub fn rms_norm<R: CubeRuntime>(x: CubeTensor<R>, gain: CubeTensor<R>, eps: f32)
         eps,
         planes,
         y.dtype.into(),
-    );
+    ));
     y
 }

@@ -8,7 +8,9 @@
 //! products grouped as burn's sigmoid and product backward group them). The compiler may
 //! contract the forward's `r·σ + s` into one fused multiply-add, which moves its last bit.
 
-use crate::cuda::common::{check_f32, gemm_input, out_like, out_typed, sigmoid_burn, stored_dtype};
+use crate::cuda::common::{
+    check_f32, gemm_input, launch_guarded, out_like, out_typed, sigmoid_burn, stored_dtype,
+};
 use burn_cubecl::CubeRuntime;
 use burn_cubecl::kernel::into_contiguous;
 use burn_cubecl::tensor::CubeTensor;
@@ -17,7 +19,7 @@ use cubecl::prelude::*;
 /// Units per cube of the element-wise kernels.
 const UNITS: u32 = 256;
 
-#[cube(launch)]
+#[cube(launch, launch_unchecked)]
 fn gated_out_kernel(
     r: &Tensor<f32>,
     g: &Tensor<f32>,
@@ -36,7 +38,7 @@ fn gated_out_kernel(
 /// `∂r = dy·σ`, `∂g = (σ·(1 − σ))·(dy·r)`, `∂s = dy`, each written as `O` (the GEMMs' input
 /// type: their rounding moves here from the casts it replaces, to nearest even as theirs).
 #[allow(clippy::too_many_arguments)]
-#[cube(launch)]
+#[cube(launch, launch_unchecked)]
 fn gated_out_backward_kernel<G: Float, O: Float>(
     r: &Tensor<f32>,
     g: &Tensor<f32>,
@@ -96,7 +98,8 @@ pub fn gated_out<R: CubeRuntime>(
     if n == 0 {
         return y;
     }
-    gated_out_kernel::launch::<R>(
+    // SAFETY: units at or past `n` end; every operand has the `n` elements asserted above.
+    launch_guarded!(gated_out_kernel::<R>(
         &r.client.clone(),
         count,
         CubeDim::new_1d(UNITS),
@@ -105,7 +108,7 @@ pub fn gated_out<R: CubeRuntime>(
         s.into_tensor_arg(),
         y.clone().into_tensor_arg(),
         n as u32,
-    );
+    ));
     y
 }
 
@@ -126,7 +129,8 @@ pub fn gated_out_backward<R: CubeRuntime>(
     if n == 0 {
         return [dr, dg, ds];
     }
-    gated_out_backward_kernel::launch::<R>(
+    // SAFETY: units at or past `n` end; every operand has the `n` elements asserted above.
+    launch_guarded!(gated_out_backward_kernel::<R>(
         &r.client.clone(),
         count,
         CubeDim::new_1d(UNITS),
@@ -138,6 +142,6 @@ pub fn gated_out_backward<R: CubeRuntime>(
         ds.clone().into_tensor_arg(),
         n as u32,
         types,
-    );
+    ));
     [dr, dg, ds]
 }

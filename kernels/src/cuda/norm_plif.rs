@@ -4,7 +4,9 @@
 //! token's K outputs averaged, a decoding step's RMS summed inside the scan kernel) and for
 //! training (saving `V_post`), with the training op's backward.
 
-use crate::cuda::common::{FEW_ROWS, gemm_input, out_like, out_typed, sigmoid_burn};
+use crate::cuda::common::{
+    FEW_ROWS, check_norm_plif_params, gemm_input, launch_guarded, out_like, out_typed, sigmoid_burn,
+};
 use crate::cuda::norm_plif_staged::{
     Frames, NORM_PLIF_CUBE, norm_plif_geometry, norm_plif_staged_kernel, prefetch, rms_inv,
     token_frames,
@@ -20,7 +22,7 @@ use cubecl::prelude::*;
 /// `(batch row, channel)` walks the tokens and their frames in order. `u = (1 − β)·x̂` is the
 /// same in a token's K frames (SPEC §3); the output is `(1 − β)·V_post` (`leak`) or `V_post`.
 #[allow(clippy::too_many_arguments)]
-#[cube(launch)]
+#[cube(launch, launch_unchecked)]
 fn norm_plif_kernel<O: Float>(
     x: &Tensor<f32>,
     r: &Tensor<f32>,
@@ -162,6 +164,7 @@ fn norm_plif_with<R: CubeRuntime>(
 ) -> [CubeTensor<R>; 3] {
     let (t, batch, dim) = norm_plif_geometry(&inputs.each_ref(), k);
     let [x, norm_w, w, v_th, v0] = inputs.map(into_contiguous);
+    check_norm_plif_params([&norm_w, &w, &v_th, &v0], (t, batch, dim));
     // A decoding step (few token rows) sums each row's RMS inside the scan kernel where a
     // plane holds one row's channels: one launch instead of two. With many token rows (a
     // training micro-batch, even untracked) every plane would walk all its tokens' rows alone,
@@ -211,7 +214,10 @@ fn norm_plif_with<R: CubeRuntime>(
     if !fused_rms {
         // Many token rows: the kernel staged by tokens.
         let (group, _) = prefetch();
-        norm_plif_staged_kernel::launch::<R>(
+        // SAFETY: units past `cols` end; tokens are clamped below `T > 0`; `x`, `y`, `vpost` (`[T·K, B, D]` when
+        // saved, else never written), `r` `[T, B]`, the parameters and `v0` have the shapes asserted
+        // above or allocated here.
+        launch_guarded!(norm_plif_staged_kernel::<R>(
             &x.client.clone(),
             cubes,
             CubeDim::new_1d(NORM_PLIF_CUBE),
@@ -233,10 +239,11 @@ fn norm_plif_with<R: CubeRuntime>(
             mean_frames,
             group,
             y_dtype.into(),
-        );
+        ));
         return [y, last, vpost];
     }
-    norm_plif_kernel::launch::<R>(
+    // SAFETY: as the staged kernel above; `r` is `x` here (read, then replaced).
+    launch_guarded!(norm_plif_kernel::<R>(
         &x.client.clone(),
         cubes,
         CubeDim::new_1d(NORM_PLIF_CUBE),
@@ -259,6 +266,6 @@ fn norm_plif_with<R: CubeRuntime>(
         fused_rms,
         mean_frames,
         y_dtype.into(),
-    );
+    ));
     [y, last, vpost]
 }

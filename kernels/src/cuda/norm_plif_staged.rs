@@ -9,7 +9,9 @@
 //! it computes the current one (`NSACTOR_NORM_PLIF_PREFETCH`, forward × backward tokens a
 //! group); the arithmetic is unchanged, op for op.
 
-use crate::cuda::common::{PLANE, out_like, sigmoid_burn, stored_dtype};
+use crate::cuda::common::{
+    PLANE, check_norm_plif_params, launch_guarded, out_like, sigmoid_burn, stored_dtype,
+};
 use crate::cuda::plif::{plif_reverse, plif_step, spike_of};
 use burn::tensor::Shape;
 use burn_cubecl::CubeRuntime;
@@ -22,7 +24,7 @@ use cubecl::prelude::*;
 pub(crate) const NORM_PLIF_CUBE: u32 = 32;
 
 /// `1/√(mean_D(x²) + eps)` of every `(token, batch row)`: one plane per row.
-#[cube(launch)]
+#[cube(launch, launch_unchecked)]
 fn rms_inv_kernel(x: &Tensor<f32>, r: &mut Tensor<f32>, dim: u32, eps: f32) {
     let dim = dim as usize;
     let row = CUBE_POS;
@@ -49,7 +51,8 @@ pub(crate) fn rms_inv<R: CubeRuntime>(
     eps: f32,
 ) -> CubeTensor<R> {
     let r = out_like(x, Shape::new([t, batch]));
-    rms_inv_kernel::launch::<R>(
+    // SAFETY: one cube per row of `x` `[T·B, D]` (the caller asserted its shape), lanes below `D`.
+    launch_guarded!(rms_inv_kernel::<R>(
         &x.client,
         CubeCount::Static((t * batch) as u32, 1, 1),
         CubeDim::new_1d(PLANE),
@@ -57,7 +60,7 @@ pub(crate) fn rms_inv<R: CubeRuntime>(
         r.clone().into_tensor_arg(),
         dim as u32,
         eps,
-    );
+    ));
     r
 }
 
@@ -89,7 +92,7 @@ pub(crate) fn prefetch() -> (usize, usize) {
 /// tokens' `x` and `1/RMS` loaded while the previous group is computed.
 // `div_ceil` spelled out: plain arithmetic in the kernel.
 #[allow(clippy::too_many_arguments, clippy::manual_div_ceil)]
-#[cube(launch)]
+#[cube(launch, launch_unchecked)]
 pub(crate) fn norm_plif_staged_kernel<O: Float>(
     x: &Tensor<f32>,
     r: &Tensor<f32>,
@@ -274,7 +277,7 @@ fn load_group<G: Float>(
 /// backward follows in [`rms_norm_backward_kernel`]), and per column the sums `∂β` (the scan's
 /// term less both `(1 − β)` factors'), `∂V_th` and the carried `∂v0`.
 #[allow(clippy::too_many_arguments, clippy::manual_div_ceil)]
-#[cube(launch)]
+#[cube(launch, launch_unchecked)]
 fn norm_plif_backward_staged_kernel<G: Float>(
     x: &Tensor<f32>,
     r: &Tensor<f32>,
@@ -402,7 +405,7 @@ fn norm_plif_backward_staged_kernel<G: Float>(
 
 /// RMSNorm's backward, one plane per token row: with `g = ∂x̂·w`, `∂x = r·g − x·r³·mean(g·x)`;
 /// writes the row's `∂w` terms `∂x̂·x·r` (summed over rows by the caller).
-#[cube(launch)]
+#[cube(launch, launch_unchecked)]
 fn rms_norm_backward_kernel(
     x: &Tensor<f32>,
     r: &Tensor<f32>,
@@ -450,6 +453,14 @@ pub fn norm_plif_backward<R: CubeRuntime>(
     let (t, batch, dim) = norm_plif_geometry(&inputs.each_ref(), k);
     let [x, norm_w, w, v_th, v0] = inputs.map(into_contiguous);
     let [vpost, grad] = [vpost, grad].map(into_contiguous);
+    check_norm_plif_params([&norm_w, &w, &v_th, &v0], (t, batch, dim));
+    for (name, g) in [("vpost", &vpost), ("grad", &grad)] {
+        assert_eq!(
+            g.meta.shape().num_elements(),
+            t * k * batch * dim,
+            "norm_plif backward: {name} [T·K, B, D]"
+        );
+    }
     // The output's gradient in the type the forward wrote it (see `norm_plif_with`).
     let grad_dtype = stored_dtype(&grad);
     let r = rms_inv(&x, t, batch, dim, eps);
@@ -460,7 +471,9 @@ pub fn norm_plif_backward<R: CubeRuntime>(
     let d_v0 = out_like(&x, Shape::new([batch, dim]));
     let client = x.client.clone();
     let (_, group) = prefetch();
-    norm_plif_backward_staged_kernel::launch::<R>(
+    // SAFETY: units past `cols` end; tokens clamped below `T > 0`; `vpost` and
+    // `grad` `[T·K, B, D]`, the parameters and `v0` asserted above, the outputs allocated here.
+    launch_guarded!(norm_plif_backward_staged_kernel::<R>(
         &client,
         CubeCount::Static(cols.div_ceil(NORM_PLIF_CUBE as usize) as u32, 1, 1),
         CubeDim::new_1d(NORM_PLIF_CUBE),
@@ -483,10 +496,11 @@ pub fn norm_plif_backward<R: CubeRuntime>(
         leak,
         group,
         grad_dtype.into(),
-    );
+    ));
     let d_x = out_like(&x, Shape::new([t, batch, dim]));
     let d_w_rows = out_like(&x, Shape::new([t * batch, dim]));
-    rms_norm_backward_kernel::launch::<R>(
+    // SAFETY: one cube per row of `[T·B, D]` tensors allocated or asserted above, lanes below `D`.
+    launch_guarded!(rms_norm_backward_kernel::<R>(
         &client,
         CubeCount::Static((t * batch) as u32, 1, 1),
         CubeDim::new_1d(PLANE),
@@ -497,6 +511,6 @@ pub fn norm_plif_backward<R: CubeRuntime>(
         d_x.clone().into_tensor_arg(),
         d_w_rows.clone().into_tensor_arg(),
         dim as u32,
-    );
+    ));
     [d_x, d_w_rows, d_beta, d_th, d_v0]
 }

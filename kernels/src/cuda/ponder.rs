@@ -7,7 +7,9 @@
 //! projection's GEMM input type (no cast before it), optionally with the sublayer's residual
 //! update prepared. The backward is [`crate::cuda::ponder_backward`].
 
-use crate::cuda::common::{FEW_ROWS, PLANE, gemm_input, out_like, out_typed, sigmoid_burn};
+use crate::cuda::common::{
+    FEW_ROWS, PLANE, gemm_input, launch_guarded, out_like, out_typed, sigmoid_burn,
+};
 use crate::options::decode_fusion;
 use burn::tensor::Shape;
 use burn_cubecl::CubeRuntime;
@@ -16,7 +18,7 @@ use burn_cubecl::tensor::CubeTensor;
 use cubecl::prelude::*;
 
 #[allow(clippy::too_many_arguments)]
-#[cube(launch)]
+#[cube(launch, launch_unchecked)]
 fn ponder_agg_kernel(
     frames: &Tensor<f32>,
     w: &Tensor<f32>,
@@ -132,7 +134,7 @@ fn ponder_agg_kernel(
 /// out projection's GEMM reads), E[K] in f32; `packed`, both in one `[T, B, D + 1]` f32
 /// tensor (`agg` and `ek` are that tensor). Needs `K ≤ 32`.
 #[allow(clippy::too_many_arguments)]
-#[cube(launch)]
+#[cube(launch, launch_unchecked)]
 fn ponder_rows_kernel<O: Float>(
     frames: &Tensor<f32>,
     w: &Tensor<f32>,
@@ -417,7 +419,9 @@ fn ponder_agg_with<R: CubeRuntime>(
     // One plane per row when the rows fill the GPU (training); a cube of eight planes per row
     // when they are few and K exceeds a plane.
     let planes = if t * batch < FEW_ROWS { 8 } else { 1 };
-    ponder_agg_kernel::launch::<R>(
+    // SAFETY: one cube per token row of `frames` `[T·K, B, D]`, lanes below `D`; `w` `[D]`
+    // and `bias` asserted by `ponder_geometry`; `agg` and `ek` allocated here (`ek` unwritten when packed).
+    launch_guarded!(ponder_agg_kernel::<R>(
         &client,
         CubeCount::Static((t * batch) as u32, 1, 1),
         CubeDim::new_1d(PLANE * planes as u32),
@@ -433,7 +437,7 @@ fn ponder_agg_with<R: CubeRuntime>(
         k,
         packed,
         planes,
-    );
+    ));
     [agg, ek]
 }
 
@@ -493,7 +497,10 @@ fn ponder_rows<R: CubeRuntime>(
         // Unread (and unwritten) without the residual.
         None => (w.clone(), w.clone(), out_like(&frames, Shape::new([1]))),
     };
-    ponder_rows_kernel::launch::<R>(
+    // SAFETY: one cube per token row of `frames` `[T·K, B, D]`, lanes below `D`; `w`,
+    // `bias` (and `h` `[T, B, D]`, `w_mean` `[D]` with the residual) asserted by the callers; the outputs
+    // allocated here (`c` unwritten without the residual).
+    launch_guarded!(ponder_rows_kernel::<R>(
         &frames.client.clone(),
         CubeCount::Static((t * batch) as u32, 1, 1),
         CubeDim::new_1d(PLANE * planes as u32),
@@ -515,7 +522,7 @@ fn ponder_rows<R: CubeRuntime>(
         with_residual,
         packed,
         agg.dtype.into(),
-    );
+    ));
     [agg, c, ek]
 }
 
@@ -585,6 +592,16 @@ pub(crate) fn ponder_geometry<R: CubeRuntime>(
     assert!(
         tk * batch * (dim + 1) <= u32::MAX as usize,
         "ponder_agg: 32-bit indexing"
+    );
+    // What the kernels index by without bounds checks: the halting weights `[D]`, its bias.
+    assert_eq!(
+        tensors[1].meta.shape().num_elements(),
+        dim,
+        "ponder_agg: the halting weights have D values"
+    );
+    assert!(
+        tensors[2].meta.shape().num_elements() >= 1,
+        "ponder_agg: no halting bias"
     );
     (tk / k, batch, dim)
 }

@@ -4,7 +4,7 @@
 //! a cube per row holds every frame in registers (one read); otherwise one plane per row reads
 //! the frames twice.
 
-use crate::cuda::common::{PLANE, out_like, sigmoid_burn};
+use crate::cuda::common::{PLANE, launch_guarded, out_like, sigmoid_burn};
 use crate::cuda::ponder::{plane_sums_transposed, ponder_geometry, row_cube, transposed_frame};
 use burn::tensor::Shape;
 use burn_cubecl::CubeRuntime;
@@ -18,7 +18,7 @@ use cubecl::prelude::*;
 /// the row's contributions to the halt weight's and bias's gradients (summed by the caller).
 /// `grad` is `[T, B, D + 1]`: `∂agg` then `∂E[K]`.
 #[allow(clippy::too_many_arguments)]
-#[cube(launch)]
+#[cube(launch, launch_unchecked)]
 fn ponder_backward_kernel(
     frames: &Tensor<f32>,
     w: &Tensor<f32>,
@@ -139,7 +139,7 @@ fn ponder_backward_kernel(
 /// an exclusive prefix sum over the lanes in reverse order (never `total − prefix`, which would
 /// cancel). Same formulas as the plane kernel; sums in another order.
 #[allow(clippy::too_many_arguments)]
-#[cube(launch)]
+#[cube(launch, launch_unchecked)]
 fn ponder_backward_rows_kernel(
     frames: &Tensor<f32>,
     w: &Tensor<f32>,
@@ -294,13 +294,20 @@ pub fn ponder_backward<R: CubeRuntime>(
     let [frames, w, bias] = inputs;
     let (t, batch, dim) = ponder_geometry(&[&frames, &w, &bias, &grad], k);
     let [frames, w, bias, grad] = [frames, w, bias, grad].map(into_contiguous);
+    assert_eq!(
+        grad.meta.shape().num_elements(),
+        t * batch * (dim + 1),
+        "ponder_backward: the gradient is the packed [T, B, D + 1]"
+    );
     let d_frames = out_like(&frames, frames.meta.shape().clone());
     let d_w_rows = out_like(&frames, Shape::new([t * batch, dim]));
     let d_b_rows = out_like(&frames, Shape::new([t * batch]));
     let client = frames.client.clone();
     if k <= PLANE as usize {
         let (planes, per) = row_cube(dim);
-        ponder_backward_rows_kernel::launch::<R>(
+        // SAFETY: one cube per token row, lanes below `D`; `frames` `[T·K, B, D]`, `w` `[D]`, `bias` and
+        // `grad` `[T, B, D + 1]` asserted above, the outputs allocated here.
+        launch_guarded!(ponder_backward_rows_kernel::<R>(
             &client,
             CubeCount::Static((t * batch) as u32, 1, 1),
             CubeDim::new_1d(PLANE * planes as u32),
@@ -318,10 +325,11 @@ pub fn ponder_backward<R: CubeRuntime>(
             k,
             planes,
             per,
-        );
+        ));
         return [d_frames, d_w_rows, d_b_rows];
     }
-    ponder_backward_kernel::launch::<R>(
+    // SAFETY: as the rows kernel above.
+    launch_guarded!(ponder_backward_kernel::<R>(
         &client,
         CubeCount::Static((t * batch) as u32, 1, 1),
         CubeDim::new_1d(PLANE),
@@ -337,6 +345,6 @@ pub fn ponder_backward<R: CubeRuntime>(
         halt_clamp,
         norm_eps,
         k,
-    );
+    ));
     [d_frames, d_w_rows, d_b_rows]
 }

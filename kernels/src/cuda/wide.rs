@@ -13,7 +13,7 @@
 //! ([`block_modulation`], [`plif_step`]; the staged kernels' shared-memory values are f32 as
 //! the registers here), so a session's bits do not depend on which kernel its cohort ran.
 
-use crate::cuda::common::{block_modulation, pair};
+use crate::cuda::common::{block_modulation, launch_guarded, pair};
 use crate::cuda::plif::plif_step;
 use burn_cubecl::CubeRuntime;
 use burn_cubecl::tensor::CubeTensor;
@@ -260,7 +260,7 @@ pub(crate) fn block_scan<R: CubeRuntime>(
 /// both neurons' recurrences (`fma(β, v, i·(1 − β))`, the `≥` test) and the gated product,
 /// `(1 − β)·V_post` per neuron with `leak`. `V_post` is not written.
 #[allow(clippy::too_many_arguments)]
-#[cube(launch)]
+#[cube(launch, launch_unchecked)]
 fn ffn_infer_wide_kernel<I: Float, O: Float>(
     i_gu: &Tensor<I>,
     w_g: &Tensor<f32>,
@@ -333,7 +333,11 @@ pub(crate) fn ffn_infer<R: CubeRuntime>(
     leak: bool,
 ) {
     let types = [i_gu.dtype.into(), gv.dtype.into()];
-    ffn_infer_wide_kernel::launch::<R>(
+    // SAFETY: units past the `B·D_ff` pairs end; the rest read `i_gu` at steps below
+    // `steps` (its `steps·batch` rows of `row_stride` hold both currents: the launcher in
+    // `crate::cuda::ffn` asserted it, as for its staged kernel), the parameters and `v0` asserted by
+    // `check_ffn_shapes`, `gv` and `last` allocated there.
+    launch_guarded!(ffn_infer_wide_kernel::<R>(
         &i_gu.client.clone(),
         CubeCount::Static((batch * ff).div_ceil(UNITS as usize) as u32, 1, 1),
         CubeDim::new_1d(UNITS),
@@ -352,5 +356,5 @@ pub(crate) fn ffn_infer<R: CubeRuntime>(
         leak,
         GROUP * 2,
         types,
-    );
+    ));
 }

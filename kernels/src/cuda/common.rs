@@ -223,16 +223,12 @@ pub(crate) fn stage_shape(
     (p, c.div_ceil(p) * p)
 }
 
-/// Whether the inference scans launch with CubeCL's per-access bounds checks
-/// (`NSACTOR_KERNEL_BOUNDS_CHECK=1`: a debugging aid, same bits). Off by default: each such
-/// kernel guards its own accesses on shapes its launcher asserts, and the checks cost a
-/// metadata load, a compare and a select on every access.
+/// Whether the kernels that may skip CubeCL's per-access bounds checks keep them (the
+/// `kernel_bounds_check` knob, `NSACTOR_KERNEL_BOUNDS_CHECK=on`: a debugging aid, the same
+/// bits). Off by default: each such kernel guards its own accesses on shapes its launcher
+/// asserts, and the checks cost a metadata load, a compare and a select on every access.
 pub(crate) fn bounds_checked() -> bool {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| {
-        std::env::var("NSACTOR_KERNEL_BOUNDS_CHECK")
-            .is_ok_and(|v| !matches!(v.as_str(), "" | "0" | "off"))
-    })
+    crate::tuning::current().kernel_bounds_check
 }
 
 /// Launches `kernel` (declared `#[cube(launch, launch_unchecked)]`) with CubeCL's per-access

@@ -268,6 +268,38 @@ pub(crate) fn check_norm_plif_params<R: CubeRuntime>(
     );
 }
 
+/// `(T, B, D)` of `frames` `[T·K, B, D]`, with every tensor checked f32.
+pub(crate) fn ponder_geometry<R: CubeRuntime>(
+    tensors: &[&CubeTensor<R>],
+    k: usize,
+) -> (usize, usize, usize) {
+    for x in tensors {
+        assert_eq!(x.dtype, burn::tensor::DType::F32, "ponder_agg takes f32");
+    }
+    let shape = tensors[0].meta.shape();
+    assert_eq!(shape.num_dims(), 3, "ponder_agg: frames [T·K, B, D]");
+    let (tk, batch, dim) = (shape[0], shape[1], shape[2]);
+    assert!(
+        k > 0 && tk % k == 0,
+        "ponder_agg: {tk} frames are not whole tokens of K = {k}"
+    );
+    assert!(
+        tk * batch * (dim + 1) <= u32::MAX as usize,
+        "ponder_agg: 32-bit indexing"
+    );
+    // What the kernels index by without bounds checks: the halting weights `[D]`, its bias.
+    assert_eq!(
+        tensors[1].meta.shape().num_elements(),
+        dim,
+        "ponder_agg: the halting weights have D values"
+    );
+    assert!(
+        tensors[2].meta.shape().num_elements() >= 1,
+        "ponder_agg: no halting bias"
+    );
+    (tk / k, batch, dim)
+}
+
 /// Units per cube: one plane.
 pub(crate) const PLANE: u32 = 32;
 

@@ -223,16 +223,12 @@ pub(crate) fn stage_shape(
     (p, c.div_ceil(p) * p)
 }
 
-/// Whether the inference scans launch with CubeCL's per-access bounds checks
-/// (`NSACTOR_KERNEL_BOUNDS_CHECK=1`: a debugging aid, same bits). Off by default: each such
-/// kernel guards its own accesses on shapes its launcher asserts, and the checks cost a
-/// metadata load, a compare and a select on every access.
+/// Whether the kernels that may skip CubeCL's per-access bounds checks keep them (the
+/// `kernel_bounds_check` knob, `NSACTOR_KERNEL_BOUNDS_CHECK=on`: a debugging aid, the same
+/// bits). Off by default: each such kernel guards its own accesses on shapes its launcher
+/// asserts, and the checks cost a metadata load, a compare and a select on every access.
 pub(crate) fn bounds_checked() -> bool {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| {
-        std::env::var("NSACTOR_KERNEL_BOUNDS_CHECK")
-            .is_ok_and(|v| !matches!(v.as_str(), "" | "0" | "off"))
-    })
+    crate::tuning::current().kernel_bounds_check
 }
 
 /// Launches `kernel` (declared `#[cube(launch, launch_unchecked)]`) with CubeCL's per-access
@@ -270,6 +266,38 @@ pub(crate) fn check_norm_plif_params<R: CubeRuntime>(
         batch * dim,
         "norm_plif: v0 [B, D]"
     );
+}
+
+/// `(T, B, D)` of `frames` `[T·K, B, D]`, with every tensor checked f32.
+pub(crate) fn ponder_geometry<R: CubeRuntime>(
+    tensors: &[&CubeTensor<R>],
+    k: usize,
+) -> (usize, usize, usize) {
+    for x in tensors {
+        assert_eq!(x.dtype, burn::tensor::DType::F32, "ponder_agg takes f32");
+    }
+    let shape = tensors[0].meta.shape();
+    assert_eq!(shape.num_dims(), 3, "ponder_agg: frames [T·K, B, D]");
+    let (tk, batch, dim) = (shape[0], shape[1], shape[2]);
+    assert!(
+        k > 0 && tk % k == 0,
+        "ponder_agg: {tk} frames are not whole tokens of K = {k}"
+    );
+    assert!(
+        tk * batch * (dim + 1) <= u32::MAX as usize,
+        "ponder_agg: 32-bit indexing"
+    );
+    // What the kernels index by without bounds checks: the halting weights `[D]`, its bias.
+    assert_eq!(
+        tensors[1].meta.shape().num_elements(),
+        dim,
+        "ponder_agg: the halting weights have D values"
+    );
+    assert!(
+        tensors[2].meta.shape().num_elements() >= 1,
+        "ponder_agg: no halting bias"
+    );
+    (tk / k, batch, dim)
 }
 
 /// Units per cube: one plane.

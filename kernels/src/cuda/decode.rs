@@ -251,16 +251,6 @@ const STAGE_BLOCK_SCAN_LONG: (usize, usize) = (8, 64);
 /// The same for [`BlockScanKernel::Ahead`] (one session's pass of more than 64 steps).
 const STAGE_BLOCK_SCAN_AHEAD: (usize, usize) = (16, 32);
 
-/// Whether one session's long pass takes [`BlockScanKernel::Ahead`]
-/// (`NSACTOR_BLOCK_SCAN_AHEAD=0`: the staged kernel).
-fn ahead_on() -> bool {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| {
-        std::env::var("NSACTOR_BLOCK_SCAN_AHEAD")
-            .map_or(true, |v| !matches!(v.as_str(), "0" | "off"))
-    })
-}
-
 /// `(stride of a row, columns)` of a 2-D f32 tensor whose columns are contiguous, else `None`.
 fn rows_view<R: CubeRuntime>(t: &CubeTensor<R>) -> Option<(usize, usize)> {
     let (shape, strides) = (t.meta.shape(), t.meta.strides());
@@ -383,7 +373,9 @@ pub(crate) fn block_scan_by<R: CubeRuntime>(
     }
     // One session's long pass: the producers' loads a chunk ahead.
     let kernel = match kernel {
-        BlockScanKernel::ByShape if steps > 64 && batch == 1 && ahead_on() => {
+        BlockScanKernel::ByShape
+            if steps > 64 && batch == 1 && crate::tuning::current().block_scan_ahead =>
+        {
             BlockScanKernel::Ahead
         }
         k => k,

@@ -8,7 +8,7 @@
 //! update prepared. The backward is [`crate::cuda::ponder_backward`].
 
 use crate::cuda::common::{
-    FEW_ROWS, PLANE, gemm_input, launch_guarded, out_like, out_typed, sigmoid_burn,
+    FEW_ROWS, PLANE, gemm_input, launch_guarded, out_like, out_typed, ponder_geometry, sigmoid_burn,
 };
 use crate::options::decode_fusion;
 use burn::tensor::Shape;
@@ -420,7 +420,8 @@ fn ponder_agg_with<R: CubeRuntime>(
     // when they are few and K exceeds a plane.
     let planes = if t * batch < FEW_ROWS { 8 } else { 1 };
     // SAFETY: one cube per token row of `frames` `[T·K, B, D]`, lanes below `D`; `w` `[D]`
-    // and `bias` asserted by `ponder_geometry`; `agg` and `ek` allocated here (`ek` unwritten when packed).
+    // and `bias` asserted by `ponder_geometry`; `agg` and `ek` allocated here (`ek`
+    // unwritten when packed).
     launch_guarded!(ponder_agg_kernel::<R>(
         &client,
         CubeCount::Static((t * batch) as u32, 1, 1),
@@ -572,36 +573,4 @@ pub fn ponder_residual<R: CubeRuntime>(
         norm_eps,
     );
     Some((agg, c, ek))
-}
-
-/// `(T, B, D)` of `frames` `[T·K, B, D]`, with every tensor checked f32.
-pub(crate) fn ponder_geometry<R: CubeRuntime>(
-    tensors: &[&CubeTensor<R>],
-    k: usize,
-) -> (usize, usize, usize) {
-    for x in tensors {
-        assert_eq!(x.dtype, burn::tensor::DType::F32, "ponder_agg takes f32");
-    }
-    let shape = tensors[0].meta.shape();
-    assert_eq!(shape.num_dims(), 3, "ponder_agg: frames [T·K, B, D]");
-    let (tk, batch, dim) = (shape[0], shape[1], shape[2]);
-    assert!(
-        k > 0 && tk % k == 0,
-        "ponder_agg: {tk} frames are not whole tokens of K = {k}"
-    );
-    assert!(
-        tk * batch * (dim + 1) <= u32::MAX as usize,
-        "ponder_agg: 32-bit indexing"
-    );
-    // What the kernels index by without bounds checks: the halting weights `[D]`, its bias.
-    assert_eq!(
-        tensors[1].meta.shape().num_elements(),
-        dim,
-        "ponder_agg: the halting weights have D values"
-    );
-    assert!(
-        tensors[2].meta.shape().num_elements() >= 1,
-        "ponder_agg: no halting bias"
-    );
-    (tk / k, batch, dim)
 }

@@ -4,8 +4,9 @@
 //! a cube per row holds every frame in registers (one read); otherwise one plane per row reads
 //! the frames twice.
 
+use crate::cuda::common::ponder_geometry;
 use crate::cuda::common::{PLANE, launch_guarded, out_like, sigmoid_burn};
-use crate::cuda::ponder::{plane_sums_transposed, ponder_geometry, row_cube, transposed_frame};
+use crate::cuda::ponder::{plane_sums_transposed, row_cube, transposed_frame};
 use burn::tensor::Shape;
 use burn_cubecl::CubeRuntime;
 use burn_cubecl::kernel::into_contiguous;

@@ -87,6 +87,12 @@ pub struct KernelTuning {
     /// The wide decoding block scan reads and writes four adjacent columns per unit as vectors
     /// (`true`) or one column per unit; the same bits either way.
     pub decode_wide_vector: bool,
+    /// One session's long pass (more than 64 frames) runs the staged block scan whose
+    /// producers load a chunk ahead (`true`) or the plain staged one; the same bits.
+    pub block_scan_ahead: bool,
+    /// The kernels that may skip CubeCL's per-access bounds checks keep them (`true`): a
+    /// debugging aid, the same bits.
+    pub kernel_bounds_check: bool,
     /// Steps per time chunk of the speculative inference scans of a long pass over few columns
     /// (0: one walk): the FFN neurons, the input neurons (RMSNorm + PLIF) and the block scan.
     pub time_chunk: usize,
@@ -131,6 +137,8 @@ impl Default for KernelTuning {
             stage_ffn_backward: None,
             decode_wide_cols: 1 << 17,
             decode_wide_vector: true,
+            block_scan_ahead: true,
+            kernel_bounds_check: false,
             time_chunk: 512,
             time_chunk_norm: 2048,
             time_chunk_block: 0,
@@ -179,6 +187,8 @@ pub const KNOBS: [Knob; 32] = [
     knob("stage_block_scan", "NSACTOR_STAGE_BLOCK_SCAN"),
     knob("decode_wide_cols", "NSACTOR_DECODE_WIDE_COLS"),
     knob("decode_wide_vector", "NSACTOR_DECODE_WIDE_VECTOR"),
+    knob("block_scan_ahead", "NSACTOR_BLOCK_SCAN_AHEAD"),
+    knob("kernel_bounds_check", "NSACTOR_KERNEL_BOUNDS_CHECK"),
     knob("time_chunk", "NSACTOR_TIME_CHUNK"),
     knob("time_chunk_norm", "NSACTOR_TIME_CHUNK_NORM"),
     knob("time_chunk_block", "NSACTOR_TIME_CHUNK_BLOCK"),
@@ -294,6 +304,8 @@ impl KernelTuning {
             "stage_ffn_backward" => self.stage_ffn_backward = Some(stage(v)?),
             "decode_wide_cols" => self.decode_wide_cols = count(v, 0, usize::MAX)?,
             "decode_wide_vector" => self.decode_wide_vector = switch(v)?,
+            "block_scan_ahead" => self.block_scan_ahead = switch(v)?,
+            "kernel_bounds_check" => self.kernel_bounds_check = switch(v)?,
             "time_chunk" => self.time_chunk = count(v, 0, 1 << 20)?,
             "time_chunk_norm" => self.time_chunk_norm = count(v, 0, 1 << 20)?,
             "time_chunk_block" => self.time_chunk_block = count(v, 0, 1 << 20)?,
@@ -405,6 +417,8 @@ impl KernelTuning {
             "stage_ffn_backward" => shape(self.stage_ffn_backward),
             "decode_wide_cols" => self.decode_wide_cols.to_string(),
             "decode_wide_vector" => on(self.decode_wide_vector),
+            "block_scan_ahead" => on(self.block_scan_ahead),
+            "kernel_bounds_check" => on(self.kernel_bounds_check),
             "time_chunk" => self.time_chunk.to_string(),
             "time_chunk_norm" => self.time_chunk_norm.to_string(),
             "time_chunk_block" => self.time_chunk_block.to_string(),

@@ -18,6 +18,8 @@ fn every_knob_round_trips_through_its_option() {
         ("stage_row_forward", "8x64"),
         ("decode_wide_cols", "4096"),
         ("decode_wide_vector", "off"),
+        ("block_scan_ahead", "off"),
+        ("kernel_bounds_check", "on"),
         ("norm_plif_prefetch", "4x4"),
     ] {
         t.set(k, v).unwrap();

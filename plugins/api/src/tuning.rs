@@ -162,7 +162,7 @@ const fn knob(key: &'static str, env: &'static str) -> Knob {
 }
 
 /// Every knob, in the order `docs/CONFIG.md` lists them.
-pub const KNOBS: [Knob; 32] = [
+pub const KNOBS: [Knob; 34] = [
     knob("decode_graphs", "NSACTOR_DECODE_GRAPHS"),
     knob("decode_graph_rows", "NSACTOR_DECODE_GRAPH_ROWS"),
     knob("decode_fusion", "NSACTOR_DECODE_FUSION"),

@@ -251,12 +251,15 @@ const STAGE_BLOCK_SCAN_LONG: (usize, usize) = (8, 64);
 /// The same for [`BlockScanKernel::Ahead`] (one session's pass of more than 64 steps).
 const STAGE_BLOCK_SCAN_AHEAD: (usize, usize) = (16, 32);
 
-/// `(stride of a row, columns)` of a 2-D f32 tensor whose columns are contiguous, else `None`.
+/// `(stride of a row, columns)` of a 2-D f32 tensor whose columns are contiguous and whose
+/// rows do not overlap (a broadcast row is not such a view: the kernels would read past its
+/// buffer), else `None`.
 fn rows_view<R: CubeRuntime>(t: &CubeTensor<R>) -> Option<(usize, usize)> {
     let (shape, strides) = (t.meta.shape(), t.meta.strides());
     (matches!(t.dtype, DType::F32 | DType::BF16)
         && shape.num_dims() == 2
-        && (strides[1] == 1 || shape[1] <= 1))
+        && (strides[1] == 1 || shape[1] <= 1)
+        && (strides[0] >= shape[1] || shape[0] <= 1))
         .then(|| (strides[0].max(shape[1]), shape[1]))
 }
 
@@ -431,8 +434,8 @@ pub(crate) fn block_scan_by<R: CubeRuntime>(
         // itself: `y` at steps below `steps` of valid columns (rows `steps·batch` of stride
         // `row_stride` holding the four `dn`-wide projections, asserted above), the biases at
         // `j < dn` (their length asserted above), `v0`, `vpost` and `last` at valid columns
-        // (`v0` asserted `[batch, dn]`, the outputs allocated here), shared memory within its
-        // double-buffered `chunk × 32`.
+        // (`batch` and `dn` read from `v0`'s shape, the outputs allocated here), shared memory
+        // within its double-buffered `chunk × 32`.
         (false, false) => unsafe { launch!(block_scan_kernel, launch_unchecked) },
         (true, false) => unsafe { launch!(block_scan_ahead_kernel, launch_unchecked) },
     }

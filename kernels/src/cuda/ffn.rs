@@ -405,7 +405,9 @@ pub(crate) fn ffn_infer_cut<R: CubeRuntime>(
             "ffn neurons: i_gu {shape:?} is not [TK·{batch}, ≥ {}]",
             2 * ff
         );
-        let i_gu = if i_gu.meta.strides()[1] == 1 {
+        // Contiguous columns, rows that do not overlap (not a broadcast row).
+        let strides = i_gu.meta.strides();
+        let i_gu = if strides[1] == 1 && (strides[0] >= shape[1] || shape[0] <= 1) {
             i_gu
         } else {
             into_contiguous(i_gu)

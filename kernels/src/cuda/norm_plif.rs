@@ -164,7 +164,7 @@ fn norm_plif_with<R: CubeRuntime>(
 ) -> [CubeTensor<R>; 3] {
     let (t, batch, dim) = norm_plif_geometry(&inputs.each_ref(), k);
     let [x, norm_w, w, v_th, v0] = inputs.map(into_contiguous);
-    check_norm_plif_params([&norm_w, &w, &v_th, &v0], (t, batch, dim));
+    check_norm_plif_params([&norm_w, &w, &v_th, &v0], (batch, dim));
     // A decoding step (few token rows) sums each row's RMS inside the scan kernel where a
     // plane holds one row's channels: one launch instead of two. With many token rows (a
     // training micro-batch, even untracked) every plane would walk all its tokens' rows alone,
@@ -197,6 +197,11 @@ fn norm_plif_with<R: CubeRuntime>(
         }),
     );
     let cols = batch * dim;
+    if t == 0 {
+        // No tokens: no frames, the state as it came (the staged kernel clamps its loads
+        // below `T`).
+        return [y, v0, vpost];
+    }
     let cubes = CubeCount::Static(cols.div_ceil(NORM_PLIF_CUBE as usize) as u32, 1, 1);
     if !save_vpost
         && !fused_rms

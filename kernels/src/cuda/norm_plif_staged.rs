@@ -13,7 +13,7 @@ use crate::cuda::common::{
     PLANE, check_norm_plif_params, launch_guarded, out_like, sigmoid_burn, stored_dtype,
 };
 use crate::cuda::plif::{plif_reverse, plif_step, spike_of};
-use burn::tensor::Shape;
+use burn::tensor::{DType, Shape};
 use burn_cubecl::CubeRuntime;
 use burn_cubecl::kernel::into_contiguous;
 use burn_cubecl::tensor::CubeTensor;
@@ -453,7 +453,10 @@ pub fn norm_plif_backward<R: CubeRuntime>(
     let (t, batch, dim) = norm_plif_geometry(&inputs.each_ref(), k);
     let [x, norm_w, w, v_th, v0] = inputs.map(into_contiguous);
     let [vpost, grad] = [vpost, grad].map(into_contiguous);
-    check_norm_plif_params([&norm_w, &w, &v_th, &v0], (t, batch, dim));
+    check_norm_plif_params([&norm_w, &w, &v_th, &v0], (batch, dim));
+    // The staged backward clamps its token loads below `T`.
+    assert!(t > 0, "norm_plif backward: no tokens");
+    assert_eq!(vpost.dtype, DType::F32, "norm_plif backward: V_post is f32");
     for (name, g) in [("vpost", &vpost), ("grad", &grad)] {
         assert_eq!(
             g.meta.shape().num_elements(),

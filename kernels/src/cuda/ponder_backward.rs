@@ -306,8 +306,9 @@ pub fn ponder_backward<R: CubeRuntime>(
     let client = frames.client.clone();
     if k <= PLANE as usize {
         let (planes, per) = row_cube(dim);
-        // SAFETY: one cube per token row, lanes below `D`; `frames` `[T·K, B, D]`, `w` `[D]`, `bias` and
-        // `grad` `[T, B, D + 1]` asserted above, the outputs allocated here.
+        // SAFETY: one cube per token row, lanes below `D`; `frames` `[T·K, B, D]`, `w` `[D]`,
+        // `bias` (only its first value read) and `grad` `[T, B, D + 1]` asserted above, the
+        // outputs allocated here.
         launch_guarded!(ponder_backward_rows_kernel::<R>(
             &client,
             CubeCount::Static((t * batch) as u32, 1, 1),

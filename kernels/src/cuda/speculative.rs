@@ -508,10 +508,11 @@ pub(crate) fn ffn_infer<R: CubeRuntime>(
     let units = (pairs * chunks).div_ceil(UNITS as usize) as u32;
     // SAFETY (the unchecked launches): units past `B·D_ff · chunks` end; each walks steps
     // below `steps` of its own chunk, reading `i_gu`'s `steps·batch` rows (as the staged and
-    // wide kernels, asserted by `ffn_forward_with`), the parameters and `v0` (asserted by
-    // `check_ffn_shapes`), writing `gv` and `last` (allocated there) at its pair, and `starts`
-    // and the finals (`2 · chunks · pairs` values, allocated here) at its own unit, reading the
-    // unit one chunk before it only in a fix-up pass of a chunk after the first.
+    // wide kernels, asserted by `ffn_infer_cut` or `ffn_geometry`), the parameters and `v0`
+    // (asserted by `check_ffn_shapes`), writing `gv` and `last` (allocated there) at its pair,
+    // and `starts` and the finals (`2 · chunks · pairs` values, allocated here) at its own
+    // unit, reading the unit one chunk before it only in a fix-up pass of a chunk after the
+    // first.
     for pass in 0..chunks {
         launch_guarded!(ffn_chunk_kernel::<R>(
             &i_gu.client.clone(),

@@ -184,12 +184,13 @@ fn block_scan_wide_vec_kernel<I: Float, O: Float, N: Size>(
 const VEC: usize = 4;
 
 /// Whether the block scan's tensors can be read in vectors of [`VEC`]: `dn` and the row
-/// stride multiples of it (so every vector stays inside one projection's columns of one row,
-/// and, every buffer starting at its allocation's aligned origin, every vector is aligned).
-fn vector_fits<R: CubeRuntime>(y: &CubeTensor<R>, dn: usize, row_stride: usize) -> bool {
-    dn.is_multiple_of(VEC)
-        && row_stride.is_multiple_of(VEC)
-        && (y.handle.offset_start.unwrap_or(0) as usize).is_multiple_of(VEC * y.dtype.size())
+/// stride multiples of it (so every vector stays inside one projection's columns of one row)
+/// and every tensor read or written as vectors starting at an offset that keeps them aligned.
+fn vector_fits<R: CubeRuntime>(tensors: &[&CubeTensor<R>], dn: usize, row_stride: usize) -> bool {
+    let aligned = |t: &CubeTensor<R>| {
+        (t.handle.offset_start.unwrap_or(0) as usize).is_multiple_of(VEC * t.dtype.size())
+    };
+    dn.is_multiple_of(VEC) && row_stride.is_multiple_of(VEC) && tensors.iter().all(|t| aligned(t))
 }
 
 /// Launches [`block_scan_wide_kernel`] (or, with `vector` and where the shapes allow, its
@@ -236,7 +237,7 @@ pub(crate) fn block_scan<R: CubeRuntime>(
     // `y` at steps below `steps` (the launcher asserted its rows and the four `dn`-wide
     // projections in each), the biases at `j < dn` (their length asserted), `v0`, `vpost` and
     // `last` at their own column (the launcher asserted and allocated them).
-    if vector && vector_fits(&y, dn, row_stride) {
+    if vector && vector_fits(&[&y, &bb, &ba, &bt, &v0, &vpost, &last], dn, row_stride) {
         match checked {
             true => launch!(block_scan_wide_vec_kernel, launch, cols / VEC, VEC),
             false => unsafe {

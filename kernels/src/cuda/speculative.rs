@@ -31,7 +31,7 @@
 //! and the wide kernels, so a prompt's logits do not depend on how its pass was cut
 //! (`bench kernels`' `prefill` part checks it on the device).
 
-use crate::cuda::common::{block_modulation, launch_guarded, out_typed, pair, sigmoid_burn};
+use crate::cuda::common::{block_modulation, out_typed, pair, sigmoid_burn};
 use crate::cuda::norm_plif_staged::{Frames, token_frames};
 use crate::cuda::plif::plif_step;
 use burn::tensor::{DType, Shape};
@@ -129,7 +129,7 @@ fn start(
 /// (see the module docs): pass 0 when not `fixup`. `starts`, `finals_in` and `finals_out` are
 /// `[chunks·cols]`.
 #[allow(clippy::too_many_arguments)]
-#[cube(launch, launch_unchecked)]
+#[cube(launch)]
 fn block_scan_chunk_kernel<I: Float, O: Float>(
     y: &Tensor<I>,
     b_beta: &Tensor<f32>,
@@ -226,7 +226,7 @@ fn block_scan_chunk_kernel<I: Float, O: Float>(
 /// (the gate and up neurons of channel `j`, both of which must meet): pass 0 when not `fixup`.
 /// `starts`, `finals_in` and `finals_out` are `[chunks·pairs·2]` (gate, up).
 #[allow(clippy::too_many_arguments)]
-#[cube(launch, launch_unchecked)]
+#[cube(launch)]
 fn ffn_chunk_kernel<I: Float, O: Float>(
     i_gu: &Tensor<I>,
     w_g: &Tensor<f32>,
@@ -349,7 +349,7 @@ fn ffn_chunk_kernel<I: Float, O: Float>(
 /// the staged kernel reads it); two walks are compared at token ends. Pass 0 when not
 /// `fixup`; `starts`, `finals_in` and `finals_out` are `[chunks·cols]`.
 #[allow(clippy::too_many_arguments)]
-#[cube(launch, launch_unchecked)]
+#[cube(launch)]
 fn norm_plif_chunk_kernel<O: Float>(
     x: &Tensor<f32>,
     r: &Tensor<f32>,
@@ -454,14 +454,8 @@ pub(crate) fn block_scan<R: CubeRuntime>(
     let types = [y.dtype.into(), vpost.dtype.into()];
     let [starts, mut fin, mut fout] = buffers(&y, chunks * cols);
     let units = (cols * chunks).div_ceil(UNITS as usize) as u32;
-    // SAFETY (the unchecked launches): units past `cols · chunks` end; each walks steps below
-    // `steps` of its own chunk, reading `y`'s `steps·batch` rows (asserted by
-    // `crate::cuda::decode::block_scan_by`) and the biases at `j < dn` (their length asserted
-    // there), writing `vpost` and `last` (allocated there) at its column, and `starts` and the
-    // finals (`chunks · cols` values, allocated here) at its own unit, reading the unit one
-    // chunk before it only in a fix-up pass of a chunk after the first.
     for pass in 0..chunks {
-        launch_guarded!(block_scan_chunk_kernel::<R>(
+        block_scan_chunk_kernel::launch::<R>(
             &y.client.clone(),
             CubeCount::Static(units, 1, 1),
             CubeDim::new_1d(UNITS),
@@ -485,7 +479,7 @@ pub(crate) fn block_scan<R: CubeRuntime>(
             pass > 0,
             GROUP,
             types,
-        ));
+        );
         std::mem::swap(&mut fin, &mut fout);
     }
 }
@@ -506,15 +500,8 @@ pub(crate) fn ffn_infer<R: CubeRuntime>(
     let pairs = batch * ff;
     let [starts, mut fin, mut fout] = buffers(&i_gu, 2 * chunks * pairs);
     let units = (pairs * chunks).div_ceil(UNITS as usize) as u32;
-    // SAFETY (the unchecked launches): units past `B·D_ff · chunks` end; each walks steps
-    // below `steps` of its own chunk, reading `i_gu`'s `steps·batch` rows (as the staged and
-    // wide kernels, asserted by `ffn_infer_cut` or `ffn_geometry`), the parameters and `v0`
-    // (asserted by `check_ffn_shapes`), writing `gv` and `last` (allocated there) at its pair,
-    // and `starts` and the finals (`2 · chunks · pairs` values, allocated here) at its own
-    // unit, reading the unit one chunk before it only in a fix-up pass of a chunk after the
-    // first.
     for pass in 0..chunks {
-        launch_guarded!(ffn_chunk_kernel::<R>(
+        ffn_chunk_kernel::launch::<R>(
             &i_gu.client.clone(),
             CubeCount::Static(units, 1, 1),
             CubeDim::new_1d(UNITS),
@@ -539,7 +526,7 @@ pub(crate) fn ffn_infer<R: CubeRuntime>(
             pass > 0,
             GROUP,
             types,
-        ));
+        );
         std::mem::swap(&mut fin, &mut fout);
     }
 }
@@ -558,14 +545,8 @@ pub(crate) fn norm_plif<R: CubeRuntime>(
 ) {
     let [starts, mut fin, mut fout] = buffers(&x, chunks * cols);
     let units = (cols * chunks).div_ceil(UNITS as usize) as u32;
-    // SAFETY (the unchecked launches): units past `cols · chunks` end; each walks tokens
-    // below `tokens` of its own chunk, reading `x` `[T, B, D]`, `r` `[T, B]`, the parameters and
-    // `v0` (asserted by `check_norm_plif_params` in `norm_plif_with`), writing `y` and `last`
-    // (allocated there) at its column, and `starts` and the finals (`chunks · cols` values,
-    // allocated here) at its own unit, reading the unit one chunk before it only in a fix-up
-    // pass of a chunk after the first.
     for pass in 0..chunks {
-        launch_guarded!(norm_plif_chunk_kernel::<R>(
+        norm_plif_chunk_kernel::launch::<R>(
             &x.client.clone(),
             CubeCount::Static(units, 1, 1),
             CubeDim::new_1d(UNITS),
@@ -590,7 +571,7 @@ pub(crate) fn norm_plif<R: CubeRuntime>(
             mean_frames,
             pass > 0,
             y.dtype.into(),
-        ));
+        );
         std::mem::swap(&mut fin, &mut fout);
     }
 }

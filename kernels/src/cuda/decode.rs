@@ -507,6 +507,10 @@ pub fn centred_residual<R: CubeRuntime>(h: CubeTensor<R>, r: CubeTensor<R>) -> C
         );
     }
     let (rows, dim) = (shape[0], shape[1]);
+    assert!(
+        rows * dim <= u32::MAX as usize,
+        "centred residual: 32-bit indexing"
+    );
     let out = out_like(&h, shape);
     // SAFETY: one cube per row of `h`, `r`, `out` `[rows, D]` (asserted equal above),
     // lanes below `D`.
@@ -538,6 +542,7 @@ pub fn rms_norm<R: CubeRuntime>(x: CubeTensor<R>, gain: CubeTensor<R>, eps: f32)
         dim,
         "rms_norm: gain has D values"
     );
+    assert!(rows * dim <= u32::MAX as usize, "rms_norm: 32-bit indexing");
     let [x, gain] = [x, gain].map(into_contiguous);
     let y = out_typed(&x, Shape::new([rows, dim]), gemm_input());
     let planes = dim.div_ceil(PLANE as usize).clamp(1, 8);

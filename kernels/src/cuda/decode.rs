@@ -401,8 +401,8 @@ pub(crate) fn block_scan_by<R: CubeRuntime>(
         shape => shape,
     };
     macro_rules! launch {
-        ($kernel:ident, $how:ident) => {
-            $kernel::$how::<R>(
+        ($kernel:ident) => {
+            launch_guarded!($kernel::<R>(
                 &y.client.clone(),
                 CubeCount::Static(cols.div_ceil(STAGE_COLS as usize) as u32, 1, 1),
                 CubeDim::new_2d(STAGE_COLS, 1 + producers as u32),
@@ -422,22 +422,19 @@ pub(crate) fn block_scan_by<R: CubeRuntime>(
                 chunk,
                 producers,
                 [y_dtype.into(), vpost_dtype.into()],
-            )
+            ))
         };
     }
     use crate::cuda::long_scan::block_scan_ahead_kernel;
-    let ahead = kernel == BlockScanKernel::Ahead;
-    match (ahead, crate::cuda::common::bounds_checked()) {
-        (false, true) => launch!(block_scan_kernel, launch),
-        (true, true) => launch!(block_scan_ahead_kernel, launch),
-        // SAFETY: without CubeCL's per-access bounds checks. Each kernel guards its accesses
-        // itself: `y` at steps below `steps` of valid columns (rows `steps·batch` of stride
-        // `row_stride` holding the four `dn`-wide projections, asserted above), the biases at
-        // `j < dn` (their length asserted above), `v0`, `vpost` and `last` at valid columns
-        // (`batch` and `dn` read from `v0`'s shape, the outputs allocated here), shared memory
-        // within its double-buffered `chunk × 32`.
-        (false, false) => unsafe { launch!(block_scan_kernel, launch_unchecked) },
-        (true, false) => unsafe { launch!(block_scan_ahead_kernel, launch_unchecked) },
+    // SAFETY (the unchecked launches): each kernel guards its accesses itself: `y` at steps
+    // below `steps` of valid columns (rows `steps·batch` of stride `row_stride` holding the four
+    // `dn`-wide projections, asserted above), the biases at `j < dn` (their length asserted
+    // above), `v0`, `vpost` and `last` at valid columns (`batch` and `dn` read from `v0`'s
+    // shape, the outputs allocated here), shared memory within its double-buffered `chunk × 32`.
+    if kernel == BlockScanKernel::Ahead {
+        launch!(block_scan_ahead_kernel)
+    } else {
+        launch!(block_scan_kernel)
     }
     (vpost, last)
 }

@@ -208,10 +208,9 @@ pub(crate) fn block_scan<R: CubeRuntime>(
     vector: bool,
 ) {
     let types = [y.dtype.into(), vpost.dtype.into()];
-    let checked = crate::cuda::common::bounds_checked();
     macro_rules! launch {
-        ($kernel:ident, $how:ident, $units:expr $(, $vec:expr)?) => {
-            $kernel::$how::<R>(
+        ($kernel:ident, $units:expr $(, $vec:expr)?) => {
+            launch_guarded!($kernel::<R>(
                 &y.client.clone(),
                 CubeCount::Static($units.div_ceil(UNITS as usize) as u32, 1, 1),
                 CubeDim::new_1d(UNITS),
@@ -230,7 +229,7 @@ pub(crate) fn block_scan<R: CubeRuntime>(
                 v_th_min,
                 GROUP,
                 types,
-            )
+            ))
         };
     }
     // SAFETY (the unchecked launches): each unit past the columns terminates; the rest read
@@ -238,23 +237,10 @@ pub(crate) fn block_scan<R: CubeRuntime>(
     // projections in each), the biases at `j < dn` (their length asserted), `v0`, `vpost` and
     // `last` at their own column (the launcher asserted and allocated them).
     if vector && vector_fits(&[&y, &bb, &ba, &bt, &v0, &vpost, &last], dn, row_stride) {
-        match checked {
-            true => launch!(block_scan_wide_vec_kernel, launch, cols / VEC, VEC),
-            false => unsafe {
-                launch!(
-                    block_scan_wide_vec_kernel,
-                    launch_unchecked,
-                    cols / VEC,
-                    VEC
-                )
-            },
-        }
+        launch!(block_scan_wide_vec_kernel, cols / VEC, VEC);
         return;
     }
-    match checked {
-        true => launch!(block_scan_wide_kernel, launch, cols),
-        false => unsafe { launch!(block_scan_wide_kernel, launch_unchecked, cols) },
-    }
+    launch!(block_scan_wide_kernel, cols);
 }
 
 /// [`crate::cuda::ffn`]'s neurons for inference, one unit per `(batch row b, channel j)`:

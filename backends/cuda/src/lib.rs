@@ -116,6 +116,7 @@ pub fn backend(options: Options) -> Result<BurnBackend<Gpu>, EngineError> {
     let b = BurnBackend::new("cuda", env!("CARGO_PKG_VERSION"), devices)
         .with_kernel_bench("gemm", gemm_bench)
         .with_kernel_bench("prefill", prefill_bench)
+        .with_kernel_bench("chain", chain_bench)
         .with_memory(memory_report)
         .with_timing(TimingHooks {
             start: timing_start,
@@ -138,6 +139,13 @@ fn gemm_bench(device: &CudaDevice, options: &str) -> Result<String, KernelError>
 fn prefill_bench(device: &CudaDevice, options: &str) -> Result<String, KernelError> {
     use nsactor_kernels::bench::prefill::{PrefillBench, bench};
     bench(device, &PrefillBench::model_0_9b().with_options(options)?)
+}
+
+/// `bench kernels`' chain part: the one-chain MMA GEMM against the decoding GEMM, bit for bit,
+/// then timed.
+fn chain_bench(device: &CudaDevice, options: &str) -> Result<String, KernelError> {
+    use nsactor_kernels::bench::chain::{ChainBench, bench};
+    bench(device, &ChainBench::model_0_9b().with_options(options)?)
 }
 
 /// `Diagnostic::Memory`: each GPU's memory in use (driver view: total − free, which includes

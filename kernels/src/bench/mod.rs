@@ -9,6 +9,8 @@
 //! Adam's update); `report` holds the error measures, the timer and the report lines; `config` the
 //! shapes. Production code never imports this module.
 
+#[cfg(feature = "cuda")]
+pub mod chain;
 mod config;
 mod ffn;
 mod flips;

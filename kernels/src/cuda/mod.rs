@@ -29,6 +29,7 @@ pub mod device;
 pub mod ffn;
 pub mod gated;
 pub mod gemm;
+pub mod gemm_chain;
 mod gemm_choice;
 mod gemm_invariant;
 mod gemm_lt;

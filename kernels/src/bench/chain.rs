@@ -8,7 +8,7 @@
 //! answer is yes for every row.
 
 use crate::KernelError;
-use crate::cuda::gemm::gemm_with;
+use crate::cuda::gemm::{prepare_operands, run_lt};
 use crate::cuda::gemm_chain::{WeightLayout, chain_gemm};
 use crate::cuda::precision::GemmPrecision;
 use crate::options::{decoding_gemms, option_items};
@@ -132,9 +132,15 @@ pub fn bench(device: &CudaDevice, cfg: &ChainBench) -> Result<String, KernelErro
             for &rows in &cfg.rows {
                 let x = Tensor::<B, 2>::random([rows, k], Distribution::Normal(0.0, 1.0), device)
                     .cast(DType::BF16);
+                // cuBLASLt's kernel whatever `gemm_chain_rows` says.
                 let lt = || {
                     decoding_gemms(|| {
-                        gemm_with(GemmPrecision::Bf16, prim(x.clone()), prim(rhs.clone()))
+                        let op = prepare_operands(
+                            GemmPrecision::Bf16,
+                            prim(x.clone()),
+                            prim(rhs.clone()),
+                        );
+                        run_lt(&op)
                     })
                 };
                 let chain = || chain_gemm(prim(x.clone()), prim(w.clone()), layout);

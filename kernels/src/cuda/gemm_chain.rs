@@ -22,14 +22,14 @@ use burn_cubecl::CubeRuntime;
 use burn_cubecl::tensor::CubeTensor;
 use cubecl::prelude::*;
 
-/// Planes (16-column tiles) per cube.
+/// Planes (16-column tiles) per cube at most.
 const PLANES: u32 = 4;
 
 /// MMA steps of 16 whose loads are issued together.
 const UNROLL: usize = 8;
 
 /// How the weight is laid out in memory.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum WeightLayout {
     /// `[K, N]` row-major: a `B` tile's rows are 16 consecutive values at stride `N`.
     KByN,
@@ -46,6 +46,7 @@ fn chain_gemm_kernel(
     #[comptime] k: usize,
     #[comptime] k_by_n: bool,
     #[comptime] unroll: usize,
+    #[comptime] m_tiles: usize,
 ) {
     let n = n as usize;
     let tile_n = CUBE_POS_X as usize * CUBE_DIM_Y as usize + UNIT_POS_Y as usize;
@@ -54,30 +55,26 @@ fn chain_gemm_kernel(
     if n0 >= n {
         terminate!();
     }
-    let m0 = CUBE_POS_Y as usize * 16;
-    let acc = cmma::Matrix::<f32>::from_value(
-        cmma::MatrixIdent::Accumulator,
-        16usize,
-        16usize,
-        16usize,
-        cmma::MatrixLayout::Undefined,
-        0.0,
-    );
-    let x_row = m0 * k;
+    // This plane's row tiles: `m_tiles` of them from `m0`, each its own accumulator, all fed
+    // by the one weight tile each step loads.
+    let m0 = CUBE_POS_Y as usize * m_tiles * 16;
+    let mut accs = Sequence::<cmma::Matrix<f32>>::new();
+    #[unroll]
+    for _t in 0..m_tiles {
+        accs.push(cmma::Matrix::<f32>::from_value(
+            cmma::MatrixIdent::Accumulator,
+            16usize,
+            16usize,
+            16usize,
+            cmma::MatrixLayout::Undefined,
+            0.0,
+        ));
+    }
     let steps = comptime!(k / (16 * unroll));
     for s in 0..steps {
         #[unroll]
         for u in 0..unroll {
             let k0 = (s * unroll + u) * 16;
-            let a = cmma::Matrix::<bf16>::from_slice(
-                cmma::MatrixIdent::A,
-                16usize,
-                16usize,
-                16usize,
-                cmma::MatrixLayout::RowMajor,
-                &x.slice(x_row + k0, x_row + k0 + 15 * k + 16),
-                k as u32,
-            );
             let b = if comptime!(k_by_n) {
                 let start = k0 * n + n0;
                 cmma::Matrix::<bf16>::from_slice(
@@ -101,16 +98,33 @@ fn chain_gemm_kernel(
                     k as u32,
                 )
             };
-            cmma::execute::<bf16, bf16, f32, f32>(&a, &b, &acc, &acc);
+            #[unroll]
+            for t in 0..m_tiles {
+                let x_at = (m0 + t * 16) * k + k0;
+                let a = cmma::Matrix::<bf16>::from_slice(
+                    cmma::MatrixIdent::A,
+                    16usize,
+                    16usize,
+                    16usize,
+                    cmma::MatrixLayout::RowMajor,
+                    &x.slice(x_at, x_at + 15 * k + 16),
+                    k as u32,
+                );
+                let acc = accs.index(t);
+                cmma::execute::<bf16, bf16, f32, f32>(&a, &b, acc, acc);
+            }
         }
     }
-    let o = m0 * n + n0;
-    cmma::store(
-        &mut out.slice_mut(o, o + 15 * n + 16),
-        &acc,
-        n as u32,
-        cmma::MatrixLayout::RowMajor,
-    );
+    #[unroll]
+    for t in 0..m_tiles {
+        let o = (m0 + t * 16) * n + n0;
+        cmma::store(
+            &mut out.slice_mut(o, o + 15 * n + 16),
+            accs.index(t),
+            n as u32,
+            cmma::MatrixLayout::RowMajor,
+        );
+    }
 }
 
 /// The largest of 8, 4, 2, 1 that divides `k / 16`.
@@ -118,6 +132,14 @@ fn unroll_for(k: usize) -> usize {
     [UNROLL, 4, 2, 1]
         .into_iter()
         .find(|u| (k / 16).is_multiple_of(*u))
+        .unwrap_or(1)
+}
+
+/// Row tiles a plane accumulates: the largest of 4, 2, 1 that divides the row tiles.
+fn m_tiles_for(tiles: usize) -> usize {
+    [4, 2, 1]
+        .into_iter()
+        .find(|t| tiles.is_multiple_of(*t))
         .unwrap_or(1)
 }
 
@@ -153,16 +175,22 @@ pub fn chain_gemm<R: CubeRuntime>(
     if m == 0 || n == 0 {
         return out;
     }
-    let cubes_n = (n / 16).div_ceil(PLANES as usize) as u32;
-    // SAFETY: every slice above starts at a tile's first element and ends at its last plus one:
-    // `x` rows `m0..m0 + 16` (`m0 < M`, `M % 16 == 0`) and columns `k0..k0 + 16` (`k0 + 16 ≤
-    // K`); the weight's tile likewise inside `[K, N]` or `[N, K]`; the output's inside `[M, N]`
-    // (planes past `N` leave before any access). The shapes were asserted above.
+    let m_tiles = m_tiles_for(m / 16);
+    // Enough cubes to give every multiprocessor one: a plane a cube while the column tiles are
+    // few, up to [`PLANES`].
+    let planes = ((n / 16) / 132).clamp(1, PLANES as usize) as u32;
+    let cubes_n = (n / 16).div_ceil(planes as usize) as u32;
+    // SAFETY: every slice the kernel takes starts at a tile's first element and ends at its
+    // last plus one: `x` rows `m0 + 16·t .. + 16` (the cubes along `y` times `m_tiles` cover
+    // exactly `M / 16` row tiles) and columns `k0 .. k0 + 16` (`k0 + 16 ≤ K`, the steps times
+    // `unroll` covering exactly `K / 16`); the weight's tile likewise inside `[K, N]` or
+    // `[N, K]`; the output's inside `[M, N]`. Planes past `N` leave before any access. The
+    // shapes, dtypes and contiguity were asserted above.
     unsafe {
         chain_gemm_kernel::launch_unchecked::<R>(
             &x.client.clone(),
-            CubeCount::Static(cubes_n, (m / 16) as u32, 1),
-            CubeDim::new_2d(32, PLANES),
+            CubeCount::Static(cubes_n, (m / 16 / m_tiles) as u32, 1),
+            CubeDim::new_2d(32, planes),
             x.into_tensor_arg(),
             w.into_tensor_arg(),
             out.clone().into_tensor_arg(),
@@ -170,6 +198,7 @@ pub fn chain_gemm<R: CubeRuntime>(
             k,
             layout == WeightLayout::KByN,
             unroll_for(k),
+            m_tiles,
         )
     };
     out

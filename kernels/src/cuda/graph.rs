@@ -80,7 +80,9 @@ pub fn capture<R>(
         .submit_blocking(move |s: &mut Server| s.nsactor_capture_begin(stream, inputs))
         .map_err(|e| KernelError::device("capture: the device server did not answer", e))?
         .map_err(KernelError::Device)?;
-    let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(f));
+    let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        crate::cuda::gemm_chain_pick::recording(f)
+    }));
     let ended = server
         .submit_blocking(move |s: &mut Server| s.nsactor_capture_end(stream))
         .map_err(|e| KernelError::device("capture: the device server did not answer", e))?;

@@ -30,6 +30,7 @@ pub mod ffn;
 pub mod gated;
 pub mod gemm;
 pub mod gemm_chain;
+mod gemm_chain_pick;
 mod gemm_choice;
 mod gemm_invariant;
 mod gemm_lt;

@@ -66,6 +66,9 @@ pub struct KernelTuning {
     /// The largest split-K count tried beside cuBLASLt's heuristic picks when a batch-invariant
     /// decoding GEMM's kernels are chosen (powers of two from 2; 0 or 1: none).
     pub gemm_splits: usize,
+    /// The most rows a batch-invariant decoding GEMM over frames runs on the one-chain MMA
+    /// kernel, where it gives that problem's bits (0: never).
+    pub gemm_chain_rows: usize,
     pub gemm_tune: bool,
     pub gemm_submit: GemmSubmit,
     pub fused_norm_plif: bool,
@@ -119,6 +122,7 @@ impl Default for KernelTuning {
             batch_invariant: BatchInvariance::On,
             gemm_trace: false,
             gemm_splits: 0,
+            gemm_chain_rows: 0,
             gemm_tune: true,
             gemm_submit: GemmSubmit::Queued,
             fused_norm_plif: true,
@@ -162,7 +166,7 @@ const fn knob(key: &'static str, env: &'static str) -> Knob {
 }
 
 /// Every knob, in the order `docs/CONFIG.md` lists them.
-pub const KNOBS: [Knob; 34] = [
+pub const KNOBS: [Knob; 35] = [
     knob("decode_graphs", "NSACTOR_DECODE_GRAPHS"),
     knob("decode_graph_rows", "NSACTOR_DECODE_GRAPH_ROWS"),
     knob("decode_fusion", "NSACTOR_DECODE_FUSION"),
@@ -171,6 +175,7 @@ pub const KNOBS: [Knob; 34] = [
     knob("batch_invariant", "NSACTOR_BATCH_INVARIANT"),
     knob("gemm_trace", "NSACTOR_GEMM_TRACE"),
     knob("gemm_splits", "NSACTOR_GEMM_SPLITS"),
+    knob("gemm_chain_rows", "NSACTOR_GEMM_CHAIN_ROWS"),
     knob("gemm_tune", "NSACTOR_GEMM_TUNE"),
     knob("gemm_submit", "NSACTOR_GEMM_SUBMIT"),
     knob("norm_plif", "NSACTOR_NORM_PLIF"),
@@ -258,6 +263,7 @@ impl KernelTuning {
             }
             "gemm_trace" => self.gemm_trace = !matches!(v, "0" | "off" | "false" | ""),
             "gemm_splits" => self.gemm_splits = count(v, 0, 64)?,
+            "gemm_chain_rows" => self.gemm_chain_rows = count(v, 0, 4096)?,
             "gemm_tune" => self.gemm_tune = switch(v)?,
             "gemm_submit" => {
                 self.gemm_submit = match v {
@@ -383,6 +389,7 @@ impl KernelTuning {
             .into(),
             "gemm_trace" => on(self.gemm_trace),
             "gemm_splits" => self.gemm_splits.to_string(),
+            "gemm_chain_rows" => self.gemm_chain_rows.to_string(),
             "gemm_tune" => on(self.gemm_tune),
             "gemm_submit" => match self.gemm_submit {
                 GemmSubmit::Queued => "queued",

@@ -9,6 +9,7 @@ fn every_knob_round_trips_through_its_option() {
         ("decode_graphs", "off"),
         ("decode_graph_rows", "16"),
         ("batch_invariant", "first"),
+        ("gemm_chain_rows", "64"),
         ("gemm_submit", "blocking"),
         ("norm_plif", "composed"),
         ("row_scan", "per-unit"),

@@ -1,0 +1,179 @@
+//! Which decoding GEMMs run the one-chain MMA kernel ([`crate::cuda::gemm_chain`]) instead of
+//! cuBLASLt's: a batch-invariant GEMM over frames of at most `gemm_chain_rows` rows
+//! (`NSACTOR_GEMM_CHAIN_ROWS`, 0 = never), bf16 operands laid out as the kernel reads them, an
+//! f32 output without an addend, and a problem on which the kernel was seen to give cuBLASLt's
+//! bits.
+//!
+//! **The bits are checked, per problem and device.** The first time a problem (device, `K`,
+//! `N`, weight layout) comes here, its cuBLASLt kernel (the batch-invariant class chosen for it,
+//! `gemm_invariant`) and the chain kernel both run on random activations of `gemm_chain_rows`
+//! rows against the problem's real weight, and the outputs are read back: the chain kernel is
+//! taken for the problem only if every value's bits agree. A class that sums `K` in another
+//! order (a split-K class) differs in some of those values almost surely, so a session's bits
+//! stay those of the class at every cohort size. A problem first seen while its thread records
+//! a graph is not checked (nothing can be read back there): it keeps cuBLASLt's kernel until a
+//! later call outside a capture checks it (the decoding graphs are captured only after the
+//! same work ran once uncaptured, so `serve` checks every problem during its warm-up).
+
+use crate::cuda::gemm::{Prepared, run_lt};
+use crate::cuda::gemm_chain::{WeightLayout, chain_gemm};
+use crate::cuda::precision::GemmPrecision;
+use crate::options::GemmRows;
+use burn::tensor::DType;
+use burn_cubecl::tensor::CubeTensor;
+use cubecl::cuda::CudaRuntime;
+use std::cell::Cell;
+use std::collections::HashMap;
+use std::sync::Mutex;
+
+type CudaTensor = CubeTensor<CudaRuntime>;
+
+/// A problem whose verdict is kept: the chain kernel's bits depend on nothing else.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+struct Problem {
+    device: usize,
+    k: usize,
+    n: usize,
+    layout: WeightLayout,
+}
+
+/// Each checked problem: whether the chain kernel gave cuBLASLt's bits.
+static VERDICTS: Mutex<Option<HashMap<Problem, bool>>> = Mutex::new(None);
+
+thread_local! {
+    /// Set while the thread records a graph ([`recording`]): no read-back is possible.
+    static RECORDING: Cell<bool> = const { Cell::new(false) };
+}
+
+/// Runs `f` with this thread's GEMMs marked as recorded into a graph.
+pub(crate) fn recording<R>(f: impl FnOnce() -> R) -> R {
+    let before = RECORDING.with(|c| c.replace(true));
+    let r = f();
+    RECORDING.with(|c| c.set(before));
+    r
+}
+
+/// The `gemm_chain_rows` knob.
+fn chain_rows() -> usize {
+    crate::tuning::current().gemm_chain_rows
+}
+
+/// How the kernel reads `rhs` (`[K, N]`): as a contiguous `[K, N]`, or as the transposed view
+/// of a contiguous `[N, K]`.
+fn layout_of(rhs: &CudaTensor) -> Option<WeightLayout> {
+    let shape = rhs.meta.shape();
+    let strides = rhs.meta.strides();
+    let (k, n) = (shape[0], shape[1]);
+    if strides[0] == n && strides[1] == 1 {
+        Some(WeightLayout::KByN)
+    } else if strides[0] == 1 && strides[1] == k {
+        Some(WeightLayout::NByK)
+    } else {
+        None
+    }
+}
+
+/// The weight as the kernel takes it: `[K, N]` as it is, `[N, K]` by transposing the view back.
+fn weight(rhs: &CudaTensor, layout: WeightLayout) -> CudaTensor {
+    match layout {
+        WeightLayout::KByN => rhs.clone(),
+        WeightLayout::NByK => {
+            use burn::tensor::ops::FloatTensorOps;
+            <burn_cuda::Cuda<f32, i32> as FloatTensorOps<_>>::float_transpose(rhs.clone())
+        }
+    }
+}
+
+/// The chain kernel's product of `op`, where `op` may take it (see the module); `None` sends
+/// it to cuBLASLt.
+pub(crate) fn try_chain(op: &Prepared, rows: GemmRows) -> Option<CudaTensor> {
+    let max = chain_rows();
+    let (m, n, k) = op.mnk();
+    let fits = max > 0
+        && m <= max
+        && rows == GemmRows::DecodeFrames
+        && crate::cuda::gemm_invariant::batch_invariant()
+        && op.precision() == GemmPrecision::Bf16
+        && !op.writes_bf16()
+        && !op.adds()
+        && [m, n, k].iter().all(|d| d.is_multiple_of(16))
+        && op.lhs().dtype == DType::BF16
+        && op.rhs().dtype == DType::BF16
+        && op.lhs().is_contiguous();
+    if !fits {
+        return None;
+    }
+    let layout = layout_of(op.rhs())?;
+    let problem = Problem {
+        device: op.lhs().device.index,
+        k,
+        n,
+        layout,
+    };
+    if !checked(problem, op, max)? {
+        return None;
+    }
+    Some(chain_gemm(
+        op.lhs().clone(),
+        weight(op.rhs(), layout),
+        layout,
+    ))
+}
+
+/// The problem's verdict, checked now where it has none (`None`: not checkable here).
+fn checked(problem: Problem, op: &Prepared, rows: usize) -> Option<bool> {
+    let known = VERDICTS
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+        .as_ref()
+        .and_then(|v| v.get(&problem).copied());
+    if let Some(v) = known {
+        return Some(v);
+    }
+    if RECORDING.with(Cell::get) || cubecl::cuda::nsactor_compile_only::active() {
+        return None;
+    }
+    let same = same_bits(op, problem.layout, rows);
+    eprintln!(
+        "nsactor: one-chain MMA kernel for the decoding GEMM K = {} × N = {} ({:?}) on cuda:{}: {}",
+        problem.k,
+        problem.n,
+        problem.layout,
+        problem.device,
+        if same {
+            "the same bits as its cuBLASLt class; taken up to the knob's rows"
+        } else {
+            "other bits than its cuBLASLt class; not taken"
+        }
+    );
+    VERDICTS
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+        .get_or_insert_with(HashMap::new)
+        .insert(problem, same);
+    Some(same)
+}
+
+/// Whether the chain kernel and cuBLASLt give the same bits for `rows` random rows against
+/// `op`'s weight.
+fn same_bits(op: &Prepared, layout: WeightLayout, rows: usize) -> bool {
+    use burn::tensor::{Distribution, Tensor, TensorPrimitive};
+    type B = burn_cuda::Cuda<f32, i32>;
+    let (_, _, k) = op.mnk();
+    let rows = rows.next_multiple_of(16);
+    let x = Tensor::<B, 2>::random([rows, k], Distribution::Normal(0.0, 1.0), &op.lhs().device)
+        .cast(DType::BF16)
+        .into_primitive()
+        .tensor();
+    let lt = run_lt(&op.with_lhs(x.clone()));
+    let chain = chain_gemm(x, weight(op.rhs(), layout), layout);
+    let read = |t: CudaTensor| {
+        Tensor::<B, 2>::from_primitive(TensorPrimitive::Float(t))
+            .into_data()
+            .convert::<f32>()
+            .to_vec::<f32>()
+            .unwrap_or_default()
+    };
+    let (a, b) = (read(lt), read(chain));
+    !a.is_empty() && a.len() == b.len() && a.iter().zip(&b).all(|(x, y)| x.to_bits() == y.to_bits())
+}

@@ -127,6 +127,176 @@ fn chain_gemm_kernel(
     }
 }
 
+/// The staged form for problems of few column tiles (a long `K` over 896 columns): one cube a
+/// 16-column tile, whose `producers` planes copy the next `chunk` steps of the weight's tile
+/// and of the activations into shared memory while plane 0 runs the current chunk's MMA chain
+/// from it; one barrier a chunk swaps the two buffers. The chain and its order are the plain
+/// kernel's: the same bits.
+#[cube(launch_unchecked)]
+fn chain_gemm_staged_kernel(
+    x: &Tensor<bf16>,
+    w: &Tensor<bf16>,
+    out: &mut Tensor<f32>,
+    n: u32,
+    #[comptime] k: usize,
+    #[comptime] k_by_n: bool,
+    #[comptime] m_tiles: usize,
+    #[comptime] chunk: usize,
+    #[comptime] producers: usize,
+) {
+    let n = n as usize;
+    let n0 = CUBE_POS_X as usize * 16;
+    let m0 = CUBE_POS_Y as usize * m_tiles * 16;
+    let plane = UNIT_POS_Y as usize;
+    // Columns of `K` a chunk spans, and its two tiles' sizes in shared memory: the weight's
+    // 16 columns (as `[16][ck]` from `[N, K]`, as `[ck][16]` from `[K, N]`) and the
+    // activations' `16·m_tiles` rows as `[16·m_tiles][ck]`.
+    let ck = comptime!(chunk * 16);
+    let b_size = comptime!(16 * chunk * 16);
+    let a_size = comptime!(m_tiles * 16 * chunk * 16);
+    let mut sb = SharedMemory::<bf16>::new_aligned(comptime!(2 * b_size), 32usize);
+    let mut sa = SharedMemory::<bf16>::new_aligned(comptime!(2 * a_size), 32usize);
+    let mut accs = Sequence::<cmma::Matrix<f32>>::new();
+    #[unroll]
+    for _t in 0..m_tiles {
+        accs.push(cmma::Matrix::<f32>::from_value(
+            cmma::MatrixIdent::Accumulator,
+            16usize,
+            16usize,
+            16usize,
+            cmma::MatrixLayout::Undefined,
+            0.0,
+        ));
+    }
+    let chunks = comptime!(k / ck);
+    let units = comptime!(producers * 32);
+    let per_b = comptime!(b_size.div_ceil(producers * 32));
+    let per_a = comptime!(a_size.div_ceil(producers * 32));
+    let mut ch = 0usize;
+    while ch <= chunks {
+        if plane == 0 {
+            if ch > 0 {
+                let bb = ((ch - 1) % 2) * b_size;
+                let ba = ((ch - 1) % 2) * a_size;
+                #[unroll]
+                for s in 0..chunk {
+                    let b = if comptime!(k_by_n) {
+                        let at = bb + s * 256;
+                        cmma::Matrix::<bf16>::from_slice(
+                            cmma::MatrixIdent::B,
+                            16usize,
+                            16usize,
+                            16usize,
+                            cmma::MatrixLayout::RowMajor,
+                            &sb.slice(at, at + 256),
+                            16u32,
+                        )
+                    } else {
+                        let at = bb + s * 16;
+                        cmma::Matrix::<bf16>::from_slice(
+                            cmma::MatrixIdent::B,
+                            16usize,
+                            16usize,
+                            16usize,
+                            cmma::MatrixLayout::ColMajor,
+                            &sb.slice(at, at + 15 * ck + 16),
+                            ck as u32,
+                        )
+                    };
+                    #[unroll]
+                    for t in 0..m_tiles {
+                        let at = ba + t * 16 * ck + s * 16;
+                        let a = cmma::Matrix::<bf16>::from_slice(
+                            cmma::MatrixIdent::A,
+                            16usize,
+                            16usize,
+                            16usize,
+                            cmma::MatrixLayout::RowMajor,
+                            &sa.slice(at, at + 15 * ck + 16),
+                            ck as u32,
+                        );
+                        let acc = accs.index(t);
+                        cmma::execute::<bf16, bf16, f32, f32>(&a, &b, acc, acc);
+                    }
+                }
+            }
+        } else if ch < chunks {
+            let k0 = ch * ck;
+            let p = (plane - 1) * 32 + UNIT_POS_X as usize;
+            let bb = (ch % 2) * b_size;
+            let ba = (ch % 2) * a_size;
+            // Every load of the unit's share in flight before the first store.
+            let mut rb = Array::<bf16>::new(per_b);
+            #[unroll]
+            for r in 0..per_b {
+                let e = r * units + p;
+                if e < b_size {
+                    let g = if comptime!(k_by_n) {
+                        (k0 + e / 16) * n + n0 + e % 16
+                    } else {
+                        (n0 + e / ck) * k + k0 + e % ck
+                    };
+                    rb[r] = w[g];
+                }
+            }
+            let mut ra = Array::<bf16>::new(per_a);
+            #[unroll]
+            for r in 0..per_a {
+                let e = r * units + p;
+                if e < a_size {
+                    ra[r] = x[(m0 + e / ck) * k + k0 + e % ck];
+                }
+            }
+            #[unroll]
+            for r in 0..per_b {
+                let e = r * units + p;
+                if e < b_size {
+                    sb[bb + e] = rb[r];
+                }
+            }
+            #[unroll]
+            for r in 0..per_a {
+                let e = r * units + p;
+                if e < a_size {
+                    sa[ba + e] = ra[r];
+                }
+            }
+        }
+        sync_cube();
+        ch += 1;
+    }
+    if plane == 0 {
+        #[unroll]
+        for t in 0..m_tiles {
+            let o = (m0 + t * 16) * n + n0;
+            cmma::store(
+                &mut out.slice_mut(o, o + 15 * n + 16),
+                accs.index(t),
+                n as u32,
+                cmma::MatrixLayout::RowMajor,
+            );
+        }
+    }
+}
+
+/// Producer planes of the staged kernel.
+const PRODUCERS: usize = 7;
+
+/// Column tiles below which a problem takes the staged kernel: fewer than two a
+/// multiprocessor of an H100 (132).
+const STAGED_BELOW_TILES: usize = 264;
+
+/// `K` steps of 16 a chunk of the staged kernel copies: the most whose two buffers (weight
+/// and activations, 512 bytes a step and row tile each) fit the 48 KB of static shared memory
+/// a cube may hold, at most 32, and a divisor of `K / 16`.
+fn chunk_for(k: usize, m_tiles: usize) -> usize {
+    let want = (48 / (1 + m_tiles)).min(32);
+    (1..=want)
+        .rev()
+        .find(|c| (k / 16).is_multiple_of(*c))
+        .unwrap_or(1)
+}
+
 /// The largest of 8, 4, 2, 1 that divides `k / 16`.
 fn unroll_for(k: usize) -> usize {
     [UNROLL, 4, 2, 1]
@@ -180,15 +350,38 @@ pub fn chain_gemm<R: CubeRuntime>(
     // few, up to [`PLANES`].
     let planes = ((n / 16) / 132).clamp(1, PLANES as usize) as u32;
     let cubes_n = (n / 16).div_ceil(planes as usize) as u32;
-    // SAFETY: every slice the kernel takes starts at a tile's first element and ends at its
+    // SAFETY: every slice the kernels take starts at a tile's first element and ends at its
     // last plus one: `x` rows `m0 + 16·t .. + 16` (the cubes along `y` times `m_tiles` cover
-    // exactly `M / 16` row tiles) and columns `k0 .. k0 + 16` (`k0 + 16 ≤ K`, the steps times
-    // `unroll` covering exactly `K / 16`); the weight's tile likewise inside `[K, N]` or
-    // `[N, K]`; the output's inside `[M, N]`. Planes past `N` leave before any access. The
-    // shapes, dtypes and contiguity were asserted above.
+    // exactly `M / 16` row tiles) and columns `k0 .. k0 + 16` (`k0 + 16 ≤ K`: the plain
+    // kernel's steps times `unroll`, the staged one's chunks times `chunk`, cover exactly
+    // `K / 16`); the weight's tile likewise inside `[K, N]` or `[N, K]`; the output's inside
+    // `[M, N]`. Planes past `N` leave before any access; the staged kernel's grid is exactly
+    // the column tiles, its producers' copies skip indices past their tiles, and its shared
+    // buffers hold exactly two chunks. The shapes, dtypes and contiguity were asserted above.
+    let client = x.client.clone();
+    if n / 16 < STAGED_BELOW_TILES {
+        let chunk = chunk_for(k, m_tiles);
+        unsafe {
+            chain_gemm_staged_kernel::launch_unchecked::<R>(
+                &client,
+                CubeCount::Static((n / 16) as u32, (m / 16 / m_tiles) as u32, 1),
+                CubeDim::new_2d(32, 1 + PRODUCERS as u32),
+                x.into_tensor_arg(),
+                w.into_tensor_arg(),
+                out.clone().into_tensor_arg(),
+                n as u32,
+                k,
+                layout == WeightLayout::KByN,
+                m_tiles,
+                chunk,
+                PRODUCERS,
+            )
+        };
+        return out;
+    }
     unsafe {
         chain_gemm_kernel::launch_unchecked::<R>(
-            &x.client.clone(),
+            &client,
             CubeCount::Static(cubes_n, (m / 16 / m_tiles) as u32, 1),
             CubeDim::new_2d(32, planes),
             x.into_tensor_arg(),

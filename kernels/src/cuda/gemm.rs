@@ -155,47 +155,18 @@ pub struct Prepared {
 }
 
 impl Prepared {
-    /// `(M, N, K)`.
-    pub(crate) fn mnk(&self) -> (usize, usize, usize) {
-        (self.m, self.n, dims(&self.lhs).0[1])
-    }
-
-    pub(crate) fn precision(&self) -> GemmPrecision {
-        self.precision
-    }
-
-    /// Whether the product is written in bf16.
-    pub(crate) fn writes_bf16(&self) -> bool {
-        self.out_bf16
-    }
-
-    /// Whether an addend is added to the product.
-    pub(crate) fn adds(&self) -> bool {
-        self.add.is_some()
-    }
-
-    /// The activations, in the GEMM's input type.
-    pub(crate) fn lhs(&self) -> &CudaTensor {
-        &self.lhs
-    }
-
-    /// The weight, in the GEMM's input type and a layout cuBLASLt reads.
-    pub(crate) fn rhs(&self) -> &CudaTensor {
-        &self.rhs
-    }
-
-    /// The same product of other activations: `lhs` of `op`'s `K` columns, in its input type,
-    /// contiguous.
-    pub(crate) fn with_lhs(&self, lhs: CudaTensor) -> Prepared {
-        let ([m, _], strides) = dims(&lhs);
-        let b = operand([m, dims(&lhs).0[1]], strides).expect("a contiguous matrix is row-major");
+    /// The same product of other activations: `lhs` of `self`'s `K` columns, in its input
+    /// type, contiguous; no addend.
+    fn with_lhs(&self, lhs: CudaTensor) -> Prepared {
+        let (shape, strides) = dims(&lhs);
+        let b = operand(shape, strides).expect("a contiguous matrix is row-major");
         Prepared {
             precision: self.precision,
             lhs,
             rhs: self.rhs.clone(),
             a: self.a,
             b,
-            m,
+            m: shape[0],
             n: self.n,
             add: None,
             out_bf16: self.out_bf16,
@@ -340,8 +311,18 @@ pub fn queued_stats() -> (u64, u64, u64) {
 /// The product of prepared operands: the one-chain MMA kernel where a decoding GEMM may take
 /// it (`gemm_chain_pick`), else cuBLASLt ([`run_lt`]).
 pub fn run(op: &Prepared) -> CudaTensor {
-    crate::cuda::gemm_chain_pick::try_chain(op, crate::options::gemm_rows())
-        .unwrap_or_else(|| run_lt(op))
+    use crate::cuda::gemm_chain_pick::{Candidate, try_chain};
+    let candidate = Candidate {
+        m: op.m,
+        n: op.n,
+        k: dims(&op.lhs).0[1],
+        precision: op.precision,
+        plain: !op.out_bf16 && op.add.is_none(),
+        lhs: &op.lhs,
+        rhs: &op.rhs,
+        cublaslt: &|x| run_lt(&op.with_lhs(x)),
+    };
+    try_chain(&candidate, crate::options::gemm_rows()).unwrap_or_else(|| run_lt(op))
 }
 
 /// The cuBLASLt call on prepared operands, enqueued on the stream of the calling thread's

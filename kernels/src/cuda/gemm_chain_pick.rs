@@ -15,7 +15,6 @@
 //! later call outside a capture checks it (the decoding graphs are captured only after the
 //! same work ran once uncaptured, so `serve` checks every problem during its warm-up).
 
-use crate::cuda::gemm::{Prepared, run_lt};
 use crate::cuda::gemm_chain::{WeightLayout, chain_gemm};
 use crate::cuda::precision::GemmPrecision;
 use crate::options::GemmRows;
@@ -27,6 +26,22 @@ use std::collections::HashMap;
 use std::sync::Mutex;
 
 type CudaTensor = CubeTensor<CudaRuntime>;
+
+/// A GEMM as [`try_chain`] sees it (from `gemm`'s prepared operands), with a way to run the
+/// same product through cuBLASLt on other activations.
+pub(crate) struct Candidate<'a> {
+    pub(crate) m: usize,
+    pub(crate) n: usize,
+    pub(crate) k: usize,
+    pub(crate) precision: GemmPrecision,
+    /// An f32 output and no addend.
+    pub(crate) plain: bool,
+    /// The activations and the weight, in the GEMM's input type.
+    pub(crate) lhs: &'a CudaTensor,
+    pub(crate) rhs: &'a CudaTensor,
+    /// cuBLASLt's product of other activations (`[rows, K]`, bf16, contiguous) with `rhs`.
+    pub(crate) cublaslt: &'a dyn Fn(CudaTensor) -> CudaTensor,
+}
 
 /// A problem whose verdict is kept: the chain kernel's bits depend on nothing else.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -86,26 +101,25 @@ fn weight(rhs: &CudaTensor, layout: WeightLayout) -> CudaTensor {
 
 /// The chain kernel's product of `op`, where `op` may take it (see the module); `None` sends
 /// it to cuBLASLt.
-pub(crate) fn try_chain(op: &Prepared, rows: GemmRows) -> Option<CudaTensor> {
+pub(crate) fn try_chain(op: &Candidate, rows: GemmRows) -> Option<CudaTensor> {
     let max = chain_rows();
-    let (m, n, k) = op.mnk();
+    let (m, n, k) = (op.m, op.n, op.k);
     let fits = max > 0
         && m <= max
         && rows == GemmRows::DecodeFrames
         && crate::cuda::gemm_invariant::batch_invariant()
-        && op.precision() == GemmPrecision::Bf16
-        && !op.writes_bf16()
-        && !op.adds()
+        && op.precision == GemmPrecision::Bf16
+        && op.plain
         && [m, n, k].iter().all(|d| d.is_multiple_of(16))
-        && op.lhs().dtype == DType::BF16
-        && op.rhs().dtype == DType::BF16
-        && op.lhs().is_contiguous();
+        && op.lhs.dtype == DType::BF16
+        && op.rhs.dtype == DType::BF16
+        && op.lhs.is_contiguous();
     if !fits {
         return None;
     }
-    let layout = layout_of(op.rhs())?;
+    let layout = layout_of(op.rhs)?;
     let problem = Problem {
-        device: op.lhs().device.index,
+        device: op.lhs.device.index,
         k,
         n,
         layout,
@@ -113,15 +127,11 @@ pub(crate) fn try_chain(op: &Prepared, rows: GemmRows) -> Option<CudaTensor> {
     if !checked(problem, op, max)? {
         return None;
     }
-    Some(chain_gemm(
-        op.lhs().clone(),
-        weight(op.rhs(), layout),
-        layout,
-    ))
+    Some(chain_gemm(op.lhs.clone(), weight(op.rhs, layout), layout))
 }
 
 /// The problem's verdict, checked now where it has none (`None`: not checkable here).
-fn checked(problem: Problem, op: &Prepared, rows: usize) -> Option<bool> {
+fn checked(problem: Problem, op: &Candidate, rows: usize) -> Option<bool> {
     let known = VERDICTS
         .lock()
         .unwrap_or_else(std::sync::PoisonError::into_inner)
@@ -156,17 +166,17 @@ fn checked(problem: Problem, op: &Prepared, rows: usize) -> Option<bool> {
 
 /// Whether the chain kernel and cuBLASLt give the same bits for `rows` random rows against
 /// `op`'s weight.
-fn same_bits(op: &Prepared, layout: WeightLayout, rows: usize) -> bool {
+fn same_bits(op: &Candidate, layout: WeightLayout, rows: usize) -> bool {
     use burn::tensor::{Distribution, Tensor, TensorPrimitive};
     type B = burn_cuda::Cuda<f32, i32>;
-    let (_, _, k) = op.mnk();
+    let k = op.k;
     let rows = rows.next_multiple_of(16);
-    let x = Tensor::<B, 2>::random([rows, k], Distribution::Normal(0.0, 1.0), &op.lhs().device)
+    let x = Tensor::<B, 2>::random([rows, k], Distribution::Normal(0.0, 1.0), &op.lhs.device)
         .cast(DType::BF16)
         .into_primitive()
         .tensor();
-    let lt = run_lt(&op.with_lhs(x.clone()));
-    let chain = chain_gemm(x, weight(op.rhs(), layout), layout);
+    let lt = (op.cublaslt)(x.clone());
+    let chain = chain_gemm(x, weight(op.rhs, layout), layout);
     let read = |t: CudaTensor| {
         Tensor::<B, 2>::from_primitive(TensorPrimitive::Float(t))
             .into_data()

@@ -286,9 +286,9 @@ const PRODUCERS: usize = 7;
 /// multiprocessor of an H100 (132).
 const STAGED_BELOW_TILES: usize = 264;
 
-/// `K` steps of 16 a chunk of the staged kernel copies: the most whose two buffers (weight
-/// and activations, 512 bytes a step and row tile each) fit the 48 KB of static shared memory
-/// a cube may hold, at most 32, and a divisor of `K / 16`.
+/// `K` steps of 16 a chunk of the staged kernel copies: a divisor of `K / 16` of at most
+/// `48 / (1 + m_tiles)` (24 at one row tile), so that the two buffers of weight and
+/// activations (512 bytes a step and tile each) stay within 48 KB of shared memory.
 fn chunk_for(k: usize, m_tiles: usize) -> usize {
     let want = (48 / (1 + m_tiles)).min(32);
     (1..=want)

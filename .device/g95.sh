@@ -14,7 +14,7 @@ timeout 150 nsactor bench kernels --backend cuda --precision bf16 --options only
 echo "== bench kernels chain: rc $?"; grep -vE "INFO|^\s*$" $OUT/chain.log | tail -48 | cut -c1-150; el
 [ "${CHAIN_ONLY:-0}" = 1 ] && exit 0
 grep -q "bits class at 0 of" $OUT/chain.log && { echo "no problem in the class: stop"; exit 0; }
-for rows in 0 64 16; do
+for rows in 0 64; do
   NSACTOR_GEMM_CHAIN_ROWS=$rows timeout 80 nsactor bench generate --config $CFG --backend cuda --precision bf16 --sessions 1,4 --tokens 32 > $OUT/gen-$rows.log 2>&1
   echo "== generate chain rows $rows: rc $?"; grep -E "one-chain" $OUT/gen-$rows.log | sort | uniq -c | head -8 | cut -c1-150; grep -E "^ +(1|4|16) +[0-9]" $OUT/gen-$rows.log | head -3 | cut -c1-120; el
 done

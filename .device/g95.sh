@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# s75: the one-chain MMA GEMM: its bits against each decoding GEMM's cuBLASLt class (bench
+# s75–s76: the one-chain MMA GEMM: its bits against each decoding GEMM's cuBLASLt class (bench
 # kernels' chain part), then on the decoding path (NSACTOR_GEMM_CHAIN_ROWS) A/B on one machine:
 # one session's step, batch invariance with it on, one client through the server.
 set -uo pipefail
@@ -10,8 +10,8 @@ export NSACTOR_PLUGIN_PATH=$B PATH=$B:$PATH XDG_CACHE_HOME=/tmp/cache-s75 CUDA_C
 nvidia-smi --query-gpu=name,power.limit --format=csv,noheader
 CFG=$ROOT/configs/neuronspark-0.9b.toml
 t0=$(date +%s); el() { echo "   ($(( $(date +%s) - t0 )) s)"; }
-timeout 150 nsactor bench kernels --backend cuda --precision bf16 --options only=chain,chain_rows=${CHAIN_BENCH_ROWS:-16/64/256},chain_reps=300 > $OUT/chain.log 2>&1
-echo "== bench kernels chain: rc $?"; grep -vE "INFO|^\s*$" $OUT/chain.log | tail -48 | cut -c1-150; el
+timeout 240 nsactor bench kernels --backend cuda --precision bf16 --options only=chain,chain_rows=${CHAIN_BENCH_ROWS:-16/64/256},chain_reps=300,chain_forms=${CHAIN_FORMS:-auto/plain/staged0} > $OUT/chain.log 2>&1
+echo "== bench kernels chain: rc $?"; grep -vE "INFO|^\s*$" $OUT/chain.log | tail -100 | cut -c1-150; el
 [ "${CHAIN_ONLY:-0}" = 1 ] && exit 0
 grep -q "bits class at 0 of" $OUT/chain.log && { echo "no problem in the class: stop"; exit 0; }
 for rows in 0 64; do

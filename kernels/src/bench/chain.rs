@@ -9,7 +9,7 @@
 
 use crate::KernelError;
 use crate::cuda::gemm::{prepare_operands, run_lt};
-use crate::cuda::gemm_chain::{WeightLayout, chain_gemm};
+use crate::cuda::gemm_chain::{ChainForm, WeightLayout, chain_gemm_as};
 use crate::cuda::precision::GemmPrecision;
 use crate::options::{decoding_gemms, option_items};
 use burn::tensor::{DType, Distribution, Tensor, TensorPrimitive};
@@ -29,23 +29,44 @@ const SHAPES: [(&str, usize, usize); 7] = [
     ("head (vocab)", 896, 6144),
 ];
 
-/// Options (`chain_rows`, `chain_reps`, the prefix already stripped).
+/// Options (`chain_rows`, `chain_reps`, `chain_forms`, the prefix already stripped).
 #[derive(Debug, Clone)]
 pub struct ChainBench {
     /// Row counts (frame rows: one session's pass is 16).
     pub rows: Vec<usize>,
     pub reps: usize,
+    /// Kernel forms to run at each problem: the first one's verdicts make the summary line.
+    pub forms: Vec<ChainForm>,
 }
+
+/// A form's name in the options and the table.
+fn form_name(form: ChainForm) -> &'static str {
+    match form {
+        ChainForm::Auto => "auto",
+        ChainForm::Plain => "plain",
+        ChainForm::Staged { padded: true } => "staged",
+        ChainForm::Staged { padded: false } => "staged0",
+    }
+}
+
+const FORMS: [ChainForm; 4] = [
+    ChainForm::Auto,
+    ChainForm::Plain,
+    ChainForm::Staged { padded: true },
+    ChainForm::Staged { padded: false },
+];
 
 impl ChainBench {
     pub fn model_0_9b() -> Self {
         ChainBench {
             rows: vec![16, 64, 256],
             reps: 200,
+            forms: vec![ChainForm::Auto],
         }
     }
 
-    /// `rows=A/B/…` (multiples of 16), `reps=`.
+    /// `rows=A/B/…` (multiples of 16), `reps=`, `forms=auto/plain/staged/staged0` (`staged0`:
+    /// the staged kernel's shared rows unpadded).
     pub fn with_options(mut self, options: &str) -> Result<Self, KernelError> {
         let num = |k: &str, v: &str| {
             v.parse::<usize>().ok().filter(|&n| n > 0).ok_or_else(|| {
@@ -68,9 +89,21 @@ impl ChainBench {
                     }
                 }
                 "reps" => self.reps = num(k, v)?,
+                "forms" => {
+                    self.forms =
+                        v.split('/')
+                            .map(|f| {
+                                FORMS.into_iter().find(|&x| form_name(x) == f).ok_or_else(|| {
+                                KernelError::InvalidOption(format!(
+                                    "chain_forms: `{f}` is not auto, plain, staged or staged0"
+                                ))
+                            })
+                            })
+                            .collect::<Result<_, _>>()?;
+                }
                 other => {
                     return Err(KernelError::InvalidOption(format!(
-                        "unknown option `chain_{other}` (chain_rows, chain_reps)"
+                        "unknown option `chain_{other}` (chain_rows, chain_reps, chain_forms)"
                     )));
                 }
             }
@@ -99,12 +132,13 @@ pub fn bench(device: &CudaDevice, cfg: &ChainBench) -> Result<String, KernelErro
     );
     let _ = writeln!(
         out,
-        "{:<20} {:<6} {:>5} {:>6} {:>6} {:>14} {:>10} {:>10} {:>9} {:>10}",
+        "{:<20} {:<6} {:>5} {:>6} {:>6} {:<8} {:>14} {:>10} {:>10} {:>9} {:>10}",
         "projection",
         "weight",
         "rows",
         "K",
         "N",
+        "form",
         "bits differ",
         "max |d|",
         "lt (µs)",
@@ -143,42 +177,49 @@ pub fn bench(device: &CudaDevice, cfg: &ChainBench) -> Result<String, KernelErro
                         run_lt(&op)
                     })
                 };
-                let chain = || chain_gemm(prim(x.clone()), prim(w.clone()), layout);
                 let want = values(wrap(lt()));
-                let got = values(wrap(chain()));
-                let differ = want
-                    .iter()
-                    .zip(&got)
-                    .filter(|(a, b)| a.to_bits() != b.to_bits())
-                    .count();
-                let max = want
-                    .iter()
-                    .zip(&got)
-                    .map(|(a, b)| (a - b).abs())
-                    .fold(0.0f32, f32::max);
-                classes.0 += usize::from(differ == 0);
-                classes.1 += 1;
                 let t_lt = time(&|| drop(lt()));
-                let t_chain = time(&|| drop(chain()));
-                let _ = writeln!(
-                    out,
-                    "{name:<20} {:<6} {rows:>5} {k:>6} {n:>6} {:>14} {max:>10.2e} {:>10.1} {:>9.1} {:>10.0}",
-                    match layout {
-                        WeightLayout::KByN => "[K,N]",
-                        WeightLayout::NByK => "[N,K]ᵀ",
-                    },
-                    format!("{differ} of {}", want.len()),
-                    t_lt * 1e6,
-                    t_chain * 1e6,
-                    (k * n * 2) as f64 / t_chain / 1e9
-                );
+                for (f, &form) in cfg.forms.iter().enumerate() {
+                    let chain = || chain_gemm_as(prim(x.clone()), prim(w.clone()), layout, form);
+                    let got = values(wrap(chain()));
+                    let differ = want
+                        .iter()
+                        .zip(&got)
+                        .filter(|(a, b)| a.to_bits() != b.to_bits())
+                        .count();
+                    let max = want
+                        .iter()
+                        .zip(&got)
+                        .map(|(a, b)| (a - b).abs())
+                        .fold(0.0f32, f32::max);
+                    if f == 0 {
+                        classes.0 += usize::from(differ == 0);
+                        classes.1 += 1;
+                    }
+                    let t_chain = time(&|| drop(chain()));
+                    let _ = writeln!(
+                        out,
+                        "{name:<20} {:<6} {rows:>5} {k:>6} {n:>6} {:<8} {:>14} {max:>10.2e} {:>10.1} {:>9.1} {:>10.0}",
+                        match layout {
+                            WeightLayout::KByN => "[K,N]",
+                            WeightLayout::NByK => "[N,K]ᵀ",
+                        },
+                        form_name(form),
+                        format!("{differ} of {}", want.len()),
+                        t_lt * 1e6,
+                        t_chain * 1e6,
+                        (k * n * 2) as f64 / t_chain / 1e9
+                    );
+                }
             }
         }
     }
     let _ = writeln!(
         out,
-        "chain kernel in the decoding GEMM's bits class at {} of {} problems",
-        classes.0, classes.1
+        "chain kernel ({}) in the decoding GEMM's bits class at {} of {} problems",
+        form_name(cfg.forms[0]),
+        classes.0,
+        classes.1
     );
     Ok(out)
 }

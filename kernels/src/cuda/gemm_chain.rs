@@ -143,6 +143,7 @@ fn chain_gemm_staged_kernel(
     #[comptime] m_tiles: usize,
     #[comptime] chunk: usize,
     #[comptime] producers: usize,
+    #[comptime] pad: usize,
 ) {
     let n = n as usize;
     let n0 = CUBE_POS_X as usize * 16;
@@ -150,10 +151,16 @@ fn chain_gemm_staged_kernel(
     let plane = UNIT_POS_Y as usize;
     // Columns of `K` a chunk spans, and its two tiles' sizes in shared memory: the weight's
     // 16 columns (as `[16][ck]` from `[N, K]`, as `[ck][16]` from `[K, N]`) and the
-    // activations' `16·m_tiles` rows as `[16·m_tiles][ck]`.
+    // activations' `16·m_tiles` rows as `[16·m_tiles][ck]`. A `[rows][ck]` tile's rows lie
+    // `ld = ck + pad` apart: `ck` values are a multiple of 128 bytes, so unpadded, the 16 rows
+    // a fragment load reads would fall on the same banks; 8 more values (16 bytes) spread
+    // them and keep every fragment's start 32-byte aligned and `ld` a multiple of 8.
     let ck = comptime!(chunk * 16);
-    let b_size = comptime!(16 * chunk * 16);
-    let a_size = comptime!(m_tiles * 16 * chunk * 16);
+    let ld = comptime!(ck + pad);
+    let b_len = comptime!(16 * chunk * 16);
+    let a_len = comptime!(m_tiles * 16 * chunk * 16);
+    let b_size = comptime!(if k_by_n { b_len } else { 16 * ld });
+    let a_size = comptime!(m_tiles * 16 * ld);
     let mut sb = SharedMemory::<bf16>::new_aligned(comptime!(2 * b_size), 32usize);
     let mut sa = SharedMemory::<bf16>::new_aligned(comptime!(2 * a_size), 32usize);
     let mut accs = Sequence::<cmma::Matrix<f32>>::new();
@@ -170,8 +177,8 @@ fn chain_gemm_staged_kernel(
     }
     let chunks = comptime!(k / ck);
     let units = comptime!(producers * 32);
-    let per_b = comptime!(b_size.div_ceil(producers * 32));
-    let per_a = comptime!(a_size.div_ceil(producers * 32));
+    let per_b = comptime!(b_len.div_ceil(producers * 32));
+    let per_a = comptime!(a_len.div_ceil(producers * 32));
     let mut ch = 0usize;
     while ch <= chunks {
         if plane == 0 {
@@ -199,21 +206,21 @@ fn chain_gemm_staged_kernel(
                             16usize,
                             16usize,
                             cmma::MatrixLayout::ColMajor,
-                            &sb.slice(at, at + 15 * ck + 16),
-                            ck as u32,
+                            &sb.slice(at, at + 15 * ld + 16),
+                            ld as u32,
                         )
                     };
                     #[unroll]
                     for t in 0..m_tiles {
-                        let at = ba + t * 16 * ck + s * 16;
+                        let at = ba + t * 16 * ld + s * 16;
                         let a = cmma::Matrix::<bf16>::from_slice(
                             cmma::MatrixIdent::A,
                             16usize,
                             16usize,
                             16usize,
                             cmma::MatrixLayout::RowMajor,
-                            &sa.slice(at, at + 15 * ck + 16),
-                            ck as u32,
+                            &sa.slice(at, at + 15 * ld + 16),
+                            ld as u32,
                         );
                         let acc = accs.index(t);
                         cmma::execute::<bf16, bf16, f32, f32>(&a, &b, acc, acc);
@@ -230,7 +237,7 @@ fn chain_gemm_staged_kernel(
             #[unroll]
             for r in 0..per_b {
                 let e = r * units + p;
-                if e < b_size {
+                if e < b_len {
                     let g = if comptime!(k_by_n) {
                         (k0 + e / 16) * n + n0 + e % 16
                     } else {
@@ -243,22 +250,28 @@ fn chain_gemm_staged_kernel(
             #[unroll]
             for r in 0..per_a {
                 let e = r * units + p;
-                if e < a_size {
+                if e < a_len {
                     ra[r] = x[(m0 + e / ck) * k + k0 + e % ck];
                 }
             }
+            // Element `e` of a `[rows][ck]` tile goes to row `e / ck` at stride `ld`.
             #[unroll]
             for r in 0..per_b {
                 let e = r * units + p;
-                if e < b_size {
-                    sb[bb + e] = rb[r];
+                if e < b_len {
+                    let at = if comptime!(k_by_n) {
+                        e
+                    } else {
+                        (e / ck) * ld + e % ck
+                    };
+                    sb[bb + at] = rb[r];
                 }
             }
             #[unroll]
             for r in 0..per_a {
                 let e = r * units + p;
-                if e < a_size {
-                    sa[ba + e] = ra[r];
+                if e < a_len {
+                    sa[ba + (e / ck) * ld + e % ck] = ra[r];
                 }
             }
         }
@@ -286,15 +299,31 @@ const PRODUCERS: usize = 7;
 /// multiprocessor of an H100 (132).
 const STAGED_BELOW_TILES: usize = 264;
 
-/// `K` steps of 16 a chunk of the staged kernel copies: a divisor of `K / 16` of at most
-/// `48 / (1 + m_tiles)` (24 at one row tile), so that the two buffers of weight and
-/// activations (512 bytes a step and tile each) stay within 48 KB of shared memory.
-fn chunk_for(k: usize, m_tiles: usize) -> usize {
-    let want = (48 / (1 + m_tiles)).min(32);
-    (1..=want)
+/// `K` steps of 16 a chunk of the staged kernel copies: the largest divisor of `K / 16`, at
+/// most 32, whose two buffers of weight and activations (`16·m_tiles` rows of `16·chunk + pad`
+/// values, and the weight's 16) stay within 48 KB of static shared memory.
+fn chunk_for(k: usize, m_tiles: usize, pad: usize) -> usize {
+    let fits = |c: usize| 2 * (1 + m_tiles) * 16 * (16 * c + pad) * 2 <= 48 * 1024;
+    (1..=32)
         .rev()
-        .find(|c| (k / 16).is_multiple_of(*c))
+        .find(|&c| fits(c) && (k / 16).is_multiple_of(c))
         .unwrap_or(1)
+}
+
+/// Values added to each shared row of the staged kernel (see [`ChainForm::Staged`]).
+const PAD: usize = 8;
+
+/// Which of the two kernels runs a problem. Both sum every output element the same way (the
+/// same bits); they differ only in how the operands reach the tensor cores.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ChainForm {
+    /// The staged kernel below [`STAGED_BELOW_TILES`] column tiles (with its rows padded), the
+    /// plain one from there.
+    Auto,
+    /// Fragments straight from global memory, [`UNROLL`] steps in flight.
+    Plain,
+    /// Producer planes stage chunks in shared memory; `padded` spreads its rows over the banks.
+    Staged { padded: bool },
 }
 
 /// The largest of 8, 4, 2, 1 that divides `k / 16`.
@@ -320,6 +349,16 @@ pub fn chain_gemm<R: CubeRuntime>(
     x: CubeTensor<R>,
     w: CubeTensor<R>,
     layout: WeightLayout,
+) -> CubeTensor<R> {
+    chain_gemm_as(x, w, layout, ChainForm::Auto)
+}
+
+/// [`chain_gemm`] by the given kernel form (the kernel bench compares them).
+pub fn chain_gemm_as<R: CubeRuntime>(
+    x: CubeTensor<R>,
+    w: CubeTensor<R>,
+    layout: WeightLayout,
+    form: ChainForm,
 ) -> CubeTensor<R> {
     assert_eq!(x.dtype, DType::BF16, "chain_gemm: x must be bf16");
     assert_eq!(w.dtype, DType::BF16, "chain_gemm: w must be bf16");
@@ -357,10 +396,16 @@ pub fn chain_gemm<R: CubeRuntime>(
     // `K / 16`); the weight's tile likewise inside `[K, N]` or `[N, K]`; the output's inside
     // `[M, N]`. Planes past `N` leave before any access; the staged kernel's grid is exactly
     // the column tiles, its producers' copies skip indices past their tiles, and its shared
-    // buffers hold exactly two chunks. The shapes, dtypes and contiguity were asserted above.
+    // buffers hold exactly two chunks (rows at the padded stride, the fragments' slices within
+    // them). The shapes, dtypes and contiguity were asserted above.
     let client = x.client.clone();
-    if n / 16 < STAGED_BELOW_TILES {
-        let chunk = chunk_for(k, m_tiles);
+    let staged = match form {
+        ChainForm::Auto => (n / 16 < STAGED_BELOW_TILES).then_some(PAD),
+        ChainForm::Plain => None,
+        ChainForm::Staged { padded } => Some(if padded { PAD } else { 0 }),
+    };
+    if let Some(pad) = staged {
+        let chunk = chunk_for(k, m_tiles, pad);
         unsafe {
             chain_gemm_staged_kernel::launch_unchecked::<R>(
                 &client,
@@ -375,6 +420,7 @@ pub fn chain_gemm<R: CubeRuntime>(
                 m_tiles,
                 chunk,
                 PRODUCERS,
+                pad,
             )
         };
         return out;
@@ -395,4 +441,61 @@ pub fn chain_gemm<R: CubeRuntime>(
         )
     };
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Shared bytes the staged kernel's two buffers take (as the kernel sizes them).
+    fn shared_bytes(k_by_n: bool, m_tiles: usize, chunk: usize, pad: usize) -> usize {
+        let ld = chunk * 16 + pad;
+        let b = if k_by_n { 256 * chunk } else { 16 * ld };
+        2 * (b + m_tiles * 16 * ld) * 2
+    }
+
+    #[test]
+    fn a_chunk_divides_k_and_its_buffers_fit_shared_memory() {
+        for k in [896, 2688, 7168] {
+            for m_tiles in [1, 2, 4] {
+                for pad in [0, PAD] {
+                    let c = chunk_for(k, m_tiles, pad);
+                    assert!((k / 16).is_multiple_of(c), "K {k}: chunk {c}");
+                    for k_by_n in [false, true] {
+                        let bytes = shared_bytes(k_by_n, m_tiles, c, pad);
+                        assert!(bytes <= 48 * 1024, "K {k} m {m_tiles} pad {pad}: {bytes}");
+                    }
+                    // The largest such divisor: the next one up would not fit.
+                    if let Some(up) = (c + 1..=32).find(|d| (k / 16).is_multiple_of(*d)) {
+                        assert!(shared_bytes(false, m_tiles, up, pad) > 48 * 1024);
+                    }
+                }
+            }
+        }
+        // W_out's K at one row tile: 16 steps a chunk, padded or not; FFN down's 2,688: 24
+        // steps unpadded, 21 with the padding (24 would take 50 KB).
+        assert_eq!(chunk_for(7168, 1, PAD), 16);
+        assert_eq!(chunk_for(2688, 1, 0), 24);
+        assert_eq!(chunk_for(2688, 1, PAD), 21);
+    }
+
+    #[test]
+    fn padded_rows_keep_fragments_aligned() {
+        // Every fragment the consumer loads starts 32-byte aligned, and `ld` is a multiple of 8
+        // values, as wmma's loads require.
+        for k in [896, 2688, 7168] {
+            let c = chunk_for(k, 1, PAD);
+            let ld = c * 16 + PAD;
+            assert!(ld.is_multiple_of(8));
+            for t in 0..4 {
+                for s in 0..c {
+                    assert!(((t * 16 * ld + s * 16) * 2).is_multiple_of(32));
+                }
+            }
+            assert!(
+                (16 * ld * 2).is_multiple_of(32),
+                "the second buffer's start"
+            );
+        }
+    }
 }

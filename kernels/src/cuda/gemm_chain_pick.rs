@@ -17,6 +17,8 @@
 //! same work ran once uncaptured, so `serve` checks every problem during its warm-up).
 
 use crate::cuda::gemm_chain::{WeightLayout, chain_gemm};
+use crate::cuda::gemm_invariant::{INVARIANT_ROWS, probe_rows};
+use crate::cuda::gemm_probe::random_bytes;
 use crate::cuda::precision::GemmPrecision;
 use crate::options::GemmRows;
 use burn::tensor::DType;
@@ -189,8 +191,9 @@ fn checked(problem: Problem, op: &Candidate, rows: usize) -> Option<bool> {
 /// own member of the class) and at `rows`. The activations come from a fixed-seed generator on
 /// the host, so a check draws nothing from the backend's seeded random stream.
 fn same_bits(op: &Candidate, layout: WeightLayout, rows: usize) -> bool {
-    let mut sizes: Vec<usize> = [16, 64, 256, 1024, 4096]
+    let mut sizes: Vec<usize> = probe_rows(INVARIANT_ROWS)
         .into_iter()
+        .map(|r| r as usize)
         .filter(|&r| r < rows)
         .collect();
     sizes.push(rows.next_multiple_of(16));
@@ -201,22 +204,15 @@ fn same_bits_at(op: &Candidate, layout: WeightLayout, rows: usize) -> bool {
     use burn::tensor::{Tensor, TensorData, TensorPrimitive};
     type B = burn_cuda::Cuda<f32, i32>;
     let k = op.k;
-    // Uniform in [−2, 2): a splitmix64 stream from a fixed seed.
-    let mut state = 0x9e37_79b9_7f4a_7c15u64 ^ ((rows as u64) << 32) ^ (k as u64);
-    let values: Vec<f32> = (0..rows * k)
-        .map(|_| {
-            state = state.wrapping_add(0x9e37_79b9_7f4a_7c15);
-            let mut z = state;
-            z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-            z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-            z ^= z >> 31;
-            ((z >> 40) as f32 / (1u64 << 24) as f32) * 4.0 - 2.0
-        })
-        .collect();
-    let x = Tensor::<B, 2>::from_data(TensorData::new(values, [rows, k]), &op.lhs.device)
-        .cast(DType::BF16)
-        .into_primitive()
-        .tensor();
+    // bf16 values uniform in [−1, 1) from a fixed seed (the GEMM probes' generator).
+    let seed = ((rows as u64) << 32) ^ (k as u64);
+    let bytes = random_bytes(rows * k * 2, 2, seed);
+    let x = Tensor::<B, 2>::from_data(
+        TensorData::from_bytes_vec(bytes, [rows, k], DType::BF16),
+        &op.lhs.device,
+    )
+    .into_primitive()
+    .tensor();
     let lt = (op.cublaslt)(x.clone());
     let chain = chain_gemm(x, weight(op.rhs, layout), layout);
     let read = |t: CudaTensor| {

@@ -104,7 +104,7 @@ pub(crate) fn invariant_rows(key: &PlanKey) -> Option<u64> {
 
 /// The row counts a candidate is timed at: the reference divided by 256, 64, 16 and 4, and the
 /// reference (at K = 16 frames, the passes of 1, 4, 16, 64 and 256 sessions).
-fn probe_rows(reference: u64) -> [u64; PROBES] {
+pub(crate) fn probe_rows(reference: u64) -> [u64; PROBES] {
     [256, 64, 16, 4, 1].map(|d| (reference / d).max(1))
 }
 

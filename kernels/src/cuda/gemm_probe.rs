@@ -368,7 +368,7 @@ fn mix(mut z: u64) -> u64 {
 
 /// `n` bytes of values uniform in [−1, 1), as f32 (`width` 4) or bf16 (2, the f32's upper
 /// half), from a SplitMix64 stream seeded by `seed`.
-fn random_bytes(n: usize, width: usize, seed: u64) -> Vec<u8> {
+pub(crate) fn random_bytes(n: usize, width: usize, seed: u64) -> Vec<u8> {
     let mut state = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15);
     let mut out = Vec::with_capacity(n + 8);
     while out.len() < n {

@@ -19,6 +19,7 @@
 use crate::cuda::common::out_typed;
 use burn::tensor::{DType, bf16};
 use burn_cubecl::CubeRuntime;
+use burn_cubecl::kernel::into_contiguous;
 use burn_cubecl::tensor::CubeTensor;
 use cubecl::prelude::*;
 
@@ -362,10 +363,8 @@ pub fn chain_gemm_as<R: CubeRuntime>(
 ) -> CubeTensor<R> {
     assert_eq!(x.dtype, DType::BF16, "chain_gemm: x must be bf16");
     assert_eq!(w.dtype, DType::BF16, "chain_gemm: w must be bf16");
-    assert!(
-        x.is_contiguous() && w.is_contiguous(),
-        "chain_gemm: contiguous operands"
-    );
+    // The kernels index rows by their shapes' strides of a packed layout.
+    let (x, w) = (into_contiguous(x), into_contiguous(w));
     let xs = x.meta.shape().as_slice().to_vec();
     let ws = w.meta.shape().as_slice().to_vec();
     assert!(xs.len() == 2 && ws.len() == 2, "chain_gemm: 2-d operands");
@@ -397,7 +396,7 @@ pub fn chain_gemm_as<R: CubeRuntime>(
     // `[M, N]`. Planes past `N` leave before any access; the staged kernel's grid is exactly
     // the column tiles, its producers' copies skip indices past their tiles, and its shared
     // buffers hold exactly two chunks (rows at the padded stride, the fragments' slices within
-    // them). The shapes, dtypes and contiguity were asserted above.
+    // them). The shapes and dtypes were asserted above, the operands made contiguous.
     let client = x.client.clone();
     let staged = match form {
         ChainForm::Auto => (n / 16 < STAGED_BELOW_TILES).then_some(PAD),

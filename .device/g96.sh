@@ -8,9 +8,9 @@ chmod +x $B/nsactor
 export NSACTOR_PLUGIN_PATH=$B PATH=$B:$PATH XDG_CACHE_HOME=/tmp/cache-s77 CUDA_CACHE_PATH=/tmp/cache-s77/nv
 nvidia-smi --query-gpu=name,power.limit --format=csv,noheader
 t0=$(date +%s); el() { echo "   ($(( $(date +%s) - t0 )) s)"; }
-timeout 300 nsactor bench kernels --backend cuda --precision bf16 --options only=chain,chain_rows=${CHAIN_BENCH_ROWS:-16/64/1024},chain_reps=300,chain_forms=${CHAIN_FORMS:-auto/plain/staged/staged0} > $OUT/chain.log 2>&1
+timeout 300 nsactor bench kernels --backend cuda --precision bf16 --options only=chain,chain_rows=${CHAIN_BENCH_ROWS:-16/64},chain_reps=300,chain_forms=${CHAIN_FORMS:-auto/plain/staged0} > $OUT/chain.log 2>&1
 echo "== bench kernels chain: rc $?"; grep -vE "INFO|^\s*$" $OUT/chain.log | grep -v "batch-invariant GEMM" | tail -100 | cut -c1-150; el
-for opt in batch=1,tokens=1,reps=200 batch=4,tokens=1,reps=200; do
+for opt in batch=1,tokens=1,reps=200; do
   timeout 120 nsactor bench decode-profile --backend cuda --precision bf16 --options $opt > $OUT/prof-$opt.log 2>&1
   echo "== decode-profile $opt: rc $?"; grep -vE "INFO|batch-invariant GEMM" $OUT/prof-$opt.log | tail -60 | cut -c1-160; el
 done

@@ -150,7 +150,7 @@ impl AsyncDecoder {
             }),
             Err(e) => {
                 drop_everywhere(&c, id).await;
-                Err(e)
+                Err(misfit(e))
             }
         }
     }
@@ -174,5 +174,23 @@ impl AsyncDecoder {
             rx.await
                 .unwrap_or_else(|_| Err(RuntimeError::Broken("the decode batcher stopped".into())))
         }
+    }
+}
+
+/// A stage's refusal of a snapshot's fields (their count or widths) is the snapshot's fault: a
+/// file made by another model, said as such; any other failure stays the server's.
+fn misfit(e: RuntimeError) -> RuntimeError {
+    use nsactor_plugin_api::EngineError;
+    match e {
+        RuntimeError::Stage {
+            who,
+            error: EngineError::InvalidInput(m),
+        } => RuntimeError::Invalid(format!(
+            "a snapshot whose state fields do not fit this model's ({who}: {m})"
+        )),
+        RuntimeError::Engine(EngineError::InvalidInput(m)) => RuntimeError::Invalid(format!(
+            "a snapshot whose state fields do not fit this model's ({m})"
+        )),
+        other => other,
     }
 }

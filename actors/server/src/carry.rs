@@ -90,6 +90,13 @@ pub async fn export(State(s): State<Shared>, bytes: Bytes) -> Response {
         };
         let bos = r.add_special_tokens.unwrap_or(true);
         let tokens = s.generator.token_ids(&prompt, bos, false)?;
+        if tokens.is_empty() {
+            // A state is the states after some token: none to take before the first.
+            return Err(ServeError::field(
+                "prompt",
+                "the prompt is empty (no tokens, so no state to export)",
+            ));
+        }
         let g = &s.generator;
         if tokens.len() > g.max_prompt_tokens {
             return Err(ServeError::field(

@@ -6,7 +6,7 @@
 
 mod common;
 
-use common::{connect, generate, http, serve_limited};
+use common::{connect, generate, http, http_bytes, serve_limited, tokenize, ws_send};
 use nsactor_server::protocol::Limits;
 use serde_json::{Value, json};
 
@@ -92,20 +92,6 @@ fn a_chat_resent_turn_after_turn_gives_the_numbers_of_one_without_the_cache() {
         assert!(metric(&body, "nsactor_prefix_cache_entries") > 0.0);
         assert!(metric(&body, "nsactor_prefix_cache_device_bytes") > 0.0);
     });
-}
-
-/// The token ids `/tokenize` gives `text` (with the BOS where `bos`).
-async fn tokenize(addr: std::net::SocketAddr, text: &str, bos: bool) -> Vec<i64> {
-    let req = json!({"prompt": text, "add_special_tokens": bos});
-    let (status, body) = http(addr, "POST", "/tokenize", req.to_string().as_bytes()).await;
-    assert_eq!(status, 200, "{body}");
-    let v: Value = serde_json::from_str(&body).unwrap();
-    v["tokens"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|t| t.as_i64().unwrap())
-        .collect()
 }
 
 /// A WebSocket `generate` of 5 greedy tokens: the generated ids and the `done` event.
@@ -221,27 +207,6 @@ fn a_websocket_conversation_goes_on_from_its_state() {
             "{e}"
         );
     });
-}
-
-async fn ws_send(ws: &mut common::Ws, v: Value) {
-    use futures_util::SinkExt;
-    ws.send(tokio_tungstenite::tungstenite::Message::Text(
-        v.to_string().into(),
-    ))
-    .await
-    .unwrap();
-}
-
-/// POST `body` to `path`: the status and the raw body.
-async fn http_bytes(addr: std::net::SocketAddr, path: &str, body: &[u8]) -> (u16, Vec<u8>) {
-    use tokio::io::AsyncReadExt;
-    let mut s = common::send_request(addr, "POST", path, "Connection: close\r\n", body).await;
-    let mut out = Vec::new();
-    s.read_to_end(&mut out).await.unwrap();
-    let split = out.windows(4).position(|w| w == b"\r\n\r\n").unwrap();
-    let head = String::from_utf8_lossy(&out[..split]).to_string();
-    let status = head.split_whitespace().nth(1).unwrap().parse().unwrap();
-    (status, out[split + 4..].to_vec())
 }
 
 #[test]

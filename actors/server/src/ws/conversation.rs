@@ -24,8 +24,30 @@ pub struct Conversations(Arc<Mutex<Conversation>>);
 #[derive(Default)]
 struct Conversation {
     kept: Vec<(String, Vec<i64>)>,
-    /// Names with a turn running.
-    running: Vec<String>,
+    /// Names with a turn or an import running, and which.
+    busy: Vec<(String, Busy)>,
+}
+
+/// What holds a conversation until it ends: the messages after it on the connection see its
+/// outcome, so they are refused meanwhile.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Busy {
+    Turn,
+    Import,
+}
+
+/// Conversation names are the client's; an empty one is refused (it names nothing a later
+/// message could find apart from a mistake).
+const MAX_NAME: usize = 256;
+
+fn check_name(name: &str) -> Result<(), ServeError> {
+    if name.is_empty() || name.len() > MAX_NAME {
+        return Err(ServeError::field(
+            "conversation",
+            format!("a conversation's name has 1 to {MAX_NAME} bytes"),
+        ));
+    }
+    Ok(())
 }
 
 impl Conversations {
@@ -45,12 +67,9 @@ impl Conversations {
         prompt: &PromptSpec,
         bos: bool,
     ) -> Result<(PromptSpec, bool), ServeError> {
+        check_name(name)?;
         let mut c = self.lock();
-        if c.running.iter().any(|r| r == name) {
-            return Err(ServeError::Invalid(format!(
-                "conversation `{name}` has a turn running; wait for its `done`"
-            )));
-        }
+        c.idle(name)?;
         let history = c.kept.iter().find(|(n, _)| n == name).map(|(_, h)| h);
         match (want, history) {
             (Some(true), None) => {
@@ -76,47 +95,30 @@ impl Conversations {
             None => g.token_ids(prompt, bos, true)?,
             Some(h) => {
                 let mut ids = h.clone();
-                ids.extend(continuation(g, prompt)?);
+                ids.extend(continuation(g, prompt, h)?);
                 ids
             }
         };
-        c.running.push(name.to_string());
+        c.busy.push((name.to_string(), Busy::Turn));
         Ok((PromptSpec::Ids(ids), started))
     }
 
-    /// Ends the running turn of `name`; with `history`, it is the conversation's history now.
+    /// Ends the running turn (or import) of `name`; with `history`, it is the conversation's
+    /// history now.
     pub fn end(&self, name: &str, history: Option<Vec<i64>>) {
-        self.lock().running.retain(|r| r != name);
-        if let Some(h) = history {
-            self.keep(name, h);
-        }
-    }
-
-    /// `history` is `name`'s history now.
-    fn keep(&self, name: &str, history: Vec<i64>) {
         let mut c = self.lock();
-        c.kept.retain(|(n, _)| n != name);
-        if c.kept.len() >= MAX_CONVERSATIONS {
-            c.kept.remove(0);
+        c.busy.retain(|(n, _)| n != name);
+        if let Some(h) = history {
+            c.keep(name, h);
         }
-        c.kept.push((name.to_string(), history));
     }
 
-    /// An error if a turn of `name` is running.
-    fn idle(&self, name: &str) -> Result<(), ServeError> {
-        if self.lock().running.iter().any(|r| r == name) {
-            return Err(ServeError::Invalid(format!(
-                "conversation `{name}` has a turn running; wait for its `done`"
-            )));
-        }
-        Ok(())
-    }
-
-    /// The history of `name`, if kept and no turn of it runs.
+    /// The history of `name`, if kept and nothing of it runs.
     fn history(&self, name: &str) -> Result<Vec<i64>, ServeError> {
-        self.idle(name)?;
-        self.lock()
-            .kept
+        check_name(name)?;
+        let c = self.lock();
+        c.idle(name)?;
+        c.kept
             .iter()
             .find(|(n, _)| n == name)
             .map(|(_, h)| h.clone())
@@ -157,9 +159,6 @@ impl Conversations {
                 })
             }
             Some(text) => {
-                if let Err(e) = self.idle(&name) {
-                    return Some(ServerMsg::error(Some(id), &e));
-                }
                 let bytes = match b64.decode(text.trim()) {
                     Ok(b) => b,
                     Err(e) => {
@@ -167,17 +166,21 @@ impl Conversations {
                         return Some(ServerMsg::error(Some(id), &e));
                     }
                 };
+                // Held from now until the file is in: a `generate`, `export` or `forget` sent
+                // right after this message must not act on the conversation as it was.
+                if let Err(e) = self.hold(&name, Busy::Import) {
+                    return Some(ServerMsg::error(Some(id), &e));
+                }
+                let release = Release(Some((me.clone(), name.clone())));
                 tokio::spawn(async move {
-                    match crate::carry::import_bytes(&s, &bytes).await {
-                        Ok(tokens) => {
-                            let n = tokens.len();
-                            me.keep(&name, tokens);
-                            ServerMsg::Imported {
-                                id,
-                                conversation: name,
-                                tokens: n,
-                            }
-                        }
+                    let r = crate::carry::import_bytes(&s, &bytes).await;
+                    release.done(r.as_ref().ok().cloned());
+                    match r {
+                        Ok(tokens) => ServerMsg::Imported {
+                            id,
+                            conversation: name,
+                            tokens: tokens.len(),
+                        },
                         Err(e) => ServerMsg::error(Some(id), &e),
                     }
                 })
@@ -191,19 +194,80 @@ impl Conversations {
         None
     }
 
-    /// Forgets `name`; whether it was kept.
-    pub fn forget(&self, name: &str) -> bool {
+    /// Marks `name` as held by `what` (an error if something of it runs already).
+    fn hold(&self, name: &str, what: Busy) -> Result<(), ServeError> {
+        check_name(name)?;
         let mut c = self.lock();
+        c.idle(name)?;
+        c.busy.push((name.to_string(), what));
+        Ok(())
+    }
+
+    /// Forgets `name`: whether it was kept, or an error while a turn or an import of it runs
+    /// (its end would keep a history again).
+    pub fn forget(&self, name: &str) -> Result<bool, ServeError> {
+        check_name(name)?;
+        let mut c = self.lock();
+        c.idle(name)?;
         let before = c.kept.len();
         c.kept.retain(|(n, _)| n != name);
-        c.kept.len() < before
+        Ok(c.kept.len() < before)
     }
 }
 
-/// The tokens a turn appends to a history: a text as it is, chat messages after the end token
-/// that closes the last answer (the model stopped before feeding it), then the assistant's
-/// turn opening; token ids as they are.
-fn continuation(g: &Generator, prompt: &PromptSpec) -> Result<Vec<i64>, ServeError> {
+impl Conversation {
+    /// An error if a turn or an import of `name` is running.
+    fn idle(&self, name: &str) -> Result<(), ServeError> {
+        match self.busy.iter().find(|(n, _)| n == name).map(|(_, b)| *b) {
+            None => Ok(()),
+            Some(Busy::Turn) => Err(ServeError::Invalid(format!(
+                "conversation `{name}` has a turn running; wait for its `done`"
+            ))),
+            Some(Busy::Import) => Err(ServeError::Invalid(format!(
+                "conversation `{name}` is being imported; wait for its `imported`"
+            ))),
+        }
+    }
+
+    /// `history` is `name`'s history now.
+    fn keep(&mut self, name: &str, history: Vec<i64>) {
+        self.kept.retain(|(n, _)| n != name);
+        if self.kept.len() >= MAX_CONVERSATIONS {
+            self.kept.remove(0);
+        }
+        self.kept.push((name.to_string(), history));
+    }
+}
+
+/// Ends an import's hold on its conversation: with the tokens it brought when it succeeded,
+/// with nothing when it failed or its task went away (a connection closed mid-import).
+struct Release(Option<(Conversations, String)>);
+
+impl Release {
+    fn done(mut self, history: Option<Vec<i64>>) {
+        if let Some((c, name)) = self.0.take() {
+            c.end(&name, history);
+        }
+    }
+}
+
+impl Drop for Release {
+    fn drop(&mut self) {
+        if let Some((c, name)) = self.0.take() {
+            c.end(&name, None);
+        }
+    }
+}
+
+/// The tokens a turn appends to `history`: a text as it is; chat messages after whatever of
+/// the end token and newline that close the last message `history` lacks (an answer the model
+/// ended stops before its end token is fed; a state exported from `messages` holds both),
+/// then the assistant's turn opening; token ids as they are.
+fn continuation(
+    g: &Generator,
+    prompt: &PromptSpec,
+    history: &[i64],
+) -> Result<Vec<i64>, ServeError> {
     Ok(match prompt {
         PromptSpec::Text(_) | PromptSpec::Ids(_) => g.token_ids(prompt, false, false)?,
         PromptSpec::Chat(m) => {
@@ -211,12 +275,57 @@ fn continuation(g: &Generator, prompt: &PromptSpec) -> Result<Vec<i64>, ServeErr
                 .iter()
                 .map(|m| nsactor_data::Message::new(&m.role, &m.content))
                 .collect();
-            let text = format!(
-                "{}\n{}",
-                nsactor_data::EOS_TOKEN,
-                nsactor_data::chat_template(&msgs, true)
-            );
+            let eos = nsactor_data::EOS_TOKEN;
+            let close = g.token_ids(&PromptSpec::Text(format!("{eos}\n")), false, false)?;
+            let open = if history.ends_with(&close) {
+                String::new()
+            } else if close.first().is_some_and(|e| history.last() == Some(e)) {
+                "\n".to_string()
+            } else {
+                format!("{eos}\n")
+            };
+            let text = format!("{open}{}", nsactor_data::chat_template(&msgs, true));
             g.token_ids(&PromptSpec::Text(text), false, false)?
         }
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn message(r: Result<impl std::fmt::Debug, ServeError>) -> String {
+        r.expect_err("refused").to_string()
+    }
+
+    #[test]
+    fn an_import_holds_its_conversation_until_it_ends() {
+        let c = Conversations::default();
+        c.hold("p", Busy::Import).unwrap();
+        // Whatever comes behind the import on the connection waits for its outcome.
+        assert!(message(c.forget("p")).contains("is being imported"));
+        assert!(message(c.history("p")).contains("is being imported"));
+        assert!(message(c.hold("p", Busy::Import)).contains("is being imported"));
+        // Another conversation is free.
+        assert_eq!(c.forget("q").unwrap(), false);
+        // A failed (or abandoned) import leaves nothing kept and frees the name.
+        drop(Release(Some((c.clone(), "p".into()))));
+        assert!(message(c.history("p")).contains("no conversation `p` is kept"));
+        c.hold("p", Busy::Import).unwrap();
+        Release(Some((c.clone(), "p".into()))).done(Some(vec![1, 2, 3]));
+        assert_eq!(c.history("p").unwrap(), vec![1, 2, 3]);
+    }
+
+    #[test]
+    fn a_running_turn_is_not_forgotten_and_names_are_checked() {
+        let c = Conversations::default();
+        c.end("c", Some(vec![7]));
+        c.hold("c", Busy::Turn).unwrap();
+        assert!(message(c.forget("c")).contains("has a turn running"));
+        c.end("c", Some(vec![7, 8]));
+        assert_eq!(c.history("c").unwrap(), vec![7, 8]);
+        assert!(c.forget("c").unwrap());
+        assert!(message(c.forget("")).contains("1 to 256 bytes"));
+        assert!(message(c.hold(&"x".repeat(257), Busy::Turn)).contains("1 to 256 bytes"));
+    }
 }

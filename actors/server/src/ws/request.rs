@@ -104,11 +104,15 @@ impl Requests {
                 .conversations
                 .carry((id, conversation, Some(state)), s, out),
             ClientMsg::Forget { id, conversation } => {
-                if self.0.conversations.forget(&conversation) {
-                    return None;
+                match self.0.conversations.forget(&conversation) {
+                    Ok(true) => None,
+                    Ok(false) => {
+                        let why =
+                            format!("no conversation `{conversation}` is kept on this connection");
+                        Some(ServerMsg::error(id, &ServeError::UnknownRequest(why)))
+                    }
+                    Err(e) => Some(ServerMsg::error(id, &e)),
                 }
-                let why = format!("no conversation `{conversation}` is kept on this connection");
-                Some(ServerMsg::error(id, &ServeError::UnknownRequest(why)))
             }
         }
     }

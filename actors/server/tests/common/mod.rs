@@ -12,6 +12,7 @@ use nsactor_server::protocol::Limits;
 use nsactor_server::protocol::{GenSpec, PromptSpec};
 use nsactor_server::{ServerState, ServingMetrics};
 use nsactor_training::verify::TinyAFixture;
+use serde_json::{Value, json};
 use std::sync::Arc;
 use std::sync::atomic::AtomicBool;
 use tokio_tungstenite::tungstenite::Message;
@@ -390,4 +391,35 @@ pub fn bits(lps: &[TokenLogprob]) -> Vec<Bits> {
             (l.token_id, l.logprob.to_bits(), top)
         })
         .collect()
+}
+
+/// The token ids `/tokenize` gives `text` (with the BOS where `bos`).
+pub async fn tokenize(addr: std::net::SocketAddr, text: &str, bos: bool) -> Vec<i64> {
+    let req = json!({"prompt": text, "add_special_tokens": bos});
+    let (status, body) = http(addr, "POST", "/tokenize", req.to_string().as_bytes()).await;
+    assert_eq!(status, 200, "{body}");
+    let v: Value = serde_json::from_str(&body).unwrap();
+    v["tokens"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t.as_i64().unwrap())
+        .collect()
+}
+
+/// Sends `v` as a text message.
+pub async fn ws_send(ws: &mut Ws, v: Value) {
+    ws.send(Message::Text(v.to_string().into())).await.unwrap();
+}
+
+/// POST `body` to `path`: the status and the raw body.
+pub async fn http_bytes(addr: std::net::SocketAddr, path: &str, body: &[u8]) -> (u16, Vec<u8>) {
+    use tokio::io::AsyncReadExt;
+    let mut s = send_request(addr, "POST", path, "Connection: close\r\n", body).await;
+    let mut out = Vec::new();
+    s.read_to_end(&mut out).await.unwrap();
+    let split = out.windows(4).position(|w| w == b"\r\n\r\n").unwrap();
+    let head = String::from_utf8_lossy(&out[..split]).to_string();
+    let status = head.split_whitespace().nth(1).unwrap().parse().unwrap();
+    (status, out[split + 4..].to_vec())
 }

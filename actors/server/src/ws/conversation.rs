@@ -307,7 +307,7 @@ mod tests {
         assert!(message(c.history("p")).contains("is being imported"));
         assert!(message(c.hold("p", Busy::Import)).contains("is being imported"));
         // Another conversation is free.
-        assert_eq!(c.forget("q").unwrap(), false);
+        assert!(!c.forget("q").unwrap());
         // A failed (or abandoned) import leaves nothing kept and frees the name.
         drop(Release(Some((c.clone(), "p".into()))));
         assert!(message(c.history("p")).contains("no conversation `p` is kept"));

@@ -1,6 +1,6 @@
 //! What the commands that print do when their output goes away or would overwrite the run: a
 //! reader that hangs up (`| head`) ends `generate` as it ends `cat` (SIGPIPE), not with a panic
-//! dump; `plot --out` refuses a name that is not a PNG's (the run's own `metrics.jsonl`, which
+//! dump; `generate --chat` skips an input line that is not UTF-8; `plot --out` refuses a name that is not a PNG's (the run's own `metrics.jsonl`, which
 //! it used to overwrite with the picture). And how they end on bad input: argument values
 //! refused with exit 78, the last line a JSON object under `--log-format json`, a plugin file
 //! cut short named and refused instead of crashing the process. Through the `nsactor` binary.
@@ -38,6 +38,49 @@ fn a_closed_pipe_ends_the_printing_quietly_and_plot_keeps_the_run() {
         o.status
     );
     assert!(!stderr.contains("panicked"), "{stderr}");
+
+    // `generate --chat`: a line that is not UTF-8 is refused on its own, the next one answered.
+    let mut child = nsactor()
+        .args(["generate", "--chat", "--max-tokens", "4", "--checkpoint"])
+        .arg(&run)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    {
+        use std::io::Write;
+        let mut stdin = child.stdin.take().unwrap();
+        stdin.write_all(b"caf\xe9 au lait\nHello\n").unwrap();
+    }
+    let o = child.wait_with_output().unwrap();
+    let stderr = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "{:?}: {stderr}", o.status);
+    assert!(stderr.contains("that line is not UTF-8 text"), "{stderr}");
+    // One answer (the second line's): four tokens at most, on the turn's prompt lines.
+    assert_eq!(stderr.matches("tokens, ").count(), 1, "{stderr}");
+    // A sampling value out of range is refused input.
+    let o = nsactor()
+        .args(["generate", "--top-p", "2", "--checkpoint"])
+        .arg(&run)
+        .arg("Emma was")
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(78), "{stderr}");
+    assert!(
+        stderr.contains("top_p must be in (0, 1], got 2"),
+        "{stderr}"
+    );
+    // `plot` of a directory that holds no run: refused input, named.
+    let o = nsactor()
+        .arg("plot")
+        .arg(dir.join("none"))
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(78), "{stderr}");
+    assert!(stderr.contains("has no `metrics.jsonl`"), "{stderr}");
 
     // `plot --out` of the run's metrics: refused (exit 78), the metrics kept.
     let metrics = std::fs::read(run.join("metrics.jsonl")).unwrap();

@@ -306,6 +306,47 @@ fn a_new_run_is_not_mixed_into_an_old_one() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
+/// A second run into a directory a run is training in (a `--resume`, an `--overwrite`) is
+/// refused with 78, naming the holder, and touches nothing; the children of a
+/// `--max-restarts` agent run under its lock; once the run ends the directory is free again.
+#[test]
+fn a_directory_in_use_by_a_live_run_is_refused_to_a_second_one() {
+    let dir = temp_dir("locked");
+    let run = dir.join("run");
+    let mut agent = train(&run, 400, &["--max-restarts", "2"])
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    // The agent's child trains under the agent's lock.
+    wait_for_steps(&run, 2, &mut agent);
+    for extra in [&["--resume"][..], &["--overwrite"]] {
+        let o = train(&run, 4, extra).output().unwrap();
+        let stderr = String::from_utf8_lossy(&o.stderr);
+        assert_eq!(o.status.code(), Some(78), "{extra:?}: {stderr}");
+        assert!(
+            stderr.contains("is in use by another training run")
+                && stderr.contains(&format!("(process {})", agent.id())),
+            "{stderr}"
+        );
+    }
+    // The --overwrite removed nothing of the live run.
+    assert!(
+        run.join("checkpoints/step-00000002/manifest.json")
+            .is_file()
+    );
+    signal(agent.id(), libc::SIGTERM);
+    assert!(agent.wait().unwrap().success());
+    let stopped = events(&run, "stopped")[0]["step"].as_u64().unwrap();
+    // Free again: a resume continues where the stopped run ended.
+    let o = ok(&mut train(&run, stopped as u32 + 2, &["--resume"]));
+    assert!(
+        String::from_utf8_lossy(&o.stderr).contains(&format!("step {stopped})")),
+        "{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
 /// The embedded tiny config with `[train] async_checkpoint = false`.
 fn synchronous_config(dir: &Path) -> PathBuf {
     tiny_with(dir, "sync.toml", "async_checkpoint = false\n")
@@ -355,6 +396,8 @@ fn a_full_disk_during_a_checkpoint_keeps_the_previous_one() {
         sync.join("checkpoints/step-00000002/manifest.json")
             .is_file()
     );
+    // The failed write's partial shard is not left to take the room the next write needs.
+    assert!(!sync.join("checkpoints/step-00000004").exists());
     let o = ok(train(&sync, 8, &["--resume", "--config"]).arg(&cfg));
     assert!(String::from_utf8_lossy(&o.stderr).contains("step-00000002"));
     same_as(&sync, &full);

@@ -70,6 +70,49 @@ fn sft_from_a_pretrained_run_scores_every_step() {
             "a step's loss is missing or ~0: {v}"
         );
     }
+    // Damaged Hugging Face weights are refused (78: no restart would mend them): a truncated
+    // file naming it, weights of other shapes than its config.json's naming the directory.
+    let damaged = |name: &str, spoil: &dyn Fn(&Path)| {
+        let bad = dir.join(name);
+        std::fs::create_dir_all(&bad).unwrap();
+        for f in std::fs::read_dir(&hf).unwrap().flatten() {
+            std::fs::copy(f.path(), bad.join(f.file_name())).unwrap();
+        }
+        spoil(&bad);
+        let o = nsactor()
+            .args(["train", "--steps", "1", "--init-from"])
+            .arg(&bad)
+            .arg("--out")
+            .arg(dir.join(format!("{name}-run")))
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&o.stderr).into_owned();
+        assert_eq!(o.status.code(), Some(78), "{stderr}");
+        (bad, stderr)
+    };
+    let (bad, err) = damaged("truncated", &|d| {
+        let f = std::fs::File::options()
+            .write(true)
+            .open(d.join("model.safetensors"))
+            .unwrap();
+        f.set_len(f.metadata().unwrap().len() / 2).unwrap();
+    });
+    let file = bad.join("model.safetensors");
+    assert!(
+        err.contains(&format!("{}: not a whole safetensors file", file.display())),
+        "{err}"
+    );
+    let (bad, err) = damaged("misshapen", &|d| {
+        let cfg = std::fs::read_to_string(d.join("config.json")).unwrap();
+        assert!(cfg.contains("\"D_ff\": 192"), "{cfg}");
+        let cfg = cfg.replace("\"D_ff\": 192", "\"D_ff\": 256");
+        std::fs::write(d.join("config.json"), cfg).unwrap();
+    });
+    assert!(
+        err.contains(&format!("the weights in {} do not fit", bad.display()))
+            && err.contains("has shape [192, 64], the model expects [256, 64]"),
+        "{err}"
+    );
     std::fs::remove_dir_all(&dir).unwrap();
 }
 

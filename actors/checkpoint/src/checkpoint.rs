@@ -102,19 +102,25 @@ pub fn write_with(
     before_manifest: &dyn Fn(),
 ) -> Result<PathBuf, RuntimeError> {
     let dir = begin(root, meta.step)?;
-    let written = crate::stream::write_stages(
+    let sealed = crate::stream::write_stages(
         &dir,
         shards.iter().collect(),
         &|b: &Vec<u8>| Ok(b.as_slice()),
         crate::stream::ReadAhead::BESIDE,
         None,
-    )?;
-    seal(
-        &dir,
-        meta,
-        (written.entries, written.weights),
-        before_manifest,
-    )?;
+    )
+    .and_then(|written| {
+        seal(
+            &dir,
+            meta,
+            (written.entries, written.weights),
+            before_manifest,
+        )
+    });
+    if let Err(e) = sealed {
+        abandon(&dir);
+        return Err(e);
+    }
     prune(root, keep, &dir);
     Ok(dir)
 }
@@ -129,6 +135,21 @@ pub fn begin(root: &Path, step: u64) -> Result<PathBuf, RuntimeError> {
             Err(RuntimeError::CheckpointIo(dir.join(MANIFEST), e))
         }
         _ => Ok(dir),
+    }
+}
+
+/// Removes checkpoint `dir` (made by [`begin`]) whose write failed: its partial shards can
+/// never be resumed from and take the room the next write needs (a full disk). Best effort:
+/// a failure to remove is logged, and the folder, without a manifest, is skipped by a resume
+/// and removed by a later [`prune`].
+pub fn abandon(dir: &Path) {
+    match std::fs::remove_dir_all(dir) {
+        Ok(()) => tracing::info!("removed the failed checkpoint write {}", dir.display()),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => tracing::warn!(
+            "could not remove the failed checkpoint write {}: {e}",
+            dir.display()
+        ),
     }
 }
 
@@ -176,15 +197,28 @@ pub fn list(root: &Path) -> Vec<(u64, PathBuf)> {
 }
 
 /// Removes all but `keep` checkpoints under `root` (0: keeps all): `sealed`, the one just
-/// written, and the newest others by step number. The one just written is kept even when a
-/// run started afresh where an earlier run left checkpoints of later steps.
+/// written, and the newest others by step number that have a manifest. The one just written is
+/// kept even when a run started afresh where an earlier run left checkpoints of later steps.
+///
+/// A folder without a manifest (a write cut short by a crash or a full disk) can never be
+/// resumed from, so it does not count among the `keep`: counted, it would push out a good
+/// checkpoint. One older than `sealed` is removed (its shards take room the next write
+/// needs); a newer one is left as it is (not this run's to judge).
 pub fn prune(root: &Path, keep: usize, sealed: &Path) {
     if keep == 0 {
         return;
     }
-    let others = list(root).into_iter().filter(|(_, d)| d != sealed);
-    for (_, dir) in others.skip(keep - 1) {
-        if let Err(e) = std::fs::remove_dir_all(&dir) {
+    let found = list(root);
+    let sealed_step = found.iter().find(|(_, d)| d == sealed).map(|(s, _)| *s);
+    let mut kept = 1;
+    for (step, dir) in found.into_iter().filter(|(_, d)| d != sealed) {
+        let remove = if dir.join(MANIFEST).exists() {
+            kept += 1;
+            kept > keep
+        } else {
+            sealed_step.is_some_and(|s| step < s)
+        };
+        if remove && let Err(e) = std::fs::remove_dir_all(&dir) {
             tracing::warn!("could not remove old checkpoint {}: {e}", dir.display());
         }
     }
@@ -427,6 +461,30 @@ mod tests {
         std::fs::write(dir4.join(MANIFEST), &text[..text.len() / 2]).unwrap();
         let (_, skipped) = latest_valid(root.path());
         assert!(skipped[1].contains("unreadable manifest"), "{skipped:?}");
+    }
+
+    /// A folder a write left without its manifest does not count among the checkpoints kept:
+    /// with `keep` 2 the two newest whole ones stay, the torn one older than them goes, and
+    /// a torn one newer than the one just written is left alone.
+    #[test]
+    fn a_torn_checkpoint_is_not_counted_among_those_kept() {
+        let root = tempfile::tempdir().unwrap();
+        let shards = stages();
+        write(root.path(), &meta(10), &shards, 2).unwrap();
+        let torn = |step| {
+            let d = begin(root.path(), step).unwrap();
+            std::fs::write(d.join(shard_file(0)), [1u8; 64]).unwrap();
+        };
+        torn(20);
+        torn(90);
+        write(root.path(), &meta(30), &shards, 2).unwrap();
+        let steps: Vec<u64> = list(root.path()).iter().map(|(s, _)| *s).collect();
+        assert_eq!(steps, [90, 30, 10]);
+        let (found, _) = latest_valid(root.path());
+        assert_eq!(found.unwrap().manifest.step, 30);
+        write(root.path(), &meta(40), &shards, 2).unwrap();
+        let steps: Vec<u64> = list(root.path()).iter().map(|(s, _)| *s).collect();
+        assert_eq!(steps, [90, 40, 30]);
     }
 
     /// A run started afresh where an earlier, longer run left checkpoints keeps the one it

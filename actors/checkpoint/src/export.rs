@@ -195,7 +195,17 @@ pub fn is_hf_dir(dir: &Path) -> bool {
 pub fn read_hf_weights(hf: &Path) -> Result<Vec<u8>, RuntimeError> {
     let read = |p: PathBuf| std::fs::read(&p).map_err(|e| convert(format!("{}: {e}", p.display())));
     if hf.join(WEIGHTS).is_file() || !hf.join(WEIGHTS_INDEX).is_file() {
-        return read(hf.join(WEIGHTS));
+        // Checked whole here (a truncated or foreign file is refused naming it), before a
+        // backend is opened and each stage reads its tensors from it.
+        let path = hf.join(WEIGHTS);
+        let bytes = read(path.clone())?;
+        SafeTensors::deserialize(&bytes).map_err(|e| {
+            convert(format!(
+                "{}: not a whole safetensors file: {e}",
+                path.display()
+            ))
+        })?;
+        return Ok(bytes);
     }
     let files = crate::hub::shards(hf)?
         .into_iter()

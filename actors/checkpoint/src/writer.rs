@@ -88,34 +88,47 @@ impl Job {
     fn run(self, ahead: stream::ReadAhead) -> Result<WriteDone, RuntimeError> {
         let t = Instant::now();
         let crash = self.crash;
-        if self.disk_full {
-            let dir = checkpoint::step_dir(&self.root, self.meta.step);
-            return Err(RuntimeError::CheckpointIo(
-                dir.join(checkpoint::shard_file(0)),
-                std::io::Error::from_raw_os_error(28), // ENOSPC, injected
-            ));
-        }
         let dir = checkpoint::begin(&self.root, self.meta.step)?;
-        let written = stream::write_stages(
-            &dir,
-            self.shards,
-            &|s: Box<dyn StageSnapshot>| Ok(s.bytes()?),
-            ahead,
-            self.reads_done,
-        )?;
-        let weights = written.weights.clone();
-        let bytes = written.entries.iter().map(|e| e.bytes).sum::<u64>() + weights.bytes;
-        checkpoint::seal(
-            &dir,
-            &self.meta,
-            (written.entries, written.weights),
-            &|| {
-                if crash {
-                    eprintln!("injected fault: crashing before the manifest");
-                    std::process::abort();
-                }
-            },
-        )?;
+        let filled = if self.disk_full {
+            // Injected: the disk fills part way through the first shard.
+            let shard = dir.join(checkpoint::shard_file(0));
+            let _ = std::fs::write(&shard, [0u8; 4096]);
+            Err(RuntimeError::CheckpointIo(
+                shard,
+                std::io::Error::from_raw_os_error(28), // ENOSPC
+            ))
+        } else {
+            stream::write_stages(
+                &dir,
+                self.shards,
+                &|s: Box<dyn StageSnapshot>| Ok(s.bytes()?),
+                ahead,
+                self.reads_done,
+            )
+        };
+        let sealed = filled.and_then(|written| {
+            let weights = written.weights.clone();
+            let bytes = written.entries.iter().map(|e| e.bytes).sum::<u64>() + weights.bytes;
+            checkpoint::seal(
+                &dir,
+                &self.meta,
+                (written.entries, written.weights),
+                &|| {
+                    if crash {
+                        eprintln!("injected fault: crashing before the manifest");
+                        std::process::abort();
+                    }
+                },
+            )?;
+            Ok((weights, bytes, written.read_seconds))
+        });
+        let (weights, bytes, read_seconds) = match sealed {
+            Ok(done) => done,
+            Err(e) => {
+                checkpoint::abandon(&dir);
+                return Err(e);
+            }
+        };
         if let Some(to) = &self.export {
             let from = dir.join(&weights.file);
             let linked = crate::split::link_or_copy(&from, to).map_err(|e| {
@@ -139,7 +152,7 @@ impl Job {
             dir,
             bytes,
             seconds: t.elapsed().as_secs_f64(),
-            read_seconds: written.read_seconds,
+            read_seconds,
             export: self.export.map(|p| (p, weights.bytes)),
         })
     }

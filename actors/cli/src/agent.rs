@@ -131,6 +131,12 @@ fn forward_signals(
 /// as `group`'s ranks, until it succeeds, restarting it under `policy`. `out_dir` holds the
 /// run's metrics and its `checkpoints/`.
 pub fn supervise(policy: RestartPolicy, out_dir: &Path, group: Option<Group>) -> CliResult {
+    // The run directory is locked for the agent's life, restarts included (node 0's agent:
+    // its rank 0 writes the run's files); the children run under its lock.
+    let _lock = match &group {
+        Some(g) if g.node_rank > 0 => None,
+        _ => Some(nsactor_launch::run_dir::RunLock::acquire(out_dir)?),
+    };
     let exe = std::env::current_exe()?;
     let args = child_args(std::env::args_os().skip(1));
     // An injected fault fires once per run: the first child only.

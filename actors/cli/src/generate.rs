@@ -58,7 +58,10 @@ pub fn run(a: GenerateArgs) -> crate::result::CliResult {
     };
     // Streams one answer to stdout; returns its text.
     let run = |prompt: PromptSpec| -> crate::result::CliResult<String> {
-        let spec = options().validate(prompt, false, &state.limits)?;
+        // A sampling value or prompt out of range is refused input (exit 78).
+        let spec = options()
+            .validate(prompt, false, &state.limits)
+            .map_err(|e| crate::result::refuse(e.to_string()))?;
         let (tx, mut rx) = tokio::sync::mpsc::channel(64);
         let g = state.clone();
         l.pipeline.block_on(async move {
@@ -100,8 +103,21 @@ pub fn run(a: GenerateArgs) -> crate::result::CliResult {
     let mut messages: Vec<ChatMessage> = Vec::new();
     let stdin = std::io::stdin();
     eprint!("> ");
-    for line in stdin.lock().lines() {
-        let line = line?;
+    let mut input = stdin.lock();
+    let mut raw = Vec::new();
+    loop {
+        raw.clear();
+        if input.read_until(b'\n', &mut raw)? == 0 {
+            break;
+        }
+        // A line that is not UTF-8 (a terminal in another encoding, a pasted binary) is
+        // refused on its own; the conversation goes on.
+        let Ok(line) = std::str::from_utf8(&raw) else {
+            eprintln!("that line is not UTF-8 text; type it again");
+            eprint!("> ");
+            continue;
+        };
+        let line = line.trim_end_matches(['\n', '\r']).to_string();
         if line.trim().is_empty() {
             eprint!("> ");
             continue;

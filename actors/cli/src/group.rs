@@ -157,6 +157,11 @@ impl Group {
 pub fn command(exe: &Path, args: &[OsString]) -> Command {
     let mut cmd = Command::new(exe);
     cmd.args(args);
+    // The agent holds the run directory's lock; its children run under it.
+    cmd.env(
+        nsactor_launch::run_dir::LOCK_HELD_BY,
+        std::process::id().to_string(),
+    );
     cmd.process_group(0);
     // SAFETY: prctl is async-signal-safe; nothing else runs between fork and exec.
     unsafe {

@@ -29,6 +29,12 @@ pub fn run(a: PlotArgs) -> crate::result::CliResult {
             out.display()
         ))));
     }
+    if !metrics.is_file() {
+        return Err(crate::result::refuse(format!(
+            "{} has no `metrics.jsonl`: give the directory of a training run",
+            a.run.display()
+        )));
+    }
     let title = a.title.unwrap_or_else(|| a.run.display().to_string());
     nsactor_training::history::draw(&metrics, &out, title)?;
     println!("{}", out.display());

@@ -477,9 +477,13 @@ fn layered(text: &str, origin: &str, env: &EnvLayer) -> Result<RunConfig, Runtim
         }
     }
     cfg.check_toml(&origin)?;
-    cfg.model
-        .validate()
-        .map_err(|e| RuntimeError::ConfigInvalid(origin.clone(), e.to_string()))?;
+    cfg.model.validate().map_err(|e| {
+        let m = match e {
+            nsactor_plugin_api::EngineError::InvalidInput(m) => m,
+            other => other.to_string(),
+        };
+        RuntimeError::ConfigInvalid(origin.clone(), format!("[model] {m}"))
+    })?;
     cfg.train.validate(&origin)?;
     if let Some(p) = &cfg.backend.precision
         && p != "fp32"
@@ -521,7 +525,7 @@ impl TrainConfig {
     /// Checks the values (run again after command-line overrides); `origin` names the config
     /// in the error.
     pub fn validate(&self, origin: &str) -> Result<(), RuntimeError> {
-        let bad = |m: String| RuntimeError::ConfigInvalid(origin.into(), m);
+        let bad = |m: String| RuntimeError::ConfigInvalid(origin.into(), format!("[train] {m}"));
         let positive = [
             ("steps", self.steps as usize),
             ("batch_size", self.batch_size),

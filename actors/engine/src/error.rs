@@ -24,8 +24,8 @@ pub enum RuntimeError {
     /// A config does not parse (unknown keys name their path).
     #[error("config {0}: {1}")]
     ConfigParse(String, String),
-    /// A config parses but a `[train]` value is out of range.
-    #[error("config {0}: [train] {1}")]
+    /// A config parses but a value is out of range (the message names its table).
+    #[error("config {0}: {1}")]
     ConfigInvalid(String, String),
     /// A checkpoint file could not be read or written.
     #[error("checkpoint {0}: {1}")]

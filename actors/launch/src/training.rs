@@ -98,11 +98,18 @@ pub fn train(req: TrainRequest) -> Result<TrainOutcome, RuntimeError> {
     };
     let compute = launch::open_training_backend(&cfg, req.backend.as_deref())?;
     startup.mark("backend");
-    // Rank 0 writes the run's files, so it alone looks at (and clears) its directory; after
-    // the configuration, data and backend are known good, before anything is written.
-    if !req.resume && rank == 0 {
-        crate::run_dir::claim(&cfg.train.out_dir, req.overwrite)?;
-    }
+    // Rank 0 writes the run's files, so it alone locks, looks at (and clears) its directory;
+    // after the configuration, data and backend are known good, before anything is read from
+    // it or written. The lock is held until the run returns.
+    let _lock = if rank == 0 {
+        let lock = crate::run_dir::RunLock::acquire(&cfg.train.out_dir)?;
+        if !req.resume {
+            crate::run_dir::claim(&cfg.train.out_dir, req.overwrite)?;
+        }
+        Some(lock)
+    } else {
+        None
+    };
     let member = match world {
         Some(w) => {
             world::place(&mut cfg, &w, compute.as_ref());

@@ -362,6 +362,8 @@ impl<B: SnnOps> StageSnapshot for StageSnap<B> {
 /// Loads `module`'s parameters from `bytes` (plain names or the HF `model.` layout) and, for a
 /// stage with an optimizer, the Adam state when the file has it for every parameter; otherwise
 /// the optimizer starts fresh. Without an optimizer the file's Adam moments are never read.
+/// Bytes that are no safetensors file or lack or misshape a tensor are refused input
+/// ([`EngineError::InvalidInput`]): the same file would fail the same way again.
 pub(crate) fn load_stage<B: SnnOps, M: Params<Ad<B>>>(
     module: &mut M,
     prefix: &str,
@@ -370,7 +372,7 @@ pub(crate) fn load_stage<B: SnnOps, M: Params<Ad<B>>>(
     stage: &str,
 ) -> Result<(), EngineError> {
     read_stage(module, prefix, adam, bytes).map_err(|e| match e {
-        EngineError::Io(m) => EngineError::Io(format!("{stage}: {m}")),
+        EngineError::InvalidInput(m) => EngineError::InvalidInput(format!("{stage}: {m}")),
         other => other,
     })
 }
@@ -382,7 +384,7 @@ fn read_stage<B: SnnOps, M: Params<Ad<B>>>(
     bytes: &[u8],
 ) -> Result<(), EngineError> {
     let st = SafeTensors::deserialize(bytes)
-        .map_err(|e| EngineError::Io(format!("not a safetensors file: {e}")))?;
+        .map_err(|e| EngineError::InvalidInput(format!("not a safetensors file: {e}")))?;
     let names: Vec<(String, Vec<usize>)> = {
         struct Names(Vec<(String, Vec<usize>)>);
         impl<B: Backend> ParamVisitor<B> for Names {
@@ -401,20 +403,20 @@ fn read_stage<B: SnnOps, M: Params<Ad<B>>>(
     } else {
         prefix.to_string()
     };
-    load_params(module, &st, &file_prefix).map_err(|e| EngineError::Io(e.to_string()))?;
+    load_params(module, &st, &file_prefix).map_err(|e| EngineError::InvalidInput(e.to_string()))?;
     let Some(adam) = adam else {
         return Ok(());
     };
 
     let (_, meta) = SafeTensors::read_metadata(bytes)
-        .map_err(|e| EngineError::Io(format!("safetensors header: {e}")))?;
+        .map_err(|e| EngineError::InvalidInput(format!("safetensors header: {e}")))?;
     let steps: BTreeMap<String, u64> = match meta.metadata().as_ref().and_then(|m| m.get(META_KEY))
     {
         Some(text) => {
             let v: serde_json::Value = serde_json::from_str(text)
-                .map_err(|e| EngineError::Io(format!("`{META_KEY}` metadata: {e}")))?;
+                .map_err(|e| EngineError::InvalidInput(format!("`{META_KEY}` metadata: {e}")))?;
             serde_json::from_value(v["adam_steps"].clone())
-                .map_err(|e| EngineError::Io(format!("`{META_KEY}` adam_steps: {e}")))?
+                .map_err(|e| EngineError::InvalidInput(format!("`{META_KEY}` adam_steps: {e}")))?
         }
         None => BTreeMap::new(),
     };
@@ -433,10 +435,11 @@ fn read_stage<B: SnnOps, M: Params<Ad<B>>>(
         let read = |key: String| -> Result<Tensor<B, 1>, EngineError> {
             let view = st
                 .tensor(&key)
-                .map_err(|e| EngineError::Io(format!("{key}: {e}")))?;
-            let values = view_to_f32(&key, &view).map_err(|e| EngineError::Io(e.to_string()))?;
+                .map_err(|e| EngineError::InvalidInput(format!("{key}: {e}")))?;
+            let values =
+                view_to_f32(&key, &view).map_err(|e| EngineError::InvalidInput(e.to_string()))?;
             if values.len() != n {
-                return Err(EngineError::Io(format!(
+                return Err(EngineError::InvalidInput(format!(
                     "{key} has {} values, the parameter {n}",
                     values.len()
                 )));

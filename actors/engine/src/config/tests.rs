@@ -184,4 +184,20 @@ mod wording_tests {
             "{e}"
         );
     }
+
+    /// A value out of range is labelled with its own table: `[model]` or `[train]`.
+    #[test]
+    fn out_of_range_values_name_their_table() {
+        let e = refused("D", "0");
+        assert!(
+            e.starts_with("config test.toml: [model] ") && e.contains("`D` must be positive"),
+            "{e}"
+        );
+        assert!(!e.contains("[train]"), "{e}");
+        let e = refused("lr", "nan");
+        assert!(
+            e.starts_with("config test.toml: [train] `lr` must be finite"),
+            "{e}"
+        );
+    }
 }

@@ -123,8 +123,8 @@ for ids in prompts:
     if len(bad):
         note += f"; first difference at position {int(bad[0])}, before any near-threshold neuron"
     check(len(bad) == 0,
-          f"{len(ids):3d}-token prompt: max |logprob hf - server| (chosen and top-1) over positions "
-          f"0..{first_flip} = {strict.max() if len(strict) else 0:.3e}; {note}")
+          f"{len(ids):3d}-token prompt: max |logprob hf - server| (chosen and top-1) over the first "
+          f"{first_flip} of {len(diff)} positions = {strict.max() if len(strict) else 0:.3e}; {note}")
     # The labels loss: transformers' shifted mean against the per-position log-probabilities
     # (held against the server's above).
     loss_ref = (-ours).mean().item()

@@ -5,6 +5,7 @@
 //! and keys are errors naming their path.
 
 use crate::error::RuntimeError;
+pub use crate::schedule::{DpReduce, Schedule};
 pub use nsactor_model_config::{ModelConfig, ModelToml, from_toml_str as model_from_toml};
 use nsactor_plugin_api::KernelTuning;
 use serde::{Deserialize, Serialize};
@@ -154,8 +155,6 @@ impl Default for DataConfig {
         }
     }
 }
-
-pub use crate::schedule::{DpReduce, Schedule};
 
 /// Values given on the command line that replace the config file's; `None` keeps the file's.
 /// [`RunConfig::apply`] applies them and validates the result.
@@ -477,13 +476,10 @@ fn layered(text: &str, origin: &str, env: &EnvLayer) -> Result<RunConfig, Runtim
         }
     }
     cfg.check_toml(&origin)?;
-    cfg.model.validate().map_err(|e| {
-        let m = match e {
-            nsactor_plugin_api::EngineError::InvalidInput(m) => m,
-            other => other.to_string(),
-        };
-        RuntimeError::ConfigInvalid(origin.clone(), format!("[model] {m}"))
-    })?;
+    if let Err(e) = cfg.model.validate() {
+        let m = e.to_string().replacen("invalid input: ", "", 1);
+        return Err(RuntimeError::ConfigInvalid(origin, format!("[model] {m}")));
+    }
     cfg.train.validate(&origin)?;
     if let Some(p) = &cfg.backend.precision
         && p != "fp32"

@@ -409,16 +409,16 @@ impl InitFrom {
                 // Every stage reads its own tensors from the one weights file.
                 let stages = pipeline.num_layers() + 1;
                 let one = Arc::new(hf.weights);
-                pipeline
-                    .load_shared(vec![one; stages])
-                    .map_err(|e| match e.refuses_input() {
-                        true => RuntimeError::Weights(format!(
-                            "--init-from: the weights in {} do not fit the model its config.json \
+                pipeline.load_shared(vec![one; stages]).map_err(|e| {
+                    if !e.refuses_input() {
+                        return e;
+                    }
+                    RuntimeError::Weights(format!(
+                        "--init-from: the weights in {} do not fit the model its config.json \
                              describes: {e}",
-                            dir.display()
-                        )),
-                        false => e,
-                    })?;
+                        dir.display()
+                    ))
+                })?;
                 (dir, 0)
             }
         };

@@ -55,8 +55,24 @@ pub fn view_to_f32(name: &str, view: &TensorView<'_>) -> Result<Vec<f32>, ModelE
     Ok(out)
 }
 
+/// `values` when every one is finite; else an error naming the tensor and the first bad index.
+/// A NaN or infinite weight is never a model's (a diverged run's or a damaged file's): loading
+/// it would run, print NaN losses or texts of one token, and exit 0.
+pub fn finite(name: &str, values: Vec<f32>) -> Result<Vec<f32>, ModelError> {
+    match values.iter().position(|x| !x.is_finite()) {
+        None => Ok(values),
+        Some(i) => Err(ModelError::Weights(format!(
+            "`{name}` holds {} at index {i} (of {}): the weights are damaged or come from a \
+             run that diverged",
+            values[i],
+            values.len()
+        ))),
+    }
+}
+
 /// Loads every parameter of `module` from `st`, named `{prefix}{name}`. Every parameter must be
-/// present with its exact shape; extra keys are ignored here (see [`load_file`] for strictness).
+/// present with its exact shape and finite values; extra keys are ignored here (see
+/// [`load_file`] for strictness).
 pub fn load_params<B: SnnOps, P: Params<B>>(
     module: &mut P,
     st: &SafeTensors<'_>,
@@ -85,7 +101,7 @@ pub fn load_params<B: SnnOps, P: Params<B>>(
                             p.dims()
                         )));
                     }
-                    view_to_f32(&key, &view)
+                    view_to_f32(&key, &view).and_then(|v| finite(&key, v))
                 });
             match result {
                 Ok(values) => {

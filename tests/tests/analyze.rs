@@ -4,7 +4,7 @@
 
 mod common;
 
-use common::cli::{nsactor, ok, run_err, run_ok, run_stdout, temp_dir};
+use common::cli::{nsactor, ok, run_ok, run_refused, run_stdout, temp_dir};
 use serde_json::Value;
 use std::path::Path;
 
@@ -185,9 +185,9 @@ fn analyze_a_trained_tiny_run_its_hugging_face_export_and_bad_input() {
     assert!(groups["arithmetic"]["surprisal"]["mean"].as_f64().unwrap() > 0.0);
     check_study(&by_q, k);
 
-    // Bad input: a malformed line, an empty file, no checkpoint.
+    // Bad input, refused (78): a malformed line, an empty file, a missing file, no checkpoint.
     std::fs::write(&q, "{\"text\": \"fine\"}\nnot json\n").unwrap();
-    let e = run_err(&[
+    let e = run_refused(&[
         "analyze",
         "--checkpoint",
         run.to_str().unwrap(),
@@ -199,7 +199,7 @@ fn analyze_a_trained_tiny_run_its_hugging_face_export_and_bad_input() {
     assert!(e.contains("q.jsonl:2"), "{e}");
     let empty = dir.join("empty.txt");
     std::fs::write(&empty, "\n\n").unwrap();
-    let e = run_err(&[
+    let e = run_refused(&[
         "analyze",
         "--checkpoint",
         run.to_str().unwrap(),
@@ -209,7 +209,17 @@ fn analyze_a_trained_tiny_run_its_hugging_face_export_and_bad_input() {
         dir.join("x").to_str().unwrap(),
     ]);
     assert!(e.contains("no sentence"), "{e}");
-    let e = run_err(&[
+    let e = run_refused(&[
+        "analyze",
+        "--checkpoint",
+        run.to_str().unwrap(),
+        "--text",
+        dir.join("absent.txt").to_str().unwrap(),
+        "--out",
+        dir.join("x").to_str().unwrap(),
+    ]);
+    assert!(e.contains("absent.txt"), "{e}");
+    let e = run_refused(&[
         "analyze",
         "--checkpoint",
         dir.join("nothing").to_str().unwrap(),

@@ -331,14 +331,21 @@ fn killed_crashed_and_failing_runs_end_exactly_like_an_uninterrupted_one() {
         ids(&gc),
         "config.json names the tokenizer's ids: {cj}"
     );
+    // Imported into a folder named relative to where the command runs; its config names its
+    // files by absolute paths, so the run trains on from anywhere.
     let imported = dir.join("imported");
-    run_ok(&[
+    ok(nsactor().current_dir(&dir).args([
         "import",
         "--from",
         hf.to_str().unwrap(),
         "--out",
-        imported.to_str().unwrap(),
-    ]);
+        "imported",
+    ]));
+    let cfg = std::fs::read_to_string(imported.join("config.toml")).unwrap();
+    assert!(
+        cfg.contains(&format!("out_dir = {:?}", imported.display().to_string())),
+        "{cfg}"
+    );
     let again = dir.join("hf-again");
     run_ok(&[
         "export",
@@ -354,8 +361,10 @@ fn killed_crashed_and_failing_runs_end_exactly_like_an_uninterrupted_one() {
     );
     // The imported run trains on.
     ok(nsactor()
+        .current_dir(hf.parent().unwrap().parent().unwrap())
         .args(["train", "--steps", "2", "--resume", "--config"])
         .arg(imported.join("config.toml")));
+    assert!(imported.join("metrics.jsonl").is_file());
     // A damaged export source is refused with the file named.
     let shard = full.join("checkpoints/step-00000008/layer-001.safetensors");
     let mut b = std::fs::read(&shard).unwrap();

@@ -109,12 +109,40 @@ fn sft_from_a_pretrained_run_scores_every_step() {
         std::fs::write(d.join("config.json"), cfg).unwrap();
     });
     assert!(
-        err.contains(&format!("the weights in {} do not fit", bad.display()))
+        err.contains(&format!("the weights in {} do not load", bad.display()))
             && err.contains("has shape [192, 64], the model expects [256, 64]"),
+        "{err}"
+    );
+    // A NaN weight (a diverged run's, a flipped bit's) is refused naming the tensor, not
+    // trained from into NaN losses.
+    let (bad, err) = damaged("nan", &|d| {
+        let path = d.join("model.safetensors");
+        let mut bytes = std::fs::read(&path).unwrap();
+        let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+        let header: serde_json::Value = serde_json::from_slice(&bytes[8..8 + n]).unwrap();
+        let (name, t) = header
+            .as_object()
+            .unwrap()
+            .iter()
+            .find(|(k, _)| k.starts_with("model."))
+            .unwrap();
+        assert_eq!(t["dtype"], "F32", "{name}: {t}");
+        let at = 8 + n + t["data_offsets"][0].as_u64().unwrap() as usize + 4;
+        bytes[at..at + 4].copy_from_slice(&f32::NAN.to_le_bytes());
+        std::fs::write(&path, bytes).unwrap();
+        NAN_TENSOR.set(name.clone()).unwrap();
+    });
+    let name = NAN_TENSOR.get().unwrap();
+    assert!(
+        err.contains(&format!("the weights in {} do not load", bad.display()))
+            && err.contains(&format!("`{name}` holds NaN at index 1 (of")),
         "{err}"
     );
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// The tensor the NaN case spoils (set inside its `Fn` closure).
+static NAN_TENSOR: std::sync::OnceLock<String> = std::sync::OnceLock::new();
 
 /// GET `path` on `addr`; the body.
 fn get(addr: &str, path: &str) -> Option<String> {

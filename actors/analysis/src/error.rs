@@ -26,3 +26,23 @@ pub enum AnalysisError {
 }
 
 pub type Result<T> = std::result::Result<T, AnalysisError>;
+
+impl AnalysisError {
+    /// Whether the error refuses the command's input (`nsactor analyze` exits 78 on it, as
+    /// every command does): a malformed or empty sentence file, a checkpoint without a tensor
+    /// the study reads, a file that is missing or unreadable, or what the model's loading
+    /// refused. A failed chart, a full disk or a failing device exits 1.
+    pub fn refuses_input(&self) -> bool {
+        use std::io::ErrorKind::{NotFound, PermissionDenied};
+        match self {
+            AnalysisError::Runtime(e) => e.refuses_input(),
+            AnalysisError::Engine(e) => {
+                nsactor_engine::RuntimeError::from(e.clone()).refuses_input()
+            }
+            AnalysisError::Data(e) => e.refuses_input(),
+            AnalysisError::Plot(..) => false,
+            AnalysisError::Io(_, e) => matches!(e.kind(), NotFound | PermissionDenied),
+            AnalysisError::Invalid(_) => true,
+        }
+    }
+}

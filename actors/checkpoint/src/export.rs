@@ -245,8 +245,8 @@ pub fn read_hf(hf: &Path) -> Result<HfModel, RuntimeError> {
 
 /// Makes `out` a run directory from the Hugging Face directory `hf`: `config.toml` (the HF
 /// model with the embedded default `[train]`), `tokenizer.json` and
-/// `checkpoints/step-00000000` (the weights, fresh optimizer state). `nsactor train --config
-/// out/config.toml --resume` then trains on from them.
+/// `checkpoints/step-00000000` (the weights, fresh optimizer state), the config naming them by
+/// absolute paths. `nsactor train --config out/config.toml --resume` then trains on from them.
 pub fn import_hf(
     hf: &Path,
     out: &Path,
@@ -258,6 +258,11 @@ pub fn import_hf(
         tokenizer: tok,
     } = read_hf(hf)?;
     std::fs::create_dir_all(out)
+        .map_err(|e| format!("{}: {e}", out.display()))
+        .map_err(convert)?;
+    // The config's paths are absolute: `train --config out/config.toml` reads them from
+    // wherever it is started, where a relative `--out` would name another folder.
+    let out = &std::path::absolute(out)
         .map_err(|e| format!("{}: {e}", out.display()))
         .map_err(convert)?;
     let tok_path = out.join("tokenizer.json");

@@ -28,6 +28,8 @@ pub fn exit_code(error: &CliError) -> u8 {
         RuntimeError::from(e.clone()).refuses_input()
     } else if let Some(e) = error.downcast_ref::<nsactor_data::DataError>() {
         e.refuses_input()
+    } else if let Some(e) = error.downcast_ref::<nsactor_analysis::AnalysisError>() {
+        e.refuses_input()
     } else {
         false
     };

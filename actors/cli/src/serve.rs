@@ -451,6 +451,8 @@ pub fn run(a: ServeArgs) -> crate::result::CliResult {
         let listener = tokio::net::TcpListener::bind(&addr)
             .await
             .map_err(|e| format!("cannot listen on {addr}: {e}"))?;
+        // From here a signal drains the running generations; before, it exits at once.
+        stop.arm();
         tracing::info!(
             "serving on http://{} (WebSocket /ws, OpenAI /v1/completions and /v1/chat/completions, chat page /)",
             listener.local_addr()?

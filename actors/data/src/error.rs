@@ -36,6 +36,15 @@ pub enum DataError {
         what: String,
         msg: String,
     },
+    #[error(
+        "{path}: line {line} is longer than {limit} bytes (is it a text or JSON lines file?); \
+         split it into lines"
+    )]
+    LineTooLong {
+        path: PathBuf,
+        line: usize,
+        limit: usize,
+    },
     #[error("empty corpus: no non-empty document in {0}")]
     EmptyCorpus(String),
     #[error("tokenizer {origin}: {msg}")]

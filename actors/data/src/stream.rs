@@ -18,6 +18,11 @@ use std::rc::Rc;
 /// A batch closes at the first document past this many bytes of text.
 pub const BATCH_BYTES: usize = 4 << 20;
 
+/// The longest line of a text or JSONL file read (its newline aside): a longer one is refused
+/// rather than held in memory whole (a device or a binary file without newlines would
+/// otherwise be read until memory runs out).
+pub const MAX_LINE_BYTES: usize = 256 << 20;
+
 /// Documents of one file, in file order.
 #[derive(Debug, Default)]
 pub struct Batch {
@@ -129,7 +134,15 @@ pub fn read_documents(
                     }
                     text.len() as u64
                 }
-                _ => read_lines(path, comp, format, text_field, &mut r, &mut b, &n)?,
+                _ => {
+                    let lines = Lines {
+                        path,
+                        comp,
+                        format,
+                        max_line: MAX_LINE_BYTES,
+                    };
+                    lines.read(text_field, &mut r, &mut b, &n)?
+                }
             };
             b.flush(n.get())?;
             text_bytes
@@ -151,69 +164,92 @@ fn io_err(path: &Path, comp: Compression, e: std::io::Error) -> DataError {
     }
 }
 
-/// The documents of a text or JSONL stream, a line at a time; returns the bytes of text read.
-fn read_lines(
-    path: &Path,
+/// How a text or JSONL stream is read a line at a time.
+struct Lines<'a> {
+    path: &'a Path,
     comp: Compression,
     format: Format,
-    text_field: &str,
-    r: &mut impl BufRead,
-    b: &mut Batcher<'_>,
-    file_read: &Cell<u64>,
-) -> Result<u64> {
-    let (mut buf, mut para, mut offset, mut line_no) = (Vec::new(), String::new(), 0u64, 0usize);
-    loop {
-        buf.clear();
-        let k = r
-            .read_until(b'\n', &mut buf)
-            .map_err(|e| io_err(path, comp, e))?;
-        if k == 0 {
-            break;
-        }
-        line_no += 1;
-        let line = std::str::from_utf8(&buf).map_err(|e| DataError::Utf8 {
-            path: path.to_path_buf(),
-            offset: offset as usize + e.valid_up_to(),
-            note: if comp == Compression::None {
-                ""
-            } else {
-                " of the decompressed text"
-            },
-        })?;
-        offset += k as u64;
-        if format == Format::Text {
-            // A paragraph: lines up to the next blank one, without its final newline.
-            if line.trim().is_empty() {
-                if !para.is_empty() {
-                    let p = std::mem::take(&mut para);
-                    b.push(p.trim_end_matches(['\n', '\r']).to_owned(), file_read.get())?;
-                }
-            } else {
-                para.push_str(line);
+    /// [`MAX_LINE_BYTES`], smaller in tests.
+    max_line: usize,
+}
+
+impl Lines<'_> {
+    /// The documents of the stream; returns the bytes of text read.
+    fn read(
+        &self,
+        text_field: &str,
+        r: &mut impl BufRead,
+        b: &mut Batcher<'_>,
+        file_read: &Cell<u64>,
+    ) -> Result<u64> {
+        let Lines {
+            path,
+            comp,
+            format,
+            max_line,
+        } = *self;
+        let (mut buf, mut para, mut offset, mut line_no) =
+            (Vec::new(), String::new(), 0u64, 0usize);
+        loop {
+            buf.clear();
+            let k = (r.by_ref().take(max_line as u64 + 1))
+                .read_until(b'\n', &mut buf)
+                .map_err(|e| io_err(path, comp, e))?;
+            if k == 0 {
+                break;
             }
-            continue;
+            line_no += 1;
+            if k > max_line && buf.last() != Some(&b'\n') {
+                return Err(DataError::LineTooLong {
+                    path: path.to_path_buf(),
+                    line: line_no,
+                    limit: max_line,
+                });
+            }
+            let line = std::str::from_utf8(&buf).map_err(|e| DataError::Utf8 {
+                path: path.to_path_buf(),
+                offset: offset as usize + e.valid_up_to(),
+                note: if comp == Compression::None {
+                    ""
+                } else {
+                    " of the decompressed text"
+                },
+            })?;
+            offset += k as u64;
+            if format == Format::Text {
+                // A paragraph: lines up to the next blank one, without its final newline.
+                if line.trim().is_empty() {
+                    if !para.is_empty() {
+                        let p = std::mem::take(&mut para);
+                        b.push(p.trim_end_matches(['\n', '\r']).to_owned(), file_read.get())?;
+                    }
+                } else {
+                    para.push_str(line);
+                }
+                continue;
+            }
+            let line = line.strip_suffix('\n').unwrap_or(line);
+            let line = line.strip_suffix('\r').unwrap_or(line);
+            if line.trim().is_empty() {
+                continue;
+            }
+            let what = || format!("line {line_no}");
+            let v: serde_json::Value = serde_json::from_str(line).map_err(|e| DataError::Json {
+                path: path.to_path_buf(),
+                what: what(),
+                msg: e.to_string(),
+            })?;
+            let text = corpus::text_of(path, v, text_field, &what)?;
+            b.push(text, file_read.get())?;
         }
-        let line = line.strip_suffix('\n').unwrap_or(line);
-        let line = line.strip_suffix('\r').unwrap_or(line);
-        if line.trim().is_empty() {
-            continue;
+        if !para.is_empty() {
+            b.push(
+                para.trim_end_matches(['\n', '\r']).to_owned(),
+                file_read.get(),
+            )?;
         }
-        let what = || format!("line {line_no}");
-        let v: serde_json::Value = serde_json::from_str(line).map_err(|e| DataError::Json {
-            path: path.to_path_buf(),
-            what: what(),
-            msg: e.to_string(),
-        })?;
-        let text = corpus::text_of(path, v, text_field, &what)?;
-        b.push(text, file_read.get())?;
+        Ok(offset)
     }
-    if !para.is_empty() {
-        b.push(
-            para.trim_end_matches(['\n', '\r']).to_owned(),
-            file_read.get(),
-        )?;
-    }
-    Ok(offset)
 }
 
 /// Every document of `paths` (folders expanded, [`corpus::expand`]), in order, in memory: for
@@ -231,4 +267,60 @@ pub fn read_all_documents(paths: &[PathBuf], text_field: &str) -> Result<Vec<Str
         return Err(DataError::EmptyCorpus(corpus::list(&files)));
     }
     Ok(docs)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The documents of `text` read with lines of at most `max_line` bytes.
+    fn read(text: &str, format: Format, max_line: usize) -> Result<Vec<String>> {
+        let mut docs = Vec::new();
+        let mut sink = |b: Batch| {
+            docs.extend(b.docs);
+            Ok(())
+        };
+        let mut b = Batcher {
+            batch: Batch::default(),
+            documents: 0,
+            sink: &mut sink,
+        };
+        let lines = Lines {
+            path: Path::new("c.txt"),
+            comp: Compression::None,
+            format,
+            max_line,
+        };
+        let mut r = std::io::Cursor::new(text.as_bytes());
+        lines.read("text", &mut r, &mut b, &Cell::new(0))?;
+        b.flush(0)?;
+        Ok(docs)
+    }
+
+    #[test]
+    fn a_line_past_the_limit_is_refused_naming_it_and_one_at_it_is_read() {
+        // Lines of exactly the limit's bytes (their newline aside), the last one without one.
+        let text = "12345678\nabcdefgh\n\nlast5678";
+        assert_eq!(
+            read(text, Format::Text, 8).unwrap(),
+            ["12345678\nabcdefgh", "last5678"]
+        );
+        let jsonl = "{\"text\":\"ab\"}\n{\"text\":\"abcdef\"}\n"; // lines of 13 and 17 bytes
+        assert_eq!(read(jsonl, Format::Jsonl, 17).unwrap(), ["ab", "abcdef"]);
+        for (text, format, max_line, line) in [
+            ("12345678\n123456789\n", Format::Text, 8, 2),
+            ("1234\n\n123456789", Format::Text, 8, 3),
+            (jsonl, Format::Jsonl, 16, 2),
+        ] {
+            let e = read(text, format, max_line).unwrap_err();
+            assert!(
+                matches!(e, DataError::LineTooLong { line: l, limit, .. } if l == line && limit == max_line),
+                "{text:?}: {e}"
+            );
+            assert!(
+                e.to_string()
+                    .starts_with(&format!("c.txt: line {line} is longer than"))
+            );
+        }
+    }
 }

@@ -11,6 +11,7 @@ use nsactor_plugin_api::KernelTuning;
 use serde::{Deserialize, Serialize};
 use std::path::{Path, PathBuf};
 
+mod backend;
 mod coerce;
 mod env;
 mod keep;
@@ -453,6 +454,10 @@ fn layered(text: &str, origin: &str, env: &EnvLayer) -> Result<RunConfig, Runtim
     }
     let built = builder.build().map_err(|e| parse(e.to_string()))?;
     let source: Option<serde_json::Value> = built.clone().try_deserialize().ok();
+    let float = |k: &str| built.get_float(k).ok();
+    if let Some(at) = source.as_ref().and_then(|s| coerce::non_finite(s, &float)) {
+        return Err(parse(format!("{at}: expected a finite number")));
+    }
     let cfg: RunConfig = serde_path_to_error::deserialize(built).map_err(|e| {
         // The same layers through serde's own deserializer: its messages name an enum's
         // values (config-rs's name the Rust type); config-rs's where serde's pass.
@@ -481,31 +486,7 @@ fn layered(text: &str, origin: &str, env: &EnvLayer) -> Result<RunConfig, Runtim
         return Err(RuntimeError::ConfigInvalid(origin, format!("[model] {m}")));
     }
     cfg.train.validate(&origin)?;
-    if let Some(p) = &cfg.backend.precision
-        && p != "fp32"
-        && p != "bf16"
-    {
-        return Err(parse(format!(
-            "[backend] precision = `{p}`: expected `fp32` or `bf16`"
-        )));
-    }
-    if let Some(s) = &cfg.backend.streams
-        && s != "shared"
-        && s != "per-thread"
-    {
-        return Err(parse(format!(
-            "[backend] streams = `{s}`: expected `shared` or `per-thread`"
-        )));
-    }
-    cfg.backend.kernel_table().map_err(parse)?;
-    if let Some(d) = &cfg.backend.cache_dir
-        && d.to_string_lossy().contains([',', ' ', '\t', '\n'])
-    {
-        return Err(parse(format!(
-            "[backend] cache_dir = `{}`: a path without commas or spaces, please (it travels in the plugin's option string)",
-            d.display()
-        )));
-    }
+    cfg.backend.check().map_err(parse)?;
     Ok(cfg)
 }
 

@@ -414,8 +414,8 @@ impl InitFrom {
                         return e;
                     }
                     RuntimeError::Weights(format!(
-                        "--init-from: the weights in {} do not fit the model its config.json \
-                             describes: {e}",
+                        "--init-from: the weights in {} do not load into the model its \
+                             config.json describes: {e}",
                         dir.display()
                     ))
                 })?;

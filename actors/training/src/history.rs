@@ -7,7 +7,8 @@ use std::collections::BTreeMap;
 
 /// The metrics of steps 1..=`upto` from an earlier part of the run: their losses (for the loss
 /// curve; NaN for a skipped step) and the lines to keep: the last line of each of those steps
-/// and every event line (recoveries, restarts, checkpoints), in the order they were written.
+/// and every event line (recoveries, restarts, checkpoints) but the `eval` scores of steps after
+/// `upto`, in the order they were written.
 pub fn previous_metrics(metrics: &std::path::Path, upto: u64) -> (Vec<f64>, String) {
     let text = std::fs::read_to_string(metrics).unwrap_or_default();
     let lines: Vec<&str> = text.lines().collect();
@@ -17,7 +18,10 @@ pub fn previous_metrics(metrics: &std::path::Path, upto: u64) -> (Vec<f64>, Stri
         let Ok(v) = serde_json::from_str::<serde_json::Value>(line) else {
             continue;
         };
-        if v.get("event").is_some() {
+        if v["event"] == "eval" && v["step"].as_u64().is_some_and(|s| s > upto) {
+            // A held-out score of weights the resume discards: the resumed run scores its own.
+            continue;
+        } else if v.get("event").is_some() {
             kept.insert(i, line);
         } else if let Some(step) = v["step"].as_u64()
             && step <= upto
@@ -117,5 +121,27 @@ mod tests {
         assert_eq!(c.lr[2], (3, 0.003));
         assert_eq!(c.expected_k[1].1.max, 2.6);
         assert_eq!(c.eval_loss, [(3, 4.5)]);
+    }
+
+    #[test]
+    fn a_resume_keeps_the_steps_and_events_up_to_its_checkpoint_and_no_later_score() {
+        let lines = [
+            r#"{"step":1,"loss":5.0}"#,
+            r#"{"event":"eval","step":1,"eval_loss":5.5}"#,
+            r#"{"step":2,"loss":4.0}"#,
+            r#"{"event":"checkpoint","step":2}"#,
+            r#"{"step":3,"loss":3.0}"#,
+            r#"{"event":"eval","step":3,"eval_loss":3.5}"#,
+            r#"{"event":"restart","step":3}"#,
+        ];
+        let dir = std::env::temp_dir().join(format!("nsactor-history-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("metrics.jsonl");
+        std::fs::write(&path, lines.join("\n")).unwrap();
+        let (losses, text) = previous_metrics(&path, 2);
+        std::fs::remove_dir_all(&dir).unwrap();
+        assert_eq!(losses, [5.0, 4.0]);
+        let want = [lines[0], lines[1], lines[2], lines[3], lines[6]];
+        assert_eq!(text, want.map(|l| format!("{l}\n")).concat());
     }
 }

@@ -5,7 +5,7 @@
 
 use nsactor_engine::error::RuntimeError;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicI32, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI32, Ordering};
 use std::time::Duration;
 
 /// The exit code of a process a signal ended before it finished: 128 + the signal's number,
@@ -15,10 +15,12 @@ pub fn exit_code(signal: i32) -> i32 {
     128 + signal
 }
 
-/// Whether a stop was asked for, and by which signal.
+/// Whether a stop was asked for, and by which signal; and whether the process has begun the
+/// work a stop lets finish ([`StopRequest::arm`]).
 #[derive(Debug, Default)]
 pub struct StopRequest {
     signal: AtomicI32,
+    armed: AtomicBool,
 }
 
 impl StopRequest {
@@ -31,6 +33,19 @@ impl StopRequest {
         let _ = self
             .signal
             .compare_exchange(0, signal, Ordering::SeqCst, Ordering::SeqCst);
+    }
+
+    /// Says the process has begun the work a stop lets finish (the training loop's first
+    /// step, the server's accepting): a signal before it exits at once, as there is nothing to
+    /// finish or save, and waiting out the grace period behind a blocked read (a corpus on a
+    /// stalled network mount, a FIFO) helps nobody.
+    pub fn arm(&self) {
+        self.armed.store(true, Ordering::SeqCst);
+    }
+
+    /// Whether [`StopRequest::arm`] was called.
+    pub fn armed(&self) -> bool {
+        self.armed.load(Ordering::SeqCst)
     }
 
     /// The signal that asked for a stop, once one has.
@@ -56,7 +71,8 @@ pub fn signal_name(signal: i32) -> &'static str {
 }
 
 /// Listens for SIGTERM and SIGINT on a thread of its own from now on: the first sets the
-/// returned request (the training loop polls it between steps; the server drains); a second,
+/// returned request (the training loop polls it between steps; the server drains), or, before
+/// the caller [arms](StopRequest::arm) it, exits the process at once; a second,
 /// or `grace` after the first, exits the process with [`exit_code`] of the signal that ended it
 /// (the second, or the first when the grace period ran out). `doing` says in
 /// the log what the process does before it exits (`finishing this step and writing a
@@ -90,6 +106,14 @@ pub fn stop_on_signals(
                     _ = int.recv() => 2,
                 };
                 request.request(first);
+                if !request.armed() {
+                    eprintln!(
+                        "nsactor: {}: exiting at once, while starting (nothing to finish or \
+                         save yet)",
+                        signal_name(first)
+                    );
+                    std::process::exit(exit_code(first));
+                }
                 tracing::warn!(
                     "{}: {doing}, then exiting (within {:.0} s; a second signal exits now)",
                     signal_name(first),

@@ -238,6 +238,10 @@ impl<'a> Run<'a> {
     /// held-out evaluation and checkpoint due after it. A recovery or a loss spike rolls the
     /// count back.
     fn steps(&mut self, pipeline: &mut Pipeline) -> Result<(), RuntimeError> {
+        // From here a signal lets the step finish and checkpoints; before, it exits at once.
+        if let Some(stop) = self.stop {
+            stop.arm();
+        }
         let mut step = self.first_step;
         while step < self.cfg.train.steps {
             let step_start = Instant::now();

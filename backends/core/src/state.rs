@@ -6,7 +6,7 @@ use crate::grads::Streams;
 use burn::tensor::{Tensor, TensorData, TensorPrimitive, backend::Backend};
 use nsactor_kernels::SnnOps;
 use nsactor_model::init::{Rng, part_seed};
-use nsactor_model::io::{HF_PREFIX, load_params, view_to_f32};
+use nsactor_model::io::{HF_PREFIX, finite, load_params, view_to_f32};
 use nsactor_model::params::{ParamMapper, ParamVisitor, Params};
 use nsactor_model::train::{Adam, AdamConfig, AdamState, GradSet};
 use nsactor_plugin_api::{
@@ -436,8 +436,9 @@ fn read_stage<B: SnnOps, M: Params<Ad<B>>>(
             let view = st
                 .tensor(&key)
                 .map_err(|e| EngineError::InvalidInput(format!("{key}: {e}")))?;
-            let values =
-                view_to_f32(&key, &view).map_err(|e| EngineError::InvalidInput(e.to_string()))?;
+            let values = view_to_f32(&key, &view)
+                .and_then(|v| finite(&key, v))
+                .map_err(|e| EngineError::InvalidInput(e.to_string()))?;
             if values.len() != n {
                 return Err(EngineError::InvalidInput(format!(
                     "{key} has {} values, the parameter {n}",

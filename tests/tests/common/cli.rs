@@ -71,6 +71,16 @@ pub fn run_err(args: &[&str]) -> String {
     stderr
 }
 
+/// [`run_err`] for a refusal of the command's input: exit 78 (`EX_CONFIG`), which
+/// `--max-restarts` never restarts.
+pub fn run_refused(args: &[&str]) -> String {
+    let out = nsactor().args(args).output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert_eq!(out.status.code(), Some(78), "{args:?}: {stderr}");
+    assert!(stderr.contains("error:"), "{stderr}");
+    stderr
+}
+
 pub fn run_stdout(args: &[&str]) -> String {
     let out = nsactor().args(args).output().unwrap();
     assert!(

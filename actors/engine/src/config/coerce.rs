@@ -67,6 +67,28 @@ fn walk<T>(source: &Value, parsed: &Value, path: &mut Vec<String>, leaf: Leaf<'_
     }
 }
 
+/// `[table] key = value` for the first null in `source` (the layers as given, through JSON): a
+/// float that is not finite (TOML's `nan`, `inf`), which JSON cannot hold (TOML has no null);
+/// `value` reads it from the layers by its dotted key. serde would say "got null" of it.
+pub(super) fn non_finite(source: &Value, value: &dyn Fn(&str) -> Option<f64>) -> Option<String> {
+    let path = null_at(source)?;
+    let v = value(&path.join(".")).map_or("nan".into(), |x| x.to_string());
+    Some(key(&path, &v))
+}
+
+/// The key path of the first null in `v`.
+fn null_at(v: &Value) -> Option<Vec<String>> {
+    let (k, rest) = match v {
+        Value::Null => return Some(Vec::new()),
+        Value::Object(m) => m.iter().find_map(|(k, v)| Some((k.clone(), null_at(v)?)))?,
+        Value::Array(a) => {
+            (a.iter().enumerate()).find_map(|(i, v)| Some((i.to_string(), null_at(v)?)))?
+        }
+        _ => return None,
+    };
+    Some(std::iter::once(k).chain(rest).collect())
+}
+
 /// The path of the first integer past `i64::MAX` in `v`.
 pub(super) fn past_i64_max(v: &serde_json::Value, path: &str) -> Option<String> {
     match v {

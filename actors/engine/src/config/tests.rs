@@ -155,6 +155,8 @@ mod wording_tests {
                 "\"2\"",
                 "[train] steps = \"2\": expected a number, not a string",
             ),
+            ("lr", "nan", "[train] lr = NaN: expected a finite number"),
+            ("lr", "-inf", "[train] lr = -inf: expected a finite number"),
         ];
         for (key, value, expected) in cases {
             let e = refused(key, value);

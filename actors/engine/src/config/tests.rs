@@ -196,9 +196,9 @@ mod wording_tests {
             "{e}"
         );
         assert!(!e.contains("[train]"), "{e}");
-        let e = refused("lr", "nan");
+        let e = refused("lr", "-1");
         assert!(
-            e.starts_with("config test.toml: [train] `lr` must be finite"),
+            e.starts_with("config test.toml: [train] `lr` must be finite and ≥ 0, got -1"),
             "{e}"
         );
     }

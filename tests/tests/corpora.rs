@@ -2,11 +2,12 @@
 //! shards laid out as `datasets` and the Hub write them (several files, snappy and zstd, the
 //! text in a column not named `text`) and a `.jsonl.zst` file of the same rows, prepared into
 //! shards by `nsactor data prepare` and trained on for two steps; a missing column is refused,
-//! naming the columns there are.
+//! naming the columns there are. A corpus whose read blocks (a FIFO nobody writes) leaves the
+//! run stoppable at once.
 
 mod common;
 
-use common::cli::{run_err, run_ok, temp_dir, trains_two_steps_on};
+use common::cli::{nsactor, run_err, run_ok, temp_dir, trains_two_steps_on};
 use nsactor_data::parquet_docs::StringsWriter;
 
 fn manifest(dir: &std::path::Path) -> serde_json::Value {
@@ -106,5 +107,69 @@ fn parquet_folders_and_zst_files_prepare_and_train() {
         &p("run2"),
     ]);
     assert!(dir.join("run2/model.safetensors").exists(), "{log}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// A signal before the first step (here while the corpus read blocks on a FIFO nobody
+/// writes) exits at once with 143: there is nothing to finish or save, and the grace period
+/// would only be waited out.
+#[test]
+fn sigterm_before_the_first_step_exits_at_once() {
+    use std::os::unix::fs::OpenOptionsExt;
+    let dir = temp_dir("sigterm-early");
+    let fifo = dir.join("corpus.txt");
+    let path = std::ffi::CString::new(fifo.to_str().unwrap()).unwrap();
+    // SAFETY: mkfifo(3) on a path this test owns.
+    assert_eq!(unsafe { libc::mkfifo(path.as_ptr(), 0o600) }, 0);
+    let mut child = nsactor()
+        .args([
+            "train",
+            "--steps",
+            "4",
+            "--corpus",
+            fifo.to_str().unwrap(),
+            "--out",
+        ])
+        .arg(dir.join("run"))
+        .env("NSACTOR_TRAIN__SHUTDOWN_GRACE_S", "600")
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    // A writer opens without blocking once the run has opened the FIFO to read (after its
+    // signal handlers are in place); held open and silent, the run's read then blocks.
+    let t = std::time::Instant::now();
+    let _writer = loop {
+        let w = std::fs::OpenOptions::new()
+            .write(true)
+            .custom_flags(libc::O_NONBLOCK)
+            .open(&fifo);
+        match w {
+            Ok(w) => break w,
+            Err(_) => {
+                assert!(child.try_wait().unwrap().is_none(), "the run ended");
+                assert!(
+                    t.elapsed() < std::time::Duration::from_secs(60),
+                    "the run never read"
+                );
+                std::thread::sleep(std::time::Duration::from_millis(20));
+            }
+        }
+    };
+    std::thread::sleep(std::time::Duration::from_millis(200));
+    let t = std::time::Instant::now();
+    // SAFETY: kill(2) on the child this test started.
+    assert_eq!(unsafe { libc::kill(child.id() as i32, libc::SIGTERM) }, 0);
+    let o = child.wait_with_output().unwrap();
+    let stderr = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(143), "{stderr}");
+    assert!(
+        t.elapsed() < std::time::Duration::from_secs(10),
+        "{:?}",
+        t.elapsed()
+    );
+    assert!(
+        stderr.contains("SIGTERM: exiting at once, while starting"),
+        "{stderr}"
+    );
     std::fs::remove_dir_all(&dir).unwrap();
 }

@@ -88,53 +88,6 @@ fn same_as(dir: &Path, full: &Path) {
     );
 }
 
-/// A signal before the first step (here while the corpus read blocks on a FIFO nobody
-/// writes) exits at once with 143: there is nothing to finish or save, and the grace period
-/// would only be waited out.
-#[test]
-fn sigterm_before_the_first_step_exits_at_once() {
-    use std::os::unix::fs::OpenOptionsExt;
-    let dir = temp_dir("sigterm-early");
-    let fifo = dir.join("corpus.txt");
-    let path = std::ffi::CString::new(fifo.to_str().unwrap()).unwrap();
-    // SAFETY: mkfifo(3) on a path this test owns.
-    assert_eq!(unsafe { libc::mkfifo(path.as_ptr(), 0o600) }, 0);
-    let mut child = train(&dir.join("run"), 4, &["--corpus", fifo.to_str().unwrap()])
-        .env("NSACTOR_TRAIN__SHUTDOWN_GRACE_S", "600")
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
-    // A writer opens without blocking once the run has opened the FIFO to read (after its
-    // signal handlers are in place); held open and silent, the run's read then blocks.
-    let t = Instant::now();
-    let _writer = loop {
-        let w = std::fs::OpenOptions::new()
-            .write(true)
-            .custom_flags(libc::O_NONBLOCK)
-            .open(&fifo);
-        match w {
-            Ok(w) => break w,
-            Err(_) => {
-                assert!(child.try_wait().unwrap().is_none(), "the run ended");
-                assert!(t.elapsed() < Duration::from_secs(60), "the run never read");
-                std::thread::sleep(Duration::from_millis(20));
-            }
-        }
-    };
-    std::thread::sleep(Duration::from_millis(200));
-    let t = Instant::now();
-    signal(child.id(), libc::SIGTERM);
-    let o = child.wait_with_output().unwrap();
-    let stderr = String::from_utf8_lossy(&o.stderr);
-    assert_eq!(o.status.code(), Some(143), "{stderr}");
-    assert!(t.elapsed() < Duration::from_secs(10), "{:?}", t.elapsed());
-    assert!(
-        stderr.contains("SIGTERM: exiting at once, while starting"),
-        "{stderr}"
-    );
-    std::fs::remove_dir_all(&dir).unwrap();
-}
-
 #[test]
 fn sigterm_finishes_the_step_checkpoints_exits_0_and_resume_continues_exactly() {
     let dir = temp_dir("sigterm");

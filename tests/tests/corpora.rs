@@ -9,6 +9,7 @@ mod common;
 
 use common::cli::{nsactor, run_err, run_ok, temp_dir, trains_two_steps_on};
 use nsactor_data::parquet_docs::StringsWriter;
+use std::time::{Duration, Instant};
 
 fn manifest(dir: &std::path::Path) -> serde_json::Value {
     serde_json::from_str(&std::fs::read_to_string(dir.join("manifest.json")).unwrap()).unwrap()
@@ -137,7 +138,7 @@ fn sigterm_before_the_first_step_exits_at_once() {
         .unwrap();
     // A writer opens without blocking once the run has opened the FIFO to read (after its
     // signal handlers are in place); held open and silent, the run's read then blocks.
-    let t = std::time::Instant::now();
+    let t = Instant::now();
     let _writer = loop {
         let w = std::fs::OpenOptions::new()
             .write(true)
@@ -147,26 +148,19 @@ fn sigterm_before_the_first_step_exits_at_once() {
             Ok(w) => break w,
             Err(_) => {
                 assert!(child.try_wait().unwrap().is_none(), "the run ended");
-                assert!(
-                    t.elapsed() < std::time::Duration::from_secs(60),
-                    "the run never read"
-                );
-                std::thread::sleep(std::time::Duration::from_millis(20));
+                assert!(t.elapsed() < Duration::from_secs(60), "the run never read");
+                std::thread::sleep(Duration::from_millis(20));
             }
         }
     };
-    std::thread::sleep(std::time::Duration::from_millis(200));
-    let t = std::time::Instant::now();
+    std::thread::sleep(Duration::from_millis(200));
+    let t = Instant::now();
     // SAFETY: kill(2) on the child this test started.
     assert_eq!(unsafe { libc::kill(child.id() as i32, libc::SIGTERM) }, 0);
     let o = child.wait_with_output().unwrap();
     let stderr = String::from_utf8_lossy(&o.stderr);
     assert_eq!(o.status.code(), Some(143), "{stderr}");
-    assert!(
-        t.elapsed() < std::time::Duration::from_secs(10),
-        "{:?}",
-        t.elapsed()
-    );
+    assert!(t.elapsed() < Duration::from_secs(10), "{:?}", t.elapsed());
     assert!(
         stderr.contains("SIGTERM: exiting at once, while starting"),
         "{stderr}"

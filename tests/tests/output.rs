@@ -1,13 +1,14 @@
 //! What the commands that print do when their output goes away or would overwrite the run: a
 //! reader that hangs up (`| head`) ends `generate` as it ends `cat` (SIGPIPE), not with a panic
-//! dump; `generate --chat` skips an input line that is not UTF-8; `plot --out` refuses a name that is not a PNG's (the run's own `metrics.jsonl`, which
-//! it used to overwrite with the picture). And how they end on bad input: argument values
-//! refused with exit 78, the last line a JSON object under `--log-format json`, a plugin file
-//! cut short named and refused instead of crashing the process. Through the `nsactor` binary.
+//! dump; `generate --chat` skips an input line that is not UTF-8; `plot --out` refuses a name
+//! that is not a PNG's (the run's own `metrics.jsonl`, which it used to overwrite with the
+//! picture). And how they end on bad input: argument values refused with exit 78, the last
+//! line a JSON object under `--log-format json`, a plugin file cut short named and refused
+//! instead of crashing the process. Through the `nsactor` binary.
 
 mod common;
 
-use common::cli::{nsactor, ok, temp_dir};
+use common::cli::{nsactor, ok, refused, temp_dir};
 use std::os::unix::process::ExitStatusExt;
 use std::process::Stdio;
 
@@ -60,39 +61,29 @@ fn a_closed_pipe_ends_the_printing_quietly_and_plot_keeps_the_run() {
     // One answer (the second line's): four tokens at most, on the turn's prompt lines.
     assert_eq!(stderr.matches("tokens, ").count(), 1, "{stderr}");
     // A sampling value out of range is refused input.
-    let o = nsactor()
-        .args(["generate", "--top-p", "2", "--checkpoint"])
-        .arg(&run)
-        .arg("Emma was")
-        .output()
-        .unwrap();
-    let stderr = String::from_utf8_lossy(&o.stderr);
-    assert_eq!(o.status.code(), Some(78), "{stderr}");
+    let stderr = refused(
+        nsactor()
+            .args(["generate", "--top-p", "2", "--checkpoint"])
+            .arg(&run)
+            .arg("Emma was"),
+    );
     assert!(
         stderr.contains("top_p must be in (0, 1], got 2"),
         "{stderr}"
     );
     // `plot` of a directory that holds no run: refused input, named.
-    let o = nsactor()
-        .arg("plot")
-        .arg(dir.join("none"))
-        .output()
-        .unwrap();
-    let stderr = String::from_utf8_lossy(&o.stderr);
-    assert_eq!(o.status.code(), Some(78), "{stderr}");
+    let stderr = refused(nsactor().arg("plot").arg(dir.join("none")));
     assert!(stderr.contains("has no `metrics.jsonl`"), "{stderr}");
 
     // `plot --out` of the run's metrics: refused (exit 78), the metrics kept.
     let metrics = std::fs::read(run.join("metrics.jsonl")).unwrap();
-    let o = nsactor()
-        .arg("plot")
-        .arg(&run)
-        .arg("--out")
-        .arg(run.join("metrics.jsonl"))
-        .output()
-        .unwrap();
-    let stderr = String::from_utf8_lossy(&o.stderr);
-    assert_eq!(o.status.code(), Some(78), "{stderr}");
+    let stderr = refused(
+        nsactor()
+            .arg("plot")
+            .arg(&run)
+            .arg("--out")
+            .arg(run.join("metrics.jsonl")),
+    );
     assert!(stderr.contains("the picture is a PNG"), "{stderr}");
     assert_eq!(std::fs::read(run.join("metrics.jsonl")).unwrap(), metrics);
     ok(nsactor()
@@ -133,25 +124,15 @@ fn refused_arguments_exit_78_and_json_logs_end_in_json() {
         ),
     ];
     for (args, want) in cases {
-        let o = nsactor().args(args).arg(&run).output().unwrap();
-        let stderr = String::from_utf8_lossy(&o.stderr);
-        assert_eq!(o.status.code(), Some(78), "{args:?}: {stderr}");
+        let stderr = refused(nsactor().args(args).arg(&run));
         assert!(stderr.contains(want), "{args:?}: {stderr}");
     }
-    let o = nsactor()
-        .args([
-            "--log-format",
-            "json",
-            "eval",
-            "--batches",
-            "0",
-            "--checkpoint",
-        ])
-        .arg(&run)
-        .output()
-        .unwrap();
-    let stderr = String::from_utf8_lossy(&o.stderr);
-    assert_eq!(o.status.code(), Some(78), "{stderr}");
+    let stderr = refused(
+        nsactor()
+            .args(["--log-format", "json", "eval", "--batches", "0"])
+            .arg("--checkpoint")
+            .arg(&run),
+    );
     let last: serde_json::Value =
         serde_json::from_str(stderr.lines().last().expect("a line")).expect("a JSON line");
     assert_eq!(last["level"], "ERROR", "{last}");

@@ -6,7 +6,7 @@
 
 mod common;
 
-use common::cli::{losses, nsactor, ok, temp_dir, tiny_with};
+use common::cli::{losses, nsactor, ok, refused, temp_dir, tiny_with};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command};
 use std::time::{Duration, Instant};
@@ -235,19 +235,17 @@ fn the_agent_gives_up_after_max_restarts_with_a_clear_message() {
 fn a_run_that_refuses_its_input_is_not_restarted() {
     let dir = temp_dir("refused");
     // A tokenizer that does not exist: the child exits 78 and the agent stops at once.
-    let o = train(
-        &dir.join("run"),
-        2,
-        &["--max-restarts", "3", "--restart-backoff", "0"],
-    )
-    .arg("--tokenizer")
-    .arg(dir.join("missing-tokenizer.json"))
-    .output()
-    .unwrap();
-    let stderr = String::from_utf8_lossy(&o.stderr);
     // The agent passes the refusal's status on (a service manager's
     // `RestartPreventExitStatus=78` sees it).
-    assert_eq!(o.status.code(), Some(78), "{stderr}");
+    let stderr = refused(
+        train(
+            &dir.join("run"),
+            2,
+            &["--max-restarts", "3", "--restart-backoff", "0"],
+        )
+        .arg("--tokenizer")
+        .arg(dir.join("missing-tokenizer.json")),
+    );
     assert!(
         stderr.contains("missing-tokenizer.json")
             && stderr.contains("exited with code 78")
@@ -256,12 +254,11 @@ fn a_run_that_refuses_its_input_is_not_restarted() {
     );
     assert!(events(&dir.join("run"), "restarted").is_empty(), "{stderr}");
     // Without the agent the same refusal is the process's own exit status too.
-    let o = train(&dir.join("run"), 2, &[])
-        .arg("--tokenizer")
-        .arg(dir.join("missing-tokenizer.json"))
-        .output()
-        .unwrap();
-    assert_eq!(o.status.code(), Some(78));
+    refused(
+        train(&dir.join("run"), 2, &[])
+            .arg("--tokenizer")
+            .arg(dir.join("missing-tokenizer.json")),
+    );
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
@@ -273,9 +270,7 @@ fn a_new_run_is_not_mixed_into_an_old_one() {
     let metrics = std::fs::read_to_string(run.join("metrics.jsonl")).unwrap();
     let weights = std::fs::read(run.join("model.safetensors")).unwrap();
     // Started again without --resume: refused, the old run untouched.
-    let o = train(&run, 2, &[]).output().unwrap();
-    let stderr = String::from_utf8_lossy(&o.stderr);
-    assert_eq!(o.status.code(), Some(78), "{stderr}");
+    let stderr = refused(&mut train(&run, 2, &[]));
     assert!(
         stderr.contains("already holds a training run")
             && stderr.contains("--resume")
@@ -320,9 +315,7 @@ fn a_directory_in_use_by_a_live_run_is_refused_to_a_second_one() {
     // The agent's child trains under the agent's lock.
     wait_for_steps(&run, 2, &mut agent);
     for extra in [&["--resume"][..], &["--overwrite"]] {
-        let o = train(&run, 4, extra).output().unwrap();
-        let stderr = String::from_utf8_lossy(&o.stderr);
-        assert_eq!(o.status.code(), Some(78), "{extra:?}: {stderr}");
+        let stderr = refused(&mut train(&run, 4, extra));
         assert!(
             stderr.contains("is in use by another training run")
                 && stderr.contains(&format!("(process {})", agent.id())),

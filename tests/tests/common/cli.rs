@@ -71,12 +71,18 @@ pub fn run_err(args: &[&str]) -> String {
     stderr
 }
 
-/// [`run_err`] for a refusal of the command's input: exit 78 (`EX_CONFIG`), which
-/// `--max-restarts` never restarts.
-pub fn run_refused(args: &[&str]) -> String {
-    let out = nsactor().args(args).output().unwrap();
+/// Runs `cmd`, which must refuse its input: exit 78 (`EX_CONFIG`), which `--max-restarts`
+/// never restarts. Its stderr.
+pub fn refused(cmd: &mut Command) -> String {
+    let out = cmd.output().unwrap();
     let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
-    assert_eq!(out.status.code(), Some(78), "{args:?}: {stderr}");
+    assert_eq!(out.status.code(), Some(78), "{cmd:?}: {stderr}");
+    stderr
+}
+
+/// [`run_err`] for a refusal of the command's input ([`refused`]).
+pub fn run_refused(args: &[&str]) -> String {
+    let stderr = refused(nsactor().args(args));
     assert!(stderr.contains("error:"), "{stderr}");
     stderr
 }

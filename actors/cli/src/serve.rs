@@ -140,6 +140,11 @@ pub struct PassArgs {
     #[arg(long, default_value_t = nsactor_decoding::pacer::DEFAULT_SHARE, value_name = "SHARE",
           value_parser = share)]
     prefill_chunk_share: f64,
+    /// Most sessions in one pass (vLLM's name): more decoding sessions go in further cohorts,
+    /// as many in flight at once as the pipeline has stages (two stages on one GPU run two
+    /// cohorts side by side, each on its stage's stream). 0: 256.
+    #[arg(long, default_value_t = 0, value_name = "SESSIONS")]
+    max_num_seqs: usize,
 }
 
 /// A share: a finite number ≥ 0.
@@ -160,6 +165,9 @@ impl PassArgs {
         }
         if self.prefill_chunk_tokens > 0 {
             d = d.with_chunk_tokens(self.prefill_chunk_tokens);
+        }
+        if self.max_num_seqs > 0 {
+            d = d.with_pass_sessions(self.max_num_seqs);
         }
         d.with_chunk_share(self.prefill_chunk_share)
     }

@@ -111,6 +111,8 @@ pub enum BatcherMsg {
     Buckets(CohortBuckets),
     /// From now on, a cohort carries at most this many input tokens ([`Batching::max_tokens`]).
     PassTokens(usize),
+    /// From now on, a cohort holds at most this many sessions ([`Batching::max_batch`]).
+    PassSessions(usize),
     /// From now on, lost stages are rebuilt as often as this allows.
     Policy(RestartPolicy),
     /// The supervisor's rebuild after a lost stage ended: how long it took, or why not.
@@ -586,6 +588,7 @@ impl Actor for BatcherActor {
             BatcherMsg::Tick => s.tick_armed = false,
             BatcherMsg::Buckets(b) => s.batching.buckets = b,
             BatcherMsg::PassTokens(n) => s.batching.max_tokens = n.max(1),
+            BatcherMsg::PassSessions(n) => s.batching.max_batch = n.max(1),
             BatcherMsg::Policy(p) => s.policy = p,
             BatcherMsg::Healed(r) => s.healed(r),
         }

@@ -92,6 +92,15 @@ impl AsyncDecoder {
         self
     }
 
+    /// This decoder, and from now on every handle of the pipeline's decoder, with at most
+    /// `sessions` in one pass (by default [`MAX_BATCH`](crate::batching::MAX_BATCH)): more
+    /// waiting sessions go in further cohorts, as many in flight at once as the pipeline has
+    /// stages.
+    pub fn with_pass_sessions(self, sessions: usize) -> Self {
+        let _ = self.batcher.cast(BatcherMsg::PassSessions(sessions.max(1)));
+        self
+    }
+
     /// This decoder, and from now on every handle of the pipeline's decoder, with a prompt fed
     /// while other sessions are open cut into chunks of at most `tokens` (by default
     /// [`CHUNK_FRAME_ROWS`](crate::batching::CHUNK_FRAME_ROWS) / K): the others' decoding steps

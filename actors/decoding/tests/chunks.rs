@@ -1,10 +1,12 @@
-//! Chunked prefill on the embedded CPU backend: a prompt fed beside other sessions goes in
+//! How passes are cut, on the embedded CPU backend: a prompt fed beside other sessions goes in
 //! chunks (their steps run between), paced by time beside decoding streams
-//! (`nsactor_decoding::pacer`), and its logits are bit for bit those of the prompt fed alone.
+//! (`nsactor_decoding::pacer`), and its logits are bit for bit those of the prompt fed alone;
+//! a pass holds at most `with_pass_sessions` sessions, the others going in further cohorts.
 
 mod common;
 
 use common::*;
+use nsactor_decoding::Pipeline;
 
 fn bits(v: &[f32]) -> Vec<u32> {
     v.iter().map(|x| x.to_bits()).collect()
@@ -113,4 +115,52 @@ fn chunks_beside_a_decoding_stream_climb_and_fall_with_their_share_and_keep_the_
         std::thread::sleep(std::time::Duration::from_millis(10));
     }
     assert_eq!(d.chunk_tokens(), 128, "no streams: chunks of the ceiling");
+}
+
+/// Sessions decoding together, each with 8 tokens forced after its prompt, all at once.
+fn together(p: &Pipeline, d: &nsactor_decoding::AsyncDecoder) -> Vec<Vec<Vec<f32>>> {
+    p.block_on(async {
+        let tasks: Vec<_> = (0..6i64)
+            .map(|i| {
+                let d = d.clone();
+                tokio::spawn(async move {
+                    forced(&d, vec![5 + i, 9, 11 + 2 * i], (20..28).collect()).await
+                })
+            })
+            .collect();
+        let mut out = Vec::new();
+        for t in tasks {
+            out.push(t.await.unwrap());
+        }
+        out
+    })
+}
+
+/// `with_pass_sessions(2)` (`serve --max-num-seqs 2`): six sessions decoding at once run in
+/// cohorts of at most two, two in flight over the two stages, where without the cap they
+/// batch past two; every session's logits are bit for bit the same either way.
+#[test]
+fn a_pass_holds_at_most_the_session_cap_with_the_same_logits() {
+    let _serial = serial();
+    let p = pipeline(2, None);
+    let d = p.decoder(256);
+    let mean = |(c0, n0): (u64, u64), (c1, n1): (u64, u64)| (n1 - n0) as f64 / (c1 - c0) as f64;
+    let b0 = d.batch_counts();
+    let free = together(&p, &d);
+    let b1 = d.batch_counts();
+    let d = d.with_pass_sessions(2);
+    let capped = together(&p, &d);
+    let b2 = d.batch_counts();
+    let (m_free, m_capped) = (mean(b0, b1), mean(b1, b2));
+    eprintln!("mean cohort: {m_free:.2} without the cap, {m_capped:.2} with 2");
+    assert!(m_free > 2.0, "without the cap, cohorts of {m_free:.2}");
+    assert!(
+        m_capped <= 2.0 && m_capped > 1.0,
+        "with a cap of 2, cohorts of {m_capped:.2}"
+    );
+    for (a, b) in free.iter().zip(&capped) {
+        for (x, y) in a.iter().zip(b) {
+            assert!(bits(x) == bits(y), "the cap changed a session's logits");
+        }
+    }
 }

@@ -72,6 +72,8 @@ fn sigterm_drains_running_streams_refuses_new_ones_and_exits_0() {
         .arg(&cache)
         .args(["--addr", &addr.to_string(), "--shutdown-grace", "2"])
         .args(["--api-key", "sk-drain"])
+        // Passes of at most 3 sessions: the warm-up runs no larger cohort.
+        .args(["--max-num-seqs", "3"])
         .stdout(Stdio::null())
         .stderr(Stdio::piped())
         .spawn()
@@ -167,6 +169,10 @@ fn sigterm_drains_running_streams_refuses_new_ones_and_exits_0() {
     let (status, log) = exit_and_log(&mut server, Duration::from_secs(30));
     assert!(status.success(), "exit {status:?}: {log}");
     assert!(log.contains("2 ended by the grace period"), "{log}");
+    assert!(
+        log.contains("warming up at 3 cohort sizes (1, 2, 3)"),
+        "{log}"
+    );
     assert!(
         log.contains("state files are signed with a key of this process alone"),
         "{log}"

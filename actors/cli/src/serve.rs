@@ -171,6 +171,14 @@ impl PassArgs {
         }
         d.with_chunk_share(self.prefill_chunk_share)
     }
+
+    /// Most sessions one pass holds: cohorts past it never run, so none is warmed up.
+    pub fn pass_sessions(&self) -> usize {
+        match self.max_num_seqs {
+            0 => nsactor_decoding::batcher::MAX_BATCH,
+            n => n,
+        }
+    }
 }
 
 /// The prefix state cache: snapshots of sessions' states by the tokens they saw.
@@ -431,7 +439,8 @@ pub fn run(a: ServeArgs) -> crate::result::CliResult {
         tracing::info!("--max-sessions {n} ({why})");
         n
     };
-    let (buckets, plan) = WarmupPlan::for_spec(&a.cohort_buckets, max_sessions)?;
+    let largest = max_sessions.min(a.passes.pass_sessions());
+    let (buckets, plan) = WarmupPlan::for_spec(&a.cohort_buckets, largest)?;
     if keys.required() {
         tracing::info!(
             "{} API key(s) required on /v1/* and /ws{}",

@@ -172,12 +172,18 @@ impl PassArgs {
         d.with_chunk_share(self.prefill_chunk_share)
     }
 
-    /// Most sessions one pass holds: cohorts past it never run, so none is warmed up.
-    pub fn pass_sessions(&self) -> usize {
-        match self.max_num_seqs {
-            0 => nsactor_decoding::batcher::MAX_BATCH,
-            n => n,
-        }
+    /// The cohort buckets `spec` names and their warm-up for a server of `sessions`, cut at
+    /// the sessions one pass holds (a larger cohort never runs, so none is warmed up).
+    pub fn warmup_plan(
+        &self,
+        spec: &str,
+        sessions: usize,
+    ) -> Result<(nsactor_decoding::buckets::CohortBuckets, WarmupPlan), String> {
+        let pass = match self.max_num_seqs {
+            0 => sessions,
+            n => n.min(sessions),
+        };
+        WarmupPlan::for_spec(spec, pass)
     }
 }
 
@@ -439,8 +445,7 @@ pub fn run(a: ServeArgs) -> crate::result::CliResult {
         tracing::info!("--max-sessions {n} ({why})");
         n
     };
-    let largest = max_sessions.min(a.passes.pass_sessions());
-    let (buckets, plan) = WarmupPlan::for_spec(&a.cohort_buckets, largest)?;
+    let (buckets, plan) = a.passes.warmup_plan(&a.cohort_buckets, max_sessions)?;
     if keys.required() {
         tracing::info!(
             "{} API key(s) required on /v1/* and /ws{}",

@@ -97,7 +97,7 @@ impl AsyncDecoder {
     /// waiting sessions go in further cohorts, as many in flight at once as the pipeline has
     /// stages.
     pub fn with_pass_sessions(self, sessions: usize) -> Self {
-        let _ = self.batcher.cast(BatcherMsg::PassSessions(sessions.max(1)));
+        let _ = self.batcher.cast(BatcherMsg::PassSessions(sessions));
         self
     }
 

@@ -146,10 +146,8 @@ pub struct GenerateBenchArgs {
     /// Devices for the stages, e.g. `0,1`.
     #[arg(long, value_delimiter = ',')]
     devices: Option<Vec<usize>>,
-    /// Most sessions in one pass, as `serve --max-num-seqs` (0: 256): more go in further
-    /// cohorts, one in flight per pipeline stage.
-    #[arg(long, default_value_t = 0, value_name = "SESSIONS")]
-    max_num_seqs: usize,
+    #[command(flatten)]
+    passes: crate::serve::PassArgs,
     /// The device's memory bandwidth in GB/s for the weight-streaming ceiling (default: H100
     /// SXM's measured copy bandwidth, 2,852).
     #[arg(long, default_value_t = 2852.0)]
@@ -254,10 +252,7 @@ pub fn run(a: GenerateBenchArgs) -> crate::result::CliResult {
     let prompt: Vec<i64> = (0..a.prompt_len)
         .map(|i| ((i * 7919 + 101) % vocab.max(1)) as i64)
         .collect();
-    let mut decoder = l.pipeline.decoder(vocab);
-    if a.max_num_seqs > 0 {
-        decoder = decoder.with_pass_sessions(a.max_num_seqs);
-    }
+    let decoder = a.passes.apply(l.pipeline.decoder(vocab));
     let on_device = a.pick == "device";
     l.pipeline.block_on(async {
         // Warm-up at every batch size measured (kernel compilation, autotuning, pool growth).

@@ -311,9 +311,7 @@ pub fn run(a: ServeBenchArgs) -> crate::result::CliResult {
     // The long prompt's client is one more session (else it waits for a place until the
     // others have finished, and their gaps show nothing of its prefill).
     let max = a.sessions.iter().copied().max().unwrap_or(1) + usize::from(a.long_prompt > 0);
-    let largest = max.min(a.passes.pass_sessions());
-    let (buckets, mut plan) =
-        nsactor_decoding::warmup::WarmupPlan::for_spec(&a.cohort_buckets, largest)?;
+    let (buckets, mut plan) = a.passes.warmup_plan(&a.cohort_buckets, max)?;
     plan.passes = nsactor_decoding::warmup::Passes::parse(&a.warmup_passes)?;
     let ready = nsactor_server::ready::Readiness::for_plan(a.no_warmup, &plan);
     let state = nsactor_server::ServerState::new(

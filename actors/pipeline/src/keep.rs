@@ -8,8 +8,9 @@
 //! [`AutoKeep`] chooses `n` the way a user would by hand, from the device memory the driver
 //! reports (allocator pools included, so it is each device's high-water mark): the first two
 //! steps run with one kept layer per stage, the third with three; the growth between the second
-//! and the third is what a kept layer costs on each device at this batch (never taken below the
-//! four scan inputs it must hold), and from the fourth step on each stage keeps as many layers
+//! and the third is what a kept layer costs on each device at this batch (never taken below
+//! [`PESSIMISM`] times the four scan inputs it must hold: a span of two layers can measure
+//! less than a layer costs, the pools growing in pages), and from the fourth step on each stage keeps as many layers
 //! as fit under the budget with a tenth of a layer's cost to spare per layer (and a whole
 //! layer's where a step runs several micro-batches). The second step measures the memory a
 //! step holds once it runs steadily: the first step's reading misses what the second adds (on an
@@ -249,14 +250,13 @@ impl AutoKeep {
             }
             Phase::Steady => self.gate(mine),
             Phase::Second { first, keep } => {
-                // A span of one layer may show no growth at all (the pools grow in pages), so
-                // below two the unmeasured estimate stays the least a layer is taken to cost.
+                // The pools grow in pages, so a short span may show less growth than a layer
+                // costs (none at all over one layer; an H100 at 4 × 511 × 4 measured 3.09 GiB
+                // a layer over two, chose 12 and ran out of memory, where all 20 kept cost
+                // 5.1 GiB a layer on an H200): the unmeasured estimate stays the least a
+                // layer is taken to cost.
                 let k1 = self.measured().0;
-                let prior = if keep >= k1 + 2 {
-                    Vec::new()
-                } else {
-                    self.pessimistic()
-                };
+                let prior = self.pessimistic();
                 self.choose(&first, &mine, k1, keep, &prior, 0)
             }
             Phase::Chosen {

@@ -1146,6 +1146,8 @@ impl CudaServer {
             .map_err(|e| format!("{e:?}"))?;
         let stream = command.streams.current();
         let sys = stream.sys;
+        // Other streams' fences on this one stand for its work before the capture.
+        crate::compute::sync::capture::begin(sys)?;
         // SAFETY: `sys` is this server's live stream; capture is ended by
         // `nsactor_capture_end` before anything else is asked of it by nsactor.
         unsafe {
@@ -1155,7 +1157,10 @@ impl CudaServer {
             )
         }
         .result()
-        .map_err(|e| format!("cuStreamBeginCapture: {e:?}"))?;
+        .map_err(|e| {
+            crate::compute::sync::capture::end(sys);
+            format!("cuStreamBeginCapture: {e:?}")
+        })?;
         stream.memory_management_gpu.storage().sync_alloc = true;
         core::mem::drop(command);
         self.capture = Some(Capture {
@@ -1196,6 +1201,7 @@ impl CudaServer {
         // SAFETY: ends the capture begun on `sys` by `nsactor_capture_begin`.
         let ended =
             unsafe { cudarc::driver::sys::cuStreamEndCapture(sys, &mut graph) }.result();
+        crate::compute::sync::capture::end(sys);
         // Uploads captured but never run must not be found by later launches.
         if let Some(cache) = self.metadata_cache.get_mut(&stream_id.value) {
             for m in &capture.uploads {

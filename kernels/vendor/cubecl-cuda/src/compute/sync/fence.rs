@@ -28,6 +28,10 @@ impl Fence {
     ///
     /// The [stream](CUevent_st) must be initialized.
     pub fn new(stream: *mut CUstream_st) -> Self {
+        // nsactor patch: a stream being captured gets a fence on its work before the capture.
+        if let Some(event) = super::capture::stand_in(stream) {
+            return Self { event };
+        }
         // SAFETY: `stream` must be a valid, initialized CUDA stream (enforced by the doc
         // contract). The event is created and immediately recorded on the stream.
         unsafe {

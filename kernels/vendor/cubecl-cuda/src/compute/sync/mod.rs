@@ -1,3 +1,5 @@
 mod fence;
+// nsactor patch: fences on a captured stream.
+pub mod capture;
 
 pub use fence::*;

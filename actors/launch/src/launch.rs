@@ -104,9 +104,31 @@ fn training_kernels(cfg: &mut RunConfig, var: impl Fn(&str) -> Option<String>) {
 /// thread the hand-offs between them race: on an H200, greedy texts of 1,024 concurrent
 /// clients after a warm-up differed (15 distinct) with per-thread streams and agreed (1) with
 /// one stream or with every launch blocking. The embedded backend takes no options.
-fn decoding_streams(cfg: &mut RunConfig, arg: Option<&str>) {
-    if backend_name(cfg, arg) != backend::EMBEDDED && cfg.backend.streams.is_none() {
+///
+/// With the stream shared and more than one stage, decoding steps are not captured as CUDA
+/// graphs (`[backend.kernels] decode_graphs = "off"`, whatever set it): the decoder keeps a
+/// cohort in flight per stage, so the edge and stage 0 (on one GPU, or every stage on one GPU)
+/// submit to that stream side by side, and a capture there takes in the other thread's work
+/// (measured on an H100, `bench generate --pipeline 2` on one GPU: "a write from the host on
+/// the captured stream", then an illegal address in the edge's read).
+fn decoding_streams(cfg: &mut RunConfig, arg: Option<&str>, stages: usize) {
+    if backend_name(cfg, arg) == backend::EMBEDDED {
+        return;
+    }
+    if cfg.backend.streams.is_none() {
         cfg.backend.streams = Some("shared".into());
+    }
+    let key = "decode_graphs";
+    if stages > 1
+        && cfg.backend.streams.as_deref() == Some("shared")
+        && cfg.backend.kernels.get(key).map(String::as_str) != Some("off")
+    {
+        tracing::info!(
+            "decoding steps run uncaptured: {stages} stages keep {stages} cohorts in flight, \
+             and threads sharing a GPU's stream cannot capture one of them alone \
+             ([backend] streams = \"per-thread\" captures again)"
+        );
+        cfg.backend.kernels.insert(key.into(), "off".into());
     }
 }
 
@@ -259,7 +281,7 @@ fn serving_pipeline(cfg: &mut RunConfig, o: &CheckpointOptions) -> Result<Pipeli
     if let Some(d) = &o.kernel_cache {
         cfg.backend.cache_dir = Some(d.clone());
     }
-    decoding_streams(cfg, o.backend.as_deref());
+    decoding_streams(cfg, o.backend.as_deref(), o.pipeline);
     let compute = open_backend(cfg, o.backend.as_deref())?;
     let mut run = cfg.clone();
     run.train.pipeline = o.pipeline;
@@ -284,7 +306,7 @@ pub fn load_fresh(
     }
     cfg.train.pipeline = pipeline;
     cfg.train.devices = devices.map(<[usize]>::to_vec);
-    decoding_streams(&mut cfg, backend);
+    decoding_streams(&mut cfg, backend, pipeline);
     let compute = open_backend(&cfg, backend)?;
     Ok(Loaded {
         pipeline: launch(compute, &cfg, OptimizerKind::Adam, None)?,
@@ -487,16 +509,34 @@ mod tests {
     fn decoding_puts_a_plugin_on_one_stream_unless_the_config_says_otherwise() {
         let base = RunConfig::load(None).unwrap();
         let mut cfg = base.clone();
-        decoding_streams(&mut cfg, Some("cuda"));
+        decoding_streams(&mut cfg, Some("cuda"), 1);
         assert_eq!(cfg.backend.streams.as_deref(), Some("shared"));
+        assert_eq!(cfg.backend.kernels.get("decode_graphs"), None);
         let mut cfg = base.clone();
         cfg.backend.streams = Some("per-thread".into());
-        decoding_streams(&mut cfg, Some("cuda"));
+        decoding_streams(&mut cfg, Some("cuda"), 2);
         assert_eq!(cfg.backend.streams.as_deref(), Some("per-thread"));
+        assert_eq!(cfg.backend.kernels.get("decode_graphs"), None);
         // The embedded backend takes no options at all.
-        let mut cfg = base;
-        decoding_streams(&mut cfg, Some(backend::EMBEDDED));
+        let mut cfg = base.clone();
+        decoding_streams(&mut cfg, Some(backend::EMBEDDED), 2);
         assert_eq!(cfg.backend.streams, None);
+        assert!(cfg.backend.kernels.is_empty());
+        // Two stages on the shared stream: no captures, even where the table asked for them,
+        // and the option reaches the plugin.
+        let mut cfg = base;
+        cfg.backend
+            .kernels
+            .insert("decode_graphs".into(), "on".into());
+        decoding_streams(&mut cfg, Some("cuda"), 2);
+        assert_eq!(cfg.backend.streams.as_deref(), Some("shared"));
+        let tuning = cfg.backend.kernel_table().unwrap();
+        assert!(!tuning.decode_graphs);
+        assert!(
+            tuning.to_options().contains("decode_graphs=off"),
+            "{}",
+            tuning.to_options()
+        );
     }
 
     #[test]

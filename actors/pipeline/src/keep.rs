@@ -10,9 +10,9 @@
 //! steps run with one kept layer per stage, the third with three; the growth between the second
 //! and the third is what a kept layer costs on each device at this batch (never taken below
 //! [`PESSIMISM`] times the four scan inputs it must hold: a span of two layers can measure
-//! less than a layer costs, the pools growing in pages), and from the fourth step on each stage keeps as many layers
-//! as fit under the budget with a tenth of a layer's cost to spare per layer (and a whole
-//! layer's where a step runs several micro-batches). The second step measures the memory a
+//! less than a layer costs, the pools growing in pages), and from the fourth step on each
+//! stage keeps as many layers as fit under the budget with a tenth of a layer's cost to spare
+//! per layer (and a whole layer's where a step runs several micro-batches). The second step measures the memory a
 //! step holds once it runs steadily: the first step's reading misses what the second adds (on an
 //! H100 at 0.9B, batch 14: 42 GiB after the first step, 50.5 GiB during the second, with no
 //! kept layer). The third step keeps three layers only where they fit at [`PESSIMISM`] times
@@ -90,7 +90,8 @@ pub const PESSIMISM: f64 = 2.5;
 pub struct DeviceNeeds {
     pub device: usize,
     /// The least a kept layer per stage can add on this device: its four scan inputs, which
-    /// its backward must read (the planner never takes the measured growth below it).
+    /// its backward must read (the planner never takes a layer's cost below [`PESSIMISM`]
+    /// times it).
     pub floor_per_layer: u64,
     /// Bytes to leave free besides the reserve: the stages' parameters and optimizer state on
     /// this device when checkpoints are taken during the run.
@@ -323,7 +324,8 @@ impl AutoKeep {
     }
 
     /// The choice from each device's memory `a` at `k1` kept layers and `b` at `k2`
-    /// (`prior`: each device's cost per layer when `k1 == k2` measures none).
+    /// (`prior`: each device's least cost per layer, the unmeasured estimate or the largest
+    /// measured before; all of it when `k1 == k2` measures none).
     fn choose(
         &mut self,
         a: &[DeviceMemory],
@@ -396,12 +398,13 @@ impl AutoKeep {
         let grew = b.used_bytes.saturating_sub(a.used_bytes);
         // The largest cost measured so far: the pools grow in pages, so a span's growth
         // swings, and the first span sees micro-batches overlapping that later spans may not.
+        // `prior` (the unmeasured estimate, or the largest cost before) is at least
+        // [`PESSIMISM`] times the scan inputs.
         let per_layer = match k2.abs_diff(k1) {
             0 => 0,
             d => grew / d as u64,
         }
-        .max(prior.unwrap_or(0))
-        .max(n.floor_per_layer);
+        .max(prior.unwrap_or(0));
         let step = ((per_layer as f64 * MARGIN) as u64).max(1);
         let spare = self.spare_layers as u64 * per_layer;
         let fits = if b.used_bytes + spare <= allowed {

@@ -5,8 +5,10 @@
 //! dropped buffers waits on one. While a stream is captured, an event recorded on it is a node
 //! of the graph, not a point in its real work: another stream that waits on it is pulled into
 //! the capture, and a host wait on it fails (`CUDA_ERROR_CAPTURED_EVENT`). When two threads
-//! share a device (two pipeline stages placed on one GPU, each on its own stream), one of them
-//! captures while the other reads what the first produced before its capture began.
+//! work on one device side by side (the edge and a pipeline stage, each on its own stream), one
+//! of them captures while the other reads what the first produced before its capture began.
+//! (Threads sharing one stream cannot capture side by side at all: nsactor turns decoding's
+//! graphs off there.)
 //!
 //! Nothing recorded during a capture runs until the graph is launched, so the real work queued
 //! on a captured stream is exactly the work queued before its capture began. [`begin`] records

@@ -285,6 +285,39 @@ fn a_new_run_is_not_mixed_into_an_old_one() {
         std::fs::read(run.join("model.safetensors")).unwrap(),
         weights
     );
+    // Resumed where it ended, it has nothing to train and writes nothing: its final
+    // checkpoint is not written again in place (a full disk or a kill there would take the
+    // run's final state). Resumed with fewer steps than it ran, it is refused.
+    use std::os::unix::fs::MetadataExt;
+    let manifest = run.join("checkpoints/step-00000004/manifest.json");
+    let inode = |p: &Path| std::fs::metadata(p).unwrap().ino();
+    let before = inode(&manifest);
+    let o = ok(&mut train(&run, 4, &["--resume"]));
+    let stderr = String::from_utf8_lossy(&o.stderr);
+    assert!(stderr.contains("already ended at step 4"), "{stderr}");
+    let stderr = refused(&mut train(&run, 2, &["--resume"]));
+    assert!(
+        stderr.contains("at step 4") && stderr.contains("past [train] steps = 2"),
+        "{stderr}"
+    );
+    // A run that died after its final checkpoint, before its end: the weights are linked
+    // from that checkpoint, which stays as it was.
+    std::fs::remove_file(run.join("model.safetensors")).unwrap();
+    std::fs::remove_file(run.join("config.toml")).unwrap();
+    ok(&mut train(&run, 4, &["--resume"]));
+    assert_eq!(inode(&manifest), before);
+    assert!(run.join("config.toml").is_file());
+    assert_eq!(
+        std::fs::read(run.join("model.safetensors")).unwrap(),
+        weights
+    );
+    assert_eq!(
+        std::fs::read_to_string(run.join("metrics.jsonl"))
+            .unwrap()
+            .matches(r#""event":"checkpoint""#)
+            .count(),
+        metrics.matches(r#""event":"checkpoint""#).count()
+    );
     // --overwrite starts over: the same 2-step run as in a fresh directory, nothing of the
     // old one left (its step-4 checkpoint would otherwise be what a resume takes).
     ok(&mut train(&run, 2, &["--overwrite"]));

@@ -229,9 +229,7 @@ pub fn prune(root: &Path, keep: usize, sealed: &Path) {
 /// stage gave them.
 pub fn read(dir: &Path) -> Result<(CheckpointManifest, Vec<Vec<u8>>), RuntimeError> {
     let path = dir.join(MANIFEST);
-    let text = std::fs::read(&path).map_err(|e| RuntimeError::CheckpointIo(path.clone(), e))?;
-    let m: CheckpointManifest = serde_json::from_slice(&text)
-        .map_err(|e| RuntimeError::Checkpoint(path.clone(), format!("unreadable manifest: {e}")))?;
+    let m = manifest(dir)?;
     let weights = match (m.format.as_str(), &m.weights) {
         (FORMAT_1, None) => None,
         (FORMAT, Some(w)) => {
@@ -271,8 +269,7 @@ pub fn read(dir: &Path) -> Result<(CheckpointManifest, Vec<Vec<u8>>), RuntimeErr
                 let (weights, format) = (weights.as_ref(), m.format.as_str());
                 scope.spawn(move || {
                     let p = dir.join(&s.file);
-                    let bytes =
-                        std::fs::read(&p).map_err(|e| RuntimeError::CheckpointIo(p.clone(), e))?;
+                    let bytes = std::fs::read(&p).map_err(|e| listed_io(&p, e))?;
                     if bytes.len() as u64 != s.bytes {
                         return Err(RuntimeError::Checkpoint(
                             p,
@@ -311,6 +308,28 @@ pub fn read(dir: &Path) -> Result<(CheckpointManifest, Vec<Vec<u8>>), RuntimeErr
             .collect::<Result<Vec<_>, _>>()
     })?;
     Ok((m, shards))
+}
+
+/// Checkpoint `dir`'s manifest alone (nothing it lists is read).
+pub fn manifest(dir: &Path) -> Result<CheckpointManifest, RuntimeError> {
+    let path = dir.join(MANIFEST);
+    let text = std::fs::read(&path).map_err(|e| RuntimeError::CheckpointIo(path.clone(), e))?;
+    serde_json::from_slice(&text)
+        .map_err(|e| RuntimeError::Checkpoint(path, format!("unreadable manifest: {e}")))
+}
+
+/// The error for a file a manifest lists that could not be opened: one that is not there
+/// makes the checkpoint damaged (refused input, as a truncated or corrupt one), any other
+/// failure is the disk's.
+pub(crate) fn listed_io(path: &Path, e: std::io::Error) -> RuntimeError {
+    if e.kind() == std::io::ErrorKind::NotFound {
+        RuntimeError::Checkpoint(
+            path.into(),
+            "missing: the manifest lists this file, but it is not there".into(),
+        )
+    } else {
+        RuntimeError::CheckpointIo(path.into(), e)
+    }
 }
 
 /// A checkpoint read back and verified.

@@ -17,7 +17,7 @@ use std::ffi::OsString;
 use std::io::Write;
 use std::path::Path;
 use std::process::ExitStatus;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicI32, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -92,10 +92,10 @@ fn log_event(out_dir: &Path, line: &serde_json::Value) {
 }
 
 /// Passes SIGTERM and SIGINT on to the children whose pids are in `children` and records
-/// that a stop was asked for.
+/// in `stopping` the signal that asked for a stop (0: none yet).
 fn forward_signals(
     children: Arc<Mutex<Vec<i32>>>,
-    stopping: Arc<AtomicBool>,
+    stopping: Arc<AtomicI32>,
 ) -> Result<(), CliError> {
     use tokio::signal::unix::{SignalKind, signal};
     let rt = tokio::runtime::Builder::new_current_thread()
@@ -116,7 +116,7 @@ fn forward_signals(
                         _ = term.recv() => libc::SIGTERM,
                         _ = int.recv() => libc::SIGINT,
                     };
-                    stopping.store(true, Ordering::SeqCst);
+                    stopping.store(sig, Ordering::SeqCst);
                     for &pid in children.lock().unwrap_or_else(|e| e.into_inner()).iter() {
                         // SAFETY: kill(2) on the pid of a child we have not reaped yet.
                         unsafe { libc::kill(pid, sig) };
@@ -125,6 +125,17 @@ fn forward_signals(
             })
         })?;
     Ok(())
+}
+
+/// The error of an agent a signal stopped (exit 128 + the signal), if one did.
+fn signalled(stopping: &AtomicI32, message: impl FnOnce() -> String) -> Option<CliError> {
+    match stopping.load(Ordering::SeqCst) {
+        0 => None,
+        signal => Some(Box::new(crate::result::Signalled {
+            signal,
+            message: message(),
+        })),
+    }
 }
 
 /// Runs `nsactor train` with this process's arguments (less the agent's flags) as a child, or
@@ -149,7 +160,7 @@ pub fn supervise(policy: RestartPolicy, out_dir: &Path, group: Option<Group>) ->
         restart_args.push("--resume".into());
     }
     let pids = Arc::new(Mutex::new(Vec::new()));
-    let stopping = Arc::new(AtomicBool::new(false));
+    let stopping = Arc::new(AtomicI32::new(0));
     forward_signals(pids.clone(), stopping.clone())?;
     let root = out_dir.join("checkpoints");
     let mut recent = Restarts::default();
@@ -178,18 +189,28 @@ pub fn supervise(policy: RestartPolicy, out_dir: &Path, group: Option<Group>) ->
                  and the same command would fail the same way, so it is not restarted"
             ))));
         }
-        if stopping.load(Ordering::SeqCst) {
-            return Err(format!("stopped on request; the training process {cause}").into());
+        if let Some(stopped) = signalled(&stopping, || {
+            format!("stopped on request; the training process {cause}")
+        }) {
+            return Err(stopped);
         }
         let Some(allowed) = recent.allow(&policy, Instant::now()) else {
+            let step = newest_step(&root);
+            log_event(
+                out_dir,
+                &serde_json::json!({
+                    "event": "gave_up", "restarts": recent.len(), "cause": cause,
+                    "resume_step": step, "max_restarts": policy.max_restarts,
+                    "window_s": policy.window.as_secs_f64(),
+                }),
+            );
             return Err(format!(
                 "the training process {cause}; giving up after {} restart(s) within {:.0} s \
                  (--max-restarts {}, --restart-window); `nsactor train --resume` continues \
-                 from step {}",
+                 from step {step}",
                 recent.len(),
                 policy.window.as_secs_f64(),
                 policy.max_restarts,
-                newest_step(&root)
             )
             .into());
         };
@@ -213,11 +234,10 @@ pub fn supervise(policy: RestartPolicy, out_dir: &Path, group: Option<Group>) ->
         );
         let until = Instant::now() + delay;
         while Instant::now() < until {
-            if stopping.load(Ordering::SeqCst) {
-                return Err(format!(
-                    "stopped on request while waiting to restart; the training process {cause}"
-                )
-                .into());
+            if let Some(stopped) = signalled(&stopping, || {
+                format!("stopped on request while waiting to restart; the training process {cause}")
+            }) {
+                return Err(stopped);
             }
             std::thread::sleep(Duration::from_millis(50));
         }

@@ -33,8 +33,34 @@ pub fn exit_code(error: &CliError) -> u8 {
     } else {
         false
     };
+    if let Some(s) = error.downcast_ref::<Signalled>() {
+        return s.exit_code();
+    }
     if refused { EXIT_REFUSED } else { 1 }
 }
+
+/// A command a signal stopped before it could end well (`train --max-restarts` asked to stop
+/// while its child had not finished): exits 128 + the signal, as the shell reports a process
+/// a signal ended and as `train` itself exits on a second signal.
+#[derive(Debug)]
+pub struct Signalled {
+    pub signal: i32,
+    pub message: String,
+}
+
+impl Signalled {
+    pub fn exit_code(&self) -> u8 {
+        u8::try_from(128 + self.signal).unwrap_or(1)
+    }
+}
+
+impl std::fmt::Display for Signalled {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.message)
+    }
+}
+
+impl std::error::Error for Signalled {}
 
 /// A refusal the CLI words itself (such as a supervised child's exit 78, passed on): exits
 /// [`EXIT_REFUSED`].
@@ -52,4 +78,23 @@ impl std::error::Error for Refused {}
 /// A command's refusal of its input, worded by the CLI: exits [`EXIT_REFUSED`].
 pub fn refuse(why: impl Into<String>) -> CliError {
     Box::new(Refused(why.into()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_stop_by_signal_exits_128_plus_the_signal_and_a_refusal_78() {
+        let stopped = |signal| -> CliError {
+            Box::new(Signalled {
+                signal,
+                message: "stopped on request".into(),
+            })
+        };
+        assert_eq!(exit_code(&stopped(15)), 143);
+        assert_eq!(exit_code(&stopped(2)), 130);
+        assert_eq!(exit_code(&refuse("no")), EXIT_REFUSED);
+        assert_eq!(exit_code(&"a crash".into()), 1);
+    }
 }

@@ -76,9 +76,16 @@ impl DataError {
     /// not readable, or not what it says it is). A read or write that failed otherwise (an
     /// interrupted network filesystem, a full disk) may succeed later.
     pub fn refuses_input(&self) -> bool {
-        use std::io::ErrorKind::{NotFound, PermissionDenied};
+        use std::io::ErrorKind::{
+            InvalidData, IsADirectory, NotFound, PermissionDenied, UnexpectedEof,
+        };
         match self {
-            DataError::Read { source, .. } => matches!(source.kind(), NotFound | PermissionDenied),
+            // A file not there or not readable, or whose bytes are not what it should hold
+            // (text that is not UTF-8, a file cut short): the same command meets it again.
+            DataError::Read { source, .. } => matches!(
+                source.kind(),
+                NotFound | PermissionDenied | InvalidData | UnexpectedEof | IsADirectory
+            ),
             DataError::Write { .. } => false,
             _ => true,
         }
@@ -115,5 +122,25 @@ impl DataError {
             path: path.into(),
             source,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::io::{Error, ErrorKind};
+
+    #[test]
+    fn a_file_whose_bytes_are_wrong_is_refused_and_a_failing_disk_is_not() {
+        let read = |kind| DataError::read("tokenizer.json", Error::new(kind, "x"));
+        for kind in [
+            ErrorKind::NotFound,
+            ErrorKind::InvalidData,
+            ErrorKind::UnexpectedEof,
+        ] {
+            assert!(read(kind).refuses_input(), "{kind:?}");
+        }
+        assert!(!read(ErrorKind::Interrupted).refuses_input());
+        assert!(!read(ErrorKind::TimedOut).refuses_input());
     }
 }

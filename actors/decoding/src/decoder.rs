@@ -27,6 +27,24 @@ pub struct AsyncDecoder {
     /// Most input tokens of one pass ([`Batching::max_tokens`](super::batcher::Batching)):
     /// a longer prompt fed while no other session is open goes in chunks of this size.
     pub(crate) max_tokens: usize,
+    /// Sessions whose work was given up ([`give_up`](AsyncDecoder::give_up)).
+    pub(crate) given_up: Arc<GivenUp>,
+}
+
+/// Sessions whose client went away while their prompt was fed: no further pass runs for
+/// them. A session's mark goes with its close.
+#[derive(Debug, Default)]
+pub(crate) struct GivenUp(std::sync::Mutex<std::collections::HashSet<SessionId>>);
+
+impl GivenUp {
+    fn set(&self) -> std::sync::MutexGuard<'_, std::collections::HashSet<SessionId>> {
+        self.0.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Forgets `session`'s mark (at its close).
+    pub(crate) fn forget(&self, session: SessionId) {
+        self.set().remove(&session);
+    }
 }
 
 impl AsyncDecoder {
@@ -45,6 +63,22 @@ impl AsyncDecoder {
     /// A new session id.
     pub fn session(&self) -> SessionId {
         self.ids.session()
+    }
+
+    /// Gives up `session`'s work, its client gone: no pass not yet asked for runs for it (the
+    /// one in flight ends as it would), so a feed, scoring or stream call still feeding its
+    /// prompt ends at the next chunk with [`RuntimeError::Cancelled`], its numbers as they
+    /// were. Close the session as ever: the close frees its states and forgets the mark.
+    pub fn give_up(&self, session: SessionId) {
+        self.given_up.set().insert(session);
+    }
+
+    /// [`RuntimeError::Cancelled`] where `session` was given up.
+    fn going_on(&self, session: SessionId) -> Result<(), RuntimeError> {
+        match self.given_up.set().contains(&session) {
+            true => Err(RuntimeError::Cancelled(session.0)),
+            false => Ok(()),
+        }
     }
 
     /// Embeds `ids` (row-major `[batch, seq_len]`) for an evaluation or a probe, computed
@@ -184,6 +218,7 @@ impl AsyncDecoder {
         let feeding = self.stats.pacer.feeding();
         let ids = self.feed_all_but_last_chunk(session, ids).await?;
         drop(feeding);
+        self.going_on(session)?;
         let batcher = self.batcher.clone();
         let resume = Box::new(move || {
             let _ = batcher.cast(BatcherMsg::Resume { session });
@@ -247,6 +282,7 @@ impl AsyncDecoder {
         every: bool,
         keep: Option<crate::batcher::Keep>,
     ) -> Result<Answer, RuntimeError> {
+        self.going_on(session)?;
         match self
             .batcher
             .call(
@@ -336,6 +372,7 @@ impl AsyncDecoder {
     /// anything this caller does next (a new session admitted in its place is ordered after
     /// it), and the returned future finishes when the states are freed.
     pub fn begin_close(&self, session: SessionId) -> impl Future<Output = ()> + use<> {
+        self.given_up.forget(session);
         let (tx, rx) = tokio::sync::oneshot::channel();
         let _ = self.batcher.cast(BatcherMsg::Close(Closing {
             session,

@@ -163,6 +163,7 @@ impl AsyncDecoder {
         &self,
         session: SessionId,
     ) -> impl Future<Output = Result<Kept, RuntimeError>> + use<> {
+        self.given_up.forget(session);
         let (tx, rx) = tokio::sync::oneshot::channel();
         let (done, _) = tokio::sync::oneshot::channel();
         let _ = self.batcher.cast(BatcherMsg::Close(Closing {

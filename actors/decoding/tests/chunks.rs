@@ -164,3 +164,64 @@ fn a_pass_holds_at_most_the_session_cap_with_the_same_logits() {
         }
     }
 }
+
+/// A prompt given up (its client gone) feeds no chunk it had not asked for yet: given up
+/// before, no pass runs; given up after its first chunk, the rest are not fed. The call ends
+/// with `Cancelled`, the close forgets the mark, and the decoder serves on.
+#[test]
+fn a_prompt_given_up_feeds_no_further_chunk() {
+    let _serial = serial();
+    let p = pipeline(1, None);
+    let d = p.decoder(256).with_pass_tokens(1024).with_chunk_tokens(100);
+    let prompt: Vec<i64> = (0..450).map(|i| 5 + (i * 29 % 200) as i64).collect();
+    let (before, midway) = p.block_on(async {
+        let other = d.session();
+        d.feed(other, vec![7, 8]).await.unwrap();
+        // Given up before it starts.
+        let s = d.session();
+        d.give_up(s);
+        let c0 = d.batch_counts().0;
+        let r = d.feed(s, prompt.clone()).await;
+        let before = (r, d.batch_counts().0 - c0);
+        d.close(s).await;
+        // Given up once its first chunk has run (five chunks of 100 beside `other`).
+        let s = d.session();
+        let c0 = d.batch_counts().0;
+        let feeding = tokio::spawn({
+            let (d, prompt) = (d.clone(), prompt.clone());
+            async move { d.feed(s, prompt).await }
+        });
+        while d.batch_counts().0 == c0 {
+            tokio::time::sleep(std::time::Duration::from_millis(1)).await;
+        }
+        d.give_up(s);
+        let r = feeding.await.unwrap();
+        let midway = (r, d.batch_counts().0 - c0);
+        d.close(s).await;
+        // A new session is fed whole.
+        let s = d.session();
+        d.feed(s, prompt.clone()).await.unwrap();
+        d.close(s).await;
+        d.close(other).await;
+        (before, midway)
+    });
+    assert!(
+        matches!(before.0, Err(nsactor_engine::RuntimeError::Cancelled(_))),
+        "{:?}",
+        before.0.map(|l| l.len())
+    );
+    assert_eq!(
+        before.1, 0,
+        "a prompt given up before it starts runs no pass"
+    );
+    assert!(
+        matches!(midway.0, Err(nsactor_engine::RuntimeError::Cancelled(_))),
+        "{:?}",
+        midway.0.map(|l| l.len())
+    );
+    assert!(
+        (1..5).contains(&midway.1),
+        "given up after its first chunk, {} of its 5 passes ran",
+        midway.1
+    );
+}

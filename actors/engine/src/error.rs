@@ -49,6 +49,10 @@ pub enum RuntimeError {
     /// The pipeline lost an actor and cannot continue.
     #[error("the pipeline cannot continue: {0}")]
     Broken(String),
+    /// A session's work was given up because its client went away (the decoder's
+    /// `give_up`): the passes not yet run for it are not.
+    #[error("session {0}: given up, its client went away")]
+    Cancelled(u64),
     /// The actor system itself failed (spawning, messaging).
     #[error("actor runtime: {0}")]
     Runtime(String),
@@ -97,6 +101,7 @@ impl RuntimeError {
             RuntimeError::CheckpointIo(..)
             | RuntimeError::Io(..)
             | RuntimeError::Broken(_)
+            | RuntimeError::Cancelled(_)
             | RuntimeError::Runtime(_)
             | RuntimeError::Recovered { .. }
             | RuntimeError::LossSpike { .. } => false,

@@ -26,6 +26,42 @@ pub enum Fault {
     KillRank { rank: usize, step: u64 },
 }
 
+impl Fault {
+    /// Fails where a training run of `layers` layers and `steps` steps would never fire this
+    /// fault (a layer it does not have, a step past its last, step 0): a chaos test would
+    /// pass without its failure ever happening. A decoding fault never fires in training.
+    pub fn fits_training(&self, layers: usize, steps: u64) -> Result<(), RuntimeError> {
+        let (layer, step) = match *self {
+            Fault::LayerPanic { layer, step } => (Some(layer), step),
+            Fault::SessionPanic { .. } => {
+                return Err(RuntimeError::Invalid(
+                    "`inject_fault`: `session-panic` fires in a server's decoding passes, never in \
+                     training: use `layer-panic:LAYER:STEP`"
+                        .into(),
+                ));
+            }
+            Fault::CrashInCheckpoint { step }
+            | Fault::DiskFullInCheckpoint { step }
+            | Fault::NanGrad { step }
+            | Fault::LossSpike { step }
+            | Fault::KillRank { step, .. } => (None, step),
+        };
+        if let Some(l) = layer.filter(|&l| l >= layers) {
+            return Err(RuntimeError::Invalid(format!(
+                "`inject_fault`: layer {l} does not exist (the model has {layers}: 0..={})",
+                layers.saturating_sub(1)
+            )));
+        }
+        if step == 0 || step > steps {
+            return Err(RuntimeError::Invalid(format!(
+                "`inject_fault`: step {step} never runs (steps are 1..={steps}), so it would \
+                 never fire"
+            )));
+        }
+        Ok(())
+    }
+}
+
 impl std::str::FromStr for Fault {
     type Err = RuntimeError;
 
@@ -61,6 +97,30 @@ impl std::str::FromStr for Fault {
                  `enospc-in-checkpoint:STEP`, `nan-grad:STEP`, `loss-spike:STEP` or \
                  `kill-rank:RANK:STEP`"
             ))),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_fault_that_would_never_fire_in_a_training_run_is_refused() {
+        let fits = |f: &str| f.parse::<Fault>().unwrap().fits_training(2, 6);
+        assert!(fits("layer-panic:1:6").is_ok());
+        assert!(fits("nan-grad:1").is_ok());
+        assert!(fits("kill-rank:1:3").is_ok());
+        for (f, why) in [
+            ("layer-panic:9:1", "layer 9 does not exist"),
+            ("layer-panic:2:1", "layer 2 does not exist"),
+            ("nan-grad:50", "step 50 never runs"),
+            ("crash-in-checkpoint:0", "step 0 never runs"),
+            ("session-panic:1:3", "never in training"),
+        ] {
+            let e = fits(f).unwrap_err();
+            assert!(e.to_string().contains(why), "{f}: {e}");
+            assert!(e.refuses_input(), "{f}");
         }
     }
 }

@@ -360,6 +360,17 @@ pub fn resume(
         );
         return Ok(0);
     };
+    if manifest.step > cfg.train.steps {
+        return Err(RuntimeError::Invalid(format!(
+            "--resume: the run is at step {} ({}), past [train] steps = {}: nothing would be \
+             trained, and nothing is changed; raise --steps above {} to train on, or start \
+             again with --overwrite",
+            manifest.step,
+            dir.display(),
+            cfg.train.steps,
+            manifest.step
+        )));
+    }
     manifest.check_tokenizer(&dir, tok)?;
     pipeline.load_stages(shards)?;
     pipeline.set_position(manifest.step, manifest.data_cursor)?;

@@ -79,6 +79,10 @@ pub fn train(req: TrainRequest) -> Result<TrainOutcome, RuntimeError> {
         Some(run) => Some(InitFrom::open(run, &mut cfg)?),
         None => None,
     };
+    if let Some(f) = &cfg.train.inject_fault {
+        let fault: nsactor_engine::fault::Fault = f.parse()?;
+        fault.fits_training(cfg.model.num_layers, cfg.train.steps)?;
+    }
     let tok = Tokenizer::load_or_bundled(cfg.data.tokenizer.as_deref())?;
     nsactor_checkpoint::checkpoint::check_tokenizer(&cfg, &tok)?;
     let sampler = launch::make_sampler(&cfg, &tok, &req.corpus, req.data.as_deref(), req.sft)?;

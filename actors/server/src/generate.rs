@@ -14,11 +14,14 @@ use nsactor_decoding::{AsyncDecoder, DecodeStream, PickRequest, StreamPlan};
 use nsactor_plugin_api::SessionId;
 use nsactor_telemetry::ServingMetrics;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
-use tokio::sync::{Semaphore, mpsc};
+use tokio::sync::mpsc;
 
+mod admission;
 mod stops;
+pub use admission::Admission;
+use admission::gone;
 use stops::{first_stop, held_back};
 
 /// Token ids 0–4: `<unk> <s> </s> <|im_start|> <|im_end|>` (SPEC §9).
@@ -50,51 +53,6 @@ pub const FINISH_TIME_LIMIT: &str = "time_limit";
 struct Pending {
     ids: Vec<i64>,
     logprobs: Vec<TokenLogprob>,
-}
-
-/// Sessions: at most `max_sessions` decoding, at most `max_queue` waiting.
-pub struct Admission {
-    permits: Arc<Semaphore>,
-    waiting: AtomicUsize,
-    max_queue: usize,
-    max_sessions: usize,
-}
-
-impl Admission {
-    pub fn new(max_sessions: usize, max_queue: usize) -> Self {
-        Admission {
-            permits: Arc::new(Semaphore::new(max_sessions)),
-            waiting: AtomicUsize::new(0),
-            max_queue,
-            max_sessions,
-        }
-    }
-
-    /// A place among the sessions decoding, waiting in the queue if need be; "busy" past it.
-    pub(crate) async fn enter(&self) -> Result<tokio::sync::OwnedSemaphorePermit, ServeError> {
-        if let Ok(p) = self.permits.clone().try_acquire_owned() {
-            return Ok(p);
-        }
-        if self.waiting.fetch_add(1, Ordering::SeqCst) >= self.max_queue {
-            self.waiting.fetch_sub(1, Ordering::SeqCst);
-            return Err(ServeError::Busy(format!(
-                "{} sessions are decoding and {} are queued; try again shortly",
-                self.max_sessions, self.max_queue
-            )));
-        }
-        let p = self.permits.clone().acquire_owned().await;
-        self.waiting.fetch_sub(1, Ordering::SeqCst);
-        p.map_err(|_| ServeError::Unavailable("the server is shutting down".into()))
-    }
-
-    /// Sessions the server holds at once: decoding and queued.
-    pub fn capacity(&self) -> usize {
-        self.max_sessions + self.max_queue
-    }
-
-    pub fn queued(&self) -> usize {
-        self.waiting.load(Ordering::SeqCst)
-    }
 }
 
 /// The model side of the server.
@@ -235,12 +193,37 @@ impl Generator {
                 return Err(ServeError::field(field, why));
             }
         }
-        let permit = self.admission.enter().await?;
+        // A client gone while its request waits for a place leaves the queue at once.
+        let permit = tokio::select! {
+            p = self.admission.enter() => p?,
+            _ = gone(&tx, &cancel) => {
+                let f = given_up(prompt.len(), start);
+                self.finished(&f);
+                return Ok(f);
+            }
+        };
         let session = self.decoder.session();
         self.metrics.running.inc();
-        let r = self
-            .decode(session, &prompt, &spec, &tx, &cancel, start)
-            .await;
+        // A client gone while its prompt is fed (a long prompt, a slow pass): the chunks not
+        // yet fed are given up, not run for nobody. Streaming, the token loop sees it itself.
+        let decoding = self.decode(session, &prompt, &spec, &tx, &cancel, start);
+        tokio::pin!(decoding);
+        let mut abandoned = false;
+        let r = tokio::select! {
+            r = &mut decoding => r,
+            _ = gone(&tx, &cancel) => {
+                self.decoder.give_up(session);
+                abandoned = true;
+                decoding.await
+            }
+        };
+        // Given up in its prompt: nothing to send, and its states (a prompt fed in part)
+        // are not the prefix cache's to keep.
+        let prompt_given_up = abandoned && r.is_err();
+        let r = match r {
+            Err(_) if prompt_given_up => Ok(given_up(prompt.len(), start)),
+            r => r,
+        };
         // The client has its last token: its final event goes out, and its place is free for
         // the next request, before the session's states are freed (a free is a job on every
         // stage's worker; 256 sessions ending together took about 0.3 s of them). The close
@@ -249,7 +232,7 @@ impl Generator {
         // request through the prefix cache files the snapshot of its states before its final
         // event goes out, so a conversation's next turn, sent on that event, finds it.
         match &r {
-            Ok(f) if self.caches(&spec) => {
+            Ok(f) if self.caches(&spec) && !prompt_given_up => {
                 self.prefix
                     .close(&self.decoder, session, f.tokens.clone())
                     .await;
@@ -267,6 +250,12 @@ impl Generator {
         }
         self.metrics.running.dec();
         let r = r?;
+        self.finished(&r);
+        Ok(r)
+    }
+
+    /// Counts a generation that ended in the metrics.
+    fn finished(&self, r: &Finished) {
         self.metrics.finished(
             r.finish_reason,
             (
@@ -278,7 +267,6 @@ impl Generator {
                 r.timing.total_ms / 1e3,
             ),
         );
-        Ok(r)
     }
 
     /// Whether `spec`'s prompt is fed through the prefix cache and its states kept at its
@@ -431,6 +419,7 @@ impl Generator {
         let mut stopped_by_string = false;
         let mut stop_reason = None;
         let mut end_token = None;
+        let mut end_logprob = None;
         let finish_reason = loop {
             if self.drain.stopping() {
                 break FINISH_SHUTDOWN;
@@ -477,6 +466,7 @@ impl Generator {
             if !spec.ignore_eos && END_TOKENS.contains(&next) {
                 // Generated though not shown: usage counts it, as OpenAI and vLLM do.
                 end_token = Some(next);
+                end_logprob = raw.map(|raw| token_logprob(&raw, next, top));
                 break "stop";
             }
             generated.push(next);
@@ -553,6 +543,7 @@ impl Generator {
             },
             tokens: prompt.iter().chain(&generated).copied().collect(),
             end_token,
+            end_logprob,
             stop_reason,
         })
     }
@@ -574,5 +565,28 @@ impl Generator {
                 logprobs,
             })
             .await;
+    }
+}
+
+/// A generation whose client went away before it sent anything: in the queue, or while its
+/// prompt was fed.
+fn given_up(prompt_tokens: usize, start: Instant) -> Finished {
+    let total_ms = start.elapsed().as_secs_f64() * 1e3;
+    Finished {
+        finish_reason: "cancelled",
+        usage: Usage {
+            prompt_tokens,
+            completion_tokens: 0,
+            total_tokens: prompt_tokens,
+        },
+        timing: GenTiming {
+            time_to_first_token_ms: total_ms,
+            total_ms,
+            tokens_per_s: 0.0,
+        },
+        tokens: Vec::new(),
+        end_token: None,
+        end_logprob: None,
+        stop_reason: None,
     }
 }

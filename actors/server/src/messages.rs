@@ -25,6 +25,7 @@ pub enum ClientMsg {
         messages: Option<Vec<ChatMessage>>,
         max_tokens: Option<usize>,
         temperature: Option<f32>,
+        #[serde(default, deserialize_with = "crate::protocol::top_k")]
         top_k: Option<usize>,
         top_p: Option<f32>,
         repetition_penalty: Option<f32>,

@@ -83,6 +83,19 @@ pub(crate) fn null_is_false<'de, D: serde::Deserializer<'de>>(d: D) -> Result<bo
     Ok(Option::<bool>::deserialize(d)?.unwrap_or(false))
 }
 
+/// `top_k`, as vLLM reads it: `-1` (or `0`) is no limit, which this server spells `0`.
+pub(crate) fn top_k<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<usize>, D::Error> {
+    match Option::<i64>::deserialize(d)? {
+        None => Ok(None),
+        Some(-1) => Ok(Some(0)),
+        Some(k) => usize::try_from(k).map(Some).map_err(|_| {
+            serde::de::Error::custom(format!(
+                "expected -1 or 0 (no limit) or a positive integer, got {k}"
+            ))
+        }),
+    }
+}
+
 /// `stop`: one string or a list.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Stop {
@@ -438,6 +451,9 @@ pub struct Finished {
     pub tokens: Vec<i64>,
     /// The end token that stopped the generation (generated, counted, never shown).
     pub end_token: Option<i64>,
+    /// Its log-probability, when the request asked for the tokens' (the OpenAI answers list
+    /// it with the end token, as vLLM's do).
+    pub end_logprob: Option<crate::logprobs::TokenLogprob>,
     /// The request's stop string or stop token id that ended it (vLLM's `stop_reason`; none
     /// for an end token or any other ending).
     pub stop_reason: Option<StopReason>,

@@ -8,7 +8,9 @@ use std::collections::BTreeMap;
 /// The metrics of steps 1..=`upto` from an earlier part of the run: their losses (for the loss
 /// curve; NaN for a skipped step) and the lines to keep: the last line of each of those steps
 /// and every event line (recoveries, restarts, checkpoints) but the `eval` scores of steps after
-/// `upto`, in the order they were written.
+/// `upto`, in the order they were written. A line that is not JSON is kept as it is, with a
+/// warning (it is not the resume's to judge), unless it is the last, cut short by the crash
+/// the resume follows: that one is dropped, also with a warning.
 pub fn previous_metrics(metrics: &std::path::Path, upto: u64) -> (Vec<f64>, String) {
     let text = std::fs::read_to_string(metrics).unwrap_or_default();
     let lines: Vec<&str> = text.lines().collect();
@@ -16,6 +18,24 @@ pub fn previous_metrics(metrics: &std::path::Path, upto: u64) -> (Vec<f64>, Stri
     let mut by_step: BTreeMap<u64, (usize, f64)> = BTreeMap::new();
     for (i, line) in lines.iter().enumerate() {
         let Ok(v) = serde_json::from_str::<serde_json::Value>(line) else {
+            if line.trim().is_empty() {
+                continue;
+            }
+            let last = i + 1 == lines.len();
+            tracing::warn!(
+                "{} line {}: not a JSON record ({} bytes){}",
+                metrics.display(),
+                i + 1,
+                line.len(),
+                if last {
+                    ", the last, cut short by the crash: dropped"
+                } else {
+                    "; kept as it is"
+                }
+            );
+            if !last {
+                kept.insert(i, line);
+            }
             continue;
         };
         if v["event"] == "eval" && v["step"].as_u64().is_some_and(|s| s > upto) {
@@ -142,6 +162,25 @@ mod tests {
         std::fs::remove_dir_all(&dir).unwrap();
         assert_eq!(losses, [5.0, 4.0]);
         let want = [lines[0], lines[1], lines[2], lines[3], lines[6]];
+        assert_eq!(text, want.map(|l| format!("{l}\n")).concat());
+    }
+
+    #[test]
+    fn a_resume_keeps_a_damaged_line_but_drops_the_torn_last_one() {
+        let lines = [
+            r#"{"step":1,"loss":5.0}"#,
+            r#"{"step":2,"lo"#,
+            r#"{"step":3,"loss":3.0}"#,
+            r#"{"step":4,"lo"#,
+        ];
+        let dir = std::env::temp_dir().join(format!("nsactor-torn-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("metrics.jsonl");
+        std::fs::write(&path, lines.join("\n")).unwrap();
+        let (losses, text) = previous_metrics(&path, 3);
+        std::fs::remove_dir_all(&dir).unwrap();
+        assert_eq!(losses, [5.0, 3.0]);
+        let want = [lines[0], lines[1], lines[2]];
         assert_eq!(text, want.map(|l| format!("{l}\n")).concat());
     }
 }

@@ -289,5 +289,6 @@ fn start_sessions(
         ids,
         vocab: 0,
         max_tokens: batching.max_tokens,
+        given_up: Default::default(),
     })
 }

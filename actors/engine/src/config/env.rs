@@ -3,7 +3,8 @@
 
 /// The environment's layer of the configuration: every `NSACTOR_TABLE__KEY` variable (a
 /// double underscore between the table and the key: `NSACTOR_TRAIN__STEPS=5`,
-/// `NSACTOR_BACKEND__PRECISION=bf16`), whose value replaces the file's `[table] key`. Other
+/// `NSACTOR_BACKEND__PRECISION=bf16`; a nested table's key with one more:
+/// `NSACTOR_BACKEND__KERNELS__SCAN_CUBE=64`), whose value replaces the file's `[table] key`. Other
 /// `NSACTOR_*` variables (one underscore-separated name, e.g. `NSACTOR_PLUGIN_PATH`) are the
 /// process's own settings and not read here. Values parse as numbers and booleans where they
 /// look like them.
@@ -31,7 +32,9 @@ impl EnvLayer {
             .filter_map(|(name, value)| {
                 let rest = name.strip_prefix(ENV_PREFIX)?.strip_prefix('_')?;
                 let (table, key) = rest.split_once(ENV_SEPARATOR)?;
-                let path = key_path(&table.to_lowercase(), &key.to_lowercase());
+                // A nested table's key: `NSACTOR_BACKEND__KERNELS__SCAN_CUBE`.
+                let key = key.to_lowercase().replace(ENV_SEPARATOR, ".");
+                let path = key_path(&table.to_lowercase(), &key);
                 Some(EnvVar { name, path, value })
             })
             .collect();

@@ -107,6 +107,31 @@ mod toml_range_tests {
     }
 }
 
+mod env_tests {
+    use crate::config::{EnvLayer, RunConfig};
+
+    /// A nested table's key from the environment: one more `__` between the tables.
+    #[test]
+    fn a_nested_tables_key_is_set_from_the_environment() {
+        let env = EnvLayer::from_vars([
+            (
+                "NSACTOR_BACKEND__KERNELS__SCAN_CUBE".to_string(),
+                "64".to_string(),
+            ),
+            ("NSACTOR_MODEL__NUM_LAYERS".to_string(), "3".to_string()),
+        ]);
+        let cfg = RunConfig::load_with(None, &env).unwrap();
+        assert_eq!(cfg.backend.kernel_table().unwrap().scan_cube, 64);
+        assert_eq!(cfg.model.num_layers, 3);
+        let env = EnvLayer::from_vars([(
+            "NSACTOR_BACKEND__KERNELS__SCAN_CUBES".to_string(),
+            "64".to_string(),
+        )]);
+        let e = RunConfig::load_with(None, &env).unwrap_err().to_string();
+        assert!(e.contains("scan_cubes") && e.contains("scan_cube,"), "{e}");
+    }
+}
+
 mod wording_tests {
     use crate::config::{DEFAULT_CONFIG, RunConfig};
 

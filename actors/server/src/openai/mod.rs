@@ -336,6 +336,10 @@ async fn whole(
                 let generated = f.tokens.get(f.usage.prompt_tokens..).unwrap_or(&[]);
                 c.whole.ids = generated.iter().copied().chain(f.end_token).collect();
             }
+            // The end token's log-probability closes the list, as `usage` counts it.
+            if let (Some(end), Some(lp)) = (f.end_token, &f.end_logprob) {
+                c.whole.tokens.push((end, Some(lp.clone())));
+            }
         }
         if let (true, GenEvent::Prompt { ids, logprobs }) = (shape.prompt_logprobs, &e) {
             c.prompt = Some(ids.iter().copied().zip(logprobs.iter().cloned()).collect());
@@ -443,7 +447,8 @@ impl Streamer {
                 self.usage.prompt_tokens = self.prompts.total();
                 self.usage.completion_tokens += f.usage.completion_tokens;
                 let why = f.stop_reason.as_ref().map_or(Value::Null, StopReason::json);
-                Some((openai_finish(f.finish_reason), f.end_token, why))
+                let end_lp = f.end_token.zip(f.end_logprob.clone());
+                Some((openai_finish(f.finish_reason), f.end_token, why, end_lp))
             }
             _ => None,
         };
@@ -465,18 +470,23 @@ impl Streamer {
             )));
             c.fresh = false;
         }
-        if let Some((f, end, why)) = finish {
+        if let Some((f, end, why, end_lp)) = finish {
             c.finish = Some(f);
-            // The end token that stopped the choice is its last chunk's (vLLM's).
+            // The end token that stopped the choice is its last chunk's (vLLM's), with its
+            // log-probability when they are asked for.
             let prompt = c.prompt_ids.take();
             let end: Vec<i64> = end.into_iter().collect();
             let ids = response::ChunkIds {
                 prompt: prompt.as_deref(),
                 tokens: &end,
             };
-            let mut chunk = self
-                .shape
-                .chunk(i, None, Some(f), c.fresh, &mut c.offset, ids);
+            let piece = end_lp.map(|(id, lp)| Piece {
+                tokens: vec![(id, Some(lp))],
+                ..Piece::default()
+            });
+            let mut chunk =
+                self.shape
+                    .chunk(i, piece.as_ref(), Some(f), c.fresh, &mut c.offset, ids);
             chunk["choices"][0]["stop_reason"] = why;
             out.push(data(chunk));
             c.fresh = false;

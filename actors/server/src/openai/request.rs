@@ -24,6 +24,7 @@ pub struct OpenAiRequest {
     pub max_completion_tokens: Option<usize>,
     pub temperature: Option<f32>,
     pub top_p: Option<f32>,
+    #[serde(default, deserialize_with = "crate::protocol::top_k")]
     pub top_k: Option<usize>,
     pub repetition_penalty: Option<f32>,
     pub presence_penalty: Option<f32>,
@@ -432,7 +433,8 @@ pub fn check_model(model: Option<&str>, served: &str) -> Result<(), ServeError> 
     }
 }
 
-/// OpenAI chat messages as the template's: text parts joined, `developer` read as `system`.
+/// OpenAI chat messages as the template's: text parts joined by newlines, `developer` read as
+/// `system`.
 pub fn chat_messages(m: Vec<OpenAiMessage>) -> Result<Vec<ChatMessage>, ServeError> {
     m.into_iter()
         .enumerate()
@@ -456,10 +458,13 @@ pub fn chat_messages(m: Vec<OpenAiMessage>) -> Result<Vec<ChatMessage>, ServeErr
             let content = match m.content {
                 Some(serde_json::Value::String(s)) => s,
                 Some(serde_json::Value::Array(parts)) => {
-                    let mut text = String::new();
+                    // Text parts joined by a newline, as vLLM joins them for a text template.
+                    let mut texts = Vec::with_capacity(parts.len());
                     for (j, p) in parts.iter().enumerate() {
                         match (p.get("type").and_then(|t| t.as_str()), p.get("text")) {
-                            (Some("text"), Some(serde_json::Value::String(t))) => text.push_str(t),
+                            (Some("text"), Some(serde_json::Value::String(t))) => {
+                                texts.push(t.as_str())
+                            }
                             (kind, _) => {
                                 return Err(at(&format!(
                                     "content[{j}] of type {} is not supported (only text parts)",
@@ -468,7 +473,7 @@ pub fn chat_messages(m: Vec<OpenAiMessage>) -> Result<Vec<ChatMessage>, ServeErr
                             }
                         }
                     }
-                    text
+                    texts.join("\n")
                 }
                 Some(serde_json::Value::Null) | None if m.role == "assistant" => String::new(),
                 Some(other @ serde_json::Value::Null)

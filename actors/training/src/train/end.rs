@@ -6,6 +6,7 @@
 use super::records::{draw_curves, written};
 use super::{Run, RunSummary};
 use crate::startup::Startup;
+use nsactor_checkpoint::checkpoint;
 use nsactor_decoding::Pipeline;
 use nsactor_engine::error::RuntimeError;
 use std::path::PathBuf;
@@ -146,10 +147,36 @@ impl Run<'_> {
             draw_curves(&metrics_path, &png, self.title.clone());
             return Ok(self.summary(PathBuf::new()));
         }
-        // A process that ran no step (resumed at the end) starts the final write here.
+        // A process that ran no step (resumed at the end) finds the final checkpoint on disk:
+        // it is not written again; the run's weights are linked from it where they are not
+        // that file already, and a run whose end was all written is left as it is. A
+        // format-1 checkpoint has no weights file to link: its final write runs here.
         let started_here = !self.final_in_flight;
+        let mut final_write = true;
         if started_here {
-            self.start_final(pipeline, &mut end)?;
+            let dir = checkpoint::step_dir(&self.ckpt_root, self.cfg.train.steps);
+            let weights = self.out_dir.join("model.safetensors");
+            match nsactor_checkpoint::split::export_sealed(&dir, &weights)? {
+                Some(false) if self.out_dir.join("config.toml").is_file() => {
+                    tracing::info!(
+                        "the run already ended at step {} (its final checkpoint {} and its \
+                         weights {}): nothing to train or write",
+                        self.cfg.train.steps,
+                        dir.display(),
+                        weights.display()
+                    );
+                    return Ok(self.summary(weights));
+                }
+                Some(_) => {
+                    tracing::info!(
+                        "resumed at the last step: the run's weights are {}'s, which is not \
+                         written again; the rest of the run's end follows",
+                        dir.display()
+                    );
+                    final_write = false;
+                }
+                None => self.start_final(pipeline, &mut end)?,
+            }
         }
         // `loss.png` on a host thread beside the work on the device, both while the host
         // writes; the work's failure is reported once the write ended.
@@ -164,8 +191,10 @@ impl Run<'_> {
         } else {
             "loss.png"
         });
-        let done = self.final_written(pipeline, &mut end)?;
-        written(Ok(done), &mut |l| self.metrics.log(l))?;
+        if final_write {
+            let done = self.final_written(pipeline, &mut end)?;
+            written(Ok(done), &mut |l| self.metrics.log(l))?;
+        }
         let config_path = self.out_dir.join("config.toml");
         nsactor_checkpoint::weights::write_atomic(&config_path, self.config_text.as_bytes())
             .map_err(|e| RuntimeError::Io(config_path, e))?;

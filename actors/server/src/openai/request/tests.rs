@@ -40,6 +40,18 @@ fn fields_clients_send_are_read_and_bad_ones_named() {
         (m[0].role.as_str(), m[0].content.as_str()),
         ("system", "be brief")
     );
+    // Text parts joined as vLLM joins them; `top_k` -1 is vLLM's "no limit".
+    let parts = call(
+        r#"{"messages":[{"role":"user","content":[{"type":"text","text":"hi"},
+            {"type":"text","text":"there"}]}],"top_k":-1}"#,
+        true,
+    )
+    .unwrap();
+    let PromptSpec::Chat(m) = &parts.specs[0].prompt else {
+        panic!("chat")
+    };
+    assert_eq!(m[0].content, "hi\nthere");
+    assert_eq!(parts.specs[0].sampling.top_k, 0);
     // (body, chat, the param the error names)
     let bad = [
         (r#"{"prompt":"hi","max_tokens":"5"}"#, false, "max_tokens"),
@@ -55,6 +67,7 @@ fn fields_clients_send_are_read_and_bad_ones_named() {
             "max_completion_tokens",
         ),
         (r#"{"prompt":"hi","suffix":"x"}"#, false, "suffix"),
+        (r#"{"prompt":"hi","top_k":-2}"#, false, "top_k"),
         (r#"{"prompt":"hi","best_of":3}"#, false, "best_of"),
         (
             r#"{"prompt":"hi","stream_options":{"include_usage":true}}"#,

@@ -269,7 +269,7 @@ pub fn read(dir: &Path) -> Result<(CheckpointManifest, Vec<Vec<u8>>), RuntimeErr
                 let (weights, format) = (weights.as_ref(), m.format.as_str());
                 scope.spawn(move || {
                     let p = dir.join(&s.file);
-                    let bytes = std::fs::read(&p).map_err(|e| listed_io(&p, e))?;
+                    let bytes = std::fs::read(&p).map_err(|e| crate::split::listed_io(&p, e))?;
                     if bytes.len() as u64 != s.bytes {
                         return Err(RuntimeError::Checkpoint(
                             p,
@@ -316,20 +316,6 @@ pub fn manifest(dir: &Path) -> Result<CheckpointManifest, RuntimeError> {
     let text = std::fs::read(&path).map_err(|e| RuntimeError::CheckpointIo(path.clone(), e))?;
     serde_json::from_slice(&text)
         .map_err(|e| RuntimeError::Checkpoint(path, format!("unreadable manifest: {e}")))
-}
-
-/// The error for a file a manifest lists that could not be opened: one that is not there
-/// makes the checkpoint damaged (refused input, as a truncated or corrupt one), any other
-/// failure is the disk's.
-pub(crate) fn listed_io(path: &Path, e: std::io::Error) -> RuntimeError {
-    if e.kind() == std::io::ErrorKind::NotFound {
-        RuntimeError::Checkpoint(
-            path.into(),
-            "missing: the manifest lists this file, but it is not there".into(),
-        )
-    } else {
-        RuntimeError::CheckpointIo(path.into(), e)
-    }
 }
 
 /// A checkpoint read back and verified.

@@ -134,7 +134,7 @@ impl WeightsFile {
     /// Opens `path`, which the manifest says holds `bytes` bytes; errors name the file.
     pub fn open(path: &Path, bytes: u64) -> Result<Self, RuntimeError> {
         let io = |e| RuntimeError::CheckpointIo(path.into(), e);
-        let file = std::fs::File::open(path).map_err(|e| crate::checkpoint::listed_io(path, e))?;
+        let file = std::fs::File::open(path).map_err(|e| listed_io(path, e))?;
         let len = file.metadata().map_err(io)?.len();
         let bad = |m: String| RuntimeError::Checkpoint(path.into(), m);
         if len != bytes {
@@ -218,30 +218,18 @@ pub fn rebuild(
     safetensors::serialize(views, meta.metadata().clone()).map_err(|e| e.to_string())
 }
 
-/// A run resumed at its last step: makes `to` (the run's weights) the weights file of its
-/// final checkpoint `dir`, sealed and verified before, without writing the checkpoint again
-/// (a rewrite in place would put the run's final state at the mercy of a full disk or a
-/// kill). `Some(false)` where `to` already is that file, `Some(true)` where it was linked
-/// (or copied) now, `None` for a format-1 checkpoint, which has no weights file.
-pub fn export_sealed(dir: &Path, to: &Path) -> Result<Option<bool>, RuntimeError> {
-    use std::os::unix::fs::MetadataExt;
-    let Some(w) = crate::checkpoint::manifest(dir)?.weights else {
-        return Ok(None);
-    };
-    let from = dir.join(&w.file);
-    let same =
-        |a: &std::fs::Metadata, b: &std::fs::Metadata| a.dev() == b.dev() && a.ino() == b.ino();
-    let source = std::fs::metadata(&from).map_err(|e| crate::checkpoint::listed_io(&from, e))?;
-    if std::fs::metadata(to).is_ok_and(|t| same(&t, &source)) {
-        return Ok(Some(false));
-    }
-    link_or_copy(&from, to).map_err(|e| {
-        RuntimeError::Io(
-            to.into(),
-            std::io::Error::new(e.kind(), format!("from {}: {e}", from.display())),
+/// The error for a file a manifest lists that could not be opened: one that is not there
+/// makes the checkpoint damaged (refused input, as a truncated or corrupt one), any other
+/// failure is the disk's.
+pub(crate) fn listed_io(path: &Path, e: std::io::Error) -> RuntimeError {
+    if e.kind() == std::io::ErrorKind::NotFound {
+        RuntimeError::Checkpoint(
+            path.into(),
+            "missing: the manifest lists this file, but it is not there".into(),
         )
-    })?;
-    Ok(Some(true))
+    } else {
+        RuntimeError::CheckpointIo(path.into(), e)
+    }
 }
 
 /// Makes `to` hold the same file as `from` (a finished checkpoint's weights file): a hard
@@ -369,9 +357,10 @@ mod tests {
             WeightsFile::open(&p, 12),
             Err(RuntimeError::Checkpoint(..))
         ));
+        // A weights file the manifest lists and the directory lacks: a damaged checkpoint.
         assert!(matches!(
             WeightsFile::open(&dir.path().join("absent"), 0),
-            Err(RuntimeError::CheckpointIo(..))
+            Err(RuntimeError::Checkpoint(_, m)) if m.starts_with("missing")
         ));
     }
 

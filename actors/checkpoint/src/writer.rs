@@ -12,7 +12,7 @@ use super::checkpoint::{self, CheckpointMeta};
 use super::stream;
 use nsactor_engine::error::RuntimeError;
 use nsactor_plugin_api::{EngineError, ShardBytes, StageSnapshot};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 /// A checkpoint write that finished.
@@ -200,4 +200,30 @@ pub fn serialise(snaps: Vec<Box<dyn StageSnapshot>>) -> Result<Vec<ShardBytes>, 
         .into_iter()
         .map(|s| s.bytes())
         .collect::<Result<Vec<_>, EngineError>>()?)
+}
+
+/// A run resumed at its last step: makes `to` (the run's weights) the weights file of its
+/// final checkpoint `dir`, sealed and verified before, without writing the checkpoint again
+/// (a rewrite in place would put the run's final state at the mercy of a full disk or a
+/// kill). `Some(false)` where `to` already is that file, `Some(true)` where it was linked
+/// (or copied) now, `None` for a format-1 checkpoint, which has no weights file.
+pub fn export_sealed(dir: &Path, to: &Path) -> Result<Option<bool>, RuntimeError> {
+    use std::os::unix::fs::MetadataExt;
+    let Some(w) = checkpoint::manifest(dir)?.weights else {
+        return Ok(None);
+    };
+    let from = dir.join(&w.file);
+    let same =
+        |a: &std::fs::Metadata, b: &std::fs::Metadata| a.dev() == b.dev() && a.ino() == b.ino();
+    let source = std::fs::metadata(&from).map_err(|e| crate::split::listed_io(&from, e))?;
+    if std::fs::metadata(to).is_ok_and(|t| same(&t, &source)) {
+        return Ok(Some(false));
+    }
+    crate::split::link_or_copy(&from, to).map_err(|e| {
+        RuntimeError::Io(
+            to.into(),
+            std::io::Error::new(e.kind(), format!("from {}: {e}", from.display())),
+        )
+    })?;
+    Ok(Some(true))
 }

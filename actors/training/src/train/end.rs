@@ -156,7 +156,7 @@ impl Run<'_> {
         if started_here {
             let dir = checkpoint::step_dir(&self.ckpt_root, self.cfg.train.steps);
             let weights = self.out_dir.join("model.safetensors");
-            match nsactor_checkpoint::split::export_sealed(&dir, &weights)? {
+            match nsactor_checkpoint::writer::export_sealed(&dir, &weights)? {
                 Some(false) if self.out_dir.join("config.toml").is_file() => {
                     tracing::info!(
                         "the run already ended at step {} (its final checkpoint {} and its \

@@ -143,6 +143,18 @@ mod tests {
         assert_eq!(c.eval_loss, [(3, 4.5)]);
     }
 
+    /// [`previous_metrics`] of a `metrics.jsonl` holding `lines`, in a temporary directory
+    /// named `name`.
+    fn kept_of(lines: &[&str], name: &str, upto: u64) -> (Vec<f64>, String) {
+        let dir = std::env::temp_dir().join(format!("{name}-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("metrics.jsonl");
+        std::fs::write(&path, lines.join("\n")).unwrap();
+        let kept = previous_metrics(&path, upto);
+        std::fs::remove_dir_all(&dir).unwrap();
+        kept
+    }
+
     #[test]
     fn a_resume_keeps_the_steps_and_events_up_to_its_checkpoint_and_no_later_score() {
         let lines = [
@@ -154,12 +166,7 @@ mod tests {
             r#"{"event":"eval","step":3,"eval_loss":3.5}"#,
             r#"{"event":"restart","step":3}"#,
         ];
-        let dir = std::env::temp_dir().join(format!("nsactor-history-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        let path = dir.join("metrics.jsonl");
-        std::fs::write(&path, lines.join("\n")).unwrap();
-        let (losses, text) = previous_metrics(&path, 2);
-        std::fs::remove_dir_all(&dir).unwrap();
+        let (losses, text) = kept_of(&lines, "nsactor-history", 2);
         assert_eq!(losses, [5.0, 4.0]);
         let want = [lines[0], lines[1], lines[2], lines[3], lines[6]];
         assert_eq!(text, want.map(|l| format!("{l}\n")).concat());
@@ -173,12 +180,7 @@ mod tests {
             r#"{"step":3,"loss":3.0}"#,
             r#"{"step":4,"lo"#,
         ];
-        let dir = std::env::temp_dir().join(format!("nsactor-torn-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        let path = dir.join("metrics.jsonl");
-        std::fs::write(&path, lines.join("\n")).unwrap();
-        let (losses, text) = previous_metrics(&path, 3);
-        std::fs::remove_dir_all(&dir).unwrap();
+        let (losses, text) = kept_of(&lines, "nsactor-torn", 3);
         assert_eq!(losses, [5.0, 3.0]);
         let want = [lines[0], lines[1], lines[2]];
         assert_eq!(text, want.map(|l| format!("{l}\n")).concat());
